@@ -1,0 +1,27 @@
+"""zerofit: train language models whose training state is many times larger than GPU memory.
+
+The Python API is the product; the CLI is a thin layer over it::
+
+    import zerofit
+    engine = zerofit.initialize(model, config)   # config: dict, path, or zerofit.config.ZerofitConfig
+    loss = engine.train_batch(micro_batches)     # one optimizer step over the micro-batches
+    engine.timeline()                            # where the last step's time went
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["initialize", "__version__"]
+
+
+def initialize(model, config=None, **overrides):
+    """Wrap ``model`` (an ``nn.Module``) in a training engine configured by ``config``.
+
+    ``config`` may be a DeepSpeed-style dict or JSON path, a zerofit dict or a
+    :class:`zerofit.config.ZerofitConfig`. Keyword ``overrides`` replace fields of
+    the resolved zerofit config (for example ``max_gpu_memory="24GiB"``).
+    """
+    from zerofit.engine.engine import Engine
+
+    return Engine.create(model, config, **overrides)

@@ -1,0 +1,183 @@
+"""Model adapter: splits a model into the *shell* and its repeated *blocks*.
+
+The blocks are the longest ``nn.ModuleList`` of same-class modules holding
+most of the parameters (``model.layers`` of Llama, Mistral, Qwen2/3, Gemma,
+Phi-3; ``transformer.h`` of GPT-2; the block list of any similar module). The
+shell is everything else: embeddings, rotary tables, final norm, head, loss.
+
+The engine never edits the model's code. It runs the model's *own* forward
+with the block list swapped, for the duration of one call, for a list of stubs:
+
+* **pre pass** (:meth:`Adapter.pre`): stubs record what the model passes to
+  every block (hidden state, masks, rotary embeddings...) and the last one
+  stops the forward. Everything before the first block runs as the model wrote it.
+* **post pass** (:meth:`Adapter.post`): stubs pass their input through, and the
+  last one returns the final hidden state the engine computed. Everything after
+  the last block (final norm, head, loss, soft-capping...) runs as the model
+  wrote it, and the model's own output object (with ``.loss``) comes back.
+
+[Note: sequential blocks]
+Streaming a block at a time is only valid when block *i*'s output is block
+*i+1*'s first input and nothing else reads it. The pre pass checks that each
+stub receives exactly the object the previous stub returned; a model that does
+anything else is refused with a named error (use ``adapter="generic"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass
+class BlockCall:
+    """What the model passed to one block, minus the hidden state."""
+
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class PreResult:
+    """Result of the pre pass for one micro-batch."""
+
+    hidden: torch.Tensor          # (B, T, H) input of block 0, with its autograd graph to the shell
+    calls: list[BlockCall]        # per block
+
+
+class _Recorder(nn.Module):
+    def __init__(self, index: int, last: int, sink: list):
+        super().__init__()
+        self.index, self.last, self.sink = index, last, sink
+
+    def forward(self, hidden, *args, **kwargs):
+        if self.index > 0 and hidden is not self.sink[-1][0]:
+            raise NonSequentialModel(
+                f"block {self.index} did not receive block {self.index - 1}'s output as its first argument; "
+                "this model cannot stream block by block: pass adapter='generic'")
+        self.sink.append((hidden, BlockCall(args, kwargs)))
+        if self.index == self.last:
+            raise _StopForward
+        return hidden
+
+
+class _Passthrough(nn.Module):
+    def __init__(self, index: int, last: int, final: list):
+        super().__init__()
+        self.index, self.last, self.final = index, last, final
+
+    def forward(self, hidden, *args, **kwargs):
+        return self.final[0] if self.index == self.last else hidden
+
+
+class NonSequentialModel(RuntimeError):
+    """The model does not feed each block's output straight to the next block."""
+
+
+def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    total = sum(p.numel() for p in model.parameters())
+    best = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 2:
+            continue
+        if len({type(m) for m in mod}) != 1:
+            continue
+        n = sum(p.numel() for p in mod.parameters())
+        if n and (best is None or n > best[2]):
+            best = (name, mod, n)
+    if best is None or best[2] < 0.3 * total:
+        return None
+    return best[0], best[1]
+
+
+class Adapter:
+    """How the engine runs one model: its block list and the shell around it."""
+
+    def __init__(self, model: nn.Module, kind: str = "auto"):
+        self.model = model
+        found = _find_blocks(model) if kind in ("auto", "blocks") else None
+        if kind == "blocks" and found is None:
+            raise ValueError("adapter='blocks' but no list of repeated blocks holding most parameters was found")
+        self.blocks_path, self.blocks = found if found else ("", nn.ModuleList())
+        params = inspect.signature(model.forward).parameters
+        self._accepts_use_cache = "use_cache" in params
+        self.has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
+            isinstance(v, float) and v > 0 and "dropout" in k
+            for k, v in getattr(getattr(model, "config", None), "to_dict", dict)().items())
+
+    @property
+    def streaming(self) -> bool:
+        return len(self.blocks) > 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def block_prefix(self, i: int) -> str:
+        return f"{self.blocks_path}.{i}" if self.blocks_path else str(i)
+
+    @contextlib.contextmanager
+    def _swapped(self, stubs: list[nn.Module]):
+        parent_path, _, attr = self.blocks_path.rpartition(".")
+        parent = self.model.get_submodule(parent_path) if parent_path else self.model
+        original = getattr(parent, attr)
+        setattr(parent, attr, nn.ModuleList(stubs))
+        try:
+            yield
+        finally:
+            setattr(parent, attr, original)
+
+    def _inputs(self, batch: dict) -> dict:
+        kw = dict(batch)
+        if self._accepts_use_cache:
+            kw["use_cache"] = False
+        return kw
+
+    def pre(self, shell_call, batch: dict) -> PreResult:
+        """Run the model up to its first block; record every block's call. ``shell_call(kwargs)`` runs the model."""
+        sink: list = []
+        last = self.num_blocks - 1
+        stubs = [_Recorder(i, last, sink) for i in range(self.num_blocks)]
+        kw = self._inputs({k: v for k, v in batch.items() if k != "labels"})
+        with self._swapped(stubs):
+            try:
+                shell_call(kw)
+            except _StopForward:
+                pass
+            else:
+                raise NonSequentialModel("the model's forward finished without calling its last block")
+        return PreResult(sink[0][0], [c for _, c in sink])
+
+    def post(self, shell_call, batch: dict, final: torch.Tensor):
+        """Run the model's forward with ``final`` as the last block's output; return the model's output."""
+        holder = [final]
+        last = self.num_blocks - 1
+        stubs = [_Passthrough(i, last, holder) for i in range(self.num_blocks)]
+        with self._swapped(stubs):
+            return shell_call(self._inputs(batch))
+
+    def full(self, shell_call, batch: dict):
+        """Generic path: the model's whole forward (no blocks)."""
+        return shell_call(self._inputs(batch))
+
+
+def loss_of(output) -> torch.Tensor:
+    """The loss of a model's output: a tensor, or an object/dict with ``loss``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output["loss"] if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError("the model returned no loss: pass 'labels' in every micro-batch")
+    return loss
+
+
+def block_output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out

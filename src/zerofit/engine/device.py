@@ -1,0 +1,137 @@
+"""The compute device and its streams, with one code path for CUDA and the CPU.
+
+On a CUDA device the engine uses three streams: compute (the current stream),
+upload (host -> device) and download (device -> host). On the CPU there are no
+streams: every "copy" runs at once and every event is complete, so the same
+engine code runs, in order, on a machine without a GPU.
+
+[Note: events, not device syncs]
+A device-wide ``torch.cuda.synchronize()`` waits for every stream, copies
+included, and so serialises the pipeline. The engine only ever waits on an
+event (``stream.wait_event`` on the GPU, ``event.synchronize()`` on a host
+thread) for the one piece of work it needs. The single device sync per step is
+the loss read at its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class _DoneEvent:
+    """Stand-in for ``torch.cuda.Event`` on the CPU: always complete."""
+
+    def record(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+
+@dataclass
+class Interval:
+    """A timed region on one stream (CUDA events) or on the host (perf_counter)."""
+
+    phase: str
+    start: object
+    end: object
+
+    def seconds(self) -> float:
+        if isinstance(self.start, float):
+            return self.end - self.start
+        return self.start.elapsed_time(self.end) / 1000.0
+
+
+@dataclass
+class Device:
+    """Compute device plus the streams the engine schedules work on."""
+
+    device: torch.device
+    compute: object = None
+    upload: object = None
+    download: object = None
+    intervals: list[Interval] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, device: torch.device) -> "Device":
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            return cls(device, torch.cuda.current_stream(device),
+                       torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return cls(device)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing) if self.is_cuda else _DoneEvent()
+
+    def record(self, stream) -> object:
+        """An event recorded now on ``stream`` (done at once on the CPU)."""
+        ev = self.event()
+        if self.is_cuda:
+            ev.record(stream)
+        return ev
+
+    def wait(self, stream, event) -> None:
+        """Make ``stream`` wait for ``event`` (no host block). See [Note: events, not device syncs]."""
+        if self.is_cuda and event is not None:
+            stream.wait_event(event)
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        if self.is_cuda:
+            with torch.cuda.stream(stream):
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def timed(self, phase: str, stream=None, label: str | None = None):
+        """Time a region on ``stream`` (GPU) or on the host, with a profiler range."""
+        with torch.profiler.record_function(f"zerofit::{phase}[{label}]" if label else f"zerofit::{phase}"):
+            if self.is_cuda:
+                s = stream if stream is not None else self.compute
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(s)
+                try:
+                    yield
+                finally:
+                    b.record(s)
+                    self.intervals.append(Interval(phase, a, b))
+            else:
+                t = time.perf_counter()
+                try:
+                    yield
+                finally:
+                    self.intervals.append(Interval(phase, t, time.perf_counter()))
+
+    def drain_intervals(self) -> dict[str, float]:
+        """Seconds per phase of the intervals recorded since the last drain (call after a sync)."""
+        out: dict[str, float] = {}
+        for iv in self.intervals:
+            out[iv.phase] = out.get(iv.phase, 0.0) + iv.seconds()
+        self.intervals.clear()
+        return out
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def pin(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock ``t``'s memory in place with cudaHostRegister (no rounding up, unlike the caching host allocator).
+
+    The registration is undone when the tensor is freed (see ``HostBuffer``)."""
+    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    if rc != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed with CUDA error {rc}")
+    return t

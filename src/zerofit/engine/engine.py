@@ -1,0 +1,852 @@
+"""The training engine: one optimizer step over many micro-batches, block-major.
+
+A step (``train_batch``) runs in this order, with every block's weights crossing
+PCIe at most twice (forward, backward) however many micro-batches there are:
+
+1. pre pass (shell up to block 0) for every micro-batch;
+2. forward, block by block; each block runs *all* micro-batches while its
+   weights are on the device, keeping each micro-batch's block input as its
+   checkpoint (no autograd graph is kept);
+3. post pass (final norm, head, loss) and its backward, per micro-batch;
+4. backward, block by block in reverse: recompute each micro-batch's block from
+   its checkpoint and backpropagate; the block's fp32 gradient, summed over the
+   micro-batches on the device, then goes down to the host (streamed units) where
+   the CPU worker updates it while the device computes the blocks before it;
+5. backward of the pre pass, then the shell's and resident blocks' updates on
+   the device.
+
+When the update needs the whole gradient first (global-norm clipping, fp16
+overflow check), host updates are *deferred*: gradients wait in per-unit host
+buffers and the updates run after the norm is known, in forward order, so the
+next step's forward waits only on the blocks still being updated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from zerofit.config.schema import ZerofitConfig
+from zerofit.engine.adapter import Adapter, PreResult, block_output, loss_of
+from zerofit.engine.device import Device
+from zerofit.engine.optimizer import HostWorker, Hyper, adamw_flat
+from zerofit.engine.planner import BatchShape, ModelShape, Plan, make_plan
+from zerofit.engine.store import (FlatLayout, Home, HostArena, Slot, SlotPool, Unit, WeightState,
+                                  set_module_tensor)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _loss_scaler(config: ZerofitConfig):
+    from zerofit.optim.loss_scaler import DynamicLossScaler
+
+    return DynamicLossScaler.from_config(config.fp16)
+
+
+@dataclass
+class _Micro:
+    """State of one micro-batch between the forward and the backward."""
+
+    batch: dict
+    pre: PreResult
+    ckpts: list = field(default_factory=list)   # (B, T, H) input of each block, compute dtype, device
+    rng: list = field(default_factory=list)     # RNG state before each block (models with dropout)
+    shell_leaves: dict = field(default_factory=dict)
+    grad: torch.Tensor | None = None            # gradient w.r.t. the current block boundary
+    output: object = None
+
+
+class Engine:
+    """See the module docstring. Build with :func:`zerofit.initialize`."""
+
+    @classmethod
+    def create(cls, model: nn.Module, config=None, **overrides) -> "Engine":
+        from zerofit.config import load_config
+
+        loaded = load_config(config, **overrides)
+        return cls(model, loaded.config, report=getattr(loaded, "report", []))
+
+    def __init__(self, model: nn.Module, config: ZerofitConfig, report=(), device: torch.device | str | None = None,
+                 adapter: str = "auto", seq_len: int | None = None):
+        self.config = config
+        self.report = list(report)
+        self.dtype = _DTYPES[config.precision]
+        dev = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.dev = Device.create(dev)
+        if self.dev.is_cuda and config.max_gpu_memory:
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory / total), dev)
+        self.adapter = Adapter(model, adapter)
+        self._model = model
+        self.deferred = config.gradient_clipping > 0 or config.precision == "fp16"
+        self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
+        self.global_step = 0
+        self.skipped_steps = 0
+        self._seq_len = seq_len
+        self._timeline: dict[str, float] = {}
+        self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
+        self._pending: _Micro | None = None
+        self._host_grads: dict[int, torch.Tensor] = {}
+        self._sq_norms: dict[int, torch.Tensor] = {}
+        self._mirror_stale = False
+        self._arenas: list[HostArena] = []
+        self._peak_host = 0
+        self.worker = HostWorker()
+        shape = self._model_shape()
+        self.plan = self._plan(shape, seq_len)
+        self._build_units(shape)
+        if self.dev.is_cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+
+    # ------------------------------------------------------------------ planning and materialization
+
+    def _model_shape(self) -> ModelShape:
+        names = self._canonical_params()
+        prefixes = [self.adapter.block_prefix(i) + "." for i in range(self.adapter.num_blocks)]
+        block_numels = [0] * len(prefixes)
+        shell = 0
+        self._unit_names: list[list[str]] = [[] for _ in range(len(prefixes) + 1)]  # [shell, block0, ...]
+        for name, p in names.items():
+            idx = next((i for i, pre in enumerate(prefixes) if name.startswith(pre)), None)
+            if idx is None:
+                shell += p.numel()
+                self._unit_names[0].append(name)
+            else:
+                block_numels[idx] += p.numel()
+                self._unit_names[idx + 1].append(name)
+        for aliases in self._aliases.values():
+            units = {next((i for i, pre in enumerate(prefixes) if a.startswith(pre)), -1) for a in aliases}
+            if len(units) > 1:
+                raise ValueError(f"parameters {aliases} are shared between blocks; zerofit cannot stream them")
+        cfg = getattr(self._model, "config", None)
+        hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 0
+        inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
+        vocab = getattr(cfg, "vocab_size", 0) or 0
+        if not hidden and self.adapter.streaming:  # non-HF module: guess from the block's widest weight
+            hidden = max((p.shape[-1] for p in self.adapter.blocks[0].parameters() if p.dim() == 2), default=0)
+            inter = 4 * hidden
+        return ModelShape(shell, tuple(block_numels), hidden, inter, vocab)
+
+    def _canonical_params(self) -> dict[str, nn.Parameter]:
+        """First name of every distinct parameter; ``self._aliases`` maps it to all its names."""
+        seen: dict[int, str] = {}
+        self._aliases: dict[str, list[str]] = {}
+        out = {}
+        for name, p in self._model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                self._aliases[seen[id(p)]].append(name)
+                continue
+            seen[id(p)] = name
+            self._aliases[name] = [name]
+            out[name] = p
+        return out
+
+    def _plan(self, shape: ModelShape, seq_len: int | None) -> Plan:
+        cfg = self.config
+        batch = BatchShape(cfg.micro_batch_size, seq_len, cfg.gradient_accumulation_steps) if seq_len else None
+        dev_budget = None
+        if self.dev.is_cuda:
+            free, total = torch.cuda.mem_get_info(self.dev.device)
+            dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
+        host_budget = cfg.max_host_memory or psutil.virtual_memory().available
+        return make_plan(
+            shape, batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda, device_budget=dev_budget,
+            host_budget=host_budget, deferred_updates=self.deferred, checkpointing=cfg.activation_checkpointing,
+            stream_params=cfg.offload.param_device != "none", optimizer_on_host=False
+            if cfg.offload.optimizer_device == "none" else False,
+            resident_blocks=(self.adapter.num_blocks if cfg.offload.optimizer_device == "none"
+                             else cfg.offload.resident_blocks),
+            prefetch_depth=cfg.offload.prefetch_depth)
+
+    def _build_units(self, shape: ModelShape) -> None:
+        plan, dev, cb = self.plan, self.dev.device, self.dtype
+        model = self._model
+        canon = self._canonical_params()
+        meta = any(p.is_meta for p in canon.values())
+        init_device = dev if meta else None
+        L = self.adapter.num_blocks
+        homes = [Home.RESIDENT] + [Home.RESIDENT if i < plan.resident_blocks else Home.STREAMED for i in range(L)]
+        opt_on_dev = [plan.shell_optimizer_on_device] + [i < plan.resident_blocks for i in range(L)]
+        self._shell_host_opt = not plan.shell_optimizer_on_device
+        pinned = self.dev.is_cuda and self.config.offload.pin_memory
+        fp32 = cb == torch.float32
+        # One pinned arena for the host copies that are uploaded: 16-bit weights of host-optimized
+        # units (in fp32 training the master itself is uploaded, so it lives in the arena).
+        sizes = [FlatLayout.of([(n, canon[n].shape) for n in names]).numel for names in self._unit_names]
+        need = sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
+        arena = HostArena(need, cb, pinned) if need else None
+        if arena:
+            self._arenas.append(arena)
+        self.units: list[Unit] = []
+        for idx, names in enumerate(self._unit_names):
+            layout = FlatLayout.of([(n, canon[n].shape) for n in names])
+            home, on_dev = homes[idx], opt_on_dev[idx]
+            opt_dev = dev if on_dev else torch.device("cpu")
+            prefix = "" if idx == 0 else self.adapter.block_prefix(idx - 1) + "."
+            rel = FlatLayout(tuple(n[len(prefix):] for n in layout.names), layout.shapes, layout.offsets, layout.numel)
+            unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
+            values = self._unit_values(idx, names, canon, init_device)
+            if not on_dev and fp32:
+                master = arena.take(layout.numel)              # (numel,) fp32, pinned host: uploaded as is
+            else:
+                master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
+            self._fill(master, values)
+            del values
+            unit.master = master
+            unit.exp_avg = torch.zeros_like(master)
+            unit.exp_avg_sq = torch.zeros_like(master)
+            unit.step = torch.zeros((), dtype=torch.float32, device=opt_dev)
+            if on_dev:
+                unit.dev16 = master if fp32 else master.to(cb)
+                unit.host16 = unit.dev16.to("cpu") if self.dev.is_cuda else unit.dev16   # host mirror
+            else:
+                unit.host16 = master if fp32 else arena.take(layout.numel)
+                if not fp32:
+                    unit.host16.copy_(master)
+                if home is Home.RESIDENT:
+                    unit.dev16 = unit.host16.to(dev)
+            if home is Home.RESIDENT:
+                unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
+            unit.updated = threading.Event()
+            unit.updated.set()
+            # the module's own parameters become views of host16 (the current weights, on the host)
+            views = layout.views(unit.host16)
+            for n in names:
+                shared = nn.Parameter(views[n], requires_grad=canon[n].requires_grad)
+                for alias in self._aliases[n]:
+                    mod_path, _, leaf = alias.rpartition(".")
+                    (model.get_submodule(mod_path) if mod_path else model)._parameters[leaf] = shared
+            root = model if idx == 0 else self.adapter.blocks[idx - 1]
+            unit.buffers = self._unit_buffers(root, idx == 0)
+            self.units.append(unit)
+        self.shell = self.units[0]
+        self.blocks = self.units[1:]
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        cap = max((u.numel for u in streamed), default=0)
+        self.weight_pool = SlotPool(self.dev, plan.weight_slots, cap, cb) if streamed else None
+        self.grad_pool = SlotPool(self.dev, plan.grad_slots, cap, torch.float32) if streamed else None
+        host_units = [u for u in self.units if not u.optimizer_on_device]
+        scap = max((u.numel for u in host_units), default=0)
+        self._staging: list[torch.Tensor] = []
+        if host_units and not self.deferred:
+            a = HostArena(plan.staging_buffers * scap, torch.float32, pinned)
+            self._arenas.append(a)
+            self._staging = [a.take(scap) for _ in range(plan.staging_buffers)]
+        self._staging_free = list(range(len(self._staging)))
+        self._staging_cv = threading.Condition()
+        if self.deferred and host_units:
+            a = HostArena(sum(u.numel for u in host_units), torch.float32, pinned)
+            self._arenas.append(a)
+            for u in host_units:
+                self._host_grads[id(u)] = a.take(u.numel)
+        self._note_host()
+
+    def _unit_values(self, idx, names, canon, init_device) -> list[torch.Tensor]:
+        """The unit's parameter values: copied from a real model, or initialized from a meta one."""
+        if init_device is None:
+            return [canon[n].detach() for n in names]
+        model = self._model
+        root = model if idx == 0 else self.adapter.blocks[idx - 1]
+        mods = [m for m in root.modules()] if idx > 0 else self._shell_modules()
+        for m in mods:
+            for pn, p in list(m._parameters.items()):
+                if p is not None and p.is_meta:
+                    real = nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=init_device),
+                                        requires_grad=p.requires_grad)
+                    # keep aliases (tied weights) pointing to one object
+                    for other in model.modules():
+                        for on, op in other._parameters.items():
+                            if op is p:
+                                other._parameters[on] = real
+            for bn, b in list(m._buffers.items()):
+                if b is not None and b.is_meta:
+                    m._buffers[bn] = torch.empty(b.shape, dtype=b.dtype if b.is_floating_point() else b.dtype,
+                                                 device=init_device)
+        init = getattr(model, "_init_weights", None)
+        for m in reversed(mods):
+            if init is not None:
+                init(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        canon2 = self._canonical_params()
+        return [canon2[n].detach() for n in names]
+
+    def _shell_modules(self) -> list[nn.Module]:
+        inside = {id(m) for b in self.adapter.blocks for m in b.modules()}
+        inside.add(id(self.adapter.blocks))
+        return [m for m in self._model.modules() if id(m) not in inside]
+
+    @staticmethod
+    def _fill(flat: torch.Tensor, values: list[torch.Tensor]) -> None:
+        o = 0
+        for v in values:
+            n = v.numel()
+            flat[o:o + n].copy_(v.reshape(-1))
+            o += n
+
+    def _unit_buffers(self, root: nn.Module, is_shell: bool) -> dict[str, torch.Tensor]:
+        inside = {id(b) for b in self.adapter.blocks.buffers()} if is_shell else set()
+        out = {}
+        for name, b in root.named_buffers():
+            if id(b) in inside or (is_shell and self.adapter.blocks_path and name.startswith(self.adapter.blocks_path + ".")):
+                continue
+            out[name] = b.to(self.dev.device)
+            if b.is_meta:
+                raise ValueError(f"buffer {name} is still on the meta device after initialization")
+        # the module keeps host copies of its buffers (for engine.module on the CPU)
+        for name, b in out.items():
+            if b.device != torch.device("cpu"):
+                mod_path, _, leaf = name.rpartition(".")
+                mod = root.get_submodule(mod_path) if mod_path else root
+                mod._buffers[leaf] = b.to("cpu")
+        return out
+
+    def _note_host(self) -> None:
+        self._peak_host = max(self._peak_host, psutil.Process().memory_info().rss)
+
+    # ------------------------------------------------------------------ weight transitions (streamed units)
+
+    def _begin_upload(self, unit: Unit) -> None:
+        """ON_HOST -> UPLOADING: wait for the unit's pending update, take a slot, enqueue the copy."""
+        if unit.home is Home.RESIDENT or unit.state is not WeightState.ON_HOST:
+            return
+        self._wait_updated(unit)
+        slot = self.weight_pool.take()
+        dst = slot.tensor[: unit.numel]
+        with self.dev.on(self.dev.upload):
+            self.dev.wait(self.dev.upload, slot.free_event)       # [Note: slot reuse]
+            with self.dev.timed("upload", self.dev.upload, unit.name):
+                dst.copy_(unit.host16, non_blocking=True)
+            unit.ready_event = self.dev.record(self.dev.upload)
+        slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
+
+    def _acquire(self, unit: Unit) -> None:
+        """UPLOADING -> ON_DEVICE: the compute stream waits for the upload."""
+        if unit.home is Home.RESIDENT:
+            return
+        if unit.state is WeightState.ON_HOST:
+            self._begin_upload(unit)
+        if unit.state is WeightState.UPLOADING:
+            self.dev.wait(self.dev.compute, unit.ready_event)
+            unit.state = WeightState.ON_DEVICE
+
+    def _release(self, unit: Unit) -> None:
+        """The compute stream is done reading the unit's slot for now (the slot keeps it until taken)."""
+        if unit.home is Home.STREAMED and unit.slot is not None:
+            unit.slot.free_event = self.dev.record(self.dev.compute)
+
+    def _evict(self, unit: Unit) -> None:
+        """ON_DEVICE -> ON_HOST: the slot copy is about to go stale (an update is coming); drop it."""
+        if unit.home is Home.STREAMED and unit.slot is not None:
+            unit.slot.tenant = None
+            unit.slot, unit.state = None, WeightState.ON_HOST
+
+    def _prefetch(self, order: list[Unit], pos: int) -> None:
+        depth = self.plan.weight_slots - 1
+        for u in order[pos + 1: pos + 1 + depth]:
+            self._begin_upload(u)
+
+    def _wait_updated(self, unit: Unit) -> None:
+        if not unit.updated.is_set():
+            t = time.perf_counter()
+            while not unit.updated.wait(0.05):
+                self.worker.check()
+            self._add_time("wait", time.perf_counter() - t)
+        self.worker.check()
+
+    # ------------------------------------------------------------------ compute helpers
+
+    def _shell_call(self, leaves: dict):
+        params = {**leaves, **self.shell.buffers}
+        return lambda kw: functional_call(self._model, params, (), kw, strict=False)
+
+    def _leaves(self, unit: Unit, grad: bool) -> dict[str, torch.Tensor]:
+        views = unit.layout.views(unit.device_weights())
+        if grad:
+            views = {k: v.detach().requires_grad_(True) for k, v in views.items()}
+        return {**views, **unit.buffers}
+
+    def _block(self, unit: Unit, leaves: dict, x: torch.Tensor, call) -> torch.Tensor:
+        module = self.adapter.blocks[unit.index]
+        return block_output(functional_call(module, leaves, (x, *call.args), call.kwargs, strict=False))
+
+    @contextlib.contextmanager
+    def _rng(self, state):
+        """Replay a saved RNG state for a recompute, leaving the outer stream untouched."""
+        if state is None:
+            yield
+            return
+        devices = [self.dev.device] if self.dev.is_cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(state[0])
+            if self.dev.is_cuda:
+                torch.cuda.set_rng_state(state[1], self.dev.device)
+            yield
+
+    def _rng_state(self):
+        if not (self.adapter.has_dropout and self._model.training):
+            return None
+        return (torch.get_rng_state(), torch.cuda.get_rng_state(self.dev.device) if self.dev.is_cuda else None)
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.dev.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+
+    def _accumulate(self, unit: Unit, dst: torch.Tensor, grads: list, names: list[str]) -> None:
+        """dst (fp32 flat) += grads, or = grads on the first write of a step."""
+        views = unit.layout.views(dst)
+        pairs = [(views[n], g) for n, g in zip(names, grads) if g is not None]
+        if not pairs:
+            return
+        d, g = [p[0] for p in pairs], [p[1] for p in pairs]
+        if unit.grad_fresh:
+            if len(pairs) < len(unit.layout.names):
+                dst.zero_()
+            torch._foreach_copy_(d, g)
+            unit.grad_fresh = False
+        else:
+            torch._foreach_add_(d, g)
+
+    # ------------------------------------------------------------------ the step
+
+    def _ensure_plan(self, micro_batches: list[dict]) -> None:
+        """Check the plan against the first batch's shape, before step 0 allocates activations."""
+        ids = micro_batches[0].get("input_ids")
+        if ids is None or self._seq_len is not None:
+            return
+        self._seq_len = ids.shape[-1]
+        cfg = self.config
+        batch = BatchShape(ids.shape[0], ids.shape[-1], len(micro_batches))
+        shape = self._model_shape()
+        check = make_plan(shape, batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda,
+                          device_budget=self.plan.device_budget, host_budget=None,
+                          deferred_updates=self.deferred, checkpointing=cfg.activation_checkpointing,
+                          stream_params=True, optimizer_on_host=False, resident_blocks=self.plan.resident_blocks,
+                          prefetch_depth=cfg.offload.prefetch_depth)
+        self.activation_plan = check
+
+    def _forward(self, micro_batches: list[dict], *, shell_grad: bool) -> list[_Micro]:
+        """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints."""
+        self._refresh_shell()
+        leaves = self._leaves(self.shell, grad=shell_grad)
+        micros = []
+        with self.dev.timed("compute", label="pre"):
+            for mb in micro_batches:
+                batch = self._to_device(mb)
+                with torch.set_grad_enabled(shell_grad):
+                    pre = self.adapter.pre(self._shell_call(leaves), batch) if self.adapter.streaming else None
+                micros.append(_Micro(batch, pre, shell_leaves=leaves))
+        if not self.adapter.streaming:
+            return micros
+        xs = [m.pre.hidden.detach() for m in micros]
+        order = self.blocks
+        for pos, unit in enumerate(order):
+            self._acquire(unit)
+            self._prefetch(order, pos)
+            leaves_b = self._leaves(unit, grad=False)
+            with self.dev.timed("compute", label=unit.name), torch.no_grad():
+                for m, micro in enumerate(micros):
+                    micro.ckpts.append(xs[m])
+                    micro.rng.append(self._rng_state())
+                    xs[m] = self._block(unit, leaves_b, xs[m], micro.pre.calls[unit.index])
+            self._release(unit)
+        for micro, x in zip(micros, xs):
+            micro.grad = x      # holds the final hidden state until the post pass
+        return micros
+
+    def _post(self, micro: _Micro):
+        """Post pass with autograd: returns (output, x_L leaf)."""
+        if not self.adapter.streaming:
+            return self.adapter.full(self._shell_call(micro.shell_leaves), micro.batch), None
+        final = micro.grad.detach().requires_grad_(True)
+        devices = [self.dev.device] if self.dev.is_cuda else []
+        with torch.random.fork_rng(devices=devices, enabled=self.adapter.has_dropout):
+            out = self.adapter.post(self._shell_call(micro.shell_leaves), micro.batch, final)
+        return out, final
+
+    def _post_backward(self, micro: _Micro, loss: torch.Tensor, final: torch.Tensor | None, seed_scale: float):
+        names = [n for n in self.shell.layout.names]
+        leaves = [micro.shell_leaves[n] for n in names]
+        inputs = ([final] if final is not None else []) + leaves
+        grads = torch.autograd.grad(loss * seed_scale, inputs, allow_unused=True)
+        if final is not None:
+            micro.grad, grads = grads[0], grads[1:]
+        self._accumulate(self.shell, self.shell.grad, list(grads), names)
+
+    def _backward_blocks(self, micros: list[_Micro]) -> None:
+        order = list(reversed(self.blocks))
+        for pos, unit in enumerate(order):
+            self._acquire(unit)
+            self._prefetch(order, pos)
+            gdst = self._grad_buffer(unit)
+            names = list(unit.layout.names)
+            with self.dev.timed("compute", label=unit.name):
+                for micro in micros:
+                    x = micro.ckpts[unit.index].detach().requires_grad_(True)
+                    leaves = self._leaves(unit, grad=True)
+                    with torch.enable_grad(), self._rng(micro.rng[unit.index]):
+                        y = self._block(unit, leaves, x, micro.pre.calls[unit.index])
+                    grads = torch.autograd.grad(y, [x] + [leaves[n] for n in names], micro.grad, allow_unused=True)
+                    micro.grad = grads[0]
+                    micro.ckpts[unit.index] = None
+                    self._accumulate(unit, gdst, list(grads[1:]), names)
+            self._release(unit)
+            self._evict(unit)
+            self._unit_grads_done(unit)
+        for micro in micros:   # backward of the pre pass into the shell's gradient
+            names = list(self.shell.layout.names)
+            leaves = [micro.shell_leaves[n] for n in names]
+            with self.dev.timed("compute", label="pre"):
+                grads = torch.autograd.grad(micro.pre.hidden, leaves, micro.grad, allow_unused=True)
+                self._accumulate(self.shell, self.shell.grad, list(grads), names)
+            micro.grad = None
+
+    def _grad_buffer(self, unit: Unit) -> torch.Tensor:
+        if unit.home is Home.RESIDENT:
+            return unit.grad
+        slot = self.grad_pool.take()
+        self.dev.wait(self.dev.compute, slot.free_event)          # [Note: slot reuse]
+        slot.tenant, unit.grad_slot = unit, slot
+        unit.grad = slot.tensor[: unit.numel]
+        unit.grad_fresh = True
+        return unit.grad
+
+    def _unit_grads_done(self, unit: Unit) -> None:
+        """A streamed unit's gradient for this micro-step is complete on the device: send it to the host."""
+        if unit.optimizer_on_device:
+            return
+        grad = unit.grad
+        host = self._host_grads.get(id(unit))
+        fresh_host = host is not None and unit.host_grad_fresh
+        if fresh_host:     # the whole gradient goes straight into the unit's host buffer; its norm is taken here
+            dst = host
+            unit.host_grad_fresh = False
+            self._sq_norms[id(unit)] = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+        else:              # staging: either an immediate update, or an add into the host buffer
+            dst = self._take_staging()
+            self._sq_norms.pop(id(unit), None)
+        ev_compute = self.dev.record(self.dev.compute)
+        with self.dev.on(self.dev.download):
+            self.dev.wait(self.dev.download, ev_compute)
+            with self.dev.timed("download", self.dev.download, unit.name):
+                dst.narrow(0, 0, unit.numel).copy_(grad, non_blocking=True)
+            done = self.dev.record(self.dev.download)
+        if unit.grad_slot is not None:
+            unit.grad_slot.free_event = done
+            unit.grad_slot.tenant = None
+            unit.grad_slot = None
+            unit.grad = None
+        unit.grad_fresh = True
+        if self.deferred:
+            if not fresh_host:   # DeepSpeed-style accumulation across micro-steps
+                self.worker.submit(self._task_add(host, dst, done))
+        else:
+            unit.updated.clear()
+            self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True))
+
+    def _take_staging(self) -> torch.Tensor:
+        with self._staging_cv:
+            t = time.perf_counter()
+            while not self._staging_free:
+                self._staging_cv.wait(0.05)
+                self.worker.check()
+            waited = time.perf_counter() - t
+            i = self._staging_free.pop(0)
+        if waited > 1e-4:
+            self._add_time("wait", waited)
+        return self._staging[i]
+
+    def _give_staging(self, buf: torch.Tensor) -> None:
+        for i, s in enumerate(self._staging):
+            if s.data_ptr() == buf.data_ptr():
+                with self._staging_cv:
+                    self._staging_free.append(i)
+                    self._staging_cv.notify()
+                return
+
+    def _task_add(self, host: torch.Tensor, staging: torch.Tensor, event):
+        def run():
+            event.synchronize()
+            host.add_(staging.narrow(0, 0, host.numel()))
+            self._give_staging(staging)
+        return run
+
+    def _task_update(self, unit: Unit, grad: torch.Tensor, event, hyper: Hyper, factor: float, release: bool):
+        def run():
+            event.synchronize()
+            g = grad.narrow(0, 0, unit.numel)
+            if factor != 1.0:
+                g.mul_(factor)
+            adamw_flat(unit.master, g, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
+            if unit.host16 is not unit.master:
+                unit.host16.copy_(unit.master)
+            if release:
+                self._give_staging(grad)
+            unit.updated.set()
+        return run
+
+    def _hyper(self) -> Hyper:
+        from zerofit.optim.schedules import lr_at
+
+        return Hyper.of(self.config.optimizer, lr_at(self.global_step, self.config.optimizer.lr, self.config.scheduler))
+
+    def _refresh_shell(self) -> None:
+        """A host-optimized shell: wait for its update and upload it into dev16 before use."""
+        if not self._shell_host_opt:
+            return
+        u = self.shell
+        if getattr(u, "dirty", False):
+            self._wait_updated(u)
+            with self.dev.on(self.dev.upload):
+                with self.dev.timed("upload", self.dev.upload, "shell"):
+                    u.dev16.copy_(u.host16, non_blocking=True)
+                ev = self.dev.record(self.dev.upload)
+            self.dev.wait(self.dev.compute, ev)
+            u.dirty = False
+
+    def _finish_step(self) -> bool:
+        """Apply the optimizer step to every unit. Returns False if the step was skipped (fp16 overflow)."""
+        hyper = self._hyper()
+        factor = 1.0
+        skip = False
+        device_units = [u for u in self.units if u.optimizer_on_device]
+        host_units = [u for u in self.units if not u.optimizer_on_device]
+        # the shell's gradient is complete only now: send it down if its optimizer is on the host
+        if self._shell_host_opt and not self.shell.grad_fresh:
+            self._unit_grads_done(self.shell)
+        if self.deferred:
+            self.worker.drain()        # host-side accumulations are done
+            sq = [torch.linalg.vector_norm(u.grad, dtype=torch.float64) ** 2 for u in device_units]
+            for u in host_units:
+                s = self._sq_norms.pop(id(u), None)
+                if s is None:   # accumulated on the host over several micro-steps
+                    s = torch.linalg.vector_norm(self._host_grads[id(u)], dtype=torch.float64) ** 2
+                sq.append(s.to(self.dev.device))
+            total = torch.stack(sq).sum().sqrt().item() if sq else 0.0    # a device sync
+            scale = self.scaler.scale if self.scaler else 1.0
+            if self.scaler is not None:
+                skip = self.scaler.update(not math.isfinite(total))
+            elif not math.isfinite(total):
+                raise FloatingPointError(f"gradient norm is {total} at step {self.global_step}")
+            norm = total / scale
+            self.last_grad_norm = norm
+            factor = 1.0 / scale
+            clip = self.config.gradient_clipping
+            if clip > 0 and math.isfinite(norm):
+                coef = clip / (norm + 1e-6)
+                if coef < 1.0:
+                    factor *= coef
+        for u in host_units:
+            u.host_grad_fresh = True
+        if skip:
+            self.skipped_steps += 1
+            for u in self.units:
+                u.grad_fresh = True
+                if u.optimizer_on_device:
+                    u.grad.zero_()
+            self._sq_norms.clear()
+            return False
+        for u in device_units:
+            with self.dev.timed("compute", label=f"optimizer[{u.name}]"):
+                if factor != 1.0:
+                    u.grad.mul_(factor)
+                adamw_flat(u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.step, hyper)
+                if u.dev16 is not u.master:
+                    u.dev16.copy_(u.master)
+            u.grad_fresh = True
+        if device_units:
+            self._mirror_stale = True
+        if self.deferred:
+            for u in host_units:          # forward order: the next forward needs block 0 first
+                u.updated.clear()
+                ev = self.dev.record(self.dev.download)
+                self.worker.submit(self._task_update(u, self._host_grads[id(u)], ev, hyper, factor, release=False))
+        if self._shell_host_opt:
+            self.shell.dirty = True
+        return True
+
+    # ------------------------------------------------------------------ public API
+
+    def train_batch(self, micro_batches: list[dict]) -> float:
+        """One optimizer step over ``micro_batches`` (dicts of input_ids, labels, optional attention_mask).
+
+        Gradients are averaged over the micro-batches (each micro-batch loss / G), as plain
+        PyTorch gradient accumulation. Returns the mean loss (a float; one device sync)."""
+        if self._micro_steps:
+            raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation; call step() first")
+        if not micro_batches:
+            raise ValueError("train_batch needs at least one micro-batch")
+        self._ensure_plan(micro_batches)
+        t0 = time.perf_counter()
+        self._timeline = {}
+        busy0 = self.worker.busy_seconds
+        G = len(micro_batches)
+        scale = self.scaler.scale if self.scaler else 1.0
+        micros = self._forward(micro_batches, shell_grad=True)
+        losses = []
+        for micro in micros:
+            with self.dev.timed("compute", label="post"):
+                out, final = self._post(micro)
+                loss = loss_of(out)
+                self._post_backward(micro, loss, final, scale / G)
+            losses.append(loss.detach())
+        self._backward_blocks(micros) if self.adapter.streaming else None
+        del micros
+        mean = torch.stack(losses).float().mean()
+        applied = self._finish_step()
+        loss_value = mean.item()              # the step's one device sync
+        self._end_step(t0, busy0, applied)
+        return loss_value
+
+    def _end_step(self, t0: float, busy0: float, applied: bool) -> None:
+        if applied:
+            self.global_step += 1
+        self.dev.synchronize()
+        tl = self.dev.drain_intervals()
+        tl["optimizer"] = self.worker.busy_seconds - busy0
+        tl["wait"] = self._timeline.get("wait", 0.0)
+        tl["step"] = time.perf_counter() - t0
+        for k in ("compute", "upload", "download"):
+            tl.setdefault(k, 0.0)
+        self._timeline = tl
+        self._note_host()
+
+    def _add_time(self, key: str, seconds: float) -> None:
+        self._timeline[key] = self._timeline.get(key, 0.0) + seconds
+
+    def timeline(self) -> dict[str, float]:
+        """Seconds per phase of the last step: step (wall), compute (device), upload, download,
+        optimizer (CPU worker busy), wait (host blocked on the CPU optimizer or pinned buffers)."""
+        return dict(self._timeline)
+
+    # DeepSpeed-shaped API --------------------------------------------------------------
+
+    def __call__(self, **batch):
+        """Forward one micro-batch; returns the model's output (with ``.loss``). Pair with backward()."""
+        if self._pending is not None:
+            raise RuntimeError("forward called twice without backward(); zerofit keeps one micro-batch in flight")
+        if self._micro_steps == 0:
+            self._ds_t0, self._ds_busy0, self._timeline = time.perf_counter(), self.worker.busy_seconds, {}
+        self._ensure_plan([batch])
+        if self.deferred is False and self.adapter.streaming and any(not u.optimizer_on_device for u in self.units):
+            self._enable_accumulation()
+        micros = self._forward([batch], shell_grad=True)
+        micro = micros[0]
+        out, final = self._post(micro)
+        micro.output = (out, final)
+        self._pending = micro
+        return out
+
+    forward = __call__
+
+    def _enable_accumulation(self) -> None:
+        """DeepSpeed-style steps need per-unit host gradient buffers: switch to deferred updates."""
+        self.worker.drain()
+        self.deferred = True
+        host_units = [u for u in self.units if not u.optimizer_on_device]
+        a = HostArena(sum(u.numel for u in host_units), torch.float32, self.dev.is_cuda and self.config.offload.pin_memory)
+        self._arenas.append(a)
+        for u in host_units:
+            self._host_grads[id(u)] = a.take(u.numel)
+        if not self._staging:
+            scap = max(u.numel for u in host_units)
+            s = HostArena(2 * scap, torch.float32, a.pinned)
+            self._arenas.append(s)
+            self._staging = [s.take(scap), s.take(scap)]
+            self._staging_free = [0, 1]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients."""
+        micro = self._pending
+        if micro is None:
+            raise RuntimeError("backward() without a forward through the engine")
+        self._pending = None
+        _, final = micro.output
+        micro.output = None
+        G = self.config.gradient_accumulation_steps
+        scale = self.scaler.scale if self.scaler else 1.0
+        with self.dev.timed("compute", label="post"):
+            self._post_backward(micro, loss, final, scale / G)
+        if self.adapter.streaming:
+            self._backward_blocks([micro])
+        self._micro_steps += 1
+
+    def step(self) -> None:
+        """Take the optimizer step at the gradient-accumulation boundary (a no-op before it)."""
+        if self._micro_steps < self.config.gradient_accumulation_steps:
+            return
+        self.worker.drain()
+        applied = self._finish_step()
+        self._micro_steps = 0
+        self._end_step(self._ds_t0, self._ds_busy0, applied)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self._micro_steps == self.config.gradient_accumulation_steps
+
+    # ------------------------------------------------------------------ access
+
+    def wait(self) -> None:
+        """Block until every pending host update is applied."""
+        self.worker.drain()
+
+    @property
+    def module(self) -> nn.Module:
+        """The model, with its current 16-bit weights on the host (usable for eval and export)."""
+        self.wait()
+        if self._mirror_stale and self.dev.is_cuda:
+            for u in self.units:
+                if u.home is Home.RESIDENT and u.host16 is not u.dev16:
+                    u.host16.copy_(u.dev16)
+        self._mirror_stale = False
+        return self._model
+
+    @property
+    def device(self) -> torch.device:
+        return self.dev.device
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights by parameter name (host copies)."""
+        self.wait()
+        out = {}
+        for u in self.units:
+            prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
+            for n, v in u.layout.views(u.master).items():
+                out[prefix + n] = v.detach().to("cpu", copy=True)
+        return out
+
+    def memory_stats(self) -> dict[str, int]:
+        self._note_host()
+        return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(self.dev.device) if self.dev.is_cuda else 0,
+                "gpu_predicted_bytes": self.plan.device_total,
+                "host_bytes": psutil.Process().memory_info().rss,
+                "host_peak_bytes": self._peak_host,
+                "host_predicted_bytes": self.plan.host_total}
+
+    def train(self, mode: bool = True):
+        self._model.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def close(self) -> None:
+        self.worker.drain()
+        self.worker.close()
+        self.dev.synchronize()
+        for a in self._arenas:
+            a.close()
+
+    def __del__(self):
+        try:
+            self.worker.close()
+        except Exception:
+            pass

@@ -1,0 +1,92 @@
+"""AdamW on flat buffers, on the device or on a host worker thread.
+
+The math is ``torch.optim.AdamW``'s (its functional form, fused kernel) applied
+to each unit's flat fp32 master weights; the 16-bit copy for the next upload is
+written right after each unit's update.
+
+[Note: CPU optimizer overlap]
+Host-optimized units are updated by one worker thread, in the order their
+gradients arrive (backward order: last block first), while the GPU computes
+the backward of the blocks before them. A unit's ``updated`` event is set when
+its new 16-bit weights are in ``host16``; the next forward's upload of that
+unit waits for it (on the host, before enqueueing the copy). The fused kernel
+and the cast release the GIL and use torch's intra-op threads.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adamw import adamw
+
+from zerofit.config.schema import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class Hyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    @classmethod
+    def of(cls, cfg: OptimizerConfig, lr: float) -> "Hyper":
+        return cls(lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
+
+
+def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               step: torch.Tensor, h: Hyper) -> None:
+    """One AdamW step on flat fp32 tensors (``step`` is incremented), as ``torch.optim.AdamW(fused=True)``."""
+    adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=True, amsgrad=False,
+          beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False)
+
+
+class HostWorker:
+    """One thread that runs host-side tasks (AdamW updates, gradient adds) in submission order."""
+
+    def __init__(self):
+        self._q: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self.busy_seconds = 0.0
+        self._thread = threading.Thread(target=self._loop, name="zerofit-cpu-optimizer", daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while True:
+            task = self._q.get()
+            if task is None:
+                self._q.task_done()
+                return
+            t = time.perf_counter()
+            try:
+                if self._error is None:
+                    task()
+            except BaseException as e:  # surfaced on the main thread by check()
+                self._error = e
+            finally:
+                self.busy_seconds += time.perf_counter() - t
+                self._q.task_done()
+
+    def submit(self, fn) -> None:
+        self.check()
+        self._q.put(fn)
+
+    def drain(self) -> None:
+        """Wait until every submitted task ran."""
+        self._q.join()
+        self.check()
+
+    def check(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"the CPU optimizer thread failed: {err!r}") from err
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join(timeout=10)

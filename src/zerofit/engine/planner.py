@@ -1,0 +1,187 @@
+"""The planner: where each unit lives, what that costs, and whether it fits.
+
+From the unit sizes, the batch shape and the budgets it chooses, before
+anything is allocated:
+
+* which blocks stay RESIDENT on the device with a device optimizer (from block
+  0 upward: those are needed first in the next forward, so updating them on the
+  device keeps the CPU optimizer's last updates off the critical path);
+* whether the shell's optimizer runs on the device or the host;
+* how many device slots streamed blocks rotate through (prefetch depth + 1);
+* how many pinned host gradient buffers the CPU optimizer consumes from.
+
+It predicts device and host bytes for that placement and refuses a plan that
+does not fit with :class:`PlanError`, naming the bytes needed and available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GiB = 2**30
+
+
+class PlanError(RuntimeError):
+    """No placement fits the memory budgets; raised before anything is allocated."""
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know of the model."""
+
+    shell_numel: int
+    block_numels: tuple[int, ...]
+    hidden: int            # width of the residual stream
+    intermediate: int      # MLP width (for the activation estimate)
+    vocab: int             # 0 if unknown
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    micro_batch: int
+    seq_len: int
+    grad_accum: int
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement and its predicted memory. Byte counts are per kind of buffer."""
+
+    resident_blocks: int           # blocks 0..resident_blocks-1 are RESIDENT (device optimizer)
+    shell_optimizer_on_device: bool
+    weight_slots: int              # device slots for streamed blocks (0 when none stream)
+    grad_slots: int
+    staging_buffers: int           # pinned host fp32 gradient buffers (per CPU-optimized unit when deferred)
+    deferred_updates: bool         # clipping/fp16: CPU updates wait for the global norm / overflow check
+    device_bytes: dict[str, int]
+    host_bytes: dict[str, int]
+    device_budget: int | None
+    host_budget: int | None
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device_bytes.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_bytes.values())
+
+    def describe(self) -> str:
+        lines = [f"plan: {self.resident_blocks} resident blocks (device optimizer), "
+                 f"shell optimizer on {'device' if self.shell_optimizer_on_device else 'host'}, "
+                 f"{self.weight_slots} weight slots, {self.staging_buffers} pinned gradient buffers"
+                 f"{', deferred updates' if self.deferred_updates else ''}",
+                 f"  device {fmt_bytes(self.device_total)}"
+                 + (f" of {fmt_bytes(self.device_budget)}" if self.device_budget else "") + ": "
+                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.device_bytes.items() if v),
+                 f"  host {fmt_bytes(self.host_total)}"
+                 + (f" of {fmt_bytes(self.host_budget)}" if self.host_budget else "") + ": "
+                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.host_bytes.items() if v)]
+        return "\n".join(lines)
+
+
+def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int) -> dict[str, int]:
+    """Predicted activation memory of a block-major step with per-block recompute.
+
+    checkpoints: every block's input for every micro-batch (block-major order keeps them all);
+    boundary: the gradient flowing between blocks, one per micro-batch;
+    block: one block's recomputed activations and their gradients (transient);
+    logits: the head's output, its fp32 upcast for the loss and their gradients."""
+    tok = batch.tokens
+    return {
+        "checkpoints": n_blocks * batch.grad_accum * tok * shape.hidden * dtype_bytes,
+        "boundary_grads": 2 * batch.grad_accum * tok * shape.hidden * dtype_bytes,
+        "block_working_set": tok * (48 * shape.hidden + 16 * shape.intermediate) * dtype_bytes // 2,
+        "logits": tok * shape.vocab * (2 * dtype_bytes + 8),
+    }
+
+
+def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: torch.dtype, on_cuda: bool,
+              device_budget: int | None, host_budget: int | None, deferred_updates: bool,
+              checkpointing: bool, stream_params: bool, optimizer_on_host: bool,
+              resident_blocks: int | None, prefetch_depth: int | None, staging: int = 4) -> Plan:
+    """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded)."""
+    cb = torch.empty((), dtype=compute_dtype).element_size()
+    fp32 = compute_dtype == torch.float32
+    L = len(shape.block_numels)
+    max_block = max(shape.block_numels, default=0)
+    # bytes/param of a resident unit with its optimizer on the device: weights, master, 2 moments, grad
+    res_opt = (0 if fp32 else cb) + 16
+    act = activation_bytes(shape, batch, L, cb) if batch else {}
+    act_total = sum(act.values())
+
+    if not checkpointing or not stream_params:
+        candidates = [L]
+    elif resident_blocks is not None:
+        candidates = [min(resident_blocks, L)]
+    elif not on_cuda:
+        candidates = [0]   # CPU: stream everything, so the CPU runs the same code paths as the GPU
+    else:
+        candidates = list(range(L, -1, -1))
+    if optimizer_on_host:
+        candidates = [0]
+    depth = prefetch_depth or 2
+
+    def build(r: int, shell_dev: bool) -> Plan:
+        streamed = shape.block_numels[r:]
+        n_cpu_units = len(streamed) + (0 if shell_dev else 1)
+        slots = depth + 1 if streamed else 0
+        slots = min(slots, len(streamed))
+        gslots = min(2, len(streamed))
+        stage = n_cpu_units if deferred_updates else min(staging, n_cpu_units)
+        stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
+        dev = {
+            "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),
+            "resident_blocks": sum(shape.block_numels[:r]) * res_opt,
+            "weight_slots": slots * max_block * cb,
+            "grad_slots": gslots * max_block * 4,
+            **act,
+            "allocator_reserve": int(0.05 * (act_total + sum(shape.block_numels) * cb)) + (256 << 20 if on_cuda else 0),
+        }
+        host_units = sum(streamed) + (0 if shell_dev else shape.shell_numel)
+        host = {
+            "weights16": 0 if fp32 and not on_cuda else (shape.shell_numel + sum(shape.block_numels)) * cb,
+            "master_and_moments": host_units * 12 if not fp32 else host_units * 12,
+            "grad_buffers": stage * stage_numel * 4,
+        }
+        if fp32:  # fp32: host16 is the master of host-optimized units; resident mirrors stay
+            host["weights16"] = (shape.shell_numel + sum(shape.block_numels) - host_units) * 4 if on_cuda else 0
+            host["master_and_moments"] = host_units * 12
+        if not on_cuda:  # device memory is host memory: count it once, as host
+            for k, v in dev.items():
+                host["device:" + k] = v
+            dev = {}
+        return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, dev, host, device_budget, host_budget)
+
+    best = None
+    for r in candidates:
+        for shell_dev in ((False,) if optimizer_on_host else (True, False)):
+            plan = build(r, shell_dev)
+            if best is None:
+                best = plan
+            dev_ok = device_budget is None or not on_cuda or plan.device_total <= device_budget
+            host_ok = host_budget is None or plan.host_total <= host_budget
+            if dev_ok and host_ok:
+                return plan
+            if dev_ok and not host_ok:
+                best = plan
+    assert best is not None
+    need_dev = best.device_total
+    raise PlanError(
+        "no placement fits: "
+        + (f"device needs {fmt_bytes(need_dev)} > budget {fmt_bytes(device_budget)}; "
+           if device_budget is not None and on_cuda and need_dev > device_budget else "")
+        + (f"host needs {fmt_bytes(best.host_total)} > budget {fmt_bytes(host_budget)}; "
+           if host_budget is not None and best.host_total > host_budget else "")
+        + "smallest plan:\n" + best.describe()
+        + "\nlower micro_batch_size or seq_len, or raise max_gpu_memory / max_host_memory")

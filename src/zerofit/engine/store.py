@@ -1,0 +1,190 @@
+"""The block store: where every unit's weights, master weights, moments and gradients live.
+
+A *unit* is the set of parameters the engine moves and updates together: one
+per repeated block (``layers.3``) plus the *shell* (embeddings, final norm,
+head: everything outside the blocks). Each unit keeps its parameters as one
+flat buffer per kind, laid out by a :class:`FlatLayout`:
+
+==============  ==========================  ========================================
+buffer          shape, dtype                home
+==============  ==========================  ========================================
+``host16``      (numel,) compute dtype      host (pinned for streamed units); the
+                                            module's own parameters are views of it
+``dev16``       (numel,) compute dtype      device, resident units only
+``master``      (numel,) fp32               optimizer home (host, or device)
+``exp_avg``     (numel,) fp32               optimizer home
+``exp_avg_sq``  (numel,) fp32               optimizer home
+``grad``        (numel,) fp32               device: a slot (streamed) or own buffer
+==============  ==========================  ========================================
+
+In fp32 training ``host16`` *is* ``master`` for host-optimized units (one copy).
+
+[Note: slot reuse]
+A streamed unit borrows a device weight slot from the :class:`SlotPool` while
+it computes. Before an upload overwrites a slot, the upload stream waits on the
+slot's ``free_event``, recorded on the compute stream after the last kernel
+that read the previous tenant's weights. The compute stream, before it reads a
+unit, waits on the unit's ``ready_event`` recorded after the upload. Gradient
+slots follow the same rule with the download stream: a gradient slot is zeroed
+(reused) only after the download stream's event for its previous tenant.
+Slots are allocated once, up front, so no tensor crosses streams through the
+caching allocator (no ``record_stream`` needed).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from zerofit.engine.device import Device, pin
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Names, shapes and offsets of a unit's parameters inside its flat buffers."""
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+    @classmethod
+    def of(cls, named_shapes: list[tuple[str, torch.Size]]) -> "FlatLayout":
+        names, shapes, offsets, n = [], [], [], 0
+        for name, shape in named_shapes:
+            names.append(name)
+            shapes.append(torch.Size(shape))
+            offsets.append(n)
+            n += math.prod(shape)
+        return cls(tuple(names), tuple(shapes), tuple(offsets), n)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter-shaped views of ``flat`` (no copy)."""
+        return {n: flat[o:o + math.prod(s)].view(s) for n, s, o in zip(self.names, self.shapes, self.offsets)}
+
+
+class Home(enum.Enum):
+    """Where a unit's compute weights live between uses."""
+
+    RESIDENT = "kept on the compute device in dev16 for the whole run"
+    STREAMED = "in pinned host memory (host16); uploaded into a device slot before each use, released after"
+
+
+class WeightState(enum.Enum):
+    """Where a streamed unit's usable compute weights are right now."""
+
+    ON_HOST = "only host16 is valid; the unit holds no device slot"
+    UPLOADING = "a copy host16 -> slot is enqueued on the upload stream; compute must wait on ready_event"
+    ON_DEVICE = "the slot holds the weights and the compute stream has waited on ready_event"
+
+
+@dataclass
+class Unit:
+    """One block (or the shell) in the store. Attributes carry shape, dtype and home."""
+
+    name: str
+    index: int                               # execution order of blocks; -1 for the shell
+    layout: FlatLayout
+    home: Home
+    optimizer_on_device: bool                # master and moments on the device (else host, CPU worker)
+    host16: torch.Tensor | None = None       # (numel,) compute dtype, host; module params view it
+    dev16: torch.Tensor | None = None        # (numel,) compute dtype, device; RESIDENT only
+    master: torch.Tensor | None = None       # (numel,) fp32, optimizer home
+    exp_avg: torch.Tensor | None = None      # (numel,) fp32, optimizer home
+    exp_avg_sq: torch.Tensor | None = None   # (numel,) fp32, optimizer home
+    step: torch.Tensor | None = None         # () fp32, optimizer home: AdamW steps taken
+    grad: torch.Tensor | None = None         # (numel,) fp32, device: own (RESIDENT) or a slot (STREAMED)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # module buffers on the compute device
+    state: WeightState = WeightState.ON_HOST
+    slot: "Slot | None" = None
+    ready_event: object = None               # upload done (STREAMED)
+    grad_slot: "Slot | None" = None
+    grad_fresh: bool = True                  # next gradient write is a copy, not an add
+    updated: object = None                   # threading.Event: host16 holds the latest update
+    host_grad_fresh: bool = True             # deferred updates: the host gradient buffer holds nothing yet
+    dirty: bool = False                      # RESIDENT with host optimizer: dev16 older than host16
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    def device_weights(self) -> torch.Tensor:
+        """The flat compute weights on the device; valid only while RESIDENT or ON_DEVICE."""
+        if self.home is Home.RESIDENT:
+            return self.dev16
+        if self.state is not WeightState.ON_DEVICE:
+            raise RuntimeError(f"{self.name}: weights used while {self.state.name}")
+        return self.slot.tensor[: self.numel]
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """Parameter-name -> device tensor, for ``functional_call``."""
+        return {**self.layout.views(self.device_weights()), **self.buffers}
+
+
+@dataclass
+class Slot:
+    """A preallocated device buffer that streamed units borrow. See [Note: slot reuse]."""
+
+    tensor: torch.Tensor        # (capacity,) on the device
+    free_event: object = None   # last reader (or writer) of the previous tenant is done
+    tenant: Unit | None = None
+
+
+class SlotPool:
+    """A fixed set of device slots handed out round-robin to streamed units."""
+
+    def __init__(self, dev: Device, count: int, capacity: int, dtype: torch.dtype):
+        self.dev = dev
+        self.slots = [Slot(torch.empty(capacity, dtype=dtype, device=dev.device)) for _ in range(count)]
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.slots)
+
+    def take(self) -> Slot:
+        """The least recently taken slot; its tenant (if any) is evicted."""
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % len(self.slots)
+        if slot.tenant is not None:
+            slot.tenant.state, slot.tenant.slot = WeightState.ON_HOST, None
+            slot.tenant = None
+        return slot
+
+
+class HostArena:
+    """One large host allocation carved into per-unit views, page-locked once.
+
+    One registration per arena avoids the caching host allocator's rounding of
+    every pinned block up to a power of two (up to 2x the memory)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, pinned: bool):
+        self.tensor = torch.empty(max(numel, 1), dtype=dtype)
+        self.pinned = pinned
+        if pinned:
+            pin(self.tensor)
+        self._used = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        t = self.tensor[self._used:self._used + numel]
+        self._used += numel
+        return t
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+
+def set_module_tensor(root: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
+    """Replace ``root``'s parameter or buffer ``name`` (dotted) by ``value`` (as assign=True loading does)."""
+    mod_path, _, leaf = name.rpartition(".")
+    mod = root.get_submodule(mod_path) if mod_path else root
+    if is_param:
+        mod._parameters[leaf] = nn.Parameter(value, requires_grad=mod._parameters[leaf].requires_grad)
+    else:
+        mod._buffers[leaf] = value

@@ -24,6 +24,7 @@ next step's forward waits only on the blocks still being updated.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -46,9 +47,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _loss_scaler(config: ZerofitConfig):
-    from zerofit.optim.loss_scaler import DynamicLossScaler
+    from zerofit.optim.loss_scaler import make_loss_scaler
 
-    return DynamicLossScaler.from_config(config.fp16)
+    return make_loss_scaler(config.fp16)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class _Micro:
     pre: PreResult
     ckpts: list = field(default_factory=list)   # (B, T, H) input of each block, compute dtype, device
     rng: list = field(default_factory=list)     # RNG state before each block (models with dropout)
+    graphs: list = field(default_factory=list)  # checkpointing off: (x, leaves, y) per block, graph kept
     shell_leaves: dict = field(default_factory=dict)
     grad: torch.Tensor | None = None            # gradient w.r.t. the current block boundary
     output: object = None
@@ -72,7 +74,11 @@ class Engine:
         from zerofit.config import load_config
 
         loaded = load_config(config, **overrides)
-        return cls(model, loaded.config, report=getattr(loaded, "report", []))
+        if loaded.notices:
+            from zerofit.config import format_report
+
+            logging.getLogger("zerofit").warning("configuration notes:\n%s", format_report(loaded.notices))
+        return cls(model, loaded.config, report=loaded.report)
 
     def __init__(self, model: nn.Module, config: ZerofitConfig, report=(), device: torch.device | str | None = None,
                  adapter: str = "auto", seq_len: int | None = None):
@@ -237,7 +243,7 @@ class Engine:
         host_units = [u for u in self.units if not u.optimizer_on_device]
         scap = max((u.numel for u in host_units), default=0)
         self._staging: list[torch.Tensor] = []
-        if host_units and not self.deferred:
+        if host_units:
             a = HostArena(plan.staging_buffers * scap, torch.float32, pinned)
             self._arenas.append(a)
             self._staging = [a.take(scap) for _ in range(plan.staging_buffers)]
@@ -452,12 +458,19 @@ class Engine:
         for pos, unit in enumerate(order):
             self._acquire(unit)
             self._prefetch(order, pos)
-            leaves_b = self._leaves(unit, grad=False)
-            with self.dev.timed("compute", label=unit.name), torch.no_grad():
+            keep_graph = not self.config.activation_checkpointing
+            leaves_b = self._leaves(unit, grad=keep_graph)
+            with self.dev.timed("compute", label=unit.name), torch.set_grad_enabled(keep_graph):
                 for m, micro in enumerate(micros):
                     micro.ckpts.append(xs[m])
                     micro.rng.append(self._rng_state())
-                    xs[m] = self._block(unit, leaves_b, xs[m], micro.pre.calls[unit.index])
+                    if keep_graph:   # all blocks are resident (the planner's rule): the graph may hold their weights
+                        x = xs[m].requires_grad_(True)
+                        y = self._block(unit, leaves_b, x, micro.pre.calls[unit.index])
+                        micro.graphs.append((x, leaves_b, y))
+                        xs[m] = y.detach()
+                    else:
+                        xs[m] = self._block(unit, leaves_b, xs[m], micro.pre.calls[unit.index])
             self._release(unit)
         for micro, x in zip(micros, xs):
             micro.grad = x      # holds the final hidden state until the post pass
@@ -491,10 +504,14 @@ class Engine:
             names = list(unit.layout.names)
             with self.dev.timed("compute", label=unit.name):
                 for micro in micros:
-                    x = micro.ckpts[unit.index].detach().requires_grad_(True)
-                    leaves = self._leaves(unit, grad=True)
-                    with torch.enable_grad(), self._rng(micro.rng[unit.index]):
-                        y = self._block(unit, leaves, x, micro.pre.calls[unit.index])
+                    if micro.graphs:
+                        x, leaves, y = micro.graphs[unit.index]
+                        micro.graphs[unit.index] = None
+                    else:   # recompute the block from its checkpoint, replaying its RNG state
+                        x = micro.ckpts[unit.index].detach().requires_grad_(True)
+                        leaves = self._leaves(unit, grad=True)
+                        with torch.enable_grad(), self._rng(micro.rng[unit.index]):
+                            y = self._block(unit, leaves, x, micro.pre.calls[unit.index])
                     grads = torch.autograd.grad(y, [x] + [leaves[n] for n in names], micro.grad, allow_unused=True)
                     micro.grad = grads[0]
                     micro.ckpts[unit.index] = None

@@ -61,7 +61,7 @@ class Plan:
     shell_optimizer_on_device: bool
     weight_slots: int              # device slots for streamed blocks (0 when none stream)
     grad_slots: int
-    staging_buffers: int           # pinned host fp32 gradient buffers (per CPU-optimized unit when deferred)
+    staging_buffers: int           # pinned host fp32 gradient staging buffers the CPU optimizer consumes from
     deferred_updates: bool         # clipping/fp16: CPU updates wait for the global norm / overflow check
     device_bytes: dict[str, int]
     host_bytes: dict[str, int]
@@ -138,7 +138,7 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         slots = depth + 1 if streamed else 0
         slots = min(slots, len(streamed))
         gslots = min(2, len(streamed))
-        stage = n_cpu_units if deferred_updates else min(staging, n_cpu_units)
+        stage = min(2 if deferred_updates else staging, n_cpu_units)
         stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
         dev = {
             "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),
@@ -152,7 +152,8 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         host = {
             "weights16": 0 if fp32 and not on_cuda else (shape.shell_numel + sum(shape.block_numels)) * cb,
             "master_and_moments": host_units * 12 if not fp32 else host_units * 12,
-            "grad_buffers": stage * stage_numel * 4,
+            "grad_staging": stage * stage_numel * 4,
+            "grad_buffers": host_units * 4 if deferred_updates else 0,
         }
         if fp32:  # fp32: host16 is the master of host-optimized units; resident mirrors stay
             host["weights16"] = (shape.shell_numel + sum(shape.block_numels) - host_units) * 4 if on_cuda else 0

@@ -1,0 +1,93 @@
+"""Tiny models for CPU tests: Hugging Face configs of each family, and one plain nn.Module."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, MistralConfig, MistralForCausalLM)
+
+VOCAB = 97
+
+
+def llama(tied: bool = True, layers: int = 3, dropout: float = 0.0) -> nn.Module:
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                        max_position_embeddings=64, tie_word_embeddings=tied,
+                                        attention_dropout=dropout, attn_implementation="sdpa"))
+
+
+def qwen2() -> nn.Module:   # attention projections with biases
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                        max_position_embeddings=64, attn_implementation="sdpa"))
+
+
+def qwen3() -> nn.Module:
+    return Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                        max_position_embeddings=64, attn_implementation="sdpa"))
+
+
+def mistral() -> nn.Module:
+    return MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                            max_position_embeddings=64, attn_implementation="sdpa"))
+
+
+def gpt2(dropout: float = 0.0) -> nn.Module:
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                      bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 3 * d)
+        self.down = nn.Linear(3 * d, d, bias=False)
+
+    def forward(self, x, scale: float = 1.0):
+        return x + scale * self.down(F.gelu(self.up(self.norm(x))))
+
+
+class PlainLM(nn.Module):
+    """Not a Hugging Face model: embedding, a list of residual MLP blocks, a head; returns the loss."""
+
+    def __init__(self, d: int = 24, n: int = 4, vocab: int = VOCAB):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        for b in self.blocks:
+            x = b(x, scale=0.5)
+        logits = self.head(x)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class MLPRegressor(nn.Module):
+    """No block list at all: trained through the generic path."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, VOCAB))
+
+    def forward(self, input_ids, labels):
+        return F.cross_entropy(self.net(input_ids).flatten(0, 1), labels.flatten())
+
+
+def batches(steps: int, G: int, B: int = 2, T: int = 16, seed: int = 1) -> list[list[dict]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(G):
+            ids = torch.randint(0, VOCAB, (B, T), generator=g)
+            mbs.append({"input_ids": ids, "labels": ids})
+        out.append(mbs)
+    return out

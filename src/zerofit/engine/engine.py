@@ -107,9 +107,10 @@ class Engine:
         self._arenas: list[HostArena] = []
         self._peak_host = 0
         self.worker = HostWorker()
-        shape = self._model_shape()
-        self.plan = self._plan(shape, seq_len)
-        self._build_units(shape)
+        self._checked_shape = None
+        self._shape = self._model_shape()
+        self.plan = self._plan(self._shape, seq_len or config.seq_len)
+        self._build_units(self._shape)
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(dev)
 
@@ -158,7 +159,11 @@ class Engine:
 
     def _plan(self, shape: ModelShape, seq_len: int | None) -> Plan:
         cfg = self.config
-        batch = BatchShape(cfg.micro_batch_size, seq_len, cfg.gradient_accumulation_steps) if seq_len else None
+        if seq_len is None:
+            mcfg = getattr(self._model, "config", None)
+            seq_len = min(getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
+                          or 2048, 2048)
+        batch = BatchShape(cfg.micro_batch_size, seq_len, cfg.gradient_accumulation_steps)
         dev_budget = None
         if self.dev.is_cuda:
             free, total = torch.cuda.mem_get_info(self.dev.device)
@@ -321,12 +326,17 @@ class Engine:
 
     # ------------------------------------------------------------------ weight transitions (streamed units)
 
-    def _begin_upload(self, unit: Unit) -> None:
-        """ON_HOST -> UPLOADING: wait for the unit's pending update, take a slot, enqueue the copy."""
+    def _begin_upload(self, unit: Unit, protect: tuple, wait: bool = True) -> bool:
+        """ON_HOST -> UPLOADING: take a slot (never one of ``protect``), enqueue the copy.
+
+        The unit's pending CPU update must be done first: with ``wait`` the host blocks on it (the unit
+        is needed now), without it a prefetch of a unit still being updated is skipped (tried again later)."""
         if unit.home is Home.RESIDENT or unit.state is not WeightState.ON_HOST:
-            return
+            return True
+        if not unit.updated.is_set() and not wait:
+            return False
         self._wait_updated(unit)
-        slot = self.weight_pool.take()
+        slot = self.weight_pool.take(protect)
         dst = slot.tensor[: unit.numel]
         with self.dev.on(self.dev.upload):
             self.dev.wait(self.dev.upload, slot.free_event)       # [Note: slot reuse]
@@ -334,13 +344,19 @@ class Engine:
                 dst.copy_(unit.host16, non_blocking=True)
             unit.ready_event = self.dev.record(self.dev.upload)
         slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
+        return True
 
-    def _acquire(self, unit: Unit) -> None:
-        """UPLOADING -> ON_DEVICE: the compute stream waits for the upload."""
+    def _window(self, order: list[Unit], pos: int) -> tuple:
+        """The units needed from ``pos`` on that fit in the slots: the ones a slot must not be taken from."""
+        return tuple(order[pos: pos + self.plan.weight_slots])
+
+    def _acquire(self, order: list[Unit], pos: int) -> None:
+        """UPLOADING -> ON_DEVICE for ``order[pos]``: the compute stream waits for its upload."""
+        unit = order[pos]
         if unit.home is Home.RESIDENT:
             return
         if unit.state is WeightState.ON_HOST:
-            self._begin_upload(unit)
+            self._begin_upload(unit, self._window(order, pos))
         if unit.state is WeightState.UPLOADING:
             self.dev.wait(self.dev.compute, unit.ready_event)
             unit.state = WeightState.ON_DEVICE
@@ -357,9 +373,11 @@ class Engine:
             unit.slot, unit.state = None, WeightState.ON_HOST
 
     def _prefetch(self, order: list[Unit], pos: int) -> None:
+        """Enqueue the uploads of the next units in ``order``, as far as the slots allow, in order."""
         depth = self.plan.weight_slots - 1
         for u in order[pos + 1: pos + 1 + depth]:
-            self._begin_upload(u)
+            if not self._begin_upload(u, self._window(order, pos), wait=False):
+                break
 
     def _wait_updated(self, unit: Unit) -> None:
         if not unit.updated.is_set():
@@ -425,20 +443,20 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     def _ensure_plan(self, micro_batches: list[dict]) -> None:
-        """Check the plan against the first batch's shape, before step 0 allocates activations."""
+        """Check the plan against the real batch shape before the first step allocates activations."""
         ids = micro_batches[0].get("input_ids")
-        if ids is None or self._seq_len is not None:
+        if ids is None or self._checked_shape == tuple(ids.shape):
             return
-        self._seq_len = ids.shape[-1]
+        batch = BatchShape(ids.shape[0], ids.shape[-1], max(len(micro_batches), self.config.gradient_accumulation_steps))
         cfg = self.config
-        batch = BatchShape(ids.shape[0], ids.shape[-1], len(micro_batches))
-        shape = self._model_shape()
-        check = make_plan(shape, batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda,
+        check = make_plan(self._shape, batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda,
                           device_budget=self.plan.device_budget, host_budget=None,
                           deferred_updates=self.deferred, checkpointing=cfg.activation_checkpointing,
-                          stream_params=True, optimizer_on_host=False, resident_blocks=self.plan.resident_blocks,
-                          prefetch_depth=cfg.offload.prefetch_depth)
-        self.activation_plan = check
+                          stream_params=cfg.offload.param_device != "none", optimizer_on_host=False,
+                          resident_blocks=self.plan.resident_blocks, prefetch_depth=cfg.offload.prefetch_depth,
+                          shell_on_device=self.plan.shell_optimizer_on_device)
+        self._checked_shape = tuple(ids.shape)
+        self.batch_plan = check
 
     def _forward(self, micro_batches: list[dict], *, shell_grad: bool) -> list[_Micro]:
         """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints."""
@@ -456,7 +474,7 @@ class Engine:
         xs = [m.pre.hidden.detach() for m in micros]
         order = self.blocks
         for pos, unit in enumerate(order):
-            self._acquire(unit)
+            self._acquire(order, pos)
             self._prefetch(order, pos)
             keep_graph = not self.config.activation_checkpointing
             leaves_b = self._leaves(unit, grad=keep_graph)
@@ -498,7 +516,7 @@ class Engine:
     def _backward_blocks(self, micros: list[_Micro]) -> None:
         order = list(reversed(self.blocks))
         for pos, unit in enumerate(order):
-            self._acquire(unit)
+            self._acquire(order, pos)
             self._prefetch(order, pos)
             gdst = self._grad_buffer(unit)
             names = list(unit.layout.names)

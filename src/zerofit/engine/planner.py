@@ -109,7 +109,8 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
 def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: torch.dtype, on_cuda: bool,
               device_budget: int | None, host_budget: int | None, deferred_updates: bool,
               checkpointing: bool, stream_params: bool, optimizer_on_host: bool,
-              resident_blocks: int | None, prefetch_depth: int | None, staging: int = 4) -> Plan:
+              resident_blocks: int | None, prefetch_depth: int | None, staging: int = 4,
+              shell_on_device: bool | None = None) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
@@ -165,8 +166,13 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, dev, host, device_budget, host_budget)
 
     best = None
-    for r in candidates:
-        for shell_dev in ((False,) if optimizer_on_host else (True, False)):
+    # Prefer the shell's optimizer on the device: its gradient is complete only at the very end of the
+    # backward, so a host update of it would sit on the critical path of the next step.
+    shell_choices = (False,) if optimizer_on_host else (True, False)
+    if shell_on_device is not None:
+        shell_choices = (shell_on_device,)
+    for shell_dev in shell_choices:
+        for r in candidates:
             plan = build(r, shell_dev)
             if best is None:
                 best = plan

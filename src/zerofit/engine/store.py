@@ -146,10 +146,16 @@ class SlotPool:
     def nbytes(self) -> int:
         return sum(s.tensor.numel() * s.tensor.element_size() for s in self.slots)
 
-    def take(self) -> Slot:
-        """The least recently taken slot; its tenant (if any) is evicted."""
-        slot = self.slots[self._next]
-        self._next = (self._next + 1) % len(self.slots)
+    def take(self, protect: tuple = ()) -> Slot:
+        """The least recently taken slot whose tenant is not in ``protect`` (the units in use or needed
+        sooner); that tenant, if any, is evicted."""
+        for _ in range(len(self.slots)):
+            slot = self.slots[self._next]
+            self._next = (self._next + 1) % len(self.slots)
+            if slot.tenant is None or not any(slot.tenant is u for u in protect):
+                break
+        else:
+            raise RuntimeError(f"all {len(self.slots)} device slots hold units still needed; raise the slot count")
         if slot.tenant is not None:
             slot.tenant.state, slot.tenant.slot = WeightState.ON_HOST, None
             slot.tenant = None

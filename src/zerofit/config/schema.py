@@ -1,0 +1,483 @@
+"""zerofit's own typed configuration.
+
+Every component reads its settings from one frozen pydantic model, validated at
+construction, before any process group or allocation. DeepSpeed JSON configs are
+translated into this model by :mod:`zerofit.config.deepspeed`.
+
+Every bad configuration raises :class:`ConfigError` (a ``ValueError``) whose message
+names the field by its dotted path, what was expected and what was found::
+
+    offload.prefetch_depth: expected greater than or equal to 1, found 0
+
+Two rules span several fields and are written once here:
+
+* the batch triple (:func:`resolve_batch`): ``train_batch_size ==
+  micro_batch_size * gradient_accumulation_steps * world_size``; any two of the
+  first three determine the third; an inconsistent or fractional triple is an
+  error that shows the arithmetic;
+* NVMe offload (:func:`check_nvme_path`): a device ``"nvme"`` needs an
+  ``nvme_path`` that exists or can be created, is writable and has free space.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "Problem",
+    "NvmePathCheck",
+    "parse_bytes",
+    "resolve_batch",
+    "check_nvme_path",
+    "show",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "LossScaleConfig",
+    "OffloadConfig",
+    "ZerofitConfig",
+]
+
+
+# ----------------------------------------------------------------------------
+# The one error type
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a configuration."""
+
+    field: str
+    """dotted path of the offending key, e.g. ``zero_optimization.offload_param.device``"""
+    expected: str
+    """what a valid value looks like"""
+    found: str
+    """what the configuration holds, already formatted for display (see :func:`show`)"""
+    hint: str = ""
+    """what to do about it (may be empty)"""
+
+    def __str__(self) -> str:
+        text = f"{self.field}: expected {self.expected}, found {self.found}"
+        return f"{text}. {self.hint}" if self.hint else text
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid. The message names the field, what was expected and what was found.
+
+    ``field`` is the dotted path of the first problem; ``problems`` lists all of them.
+    """
+
+    def __init__(self, field: str, expected: str, found: str, hint: str = "", *,
+                 more: Sequence[Problem] = ()) -> None:
+        self.problems: tuple[Problem, ...] = (Problem(field, expected, found, hint), *more)
+        super().__init__(self._message())
+
+    @classmethod
+    def from_problems(cls, problems: Sequence[Problem]) -> "ConfigError":
+        first, *rest = problems
+        return cls(first.field, first.expected, first.found, first.hint, more=rest)
+
+    @property
+    def field(self) -> str:
+        return self.problems[0].field
+
+    def _message(self) -> str:
+        if len(self.problems) == 1:
+            return str(self.problems[0])
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        return f"{len(self.problems)} configuration problems:\n{lines}"
+
+    def __reduce__(self):
+        # Exceptions cross process boundaries (multi-rank start-up); rebuild from problems.
+        return (ConfigError.from_problems, (list(self.problems),))
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """How a found value is written in an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _close(word: str, candidates: Sequence[str]) -> str | None:
+    hits = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return hits[0] if hits else None
+
+
+# ----------------------------------------------------------------------------
+# Sizes
+# ----------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str | None, field: str = "size") -> int | None:
+    """``"24GiB"`` -> 25769803776, ``"1.5GB"`` -> 1500000000; ints pass through; ``None`` stays ``None``.
+
+    Raises :class:`ConfigError` naming ``field`` for anything else (negative, bool, nonsense).
+    """
+    expected = "a size in bytes such as 25769803776, '24GiB' or '1.5GB'"
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(field, "a size >= 0 (" + expected + ")", show(value))
+        return int(value)
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    if not m:
+        raise ConfigError(field, expected, show(value))
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+# ----------------------------------------------------------------------------
+# The batch triple
+# ----------------------------------------------------------------------------
+
+ZEROFIT_BATCH_NAMES = ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps", "world_size")
+
+
+def resolve_batch(train: int | None, micro: int | None, accum: int | None, world: int,
+                  names: Sequence[str] = ZEROFIT_BATCH_NAMES) -> tuple[int, int, int]:
+    """Complete ``(train_batch_size, micro_batch_size, gradient_accumulation_steps)``.
+
+    ``train == micro * accum * world`` must hold. Any two of the three given
+    determine the third (``None``, JSON null, counts as not given); with one
+    given, ``gradient_accumulation_steps`` is 1
+    (or ``micro_batch_size`` is 1 when only the accumulation is given); with
+    none, both are 1 and ``train = world``. ``None`` means "not given".
+    ``names`` are the four names the error messages use (zerofit's by default;
+    :mod:`zerofit.config.deepspeed` passes DeepSpeed's).
+    """
+    n_train, n_micro, n_accum, n_world = names
+
+    def divide(total: int, total_name: str, parts: list[tuple[str, int]], result_name: str) -> int:
+        denom = math.prod(v for _, v in parts)
+        if total % denom:
+            shown = " * ".join(f"{n} ({v})" for n, v in parts)
+            raise ConfigError(
+                result_name, "a whole number",
+                f"{total_name} ({total}) / ({shown}) = {total / denom:g}",
+                f"make {total_name} a multiple of {denom}",
+            )
+        return total // denom
+
+    if train is not None and micro is not None and accum is not None:
+        expect = micro * accum * world
+        if train != expect:
+            raise ConfigError(
+                n_train, f"{n_train} == {n_micro} * {n_accum} * {n_world}",
+                f"{n_train} ({train}) != {n_micro} ({micro}) * {n_accum} ({accum}) * {n_world} ({world}) = {expect}",
+                "give two of the three and the third is derived",
+            )
+        return train, micro, accum
+    if train is not None and micro is not None:
+        return train, micro, divide(train, n_train, [(n_micro, micro), (n_world, world)], n_accum)
+    if train is not None and accum is not None:
+        return train, divide(train, n_train, [(n_accum, accum), (n_world, world)], n_micro), accum
+    if micro is not None and accum is not None:
+        return micro * accum * world, micro, accum
+    if train is not None:
+        return train, divide(train, n_train, [(n_world, world)], n_micro), 1
+    if micro is not None:
+        return micro * world, micro, 1
+    if accum is not None:
+        return accum * world, 1, accum
+    return world, 1, 1
+
+
+# ----------------------------------------------------------------------------
+# NVMe folder
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NvmePathCheck:
+    """Result of :func:`check_nvme_path`."""
+
+    path: Path
+    """the folder, absolute"""
+    exists: bool
+    """False: it will be created on first use (its nearest existing parent is writable)"""
+    free_bytes: int
+    """free bytes on the file system that holds it"""
+
+    def describe(self) -> str:
+        state = "writable" if self.exists else "will be created (parent writable)"
+        return f"{self.path}: {state}, {self.free_bytes / 2**30:.1f} GiB free"
+
+
+def check_nvme_path(path: str | os.PathLike | None, *, field: str = "offload.nvme_path",
+                    required_bytes: int = 0) -> NvmePathCheck:
+    """Check that ``path`` can hold the NVMe tier: it exists (or can be created), is writable and has space.
+
+    Nothing is created. ``required_bytes`` (from the planner, when known) must be
+    free; otherwise any free space is accepted. Raises :class:`ConfigError`
+    naming ``field``.
+    """
+    expected = "a writable folder with free space for NVMe offload"
+    if path is None or str(path).strip() == "":
+        raise ConfigError(field, expected, "nothing",
+                          "a device 'nvme' needs nvme_path set to a folder on a fast local disk")
+    p = Path(path).expanduser().absolute()
+    existing = p
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "a file" if existing == p else f"a path under the file {existing}"
+        raise ConfigError(field, expected, f"{str(path)!r} ({what})", "point nvme_path at a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "not writable" if existing == p else f"missing, and its parent {existing} is not writable"
+        raise ConfigError(field, expected, f"{str(path)!r} ({what})",
+                          "choose a folder this user can write to")
+    free = shutil.disk_usage(existing).free
+    if free <= 0 or free < required_bytes:
+        raise ConfigError(field, f"at least {max(required_bytes, 1)} bytes free", f"{free} bytes free at {p}",
+                          "free space on that disk or choose another folder")
+    return NvmePathCheck(path=p, exists=existing == p, free_bytes=free)
+
+
+# ----------------------------------------------------------------------------
+# The models
+# ----------------------------------------------------------------------------
+
+
+class _Frozen(BaseModel):
+    # strict: a wrong JSON type is an error, never silently coerced ("4" is not 4).
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, strict=True,
+                              allow_inf_nan=False, use_attribute_docstrings=True)
+
+
+class OptimizerConfig(_Frozen):
+    """AdamW, with the meaning of ``torch.optim.AdamW``."""
+
+    type: Literal["adamw"] = "adamw"
+    """the only optimizer zerofit implements (decoupled weight decay, bias-corrected)"""
+    lr: float = Field(1e-3, gt=0)
+    """peak learning rate; the schedule multiplies or replaces it per step"""
+    betas: tuple[float, float] = Field((0.9, 0.999), strict=False)
+    """Adam beta1, beta2, each in [0, 1) (a JSON list is accepted)"""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon, added to the root of the second moment"""
+    weight_decay: float = Field(0.01, ge=0)
+    """decoupled weight decay (``p -= lr * weight_decay * p``), applied to every parameter"""
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas(cls, v):
+        ok = (isinstance(v, (list, tuple)) and len(v) == 2
+              and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in v))
+        if not ok:
+            raise ConfigError("betas", "two numbers, each in [0, 1)", show(v))
+        return tuple(float(b) for b in v)
+
+
+class SchedulerConfig(_Frozen):
+    """Learning-rate schedule; ``lr(step)`` is computed by :func:`zerofit.optim.schedules.lr_at`."""
+
+    type: Literal["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = "constant"
+    """constant/linear/cosine: zerofit's schedules; Warmup*: DeepSpeed's, with DeepSpeed's formulas"""
+    warmup_steps: int = Field(0, ge=0)
+    """optimizer steps of warm-up (DeepSpeed's ``warmup_num_steps``; DeepSpeed's schedules use at least 2)"""
+    total_steps: int | None = Field(None, ge=1)
+    """optimizer steps of the whole run; needed by linear, cosine, WarmupDecayLR, WarmupCosineLR.
+    None: the engine supplies the run length (DeepSpeed's ``total_num_steps: "auto"``)"""
+    warmup_min_lr: float = Field(0.0, ge=0)
+    """lr at the start of warm-up (DeepSpeed WarmupLR/WarmupDecayLR)"""
+    warmup_max_lr: float | None = Field(None, gt=0)
+    """lr at the end of warm-up (DeepSpeed WarmupLR/WarmupDecayLR); None = optimizer.lr"""
+    warmup_type: Literal["log", "linear"] = "log"
+    """DeepSpeed's warm-up curve: log (DeepSpeed's default) or linear"""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """final lr / peak lr (linear, cosine; WarmupCosineLR's ``cos_min_ratio``)"""
+    warmup_min_ratio: float = Field(0.0, ge=0, le=1)
+    """WarmupCosineLR: lr at the start of warm-up / peak lr"""
+
+
+class LossScaleConfig(_Frozen):
+    """fp16 loss scaling, with DeepSpeed's semantics (see :mod:`zerofit.optim.loss_scaler`)."""
+
+    loss_scale: float = Field(0.0, ge=0)
+    """0 = dynamic loss scaling; otherwise this static scale"""
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    """the dynamic scale starts at 2**initial_scale_power"""
+    loss_scale_window: int = Field(1000, ge=1)
+    """clean (non-overflowing) steps before the dynamic scale doubles"""
+    hysteresis: int = Field(2, ge=1)
+    """overflows tolerated before the scale halves (DeepSpeed's ``delayed_shift``)"""
+    consecutive_hysteresis: bool = False
+    """refill the hysteresis on every clean step instead of only when the scale grows"""
+    min_loss_scale: float = Field(1.0, gt=0)
+    """floor of the dynamic scale; another overflow there stops the run with LossScaleUnderflowError"""
+
+
+class OffloadConfig(_Frozen):
+    """Where training state lives. zerofit's planner places tensors within these bounds."""
+
+    param_device: Literal["none", "cpu", "nvme"] = "cpu"
+    """home of the 16-bit weights: none = the GPU, cpu = host memory, nvme = files under nvme_path"""
+    optimizer_device: Literal["none", "cpu", "nvme"] = "cpu"
+    """home of the fp32 master weights and Adam moments (and where the optimizer step runs:
+    none = on the GPU, cpu/nvme = on the CPU)"""
+    nvme_path: str | None = None
+    """folder for the NVMe tier; required (existing or creatable, writable) when a device is nvme"""
+    pin_memory: bool = True
+    """page-lock host buffers (much faster host-to-GPU copies, costs locked host memory)"""
+    prefetch_depth: int | None = Field(None, ge=1, le=64)
+    """blocks uploaded ahead of compute; None = the planner decides"""
+    resident_blocks: int | None = Field(None, ge=0)
+    """blocks kept on the GPU with a GPU optimizer; None = the planner decides"""
+
+    @field_validator("nvme_path")
+    @classmethod
+    def _nvme_usable(cls, v, info):
+        devices = (info.data.get("param_device"), info.data.get("optimizer_device"))
+        if "nvme" in devices:
+            check_nvme_path(v, field="nvme_path")
+        return v
+
+
+class ZerofitConfig(_Frozen):
+    """The resolved configuration of one training run.
+
+    Construction validates everything (raising :class:`ConfigError`); the batch
+    triple is completed by :func:`resolve_batch`, so ``ZerofitConfig(micro_batch_size=4,
+    gradient_accumulation_steps=8)`` has ``train_batch_size == 32``.
+    """
+
+    train_batch_size: int = Field(1, ge=1)
+    """sequences per optimizer step, summed over all ranks"""
+    micro_batch_size: int = Field(1, ge=1)
+    """sequences in one forward/backward on one GPU"""
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    """micro-batches whose gradients are summed per optimizer step, per rank"""
+    world_size: int = Field(1, ge=1)
+    """number of data-parallel ranks"""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """compute dtype of forward/backward; master weights and optimizer state are always fp32"""
+    fp16: LossScaleConfig = Field(default_factory=LossScaleConfig)
+    """loss scaling, used when precision is fp16"""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """the optimizer (AdamW)"""
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    """the learning-rate schedule"""
+    gradient_clipping: float = Field(0.0, ge=0)
+    """max L2 norm of all gradients together; 0 = off"""
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    """where weights and optimizer state live"""
+    seq_len: int | None = Field(None, ge=1, description="tokens per sequence, for the memory plan made at start-up; "
+                                "None: planned for min(max_position_embeddings, 2048) and checked at the first batch")
+    activation_checkpointing: bool = True
+    """keep only block inputs in forward and recompute each block in backward"""
+    max_gpu_memory: int | None = Field(None, ge=0)
+    """bytes of GPU memory the engine may use (accepts '24GiB', '1.5GB'); None = what the device has"""
+    max_host_memory: int | None = Field(None, ge=0)
+    """bytes of host memory the engine may use (accepts '64GiB'); None = what the machine has"""
+    seed: int = Field(0, ge=0)
+    """random seed for initialisation, dropout and data order"""
+    steps_per_print: int = Field(10, ge=1)
+    """log every N optimizer steps"""
+    wall_clock_breakdown: bool = False
+    """print where the step's time went every steps_per_print steps"""
+
+    # Raise ConfigError, never pydantic's ValidationError, from every way of building one.
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise config_error_from(exc, type(self)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "ZerofitConfig":  # type: ignore[override]
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise config_error_from(exc, cls) from None
+
+    @field_validator("max_gpu_memory", "max_host_memory", mode="before")
+    @classmethod
+    def _sizes(cls, v, info):
+        return parse_bytes(v, info.field_name)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_batch(cls, data: Any) -> Any:
+        """Fill in the batch triple (see :func:`resolve_batch`) before the fields are checked."""
+        if not isinstance(data, dict):
+            return data
+        world = data.get("world_size", 1)
+        given = [data.get(k) for k in ZEROFIT_BATCH_NAMES[:3]]
+        if not (_positive_int(world) and all(v is None or _positive_int(v) for v in given)):
+            return data  # field validation reports the bad value by name
+        train, micro, accum = resolve_batch(*given, world)
+        return {**data, "train_batch_size": train, "micro_batch_size": micro, "gradient_accumulation_steps": accum}
+
+    @model_validator(mode="after")
+    def _batch_triple(self):
+        resolve_batch(self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps,
+                      self.world_size)
+        return self
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+# ----------------------------------------------------------------------------
+# pydantic -> ConfigError
+# ----------------------------------------------------------------------------
+
+
+def _model_at(model: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
+    """The sub-model class reached by following ``loc`` from ``model`` (None if not a model)."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def config_error_from(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> ConfigError:
+    """Readable :class:`ConfigError` for a pydantic ``ValidationError`` raised while building ``model``."""
+    problems: list[Problem] = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"]]
+        field = ".".join(([prefix] if prefix else []) + loc) or (prefix or "<config>")
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):
+            for p in cause.problems:
+                full = field if field.endswith(p.field) else (f"{field}.{p.field}" if loc or prefix else p.field)
+                problems.append(Problem(full, p.expected, p.found, p.hint))
+            continue
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(model, err["loc"][:-1])
+            known = list(parent.model_fields) if parent else []
+            guess = _close(loc[-1], known)
+            if guess:
+                hint = f"did you mean {'.'.join(loc[:-1] + [guess])!r}?"
+            else:
+                hint = f"known keys here: {', '.join(known)}" if known else ""
+            problems.append(Problem(field, "a known key", f"unknown key {loc[-1]!r}", hint))
+            continue
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+            problems.append(Problem(field, "a valid value", show(err.get("input")), msg))
+            continue
+        expected = msg[len("Input should be "):] if msg.startswith("Input should be ") else msg
+        problems.append(Problem(field, expected, show(err.get("input"))))
+    return ConfigError.from_problems(problems)

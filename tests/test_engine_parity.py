@@ -20,7 +20,7 @@ STEPS, G = 20, 2
 
 
 def _cfg(**kw):
-    base = {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
+    base = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
             "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
     base.update(kw)
     return base

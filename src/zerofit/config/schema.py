@@ -377,6 +377,8 @@ class ZerofitConfig(_Frozen):
     """max L2 norm of all gradients together; 0 = off"""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     """where weights and optimizer state live"""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                        description="compute device: auto (the GPU if there is one), cpu, cuda or cuda:N")
     seq_len: int | None = Field(None, ge=1, description="tokens per sequence, for the memory plan made at start-up; "
                                 "None: planned for min(max_position_embeddings, 2048) and checked at the first batch")
     activation_checkpointing: bool = True

@@ -85,8 +85,14 @@ class Engine:
         self.config = config
         self.report = list(report)
         self.dtype = _DTYPES[config.precision]
-        dev = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        want = str(device) if device is not None else config.device
+        if want == "auto":
+            want = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(want)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA GPU")
+            dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         self.dev = Device.create(dev)
         if self.dev.is_cuda and config.max_gpu_memory:
             total = torch.cuda.get_device_properties(dev).total_memory
@@ -106,10 +112,10 @@ class Engine:
         self._mirror_stale = False
         self._arenas: list[HostArena] = []
         self._peak_host = 0
-        self.worker = HostWorker()
         self._checked_shape = None
         self._shape = self._model_shape()
-        self.plan = self._plan(self._shape, seq_len or config.seq_len)
+        self.plan = self._plan(self._shape, seq_len or config.seq_len)   # may refuse: nothing allocated yet
+        self.worker = HostWorker()
         self._build_units(self._shape)
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(dev)

@@ -1,0 +1,36 @@
+# Two commands for a new user, on a machine with nothing but Python 3.10+:
+#   make demo   create .venv, install zerofit, train the embedded demo model (~3 minutes on 2 CPU cores)
+#   make test   create .venv, install zerofit with its test tools, run the test suite
+#
+# The install pins torch to its CPU build through constraints-cpu.txt. On a machine
+# with a CUDA build of torch, drop the pin:  make demo CONSTRAINTS=
+# (or install by hand, see docs/dependencies.md).
+
+PYTHON      ?= python3
+VENV        ?= .venv
+CONSTRAINTS ?= constraints-cpu.txt
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.zerofit-installed
+
+.PHONY: demo test doctor install clean
+
+demo: $(STAMP)
+	$(BIN)/zerofit train
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+doctor: $(STAMP)
+	$(BIN)/zerofit doctor
+
+install: $(STAMP)
+
+# Reinstalled only when the project's dependencies or pins change; the package
+# itself is installed editable, so source edits need no reinstall.
+$(STAMP): pyproject.toml $(wildcard $(CONSTRAINTS))
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[test]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,465 @@
+"""Shared pieces of the benchmark engines: workloads, model build, data, timing, results.
+
+Not run directly; each ``bench/engine_<name>.py`` imports it, e.g.::
+
+    python bench/engine_plain.py --workload smoke --device cpu --result /tmp/plain.json
+
+The workloads are those of ``shared/bench/WORKLOADS.md``: a Llama-architecture
+model built from its ``LlamaConfig`` (sdpa attention, random initialisation),
+uniform random tokens with ``labels = input_ids``, bf16 compute, AdamW (lr 1e-4,
+weight decay 0.01), activation checkpointing on every decoder layer, 1 warm-up
+step then timed steps. Every engine script writes one JSON result (schema:
+:class:`Result`), rewritten after each step so a run killed by the harness's
+timeout still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import resource
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+# The process start, as early as this module can see it: psutil gives the real
+# start (interpreter start-up and imports included); this is the fallback.
+_IMPORT_TIME = time.time()
+
+GiB = 2**30
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One benchmark shape: the model's config fields and the batch."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    micro_batch: int = 2  # sequences per micro-batch
+    seq: int = 2048  # tokens per sequence
+    grad_accum: int = 4  # micro-batches per optimizer step
+    cap: str | None = "24GiB"  # GPU memory cap for the offloading engines
+    rope_theta: float = 10000.0
+    max_positions: int = 4096
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.seq * self.grad_accum
+
+
+WORKLOADS: dict[str, Workload] = {
+    # Llama-3.2-3B shape: 3.21 B parameters.
+    "W1": Workload("W1", hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8,
+                   vocab=128256, tied=True, rope_theta=500000.0, max_positions=8192),
+    # Llama-2-7B shape: 6.74 B parameters.
+    "W2": Workload("W2", hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32,
+                   vocab=32000, tied=False, max_positions=4096),
+    # Llama-2-13B shape (needs NVMe or a larger host; listed for completeness).
+    "W3": Workload("W3", hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40,
+                   vocab=32000, tied=False, max_positions=4096),
+    # A toy for dry runs of the harness on CPU or GPU (seconds).
+    "smoke": Workload("smoke", hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2,
+                      vocab=1024, tied=True, micro_batch=2, seq=128, grad_accum=4, cap=None,
+                      max_positions=512),
+}
+
+
+def llama_config(w: Workload):
+    """The ``LlamaConfig`` of workload ``w`` (sdpa attention, no KV cache)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=w.vocab,
+        hidden_size=w.hidden,
+        intermediate_size=w.intermediate,
+        num_hidden_layers=w.layers,
+        num_attention_heads=w.heads,
+        num_key_value_heads=w.kv_heads,
+        max_position_embeddings=w.max_positions,
+        rope_theta=w.rope_theta,
+        tie_word_embeddings=w.tied,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+def count_parameters(w: Workload) -> int:
+    """P: the model's parameter count (tied weights once), from a meta-device build."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(w))
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
+
+
+def build_model(w: Workload, device: str, dtype=None):
+    """The workload's ``LlamaForCausalLM``, randomly initialised on ``device``.
+
+    Built on the meta device, materialised with ``to_empty`` and initialised once
+    by Hugging Face's ``initialize_weights`` where it will live: no CPU fp32 copy
+    of a GPU model, and no double initialisation (constructor, then post_init).
+    ``initialize_weights`` also recomputes the rotary ``inv_freq`` buffers that
+    ``to_empty`` leaves as garbage. fp32 unless ``dtype`` says otherwise.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(w))
+    model.to_empty(device=device)
+    with torch.device(device):
+        model.initialize_weights()
+    model.tie_weights()
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing on every decoder layer, non-reentrant (HF's switch)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+
+
+def make_batches(w: Workload, steps: int, seed: int = 0):
+    """``steps`` optimizer steps of uniform random tokens on the CPU.
+
+    Returns a list (per step) of lists (per micro-batch) of int64 tensors of
+    shape (micro_batch, seq); labels are the same tensor (the model shifts them).
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, w.vocab, (w.micro_batch, w.seq), generator=g) for _ in range(w.grad_accum)]
+            for _ in range(steps)]
+
+
+# --------------------------------------------------------------------------- GPU memory
+
+
+def parse_bytes(value: str | None) -> int | None:
+    """``"24GiB"`` -> 25769803776; ``None``, ``""``, ``"none"`` -> ``None`` (no cap)."""
+    if value is None or str(value).strip().lower() in ("", "none", "0"):
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"expected a size such as 24GiB, found {value!r}")
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    return int(float(m.group(1)) * units[(m.group(2) or "b").lower()])
+
+
+def set_gpu_cap(cap: str | None, device: str) -> int | None:
+    """Cap this process's CUDA caching allocator at ``cap`` bytes, before anything is allocated.
+
+    ``torch.cuda.set_per_process_memory_fraction(cap / total)``: a 139 GiB card
+    then behaves like a ``cap`` one (allocations past it raise OutOfMemoryError).
+    """
+    cap_bytes = parse_bytes(cap)
+    if cap_bytes is None or not device.startswith("cuda"):
+        return None
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), 0)
+    return cap_bytes
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def process_start_time() -> float:
+    """Wall-clock time at which this process started (psutil), or when this module was imported."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - psutil missing or /proc unreadable: fall back
+        return _IMPORT_TIME
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set (``ru_maxrss``, KiB on Linux), in GiB; pinned pages count."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+
+
+class HostMemorySampler:
+    """Samples, on a daemon thread, this process's RSS and the host's used memory (peaks).
+
+    ``ru_maxrss`` is the headline figure; this adds the host-wide view (page
+    cache excluded), which is what the kernel's OOM killer looks at.
+    """
+
+    def __init__(self, interval_s: float = 0.5):
+        self.peak_rss = 0
+        self.peak_host_used = 0
+        self._stop = threading.Event()
+        try:
+            import psutil
+
+            self._proc, self._psutil = psutil.Process(), psutil
+        except Exception:  # noqa: BLE001
+            self._proc = None
+            return
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.peak_rss = max(self.peak_rss, self._proc.memory_info().rss)
+                vm = self._psutil.virtual_memory()
+                self.peak_host_used = max(self.peak_host_used, vm.total - vm.available)
+            except Exception:  # noqa: BLE001 - sampling is best effort
+                pass
+
+
+class PeakKeeper:
+    """Keeps the GPU's peak allocation across ``torch.cuda.reset_peak_memory_stats`` calls.
+
+    Engines may reset the allocator's peak counters (zerofit does at the end of
+    ``initialize``); the benchmark's figure is the peak over the whole process,
+    so the reset is wrapped to remember ``max_memory_allocated`` first.
+    """
+
+    def __init__(self):
+        import torch
+
+        self.allocated = 0  # bytes, the largest peak seen before a reset
+        self.reserved = 0
+        original = torch.cuda.reset_peak_memory_stats
+
+        def reset_peak_memory_stats(*args, **kwargs):
+            if torch.cuda.is_initialized():
+                self.allocated = max(self.allocated, torch.cuda.max_memory_allocated())
+                self.reserved = max(self.reserved, torch.cuda.max_memory_reserved())
+            return original(*args, **kwargs)
+
+        torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
+        torch.cuda.memory.reset_peak_memory_stats = reset_peak_memory_stats
+
+
+@dataclasses.dataclass
+class Result:
+    """What one engine measured on one workload; written as JSON by :meth:`save`."""
+
+    engine: str
+    workload: str
+    status: str = "running"  # running | ok | OOM | timeout | error
+    error: str = ""  # last line of the error, if any
+    device: str = ""  # e.g. "NVIDIA H200" or "cpu"
+    cap_gib: float | None = None  # GPU memory cap, None = uncapped
+    params: int = 0  # P
+    tokens_per_step: int = 0  # T
+    warmup_steps: int = 1
+    step_s: list[float] = dataclasses.field(default_factory=list)  # every step, warm-up included
+    losses: list[float] = dataclasses.field(default_factory=list)
+    setup_s: float | None = None  # process start -> model and optimizer ready
+    first_step_s: float | None = None  # process start -> end of the first step
+    peak_gpu_gib: float | None = None  # torch.cuda.max_memory_allocated over the whole run
+    peak_gpu_reserved_gib: float | None = None
+    peak_rss_gib: float | None = None  # ru_maxrss
+    peak_host_used_gib: float | None = None  # host-wide used memory, sampled
+    timeline: dict[str, Any] | None = None  # zerofit: seconds per phase of the last step
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # engine-specific
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def timed_s(self) -> list[float]:
+        return self.step_s[self.warmup_steps:]
+
+    def summary(self) -> dict[str, Any]:
+        """Derived figures: median s/step over the timed steps, tokens/s, model TFLOP/s (8*P*T/s)."""
+        timed = self.timed_s
+        if not timed:
+            return {"s_per_step": None, "tokens_per_s": None, "tflops": None}
+        s = statistics.median(timed)
+        return {"s_per_step": s, "tokens_per_s": self.tokens_per_step / s,
+                "tflops": 8 * self.params * self.tokens_per_step / s / 1e12}
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(self.summary())
+        return d
+
+    def save(self, path: str | None) -> None:
+        if not path:
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1, default=str)
+        os.replace(tmp, path)  # atomic: the harness never reads half a file
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for CUDA (or host allocator) out-of-memory errors."""
+    try:
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+    except Exception:  # noqa: BLE001
+        pass
+    msg = str(exc).lower()
+    return isinstance(exc, MemoryError) or "out of memory" in msg or "cudaerrormemoryallocation" in msg
+
+
+def last_line(exc: BaseException) -> str:
+    """``Type: first non-empty line of the message`` (the useful line of a long CUDA error)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400]
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def engine_args(description: str) -> argparse.ArgumentParser:
+    """The options every engine script takes (engines add their own)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--workload", default="smoke", choices=sorted(WORKLOADS))
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps, warm-up included (default 4)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps (default 1)")
+    p.add_argument("--device", default="cuda", help="cuda or cpu (cpu: smoke tests)")
+    p.add_argument("--cap", default=None,
+                   help="GPU memory cap, e.g. 24GiB; 'none' = uncapped; default: the workload's")
+    p.add_argument("--result", default=None, help="write the result JSON here")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def versions(*modules: str) -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", *modules):
+        try:
+            mod = __import__(name)
+            out[name] = getattr(mod, "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"unavailable ({type(e).__name__})"
+    return out
+
+
+def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bool = True,
+               version_modules: tuple[str, ...] = ()) -> int:
+    """Time an engine: ``setup(args, w, result) -> state``, then ``step(state, micro_batches) -> loss``.
+
+    ``step`` runs one optimizer step over the workload's micro-batches (CPU int64
+    tensors) and returns the loss as a float (the float() is the sync point that
+    makes the wall-clock time honest). Writes ``args.result`` after setup and
+    after every step; returns the process exit code (0 ok, 1 error, 3 OOM).
+    """
+    w = WORKLOADS[args.workload]
+    if args.cap is None:
+        args.cap = w.cap
+    res = Result(engine=name, workload=w.name, warmup_steps=args.warmup,
+                 tokens_per_step=w.tokens_per_step)
+    res.cap_gib = (parse_bytes(args.cap) / GiB) if parse_bytes(args.cap) else None
+    t0 = process_start_time()
+    sampler = HostMemorySampler()
+    peaks = None
+    code = 0
+    try:
+        res.params = count_parameters(w)
+        if args.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError("CUDA is not available (use --device cpu for smoke tests)")
+            res.device = torch.cuda.get_device_name(0)
+            peaks = PeakKeeper()
+            if uses_cap:
+                set_gpu_cap(args.cap, args.device)
+        else:
+            res.device = "cpu"
+        res.versions = versions(*version_modules)  # after the cap: an import may touch CUDA
+        print(f"[{name}] {w.name}: P={res.params / 1e9:.3f} B, T={w.tokens_per_step} tokens/step, "
+              f"cap={args.cap}, device={res.device}", flush=True)
+        batches = make_batches(w, args.steps, args.seed)
+        state = setup(args, w, res)
+        res.setup_s = time.time() - t0
+        print(f"[{name}] ready after {res.setup_s:.1f} s", flush=True)
+        res.save(args.result)
+        for i in range(args.steps):
+            t = time.perf_counter()
+            loss = float(step(state, batches[i]))
+            dt = time.perf_counter() - t
+            res.step_s.append(dt)
+            res.losses.append(loss)
+            if i == 0:
+                res.first_step_s = time.time() - t0
+            _record_memory(res, args.device, sampler, peaks)
+            print(f"[{name}] step {i} ({'warm-up' if i < args.warmup else 'timed'}): {dt:.3f} s, "
+                  f"loss {loss:.4f}", flush=True)
+            res.save(args.result)
+        res.status = "ok"
+    except BaseException as e:  # noqa: BLE001 - every failure becomes a result line
+        traceback.print_exc()
+        res.status = "OOM" if is_oom(e) else "error"
+        res.error = last_line(e)
+        code = 3 if res.status == "OOM" else 1
+    _record_memory(res, args.device, sampler, peaks)
+    res.save(args.result)
+    s = res.summary()
+    if s["tokens_per_s"]:
+        print(f"[{name}] {res.status}: {s['tokens_per_s']:.0f} tokens/s, {s['tflops']:.1f} TFLOP/s, "
+              f"{s['s_per_step']:.3f} s/step, peak GPU {res.peak_gpu_gib} GiB, "
+              f"peak RSS {res.peak_rss_gib:.1f} GiB", flush=True)
+    else:
+        print(f"[{name}] {res.status}: {res.error}", flush=True)
+    return code
+
+
+def _record_memory(res: Result, device: str, sampler: HostMemorySampler, peaks: PeakKeeper | None) -> None:
+    res.peak_rss_gib = round(peak_rss_gib(), 3)
+    res.peak_host_used_gib = round(sampler.peak_host_used / GiB, 3) if sampler.peak_host_used else None
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():
+                allocated = max(torch.cuda.max_memory_allocated(), peaks.allocated if peaks else 0)
+                reserved = max(torch.cuda.max_memory_reserved(), peaks.reserved if peaks else 0)
+                res.peak_gpu_gib = round(allocated / GiB, 3)
+                res.peak_gpu_reserved_gib = round(reserved / GiB, 3)
+        except Exception:  # noqa: BLE001 - after a CUDA error the context may be unusable
+            pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT of a one-process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_env() -> None:
+    """Environment of a one-rank torch.distributed job (rank 0 of 1, on 127.0.0.1)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+
+
+def exit_now(code: int) -> None:
+    """Exit at once, the result being saved: no teardown of process groups, worker
+    threads or pinned buffers, which can hang or take long after a failure."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

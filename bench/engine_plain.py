@@ -1,0 +1,55 @@
+"""Everything on the GPU, no cap: the in-GPU speed the offloading engines are measured against.
+
+    python bench/engine_plain.py --workload W1 --cap none --result /tmp/plain.json
+    python bench/engine_plain.py --workload smoke --device cpu          # dry run on CPU
+
+fp32 parameters on the device, bf16 compute under ``torch.autocast``, Hugging
+Face gradient checkpointing (non-reentrant) on every decoder layer, fused AdamW
+(lr 1e-4, weight decay 0.01), loss / G summed over the G micro-batches. The
+model is built on the meta device and initialised where it lives (no CPU copy).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+
+class Plain:
+    def __init__(self, args, w, res):
+        import torch
+
+        self.torch, self.device = torch, args.device
+        self.model = common.build_model(w, args.device)  # fp32 master weights on the device
+        common.enable_checkpointing(self.model)
+        # fused=True needs the CUDA (or CPU) fused kernel; both exist in torch >= 2.4.
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+        self.device_type = "cuda" if args.device.startswith("cuda") else "cpu"
+        res.extra["optimizer"] = "torch.optim.AdamW(fused=True), fp32 params on device"
+
+    def step(self, micro_batches):
+        torch = self.torch
+        g = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for ids in micro_batches:
+            ids = ids.to(self.device, non_blocking=True)  # (B, S) int64
+            with torch.autocast(self.device_type, dtype=torch.bfloat16):
+                loss = self.model(input_ids=ids, labels=ids).loss
+            (loss / g).backward()
+            total += loss.detach() / g
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total.item()  # sync point: the step is done on the GPU
+
+
+def main() -> int:
+    args = common.engine_args(__doc__.splitlines()[0]).parse_args()
+    return common.run_engine("plain", args, Plain, Plain.step, uses_cap=True)
+
+
+if __name__ == "__main__":
+    common.exit_now(main())

@@ -1,0 +1,73 @@
+"""zerofit through its Python API, the way a user calls it.
+
+    python bench/engine_zerofit.py --workload W1 --cap 24GiB --result /tmp/zerofit.json
+    python bench/engine_zerofit.py --workload smoke --device cpu --steps 2
+
+The model is built on the meta device; ``zerofit.initialize`` materialises and
+places it. The GPU cap goes into the config (``max_gpu_memory``): zerofit sets
+the allocator's fraction itself, so this script does not. The result carries
+zerofit's per-phase timeline of the last step (``engine.timeline()``) and its
+``memory_stats()``.
+
+Peak GPU memory is over the whole process, as for the other engines: zerofit
+resets the allocator's peak counters at the end of ``initialize``, and
+``common.PeakKeeper`` keeps the peak seen before each reset.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))  # the working tree's zerofit
+
+import common  # noqa: E402
+
+
+class Zerofit:
+    def __init__(self, args, w, res):
+        import torch
+        from transformers import LlamaForCausalLM
+
+        import zerofit
+
+        self.torch, self.args, self.res = torch, args, res
+        res.versions["zerofit"] = getattr(zerofit, "__version__", "?")
+        res.extra["zerofit_path"] = os.path.dirname(zerofit.__file__)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(common.llama_config(w))
+        self.config = {
+            "precision": "bf16",
+            "micro_batch_size": w.micro_batch,
+            "gradient_accumulation_steps": w.grad_accum,
+            "optimizer": {"lr": 1e-4, "weight_decay": 0.01},
+            "activation_checkpointing": True,
+        }
+        if common.parse_bytes(args.cap):
+            self.config["max_gpu_memory"] = args.cap
+        res.extra["zerofit_config"] = self.config
+        self.engine = zerofit.initialize(model, self.config)
+        for attr in ("plan",):
+            if hasattr(self.engine, attr):
+                res.extra[attr] = repr(getattr(self.engine, attr))[:2000]
+
+    def step(self, micro_batches):
+        loss = self.engine.train_batch([{"input_ids": ids, "labels": ids} for ids in micro_batches])
+        loss = float(loss)
+        self.res.timeline = {k: round(float(v), 4) for k, v in self.engine.timeline().items()}
+        print(f"[zerofit] timeline: {self.res.timeline}", flush=True)
+        if hasattr(self.engine, "memory_stats"):
+            self.res.extra["memory_stats"] = self.engine.memory_stats()
+        return loss
+
+
+def main() -> int:
+    args = common.engine_args(__doc__.splitlines()[0]).parse_args()
+    return common.run_engine("zerofit", args, Zerofit, Zerofit.step, uses_cap=False,
+                             version_modules=("zerofit",))
+
+
+if __name__ == "__main__":
+    common.exit_now(main())

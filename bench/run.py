@@ -1,0 +1,362 @@
+"""Run one workload for several engines, each in its own process, and tabulate them.
+
+    python3 bench/run.py --workload W1 --engines plain,zerofit,deepspeed,fsdp2 --steps 4 \\
+        --fsdp2-steps 2 --cap 24GiB --timeout 300 --budget 570 --out $OUT --commit <sha>
+    python3 bench/run.py --workload smoke --engines plain,zerofit --device cpu --steps 2 --out /tmp/b
+    python3 bench/run.py --from-json results_W1.json --append-docs docs/benchmarks.md   # re-render
+
+Each engine runs as ``python bench/engine_<name>.py`` in a fresh process (its
+own session, so a timeout kills the whole process group): GPU and host memory
+are released between engines, and an engine that crashes, runs out of memory or
+is killed does not take the others with it. Every engine writes a JSON result
+after each step, so a timed-out engine still reports what it measured.
+
+The GPU cap (``--cap``) applies to every engine but ``plain``, the everything-
+on-the-GPU reference, which runs uncapped (``--plain-cap`` to change that).
+zerofit receives the cap as its ``max_gpu_memory`` setting.
+
+Writes ``OUT/results_<W>.json`` (run metadata and one entry per engine),
+``OUT/results_<W>.md`` (the section for docs/benchmarks.md) and
+``OUT/log_<W>.txt`` (every engine's output), and prints the table last. With
+``--append-docs FILE`` the section is appended to FILE too. On the GPU machine
+the repository is a copy: append there to a file under $OUT, or here with
+``--from-json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit")
+GiB = 2**30
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict:
+    """GPU (from nvidia-smi, so this process never opens a CUDA context), cores, RAM."""
+    info = {"cpu_count": os.cpu_count(), "gpu": "no GPU"}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        gpus = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+        if gpus:
+            info["gpu"] = "; ".join(gpus) if len(set(gpus)) > 1 else (
+                gpus[0] if len(gpus) == 1 else f"{len(gpus)} x {gpus[0]}")
+    except Exception as e:  # noqa: BLE001 - no nvidia-smi: a CPU machine
+        info["gpu_error"] = type(e).__name__
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
+        info["ram_gib"] = round(kib * 1024 / GiB, 1)
+    except Exception:  # noqa: BLE001
+        info["ram_gib"] = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return out.stdout.strip() + ("+dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        pass
+    return "unknown"
+
+
+def command_line() -> str:
+    """This invocation as a shell line, with the value of $OUT written as ``$OUT``."""
+    argv = ["python3", os.path.relpath(os.path.abspath(sys.argv[0]), REPO) if sys.argv[0] else "bench/run.py",
+            *sys.argv[1:]]
+    line = shlex.join(argv)
+    out = os.environ.get("OUT")
+    return line.replace(out, "$OUT") if out else line
+
+
+# --------------------------------------------------------------------------- one engine
+
+
+def last_error_line(log_text: str) -> str:
+    """The most telling line of a failed engine's output: the last exception line, else the last line."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        head = ln.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Interrupt")) or head in ("Killed", "Segmentation fault"):
+            return ln[:400]
+    return lines[-1][:400] if lines else ""
+
+
+def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: str, log) -> dict:
+    """Run ``bench/engine_<name>.py`` in its own session; return its result dict (status always set)."""
+    result_path = os.path.join(tmpdir, f"{name}.json")
+    cmd = [args.python, os.path.join(HERE, f"engine_{name}.py"), "--workload", args.workload,
+           "--steps", str(steps), "--device", args.device, "--cap", cap, "--result", result_path,
+           *shlex.split(args.engine_args.get(name, ""))]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(REPO, "src"), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    log.write(f"\n===== {name}: {shlex.join(cmd)} (timeout {timeout:.0f} s)\n")
+    log.flush()
+    start = time.time()
+    engine_log = os.path.join(tmpdir, f"{name}.log")
+    with open(engine_log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)  # its own process group: killable as a whole
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            rc = proc.returncode
+    wall = time.time() - start
+    with open(engine_log, errors="replace") as f:
+        text = f.read()
+    log.write(text)
+    log.write(f"===== {name}: exit {rc}{' (timed out)' if timed_out else ''} after {wall:.1f} s\n")
+    log.flush()
+
+    res = {}
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            res = json.load(f)
+    res.setdefault("engine", name)
+    res["returncode"], res["wall_s"], res["steps_requested"] = rc, round(wall, 1), steps
+    if timed_out and res.get("status") in ("OOM", "error"):  # failed, then hung while exiting
+        res["error"] = f"{res.get('error', '')}; then hung at exit, killed after {timeout:.0f} s"
+    elif timed_out:
+        res["status"] = "timeout"
+        res["error"] = f"killed after {timeout:.0f} s ({len(res.get('step_s', []))}/{steps} steps done)"
+    elif rc is not None and rc < 0:
+        sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        res["status"] = "OOM" if -rc == signal.SIGKILL else "error"
+        res["error"] = f"killed by {sig}" + (" (the kernel's OOM killer?)" if -rc == signal.SIGKILL else "") + (
+            f"; last output: {last_error_line(text)}" if last_error_line(text) else "")
+    elif rc != 0 and res.get("status") in (None, "running", "ok"):
+        res["status"] = "error"
+        res["error"] = last_error_line(text) or f"exit code {rc}"
+    elif res.get("status") is None:
+        res["status"] = "error"
+        res["error"] = "no result written"
+    return res
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the engine's process group, then SIGKILL what is left after 15 s."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _fmt(v, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def render(doc: dict) -> str:
+    """The markdown section for docs/benchmarks.md of one run (metadata, table, ratios, timeline)."""
+    m, rs = doc["meta"], doc["results"]
+    vers = {}
+    for r in rs:
+        for k, v in (r.get("versions") or {}).items():
+            if not str(v).startswith("unavailable"):
+                vers.setdefault(k, v)
+    mach = m["machine"]
+    first = next((r for r in rs if r.get("params")), {})
+    p, t = first.get("params"), first.get("tokens_per_step")
+    lines = [
+        f"## {m['workload']}: {m['date']}",
+        "",
+        f"- commit: `{m['commit']}`",
+        f"- machine: {mach.get('gpu')}; {mach.get('cpu_count')} cores"
+        + (f" ({mach['cpu']})" if mach.get("cpu") else "") + f"; {mach.get('ram_gib')} GiB RAM",
+        "- software: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
+        f"- workload: {m['workload']}" + (f", P = {p / 1e9:.3f} B parameters, T = {t:,} tokens per optimizer step"
+                                          if p and t else "")
+        + f"; GPU cap {m['cap']} (plain: {m['plain_cap']}); steps {m['steps']} (fsdp2: {m['fsdp2_steps']}),"
+        f" the first untimed",
+        f"- command: `{m['command']}`",
+        "",
+        "| engine | status | tokens/s | model TFLOP/s | peak GPU GiB | peak host RSS GiB | s to first step "
+        "| s/step | timed steps | loss (last) | note |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rs:
+        timed = max(0, len(r.get("step_s") or []) - r.get("warmup_steps", 1))
+        note = r.get("error", "") if r.get("status") != "ok" else ""
+        extra = r.get("extra") or {}
+        if "op_build_s" in extra:
+            note = (note + "; " if note else "") + f"incl. {extra['op_build_s']} s cpu_adam build"
+        losses = r.get("losses") or []
+        lines.append(" | ".join([
+            f"| {r['engine']}", r.get("status", "?"), _fmt(r.get("tokens_per_s"), ",.0f"),
+            _fmt(r.get("tflops"), ".1f" if (r.get("tflops") or 0) >= 1 else ".2g"), _fmt(r.get("peak_gpu_gib"), ".1f"), _fmt(r.get("peak_rss_gib"), ".1f"),
+            _fmt(r.get("first_step_s"), ".1f"), _fmt(r.get("s_per_step"), ".2f"), str(timed),
+            _fmt(losses[-1] if losses else None, ".3f"), note.replace("|", "/") + " |"]))
+    lines.append("")
+    by = {r["engine"]: r for r in rs}
+    zf = by.get("zerofit")
+    if zf:
+        ratios = []
+        for peer in ("deepspeed", "fsdp2", "plain"):
+            if peer not in by:
+                continue
+            a, b = zf.get("tokens_per_s"), by[peer].get("tokens_per_s")
+            ok = zf.get("status") == "ok" and by[peer].get("status") == "ok"
+            ratios.append(f"zerofit / {peer} tokens/s: **{a / b:.2f}x**" if a and b and ok else
+                          f"zerofit / {peer} tokens/s: n/a (zerofit {zf.get('status')}, "
+                          f"{peer} {by[peer].get('status')})")
+        if ratios:
+            lines += ["; ".join(ratios), ""]
+        if zf.get("timeline"):
+            lines += ["zerofit timeline of the last step (s): "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in zf["timeline"].items()), ""]
+    lines.append("tokens/s and model TFLOP/s (8·P·T / s) use the median of the timed steps; peak GPU is "
+                 "`torch.cuda.max_memory_allocated` over the whole process; peak host RSS is `ru_maxrss`; "
+                 "s to first step counts from process start (imports, model build and JIT builds included).")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_outputs(doc: dict, out_dir: str) -> str:
+    w = doc["meta"]["workload"]
+    with open(os.path.join(out_dir, f"results_{w}.json"), "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    md = render(doc)
+    with open(os.path.join(out_dir, f"results_{w}.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+def append_docs(md: str, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write("\n" + md)
+    print(f"appended the section to {path}", flush=True)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--workload", default="W1", help="W1, W2, W3 or smoke")
+    p.add_argument("--engines", default="plain,zerofit,deepspeed,fsdp2",
+                   help=f"comma-separated, run in this order; from {', '.join(ENGINES)}")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per engine, the first untimed")
+    p.add_argument("--fsdp2-steps", type=int, default=2, help="steps for fsdp2 (slow)")
+    p.add_argument("--cap", default="24GiB", help="GPU memory cap of the offloading engines ('none': no cap)")
+    p.add_argument("--plain-cap", default="none", help="GPU memory cap of plain (default: none)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per engine before it is killed")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole run: later engines get what is left (minus a margin)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for dry runs")
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "runs", "bench"))
+    p.add_argument("--append-docs", default=None, help="append the markdown section to this file")
+    p.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse, if it works)")
+    p.add_argument("--python", default=sys.executable, help="interpreter for the engine processes")
+    p.add_argument("--engine-args", action="append", default=[], metavar="NAME=ARGS",
+                   help="extra arguments for one engine, e.g. fsdp2='--optimizer fused' (repeatable)")
+    p.add_argument("--from-json", default=None, help="only re-render (and --append-docs) a results JSON")
+    args = p.parse_args(argv)
+    extra = {}
+    for item in args.engine_args:
+        name, _, rest = item.partition("=")
+        extra[name.strip()] = (extra.get(name.strip(), "") + " " + rest).strip()
+    args.engine_args = extra
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        md = render(doc)
+        print(md)
+        if args.append_docs:
+            append_docs(md, args.append_docs)
+        return 0
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        sys.exit(f"unknown engine(s) {unknown}; expected some of {list(ENGINES)}")
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    deadline = t_start + args.budget if args.budget else None
+    doc = {"meta": {
+        "workload": args.workload,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": args.commit or git_commit(),
+        "machine": machine_info(),
+        "command": command_line(),
+        "cap": args.cap, "plain_cap": args.plain_cap, "steps": args.steps, "fsdp2_steps": args.fsdp2_steps,
+        "engines": engines,
+    }, "results": []}
+    print(f"bench {args.workload}: engines {engines}; machine {doc['meta']['machine']}", flush=True)
+    log_path = os.path.join(args.out, f"log_{args.workload}.txt")
+    with tempfile.TemporaryDirectory(prefix="zerofit-bench-") as tmpdir, open(log_path, "a") as log:
+        for name in engines:
+            steps = args.fsdp2_steps if name == "fsdp2" else args.steps
+            cap = args.plain_cap if name == "plain" else args.cap
+            timeout = args.timeout
+            if deadline:
+                timeout = min(timeout, deadline - time.time() - 10)
+            if timeout < 20:
+                res = {"engine": name, "status": "skipped", "error": "no time left in --budget"}
+            else:
+                print(f"--- {name}: {steps} steps, cap {cap}, timeout {timeout:.0f} s", flush=True)
+                res = run_engine(name, args, steps, cap, timeout, tmpdir, log)
+            doc["results"].append(res)
+            write_outputs(doc, args.out)  # after every engine: a killed run keeps what it had
+            tps = res.get("tokens_per_s")
+            print(f"--- {name}: {res.get('status')}"
+                  + (f", {tps:,.0f} tokens/s, {res.get('s_per_step'):.2f} s/step" if tps else "")
+                  + (f", {res.get('wall_s')} s wall" if res.get("wall_s") else "")
+                  + (f": {res.get('error')}" if res.get("status") != "ok" else ""), flush=True)
+            if res.get("status") not in ("ok", "skipped"):
+                tail = open(os.path.join(tmpdir, f"{name}.log"), errors="replace").read().splitlines()[-12:] \
+                    if os.path.exists(os.path.join(tmpdir, f"{name}.log")) else []
+                print("\n".join(f"    | {ln[:300]}" for ln in tail), flush=True)
+    md = write_outputs(doc, args.out)
+    if args.append_docs:
+        append_docs(md, args.append_docs)
+    print(f"\nwrote {args.out}/results_{args.workload}.json, .md, log_{args.workload}.txt "
+          f"({time.time() - t_start:.0f} s)\n", flush=True)
+    print(md, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""``zerofit doctor``: measure this machine's limits before choosing an offload plan.
+
+    zerofit doctor --disk /mnt/nvme
+
+Every figure the planner's arithmetic depends on (see ENGINE.md, "Where the
+time of one optimizer step goes"): GPU memory, host<->GPU copy bandwidth pinned
+and pageable, the CPU optimizer's speed, host RAM, and the disk that would hold
+an NVMe tier. Each measurement is bounded in time (the whole run takes well
+under 30 s) and fails on its own: an error in one is reported in its place and
+the others still run.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass
+class GpuInfo:
+    """The first CUDA device (``cuda:0``), or why there is none."""
+
+    available: bool
+    reason: str = ""  # why there is no GPU, when ``available`` is false
+    name: str = ""
+    count: int = 0  # CUDA devices visible to this process
+    driver_version: str = ""  # from nvidia-smi when present, else the CUDA driver API version
+    cuda_runtime: str = ""  # torch.version.cuda: the CUDA this torch was built against
+    capability: str = ""  # compute capability, e.g. "9.0"
+    memory_total_bytes: int = 0
+    memory_free_bytes: int = 0
+
+
+@dataclass
+class CopyBandwidth:
+    """One host<->GPU copy measurement."""
+
+    direction: str  # "host->gpu" or "gpu->host"
+    host_memory: str  # "pinned" or "pageable"
+    bytes_per_copy: int
+    repeats: int
+    gb_per_s: float  # best of ``repeats``, 1e9 bytes per second
+
+
+@dataclass
+class OptimizerSpeed:
+    """``torch.optim.AdamW`` stepping fp32 parameters on the CPU."""
+
+    implementation: str  # "fused" or "foreach" (when fused is not available)
+    params: int
+    steps: int
+    threads: int  # torch.get_num_threads()
+    params_per_s: float  # best of ``steps``
+
+
+@dataclass
+class HostMemory:
+    total_bytes: int
+    available_bytes: int
+    cpu_cores: int  # logical CPUs
+    torch_threads: int
+
+
+@dataclass
+class DiskSpeed:
+    """Sequential 1 MiB writes (with fsync) and reads of a scratch file under ``path``."""
+
+    path: str
+    total_bytes: int
+    free_bytes: int
+    bytes_tested: int = 0
+    direct_io: bool = False  # O_DIRECT used (page cache bypassed); else buffered + fsync + fadvise
+    write_gb_per_s: float = 0.0
+    read_gb_per_s: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class DoctorReport:
+    """Everything ``zerofit doctor`` measured; ``errors`` names each measurement that failed and why."""
+
+    torch_version: str
+    python_version: str
+    platform: str
+    gpu: GpuInfo
+    host: HostMemory | None = None
+    copies: list[CopyBandwidth] = field(default_factory=list)
+    optimizer: OptimizerSpeed | None = None
+    disk: DiskSpeed | None = None
+    errors: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0  # wall time of the whole run
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- GPU
+
+def gpu_info() -> GpuInfo:
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            reason = f"this torch ({torch.__version__}) is a CPU-only build"
+        else:
+            reason = f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable CUDA device"
+        return GpuInfo(available=False, reason=reason)
+    props = torch.cuda.get_device_properties(0)
+    free, total = torch.cuda.mem_get_info(0)
+    return GpuInfo(
+        available=True,
+        name=props.name,
+        count=torch.cuda.device_count(),
+        driver_version=_driver_version(),
+        cuda_runtime=str(torch.version.cuda),
+        capability=f"{props.major}.{props.minor}",
+        memory_total_bytes=int(total),
+        memory_free_bytes=int(free),
+    )
+
+
+def _driver_version() -> str:
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=5)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:  # the CUDA driver API version, e.g. 12040 -> "CUDA driver API 12.4"
+        v = int(torch._C._cuda_getDriverVersion())
+        return f"CUDA driver API {v // 1000}.{(v % 1000) // 10}"
+    except Exception:  # a private API: absent is not an error worth reporting
+        return "unknown"
+
+
+def copy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 3) -> list[CopyBandwidth]:
+    """Host->GPU and GPU->host copies of ``nbytes``, from pinned and from pageable host memory.
+
+    Timed with CUDA events on the current stream; the best of ``repeats`` after one warm-up copy.
+    """
+    dev = torch.device("cuda", 0)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    results = []
+    for host_memory in ("pinned", "pageable"):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=(host_memory == "pinned"))
+        host.fill_(1)  # touch every page: a first-touch fault is not a copy
+        for direction in ("host->gpu", "gpu->host"):
+            src, dst = (host, gpu) if direction == "host->gpu" else (gpu, host)
+            best = float("inf")
+            for i in range(repeats + 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=(host_memory == "pinned"))
+                end.record()
+                end.synchronize()  # waits for this copy only, see ENGINE.md on device-wide syncs
+                if i > 0:  # the first copy is a warm-up
+                    best = min(best, start.elapsed_time(end) / 1000.0)
+            results.append(CopyBandwidth(direction, host_memory, nbytes, repeats, nbytes / best / 1e9))
+        del host
+    del gpu
+    torch.cuda.empty_cache()
+    return results
+
+
+# ---------------------------------------------------------------- CPU optimizer
+
+def optimizer_speed(params: int = 16 * MiB, time_limit_s: float = 5.0) -> OptimizerSpeed:
+    """Steps of ``torch.optim.AdamW`` over ``params`` fp32 parameters (4 tensors) on the CPU.
+
+    Fused AdamW when this torch has it on the CPU, else ``foreach``. One warm-up
+    step (it allocates the moments), then up to 5 timed steps within ``time_limit_s``.
+    """
+    chunk = params // 4
+    tensors = [torch.nn.Parameter(torch.randn(chunk)) for _ in range(4)]
+    for t in tensors:
+        t.grad = torch.randn(chunk) * 1e-3
+    try:
+        opt, impl = torch.optim.AdamW(tensors, lr=1e-3, fused=True), "fused"
+        opt.step()
+    except (RuntimeError, TypeError, ValueError):
+        opt, impl = torch.optim.AdamW(tensors, lr=1e-3, foreach=True), "foreach"
+        opt.step()
+    times: list[float] = []
+    deadline = time.perf_counter() + time_limit_s
+    while len(times) < 5 and (not times or time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return OptimizerSpeed(impl, chunk * 4, len(times), torch.get_num_threads(), chunk * 4 / min(times))
+
+
+# ---------------------------------------------------------------- host
+
+def host_memory() -> HostMemory:
+    vm = psutil.virtual_memory()
+    return HostMemory(int(vm.total), int(vm.available), os.cpu_count() or 1, torch.get_num_threads())
+
+
+# ---------------------------------------------------------------- disk
+
+def disk_speed(path: str | Path = ".", nbytes: int = 256 * MiB, time_limit_s: float = 8.0) -> DiskSpeed:
+    """Write ``nbytes`` in 1 MiB chunks then fsync, read them back, delete the file.
+
+    O_DIRECT is tried first (the page cache would otherwise make the read a memory
+    copy); where the file system refuses it (tmpfs, some overlays) the test falls
+    back to buffered I/O and drops the written pages with ``posix_fadvise`` before
+    reading. Writing stops early at ``time_limit_s / 2``; the figures then use the
+    bytes actually moved. Less than 2x ``nbytes`` free shrinks the test (to half the
+    free space), and skips it below 16 MiB.
+    """
+    folder = Path(path).expanduser().resolve()
+    if not folder.is_dir():
+        raise NotADirectoryError(f"--disk {path}: not a folder")
+    usage = shutil.disk_usage(folder)
+    result = DiskSpeed(str(folder), int(usage.total), int(usage.free))
+    wanted, nbytes = nbytes, min(nbytes, (usage.free // 2) // MiB * MiB)
+    if nbytes < min(wanted, 16 * MiB):
+        result.note = f"skipped: only {usage.free / MiB:.0f} MiB free"
+        return result
+    buf = mmap.mmap(-1, MiB)  # page-aligned, as O_DIRECT requires
+    buf.write(os.urandom(MiB))
+    fd, name = tempfile.mkstemp(prefix=".zerofit-doctor-", dir=folder)
+    os.close(fd)
+    try:
+        fd, direct = _open(name, os.O_WRONLY | os.O_TRUNC)
+        written = 0
+        t0 = time.perf_counter()
+        try:
+            while written < nbytes and time.perf_counter() - t0 < time_limit_s / 2:
+                written += os.write(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        write_s = time.perf_counter() - t0
+
+        if not direct and hasattr(os, "posix_fadvise"):
+            fd = os.open(name, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages after fsync: dropped
+            os.close(fd)
+        fd, _ = _open(name, os.O_RDONLY, direct=direct)
+        read = 0
+        t0 = time.perf_counter()
+        try:
+            while read < written:
+                n = os.readv(fd, [buf])
+                if n <= 0:
+                    break
+                read += n
+        finally:
+            os.close(fd)
+        read_s = time.perf_counter() - t0
+    finally:
+        buf.close()
+        os.unlink(name)
+    result.bytes_tested = written
+    result.direct_io = direct
+    result.write_gb_per_s = written / write_s / 1e9
+    result.read_gb_per_s = read / read_s / 1e9 if read_s > 0 else 0.0
+    if not direct:
+        result.note = "O_DIRECT not supported here: buffered I/O, page cache dropped before reading"
+    return result
+
+
+def _open(name: str, flags: int, direct: bool = True) -> tuple[int, bool]:
+    """Open with O_DIRECT when asked and supported; report whether it was used."""
+    o_direct = getattr(os, "O_DIRECT", 0)
+    if direct and o_direct:
+        try:
+            return os.open(name, flags | o_direct), True
+        except OSError:  # EINVAL: this file system does not do direct I/O
+            pass
+    return os.open(name, flags), False
+
+
+# ---------------------------------------------------------------- all together
+
+def run_doctor(disk: str | Path = ".", *, copy_bytes: int = 256 * MiB, optimizer_params: int = 16 * MiB,
+               disk_bytes: int = 256 * MiB) -> DoctorReport:
+    """Measure everything; a measurement that fails records its error and the rest still run."""
+    t0 = time.perf_counter()
+    report = DoctorReport(torch_version=torch.__version__, python_version=platform.python_version(),
+                          platform=platform.platform(), gpu=GpuInfo(available=False))
+
+    def attempt(name: str, fn: Callable[[], object]) -> object | None:
+        try:
+            return fn()
+        except Exception as e:  # a broken measurement is a finding, not a crash
+            report.errors[name] = f"{type(e).__name__}: {e}"
+            return None
+
+    report.gpu = attempt("gpu", gpu_info) or GpuInfo(available=False, reason=report.errors.get("gpu", ""))
+    report.host = attempt("host", host_memory)
+    if report.gpu.available:
+        report.copies = attempt("copies", lambda: copy_bandwidth(copy_bytes)) or []
+    report.optimizer = attempt("optimizer", lambda: optimizer_speed(optimizer_params))
+    report.disk = attempt("disk", lambda: disk_speed(disk, disk_bytes))
+    report.seconds = time.perf_counter() - t0
+    return report

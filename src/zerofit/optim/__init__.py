@@ -1,0 +1,1 @@
+"""Optimizer-side pieces: learning-rate schedules, the fp16 loss scaler, AdamW."""

@@ -1,0 +1,128 @@
+"""Learning-rate schedules: the lr of each optimizer step, as a pure function.
+
+``lr_at(step, optimizer_lr, sched)`` is the learning rate used by optimizer step
+number ``step``, where ``step`` counts the optimizer steps *applied* before it
+(0 for the first). fp16 steps skipped for overflow do not count, as in DeepSpeed
+(its engine calls ``lr_scheduler.step()`` only when the step was applied).
+
+``make_lambda`` gives the same schedule as a multiplier for
+``torch.optim.lr_scheduler.LambdaLR(optimizer, make_lambda(lr, sched))`` stepped
+once after every applied optimizer step.
+
+zerofit's own schedules (``constant``, ``linear``, ``cosine``), with ``W =
+warmup_steps``, ``T = total_steps``, ``r = min_lr_ratio`` and ``lr`` the optimizer's lr:
+
+* warm-up, ``step < W``: ``lr * (step + 1) / (W + 1)`` (never 0, reaches ``lr`` at ``step == W``);
+* then ``p = clamp((step - W) / max(1, T - W), 0, 1)``:
+  constant ``lr``; linear ``lr * (1 - (1 - r) * p)``; cosine ``lr * (r + (1 - r) * (1 + cos(pi p)) / 2)``.
+  Both reach ``r * lr`` at ``step == T`` and stay there.
+
+DeepSpeed's schedules (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``) follow
+``deepspeed/runtime/lr_schedules.py`` (deepspeedai/DeepSpeed, read at commit
+22779f2c6e335b494c90c05917206d3b14510d2d) exactly. See [Note: DeepSpeed's step offset].
+
+[Note: DeepSpeed's step offset]
+DeepSpeed builds the scheduler with ``last_batch_iteration=-1`` and its
+``__init__`` already writes ``get_lr()`` into the optimizer; the engine then
+calls ``scheduler.step()`` after each applied optimizer step, which increments
+``last_batch_iteration`` first and then sets the lr. So the lr used by applied
+step ``s`` is ``get_lr()`` evaluated at ``last_batch_iteration = s - 1``:
+
+* ``s = 0``: ``last_batch_iteration = -1``, for which DeepSpeed returns
+  ``warmup_min_lr`` (WarmupLR/WarmupDecayLR) and ``0.0`` (WarmupCosineLR);
+* ``s = 1``: ``last_batch_iteration = 0``; the log warm-up gives
+  ``log(0 + 1) = 0``, so again ``warmup_min_lr`` (or ``warmup_min_ratio * lr``).
+
+The warm-up length is ``max(2, warmup_num_steps)`` (DeepSpeed's floor). We keep
+all of this, so a run resumed from DeepSpeed or compared against it sees the
+same learning rate at every step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from zerofit.config.schema import ConfigError, SchedulerConfig
+
+__all__ = ["lr_at", "make_lambda", "deepspeed_lr"]
+
+
+def lr_at(step: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
+    """Learning rate of the optimizer step taken after ``step`` applied steps (see the module docstring)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an integer >= 0 (applied optimizer steps so far), found {step!r}")
+    if sched.type in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        # [Note: DeepSpeed's step offset]
+        return deepspeed_lr(step - 1, optimizer_lr, sched)
+
+    warmup = sched.warmup_steps
+    if step < warmup:
+        return optimizer_lr * (step + 1) / (warmup + 1)
+    if sched.type == "constant":
+        return optimizer_lr
+    total = _total_steps(sched)
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
+    floor = sched.min_lr_ratio
+    if sched.type == "linear":
+        return optimizer_lr * (1.0 - (1.0 - floor) * progress)
+    # cosine
+    return optimizer_lr * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def deepspeed_lr(last_batch_iteration: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
+    """DeepSpeed's ``get_lr()`` for ``WarmupLR``/``WarmupDecayLR``/``WarmupCosineLR`` at ``last_batch_iteration``.
+
+    A statement of DeepSpeed's formulas in DeepSpeed's own terms; :func:`lr_at`
+    calls it with ``last_batch_iteration = step - 1``.
+    """
+    it = last_batch_iteration
+    warmup = max(2, sched.warmup_steps)  # DeepSpeed: self.warmup_num_steps = max(2, warmup_num_steps)
+    if sched.type == "WarmupCosineLR":
+        if it < 0:
+            return 0.0  # DeepSpeed: get_lr() before the schedule has started returns 0.0
+        if it < warmup:
+            ratio = _warmup_gamma(it, warmup, sched.warmup_type)
+            return optimizer_lr * (sched.warmup_min_ratio + ratio * (1.0 - sched.warmup_min_ratio))
+        total = _total_steps(sched)
+        progress = min(1.0, (it - warmup + 1) / max(1, total - warmup))
+        ratio = (1 + math.cos(math.pi * progress)) / 2
+        return optimizer_lr * max(0.0, sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * ratio)
+
+    min_lr = sched.warmup_min_lr
+    max_lr = optimizer_lr if sched.warmup_max_lr is None else sched.warmup_max_lr
+    if it < 0:
+        return min_lr  # DeepSpeed: get_lr() before the schedule has started returns the min lrs
+    if it < warmup:
+        gamma = _warmup_gamma(it, warmup, sched.warmup_type)
+    elif sched.type == "WarmupLR":
+        gamma = 1.0
+    else:  # WarmupDecayLR
+        total = _total_steps(sched)
+        gamma = max(0.0, float(total - it) / float(max(1.0, total - warmup)))
+    return min_lr + (max_lr - min_lr) * gamma
+
+
+def _warmup_gamma(it: int, warmup: int, kind: str) -> float:
+    if kind == "log":
+        return (1.0 / math.log(warmup)) * math.log(it + 1)  # DeepSpeed: inverse_log_warm_up * log(it + 1)
+    return it / warmup
+
+
+def _total_steps(sched: SchedulerConfig) -> int:
+    if sched.total_steps is None:
+        raise ConfigError("scheduler.total_steps", f"the run's length in optimizer steps ({sched.type} decays "
+                          "over it)", "nothing", "set scheduler.total_steps, or let the engine supply the run length")
+    return sched.total_steps
+
+
+def make_lambda(optimizer_lr: float, sched: SchedulerConfig) -> Callable[[int], float]:
+    """``step -> lr_at(step) / optimizer_lr``, for ``torch.optim.lr_scheduler.LambdaLR``.
+
+    ``LambdaLR`` calls it with 0 at construction and with ``k`` after its ``k``-th
+    ``step()``; stepping it once after every applied optimizer step therefore
+    gives step ``k`` the learning rate ``lr_at(k, optimizer_lr, sched)``.
+    """
+    if not optimizer_lr > 0:
+        raise ValueError(f"optimizer_lr must be > 0 to express the schedule as a multiplier, found {optimizer_lr}")
+    return lambda step: lr_at(step, optimizer_lr, sched) / optimizer_lr

@@ -333,7 +333,7 @@ def last_line(exc: BaseException) -> str:
 
 def engine_args(description: str) -> argparse.ArgumentParser:
     """The options every engine script takes (engines add their own)."""
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="smoke", choices=sorted(WORKLOADS))
     p.add_argument("--steps", type=int, default=4, help="optimizer steps, warm-up included (default 4)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps (default 1)")

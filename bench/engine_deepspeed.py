@@ -1,6 +1,6 @@
-"""DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory (the main peer).
+"""python bench/engine_deepspeed.py --workload W1 --cap 24GiB --result /tmp/ds.json
 
-    python bench/engine_deepspeed.py --workload W1 --cap 24GiB --result /tmp/ds.json
+DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory (the main peer).
 
 Single process (rank 0 of 1 on 127.0.0.1, NCCL). The config is the one of
 ``shared/bench/WORKLOADS.md``: bf16, ZeRO stage 3, ``offload_optimizer`` and
@@ -128,7 +128,7 @@ class DeepSpeedEngine:
 
 
 def main() -> int:
-    p = common.engine_args(__doc__.splitlines()[0])
+    p = common.engine_args(__doc__)
     p.add_argument("--reentrant-checkpointing", action="store_true",
                    help="use_reentrant=True for HF checkpointing (fallback if non-reentrant fails under ZeRO-3)")
     args = p.parse_args()

@@ -1,7 +1,7 @@
-"""PyTorch FSDP2 (``fully_shard``) with CPU offload, one process: the second peer.
+"""python bench/engine_fsdp2.py --workload W1 --cap 24GiB --steps 2 --result /tmp/fsdp2.json
+python bench/engine_fsdp2.py --workload smoke --device cpu --steps 2   # dry run: gloo, no offload
 
-    python bench/engine_fsdp2.py --workload W1 --cap 24GiB --steps 2 --result /tmp/fsdp2.json
-    python bench/engine_fsdp2.py --workload smoke --device cpu --steps 2   # dry run: gloo, no offload
+PyTorch FSDP2 (``fully_shard``) with CPU offload, one process: the second peer.
 
 ``fully_shard`` on every decoder layer and then on the root, with
 ``CPUOffloadPolicy(pin_memory=True)`` and ``MixedPrecisionPolicy(param_dtype=bf16,
@@ -86,7 +86,7 @@ class FSDP2:
 
 
 def main() -> int:
-    p = common.engine_args(__doc__.splitlines()[0])
+    p = common.engine_args(__doc__)
     p.add_argument("--optimizer", default="default", choices=["default", "foreach", "fused"],
                    help="torch.optim.AdamW implementation on the CPU shards (default: torch's choice)")
     p.add_argument("--no-pin-memory", dest="pin_memory", action="store_false",

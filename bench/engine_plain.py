@@ -1,7 +1,7 @@
-"""Everything on the GPU, no cap: the in-GPU speed the offloading engines are measured against.
+"""python bench/engine_plain.py --workload W1 --cap none --result /tmp/plain.json
+python bench/engine_plain.py --workload smoke --device cpu          # dry run on CPU
 
-    python bench/engine_plain.py --workload W1 --cap none --result /tmp/plain.json
-    python bench/engine_plain.py --workload smoke --device cpu          # dry run on CPU
+Everything on the GPU, no cap: the in-GPU speed the offloading engines are measured against.
 
 fp32 parameters on the device, bf16 compute under ``torch.autocast``, Hugging
 Face gradient checkpointing (non-reentrant) on every decoder layer, fused AdamW
@@ -47,7 +47,7 @@ class Plain:
 
 
 def main() -> int:
-    args = common.engine_args(__doc__.splitlines()[0]).parse_args()
+    args = common.engine_args(__doc__).parse_args()
     return common.run_engine("plain", args, Plain, Plain.step, uses_cap=True)
 
 

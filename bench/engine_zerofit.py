@@ -1,7 +1,7 @@
-"""zerofit through its Python API, the way a user calls it.
+"""python bench/engine_zerofit.py --workload W1 --cap 24GiB --result /tmp/zerofit.json
+python bench/engine_zerofit.py --workload smoke --device cpu --steps 2
 
-    python bench/engine_zerofit.py --workload W1 --cap 24GiB --result /tmp/zerofit.json
-    python bench/engine_zerofit.py --workload smoke --device cpu --steps 2
+zerofit through its Python API, the way a user calls it.
 
 The model is built on the meta device; ``zerofit.initialize`` materialises and
 places it. The GPU cap goes into the config (``max_gpu_memory``): zerofit sets
@@ -64,7 +64,7 @@ class Zerofit:
 
 
 def main() -> int:
-    args = common.engine_args(__doc__.splitlines()[0]).parse_args()
+    args = common.engine_args(__doc__).parse_args()
     return common.run_engine("zerofit", args, Zerofit, Zerofit.step, uses_cap=False,
                              version_modules=("zerofit",))
 

@@ -1,9 +1,9 @@
-"""Run one workload for several engines, each in its own process, and tabulate them.
+"""python3 bench/run.py --workload W1 --engines plain,zerofit,deepspeed,fsdp2 --steps 4 \\
+    --fsdp2-steps 2 --cap 24GiB --timeout 300 --budget 570 --out $OUT --commit <sha>
+python3 bench/run.py --workload smoke --engines plain,zerofit --device cpu --steps 2 --out /tmp/b
+python3 bench/run.py --from-json results_W1.json --append-docs docs/benchmarks.md   # re-render
 
-    python3 bench/run.py --workload W1 --engines plain,zerofit,deepspeed,fsdp2 --steps 4 \\
-        --fsdp2-steps 2 --cap 24GiB --timeout 300 --budget 570 --out $OUT --commit <sha>
-    python3 bench/run.py --workload smoke --engines plain,zerofit --device cpu --steps 2 --out /tmp/b
-    python3 bench/run.py --from-json results_W1.json --append-docs docs/benchmarks.md   # re-render
+Run one workload for several engines, each in its own process, and tabulate them.
 
 Each engine runs as ``python bench/engine_<name>.py`` in a fresh process (its
 own session, so a timeout kills the whole process group): GPU and host memory
@@ -268,8 +268,7 @@ def append_docs(md: str, path: str) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="W1", help="W1, W2, W3 or smoke")
     p.add_argument("--engines", default="plain,zerofit,deepspeed,fsdp2",
                    help=f"comma-separated, run in this order; from {', '.join(ENGINES)}")

@@ -104,6 +104,7 @@ def test_doctor_disk_must_exist(tmp_path):
 
 # ---------------------------------------------------------------- train
 
+@pytest.mark.timeout(300)
 def test_train_tiny_budget():
     r = invoke("train", *TINY)
     assert r.exit_code == 0, r.output
@@ -114,6 +115,7 @@ def test_train_tiny_budget():
 
 @needs_fixtures
 @pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: p.name)
+@pytest.mark.timeout(300)
 def test_train_with_each_fixture(path):
     r = invoke("train", "--config", path, "--steps", "1", "--seq-len", "32", "--sample-tokens", "0",
                "--micro-batch-size", "1", "--grad-accum", "2")

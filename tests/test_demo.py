@@ -122,6 +122,7 @@ def test_user_config_file_with_options_on_top():
 
 # ---------------------------------------------------------------- training through the engine
 
+@pytest.mark.timeout(600)
 def test_demo_trains_loss_falls():
     options = DemoOptions(steps=12, micro_batch_size=8, seq_len=64, sample_tokens=20)
     out = io.StringIO()
@@ -137,6 +138,7 @@ def test_demo_trains_loss_falls():
     assert "train" in out.getvalue()
 
 
+@pytest.mark.timeout(300)
 def test_time_budget_stops_after_the_first_step():
     result = run_demo(DemoOptions(steps=50, micro_batch_size=2, seq_len=32, time_budget=0.0, sample_tokens=0),
                       console=Console(file=io.StringIO()), progress=False)

@@ -109,7 +109,7 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
 def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: torch.dtype, on_cuda: bool,
               device_budget: int | None, host_budget: int | None, deferred_updates: bool,
               checkpointing: bool, stream_params: bool, optimizer_on_host: bool,
-              resident_blocks: int | None, prefetch_depth: int | None, staging: int = 4,
+              resident_blocks: int | None, prefetch_depth: int | None, staging: int = 12,
               shell_on_device: bool | None = None) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
@@ -139,7 +139,12 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         slots = depth + 1 if streamed else 0
         slots = min(slots, len(streamed))
         gslots = min(2, len(streamed))
+        # Gradient staging buffers let the CPU optimizer fall behind the backward by that many units
+        # without stalling it; take up to ``staging`` while they fit in a quarter of the host budget.
         stage = min(2 if deferred_updates else staging, n_cpu_units)
+        unit_bytes = max(list(streamed) + [shape.shell_numel], default=0) * 4
+        if host_budget and unit_bytes and not deferred_updates:
+            stage = max(min(stage, 2 * n_cpu_units), min(stage, max(2, host_budget // 4 // unit_bytes)))
         stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
         dev = {
             "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),

@@ -44,14 +44,14 @@ class Zerofit:
             "gradient_accumulation_steps": w.grad_accum,
             "optimizer": {"lr": 1e-4, "weight_decay": 0.01},
             "activation_checkpointing": True,
+            "seq_len": w.seq,
         }
         if common.parse_bytes(args.cap):
             self.config["max_gpu_memory"] = args.cap
         res.extra["zerofit_config"] = self.config
         self.engine = zerofit.initialize(model, self.config)
-        for attr in ("plan",):
-            if hasattr(self.engine, attr):
-                res.extra[attr] = repr(getattr(self.engine, attr))[:2000]
+        res.extra["plan"] = self.engine.plan.describe()
+        print(f"[zerofit] {res.extra['plan']}", flush=True)
 
     def step(self, micro_batches):
         loss = self.engine.train_batch([{"input_ids": ids, "labels": ids} for ids in micro_batches])

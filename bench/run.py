@@ -1,5 +1,5 @@
 """python3 bench/run.py --workload W1 --engines plain,zerofit,deepspeed,fsdp2 --steps 4 \\
-    --fsdp2-steps 2 --cap 24GiB --timeout 300 --budget 570 --out $OUT --commit <sha>
+    --fsdp2-steps 2 --cap 24GiB --timeout 300 --budget 540 --out $OUT --commit <sha>
 python3 bench/run.py --workload smoke --engines plain,zerofit --device cpu --steps 2 --out /tmp/b
 python3 bench/run.py --from-json results_W1.json --append-docs docs/benchmarks.md   # re-render
 

@@ -82,7 +82,7 @@ def test_model_is_a_tiny_llama_built_from_a_seed():
     n = sum(p.numel() for p in a.parameters())
     assert 2_000_000 < n < 6_000_000
     assert a.config.model_type == "llama" and a.config.num_key_value_heads == 2
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.lm_head.weight, build_model(seed=2).lm_head.weight)
 
 
@@ -130,7 +130,7 @@ def test_demo_trains_loss_falls():
     assert result.steps == 12 and not result.stopped_early
     assert all(math.isfinite(x) for x in result.losses)
     assert result.first_loss > 5.0  # ~ln(258) = 5.55 at initialisation
-    assert result.last_loss < result.first_loss - 1.5, result.losses
+    assert result.final_loss < result.first_loss - 1.5, result.losses
     assert result.eval_loss_after < result.eval_loss_before - 1.5
     assert result.tokens_per_s > 0 and result.timeline["step"] > 0
     assert {"compute", "step"} <= set(result.timeline)

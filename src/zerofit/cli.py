@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from zerofit.demo.options import DemoOptions
+
+_DEFAULT = DemoOptions()
 app = typer.Typer(name="zerofit", no_args_is_help=True, add_completion=False,
                   help="Train language models whose training state is larger than GPU memory.")
 config_app = typer.Typer(no_args_is_help=True, help="Read and check configurations.")
@@ -43,23 +46,35 @@ def _fail(console: Console, message: str) -> None:
 
 @app.command()
 def train(
-    config: Annotated[Optional[Path], typer.Option(help="DeepSpeed or zerofit JSON config; default: the demo's own.")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps (scheduler.total_steps).")] = 60,
-    micro_batch_size: Annotated[Optional[int], typer.Option(min=1, help="Sequences per micro-batch (micro_batch_size).")] = None,
-    grad_accum: Annotated[Optional[int], typer.Option(min=1, help="Micro-batches per step (gradient_accumulation_steps).")] = None,
-    seq_len: Annotated[int, typer.Option(min=8, help="Tokens (bytes) per sequence.")] = 256,
-    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (optimizer.lr).")] = None,
-    precision: Annotated[Optional[Precision], typer.Option(help="Compute dtype (precision); default bf16 on a GPU, fp32 on the CPU.")] = None,
-    max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget, e.g. 24GiB (max_gpu_memory).")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    seed: Annotated[Optional[int], typer.Option(min=0, help="Random seed (seed).")] = None,
-    time_budget: Annotated[Optional[float], typer.Option(min=0, help="Stop training after this many seconds.")] = None,
-    sample_tokens: Annotated[int, typer.Option(min=0, help="Bytes to generate after training.")] = 160,
+    config: Annotated[Path | None, typer.Option(
+        help="DeepSpeed or zerofit JSON config; default: the demo's own.")] = None,
+    steps: Annotated[int, typer.Option(
+        min=1, help="Optimizer steps (scheduler.total_steps).")] = _DEFAULT.steps,
+    micro_batch_size: Annotated[int | None, typer.Option(
+        min=1, help="Sequences per micro-batch (micro_batch_size); demo default 8.")] = None,
+    grad_accum: Annotated[int | None, typer.Option(
+        min=1, help="Micro-batches per step (gradient_accumulation_steps); demo default 1.")] = None,
+    seq_len: Annotated[int, typer.Option(
+        min=8, help="Tokens (bytes) per sequence.")] = _DEFAULT.seq_len,
+    lr: Annotated[float | None, typer.Option(
+        help="Peak learning rate (optimizer.lr); demo default 4e-3.")] = None,
+    precision: Annotated[Precision | None, typer.Option(
+        help="Compute dtype (precision); demo default bf16 on a GPU, fp32 on the CPU.")] = None,
+    max_gpu_memory: Annotated[str | None, typer.Option(
+        help="GPU memory budget, e.g. 24GiB (max_gpu_memory).")] = None,
+    device: Annotated[str, typer.Option(
+        help="auto (the first GPU, else the CPU), cpu, cuda or cuda:N.")] = _DEFAULT.device,
+    seed: Annotated[int | None, typer.Option(
+        min=0, help="Random seed (seed); demo default 0.")] = None,
+    time_budget: Annotated[float | None, typer.Option(
+        min=0, help="No new step starts after this many seconds of training.")] = None,
+    sample_tokens: Annotated[int, typer.Option(
+        min=0, help="Bytes to generate after training; 0 skips the sample.")] = _DEFAULT.sample_tokens,
 ) -> None:
     """Train the embedded demo model (a tiny Llama on Python's own source) through zerofit's engine."""
     from zerofit.config import ConfigError
     from zerofit.demo.report import render_start, render_summary
-    from zerofit.demo.run import DemoOptions, run_demo
+    from zerofit.demo.run import run_demo
 
     console = Console()
     options = DemoOptions(

@@ -55,7 +55,10 @@ def render_summary(result: DemoResult, console: Console) -> None:
     if result.stopped_early:
         steps += " (time budget reached)"
     t.add_row("steps", f"{steps} in {result.train_seconds:.1f} s")
-    t.add_row("training loss", f"{result.first_loss:.3f} (step 1) -> {result.last_loss:.3f} (step {result.steps})")
+    last = f"{result.last_loss:.3f} (step {result.steps})"
+    if result.steps > 10:
+        last = f"{result.final_loss:.3f} (mean of the last 10 steps; step {result.steps}: {result.last_loss:.3f})"
+    t.add_row("training loss", f"{result.first_loss:.3f} (step 1) -> {last}")
     t.add_row("held-out loss", f"{result.eval_loss_before:.3f} -> {result.eval_loss_after:.3f}")
     t.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s ({result.tokens_per_step:,} tokens per step)")
     mem = result.memory

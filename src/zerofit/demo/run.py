@@ -16,7 +16,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,32 +26,11 @@ import zerofit
 from zerofit.config import LoadedConfig, load_config
 from zerofit.demo.corpus import Corpus, load_corpus, micro_batches, random_windows
 from zerofit.demo.model import build_model, eval_loss, sample
+from zerofit.demo.options import DemoOptions
 from zerofit.demo.tokenizer import ByteTokenizer
 
 SAMPLE_PROMPT = "def "
 EVAL_BATCHES = 4  # held-out micro-batches of 8 windows for the evaluation loss
-
-
-@dataclass(frozen=True)
-class DemoOptions:
-    """What ``zerofit train`` can set. ``None`` means "the demo's default" (or the ``config`` file's value).
-
-    Each option maps onto one field of the resolved :class:`~zerofit.config.ZerofitConfig`
-    (named beside it), except those that describe the run rather than the engine.
-    """
-
-    config: str | Path | None = None  # a DeepSpeed or zerofit JSON file; None = the demo's defaults
-    steps: int = 60  # optimizer steps (and scheduler.total_steps)
-    micro_batch_size: int | None = None  # micro_batch_size
-    grad_accum: int | None = None  # gradient_accumulation_steps
-    seq_len: int = 256  # tokens per sequence (run)
-    lr: float | None = None  # optimizer.lr
-    precision: str | None = None  # precision; None: bf16 on a GPU, fp32 on the CPU
-    max_gpu_memory: str | int | None = None  # max_gpu_memory
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (run)
-    seed: int | None = None  # seed
-    time_budget: float | None = None  # seconds of training after which no new step starts (run); step 1 always runs
-    sample_tokens: int = 160  # bytes generated after training (run)
 
 
 def demo_defaults(device: torch.device) -> dict[str, Any]:
@@ -60,7 +38,7 @@ def demo_defaults(device: torch.device) -> dict[str, Any]:
     on_gpu = device.type == "cuda"
     return {
         "precision": "bf16" if on_gpu else "fp32",  # the CPU has no fast bf16 matmul here
-        "micro_batch_size": 16,
+        "micro_batch_size": 8,
         "gradient_accumulation_steps": 1,
         "optimizer": {"lr": 4e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8},
         "scheduler": {"type": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1},
@@ -155,17 +133,24 @@ class DemoResult:
         return self.losses[-1] if self.losses else math.nan
 
     @property
+    def final_loss(self) -> float:
+        """Mean training loss of the last (up to) 10 steps: one small step's loss is noisy."""
+        tail = self.losses[-10:]
+        return sum(tail) / len(tail) if tail else math.nan
+
+    @property
     def tokens_per_s(self) -> float:
         return self.steps * self.tokens_per_step / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
-def run_demo(options: DemoOptions = DemoOptions(), console: Console | None = None, progress: bool = True,
+def run_demo(options: DemoOptions | None = None, console: Console | None = None, progress: bool = True,
              on_start: Callable[[DemoResult], None] | None = None) -> DemoResult:
     """Train the demo model as ``options`` say.
 
     ``on_start(result)`` is called once the configuration is resolved and the model
     built, before the engine starts (the CLI prints the run's summary there).
     """
+    options = options or DemoOptions()
     console = console or Console()
     device = resolve_device(options.device)
     loaded = resolve_config(options, device)

@@ -95,6 +95,8 @@ class Engine:
             dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         self.dev = Device.create(dev)
         if self.dev.is_cuda and config.max_gpu_memory:
+            # Running close to a cap: expandable segments keep fragmentation from turning into an OOM.
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory / total), dev)
         self.adapter = Adapter(model, adapter)
@@ -196,11 +198,14 @@ class Engine:
         self._shell_host_opt = not plan.shell_optimizer_on_device
         pinned = self.dev.is_cuda and self.config.offload.pin_memory
         fp32 = cb == torch.float32
-        # One pinned arena for the host copies that are uploaded: 16-bit weights of host-optimized
-        # units (in fp32 training the master itself is uploaded, so it lives in the arena).
+        # [Note: fp32 uploads]
+        # Host-optimized units upload their fp32 master itself (pinned, one arena) and the device casts it
+        # into the compute dtype: the CPU's only work per step is the AdamW update, no 16-bit copy-out.
+        # The PCIe bytes double (4 B/param each way up), which the measured budget affords; the CPU was
+        # the binding resource (design/ENGINE.md). The module's parameters are fp32 views of the same.
         sizes = [FlatLayout.of([(n, canon[n].shape) for n in names]).numel for names in self._unit_names]
         need = sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
-        arena = HostArena(need, cb, pinned) if need else None
+        arena = HostArena(need, torch.float32, pinned) if need else None
         if arena:
             self._arenas.append(arena)
         self.units: list[Unit] = []
@@ -212,10 +217,10 @@ class Engine:
             rel = FlatLayout(tuple(n[len(prefix):] for n in layout.names), layout.shapes, layout.offsets, layout.numel)
             unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
             values = self._unit_values(idx, names, canon, init_device)
-            if not on_dev and fp32:
-                master = arena.take(layout.numel)              # (numel,) fp32, pinned host: uploaded as is
-            else:
+            if on_dev:
                 master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
+            else:
+                master = arena.take(layout.numel)              # (numel,) fp32, pinned host: the upload source
             self._fill(master, values)
             del values
             unit.master = master
@@ -224,19 +229,17 @@ class Engine:
             unit.step = torch.zeros((), dtype=torch.float32, device=opt_dev)
             if on_dev:
                 unit.dev16 = master if fp32 else master.to(cb)
-                unit.host16 = unit.dev16.to("cpu") if self.dev.is_cuda else unit.dev16   # host mirror
+                unit.host = master.to("cpu") if self.dev.is_cuda else master   # host mirror, fp32
             else:
-                unit.host16 = master if fp32 else arena.take(layout.numel)
-                if not fp32:
-                    unit.host16.copy_(master)
+                unit.host = master
                 if home is Home.RESIDENT:
-                    unit.dev16 = unit.host16.to(dev)
+                    unit.dev16 = master.to(dev, cb)
             if home is Home.RESIDENT:
                 unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
             unit.updated = threading.Event()
             unit.updated.set()
-            # the module's own parameters become views of host16 (the current weights, on the host)
-            views = layout.views(unit.host16)
+            # the module's own parameters become views of the host weights (fp32, current after wait())
+            views = layout.views(unit.host)
             for n in names:
                 shared = nn.Parameter(views[n], requires_grad=canon[n].requires_grad)
                 for alias in self._aliases[n]:
@@ -250,6 +253,10 @@ class Engine:
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         cap = max((u.numel for u in streamed), default=0)
         self.weight_pool = SlotPool(self.dev, plan.weight_slots, cap, cb) if streamed else None
+        uploaded = streamed + ([self.shell] if self._shell_host_opt else [])
+        ucap = max((u.numel for u in uploaded), default=0)
+        self._upload_stage = (torch.empty(ucap, dtype=torch.float32, device=dev)   # (ucap,) fp32, device
+                              if uploaded and not fp32 else None)
         self.grad_pool = SlotPool(self.dev, plan.grad_slots, cap, torch.float32) if streamed else None
         host_units = [u for u in self.units if not u.optimizer_on_device]
         scap = max((u.numel for u in host_units), default=0)
@@ -346,11 +353,20 @@ class Engine:
         dst = slot.tensor[: unit.numel]
         with self.dev.on(self.dev.upload):
             self.dev.wait(self.dev.upload, slot.free_event)       # [Note: slot reuse]
-            with self.dev.timed("upload", self.dev.upload, unit.name):
-                dst.copy_(unit.host16, non_blocking=True)
+            self._upload(unit, dst)
             unit.ready_event = self.dev.record(self.dev.upload)
         slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
         return True
+
+    def _upload(self, unit: Unit, dst: torch.Tensor) -> None:
+        """Copy the unit's fp32 master into ``dst`` (compute dtype) on the upload stream. See [Note: fp32 uploads]."""
+        with self.dev.timed("upload", self.dev.upload, unit.name):
+            if dst.dtype == torch.float32:
+                dst.copy_(unit.master, non_blocking=True)
+            else:
+                stage = self._upload_stage[: unit.numel]   # one buffer: the upload stream runs in order
+                stage.copy_(unit.master, non_blocking=True)
+                dst.copy_(stage)
 
     def _window(self, order: list[Unit], pos: int) -> tuple:
         """The units needed from ``pos`` on that fit in the slots: the ones a slot must not be taken from."""
@@ -592,7 +608,7 @@ class Engine:
                 self.worker.submit(self._task_add(host, dst, done))
         else:
             unit.updated.clear()
-            self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True))
+            self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True), unit.index)
 
     def _take_staging(self) -> torch.Tensor:
         with self._staging_cv:
@@ -628,8 +644,6 @@ class Engine:
             if factor != 1.0:
                 g.mul_(factor)
             adamw_flat(unit.master, g, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
-            if unit.host16 is not unit.master:
-                unit.host16.copy_(unit.master)
             if release:
                 self._give_staging(grad)
             unit.updated.set()
@@ -648,8 +662,7 @@ class Engine:
         if getattr(u, "dirty", False):
             self._wait_updated(u)
             with self.dev.on(self.dev.upload):
-                with self.dev.timed("upload", self.dev.upload, "shell"):
-                    u.dev16.copy_(u.host16, non_blocking=True)
+                self._upload(u, u.dev16)
                 ev = self.dev.record(self.dev.upload)
             self.dev.wait(self.dev.compute, ev)
             u.dirty = False
@@ -710,7 +723,8 @@ class Engine:
             for u in host_units:          # forward order: the next forward needs block 0 first
                 u.updated.clear()
                 ev = self.dev.record(self.dev.download)
-                self.worker.submit(self._task_update(u, self._host_grads[id(u)], ev, hyper, factor, release=False))
+                self.worker.submit(self._task_update(u, self._host_grads[id(u)], ev, hyper, factor, release=False),
+                                   u.index)
         if self._shell_host_opt:
             self.shell.dirty = True
         return True
@@ -738,6 +752,7 @@ class Engine:
             with self.dev.timed("compute", label="post"):
                 out, final = self._post(micro)
                 loss = loss_of(out)
+                del out    # the logits are not needed for the backward: free them first
                 self._post_backward(micro, loss, final, scale / G)
             losses.append(loss.detach())
         self._backward_blocks(micros) if self.adapter.streaming else None
@@ -845,8 +860,8 @@ class Engine:
         self.wait()
         if self._mirror_stale and self.dev.is_cuda:
             for u in self.units:
-                if u.home is Home.RESIDENT and u.host16 is not u.dev16:
-                    u.host16.copy_(u.dev16)
+                if u.optimizer_on_device and u.host is not u.master:
+                    u.host.copy_(u.master)
         self._mirror_stale = False
         return self._model
 
@@ -867,6 +882,7 @@ class Engine:
     def memory_stats(self) -> dict[str, int]:
         self._note_host()
         return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(self.dev.device) if self.dev.is_cuda else 0,
+                "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.dev.device) if self.dev.is_cuda else 0,
                 "gpu_predicted_bytes": self.plan.device_total,
                 "host_bytes": psutil.Process().memory_info().rss,
                 "host_peak_bytes": self._peak_host,

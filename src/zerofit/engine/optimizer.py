@@ -1,8 +1,8 @@
 """AdamW on flat buffers, on the device or on a host worker thread.
 
 The math is ``torch.optim.AdamW``'s (its functional form, fused kernel) applied
-to each unit's flat fp32 master weights; the 16-bit copy for the next upload is
-written right after each unit's update.
+to each unit's flat fp32 master weights. The cast to the compute dtype happens
+on the device after the next upload (see [Note: fp32 uploads] in engine.py).
 
 [Note: CPU optimizer overlap]
 Host-optimized units are updated by one worker thread, in the order their
@@ -50,7 +50,8 @@ class HostWorker:
     """One thread that runs host-side tasks (AdamW updates, gradient adds) in submission order."""
 
     def __init__(self):
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = 0
         self._error: BaseException | None = None
         self.busy_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="zerofit-cpu-optimizer", daemon=True)
@@ -58,7 +59,7 @@ class HostWorker:
 
     def _loop(self):
         while True:
-            task = self._q.get()
+            _, _, task = self._q.get()
             if task is None:
                 self._q.task_done()
                 return
@@ -72,9 +73,11 @@ class HostWorker:
                 self.busy_seconds += time.perf_counter() - t
                 self._q.task_done()
 
-    def submit(self, fn) -> None:
+    def submit(self, fn, priority: int = 0) -> None:
+        """Queue ``fn``; among queued tasks the lowest ``priority`` runs first, ties in submission order."""
         self.check()
-        self._q.put(fn)
+        self._seq += 1
+        self._q.put((priority, self._seq, fn))
 
     def drain(self) -> None:
         """Wait until every submitted task ran."""
@@ -88,5 +91,6 @@ class HostWorker:
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._q.put(None)
+            self._seq += 1
+            self._q.put((2**62, self._seq, None))
             self._thread.join(timeout=10)

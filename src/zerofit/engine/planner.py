@@ -96,13 +96,14 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
     checkpoints: every block's input for every micro-batch (block-major order keeps them all);
     boundary: the gradient flowing between blocks, one per micro-batch;
     block: one block's recomputed activations and their gradients (transient);
-    logits: the head's output, its fp32 upcast for the loss and their gradients."""
+    logits: the fp32 upcast of the head's output for the loss, its gradient, the 16-bit gradient
+    (the 16-bit logits themselves are dropped before the backward)."""
     tok = batch.tokens
     return {
         "checkpoints": n_blocks * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": 2 * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "block_working_set": tok * (48 * shape.hidden + 16 * shape.intermediate) * dtype_bytes // 2,
-        "logits": tok * shape.vocab * (2 * dtype_bytes + 8),
+        "logits": tok * shape.vocab * (dtype_bytes + 8),
     }
 
 
@@ -146,24 +147,24 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         if host_budget and unit_bytes and not deferred_updates:
             stage = max(min(stage, 2 * n_cpu_units), min(stage, max(2, host_budget // 4 // unit_bytes)))
         stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
+        uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
         dev = {
             "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),
             "resident_blocks": sum(shape.block_numels[:r]) * res_opt,
             "weight_slots": slots * max_block * cb,
+            "upload_staging": (max(uploaded, default=0) * 4) if not fp32 else 0,   # [Note: fp32 uploads]
             "grad_slots": gslots * max_block * 4,
             **act,
             "allocator_reserve": int(0.05 * (act_total + sum(shape.block_numels) * cb)) + (256 << 20 if on_cuda else 0),
         }
         host_units = sum(streamed) + (0 if shell_dev else shape.shell_numel)
+        device_opt_units = shape.shell_numel + sum(shape.block_numels) - host_units
         host = {
-            "weights16": 0 if fp32 and not on_cuda else (shape.shell_numel + sum(shape.block_numels)) * cb,
-            "master_and_moments": host_units * 12 if not fp32 else host_units * 12,
+            "master_and_moments": host_units * 12,                      # master pinned: it is uploaded
+            "host_mirrors": device_opt_units * 4 if on_cuda else 0,     # fp32 copies the module's params view
             "grad_staging": stage * stage_numel * 4,
             "grad_buffers": host_units * 4 if deferred_updates else 0,
         }
-        if fp32:  # fp32: host16 is the master of host-optimized units; resident mirrors stay
-            host["weights16"] = (shape.shell_numel + sum(shape.block_numels) - host_units) * 4 if on_cuda else 0
-            host["master_and_moments"] = host_units * 12
         if not on_cuda:  # device memory is host memory: count it once, as host
             for k, v in dev.items():
                 host["device:" + k] = v

@@ -8,8 +8,9 @@ flat buffer per kind, laid out by a :class:`FlatLayout`:
 ==============  ==========================  ========================================
 buffer          shape, dtype                home
 ==============  ==========================  ========================================
-``host16``      (numel,) compute dtype      host (pinned for streamed units); the
-                                            module's own parameters are views of it
+``host``        (numel,) fp32               host; the module's own parameters are views
+                                            of it: ``master`` itself for host-optimized
+                                            units, a mirror of the device master else
 ``dev16``       (numel,) compute dtype      device, resident units only
 ``master``      (numel,) fp32               optimizer home (host, or device)
 ``exp_avg``     (numel,) fp32               optimizer home
@@ -17,7 +18,8 @@ buffer          shape, dtype                home
 ``grad``        (numel,) fp32               device: a slot (streamed) or own buffer
 ==============  ==========================  ========================================
 
-In fp32 training ``host16`` *is* ``master`` for host-optimized units (one copy).
+Host-optimized units upload ``master`` (pinned) and the device casts it: see
+[Note: fp32 uploads] in engine.py.
 
 [Note: slot reuse]
 A streamed unit borrows a device weight slot from the :class:`SlotPool` while
@@ -71,14 +73,14 @@ class Home(enum.Enum):
     """Where a unit's compute weights live between uses."""
 
     RESIDENT = "kept on the compute device in dev16 for the whole run"
-    STREAMED = "in pinned host memory (host16); uploaded into a device slot before each use, released after"
+    STREAMED = "the fp32 master in pinned host memory; uploaded (and cast) into a device slot before each use"
 
 
 class WeightState(enum.Enum):
     """Where a streamed unit's usable compute weights are right now."""
 
-    ON_HOST = "only host16 is valid; the unit holds no device slot"
-    UPLOADING = "a copy host16 -> slot is enqueued on the upload stream; compute must wait on ready_event"
+    ON_HOST = "only the host master is valid; the unit holds no device slot"
+    UPLOADING = "a copy master -> slot is enqueued on the upload stream; compute must wait on ready_event"
     ON_DEVICE = "the slot holds the weights and the compute stream has waited on ready_event"
 
 
@@ -91,7 +93,7 @@ class Unit:
     layout: FlatLayout
     home: Home
     optimizer_on_device: bool                # master and moments on the device (else host, CPU worker)
-    host16: torch.Tensor | None = None       # (numel,) compute dtype, host; module params view it
+    host: torch.Tensor | None = None         # (numel,) fp32, host; module params view it
     dev16: torch.Tensor | None = None        # (numel,) compute dtype, device; RESIDENT only
     master: torch.Tensor | None = None       # (numel,) fp32, optimizer home
     exp_avg: torch.Tensor | None = None      # (numel,) fp32, optimizer home
@@ -104,9 +106,9 @@ class Unit:
     ready_event: object = None               # upload done (STREAMED)
     grad_slot: "Slot | None" = None
     grad_fresh: bool = True                  # next gradient write is a copy, not an add
-    updated: object = None                   # threading.Event: host16 holds the latest update
+    updated: object = None                   # threading.Event: master holds the latest update
     host_grad_fresh: bool = True             # deferred updates: the host gradient buffer holds nothing yet
-    dirty: bool = False                      # RESIDENT with host optimizer: dev16 older than host16
+    dirty: bool = False                      # RESIDENT with host optimizer: dev16 older than master
 
     @property
     def numel(self) -> int:

@@ -96,7 +96,9 @@ class Engine:
         self.dev = Device.create(dev)
         if self.dev.is_cuda and config.max_gpu_memory:
             # Running close to a cap: expandable segments keep fragmentation from turning into an OOM.
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            set_alloc = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+                torch.cuda.memory._set_allocator_settings
+            set_alloc("expandable_segments:True")
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory / total), dev)
         self.adapter = Adapter(model, adapter)

@@ -39,9 +39,9 @@ from zerofit.config.schema import ZerofitConfig
 from zerofit.engine.adapter import Adapter, PreResult, block_output, loss_of
 from zerofit.engine.device import Device
 from zerofit.engine.optimizer import HostWorker, Hyper, adamw_flat
+from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, make_plan
-from zerofit.engine.store import (FlatLayout, Home, HostArena, Slot, SlotPool, Unit, WeightState,
-                                  set_module_tensor)
+from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -117,55 +117,15 @@ class Engine:
         self._arenas: list[HostArena] = []
         self._peak_host = 0
         self._checked_shape = None
-        self._shape = self._model_shape()
+        self._table = param_table(model, self.adapter)
+        self._shape = model_shape(model, self.adapter, self._table)
         self.plan = self._plan(self._shape, seq_len or config.seq_len)   # may refuse: nothing allocated yet
         self.worker = HostWorker()
-        self._build_units(self._shape)
+        self._build_buffers()
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(dev)
 
     # ------------------------------------------------------------------ planning and materialization
-
-    def _model_shape(self) -> ModelShape:
-        names = self._canonical_params()
-        prefixes = [self.adapter.block_prefix(i) + "." for i in range(self.adapter.num_blocks)]
-        block_numels = [0] * len(prefixes)
-        shell = 0
-        self._unit_names: list[list[str]] = [[] for _ in range(len(prefixes) + 1)]  # [shell, block0, ...]
-        for name, p in names.items():
-            idx = next((i for i, pre in enumerate(prefixes) if name.startswith(pre)), None)
-            if idx is None:
-                shell += p.numel()
-                self._unit_names[0].append(name)
-            else:
-                block_numels[idx] += p.numel()
-                self._unit_names[idx + 1].append(name)
-        for aliases in self._aliases.values():
-            units = {next((i for i, pre in enumerate(prefixes) if a.startswith(pre)), -1) for a in aliases}
-            if len(units) > 1:
-                raise ValueError(f"parameters {aliases} are shared between blocks; zerofit cannot stream them")
-        cfg = getattr(self._model, "config", None)
-        hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 0
-        inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-        vocab = getattr(cfg, "vocab_size", 0) or 0
-        if not hidden and self.adapter.streaming:  # non-HF module: guess from the block's widest weight
-            hidden = max((p.shape[-1] for p in self.adapter.blocks[0].parameters() if p.dim() == 2), default=0)
-            inter = 4 * hidden
-        return ModelShape(shell, tuple(block_numels), hidden, inter, vocab)
-
-    def _canonical_params(self) -> dict[str, nn.Parameter]:
-        """First name of every distinct parameter; ``self._aliases`` maps it to all its names."""
-        seen: dict[int, str] = {}
-        self._aliases: dict[str, list[str]] = {}
-        out = {}
-        for name, p in self._model.named_parameters(remove_duplicate=False):
-            if id(p) in seen:
-                self._aliases[seen[id(p)]].append(name)
-                continue
-            seen[id(p)] = name
-            self._aliases[name] = [name]
-            out[name] = p
-        return out
 
     def _plan(self, shape: ModelShape, seq_len: int | None) -> Plan:
         cfg = self.config
@@ -182,87 +142,31 @@ class Engine:
         return make_plan(
             shape, batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda, device_budget=dev_budget,
             host_budget=host_budget, deferred_updates=self.deferred, checkpointing=cfg.activation_checkpointing,
-            stream_params=cfg.offload.param_device != "none", optimizer_on_host=False
-            if cfg.offload.optimizer_device == "none" else False,
+            stream_params=cfg.offload.param_device != "none", optimizer_on_host=False,
+            # no optimizer offload: every unit is resident with its optimizer on the device
             resident_blocks=(self.adapter.num_blocks if cfg.offload.optimizer_device == "none"
                              else cfg.offload.resident_blocks),
             prefetch_depth=cfg.offload.prefetch_depth)
 
-    def _build_units(self, shape: ModelShape) -> None:
-        plan, dev, cb = self.plan, self.dev.device, self.dtype
-        model = self._model
-        canon = self._canonical_params()
-        meta = any(p.is_meta for p in canon.values())
-        init_device = dev if meta else None
-        L = self.adapter.num_blocks
-        homes = [Home.RESIDENT] + [Home.RESIDENT if i < plan.resident_blocks else Home.STREAMED for i in range(L)]
-        opt_on_dev = [plan.shell_optimizer_on_device] + [i < plan.resident_blocks for i in range(L)]
-        self._shell_host_opt = not plan.shell_optimizer_on_device
+    def _build_buffers(self) -> None:
+        """Materialize the units (materialize.py), then the device slots and pinned gradient buffers."""
+        plan, cb = self.plan, self.dtype
         pinned = self.dev.is_cuda and self.config.offload.pin_memory
-        fp32 = cb == torch.float32
-        # [Note: fp32 uploads]
-        # Host-optimized units upload their fp32 master itself (pinned, one arena) and the device casts it
-        # into the compute dtype: the CPU's only work per step is the AdamW update, no 16-bit copy-out.
-        # The PCIe bytes double (4 B/param each way up), which the measured budget affords; the CPU was
-        # the binding resource (design/ENGINE.md). The module's parameters are fp32 views of the same.
-        sizes = [FlatLayout.of([(n, canon[n].shape) for n in names]).numel for names in self._unit_names]
-        need = sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
-        arena = HostArena(need, torch.float32, pinned) if need else None
-        if arena:
-            self._arenas.append(arena)
-        self.units: list[Unit] = []
-        for idx, names in enumerate(self._unit_names):
-            layout = FlatLayout.of([(n, canon[n].shape) for n in names])
-            home, on_dev = homes[idx], opt_on_dev[idx]
-            opt_dev = dev if on_dev else torch.device("cpu")
-            prefix = "" if idx == 0 else self.adapter.block_prefix(idx - 1) + "."
-            rel = FlatLayout(tuple(n[len(prefix):] for n in layout.names), layout.shapes, layout.offsets, layout.numel)
-            unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
-            values = self._unit_values(idx, names, canon, init_device)
-            if on_dev:
-                master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
-            else:
-                master = arena.take(layout.numel)              # (numel,) fp32, pinned host: the upload source
-            self._fill(master, values)
-            del values
-            unit.master = master
-            unit.exp_avg = torch.zeros_like(master)
-            unit.exp_avg_sq = torch.zeros_like(master)
-            unit.step = torch.zeros((), dtype=torch.float32, device=opt_dev)
-            if on_dev:
-                unit.dev16 = master if fp32 else master.to(cb)
-                unit.host = master.to("cpu") if self.dev.is_cuda else master   # host mirror, fp32
-            else:
-                unit.host = master
-                if home is Home.RESIDENT:
-                    unit.dev16 = master.to(dev, cb)
-            if home is Home.RESIDENT:
-                unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
-            unit.updated = threading.Event()
-            unit.updated.set()
-            # the module's own parameters become views of the host weights (fp32, current after wait())
-            views = layout.views(unit.host)
-            for n in names:
-                shared = nn.Parameter(views[n], requires_grad=canon[n].requires_grad)
-                for alias in self._aliases[n]:
-                    mod_path, _, leaf = alias.rpartition(".")
-                    (model.get_submodule(mod_path) if mod_path else model)._parameters[leaf] = shared
-            root = model if idx == 0 else self.adapter.blocks[idx - 1]
-            unit.buffers = self._unit_buffers(root, idx == 0)
-            self.units.append(unit)
-        self.shell = self.units[0]
-        self.blocks = self.units[1:]
+        self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned)
+        self._arenas.extend(arenas)
+        self._shell_host_opt = not plan.shell_optimizer_on_device
+        self.shell, self.blocks = self.units[0], self.units[1:]
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         cap = max((u.numel for u in streamed), default=0)
         self.weight_pool = SlotPool(self.dev, plan.weight_slots, cap, cb) if streamed else None
+        self.grad_pool = SlotPool(self.dev, plan.grad_slots, cap, torch.float32) if streamed else None
         uploaded = streamed + ([self.shell] if self._shell_host_opt else [])
         ucap = max((u.numel for u in uploaded), default=0)
-        self._upload_stage = (torch.empty(ucap, dtype=torch.float32, device=dev)   # (ucap,) fp32, device
-                              if uploaded and not fp32 else None)
-        self.grad_pool = SlotPool(self.dev, plan.grad_slots, cap, torch.float32) if streamed else None
+        self._upload_stage = (torch.empty(ucap, dtype=torch.float32, device=self.dev.device)  # (ucap,) fp32
+                              if uploaded and cb != torch.float32 else None)
         host_units = [u for u in self.units if not u.optimizer_on_device]
         scap = max((u.numel for u in host_units), default=0)
-        self._staging: list[torch.Tensor] = []
+        self._staging: list[torch.Tensor] = []   # (scap,) fp32, pinned host each
         if host_units:
             a = HostArena(plan.staging_buffers * scap, torch.float32, pinned)
             self._arenas.append(a)
@@ -275,66 +179,6 @@ class Engine:
             for u in host_units:
                 self._host_grads[id(u)] = a.take(u.numel)
         self._note_host()
-
-    def _unit_values(self, idx, names, canon, init_device) -> list[torch.Tensor]:
-        """The unit's parameter values: copied from a real model, or initialized from a meta one."""
-        if init_device is None:
-            return [canon[n].detach() for n in names]
-        model = self._model
-        root = model if idx == 0 else self.adapter.blocks[idx - 1]
-        mods = [m for m in root.modules()] if idx > 0 else self._shell_modules()
-        for m in mods:
-            for pn, p in list(m._parameters.items()):
-                if p is not None and p.is_meta:
-                    real = nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=init_device),
-                                        requires_grad=p.requires_grad)
-                    # keep aliases (tied weights) pointing to one object
-                    for other in model.modules():
-                        for on, op in other._parameters.items():
-                            if op is p:
-                                other._parameters[on] = real
-            for bn, b in list(m._buffers.items()):
-                if b is not None and b.is_meta:
-                    m._buffers[bn] = torch.empty(b.shape, dtype=b.dtype if b.is_floating_point() else b.dtype,
-                                                 device=init_device)
-        init = getattr(model, "_init_weights", None)
-        for m in reversed(mods):
-            if init is not None:
-                init(m)
-            elif hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-        canon2 = self._canonical_params()
-        return [canon2[n].detach() for n in names]
-
-    def _shell_modules(self) -> list[nn.Module]:
-        inside = {id(m) for b in self.adapter.blocks for m in b.modules()}
-        inside.add(id(self.adapter.blocks))
-        return [m for m in self._model.modules() if id(m) not in inside]
-
-    @staticmethod
-    def _fill(flat: torch.Tensor, values: list[torch.Tensor]) -> None:
-        o = 0
-        for v in values:
-            n = v.numel()
-            flat[o:o + n].copy_(v.reshape(-1))
-            o += n
-
-    def _unit_buffers(self, root: nn.Module, is_shell: bool) -> dict[str, torch.Tensor]:
-        inside = {id(b) for b in self.adapter.blocks.buffers()} if is_shell else set()
-        out = {}
-        for name, b in root.named_buffers():
-            if id(b) in inside or (is_shell and self.adapter.blocks_path and name.startswith(self.adapter.blocks_path + ".")):
-                continue
-            out[name] = b.to(self.dev.device)
-            if b.is_meta:
-                raise ValueError(f"buffer {name} is still on the meta device after initialization")
-        # the module keeps host copies of its buffers (for engine.module on the CPU)
-        for name, b in out.items():
-            if b.device != torch.device("cpu"):
-                mod_path, _, leaf = name.rpartition(".")
-                mod = root.get_submodule(mod_path) if mod_path else root
-                mod._buffers[leaf] = b.to("cpu")
-        return out
 
     def _note_host(self) -> None:
         self._peak_host = max(self._peak_host, psutil.Process().memory_info().rss)

@@ -1,0 +1,198 @@
+"""Materialization: the model's parameters become the store's flat buffers, one unit at a time.
+
+The model may be real (its tensors are copied once, then released) or built on
+the meta device (each unit is created and initialized on the compute device,
+copied to its home, and released before the next): host memory never holds the
+model twice. Afterwards the module's own parameters are views of the units'
+fp32 host weights, so ``engine.module`` is the model with its current weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerofit.engine.adapter import Adapter
+from zerofit.engine.planner import ModelShape, Plan
+from zerofit.engine.store import FlatLayout, Home, HostArena, Unit
+
+
+@dataclass
+class ParamTable:
+    """The model's distinct parameters, their aliases (tied weights) and how they split into units."""
+
+    canonical: dict[str, nn.Parameter]   # first name -> parameter
+    aliases: dict[str, list[str]]        # first name -> every name of the same parameter
+    unit_names: list[list[str]]          # [shell, block 0, block 1, ...] -> first names, in order
+
+
+def _canonical(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, list[str]]]:
+    seen: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases[seen[id(p)]].append(name)
+            continue
+        seen[id(p)] = name
+        aliases[name] = [name]
+        out[name] = p
+    return out, aliases
+
+
+def param_table(model: nn.Module, adapter: Adapter) -> ParamTable:
+    canonical, aliases = _canonical(model)
+    prefixes = [adapter.block_prefix(i) + "." for i in range(adapter.num_blocks)]
+
+    def unit_of(name: str) -> int:
+        return next((i + 1 for i, pre in enumerate(prefixes) if name.startswith(pre)), 0)
+
+    unit_names: list[list[str]] = [[] for _ in range(len(prefixes) + 1)]
+    for name in canonical:
+        unit_names[unit_of(name)].append(name)
+    for names in aliases.values():
+        if len({unit_of(a) for a in names}) > 1:
+            raise ValueError(f"parameters {names} are shared between blocks; zerofit cannot stream them")
+    return ParamTable(canonical, aliases, unit_names)
+
+
+def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelShape:
+    numels = [sum(table.canonical[n].numel() for n in names) for names in table.unit_names]
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 0
+    inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
+    vocab = getattr(cfg, "vocab_size", 0) or 0
+    if not hidden and adapter.streaming:   # not a Hugging Face model: the block's widest weight
+        hidden = max((p.shape[-1] for p in adapter.blocks[0].parameters() if p.dim() == 2), default=0)
+        inter = 4 * hidden
+    return ModelShape(numels[0], tuple(numels[1:]), hidden, inter, vocab)
+
+
+def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
+                compute_dtype: torch.dtype, pinned: bool) -> tuple[list[Unit], list[HostArena]]:
+    """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them."""
+    canon = table.canonical
+    meta = any(p.is_meta for p in canon.values())
+    init_device = dev if meta else None
+    L = adapter.num_blocks
+    homes = [Home.RESIDENT] + [Home.RESIDENT if i < plan.resident_blocks else Home.STREAMED for i in range(L)]
+    opt_on_dev = [plan.shell_optimizer_on_device] + [i < plan.resident_blocks for i in range(L)]
+    fp32 = compute_dtype == torch.float32
+    # [Note: fp32 uploads]
+    # Host-optimized units upload their fp32 master itself (pinned, one arena) and the device casts it
+    # into the compute dtype: the CPU's only work per step is the AdamW update, no 16-bit copy-out.
+    # The PCIe bytes double (4 B/param each way up), which the measured budget affords; the CPU was
+    # the binding resource (design/ENGINE.md). The module's parameters are fp32 views of the same.
+    sizes = [sum(canon[n].numel() for n in names) for names in table.unit_names]
+    need = sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
+    arena = HostArena(need, torch.float32, pinned) if need else None
+    units: list[Unit] = []
+    for idx, names in enumerate(table.unit_names):
+        layout = FlatLayout.of([(n, canon[n].shape) for n in names])
+        home, on_dev = homes[idx], opt_on_dev[idx]
+        opt_dev = dev if on_dev else torch.device("cpu")
+        prefix = "" if idx == 0 else adapter.block_prefix(idx - 1) + "."
+        rel = FlatLayout(tuple(n[len(prefix):] for n in layout.names), layout.shapes, layout.offsets, layout.numel)
+        unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
+        values = _unit_values(model, adapter, idx, names, init_device)
+        if on_dev:
+            master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
+        else:
+            master = arena.take(layout.numel)              # (numel,) fp32, pinned host: the upload source
+        _fill(master, values)
+        del values
+        unit.master = master
+        unit.exp_avg = torch.zeros_like(master)
+        unit.exp_avg_sq = torch.zeros_like(master)
+        unit.step = torch.zeros((), dtype=torch.float32, device=opt_dev)
+        if on_dev:
+            unit.dev16 = master if fp32 else master.to(compute_dtype)
+            unit.host = master.to("cpu") if dev.type != "cpu" else master   # host mirror, fp32
+        else:
+            unit.host = master
+            if home is Home.RESIDENT:
+                unit.dev16 = master.to(dev, compute_dtype)
+        if home is Home.RESIDENT:
+            unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
+        unit.updated = threading.Event()
+        unit.updated.set()
+        # the module's own parameters become views of the host weights (fp32, current after engine.wait())
+        views = layout.views(unit.host)
+        for n in names:
+            shared = nn.Parameter(views[n], requires_grad=canon[n].requires_grad)
+            for alias in table.aliases[n]:
+                mod_path, _, leaf = alias.rpartition(".")
+                (model.get_submodule(mod_path) if mod_path else model)._parameters[leaf] = shared
+        root = model if idx == 0 else adapter.blocks[idx - 1]
+        unit.buffers = _unit_buffers(adapter, root, idx == 0, dev)
+        units.append(unit)
+    return units, [arena] if arena else []
+
+
+def _unit_values(model: nn.Module, adapter: Adapter, idx: int, names: list[str],
+                 init_device: torch.device | None) -> list[torch.Tensor]:
+    """The unit's parameter values: those of a real model, or freshly initialized ones of a meta model
+    (the model's own ``_init_weights`` for Hugging Face models, else each module's ``reset_parameters``)."""
+    canon, _ = _canonical(model)
+    if init_device is None:
+        return [canon[n].detach() for n in names]
+    root = model if idx == 0 else adapter.blocks[idx - 1]
+    mods = list(root.modules()) if idx > 0 else _shell_modules(model, adapter)
+    for m in mods:
+        for p in list(m._parameters.values()):
+            if p is not None and p.is_meta:
+                real = nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=init_device),
+                                    requires_grad=p.requires_grad)
+                for other in model.modules():           # tied weights stay one object
+                    for on, op in other._parameters.items():
+                        if op is p:
+                            other._parameters[on] = real
+        for bn, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[bn] = torch.empty(b.shape, dtype=b.dtype, device=init_device)
+    init = getattr(model, "_init_weights", None)
+    for m in reversed(mods):                             # children before parents, as HF's own init
+        if init is not None:
+            init(m)
+        elif hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    canon, _ = _canonical(model)
+    missing = [n for n in names if canon[n].is_meta]
+    if missing:
+        raise ValueError(f"cannot initialize {missing} on the meta device: no _init_weights or reset_parameters")
+    return [canon[n].detach() for n in names]
+
+
+def _shell_modules(model: nn.Module, adapter: Adapter) -> list[nn.Module]:
+    inside = {id(m) for b in adapter.blocks for m in b.modules()}
+    inside.add(id(adapter.blocks))
+    return [m for m in model.modules() if id(m) not in inside]
+
+
+def _fill(flat: torch.Tensor, values: list[torch.Tensor]) -> None:
+    o = 0
+    for v in values:
+        n = v.numel()
+        flat[o:o + n].copy_(v.reshape(-1))
+        o += n
+
+
+def _unit_buffers(adapter: Adapter, root: nn.Module, is_shell: bool, dev: torch.device) -> dict[str, torch.Tensor]:
+    """Device copies of the unit's module buffers (passed to functional_call); the module keeps host copies."""
+    inside = {id(b) for b in adapter.blocks.buffers()} if is_shell else set()
+    out = {}
+    for name, b in root.named_buffers():
+        if id(b) in inside:
+            continue
+        if b.is_meta:
+            raise ValueError(f"buffer {name} is still on the meta device after initialization")
+        out[name] = b.to(dev)
+    for name, b in out.items():
+        if b.device.type != "cpu":
+            mod_path, _, leaf = name.rpartition(".")
+            mod = root.get_submodule(mod_path) if mod_path else root
+            mod._buffers[leaf] = b.to("cpu")
+    return out

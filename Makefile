@@ -1,5 +1,5 @@
 # Two commands for a new user, on a machine with nothing but Python 3.10+:
-#   make demo   create .venv, install zerofit, train the embedded demo model (~3 minutes on 2 CPU cores)
+#   make demo   create .venv, install zerofit, train the embedded demo model (2-3 minutes on 2 CPU cores)
 #   make test   create .venv, install zerofit with its test tools, run the test suite
 #
 # The install pins torch to its CPU build through constraints-cpu.txt. On a machine

@@ -6,7 +6,7 @@ shell and blocks, device- and host-optimized, goes through it on its way into th
 the tests wrap it on the engine *instance* and write an inf/NaN into the buffer after it ran. Every
 injecting test asserts that the seam was hit, so a renamed seam fails loudly instead of passing silently.
 
-Tests marked ``xfail(strict=True)`` document engine bugs found while writing this file (see their reasons).
+
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import zerofit
 from tests import tiny_models as tm
@@ -315,13 +314,12 @@ def test_host_budget_refused_before_anything_is_allocated(on_meta):
             assert p.data_ptr() == ptr and torch.equal(p, value), f"{n} was touched although the plan was refused"
 
 
-@pytest.mark.xfail(strict=True, reason="planner.fmt_bytes prints GiB with 2 decimals: a refusal below ~5 MiB reads "
-                                       "'host needs 0.00 GiB > budget 0.00 GiB', naming neither number")
 def test_plan_error_names_predicted_and_available_bytes():
     torch.manual_seed(0)
     with pytest.raises(PlanError) as err:
         zerofit.initialize(tm.llama(), _cfg(max_host_memory="1MB"))
-    m = re.search(r"host needs ([0-9.]+) ?([KMGT]i?B|B|bytes)? > budget ([0-9.]+) ?([KMGT]i?B|B|bytes)?", str(err.value))
+    size = r"([0-9.]+) ?([KMGT]i?B|B|bytes)?"
+    m = re.search(rf"host needs {size} > budget {size}", str(err.value))
     assert m, str(err.value)
     units = {None: 1, "B": 1, "bytes": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -402,9 +400,6 @@ def test_make_plan_picks_the_preferred_fitting_placement(shell, block, n, hidden
     assert (plan.shell_optimizer_on_device, plan.resident_blocks) == max(fitting)
 
 
-@pytest.mark.xfail(strict=True, reason="planner.make_plan keeps `best` = the first (largest) candidate when no "
-                                       "plan fits the device, so the error's 'smallest plan' and 'device needs' "
-                                       "describe the all-resident plan instead of the smallest one")
 def test_device_refusal_names_the_smallest_plan():
     smallest = _candidate(_BIG, _BATCH, 0, False, **_GPU)
     with pytest.raises(PlanError) as err:
@@ -457,9 +452,6 @@ def test_engine_buffers_stay_under_the_host_prediction(precision, clip):
     engine.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Engine._enable_accumulation allocates a host fp32 gradient buffer per "
-                                       "host-optimized unit (4 B/param) for the DeepSpeed-style API; the plan, made "
-                                       "with deferred_updates=False, never counted it (grad_buffers = 0)")
 def test_deepspeed_api_buffers_stay_under_the_host_prediction():
     torch.manual_seed(0)
     engine = zerofit.initialize(tm.llama(), _cfg(seq_len=16))
@@ -471,9 +463,6 @@ def test_deepspeed_api_buffers_stay_under_the_host_prediction():
     engine.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Engine._ensure_plan re-plans the real batch with host_budget=None; on the "
-                                       "CPU the activations are host bytes, so a batch far over max_host_memory "
-                                       "is trained instead of refused")
 def test_batch_larger_than_planned_is_refused_at_first_step():
     torch.manual_seed(0)
     probe = zerofit.initialize(tm.llama(), _cfg(seq_len=16))
@@ -597,9 +586,6 @@ def test_deepspeed_api_misuse_raises():
     engine.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Engine.train_batch only checks _micro_steps, not _pending: a forward "
-                                       "without its backward is silently kept across a train_batch step, and "
-                                       "its later backward uses activations of the old weights")
 def test_train_batch_after_a_pending_forward_raises():
     torch.manual_seed(0)
     engine = zerofit.initialize(tm.llama(), _cfg())
@@ -764,9 +750,6 @@ def test_generic_adapter_trains_a_non_sequential_model_exactly():
     engine.close()
 
 
-@pytest.mark.xfail(strict=True, reason="adapter._Recorder.forward indexes self.sink[-1] before any block ran: a "
-                                       "model that calls a later block first fails with IndexError, not "
-                                       "NonSequentialModel")
 def test_blocks_called_out_of_order_are_refused():
     torch.manual_seed(0)
     engine = zerofit.initialize(_ReversedLM(), _cfg())
@@ -774,10 +757,6 @@ def test_blocks_called_out_of_order_are_refused():
         engine.train_batch(tm.batches(1, G)[0])
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter stops the pre pass at the last block's first call and its post "
-                                       "pass returns the final state from the last block's every call: a model "
-                                       "that runs its block list twice trains silently wrong (loss differs from "
-                                       "the model's own) instead of raising NonSequentialModel")
 def test_blocks_called_twice_are_refused_or_exact():
     torch.manual_seed(0)
     model = _LoopedLM()

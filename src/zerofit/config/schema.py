@@ -379,6 +379,9 @@ class ZerofitConfig(_Frozen):
     """where weights and optimizer state live"""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
                         description="compute device: auto (the GPU if there is one), cpu, cuda or cuda:N")
+    adapter: Literal["auto", "blocks", "generic"] = Field(
+        "auto", description="how the model is run: auto (stream its repeated blocks when it has them), blocks "
+                            "(require it), generic (the whole model as one resident unit, any nn.Module)")
     seq_len: int | None = Field(None, ge=1, description="tokens per sequence, for the memory plan made at start-up; "
                                 "None: planned for min(max_position_embeddings, 2048) and checked at the first batch")
     activation_checkpointing: bool = True

@@ -60,7 +60,9 @@ def render_summary(result: DemoResult, console: Console) -> None:
         last = f"{result.final_loss:.3f} (mean of the last 10 steps; step {result.steps}: {result.last_loss:.3f})"
     t.add_row("training loss", f"{result.first_loss:.3f} (step 1) -> {last}")
     t.add_row("held-out loss", f"{result.eval_loss_before:.3f} -> {result.eval_loss_after:.3f}")
-    t.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s ({result.tokens_per_step:,} tokens per step)")
+    t.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s over steps 2..N "
+                            f"({result.tokens_per_s_overall:,.0f} with step 1's set-up; "
+                            f"{result.tokens_per_step:,} tokens per step)")
     mem = result.memory
     if mem.get("gpu_peak_bytes"):
         t.add_row("GPU memory peak", _mib(mem["gpu_peak_bytes"]))

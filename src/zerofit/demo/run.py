@@ -110,6 +110,7 @@ class DemoResult:
     tokens_per_step: int
     steps_planned: int
     losses: list[float] = field(default_factory=list)  # training loss of each step
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each train_batch call
     eval_loss_before: float = math.nan  # held-out loss of the initial weights
     eval_loss_after: float = math.nan  # held-out loss after training
     train_seconds: float = 0.0  # wall time of the training steps
@@ -140,6 +141,13 @@ class DemoResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """Steady-state throughput: steps 2..N (step 1 includes the engine's one-time set-up)."""
+        timed = self.step_seconds[1:] or self.step_seconds
+        return len(timed) * self.tokens_per_step / sum(timed) if timed and sum(timed) > 0 else 0.0
+
+    @property
+    def tokens_per_s_overall(self) -> float:
+        """All training tokens over the whole training wall time, set-up included."""
         return self.steps * self.tokens_per_step / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
@@ -188,6 +196,7 @@ def run_demo(options: DemoOptions | None = None, console: Console | None = None,
             loss = engine.train_batch(next(data))
             dt = time.perf_counter() - t0
             result.losses.append(float(loss))
+            result.step_seconds.append(dt)
             if step > 0 or options.steps == 1:  # step 1 includes one-time set-up; leave it out of the means
                 for k, v in engine.timeline().items():
                     totals[k] = totals.get(k, 0.0) + v

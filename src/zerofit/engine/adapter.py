@@ -59,6 +59,10 @@ class _Recorder(nn.Module):
         self.index, self.last, self.sink = index, last, sink
 
     def forward(self, hidden, *args, **kwargs):
+        if self.index != len(self.sink):
+            raise NonSequentialModel(
+                f"block {self.index} was called when block {len(self.sink)} was expected; "
+                "this model does not run its blocks once each in order: pass adapter='generic'")
         if self.index > 0 and hidden is not self.sink[-1][0]:
             raise NonSequentialModel(
                 f"block {self.index} did not receive block {self.index - 1}'s output as its first argument; "
@@ -72,9 +76,13 @@ class _Recorder(nn.Module):
 class _Passthrough(nn.Module):
     def __init__(self, index: int, last: int, final: list):
         super().__init__()
-        self.index, self.last, self.final = index, last, final
+        self.index, self.last, self.final, self.called = index, last, final, False
 
     def forward(self, hidden, *args, **kwargs):
+        if self.called:
+            raise NonSequentialModel(f"block {self.index} was called twice in one forward; "
+                                     "this model cannot stream block by block: pass adapter='generic'")
+        self.called = True
         return self.final[0] if self.index == self.last else hidden
 
 

@@ -81,7 +81,7 @@ class Engine:
         return cls(model, loaded.config, report=loaded.report)
 
     def __init__(self, model: nn.Module, config: ZerofitConfig, report=(), device: torch.device | str | None = None,
-                 adapter: str = "auto", seq_len: int | None = None):
+                 adapter: str | None = None, seq_len: int | None = None):
         self.config = config
         self.report = list(report)
         self.dtype = _DTYPES[config.precision]
@@ -101,7 +101,7 @@ class Engine:
             set_alloc("expandable_segments:True")
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory / total), dev)
-        self.adapter = Adapter(model, adapter)
+        self.adapter = Adapter(model, adapter or config.adapter)
         self._model = model
         self.deferred = config.gradient_clipping > 0 or config.precision == "fp16"
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
@@ -134,6 +134,7 @@ class Engine:
             seq_len = min(getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
                           or 2048, 2048)
         batch = BatchShape(cfg.micro_batch_size, seq_len, cfg.gradient_accumulation_steps)
+        self._plan_batch = batch
         dev_budget = None
         if self.dev.is_cuda:
             free, total = torch.cuda.mem_get_info(self.dev.device)
@@ -318,12 +319,13 @@ class Engine:
         batch = BatchShape(ids.shape[0], ids.shape[-1], max(len(micro_batches), self.config.gradient_accumulation_steps))
         cfg = self.config
         check = make_plan(self._shape, batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda,
-                          device_budget=self.plan.device_budget, host_budget=None,
+                          device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
                           deferred_updates=self.deferred, checkpointing=cfg.activation_checkpointing,
                           stream_params=cfg.offload.param_device != "none", optimizer_on_host=False,
                           resident_blocks=self.plan.resident_blocks, prefetch_depth=cfg.offload.prefetch_depth,
                           shell_on_device=self.plan.shell_optimizer_on_device)
         self._checked_shape = tuple(ids.shape)
+        self._plan_batch = batch
         self.batch_plan = check
 
     def _forward(self, micro_batches: list[dict], *, shell_grad: bool) -> list[_Micro]:
@@ -513,6 +515,16 @@ class Engine:
             self.dev.wait(self.dev.compute, ev)
             u.dirty = False
 
+    def _discard_grads(self, host_units: list[Unit]) -> None:
+        """Forget this step's gradients (a skipped step): the next writes start fresh."""
+        for u in self.units:
+            u.grad_fresh = True
+            if u.optimizer_on_device:
+                u.grad.zero_()
+        for u in host_units:
+            u.host_grad_fresh = True
+        self._sq_norms.clear()
+
     def _finish_step(self) -> bool:
         """Apply the optimizer step to every unit. Returns False if the step was skipped (fp16 overflow)."""
         hyper = self._hyper()
@@ -533,10 +545,14 @@ class Engine:
                 sq.append(s.to(self.dev.device))
             total = torch.stack(sq).sum().sqrt().item() if sq else 0.0    # a device sync
             scale = self.scaler.scale if self.scaler else 1.0
-            if self.scaler is not None:
-                skip = self.scaler.update(not math.isfinite(total))
-            elif not math.isfinite(total):
-                raise FloatingPointError(f"gradient norm is {total} at step {self.global_step}")
+            try:
+                if self.scaler is not None:
+                    skip = self.scaler.update(not math.isfinite(total))
+                elif not math.isfinite(total):
+                    raise FloatingPointError(f"gradient norm is {total} at step {self.global_step}")
+            except Exception:
+                self._discard_grads(host_units)    # a caller that goes on starts from clean gradients
+                raise
             norm = total / scale
             self.last_grad_norm = norm
             factor = 1.0 / scale
@@ -549,11 +565,7 @@ class Engine:
             u.host_grad_fresh = True
         if skip:
             self.skipped_steps += 1
-            for u in self.units:
-                u.grad_fresh = True
-                if u.optimizer_on_device:
-                    u.grad.zero_()
-            self._sq_norms.clear()
+            self._discard_grads(host_units)
             return False
         for u in device_units:
             with self.dev.timed("compute", label=f"optimizer[{u.name}]"):
@@ -582,8 +594,9 @@ class Engine:
 
         Gradients are averaged over the micro-batches (each micro-batch loss / G), as plain
         PyTorch gradient accumulation. Returns the mean loss (a float; one device sync)."""
-        if self._micro_steps:
-            raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation; call step() first")
+        if self._micro_steps or self._pending is not None:
+            raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation "
+                               "(a forward without backward(), or micro-batches without step()); finish it first")
         if not micro_batches:
             raise ValueError("train_batch needs at least one micro-batch")
         self._ensure_plan(micro_batches)
@@ -651,20 +664,26 @@ class Engine:
     forward = __call__
 
     def _enable_accumulation(self) -> None:
-        """DeepSpeed-style steps need per-unit host gradient buffers: switch to deferred updates."""
+        """DeepSpeed-style steps need per-unit host gradient buffers: switch to deferred updates.
+
+        The plan is made again for deferred updates (same placement) and refused if the host
+        gradient buffers do not fit, before they are allocated."""
         self.worker.drain()
+        cfg = self.config
+        self.plan = make_plan(self._shape, self._plan_batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda,
+                              device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
+                              deferred_updates=True, checkpointing=cfg.activation_checkpointing,
+                              stream_params=cfg.offload.param_device != "none", optimizer_on_host=False,
+                              resident_blocks=self.plan.resident_blocks, prefetch_depth=cfg.offload.prefetch_depth,
+                              shell_on_device=self.plan.shell_optimizer_on_device,
+                              fixed_staging=self.plan.staging_buffers)
         self.deferred = True
         host_units = [u for u in self.units if not u.optimizer_on_device]
         a = HostArena(sum(u.numel for u in host_units), torch.float32, self.dev.is_cuda and self.config.offload.pin_memory)
         self._arenas.append(a)
         for u in host_units:
             self._host_grads[id(u)] = a.take(u.numel)
-        if not self._staging:
-            scap = max(u.numel for u in host_units)
-            s = HostArena(2 * scap, torch.float32, a.pinned)
-            self._arenas.append(s)
-            self._staging = [s.take(scap), s.take(scap)]
-            self._staging_free = [0, 1]
+
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients."""

@@ -28,7 +28,11 @@ class PlanError(RuntimeError):
 
 
 def fmt_bytes(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
+    """Bytes in the largest binary unit that keeps the figure >= 1, e.g. '1.50 GiB', '812.0 KiB'."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
               device_budget: int | None, host_budget: int | None, deferred_updates: bool,
               checkpointing: bool, stream_params: bool, optimizer_on_host: bool,
               resident_blocks: int | None, prefetch_depth: int | None, staging: int = 12,
-              shell_on_device: bool | None = None) -> Plan:
+              shell_on_device: bool | None = None, fixed_staging: int | None = None) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
@@ -146,6 +150,8 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         unit_bytes = max(list(streamed) + [shape.shell_numel], default=0) * 4
         if host_budget and unit_bytes and not deferred_updates:
             stage = max(min(stage, 2 * n_cpu_units), min(stage, max(2, host_budget // 4 // unit_bytes)))
+        if fixed_staging is not None:    # re-planning around buffers that already exist
+            stage = fixed_staging
         stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
         uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
         dev = {
@@ -180,21 +186,22 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
     for shell_dev in shell_choices:
         for r in candidates:
             plan = build(r, shell_dev)
-            if best is None:
-                best = plan
             dev_ok = device_budget is None or not on_cuda or plan.device_total <= device_budget
             host_ok = host_budget is None or plan.host_total <= host_budget
             if dev_ok and host_ok:
                 return plan
-            if dev_ok and not host_ok:
+            # keep the plan that comes closest, to show in the refusal: the smallest on the device
+            if best is None or (plan.device_total, plan.host_total) < (best.device_total, best.host_total):
                 best = plan
     assert best is not None
     need_dev = best.device_total
     raise PlanError(
         "no placement fits: "
-        + (f"device needs {fmt_bytes(need_dev)} > budget {fmt_bytes(device_budget)}; "
+        + (f"device needs {fmt_bytes(need_dev)} > budget {fmt_bytes(device_budget)} "
+           f"({need_dev} > {device_budget} bytes); "
            if device_budget is not None and on_cuda and need_dev > device_budget else "")
-        + (f"host needs {fmt_bytes(best.host_total)} > budget {fmt_bytes(host_budget)}; "
+        + (f"host needs {fmt_bytes(best.host_total)} > budget {fmt_bytes(host_budget)} "
+           f"({best.host_total} > {host_budget} bytes); "
            if host_budget is not None and best.host_total > host_budget else "")
         + "smallest plan:\n" + best.describe()
         + "\nlower micro_batch_size or seq_len, or raise max_gpu_memory / max_host_memory")

@@ -132,6 +132,8 @@ def test_train_bad_config_exits_2(tmp_path):
 
 def test_train_bad_option_exits_2():
     assert invoke("train", "--precision", "fp8").exit_code == 2
+    r = invoke("train", "--device", "abacus", *TINY)
+    assert r.exit_code == 2 and "--device abacus" in r.output
     r = invoke("train", "--max-gpu-memory", "lots", *TINY)
     assert r.exit_code == 2 and "max_gpu_memory" in r.output
 

@@ -73,3 +73,26 @@ def test_plan_refused_before_allocation():
     with pytest.raises(PlanError, match="device needs"):
         zerofit.initialize(model, {"precision": "bf16", "max_gpu_memory": 1 << 20, "seq_len": 32})
     assert torch.cuda.memory_allocated() == before
+
+
+def test_deepspeed_style_api_on_gpu_matches_train_batch():
+    """Both APIs give the same step on the GPU (streams, pinned buffers, host accumulation)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = []
+    for style in ("train_batch", "deepspeed"):
+        torch.manual_seed(0)
+        model = tm.llama(layers=3)
+        engine = zerofit.initialize(model, {"precision": "fp32", "micro_batch_size": 2,
+                                            "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
+                                            "gradient_clipping": 0.5, "offload": {"resident_blocks": 1}})
+        for mbs in _gpu_batches(4, 2):
+            if style == "train_batch":
+                engine.train_batch(mbs)
+            else:
+                for mb in mbs:
+                    engine.backward(engine(**mb).loss)
+                    engine.step()
+        results.append(engine.master_state_dict())
+        engine.close()
+    for n in results[0]:
+        torch.testing.assert_close(results[0][n], results[1][n], msg=lambda m: f"{n}: {m}")

@@ -60,9 +60,12 @@ def render_summary(result: DemoResult, console: Console) -> None:
         last = f"{result.final_loss:.3f} (mean of the last 10 steps; step {result.steps}: {result.last_loss:.3f})"
     t.add_row("training loss", f"{result.first_loss:.3f} (step 1) -> {last}")
     t.add_row("held-out loss", f"{result.eval_loss_before:.3f} -> {result.eval_loss_after:.3f}")
-    t.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s over steps 2..N "
-                            f"({result.tokens_per_s_overall:,.0f} with step 1's set-up; "
-                            f"{result.tokens_per_step:,} tokens per step)")
+    if result.steps > 1:
+        rate = (f"{result.tokens_per_s:,.0f} tokens/s over steps 2..{result.steps} "
+                f"({result.tokens_per_s_overall:,.0f} with step 1's set-up)")
+    else:
+        rate = f"{result.tokens_per_s:,.0f} tokens/s (step 1, set-up included)"
+    t.add_row("throughput", f"{rate}; {result.tokens_per_step:,} tokens per step")
     mem = result.memory
     if mem.get("gpu_peak_bytes"):
         t.add_row("GPU memory peak", _mib(mem["gpu_peak_bytes"]))
@@ -73,8 +76,8 @@ def render_summary(result: DemoResult, console: Console) -> None:
 
     step = result.timeline.get("step", 0.0)
     if step > 0:
-        tl = Table(title="where the time of one step went (mean of steps 2..N; phases overlap)",
-                   title_justify="left")
+        which = f"mean of steps 2..{result.steps}" if result.steps > 1 else "step 1"
+        tl = Table(title=f"where the time of one step went ({which}; phases overlap)", title_justify="left")
         tl.add_column("phase")
         tl.add_column("ms", justify="right")
         tl.add_column("% of step", justify="right")

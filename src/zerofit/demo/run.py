@@ -51,11 +51,16 @@ def resolve_device(name: str) -> torch.device:
     """``auto`` is the first GPU when there is one, else the CPU."""
     if name == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device; use auto or cpu")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {name}: expected auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
@@ -84,19 +89,6 @@ def resolve_config(options: DemoOptions, device: torch.device) -> LoadedConfig:
         if name in overrides:
             base[name] = overrides.pop(name)
     return load_config(base, **overrides)
-
-
-def initialize(model: torch.nn.Module, loaded: LoadedConfig, device: torch.device, explicit: bool):
-    """``zerofit.initialize``, on ``device`` when the user named one.
-
-    ``zerofit.initialize`` chooses the device itself (the first GPU, else the CPU);
-    only an explicit ``--device`` goes through the engine's constructor.
-    """
-    if not explicit:
-        return zerofit.initialize(model, loaded)
-    from zerofit.engine.engine import Engine
-
-    return Engine(model, loaded.config, report=loaded.report, device=device)
 
 
 @dataclass
@@ -179,10 +171,10 @@ def run_demo(options: DemoOptions | None = None, console: Console | None = None,
     if on_start is not None:
         on_start(result)
 
-    engine = initialize(model, loaded, device, explicit=options.device != "auto")
+    engine = zerofit.initialize(model, loaded, device=str(device))
     data = micro_batches(corpus.train, cfg.micro_batch_size, options.seq_len,
                          cfg.gradient_accumulation_steps, seed=cfg.seed)
-    totals: dict[str, float] = {}
+    timelines: list[dict[str, float]] = []  # engine.timeline() of each step
     bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[stats]}"), console=console, disable=not progress, transient=False)
     t_start = time.perf_counter()
@@ -197,13 +189,11 @@ def run_demo(options: DemoOptions | None = None, console: Console | None = None,
             dt = time.perf_counter() - t0
             result.losses.append(float(loss))
             result.step_seconds.append(dt)
-            if step > 0 or options.steps == 1:  # step 1 includes one-time set-up; leave it out of the means
-                for k, v in engine.timeline().items():
-                    totals[k] = totals.get(k, 0.0) + v
+            timelines.append(engine.timeline())
             bar.update(task, advance=1, stats=_stats(loss, result.tokens_per_step / dt, engine.memory_stats()))
     result.train_seconds = time.perf_counter() - t_start
-    counted = max(result.steps - 1, 1)
-    result.timeline = {k: v / counted for k, v in totals.items()}
+    counted = timelines[1:] or timelines  # step 1 includes one-time set-up: left out of the means
+    result.timeline = {k: sum(t.get(k, 0.0) for t in counted) / len(counted) for k in counted[0]}
     result.memory = dict(engine.memory_stats())
 
     module = engine.module  # current weights, on the host

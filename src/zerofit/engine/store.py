@@ -183,9 +183,18 @@ class HostArena:
         return t
 
     def close(self) -> None:
+        """Undo the page-locking (views of the memory stay valid, as pageable memory)."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
+
+    def __del__(self):
+        # Unregister before the memory can go back to the allocator: a later registration of the
+        # same addresses would otherwise fail as "already registered".
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def set_module_tensor(root: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:

@@ -107,7 +107,6 @@ class Engine:
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
         self.global_step = 0
         self.skipped_steps = 0
-        self._seq_len = seq_len
         self._timeline: dict[str, float] = {}
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
         self._pending: _Micro | None = None
@@ -326,7 +325,7 @@ class Engine:
                           shell_on_device=self.plan.shell_optimizer_on_device)
         self._checked_shape = tuple(ids.shape)
         self._plan_batch = batch
-        self.batch_plan = check
+        self.batch_plan = check     # the plan's prediction for the batch actually trained
 
     def _forward(self, micro_batches: list[dict], *, shell_grad: bool) -> list[_Micro]:
         """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints."""
@@ -614,7 +613,8 @@ class Engine:
                 del out    # the logits are not needed for the backward: free them first
                 self._post_backward(micro, loss, final, scale / G)
             losses.append(loss.detach())
-        self._backward_blocks(micros) if self.adapter.streaming else None
+        if self.adapter.streaming:
+            self._backward_blocks(micros)
         del micros
         mean = torch.stack(losses).float().mean()
         applied = self._finish_step()
@@ -748,7 +748,7 @@ class Engine:
         self._note_host()
         return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(self.dev.device) if self.dev.is_cuda else 0,
                 "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.dev.device) if self.dev.is_cuda else 0,
-                "gpu_predicted_bytes": self.plan.device_total,
+                "gpu_predicted_bytes": getattr(self, "batch_plan", self.plan).device_total,
                 "host_bytes": psutil.Process().memory_info().rss,
                 "host_peak_bytes": self._peak_host,
                 "host_predicted_bytes": self.plan.host_total}

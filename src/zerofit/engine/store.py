@@ -40,7 +40,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from zerofit.engine.device import Device, pin
 
@@ -195,13 +194,3 @@ class HostArena:
             self.close()
         except Exception:
             pass
-
-
-def set_module_tensor(root: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
-    """Replace ``root``'s parameter or buffer ``name`` (dotted) by ``value`` (as assign=True loading does)."""
-    mod_path, _, leaf = name.rpartition(".")
-    mod = root.get_submodule(mod_path) if mod_path else root
-    if is_param:
-        mod._parameters[leaf] = nn.Parameter(value, requires_grad=mod._parameters[leaf].requires_grad)
-    else:
-        mod._buffers[leaf] = value

@@ -26,25 +26,7 @@ def _cfg(**kw):
     return base
 
 
-def _reference(model, data, lr=1e-3, wd=0.01, clip=0.0, sched=None):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
-    lrs = torch.optim.lr_scheduler.LambdaLR(opt, sched) if sched else None
-    losses = []
-    for mbs in data:
-        opt.zero_grad()
-        total = 0.0
-        for mb in mbs:
-            out = model(**mb)
-            loss = out if isinstance(out, torch.Tensor) else out.loss
-            (loss / len(mbs)).backward()
-            total += loss.item()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        if lrs:
-            lrs.step()
-        losses.append(total / len(mbs))
-    return losses
+_reference = tm.reference_train
 
 
 def _assert_same_weights(engine, ref):

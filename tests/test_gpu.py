@@ -31,17 +31,7 @@ def test_fp32_parity_on_gpu_with_streaming(resident):
     assert engine.device.type == "cuda"
     data = _gpu_batches(20, 2)
     losses = [engine.train_batch(mbs) for mbs in data]
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    ref_losses = []
-    for mbs in data:
-        opt.zero_grad()
-        tot = 0.0
-        for mb in mbs:
-            loss = ref(**mb).loss
-            (loss / 2).backward()
-            tot += loss.item()
-        opt.step()
-        ref_losses.append(tot / 2)
+    ref_losses = tm.reference_train(ref, data)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():

@@ -91,3 +91,27 @@ def batches(steps: int, G: int, B: int = 2, T: int = 16, seed: int = 1) -> list[
             mbs.append({"input_ids": ids, "labels": ids})
         out.append(mbs)
     return out
+
+
+def reference_train(model: nn.Module, data: list[list[dict]], lr: float = 1e-3, wd: float = 0.01,
+                    clip: float = 0.0, sched=None) -> list[float]:
+    """Plain PyTorch training, the textbook way: loss / G accumulated, optional global-norm clipping,
+    torch.optim.AdamW, an optional LambdaLR. Returns the mean loss of each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    lrs = torch.optim.lr_scheduler.LambdaLR(opt, sched) if sched else None
+    losses = []
+    for mbs in data:
+        opt.zero_grad()
+        total = 0.0
+        for mb in mbs:
+            out = model(**mb)
+            loss = out if isinstance(out, torch.Tensor) else out.loss
+            (loss / len(mbs)).backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if lrs:
+            lrs.step()
+        losses.append(total / len(mbs))
+    return losses

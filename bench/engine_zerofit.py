@@ -46,6 +46,10 @@ class Zerofit:
             "activation_checkpointing": True,
             "seq_len": w.seq,
         }
+        if args.clip:
+            self.config["gradient_clipping"] = args.clip
+        if args.precision:
+            self.config["precision"] = args.precision
         if common.parse_bytes(args.cap):
             self.config["max_gpu_memory"] = args.cap
         res.extra["zerofit_config"] = self.config
@@ -64,7 +68,11 @@ class Zerofit:
 
 
 def main() -> int:
-    args = common.engine_args(__doc__).parse_args()
+    parser = common.engine_args(__doc__)
+    parser.add_argument("--clip", type=float, default=0.0,
+                        help="gradient_clipping (global norm); > 0 makes CPU updates wait for the norm")
+    parser.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32"])
+    args = parser.parse_args()
     return common.run_engine("zerofit", args, Zerofit, Zerofit.step, uses_cap=False,
                              version_modules=("zerofit",))
 

@@ -19,19 +19,21 @@ def _gpu_batches(steps, G, B=2, T=32):
     return [[{k: v.cuda() for k, v in mb.items()} for mb in mbs] for mbs in tm.batches(steps, G, B, T)]
 
 
-@pytest.mark.parametrize("resident", [0, 1])
-def test_fp32_parity_on_gpu_with_streaming(resident):
+@pytest.mark.parametrize("resident,clip", [(0, 0.0), (1, 0.0), (1, 0.05)])
+def test_fp32_parity_on_gpu_with_streaming(resident, clip):
+    """clip > 0 defers the updates: every other streamed block is then updated on the device."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
     model = tm.llama(layers=4)
     ref = copy.deepcopy(model).cuda()
     engine = zerofit.initialize(model, {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-                                        "optimizer": {"lr": 1e-3}, "offload": {"resident_blocks": resident}})
+                                        "optimizer": {"lr": 1e-3}, "offload": {"resident_blocks": resident},
+                                        "gradient_clipping": clip})
     assert engine.device.type == "cuda"
     data = _gpu_batches(20, 2)
     losses = [engine.train_batch(mbs) for mbs in data]
-    ref_losses = tm.reference_train(ref, data)
+    ref_losses = tm.reference_train(ref, data, clip=clip)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():

@@ -164,6 +164,10 @@ class Engine:
         ucap = max((u.numel for u in uploaded), default=0)
         self._upload_stage = (torch.empty(ucap, dtype=torch.float32, device=self.dev.device)  # (ucap,) fp32
                               if uploaded and cb != torch.float32 else None)
+        # [Note: assisted updates]: four (cap,) fp32 device buffers: master, exp_avg, exp_avg_sq, grad
+        self._assist = ([torch.empty(cap, dtype=torch.float32, device=self.dev.device) for _ in range(4)]
+                        if plan.assisted_updates and streamed else None)
+        self._assist_free = None
         host_units = [u for u in self.units if not u.optimizer_on_device]
         scap = max((u.numel for u in host_units), default=0)
         self._staging: list[torch.Tensor] = []   # (scap,) fp32, pinned host each
@@ -204,8 +208,14 @@ class Engine:
         slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
         return True
 
-    def _upload(self, unit: Unit, dst: torch.Tensor) -> None:
-        """Copy the unit's fp32 master into ``dst`` (compute dtype) on the upload stream. See [Note: fp32 uploads]."""
+    def _upload(self, unit: Unit, dst: torch.Tensor | None) -> None:
+        """Copy the unit's fp32 master into ``dst`` (compute dtype) on the upload stream. See [Note: fp32 uploads].
+
+        A unit with a pending assisted update is updated on the way. See [Note: assisted updates]."""
+        self.dev.wait(self.dev.upload, unit.master_event)
+        if unit.pending_update is not None:
+            self._assisted_update(unit, dst)
+            return
         with self.dev.timed("upload", self.dev.upload, unit.name):
             if dst.dtype == torch.float32:
                 dst.copy_(unit.master, non_blocking=True)
@@ -213,6 +223,51 @@ class Engine:
                 stage = self._upload_stage[: unit.numel]   # one buffer: the upload stream runs in order
                 stage.copy_(unit.master, non_blocking=True)
                 dst.copy_(stage)
+
+    def _assisted_update(self, unit: Unit, dst: torch.Tensor | None) -> None:
+        """[Note: assisted updates]
+        With deferred updates (clipping, fp16) every update waits for the global norm, and the CPU alone
+        could only overlap them with the next forward. So every other streamed block is updated by the
+        device instead, on the upload stream, as the next forward uploads it: its master, moments and
+        host gradient go up (16 B/param), AdamW runs there, the new weights are cast into the slot and
+        master and moments go back down (12 B/param). The CPU worker and the copy engines then share the
+        work. The unit's next upload (and any host read of its master) waits on ``master_event``."""
+        factor, hyper = unit.pending_update
+        unit.pending_update = None
+        n = unit.numel
+        p, m, v, g = (b[:n] for b in self._assist)
+        with self.dev.timed("upload", self.dev.upload, f"{unit.name}+adamw"):
+            self.dev.wait(self.dev.upload, self._assist_free)     # the buffers' previous tenant went down
+            p.copy_(unit.master, non_blocking=True)
+            m.copy_(unit.exp_avg, non_blocking=True)
+            v.copy_(unit.exp_avg_sq, non_blocking=True)
+            g.copy_(self._host_grads[id(unit)], non_blocking=True)
+            if factor != 1.0:
+                g.mul_(factor)
+            step = unit.step.to(self.dev.device, copy=True)      # adamw increments it; so does the host below
+            adamw_flat(p, g, m, v, step, hyper)
+            unit.step.add_(1)
+            if dst is not None:
+                dst.copy_(p)
+        up = self.dev.record(self.dev.upload)
+        with self.dev.on(self.dev.download):
+            self.dev.wait(self.dev.download, up)
+            with self.dev.timed("download", self.dev.download, f"{unit.name}+state"):
+                unit.master.copy_(p, non_blocking=True)
+                unit.exp_avg.copy_(m, non_blocking=True)
+                unit.exp_avg_sq.copy_(v, non_blocking=True)
+            unit.master_event = self._assist_free = self.dev.record(self.dev.download)
+
+    def _flush_assisted(self) -> None:
+        """Apply every pending assisted update now (a host reader wants the masters)."""
+        pending = [u for u in self.units if u.pending_update is not None]
+        for u in pending:
+            with self.dev.on(self.dev.upload):
+                self._upload(u, None)
+        if pending or any(u.master_event is not None for u in self.units):
+            self.dev.synchronize()
+            for u in self.units:
+                u.master_event = None
 
     def _window(self, order: list[Unit], pos: int) -> tuple:
         """The units needed from ``pos`` on that fit in the slots: the ones a slot must not be taken from."""
@@ -514,6 +569,10 @@ class Engine:
             self.dev.wait(self.dev.compute, ev)
             u.dirty = False
 
+    def _assisted(self, unit: Unit) -> bool:
+        """Whether the device updates this unit (see [Note: assisted updates]): every other streamed block."""
+        return self._assist is not None and unit.home is Home.STREAMED and unit.index % 2 == 1
+
     def _discard_grads(self, host_units: list[Unit]) -> None:
         """Forget this step's gradients (a skipped step): the next writes start fresh."""
         for u in self.units:
@@ -577,9 +636,12 @@ class Engine:
         if device_units:
             self._mirror_stale = True
         if self.deferred:
+            ev = self.dev.record(self.dev.download)
             for u in host_units:          # forward order: the next forward needs block 0 first
+                if self._assisted(u):     # [Note: assisted updates]
+                    u.pending_update = (factor, hyper)
+                    continue
                 u.updated.clear()
-                ev = self.dev.record(self.dev.download)
                 self.worker.submit(self._task_update(u, self._host_grads[id(u)], ev, hyper, factor, release=False),
                                    u.index)
         if self._shell_host_opt:
@@ -678,6 +740,10 @@ class Engine:
                               shell_on_device=self.plan.shell_optimizer_on_device,
                               fixed_staging=self.plan.staging_buffers)
         self.deferred = True
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        if self.plan.assisted_updates and self._assist is None and streamed:
+            cap = max(u.numel for u in streamed)
+            self._assist = [torch.empty(cap, dtype=torch.float32, device=self.dev.device) for _ in range(4)]
         host_units = [u for u in self.units if not u.optimizer_on_device]
         a = HostArena(sum(u.numel for u in host_units), torch.float32, self.dev.is_cuda and self.config.offload.pin_memory)
         self._arenas.append(a)
@@ -716,8 +782,9 @@ class Engine:
     # ------------------------------------------------------------------ access
 
     def wait(self) -> None:
-        """Block until every pending host update is applied."""
+        """Block until every pending update (host, or assisted on the device) is applied."""
         self.worker.drain()
+        self._flush_assisted()
 
     @property
     def module(self) -> nn.Module:

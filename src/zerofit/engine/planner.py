@@ -67,6 +67,7 @@ class Plan:
     grad_slots: int
     staging_buffers: int           # pinned host fp32 gradient staging buffers the CPU optimizer consumes from
     deferred_updates: bool         # clipping/fp16: CPU updates wait for the global norm / overflow check
+    assisted_updates: bool         # deferred: the device updates every other streamed block (engine.py)
     device_bytes: dict[str, int]
     host_bytes: dict[str, int]
     device_budget: int | None
@@ -84,7 +85,8 @@ class Plan:
         lines = [f"plan: {self.resident_blocks} resident blocks (device optimizer), "
                  f"shell optimizer on {'device' if self.shell_optimizer_on_device else 'host'}, "
                  f"{self.weight_slots} weight slots, {self.staging_buffers} pinned gradient buffers"
-                 f"{', deferred updates' if self.deferred_updates else ''}",
+                 f"{', deferred updates' if self.deferred_updates else ''}"
+                 f"{' (every other streamed block on the device)' if self.assisted_updates else ''}",
                  f"  device {fmt_bytes(self.device_total)}"
                  + (f" of {fmt_bytes(self.device_budget)}" if self.device_budget else "") + ": "
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.device_bytes.items() if v),
@@ -153,6 +155,7 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         if fixed_staging is not None:    # re-planning around buffers that already exist
             stage = fixed_staging
         stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
+        assisted = deferred_updates and len(streamed) > 1
         uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
         dev = {
             "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),
@@ -160,6 +163,7 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
             "weight_slots": slots * max_block * cb,
             "upload_staging": (max(uploaded, default=0) * 4) if not fp32 else 0,   # [Note: fp32 uploads]
             "grad_slots": gslots * max_block * 4,
+            "assist_buffers": 4 * max_block * 4 if assisted else 0,
             **act,
             "allocator_reserve": int(0.05 * (act_total + sum(shape.block_numels) * cb)) + (256 << 20 if on_cuda else 0),
         }
@@ -175,7 +179,8 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
             for k, v in dev.items():
                 host["device:" + k] = v
             dev = {}
-        return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, dev, host, device_budget, host_budget)
+        return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, assisted, dev, host, device_budget,
+                    host_budget)
 
     best = None
     # Prefer the shell's optimizer on the device: its gradient is complete only at the very end of the

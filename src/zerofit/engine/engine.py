@@ -41,7 +41,7 @@ from zerofit.engine.device import Device
 from zerofit.engine.optimizer import HostWorker, Hyper, adamw_flat
 from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, make_plan
-from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState
+from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState, assisted_unit
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -94,13 +94,6 @@ class Engine:
                 raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA GPU")
             dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         self.dev = Device.create(dev)
-        if self.dev.is_cuda and config.max_gpu_memory:
-            # Running close to a cap: expandable segments keep fragmentation from turning into an OOM.
-            set_alloc = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-                torch.cuda.memory._set_allocator_settings
-            set_alloc("expandable_segments:True")
-            total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory / total), dev)
         self.adapter = Adapter(model, adapter or config.adapter)
         self._model = model
         self.deferred = config.gradient_clipping > 0 or config.precision == "fp16"
@@ -119,6 +112,16 @@ class Engine:
         self._table = param_table(model, self.adapter)
         self._shape = model_shape(model, self.adapter, self._table)
         self.plan = self._plan(self._shape, seq_len or config.seq_len)   # may refuse: nothing allocated yet
+        self._capped = False
+        if self.dev.is_cuda and config.max_gpu_memory:
+            # The plan fits: enforce the cap on the allocator. Running close to a cap, expandable
+            # segments keep fragmentation from turning into an out-of-memory error.
+            set_alloc = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+                torch.cuda.memory._set_allocator_settings
+            set_alloc("expandable_segments:True")
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory / total), dev)
+            self._capped = True
         self.worker = HostWorker()
         self._build_buffers()
         if self.dev.is_cuda:
@@ -570,8 +573,8 @@ class Engine:
             u.dirty = False
 
     def _assisted(self, unit: Unit) -> bool:
-        """Whether the device updates this unit (see [Note: assisted updates]): every other streamed block."""
-        return self._assist is not None and unit.home is Home.STREAMED and unit.index % 2 == 1
+        """Whether the device updates this unit (see [Note: assisted updates])."""
+        return self._assist is not None and assisted_unit(unit.home, unit.index)
 
     def _discard_grads(self, host_units: list[Unit]) -> None:
         """Forget this step's gradients (a skipped step): the next writes start fresh."""
@@ -828,9 +831,13 @@ class Engine:
         return self.train(False)
 
     def close(self) -> None:
-        self.worker.drain()
+        """Apply pending updates, stop the worker, unpin host memory, lift the GPU cap."""
+        self.wait()
         self.worker.close()
         self.dev.synchronize()
+        if self._capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.dev.device)
+            self._capped = False
         for a in self._arenas:
             a.close()
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from zerofit.engine.adapter import Adapter
 from zerofit.engine.planner import ModelShape, Plan
-from zerofit.engine.store import FlatLayout, Home, HostArena, Unit
+from zerofit.engine.store import FlatLayout, Home, HostArena, Unit, assisted_unit
 
 
 @dataclass
@@ -88,6 +88,10 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     # the binding resource (design/ENGINE.md). The module's parameters are fp32 views of the same.
     sizes = [sum(canon[n].numel() for n in names) for names in table.unit_names]
     need = sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
+    # With assisted updates the moments of the device-updated blocks are copied too: pin them as well
+    # (a pageable copy runs at a seventh of the speed and blocks the host).
+    assisted = [plan.assisted_updates and assisted_unit(homes[i], i - 1) for i in range(len(sizes))]
+    need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
     arena = HostArena(need, torch.float32, pinned) if need else None
     units: list[Unit] = []
     for idx, names in enumerate(table.unit_names):
@@ -105,8 +109,10 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         _fill(master, values)
         del values
         unit.master = master
-        unit.exp_avg = torch.zeros_like(master)
-        unit.exp_avg_sq = torch.zeros_like(master)
+        if assisted[idx]:
+            unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel).zero_(), arena.take(layout.numel).zero_()
+        else:
+            unit.exp_avg, unit.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
         unit.step = torch.zeros((), dtype=torch.float32, device=opt_dev)
         if on_dev:
             unit.dev16 = master if fp32 else master.to(compute_dtype)

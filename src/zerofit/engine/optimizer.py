@@ -2,7 +2,7 @@
 
 The math is ``torch.optim.AdamW``'s (its functional form, fused kernel) applied
 to each unit's flat fp32 master weights. The cast to the compute dtype happens
-on the device after the next upload (see [Note: fp32 uploads] in engine.py).
+on the device after the next upload (see [Note: fp32 uploads] in materialize.py).
 
 [Note: CPU optimizer overlap]
 Host-optimized units are updated by one worker thread, in the order their

@@ -19,7 +19,7 @@ buffer          shape, dtype                home
 ==============  ==========================  ========================================
 
 Host-optimized units upload ``master`` (pinned) and the device casts it: see
-[Note: fp32 uploads] in engine.py.
+[Note: fp32 uploads] in materialize.py.
 
 [Note: slot reuse]
 A streamed unit borrows a device weight slot from the :class:`SlotPool` while

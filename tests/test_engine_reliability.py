@@ -250,32 +250,8 @@ def test_fp16_trains_and_tracks_fp32_master_fp16_compute_reference():
         losses.append(engine.train_batch(mbs))
     assert engine.weight_pool.slots[0].tensor.dtype == torch.float16, "blocks must compute in fp16"
 
-    work = copy.deepcopy(master).half()
-    opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.01)
-    scaler = DynamicLossScaler(2.0**10, window, 1.0, 2)
-    ref_losses, ref_scales = [], []
-    for _ in range(steps):
-        with torch.no_grad():
-            for p16, p32 in zip(work.parameters(), master.parameters()):
-                p16.copy_(p32)
-        s = scaler.scale
-        acc = [torch.zeros_like(p) for p in master.parameters()]
-        total = 0.0
-        for mb in mbs:
-            work.zero_grad()
-            loss = work(**mb).loss
-            (loss * (s / G)).backward()
-            for a, p16 in zip(acc, work.parameters()):
-                a += p16.grad.float()
-            total += loss.item()
-        ref_losses.append(total / G)
-        ref_scales.append(s)
-        norm = torch.sqrt(sum((a.double() ** 2).sum() for a in acc))
-        if scaler.update(not bool(torch.isfinite(norm))):
-            continue
-        for a, p32 in zip(acc, master.parameters()):
-            p32.grad = a / s
-        opt.step()
+    ref_losses, ref_scales = tm.fp16_reference_train(master, mbs, steps, lr,
+                                                     DynamicLossScaler(2.0**10, window, 1.0, 2))
 
     assert engine.skipped_steps == 0
     assert scales == ref_scales and scales[-1] > scales[0], "the scale must grow over the run"

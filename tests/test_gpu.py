@@ -88,3 +88,29 @@ def test_deepspeed_style_api_on_gpu_matches_train_batch():
         engine.close()
     for n in results[0]:
         torch.testing.assert_close(results[0][n], results[1][n], msg=lambda m: f"{n}: {m}")
+
+
+def test_fp16_with_clipping_on_gpu_tracks_the_reference():
+    """fp16 compute, DeepSpeed loss scaling, clipping (deferred and assisted updates) with real streams."""
+    from zerofit.optim.loss_scaler import DynamicLossScaler
+
+    steps, lr, window = 14, 3e-3, 4
+    torch.manual_seed(0)
+    model = tm.llama(layers=4)
+    master = copy.deepcopy(model).cuda()
+    engine = zerofit.initialize(model, {"precision": "fp16", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
+                                        "optimizer": {"lr": lr, "weight_decay": 0.01}, "gradient_clipping": 0.5,
+                                        "fp16": {"initial_scale_power": 10, "loss_scale_window": window},
+                                        "offload": {"resident_blocks": 1}})
+    assert engine.plan.assisted_updates
+    mbs = _gpu_batches(1, 2)[0]
+    losses, scales = [], []
+    for _ in range(steps):
+        scales.append(engine.scaler.scale)
+        losses.append(engine.train_batch(mbs))
+    ref_losses, ref_scales = tm.fp16_reference_train(master, mbs, steps, lr,
+                                                     DynamicLossScaler(2.0**10, window, 1.0, 2), clip=0.5)
+    assert scales == ref_scales
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    assert losses[-1] < losses[0] - 0.5
+    engine.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,3 +117,40 @@ def reference_train(model: nn.Module, data: list[list[dict]], lr: float = 1e-3, 
             lrs.step()
         losses.append(total / len(mbs))
     return losses
+
+
+def fp16_reference_train(master: nn.Module, mbs: list[dict], steps: int, lr: float, scaler,
+                         clip: float = 0.0) -> tuple[list[float], list[float]]:
+    """fp16 compute on a copy of fp32 master weights with dynamic loss scaling (``scaler``: a
+    DynamicLossScaler), gradients summed in fp32 over ``mbs``, optional global-norm clipping,
+    torch.optim.AdamW on the master. The same batch every step. Returns (losses, scales)."""
+    work = copy.deepcopy(master).half()
+    opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.01)
+    G = len(mbs)
+    losses, scales = [], []
+    for _ in range(steps):
+        with torch.no_grad():
+            for p16, p32 in zip(work.parameters(), master.parameters()):
+                p16.copy_(p32)
+        s = scaler.scale
+        acc = [torch.zeros_like(p) for p in master.parameters()]
+        total = 0.0
+        for mb in mbs:
+            work.zero_grad()
+            loss = work(**mb).loss
+            (loss * (s / G)).backward()
+            for a, p16 in zip(acc, work.parameters()):
+                a += p16.grad.float()
+            total += loss.item()
+        losses.append(total / G)
+        scales.append(s)
+        norm = torch.sqrt(sum((a.double() ** 2).sum() for a in acc))
+        if scaler.update(not bool(torch.isfinite(norm))):
+            continue
+        factor = 1.0 / s
+        if clip and float(norm) / s > clip:
+            factor *= clip / (float(norm) / s + 1e-6)
+        for a, p32 in zip(acc, master.parameters()):
+            p32.grad = a * factor
+        opt.step()
+    return losses, scales

@@ -58,8 +58,17 @@ class Zerofit:
         print(f"[zerofit] {res.extra['plan']}", flush=True)
 
     def step(self, micro_batches):
-        loss = self.engine.train_batch([{"input_ids": ids, "labels": ids} for ids in micro_batches])
-        loss = float(loss)
+        batches = [{"input_ids": ids, "labels": ids} for ids in micro_batches]
+        if self.args.api == "deepspeed":   # DeepSpeed-shaped code: one micro-batch per call
+            total = 0.0
+            for b in batches:
+                out = self.engine(**b)
+                self.engine.backward(out.loss)
+                self.engine.step()
+                total += float(out.loss)
+            loss = total / len(batches)
+        else:
+            loss = float(self.engine.train_batch(batches))
         self.res.timeline = {k: round(float(v), 4) for k, v in self.engine.timeline().items()}
         print(f"[zerofit] timeline: {self.res.timeline}", flush=True)
         if hasattr(self.engine, "memory_stats"):
@@ -72,6 +81,8 @@ def main() -> int:
     parser.add_argument("--clip", type=float, default=0.0,
                         help="gradient_clipping (global norm); > 0 makes CPU updates wait for the norm")
     parser.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--api", default="train_batch", choices=["train_batch", "deepspeed"],
+                        help="train_batch, or DeepSpeed-shaped engine(**b); backward(loss); step() per micro-batch")
     args = parser.parse_args()
     return common.run_engine("zerofit", args, Zerofit, Zerofit.step, uses_cap=False,
                              version_modules=("zerofit",))

@@ -40,7 +40,7 @@ from zerofit.engine.adapter import Adapter, PreResult, block_output, loss_of
 from zerofit.engine.device import Device
 from zerofit.engine.optimizer import HostWorker, Hyper, adamw_flat
 from zerofit.engine.materialize import build_units, model_shape, param_table
-from zerofit.engine.planner import BatchShape, ModelShape, Plan, make_plan
+from zerofit.engine.planner import BatchShape, ModelShape, Plan, PlanError, make_plan
 from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState, assisted_unit
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -735,13 +735,16 @@ class Engine:
         gradient buffers do not fit, before they are allocated."""
         self.worker.drain()
         cfg = self.config
-        self.plan = make_plan(self._shape, self._plan_batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda,
-                              device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
-                              deferred_updates=True, checkpointing=cfg.activation_checkpointing,
-                              stream_params=cfg.offload.param_device != "none", optimizer_on_host=False,
-                              resident_blocks=self.plan.resident_blocks, prefetch_depth=cfg.offload.prefetch_depth,
-                              shell_on_device=self.plan.shell_optimizer_on_device,
-                              fixed_staging=self.plan.staging_buffers)
+        kw = dict(compute_dtype=self.dtype, on_cuda=self.dev.is_cuda,
+                  device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
+                  deferred_updates=True, checkpointing=cfg.activation_checkpointing,
+                  stream_params=cfg.offload.param_device != "none", optimizer_on_host=False,
+                  resident_blocks=self.plan.resident_blocks, prefetch_depth=cfg.offload.prefetch_depth,
+                  shell_on_device=self.plan.shell_optimizer_on_device, fixed_staging=self.plan.staging_buffers)
+        try:    # assisted updates need four device buffers the first plan may not have room for
+            self.plan = make_plan(self._shape, self._plan_batch, **kw)
+        except PlanError:
+            self.plan = make_plan(self._shape, self._plan_batch, assisted_updates=False, **kw)
         self.deferred = True
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         if self.plan.assisted_updates and self._assist is None and streamed:

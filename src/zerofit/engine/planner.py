@@ -117,7 +117,8 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
               device_budget: int | None, host_budget: int | None, deferred_updates: bool,
               checkpointing: bool, stream_params: bool, optimizer_on_host: bool,
               resident_blocks: int | None, prefetch_depth: int | None, staging: int = 12,
-              shell_on_device: bool | None = None, fixed_staging: int | None = None) -> Plan:
+              shell_on_device: bool | None = None, fixed_staging: int | None = None,
+              assisted_updates: bool | None = None) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
@@ -155,7 +156,7 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         if fixed_staging is not None:    # re-planning around buffers that already exist
             stage = fixed_staging
         stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
-        assisted = deferred_updates and len(streamed) > 1
+        assisted = deferred_updates and len(streamed) > 1 and assisted_updates is not False
         uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
         dev = {
             "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),

@@ -96,7 +96,10 @@ class Engine:
         self.dev = Device.create(dev)
         self.adapter = Adapter(model, adapter or config.adapter)
         self._model = model
-        self.deferred = config.gradient_clipping > 0 or config.precision == "fp16"
+        # the global gradient norm is needed for clipping and for fp16's overflow check; either one
+        # makes every host update wait for it (deferred updates)
+        self._needs_norm = config.gradient_clipping > 0 or config.precision == "fp16"
+        self.deferred = self._needs_norm
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
         self.global_step = 0
         self.skipped_steps = 0
@@ -492,7 +495,8 @@ class Engine:
         if fresh_host:     # the whole gradient goes straight into the unit's host buffer; its norm is taken here
             dst = host
             unit.host_grad_fresh = False
-            self._sq_norms[id(unit)] = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+            if self._needs_norm:
+                self._sq_norms[id(unit)] = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
         else:              # staging: either an immediate update, or an add into the host buffer
             dst = self._take_staging()
             self._sq_norms.pop(id(unit), None)
@@ -598,6 +602,7 @@ class Engine:
             self._unit_grads_done(self.shell)
         if self.deferred:
             self.worker.drain()        # host-side accumulations are done
+        if self._needs_norm:
             sq = [torch.linalg.vector_norm(u.grad, dtype=torch.float64) ** 2 for u in device_units]
             for u in host_units:
                 s = self._sq_norms.pop(id(u), None)

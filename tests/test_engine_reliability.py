@@ -307,7 +307,7 @@ def test_plan_error_names_predicted_and_available_bytes():
 _BIG = ModelShape(50_000_000, (100_000_000,) * 8, 2048, 8192, 32000)
 _BATCH = BatchShape(1, 1024, 1)
 _GPU = dict(compute_dtype=torch.bfloat16, on_cuda=True, host_budget=None, deferred_updates=False, checkpointing=True,
-            stream_params=True, optimizer_on_host=False, prefetch_depth=None)
+            stream_params=True, prefetch_depth=None)
 
 
 def _candidate(shape, batch, r, shell_dev, **kw):

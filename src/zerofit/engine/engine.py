@@ -81,7 +81,7 @@ class Engine:
         return cls(model, loaded.config, report=loaded.report)
 
     def __init__(self, model: nn.Module, config: ZerofitConfig, report=(), device: torch.device | str | None = None,
-                 adapter: str | None = None, seq_len: int | None = None):
+                 adapter: str | None = None):
         self.config = config
         self.report = list(report)
         self.dtype = _DTYPES[config.precision]
@@ -114,7 +114,7 @@ class Engine:
         self._checked_shape = None
         self._table = param_table(model, self.adapter)
         self._shape = model_shape(model, self.adapter, self._table)
-        self.plan = self._plan(self._shape, seq_len or config.seq_len)   # may refuse: nothing allocated yet
+        self.plan = self._plan(self._shape, config.seq_len)   # may refuse: nothing allocated yet
         self._capped = False
         if self.dev.is_cuda and config.max_gpu_memory:
             # The plan fits: enforce the cap on the allocator. Running close to a cap, expandable
@@ -132,27 +132,39 @@ class Engine:
 
     # ------------------------------------------------------------------ planning and materialization
 
+    def _plan_args(self) -> dict:
+        """make_plan's arguments that follow from the config and the device (one place for all plans)."""
+        cfg = self.config
+        return dict(compute_dtype=self.dtype, on_cuda=self.dev.is_cuda, deferred_updates=self.deferred,
+                    checkpointing=cfg.activation_checkpointing, stream_params=cfg.offload.param_device != "none",
+                    prefetch_depth=cfg.offload.prefetch_depth)
+
+    def _replan(self, batch: BatchShape, **changes) -> Plan:
+        """A plan for ``batch`` with the current placement kept (resident blocks, shell optimizer, staging)."""
+        args = self._plan_args() | dict(
+            device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
+            resident_blocks=self.plan.resident_blocks, shell_on_device=self.plan.shell_optimizer_on_device,
+            fixed_staging=self.plan.staging_buffers)
+        return make_plan(self._shape, batch, **(args | changes))
+
     def _plan(self, shape: ModelShape, seq_len: int | None) -> Plan:
         cfg = self.config
         if seq_len is None:
             mcfg = getattr(self._model, "config", None)
             seq_len = min(getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
                           or 2048, 2048)
-        batch = BatchShape(cfg.micro_batch_size, seq_len, cfg.gradient_accumulation_steps)
-        self._plan_batch = batch
+        self._plan_batch = BatchShape(cfg.micro_batch_size, seq_len, cfg.gradient_accumulation_steps)
         dev_budget = None
         if self.dev.is_cuda:
             free, total = torch.cuda.mem_get_info(self.dev.device)
             dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
-        host_budget = cfg.max_host_memory or psutil.virtual_memory().available
         return make_plan(
-            shape, batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda, device_budget=dev_budget,
-            host_budget=host_budget, deferred_updates=self.deferred, checkpointing=cfg.activation_checkpointing,
-            stream_params=cfg.offload.param_device != "none", optimizer_on_host=False,
+            shape, self._plan_batch, device_budget=dev_budget,
+            host_budget=cfg.max_host_memory or psutil.virtual_memory().available,
             # no optimizer offload: every unit is resident with its optimizer on the device
             resident_blocks=(self.adapter.num_blocks if cfg.offload.optimizer_device == "none"
                              else cfg.offload.resident_blocks),
-            prefetch_depth=cfg.offload.prefetch_depth)
+            **self._plan_args())
 
     def _build_buffers(self) -> None:
         """Materialize the units (materialize.py), then the device slots and pinned gradient buffers."""
@@ -377,13 +389,7 @@ class Engine:
         if ids is None or self._checked_shape == tuple(ids.shape):
             return
         batch = BatchShape(ids.shape[0], ids.shape[-1], max(len(micro_batches), self.config.gradient_accumulation_steps))
-        cfg = self.config
-        check = make_plan(self._shape, batch, compute_dtype=self.dtype, on_cuda=self.dev.is_cuda,
-                          device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
-                          deferred_updates=self.deferred, checkpointing=cfg.activation_checkpointing,
-                          stream_params=cfg.offload.param_device != "none", optimizer_on_host=False,
-                          resident_blocks=self.plan.resident_blocks, prefetch_depth=cfg.offload.prefetch_depth,
-                          shell_on_device=self.plan.shell_optimizer_on_device)
+        check = self._replan(batch)   # PlanError before anything of this step is allocated
         self._checked_shape = tuple(ids.shape)
         self._plan_batch = batch
         self.batch_plan = check     # the plan's prediction for the batch actually trained
@@ -739,17 +745,10 @@ class Engine:
         The plan is made again for deferred updates (same placement) and refused if the host
         gradient buffers do not fit, before they are allocated."""
         self.worker.drain()
-        cfg = self.config
-        kw = dict(compute_dtype=self.dtype, on_cuda=self.dev.is_cuda,
-                  device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
-                  deferred_updates=True, checkpointing=cfg.activation_checkpointing,
-                  stream_params=cfg.offload.param_device != "none", optimizer_on_host=False,
-                  resident_blocks=self.plan.resident_blocks, prefetch_depth=cfg.offload.prefetch_depth,
-                  shell_on_device=self.plan.shell_optimizer_on_device, fixed_staging=self.plan.staging_buffers)
         try:    # assisted updates need four device buffers the first plan may not have room for
-            self.plan = make_plan(self._shape, self._plan_batch, **kw)
+            self.plan = self._replan(self._plan_batch, deferred_updates=True)
         except PlanError:
-            self.plan = make_plan(self._shape, self._plan_batch, assisted_updates=False, **kw)
+            self.plan = self._replan(self._plan_batch, deferred_updates=True, assisted_updates=False)
         self.deferred = True
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         if self.plan.assisted_updates and self._assist is None and streamed:

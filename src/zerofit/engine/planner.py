@@ -115,7 +115,7 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
 
 def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: torch.dtype, on_cuda: bool,
               device_budget: int | None, host_budget: int | None, deferred_updates: bool,
-              checkpointing: bool, stream_params: bool, optimizer_on_host: bool,
+              checkpointing: bool, stream_params: bool,
               resident_blocks: int | None, prefetch_depth: int | None, staging: int = 12,
               shell_on_device: bool | None = None, fixed_staging: int | None = None,
               assisted_updates: bool | None = None) -> Plan:
@@ -137,8 +137,6 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         candidates = [0]   # CPU: stream everything, so the CPU runs the same code paths as the GPU
     else:
         candidates = list(range(L, -1, -1))
-    if optimizer_on_host:
-        candidates = [0]
     depth = prefetch_depth or 2
 
     def build(r: int, shell_dev: bool) -> Plan:
@@ -186,7 +184,7 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
     best = None
     # Prefer the shell's optimizer on the device: its gradient is complete only at the very end of the
     # backward, so a host update of it would sit on the critical path of the next step.
-    shell_choices = (False,) if optimizer_on_host else (True, False)
+    shell_choices = (True, False)
     if shell_on_device is not None:
         shell_choices = (shell_on_device,)
     for shell_dev in shell_choices:

@@ -189,3 +189,35 @@ def test_dropout_is_active_and_replayed():
     l_eval = ref(**mbs[0]).loss.item()
     assert l_engine == pytest.approx(l_ref, rel=1e-6)
     assert l_engine != pytest.approx(l_eval, rel=1e-3)
+
+
+@pytest.mark.parametrize("precision,clip,api", [("fp32", 0.0, "train_batch"), ("fp32", 0.05, "train_batch"),
+                                                ("fp32", 0.0, "deepspeed"), ("bf16", 0.0, "train_batch")])
+def test_shell_optimizer_on_the_host(precision, clip, api):
+    """The shell (embeddings, head) updated by the CPU worker and re-uploaded before the next step's
+    pre pass: the planner's choice when the shell's optimizer state does not fit on the device."""
+    torch.manual_seed(0)
+    model = tm.llama()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg(precision=precision, gradient_clipping=clip,
+                                            offload={"shell_optimizer": "host"}))
+    assert not engine.plan.shell_optimizer_on_device and not engine.shell.optimizer_on_device
+    data = tm.batches(8, G)
+    losses = []
+    for mbs in data:
+        if api == "deepspeed":
+            total = 0.0
+            for mb in mbs:
+                out = engine(**mb)
+                engine.backward(out.loss)
+                engine.step()
+                total += out.loss.item()
+            losses.append(total / G)
+        else:
+            losses.append(engine.train_batch(mbs))
+    ref_losses = _reference(ref, data, clip=clip)
+    if precision == "fp32":
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        _assert_same_weights(engine, ref)
+    else:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.6e-2, atol=0)

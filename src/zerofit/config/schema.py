@@ -339,6 +339,9 @@ class OffloadConfig(_Frozen):
     """blocks uploaded ahead of compute; None = the planner decides"""
     resident_blocks: int | None = Field(None, ge=0)
     """blocks kept on the GPU with a GPU optimizer; None = the planner decides"""
+    shell_optimizer: Literal["auto", "device", "host"] = "auto"
+    """where the optimizer of the shell (embeddings, final norm, head) runs; auto = the planner decides
+    (the device when it fits: the shell's gradient is complete only at the end of the backward)"""
 
     @field_validator("nvme_path")
     @classmethod

@@ -164,6 +164,7 @@ class Engine:
             # no optimizer offload: every unit is resident with its optimizer on the device
             resident_blocks=(self.adapter.num_blocks if cfg.offload.optimizer_device == "none"
                              else cfg.offload.resident_blocks),
+            shell_on_device={"auto": None, "device": True, "host": False}[cfg.offload.shell_optimizer],
             **self._plan_args())
 
     def _build_buffers(self) -> None:
@@ -570,7 +571,10 @@ class Engine:
         return Hyper.of(self.config.optimizer, lr_at(self.global_step, self.config.optimizer.lr, self.config.scheduler))
 
     def _refresh_shell(self) -> None:
-        """A host-optimized shell: wait for its update and upload it into dev16 before use."""
+        """A host-optimized shell: wait for its update and upload it into dev16 before use.
+
+        Waiting for the update also orders the next step's writes into ``shell.grad`` after the
+        download that read it: the update task synchronized on that download's event first."""
         if not self._shell_host_opt:
             return
         u = self.shell

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from zerofit.config import ConfigError, ZerofitConfig, load_config
-from zerofit.config.deepspeed import (
+from zerofit.config.deepspeed_keys import (
     ADAM_PARAMS,
     DEEPSPEED_KEYS,
     SCHEDULER_PARAMS,

@@ -1,0 +1,477 @@
+"""The DeepSpeed keys zerofit knows: each key's type and what it means to zerofit.
+
+Every key is **honoured** (same meaning, copied to the zerofit field named in
+its note), **mapped** (translated onto zerofit's own mechanism) or
+**not-applicable** (zerofit decides it itself; the value is still type-checked).
+:mod:`zerofit.config.deepspeed` walks a user's config against these tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Union
+
+Status = Literal["honoured", "mapped", "not-applicable"]
+HONOURED: Status = "honoured"
+MAPPED: Status = "mapped"
+NA: Status = "not-applicable"
+
+
+@dataclass(frozen=True)
+class KeyReport:
+    """What zerofit did with one DeepSpeed key."""
+
+    key: str
+    """dotted path as written in the config, e.g. ``zero_optimization.overlap_comm``"""
+    status: Status
+    """honoured (same meaning), mapped (translated) or not-applicable (zerofit decides)"""
+    note: str = ""
+    """what it became, or why it does not apply"""
+
+    def __str__(self) -> str:
+        return f"{self.key} [{self.status}]" + (f": {self.note}" if self.note else "")
+
+
+# ----------------------------------------------------------------------------
+# Value kinds: each checks one JSON value and returns it normalised
+# ----------------------------------------------------------------------------
+
+
+class _Bad(Exception):
+    """A value does not fit its kind (turned into ConfigError by the walker, which knows the path)."""
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class Int:
+    lo: int = 0
+    hi: int | None = None
+    nullable: bool = False
+
+    @property
+    def expected(self) -> str:
+        rng = f">= {self.lo}" if self.hi is None else f"in [{self.lo}, {self.hi}]"
+        return f"an integer {rng}" + (" or null" if self.nullable else "")
+
+    def check(self, v: Any) -> Any:
+        if v is None and self.nullable:
+            return None
+        # JSON writes big counts as 5e8: accept floats with no fractional part.
+        if not _is_number(v) or (isinstance(v, float) and not v.is_integer()):
+            raise _Bad
+        v = int(v)
+        if v < self.lo or (self.hi is not None and v > self.hi):
+            raise _Bad
+        return v
+
+
+@dataclass(frozen=True)
+class Float:
+    lo: float = 0.0
+    hi: float | None = None
+    lo_open: bool = False
+
+    @property
+    def expected(self) -> str:
+        lo = f"> {self.lo:g}" if self.lo_open else f">= {self.lo:g}"
+        return f"a number {lo}" + (f" and <= {self.hi:g}" if self.hi is not None else "")
+
+    def check(self, v: Any) -> Any:
+        if not _is_number(v):
+            raise _Bad
+        if v < self.lo or (self.lo_open and v == self.lo) or (self.hi is not None and v > self.hi):
+            raise _Bad
+        return float(v)
+
+
+@dataclass(frozen=True)
+class Bool:
+    nullable: bool = False
+    expected = "true or false"
+
+    def check(self, v: Any) -> Any:
+        if isinstance(v, bool) or (v is None and self.nullable):
+            return v
+        raise _Bad
+
+
+@dataclass(frozen=True)
+class Choice:
+    values: tuple[Any, ...]
+    fold_case: bool = False
+
+    @property
+    def expected(self) -> str:
+        return "one of " + ", ".join(repr(x) for x in self.values)
+
+    def check(self, v: Any) -> Any:
+        for x in self.values:
+            if v == x and type(v) is type(x):
+                return x
+            if self.fold_case and isinstance(v, str) and isinstance(x, str) and v.lower() == x.lower():
+                return x
+        raise _Bad
+
+
+@dataclass(frozen=True)
+class Text:
+    nullable: bool = False
+
+    @property
+    def expected(self) -> str:
+        return "a string" + (" or null" if self.nullable else "")
+
+    def check(self, v: Any) -> Any:
+        if isinstance(v, str) or (v is None and self.nullable):
+            return v
+        raise _Bad
+
+
+@dataclass(frozen=True)
+class Betas:
+    expected = "a list of two numbers, each in [0, 1)"
+
+    def check(self, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v):
+            return (float(v[0]), float(v[1]))
+        raise _Bad
+
+
+@dataclass(frozen=True)
+class Anything:
+    expected = "any JSON value"
+
+    def check(self, v: Any) -> Any:
+        return v
+
+
+_Kind = Union[Int, Float, Bool, Choice, Text, Betas, Anything]
+
+
+# ----------------------------------------------------------------------------
+# The key table
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Key:
+    """One DeepSpeed leaf key."""
+
+    kind: _Kind
+    status: Status
+    note: str = ""
+    auto: bool = False
+    """``"auto"`` accepted (resolved by :func:`translate`)"""
+    aliases: tuple[str, ...] = ()
+    """other spellings DeepSpeed accepts (its pydantic field names vs. aliases)"""
+    hint: str = ""
+    """what to do when the value is refused"""
+
+
+@dataclass(frozen=True)
+class Section:
+    """A DeepSpeed object. ``keys=None``: its contents are not checked (a feature zerofit does not use)."""
+
+    keys: Mapping[str, "Key | Section"] | None
+    status: Status = NA
+    note: str = ""
+    aliases: tuple[str, ...] = ()
+    nullable: bool = False
+
+
+_BUCKETS = "zerofit sizes its transfers per block; no communication buckets"
+_PLANNER = "zerofit's planner decides from the model's block sizes and the memory budgets"
+_COMM = "zerofit decides its own communication schedule"
+_MONITOR = "zerofit logs to its own timeline; metric sinks are configured outside the training config"
+
+
+def _na(kind: _Kind, note: str, **kw: Any) -> Key:
+    return Key(kind, NA, note, **kw)
+
+
+_OFFLOAD_OPTIMIZER = Section({
+    "device": Key(Choice(("none", "cpu", "nvme")), HONOURED, "-> offload.optimizer_device"),
+    "nvme_path": Key(Text(nullable=True), HONOURED, "-> offload.nvme_path"),
+    "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)"),
+    "buffer_count": _na(Int(0), "zerofit sizes its own staging buffers"),
+    "pipeline_read": _na(Bool(), "zerofit always overlaps NVMe reads with compute"),
+    "pipeline_write": _na(Bool(), "zerofit always overlaps NVMe writes with compute"),
+    "pipeline": _na(Bool(), "zerofit always overlaps NVMe I/O with compute"),
+    "fast_init": _na(Bool(), "zerofit initialises its NVMe files itself"),
+    "ratio": _na(Float(0, 1), "the planner decides which optimizer state stays on the GPU"),
+    "super_offload": _na(Bool(), "zerofit's CPU optimizer is its own"),
+    "convert_grad_on_cpu": _na(Bool(), "zerofit decides where gradients are converted"),
+    "cpuadam_cores_perc": _na(Float(0, 1), "zerofit sizes its CPU optimizer worker itself"),
+}, nullable=True)
+
+_OFFLOAD_PARAM = Section({
+    "device": Key(Choice(("none", "cpu", "nvme")), HONOURED, "-> offload.param_device"),
+    "nvme_path": Key(Text(nullable=True), HONOURED, "-> offload.nvme_path"),
+    "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)"),
+    "buffer_count": _na(Int(0), "zerofit sizes its own staging buffers"),
+    "buffer_size": _na(Int(0), "zerofit sizes its own staging buffers", auto=True),
+    "max_in_cpu": _na(Int(0), "bounded by max_host_memory instead"),
+}, nullable=True)
+
+_ZERO = Section({
+    "stage": Key(Choice((0, 1, 2, 3)), MAPPED,
+                 "zerofit streams whole blocks; where weights and optimizer state live follows offload_param "
+                 "and offload_optimizer"),
+    "offload_optimizer": _OFFLOAD_OPTIMIZER,
+    "offload_param": _OFFLOAD_PARAM,
+    "cpu_offload": Key(Bool(nullable=True), MAPPED, "deprecated; true -> offload_optimizer.device cpu"),
+    "cpu_offload_param": Key(Bool(nullable=True), MAPPED, "deprecated; true -> offload_param.device cpu"),
+    "cpu_offload_use_pin_memory": Key(Bool(nullable=True), MAPPED, "deprecated; -> offload.pin_memory"),
+    "stage3_prefetch_bucket_size": Key(Int(0), MAPPED, "elements fetched ahead -> offload.prefetch_depth (blocks), "
+                                       + _PLANNER, auto=True, aliases=("prefetch_bucket_size",)),
+    "stage3_max_live_parameters": Key(Int(0), MAPPED, "resident parameters -> bounded by max_gpu_memory; "
+                                      + _PLANNER, auto=True, aliases=("max_live_parameters",)),
+    "stage3_param_persistence_threshold": _na(Int(0), _PLANNER, auto=True,
+                                              aliases=("param_persistence_threshold",)),
+    "stage3_model_persistence_threshold": _na(Int(0), _PLANNER, auto=True,
+                                              aliases=("model_persistence_threshold",)),
+    "stage3_max_reuse_distance": _na(Int(0), _PLANNER, auto=True, aliases=("max_reuse_distance",)),
+    "stage3_gather_16bit_weights_on_model_save": _na(
+        Bool(), "zerofit's checkpoints always hold whole tensors", auto=True,
+        aliases=("gather_16bit_weights_on_model_save",)),
+    "stage3_gather_fp16_weights_on_model_save": _na(Bool(), "deprecated; zerofit's checkpoints hold whole tensors"),
+    "stage3_module_granularity_threshold": _na(Int(0), "zerofit fetches whole blocks",
+                                               aliases=("module_granularity_threshold",)),
+    "stage3_use_all_reduce_for_fetch_params": _na(Bool(), _COMM, aliases=("use_all_reduce_for_fetch_params",)),
+    "stage3_allgather_sequential": _na(Bool(), _COMM, aliases=("allgather_sequential",)),
+    "stage3_partition_stream_chunk_size": _na(Int(0), _BUCKETS, aliases=("partition_stream_chunk_size",)),
+    "sub_group_size": _na(Int(0), "zerofit's optimizer steps one block at a time", auto=True),
+    "contiguous_gradients": _na(Bool(), "zerofit keeps each block's gradients in one flat buffer"),
+    "overlap_comm": _na(Bool(nullable=True), _COMM),
+    "reduce_scatter": _na(Bool(), _COMM),
+    "reduce_bucket_size": _na(Int(0), _BUCKETS, auto=True),
+    "allgather_partitions": _na(Bool(), _COMM),
+    "allgather_bucket_size": _na(Int(0), _BUCKETS, auto=True),
+    "use_multi_rank_bucket_allreduce": _na(Bool(), _COMM),
+    "round_robin_gradients": _na(Bool(), _COMM),
+    "load_from_fp32_weights": _na(Bool(), "zerofit always restores the fp32 master weights from its checkpoint"),
+    "elastic_checkpoint": _na(Bool(), "zerofit's checkpoints are its own"),
+    "ignore_unused_parameters": _na(Bool(), "parameters without gradients are skipped by zerofit's optimizer"),
+    "legacy_stage1": _na(Bool(), "no ZeRO stages in zerofit"),
+    "zero_hpz_partition_size": _na(Int(0), "zerofit does not use hierarchical partitioning"),
+    "zero_quantized_weights": _na(Bool(), "zerofit moves weights at full 16-bit precision"),
+    "zero_quantized_nontrainable_weights": _na(Bool(), "zerofit moves weights at full 16-bit precision"),
+    "zero_quantized_gradients": _na(Bool(), "zerofit moves gradients at full precision"),
+    "zeropp_loco_param": _na(Anything(), "zerofit moves gradients at full precision"),
+    "mics_shard_size": _na(Int(-1), "zerofit does not use MiCS sharding"),
+    "mics_hierarchical_params_gather": _na(Bool(), "zerofit does not use MiCS sharding"),
+    "memory_efficient_linear": _na(Bool(), "zerofit does not replace the model's modules"),
+    "pipeline_loading_checkpoint": _na(Bool(), "zerofit's checkpoints are its own"),
+    "override_module_apply": _na(Bool(), "zerofit does not patch the model"),
+    "log_trace_cache_warnings": _na(Bool(), "zerofit does not trace parameter order"),
+    "enable_sanity_checks": _na(Bool(), "zerofit's checks are always on"),
+    "save_muon_momentum_buffer_in_memory": _na(Bool(), "zerofit implements AdamW only"),
+    "leaf_module": Section(None, NA, "zerofit fetches whole blocks"),
+    "zenflow": Section(None, NA, "zerofit's optimizer updates are always synchronous", nullable=True),
+})
+
+_FP16 = Section({
+    "enabled": Key(Bool(), HONOURED, "true -> precision fp16", auto=True),
+    "loss_scale": Key(Float(0), HONOURED, "-> fp16.loss_scale (0 = dynamic)"),
+    "initial_scale_power": Key(Int(0, 64), HONOURED, "-> fp16.initial_scale_power"),
+    "loss_scale_window": Key(Int(1), HONOURED, "-> fp16.loss_scale_window"),
+    "hysteresis": Key(Int(1), HONOURED, "-> fp16.hysteresis"),
+    "consecutive_hysteresis": Key(Bool(), HONOURED, "-> fp16.consecutive_hysteresis"),
+    "min_loss_scale": Key(Float(0, lo_open=True), HONOURED, "-> fp16.min_loss_scale"),
+    "auto_cast": _na(Bool(), "zerofit runs the model's forward in the compute dtype itself"),
+    "fused_mode": _na(Bool(), "zerofit has one fp16 optimizer path"),
+    "fp16_master_weights_and_grads": _na(Bool(), "zerofit always keeps fp32 master weights"),
+})
+
+_BF16 = Section({
+    "enabled": Key(Bool(), HONOURED, "true -> precision bf16", auto=True),
+    "immediate_grad_update": _na(Bool(), "zerofit decides when gradients are applied"),
+    "check_grad_overflow": _na(Bool(), "bf16 needs no overflow check in zerofit"),
+    "bf16_master_weights_and_grads": _na(Bool(), "zerofit always keeps fp32 master weights"),
+    "bf16_optimizer_states": _na(Bool(), "zerofit always keeps fp32 optimizer state"),
+}, aliases=("bfloat16",))
+
+_ACT_NOTE = "zerofit checkpoints every block itself (activation_checkpointing=true)"
+_ACT = Section({
+    "partition_activations": _na(Bool(), _ACT_NOTE),
+    "cpu_checkpointing": _na(Bool(), _ACT_NOTE),
+    "contiguous_memory_optimization": _na(Bool(), _ACT_NOTE),
+    "number_checkpoints": _na(Int(0, nullable=True), _ACT_NOTE),
+    "synchronize_checkpoint_boundary": _na(Bool(), _ACT_NOTE),
+    "profile": _na(Bool(), _ACT_NOTE),
+})
+
+_AIO_NOTE = "zerofit's NVMe tier chooses its own I/O sizes and threads"
+_AIO = Section({
+    "block_size": _na(Int(1), _AIO_NOTE),
+    "queue_depth": _na(Int(1), _AIO_NOTE),
+    "thread_count": _na(Int(1), _AIO_NOTE),
+    "intra_op_parallelism": _na(Int(1), _AIO_NOTE),
+    "single_submit": _na(Bool(), _AIO_NOTE),
+    "overlap_events": _na(Bool(), _AIO_NOTE),
+    "use_gds": _na(Bool(), _AIO_NOTE),
+})
+
+
+def _monitor(*keys: str) -> Section:
+    return Section({"enabled": _na(Bool(), _MONITOR), **{k: _na(Text(nullable=True), _MONITOR) for k in keys}})
+
+
+_FLOPS_NOTE = "zerofit's timeline (wall_clock_breakdown) reports compute and transfers"
+
+DEEPSPEED_KEYS: dict[str, Key | Section] = {
+    # batch, clipping, logging
+    "train_batch_size": Key(Int(1), HONOURED, "-> train_batch_size", auto=True),
+    "train_micro_batch_size_per_gpu": Key(Int(1), HONOURED, "-> micro_batch_size", auto=True),
+    "gradient_accumulation_steps": Key(Int(1), HONOURED, "-> gradient_accumulation_steps", auto=True),
+    "gradient_clipping": Key(Float(0), HONOURED, "-> gradient_clipping", auto=True),
+    "steps_per_print": Key(Int(1, nullable=True), HONOURED, "-> steps_per_print"),
+    "wall_clock_breakdown": Key(Bool(), HONOURED, "-> wall_clock_breakdown"),
+    # optimizer and schedule; their params are checked per type (ADAM_PARAMS, SCHEDULER_PARAMS)
+    "optimizer": Section({
+        "type": Key(Text(), HONOURED, "Adam/AdamW -> zerofit's AdamW"),
+        "params": Section(None, HONOURED),
+        "legacy_fusion": _na(Bool(), "zerofit has one AdamW implementation"),
+    }),
+    "scheduler": Section({
+        "type": Key(Text(), HONOURED, "-> scheduler.type, with DeepSpeed's formulas"),
+        "params": Section(None, HONOURED),
+    }),
+    # precision
+    "fp16": _FP16,
+    "bf16": _BF16,
+    "amp": Section(None, NA, "apex AMP is not used; zerofit's precision comes from fp16/bf16"),
+    "torch_autocast": Section(None, NA, "zerofit's compute dtype comes from fp16/bf16"),
+    "data_types": Section({
+        "grad_accum_dtype": _na(Choice(("fp32", "fp16", "bf16", None)), "zerofit accumulates gradients in fp32"),
+        "param_dtype": _na(Choice(("fp32", "fp16", "bf16", None)), "zerofit's compute dtype comes from fp16/bf16"),
+        "buffer_dtype": _na(Choice(("fp32", "fp16", "bf16", None)), "zerofit leaves buffers as loaded"),
+    }),
+    "communication_data_type": _na(Choice(("fp32", "fp16", "bf16", None)), _COMM),
+    "seq_parallel_communication_data_type": _na(Choice(("fp32", "fp16", "bf16")), _COMM),
+    # ZeRO and offload
+    "zero_optimization": _ZERO,
+    "zero_allow_untested_optimizer": _na(Bool(), "zerofit implements AdamW only"),
+    "zero_force_ds_cpu_optimizer": _na(Bool(), "zerofit's CPU optimizer is its own"),
+    "aio": _AIO,
+    "activation_checkpointing": _ACT,
+    # communication
+    "prescale_gradients": _na(Bool(), _COMM),
+    "gradient_predivide_factor": _na(Float(0, lo_open=True), _COMM),
+    "gradient_allreduce_op": _na(Choice(("avg", "sum"), fold_case=True), "zerofit averages gradients over ranks"),
+    "sparse_gradients": _na(Bool(), "zerofit reduces dense gradients"),
+    "disable_allgather": _na(Bool(), _COMM),
+    "comms_logger": Section(None, NA, _MONITOR),
+    # monitoring and profiling
+    "tensorboard": _monitor("output_path", "job_name"),
+    "wandb": _monitor("group", "team", "project"),
+    "csv_monitor": _monitor("output_path", "job_name"),
+    "comet": Section(None, NA, _MONITOR),
+    "flops_profiler": Section({
+        "enabled": _na(Bool(), _FLOPS_NOTE),
+        "recompute_fwd_factor": _na(Float(0), _FLOPS_NOTE),
+        "profile_step": _na(Int(0), _FLOPS_NOTE),
+        "module_depth": _na(Int(-1), _FLOPS_NOTE),
+        "top_modules": _na(Int(0), _FLOPS_NOTE),
+        "detailed": _na(Bool(), _FLOPS_NOTE),
+        "output_file": _na(Text(nullable=True), _FLOPS_NOTE),
+    }),
+    "timers": Section(None, NA, _FLOPS_NOTE),
+    "memory_breakdown": _na(Bool(), "zerofit's planner prints its memory prediction at start-up"),
+    "dump_state": _na(Bool(), "zerofit prints its resolved config at start-up"),
+    "log_level": _na(Text(), "zerofit logs through Python's logging"),
+    # checkpointing
+    "checkpoint": Section(None, NA, "zerofit's checkpoints are written and verified by its own checkpointer"),
+    "nebula": Section(None, NA, "zerofit's checkpoints are written by its own checkpointer"),
+    "datastates": Section(None, NA, "zerofit's checkpoints are written by its own checkpointer"),
+    # data loading
+    "dataloader_drop_last": _na(Bool(), "zerofit does not build the data loader"),
+    "vocabulary_size": _na(Int(1, nullable=True), "DeepSpeed only used it for a warning"),
+    # parallelism zerofit decides (data parallel only)
+    "sequence_parallel_size": _na(Int(1), "zerofit is data-parallel only"),
+    "use_data_before_expert_parallelism": _na(Bool(), "zerofit is data-parallel only"),
+    "pipeline": Section(None, NA, "zerofit is data-parallel only; pipeline settings apply to PipelineModule"),
+    "tensor_parallel": Section(None, NA, "zerofit is data-parallel only"),
+    "expert_parallel": Section(None, NA, "zerofit is data-parallel only"),
+    "hybrid_engine": Section(None, NA, "zerofit has no inference hybrid engine"),
+    "compile": Section(None, NA, "zerofit compiles what it chooses itself"),
+    "graph_harvesting": _na(Bool(), "zerofit does not capture CUDA graphs"),
+    "autotuning": Section(None, NA, "zerofit's planner chooses placement and prefetch instead"),
+    "weight_quantization": Section(None, NA, "zerofit keeps weights in the compute dtype"),
+    "compression_training": Section(None, NA, "zerofit does not compress models during training"),
+    "eigenvalue": Section(None, NA, "zerofit does not compute eigenvalues"),
+    # refused when enabled: ignoring them would change the math (see _REFUSED_WHEN_ENABLED)
+    "elasticity": Section(None, NA, "elastic batch sizes are not used (the section is disabled)"),
+    "curriculum_learning": Section(None, NA, "curriculum learning is not used (the section is disabled)"),
+    "data_efficiency": Section(None, NA, "data efficiency is not used (the section is disabled)"),
+    "progressive_layer_drop": Section(None, NA, "progressive layer drop is not used (the section is disabled)"),
+    "sparse_attention": Section(None, NA, "refused: zerofit does not replace attention"),
+}
+
+_REFUSED_WHEN_ENABLED = ("elasticity", "curriculum_learning", "data_efficiency", "progressive_layer_drop", "amp")
+
+ADAM_PARAMS: dict[str, Key | Section] = {
+    "lr": Key(Float(0, lo_open=True), HONOURED, "-> optimizer.lr", auto=True),
+    "betas": Key(Betas(), HONOURED, "-> optimizer.betas", auto=True),
+    "eps": Key(Float(0, lo_open=True), HONOURED, "-> optimizer.eps", auto=True),
+    "weight_decay": Key(Float(0), HONOURED, "-> optimizer.weight_decay (decoupled, as AdamW)", auto=True),
+    "adam_w_mode": Key(Bool(), MAPPED, "true (DeepSpeed's default) = AdamW"),
+    "torch_adam": _na(Bool(), "zerofit's AdamW is its own; same math as torch.optim.AdamW"),
+    "bias_correction": Key(Choice((True,)), HONOURED, "zerofit's AdamW is always bias-corrected",
+                           hint="zerofit's AdamW is always bias-corrected; remove the key"),
+    "amsgrad": Key(Choice((False,)), HONOURED, "zerofit's AdamW has no amsgrad variant",
+                   hint="zerofit's AdamW has no amsgrad variant; remove the key"),
+    "max_grad_norm": Key(Choice((0, 0.0)), NA, "DeepSpeed ignores it; use gradient_clipping",
+                         hint="DeepSpeed ignores max_grad_norm as an optimizer parameter; set gradient_clipping"),
+}
+
+_WARMUP_COMMON: dict[str, Key | Section] = {
+    "warmup_num_steps": Key(Int(0), HONOURED, "-> scheduler.warmup_steps", auto=True),
+    "warmup_type": Key(Choice(("log", "linear")), HONOURED, "-> scheduler.warmup_type"),
+    "last_batch_iteration": Key(Choice((-1,)), NA, "zerofit resumes the schedule from its checkpoint",
+                                hint="zerofit resumes the schedule from its checkpoint; remove the key"),
+}
+_WARMUP_LR: dict[str, Key | Section] = {
+    **_WARMUP_COMMON,
+    "warmup_min_lr": Key(Float(0), HONOURED, "-> scheduler.warmup_min_lr", auto=True),
+    "warmup_max_lr": Key(Float(0, lo_open=True), HONOURED, "-> scheduler.warmup_max_lr", auto=True),
+}
+_TOTAL = Key(Int(1), HONOURED, "-> scheduler.total_steps", auto=True)
+SCHEDULER_PARAMS: dict[str, dict[str, Key | Section]] = {
+    "WarmupLR": _WARMUP_LR,
+    "WarmupDecayLR": {**_WARMUP_LR, "total_num_steps": _TOTAL},
+    "WarmupCosineLR": {
+        **_WARMUP_COMMON,
+        "total_num_steps": _TOTAL,
+        "warmup_min_ratio": Key(Float(0, 1), HONOURED, "-> scheduler.warmup_min_ratio"),
+        "cos_min_ratio": Key(Float(0, 1), HONOURED, "-> scheduler.min_lr_ratio"),
+    },
+}
+
+
+def _all_paths(spec: Mapping[str, Key | Section], prefix: str = "") -> list[str]:
+    out = []
+    for name, item in spec.items():
+        path = f"{prefix}{name}"
+        out.append(path)
+        if isinstance(item, Section) and item.keys is not None:
+            out += _all_paths(item.keys, path + ".")
+    return out
+
+
+_KNOWN_PATHS = sorted(set(
+    _all_paths(DEEPSPEED_KEYS)
+    + _all_paths(ADAM_PARAMS, "optimizer.params.")
+    + [p for table in SCHEDULER_PARAMS.values() for p in _all_paths(table, "scheduler.params.")]
+))
+
+
+# ----------------------------------------------------------------------------
+# Walking a config against the table
+# ----------------------------------------------------------------------------
+
+AUTO = "auto"

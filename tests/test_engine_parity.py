@@ -221,3 +221,27 @@ def test_shell_optimizer_on_the_host(precision, clip, api):
         _assert_same_weights(engine, ref)
     else:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.6e-2, atol=0)
+
+
+@pytest.mark.parametrize("build", [tm.llama, tm.gpt2], ids=["llama", "gpt2"])
+def test_padded_batches_with_attention_mask(build):
+    """Right-padded sequences: the model's own mask (built in the pre pass and replayed for every block)
+    and labels of -100 on the padding give plain PyTorch's losses and weights."""
+    torch.manual_seed(0)
+    model = build()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg())
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for _ in range(6):
+        mbs = []
+        for _ in range(G):
+            ids = torch.randint(0, tm.VOCAB, (2, 16), generator=g)
+            mask = torch.ones_like(ids)
+            mask[0, 11:] = 0                      # the first sequence is 11 tokens long
+            labels = ids.masked_fill(mask == 0, -100)
+            mbs.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        data.append(mbs)
+    losses = [engine.train_batch(mbs) for mbs in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data)))
+    _assert_same_weights(engine, ref)

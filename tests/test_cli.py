@@ -142,3 +142,23 @@ def test_train_bad_option_exits_2():
 def test_train_on_cuda_without_a_gpu_exits_2():
     r = invoke("train", "--device", "cuda", *TINY)
     assert r.exit_code == 2 and "--device" in r.output
+
+
+def test_config_keys_lists_every_key_of_the_design_table():
+    """Every DeepSpeed key CONFIG.md's table names is known, with its status."""
+    from typer.testing import CliRunner
+
+    from zerofit.cli import app
+
+    out = CliRunner().invoke(app, ["config", "keys"])
+    assert out.exit_code == 0, out.output
+    rows = {line.split()[0]: line.split()[1] for line in out.output.splitlines() if line.strip()}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping", "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window",
+                "fp16.hysteresis", "fp16.min_loss_scale", "bf16.enabled", "zero_optimization.stage",
+                "zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.buffer_size",
+                "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.sub_group_size",
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save", "aio.block_size",
+                "aio.queue_depth", "steps_per_print", "wall_clock_breakdown"):
+        assert key in rows, key
+        assert rows[key] in ("honoured", "mapped", "not-applicable"), (key, rows[key])

@@ -108,6 +108,24 @@ def config_show(
     typer.echo(render_config(loaded))
 
 
+@config_app.command("keys")
+def config_keys(
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown table.")] = False,
+) -> None:
+    """List every DeepSpeed key zerofit knows and how it reads it (honoured, mapped, not-applicable)."""
+    from zerofit.config.deepspeed_keys import key_table
+
+    rows = key_table()
+    if markdown:
+        typer.echo("| key | status | how zerofit reads it |\n| --- | --- | --- |")
+        for path, status, note in rows:
+            typer.echo(f"| `{path}` | {status} | {note.replace('|', '/')} |")
+        return
+    width = max(len(p) for p, _, _ in rows)
+    for path, status, note in rows:
+        typer.echo(f"{path:<{width}}  {status:<14}  {note}".rstrip())
+
+
 @app.command()
 def doctor(
     disk: Annotated[Path, typer.Option(help="Folder whose disk to measure (the would-be NVMe tier).")] = Path("."),

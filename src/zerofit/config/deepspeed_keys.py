@@ -475,3 +475,25 @@ _KNOWN_PATHS = sorted(set(
 # ----------------------------------------------------------------------------
 
 AUTO = "auto"
+
+
+def key_table() -> list[tuple[str, str, str]]:
+    """Every DeepSpeed key zerofit knows, as (dotted path, status, note), in the table's order.
+
+    Sections whose contents zerofit does not check are listed once, by their own path."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(spec: Mapping[str, Key | Section], prefix: str) -> None:
+        for name, item in spec.items():
+            path = f"{prefix}{name}"
+            if isinstance(item, Section) and item.keys is not None:
+                walk(item.keys, path + ".")
+            else:
+                note = item.note + (" (\"auto\" accepted)" if isinstance(item, Key) and item.auto else "")
+                rows.append((path, item.status, note))
+
+    walk(DEEPSPEED_KEYS, "")
+    walk(ADAM_PARAMS, "optimizer.params.")
+    for sched, table in SCHEDULER_PARAMS.items():
+        walk(table, f"scheduler.params.[{sched}].")
+    return rows

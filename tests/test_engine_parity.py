@@ -97,15 +97,7 @@ def test_deepspeed_style_api_matches(clip):
     ref = copy.deepcopy(model)
     engine = zerofit.initialize(model, _cfg(gradient_clipping=clip))
     data = tm.batches(8, G)
-    losses = []
-    for mbs in data:
-        total = 0.0
-        for mb in mbs:
-            out = engine(**mb)
-            engine.backward(out.loss)
-            engine.step()
-            total += out.loss.item()
-        losses.append(total / G)
+    losses = [tm.ds_step(engine, mbs) for mbs in data]
     assert engine.global_step == len(data)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data, clip=clip)))
     _assert_same_weights(engine, ref)
@@ -203,18 +195,8 @@ def test_shell_optimizer_on_the_host(precision, clip, api):
                                             offload={"shell_optimizer": "host"}))
     assert not engine.plan.shell_optimizer_on_device and not engine.shell.optimizer_on_device
     data = tm.batches(8, G)
-    losses = []
-    for mbs in data:
-        if api == "deepspeed":
-            total = 0.0
-            for mb in mbs:
-                out = engine(**mb)
-                engine.backward(out.loss)
-                engine.step()
-                total += out.loss.item()
-            losses.append(total / G)
-        else:
-            losses.append(engine.train_batch(mbs))
+    step = tm.ds_step if api == "deepspeed" else type(engine).train_batch
+    losses = [step(engine, mbs) for mbs in data]
     ref_losses = _reference(ref, data, clip=clip)
     if precision == "fp32":
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))

@@ -154,3 +154,14 @@ def fp16_reference_train(master: nn.Module, mbs: list[dict], steps: int, lr: flo
             p32.grad = a * factor
         opt.step()
     return losses, scales
+
+
+def ds_step(engine, mbs: list[dict]) -> float:
+    """One optimizer step through the DeepSpeed-shaped API; returns the mean loss."""
+    total = 0.0
+    for mb in mbs:
+        out = engine(**mb)
+        engine.backward(out.loss)
+        engine.step()
+        total += out.loss.item()
+    return total / len(mbs)

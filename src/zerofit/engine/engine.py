@@ -132,6 +132,11 @@ class Engine:
 
     # ------------------------------------------------------------------ planning and materialization
 
+    @property
+    def _shell_host_opt(self) -> bool:
+        """The shell's optimizer runs on the host (its weights stay resident on the device)."""
+        return not self.plan.shell_optimizer_on_device
+
     def _plan_args(self) -> dict:
         """make_plan's arguments that follow from the config and the device (one place for all plans)."""
         cfg = self.config
@@ -173,7 +178,6 @@ class Engine:
         pinned = self.dev.is_cuda and self.config.offload.pin_memory
         self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned)
         self._arenas.extend(arenas)
-        self._shell_host_opt = not plan.shell_optimizer_on_device
         self.shell, self.blocks = self.units[0], self.units[1:]
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         cap = max((u.numel for u in streamed), default=0)

@@ -97,7 +97,7 @@ def test_fixture_single_gpu_tuned():
     assert s["zero_optimization.contiguous_gradients"] == "not-applicable"
     assert s["zero_optimization.reduce_bucket_size"] == "not-applicable"
     assert s["zero_optimization.offload_optimizer.buffer_count"] == "not-applicable"
-    assert s["zero_optimization.offload_param.device"] == "honoured"
+    assert s["zero_optimization.offload_param.device"] == "mapped"    # the planner keeps on the GPU what fits
     assert s["train_micro_batch_size_per_gpu"] == "honoured"
     assert all(r.status != "honoured" for r in loaded.notices)
     assert len(loaded.report) == 23  # every key present, once
@@ -399,6 +399,31 @@ def test_nvme_without_usable_path(tmp_path):
     assert err.field == "zero_optimization.offload_optimizer.nvme_path"
     err = _error({"offload": {"optimizer_device": "nvme", "nvme_path": str(a_file)}})
     assert err.field == "offload.nvme_path"
+
+
+def test_offload_report_says_what_the_plan_does(tmp_path):
+    """The offload keys are reported by what zerofit does with them, not as DeepSpeed's meaning: no NVMe tier
+    yet (host memory), and optimizer state that follows its block's weights onto the GPU."""
+    def report(zero):
+        loaded = load_config({"zero_optimization": zero})
+        return {r.key.removeprefix("zero_optimization."): (r.status, r.note) for r in loaded.report}
+
+    r = report({"stage": 2, "offload_optimizer": {"device": "cpu"}})
+    status, note = r["offload_optimizer.device"]
+    assert status == "mapped" and "optimizer state stays on the GPU" in note, note
+    assert "every block stays on the GPU" in r["stage"][1]
+
+    r = report({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}})
+    for key in ("offload_optimizer.device", "offload_param.device", "offload_optimizer.nvme_path"):
+        status, note = r[key]
+        assert status == "mapped" and "no NVMe tier" in note and "host memory" in (note + r["stage"][1]), (key, note)
+    assert "no NVMe tier yet" in r["stage"][1]
+
+    r = report({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
+    assert "host memory for the blocks the planner streams" in r["offload_optimizer.device"][1]
+    assert "keeps on the GPU those that fit" in r["offload_param.device"][1]
+    assert all(status != "honoured" for key, (status, _) in r.items() if key.endswith(".device"))
 
 
 def test_nvme_paths_must_agree(tmp_path):

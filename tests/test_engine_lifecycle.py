@@ -557,6 +557,40 @@ def test_an_engine_never_closed_is_released_when_collected():
     assert _optimizer_threads() == threads, "weakref.finalize did not stop the CPU optimizer thread"
 
 
+# ---------------------------------------------------------------------------------------------- placement report
+
+def test_placement_warnings_say_where_the_optimizer_state_really_is():
+    from zerofit.engine.planner import BatchShape, ModelShape, make_plan, placement_warnings
+
+    shape = ModelShape(50_000_000, (100_000_000,) * 8, 2048, 8192, 32000)
+    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=None,
+              deferred_updates=False, checkpointing=True, prefetch_depth=None)
+    all_gpu = make_plan(shape, BatchShape(1, 1024, 1), resident_blocks=None, stream_params=False, **kw)
+    assert all_gpu.optimizer_homes(8) == "optimizer state: shell on the GPU; blocks 0-7 on the GPU"
+    [w] = placement_warnings(all_gpu, 8, optimizer_device="cpu", param_device="none", on_cuda=True)
+    assert "keeps all optimizer state on the GPU" in w and "param_device" in w, w
+    [w] = placement_warnings(all_gpu, 8, optimizer_device="none", param_device="cpu", on_cuda=True)
+    assert "optimizer_device is 'none'" in w, w
+    split = make_plan(shape, BatchShape(1, 1024, 1), resident_blocks=3, stream_params=True, shell_on_device=False,
+                      **kw)
+    assert split.optimizer_homes(8) == ("optimizer state: shell in host memory (CPU AdamW); blocks 0-2 on the GPU; "
+                                        "blocks 3-7 in host memory (CPU AdamW)")
+    assert placement_warnings(split, 8, optimizer_device="cpu", param_device="cpu", on_cuda=True) == []
+    [w] = placement_warnings(split, 8, optimizer_device="nvme", param_device="cpu", on_cuda=True)
+    assert "no NVMe tier yet" in w and "host memory" in w, w
+    assert placement_warnings(all_gpu, 8, optimizer_device="cpu", param_device="none", on_cuda=False) == []
+
+
+def test_initialize_logs_the_placement_and_warns_that_nvme_is_host_memory(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="zerofit"):
+        engine = zerofit.initialize(tm.PlainLM(), _cfg(offload={"optimizer_device": "nvme",
+                                                                 "nvme_path": str(tmp_path)}))
+    assert "optimizer state: shell on the device (cpu); blocks 0-3 in host memory (CPU AdamW)" in caplog.text
+    assert any(r.levelno == logging.WARNING and "no NVMe tier yet" in r.getMessage() for r in caplog.records)
+    assert not any(tmp_path.iterdir()), "nothing is written to nvme_path"
+    engine.close()
+
+
 # ---------------------------------------------------------------------------------------------- Ctrl-C
 
 @pytest.fixture

@@ -455,9 +455,10 @@ def _offload(v: _Values, notes: dict, origin: dict) -> dict:
         if devices[part] == "nvme":
             check = check_nvme_path(v.get(path), field=v.name(path))
             nvme[part] = v.get(path)
-            notes[path] = f"-> offload.nvme_path; {check.describe()}"
+            notes[path] = f"-> offload.nvme_path; {check.describe()}; not written: zerofit has no NVMe tier yet"
         elif v.get(path) is not None:
             notes[path] = "unused: the device is not nvme"
+    notes.update(_device_notes(z, devices))
     if len(set(nvme.values())) > 1:
         raise ConfigError(v.name(f"{z}.offload_param.nvme_path"),
                           f"the same folder as {v.name(f'{z}.offload_optimizer.nvme_path')}",
@@ -479,11 +480,47 @@ def _offload(v: _Values, notes: dict, origin: dict) -> dict:
         "offload.pin_memory": v.name(next(iter(pins), f"{z}.offload_param.pin_memory")),
     })
     if f"{z}.stage" in v:
-        notes[f"{z}.stage"] = (f"stage {stage}: zerofit streams whole blocks; weights on "
-                               f"{_where(devices['offload_param'])}, optimizer state on "
-                               f"{_where(devices['offload_optimizer'])}")
+        if "none" in devices.values():
+            notes[f"{z}.stage"] = (f"stage {stage}: every block stays on the GPU with its optimizer state (zerofit "
+                                   "offloads whole blocks, and only when offload_param and offload_optimizer are "
+                                   "both set)")
+        else:
+            notes[f"{z}.stage"] = (f"stage {stage}: zerofit streams whole blocks; weights "
+                                   f"{_where(devices['offload_param'])}, optimizer state "
+                                   f"{_where(devices['offload_optimizer'])}")
     return out
 
 
 def _where(device: str) -> str:
-    return {"none": "the GPU", "cpu": "the CPU", "nvme": "NVMe"}[device]
+    return {"cpu": "in host memory (the planner keeps on the GPU what fits)",
+            "nvme": "in host memory (no NVMe tier yet)"}[device]
+
+
+def _device_notes(z: str, devices: Mapping[str, str]) -> dict[str, str]:
+    """What each offload device key becomes for the values given, in the words of what the plan will do."""
+    opt, param = devices["offload_optimizer"], devices["offload_param"]
+    notes = {}
+    if opt == "nvme":
+        notes[f"{z}.offload_optimizer.device"] = ("nvme -> host memory: zerofit has no NVMe tier yet, so the "
+                                                  "optimizer state stays in host memory (planned against "
+                                                  "max_host_memory); a warning is logged at start-up")
+    elif opt == "cpu" and param == "none":
+        notes[f"{z}.offload_optimizer.device"] = ("cpu, but without offload_param every block's weights stay on "
+                                                  "the GPU, and zerofit updates a block where its weights live: the "
+                                                  "optimizer state stays on the GPU too (the engine logs the "
+                                                  "placement and a warning); add offload_param cpu (stage 3) to "
+                                                  "move it to host memory")
+    elif opt == "cpu":
+        notes[f"{z}.offload_optimizer.device"] = ("cpu -> host memory for the blocks the planner streams; blocks it "
+                                                  "keeps on the GPU (and the shell, when it fits) keep their state "
+                                                  "there (the engine logs the placement)")
+    if param != "none" and opt == "none":
+        notes[f"{z}.offload_param.device"] = (f"{param}, but without offload_optimizer zerofit keeps every block on "
+                                              "the GPU with its optimizer state (the engine logs a warning)")
+    elif param == "nvme":
+        notes[f"{z}.offload_param.device"] = ("nvme -> host memory: zerofit has no NVMe tier yet, so streamed "
+                                              "blocks come from host memory")
+    elif param == "cpu":
+        notes[f"{z}.offload_param.device"] = ("cpu -> blocks stream from host memory; the planner keeps on the GPU "
+                                              "those that fit (offload.resident_blocks bounds them)")
+    return notes

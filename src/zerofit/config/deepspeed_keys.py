@@ -193,15 +193,19 @@ def _na(kind: _Kind, note: str, **kw: Any) -> Key:
     return Key(kind, NA, note, **kw)
 
 
+_NO_NVME = "no NVMe tier yet: 'nvme' keeps the state in host memory, as 'cpu'"
 _OFFLOAD_OPTIMIZER = Section({
-    "device": Key(Choice(("none", "cpu", "nvme")), HONOURED, "-> offload.optimizer_device"),
-    "nvme_path": Key(Text(nullable=True), HONOURED, "-> offload.nvme_path"),
+    "device": Key(Choice(("none", "cpu", "nvme")), MAPPED,
+                  "-> offload.optimizer_device: where the planner may put optimizer state; a block's state stays "
+                  "where its weights are (on the GPU without offload_param, or for blocks the planner keeps "
+                  f"there); {_NO_NVME}; the engine logs the placement after planning"),
+    "nvme_path": Key(Text(nullable=True), MAPPED, f"-> offload.nvme_path, checked but not written ({_NO_NVME})"),
     "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)"),
     "buffer_count": _na(Int(0), "zerofit sizes its own staging buffers"),
-    "pipeline_read": _na(Bool(), "zerofit always overlaps NVMe reads with compute"),
-    "pipeline_write": _na(Bool(), "zerofit always overlaps NVMe writes with compute"),
-    "pipeline": _na(Bool(), "zerofit always overlaps NVMe I/O with compute"),
-    "fast_init": _na(Bool(), "zerofit initialises its NVMe files itself"),
+    "pipeline_read": _na(Bool(), "no NVMe tier yet (it will overlap its reads with compute itself)"),
+    "pipeline_write": _na(Bool(), "no NVMe tier yet (it will overlap its writes with compute itself)"),
+    "pipeline": _na(Bool(), "no NVMe tier yet (it will overlap its I/O with compute itself)"),
+    "fast_init": _na(Bool(), "no NVMe tier yet (it will create its files itself)"),
     "ratio": _na(Float(0, 1), "the planner decides which optimizer state stays on the GPU"),
     "super_offload": _na(Bool(), "zerofit's CPU optimizer is its own"),
     "convert_grad_on_cpu": _na(Bool(), "zerofit decides where gradients are converted"),
@@ -209,8 +213,10 @@ _OFFLOAD_OPTIMIZER = Section({
 }, nullable=True)
 
 _OFFLOAD_PARAM = Section({
-    "device": Key(Choice(("none", "cpu", "nvme")), HONOURED, "-> offload.param_device"),
-    "nvme_path": Key(Text(nullable=True), HONOURED, "-> offload.nvme_path"),
+    "device": Key(Choice(("none", "cpu", "nvme")), MAPPED,
+                  "-> offload.param_device: 'none' keeps every block on the GPU; 'cpu' streams blocks from host "
+                  f"memory, except those the planner keeps on the GPU while they fit; {_NO_NVME}"),
+    "nvme_path": Key(Text(nullable=True), MAPPED, f"-> offload.nvme_path, checked but not written ({_NO_NVME})"),
     "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)"),
     "buffer_count": _na(Int(0), "zerofit sizes its own staging buffers"),
     "buffer_size": _na(Int(0), "zerofit sizes its own staging buffers", auto=True),
@@ -305,7 +311,7 @@ _ACT = Section({
     "profile": _na(Bool(), _ACT_NOTE),
 })
 
-_AIO_NOTE = "zerofit's NVMe tier chooses its own I/O sizes and threads"
+_AIO_NOTE = "no NVMe tier yet (it will choose its own I/O sizes and threads)"
 _AIO = Section({
     "block_size": _na(Int(1), _AIO_NOTE),
     "queue_depth": _na(Int(1), _AIO_NOTE),

@@ -327,12 +327,16 @@ class OffloadConfig(_Frozen):
     """Where training state lives. zerofit's planner places tensors within these bounds."""
 
     param_device: Literal["none", "cpu", "nvme"] = "cpu"
-    """home of the 16-bit weights: none = the GPU, cpu = host memory, nvme = files under nvme_path"""
+    """home of the weights: none = every block on the GPU; cpu = blocks stream from host memory (the planner
+    keeps on the GPU those that fit, see resident_blocks); nvme = host memory too (no NVMe tier yet)"""
     optimizer_device: Literal["none", "cpu", "nvme"] = "cpu"
-    """home of the fp32 master weights and Adam moments (and where the optimizer step runs:
-    none = on the GPU, cpu/nvme = on the CPU)"""
+    """home of the fp32 master weights and Adam moments, and where the optimizer step runs: none = the GPU;
+    cpu = host memory (CPU AdamW) for the blocks that stream, while a block kept on the GPU keeps its state
+    there (all of them when param_device is none); nvme = host memory too (no NVMe tier yet, a warning says
+    so). The engine logs where the state is after planning."""
     nvme_path: str | None = None
-    """folder for the NVMe tier; required (existing or creatable, writable) when a device is nvme"""
+    """folder for the NVMe tier; required (existing or creatable, writable) when a device is nvme. Checked,
+    but not written yet: the NVMe tier does not exist yet"""
     pin_memory: bool = True
     """page-lock host buffers (much faster host-to-GPU copies, costs locked host memory)"""
     prefetch_depth: int | None = Field(None, ge=1, le=64)

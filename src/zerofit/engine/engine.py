@@ -48,7 +48,7 @@ from zerofit.engine.lifecycle import (EngineClosedError, EngineFailedError, Engi
                                       InterruptDeferral, closed_message, failed_message)
 from zerofit.engine.optimizer import HostWorker, Hyper, WorkerError, adamw_flat
 from zerofit.engine.materialize import build_units, model_shape, param_table
-from zerofit.engine.planner import BatchShape, ModelShape, Plan, PlanError, make_plan
+from zerofit.engine.planner import BatchShape, ModelShape, Plan, PlanError, make_plan, placement_warnings
 from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState, assisted_unit
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -809,23 +809,12 @@ class Engine:
 
     def _log_placement(self) -> None:
         """Say where the optimizer state is under the plan, and where that is not what the config asked for."""
-        blocks = self.adapter.num_blocks
-        homes = self.plan.optimizer_homes(blocks, "the GPU" if self.dev.is_cuda else f"the device ({self.dev.device})")
-        off = self.config.offload
-        log.info("zerofit %s", homes)
-        if "nvme" in (off.optimizer_device, off.param_device):
-            log.warning("zerofit: offload to 'nvme' was asked for, but zerofit has no NVMe tier yet: that state is "
-                        "kept in host memory (planned against max_host_memory); nvme_path is checked, not written. "
-                        "%s", homes)
-        elif self.dev.is_cuda and off.optimizer_device != "none" and not self.plan.optimizer_on_host(blocks):
-            why = ("offload.param_device is 'none' (DeepSpeed: no offload_param), so every block's weights stay on "
-                   "the GPU, and zerofit updates a block where its weights live; set offload.param_device 'cpu' "
-                   "(DeepSpeed: zero_optimization.offload_param.device 'cpu', stage 3) to move it to host memory"
-                   if off.param_device == "none" else
-                   "it all fits there (the planner keeps blocks on the GPU while they fit); set "
-                   "offload.resident_blocks to bound that")
-            log.warning("zerofit: offload.optimizer_device is %r, but the plan keeps all optimizer state on the GPU: "
-                        "%s", off.optimizer_device, why)
+        blocks, off = self.adapter.num_blocks, self.config.offload
+        log.info("zerofit %s", self.plan.optimizer_homes(blocks, "the GPU" if self.dev.is_cuda else
+                                                        f"the device ({self.dev.device})"))
+        for warning in placement_warnings(self.plan, blocks, optimizer_device=off.optimizer_device,
+                                          param_device=off.param_device, on_cuda=self.dev.is_cuda):
+            log.warning("zerofit: %s", warning)
 
     # [Note: generic fallback]
     # Whether a model chains its blocks output-to-input shows only when its forward runs (the pre and post

@@ -101,18 +101,46 @@ class Plan:
         def where(on_device: bool) -> str:
             return f"on {device}" if on_device else "in host memory (CPU AdamW)"
 
+        def blocks(lo: int, hi: int) -> str:
+            return f"block {lo}" if hi - lo == 1 else f"blocks {lo}-{hi - 1}"
+
         r = min(self.resident_blocks, num_blocks)
         parts = [f"shell {where(self.shell_optimizer_on_device)}"]
         if r:
-            parts.append(f"blocks 0-{r - 1} {where(True)}" if r > 1 else f"block 0 {where(True)}")
+            parts.append(f"{blocks(0, r)} {where(True)}")
         if r < num_blocks:
-            parts.append(f"blocks {r}-{num_blocks - 1} {where(False)}" if num_blocks - r > 1
-                         else f"block {r} {where(False)}")
+            parts.append(f"{blocks(r, num_blocks)} {where(False)}")
         return "optimizer state: " + "; ".join(parts)
 
     def optimizer_on_host(self, num_blocks: int) -> bool:
         """Whether any optimizer state lives in host memory under this plan."""
         return not self.shell_optimizer_on_device or self.resident_blocks < num_blocks
+
+
+def placement_warnings(plan: Plan, num_blocks: int, *, optimizer_device: str, param_device: str,
+                       on_cuda: bool) -> list[str]:
+    """Where the plan does not do what the offload settings say in DeepSpeed's words (the engine logs them).
+
+    ``optimizer_device``/``param_device``: the config's ``offload`` fields ('none', 'cpu', 'nvme')."""
+    homes = plan.optimizer_homes(num_blocks)
+    if "nvme" in (optimizer_device, param_device):
+        return [f"offload to 'nvme' was asked for, but zerofit has no NVMe tier yet: that state is kept in host "
+                f"memory (planned against max_host_memory); nvme_path is checked, not written. {homes}"]
+    if on_cuda and param_device != "none" and optimizer_device == "none":
+        return ["offload.param_device is 'cpu' but offload.optimizer_device is 'none': zerofit keeps every block "
+                "on the GPU with its optimizer state (it offloads whole blocks, weights and optimizer state "
+                f"together); set offload.optimizer_device 'cpu' to stream them. {homes}"]
+    if on_cuda and optimizer_device != "none" and not plan.optimizer_on_host(num_blocks):
+        why = ("offload.param_device is 'none' (DeepSpeed: no offload_param), so every block's weights stay on the "
+               "GPU, and zerofit updates a block where its weights live; set offload.param_device 'cpu' (DeepSpeed: "
+               "zero_optimization.offload_param.device 'cpu', stage 3) to move it to host memory"
+               if param_device == "none" else
+               "it all fits there (the planner keeps blocks on the GPU while they fit); set "
+               "offload.resident_blocks to bound that")
+        return [f"offload.optimizer_device is {optimizer_device!r}, but the plan keeps all optimizer state on the "
+                f"GPU: {why}"]
+    return []
+
 
 def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int) -> dict[str, int]:
     """Predicted activation memory of a block-major step with per-block recompute.

@@ -32,7 +32,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import psutil
@@ -44,9 +43,8 @@ from zerofit.config.schema import ZerofitConfig
 from zerofit.engine.adapter import Adapter, NonSequentialModel, PreResult, block_output, loss_of
 from zerofit.engine.batch import BatchSpec, check_batch, check_micro_batches, vocab_of
 from zerofit.engine.device import Device
-from zerofit.engine.lifecycle import (EngineClosedError, EngineFailedError, EngineResources, EngineState,
-                                      InterruptDeferral, closed_message, failed_message)
-from zerofit.engine.optimizer import HostWorker, Hyper, WorkerError, adamw_flat
+from zerofit.engine.lifecycle import EngineLifecycle, EngineState
+from zerofit.engine.optimizer import HostWorker, Hyper, adamw_flat
 from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, PlanError, make_plan, placement_warnings
 from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState, assisted_unit
@@ -75,7 +73,7 @@ class _Micro:
     output: object = None
 
 
-class Engine:
+class Engine(EngineLifecycle):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
     @classmethod
@@ -124,13 +122,8 @@ class Engine:
         self._table = param_table(model, self.adapter)
         self._shape = model_shape(model, self.adapter, self._table)
         self.plan = self._plan(self._shape, config.seq_len)   # may refuse: nothing allocated yet
-        self.state = EngineState.OPEN
-        self._failure: str | None = None         # FAILED: the error that failed the engine
-        self._interrupts = InterruptDeferral()
-        # [Note: engine lifecycle]: released by close(), by garbage collection or at exit, whichever is first
-        self._resources = EngineResources(self.dev)
+        self._open_lifecycle(self.dev)    # [Note: engine lifecycle]: from here on, released exactly once
         self._arenas = self._resources.arenas
-        weakref.finalize(self, self._resources.release)
         if self.dev.is_cuda and config.max_gpu_memory:
             # The plan fits: enforce the cap on the allocator. Running close to a cap, expandable
             # segments keep fragmentation from turning into an out-of-memory error.
@@ -698,59 +691,8 @@ class Engine:
             self.shell.dirty = True
         return True
 
-    # ------------------------------------------------------------------ lifecycle and failures
-
-    def _check_open(self) -> None:
-        """Refuse a call on a closed or failed engine, saying what to do."""
-        if self.state is EngineState.FAILED:
-            raise EngineFailedError(failed_message(self._failure))
-        if self.state is EngineState.CLOSED:
-            raise EngineClosedError(closed_message())
-
-    @contextlib.contextmanager
-    def _call(self, *, discard_step: bool):
-        """A public call: Ctrl-C held back ([Note: Ctrl-C inside a step]), errors handled by :meth:`_guard`."""
-        with self._interrupts.deferred(), self._guard(discard_step=discard_step):
-            yield
-
-    @contextlib.contextmanager
-    def _guard(self, *, discard_step: bool):
-        """[Note: failure semantics]. ``discard_step``: an error drops the step in progress (training calls);
-        otherwise only the transfers in flight (evaluation, reads), so a DeepSpeed-style accumulation survives."""
-        try:
-            yield
-        except BaseException as err:
-            if self.state in (EngineState.FAILED, EngineState.CLOSED):
-                raise                                   # a nested call handled it
-            if self.state is EngineState.APPLYING or isinstance(err, WorkerError):
-                self._fail(err)
-                if isinstance(err, Exception):
-                    raise EngineFailedError(failed_message(self._failure)) from err
-                _add_note(err, "zerofit: " + failed_message(self._failure))
-                raise                                   # KeyboardInterrupt, SystemExit keep their meaning
-            try:
-                if discard_step:
-                    self._discard_step()
-                else:
-                    self._reset_transfers()
-            except BaseException as again:
-                self._fail(again)
-                raise EngineFailedError(failed_message(self._failure)) from err
-            _add_note(err, "zerofit: this step was not applied: its gradients were dropped (with those of any "
-                      "DeepSpeed-style micro-batches accumulated since the last optimizer step); every weight and "
-                      "moment is as before it, and the engine is usable" if discard_step else
-                      "zerofit: nothing was applied; the engine is usable")
-            raise
-
-    def _begin_applying(self) -> None:
-        """OPEN -> APPLYING: the step's first update is about to run; from here an error fails the engine."""
-        self.state = EngineState.APPLYING
-
-    def _safe_point(self) -> None:
-        """[Note: Ctrl-C inside a step]: a held-back Ctrl-C stops the step here while nothing of it is applied
-        (an attribute read on the hot path)."""
-        if self._interrupts.pending and self.state is EngineState.OPEN:
-            raise KeyboardInterrupt("Ctrl-C: the step stopped before any of its updates; nothing was applied")
+    # ------------------------------------------------------------------ the step's side of failures
+    # The state machine is EngineLifecycle's (lifecycle.py); these are the hooks it calls.
 
     def _discard_step(self) -> None:
         """Drop everything of the step in progress, none of which was applied ([Note: failure semantics])."""
@@ -774,13 +716,6 @@ class Engine:
                 u.slot, u.state, u.ready_event, u.grad_slot, u.grad = None, WeightState.ON_HOST, None, None, None
         self._assist_free = None
         self.dev.intervals.clear()
-
-    def _fail(self, err: BaseException) -> None:
-        """-> FAILED: release everything; every later call raises EngineFailedError naming ``err``."""
-        self._failure = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-        self.state = EngineState.FAILED
-        self._resources.release()
-        self._drop_device_state()
 
     def _drop_device_state(self) -> None:
         """Let go of every device buffer (the memory goes back to the allocator, for a next engine).
@@ -939,7 +874,7 @@ class Engine:
             tl.setdefault(k, 0.0)
         self._timeline = tl
         self._note_host()
-        self.state = EngineState.OPEN         # APPLYING -> OPEN: the step is applied (or in flight on the worker)
+        self._end_applying()
 
     def _add_time(self, key: str, seconds: float) -> None:
         self._timeline[key] = self._timeline.get(key, 0.0) + seconds
@@ -1096,39 +1031,3 @@ class Engine:
 
     def eval(self):
         return self.train(False)
-
-    def close(self) -> None:
-        """Apply the updates of completed steps, copy the final weights into the module's parameters, and
-        release the CPU worker, pinned host memory, the GPU memory cap and the device buffers. Idempotent,
-        and a no-op on a failed engine (already released). Gradients of an unfinished DeepSpeed-style
-        accumulation are dropped. Every later call raises EngineClosedError; ``module`` stays readable.
-        See [Note: engine lifecycle] (lifecycle.py)."""
-        if self.state in (EngineState.FAILED, EngineState.CLOSED):
-            return
-        try:
-            with self._call(discard_step=False):
-                self._apply_pending()
-                self._sync_host_weights()
-        finally:
-            if self.state is not EngineState.FAILED:
-                self.state = EngineState.CLOSED
-                self._resources.release()
-                self._drop_device_state()
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as e:     # the error that ended the block is the one to see
-            log.warning("zerofit: closing the engine after %s failed too: %r", exc_type.__name__, e)
-
-
-def _add_note(err: BaseException, note: str) -> None:
-    """Attach ``note`` to ``err``'s traceback display (Python 3.11+; a no-op before)."""
-    if hasattr(err, "add_note") and note not in getattr(err, "__notes__", ()):
-        err.add_note(note)

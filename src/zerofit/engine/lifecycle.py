@@ -53,12 +53,13 @@ import enum
 import logging
 import signal
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from zerofit.engine.device import Device
-from zerofit.engine.optimizer import HostWorker
+from zerofit.engine.optimizer import HostWorker, WorkerError
 from zerofit.engine.store import HostArena
 
 log = logging.getLogger("zerofit")
@@ -172,3 +173,121 @@ class InterruptDeferral:
         self.pending = True
         log.warning("zerofit: Ctrl-C: stopping at the next safe point of this step "
                     "(press Ctrl-C again to stop at once, which may leave the engine failed)")
+
+
+class EngineLifecycle:
+    """The engine's state machine: one method per transition, and the guard every public call runs under.
+
+    The step itself (engine.py) provides the hooks the transitions call: ``_discard_step()`` (drop the step in
+    progress, nothing of it applied), ``_reset_transfers()`` (no copy in flight, every slot empty),
+    ``_apply_pending()`` (every update in flight applied), ``_sync_host_weights()`` (the module's parameters
+    hold the current weights) and ``_drop_device_state()`` (let go of every device buffer)."""
+
+    state: EngineState
+
+    def _open_lifecycle(self, device: Device) -> None:
+        """-> OPEN, with the resources to release registered for garbage collection and exit."""
+        self.state = EngineState.OPEN
+        self._failure: str | None = None          # FAILED: the error that failed the engine, in words
+        self._interrupts = InterruptDeferral()
+        self._resources = EngineResources(device)
+        weakref.finalize(self, self._resources.release)    # holds the resources, not the engine
+
+    def _check_open(self) -> None:
+        """Refuse a call on a closed or failed engine, saying what to do."""
+        if self.state is EngineState.FAILED:
+            raise EngineFailedError(failed_message(self._failure))
+        if self.state is EngineState.CLOSED:
+            raise EngineClosedError(closed_message())
+
+    @contextlib.contextmanager
+    def _call(self, *, discard_step: bool):
+        """A public call: Ctrl-C held back ([Note: Ctrl-C inside a step]), errors handled by :meth:`_guard`."""
+        with self._interrupts.deferred(), self._guard(discard_step=discard_step):
+            yield
+
+    @contextlib.contextmanager
+    def _guard(self, *, discard_step: bool):
+        """[Note: failure semantics]. ``discard_step``: an error drops the step in progress (training calls);
+        otherwise only the transfers in flight (evaluation, reads), so a DeepSpeed-style accumulation survives."""
+        try:
+            yield
+        except BaseException as err:
+            if self.state in (EngineState.FAILED, EngineState.CLOSED):
+                raise                                   # a nested call handled it
+            if self.state is EngineState.APPLYING or isinstance(err, WorkerError):
+                self._fail(err)
+                if isinstance(err, Exception):
+                    raise EngineFailedError(failed_message(self._failure)) from err
+                _add_note(err, "zerofit: " + failed_message(self._failure))
+                raise                                   # KeyboardInterrupt, SystemExit keep their meaning
+            try:
+                if discard_step:
+                    self._discard_step()
+                else:
+                    self._reset_transfers()
+            except BaseException as again:
+                self._fail(again)
+                raise EngineFailedError(failed_message(self._failure)) from err
+            _add_note(err, "zerofit: this step was not applied: its gradients were dropped (with those of any "
+                      "DeepSpeed-style micro-batches accumulated since the last optimizer step); every weight and "
+                      "moment is as before it, and the engine is usable" if discard_step else
+                      "zerofit: nothing was applied; the engine is usable")
+            raise
+
+    def _begin_applying(self) -> None:
+        """OPEN -> APPLYING: the step's first update is about to run; from here an error fails the engine."""
+        self.state = EngineState.APPLYING
+
+    def _end_applying(self) -> None:
+        """APPLYING -> OPEN: the step is applied (or its last updates are in flight on the worker)."""
+        self.state = EngineState.OPEN
+
+    def _safe_point(self) -> None:
+        """[Note: Ctrl-C inside a step]: a held-back Ctrl-C stops the step here while nothing of it is applied
+        (an attribute read on the hot path)."""
+        if self._interrupts.pending and self.state is EngineState.OPEN:
+            raise KeyboardInterrupt("Ctrl-C: the step stopped before any of its updates; nothing was applied")
+
+    def _fail(self, err: BaseException) -> None:
+        """-> FAILED: release everything; every later call raises EngineFailedError naming ``err``."""
+        self._failure = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        self.state = EngineState.FAILED
+        self._resources.release()
+        self._drop_device_state()
+
+    def close(self) -> None:
+        """Apply the updates of completed steps, copy the final weights into the module's parameters, and
+        release the CPU worker, pinned host memory, the GPU memory cap and the device buffers. Idempotent,
+        and a no-op on a failed engine (already released). Gradients of an unfinished DeepSpeed-style
+        accumulation are dropped. Every later call raises EngineClosedError; ``module`` stays readable.
+        See [Note: engine lifecycle]."""
+        if self.state in (EngineState.FAILED, EngineState.CLOSED):
+            return
+        try:
+            with self._call(discard_step=False):
+                self._apply_pending()
+                self._sync_host_weights()
+        finally:
+            if self.state is not EngineState.FAILED:     # -> CLOSED
+                self.state = EngineState.CLOSED
+                self._resources.release()
+                self._drop_device_state()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:     # the error that ended the block is the one to see
+            log.warning("zerofit: closing the engine after %s failed too: %r", exc_type.__name__, e)
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    """Attach ``note`` to ``err``'s traceback display (Python 3.11+; a no-op before)."""
+    if hasattr(err, "add_note") and note not in getattr(err, "__notes__", ()):
+        err.add_note(note)

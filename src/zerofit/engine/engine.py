@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,19 +71,29 @@ class Engine:
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
     @classmethod
-    def create(cls, model: nn.Module, config=None, **overrides) -> "Engine":
+    def create(cls, model, config=None, **overrides) -> "Engine":
+        """``model``: an ``nn.Module`` (real or on the meta device) or the path of a Hugging Face model
+        directory, built on the meta device and filled from its safetensors files (zerofit.models)."""
         from zerofit.config import load_config
 
-        loaded = load_config(config, **overrides)
+        loaded = load_config(config, **overrides)   # a bad config fails before any file is read
+        source = None
+        if isinstance(model, (str, os.PathLike)):
+            from zerofit.models import ModelDir
+
+            source = ModelDir.open(model)
+            model = source.build_meta()
         if loaded.notices:
             from zerofit.config import format_report
 
             logging.getLogger("zerofit").warning("configuration notes:\n%s", format_report(loaded.notices))
-        return cls(model, loaded.config, report=loaded.report)
+        return cls(model, loaded.config, report=loaded.report, source=source)
 
     def __init__(self, model: nn.Module, config: ZerofitConfig, report=(), device: torch.device | str | None = None,
-                 adapter: str | None = None):
+                 adapter: str | None = None, source=None):
         self.config = config
+        self.source_dir = source.path if source is not None else None   # the model directory it was loaded from
+        self._source = source
         self.report = list(report)
         self.dtype = _DTYPES[config.precision]
         want = str(device) if device is not None else config.device
@@ -176,7 +187,9 @@ class Engine:
         """Materialize the units (materialize.py), then the device slots and pinned gradient buffers."""
         plan, cb = self.plan, self.dtype
         pinned = self.dev.is_cuda and self.config.offload.pin_memory
-        self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned)
+        self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned,
+                                         source=self._source)
+        self._source = None   # the files are read: keep only their folder (source_dir)
         self._arenas.extend(arenas)
         self.shell, self.blocks = self.units[0], self.units[1:]
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]

@@ -134,16 +134,22 @@ def test_pickle_weights_only_are_refused_with_advice(tmp_path):
 # ---------------------------------------------------------------------------------------------- memory
 
 _RSS_SCRIPT = textwrap.dedent("""
-    import json, resource, sys, psutil, torch
+    import json, sys, torch
     sys.path.insert(0, {repo!r})
     torch.set_num_threads(1)
     import zerofit
     from zerofit.models import ModelDir
     ModelDir.open({path!r}).build_meta()      # warm the imports of the model's code before the baseline
-    base = psutil.Process().memory_info().rss
+
+    def status(key):                          # bytes of a VmRSS/VmHWM line of /proc/self/status
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                          # reset the peak (VmHWM) to the current RSS: import peaks do not count
+    base = status("VmRSS:")
     engine = zerofit.initialize({path!r}, {{"device": "cpu", "precision": "fp32", "micro_batch_size": 1,
                                             "seq_len": 16}})
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status("VmHWM:")
     keep = ("shell", "resident_blocks", "weight_slots", "grad_slots", "upload_staging", "assist_buffers")
     planned = sum(v for k, v in engine.plan.host_bytes.items() if not k.startswith("device:")) + sum(
         engine.plan.host_bytes.get("device:" + k, 0) for k in keep)

@@ -108,6 +108,10 @@ def test_chat_scores_only_assistant_turns(tmp_path, tok):
     assert doc.input_ids.tolist() == ids
     assert doc.targets.tolist() == scored
     assert doc.input_ids.tolist().count(tok.bos_token_id) == 1  # the template's BOS, not a second one
+    first = only_doc(write_jsonl(tmp_path / "first.jsonl", [{"messages": CHAT[2:3]}]), tok)  # assistant first
+    ids, scored = pieces(tok, ("<bos><|assistant|>\n", False), (ANSWER1, True), ("<|end|>\n", True),
+                         ("<eos>", True))
+    assert (first.input_ids.tolist(), first.targets.tolist()) == (ids, scored)
 
 
 def test_chat_template_that_rewrites_earlier_turns_falls_back_to_the_content(tmp_path):

@@ -134,13 +134,15 @@ def _render(tok: Any, messages: Sequence[dict[str, Any]], generation_prompt: boo
 def _span_by_prefix(tok: Any, messages: Sequence[dict[str, Any]], i: int, full: str, cursor: int,
                     source: str) -> tuple[int, int] | None:
     """Turn ``i``'s characters as the difference of two renderings, when the template is prefix-stable."""
+    if i == 0:
+        return _first_turn_span(tok, messages[0], full, source)
     try:
         before = _render(tok, messages[:i], True, source)  # ends with the assistant header
         before_plain = _render(tok, messages[:i], False, source)
+        through = _render(tok, messages[:i + 1], False, source)
     except DataError:
-        return None  # e.g. a template that cannot render an empty conversation
-    through = _render(tok, messages[:i + 1], False, source)
-    if before == before_plain and i > 0:
+        return None  # e.g. a template that cannot render an empty conversation, or one ending on a turn
+    if before == before_plain:
         return None  # the template ignores add_generation_prompt: the header would count as the answer
     a, b = len(before), len(through)
     if a < cursor or a > b or not through.startswith(before) or not full.startswith(through):
@@ -148,6 +150,24 @@ def _span_by_prefix(tok: Any, messages: Sequence[dict[str, Any]], i: int, full: 
     if messages[i]["content"] not in full[a:b]:
         return None
     return a, b
+
+
+def _first_turn_span(tok: Any, message: dict[str, Any], full: str, source: str) -> tuple[int, int] | None:
+    """An opening assistant turn: chat templates cannot render an empty conversation, so its start is where the
+    rendering of the turn differs from that of the same turn with empty content (``header + footer``)."""
+    try:
+        through = _render(tok, [message], False, source)
+        empty = _render(tok, [{**message, "content": ""}], False, source)
+    except DataError:
+        return None
+    content = message["content"]
+    if not full.startswith(through) or len(through) != len(empty) + len(content):
+        return None
+    common = next((k for k, (x, y) in enumerate(zip(through, empty)) if x != y), len(empty))
+    for a in range(common, -1, -1):  # the longest header that fits
+        if through[a:a + len(content)] == content and through[a + len(content):] == empty[a:]:
+            return a, len(through)
+    return None
 
 
 def _span_by_search(tok: Any, content: str, full: str, cursor: int) -> tuple[int, int] | None:
@@ -168,7 +188,8 @@ def assistant_spans(tok: Any, messages: Sequence[dict[str, Any]], source: str) -
     Method: for assistant message ``i``, ``a`` is the length of the rendering of ``messages[:i]`` with the
     generation prompt (it ends where the model starts to write) and ``b`` the length of the rendering of
     ``messages[:i+1]`` (the answer and its end-of-turn marker), both checked to be prefixes of the whole
-    rendering. Templates for which that fails (they rewrite earlier turns depending on later ones, like Qwen3's
+    rendering (an opening assistant turn, ``i = 0``, is compared with its rendering with empty content
+    instead). Templates for which that fails (they rewrite earlier turns depending on later ones, like Qwen3's
     that drops old reasoning, or ignore ``add_generation_prompt``) fall back to finding the message's content in
     the rendering after the previous turn, extended by an EOS string that directly follows it. A turn found by
     neither method is an error naming the row.

@@ -90,6 +90,7 @@ def train(
     save_every: Annotated[int, typer.Option(
         min=0, help="Save a checkpoint every N steps and at the end (with --model).")] = 0,
     keep: Annotated[int, typer.Option(min=1, help="Checkpoints kept (the newest).")] = 2,
+    save_at_end: Annotated[bool, typer.Option(help="Save a checkpoint after the last step.")] = True,
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue from OUTPUT/checkpoints/latest, data order included.")] = False,
     save_on_interrupt: Annotated[bool, typer.Option(
@@ -126,8 +127,8 @@ def train(
         warmup_steps=warmup_steps, precision=precision.value if precision else None, max_gpu_memory=max_gpu_memory,
         max_host_memory=max_host_memory, device=device, seed=seed,
         eval_size=int(eval_size) if eval_size >= 1 else eval_size, eval_every=eval_every, eval_windows=eval_windows,
-        save_every=save_every, keep=keep, resume=resume, save_on_interrupt=save_on_interrupt, export=export,
-        export_dtype=export_dtype.value if export_dtype else None, progress=progress)
+        save_every=save_every, keep=keep, save_at_end=save_at_end, resume=resume,
+        save_on_interrupt=save_on_interrupt, export=export, export_dtype=export_dtype.value if export_dtype else None, progress=progress)
     try:
         result = run_training(opts, console)
     except (ConfigError, DataError, WeightFileError) as e:
@@ -153,6 +154,11 @@ def _render_train_summary(result, console: Console) -> None:
     if result.evals:
         e = result.evals[-1]
         t.add_row("held-out", f"loss {e['eval_loss']:.4f}, perplexity {e['eval_perplexity']:,.2f}")
+    s = result.setup
+    if s.get("load_seconds") is not None:
+        t.add_row("model load", f"{s['load_seconds']:.1f} s, host memory grew {s['load_rss_growth_bytes'] / 2**30:.2f} GiB "
+                                f"(plan {s['host_planned_bytes'] / 2**30:.2f} GiB)"
+                                + (f"; resume {s['resume_seconds']:.1f} s" if "resume_seconds" in s else ""))
     if result.memory.get("gpu_peak_bytes"):
         t.add_row("GPU memory peak", f"{result.memory['gpu_peak_bytes'] / 2**30:.2f} GiB")
     t.add_row("host memory peak", f"{result.memory.get('host_peak_bytes', 0) / 2**30:.2f} GiB (process RSS)")

@@ -34,6 +34,7 @@ class TrainOptions:
     eval_windows: int | None = None              # cap on the held-out windows evaluated each time
     save_every: int = 0                          # checkpoint every N steps (and at the end); 0: only at the end
     keep: int = 2                                # checkpoints kept (the newest; `latest` is never removed)
+    save_at_end: bool = True                     # a checkpoint after the last step
     resume: bool = False                         # continue from output/checkpoints/latest
     save_on_interrupt: bool = True               # Ctrl-C: finish the step, save a checkpoint, exit 130
     export: bool = True                          # write a Hugging Face model to output/model at the end

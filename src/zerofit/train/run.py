@@ -94,6 +94,7 @@ class TrainResult:
     interrupted: bool = False
     tokens_per_step: int = 0
     memory: dict = field(default_factory=dict)
+    setup: dict = field(default_factory=dict)     # load (and resume) seconds and memory, as logged
 
     @property
     def steps_done(self) -> int:
@@ -154,6 +155,24 @@ def _rotate(ckpt_dir: Path, keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _reset_peak_rss() -> None:
+    """Make the kernel's peak RSS (VmHWM) start again from now (Linux), so the load's own peak is measured."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _rss(key: str) -> int:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process in bytes; 0 where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    except (OSError, StopIteration):
+        return 0
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}G"
 
@@ -181,12 +200,18 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     loaded = load_config(loaded, **{"scheduler.total_steps": total})
 
     lcfg = loaded.config
+    _reset_peak_rss()
+    rss0, t_load = _rss("VmRSS:"), time.perf_counter()
     engine = zerofit.initialize(str(opts.model), loaded)
+    setup = {"load_seconds": round(time.perf_counter() - t_load, 3), "load_rss_growth_bytes": _rss("VmHWM:") - rss0,
+             "host_planned_bytes": engine.plan.host_total}
     result = TrainResult(run_dir, total, tokens_per_step=cfg.micro_batch_size * cfg.gradient_accumulation_steps
                          * opts.seq_len)
     elapsed = 0.0
     if opts.resume:
+        t_resume = time.perf_counter()
         path, client = engine.load_checkpoint(ckpt_dir)
+        setup["resume_seconds"] = round(time.perf_counter() - t_resume, 3)
         if path is None:
             console.print(f"[yellow]--resume: no checkpoint in {ckpt_dir}; starting from the model directory[/]")
         else:
@@ -197,6 +222,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     _print_start(console, opts, loaded, data, engine, total, result)
 
     metrics = Metrics(run_dir, tensorboard=opts.tensorboard, elapsed=elapsed)
+    result.setup = metrics.log(result.start_step, **setup)
 
     def save(step: int) -> None:
         client = {"loader": loader.state_dict(), "iterations": step, "elapsed": metrics.elapsed}
@@ -255,7 +281,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
                     save(step)
                 return result
         run_eval(step)
-        if not result.checkpoints or result.checkpoints[-1].name != f"global_step{step}":
+        if opts.save_at_end and (not result.checkpoints or result.checkpoints[-1].name != f"global_step{step}"):
             save(step)
         if opts.export:
             out = run_dir / "model"

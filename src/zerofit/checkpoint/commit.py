@@ -29,13 +29,14 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerofit.checkpoint import seams
-from zerofit.checkpoint.durable import crc_of_file, exchange, fsync_dir, replace_file, write_file
+from zerofit.checkpoint.durable import CHUNK_BYTES, crc_of_file, exchange, fsync_dir, replace_file, write_file
 from zerofit.checkpoint.errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
                                        ChecksumMismatchError, MissingFileError, TruncatedFileError)
 
@@ -244,8 +245,12 @@ def verify(folder: Path, record: CommitRecord, names: list[str] | None = None, w
         if size != f.bytes:
             raise TruncatedFileError(path, f"{size} bytes, {f.bytes} recorded: truncated or overwritten")
 
+    local = threading.local()       # one read buffer per thread, no larger than the largest file
+
     def crc(f: FileEntry) -> tuple[FileEntry, int]:
-        return f, crc_of_file(folder / f.name)[1]
+        if getattr(local, "buf", None) is None:
+            local.buf = bytearray(max(1, min(CHUNK_BYTES, max(x.bytes for x in files))))
+        return f, crc_of_file(folder / f.name, local.buf)[1]
 
     with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="zerofit-ckpt-verify") as ex:
         for f, got in ex.map(crc, files):

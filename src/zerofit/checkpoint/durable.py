@@ -124,7 +124,8 @@ def exchange(a: Path, b: Path) -> bool:
 
 def crc_of_file(path: Path, buf: bytearray | None = None) -> tuple[int, int]:
     """(bytes, crc32) of a whole file, read sequentially in large chunks."""
-    buf = buf or bytearray(CHUNK_BYTES)
+    if buf is None:
+        buf = bytearray(max(1, min(CHUNK_BYTES, os.path.getsize(path))))
     mv = memoryview(buf)
     crc = n = 0
     with open(path, "rb", buffering=0) as f:

@@ -26,7 +26,7 @@ OPTIMIZER = "optimizer"
 WEIGHTS_INDEX = "weights.safetensors.index.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 10**9
-_RECORD_RESERVE = 1 << 20     # the commit record is written last; reserve room for it up front
+_RECORD_RESERVE = 256 << 10   # the commit record is written last (RNG states make it ~25 KB): room for it
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,8 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
         "global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
         "unit_steps": {u.name: int(u.step.item()) for u in engine.units},
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-        "rng": rng.capture(), "precision": engine.config.precision, "model_class": type(model).__name__,
+        "rng": rng.capture(engine.dev.device if engine.dev.is_cuda else None),
+        "precision": engine.config.precision, "model_class": type(model).__name__,
         "parameters": {"tensors": len(weights), "numel": sum(e.numel for e in weights)},
         "placement": {"resident_blocks": engine.plan.resident_blocks,
                       "shell_optimizer_on_device": engine.plan.shell_optimizer_on_device,
@@ -148,7 +149,7 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
     engine.skipped_steps = int(st["skipped_steps"])
     if engine.scaler is not None and st.get("scaler") is not None:
         engine.scaler.load_state_dict(st["scaler"])
-    rng.restore(st["rng"])
+    rng.restore(st["rng"], engine.dev.device if engine.dev.is_cuda else None)
     return str(folder), client_state
 
 

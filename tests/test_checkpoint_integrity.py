@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from safetensors import safe_open
 
 import zerofit
 from tests import tiny_models as tm
+from zerofit.checkpoint import list_tags, prune
 from zerofit.checkpoint import (CheckpointIncompleteError, CheckpointMismatchError, CheckpointNotFoundError,
                                 CheckpointStateError, ChecksumMismatchError, EngineStateLostError, MissingFileError,
                                 TruncatedFileError)
@@ -252,3 +254,14 @@ def test_a_failure_after_copying_started_makes_the_engine_unusable(tmp_path, mon
                 lambda: target(**tm.batches(1, G)[0][0])):
         with pytest.raises(EngineStateLostError):
             use()
+
+
+def test_prune_keeps_the_newest_and_never_the_latest(tmp_path):
+    engine = _engine(steps=1)
+    for i in range(4):
+        engine.save_checkpoint(tmp_path, tag=f"s{i}", save_latest=(i != 3))
+        time.sleep(0.01)                               # distinct commit times
+    assert prune(tmp_path, keep=2) == ["s0", "s1"]
+    assert list_tags(tmp_path) == ["s2", "s3"] and (tmp_path / "latest").read_text() == "s2"
+    assert prune(tmp_path, keep=1) == []               # s2 is older but `latest` names it
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -18,8 +18,9 @@ from zerofit.checkpoint.errors import (CheckpointCorruptError, CheckpointDiskFul
                                        CheckpointIncompleteError, CheckpointMismatchError, CheckpointNotFoundError,
                                        CheckpointStateError, ChecksumMismatchError, EngineStateLostError,
                                        MissingFileError, TruncatedFileError)
+from zerofit.checkpoint.commit import list_tags, prune
 from zerofit.checkpoint.export import export_checkpoint
 
-__all__ = ["export_checkpoint", "CheckpointError", "CheckpointCorruptError", "CheckpointDiskFullError",
+__all__ = ["export_checkpoint", "list_tags", "prune", "CheckpointError", "CheckpointCorruptError", "CheckpointDiskFullError",
            "CheckpointIncompleteError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointStateError",
            "ChecksumMismatchError", "EngineStateLostError", "MissingFileError", "TruncatedFileError"]

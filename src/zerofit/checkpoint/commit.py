@@ -257,3 +257,21 @@ def verify(folder: Path, record: CommitRecord, names: list[str] | None = None, w
             if got != f.crc32:
                 raise ChecksumMismatchError(folder / f.name, f"CRC32 {got:08x}, {f.crc32:08x} recorded: the "
                                                              "file's bytes changed after it was saved")
+
+
+def prune(save_dir: Path | str, keep: int) -> list[str]:
+    """Delete all but the ``keep`` newest complete checkpoints (by commit time), never the one ``latest``
+    names; for a trainer's ``--keep K``. Returns the removed tags."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, found {keep}")
+    save_dir = Path(save_dir)
+    tags = list_tags(save_dir)
+    latest = read_latest(save_dir)
+    doomed = [t for t in tags[:max(0, len(tags) - keep)] if t != latest]
+    for t in doomed:     # rename first: a kill mid-removal leaves a hidden folder, never a partial tag
+        hidden = save_dir / f"{TMP_PREFIX}{t}-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(save_dir / t, hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+    if doomed:
+        fsync_dir(save_dir)
+    return doomed

@@ -124,7 +124,8 @@ def main() -> None:
             t = time.perf_counter()
             engine.load_checkpoint(root / "engine")
             s = time.perf_counter() - t
-            _emit(what="engine-load", mb=round(n * 12 / 2**20), seconds=round(s, 3), mb_per_s=round(n * 12 / 2**20 / s, 1))
+            mb = n * 12 / 2**20
+            _emit(what="engine-load", mb=round(mb), seconds=round(s, 3), mb_per_s=round(mb / s, 1))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -119,9 +119,11 @@ def test_real_full_disk_on_a_small_tmpfs(tmp_path, tiny_tmpfs, monkeypatch):
     if shutil.which("mount") is None:
         pytest.skip("no mount command")
     engine, twin = _pair()
-    probe = Path(engine.save_checkpoint(tmp_path / "probe", client_state={"tag": "global_step2"}))
-    one = sum(f.stat().st_size for f in probe.iterdir())
-    root = tiny_tmpfs(int(one * 1.6) // 4096 * 4096 + 16 * 4096)        # one checkpoint fits, not two
+    with monkeypatch.context() as m:                         # what the saver asks for one checkpoint
+        m.setattr(save_mod, "free_bytes", lambda p: 0)
+        with pytest.raises(CheckpointDiskFullError) as probe:
+            engine.save_checkpoint(tmp_path / "probe", client_state={"tag": "global_step2"})
+    root = tiny_tmpfs(-(-(_numbers(probe.value)[0] + 65536) // 4096) * 4096)     # one fits, not two
     engine.save_checkpoint(root, client_state={"tag": "global_step2"})
     for e in (engine, twin):
         e.train_batch(tm.batches(1, G, seed=8)[0])

@@ -21,6 +21,7 @@ from zerofit.checkpoint.errors import (CheckpointCorruptError, CheckpointDiskFul
 from zerofit.checkpoint.commit import list_tags, prune
 from zerofit.checkpoint.export import export_checkpoint
 
-__all__ = ["export_checkpoint", "list_tags", "prune", "CheckpointError", "CheckpointCorruptError", "CheckpointDiskFullError",
-           "CheckpointIncompleteError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointStateError",
-           "ChecksumMismatchError", "EngineStateLostError", "MissingFileError", "TruncatedFileError"]
+__all__ = ["export_checkpoint", "list_tags", "prune", "CheckpointError", "CheckpointCorruptError",
+           "CheckpointDiskFullError", "CheckpointIncompleteError", "CheckpointMismatchError",
+           "CheckpointNotFoundError", "CheckpointStateError", "ChecksumMismatchError", "EngineStateLostError",
+           "MissingFileError", "TruncatedFileError"]

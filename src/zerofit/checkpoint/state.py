@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -93,7 +94,13 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     from zerofit import __version__
     state["zerofit_version"] = __version__
     content = Content(tag, weights, optimizer_entries(engine), side, state)
-    return write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers)
+    t = time.perf_counter()
+    with torch.profiler.record_function("zerofit::checkpoint.save"):
+        folder = write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers)
+    s = time.perf_counter() - t
+    nbytes = sum(f.stat().st_size for f in folder.iterdir())
+    log.info("saved %s: %.1f MB in %.2f s (%.0f MB/s)", folder, nbytes / 1e6, s, nbytes / 1e6 / max(s, 1e-9))
+    return folder
 
 
 def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_states: bool = True,
@@ -136,7 +143,8 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
     engine.wait()
     engine.dev.synchronize()
     try:
-        copy_into(folder, record, found, targets, workers)
+        with torch.profiler.record_function("zerofit::checkpoint.load"):
+            copy_into(folder, record, found, targets, workers)
         if load_optimizer_states:
             for u in engine.units:
                 u.step.fill_(float(st["unit_steps"][u.name]))

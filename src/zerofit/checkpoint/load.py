@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from zerofit.checkpoint.commit import CommitRecord, resolve, verify
+from zerofit.checkpoint.commit import CommitRecord, resolve
 from zerofit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, MissingFileError
 from zerofit.checkpoint.format import TensorInfo, read_header, read_into
 

@@ -98,6 +98,7 @@ def test_fp16_with_clipping_on_gpu_tracks_the_reference():
     torch.manual_seed(0)
     model = tm.llama(layers=4)
     master = copy.deepcopy(model).cuda()
+    before = tm.initial_weights(model)
     engine = zerofit.initialize(model, {"precision": "fp16", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
                                         "optimizer": {"lr": lr, "weight_decay": 0.01}, "gradient_clipping": 0.5,
                                         "fp16": {"initial_scale_power": 10, "loss_scale_window": window},
@@ -112,5 +113,6 @@ def test_fp16_with_clipping_on_gpu_tracks_the_reference():
                                                      DynamicLossScaler(2.0**10, window, 1.0, 2), clip=0.5)
     assert scales == ref_scales
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    tm.assert_updates_close(engine, before, master, rtol=0.1)
     assert losses[-1] < losses[0] - 0.5
     engine.close()

@@ -18,10 +18,11 @@ from zerofit.checkpoint.errors import (CheckpointCorruptError, CheckpointDiskFul
                                        CheckpointIncompleteError, CheckpointMismatchError, CheckpointNotFoundError,
                                        CheckpointStateError, ChecksumMismatchError, EngineStateLostError,
                                        MissingFileError, TruncatedFileError)
+from zerofit.checkpoint.commit import RECORD as COMMIT_RECORD
 from zerofit.checkpoint.commit import list_tags, prune
 from zerofit.checkpoint.export import export_checkpoint
 
-__all__ = ["export_checkpoint", "list_tags", "prune", "CheckpointError", "CheckpointCorruptError",
+__all__ = ["COMMIT_RECORD", "export_checkpoint", "list_tags", "prune", "CheckpointError", "CheckpointCorruptError",
            "CheckpointDiskFullError", "CheckpointIncompleteError", "CheckpointMismatchError",
            "CheckpointNotFoundError", "CheckpointStateError", "ChecksumMismatchError", "EngineStateLostError",
            "MissingFileError", "TruncatedFileError"]

@@ -90,6 +90,9 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
                       "shell_optimizer_on_device": engine.plan.shell_optimizer_on_device,
                       "device": str(engine.dev.device)},
         "model_files": [f.name for f in hf],
+        # [Note: speculative updates] (engine/speculation.py): whether the next step speculates depends on
+        # whether the last one was clipped, and a speculated-then-redone update differs in rounding
+        "speculate_next": getattr(engine, "_speculate_next", None),
     }
     from zerofit import __version__
     state["zerofit_version"] = __version__
@@ -155,6 +158,8 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
         raise EngineStateLostError(str(engine.worker.message)) from e
     engine.global_step = int(st["global_step"])
     engine.skipped_steps = int(st["skipped_steps"])
+    if st.get("speculate_next") is not None and hasattr(engine, "_speculate_next"):
+        engine._speculate_next = bool(st["speculate_next"])
     if engine.scaler is not None and st.get("scaler") is not None:
         engine.scaler.load_state_dict(st["scaler"])
     rng.restore(st["rng"], engine.dev.device if engine.dev.is_cuda else None)

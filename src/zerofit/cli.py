@@ -3,6 +3,7 @@
     zerofit train                 # train the embedded demo model (see zerofit.demo)
     zerofit config show ds.json   # the resolved configuration, or the error
     zerofit doctor --disk /nvme   # this machine's limits, before choosing an offload plan
+    zerofit export CKPT OUT       # a checkpoint's weights as a Hugging Face model directory
 
 Each ``train`` option maps onto one config field (or describes the run); the
 logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
@@ -239,6 +240,24 @@ def doctor(
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return
     _render_doctor(report, Console())
+
+
+@app.command("export")
+def export(
+    checkpoint: Annotated[Path, typer.Argument(
+        help="A checkpoint folder (save_dir/<tag>) or a save folder (its 'latest' is used).")],
+    out_dir: Annotated[Path, typer.Argument(help="Folder for the Hugging Face model (created).")],
+    dtype: Annotated[str, typer.Option(help="Weights dtype: bf16, fp16 or fp32.")] = "bf16",
+    max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB or 2GiB.")] = "5GB",
+) -> None:
+    """Write a checkpoint's weights as a Hugging Face model (config.json, sharded safetensors, tokenizer)."""
+    from zerofit.checkpoint import CheckpointError, export_checkpoint
+
+    try:
+        out = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size)
+    except (CheckpointError, ValueError) as e:
+        _fail(Console(stderr=True), f"export failed: {e}")
+    typer.echo(f"exported {checkpoint} -> {out} ({dtype})")
 
 
 def _render_doctor(report, console: Console) -> None:

@@ -915,6 +915,28 @@ class Engine:
                 out[prefix + n] = v.detach().to("cpu", copy=True)
         return out
 
+    # checkpoints and export: thin delegates to zerofit.checkpoint (docs/checkpoints.md)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+        """DeepSpeed's save_checkpoint: the whole training state in ``save_dir/<tag>`` (default
+        ``global_step{N}``), written atomically, then ``latest`` names it. Returns the folder."""
+        from zerofit.checkpoint.state import save
+
+        return str(save(self, save_dir, tag, client_state, save_latest))
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True):
+        """DeepSpeed's load_checkpoint: ``(path, client_state)``; ``(None, None)`` with a warning when
+        ``tag`` is None and ``load_dir`` has no ``latest``."""
+        from zerofit.checkpoint.state import load
+
+        return load(self, load_dir, tag, load_optimizer_states)
+
+    def save_pretrained(self, out_dir, dtype="bf16", max_shard_size="5GB") -> str:
+        """The current weights as a Hugging Face model directory, streamed tensor by tensor."""
+        from zerofit.checkpoint.export import save_pretrained
+
+        return str(save_pretrained(self, out_dir, dtype, max_shard_size))
+
     def memory_stats(self) -> dict[str, int]:
         self._note_host()
         return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(self.dev.device) if self.dev.is_cuda else 0,

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
-import shutil
 import signal
 import threading
 import time
@@ -44,7 +42,6 @@ from zerofit.train.metrics import Metrics
 from zerofit.train.options import TrainOptions
 
 log = logging.getLogger("zerofit")
-_TAG = re.compile(r"^global_step(\d+)$")
 
 
 def finetune_defaults(device: torch.device) -> dict[str, Any]:
@@ -135,26 +132,6 @@ class _StopRequest:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _checkpoint_tags(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (their commit record exists) by step, oldest first."""
-    from zerofit.checkpoint import COMMIT_RECORD
-
-    if not ckpt_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir()
-             if (m := _TAG.match(p.name)) and (p / COMMIT_RECORD).is_file()]
-    return sorted(found)
-
-
-def _rotate(ckpt_dir: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` checkpoints; never the one ``latest`` names."""
-    latest = (ckpt_dir / "latest").read_text().strip() if (ckpt_dir / "latest").is_file() else None
-    tags = _checkpoint_tags(ckpt_dir)
-    for _, path in tags[:max(len(tags) - max(keep, 1), 0)]:
-        if path.name != latest:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def _reset_peak_rss() -> None:
     """Make the kernel's peak RSS (VmHWM) start again from now (Linux), so the load's own peak is measured."""
     try:
@@ -180,7 +157,9 @@ def _gib(n: float) -> str:
 def run_training(opts: TrainOptions, console: Console | None = None) -> TrainResult:
     """Fine-tune ``opts.model`` on ``opts.data``; see the module docstring."""
     import zerofit
+    from zerofit.checkpoint import prune
     from zerofit.data import StepLoader, build_datasets, evaluate, load_tokenizer
+    from zerofit.models import ModelDir
     from zerofit.demo.run import resolve_device
     from zerofit.optim.schedules import lr_at
 
@@ -192,6 +171,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = run_dir / "checkpoints"
 
+    ModelDir.open(opts.model)          # a wrong path fails here, naming it, before the data is read
     tokenizer = load_tokenizer(opts.model)
     data = build_datasets(opts.data, tokenizer, opts.seq_len, eval_size=opts.eval_size, seed=cfg.seed,
                           cache_dir=run_dir / ".datasets-cache")
@@ -229,7 +209,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         t = time.perf_counter()
         engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state=client)
         result.checkpoints.append(ckpt_dir / f"global_step{step}")
-        _rotate(ckpt_dir, opts.keep)
+        prune(ckpt_dir, opts.keep)
         metrics.log(step, checkpoint_seconds=round(time.perf_counter() - t, 3))
 
     def run_eval(step: int) -> None:

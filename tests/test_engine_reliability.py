@@ -672,10 +672,11 @@ def test_generic_model_without_blocks_trains():
                                        (_EarlyExitLM, "without calling its last block")],
                          ids=["skip-connection", "early-exit"])
 def test_non_sequential_model_is_refused_at_first_step(cls, match):
+    """adapter='blocks' refuses (adapter='auto' falls back: test_engine_lifecycle.py)."""
     torch.manual_seed(0)
     model = cls()
     blocks = model.blocks
-    engine = zerofit.initialize(model, _cfg())       # the adapter cannot tell before running the forward
+    engine = zerofit.initialize(model, _cfg(adapter="blocks"))   # the adapter cannot tell before the forward
     assert engine.adapter.streaming
     before = _snapshot(engine)
     with pytest.raises(NonSequentialModel, match=match) as err:
@@ -711,7 +712,7 @@ def test_generic_adapter_trains_a_non_sequential_model_exactly():
 
 def test_blocks_called_out_of_order_are_refused():
     torch.manual_seed(0)
-    engine = zerofit.initialize(_ReversedLM(), _cfg())
+    engine = zerofit.initialize(_ReversedLM(), _cfg(adapter="blocks"))
     with pytest.raises(NonSequentialModel):
         engine.train_batch(tm.batches(1, G)[0])
 
@@ -720,7 +721,7 @@ def test_blocks_called_twice_are_refused_or_exact():
     torch.manual_seed(0)
     model = _LoopedLM()
     ref = copy.deepcopy(model)
-    engine = zerofit.initialize(model, _cfg())
+    engine = zerofit.initialize(model, _cfg(adapter="blocks"))
     mbs = tm.batches(1, 1)[0]
     try:
         loss = engine.train_batch(mbs)

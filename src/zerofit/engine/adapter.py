@@ -20,7 +20,9 @@ with the block list swapped, for the duration of one call, for a list of stubs:
 Streaming a block at a time is only valid when block *i*'s output is block
 *i+1*'s first input and nothing else reads it. The pre pass checks that each
 stub receives exactly the object the previous stub returned; a model that does
-anything else is refused with a named error (use ``adapter="generic"``).
+anything else raises :class:`NonSequentialModel`. With ``adapter="auto"`` the
+engine then falls back to the generic path by itself (see [Note: generic
+fallback] in engine.py); with ``adapter="blocks"`` the error reaches the caller.
 """
 
 from __future__ import annotations
@@ -61,12 +63,11 @@ class _Recorder(nn.Module):
     def forward(self, hidden, *args, **kwargs):
         if self.index != len(self.sink):
             raise NonSequentialModel(
-                f"block {self.index} was called when block {len(self.sink)} was expected; "
-                "this model does not run its blocks once each in order: pass adapter='generic'")
+                f"block {self.index} was called when block {len(self.sink)} was expected (the model does not "
+                "run its blocks once each, in order)")
         if self.index > 0 and hidden is not self.sink[-1][0]:
             raise NonSequentialModel(
-                f"block {self.index} did not receive block {self.index - 1}'s output as its first argument; "
-                "this model cannot stream block by block: pass adapter='generic'")
+                f"block {self.index} did not receive block {self.index - 1}'s output as its first argument")
         self.sink.append((hidden, BlockCall(args, kwargs)))
         if self.index == self.last:
             raise _StopForward
@@ -80,14 +81,18 @@ class _Passthrough(nn.Module):
 
     def forward(self, hidden, *args, **kwargs):
         if self.called:
-            raise NonSequentialModel(f"block {self.index} was called twice in one forward; "
-                                     "this model cannot stream block by block: pass adapter='generic'")
+            raise NonSequentialModel(f"block {self.index} was called twice in one forward")
         self.called = True
         return self.final[0] if self.index == self.last else hidden
 
 
 class NonSequentialModel(RuntimeError):
     """The model does not feed each block's output straight to the next block."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"{reason}; this model cannot stream block by block: pass adapter='generic' "
+                         "(adapter='auto' falls back to it by itself before the first step)")
 
 
 def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:

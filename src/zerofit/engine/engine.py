@@ -19,6 +19,10 @@ When the update needs the whole gradient first (global-norm clipping, fp16
 overflow check), host updates are *deferred*: gradients wait in per-unit host
 buffers and the updates run after the norm is known, in forward order, so the
 next step's forward waits only on the blocks still being updated.
+
+Lifecycle and errors (lifecycle.py): an :class:`EngineState` says whether an error would leave the
+weights as before the step (OPEN) or torn (APPLYING, then FAILED); see [Note: engine lifecycle],
+[Note: failure semantics] and [Note: Ctrl-C inside a step].
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import psutil
@@ -37,15 +42,19 @@ from torch import nn
 from torch.func import functional_call
 
 from zerofit.config.schema import ZerofitConfig
-from zerofit.engine.adapter import Adapter, PreResult, block_output, loss_of
+from zerofit.engine.adapter import Adapter, NonSequentialModel, PreResult, block_output, loss_of
+from zerofit.engine.batch import BatchSpec, check_batch, check_micro_batches, vocab_of
 from zerofit.engine.device import Device
-from zerofit.engine.optimizer import HostWorker, Hyper, adamw_flat
+from zerofit.engine.lifecycle import (EngineClosedError, EngineFailedError, EngineResources, EngineState,
+                                      InterruptDeferral, closed_message, failed_message)
+from zerofit.engine.optimizer import HostWorker, Hyper, WorkerError, adamw_flat
 from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, PlanError, make_plan
 from zerofit.engine.speculation import Speculation, adamw_rollback
 from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState, assisted_unit
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger("zerofit")
 
 
 def _loss_scaler(config: ZerofitConfig):
@@ -106,7 +115,8 @@ class Engine:
                 raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA GPU")
             dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         self.dev = Device.create(dev)
-        self.adapter = Adapter(model, adapter or config.adapter)
+        self._adapter_kind = adapter or config.adapter
+        self.adapter = Adapter(model, self._adapter_kind)
         self._model = model
         # the global gradient norm is needed for clipping and for fp16's overflow check; either one
         # makes every host update wait for it (deferred updates)
@@ -128,13 +138,18 @@ class Engine:
         self._host_grads: dict[int, torch.Tensor] = {}
         self._sq_norms: dict[int, torch.Tensor] = {}
         self._mirror_stale = False
-        self._arenas: list[HostArena] = []
         self._peak_host = 0
         self._checked_shape = None
         self._table = param_table(model, self.adapter)
         self._shape = model_shape(model, self.adapter, self._table)
         self.plan = self._plan(self._shape, config.seq_len)   # may refuse: nothing allocated yet
-        self._capped = False
+        self.state = EngineState.OPEN
+        self._failure: str | None = None         # FAILED: the error that failed the engine
+        self._interrupts = InterruptDeferral()
+        # [Note: engine lifecycle]: released by close(), by garbage collection or at exit, whichever is first
+        self._resources = EngineResources(self.dev)
+        self._arenas = self._resources.arenas
+        weakref.finalize(self, self._resources.release)
         if self.dev.is_cuda and config.max_gpu_memory:
             # The plan fits: enforce the cap on the allocator. Running close to a cap, expandable
             # segments keep fragmentation from turning into an out-of-memory error.
@@ -143,9 +158,15 @@ class Engine:
             set_alloc("expandable_segments:True")
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory / total), dev)
-            self._capped = True
-        self.worker = HostWorker()
-        self._build_buffers()
+            self._resources.capped = True
+        self.worker = self._resources.worker = HostWorker()
+        try:
+            self._build_buffers()
+        except BaseException:
+            self._resources.release()
+            raise
+        self._batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
+        self._log_placement()
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(dev)
 
@@ -279,6 +300,8 @@ class Engine:
         host gradient go up (16 B/param), AdamW runs there, the new weights are cast into the slot and
         master and moments go back down (12 B/param). The CPU worker and the copy engines then share the
         work. The unit's next upload (and any host read of its master) waits on ``master_event``."""
+        # [Note: failure semantics]: an error before this unit's update is fully enqueued leaves it torn
+        before, self.state = self.state, EngineState.APPLYING
         factor, hyper = unit.pending_update
         unit.pending_update = None
         n = unit.numel
@@ -304,6 +327,7 @@ class Engine:
                 unit.exp_avg.copy_(m, non_blocking=True)
                 unit.exp_avg_sq.copy_(v, non_blocking=True)
             unit.master_event = self._assist_free = self.dev.record(self.dev.download)
+        self.state = before
 
     def _flush_assisted(self) -> None:
         """Apply every pending assisted update now (a host reader wants the masters)."""
@@ -439,6 +463,7 @@ class Engine:
         xs = [m.pre.hidden.detach() for m in micros]
         order = self.blocks
         for pos, unit in enumerate(order):
+            self._safe_point()
             self._acquire(order, pos)
             self._prefetch(order, pos)
             keep_graph = not self.config.activation_checkpointing
@@ -481,6 +506,7 @@ class Engine:
     def _backward_blocks(self, micros: list[_Micro]) -> None:
         order = list(reversed(self.blocks))
         for pos, unit in enumerate(order):
+            self._safe_point()
             self._acquire(order, pos)
             self._prefetch(order, pos)
             gdst = self._grad_buffer(unit)
@@ -558,6 +584,7 @@ class Engine:
                 unit.updated.clear()
                 self.worker.submit(self._task_speculate(unit, self._spec, done, self._hyper()), unit.index)
         else:
+            self._begin_applying()   # this block is updated now, while the backward goes on
             unit.updated.clear()
             self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True), unit.index)
 
@@ -714,6 +741,7 @@ class Engine:
             self.skipped_steps += 1
             self._discard_grads(host_units)
             return False
+        self._begin_applying()
         for u in device_units:
             with self.dev.timed("compute", label=f"optimizer[{u.name}]"):
                 if factor != 1.0:
@@ -751,18 +779,225 @@ class Engine:
             self.worker.submit(self._task_settle(u, spec, ev, hyper, factor), u.index)
         self.speculation_stats["rolled_back" if clipped else "held"] += 1
 
+    # ------------------------------------------------------------------ lifecycle and failures
+
+    def _check_open(self) -> None:
+        """Refuse a call on a closed or failed engine, saying what to do."""
+        if self.state is EngineState.FAILED:
+            raise EngineFailedError(failed_message(self._failure))
+        if self.state is EngineState.CLOSED:
+            raise EngineClosedError(closed_message())
+
+    @contextlib.contextmanager
+    def _call(self, *, discard_step: bool):
+        """A public call: Ctrl-C held back ([Note: Ctrl-C inside a step]), errors handled by :meth:`_guard`."""
+        with self._interrupts.deferred(), self._guard(discard_step=discard_step):
+            yield
+
+    @contextlib.contextmanager
+    def _guard(self, *, discard_step: bool):
+        """[Note: failure semantics]. ``discard_step``: an error drops the step in progress (training calls);
+        otherwise only the transfers in flight (evaluation, reads), so a DeepSpeed-style accumulation survives."""
+        try:
+            yield
+        except BaseException as err:
+            if self.state in (EngineState.FAILED, EngineState.CLOSED):
+                raise                                   # a nested call handled it
+            if self.state is EngineState.APPLYING or isinstance(err, WorkerError):
+                self._fail(err)
+                if isinstance(err, Exception):
+                    raise EngineFailedError(failed_message(self._failure)) from err
+                _add_note(err, "zerofit: " + failed_message(self._failure))
+                raise                                   # KeyboardInterrupt, SystemExit keep their meaning
+            try:
+                if discard_step:
+                    self._discard_step()
+                else:
+                    self._reset_transfers()
+            except BaseException as again:
+                self._fail(again)
+                raise EngineFailedError(failed_message(self._failure)) from err
+            _add_note(err, "zerofit: this step was not applied: its gradients were dropped (with those of any "
+                      "DeepSpeed-style micro-batches accumulated since the last optimizer step); every weight and "
+                      "moment is as before it, and the engine is usable" if discard_step else
+                      "zerofit: nothing was applied; the engine is usable")
+            raise
+
+    def _begin_applying(self) -> None:
+        """OPEN -> APPLYING: the step's first update is about to run; from here an error fails the engine."""
+        self.state = EngineState.APPLYING
+
+    def _safe_point(self) -> None:
+        """[Note: Ctrl-C inside a step]: a held-back Ctrl-C stops the step here while nothing of it is applied
+        (an attribute read on the hot path)."""
+        if self._interrupts.pending and self.state is EngineState.OPEN:
+            raise KeyboardInterrupt("Ctrl-C: the step stopped before any of its updates; nothing was applied")
+
+    def _discard_step(self) -> None:
+        """Drop everything of the step in progress, none of which was applied ([Note: failure semantics])."""
+        self.worker.drain()          # earlier steps' updates and this step's adds finish (or WorkerError)
+        self._reset_transfers()
+        spec, self._spec = self._spec, None
+        if spec is not None:         # [Note: speculative updates]: undo what the worker updated early
+            self._settle(spec, [u for u in self.units if not u.optimizer_on_device], self._hyper(), None)
+            self.worker.drain()
+        self._pending = None
+        self._micro_steps = 0
+        self._discard_grads([u for u in self.units if not u.optimizer_on_device])
+        with self._staging_cv:       # a buffer taken by the failed step may never have been handed on
+            self._staging_free = list(range(len(self._staging)))
+
+    def _reset_transfers(self) -> None:
+        """Wait for the device, then empty every slot: no copy or kernel of the failed call is in flight, and
+        every streamed unit is ON_HOST, to be uploaded again when next needed (see [Note: slot reuse])."""
+        self.dev.synchronize()
+        for pool in (self.weight_pool, self.grad_pool):
+            for slot in (pool.slots if pool is not None else ()):
+                slot.tenant = slot.free_event = None
+        for u in self.blocks:
+            if u.home is Home.STREAMED:
+                u.slot, u.state, u.ready_event, u.grad_slot, u.grad = None, WeightState.ON_HOST, None, None, None
+        self._assist_free = None
+        self.dev.intervals.clear()
+
+    def _fail(self, err: BaseException) -> None:
+        """-> FAILED: release everything; every later call raises EngineFailedError naming ``err``."""
+        self._failure = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        self.state = EngineState.FAILED
+        self._resources.release()
+        self._drop_device_state()
+
+    def _drop_device_state(self) -> None:
+        """Let go of every device buffer (the memory goes back to the allocator, for a next engine).
+        The module's parameters keep viewing the host weights."""
+        self._pending, self._micro_steps = None, 0
+        for u in self.units:
+            u.dev16 = u.grad = u.slot = u.grad_slot = u.ready_event = u.master_event = u.pending_update = None
+            u.buffers = {}
+            if u.optimizer_on_device:
+                u.master = u.exp_avg = u.exp_avg_sq = u.step = None
+        self.weight_pool = self.grad_pool = None
+        self._upload_stage = self._assist = self._assist_free = None
+
+    def _apply_pending(self) -> None:
+        """Every pending update (host, or assisted on the device) applied."""
+        self.worker.drain()
+        self._flush_assisted()
+
+    def _sync_host_weights(self) -> None:
+        """The module's parameters (host views) take the current weights of device-optimized units."""
+        if self._mirror_stale and self.dev.is_cuda:
+            for u in self.units:
+                if u.optimizer_on_device and u.host is not u.master:
+                    u.host.copy_(u.master)
+        self._mirror_stale = False
+
+    def _log_placement(self) -> None:
+        """Say where the optimizer state is under the plan, and where that is not what the config asked for."""
+        blocks = self.adapter.num_blocks
+        homes = self.plan.optimizer_homes(blocks, "the GPU" if self.dev.is_cuda else f"the device ({self.dev.device})")
+        off = self.config.offload
+        log.info("zerofit %s", homes)
+        if "nvme" in (off.optimizer_device, off.param_device):
+            log.warning("zerofit: offload to 'nvme' was asked for, but zerofit has no NVMe tier yet: that state is "
+                        "kept in host memory (planned against max_host_memory); nvme_path is checked, not written. "
+                        "%s", homes)
+        elif self.dev.is_cuda and off.optimizer_device != "none" and not self.plan.optimizer_on_host(blocks):
+            why = ("offload.param_device is 'none' (DeepSpeed: no offload_param), so every block's weights stay on "
+                   "the GPU, and zerofit updates a block where its weights live; set offload.param_device 'cpu' "
+                   "(DeepSpeed: zero_optimization.offload_param.device 'cpu', stage 3) to move it to host memory"
+                   if off.param_device == "none" else
+                   "it all fits there (the planner keeps blocks on the GPU while they fit); set "
+                   "offload.resident_blocks to bound that")
+            log.warning("zerofit: offload.optimizer_device is %r, but the plan keeps all optimizer state on the GPU: "
+                        "%s", off.optimizer_device, why)
+
+    # [Note: generic fallback]
+    # Whether a model chains its blocks output-to-input shows only when its forward runs (the pre and post
+    # passes check it, see [Note: sequential blocks]), and a probe at initialize would need an input the engine
+    # cannot make up. So with adapter="auto" the first forward decides: if it raises NonSequentialModel
+    # before anything was trained, the step's transient state is dropped, the units are rebuilt as one
+    # generic unit (the whole model) from the module's current weights, the RNG state the aborted forward
+    # consumed is restored, and the same call runs again, with a logged notice. Memory: the old host weights
+    # live until the new unit has copied them. adapter="blocks" refuses instead; adapter="generic" skips it.
+
+    def _fallback_possible(self) -> bool:
+        return (self._adapter_kind == "auto" and self.adapter.streaming and self.global_step == 0
+                and self.skipped_steps == 0 and self._micro_steps == 0 and self._pending is None)
+
+    def _with_fallback(self, run):
+        """``run()``, and once more on the generic path if it finds the model not block-sequential."""
+        if not self._fallback_possible():
+            return run()
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.dev.device) if self.dev.is_cuda else None)
+        try:
+            return run()
+        except NonSequentialModel as err:
+            self._discard_step()
+            self._become_generic(err)
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], self.dev.device)
+            return run()
+
+    def _become_generic(self, err: NonSequentialModel) -> None:
+        """[Note: generic fallback]: rebuild the units as one generic unit from the current weights."""
+        if any(float(u.step) for u in self.units):     # a loaded checkpoint: its moments cannot be carried over
+            raise NonSequentialModel(f"{err.reason} (found after this engine took optimizer state, too late to "
+                                     "fall back by itself)") from err
+        generic = Adapter(self._model, "generic")
+        table = param_table(self._model, generic)
+        shape = model_shape(self._model, generic, table)
+        adapter, self.adapter = self.adapter, generic
+        try:
+            plan = self._plan(shape, self.config.seq_len)     # refused here, the streaming engine is intact
+        except PlanError as e:
+            self.adapter = adapter
+            raise NonSequentialModel(f"{err.reason}; and the generic path (the whole model resident on the device) "
+                                     f"does not fit either: {e}") from err
+        log.warning("zerofit: %s, so this model cannot stream block by block: it trains on the generic path "
+                    "instead (the whole model as one unit). Pass adapter='generic' to skip this check, or "
+                    "adapter='blocks' to refuse.", err.reason)
+        self._mirror_stale = True
+        self._sync_host_weights()      # the module's parameters hold the current weights: the new unit copies them
+        self.worker.drain()
+        self.dev.synchronize()
+        for a in self._arenas:
+            a.close()
+        self._arenas.clear()
+        self._host_grads.clear()
+        self._sq_norms.clear()
+        self.units, self.shell, self.blocks = [], None, []
+        self.weight_pool = self.grad_pool = None
+        self._upload_stage = self._assist = self._assist_free = None
+        self._staging, self._staging_free = [], []
+        self._table, self._shape, self.plan = table, shape, plan
+        self.deferred = self._needs_norm
+        self._checked_shape = None
+        try:
+            self._build_buffers()
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self._log_placement()
+
     # ------------------------------------------------------------------ public API
 
     def train_batch(self, micro_batches: list[dict]) -> float:
         """One optimizer step over ``micro_batches`` (dicts of input_ids, labels, optional attention_mask).
 
         Gradients are averaged over the micro-batches (each micro-batch loss / G), as plain
-        PyTorch gradient accumulation. Returns the mean loss (a float; one device sync)."""
+        PyTorch gradient accumulation. Returns the mean loss (a float; one device sync).
+        An error leaves the engine as [Note: failure semantics] (lifecycle.py) says."""
+        self._check_open()
         if self._micro_steps or self._pending is not None:
             raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation "
                                "(a forward without backward(), or micro-batches without step()); finish it first")
-        if not micro_batches:
-            raise ValueError("train_batch needs at least one micro-batch")
+        check_micro_batches(micro_batches, self._batch_spec)
+        with self._call(discard_step=True):
+            return self._with_fallback(lambda: self._train_batch(micro_batches))
+
+    def _train_batch(self, micro_batches: list[dict]) -> float:
         self._ensure_plan(micro_batches)
         if self._can_speculate and self.adapter.streaming:
             if self._speculate_next:
@@ -777,6 +1012,7 @@ class Engine:
         micros = self._forward(micro_batches, shell_grad=True)
         losses = []
         for micro in micros:
+            self._safe_point()
             with self.dev.timed("compute", label="post"):
                 out, final = self._post(micro)
                 loss = loss_of(out)
@@ -804,6 +1040,7 @@ class Engine:
             tl.setdefault(k, 0.0)
         self._timeline = tl
         self._note_host()
+        self.state = EngineState.OPEN         # APPLYING -> OPEN: the step is applied (or in flight on the worker)
 
     def _add_time(self, key: str, seconds: float) -> None:
         self._timeline[key] = self._timeline.get(key, 0.0) + seconds
@@ -816,9 +1053,24 @@ class Engine:
     # DeepSpeed-shaped API --------------------------------------------------------------
 
     def __call__(self, **batch):
-        """Forward one micro-batch; returns the model's output (with ``.loss``). Pair with backward()."""
+        """Forward one micro-batch; returns the model's output (with ``.loss``).
+
+        Training (the module in train mode, autograd on): pair with backward(); one micro-batch in flight.
+        Evaluation (``engine.eval()``, or under ``torch.no_grad()``): the output only, nothing is kept, so
+        any number of forwards may follow each other (also in the middle of an accumulation)."""
+        self._check_open()
+        if not (torch.is_grad_enabled() and self._model.training):
+            return self._evaluate(batch)
         if self._pending is not None:
-            raise RuntimeError("forward called twice without backward(); zerofit keeps one micro-batch in flight")
+            raise RuntimeError("forward called twice without backward(); zerofit keeps one micro-batch in flight "
+                               "(for evaluation, call engine.eval() or run under torch.no_grad())")
+        check_batch(batch, self._batch_spec)
+        with self._call(discard_step=True):
+            return self._with_fallback(lambda: self._forward_micro(batch))
+
+    forward = __call__
+
+    def _forward_micro(self, batch: dict):
         if self._micro_steps == 0:
             self._ds_t0, self._ds_busy0, self._timeline = time.perf_counter(), self.worker.busy_seconds, {}
         self._ensure_plan([batch])
@@ -831,7 +1083,14 @@ class Engine:
         self._pending = micro
         return out
 
-    forward = __call__
+    def _evaluate(self, batch: dict):
+        """The model's output for ``batch`` without autograd; no state of a step is touched or kept."""
+        check_batch(batch, self._batch_spec)
+        n = len(self.dev.intervals)
+        with self._call(discard_step=False), torch.no_grad():
+            out = self._with_fallback(lambda: self._post(self._forward([batch], shell_grad=False)[0])[0])
+        del self.dev.intervals[n:]            # not part of any step's timeline
+        return out
 
     def _enable_accumulation(self) -> None:
         """DeepSpeed-style steps need per-unit host gradient buffers: switch to deferred updates.
@@ -857,28 +1116,32 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients."""
+        self._check_open()
         micro = self._pending
         if micro is None:
             raise RuntimeError("backward() without a forward through the engine")
-        self._pending = None
-        _, final = micro.output
-        micro.output = None
-        G = self.config.gradient_accumulation_steps
-        scale = self.scaler.scale if self.scaler else 1.0
-        with self.dev.timed("compute", label="post"):
-            self._post_backward(micro, loss, final, scale / G)
-        if self.adapter.streaming:
-            self._backward_blocks([micro])
-        self._micro_steps += 1
+        with self._call(discard_step=True):
+            self._pending = None
+            _, final = micro.output
+            micro.output = None
+            G = self.config.gradient_accumulation_steps
+            scale = self.scaler.scale if self.scaler else 1.0
+            with self.dev.timed("compute", label="post"):
+                self._post_backward(micro, loss, final, scale / G)
+            if self.adapter.streaming:
+                self._backward_blocks([micro])
+            self._micro_steps += 1
 
     def step(self) -> None:
         """Take the optimizer step at the gradient-accumulation boundary (a no-op before it)."""
+        self._check_open()
         if self._micro_steps < self.config.gradient_accumulation_steps:
             return
-        self.worker.drain()
-        applied = self._finish_step()
-        self._micro_steps = 0
-        self._end_step(self._ds_t0, self._ds_busy0, applied)
+        with self._call(discard_step=True):
+            self.worker.drain()
+            applied = self._finish_step()
+            self._micro_steps = 0
+            self._end_step(self._ds_t0, self._ds_busy0, applied)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self._micro_steps == self.config.gradient_accumulation_steps
@@ -887,18 +1150,20 @@ class Engine:
 
     def wait(self) -> None:
         """Block until every pending update (host, or assisted on the device) is applied."""
-        self.worker.drain()
-        self._flush_assisted()
+        self._check_open()
+        with self._call(discard_step=False):
+            self._apply_pending()
 
     @property
     def module(self) -> nn.Module:
-        """The model, with its current 16-bit weights on the host (usable for eval and export)."""
-        self.wait()
-        if self._mirror_stale and self.dev.is_cuda:
-            for u in self.units:
-                if u.optimizer_on_device and u.host is not u.master:
-                    u.host.copy_(u.master)
-        self._mirror_stale = False
+        """The model, with its current weights (fp32, on the host; usable for eval and export).
+        Still readable after close(), which left the final weights there."""
+        if self.state is EngineState.CLOSED:
+            return self._model
+        self._check_open()
+        with self._call(discard_step=False):
+            self._apply_pending()
+            self._sync_host_weights()
         return self._model
 
     @property
@@ -907,12 +1172,14 @@ class Engine:
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by parameter name (host copies)."""
-        self.wait()
-        out = {}
-        for u in self.units:
-            prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
-            for n, v in u.layout.views(u.master).items():
-                out[prefix + n] = v.detach().to("cpu", copy=True)
+        self._check_open()
+        with self._call(discard_step=False):
+            self._apply_pending()
+            out = {}
+            for u in self.units:
+                prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
+                for n, v in u.layout.views(u.master).items():
+                    out[prefix + n] = v.detach().to("cpu", copy=True)
         return out
 
     # checkpoints and export: thin delegates to zerofit.checkpoint (docs/checkpoints.md)
@@ -954,18 +1221,37 @@ class Engine:
         return self.train(False)
 
     def close(self) -> None:
-        """Apply pending updates, stop the worker, unpin host memory, lift the GPU cap."""
-        self.wait()
-        self.worker.close()
-        self.dev.synchronize()
-        if self._capped:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.dev.device)
-            self._capped = False
-        for a in self._arenas:
-            a.close()
-
-    def __del__(self):
+        """Apply the updates of completed steps, copy the final weights into the module's parameters, and
+        release the CPU worker, pinned host memory, the GPU memory cap and the device buffers. Idempotent,
+        and a no-op on a failed engine (already released). Gradients of an unfinished DeepSpeed-style
+        accumulation are dropped. Every later call raises EngineClosedError; ``module`` stays readable.
+        See [Note: engine lifecycle] (lifecycle.py)."""
+        if self.state in (EngineState.FAILED, EngineState.CLOSED):
+            return
         try:
-            self.worker.close()
-        except Exception:
-            pass
+            with self._call(discard_step=False):
+                self._apply_pending()
+                self._sync_host_weights()
+        finally:
+            if self.state is not EngineState.FAILED:
+                self.state = EngineState.CLOSED
+                self._resources.release()
+                self._drop_device_state()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:     # the error that ended the block is the one to see
+            log.warning("zerofit: closing the engine after %s failed too: %r", exc_type.__name__, e)
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    """Attach ``note`` to ``err``'s traceback display (Python 3.11+; a no-op before)."""
+    if hasattr(err, "add_note") and note not in getattr(err, "__notes__", ()):
+        err.add_note(note)

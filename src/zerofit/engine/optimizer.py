@@ -46,13 +46,23 @@ def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
           beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False)
 
 
+class WorkerError(RuntimeError):
+    """A task on the CPU optimizer thread raised. The update it ran may be half applied, and the
+    thread skips every later task: the engine that owns it cannot go on (see [Note: failure semantics])."""
+
+
 class HostWorker:
-    """One thread that runs host-side tasks (AdamW updates, gradient adds) in submission order."""
+    """One thread that runs host-side tasks (AdamW updates, gradient adds) in submission order.
+
+    A task that raises stops the work: the error is kept (not cleared by reading it), every later task is
+    skipped, and every :meth:`check` raises :class:`WorkerError`, so that no caller waits forever on an
+    update that will never run."""
 
     def __init__(self):
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = 0
         self._error: BaseException | None = None
+        self._stopping = False
         self.busy_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="zerofit-cpu-optimizer", daemon=True)
         self._thread.start()
@@ -65,7 +75,7 @@ class HostWorker:
                 return
             t = time.perf_counter()
             try:
-                if self._error is None:
+                if self._error is None and not self._stopping:
                     task()
             except BaseException as e:  # surfaced on the main thread by check()
                 self._error = e
@@ -80,17 +90,25 @@ class HostWorker:
         self._q.put((priority, self._seq, fn))
 
     def drain(self) -> None:
-        """Wait until every submitted task ran."""
+        """Wait until every submitted task ran (or was skipped after an error)."""
         self._q.join()
         self.check()
 
     def check(self) -> None:
         if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"the CPU optimizer thread failed: {err!r}") from err
+            raise WorkerError(f"the CPU optimizer thread failed: {self._error!r}") from self._error
 
-    def close(self) -> None:
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 60.0) -> bool:
+        """Stop the thread: it finishes the task it is running, skips the queued ones, and is joined.
+
+        Returns whether it stopped within ``timeout`` seconds. See [Note: engine lifecycle] (lifecycle.py)."""
+        self._stopping = True
         if self._thread.is_alive():
             self._seq += 1
             self._q.put((2**62, self._seq, None))
-            self._thread.join(timeout=10)
+            self._thread.join(timeout)
+        return not self._thread.is_alive()

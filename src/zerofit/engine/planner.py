@@ -95,6 +95,24 @@ class Plan:
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.host_bytes.items() if v)]
         return "\n".join(lines)
 
+    def optimizer_homes(self, num_blocks: int, device: str = "the GPU") -> str:
+        """Where the optimizer state (fp32 master weights and Adam moments) of the shell and of the blocks
+        is under this plan, in words: what the engine logs after planning."""
+        def where(on_device: bool) -> str:
+            return f"on {device}" if on_device else "in host memory (CPU AdamW)"
+
+        r = min(self.resident_blocks, num_blocks)
+        parts = [f"shell {where(self.shell_optimizer_on_device)}"]
+        if r:
+            parts.append(f"blocks 0-{r - 1} {where(True)}" if r > 1 else f"block 0 {where(True)}")
+        if r < num_blocks:
+            parts.append(f"blocks {r}-{num_blocks - 1} {where(False)}" if num_blocks - r > 1
+                         else f"block {r} {where(False)}")
+        return "optimizer state: " + "; ".join(parts)
+
+    def optimizer_on_host(self, num_blocks: int) -> bool:
+        """Whether any optimizer state lives in host memory under this plan."""
+        return not self.shell_optimizer_on_device or self.resident_blocks < num_blocks
 
 def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int) -> dict[str, int]:
     """Predicted activation memory of a block-major step with per-block recompute.

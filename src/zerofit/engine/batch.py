@@ -1,0 +1,126 @@
+"""Checks of a user's batch before a step touches anything.
+
+A bad batch found in the middle of a step costs the step's work, and on a GPU an out-of-range token id
+is worse: the embedding's device-side assert poisons the CUDA context, and nothing can run afterwards.
+These checks read only shapes, dtypes and devices, and the value range of token ids and labels that are
+still in host memory (one min/max each, on the CPU, before the upload): no device sync, no copy.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100    # the labels Hugging Face's and torch's cross-entropy skip
+
+
+class BatchError(ValueError):
+    """A micro-batch does not have the keys, shapes, dtypes, devices or values the model needs."""
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What the engine knows of the model's inputs."""
+
+    accepted: frozenset[str] | None   # the forward's keyword parameters; None: it takes **kwargs
+    vocab: int                        # token ids must be < vocab; 0 = unknown (not checked)
+    device: torch.device              # the compute device (tensors may also come from the host)
+
+    @classmethod
+    def of(cls, model: nn.Module, vocab: int, device: torch.device) -> "BatchSpec":
+        params = inspect.signature(model.forward).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            accepted = None
+        else:
+            accepted = frozenset(p.name for p in params
+                                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+        return cls(accepted, vocab, device)
+
+
+def check_micro_batches(micro_batches, spec: BatchSpec) -> None:
+    """Raise :class:`BatchError` naming the micro-batch and the field when a micro-batch is unusable."""
+    if isinstance(micro_batches, Mapping):
+        raise BatchError("train_batch takes a list of micro-batches (dicts of tensors), got one dict: "
+                         "pass [batch], or split it into gradient_accumulation_steps micro-batches")
+    if not isinstance(micro_batches, Sequence) or isinstance(micro_batches, (str, bytes)):
+        raise BatchError(f"train_batch takes a list of micro-batches (dicts of tensors), got a "
+                         f"{type(micro_batches).__name__}")
+    if not micro_batches:
+        raise BatchError("train_batch needs at least one micro-batch, got an empty list")
+    for i, mb in enumerate(micro_batches):
+        check_batch(mb, spec, f"micro-batch {i}")
+
+
+def check_batch(batch, spec: BatchSpec, where: str = "the batch") -> None:
+    """One micro-batch: a dict of tensors the model's forward accepts, with consistent shapes."""
+    if not isinstance(batch, Mapping):
+        raise BatchError(f"{where} is a {type(batch).__name__}; expected a dict of tensors "
+                         "(input_ids, labels, optional attention_mask)")
+    if not batch:
+        raise BatchError(f"{where} is an empty dict; expected input_ids (and labels to get a loss)")
+    if spec.accepted is not None:
+        unknown = sorted(k for k in batch if k not in spec.accepted)
+        if unknown:
+            raise BatchError(f"{where} has keys {unknown} that the model's forward does not take "
+                             f"(it takes {sorted(spec.accepted)}); remove them")
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu" and value.device != spec.device:
+            raise BatchError(f"{where}[{key!r}] is on {value.device}, the engine computes on {spec.device}: "
+                             "pass host tensors (the engine uploads them) or tensors on that device")
+    ids = batch.get("input_ids")
+    if ids is None:
+        return
+    shape = _token_tensor(ids, "input_ids", where)
+    if spec.vocab:
+        _check_range(ids, 0, spec.vocab, "input_ids", where, f"token ids must be in [0, {spec.vocab}) "
+                     "(the model's vocab_size)")
+    labels = batch.get("labels")
+    if labels is not None:
+        if _token_tensor(labels, "labels", where) != shape:
+            raise BatchError(f"{where}['labels'] has shape {tuple(labels.shape)}, input_ids {tuple(shape)}: "
+                             "labels must have input_ids' shape (the model shifts them itself)")
+        if spec.vocab:
+            _check_range(labels, 0, spec.vocab, "labels", where,
+                         f"labels must be token ids in [0, {spec.vocab}) or {IGNORE_INDEX} (ignored)",
+                         ignore=IGNORE_INDEX)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise BatchError(f"{where}['attention_mask'] is a {type(mask).__name__}; expected a tensor")
+        if mask.dim() < 2 or mask.shape[0] != shape[0] or mask.shape[-1] != shape[1]:
+            raise BatchError(f"{where}['attention_mask'] has shape {tuple(mask.shape)}, input_ids "
+                             f"{tuple(shape)}: expected (batch, seq) = {tuple(shape)}")
+
+
+def _token_tensor(t, key: str, where: str) -> torch.Size:
+    if not isinstance(t, torch.Tensor):
+        raise BatchError(f"{where}[{key!r}] is a {type(t).__name__}; expected a tensor of token ids")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise BatchError(f"{where}[{key!r}] has dtype {t.dtype}; expected integer token ids (torch.long)")
+    if t.dim() != 2 or t.numel() == 0:
+        raise BatchError(f"{where}[{key!r}] has shape {tuple(t.shape)}; expected (batch, seq) with both > 0")
+    return t.shape
+
+
+def _check_range(t: torch.Tensor, lo: int, hi: int, key: str, where: str, rule: str, ignore: int | None = None):
+    if t.device.type != "cpu":    # reading a device tensor's values would be a device sync: skipped
+        return
+    vmin, vmax = (int(v) for v in torch.aminmax(t))
+    if vmin < lo and ignore is not None and int((t < lo).sum()) == int((t == ignore).sum()):
+        vmin = lo                      # every value below the range is the ignored label
+    if vmin < lo or vmax >= hi:
+        outside = t[((t < lo) & (t != ignore)) if ignore is not None else (t < lo)] if vmin < lo else t[t >= hi]
+        raise BatchError(f"{where}[{key!r}] holds {int(outside[0])}: {rule}")
+
+
+def vocab_of(model: nn.Module, default: int) -> int:
+    """The number of token ids the model embeds: its input embedding's rows, else ``default``."""
+    try:
+        weight = model.get_input_embeddings().weight
+        return int(weight.shape[0])
+    except Exception:   # not a Hugging Face model, or one without a plain embedding
+        return default

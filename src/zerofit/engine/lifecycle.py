@@ -1,0 +1,174 @@
+"""The engine's lifecycle: its states, the errors of a closed or failed engine, what it must release, and
+how Ctrl-C is held back to a point where the state is consistent.
+
+[Note: engine lifecycle]
+An engine holds what Python's garbage collector does not order for it: the CPU optimizer thread,
+page-locked host memory (``cudaHostRegister``) and the process's GPU memory cap. :class:`EngineResources`
+releases them exactly once, at whichever comes first: ``engine.close()`` (or the end of a ``with``
+block), the engine being garbage collected, or the interpreter's exit. The last two go through
+``weakref.finalize``, which runs at exit from ``atexit``, while threads and CUDA still work; never
+through ``__del__``, whose order against CUDA's own teardown at shutdown is undefined.
+
+Why it matters: a daemon thread that is still inside a torch op when the interpreter finalizes is ended
+by ``pthread_exit`` as soon as it takes the GIL back (Python <= 3.13). That forced unwind crosses a C++
+``noexcept`` frame (the GIL guard's destructor in torch's bindings), and the process aborts with
+``terminate called without an active exception`` (exit status 134). After the last step of a run the
+worker is typically still applying that step's CPU updates, and after an error in a step it may be in
+the middle of any of them: hence the abort after training and after a failed ``train_batch``. Releasing
+first stops the thread (it finishes the task it is running, skips the queued ones, and is joined), waits
+for the device, and only then unpins the memory and lifts the cap.
+
+[Note: failure semantics]
+Every public call runs under ``Engine._guard``. An error there (any exception, ``KeyboardInterrupt``
+included) is handled by the state the engine was in when it happened:
+
+* ``OPEN``: nothing of the step was applied (the forward, the loss, the backward before any update, a
+  refused plan, an out-of-memory error, a non-finite gradient norm). The step's transient state is
+  dropped (its gradients, the pending micro-batch, the DeepSpeed-style micro-step count: an accumulation
+  in progress starts again, staging buffers, device slots) and the original error propagates, with a
+  note. Every weight and moment is as before the step and the engine is usable.
+* ``APPLYING``: some units already hold the new step and others not (without clipping the CPU updates
+  blocks during the backward, which is what hides its cost). AdamW cannot be undone exactly, and keeping
+  a copy to restore would cost a pass over all host state per step, so the engine becomes ``FAILED``.
+* a failure of the CPU optimizer thread (:class:`~zerofit.engine.optimizer.WorkerError`): its update may
+  be torn, and it may belong to a step that already returned: ``FAILED`` too.
+
+A ``FAILED`` engine has released its resources and raises :class:`EngineFailedError` (chained to the
+original error) from the failing call and from every later one: resume from the last checkpoint.
+
+[Note: Ctrl-C inside a step]
+During a public call from the main thread, while SIGINT has Python's default handler, the engine holds
+Ctrl-C back: the first SIGINT only sets a flag. While nothing of the step is applied, the step stops at
+its next block boundary (``Engine._safe_point``) with ``KeyboardInterrupt``, and the failure semantics
+above leave the state untouched. Once its updates began, the step runs to its end (at most the rest of
+the backward and the optimizer step), and ``KeyboardInterrupt`` is raised as the call returns: the step
+is then fully applied. A second SIGINT raises at once, wherever the step is (the engine may then fail).
+A program that installed its own SIGINT handler keeps it; what it raises goes through the same guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import signal
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from zerofit.engine.device import Device
+from zerofit.engine.optimizer import HostWorker
+from zerofit.engine.store import HostArena
+
+log = logging.getLogger("zerofit")
+
+
+class EngineState(enum.Enum):
+    """What an engine's weights and optimizer state hold, and what an error would do to them."""
+
+    OPEN = ("usable: every unit's master weights and moments hold the last applied optimizer step (updates "
+            "of that step may still be running on the CPU worker or pending on the device); the gradients of "
+            "a step in progress may be accumulating. An error drops that step and leaves the engine OPEN.")
+    APPLYING = ("an optimizer step's updates are being applied: some units may hold the new step and others "
+                "the old one. An error now leaves the engine FAILED.")
+    FAILED = ("an error interrupted APPLYING, or the CPU worker failed: weights and moments are no longer "
+              "consistent. Resources are released; every call raises EngineFailedError.")
+    CLOSED = ("close() ran: pending updates were applied and copied into the module's parameters, resources "
+              "released; every call except `module` raises EngineClosedError.")
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed: it holds no device buffers and no CPU optimizer any more."""
+
+
+class EngineFailedError(EngineClosedError):
+    """A step failed after some of its updates were applied (or the CPU optimizer thread failed): the
+    weights and optimizer state are inconsistent, and the engine refuses every call. See
+    [Note: failure semantics]."""
+
+
+def closed_message() -> str:
+    return ("this engine was closed (engine.close(), or the end of its `with` block): it holds no device "
+            "buffers and no CPU optimizer any more. Create a new one with zerofit.initialize(...) to train "
+            "again (its model keeps the final weights: engine.module is still readable)")
+
+
+def failed_message(cause: str) -> str:
+    return (f"the engine failed in the middle of an optimizer step ({cause}). That step was not applied "
+            "completely, so the weights and optimizer state are no longer consistent and this engine cannot "
+            "be used any more: create a new engine and resume from the last checkpoint")
+
+
+@dataclass
+class EngineResources:
+    """What an engine must release, held apart from the engine so that ``weakref.finalize`` can release
+    it without keeping the engine alive. See [Note: engine lifecycle]."""
+
+    device: Device
+    worker: HostWorker | None = None
+    arenas: list[HostArena] = field(default_factory=list)   # pinned host memory, unpinned on release
+    capped: bool = False                                     # set_per_process_memory_fraction applied
+    released: bool = False
+
+    def release(self) -> None:
+        """Stop the worker, wait for the device, lift the GPU cap, unpin host memory. Idempotent; never
+        raises (it runs at interpreter exit): problems are logged."""
+        if self.released:
+            return
+        self.released = True
+        if self.worker is not None and not self.worker.close():
+            log.warning("zerofit: the CPU optimizer thread did not stop within 60 s; leaving it")
+        try:
+            self.device.synchronize()   # no copy into or out of pinned memory is in flight when it is unpinned
+        except Exception as e:          # a CUDA error is sticky: what follows may fail too, and is logged
+            log.warning("zerofit: waiting for the device at release failed: %r", e)
+        if self.capped:
+            try:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device.device)
+            except Exception as e:
+                log.warning("zerofit: lifting the GPU memory cap failed: %r", e)
+            self.capped = False
+        for arena in self.arenas:
+            try:
+                arena.close()
+            except Exception as e:
+                log.warning("zerofit: unpinning %d bytes of host memory failed: %r",
+                            arena.tensor.numel() * arena.tensor.element_size(), e)
+
+
+class InterruptDeferral:
+    """Holds SIGINT back during a call, as [Note: Ctrl-C inside a step] describes."""
+
+    def __init__(self) -> None:
+        self.pending = False     # a Ctrl-C arrived during the current call and was held back
+        self._active = False
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Hold Ctrl-C back for the call; raise KeyboardInterrupt as it returns if one arrived.
+
+        Only the outermost call acts (calls nest: close() waits), only on the main thread, and only while
+        SIGINT has Python's default handler."""
+        if (self._active or threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            yield
+            return
+        self._active, self.pending = True, False
+        previous = signal.signal(signal.SIGINT, self._handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            self._active = False
+            interrupted, self.pending = self.pending, False
+        if interrupted:   # reached only when the call completed: its step is applied in full
+            raise KeyboardInterrupt("Ctrl-C during a step whose updates had begun: zerofit finished the step "
+                                    "first, so the engine is consistent")
+
+    def _handler(self, signum, frame) -> None:
+        if self.pending:
+            raise KeyboardInterrupt("second Ctrl-C: stopped at once")
+        self.pending = True
+        log.warning("zerofit: Ctrl-C: stopping at the next safe point of this step "
+                    "(press Ctrl-C again to stop at once, which may leave the engine failed)")

@@ -72,8 +72,9 @@ def test_finetune_end_to_end(workspace):
     assert (run / "checkpoints" / "latest").read_text().strip() == "global_step6"
     out = run / "model"
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
-    exported = AutoModelForCausalLM.from_pretrained(out)
-    assert next(exported.parameters()).dtype == torch.bfloat16       # the model directory's own dtype
+    assert all(t.dtype == torch.bfloat16 for t in _model_weights(out).values())   # the model directory's dtype
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert next(exported.parameters()).dtype == torch.bfloat16
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
     before = AutoModelForCausalLM.from_pretrained(model)

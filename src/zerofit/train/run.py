@@ -266,7 +266,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         if opts.export:
             out = run_dir / "model"
             t = time.perf_counter()
-            engine.save_pretrained(out, dtype=opts.export_dtype or _model_dtype(engine))
+            engine.save_pretrained(out, dtype=opts.export_dtype or _model_dtype(opts.model))
             result.export_dir = out
             console.print(f"exported the trained model to {out} in {time.perf_counter() - t:.1f} s")
         return result
@@ -276,11 +276,14 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         engine.close()
 
 
-def _model_dtype(engine) -> str:
-    """The model directory's own dtype (config.json's ``dtype``/``torch_dtype``), as bf16/fp16/fp32."""
-    cfg = getattr(engine.module, "config", None)
-    dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-    return {torch.float16: "fp16", torch.float32: "fp32", "float16": "fp16", "float32": "fp32"}.get(dt, "bf16")
+def _model_dtype(model_dir: Path) -> str:
+    """The model directory's own dtype (config.json's ``dtype``, or ``torch_dtype`` in older files), as
+    bf16/fp16/fp32 (bf16 when it names none)."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    dt = cfg.get("dtype") or cfg.get("torch_dtype")
+    return {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}.get(dt, "bf16")
 
 
 def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, data, engine, total: int,

@@ -93,7 +93,7 @@ def compare(args) -> int:
     losses = {}
     for name, path in (("initial", args.model), ("exported", straight / "model")):
         t = time.perf_counter()
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=dev)
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev)
         with torch.no_grad():
             losses[name] = float(m(input_ids=ids, labels=labels).loss)
         losses[name + "_load_s"] = round(time.perf_counter() - t, 1)

@@ -304,7 +304,9 @@ def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, dat
                   f"schedule {cfg.scheduler.type}, warm-up {cfg.scheduler.warmup_steps}; "
                   f"clipping {cfg.gradient_clipping:g}; precision {cfg.precision}")
     console.print("  " + engine.plan.describe().replace("\n", "\n  "))
-    console.print(f"  run       {opts.output} (checkpoints every {opts.save_every or 'end'} steps, keep {opts.keep})")
+    when = (f"every {opts.save_every} steps" + (" and at the end" if opts.save_at_end else "") if opts.save_every
+            else "at the end" if opts.save_at_end else "none")
+    console.print(f"  run       {opts.output} (checkpoints: {when}; keep {opts.keep})")
     notices = format_report(loaded.notices)
     if notices:
         console.print("  DeepSpeed keys zerofit maps or decides itself:\n" + notices)

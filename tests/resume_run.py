@@ -10,6 +10,7 @@ models have dropout, so the runs agree only if every generator and the data posi
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ from tests import tiny_models as tm  # noqa: E402
 from zerofit.checkpoint.state import optimizer_entries, weight_entries  # noqa: E402
 
 N, G = 3, 2
-_BASE = {"device": "cpu", "micro_batch_size": 2, "gradient_accumulation_steps": G, "gradient_clipping": 1.0,
+_BASE = {"device": os.environ.get("ZEROFIT_RESUME_DEVICE", "cpu"),   # tests/test_gpu.py runs it on cuda too
+          "micro_batch_size": 2, "gradient_accumulation_steps": G, "gradient_clipping": 1.0,
          "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
          "scheduler": {"type": "cosine", "warmup_steps": 2, "total_steps": 2 * N}}
 # name -> (model builder, precision, extra config at save, extra config at load)

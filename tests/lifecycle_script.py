@@ -17,7 +17,14 @@ zerofit are imported (a subprocess start is mostly torch's import).
 from __future__ import annotations
 
 import argparse
+import os
+import select
+import signal
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,7 @@ from torch import nn
 import zerofit
 
 VOCAB = 97
+MODES = ("return", "raise", "raise-forward", "sigint")
 
 
 class Block(nn.Module):
@@ -60,12 +68,12 @@ class LM(nn.Module):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("return", "raise", "raise-forward", "sigint"))
+    ap.add_argument("mode", choices=MODES)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     torch.manual_seed(0)
-    d, n = (1024, 8) if cuda else (512, 12)
+    d, n = (1024, 8) if cuda else (256, 16)
     model = LM(d, n)
     config = {"device": args.device, "precision": "bf16" if cuda else "fp32", "micro_batch_size": 2,
               "gradient_accumulation_steps": 2, "seq_len": 64, "optimizer": {"lr": 1e-4},
@@ -78,7 +86,7 @@ def main() -> None:
     ids = [torch.randint(0, VOCAB, (2, 64), generator=g) for _ in range(2)]
     mbs = [{"input_ids": t, "labels": t} for t in ids]
     if args.mode == "return":
-        for _ in range(3):
+        for _ in range(2):
             engine.train_batch(mbs)
         print("trained", flush=True)
         return                                  # the worker is still updating: exit status 0
@@ -96,6 +104,49 @@ def main() -> None:
     print("training", flush=True)
     while True:
         engine.train_batch(mbs)
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds_after_sigint: float | None = None
+
+
+def run_all(device: str, modes: tuple[str, ...] = MODES, timeout: float = 120.0) -> dict[str, Outcome]:
+    """Run these modes of this script at once in child processes (their start is mostly torch's import) and
+    return how each ended. The ``sigint`` child gets SIGINT shortly after it reports that it trains."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root / "src"), str(root),
+                                                                     os.environ.get("PYTHONPATH")])))
+    procs = {mode: subprocess.Popen([sys.executable, str(Path(__file__).resolve()), mode, "--device", device],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for mode in modes}
+    deadline = time.monotonic() + timeout
+    sig = procs.get("sigint")
+    first = ""
+    while sig and time.monotonic() < deadline and "training" not in first and sig.poll() is None:
+        ready, _, _ = select.select([sig.stdout], [], [], 1.0)
+        if ready:
+            first += sig.stdout.readline()
+    sent = None
+    if "training" in first:
+        time.sleep(0.3)                           # into the next step
+        sig.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+    out = {}
+    for mode in sorted(procs, key=lambda m: m != "sigint"):       # sigint first: its time after the signal
+        proc = procs[mode]
+        try:
+            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            stderr += f"\n[killed: still running after {timeout:.0f} s]"
+        after = time.monotonic() - sent if mode == "sigint" and sent is not None else None
+        out[mode] = Outcome(proc.returncode, (first if mode == "sigint" else "") + stdout, stderr, after)
+    return out
 
 
 if __name__ == "__main__":

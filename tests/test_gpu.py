@@ -164,3 +164,85 @@ def test_load_a_model_directory_on_gpu(tmp_path):
         assert torch.equal(master[n], p.detach()), n
     assert engine.train_batch(_gpu_batches(1, 1)[0]) > 0
     engine.close()
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+
+def test_training_scripts_exit_cleanly_on_gpu():
+    """RELIABILITY.md "a process ends cleanly" on the GPU: pinned memory, a memory cap, CUDA streams and the CPU
+    worker are all live when each script ends (tests/lifecycle_script.py says what each mode does)."""
+    import signal
+
+    from tests import lifecycle_script
+
+    out = lifecycle_script.run_all("cuda", timeout=300)
+    for mode, o in out.items():
+        assert "terminate called" not in o.stderr and o.returncode not in (134, -signal.SIGABRT), \
+            (mode, o.returncode, o.stderr[-3000:])
+    assert out["return"].returncode == 0, out["return"].stderr[-3000:]
+    assert out["raise"].returncode == 1 and "resume from the last checkpoint" in out["raise"].stderr
+    assert out["raise-forward"].returncode == 1 and "was not applied" in out["raise-forward"].stderr
+    o = out["sigint"]
+    assert "training" in o.stdout and o.returncode != 0 and "KeyboardInterrupt" in o.stderr, o.stderr[-3000:]
+    assert o.seconds_after_sigint is not None and o.seconds_after_sigint < 60, o.seconds_after_sigint
+
+
+def test_close_releases_pinned_memory_the_cap_and_device_buffers():
+    torch.manual_seed(0)
+    base = torch.cuda.memory_allocated()
+    engine = zerofit.initialize(tm.llama(layers=4), {"precision": "bf16", "micro_batch_size": 2,
+                                                     "gradient_accumulation_steps": 2, "max_gpu_memory": 4 << 30,
+                                                     "gradient_clipping": 1.0, "offload": {"resident_blocks": 1}})
+    arenas = list(engine._resources.arenas)
+    assert arenas and all(a.pinned for a in arenas)
+    assert torch.cuda.get_per_process_memory_fraction() < 1.0
+    for mbs in _gpu_batches(2, 2):
+        engine.train_batch(mbs)
+    with engine:
+        pass                                              # the context manager closes
+    assert not engine.worker.alive
+    assert torch.cuda.get_per_process_memory_fraction() == 1.0
+    for a in arenas:                                      # unregistered: registering the memory again works
+        assert not a.pinned
+        ptr, nbytes = a.tensor.data_ptr(), a.tensor.numel() * a.tensor.element_size()
+        assert int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    import gc
+    gc.collect()
+    assert torch.cuda.memory_allocated() - base < 16 << 20, "close() kept device buffers"
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+
+
+def test_error_in_a_step_on_gpu_leaves_state_and_training_as_before():
+    """A failure in the forward with real streams and pending assisted updates (clipping): nothing applied,
+    device slots reset; the run then tracks one that never saw the failed batch."""
+    from zerofit.engine.lifecycle import EngineState
+
+    class Boom(RuntimeError):
+        pass
+
+    def build():
+        torch.manual_seed(0)
+        return zerofit.initialize(tm.llama(layers=4), {"precision": "fp32", "micro_batch_size": 2,
+                                                      "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
+                                                      "gradient_clipping": 0.5, "offload": {"resident_blocks": 1}})
+
+    engine, clean = build(), build()
+    data = _gpu_batches(3, 2)
+    engine.train_batch(data[0])
+    before = {n: v.clone() for n, v in engine.master_state_dict().items()}
+    block = engine.adapter.blocks[2]
+    hook = block.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(Boom("injected")))
+    with pytest.raises(Boom):
+        engine.train_batch(data[1])
+    hook.remove()
+    assert engine.state is EngineState.OPEN
+    for n, v in engine.master_state_dict().items():
+        assert torch.equal(v, before[n]), n
+    engine.train_batch(data[2])
+    for mbs in (data[0], data[2]):
+        clean.train_batch(mbs)
+    a, b = engine.master_state_dict(), clean.master_state_dict()
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], msg=lambda m: f"{n}: {m}")
+    engine.close()
+    clean.close()

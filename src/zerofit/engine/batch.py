@@ -109,12 +109,18 @@ def _token_tensor(t, key: str, where: str) -> torch.Size:
 def _check_range(t: torch.Tensor, lo: int, hi: int, key: str, where: str, rule: str, ignore: int | None = None):
     if t.device.type != "cpu":    # reading a device tensor's values would be a device sync: skipped
         return
-    vmin, vmax = (int(v) for v in torch.aminmax(t))
-    if vmin < lo and ignore is not None and int((t < lo).sum()) == int((t == ignore).sum()):
-        vmin = lo                      # every value below the range is the ignored label
-    if vmin < lo or vmax >= hi:
-        outside = t[((t < lo) & (t != ignore)) if ignore is not None else (t < lo)] if vmin < lo else t[t >= hi]
-        raise BatchError(f"{where}[{key!r}] holds {int(outside[0])}: {rule}")
+    vmin, vmax = (int(v) for v in torch.aminmax(t))        # one pass
+    bad = None
+    if vmax >= hi:
+        bad = vmax
+    elif vmin < lo and vmin != ignore:
+        bad = vmin
+    elif vmin < lo:                                          # ignored labels: is anything else below the range?
+        outside = (t < lo) & (t != ignore)
+        if outside.any():
+            bad = int(t[outside][0])
+    if bad is not None:
+        raise BatchError(f"{where}[{key!r}] holds {bad}: {rule}")
 
 
 def vocab_of(model: nn.Module, default: int) -> int:

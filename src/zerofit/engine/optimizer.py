@@ -81,6 +81,7 @@ class HostWorker:
                 self._error = e
             finally:
                 self.busy_seconds += time.perf_counter() - t
+                task = None          # a done task must not keep its engine alive while the queue is idle
                 self._q.task_done()
 
     def submit(self, fn, priority: int = 0) -> None:
@@ -110,5 +111,7 @@ class HostWorker:
         if self._thread.is_alive():
             self._seq += 1
             self._q.put((2**62, self._seq, None))
+            if threading.current_thread() is self._thread:
+                return True      # the engine was collected on this thread (a task held its last reference)
             self._thread.join(timeout)
         return not self._thread.is_alive()

@@ -30,6 +30,10 @@ class Plain:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
         self.device_type = "cuda" if args.device.startswith("cuda") else "cpu"
         res.extra["optimizer"] = "torch.optim.AdamW(fused=True), fp32 params on device"
+        self.clip, self.res = args.clip, res
+        if args.clip:
+            res.extra["gradient_clipping"] = args.clip
+            res.extra["grad_norms"] = []
 
     def step(self, micro_batches):
         torch = self.torch
@@ -41,13 +45,18 @@ class Plain:
                 loss = self.model(input_ids=ids, labels=ids).loss
             (loss / g).backward()
             total += loss.detach() / g
+        if self.clip:   # global-norm clipping, as the Hugging Face Trainer does (max_grad_norm 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.res.extra["grad_norms"].append(round(float(norm), 4))   # a sync, as the Trainer's logging
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return total.item()  # sync point: the step is done on the GPU
 
 
 def main() -> int:
-    args = common.engine_args(__doc__).parse_args()
+    parser = common.engine_args(__doc__)
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (global norm); 0 = none")
+    args = parser.parse_args()
     return common.run_engine("plain", args, Plain, Plain.step, uses_cap=True)
 
 

@@ -70,6 +70,10 @@ class Zerofit:
         else:
             loss = float(self.engine.train_batch(batches))
         self.res.timeline = {k: round(float(v), 4) for k, v in self.engine.timeline().items()}
+        if hasattr(self.engine, "speculation_stats"):
+            self.res.extra["speculation"] = dict(self.engine.speculation_stats)
+        if getattr(self.engine, "last_grad_norm", None) is not None:
+            self.res.extra.setdefault("grad_norms", []).append(round(float(self.engine.last_grad_norm), 4))
         print(f"[zerofit] timeline: {self.res.timeline}", flush=True)
         if hasattr(self.engine, "memory_stats"):
             self.res.extra["memory_stats"] = self.engine.memory_stats()

@@ -144,7 +144,8 @@ _BEFORE_UPDATES = {
     "loss": (dict(phase="loss"), 0.0, _Boom),
     # the backward's first block (the last one): its update is not submitted yet
     "backward-first-block": (dict(phase="backward", block=3), 0.0, _Boom),
-    # clipping defers every update until the whole gradient is known: nothing is applied during the backward
+    # clipping without speculation defers every update until the whole gradient is known: nothing is applied
+    # during the backward (with speculation, see test_error_after_speculative_updates_rolls_them_back)
     "backward-block0-clipping": (dict(phase="backward", block=0), 1.0, _Boom),
     "out-of-memory": (dict(phase="forward", block=2, exc=torch.OutOfMemoryError), 0.0, torch.OutOfMemoryError),
     "keyboard-interrupt": (dict(phase="backward", block=2, exc=KeyboardInterrupt), 1.0, KeyboardInterrupt),
@@ -158,7 +159,8 @@ def test_error_before_any_update_leaves_everything_as_before_and_the_engine_usab
     """Weights and moments bitwise unchanged, the original error raised, and the run afterwards equals one
     that never saw the failed batch, bit for bit (so no transient state of the failed step survived)."""
     fault, clip, exc = _BEFORE_UPDATES[case]
-    model, engine, clean_model = _faulty_pair(gradient_clipping=clip)
+    no_spec = {"speculative_updates": False}
+    model, engine, clean_model = _faulty_pair(gradient_clipping=clip, offload=no_spec)
     data = tm.batches(3, G)
     _train(engine, data[0], api)
     before, params = _snapshot(engine), {n: p.clone() for n, p in engine.module.named_parameters()}
@@ -177,10 +179,43 @@ def test_error_before_any_update_leaves_everything_as_before_and_the_engine_usab
     assert any("was not applied" in note for note in getattr(err.value, "__notes__", [])), err.value
 
     _train(engine, data[2], api)
-    clean = zerofit.initialize(clean_model, _cfg(gradient_clipping=clip))
+    clean = zerofit.initialize(clean_model, _cfg(gradient_clipping=clip, offload=no_spec))
     for mbs in (data[0], data[2]):
         _train(clean, mbs, api)
     _assert_same_masters(engine, clean)
+    engine.close()
+    clean.close()
+
+
+@pytest.mark.timeout(60)
+def test_error_after_speculative_updates_rolls_them_back():
+    """[Note: speculative updates]: with clipping, blocks 3, 2, 1 are updated during the backward; an error in
+    block 0's backward rolls them back (the inverse of the update: equal to fp32 rounding, not bitwise), the
+    engine stays usable, and the run afterwards tracks one that never saw the failed batch."""
+    model, engine, clean_model = _faulty_pair(gradient_clipping=1e3)
+    data = tm.batches(3, G)
+    engine.train_batch(data[0])
+    before = _snapshot(engine)
+    model.fault.update(phase="backward", block=0)
+    with pytest.raises(_Boom):
+        engine.train_batch(data[1])
+    assert model.fault.get("hits", 0) >= 1, "the fault never fired"
+    model.fault.clear()
+    assert engine.state is EngineState.OPEN and engine.speculation_stats["rolled_back"] == 1
+    after = _snapshot(engine)
+    changed = 0
+    for (name, *a), (_, *b) in zip(before, after, strict=True):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-9, msg=lambda m: f"{name}: {m}")
+            changed += not torch.equal(x, y)
+    assert changed, "nothing was updated speculatively: the test would not see a rollback"
+    engine.train_batch(data[2])
+    clean = zerofit.initialize(clean_model, _cfg(gradient_clipping=1e3))
+    for mbs in (data[0], data[2]):
+        clean.train_batch(mbs)
+    a, b = engine.master_state_dict(), clean.master_state_dict()
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7)
     engine.close()
     clean.close()
 

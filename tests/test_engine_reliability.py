@@ -233,6 +233,7 @@ def test_fp16_trains_and_tracks_fp32_master_fp16_compute_reference():
     torch.manual_seed(0)
     model = tm.llama()
     master = copy.deepcopy(model)
+    before = tm.initial_weights(model)
     engine = zerofit.initialize(model, _fp16_cfg(initial_scale_power=10, loss_scale_window=window)
                                 | {"optimizer": {"lr": lr, "weight_decay": 0.01}})
     mbs = tm.batches(1, G)[0]                   # one fixed batch: the loss must fall
@@ -248,6 +249,7 @@ def test_fp16_trains_and_tracks_fp32_master_fp16_compute_reference():
     assert engine.skipped_steps == 0
     assert scales == ref_scales and scales[-1] > scales[0], "the scale must grow over the run"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    tm.assert_updates_close(engine, before, master, rtol=0.1)
     assert losses[-1] < losses[0] - 0.5
     engine.close()
 

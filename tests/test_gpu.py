@@ -98,6 +98,7 @@ def test_fp16_with_clipping_on_gpu_tracks_the_reference():
     torch.manual_seed(0)
     model = tm.llama(layers=4)
     master = copy.deepcopy(model).cuda()
+    before = tm.initial_weights(model)
     engine = zerofit.initialize(model, {"precision": "fp16", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
                                         "optimizer": {"lr": lr, "weight_decay": 0.01}, "gradient_clipping": 0.5,
                                         "fp16": {"initial_scale_power": 10, "loss_scale_window": window},
@@ -112,9 +113,57 @@ def test_fp16_with_clipping_on_gpu_tracks_the_reference():
                                                      DynamicLossScaler(2.0**10, window, 1.0, 2), clip=0.5)
     assert scales == ref_scales
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    tm.assert_updates_close(engine, before, master, rtol=0.1)
     assert losses[-1] < losses[0] - 0.5
     engine.close()
 
+
+def test_resume_in_a_new_process_is_bitwise_exact_on_gpu(tmp_path):
+    """tests/resume_run.py's variants on the GPU (real streams, pinned buffers, CUDA RNG): 2N steps straight
+    (saving at N) in one process, the last N steps after a load in another; every loss and the final masters,
+    moments, step counts and loss scale bitwise equal."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests import resume_run
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "ZEROFIT_RESUME_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])}
+    for mode in ("save", "resume"):
+        r = subprocess.run([sys.executable, str(root / "tests" / "resume_run.py"), mode, str(tmp_path)],
+                           capture_output=True, text=True, env=env, timeout=280)
+        assert r.returncode == 0, r.stderr[-3000:]
+    straight = torch.load(tmp_path / "save.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resume.pt", weights_only=False)
+    for name, a in straight.items():
+        b = resumed[name]
+        assert a["losses"] == b["losses"], f"{name}: losses differ after the resume"
+        for kind in ("master", "moments"):
+            diff = [k for k in a[kind] if not torch.equal(a[kind][k], b[kind][k])]
+            assert not diff, f"{name}: {kind} differ for {diff[:3]}"
+        for k in ("unit_steps", "global_step", "skipped", "scale"):
+            assert a[k] == b[k], f"{name}: {k} {a[k]} != {b[k]}"
+    assert len(straight) == len(resume_run.VARIANTS)
+
+
+def test_load_a_model_directory_on_gpu(tmp_path):
+    """Weights read from bf16 shards into pinned masters and device-resident units: exactly the files'."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = tm.llama(layers=4)
+    model.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
+    engine = zerofit.initialize(str(tmp_path), {"precision": "bf16", "micro_batch_size": 2,
+                                                "offload": {"resident_blocks": 1}})
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    master = engine.master_state_dict()
+    for n, p in ref.named_parameters():
+        assert torch.equal(master[n], p.detach()), n
+    assert engine.train_batch(_gpu_batches(1, 1)[0]) > 0
+    engine.close()
 
 # ---------------------------------------------------------------------------------------------- lifecycle
 

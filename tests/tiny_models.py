@@ -165,3 +165,21 @@ def ds_step(engine, mbs: list[dict]) -> float:
         engine.step()
         total += out.loss.item()
     return total / len(mbs)
+
+
+def initial_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 copies of the parameters (tied ones once), before training."""
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
+def assert_updates_close(engine, before: dict[str, torch.Tensor], ref: nn.Module, rtol: float) -> None:
+    """16-bit compute: each parameter's total update (final master - initial) matches the reference's within
+    ``rtol`` of the reference update's norm. Rounding in 16-bit compute moves single elements, so weights are
+    not compared elementwise; a block whose update was skipped, doubled or applied to the wrong unit is off
+    by ~100% and fails."""
+    master = engine.master_state_dict()
+    for n, p in ref.named_parameters():
+        d_ref = p.detach().float().cpu() - before[n]
+        d_eng = master[n] - before[n]
+        err = float((d_eng - d_ref).norm() / d_ref.norm().clamp_min(1e-12))
+        assert err < rtol, f"{n}: update differs from the reference by {err:.3g} of its norm (limit {rtol})"

@@ -16,7 +16,12 @@ __all__ = ["initialize", "__version__"]
 
 
 def initialize(model, config=None, **overrides):
-    """Wrap ``model`` (an ``nn.Module``) in a training engine configured by ``config``.
+    """Wrap ``model`` in a training engine configured by ``config``.
+
+    ``model`` is an ``nn.Module`` (real, or built on the meta device) or the path of a local Hugging Face
+    model directory (``config.json`` and ``*.safetensors``, sharded or not): that one is built on the meta
+    device and its weights are read tensor by tensor into the engine's own buffers, so the host never
+    holds the model twice.
 
     ``config`` may be a DeepSpeed-style dict or JSON path, a zerofit dict or a
     :class:`zerofit.config.ZerofitConfig`. Keyword ``overrides`` replace fields of

@@ -3,6 +3,7 @@
     zerofit train                 # train the embedded demo model (see zerofit.demo)
     zerofit config show ds.json   # the resolved configuration, or the error
     zerofit doctor --disk /nvme   # this machine's limits, before choosing an offload plan
+    zerofit export CKPT OUT       # a checkpoint's weights as a Hugging Face model directory
 
 Each ``train`` option maps onto one config field (or describes the run); the
 logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
@@ -30,6 +31,7 @@ config_app = typer.Typer(no_args_is_help=True, help="Read and check configuratio
 app.add_typer(config_app, name="config")
 
 EXIT_BAD_CONFIG = 2
+EXIT_INTERRUPTED = 130   # the shell's code for a process stopped by SIGINT
 
 
 class Precision(str, Enum):
@@ -46,40 +48,137 @@ def _fail(console: Console, message: str) -> None:
 
 @app.command()
 def train(
+    model: Annotated[Path | None, typer.Option(
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer) to fine-tune; "
+             "without it, the embedded demo model trains.")] = None,
+    data: Annotated[list[Path] | None, typer.Option(
+        help="Training data: .txt, .jsonl/.json, .parquet files or folders (--data a.jsonl b/ c.txt).")] = None,
+    more_data: Annotated[list[Path] | None, typer.Argument(
+        show_default=False, metavar="[PATH...]", help="More data paths (after --data).")] = None,
+    output: Annotated[Path, typer.Option(
+        help="Run folder: metrics.jsonl, tensorboard/, checkpoints/, model/ (with --model).")] = Path("runs/zerofit"),
     config: Annotated[Path | None, typer.Option(
-        help="DeepSpeed or zerofit JSON config; default: the demo's own.")] = None,
-    steps: Annotated[int, typer.Option(
-        min=1, help="Optimizer steps (scheduler.total_steps).")] = _DEFAULT.steps,
+        help="DeepSpeed or zerofit JSON config; default: the fine-tuning (or demo) defaults.")] = None,
+    steps: Annotated[int | None, typer.Option(
+        min=1, help="Optimizer steps (scheduler.total_steps); default: one epoch (demo: 250).")] = None,
+    epochs: Annotated[float | None, typer.Option(
+        min=0.0, help="Passes over the training windows, when --steps is not given (with --model).")] = None,
     micro_batch_size: Annotated[int | None, typer.Option(
-        min=1, help="Sequences per micro-batch (micro_batch_size); demo default 8.")] = None,
+        min=1, help="Sequences per micro-batch (micro_batch_size).")] = None,
     grad_accum: Annotated[int | None, typer.Option(
-        min=1, help="Micro-batches per step (gradient_accumulation_steps); demo default 1.")] = None,
-    seq_len: Annotated[int, typer.Option(
-        min=8, help="Tokens (bytes) per sequence.")] = _DEFAULT.seq_len,
-    lr: Annotated[float | None, typer.Option(
-        help="Peak learning rate (optimizer.lr); demo default 4e-3.")] = None,
+        min=1, help="Micro-batches per step (gradient_accumulation_steps).")] = None,
+    seq_len: Annotated[int | None, typer.Option(
+        min=8, help="Tokens per sequence (seq_len); default 2048 (demo: 64 bytes).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate (optimizer.lr).")] = None,
+    warmup_steps: Annotated[int | None, typer.Option(
+        min=0, help="Warm-up steps (scheduler.warmup_steps).")] = None,
     precision: Annotated[Precision | None, typer.Option(
-        help="Compute dtype (precision); demo default bf16 on a GPU, fp32 on the CPU.")] = None,
+        help="Compute dtype (precision); default bf16 on a GPU, fp32 on the CPU.")] = None,
     max_gpu_memory: Annotated[str | None, typer.Option(
         help="GPU memory budget, e.g. 24GiB (max_gpu_memory).")] = None,
+    max_host_memory: Annotated[str | None, typer.Option(
+        help="Host memory budget, e.g. 64GiB (max_host_memory).")] = None,
     device: Annotated[str, typer.Option(
         help="auto (the first GPU, else the CPU), cpu, cuda or cuda:N.")] = _DEFAULT.device,
     seed: Annotated[int | None, typer.Option(
-        min=0, help="Random seed (seed); demo default 0.")] = None,
+        min=0, help="Random seed (seed): initialisation, dropout, data order and split.")] = None,
+    eval_size: Annotated[float, typer.Option(
+        min=0.0, help="Held-out documents: a fraction (< 1) or a count (with --model).")] = 0.02,
+    eval_every: Annotated[int, typer.Option(
+        min=0, help="Evaluate on the held-out documents every N steps and at the end (with --model).")] = 0,
+    eval_windows: Annotated[int | None, typer.Option(
+        min=1, help="Evaluate at most this many held-out windows each time.")] = None,
+    save_every: Annotated[int, typer.Option(
+        min=0, help="Save a checkpoint every N steps and at the end (with --model).")] = 0,
+    keep: Annotated[int, typer.Option(min=1, help="Checkpoints kept (the newest).")] = 2,
+    save_at_end: Annotated[bool, typer.Option(help="Save a checkpoint after the last step.")] = True,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from OUTPUT/checkpoints/latest, data order included.")] = False,
+    save_on_interrupt: Annotated[bool, typer.Option(
+        help="On Ctrl-C: finish the step, save a checkpoint, exit 130.")] = True,
+    export: Annotated[bool, typer.Option(help="Export a Hugging Face model to OUTPUT/model at the end.")] = True,
+    export_dtype: Annotated[Precision | None, typer.Option(
+        help="dtype of the exported weights; default: the model directory's.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
     time_budget: Annotated[float | None, typer.Option(
-        min=0, help="No new step starts after this many seconds of training.")] = None,
+        min=0, help="Demo only: no new step starts after this many seconds of training.")] = None,
     sample_tokens: Annotated[int, typer.Option(
-        min=0, help="Bytes to generate after training; 0 skips the sample.")] = _DEFAULT.sample_tokens,
+        min=0, help="Demo only: bytes to generate after training; 0 skips the sample.")] = _DEFAULT.sample_tokens,
 ) -> None:
-    """Train the embedded demo model (a tiny Llama on Python's own source) through zerofit's engine."""
+    """Fine-tune a Hugging Face model directory on your data (--model, --data), or train the embedded demo."""
+    from zerofit.config import ConfigError
+
+    console = Console()
+    paths = list(data or []) + list(more_data or [])
+    if model is None:
+        if paths:
+            _fail(console, "--data needs --model (the model directory whose tokenizer reads it)")
+        _train_demo(console, config, steps, micro_batch_size, grad_accum, seq_len, lr, precision, max_gpu_memory,
+                    device, seed, time_budget, sample_tokens)
+        return
+    if not paths:
+        _fail(console, "--model needs --data PATH [PATH...]: the files or folders to train on")
+    from zerofit.data import DataError
+    from zerofit.models import WeightFileError
+    from zerofit.train import TrainOptions, run_training
+
+    opts = TrainOptions(
+        model=model, data=paths, output=output, config=config, steps=steps, epochs=epochs,
+        seq_len=seq_len or 2048, micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
+        warmup_steps=warmup_steps, precision=precision.value if precision else None, max_gpu_memory=max_gpu_memory,
+        max_host_memory=max_host_memory, device=device, seed=seed,
+        eval_size=int(eval_size) if eval_size >= 1 else eval_size, eval_every=eval_every, eval_windows=eval_windows,
+        save_every=save_every, keep=keep, save_at_end=save_at_end, resume=resume,
+        save_on_interrupt=save_on_interrupt, export=export, export_dtype=export_dtype.value if export_dtype else None, progress=progress)
+    try:
+        result = run_training(opts, console)
+    except (ConfigError, DataError, WeightFileError) as e:
+        _fail(console, f"{type(e).__name__}: {e}")
+    except ValueError as e:
+        if "--device" not in str(e):
+            raise
+        _fail(console, str(e))
+    _render_train_summary(result, console)
+    if result.interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _render_train_summary(result, console: Console) -> None:
+    t = Table(title="summary", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    done = f"{result.steps_done} of {result.steps_total}" + (" (interrupted)" if result.interrupted else "")
+    t.add_row("steps", done + (f", resumed at {result.start_step}" if result.start_step else ""))
+    if result.losses:
+        t.add_row("training loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+        t.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s ({result.tokens_per_step:,} tokens per step)")
+    if result.evals:
+        e = result.evals[-1]
+        t.add_row("held-out", f"loss {e['eval_loss']:.4f}, perplexity {e['eval_perplexity']:,.2f}")
+    s = result.setup
+    if s.get("load_seconds") is not None:
+        t.add_row("model load", f"{s['load_seconds']:.1f} s, host memory grew {s['load_rss_growth_bytes'] / 2**30:.2f} GiB "
+                                f"(plan {s['host_planned_bytes'] / 2**30:.2f} GiB)"
+                                + (f"; resume {s['resume_seconds']:.1f} s" if "resume_seconds" in s else ""))
+    if result.memory.get("gpu_peak_bytes"):
+        t.add_row("GPU memory peak", f"{result.memory['gpu_peak_bytes'] / 2**30:.2f} GiB")
+    t.add_row("host memory peak", f"{result.memory.get('host_peak_bytes', 0) / 2**30:.2f} GiB (process RSS)")
+    if result.checkpoints:
+        t.add_row("checkpoint", str(result.checkpoints[-1]))
+    if result.export_dir:
+        t.add_row("model", f"{result.export_dir} (AutoModelForCausalLM.from_pretrained works on it)")
+    console.print(t)
+
+
+def _train_demo(console, config, steps, micro_batch_size, grad_accum, seq_len, lr, precision, max_gpu_memory,
+                device, seed, time_budget, sample_tokens) -> None:
     from zerofit.config import ConfigError
     from zerofit.demo.report import render_start, render_summary
     from zerofit.demo.run import run_demo
 
-    console = Console()
     options = DemoOptions(
-        config=config, steps=steps, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-        seq_len=seq_len, lr=lr, precision=precision.value if precision else None,
+        config=config, steps=steps or _DEFAULT.steps, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+        seq_len=seq_len or _DEFAULT.seq_len, lr=lr, precision=precision.value if precision else None,
         max_gpu_memory=max_gpu_memory, device=device, seed=seed, time_budget=time_budget,
         sample_tokens=sample_tokens,
     )
@@ -141,6 +240,24 @@ def doctor(
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return
     _render_doctor(report, Console())
+
+
+@app.command("export")
+def export(
+    checkpoint: Annotated[Path, typer.Argument(
+        help="A checkpoint folder (save_dir/<tag>) or a save folder (its 'latest' is used).")],
+    out_dir: Annotated[Path, typer.Argument(help="Folder for the Hugging Face model (created).")],
+    dtype: Annotated[str, typer.Option(help="Weights dtype: bf16, fp16 or fp32.")] = "bf16",
+    max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB or 2GiB.")] = "5GB",
+) -> None:
+    """Write a checkpoint's weights as a Hugging Face model (config.json, sharded safetensors, tokenizer)."""
+    from zerofit.checkpoint import CheckpointError, export_checkpoint
+
+    try:
+        out = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size)
+    except (CheckpointError, ValueError) as e:
+        _fail(Console(stderr=True), f"export failed: {e}")
+    typer.echo(f"exported {checkpoint} -> {out} ({dtype})")
 
 
 def _render_doctor(report, console: Console) -> None:

@@ -346,6 +346,10 @@ class OffloadConfig(_Frozen):
     shell_optimizer: Literal["auto", "device", "host"] = "auto"
     """where the optimizer of the shell (embeddings, final norm, head) runs; auto = the planner decides
     (the device when it fits: the shell's gradient is complete only at the end of the backward)"""
+    speculative_updates: bool = True
+    """with gradient clipping (bf16/fp32): update host blocks during the backward as if unclipped, and roll
+    them back and update again in the rare step that the global norm then clips (zerofit/engine/speculation.py);
+    after a clipped step the next one waits for the norm instead"""
 
     @field_validator("nvme_path")
     @classmethod

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from zerofit.engine.lifecycle import EngineLifecycle, EngineState
 from zerofit.engine.optimizer import HostWorker, Hyper, adamw_flat
 from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, PlanError, make_plan, placement_warnings
+from zerofit.engine.speculation import Speculation, adamw_rollback
 from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState, assisted_unit
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,19 +79,29 @@ class Engine(EngineLifecycle):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
     @classmethod
-    def create(cls, model: nn.Module, config=None, **overrides) -> "Engine":
+    def create(cls, model, config=None, **overrides) -> "Engine":
+        """``model``: an ``nn.Module`` (real or on the meta device) or the path of a Hugging Face model
+        directory, built on the meta device and filled from its safetensors files (zerofit.models)."""
         from zerofit.config import load_config
 
-        loaded = load_config(config, **overrides)
+        loaded = load_config(config, **overrides)   # a bad config fails before any file is read
+        source = None
+        if isinstance(model, (str, os.PathLike)):
+            from zerofit.models import ModelDir
+
+            source = ModelDir.open(model)
+            model = source.build_meta()
         if loaded.notices:
             from zerofit.config import format_report
 
             logging.getLogger("zerofit").warning("configuration notes:\n%s", format_report(loaded.notices))
-        return cls(model, loaded.config, report=loaded.report)
+        return cls(model, loaded.config, report=loaded.report, source=source)
 
     def __init__(self, model: nn.Module, config: ZerofitConfig, report=(), device: torch.device | str | None = None,
-                 adapter: str | None = None):
+                 adapter: str | None = None, source=None):
         self.config = config
+        self.source_dir = source.path if source is not None else None   # the model directory it was loaded from
+        self._source = source
         self.report = list(report)
         self.dtype = _DTYPES[config.precision]
         want = str(device) if device is not None else config.device
@@ -108,6 +120,13 @@ class Engine(EngineLifecycle):
         # makes every host update wait for it (deferred updates)
         self._needs_norm = config.gradient_clipping > 0 or config.precision == "fp16"
         self.deferred = self._needs_norm
+        # [Note: speculative updates] (speculation.py): clipping without fp16 may update during the backward
+        self._can_speculate = (config.gradient_clipping > 0 and config.precision != "fp16"
+                               and config.offload.speculative_updates
+                               and Speculation.usable(*config.optimizer.betas))
+        self._speculate_next = True       # the last step was not clipped (or there was none)
+        self._spec: Speculation | None = None
+        self.speculation_stats = {"held": 0, "rolled_back": 0, "waited": 0}   # steps by outcome
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
         self.global_step = 0
         self.skipped_steps = 0
@@ -190,7 +209,9 @@ class Engine(EngineLifecycle):
         """Materialize the units (materialize.py), then the device slots and pinned gradient buffers."""
         plan, cb = self.plan, self.dtype
         pinned = self.dev.is_cuda and self.config.offload.pin_memory
-        self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned)
+        self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned,
+                                         source=self._source)
+        self._source = None   # the files are read: keep only their folder (source_dir)
         self._arenas.extend(arenas)
         self.shell, self.blocks = self.units[0], self.units[1:]
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
@@ -214,6 +235,9 @@ class Engine(EngineLifecycle):
             self._staging = [a.take(scap) for _ in range(plan.staging_buffers)]
         self._staging_free = list(range(len(self._staging)))
         self._staging_cv = threading.Condition()
+        # (L,) fp64 host: each block's squared gradient norm, downloaded with its gradient (speculation)
+        self._block_sq = torch.zeros(max(len(self.blocks), 1), dtype=torch.float64,
+                                     pin_memory=pinned and self._can_speculate)
         if self.deferred and host_units:
             a = HostArena(sum(u.numel for u in host_units), torch.float32, pinned)
             self._arenas.append(a)
@@ -535,6 +559,10 @@ class Engine(EngineLifecycle):
             self.dev.wait(self.dev.download, ev_compute)
             with self.dev.timed("download", self.dev.download, unit.name):
                 dst.narrow(0, 0, unit.numel).copy_(grad, non_blocking=True)
+                speculate = fresh_host and self._spec is not None and unit.index >= 0
+                if speculate:
+                    self._block_sq[unit.index:unit.index + 1].copy_(self._sq_norms[id(unit)].view(1),
+                                                                    non_blocking=True)
             done = self.dev.record(self.dev.download)
         if unit.grad_slot is not None:
             unit.grad_slot.free_event = done
@@ -545,6 +573,9 @@ class Engine(EngineLifecycle):
         if self.deferred:
             if not fresh_host:   # DeepSpeed-style accumulation across micro-steps
                 self.worker.submit(self._task_add(host, dst, done))
+            elif speculate:      # [Note: speculative updates]
+                unit.updated.clear()
+                self.worker.submit(self._task_speculate(unit, self._spec, done, self._hyper()), unit.index)
         else:
             self._begin_applying()   # this block is updated now, while the backward goes on
             unit.updated.clear()
@@ -586,6 +617,37 @@ class Engine(EngineLifecycle):
             adamw_flat(unit.master, g, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
             if release:
                 self._give_staging(grad)
+            unit.updated.set()
+        return run
+
+    def _task_speculate(self, unit: Unit, spec: Speculation, event, hyper: Hyper):
+        """[Note: speculative updates]: update with factor 1 unless the partial norm already proves clipping.
+        The unit stays not ``updated`` until its settle task has run: only that one decides what the master is."""
+        def run():
+            event.synchronize()
+            if spec.admit(float(self._block_sq[unit.index])):
+                adamw_flat(unit.master, self._host_grads[id(unit)], unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
+                spec.speculated.add(id(unit))
+        return run
+
+    def _task_settle(self, unit: Unit, spec: Speculation, event, hyper: Hyper, factor: float | None):
+        """After a speculative backward, once the norm is known (``factor``: the gradient's factor, None for a
+        non-finite norm): keep a speculative update, redo it with the true factor, roll it back, or (for a
+        block the worker did not speculate on) apply the deferred update. Runs after the block's
+        speculation task (same priority, submitted later)."""
+        def run():
+            event.synchronize()
+            grad = self._host_grads[id(unit)]
+            held = id(unit) in spec.speculated
+            if held and factor == 1.0:
+                pass
+            else:
+                if held:
+                    adamw_rollback(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
+                if factor is not None:
+                    if factor != 1.0:
+                        grad.mul_(factor)
+                    adamw_flat(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
             unit.updated.set()
         return run
 
@@ -634,7 +696,8 @@ class Engine(EngineLifecycle):
         # the shell's gradient is complete only now: send it down if its optimizer is on the host
         if self._shell_host_opt and not self.shell.grad_fresh:
             self._unit_grads_done(self.shell)
-        if self.deferred:
+        spec, self._spec = self._spec, None
+        if self.deferred and spec is None:
             self.worker.drain()        # host-side accumulations are done
         if self._needs_norm:
             sq = [torch.linalg.vector_norm(u.grad, dtype=torch.float64) ** 2 for u in device_units]
@@ -651,6 +714,9 @@ class Engine(EngineLifecycle):
                 elif not math.isfinite(total):
                     raise FloatingPointError(f"gradient norm is {total} at step {self.global_step}")
             except Exception:
+                if spec is not None:     # undo the speculative updates: the step is not applied
+                    self._settle(spec, host_units, hyper, None)
+                    self.worker.drain()
                 self._discard_grads(host_units)    # a caller that goes on starts from clean gradients
                 raise
             norm = total / scale
@@ -661,6 +727,7 @@ class Engine(EngineLifecycle):
                 coef = clip / (norm + 1e-6)
                 if coef < 1.0:
                     factor *= coef
+            self._speculate_next = factor == 1.0 / scale    # [Note: speculative updates]: after a clipped step, wait
         for u in host_units:
             u.host_grad_fresh = True
         if skip:
@@ -678,7 +745,9 @@ class Engine(EngineLifecycle):
             u.grad_fresh = True
         if device_units:
             self._mirror_stale = True
-        if self.deferred:
+        if spec is not None:
+            self._settle(spec, host_units, hyper, factor)
+        elif self.deferred:
             ev = self.dev.record(self.dev.download)
             for u in host_units:          # forward order: the next forward needs block 0 first
                 if self._assisted(u):     # [Note: assisted updates]
@@ -691,6 +760,18 @@ class Engine(EngineLifecycle):
             self.shell.dirty = True
         return True
 
+    def _settle(self, spec: Speculation, host_units: list[Unit], hyper: Hyper, factor: float | None) -> None:
+        """Queue each host unit's settle task (see _task_settle) and decide whether the next step speculates."""
+        clipped = factor != 1.0
+        if clipped:
+            with spec.lock:      # speculation tasks still queued need not update only to be rolled back
+                spec.abandoned = True
+        ev = self.dev.record(self.dev.download)
+        for u in host_units:
+            u.updated.clear()
+            self.worker.submit(self._task_settle(u, spec, ev, hyper, factor), u.index)
+        self.speculation_stats["rolled_back" if clipped else "held"] += 1
+
     # ------------------------------------------------------------------ the step's side of failures
     # The state machine is EngineLifecycle's (lifecycle.py); these are the hooks it calls.
 
@@ -698,6 +779,10 @@ class Engine(EngineLifecycle):
         """Drop everything of the step in progress, none of which was applied ([Note: failure semantics])."""
         self.worker.drain()          # earlier steps' updates and this step's adds finish (or WorkerError)
         self._reset_transfers()
+        spec, self._spec = self._spec, None
+        if spec is not None:         # [Note: speculative updates]: undo what the worker updated early
+            self._settle(spec, [u for u in self.units if not u.optimizer_on_device], self._hyper(), None)
+            self.worker.drain()
         self._pending = None
         self._micro_steps = 0
         self._discard_grads([u for u in self.units if not u.optimizer_on_device])
@@ -838,6 +923,11 @@ class Engine(EngineLifecycle):
 
     def _train_batch(self, micro_batches: list[dict]) -> float:
         self._ensure_plan(micro_batches)
+        if self._can_speculate and self.adapter.streaming:
+            if self._speculate_next:
+                self._spec = Speculation(self.config.gradient_clipping ** 2)
+            else:
+                self.speculation_stats["waited"] += 1
         t0 = time.perf_counter()
         self._timeline = {}
         busy0 = self.worker.busy_seconds
@@ -1015,6 +1105,28 @@ class Engine(EngineLifecycle):
                 for n, v in u.layout.views(u.master).items():
                     out[prefix + n] = v.detach().to("cpu", copy=True)
         return out
+
+    # checkpoints and export: thin delegates to zerofit.checkpoint (docs/checkpoints.md)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+        """DeepSpeed's save_checkpoint: the whole training state in ``save_dir/<tag>`` (default
+        ``global_step{N}``), written atomically, then ``latest`` names it. Returns the folder."""
+        from zerofit.checkpoint.state import save
+
+        return str(save(self, save_dir, tag, client_state, save_latest))
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True):
+        """DeepSpeed's load_checkpoint: ``(path, client_state)``; ``(None, None)`` with a warning when
+        ``tag`` is None and ``load_dir`` has no ``latest``."""
+        from zerofit.checkpoint.state import load
+
+        return load(self, load_dir, tag, load_optimizer_states)
+
+    def save_pretrained(self, out_dir, dtype="bf16", max_shard_size="5GB") -> str:
+        """The current weights as a Hugging Face model directory, streamed tensor by tensor."""
+        from zerofit.checkpoint.export import save_pretrained
+
+        return str(save_pretrained(self, out_dir, dtype, max_shard_size))
 
     def memory_stats(self) -> dict[str, int]:
         self._note_host()

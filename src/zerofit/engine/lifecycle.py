@@ -26,9 +26,11 @@ included) is handled by the state the engine was in when it happened:
   refused plan, an out-of-memory error, a non-finite gradient norm). The step's transient state is
   dropped (its gradients, the pending micro-batch, the DeepSpeed-style micro-step count: an accumulation
   in progress starts again, staging buffers, device slots) and the original error propagates, with a
-  note. Every weight and moment is as before the step and the engine is usable.
+  note. Every weight and moment is as before the step and the engine is usable: bitwise, except after
+  speculative updates (clipping, [Note: speculative updates] in speculation.py), which the discard rolls
+  back algebraically, to fp32 rounding.
 * ``APPLYING``: some units already hold the new step and others not (without clipping the CPU updates
-  blocks during the backward, which is what hides its cost). AdamW cannot be undone exactly, and keeping
+  blocks during the backward, which is what hides its cost). AdamW cannot be undone bitwise, and keeping
   a copy to restore would cost a pass over all host state per step, so the engine becomes ``FAILED``.
 * a failure of the CPU optimizer thread (:class:`~zerofit.engine.optimizer.WorkerError`): its update may
   be torn, and it may belong to a step that already returned: ``FAILED`` too.
@@ -69,8 +71,9 @@ class EngineState(enum.Enum):
     """What an engine's weights and optimizer state hold, and what an error would do to them."""
 
     OPEN = ("usable: every unit's master weights and moments hold the last applied optimizer step (updates "
-            "of that step may still be running on the CPU worker or pending on the device); the gradients of "
-            "a step in progress may be accumulating. An error drops that step and leaves the engine OPEN.")
+            "of that step may still be running on the CPU worker or pending on the device; blocks of the step "
+            "in progress may hold a speculative update, which a discard rolls back); the gradients of a step "
+            "in progress may be accumulating. An error drops that step and leaves the engine OPEN.")
     APPLYING = ("an optimizer step's updates are being applied: some units may hold the new step and others "
                 "the old one. An error now leaves the engine FAILED.")
     FAILED = ("an error interrupted APPLYING, or the CPU worker failed: weights and moments are no longer "

@@ -1,14 +1,17 @@
 """Materialization: the model's parameters become the store's flat buffers, one unit at a time.
 
-The model may be real (its tensors are copied once, then released) or built on
+The model may be real (its tensors are copied once, then released), built on
 the meta device (each unit is created and initialized on the compute device,
-copied to its home, and released before the next): host memory never holds the
-model twice. Afterwards the module's own parameters are views of the units'
+copied to its home, and released before the next), or built on the meta device
+with its weights in a model directory (each tensor is read from its safetensors
+file straight into the unit's buffer: [Note: one tensor's worth] in
+zerofit/models/safetensors.py): host memory never holds the model twice. Afterwards the module's own parameters are views of the units'
 fp32 host weights, so ``engine.module`` is the model with its current weights.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -72,11 +75,14 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelS
 
 
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
-                compute_dtype: torch.dtype, pinned: bool) -> tuple[list[Unit], list[HostArena]]:
-    """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them."""
+                compute_dtype: torch.dtype, pinned: bool, source=None) -> tuple[list[Unit], list[HostArena]]:
+    """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them.
+
+    ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model."""
     canon = table.canonical
     meta = any(p.is_meta for p in canon.values())
     init_device = dev if meta else None
+    fds: dict = {}
     L = adapter.num_blocks
     homes = [Home.RESIDENT] + [Home.RESIDENT if i < plan.resident_blocks else Home.STREAMED for i in range(L)]
     opt_on_dev = [plan.shell_optimizer_on_device] + [i < plan.resident_blocks for i in range(L)]
@@ -101,13 +107,17 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         prefix = "" if idx == 0 else adapter.block_prefix(idx - 1) + "."
         rel = FlatLayout(tuple(n[len(prefix):] for n in layout.names), layout.shapes, layout.offsets, layout.numel)
         unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
-        values = _unit_values(model, adapter, idx, names, init_device)
         if on_dev:
             master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
         else:
             master = arena.take(layout.numel)              # (numel,) fp32, pinned host: the upload source
-        _fill(master, values)
-        del values
+        if source is not None:
+            _init_buffers(model, adapter, idx, init_device)
+            _read_unit(source, table, names, layout.views(master), fds)
+        else:
+            values = _unit_values(model, adapter, idx, names, init_device)
+            _fill(master, values)
+            del values
         unit.master = master
         if assisted[idx]:
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel).zero_(), arena.take(layout.numel).zero_()
@@ -135,7 +145,36 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         root = model if idx == 0 else adapter.blocks[idx - 1]
         unit.buffers = _unit_buffers(adapter, root, idx == 0, dev)
         units.append(unit)
+    for fd in fds.values():
+        os.close(fd)
     return units, [arena] if arena else []
+
+
+def _read_unit(source, table: ParamTable, names: list[str], views: dict[str, torch.Tensor], fds: dict) -> None:
+    """Fill the unit's master from the model directory, one tensor at a time (any alias of a tied weight)."""
+    from zerofit.models.directory import load_tensor
+
+    for n in names:
+        load_tensor(source, table.aliases[n], views[n], fds)
+
+
+def _init_buffers(model: nn.Module, adapter: Adapter, idx: int, init_device: torch.device) -> None:
+    """Weights come from files: only the unit's meta *buffers* (rotary tables...) need creating and
+    initializing, by the model's own ``_init_weights`` on the modules that own them (on still-meta
+    parameters that init is a no-op)."""
+    root = model if idx == 0 else adapter.blocks[idx - 1]
+    mods = list(root.modules()) if idx > 0 else _shell_modules(model, adapter)
+    init = getattr(model, "_init_weights", None)
+    for m in mods:
+        meta_bufs = [bn for bn, b in m._buffers.items() if b is not None and b.is_meta]
+        for bn in meta_bufs:
+            b = m._buffers[bn]
+            m._buffers[bn] = torch.empty(b.shape, dtype=b.dtype, device=init_device)
+        if meta_bufs:
+            if init is not None:
+                init(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
 
 
 def _unit_values(model: nn.Module, adapter: Adapter, idx: int, names: list[str],

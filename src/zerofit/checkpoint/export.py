@@ -1,0 +1,97 @@
+"""A Hugging Face model directory out: from a live engine (``engine.save_pretrained``) or from a
+checkpoint folder alone (``zerofit export CHECKPOINT OUT``).
+
+Both stream one tensor at a time: from the engine's fp32 masters (device-resident
+ones copied to the host in chunks, cast on the host) or from the checkpoint's
+weight shards (one tensor read, cast, written, freed), so neither the GPU nor a
+second whole copy on the host is ever needed. The layout is ``save_pretrained``'s:
+``model.safetensors``, or ``model-0000k-of-0000N.safetensors`` and
+``model.safetensors.index.json`` written after them; ``config.json`` with the
+exported dtype; ``generation_config.json`` and tokenizer files when known. Tied
+parameters appear once, under their first name, as Hugging Face writes them.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from zerofit.checkpoint.commit import verify
+from zerofit.checkpoint.durable import disk_bytes, free_bytes, write_file
+from zerofit.checkpoint.errors import CheckpointDiskFullError, CheckpointNotFoundError, MissingFileError
+from zerofit.checkpoint.format import Entry, index_bytes, plan_shards, read_tensor, write_shards
+from zerofit.checkpoint.load import locate, open_checkpoint, shard_files
+from zerofit.checkpoint.model_files import CONFIG, model_side_files, with_dtype
+from zerofit.checkpoint.save import WEIGHTS_INDEX, SideFile
+from zerofit.config.schema import parse_bytes
+
+MODEL_INDEX = "model.safetensors.index.json"
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+_STALE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+
+
+def export_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"export dtype {dtype!r}: expected one of bf16, fp16, fp32")
+
+
+def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype = "bf16",
+                    max_shard_size: int | str = "5GB", workers: int = 4) -> Path:
+    """The engine's current weights as a Hugging Face model directory (see the module docstring)."""
+    from zerofit.checkpoint.state import weight_entries
+
+    dt = export_dtype(dtype)
+    engine.wait()
+    engine.dev.synchronize()
+    side = model_side_files(engine._model, getattr(engine, "source_dir", None), dt)
+    return write_model_dir(Path(out_dir), weight_entries(engine, dt), side, parse_bytes(max_shard_size), workers)
+
+
+def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | torch.dtype = "bf16",
+                      max_shard_size: int | str = "5GB", workers: int = 4) -> Path:
+    """Export a checkpoint's weights as a Hugging Face model directory. ``checkpoint`` is a tag folder or a
+    save folder (its ``latest`` is used). Only the weight shards are read (and verified), never the moments."""
+    dt = export_dtype(dtype)
+    opened = open_checkpoint(checkpoint, None)
+    if opened is None:
+        raise CheckpointNotFoundError(f"{checkpoint}: neither a checkpoint folder nor a folder with a 'latest' file")
+    folder, record = opened
+    model_files = list(record.state.get("model_files", []))
+    if CONFIG not in model_files:
+        raise MissingFileError(folder / CONFIG, "this checkpoint has no Hugging Face config.json (the model was not "
+                                                "a transformers model), so it cannot be exported as one")
+    files = shard_files(folder, record, WEIGHTS_INDEX)
+    verify(folder, record, [WEIGHTS_INDEX, *files, *model_files], workers)
+    found = locate(folder, files, WEIGHTS_INDEX)
+    order = sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1].begin))
+    entries = [Entry(name, info.shape, dt, fetch=partial(read_tensor, folder / f, info)) for name, (f, info) in order]
+    side = [SideFile(n, with_dtype((folder / n).read_bytes(), dt) if n == CONFIG else (folder / n).read_bytes())
+            for n in model_files]
+    return write_model_dir(Path(out_dir), entries, side, parse_bytes(max_shard_size), workers)
+
+
+def write_model_dir(out: Path, entries: list[Entry], side: list[SideFile], max_shard_bytes: int,
+                    workers: int = 4) -> Path:
+    """Shards, then the index (when sharded), then the side files. Earlier model shards in ``out`` are removed
+    first (as ``save_pretrained`` does), so a shard of another export never mixes in."""
+    shards = plan_shards(entries, "model", max_shard_bytes, single="model.safetensors")
+    small = ([SideFile(MODEL_INDEX, index_bytes(shards))] if len(shards) > 1 else []) + side
+    out.mkdir(parents=True, exist_ok=True)
+    needed = disk_bytes([s.size for s in shards] + [len(f.data) for f in small], out)
+    free = free_bytes(out)
+    if needed > free:
+        raise CheckpointDiskFullError(out, needed, free, "for the export")
+    for p in out.iterdir():
+        if _STALE.match(p.name) or p.name in {f.name for f in side}:
+            p.unlink()
+    write_shards(out, shards, workers)
+    for f in small:
+        write_file(out / f.name, f.data)
+    return out

@@ -1,0 +1,254 @@
+"""The engine <-> checkpoint glue: which tensors an engine's training state is, and how a loaded state
+becomes a consistent engine again.
+
+The checkpoint names tensors by the model's canonical parameter names (the first
+name of tied parameters), never by unit, slot or device: a unit's flat buffers are
+cut at its layout's offsets. So the files are the same whatever the placement
+(resident blocks, where the shell's optimizer runs, later the number of GPUs), and a
+checkpoint saved under one plan loads under any other.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from zerofit.checkpoint import rng
+from zerofit.checkpoint.errors import (CheckpointMismatchError, CheckpointStateError, EngineStateLostError,
+                                       MissingFileError)
+from zerofit.checkpoint.format import Entry
+from zerofit.checkpoint.load import copy_into, locate, match, open_checkpoint, shard_files
+from zerofit.checkpoint.commit import verify
+from zerofit.checkpoint.model_files import model_side_files
+from zerofit.checkpoint.save import (DEFAULT_SHARD_BYTES, OPTIMIZER_INDEX, WEIGHTS_INDEX, Content, SideFile,
+                                     write_checkpoint)
+
+log = logging.getLogger("zerofit")
+
+CLIENT_STATE = "client_state.pt"
+ZEROFIT_CONFIG = "zerofit_config.json"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# config fields whose change breaks an exact resume (a warning, not an error: changing them can be intended)
+_RESUME_FIELDS = ("precision", "optimizer", "scheduler", "gradient_clipping", "fp16", "micro_batch_size",
+                  "gradient_accumulation_steps")
+
+
+def _named_units(engine):
+    """(unit, name prefix) in execution order: the shell (no prefix), then block i (``adapter.block_prefix(i).``)."""
+    return [(u, "" if u.index < 0 else engine.adapter.block_prefix(u.index) + ".") for u in engine.units]
+
+
+def weight_entries(engine, dtype: torch.dtype = torch.float32) -> list[Entry]:
+    """The fp32 master weights, one entry per canonical parameter, pointing into the units' buffers."""
+    return [Entry(p + n, tuple(s), dtype, u.master, o)
+            for u, p in _named_units(engine) for n, s, o in zip(u.layout.names, u.layout.shapes, u.layout.offsets)]
+
+
+def optimizer_entries(engine) -> list[Entry]:
+    """``<param>.exp_avg`` then ``<param>.exp_avg_sq`` per unit: each unit's moments go out as two long runs."""
+    return [Entry(f"{p}{n}.{m}", tuple(s), torch.float32, getattr(u, m), o)
+            for u, p in _named_units(engine) for m in MOMENTS
+            for n, s, o in zip(u.layout.names, u.layout.shapes, u.layout.offsets)]
+
+
+def _refuse_mid_step(engine, action: str) -> None:
+    if engine._micro_steps or engine._pending is not None:
+        raise CheckpointStateError(
+            f"cannot {action} in the middle of a gradient accumulation ({engine._micro_steps} micro-batches since "
+            "the last optimizer step, forward pending: "
+            f"{engine._pending is not None}): the accumulated gradients are not part of a checkpoint. "
+            "Call it after engine.step() has taken the optimizer step (engine.is_gradient_accumulation_boundary()).")
+
+
+def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dict | None = None,
+         save_latest: bool = True, max_shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 4) -> Path:
+    """Write the engine's whole training state as ``save_dir/<tag>`` (see docs/checkpoints.md)."""
+    _refuse_mid_step(engine, "save a checkpoint")
+    tag = tag if tag is not None else f"global_step{engine.global_step}"
+    engine.wait()
+    engine.dev.synchronize()
+    buf = io.BytesIO()
+    torch.save(client_state if client_state is not None else {}, buf)
+    model = engine._model
+    hf = model_side_files(model, getattr(engine, "source_dir", None), torch.float32)
+    side = [SideFile(CLIENT_STATE, buf.getvalue()),
+            SideFile(ZEROFIT_CONFIG, json.dumps(engine.config.model_dump(mode="json"), indent=2).encode())] + hf
+    weights = weight_entries(engine)
+    state = {
+        "global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
+        "unit_steps": {u.name: int(u.step.item()) for u in engine.units},
+        "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "rng": rng.capture(engine.dev.device if engine.dev.is_cuda else None),
+        "precision": engine.config.precision, "model_class": type(model).__name__,
+        "parameters": {"tensors": len(weights), "numel": sum(e.numel for e in weights)},
+        "placement": {"resident_blocks": engine.plan.resident_blocks,
+                      "shell_optimizer_on_device": engine.plan.shell_optimizer_on_device,
+                      "device": str(engine.dev.device)},
+        "model_files": [f.name for f in hf],
+        # [Note: speculative updates] (engine/speculation.py): whether the next step speculates depends on
+        # whether the last one was clipped, and a speculated-then-redone update differs in rounding
+        "speculate_next": getattr(engine, "_speculate_next", None),
+    }
+    from zerofit import __version__
+    state["zerofit_version"] = __version__
+    content = Content(tag, weights, optimizer_entries(engine), side, state)
+    t = time.perf_counter()
+    with torch.profiler.record_function("zerofit::checkpoint.save"):
+        folder = write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers)
+    s = time.perf_counter() - t
+    nbytes = sum(f.stat().st_size for f in folder.iterdir())
+    log.info("saved %s: %.1f MB in %.2f s (%.0f MB/s)", folder, nbytes / 1e6, s, nbytes / 1e6 / max(s, 1e-9))
+    return folder
+
+
+def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_states: bool = True,
+         workers: int = 4) -> tuple[str | None, dict | None]:
+    """Load a checkpoint into the engine; ``(path, client_state)``, or ``(None, None)`` with a warning when
+    ``tag`` is None and ``load_dir`` has no ``latest``. See [Note: verify before copying] (load.py)."""
+    _refuse_mid_step(engine, "load a checkpoint")
+    opened = open_checkpoint(load_dir, tag)
+    if opened is None:
+        log.warning("%s: no 'latest' file, so no checkpoint to load; training starts from the current state. "
+                    "Pass tag=... to load a specific one.", load_dir)
+        return None, None
+    folder, record = opened
+    st = record.state
+    indexes = [WEIGHTS_INDEX] + ([OPTIMIZER_INDEX] if load_optimizer_states else [])
+    if load_optimizer_states and record.file(OPTIMIZER_INDEX) is None:
+        raise MissingFileError(folder / OPTIMIZER_INDEX, "this checkpoint has no optimizer state; load it with "
+                                                         "load_optimizer_states=False")
+    files = {ix: shard_files(folder, record, ix) for ix in indexes}
+    side = [n for n in (CLIENT_STATE, ZEROFIT_CONFIG) if record.file(n) is not None]
+    verify(folder, record, [f for ix in indexes for f in [ix, *files[ix]]] + side, workers)
+    expected_w = {p + n: (tuple(s), torch.float32) for u, p in _named_units(engine)
+                  for n, s in zip(u.layout.names, u.layout.shapes)}
+    found = locate(folder, files[WEIGHTS_INDEX], WEIGHTS_INDEX)
+    match(found, expected_w, folder, "weight")
+    targets = {e.name: e.base[e.offset:e.offset + e.numel] for e in weight_entries(engine)}
+    if load_optimizer_states:
+        opt = locate(folder, files[OPTIMIZER_INDEX], OPTIMIZER_INDEX)
+        match(opt, {f"{n}.{m}": v for n, v in expected_w.items() for m in MOMENTS}, folder, "optimizer")
+        targets.update({e.name: e.base[e.offset:e.offset + e.numel] for e in optimizer_entries(engine)})
+        found = {**found, **opt}
+        units = {u.name for u in engine.units}
+        if set(st["unit_steps"]) != units:
+            raise CheckpointMismatchError(f"{folder}: optimizer step counts for units {sorted(st['unit_steps'])}, "
+                                          f"this engine has {sorted(units)}")
+    _check_scaler(engine, st.get("scaler"), folder)
+    _warn_config_changes(engine, folder)
+    client_state = torch.load(io.BytesIO((folder / CLIENT_STATE).read_bytes()), weights_only=False)
+    # nothing has been written into the engine so far; from here on a failure must not go unnoticed
+    engine.wait()
+    engine.dev.synchronize()
+    try:
+        with torch.profiler.record_function("zerofit::checkpoint.load"):
+            copy_into(folder, record, found, targets, workers)
+        if load_optimizer_states:
+            for u in engine.units:
+                u.step.fill_(float(st["unit_steps"][u.name]))
+        refresh_after_load(engine)
+    except BaseException as e:
+        _make_unusable(engine, f"loading {folder} failed after tensors were copied into the engine ({e}); its "
+                               "weights are partly from the checkpoint: build a new engine and load again")
+        raise EngineStateLostError(str(engine.worker.message)) from e
+    engine.global_step = int(st["global_step"])
+    engine.skipped_steps = int(st["skipped_steps"])
+    if st.get("speculate_next") is not None and hasattr(engine, "_speculate_next"):
+        engine._speculate_next = bool(st["speculate_next"])
+    if engine.scaler is not None and st.get("scaler") is not None:
+        engine.scaler.load_state_dict(st["scaler"])
+    rng.restore(st["rng"], engine.dev.device if engine.dev.is_cuda else None)
+    return str(folder), client_state
+
+
+def refresh_after_load(engine) -> None:
+    """[Note: engine consistency after a load]
+    A load writes only ``master``, ``exp_avg``, ``exp_avg_sq`` (and ``step``). Every other copy of the
+    weights is derived from ``master`` and must follow, or the next step computes with the old weights:
+    - device-optimized units: ``dev16`` is re-cast from ``master`` (unless it *is* master, fp32 on the
+      device), and the host mirror ``host`` re-copied (unless it is master, on the CPU);
+      ``engine._mirror_stale`` is then false;
+    - a host-optimized resident shell is marked ``dirty``: the next forward uploads it (``_refresh_shell``);
+      any other resident host-optimized unit is re-cast at once;
+    - streamed units drop their device slot (state ON_HOST, the slot's tenant None): the next forward
+      uploads them from ``master``;
+    - gradient state restarts: ``grad_fresh`` and ``host_grad_fresh`` true (the next write copies),
+      resident gradients zeroed, partial squared norms dropped, no pending assisted update.
+    The caller ran ``engine.wait()`` before writing (no CPU or assisted update in flight)."""
+    from zerofit.engine.store import Home, WeightState
+
+    for u in engine.units:
+        if u.optimizer_on_device:
+            if u.dev16 is not None and u.dev16 is not u.master:
+                u.dev16.copy_(u.master)
+            if u.host is not None and u.host is not u.master:
+                u.host.copy_(u.master)
+        elif u.home is Home.RESIDENT:
+            if u is engine.shell:
+                u.dirty = True
+            else:
+                u.dev16.copy_(u.master)
+        if u.home is Home.STREAMED:
+            u.state, u.slot, u.ready_event = WeightState.ON_HOST, None, None
+        if u.home is Home.RESIDENT and u.grad is not None:
+            u.grad.zero_()
+        u.grad_fresh = u.host_grad_fresh = True
+        u.pending_update, u.master_event = None, None
+    for pool in (engine.weight_pool, engine.grad_pool):
+        for slot in pool.slots if pool is not None else ():
+            slot.tenant = None
+    engine._sq_norms.clear()
+    engine._mirror_stale = False
+    engine.dev.synchronize()
+
+
+class _Unusable:
+    """Stands in for the engine's worker after a failed load: every use of the engine raises."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name):
+        raise EngineStateLostError(self.message)
+
+
+def _make_unusable(engine, message: str) -> None:
+    """[Note: a failed load poisons the engine] train_batch, forward, step, wait and module all go
+    through ``engine.worker`` first; replacing it makes each raise :class:`EngineStateLostError`."""
+    try:
+        engine.worker.close()
+    finally:
+        engine.worker = _Unusable(message)
+
+
+def _check_scaler(engine, saved: dict | None, folder: Path) -> None:
+    if engine.scaler is None or saved is None:
+        if (engine.scaler is None) != (saved is None):
+            log.warning("%s: saved with precision %s, loaded with %s: the fp16 loss scaler state is %s", folder,
+                        "fp16" if saved else "not fp16", engine.config.precision,
+                        "ignored" if saved else "fresh")
+        return
+    kind = engine.scaler.state_dict()["kind"]
+    if saved.get("kind") != kind:
+        raise CheckpointMismatchError(f"{folder}: the checkpoint's fp16 loss scaler is {saved.get('kind')!r}, "
+                                      f"this engine's is {kind!r} (fp16.loss_scale differs)")
+
+
+def _warn_config_changes(engine, folder: Path) -> None:
+    path = folder / ZEROFIT_CONFIG
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_bytes())
+    now = engine.config.model_dump(mode="json")
+    changed = [k for k in _RESUME_FIELDS if saved.get(k) != now.get(k)]
+    if changed:
+        log.warning("%s: saved with a different %s; the run continues with the new settings, so it will not "
+                    "match an uninterrupted one exactly", folder, ", ".join(changed))

@@ -1,0 +1,71 @@
+"""Held-out loss and perplexity over packed windows, for any model behind a loss function.
+
+    result = evaluate(data.eval, lambda batch: engine(**batch).loss, micro_batch_size=8)
+    result.loss, result.perplexity, result.tokens
+
+``loss_fn(micro_batch)`` gets a dict ``{"input_ids", "labels"}`` (``(B, T)`` int64, on the host: move it where
+the model lives) and returns the *mean* loss over that micro-batch's target tokens, as a Hugging Face causal LM's
+``output.loss`` is (labels shifted inside the model, ``-100`` ignored). :func:`evaluate` weights each micro-batch
+by its number of targets, so the result is the mean over every target token of the set, whatever the batching:
+``exp`` of it is the perplexity. It runs ``loss_fn`` under ``torch.no_grad()``; putting the model in eval mode
+is the caller's (``engine.eval()``, ``model.eval()``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from zerofit.data.packing import IGNORE_INDEX, PackedDataset
+
+LossFn = Callable[[dict[str, torch.Tensor]], torch.Tensor | float]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float  # mean cross-entropy per target token (nats)
+    perplexity: float  # exp(loss)
+    tokens: int  # target tokens scored
+    windows: int
+
+
+def count_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens a causal LM scores in ``batch``: labels other than -100 after the model's shift by one."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def model_loss_fn(model: torch.nn.Module) -> LossFn:
+    """``loss_fn`` for a plain Hugging Face causal LM: a forward on the model's own device, its ``.loss``."""
+    def loss_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        device = next(model.parameters()).device
+        return model(**{k: v.to(device) for k, v in batch.items()}).loss
+    return loss_fn
+
+
+@torch.no_grad()
+def evaluate(data: PackedDataset, loss_fn: LossFn, micro_batch_size: int,
+             max_windows: int | None = None) -> EvalResult:
+    """Token-weighted mean loss of ``loss_fn`` over the windows of ``data`` in order (the first ``max_windows``)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be at least 1, found {micro_batch_size}")
+    n = len(data) if max_windows is None else min(len(data), max_windows)
+    total, tokens = 0.0, 0
+    for start in range(0, n, micro_batch_size):
+        stop = min(start + micro_batch_size, n)
+        batch = data.batch(range(start, stop))
+        k = count_targets(batch)
+        if k == 0:
+            continue  # nothing scored; a model would return nan for it
+        loss = float(loss_fn(batch))
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss_fn returned {loss} on eval windows {start}..{stop - 1}")
+        total += loss * k
+        tokens += k
+    if tokens == 0:
+        raise ValueError(f"no target token in the {n} evaluation windows")
+    mean = total / tokens
+    perplexity = math.exp(mean) if mean < 700 else math.inf  # exp overflows a float past ~709
+    return EvalResult(loss=mean, perplexity=perplexity, tokens=tokens, windows=n)

@@ -1,0 +1,102 @@
+"""Documents packed back to back into windows of ``seq_len`` tokens for causal-LM training.
+
+Hugging Face's convention: ``labels`` are aligned with ``input_ids`` and the model shifts them itself (the
+logits at position ``t`` are scored against ``labels[t + 1]``); ``-100`` means no loss. So in a window the label
+at position 0 is never scored, and a token is predicted only from the tokens before it *in the same window*.
+
+[Note: packed targets] The documents form one stream ``s_0 .. s_{N-1}`` with a target flag per token. Window
+``k`` covers ``s[k(T-1) : k(T-1)+T]``: consecutive windows overlap by one token, so the last token of a window is
+the first (context only) of the next. Every stream position ``i >= 1`` then sits at a position ``>= 1`` of
+exactly one window, where it is scored if it is a target: every target of the stream is a prediction target
+exactly once, and nothing is dropped (the last window is padded with ``pad_id``, label ``-100``; right padding
+under causal attention changes nothing before it). The first token of each document is never a target: what
+precedes it in the stream is another document. Tokens do attend across document boundaries inside a window
+(as with Hugging Face's ``group_texts`` and Megatron's packing); no attention mask is emitted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from zerofit.data.encode import Document
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, eq=False)
+class PackedDataset:
+    """Windows of ``seq_len`` tokens over a packed token stream (see [Note: packed targets]).
+
+    ``len(ds)`` windows; ``ds.batch(indices)`` gives one micro-batch. Held as the stream itself (5 bytes a token),
+    windows are cut on demand.
+    """
+
+    stream: torch.Tensor  # (W*(T-1)+1,) int32, host: documents back to back, then pad_id
+    targets: torch.Tensor  # (W*(T-1)+1,) bool, host: True where the stream token is a prediction target
+    seq_len: int  # T
+    pad_id: int
+    num_tokens: int  # N: tokens of the documents (the rest of ``stream`` is padding)
+    num_documents: int
+
+    def __post_init__(self) -> None:
+        n = len(self) * (self.seq_len - 1) + 1 if self.num_tokens > 1 else self.num_tokens
+        if self.stream.shape != (n,) or self.targets.shape != (n,):
+            raise ValueError(f"stream {tuple(self.stream.shape)} and targets {tuple(self.targets.shape)} must be"
+                             f" ({n},) for {self.num_tokens} tokens in windows of {self.seq_len}")
+
+    def __len__(self) -> int:
+        return 0 if self.num_tokens < 2 else -(-(self.num_tokens - 1) // (self.seq_len - 1))
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Tokens scored over all windows (each target once; the stream's first token never is)."""
+        return int(self.targets[1:].sum())
+
+    def batch(self, indices: Sequence[int] | torch.Tensor) -> dict[str, torch.Tensor]:
+        """Windows ``indices`` as one micro-batch ``{"input_ids", "labels"}``, each ``(B, T)`` int64."""
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)  # (B,)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
+            raise IndexError(f"window index out of range 0..{len(self) - 1}: {idx.tolist()}")
+        pos = idx[:, None] * (self.seq_len - 1) + torch.arange(self.seq_len)  # (B, T) stream positions
+        ids = self.stream[pos].long()  # (B, T) int64
+        labels = torch.where(self.targets[pos], ids, IGNORE_INDEX)  # (B, T) int64
+        labels[:, 0] = IGNORE_INDEX  # context only: scored as the last token of the window before
+        return {"input_ids": ids, "labels": labels}
+
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+        """Window ``k``: ``{"input_ids", "labels"}``, each ``(T,)`` int64."""
+        return {name: t[0] for name, t in self.batch([k]).items()}
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hash of the windows' content: a resumed loader checks it is fed the same data."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(np.asarray([self.seq_len, self.pad_id, self.num_tokens], dtype=np.int64).tobytes())
+        h.update(self.stream.numpy().tobytes())
+        h.update(self.targets.numpy().tobytes())
+        return h.hexdigest()
+
+
+def pack(documents: Sequence[Document], seq_len: int, pad_id: int) -> PackedDataset:
+    """``documents`` in the order given, back to back, cut into windows (see [Note: packed targets])."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2 (a token and the one it predicts), found {seq_len}")
+    lengths = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
+    n = int(lengths.sum())
+    windows = 0 if n < 2 else -(-(n - 1) // (seq_len - 1))
+    total = windows * (seq_len - 1) + 1 if n >= 2 else n
+    stream = np.full(total, pad_id, dtype=np.int32)  # (total,) int32
+    targets = np.zeros(total, dtype=bool)  # (total,) bool
+    if documents:
+        stream[:n] = np.concatenate([d.input_ids for d in documents])
+        targets[:n] = np.concatenate([d.targets for d in documents])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        targets[starts[lengths > 0]] = False  # a document's first token: its context is another document
+    return PackedDataset(torch.from_numpy(stream), torch.from_numpy(targets), seq_len, int(pad_id), n,
+                         len(documents))

@@ -1,0 +1,96 @@
+"""Speculative host updates under global-norm clipping: update first, validate when the norm is known.
+
+[Note: speculative updates]
+Clipping by the global gradient norm needs every gradient before any update,
+so without speculation every host update waits for the end of the backward
+(deferred updates, engine.py) and can only overlap the next forward. With
+speculation (SuperOffload's speculation-then-validation) the CPU worker updates
+each streamed block as soon as its gradient is on the host, during the backward,
+as if the clipping coefficient were 1:
+
+* the block's squared gradient norm comes down with its gradient (a pinned
+  fp64 scalar per block); the worker keeps the running sum, and stops
+  speculating for the rest of the step as soon as that partial sum alone proves
+  the step will be clipped (or is not finite): those blocks then wait for the
+  norm as deferred updates do;
+* when the global norm is known: if the coefficient is 1 (no clipping), the
+  speculative updates *are* the step, bitwise the same as a deferred update
+  with factor 1; otherwise each speculated block is rolled back
+  (:func:`adamw_rollback`, the exact algebraic inverse of the fused AdamW step,
+  in fp32: the restored state differs from the old one by rounding only) and
+  updated again with the true factor. A non-finite norm rolls them back too.
+
+Speculation pays when clipping is rare (fine-tuning after the first steps);
+it costs a wasted update and a rollback pass when it is not, so the engine
+speculates only after a step that was not clipped (and on the first step).
+fp16 never speculates: its overflow steps must leave the state bitwise as it
+was, which a rollback cannot promise.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from zerofit.engine.optimizer import Hyper
+
+_CHUNK = 1 << 22   # elements per rollback chunk: bounds the temporaries to a few 16 MiB buffers
+
+
+@torch.no_grad()
+def adamw_rollback(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   step: torch.Tensor, h: Hyper) -> None:
+    """Undo one ``adamw_flat`` step (in place, ``step`` decremented), given the gradient it used.
+
+    The fused step (torch's ``_fused_adamw_``, ADAMW mode) computes, with ``s`` the incremented step::
+
+        p1 = p0 * (1 - lr*wd) - (lr / bc1) * m1 / (sqrt(v1) / sqrt(bc2) + eps)
+        m1 = m0 + (1 - b1) * (g - m0)          v1 = b2 * v0 + (1 - b2) * g * g
+
+    with ``bc1 = 1 - b1**s``, ``bc2 = 1 - b2**s``. Solved for ``p0, m0, v0`` (``v0`` clamped at 0 against
+    rounding)."""
+    s = float(step.item())
+    bc1, bc2 = 1.0 - h.beta1 ** s, 1.0 - h.beta2 ** s
+    step_size, bc2_sqrt, decay = h.lr / bc1, math.sqrt(bc2), 1.0 - h.lr * h.weight_decay
+    n = master.numel()
+    for a in range(0, n, _CHUNK):
+        p, m, v, g = (t[a:a + _CHUNK] for t in (master, exp_avg, exp_avg_sq, grad))
+        denom = v.sqrt().div_(bc2_sqrt).add_(h.eps)
+        p.addcdiv_(m, denom, value=step_size)
+        if decay != 1.0:
+            p.div_(decay)
+        m.sub_(g, alpha=1.0 - h.beta1).div_(h.beta1)
+        v.addcmul_(g, g, value=-(1.0 - h.beta2)).div_(h.beta2).clamp_(min=0.0)
+    step.sub_(1)
+
+
+@dataclass
+class Speculation:
+    """One step's speculation: which blocks the worker updated early, and whether it gave up.
+
+    Written by the worker thread (``record``) and read by the main thread only after ``worker.drain()``."""
+
+    clip_sq: float                                   # gradient_clipping ** 2
+    partial: float = 0.0                             # sum of the squared norms seen so far (worker thread)
+    abandoned: bool = False                          # the partial sum proved clipping (or was not finite)
+    speculated: set[int] = field(default_factory=set)  # id() of the units updated with factor 1
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def admit(self, sq: float) -> bool:
+        """Add a block's squared norm; True if its update may still go ahead with factor 1."""
+        with self.lock:
+            if self.abandoned:
+                return False
+            self.partial += sq
+            if not math.isfinite(self.partial) or self.partial > self.clip_sq:
+                self.abandoned = True
+                return False
+            return True
+
+    @staticmethod
+    def usable(beta1: float, beta2: float) -> bool:
+        """The rollback divides by beta1 and beta2."""
+        return beta1 > 0.0 and beta2 > 0.0

@@ -1,0 +1,165 @@
+"""A Hugging Face model directory on local disk: its config, its weight files, its tokenizer files.
+
+    md = ModelDir.open("path/to/Llama-2-7b-hf")   # reads config.json and the safetensors headers only
+    model = md.build_meta()                        # the model's own class, every parameter on the meta device
+    engine = zerofit.initialize("path/to/Llama-2-7b-hf", config)   # the same, then weights stream in
+
+Nothing is downloaded: the path must exist. The weights are read later, one
+tensor at a time, by the engine's materialization (see [Note: one tensor's
+worth] in :mod:`zerofit.models.safetensors`). Every error names the file and,
+where there is one, the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from zerofit.models.safetensors import TensorInfo, WeightFileError, read_header, read_into
+
+__all__ = ["ModelDir", "ModelDirError", "WeightFileError", "TOKENIZER_FILES"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# what a tokenizer and generation defaults need, copied into checkpoints and exports
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+class ModelDirError(WeightFileError):
+    """The model directory cannot be used: missing, incomplete, or of an architecture zerofit cannot build."""
+
+
+@dataclass
+class ModelDir:
+    """A local Hugging Face causal-LM directory: ``config.json`` and safetensors weights (sharded or not)."""
+
+    path: Path
+    config: object                                   # transformers.PretrainedConfig
+    weights: dict[str, TensorInfo] = field(repr=False)  # every tensor of every weight file, by name
+    prefix: str = ""     # the model class's base_model_prefix: some checkpoints store names without it
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "ModelDir":
+        p = Path(path).expanduser()
+        if not p.is_dir():
+            what = "is a file, not a model directory" if p.exists() else "does not exist"
+            raise ModelDirError(f"{p}: {what} (expected a folder with config.json and *.safetensors)")
+        if not (p / "config.json").is_file():
+            raise ModelDirError(f"{p / 'config.json'}: no such file: {p} is not a Hugging Face model directory")
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(p, local_files_only=True)
+        except (ValueError, KeyError, OSError) as e:
+            raise ModelDirError(f"{p / 'config.json'}: cannot read the model configuration: {e}") from None
+        return cls(p, config, _weight_table(p))
+
+    # ------------------------------------------------------------------ the model
+
+    def model_class(self) -> type:
+        """The causal-LM class named by config.json (``architectures``, else its ``model_type``)."""
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        names = list(getattr(self.config, "architectures", None) or [])
+        for name in names:
+            cls = getattr(transformers, name, None)
+            if isinstance(cls, type) and issubclass(cls, nn.Module):
+                return cls
+        try:
+            return AutoModelForCausalLM._model_mapping[type(self.config)]
+        except KeyError:
+            pass
+        raise ModelDirError(
+            f"{self.path / 'config.json'}: unknown architecture {names or '(none)'} of model_type "
+            f"{getattr(self.config, 'model_type', None)!r}: transformers {transformers.__version__} has no causal-LM "
+            "class for it")
+
+    def build_meta(self) -> nn.Module:
+        """The model with every parameter on the meta device (no memory), fp32, ready for the engine."""
+        cls = self.model_class()
+        self.prefix = getattr(cls, "base_model_prefix", "") or ""
+        with torch.device("meta"):
+            return cls._from_config(self.config, dtype=torch.float32) if hasattr(cls, "_from_config") \
+                else cls(self.config)
+
+    # ------------------------------------------------------------------ the weights
+
+    def tensor(self, names: list[str]) -> TensorInfo:
+        """The stored tensor for a parameter known by any of ``names`` (tied weights have several). Hugging
+        Face checkpoints sometimes store names without (or with) the base model's prefix: try both."""
+        prefix = self.prefix
+        for n in names:
+            for cand in (n, n.removeprefix(prefix + ".") if prefix else n, f"{prefix}.{n}" if prefix else n):
+                if cand in self.weights:
+                    return self.weights[cand]
+        files = sorted({str(i.file.name) for i in self.weights.values()})
+        raise ModelDirError(f"{self.path}: tensor {names[0]!r} is not in any weight file "
+                            f"({', '.join(files)}); the files do not match config.json")
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+
+
+def _weight_table(p: Path) -> dict[str, TensorInfo]:
+    """Read the index (or find the single file) and every file's header; check the index against the files."""
+    index = p / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelDirError(f"{index}: malformed index ({e!r})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (p / f).is_file()]
+        if missing:
+            example = next(n for n, f in weight_map.items() if f == missing[0])
+            raise ModelDirError(f"{p / missing[0]}: missing shard (listed in {INDEX}, holds tensor {example!r}"
+                                f"{f' and {len(missing) - 1} more files' if len(missing) > 1 else ''})")
+    elif (p / SINGLE).is_file():
+        files, weight_map = [SINGLE], None
+    else:
+        files = sorted(f.name for f in p.glob("*.safetensors"))
+        weight_map = None
+        if not files:
+            other = sorted(f.name for f in p.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+            hint = (f" (found {', '.join(other)}: convert them to safetensors, e.g. load with transformers and "
+                    "save_pretrained)") if other else ""
+            raise ModelDirError(f"{p}: no {SINGLE}, {INDEX} or *.safetensors file{hint}")
+    table: dict[str, TensorInfo] = {}
+    for f in files:
+        infos, _ = read_header(p / f)
+        for name, info in infos.items():
+            if weight_map is not None and weight_map.get(name) != f:
+                continue   # the index decides which file holds a name
+            table[name] = info
+    if weight_map is not None:
+        absent = [n for n in weight_map if n not in table]
+        if absent:
+            raise ModelDirError(f"{p / weight_map[absent[0]]}: tensor {absent[0]!r} listed in {INDEX} "
+                                "is not in that file")
+    return table
+
+
+def load_tensor(md: ModelDir, names: list[str], dst: torch.Tensor, fds: dict | None = None) -> None:
+    """Read the parameter known as ``names`` into ``dst`` (any dtype/device), checking its shape.
+    ``fds``: open file descriptors by path, reused across calls (the caller closes them)."""
+    info = md.tensor(names)
+    if tuple(info.shape) != tuple(dst.shape):
+        raise ModelDirError(f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the model built "
+                            f"from config.json expects {list(dst.shape)}")
+    if info.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ModelDirError(f"{info.file}: tensor {info.name!r} is {info.dtype}: zerofit trains from fp32, bf16 "
+                            "or fp16 weights (dequantize first)")
+    fd = None
+    if fds is not None:
+        fd = fds.get(info.file)
+        if fd is None:
+            fd = fds[info.file] = os.open(info.file, os.O_RDONLY)
+    read_into(info, dst, fd)

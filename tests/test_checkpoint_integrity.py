@@ -250,9 +250,12 @@ def test_a_failure_after_copying_started_makes_the_engine_unusable(tmp_path, mon
     target = _engine(steps=1)
     with pytest.raises(EngineStateLostError, match="partly from the checkpoint"):
         target.load_checkpoint(tmp_path)
+    from zerofit.engine.lifecycle import EngineFailedError, EngineState
+
+    assert target.state is EngineState.FAILED
     for use in (lambda: target.train_batch(tm.batches(1, G)[0]), lambda: target.module,
-                lambda: target(**tm.batches(1, G)[0][0])):
-        with pytest.raises(EngineStateLostError):
+                lambda: target(**tm.batches(1, G)[0][0]), lambda: target.save_checkpoint(tmp_path / "other")):
+        with pytest.raises(EngineFailedError, match="partly from the checkpoint"):
             use()
 
 

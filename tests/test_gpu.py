@@ -121,7 +121,7 @@ def test_fp16_with_clipping_on_gpu_tracks_the_reference():
 def test_resume_in_a_new_process_is_bitwise_exact_on_gpu(tmp_path):
     """tests/resume_run.py's variants on the GPU (real streams, pinned buffers, CUDA RNG): 2N steps straight
     (saving at N) in one process, the last N steps after a load in another; every loss and the final masters,
-    moments, step counts and loss scale bitwise equal."""
+    moments, step counts and loss scale bitwise equal (the placement variant: see below)."""
     import os
     import subprocess
     import sys
@@ -140,12 +140,20 @@ def test_resume_in_a_new_process_is_bitwise_exact_on_gpu(tmp_path):
     resumed = torch.load(tmp_path / "resume.pt", weights_only=False)
     for name, a in straight.items():
         b = resumed[name]
+        for k in ("unit_steps", "global_step", "skipped", "scale"):
+            assert a[k] == b[k], f"{name}: {k} {a[k]} != {b[k]}"
+        if name == "placement":
+            # resumed with block 0 and the shell updated by the CPU's AdamW instead of the GPU's: the same math
+            # in other kernels, so equal to fp32 rounding only (bitwise on the CPU, where both are the CPU's)
+            torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-5, atol=0)
+            for kind in ("master", "moments"):
+                for k in a[kind]:
+                    torch.testing.assert_close(b[kind][k], a[kind][k], rtol=1e-4, atol=1e-7)
+            continue
         assert a["losses"] == b["losses"], f"{name}: losses differ after the resume"
         for kind in ("master", "moments"):
             diff = [k for k in a[kind] if not torch.equal(a[kind][k], b[kind][k])]
             assert not diff, f"{name}: {kind} differ for {diff[:3]}"
-        for k in ("unit_steps", "global_step", "skipped", "scale"):
-            assert a[k] == b[k], f"{name}: {k} {a[k]} != {b[k]}"
     assert len(straight) == len(resume_run.VARIANTS)
 
 

@@ -153,9 +153,12 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
                 u.step.fill_(float(st["unit_steps"][u.name]))
         refresh_after_load(engine)
     except BaseException as e:
-        _make_unusable(engine, f"loading {folder} failed after tensors were copied into the engine ({e}); its "
-                               "weights are partly from the checkpoint: build a new engine and load again")
-        raise EngineStateLostError(str(engine.worker.message)) from e
+        # [Note: a failed load fails the engine]: its weights are partly from the checkpoint; the engine's
+        # FAILED state (engine/lifecycle.py) makes every later call raise, naming this cause
+        lost = EngineStateLostError(f"loading {folder} failed after tensors were copied into the engine ({e}); its "
+                                    "weights are partly from the checkpoint: build a new engine and load again")
+        engine._fail(lost)
+        raise lost from e
     engine.global_step = int(st["global_step"])
     engine.skipped_steps = int(st["skipped_steps"])
     if st.get("speculate_next") is not None and hasattr(engine, "_speculate_next"):
@@ -205,28 +208,6 @@ def refresh_after_load(engine) -> None:
     engine._sq_norms.clear()
     engine._mirror_stale = False
     engine.dev.synchronize()
-
-
-class _Unusable:
-    """Stands in for the engine's worker after a failed load: every use of the engine raises."""
-
-    def __init__(self, message: str):
-        self.message = message
-
-    def close(self) -> None:
-        pass
-
-    def __getattr__(self, name):
-        raise EngineStateLostError(self.message)
-
-
-def _make_unusable(engine, message: str) -> None:
-    """[Note: a failed load poisons the engine] train_batch, forward, step, wait and module all go
-    through ``engine.worker`` first; replacing it makes each raise :class:`EngineStateLostError`."""
-    try:
-        engine.worker.close()
-    finally:
-        engine.worker = _Unusable(message)
 
 
 def _check_scaler(engine, saved: dict | None, folder: Path) -> None:

@@ -51,6 +51,7 @@ from zerofit.engine.planner import BatchShape, ModelShape, Plan, PlanError, make
 from zerofit.engine.speculation import Speculation, adamw_rollback
 from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState, assisted_unit
 
+_SPECULATE_FIRST = -(2**40)   # worker priority of speculation tasks ([Note: speculative updates])
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger("zerofit")
 
@@ -575,7 +576,9 @@ class Engine(EngineLifecycle):
                 self.worker.submit(self._task_add(host, dst, done))
             elif speculate:      # [Note: speculative updates]
                 unit.updated.clear()
-                self.worker.submit(self._task_speculate(unit, self._spec, done, self._hyper()), unit.index)
+                # FIFO, ahead of every other task: the partial norm sums in backward order, so which blocks
+                # are speculated depends on the data only, never on the worker's timing (bitwise reproducible)
+                self.worker.submit(self._task_speculate(unit, self._spec, done, self._hyper()), _SPECULATE_FIRST)
         else:
             self._begin_applying()   # this block is updated now, while the backward goes on
             unit.updated.clear()
@@ -763,9 +766,6 @@ class Engine(EngineLifecycle):
     def _settle(self, spec: Speculation, host_units: list[Unit], hyper: Hyper, factor: float | None) -> None:
         """Queue each host unit's settle task (see _task_settle) and decide whether the next step speculates."""
         clipped = factor != 1.0
-        if clipped:
-            with spec.lock:      # speculation tasks still queued need not update only to be rolled back
-                spec.abandoned = True
         ev = self.dev.record(self.dev.download)
         for u in host_units:
             u.updated.clear()

@@ -12,7 +12,11 @@ as if the clipping coefficient were 1:
   fp64 scalar per block); the worker keeps the running sum, and stops
   speculating for the rest of the step as soon as that partial sum alone proves
   the step will be clipped (or is not finite): those blocks then wait for the
-  norm as deferred updates do;
+  norm as deferred updates do. Speculation tasks run first-in first-out, ahead
+  of every other worker task, so the sum runs in backward order and the set of
+  speculated blocks depends on the data alone, never on timing: a rolled-back
+  block differs from a directly updated one by rounding, and runs must repeat
+  bitwise (resume, tests);
 * when the global norm is known: if the coefficient is 1 (no clipping), the
   speculative updates *are* the step, bitwise the same as a deferred update
   with factor 1; otherwise each speculated block is rolled back

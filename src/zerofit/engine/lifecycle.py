@@ -19,8 +19,8 @@ first stops the thread (it finishes the task it is running, skips the queued one
 for the device, and only then unpins the memory and lifts the cap.
 
 [Note: failure semantics]
-Every public call runs under ``Engine._guard``. An error there (any exception, ``KeyboardInterrupt``
-included) is handled by the state the engine was in when it happened:
+Every public call runs under ``EngineLifecycle._guard``. An error there (any exception,
+``KeyboardInterrupt`` included) is handled by the state the engine was in when it happened:
 
 * ``OPEN``: nothing of the step was applied (the forward, the loss, the backward before any update, a
   refused plan, an out-of-memory error, a non-finite gradient norm). The step's transient state is
@@ -36,7 +36,8 @@ included) is handled by the state the engine was in when it happened:
   be torn, and it may belong to a step that already returned: ``FAILED`` too.
 
 A ``FAILED`` engine has released its resources and raises :class:`EngineFailedError` (chained to the
-original error) from the failing call and from every later one: resume from the last checkpoint.
+original error) from the failing call and from every later one: resume from the last checkpoint. (A
+checkpoint load that fails after it began copying fails the engine the same way, through ``_fail``.)
 
 [Note: Ctrl-C inside a step]
 During a public call from the main thread, while SIGINT has Python's default handler, the engine holds
@@ -99,9 +100,10 @@ def closed_message() -> str:
 
 
 def failed_message(cause: str) -> str:
-    return (f"the engine failed in the middle of an optimizer step ({cause}). That step was not applied "
-            "completely, so the weights and optimizer state are no longer consistent and this engine cannot "
-            "be used any more: create a new engine and resume from the last checkpoint")
+    return (f"the engine failed ({cause}) while it was changing its weights and optimizer state (an optimizer "
+            "step, or a checkpoint load), which are now applied only in part: that step was not applied "
+            "completely, and this engine cannot be used any more. Create a new engine and resume from the last "
+            "checkpoint")
 
 
 @dataclass

@@ -238,8 +238,10 @@ def test_error_in_a_step_on_gpu_leaves_state_and_training_as_before():
     data = _gpu_batches(3, 2)
     engine.train_batch(data[0])
     before = {n: v.clone() for n, v in engine.master_state_dict().items()}
-    block = engine.adapter.blocks[2]
-    hook = block.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(Boom("injected")))
+    def boom(module, args):
+        raise Boom("injected in block 2's forward")
+
+    hook = engine.adapter.blocks[2].register_forward_pre_hook(boom)
     with pytest.raises(Boom):
         engine.train_batch(data[1])
     hook.remove()

@@ -9,7 +9,7 @@
 set -u
 part=$1 w=$2 dir=$3 out=$4
 args=(--model "$dir/model" --data "$dir/data" --config "$dir/config.json" --max-gpu-memory 24GiB --seq-len 2048
-      --eval-size 4 --eval-windows 4 --no-progress)
+      --eval-size 4 --eval-windows 4 --no-progress --deterministic)
 zf() { python3 -m zerofit.cli "$@"; }
 if [ "$part" = part1 ]; then
   nproc; free -g | head -2; df -h "$(dirname "$dir")" | tail -1

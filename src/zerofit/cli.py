@@ -100,6 +100,8 @@ def train(
     export_dtype: Annotated[Precision | None, typer.Option(
         help="dtype of the exported weights; default: the model directory's.")] = None,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    deterministic: Annotated[bool, typer.Option(
+        "--deterministic", help="Deterministic GPU kernels: runs and resumes repeat bitwise (slower).")] = False,
     time_budget: Annotated[float | None, typer.Option(
         min=0, help="Demo only: no new step starts after this many seconds of training.")] = None,
     sample_tokens: Annotated[int, typer.Option(

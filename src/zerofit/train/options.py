@@ -41,3 +41,4 @@ class TrainOptions:
     export_dtype: str | None = None              # bf16, fp16, fp32; None: the dtype of the model directory
     tensorboard: bool = True                     # TensorBoard event files in output/tensorboard
     progress: bool = True                        # the progress bar (off in logs and tests)
+    deterministic: bool = False                  # deterministic kernels: runs and resumes repeat bitwise on a GPU

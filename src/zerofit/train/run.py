@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -164,6 +165,13 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     from zerofit.optim.schedules import lr_at
 
     console = console or Console()
+    if opts.deterministic:
+        # [Note: bitwise runs on a GPU] Some CUDA kernels accumulate with atomics (the embedding's backward, some
+        # attention backwards) and cuBLAS picks workspaces per stream: two runs (or a run and its resume) then
+        # differ in the last bits. Deterministic algorithms (and a fixed cuBLAS workspace, which must be set
+        # before cuBLAS starts) make them repeat bitwise, at some speed. On the CPU runs repeat without it.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     device = resolve_device(opts.device)
     loaded = resolve_config(opts, device)
     cfg = loaded.config

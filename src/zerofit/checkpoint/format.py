@@ -28,12 +28,9 @@ import torch
 
 from zerofit.checkpoint.durable import CHUNK_BYTES, DurableWriter
 from zerofit.checkpoint.errors import CheckpointCorruptError, ChecksumMismatchError, TruncatedFileError
-
-DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-               torch.uint8: "U8", torch.bool: "BOOL"}
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
-_MAX_HEADER = 100 << 20   # safetensors' own limit
+from zerofit.models.safetensors import DTYPE_NAMES as DTYPE_CODES
+from zerofit.models.safetensors import SafetensorsFormatError, TensorInfo
+from zerofit.models.safetensors import read_header as safetensors_header
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,21 +65,6 @@ class Shard:
     @property
     def size(self) -> int:
         return len(self.header) + sum(e.nbytes for e in self.entries)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A tensor in a shard: absolute byte range ``[begin, end)`` in the file."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -219,40 +201,13 @@ def write_shards(folder: Path, shards: list[Shard], workers: int = 4) -> list[tu
 
 
 def read_header(path: Path) -> tuple[list[TensorInfo], dict]:
-    """The tensors of a shard (in file order) and its ``__metadata__``; refuses a cut or malformed file."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise TruncatedFileError(path, f"{size} bytes: too short for a safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise TruncatedFileError(path, f"the header says {n} bytes but the file has {size}: truncated or not "
-                                           "a safetensors file")
-        try:
-            head = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointCorruptError(path, f"unreadable safetensors header ({e})") from None
-    meta = head.pop("__metadata__", {}) or {}
-    infos = []
+    """The tensors of a shard (in file order) and its ``__metadata__``; refuses a cut or malformed file.
+    The one safetensors header reader (zerofit.models.safetensors), its errors as checkpoint errors."""
     try:
-        for name, h in head.items():
-            dtype = CODE_DTYPES[h["dtype"]]
-            shape = tuple(int(d) for d in h["shape"])
-            b, e = (int(x) for x in h["data_offsets"])
-            infos.append(TensorInfo(name, dtype, shape, 8 + n + b, 8 + n + e))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointCorruptError(path, f"malformed safetensors header entry ({e!r})") from None
-    infos.sort(key=lambda t: t.begin)
-    pos = 8 + n
-    for t in infos:
-        if t.begin != pos or t.end - t.begin != t.numel * _itemsize(t.dtype):
-            raise CheckpointCorruptError(path, f"tensor {t.name}: byte range [{t.begin}, {t.end}) does not follow "
-                                               f"at {pos} with {t.numel} x {t.dtype}")
-        pos = t.end
-    if pos != size:
-        raise TruncatedFileError(path, f"the header describes {pos} bytes, the file has {size}")
-    return infos, meta
+        infos, meta = safetensors_header(path)
+    except SafetensorsFormatError as e:
+        raise (TruncatedFileError if e.truncated else CheckpointCorruptError)(path, e.reason) from None
+    return list(infos.values()), meta
 
 
 def read_tensor(path: Path, info: TensorInfo) -> torch.Tensor:

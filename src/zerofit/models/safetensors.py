@@ -28,22 +28,32 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TensorInfo", "WeightFileError", "read_header", "read_into", "DTYPES"]
+__all__ = ["TensorInfo", "WeightFileError", "SafetensorsFormatError", "read_header", "read_into", "DTYPES"]
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _CHUNK = 256 << 20   # bytes per preadv call (Linux caps one read near 2 GiB)
+_MAX_HEADER = 100 << 20   # safetensors' own limit
 
 
 class WeightFileError(ValueError):
     """A weight file is missing, truncated, malformed or does not match the model. The message names the file."""
 
 
+class SafetensorsFormatError(WeightFileError):
+    """A safetensors file's header or size is wrong: ``path``, ``reason`` and whether it is ``truncated`` (shorter
+    than its header says) let a caller raise its own error type (the checkpoint loader does)."""
+
+    def __init__(self, path: Path, reason: str, truncated: bool):
+        self.path, self.reason, self.truncated = Path(path), reason, truncated
+        super().__init__(f"{path}: {'truncated: ' if truncated else ''}{reason}")
+
+
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor's bytes are: file, dtype, shape and absolute byte range."""
+    """Where one tensor's bytes are: file, name, dtype, shape and absolute byte range ``[begin, end)``."""
 
     file: Path
     name: str
@@ -62,44 +72,53 @@ class TensorInfo:
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Every tensor of the file by name, and the file's string metadata. Checks the file is complete."""
+    """Every tensor of the file by name (in file order), and the file's string metadata.
+
+    Checks what the format promises (the safetensors spec: the data section is the tensors back to back, no
+    gap, no overlap, nothing after): a cut or padded file is refused before any tensor is read.
+    Raises :class:`SafetensorsFormatError` (a missing file: :class:`WeightFileError`)."""
     path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise WeightFileError(f"{path}: truncated: {size} bytes, not even a safetensors header length")
+                raise SafetensorsFormatError(path, f"{size} bytes: too short for a safetensors header", True)
             (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > 100 << 20:
-                raise WeightFileError(f"{path}: truncated or not a safetensors file: header length {n} "
-                                      f"> file size {size} - 8")
+            if n > _MAX_HEADER or 8 + n > size:
+                raise SafetensorsFormatError(path, f"the header says {n} bytes but the file has {size}: truncated "
+                                                   "or not a safetensors file", True)
             raw = f.read(n)
     except FileNotFoundError:
         raise WeightFileError(f"{path}: no such file") from None
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WeightFileError(f"{path}: malformed safetensors header ({e})") from None
+        raise SafetensorsFormatError(path, f"unreadable safetensors header ({e})", False) from None
     meta = header.pop("__metadata__", None) or {}
-    data_start = 8 + n
-    out: dict[str, TensorInfo] = {}
+    start = 8 + n
+    infos = []
     for name, h in header.items():
         try:
             dtype = DTYPES[h["dtype"]]
             shape = tuple(int(s) for s in h["shape"])
             b, e = (int(x) for x in h["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise WeightFileError(f"{path}: tensor {name!r}: malformed header entry {h!r}") from None
-        want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if e - b != want:
-            raise WeightFileError(f"{path}: tensor {name!r}: {e - b} bytes for shape {list(shape)} "
-                                  f"{h['dtype']} (expected {want})")
-        if data_start + e > size:
-            raise WeightFileError(f"{path}: truncated: tensor {name!r} ends at byte {data_start + e}, "
-                                  f"the file has {size}")
-        out[name] = TensorInfo(path, name, dtype, shape, data_start + b, data_start + e)
-    return out, meta
+            raise SafetensorsFormatError(path, f"tensor {name!r}: malformed header entry {h!r}", False) from None
+        infos.append(TensorInfo(path, name, dtype, shape, start + b, start + e))
+    infos.sort(key=lambda t: t.begin)
+    pos = start
+    for t in infos:
+        want = t.numel * torch.empty((), dtype=t.dtype).element_size()
+        if t.begin != pos or t.nbytes != want:
+            raise SafetensorsFormatError(path, f"tensor {t.name!r}: byte range [{t.begin}, {t.end}) does not follow "
+                                               f"at {pos} with {t.numel} x {t.dtype}", False)
+        if t.end > size:
+            raise SafetensorsFormatError(path, f"tensor {t.name!r} ends at byte {t.end}, the file has {size}", True)
+        pos = t.end
+    if pos != size:
+        raise SafetensorsFormatError(path, f"the header describes {pos} bytes, the file has {size}", False)
+    return {t.name: t for t in infos}, meta
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int, path: Path, name: str) -> None:

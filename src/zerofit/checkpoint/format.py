@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import threading
 import zlib

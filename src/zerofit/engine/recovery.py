@@ -1,0 +1,157 @@
+"""The step's side of the engine's failure semantics, and the generic fallback.
+
+The state machine is :class:`~zerofit.engine.lifecycle.EngineLifecycle`'s (lifecycle.py: [Note: failure
+semantics], [Note: Ctrl-C inside a step]); these are the hooks it calls on the :class:`~zerofit.engine.engine.Engine`
+(a mixin of it: the methods read and reset the step's own state, units, slots and staging buffers), and the
+rebuild of a model whose blocks turn out not to be chained ([Note: generic fallback]).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from zerofit.engine.adapter import Adapter, NonSequentialModel
+from zerofit.engine.materialize import model_shape, param_table
+from zerofit.engine.planner import PlanError, placement_warnings
+from zerofit.engine.store import Home, WeightState
+
+log = logging.getLogger("zerofit")
+
+
+class StepRecovery:
+    """Mixed into :class:`~zerofit.engine.engine.Engine`: dropping a failed step, failing, the generic fallback."""
+
+    # The state machine is EngineLifecycle's (lifecycle.py); these are the hooks it calls.
+
+    def _discard_step(self) -> None:
+        """Drop everything of the step in progress, none of which was applied ([Note: failure semantics])."""
+        self.worker.drain()          # earlier steps' updates and this step's adds finish (or WorkerError)
+        self._reset_transfers()
+        spec, self._spec = self._spec, None
+        if spec is not None:         # [Note: speculative updates]: undo what the worker updated early
+            self._settle(spec, [u for u in self.units if not u.optimizer_on_device], self._hyper(), None)
+            self.worker.drain()
+        self._pending = None
+        self._micro_steps = 0
+        self._discard_grads([u for u in self.units if not u.optimizer_on_device])
+        with self._staging_cv:       # a buffer taken by the failed step may never have been handed on
+            self._staging_free = list(range(len(self._staging)))
+
+    def _reset_transfers(self) -> None:
+        """Wait for the device, then empty every slot: no copy or kernel of the failed call is in flight, and
+        every streamed unit is ON_HOST, to be uploaded again when next needed (see [Note: slot reuse])."""
+        self.dev.synchronize()
+        for pool in (self.weight_pool, self.grad_pool):
+            for slot in (pool.slots if pool is not None else ()):
+                slot.tenant = slot.free_event = None
+        for u in self.blocks:
+            if u.home is Home.STREAMED:
+                u.slot, u.state, u.ready_event, u.grad_slot, u.grad = None, WeightState.ON_HOST, None, None, None
+        self._assist_free = None
+        self.dev.intervals.clear()
+
+    def _drop_device_state(self) -> None:
+        """Let go of every device buffer (the memory goes back to the allocator, for a next engine).
+        The module's parameters keep viewing the host weights."""
+        self._pending, self._micro_steps = None, 0
+        for u in self.units:
+            u.dev16 = u.grad = u.slot = u.grad_slot = u.ready_event = u.master_event = u.pending_update = None
+            u.buffers = {}
+            if u.optimizer_on_device:
+                u.master = u.exp_avg = u.exp_avg_sq = u.step = None
+        self.weight_pool = self.grad_pool = None
+        self._upload_stage = self._assist = self._assist_free = None
+
+    def _apply_pending(self) -> None:
+        """Every pending update (host, or assisted on the device) applied."""
+        self.worker.drain()
+        self._flush_assisted()
+
+    def _sync_host_weights(self) -> None:
+        """The module's parameters (host views) take the current weights of device-optimized units."""
+        if self._mirror_stale and self.dev.is_cuda:
+            for u in self.units:
+                if u.optimizer_on_device and u.host is not u.master:
+                    u.host.copy_(u.master)
+        self._mirror_stale = False
+
+    def _log_placement(self) -> None:
+        """Say where the optimizer state is under the plan, and where that is not what the config asked for."""
+        blocks, off = self.adapter.num_blocks, self.config.offload
+        log.info("zerofit %s", self.plan.optimizer_homes(blocks, "the GPU" if self.dev.is_cuda else
+                                                        f"the device ({self.dev.device})"))
+        for warning in placement_warnings(self.plan, blocks, optimizer_device=off.optimizer_device,
+                                          param_device=off.param_device, on_cuda=self.dev.is_cuda):
+            log.warning("zerofit: %s", warning)
+
+    # [Note: generic fallback]
+    # Whether a model chains its blocks output-to-input shows only when its forward runs (the pre and post
+    # passes check it, see [Note: sequential blocks]), and a probe at initialize would need an input the engine
+    # cannot make up. So with adapter="auto" the first forward decides: if it raises NonSequentialModel
+    # before anything was trained, the step's transient state is dropped, the units are rebuilt as one
+    # generic unit (the whole model) from the module's current weights, the RNG state the aborted forward
+    # consumed is restored, and the same call runs again, with a logged notice. Memory: the old host weights
+    # live until the new unit has copied them. adapter="blocks" refuses instead; adapter="generic" skips it.
+
+    def _fallback_possible(self) -> bool:
+        return (self._adapter_kind == "auto" and self.adapter.streaming and self.global_step == 0
+                and self.skipped_steps == 0 and self._micro_steps == 0 and self._pending is None)
+
+    def _with_fallback(self, run):
+        """``run()``, and once more on the generic path if it finds the model not block-sequential."""
+        if not self._fallback_possible():
+            return run()
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.dev.device) if self.dev.is_cuda else None)
+        try:
+            return run()
+        except NonSequentialModel as err:
+            self._discard_step()
+            self._become_generic(err)
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], self.dev.device)
+            return run()
+
+    def _become_generic(self, err: NonSequentialModel) -> None:
+        """[Note: generic fallback]: rebuild the units as one generic unit from the current weights."""
+        if any(float(u.step) for u in self.units):     # a loaded checkpoint: its moments cannot be carried over
+            raise NonSequentialModel(f"{err.reason} (found after this engine took optimizer state, too late to "
+                                     "fall back by itself)") from err
+        generic = Adapter(self._model, "generic")
+        table = param_table(self._model, generic)
+        shape = model_shape(self._model, generic, table)
+        adapter, self.adapter = self.adapter, generic
+        try:
+            plan = self._plan(shape, self.config.seq_len)     # refused here, the streaming engine is intact
+        except PlanError as e:
+            self.adapter = adapter
+            raise NonSequentialModel(f"{err.reason}; and the generic path (the whole model resident on the device) "
+                                     f"does not fit either: {e}") from err
+        log.warning("zerofit: %s, so this model cannot stream block by block: it trains on the generic path "
+                    "instead (the whole model as one unit). Pass adapter='generic' to skip this check, or "
+                    "adapter='blocks' to refuse.", err.reason)
+        self._mirror_stale = True
+        self._sync_host_weights()      # the module's parameters hold the current weights: the new unit copies them
+        self.worker.drain()
+        self.dev.synchronize()
+        for a in self._arenas:
+            a.close()
+        self._arenas.clear()
+        self._host_grads.clear()
+        self._sq_norms.clear()
+        self.units, self.shell, self.blocks = [], None, []
+        self.weight_pool = self.grad_pool = None
+        self._upload_stage = self._assist = self._assist_free = None
+        self._staging, self._staging_free = [], []
+        self._table, self._shape, self.plan = table, shape, plan
+        self.deferred = self._needs_norm
+        self._checked_shape = None
+        try:
+            self._build_buffers()
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self._log_placement()
+

@@ -474,31 +474,9 @@ class _SkipLM(tm.PlainLM):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-class _LoopedLM(tm.PlainLM):
-    """The block list applied twice (refused only by the post pass, after the blocks' forward ran)."""
-
-    def forward(self, input_ids, labels=None):
-        x = self.embed(input_ids)
-        for _ in range(2):
-            for b in self.blocks:
-                x = b(x)
-        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
-
-
-class _EarlyExitLM(tm.PlainLM):
-    """Never calls its last block."""
-
-    def forward(self, input_ids, labels=None):
-        x = self.embed(input_ids)
-        for b in self.blocks[:-1]:
-            x = b(x)
-        logits = self.head(x)
-        return logits if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 @pytest.mark.parametrize("make,api", [(lambda: _SkipLM(dropout=0.1), "train_batch"),
                                       (lambda: _SkipLM(dropout=0.1), "deepspeed"),
-                                      (_LoopedLM, "train_batch"), (_EarlyExitLM, "train_batch")],
+                                      (tm.LoopedLM, "train_batch"), (tm.EarlyExitLM, "train_batch")],
                          ids=["skip-connection-dropout", "skip-connection-dropout-deepspeed", "looped", "early-exit"])
 def test_non_sequential_model_falls_back_to_the_generic_path_and_trains_exactly(make, api, caplog):
     """No weight decay: the early-exit model's last block gets no gradient, which torch.optim.AdamW skips and

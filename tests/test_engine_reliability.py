@@ -625,28 +625,6 @@ class _ReversedLM(tm.PlainLM):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-class _LoopedLM(tm.PlainLM):
-    """The block list applied twice (weight sharing across depth)."""
-
-    def forward(self, input_ids, labels=None):
-        x = self.embed(input_ids)
-        for _ in range(2):
-            for b in self.blocks:
-                x = b(x)
-        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
-
-
-class _EarlyExitLM(tm.PlainLM):
-    """Never calls its last block."""
-
-    def forward(self, input_ids, labels=None):
-        x = self.embed(input_ids)
-        for b in self.blocks[:-1]:
-            x = b(x)
-        logits = self.head(x)
-        return logits if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 def test_generic_model_without_blocks_trains():
     torch.manual_seed(0)
     model = tm.MLPRegressor()
@@ -669,7 +647,7 @@ def test_generic_model_without_blocks_trains():
 
 
 @pytest.mark.parametrize("cls,match", [(_SkipLM, r"block 1 did not receive block 0's output"),
-                                       (_EarlyExitLM, "without calling its last block")],
+                                       (tm.EarlyExitLM, "without calling its last block")],
                          ids=["skip-connection", "early-exit"])
 def test_non_sequential_model_is_refused_at_first_step(cls, match):
     """adapter='blocks' refuses (adapter='auto' falls back: test_engine_lifecycle.py)."""
@@ -719,7 +697,7 @@ def test_blocks_called_out_of_order_are_refused():
 
 def test_blocks_called_twice_are_refused_or_exact():
     torch.manual_seed(0)
-    model = _LoopedLM()
+    model = tm.LoopedLM()
     ref = copy.deepcopy(model)
     engine = zerofit.initialize(model, _cfg(adapter="blocks"))
     mbs = tm.batches(1, 1)[0]

@@ -133,3 +133,23 @@ def test_ctrl_c_saves_and_resume_is_exact(workspace):
     assert b == a, (a, b)     # bitwise: json keeps every float exactly
     wa, wb = _model_weights(straight / "model"), _model_weights(broken / "model")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_every_train_option_reaches_the_run(workspace, tmp_path, monkeypatch):
+    """The CLI is a thin layer: each option lands in TrainOptions (a flag accepted but dropped fails here)."""
+    import zerofit.train as train_pkg
+
+    root, model, data = workspace
+    seen = {}
+    monkeypatch.setattr(train_pkg, "run_training", lambda opts, console: seen.setdefault("opts", opts) and
+                        (_ for _ in ()).throw(SystemExit(0)))
+    CliRunner().invoke(app, _args(model, data, tmp_path / "o", "--steps", "3", "--epochs", "2", "--warmup-steps", "1",
+                                  "--max-host-memory", "8GiB", "--seed", "5", "--eval-every", "2", "--eval-windows", "3",
+                                  "--save-every", "2", "--keep", "4", "--no-save-at-end", "--resume",
+                                  "--no-save-on-interrupt", "--no-export", "--export-dtype", "fp16", "--deterministic"))
+    o = seen["opts"]
+    assert (o.steps, o.epochs, o.warmup_steps, o.max_host_memory, o.seed) == (3, 2.0, 1, "8GiB", 5)
+    assert (o.eval_every, o.eval_windows, o.save_every, o.keep, o.save_at_end, o.resume) == (2, 3, 2, 4, False, True)
+    assert (o.save_on_interrupt, o.export, o.export_dtype, o.deterministic, o.progress) == (False, False, "fp16", True,
+                                                                                             False)
+    assert (o.seq_len, o.micro_batch_size, o.grad_accum, o.lr, o.precision, o.eval_size) == (32, 2, 2, 1e-3, "fp32", 2)

@@ -72,6 +72,29 @@ class PlainLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+class LoopedLM(PlainLM):
+    """Not block-sequential: the block list applied twice (weight sharing across depth); refused only by the
+    post pass, after the blocks' forward ran."""
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        for _ in range(2):
+            for b in self.blocks:
+                x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+class EarlyExitLM(PlainLM):
+    """Not block-sequential: never calls its last block."""
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        for b in self.blocks[:-1]:
+            x = b(x)
+        logits = self.head(x)
+        return logits if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
 class MLPRegressor(nn.Module):
     """No block list at all: trained through the generic path."""
 

@@ -131,7 +131,8 @@ def train(
         max_host_memory=max_host_memory, device=device, seed=seed,
         eval_size=int(eval_size) if eval_size >= 1 else eval_size, eval_every=eval_every, eval_windows=eval_windows,
         save_every=save_every, keep=keep, save_at_end=save_at_end, resume=resume,
-        save_on_interrupt=save_on_interrupt, export=export, export_dtype=export_dtype.value if export_dtype else None, progress=progress)
+        save_on_interrupt=save_on_interrupt, export=export, export_dtype=export_dtype.value if export_dtype else None,
+        progress=progress, deterministic=deterministic)
     try:
         result = run_training(opts, console)
     except (ConfigError, DataError, WeightFileError) as e:

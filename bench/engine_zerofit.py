@@ -16,6 +16,7 @@ resets the allocator's peak counters at the end of ``initialize``, and
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -52,6 +53,9 @@ class Zerofit:
             self.config["precision"] = args.precision
         if common.parse_bytes(args.cap):
             self.config["max_gpu_memory"] = args.cap
+        for item in args.offload:     # e.g. assisted_fraction=0.4, speculative_updates=false
+            key, _, value = item.partition("=")
+            self.config.setdefault("offload", {})[key] = json.loads(value)
         res.extra["zerofit_config"] = self.config
         self.engine = zerofit.initialize(model, self.config)
         res.extra["plan"] = self.engine.plan.describe()
@@ -77,6 +81,8 @@ class Zerofit:
         print(f"[zerofit] timeline: {self.res.timeline}", flush=True)
         if hasattr(self.engine, "memory_stats"):
             self.res.extra["memory_stats"] = self.engine.memory_stats()
+        if hasattr(self.engine, "trace"):     # the last step, interval by interval (engine.trace())
+            self.res.extra["trace"] = self.engine.trace()
         return loss
 
 
@@ -85,6 +91,8 @@ def main() -> int:
     parser.add_argument("--clip", type=float, default=0.0,
                         help="gradient_clipping (global norm); > 0 makes CPU updates wait for the norm")
     parser.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--offload", action="append", default=[], metavar="KEY=JSON",
+                        help="an offload setting of zerofit's config, e.g. assisted_fraction=0.4 (repeatable)")
     parser.add_argument("--api", default="train_batch", choices=["train_batch", "deepspeed"],
                         help="train_batch, or DeepSpeed-shaped engine(**b); backward(loss); step() per micro-batch")
     args = parser.parse_args()

@@ -7,7 +7,6 @@ One micro-batch per call, with the optimizer step at the gradient-accumulation b
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -40,7 +39,7 @@ class DeepSpeedStyleAPI:
 
     def _forward_micro(self, batch: dict):
         if self._micro_steps == 0:
-            self._ds_t0, self._ds_busy0, self._timeline = time.perf_counter(), self.worker.busy_seconds, {}
+            self._ds_t0, self._ds_busy0 = self._start_clock()
         self._ensure_plan([batch])
         if self.deferred is False and self.adapter.streaming and any(not u.optimizer_on_device for u in self.units):
             self._enable_accumulation()
@@ -66,15 +65,14 @@ class DeepSpeedStyleAPI:
         The plan is made again for deferred updates (same placement) and refused if the host
         gradient buffers do not fit, before they are allocated."""
         self.worker.drain()
-        try:    # assisted updates need four device buffers the first plan may not have room for
+        try:    # assisted updates need device buffers the first plan may not have room for
             self.plan = self._replan(self._plan_batch, deferred_updates=True)
         except PlanError:
             self.plan = self._replan(self._plan_batch, deferred_updates=True, assisted_updates=False)
         self.deferred = True
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         if self.plan.assisted_updates and self._assist is None and streamed:
-            cap = max(u.numel for u in streamed)
-            self._assist = [torch.empty(cap, dtype=torch.float32, device=self.dev.device) for _ in range(4)]
+            self._alloc_assist(max(u.numel for u in streamed))
         host_units = [u for u in self.units if not u.optimizer_on_device]
         a = HostArena(sum(u.numel for u in host_units), torch.float32, self.dev.is_cuda and self.config.offload.pin_memory)
         self._arenas.append(a)

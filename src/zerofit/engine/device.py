@@ -42,6 +42,7 @@ class Interval:
     phase: str
     start: object
     end: object
+    label: str | None = None
 
     def seconds(self) -> float:
         if isinstance(self.start, float):
@@ -106,21 +107,38 @@ class Device:
                     yield
                 finally:
                     b.record(s)
-                    self.intervals.append(Interval(phase, a, b))
+                    self.intervals.append(Interval(phase, a, b, label))
             else:
                 t = time.perf_counter()
                 try:
                     yield
                 finally:
-                    self.intervals.append(Interval(phase, t, time.perf_counter()))
+                    self.intervals.append(Interval(phase, t, time.perf_counter(), label))
 
-    def drain_intervals(self) -> dict[str, float]:
-        """Seconds per phase of the intervals recorded since the last drain (call after a sync)."""
+    def mark(self):
+        """A timing event recorded now on the compute stream (CUDA), or the host clock: a trace's origin."""
+        if self.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.compute)
+            return ev
+        return time.perf_counter()
+
+    def drain_intervals(self, origin=None) -> tuple[dict[str, float], list[dict]]:
+        """Seconds per phase of the intervals recorded since the last drain (call after a sync), and, with
+        ``origin`` (a :meth:`mark`), each interval as {lane, label, start, end} in seconds from it."""
         out: dict[str, float] = {}
+        trace = []
         for iv in self.intervals:
             out[iv.phase] = out.get(iv.phase, 0.0) + iv.seconds()
+            if origin is not None:
+                if isinstance(iv.start, float):
+                    start, end = iv.start - origin, iv.end - origin
+                else:
+                    start = origin.elapsed_time(iv.start) / 1000.0
+                    end = start + iv.seconds()
+                trace.append({"lane": iv.phase, "label": iv.label, "start": round(start, 6), "end": round(end, 6)})
         self.intervals.clear()
-        return out
+        return out, trace
 
     def synchronize(self) -> None:
         if self.is_cuda:

@@ -49,9 +49,9 @@ from zerofit.engine.lifecycle import EngineLifecycle, EngineState
 from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.optimizer import HostWorker, Hyper, adamw_flat
 from zerofit.engine.materialize import build_units, model_shape, param_table
-from zerofit.engine.planner import BatchShape, ModelShape, Plan, make_plan
+from zerofit.engine.planner import ASSIST_SETS, BatchShape, ModelShape, Plan, assist_chunk, make_plan
 from zerofit.engine.speculation import Speculation, adamw_rollback
-from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState, assisted_unit
+from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState
 
 _SPECULATE_FIRST = -(2**40)   # worker priority of speculation tasks ([Note: speculative updates])
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -134,6 +134,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         self.global_step = 0
         self.skipped_steps = 0
         self._timeline: dict[str, float] = {}
+        self._trace: list[dict] = []
+        self._wait_spans: list[tuple] = []
+        self._origin = None
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
         self._pending: _Micro | None = None
         self._host_grads: dict[int, torch.Tensor] = {}
@@ -178,7 +181,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         cfg = self.config
         return dict(compute_dtype=self.dtype, on_cuda=self.dev.is_cuda, deferred_updates=self.deferred,
                     checkpointing=cfg.activation_checkpointing, stream_params=cfg.offload.param_device != "none",
-                    prefetch_depth=cfg.offload.prefetch_depth)
+                    prefetch_depth=cfg.offload.prefetch_depth, assisted_fraction=cfg.offload.assisted_fraction)
 
     def _replan(self, batch: BatchShape, **changes) -> Plan:
         """A plan for ``batch`` with the current placement kept (resident blocks, shell optimizer, staging)."""
@@ -225,10 +228,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         ucap = max((u.numel for u in uploaded), default=0)
         self._upload_stage = (torch.empty(ucap, dtype=torch.float32, device=self.dev.device)  # (ucap,) fp32
                               if uploaded and cb != torch.float32 else None)
-        # [Note: assisted updates]: four (cap,) fp32 device buffers: master, exp_avg, exp_avg_sq, grad
-        self._assist = ([torch.empty(cap, dtype=torch.float32, device=self.dev.device) for _ in range(4)]
-                        if plan.assisted_updates and streamed else None)
-        self._assist_free = None
+        self._assist = None
+        if plan.assisted_updates and streamed:
+            self._alloc_assist(cap)
         host_units = [u for u in self.units if not u.optimizer_on_device]
         scap = max((u.numel for u in host_units), default=0)
         self._staging: list[torch.Tensor] = []   # (scap,) fp32, pinned host each
@@ -247,6 +249,15 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
             for u in host_units:
                 self._host_grads[id(u)] = a.take(u.numel)
         self._note_host()
+
+    def _alloc_assist(self, cap: int) -> None:
+        """[Note: assisted updates]: ASSIST_SETS sets of four (chunk,) fp32 device buffers (master, exp_avg,
+        exp_avg_sq, grad), each with the event after which its last chunk went down."""
+        chunk = assist_chunk(cap)
+        self._assist = [[torch.empty(chunk, dtype=torch.float32, device=self.dev.device) for _ in range(4)]
+                        for _ in range(ASSIST_SETS)]
+        self._assist_free = [None] * ASSIST_SETS
+        self._assist_next = 0
 
     def _note_host(self) -> None:
         self._peak_host = max(self._peak_host, psutil.Process().memory_info().rss)
@@ -291,38 +302,51 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
     def _assisted_update(self, unit: Unit, dst: torch.Tensor | None) -> None:
         """[Note: assisted updates]
         With deferred updates (clipping, fp16) every update waits for the global norm, and the CPU alone
-        could only overlap them with the next forward. So every other streamed block is updated by the
-        device instead, on the upload stream, as the next forward uploads it: its master, moments and
-        host gradient go up (16 B/param), AdamW runs there, the new weights are cast into the slot and
-        master and moments go back down (12 B/param). The CPU worker and the copy engines then share the
-        work. The unit's next upload (and any host read of its master) waits on ``master_event``."""
+        could only overlap them with the next forward. So some streamed blocks (``plan.assisted_blocks``,
+        a fraction spread evenly) are updated by the device instead, on the upload stream, as the next
+        forward uploads them: master, moments and host gradient go up (16 B/param), AdamW runs there, the
+        new weights are cast into the slot and master and moments go back down (12 B/param). The CPU
+        worker and the copy engines then share the work.
+
+        The state moves in chunks through ASSIST_SETS sets of chunk buffers, so that one chunk's download
+        overlaps the next chunk's upload (both copy engines busy) and the buffers take a fraction of a
+        block. A set is refilled only after the download stream's event for its previous chunk. AdamW is
+        elementwise, so per-chunk calls give the whole-block result bitwise; each call gets its own copy
+        of the step count (the kernel increments it). The unit's next upload (and any host read of its
+        master) waits on ``master_event``, the event after its last chunk went down."""
         # [Note: failure semantics]: an error before this unit's update is fully enqueued leaves it torn
         before, self.state = self.state, EngineState.APPLYING
         factor, hyper = unit.pending_update
         unit.pending_update = None
         n = unit.numel
-        p, m, v, g = (b[:n] for b in self._assist)
-        with self.dev.timed("upload", self.dev.upload, f"{unit.name}+adamw"):
-            self.dev.wait(self.dev.upload, self._assist_free)     # the buffers' previous tenant went down
-            p.copy_(unit.master, non_blocking=True)
-            m.copy_(unit.exp_avg, non_blocking=True)
-            v.copy_(unit.exp_avg_sq, non_blocking=True)
-            g.copy_(self._host_grads[id(unit)], non_blocking=True)
-            if factor != 1.0:
-                g.mul_(factor)
-            step = unit.step.to(self.dev.device, copy=True)      # adamw increments it; so does the host below
-            adamw_flat(p, g, m, v, step, hyper)
-            unit.step.add_(1)
-            if dst is not None:
-                dst.copy_(p)
-        up = self.dev.record(self.dev.upload)
-        with self.dev.on(self.dev.download):
-            self.dev.wait(self.dev.download, up)
-            with self.dev.timed("download", self.dev.download, f"{unit.name}+state"):
-                unit.master.copy_(p, non_blocking=True)
-                unit.exp_avg.copy_(m, non_blocking=True)
-                unit.exp_avg_sq.copy_(v, non_blocking=True)
-            unit.master_event = self._assist_free = self.dev.record(self.dev.download)
+        chunk = self._assist[0][0].numel()
+        host_grad = self._host_grads[id(unit)]
+        step0 = unit.step.to(self.dev.device, copy=True)
+        done = None
+        for off in range(0, n, chunk):
+            k = min(chunk, n - off)
+            i = self._assist_next
+            self._assist_next = (i + 1) % len(self._assist)
+            p, m, v, g = (b[:k] for b in self._assist[i])
+            with self.dev.timed("upload", self.dev.upload, f"{unit.name}+adamw"):
+                self.dev.wait(self.dev.upload, self._assist_free[i])   # the set's previous chunk went down
+                p.copy_(unit.master[off:off + k], non_blocking=True)
+                m.copy_(unit.exp_avg[off:off + k], non_blocking=True)
+                v.copy_(unit.exp_avg_sq[off:off + k], non_blocking=True)
+                g.copy_(host_grad[off:off + k], non_blocking=True)
+                adamw_flat(p, g, m, v, step0.clone(), hyper, factor)
+                if dst is not None:
+                    dst[off:off + k].copy_(p)
+            up = self.dev.record(self.dev.upload)
+            with self.dev.on(self.dev.download):
+                self.dev.wait(self.dev.download, up)
+                with self.dev.timed("download", self.dev.download, f"{unit.name}+state"):
+                    unit.master[off:off + k].copy_(p, non_blocking=True)
+                    unit.exp_avg[off:off + k].copy_(m, non_blocking=True)
+                    unit.exp_avg_sq[off:off + k].copy_(v, non_blocking=True)
+                done = self._assist_free[i] = self.dev.record(self.dev.download)
+        unit.step.add_(1)
+        unit.master_event = done
         self.state = before
 
     def _flush_assisted(self) -> None:
@@ -363,18 +387,19 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
             unit.slot, unit.state = None, WeightState.ON_HOST
 
     def _prefetch(self, order: list[Unit], pos: int) -> None:
-        """Enqueue the uploads of the next units in ``order``, as far as the slots allow, in order."""
+        """Enqueue the uploads of the next units in ``order`` that are ready, as far as the slots allow."""
         depth = self.plan.weight_slots - 1
         for u in order[pos + 1: pos + 1 + depth]:
-            if not self._begin_upload(u, self._window(order, pos), wait=False):
-                break
+            # a unit whose CPU update is still running is passed over, not waited for: the ones after it
+            # (an assisted update, say) keep the copy engines busy meanwhile; it is uploaded when acquired
+            self._begin_upload(u, self._window(order, pos), wait=False)
 
     def _wait_updated(self, unit: Unit) -> None:
         if not unit.updated.is_set():
             t = time.perf_counter()
             while not unit.updated.wait(0.05):
                 self.worker.check()
-            self._add_time("wait", time.perf_counter() - t)
+            self._add_time("wait", time.perf_counter() - t, label=unit.name)
         self.worker.check()
 
     # ------------------------------------------------------------------ compute helpers
@@ -575,16 +600,18 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         unit.grad_fresh = True
         if self.deferred:
             if not fresh_host:   # DeepSpeed-style accumulation across micro-steps
-                self.worker.submit(self._task_add(host, dst, done))
+                self.worker.submit(self._task_add(host, dst, done), label=f"add[{unit.name}]")
             elif speculate:      # [Note: speculative updates]
                 unit.updated.clear()
                 # FIFO, ahead of every other task: the partial norm sums in backward order, so which blocks
                 # are speculated depends on the data only, never on the worker's timing (bitwise reproducible)
-                self.worker.submit(self._task_speculate(unit, self._spec, done, self._hyper()), _SPECULATE_FIRST)
+                self.worker.submit(self._task_speculate(unit, self._spec, done, self._hyper()), _SPECULATE_FIRST,
+                                   label=f"speculate[{unit.name}]")
         else:
             self._begin_applying()   # this block is updated now, while the backward goes on
             unit.updated.clear()
-            self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True), unit.index)
+            self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True), unit.index,
+                               label=f"adamw[{unit.name}]")
 
     def _take_staging(self) -> torch.Tensor:
         with self._staging_cv:
@@ -595,7 +622,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
             waited = time.perf_counter() - t
             i = self._staging_free.pop(0)
         if waited > 1e-4:
-            self._add_time("wait", waited)
+            self._add_time("wait", waited, label="staging")
         return self._staging[i]
 
     def _give_staging(self, buf: torch.Tensor) -> None:
@@ -617,9 +644,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         def run():
             event.synchronize()
             g = grad.narrow(0, 0, unit.numel)
-            if factor != 1.0:
-                g.mul_(factor)
-            adamw_flat(unit.master, g, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
+            adamw_flat(unit.master, g, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper, factor)
             if release:
                 self._give_staging(grad)
             unit.updated.set()
@@ -650,9 +675,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
                 if held:
                     adamw_rollback(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
                 if factor is not None:
-                    if factor != 1.0:
-                        grad.mul_(factor)
-                    adamw_flat(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
+                    adamw_flat(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper, factor)
             unit.updated.set()
         return run
 
@@ -679,7 +702,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
 
     def _assisted(self, unit: Unit) -> bool:
         """Whether the device updates this unit (see [Note: assisted updates])."""
-        return self._assist is not None and assisted_unit(unit.home, unit.index)
+        return self._assist is not None and unit.index in self.plan.assisted_blocks
 
     def _discard_grads(self, host_units: list[Unit]) -> None:
         """Forget this step's gradients (a skipped step): the next writes start fresh."""
@@ -742,9 +765,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         self._begin_applying()
         for u in device_units:
             with self.dev.timed("compute", label=f"optimizer[{u.name}]"):
-                if factor != 1.0:
-                    u.grad.mul_(factor)
-                adamw_flat(u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.step, hyper)
+                adamw_flat(u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.step, hyper, factor)
                 if u.dev16 is not u.master:
                     u.dev16.copy_(u.master)
             u.grad_fresh = True
@@ -760,7 +781,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
                     continue
                 u.updated.clear()
                 self.worker.submit(self._task_update(u, self._host_grads[id(u)], ev, hyper, factor, release=False),
-                                   u.index)
+                                   u.index, label=f"adamw[{u.name}]")
         if self._shell_host_opt:
             self.shell.dirty = True
         return True
@@ -771,7 +792,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         ev = self.dev.record(self.dev.download)
         for u in host_units:
             u.updated.clear()
-            self.worker.submit(self._task_settle(u, spec, ev, hyper, factor), u.index)
+            self.worker.submit(self._task_settle(u, spec, ev, hyper, factor), u.index, label=f"settle[{u.name}]")
         self.speculation_stats["rolled_back" if clipped else "held"] += 1
 
     # ------------------------------------------------------------------ public API
@@ -797,9 +818,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
                 self._spec = Speculation(self.config.gradient_clipping ** 2)
             else:
                 self.speculation_stats["waited"] += 1
-        t0 = time.perf_counter()
-        self._timeline = {}
-        busy0 = self.worker.busy_seconds
+        t0, busy0 = self._start_clock()
         G = len(micro_batches)
         scale = self.scaler.scale if self.scaler else 1.0
         micros = self._forward(micro_batches, shell_grad=True)
@@ -821,22 +840,45 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         self._end_step(t0, busy0, applied)
         return loss_value
 
+    def _start_clock(self) -> tuple[float, float]:
+        """The step's clocks start: wall time, the worker's busy seconds, the device trace's origin."""
+        self.dev.intervals.clear()     # regions between steps (evaluation forwards) belong to no step
+        self.worker.drain_spans()
+        self._timeline, self._wait_spans = {}, []
+        self._origin = self.dev.mark()
+        return time.perf_counter(), self.worker.busy_seconds
+
     def _end_step(self, t0: float, busy0: float, applied: bool) -> None:
         if applied:
             self.global_step += 1
         self.dev.synchronize()
-        tl = self.dev.drain_intervals()
+        tl, trace = self.dev.drain_intervals(self._origin)
         tl["optimizer"] = self.worker.busy_seconds - busy0
         tl["wait"] = self._timeline.get("wait", 0.0)
         tl["step"] = time.perf_counter() - t0
         for k in ("compute", "upload", "download"):
             tl.setdefault(k, 0.0)
         self._timeline = tl
+        host = [("cpu", label, a, b) for label, a, b in self.worker.drain_spans()]
+        host += [("wait", label, a, b) for label, a, b in self._wait_spans]
+        trace += [{"lane": lane, "label": label, "start": round(a - t0, 6), "end": round(b - t0, 6)}
+                  for lane, label, a, b in host if b >= t0]
+        self._trace = sorted(trace, key=lambda e: (e["lane"], e["start"]))
         self._note_host()
         self._end_applying()
 
-    def _add_time(self, key: str, seconds: float) -> None:
+    def _add_time(self, key: str, seconds: float, label: str | None = None) -> None:
         self._timeline[key] = self._timeline.get(key, 0.0) + seconds
+        if label is not None:
+            end = time.perf_counter()
+            self._wait_spans.append((label, end - seconds, end))
+
+    def trace(self) -> list[dict]:
+        """The last step's timeline interval by interval: {lane, label, start, end} in seconds from the
+        step's start. Lanes: compute, upload, download (device streams; from CUDA events), cpu (the host
+        optimizer thread's tasks) and wait (the main thread blocked on it or on pinned buffers). Device and
+        host intervals come from different clocks that start together: compare them to a millisecond."""
+        return list(self._trace)
 
     def timeline(self) -> dict[str, float]:
         """Seconds per phase of the last step: step (wall), compute (device), upload, download,

@@ -20,7 +20,7 @@ from torch import nn
 
 from zerofit.engine.adapter import Adapter
 from zerofit.engine.planner import ModelShape, Plan
-from zerofit.engine.store import FlatLayout, Home, HostArena, Unit, assisted_unit
+from zerofit.engine.store import FlatLayout, Home, HostArena, Unit
 
 
 @dataclass
@@ -96,7 +96,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     need = sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
     # With assisted updates the moments of the device-updated blocks are copied too: pin them as well
     # (a pageable copy runs at a seventh of the speed and blocks the host).
-    assisted = [plan.assisted_updates and assisted_unit(homes[i], i - 1) for i in range(len(sizes))]
+    assisted = [i - 1 in plan.assisted_blocks for i in range(len(sizes))]
     need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
     arena = HostArena(need, torch.float32, pinned) if need else None
     units: list[Unit] = []

@@ -40,10 +40,22 @@ class Hyper:
 
 
 def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               step: torch.Tensor, h: Hyper) -> None:
-    """One AdamW step on flat fp32 tensors (``step`` is incremented), as ``torch.optim.AdamW(fused=True)``."""
+               step: torch.Tensor, h: Hyper, factor: float = 1.0) -> None:
+    """One AdamW step on flat fp32 tensors (``step`` is incremented), as ``torch.optim.AdamW(fused=True)``,
+    on the gradient times ``factor`` (clipping, fp16 unscaling; ``grad`` is left scaled).
+
+    On the host the factor rides in the fused kernel (as its ``grad_scale``, 1/factor): one pass over the
+    state instead of two, the binding resource of a clipped step being host memory bandwidth. A separate
+    multiply on the device, where it is cheap."""
+    scale = None
+    if factor != 1.0:
+        if grad.is_cuda:
+            grad.mul_(factor)
+        else:
+            scale = torch.tensor(1.0 / factor, dtype=torch.float32)
     adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=True, amsgrad=False,
-          beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False)
+          beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False,
+          grad_scale=scale, found_inf=None)
 
 
 class WorkerError(RuntimeError):
@@ -64,12 +76,13 @@ class HostWorker:
         self._error: BaseException | None = None
         self._stopping = False
         self.busy_seconds = 0.0
+        self.spans: list[tuple[str | None, float, float]] = []   # (label, start, end) per task, host clock
         self._thread = threading.Thread(target=self._loop, name="zerofit-cpu-optimizer", daemon=True)
         self._thread.start()
 
     def _loop(self):
         while True:
-            _, _, task = self._q.get()
+            _, _, label, task = self._q.get()
             if task is None:
                 self._q.task_done()
                 return
@@ -80,15 +93,23 @@ class HostWorker:
             except BaseException as e:  # surfaced on the main thread by check()
                 self._error = e
             finally:
-                self.busy_seconds += time.perf_counter() - t
+                end = time.perf_counter()
+                self.busy_seconds += end - t
+                if len(self.spans) < 100_000:     # drained every step; bounded if nobody drains
+                    self.spans.append((label, t, end))
                 task = None          # a done task must not keep its engine alive while the queue is idle
                 self._q.task_done()
 
-    def submit(self, fn, priority: int = 0) -> None:
-        """Queue ``fn``; among queued tasks the lowest ``priority`` runs first, ties in submission order."""
+    def submit(self, fn, priority: int = 0, label: str | None = None) -> None:
+        """Queue ``fn``; among queued tasks the lowest ``priority`` runs first, ties in submission order.
+        ``label`` names the task in the step's trace."""
         self.check()
         self._seq += 1
-        self._q.put((priority, self._seq, fn))
+        self._q.put((priority, self._seq, label, fn))
+
+    def drain_spans(self) -> list[tuple[str | None, float, float]]:
+        spans, self.spans = self.spans, []
+        return spans
 
     def drain(self) -> None:
         """Wait until every submitted task ran (or was skipped after an error)."""
@@ -110,7 +131,7 @@ class HostWorker:
         self._stopping = True
         if self._thread.is_alive():
             self._seq += 1
-            self._q.put((2**62, self._seq, None))
+            self._q.put((2**62, self._seq, None, None))
             if threading.current_thread() is self._thread:
                 return True      # the engine was collected on this thread (a task held its last reference)
             self._thread.join(timeout)

@@ -16,6 +16,8 @@ does not fit with :class:`PlanError`, naming the bytes needed and available.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -67,11 +69,12 @@ class Plan:
     grad_slots: int
     staging_buffers: int           # pinned host fp32 gradient staging buffers the CPU optimizer consumes from
     deferred_updates: bool         # clipping/fp16: CPU updates wait for the global norm / overflow check
-    assisted_updates: bool         # deferred: the device updates every other streamed block (engine.py)
+    assisted_updates: bool         # deferred: the device updates some streamed blocks (engine.py)
     device_bytes: dict[str, int]
     host_bytes: dict[str, int]
     device_budget: int | None
     host_budget: int | None
+    assisted_blocks: frozenset = frozenset()   # indices of the blocks the device updates ([Note: assisted updates])
 
     @property
     def device_total(self) -> int:
@@ -86,7 +89,8 @@ class Plan:
                  f"shell optimizer on {'device' if self.shell_optimizer_on_device else 'host'}, "
                  f"{self.weight_slots} weight slots, {self.staging_buffers} pinned gradient buffers"
                  f"{', deferred updates' if self.deferred_updates else ''}"
-                 f"{' (every other streamed block on the device)' if self.assisted_updates else ''}",
+                 + (f" ({len(self.assisted_blocks)} of the streamed blocks updated on the device)"
+                    if self.assisted_updates else ""),
                  f"  device {fmt_bytes(self.device_total)}"
                  + (f" of {fmt_bytes(self.device_budget)}" if self.device_budget else "") + ": "
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.device_bytes.items() if v),
@@ -159,12 +163,33 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
     }
 
 
+ASSIST_CHUNKS = 4    # [Note: assisted updates]: a block's state goes up and down in this many chunks
+ASSIST_SETS = 2      # chunk buffer sets: one chunk's download overlaps the next one's upload
+
+
+def assist_chunk(max_block: int) -> int:
+    """Elements per assisted-update chunk (a multiple of 64: aligned slices)."""
+    return -(-max(max_block, 1) // (ASSIST_CHUNKS * 64)) * 64
+
+
+def assist_buffer_numel(max_block: int) -> int:
+    """fp32 elements of the device buffers of assisted updates: per set, master, two moments and gradient."""
+    return ASSIST_SETS * 4 * assist_chunk(max_block)
+
+
+def assisted_choice(first_streamed: int, n_streamed: int, fraction: float) -> frozenset:
+    """Which streamed blocks the device updates under deferred updates: ``fraction`` of them, spread
+    evenly (0.5: every other one), so the CPU's and the copy engines' shares interleave in forward order."""
+    return frozenset(first_streamed + s for s in range(n_streamed)
+                     if math.floor((s + 1) * fraction + 1e-9) > math.floor(s * fraction + 1e-9))
+
+
 def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: torch.dtype, on_cuda: bool,
               device_budget: int | None, host_budget: int | None, deferred_updates: bool,
               checkpointing: bool, stream_params: bool,
               resident_blocks: int | None, prefetch_depth: int | None, staging: int = 12,
               shell_on_device: bool | None = None, fixed_staging: int | None = None,
-              assisted_updates: bool | None = None) -> Plan:
+              assisted_updates: bool | None = None, assisted_fraction: float = 0.5) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
@@ -200,7 +225,10 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         if fixed_staging is not None:    # re-planning around buffers that already exist
             stage = fixed_staging
         stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
-        assisted = deferred_updates and len(streamed) > 1 and assisted_updates is not False
+        chosen = assisted_choice(r, len(streamed), assisted_fraction)
+        assisted = deferred_updates and len(streamed) > 1 and assisted_updates is not False and bool(chosen)
+        if not assisted:
+            chosen = frozenset()
         uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
         dev = {
             "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),
@@ -208,7 +236,7 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
             "weight_slots": slots * max_block * cb,
             "upload_staging": (max(uploaded, default=0) * 4) if not fp32 else 0,   # [Note: fp32 uploads]
             "grad_slots": gslots * max_block * 4,
-            "assist_buffers": 4 * max_block * 4 if assisted else 0,
+            "assist_buffers": assist_buffer_numel(max_block) * 4 if assisted else 0,
             **act,
             "allocator_reserve": int(0.05 * (act_total + sum(shape.block_numels) * cb)) + (256 << 20 if on_cuda else 0),
         }
@@ -225,7 +253,7 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
                 host["device:" + k] = v
             dev = {}
         return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, assisted, dev, host, device_budget,
-                    host_budget)
+                    host_budget, chosen)
 
     best = None
     # Prefer the shell's optimizer on the device: its gradient is complete only at the very end of the

@@ -49,7 +49,8 @@ class StepRecovery:
         for u in self.blocks:
             if u.home is Home.STREAMED:
                 u.slot, u.state, u.ready_event, u.grad_slot, u.grad = None, WeightState.ON_HOST, None, None, None
-        self._assist_free = None
+        if self._assist is not None:
+            self._assist_free = [None] * len(self._assist)
         self.dev.intervals.clear()
 
     def _drop_device_state(self) -> None:

@@ -196,8 +196,3 @@ class HostArena:
             self.close()
         except Exception:
             pass
-
-
-def assisted_unit(home: Home, index: int) -> bool:
-    """With assisted updates, the device updates every other streamed block (see engine.py)."""
-    return home is Home.STREAMED and index % 2 == 1

@@ -1,0 +1,73 @@
+"""Print the last step's trace of a zerofit result (``extra.trace``, from ``engine.trace()``).
+
+    python3 bench/trace.py RESULT.json [--engine zerofit] [--gantt]
+
+Per lane (compute, upload, download, cpu, wait): busy seconds, first start, last end, and the busy
+seconds inside each phase of the step: forward (until the first ``post`` compute), post, backward,
+and after the backward's last compute (the optimizer's tail). ``--gantt`` prints every interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def phases(trace: list[dict]) -> list[tuple[str, float, float]]:
+    comp = sorted((e for e in trace if e["lane"] == "compute"), key=lambda e: e["start"])
+    if not comp:
+        return []
+    posts = [e for e in comp if e["label"] == "post"]
+    end = max(e["end"] for e in trace)
+    fwd_end = posts[0]["start"] if posts else comp[-1]["end"]
+    post_end = posts[-1]["end"] if posts else fwd_end
+    bwd_end = max(e["end"] for e in comp)
+    return [("forward", 0.0, fwd_end), ("post", fwd_end, post_end), ("backward", post_end, bwd_end),
+            ("tail", bwd_end, end)]
+
+
+def overlap(a0, a1, b0, b1) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def summarize(trace: list[dict]) -> str:
+    ph = phases(trace)
+    lanes = sorted({e["lane"] for e in trace})
+    head = f"{'lane':10} {'busy s':>8} " + " ".join(f"{n:>9}" for n, _, _ in ph)
+    lines = ["phases: " + ", ".join(f"{n} {a:.3f}-{b:.3f}" for n, a, b in ph), head]
+    for lane in lanes:
+        ev = [e for e in trace if e["lane"] == lane]
+        busy = sum(e["end"] - e["start"] for e in ev)
+        per = [sum(overlap(e["start"], e["end"], a, b) for e in ev) for _, a, b in ph]
+        lines.append(f"{lane:10} {busy:8.3f} " + " ".join(f"{x:9.3f}" for x in per))
+    return "\n".join(lines)
+
+
+def gantt(trace: list[dict]) -> str:
+    return "\n".join(f"{e['start'] * 1e3:9.1f} {(e['end'] - e['start']) * 1e3:7.1f} ms  {e['lane']:9} {e['label']}"
+                     for e in sorted(trace, key=lambda e: e["start"]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("result")
+    ap.add_argument("--engine", default="zerofit")
+    ap.add_argument("--gantt", action="store_true")
+    a = ap.parse_args()
+    data = json.load(open(a.result))
+    rows = data.get("results", [data])
+    for r in rows:
+        if r.get("engine") != a.engine or not r.get("extra", {}).get("trace"):
+            continue
+        t = r["extra"]["trace"]
+        print(f"== {r['engine']} {r.get('extra', {}).get('zerofit_config', {}).get('offload', {})}: "
+              f"{r.get('s_per_step')} s/step")
+        print(summarize(t))
+        if a.gantt:
+            print(gantt(t))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -77,13 +77,14 @@ def test_gradient_accumulation_equals_one_big_batch():
 def test_global_norm_clipping_matches_clip_grad_norm(clip, speculate):
     """Clipping by the global norm, exactly, whichever way the engine schedules the host updates: speculative
     updates during the backward ([Note: speculative updates]) held when the step is not clipped, rolled back
-    and redone when it is; after a clipped step, deferred updates with every other streamed block updated on
+    and redone when it is; after a clipped step, deferred updates with some streamed blocks updated on
     the device ([Note: assisted updates]). This model's norms lie between 1.08 and 1.26: clip 1.16 mixes."""
     torch.manual_seed(0)
     model = tm.qwen2()
     ref = copy.deepcopy(model)
     engine = zerofit.initialize(model, _cfg(gradient_clipping=clip, offload={"speculative_updates": speculate}))
     assert engine.plan.deferred_updates and engine.plan.assisted_updates
+    dev_block = f"model.layers.{min(engine.plan.assisted_blocks)}"    # one the device updates
     calls = []
     assisted = engine._assisted_update
     engine._assisted_update = lambda unit, dst: (calls.append(unit.name), assisted(unit, dst))
@@ -95,15 +96,15 @@ def test_global_norm_clipping_matches_clip_grad_norm(clip, speculate):
     assert "model.layers.0" not in calls
     if not speculate:
         assert stats == {"held": 0, "rolled_back": 0, "waited": 0}
-        assert calls.count("model.layers.1") == STEPS
+        assert calls.count(dev_block) == STEPS
     elif clip == 0.05:     # the first step speculates and is rolled back; the others wait for the norm
         assert stats == {"held": 0, "rolled_back": 1, "waited": STEPS - 1}
-        assert calls.count("model.layers.1") == STEPS - 1
+        assert calls.count(dev_block) == STEPS - 1
     elif clip == 1e3:
         assert stats == {"held": STEPS, "rolled_back": 0, "waited": 0} and not calls
     else:
         assert stats["held"] >= 2 and stats["rolled_back"] >= 2, stats
-        assert calls.count("model.layers.1") == stats["waited"]
+        assert calls.count(dev_block) == stats["waited"]
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])

@@ -21,7 +21,7 @@ def _gpu_batches(steps, G, B=2, T=32):
 
 @pytest.mark.parametrize("resident,clip", [(0, 0.0), (1, 0.0), (1, 0.05)])
 def test_fp32_parity_on_gpu_with_streaming(resident, clip):
-    """clip > 0 defers the updates: every other streamed block is then updated on the device."""
+    """clip > 0 defers the updates: some streamed blocks are then updated on the device."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def test_resume_in_a_new_process_is_bitwise_exact_on_gpu(tmp_path):
             torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-5, atol=0)
             for kind in ("master", "moments"):
                 for k in a[kind]:
-                    torch.testing.assert_close(b[kind][k], a[kind][k], rtol=1e-4, atol=1e-7)
+                    torch.testing.assert_close(b[kind][k], a[kind][k], rtol=1e-4, atol=1e-7, check_device=False)
             continue
         assert a["losses"] == b["losses"], f"{name}: losses differ after the resume"
         for kind in ("master", "moments"):

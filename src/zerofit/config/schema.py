@@ -346,10 +346,12 @@ class OffloadConfig(_Frozen):
     shell_optimizer: Literal["auto", "device", "host"] = "auto"
     """where the optimizer of the shell (embeddings, final norm, head) runs; auto = the planner decides
     (the device when it fits: the shell's gradient is complete only at the end of the backward)"""
-    assisted_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    assisted_fraction: float = Field(0.375, ge=0.0, le=1.0)
     """with deferred updates (clipping after a clipped step, fp16): the share of the streamed blocks whose
     AdamW step the GPU runs (their state goes up and back down over PCIe) while the CPU updates the rest,
-    both during the next forward; spread evenly over the blocks. 0 = the CPU updates all of them"""
+    both during the next forward; spread evenly over the blocks. 0 = the CPU updates all of them. The
+    default balances the CPU's and the copy engines' busy time on the benchmark machine (W1: 0.375 gave
+    1.49 s/step, 0.5 1.53, 0.625 1.58; docs/benchmarks.md)"""
     speculative_updates: bool = True
     """with gradient clipping (bf16/fp32): update host blocks during the backward as if unclipped, and roll
     them back and update again in the rare step that the global norm then clips (zerofit/engine/speculation.py);

@@ -189,7 +189,7 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
               checkpointing: bool, stream_params: bool,
               resident_blocks: int | None, prefetch_depth: int | None, staging: int = 12,
               shell_on_device: bool | None = None, fixed_staging: int | None = None,
-              assisted_updates: bool | None = None, assisted_fraction: float = 0.5) -> Plan:
+              assisted_updates: bool | None = None, assisted_fraction: float = 0.375) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32

@@ -107,6 +107,45 @@ def test_global_norm_clipping_matches_clip_grad_norm(clip, speculate):
         assert calls.count(dev_block) == stats["waited"]
 
 
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_assisted_fraction_keeps_the_math(fraction):
+    """Clipped steps with no block or every streamed block updated on the device (in chunks smaller than a
+    block): the same weights as clip_grad_norm_ + AdamW either way."""
+    torch.manual_seed(0)
+    model = tm.qwen2()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg(gradient_clipping=0.05,
+                                            offload={"speculative_updates": False, "assisted_fraction": fraction}))
+    streamed = {u.index for u in engine.blocks if u.home.name == "STREAMED"}
+    assert engine.plan.assisted_blocks == (streamed if fraction else frozenset())
+    assert engine.plan.assisted_updates == bool(fraction)
+    steps = 6
+    data = tm.batches(steps, G)
+    losses = [engine.train_batch(mbs) for mbs in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data, clip=0.05)))
+    _assert_same_weights(engine, ref)
+
+
+def test_trace_shows_every_block_and_every_host_update():
+    """engine.trace(): the last step interval by interval, each lane's intervals in order, ending by the
+    step's wall time; every block computes, every host-updated block has its CPU task."""
+    torch.manual_seed(0)
+    engine = zerofit.initialize(tm.qwen2(), _cfg())
+    for mbs in tm.batches(2, G):
+        engine.train_batch(mbs)
+    trace, tl = engine.trace(), engine.timeline()
+    labels = {(e["lane"], e["label"]) for e in trace}
+    for u in engine.blocks:
+        assert ("compute", u.name) in labels
+        if not u.optimizer_on_device:
+            assert ("cpu", f"adamw[{u.name}]") in labels, u.name
+    for e in trace:     # a CPU task of the previous step still running at the start begins before 0
+        assert e["start"] <= e["end"] <= tl["step"] + 1e-3 and e["end"] >= 0.0, e
+        assert e["start"] >= 0.0 or e["lane"] == "cpu", e
+    busy = sum(e["end"] - e["start"] for e in trace if e["lane"] == "compute")
+    assert busy == pytest.approx(tl["compute"], rel=1e-3, abs=1e-4)
+
+
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_deepspeed_style_api_matches(clip):
     torch.manual_seed(0)

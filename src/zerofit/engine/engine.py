@@ -877,7 +877,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         """The last step's timeline interval by interval: {lane, label, start, end} in seconds from the
         step's start. Lanes: compute, upload, download (device streams; from CUDA events), cpu (the host
         optimizer thread's tasks) and wait (the main thread blocked on it or on pinned buffers). Device and
-        host intervals come from different clocks that start together: compare them to a millisecond."""
+        host intervals come from different clocks that start together: compare them to a millisecond. A CPU
+        task of the previous step still running when this one started has a negative start."""
         return list(self._trace)
 
     def timeline(self) -> dict[str, float]:

@@ -1,11 +1,14 @@
 """The DeepSpeed-shaped API: ``out = engine(**batch); engine.backward(out.loss); engine.step()``.
 
-One micro-batch per call, with the optimizer step at the gradient-accumulation boundary; slower than
-``train_batch`` (each call moves every streamed block's weights: docs/engine.md). Evaluation forwards
+One micro-batch per call, with the optimizer step at the gradient-accumulation boundary. The blocks'
+backward waits for the boundary and runs block-major over the window's micro-batches, as in train_batch;
+each forward moves every streamed block's weights, the later ones as 16-bit copies (docs/engine.md). Evaluation forwards
 (``engine.eval()`` or ``torch.no_grad()``) keep nothing. A mixin of :class:`~zerofit.engine.engine.Engine`.
 """
 
 from __future__ import annotations
+
+import logging
 
 
 import torch
@@ -13,6 +16,8 @@ import torch
 from zerofit.engine.batch import check_batch
 from zerofit.engine.planner import PlanError
 from zerofit.engine.store import Home, HostArena
+
+log = logging.getLogger("zerofit")
 
 
 class DeepSpeedStyleAPI:
@@ -38,12 +43,22 @@ class DeepSpeedStyleAPI:
     forward = __call__
 
     def _forward_micro(self, batch: dict):
+        """[Note: the block backward waits for the boundary]"""
+        G = self.config.gradient_accumulation_steps
+        if self._micro_steps >= G:
+            raise RuntimeError(f"{self._micro_steps} micro-batches went through backward() since the last optimizer "
+                               f"step and gradient_accumulation_steps is {G}: call engine.step() after each "
+                               "backward() (it steps at the accumulation boundary), as DeepSpeed's loop does")
         if self._micro_steps == 0:
             self._ds_t0, self._ds_busy0 = self._start_clock()
         self._ensure_plan([batch])
-        if self.deferred is False and self.adapter.streaming and any(not u.optimizer_on_device for u in self.units):
-            self._enable_accumulation()
-        micros = self._forward([batch], shell_grad=True)
+        if self._micro_steps == 0 and G > 1 and self._host16_possible():
+            self._enable_host16()
+        self._host16_fill = self._micro_steps % G < G - 1     # more forwards of this window follow
+        try:
+            micros = self._forward([batch], shell_grad=True)
+        finally:
+            self._host16_fill = False
         micro = micros[0]
         out, final = self._post(micro)
         micro.output = (out, final)
@@ -59,29 +74,48 @@ class DeepSpeedStyleAPI:
         del self.dev.intervals[n:]            # not part of any step's timeline
         return out
 
-    def _enable_accumulation(self) -> None:
-        """DeepSpeed-style steps need per-unit host gradient buffers: switch to deferred updates.
+    # [Note: 16-bit copies for extra forwards]
+    # Each DeepSpeed-style forward sees one micro-batch, so a streamed block's weights cross PCIe once per
+    # micro-batch, not once per step as in train_batch. The first forward of an accumulation window uploads
+    # the fp32 master and casts it on the device (as always); the cast weights are then sent down into a
+    # pinned 16-bit host copy (the download engine is idle during forwards), and the window's later forwards
+    # and its block backward upload that copy: half the bytes, and bitwise the weights the device cast. A copy
+    # is valid while the engine's weights epoch is the one it was taken in: the epoch moves whenever masters
+    # may change (every optimizer step, a dropped step, a checkpoint load), and a unit whose update may
+    # start (its gradient went down) drops its copy at once. Host memory: 2 B/param of the streamed
+    # blocks, planned; without room the engine goes on with fp32 uploads.
 
-        The plan is made again for deferred updates (same placement) and refused if the host
-        gradient buffers do not fit, before they are allocated."""
-        self.worker.drain()
-        try:    # assisted updates need device buffers the first plan may not have room for
-            self.plan = self._replan(self._plan_batch, deferred_updates=True)
-        except PlanError:
-            self.plan = self._replan(self._plan_batch, deferred_updates=True, assisted_updates=False)
-        self.deferred = True
+    def _host16_possible(self) -> bool:
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
-        if self.plan.assisted_updates and self._assist is None and streamed:
-            self._alloc_assist(max(u.numel for u in streamed))
-        host_units = [u for u in self.units if not u.optimizer_on_device]
-        a = HostArena(sum(u.numel for u in host_units), torch.float32, self.dev.is_cuda and self.config.offload.pin_memory)
-        self._arenas.append(a)
-        for u in host_units:
-            self._host_grads[id(u)] = a.take(u.numel)
+        return (self.dtype != torch.float32 and bool(streamed)
+                and streamed[0].host16 is None and not getattr(self, "_host16_refused", False))
 
+    def _enable_host16(self) -> None:
+        try:
+            self.plan = self._replan(self._plan_batch, host16=True)
+        except PlanError as e:
+            self._host16_refused = True
+            log.info("zerofit: no room for 16-bit host copies of the streamed blocks (%s); DeepSpeed-style "
+                     "forwards upload fp32 weights", e)
+            return
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        a = HostArena(sum(u.numel for u in streamed), self.dtype, self.dev.is_cuda and self.config.offload.pin_memory)
+        self._arenas.append(a)
+        for u in streamed:
+            u.host16, u.host16_epoch = a.take(u.numel), -1
+
+    # [Note: the block backward waits for the boundary]
+    # backward(loss) runs only the post pass's backward (head and loss) for its micro-batch, keeping the
+    # gradient at the last block's output beside the micro-batch's block checkpoints (which the forward kept
+    # on the device anyway, as train_batch keeps all G). At the accumulation boundary (the G-th backward) the
+    # blocks' backward runs once, block-major over the G micro-batches: each block's weights come up once for
+    # all of them and its gradient goes to the CPU optimizer once, exactly train_batch's backward, so the
+    # gradients (summed in the same order) and the updates are those of train_batch and plain accumulation.
+    # The losses the user sees are those of the forwards they ran. step() takes the optimizer step.
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients."""
+        """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients
+        (the blocks' part at the accumulation boundary: [Note: the block backward waits for the boundary])."""
         self._check_open()
         micro = self._pending
         if micro is None:
@@ -94,9 +128,17 @@ class DeepSpeedStyleAPI:
             scale = self.scaler.scale if self.scaler else 1.0
             with self.dev.timed("compute", label="post"):
                 self._post_backward(micro, loss, final, scale / G)
-            if self.adapter.streaming:
-                self._backward_blocks([micro])
             self._micro_steps += 1
+            if self.adapter.streaming:
+                self._held.append(micro)
+                if len(self._held) >= G:
+                    self._backward_held()
+
+    def _backward_held(self) -> None:
+        held, self._held = self._held, []
+        if self._spec is None:
+            self._begin_speculation()
+        self._backward_blocks(held)
 
     def step(self) -> None:
         """Take the optimizer step at the gradient-accumulation boundary (a no-op before it)."""
@@ -104,7 +146,6 @@ class DeepSpeedStyleAPI:
         if self._micro_steps < self.config.gradient_accumulation_steps:
             return
         with self._call(discard_step=True):
-            self.worker.drain()
             applied = self._finish_step()
             self._micro_steps = 0
             self._end_step(self._ds_t0, self._ds_busy0, applied)

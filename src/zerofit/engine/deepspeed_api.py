@@ -57,6 +57,8 @@ class DeepSpeedStyleAPI:
         self._host16_fill = self._micro_steps % G < G - 1     # more forwards of this window follow
         try:
             micros = self._forward([batch], shell_grad=True)
+            if self._host16_fill and self.adapter.streaming:
+                self._prefetch_first_blocks()
         finally:
             self._host16_fill = False
         micro = micros[0]
@@ -84,6 +86,16 @@ class DeepSpeedStyleAPI:
     # may change (every optimizer step, a dropped step, a checkpoint load), and a unit whose update may
     # start (its gradient went down) drops its copy at once. Host memory: 2 B/param of the streamed
     # blocks, planned; without room the engine goes on with fp32 uploads.
+
+    def _prefetch_first_blocks(self) -> None:
+        """Another forward of this window follows: start uploading its first streamed blocks now (into the
+        slots the last blocks just left: [Note: slot reuse] orders it after their compute), so that forward
+        does not begin by waiting for PCIe."""
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        window = tuple(streamed[: self.plan.weight_slots])
+        for u in streamed[: max(self.plan.weight_slots - 1, 1)]:
+            if not self._begin_upload(u, window, wait=False):
+                break
 
     def _host16_possible(self) -> bool:
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]

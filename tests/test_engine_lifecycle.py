@@ -5,7 +5,7 @@ forwards, and the generic fallback of models whose blocks are not chained. See [
 and [Note: engine lifecycle] in src/zerofit/engine/lifecycle.py.
 
 Faults come from a model whose blocks raise (or send themselves SIGINT) on a flag (``_FaultyLM``), and from
-an AdamW that fails on the CPU worker thread (the ``adamw_flat`` the engine module calls, monkeypatched).
+an AdamW that fails on the CPU worker thread (the ``adamw_flat`` that ``unit_adamw`` calls, monkeypatched).
 Every injecting test asserts that its fault fired.
 """
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerofit
-import zerofit.engine.engine as engine_module
+import zerofit.engine.optimizer as optimizer_module
 from tests import lifecycle_script
 from tests import tiny_models as tm
 from zerofit.engine.adapter import loss_of
@@ -280,7 +280,7 @@ def test_error_after_updates_began_fails_the_engine():
 @pytest.mark.timeout(60)
 def test_error_while_applying_the_device_updates_fails_the_engine(monkeypatch):
     """With clipping the updates run after the backward; one failing there leaves the step torn: FAILED."""
-    real = engine_module.adamw_flat
+    real = optimizer_module.adamw_flat
     armed = {"on": False, "hits": 0}
 
     def adamw_flat(*args, **kw):
@@ -289,7 +289,7 @@ def test_error_while_applying_the_device_updates_fails_the_engine(monkeypatch):
             raise _Boom("injected in an update on the device")
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine_module, "adamw_flat", adamw_flat)
+    monkeypatch.setattr(optimizer_module, "adamw_flat", adamw_flat)
     _, engine, _ = _faulty_pair(gradient_clipping=1.0)
     data = tm.batches(2, G)
     engine.train_batch(data[0])
@@ -306,7 +306,7 @@ def test_error_while_applying_the_device_updates_fails_the_engine(monkeypatch):
 def test_cpu_worker_failure_fails_the_engine_and_a_retry_does_not_hang(clip, monkeypatch):
     """A failing CPU update surfaces within the step or at the next call (deferred updates run after the step
     returned), as EngineFailedError; a retry raises at once instead of waiting for an update that never comes."""
-    real = engine_module.adamw_flat
+    real = optimizer_module.adamw_flat
     armed = {"on": False, "hits": 0}
 
     def adamw_flat(*args, **kw):
@@ -315,7 +315,7 @@ def test_cpu_worker_failure_fails_the_engine_and_a_retry_does_not_hang(clip, mon
             raise _Boom("injected in the CPU optimizer")
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine_module, "adamw_flat", adamw_flat)
+    monkeypatch.setattr(optimizer_module, "adamw_flat", adamw_flat)
     _, engine, _ = _faulty_pair(gradient_clipping=clip)
     data = tm.batches(3, G)
     engine.train_batch(data[0])

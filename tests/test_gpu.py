@@ -43,6 +43,36 @@ def test_fp32_parity_on_gpu_with_streaming(resident, clip):
     engine.close()
 
 
+@pytest.mark.parametrize("clip,offload", [(0.0, {}), (1.16, {}),
+                                          (0.05, {"speculative_updates": False, "assisted_fraction": 1.0})],
+                         ids=["no-clipping", "mixed", "always-clipped-assisted"])
+def test_param_groups_parity_on_gpu(clip, offload):
+    """Parameter groups (tests/test_param_groups.py) with real streams: the shell and a resident block updated
+    on the device per segment (the factor multiplied into each segment's gradient there), streamed blocks on
+    the CPU (speculated and rolled back with clip 1.16), or by the device in chunks straddling group borders."""
+    from tests.test_param_groups import _groups
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    model = tm.qwen2()
+    ref = copy.deepcopy(model).cuda()
+    engine = zerofit.initialize(model, {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
+                                        "optimizer": {"lr": 1e-3}, "gradient_clipping": clip,
+                                        "offload": {"resident_blocks": 1, **offload}}, param_groups=_groups(model))
+    assert engine.device.type == "cuda" and len(engine.blocks[0].segments) == 3
+    data = _gpu_batches(10, 2)
+    losses = [engine.train_batch(mbs) for mbs in data]
+    ref_losses = tm.reference_train(ref, data, clip=clip, param_groups=_groups(ref))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    master = engine.master_state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(master[n], p.detach().cpu(), msg=lambda m: f"{n}: {m}")
+    if offload:
+        assert engine.plan.assisted_blocks == {u.index for u in engine.blocks if u.home.name == "STREAMED"}
+    engine.close()
+
+
 def test_bf16_trains_and_respects_cap():
     torch.manual_seed(0)
     model = tm.llama(layers=6)

@@ -119,10 +119,11 @@ def batches(steps: int, G: int, B: int = 2, T: int = 16, seed: int = 1) -> list[
 
 
 def reference_train(model: nn.Module, data: list[list[dict]], lr: float = 1e-3, wd: float = 0.01,
-                    clip: float = 0.0, sched=None) -> list[float]:
+                    clip: float = 0.0, sched=None, param_groups=None) -> list[float]:
     """Plain PyTorch training, the textbook way: loss / G accumulated, optional global-norm clipping,
-    torch.optim.AdamW, an optional LambdaLR. Returns the mean loss of each step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    torch.optim.AdamW (over ``param_groups`` of ``model``'s parameters when given), an optional LambdaLR.
+    Returns the mean loss of each step."""
+    opt = torch.optim.AdamW(model.parameters() if param_groups is None else param_groups, lr=lr, weight_decay=wd)
     lrs = torch.optim.lr_scheduler.LambdaLR(opt, sched) if sched else None
     losses = []
     for mbs in data:
@@ -143,12 +144,13 @@ def reference_train(model: nn.Module, data: list[list[dict]], lr: float = 1e-3, 
 
 
 def fp16_reference_train(master: nn.Module, mbs: list[dict], steps: int, lr: float, scaler,
-                         clip: float = 0.0) -> tuple[list[float], list[float]]:
+                         clip: float = 0.0, param_groups=None) -> tuple[list[float], list[float]]:
     """fp16 compute on a copy of fp32 master weights with dynamic loss scaling (``scaler``: a
     DynamicLossScaler), gradients summed in fp32 over ``mbs``, optional global-norm clipping,
-    torch.optim.AdamW on the master. The same batch every step. Returns (losses, scales)."""
+    torch.optim.AdamW on the master (over ``param_groups`` of its parameters when given). The same batch
+    every step. Returns (losses, scales)."""
     work = copy.deepcopy(master).half()
-    opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(master.parameters() if param_groups is None else param_groups, lr=lr, weight_decay=0.01)
     G = len(mbs)
     losses, scales = [], []
     for _ in range(steps):

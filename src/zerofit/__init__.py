@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "__version__"]
 
 
-def initialize(model, config=None, **overrides):
+def initialize(model, config=None, *, param_groups=None, **overrides):
     """Wrap ``model`` in a training engine configured by ``config``.
 
     ``model`` is an ``nn.Module`` (real, or built on the meta device) or the path of a local Hugging Face
@@ -26,7 +26,13 @@ def initialize(model, config=None, **overrides):
     ``config`` may be a DeepSpeed-style dict or JSON path, a zerofit dict or a
     :class:`zerofit.config.ZerofitConfig`. Keyword ``overrides`` replace fields of
     the resolved zerofit config (for example ``max_gpu_memory="24GiB"``).
+
+    ``param_groups``: AdamW parameter groups in ``torch.optim``'s format, e.g.
+    ``[{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]``: parameters of
+    ``model`` or their names; a group may set ``lr``, ``weight_decay``, ``betas`` and ``eps`` and takes the
+    config's value for the others. Every parameter must be in exactly one group (zerofit trains them all).
+    None: one group with the config's values. See docs/config.md.
     """
     from zerofit.engine.engine import Engine
 
-    return Engine.create(model, config, **overrides)
+    return Engine.create(model, config, param_groups=param_groups, **overrides)

@@ -5,7 +5,9 @@ The checkpoint names tensors by the model's canonical parameter names (the first
 name of tied parameters), never by unit, slot or device: a unit's flat buffers are
 cut at its layout's offsets. So the files are the same whatever the placement
 (resident blocks, where the shell's optimizer runs, later the number of GPUs), and a
-checkpoint saved under one plan loads under any other.
+checkpoint saved under one plan loads under any other. Parameter groups reorder a unit's layout
+([Note: segments per unit], engine/store.py), never its names: tensors are written in the model's order,
+so a checkpoint does not depend on the groups either (they are recorded, and a change is warned about).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def weight_entries(engine, dtype: torch.dtype = torch.float32) -> list[Entry]:
 
 
 def optimizer_entries(engine) -> list[Entry]:
-    """``<param>.exp_avg`` then ``<param>.exp_avg_sq`` per unit: each unit's moments go out as two long runs."""
+    """``<param>.exp_avg`` then ``<param>.exp_avg_sq`` per unit: each unit's moments go out as two long runs
+    (cut where parameter groups interleave in the model's order)."""
     return [Entry(f"{p}{n}.{m}", tuple(s), torch.float32, getattr(u, m), o)
             for u, p in _named_units(engine) for m in MOMENTS
             for n, s, o in zip(u.layout.names, u.layout.shapes, u.layout.offsets)]
@@ -93,6 +96,7 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
         # [Note: speculative updates] (engine/speculation.py): whether the next step speculates depends on
         # whether the last one was clipped, and a speculated-then-redone update differs in rounding
         "speculate_next": getattr(engine, "_speculate_next", None),
+        "param_groups": groups_record(engine),
     }
     from zerofit import __version__
     state["zerofit_version"] = __version__
@@ -140,7 +144,7 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
             raise CheckpointMismatchError(f"{folder}: optimizer step counts for units {sorted(st['unit_steps'])}, "
                                           f"this engine has {sorted(units)}")
     _check_scaler(engine, st.get("scaler"), folder)
-    _warn_config_changes(engine, folder)
+    _warn_config_changes(engine, folder, st)
     client_state = torch.load(io.BytesIO((folder / CLIENT_STATE).read_bytes()), weights_only=False)
     # nothing has been written into the engine so far; from here on a failure must not go unnoticed
     engine.wait()
@@ -224,13 +228,25 @@ def _check_scaler(engine, saved: dict | None, folder: Path) -> None:
                                       f"this engine's is {kind!r} (fp16.loss_scale differs)")
 
 
-def _warn_config_changes(engine, folder: Path) -> None:
+def groups_record(engine) -> list[dict] | None:
+    """The engine's parameter groups as recorded in a checkpoint ([Note: parameter groups], engine/groups.py):
+    None when there is one group with the config's optimizer values (no groups), else each group's
+    parameter names and its resolved hyperparameters. Tensors are stored by name whatever the groups."""
+    groups = getattr(engine, "param_groups", None)
+    if not groups or (len(groups) == 1 and groups[0].optimizer == engine.config.optimizer):
+        return None
+    return [g.record() for g in groups]
+
+
+def _warn_config_changes(engine, folder: Path, state: dict) -> None:
     path = folder / ZEROFIT_CONFIG
     if not path.is_file():
         return
     saved = json.loads(path.read_bytes())
     now = engine.config.model_dump(mode="json")
     changed = [k for k in _RESUME_FIELDS if saved.get(k) != now.get(k)]
+    if state.get("param_groups") != groups_record(engine):
+        changed.append("param_groups")
     if changed:
         log.warning("%s: saved with a different %s; the run continues with the new settings, so it will not "
                     "match an uninterrupted one exactly", folder, ", ".join(changed))

@@ -272,7 +272,8 @@ class OptimizerConfig(_Frozen):
     eps: float = Field(1e-8, gt=0)
     """Adam epsilon, added to the root of the second moment"""
     weight_decay: float = Field(0.01, ge=0)
-    """decoupled weight decay (``p -= lr * weight_decay * p``), applied to every parameter"""
+    """decoupled weight decay (``p -= lr * weight_decay * p``), applied to every parameter (unless parameter
+    groups give some their own: ``zerofit.initialize(..., param_groups=...)``)"""
 
     @field_validator("betas", mode="before")
     @classmethod

@@ -47,10 +47,11 @@ from zerofit.engine.device import Device
 from zerofit.engine.deepspeed_api import DeepSpeedStyleAPI
 from zerofit.engine.lifecycle import EngineLifecycle, EngineState
 from zerofit.engine.recovery import StepRecovery
-from zerofit.engine.optimizer import HostWorker, Hyper, adamw_flat
+from zerofit.engine.groups import resolve_groups
+from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw
 from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.planner import ASSIST_SETS, BatchShape, ModelShape, Plan, assist_chunk, make_plan
-from zerofit.engine.speculation import Speculation, adamw_rollback
+from zerofit.engine.speculation import Speculation
 from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState
 
 _SPECULATE_FIRST = -(2**40)   # worker priority of speculation tasks ([Note: speculative updates])
@@ -82,9 +83,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
     @classmethod
-    def create(cls, model, config=None, **overrides) -> "Engine":
+    def create(cls, model, config=None, *, param_groups=None, **overrides) -> "Engine":
         """``model``: an ``nn.Module`` (real or on the meta device) or the path of a Hugging Face model
-        directory, built on the meta device and filled from its safetensors files (zerofit.models)."""
+        directory, built on the meta device and filled from its safetensors files (zerofit.models).
+        ``param_groups``: torch.optim-style groups ([Note: parameter groups], groups.py)."""
         from zerofit.config import load_config
 
         loaded = load_config(config, **overrides)   # a bad config fails before any file is read
@@ -98,10 +100,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
             from zerofit.config import format_report
 
             logging.getLogger("zerofit").warning("configuration notes:\n%s", format_report(loaded.notices))
-        return cls(model, loaded.config, report=loaded.report, source=source)
+        return cls(model, loaded.config, report=loaded.report, source=source, param_groups=param_groups)
 
     def __init__(self, model: nn.Module, config: ZerofitConfig, report=(), device: torch.device | str | None = None,
-                 adapter: str | None = None, source=None):
+                 adapter: str | None = None, source=None, param_groups=None):
         self.config = config
         self.source_dir = source.path if source is not None else None   # the model directory it was loaded from
         self._source = source
@@ -119,6 +121,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         self._adapter_kind = adapter or config.adapter
         self.adapter = Adapter(model, self._adapter_kind)
         self._model = model
+        self._table = param_table(model, self.adapter)
+        # [Note: parameter groups] (groups.py): refused here, before anything is allocated
+        self.param_groups = resolve_groups(param_groups, self._table, config.optimizer)
+        self._group_of = {n: i for i, g in enumerate(self.param_groups) for n in g.names}
         # the global gradient norm is needed for clipping and for fp16's overflow check; either one
         # makes every host update wait for it (deferred updates)
         self._needs_norm = config.gradient_clipping > 0 or config.precision == "fp16"
@@ -126,7 +132,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         # [Note: speculative updates] (speculation.py): clipping without fp16 may update during the backward
         self._can_speculate = (config.gradient_clipping > 0 and config.precision != "fp16"
                                and config.offload.speculative_updates
-                               and Speculation.usable(*config.optimizer.betas))
+                               and all(Speculation.usable(*g.optimizer.betas) for g in self.param_groups))
         self._speculate_next = True       # the last step was not clipped (or there was none)
         self._spec: Speculation | None = None
         self.speculation_stats = {"held": 0, "rolled_back": 0, "waited": 0}   # steps by outcome
@@ -147,7 +153,6 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         self._mirror_stale = False
         self._peak_host = 0
         self._checked_shape = None
-        self._table = param_table(model, self.adapter)
         self._shape = model_shape(model, self.adapter, self._table)
         self.plan = self._plan(self._shape, config.seq_len)   # may refuse: nothing allocated yet
         self._open_lifecycle(self.dev)    # [Note: engine lifecycle]: from here on, released exactly once
@@ -219,7 +224,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         plan, cb = self.plan, self.dtype
         pinned = self.dev.is_cuda and self.config.offload.pin_memory
         self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned,
-                                         source=self._source)
+                                         source=self._source, group_of=self._group_of)
         self._source = None   # the files are read: keep only their folder (source_dir)
         self._arenas.extend(arenas)
         self.shell, self.blocks = self.units[0], self.units[1:]
@@ -338,7 +343,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         master) waits on ``master_event``, the event after its last chunk went down."""
         # [Note: failure semantics]: an error before this unit's update is fully enqueued leaves it torn
         before, self.state = self.state, EngineState.APPLYING
-        factor, hyper = unit.pending_update
+        factor, hypers = unit.pending_update
         unit.pending_update = None
         n = unit.numel
         chunk = self._assist[0][0].numel()
@@ -356,7 +361,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
                 m.copy_(unit.exp_avg[off:off + k], non_blocking=True)
                 v.copy_(unit.exp_avg_sq[off:off + k], non_blocking=True)
                 g.copy_(host_grad[off:off + k], non_blocking=True)
-                adamw_flat(p, g, m, v, step0.clone(), hyper, factor)
+                # a chunk may straddle a border between parameter groups: unit_adamw cuts it there
+                unit_adamw(unit, p, g, m, v, step0.clone(), hypers, factor, start=off)
                 if dst is not None:
                     dst[off:off + k].copy_(p)
             up = self.dev.record(self.dev.upload)
@@ -671,27 +677,29 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
             self._give_staging(staging)
         return run
 
-    def _task_update(self, unit: Unit, grad: torch.Tensor, event, hyper: Hyper, factor: float, release: bool):
+    def _task_update(self, unit: Unit, grad: torch.Tensor, event, hypers: tuple[Hyper, ...], factor: float,
+                     release: bool):
         def run():
             event.synchronize()
             g = grad.narrow(0, 0, unit.numel)
-            adamw_flat(unit.master, g, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper, factor)
+            unit_adamw(unit, unit.master, g, unit.exp_avg, unit.exp_avg_sq, unit.step, hypers, factor)
             if release:
                 self._give_staging(grad)
             unit.updated.set()
         return run
 
-    def _task_speculate(self, unit: Unit, spec: Speculation, event, hyper: Hyper):
+    def _task_speculate(self, unit: Unit, spec: Speculation, event, hypers: tuple[Hyper, ...]):
         """[Note: speculative updates]: update with factor 1 unless the partial norm already proves clipping.
         The unit stays not ``updated`` until its settle task has run: only that one decides what the master is."""
         def run():
             event.synchronize()
             if spec.admit(float(self._block_sq[unit.index])):
-                adamw_flat(unit.master, self._host_grads[id(unit)], unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
+                unit_adamw(unit, unit.master, self._host_grads[id(unit)], unit.exp_avg, unit.exp_avg_sq, unit.step,
+                           hypers)
                 spec.speculated.add(id(unit))
         return run
 
-    def _task_settle(self, unit: Unit, spec: Speculation, event, hyper: Hyper, factor: float | None):
+    def _task_settle(self, unit: Unit, spec: Speculation, event, hypers: tuple[Hyper, ...], factor: float | None):
         """After a speculative backward, once the norm is known (``factor``: the gradient's factor, None for a
         non-finite norm): keep a speculative update, redo it with the true factor, roll it back, or (for a
         block the worker did not speculate on) apply the deferred update. Runs after the block's
@@ -704,16 +712,28 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
                 pass
             else:
                 if held:
-                    adamw_rollback(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper)
+                    unit_adamw(unit, unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hypers,
+                               inverse=True)
                 if factor is not None:
-                    adamw_flat(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hyper, factor)
+                    unit_adamw(unit, unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hypers, factor)
             unit.updated.set()
         return run
 
-    def _hyper(self) -> Hyper:
+    def _hyper(self) -> tuple[Hyper, ...]:
+        """This step's AdamW hyperparameters, one per parameter group.
+
+        [Note: group learning rates]
+        The schedule gives the lr of ``optimizer.lr``; a group with its own lr takes the same multiplier,
+        ``lr * lr_at(step) / optimizer.lr``, as ``LambdaLR`` with ``make_lambda`` (and DeepSpeed's
+        WarmupCosineLR) scale each group's initial lr; DeepSpeed's WarmupLR and WarmupDecayLR would instead set
+        every group to the schedule's one lr. A group with the config's lr gets ``lr_at(step)`` itself, bitwise
+        what it was before groups existed."""
         from zerofit.optim.schedules import lr_at
 
-        return Hyper.of(self.config.optimizer, lr_at(self.global_step, self.config.optimizer.lr, self.config.scheduler))
+        base = self.config.optimizer.lr
+        lr = lr_at(self.global_step, base, self.config.scheduler)
+        return tuple(Hyper.of(g.optimizer, lr if g.optimizer.lr == base else g.optimizer.lr * (lr / base))
+                     for g in self.param_groups)
 
     def _refresh_shell(self) -> None:
         """A host-optimized shell: wait for its update and upload it into dev16 before use.
@@ -747,7 +767,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
 
     def _finish_step(self) -> bool:
         """Apply the optimizer step to every unit. Returns False if the step was skipped (fp16 overflow)."""
-        hyper = self._hyper()
+        hypers = self._hyper()
         factor = 1.0
         skip = False
         self._host16_epoch += 1    # [Note: 16-bit copies for extra forwards]: the weights change from here
@@ -775,7 +795,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
                     raise FloatingPointError(f"gradient norm is {total} at step {self.global_step}")
             except Exception:
                 if spec is not None:     # undo the speculative updates: the step is not applied
-                    self._settle(spec, host_units, hyper, None)
+                    self._settle(spec, host_units, hypers, None)
                     self.worker.drain()
                 self._discard_grads(host_units)    # a caller that goes on starts from clean gradients
                 raise
@@ -797,34 +817,35 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         self._begin_applying()
         for u in device_units:
             with self.dev.timed("compute", label=f"optimizer[{u.name}]"):
-                adamw_flat(u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.step, hyper, factor)
+                unit_adamw(u, u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.step, hypers, factor)
                 if u.dev16 is not u.master:
                     u.dev16.copy_(u.master)
             u.grad_fresh = True
         if device_units:
             self._mirror_stale = True
         if spec is not None:
-            self._settle(spec, host_units, hyper, factor)
+            self._settle(spec, host_units, hypers, factor)
         elif self.deferred:
             ev = self.dev.record(self.dev.download)
             for u in host_units:          # forward order: the next forward needs block 0 first
                 if self._assisted(u):     # [Note: assisted updates]
-                    u.pending_update = (factor, hyper)
+                    u.pending_update = (factor, hypers)
                     continue
                 u.updated.clear()
-                self.worker.submit(self._task_update(u, self._host_grads[id(u)], ev, hyper, factor, release=False),
+                self.worker.submit(self._task_update(u, self._host_grads[id(u)], ev, hypers, factor, release=False),
                                    u.index, label=f"adamw[{u.name}]")
         if self._shell_host_opt:
             self.shell.dirty = True
         return True
 
-    def _settle(self, spec: Speculation, host_units: list[Unit], hyper: Hyper, factor: float | None) -> None:
+    def _settle(self, spec: Speculation, host_units: list[Unit], hypers: tuple[Hyper, ...],
+                factor: float | None) -> None:
         """Queue each host unit's settle task (see _task_settle) and decide whether the next step speculates."""
         clipped = factor != 1.0
         ev = self.dev.record(self.dev.download)
         for u in host_units:
             u.updated.clear()
-            self.worker.submit(self._task_settle(u, spec, ev, hyper, factor), u.index, label=f"settle[{u.name}]")
+            self.worker.submit(self._task_settle(u, spec, ev, hypers, factor), u.index, label=f"settle[{u.name}]")
         self.speculation_stats["rolled_back" if clipped else "held"] += 1
 
     # ------------------------------------------------------------------ public API

@@ -11,6 +11,7 @@ fp32 host weights, so ``engine.module`` is the model with its current weights.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -75,10 +76,13 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelS
 
 
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
-                compute_dtype: torch.dtype, pinned: bool, source=None) -> tuple[list[Unit], list[HostArena]]:
+                compute_dtype: torch.dtype, pinned: bool, source=None,
+                group_of: dict[str, int] | None = None) -> tuple[list[Unit], list[HostArena]]:
     """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them.
 
-    ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model."""
+    ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model.
+    ``group_of``: canonical name -> parameter group; each unit's layout places its parameters group by
+    group ([Note: segments per unit] in store.py). None: one group, the model's order."""
     canon = table.canonical
     meta = any(p.is_meta for p in canon.values())
     init_device = dev if meta else None
@@ -101,11 +105,12 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     arena = HostArena(need, torch.float32, pinned) if need else None
     units: list[Unit] = []
     for idx, names in enumerate(table.unit_names):
-        layout = FlatLayout.of([(n, canon[n].shape) for n in names])
+        layout = FlatLayout.of([(n, canon[n].shape) for n in names],
+                               [group_of[n] for n in names] if group_of is not None else None)
         home, on_dev = homes[idx], opt_on_dev[idx]
         opt_dev = dev if on_dev else torch.device("cpu")
         prefix = "" if idx == 0 else adapter.block_prefix(idx - 1) + "."
-        rel = FlatLayout(tuple(n[len(prefix):] for n in layout.names), layout.shapes, layout.offsets, layout.numel)
+        rel = dataclasses.replace(layout, names=tuple(n[len(prefix):] for n in layout.names))
         unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
         if on_dev:
             master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
@@ -116,7 +121,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             _read_unit(source, table, names, layout.views(master), fds)
         else:
             values = _unit_values(model, adapter, idx, names, init_device)
-            _fill(master, values)
+            _fill(layout.views(master), names, values)
             del values
         unit.master = master
         if assisted[idx]:
@@ -217,12 +222,9 @@ def _shell_modules(model: nn.Module, adapter: Adapter) -> list[nn.Module]:
     return [m for m in model.modules() if id(m) not in inside]
 
 
-def _fill(flat: torch.Tensor, values: list[torch.Tensor]) -> None:
-    o = 0
-    for v in values:
-        n = v.numel()
-        flat[o:o + n].copy_(v.reshape(-1))
-        o += n
+def _fill(views: dict[str, torch.Tensor], names: list[str], values: list[torch.Tensor]) -> None:
+    for n, v in zip(names, values):
+        views[n].copy_(v)
 
 
 def _unit_buffers(adapter: Adapter, root: nn.Module, is_shell: bool, dev: torch.device) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from zerofit.config.schema import OptimizerConfig
+from zerofit.engine.speculation import adamw_rollback
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,41 @@ def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=True, amsgrad=False,
           beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False,
           grad_scale=scale, found_inf=None)
+
+
+def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               step: torch.Tensor, hypers: tuple[Hyper, ...], factor: float = 1.0, *, start: int = 0,
+               inverse: bool = False) -> None:
+    """One AdamW step (``inverse``: its undoing, :func:`adamw_rollback`) on a unit's state, each parameter group
+    with its own hyperparameters. Every update and rollback of the engine goes through here.
+
+    The tensors hold the unit's flat elements ``[start, start + master.numel())``: the whole unit, or a chunk
+    of it (assisted updates); ``hypers[g]`` is group ``g``'s. A segment of the unit (see [Note: segments per
+    unit] in store.py) that the range cuts is updated on its part inside the range.
+
+    [Note: one step per unit]
+    The fused kernel increments the ``step`` it is given, and the bias corrections read it. Every segment
+    must see the same starting step, so each segment's call gets its own copy and the unit's ``step`` advances
+    once, at the end (decreases once, for ``inverse``). A unit of one segment (no groups) is one call on the
+    whole buffers with ``step`` itself, as before groups existed."""
+    if inverse and factor != 1.0:
+        raise ValueError("a rollback undoes an update taken with factor 1 (a speculative update)")
+
+    def run(p, g, m, v, s, h):
+        if inverse:
+            adamw_rollback(p, g, m, v, s, h)
+        else:
+            adamw_flat(p, g, m, v, s, h, factor)
+
+    if len(unit.segments) == 1:
+        run(master, grad, exp_avg, exp_avg_sq, step, hypers[unit.segments[0].group])
+        return
+    n = master.numel()
+    for seg in unit.segments:
+        a, b = max(seg.offset, start) - start, min(seg.offset + seg.numel, start + n) - start
+        if a < b:
+            run(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step.clone(), hypers[seg.group])
+    step.add_(-1 if inverse else 1)
 
 
 class WorkerError(RuntimeError):

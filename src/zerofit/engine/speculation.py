@@ -37,9 +37,12 @@ import math
 import threading
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from zerofit.engine.optimizer import Hyper
+if TYPE_CHECKING:
+    from zerofit.engine.optimizer import Hyper
 
 _CHUNK = 1 << 22   # elements per rollback chunk: bounds the temporaries to a few 16 MiB buffers
 

@@ -45,23 +45,48 @@ from zerofit.engine.device import Device, pin
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A run of a unit's flat buffers whose parameters all belong to one parameter group."""
+
+    offset: int
+    numel: int
+    group: int      # index into the engine's param_groups (0 when there are no groups)
+
+
+@dataclass(frozen=True)
 class FlatLayout:
-    """Names, shapes and offsets of a unit's parameters inside its flat buffers."""
+    """Names, shapes and offsets of a unit's parameters inside its flat buffers.
+
+    [Note: segments per unit]
+    With parameter groups (groups.py) a unit's parameters are placed group by group: each group's
+    parameters are contiguous, in model order within the group, so AdamW runs once per ``segments``
+    entry with that group's hyperparameters (optimizer.unit_adamw). ``names`` stay in model order, so
+    everything that goes by name (gradient accumulation, checkpoints, export) does not see the
+    reordering; only ``offsets`` do. Without groups there is one segment and the layout is the model's
+    order, as it always was."""
 
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     offsets: tuple[int, ...]
     numel: int
+    segments: tuple[Segment, ...] = ()
 
     @classmethod
-    def of(cls, named_shapes: list[tuple[str, torch.Size]]) -> "FlatLayout":
-        names, shapes, offsets, n = [], [], [], 0
-        for name, shape in named_shapes:
-            names.append(name)
-            shapes.append(torch.Size(shape))
-            offsets.append(n)
-            n += math.prod(shape)
-        return cls(tuple(names), tuple(shapes), tuple(offsets), n)
+    def of(cls, named_shapes: list[tuple[str, torch.Size]], groups: list[int] | None = None) -> "FlatLayout":
+        """``groups``: each parameter's group index (all 0 when None). Parameters are placed by group, then
+        in the order given (see [Note: segments per unit])."""
+        names = [n for n, _ in named_shapes]
+        shapes = [torch.Size(s) for _, s in named_shapes]
+        groups = list(groups) if groups is not None else [0] * len(names)
+        offsets, segments, n = [0] * len(names), [], 0
+        for g in sorted(set(groups)):
+            start = n
+            for i in (i for i in range(len(names)) if groups[i] == g):
+                offsets[i] = n
+                n += math.prod(shapes[i])
+            if n > start:
+                segments.append(Segment(start, n - start, g))
+        return cls(tuple(names), tuple(shapes), tuple(offsets), n, tuple(segments) or (Segment(0, 0, 0),))
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter-shaped views of ``flat`` (no copy)."""
@@ -117,6 +142,11 @@ class Unit:
     @property
     def numel(self) -> int:
         return self.layout.numel
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """Runs of the flat buffers by parameter group: see [Note: segments per unit]."""
+        return self.layout.segments
 
     def device_weights(self) -> torch.Tensor:
         """The flat compute weights on the device; valid only while RESIDENT or ON_DEVICE."""

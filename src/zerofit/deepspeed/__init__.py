@@ -54,9 +54,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ``distributed_port``: unused (one process). ``overrides``: zerofit config fields beyond DeepSpeed's
     vocabulary (``max_gpu_memory="24GiB"``, ``device="cpu"``), as for :func:`zerofit.initialize`.
 
-    The optimizer returned is ``None`` only where DeepSpeed's would be: never, since zerofit always trains
-    with its AdamW (DeepSpeed too returns its ZeRO optimizer without an optimizer block). The scheduler is
-    ``None`` when the config has no schedule, as in DeepSpeed.
+    The optimizer view is always returned (zerofit always trains with its AdamW; DeepSpeed too returns its
+    ZeRO optimizer without an optimizer block); the scheduler is ``None`` when the config has no schedule,
+    as in DeepSpeed.
     """
     import zerofit
 

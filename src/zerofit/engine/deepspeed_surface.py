@@ -310,8 +310,10 @@ class DeepSpeedSurface:
         batches are the same)."""
         from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-        if not ((hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) or isinstance(dataset, IterableDataset)):
-            raise ValueError(f"Training data must be a torch Dataset (map-style or iterable), got a {type(dataset).__name__}")
+        map_style = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+        if not (map_style or isinstance(dataset, IterableDataset)):
+            raise ValueError(f"Training data must be a torch Dataset (map-style or iterable), got a "
+                             f"{type(dataset).__name__}")
         if data_sampler is None and not isinstance(dataset, IterableDataset):
             data_sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=route == "train")
         return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),

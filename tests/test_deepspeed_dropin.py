@@ -181,6 +181,7 @@ def test_client_adamw_settings_become_the_config():
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=_ds_config(G), device="cpu")
     assert engine.config.optimizer.lr == 2e-3 and engine.config.optimizer.betas == (0.8, 0.99)
     assert optimizer is not client and optimizer.param_groups[0]["eps"] == 1e-6
+    assert engine.get_mom() == [(0.8, 0.99)] and engine.get_lr() == [2e-3]
     batches = [mb for mbs in tm.batches(steps, G) for mb in mbs]
     losses = []
     for mb in batches:

@@ -29,13 +29,12 @@ from zerofit.deepspeed import zero
 from zerofit.deepspeed.arguments import (add_config_arguments, check_single_process, client_optimizer,
                                          dataloader_drop_last, groups_from_model_parameters, raw_config,
                                          refuse_client_scheduler, refuse_frozen, resolve_config)
-from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported, GroupSettings, UnsupportedAttribute
+from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported, GroupSettings, UnsupportedAttribute
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedUnsupported",
            "UnsupportedAttribute"]
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
-_ONE_PROCESS = "zerofit trains on one GPU in one process; multi-GPU training is not available yet"
 log = logging.getLogger("zerofit")
 
 
@@ -64,9 +63,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("deepspeed.initialize requires a model")
     if mpu is not None:
         raise DeepSpeedUnsupported(f"initialize(mpu=...): a model-parallel unit needs several processes; "
-                                   f"{_ONE_PROCESS}")
+                                   f"{ONE_PROCESS}")
     if mesh_param is not None:
-        raise DeepSpeedUnsupported(f"initialize(mesh_param={mesh_param!r}): {_ONE_PROCESS}")
+        raise DeepSpeedUnsupported(f"initialize(mesh_param={mesh_param!r}): {ONE_PROCESS}")
     check_single_process("deepspeed.initialize")
     refuse_client_scheduler(lr_scheduler)
     if dist_init_required:
@@ -114,7 +113,7 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
 
     check_single_process("deepspeed.init_distributed")
     if world_size > 1 or rank > 0:
-        raise DeepSpeedUnsupported(f"init_distributed(rank={rank}, world_size={world_size}): {_ONE_PROCESS}")
+        raise DeepSpeedUnsupported(f"init_distributed(rank={rank}, world_size={world_size}): {ONE_PROCESS}")
     if dist_init_required is False or dist.is_initialized():
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -127,11 +126,11 @@ _DEEPSPEED_NAMES = {
     "InferenceEngine": "zerofit trains; for generation use engine.module (the model with its current weights)",
     "DeepSpeedInferenceConfig": "zerofit trains; for generation use engine.module",
     "default_inference_config": "zerofit trains; for generation use engine.module",
-    "tp_model_init": _ONE_PROCESS,
-    "PipelineModule": _ONE_PROCESS,
-    "PipelineEngine": _ONE_PROCESS,
-    "pipe": _ONE_PROCESS,
-    "comm": _ONE_PROCESS + "; torch.distributed works after init_distributed() (rank 0 of 1)",
+    "tp_model_init": ONE_PROCESS,
+    "PipelineModule": ONE_PROCESS,
+    "PipelineEngine": ONE_PROCESS,
+    "pipe": ONE_PROCESS,
+    "comm": ONE_PROCESS + "; torch.distributed works after init_distributed() (rank 0 of 1)",
     "checkpointing": "zerofit checkpoints every block's activations itself (activation_checkpointing)",
     "DeepSpeedEngine": "zerofit.deepspeed.initialize returns zerofit's Engine (zerofit.engine.engine.Engine)",
     "DeepSpeedHybridEngine": "zerofit has no inference hybrid engine",
@@ -148,7 +147,7 @@ _DEEPSPEED_NAMES = {
     "runtime": "see the names zerofit.deepspeed offers: initialize, init_distributed, add_config_arguments, zero",
     "accelerator": "zerofit uses the GPU torch sees (config device: auto, cpu, cuda, cuda:N)",
     "OnDevice": "use zero.Init() to build a model without allocating its parameters",
-    "domino": _ONE_PROCESS,
+    "domino": ONE_PROCESS,
 }
 
 

@@ -27,10 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported
+from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported
 
 _HYPERS = ("lr", "weight_decay", "betas", "eps")   # other group keys (foreach, fused, ...) only pick an implementation
-_ONE_PROCESS = "zerofit trains on one GPU in one process; multi-GPU training is not available yet"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -48,7 +47,7 @@ def check_single_process(what: str) -> None:
     """Refuse a launch of several ranks (``WORLD_SIZE`` > 1), naming it."""
     world = os.environ.get("WORLD_SIZE", "1")
     if world.strip() and int(world) > 1:
-        raise DeepSpeedUnsupported(f"{what} with WORLD_SIZE={world}: {_ONE_PROCESS}. Launch one process "
+        raise DeepSpeedUnsupported(f"{what} with WORLD_SIZE={world}: {ONE_PROCESS}. Launch one process "
                                    "(python train.py, or deepspeed --num_gpus 1 train.py)")
 
 

@@ -29,11 +29,10 @@ import weakref
 import torch
 from torch import nn
 
-from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported, UnsupportedAttribute
+from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
 
 __all__ = ["Init", "GatheredParameters"]
 
-_ONE_PROCESS = "zerofit trains on one GPU in one process; multi-GPU training is not available yet"
 _lock = threading.Lock()
 _depth = 0
 _original_register = nn.Module.register_parameter
@@ -66,7 +65,7 @@ class Init:
                             ("zero_param_parallel_group", zero_param_parallel_group),
                             ("sequence_data_parallel_group", sequence_data_parallel_group)):
             if value is not None:
-                raise DeepSpeedUnsupported(f"zero.Init({name}=...): {_ONE_PROCESS}")
+                raise DeepSpeedUnsupported(f"zero.Init({name}=...): {ONE_PROCESS}")
         if param_swapper is not None:
             raise DeepSpeedUnsupported("zero.Init(param_swapper=...): zerofit has no parameter swapper (no NVMe tier "
                                        "yet)")
@@ -156,7 +155,7 @@ _DEEPSPEED_ZERO_NAMES = {
     "TiledLinearReturnBias": "zerofit does not replace the model's modules",
     "register_external_parameter": "zerofit runs the model's own forward with every parameter of a block present",
     "unregister_external_parameter": "zerofit runs the model's own forward with every parameter of a block present",
-    "MiCS_Init": _ONE_PROCESS,
+    "MiCS_Init": ONE_PROCESS,
     "ZeroParamStatus": "zerofit's parameters are never partitioned",
     "partition_parameters": "zerofit's parameters are never partitioned",
     "DeepSpeedTiledLinear": "zerofit does not replace the model's modules",

@@ -38,7 +38,7 @@ class UnsupportedAttribute(DeepSpeedUnsupported, AttributeError):
 
 # ---------------------------------------------------------------------------------------------- refusals
 
-_ONE_PROCESS = "zerofit trains on one GPU in one process; multi-GPU training is not available yet"
+ONE_PROCESS = "zerofit trains on one GPU in one process; multi-GPU training is not available yet"
 _CONFIG_GETTER = ("a DeepSpeed config getter; zerofit's resolved configuration is engine.config (a ZerofitConfig; "
                   "`zerofit config show ds_config.json` shows how each DeepSpeed key was read)")
 _NO_ZERO = ("zerofit has no ZeRO stages: it streams whole blocks through the GPU (engine.plan says what stays "
@@ -55,7 +55,7 @@ _HINTS = {
                                           "boundary is every gradient_accumulation_steps-th micro-batch",
     "set_train_batch_size": "set train_batch_size / gradient_accumulation_steps in the config",
     "set_train_micro_batch_size": "set train_micro_batch_size_per_gpu in the config",
-    "no_sync": _ONE_PROCESS + " (there is no gradient all-reduce to skip)",
+    "no_sync": ONE_PROCESS + " (there is no gradient all-reduce to skip)",
     "compile": "zerofit runs the model's own forward per block; torch.compile the model's blocks yourself",
     "is_compiled": "zerofit does not compile the model",
     "offload_states": "zerofit keeps the optimizer state in host memory already (engine.plan)",
@@ -66,7 +66,7 @@ _HINTS = {
     "get_pld_theta": "progressive layer drop is not implemented",
     "print_forward_breakdown": "see engine.timeline() and engine.trace()",
     "get_data_types": "zerofit computes in config.precision with fp32 master weights and gradients",
-    "get_sequence_parallel_group": _ONE_PROCESS,
+    "get_sequence_parallel_group": ONE_PROCESS,
     "set_data_post_process_func": "data efficiency is not implemented",
     "set_custom_curriculum_learning_schedule": "curriculum learning is not implemented",
     "random_ltd_initialize": "random layer-token drop is not implemented",
@@ -77,8 +77,8 @@ _HINTS = {
     "tput_timer": "see engine.timeline() and engine.trace()",
     "monitor": "zerofit logs to its own timeline (engine.timeline())",
     "losses": "engine(**batch).loss is each micro-batch's loss",
-    "mpu": _ONE_PROCESS,
-    "mesh_device": _ONE_PROCESS,
+    "mpu": ONE_PROCESS,
+    "mesh_device": ONE_PROCESS,
     "checkpoint_engine": "zerofit's checkpoints are written by zerofit.checkpoint (engine.save_checkpoint)",
     "flops_profiler": "see engine.timeline() and engine.trace()",
 }
@@ -126,7 +126,7 @@ def deepspeed_hint(name: str) -> str | None:
     if name in _HINTS:
         return _HINTS[name]
     if name in _COMMUNICATION:
-        return _ONE_PROCESS
+        return ONE_PROCESS
     if name in _CONFIG_GETTERS:
         return _CONFIG_GETTER
     if name in _ZERO or name.startswith(("zero_", "zeropp_")):
@@ -269,10 +269,10 @@ class DeepSpeedSurface:
 
     def get_lr(self) -> list[float]:
         """The lr of each parameter group for the next optimizer step (DeepSpeed: after the scheduler's step)."""
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return self.optimizer._lrs()
 
     def get_mom(self) -> list[tuple[float, float]]:
-        return [g["betas"] for g in self.optimizer.param_groups]
+        return [g.betas for g in self.optimizer._groups]
 
     def get_global_grad_norm(self) -> float | None:
         """The last step's global gradient norm, where the engine computed it (gradient clipping or fp16);

@@ -395,7 +395,8 @@ DEEPSPEED_KEYS: dict[str, Key | Section] = {
     "nebula": Section(None, NA, "zerofit's checkpoints are written by its own checkpointer"),
     "datastates": Section(None, NA, "zerofit's checkpoints are written by its own checkpointer"),
     # data loading
-    "dataloader_drop_last": _na(Bool(), "zerofit does not build the data loader"),
+    "dataloader_drop_last": _na(Bool(), "the engine takes batches, not a loader; "
+                                "zerofit.deepspeed.initialize(training_data=...) reads it for the loader it builds"),
     "vocabulary_size": _na(Int(1, nullable=True), "DeepSpeed only used it for a warning"),
     # parallelism zerofit decides (data parallel only)
     "sequence_parallel_size": _na(Int(1), "zerofit is data-parallel only"),

@@ -45,6 +45,7 @@ from zerofit.engine.adapter import Adapter, PreResult, block_output, loss_of
 from zerofit.engine.batch import BatchSpec, check_micro_batches, vocab_of
 from zerofit.engine.device import Device
 from zerofit.engine.deepspeed_api import DeepSpeedStyleAPI
+from zerofit.engine.deepspeed_surface import DeepSpeedSurface
 from zerofit.engine.lifecycle import EngineLifecycle, EngineState
 from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.groups import resolve_groups
@@ -79,7 +80,7 @@ class _Micro:
     output: object = None
 
 
-class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
+class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
     @classmethod
@@ -973,18 +974,24 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
 
     # checkpoints and export: thin delegates to zerofit.checkpoint (docs/checkpoints.md)
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False) -> str:
         """DeepSpeed's save_checkpoint: the whole training state in ``save_dir/<tag>`` (default
-        ``global_step{N}``), written atomically, then ``latest`` names it. Returns the folder."""
+        ``global_step{N}``), written atomically, then ``latest`` names it. Returns the folder.
+        ``exclude_frozen_parameters`` changes nothing: zerofit trains every parameter."""
         from zerofit.checkpoint.state import save
 
         return str(save(self, save_dir, tag, client_state, save_latest))
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True):
-        """DeepSpeed's load_checkpoint: ``(path, client_state)``; ``(None, None)`` with a warning when
-        ``tag`` is None and ``load_dir`` has no ``latest``."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load_checkpoint (its arguments, in its order): ``(path, client_state)``; ``(None, None)``
+        with a warning when ``tag`` is None and ``load_dir`` has no ``latest``. DeepSpeed's options that would
+        load less than the whole state are refused by name (deepspeed_surface.py)."""
         from zerofit.checkpoint.state import load
 
+        self._check_deepspeed_load_options(load_module_strict, load_lr_scheduler_states, load_module_only,
+                                           custom_load_fn)
         return load(self, load_dir, tag, load_optimizer_states)
 
     def save_pretrained(self, out_dir, dtype="bf16", max_shard_size="5GB") -> str:

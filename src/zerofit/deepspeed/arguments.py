@@ -1,0 +1,236 @@
+"""``deepspeed.initialize``'s arguments, read as DeepSpeed reads them and mapped onto zerofit's.
+
+What maps exactly is accepted; what would change the training silently is refused with
+:class:`DeepSpeedUnsupported` naming the argument and what to pass instead:
+
+* the config: ``config`` (a path or a dict), else ``config_params``, else ``args.deepspeed_config`` (or the
+  deprecated ``args.deepscale_config``); two of them at once is an error, as in DeepSpeed;
+* ``model_parameters``: an iterable of parameters must cover every parameter of the model (zerofit trains
+  them all; DeepSpeed would leave the others untouched); a list of dicts becomes torch-format parameter
+  groups (``params`` as canonical parameter names, and the group's own ``lr``, ``weight_decay``, ``betas``,
+  ``eps``), covering every parameter too;
+* a client ``optimizer``: a ``torch.optim.AdamW``, or a ``torch.optim.Adam`` whose weight decay is decoupled
+  or zero (then it is AdamW's math), or a callable that returns one of them from the model parameters (as
+  DeepSpeed calls it). Its hyperparameters replace the config's optimizer block, its param_groups become
+  the groups. Anything else is refused: zerofit runs its own AdamW;
+* a client ``lr_scheduler`` is refused: zerofit computes every step's lr from the config's scheduler block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported
+
+_HYPERS = ("lr", "weight_decay", "betas", "eps")   # other group keys (foreach, fused, ...) only pick an implementation
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's ``--deepspeed``, ``--deepspeed_config`` (and the deprecated ``--deepscale*``) options."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on the engine)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help="Deprecated: --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="Deprecated: --deepspeed_config")
+    return parser
+
+
+def check_single_process(what: str) -> None:
+    """Refuse a launch of several ranks (``WORLD_SIZE`` > 1), naming it."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip() and int(world) > 1:
+        raise DeepSpeedUnsupported(f"{what} with WORLD_SIZE={world}: {ONE_PROCESS}. Launch one process "
+                                   "(python train.py, or deepspeed --num_gpus 1 train.py)")
+
+
+def resolve_config(args, config, config_params):
+    """The config source DeepSpeed would use: ``config``, else ``config_params``, else ``args.deepspeed_config``."""
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    legacy = getattr(args, "deepscale_config", None)
+    if legacy is not None:
+        if from_args is not None:
+            raise ValueError("both args.deepscale_config and args.deepspeed_config are set; keep "
+                             "args.deepspeed_config (--deepscale_config is deprecated)")
+        from_args = legacy
+    if from_args is not None:
+        if config is not None:
+            raise ValueError(f"a config came both as args.deepspeed_config ({from_args!r}) and as the config "
+                             "argument of initialize(); pass one of them")
+        config = from_args
+    if config is None:
+        raise ValueError("initialize() needs a configuration: config='ds_config.json' (or a dict), or "
+                         "--deepspeed_config through deepspeed.add_config_arguments(parser)")
+    return config
+
+
+def raw_config(config) -> dict:
+    """The config as a dict (read from its file when a path), for the keys zerofit's config does not keep."""
+    from zerofit.config import ZerofitConfig
+    from zerofit.config import _read_json
+
+    if isinstance(config, (str, os.PathLike)):
+        return _read_json(Path(config))
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, ZerofitConfig):
+        return {}
+    raise ValueError(f"config must be the path of a .json file or a dict, got a {type(config).__name__}")
+
+
+def dataloader_drop_last(raw: Mapping) -> bool:
+    from zerofit.config.deepspeed import is_deepspeed_config
+
+    value = raw.get("dataloader_drop_last", False) if is_deepspeed_config(raw) else False
+    return bool(value)
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its canonical (first) name; tied parameters once."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def refuse_frozen(model: nn.Module) -> None:
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise DeepSpeedUnsupported(
+            f"parameters with requires_grad=False ({_names(frozen)}): zerofit trains every parameter of the model "
+            "(its AdamW and weight decay would change them, where DeepSpeed leaves them untouched); freezing is "
+            "not available yet. Set requires_grad=True, or leave those parameters out of the model")
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _covering(model: nn.Module, found: list[str], where: str) -> None:
+    """Every parameter of the model once among ``found`` (canonical names)."""
+    seen, twice = set(), []
+    for n in found:
+        (twice.append(n) if n in seen else seen.add(n))
+    if twice:
+        raise ValueError(f"{where} names {_names(twice)} more than once")
+    missing = [n for n, _ in model.named_parameters() if n not in seen]
+    if missing:
+        raise DeepSpeedUnsupported(
+            f"{where} leaves out {_names(missing)}: DeepSpeed would not update those, and zerofit trains every "
+            "parameter of the model (freezing is not available yet); pass model.parameters(), or groups that "
+            "together hold every parameter")
+
+
+def _name_of(p, ids: dict[int, str], model: nn.Module, where: str) -> str:
+    if isinstance(p, str):
+        if p not in dict(model.named_parameters()):
+            raise ValueError(f"{where}: {p!r} is not a parameter name of the model")
+        return p
+    if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):   # torch's named parameters
+        p = p[1]
+    if not isinstance(p, torch.Tensor) or id(p) not in ids:
+        raise ValueError(f"{where}: a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))} that is not a "
+                         "parameter of the model")
+    return ids[id(p)]
+
+
+def groups_from_model_parameters(model: nn.Module, model_parameters) -> list[dict] | None:
+    """None for all parameters in one group (the config's optimizer); torch-format groups for a list of dicts."""
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    ids = parameter_names(model)
+    if items and all(isinstance(g, Mapping) for g in items):
+        groups = []
+        for i, g in enumerate(items):
+            where = f"model_parameters[{i}]"
+            if "params" not in g:
+                raise ValueError(f"{where} has no 'params'")
+            ps = g["params"]
+            ps = [ps] if isinstance(ps, (torch.Tensor, str)) else list(ps)
+            group = {"params": [_name_of(p, ids, model, where) for p in ps]}
+            group.update(_group_hypers(g, where))
+            groups.append(group)
+        _covering(model, [n for g in groups for n in g["params"]], "model_parameters")
+        return groups
+    if any(isinstance(g, Mapping) for g in items):
+        raise ValueError("model_parameters mixes parameter groups (dicts) and parameters; pass one kind")
+    _covering(model, [_name_of(p, ids, model, "model_parameters") for p in items], "model_parameters")
+    return None
+
+
+def _group_hypers(g: Mapping, where: str, *, decoupled_default: bool = True) -> dict[str, Any]:
+    """The group's AdamW settings, refusing those that change the math away from AdamW's."""
+    if g.get("amsgrad"):
+        raise DeepSpeedUnsupported(f"{where}: amsgrad=True; zerofit's AdamW has no amsgrad variant")
+    if g.get("maximize"):
+        raise DeepSpeedUnsupported(f"{where}: maximize=True; zerofit's AdamW minimizes the loss")
+    if g.get("bias_correction", True) is False:
+        raise DeepSpeedUnsupported(f"{where}: bias_correction=False; zerofit's AdamW is always bias-corrected")
+    out = {}
+    for k in _HYPERS:
+        if k in g:
+            v = g[k]
+            out[k] = tuple(float(b) for b in v) if k == "betas" else float(v)
+    if not g.get("decoupled_weight_decay", decoupled_default) and out.get("weight_decay", 0.0) > 0:
+        raise DeepSpeedUnsupported(f"{where}: Adam with weight_decay={out['weight_decay']} adds it to the gradient "
+                                   "(L2, torch.optim.Adam's default); zerofit implements AdamW (decoupled weight "
+                                   "decay). Use torch.optim.AdamW, or Adam(decoupled_weight_decay=True)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- client objects
+
+_INSTEAD_OPTIMIZER = ('zerofit runs its own AdamW (the math of torch.optim.AdamW); pass a torch.optim.AdamW, '
+                      'or leave optimizer=None and put the settings in the config: "optimizer": {"type": "AdamW", '
+                      '"params": {"lr": ..., "betas": [...], "eps": ..., "weight_decay": ...}}')
+
+
+def client_optimizer(optimizer, model: nn.Module, model_parameters) -> tuple[dict, list[dict] | None]:
+    """(the config's optimizer block as zerofit fields, the groups or None) from a client optimizer."""
+    if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+        params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        built = optimizer(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise DeepSpeedUnsupported(f"optimizer: the callable returned a {type(built).__name__}, not a torch "
+                                       f"optimizer; {_INSTEAD_OPTIMIZER}")
+        optimizer = built
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        raise DeepSpeedUnsupported(f"optimizer={type(optimizer).__module__}.{type(optimizer).__name__}: "
+                                   f"{_INSTEAD_OPTIMIZER}")
+    kind = type(optimizer).__name__
+    if any(optimizer.state.values()):
+        raise DeepSpeedUnsupported(f"optimizer: this {kind} has state (it has taken steps); zerofit's AdamW starts "
+                                   "from zero moments. Pass a fresh optimizer, or resume with engine.load_checkpoint")
+    ids = parameter_names(model)
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    groups = []
+    for i, g in enumerate(optimizer.param_groups):
+        where = f"{kind}.param_groups[{i}]"
+        hypers = _group_hypers(g, where, decoupled_default=decoupled)
+        groups.append({"params": [_name_of(p, ids, model, where) for p in g["params"]], **hypers})
+    _covering(model, [n for g in groups for n in g["params"]], f"optimizer ({kind})")
+    first = {k: groups[0][k] for k in _HYPERS}
+    if len(groups) == 1:
+        return first, None
+    return first, groups
+
+
+def refuse_client_scheduler(lr_scheduler) -> None:
+    if lr_scheduler is None:
+        return
+    kind = type(lr_scheduler).__name__ if not isinstance(lr_scheduler, type) else lr_scheduler.__name__
+    raise DeepSpeedUnsupported(
+        f"lr_scheduler={kind}: zerofit computes every step's learning rate itself and cannot follow a client "
+        'scheduler. Put the schedule in the config\'s "scheduler" block instead: WarmupLR, WarmupDecayLR or '
+        "WarmupCosineLR with DeepSpeed's formulas (zerofit.optim.schedules), stepped by engine.step() after every "
+        "applied optimizer step as DeepSpeed steps a scheduler from its config")

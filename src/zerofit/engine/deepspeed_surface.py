@@ -23,7 +23,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch
 
 log = logging.getLogger("zerofit")
 
@@ -396,10 +395,12 @@ class OptimizerView:
         self._groups = groups
 
     def _lrs(self) -> list[float]:
-        from zerofit.optim.schedules import lr_at
-
-        e = self._engine
-        return [lr_at(e.global_step, g.lr, e.config.scheduler) for g in self._groups]
+        """The lr the engine will use for each group at its next step (its own [Note: group learning rates])."""
+        lrs = [h.lr for h in self._engine._hyper()]
+        if len(lrs) != len(self._groups):
+            raise RuntimeError(f"zerofit: the optimizer view has {len(self._groups)} groups and the engine "
+                               f"{len(lrs)}")
+        return lrs
 
     @property
     def param_groups(self) -> list[ParamGroup]:

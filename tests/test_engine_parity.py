@@ -159,6 +159,37 @@ def test_deepspeed_style_api_matches(clip):
     _assert_same_weights(engine, ref)
 
 
+def test_deepspeed_boundary_override_and_caller_scaled_loss():
+    """What accelerate's DeepSpeed wrapper (and zerofit.hf) does: the caller divides each loss itself
+    (backward(scale_wrt_gas=False)) and ends an accumulation where it wants (set_gradient_accumulation_boundary),
+    here after 1 micro-batch where gradient_accumulation_steps is 3 (the short last step of an epoch)."""
+    torch.manual_seed(0)
+    model = tm.llama()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg(gradient_accumulation_steps=3, gradient_clipping=0.05))
+    data = tm.batches(2, 3) + tm.batches(1, 1, seed=5) + tm.batches(1, 3, seed=6)
+    losses = []
+    for mbs in data:
+        total = 0.0
+        for i, mb in enumerate(mbs):
+            engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            assert engine.is_gradient_accumulation_boundary() == (i == len(mbs) - 1)
+            out = engine(**mb)
+            engine.backward(out.loss / len(mbs), scale_wrt_gas=False)
+            engine.step()
+            total += out.loss.item()
+        losses.append(total / len(mbs))
+    assert engine.global_step == len(data)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data, clip=0.05)))
+    _assert_same_weights(engine, ref)
+    engine.set_gradient_accumulation_boundary(None)     # back to counting: 3 micro-batches per step
+    for i, mb in enumerate(tm.batches(1, 3, seed=7)[0]):
+        engine.backward(engine(**mb).loss)
+        engine.step()
+        assert engine.global_step == len(data) + (i == 2)
+    engine.close()
+
+
 def test_lr_schedule_matches_lambda_lr():
     from zerofit.config.schema import SchedulerConfig
     from zerofit.optim.schedules import make_lambda

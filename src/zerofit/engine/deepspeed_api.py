@@ -80,8 +80,12 @@ class DeepSpeedStyleAPI:
             self._host_grads[id(u)] = a.take(u.numel)
 
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients."""
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients.
+
+        The gradient is that of ``loss / gradient_accumulation_steps``; with ``scale_wrt_gas=False``
+        (DeepSpeed's keyword) that of ``loss`` itself, for callers that already divided it as they want
+        (Hugging Face's Trainer: by the micro-batches of the step, or by the step's token count)."""
         self._check_open()
         micro = self._pending
         if micro is None:
@@ -90,7 +94,7 @@ class DeepSpeedStyleAPI:
             self._pending = None
             _, final = micro.output
             micro.output = None
-            G = self.config.gradient_accumulation_steps
+            G = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
             scale = self.scaler.scale if self.scaler else 1.0
             with self.dev.timed("compute", label="post"):
                 self._post_backward(micro, loss, final, scale / G)
@@ -101,7 +105,9 @@ class DeepSpeedStyleAPI:
     def step(self) -> None:
         """Take the optimizer step at the gradient-accumulation boundary (a no-op before it)."""
         self._check_open()
-        if self._micro_steps < self.config.gradient_accumulation_steps:
+        override = self._boundary_override
+        if self._micro_steps == 0 or override is False or \
+                (override is None and self._micro_steps < self.config.gradient_accumulation_steps):
             return
         with self._call(discard_step=True):
             self.worker.drain()
@@ -110,5 +116,17 @@ class DeepSpeedStyleAPI:
             self._end_step(self._ds_t0, self._ds_busy0, applied)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether step() would take the optimizer step now (the override when one is set)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return self._micro_steps == self.config.gradient_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's override of where an accumulation ends, set before each micro-batch's backward: True
+        makes step() take the optimizer step over however many micro-batches were accumulated (a short last
+        accumulation, as accelerate's DeepSpeed wrapper and zerofit.hf ask for at the end of an epoch), False
+        holds it back, None returns to counting gradient_accumulation_steps."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary must be True, False or None, found {is_boundary!r}")
+        self._boundary_override = is_boundary
 

@@ -138,6 +138,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         self._wait_spans: list[tuple] = []
         self._origin = None
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
+        self._boundary_override: bool | None = None   # set_gradient_accumulation_boundary()
         self._pending: _Micro | None = None
         self._host_grads: dict[int, torch.Tensor] = {}
         self._sq_norms: dict[int, torch.Tensor] = {}

@@ -21,6 +21,7 @@ transformers/integrations/deepspeed.py, and accelerate's ``DeepSpeedPlugin.set_m
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import json
@@ -294,20 +295,33 @@ def check_model(model) -> None:
 
 
 def _deepspeed_dict(value) -> dict | None:
-    """The deepspeed= value (a path to a JSON file, a JSON string's path, or a dict) as a fresh dict."""
+    """The deepspeed= value as a fresh dict: a dict, the path of a JSON file, or the JSON itself (plain or
+    base64), as accelerate's HfDeepSpeedConfig reads it."""
     if value is None:
         return None
     if isinstance(value, dict):
         return copy.deepcopy(value)
-    path = Path(value)
+    text = str(value)
+    path = Path(text)
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UnsupportedArgumentError("deepspeed", str(value), "no such file", "pass a DeepSpeed JSON path or "
-                                       "dict") from None
-    except json.JSONDecodeError as exc:
-        raise UnsupportedArgumentError("deepspeed", str(value), f"not valid JSON ({exc.msg} at line {exc.lineno})",
-                                       "fix the file") from None
+        is_file = path.is_file()
+    except OSError:            # a JSON text too long to be a file name
+        is_file = False
+    if is_file:
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise UnsupportedArgumentError("deepspeed", text, f"not valid JSON ({exc.msg} at line {exc.lineno})",
+                                           "fix the file") from None
+    for decode in (lambda t: base64.urlsafe_b64decode(t).decode("utf-8"), lambda t: t):
+        try:
+            loaded = json.loads(decode(text))
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(loaded, dict):
+            return loaded
+    raise UnsupportedArgumentError("deepspeed", text, "neither an existing JSON file nor a JSON object",
+                                   "pass the path of a DeepSpeed JSON file, or a dict")
 
 
 def _node(config: dict, path: str) -> tuple[dict | None, str]:

@@ -38,7 +38,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit")
+ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit", "zerofit-ds")
+# a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop)
+VARIANTS = {"zerofit-ds": ("zerofit", ["--api", "deepspeed"])}
 GiB = 2**30
 
 
@@ -109,9 +111,10 @@ def last_error_line(log_text: str) -> str:
 def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: str, log) -> dict:
     """Run ``bench/engine_<name>.py`` in its own session; return its result dict (status always set)."""
     result_path = os.path.join(tmpdir, f"{name}.json")
-    cmd = [args.python, os.path.join(HERE, f"engine_{name}.py"), "--workload", args.workload,
+    base, fixed = VARIANTS.get(name, (name, []))
+    cmd = [args.python, os.path.join(HERE, f"engine_{base}.py"), "--workload", args.workload,
            "--steps", str(steps), "--device", args.device, "--cap", cap, "--result", result_path,
-           *shlex.split(args.engine_args.get(name, ""))]
+           *fixed, *shlex.split(args.engine_args.get(name, ""))]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(REPO, "src"), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -140,7 +143,7 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
     if os.path.exists(result_path):
         with open(result_path) as f:
             res = json.load(f)
-    res.setdefault("engine", name)
+    res["engine"] = name
     res["returncode"], res["wall_s"], res["steps_requested"] = rc, round(wall, 1), steps
     if timed_out and res.get("status") in ("OOM", "error"):  # failed, then hung while exiting
         res["error"] = f"{res.get('error', '')}; then hung at exit, killed after {timeout:.0f} s"
@@ -235,6 +238,12 @@ def render(doc: dict) -> str:
             ratios.append(f"zerofit / {peer} tokens/s: **{a / b:.2f}x**" if a and b and ok else
                           f"zerofit / {peer} tokens/s: n/a (zerofit {zf.get('status')}, "
                           f"{peer} {by[peer].get('status')})")
+        ds = by.get("zerofit-ds")
+        if ds and ds.get("tokens_per_s") and zf.get("tokens_per_s") and ds.get("status") == zf.get("status") == "ok":
+            ratios.append(f"zerofit-ds / zerofit (DeepSpeed-shaped loop / train_batch): "
+                          f"**{ds['tokens_per_s'] / zf['tokens_per_s']:.2f}x**")
+            if by.get("deepspeed", {}).get("tokens_per_s") and by["deepspeed"].get("status") == "ok":
+                ratios.append(f"zerofit-ds / deepspeed: **{ds['tokens_per_s'] / by['deepspeed']['tokens_per_s']:.2f}x**")
         if ratios:
             lines += ["; ".join(ratios), ""]
         if zf.get("timeline"):

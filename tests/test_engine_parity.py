@@ -146,6 +146,82 @@ def test_trace_shows_every_block_and_every_host_update():
     assert busy == pytest.approx(tl["compute"], rel=1e-3, abs=1e-4)
 
 
+@pytest.mark.parametrize("precision,clip", [("bf16", 0.0), ("bf16", 0.05), ("bf16", 1.16), ("fp32", 0.0)])
+def test_deepspeed_style_loop_is_train_batch_bitwise(precision, clip):
+    """The DeepSpeed-shaped loop (forward, backward, step per micro-batch, G = 3) runs the blocks' backward
+    block-major at the boundary ([Note: the block backward waits for the boundary]) and, in 16-bit, uploads the
+    window's later forwards from 16-bit host copies ([Note: 16-bit copies for extra forwards]): every
+    micro-batch loss and every master equal train_batch's bitwise, over steps that clip and steps that
+    don't (the copies never outlive the weights they were taken from)."""
+    G3, steps = 3, 5
+    data = tm.batches(steps, G3)
+    cfg = _cfg(precision=precision, gradient_accumulation_steps=G3, gradient_clipping=clip,
+               offload={"prefetch_depth": 1})     # 2 slots for 3 blocks: every forward uploads every block
+    torch.manual_seed(0)
+    a = zerofit.initialize(tm.qwen2(), cfg)
+    torch.manual_seed(0)
+    b = zerofit.initialize(tm.qwen2(), cfg)
+    sixteen, full = 0, []
+    for mbs in data:
+        losses = []
+        for mb in mbs:
+            out = a(**mb)
+            losses.append(out.loss.detach().float())
+            a.backward(out.loss)
+            a.step()
+        uploads = [e["label"] for e in a.trace() if e["lane"] == "upload" and "+adamw" not in e["label"]]
+        sixteen += sum(1 for x in uploads if x.endswith("(16)"))
+        full.append(sum(1 for x in uploads if not x.endswith("(16)")))
+        ref = b.train_batch(mbs)
+        assert torch.stack(losses).mean().item() == ref
+    assert a.global_step == b.global_step == steps
+    a.wait(), b.wait()        # the last step's host and assisted updates applied
+    for ua, ub in zip(a.units, b.units):
+        assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
+        assert torch.equal(ua.exp_avg.cpu(), ub.exp_avg.cpu()), ua.name
+    streamed = sum(1 for u in a.blocks if u.home.name == "STREAMED")
+    if precision == "bf16":   # the first forward of a step uploads fp32, every later upload reads a copy
+        assert full == [streamed] * steps and sixteen >= 2 * steps, (full, sixteen)
+        assert a.plan.host_bytes["host16_copies"] > 0
+    else:
+        assert sixteen == 0 and sum(full) > steps * streamed
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_short_windows_with_the_boundary_override_are_train_batch_bitwise(precision):
+    """Windows of 3, 2, 1 and 3 micro-batches where gradient_accumulation_steps is 3, each ended by
+    set_gradient_accumulation_boundary(True) before its last forward (zerofit.hf's way at an epoch's end), the
+    caller scaling each loss (backward(scale_wrt_gas=False)): losses and masters are train_batch's on the same
+    windows, bitwise; in 16-bit the shorter windows still read the 16-bit copies their first forward made."""
+    cfg = _cfg(precision=precision, gradient_accumulation_steps=3, gradient_clipping=0.05,
+               offload={"prefetch_depth": 1})
+    data = tm.batches(1, 3) + tm.batches(1, 2, seed=4) + tm.batches(1, 1, seed=5) + tm.batches(1, 3, seed=6)
+    torch.manual_seed(0)
+    a = zerofit.initialize(tm.qwen2(), cfg)
+    torch.manual_seed(0)
+    b = zerofit.initialize(tm.qwen2(), cfg)
+    sixteen = []
+    for mbs in data:
+        losses = []
+        for i, mb in enumerate(mbs):
+            a.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            out = a(**mb)
+            losses.append(out.loss.detach().float())
+            a.backward(out.loss * (1.0 / len(mbs)), scale_wrt_gas=False)
+            a.step()
+            assert a.global_step == b.global_step + (i == len(mbs) - 1)
+        sixteen.append(sum(1 for e in a.trace() if e["lane"] == "upload" and e["label"].endswith("(16)")))
+        assert torch.stack(losses).mean().item() == b.train_batch(mbs)
+    a.wait(), b.wait()
+    for ua, ub in zip(a.units, b.units):
+        assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
+        assert torch.equal(ua.exp_avg_sq.cpu(), ub.exp_avg_sq.cpu()), ua.name
+    if precision == "bf16":
+        assert sixteen[1] > 0 and sixteen[2] == 0, sixteen     # a window of 1 has no later forward to serve
+    else:
+        assert sixteen == [0, 0, 0, 0]
+    a.close(), b.close()
+
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_deepspeed_style_api_matches(clip):
     torch.manual_seed(0)

@@ -148,7 +148,8 @@ def test_resume_in_a_new_process_is_bitwise_exact_on_gpu(tmp_path):
             torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-5, atol=0)
             for kind in ("master", "moments"):
                 for k in a[kind]:
-                    torch.testing.assert_close(b[kind][k], a[kind][k], rtol=1e-4, atol=1e-7, check_device=False)
+                    torch.testing.assert_close(b[kind][k], a[kind][k], rtol=1e-4, atol=1e-6, check_device=False,
+                                               msg=lambda m, kind=kind, k=k: f"{kind} {k}: {m}")
             continue
         assert a["losses"] == b["losses"], f"{name}: losses differ after the resume"
         for kind in ("master", "moments"):
@@ -256,3 +257,33 @@ def test_error_in_a_step_on_gpu_leaves_state_and_training_as_before():
         torch.testing.assert_close(a[n], b[n], msg=lambda m: f"{n}: {m}")
     engine.close()
     clean.close()
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip):
+    """The DeepSpeed-shaped loop with real streams: the blocks' backward at the boundary and the 16-bit host
+    copies (pinned, filled on the download stream while slots are reused) give train_batch's losses and
+    weights bitwise; every upload after a step's first forward reads a copy."""
+    G3, steps = 3, 4
+    cfg = {"precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": G3, "optimizer": {"lr": 1e-3},
+           "gradient_clipping": clip, "offload": {"resident_blocks": 1, "prefetch_depth": 1}}
+    data = _gpu_batches(steps, G3)
+    torch.manual_seed(0)
+    a = zerofit.initialize(tm.llama(layers=5), cfg)
+    torch.manual_seed(0)
+    b = zerofit.initialize(tm.llama(layers=5), cfg)
+    streamed = sum(1 for u in a.blocks if u.home.name == "STREAMED")
+    for mbs in data:
+        losses = []
+        for mb in mbs:
+            out = a(**mb)
+            losses.append(out.loss.detach().float())
+            a.backward(out.loss)
+            a.step()
+        ups = [e["label"] for e in a.trace() if e["lane"] == "upload" and "+adamw" not in e["label"]]
+        assert sum(1 for x in ups if not x.endswith("(16)")) == streamed, ups
+        assert torch.stack(losses).mean().item() == b.train_batch(mbs)
+    a.wait(), b.wait()
+    for ua, ub in zip(a.units, b.units):
+        assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
+    a.close(), b.close()

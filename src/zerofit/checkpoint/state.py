@@ -179,7 +179,7 @@ def refresh_after_load(engine) -> None:
     - a host-optimized resident shell is marked ``dirty``: the next forward uploads it (``_refresh_shell``);
       any other resident host-optimized unit is re-cast at once;
     - streamed units drop their device slot (state ON_HOST, the slot's tenant None): the next forward
-      uploads them from ``master``;
+      uploads them from ``master`` (16-bit host copies are dropped);
     - gradient state restarts: ``grad_fresh`` and ``host_grad_fresh`` true (the next write copies),
       resident gradients zeroed, partial squared norms dropped, no pending assisted update.
     The caller ran ``engine.wait()`` before writing (no CPU or assisted update in flight)."""
@@ -207,6 +207,7 @@ def refresh_after_load(engine) -> None:
             slot.tenant = None
     engine._sq_norms.clear()
     engine._mirror_stale = False
+    engine._host16_epoch += 1     # 16-bit host copies of the old weights go stale (engine/deepspeed_api.py)
     engine.dev.synchronize()
 
 

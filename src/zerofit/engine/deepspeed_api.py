@@ -1,11 +1,14 @@
 """The DeepSpeed-shaped API: ``out = engine(**batch); engine.backward(out.loss); engine.step()``.
 
-One micro-batch per call, with the optimizer step at the gradient-accumulation boundary; slower than
-``train_batch`` (each call moves every streamed block's weights: docs/engine.md). Evaluation forwards
+One micro-batch per call, with the optimizer step at the gradient-accumulation boundary. The blocks'
+backward waits for the boundary and runs block-major over the window's micro-batches, as in train_batch;
+each forward moves every streamed block's weights, the later ones as 16-bit copies (docs/engine.md). Evaluation forwards
 (``engine.eval()`` or ``torch.no_grad()``) keep nothing. A mixin of :class:`~zerofit.engine.engine.Engine`.
 """
 
 from __future__ import annotations
+
+import logging
 
 
 import torch
@@ -13,6 +16,8 @@ import torch
 from zerofit.engine.batch import check_batch
 from zerofit.engine.planner import PlanError
 from zerofit.engine.store import Home, HostArena
+
+log = logging.getLogger("zerofit")
 
 
 class DeepSpeedStyleAPI:
@@ -38,12 +43,25 @@ class DeepSpeedStyleAPI:
     forward = __call__
 
     def _forward_micro(self, batch: dict):
+        """[Note: the block backward waits for the boundary]"""
+        G = self.config.gradient_accumulation_steps
+        if self._micro_steps >= G:
+            raise RuntimeError(f"{self._micro_steps} micro-batches went through backward() since the last optimizer "
+                               f"step and gradient_accumulation_steps is {G}: call engine.step() after each "
+                               "backward() (it steps at the accumulation boundary), as DeepSpeed's loop does")
         if self._micro_steps == 0:
             self._ds_t0, self._ds_busy0 = self._start_clock()
         self._ensure_plan([batch])
-        if self.deferred is False and self.adapter.streaming and any(not u.optimizer_on_device for u in self.units):
-            self._enable_accumulation()
-        micros = self._forward([batch], shell_grad=True)
+        if self._micro_steps == 0 and G > 1 and self._host16_possible():
+            self._enable_host16()
+        override = self._boundary_override           # more forwards of this window follow?
+        self._host16_fill = (self._micro_steps % G < G - 1) if override is None else not override
+        try:
+            micros = self._forward([batch], shell_grad=True)
+            if self._host16_fill and self.adapter.streaming:
+                self._prefetch_first_blocks()
+        finally:
+            self._host16_fill = False
         micro = micros[0]
         out, final = self._post(micro)
         micro.output = (out, final)
@@ -59,29 +77,58 @@ class DeepSpeedStyleAPI:
         del self.dev.intervals[n:]            # not part of any step's timeline
         return out
 
-    def _enable_accumulation(self) -> None:
-        """DeepSpeed-style steps need per-unit host gradient buffers: switch to deferred updates.
+    # [Note: 16-bit copies for extra forwards]
+    # Each DeepSpeed-style forward sees one micro-batch, so a streamed block's weights cross PCIe once per
+    # micro-batch, not once per step as in train_batch. The first forward of an accumulation window uploads
+    # the fp32 master and casts it on the device (as always); the cast weights are then sent down into a
+    # pinned 16-bit host copy (the download engine is idle during forwards), and the window's later forwards
+    # and its block backward upload that copy: half the bytes, and bitwise the weights the device cast. A copy
+    # is valid while the engine's weights epoch is the one it was taken in: the epoch moves whenever masters
+    # may change (every optimizer step, a dropped step, a checkpoint load), and a unit whose update may
+    # start (its gradient went down) drops its copy at once. Host memory: 2 B/param of the streamed
+    # blocks, planned; without room the engine goes on with fp32 uploads.
 
-        The plan is made again for deferred updates (same placement) and refused if the host
-        gradient buffers do not fit, before they are allocated."""
-        self.worker.drain()
-        try:    # assisted updates need device buffers the first plan may not have room for
-            self.plan = self._replan(self._plan_batch, deferred_updates=True)
-        except PlanError:
-            self.plan = self._replan(self._plan_batch, deferred_updates=True, assisted_updates=False)
-        self.deferred = True
+    def _prefetch_first_blocks(self) -> None:
+        """Another forward of this window follows: start uploading its first streamed blocks now (into the
+        slots the last blocks just left: [Note: slot reuse] orders it after their compute), so that forward
+        does not begin by waiting for PCIe."""
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
-        if self.plan.assisted_updates and self._assist is None and streamed:
-            self._alloc_assist(max(u.numel for u in streamed))
-        host_units = [u for u in self.units if not u.optimizer_on_device]
-        a = HostArena(sum(u.numel for u in host_units), torch.float32, self.dev.is_cuda and self.config.offload.pin_memory)
-        self._arenas.append(a)
-        for u in host_units:
-            self._host_grads[id(u)] = a.take(u.numel)
+        window = tuple(streamed[: self.plan.weight_slots])
+        for u in streamed[: max(self.plan.weight_slots - 1, 1)]:
+            if not self._begin_upload(u, window, wait=False):
+                break
 
+    def _host16_possible(self) -> bool:
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        return (self.dtype != torch.float32 and bool(streamed)
+                and streamed[0].host16 is None and not getattr(self, "_host16_refused", False))
+
+    def _enable_host16(self) -> None:
+        try:
+            self.plan = self._replan(self._plan_batch, host16=True)
+        except PlanError as e:
+            self._host16_refused = True
+            log.info("zerofit: no room for 16-bit host copies of the streamed blocks (%s); DeepSpeed-style "
+                     "forwards upload fp32 weights", e)
+            return
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        a = HostArena(sum(u.numel for u in streamed), self.dtype, self.dev.is_cuda and self.config.offload.pin_memory)
+        self._arenas.append(a)
+        for u in streamed:
+            u.host16, u.host16_epoch = a.take(u.numel), -1
+
+    # [Note: the block backward waits for the boundary]
+    # backward(loss) runs only the post pass's backward (head and loss) for its micro-batch, keeping the
+    # gradient at the last block's output beside the micro-batch's block checkpoints (which the forward kept
+    # on the device anyway, as train_batch keeps all G). At the accumulation boundary (the G-th backward) the
+    # blocks' backward runs once, block-major over the G micro-batches: each block's weights come up once for
+    # all of them and its gradient goes to the CPU optimizer once, exactly train_batch's backward, so the
+    # gradients (summed in the same order) and the updates are those of train_batch and plain accumulation.
+    # The losses the user sees are those of the forwards they ran. step() takes the optimizer step.
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
-        """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients.
+        """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients
+        (the blocks' part at the accumulation boundary: [Note: the block backward waits for the boundary]).
 
         The gradient is that of ``loss / gradient_accumulation_steps``; with ``scale_wrt_gas=False``
         (DeepSpeed's keyword) that of ``loss`` itself, for callers that already divided it as they want
@@ -94,13 +141,21 @@ class DeepSpeedStyleAPI:
             self._pending = None
             _, final = micro.output
             micro.output = None
-            G = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
+            G = self.config.gradient_accumulation_steps
             scale = self.scaler.scale if self.scaler else 1.0
             with self.dev.timed("compute", label="post"):
-                self._post_backward(micro, loss, final, scale / G)
-            if self.adapter.streaming:
-                self._backward_blocks([micro])
+                self._post_backward(micro, loss, final, scale / (G if scale_wrt_gas else 1))
             self._micro_steps += 1
+            if self.adapter.streaming:
+                self._held.append(micro)
+                if len(self._held) >= G or self._boundary_override is True:
+                    self._backward_held()
+
+    def _backward_held(self) -> None:
+        held, self._held = self._held, []
+        if self._spec is None:
+            self._begin_speculation()
+        self._backward_blocks(held)
 
     def step(self) -> None:
         """Take the optimizer step at the gradient-accumulation boundary (a no-op before it)."""
@@ -110,22 +165,25 @@ class DeepSpeedStyleAPI:
                 (override is None and self._micro_steps < self.config.gradient_accumulation_steps):
             return
         with self._call(discard_step=True):
-            self.worker.drain()
+            if self._held:          # the boundary was set after the last backward()
+                self._backward_held()
             applied = self._finish_step()
             self._micro_steps = 0
             self._end_step(self._ds_t0, self._ds_busy0, applied)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether step() would take the optimizer step now (the override when one is set)."""
+        """Whether step() takes the optimizer step after this micro-batch (the override when one is set)."""
         if self._boundary_override is not None:
             return self._boundary_override
         return self._micro_steps == self.config.gradient_accumulation_steps
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """DeepSpeed's override of where an accumulation ends, set before each micro-batch's backward: True
-        makes step() take the optimizer step over however many micro-batches were accumulated (a short last
-        accumulation, as accelerate's DeepSpeed wrapper and zerofit.hf ask for at the end of an epoch), False
-        holds it back, None returns to counting gradient_accumulation_steps."""
+        """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward
+        (or at least before its backward): True ends the window with this micro-batch, however many came
+        before it (a short last window, as accelerate's DeepSpeed wrapper and zerofit.hf ask for at the end of
+        an epoch), so its backward runs the blocks' backward and step() steps; False holds the step back
+        (a window stays at most gradient_accumulation_steps long: the device keeps that many micro-batches'
+        block checkpoints); None returns to counting gradient_accumulation_steps."""
         if is_boundary is not None and not isinstance(is_boundary, bool):
             raise TypeError(f"is_boundary must be True, False or None, found {is_boundary!r}")
         self._boundary_override = is_boundary

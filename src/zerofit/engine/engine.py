@@ -139,6 +139,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         self._origin = None
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
         self._boundary_override: bool | None = None   # set_gradient_accumulation_boundary()
+        self._held: list[_Micro] = []   # DeepSpeed-style API: micro-batches whose block backward waits for the boundary
+        self._host16_epoch = 0    # [Note: 16-bit copies for extra forwards]: bumped whenever masters may change
+        self._host16_fill = False   # the forward in progress fills host16 copies (more forwards of the window follow)
         self._pending: _Micro | None = None
         self._host_grads: dict[int, torch.Tensor] = {}
         self._sq_norms: dict[int, torch.Tensor] = {}
@@ -189,7 +192,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         args = self._plan_args() | dict(
             device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
             resident_blocks=self.plan.resident_blocks, shell_on_device=self.plan.shell_optimizer_on_device,
-            fixed_staging=self.plan.staging_buffers)
+            fixed_staging=self.plan.staging_buffers, host16=any(u.host16 is not None for u in self.blocks))
         return make_plan(self._shape, batch, **(args | changes))
 
     def _plan(self, shape: ModelShape, seq_len: int | None) -> Plan:
@@ -279,19 +282,28 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         dst = slot.tensor[: unit.numel]
         with self.dev.on(self.dev.upload):
             self.dev.wait(self.dev.upload, slot.free_event)       # [Note: slot reuse]
-            self._upload(unit, dst)
+            self.dev.wait(self.dev.upload, slot.read_event)
+            slot.read_event = self._upload(unit, dst)
             unit.ready_event = self.dev.record(self.dev.upload)
         slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
         return True
 
-    def _upload(self, unit: Unit, dst: torch.Tensor | None) -> None:
+    def _upload(self, unit: Unit, dst: torch.Tensor | None):
         """Copy the unit's fp32 master into ``dst`` (compute dtype) on the upload stream. See [Note: fp32 uploads].
 
-        A unit with a pending assisted update is updated on the way. See [Note: assisted updates]."""
+        A unit with a pending assisted update is updated on the way. See [Note: assisted updates].
+        With a valid 16-bit host copy, that is uploaded instead; a forward that fills the copies sends the
+        cast weights down into it ([Note: 16-bit copies for extra forwards]). Returns the event of a
+        download that reads ``dst`` (the slot must outlive it), or None."""
         self.dev.wait(self.dev.upload, unit.master_event)
         if unit.pending_update is not None:
             self._assisted_update(unit, dst)
-            return
+            return None
+        if unit.host16 is not None and unit.host16_epoch == self._host16_epoch:
+            with self.dev.timed("upload", self.dev.upload, f"{unit.name}(16)"):
+                self.dev.wait(self.dev.upload, unit.host16_event)
+                dst.copy_(unit.host16, non_blocking=True)
+            return None
         with self.dev.timed("upload", self.dev.upload, unit.name):
             if dst.dtype == torch.float32:
                 dst.copy_(unit.master, non_blocking=True)
@@ -299,6 +311,16 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
                 stage = self._upload_stage[: unit.numel]   # one buffer: the upload stream runs in order
                 stage.copy_(unit.master, non_blocking=True)
                 dst.copy_(stage)
+        if unit.host16 is None or not self._host16_fill:
+            return None
+        up = self.dev.record(self.dev.upload)
+        with self.dev.on(self.dev.download):
+            self.dev.wait(self.dev.download, up)
+            with self.dev.timed("download", self.dev.download, f"{unit.name}(16)"):
+                unit.host16.copy_(dst, non_blocking=True)
+            unit.host16_event = self.dev.record(self.dev.download)
+        unit.host16_epoch = self._host16_epoch
+        return unit.host16_event
 
     def _assisted_update(self, unit: Unit, dst: torch.Tensor | None) -> None:
         """[Note: assisted updates]
@@ -506,6 +528,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
             micro.grad = x      # holds the final hidden state until the post pass
         return micros
 
+    def _begin_speculation(self) -> None:
+        """Before a step's block backward: whether its host updates speculate ([Note: speculative updates])."""
+        if self._can_speculate and self.adapter.streaming:
+            if self._speculate_next:
+                self._spec = Speculation(self.config.gradient_clipping ** 2)
+            else:
+                self.speculation_stats["waited"] += 1
+
     def _post(self, micro: _Micro):
         """Post pass with autograd: returns (output, x_L leaf)."""
         if not self.adapter.streaming:
@@ -573,6 +603,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         if unit.optimizer_on_device:
             return
         grad = unit.grad
+        unit.host16_epoch = -1     # its update may start now: the 16-bit copy goes stale
         host = self._host_grads.get(id(unit))
         fresh_host = host is not None and unit.host_grad_fresh
         if fresh_host:     # the whole gradient goes straight into the unit's host buffer; its norm is taken here
@@ -720,6 +751,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
         hyper = self._hyper()
         factor = 1.0
         skip = False
+        self._host16_epoch += 1    # [Note: 16-bit copies for extra forwards]: the weights change from here
         device_units = [u for u in self.units if u.optimizer_on_device]
         host_units = [u for u in self.units if not u.optimizer_on_device]
         # the shell's gradient is complete only now: send it down if its optimizer is on the host
@@ -814,11 +846,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedStyleAPI):
 
     def _train_batch(self, micro_batches: list[dict]) -> float:
         self._ensure_plan(micro_batches)
-        if self._can_speculate and self.adapter.streaming:
-            if self._speculate_next:
-                self._spec = Speculation(self.config.gradient_clipping ** 2)
-            else:
-                self.speculation_stats["waited"] += 1
+        self._begin_speculation()
         t0, busy0 = self._start_clock()
         G = len(micro_batches)
         scale = self.scaler.scale if self.scaler else 1.0

@@ -189,7 +189,8 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
               checkpointing: bool, stream_params: bool,
               resident_blocks: int | None, prefetch_depth: int | None, staging: int = 12,
               shell_on_device: bool | None = None, fixed_staging: int | None = None,
-              assisted_updates: bool | None = None, assisted_fraction: float = 0.375) -> Plan:
+              assisted_updates: bool | None = None, assisted_fraction: float = 0.375,
+              host16: bool = False) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
@@ -247,6 +248,8 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
             "host_mirrors": device_opt_units * 4 if on_cuda else 0,     # fp32 copies the module's params view
             "grad_staging": stage * stage_numel * 4,
             "grad_buffers": host_units * 4 if deferred_updates else 0,
+            # DeepSpeed-style forwards: 16-bit copies of the streamed blocks (engine/deepspeed_api.py)
+            "host16_copies": sum(streamed) * cb if host16 and not fp32 else 0,
         }
         if not on_cuda:  # device memory is host memory: count it once, as host
             for k, v in dev.items():

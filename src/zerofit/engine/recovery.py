@@ -35,6 +35,8 @@ class StepRecovery:
             self.worker.drain()
         self._pending = None
         self._micro_steps = 0
+        self._held = []
+        self._host16_epoch += 1       # a rollback restores the masters to rounding only
         self._discard_grads([u for u in self.units if not u.optimizer_on_device])
         with self._staging_cv:       # a buffer taken by the failed step may never have been handed on
             self._staging_free = list(range(len(self._staging)))
@@ -45,7 +47,7 @@ class StepRecovery:
         self.dev.synchronize()
         for pool in (self.weight_pool, self.grad_pool):
             for slot in (pool.slots if pool is not None else ()):
-                slot.tenant = slot.free_event = None
+                slot.tenant = slot.free_event = slot.read_event = None
         for u in self.blocks:
             if u.home is Home.STREAMED:
                 u.slot, u.state, u.ready_event, u.grad_slot, u.grad = None, WeightState.ON_HOST, None, None, None
@@ -56,7 +58,7 @@ class StepRecovery:
     def _drop_device_state(self) -> None:
         """Let go of every device buffer (the memory goes back to the allocator, for a next engine).
         The module's parameters keep viewing the host weights."""
-        self._pending, self._micro_steps = None, 0
+        self._pending, self._micro_steps, self._held = None, 0, []
         for u in self.units:
             u.dev16 = u.grad = u.slot = u.grad_slot = u.ready_event = u.master_event = u.pending_update = None
             u.buffers = {}
@@ -98,7 +100,7 @@ class StepRecovery:
 
     def _fallback_possible(self) -> bool:
         return (self._adapter_kind == "auto" and self.adapter.streaming and self.global_step == 0
-                and self.skipped_steps == 0 and self._micro_steps == 0 and self._pending is None)
+                and self.skipped_steps == 0 and self._micro_steps == 0 and self._pending is None and not self._held)
 
     def _with_fallback(self, run):
         """``run()``, and once more on the generic path if it finds the model not block-sequential."""

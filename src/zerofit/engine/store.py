@@ -110,6 +110,9 @@ class Unit:
     pending_update: tuple | None = None      # deferred: (grad factor, Hyper) of an update the device applies
     master_event: object = None              # the download of a device-applied update into master
     dirty: bool = False                      # RESIDENT with host optimizer: dev16 older than master
+    host16: torch.Tensor | None = None       # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra forwards]
+    host16_epoch: int = -1                   # the engine's weights epoch host16 was taken in (valid while equal)
+    host16_event: object = None              # the download that filled host16
 
     @property
     def numel(self) -> int:
@@ -134,6 +137,7 @@ class Slot:
 
     tensor: torch.Tensor        # (capacity,) on the device
     free_event: object = None   # last reader (or writer) of the previous tenant is done
+    read_event: object = None   # a download reading the slot (into a host16 copy) is done
     tenant: Unit | None = None
 
 

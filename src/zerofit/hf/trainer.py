@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -39,15 +40,20 @@ class EngineModel(nn.Module):
     values are the engine's host weights), ``config`` and the class name are the model's (the Trainer's label
     smoother looks at the name)."""
 
-    def __init__(self, engine, model: nn.Module) -> None:
+    def __init__(self, engine, model: nn.Module, boundary: Callable[[], bool]) -> None:
         super().__init__()
         self.__dict__["engine"] = engine       # not registered: nn.Module must not walk into the engine or model
         self.__dict__["module"] = model
+        self.__dict__["_boundary"] = boundary
         self.training = model.training
 
     def forward(self, *args, **inputs):
         if args:
             raise TypeError("zerofit's engine takes keyword inputs (model(**inputs)), as the Trainer passes them")
+        if self.training and torch.is_grad_enabled():
+            # the Trainer says before each micro-batch whether it ends the accumulation (its sync_gradients); the
+            # engine wants to know at the forward already (whether to keep 16-bit copies for the next forward)
+            self.engine.set_gradient_accumulation_boundary(bool(self._boundary()))
         return self.engine(**inputs)
 
     def train(self, mode: bool = True):
@@ -200,7 +206,8 @@ class ZerofitTrainerMixin:
 
     def _zerofit_facade(self) -> EngineModel:
         if self._zerofit_model is None:
-            self._zerofit_model = EngineModel(self._zerofit_current(), self.model)
+            self._zerofit_model = EngineModel(self._zerofit_current(), self.model,
+                                              boundary=lambda: self.accelerator.sync_gradients)
         return self._zerofit_model
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):

@@ -24,15 +24,16 @@ The Trainer keeps its own loop. Two ways were weighed:
     ``engine.step()``), one micro-batch at a time through zerofit's DeepSpeed-shaped API;
 (b) override the loop to gather the G micro-batches of a step and call ``engine.train_batch`` once.
 
-(b) is the faster path today (``train_batch`` moves each block's weights once per step, the per-micro-batch
-API once per micro-batch), but it would re-implement the loop: callbacks (``on_step_begin``,
+(b) is the faster path (``train_batch`` moves each block's weights twice per step; the per-micro-batch API
+streams every block again for each micro-batch's forward, though its backward now runs block-major at the
+boundary like ``train_batch``'s: 0.82x of ``train_batch`` on W1, docs/benchmarks.md), but it would
+re-implement the loop: callbacks (``on_step_begin``,
 ``on_substep_end``, ``on_pre_optimizer_step``...), ``logging_steps`` accounting, NaN filtering, evaluation
 and saving schedules, epoch ends, resumption's data skipping, token counting, ``num_items_in_batch``; and it
 would bypass ``compute_loss`` and ``training_step``, which TRL's trainers override (``train_batch`` computes
 the model's own loss). Every transformers release moves that loop. (a) leaves all of it to the Trainer and
-honours overridden ``compute_loss``/``training_step`` by construction, so it is what this package does; the
-per-micro-batch path is being made as fast as ``train_batch`` in the engine, which then speeds this up with
-no change here.
+honours overridden ``compute_loss``/``training_step`` by construction, so it is what this package does;
+whatever makes the engine's per-micro-batch path faster speeds this up with no change here.
 
 How (a) fits the Trainer (details in trainer.py):
 

@@ -118,15 +118,16 @@ def test_same_losses_and_weights_as_plain_trainer(tmp_path, build, sched, warmup
     assert plain.model.is_gradient_checkpointing == ckpt
 
 
-def test_bf16_trains_in_bf16_with_fp32_masters(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_precision_with_fp32_masters(tmp_path, precision):
     torch.manual_seed(0)
     model = tm.llama()
     ref = _train(PlainTrainer, copy.deepcopy(model), _args(tmp_path / "fp32", max_steps=3))
-    zf = _train(zerofit.hf.Trainer, model, _args(tmp_path / "bf16", max_steps=3, bf16=True))
-    assert zf.zerofit_engine.config.precision == "bf16"
+    zf = _train(zerofit.hf.Trainer, model, _args(tmp_path / precision, max_steps=3, **{precision: True}))
+    assert zf.zerofit_engine.config.precision == precision
     assert all(p.dtype == torch.float32 for p in zf.zerofit_engine.module.parameters())
     a, b = [v for _, v in _logs(ref, "loss")], [v for _, v in _logs(zf, "loss")]
-    assert a[0] != b[0] and b == pytest.approx(a, rel=2e-2)    # bf16 rounding, same training
+    assert a[0] != b[0] and b == pytest.approx(a, rel=2e-2)    # 16-bit rounding, the same training
 
 
 def test_weight_decay_groups_match_plain_trainer(tmp_path):
@@ -329,7 +330,7 @@ def test_deepspeed_json_mismatch_and_the_plain_trainer_guard(tmp_path):
 @pytest.mark.parametrize("field,value", [
     ("torch_compile", True), ("optim", "adamw_bnb_8bit"), ("optim", "sgd"), ("lr_scheduler_type", "polynomial"),
     ("lr_scheduler_kwargs", {"num_cycles": 2}), ("neftune_noise_alpha", 5.0), ("auto_find_batch_size", True),
-    ("bf16_full_eval", True), ("use_liger_kernel", True), ("debug", "underflow_overflow"),
+    ("bf16_full_eval", True), ("use_liger_kernel", True), ("debug", "underflow_overflow"), ("fsdp", "full_shard"),
 ])
 def test_refused_arguments_name_the_field(tmp_path, field, value):
     args = _args(tmp_path, **{field: value})

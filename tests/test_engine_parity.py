@@ -187,6 +187,41 @@ def test_deepspeed_style_loop_is_train_batch_bitwise(precision, clip):
         assert sixteen == 0 and sum(full) > steps * streamed
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_short_windows_with_the_boundary_override_are_train_batch_bitwise(precision):
+    """Windows of 3, 2, 1 and 3 micro-batches where gradient_accumulation_steps is 3, each ended by
+    set_gradient_accumulation_boundary(True) before its last forward (zerofit.hf's way at an epoch's end), the
+    caller scaling each loss (backward(scale_wrt_gas=False)): losses and masters are train_batch's on the same
+    windows, bitwise; in 16-bit the shorter windows still read the 16-bit copies their first forward made."""
+    cfg = _cfg(precision=precision, gradient_accumulation_steps=3, gradient_clipping=0.05,
+               offload={"prefetch_depth": 1})
+    data = tm.batches(1, 3) + tm.batches(1, 2, seed=4) + tm.batches(1, 1, seed=5) + tm.batches(1, 3, seed=6)
+    torch.manual_seed(0)
+    a = zerofit.initialize(tm.qwen2(), cfg)
+    torch.manual_seed(0)
+    b = zerofit.initialize(tm.qwen2(), cfg)
+    sixteen = []
+    for mbs in data:
+        losses = []
+        for i, mb in enumerate(mbs):
+            a.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            out = a(**mb)
+            losses.append(out.loss.detach().float())
+            a.backward(out.loss * (1.0 / len(mbs)), scale_wrt_gas=False)
+            a.step()
+            assert a.global_step == b.global_step + (i == len(mbs) - 1)
+        sixteen.append(sum(1 for e in a.trace() if e["lane"] == "upload" and e["label"].endswith("(16)")))
+        assert torch.stack(losses).mean().item() == b.train_batch(mbs)
+    a.wait(), b.wait()
+    for ua, ub in zip(a.units, b.units):
+        assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
+        assert torch.equal(ua.exp_avg_sq.cpu(), ub.exp_avg_sq.cpu()), ua.name
+    if precision == "bf16":
+        assert sixteen[1] > 0 and sixteen[2] == 0, sixteen     # a window of 1 has no later forward to serve
+    else:
+        assert sixteen == [0, 0, 0, 0]
+    a.close(), b.close()
+
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_deepspeed_style_api_matches(clip):
     torch.manual_seed(0)
@@ -198,6 +233,37 @@ def test_deepspeed_style_api_matches(clip):
     assert engine.global_step == len(data)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data, clip=clip)))
     _assert_same_weights(engine, ref)
+
+
+def test_deepspeed_boundary_override_and_caller_scaled_loss():
+    """What accelerate's DeepSpeed wrapper (and zerofit.hf) does: the caller divides each loss itself
+    (backward(scale_wrt_gas=False)) and ends an accumulation where it wants (set_gradient_accumulation_boundary),
+    here after 1 micro-batch where gradient_accumulation_steps is 3 (the short last step of an epoch)."""
+    torch.manual_seed(0)
+    model = tm.llama()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg(gradient_accumulation_steps=3, gradient_clipping=0.05))
+    data = tm.batches(2, 3) + tm.batches(1, 1, seed=5) + tm.batches(1, 3, seed=6)
+    losses = []
+    for mbs in data:
+        total = 0.0
+        for i, mb in enumerate(mbs):
+            engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            assert engine.is_gradient_accumulation_boundary() == (i == len(mbs) - 1)
+            out = engine(**mb)
+            engine.backward(out.loss / len(mbs), scale_wrt_gas=False)
+            engine.step()
+            total += out.loss.item()
+        losses.append(total / len(mbs))
+    assert engine.global_step == len(data)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data, clip=0.05)))
+    _assert_same_weights(engine, ref)
+    engine.set_gradient_accumulation_boundary(None)     # back to counting: 3 micro-batches per step
+    for i, mb in enumerate(tm.batches(1, 3, seed=7)[0]):
+        engine.backward(engine(**mb).loss)
+        engine.step()
+        assert engine.global_step == len(data) + (i == 2)
+    engine.close()
 
 
 def test_lr_schedule_matches_lambda_lr():

@@ -290,3 +290,35 @@ def test_lambda_lr_gives_the_same_lr_every_step(sched):
         assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(step, lr, sched), rel=1e-12, abs=1e-18)
         opt.step()
         lambda_lr.step()
+
+
+# ---------------------------------------------------------------------------
+# transformers' get_scheduler (the hf_* types, for zerofit.hf)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["constant", "constant_with_warmup", "linear", "cosine"])
+@pytest.mark.parametrize("warmup,total", [(0, 10), (3, 10), (1, 1), (4, 25), (10, 10)])
+def test_transformers_schedules_equal_get_scheduler_bitwise(name, warmup, total):
+    from transformers import get_scheduler
+
+    lr = 3e-4
+    sched = SchedulerConfig(type=f"hf_{name}", warmup_steps=warmup, total_steps=total)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    hf = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total)
+    for step in range(total + 3):
+        assert lr_at(step, lr, sched) == opt.param_groups[0]["lr"], (name, step)
+        opt.step()
+        hf.step()
+    if name in ("linear", "cosine") and warmup < total:
+        assert lr_at(total, lr, sched) == 0.0
+    if warmup and name != "constant":
+        assert lr_at(0, lr, sched) == 0.0            # transformers' warm-up starts at 0, zerofit's own does not
+        assert lr_at(0, lr, SchedulerConfig(type=name if name != "constant_with_warmup" else "constant",
+                                            warmup_steps=warmup, total_steps=total)) > 0.0
+
+
+def test_transformers_decaying_schedules_need_the_run_length():
+    with pytest.raises(ConfigError, match="scheduler.total_steps"):
+        lr_at(5, 1e-3, SchedulerConfig(type="hf_linear", warmup_steps=2))
+    assert lr_at(5, 1e-3, SchedulerConfig(type="hf_constant_with_warmup", warmup_steps=2)) == 1e-3

@@ -288,8 +288,11 @@ class OptimizerConfig(_Frozen):
 class SchedulerConfig(_Frozen):
     """Learning-rate schedule; ``lr(step)`` is computed by :func:`zerofit.optim.schedules.lr_at`."""
 
-    type: Literal["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = "constant"
-    """constant/linear/cosine: zerofit's schedules; Warmup*: DeepSpeed's, with DeepSpeed's formulas"""
+    type: Literal["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
+                  "hf_constant", "hf_constant_with_warmup", "hf_linear", "hf_cosine"] = "constant"
+    """constant/linear/cosine: zerofit's schedules; Warmup*: DeepSpeed's, with DeepSpeed's formulas; hf_*:
+    transformers' get_scheduler ("constant", "constant_with_warmup", "linear", "cosine"), with its formulas
+    (zerofit.hf maps TrainingArguments.lr_scheduler_type onto them)"""
     warmup_steps: int = Field(0, ge=0)
     """optimizer steps of warm-up (DeepSpeed's ``warmup_num_steps``; DeepSpeed's schedules use at least 2)"""
     total_steps: int | None = Field(None, ge=1)

@@ -54,7 +54,8 @@ class DeepSpeedStyleAPI:
         self._ensure_plan([batch])
         if self._micro_steps == 0 and G > 1 and self._host16_possible():
             self._enable_host16()
-        self._host16_fill = self._micro_steps % G < G - 1     # more forwards of this window follow
+        override = self._boundary_override           # more forwards of this window follow?
+        self._host16_fill = (self._micro_steps % G < G - 1) if override is None else not override
         try:
             micros = self._forward([batch], shell_grad=True)
             if self._host16_fill and self.adapter.streaming:
@@ -125,9 +126,13 @@ class DeepSpeedStyleAPI:
     # gradients (summed in the same order) and the updates are those of train_batch and plain accumulation.
     # The losses the user sees are those of the forwards they ran. step() takes the optimizer step.
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients
-        (the blocks' part at the accumulation boundary: [Note: the block backward waits for the boundary])."""
+        (the blocks' part at the accumulation boundary: [Note: the block backward waits for the boundary]).
+
+        The gradient is that of ``loss / gradient_accumulation_steps``; with ``scale_wrt_gas=False``
+        (DeepSpeed's keyword) that of ``loss`` itself, for callers that already divided it as they want
+        (Hugging Face's Trainer: by the micro-batches of the step, or by the step's token count)."""
         self._check_open()
         micro = self._pending
         if micro is None:
@@ -139,11 +144,11 @@ class DeepSpeedStyleAPI:
             G = self.config.gradient_accumulation_steps
             scale = self.scaler.scale if self.scaler else 1.0
             with self.dev.timed("compute", label="post"):
-                self._post_backward(micro, loss, final, scale / G)
+                self._post_backward(micro, loss, final, scale / (G if scale_wrt_gas else 1))
             self._micro_steps += 1
             if self.adapter.streaming:
                 self._held.append(micro)
-                if len(self._held) >= G:
+                if len(self._held) >= G or self._boundary_override is True:
                     self._backward_held()
 
     def _backward_held(self) -> None:
@@ -155,13 +160,31 @@ class DeepSpeedStyleAPI:
     def step(self) -> None:
         """Take the optimizer step at the gradient-accumulation boundary (a no-op before it)."""
         self._check_open()
-        if self._micro_steps < self.config.gradient_accumulation_steps:
+        override = self._boundary_override
+        if self._micro_steps == 0 or override is False or \
+                (override is None and self._micro_steps < self.config.gradient_accumulation_steps):
             return
         with self._call(discard_step=True):
+            if self._held:          # the boundary was set after the last backward()
+                self._backward_held()
             applied = self._finish_step()
             self._micro_steps = 0
             self._end_step(self._ds_t0, self._ds_busy0, applied)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether step() takes the optimizer step after this micro-batch (the override when one is set)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return self._micro_steps == self.config.gradient_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward
+        (or at least before its backward): True ends the window with this micro-batch, however many came
+        before it (a short last window, as accelerate's DeepSpeed wrapper and zerofit.hf ask for at the end of
+        an epoch), so its backward runs the blocks' backward and step() steps; False holds the step back
+        (a window stays at most gradient_accumulation_steps long: the device keeps that many micro-batches'
+        block checkpoints); None returns to counting gradient_accumulation_steps."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary must be True, False or None, found {is_boundary!r}")
+        self._boundary_override = is_boundary
 

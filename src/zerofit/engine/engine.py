@@ -145,6 +145,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._wait_spans: list[tuple] = []
         self._origin = None
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
+        self._boundary_override: bool | None = None   # set_gradient_accumulation_boundary()
         self._held: list[_Micro] = []   # DeepSpeed-style API: micro-batches whose block backward waits for the boundary
         self._host16_epoch = 0    # [Note: 16-bit copies for extra forwards]: bumped whenever masters may change
         self._host16_fill = False   # the forward in progress fills host16 copies (more forwards of the window follow)

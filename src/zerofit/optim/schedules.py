@@ -17,6 +17,14 @@ warmup_steps``, ``T = total_steps``, ``r = min_lr_ratio`` and ``lr`` the optimiz
   constant ``lr``; linear ``lr * (1 - (1 - r) * p)``; cosine ``lr * (r + (1 - r) * (1 + cos(pi p)) / 2)``.
   Both reach ``r * lr`` at ``step == T`` and stay there.
 
+transformers' schedules (``hf_constant``, ``hf_constant_with_warmup``, ``hf_linear``, ``hf_cosine``: what
+``transformers.get_scheduler`` builds for ``"constant"``, ``"constant_with_warmup"``, ``"linear"``, ``"cosine"``)
+are ``lr * lambda(step)`` with the lambdas of ``transformers/optimization.py`` (5.17), computed with the same
+float operations, so every step's lr equals ``LambdaLR``'s bitwise: warm-up ``step / max(1, W)`` (0 at the
+first step); then linear ``max(0, (T - step) / max(1, T - W))``, cosine
+``max(0, (1 + cos(pi * 0.5 * 2 * p)) / 2)`` with ``p = (step - W) / max(1, T - W)``; ``hf_constant`` ignores the
+warm-up, as transformers does. ``min_lr_ratio`` does not apply to them.
+
 DeepSpeed's schedules (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``) follow
 ``deepspeed/runtime/lr_schedules.py`` (deepspeedai/DeepSpeed, read at commit
 22779f2c6e335b494c90c05917206d3b14510d2d) exactly. See [Note: DeepSpeed's step offset].
@@ -45,7 +53,7 @@ from typing import Callable
 
 from zerofit.config.schema import ConfigError, SchedulerConfig
 
-__all__ = ["lr_at", "make_lambda", "deepspeed_lr"]
+__all__ = ["lr_at", "make_lambda", "deepspeed_lr", "transformers_lambda", "HF_SCHEDULES"]
 
 
 def lr_at(step: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
@@ -55,6 +63,8 @@ def lr_at(step: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
     if sched.type in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
         # [Note: DeepSpeed's step offset]
         return deepspeed_lr(step - 1, optimizer_lr, sched)
+    if sched.type in HF_SCHEDULES:
+        return optimizer_lr * transformers_lambda(step, sched)
 
     warmup = sched.warmup_steps
     if step < warmup:
@@ -68,6 +78,25 @@ def lr_at(step: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
         return optimizer_lr * (1.0 - (1.0 - floor) * progress)
     # cosine
     return optimizer_lr * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+HF_SCHEDULES = ("hf_constant", "hf_constant_with_warmup", "hf_linear", "hf_cosine")
+
+
+def transformers_lambda(step: int, sched: SchedulerConfig) -> float:
+    """The multiplier ``transformers.get_scheduler``'s LambdaLR applies at ``step`` (see the module docstring)."""
+    warmup = sched.warmup_steps
+    if sched.type == "hf_constant":
+        return 1    # transformers' _get_constant_lambda: warm-up ignored
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if sched.type == "hf_constant_with_warmup":
+        return 1.0
+    total = _total_steps(sched)
+    if sched.type == "hf_linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))    # hf_cosine, num_cycles 0.5
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress)))
 
 
 def deepspeed_lr(last_batch_iteration: int, optimizer_lr: float, sched: SchedulerConfig) -> float:

@@ -487,7 +487,7 @@ def test_unsupported_engine_optimizer_and_scheduler_calls_name_themselves():
     sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=tm.llama(), config=_ds_config(2, scheduler=sched),
                                                               device="cpu")
-    for name in ("no_sync", "save_16bit_model", "set_gradient_accumulation_boundary", "zero_optimization_stage",
+    for name in ("no_sync", "save_16bit_model", "zero_optimization_stage",
                  "allreduce_gradients", "offload_states"):
         with pytest.raises(UnsupportedAttribute, match=f"DeepSpeed engine has no {name}:"):
             getattr(engine, name)

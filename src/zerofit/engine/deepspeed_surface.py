@@ -50,8 +50,6 @@ _HINTS = {
     "load_module_state_dict": "load weights with engine.load_checkpoint(dir), or into the model before "
                               "zerofit.deepspeed.initialize",
     "load_moe_state_dict": "zerofit has no mixture-of-experts layers of its own",
-    "set_gradient_accumulation_boundary": "call engine.step() after every micro-batch's backward(): the "
-                                          "boundary is every gradient_accumulation_steps-th micro-batch",
     "set_train_batch_size": "set train_batch_size / gradient_accumulation_steps in the config",
     "set_train_micro_batch_size": "set train_micro_batch_size_per_gpu in the config",
     "no_sync": ONE_PROCESS + " (there is no gradient all-reduce to skip)",
@@ -179,15 +177,11 @@ class DeepSpeedSurface:
             raise DeepSpeedUnsupported("engine.backward(retain_graph=True): zerofit frees each block's graph as it "
                                        "goes (it recomputes blocks from checkpoints), so a second backward through "
                                        "the same forward is not possible; run the forward again")
-        if not scale_wrt_gas:
-            raise DeepSpeedUnsupported("engine.backward(scale_wrt_gas=False): zerofit divides every micro-batch's "
-                                       "loss by gradient_accumulation_steps, as DeepSpeed does by default; pass the "
-                                       "undivided loss with scale_wrt_gas=True")
-        super().backward(loss)
+        super().backward(loss, scale_wrt_gas=scale_wrt_gas)
         self._ds_unstepped = self._micro_steps
         G = self.config.gradient_accumulation_steps
         out = loss.detach().float()
-        return out / G if G > 1 else out
+        return out / G if G > 1 and scale_wrt_gas else out
 
     def step(self, lr_kwargs=None) -> None:
         """The optimizer step at the accumulation boundary (a no-op before it), then the lr schedule's step."""

@@ -195,7 +195,9 @@ class DeepSpeedSurface:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the last micro-batch of an accumulation is worked on ([Note: DeepSpeed's accumulation
-        boundary]): from its forward until its step()."""
+        boundary]): from its forward until its step(); what set_gradient_accumulation_boundary() said, when set."""
+        if getattr(self, "_boundary_override", None) is not None:
+            return self._boundary_override
         return (self._micro_position() + 1) % self.config.gradient_accumulation_steps == 0
 
     def _micro_position(self) -> int:

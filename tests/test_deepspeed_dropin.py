@@ -183,12 +183,7 @@ def test_client_adamw_settings_become_the_config():
     assert optimizer is not client and optimizer.param_groups[0]["eps"] == 1e-6
     assert engine.get_mom() == [(0.8, 0.99)] and engine.get_lr() == [2e-3]
     batches = [mb for mbs in tm.batches(steps, G) for mb in mbs]
-    losses = []
-    for mb in batches:
-        loss = engine(**mb).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = [loss.item() for loss in tm.ds_losses(engine, batches)]
     ref_losses = _reference(ref, batches, G, [2e-3] * steps, betas=(0.8, 0.99), eps=1e-6)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     _assert_same_weights(engine, ref)
@@ -239,12 +234,7 @@ def test_param_groups_become_zerofit_groups():
     groups = optimizer.param_groups
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and [g["lr"] for g in groups] == [1e-3, 5e-4]
     batches = [mb for mbs in tm.batches(steps, G) for mb in mbs]
-    losses = []
-    for mb in batches:
-        loss = engine(**mb).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = [loss.item() for loss in tm.ds_losses(engine, batches)]
     ref_groups = split(ref)
     ref_losses = _reference(ref, batches, G, [[1e-3, 5e-4]] * steps, groups=ref_groups)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))

@@ -163,13 +163,8 @@ def test_deepspeed_style_loop_is_train_batch_bitwise(precision, clip):
     b = zerofit.initialize(tm.qwen2(), cfg)
     sixteen, full = 0, []
     for mbs in data:
-        losses = []
-        for mb in mbs:
-            out = a(**mb)
-            losses.append(out.loss.detach().float())
-            a.backward(out.loss)
-            a.step()
-        uploads = [e["label"] for e in a.trace() if e["lane"] == "upload" and "+adamw" not in e["label"]]
+        losses = tm.ds_losses(a, mbs)
+        uploads = tm.upload_labels(a)
         sixteen += sum(1 for x in uploads if x.endswith("(16)"))
         full.append(sum(1 for x in uploads if not x.endswith("(16)")))
         ref = b.train_batch(mbs)

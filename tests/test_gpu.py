@@ -304,13 +304,8 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip):
     b = zerofit.initialize(tm.llama(layers=5), cfg)
     streamed = sum(1 for u in a.blocks if u.home.name == "STREAMED")
     for mbs in data:
-        losses = []
-        for mb in mbs:
-            out = a(**mb)
-            losses.append(out.loss.detach().float())
-            a.backward(out.loss)
-            a.step()
-        ups = [e["label"] for e in a.trace() if e["lane"] == "upload" and "+adamw" not in e["label"]]
+        losses = tm.ds_losses(a, mbs)
+        ups = tm.upload_labels(a)
         assert sum(1 for x in ups if not x.endswith("(16)")) == streamed, ups
         assert torch.stack(losses).mean().item() == b.train_batch(mbs)
     a.wait(), b.wait()

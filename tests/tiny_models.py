@@ -181,15 +181,27 @@ def fp16_reference_train(master: nn.Module, mbs: list[dict], steps: int, lr: flo
     return losses, scales
 
 
-def ds_step(engine, mbs: list[dict]) -> float:
-    """One optimizer step through the DeepSpeed-shaped API; returns the mean loss."""
-    total = 0.0
+def ds_losses(engine, mbs: list[dict]) -> list[torch.Tensor]:
+    """The DeepSpeed tutorial loop over ``mbs`` (forward, backward, step per micro-batch); each micro-batch's
+    loss, detached, in fp32."""
+    losses = []
     for mb in mbs:
         out = engine(**mb)
         engine.backward(out.loss)
         engine.step()
-        total += out.loss.item()
-    return total / len(mbs)
+        losses.append(out.loss.detach().float())
+    return losses
+
+
+def ds_step(engine, mbs: list[dict]) -> float:
+    """One optimizer step through the DeepSpeed-shaped API; returns the mean loss."""
+    return sum(loss.item() for loss in ds_losses(engine, mbs)) / len(mbs)
+
+
+def upload_labels(engine) -> list[str]:
+    """The labels of the last step's weight uploads (engine.trace()), assisted updates left out;
+    a label ending in "(16)" read a 16-bit host copy."""
+    return [e["label"] for e in engine.trace() if e["lane"] == "upload" and "+adamw" not in e["label"]]
 
 
 def initial_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -47,6 +47,7 @@ __all__ = [
     "LossScaleConfig",
     "OffloadConfig",
     "load_config",
+    "load_with_defaults",
     "render_config",
     "format_report",
     "check_nvme_path",
@@ -108,6 +109,19 @@ def load_config(source: Any = None, *, world_size: int | None = None, **override
     config = ZerofitConfig.model_validate(fields)
     return LoadedConfig(config, loaded.report, loaded.source, loaded.flavour)
 
+
+
+def load_with_defaults(source: Any, defaults: dict, **overrides: Any) -> LoadedConfig:
+    """``load_config(source, **overrides)`` for a config file; without one, ``defaults`` (a dict without
+    ``train_batch_size``) with the batch fields among ``overrides`` put into it, so that the batch size
+    follows micro_batch_size * gradient_accumulation_steps (load_config's rules for the batch triple)."""
+    if source is not None:
+        return load_config(source, **overrides)
+    base = dict(defaults)
+    for name in ("micro_batch_size", "gradient_accumulation_steps"):
+        if name in overrides:
+            base[name] = overrides.pop(name)
+    return load_config(base, **overrides)
 
 def _load_source(source: Any, world_size: int | None) -> LoadedConfig:
     if source is None:

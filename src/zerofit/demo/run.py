@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import zerofit
-from zerofit.config import LoadedConfig, load_config
+from zerofit.config import LoadedConfig, load_with_defaults
 from zerofit.demo.corpus import Corpus, load_corpus, micro_batches, random_windows
 from zerofit.demo.model import build_model, eval_loss, sample
 from zerofit.demo.options import DemoOptions
@@ -80,15 +80,8 @@ def resolve_config(options: DemoOptions, device: torch.device) -> LoadedConfig:
     if options.seed is not None:
         overrides["seed"] = options.seed
     overrides["scheduler.total_steps"] = options.steps
-    if options.config is not None:
-        # The file's batch triple is kept where the options leave it (load_config's rules).
-        return load_config(options.config, **overrides)
-    # The demo's defaults give no train_batch_size: it follows micro_batch_size * gradient_accumulation_steps.
-    base = demo_defaults(device)
-    for name in ("micro_batch_size", "gradient_accumulation_steps"):
-        if name in overrides:
-            base[name] = overrides.pop(name)
-    return load_config(base, **overrides)
+    # a file's batch triple is kept where the options leave it; the demo's defaults have no train_batch_size
+    return load_with_defaults(options.config, demo_defaults(device), **overrides)
 
 
 @dataclass

@@ -171,12 +171,6 @@ class DeepSpeedStyleAPI:
             self._micro_steps = 0
             self._end_step(self._ds_t0, self._ds_busy0, applied)
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether step() takes the optimizer step after this micro-batch (the override when one is set)."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return self._micro_steps == self.config.gradient_accumulation_steps
-
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward
         (or at least before its backward): True ends the window with this micro-batch, however many came

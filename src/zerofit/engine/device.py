@@ -123,22 +123,27 @@ class Device:
             return ev
         return time.perf_counter()
 
-    def drain_intervals(self, origin=None) -> tuple[dict[str, float], list[dict]]:
-        """Seconds per phase of the intervals recorded since the last drain (call after a sync), and, with
-        ``origin`` (a :meth:`mark`), each interval as {lane, label, start, end} in seconds from it."""
+    def drain_intervals(self) -> tuple[dict[str, float], list[Interval]]:
+        """Seconds per phase of the intervals recorded since the last drain (call after a sync), and the
+        intervals themselves (for :meth:`trace_of`, built only when asked for)."""
         out: dict[str, float] = {}
-        trace = []
         for iv in self.intervals:
             out[iv.phase] = out.get(iv.phase, 0.0) + iv.seconds()
-            if origin is not None:
-                if isinstance(iv.start, float):
-                    start, end = iv.start - origin, iv.end - origin
-                else:
-                    start = origin.elapsed_time(iv.start) / 1000.0
-                    end = start + iv.seconds()
-                trace.append({"lane": iv.phase, "label": iv.label, "start": round(start, 6), "end": round(end, 6)})
-        self.intervals.clear()
-        return out, trace
+        intervals, self.intervals = self.intervals, []
+        return out, intervals
+
+    @staticmethod
+    def trace_of(intervals: list[Interval], origin) -> list[dict]:
+        """Each interval as {lane, label, start, end} in seconds from ``origin`` (a :meth:`mark`)."""
+        trace = []
+        for iv in intervals:
+            if isinstance(iv.start, float):
+                start, end = iv.start - origin, iv.end - origin
+            else:
+                start = origin.elapsed_time(iv.start) / 1000.0
+                end = start + iv.seconds()
+            trace.append({"lane": iv.phase, "label": iv.label, "start": round(start, 6), "end": round(end, 6)})
+        return trace
 
     def synchronize(self) -> None:
         if self.is_cuda:

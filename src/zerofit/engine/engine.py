@@ -141,7 +141,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self.global_step = 0
         self.skipped_steps = 0
         self._timeline: dict[str, float] = {}
-        self._trace: list[dict] = []
+        self._trace: list[dict] | tuple = []     # the last step's trace, or what trace() builds it from
         self._wait_spans: list[tuple] = []
         self._origin = None
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
@@ -903,7 +903,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if applied:
             self.global_step += 1
         self.dev.synchronize()
-        tl, trace = self.dev.drain_intervals(self._origin)
+        tl, intervals = self.dev.drain_intervals()
         tl["optimizer"] = self.worker.busy_seconds - busy0
         tl["wait"] = self._timeline.get("wait", 0.0)
         tl["step"] = time.perf_counter() - t0
@@ -912,9 +912,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._timeline = tl
         host = [("cpu", label, a, b) for label, a, b in self.worker.drain_spans()]
         host += [("wait", label, a, b) for label, a, b in self._wait_spans]
-        trace += [{"lane": lane, "label": label, "start": round(a - t0, 6), "end": round(b - t0, 6)}
-                  for lane, label, a, b in host if b >= t0]
-        self._trace = sorted(trace, key=lambda e: (e["lane"], e["start"]))
+        self._trace = (intervals, self._origin, host, t0)    # built by trace(), if anyone asks
         self._note_host()
         self._end_applying()
 
@@ -930,6 +928,12 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         optimizer thread's tasks) and wait (the main thread blocked on it or on pinned buffers). Device and
         host intervals come from different clocks that start together: compare them to a millisecond. A CPU
         task of the previous step still running when this one started has a negative start."""
+        if isinstance(self._trace, tuple):
+            intervals, origin, host, t0 = self._trace
+            trace = self.dev.trace_of(intervals, origin)
+            trace += [{"lane": lane, "label": label, "start": round(a - t0, 6), "end": round(b - t0, 6)}
+                      for lane, label, a, b in host if b >= t0]
+            self._trace = sorted(trace, key=lambda e: (e["lane"], e["start"]))
         return list(self._trace)
 
     def timeline(self) -> dict[str, float]:

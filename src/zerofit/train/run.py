@@ -37,7 +37,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from zerofit.config import LoadedConfig, load_config
+from zerofit.config import LoadedConfig, load_config, load_with_defaults
 from zerofit.train.metrics import Metrics
 from zerofit.train.options import TrainOptions
 
@@ -67,13 +67,7 @@ def resolve_config(opts: TrainOptions, device: torch.device) -> LoadedConfig:
         if value is not None:
             overrides[name] = value
     overrides["seq_len"] = opts.seq_len
-    if opts.config is not None:
-        return load_config(opts.config, **overrides)
-    base = finetune_defaults(device)
-    for name in ("micro_batch_size", "gradient_accumulation_steps"):
-        if name in overrides:
-            base[name] = overrides.pop(name)
-    return load_config(base, **overrides)
+    return load_with_defaults(opts.config, finetune_defaults(device), **overrides)
 
 
 @dataclass

@@ -56,9 +56,26 @@ class Zerofit:
         for item in args.offload:     # e.g. assisted_fraction=0.4, speculative_updates=false
             key, _, value = item.partition("=")
             self.config.setdefault("offload", {})[key] = json.loads(value)
+        for item in args.set:         # e.g. max_host_memory="32GiB"
+            key, _, value = item.partition("=")
+            self.config[key] = json.loads(value)
+        if args.nvme:
+            self.config.setdefault("offload", {}).update(optimizer_device="nvme", nvme_path=args.nvme)
         res.extra["zerofit_config"] = self.config
+        if args.estimate:             # zerofit estimate's prediction, made before anything is allocated
+            from zerofit.estimate import estimate
+
+            est = estimate(model, self.config)
+            res.extra["estimate"] = est.to_dict()
+            print(f"[zerofit] estimate:\n{est.render()}", flush=True)
+            torch.cuda.reset_peak_memory_stats()
         self.engine = zerofit.initialize(model, self.config)
         res.extra["plan"] = self.engine.plan.describe()
+        tier = getattr(self.engine, "_tier", None)
+        if tier is not None:
+            res.extra["disk"] = {"path": str(tier.file.path), "bytes": tier.file.nbytes, "direct": tier.file.direct,
+                                 **getattr(self.engine, "disk_speed", {})}
+            self._disk0 = (tier.bytes_read, tier.bytes_written)
         print(f"[zerofit] {res.extra['plan']}", flush=True)
 
     def step(self, micro_batches):
@@ -81,6 +98,11 @@ class Zerofit:
         print(f"[zerofit] timeline: {self.res.timeline}", flush=True)
         if hasattr(self.engine, "memory_stats"):
             self.res.extra["memory_stats"] = self.engine.memory_stats()
+        tier = getattr(self.engine, "_tier", None)
+        if tier is not None:     # bytes moved on the disk in this step (the writes behind it may still run)
+            r, w = tier.bytes_read, tier.bytes_written
+            self.res.extra.setdefault("disk_steps", []).append({"read": r - self._disk0[0], "written": w - self._disk0[1]})
+            self._disk0 = (r, w)
         if hasattr(self.engine, "trace"):     # the last step, interval by interval (engine.trace())
             self.res.extra["trace"] = self.engine.trace()
         return loss
@@ -93,6 +115,10 @@ def main() -> int:
     parser.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--offload", action="append", default=[], metavar="KEY=JSON",
                         help="an offload setting of zerofit's config, e.g. assisted_fraction=0.4 (repeatable)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help='a top-level setting of zerofit\'s config, e.g. max_host_memory="32GiB" (repeatable)')
+    parser.add_argument("--nvme", default=None, help="offload.optimizer_device nvme with this nvme_path")
+    parser.add_argument("--estimate", action="store_true", help="record zerofit estimate's prediction first")
     parser.add_argument("--api", default="train_batch", choices=["train_batch", "deepspeed"],
                         help="train_batch, or DeepSpeed-shaped engine(**b); backward(loss); step() per micro-batch")
     args = parser.parse_args()

@@ -402,8 +402,8 @@ def test_nvme_without_usable_path(tmp_path):
 
 
 def test_offload_report_says_what_the_plan_does(tmp_path):
-    """The offload keys are reported by what zerofit does with them, not as DeepSpeed's meaning: no NVMe tier
-    yet (host memory), and optimizer state that follows its block's weights onto the GPU."""
+    """The offload keys are reported by what zerofit does with them, not as DeepSpeed's meaning: the disk tier
+    holds only what host memory cannot, and optimizer state follows its block's weights onto the GPU."""
     def report(zero):
         loaded = load_config({"zero_optimization": zero})
         return {r.key.removeprefix("zero_optimization."): (r.status, r.note) for r in loaded.report}
@@ -417,8 +417,17 @@ def test_offload_report_says_what_the_plan_does(tmp_path):
                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}})
     for key in ("offload_optimizer.device", "offload_param.device", "offload_optimizer.nvme_path"):
         status, note = r[key]
-        assert status == "mapped" and "no NVMe tier" in note and "host memory" in (note + r["stage"][1]), (key, note)
-    assert "no NVMe tier yet" in r["stage"][1]
+        assert status == "mapped" and ("disk tier" in note or "swap file" in note), (key, note)
+    assert "on the disk tier under nvme_path" in r["stage"][1] and "host memory first" in r["stage"][1]
+    r = report({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                "offload_param": {"device": "cpu"}})
+    loaded = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                   "nvme_path": str(tmp_path)},
+                                                "offload_param": {"device": "cpu"}},
+                          "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 2}})
+    assert loaded.config.offload.nvme_block_size == 1 << 20 and loaded.config.offload.nvme_queue_depth == 16
+    aio = {r.key: r.status for r in loaded.report if r.key.startswith("aio.")}
+    assert aio["aio.block_size"] == aio["aio.queue_depth"] == aio["aio.thread_count"] == "mapped", aio
 
     r = report({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
     assert "host memory for the blocks the planner streams" in r["offload_optimizer.device"][1]

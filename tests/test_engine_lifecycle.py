@@ -598,17 +598,17 @@ def test_placement_warnings_say_where_the_optimizer_state_really_is():
                                         "blocks 3-7 in host memory (CPU AdamW)")
     assert placement_warnings(split, 8, optimizer_device="cpu", param_device="cpu", on_cuda=True) == []
     [w] = placement_warnings(split, 8, optimizer_device="nvme", param_device="cpu", on_cuda=True)
-    assert "no NVMe tier yet" in w and "host memory" in w, w
+    assert "the disk is not used" in w and "host memory holds all the optimizer state" in w, w
     assert placement_warnings(all_gpu, 8, optimizer_device="cpu", param_device="none", on_cuda=False) == []
 
 
-def test_initialize_logs_the_placement_and_warns_that_nvme_is_host_memory(tmp_path, caplog):
+def test_initialize_logs_the_placement_and_says_when_nvme_is_not_needed(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="zerofit"):
         engine = zerofit.initialize(tm.PlainLM(), _cfg(offload={"optimizer_device": "nvme",
                                                                  "nvme_path": str(tmp_path)}))
     assert "optimizer state: shell on the device (cpu); blocks 0-3 in host memory (CPU AdamW)" in caplog.text
-    assert any(r.levelno == logging.WARNING and "no NVMe tier yet" in r.getMessage() for r in caplog.records)
-    assert not any(tmp_path.iterdir()), "nothing is written to nvme_path"
+    assert any(r.levelno == logging.WARNING and "the disk is not used" in r.getMessage() for r in caplog.records)
+    assert not any(tmp_path.iterdir()), "nothing is written to nvme_path when host memory holds everything"
     engine.close()
 
 

@@ -312,3 +312,33 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip):
     for ua, ub in zip(a.units, b.units):
         assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
     a.close(), b.close()
+
+
+@pytest.mark.parametrize("weights,clip,api", [(True, 0.0, "train_batch"), (False, 0.0, "train_batch"),
+                                              (True, 0.05, "train_batch"), (True, 0.0, "deepspeed")],
+                         ids=["all", "moments", "clipped", "deepspeed-loop"])
+def test_disk_tier_on_gpu_is_bitwise_the_in_memory_path(tmp_path, weights, clip, api):
+    """The disk tier (engine/disk.py) with real streams and O_DIRECT where the disk allows it: the same losses,
+    weights and moments, bitwise, as the same engine with every state in host memory."""
+    from tests.test_disk_tier import _assert_bitwise, _state
+
+    torch.manual_seed(0)
+    model = tm.llama(layers=4)
+    base = {"precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
+            "gradient_clipping": clip, "offload": {"resident_blocks": 0}}
+    ref = zerofit.initialize(copy.deepcopy(model), base)
+    eng = zerofit.initialize(model, base | {"offload": {"resident_blocks": 0, "optimizer_device": "nvme",
+                                                        "nvme_path": str(tmp_path), "disk_blocks": 3,
+                                                        "disk_weights": weights}})
+    assert len(eng.plan.disk_blocks) == 3
+    data = _gpu_batches(4, 2)
+    if api == "deepspeed":
+        for mbs in data:
+            assert torch.equal(torch.stack(tm.ds_losses(eng, mbs)), torch.stack(tm.ds_losses(ref, mbs)))
+    else:
+        assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]
+    _assert_bitwise(_state(eng), _state(ref))
+    assert any(t["lane"] == "disk" for t in eng.trace())
+    eng.close()
+    ref.close()
+    assert not list(tmp_path.glob("zerofit-swap-*.bin"))

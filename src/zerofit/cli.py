@@ -4,6 +4,7 @@
     zerofit config show ds.json   # the resolved configuration, or the error
     zerofit doctor --disk /nvme   # this machine's limits, before choosing an offload plan
     zerofit export CKPT OUT       # a checkpoint's weights as a Hugging Face model directory
+    zerofit estimate --shape llama-2-13b --max-gpu-memory 24GiB --nvme /nvme   # the plan, before launch
 
 Each ``train`` option maps onto one config field (or describes the run); the
 logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
@@ -44,6 +45,60 @@ def _fail(console: Console, message: str) -> None:
     # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names
     console.print(Text(message, style="bold red"), soft_wrap=True)
     raise typer.Exit(EXIT_BAD_CONFIG)
+
+
+@app.command()
+def estimate(
+    model: Annotated[Path | None, typer.Option(help="Hugging Face model directory (only config.json is read).")] = None,
+    shape: Annotated[str | None, typer.Option(
+        help="A named shape instead of --model: llama-3.2-3b, llama-2-7b, llama-2-13b (or W1, W2, W3).")] = None,
+    config: Annotated[Path | None, typer.Option(help="DeepSpeed or zerofit JSON config.")] = None,
+    max_gpu_memory: Annotated[str | None, typer.Option(help="GPU memory budget, e.g. 24GiB.")] = None,
+    max_host_memory: Annotated[str | None, typer.Option(help="Host memory budget, e.g. 64GiB.")] = None,
+    nvme: Annotated[Path | None, typer.Option(
+        help="Folder for the disk tier (offload.optimizer_device nvme, offload.nvme_path).")] = None,
+    micro_batch_size: Annotated[int | None, typer.Option(min=1, help="Sequences per micro-batch.")] = None,
+    grad_accum: Annotated[int | None, typer.Option(min=1, help="Micro-batches per step.")] = None,
+    seq_len: Annotated[int | None, typer.Option(min=8, help="Tokens per sequence (default: the model's, <= 2048).")] = None,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Plan for training on the CPU instead of a GPU.")] = False,
+    measure: Annotated[bool, typer.Option(help="Measure this machine's speeds to predict the step time.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
+) -> None:
+    """The plan zerofit would choose, the GPU, host and disk bytes it needs and the predicted step time,
+    without allocating the model. When nothing fits: what would, with the numbers (exit 2)."""
+    from zerofit.config import ConfigError, load_config
+    from zerofit.estimate import estimate as run_estimate
+    from zerofit.models import WeightFileError
+
+    console = Console()
+    if (model is None) == (shape is None):
+        _fail(console, "give --model DIR or --shape NAME (one of them)")
+    overrides: dict = {}
+    for key, value in (("max_gpu_memory", max_gpu_memory), ("max_host_memory", max_host_memory),
+                       ("micro_batch_size", micro_batch_size), ("gradient_accumulation_steps", grad_accum),
+                       ("seq_len", seq_len)):
+        if value is not None:
+            overrides[key] = value
+    try:
+        base = load_config(str(config) if config else None).config.model_dump(mode="json")
+        if nvme is not None:
+            base["offload"] = {**base.get("offload", {}), "optimizer_device": "nvme", "nvme_path": str(nvme)}
+        if cpu:
+            base["device"] = "cpu"
+        if "micro_batch_size" in overrides or "gradient_accumulation_steps" in overrides:
+            base.pop("train_batch_size", None)
+        from zerofit.estimate import meta_model
+
+        meta = meta_model(model_dir=model, shape=shape)
+        est = run_estimate(meta, base, measure=measure, gpu=not cpu, **overrides)
+    except (ConfigError, WeightFileError, ValueError) as e:
+        _fail(console, f"{type(e).__name__}: {e}")
+    if as_json:
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        console.print(Text(est.render()), soft_wrap=True)
+    if est.refusal is not None:
+        raise typer.Exit(EXIT_BAD_CONFIG)
 
 
 @app.command()

@@ -105,6 +105,8 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     with torch.profiler.record_function("zerofit::checkpoint.save"):
         folder = write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers)
     s = time.perf_counter() - t
+    if getattr(engine, "_tier", None) is not None:
+        engine._tier.file.flush_mapping()      # the disk tier's pages read for the save leave memory
     nbytes = sum(f.stat().st_size for f in folder.iterdir())
     log.info("saved %s: %.1f MB in %.2f s (%.0f MB/s)", folder, nbytes / 1e6, s, nbytes / 1e6 / max(s, 1e-9))
     return folder
@@ -185,7 +187,10 @@ def refresh_after_load(engine) -> None:
     - streamed units drop their device slot (state ON_HOST, the slot's tenant None): the next forward
       uploads them from ``master`` (16-bit host copies are dropped);
     - gradient state restarts: ``grad_fresh`` and ``host_grad_fresh`` true (the next write copies),
-      resident gradients zeroed, partial squared norms dropped, no pending assisted update.
+      resident gradients zeroed, partial squared norms dropped, no pending assisted update;
+    - units on the disk tier: the load wrote their state through the swap file's mapping; a master kept
+      there is re-cast into its 16-bit host copy (the upload source), and the mapping is flushed before
+      the tier's next direct read ([Note: the swap file is also a mapping], engine/disk.py).
     The caller ran ``engine.wait()`` before writing (no CPU or assisted update in flight)."""
     from zerofit.engine.store import Home, WeightState
 
@@ -206,6 +211,10 @@ def refresh_after_load(engine) -> None:
             u.grad.zero_()
         u.grad_fresh = u.host_grad_fresh = True
         u.pending_update, u.master_event = None, None
+        if u.swap == "all":
+            u.host16.copy_(u.master)
+    if getattr(engine, "_tier", None) is not None:
+        engine._tier.file.flush_mapping()
     for pool in (engine.weight_pool, engine.grad_pool):
         for slot in pool.slots if pool is not None else ():
             slot.tenant = None

@@ -193,19 +193,20 @@ def _na(kind: _Kind, note: str, **kw: Any) -> Key:
     return Key(kind, NA, note, **kw)
 
 
-_NO_NVME = "no NVMe tier yet: 'nvme' keeps the state in host memory, as 'cpu'"
+_NVME = ("'nvme': the disk tier holds the optimizer state that max_host_memory cannot (moments first, then "
+         "master weights)")
 _OFFLOAD_OPTIMIZER = Section({
     "device": Key(Choice(("none", "cpu", "nvme")), MAPPED,
                   "-> offload.optimizer_device: where the planner may put optimizer state; a block's state stays "
                   "where its weights are (on the GPU without offload_param, or for blocks the planner keeps "
-                  f"there); {_NO_NVME}; the engine logs the placement after planning"),
-    "nvme_path": Key(Text(nullable=True), MAPPED, f"-> offload.nvme_path, checked but not written ({_NO_NVME})"),
+                  f"there); {_NVME}; the engine logs the placement after planning"),
+    "nvme_path": Key(Text(nullable=True), MAPPED, "-> offload.nvme_path: the folder of the disk tier's swap file"),
     "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)"),
     "buffer_count": _na(Int(0), "zerofit sizes its own staging buffers"),
-    "pipeline_read": _na(Bool(), "no NVMe tier yet (it will overlap its reads with compute itself)"),
-    "pipeline_write": _na(Bool(), "no NVMe tier yet (it will overlap its writes with compute itself)"),
-    "pipeline": _na(Bool(), "no NVMe tier yet (it will overlap its I/O with compute itself)"),
-    "fast_init": _na(Bool(), "no NVMe tier yet (it will create its files itself)"),
+    "pipeline_read": _na(Bool(), "the disk tier always reads ahead of each update, overlapped with compute"),
+    "pipeline_write": _na(Bool(), "the disk tier always writes behind each update, overlapped with compute"),
+    "pipeline": _na(Bool(), "the disk tier always overlaps its reads and writes with compute"),
+    "fast_init": _na(Bool(), "the disk tier reserves its file at once (fallocate) and writes only master weights"),
     "ratio": _na(Float(0, 1), "the planner decides which optimizer state stays on the GPU"),
     "super_offload": _na(Bool(), "zerofit's CPU optimizer is its own"),
     "convert_grad_on_cpu": _na(Bool(), "zerofit decides where gradients are converted"),
@@ -215,8 +216,8 @@ _OFFLOAD_OPTIMIZER = Section({
 _OFFLOAD_PARAM = Section({
     "device": Key(Choice(("none", "cpu", "nvme")), MAPPED,
                   "-> offload.param_device: 'none' keeps every block on the GPU; 'cpu' streams blocks from host "
-                  f"memory, except those the planner keeps on the GPU while they fit; {_NO_NVME}"),
-    "nvme_path": Key(Text(nullable=True), MAPPED, f"-> offload.nvme_path, checked but not written ({_NO_NVME})"),
+                  f"memory, except those the planner keeps on the GPU while they fit; {_NVME}"),
+    "nvme_path": Key(Text(nullable=True), MAPPED, "-> offload.nvme_path: the folder of the disk tier's swap file"),
     "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)"),
     "buffer_count": _na(Int(0), "zerofit sizes its own staging buffers"),
     "buffer_size": _na(Int(0), "zerofit sizes its own staging buffers", auto=True),
@@ -311,11 +312,12 @@ _ACT = Section({
     "profile": _na(Bool(), _ACT_NOTE),
 })
 
-_AIO_NOTE = "no NVMe tier yet (it will choose its own I/O sizes and threads)"
+_AIO_NOTE = "the disk tier does plain preadv/pwritev on O_DIRECT from a thread pool (no libaio)"
 _AIO = Section({
-    "block_size": _na(Int(1), _AIO_NOTE),
-    "queue_depth": _na(Int(1), _AIO_NOTE),
-    "thread_count": _na(Int(1), _AIO_NOTE),
+    "block_size": Key(Int(1), MAPPED, "-> offload.nvme_block_size, bytes per disk request (rounded up to 4 KiB)"),
+    "queue_depth": Key(Int(1), MAPPED, "-> offload.nvme_queue_depth = queue_depth x thread_count requests in flight "
+                                       "(threads of the disk tier's pool)"),
+    "thread_count": Key(Int(1), MAPPED, "-> offload.nvme_queue_depth = queue_depth x thread_count"),
     "intra_op_parallelism": _na(Int(1), _AIO_NOTE),
     "single_submit": _na(Bool(), _AIO_NOTE),
     "overlap_events": _na(Bool(), _AIO_NOTE),

@@ -332,15 +332,28 @@ class OffloadConfig(_Frozen):
 
     param_device: Literal["none", "cpu", "nvme"] = "cpu"
     """home of the weights: none = every block on the GPU; cpu = blocks stream from host memory (the planner
-    keeps on the GPU those that fit, see resident_blocks); nvme = host memory too (no NVMe tier yet)"""
+    keeps on the GPU those that fit, see resident_blocks); nvme = as cpu for the weights (the 16-bit weights a
+    step reads stay in host memory), and it enables the disk tier for the optimizer state, as optimizer_device
+    nvme does"""
     optimizer_device: Literal["none", "cpu", "nvme"] = "cpu"
     """home of the fp32 master weights and Adam moments, and where the optimizer step runs: none = the GPU;
     cpu = host memory (CPU AdamW) for the blocks that stream, while a block kept on the GPU keeps its state
-    there (all of them when param_device is none); nvme = host memory too (no NVMe tier yet, a warning says
-    so). The engine logs where the state is after planning."""
+    there (all of them when param_device is none); nvme = host memory first, and what max_host_memory cannot
+    hold on the disk tier under nvme_path (streamed around each CPU update). The engine logs where the state
+    is after planning."""
     nvme_path: str | None = None
-    """folder for the NVMe tier; required (existing or creatable, writable) when a device is nvme. Checked,
-    but not written yet: the NVMe tier does not exist yet"""
+    """folder of the disk tier's swap file; required (existing or creatable, writable) when a device is nvme.
+    The file is reserved in full at initialize and removed at close"""
+    disk_blocks: int | None = Field(None, ge=0)
+    """with nvme: how many of the last blocks keep their optimizer state on the disk; None = the planner
+    decides (only what host memory cannot hold)"""
+    disk_weights: bool | None = None
+    """with nvme: whether those blocks' fp32 master weights go to the disk too (else only their moments);
+    None = the planner decides (moments first: they save twice the host memory per byte of disk traffic)"""
+    nvme_block_size: int = Field(4 << 20, ge=4096)
+    """bytes per disk request (DeepSpeed's aio.block_size); rounded up to 4 KiB"""
+    nvme_queue_depth: int = Field(8, ge=1, le=256)
+    """disk requests in flight (threads doing preadv/pwritev; DeepSpeed's aio.queue_depth x thread_count)"""
     pin_memory: bool = True
     """page-lock host buffers (much faster host-to-GPU copies, costs locked host memory)"""
     prefetch_depth: int | None = Field(None, ge=1, le=64)

@@ -67,8 +67,8 @@ class Init:
             if value is not None:
                 raise DeepSpeedUnsupported(f"zero.Init({name}=...): {ONE_PROCESS}")
         if param_swapper is not None:
-            raise DeepSpeedUnsupported("zero.Init(param_swapper=...): zerofit has no parameter swapper (no NVMe tier "
-                                       "yet)")
+            raise DeepSpeedUnsupported("zero.Init(param_swapper=...): zerofit has no parameter swapper (its disk "
+                                       "tier holds optimizer state; the 16-bit weights stay in host memory)")
         for name, value in (("zero_quantized_weights", zero_quantized_weights),
                             ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights)):
             if value:

@@ -99,7 +99,7 @@ class DeepSpeedStyleAPI:
                 break
 
     def _host16_possible(self) -> bool:
-        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED and u.swap != "all"]   # "all": has one
         return (self.dtype != torch.float32 and bool(streamed)
                 and streamed[0].host16 is None and not getattr(self, "_host16_refused", False))
 
@@ -111,7 +111,7 @@ class DeepSpeedStyleAPI:
             log.info("zerofit: no room for 16-bit host copies of the streamed blocks (%s); DeepSpeed-style "
                      "forwards upload fp32 weights", e)
             return
-        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED and u.swap != "all"]
         a = HostArena(sum(u.numel for u in streamed), self.dtype, self.dev.is_cuda and self.config.offload.pin_memory)
         self._arenas.append(a)
         for u in streamed:

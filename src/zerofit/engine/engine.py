@@ -28,6 +28,7 @@ weights as before the step (OPEN) or torn (APPLYING, then FAILED); see [Note: en
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -51,11 +52,17 @@ from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw
 from zerofit.engine.materialize import build_units, model_shape, param_table
-from zerofit.engine.planner import ASSIST_SETS, BatchShape, ModelShape, Plan, assist_chunk, make_plan
+from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
+from zerofit.engine.disk import layout as disk_layout
+from zerofit.engine.planner import (ASSIST_SETS, TIER_BUFFERS, BatchShape, ModelShape, Plan, assist_chunk, fmt_bytes,
+                                    make_plan)
 from zerofit.engine.speculation import Speculation
 from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState
 
 _SPECULATE_FIRST = -(2**40)   # worker priority of speculation tasks ([Note: speculative updates])
+_DISK_LAST = 2**40            # worker priority of disk-tier updates: after the in-memory ones, FIFO among
+                              # themselves, the order the tier reads ahead in ([Note: disk updates in order])
+_DISK_FIELDS = {"moments": ("exp_avg", "exp_avg_sq"), "all": ("master", "exp_avg", "exp_avg_sq")}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger("zerofit")
 
@@ -78,6 +85,36 @@ class _Micro:
     shell_leaves: dict = field(default_factory=dict)
     grad: torch.Tensor | None = None            # gradient w.r.t. the current block boundary
     output: object = None
+
+
+def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> dict:
+    """make_plan's arguments that follow from the config and the device: the engine's and ``zerofit estimate``'s."""
+    off = config.offload
+    disk = "nvme" in (off.param_device, off.optimizer_device)
+    return dict(compute_dtype=dtype, on_cuda=on_cuda, deferred_updates=deferred,
+                checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none",
+                prefetch_depth=off.prefetch_depth, assisted_fraction=off.assisted_fraction,
+                disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
+                disk_blocks=off.disk_blocks, disk_weights=off.disk_weights)
+
+
+def placement_args(config: ZerofitConfig, num_blocks: int) -> dict:
+    """The first plan's placement settings from the config (no optimizer offload: every unit resident)."""
+    off = config.offload
+    return dict(resident_blocks=num_blocks if off.optimizer_device == "none" else off.resident_blocks,
+                shell_on_device={"auto": None, "device": True, "host": False}[off.shell_optimizer])
+
+
+def plan_batch(config: ZerofitConfig, model: nn.Module, seq_len: int | None) -> BatchShape:
+    """The batch the first plan is made for: the config's, with ``seq_len`` (None: the model's context, at most
+    2048)."""
+    if seq_len is None:
+        seq_len = config.seq_len
+    if seq_len is None:
+        mcfg = getattr(model, "config", None)
+        seq_len = min(getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
+                      or 2048, 2048)
+    return BatchShape(config.micro_batch_size, seq_len, config.gradient_accumulation_steps)
 
 
 class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI):
@@ -169,7 +206,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory / total), dev)
             self._resources.capped = True
         self.worker = self._resources.worker = HostWorker()
+        self._tier: DiskTier | None = None
         try:
+            self._tier = self._resources.tier = self._open_tier()
             self._build_buffers()
         except BaseException:
             self._resources.release()
@@ -188,45 +227,34 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _plan_args(self) -> dict:
         """make_plan's arguments that follow from the config and the device (one place for all plans)."""
-        cfg = self.config
-        return dict(compute_dtype=self.dtype, on_cuda=self.dev.is_cuda, deferred_updates=self.deferred,
-                    checkpointing=cfg.activation_checkpointing, stream_params=cfg.offload.param_device != "none",
-                    prefetch_depth=cfg.offload.prefetch_depth, assisted_fraction=cfg.offload.assisted_fraction)
+        return plan_args(self.config, self.dtype, self.dev.is_cuda, self.deferred)
 
     def _replan(self, batch: BatchShape, **changes) -> Plan:
         """A plan for ``batch`` with the current placement kept (resident blocks, shell optimizer, staging)."""
         args = self._plan_args() | dict(
             device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
             resident_blocks=self.plan.resident_blocks, shell_on_device=self.plan.shell_optimizer_on_device,
-            fixed_staging=self.plan.staging_buffers, host16=any(u.host16 is not None for u in self.blocks))
+            fixed_staging=self.plan.staging_buffers, disk_placement=self.plan.disk_of,
+            host16=any(u.host16 is not None and u.swap != "all" for u in self.blocks))
         return make_plan(self._shape, batch, **(args | changes))
 
     def _plan(self, shape: ModelShape, seq_len: int | None) -> Plan:
         cfg = self.config
-        if seq_len is None:
-            mcfg = getattr(self._model, "config", None)
-            seq_len = min(getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
-                          or 2048, 2048)
-        self._plan_batch = BatchShape(cfg.micro_batch_size, seq_len, cfg.gradient_accumulation_steps)
+        self._plan_batch = plan_batch(cfg, self._model, seq_len)
         dev_budget = None
         if self.dev.is_cuda:
             free, total = torch.cuda.mem_get_info(self.dev.device)
             dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
-        return make_plan(
-            shape, self._plan_batch, device_budget=dev_budget,
-            host_budget=cfg.max_host_memory or psutil.virtual_memory().available,
-            # no optimizer offload: every unit is resident with its optimizer on the device
-            resident_blocks=(self.adapter.num_blocks if cfg.offload.optimizer_device == "none"
-                             else cfg.offload.resident_blocks),
-            shell_on_device={"auto": None, "device": True, "host": False}[cfg.offload.shell_optimizer],
-            **self._plan_args())
+        return make_plan(shape, self._plan_batch, device_budget=dev_budget,
+                         host_budget=cfg.max_host_memory or psutil.virtual_memory().available,
+                         **placement_args(cfg, self.adapter.num_blocks), **self._plan_args())
 
     def _build_buffers(self) -> None:
         """Materialize the units (materialize.py), then the device slots and pinned gradient buffers."""
         plan, cb = self.plan, self.dtype
         pinned = self.dev.is_cuda and self.config.offload.pin_memory
         self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned,
-                                         source=self._source, group_of=self._group_of)
+                                         source=self._source, group_of=self._group_of, tier=self._tier)
         self._source = None   # the files are read: keep only their folder (source_dir)
         self._arenas.extend(arenas)
         self.shell, self.blocks = self.units[0], self.units[1:]
@@ -259,6 +287,35 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             for u in host_units:
                 self._host_grads[id(u)] = a.take(u.numel)
         self._note_host()
+
+    def _open_tier(self) -> DiskTier | None:
+        """The disk tier the plan asks for: its file reserved under ``offload.nvme_path`` and its speed measured
+        (preflight: a path that cannot hold it fails here, before anything else is allocated)."""
+        plan = self.plan
+        if not plan.disk_blocks:
+            return None
+        off = self.config.offload
+        regions, nbytes = disk_layout([(i, self._shape.block_numels[i], _DISK_FIELDS[m])
+                                       for i, m in plan.disk_blocks])
+        file = SwapFile(off.nvme_path, nbytes, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
+        try:
+            w, r = file.measure()
+            mb = max(self._shape.block_numels)
+            tier = DiskTier(file, regions, tier_chunk(mb), tier_buffers(mb, TIER_BUFFERS))
+        except BaseException:
+            file.close()
+            raise
+        self.disk_speed = {"write_gb_per_s": w, "read_gb_per_s": r, "direct_io": file.direct}
+        self.plan = dataclasses.replace(plan, disk_speed=(w, r))
+        log.info("zerofit: NVMe tier: %s, %s reserved%s; measured there: write %.2f GB/s, read %.2f GB/s",
+                 file.path, fmt_bytes(file.nbytes), "" if file.direct else
+                 " (O_DIRECT refused by this file system: buffered I/O)", w, r)
+        if not file.direct:
+            log.warning("zerofit: %s does not accept O_DIRECT: the disk tier uses buffered I/O (the page cache "
+                        "takes host memory and the speed differs)", file.path)
+        if file.reused:
+            log.info("zerofit: reused the swap file a previous run left in %s", file.folder)
+        return tier
 
     def _alloc_assist(self, cap: int) -> None:
         """[Note: assisted updates]: ASSIST_SETS sets of four (chunk,) fp32 device buffers (master, exp_avg,
@@ -305,7 +362,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if unit.pending_update is not None:
             self._assisted_update(unit, dst)
             return None
-        if unit.host16 is not None and unit.host16_epoch == self._host16_epoch:
+        if unit.swap == "all" or (unit.host16 is not None and unit.host16_epoch == self._host16_epoch):
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(16)"):
                 self.dev.wait(self.dev.upload, unit.host16_event)
                 dst.copy_(unit.host16, non_blocking=True)
@@ -564,6 +621,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _backward_blocks(self, micros: list[_Micro]) -> None:
         order = list(reversed(self.blocks))
+        if not self.deferred or self._spec is not None:     # the updates start during this backward
+            self._expect_updates(order)
         for pos, unit in enumerate(order):
             self._safe_point()
             self._acquire(order, pos)
@@ -649,8 +708,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         else:
             self._begin_applying()   # this block is updated now, while the backward goes on
             unit.updated.clear()
-            self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True), unit.index,
-                               label=f"adamw[{unit.name}]")
+            self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True),
+                               self._priority(unit), label=f"adamw[{unit.name}]")
 
     def _take_staging(self) -> torch.Tensor:
         with self._staging_cv:
@@ -679,12 +738,48 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._give_staging(staging)
         return run
 
+    def _apply(self, unit: Unit, grad: torch.Tensor, ops: list[tuple]) -> None:
+        """Run ``ops`` ((hypers, factor, inverse), in turn) on a host unit's state: the AdamW step, or a rollback
+        and a redo. A unit on the disk tier is streamed chunk by chunk ([Note: chunked updates], disk.py):
+        each chunk read (ahead), updated, its 16-bit copy refreshed ("all"), written back (behind)."""
+        if unit.swap is None:
+            for hypers, factor, inverse in ops:
+                unit_adamw(unit, unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hypers, factor,
+                           inverse=inverse)
+            return
+        tier, key = self._tier, unit.index
+        step0 = unit.step.clone()
+        s = step0
+        for c, (a, k) in enumerate(tier.chunks(key)):
+            f = tier.acquire(key, c)
+            p = f["master"] if unit.swap == "all" else unit.master[a:a + k]
+            s = step0.clone()
+            for hypers, factor, inverse in ops:
+                unit_adamw(unit, p, grad[a:a + k], f["exp_avg"], f["exp_avg_sq"], s, hypers, factor, start=a,
+                           inverse=inverse)
+            if unit.swap == "all":
+                unit.host16[a:a + k].copy_(p)
+            tier.release(key, c)
+        unit.step.copy_(s)
+
+    def _priority(self, unit: Unit) -> int:
+        """[Note: disk updates in order]
+        The worker runs waiting updates lowest block first (needed first by the next forward), but disk-tier
+        updates in the order they were submitted, after the in-memory ones: the order the engine told the
+        tier to read ahead in (``DiskTier.expect``), so that the chunks read ahead are the ones taken next."""
+        return _DISK_LAST if unit.swap else unit.index
+
+    def _expect_updates(self, units) -> None:
+        """Tell the disk tier which swapped units' updates come next, in order (it reads their state ahead)."""
+        if self._tier is not None:
+            self._tier.expect([u.index for u in units if u.swap])
+
     def _task_update(self, unit: Unit, grad: torch.Tensor, event, hypers: tuple[Hyper, ...], factor: float,
                      release: bool):
         def run():
             event.synchronize()
             g = grad.narrow(0, 0, unit.numel)
-            unit_adamw(unit, unit.master, g, unit.exp_avg, unit.exp_avg_sq, unit.step, hypers, factor)
+            self._apply(unit, g, [(hypers, factor, False)])
             if release:
                 self._give_staging(grad)
             unit.updated.set()
@@ -696,8 +791,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         def run():
             event.synchronize()
             if spec.admit(float(self._block_sq[unit.index])):
-                unit_adamw(unit, unit.master, self._host_grads[id(unit)], unit.exp_avg, unit.exp_avg_sq, unit.step,
-                           hypers)
+                self._apply(unit, self._host_grads[id(unit)], [(hypers, 1.0, False)])
                 spec.speculated.add(id(unit))
         return run
 
@@ -710,14 +804,11 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             event.synchronize()
             grad = self._host_grads[id(unit)]
             held = id(unit) in spec.speculated
-            if held and factor == 1.0:
-                pass
-            else:
-                if held:
-                    unit_adamw(unit, unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hypers,
-                               inverse=True)
-                if factor is not None:
-                    unit_adamw(unit, unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hypers, factor)
+            ops = [(hypers, 1.0, True)] if held and factor != 1.0 else []
+            if factor is not None and not (held and factor == 1.0):
+                ops.append((hypers, factor, False))
+            if ops:
+                self._apply(unit, grad, ops)
             unit.updated.set()
         return run
 
@@ -829,13 +920,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._settle(spec, host_units, hypers, factor)
         elif self.deferred:
             ev = self.dev.record(self.dev.download)
+            self._expect_updates(host_units)
             for u in host_units:          # forward order: the next forward needs block 0 first
                 if self._assisted(u):     # [Note: assisted updates]
                     u.pending_update = (factor, hypers)
                     continue
                 u.updated.clear()
                 self.worker.submit(self._task_update(u, self._host_grads[id(u)], ev, hypers, factor, release=False),
-                                   u.index, label=f"adamw[{u.name}]")
+                                   self._priority(u), label=f"adamw[{u.name}]")
         if self._shell_host_opt:
             self.shell.dirty = True
         return True
@@ -845,9 +937,12 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         """Queue each host unit's settle task (see _task_settle) and decide whether the next step speculates."""
         clipped = factor != 1.0
         ev = self.dev.record(self.dev.download)
+        if clipped:       # the speculated blocks are read again (rolled back and redone), in forward order
+            self._expect_updates(host_units)
         for u in host_units:
             u.updated.clear()
-            self.worker.submit(self._task_settle(u, spec, ev, hypers, factor), u.index, label=f"settle[{u.name}]")
+            self.worker.submit(self._task_settle(u, spec, ev, hypers, factor), self._priority(u),
+                               label=f"settle[{u.name}]")
         self.speculation_stats["rolled_back" if clipped else "held"] += 1
 
     # ------------------------------------------------------------------ public API
@@ -911,6 +1006,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             tl.setdefault(k, 0.0)
         self._timeline = tl
         host = [("cpu", label, a, b) for label, a, b in self.worker.drain_spans()]
+        if self._tier is not None:
+            host += [("disk", label, a, b) for label, a, b in self._tier.drain_spans()]
         host += [("wait", label, a, b) for label, a, b in self._wait_spans]
         self._trace = (intervals, self._origin, host, t0)    # built by trace(), if anyone asks
         self._note_host()

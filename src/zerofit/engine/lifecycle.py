@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerofit.engine.device import Device
+from zerofit.engine.disk import DiskTierError
 from zerofit.engine.optimizer import HostWorker, WorkerError
 from zerofit.engine.store import HostArena
 
@@ -115,6 +116,7 @@ class EngineResources:
     worker: HostWorker | None = None
     arenas: list[HostArena] = field(default_factory=list)   # pinned host memory, unpinned on release
     capped: bool = False                                     # set_per_process_memory_fraction applied
+    tier: object = None                                      # the disk tier (disk.py): its file removed
     released: bool = False
 
     def release(self) -> None:
@@ -135,6 +137,11 @@ class EngineResources:
             except Exception as e:
                 log.warning("zerofit: lifting the GPU memory cap failed: %r", e)
             self.capped = False
+        if self.tier is not None:
+            try:
+                self.tier.close()
+            except Exception as e:
+                log.warning("zerofit: removing the disk tier's swap file failed: %r", e)
         for arena in self.arenas:
             try:
                 arena.close()
@@ -185,7 +192,8 @@ class EngineLifecycle:
 
     The step itself (engine.py) provides the hooks the transitions call: ``_discard_step()`` (drop the step in
     progress, nothing of it applied), ``_reset_transfers()`` (no copy in flight, every slot empty),
-    ``_apply_pending()`` (every update in flight applied), ``_sync_host_weights()`` (the module's parameters
+    ``_apply_pending()`` (every update in flight applied), ``_leave_disk()`` (weights on the disk tier copied into
+    host memory before its file goes), ``_sync_host_weights()`` (the module's parameters
     hold the current weights) and ``_drop_device_state()`` (let go of every device buffer)."""
 
     state: EngineState
@@ -220,7 +228,7 @@ class EngineLifecycle:
         except BaseException as err:
             if self.state in (EngineState.FAILED, EngineState.CLOSED):
                 raise                                   # a nested call handled it
-            if self.state is EngineState.APPLYING or isinstance(err, WorkerError):
+            if self.state is EngineState.APPLYING or isinstance(err, (WorkerError, DiskTierError)):
                 self._fail(err)
                 if isinstance(err, Exception):
                     raise EngineFailedError(failed_message(self._failure)) from err
@@ -273,6 +281,7 @@ class EngineLifecycle:
             with self._call(discard_step=False):
                 self._apply_pending()
                 self._sync_host_weights()
+                self._leave_disk()
         finally:
             if self.state is not EngineState.FAILED:     # -> CLOSED
                 self.state = EngineState.CLOSED

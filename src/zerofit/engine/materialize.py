@@ -77,7 +77,7 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelS
 
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
                 compute_dtype: torch.dtype, pinned: bool, source=None,
-                group_of: dict[str, int] | None = None) -> tuple[list[Unit], list[HostArena]]:
+                group_of: dict[str, int] | None = None, tier=None) -> tuple[list[Unit], list[HostArena]]:
     """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them.
 
     ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model.
@@ -97,7 +97,10 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     # The PCIe bytes double (4 B/param each way up), which the measured budget affords; the CPU was
     # the binding resource (design/ENGINE.md). The module's parameters are fp32 views of the same.
     sizes = [sum(canon[n].numel() for n in names) for names in table.unit_names]
-    need = sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
+    disk_of = {i + 1: m for i, m in plan.disk_of.items()}     # unit index -> "moments" | "all"
+    need = sum(n for i, (n, on_dev) in enumerate(zip(sizes, opt_on_dev)) if not on_dev and disk_of.get(i) != "all")
+    need16 = sum(sizes[i] for i, m in disk_of.items() if m == "all")
+    arena16 = HostArena(need16, compute_dtype, pinned) if need16 else None
     # With assisted updates the moments of the device-updated blocks are copied too: pin them as well
     # (a pageable copy runs at a seventh of the speed and blocks the host).
     assisted = [i - 1 in plan.assisted_blocks for i in range(len(sizes))]
@@ -112,8 +115,11 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         prefix = "" if idx == 0 else adapter.block_prefix(idx - 1) + "."
         rel = dataclasses.replace(layout, names=tuple(n[len(prefix):] for n in layout.names))
         unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
+        swap = disk_of.get(idx)
         if on_dev:
             master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
+        elif swap == "all":
+            master = tier.view(idx - 1, "master")           # (numel,) fp32, the swap file's mapping
         else:
             master = arena.take(layout.numel)              # (numel,) fp32, pinned host: the upload source
         if source is not None:
@@ -124,7 +130,15 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             _fill(layout.views(master), names, values)
             del values
         unit.master = master
-        if assisted[idx]:
+        if swap:
+            unit.swap = swap
+            unit.exp_avg, unit.exp_avg_sq = tier.view(idx - 1, "exp_avg"), tier.view(idx - 1, "exp_avg_sq")
+            if swap == "all":
+                unit.host16 = arena16.take(layout.numel)
+                unit.host16.copy_(master)
+                r = tier.regions[idx - 1]
+                tier.file.settle(r.offsets["master"], layout.numel * 4)   # one unit's pages in memory at a time
+        elif assisted[idx]:
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel).zero_(), arena.take(layout.numel).zero_()
         else:
             unit.exp_avg, unit.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
@@ -152,7 +166,23 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         units.append(unit)
     for fd in fds.values():
         os.close(fd)
-    return units, [arena] if arena else []
+    if tier is not None:
+        tier.file.flush_mapping()       # the masters written through the mapping reach the disk, and leave memory
+    return units, [a for a in (arena, arena16) if a is not None]
+
+
+def rebind_params(model: nn.Module, adapter: Adapter, table: ParamTable, unit: Unit, host: torch.Tensor) -> None:
+    """Point the module's parameters of ``unit`` at views of ``host`` (fp32, the unit's flat layout)."""
+    names = table.unit_names[unit.index + 1]
+    prefix = "" if unit.index < 0 else adapter.block_prefix(unit.index) + "."
+    views = unit.layout.views(host)
+    for n in names:
+        old = table.canonical[n]
+        shared = nn.Parameter(views[n[len(prefix):]], requires_grad=old.requires_grad)
+        for alias in table.aliases[n]:
+            mod_path, _, leaf = alias.rpartition(".")
+            (model.get_submodule(mod_path) if mod_path else model)._parameters[leaf] = shared
+    unit.host = host
 
 
 def _read_unit(source, table: ParamTable, names: list[str], views: dict[str, torch.Tensor], fds: dict) -> None:

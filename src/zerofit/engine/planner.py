@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerofit.engine.disk import ALIGN, tier_buffers, tier_chunk
+
 GiB = 2**30
 
 
@@ -75,6 +77,16 @@ class Plan:
     device_budget: int | None
     host_budget: int | None
     assisted_blocks: frozenset = frozenset()   # indices of the blocks the device updates ([Note: assisted updates])
+    disk_blocks: tuple = ()        # ((block index, "moments" | "all"), ...): optimizer state on the disk (disk.py)
+    disk_bytes: int = 0            # the swap file's size
+    disk_budget: int | None = None
+    disk_speed: tuple | None = None  # (write, read) GB/s measured on the swap file at initialize
+
+    @property
+    def disk_of(self) -> dict[int, str]:
+        """Block index -> what of its state is on the disk: "moments" (exp_avg, exp_avg_sq) or "all" (the
+        fp32 master too; its 16-bit weights stay in host memory)."""
+        return dict(self.disk_blocks)
 
     @property
     def device_total(self) -> int:
@@ -97,7 +109,24 @@ class Plan:
                  f"  host {fmt_bytes(self.host_total)}"
                  + (f" of {fmt_bytes(self.host_budget)}" if self.host_budget else "") + ": "
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.host_bytes.items() if v)]
+        if self.disk_blocks:
+            d = self.disk_of
+            moments = [i for i, m in d.items() if m == "moments"]
+            full = [i for i, m in d.items() if m == "all"]
+            lines.append(f"  disk {fmt_bytes(self.disk_bytes)}"
+                         + (f" of {fmt_bytes(self.disk_budget)} free" if self.disk_budget else "") + ": "
+                         + "; ".join(p for p in (
+                             f"moments of {_ranges(moments)}" if moments else "",
+                             f"master and moments of {_ranges(full)}" if full else "") if p)
+                         + (f"; measured write {self.disk_speed[0]:.2f} GB/s, read {self.disk_speed[1]:.2f} GB/s"
+                            if self.disk_speed else ""))
         return "\n".join(lines)
+
+    def disk_traffic(self, shape: ModelShape) -> tuple[int, int]:
+        """(bytes read, bytes written) on the disk per optimizer step: every swapped field once each way."""
+        per = {"moments": 8, "all": 12}
+        n = sum(shape.block_numels[i] * per[m] for i, m in self.disk_blocks)
+        return n, n
 
     def optimizer_homes(self, num_blocks: int, device: str = "the GPU") -> str:
         """Where the optimizer state (fp32 master weights and Adam moments) of the shell and of the blocks
@@ -112,13 +141,35 @@ class Plan:
         parts = [f"shell {where(self.shell_optimizer_on_device)}"]
         if r:
             parts.append(f"{blocks(0, r)} {where(True)}")
-        if r < num_blocks:
-            parts.append(f"{blocks(r, num_blocks)} {where(False)}")
+        disk = self.disk_of
+        mem = [i for i in range(r, num_blocks) if i not in disk]
+        if mem:
+            parts.append(f"{_ranges(mem)} {where(False)}")
+        moments = [i for i, m in disk.items() if m == "moments"]
+        full = [i for i, m in disk.items() if m == "all"]
+        if moments:
+            parts.append(f"{_ranges(moments)}: master in host memory, moments on the disk (CPU AdamW)")
+        if full:
+            parts.append(f"{_ranges(full)}: master and moments on the disk, 16-bit weights in host memory "
+                         "(CPU AdamW)")
         return "optimizer state: " + "; ".join(parts)
 
     def optimizer_on_host(self, num_blocks: int) -> bool:
         """Whether any optimizer state lives in host memory under this plan."""
         return not self.shell_optimizer_on_device or self.resident_blocks < num_blocks
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'blocks 0-2, 5'."""
+    idx = sorted(idx)
+    runs, start = [], None
+    for j, i in enumerate(idx):
+        if start is None:
+            start = i
+        if j + 1 == len(idx) or idx[j + 1] != i + 1:
+            runs.append(f"{start}" if start == i else f"{start}-{i}")
+            start = None
+    return ("block " if len(idx) == 1 else "blocks ") + ", ".join(runs)
 
 
 def placement_warnings(plan: Plan, num_blocks: int, *, optimizer_device: str, param_device: str,
@@ -127,9 +178,10 @@ def placement_warnings(plan: Plan, num_blocks: int, *, optimizer_device: str, pa
 
     ``optimizer_device``/``param_device``: the config's ``offload`` fields ('none', 'cpu', 'nvme')."""
     homes = plan.optimizer_homes(num_blocks)
-    if "nvme" in (optimizer_device, param_device):
-        return [f"offload to 'nvme' was asked for, but zerofit has no NVMe tier yet: that state is kept in host "
-                f"memory (planned against max_host_memory); nvme_path is checked, not written. {homes}"]
+    if "nvme" in (optimizer_device, param_device) and not plan.disk_blocks:
+        return [f"offload to 'nvme' was asked for, but host memory holds all the optimizer state under "
+                f"max_host_memory ({fmt_bytes(plan.host_budget) if plan.host_budget else 'no limit'}): zerofit puts on the disk only what host "
+                f"memory cannot hold, so the disk is not used. {homes}"]
     if on_cuda and param_device != "none" and optimizer_device == "none":
         return ["offload.param_device is 'cpu' but offload.optimizer_device is 'none': zerofit keeps every block "
                 "on the GPU with its optimizer state (it offloads whole blocks, weights and optimizer state "
@@ -163,6 +215,9 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
     }
 
 
+TIER_BUFFERS = 12   # disk.py: chunk buffers the disk tier streams through (reads ahead, writes behind)
+
+
 ASSIST_CHUNKS = 4    # [Note: assisted updates]: a block's state goes up and down in this many chunks
 ASSIST_SETS = 2      # chunk buffer sets: one chunk's download overlaps the next one's upload
 
@@ -184,14 +239,81 @@ def assisted_choice(first_streamed: int, n_streamed: int, fraction: float) -> fr
                      if math.floor((s + 1) * fraction + 1e-9) > math.floor(s * fraction + 1e-9))
 
 
-def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: torch.dtype, on_cuda: bool,
+def make_plan(shape: ModelShape, batch: BatchShape | None, **kw) -> Plan:
+    """Choose a placement (see :func:`_make_plan`); a refusal says what would fit, with the numbers
+    (:func:`advice`)."""
+    try:
+        return _make_plan(shape, batch, **kw)
+    except PlanError as e:
+        tips = advice(shape, batch, kw)
+        if tips:
+            raise PlanError(f"{e}\nwhat would fit:\n" + "\n".join(f"  - {t}" for t in tips)) from None
+        raise
+
+
+def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
+    """What would make a refused plan fit, each with its numbers: a GPU cap, a host budget, an NVMe tier of
+    N bytes, a smaller micro-batch. Each is checked by planning it."""
+    def tries(**changes) -> Plan | None:
+        try:
+            return _make_plan(shape, batch if "batch" not in changes else changes.pop("batch"), **(kw | changes))
+        except PlanError:
+            return None
+
+    tips = []
+    free = dict(device_budget=None, host_budget=None, disk_budget=None)
+    unbounded = tries(**free)
+    if unbounded is None:
+        return tips
+    dev_only = tries(host_budget=None, disk_budget=None)
+    if dev_only is None and kw.get("on_cuda"):
+        # the smallest device plan: every block streamed, the shell's optimizer on the host if need be
+        low = tries(**free, resident_blocks=0, shell_on_device=False)
+        if low is not None:
+            tips.append(f"a GPU cap (max_gpu_memory) of at least {fmt_bytes(low.device_total)}")
+        if batch is not None:
+            mb = batch.micro_batch // 2
+            while mb >= 1:
+                smaller = BatchShape(mb, batch.seq_len, batch.grad_accum * batch.micro_batch // mb)
+                if tries(batch=smaller, host_budget=None, disk_budget=None) is not None:
+                    tips.append(f"micro_batch_size {mb} with gradient_accumulation_steps {smaller.grad_accum} (the "
+                                "same tokens per step)")
+                    break
+                mb //= 2
+    # host tips for the placement the device takes: the planned one if it fits, else the smallest one
+    hb = (dict(device_budget=kw.get("device_budget")) if dev_only is not None
+          else dict(device_budget=None, resident_blocks=0, shell_on_device=False))
+    host_only = tries(**hb, host_budget=None, disk=False)
+    if host_only is not None and kw.get("host_budget") is not None and host_only.host_total > kw["host_budget"]:
+        tips.append(f"a host budget (max_host_memory) of at least {fmt_bytes(host_only.host_total)}, all state in "
+                    "host memory")
+    if kw.get("host_budget") is not None:
+        on_disk = tries(**hb, disk=True, disk_budget=None)
+        if on_disk is not None and on_disk.disk_blocks:
+            tips.append(f"an NVMe tier with at least {fmt_bytes(on_disk.disk_bytes)} free (offload.optimizer_device "
+                        "'nvme' and offload.nvme_path; DeepSpeed: offload_optimizer.device 'nvme') within the host "
+                        f"budget of {fmt_bytes(kw['host_budget'])}: {len(on_disk.disk_blocks)} blocks' state on the "
+                        "disk")
+    return tips
+
+
+def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: torch.dtype, on_cuda: bool,
               device_budget: int | None, host_budget: int | None, deferred_updates: bool,
               checkpointing: bool, stream_params: bool,
               resident_blocks: int | None, prefetch_depth: int | None, staging: int = 12,
               shell_on_device: bool | None = None, fixed_staging: int | None = None,
               assisted_updates: bool | None = None, assisted_fraction: float = 0.375,
-              host16: bool = False) -> Plan:
-    """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded)."""
+              host16: bool = False, disk: bool = False, disk_budget: int | None = None,
+              disk_blocks: int | None = None, disk_weights: bool | None = None,
+              disk_placement: dict | None = None, disk_buffers: int = TIER_BUFFERS) -> Plan:
+    """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded).
+
+    ``disk``: an NVMe tier may hold what host memory cannot (``disk_budget``: its free bytes). The planner
+    then moves, from the last block down, first the Adam moments of streamed blocks to the disk, then their
+    fp32 master weights too (keeping a 16-bit copy in host memory), until the host budget is met: the
+    placement with the least disk traffic per step for the host memory given ([Note: disk placement]).
+    ``disk_blocks``/``disk_weights`` force how many blocks and whether their master weights go there;
+    ``disk_placement`` (block -> mode) keeps an existing placement (re-planning for a batch)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
     L = len(shape.block_numels)
@@ -211,7 +333,8 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         candidates = list(range(L, -1, -1))
     depth = prefetch_depth or 2
 
-    def build(r: int, shell_dev: bool) -> Plan:
+    def build(r: int, shell_dev: bool, disk_of: dict[int, str] | None = None) -> Plan:
+        disk_of = disk_of or {}
         streamed = shape.block_numels[r:]
         n_cpu_units = len(streamed) + (0 if shell_dev else 1)
         slots = depth + 1 if streamed else 0
@@ -226,7 +349,9 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         if fixed_staging is not None:    # re-planning around buffers that already exist
             stage = fixed_staging
         stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
-        chosen = assisted_choice(r, len(streamed), assisted_fraction)
+        if disk_of:     # the disk tier binds: a deep gradient queue would only hold memory the state could use
+            stage = min(stage, 3)
+        chosen = assisted_choice(r, len(streamed), assisted_fraction) - set(disk_of)
         assisted = deferred_updates and len(streamed) > 1 and assisted_updates is not False and bool(chosen)
         if not assisted:
             chosen = frozenset()
@@ -243,20 +368,51 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         }
         host_units = sum(streamed) + (0 if shell_dev else shape.shell_numel)
         device_opt_units = shape.shell_numel + sum(shape.block_numels) - host_units
+        on_disk = {m: sum(shape.block_numels[i] for i, d in disk_of.items() if d == m) for m in ("moments", "all")}
+        chunk = tier_chunk(max_block)
         host = {
-            "master_and_moments": host_units * 12,                      # master pinned: it is uploaded
+            "master_and_moments": (host_units - on_disk["moments"] - on_disk["all"]) * 12,   # master pinned: uploaded
             "host_mirrors": device_opt_units * 4 if on_cuda else 0,     # fp32 copies the module's params view
             "grad_staging": stage * stage_numel * 4,
             "grad_buffers": host_units * 4 if deferred_updates else 0,
             # DeepSpeed-style forwards: 16-bit copies of the streamed blocks (engine/deepspeed_api.py)
-            "host16_copies": sum(streamed) * cb if host16 and not fp32 else 0,
+            "host16_copies": (sum(streamed) - on_disk["all"]) * cb if host16 and not fp32 else 0,
+            "disk_block_masters": on_disk["moments"] * 4,               # moments on the disk, master here
+            "disk_block_weights16": on_disk["all"] * cb,                # master on the disk: 16-bit weights here
+            "disk_buffers": (tier_buffers(max_block, disk_buffers) * (3 if on_disk["all"] else 2) * chunk * 4 + ALIGN)
+            if disk_of else 0,
         }
         if not on_cuda:  # device memory is host memory: count it once, as host
             for k, v in dev.items():
                 host["device:" + k] = v
             dev = {}
+        dbytes = sum(-(-shape.block_numels[i] * 4 // ALIGN) * ALIGN * (2 if d == "moments" else 3)
+                     for i, d in disk_of.items())
         return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, assisted, dev, host, device_budget,
-                    host_budget, chosen)
+                    host_budget, chosen, tuple(sorted(disk_of.items())), dbytes, disk_budget)
+
+    def disk_choices(r: int):
+        """[Note: disk placement]
+        Per parameter, keeping the moments in host memory costs 8 B there and saves 16 B of disk traffic per
+        step (read and write); keeping the master costs 4 B (2 B net of the 16-bit copy a disk master needs)
+        and saves 8 B. Moments first, then, so the placements tried go: the moments of the last block, of the
+        last two, ... of every streamed block; then also the master of the last block, the last two, ... .
+        The last blocks go first: their gradients come first in the backward, so their disk updates start
+        earliest, and the next forward needs them last."""
+        n = L - r
+        if disk_placement is not None:
+            yield dict(disk_placement)
+            return
+        if disk_blocks is not None:
+            k = min(disk_blocks, n)
+            yield {i: ("all" if disk_weights else "moments") for i in range(L - k, L)}
+            return
+        for k in range(1, n + 1):
+            if disk_weights is not True:
+                yield {i: "moments" for i in range(L - k, L)}
+        if disk_weights is not False and not fp32:
+            for k in range(1, n + 1):
+                yield {i: ("all" if i >= L - k else "moments") for i in range(r, L)}
 
     best = None
     # Prefer the shell's optimizer on the device: its gradient is complete only at the very end of the
@@ -264,16 +420,30 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
     shell_choices = (True, False)
     if shell_on_device is not None:
         shell_choices = (shell_on_device,)
+    def fits(plan: Plan) -> tuple[bool, bool, bool]:
+        return (device_budget is None or not on_cuda or plan.device_total <= device_budget,
+                host_budget is None or plan.host_total <= host_budget,
+                disk_budget is None or plan.disk_bytes <= disk_budget)
+
+    def options(r: int, shell_dev: bool):
+        if disk_placement is not None:            # re-planning: the placement stays as it is
+            yield build(r, shell_dev, dict(disk_placement))
+            return
+        base = build(r, shell_dev)
+        if not (disk and disk_blocks is not None):
+            yield base
+        if disk and r < L and fits(base)[0]:
+            for d in disk_choices(r):
+                yield build(r, shell_dev, d)
+
     for shell_dev in shell_choices:
         for r in candidates:
-            plan = build(r, shell_dev)
-            dev_ok = device_budget is None or not on_cuda or plan.device_total <= device_budget
-            host_ok = host_budget is None or plan.host_total <= host_budget
-            if dev_ok and host_ok:
-                return plan
-            # keep the plan that comes closest, to show in the refusal: the smallest on the device
-            if best is None or (plan.device_total, plan.host_total) < (best.device_total, best.host_total):
-                best = plan
+            for plan in options(r, shell_dev):
+                if all(fits(plan)):
+                    return plan
+                # keep the plan that comes closest, to show in the refusal: the smallest on the device
+                if best is None or (plan.device_total, plan.host_total) < (best.device_total, best.host_total):
+                    best = plan
     assert best is not None
     need_dev = best.device_total
     raise PlanError(
@@ -284,5 +454,6 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: tor
         + (f"host needs {fmt_bytes(best.host_total)} > budget {fmt_bytes(host_budget)} "
            f"({best.host_total} > {host_budget} bytes); "
            if host_budget is not None and best.host_total > host_budget else "")
-        + "smallest plan:\n" + best.describe()
-        + "\nlower micro_batch_size or seq_len, or raise max_gpu_memory / max_host_memory")
+        + (f"disk needs {fmt_bytes(best.disk_bytes)} > {fmt_bytes(disk_budget)} free; "
+           if disk_budget is not None and best.disk_bytes > disk_budget else "")
+        + "smallest plan:\n" + best.describe())

@@ -37,6 +37,8 @@ class StepRecovery:
         self._micro_steps = 0
         self._held = []
         self._host16_epoch += 1       # a rollback restores the masters to rounding only
+        if self._tier is not None:
+            self._tier.reset()        # chunks read ahead for updates that will not come
         self._discard_grads([u for u in self.units if not u.optimizer_on_device])
         with self._staging_cv:       # a buffer taken by the failed step may never have been handed on
             self._staging_free = list(range(len(self._staging)))
@@ -68,9 +70,11 @@ class StepRecovery:
         self._upload_stage = self._assist = self._assist_free = None
 
     def _apply_pending(self) -> None:
-        """Every pending update (host, or assisted on the device) applied."""
+        """Every pending update (host, or assisted on the device) applied, and on the disk (tier writes done)."""
         self.worker.drain()
         self._flush_assisted()
+        if self._tier is not None:
+            self._tier.drain()
 
     def _sync_host_weights(self) -> None:
         """The module's parameters (host views) take the current weights of device-optimized units."""
@@ -79,6 +83,22 @@ class StepRecovery:
                 if u.optimizer_on_device and u.host is not u.master:
                     u.host.copy_(u.master)
         self._mirror_stale = False
+
+    def _leave_disk(self) -> None:
+        """Before close removes the swap file: the master weights kept there are copied into host memory and
+        the module's parameters pointed at them, so ``engine.module`` keeps the final weights (as fp32 host
+        tensors, like every other unit's)."""
+        if self._tier is None:
+            return
+        from zerofit.engine.materialize import rebind_params
+
+        for u in self.blocks:
+            if u.swap == "all":
+                host = torch.empty(u.numel, dtype=torch.float32)
+                host.copy_(u.master)
+                rebind_params(self._model, self.adapter, self._table, u, host)
+                u.master = host
+        self._tier.file.flush_mapping()
 
     def _log_placement(self) -> None:
         """Say where the optimizer state is under the plan, and where that is not what the config asked for."""
@@ -119,6 +139,9 @@ class StepRecovery:
 
     def _become_generic(self, err: NonSequentialModel) -> None:
         """[Note: generic fallback]: rebuild the units as one generic unit from the current weights."""
+        if self._tier is not None:
+            raise NonSequentialModel(f"{err.reason}; the generic path (the whole model as one unit) cannot use the "
+                                     "disk tier this plan needs") from err
         if any(float(u.step) for u in self.units):     # a loaded checkpoint: its moments cannot be carried over
             raise NonSequentialModel(f"{err.reason} (found after this engine took optimizer state, too late to "
                                      "fall back by itself)") from err

@@ -18,6 +18,11 @@ buffer          shape, dtype                home
 ``grad``        (numel,) fp32               device: a slot (streamed) or own buffer
 ==============  ==========================  ========================================
 
+A unit on the disk tier (``swap``, disk.py) has its moments (``"moments"``), or its master and
+moments (``"all"``), in the swap file: those attributes are views of the file's mapping, and its
+updates stream them through the tier's buffers ([Note: the swap file is also a mapping]). With
+``"all"``, ``host16`` (pinned, compute dtype) holds its weights for the uploads.
+
 Host-optimized units upload ``master`` (pinned) and the device casts it: see
 [Note: fp32 uploads] in materialize.py.
 
@@ -138,6 +143,8 @@ class Unit:
     host16: torch.Tensor | None = None       # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra forwards]
     host16_epoch: int = -1                   # the engine's weights epoch host16 was taken in (valid while equal)
     host16_event: object = None              # the download that filled host16
+    swap: str | None = None                  # on the disk tier (disk.py): "moments", or "all" (master too;
+                                             # host16 then holds its compute weights, the upload source)
 
     @property
     def numel(self) -> int:

@@ -1,0 +1,533 @@
+"""The disk (NVMe) tier: optimizer state that host memory cannot hold, in one preallocated file.
+
+The planner (planner.py) puts the fp32 Adam moments of some streamed blocks, and if host memory is still
+short their fp32 master weights too, on the disk: a *swapped* unit. Its state lives in one file under
+``offload.nvme_path`` (a :class:`SwapFile`), each field of each unit in its own 4 KiB-aligned region, and
+is streamed through a small pool of aligned host buffers around each update (:class:`DiskTier`): read ahead
+of the update, written behind it, in chunks, by a thread pool doing ``preadv``/``pwritev`` on an
+``O_DIRECT`` descriptor (buffered where the file system refuses it). Pure Python and PyTorch: no compiled
+op, no libaio.
+
+[Note: the swap file is also a mapping]
+The whole file is also mapped (``torch.from_file(shared=True)``), and a swapped unit's ``exp_avg``,
+``exp_avg_sq`` (and ``master``) *are* views of that mapping. So everything that reads or writes the state
+between steps (checkpoint save and load, export, ``engine.module``) works unchanged, through the page
+cache, with no copy of the state in anonymous memory; only the optimizer step takes the direct path. The
+two stay coherent because they never overlap in time: the engine drains the tier (every write done)
+before a reader touches the mapping, and a write through the mapping (a checkpoint load) is flushed
+(``msync``) before the next direct read. Linux also writes back dirty pages before a direct read and drops
+cached pages after a direct write of the same range.
+
+[Note: chunked updates]
+A unit's update runs chunk by chunk: read master/moments of elements ``[a, a+k)``, AdamW on that range
+(``unit_adamw(..., start=a)`` with a copy of the step count the chunk started from), write the range back.
+AdamW is elementwise, so the chunks give the whole-buffer result bitwise; chunk sizes are multiples of
+1024 elements (4 KiB), so every chunk starts aligned. The unit's step count advances once, at the end.
+
+[Note: swap files are reused, never leaked]
+Files are named ``zerofit-swap-<n>.bin`` and held with an exclusive ``flock`` while a run uses them. A run
+takes the first name it can lock, so the file a crashed run left behind is reused (truncated and reserved
+again), and any other unlocked swap file in the folder is stale and removed. ``close`` removes the file.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ALIGN = 4096                    # O_DIRECT: buffer address, file offset and length aligned to this
+CHUNK_ALIGN = ALIGN // 4        # elements: chunk starts stay 4 KiB aligned
+SWAP_GLOB = "zerofit-swap-*.bin"
+
+# the I/O calls, module-level so that tests can inject ENOSPC / EIO
+_pread = os.preadv
+_pwrite = os.pwritev
+
+
+class DiskTierError(RuntimeError):
+    """The disk tier could not read or write its file (or reserve it): the message names the path."""
+
+
+def _up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def tier_chunk(max_block: int, limit: int = 4 << 20) -> int:
+    """Elements per chunk of a swapped unit's update: a quarter of the largest block (so that even small
+    models stream in several chunks), at most ``limit``, a multiple of 1024 (see [Note: chunked updates])."""
+    return max(CHUNK_ALIGN, min(limit, _up(-(-max(max_block, 1) // 4), CHUNK_ALIGN)))
+
+
+def tier_buffers(max_block: int, most: int) -> int:
+    """Chunk buffers of the tier: ``most``, but no more than one largest block's worth of chunks (at least 4:
+    one reading ahead, one computed, two writing behind)."""
+    return max(4, min(most, -(-max(max_block, 1) // tier_chunk(max_block))))
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where one unit's swapped fields are in the file: byte offsets of each field's region."""
+
+    numel: int
+    offsets: dict            # field name -> byte offset (4 KiB aligned)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(self.offsets)
+
+
+def layout(units: list[tuple[int, int, tuple[str, ...]]]) -> tuple[dict[int, Region], int]:
+    """``units``: (key, numel, fields) -> regions by key, and the file's size in bytes."""
+    regions, pos = {}, 0
+    for key, numel, fields in units:
+        offs = {}
+        for f in fields:
+            offs[f] = pos
+            pos += _up(numel * 4)
+        regions[key] = Region(numel, offs)
+    return regions, pos
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """(nbytes,) uint8 host tensor whose address is ALIGN-aligned (what O_DIRECT needs)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    off = -raw.data_ptr() % ALIGN
+    return raw[off:off + nbytes]
+
+
+class SwapFile:
+    """One preallocated file under ``folder`` (see [Note: swap files are reused, never leaked]): direct I/O
+    by a thread pool, and a shared mapping of the whole file (see [Note: the swap file is also a mapping])."""
+
+    def __init__(self, folder: str | os.PathLike, nbytes: int, *, threads: int = 8, block_bytes: int = 4 << 20):
+        self.folder = Path(folder).expanduser().absolute()
+        self.nbytes = _up(max(nbytes, ALIGN))
+        self.block_bytes = _up(max(block_bytes, ALIGN))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path, self._lock_fd, self.reused = self._claim()
+        self._fd = -1
+        self.map = None
+        self._mm = None
+        self._pool: ThreadPoolExecutor | None = None
+        try:
+            self._remove_stale()
+            os.ftruncate(self._lock_fd, 0)          # a reused file: its old contents must not show through
+            try:
+                os.posix_fallocate(self._lock_fd, 0, self.nbytes)    # reserved now: no ENOSPC mid-run
+            except OSError as e:
+                raise DiskTierError(
+                    f"{self.path}: cannot reserve {self.nbytes / 2**30:.2f} GiB for the NVMe tier "
+                    f"({e.strerror}); {_free(self.folder) / 2**30:.2f} GiB are free there. Free space, choose "
+                    "another offload.nvme_path, or raise max_host_memory so that less goes to the disk") from e
+            self._fd, self.direct = self._open_direct()
+            self._mm = mmap.mmap(self._lock_fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.map = torch.frombuffer(self._mm, dtype=torch.float32)     # keeps the mapping alive
+            self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="zerofit-disk")
+        except BaseException:
+            self.close()
+            raise
+
+    def _claim(self) -> tuple[Path, int, bool]:
+        for n in range(10_000):
+            path = self.folder / f"zerofit-swap-{n}.bin"
+            existed = path.exists()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:       # another live run's file
+                os.close(fd)
+                continue
+            return path, fd, existed
+        raise DiskTierError(f"{self.folder}: 10,000 swap files in use")
+
+    def _remove_stale(self) -> None:
+        """Unlocked swap files besides ours were left by runs that died: remove them."""
+        for p in self.folder.glob(SWAP_GLOB):
+            if p == self.path:
+                continue
+            try:
+                fd = os.open(p, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                p.unlink(missing_ok=True)
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+
+    def _open_direct(self) -> tuple[int, bool]:
+        """An O_DIRECT descriptor if the file system accepts one (probed with an aligned write and read),
+        else a buffered one."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if flag:
+            try:
+                fd = os.open(self.path, os.O_RDWR | flag)
+            except OSError:
+                fd = -1
+            if fd >= 0:
+                probe = aligned_empty(ALIGN).zero_()
+                try:
+                    os.pwritev(fd, [memoryview(probe.numpy())], 0)
+                    os.preadv(fd, [memoryview(probe.numpy())], 0)
+                    return fd, True
+                except OSError:
+                    os.close(fd)
+        return os.open(self.path, os.O_RDWR), False
+
+    def view(self, offset: int, numel: int) -> torch.Tensor:
+        """(numel,) fp32 view of the mapping at byte ``offset``."""
+        return self.map[offset // 4: offset // 4 + numel]
+
+    def submit(self, op: str, offset: int, buf: torch.Tensor, what: str) -> list[Future]:
+        """Read (``op`` 'read') or write ``buf`` (uint8, aligned, length a multiple of ALIGN) at ``offset``,
+        as requests of ``block_bytes`` on the pool. Each future raises :class:`DiskTierError` on failure."""
+        mv = memoryview(buf.numpy())
+        futs = []
+        for a in range(0, len(mv), self.block_bytes):
+            part = mv[a:a + self.block_bytes]
+            futs.append(self._pool.submit(self._io, op, part, offset + a, what))
+        return futs
+
+    def _io(self, op: str, part: memoryview, offset: int, what: str) -> int:
+        done = 0
+        while done < len(part):
+            try:
+                n = (_pread if op == "read" else _pwrite)(self._fd, [part[done:]], offset + done)
+            except OSError as e:
+                raise DiskTierError(f"{self.path}: {'reading' if op == 'read' else 'writing'} {len(part)} bytes at "
+                                    f"offset {offset} ({what}) failed: [Errno {e.errno}] "
+                                    f"{e.strerror or errno.errorcode.get(e.errno, '')}") from e
+            if n <= 0:
+                raise DiskTierError(f"{self.path}: short {op} at offset {offset + done} ({what}): the file is "
+                                    f"shorter than the {self.nbytes} bytes reserved")
+            done += n
+        return done
+
+    def flush_mapping(self) -> None:
+        """Write back pages dirtied through the mapping (materialization, a checkpoint load) and let go of
+        them: they leave this process's resident memory and the page cache (the next direct read needs
+        neither). Called between steps only."""
+        if self._lock_fd < 0:
+            return
+        os.fsync(self._lock_fd)
+        if self._mm is not None:
+            self._mm.madvise(mmap.MADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._lock_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def settle(self, offset: int, nbytes: int) -> None:
+        """Write back and let go of the mapping's pages in ``[offset, offset + nbytes)`` (a unit's master just
+        written at materialization): host memory holds at most one unit's worth of them at a time."""
+        if self._mm is None or nbytes <= 0:
+            return
+        a = offset - offset % mmap.PAGESIZE
+        n = min(_up(offset + nbytes - a, mmap.PAGESIZE), self.nbytes - a)
+        self._mm.flush(a, n)
+        self._mm.madvise(mmap.MADV_DONTNEED, a, n)
+
+    def measure(self, nbytes: int = 256 << 20) -> tuple[float, float]:
+        """(write, read) GB/s of this file's own path (direct I/O, the pool's parallel requests), over the
+        first ``nbytes`` (at most the file): zeros written, so the reserved file stays zero."""
+        n = min(_up(nbytes), self.nbytes)
+        buf = aligned_empty(n).zero_()
+        t = time.perf_counter()
+        for f in self.submit("write", 0, buf, "speed test"):
+            f.result()
+        if not self.direct:
+            os.fsync(self._fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fd, 0, n, os.POSIX_FADV_DONTNEED)
+        w = time.perf_counter() - t
+        t = time.perf_counter()
+        for f in self.submit("read", 0, buf, "speed test"):
+            f.result()
+        r = time.perf_counter() - t
+        return n / max(w, 1e-9) / 1e9, n / max(r, 1e-9) / 1e9
+
+    def close(self) -> None:
+        """Stop the I/O threads, remove the file, release the lock. Idempotent. Views of the mapping
+        that are still referenced stay valid memory (the kernel keeps the removed file until they go)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.map = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:     # views still exist (a closed engine's module): they keep it mapped
+                pass
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._lock_fd >= 0:
+            try:
+                self.path.unlink(missing_ok=True)
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+
+
+def _free(folder: Path) -> int:
+    try:
+        st = os.statvfs(folder)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return 0
+
+
+def free_bytes(folder: str | os.PathLike | None) -> int | None:
+    """Bytes the disk tier may take under ``folder`` (or its nearest existing parent): the free space plus
+    the swap files there that a run would reuse or remove ([Note: swap files are reused, never leaked])."""
+    if folder is None:
+        return None
+    p = Path(folder).expanduser().absolute()
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    reusable = 0
+    if p.is_dir():
+        for f in p.glob(SWAP_GLOB):
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                reusable += os.fstat(fd).st_blocks * 512
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+    return _free(p) + reusable
+
+
+@dataclass
+class _Buf:
+    """One host chunk buffer of the pool and what it holds."""
+
+    data: torch.Tensor                       # (nbytes,) uint8, aligned
+    key: tuple | None = None                 # (unit key, chunk) it holds or is reading/writing
+    futures: list = field(default_factory=list)
+    acquired: bool = False
+
+
+class DiskTier:
+    """Swapped units' state streamed through a pool of chunk buffers: read ahead, written behind.
+
+    The engine announces the order of the coming updates (:meth:`expect`); reads are issued in that order
+    while buffers are free. An update takes each chunk (:meth:`acquire`: waits for its read, issuing it
+    if needed, taking back a buffer read ahead for another chunk if none is free), computes, and hands the
+    chunk back (:meth:`release`: its write is queued; the buffer is free once it is written). A read of a
+    range still being written waits for that write. Errors are :class:`DiskTierError`, kept: every later
+    call raises them too (the engine fails: a half-written step cannot be continued)."""
+
+    def __init__(self, file: SwapFile, regions: dict[int, Region], chunk: int, buffers: int):
+        self.file, self.regions, self.chunk = file, regions, chunk
+        nf = max((len(r.fields) for r in regions.values()), default=1)
+        self._bytes = chunk * 4
+        self._bufs = [_Buf(aligned_empty(nf * self._bytes)) for _ in range(max(2, buffers))]
+        self._free = list(range(len(self._bufs)))
+        self._held: dict[tuple, int] = {}        # key -> buffer index (reading, read, or acquired)
+        self._writing: dict[tuple, int] = {}     # key -> buffer index (write in flight)
+        self._expect: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self.bytes_read = self.bytes_written = 0
+        self.spans: list[tuple[str, float, float]] = []     # (label, start, end): per chunk read/write
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.data.numel() for b in self._bufs)
+
+    def chunks(self, key: int) -> list[tuple[int, int]]:
+        n = self.regions[key].numel
+        return [(a, min(self.chunk, n - a)) for a in range(0, n, self.chunk)]
+
+    def view(self, key: int, name: str) -> torch.Tensor:
+        r = self.regions[key]
+        return self.file.view(r.offsets[name], r.numel)
+
+    # -------------------------------------------------------------- scheduling
+
+    def expect(self, keys) -> None:
+        """The updates of ``keys`` come next, in this order: read their chunks ahead."""
+        with self._cv:
+            queued = set(self._expect)
+            for key in keys:
+                for c in range(len(self.chunks(key))):
+                    k = (key, c)
+                    if k not in self._held and k not in queued:
+                        self._expect.append(k)
+            self._pump()
+
+    def reset(self) -> None:
+        """Forget the expected reads and drop chunks read ahead but not taken (a step was abandoned)."""
+        with self._cv:
+            self._expect.clear()
+            for k, i in list(self._held.items()):
+                if not self._bufs[i].acquired:
+                    self._wait_futures(self._bufs[i].futures, raise_=False)
+                    self._drop(k, i)
+
+    def _drop(self, k: tuple, i: int) -> None:
+        del self._held[k]
+        b = self._bufs[i]
+        b.key, b.futures, b.acquired = None, [], False
+        self._free.append(i)
+
+    def _pump(self) -> None:
+        """Issue expected reads into free buffers (lock held)."""
+        while self._free and self._expect and self._error is None:
+            k = self._expect[0]
+            if k in self._writing:       # its last write is in flight: read after it (its completion pumps)
+                return
+            self._expect.popleft()
+            self._read(k, self._free.pop())
+
+    def _fields(self, k: tuple, i: int):
+        """(field, file offset, buffer slice as uint8, fp32 view of the chunk) of chunk ``k`` in buffer i."""
+        key, c = k
+        r = self.regions[key]
+        a, n = self.chunks(key)[c]
+        nbytes = _up(n * 4)
+        out = []
+        for j, f in enumerate(r.fields):
+            raw = self._bufs[i].data[j * self._bytes: j * self._bytes + nbytes]
+            out.append((f, r.offsets[f] + a * 4, raw, raw[: n * 4].view(torch.float32)))
+        return out
+
+    def _read(self, k: tuple, i: int) -> None:
+        b = self._bufs[i]
+        b.key, b.acquired, b.futures = k, False, []
+        self._held[k] = i
+        t = time.perf_counter()
+        for f, off, raw, _ in self._fields(k, i):
+            b.futures += self.file.submit("read", off, raw, f"unit {k[0]} {f} chunk {k[1]}")
+            self.bytes_read += raw.numel()
+        self._span_on_done(b.futures, f"read[{k[0]}:{k[1]}]", t)
+
+    def _span_on_done(self, futs: list, label: str, t: float) -> None:
+        remaining = [len(futs)]
+
+        def done(_):
+            with self._cv:
+                remaining[0] -= 1
+                if remaining[0] == 0 and len(self.spans) < 100_000:
+                    self.spans.append((label, t, time.perf_counter()))
+        for f in futs:
+            f.add_done_callback(done)
+
+    def _take_buffer(self) -> int | None:
+        """A free buffer, or one taken back from a chunk read ahead but not acquired (lock held; None: wait)."""
+        if self._free:
+            return self._free.pop()
+        for k in reversed(list(self._held)):
+            i = self._held[k]
+            b = self._bufs[i]
+            if not b.acquired and all(f.done() for f in b.futures):
+                del self._held[k]
+                b.key, b.futures = None, []
+                self._expect.appendleft(k)
+                return i
+        return None
+
+    # -------------------------------------------------------------- the update's side
+
+    def acquire(self, key: int, c: int) -> dict[str, torch.Tensor]:
+        """Chunk ``c`` of unit ``key``: field -> (k,) fp32 host tensor holding the state read from disk."""
+        k = (key, c)
+        with self._cv:
+            while True:
+                self.check()
+                if k in self._held:
+                    i = self._held[k]
+                    break
+                if k not in self._writing:
+                    i = self._take_buffer()
+                    if i is not None:
+                        try:
+                            self._expect.remove(k)
+                        except ValueError:
+                            pass
+                        self._read(k, i)
+                        break
+                self._cv.wait(0.05)
+            b = self._bufs[i]
+            b.acquired = True
+            futs = b.futures
+        self._wait_futures(futs)
+        return {f: view for f, _, _, view in self._fields(k, i)}
+
+    def release(self, key: int, c: int) -> None:
+        """Chunk ``c`` of unit ``key`` is updated: write it back; its buffer is free once written."""
+        k = (key, c)
+        with self._cv:
+            self.check()
+            i = self._held.pop(k)
+            b = self._bufs[i]
+            b.acquired, b.futures = False, []
+            self._writing[k] = i
+            futs = []
+            t = time.perf_counter()
+            for f, off, raw, _ in self._fields(k, i):
+                futs += self.file.submit("write", off, raw, f"unit {key} {f} chunk {c}")
+                self.bytes_written += raw.numel()
+            self._span_on_done(futs, f"write[{key}:{c}]", t)
+            left = [len(futs)]
+
+        def written(fut: Future):
+            with self._cv:
+                if fut.exception() is not None and self._error is None:
+                    self._error = fut.exception()
+                left[0] -= 1
+                if left[0] == 0:
+                    del self._writing[k]
+                    b.key = None
+                    self._free.append(i)
+                    self._pump()
+                    self._cv.notify_all()
+        for f in futs:
+            f.add_done_callback(written)
+
+    def _wait_futures(self, futs: list, raise_: bool = True) -> None:
+        for f in futs:
+            try:
+                f.result()
+            except BaseException as e:
+                with self._cv:
+                    if self._error is None:
+                        self._error = e
+                if raise_:
+                    raise
+
+    def drain(self) -> None:
+        """Wait until every write is done; raise the first I/O error of the tier."""
+        with self._cv:
+            while self._writing:
+                self._cv.wait(0.05)
+            self.check()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error if isinstance(self._error, DiskTierError) else DiskTierError(str(self._error))
+
+    def drain_spans(self) -> list[tuple[str, float, float]]:
+        with self._cv:
+            spans, self.spans = self.spans, []
+        return spans
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,0 +1,272 @@
+"""``zerofit estimate``: the plan the engine would choose, what it needs, and how long a step takes.
+
+Nothing of the model is allocated: it is built on the meta device (from a model directory's
+``config.json`` or a named shape), split into units as the engine splits it, and planned by the engine's
+own planner with the engine's own arguments (``engine.plan_args``), so the GPU, host and disk bytes are
+the ones ``zerofit.initialize`` would plan, and a refusal is the same text.
+
+The step time is predicted from this machine's measured speeds, each resource on its own:
+
+* compute: a plain PyTorch model of the same shape with 1 and with 2 blocks is trained on the GPU (bf16,
+  activation checkpointing, the micro-batch of the config); the difference is one block's
+  forward + recompute + backward, the rest the shell's (embeddings, head, loss); times blocks and G;
+* PCIe: the bytes the plan moves per step (each streamed block up twice, its gradient down once) over the
+  pinned copy bandwidth ``zerofit doctor`` measures;
+* CPU optimizer: the host-updated parameters over the fused CPU AdamW speed ``zerofit doctor`` measures;
+* disk: the tier's bytes read and written per step over the disk speeds measured under ``nvme_path``.
+
+The engine overlaps them (design/ENGINE.md), so the predicted step is the largest; the others are shown
+with it. The host peak is the plan's host bytes plus this process's own resident memory (interpreter,
+libraries, CUDA context), which a training process has as well.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes
+
+# the benchmark shapes (../shared/bench/WORKLOADS.md), by the names tutorials use, and the workload names
+SHAPES = {
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
+    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                        num_key_value_heads=40, vocab_size=32000, tie_word_embeddings=False),
+}
+ALIASES = {"w1": "llama-3.2-3b", "w2": "llama-2-7b", "w3": "llama-2-13b", "13b": "llama-2-13b",
+           "7b": "llama-2-7b", "3b": "llama-3.2-3b"}
+
+
+def shape_config(name: str):
+    """A transformers ``LlamaConfig`` of a named shape (``llama-2-13b``, ``W1``...)."""
+    from transformers import LlamaConfig
+
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}: one of {', '.join(sorted(SHAPES))} (or W1, W2, W3)")
+    return LlamaConfig(**SHAPES[key], max_position_embeddings=4096, attn_implementation="sdpa")
+
+
+def meta_model(model_dir: str | Path | None = None, shape: str | None = None):
+    """The model on the meta device, from a model directory or a named shape."""
+    if (model_dir is None) == (shape is None):
+        raise ValueError("give a model directory or a shape name (one of them)")
+    if model_dir is not None:
+        from zerofit.models import ModelDir
+
+        return ModelDir.open(model_dir).build_meta()
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM._from_config(shape_config(shape), dtype=torch.float32)
+
+
+@dataclass
+class StepPrediction:
+    """Seconds per optimizer step, per resource; ``step`` is the largest (the engine overlaps them)."""
+
+    compute: float | None = None
+    upload: float | None = None
+    download: float | None = None
+    cpu_optimizer: float | None = None
+    disk: float | None = None
+    step: float | None = None
+    binds: str = ""
+    speeds: dict = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass
+class Estimate:
+    plan: Plan | None
+    shape: ModelShape
+    batch: BatchShape
+    parameters: int
+    gpu_bytes: int = 0
+    host_bytes: int = 0
+    host_baseline_bytes: int = 0
+    disk_bytes: int = 0
+    disk_traffic: tuple = (0, 0)
+    step: StepPrediction = field(default_factory=StepPrediction)
+    refusal: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if not self.step.step:
+            return None
+        return self.batch.tokens * self.batch.grad_accum / self.step.step
+
+    def to_dict(self) -> dict:
+        d = {"parameters": self.parameters, "batch": asdict(self.batch), "refusal": self.refusal,
+             "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
+             "host_baseline_bytes": self.host_baseline_bytes, "disk_bytes": self.disk_bytes,
+             "disk_traffic_bytes": list(self.disk_traffic), "step": asdict(self.step),
+             "tokens_per_s": self.tokens_per_s}
+        if self.plan is not None:
+            d["plan"] = self.plan.describe()
+            d["device_bytes"] = dict(self.plan.device_bytes)
+            d["host_plan_bytes"] = dict(self.plan.host_bytes)
+            d["disk_blocks"] = [list(x) for x in self.plan.disk_blocks]
+        return d
+
+    def render(self) -> str:
+        b = self.batch
+        lines = [f"model: {self.parameters / 1e9:.2f} B parameters, {len(self.shape.block_numels)} blocks; batch "
+                 f"{b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step"]
+        if self.refusal is not None:
+            return "\n".join(lines + ["", self.refusal])
+        lines += [self.plan.describe(), "",
+                  f"GPU peak     {fmt_bytes(self.gpu_bytes)}",
+                  f"host peak    {fmt_bytes(self.host_bytes)} (plan {fmt_bytes(self.plan.host_total)} + this process "
+                  f"{fmt_bytes(self.host_baseline_bytes)})",
+                  f"disk         {fmt_bytes(self.disk_bytes)}"
+                  + (f", {fmt_bytes(self.disk_traffic[0])} read and {fmt_bytes(self.disk_traffic[1])} written per "
+                     "step" if self.disk_bytes else "")]
+        s = self.step
+        if s.step:
+            parts = [f"{k} {v:.2f} s" for k, v in (("compute", s.compute), ("upload", s.upload),
+                                                   ("download", s.download), ("cpu optimizer", s.cpu_optimizer),
+                                                   ("disk", s.disk)) if v is not None]
+            lines.append(f"step time    {s.step:.2f} s ({self.tokens_per_s:,.0f} tokens/s), bound by {s.binds}: "
+                         + ", ".join(parts))
+        else:
+            lines.append(f"step time    not predicted: {s.note}")
+        return "\n".join(lines)
+
+
+def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = None, **overrides) -> Estimate:
+    """Plan ``model`` (an ``nn.Module`` on the meta device, or a model directory) under ``config`` (any form
+    ``zerofit.initialize`` takes, with the same keyword overrides) without allocating it.
+
+    ``gpu``: plan for a GPU (True) or the CPU (False); None: the config's device (``auto``: a GPU if this
+    machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size."""
+    from zerofit.config import load_config
+    from zerofit.engine.adapter import Adapter
+    from zerofit.engine.engine import _DTYPES, placement_args, plan_args, plan_batch
+    from zerofit.engine.materialize import model_shape, param_table
+    from zerofit.engine.planner import PlanError, make_plan
+
+    cfg = load_config(config, **overrides).config
+    if isinstance(model, (str, Path)):
+        model = meta_model(model_dir=model)
+    if gpu is None:
+        gpu = (cfg.device.startswith("cuda") if cfg.device != "auto"
+               else torch.cuda.is_available() or cfg.max_gpu_memory is not None)
+    on_cuda = gpu
+    if on_cuda and not torch.cuda.is_available() and cfg.max_gpu_memory is None:
+        raise ValueError("no GPU here to read its memory from: give max_gpu_memory (--max-gpu-memory), the GPU's size")
+    adapter = Adapter(model, cfg.adapter)
+    table = param_table(model, adapter)
+    shape = model_shape(model, adapter, table)
+    batch = plan_batch(cfg, model, None)
+    dtype = _DTYPES[cfg.precision]
+    deferred = cfg.gradient_clipping > 0 or cfg.precision == "fp16"
+    dev_budget = cfg.max_gpu_memory
+    if on_cuda and torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
+    host_budget = cfg.max_host_memory or psutil.virtual_memory().available
+    params = shape.shell_numel + sum(shape.block_numels)
+    baseline = psutil.Process().memory_info().rss
+    est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline)
+    try:
+        plan = make_plan(shape, batch, device_budget=dev_budget, host_budget=host_budget,
+                         **placement_args(cfg, adapter.num_blocks), **plan_args(cfg, dtype, on_cuda, deferred))
+    except PlanError as e:
+        est.refusal = str(e)
+        return est
+    est.plan = plan
+    est.gpu_bytes = plan.device_total if on_cuda else 0
+    est.host_bytes = plan.host_total + baseline
+    est.disk_bytes = plan.disk_bytes
+    est.disk_traffic = plan.disk_traffic(shape)
+    if measure:
+        est.step = predict_step(model, cfg, plan, shape, batch, on_cuda)
+    else:
+        est.step.note = "not measured (measure=False)"
+    return est
+
+
+def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, on_cuda: bool) -> StepPrediction:
+    """Each resource's seconds per step from this machine's measured speeds (see the module docstring)."""
+    from zerofit import doctor
+
+    pred = StepPrediction()
+    if not on_cuda or not torch.cuda.is_available():
+        pred.note = "no CUDA GPU here to measure the compute on; run it on the training machine"
+        return pred
+    L = len(shape.block_numels)
+    per_block, shell = block_seconds(model, batch, cfg)
+    pred.compute = batch.grad_accum * (shell + L * per_block)
+    copies = {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
+    h2d, d2h = copies[("host->gpu", "pinned")], copies[("gpu->host", "pinned")]
+    cb = torch.empty((), dtype=_dtype(cfg)).element_size()
+    disk_of = plan.disk_of
+    streamed = range(plan.resident_blocks, L)
+    up = sum(shape.block_numels[i] * (cb if disk_of.get(i) == "all" else 4) * 2 for i in streamed)
+    if not plan.shell_optimizer_on_device:
+        up += shape.shell_numel * 4
+    down = sum(shape.block_numels[i] for i in streamed) * 4
+    host_params = sum(shape.block_numels[i] for i in streamed) + (
+        0 if plan.shell_optimizer_on_device else shape.shell_numel)
+    pred.upload, pred.download = up / h2d / 1e9, down / d2h / 1e9
+    opt = doctor.optimizer_speed(16 << 20, 3.0)
+    pred.cpu_optimizer = host_params / opt.params_per_s
+    pred.speeds = {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "cpu_adamw_params_per_s": opt.params_per_s,
+                   "block_seconds": per_block, "shell_seconds": shell}
+    if plan.disk_blocks:
+        d = doctor.disk_speed(cfg.offload.nvme_path, 512 << 20)
+        read, written = plan.disk_traffic(shape)
+        pred.disk = read / (d.read_gb_per_s * 1e9) + written / (d.write_gb_per_s * 1e9)
+        pred.speeds |= {"disk_read_gb_per_s": d.read_gb_per_s, "disk_write_gb_per_s": d.write_gb_per_s}
+    times = {"compute": pred.compute, "upload": pred.upload, "download": pred.download,
+             "cpu optimizer": pred.cpu_optimizer, "disk": pred.disk}
+    pred.binds = max((k for k, v in times.items() if v is not None), key=lambda k: times[k])
+    pred.step = times[pred.binds]
+    return pred
+
+
+def _dtype(cfg) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+
+
+def block_seconds(model, batch: BatchShape, cfg, iters: int = 3) -> tuple[float, float]:
+    """(one block's, the shell's) seconds of forward + recompute + backward for one micro-batch on the GPU,
+    from plain PyTorch models of this shape with 1 and 2 blocks (activation checkpointing, compute dtype)."""
+    mcfg = getattr(model, "config", None)
+    if mcfg is None:
+        raise ValueError("the compute is measured on a Hugging Face model's config")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    times = []
+    for layers in (1, 2):
+        small = mcfg.__class__.from_dict({**mcfg.to_dict(), "num_hidden_layers": layers})
+        small._attn_implementation = "sdpa"
+        with torch.device(dev):
+            m = type(model)._from_config(small, dtype=_dtype(cfg))
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+        ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
+        best = math.inf
+        for i in range(iters + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            m(input_ids=ids, labels=ids).loss.backward()
+            torch.cuda.synchronize()
+            if i:
+                best = min(best, time.perf_counter() - t)
+            m.zero_grad(set_to_none=True)
+        times.append(best)
+        del m, ids
+        gc.collect()
+        torch.cuda.empty_cache()
+    per_block = max(times[1] - times[0], 0.0)
+    return per_block, max(times[0] - per_block, 0.0)

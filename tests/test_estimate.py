@@ -1,0 +1,90 @@
+"""``zerofit estimate``: the engine's own plan and accounting, without allocating the model; the same refusal
+text as ``zerofit.initialize``, with what would fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import zerofit
+from tests import tiny_models as tm
+from zerofit.cli import app
+from zerofit.engine.planner import PlanError
+from zerofit.estimate import estimate, meta_model
+
+
+def _cfg(**kw):
+    base = {"device": "cpu", "precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
+            "seq_len": 16, "optimizer": {"lr": 1e-3}}
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize("offload,host", [({}, None), ({"optimizer_device": "nvme", "disk_blocks": 2}, None),
+                                          ({"optimizer_device": "nvme"}, "800KiB")],
+                         ids=["host", "disk-forced", "disk-by-budget"])
+def test_estimate_is_the_plan_initialize_makes(tmp_path, offload, host):
+    if offload:
+        offload = offload | {"nvme_path": str(tmp_path)}
+    model = tm.llama(layers=4)
+    cfg = _cfg(offload=offload) if offload else _cfg()
+    if host:
+        cfg["max_host_memory"] = host
+    with torch.device("meta"):
+        meta = tm.llama(layers=4)
+    est = estimate(meta, cfg)
+    assert all(p.is_meta for p in meta.parameters()), "nothing of the model is allocated"
+    engine = zerofit.initialize(model, cfg)
+    assert est.plan.device_bytes == engine.plan.device_bytes
+    assert est.plan.host_bytes == engine.plan.host_bytes
+    assert est.plan.disk_blocks == engine.plan.disk_blocks and est.disk_bytes == engine.plan.disk_bytes
+    assert est.host_bytes == engine.plan.host_total + est.host_baseline_bytes
+    if host:
+        assert len(est.plan.disk_blocks) == 3 and est.plan.host_total <= 800 * 1024
+    if offload:
+        assert est.disk_bytes == engine._tier.file.nbytes     # the file reserved is the size predicted
+        assert est.disk_traffic[0] > 0
+    assert est.step.step is None and "GPU" in est.step.note      # the step time is measured on a GPU only
+    engine.close()
+
+
+def test_refusal_is_initializes_and_says_what_would_fit():
+    model = tm.llama(layers=4)
+    cfg = _cfg(max_host_memory="800KiB")
+    with torch.device("meta"):
+        meta = tm.llama(layers=4)
+    est = estimate(meta, cfg)
+    with pytest.raises(PlanError) as info:
+        zerofit.initialize(model, cfg)
+    assert est.plan is None and est.refusal == str(info.value)
+    assert "what would fit" in est.refusal and "max_host_memory) of at least" in est.refusal
+    assert "an NVMe tier with at least" in est.refusal
+
+
+def test_cli_estimate_of_the_13b_shape(tmp_path):
+    runner = CliRunner()
+    refused = runner.invoke(app, ["estimate", "--shape", "llama-2-13b", "--max-gpu-memory", "24GiB",
+                                  "--max-host-memory", "100GiB", "--no-measure"])
+    assert refused.exit_code == 2, refused.output
+    assert "host needs" in refused.output and "an NVMe tier with at least" in refused.output
+    ok = runner.invoke(app, ["estimate", "--shape", "llama-2-13b", "--max-gpu-memory", "24GiB",
+                             "--max-host-memory", "100GiB", "--nvme", str(tmp_path), "--no-measure", "--json"])
+    assert ok.exit_code == 0, ok.output
+    d = json.loads(ok.output)
+    assert d["refusal"] is None and d["disk_bytes"] > 0 and d["gpu_bytes"] <= 24 * 2**30
+    assert d["host_bytes"] - d["host_baseline_bytes"] <= 100 * 2**30
+    assert 12.9e9 < d["parameters"] < 13.1e9
+    text = runner.invoke(app, ["estimate", "--shape", "W1", "--max-gpu-memory", "24GiB", "--max-host-memory", "100GiB", "--no-measure",
+                               "--micro-batch-size", "2", "--grad-accum", "4"])
+    assert "3.21 B parameters" in text.output and "GPU peak" in text.output, text.output
+    assert "batch 2 x 2048 tokens, 4 micro-batches" in text.output
+
+
+def test_meta_model_needs_one_source():
+    with pytest.raises(ValueError):
+        meta_model()
+    with pytest.raises(ValueError, match="unknown shape"):
+        meta_model(shape="gpt-5")

@@ -56,9 +56,12 @@ class Zerofit:
         for item in args.offload:     # e.g. assisted_fraction=0.4, speculative_updates=false
             key, _, value = item.partition("=")
             self.config.setdefault("offload", {})[key] = json.loads(value)
-        for item in args.set:         # e.g. max_host_memory="32GiB"
+        for item in args.set:         # e.g. max_host_memory=32GiB (JSON, else the text itself)
             key, _, value = item.partition("=")
-            self.config[key] = json.loads(value)
+            try:
+                self.config[key] = json.loads(value)
+            except json.JSONDecodeError:
+                self.config[key] = value
         if args.nvme:
             self.config.setdefault("offload", {}).update(optimizer_device="nvme", nvme_path=args.nvme)
         res.extra["zerofit_config"] = self.config

@@ -239,15 +239,19 @@ def _dtype(cfg) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
 
 
-def block_seconds(model, batch: BatchShape, cfg, iters: int = 3) -> tuple[float, float]:
+def block_seconds(model, batch: BatchShape, cfg, seconds: float = 1.5) -> tuple[float, float]:
     """(one block's, the shell's) seconds of forward + recompute + backward for one micro-batch on the GPU,
-    from plain PyTorch models of this shape with 1 and 2 blocks (activation checkpointing, compute dtype)."""
+    from plain PyTorch models of this shape with 2 and 4 blocks (activation checkpointing, compute dtype).
+
+    Each is run back to back for ``seconds`` (the median of the second half is taken), so that the GPU is at
+    the clocks a long run holds, not at a short burst's, and the per-block figure is a difference of two
+    GPU-bound times."""
     mcfg = getattr(model, "config", None)
     if mcfg is None:
         raise ValueError("the compute is measured on a Hugging Face model's config")
     dev = torch.device("cuda", torch.cuda.current_device())
     times = []
-    for layers in (1, 2):
+    for layers in (2, 4):
         small = mcfg.__class__.from_dict({**mcfg.to_dict(), "num_hidden_layers": layers})
         small._attn_implementation = "sdpa"
         with torch.device(dev):
@@ -255,18 +259,19 @@ def block_seconds(model, batch: BatchShape, cfg, iters: int = 3) -> tuple[float,
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
         ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
-        best = math.inf
-        for i in range(iters + 1):
+        runs: list[float] = []
+        start = time.perf_counter()
+        while len(runs) < 6 or time.perf_counter() - start < seconds:
             torch.cuda.synchronize()
             t = time.perf_counter()
             m(input_ids=ids, labels=ids).loss.backward()
             torch.cuda.synchronize()
-            if i:
-                best = min(best, time.perf_counter() - t)
+            runs.append(time.perf_counter() - t)
             m.zero_grad(set_to_none=True)
-        times.append(best)
+        late = sorted(runs[len(runs) // 2:])
+        times.append(late[len(late) // 2])
         del m, ids
         gc.collect()
         torch.cuda.empty_cache()
-    per_block = max(times[1] - times[0], 0.0)
-    return per_block, max(times[0] - per_block, 0.0)
+    per_block = max((times[1] - times[0]) / 2, 0.0)
+    return per_block, max(times[0] - 2 * per_block, 0.0)

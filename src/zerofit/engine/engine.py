@@ -235,6 +235,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
             resident_blocks=self.plan.resident_blocks, shell_on_device=self.plan.shell_optimizer_on_device,
             fixed_staging=self.plan.staging_buffers, disk_placement=self.plan.disk_of,
+            disk_budget=self.plan.disk_budget,     # measured before the swap file took its share of the disk
             host16=any(u.host16 is not None and u.swap != "all" for u in self.blocks))
         return make_plan(self._shape, batch, **(args | changes))
 

@@ -54,6 +54,21 @@ def ds_config(w: common.Workload, bf16: bool = True) -> dict:
     }
 
 
+def infinity(config: dict, nvme: str) -> dict:
+    """ZeRO-Infinity: parameters and optimizer state on the NVMe path, with the settings that let it run on
+    W1 here (shared/bench/WORKLOADS.md: the defaults fail with "More elements ... than buffer size" and "Not
+    enough buffers 0 for swapping 1")."""
+    z = config["zero_optimization"]
+    z["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 8,
+                          "buffer_size": 4.5e8}
+    z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True}
+    z["stage3_max_live_parameters"] = 4e8
+    z["stage3_prefetch_bucket_size"] = 1e8
+    config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                     "overlap_events": True}
+    return config
+
+
 def reinit_partitioned(model) -> None:
     """Hugging Face's weight init, again, on full (gathered) parameters.
 
@@ -93,6 +108,13 @@ class DeepSpeedEngine:
         print(f"[deepspeed] cpu_adam op ready in {res.extra['op_build_s']} s", flush=True)
 
         config = ds_config(w)
+        if args.nvme:
+            config = infinity(config, args.nvme)
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            t = time.perf_counter()
+            AsyncIOBuilder().load()
+            res.extra["aio_build_s"] = round(time.perf_counter() - t, 1)
         res.extra["ds_config"] = config
         t = time.perf_counter()
         with deepspeed.zero.Init(config_dict_or_path=config):
@@ -131,6 +153,8 @@ def main() -> int:
     p = common.engine_args(__doc__)
     p.add_argument("--reentrant-checkpointing", action="store_true",
                    help="use_reentrant=True for HF checkpointing (fallback if non-reentrant fails under ZeRO-3)")
+    p.add_argument("--nvme", default=None,
+                   help="ZeRO-Infinity: offload_param and offload_optimizer on nvme under this folder")
     args = p.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # dry runs only; must precede `import deepspeed`

@@ -223,11 +223,14 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     pred.cpu_optimizer = host_params / opt.params_per_s
     pred.speeds = {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "cpu_adamw_params_per_s": opt.params_per_s,
                    "block_seconds": per_block, "shell_seconds": shell}
-    if plan.disk_blocks:
-        d = doctor.disk_speed(cfg.offload.nvme_path, 512 << 20)
+    if plan.disk_blocks:    # the tier's own I/O path: direct, parallel requests of its block size
+        from zerofit.engine.disk import measure_folder
+
+        off = cfg.offload
+        w, r = measure_folder(off.nvme_path, 1 << 30, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
         read, written = plan.disk_traffic(shape)
-        pred.disk = read / (d.read_gb_per_s * 1e9) + written / (d.write_gb_per_s * 1e9)
-        pred.speeds |= {"disk_read_gb_per_s": d.read_gb_per_s, "disk_write_gb_per_s": d.write_gb_per_s}
+        pred.disk = read / (r * 1e9) + written / (w * 1e9)
+        pred.speeds |= {"disk_read_gb_per_s": r, "disk_write_gb_per_s": w}
     times = {"compute": pred.compute, "upload": pred.upload, "download": pred.download,
              "cpu optimizer": pred.cpu_optimizer, "disk": pred.disk}
     pred.binds = max((k for k, v in times.items() if v is not None), key=lambda k: times[k])
@@ -239,19 +242,19 @@ def _dtype(cfg) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
 
 
-def block_seconds(model, batch: BatchShape, cfg, seconds: float = 1.5) -> tuple[float, float]:
+def block_seconds(model, batch: BatchShape, cfg, seconds: float = 2.0) -> tuple[float, float]:
     """(one block's, the shell's) seconds of forward + recompute + backward for one micro-batch on the GPU,
-    from plain PyTorch models of this shape with 2 and 4 blocks (activation checkpointing, compute dtype).
+    from plain PyTorch models of this shape with 4 and 8 blocks (activation checkpointing, compute dtype).
 
-    Each is run back to back for ``seconds`` (the median of the second half is taken), so that the GPU is at
-    the clocks a long run holds, not at a short burst's, and the per-block figure is a difference of two
-    GPU-bound times."""
+    Each runs its G micro-batches back to back, repeatedly, for ``seconds`` (the median of the second half is
+    taken), so that the GPU works at the clocks a long step holds, not at a short burst's, and the per-block
+    figure is a difference of two GPU-bound times."""
     mcfg = getattr(model, "config", None)
     if mcfg is None:
         raise ValueError("the compute is measured on a Hugging Face model's config")
     dev = torch.device("cuda", torch.cuda.current_device())
     times = []
-    for layers in (2, 4):
+    for layers in (4, 8):
         small = mcfg.__class__.from_dict({**mcfg.to_dict(), "num_hidden_layers": layers})
         small._attn_implementation = "sdpa"
         with torch.device(dev):
@@ -261,17 +264,18 @@ def block_seconds(model, batch: BatchShape, cfg, seconds: float = 1.5) -> tuple[
         ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
         runs: list[float] = []
         start = time.perf_counter()
-        while len(runs) < 6 or time.perf_counter() - start < seconds:
+        while len(runs) < 4 or time.perf_counter() - start < seconds:
             torch.cuda.synchronize()
             t = time.perf_counter()
-            m(input_ids=ids, labels=ids).loss.backward()
+            for _ in range(batch.grad_accum):
+                m(input_ids=ids, labels=ids).loss.backward()
             torch.cuda.synchronize()
-            runs.append(time.perf_counter() - t)
+            runs.append((time.perf_counter() - t) / batch.grad_accum)
             m.zero_grad(set_to_none=True)
         late = sorted(runs[len(runs) // 2:])
         times.append(late[len(late) // 2])
         del m, ids
         gc.collect()
         torch.cuda.empty_cache()
-    per_block = max((times[1] - times[0]) / 2, 0.0)
-    return per_block, max(times[0] - 2 * per_block, 0.0)
+    per_block = max((times[1] - times[0]) / 4, 0.0)
+    return per_block, max(times[0] - 4 * per_block, 0.0)

@@ -280,6 +280,18 @@ class SwapFile:
                 self._lock_fd = -1
 
 
+def measure_folder(folder, nbytes: int = 1 << 30, **io) -> tuple[float, float]:
+    """(write, read) GB/s of the disk tier's I/O path under ``folder``: a swap file of ``nbytes`` reserved,
+    written and read back as :meth:`SwapFile.measure` does, then removed (``zerofit estimate``)."""
+    path = Path(folder).expanduser().absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    f = SwapFile(path, min(nbytes, max(ALIGN, _free(path) // 2)), **io)
+    try:
+        return f.measure(f.nbytes)
+    finally:
+        f.close()
+
+
 def _free(folder: Path) -> int:
     try:
         st = os.statvfs(folder)

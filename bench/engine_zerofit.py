@@ -27,6 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))  # the working tr
 import common  # noqa: E402
 
 
+_LIVE: list = []    # engines to release before the process exits at once (common.exit_now)
+
+
 class Zerofit:
     def __init__(self, args, w, res):
         import torch
@@ -73,6 +76,7 @@ class Zerofit:
             print(f"[zerofit] estimate:\n{est.render()}", flush=True)
             torch.cuda.reset_peak_memory_stats()
         self.engine = zerofit.initialize(model, self.config)
+        _LIVE.append(self.engine)
         res.extra["plan"] = self.engine.plan.describe()
         tier = getattr(self.engine, "_tier", None)
         if tier is not None:
@@ -125,8 +129,10 @@ def main() -> int:
     parser.add_argument("--api", default="train_batch", choices=["train_batch", "deepspeed"],
                         help="train_batch, or DeepSpeed-shaped engine(**b); backward(loss); step() per micro-batch")
     args = parser.parse_args()
-    return common.run_engine("zerofit", args, Zerofit, Zerofit.step, uses_cap=False,
-                             version_modules=("zerofit",))
+    code = common.run_engine("zerofit", args, Zerofit, Zerofit.step, uses_cap=False, version_modules=("zerofit",))
+    for engine in _LIVE:     # the disk tier's swap file is removed (exit_now skips every finalizer)
+        engine._resources.release()
+    return code
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ libraries, CUDA context), which a training process has as well.
 from __future__ import annotations
 
 import gc
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

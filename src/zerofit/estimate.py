@@ -150,7 +150,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size."""
     from zerofit.config import load_config
     from zerofit.engine.adapter import Adapter
-    from zerofit.engine.engine import _DTYPES, placement_args, plan_args, plan_batch
+    from zerofit.engine.engine import _DTYPES, default_host_budget, placement_args, plan_args, plan_batch
     from zerofit.engine.materialize import model_shape, param_table
     from zerofit.engine.planner import PlanError, make_plan
 
@@ -173,7 +173,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     if on_cuda and torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
-    host_budget = cfg.max_host_memory or psutil.virtual_memory().available
+    host_budget = cfg.max_host_memory or default_host_budget()
     params = shape.shell_numel + sum(shape.block_numels)
     baseline = psutil.Process().memory_info().rss
     est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline)

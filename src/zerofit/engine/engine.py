@@ -98,6 +98,15 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
                 disk_blocks=off.disk_blocks, disk_weights=off.disk_weights)
 
 
+def default_host_budget() -> int:
+    """The host budget when ``max_host_memory`` is not set: the memory available now, less a tenth (at least
+    4 GiB) for what the plan does not count: the CUDA context and libraries' growth, the page cache the
+    disk tier and checkpoints pass through, the rest of the machine. A plan of every available byte was
+    killed by the kernel's out-of-memory killer on the 13B shape (docs/benchmarks.md)."""
+    avail = psutil.virtual_memory().available
+    return max(avail - max(avail // 10, 4 << 30), avail // 2)
+
+
 def placement_args(config: ZerofitConfig, num_blocks: int) -> dict:
     """The first plan's placement settings from the config (no optimizer offload: every unit resident)."""
     off = config.offload
@@ -247,7 +256,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             free, total = torch.cuda.mem_get_info(self.dev.device)
             dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
         return make_plan(shape, self._plan_batch, device_budget=dev_budget,
-                         host_budget=cfg.max_host_memory or psutil.virtual_memory().available,
+                         host_budget=cfg.max_host_memory or default_host_budget(),
                          **placement_args(cfg, self.adapter.num_blocks), **self._plan_args())
 
     def _build_buffers(self) -> None:

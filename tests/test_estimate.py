@@ -75,6 +75,7 @@ def test_cli_estimate_of_the_13b_shape(tmp_path):
     assert ok.exit_code == 0, ok.output
     d = json.loads(ok.output)
     assert d["refusal"] is None and d["disk_bytes"] > 0 and d["gpu_bytes"] <= 24 * 2**30
+    assert d["gpu_bytes"] < sum(d["device_bytes"].values())
     assert d["host_bytes"] - d["host_baseline_bytes"] <= 100 * 2**30
     assert 12.9e9 < d["parameters"] < 13.1e9
     text = runner.invoke(app, ["estimate", "--shape", "W1", "--max-gpu-memory", "24GiB", "--max-host-memory", "100GiB", "--no-measure",

@@ -124,7 +124,8 @@ class Estimate:
         if self.refusal is not None:
             return "\n".join(lines + ["", self.refusal])
         lines += [self.plan.describe(), "",
-                  f"GPU peak     {fmt_bytes(self.gpu_bytes)}",
+                  f"GPU peak     {fmt_bytes(self.gpu_bytes)} allocated (planned against the cap with the "
+                  f"allocator's slack: {fmt_bytes(self.plan.device_total)})",
                   f"host peak    {fmt_bytes(self.host_bytes)} (plan {fmt_bytes(self.plan.host_total)} + this process "
                   f"{fmt_bytes(self.host_baseline_bytes)})",
                   f"disk         {fmt_bytes(self.disk_bytes)}"
@@ -184,7 +185,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
         est.refusal = str(e)
         return est
     est.plan = plan
-    est.gpu_bytes = plan.device_total if on_cuda else 0
+    est.gpu_bytes = plan.device_peak if on_cuda else 0
     est.host_bytes = plan.host_total + baseline
     est.disk_bytes = plan.disk_bytes
     est.disk_traffic = plan.disk_traffic(shape)

@@ -96,6 +96,16 @@ class Plan:
     def host_total(self) -> int:
         return sum(self.host_bytes.values())
 
+    @property
+    def device_peak(self) -> int:
+        """The predicted peak of *allocated* device memory (``torch.cuda.max_memory_allocated``): the plan's
+        device bytes less the allocator's slack (reserved, never allocated) and less the smaller of the
+        logits and a block's working set, which never coexist (the head runs between the blocks' forward and
+        backward). ``device_total`` is what the plan is checked against the cap with."""
+        d = self.device_bytes
+        return self.device_total - d.get("allocator_reserve", 0) - min(d.get("logits", 0),
+                                                                       d.get("block_working_set", 0))
+
     def describe(self) -> str:
         lines = [f"plan: {self.resident_blocks} resident blocks (device optimizer), "
                  f"shell optimizer on {'device' if self.shell_optimizer_on_device else 'host'}, "

@@ -144,11 +144,17 @@ def test_every_train_option_reaches_the_run(workspace, tmp_path, monkeypatch):
     monkeypatch.setattr(train_pkg, "run_training", lambda opts, console: seen.setdefault("opts", opts) and
                         (_ for _ in ()).throw(SystemExit(0)))
     CliRunner().invoke(app, _args(model, data, tmp_path / "o", "--steps", "3", "--epochs", "2", "--warmup-steps", "1",
-                                  "--max-host-memory", "8GiB", "--seed", "5", "--eval-every", "2", "--eval-windows", "3",
+                                  "--max-host-memory", "8GiB", "--nvme", str(tmp_path / "nv"), "--seed", "5",
+                                  "--eval-every", "2", "--eval-windows", "3",
                                   "--save-every", "2", "--keep", "4", "--no-save-at-end", "--resume",
                                   "--no-save-on-interrupt", "--no-export", "--export-dtype", "fp16", "--deterministic"))
     o = seen["opts"]
     assert (o.steps, o.epochs, o.warmup_steps, o.max_host_memory, o.seed) == (3, 2.0, 1, "8GiB", 5)
+    assert o.nvme == str(tmp_path / "nv")
+    from zerofit.train.run import resolve_config
+
+    off = resolve_config(o, torch.device("cpu")).config.offload
+    assert (off.optimizer_device, off.nvme_path) == ("nvme", str(tmp_path / "nv"))
     assert (o.eval_every, o.eval_windows, o.save_every, o.keep, o.save_at_end, o.resume) == (2, 3, 2, 4, False, True)
     assert (o.save_on_interrupt, o.export, o.export_dtype, o.deterministic, o.progress) == (False, False, "fp16", True,
                                                                                              False)

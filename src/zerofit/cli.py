@@ -133,6 +133,8 @@ def train(
         help="GPU memory budget, e.g. 24GiB (max_gpu_memory).")] = None,
     max_host_memory: Annotated[str | None, typer.Option(
         help="Host memory budget, e.g. 64GiB (max_host_memory).")] = None,
+    nvme: Annotated[Path | None, typer.Option(
+        help="Folder on a fast disk for the optimizer state host memory cannot hold (the NVMe tier).")] = None,
     device: Annotated[str, typer.Option(
         help="auto (the first GPU, else the CPU), cpu, cuda or cuda:N.")] = _DEFAULT.device,
     seed: Annotated[int | None, typer.Option(
@@ -183,7 +185,7 @@ def train(
         model=model, data=paths, output=output, config=config, steps=steps, epochs=epochs,
         seq_len=seq_len or 2048, micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
         warmup_steps=warmup_steps, precision=precision.value if precision else None, max_gpu_memory=max_gpu_memory,
-        max_host_memory=max_host_memory, device=device, seed=seed,
+        max_host_memory=max_host_memory, nvme=str(nvme) if nvme else None, device=device, seed=seed,
         eval_size=int(eval_size) if eval_size >= 1 else eval_size, eval_every=eval_every, eval_windows=eval_windows,
         save_every=save_every, keep=keep, save_at_end=save_at_end, resume=resume,
         save_on_interrupt=save_on_interrupt, export=export, export_dtype=export_dtype.value if export_dtype else None,

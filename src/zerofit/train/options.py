@@ -27,6 +27,7 @@ class TrainOptions:
     precision: str | None = None                 # precision
     max_gpu_memory: str | None = None            # max_gpu_memory
     max_host_memory: str | None = None           # max_host_memory
+    nvme: str | None = None                      # offload.optimizer_device "nvme" with this offload.nvme_path
     device: str = "auto"                         # device
     seed: int | None = None                      # seed (also the data order and split)
     eval_size: float = 0.02                      # held-out documents: a fraction (< 1) or a count (>= 1)

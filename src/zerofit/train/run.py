@@ -66,6 +66,9 @@ def resolve_config(opts: TrainOptions, device: torch.device) -> LoadedConfig:
                         ("max_host_memory", opts.max_host_memory), ("seed", opts.seed)):
         if value is not None:
             overrides[name] = value
+    if opts.nvme is not None:
+        overrides["offload.optimizer_device"] = "nvme"
+        overrides["offload.nvme_path"] = str(opts.nvme)
     overrides["seq_len"] = opts.seq_len
     return load_with_defaults(opts.config, finetune_defaults(device), **overrides)
 

@@ -154,7 +154,7 @@ def test_every_train_option_reaches_the_run(workspace, tmp_path, monkeypatch):
     from zerofit.train.run import resolve_config
 
     off = resolve_config(o, torch.device("cpu")).config.offload
-    assert (off.optimizer_device, off.nvme_path) == ("nvme", str(tmp_path / "nv"))
+    assert (off.optimizer_device, off.param_device, off.nvme_path) == ("nvme", "nvme", str(tmp_path / "nv"))
     assert (o.eval_every, o.eval_windows, o.save_every, o.keep, o.save_at_end, o.resume) == (2, 3, 2, 4, False, True)
     assert (o.save_on_interrupt, o.export, o.export_dtype, o.deterministic, o.progress) == (False, False, "fp16", True,
                                                                                              False)

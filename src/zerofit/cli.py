@@ -56,7 +56,7 @@ def estimate(
     max_gpu_memory: Annotated[str | None, typer.Option(help="GPU memory budget, e.g. 24GiB.")] = None,
     max_host_memory: Annotated[str | None, typer.Option(help="Host memory budget, e.g. 64GiB.")] = None,
     nvme: Annotated[Path | None, typer.Option(
-        help="Folder for the disk tier (offload.optimizer_device nvme, offload.nvme_path).")] = None,
+        help="Folder for the disk tier (offload.optimizer_device and param_device nvme, offload.nvme_path).")] = None,
     micro_batch_size: Annotated[int | None, typer.Option(min=1, help="Sequences per micro-batch.")] = None,
     grad_accum: Annotated[int | None, typer.Option(min=1, help="Micro-batches per step.")] = None,
     seq_len: Annotated[int | None, typer.Option(min=8, help="Tokens per sequence (default: the model's, <= 2048).")] = None,
@@ -82,7 +82,8 @@ def estimate(
     try:
         base = load_config(str(config) if config else None).config.model_dump(mode="json")
         if nvme is not None:
-            base["offload"] = {**base.get("offload", {}), "optimizer_device": "nvme", "nvme_path": str(nvme)}
+            base["offload"] = {**base.get("offload", {}), "optimizer_device": "nvme", "param_device": "nvme",
+                               "nvme_path": str(nvme)}
         if cpu:
             base["device"] = "cpu"
         if "micro_batch_size" in overrides or "gradient_accumulation_steps" in overrides:

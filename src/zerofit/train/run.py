@@ -67,7 +67,7 @@ def resolve_config(opts: TrainOptions, device: torch.device) -> LoadedConfig:
         if value is not None:
             overrides[name] = value
     if opts.nvme is not None:
-        overrides["offload.optimizer_device"] = "nvme"
+        overrides["offload.optimizer_device"] = overrides["offload.param_device"] = "nvme"   # streamed, tier on
         overrides["offload.nvme_path"] = str(opts.nvme)
     overrides["seq_len"] = opts.seq_len
     return load_with_defaults(opts.config, finetune_defaults(device), **overrides)

@@ -73,6 +73,9 @@ WORKLOADS: dict[str, Workload] = {
     # Llama-2-13B shape (needs NVMe or a larger host; listed for completeness).
     "W3": Workload("W3", hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40,
                    vocab=32000, tied=False, max_positions=4096),
+    # The 13B shape with the same tokens per step in micro-batches of one (what fits an 8 GiB cap).
+    "W3-mb1": Workload("W3-mb1", hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40,
+                       vocab=32000, tied=False, max_positions=4096, micro_batch=1, grad_accum=8),
     # A toy for dry runs of the harness on CPU or GPU (seconds).
     "smoke": Workload("smoke", hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2,
                       vocab=1024, tied=True, micro_batch=2, seq=128, grad_accum=4, cap=None,

@@ -345,3 +345,34 @@ def test_disk_tier_on_gpu_is_bitwise_the_in_memory_path(tmp_path, weights, clip,
     eng.close()
     ref.close()
     assert not list(tmp_path.glob("zerofit-swap-*.bin"))
+
+
+def test_smaller_floor_on_gpu_keeps_the_math():
+    """Chunked loss, checkpoints in pinned host memory and the lean pipeline (2 weight slots, 1 gradient slot,
+    uploads in pieces) with real streams: fp32 losses and weights as the plain engine's; the checkpoints alone
+    bitwise."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    model = tm.llama(layers=6)
+    base = {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
+            "offload": {"resident_blocks": 0}}
+    ref = zerofit.initialize(copy.deepcopy(model), base)
+    eng = zerofit.initialize(copy.deepcopy(model), base | {"offload": {"resident_blocks": 0, "loss_chunks": 4,
+                                                                      "offload_checkpoints": True}})
+    ck = zerofit.initialize(model, base | {"offload": {"resident_blocks": 0, "loss_chunks": 1,
+                                                       "offload_checkpoints": True}})
+    assert eng.plan.loss_chunks == 4 and eng.plan.offload_checkpoints and eng._chunk_loss_ok
+    data = _gpu_batches(4, 2)
+    a = [ref.train_batch(m) for m in data]
+    b = [eng.train_batch(m) for m in data]
+    c = [ck.train_batch(m) for m in data]
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-6, atol=1e-6)
+    assert c == a
+    ma, mb, mc = ref.master_state_dict(), eng.master_state_dict(), ck.master_state_dict()
+    for n in ma:
+        torch.testing.assert_close(mb[n], ma[n], rtol=1e-5, atol=1e-6)
+        assert torch.equal(mc[n], ma[n]), n
+    assert any(t["label"].startswith("ckpt[") for t in eng.trace())
+    for e in (ref, eng, ck):
+        e.close()

@@ -180,6 +180,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline)
     try:
         plan = make_plan(shape, batch, device_budget=dev_budget, host_budget=host_budget,
+                         chunkable_loss=adapter.chunkable_loss,
                          **placement_args(cfg, adapter.num_blocks), **plan_args(cfg, dtype, on_cuda, deferred))
     except PlanError as e:
         est.refusal = str(e)

@@ -369,6 +369,13 @@ class OffloadConfig(_Frozen):
     both during the next forward; spread evenly over the blocks. 0 = the CPU updates all of them. The
     default balances the CPU's and the copy engines' busy time on the benchmark machine (W1: 0.375 gave
     1.49 s/step, 0.5 1.53, 0.625 1.58; docs/benchmarks.md)"""
+    loss_chunks: int | None = Field(None, ge=1)
+    """the head and loss over this many token chunks of each micro-batch, so that the full-vocabulary logits
+    never exist at once (1: off); None = the planner decides (only when the device budget needs it; models whose
+    loss takes shift_labels and num_items_in_batch, as Hugging Face causal LMs' does)"""
+    offload_checkpoints: bool | None = None
+    """keep the blocks' input checkpoints in pinned host memory between the forward and the backward (all but
+    three blocks'); None = the planner decides (only when the device budget needs it)"""
     speculative_updates: bool = True
     """with gradient clipping (bf16/fp32): update host blocks during the backward as if unclipped, and roll
     them back and update again in the rare step that the global norm then clips (zerofit/engine/speculation.py);

@@ -127,6 +127,18 @@ class Adapter:
             for k, v in getattr(getattr(model, "config", None), "to_dict", dict)().items())
 
     @property
+    def chunkable_loss(self) -> bool:
+        """Whether the head and loss may run over token chunks ([Note: a smaller GPU floor], planner.py): the
+        model computes its loss with ``loss_function(..., **kwargs)`` (it then takes already-shifted labels and
+        the batch's label count, as Hugging Face causal LMs do), and nothing after the blocks draws random
+        numbers (dropout), which chunks would draw differently."""
+        fwd = inspect.signature(self.model.forward).parameters.values()
+        inside = {id(m) for m in self.blocks.modules()}
+        shell_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules() if id(m) not in inside)
+        return (self.streaming and not shell_dropout and hasattr(self.model, "loss_function")
+                and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in fwd))
+
+    @property
     def streaming(self) -> bool:
         return len(self.blocks) > 0
 

@@ -95,7 +95,9 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
                 checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none",
                 prefetch_depth=off.prefetch_depth, assisted_fraction=off.assisted_fraction,
                 disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
-                disk_blocks=off.disk_blocks, disk_weights=off.disk_weights)
+                disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
+                floor=(None if off.loss_chunks is None and off.offload_checkpoints is None
+                       else ((off.loss_chunks or 1) > 1, bool(off.offload_checkpoints))))
 
 
 def default_host_budget() -> int:
@@ -193,6 +195,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
         self._boundary_override: bool | None = None   # set_gradient_accumulation_boundary()
         self._held: list[_Micro] = []   # DeepSpeed-style API: micro-batches whose block backward waits for the boundary
+        self._ckpt_arena: HostArena | None = None   # [Note: offloaded checkpoints]
+        self._ckpt_g = 0
+        self._ckpt_ready: dict = {}
         self._host16_epoch = 0    # [Note: 16-bit copies for extra forwards]: bumped whenever masters may change
         self._host16_fill = False   # the forward in progress fills host16 copies (more forwards of the window follow)
         self._pending: _Micro | None = None
@@ -219,6 +224,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         try:
             self._tier = self._resources.tier = self._open_tier()
             self._build_buffers()
+            self._chunk_loss_ok = self._probe_chunked_loss()
         except BaseException:
             self._resources.release()
             raise
@@ -244,6 +250,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
             resident_blocks=self.plan.resident_blocks, shell_on_device=self.plan.shell_optimizer_on_device,
             fixed_staging=self.plan.staging_buffers, disk_placement=self.plan.disk_of,
+            floor=(self.plan.loss_chunks > 1, self.plan.offload_checkpoints, bool(self.plan.stage_numel)),
             disk_budget=self.plan.disk_budget,     # measured before the swap file took its share of the disk
             host16=any(u.host16 is not None and u.swap != "all" for u in self.blocks))
         return make_plan(self._shape, batch, **(args | changes))
@@ -257,6 +264,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
         return make_plan(shape, self._plan_batch, device_budget=dev_budget,
                          host_budget=cfg.max_host_memory or default_host_budget(),
+                         chunkable_loss=self.adapter.chunkable_loss,
                          **placement_args(cfg, self.adapter.num_blocks), **self._plan_args())
 
     def _build_buffers(self) -> None:
@@ -273,7 +281,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self.weight_pool = SlotPool(self.dev, plan.weight_slots, cap, cb) if streamed else None
         self.grad_pool = SlotPool(self.dev, plan.grad_slots, cap, torch.float32) if streamed else None
         uploaded = streamed + ([self.shell] if self._shell_host_opt else [])
-        ucap = max((u.numel for u in uploaded), default=0)
+        ucap = plan.stage_numel or max((u.numel for u in (streamed or uploaded)), default=0)
         self._upload_stage = (torch.empty(ucap, dtype=torch.float32, device=self.dev.device)  # (ucap,) fp32
                               if uploaded and cb != torch.float32 else None)
         self._assist = None
@@ -326,6 +334,35 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if file.reused:
             log.info("zerofit: reused the swap file a previous run left in %s", file.folder)
         return tier
+
+    def _probe_chunked_loss(self) -> bool:
+        """Whether the model's head and loss run on a chunk of the final hidden state ([Note: a smaller GPU
+        floor], planner.py): tried once, on 4 tokens, with the shell's own device weights. A model that reshapes
+        the hidden state by the input's length after its blocks (GPT-2) fails it; the plan is then made again
+        without chunks, before step 0 (refused if the device cannot hold the whole logits)."""
+        if not (self.adapter.streaming and self.adapter.chunkable_loss):
+            ok = False
+        else:
+            dev = self.dev.device
+            ids = torch.zeros(1, 4, dtype=torch.long, device=dev)
+            lab = torch.zeros(1, 2, dtype=torch.long, device=dev)
+            final = torch.zeros(1, 2, self._shape.hidden, dtype=self.dtype, device=dev)
+            try:
+                with torch.no_grad():
+                    out = self.adapter.post(self._shell_call(self._leaves(self.shell, grad=False)),
+                                            {"input_ids": ids, "labels": lab, "shift_labels": lab,
+                                             "num_items_in_batch": torch.tensor(2, device=dev)}, final)
+                loss = loss_of(out)
+                logits = out["logits"] if isinstance(out, dict) else getattr(out, "logits", None)
+                ok = loss.dim() == 0 and (logits is None or logits.shape[1] == 2)
+            except Exception as e:     # noqa: BLE001 - any failure: this model's loss is not chunked
+                log.info("zerofit: the head and loss cannot run over token chunks for this model (%s: %s)",
+                         type(e).__name__, e)
+                ok = False
+        if not ok and self.plan.loss_chunks > 1:
+            self.plan = self._replan(self._plan_batch, floor=(False, True, bool(self.plan.stage_numel)))
+            log.info("zerofit: re-planned without loss chunks:\n%s", self.plan.describe())
+        return ok
 
     def _alloc_assist(self, cap: int) -> None:
         """[Note: assisted updates]: ASSIST_SETS sets of four (chunk,) fp32 device buffers (master, exp_avg,
@@ -380,10 +417,13 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         with self.dev.timed("upload", self.dev.upload, unit.name):
             if dst.dtype == torch.float32:
                 dst.copy_(unit.master, non_blocking=True)
-            else:
-                stage = self._upload_stage[: unit.numel]   # one buffer: the upload stream runs in order
-                stage.copy_(unit.master, non_blocking=True)
-                dst.copy_(stage)
+            else:   # one buffer: the upload stream runs in order; a unit larger than it (the shell) in pieces
+                cap = self._upload_stage.numel()
+                for a in range(0, unit.numel, cap):
+                    k = min(cap, unit.numel - a)
+                    stage = self._upload_stage[:k]
+                    stage.copy_(unit.master[a:a + k], non_blocking=True)
+                    dst[a:a + k].copy_(stage)
         if unit.host16 is None or not self._host16_fill:
             return None
         up = self.dev.record(self.dev.upload)
@@ -565,8 +605,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._plan_batch = batch
         self.batch_plan = check     # the plan's prediction for the batch actually trained
 
-    def _forward(self, micro_batches: list[dict], *, shell_grad: bool) -> list[_Micro]:
-        """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints."""
+    def _forward(self, micro_batches: list[dict], *, shell_grad: bool, offload: bool = False) -> list[_Micro]:
+        """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints (with
+        ``offload``, most of them in pinned host memory: [Note: offloaded checkpoints])."""
         self._refresh_shell()
         leaves = self._leaves(self.shell, grad=shell_grad)
         micros = []
@@ -598,9 +639,71 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                     else:
                         xs[m] = self._block(unit, leaves_b, xs[m], micro.pre.calls[unit.index])
             self._release(unit)
+            if offload and self._offloaded(unit.index):
+                self._ckpt_down(micros, unit.index)
         for micro, x in zip(micros, xs):
             micro.grad = x      # holds the final hidden state until the post pass
         return micros
+
+    # [Note: offloaded checkpoints]
+    # With plan.offload_checkpoints (train_batch only), the inputs each block kept for its backward go down to
+    # a pinned host arena right after the block's forward (download stream, after the compute that wrote them;
+    # ``record_stream`` keeps the allocator from reusing the device memory before the copy has read it), except
+    # block 0's (it is the pre pass's output, alive anyway) and the last two's (needed first). The backward
+    # brings each block's back up on the upload stream one block ahead, into memory allocated on the compute
+    # stream before the upload stream is told to wait for it, and the compute stream waits on the upload before
+    # using them. A host slot is rewritten only by the next step's forward, which the compute stream orders
+    # after this step's uploads of it.
+
+    def _offloaded(self, index: int) -> bool:
+        return 0 < index < len(self.blocks) - 2
+
+    def _ckpt_view(self, index: int, m: int, like: torch.Tensor) -> torch.Tensor:
+        """The pinned host slot of block ``index``'s checkpoint of micro-batch ``m`` (the arena grows to the
+        batch the first time)."""
+        n = like.numel()
+        G = self._ckpt_g
+        need = (len(self.blocks) - 3) * G * n
+        arena = self._ckpt_arena
+        if arena is None or arena.tensor.numel() < need or arena.tensor.dtype != like.dtype:
+            arena = self._ckpt_arena = HostArena(need, like.dtype, self.dev.is_cuda and self.config.offload.pin_memory)
+            self._arenas.append(arena)
+        off = ((index - 1) * G + m) * n
+        return arena.tensor[off:off + n].view(like.shape)
+
+    def _ckpt_down(self, micros: list[_Micro], index: int) -> None:
+        self._ckpt_g = max(self._ckpt_g, len(micros))
+        ev = self.dev.record(self.dev.compute)
+        with self.dev.on(self.dev.download):
+            self.dev.wait(self.dev.download, ev)
+            with self.dev.timed("download", self.dev.download, f"ckpt[{index}]"):
+                for m, micro in enumerate(micros):
+                    x = micro.ckpts[index]
+                    h = self._ckpt_view(index, m, x)
+                    h.copy_(x, non_blocking=True)
+                    if self.dev.is_cuda:
+                        x.record_stream(self.dev.download)
+                    micro.ckpts[index] = h
+
+    def _ckpt_up(self, micros: list[_Micro], index: int) -> None:
+        """Block ``index``'s checkpoints back on the device (enqueued; ``_ckpt_wait`` before use)."""
+        if index < 0 or not micros or micros[0].ckpts[index] is None or micros[0].ckpts[index].device == self.dev.device:
+            return
+        outs = [torch.empty(mc.ckpts[index].shape, dtype=mc.ckpts[index].dtype, device=self.dev.device)
+                for mc in micros]
+        ev = self.dev.record(self.dev.compute)     # after the allocations: their memory is free on the device
+        with self.dev.on(self.dev.upload):
+            self.dev.wait(self.dev.upload, ev)
+            with self.dev.timed("upload", self.dev.upload, f"ckpt[{index}]"):
+                for mc, d in zip(micros, outs):
+                    d.copy_(mc.ckpts[index], non_blocking=True)
+                    mc.ckpts[index] = d
+            self._ckpt_ready[index] = self.dev.record(self.dev.upload)
+
+    def _ckpt_wait(self, index: int) -> None:
+        ev = self._ckpt_ready.pop(index, None)
+        if ev is not None:
+            self.dev.wait(self.dev.compute, ev)
 
     def _begin_speculation(self) -> None:
         """Before a step's block backward: whether its host updates speculate ([Note: speculative updates])."""
@@ -629,6 +732,40 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             micro.grad, grads = grads[0], grads[1:]
         self._accumulate(self.shell, self.shell.grad, list(grads), names)
 
+    def _post_chunked(self, micro: _Micro, seed_scale: float, chunks: int) -> torch.Tensor:
+        """The post pass and its backward over token chunks ([Note: a smaller GPU floor], planner.py): the model's
+        own head and loss run on each chunk of the final hidden state, with the labels already shifted
+        (``shift_labels``) and the micro-batch's whole label count (``num_items_in_batch``), so that each chunk's
+        loss is its sum over the count and the chunks add up to the model's mean loss; each chunk's backward runs
+        at once, so one chunk's logits exist at a time. Returns the micro-batch's loss."""
+        final = micro.grad.detach()
+        labels = micro.batch["labels"]
+        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        count = (shift != -100).sum()
+        names = list(self.shell.layout.names)
+        leaves = [micro.shell_leaves[n] for n in names]
+        call = self._shell_call(micro.shell_leaves)
+        grad = torch.zeros_like(final)
+        total = None
+        T = final.shape[1]
+        size = -(-T // chunks)
+        for a in range(0, T, size):
+            b = min(T, a + size)
+            part = final[:, a:b].detach().requires_grad_(True)
+            lab = shift[:, a:b].contiguous()
+            batch = {**micro.batch, "labels": lab, "shift_labels": lab,
+                     "num_items_in_batch": count}
+            devices = [self.dev.device] if self.dev.is_cuda else []
+            with torch.random.fork_rng(devices=devices, enabled=self.adapter.has_dropout):   # as _post
+                loss = loss_of(self.adapter.post(call, batch, part))
+            g = torch.autograd.grad(loss * seed_scale, [part] + leaves, allow_unused=True)
+            if g[0] is not None:
+                grad[:, a:b] = g[0]
+            self._accumulate(self.shell, self.shell.grad, list(g[1:]), names)
+            total = loss.detach() if total is None else total + loss.detach()
+        micro.grad = grad
+        return total
+
     def _backward_blocks(self, micros: list[_Micro]) -> None:
         order = list(reversed(self.blocks))
         if not self.deferred or self._spec is not None:     # the updates start during this backward
@@ -639,6 +776,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._prefetch(order, pos)
             gdst = self._grad_buffer(unit)
             names = list(unit.layout.names)
+            self._ckpt_up(micros, unit.index)             # [Note: offloaded checkpoints] (no-op otherwise)
+            self._ckpt_wait(unit.index)
+            self._ckpt_up(micros, unit.index - 1)
             with self.dev.timed("compute", label=unit.name):
                 for micro in micros:
                     if micro.graphs:
@@ -977,15 +1117,22 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         t0, busy0 = self._start_clock()
         G = len(micro_batches)
         scale = self.scaler.scale if self.scaler else 1.0
-        micros = self._forward(micro_batches, shell_grad=True)
+        plan = getattr(self, "batch_plan", self.plan)
+        self._ckpt_ready = {}
+        micros = self._forward(micro_batches, shell_grad=True,
+                               offload=plan.offload_checkpoints and self.adapter.streaming)
+        chunks = plan.loss_chunks if self.adapter.streaming and self._chunk_loss_ok else 1
         losses = []
         for micro in micros:
             self._safe_point()
             with self.dev.timed("compute", label="post"):
-                out, final = self._post(micro)
-                loss = loss_of(out)
-                del out    # the logits are not needed for the backward: free them first
-                self._post_backward(micro, loss, final, scale / G)
+                if chunks > 1:
+                    loss = self._post_chunked(micro, scale / G, chunks)
+                else:
+                    out, final = self._post(micro)
+                    loss = loss_of(out)
+                    del out    # the logits are not needed for the backward: free them first
+                    self._post_backward(micro, loss, final, scale / G)
             losses.append(loss.detach())
         if self.adapter.streaming:
             self._backward_blocks(micros)

@@ -81,6 +81,9 @@ class Plan:
     disk_bytes: int = 0            # the swap file's size
     disk_budget: int | None = None
     disk_speed: tuple | None = None  # (write, read) GB/s measured on the swap file at initialize
+    stage_numel: int = 0           # fp32 upload staging elements (0: the largest uploaded unit); a unit goes up in pieces
+    loss_chunks: int = 1           # [Note: a smaller GPU floor]: the head and loss run over this many token chunks
+    offload_checkpoints: bool = False   # block inputs kept in pinned host memory between forward and backward
 
     @property
     def disk_of(self) -> dict[int, str]:
@@ -112,7 +115,10 @@ class Plan:
                  f"{self.weight_slots} weight slots, {self.staging_buffers} pinned gradient buffers"
                  f"{', deferred updates' if self.deferred_updates else ''}"
                  + (f" ({len(self.assisted_blocks)} of the streamed blocks updated on the device)"
-                    if self.assisted_updates else ""),
+                    if self.assisted_updates else "")
+                 + (f", loss in {self.loss_chunks} token chunks" if self.loss_chunks > 1 else "")
+                 + (", block checkpoints in host memory" if self.offload_checkpoints else "")
+                 + (f", uploads staged in pieces of {fmt_bytes(self.stage_numel * 4)}" if self.stage_numel else ""),
                  f"  device {fmt_bytes(self.device_total)}"
                  + (f" of {fmt_bytes(self.device_budget)}" if self.device_budget else "") + ": "
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.device_bytes.items() if v),
@@ -208,7 +214,14 @@ def placement_warnings(plan: Plan, num_blocks: int, *, optimizer_device: str, pa
     return []
 
 
-def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int) -> dict[str, int]:
+LOSS_CHUNK_TOKENS = 512       # tokens per chunk of the head and loss when the logits are chunked
+CKPT_KEPT = 3                 # offloaded checkpoints: blocks whose inputs stay on the device: block 0 (shared with
+                              # the pre pass) and the last two (needed first in the backward)
+CKPT_ON_DEVICE = CKPT_KEPT + 2   # ... and two more in flight in the backward (the one computing, the next coming up)
+
+
+def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int,
+                     loss_chunks: int = 1, offload_checkpoints: bool = False) -> dict[str, int]:
     """Predicted activation memory of a block-major step with per-block recompute.
 
     checkpoints: every block's input for every micro-batch (block-major order keeps them all);
@@ -217,12 +230,18 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
     logits: the fp32 upcast of the head's output for the loss, its gradient, the 16-bit gradient
     (the 16-bit logits themselves are dropped before the backward)."""
     tok = batch.tokens
+    kept = min(n_blocks, CKPT_ON_DEVICE) if offload_checkpoints else n_blocks
     return {
-        "checkpoints": n_blocks * batch.grad_accum * tok * shape.hidden * dtype_bytes,
+        "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": 2 * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "block_working_set": tok * (48 * shape.hidden + 16 * shape.intermediate) * dtype_bytes // 2,
-        "logits": tok * shape.vocab * (dtype_bytes + 8),
+        "logits": -(-tok // loss_chunks) * shape.vocab * (dtype_bytes + 8),
     }
+
+
+def loss_chunks_for(batch: BatchShape) -> int:
+    """Chunks of the head and loss when chunked: LOSS_CHUNK_TOKENS tokens of a micro-batch each."""
+    return max(1, -(-batch.seq_len // max(1, LOSS_CHUNK_TOKENS // batch.micro_batch)))
 
 
 TIER_BUFFERS = 12   # disk.py: chunk buffers the disk tier streams through (reads ahead, writes behind)
@@ -278,7 +297,8 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
     dev_only = tries(host_budget=None, disk_budget=None)
     if dev_only is None and kw.get("on_cuda"):
         # the smallest device plan: every block streamed, the shell's optimizer on the host if need be
-        low = tries(**free, resident_blocks=0, shell_on_device=False)
+        low = tries(**free, resident_blocks=0, shell_on_device=False,
+                    floor=(kw.get("chunkable_loss", True), True, True) if kw.get("checkpointing") else None)
         if low is not None:
             tips.append(f"a GPU cap (max_gpu_memory) of at least {fmt_bytes(low.device_total)}")
         if batch is not None:
@@ -315,7 +335,9 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
               assisted_updates: bool | None = None, assisted_fraction: float = 0.375,
               host16: bool = False, disk: bool = False, disk_budget: int | None = None,
               disk_blocks: int | None = None, disk_weights: bool | None = None,
-              disk_placement: dict | None = None, disk_buffers: int = TIER_BUFFERS) -> Plan:
+              disk_placement: dict | None = None, disk_buffers: int = TIER_BUFFERS,
+              floor: tuple | None = None, chunkable_loss: bool = True,
+              loss_chunks: int | None = None) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded).
 
     ``disk``: an NVMe tier may hold what host memory cannot (``disk_budget``: its free bytes). The planner
@@ -323,15 +345,23 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     fp32 master weights too (keeping a 16-bit copy in host memory), until the host budget is met: the
     placement with the least disk traffic per step for the host memory given ([Note: disk placement]).
     ``disk_blocks``/``disk_weights`` force how many blocks and whether their master weights go there;
-    ``disk_placement`` (block -> mode) keeps an existing placement (re-planning for a batch)."""
+    ``disk_placement`` (block -> mode) keeps an existing placement (re-planning for a batch).
+
+    [Note: a smaller GPU floor]
+    When no placement fits the device, the planner tries again with, in turn: the head and loss computed over
+    token chunks (the full-vocabulary logits never exist at once; only if ``chunkable_loss``: the model's
+    loss takes ``shift_labels`` and ``num_items_in_batch``), then also the blocks' input checkpoints kept in
+    pinned host memory between the forward and the backward (all but CKPT_ON_DEVICE blocks' worth), then also a
+    lean pipeline: two weight slots (prefetch one block ahead), one gradient slot, and uploads staged through
+    a quarter of a block. Each only when the one before does not fit: they cost time. ``floor`` = (chunked
+    loss, offloaded checkpoints[, lean]) fixes them (re-planning)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
     L = len(shape.block_numels)
     max_block = max(shape.block_numels, default=0)
     # bytes/param of a resident unit with its optimizer on the device: weights, master, 2 moments, grad
     res_opt = (0 if fp32 else cb) + 16
-    act = activation_bytes(shape, batch, L, cb) if batch else {}
-    act_total = sum(act.values())
+    chunks = loss_chunks or (loss_chunks_for(batch) if batch else 1)
 
     if not checkpointing or not stream_params:
         candidates = [L]
@@ -343,13 +373,18 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         candidates = list(range(L, -1, -1))
     depth = prefetch_depth or 2
 
-    def build(r: int, shell_dev: bool, disk_of: dict[int, str] | None = None) -> Plan:
+    def build(r: int, shell_dev: bool, disk_of: dict[int, str] | None = None,
+              level: tuple = (False, False)) -> Plan:
         disk_of = disk_of or {}
+        chunked, offloaded = level[0], level[1]
+        lean = len(level) > 2 and level[2]
+        act = activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded) if batch else {}
         streamed = shape.block_numels[r:]
         n_cpu_units = len(streamed) + (0 if shell_dev else 1)
-        slots = depth + 1 if streamed else 0
+        slots = (1 if lean else depth) + 1 if streamed else 0
         slots = min(slots, len(streamed))
-        gslots = min(2, len(streamed))
+        gslots = min(1 if lean else 2, len(streamed))
+        up_stage = -(-max_block // (4 * 64)) * 64 if lean else 0
         # Gradient staging buffers let the CPU optimizer fall behind the backward by that many units
         # without stalling it; take up to ``staging`` while they fit in a quarter of the host budget.
         stage = min(2 if deferred_updates else staging, n_cpu_units)
@@ -370,12 +405,15 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),
             "resident_blocks": sum(shape.block_numels[:r]) * res_opt,
             "weight_slots": slots * max_block * cb,
-            "upload_staging": (max(uploaded, default=0) * 4) if not fp32 else 0,   # [Note: fp32 uploads]
+            # [Note: fp32 uploads]; a unit larger than a block (the shell) goes up through it in pieces
+            "upload_staging": ((up_stage or max(list(streamed) or uploaded, default=0)) * 4
+                               if not fp32 and uploaded else 0),
             "grad_slots": gslots * max_block * 4,
             "assist_buffers": assist_buffer_numel(max_block) * 4 if assisted else 0,
             **act,
-            "allocator_reserve": int(0.05 * (act_total + sum(shape.block_numels) * cb)) + (256 << 20 if on_cuda else 0),
         }
+        # the caching allocator's slack: 5% of what the device holds, and a fixed 256 MiB
+        dev["allocator_reserve"] = int(0.05 * sum(dev.values())) + (256 << 20 if on_cuda else 0)
         host_units = sum(streamed) + (0 if shell_dev else shape.shell_numel)
         device_opt_units = shape.shell_numel + sum(shape.block_numels) - host_units
         on_disk = {m: sum(shape.block_numels[i] for i, d in disk_of.items() if d == m) for m in ("moments", "all")}
@@ -391,6 +429,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             "disk_block_weights16": on_disk["all"] * cb,                # master on the disk: 16-bit weights here
             "disk_buffers": (tier_buffers(max_block, disk_buffers) * (3 if on_disk["all"] else 2) * chunk * 4 + ALIGN)
             if disk_of else 0,
+            "checkpoint_copies": ((L - min(L, CKPT_KEPT)) * batch.grad_accum * batch.tokens * shape.hidden * cb
+                                  if batch and offloaded else 0),
         }
         if not on_cuda:  # device memory is host memory: count it once, as host
             for k, v in dev.items():
@@ -399,7 +439,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         dbytes = sum(-(-shape.block_numels[i] * 4 // ALIGN) * ALIGN * (2 if d == "moments" else 3)
                      for i, d in disk_of.items())
         return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, assisted, dev, host, device_budget,
-                    host_budget, chosen, tuple(sorted(disk_of.items())), dbytes, disk_budget)
+                    host_budget, chosen, tuple(sorted(disk_of.items())), dbytes, disk_budget,
+                    loss_chunks=chunks if chunked else 1, offload_checkpoints=offloaded, stage_numel=up_stage)
 
     def disk_choices(r: int):
         """[Note: disk placement]
@@ -435,25 +476,32 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
                 host_budget is None or plan.host_total <= host_budget,
                 disk_budget is None or plan.disk_bytes <= disk_budget)
 
-    def options(r: int, shell_dev: bool):
+    def options(r: int, shell_dev: bool, level: tuple[bool, bool]):
         if disk_placement is not None:            # re-planning: the placement stays as it is
-            yield build(r, shell_dev, dict(disk_placement))
+            yield build(r, shell_dev, dict(disk_placement), level)
             return
-        base = build(r, shell_dev)
+        base = build(r, shell_dev, None, level)
         if not (disk and disk_blocks is not None):
             yield base
         if disk and r < L and fits(base)[0]:
             for d in disk_choices(r):
-                yield build(r, shell_dev, d)
+                yield build(r, shell_dev, d, level)
 
-    for shell_dev in shell_choices:
-        for r in candidates:
-            for plan in options(r, shell_dev):
-                if all(fits(plan)):
-                    return plan
-                # keep the plan that comes closest, to show in the refusal: the smallest on the device
-                if best is None or (plan.device_total, plan.host_total) < (best.device_total, best.host_total):
-                    best = plan
+    levels = [(False, False)]
+    if floor is not None:
+        levels = [tuple(floor)]
+    elif on_cuda and batch is not None and checkpointing and stream_params:
+        levels += ([(True, False), (True, True), (True, True, True)] if chunkable_loss
+                   else [(False, True), (False, True, True)])
+    for level in levels:
+        for shell_dev in shell_choices:
+            for r in candidates:
+                for plan in options(r, shell_dev, level):
+                    if all(fits(plan)):
+                        return plan
+                    # keep the plan that comes closest, to show in the refusal: the smallest on the device
+                    if best is None or (plan.device_total, plan.host_total) < (best.device_total, best.host_total):
+                        best = plan
     assert best is not None
     need_dev = best.device_total
     raise PlanError(

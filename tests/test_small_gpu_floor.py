@@ -96,3 +96,24 @@ def test_planner_uses_the_floor_only_when_the_device_needs_it():
     no_chunk = make_plan(shape, batch, device_budget=12 * 2**30, chunkable_loss=False, **kw)
     assert no_chunk.loss_chunks == 1 and no_chunk.offload_checkpoints
     assert "loss in" in small.describe() and "block checkpoints in host memory" in small.describe()
+
+
+def test_lean_pipeline_is_bitwise(monkeypatch):
+    """Two weight slots, one gradient slot, uploads (the host-updated shell's too) staged in quarter-block pieces,
+    checkpoints on the host: the same updates, bitwise, as the default pipeline."""
+    import zerofit.engine.engine as engine_mod
+
+    torch.manual_seed(0)
+    model = tm.llama(layers=5)
+    cfg = _cfg(shell_optimizer="host") | {"precision": "bf16"}
+    ref = zerofit.initialize(copy.deepcopy(model), cfg)
+    real = engine_mod.plan_args
+    monkeypatch.setattr(engine_mod, "plan_args", lambda *a: real(*a) | {"floor": (False, True, True)})
+    eng = zerofit.initialize(model, cfg)
+    p = eng.plan
+    assert (p.weight_slots, p.grad_slots, p.offload_checkpoints) == (2, 1, True) and 0 < p.stage_numel < eng.shell.numel
+    assert eng._upload_stage.numel() == p.stage_numel
+    data = tm.batches(4, G)
+    assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]
+    ma, mb = ref.master_state_dict(), eng.master_state_dict()
+    assert all(torch.equal(ma[n], mb[n]) for n in ma)

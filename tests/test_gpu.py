@@ -348,9 +348,10 @@ def test_disk_tier_on_gpu_is_bitwise_the_in_memory_path(tmp_path, weights, clip,
 
 
 def test_smaller_floor_on_gpu_keeps_the_math():
-    """Chunked loss, checkpoints in pinned host memory and the lean pipeline (2 weight slots, 1 gradient slot,
-    uploads in pieces) with real streams: fp32 losses and weights as the plain engine's; the checkpoints alone
-    bitwise."""
+    """Chunked loss and checkpoints in pinned host memory with real streams: fp32 losses and weights as the
+    plain engine's. (On the CPU the checkpoints alone are bitwise, tests/test_small_gpu_floor.py; two GPU runs
+    are not: the embedding's backward sums with atomics. Its bitwise assertion here failed on the H200 at
+    d1ad1b6 on the master weights, the losses being equal bitwise: now fp32 tolerance, not re-run there.)"""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -368,11 +369,11 @@ def test_smaller_floor_on_gpu_keeps_the_math():
     b = [eng.train_batch(m) for m in data]
     c = [ck.train_batch(m) for m in data]
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-6, atol=1e-6)
-    assert c == a
+    torch.testing.assert_close(torch.tensor(c), torch.tensor(a), rtol=1e-6, atol=1e-6)
     ma, mb, mc = ref.master_state_dict(), eng.master_state_dict(), ck.master_state_dict()
     for n in ma:
         torch.testing.assert_close(mb[n], ma[n], rtol=1e-5, atol=1e-6)
-        assert torch.equal(mc[n], ma[n]), n
+        torch.testing.assert_close(mc[n], ma[n], rtol=1e-5, atol=1e-6)
     assert any(t["label"].startswith("ckpt[") for t in eng.trace())
     for e in (ref, eng, ck):
         e.close()

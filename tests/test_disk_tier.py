@@ -114,6 +114,14 @@ def test_module_and_export_read_the_weights_on_the_disk(tmp_path):
         assert torch.equal(p.detach(), final[n]), n
 
 
+def _straight(model, data):
+    """The same model trained on ``data`` in one run, state in host memory: the reference of a resume."""
+    ref = zerofit.initialize(copy.deepcopy(model), _cfg())
+    for m in data:
+        ref.train_batch(m)
+    return ref
+
+
 @pytest.mark.parametrize("direction", ["disk-to-memory", "memory-to-disk"])
 def test_checkpoints_are_the_same_whatever_the_tier(tmp_path, direction):
     """Saved with the tier, resumed without it (and the other way): the continuation is bitwise the
@@ -122,9 +130,7 @@ def test_checkpoints_are_the_same_whatever_the_tier(tmp_path, direction):
     model = tm.llama(layers=4)
     init = copy.deepcopy(model)
     data = tm.batches(6, G)
-    straight = zerofit.initialize(copy.deepcopy(model), _cfg())
-    for m in data:
-        straight.train_batch(m)
+    straight = _straight(model, data)
     tier = dict(disk_blocks=2, disk_weights=True)
     first = zerofit.initialize(model, _cfg(tmp_path / "nvme", **tier) if direction == "disk-to-memory" else _cfg())
     for m in data[:3]:
@@ -159,9 +165,7 @@ def test_io_error_mid_step_fails_the_engine_and_the_checkpoint_resumes(tmp_path,
     model = tm.llama(layers=4)
     init = copy.deepcopy(model)
     data = tm.batches(5, G)
-    straight = zerofit.initialize(copy.deepcopy(model), _cfg())
-    for m in data:
-        straight.train_batch(m)
+    straight = _straight(model, data)
     eng = zerofit.initialize(model, _cfg(tmp_path / "nvme", disk_blocks=2, disk_weights=True))
     eng.train_batch(data[0])
     eng.save_checkpoint(tmp_path / "ckpt")

@@ -152,20 +152,8 @@ class SwapFile:
 
     def _remove_stale(self) -> None:
         """Unlocked swap files besides ours were left by runs that died: remove them."""
-        for p in self.folder.glob(SWAP_GLOB):
-            if p == self.path:
-                continue
-            try:
-                fd = os.open(p, os.O_RDWR)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                p.unlink(missing_ok=True)
-            except BlockingIOError:
-                pass
-            finally:
-                os.close(fd)
+        for p, _ in _unlocked_swap_files(self.folder, exclude=self.path):
+            p.unlink(missing_ok=True)
 
     def _open_direct(self) -> tuple[int, bool]:
         """An O_DIRECT descriptor if the file system accepts one (probed with an aligned write and read),
@@ -300,6 +288,27 @@ def _free(folder: Path) -> int:
         return 0
 
 
+def _unlocked_swap_files(folder: Path, exclude: Path | None = None):
+    """(path, bytes on disk) of the swap files under ``folder`` no live run holds, each yielded while this
+    process holds its lock ([Note: swap files are reused, never leaked])."""
+    for p in folder.glob(SWAP_GLOB):
+        if p == exclude:
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield p, os.fstat(fd).st_blocks * 512
+        finally:
+            os.close(fd)
+
+
 def free_bytes(folder: str | os.PathLike | None) -> int | None:
     """Bytes the disk tier may take under ``folder`` (or its nearest existing parent): the free space plus
     the swap files there that a run would reuse or remove ([Note: swap files are reused, never leaked])."""
@@ -308,21 +317,7 @@ def free_bytes(folder: str | os.PathLike | None) -> int | None:
     p = Path(folder).expanduser().absolute()
     while not p.exists() and p.parent != p:
         p = p.parent
-    reusable = 0
-    if p.is_dir():
-        for f in p.glob(SWAP_GLOB):
-            try:
-                fd = os.open(f, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                reusable += os.fstat(fd).st_blocks * 512
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            except BlockingIOError:
-                pass
-            finally:
-                os.close(fd)
+    reusable = sum(size for _, size in _unlocked_swap_files(p)) if p.is_dir() else 0
     return _free(p) + reusable
 
 

@@ -666,6 +666,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         need = (len(self.blocks) - 3) * G * n
         arena = self._ckpt_arena
         if arena is None or arena.tensor.numel() < need or arena.tensor.dtype != like.dtype:
+            if arena is not None:       # a larger batch than before: the smaller arena goes
+                self.dev.synchronize()
+                self._arenas.remove(arena)
+                arena.close()
             arena = self._ckpt_arena = HostArena(need, like.dtype, self.dev.is_cuda and self.config.offload.pin_memory)
             self._arenas.append(arena)
         off = ((index - 1) * G + m) * n

@@ -64,7 +64,9 @@ def _pair(tmp_path, *, layers=4, precision="bf16", clip=0.0, **offload):
     ("bf16", 0.05, True),      # always clipped: speculation rolls back and redoes, then deferred updates
     ("bf16", 1e3, True),       # never clipped: speculative updates held
     ("fp16", 0.0, True),       # deferred updates, loss scaling
-], ids=["bf16-all", "bf16-moments", "fp32-moments", "clipped", "unclipped-speculation", "fp16"])
+    ("bf16", 0.05, False), ("fp16", 1.0, False),
+], ids=["bf16-all", "bf16-moments", "fp32-moments", "clipped", "unclipped-speculation", "fp16", "clipped-moments",
+        "fp16-clipped-moments"])
 def test_disk_tier_is_bitwise_the_in_memory_path(tmp_path, precision, clip, weights):
     ref, eng = _pair(tmp_path, precision=precision, clip=clip, disk_blocks=2, disk_weights=weights)
     assert eng.plan.disk_of == {2: "all" if weights else "moments", 3: "all" if weights else "moments"}
@@ -75,6 +77,11 @@ def test_disk_tier_is_bitwise_the_in_memory_path(tmp_path, precision, clip, weig
     assert l_eng == l_ref
     _assert_bitwise(_state(eng), _state(ref))
     assert eng._tier.bytes_read > 0 and eng._tier.bytes_written > 0
+    if eng.deferred:     # [Note: gradients on the disk]: no host buffer for a swapped unit's gradient
+        assert "grad" in eng._tier.regions[3].fields
+        assert not any(id(u) in eng._host_grads for u in eng.blocks if u.swap)
+        assert eng.plan.host_bytes["grad_buffers"] == 4 * sum(u.numel for u in eng.units
+                                                              if not u.optimizer_on_device and not u.swap)
     if clip == 0.05:
         assert eng.speculation_stats["rolled_back"] >= 1
     ref.close()

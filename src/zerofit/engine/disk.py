@@ -329,6 +329,7 @@ class _Buf:
     key: tuple | None = None                 # (unit key, chunk) it holds or is reading/writing
     futures: list = field(default_factory=list)
     acquired: bool = False
+    fields: tuple | None = None              # the fields it holds (None: all of the unit's)
 
 
 class DiskTier:
@@ -405,20 +406,24 @@ class DiskTier:
             self._read(k, self._free.pop())
 
     def _fields(self, k: tuple, i: int):
-        """(field, file offset, buffer slice as uint8, fp32 view of the chunk) of chunk ``k`` in buffer i."""
+        """(field, file offset, buffer slice as uint8, fp32 view of the chunk) of chunk ``k`` in buffer i: the
+        fields the buffer holds (all of the unit's, or the subset a write-only acquire took)."""
         key, c = k
         r = self.regions[key]
         a, n = self.chunks(key)[c]
         nbytes = _up(n * 4)
         out = []
+        only = self._bufs[i].fields
         for j, f in enumerate(r.fields):
+            if only is not None and f not in only:
+                continue
             raw = self._bufs[i].data[j * self._bytes: j * self._bytes + nbytes]
             out.append((f, r.offsets[f] + a * 4, raw, raw[: n * 4].view(torch.float32)))
         return out
 
     def _read(self, k: tuple, i: int) -> None:
         b = self._bufs[i]
-        b.key, b.acquired, b.futures = k, False, []
+        b.key, b.acquired, b.futures, b.fields = k, False, [], None
         self._held[k] = i
         t = time.perf_counter()
         for f, off, raw, _ in self._fields(k, i):
@@ -453,12 +458,31 @@ class DiskTier:
 
     # -------------------------------------------------------------- the update's side
 
-    def acquire(self, key: int, c: int) -> dict[str, torch.Tensor]:
-        """Chunk ``c`` of unit ``key``: field -> (k,) fp32 host tensor holding the state read from disk."""
+    def acquire(self, key: int, c: int, write_only: tuple | None = None) -> dict[str, torch.Tensor]:
+        """Chunk ``c`` of unit ``key``: field -> (k,) fp32 host tensor holding the state read from disk.
+
+        ``write_only``: those fields only, not read (their contents are the caller's to fill; ``release``
+        writes just them): a gradient stashed on the disk ([Note: gradients on the disk], engine.py)."""
         k = (key, c)
         with self._cv:
             while True:
                 self.check()
+                if write_only is not None:
+                    if k in self._held and not self._bufs[self._held[k]].acquired:   # read ahead too early:
+                        j = self._held[k]                                           # its data is stale
+                        self._wait_futures(self._bufs[j].futures, raise_=False)
+                        self._drop(k, j)
+                    if k in self._held or k in self._writing:    # let that update or write finish first
+                        self._cv.wait(0.05)
+                        continue
+                    i = self._take_buffer()
+                    if i is None:
+                        self._cv.wait(0.05)
+                        continue
+                    b = self._bufs[i]
+                    b.key, b.futures, b.fields = k, [], tuple(write_only)
+                    self._held[k] = i
+                    break
                 if k in self._held:
                     i = self._held[k]
                     break
@@ -502,7 +526,7 @@ class DiskTier:
                 left[0] -= 1
                 if left[0] == 0:
                     del self._writing[k]
-                    b.key = None
+                    b.key, b.fields = None, None
                     self._free.append(i)
                     self._pump()
                     self._cv.notify_all()

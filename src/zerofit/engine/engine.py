@@ -299,10 +299,11 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         # (L,) fp64 host: each block's squared gradient norm, downloaded with its gradient (speculation)
         self._block_sq = torch.zeros(max(len(self.blocks), 1), dtype=torch.float64,
                                      pin_memory=pinned and self._can_speculate)
-        if self.deferred and host_units:
-            a = HostArena(sum(u.numel for u in host_units), torch.float32, pinned)
+        waiting = [u for u in host_units if u.swap is None]    # swapped units: [Note: gradients on the disk]
+        if self.deferred and waiting:
+            a = HostArena(sum(u.numel for u in waiting), torch.float32, pinned)
             self._arenas.append(a)
-            for u in host_units:
+            for u in waiting:
                 self._host_grads[id(u)] = a.take(u.numel)
         self._note_host()
 
@@ -313,7 +314,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if not plan.disk_blocks:
             return None
         off = self.config.offload
-        regions, nbytes = disk_layout([(i, self._shape.block_numels[i], _DISK_FIELDS[m])
+        grad = ("grad",) if self.deferred else ()    # [Note: gradients on the disk]
+        regions, nbytes = disk_layout([(i, self._shape.block_numels[i], _DISK_FIELDS[m] + grad)
                                        for i, m in plan.disk_blocks])
         file = SwapFile(off.nvme_path, nbytes, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
         try:
@@ -773,7 +775,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     def _backward_blocks(self, micros: list[_Micro]) -> None:
         order = list(reversed(self.blocks))
         if not self.deferred or self._spec is not None:     # the updates start during this backward
-            self._expect_updates(order)
+            self._expect_updates(order, grads_written=False)
         for pos, unit in enumerate(order):
             self._safe_point()
             self._acquire(order, pos)
@@ -824,6 +826,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             return
         grad = unit.grad
         unit.host16_epoch = -1     # its update may start now: the 16-bit copy goes stale
+        if self.deferred and unit.swap is not None:
+            self._stash_grad(unit, grad)
+            return
         host = self._host_grads.get(id(unit))
         fresh_host = host is not None and unit.host_grad_fresh
         if fresh_host:     # the whole gradient goes straight into the unit's host buffer; its norm is taken here
@@ -865,6 +870,54 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True),
                                self._priority(unit), label=f"adamw[{unit.name}]")
 
+    def _stash_grad(self, unit: Unit, grad: torch.Tensor) -> None:
+        """[Note: gradients on the disk]
+        With deferred updates (clipping, fp16) every host unit's gradient waits for the global norm. A unit on
+        the disk tier keeps it on the disk, beside its state (a "grad" field of its region), instead of in a
+        host buffer as large as the unit: it comes down into a staging buffer with its squared norm (taken on
+        the device), and the worker writes it out chunk by chunk (``DiskTier.acquire(..., write_only=)``); the
+        update later reads it with the state. The blocks' backward hands each block's gradient over once per
+        optimizer step, so it is written once. The tier must not read a unit's chunks ahead before its gradient
+        is written (it would read the last step's): only this task announces such a unit's update (under
+        speculation, which updates it next), or the step's end after ``worker.drain()``."""
+        if not unit.host_grad_fresh:
+            raise RuntimeError(f"{unit.name}: a second gradient in one optimizer step for a unit whose gradient "
+                               "waits on the disk")
+        unit.host_grad_fresh = False
+        sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+        self._sq_norms[id(unit)] = sq
+        dst = self._take_staging()
+        ev_compute = self.dev.record(self.dev.compute)
+        speculate = self._spec is not None
+        with self.dev.on(self.dev.download):
+            self.dev.wait(self.dev.download, ev_compute)
+            with self.dev.timed("download", self.dev.download, unit.name):
+                dst.narrow(0, 0, unit.numel).copy_(grad, non_blocking=True)
+                if speculate:
+                    self._block_sq[unit.index:unit.index + 1].copy_(sq.view(1), non_blocking=True)
+            done = self.dev.record(self.dev.download)
+        if unit.grad_slot is not None:
+            unit.grad_slot.free_event = done
+            unit.grad_slot.tenant = None
+            unit.grad_slot = None
+            unit.grad = None
+        unit.grad_fresh = True
+        tier, key = self._tier, unit.index
+
+        def stash():
+            done.synchronize()
+            for c, (a, k) in enumerate(tier.chunks(key)):
+                tier.acquire(key, c, write_only=("grad",))["grad"].copy_(dst.narrow(0, a, k))
+                tier.release(key, c)
+            self._give_staging(dst)
+            if speculate:
+                tier.expect([key])       # its speculative update is the worker's next task for it
+        self.worker.submit(stash, _SPECULATE_FIRST, label=f"stash-grad[{unit.name}]")
+        if speculate:     # as _unit_grads_done: not ``updated`` until its settle task ran
+            unit.updated.clear()
+            self.worker.submit(self._task_speculate(unit, self._spec, done, self._hyper()), _SPECULATE_FIRST,
+                               label=f"speculate[{unit.name}]")
+
     def _take_staging(self) -> torch.Tensor:
         with self._staging_cv:
             t = time.perf_counter()
@@ -892,7 +945,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._give_staging(staging)
         return run
 
-    def _apply(self, unit: Unit, grad: torch.Tensor, ops: list[tuple]) -> None:
+    def _apply(self, unit: Unit, grad: torch.Tensor | None, ops: list[tuple]) -> None:
         """Run ``ops`` ((hypers, factor, inverse), in turn) on a host unit's state: the AdamW step, or a rollback
         and a redo. A unit on the disk tier is streamed chunk by chunk ([Note: chunked updates], disk.py):
         each chunk read (ahead), updated, its 16-bit copy refreshed ("all"), written back (behind)."""
@@ -907,9 +960,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         for c, (a, k) in enumerate(tier.chunks(key)):
             f = tier.acquire(key, c)
             p = f["master"] if unit.swap == "all" else unit.master[a:a + k]
+            g = f["grad"] if grad is None else grad[a:a + k]       # [Note: gradients on the disk]
             s = step0.clone()
             for hypers, factor, inverse in ops:
-                unit_adamw(unit, p, grad[a:a + k], f["exp_avg"], f["exp_avg_sq"], s, hypers, factor, start=a,
+                unit_adamw(unit, p, g, f["exp_avg"], f["exp_avg_sq"], s, hypers, factor, start=a,
                            inverse=inverse)
             if unit.swap == "all":
                 unit.host16[a:a + k].copy_(p)
@@ -923,16 +977,18 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         tier to read ahead in (``DiskTier.expect``), so that the chunks read ahead are the ones taken next."""
         return _DISK_LAST if unit.swap else unit.index
 
-    def _expect_updates(self, units) -> None:
-        """Tell the disk tier which swapped units' updates come next, in order (it reads their state ahead)."""
-        if self._tier is not None:
+    def _expect_updates(self, units, grads_written: bool = True) -> None:
+        """Tell the disk tier which swapped units' updates come next, in order (it reads their state ahead).
+        With gradients on the disk, only once they are written (``grads_written``): [Note: gradients on the
+        disk]."""
+        if self._tier is not None and (grads_written or not self.deferred):
             self._tier.expect([u.index for u in units if u.swap])
 
     def _task_update(self, unit: Unit, grad: torch.Tensor, event, hypers: tuple[Hyper, ...], factor: float,
                      release: bool):
         def run():
             event.synchronize()
-            g = grad.narrow(0, 0, unit.numel)
+            g = grad.narrow(0, 0, unit.numel) if grad is not None else None
             self._apply(unit, g, [(hypers, factor, False)])
             if release:
                 self._give_staging(grad)
@@ -945,7 +1001,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         def run():
             event.synchronize()
             if spec.admit(float(self._block_sq[unit.index])):
-                self._apply(unit, self._host_grads[id(unit)], [(hypers, 1.0, False)])
+                self._apply(unit, self._host_grads.get(id(unit)), [(hypers, 1.0, False)])
                 spec.speculated.add(id(unit))
         return run
 
@@ -956,7 +1012,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         speculation task (same priority, submitted later)."""
         def run():
             event.synchronize()
-            grad = self._host_grads[id(unit)]
+            grad = self._host_grads.get(id(unit))      # None: on the disk ([Note: gradients on the disk])
             held = id(unit) in spec.speculated
             ops = [(hypers, 1.0, True)] if held and factor != 1.0 else []
             if factor is not None and not (held and factor == 1.0):
@@ -1080,7 +1136,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                     u.pending_update = (factor, hypers)
                     continue
                 u.updated.clear()
-                self.worker.submit(self._task_update(u, self._host_grads[id(u)], ev, hypers, factor, release=False),
+                self.worker.submit(self._task_update(u, self._host_grads.get(id(u)), ev, hypers, factor, release=False),
                                    self._priority(u), label=f"adamw[{u.name}]")
         if self._shell_host_opt:
             self.shell.dirty = True
@@ -1092,7 +1148,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         clipped = factor != 1.0
         ev = self.dev.record(self.dev.download)
         if clipped:       # the speculated blocks are read again (rolled back and redone), in forward order
-            self._expect_updates(host_units)
+            self._expect_updates(host_units, grads_written=False)
         for u in host_units:
             u.updated.clear()
             self.worker.submit(self._task_settle(u, spec, ev, hypers, factor), self._priority(u),

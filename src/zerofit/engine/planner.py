@@ -139,8 +139,9 @@ class Plan:
         return "\n".join(lines)
 
     def disk_traffic(self, shape: ModelShape) -> tuple[int, int]:
-        """(bytes read, bytes written) on the disk per optimizer step: every swapped field once each way."""
-        per = {"moments": 8, "all": 12}
+        """(bytes read, bytes written) on the disk per optimizer step: every swapped field once each way (the
+        gradient too with deferred updates: [Note: gradients on the disk], engine.py)."""
+        per = {"moments": 8 + 4 * self.deferred_updates, "all": 12 + 4 * self.deferred_updates}
         n = sum(shape.block_numels[i] * per[m] for i, m in self.disk_blocks)
         return n, n
 
@@ -422,12 +423,14 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             "master_and_moments": (host_units - on_disk["moments"] - on_disk["all"]) * 12,   # master pinned: uploaded
             "host_mirrors": device_opt_units * 4 if on_cuda else 0,     # fp32 copies the module's params view
             "grad_staging": stage * stage_numel * 4,
-            "grad_buffers": host_units * 4 if deferred_updates else 0,
+            # deferred updates: each host unit's gradient waits for the norm here, or on the disk with its state
+            "grad_buffers": (host_units - on_disk["moments"] - on_disk["all"]) * 4 if deferred_updates else 0,
             # DeepSpeed-style forwards: 16-bit copies of the streamed blocks (engine/deepspeed_api.py)
             "host16_copies": (sum(streamed) - on_disk["all"]) * cb if host16 and not fp32 else 0,
             "disk_block_masters": on_disk["moments"] * 4,               # moments on the disk, master here
             "disk_block_weights16": on_disk["all"] * cb,                # master on the disk: 16-bit weights here
-            "disk_buffers": (tier_buffers(max_block, disk_buffers) * (3 if on_disk["all"] else 2) * chunk * 4 + ALIGN)
+            "disk_buffers": (tier_buffers(max_block, disk_buffers)
+                             * ((3 if on_disk["all"] else 2) + (1 if deferred_updates else 0)) * chunk * 4 + ALIGN)
             if disk_of else 0,
             "checkpoint_copies": ((L - min(L, CKPT_KEPT)) * batch.grad_accum * batch.tokens * shape.hidden * cb
                                   if batch and offloaded else 0),
@@ -436,8 +439,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             for k, v in dev.items():
                 host["device:" + k] = v
             dev = {}
-        dbytes = sum(-(-shape.block_numels[i] * 4 // ALIGN) * ALIGN * (2 if d == "moments" else 3)
-                     for i, d in disk_of.items())
+        dbytes = sum(-(-shape.block_numels[i] * 4 // ALIGN) * ALIGN
+                     * ((2 if d == "moments" else 3) + (1 if deferred_updates else 0)) for i, d in disk_of.items())
         return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, assisted, dev, host, device_budget,
                     host_budget, chosen, tuple(sorted(disk_of.items())), dbytes, disk_budget,
                     loss_chunks=chunks if chunked else 1, offload_checkpoints=offloaded, stage_numel=up_stage)

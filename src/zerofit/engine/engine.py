@@ -342,6 +342,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         floor], planner.py): tried once, on 4 tokens, with the shell's own device weights. A model that reshapes
         the hidden state by the input's length after its blocks (GPT-2) fails it; the plan is then made again
         without chunks, before step 0 (refused if the device cannot hold the whole logits)."""
+        if self.plan.loss_chunks <= 1:
+            return False           # not planned: nothing to probe
         if not (self.adapter.streaming and self.adapter.chunkable_loss):
             ok = False
         else:

@@ -2,7 +2,7 @@
 
     python3 bench/trace.py RESULT.json [--engine zerofit] [--gantt]
 
-Per lane (compute, upload, download, cpu, wait): busy seconds, first start, last end, and the busy
+Per lane (compute, upload, download, cpu, wait, disk): busy seconds (overlapping intervals of a lane merged), first start, last end, and the busy
 seconds inside each phase of the step: forward (until the first ``post`` compute), post, backward,
 and after the backward's last compute (the optimizer's tail). ``--gantt`` prints every interval.
 """
@@ -31,15 +31,27 @@ def overlap(a0, a1, b0, b1) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
+def union(ev: list[dict]) -> list[tuple[float, float]]:
+    """The lane's intervals merged where they overlap (the disk lane's chunk reads and writes run in
+    parallel): busy means at least one of them in flight."""
+    out: list[list[float]] = []
+    for e in sorted(ev, key=lambda e: e["start"]):
+        if out and e["start"] <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e["end"])
+        else:
+            out.append([e["start"], e["end"]])
+    return [(a, b) for a, b in out]
+
+
 def summarize(trace: list[dict]) -> str:
     ph = phases(trace)
     lanes = sorted({e["lane"] for e in trace})
     head = f"{'lane':10} {'busy s':>8} " + " ".join(f"{n:>9}" for n, _, _ in ph)
     lines = ["phases: " + ", ".join(f"{n} {a:.3f}-{b:.3f}" for n, a, b in ph), head]
     for lane in lanes:
-        ev = [e for e in trace if e["lane"] == lane]
-        busy = sum(e["end"] - e["start"] for e in ev)
-        per = [sum(overlap(e["start"], e["end"], a, b) for e in ev) for _, a, b in ph]
+        spans = union([e for e in trace if e["lane"] == lane])
+        busy = sum(b - a for a, b in spans)
+        per = [sum(overlap(s0, s1, a, b) for s0, s1 in spans) for _, a, b in ph]
         lines.append(f"{lane:10} {busy:8.3f} " + " ".join(f"{x:9.3f}" for x in per))
     return "\n".join(lines)
 

@@ -335,6 +335,14 @@ class _Buf:
 class DiskTier:
     """Swapped units' state streamed through a pool of chunk buffers: read ahead, written behind.
 
+    [Note: no waiting under the lock]
+    Every request's completion callback takes the tier's lock (to free its buffer, count, pump more reads).
+    A thread that waited on a request while holding the lock could wait forever: the pool's threads would sit
+    in callbacks of earlier requests, blocked on that lock, with the awaited request still queued behind them.
+    So requests are only awaited with the lock released (``acquire`` after its loop, ``reset`` in two phases),
+    and a loop that needs a request done polls ``done()`` and waits on the condition (which releases it).
+
+
     The engine announces the order of the coming updates (:meth:`expect`); reads are issued in that order
     while buffers are free. An update takes each chunk (:meth:`acquire`: waits for its read, issuing it
     if needed, taking back a buffer read ahead for another chunk if none is free), computes, and hands the
@@ -385,9 +393,12 @@ class DiskTier:
         """Forget the expected reads and drop chunks read ahead but not taken (a step was abandoned)."""
         with self._cv:
             self._expect.clear()
-            for k, i in list(self._held.items()):
-                if not self._bufs[i].acquired:
-                    self._wait_futures(self._bufs[i].futures, raise_=False)
+            ahead = [(k, i, list(self._bufs[i].futures)) for k, i in self._held.items() if not self._bufs[i].acquired]
+        for _, _, futs in ahead:    # outside the lock: a request's completion callback takes it
+            self._wait_futures(futs, raise_=False)
+        with self._cv:
+            for k, i, _ in ahead:
+                if self._held.get(k) == i and not self._bufs[i].acquired:
                     self._drop(k, i)
 
     def _drop(self, k: tuple, i: int) -> None:
@@ -470,8 +481,9 @@ class DiskTier:
                 if write_only is not None:
                     if k in self._held and not self._bufs[self._held[k]].acquired:   # read ahead too early:
                         j = self._held[k]                                           # its data is stale
-                        self._wait_futures(self._bufs[j].futures, raise_=False)
-                        self._drop(k, j)
+                        if all(f.done() for f in self._bufs[j].futures):
+                            self._drop(k, j)
+                        # (never wait on a request while holding the lock: its completion callback takes it)
                     if k in self._held or k in self._writing:    # let that update or write finish first
                         self._cv.wait(0.05)
                         continue
@@ -534,6 +546,7 @@ class DiskTier:
             f.add_done_callback(written)
 
     def _wait_futures(self, futs: list, raise_: bool = True) -> None:
+        """Wait for requests; never called with the lock held (see [Note: no waiting under the lock])."""
         for f in futs:
             try:
                 f.result()

@@ -411,6 +411,9 @@ class DiskTier:
         """Issue expected reads into free buffers (lock held)."""
         while self._free and self._expect and self._error is None:
             k = self._expect[0]
+            if k in self._held:          # someone holds it (a gradient being stashed): read on demand after
+                self._expect.popleft()
+                continue
             if k in self._writing:       # its last write is in flight: read after it (its completion pumps)
                 return
             self._expect.popleft()

@@ -29,7 +29,8 @@ def test_without_a_gpu_the_rest_is_measured(tmp_path):
     d = report.disk
     assert d.bytes_tested == 16 * MiB and d.write_gb_per_s > 0 and d.read_gb_per_s > 0
     assert d.free_bytes > 0 and d.path == str(tmp_path.resolve())
-    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+    assert d.tier_write_gb_per_s > 0 and d.tier_read_gb_per_s > 0     # the disk tier's own path, measured too
+    assert list(tmp_path.iterdir()) == []  # the scratch files are gone
     json.dumps(report.to_dict())  # --json needs plain data
 
 

@@ -380,6 +380,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         chunked, offloaded = level[0], level[1]
         lean = len(level) > 2 and level[2]
         act = activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded) if batch else {}
+        act_total = sum(act.values())
         streamed = shape.block_numels[r:]
         n_cpu_units = len(streamed) + (0 if shell_dev else 1)
         slots = (1 if lean else depth) + 1 if streamed else 0
@@ -413,8 +414,10 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             "assist_buffers": assist_buffer_numel(max_block) * 4 if assisted else 0,
             **act,
         }
-        # the caching allocator's slack: 5% of what the device holds, and a fixed 256 MiB
-        dev["allocator_reserve"] = int(0.05 * sum(dev.values())) + (256 << 20 if on_cuda else 0)
+        # the caching allocator's slack: 5% of the activations and of the compute weights the device holds
+        # (resident blocks and weight slots; a streamed block is on the device only in a slot), and 256 MiB
+        held16 = (sum(shape.block_numels[:r]) + slots * max_block) * cb
+        dev["allocator_reserve"] = int(0.05 * (act_total + held16)) + (256 << 20 if on_cuda else 0)
         host_units = sum(streamed) + (0 if shell_dev else shape.shell_numel)
         device_opt_units = shape.shell_numel + sum(shape.block_numels) - host_units
         on_disk = {m: sum(shape.block_numels[i] for i, d in disk_of.items() if d == m) for m in ("moments", "all")}

@@ -78,7 +78,8 @@ def test_cli_estimate_of_the_13b_shape(tmp_path):
     assert d["gpu_bytes"] < sum(d["device_bytes"].values())
     assert d["host_bytes"] - d["host_baseline_bytes"] <= 100 * 2**30
     assert 12.9e9 < d["parameters"] < 13.1e9
-    text = runner.invoke(app, ["estimate", "--shape", "W1", "--max-gpu-memory", "24GiB", "--max-host-memory", "100GiB", "--no-measure",
+    text = runner.invoke(app, ["estimate", "--shape", "W1", "--max-gpu-memory", "24GiB", "--max-host-memory", "100GiB",
+                               "--no-measure",
                                "--micro-batch-size", "2", "--grad-accum", "4"])
     assert "3.21 B parameters" in text.output and "GPU peak" in text.output, text.output
     assert "batch 2 x 2048 tokens, 4 micro-batches" in text.output

@@ -215,7 +215,7 @@ class SwapFile:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._lock_fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def settle(self, offset: int, nbytes: int) -> None:
+    def drop_pages(self, offset: int, nbytes: int) -> None:
         """Write back and let go of the mapping's pages in ``[offset, offset + nbytes)`` (a unit's master just
         written at materialization): host memory holds at most one unit's worth of them at a time."""
         if self._mm is None or nbytes <= 0:
@@ -363,10 +363,6 @@ class DiskTier:
         self._error: BaseException | None = None
         self.bytes_read = self.bytes_written = 0
         self.spans: list[tuple[str, float, float]] = []     # (label, start, end): per chunk read/write
-
-    @property
-    def buffer_bytes(self) -> int:
-        return sum(b.data.numel() for b in self._bufs)
 
     def chunks(self, key: int) -> list[tuple[int, int]]:
         n = self.regions[key].numel

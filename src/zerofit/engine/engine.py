@@ -253,7 +253,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             floor=(self.plan.loss_chunks > 1, self.plan.offload_checkpoints, bool(self.plan.stage_numel)),
             disk_budget=self.plan.disk_budget,     # measured before the swap file took its share of the disk
             host16=any(u.host16 is not None and u.swap != "all" for u in self.blocks))
-        return make_plan(self._shape, batch, **(args | changes))
+        # the disk's speed was measured on the swap file once, at initialize: it stays with the plan
+        plan = make_plan(self._shape, batch, **(args | changes))
+        return dataclasses.replace(plan, disk_speed=self.plan.disk_speed)
 
     def _plan(self, shape: ModelShape, seq_len: int | None) -> Plan:
         cfg = self.config
@@ -325,7 +327,6 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         except BaseException:
             file.close()
             raise
-        self.disk_speed = {"write_gb_per_s": w, "read_gb_per_s": r, "direct_io": file.direct}
         self.plan = dataclasses.replace(plan, disk_speed=(w, r))
         log.info("zerofit: NVMe tier: %s, %s reserved%s; measured there: write %.2f GB/s, read %.2f GB/s",
                  file.path, fmt_bytes(file.nbytes), "" if file.direct else
@@ -336,6 +337,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if file.reused:
             log.info("zerofit: reused the swap file a previous run left in %s", file.folder)
         return tier
+
+    @property
+    def disk_speed(self) -> dict:
+        """The disk tier's write and read speed measured on its swap file at initialize ({} without a tier)."""
+        if self._tier is None:
+            return {}
+        w, r = self.plan.disk_speed
+        return {"write_gb_per_s": w, "read_gb_per_s": r, "direct_io": self._tier.file.direct}
 
     def _probe_chunked_loss(self) -> bool:
         """Whether the model's head and loss run on a chunk of the final hidden state ([Note: a smaller GPU
@@ -695,7 +704,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _ckpt_up(self, micros: list[_Micro], index: int) -> None:
         """Block ``index``'s checkpoints back on the device (enqueued; ``_ckpt_wait`` before use)."""
-        if index < 0 or not micros or micros[0].ckpts[index] is None or micros[0].ckpts[index].device == self.dev.device:
+        first = micros[0].ckpts[index] if index >= 0 and micros else None
+        if first is None or first.device == self.dev.device:
             return
         outs = [torch.empty(mc.ckpts[index].shape, dtype=mc.ckpts[index].dtype, device=self.dev.device)
                 for mc in micros]
@@ -841,22 +851,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         else:              # staging: either an immediate update, or an add into the host buffer
             dst = self._take_staging()
             self._sq_norms.pop(id(unit), None)
-        ev_compute = self.dev.record(self.dev.compute)
-        with self.dev.on(self.dev.download):
-            self.dev.wait(self.dev.download, ev_compute)
-            with self.dev.timed("download", self.dev.download, unit.name):
-                dst.narrow(0, 0, unit.numel).copy_(grad, non_blocking=True)
-                speculate = fresh_host and self._spec is not None and unit.index >= 0
-                if speculate:
-                    self._block_sq[unit.index:unit.index + 1].copy_(self._sq_norms[id(unit)].view(1),
-                                                                    non_blocking=True)
-            done = self.dev.record(self.dev.download)
-        if unit.grad_slot is not None:
-            unit.grad_slot.free_event = done
-            unit.grad_slot.tenant = None
-            unit.grad_slot = None
-            unit.grad = None
-        unit.grad_fresh = True
+        speculate = fresh_host and self._spec is not None and unit.index >= 0
+        done = self._send_down(unit, grad, dst, self._sq_norms[id(unit)] if speculate else None)
         if self.deferred:
             if not fresh_host:   # DeepSpeed-style accumulation across micro-steps
                 self.worker.submit(self._task_add(host, dst, done), label=f"add[{unit.name}]")
@@ -871,6 +867,26 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             unit.updated.clear()
             self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True),
                                self._priority(unit), label=f"adamw[{unit.name}]")
+
+    def _send_down(self, unit: Unit, grad: torch.Tensor, dst: torch.Tensor, block_sq: torch.Tensor | None):
+        """The unit's device gradient into host ``dst`` on the download stream, after the compute that wrote it
+        (with its squared norm into ``_block_sq`` for speculation); its gradient slot goes back. Returns the
+        download's event."""
+        ev_compute = self.dev.record(self.dev.compute)
+        with self.dev.on(self.dev.download):
+            self.dev.wait(self.dev.download, ev_compute)
+            with self.dev.timed("download", self.dev.download, unit.name):
+                dst.narrow(0, 0, unit.numel).copy_(grad, non_blocking=True)
+                if block_sq is not None:
+                    self._block_sq[unit.index:unit.index + 1].copy_(block_sq.view(1), non_blocking=True)
+            done = self.dev.record(self.dev.download)
+        if unit.grad_slot is not None:
+            unit.grad_slot.free_event = done
+            unit.grad_slot.tenant = None
+            unit.grad_slot = None
+            unit.grad = None
+        unit.grad_fresh = True
+        return done
 
     def _stash_grad(self, unit: Unit, grad: torch.Tensor) -> None:
         """[Note: gradients on the disk]
@@ -889,21 +905,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
         self._sq_norms[id(unit)] = sq
         dst = self._take_staging()
-        ev_compute = self.dev.record(self.dev.compute)
         speculate = self._spec is not None
-        with self.dev.on(self.dev.download):
-            self.dev.wait(self.dev.download, ev_compute)
-            with self.dev.timed("download", self.dev.download, unit.name):
-                dst.narrow(0, 0, unit.numel).copy_(grad, non_blocking=True)
-                if speculate:
-                    self._block_sq[unit.index:unit.index + 1].copy_(sq.view(1), non_blocking=True)
-            done = self.dev.record(self.dev.download)
-        if unit.grad_slot is not None:
-            unit.grad_slot.free_event = done
-            unit.grad_slot.tenant = None
-            unit.grad_slot = None
-            unit.grad = None
-        unit.grad_fresh = True
+        done = self._send_down(unit, grad, dst, sq if speculate else None)
         tier, key = self._tier, unit.index
 
         def stash():

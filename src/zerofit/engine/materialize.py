@@ -137,7 +137,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
                 unit.host16 = arena16.take(layout.numel)
                 unit.host16.copy_(master)
                 r = tier.regions[idx - 1]
-                tier.file.settle(r.offsets["master"], layout.numel * 4)   # one unit's pages in memory at a time
+                tier.file.drop_pages(r.offsets["master"], layout.numel * 4)   # one unit's pages in memory at a time
         elif assisted[idx]:
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel).zero_(), arena.take(layout.numel).zero_()
         else:

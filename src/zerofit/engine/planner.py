@@ -81,7 +81,8 @@ class Plan:
     disk_bytes: int = 0            # the swap file's size
     disk_budget: int | None = None
     disk_speed: tuple | None = None  # (write, read) GB/s measured on the swap file at initialize
-    stage_numel: int = 0           # fp32 upload staging elements (0: the largest uploaded unit); a unit goes up in pieces
+    stage_numel: int = 0           # fp32 upload staging elements (0: the largest uploaded unit); larger ones go up
+                                   # in pieces
     loss_chunks: int = 1           # [Note: a smaller GPU floor]: the head and loss run over this many token chunks
     offload_checkpoints: bool = False   # block inputs kept in pinned host memory between forward and backward
 
@@ -197,7 +198,8 @@ def placement_warnings(plan: Plan, num_blocks: int, *, optimizer_device: str, pa
     homes = plan.optimizer_homes(num_blocks)
     if "nvme" in (optimizer_device, param_device) and not plan.disk_blocks:
         return [f"offload to 'nvme' was asked for, but host memory holds all the optimizer state under "
-                f"max_host_memory ({fmt_bytes(plan.host_budget) if plan.host_budget else 'no limit'}): zerofit puts on the disk only what host "
+                f"max_host_memory ({fmt_bytes(plan.host_budget) if plan.host_budget else 'no limit'}): "
+                f"zerofit puts on the disk only what host "
                 f"memory cannot hold, so the disk is not used. {homes}"]
     if on_cuda and param_device != "none" and optimizer_device == "none":
         return ["offload.param_device is 'cpu' but offload.optimizer_device is 'none': zerofit keeps every block "

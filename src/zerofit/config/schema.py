@@ -437,6 +437,12 @@ class ZerofitConfig(_Frozen):
     """log every N optimizer steps"""
     wall_clock_breakdown: bool = False
     """print where the step's time went every steps_per_print steps"""
+    sharding: Literal["auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "auto"
+    """with several ranks (FSDP's words; DeepSpeed's zero stage maps here): how the training state is divided.
+    zerofit keeps host state once per host whatever the value (docs/ranks.md): FULL_SHARD (stage 3),
+    SHARD_GRAD_OP (stage 2) and NO_SHARD (stage 0/1) name the same placement of offloaded state"""
+    distributed_timeout_s: float = Field(600.0, gt=0)
+    """with several ranks: how long a collective may wait for the others before the process group fails"""
 
     # Raise ConfigError, never pydantic's ValidationError, from every way of building one.
     def __init__(self, /, **data: Any) -> None:

@@ -95,12 +95,13 @@ class DeepSpeedStyleAPI:
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         window = tuple(streamed[: self.plan.weight_slots])
         for u in streamed[: max(self.plan.weight_slots - 1, 1)]:
-            if not self._begin_upload(u, window, wait=False):
+            if not self._begin_upload(u, window, wait=self.ranks.many):   # ranks: [Note: sharded units]
                 break
 
     def _host16_possible(self) -> bool:
         streamed = [u for u in self.blocks if u.home is Home.STREAMED and u.swap != "all"]   # "all": has one
-        return (self.dtype != torch.float32 and bool(streamed)
+        # several ranks upload only a shard of each block: no 16-bit host copies ([Note: sharded units])
+        return (self.dtype != torch.float32 and bool(streamed) and not self.ranks.many
                 and streamed[0].host16 is None and not getattr(self, "_host16_refused", False))
 
     def _enable_host16(self) -> None:
@@ -144,7 +145,8 @@ class DeepSpeedStyleAPI:
             G = self.config.gradient_accumulation_steps
             scale = self.scaler.scale if self.scaler else 1.0
             with self.dev.timed("compute", label="post"):
-                self._post_backward(micro, loss, final, scale / (G if scale_wrt_gas else 1))
+                # averaged over the ranks, as DeepSpeed's data parallelism does ([Note: sharded units])
+                self._post_backward(micro, loss, final, scale / (G if scale_wrt_gas else 1) / self.ranks.world)
             self._micro_steps += 1
             if self.adapter.streaming:
                 self._held.append(micro)

@@ -54,6 +54,7 @@ from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw
 from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
+from zerofit.engine.ranks import Ranks
 from zerofit.engine.planner import (ASSIST_SETS, TIER_BUFFERS, BatchShape, ModelShape, Plan, assist_chunk, fmt_bytes,
                                     make_plan)
 from zerofit.engine.speculation import Speculation
@@ -100,6 +101,15 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
                        else ((off.loss_chunks or 1) > 1, bool(off.offload_checkpoints))))
 
 
+def _world_size() -> int:
+    """The number of ranks of the process group (made, or described by torchrun's environment)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def default_host_budget() -> int:
     """The host budget when ``max_host_memory`` is not set: the memory available now, less a tenth (at least
     4 GiB) for what the plan does not count: the CUDA context and libraries' growth, the page cache the
@@ -138,6 +148,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         ``param_groups``: torch.optim-style groups ([Note: parameter groups], groups.py)."""
         from zerofit.config import load_config
 
+        if "world_size" not in overrides:      # several ranks (torchrun): the batch triple counts them
+            world = _world_size()
+            if world > 1:
+                overrides["world_size"] = world
         loaded = load_config(config, **overrides)   # a bad config fails before any file is read
         source = None
         if isinstance(model, (str, os.PathLike)):
@@ -162,9 +176,15 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if want == "auto":
             want = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device(want)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA GPU")
+        # [Note: sharded units] (ranks.py): the process group torchrun describes, one GPU per rank
+        self.ranks = Ranks.setup(dev.type, config.distributed_timeout_s)
+        if self.ranks.many:
+            self._check_ranks(config)
+            if dev.type == "cuda":
+                dev = torch.device("cuda", self.ranks.local_rank)
         if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA GPU")
             dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         self.dev = Device.create(dev)
         self._adapter_kind = adapter or config.adapter
@@ -201,7 +221,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._host16_epoch = 0    # [Note: 16-bit copies for extra forwards]: bumped whenever masters may change
         self._host16_fill = False   # the forward in progress fills host16 copies (more forwards of the window follow)
         self._pending: _Micro | None = None
-        self._host_grads: dict[int, torch.Tensor] = {}
+        self._host_grads: dict[int, torch.Tensor] = {}     # deferred: (hi - lo,) fp32 host, the rank's shard
+        self._padded_grad: dict[int, torch.Tensor] = {}    # several ranks: resident host-optimized units' gradients
         self._sq_norms: dict[int, torch.Tensor] = {}
         self._mirror_stale = False
         self._peak_host = 0
@@ -209,6 +230,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._shape = model_shape(model, self.adapter, self._table)
         self.plan = self._plan(self._shape, config.seq_len)   # may refuse: nothing allocated yet
         self._open_lifecycle(self.dev)    # [Note: engine lifecycle]: from here on, released exactly once
+        self._resources.ranks = self.ranks
         self._arenas = self._resources.arenas
         if self.dev.is_cuda and config.max_gpu_memory:
             # The plan fits: enforce the cap on the allocator. Running close to a cap, expandable
@@ -232,6 +254,20 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._log_placement()
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(dev)
+
+    # ------------------------------------------------------------------ ranks
+
+    def _check_ranks(self, config: ZerofitConfig) -> None:
+        """What several ranks cannot do yet is refused here, before anything is allocated."""
+        r = self.ranks
+        if config.world_size != r.world:
+            raise ValueError(f"the config's world_size is {config.world_size} but {r.world} ranks run: build the "
+                             "config with zerofit.initialize (it reads WORLD_SIZE) or pass world_size="
+                             f"{r.world} to load_config")
+        off = config.offload
+        if "nvme" in (off.param_device, off.optimizer_device):
+            raise ValueError("the NVMe tier runs on one rank for now: with several ranks use offload device 'cpu' "
+                             "(the host's ranks share one copy of the state in host memory)")
 
     # ------------------------------------------------------------------ planning and materialization
 
@@ -264,8 +300,13 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if self.dev.is_cuda:
             free, total = torch.cuda.mem_get_info(self.dev.device)
             dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
+        host_budget = cfg.max_host_memory or default_host_budget()
+        if self.ranks.many:     # every rank must make the same plan: the collectives follow the units' homes
+            budgets = self.ranks.objects((dev_budget, host_budget))
+            dev_budget = None if dev_budget is None else min(b[0] for b in budgets)
+            host_budget = budgets[0][1]
         return make_plan(shape, self._plan_batch, device_budget=dev_budget,
-                         host_budget=cfg.max_host_memory or default_host_budget(),
+                         host_budget=host_budget,
                          chunkable_loss=self.adapter.chunkable_loss,
                          **placement_args(cfg, self.adapter.num_blocks), **self._plan_args())
 
@@ -273,15 +314,22 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         """Materialize the units (materialize.py), then the device slots and pinned gradient buffers."""
         plan, cb = self.plan, self.dtype
         pinned = self.dev.is_cuda and self.config.offload.pin_memory
+        ranks = self.ranks
         self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned,
-                                         source=self._source, group_of=self._group_of, tier=self._tier)
+                                         source=self._source, group_of=self._group_of, tier=self._tier, ranks=ranks)
         self._source = None   # the files are read: keep only their folder (source_dir)
         self._arenas.extend(arenas)
         self.shell, self.blocks = self.units[0], self.units[1:]
+        for u in self.units:
+            u.lo, u.hi = ranks.bounds(u.numel)
+        if ranks.many:
+            self._share_units()
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
-        cap = max((u.numel for u in streamed), default=0)
+        cap = max((ranks.padded(u.numel) for u in streamed), default=0)
+        # [Note: sharded units]: a gradient slot also holds the reduce-scattered shard, after the padded gradient
+        gcap = cap + (max((ranks.shard_size(u.numel) for u in streamed), default=0) if ranks.many else 0)
         self.weight_pool = SlotPool(self.dev, plan.weight_slots, cap, cb) if streamed else None
-        self.grad_pool = SlotPool(self.dev, plan.grad_slots, cap, torch.float32) if streamed else None
+        self.grad_pool = SlotPool(self.dev, plan.grad_slots, gcap, torch.float32) if streamed else None
         uploaded = streamed + ([self.shell] if self._shell_host_opt else [])
         ucap = plan.stage_numel or max((u.numel for u in (streamed or uploaded)), default=0)
         self._upload_stage = (torch.empty(ucap, dtype=torch.float32, device=self.dev.device)  # (ucap,) fp32
@@ -290,7 +338,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if plan.assisted_updates and streamed:
             self._alloc_assist(cap)
         host_units = [u for u in self.units if not u.optimizer_on_device]
-        scap = max((u.numel for u in host_units), default=0)
+        scap = max((u.hi - u.lo for u in host_units), default=0)     # a rank downloads its shard only
         self._staging: list[torch.Tensor] = []   # (scap,) fp32, pinned host each
         if host_units:
             a = HostArena(plan.staging_buffers * scap, torch.float32, pinned)
@@ -302,12 +350,38 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._block_sq = torch.zeros(max(len(self.blocks), 1), dtype=torch.float64,
                                      pin_memory=pinned and self._can_speculate)
         waiting = [u for u in host_units if u.swap is None]    # swapped units: [Note: gradients on the disk]
-        if self.deferred and waiting:
-            a = HostArena(sum(u.numel for u in waiting), torch.float32, pinned)
+        if self.deferred and waiting:     # each rank's shard of the gradients that wait for the norm
+            a = HostArena(sum(u.hi - u.lo for u in waiting), torch.float32, pinned)
             self._arenas.append(a)
             for u in waiting:
-                self._host_grads[id(u)] = a.take(u.numel)
+                self._host_grads[id(u)] = a.take(u.hi - u.lo)
         self._note_host()
+
+    def _share_units(self) -> None:
+        """[Note: sharded units] after materialization: every rank starts from local rank 0's weights. The host
+        state (shared) was written by rank 0 alone: once it is there, the other ranks' device copies of it are
+        refreshed; replicated device-optimized units are broadcast from rank 0. Device buffers that take part
+        in a gather or a reduce-scatter get their padding (and a gradient buffer the room for its shard)."""
+        r = self.ranks
+        r.barrier()
+        self._padded_grad: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            if u.optimizer_on_device:
+                r.broadcast(u.master)
+                if u.dev16 is not u.master:
+                    u.dev16.copy_(u.master)
+                if u.host is not u.master:
+                    u.host.copy_(u.master)
+                continue
+            if u.home is Home.RESIDENT:      # host-optimized but kept on the device: gathered after each update
+                pad = torch.empty(r.padded(u.numel), dtype=u.dev16.dtype, device=self.dev.device)
+                pad[: u.numel].copy_(u.master)
+                u.dev16 = pad[: u.numel]
+                g = torch.zeros(r.padded(u.numel) + r.shard_size(u.numel), dtype=torch.float32,
+                                device=self.dev.device)
+                self._padded_grad[id(u)] = g
+                u.grad = g[: u.numel]
+        r.barrier()
 
     def _open_tier(self) -> DiskTier | None:
         """The disk tier the plan asks for: its file reserved under ``offload.nvme_path`` and its speed measured
@@ -407,6 +481,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self.dev.wait(self.dev.upload, slot.free_event)       # [Note: slot reuse]
             self.dev.wait(self.dev.upload, slot.read_event)
             slot.read_event = self._upload(unit, dst)
+            if self.ranks.many:      # [Note: sharded units]: the rank uploaded its shard; the GPUs share the rest
+                with self.dev.timed("upload", self.dev.upload, f"{unit.name}(gather)"):
+                    self.ranks.gather(slot.tensor, unit.numel)
             unit.ready_event = self.dev.record(self.dev.upload)
         slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
         return True
@@ -427,13 +504,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 self.dev.wait(self.dev.upload, unit.host16_event)
                 dst.copy_(unit.host16, non_blocking=True)
             return None
+        lo, hi = unit.lo, unit.hi     # the whole unit, or this rank's shard ([Note: sharded units])
         with self.dev.timed("upload", self.dev.upload, unit.name):
             if dst.dtype == torch.float32:
-                dst.copy_(unit.master, non_blocking=True)
+                dst[lo:hi].copy_(unit.master[lo:hi], non_blocking=True)
             else:   # one buffer: the upload stream runs in order; a unit larger than it (the shell) in pieces
                 cap = self._upload_stage.numel()
-                for a in range(0, unit.numel, cap):
-                    k = min(cap, unit.numel - a)
+                for a in range(lo, hi, cap):
+                    k = min(cap, hi - a)
                     stage = self._upload_stage[:k]
                     stage.copy_(unit.master[a:a + k], non_blocking=True)
                     dst[a:a + k].copy_(stage)
@@ -467,13 +545,13 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         before, self.state = self.state, EngineState.APPLYING
         factor, hypers = unit.pending_update
         unit.pending_update = None
-        n = unit.numel
+        lo, hi = unit.lo, unit.hi     # this rank's shard ([Note: sharded units]); host_grad holds just that
         chunk = self._assist[0][0].numel()
         host_grad = self._host_grads[id(unit)]
         step0 = unit.step.to(self.dev.device, copy=True)
         done = None
-        for off in range(0, n, chunk):
-            k = min(chunk, n - off)
+        for off in range(lo, hi, chunk):
+            k = min(chunk, hi - off)
             i = self._assist_next
             self._assist_next = (i + 1) % len(self._assist)
             p, m, v, g = (b[:k] for b in self._assist[i])
@@ -482,7 +560,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 p.copy_(unit.master[off:off + k], non_blocking=True)
                 m.copy_(unit.exp_avg[off:off + k], non_blocking=True)
                 v.copy_(unit.exp_avg_sq[off:off + k], non_blocking=True)
-                g.copy_(host_grad[off:off + k], non_blocking=True)
+                g.copy_(host_grad[off - lo:off - lo + k], non_blocking=True)
                 # a chunk may straddle a border between parameter groups: unit_adamw cuts it there
                 unit_adamw(unit, p, g, m, v, step0.clone(), hypers, factor, start=off)
                 if dst is not None:
@@ -542,7 +620,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         for u in order[pos + 1: pos + 1 + depth]:
             # a unit whose CPU update is still running is passed over, not waited for: the ones after it
             # (an assisted update, say) keep the copy engines busy meanwhile; it is uploaded when acquired
-            self._begin_upload(u, self._window(order, pos), wait=False)
+            # several ranks: the gathers must come in the same order on every rank ([Note: sharded units])
+            self._begin_upload(u, self._window(order, pos), wait=self.ranks.many)
 
     def _wait_updated(self, unit: Unit) -> None:
         if not unit.updated.is_set():
@@ -841,6 +920,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if self.deferred and unit.swap is not None:
             self._stash_grad(unit, grad)
             return
+        if self.ranks.many:
+            grad = self._reduce_scatter(unit)
         host = self._host_grads.get(id(unit))
         fresh_host = host is not None and unit.host_grad_fresh
         if fresh_host:     # the whole gradient goes straight into the unit's host buffer; its norm is taken here
@@ -868,6 +949,18 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True),
                                self._priority(unit), label=f"adamw[{unit.name}]")
 
+    def _reduce_scatter(self, unit: Unit) -> torch.Tensor:
+        """[Note: sharded units]: the sum over the ranks of this rank's shard of the unit's gradient, on the device
+        (in the room after the padded gradient in its buffer, so it lives as long as the gradient slot)."""
+        r = self.ranks
+        full = unit.grad_slot.tensor if unit.grad_slot is not None else self._padded_grad[id(unit)]
+        p, s = r.padded(unit.numel), r.shard_size(unit.numel)
+        full[unit.numel:p].zero_()
+        out = full[p:p + s]
+        with self.dev.timed("compute", label=f"{unit.name}(reduce-scatter)"):
+            r.reduce_scatter(out, full, unit.numel)
+        return out[: unit.hi - unit.lo]
+
     def _send_down(self, unit: Unit, grad: torch.Tensor, dst: torch.Tensor, block_sq: torch.Tensor | None):
         """The unit's device gradient into host ``dst`` on the download stream, after the compute that wrote it
         (with its squared norm into ``_block_sq`` for speculation); its gradient slot goes back. Returns the
@@ -876,7 +969,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         with self.dev.on(self.dev.download):
             self.dev.wait(self.dev.download, ev_compute)
             with self.dev.timed("download", self.dev.download, unit.name):
-                dst.narrow(0, 0, unit.numel).copy_(grad, non_blocking=True)
+                dst.narrow(0, 0, grad.numel()).copy_(grad, non_blocking=True)
                 if block_sq is not None:
                     self._block_sq[unit.index:unit.index + 1].copy_(block_sq.view(1), non_blocking=True)
             done = self.dev.record(self.dev.download)
@@ -955,9 +1048,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         and a redo. A unit on the disk tier is streamed chunk by chunk ([Note: chunked updates], disk.py):
         each chunk read (ahead), updated, its 16-bit copy refreshed ("all"), written back (behind)."""
         if unit.swap is None:
+            lo, hi = unit.lo, unit.hi     # the whole unit, or this rank's shard ([Note: sharded units])
             for hypers, factor, inverse in ops:
-                unit_adamw(unit, unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.step, hypers, factor,
-                           inverse=inverse)
+                unit_adamw(unit, unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], unit.step,
+                           hypers, factor, start=lo, inverse=inverse)
             return
         tier, key = self._tier, unit.index
         step0 = unit.step.clone()
@@ -993,7 +1087,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                      release: bool):
         def run():
             event.synchronize()
-            g = grad.narrow(0, 0, unit.numel) if grad is not None else None
+            g = grad.narrow(0, 0, unit.hi - unit.lo) if grad is not None else None
             self._apply(unit, g, [(hypers, factor, False)])
             if release:
                 self._give_staging(grad)
@@ -1055,6 +1149,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._wait_updated(u)
             with self.dev.on(self.dev.upload):
                 self._upload(u, u.dev16)
+                if self.ranks.many:     # [Note: sharded units]
+                    self.ranks.gather(u.dev16.as_strided((self.ranks.padded(u.numel),), (1,)), u.numel)
                 ev = self.dev.record(self.dev.upload)
             self.dev.wait(self.dev.compute, ev)
             u.dirty = False
@@ -1087,13 +1183,23 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         spec, self._spec = self._spec, None
         if self.deferred and spec is None:
             self.worker.drain()        # host-side accumulations are done
+        if self.ranks.many:     # [Note: sharded units]: replicated units take the sum of every rank's gradient
+            with self.dev.timed("compute", label="all-reduce"):
+                for u in device_units:
+                    self.ranks.all_reduce(u.grad)
         if self._needs_norm:
             sq = [torch.linalg.vector_norm(u.grad, dtype=torch.float64) ** 2 for u in device_units]
+            shards = []
             for u in host_units:
                 s = self._sq_norms.pop(id(u), None)
                 if s is None:   # accumulated on the host over several micro-steps
                     s = torch.linalg.vector_norm(self._host_grads[id(u)], dtype=torch.float64) ** 2
-                sq.append(s.to(self.dev.device))
+                shards.append(s.to(self.dev.device))
+            if self.ranks.many:     # each rank holds its shards' squares: summed over the ranks
+                part = torch.stack(shards).sum() if shards else torch.zeros((), dtype=torch.float64,
+                                                                             device=self.dev.device)
+                shards = [self.ranks.all_reduce(part.reshape(1)).reshape(())]
+            sq += shards
             total = torch.stack(sq).sum().sqrt().item() if sq else 0.0    # a device sync
             scale = self.scaler.scale if self.scaler else 1.0
             try:
@@ -1172,7 +1278,11 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if self._micro_steps or self._pending is not None:
             raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation "
                                "(a forward without backward(), or micro-batches without step()); finish it first")
-        check_micro_batches(micro_batches, self._batch_spec)
+        try:
+            check_micro_batches(micro_batches, self._batch_spec)
+        except Exception as e:
+            self.ranks.fail(e)      # [Note: a failing rank]: the others would wait for this one's collectives
+            raise
         with self._call(discard_step=True):
             return self._with_fallback(lambda: self._train_batch(micro_batches))
 
@@ -1180,7 +1290,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._ensure_plan(micro_batches)
         self._begin_speculation()
         t0, busy0 = self._start_clock()
-        G = len(micro_batches)
+        G = len(micro_batches) * self.ranks.world    # the gradient is the mean over every rank's micro-batches
         scale = self.scaler.scale if self.scaler else 1.0
         plan = getattr(self, "batch_plan", self.plan)
         self._ckpt_ready = {}
@@ -1203,6 +1313,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._backward_blocks(micros)
         del micros
         mean = torch.stack(losses).float().mean()
+        if self.ranks.many:     # the loss of the global batch, the same on every rank
+            mean = self.ranks.all_reduce(mean.reshape(1)).reshape(()) / self.ranks.world
         applied = self._finish_step()
         loss_value = mean.item()              # the step's one device sync
         self._end_step(t0, busy0, applied)
@@ -1305,7 +1417,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         ``exclude_frozen_parameters`` changes nothing: zerofit trains every parameter."""
         from zerofit.checkpoint.state import save
 
-        return str(save(self, save_dir, tag, client_state, save_latest))
+        return str(self._on_rank0(lambda: save(self, save_dir, tag, client_state, save_latest)))
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
@@ -1316,13 +1428,40 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
         self._check_deepspeed_load_options(load_module_strict, load_lr_scheduler_states, load_module_only,
                                            custom_load_fn)
-        return load(self, load_dir, tag, load_optimizer_states)
+        out = load(self, load_dir, tag, load_optimizer_states)
+        # several ranks: each wrote the same checkpoint into the shared host state; none trains on before all did
+        self.ranks.barrier()
+        return out
+
+    def _on_rank0(self, write):
+        """Several ranks ([Note: sharded units]): every rank calls; once every rank's updates are applied, rank 0
+        writes the whole tensors from the shared host state and the others wait for its outcome (an error on
+        rank 0 is raised on every rank). One rank: ``write()``."""
+        if not self.ranks.many:
+            return write()
+        self.wait()
+        result, err = None, None
+        if self.ranks.rank == 0:
+            self._solo = True         # the writer's own waits are not collectives
+            try:
+                result = write()
+            except Exception as e:      # noqa: BLE001 - raised below, on every rank
+                err = e
+            finally:
+                self._solo = False
+        said = self.ranks.objects((str(result), None if err is None else f"{type(err).__name__}: {err}")
+                                  if self.ranks.rank == 0 else None)[0]
+        if err is not None:
+            raise err
+        if said[1] is not None:
+            raise RuntimeError(f"rank 0 failed to write: {said[1]}")
+        return said[0]
 
     def save_pretrained(self, out_dir, dtype="bf16", max_shard_size="5GB") -> str:
         """The current weights as a Hugging Face model directory, streamed tensor by tensor."""
         from zerofit.checkpoint.export import save_pretrained
 
-        return str(save_pretrained(self, out_dir, dtype, max_shard_size))
+        return str(self._on_rank0(lambda: save_pretrained(self, out_dir, dtype, max_shard_size)))
 
     def memory_stats(self) -> dict[str, int]:
         self._note_host()

@@ -117,6 +117,7 @@ class EngineResources:
     arenas: list[HostArena] = field(default_factory=list)   # pinned host memory, unpinned on release
     capped: bool = False                                     # set_per_process_memory_fraction applied
     tier: object = None                                      # the disk tier (disk.py): its file removed
+    ranks: object = None                                     # ranks.Ranks: its monitor stopped, its group closed
     released: bool = False
 
     def release(self) -> None:
@@ -148,6 +149,8 @@ class EngineResources:
             except Exception as e:
                 log.warning("zerofit: unpinning %d bytes of host memory failed: %r",
                             arena.tensor.numel() * arena.tensor.element_size(), e)
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 class InterruptDeferral:
@@ -226,6 +229,15 @@ class EngineLifecycle:
         try:
             yield
         except BaseException as err:
+            ranks = getattr(self, "ranks", None)
+            if ranks is not None and ranks.many and self.state not in (EngineState.FAILED, EngineState.CLOSED):
+                # [Note: a failing rank] (ranks.py): the other ranks cannot go on without this one
+                peer = ranks.peer_error(err)
+                ranks.fail(err)
+                self._fail(peer)
+                if peer is not err:
+                    raise peer from err
+                raise
             if self.state in (EngineState.FAILED, EngineState.CLOSED):
                 raise                                   # a nested call handled it
             if self.state is EngineState.APPLYING or isinstance(err, (WorkerError, DiskTierError)):

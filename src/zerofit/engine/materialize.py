@@ -77,7 +77,7 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelS
 
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
                 compute_dtype: torch.dtype, pinned: bool, source=None,
-                group_of: dict[str, int] | None = None, tier=None) -> tuple[list[Unit], list[HostArena]]:
+                group_of: dict[str, int] | None = None, tier=None, ranks=None) -> tuple[list[Unit], list[HostArena]]:
     """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them.
 
     ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model.
@@ -104,8 +104,13 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     # With assisted updates the moments of the device-updated blocks are copied too: pin them as well
     # (a pageable copy runs at a seventh of the speed and blocks the host).
     assisted = [i - 1 in plan.assisted_blocks for i in range(len(sizes))]
-    need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
-    arena = HostArena(need, torch.float32, pinned) if need else None
+    many = ranks is not None and ranks.many
+    writer = not many or ranks.local_rank == 0
+    if many:     # every host unit's moments in the shared arena (zeros as mapped): the state is held once
+        need += 2 * sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
+    else:
+        need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
+    arena = HostArena(need, torch.float32, pinned, ranks) if need else None
     units: list[Unit] = []
     for idx, names in enumerate(table.unit_names):
         layout = FlatLayout.of([(n, canon[n].shape) for n in names],
@@ -122,12 +127,15 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             master = tier.view(idx - 1, "master")           # (numel,) fp32, the swap file's mapping
         else:
             master = arena.take(layout.numel)              # (numel,) fp32, pinned host: the upload source
+        fill = writer or on_dev
         if source is not None:
             _init_buffers(model, adapter, idx, init_device)
-            _read_unit(source, table, names, layout.views(master), fds)
+            if fill:
+                _read_unit(source, table, names, layout.views(master), fds)
         else:
             values = _unit_values(model, adapter, idx, names, init_device)
-            _fill(layout.views(master), names, values)
+            if fill:
+                _fill(layout.views(master), names, values)
             del values
         unit.master = master
         if swap:
@@ -138,6 +146,8 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
                 unit.host16.copy_(master)
                 r = tier.regions[idx - 1]
                 tier.file.drop_pages(r.offsets["master"], layout.numel * 4)   # one unit's pages in memory at a time
+        elif many and not on_dev:
+            unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel), arena.take(layout.numel)
         elif assisted[idx]:
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel).zero_(), arena.take(layout.numel).zero_()
         else:

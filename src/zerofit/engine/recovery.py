@@ -75,6 +75,8 @@ class StepRecovery:
         self._flush_assisted()
         if self._tier is not None:
             self._tier.drain()
+        if not getattr(self, "_solo", False):
+            self.ranks.barrier()    # the other ranks' shards too ([Note: sharded units]): a collective
 
     def _sync_host_weights(self) -> None:
         """The module's parameters (host views) take the current weights of device-optimized units."""

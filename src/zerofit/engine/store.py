@@ -145,6 +145,8 @@ class Unit:
     host16_event: object = None              # the download that filled host16
     swap: str | None = None                  # on the disk tier (disk.py): "moments", or "all" (master too;
                                              # host16 then holds its compute weights, the upload source)
+    lo: int = 0                              # this rank's shard [lo, hi) of the flat buffers ([Note: sharded
+    hi: int = 0                              # units], ranks.py); one rank: [0, numel)
 
     @property
     def numel(self) -> int:
@@ -212,8 +214,10 @@ class HostArena:
     One registration per arena avoids the caching host allocator's rounding of
     every pinned block up to a power of two (up to 2x the memory)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, pinned: bool):
-        self.tensor = torch.empty(max(numel, 1), dtype=dtype)
+    def __init__(self, numel: int, dtype: torch.dtype, pinned: bool, ranks=None):
+        # ``ranks`` with several ranks: memory every rank of the host maps ([Note: sharded units], ranks.py)
+        shared = ranks is not None and ranks.many
+        self.tensor = ranks.shared(max(numel, 1), dtype) if shared else torch.empty(max(numel, 1), dtype=dtype)
         self.pinned = pinned
         if pinned:
             pin(self.tensor)

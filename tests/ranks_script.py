@@ -1,0 +1,61 @@
+"""One rank of a multi-process CPU (gloo) run, launched by tests/test_ranks.py the way torchrun would.
+
+Arguments: a JSON spec. Every rank trains the same tiny model on its part of each global batch (rank r takes
+micro-batches r*G .. r*G+G-1 of the step's N*G) and writes, as rank 0, losses and final fp32 weights (and
+moments) to ``out``. Optional: load a checkpoint first, save one at the end, raise on one rank at one step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import zerofit  # noqa: E402
+from tests import tiny_models as tm  # noqa: E402
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(spec.get("model_seed", 0))
+    model = getattr(tm, spec.get("model", "llama"))()
+    G = spec["G"]
+    data = tm.batches(spec["steps_total"], G * world, seed=spec.get("data_seed", 1))[spec.get("first", 0):
+                                                                                      spec.get("first", 0) + spec["steps"]]
+    engine = zerofit.initialize(model, spec["config"])
+    assert engine.ranks.world == world and engine.config.world_size == world
+    if spec.get("load"):
+        engine.load_checkpoint(spec["load"])
+    losses = []
+    for step, mbs in enumerate(data):
+        mine = mbs[rank * G:(rank + 1) * G]
+        if spec.get("fail_rank") == rank and spec.get("fail_step") == step:
+            mine = [{"input_ids": mine[0]["input_ids"][:, :3], "labels": mine[0]["labels"]}] + mine[1:]  # bad batch
+        losses.append(engine.train_batch(mine))
+    if spec.get("save"):
+        engine.save_checkpoint(spec["save"], tag=spec.get("tag"))
+    if spec.get("export"):
+        engine.save_pretrained(spec["export"], dtype="fp32")
+    engine.wait()
+    state = {"losses": losses, "skipped": engine.skipped_steps,
+             "threads": torch.get_num_threads(), "speculation": dict(engine.speculation_stats)}
+    if rank == 0:
+        master = engine.master_state_dict()
+        moments = {}
+        for u in engine.units:
+            prefix = "" if u.index < 0 else engine.adapter.block_prefix(u.index) + "."
+            for n, v in u.layout.views(u.exp_avg).items():
+                moments[prefix + n] = v.detach().to("cpu", copy=True)
+        torch.save({"state": state, "master": master, "exp_avg": moments}, spec["out"])
+    else:
+        engine.master_state_dict()     # a collective: every rank reads the weights together
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -44,16 +44,21 @@ def main() -> None:
     engine.wait()
     state = {"losses": losses, "skipped": engine.skipped_steps,
              "threads": torch.get_num_threads(), "speculation": dict(engine.speculation_stats)}
+    # the host state is in one shared mapping per arena (memfd), not copied per rank
+    with open("/proc/self/maps") as f:
+        state["shared_mappings"] = sum(1 for line in f if "memfd:zerofit-state" in line)
+    state["shards"] = {u.name: (u.lo, u.hi, u.numel) for u in engine.units}
+    state["streamed"] = sum(1 for u in engine.blocks if u.home.name == "STREAMED")
+    master = engine.master_state_dict()     # a collective: every rank reads the weights together
+    out = {"state": state}
     if rank == 0:
-        master = engine.master_state_dict()
         moments = {}
         for u in engine.units:
             prefix = "" if u.index < 0 else engine.adapter.block_prefix(u.index) + "."
             for n, v in u.layout.views(u.exp_avg).items():
                 moments[prefix + n] = v.detach().to("cpu", copy=True)
-        torch.save({"state": state, "master": master, "exp_avg": moments}, spec["out"])
-    else:
-        engine.master_state_dict()     # a collective: every rank reads the weights together
+        out.update(master=master, exp_avg=moments)
+    torch.save(out, f"{spec['out']}.{rank}")
     engine.close()
 
 

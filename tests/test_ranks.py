@@ -57,7 +57,11 @@ def launch(world: int, spec: dict, tmp: Path, timeout: float = 240.0, env_extra:
             raise AssertionError(f"ranks still running after {timeout} s (a hang)")
         errs.append(err)
     rcs = [p.returncode for p in procs]
-    result = torch.load(out, weights_only=False) if out.exists() else None
+    outs = [Path(f"{out}.{r}") for r in range(world)]
+    if not all(o.exists() for o in outs):
+        return rcs, errs, None
+    result = torch.load(outs[0], weights_only=False)
+    result["ranks"] = [torch.load(o, weights_only=False)["state"] for o in outs]
     return rcs, errs, result
 
 
@@ -69,17 +73,35 @@ def _cfg(**kw) -> dict:
 
 
 def _reference(world: int, steps: int, clip: float = 0.0, model: str = "llama"):
+    """Plain PyTorch on the global batch: per-step losses, final weights and AdamW's exp_avg by name."""
     torch.manual_seed(0)
     ref = getattr(tm, model)()
     data = tm.batches(steps, G * world)
-    losses = tm.reference_train(ref, data, clip=clip)
-    return losses, {n: p.detach() for n, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for mbs in data:
+        opt.zero_grad()
+        total = 0.0
+        for mb in mbs:
+            loss = ref(**mb).loss
+            (loss / len(mbs)).backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        losses.append(total / len(mbs))
+    weights = {n: p.detach() for n, p in ref.named_parameters()}
+    moments = {n: opt.state[p]["exp_avg"] for n, p in ref.named_parameters()}
+    return losses, (weights, moments)
 
 
-def _check(result, ref_losses, ref_weights, rtol=1.3e-6, atol=1e-5):
+def _check(result, ref_losses, ref, rtol=1.3e-6, atol=1e-5):
+    weights, moments = ref
     torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(ref_losses), rtol=rtol, atol=atol)
-    for n, w in ref_weights.items():
+    for n, w in weights.items():
         torch.testing.assert_close(result["master"][n], w, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{n}.exp_avg: {m}")
 
 
 def _ok(rcs, errs):
@@ -99,14 +121,27 @@ _PLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("placement", sorted(_PLACEMENTS))
+@pytest.mark.parametrize("placement,world", [("offload", 2), ("offload", 3), ("mixed", 3), ("no-offload", 2)])
 def test_ranks_train_like_one_process(world, placement, tmp_path):
     rcs, errs, result = launch(world, {"steps": STEPS, "steps_total": STEPS, "config": _cfg(**_PLACEMENTS[placement])},
                                tmp_path)
     _ok(rcs, errs)
     ref_losses, ref_weights = _reference(world, STEPS)
     _check(result, ref_losses, ref_weights)
+    states = result["ranks"]
+    for st in states:      # every rank saw the global batch's loss
+        assert st["losses"] == states[0]["losses"]
+    shards = [st["shards"] for st in states]
+    for name, (_, _, numel) in shards[0].items():   # the ranks' shards tile each unit
+        assert sorted((s[name][0], s[name][1]) for s in shards)[0][0] == 0
+        assert sum(s[name][1] - s[name][0] for s in shards) == numel
+    if placement == "no-offload":
+        assert states[0]["streamed"] == 0 and states[0]["shared_mappings"] == 0
+    else:
+        assert states[0]["streamed"] == len(shards[0]) - 1 - (placement == "mixed")
+        assert all(st["shared_mappings"] >= 1 for st in states)     # the host state is mapped, not copied
+    if world == 3:
+        assert any(numel % 3 for _, _, numel in shards[0].values()), "3 ranks should make uneven shards"
 
 
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
@@ -120,3 +155,76 @@ def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
     assert "another rank failed first (rank 1: BatchError" in errs[0], errs[0][-3000:]
     assert result is None
     assert time.monotonic() - t < 90
+
+
+@pytest.mark.parametrize("world,clip", [(3, 0.05), (2, 1.16)], ids=["3-always-clipped", "2-mixed"])
+def test_ranks_clip_by_the_global_norm(world, clip, tmp_path):
+    """Clipping by the norm of the whole gradient (every rank's shards and the replicated units once), with
+    speculative updates on each rank's shard held or rolled back as the global norm decides."""
+    cfg = _cfg(gradient_clipping=clip, **_PLACEMENTS["mixed"])
+    rcs, errs, result = launch(world, {"steps": STEPS, "steps_total": STEPS, "config": cfg}, tmp_path)
+    _ok(rcs, errs)
+    ref_losses, ref_weights = _reference(world, STEPS, clip=clip)
+    _check(result, ref_losses, ref_weights)
+    spec = [st["speculation"] for st in result["ranks"]]
+    assert all(s == spec[0] for s in spec), spec            # the same decision on every rank
+    if clip == 0.05:
+        assert spec[0]["held"] == 0
+
+
+def test_ranks_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
+    """fp16 with a loss scale that overflows at first: every rank skips the same steps, and the weights are a
+    single process's on the same global batch."""
+    import zerofit
+
+    cfg = _cfg(precision="fp16", gradient_clipping=1.0, fp16={"initial_scale_power": 32, "loss_scale_window": 2},
+               **_PLACEMENTS["mixed"])
+    steps, world = 6, 2
+    rcs, errs, result = launch(world, {"steps": steps, "steps_total": steps, "config": cfg}, tmp_path)
+    _ok(rcs, errs)
+    skipped = [st["skipped"] for st in result["ranks"]]
+    assert skipped[0] > 0 and skipped == [skipped[0]] * world, skipped
+    torch.manual_seed(0)
+    one = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": G * world})
+    losses = [one.train_batch(mbs) for mbs in tm.batches(steps, G * world)]
+    assert one.skipped_steps == skipped[0]
+    torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
+    for n, w in one.master_state_dict().items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    one.close()
+
+
+def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
+    """6 micro-batches per step throughout: 2 steps in one process (G=6), saved; 2 more on 3 ranks (G=2) from
+    that checkpoint, saved; 2 more on 2 ranks (G=3), exported. Losses and weights are those of 6
+    uninterrupted steps of plain PyTorch, and the exported directory loads with from_pretrained."""
+    import zerofit
+    from transformers import AutoModelForCausalLM
+
+    total, mbs = 6, 6
+    torch.manual_seed(0)
+    ref = tm.llama()
+    ref_losses = tm.reference_train(ref, tm.batches(total, mbs))
+    ref_weights = {n: p.detach() for n, p in ref.named_parameters()}
+    cfg = _cfg(**_PLACEMENTS["offload"])
+    torch.manual_seed(0)
+    one = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})
+    losses = [one.train_batch(b) for b in tm.batches(total, mbs)[:2]]
+    one.save_checkpoint(tmp_path / "ck", tag="one")
+    one.close()
+    rcs, errs, r3 = launch(3, {"G": 2, "steps": 2, "steps_total": total, "first": 2, "config": {**cfg,
+                           "gradient_accumulation_steps": 2}, "load": str(tmp_path / "ck"),
+                           "save": str(tmp_path / "ck"), "tag": "three"}, tmp_path)
+    _ok(rcs, errs)
+    rcs, errs, r2 = launch(2, {"G": 3, "steps": 2, "steps_total": total, "first": 4, "config": {**cfg,
+                           "gradient_accumulation_steps": 3}, "load": str(tmp_path / "ck"),
+                           "export": str(tmp_path / "hf")}, tmp_path)
+    _ok(rcs, errs)
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "three"
+    losses += r3["state"]["losses"] + r2["state"]["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5)
+    for n, w in ref_weights.items():
+        torch.testing.assert_close(r2["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    for n, p in out.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_weights[n], rtol=1.3e-6, atol=1e-5)

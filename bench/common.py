@@ -76,6 +76,9 @@ WORKLOADS: dict[str, Workload] = {
     # The 13B shape with the same tokens per step in micro-batches of one (what fits an 8 GiB cap).
     "W3-mb1": Workload("W3-mb1", hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40,
                        vocab=32000, tied=False, max_positions=4096, micro_batch=1, grad_accum=8),
+    # W5: the 13B shape on two GPUs (run with --gpus 2), micro-batch 2 x 2048, 4 micro-batches per GPU.
+    "W5": Workload("W5", hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40,
+                   vocab=32000, tied=False, max_positions=4096),
     # A toy for dry runs of the harness on CPU or GPU (seconds).
     "smoke": Workload("smoke", hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2,
                       vocab=1024, tied=True, micro_batch=2, seq=128, grad_accum=4, cap=None,
@@ -371,8 +374,16 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
     w = WORKLOADS[args.workload]
     if args.cap is None:
         args.cap = w.cap
+    # several ranks (torchrun): each trains its own micro-batches, the step's tokens are every rank's; rank r
+    # writes its result beside rank 0's (``RESULT.rank<r>``)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if rank:
+        args.result = f"{args.result}.rank{rank}" if args.result else None
     res = Result(engine=name, workload=w.name, warmup_steps=args.warmup,
-                 tokens_per_step=w.tokens_per_step)
+                 tokens_per_step=w.tokens_per_step * world)
+    if world > 1:
+        res.extra["world_size"], res.extra["rank"] = world, rank
     res.cap_gib = (parse_bytes(args.cap) / GiB) if parse_bytes(args.cap) else None
     t0 = process_start_time()
     sampler = HostMemorySampler()
@@ -385,16 +396,18 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
 
             if not torch.cuda.is_available():
                 raise RuntimeError("CUDA is not available (use --device cpu for smoke tests)")
-            res.device = torch.cuda.get_device_name(0)
+            if world > 1:
+                torch.cuda.set_device(local)
+            res.device = torch.cuda.get_device_name(local) + (f" x{world}" if world > 1 else "")
             peaks = PeakKeeper()
             if uses_cap:
-                set_gpu_cap(args.cap, args.device)
+                set_gpu_cap(args.cap, f"cuda:{local}" if world > 1 else args.device)
         else:
             res.device = "cpu"
         res.versions = versions(*version_modules)  # after the cap: an import may touch CUDA
         print(f"[{name}] {w.name}: P={res.params / 1e9:.3f} B, T={w.tokens_per_step} tokens/step, "
               f"cap={args.cap}, device={res.device}", flush=True)
-        batches = make_batches(w, args.steps, args.seed)
+        batches = make_batches(w, args.steps, args.seed + rank)
         state = setup(args, w, res)
         res.setup_s = time.time() - t0
         print(f"[{name}] ready after {res.setup_s:.1f} s", flush=True)

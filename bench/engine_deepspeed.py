@@ -33,7 +33,7 @@ def ds_config(w: common.Workload, bf16: bool = True) -> dict:
     return {
         "train_micro_batch_size_per_gpu": w.micro_batch,
         "gradient_accumulation_steps": w.grad_accum,
-        "train_batch_size": w.micro_batch * w.grad_accum,  # world size 1
+        "train_batch_size": w.micro_batch * w.grad_accum * int(os.environ.get("WORLD_SIZE", "1")),
         "bf16": {"enabled": bf16},
         "optimizer": {"type": "AdamW",
                       "params": {"lr": 1e-4, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}},
@@ -97,7 +97,7 @@ class DeepSpeedEngine:
         self.torch = torch
         deepspeed.init_distributed(dist_backend="nccl" if args.device.startswith("cuda") else "gloo")
         if args.device.startswith("cuda"):
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
         # Build the CPU Adam op now, so its (one-time) compile is measured on its own.
         t = time.perf_counter()

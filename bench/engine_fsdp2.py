@@ -34,14 +34,15 @@ class FSDP2:
 
         self.torch = torch
         cuda = args.device.startswith("cuda")
-        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        common.single_process_env()
+        common.single_process_env()      # torchrun's environment, or one rank of one
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        self.device = torch.device("cuda", local) if cuda else torch.device("cpu")
         if cuda:
-            torch.cuda.set_device(0)
-            dist.init_process_group(backend="cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=self.device)
+            torch.cuda.set_device(local)
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=self.device)
         else:
-            dist.init_process_group(backend="gloo", rank=0, world_size=1)
-        mesh = init_device_mesh(self.device.type, (1,))
+            dist.init_process_group(backend="gloo")
+        mesh = init_device_mesh(self.device.type, (world,))
 
         # Initialised on the CPU as plain tensors, then sharded: fully_shard moves each
         # unit's parameters to the GPU and its offload policy copies the (here: whole)
@@ -49,12 +50,12 @@ class FSDP2:
         # keeps random initialisation off DTensors (no DTensor RNG on a CUDA mesh).
         model = common.build_model(w, "cpu")  # fp32
         kw = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-        if cuda:  # CPU offload needs a GPU to offload from; the CPU dry run shards in place
+        if cuda and args.offload:  # CPU offload needs a GPU to offload from; the CPU dry run shards in place
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=args.pin_memory)
         for layer in model.model.layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
-        res.extra["fsdp"] = {"units": len(model.model.layers) + 1, "offload": cuda,
+        res.extra["fsdp"] = {"units": len(model.model.layers) + 1, "offload": cuda and args.offload, "world": world,
                              "pin_memory": args.pin_memory, "optimizer": args.optimizer}
         # Buffers (the rotary inv_freq) are not sharded and must be where the compute is.
         for mod in model.modules():
@@ -89,6 +90,8 @@ def main() -> int:
     p = common.engine_args(__doc__)
     p.add_argument("--optimizer", default="default", choices=["default", "foreach", "fused"],
                    help="torch.optim.AdamW implementation on the CPU shards (default: torch's choice)")
+    p.add_argument("--no-offload", dest="offload", action="store_false",
+                   help="no CPU offload: the sharded state stays on the GPUs (the in-GPU ceiling on several GPUs)")
     p.add_argument("--no-pin-memory", dest="pin_memory", action="store_false",
                    help="CPUOffloadPolicy(pin_memory=False)")
     args = p.parse_args()

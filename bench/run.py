@@ -112,7 +112,9 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
     """Run ``bench/engine_<name>.py`` in its own session; return its result dict (status always set)."""
     result_path = os.path.join(tmpdir, f"{name}.json")
     base, fixed = VARIANTS.get(name, (name, []))
-    cmd = [args.python, os.path.join(HERE, f"engine_{base}.py"), "--workload", args.workload,
+    launcher = [] if args.gpus <= 1 else ["-m", "torch.distributed.run", "--standalone",
+                                          f"--nproc-per-node={args.gpus}"]
+    cmd = [args.python, *launcher, os.path.join(HERE, f"engine_{base}.py"), "--workload", args.workload,
            "--steps", str(steps), "--device", args.device, "--cap", cap, "--result", result_path,
            *fixed, *shlex.split(args.engine_args.get(name, ""))]
     env = dict(os.environ)
@@ -143,6 +145,14 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
     if os.path.exists(result_path):
         with open(result_path) as f:
             res = json.load(f)
+    ranks = []
+    for r in range(1, args.gpus):     # the other ranks' results (peak GPU, RSS, timeline)
+        if os.path.exists(f"{result_path}.rank{r}"):
+            with open(f"{result_path}.rank{r}") as f:
+                other = json.load(f)
+            ranks.append({k: other.get(k) for k in ("peak_gpu_gib", "peak_rss_gib", "timeline", "status", "step_s")})
+    if ranks:
+        res["other_ranks"] = ranks
     res["engine"] = name
     res["returncode"], res["wall_s"], res["steps_requested"] = rc, round(wall, 1), steps
     if timed_out and res.get("status") in ("OOM", "error"):  # failed, then hung while exiting
@@ -289,6 +299,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run: later engines get what is left (minus a margin)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for dry runs")
+    p.add_argument("--gpus", type=int, default=1, help="ranks per engine (torchrun on one host); tokens count all")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "runs", "bench"))
     p.add_argument("--append-docs", default=None, help="append the markdown section to this file")
     p.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse, if it works)")

@@ -1,0 +1,17 @@
+# Issue 9's runs on the nvidia-h200-x2 machine (source bench/gpu_setup.sh first). $1: which part.
+set -u
+R=$OUT/r; mkdir -p $R
+C=${COMMIT:-unknown}
+case "$1" in
+  smoke)   # 2 ranks, tiny model, then the per-rank results
+    python3 bench/run.py --workload smoke --engines zerofit --gpus 2 --steps 3 --timeout 120 --out $R/smoke --commit $C ;;
+  w2)      # W2: zerofit on 1 GPU, then on 2 GPUs (24 GiB cap each), same machine, same call
+    python3 bench/run.py --workload W2 --engines zerofit --steps 5 --cap 24GiB --timeout 170 --out $R/w2-1 --commit $C
+    python3 bench/run.py --workload W2 --engines zerofit --gpus 2 --steps 5 --cap 24GiB --timeout 200 --out $R/w2-2 --commit $C ;;
+  w5)      # W5: the 13B shape on 2 GPUs: zerofit (24 GiB cap each) and FSDP2 without offload or cap
+    python3 bench/run.py --workload W5 --engines zerofit,fsdp2 --gpus 2 --steps 5 --fsdp2-steps 5 --cap 24GiB \
+      --engine-args 'fsdp2=--no-offload' --timeout 240 --out $R/w5 --commit $C ;;
+  w5ds)    # W5: DeepSpeed ZeRO-3 with CPU offload on 2 GPUs
+    python3 bench/run.py --workload W5 --engines deepspeed --gpus 2 --steps 3 --cap 24GiB --timeout ${DS_TIMEOUT:-560} \
+      --out $R/w5ds --commit $C ;;
+esac

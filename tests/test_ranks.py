@@ -8,7 +8,6 @@ tolerances (RELIABILITY.md). 3 ranks make uneven shards (the units' sizes are no
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import socket

@@ -159,3 +159,31 @@ def test_every_train_option_reaches_the_run(workspace, tmp_path, monkeypatch):
     assert (o.save_on_interrupt, o.export, o.export_dtype, o.deterministic, o.progress) == (False, False, "fp16", True,
                                                                                              False)
     assert (o.seq_len, o.micro_batch_size, o.grad_accum, o.lr, o.precision, o.eval_size) == (32, 2, 2, 1e-3, "fp32", 2)
+
+
+def test_two_ranks_train_like_one_process(workspace):
+    """`zerofit train --gpus 2` (torchrun, gloo on the CPU) with 1 micro-batch per rank and step trains on the
+    same global batches as one process with 2: the same losses and exported weights, at fp32 tolerances; rank 0
+    alone writes the metrics, checkpoints and the model."""
+    root, model, data = workspace
+    one, two = root / "run-one", root / "run-two"
+    base = ["--steps", "3", "--export-dtype", "fp32", "--eval-size", "2"]
+    res = CliRunner().invoke(app, _args(model, data, one, *base))
+    assert res.exit_code == 0, res.output
+    args = [a if a != "2" or i == 0 else a for i, a in enumerate(_args(model, data, two, *base))]
+    args[args.index("--grad-accum") + 1] = "1"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    p = subprocess.run([sys.executable, "-m", "zerofit.cli", *args, "--gpus", "2"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-2000:]
+    l1 = [r["loss"] for r in _records(one) if "loss" in r]
+    l2 = [r["loss"] for r in _records(two) if "loss" in r]
+    assert len(l2) == 3
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1.3e-6, atol=1e-5)
+    w1, w2 = _model_weights(one / "model"), _model_weights(two / "model")
+    assert w1.keys() == w2.keys()
+    for n in w1:
+        torch.testing.assert_close(w2[n], w1[n], rtol=1.3e-6, atol=1e-5)
+    assert (two / "checkpoints" / "latest").read_text().strip() == "global_step3"
+    assert not (two / "ranks" / "rank1" / "tensorboard").exists()

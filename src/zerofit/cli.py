@@ -14,6 +14,9 @@ Exit codes: 0 done, 2 bad configuration or option.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -138,6 +141,9 @@ def train(
         help="Folder on a fast disk for the optimizer state host memory cannot hold (the NVMe tier).")] = None,
     device: Annotated[str, typer.Option(
         help="auto (the first GPU, else the CPU), cpu, cuda or cuda:N.")] = _DEFAULT.device,
+    gpus: Annotated[int, typer.Option(
+        min=1, help="Ranks on this host, one GPU each (launched with torchrun; with --device cpu, gloo "
+                    "processes); the batch is per rank (with --model).")] = 1,
     seed: Annotated[int | None, typer.Option(
         min=0, help="Random seed (seed): initialisation, dropout, data order and split.")] = None,
     eval_size: Annotated[float, typer.Option(
@@ -170,6 +176,10 @@ def train(
 
     console = Console()
     paths = list(data or []) + list(more_data or [])
+    if gpus > 1 and model is None:
+        _fail(console, "--gpus needs --model (the demo trains on one device)")
+    if gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise typer.Exit(_relaunch(gpus))
     if model is None:
         if paths:
             _fail(console, "--data needs --model (the model directory whose tokenizer reads it)")
@@ -202,6 +212,24 @@ def train(
     _render_train_summary(result, console)
     if result.interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _relaunch(gpus: int) -> int:
+    """This command again under torchrun, ``gpus`` ranks on this host (the process group comes from its
+    environment: docs/ranks.md). Returns torchrun's exit status (non-zero when any rank failed)."""
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--gpus":
+            skip = True
+            continue
+        if not a.startswith("--gpus="):
+            argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+           "-m", "zerofit.cli", *argv]
+    return subprocess.call(cmd)
 
 
 def _render_train_summary(result, console: Console) -> None:

@@ -21,7 +21,8 @@ class Metrics:
     """Append-only JSON lines plus optional TensorBoard event files."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, elapsed: float = 0.0):
-        self.path = run_dir / "metrics.jsonl"
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(run_dir) / "metrics.jsonl"
         self._f = open(self.path, "a", buffering=1)
         self._t0 = time.time() - elapsed
         self._tb = None

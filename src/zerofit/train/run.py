@@ -57,9 +57,12 @@ def finetune_defaults(device: torch.device) -> dict[str, Any]:
     }
 
 
-def resolve_config(opts: TrainOptions, device: torch.device) -> LoadedConfig:
-    """The config file (or the fine-tuning defaults) with the options the user set applied on top."""
+def resolve_config(opts: TrainOptions, device: torch.device, world: int = 1) -> LoadedConfig:
+    """The config file (or the fine-tuning defaults) with the options the user set applied on top, for
+    ``world`` ranks (the batch options are per rank)."""
     overrides: dict[str, Any] = {"device": str(device)}
+    if world > 1:
+        overrides["world_size"] = world
     for name, value in (("micro_batch_size", opts.micro_batch_size), ("gradient_accumulation_steps", opts.grad_accum),
                         ("optimizer.lr", opts.lr), ("scheduler.warmup_steps", opts.warmup_steps),
                         ("precision", opts.precision), ("max_gpu_memory", opts.max_gpu_memory),
@@ -169,7 +172,13 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     device = resolve_device(opts.device)
-    loaded = resolve_config(opts, device)
+    # several ranks (torchrun, zerofit train --gpus N): rank r trains micro-batches r*G .. r*G+G-1 of each step's
+    # N*G (every rank draws the same order, so the loader's position resumes anywhere); rank 0 alone prints,
+    # logs to OUTPUT/metrics.jsonl and prunes checkpoints (the engine has rank 0 write them)
+    world, rank, _made_group = _init_ranks(device)
+    if rank:
+        console = Console(quiet=True)
+    loaded = resolve_config(opts, device, world)
     cfg = loaded.config
     run_dir = Path(opts.output)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -177,9 +186,16 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
 
     ModelDir.open(opts.model)          # a wrong path fails here, naming it, before the data is read
     tokenizer = load_tokenizer(opts.model)
-    data = build_datasets(opts.data, tokenizer, opts.seq_len, eval_size=opts.eval_size, seed=cfg.seed,
-                          cache_dir=run_dir / ".datasets-cache")
-    loader = StepLoader(data.train, cfg.micro_batch_size, cfg.gradient_accumulation_steps, seed=cfg.seed)
+    for turn in ((0, 1) if world > 1 else (0,)):    # rank 0 fills the datasets cache before the others read it
+        if (rank == 0) == (turn == 0):
+            data = build_datasets(opts.data, tokenizer, opts.seq_len, eval_size=opts.eval_size, seed=cfg.seed,
+                                  cache_dir=run_dir / ".datasets-cache")
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+    G = cfg.gradient_accumulation_steps
+    loader = StepLoader(data.train, cfg.micro_batch_size, G * world, seed=cfg.seed)
     total = opts.steps if opts.steps is not None else max(1, math.ceil((opts.epochs or 1.0) * loader.steps_per_epoch))
     loaded = load_config(loaded, **{"scheduler.total_steps": total})
 
@@ -189,8 +205,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     engine = zerofit.initialize(str(opts.model), loaded)
     setup = {"load_seconds": round(time.perf_counter() - t_load, 3), "load_rss_growth_bytes": _rss("VmHWM:") - rss0,
              "host_planned_bytes": engine.plan.host_total}
-    result = TrainResult(run_dir, total, tokens_per_step=cfg.micro_batch_size * cfg.gradient_accumulation_steps
-                         * opts.seq_len)
+    result = TrainResult(run_dir, total, tokens_per_step=cfg.micro_batch_size * G * world * opts.seq_len)
     elapsed = 0.0
     if opts.resume:
         t_resume = time.perf_counter()
@@ -205,7 +220,8 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
             console.print(f"resumed from {path} at step {result.start_step} of {total}")
     _print_start(console, opts, loaded, data, engine, total, result)
 
-    metrics = Metrics(run_dir, tensorboard=opts.tensorboard, elapsed=elapsed)
+    metrics = (Metrics(run_dir, tensorboard=opts.tensorboard, elapsed=elapsed) if rank == 0 else
+               Metrics(run_dir / "ranks" / f"rank{rank}", tensorboard=False, elapsed=elapsed))
     result.setup = metrics.log(result.start_step, **setup)
 
     def save(step: int) -> None:
@@ -213,7 +229,8 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         t = time.perf_counter()
         engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state=client)
         result.checkpoints.append(ckpt_dir / f"global_step{step}")
-        prune(ckpt_dir, opts.keep)
+        if rank == 0:
+            prune(ckpt_dir, opts.keep)
         metrics.log(step, checkpoint_seconds=round(time.perf_counter() - t, 3))
 
     def run_eval(step: int) -> None:
@@ -237,10 +254,13 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         with _StopRequest(console) as stop, bar:
             task = bar.add_task("train", total=total, completed=step, stats="")
             while step < total:
-                if stop.requested:
+                requested = stop.requested
+                if world > 1:     # every rank stops at the same step, or one would wait for the others forever
+                    requested = any(engine.ranks.objects(requested))
+                if requested:
                     result.interrupted = True
                     break
-                batch = next(loader)
+                batch = next(loader)[rank * G:(rank + 1) * G]
                 t0 = time.perf_counter()
                 loss = engine.train_batch(batch)
                 dt = time.perf_counter() - t0
@@ -278,6 +298,26 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         result.memory = dict(engine.memory_stats())
         metrics.close()
         engine.close()
+        if world > 1 and _made_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _init_ranks(device: torch.device) -> tuple[int, int, bool]:
+    """(world size, rank, made): the process group torchrun describes, made now (NCCL on GPUs, gloo on the CPU)
+    so that the ranks can take turns before the engine exists; the engine then uses it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 1, 0, False
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
+    if made:
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_world_size(), dist.get_rank(), made
 
 
 def _model_dtype(model_dir: Path) -> str:
@@ -302,7 +342,8 @@ def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, dat
     console.print(f"  data      {s.files} files, {kinds}; {s.tokens:,} tokens ({s.target_tokens:,} with a loss); "
                   f"{len(data.train):,} training windows of {opts.seq_len}"
                   + (f", {len(data.eval):,} held out" if data.eval is not None else ", none held out"))
-    console.print(f"  batch     {cfg.micro_batch_size} x {opts.seq_len} x {cfg.gradient_accumulation_steps} = "
+    ranks = f" x {cfg.world_size} ranks" if cfg.world_size > 1 else ""
+    console.print(f"  batch     {cfg.micro_batch_size} x {opts.seq_len} x {cfg.gradient_accumulation_steps}{ranks} = "
                   f"{result.tokens_per_step:,} tokens per step; {total} steps")
     console.print(f"  optimizer AdamW lr {cfg.optimizer.lr:g}, weight decay {cfg.optimizer.weight_decay:g}; "
                   f"schedule {cfg.scheduler.type}, warm-up {cfg.scheduler.warmup_steps}; "

@@ -626,3 +626,17 @@ def test_flavour_detection():
     assert is_deepspeed_config({"activation_checkpointing": {}})
     assert not is_deepspeed_config({"train_batch_size": 8, "fp16": {"hysteresis": 3}})
     assert not is_deepspeed_config(ZerofitConfig().model_dump())
+
+
+@pytest.mark.parametrize("stage,word", [(3, "FULL_SHARD"), (2, "SHARD_GRAD_OP"), (1, "NO_SHARD"), (0, "NO_SHARD")])
+def test_zero_stage_maps_to_fsdp_sharding_words(stage, word):
+    """DeepSpeed's stage is read as FSDP's word for it (docs/ranks.md); zerofit's own config takes the words."""
+    from zerofit.config import load_config
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage}}
+    loaded = load_config(ds, world_size=2)
+    assert loaded.config.sharding == word
+    assert loaded.config.world_size == 2 and loaded.config.train_batch_size == 4
+    assert load_config({"sharding": word}).config.sharding == word
+    with pytest.raises(ConfigError, match="sharding"):
+        load_config({"sharding": "HYBRID"})

@@ -255,6 +255,9 @@ def translate(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
     if "scheduler" in v:
         fields["scheduler"] = _scheduler(v, fields["optimizer"], notes, origin)
     fields["offload"] = _offload(v, notes, origin)
+    if "zero_optimization.stage" in v:      # FSDP's word for the stage (docs/ranks.md)
+        fields["sharding"] = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP"}.get(v.get("zero_optimization.stage", 0), "NO_SHARD")
+        origin["sharding"] = v.name("zero_optimization.stage")
 
     clip = v.get("gradient_clipping", 0.0)
     if clip is AUTO:

@@ -185,7 +185,9 @@ class Section:
 
 _BUCKETS = "zerofit sizes its transfers per block; no communication buckets"
 _PLANNER = "zerofit's planner decides from the model's block sizes and the memory budgets"
-_COMM = "zerofit decides its own communication schedule"
+_COMM = ("zerofit decides its own communication schedule: with several ranks each block's weights are "
+         "all-gathered from the ranks' shards and its gradient reduce-scattered, once per block, on process groups "
+         "of their own (docs/ranks.md)")
 _MONITOR = "zerofit logs to its own timeline; metric sinks are configured outside the training config"
 
 
@@ -226,8 +228,10 @@ _OFFLOAD_PARAM = Section({
 
 _ZERO = Section({
     "stage": Key(Choice((0, 1, 2, 3)), MAPPED,
-                 "zerofit streams whole blocks; where weights and optimizer state live follows offload_param "
-                 "and offload_optimizer"),
+                 "-> sharding (3 FULL_SHARD, 2 SHARD_GRAD_OP, 0/1 NO_SHARD). zerofit streams whole blocks; where "
+                 "weights and optimizer state live follows offload_param and offload_optimizer; with several ranks "
+                 "the offloaded state is sharded 1/N and held once per host whatever the stage, and units kept on "
+                 "the GPUs with their optimizer are replicated (docs/ranks.md)"),
     "offload_optimizer": _OFFLOAD_OPTIMIZER,
     "offload_param": _OFFLOAD_PARAM,
     "cpu_offload": Key(Bool(nullable=True), MAPPED, "deprecated; true -> offload_optimizer.device cpu"),

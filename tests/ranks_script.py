@@ -36,7 +36,16 @@ def main() -> None:
         mine = mbs[rank * G:(rank + 1) * G]
         if spec.get("fail_rank") == rank and spec.get("fail_step") == step:
             mine = [{"input_ids": mine[0]["input_ids"][:, :3], "labels": mine[0]["labels"]}] + mine[1:]  # bad batch
-        losses.append(engine.train_batch(mine))
+        if spec.get("api") == "deepspeed":    # engine(**b); backward(loss); step() per micro-batch
+            total = 0.0
+            for b in mine:
+                out = engine(**b)
+                engine.backward(out.loss)
+                engine.step()
+                total += float(out.loss)
+            losses.append(total / len(mine))
+        else:
+            losses.append(engine.train_batch(mine))
     if spec.get("save"):
         engine.save_checkpoint(spec["save"], tag=spec.get("tag"))
     if spec.get("export"):

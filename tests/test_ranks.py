@@ -227,3 +227,35 @@ def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     for n, p in out.named_parameters():
         torch.testing.assert_close(p.detach(), ref_weights[n], rtol=1.3e-6, atol=1e-5)
+
+
+def test_deepspeed_shaped_loop_on_ranks(tmp_path):
+    """`out = engine(**b); engine.backward(out.loss); engine.step()` per micro-batch on 2 ranks: the gradient is
+    averaged over the ranks (as DeepSpeed's data parallelism), the same weights as plain PyTorch on the global
+    batch; each rank's returned losses are those of its own micro-batches."""
+    rcs, errs, result = launch(2, {"steps": STEPS, "steps_total": STEPS, "api": "deepspeed",
+                                   "config": _cfg(**_PLACEMENTS["mixed"])}, tmp_path)
+    _ok(rcs, errs)
+    ref_losses, ref = _reference(2, STEPS)
+    weights, moments = ref
+    for n, w in weights.items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
+    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])      # (ranks, steps): local means
+    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+@pytest.mark.parametrize("placement", ["offload", "mixed"])
+def test_ranks_on_two_gpus_with_nccl(placement, tmp_path):
+    """The same run on 2 GPUs (NCCL, streams, pinned shared arenas): fp32 compute, clipping with speculation,
+    against plain PyTorch on the CPU at GPU-vs-CPU fp32 tolerances."""
+    cfg = _cfg(device="cuda", gradient_clipping=1.16, **_PLACEMENTS[placement])
+    rcs, errs, result = launch(2, {"steps": STEPS, "steps_total": STEPS, "config": cfg}, tmp_path,
+                               env_extra={"OMP_NUM_THREADS": "4"})
+    _ok(rcs, errs)
+    ref_losses, (weights, _) = _reference(2, STEPS, clip=1.16)
+    torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+    for n, w in weights.items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    assert all(st["streamed"] >= 2 for st in result["ranks"])

@@ -60,13 +60,15 @@ def main() -> None:
     state["streamed"] = sum(1 for u in engine.blocks if u.home.name == "STREAMED")
     master = engine.master_state_dict()     # a collective: every rank reads the weights together
     out = {"state": state}
-    if rank == 0:
-        moments = {}
-        for u in engine.units:
-            prefix = "" if u.index < 0 else engine.adapter.block_prefix(u.index) + "."
-            for n, v in u.layout.views(u.exp_avg).items():
-                moments[prefix + n] = v.detach().to("cpu", copy=True)
-        out.update(master=master, exp_avg=moments)
+    state["sharded_device_units"] = sum(u.shard_state for u in engine.units)
+    with engine._full_state(write_back=False):     # whole moments of GPU-sharded units (a collective)
+        if rank == 0:
+            moments = {}
+            for u in engine.units:
+                prefix = "" if u.index < 0 else engine.adapter.block_prefix(u.index) + "."
+                for n, v in u.layout.views(u.exp_avg).items():
+                    moments[prefix + n] = v.detach().to("cpu", copy=True)
+            out.update(master=master, exp_avg=moments)
     torch.save(out, f"{spec['out']}.{rank}")
     engine.close()
 

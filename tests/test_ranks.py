@@ -115,12 +115,16 @@ _PLACEMENTS = {
     # a resident block and the shell with their optimizer on the device: replicated, gradients all-reduced
     "mixed": {"offload": {"param_device": "cpu", "optimizer_device": "cpu", "resident_blocks": 1,
                           "shell_optimizer": "device"}},
-    # no offload: every unit on the device (replicated, as DDP)
+    # no offload: every unit on the device, its optimizer state sharded ([Note: sharded device state])
     "no-offload": {"offload": {"param_device": "none", "optimizer_device": "none"}},
+    # no offload, NO_SHARD: every unit replicated, as DDP
+    "no-offload-replicated": {"offload": {"param_device": "none", "optimizer_device": "none"},
+                              "sharding": "NO_SHARD"},
 }
 
 
-@pytest.mark.parametrize("placement,world", [("offload", 2), ("offload", 3), ("mixed", 3), ("no-offload", 2)])
+@pytest.mark.parametrize("placement,world", [("offload", 2), ("offload", 3), ("mixed", 3), ("no-offload", 3),
+                                             ("no-offload-replicated", 2)])
 def test_ranks_train_like_one_process(world, placement, tmp_path):
     rcs, errs, result = launch(world, {"steps": STEPS, "steps_total": STEPS, "config": _cfg(**_PLACEMENTS[placement])},
                                tmp_path)
@@ -134,7 +138,9 @@ def test_ranks_train_like_one_process(world, placement, tmp_path):
     for name, (_, _, numel) in shards[0].items():   # the ranks' shards tile each unit
         assert sorted((s[name][0], s[name][1]) for s in shards)[0][0] == 0
         assert sum(s[name][1] - s[name][0] for s in shards) == numel
-    if placement == "no-offload":
+    sharded = {"offload": 0, "mixed": 2, "no-offload": len(shards[0]), "no-offload-replicated": 0}[placement]
+    assert all(st["sharded_device_units"] == sharded for st in states)
+    if placement.startswith("no-offload"):
         assert states[0]["streamed"] == 0 and states[0]["shared_mappings"] == 0
     else:
         assert states[0]["streamed"] == len(shards[0]) - 1 - (placement == "mixed")
@@ -205,7 +211,7 @@ def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
     ref = tm.llama()
     ref_losses = tm.reference_train(ref, tm.batches(total, mbs))
     ref_weights = {n: p.detach() for n, p in ref.named_parameters()}
-    cfg = _cfg(**_PLACEMENTS["offload"])
+    cfg = _cfg(**_PLACEMENTS["mixed"])     # host-sharded blocks, and GPU-sharded state (a block, the shell)
     torch.manual_seed(0)
     one = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})
     losses = [one.train_batch(b) for b in tm.batches(total, mbs)[:2]]

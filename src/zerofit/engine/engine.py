@@ -365,6 +365,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         r = self.ranks
         r.barrier()
         self._padded_grad: dict[int, torch.Tensor] = {}
+        shard = self.config.sharding != "NO_SHARD"
         for u in self.units:
             if u.optimizer_on_device:
                 r.broadcast(u.master)
@@ -372,6 +373,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                     u.dev16.copy_(u.master)
                 if u.host is not u.master:
                     u.host.copy_(u.master)
+                if shard:     # [Note: sharded device state]
+                    self._shard_device_unit(u)
                 continue
             if u.home is Home.RESIDENT:      # host-optimized but kept on the device: gathered after each update
                 pad = torch.empty(r.padded(u.numel), dtype=u.dev16.dtype, device=self.dev.device)
@@ -382,6 +385,56 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 self._padded_grad[id(u)] = g
                 u.grad = g[: u.numel]
         r.barrier()
+
+    def _shard_device_unit(self, u: Unit) -> None:
+        """[Note: sharded device state]
+        With several ranks and sharding other than NO_SHARD (FSDP's FULL_SHARD and SHARD_GRAD_OP, ZeRO stages
+        2 and 3), a unit the planner keeps on the GPU with its optimizer holds its fp32 master and moments for
+        its shard only: its gradient is reduce-scattered, each rank updates its shard on the GPU, casts it into
+        its part of ``dev16`` and the GPUs all-gather ``dev16`` (the 16-bit weights stay whole on every GPU,
+        as SHARD_GRAD_OP keeps them: the blocks a plan streams are the ones whose weights are sharded too).
+        The host mirror stays whole; it, checkpoints and export gather the shards (``_full_state``)."""
+        r, n = self.ranks, u.numel
+        p, s = r.padded(n), r.shard_size(n)
+        dev16 = torch.empty(p, dtype=self.dtype, device=self.dev.device)     # (padded,) compute dtype
+        dev16[:n].copy_(u.dev16)
+        u.dev16 = dev16[:n]
+        u.master = u.master[u.lo:u.hi].clone()                                # (hi - lo,) fp32, device
+        u.exp_avg = torch.zeros_like(u.master)
+        u.exp_avg_sq = torch.zeros_like(u.master)
+        g = torch.zeros(p + s, dtype=torch.float32, device=self.dev.device)   # the gradient, then its shard
+        self._padded_grad[id(u)] = g
+        u.grad = g[:n]
+        u.shard_state = True
+
+    def _gather_full(self, u: Unit, t: torch.Tensor) -> torch.Tensor:
+        """A sharded device unit's whole ``t`` (its shard on every rank), on the host (fp32). Collective."""
+        buf = torch.zeros(self.ranks.padded(u.numel), dtype=torch.float32, device=self.dev.device)
+        buf[u.lo:u.hi].copy_(t)
+        self.ranks.gather(buf, u.numel)
+        return buf[: u.numel].to("cpu")
+
+    @contextlib.contextmanager
+    def _full_state(self, write_back: bool):
+        """Within the block, sharded device units ([Note: sharded device state]) show their whole master and
+        moments, gathered into the host mirror and host buffers, to what reads or writes whole tensors
+        (checkpoints, export, master_state_dict). ``write_back``: afterwards each rank takes its shard of
+        what is there (a checkpoint load wrote it). Collective."""
+        units = [u for u in self.units if u.shard_state]
+        kept = []
+        for u in units:
+            kept.append((u.master, u.exp_avg, u.exp_avg_sq))
+            master, m, v = (self._gather_full(u, t) for t in kept[-1])
+            u.host.copy_(master)
+            u.master, u.exp_avg, u.exp_avg_sq = u.host, m, v
+        try:
+            yield
+        finally:
+            for u, (master, m, v) in zip(units, kept):
+                if write_back:
+                    for dst, src in ((master, u.master), (m, u.exp_avg), (v, u.exp_avg_sq)):
+                        dst.copy_(src[u.lo:u.hi])
+                u.master, u.exp_avg, u.exp_avg_sq = master, m, v
 
     def _open_tier(self) -> DiskTier | None:
         """The disk tier the plan asks for: its file reserved under ``offload.nvme_path`` and its speed measured
@@ -1183,13 +1236,18 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         spec, self._spec = self._spec, None
         if self.deferred and spec is None:
             self.worker.drain()        # host-side accumulations are done
+        dev_grads = {}      # [Note: sharded device state]: each sharded device unit's gradient shard
         if self.ranks.many:     # [Note: sharded units]: replicated units take the sum of every rank's gradient
             with self.dev.timed("compute", label="all-reduce"):
                 for u in device_units:
-                    self.ranks.all_reduce(u.grad)
+                    if u.shard_state:
+                        dev_grads[id(u)] = self._reduce_scatter(u)
+                    else:
+                        self.ranks.all_reduce(u.grad)
         if self._needs_norm:
-            sq = [torch.linalg.vector_norm(u.grad, dtype=torch.float64) ** 2 for u in device_units]
-            shards = []
+            sq = [torch.linalg.vector_norm(u.grad, dtype=torch.float64) ** 2 for u in device_units
+                  if not u.shard_state]
+            shards = [torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in dev_grads.values()]
             for u in host_units:
                 s = self._sq_norms.pop(id(u), None)
                 if s is None:   # accumulated on the host over several micro-steps
@@ -1230,11 +1288,17 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             return False
         self._begin_applying()
         for u in device_units:
+            u.grad_fresh = True
             with self.dev.timed("compute", label=f"optimizer[{u.name}]"):
+                if u.shard_state:     # [Note: sharded device state]
+                    unit_adamw(u, u.master, dev_grads[id(u)], u.exp_avg, u.exp_avg_sq, u.step, hypers, factor,
+                               start=u.lo)
+                    u.dev16[u.lo:u.hi].copy_(u.master)
+                    self.ranks.gather(u.dev16.as_strided((self.ranks.padded(u.numel),), (1,)), u.numel)
+                    continue
                 unit_adamw(u, u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.step, hypers, factor)
                 if u.dev16 is not u.master:
                     u.dev16.copy_(u.master)
-            u.grad_fresh = True
         if device_units:
             self._mirror_stale = True
         if spec is not None:
@@ -1402,10 +1466,11 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         with self._call(discard_step=False):
             self._apply_pending()
             out = {}
-            for u in self.units:
-                prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
-                for n, v in u.layout.views(u.master).items():
-                    out[prefix + n] = v.detach().to("cpu", copy=True)
+            with self._full_state(write_back=False):      # [Note: sharded device state]
+                for u in self.units:
+                    prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
+                    for n, v in u.layout.views(u.master).items():
+                        out[prefix + n] = v.detach().to("cpu", copy=True)
         return out
 
     # checkpoints and export: thin delegates to zerofit.checkpoint (docs/checkpoints.md)
@@ -1428,7 +1493,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
         self._check_deepspeed_load_options(load_module_strict, load_lr_scheduler_states, load_module_only,
                                            custom_load_fn)
-        out = load(self, load_dir, tag, load_optimizer_states)
+        self.wait()
+        with self._full_state(write_back=True):      # [Note: sharded device state]
+            out = load(self, load_dir, tag, load_optimizer_states)
         # several ranks: each wrote the same checkpoint into the shared host state; none trains on before all did
         self.ranks.barrier()
         return out
@@ -1441,16 +1508,17 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             return write()
         self.wait()
         result, err = None, None
-        if self.ranks.rank == 0:
-            self._solo = True         # the writer's own waits are not collectives
-            try:
-                result = write()
-            except Exception as e:      # noqa: BLE001 - raised below, on every rank
-                err = e
-            finally:
-                self._solo = False
-        said = self.ranks.objects((str(result), None if err is None else f"{type(err).__name__}: {err}")
-                                  if self.ranks.rank == 0 else None)[0]
+        with self._full_state(write_back=False):     # [Note: sharded device state]
+            if self.ranks.rank == 0:
+                self._solo = True         # the writer's own waits are not collectives
+                try:
+                    result = write()
+                except Exception as e:      # noqa: BLE001 - raised below, on every rank
+                    err = e
+                finally:
+                    self._solo = False
+            said = self.ranks.objects((str(result), None if err is None else f"{type(err).__name__}: {err}")
+                                      if self.ranks.rank == 0 else None)[0]
         if err is not None:
             raise err
         if said[1] is not None:

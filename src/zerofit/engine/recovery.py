@@ -80,9 +80,11 @@ class StepRecovery:
 
     def _sync_host_weights(self) -> None:
         """The module's parameters (host views) take the current weights of device-optimized units."""
-        if self._mirror_stale and self.dev.is_cuda:
+        if self._mirror_stale and (self.dev.is_cuda or any(u.shard_state for u in self.units)):
             for u in self.units:
-                if u.optimizer_on_device and u.host is not u.master:
+                if u.shard_state:     # [Note: sharded device state]: gathered from every rank (a collective)
+                    u.host.copy_(self._gather_full(u, u.master))
+                elif u.optimizer_on_device and u.host is not u.master:
                     u.host.copy_(u.master)
         self._mirror_stale = False
 

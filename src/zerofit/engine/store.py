@@ -147,6 +147,8 @@ class Unit:
                                              # host16 then holds its compute weights, the upload source)
     lo: int = 0                              # this rank's shard [lo, hi) of the flat buffers ([Note: sharded
     hi: int = 0                              # units], ranks.py); one rank: [0, numel)
+    shard_state: bool = False                # device-optimized on several ranks: master and moments hold only
+                                             # [lo, hi) (dev16 and the host mirror stay whole)
 
     @property
     def numel(self) -> int:

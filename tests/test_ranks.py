@@ -33,9 +33,28 @@ def _port() -> int:
 
 
 def launch(world: int, spec: dict, tmp: Path, timeout: float = 240.0, env_extra: dict | None = None):
-    """Run ``world`` ranks; returns (return codes, stderr texts, rank 0's output or None)."""
+    """Run ``world`` ranks; returns (return codes, stderr texts, rank 0's output or None). ``spec["runs"]``: several
+    runs in the same processes; the output is then the list of their outputs."""
     out = tmp / f"out-{time.monotonic_ns()}.pt"
+    if "runs" in spec:
+        spec = {"G": G, **spec, "runs": [{**r, "out": f"{out}.{i}"} for i, r in enumerate(spec["runs"])]}
+        rcs, errs = _start(world, spec, timeout, env_extra)
+        return rcs, errs, [_collect(Path(r["out"]), world) for r in spec["runs"]]
     spec = {"G": G, **spec, "out": str(out)}
+    rcs, errs = _start(world, spec, timeout, env_extra)
+    return rcs, errs, _collect(out, world)
+
+
+def _collect(out: Path, world: int):
+    outs = [Path(f"{out}.{r}") for r in range(world)]
+    if not all(o.exists() for o in outs):
+        return None
+    result = torch.load(outs[0], weights_only=False)
+    result["ranks"] = [torch.load(o, weights_only=False)["state"] for o in outs]
+    return result
+
+
+def _start(world: int, spec: dict, timeout: float, env_extra: dict | None):
     port = _port()
     procs = []
     for r in range(world):
@@ -55,13 +74,7 @@ def launch(world: int, spec: dict, tmp: Path, timeout: float = 240.0, env_extra:
                 q.kill()
             raise AssertionError(f"ranks still running after {timeout} s (a hang)")
         errs.append(err)
-    rcs = [p.returncode for p in procs]
-    outs = [Path(f"{out}.{r}") for r in range(world)]
-    if not all(o.exists() for o in outs):
-        return rcs, errs, None
-    result = torch.load(outs[0], weights_only=False)
-    result["ranks"] = [torch.load(o, weights_only=False)["state"] for o in outs]
-    return rcs, errs, result
+    return [p.returncode for p in procs], errs
 
 
 def _cfg(**kw) -> dict:
@@ -123,12 +136,40 @@ _PLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize("placement,world", [("offload", 2), ("offload", 3), ("mixed", 3), ("no-offload", 3),
-                                             ("no-offload-replicated", 2)])
-def test_ranks_train_like_one_process(world, placement, tmp_path):
-    rcs, errs, result = launch(world, {"steps": STEPS, "steps_total": STEPS, "config": _cfg(**_PLACEMENTS[placement])},
-                               tmp_path)
-    _ok(rcs, errs)
+_THREE = ["offload", "mixed", "no-offload", "clip"]        # one launch of 3 ranks runs these in turn
+_TWO = ["no-offload-replicated", "deepspeed-loop", "fp16"]   # and one of 2 ranks these
+
+
+def _run_spec(name: str) -> dict:
+    if name == "clip":        # clipping by the global norm, speculation held on some steps, rolled back on others
+        return {"steps": STEPS, "steps_total": STEPS, "config": _cfg(gradient_clipping=0.74, **_PLACEMENTS["mixed"])}
+    if name == "deepspeed-loop":
+        return {"steps": STEPS, "steps_total": STEPS, "api": "deepspeed", "config": _cfg(**_PLACEMENTS["mixed"])}
+    if name == "fp16":        # a loss scale that overflows at first
+        return {"steps": 6, "steps_total": 6, "config": _fp16_cfg()}
+    return {"steps": STEPS, "steps_total": STEPS, "config": _cfg(**_PLACEMENTS[name])}
+
+
+def _fp16_cfg() -> dict:
+    return _cfg(precision="fp16", gradient_clipping=1.0, fp16={"initial_scale_power": 32, "loss_scale_window": 2},
+                **_PLACEMENTS["mixed"])
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Both shared launches, once per module: {run name: (world, rank 0's output)}."""
+    tmp = tmp_path_factory.mktemp("ranks")
+    out = {}
+    for world, names in ((3, _THREE), (2, _TWO)):
+        rcs, errs, results = launch(world, {"runs": [_run_spec(n) for n in names]}, tmp, timeout=400)
+        _ok(rcs, errs)
+        out.update({n: (world, r) for n, r in zip(names, results)})
+    return out
+
+
+@pytest.mark.parametrize("placement", ["offload", "mixed", "no-offload", "no-offload-replicated"])
+def test_ranks_train_like_one_process(placement, launched):
+    world, result = launched[placement]
     ref_losses, ref_weights = _reference(world, STEPS)
     _check(result, ref_losses, ref_weights)
     states = result["ranks"]
@@ -149,6 +190,49 @@ def test_ranks_train_like_one_process(world, placement, tmp_path):
         assert any(numel % 3 for _, _, numel in shards[0].values()), "3 ranks should make uneven shards"
 
 
+def test_ranks_clip_by_the_global_norm(launched):
+    """Clipping by the norm of the whole gradient (every rank's shards, host and GPU, and replicated units once),
+    with speculative updates on each rank's shard held or rolled back as the global norm decides."""
+    world, result = launched["clip"]
+    ref_losses, ref_weights = _reference(world, STEPS, clip=0.74)
+    _check(result, ref_losses, ref_weights)
+    spec = [st["speculation"] for st in result["ranks"]]
+    assert all(s == spec[0] for s in spec), spec            # the same decision on every rank
+    assert spec[0]["held"] >= 1 and spec[0]["rolled_back"] >= 1, spec[0]
+
+
+def test_ranks_fp16_overflow_skips_the_step_on_every_rank(launched):
+    """fp16 with a loss scale that overflows at first: every rank skips the same steps, and the weights are a
+    single process's on the same global batch."""
+    import zerofit
+
+    world, result = launched["fp16"]
+    steps = 6
+    skipped = [st["skipped"] for st in result["ranks"]]
+    assert skipped[0] > 0 and skipped == [skipped[0]] * world, skipped
+    torch.manual_seed(0)
+    one = zerofit.initialize(tm.llama(), {**_fp16_cfg(), "gradient_accumulation_steps": G * world})
+    losses = [one.train_batch(mbs) for mbs in tm.batches(steps, G * world)]
+    assert one.skipped_steps == skipped[0]
+    torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
+    for n, w in one.master_state_dict().items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    one.close()
+
+
+def test_deepspeed_shaped_loop_on_ranks(launched):
+    """`out = engine(**b); engine.backward(out.loss); engine.step()` per micro-batch on 2 ranks: the gradient is
+    averaged over the ranks (as DeepSpeed's data parallelism), the same weights as plain PyTorch on the global
+    batch; each rank's returned losses are those of its own micro-batches."""
+    world, result = launched["deepspeed-loop"]
+    ref_losses, (weights, moments) = _reference(world, STEPS)
+    for n, w in weights.items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
+    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])      # (ranks, steps): local means
+    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+
+
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
     """Rank 1 gets a bad batch at its second step and raises; rank 0, waiting in a collective, must not hang:
     it fails too, naming rank 1 and the cause."""
@@ -160,43 +244,6 @@ def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
     assert "another rank failed first (rank 1: BatchError" in errs[0], errs[0][-3000:]
     assert result is None
     assert time.monotonic() - t < 90
-
-
-@pytest.mark.parametrize("world,clip", [(3, 0.05), (2, 1.16)], ids=["3-always-clipped", "2-mixed"])
-def test_ranks_clip_by_the_global_norm(world, clip, tmp_path):
-    """Clipping by the norm of the whole gradient (every rank's shards and the replicated units once), with
-    speculative updates on each rank's shard held or rolled back as the global norm decides."""
-    cfg = _cfg(gradient_clipping=clip, **_PLACEMENTS["mixed"])
-    rcs, errs, result = launch(world, {"steps": STEPS, "steps_total": STEPS, "config": cfg}, tmp_path)
-    _ok(rcs, errs)
-    ref_losses, ref_weights = _reference(world, STEPS, clip=clip)
-    _check(result, ref_losses, ref_weights)
-    spec = [st["speculation"] for st in result["ranks"]]
-    assert all(s == spec[0] for s in spec), spec            # the same decision on every rank
-    if clip == 0.05:
-        assert spec[0]["held"] == 0
-
-
-def test_ranks_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
-    """fp16 with a loss scale that overflows at first: every rank skips the same steps, and the weights are a
-    single process's on the same global batch."""
-    import zerofit
-
-    cfg = _cfg(precision="fp16", gradient_clipping=1.0, fp16={"initial_scale_power": 32, "loss_scale_window": 2},
-               **_PLACEMENTS["mixed"])
-    steps, world = 6, 2
-    rcs, errs, result = launch(world, {"steps": steps, "steps_total": steps, "config": cfg}, tmp_path)
-    _ok(rcs, errs)
-    skipped = [st["skipped"] for st in result["ranks"]]
-    assert skipped[0] > 0 and skipped == [skipped[0]] * world, skipped
-    torch.manual_seed(0)
-    one = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": G * world})
-    losses = [one.train_batch(mbs) for mbs in tm.batches(steps, G * world)]
-    assert one.skipped_steps == skipped[0]
-    torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
-    for n, w in one.master_state_dict().items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
-    one.close()
 
 
 def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
@@ -233,22 +280,6 @@ def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     for n, p in out.named_parameters():
         torch.testing.assert_close(p.detach(), ref_weights[n], rtol=1.3e-6, atol=1e-5)
-
-
-def test_deepspeed_shaped_loop_on_ranks(tmp_path):
-    """`out = engine(**b); engine.backward(out.loss); engine.step()` per micro-batch on 2 ranks: the gradient is
-    averaged over the ranks (as DeepSpeed's data parallelism), the same weights as plain PyTorch on the global
-    batch; each rank's returned losses are those of its own micro-batches."""
-    rcs, errs, result = launch(2, {"steps": STEPS, "steps_total": STEPS, "api": "deepspeed",
-                                   "config": _cfg(**_PLACEMENTS["mixed"])}, tmp_path)
-    _ok(rcs, errs)
-    ref_losses, ref = _reference(2, STEPS)
-    weights, moments = ref
-    for n, w in weights.items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
-        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
-    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])      # (ranks, steps): local means
-    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")

@@ -60,7 +60,8 @@ def _start(world: int, spec: dict, timeout: float, env_extra: dict | None):
     for r in range(world):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT),
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                            if os.environ.get("PYTHONPATH") else [])),
                **(env_extra or {})}
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), json.dumps(spec)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

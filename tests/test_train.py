@@ -172,7 +172,8 @@ def test_two_ranks_train_like_one_process(workspace):
     assert res.exit_code == 0, res.output
     args = [a if a != "2" or i == 0 else a for i, a in enumerate(_args(model, data, two, *base))]
     args[args.index("--grad-accum") + 1] = "1"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src")] + ([os.environ["PYTHONPATH"]]
+                                                       if os.environ.get("PYTHONPATH") else [])), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     p = subprocess.run([sys.executable, "-m", "zerofit.cli", *args, "--gpus", "2"], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=400)

@@ -351,7 +351,7 @@ def test_smaller_floor_on_gpu_keeps_the_math():
     """Chunked loss and checkpoints in pinned host memory with real streams: fp32 losses and weights as the
     plain engine's. (On the CPU the checkpoints alone are bitwise, tests/test_small_gpu_floor.py; two GPU runs
     are not: the embedding's backward sums with atomics. Its bitwise assertion here failed on the H200 at
-    d1ad1b6 on the master weights, the losses being equal bitwise: now fp32 tolerance, not re-run there.)"""
+    d1ad1b6 on the master weights, the losses being equal bitwise: now fp32 tolerance.)"""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -371,9 +371,10 @@ def test_smaller_floor_on_gpu_keeps_the_math():
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.tensor(c), torch.tensor(a), rtol=1e-6, atol=1e-6)
     ma, mb, mc = ref.master_state_dict(), eng.master_state_dict(), ck.master_state_dict()
-    for n in ma:
-        torch.testing.assert_close(mb[n], ma[n], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(mc[n], ma[n], rtol=1e-5, atol=1e-6)
+    for n in ma:    # RELIABILITY.md's fp32 tolerances (rtol 1.3e-6, atol 1e-5): Adam scales a gradient's last-bit
+        # differences by 1/sqrt(v); at atol 1e-6 one weight of 512 differed by 1.6e-6 on the H200 at bbedebc
+        torch.testing.assert_close(mb[n], ma[n], rtol=1.3e-6, atol=1e-5)
+        torch.testing.assert_close(mc[n], ma[n], rtol=1.3e-6, atol=1e-5)
     assert any((t["label"] or "").startswith("ckpt[") for t in eng.trace())
     for e in (ref, eng, ck):
         e.close()

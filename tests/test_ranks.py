@@ -297,3 +297,21 @@ def test_ranks_on_two_gpus_with_nccl(placement, tmp_path):
     for n, w in weights.items():
         torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
     assert all(st["streamed"] >= 2 for st in result["ranks"])
+
+
+def test_the_plan_counts_a_shard_of_the_gpu_resident_state():
+    """[Note: sharded device state]: with 2 ranks sharing it, a resident unit's fp32 master and moments count
+    half on each GPU, so a cap that holds 2 resident blocks alone holds more of them on 2 ranks (NO_SHARD: as
+    one rank)."""
+    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+
+    shape = ModelShape(shell_numel=50_000_000, block_numels=(100_000_000,) * 12, hidden=2048, intermediate=5504,
+                       vocab=16000)
+    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, host_budget=None, deferred_updates=False,
+              checkpointing=True, stream_params=True, resident_blocks=None, prefetch_depth=None,
+              device_budget=12 << 30)
+    one = make_plan(shape, BatchShape(1, 1024, 1), **kw)
+    two = make_plan(shape, BatchShape(1, 1024, 1), **kw, shards=2)
+    assert two.resident_blocks > one.resident_blocks
+    assert two.device_bytes["resident_blocks"] / two.resident_blocks == 100_000_000 * (2 + 4 + 8)
+    assert one.device_bytes["resident_blocks"] / one.resident_blocks == 100_000_000 * (2 + 16)

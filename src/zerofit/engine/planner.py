@@ -340,7 +340,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
               disk_blocks: int | None = None, disk_weights: bool | None = None,
               disk_placement: dict | None = None, disk_buffers: int = TIER_BUFFERS,
               floor: tuple | None = None, chunkable_loss: bool = True,
-              loss_chunks: int | None = None) -> Plan:
+              loss_chunks: int | None = None, shards: int = 1) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded).
 
     ``disk``: an NVMe tier may hold what host memory cannot (``disk_budget``: its free bytes). The planner
@@ -362,8 +362,10 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     fp32 = compute_dtype == torch.float32
     L = len(shape.block_numels)
     max_block = max(shape.block_numels, default=0)
-    # bytes/param of a resident unit with its optimizer on the device: weights, master, 2 moments, grad
-    res_opt = (0 if fp32 else cb) + 16
+    # bytes/param of a resident unit with its optimizer on the device: weights, master, 2 moments, grad; with
+    # ``shards`` ranks sharing its state ([Note: sharded device state], engine.py): whole 16-bit weights (a
+    # buffer of their own even in fp32) and gradient, 1/shards of master and moments and the gradient's shard
+    res_opt = (0 if fp32 else cb) + 16 if shards <= 1 else cb + 4 + -(-16 // shards)
     chunks = loss_chunks or (loss_chunks_for(batch) if batch else 1)
 
     if not checkpointing or not stream_params:

@@ -248,13 +248,14 @@ def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
 
 
 def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
-    """6 micro-batches per step throughout: 2 steps in one process (G=6), saved; 2 more on 3 ranks (G=2) from
-    that checkpoint, saved; 2 more on 2 ranks (G=3), exported. Losses and weights are those of 6
-    uninterrupted steps of plain PyTorch, and the exported directory loads with from_pretrained."""
+    """4 micro-batches per step throughout: 2 steps in one process (G=4), saved; 2 more on 4 ranks (G=1) from
+    that checkpoint, saved; 2 more on 2 ranks (G=2), saved and exported; that checkpoint loaded in one process.
+    Losses, weights and moments are those of 6 uninterrupted steps of plain PyTorch, and the exported directory
+    loads with from_pretrained."""
     import zerofit
     from transformers import AutoModelForCausalLM
 
-    total, mbs = 6, 6
+    total, mbs = 6, 4
     torch.manual_seed(0)
     ref = tm.llama()
     ref_losses = tm.reference_train(ref, tm.batches(total, mbs))
@@ -265,22 +266,32 @@ def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
     losses = [one.train_batch(b) for b in tm.batches(total, mbs)[:2]]
     one.save_checkpoint(tmp_path / "ck", tag="one")
     one.close()
-    rcs, errs, r3 = launch(3, {"G": 2, "steps": 2, "steps_total": total, "first": 2, "config": {**cfg,
+    rcs, errs, r4 = launch(4, {"G": 1, "steps": 2, "steps_total": total, "first": 2, "config": {**cfg,
+                           "gradient_accumulation_steps": 1}, "load": str(tmp_path / "ck"),
+                           "save": str(tmp_path / "ck"), "tag": "four"}, tmp_path)
+    _ok(rcs, errs)
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "four"
+    rcs, errs, r2 = launch(2, {"G": 2, "steps": 2, "steps_total": total, "first": 4, "config": {**cfg,
                            "gradient_accumulation_steps": 2}, "load": str(tmp_path / "ck"),
-                           "save": str(tmp_path / "ck"), "tag": "three"}, tmp_path)
+                           "save": str(tmp_path / "ck"), "tag": "two", "export": str(tmp_path / "hf")}, tmp_path)
     _ok(rcs, errs)
-    rcs, errs, r2 = launch(2, {"G": 3, "steps": 2, "steps_total": total, "first": 4, "config": {**cfg,
-                           "gradient_accumulation_steps": 3}, "load": str(tmp_path / "ck"),
-                           "export": str(tmp_path / "hf")}, tmp_path)
-    _ok(rcs, errs)
-    assert (tmp_path / "ck" / "latest").read_text().strip() == "three"
-    losses += r3["state"]["losses"] + r2["state"]["losses"]
+    losses += r4["state"]["losses"] + r2["state"]["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5)
     for n, w in ref_weights.items():
         torch.testing.assert_close(r2["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     for n, p in out.named_parameters():
         torch.testing.assert_close(p.detach(), ref_weights[n], rtol=1.3e-6, atol=1e-5)
+    back = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})   # 2 ranks -> 1 process
+    back.load_checkpoint(tmp_path / "ck")
+    assert back.global_step == total
+    for n, w in back.master_state_dict().items():
+        torch.testing.assert_close(w, r2["master"][n], rtol=0, atol=0)
+    for u in back.units:
+        prefix = "" if u.index < 0 else back.adapter.block_prefix(u.index) + "."
+        for n, v in u.layout.views(u.exp_avg).items():
+            torch.testing.assert_close(v, r2["exp_avg"][prefix + n], rtol=0, atol=0)
+    back.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")

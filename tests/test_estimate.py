@@ -90,3 +90,20 @@ def test_meta_model_needs_one_source():
         meta_model()
     with pytest.raises(ValueError, match="unknown shape"):
         meta_model(shape="gpt-5")
+
+
+def test_cli_estimate_for_two_gpus():
+    """`--gpus 2`: each GPU's bytes (the resident units' optimizer state counted as a shard, so more blocks stay
+    resident) and the host's (the shared state once, each rank's host mirrors twice)."""
+    runner = CliRunner()
+    args = ["estimate", "--shape", "llama-2-13b", "--max-gpu-memory", "24GiB", "--max-host-memory", "240GiB",
+            "--no-measure", "--json"]
+    one, two = (json.loads(runner.invoke(app, args + extra).output) for extra in ([], ["--gpus", "2"]))
+    assert one["ranks"] == 1 and two["ranks"] == 2
+    r1 = int(one["plan"].split(" resident")[0].split()[-1])
+    r2 = int(two["plan"].split(" resident")[0].split()[-1])
+    assert r2 > r1
+    per_param = {d["ranks"]: d["host_plan_bytes"]["host_mirrors"] / d["device_bytes"]["shell"] for d in (one, two)}
+    assert two["host_plan_bytes"]["host_mirrors"] > one["host_plan_bytes"]["host_mirrors"]
+    assert two["gpu_bytes"] <= 24 * 2**30 and per_param[2] > per_param[1]
+    assert "2 ranks" in runner.invoke(app, args[:-1] + ["--gpus", "2"]).output

@@ -64,6 +64,8 @@ def estimate(
     grad_accum: Annotated[int | None, typer.Option(min=1, help="Micro-batches per step.")] = None,
     seq_len: Annotated[int | None, typer.Option(min=8, help="Tokens per sequence (default: the model's, <= 2048).")] = None,
     cpu: Annotated[bool, typer.Option("--cpu", help="Plan for training on the CPU instead of a GPU.")] = False,
+    gpus: Annotated[int, typer.Option(
+        min=1, help="Ranks on one host, one GPU each: GPU bytes per GPU, host bytes for the host (docs/ranks.md).")] = 1,
     measure: Annotated[bool, typer.Option(help="Measure this machine's speeds to predict the step time.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
 ) -> None:
@@ -83,7 +85,8 @@ def estimate(
         if value is not None:
             overrides[key] = value
     try:
-        base = load_config(str(config) if config else None).config.model_dump(mode="json")
+        base = load_config(str(config) if config else {},
+                           world_size=gpus if gpus > 1 else None).config.model_dump(mode="json")
         if nvme is not None:
             base["offload"] = {**base.get("offload", {}), "optimizer_device": "nvme", "param_device": "nvme",
                                "nvme_path": str(nvme)}

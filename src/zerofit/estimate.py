@@ -93,6 +93,7 @@ class Estimate:
     gpu_bytes: int = 0
     host_bytes: int = 0
     host_baseline_bytes: int = 0
+    ranks: int = 1                      # processes (one GPU each) on the host
     disk_bytes: int = 0
     disk_traffic: tuple = (0, 0)
     step: StepPrediction = field(default_factory=StepPrediction)
@@ -102,14 +103,14 @@ class Estimate:
     def tokens_per_s(self) -> float | None:
         if not self.step.step:
             return None
-        return self.batch.tokens * self.batch.grad_accum / self.step.step
+        return self.batch.tokens * self.batch.grad_accum * self.ranks / self.step.step
 
     def to_dict(self) -> dict:
         d = {"parameters": self.parameters, "batch": asdict(self.batch), "refusal": self.refusal,
              "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
              "host_baseline_bytes": self.host_baseline_bytes, "disk_bytes": self.disk_bytes,
              "disk_traffic_bytes": list(self.disk_traffic), "step": asdict(self.step),
-             "tokens_per_s": self.tokens_per_s}
+             "tokens_per_s": self.tokens_per_s, "ranks": self.ranks}
         if self.plan is not None:
             d["plan"] = self.plan.describe()
             d["device_bytes"] = dict(self.plan.device_bytes)
@@ -119,8 +120,10 @@ class Estimate:
 
     def render(self) -> str:
         b = self.batch
+        ranks = f" per rank, {self.ranks} ranks (GPU bytes: each GPU's; host bytes: the host's)" \
+            if self.ranks > 1 else ""
         lines = [f"model: {self.parameters / 1e9:.2f} B parameters, {len(self.shape.block_numels)} blocks; batch "
-                 f"{b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step"]
+                 f"{b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step{ranks}"]
         if self.refusal is not None:
             return "\n".join(lines + ["", self.refusal])
         lines += [self.plan.describe(), "",
@@ -176,8 +179,8 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
         dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
     host_budget = cfg.max_host_memory or default_host_budget()
     params = shape.shell_numel + sum(shape.block_numels)
-    baseline = psutil.Process().memory_info().rss
-    est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline)
+    baseline = psutil.Process().memory_info().rss * cfg.world_size    # one process per rank
+    est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline, ranks=cfg.world_size)
     try:
         plan = make_plan(shape, batch, device_budget=dev_budget, host_budget=host_budget,
                          chunkable_loss=adapter.chunkable_loss,
@@ -219,7 +222,10 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     down = sum(shape.block_numels[i] for i in streamed) * 4
     host_params = sum(shape.block_numels[i] for i in streamed) + (
         0 if plan.shell_optimizer_on_device else shape.shell_numel)
-    pred.upload, pred.download = up / h2d / 1e9, down / d2h / 1e9
+    # several ranks: each uploads and downloads its shard over its own link (the GPUs exchange the rest); each
+    # CPU worker updates its shard with its share of the cores, against one host memory: as one rank's time
+    r = cfg.world_size
+    pred.upload, pred.download = up / r / h2d / 1e9, down / r / d2h / 1e9
     opt = doctor.optimizer_speed(16 << 20, 3.0)
     pred.cpu_optimizer = host_params / opt.params_per_s
     pred.speeds = {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "cpu_adamw_params_per_s": opt.params_per_s,

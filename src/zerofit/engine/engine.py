@@ -95,6 +95,7 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
     # several ranks: the GPU-resident units' optimizer state is sharded ([Note: sharded device state])
     shards = config.world_size if config.world_size > 1 and config.sharding != "NO_SHARD" else 1
     return dict(compute_dtype=dtype, on_cuda=on_cuda, deferred_updates=deferred, shards=shards,
+                ranks=config.world_size,
                 checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none",
                 prefetch_depth=off.prefetch_depth, assisted_fraction=off.assisted_fraction,
                 disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,

@@ -340,7 +340,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
               disk_blocks: int | None = None, disk_weights: bool | None = None,
               disk_placement: dict | None = None, disk_buffers: int = TIER_BUFFERS,
               floor: tuple | None = None, chunkable_loss: bool = True,
-              loss_chunks: int | None = None, shards: int = 1) -> Plan:
+              loss_chunks: int | None = None, shards: int = 1, ranks: int = 1) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded).
 
     ``disk``: an NVMe tier may hold what host memory cannot (``disk_budget``: its free bytes). The planner
@@ -357,7 +357,12 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     pinned host memory between the forward and the backward (all but CKPT_ON_DEVICE blocks' worth), then also a
     lean pipeline: two weight slots (prefetch one block ahead), one gradient slot, and uploads staged through
     a quarter of a block. Each only when the one before does not fit: they cost time. ``floor`` = (chunked
-    loss, offloaded checkpoints[, lean]) fixes them (re-planning)."""
+    loss, offloaded checkpoints[, lean]) fixes them (re-planning).
+
+    ``ranks`` processes on this host ([Note: sharded units], ranks.py): the device bytes are one GPU's; the host
+    bytes are the host's, the shared state once and each rank's private buffers (the host mirrors of its
+    device-optimized units, its gradient staging for its shard, its offloaded checkpoints) ``ranks`` times.
+    ``shards``: the ranks that share a GPU-resident unit's optimizer state."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
     L = len(shape.block_numels)
@@ -428,8 +433,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         chunk = tier_chunk(max_block)
         host = {
             "master_and_moments": (host_units - on_disk["moments"] - on_disk["all"]) * 12,   # master pinned: uploaded
-            "host_mirrors": device_opt_units * 4 if on_cuda else 0,     # fp32 copies the module's params view
-            "grad_staging": stage * stage_numel * 4,
+            "host_mirrors": device_opt_units * 4 * ranks if on_cuda else 0,   # fp32 copies the params view
+            "grad_staging": stage * -(-stage_numel // ranks) * 4 * ranks,    # each rank's, for its shard
             # deferred updates: each host unit's gradient waits for the norm here, or on the disk with its state
             "grad_buffers": (host_units - on_disk["moments"] - on_disk["all"]) * 4 if deferred_updates else 0,
             # DeepSpeed-style forwards: 16-bit copies of the streamed blocks (engine/deepspeed_api.py)
@@ -440,7 +445,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
                              * ((3 if on_disk["all"] else 2) + (1 if deferred_updates else 0)) * chunk * 4 + ALIGN)
             if disk_of else 0,
             "checkpoint_copies": ((L - min(L, CKPT_KEPT)) * batch.grad_accum * batch.tokens * shape.hidden * cb
-                                  if batch and offloaded else 0),
+                                  * ranks if batch and offloaded else 0),
         }
         if not on_cuda:  # device memory is host memory: count it once, as host
             for k, v in dev.items():

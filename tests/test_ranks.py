@@ -131,13 +131,15 @@ _PLACEMENTS = {
                           "shell_optimizer": "device"}},
     # no offload: every unit on the device, its optimizer state sharded ([Note: sharded device state])
     "no-offload": {"offload": {"param_device": "none", "optimizer_device": "none"}},
+    # no offload, FULL_SHARD: every block streamed from the GPUs' shards of its state, gathered for each use
+    "full-shard": {"offload": {"param_device": "none", "optimizer_device": "none"}, "sharding": "FULL_SHARD"},
     # no offload, NO_SHARD: every unit replicated, as DDP
     "no-offload-replicated": {"offload": {"param_device": "none", "optimizer_device": "none"},
                               "sharding": "NO_SHARD"},
 }
 
 
-_THREE = ["offload", "mixed", "no-offload", "clip"]        # one launch of 3 ranks runs these in turn
+_THREE = ["offload", "mixed", "no-offload", "full-shard", "clip"]   # one launch of 3 ranks runs these in turn
 _TWO = ["no-offload-replicated", "deepspeed-loop", "fp16"]   # and one of 2 ranks these
 
 
@@ -168,7 +170,7 @@ def launched(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("placement", ["offload", "mixed", "no-offload", "no-offload-replicated"])
+@pytest.mark.parametrize("placement", ["offload", "mixed", "no-offload", "full-shard", "no-offload-replicated"])
 def test_ranks_train_like_one_process(placement, launched):
     world, result = launched[placement]
     ref_losses, ref_weights = _reference(world, STEPS)
@@ -180,9 +182,12 @@ def test_ranks_train_like_one_process(placement, launched):
     for name, (_, _, numel) in shards[0].items():   # the ranks' shards tile each unit
         assert sorted((s[name][0], s[name][1]) for s in shards)[0][0] == 0
         assert sum(s[name][1] - s[name][0] for s in shards) == numel
-    sharded = {"offload": 0, "mixed": 2, "no-offload": len(shards[0]), "no-offload-replicated": 0}[placement]
+    sharded = {"offload": 0, "mixed": 2, "no-offload": len(shards[0]), "full-shard": len(shards[0]),
+               "no-offload-replicated": 0}[placement]
     assert all(st["sharded_device_units"] == sharded for st in states)
-    if placement.startswith("no-offload"):
+    if placement == "full-shard":
+        assert states[0]["streamed"] == len(shards[0]) - 1 and states[0]["shared_mappings"] == 0
+    elif placement.startswith("no-offload"):
         assert states[0]["streamed"] == 0 and states[0]["shared_mappings"] == 0
     else:
         assert states[0]["streamed"] == len(shards[0]) - 1 - (placement == "mixed")

@@ -438,9 +438,11 @@ class ZerofitConfig(_Frozen):
     wall_clock_breakdown: bool = False
     """print where the step's time went every steps_per_print steps"""
     sharding: Literal["auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "auto"
-    """with several ranks (FSDP's words; DeepSpeed's zero stage maps here): how the training state is divided.
-    zerofit keeps host state once per host whatever the value (docs/ranks.md): FULL_SHARD (stage 3),
-    SHARD_GRAD_OP (stage 2) and NO_SHARD (stage 0/1) name the same placement of offloaded state"""
+    """with several ranks (FSDP's words; DeepSpeed's zero stage maps here): how the training state is divided
+    (docs/ranks.md). Offloaded state is held once per host whatever the value. The optimizer state of units kept
+    on the GPUs is sharded across them unless NO_SHARD (stage 0/1: replicated); without offload, FULL_SHARD
+    (stage 3) also shards the 16-bit weights (each block gathered for each use), SHARD_GRAD_OP (stage 2) and
+    auto keep them whole on every GPU"""
     distributed_timeout_s: float = Field(600.0, gt=0)
     """with several ranks: how long a collective may wait for the others before the process group fails"""
 

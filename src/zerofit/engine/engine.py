@@ -95,8 +95,9 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
     # several ranks: the GPU-resident units' optimizer state is sharded ([Note: sharded device state])
     shards = config.world_size if config.world_size > 1 and config.sharding != "NO_SHARD" else 1
     return dict(compute_dtype=dtype, on_cuda=on_cuda, deferred_updates=deferred, shards=shards,
-                ranks=config.world_size,
-                checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none",
+                ranks=config.world_size, device_state=device_state(config),
+                checkpointing=config.activation_checkpointing,
+                stream_params=off.param_device != "none" or device_state(config),
                 prefetch_depth=off.prefetch_depth, assisted_fraction=off.assisted_fraction,
                 disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
                 disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
@@ -122,9 +123,18 @@ def default_host_budget() -> int:
     return max(avail - max(avail // 10, 4 << 30), avail // 2)
 
 
+def device_state(config: ZerofitConfig) -> bool:
+    """FULL_SHARD (ZeRO stage 3) on several ranks without offload: every block streams from the GPUs' shards of
+    its state ([Note: sharded device state])."""
+    return (config.world_size > 1 and config.sharding == "FULL_SHARD" and config.offload.param_device == "none"
+            and config.activation_checkpointing)
+
+
 def placement_args(config: ZerofitConfig, num_blocks: int) -> dict:
     """The first plan's placement settings from the config (no optimizer offload: every unit resident)."""
     off = config.offload
+    if device_state(config):
+        return dict(resident_blocks=0, shell_on_device=True)
     return dict(resident_blocks=num_blocks if off.optimizer_device == "none" else off.resident_blocks,
                 shell_on_device={"auto": None, "device": True, "host": False}[off.shell_optimizer])
 
@@ -226,6 +236,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._pending: _Micro | None = None
         self._host_grads: dict[int, torch.Tensor] = {}     # deferred: (hi - lo,) fp32 host, the rank's shard
         self._padded_grad: dict[int, torch.Tensor] = {}    # several ranks: resident host-optimized units' gradients
+        self._dev_shard_grad: dict[int, torch.Tensor] = {}  # FULL_SHARD, no offload: streamed units' gradient shards
         self._sq_norms: dict[int, torch.Tensor] = {}
         self._mirror_stale = False
         self._peak_host = 0
@@ -319,7 +330,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         pinned = self.dev.is_cuda and self.config.offload.pin_memory
         ranks = self.ranks
         self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned,
-                                         source=self._source, group_of=self._group_of, tier=self._tier, ranks=ranks)
+                                         source=self._source, group_of=self._group_of, tier=self._tier, ranks=ranks,
+                                         on_device_unit=self._share_device_unit if ranks.many else None)
         self._source = None   # the files are read: keep only their folder (source_dir)
         self._arenas.extend(arenas)
         self.shell, self.blocks = self.units[0], self.units[1:]
@@ -367,17 +379,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         in a gather or a reduce-scatter get their padding (and a gradient buffer the room for its shard)."""
         r = self.ranks
         r.barrier()
-        self._padded_grad: dict[int, torch.Tensor] = {}
-        shard = self.config.sharding != "NO_SHARD"
         for u in self.units:
-            if u.optimizer_on_device:
-                r.broadcast(u.master)
-                if u.dev16 is not u.master:
-                    u.dev16.copy_(u.master)
-                if u.host is not u.master:
-                    u.host.copy_(u.master)
-                if shard:     # [Note: sharded device state]
-                    self._shard_device_unit(u)
+            if u.optimizer_on_device:     # done as it was built: _share_device_unit
                 continue
             if u.home is Home.RESIDENT:      # host-optimized but kept on the device: gathered after each update
                 pad = torch.empty(r.padded(u.numel), dtype=u.dev16.dtype, device=self.dev.device)
@@ -389,6 +392,17 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 u.grad = g[: u.numel]
         r.barrier()
 
+    def _share_device_unit(self, u: Unit) -> None:
+        """A device-optimized unit, as soon as materialization built it (every rank, in the same order): rank 0's
+        weights everywhere, then sharded unless NO_SHARD ([Note: sharded device state])."""
+        self.ranks.broadcast(u.master)
+        if u.dev16 is not None and u.dev16 is not u.master:
+            u.dev16.copy_(u.master)
+        if u.host is not u.master:
+            u.host.copy_(u.master)
+        if self.config.sharding != "NO_SHARD":
+            self._shard_device_unit(u)
+
     def _shard_device_unit(self, u: Unit) -> None:
         """[Note: sharded device state]
         With several ranks and sharding other than NO_SHARD (FSDP's FULL_SHARD and SHARD_GRAD_OP, ZeRO stages
@@ -396,9 +410,21 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         its shard only: its gradient is reduce-scattered, each rank updates its shard on the GPU, casts it into
         its part of ``dev16`` and the GPUs all-gather ``dev16`` (the 16-bit weights stay whole on every GPU,
         as SHARD_GRAD_OP keeps them: the blocks a plan streams are the ones whose weights are sharded too).
+        With FULL_SHARD and no offload (``plan.device_state``) every block streams instead, from the GPUs:
+        each rank casts its master shard into its slot and the GPUs all-gather the rest before each use (the
+        upload waits for the update through ``master_event``); the block's gradient is reduce-scattered as soon
+        as its backward ends and summed into a gradient shard, and its slot is free again: each GPU holds 20
+        B/param / N of state plus a few slots, as FSDP2's ``fully_shard``.
         The host mirror stays whole; it, checkpoints and export gather the shards (``_full_state``)."""
         r, n = self.ranks, u.numel
         p, s = r.padded(n), r.shard_size(n)
+        if u.home is Home.STREAMED:       # FULL_SHARD without offload: weights only in slots, gathered per use
+            u.master = u.master[u.lo:u.hi].clone()                            # (hi - lo,) fp32, device
+            u.exp_avg = torch.zeros_like(u.master)
+            u.exp_avg_sq = torch.zeros_like(u.master)
+            self._dev_shard_grad[id(u)] = torch.zeros_like(u.master)          # the step's summed gradient shard
+            u.shard_state = True
+            return
         dev16 = torch.empty(p, dtype=self.dtype, device=self.dev.device)     # (padded,) compute dtype
         dev16[:n].copy_(u.dev16)
         u.dev16 = dev16[:n]
@@ -552,6 +578,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         cast weights down into it ([Note: 16-bit copies for extra forwards]). Returns the event of a
         download that reads ``dst`` (the slot must outlive it), or None."""
         self.dev.wait(self.dev.upload, unit.master_event)
+        if unit.shard_state:      # [Note: sharded device state]: the rank's shard, from its GPU (cast)
+            with self.dev.timed("upload", self.dev.upload, f"{unit.name}(shard)"):
+                dst[unit.lo:unit.hi].copy_(unit.master)
+            return None
         if unit.pending_update is not None:
             self._assisted_update(unit, dst)
             return None
@@ -969,6 +999,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _unit_grads_done(self, unit: Unit) -> None:
         """A streamed unit's gradient for this micro-step is complete on the device: send it to the host."""
+        if unit.shard_state and unit.home is Home.STREAMED:
+            self._keep_grad_shard(unit)
+            return
         if unit.optimizer_on_device:
             return
         grad = unit.grad
@@ -1004,6 +1037,20 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             unit.updated.clear()
             self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True),
                                self._priority(unit), label=f"adamw[{unit.name}]")
+
+    def _keep_grad_shard(self, unit: Unit) -> None:
+        """[Note: sharded device state] (FULL_SHARD, no offload): the block's gradient is reduce-scattered and this
+        rank's shard summed into the unit's gradient shard on the GPU; the gradient slot goes back at once."""
+        g = self._reduce_scatter(unit)
+        acc = self._dev_shard_grad[id(unit)]
+        if unit.host_grad_fresh:
+            acc.copy_(g)
+            unit.host_grad_fresh = False
+        else:
+            acc.add_(g)
+        slot = unit.grad_slot
+        slot.free_event = self.dev.record(self.dev.compute)
+        slot.tenant, unit.grad_slot, unit.grad, unit.grad_fresh = None, None, None, True
 
     def _reduce_scatter(self, unit: Unit) -> torch.Tensor:
         """[Note: sharded units]: the sum over the ranks of this rank's shard of the unit's gradient, on the device
@@ -1219,8 +1266,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         """Forget this step's gradients (a skipped step): the next writes start fresh."""
         for u in self.units:
             u.grad_fresh = True
-            if u.optimizer_on_device:
+            if u.optimizer_on_device and u.grad is not None:
                 u.grad.zero_()
+            if u.shard_state:
+                u.host_grad_fresh = True
         for u in host_units:
             u.host_grad_fresh = True
         self._sq_norms.clear()
@@ -1243,7 +1292,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if self.ranks.many:     # [Note: sharded units]: replicated units take the sum of every rank's gradient
             with self.dev.timed("compute", label="all-reduce"):
                 for u in device_units:
-                    if u.shard_state:
+                    if u.shard_state and u.home is Home.STREAMED:     # reduce-scattered in the backward
+                        dev_grads[id(u)] = self._dev_shard_grad[id(u)]
+                    elif u.shard_state:
                         dev_grads[id(u)] = self._reduce_scatter(u)
                     else:
                         self.ranks.all_reduce(u.grad)
@@ -1296,6 +1347,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 if u.shard_state:     # [Note: sharded device state]
                     unit_adamw(u, u.master, dev_grads[id(u)], u.exp_avg, u.exp_avg_sq, u.step, hypers, factor,
                                start=u.lo)
+                    if u.home is Home.STREAMED:     # the next upload (gather) of it waits for this update
+                        u.host_grad_fresh = True
+                        u.master_event = self.dev.record(self.dev.compute)
+                        continue
                     u.dev16[u.lo:u.hi].copy_(u.master)
                     self.ranks.gather(u.dev16.as_strided((self.ranks.padded(u.numel),), (1,)), u.numel)
                     continue

@@ -77,19 +77,25 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelS
 
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
                 compute_dtype: torch.dtype, pinned: bool, source=None,
-                group_of: dict[str, int] | None = None, tier=None, ranks=None) -> tuple[list[Unit], list[HostArena]]:
+                group_of: dict[str, int] | None = None, tier=None, ranks=None,
+                on_device_unit=None) -> tuple[list[Unit], list[HostArena]]:
     """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them.
 
     ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model.
     ``group_of``: canonical name -> parameter group; each unit's layout places its parameters group by
-    group ([Note: segments per unit] in store.py). None: one group, the model's order."""
+    group ([Note: segments per unit] in store.py). None: one group, the model's order.
+    ``ranks`` with several ranks: the host state is in arenas the host's ranks share, written by local rank 0
+    only (the others' values, maybe initialized differently, never reach it); [Note: sharded units], ranks.py.
+    ``on_device_unit(unit)``: called as soon as a device-optimized unit is built (the engine broadcasts and
+    shards it there, so that one unit's whole state at most exists at a time)."""
     canon = table.canonical
     meta = any(p.is_meta for p in canon.values())
     init_device = dev if meta else None
     fds: dict = {}
     L = adapter.num_blocks
     homes = [Home.RESIDENT] + [Home.RESIDENT if i < plan.resident_blocks else Home.STREAMED for i in range(L)]
-    opt_on_dev = [plan.shell_optimizer_on_device] + [i < plan.resident_blocks for i in range(L)]
+    # [Note: sharded device state]: with plan.device_state the streamed blocks' optimizer state is on the GPUs
+    opt_on_dev = [plan.shell_optimizer_on_device] + [i < plan.resident_blocks or plan.device_state for i in range(L)]
     fp32 = compute_dtype == torch.float32
     # [Note: fp32 uploads]
     # Host-optimized units upload their fp32 master itself (pinned, one arena) and the device casts it
@@ -154,7 +160,8 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             unit.exp_avg, unit.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
         unit.step = torch.zeros((), dtype=torch.float32, device=opt_dev)
         if on_dev:
-            unit.dev16 = master if fp32 else master.to(compute_dtype)
+            if home is Home.RESIDENT:
+                unit.dev16 = master if fp32 else master.to(compute_dtype)
             unit.host = master.to("cpu") if dev.type != "cpu" else master   # host mirror, fp32
         else:
             unit.host = master
@@ -173,6 +180,10 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
                 (model.get_submodule(mod_path) if mod_path else model)._parameters[leaf] = shared
         root = model if idx == 0 else adapter.blocks[idx - 1]
         unit.buffers = _unit_buffers(adapter, root, idx == 0, dev)
+        if ranks is not None:
+            unit.lo, unit.hi = ranks.bounds(unit.numel)
+        if on_dev and on_device_unit is not None:
+            on_device_unit(unit)
         units.append(unit)
     for fd in fds.values():
         os.close(fd)

@@ -85,6 +85,8 @@ class Plan:
                                    # in pieces
     loss_chunks: int = 1           # [Note: a smaller GPU floor]: the head and loss run over this many token chunks
     offload_checkpoints: bool = False   # block inputs kept in pinned host memory between forward and backward
+    device_state: bool = False     # several ranks, FULL_SHARD without offload: streamed blocks keep their optimizer
+                                   # state on the GPUs, sharded; their weights are gathered from it for each use
 
     @property
     def disk_of(self) -> dict[int, str]:
@@ -340,7 +342,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
               disk_blocks: int | None = None, disk_weights: bool | None = None,
               disk_placement: dict | None = None, disk_buffers: int = TIER_BUFFERS,
               floor: tuple | None = None, chunkable_loss: bool = True,
-              loss_chunks: int | None = None, shards: int = 1, ranks: int = 1) -> Plan:
+              loss_chunks: int | None = None, shards: int = 1, ranks: int = 1,
+              device_state: bool = False) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded).
 
     ``disk``: an NVMe tier may hold what host memory cannot (``disk_budget``: its free bytes). The planner
@@ -362,7 +365,9 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     ``ranks`` processes on this host ([Note: sharded units], ranks.py): the device bytes are one GPU's; the host
     bytes are the host's, the shared state once and each rank's private buffers (the host mirrors of its
     device-optimized units, its gradient staging for its shard, its offloaded checkpoints) ``ranks`` times.
-    ``shards``: the ranks that share a GPU-resident unit's optimizer state."""
+    ``shards``: the ranks that share a GPU-resident unit's optimizer state. ``device_state`` (FULL_SHARD without
+    offload, [Note: sharded device state] in engine.py): every block streams, its weights gathered from the
+    GPUs' shards of its state instead of uploaded from the host, which holds none of it."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
     L = len(shape.block_numels)
@@ -373,7 +378,9 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     res_opt = (0 if fp32 else cb) + 16 if shards <= 1 else cb + 4 + -(-16 // shards)
     chunks = loss_chunks or (loss_chunks_for(batch) if batch else 1)
 
-    if not checkpointing or not stream_params:
+    if device_state:
+        candidates = [0]
+    elif not checkpointing or not stream_params:
         candidates = [L]
     elif resident_blocks is not None:
         candidates = [min(resident_blocks, L)]
@@ -391,7 +398,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         act = activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded) if batch else {}
         act_total = sum(act.values())
         streamed = shape.block_numels[r:]
-        n_cpu_units = len(streamed) + (0 if shell_dev else 1)
+        host_streamed = [] if device_state else streamed      # streamed blocks whose state is on the host
+        n_cpu_units = len(host_streamed) + (0 if shell_dev else 1)
         slots = (1 if lean else depth) + 1 if streamed else 0
         slots = min(slots, len(streamed))
         gslots = min(1 if lean else 2, len(streamed))
@@ -408,13 +416,16 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         if disk_of:     # the disk tier binds: a deep gradient queue would only hold memory the state could use
             stage = min(stage, 3)
         chosen = assisted_choice(r, len(streamed), assisted_fraction) - set(disk_of)
-        assisted = deferred_updates and len(streamed) > 1 and assisted_updates is not False and bool(chosen)
+        assisted = (deferred_updates and len(streamed) > 1 and assisted_updates is not False and bool(chosen)
+                    and not device_state)
         if not assisted:
             chosen = frozenset()
         uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
         dev = {
             "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),
             "resident_blocks": sum(shape.block_numels[:r]) * res_opt,
+            # device_state: each GPU's shard of every streamed block's master, moments and summed gradient
+            "sharded_state": -(-sum(streamed) * 20 // shards) if device_state else 0,
             "weight_slots": slots * max_block * cb,
             # [Note: fp32 uploads]; a unit larger than a block (the shell) goes up through it in pieces
             "upload_staging": ((up_stage or max(list(streamed) or uploaded, default=0)) * 4
@@ -427,7 +438,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         # (resident blocks and weight slots; a streamed block is on the device only in a slot), and 256 MiB
         held16 = (sum(shape.block_numels[:r]) + slots * max_block) * cb
         dev["allocator_reserve"] = int(0.05 * (act_total + held16)) + (256 << 20 if on_cuda else 0)
-        host_units = sum(streamed) + (0 if shell_dev else shape.shell_numel)
+        host_units = sum(host_streamed) + (0 if shell_dev else shape.shell_numel)
         device_opt_units = shape.shell_numel + sum(shape.block_numels) - host_units
         on_disk = {m: sum(shape.block_numels[i] for i, d in disk_of.items() if d == m) for m in ("moments", "all")}
         chunk = tier_chunk(max_block)
@@ -455,7 +466,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
                      * ((2 if d == "moments" else 3) + (1 if deferred_updates else 0)) for i, d in disk_of.items())
         return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, assisted, dev, host, device_budget,
                     host_budget, chosen, tuple(sorted(disk_of.items())), dbytes, disk_budget,
-                    loss_chunks=chunks if chunked else 1, offload_checkpoints=offloaded, stage_numel=up_stage)
+                    loss_chunks=chunks if chunked else 1, offload_checkpoints=offloaded, stage_numel=up_stage,
+                    device_state=device_state)
 
     def disk_choices(r: int):
         """[Note: disk placement]

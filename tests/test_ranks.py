@@ -300,7 +300,7 @@ def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
-@pytest.mark.parametrize("placement", ["offload", "mixed"])
+@pytest.mark.parametrize("placement", ["offload", "mixed", "full-shard"])
 def test_ranks_on_two_gpus_with_nccl(placement, tmp_path):
     """The same run on 2 GPUs (NCCL, streams, pinned shared arenas): fp32 compute, clipping with speculation,
     against plain PyTorch on the CPU at GPU-vs-CPU fp32 tolerances."""

@@ -372,3 +372,30 @@ def test_a_field_zerofit_does_not_know_is_refused_unless_default(tmp_path, monke
         zerofit.hf.Trainer(model=tm.llama(), args=_args(tmp_path, logging_first_step=True), train_dataset=TRAIN)
     assert err.value.field == "logging_first_step"
     zerofit.hf.Trainer(model=tm.llama(), args=_args(tmp_path), train_dataset=TRAIN)
+
+
+def test_torchrun_two_ranks_like_the_plain_trainer_with_ddp(tmp_path):
+    """`torchrun --nproc-per-node 2` of a Trainer script (gloo, CPU): zerofit.hf.Trainer on 2 ranks logs the
+    losses and gradient norms the plain Trainer logs with DDP in the same ranks, and ends with its weights
+    (docs/ranks.md)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                           if os.environ.get("PYTHONPATH") else []))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(ROOT / "tests" / "hf_ranks_script.py"), str(out)], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    for r in (0, 1):
+        res = torch.load(f"{out}.{r}", weights_only=False)
+        assert res["world"] == 2
+        plain, zf = res["logs"]["plain"], res["logs"]["zerofit"]
+        assert [s for s, _, _ in zf] == [s for s, _, _ in plain] and len(zf) == 4
+        torch.testing.assert_close(torch.tensor([x[1:] for x in zf]), torch.tensor([x[1:] for x in plain]))
+        for n, w in res["weights"]["plain"].items():
+            torch.testing.assert_close(res["weights"]["zerofit"][n], w, msg=lambda m: f"rank {r} {n}: {m}")

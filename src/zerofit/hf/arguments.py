@@ -7,7 +7,7 @@ Every field of ``transformers.TrainingArguments`` is in :data:`FIELDS` with one 
   checkpoints blocks; ``deepspeed``: zerofit reads the JSON);
 * ``trainer``: the Trainer's own code does it, unchanged (logging, evaluation and saving schedules, data
   loading, callbacks, seeds);
-* ``not-applicable``: no effect in a single process on one device (DDP settings);
+* ``not-applicable``: no effect with zerofit's engine (DDP's own settings);
 * ``refused``: an error before training starts unless the field is at its default, naming the field and
   what to do (``torch_compile``, ``fsdp``, 8-bit optimizers...).
 
@@ -75,7 +75,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     "optim_target_modules": (REFUSED, "refused unless unset (GaLore/APOLLO optimizers)"),
     "gradient_accumulation_steps": (HONOURED, "zerofit's gradient_accumulation_steps; a short last accumulation "
                                               "of an epoch steps early, as the Trainer does"),
-    "average_tokens_across_devices": (TRAINER, "one process: the loss is normalised by the step's tokens"),
+    "average_tokens_across_devices": (TRAINER, "the loss is normalised by the step's tokens (with several ranks, "
+                                               "summed over them; the engine averages gradients over the ranks "
+                                               "as DDP does)"),
     "max_grad_norm": (HONOURED, "zerofit's gradient_clipping (global norm); with deepspeed=, the JSON's "
                                 "gradient_clipping decides, as with DeepSpeed"),
     "label_smoothing_factor": (HONOURED, "the Trainer's label smoother on the engine's logits"),
@@ -143,7 +145,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "seed": (TRAINER, "seeded by the Trainer before the model and data; zerofit draws no random numbers of its own"),
     "data_seed": (TRAINER, ""),
     "use_cpu": (MAPPED, "zerofit's device: cpu (otherwise the Trainer's CUDA device)"),
-    "accelerator_config": (TRAINER, "data loader settings; one process"),
+    "accelerator_config": (TRAINER, "data loader settings"),
     "parallelism_config": (REFUSED, "refused unless unset: zerofit.hf trains on one device"),
     "dataloader_drop_last": (TRAINER, ""),
     "dataloader_num_workers": (TRAINER, ""),
@@ -156,12 +158,13 @@ FIELDS: dict[str, tuple[str, str]] = {
     "label_names": (TRAINER, ""),
     "train_sampling_strategy": (TRAINER, ""),
     "length_column_name": (TRAINER, ""),
-    "ddp_find_unused_parameters": (NOT_APPLICABLE, "one process"),
-    "ddp_bucket_cap_mb": (NOT_APPLICABLE, "one process"),
-    "ddp_broadcast_buffers": (NOT_APPLICABLE, "one process"),
-    "ddp_static_graph": (NOT_APPLICABLE, "one process"),
-    "ddp_backend": (NOT_APPLICABLE, "one process"),
-    "ddp_timeout": (NOT_APPLICABLE, "one process"),
+    "ddp_find_unused_parameters": (NOT_APPLICABLE, "no DDP: the engine reduce-scatters each block's gradient"),
+    "ddp_bucket_cap_mb": (NOT_APPLICABLE, "no DDP: the engine reduce-scatters each block's gradient"),
+    "ddp_broadcast_buffers": (NOT_APPLICABLE, "no DDP: rank 0's weights and buffers are everyone's at start"),
+    "ddp_static_graph": (NOT_APPLICABLE, "no DDP"),
+    "ddp_backend": (TRAINER, "the process group accelerate makes under torchrun; the engine uses it "
+                             "(docs/ranks.md)"),
+    "ddp_timeout": (TRAINER, "the process group's timeout"),
     "fsdp": (REFUSED, "refused: zerofit shards nothing; drop fsdp"),
     "fsdp_config": (REFUSED, "refused unless unset"),
     "deepspeed": (MAPPED, "zerofit reads the JSON (path or dict), \"auto\" filled from these arguments as "
@@ -173,7 +176,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "do_predict": (TRAINER, "not used by the Trainer (scripts read it)"),
     "resume_from_checkpoint": (TRAINER, "not used by the Trainer; trainer.train(resume_from_checkpoint=...) "
                                         "loads the zerofit checkpoint of a checkpoint-N folder"),
-    "local_rank": (NOT_APPLICABLE, "one process: a distributed launch is refused"),
+    "local_rank": (TRAINER, "torchrun's: one engine per rank, one GPU each (docs/ranks.md)"),
 }
 
 
@@ -251,9 +254,6 @@ def check_arguments(args) -> None:
             raise UnsupportedArgumentError(
                 "optim", optim, "zerofit implements AdamW only (fp32 state, torch.optim.AdamW's math)",
                 "use optim='adamw_torch' or 'adamw_torch_fused'")
-    if args.world_size > 1:
-        raise UnsupportedArgumentError("world_size", args.world_size, "zerofit.hf trains in one process on one "
-                                       "device", "launch one process (python script.py, not torchrun)")
     if args.n_gpu > 1:
         raise UnsupportedArgumentError("n_gpu", args.n_gpu, "several GPUs are visible to one process, so the "
                                        "Trainer would use DataParallel, which zerofit does not", "make one GPU visible "
@@ -401,7 +401,10 @@ def zerofit_config(trainer, num_training_steps: int | None, overrides: dict | No
         "device": _device(args),
         "micro_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps,
+        # several ranks (torchrun): each rank an engine over its GPU, the global batch counts every rank
+        # (docs/ranks.md); the Trainer's sampler gives each rank its own micro-batches
+        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        "world_size": args.world_size,
     }
     if ds is None:
         source: Any = None

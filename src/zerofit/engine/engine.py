@@ -94,10 +94,10 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
     disk = "nvme" in (off.param_device, off.optimizer_device)
     # several ranks: the GPU-resident units' optimizer state is sharded ([Note: sharded device state])
     shards = config.world_size if config.world_size > 1 and config.sharding != "NO_SHARD" else 1
+    on_gpus = device_state(config)
     return dict(compute_dtype=dtype, on_cuda=on_cuda, deferred_updates=deferred, shards=shards,
-                ranks=config.world_size, device_state=device_state(config),
-                checkpointing=config.activation_checkpointing,
-                stream_params=off.param_device != "none" or device_state(config),
+                ranks=config.world_size, device_state=on_gpus,
+                checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none" or on_gpus,
                 prefetch_depth=off.prefetch_depth, assisted_fraction=off.assisted_fraction,
                 disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
                 disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
@@ -334,9 +334,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                                          on_device_unit=self._share_device_unit if ranks.many else None)
         self._source = None   # the files are read: keep only their folder (source_dir)
         self._arenas.extend(arenas)
-        self.shell, self.blocks = self.units[0], self.units[1:]
-        for u in self.units:
-            u.lo, u.hi = ranks.bounds(u.numel)
+        self.shell, self.blocks = self.units[0], self.units[1:]     # each unit's shard [lo, hi): build_units
         if ranks.many:
             self._share_units()
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
@@ -383,14 +381,20 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             if u.optimizer_on_device:     # done as it was built: _share_device_unit
                 continue
             if u.home is Home.RESIDENT:      # host-optimized but kept on the device: gathered after each update
-                pad = torch.empty(r.padded(u.numel), dtype=u.dev16.dtype, device=self.dev.device)
-                pad[: u.numel].copy_(u.master)
-                u.dev16 = pad[: u.numel]
-                g = torch.zeros(r.padded(u.numel) + r.shard_size(u.numel), dtype=torch.float32,
-                                device=self.dev.device)
-                self._padded_grad[id(u)] = g
-                u.grad = g[: u.numel]
+                self._pad_resident(u, u.master)
         r.barrier()
+
+    def _pad_resident(self, u: Unit, weights: torch.Tensor) -> None:
+        """A resident unit whose 16-bit weights are all-gathered and whose gradient is reduce-scattered: ``dev16``
+        (a copy of ``weights``) padded to N shards, and a gradient buffer with room for its shard after the
+        padded gradient ([Note: sharded units])."""
+        r, n = self.ranks, u.numel
+        dev16 = torch.empty(r.padded(n), dtype=self.dtype, device=self.dev.device)     # (padded,) compute dtype
+        dev16[:n].copy_(weights)
+        u.dev16 = dev16[:n]
+        g = torch.zeros(r.padded(n) + r.shard_size(n), dtype=torch.float32, device=self.dev.device)
+        self._padded_grad[id(u)] = g
+        u.grad = g[:n]
 
     def _share_device_unit(self, u: Unit) -> None:
         """A device-optimized unit, as soon as materialization built it (every rank, in the same order): rank 0's
@@ -416,24 +420,13 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         as its backward ends and summed into a gradient shard, and its slot is free again: each GPU holds 20
         B/param / N of state plus a few slots, as FSDP2's ``fully_shard``.
         The host mirror stays whole; it, checkpoints and export gather the shards (``_full_state``)."""
-        r, n = self.ranks, u.numel
-        p, s = r.padded(n), r.shard_size(n)
         if u.home is Home.STREAMED:       # FULL_SHARD without offload: weights only in slots, gathered per use
-            u.master = u.master[u.lo:u.hi].clone()                            # (hi - lo,) fp32, device
-            u.exp_avg = torch.zeros_like(u.master)
-            u.exp_avg_sq = torch.zeros_like(u.master)
-            self._dev_shard_grad[id(u)] = torch.zeros_like(u.master)          # the step's summed gradient shard
-            u.shard_state = True
-            return
-        dev16 = torch.empty(p, dtype=self.dtype, device=self.dev.device)     # (padded,) compute dtype
-        dev16[:n].copy_(u.dev16)
-        u.dev16 = dev16[:n]
+            self._dev_shard_grad[id(u)] = torch.zeros(u.hi - u.lo, device=self.dev.device)   # summed per step
+        else:
+            self._pad_resident(u, u.dev16)
         u.master = u.master[u.lo:u.hi].clone()                                # (hi - lo,) fp32, device
         u.exp_avg = torch.zeros_like(u.master)
         u.exp_avg_sq = torch.zeros_like(u.master)
-        g = torch.zeros(p + s, dtype=torch.float32, device=self.dev.device)   # the gradient, then its shard
-        self._padded_grad[id(u)] = g
-        u.grad = g[:n]
         u.shard_state = True
 
     def _gather_full(self, u: Unit, t: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,6 @@ class Ranks:
     gather_group: object = None
     reduce_group: object = None
     owns_group: bool = False          # initialize created the default group: destroyed when the engine closes
-    threads: int = 0                  # torch threads this rank was given (0: left as they were)
     _monitor: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _mappings: list = field(default_factory=list)
@@ -105,7 +104,7 @@ class Ranks:
         gather = dist.new_group(list(range(world)))
         reduce = dist.new_group(list(range(world)))
         r = cls(world, rank, int(os.environ.get("LOCAL_RANK", str(rank))), local_world, gather, reduce, owns)
-        r.threads = r._share_cores(bind_cores)
+        log.info("zerofit: rank %d of %d, %d torch threads", rank, world, r._share_cores(bind_cores))
         r._start_monitor()
         return r
 

@@ -137,6 +137,7 @@ class Unit:
     grad_fresh: bool = True                  # next gradient write is a copy, not an add
     updated: object = None                   # threading.Event: master holds the latest update
     host_grad_fresh: bool = True             # deferred updates: the host gradient buffer holds nothing yet
+                                             # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
     pending_update: tuple | None = None      # deferred: (grad factor, Hyper) of an update the device applies
     master_event: object = None              # the download of a device-applied update into master
     dirty: bool = False                      # RESIDENT with host optimizer: dev16 older than master

@@ -146,7 +146,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "data_seed": (TRAINER, ""),
     "use_cpu": (MAPPED, "zerofit's device: cpu (otherwise the Trainer's CUDA device)"),
     "accelerator_config": (TRAINER, "data loader settings"),
-    "parallelism_config": (REFUSED, "refused unless unset: zerofit.hf trains on one device"),
+    "parallelism_config": (REFUSED, "refused unless unset: zerofit divides the work over torchrun's ranks itself"),
     "dataloader_drop_last": (TRAINER, ""),
     "dataloader_num_workers": (TRAINER, ""),
     "dataloader_pin_memory": (TRAINER, ""),
@@ -165,7 +165,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "ddp_backend": (TRAINER, "the process group accelerate makes under torchrun; the engine uses it "
                              "(docs/ranks.md)"),
     "ddp_timeout": (TRAINER, "the process group's timeout"),
-    "fsdp": (REFUSED, "refused: zerofit shards nothing; drop fsdp"),
+    "fsdp": (REFUSED, "refused: zerofit shards over torchrun's ranks itself (docs/ranks.md); drop fsdp"),
     "fsdp_config": (REFUSED, "refused unless unset"),
     "deepspeed": (MAPPED, "zerofit reads the JSON (path or dict), \"auto\" filled from these arguments as "
                           "transformers fills them; DeepSpeed is never imported"),
@@ -202,7 +202,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
                             "remove neftune_noise_alpha"),
     "auto_find_batch_size": (_empty, "zerofit's planner refuses a batch that does not fit before it runs",
                              "set auto_find_batch_size=False and choose per_device_train_batch_size"),
-    "parallelism_config": (_empty, "zerofit.hf trains on one device", "remove parallelism_config"),
+    "parallelism_config": (_empty, "zerofit divides the work over torchrun's ranks itself",
+                           "remove parallelism_config"),
     "fsdp": (_empty, "FSDP shards the model itself; zerofit streams it instead", "remove fsdp"),
     "fsdp_config": (_empty, "FSDP is not used with zerofit", "remove fsdp_config"),
     "debug": (_empty, "the debug hooks are not supported", "remove debug"),

@@ -186,14 +186,13 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
 
     ModelDir.open(opts.model)          # a wrong path fails here, naming it, before the data is read
     tokenizer = load_tokenizer(opts.model)
-    for turn in ((0, 1) if world > 1 else (0,)):    # rank 0 fills the datasets cache before the others read it
-        if (rank == 0) == (turn == 0):
-            data = build_datasets(opts.data, tokenizer, opts.seq_len, eval_size=opts.eval_size, seed=cfg.seed,
-                                  cache_dir=run_dir / ".datasets-cache")
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+    # rank 0 fills the datasets cache before the others read it: each rank passes one barrier, before or after
+    if rank:
+        torch.distributed.barrier()
+    data = build_datasets(opts.data, tokenizer, opts.seq_len, eval_size=opts.eval_size, seed=cfg.seed,
+                          cache_dir=run_dir / ".datasets-cache")
+    if world > 1 and rank == 0:
+        torch.distributed.barrier()
     G = cfg.gradient_accumulation_steps
     loader = StepLoader(data.train, cfg.micro_batch_size, G * world, seed=cfg.seed)
     total = opts.steps if opts.steps is not None else max(1, math.ceil((opts.epochs or 1.0) * loader.steps_per_epoch))
@@ -299,9 +298,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         metrics.close()
         engine.close()
         if world > 1 and _made_group:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+            torch.distributed.destroy_process_group()
 
 
 def _init_ranks(device: torch.device) -> tuple[int, int, bool]:

@@ -12,6 +12,16 @@ lr 1e-4, weight decay 0.01); micro-batch 2, 4 gradient-accumulation steps. The
 model is built under ``deepspeed.zero.Init`` with Hugging Face gradient
 checkpointing on every decoder layer.
 
+``--no-offload-param``: ``offload_param`` ``none`` (the parameter shards stay on
+the GPUs; only the optimizer, fp32 master weights and gradients go to pinned
+CPU memory), the ZeRO-3 CPU-offload setting for when the host cannot hold the
+16-bit parameters as well.
+
+Under torchrun with several ranks (which sets OMP_NUM_THREADS=1), each rank
+gets its share of the cores for DeepSpeedCPUAdam's OpenMP loops
+(``torch.set_num_threads``, reported in ``extra.threads``), as zerofit's ranks
+do; one process keeps torch's default.
+
 DeepSpeed's ``cpu_adam`` op compiles on first use (nvcc, g++, ninja); it is
 built before the model, and its build time is reported in ``extra.op_build_s``
 (it is inside the seconds-to-first-step figure too). Set TORCH_EXTENSIONS_DIR
@@ -29,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 
-def ds_config(w: common.Workload, bf16: bool = True) -> dict:
-    return {
+def ds_config(w: common.Workload, bf16: bool = True, offload_param: bool = True) -> dict:
+    config = {
         "train_micro_batch_size_per_gpu": w.micro_batch,
         "gradient_accumulation_steps": w.grad_accum,
         "train_batch_size": w.micro_batch * w.grad_accum * int(os.environ.get("WORLD_SIZE", "1")),
@@ -52,6 +62,9 @@ def ds_config(w: common.Workload, bf16: bool = True) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if not offload_param:
+        config["zero_optimization"]["offload_param"] = {"device": "none"}
+    return config
 
 
 def infinity(config: dict, nvme: str) -> dict:
@@ -98,6 +111,11 @@ class DeepSpeedEngine:
         deepspeed.init_distributed(dist_backend="nccl" if args.device.startswith("cuda") else "gloo")
         if args.device.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world > 1:  # torchrun's OMP_NUM_THREADS=1 would make DeepSpeedCPUAdam single-threaded
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            torch.set_num_threads(max(1, cores // local_world))
+        res.extra["threads"] = torch.get_num_threads()
 
         # Build the CPU Adam op now, so its (one-time) compile is measured on its own.
         t = time.perf_counter()
@@ -107,7 +125,7 @@ class DeepSpeedEngine:
         res.extra["op_build_s"] = round(time.perf_counter() - t, 1)
         print(f"[deepspeed] cpu_adam op ready in {res.extra['op_build_s']} s", flush=True)
 
-        config = ds_config(w)
+        config = ds_config(w, offload_param=not args.no_offload_param)
         if args.nvme:
             config = infinity(config, args.nvme)
             from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -155,6 +173,8 @@ def main() -> int:
                    help="use_reentrant=True for HF checkpointing (fallback if non-reentrant fails under ZeRO-3)")
     p.add_argument("--nvme", default=None,
                    help="ZeRO-Infinity: offload_param and offload_optimizer on nvme under this folder")
+    p.add_argument("--no-offload-param", action="store_true",
+                   help="offload_param none: parameter shards on the GPUs, only the optimizer on the CPU")
     args = p.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # dry runs only; must precede `import deepspeed`

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "__version__"]
+__all__ = ["initialize", "generate", "__version__"]
 
 
 def initialize(model, config=None, *, param_groups=None, **overrides):
@@ -36,3 +36,12 @@ def initialize(model, config=None, *, param_groups=None, **overrides):
     from zerofit.engine.engine import Engine
 
     return Engine.create(model, config, param_groups=param_groups, **overrides)
+
+
+def generate(model, prompts, **kwargs):
+    """Generate text with ``model`` (a model directory, a zerofit checkpoint, an ``nn.Module``, a training
+    engine), streaming the blocks that do not fit ``max_gpu_memory`` through the GPU: see
+    :func:`zerofit.infer.text.generate` and docs/inference.md."""
+    from zerofit.infer.text import generate as _generate
+
+    return _generate(model, prompts, **kwargs)

@@ -5,6 +5,8 @@
     zerofit doctor --disk /nvme   # this machine's limits, before choosing an offload plan
     zerofit export CKPT OUT       # a checkpoint's weights as a Hugging Face model directory
     zerofit estimate --shape llama-2-13b --max-gpu-memory 24GiB --nvme /nvme   # the plan, before launch
+    zerofit generate --model DIR --prompt "Hello" --max-gpu-memory 24GiB       # offloaded generation
+    zerofit chat --model runs/x/export                                          # chat in the terminal
 
 Each ``train`` option maps onto one config field (or describes the run); the
 logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
@@ -350,6 +352,137 @@ def export(
     except (CheckpointError, ValueError) as e:
         _fail(Console(stderr=True), f"export failed: {e}")
     typer.echo(f"exported {checkpoint} -> {out} ({dtype})")
+
+
+_GEN_MODEL = typer.Option(help="A Hugging Face model directory or a zerofit checkpoint (a tag folder, or a save "
+                                "folder whose 'latest' is used).")
+
+
+def _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed, greedy) -> dict:
+    return {"do_sample": False if greedy else None, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+            "repetition_penalty": repetition_penalty, "stop": stop or None, "seed": seed}
+
+
+def _inference_engine(console: Console, model: Path, max_gpu_memory, dtype, device):
+    from zerofit.infer.engine import InferenceEngine
+    from zerofit.models import WeightFileError
+
+    try:
+        return InferenceEngine.from_pretrained(model, max_gpu_memory=max_gpu_memory, dtype=dtype, device=device)
+    except (WeightFileError, ValueError, OSError) as e:
+        _fail(console, f"cannot load {model}: {e}")
+
+
+@app.command()
+def generate(
+    model: Annotated[Path, _GEN_MODEL],
+    prompt: Annotated[list[str] | None, typer.Option(help="A prompt (repeat for several).")] = None,
+    prompts: Annotated[Path | None, typer.Option(
+        help="JSON-lines file: each line a string or an object with prompt, text or messages (a chat).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 128,
+    batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together.")] = 8,
+    max_gpu_memory: Annotated[str | None, typer.Option(
+        help="GPU memory budget, e.g. 24GiB: the blocks that do not fit stream through the GPU.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Weights dtype: bf16 or fp16 (default: the model's 16-bit "
+                                                   "dtype, else bf16); fp32 on the CPU.")] = None,
+    device: Annotated[str | None, typer.Option(help="cuda, cuda:1 or cpu (default: the GPU if there is one).")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each text prompt as a user message in the model's "
+                                                      "chat template.")] = False,
+    system: Annotated[str | None, typer.Option(help="System message for chat prompts.")] = None,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Greedy decoding even if the model's generation "
+                                                          "config samples.")] = False,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature (sets sampling on).")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Sample from the k most likely tokens.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling threshold.")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(help="Penalty > 1 for repeated tokens.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop at this text (repeat for several).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed (sampling is reproducible with it).")] = None,
+    output: Annotated[Path | None, typer.Option(help="Write one JSON line per prompt (prompt, text, tokens, "
+                                                     "finish) to this file.")] = None,
+) -> None:
+    """Generate text with a model or checkpoint larger than the GPU: as many blocks as fit stay resident, the
+    others stream from pinned host memory. One prompt streams its tokens to the terminal."""
+    from zerofit.infer import InferencePlanError
+    from zerofit.infer.text import complete, read_prompts
+
+    err = Console(stderr=True)
+    if (prompt is None) == (prompts is None):
+        _fail(err, "give --prompt TEXT (repeatable) or --prompts FILE.jsonl (one of them)")
+    try:
+        items = list(prompt) if prompt else read_prompts(prompts)
+    except (OSError, ValueError) as e:
+        _fail(err, f"--prompts: {e}")
+    engine = _inference_engine(err, model, max_gpu_memory, dtype, device)
+    sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed, greedy)
+    one = len(items) == 1
+    stream = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if one and output is None else None
+    try:
+        done = complete(engine, items, max_new_tokens=max_new_tokens, batch_size=batch_size, chat=chat,
+                        system=system, stream=stream, **sampling)
+    except InferencePlanError as e:
+        _fail(err, f"refused before the first token: {e}")
+    except ValueError as e:
+        _fail(err, str(e))
+    if stream is not None:
+        sys.stdout.write("\n")
+    elif output is None:
+        for i, c in enumerate(done):
+            typer.echo(f"--- {i}: {c.new_tokens} tokens ({c.finish})")
+            typer.echo(c.text)
+    if output is not None:
+        with open(output, "w") as f:
+            for item, c in zip(items, done):
+                f.write(json.dumps({"prompt": item, "text": c.text, "prompt_tokens": c.prompt_tokens,
+                                    "new_tokens": c.new_tokens, "finish": c.finish}) + "\n")
+    new = sum(c.new_tokens for c in done)
+    batches = {}      # each batch's wall time, once
+    for i, c in enumerate(done):
+        batches[i // (1 if stream else batch_size)] = c.seconds
+    wall = sum(batches.values())
+    err.print(Text(f"{len(done)} prompts, {new} new tokens in {wall:.2f} s ({new / max(wall, 1e-9):.1f} tokens/s); "
+                   f"{engine.plan.summary()}", style="dim"), soft_wrap=True)
+
+
+@app.command()
+def chat(
+    model: Annotated[Path, _GEN_MODEL],
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per answer.")] = 512,
+    max_gpu_memory: Annotated[str | None, typer.Option(help="GPU memory budget, e.g. 24GiB.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Weights dtype: bf16 or fp16.")] = None,
+    device: Annotated[str | None, typer.Option(help="cuda, cuda:1 or cpu.")] = None,
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature (default: greedy).")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling threshold.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+) -> None:
+    """Chat with a model or checkpoint in the terminal (its chat template; the conversation is kept). An empty
+    line or end of input ends it."""
+    from zerofit.infer import InferencePlanError
+    from zerofit.infer.text import complete
+
+    err = Console(stderr=True)
+    engine = _inference_engine(err, model, max_gpu_memory, dtype, device)
+    if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+        _fail(err, f"{model}: its tokenizer has no chat template: use zerofit generate with plain prompts")
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    sampling = _sampling_options(temperature, None, top_p, None, None, seed, temperature is None)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        sys.stdout.write("model> ")
+        sys.stdout.flush()
+        try:
+            (c,) = complete(engine, [history], max_new_tokens=max_new_tokens,
+                            stream=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), **sampling)
+        except InferencePlanError as e:
+            _fail(err, f"refused: {e}")
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": c.text})
 
 
 def _render_doctor(report, console: Console) -> None:

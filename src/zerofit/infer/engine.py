@@ -1,0 +1,404 @@
+"""Offloaded generation: the model's own forward and Hugging Face's own ``generate``, with the blocks that do
+not fit the GPU streamed through it from pinned host memory.
+
+    gen = InferenceEngine.from_pretrained("path/to/model_dir_or_checkpoint", max_gpu_memory="24GiB")
+    out = gen.generate(input_ids, attention_mask=mask, max_new_tokens=128)   # transformers' generate
+
+Where each tensor lives: the shell (embeddings, final norm, head, rotary
+tables) on the device in the weights' dtype; every block's weights in one flat
+16-bit host buffer (page-locked on CUDA), which is what the block's parameters
+view while it is not computing; resident blocks also in a flat device buffer
+(their parameters view that instead); streamed blocks borrow one of a few
+device *slots* for the duration of their forward. The KV cache is
+transformers' own (on the device). The math is the model's own code in the
+weights' dtype: the same kernels on the same values as the model held whole on
+the device, so greedy tokens and logits are those of ``model.generate``.
+
+[Note: same kernels]
+ATen's ``matmul`` folds a batched input into one GEMM or not depending on
+whether the operands require grad (even under ``no_grad``), and the two paths
+round differently: the parameters here require grad, as those of a model
+transformers loads do, so that the logits are bitwise those of ``generate`` on
+the model itself. Generation runs under ``no_grad``; nothing is recorded.
+
+[Note: the upload cycle]
+Every forward of a decoder runs its blocks once each, in order, so the streamed
+blocks are needed in one fixed cyclic order, token after token. The slots are
+filled with the first ``slots`` streamed blocks; when a streamed block's
+forward ends, its slot is released (an event on the compute stream) and the
+next block of the cycle (wrapping to the next forward's first) is uploaded into
+it on the upload stream, which waits for that event. The copy stream therefore
+never waits for the host's sampling between tokens: the next token's first
+streamed blocks are already crossing while the current token finishes. A block
+that is not where the cycle expects it (the first forward, a forward that
+raised half-way) re-primes the cycle at that block after the slots drain.
+
+[Note: slot lifetimes]
+A slot's buffer lives as long as the plan; a block's parameters view a slot
+only between its pre-hook and its hook, then the host buffer again, so a slot
+can be overwritten by the next upload as soon as the compute stream has passed
+the event recorded at the hook. The host buffers are never written while the
+engine lives (weights are fixed), so uploads from them need no fences.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from zerofit.config.schema import parse_bytes
+from zerofit.engine.adapter import Adapter
+from zerofit.engine.device import Device
+from zerofit.engine.materialize import _init_buffers, param_table
+from zerofit.engine.store import HostArena
+from zerofit.infer.plan import RESERVE, InferPlan, InferShape, plan_inference
+
+ALIGN = 64     # elements: every parameter view starts on a 128-byte boundary in 16-bit
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def as_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype).lower() in _DTYPES:
+        return _DTYPES[str(dtype).lower()]
+    raise ValueError(f"dtype {dtype!r}: expected bf16, fp16 or fp32")
+
+
+@dataclass
+class _Slot:
+    buf: torch.Tensor
+    block: int | None = None
+    ready: object = None        # upload done (event on the upload stream)
+    free: object = None         # the last reader done (event on the compute stream)
+
+
+class InferenceEngine:
+    """A causal LM ready for offloaded generation (see the module docstring).
+
+    Build it from a model directory or a zerofit checkpoint (:meth:`from_pretrained`), a live training engine
+    (:meth:`from_engine`) or a model in memory (the constructor: its parameters are taken over, cast to
+    ``dtype``). ``max_gpu_memory``: the device budget the plan keeps to (None: every block resident).
+    """
+
+    def __init__(self, model: nn.Module, *, device: str | torch.device | None = None, dtype=None,
+                 max_gpu_memory: int | str | None = None, slots: int = 2, tokenizer=None, fill=None,
+                 source_dir: Path | None = None):
+        self.device = torch.device(device) if device is not None else torch.device(
+            "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.dev = Device.create(self.device)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.source_dir = source_dir
+        self.cap = parse_bytes(max_gpu_memory, "max_gpu_memory")
+        self.slots_wanted = max(1, int(slots))
+        self.adapter = Adapter(model, "auto")
+        if not self.adapter.streaming:
+            raise ValueError("the model has no list of repeated blocks holding most of its parameters: "
+                             "zerofit's offloaded generation streams blocks")
+        self.table = param_table(model, self.adapter)
+        self.dtype = as_dtype(dtype) or _default_dtype(model, self.table)
+        self.plan: InferPlan | None = None
+        self._dev: dict[int, torch.Tensor] = {}
+        self._slots: list[_Slot] = []
+        self._holding: dict[int, _Slot] = {}
+        self._cycle: list[int] = []
+        self._next = 0
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.uploads = 0
+        self.upload_bytes = 0
+        self._load(fill)
+        self._hooks = []
+        for i, blk in enumerate(self.adapter.blocks):
+            self._hooks.append(blk.register_forward_pre_hook(lambda m, a, i=i: self._enter(i)))
+            self._hooks.append(blk.register_forward_hook(lambda m, a, o, i=i: self._exit(i)))
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kw) -> "InferenceEngine":
+        """A Hugging Face model directory, or a zerofit checkpoint (a tag folder, or a save folder whose
+        ``latest`` is used): the model is built on the meta device and each tensor read once into place."""
+        from zerofit.infer.sources import open_source
+
+        src = open_source(path)
+        kw.setdefault("tokenizer", src.tokenizer())
+        kw.setdefault("dtype", src.dtype())
+        model = src.build_meta()
+        return cls(model, fill=src.fill, source_dir=src.path, **kw)
+
+    @classmethod
+    def from_engine(cls, engine, **kw) -> "InferenceEngine":
+        """The current weights of a live training engine, in a model of their own (the engine is not changed)."""
+        from zerofit.infer.sources import engine_source
+
+        model, fill = engine_source(engine)
+        kw.setdefault("tokenizer", getattr(engine, "tokenizer", None))
+        return cls(model, fill=fill, source_dir=getattr(engine, "source_dir", None), **kw)
+
+    def _load(self, fill) -> None:
+        """Weights into place, one tensor at a time: shell on the device, blocks in one host arena."""
+        model, adapter, table = self.model, self.adapter, self.table
+        canon = dict(table.canonical)         # the model's own parameters (a real model's values are read here)
+        if fill is None:
+            def fill(names, dst):
+                dst.copy_(canon[names[0]].detach())
+        meta = any(p.is_meta for p in canon.values())
+        for name in table.unit_names[0]:      # shell: parameters straight to the device
+            t = torch.empty(canon[name].shape, dtype=self.dtype, device=self.device)
+            fill(table.aliases[name], t)
+            self._bind(name, t)
+        if meta:
+            _init_buffers(model, adapter, 0, self.device)
+        self._layout: list[list[tuple[str, int, torch.Size]]] = []   # per block: (name, offset, shape)
+        sizes = []
+        for b in range(adapter.num_blocks):
+            off, lay = 0, []
+            for name in table.unit_names[b + 1]:
+                shape = canon[name].shape
+                lay.append((name, off, shape))
+                off += _aligned(math.prod(shape))
+            self._layout.append(lay)
+            sizes.append(off)
+            if meta:
+                _init_buffers(model, adapter, b + 1, self.device)
+        self._sizes = sizes
+        self._arena = HostArena(sum(sizes), self.dtype, pinned=self.dev.is_cuda)
+        self._host = [self._arena.take(n) for n in sizes]
+        self._host_views = [self._flat_views(h, b) for b, h in enumerate(self._host)]
+        for b, views in enumerate(self._host_views):
+            for name, t in views.items():
+                fill(table.aliases[name], t)
+                self._bind(name, t)
+        for m in model.modules():                     # buffers (rotary tables, masks) on the device
+            for bn, buf in list(m._buffers.items()):
+                if buf is not None and buf.device != self.device:
+                    m._buffers[bn] = buf.to(self.device)
+        self._params = {n: self._param(n) for n in table.canonical}
+        self.shape = _shape(model, table, sizes, self.dtype)
+
+    def _flat_views(self, flat: torch.Tensor, b: int) -> dict[str, torch.Tensor]:
+        return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in self._layout[b]}
+
+    def _bind(self, name: str, t: torch.Tensor) -> None:
+        """A new parameter viewing ``t``, under every alias of ``name`` (tied weights stay one parameter)."""
+        # requires_grad as a loaded model's: matmul picks its kernel path by it ([Note: same kernels])
+        p = nn.Parameter(t, requires_grad=True)
+        for alias in self.table.aliases[name]:
+            mod_path, _, leaf = alias.rpartition(".")
+            (self.model.get_submodule(mod_path) if mod_path else self.model)._parameters[leaf] = p
+
+    def _bind_block(self, b: int, views: dict[str, torch.Tensor]) -> None:
+        """Point block ``b``'s parameters at ``views`` (host, device, or a slot): see [Note: slot lifetimes]."""
+        params = self._params
+        for name, t in views.items():
+            params[name].data = t
+
+    def _param(self, name: str) -> nn.Parameter:
+        mod_path, _, leaf = name.rpartition(".")
+        return (self.model.get_submodule(mod_path) if mod_path else self.model)._parameters[leaf]
+
+    # ------------------------------------------------------------------ placement
+
+    def prepare(self, batch: int, context: int, prefill: int | None = None, *, grow_only: bool = True) -> InferPlan:
+        """Plan (and apply) the placement for ``batch`` sequences of up to ``context`` tokens, the longest
+        prompt ``prefill``; refuses with :class:`~zerofit.infer.plan.InferencePlanError` before anything moves
+        when it cannot fit. ``grow_only``: keep the current plan when it covers this request (else plan for
+        this request alone, which may keep more blocks resident)."""
+        prefill = context if prefill is None else prefill
+        old = self.plan if grow_only else None
+        if old is not None and old.batch >= batch and old.context >= context and old.prefill >= prefill:
+            return old
+        if old is not None:      # a larger plan may suit the new request: keep the larger of each dimension
+            batch, context, prefill = max(batch, old.batch), max(context, old.context), max(prefill, old.prefill)
+        plan = plan_inference(self.shape, self.cap, batch, context, prefill, self.slots_wanted,
+                              RESERVE if self.dev.is_cuda else 0)
+        self._apply(plan)
+        return plan
+
+    def _apply(self, plan: InferPlan) -> None:
+        self._drain()
+        self._holding.clear()
+        for b in list(self._dev):
+            if b not in plan.resident:
+                self._bind_block(b, self._host_views[b])
+                del self._dev[b]
+        if len(self._slots) != plan.slots:
+            self._slots = []
+            self._views.clear()
+            if self.dev.is_cuda:
+                torch.cuda.empty_cache()      # freed blocks back, so the new placement is not fragmented
+            self._slots = [_Slot(torch.empty(plan.slot_bytes // self.shape.elem, dtype=self.dtype,
+                                              device=self.device)) for _ in range(plan.slots)]
+            self._views.clear()
+        for b in plan.resident:
+            if b not in self._dev:
+                if self.dev.is_cuda:
+                    buf = torch.empty(self._sizes[b], dtype=self.dtype, device=self.device)
+                    buf.copy_(self._host[b], non_blocking=True)
+                else:
+                    buf = self._host[b]               # the CPU computes from the host buffer itself
+                self._dev[b] = buf
+                self._bind_block(b, self._flat_views(buf, b))
+        self.dev.synchronize()
+        self._cycle = list(plan.streamed)
+        self._next = 0
+        self.plan = plan
+
+    def _drain(self) -> None:
+        for s in self._slots:
+            if s.ready is not None:
+                s.ready.synchronize()
+            if s.free is not None:
+                s.free.synchronize()
+            s.block = None
+
+    # ------------------------------------------------------------------ streaming ([Note: the upload cycle])
+
+    def _issue(self, slot: _Slot) -> None:
+        b = self._cycle[self._next]
+        self._next = (self._next + 1) % len(self._cycle)
+        n = self._sizes[b]
+        dev = self.dev
+        with dev.on(dev.upload):
+            dev.wait(dev.upload, slot.free)
+            slot.buf[:n].copy_(self._host[b], non_blocking=True)
+            slot.ready = dev.record(dev.upload)
+        slot.block = b
+        self._holding[b] = slot
+        self.uploads += 1
+        self.upload_bytes += n * self.shape.elem
+
+    def _prime(self, b: int) -> None:
+        """Start the cycle at block ``b``: drain the slots, fill them with ``b`` and the blocks after it."""
+        self._drain()
+        self._holding.clear()
+        self._next = self._cycle.index(b)
+        for s in self._slots:
+            self._issue(s)
+
+    def _enter(self, b: int) -> None:
+        if b in self._dev:
+            return
+        if self.plan is None:
+            raise RuntimeError("InferenceEngine: call prepare(batch, context) (or generate) before a forward")
+        slot = self._holding.get(b)
+        if slot is None:
+            self._prime(b)
+            slot = self._holding[b]
+        self.dev.wait(self.dev.compute, slot.ready)
+        key = (id(slot), b)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = self._flat_views(slot.buf, b)
+        self._bind_block(b, views)
+
+    def _exit(self, b: int) -> None:
+        if b in self._dev:
+            return
+        slot = self._holding.pop(b)
+        slot.free = self.dev.record(self.dev.compute)
+        slot.block = None
+        self._bind_block(b, self._host_views[b])
+        self._issue(slot)
+
+    # ------------------------------------------------------------------ use
+
+    def __call__(self, *args, **kwargs):
+        """The model's own forward (plan it first with :meth:`prepare`, or it is planned for this input)."""
+        if self.plan is None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            B, T = (ids.shape[0], ids.shape[1]) if ids is not None else (1, 1)
+            self.prepare(B, T, T)
+        with torch.no_grad():
+            return self.model(*args, **kwargs)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int = 128, **kwargs):
+        """transformers' ``generate`` on this model, after planning the placement for this batch and length.
+        Every generation option of transformers applies (sampling, penalties, stop strings, streamers...)."""
+        B, T = input_ids.shape
+        self.prepare(B, T + max_new_tokens, T)
+        input_ids = input_ids.to(self.device)
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(self.device)
+        if self.tokenizer is not None and kwargs.get("stop_strings"):
+            kwargs.setdefault("tokenizer", self.tokenizer)
+        return self.model.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+    def stats(self) -> dict:
+        p = self.plan
+        return {"resident": len(p.resident) if p else None, "streamed": len(p.streamed) if p else None,
+                "slots": p.slots if p else None, "streamed_bytes_per_forward": p.streamed_bytes if p else None,
+                "device_bytes_planned": p.device_bytes if p else None, "uploads": self.uploads,
+                "upload_bytes": self.upload_bytes, "dtype": str(self.dtype).replace("torch.", "")}
+
+    def close(self) -> None:
+        """Release the device buffers and the pinned arena (the engine is unusable afterwards)."""
+        self._drain()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._slots.clear()
+        self._views.clear()
+        self._dev.clear()
+        self._holding.clear()
+        self.plan = None
+        if getattr(self, "_arena", None) is not None:
+            self._arena.close()
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _default_dtype(model: nn.Module, table) -> torch.dtype:
+    """The model's own 16-bit dtype when it has one, else bf16."""
+    for p in table.canonical.values():
+        if p.dtype in (torch.bfloat16, torch.float16):
+            return p.dtype
+    cfg = getattr(model, "config", None)
+    dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    dt = as_dtype(dt) if isinstance(dt, str) else dt
+    return dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _shape(model: nn.Module, table, sizes: list[int], dtype: torch.dtype) -> InferShape:
+    elem = torch.empty((), dtype=dtype).element_size()
+    shell = sum(_aligned(table.canonical[n].numel()) for n in table.unit_names[0]) * elem
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    def get(*names, default=0):
+        for n in names:
+            v = getattr(text, n, None)
+            if v:
+                return int(v)
+        return default
+
+    hidden = get("hidden_size", "n_embd", "d_model")
+    heads = get("num_attention_heads", "n_head", default=1)
+    kv_heads = get("num_key_value_heads", default=heads)
+    head_dim = get("head_dim", default=hidden // max(heads, 1))
+    return InferShape(shell_bytes=shell, block_bytes=tuple(n * elem for n in sizes),
+                      layers=get("num_hidden_layers", "n_layer", default=len(sizes)), kv_heads=kv_heads,
+                      head_dim=head_dim, hidden=hidden, intermediate=get("intermediate_size", "n_inner",
+                                                                         default=4 * hidden),
+                      vocab=get("vocab_size"), heads=heads, elem=elem)
+
+
+def timed_generate(engine: InferenceEngine, input_ids, attention_mask=None, **kw) -> tuple[torch.Tensor, float]:
+    """``engine.generate`` and its wall time (device synchronized)."""
+    engine.dev.synchronize()
+    t = time.perf_counter()
+    out = engine.generate(input_ids, attention_mask, **kw)
+    engine.dev.synchronize()
+    return out, time.perf_counter() - t

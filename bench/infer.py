@@ -170,6 +170,25 @@ def run_zerofit(args, w) -> dict:
             r["of_bound"] = round(r["decode_tokens_per_s"] / bound, 3)
         res["runs"].append(r)
         print(json.dumps(r), flush=True)
+    if args.probe:     # what binds at batch 1: the copy stream's busy time, restarts, and the uncapped floor
+        ids, mask = prompts(w, 1, args.prompt_len)
+        probes = []
+        for label, cap, slots in (("cap", eng.cap, 2), ("cap, 4 slots", eng.cap, 4), ("uncapped", None, 2)):
+            if cap is None:
+                torch.cuda.set_per_process_memory_fraction(1.0, 0)
+            eng.cap, eng.slots_wanted = cap, slots
+            eng.prepare(1, args.prompt_len + 64, args.prompt_len, grow_only=False)
+            before = eng.stats()
+            r = timed(gen, ids, mask, 64)
+            after = eng.stats()
+            r.update(probe=label, plan=eng.plan.summary(),
+                     upload_s=round(after["upload_seconds"] - before["upload_seconds"], 4),
+                     primes=after["primes"] - before["primes"], uploads=after["uploads"] - before["uploads"])
+            probes.append(r)
+            print(json.dumps(r), flush=True)
+        res["probes"] = probes
+        common.set_gpu_cap(args.cap, "cuda")
+        eng.cap, eng.slots_wanted = common.parse_bytes(args.cap), 2
     if args.prefill_len:
         ids, mask = prompts(w, 1, args.prefill_len)
         eng.prepare(1, args.prefill_len + 2, args.prefill_len, grow_only=False)
@@ -244,6 +263,7 @@ def main() -> int:
     p.add_argument("--accelerate-headroom", type=int, default=3 * GiB,
                    help="bytes of the cap left out of accelerate's max_memory for the KV cache and activations")
     p.add_argument("--timeout", type=int, default=400)
+    p.add_argument("--probe", action="store_true", help="zerofit: batch-1 probes of what binds (see run_zerofit)")
     p.add_argument("--out", required=True)
     p.add_argument("--commit", default="unknown")
     p.add_argument("--engine", help=argparse.SUPPRESS)
@@ -268,7 +288,7 @@ def main() -> int:
                "--prompt-len", str(args.prompt_len), "--accelerate-headroom", str(args.accelerate_headroom),
                "--new-tokens", str(args.accelerate_new_tokens if engine == "accelerate" and args.accelerate_new_tokens
                                    else args.new_tokens),
-               "--prefill-len", str(args.prefill_len), "--out", str(out)]
+               "--prefill-len", str(args.prefill_len), "--out", str(out)] + (["--probe"] if args.probe else [])
         t = time.perf_counter()
         print(f"== {engine} at {cap}: {' '.join(cmd)}", flush=True)
         try:

@@ -93,7 +93,9 @@ class InferenceEngine:
                  max_gpu_memory: int | str | None = None, slots: int = 2, tokenizer=None, fill=None,
                  source_dir: Path | None = None):
         self.device = torch.device(device) if device is not None else torch.device(
-            "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            "cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dev = Device.create(self.device)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -115,6 +117,9 @@ class InferenceEngine:
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.uploads = 0
         self.upload_bytes = 0
+        self.primes = 0                # cycle restarts ([Note: the upload cycle]): one per plan when all goes well
+        self._upload_marks: list = []  # (start, end) timing events of uploads since the last stats()
+        self._upload_seconds = 0.0
         self._load(fill)
         self._hooks = []
         for i, blk in enumerate(self.adapter.blocks):
@@ -270,8 +275,14 @@ class InferenceEngine:
         dev = self.dev
         with dev.on(dev.upload):
             dev.wait(dev.upload, slot.free)
+            start = dev.event(timing=True)
+            if dev.is_cuda:
+                start.record(dev.upload)
             slot.buf[:n].copy_(self._host[b], non_blocking=True)
-            slot.ready = dev.record(dev.upload)
+            slot.ready = dev.event(timing=True)
+            if dev.is_cuda:
+                slot.ready.record(dev.upload)
+                self._upload_marks.append((start, slot.ready))
         slot.block = b
         self._holding[b] = slot
         self.uploads += 1
@@ -281,6 +292,7 @@ class InferenceEngine:
         """Start the cycle at block ``b``: drain the slots, fill them with ``b`` and the blocks after it."""
         self._drain()
         self._holding.clear()
+        self.primes += 1
         self._next = self._cycle.index(b)
         for s in self._slots:
             self._issue(s)
@@ -335,8 +347,14 @@ class InferenceEngine:
         return self.model.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, **kwargs)
 
     def stats(self) -> dict:
+        """The plan, and the uploads so far: count, bytes, busy seconds of the upload stream (CUDA events),
+        cycle restarts."""
+        if self._upload_marks:
+            self._upload_marks[-1][1].synchronize()
+            self._upload_seconds += sum(a.elapsed_time(b) for a, b in self._upload_marks) / 1000.0
+            self._upload_marks.clear()
         p = self.plan
-        return {"resident": len(p.resident) if p else None, "streamed": len(p.streamed) if p else None,
+        return {"primes": self.primes, "upload_seconds": round(self._upload_seconds, 4),"resident": len(p.resident) if p else None, "streamed": len(p.streamed) if p else None,
                 "slots": p.slots if p else None, "streamed_bytes_per_forward": p.streamed_bytes if p else None,
                 "device_bytes_planned": p.device_bytes if p else None, "uploads": self.uploads,
                 "upload_bytes": self.upload_bytes, "dtype": str(self.dtype).replace("torch.", "")}

@@ -260,7 +260,7 @@ def main() -> int:
     p.add_argument("--accelerate-new-tokens", type=int, default=None,
                    help="accelerate's new tokens (default: --new-tokens)")
     p.add_argument("--prefill-len", type=int, default=2048)
-    p.add_argument("--accelerate-headroom", type=int, default=3 * GiB,
+    p.add_argument("--accelerate-headroom", type=int, default=int(4.5 * GiB),
                    help="bytes of the cap left out of accelerate's max_memory for the KV cache and activations")
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--probe", action="store_true", help="zerofit: batch-1 probes of what binds (see run_zerofit)")

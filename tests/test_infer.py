@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +20,8 @@ from zerofit.infer.plan import InferShape, plan_inference, spread
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2"]
 GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+STATIC = dict(GREEDY, cache_implementation="static")     # the engine's default cache ([Note: a KV cache ...])
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 def _reference(model, dtype):
@@ -59,10 +60,16 @@ def test_streamed_generate_is_transformers_generate(family, dtype):
     torch.manual_seed(0)
     model = getattr(tm, family)().eval()
     ids, mask = _uneven_batch()
-    want = _reference(model, dtype).generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
+    ref = _reference(model, dtype)
+    want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **STATIC)
+    dynamic = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
     eng = InferenceEngine(copy.deepcopy(model), dtype=dtype, device="cpu")
     eng.cap = _streaming_cap(eng, 3, 17, 9)
     got = eng.generate(ids, mask, max_new_tokens=8, **GREEDY)
+    # transformers' default (dynamic) cache: the same tokens, logits to the dtype's rounding
+    assert torch.equal(got.sequences, dynamic.sequences)
+    for a, b in zip(got.logits, dynamic.logits):
+        torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])
     assert eng.plan.resident == [] and len(eng.plan.streamed) == eng.adapter.num_blocks
     assert eng.plan.slots == eng.slots_wanted == (2 if eng.adapter.num_blocks > 2 else 1)
     # every forward (1 prefill + 7 decodes) streamed every block: the cycle ran ahead, never re-primed
@@ -77,7 +84,7 @@ def test_mixed_placement_streams_the_spread_blocks_and_matches():
     model = tm.llama(layers=6).eval()
     ids, mask = _uneven_batch()
     want = _reference(model, torch.bfloat16).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                                                      **GREEDY)
+                                                      **STATIC)
     eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
     eng.cap = _streaming_cap(eng, 3, 15, 9, resident=3)
     got = eng.generate(ids, mask, max_new_tokens=6, **GREEDY)
@@ -122,6 +129,7 @@ def test_sampling_is_reproducible_with_a_seed_and_is_transformers_sampling():
 
     a, b, c = run(eng.generate, 5), run(eng.generate, 5), run(eng.generate, 6)
     assert torch.equal(a, b) and not torch.equal(a, c)
+    kw["cache_implementation"] = "static"
     assert torch.equal(a, run(_reference(model, torch.float32).generate, 5))
 
 
@@ -166,7 +174,7 @@ def test_model_directory_source_matches_from_pretrained(tmp_path, family, dtype)
     eng.cap = _streaming_cap(eng, 2, 16, 6)
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
-    want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **GREEDY)
+    want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **STATIC)
     got = eng.generate(ids, mask, max_new_tokens=10, **GREEDY)
     assert eng.plan.streamed and torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
@@ -209,7 +217,7 @@ def test_checkpoint_and_live_engine_sources_generate_the_trained_weights(tmp_pat
     engine.save_checkpoint(tmp_path / "ck")
     trained = copy.deepcopy(engine.module).eval()
     ids = torch.tensor([[3, 4, 5, 6]])
-    want = trained.generate(input_ids=ids, max_new_tokens=8, **GREEDY)
+    want = trained.generate(input_ids=ids, max_new_tokens=8, **STATIC)
     for eng in (InferenceEngine.from_pretrained(tmp_path / "ck", device="cpu", dtype="fp32"),
                 InferenceEngine.from_engine(engine, device="cpu", dtype="fp32")):
         eng.cap = _streaming_cap(eng, 1, 12, 4)
@@ -258,10 +266,22 @@ def test_gpu_streamed_generate_is_transformers_generate(family):
     model = getattr(tm, family)(**({"layers": 6} if family == "llama" else {})).eval()
     ids, mask = _uneven_batch()
     ref = _reference(model, torch.bfloat16).cuda()
-    want = ref.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, **GREEDY)
+    want = ref.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, **STATIC)
     eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cuda")
     eng.cap = _streaming_cap(eng, 3, 25, 9, resident=1) + (384 << 20)
     got = eng.generate(ids, mask, max_new_tokens=16, **GREEDY)
     assert eng.plan.streamed and eng.plan.resident
     assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+
+def test_dynamic_cache_on_request_is_transformers_default_generate_bitwise():
+    torch.manual_seed(0)
+    model = tm.mistral().eval()
+    ids, mask = _uneven_batch()
+    want = _reference(model, torch.bfloat16).generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
+    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
+    eng.cap = _streaming_cap(eng, 3, 17, 9)
+    got = eng.generate(ids, mask, max_new_tokens=8, cache_implementation="dynamic", **GREEDY)
+    assert eng.plan.streamed and torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))

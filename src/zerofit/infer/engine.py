@@ -21,6 +21,17 @@ round differently: the parameters here require grad, as those of a model
 transformers loads do, so that the logits are bitwise those of ``generate`` on
 the model itself. Generation runs under ``no_grad``; nothing is recorded.
 
+[Note: a KV cache allocated once]
+``generate`` uses transformers' static cache by default: every layer's keys and
+values for ``batch x (prompt + new tokens)`` allocated once, exactly the bytes
+the plan counted. A dynamic cache grows by concatenation every token, and near
+the cap the caching allocator then frees and re-reserves memory (each a device
+sync) every step; on the H200 at a 24 GiB cap that halved decode speed at batch
+1 (docs/benchmarks.md, W4). The tokens are those of ``generate`` with the
+default cache too; the logits equal to the dtype's rounding (the static cache
+attends over the padded length, masked), and bitwise those of ``generate(...,
+cache_implementation="static")`` on the model held whole.
+
 [Note: the upload cycle]
 Every forward of a decoder runs its blocks once each, in order, so the streamed
 blocks are needed in one fixed cyclic order, token after token. The slots are
@@ -336,9 +347,13 @@ class InferenceEngine:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int = 128, **kwargs):
         """transformers' ``generate`` on this model, after planning the placement for this batch and length.
-        Every generation option of transformers applies (sampling, penalties, stop strings, streamers...)."""
+        Every generation option of transformers applies (sampling, penalties, stop strings, streamers...);
+        the KV cache is transformers' static one unless ``cache_implementation`` says otherwise."""
         B, T = input_ids.shape
         self.prepare(B, T + max_new_tokens, T)
+        kwargs.setdefault("cache_implementation", "static")      # [Note: a KV cache allocated once]
+        if hasattr(self.model, "_previous_max_cache_length"):    # size it for this call, as planned
+            del self.model._previous_max_cache_length
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.device)

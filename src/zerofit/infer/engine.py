@@ -352,6 +352,8 @@ class InferenceEngine:
         B, T = input_ids.shape
         self.prepare(B, T + max_new_tokens, T)
         kwargs.setdefault("cache_implementation", "static")      # [Note: a KV cache allocated once]
+        kwargs.setdefault("disable_compile", True)   # transformers compiles static-cache decoding on CUDA by default:
+        #                                              the hooks swap parameters, which a compiled graph cannot see
         if hasattr(self.model, "_previous_max_cache_length"):    # size it for this call, as planned
             del self.model._previous_max_cache_length
         input_ids = input_ids.to(self.device)

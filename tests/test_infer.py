@@ -285,3 +285,55 @@ def test_dynamic_cache_on_request_is_transformers_default_generate_bitwise():
     got = eng.generate(ids, mask, max_new_tokens=8, cache_implementation="dynamic", **GREEDY)
     assert eng.plan.streamed and torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+
+def test_blocks_beyond_the_host_budget_stream_from_the_disk_and_match(tmp_path):
+    torch.manual_seed(0)
+    model = tm.llama(layers=6).eval()
+    ids, mask = _uneven_batch()
+    want = _reference(model, torch.bfloat16).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                                      **STATIC)
+    probe = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
+    blk = max(probe.shape.block_bytes)
+    cap = _streaming_cap(probe, 3, 15, 9, resident=2)
+    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu", max_gpu_memory=cap,
+                          max_host_memory=2 * blk + 2 * blk, nvme_path=tmp_path / "nvme")   # staging + 2 blocks
+    swap = eng._disk.path
+    assert swap.is_file() and sorted(eng._disk.regions) != [] and len(eng._disk.regions) == 4
+    got = eng.generate(ids, mask, max_new_tokens=6, **GREEDY)
+    assert len(eng.plan.resident) == 2 and len(eng.plan.streamed) == 4
+    st = eng.stats()
+    on_disk_streamed = [b for b in eng.plan.streamed if eng._host[b] is None]
+    assert on_disk_streamed and st["disk_reads"] >= 6 * len(on_disk_streamed)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    assert "on the disk" in eng.summary()
+    eng.close()
+    assert not swap.exists()                      # removed at close
+
+
+def test_disk_tier_refusals_name_what_to_change(tmp_path):
+    model = tm.llama(layers=3).eval()
+    with pytest.raises(ValueError, match="give nvme_path"):
+        InferenceEngine(copy.deepcopy(model), device="cpu", max_host_memory=1000)
+    with pytest.raises(ValueError, match="staging buffers"):
+        InferenceEngine(copy.deepcopy(model), device="cpu", max_host_memory=1000, nvme_path=tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_disk_blocks_stream_through_pinned_staging_and_match(tmp_path):
+    torch.manual_seed(0)
+    model = tm.llama(layers=6).eval()
+    ids, mask = _uneven_batch()
+    want = _reference(model, torch.bfloat16).cuda().generate(input_ids=ids.cuda(), attention_mask=mask.cuda(),
+                                                             max_new_tokens=12, **STATIC)
+    probe = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
+    blk = max(probe.shape.block_bytes)
+    cap = _streaming_cap(probe, 3, 21, 9, resident=1) + (384 << 20)
+    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cuda", max_gpu_memory=cap,
+                          max_host_memory=4 * blk, nvme_path=tmp_path)
+    got = eng.generate(ids, mask, max_new_tokens=12, **GREEDY)
+    assert eng.stats()["disk_reads"] > 12 and eng.plan.streamed
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    eng.close()

@@ -363,14 +363,22 @@ def _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed,
             "repetition_penalty": repetition_penalty, "stop": stop or None, "seed": seed}
 
 
-def _inference_engine(console: Console, model: Path, max_gpu_memory, dtype, device):
+def _inference_engine(console: Console, model: Path, max_gpu_memory, dtype, device, max_host_memory=None,
+                      nvme=None):
+    from zerofit.engine.disk import DiskTierError
     from zerofit.infer.engine import InferenceEngine
     from zerofit.models import WeightFileError
 
     try:
-        return InferenceEngine.from_pretrained(model, max_gpu_memory=max_gpu_memory, dtype=dtype, device=device)
-    except (WeightFileError, ValueError, OSError) as e:
+        return InferenceEngine.from_pretrained(model, max_gpu_memory=max_gpu_memory, dtype=dtype, device=device,
+                                               max_host_memory=max_host_memory, nvme_path=nvme)
+    except (WeightFileError, ValueError, OSError, DiskTierError) as e:
         _fail(console, f"cannot load {model}: {e}")
+
+
+_HOST_OPT = typer.Option(help="Host memory budget for the blocks' 16-bit weights, e.g. 16GiB: the rest go to --nvme.")
+_NVME_OPT = typer.Option(help="Folder for the blocks that do not fit --max-host-memory (a swap file, removed "
+                              "at the end).")
 
 
 @app.command()
@@ -383,6 +391,8 @@ def generate(
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together.")] = 8,
     max_gpu_memory: Annotated[str | None, typer.Option(
         help="GPU memory budget, e.g. 24GiB: the blocks that do not fit stream through the GPU.")] = None,
+    max_host_memory: Annotated[str | None, _HOST_OPT] = None,
+    nvme: Annotated[Path | None, _NVME_OPT] = None,
     dtype: Annotated[str | None, typer.Option(help="Weights dtype: bf16 or fp16 (default: the model's 16-bit "
                                                    "dtype, else bf16); fp32 on the CPU.")] = None,
     device: Annotated[str | None, typer.Option(help="cuda, cuda:1 or cpu (default: the GPU if there is one).")] = None,
@@ -412,7 +422,7 @@ def generate(
         items = list(prompt) if prompt else read_prompts(prompts)
     except (OSError, ValueError) as e:
         _fail(err, f"--prompts: {e}")
-    engine = _inference_engine(err, model, max_gpu_memory, dtype, device)
+    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme)
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed, greedy)
     one = len(items) == 1
     stream = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if one and output is None else None
@@ -420,8 +430,10 @@ def generate(
         done = complete(engine, items, max_new_tokens=max_new_tokens, batch_size=batch_size, chat=chat,
                         system=system, stream=stream, **sampling)
     except InferencePlanError as e:
+        engine.close()
         _fail(err, f"refused before the first token: {e}")
     except ValueError as e:
+        engine.close()
         _fail(err, str(e))
     if stream is not None:
         sys.stdout.write("\n")
@@ -440,7 +452,8 @@ def generate(
         batches[i // (1 if stream else batch_size)] = c.seconds
     wall = sum(batches.values())
     err.print(Text(f"{len(done)} prompts, {new} new tokens in {wall:.2f} s ({new / max(wall, 1e-9):.1f} tokens/s); "
-                   f"{engine.plan.summary()}", style="dim"), soft_wrap=True)
+                   f"{engine.summary()}", style="dim"), soft_wrap=True)
+    engine.close()
 
 
 @app.command()
@@ -448,6 +461,8 @@ def chat(
     model: Annotated[Path, _GEN_MODEL],
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per answer.")] = 512,
     max_gpu_memory: Annotated[str | None, typer.Option(help="GPU memory budget, e.g. 24GiB.")] = None,
+    max_host_memory: Annotated[str | None, _HOST_OPT] = None,
+    nvme: Annotated[Path | None, _NVME_OPT] = None,
     dtype: Annotated[str | None, typer.Option(help="Weights dtype: bf16 or fp16.")] = None,
     device: Annotated[str | None, typer.Option(help="cuda, cuda:1 or cpu.")] = None,
     system: Annotated[str | None, typer.Option(help="System message.")] = None,
@@ -461,7 +476,7 @@ def chat(
     from zerofit.infer.text import complete
 
     err = Console(stderr=True)
-    engine = _inference_engine(err, model, max_gpu_memory, dtype, device)
+    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         _fail(err, f"{model}: its tokenizer has no chat template: use zerofit generate with plain prompts")
     history: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -480,9 +495,11 @@ def chat(
             (c,) = complete(engine, [history], max_new_tokens=max_new_tokens,
                             stream=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), **sampling)
         except InferencePlanError as e:
+            engine.close()
             _fail(err, f"refused: {e}")
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": c.text})
+    engine.close()
 
 
 def _render_doctor(report, console: Console) -> None:

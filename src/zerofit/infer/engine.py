@@ -68,7 +68,8 @@ from zerofit.engine.adapter import Adapter
 from zerofit.engine.device import Device
 from zerofit.engine.materialize import _init_buffers, param_table
 from zerofit.engine.store import HostArena
-from zerofit.infer.plan import RESERVE, InferPlan, InferShape, plan_inference
+from zerofit.engine.planner import fmt_bytes
+from zerofit.infer.plan import RESERVE, InferencePlanError, InferPlan, InferShape, plan_inference
 
 ALIGN = 64     # elements: every parameter view starts on a 128-byte boundary in 16-bit
 
@@ -98,11 +99,14 @@ class InferenceEngine:
     Build it from a model directory or a zerofit checkpoint (:meth:`from_pretrained`), a live training engine
     (:meth:`from_engine`) or a model in memory (the constructor: its parameters are taken over, cast to
     ``dtype``). ``max_gpu_memory``: the device budget the plan keeps to (None: every block resident).
+    ``max_host_memory``: the host budget for the blocks' 16-bit weights (None: all in host memory); the blocks
+    beyond it go to a swap file under ``nvme_path`` (zerofit/infer/disk.py).
     """
 
     def __init__(self, model: nn.Module, *, device: str | torch.device | None = None, dtype=None,
                  max_gpu_memory: int | str | None = None, slots: int = 2, tokenizer=None, fill=None,
-                 source_dir: Path | None = None):
+                 source_dir: Path | None = None, max_host_memory: int | str | None = None,
+                 nvme_path: str | os.PathLike | None = None):
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and self.device.index is None:
@@ -112,6 +116,9 @@ class InferenceEngine:
         self.tokenizer = tokenizer
         self.source_dir = source_dir
         self.cap = parse_bytes(max_gpu_memory, "max_gpu_memory")
+        self.host_budget = parse_bytes(max_host_memory, "max_host_memory")
+        self.nvme_path = nvme_path
+        self._disk = None              # DiskBlocks, when some blocks live on the disk
         self.slots_wanted = max(1, int(slots))
         self.adapter = Adapter(model, "auto")
         if not self.adapter.streaming:
@@ -187,20 +194,65 @@ class InferenceEngine:
             if meta:
                 _init_buffers(model, adapter, b + 1, self.device)
         self._sizes = sizes
-        self._arena = HostArena(sum(sizes), self.dtype, pinned=self.dev.is_cuda)
-        self._host = [self._arena.take(n) for n in sizes]
-        self._host_views = [self._flat_views(h, b) for b, h in enumerate(self._host)]
-        for b, views in enumerate(self._host_views):
+        self.shape = _shape(model, table, sizes, self.dtype)
+        on_disk = self._disk_blocks(sizes)
+        in_host = [b for b in range(len(sizes)) if b not in on_disk]
+        self._arena = HostArena(sum(sizes[b] for b in in_host), self.dtype, pinned=self.dev.is_cuda)
+        self._host: list[torch.Tensor | None] = [None] * len(sizes)
+        for b in in_host:
+            self._host[b] = self._arena.take(sizes[b])
+        if on_disk:
+            from zerofit.infer.disk import DiskBlocks
+
+            self._disk = DiskBlocks(self.nvme_path, on_disk, sizes, self.dtype, pinned=self.dev.is_cuda)
+        self._host_views = []
+        for b in range(len(sizes)):
+            if b in on_disk:
+                self._disk.write(b, lambda flat, b=b: self._fill_block(fill, self._flat_views(flat, b)))
+                views = self._flat_views(self._disk.mapped(b), b)      # idle: the file's mapping
+            else:
+                views = self._flat_views(self._host[b], b)
+                self._fill_block(fill, views)
+            self._host_views.append(views)
             for name, t in views.items():
-                fill(table.aliases[name], t)
                 self._bind(name, t)
         for m in model.modules():                     # buffers (rotary tables, masks) on the device
             for bn, buf in list(m._buffers.items()):
                 if buf is not None and buf.device != self.device:
                     m._buffers[bn] = buf.to(self.device)
         self._params = {n: self._param(n) for n in table.canonical}
-        self.shape = _shape(model, table, sizes, self.dtype)
 
+    def _fill_block(self, fill, views: dict[str, torch.Tensor]) -> None:
+        for name, t in views.items():
+            fill(self.table.aliases[name], t)
+
+    def _disk_blocks(self, sizes: list[int]) -> list[int]:
+        """The blocks whose weights go to the disk: none when they all fit ``max_host_memory``; else those
+        beyond it, the blocks a batch-1 plan streams kept in host memory first (they cross every token)."""
+        elem, n = self.shape.elem, len(sizes)
+        total = sum(sizes) * elem
+        if self.host_budget is None or total <= self.host_budget:
+            return []
+        staging = 2 * max(sizes) * elem
+        if self.nvme_path is None:
+            raise ValueError(f"the blocks' 16-bit weights ({fmt_bytes(total)}) exceed max_host_memory "
+                             f"({fmt_bytes(self.host_budget)}): give nvme_path (--nvme) for the rest, or raise "
+                             "max_host_memory")
+        if self.host_budget < staging:
+            raise ValueError(f"max_host_memory {fmt_bytes(self.host_budget)} cannot hold the two staging buffers "
+                             f"the disk needs ({fmt_bytes(staging)}): raise it")
+        try:
+            first = plan_inference(self.shape, self.cap, 1, 256, 128, self.slots_wanted,
+                                   RESERVE if self.dev.is_cuda else 0).streamed
+        except InferencePlanError:
+            first = []
+        order = first + [b for b in range(n) if b not in set(first)]
+        room, keep = self.host_budget - staging, set()
+        for b in order:
+            if sizes[b] * elem <= room:
+                keep.add(b)
+                room -= sizes[b] * elem
+        return [b for b in range(n) if b not in keep]
     def _flat_views(self, flat: torch.Tensor, b: int) -> dict[str, torch.Tensor]:
         return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in self._layout[b]}
 
@@ -257,7 +309,12 @@ class InferenceEngine:
             self._views.clear()
         for b in plan.resident:
             if b not in self._dev:
-                if self.dev.is_cuda:
+                if self._host[b] is None:             # on the disk: read once, through a staging buffer
+                    flat, stg = self._disk.take(b)
+                    buf = torch.empty(self._sizes[b], dtype=self.dtype, device=self.device)
+                    buf.copy_(flat)
+                    self._disk.give_back(stg, None)
+                elif self.dev.is_cuda:
                     buf = torch.empty(self._sizes[b], dtype=self.dtype, device=self.device)
                     buf.copy_(self._host[b], non_blocking=True)
                 else:
@@ -266,6 +323,7 @@ class InferenceEngine:
                 self._bind_block(b, self._flat_views(buf, b))
         self.dev.synchronize()
         self._cycle = list(plan.streamed)
+        self._disk_cycle = [b for b in self._cycle if self._host[b] is None]
         self._next = 0
         self.plan = plan
 
@@ -284,16 +342,26 @@ class InferenceEngine:
         self._next = (self._next + 1) % len(self._cycle)
         n = self._sizes[b]
         dev = self.dev
+        src, stg = self._host[b], None
+        if src is None:                       # on the disk ([Note: staging buffers], disk.py)
+            src, stg = self._disk.take(b)
         with dev.on(dev.upload):
             dev.wait(dev.upload, slot.free)
             start = dev.event(timing=True)
             if dev.is_cuda:
                 start.record(dev.upload)
-            slot.buf[:n].copy_(self._host[b], non_blocking=True)
+            slot.buf[:n].copy_(src, non_blocking=True)
             slot.ready = dev.event(timing=True)
             if dev.is_cuda:
                 slot.ready.record(dev.upload)
                 self._upload_marks.append((start, slot.ready))
+        if stg is not None:
+            self._disk.give_back(stg, slot.ready if dev.is_cuda else None)
+            dc = self._disk_cycle
+            at = dc.index(b)
+            for k in range(1, len(dc)):      # read the next disk blocks of the cycle into the free buffers
+                if not self._disk.prefetch(dc[(at + k) % len(dc)]):
+                    break
         slot.block = b
         self._holding[b] = slot
         self.uploads += 1
@@ -371,7 +439,10 @@ class InferenceEngine:
             self._upload_seconds += sum(a.elapsed_time(b) for a, b in self._upload_marks) / 1000.0
             self._upload_marks.clear()
         p = self.plan
-        return {"primes": self.primes, "upload_seconds": round(self._upload_seconds, 4),"resident": len(p.resident) if p else None, "streamed": len(p.streamed) if p else None,
+        disk = self._disk
+        return {"disk_blocks": len(disk.regions) if disk else 0, "disk_reads": disk.reads if disk else 0,
+                "disk_read_bytes": disk.read_bytes if disk else 0,
+                "primes": self.primes, "upload_seconds": round(self._upload_seconds, 4),"resident": len(p.resident) if p else None, "streamed": len(p.streamed) if p else None,
                 "slots": p.slots if p else None, "streamed_bytes_per_forward": p.streamed_bytes if p else None,
                 "device_bytes_planned": p.device_bytes if p else None, "uploads": self.uploads,
                 "upload_bytes": self.upload_bytes, "dtype": str(self.dtype).replace("torch.", "")}
@@ -389,6 +460,16 @@ class InferenceEngine:
         self.plan = None
         if getattr(self, "_arena", None) is not None:
             self._arena.close()
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
+
+    def summary(self) -> str:
+        """The plan in one line, and where the blocks' weights are kept."""
+        text = self.plan.summary() if self.plan else "not planned yet"
+        if self._disk is not None:
+            text += f"; {len(self._disk.regions)} blocks' weights on the disk ({self._disk.path})"
+        return text
 
 
 def _aligned(n: int) -> int:

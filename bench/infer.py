@@ -55,7 +55,6 @@ class Filler:
         self.base = (torch.randn(1 << 26, generator=g) * 0.02).to(torch.bfloat16)
 
     def __call__(self, names, dst):
-        import torch
 
         if dst.dim() == 1:
             dst.fill_(1.0)
@@ -150,9 +149,15 @@ def run_zerofit(args, w) -> dict:
 
     res = {"engine": "zerofit", "cap": args.cap, "runs": []}
     res["pinned_h2d_gb_per_s"] = pinned_bandwidth() if torch.cuda.is_available() else None
+    if args.nvme:
+        from zerofit.engine.disk import measure_folder
+
+        res["disk_write_gb_per_s"], res["disk_read_gb_per_s"] = (round(x, 2) for x in measure_folder(args.nvme))
+        res["max_host_memory"] = args.max_host_memory
     common.set_gpu_cap(args.cap, "cuda" if torch.cuda.is_available() else "cpu")
     t = time.perf_counter()
-    eng = InferenceEngine(meta_model(w), dtype=torch.bfloat16, max_gpu_memory=args.cap, fill=Filler())
+    eng = InferenceEngine(meta_model(w), dtype=torch.bfloat16, max_gpu_memory=args.cap, fill=Filler(),
+                          max_host_memory=args.max_host_memory, nvme_path=args.nvme)
     res["load_s"] = round(time.perf_counter() - t, 1)
 
     def gen(ids, mask, n, clock):
@@ -162,8 +167,12 @@ def run_zerofit(args, w) -> dict:
         ids, mask = prompts(w, b, args.prompt_len)
         eng.prepare(b, args.prompt_len + args.new_tokens, args.prompt_len, grow_only=False)   # this batch's plan
         r = timed(gen, ids, mask, args.new_tokens)
-        r.update(plan=eng.plan.summary(), resident=len(eng.plan.resident), streamed=len(eng.plan.streamed),
-                 streamed_gb_per_token=round(eng.plan.streamed_bytes / 1e9, 3))
+        r.update(plan=eng.summary(), resident=len(eng.plan.resident), streamed=len(eng.plan.streamed),
+                 streamed_gb_per_token=round(eng.plan.streamed_bytes / 1e9, 3), stats=eng.stats())
+        if eng._disk is not None and res.get("disk_read_gb_per_s"):
+            disk = sum(eng.shape.block_bytes[x] for x in eng.plan.streamed if eng._host[x] is None)
+            r["disk_gb_per_token"] = round(disk / 1e9, 3)
+            r["disk_bound_tokens_per_s"] = round(res["disk_read_gb_per_s"] * 1e9 / disk * b, 3) if disk else None
         if r["decode_tokens_per_s"] and eng.plan.streamed_bytes and res["pinned_h2d_gb_per_s"]:
             bound = res["pinned_h2d_gb_per_s"] * 1e9 / eng.plan.streamed_bytes * b
             r["pcie_bound_tokens_per_s"] = round(bound, 2)
@@ -263,6 +272,8 @@ def main() -> int:
     p.add_argument("--accelerate-headroom", type=int, default=int(4.5 * GiB),
                    help="bytes of the cap left out of accelerate's max_memory for the KV cache and activations")
     p.add_argument("--timeout", type=int, default=400)
+    p.add_argument("--max-host-memory", default=None, help="zerofit: host budget for the blocks' weights")
+    p.add_argument("--nvme", default=None, help="zerofit: folder for the blocks beyond --max-host-memory")
     p.add_argument("--probe", action="store_true", help="zerofit: batch-1 probes of what binds (see run_zerofit)")
     p.add_argument("--out", required=True)
     p.add_argument("--commit", default="unknown")
@@ -288,7 +299,8 @@ def main() -> int:
                "--prompt-len", str(args.prompt_len), "--accelerate-headroom", str(args.accelerate_headroom),
                "--new-tokens", str(args.accelerate_new_tokens if engine == "accelerate" and args.accelerate_new_tokens
                                    else args.new_tokens),
-               "--prefill-len", str(args.prefill_len), "--out", str(out)] + (["--probe"] if args.probe else [])
+               "--prefill-len", str(args.prefill_len), "--out", str(out)] + (["--probe"] if args.probe else []) \
+            + (["--max-host-memory", args.max_host_memory, "--nvme", args.nvme] if args.nvme else [])
         t = time.perf_counter()
         print(f"== {engine} at {cap}: {' '.join(cmd)}", flush=True)
         try:

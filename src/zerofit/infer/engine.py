@@ -464,6 +464,16 @@ class InferenceEngine:
             self._disk.close()
             self._disk = None
 
+    def __del__(self):
+        # the swap file is removed with the engine (a process that dies leaves it to the next run, which
+        # removes it: [Note: swap files are reused, never leaked], engine/disk.py)
+        disk = getattr(self, "_disk", None)
+        if disk is not None:
+            try:
+                disk.close()
+            except Exception:
+                pass
+
     def summary(self) -> str:
         """The plan in one line, and where the blocks' weights are kept."""
         text = self.plan.summary() if self.plan else "not planned yet"

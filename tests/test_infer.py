@@ -337,3 +337,15 @@ def test_gpu_disk_blocks_stream_through_pinned_staging_and_match(tmp_path):
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
     eng.close()
+
+
+def test_first_use_inside_inference_mode_then_outside():
+    torch.manual_seed(0)
+    model = tm.llama(layers=4).eval()
+    ids, mask = _uneven_batch()
+    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.float32, device="cpu")
+    eng.cap = _streaming_cap(eng, 3, 17, 9)
+    with torch.inference_mode():
+        a = eng.generate(ids, mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    b = eng.generate(ids, mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert eng.plan.streamed and torch.equal(a, b)

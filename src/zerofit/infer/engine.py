@@ -32,6 +32,12 @@ default cache too; the logits equal to the dtype's rounding (the static cache
 attends over the padded length, masked), and bitwise those of ``generate(...,
 cache_implementation="static")`` on the model held whole.
 
+[Note: normal tensors]
+The engine's buffers (host arena, resident copies, slots) and the views its
+parameters take are made outside ``torch.inference_mode``, even when the first
+``generate`` runs inside it: an inference tensor cannot be written in place
+outside inference mode, and the slots are rewritten on every later call.
+
 [Note: the upload cycle]
 Every forward of a decoder runs its blocks once each, in order, so the streamed
 blocks are needed in one fixed cyclic order, token after token. The slots are
@@ -138,7 +144,8 @@ class InferenceEngine:
         self.primes = 0                # cycle restarts ([Note: the upload cycle]): one per plan when all goes well
         self._upload_marks: list = []  # (start, end) timing events of uploads since the last stats()
         self._upload_seconds = 0.0
-        self._load(fill)
+        with torch.inference_mode(False):     # [Note: normal tensors]
+            self._load(fill)
         self._hooks = []
         for i, blk in enumerate(self.adapter.blocks):
             self._hooks.append(blk.register_forward_pre_hook(lambda m, a, i=i: self._enter(i)))
@@ -289,7 +296,8 @@ class InferenceEngine:
             batch, context, prefill = max(batch, old.batch), max(context, old.context), max(prefill, old.prefill)
         plan = plan_inference(self.shape, self.cap, batch, context, prefill, self.slots_wanted,
                               RESERVE if self.dev.is_cuda else 0)
-        self._apply(plan)
+        with torch.inference_mode(False):     # [Note: normal tensors]
+            self._apply(plan)
         return plan
 
     def _apply(self, plan: InferPlan) -> None:
@@ -389,7 +397,8 @@ class InferenceEngine:
         key = (id(slot), b)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = self._flat_views(slot.buf, b)
+            with torch.inference_mode(False):     # [Note: normal tensors]
+                views = self._views[key] = self._flat_views(slot.buf, b)
         self._bind_block(b, views)
 
     def _exit(self, b: int) -> None:

@@ -349,3 +349,15 @@ def test_first_use_inside_inference_mode_then_outside():
         a = eng.generate(ids, mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     b = eng.generate(ids, mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert eng.plan.streamed and torch.equal(a, b)
+
+
+def test_beam_search_plans_the_cache_of_every_beam_and_matches():
+    torch.manual_seed(0)
+    model = tm.qwen3().eval()
+    ids, mask = _uneven_batch()
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    want = _reference(model, torch.float32).generate(input_ids=ids, attention_mask=mask,
+                                                     cache_implementation="static", disable_compile=True, **kw)
+    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.float32, device="cpu")
+    got = eng.generate(ids, mask, **kw)
+    assert eng.plan.batch == 9 and torch.equal(got, want)

@@ -427,7 +427,10 @@ class InferenceEngine:
         Every generation option of transformers applies (sampling, penalties, stop strings, streamers...);
         the KV cache is transformers' static one unless ``cache_implementation`` says otherwise."""
         B, T = input_ids.shape
-        self.prepare(B, T + max_new_tokens, T)
+        cfg = self.model.generation_config     # beams and returned sequences multiply the cache's batch
+        copies = max(int(kwargs.get("num_beams") or cfg.num_beams or 1),
+                     int(kwargs.get("num_return_sequences") or cfg.num_return_sequences or 1))
+        self.prepare(B * copies, T + max_new_tokens, T)
         kwargs.setdefault("cache_implementation", "static")      # [Note: a KV cache allocated once]
         kwargs.setdefault("disable_compile", True)   # transformers compiles static-cache decoding on CUDA by default:
         #                                              the hooks swap parameters, which a compiled graph cannot see

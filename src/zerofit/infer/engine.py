@@ -104,9 +104,10 @@ class InferenceEngine:
 
     Build it from a model directory or a zerofit checkpoint (:meth:`from_pretrained`), a live training engine
     (:meth:`from_engine`) or a model in memory (the constructor: its parameters are taken over, cast to
-    ``dtype``). ``max_gpu_memory``: the device budget the plan keeps to (None: every block resident).
-    ``max_host_memory``: the host budget for the blocks' 16-bit weights (None: all in host memory); the blocks
-    beyond it go to a swap file under ``nvme_path`` (zerofit/infer/disk.py).
+    ``dtype``). ``max_gpu_memory``: the device budget the plan keeps to (None: the whole GPU less what other
+    processes hold; on the CPU no limit). ``max_host_memory``: the host budget for the blocks' 16-bit weights
+    (None: for a model read from files the available memory less a tenth; for a model in memory no limit); the
+    blocks beyond it go to a swap file under ``nvme_path`` (zerofit/infer/disk.py), or it is refused.
     """
 
     def __init__(self, model: nn.Module, *, device: str | torch.device | None = None, dtype=None,
@@ -202,7 +203,7 @@ class InferenceEngine:
                 _init_buffers(model, adapter, b + 1, self.device)
         self._sizes = sizes
         self.shape = _shape(model, table, sizes, self.dtype)
-        on_disk = self._disk_blocks(sizes)
+        on_disk = self._disk_blocks(sizes, meta)
         in_host = [b for b in range(len(sizes)) if b not in on_disk]
         self._arena = HostArena(sum(sizes[b] for b in in_host), self.dtype, pinned=self.dev.is_cuda)
         self._host: list[torch.Tensor | None] = [None] * len(sizes)
@@ -233,11 +234,16 @@ class InferenceEngine:
         for name, t in views.items():
             fill(self.table.aliases[name], t)
 
-    def _disk_blocks(self, sizes: list[int]) -> list[int]:
-        """The blocks whose weights go to the disk: none when they all fit ``max_host_memory``; else those
+    def _disk_blocks(self, sizes: list[int], meta: bool) -> list[int]:
+        """The blocks whose weights go to the disk: none when they all fit ``max_host_memory`` (by default, for
+        a model read from files, the training engine's: the available memory less a tenth); else those
         beyond it, the blocks a batch-1 plan streams kept in host memory first (they cross every token)."""
+        from zerofit.engine.engine import default_host_budget
+
         elem, n = self.shape.elem, len(sizes)
         total = sum(sizes) * elem
+        if self.host_budget is None and meta:
+            self.host_budget = default_host_budget()
         if self.host_budget is None or total <= self.host_budget:
             return []
         staging = 2 * max(sizes) * elem
@@ -294,11 +300,20 @@ class InferenceEngine:
             return old
         if old is not None:      # a larger plan may suit the new request: keep the larger of each dimension
             batch, context, prefill = max(batch, old.batch), max(context, old.context), max(prefill, old.prefill)
-        plan = plan_inference(self.shape, self.cap, batch, context, prefill, self.slots_wanted,
+        plan = plan_inference(self.shape, self._device_budget(), batch, context, prefill, self.slots_wanted,
                               RESERVE if self.dev.is_cuda else 0)
         with torch.inference_mode(False):     # [Note: normal tensors]
             self._apply(plan)
         return plan
+
+    def _device_budget(self) -> int | None:
+        """``max_gpu_memory`` (or the whole GPU) less what other processes hold on it now, as the training
+        engine plans; on the CPU the cap alone (None: no limit)."""
+        if not self.dev.is_cuda:
+            return self.cap
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        return min(self.cap or total, total) - max(others, 0)
 
     def _apply(self, plan: InferPlan) -> None:
         self._drain()

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -547,11 +546,3 @@ def _shape(model: nn.Module, table, sizes: list[int], dtype: torch.dtype) -> Inf
                                                                          default=4 * hidden),
                       vocab=get("vocab_size"), heads=heads, elem=elem)
 
-
-def timed_generate(engine: InferenceEngine, input_ids, attention_mask=None, **kw) -> tuple[torch.Tensor, float]:
-    """``engine.generate`` and its wall time (device synchronized)."""
-    engine.dev.synchronize()
-    t = time.perf_counter()
-    out = engine.generate(input_ids, attention_mask, **kw)
-    engine.dev.synchronize()
-    return out, time.perf_counter() - t

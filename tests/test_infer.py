@@ -361,3 +361,19 @@ def test_beam_search_plans_the_cache_of_every_beam_and_matches():
     eng = InferenceEngine(copy.deepcopy(model), dtype=torch.float32, device="cpu")
     got = eng.generate(ids, mask, **kw)
     assert eng.plan.batch == 9 and torch.equal(got, want)
+
+
+def test_text_api_takes_a_training_engine_and_refuses_other_objects(tmp_path):
+    d = make_model_dir(tmp_path / "m", "llama", dtype=torch.float32, layers=2)
+    engine = zerofit.initialize(str(d), {"device": "cpu", "precision": "fp32", "micro_batch_size": 1,
+                                         "gradient_accumulation_steps": 1})
+    from zerofit.infer.sources import load_tokenizer
+
+    tok = load_tokenizer(d)
+    text = zerofit.generate(engine, "The quick", tokenizer=tok, max_new_tokens=5, device="cpu", dtype="fp32")
+    ref = zerofit.generate(InferenceEngine.from_pretrained(d, device="cpu", dtype="fp32"), "The quick",
+                           max_new_tokens=5)
+    assert text == ref
+    with pytest.raises(TypeError, match="model directory"):
+        zerofit.generate(object(), "x")
+    engine.close()

@@ -34,12 +34,13 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 _STALE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
 
 
-def export_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def export_dtype(dtype: str | torch.dtype, what: str = "export dtype") -> torch.dtype:
+    """bf16, fp16 or fp32 by name (or as a torch dtype); anything else is refused naming ``what``."""
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
-    raise ValueError(f"export dtype {dtype!r}: expected one of bf16, fp16, fp32")
+    raise ValueError(f"{what} {dtype!r}: expected one of bf16, fp16, fp32")
 
 
 def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype = "bf16",

@@ -44,6 +44,7 @@ class DiskBlocks:
         self.path = self.file.path
         self._typed_map = self.file.map.view(torch.uint8).view(dtype)
         most = max((n for _, n in self.regions.values()), default=0)
+        self.pinned = pinned
         self._bufs = []
         for _ in range(buffers):
             buf = aligned_empty(_up(max(most, 1)))
@@ -112,13 +113,10 @@ class DiskBlocks:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._pending.clear()
-        if self._bufs and self._bufs[0].device.type == "cpu":
+        if self.pinned:          # undo pin() before the memory can be reused
             for buf in self._bufs:
-                try:
-                    if torch.cuda.is_available() and buf.is_pinned():
-                        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-                except Exception:
-                    pass
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+            self.pinned = False
         self._bufs = []
         self._free.clear()
         self._typed_map = None

@@ -24,10 +24,10 @@ the model itself. Generation runs under ``no_grad``; nothing is recorded.
 [Note: a KV cache allocated once]
 ``generate`` uses transformers' static cache by default: every layer's keys and
 values for ``batch x (prompt + new tokens)`` allocated once, exactly the bytes
-the plan counted. A dynamic cache grows by concatenation every token, and near
-the cap the caching allocator then frees and re-reserves memory (each a device
-sync) every step; on the H200 at a 24 GiB cap that halved decode speed at batch
-1 (docs/benchmarks.md, W4). The tokens are those of ``generate`` with the
+the plan counted. A dynamic cache grows by concatenation every token (new
+allocations every step); with it, the same plan decoded at less than half the
+speed at batch 1 on the H200 under a 24 GiB cap (docs/benchmarks.md, W4). Why
+was not measured: allocator work near the cap is the suspicion. The tokens are those of ``generate`` with the
 default cache too; the logits equal to the dtype's rounding (the static cache
 attends over the padded length, masked), and bitwise those of ``generate(...,
 cache_implementation="static")`` on the model held whole.
@@ -68,6 +68,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zerofit.checkpoint.export import export_dtype
 from zerofit.config.schema import parse_bytes
 from zerofit.engine.adapter import Adapter
 from zerofit.engine.device import Device
@@ -78,22 +79,14 @@ from zerofit.infer.plan import RESERVE, InferencePlanError, InferPlan, InferShap
 
 ALIGN = 64     # elements: every parameter view starts on a 128-byte boundary in 16-bit
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-
 
 def as_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if str(dtype).lower() in _DTYPES:
-        return _DTYPES[str(dtype).lower()]
-    raise ValueError(f"dtype {dtype!r}: expected bf16, fp16 or fp32")
+    return None if dtype is None else export_dtype(dtype, "dtype")
 
 
 @dataclass
 class _Slot:
     buf: torch.Tensor
-    block: int | None = None
     ready: object = None        # upload done (event on the upload stream)
     free: object = None         # the last reader done (event on the compute stream)
 
@@ -139,6 +132,7 @@ class InferenceEngine:
         self._cycle: list[int] = []
         self._next = 0
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._params: dict[str, nn.Parameter] = {}     # canonical name -> the parameter the model holds
         self.uploads = 0
         self.upload_bytes = 0
         self.primes = 0                # cycle restarts ([Note: the upload cycle]): one per plan when all goes well
@@ -227,7 +221,6 @@ class InferenceEngine:
             for bn, buf in list(m._buffers.items()):
                 if buf is not None and buf.device != self.device:
                     m._buffers[bn] = buf.to(self.device)
-        self._params = {n: self._param(n) for n in table.canonical}
 
     def _fill_block(self, fill, views: dict[str, torch.Tensor]) -> None:
         for name, t in views.items():
@@ -254,7 +247,7 @@ class InferenceEngine:
             raise ValueError(f"max_host_memory {fmt_bytes(self.host_budget)} cannot hold the two staging buffers "
                              f"the disk needs ({fmt_bytes(staging)}): raise it")
         try:
-            first = plan_inference(self.shape, self.cap, 1, 256, 128, self.slots_wanted,
+            first = plan_inference(self.shape, self._device_budget(), 1, 256, 128, self.slots_wanted,
                                    RESERVE if self.dev.is_cuda else 0).streamed
         except InferencePlanError:
             first = []
@@ -265,13 +258,14 @@ class InferenceEngine:
                 keep.add(b)
                 room -= sizes[b] * elem
         return [b for b in range(n) if b not in keep]
+
     def _flat_views(self, flat: torch.Tensor, b: int) -> dict[str, torch.Tensor]:
         return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in self._layout[b]}
 
     def _bind(self, name: str, t: torch.Tensor) -> None:
         """A new parameter viewing ``t``, under every alias of ``name`` (tied weights stay one parameter)."""
         # requires_grad as a loaded model's: matmul picks its kernel path by it ([Note: same kernels])
-        p = nn.Parameter(t, requires_grad=True)
+        p = self._params[name] = nn.Parameter(t, requires_grad=True)
         for alias in self.table.aliases[name]:
             mod_path, _, leaf = alias.rpartition(".")
             (self.model.get_submodule(mod_path) if mod_path else self.model)._parameters[leaf] = p
@@ -281,10 +275,6 @@ class InferenceEngine:
         params = self._params
         for name, t in views.items():
             params[name].data = t
-
-    def _param(self, name: str) -> nn.Parameter:
-        mod_path, _, leaf = name.rpartition(".")
-        return (self.model.get_submodule(mod_path) if mod_path else self.model)._parameters[leaf]
 
     # ------------------------------------------------------------------ placement
 
@@ -355,7 +345,6 @@ class InferenceEngine:
                 s.ready.synchronize()
             if s.free is not None:
                 s.free.synchronize()
-            s.block = None
 
     # ------------------------------------------------------------------ streaming ([Note: the upload cycle])
 
@@ -377,6 +366,8 @@ class InferenceEngine:
             if dev.is_cuda:
                 slot.ready.record(dev.upload)
                 self._upload_marks.append((start, slot.ready))
+                if len(self._upload_marks) > 256:
+                    self._fold_marks(wait=False)
         if stg is not None:
             self._disk.give_back(stg, slot.ready if dev.is_cuda else None)
             dc = self._disk_cycle
@@ -384,7 +375,6 @@ class InferenceEngine:
             for k in range(1, len(dc)):      # read the next disk blocks of the cycle into the free buffers
                 if not self._disk.prefetch(dc[(at + k) % len(dc)]):
                     break
-        slot.block = b
         self._holding[b] = slot
         self.uploads += 1
         self.upload_bytes += n * self.shape.elem
@@ -420,7 +410,6 @@ class InferenceEngine:
             return
         slot = self._holding.pop(b)
         slot.free = self.dev.record(self.dev.compute)
-        slot.block = None
         self._bind_block(b, self._host_views[b])
         self._issue(slot)
 
@@ -460,18 +449,28 @@ class InferenceEngine:
     def stats(self) -> dict:
         """The plan, and the uploads so far: count, bytes, busy seconds of the upload stream (CUDA events),
         cycle restarts."""
-        if self._upload_marks:
-            self._upload_marks[-1][1].synchronize()
-            self._upload_seconds += sum(a.elapsed_time(b) for a, b in self._upload_marks) / 1000.0
-            self._upload_marks.clear()
+        self._fold_marks(wait=True)
         p = self.plan
         disk = self._disk
         return {"disk_blocks": len(disk.regions) if disk else 0, "disk_reads": disk.reads if disk else 0,
                 "disk_read_bytes": disk.read_bytes if disk else 0,
-                "primes": self.primes, "upload_seconds": round(self._upload_seconds, 4),"resident": len(p.resident) if p else None, "streamed": len(p.streamed) if p else None,
+                "primes": self.primes, "upload_seconds": round(self._upload_seconds, 4),
+                "resident": len(p.resident) if p else None, "streamed": len(p.streamed) if p else None,
                 "slots": p.slots if p else None, "streamed_bytes_per_forward": p.streamed_bytes if p else None,
                 "device_bytes_planned": p.device_bytes if p else None, "uploads": self.uploads,
                 "upload_bytes": self.upload_bytes, "dtype": str(self.dtype).replace("torch.", "")}
+
+    def _fold_marks(self, wait: bool) -> None:
+        """Add the finished uploads' seconds to the total (all of them, after waiting, with ``wait``), so the
+        timing events of a long generation do not pile up."""
+        marks = self._upload_marks
+        if wait and marks:
+            marks[-1][1].synchronize()
+        done = 0
+        while done < len(marks) and (wait or marks[done][1].query()):
+            done += 1
+        self._upload_seconds += sum(a.elapsed_time(b) for a, b in marks[:done]) / 1000.0
+        del marks[:done]
 
     def close(self) -> None:
         """Release the device buffers and the pinned arena (the engine is unusable afterwards)."""
@@ -525,7 +524,7 @@ def _default_dtype(model: nn.Module, table) -> torch.dtype:
 
 def _shape(model: nn.Module, table, sizes: list[int], dtype: torch.dtype) -> InferShape:
     elem = torch.empty((), dtype=dtype).element_size()
-    shell = sum(_aligned(table.canonical[n].numel()) for n in table.unit_names[0]) * elem
+    shell = sum(table.canonical[n].numel() for n in table.unit_names[0]) * elem
     cfg = getattr(model, "config", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 

@@ -50,12 +50,7 @@ class _DirSource:
         return load_tokenizer(self.path)
 
     def fill(self, names: list[str], dst: torch.Tensor) -> None:
-        if dst.device.type == "cpu":
-            load_tensor(self.md, names, dst, self._fds)
-        else:
-            tmp = torch.empty(dst.shape, dtype=dst.dtype)
-            load_tensor(self.md, names, tmp, self._fds)
-            dst.copy_(tmp)
+        load_tensor(self.md, names, dst, self._fds)     # any dtype and device
 
     def close(self) -> None:
         for fd in self._fds.values():

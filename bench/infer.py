@@ -122,21 +122,12 @@ def timed(gen, ids, mask, new_tokens: int) -> dict:
 
 
 def pinned_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Best of 5 copies of ``nbytes`` from page-locked host memory to the device, GB/s."""
-    import torch
+    """Host-to-device GB/s from page-locked memory, best of 5 copies of ``nbytes`` (``zerofit doctor``'s
+    measurement)."""
+    from zerofit.doctor import copy_bandwidth
 
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = 0.0
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
-    del src, dst
-    torch.cuda.empty_cache()
-    return round(best, 2)
+    return round(next(c.gb_per_s for c in copy_bandwidth(nbytes, repeats=5)
+                      if c.direction == "host->gpu" and c.host_memory == "pinned"), 2)
 
 
 # --------------------------------------------------------------------------- the engines (child processes)

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -426,6 +427,7 @@ def generate(
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed, greedy)
     one = len(items) == 1
     stream = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if one and output is None else None
+    t0 = time.perf_counter()
     try:
         done = complete(engine, items, max_new_tokens=max_new_tokens, batch_size=batch_size, chat=chat,
                         system=system, stream=stream, **sampling)
@@ -447,10 +449,7 @@ def generate(
                 f.write(json.dumps({"prompt": item, "text": c.text, "prompt_tokens": c.prompt_tokens,
                                     "new_tokens": c.new_tokens, "finish": c.finish}) + "\n")
     new = sum(c.new_tokens for c in done)
-    batches = {}      # each batch's wall time, once
-    for i, c in enumerate(done):
-        batches[i // (1 if stream else batch_size)] = c.seconds
-    wall = sum(batches.values())
+    wall = time.perf_counter() - t0
     err.print(Text(f"{len(done)} prompts, {new} new tokens in {wall:.2f} s ({new / max(wall, 1e-9):.1f} tokens/s); "
                    f"{engine.summary()}", style="dim"), soft_wrap=True)
     engine.close()

@@ -13,7 +13,6 @@ tokens as ``model.generate`` with that seed on the same device.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +29,6 @@ class Completion:
     prompt_tokens: int
     new_tokens: int
     finish: str                  # "stop" (end-of-sequence token or a stop string) or "length"
-    seconds: float = 0.0         # wall time of the batch it was in
     token_ids: list[int] = field(default_factory=list, repr=False)
 
 
@@ -160,9 +158,7 @@ def complete(engine, prompts: list, *, max_new_tokens: int = 128, batch_size: in
         batch = seqs[at:at + bs]
         ids, mask = _left_pad(batch, pad)
         extra = {"streamer": _CallbackStreamer(tok, stream)} if stream is not None else {}
-        t0 = time.perf_counter()
         res = engine.generate(ids, mask, max_new_tokens=max_new_tokens, **kw, **extra)
-        dt = time.perf_counter() - t0
         new = res[:, ids.shape[1]:].tolist()
         for s, toks in zip(batch, new):
             end = next((i for i, t in enumerate(toks) if t in eos_set), None)
@@ -175,7 +171,7 @@ def complete(engine, prompts: list, *, max_new_tokens: int = 128, batch_size: in
                 cut = text.find(st)
                 if cut >= 0:
                     text, finish = text[:cut], "stop"
-            out.append(Completion(text, len(s), len(toks), finish, dt, toks))
+            out.append(Completion(text, len(s), len(toks), finish, toks))
     return out
 
 

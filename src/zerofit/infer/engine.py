@@ -156,8 +156,11 @@ class InferenceEngine:
         src = open_source(path)
         kw.setdefault("tokenizer", src.tokenizer())
         kw.setdefault("dtype", src.dtype())
-        model = src.build_meta()
-        return cls(model, fill=src.fill, source_dir=src.path, **kw)
+        try:
+            return cls(src.build_meta(), fill=src.fill, source_dir=src.path, **kw)
+        finally:
+            if hasattr(src, "close"):      # a model directory's open weight files
+                src.close()
 
     @classmethod
     def from_engine(cls, engine, **kw) -> "InferenceEngine":

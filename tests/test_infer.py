@@ -135,7 +135,7 @@ def test_sampling_is_reproducible_with_a_seed_and_is_transformers_sampling():
 
 def test_plan_keeps_what_fits_and_spreads_the_rest():
     shape = InferShape(shell_bytes=100, block_bytes=(10,) * 10, layers=10, kv_heads=1, head_dim=1, hidden=1,
-                       intermediate=1, vocab=1, heads=1, elem=1)
+                       intermediate=1, vocab=1, elem=1)
     fixed = 100 + shape.kv_bytes(1, 8) + shape.work_bytes(1, 4, 8)
     assert plan_inference(shape, None, 1, 8, 4, reserve=0).resident == list(range(10))
     assert plan_inference(shape, fixed + 100, 1, 8, 4, reserve=0).streamed == []

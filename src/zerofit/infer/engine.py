@@ -546,5 +546,5 @@ def _shape(model: nn.Module, table, sizes: list[int], dtype: torch.dtype) -> Inf
                       layers=get("num_hidden_layers", "n_layer", default=len(sizes)), kv_heads=kv_heads,
                       head_dim=head_dim, hidden=hidden, intermediate=get("intermediate_size", "n_inner",
                                                                          default=4 * hidden),
-                      vocab=get("vocab_size"), heads=heads, elem=elem)
+                      vocab=get("vocab_size"), elem=elem)
 

@@ -42,7 +42,6 @@ class InferShape:
     hidden: int
     intermediate: int
     vocab: int
-    heads: int
     elem: int                # bytes per weight/activation element
 
     @property

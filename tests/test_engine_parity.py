@@ -126,6 +126,85 @@ def test_assisted_fraction_keeps_the_math(fraction):
     _assert_same_weights(engine, ref)
 
 
+@pytest.mark.parametrize("api,shell", [("train_batch", "auto"), ("deepspeed", "auto"), ("train_batch", "host"),
+                                       ("deepspeed", "host")])
+def test_assisted_updates_in_the_backward_keep_the_math(api, shell):
+    """[Note: assisted updates in the backward]: immediate updates (no clipping) with a share of the streamed
+    blocks updated on the device right after their gradient is complete (forced here: on the CPU the planner
+    leaves them off), the others by the CPU worker; with the shell's optimizer on the host, the shell updated
+    on the device too: the same losses and weights as torch.optim.AdamW, through train_batch and through the
+    DeepSpeed-shaped loop; the device-updated units never reach the worker and never send their gradient
+    down."""
+    torch.manual_seed(0)
+    model = tm.qwen2()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg(offload={"assisted_updates": True, "assisted_fraction": 0.5,
+                                                     "shell_optimizer": shell}))
+    assert engine.plan.shell_optimizer_on_device == (shell != "host")
+    plan = engine.plan
+    assert not plan.deferred_updates and plan.assisted_updates and plan.assisted_blocks
+    assert plan.device_bytes.get("assist_buffers", 0) == 0   # CPU: device memory is counted as host
+    assert plan.host_bytes["device:assist_buffers"] > 0
+    streamed = {u.index for u in engine.blocks if u.home.name == "STREAMED"}
+    assert plan.assisted_blocks < streamed          # a share: the CPU keeps the others
+    calls = []
+    inner = engine._device_adamw
+    engine._device_adamw = lambda unit, grad, *a: (calls.append((unit.name, grad is not None)),
+                                                   inner(unit, grad, *a))[1]
+    data = tm.batches(STEPS, G)
+    if api == "train_batch":
+        losses = [engine.train_batch(mbs) for mbs in data]
+    else:
+        losses = [tm.ds_step(engine, mbs) for mbs in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data)))
+    _assert_same_weights(engine, ref)
+    assisted = {f"model.layers.{i}" for i in plan.assisted_blocks} | ({"shell"} if shell == "host" else set())
+    assert {n for n, _ in calls} == assisted and all(on_device for _, on_device in calls)
+    assert len(calls) == STEPS * len(assisted)
+    labels = {(e["lane"], e["label"]) for e in engine.trace()}
+    assert ("cpu", "adamw[shell]") not in labels and ("download", "shell") not in labels
+    for u in engine.blocks:
+        if u.index in streamed:
+            cpu = ("cpu", f"adamw[{u.name}]") in labels
+            assert cpu == (u.name not in assisted), u.name
+            assert (("download", u.name) in labels) == (u.name not in assisted), u.name
+    engine.close()
+
+
+def test_assisted_updates_in_the_backward_only_beside_the_plan():
+    """The planner adds them on a GPU only when their buffers fit in what the plan leaves of the budget: never
+    at the cost of a resident block; never with deferred updates' buffer for the gradient; off when asked."""
+    from zerofit.engine.planner import ModelShape, BatchShape, make_plan
+
+    shape = ModelShape(shell_numel=20_000_000, block_numels=(10_000_000,) * 8, hidden=512, intermediate=1376,
+                       vocab=32000)
+    batch = BatchShape(1, 256, 2)
+    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, host_budget=None, deferred_updates=False,
+              checkpointing=True, stream_params=True, resident_blocks=None, prefetch_depth=None)
+    roomy = make_plan(shape, batch, device_budget=None, **kw)
+    assert roomy.resident_blocks == 8 and not roomy.assisted_updates       # nothing streams
+    base = make_plan(shape, batch, device_budget=None, **(kw | dict(resident_blocks=2, assisted_updates=False)))
+    assert not base.assisted_updates
+    wide = make_plan(shape, batch, device_budget=None, **(kw | dict(resident_blocks=2)))
+    assert wide.assisted_updates and wide.assisted_blocks
+    assert wide.device_bytes["assist_buffers"] == 2 * 3 * (-(-10_000_000 // (8 * 64)) * 64) * 4
+    assert wide.device_total == base.device_total + wide.device_bytes["assist_buffers"]
+    # a budget that fits the plan but not the buffers beside it: the plan, without them
+    tight = make_plan(shape, batch, device_budget=base.device_total + 1000,
+                      **(kw | dict(resident_blocks=2)))
+    assert not tight.assisted_updates and tight.resident_blocks == 2
+    # the planner's own choice of resident blocks is the one without the buffers
+    free = make_plan(shape, batch, device_budget=base.device_total + 1000, **kw)
+    assert free.resident_blocks == make_plan(shape, batch, device_budget=base.device_total + 1000,
+                                             **(kw | dict(assisted_updates=False))).resident_blocks
+    assert not make_plan(shape, batch, device_budget=None,
+                         **(kw | dict(resident_blocks=2, assisted_fraction=0.0))).assisted_updates
+    assert not make_plan(shape, batch, device_budget=None,
+                         **(kw | dict(resident_blocks=2, ranks=2))).assisted_updates
+    deferred = make_plan(shape, batch, device_budget=None, **(kw | dict(resident_blocks=2, deferred_updates=True)))
+    assert deferred.device_bytes["assist_buffers"] == wide.device_bytes["assist_buffers"] * 4 // 3
+
+
 def test_trace_shows_every_block_and_every_host_update():
     """engine.trace(): the last step interval by interval, each lane's intervals in order, ending by the
     step's wall time; every block computes, every host-updated block has its CPU task."""

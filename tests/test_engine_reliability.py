@@ -310,6 +310,10 @@ _GPU = dict(compute_dtype=torch.bfloat16, on_cuda=True, host_budget=None, deferr
 
 
 def _candidate(shape, batch, r, shell_dev, **kw):
+    """The placement's own plan: with immediate updates, without the assisted updates' buffers, which the
+    planner only adds beside a plan that fits (tests/test_engine_parity.py checks those)."""
+    if not kw.get("deferred_updates"):
+        kw.setdefault("assisted_updates", False)
     return make_plan(shape, batch, device_budget=None, resident_blocks=r, shell_on_device=shell_dev, **kw)
 
 

@@ -19,18 +19,26 @@ def _gpu_batches(steps, G, B=2, T=32):
     return [[{k: v.cuda() for k, v in mb.items()} for mb in mbs] for mbs in tm.batches(steps, G, B, T)]
 
 
-@pytest.mark.parametrize("resident,clip", [(0, 0.0), (1, 0.0), (1, 0.05)])
-def test_fp32_parity_on_gpu_with_streaming(resident, clip):
-    """clip > 0 defers the updates: some streamed blocks are then updated on the device."""
+@pytest.mark.parametrize("resident,clip,shell", [(0, 0.0, "auto"), (1, 0.0, "auto"), (1, 0.05, "auto"),
+                                                 (0, 0.0, "host")])
+def test_fp32_parity_on_gpu_with_streaming(resident, clip, shell):
+    """Some streamed blocks are updated on the device: during the backward without clipping ([Note: assisted
+    updates in the backward]; with the shell's optimizer on the host, the shell too), during the next forward
+    with it (clip > 0 defers the updates)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
     model = tm.llama(layers=4)
     ref = copy.deepcopy(model).cuda()
     engine = zerofit.initialize(model, {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-                                        "optimizer": {"lr": 1e-3}, "offload": {"resident_blocks": resident},
+                                        "optimizer": {"lr": 1e-3},
+                                        "offload": {"resident_blocks": resident, "shell_optimizer": shell},
                                         "gradient_clipping": clip})
     assert engine.device.type == "cuda"
+    assert engine.plan.assisted_updates and engine.plan.assisted_blocks
+    calls = []
+    inner = engine._device_adamw
+    engine._device_adamw = lambda unit, grad, *a: (calls.append(unit.name), inner(unit, grad, *a))[1]
     data = _gpu_batches(20, 2)
     losses = [engine.train_batch(mbs) for mbs in data]
     ref_losses = tm.reference_train(ref, data, clip=clip)
@@ -40,6 +48,8 @@ def test_fp32_parity_on_gpu_with_streaming(resident, clip):
         torch.testing.assert_close(master[n], p.detach().cpu(), msg=lambda m: f"{n}: {m}")
     tl = engine.timeline()
     assert tl["upload"] > 0 and tl["download"] > 0 and tl["compute"] > 0
+    assert {f"model.layers.{i}" for i in engine.plan.assisted_blocks} <= set(calls)
+    assert ("shell" in calls) == (shell == "host")
     engine.close()
 
 

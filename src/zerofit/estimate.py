@@ -10,9 +10,11 @@ The step time is predicted from this machine's measured speeds, each resource on
 * compute: a plain PyTorch model of the same shape with 1 and with 2 blocks is trained on the GPU (bf16,
   activation checkpointing, the micro-batch of the config); the difference is one block's
   forward + recompute + backward, the rest the shell's (embeddings, head, loss); times blocks and G;
-* PCIe: the bytes the plan moves per step (each streamed block up twice, its gradient down once) over the
-  pinned copy bandwidth ``zerofit doctor`` measures;
-* CPU optimizer: the host-updated parameters over the fused CPU AdamW speed ``zerofit doctor`` measures;
+* PCIe: the bytes the plan moves per step (each streamed block up twice, its gradient down once; the state
+  of the blocks the device updates up and back down) over the pinned copy bandwidth ``zerofit doctor``
+  measures;
+* CPU optimizer: the host-updated parameters (less those the device updates) over the fused CPU AdamW speed
+  ``zerofit doctor`` measures;
 * disk: the tier's bytes read and written per step over the disk speeds measured under ``nvme_path``.
 
 The engine overlaps them (design/ENGINE.md), so the predicted step is the largest; the others are shown
@@ -217,11 +219,22 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     disk_of = plan.disk_of
     streamed = range(plan.resident_blocks, L)
     up = sum(shape.block_numels[i] * (cb if disk_of.get(i) == "all" else 4) * 2 for i in streamed)
-    if not plan.shell_optimizer_on_device:
-        up += shape.shell_numel * 4
     down = sum(shape.block_numels[i] for i in streamed) * 4
-    host_params = sum(shape.block_numels[i] for i in streamed) + (
-        0 if plan.shell_optimizer_on_device else shape.shell_numel)
+    host_params = sum(shape.block_numels[i] for i in streamed)
+    # assisted updates (engine.py): the device updates these blocks, their state up and back down; deferred,
+    # with the host gradient going up too; in the backward, from the gradient where it is (not sent down)
+    assisted = sum(shape.block_numels[i] for i in plan.assisted_blocks) if plan.assisted_updates else 0
+    host_params -= assisted
+    if plan.deferred_updates:
+        up, down = up + assisted * 16, down + assisted * 12
+    else:
+        up, down = up + assisted * 12, down + assisted * 8
+    if not plan.shell_optimizer_on_device:
+        if plan.assisted_updates and not plan.deferred_updates:    # the shell too, on the device
+            up, down = up + shape.shell_numel * 12, down + shape.shell_numel * 12
+        else:        # its gradient down, the CPU's update, its master up
+            up, down = up + shape.shell_numel * 4, down + shape.shell_numel * 4
+            host_params += shape.shell_numel
     # several ranks: each uploads and downloads its shard over its own link (the GPUs exchange the rest); each
     # CPU worker updates its shard with its share of the cores, against one host memory: as one rank's time
     r = cfg.world_size

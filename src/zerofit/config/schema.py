@@ -364,11 +364,16 @@ class OffloadConfig(_Frozen):
     """where the optimizer of the shell (embeddings, final norm, head) runs; auto = the planner decides
     (the device when it fits: the shell's gradient is complete only at the end of the backward)"""
     assisted_fraction: float = Field(0.375, ge=0.0, le=1.0)
-    """with deferred updates (clipping after a clipped step, fp16): the share of the streamed blocks whose
-    AdamW step the GPU runs (their state goes up and back down over PCIe) while the CPU updates the rest,
-    both during the next forward; spread evenly over the blocks. 0 = the CPU updates all of them. The
-    default balances the CPU's and the copy engines' busy time on the benchmark machine (W1: 0.375 gave
-    1.49 s/step, 0.5 1.53, 0.625 1.58; docs/benchmarks.md)"""
+    """the share of the streamed blocks whose AdamW step the GPU runs (their state goes up and back down over
+    PCIe) while the CPU updates the rest, spread evenly over the blocks. With deferred updates (clipping after a
+    clipped step, fp16) both run during the next forward; with immediate ones during the backward (the GPU
+    takes the block's gradient where it is), when their buffers fit beside the plan. 0 = the CPU updates all
+    of them. The default balances the CPU's and the copy engines' busy time on the benchmark machine (W1,
+    deferred: 0.375 gave 1.49 s/step, 0.5 1.53, 0.625 1.58; docs/benchmarks.md)"""
+    assisted_updates: bool | None = None
+    """None = the planner decides (deferred updates: always; immediate ones: on one GPU, when the buffers fit
+    beside the plan); False = never (the CPU updates every streamed block); True = also with immediate updates
+    on the CPU, where the copies only cost time (tests)"""
     loss_chunks: int | None = Field(None, ge=1)
     """the head and loss over this many token chunks of each micro-batch, so that the full-vocabulary logits
     never exist at once (1: off); None = the planner decides (only when the device budget needs it; models whose

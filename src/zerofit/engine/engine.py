@@ -99,6 +99,7 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
                 ranks=config.world_size, device_state=on_gpus,
                 checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none" or on_gpus,
                 prefetch_depth=off.prefetch_depth, assisted_fraction=off.assisted_fraction,
+                assisted_updates=off.assisted_updates,
                 disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
                 disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
                 floor=(None if off.loss_chunks is None and off.offload_checkpoints is None
@@ -228,6 +229,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
         self._boundary_override: bool | None = None   # set_gradient_accumulation_boundary()
         self._held: list[_Micro] = []   # DeepSpeed-style API: micro-batches whose block backward waits for the boundary
+        self._shell_updated = None   # the upload stream's event after the shell's update on the device
         self._ckpt_arena: HostArena | None = None   # [Note: offloaded checkpoints]
         self._ckpt_g = 0
         self._ckpt_ready: dict = {}
@@ -527,10 +529,12 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         return ok
 
     def _alloc_assist(self, cap: int) -> None:
-        """[Note: assisted updates]: ASSIST_SETS sets of four (chunk,) fp32 device buffers (master, exp_avg,
-        exp_avg_sq, grad), each with the event after which its last chunk went down."""
+        """[Note: assisted updates]: ASSIST_SETS sets of (chunk,) fp32 device buffers (master, exp_avg,
+        exp_avg_sq, and with deferred updates the gradient), each with the event after which its last chunk
+        went down."""
         chunk = assist_chunk(cap)
-        self._assist = [[torch.empty(chunk, dtype=torch.float32, device=self.dev.device) for _ in range(4)]
+        n = 4 if self.deferred else 3
+        self._assist = [[torch.empty(chunk, dtype=torch.float32, device=self.dev.device) for _ in range(n)]
                         for _ in range(ASSIST_SETS)]
         self._assist_free = [None] * ASSIST_SETS
         self._assist_next = 0
@@ -624,22 +628,72 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         before, self.state = self.state, EngineState.APPLYING
         factor, hypers = unit.pending_update
         unit.pending_update = None
+        self._device_adamw(unit, None, hypers, factor, dst)
+        self.state = before
+
+    def _assist_in_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        """[Note: assisted updates in the backward]
+        With immediate updates (no clipping, bf16/fp32) a host-optimized block is updated while the backward
+        goes on, and when the CPU's AdamW is slower than the backward's blocks (the CPU updates every
+        parameter when the device is short: the shell's optimizer on the host, W1 at 8 GiB) the gradient
+        buffers fill and the backward waits for the CPU. So when the buffers fit beside the plan, the device
+        updates a share of the streamed blocks (``plan.assisted_blocks``) itself, right after their gradient
+        is complete: master and moments go up (12 B/param; the gradient is already there, in its slot, and
+        is not sent down), AdamW runs on the upload stream, master and moments go back down (12 B/param),
+        in the chunks of [Note: assisted updates]. The copy engines, mostly idle in the backward, take work off
+        the CPU. The gradient slot is free once the last chunk's AdamW has read it; the unit's next upload
+        (and any host read of its master) waits on ``master_event``, as for a deferred assisted update. Its
+        ``updated`` flag is never cleared: the CPU worker does not touch the unit."""
+        ev = self.dev.record(self.dev.compute)      # the gradient is complete
+        with self.dev.on(self.dev.upload):
+            self.dev.wait(self.dev.upload, ev)
+            read = self._device_adamw(unit, grad, self._hyper(), 1.0, None)
+        slot = unit.grad_slot
+        slot.free_event, slot.tenant = read, None
+        unit.grad_slot, unit.grad, unit.grad_fresh = None, None, True
+
+    def _assist_shell(self) -> None:
+        """[Note: assisted updates in the backward], the shell: with its optimizer on the host (its state did not
+        fit the device), its gradient is complete only at the end of the backward, and its update then sits on
+        the step's critical path: gradient down, the CPU's AdamW, master up again. Where the device has the
+        assisted updates' buffers it updates the shell itself instead, from the gradient where it is, casting
+        the new weights straight into the shell's 16-bit copy: only master and moments cross PCIe (12 B/param
+        each way, both copy engines busy), no CPU pass, no upload after it. The next forward's compute waits
+        for it (``_refresh_shell``), and so does the next write of the shell's gradient, which comes after."""
+        u = self.shell
+        ev = self.dev.record(self.dev.compute)
+        with self.dev.on(self.dev.upload):
+            self.dev.wait(self.dev.upload, ev)
+            self._shell_updated = self._device_adamw(u, u.grad, self._hyper(), 1.0, u.dev16)
+        u.grad_fresh = True
+
+    def _device_adamw(self, unit: Unit, grad: torch.Tensor | None, hypers, factor: float,
+                      dst: torch.Tensor | None):
+        """The unit's AdamW step on the device, its state moving up and down in chunks ([Note: assisted
+        updates]). ``grad``: the unit's gradient on the device, or None to bring the host gradient up with
+        the state. ``dst``: a slot to cast the new weights into, or None. Enqueued on the upload stream (the
+        caller's current stream); returns the upload stream's event after the last chunk's AdamW (the last
+        read of ``grad``)."""
         lo, hi = unit.lo, unit.hi     # this rank's shard ([Note: sharded units]); host_grad holds just that
         chunk = self._assist[0][0].numel()
-        host_grad = self._host_grads[id(unit)]
+        host_grad = self._host_grads[id(unit)] if grad is None else None
         step0 = unit.step.to(self.dev.device, copy=True)
-        done = None
+        done = up = None
         for off in range(lo, hi, chunk):
             k = min(chunk, hi - off)
             i = self._assist_next
             self._assist_next = (i + 1) % len(self._assist)
-            p, m, v, g = (b[:k] for b in self._assist[i])
+            p, m, v = (b[:k] for b in self._assist[i][:3])
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}+adamw"):
                 self.dev.wait(self.dev.upload, self._assist_free[i])   # the set's previous chunk went down
                 p.copy_(unit.master[off:off + k], non_blocking=True)
                 m.copy_(unit.exp_avg[off:off + k], non_blocking=True)
                 v.copy_(unit.exp_avg_sq[off:off + k], non_blocking=True)
-                g.copy_(host_grad[off - lo:off - lo + k], non_blocking=True)
+                if grad is None:
+                    g = self._assist[i][3][:k]
+                    g.copy_(host_grad[off - lo:off - lo + k], non_blocking=True)
+                else:
+                    g = grad[off - lo:off - lo + k]
                 # a chunk may straddle a border between parameter groups: unit_adamw cuts it there
                 unit_adamw(unit, p, g, m, v, step0.clone(), hypers, factor, start=off)
                 if dst is not None:
@@ -654,7 +708,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 done = self._assist_free[i] = self.dev.record(self.dev.download)
         unit.step.add_(1)
         unit.master_event = done
-        self.state = before
+        return up
 
     def _flush_assisted(self) -> None:
         """Apply every pending assisted update now (a host reader wants the masters)."""
@@ -1002,6 +1056,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if self.deferred and unit.swap is not None:
             self._stash_grad(unit, grad)
             return
+        if not self.deferred and self._assisted(unit):     # [Note: assisted updates in the backward]
+            self._begin_applying()
+            self._assist_in_backward(unit, grad)
+            return
         if self.ranks.many:
             grad = self._reduce_scatter(unit)
         host = self._host_grads.get(id(unit))
@@ -1241,6 +1299,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if not self._shell_host_opt:
             return
         u = self.shell
+        if self._shell_updated is not None:     # updated on the device: [Note: assisted updates in the backward]
+            self.dev.wait(self.dev.compute, self._shell_updated)
+            self._shell_updated = None
         if getattr(u, "dirty", False):
             self._wait_updated(u)
             with self.dev.on(self.dev.upload):
@@ -1276,8 +1337,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         device_units = [u for u in self.units if u.optimizer_on_device]
         host_units = [u for u in self.units if not u.optimizer_on_device]
         # the shell's gradient is complete only now: send it down if its optimizer is on the host
+        shell_on_device = False
         if self._shell_host_opt and not self.shell.grad_fresh:
-            self._unit_grads_done(self.shell)
+            shell_on_device = self._assist is not None and not self.deferred
+            if shell_on_device:     # [Note: assisted updates in the backward]
+                self._begin_applying()
+                self._assist_shell()
+            else:
+                self._unit_grads_done(self.shell)
         spec, self._spec = self._spec, None
         if self.deferred and spec is None:
             self.worker.drain()        # host-side accumulations are done
@@ -1364,7 +1431,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 u.updated.clear()
                 self.worker.submit(self._task_update(u, self._host_grads.get(id(u)), ev, hypers, factor, release=False),
                                    self._priority(u), label=f"adamw[{u.name}]")
-        if self._shell_host_opt:
+        if self._shell_host_opt and not shell_on_device:
             self.shell.dirty = True
         return True
 

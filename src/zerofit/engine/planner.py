@@ -71,7 +71,8 @@ class Plan:
     grad_slots: int
     staging_buffers: int           # pinned host fp32 gradient staging buffers the CPU optimizer consumes from
     deferred_updates: bool         # clipping/fp16: CPU updates wait for the global norm / overflow check
-    assisted_updates: bool         # deferred: the device updates some streamed blocks (engine.py)
+    assisted_updates: bool         # the device updates some streamed blocks (engine.py): during the next forward
+                                   # (deferred updates), or during the backward (immediate ones)
     device_bytes: dict[str, int]
     host_bytes: dict[str, int]
     device_budget: int | None
@@ -252,7 +253,7 @@ def loss_chunks_for(batch: BatchShape) -> int:
 TIER_BUFFERS = 12   # disk.py: chunk buffers the disk tier streams through (reads ahead, writes behind)
 
 
-ASSIST_CHUNKS = 4    # [Note: assisted updates]: a block's state goes up and down in this many chunks
+ASSIST_CHUNKS = 8    # [Note: assisted updates]: a block's state goes up and down in this many chunks
 ASSIST_SETS = 2      # chunk buffer sets: one chunk's download overlaps the next one's upload
 
 
@@ -261,14 +262,15 @@ def assist_chunk(max_block: int) -> int:
     return -(-max(max_block, 1) // (ASSIST_CHUNKS * 64)) * 64
 
 
-def assist_buffer_numel(max_block: int) -> int:
-    """fp32 elements of the device buffers of assisted updates: per set, master, two moments and gradient."""
-    return ASSIST_SETS * 4 * assist_chunk(max_block)
+def assist_buffer_numel(max_block: int, grad: bool = True) -> int:
+    """fp32 elements of the device buffers of assisted updates: per set, master, two moments and (deferred
+    updates: it comes up from the host) gradient."""
+    return ASSIST_SETS * (4 if grad else 3) * assist_chunk(max_block)
 
 
 def assisted_choice(first_streamed: int, n_streamed: int, fraction: float) -> frozenset:
-    """Which streamed blocks the device updates under deferred updates: ``fraction`` of them, spread
-    evenly (0.5: every other one), so the CPU's and the copy engines' shares interleave in forward order."""
+    """Which streamed blocks the device updates: ``fraction`` of them, spread evenly (0.5: every other
+    one), so the CPU's and the copy engines' shares interleave in forward (and backward) order."""
     return frozenset(first_streamed + s for s in range(n_streamed)
                      if math.floor((s + 1) * fraction + 1e-9) > math.floor(s * fraction + 1e-9))
 
@@ -391,7 +393,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     depth = prefetch_depth or 2
 
     def build(r: int, shell_dev: bool, disk_of: dict[int, str] | None = None,
-              level: tuple = (False, False)) -> Plan:
+              level: tuple = (False, False), assist_now: bool = False) -> Plan:
         disk_of = disk_of or {}
         chunked, offloaded = level[0], level[1]
         lean = len(level) > 2 and level[2]
@@ -416,8 +418,10 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         if disk_of:     # the disk tier binds: a deep gradient queue would only hold memory the state could use
             stage = min(stage, 3)
         chosen = assisted_choice(r, len(streamed), assisted_fraction) - set(disk_of)
-        assisted = (deferred_updates and len(streamed) > 1 and assisted_updates is not False and bool(chosen)
-                    and not device_state)
+        # deferred updates: always (they would wait for the norm); immediate ones: only when asked to (see
+        # the end of _make_plan: when they fit beside the plan) [Note: assisted updates in the backward]
+        assisted = ((deferred_updates or assist_now) and len(streamed) > 1 and assisted_updates is not False
+                    and bool(chosen) and not device_state)
         if not assisted:
             chosen = frozenset()
         uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
@@ -431,7 +435,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             "upload_staging": ((up_stage or max(list(streamed) or uploaded, default=0)) * 4
                                if not fp32 and uploaded else 0),
             "grad_slots": gslots * max_block * 4,
-            "assist_buffers": assist_buffer_numel(max_block) * 4 if assisted else 0,
+            "assist_buffers": assist_buffer_numel(max_block, grad=deferred_updates) * 4 if assisted else 0,
             **act,
         }
         # the caching allocator's slack: 5% of the activations and of the compute weights the device holds
@@ -514,6 +518,11 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             for d in disk_choices(r):
                 yield build(r, shell_dev, d, level)
 
+    # immediate updates: the device also updates a share of the streamed blocks during the backward, when its
+    # buffers fit in what the chosen plan leaves of the budget (never at the cost of a resident block or of a
+    # floor level); one GPU, real streams (on the CPU it would only copy), unless assisted_updates says
+    assist_backward = (not deferred_updates and assisted_updates is not False and ranks == 1 and not device_state
+                       and (on_cuda or assisted_updates is True))
     levels = [(False, False)]
     if floor is not None:
         levels = [tuple(floor)]
@@ -525,6 +534,10 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             for r in candidates:
                 for plan in options(r, shell_dev, level):
                     if all(fits(plan)):
+                        if assist_backward:     # [Note: assisted updates in the backward]: only beside the plan
+                            wider = build(r, shell_dev, plan.disk_of, level, assist_now=True)
+                            if wider.assisted_updates and all(fits(wider)):
+                                return wider
                         return plan
                     # keep the plan that comes closest, to show in the refusal: the smallest on the device
                     if best is None or (plan.device_total, plan.host_total) < (best.device_total, best.host_total):

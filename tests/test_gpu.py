@@ -50,6 +50,9 @@ def test_fp32_parity_on_gpu_with_streaming(resident, clip, shell):
     assert tl["upload"] > 0 and tl["download"] > 0 and tl["compute"] > 0
     assert {f"model.layers.{i}" for i in engine.plan.assisted_blocks} <= set(calls)
     assert ("shell" in calls) == (shell == "host")
+    for u in engine.units:      # the state the device updates moves through pinned memory only
+        if u.name in calls:
+            assert u.master.is_pinned() and u.exp_avg.is_pinned() and u.exp_avg_sq.is_pinned(), u.name
     engine.close()
 
 

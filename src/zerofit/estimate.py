@@ -7,9 +7,10 @@ the ones ``zerofit.initialize`` would plan, and a refusal is the same text.
 
 The step time is predicted from this machine's measured speeds, each resource on its own:
 
-* compute: a plain PyTorch model of the same shape with 1 and with 2 blocks is trained on the GPU (bf16,
-  activation checkpointing, the micro-batch of the config); the difference is one block's
-  forward + recompute + backward, the rest the shell's (embeddings, head, loss); times blocks and G;
+* compute: plain PyTorch models of the same shape with n and 2n blocks (8 and 16 where the model and the GPU
+  allow) are trained on the GPU (bf16, activation checkpointing, the micro-batch of the config); the
+  difference is n blocks' forward + recompute + backward, the rest the shell's (embeddings, head, loss);
+  times blocks and G;
 * PCIe: the bytes the plan moves per step (each streamed block up twice, its gradient down once; the state
   of the blocks the device updates up and back down) over the pinned copy bandwidth ``zerofit doctor``
   measures;
@@ -262,9 +263,16 @@ def _dtype(cfg) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
 
 
+# block counts of the two plain models whose difference gives one block's time, largest first: 4 and 8 blocks
+# came out 5.5% short of the whole W1 model's time per block on the H200, 8 and 16 within 0.3%
+# (bench/compute_probe.py, docs/benchmarks.md); a GPU without room for 16 blocks falls back to the next pair
+BLOCK_PAIRS = ((8, 16), (4, 8), (2, 4), (1, 2))
+
+
 def block_seconds(model, batch: BatchShape, cfg, seconds: float = 2.0) -> tuple[float, float]:
     """(one block's, the shell's) seconds of forward + recompute + backward for one micro-batch on the GPU,
-    from plain PyTorch models of this shape with 4 and 8 blocks (activation checkpointing, compute dtype).
+    from two plain PyTorch models of this shape (activation checkpointing, compute dtype) with n and 2n blocks:
+    the largest pair of BLOCK_PAIRS the model has blocks for and the GPU has room for.
 
     Each runs its G micro-batches back to back, repeatedly, for ``seconds`` (the median of the second half is
     taken), so that the GPU works at the clocks a long step holds, not at a short burst's, and the per-block
@@ -272,9 +280,22 @@ def block_seconds(model, batch: BatchShape, cfg, seconds: float = 2.0) -> tuple[
     mcfg = getattr(model, "config", None)
     if mcfg is None:
         raise ValueError("the compute is measured on a Hugging Face model's config")
+    pairs = [p for p in BLOCK_PAIRS if p[1] <= mcfg.num_hidden_layers] or [BLOCK_PAIRS[-1]]
+    for i, pair in enumerate(pairs):
+        try:
+            return _block_seconds(model, mcfg, pair, batch, cfg, seconds)
+        except torch.cuda.OutOfMemoryError:
+            if i == len(pairs) - 1:
+                raise
+            gc.collect()
+            torch.cuda.empty_cache()
+    raise AssertionError("unreachable")
+
+
+def _block_seconds(model, mcfg, pair: tuple[int, int], batch: BatchShape, cfg, seconds: float):
     dev = torch.device("cuda", torch.cuda.current_device())
     times = []
-    for layers in (4, 8):
+    for layers in pair:
         small = mcfg.__class__.from_dict({**mcfg.to_dict(), "num_hidden_layers": layers})
         small._attn_implementation = "sdpa"
         with torch.device(dev):
@@ -297,5 +318,6 @@ def block_seconds(model, batch: BatchShape, cfg, seconds: float = 2.0) -> tuple[
         del m, ids
         gc.collect()
         torch.cuda.empty_cache()
-    per_block = max((times[1] - times[0]) / 4, 0.0)
-    return per_block, max(times[0] - 4 * per_block, 0.0)
+    n = pair[1] - pair[0]
+    per_block = max((times[1] - times[0]) / n, 0.0)
+    return per_block, max(times[0] - pair[0] * per_block, 0.0)

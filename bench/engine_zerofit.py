@@ -89,6 +89,8 @@ class Zerofit:
         batches = [{"input_ids": ids, "labels": ids} for ids in micro_batches]
         if self.args.api == "deepspeed":   # DeepSpeed-shaped code: one micro-batch per call
             total = 0.0
+            if self.args.announce:         # the window's micro-batches announced first (engine.forward_window)
+                self.engine.forward_window(batches)
             for b in batches:
                 out = self.engine(**b)
                 self.engine.backward(out.loss)
@@ -126,6 +128,8 @@ def main() -> int:
                         help='a top-level setting of zerofit\'s config, e.g. max_host_memory="32GiB" (repeatable)')
     parser.add_argument("--nvme", default=None, help="offload.optimizer_device nvme with this nvme_path")
     parser.add_argument("--estimate", action="store_true", help="record zerofit estimate's prediction first")
+    parser.add_argument("--announce", action="store_true",
+                        help="with --api deepspeed: announce each window's micro-batches with engine.forward_window")
     parser.add_argument("--api", default="train_batch", choices=["train_batch", "deepspeed"],
                         help="train_batch, or DeepSpeed-shaped engine(**b); backward(loss); step() per micro-batch")
     args = parser.parse_args()

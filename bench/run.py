@@ -38,9 +38,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit", "zerofit-ds")
-# a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop)
-VARIANTS = {"zerofit-ds": ("zerofit", ["--api", "deepspeed"])}
+ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit", "zerofit-ds", "zerofit-dsw")
+# a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop;
+# zerofit-dsw: the same with each window announced first, engine.forward_window)
+VARIANTS = {"zerofit-ds": ("zerofit", ["--api", "deepspeed"]),
+            "zerofit-dsw": ("zerofit", ["--api", "deepspeed", "--announce"])}
 GiB = 2**30
 
 
@@ -248,12 +250,14 @@ def render(doc: dict) -> str:
             ratios.append(f"zerofit / {peer} tokens/s: **{a / b:.2f}x**" if a and b and ok else
                           f"zerofit / {peer} tokens/s: n/a (zerofit {zf.get('status')}, "
                           f"{peer} {by[peer].get('status')})")
-        ds = by.get("zerofit-ds")
-        if ds and ds.get("tokens_per_s") and zf.get("tokens_per_s") and ds.get("status") == zf.get("status") == "ok":
-            ratios.append(f"zerofit-ds / zerofit (DeepSpeed-shaped loop / train_batch): "
-                          f"**{ds['tokens_per_s'] / zf['tokens_per_s']:.2f}x**")
+        for name, what in (("zerofit-ds", "DeepSpeed-shaped loop"), ("zerofit-dsw", "the loop, windows announced")):
+            ds = by.get(name)
+            if not (ds and ds.get("tokens_per_s") and zf.get("tokens_per_s")
+                    and ds.get("status") == zf.get("status") == "ok"):
+                continue
+            ratios.append(f"{name} / zerofit ({what} / train_batch): **{ds['tokens_per_s'] / zf['tokens_per_s']:.2f}x**")
             if by.get("deepspeed", {}).get("tokens_per_s") and by["deepspeed"].get("status") == "ok":
-                ratios.append(f"zerofit-ds / deepspeed: **{ds['tokens_per_s'] / by['deepspeed']['tokens_per_s']:.2f}x**")
+                ratios.append(f"{name} / deepspeed: **{ds['tokens_per_s'] / by['deepspeed']['tokens_per_s']:.2f}x**")
         if ratios:
             lines += ["; ".join(ratios), ""]
         if zf.get("timeline"):

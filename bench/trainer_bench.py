@@ -82,7 +82,8 @@ def main() -> int:
            "tokens_per_s": tokens / s, "tokens_per_step": tokens, "wall_s": wall,
            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "train_loss": result.training_loss, "plan": engine.plan.describe(),
-           "timeline": engine.timeline(), "zerofit_hf": zerofit.hf.__name__,
+           "timeline": engine.timeline(), "zerofit_hf": zerofit.hf.__name__, "window_stats": engine.window_stats,
+           "trace": engine.trace(),
            "peak_gpu_gib": (torch.cuda.max_memory_allocated() / 2**30) if a.device == "cuda" else None,
            "peak_rss_gib": common.peak_rss_gib() if hasattr(common, "peak_rss_gib") else None}
     with open(a.out, "w") as f:

@@ -205,6 +205,70 @@ def test_assisted_updates_in_the_backward_only_beside_the_plan():
     assert deferred.device_bytes["assist_buffers"] == wide.device_bytes["assist_buffers"] * 4 // 3
 
 
+@pytest.mark.parametrize("precision,clip", [("bf16", 0.0), ("bf16", 0.05), ("fp32", 1.16)])
+def test_announced_window_is_train_batch_bitwise_with_one_upload_per_block(precision, clip):
+    """[Note: a window's forwards at once]: forward_window(batches), then the DeepSpeed-shaped loop over them:
+    every micro-batch loss and every master equal train_batch's bitwise, and each streamed block goes up once
+    for the window's forwards (not once per micro-batch, nor as 16-bit copies)."""
+    G3, steps = 3, 4
+    data = tm.batches(steps, G3)
+    cfg = _cfg(precision=precision, gradient_accumulation_steps=G3, gradient_clipping=clip,
+               offload={"prefetch_depth": 1})     # 2 slots for 3 blocks: every pass over the blocks uploads them
+    torch.manual_seed(0)
+    a = zerofit.initialize(tm.qwen2(), cfg)
+    torch.manual_seed(0)
+    b = zerofit.initialize(tm.qwen2(), cfg)
+    streamed = [u.name for u in a.blocks if u.home.name == "STREAMED"]
+    for mbs in data:
+        a.forward_window(mbs)
+        losses = tm.ds_losses(a, mbs)
+        uploads = tm.upload_labels(a)
+        ref = b.train_batch(mbs)
+        assert torch.stack(losses).mean().item() == ref
+        assert not any(x.endswith("(16)") for x in uploads)
+        assert uploads == tm.upload_labels(b), uploads      # train_batch's uploads: once per pass over the blocks
+        assert len(uploads) < G3 * len(streamed)            # a forward per micro-batch would upload each block G3 times
+    assert a.window_stats == {"announced": steps, "mismatched": 0}
+    a.wait(), b.wait()
+    for ua, ub in zip(a.units, b.units):
+        assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
+        assert torch.equal(ua.exp_avg.cpu(), ub.exp_avg.cpu()), ua.name
+
+
+def test_announced_window_mismatch_falls_back_and_refusals(tmp_path, caplog):
+    """A call whose inputs are not the next announced micro-batch's drops the rest of the window: the losses are
+    those of the forwards the caller ran, the step equals train_batch over the micro-batches actually called.
+    forward_window is refused mid-window, with too many micro-batches; a checkpoint and train_batch are refused
+    while announced forwards wait."""
+    from zerofit.checkpoint import CheckpointStateError
+
+    G3 = 3
+    (mbs,), (other,) = tm.batches(1, G3), tm.batches(1, G3, seed=5)
+    cfg = _cfg(precision="bf16", gradient_accumulation_steps=G3)
+    torch.manual_seed(0)
+    a = zerofit.initialize(tm.qwen2(), cfg)
+    torch.manual_seed(0)
+    b = zerofit.initialize(tm.qwen2(), cfg)
+    called = [mbs[0], other[1], mbs[2]]       # the second call is not the announced one
+    with pytest.raises(ValueError, match="at most"):
+        a.forward_window(mbs + mbs[:1])
+    a.forward_window(mbs)
+    with pytest.raises(RuntimeError, match="start of an accumulation window"):
+        a.forward_window(mbs)
+    with pytest.raises(RuntimeError, match="middle of a DeepSpeed-style accumulation"):
+        a.train_batch(mbs)
+    with pytest.raises(CheckpointStateError):
+        a.save_checkpoint(tmp_path)
+    with caplog.at_level("WARNING", logger="zerofit"):
+        losses = tm.ds_losses(a, called)
+    assert "other inputs than the next micro-batch" in caplog.text
+    assert a.window_stats == {"announced": 1, "mismatched": 1}
+    assert torch.stack(losses).mean().item() == b.train_batch(called)
+    a.wait(), b.wait()
+    for ua, ub in zip(a.units, b.units):
+        assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
+
+
 def test_trace_shows_every_block_and_every_host_update():
     """engine.trace(): the last step interval by interval, each lane's intervals in order, ending by the
     step's wall time; every block computes, every host-updated block has its CPU task."""

@@ -111,6 +111,9 @@ def test_same_losses_and_weights_as_plain_trainer(tmp_path, build, sched, warmup
     assert len(_logs(zf, "loss")) == 8 and len(_logs(zf, "eval_loss")) == 3
     _assert_same_run(plain, zf)
     assert zf.zerofit_engine.global_step == 8
+    # every window of two micro-batches had its forwards made at once ([Note: a window's forwards at once]); the
+    # last step of each epoch has one (nothing to gain); the model calls all matched them
+    assert zf.zerofit_engine.window_stats == {"announced": 6, "mismatched": 0}
     lrs = [v for _, v in _logs(zf, "learning_rate")]
     assert len(set(lrs)) > 2, lrs     # the schedule moved: a constant lr would not test it
     assert "deepspeed" not in sys.modules
@@ -168,6 +171,8 @@ def test_subclass_overriding_compute_loss(tmp_path):
     plain = _train(MyTrainer, copy.deepcopy(model), _args(tmp_path / "plain", **kw), eval_dataset=EVAL)
     zf = _train(Mixed, copy.deepcopy(model), _args(tmp_path / "zf", **kw), eval_dataset=EVAL)
     _assert_same_run(plain, zf)
+    # the subclass calls the model without the labels: the calls still match the announced micro-batches
+    assert zf.zerofit_engine.window_stats == {"announced": 4, "mismatched": 0}    # step 4 ends the epoch: one
     explicit = _train(Explicit, model, _args(tmp_path / "explicit", **dict(kw, max_steps=2)), eval_dataset=EVAL)
     assert _logs(explicit, "loss") == _logs(zf, "loss")[:2]
 

@@ -60,7 +60,7 @@ def optimizer_entries(engine) -> list[Entry]:
 
 
 def _refuse_mid_step(engine, action: str) -> None:
-    if engine._micro_steps or engine._pending is not None:
+    if engine._micro_steps or engine._pending is not None or engine._announced:
         raise CheckpointStateError(
             f"cannot {action} in the middle of a gradient accumulation ({engine._micro_steps} micro-batches since "
             "the last optimizer step, forward pending: "

@@ -20,6 +20,22 @@ from zerofit.engine.store import Home, HostArena
 log = logging.getLogger("zerofit")
 
 
+def _same_forward_inputs(announced: dict, batch: dict) -> bool:
+    """Whether ``batch`` makes the forward ``announced`` made: the same keys and values, the loss's aside."""
+    keys = set(announced) - DeepSpeedStyleAPI._WINDOW_LOSS_KEYS
+    if keys != set(batch) - DeepSpeedStyleAPI._WINDOW_LOSS_KEYS:
+        return False
+    for k in keys:
+        a, b = announced[k], batch[k]
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                    and torch.equal(a.to(b.device), b)):
+                return False
+        elif a != b:
+            return False
+    return True
+
+
 class DeepSpeedStyleAPI:
     """Mixed into :class:`~zerofit.engine.engine.Engine`: ``__call__``/``forward``, ``backward``, ``step``."""
 
@@ -42,6 +58,57 @@ class DeepSpeedStyleAPI:
 
     forward = __call__
 
+    # [Note: a window's forwards at once]
+    # A caller that knows the accumulation window's micro-batches before the first of them (the Hugging Face
+    # Trainer fetches a step's batches up front: zerofit.hf) announces them with forward_window(batches): their
+    # forwards run then, block-major, as train_batch's do, so each streamed block crosses PCIe once for all of
+    # them instead of once per micro-batch. The later engine(**batch) calls take the forwards in order: one
+    # whose inputs equal the next announced micro-batch's (every key but the labels and the loss's
+    # num_items_in_batch, which only the post pass reads) gets its post pass (head and loss, with the call's own
+    # labels and keywords) on the forward already made; the losses are those of the forwards the user ran, the
+    # weights being the same all through a window. A call that does not match drops what is left of the window
+    # (its forwards are made again, one at a time, as without it): never a wrong loss, at worst wasted work.
+
+    _WINDOW_LOSS_KEYS = frozenset({"labels", "num_items_in_batch"})
+
+    def forward_window(self, batches: list[dict]) -> None:
+        """Announce the accumulation window's micro-batches: run their forwards now, together ([Note: a window's
+        forwards at once]); each later ``engine(**batch)`` of the window takes its forward from here. Only at
+        the start of a window, in training mode; a no-op where it cannot help (a model on the generic path)."""
+        self._check_open()
+        if not (torch.is_grad_enabled() and self._model.training) or not batches:
+            raise RuntimeError("forward_window() announces training forwards: call it in training mode, with "
+                               "autograd on, and at least one micro-batch")
+        if self._micro_steps or self._pending is not None or self._held or self._announced:
+            raise RuntimeError("forward_window() is for the start of an accumulation window (after step() took the "
+                               "optimizer step, before the window's first forward)")
+        if len(batches) > self.config.gradient_accumulation_steps:
+            raise ValueError(f"forward_window() got {len(batches)} micro-batches; a window holds at most "
+                             f"gradient_accumulation_steps = {self.config.gradient_accumulation_steps}")
+        for b in batches:
+            check_batch(b, self._batch_spec)
+        if not self.adapter.streaming:
+            return
+        with self._call(discard_step=True):
+            self._ds_t0, self._ds_busy0 = self._start_clock()
+            self._ensure_plan(batches)
+            micros = self._with_fallback(lambda: self._forward(batches, shell_grad=True))
+            if self.adapter.streaming:       # not after a fall-back to the generic path: its forwards come later
+                self._announced = list(zip(batches, micros))
+                self.window_stats["announced"] += 1
+
+    def _take_window(self, batch: dict):
+        """The announced forward for ``batch`` if it is the next one, else None (the window dropped)."""
+        announced, micro = self._announced.pop(0)
+        if _same_forward_inputs(announced, batch):
+            micro.batch = self._to_device(batch)     # the post pass reads this call's labels and keywords
+            return micro
+        log.warning("zerofit: engine(**batch) got other inputs than the next micro-batch announced with "
+                    "forward_window(); the rest of the window's forwards are made again, one at a time")
+        self._announced = []
+        self.window_stats["mismatched"] += 1
+        return None
+
     def _forward_micro(self, batch: dict):
         """[Note: the block backward waits for the boundary]"""
         G = self.config.gradient_accumulation_steps
@@ -49,6 +116,12 @@ class DeepSpeedStyleAPI:
             raise RuntimeError(f"{self._micro_steps} micro-batches went through backward() since the last optimizer "
                                f"step and gradient_accumulation_steps is {G}: call engine.step() after each "
                                "backward() (it steps at the accumulation boundary), as DeepSpeed's loop does")
+        micro = self._take_window(batch) if self._announced else None
+        if micro is not None:
+            out, final = self._post(micro)
+            micro.output = (out, final)
+            self._pending = micro
+            return out
         if self._micro_steps == 0:
             self._ds_t0, self._ds_busy0 = self._start_clock()
         self._ensure_plan([batch])
@@ -169,6 +242,7 @@ class DeepSpeedStyleAPI:
         with self._call(discard_step=True):
             if self._held:          # the boundary was set after the last backward()
                 self._backward_held()
+            self._announced = []        # announced forwards nobody called for: dropped
             applied = self._finish_step()
             self._micro_steps = 0
             self._end_step(self._ds_t0, self._ds_busy0, applied)

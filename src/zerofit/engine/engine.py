@@ -229,6 +229,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
         self._boundary_override: bool | None = None   # set_gradient_accumulation_boundary()
         self._held: list[_Micro] = []   # DeepSpeed-style API: micro-batches whose block backward waits for the boundary
+        self._announced: list[tuple] = []   # (batch, _Micro) announced by forward_window(), not yet called for
+        self.window_stats = {"announced": 0, "mismatched": 0}   # forward_window() calls; calls that dropped one
         self._shell_updated = None   # the upload stream's event after the shell's update on the device
         self._ckpt_arena: HostArena | None = None   # [Note: offloaded checkpoints]
         self._ckpt_g = 0
@@ -1457,7 +1459,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         PyTorch gradient accumulation. Returns the mean loss (a float; one device sync).
         An error leaves the engine as [Note: failure semantics] (lifecycle.py) says."""
         self._check_open()
-        if self._micro_steps or self._pending is not None:
+        if self._micro_steps or self._pending is not None or self._announced:
             raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation "
                                "(a forward without backward(), or micro-batches without step()); finish it first")
         try:

@@ -36,6 +36,7 @@ class StepRecovery:
         self._pending = None
         self._micro_steps = 0
         self._held = []
+        self._announced = []
         self._host16_epoch += 1       # a rollback restores the masters to rounding only
         if self._tier is not None:
             self._tier.reset()        # chunks read ahead for updates that will not come
@@ -60,7 +61,7 @@ class StepRecovery:
     def _drop_device_state(self) -> None:
         """Let go of every device buffer (the memory goes back to the allocator, for a next engine).
         The module's parameters keep viewing the host weights."""
-        self._pending, self._micro_steps, self._held = None, 0, []
+        self._pending, self._micro_steps, self._held, self._announced = None, 0, [], []
         for u in self.units:
             u.dev16 = u.grad = u.slot = u.grad_slot = u.ready_event = u.master_event = u.pending_update = None
             u.buffers = {}
@@ -124,7 +125,8 @@ class StepRecovery:
 
     def _fallback_possible(self) -> bool:
         return (self._adapter_kind == "auto" and self.adapter.streaming and self.global_step == 0
-                and self.skipped_steps == 0 and self._micro_steps == 0 and self._pending is None and not self._held)
+                and self.skipped_steps == 0 and self._micro_steps == 0 and self._pending is None and not self._held
+                and not self._announced)
 
     def _with_fallback(self, run):
         """``run()``, and once more on the generic path if it finds the model not block-sequential."""

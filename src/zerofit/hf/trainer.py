@@ -236,6 +236,28 @@ class ZerofitTrainerMixin:
 
     # ------------------------------------------------------------------ the step
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The Trainer fetches an optimizer step's micro-batches up front: remember them, so that the window's
+        first training_step can announce them to the engine ([Note: a window's forwards at once],
+        engine/deepspeed_api.py)."""
+        samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._zerofit_window = list(samples)
+        return samples, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """At the first micro-batch of a window, the engine makes all of the window's forwards at once (each
+        streamed block's weights cross PCIe once for the step, as in train_batch); the Trainer's own
+        training_step (or a subclass's) then runs as always, each model call taking its forward from there. A
+        subclass whose model calls do not match the micro-batches (a compute_loss that changes the inputs) is
+        noticed at its first call and the Trainer goes on one forward at a time."""
+        window, self._zerofit_window = getattr(self, "_zerofit_window", None), None
+        engine = self.zerofit_engine
+        if (window and len(window) > 1 and inputs is window[0] and engine is not None
+                and engine.window_stats["mismatched"] == 0):
+            model.train()
+            engine.forward_window([self._prepare_inputs(s) for s in window])
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def _zerofit_backward(self, loss: torch.Tensor, **kwargs) -> None:
         unknown = set(kwargs) - {"scale_wrt_gas"}
         if unknown:

@@ -302,11 +302,12 @@ def test_error_in_a_step_on_gpu_leaves_state_and_training_as_before():
     clean.close()
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.05])
-def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip):
+@pytest.mark.parametrize("clip,announce", [(0.0, False), (0.05, False), (0.0, True), (0.05, True)])
+def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
     """The DeepSpeed-shaped loop with real streams: the blocks' backward at the boundary and the 16-bit host
     copies (pinned, filled on the download stream while slots are reused) give train_batch's losses and
-    weights bitwise; every upload after a step's first forward reads a copy."""
+    weights bitwise; every upload after a step's first forward reads a copy. With the window announced
+    (forward_window), the forwards are made at once: train_batch's uploads, no copies."""
     G3, steps = 3, 4
     cfg = {"precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": G3, "optimizer": {"lr": 1e-3},
            "gradient_clipping": clip, "offload": {"resident_blocks": 1, "prefetch_depth": 1}}
@@ -317,10 +318,16 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip):
     b = zerofit.initialize(tm.llama(layers=5), cfg)
     streamed = sum(1 for u in a.blocks if u.home.name == "STREAMED")
     for mbs in data:
+        if announce:
+            a.forward_window(mbs)
         losses = tm.ds_losses(a, mbs)
         ups = tm.upload_labels(a)
-        assert sum(1 for x in ups if not x.endswith("(16)")) == streamed, ups
         assert torch.stack(losses).mean().item() == b.train_batch(mbs)
+        if announce:
+            assert ups == tm.upload_labels(b), ups
+        else:
+            assert sum(1 for x in ups if not x.endswith("(16)")) == streamed, ups
+    assert a.window_stats == {"announced": steps if announce else 0, "mismatched": 0}
     a.wait(), b.wait()
     for ua, ub in zip(a.units, b.units):
         assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name

@@ -91,6 +91,19 @@ class Zerofit:
             total = 0.0
             if self.args.announce:         # the window's micro-batches announced first (engine.forward_window)
                 self.engine.forward_window(batches)
+            if self.args.loader:           # drawn from the engine's own loader (deepspeed_io), as the tutorial does
+                torch = self.torch
+
+                class Window(torch.utils.data.Dataset):
+                    def __len__(self):
+                        return len(micro_batches) * micro_batches[0].shape[0]
+
+                    def __getitem__(self, i):
+                        ids = micro_batches[i // micro_batches[0].shape[0]][i % micro_batches[0].shape[0]]
+                        return {"input_ids": ids, "labels": ids}
+
+                batches = self.engine.deepspeed_io(Window(), batch_size=micro_batches[0].shape[0],
+                                                   data_sampler=torch.utils.data.SequentialSampler(range(len(Window()))))
             for b in batches:
                 out = self.engine(**b)
                 self.engine.backward(out.loss)
@@ -102,6 +115,8 @@ class Zerofit:
         self.res.timeline = {k: round(float(v), 4) for k, v in self.engine.timeline().items()}
         if hasattr(self.engine, "speculation_stats"):
             self.res.extra["speculation"] = dict(self.engine.speculation_stats)
+        if hasattr(self.engine, "window_stats"):
+            self.res.extra["window_stats"] = dict(self.engine.window_stats)
         if getattr(self.engine, "last_grad_norm", None) is not None:
             self.res.extra.setdefault("grad_norms", []).append(round(float(self.engine.last_grad_norm), 4))
         print(f"[zerofit] timeline: {self.res.timeline}", flush=True)
@@ -128,6 +143,8 @@ def main() -> int:
                         help='a top-level setting of zerofit\'s config, e.g. max_host_memory="32GiB" (repeatable)')
     parser.add_argument("--nvme", default=None, help="offload.optimizer_device nvme with this nvme_path")
     parser.add_argument("--estimate", action="store_true", help="record zerofit estimate's prediction first")
+    parser.add_argument("--loader", action="store_true",
+                        help="with --api deepspeed: draw each step's micro-batches from engine.deepspeed_io's loader")
     parser.add_argument("--announce", action="store_true",
                         help="with --api deepspeed: announce each window's micro-batches with engine.forward_window")
     parser.add_argument("--api", default="train_batch", choices=["train_batch", "deepspeed"],

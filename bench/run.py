@@ -38,11 +38,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit", "zerofit-ds", "zerofit-dsw")
+ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit", "zerofit-ds", "zerofit-dsw", "zerofit-dsl")
 # a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop;
-# zerofit-dsw: the same with each window announced first, engine.forward_window)
+# zerofit-dsw: the same with each window announced first, engine.forward_window; zerofit-dsl: the unchanged loop
+# drawing its micro-batches from the engine's own loader, deepspeed_io, which reads each window ahead)
 VARIANTS = {"zerofit-ds": ("zerofit", ["--api", "deepspeed"]),
-            "zerofit-dsw": ("zerofit", ["--api", "deepspeed", "--announce"])}
+            "zerofit-dsw": ("zerofit", ["--api", "deepspeed", "--announce"]),
+            "zerofit-dsl": ("zerofit", ["--api", "deepspeed", "--loader"])}
 GiB = 2**30
 
 
@@ -250,7 +252,8 @@ def render(doc: dict) -> str:
             ratios.append(f"zerofit / {peer} tokens/s: **{a / b:.2f}x**" if a and b and ok else
                           f"zerofit / {peer} tokens/s: n/a (zerofit {zf.get('status')}, "
                           f"{peer} {by[peer].get('status')})")
-        for name, what in (("zerofit-ds", "DeepSpeed-shaped loop"), ("zerofit-dsw", "the loop, windows announced")):
+        for name, what in (("zerofit-ds", "DeepSpeed-shaped loop"), ("zerofit-dsw", "the loop, windows announced"),
+                           ("zerofit-dsl", "the loop over the engine's loader")):
             ds = by.get(name)
             if not (ds and ds.get("tokens_per_s") and zf.get("tokens_per_s")
                     and ds.get("status") == zf.get("status") == "ok"):

@@ -162,6 +162,8 @@ def test_tutorial_loop_matches_plain_pytorch(G, clip, schedule):
     _assert_same_weights(engine, ref)
     assert engine.global_steps == steps and engine.global_samples == steps * G * MICRO
     assert engine.micro_steps == steps * G
+    # the loader read each window ahead and the loop's calls took it ([Note: the loader reads the window ahead])
+    assert engine.window_stats == {"announced": steps, "mismatched": 0}
     nxt = _expected_lr(schedule, steps)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(nxt) and engine.get_lr() == pytest.approx([nxt])
     assert engine.optimizer is optimizer and engine.lr_scheduler is lr_scheduler
@@ -170,6 +172,70 @@ def test_tutorial_loop_matches_plain_pytorch(G, clip, schedule):
         assert lr_scheduler.state_dict() == {"last_batch_iteration": steps - 1}
     assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in engine.module.parameters()}
     engine.close()
+
+
+def test_loader_read_ahead_is_train_batch_bitwise_and_harmless_when_batches_change():
+    """[Note: the loader reads the window ahead]: the tutorial loop over the loader initialize returns gives
+    train_batch's losses and weights bitwise (bf16, G = 3, a short last window), every window's forwards made at
+    once; a loop that moves each batch to new tensors still matches; one that changes them runs as without it,
+    with the same results; the loader yields the same batches in the same order either way."""
+    G, steps = 3, 3
+    data = _Samples(steps * G * MICRO - MICRO)          # the last window has 2 micro-batches
+
+    def run(change):
+        torch.manual_seed(0)
+        engine, _, loader, _ = deepspeed.initialize(model=tm.llama(), training_data=data,
+                                                    config=_ds_config(G, 0.0) | {"bf16": {"enabled": True}},
+                                                    device="cpu")
+        losses, batches = [], []
+        for i, batch in enumerate(loader):
+            if i == len(loader) - 1:
+                engine.set_gradient_accumulation_boundary(True)
+            batches.append(batch)
+            call = change(batch)
+            out = engine(**call)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(out.loss.detach().float())
+        return engine, losses, batches
+
+    same, same_losses, batches = run(lambda b: b)
+    assert same.window_stats == {"announced": steps, "mismatched": 0}
+    # the reference: the same loop over a list (nothing read ahead), for full windows train_batch bitwise
+    torch.manual_seed(0)
+    ref_engine, _, _, _ = deepspeed.initialize(model=tm.llama(), config=_ds_config(G, 0.0) | {"bf16": {"enabled": True}},
+                                               device="cpu")
+    ref_losses = []
+    for i, batch in enumerate(batches):
+        if i == len(batches) - 1:
+            ref_engine.set_gradient_accumulation_boundary(True)
+        out = ref_engine(**batch)
+        ref_engine.backward(out.loss)
+        ref_engine.step()
+        ref_losses.append(out.loss.detach().float())
+    assert ref_engine.window_stats == {"announced": 0, "mismatched": 0}
+    assert torch.equal(torch.stack(same_losses), torch.stack(ref_losses))
+    moved, moved_losses, moved_batches = run(lambda b: {k: v.clone() for k, v in b.items()})
+    assert moved.window_stats == {"announced": steps, "mismatched": 0}
+    changed, changed_losses, changed_batches = run(lambda b: {**b, "labels": b["labels"].clone(),
+                                                              "input_ids": b["input_ids"].flip(-1)})
+    assert changed.window_stats == {"announced": 0, "mismatched": 0}
+    for b1, b2 in zip(batches, changed_batches):
+        assert torch.equal(b1["input_ids"], b2["input_ids"])
+    assert torch.equal(torch.stack(moved_losses), torch.stack(same_losses))
+    ref_engine.wait(), same.wait(), moved.wait()
+    for ua, ub, uc in zip(same.units, ref_engine.units, moved.units):
+        assert torch.equal(ua.master, ub.master) and torch.equal(ua.master, uc.master), ua.name
+        assert torch.equal(ua.exp_avg, ub.exp_avg), ua.name
+    full = len(batches) // G * G        # the full windows: train_batch's losses bitwise
+    torch.manual_seed(0)
+    tb, _, _, _ = deepspeed.initialize(model=tm.llama(), config=_ds_config(G, 0.0) | {"bf16": {"enabled": True}},
+                                       device="cpu")
+    assert [tb.train_batch(batches[i:i + G]) for i in range(0, full, G)] == \
+        [torch.stack(same_losses[i:i + G]).mean().item() for i in range(0, full, G)]
+    tb.close()
+    for e in (same, moved, changed, ref_engine):
+        e.close()
 
 
 def test_client_adamw_settings_become_the_config():

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from zerofit.engine.batch import check_batch
+from zerofit.engine.lifecycle import EngineState
 from zerofit.engine.planner import PlanError
 from zerofit.engine.store import Home, HostArena
 
@@ -90,12 +91,40 @@ class DeepSpeedStyleAPI:
         if not self.adapter.streaming:
             return
         with self._call(discard_step=True):
-            self._ds_t0, self._ds_busy0 = self._start_clock()
-            self._ensure_plan(batches)
-            micros = self._with_fallback(lambda: self._forward(batches, shell_grad=True))
-            if self.adapter.streaming:       # not after a fall-back to the generic path: its forwards come later
-                self._announced = list(zip(batches, micros))
-                self.window_stats["announced"] += 1
+            self._with_fallback(lambda: self._announce(batches))
+
+    def _announce(self, batches: list[dict]) -> None:
+        self._ds_t0, self._ds_busy0 = self._start_clock()
+        self._ensure_plan(batches)
+        micros = self._forward(batches, shell_grad=True)
+        if self.adapter.streaming:       # not after a fall-back to the generic path: its forwards come later
+            self._announced = list(zip(batches, micros))
+            self.window_stats["announced"] += 1
+
+    def _can_offer(self) -> bool:
+        """At the start of a window, where announced forwards could help ([Note: the loader reads the window
+        ahead], deepspeed_surface.py)."""
+        return (self.config.gradient_accumulation_steps > 1 and self.adapter.streaming and not self._micro_steps
+                and self._pending is None and not self._held and not self._announced
+                and not self.window_stats["mismatched"] and self.state is EngineState.OPEN)
+
+    def _offer_window(self, batches: list[dict]) -> None:
+        """The engine's own training loader read the window ahead: if the window's first call is for
+        ``batches[0]``, its forwards are made at once ([Note: a window's forwards at once])."""
+        self._offered = list(batches) if len(batches) > 1 and self._can_offer() else None
+
+    def _take_offer(self, batch: dict) -> None:
+        offered, self._offered = self._offered, None
+        if (self._micro_steps or self._announced or not _same_forward_inputs(offered[0], batch)
+                or not torch.is_grad_enabled() or not self._model.training):
+            return
+        try:
+            for b in offered:
+                check_batch(b, self._batch_spec)
+        except Exception:      # noqa: BLE001 - an odd batch is refused where it is called, not here
+            return
+        offered[0] = batch
+        self._announce(offered)
 
     def _take_window(self, batch: dict):
         """The announced forward for ``batch`` if it is the next one, else None (the window dropped)."""
@@ -116,6 +145,8 @@ class DeepSpeedStyleAPI:
             raise RuntimeError(f"{self._micro_steps} micro-batches went through backward() since the last optimizer "
                                f"step and gradient_accumulation_steps is {G}: call engine.step() after each "
                                "backward() (it steps at the accumulation boundary), as DeepSpeed's loop does")
+        if self._offered is not None:
+            self._take_offer(batch)
         micro = self._take_window(batch) if self._announced else None
         if micro is not None:
             out, final = self._post(micro)

@@ -19,12 +19,49 @@ its step() (``_ds_unstepped`` holds the count the last backward() left, until st
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 
+from torch.utils.data import DataLoader
 
 log = logging.getLogger("zerofit")
+
+
+class _WindowLoader(DataLoader):
+    """DeepSpeed's training loader (``deepspeed_io``, the loader ``initialize(training_data=...)`` returns).
+
+    [Note: the loader reads the window ahead]
+    The DeepSpeed tutorial loop draws its micro-batches from this loader. When the engine is at the start of an
+    accumulation window (the last step() taken, nothing pending), fetching the window's first micro-batch also
+    fetches the rest of the window from the underlying loader (the same batches, in the same order) and offers
+    them to the engine; if the next ``engine(**batch)`` is for the first of them, the engine makes the window's
+    forwards at once ([Note: a window's forwards at once], deepspeed_api.py), as ``forward_window`` does. The
+    loop yields the batches as always; a loop that changes the batches before calling the engine gets no
+    offer taken, and runs as without it."""
+
+    zerofit_engine = None       # weakref.ref to the engine
+
+    def __iter__(self):
+        it = super().__iter__()
+        ahead: collections.deque = collections.deque()
+        while True:
+            if not ahead:
+                try:
+                    ahead.append(next(it))
+                except StopIteration:
+                    return
+                engine = self.zerofit_engine() if self.zerofit_engine is not None else None
+                if engine is not None and engine._can_offer():
+                    for _ in range(engine.config.gradient_accumulation_steps - 1):
+                        try:
+                            ahead.append(next(it))
+                        except StopIteration:
+                            break
+                    engine._offer_window(list(ahead))
+            yield ahead.popleft()
 
 
 class DeepSpeedUnsupported(NotImplementedError):
@@ -311,10 +348,14 @@ class DeepSpeedSurface:
                              f"{type(dataset).__name__}")
         if data_sampler is None and not isinstance(dataset, IterableDataset):
             data_sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=route == "train")
-        return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-                          sampler=data_sampler, collate_fn=collate_fn or self._ds_collate_fn,
-                          num_workers=num_local_io_workers or 0, pin_memory=pin_memory and self.device.type == "cuda",
-                          drop_last=self._ds_drop_last)
+        cls = _WindowLoader if route == "train" else DataLoader
+        loader = cls(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                     sampler=data_sampler, collate_fn=collate_fn or self._ds_collate_fn,
+                     num_workers=num_local_io_workers or 0, pin_memory=pin_memory and self.device.type == "cuda",
+                     drop_last=self._ds_drop_last)
+        if route == "train":
+            loader.zerofit_engine = weakref.ref(self)
+        return loader
 
     # ----------------------------------------------------------------- checkpoints: DeepSpeed's extra arguments
 

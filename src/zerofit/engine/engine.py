@@ -230,6 +230,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._boundary_override: bool | None = None   # set_gradient_accumulation_boundary()
         self._held: list[_Micro] = []   # DeepSpeed-style API: micro-batches whose block backward waits for the boundary
         self._announced: list[tuple] = []   # (batch, _Micro) announced by forward_window(), not yet called for
+        self._offered: list[dict] | None = None   # a window the engine's own training loader read ahead
         self.window_stats = {"announced": 0, "mismatched": 0}   # forward_window() calls; calls that dropped one
         self._shell_updated = None   # the upload stream's event after the shell's update on the device
         self._ckpt_arena: HostArena | None = None   # [Note: offloaded checkpoints]

@@ -36,7 +36,7 @@ class StepRecovery:
         self._pending = None
         self._micro_steps = 0
         self._held = []
-        self._announced = []
+        self._announced, self._offered = [], None
         self._host16_epoch += 1       # a rollback restores the masters to rounding only
         if self._tier is not None:
             self._tier.reset()        # chunks read ahead for updates that will not come
@@ -61,7 +61,7 @@ class StepRecovery:
     def _drop_device_state(self) -> None:
         """Let go of every device buffer (the memory goes back to the allocator, for a next engine).
         The module's parameters keep viewing the host weights."""
-        self._pending, self._micro_steps, self._held, self._announced = None, 0, [], []
+        self._pending, self._micro_steps, self._held, self._announced, self._offered = None, 0, [], [], None
         for u in self.units:
             u.dev16 = u.grad = u.slot = u.grad_slot = u.ready_event = u.master_event = u.pending_update = None
             u.buffers = {}

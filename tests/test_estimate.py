@@ -107,3 +107,23 @@ def test_cli_estimate_for_two_gpus():
     assert two["host_plan_bytes"]["host_mirrors"] > one["host_plan_bytes"]["host_mirrors"]
     assert two["gpu_bytes"] <= 24 * 2**30 and per_param[2] > per_param[1]
     assert "2 ranks" in runner.invoke(app, args[:-1] + ["--gpus", "2"]).output
+
+
+def test_the_step_is_the_sum_of_its_phases_each_as_long_as_its_busiest_resource():
+    """[Note: the step's phases]: the forward takes a quarter of the blocks' compute, the backward the rest; each
+    is as long as the busiest of its compute, copies and CPU work; the post pass and a host-optimized shell's
+    update add. The W1-at-8-GiB shape of numbers: a CPU-bound backward shows as such."""
+    from zerofit.estimate import FORWARD_SHARE, phase_seconds
+
+    p = phase_seconds(blocks=1.0, post=0.1, up_fwd=0.2, up_bwd=0.4, down_fwd=0.0, down_bwd=0.3, cpu_fwd=0.0,
+                      cpu_bwd=0.5, tail=0.09)
+    assert p["forward"] == (pytest.approx(FORWARD_SHARE), "compute")
+    assert p["backward"] == (pytest.approx(1 - FORWARD_SHARE), "compute")
+    assert p["post"] == (0.1, "compute") and p["shell update"][0] == 0.09
+    slow_cpu = phase_seconds(blocks=1.0, post=0.1, up_fwd=0.2, up_bwd=0.4, down_fwd=0.0, down_bwd=0.3, cpu_fwd=0.0,
+                             cpu_bwd=0.9, tail=0.0)
+    assert slow_cpu["backward"] == (0.9, "cpu optimizer")
+    deferred = phase_seconds(blocks=1.0, post=0.1, up_fwd=0.6, up_bwd=0.2, down_fwd=0.1, down_bwd=0.2,
+                             cpu_fwd=0.55, cpu_bwd=0.0, tail=0.0)
+    assert deferred["forward"] == (0.6, "upload")
+    assert sum(t for t, _ in deferred.values()) == pytest.approx(0.6 + 0.1 + 0.75)

@@ -18,8 +18,10 @@ The step time is predicted from this machine's measured speeds, each resource on
   ``zerofit doctor`` measures;
 * disk: the tier's bytes read and written per step over the disk speeds measured under ``nvme_path``.
 
-The engine overlaps them (design/ENGINE.md), so the predicted step is the largest; the others are shown
-with it. The host peak is the plan's host bytes plus this process's own resident memory (interpreter,
+The engine overlaps them within each phase of the step (the forward, the post pass, the backward, a
+host-optimized shell's update: [Note: the step's phases]), so the predicted step is the sum of the phases, each
+as long as its busiest resource, or the disk's time where that is longer; each resource's total is shown with
+it. The host peak is the plan's host bytes plus this process's own resident memory (interpreter,
 libraries, CUDA context), which a training process has as well.
 """
 
@@ -74,7 +76,7 @@ def meta_model(model_dir: str | Path | None = None, shape: str | None = None):
 
 @dataclass
 class StepPrediction:
-    """Seconds per optimizer step, per resource; ``step`` is the largest (the engine overlaps them)."""
+    """Seconds per optimizer step, per resource; ``step`` from the phases they run in, or the disk's time."""
 
     compute: float | None = None
     upload: float | None = None
@@ -83,6 +85,7 @@ class StepPrediction:
     disk: float | None = None
     step: float | None = None
     binds: str = ""
+    phases: dict = field(default_factory=dict)     # phase -> (seconds, what binds it): [Note: the step's phases]
     speeds: dict = field(default_factory=dict)
     note: str = ""
 
@@ -203,59 +206,103 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     return est
 
 
+# [Note: the step's phases]
+# The engine overlaps its resources within a phase of the step, not across all of it (engine.trace(),
+# bench/trace.py): the forward (a quarter of the blocks' compute: forward, recompute and backward run about
+# 1:1:2) against the streamed blocks' uploads and, with deferred updates, the CPU's updates and the assisted
+# blocks' state; the post pass (the shell's compute: embeddings, head, loss); the backward (the other three
+# quarters) against the uploads, the gradients and the assisted blocks' state going down, and, with immediate
+# updates, the CPU's AdamW as the gradients come; then a host-optimized shell's update, which needs the whole
+# gradient and which the next forward waits for. The step is their sum, or the disk tier's time when that is
+# longer (its reads and writes span the whole step). Measured phases (2026-11-30, docs/benchmarks.md): the
+# forward took 0.243-0.249 of the blocks' compute in W1 and W2.
+FORWARD_SHARE = 0.25
+
+
+def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, down_fwd: float, down_bwd: float,
+                  cpu_fwd: float, cpu_bwd: float, tail: float) -> dict[str, tuple[float, str]]:
+    """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute."""
+    def phase(**parts):
+        k = max(parts, key=lambda n: parts[n])
+        return parts[k], k.replace("_", " ")
+
+    return {"forward": phase(compute=blocks * FORWARD_SHARE, upload=up_fwd, download=down_fwd, cpu_optimizer=cpu_fwd),
+            "post": (post, "compute"),
+            "backward": phase(compute=blocks * (1 - FORWARD_SHARE), upload=up_bwd, download=down_bwd,
+                              cpu_optimizer=cpu_bwd),
+            "shell update": (tail, "the shell's update")}
+
+
 def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, on_cuda: bool) -> StepPrediction:
-    """Each resource's seconds per step from this machine's measured speeds (see the module docstring)."""
+    """Each resource's seconds per step from this machine's measured speeds, and the step from the phases they
+    run in ([Note: the step's phases]; see also the module docstring)."""
     from zerofit import doctor
 
     pred = StepPrediction()
     if not on_cuda or not torch.cuda.is_available():
         pred.note = "no CUDA GPU here to measure the compute on; run it on the training machine"
         return pred
-    L = len(shape.block_numels)
+    L, G = len(shape.block_numels), batch.grad_accum
     per_block, shell = block_seconds(model, batch, cfg)
-    pred.compute = batch.grad_accum * (shell + L * per_block)
+    pred.compute = G * (shell + L * per_block)
     copies = {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
     h2d, d2h = copies[("host->gpu", "pinned")], copies[("gpu->host", "pinned")]
+    opt = doctor.optimizer_speed(16 << 20, 3.0)
+    rate = opt.params_per_s
     cb = torch.empty((), dtype=_dtype(cfg)).element_size()
+    n = shape.block_numels
     disk_of = plan.disk_of
     streamed = range(plan.resident_blocks, L)
-    up = sum(shape.block_numels[i] * (cb if disk_of.get(i) == "all" else 4) * 2 for i in streamed)
-    down = sum(shape.block_numels[i] for i in streamed) * 4
-    host_params = sum(shape.block_numels[i] for i in streamed)
     # assisted updates (engine.py): the device updates these blocks, their state up and back down; deferred,
     # with the host gradient going up too; in the backward, from the gradient where it is (not sent down)
-    assisted = sum(shape.block_numels[i] for i in plan.assisted_blocks) if plan.assisted_updates else 0
-    host_params -= assisted
-    if plan.deferred_updates:
-        up, down = up + assisted * 16, down + assisted * 12
+    assisted = set(plan.assisted_blocks) if plan.assisted_updates else set()
+    a = sum(n[i] for i in assisted)
+    weights = sum(n[i] * (cb if disk_of.get(i) == "all" else 4) for i in streamed)    # one pass over the blocks
+    host_params = sum(n[i] for i in streamed) - a
+    if plan.deferred_updates:     # the updates wait for the norm and run during the next forward
+        up_fwd, down_fwd, cpu_fwd = weights + a * 12, a * 12, host_params / rate
+        up_bwd, down_bwd, cpu_bwd = weights, sum(n[i] for i in streamed) * 4, 0.0
     else:
-        up, down = up + assisted * 12, down + assisted * 8
+        up_fwd, down_fwd, cpu_fwd = weights, 0, 0.0
+        up_bwd, down_bwd, cpu_bwd = weights + a * 12, (host_params * 4) + a * 12, host_params / rate
+    tail = 0.0
+    s = shape.shell_numel
+    shell_bytes = (0, 0)
     if not plan.shell_optimizer_on_device:
         if plan.assisted_updates and not plan.deferred_updates:    # the shell too, on the device
-            up, down = up + shape.shell_numel * 12, down + shape.shell_numel * 12
+            shell_bytes = (s * 12, s * 12)
+            tail = s * 12 / h2d / 1e9
         else:        # its gradient down, the CPU's update, its master up
-            up, down = up + shape.shell_numel * 4, down + shape.shell_numel * 4
-            host_params += shape.shell_numel
+            shell_bytes = (s * 4, s * 4)
+            tail = s * 4 / d2h / 1e9 + s / rate + s * 4 / h2d / 1e9
+            host_params += s
     # several ranks: each uploads and downloads its shard over its own link (the GPUs exchange the rest); each
     # CPU worker updates its shard with its share of the cores, against one host memory: as one rank's time
     r = cfg.world_size
-    pred.upload, pred.download = up / r / h2d / 1e9, down / r / d2h / 1e9
-    opt = doctor.optimizer_speed(16 << 20, 3.0)
-    pred.cpu_optimizer = host_params / opt.params_per_s
-    pred.speeds = {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "cpu_adamw_params_per_s": opt.params_per_s,
+    up_s, down_s = 1 / r / h2d / 1e9, 1 / r / d2h / 1e9
+    pred.upload = (up_fwd + up_bwd + shell_bytes[0]) * up_s
+    pred.download = (down_fwd + down_bwd + shell_bytes[1]) * down_s
+    pred.cpu_optimizer = host_params / rate
+    pred.phases = phase_seconds(blocks=G * L * per_block, post=G * shell, up_fwd=up_fwd * up_s,
+                                up_bwd=up_bwd * up_s, down_fwd=down_fwd * down_s, down_bwd=down_bwd * down_s,
+                                cpu_fwd=cpu_fwd, cpu_bwd=cpu_bwd, tail=tail)
+    pred.speeds = {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "cpu_adamw_params_per_s": rate,
                    "block_seconds": per_block, "shell_seconds": shell}
     if plan.disk_blocks:    # the tier's own I/O path: direct, parallel requests of its block size
         from zerofit.engine.disk import measure_folder
 
         off = cfg.offload
-        w, r = measure_folder(off.nvme_path, 1 << 30, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
+        wr, rd = measure_folder(off.nvme_path, 1 << 30, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
         read, written = plan.disk_traffic(shape)
-        pred.disk = read / (r * 1e9) + written / (w * 1e9)
-        pred.speeds |= {"disk_read_gb_per_s": r, "disk_write_gb_per_s": w}
-    times = {"compute": pred.compute, "upload": pred.upload, "download": pred.download,
-             "cpu optimizer": pred.cpu_optimizer, "disk": pred.disk}
-    pred.binds = max((k for k, v in times.items() if v is not None), key=lambda k: times[k])
-    pred.step = times[pred.binds]
+        pred.disk = read / (rd * 1e9) + written / (wr * 1e9)
+        pred.speeds |= {"disk_read_gb_per_s": rd, "disk_write_gb_per_s": wr}
+    phased = sum(t for t, _ in pred.phases.values())
+    if pred.disk is not None and pred.disk > phased:
+        pred.step, pred.binds = pred.disk, "disk"
+    else:
+        pred.step = phased
+        pred.binds = "its phases in turn (" + ", ".join(f"{k} {t:.2f} s: {why}" for k, (t, why) in pred.phases.items()
+                                                       if t > 0) + ")"
     return pred
 
 

@@ -127,3 +127,43 @@ def test_the_step_is_the_sum_of_its_phases_each_as_long_as_its_busiest_resource(
                              cpu_fwd=0.55, cpu_bwd=0.0, tail=0.0)
     assert deferred["forward"] == (0.6, "upload")
     assert sum(t for t, _ in deferred.values()) == pytest.approx(0.6 + 0.1 + 0.75)
+
+
+def test_predict_step_adds_up_a_plans_phases_from_the_measured_speeds(monkeypatch):
+    """predict_step, which only a GPU machine reaches, run here with the speeds stubbed (55 GB/s each way, 2.5 G
+    params/s of CPU AdamW, 8 ms per block and 20 ms of shell per micro-batch): for a plan with assisted updates
+    in the backward and the shell's optimizer on the host (the W1-at-8-GiB kind), each phase from its bytes, the
+    shell's update on the device, and the step their sum."""
+    import zerofit.doctor as doctor
+    import zerofit.estimate as E
+    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+
+    n, L, s = 10_000_000, 8, 30_000_000
+    shape = ModelShape(shell_numel=s, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
+    batch = BatchShape(1, 256, 4)
+    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=None,
+                     deferred_updates=False, checkpointing=True, stream_params=True, resident_blocks=0,
+                     prefetch_depth=None, shell_on_device=False)
+    assert plan.assisted_updates and not plan.shell_optimizer_on_device
+    a = len(plan.assisted_blocks) * n
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: (0.008, 0.020))
+    monkeypatch.setattr(doctor, "copy_bandwidth", lambda *args: [
+        doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host")])
+    monkeypatch.setattr(doctor, "optimizer_speed", lambda *args: doctor.OptimizerSpeed("fused", 1, 1, 1, 2.5e9))
+    from zerofit.config import load_config
+
+    cfg = load_config(_cfg()).config
+    pred = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
+    blocks = 4 * L * 0.008
+    ph = {k: t for k, (t, _) in pred.phases.items()}
+    assert ph["forward"] == pytest.approx(max(blocks / 4, L * n * 4 / 55e9))
+    assert ph["post"] == pytest.approx(4 * 0.020)
+    host = L * n - a
+    assert ph["backward"] == pytest.approx(max(blocks * 3 / 4, (L * n * 4 + a * 12) / 55e9,
+                                               (host * 4 + a * 12) / 55e9, host / 2.5e9))
+    assert ph["shell update"] == pytest.approx(s * 12 / 55e9)     # on the device: its state up and down
+    assert pred.step == pytest.approx(sum(ph.values())) and pred.disk is None
+    assert pred.cpu_optimizer == pytest.approx(host / 2.5e9)
+    assert pred.upload == pytest.approx((2 * L * n * 4 + a * 12 + s * 12) / 55e9)
+    assert "phases" in pred.binds and json.dumps(E.asdict(pred))

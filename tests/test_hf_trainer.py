@@ -177,6 +177,27 @@ def test_subclass_overriding_compute_loss(tmp_path):
     assert _logs(explicit, "loss") == _logs(zf, "loss")[:2]
 
 
+def test_subclass_that_changes_the_inputs_goes_on_one_forward_at_a_time(tmp_path, caplog):
+    """A compute_loss that calls the model with other inputs than the fetched micro-batches: the first announced
+    window is dropped at its first call (a warning), the Trainer announces no more, and the run is the plain
+    Trainer's with the same subclass."""
+
+    class Shifted(PlainTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            inputs = {**inputs, "input_ids": (inputs["input_ids"] + 1) % tm.VOCAB}
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    torch.manual_seed(0)
+    model = tm.llama()
+    kw = dict(max_steps=3)
+    plain = _train(Shifted, copy.deepcopy(model), _args(tmp_path / "plain", **kw))
+    with caplog.at_level("WARNING", logger="zerofit"):
+        zf = _train(with_zerofit(Shifted), model, _args(tmp_path / "zf", **kw))
+    _assert_same_run(plain, zf)
+    assert zf.zerofit_engine.window_stats == {"announced": 1, "mismatched": 1}
+    assert "other inputs than the next micro-batch" in caplog.text
+
+
 def test_evaluate_before_training_and_label_smoothing(tmp_path):
     torch.manual_seed(0)
     model = tm.llama()

@@ -41,7 +41,8 @@ def main() -> None:
             for name, t in (("plain", plain), ("zerofit", zf))}
     weights = {"plain": {n: p.detach().clone() for n, p in plain.model.named_parameters()},
                "zerofit": {n: p.detach().clone() for n, p in zf.zerofit_engine.module.named_parameters()}}
-    torch.save({"logs": logs, "weights": weights, "world": zf.zerofit_engine.ranks.world}, f"{out}.{rank}")
+    torch.save({"logs": logs, "weights": weights, "world": zf.zerofit_engine.ranks.world,
+                "windows": dict(zf.zerofit_engine.window_stats)}, f"{out}.{rank}")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ class DeepSpeedStyleAPI:
     def forward_window(self, batches: list[dict]) -> None:
         """Announce the accumulation window's micro-batches: run their forwards now, together ([Note: a window's
         forwards at once]); each later ``engine(**batch)`` of the window takes its forward from here. Only at
-        the start of a window, in training mode; a no-op where it cannot help (a model on the generic path)."""
+        the start of a window, in training mode; a no-op on the generic path (a model that does not stream) and
+        with several ranks."""
         self._check_open()
         if not (torch.is_grad_enabled() and self._model.training) or not batches:
             raise RuntimeError("forward_window() announces training forwards: call it in training mode, with "
@@ -88,7 +89,9 @@ class DeepSpeedStyleAPI:
                              f"gradient_accumulation_steps = {self.config.gradient_accumulation_steps}")
         for b in batches:
             check_batch(b, self._batch_spec)
-        if not self.adapter.streaming:
+        if not self.adapter.streaming or self.ranks.many:
+            # several ranks: every rank must make the same forwards in the same order (their weight gathers are
+            # collectives); a window one rank drops and another keeps would leave them waiting on each other
             return
         with self._call(discard_step=True):
             self._with_fallback(lambda: self._announce(batches))
@@ -104,7 +107,8 @@ class DeepSpeedStyleAPI:
     def _can_offer(self) -> bool:
         """At the start of a window, where announced forwards could help ([Note: the loader reads the window
         ahead], deepspeed_surface.py)."""
-        return (self.config.gradient_accumulation_steps > 1 and self.adapter.streaming and not self._micro_steps
+        return (self.config.gradient_accumulation_steps > 1 and self.adapter.streaming and not self.ranks.many
+                and not self._micro_steps
                 and self._pending is None and not self._held and not self._announced
                 and not self.window_stats["mismatched"] and self.state is EngineState.OPEN)
 

@@ -268,14 +268,13 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     tail = 0.0
     s = shape.shell_numel
     shell_bytes = (0, 0)
-    if not plan.shell_optimizer_on_device:
-        if plan.assisted_updates and not plan.deferred_updates:    # the shell too, on the device
-            shell_bytes = (s * 12, s * 12)
-            tail = s * 12 / h2d / 1e9
-        else:        # its gradient down, the CPU's update, its master up
-            shell_bytes = (s * 4, s * 4)
-            tail = s * 4 / d2h / 1e9 + s / rate + s * 4 / h2d / 1e9
-            host_params += s
+    if plan.assisted_shell:     # updated on the device: its state up and back down
+        shell_bytes = (s * 12, s * 12)
+        tail = s * 12 / h2d / 1e9
+    elif not plan.shell_optimizer_on_device:     # its gradient down, the CPU's update, its master up
+        shell_bytes = (s * 4, s * 4)
+        tail = s * 4 / d2h / 1e9 + s / rate + s * 4 / h2d / 1e9
+        host_params += s
     # several ranks: each uploads and downloads its shard over its own link (the GPUs exchange the rest); each
     # CPU worker updates its shard with its share of the cores, against one host memory: as one rank's time
     r = cfg.world_size

@@ -647,10 +647,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         the CPU. The gradient slot is free once the last chunk's AdamW has read it; the unit's next upload
         (and any host read of its master) waits on ``master_event``, as for a deferred assisted update. Its
         ``updated`` flag is never cleared: the CPU worker does not touch the unit."""
-        ev = self.dev.record(self.dev.compute)      # the gradient is complete
-        with self.dev.on(self.dev.upload):
-            self.dev.wait(self.dev.upload, ev)
-            read = self._device_adamw(unit, grad, self._hyper(), 1.0, None)
+        read = self._adamw_after_compute(unit, grad, None)
         slot = unit.grad_slot
         slot.free_event, slot.tenant = read, None
         unit.grad_slot, unit.grad, unit.grad_fresh = None, None, True
@@ -664,11 +661,16 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         each way, both copy engines busy), no CPU pass, no upload after it. The next forward's compute waits
         for it (``_refresh_shell``), and so does the next write of the shell's gradient, which comes after."""
         u = self.shell
+        self._shell_updated = self._adamw_after_compute(u, u.grad, u.dev16)
+        u.grad_fresh = True
+
+    def _adamw_after_compute(self, unit: Unit, grad: torch.Tensor, dst: torch.Tensor | None):
+        """_device_adamw on the upload stream from the unit's device gradient, once the compute stream's work
+        so far (which wrote it) is done; returns the event after its last read of ``grad``."""
         ev = self.dev.record(self.dev.compute)
         with self.dev.on(self.dev.upload):
             self.dev.wait(self.dev.upload, ev)
-            self._shell_updated = self._device_adamw(u, u.grad, self._hyper(), 1.0, u.dev16)
-        u.grad_fresh = True
+            return self._device_adamw(unit, grad, self._hyper(), 1.0, dst)
 
     def _device_adamw(self, unit: Unit, grad: torch.Tensor | None, hypers, factor: float,
                       dst: torch.Tensor | None):
@@ -1340,10 +1342,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         device_units = [u for u in self.units if u.optimizer_on_device]
         host_units = [u for u in self.units if not u.optimizer_on_device]
         # the shell's gradient is complete only now: send it down if its optimizer is on the host
-        shell_on_device = False
+        shell_assisted = self._assist is not None and self.plan.assisted_shell
         if self._shell_host_opt and not self.shell.grad_fresh:
-            shell_on_device = self._assist is not None and not self.deferred
-            if shell_on_device:     # [Note: assisted updates in the backward]
+            if shell_assisted:     # [Note: assisted updates in the backward]
                 self._begin_applying()
                 self._assist_shell()
             else:
@@ -1434,7 +1435,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 u.updated.clear()
                 self.worker.submit(self._task_update(u, self._host_grads.get(id(u)), ev, hypers, factor, release=False),
                                    self._priority(u), label=f"adamw[{u.name}]")
-        if self._shell_host_opt and not shell_on_device:
+        if self._shell_host_opt and not shell_assisted:
             self.shell.dirty = True
         return True
 

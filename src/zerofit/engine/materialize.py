@@ -110,8 +110,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     # With assisted updates the moments of the device-updated blocks are copied too: pin them as well
     # (a pageable copy runs at a seventh of the speed and blocks the host).
     assisted = [i - 1 in plan.assisted_blocks for i in range(len(sizes))]
-    if plan.assisted_updates and not plan.deferred_updates and not plan.shell_optimizer_on_device:
-        assisted[0] = True     # the shell too ([Note: assisted updates in the backward], engine.py)
+    assisted[0] = plan.assisted_shell     # the shell too ([Note: assisted updates in the backward], engine.py)
     many = ranks is not None and ranks.many
     writer = not many or ranks.local_rank == 0
     if many:     # every host unit's moments in the shared arena (zeros as mapped): the state is held once

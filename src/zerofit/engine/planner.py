@@ -96,6 +96,13 @@ class Plan:
         return dict(self.disk_blocks)
 
     @property
+    def assisted_shell(self) -> bool:
+        """The device also updates the shell, from its gradient, at the end of the backward: immediate updates
+        with the assisted updates' buffers and the shell's optimizer on the host ([Note: assisted updates in the
+        backward], engine.py)."""
+        return self.assisted_updates and not self.deferred_updates and not self.shell_optimizer_on_device
+
+    @property
     def device_total(self) -> int:
         return sum(self.device_bytes.values())
 

@@ -150,6 +150,7 @@ class ZerofitTrainerMixin:
         self._zerofit_steps: int | None = None       # the run length the engine's schedule was built for
         self._zerofit_trained = False
         self._zerofit_dtype = None                   # the model's own dtype: what save_model writes
+        self._zerofit_window: list | None = None     # the step's micro-batches, until its first training_step
         super().__init__(*args, **kwargs)
         check_trainer(self)
 
@@ -250,7 +251,7 @@ class ZerofitTrainerMixin:
         training_step (or a subclass's) then runs as always, each model call taking its forward from there. A
         subclass whose model calls do not match the micro-batches (a compute_loss that changes the inputs) is
         noticed at its first call and the Trainer goes on one forward at a time."""
-        window, self._zerofit_window = getattr(self, "_zerofit_window", None), None
+        window, self._zerofit_window = self._zerofit_window, None
         engine = self.zerofit_engine
         if (window and len(window) > 1 and inputs is window[0] and engine is not None
                 and engine.window_stats["mismatched"] == 0):

@@ -21,10 +21,14 @@ from zerofit.engine.store import Home, HostArena
 log = logging.getLogger("zerofit")
 
 
+# keys only the post pass (head and loss) reads: a call may differ from its announced micro-batch in these
+_WINDOW_LOSS_KEYS = frozenset({"labels", "num_items_in_batch"})
+
+
 def _same_forward_inputs(announced: dict, batch: dict) -> bool:
     """Whether ``batch`` makes the forward ``announced`` made: the same keys and values, the loss's aside."""
-    keys = set(announced) - DeepSpeedStyleAPI._WINDOW_LOSS_KEYS
-    if keys != set(batch) - DeepSpeedStyleAPI._WINDOW_LOSS_KEYS:
+    keys = set(announced) - _WINDOW_LOSS_KEYS
+    if keys != set(batch) - _WINDOW_LOSS_KEYS:
         return False
     for k in keys:
         a, b = announced[k], batch[k]
@@ -69,8 +73,6 @@ class DeepSpeedStyleAPI:
     # labels and keywords) on the forward already made; the losses are those of the forwards the user ran, the
     # weights being the same all through a window. A call that does not match drops what is left of the window
     # (its forwards are made again, one at a time, as without it): never a wrong loss, at worst wasted work.
-
-    _WINDOW_LOSS_KEYS = frozenset({"labels", "num_items_in_batch"})
 
     def forward_window(self, batches: list[dict]) -> None:
         """Announce the accumulation window's micro-batches: run their forwards now, together ([Note: a window's

@@ -304,10 +304,13 @@ def test_error_in_a_step_on_gpu_leaves_state_and_training_as_before():
 
 @pytest.mark.parametrize("clip,announce", [(0.0, False), (0.05, False), (0.0, True), (0.05, True)])
 def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
-    """The DeepSpeed-shaped loop with real streams: the blocks' backward at the boundary and the 16-bit host
-    copies (pinned, filled on the download stream while slots are reused) give train_batch's losses and
-    weights bitwise; every upload after a step's first forward reads a copy. With the window announced
-    (forward_window), the forwards are made at once: train_batch's uploads, no copies."""
+    """The DeepSpeed-shaped loop with real streams: the blocks' backward at the boundary, the 16-bit host
+    copies (pinned, filled on the download stream while slots are reused, and after each update: [Note: 16-bit
+    copies after the update]) and the blocks kept in the gradient buffers' memory through a window's forwards
+    ([Note: a window keeps some blocks]) give train_batch's losses and weights bitwise. Without clipping only the
+    very first forward uploads fp32 masters; with it a step's first forward does (but for the blocks the device
+    updates on the way). With the window announced (forward_window), the forwards are made at once:
+    train_batch's uploads, no copies."""
     G3, steps = 3, 4
     cfg = {"precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": G3, "optimizer": {"lr": 1e-3},
            "gradient_clipping": clip, "offload": {"resident_blocks": 1, "prefetch_depth": 1}}
@@ -317,16 +320,25 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
     torch.manual_seed(0)
     b = zerofit.initialize(tm.llama(layers=5), cfg)
     streamed = sum(1 for u in a.blocks if u.home.name == "STREAMED")
-    for mbs in data:
+    kept = []
+    inner = a._return_kept
+    a._return_kept = lambda: (kept.append(len(a._kept)), inner())[1]
+    for i, mbs in enumerate(data):
         if announce:
             a.forward_window(mbs)
         losses = tm.ds_losses(a, mbs)
         ups = tm.upload_labels(a)
         assert torch.stack(losses).mean().item() == b.train_batch(mbs)
+        full = sum(1 for x in ups if not x.endswith("(16)"))
         if announce:
             assert ups == tm.upload_labels(b), ups
+        elif i == 0 or clip:
+            assert 0 < full <= streamed and (i > 0 or full == streamed), ups
         else:
-            assert sum(1 for x in ups if not x.endswith("(16)")) == streamed, ups
+            assert full == 0, ups
+        if not announce:     # the kept blocks skip the two later forwards' uploads
+            assert len(ups) <= streamed * (G3 + 1) - 2 * kept[-1], (ups, kept)
+    assert (all(k == 2 for k in kept) and len(kept) == steps) if not announce else not kept, kept
     assert a.window_stats == {"announced": steps if announce else 0, "mismatched": 0}
     a.wait(), b.wait()
     for ua, ub in zip(a.units, b.units):

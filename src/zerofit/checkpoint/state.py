@@ -220,7 +220,7 @@ def refresh_after_load(engine) -> None:
             slot.tenant = None
     engine._sq_norms.clear()
     engine._mirror_stale = False
-    engine._host16_epoch += 1     # 16-bit host copies of the old weights go stale (engine/deepspeed_api.py)
+    engine._weights_changed()     # 16-bit host copies of the old weights go stale (engine/deepspeed_api.py)
     engine.dev.synchronize()
 
 

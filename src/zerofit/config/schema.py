@@ -381,6 +381,15 @@ class OffloadConfig(_Frozen):
     offload_checkpoints: bool | None = None
     """keep the blocks' input checkpoints in pinned host memory between the forward and the backward (all but
     three blocks'); None = the planner decides (only when the device budget needs it)"""
+    copies_after_update: bool = True
+    """the DeepSpeed-shaped loop (one forward per call), updates without clipping: after a streamed block's
+    update, its new weights are cast into its 16-bit host copy (by the CPU worker, or on the GPU for a block the
+    GPU updates), so the next window's first forward uploads 2 B/param instead of the fp32 master's 4 (costs the
+    CPU a cast pass per update; docs/engine.md)"""
+    window_keep_blocks: bool = True
+    """the DeepSpeed-shaped loop: keep some streamed blocks on the GPU from a window's first forward to its
+    boundary, in the memory of the gradient buffers (idle until the blocks' backward), so the window's later
+    forwards do not upload them again"""
     speculative_updates: bool = True
     """with gradient clipping (bf16/fp32): update host blocks during the backward as if unclipped, and roll
     them back and update again in the rare step that the global norm then clips (zerofit/engine/speculation.py);

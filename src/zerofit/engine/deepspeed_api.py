@@ -16,7 +16,7 @@ import torch
 from zerofit.engine.batch import check_batch
 from zerofit.engine.lifecycle import EngineState
 from zerofit.engine.planner import PlanError
-from zerofit.engine.store import Home, HostArena
+from zerofit.engine.store import Home, HostArena, Slot, WeightState
 
 log = logging.getLogger("zerofit")
 
@@ -166,6 +166,8 @@ class DeepSpeedStyleAPI:
             self._enable_host16()
         override = self._boundary_override           # more forwards of this window follow?
         self._host16_fill = (self._micro_steps % G < G - 1) if override is None else not override
+        if self._micro_steps == 0 and self._host16_fill:
+            self._keep_blocks()
         try:
             micros = self._forward([batch], shell_grad=True)
             if self._host16_fill and self.adapter.streaming:
@@ -198,6 +200,20 @@ class DeepSpeedStyleAPI:
     # start (its gradient went down) drops its copy at once. Host memory: 2 B/param of the streamed
     # blocks, planned; without room the engine goes on with fp32 uploads.
 
+    # [Note: 16-bit copies after the update]
+    # With immediate updates (no clipping; bf16) a block's update also refreshes its 16-bit copy: the CPU worker
+    # casts the new master into it right after the block's AdamW (a pass of 6 B/param, during the backward, where
+    # the worker has room in this loop: its forwards' uploads bind, not the CPU), and a block the device updates
+    # in the backward ([Note: assisted updates in the backward]) casts its new weights there and sends them down
+    # with master and moments (2 B/param more, on the download engine). So the next window's first forward uploads
+    # 16-bit weights too, half the bytes of the fp32 masters, bitwise what the device's cast would give (one
+    # rounding, to nearest even, on either side). Such a copy is labelled ("after", E), E the weights epoch its
+    # update belongs to; the optimizer step's move of the epoch to E+1 makes that label the valid one, and any
+    # other move (a rolled-back step, a checkpoint load) invalidates it. With deferred updates (clipping, fp16)
+    # only the device's share does it: its update runs in the next window's first forward, after the step moved
+    # the epoch, and its copy is labelled with the epoch itself; the CPU's deferred updates are on that
+    # forward's critical path and add no cast. train_batch keeps no copies: unchanged.
+
     def _prefetch_first_blocks(self) -> None:
         """Another forward of this window follows: start uploading its first streamed blocks now (into the
         slots the last blocks just left: [Note: slot reuse] orders it after their compute), so that forward
@@ -207,6 +223,49 @@ class DeepSpeedStyleAPI:
         for u in streamed[: max(self.plan.weight_slots - 1, 1)]:
             if not self._begin_upload(u, window, wait=self.ranks.many):   # ranks: [Note: sharded units]
                 break
+
+    # [Note: a window keeps some blocks]
+    # Between a window's first forward and its boundary the gradient buffers (grad_pool: fp32, a block each) are
+    # idle: the blocks' backward, their only user, waits for the boundary. Each holds two blocks' 16-bit weights
+    # (one in fp32), so the first forward uploads that many streamed blocks into slots carved from them, where
+    # they stay, and the window's later forwards find them on the device instead of uploading them again: no
+    # device memory beyond the plan's. Kept are the streamed blocks just before the last weight_slots ones,
+    # which the pool slots still hold when the boundary's backward begins. At the boundary, before the backward
+    # takes the gradient buffers, the kept blocks go back to ON_HOST (the backward uploads them as usual); the
+    # compute stream's reads of them come before its first gradient write (one stream), the downloads that read
+    # them into host copies are waited for, and the first upload into a carved slot waits for the gradient
+    # buffer's last reader (its free_event). A failed step empties every slot, these too ([Note: slot reuse]).
+
+    def _keep_blocks(self) -> None:
+        """At a window's first forward, with more forwards to come: carve slots for some streamed blocks out of
+        the idle gradient buffers ([Note: a window keeps some blocks])."""
+        if (self._kept or not self.config.offload.window_keep_blocks or self.grad_pool is None
+                or self.weight_pool is None or self.ranks.many
+                or any(g.tenant is not None for g in self.grad_pool.slots)):
+            return
+        cap = self.weight_pool.slots[0].tensor.numel()
+        slots = []
+        for g in self.grad_pool.slots:
+            room = g.tensor.view(self.dtype) if self.dtype.itemsize <= 4 else None
+            if room is None:
+                continue
+            for j in range(room.numel() // cap):
+                slots.append(Slot(room[j * cap:(j + 1) * cap], free_event=g.free_event))
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        candidates = streamed[:max(len(streamed) - self.plan.weight_slots, 0)]
+        keep = candidates[len(candidates) - min(len(slots), len(candidates)):]
+        for u, slot in zip(keep, slots):
+            if u.state is not WeightState.ON_HOST:     # in a pool slot (prefetched): give that slot back first
+                self._evict(u)
+            self._kept[id(u)] = slot
+
+    def _return_kept(self) -> None:
+        """The window's forwards are done: the kept blocks' slots go back to being gradient memory."""
+        kept, self._kept = self._kept, {}
+        for slot in kept.values():
+            self.dev.wait(self.dev.compute, slot.read_event)    # a download filling a host copy from it
+            if slot.tenant is not None:
+                self._evict(slot.tenant)
 
     def _host16_possible(self) -> bool:
         streamed = [u for u in self.blocks if u.home is Home.STREAMED and u.swap != "all"]   # "all": has one
@@ -227,6 +286,9 @@ class DeepSpeedStyleAPI:
         self._arenas.append(a)
         for u in streamed:
             u.host16, u.host16_epoch = a.take(u.numel), -1
+        if self._assist is not None:    # [Note: 16-bit copies after the update]
+            self._assist16 = [torch.empty(s[0].numel(), dtype=self.dtype, device=self.dev.device)
+                              for s in self._assist]
 
     # [Note: the block backward waits for the boundary]
     # backward(loss) runs only the post pass's backward (head and loss) for its micro-batch, keeping the
@@ -264,6 +326,7 @@ class DeepSpeedStyleAPI:
                     self._backward_held()
 
     def _backward_held(self) -> None:
+        self._return_kept()
         held, self._held = self._held, []
         if self._spec is None:
             self._begin_speculation()

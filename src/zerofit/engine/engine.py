@@ -237,6 +237,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._ckpt_g = 0
         self._ckpt_ready: dict = {}
         self._host16_epoch = 0    # [Note: 16-bit copies for extra forwards]: bumped whenever masters may change
+        self._host16_next = None  # [Note: 16-bit copies after the update]: the label valid after the last step's bump
+        self._kept: dict[int, Slot] = {}   # [Note: a window keeps some blocks]: id(unit) -> its slot in gradient memory
+        self._assist16 = None     # per assist set, (chunk,) compute dtype: the device update's new weights, cast
         self._host16_fill = False   # the forward in progress fills host16 copies (more forwards of the window follow)
         self._pending: _Micro | None = None
         self._host_grads: dict[int, torch.Tensor] = {}     # deferred: (hi - lo,) fp32 host, the rank's shard
@@ -352,7 +355,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         ucap = plan.stage_numel or max((u.numel for u in (streamed or uploaded)), default=0)
         self._upload_stage = (torch.empty(ucap, dtype=torch.float32, device=self.dev.device)  # (ucap,) fp32
                               if uploaded and cb != torch.float32 else None)
-        self._assist = None
+        self._assist = self._assist16 = None
         if plan.assisted_updates and streamed:
             self._alloc_assist(cap)
         host_units = [u for u in self.units if not u.optimizer_on_device]
@@ -557,7 +560,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if not unit.updated.is_set() and not wait:
             return False
         self._wait_updated(unit)
-        slot = self.weight_pool.take(protect)
+        slot = self._kept.get(id(unit)) or self.weight_pool.take(protect)   # [Note: a window keeps some blocks]
         dst = slot.tensor[: unit.numel]
         with self.dev.on(self.dev.upload):
             self.dev.wait(self.dev.upload, slot.free_event)       # [Note: slot reuse]
@@ -585,7 +588,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if unit.pending_update is not None:
             self._assisted_update(unit, dst)
             return None
-        if unit.swap == "all" or (unit.host16 is not None and unit.host16_epoch == self._host16_epoch):
+        if unit.swap == "all" or self._host16_valid(unit):
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(16)"):
                 self.dev.wait(self.dev.upload, unit.host16_event)
                 dst.copy_(unit.host16, non_blocking=True)
@@ -612,6 +615,27 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         unit.host16_epoch = self._host16_epoch
         return unit.host16_event
 
+    def _host16_valid(self, unit: Unit) -> bool:
+        """Whether ``unit.host16`` holds the weights the master holds now ([Note: 16-bit copies for extra
+        forwards], [Note: 16-bit copies after the update])."""
+        e = unit.host16_epoch
+        return unit.host16 is not None and (e == self._host16_epoch or (e is not None and e == self._host16_next))
+
+    def _weights_changed(self) -> None:
+        """Masters may change other than by the optimizer step (a rollback, a checkpoint load): every 16-bit
+        host copy goes stale, those made after an update too."""
+        self._host16_epoch += 1
+        self._host16_next = None
+
+    def _cast16_label(self, unit: Unit, now: bool = False):
+        """[Note: 16-bit copies after the update]: the label of a 16-bit copy made right after this unit's update,
+        or None when none is made: one valid from the coming optimizer step's move of the weights epoch (an
+        update during the backward), or with ``now``, valid at once (a deferred update, after that move)."""
+        if (unit.host16 is None or unit.swap is not None or self.ranks.many
+                or not self.config.offload.copies_after_update):
+            return None
+        return self._host16_epoch if now else ("after", self._host16_epoch)
+
     def _assisted_update(self, unit: Unit, dst: torch.Tensor | None) -> None:
         """[Note: assisted updates]
         With deferred updates (clipping, fp16) every update waits for the global norm, and the CPU alone
@@ -631,7 +655,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         before, self.state = self.state, EngineState.APPLYING
         factor, hypers = unit.pending_update
         unit.pending_update = None
-        self._device_adamw(unit, None, hypers, factor, dst)
+        self._device_adamw(unit, None, hypers, factor, dst, cast16=self._cast16_label(unit, now=True))
         self.state = before
 
     def _assist_in_backward(self, unit: Unit, grad: torch.Tensor) -> None:
@@ -647,7 +671,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         the CPU. The gradient slot is free once the last chunk's AdamW has read it; the unit's next upload
         (and any host read of its master) waits on ``master_event``, as for a deferred assisted update. Its
         ``updated`` flag is never cleared: the CPU worker does not touch the unit."""
-        read = self._adamw_after_compute(unit, grad, None)
+        read = self._adamw_after_compute(unit, grad, None, cast16=self._cast16_label(unit))
         slot = unit.grad_slot
         slot.free_event, slot.tenant = read, None
         unit.grad_slot, unit.grad, unit.grad_fresh = None, None, True
@@ -664,21 +688,23 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._shell_updated = self._adamw_after_compute(u, u.grad, u.dev16)
         u.grad_fresh = True
 
-    def _adamw_after_compute(self, unit: Unit, grad: torch.Tensor, dst: torch.Tensor | None):
+    def _adamw_after_compute(self, unit: Unit, grad: torch.Tensor, dst: torch.Tensor | None, cast16=None):
         """_device_adamw on the upload stream from the unit's device gradient, once the compute stream's work
         so far (which wrote it) is done; returns the event after its last read of ``grad``."""
         ev = self.dev.record(self.dev.compute)
         with self.dev.on(self.dev.upload):
             self.dev.wait(self.dev.upload, ev)
-            return self._device_adamw(unit, grad, self._hyper(), 1.0, dst)
+            return self._device_adamw(unit, grad, self._hyper(), 1.0, dst, cast16=cast16)
 
     def _device_adamw(self, unit: Unit, grad: torch.Tensor | None, hypers, factor: float,
-                      dst: torch.Tensor | None):
+                      dst: torch.Tensor | None, cast16=None):
         """The unit's AdamW step on the device, its state moving up and down in chunks ([Note: assisted
         updates]). ``grad``: the unit's gradient on the device, or None to bring the host gradient up with
-        the state. ``dst``: a slot to cast the new weights into, or None. Enqueued on the upload stream (the
-        caller's current stream); returns the upload stream's event after the last chunk's AdamW (the last
-        read of ``grad``)."""
+        the state. ``dst``: a slot to cast the new weights into, or None. ``cast16``: a label
+        (_cast16_label): the new weights, cast, also go down into the unit's 16-bit host copy ([Note: 16-bit
+        copies after the update]). Enqueued on the upload stream (the caller's current stream); returns the
+        upload stream's event after the last chunk's AdamW (the last read of ``grad``)."""
+        cast16 = cast16 if self._assist16 is not None else None
         lo, hi = unit.lo, unit.hi     # this rank's shard ([Note: sharded units]); host_grad holds just that
         chunk = self._assist[0][0].numel()
         host_grad = self._host_grads[id(unit)] if grad is None else None
@@ -703,6 +729,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 unit_adamw(unit, p, g, m, v, step0.clone(), hypers, factor, start=off)
                 if dst is not None:
                     dst[off:off + k].copy_(p)
+                if cast16 is not None:
+                    w16 = self._assist16[i][:k]
+                    w16.copy_(p)
             up = self.dev.record(self.dev.upload)
             with self.dev.on(self.dev.download):
                 self.dev.wait(self.dev.download, up)
@@ -710,9 +739,13 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                     unit.master[off:off + k].copy_(p, non_blocking=True)
                     unit.exp_avg[off:off + k].copy_(m, non_blocking=True)
                     unit.exp_avg_sq[off:off + k].copy_(v, non_blocking=True)
+                    if cast16 is not None:
+                        unit.host16[off:off + k].copy_(w16, non_blocking=True)
                 done = self._assist_free[i] = self.dev.record(self.dev.download)
         unit.step.add_(1)
         unit.master_event = done
+        if cast16 is not None:      # the next upload waits on master_event first: the copy is complete then
+            unit.host16_epoch, unit.host16_event = cast16, done
         return up
 
     def _flush_assisted(self) -> None:
@@ -1091,7 +1124,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         else:
             self._begin_applying()   # this block is updated now, while the backward goes on
             unit.updated.clear()
-            self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True),
+            self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True,
+                                                 cast16=self._cast16_label(unit)),
                                self._priority(unit), label=f"adamw[{unit.name}]")
 
     def _keep_grad_shard(self, unit: Unit) -> None:
@@ -1243,13 +1277,18 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._tier.expect([u.index for u in units if u.swap])
 
     def _task_update(self, unit: Unit, grad: torch.Tensor, event, hypers: tuple[Hyper, ...], factor: float,
-                     release: bool):
+                     release: bool, cast16=None):
+        """The worker's AdamW step of a host unit; with ``cast16`` (a label: _cast16_label) its new weights are
+        then cast into its 16-bit host copy ([Note: 16-bit copies after the update])."""
         def run():
             event.synchronize()
             g = grad.narrow(0, 0, unit.hi - unit.lo) if grad is not None else None
             self._apply(unit, g, [(hypers, factor, False)])
             if release:
                 self._give_staging(grad)
+            if cast16 is not None:
+                unit.host16.copy_(unit.master)
+                unit.host16_epoch = cast16      # read by the main thread only after ``updated``
             unit.updated.set()
         return run
 
@@ -1338,7 +1377,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         hypers = self._hyper()
         factor = 1.0
         skip = False
-        self._host16_epoch += 1    # [Note: 16-bit copies for extra forwards]: the weights change from here
+        # [Note: 16-bit copies for extra forwards]: the weights change from here; the copies made right after
+        # this step's updates are the ones valid now ([Note: 16-bit copies after the update])
+        self._host16_next = ("after", self._host16_epoch)
+        self._host16_epoch += 1
         device_units = [u for u in self.units if u.optimizer_on_device]
         host_units = [u for u in self.units if not u.optimizer_on_device]
         # the shell's gradient is complete only now: send it down if its optimizer is on the host

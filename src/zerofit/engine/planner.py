@@ -442,7 +442,10 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             "upload_staging": ((up_stage or max(list(streamed) or uploaded, default=0)) * 4
                                if not fp32 and uploaded else 0),
             "grad_slots": gslots * max_block * 4,
-            "assist_buffers": assist_buffer_numel(max_block, grad=deferred_updates) * 4 if assisted else 0,
+            "assist_buffers": (assist_buffer_numel(max_block, grad=deferred_updates) * 4
+                               # [Note: 16-bit copies after the update]: a set's new weights, cast, on their way down
+                               + (ASSIST_SETS * assist_chunk(max_block) * cb if host16 and not fp32 else 0))
+            if assisted else 0,
             **act,
         }
         # the caching allocator's slack: 5% of the activations and of the compute weights the device holds

@@ -37,7 +37,7 @@ class StepRecovery:
         self._micro_steps = 0
         self._held = []
         self._announced, self._offered = [], None
-        self._host16_epoch += 1       # a rollback restores the masters to rounding only
+        self._weights_changed()       # a rollback restores the masters to rounding only
         if self._tier is not None:
             self._tier.reset()        # chunks read ahead for updates that will not come
         self._discard_grads([u for u in self.units if not u.optimizer_on_device])
@@ -48,6 +48,7 @@ class StepRecovery:
         """Wait for the device, then empty every slot: no copy or kernel of the failed call is in flight, and
         every streamed unit is ON_HOST, to be uploaded again when next needed (see [Note: slot reuse])."""
         self.dev.synchronize()
+        self._kept = {}      # [Note: a window keeps some blocks]: its slots were carved from the gradient buffers
         for pool in (self.weight_pool, self.grad_pool):
             for slot in (pool.slots if pool is not None else ()):
                 slot.tenant = slot.free_event = slot.read_event = None
@@ -68,7 +69,8 @@ class StepRecovery:
             if u.optimizer_on_device:
                 u.master = u.exp_avg = u.exp_avg_sq = u.step = None
         self.weight_pool = self.grad_pool = None
-        self._upload_stage = self._assist = self._assist_free = None
+        self._kept = {}
+        self._upload_stage = self._assist = self._assist_free = self._assist16 = None
 
     def _apply_pending(self) -> None:
         """Every pending update (host, or assisted on the device) applied, and on the disk (tier writes done)."""
@@ -175,7 +177,7 @@ class StepRecovery:
         self._sq_norms.clear()
         self.units, self.shell, self.blocks = [], None, []
         self.weight_pool = self.grad_pool = None
-        self._upload_stage = self._assist = self._assist_free = None
+        self._upload_stage = self._assist = self._assist_free = self._assist16 = None
         self._staging, self._staging_free = [], []
         self._table, self._shape, self.plan = table, shape, plan
         self.deferred = self._needs_norm

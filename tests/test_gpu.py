@@ -38,7 +38,7 @@ def test_fp32_parity_on_gpu_with_streaming(resident, clip, shell):
     assert engine.plan.assisted_updates and engine.plan.assisted_blocks
     calls = []
     inner = engine._device_adamw
-    engine._device_adamw = lambda unit, grad, *a: (calls.append(unit.name), inner(unit, grad, *a))[1]
+    engine._device_adamw = lambda unit, grad, *a, **kw: (calls.append(unit.name), inner(unit, grad, *a, **kw))[1]
     data = _gpu_batches(20, 2)
     losses = [engine.train_batch(mbs) for mbs in data]
     ref_losses = tm.reference_train(ref, data, clip=clip)

@@ -378,6 +378,26 @@ def test_copies_after_the_update_serve_the_next_window_and_go_stale_on_a_load(tm
     a.close(), b.close()
 
 
+@pytest.mark.parametrize("clip,fraction", [(0.0, None), (0.0, 0.375), (0.05, None)])
+def test_copies_after_the_update_give_the_device_a_larger_share(clip, fraction):
+    """[Note: 16-bit copies after the update]: the CPU's cast after each update costs it about a third of an AdamW,
+    so the DeepSpeed-shaped loop's plan has the device update more of the streamed blocks (copies_fraction of the
+    configured share), unless the share was set in the config or the updates are deferred (no CPU casts)."""
+    from zerofit.engine.planner import assisted_choice, copies_fraction
+
+    off = {"assisted_updates": True} | ({"assisted_fraction": fraction} if fraction is not None else {})
+    cfg = _cfg(precision="bf16", gradient_accumulation_steps=3, gradient_clipping=clip, offload=off)
+    torch.manual_seed(0)
+    engine = zerofit.initialize(tm.llama(layers=8), cfg)
+    before = engine.plan.assisted_blocks
+    assert before == assisted_choice(0, 8, 0.375)
+    tm.ds_losses(engine, tm.batches(1, 3)[0])
+    larger = fraction is None and clip == 0.0
+    assert engine.plan.assisted_blocks == (assisted_choice(0, 8, copies_fraction(0.375)) if larger else before)
+    assert len(assisted_choice(0, 8, copies_fraction(0.375))) > len(before)
+    engine.close()
+
+
 @pytest.mark.parametrize("precision,clip,assisted", [("bf16", 0.0, None), ("bf16", 0.05, False),
                                                      ("bf16", 0.05, None), ("fp32", 0.0, None)])
 def test_a_window_keeps_blocks_in_the_gradient_buffers(precision, clip, assisted):

@@ -338,7 +338,7 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
             assert full == 0, ups
         if not announce:     # the kept blocks skip the two later forwards' uploads
             assert len(ups) <= streamed * (G3 + 1) - 2 * kept[-1], (ups, kept)
-    assert (all(k == 2 for k in kept) and len(kept) == steps) if not announce else not kept, kept
+    assert len(kept) == steps and all(k == (0 if announce else 2) for k in kept), kept
     assert a.window_stats == {"announced": steps if announce else 0, "mismatched": 0}
     a.wait(), b.wait()
     for ua, ub in zip(a.units, b.units):

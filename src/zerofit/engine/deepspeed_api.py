@@ -15,7 +15,7 @@ import torch
 
 from zerofit.engine.batch import check_batch
 from zerofit.engine.lifecycle import EngineState
-from zerofit.engine.planner import PlanError
+from zerofit.engine.planner import PlanError, copies_fraction
 from zerofit.engine.store import Home, HostArena, Slot, WeightState
 
 log = logging.getLogger("zerofit")
@@ -202,8 +202,8 @@ class DeepSpeedStyleAPI:
 
     # [Note: 16-bit copies after the update]
     # With immediate updates (no clipping; bf16) a block's update also refreshes its 16-bit copy: the CPU worker
-    # casts the new master into it right after the block's AdamW (a pass of 6 B/param, during the backward, where
-    # the worker has room in this loop: its forwards' uploads bind, not the CPU), and a block the device updates
+    # casts the new master into it right after the block's AdamW (a pass of 6 B/param, during the backward), and a
+    # block the device updates
     # in the backward ([Note: assisted updates in the backward]) casts its new weights there and sends them down
     # with master and moments (2 B/param more, on the download engine). So the next window's first forward uploads
     # 16-bit weights too, half the bytes of the fp32 masters, bitwise what the device's cast would give (one
@@ -212,7 +212,11 @@ class DeepSpeedStyleAPI:
     # other move (a rolled-back step, a checkpoint load) invalidates it. With deferred updates (clipping, fp16)
     # only the device's share does it: its update runs in the next window's first forward, after the step moved
     # the epoch, and its copy is labelled with the epoch itself; the CPU's deferred updates are on that
-    # forward's critical path and add no cast. train_batch keeps no copies: unchanged.
+    # forward's critical path and add no cast. The cast costs the CPU about a third of an AdamW (CAST_SHARE,
+    # planner.py), and the CPU already paces the backward (W2: 1.6 s busy in a 1.5 s backward, its updates then
+    # spilling into the next forward), so with the copies the device takes a larger share of the updates
+    # (copies_fraction: 0.375 -> 0.53, unless offload.assisted_fraction is set): the CPU's busy time stays what
+    # it was, the copy engines take the rest. train_batch keeps no copies: unchanged.
 
     def _prefetch_first_blocks(self) -> None:
         """Another forward of this window follows: start uploading its first streamed blocks now (into the
@@ -274,8 +278,13 @@ class DeepSpeedStyleAPI:
                 and streamed[0].host16 is None and not getattr(self, "_host16_refused", False))
 
     def _enable_host16(self) -> None:
+        changes = {}
+        off = self.config.offload
+        if off.copies_after_update and not self.deferred and "assisted_fraction" not in off.model_fields_set:
+            # [Note: 16-bit copies after the update]: the device takes a larger share of the updates
+            changes["assisted_fraction"] = copies_fraction(off.assisted_fraction)
         try:
-            self.plan = self._replan(self._plan_batch, host16=True)
+            self.plan = self._replan(self._plan_batch, host16=True, **changes)
         except PlanError as e:
             self._host16_refused = True
             log.info("zerofit: no room for 16-bit host copies of the streamed blocks (%s); DeepSpeed-style "

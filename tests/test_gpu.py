@@ -324,7 +324,7 @@ def test_deepspeed_loop_default_share_pins_its_moments_and_tracks_train_batch():
             assert u.exp_avg.is_pinned() and u.exp_avg_sq.is_pinned(), u.name
     a.wait(), b.wait()
     for ua, ub in zip(a.units, b.units):
-        torch.testing.assert_close(ua.master.cpu(), ub.master.cpu(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{ua.name}: {m}")
+        torch.testing.assert_close(ua.master.cpu(), ub.master.cpu(), rtol=1e-3, atol=2e-4, msg=lambda m: f"{ua.name}: {m}")
     a.close(), b.close()
 
 

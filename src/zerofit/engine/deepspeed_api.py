@@ -212,12 +212,11 @@ class DeepSpeedStyleAPI:
     # other move (a rolled-back step, a checkpoint load) invalidates it. With deferred updates (clipping, fp16)
     # only the device's share does it: its update runs in the next window's first forward, after the step moved
     # the epoch, and its copy is labelled with the epoch itself; the CPU's deferred updates are on that
-    # forward's critical path and add no cast. The cast costs the CPU a third to a half of an AdamW (CAST_SHARE,
-    # planner.py), and the CPU already paces the backward (W2: 1.5 s busy in a 1.5 s backward; with the casts
-    # 2.0 s, its updates spilling into the next forward), so with the copies the device takes a larger share of
-    # the updates (copies_fraction: 0.375 -> 0.58, unless offload.assisted_fraction is set): the CPU's busy time
-    # stays what it was, the copy engines take the rest. Blocks the device takes on get their moments moved
-    # into pinned memory once. train_batch keeps no copies: unchanged.
+    # forward's critical path and add no cast. The cast costs the CPU about a third of an AdamW (CAST_SHARE,
+    # planner.py), and the CPU already paces the backward (W2: 1.6 s busy in a 1.5 s backward, its updates then
+    # spilling into the next forward), so with the copies the device takes a larger share of the updates
+    # (copies_fraction: 0.375 -> 0.53, unless offload.assisted_fraction is set): the CPU's busy time stays what
+    # it was, the copy engines take the rest. train_batch keeps no copies: unchanged.
 
     def _prefetch_first_blocks(self) -> None:
         """Another forward of this window follows: start uploading its first streamed blocks now (into the

@@ -264,10 +264,11 @@ ASSIST_CHUNKS = 8    # [Note: assisted updates]: a block's state goes up and dow
 ASSIST_SETS = 2      # chunk buffer sets: one chunk's download overlaps the next one's upload
 
 
-CAST_SHARE = 0.5     # the CPU's fp32 -> 16-bit cast of a block, as a share of its AdamW (both bound by host memory
-                     # traffic). Measured on the benchmark machine (docs/benchmarks.md, W2, DeepSpeed-shaped loop):
-                     # 80 ms a block without casts, 105 ms with them at 11 device-updated blocks of 30 (0.31), 118 ms
-                     # at 16 (0.47: the copy engines' traffic contends for host memory); a 2-core machine: 0.36
+CAST_SHARE = 1 / 3   # the CPU's fp32 -> 16-bit cast of a block, as a share of its AdamW (both bound by host memory
+                     # traffic: 6 B/param against AdamW's ~28 B/param less cache effects; W2 on the benchmark machine:
+                     # 26 ms against 80 ms a block; this machine's 2 cores: 0.36). 0.5 (a share of 0.58) was measured
+                     # slower on W2 (2.60 s/step against 2.54): the copy engines, then busier than the CPU in the
+                     # backward, hold the gradient buffers longer (docs/benchmarks.md)
 
 
 def copies_fraction(fraction: float) -> float:

@@ -203,11 +203,10 @@ class DeepSpeedStyleAPI:
     # [Note: 16-bit copies after the update]
     # With immediate updates (no clipping; bf16) a block's update also refreshes its 16-bit copy: the CPU worker
     # casts the new master into it right after the block's AdamW (a pass of 6 B/param, during the backward), and a
-    # block the device updates
-    # in the backward ([Note: assisted updates in the backward]) casts its new weights there and sends them down
-    # with master and moments (2 B/param more, on the download engine). So the next window's first forward uploads
-    # 16-bit weights too, half the bytes of the fp32 masters, bitwise what the device's cast would give (one
-    # rounding, to nearest even, on either side). Such a copy is labelled ("after", E), E the weights epoch its
+    # block the device updates in the backward ([Note: assisted updates in the backward]) casts its new weights
+    # there and sends them down with master and moments (2 B/param more, on the download engine). So the next
+    # window's first forward uploads 16-bit weights too, half the bytes of the fp32 masters, bitwise what the
+    # device's cast would give (one rounding, to nearest even, on either side). Such a copy is labelled ("after", E), E the weights epoch its
     # update belongs to; the optimizer step's move of the epoch to E+1 makes that label the valid one, and any
     # other move (a rolled-back step, a checkpoint load) invalidates it. With deferred updates (clipping, fp16)
     # only the device's share does it: its update runs in the next window's first forward, after the step moved
@@ -216,7 +215,9 @@ class DeepSpeedStyleAPI:
     # planner.py), and the CPU already paces the backward (W2: 1.6 s busy in a 1.5 s backward, its updates then
     # spilling into the next forward), so with the copies the device takes a larger share of the updates
     # (copies_fraction: 0.375 -> 0.53, unless offload.assisted_fraction is set): the CPU's busy time stays what
-    # it was, the copy engines take the rest. train_batch keeps no copies: unchanged.
+    # it was, the copy engines take the rest; the blocks it takes on get their moments moved into pinned memory
+    # once. Its AdamW rounds unlike the CPU's, so the loop then matches train_batch at fp32 rounding (bitwise
+    # with the same split). train_batch keeps no copies: unchanged.
 
     def _prefetch_first_blocks(self) -> None:
         """Another forward of this window follows: start uploading its first streamed blocks now (into the
@@ -250,9 +251,7 @@ class DeepSpeedStyleAPI:
         cap = self.weight_pool.slots[0].tensor.numel()
         slots = []
         for g in self.grad_pool.slots:
-            room = g.tensor.view(self.dtype) if self.dtype.itemsize <= 4 else None
-            if room is None:
-                continue
+            room = g.tensor.view(self.dtype)      # (2 x capacity,) in 16-bit, (capacity,) in fp32
             for j in range(room.numel() // cap):
                 slots.append(Slot(room[j * cap:(j + 1) * cap], free_event=g.free_event))
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]

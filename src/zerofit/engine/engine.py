@@ -58,7 +58,7 @@ from zerofit.engine.ranks import Ranks
 from zerofit.engine.planner import (ASSIST_SETS, TIER_BUFFERS, BatchShape, ModelShape, Plan, assist_chunk, fmt_bytes,
                                     make_plan)
 from zerofit.engine.speculation import Speculation
-from zerofit.engine.store import Home, HostArena, SlotPool, Unit, WeightState
+from zerofit.engine.store import Home, HostArena, Slot, SlotPool, Unit, WeightState
 
 _SPECULATE_FIRST = -(2**40)   # worker priority of speculation tasks ([Note: speculative updates])
 _DISK_LAST = 2**40            # worker priority of disk-tier updates: after the in-memory ones, FIFO among

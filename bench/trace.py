@@ -3,8 +3,9 @@
     python3 bench/trace.py RESULT.json [--engine zerofit] [--gantt]
 
 Per lane (compute, upload, download, cpu, wait, disk): busy seconds (overlapping intervals of a lane merged), first start, last end, and the busy
-seconds inside each phase of the step: forward (until the first ``post`` compute), post, backward,
-and after the backward's last compute (the optimizer's tail). ``--gantt`` prints every interval.
+seconds inside each phase of the step: forward (until the first ``post`` compute), post (named "later fwd"
+when block computes fall in it: the DeepSpeed-shaped loop's later forwards with every micro-batch's head and
+loss), backward, and after the backward's last compute (the optimizer's tail). ``--gantt`` prints every interval.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ def phases(trace: list[dict]) -> list[tuple[str, float, float]]:
     fwd_end = posts[0]["start"] if posts else comp[-1]["end"]
     post_end = posts[-1]["end"] if posts else fwd_end
     bwd_end = max(e["end"] for e in comp)
-    return [("forward", 0.0, fwd_end), ("post", fwd_end, post_end), ("backward", post_end, bwd_end),
-            ("tail", bwd_end, end)]
+    # the DeepSpeed-shaped loop: each micro-batch's forward, then its head and loss ("post"); the span between
+    # the first and the last post then holds the later forwards too
+    later = any(e["label"] != "post" and fwd_end < e["start"] < post_end for e in comp)
+    return [("forward", 0.0, fwd_end), ("later fwd" if later else "post", fwd_end, post_end),
+            ("backward", post_end, bwd_end), ("tail", bwd_end, end)]
 
 
 def overlap(a0, a1, b0, b1) -> float:

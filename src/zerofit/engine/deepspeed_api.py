@@ -206,18 +206,19 @@ class DeepSpeedStyleAPI:
     # block the device updates in the backward ([Note: assisted updates in the backward]) casts its new weights
     # there and sends them down with master and moments (2 B/param more, on the download engine). So the next
     # window's first forward uploads 16-bit weights too, half the bytes of the fp32 masters, bitwise what the
-    # device's cast would give (one rounding, to nearest even, on either side). Such a copy is labelled ("after", E), E the weights epoch its
-    # update belongs to; the optimizer step's move of the epoch to E+1 makes that label the valid one, and any
-    # other move (a rolled-back step, a checkpoint load) invalidates it. With deferred updates (clipping, fp16)
-    # only the device's share does it: its update runs in the next window's first forward, after the step moved
-    # the epoch, and its copy is labelled with the epoch itself; the CPU's deferred updates are on that
-    # forward's critical path and add no cast. The cast costs the CPU about a third of an AdamW (CAST_SHARE,
-    # planner.py), and the CPU already paces the backward (W2: 1.6 s busy in a 1.5 s backward, its updates then
-    # spilling into the next forward), so with the copies the device takes a larger share of the updates
-    # (copies_fraction: 0.375 -> 0.53, unless offload.assisted_fraction is set): the CPU's busy time stays what
-    # it was, the copy engines take the rest; the blocks it takes on get their moments moved into pinned memory
-    # once. Its AdamW rounds unlike the CPU's, so the loop then matches train_batch at fp32 rounding (bitwise
-    # with the same split). train_batch keeps no copies: unchanged.
+    # device's cast would give (one rounding, to nearest even, on either side). Such a copy is labelled
+    # ("after", E), E the weights epoch its update belongs to; the optimizer step's move of the epoch to E+1
+    # makes that label the valid one, and any other move (a rolled-back step, a checkpoint load) invalidates it.
+    # With deferred updates (clipping, fp16) only the device's share does it: its update runs in the next
+    # window's first forward, after the step moved the epoch, and its copy is labelled with the epoch itself;
+    # the CPU's deferred updates are on that forward's critical path and add no cast.
+    # The cast costs the CPU about a third of an AdamW (CAST_SHARE, planner.py), and the CPU already paces the
+    # backward (W2: 1.6 s busy against 1.5 s of backward compute; with the casts 2.0 s, its updates spilling into
+    # the next forward), so with the copies the device takes a larger share of the updates (copies_fraction:
+    # 0.375 -> 0.53, unless offload.assisted_fraction is set): the CPU's busy time stays what it was, the copy
+    # engines take the rest; the blocks it takes on get their moments moved into pinned memory once. Its AdamW
+    # rounds unlike the CPU's, so the loop then matches train_batch at fp32 rounding (bitwise with the same
+    # split). train_batch keeps no copies: unchanged.
 
     def _prefetch_first_blocks(self) -> None:
         """Another forward of this window follows: start uploading its first streamed blocks now (into the
@@ -244,8 +245,7 @@ class DeepSpeedStyleAPI:
     def _keep_blocks(self) -> None:
         """At a window's first forward, with more forwards to come: carve slots for some streamed blocks out of
         the idle gradient buffers ([Note: a window keeps some blocks])."""
-        if (self._kept or not self.config.offload.window_keep_blocks or self.grad_pool is None
-                or self.weight_pool is None or self.ranks.many
+        if (self._kept or not self.config.offload.window_keep_blocks or self.grad_pool is None or self.ranks.many
                 or any(g.tenant is not None for g in self.grad_pool.slots)):
             return
         cap = self.weight_pool.slots[0].tensor.numel()
@@ -256,7 +256,7 @@ class DeepSpeedStyleAPI:
                 slots.append(Slot(room[j * cap:(j + 1) * cap], free_event=g.free_event))
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         candidates = streamed[:max(len(streamed) - self.plan.weight_slots, 0)]
-        keep = candidates[len(candidates) - min(len(slots), len(candidates)):]
+        keep = candidates[max(len(candidates) - len(slots), 0):]
         for u, slot in zip(keep, slots):
             if u.state is not WeightState.ON_HOST:     # in a pool slot (prefetched): give that slot back first
                 self._evict(u)
@@ -305,8 +305,8 @@ class DeepSpeedStyleAPI:
         runs at a seventh of the speed and blocks the host). Once, before the first DeepSpeed-style backward."""
         if not (self.dev.is_cuda and self.config.offload.pin_memory):
             return
-        movers = [u for u in self.blocks if u.index in self.plan.assisted_blocks and u.swap is None
-                  and not u.optimizer_on_device and not u.exp_avg.is_pinned()]
+        # (assisted blocks are streamed, host-optimized and off the disk tier: the planner's choice)
+        movers = [u for u in self.blocks if u.index in self.plan.assisted_blocks and not u.exp_avg.is_pinned()]
         if not movers:
             return
         self.worker.drain()          # no CPU update of the last step still reads or writes them

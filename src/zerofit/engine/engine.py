@@ -631,8 +631,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         """[Note: 16-bit copies after the update]: the label of a 16-bit copy made right after this unit's update,
         or None when none is made: one valid from the coming optimizer step's move of the weights epoch (an
         update during the backward), or with ``now``, valid at once (a deferred update, after that move)."""
-        if (unit.host16 is None or unit.swap is not None or self.ranks.many
-                or not self.config.offload.copies_after_update):
+        # (no copies with several ranks: _host16_possible)
+        if unit.host16 is None or unit.swap is not None or not self.config.offload.copies_after_update:
             return None
         return self._host16_epoch if now else ("after", self._host16_epoch)
 
@@ -704,7 +704,6 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         (_cast16_label): the new weights, cast, also go down into the unit's 16-bit host copy ([Note: 16-bit
         copies after the update]). Enqueued on the upload stream (the caller's current stream); returns the
         upload stream's event after the last chunk's AdamW (the last read of ``grad``)."""
-        cast16 = cast16 if self._assist16 is not None else None
         lo, hi = unit.lo, unit.hi     # this rank's shard ([Note: sharded units]); host_grad holds just that
         chunk = self._assist[0][0].numel()
         host_grad = self._host_grads[id(unit)] if grad is None else None

@@ -265,8 +265,9 @@ ASSIST_SETS = 2      # chunk buffer sets: one chunk's download overlaps the next
 
 
 CAST_SHARE = 1 / 3   # the CPU's fp32 -> 16-bit cast of a block, as a share of its AdamW (both bound by host memory
-                     # traffic: 6 B/param against AdamW's ~28 B/param less cache effects; W2 on the benchmark machine:
-                     # 26 ms against 80 ms a block; this machine's 2 cores: 0.36). 0.5 (a share of 0.58) was measured
+                     # traffic: 6 B/param against AdamW's ~28 B/param less cache effects). W2 on the benchmark machine,
+                     # from the CPU's busy time per step over its 19 blocks: 26 ms against 80 ms a block; timed on
+                     # this machine's 2 cores: 0.36. 0.5 (a share of 0.58) was measured
                      # slower on W2 (2.60 s/step against 2.54): the copy engines, then busier than the CPU in the
                      # backward, hold the gradient buffers longer (docs/benchmarks.md)
 

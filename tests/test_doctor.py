@@ -84,7 +84,14 @@ def test_optimizer_speed_counts_params_and_steps():
 def test_copy_bandwidth_on_a_gpu():
     copies = doctor.copy_bandwidth(nbytes=16 * MiB, repeats=2)
     assert {(c.direction, c.host_memory) for c in copies} == {
-        ("host->gpu", "pinned"), ("gpu->host", "pinned"), ("host->gpu", "pageable"), ("gpu->host", "pageable")}
+        ("host->gpu", "pinned"), ("gpu->host", "pinned"), ("host->gpu", "pageable"), ("gpu->host", "pageable"),
+        ("both", "pinned")}
     assert all(c.gb_per_s > 0 for c in copies)
+    rate = {(c.direction, c.host_memory): c.gb_per_s for c in copies}
+    # each way, both at once, is no faster than that way alone, and together they move more than one way alone
+    assert rate[("both", "pinned")] <= 1.05 * max(rate[("host->gpu", "pinned")], rate[("gpu->host", "pinned")])
+    assert 2 * rate[("both", "pinned")] > min(rate[("host->gpu", "pinned")], rate[("gpu->host", "pinned")])
+    busy = doctor.optimizer_speed(params=4 * MiB, time_limit_s=1.0, while_copying=True)
+    assert busy.while_copying and busy.params_per_s > 0
     info = doctor.gpu_info()
     assert info.available and info.memory_total_bytes >= info.memory_free_bytes > 0 and info.name

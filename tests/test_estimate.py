@@ -147,23 +147,29 @@ def test_predict_step_adds_up_a_plans_phases_from_the_measured_speeds(monkeypatc
     assert plan.assisted_updates and not plan.shell_optimizer_on_device
     a = len(plan.assisted_blocks) * n
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: (0.008, 0.020))
+    monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: E.ComputeProbe(0.008, 0.020, 0.017, 0.003))
     monkeypatch.setattr(doctor, "copy_bandwidth", lambda *args: [
-        doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host")])
-    monkeypatch.setattr(doctor, "optimizer_speed", lambda *args: doctor.OptimizerSpeed("fused", 1, 1, 1, 2.5e9))
+        doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host")]
+        + [doctor.CopyBandwidth("both", "pinned", 1, 1, 45.0)])
+    speeds = []
+    monkeypatch.setattr(doctor, "optimizer_speed", lambda *args, **kw: speeds.append(kw) or doctor.OptimizerSpeed(
+        "fused", 1, 1, 1, 2.5e9, kw.get("while_copying", False)))
     from zerofit.config import load_config
 
     cfg = load_config(_cfg()).config
     pred = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
     blocks = 4 * L * 0.008
     ph = {k: t for k, (t, _) in pred.phases.items()}
-    assert ph["forward"] == pytest.approx(max(blocks / 4, L * n * 4 / 55e9))
-    assert ph["post"] == pytest.approx(4 * 0.020)
+    assert speeds == [{"while_copying": True}]     # the CPU's rate with the copies running, as in a step
+    assert ph["forward"] == pytest.approx(max(blocks / 4 + 4 * 0.003, L * n * 4 / 55e9))
+    assert ph["post"] == pytest.approx(4 * 0.017)     # the engine's post pass, not the plain model's whole shell
     host = L * n - a
-    assert ph["backward"] == pytest.approx(max(blocks * 3 / 4, (L * n * 4 + a * 12) / 55e9,
-                                               (host * 4 + a * 12) / 55e9, host / 2.5e9))
-    assert ph["shell update"] == pytest.approx(s * 12 / 55e9)     # on the device: its state up and down
+    up, down = L * n * 4 + a * 12, host * 4 + a * 12      # while both ways carry bytes, each goes at 45 GB/s
+    both = min(up, down)
+    assert ph["backward"] == pytest.approx(max(blocks * 3 / 4, both / 45e9 + (up - both) / 55e9,
+                                               both / 45e9 + (down - both) / 55e9, host / 2.5e9))
+    assert ph["shell update"] == pytest.approx(s * 12 / 45e9)     # on the device: its state up and down at once
     assert pred.step == pytest.approx(sum(ph.values())) and pred.disk is None
     assert pred.cpu_optimizer == pytest.approx(host / 2.5e9)
-    assert pred.upload == pytest.approx((2 * L * n * 4 + a * 12 + s * 12) / 55e9)
+    assert pred.upload == pytest.approx(L * n * 4 / 55e9 + both / 45e9 + (up - both) / 55e9 + s * 12 / 55e9)
     assert "phases" in pred.binds and json.dumps(E.asdict(pred))

@@ -439,3 +439,21 @@ def test_smaller_floor_on_gpu_keeps_the_math():
     assert any((t["label"] or "").startswith("ckpt[") for t in eng.trace())
     for e in (ref, eng, ck):
         e.close()
+
+
+def test_estimate_times_the_engines_post_pass_and_the_contended_speeds():
+    """``zerofit estimate`` on a GPU: the post pass is timed through the engine's own code (in the plan's
+    loss chunks), its remainder of the shell is the pre pass, and the speeds it predicts from include both
+    ways of copies at once and the CPU's AdamW while they run."""
+    from zerofit.config import load_config
+    from zerofit.estimate import block_seconds, estimate, meta_model
+
+    cfg = {"micro_batch_size": 1, "gradient_accumulation_steps": 2, "max_gpu_memory": "8GiB", "seq_len": 256}
+    est = estimate(meta_model(shape="W1"), cfg)
+    s = est.step
+    assert s.step and s.speeds["post_seconds"] > 0 and s.speeds["pre_seconds"] >= 0
+    assert 0 < s.speeds["both_ways_gb_per_s_each"] and s.speeds["cpu_adamw_params_per_s"] > 0
+    assert s.phases["post"][0] == pytest.approx(2 * s.speeds["post_seconds"])
+    run = load_config(cfg).config
+    one, four = (block_seconds(meta_model(shape="W1"), est.batch, run, chunks=c, seconds=0.5) for c in (1, 4))
+    assert one.post > 0 and four.post > 0 and one.per_block > 0 and four.shell > 0

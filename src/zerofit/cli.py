@@ -513,7 +513,8 @@ def _render_doctor(report, console: Console) -> None:
         t.add_row("driver / CUDA", f"{g.driver_version} / CUDA runtime {g.cuda_runtime}")
         t.add_row("GPU memory", f"{gib(g.memory_free_bytes)} free of {gib(g.memory_total_bytes)}")
         for c in report.copies:
-            t.add_row(f"{c.direction}, {c.host_memory}",
+            way = "both ways at once (each)" if c.direction == "both" else c.direction
+            t.add_row(f"{way}, {c.host_memory}",
                       f"{c.gb_per_s:,.1f} GB/s ({c.bytes_per_copy >> 20} MiB copies, best of {c.repeats})")
     else:
         t.add_row("GPU", Text(f"none: {g.reason}; host measurements only", style="yellow"))
@@ -521,6 +522,9 @@ def _render_doctor(report, console: Console) -> None:
         o = report.optimizer
         t.add_row("CPU AdamW", f"{o.params_per_s / 1e9:,.2f} G params/s ({o.implementation}, fp32, "
                                f"{o.params / 1e6:.0f} M params, {o.threads} torch threads)")
+    if report.optimizer_copying:
+        t.add_row("CPU AdamW, copies running", f"{report.optimizer_copying.params_per_s / 1e9:,.2f} G params/s "
+                                               "(pinned copies both ways meanwhile, as in a training step)")
     if report.host:
         h = report.host
         t.add_row("host RAM", f"{gib(h.available_bytes)} available of {gib(h.total_bytes)}, {h.cpu_cores} CPUs")

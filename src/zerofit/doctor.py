@@ -12,12 +12,14 @@ the others still run.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -49,7 +51,7 @@ class GpuInfo:
 class CopyBandwidth:
     """One host<->GPU copy measurement."""
 
-    direction: str  # "host->gpu" or "gpu->host"
+    direction: str  # "host->gpu", "gpu->host", or "both" (both at once on two streams: each way's rate)
     host_memory: str  # "pinned" or "pageable"
     bytes_per_copy: int
     repeats: int
@@ -65,6 +67,7 @@ class OptimizerSpeed:
     steps: int
     threads: int  # torch.get_num_threads()
     params_per_s: float  # best of ``steps``
+    while_copying: bool = False  # measured while pinned copies ran both ways (as in a training step)
 
 
 @dataclass
@@ -102,6 +105,7 @@ class DoctorReport:
     host: HostMemory | None = None
     copies: list[CopyBandwidth] = field(default_factory=list)
     optimizer: OptimizerSpeed | None = None
+    optimizer_copying: OptimizerSpeed | None = None   # the same while copies run both ways (a GPU here)
     disk: DiskSpeed | None = None
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # wall time of the whole run
@@ -174,19 +178,82 @@ def copy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 3) -> list[CopyBandwi
                     best = min(best, start.elapsed_time(end) / 1000.0)
             results.append(CopyBandwidth(direction, host_memory, nbytes, repeats, nbytes / best / 1e9))
         del host
+    results.append(_duplex(gpu, nbytes, repeats))
     del gpu
     torch.cuda.empty_cache()
     return results
 
 
+def _duplex(gpu: torch.Tensor, nbytes: int, repeats: int) -> CopyBandwidth:
+    """Each way's rate while pinned copies run up and down at once on two streams: the copies of a training
+    step overlap (ENGINE.md: 96 GB/s together where one way alone does 55)."""
+    half = nbytes // 2
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    best = float("inf")
+    for i in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for stream, dst, src in ((up, gpu[:half], host[:half]), (down, host[half:2 * half], gpu[half:2 * half])):
+            stream.wait_event(start)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            torch.cuda.current_stream().wait_stream(stream)
+        end.record()
+        end.synchronize()
+        if i > 0:
+            best = min(best, start.elapsed_time(end) / 1000.0)
+    return CopyBandwidth("both", "pinned", half, repeats, half / best / 1e9)
+
+
+class _BackgroundCopies:
+    """Pinned copies up and down in a loop on their own streams, from a thread, until the block ends."""
+
+    def __init__(self, nbytes: int = 256 * MiB):
+        self.nbytes, self._stop = nbytes, threading.Event()
+
+    def __enter__(self):
+        dev = torch.device("cuda", 0)
+        gpu = torch.empty(2, self.nbytes, dtype=torch.uint8, device=dev)
+        host = torch.empty(2, self.nbytes, dtype=torch.uint8, pin_memory=True)
+        host.fill_(1)
+
+        def loop():
+            streams = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+            while not self._stop.is_set():
+                with torch.cuda.stream(streams[0]):
+                    gpu[0].copy_(host[0], non_blocking=True)
+                with torch.cuda.stream(streams[1]):
+                    host[1].copy_(gpu[1], non_blocking=True)
+                for s in streams:
+                    s.synchronize()
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------- CPU optimizer
 
-def optimizer_speed(params: int = 16 * MiB, time_limit_s: float = 5.0) -> OptimizerSpeed:
+def optimizer_speed(params: int = 16 * MiB, time_limit_s: float = 5.0, while_copying: bool = False) -> OptimizerSpeed:
     """Steps of ``torch.optim.AdamW`` over ``params`` fp32 parameters (4 tensors) on the CPU.
 
     Fused AdamW when this torch has it on the CPU, else ``foreach``. One warm-up
     step (it allocates the moments), then up to 5 timed steps within ``time_limit_s``.
+    ``while_copying`` (a GPU here): with pinned copies running both ways meanwhile, as in a training step,
+    where they share the host's memory bandwidth with it (ENGINE.md: 2.8 G params/s against 3.8 alone).
     """
+    if while_copying:
+        with _BackgroundCopies():
+            speed = optimizer_speed(params, time_limit_s)
+        return dataclasses.replace(speed, while_copying=True)
     chunk = params // 4
     tensors = [torch.nn.Parameter(torch.randn(chunk)) for _ in range(4)]
     for t in tensors:
@@ -318,6 +385,9 @@ def run_doctor(disk: str | Path = ".", *, copy_bytes: int = 256 * MiB, optimizer
     if report.gpu.available:
         report.copies = attempt("copies", lambda: copy_bandwidth(copy_bytes)) or []
     report.optimizer = attempt("optimizer", lambda: optimizer_speed(optimizer_params))
+    if report.gpu.available:
+        report.optimizer_copying = attempt("optimizer while copying",
+                                           lambda: optimizer_speed(optimizer_params, while_copying=True))
     report.disk = attempt("disk", lambda: disk_speed(disk, disk_bytes))
     if report.disk is not None and report.disk.bytes_tested:
         attempt("disk tier", lambda: _tier_speed(report.disk, disk, disk_bytes))

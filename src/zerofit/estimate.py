@@ -35,6 +35,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from zerofit.engine.adapter import Adapter
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes
 
 # the benchmark shapes (../shared/bench/WORKLOADS.md), by the names tutorials use, and the workload names
@@ -159,7 +160,6 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     ``gpu``: plan for a GPU (True) or the CPU (False); None: the config's device (``auto``: a GPU if this
     machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size."""
     from zerofit.config import load_config
-    from zerofit.engine.adapter import Adapter
     from zerofit.engine.engine import _DTYPES, default_host_budget, placement_args, plan_args, plan_batch
     from zerofit.engine.materialize import model_shape, param_table
     from zerofit.engine.planner import PlanError, make_plan
@@ -219,14 +219,23 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
 FORWARD_SHARE = 0.25
 
 
+def copy_seconds(up: float, down: float, h2d: float, d2h: float, both: float) -> tuple[float, float]:
+    """Seconds of ``up`` and ``down`` bytes in one phase: while both ways carry bytes each goes at ``both``
+    (doctor's rate each way with the other busy), the rest at its own one-way rate (bytes per second)."""
+    together = min(up, down)
+    return together / both + (up - together) / h2d, together / both + (down - together) / d2h
+
+
 def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, down_fwd: float, down_bwd: float,
-                  cpu_fwd: float, cpu_bwd: float, tail: float) -> dict[str, tuple[float, str]]:
-    """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute."""
+                  cpu_fwd: float, cpu_bwd: float, tail: float, pre: float = 0.0) -> dict[str, tuple[float, str]]:
+    """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute,
+    ``pre`` the shell's before the first block (embeddings), ``post`` the engine's post pass."""
     def phase(**parts):
         k = max(parts, key=lambda n: parts[n])
         return parts[k], k.replace("_", " ")
 
-    return {"forward": phase(compute=blocks * FORWARD_SHARE, upload=up_fwd, download=down_fwd, cpu_optimizer=cpu_fwd),
+    return {"forward": phase(compute=blocks * FORWARD_SHARE + pre, upload=up_fwd, download=down_fwd,
+                             cpu_optimizer=cpu_fwd),
             "post": (post, "compute"),
             "backward": phase(compute=blocks * (1 - FORWARD_SHARE), upload=up_bwd, download=down_bwd,
                               cpu_optimizer=cpu_bwd),
@@ -243,11 +252,15 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         pred.note = "no CUDA GPU here to measure the compute on; run it on the training machine"
         return pred
     L, G = len(shape.block_numels), batch.grad_accum
-    per_block, shell = block_seconds(model, batch, cfg)
-    pred.compute = G * (shell + L * per_block)
+    chunks = plan.loss_chunks if plan.loss_chunks > 1 and Adapter(model).chunkable_loss else 1
+    probe = block_seconds(model, batch, cfg, chunks)
+    per_block, shell = probe.per_block, probe.shell
+    pred.compute = G * (probe.pre + probe.post + L * per_block)
     copies = {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
     h2d, d2h = copies[("host->gpu", "pinned")], copies[("gpu->host", "pinned")]
-    opt = doctor.optimizer_speed(16 << 20, 3.0)
+    both = copies.get(("both", "pinned"), min(h2d, d2h))
+    # the CPU's AdamW runs while the copies do, sharing the host's memory bandwidth with them (ENGINE.md)
+    opt = doctor.optimizer_speed(16 << 20, 3.0, while_copying=True)
     rate = opt.params_per_s
     cb = torch.empty((), dtype=_dtype(cfg)).element_size()
     n = shape.block_numels
@@ -265,28 +278,34 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     else:
         up_fwd, down_fwd, cpu_fwd = weights, 0, 0.0
         up_bwd, down_bwd, cpu_bwd = weights + a * 12, (host_params * 4) + a * 12, host_params / rate
-    tail = 0.0
     s = shape.shell_numel
     shell_bytes = (0, 0)
     if plan.assisted_shell:     # updated on the device: its state up and back down
         shell_bytes = (s * 12, s * 12)
-        tail = s * 12 / h2d / 1e9
     elif not plan.shell_optimizer_on_device:     # its gradient down, the CPU's update, its master up
         shell_bytes = (s * 4, s * 4)
-        tail = s * 4 / d2h / 1e9 + s / rate + s * 4 / h2d / 1e9
         host_params += s
     # several ranks: each uploads and downloads its shard over its own link (the GPUs exchange the rest); each
     # CPU worker updates its shard with its share of the cores, against one host memory: as one rank's time
     r = cfg.world_size
-    up_s, down_s = 1 / r / h2d / 1e9, 1 / r / d2h / 1e9
-    pred.upload = (up_fwd + up_bwd + shell_bytes[0]) * up_s
-    pred.download = (down_fwd + down_bwd + shell_bytes[1]) * down_s
+    rates = (h2d * r * 1e9, d2h * r * 1e9, both * r * 1e9)
+    t_up_fwd, t_down_fwd = copy_seconds(up_fwd, down_fwd, *rates)
+    t_up_bwd, t_down_bwd = copy_seconds(up_bwd, down_bwd, *rates)
+    if plan.assisted_shell:     # both ways at once, in chunks
+        tail = max(copy_seconds(*shell_bytes, h2d * 1e9, d2h * 1e9, both * 1e9))
+    elif not plan.shell_optimizer_on_device:     # one after the other
+        tail = s * 4 / d2h / 1e9 + s / rate + s * 4 / h2d / 1e9
+    else:
+        tail = 0.0
+    pred.upload = t_up_fwd + t_up_bwd + shell_bytes[0] / rates[0]
+    pred.download = t_down_fwd + t_down_bwd + shell_bytes[1] / rates[1]
     pred.cpu_optimizer = host_params / rate
-    pred.phases = phase_seconds(blocks=G * L * per_block, post=G * shell, up_fwd=up_fwd * up_s,
-                                up_bwd=up_bwd * up_s, down_fwd=down_fwd * down_s, down_bwd=down_bwd * down_s,
+    pred.phases = phase_seconds(blocks=G * L * per_block, pre=G * probe.pre, post=G * probe.post,
+                                up_fwd=t_up_fwd, up_bwd=t_up_bwd, down_fwd=t_down_fwd, down_bwd=t_down_bwd,
                                 cpu_fwd=cpu_fwd, cpu_bwd=cpu_bwd, tail=tail)
-    pred.speeds = {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "cpu_adamw_params_per_s": rate,
-                   "block_seconds": per_block, "shell_seconds": shell}
+    pred.speeds = {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "both_ways_gb_per_s_each": both,
+                   "cpu_adamw_params_per_s": rate, "block_seconds": per_block, "shell_seconds": shell,
+                   "pre_seconds": probe.pre, "post_seconds": probe.post, "loss_chunks": chunks}
     if plan.disk_blocks:    # the tier's own I/O path: direct, parallel requests of its block size
         from zerofit.engine.disk import measure_folder
 
@@ -315,10 +334,23 @@ def _dtype(cfg) -> torch.dtype:
 BLOCK_PAIRS = ((8, 16), (4, 8), (2, 4), (1, 2))
 
 
-def block_seconds(model, batch: BatchShape, cfg, seconds: float = 2.0) -> tuple[float, float]:
-    """(one block's, the shell's) seconds of forward + recompute + backward for one micro-batch on the GPU,
-    from two plain PyTorch models of this shape (activation checkpointing, compute dtype) with n and 2n blocks:
-    the largest pair of BLOCK_PAIRS the model has blocks for and the GPU has room for.
+@dataclass
+class ComputeProbe:
+    """Seconds per micro-batch on this GPU: one block's forward + recompute + backward, the shell's (everything
+    else, as a plain model runs it), and of that the engine's post pass (head and loss, over ``chunks`` token
+    chunks with the shell's gradient accumulated in fp32, as the engine runs it) and the rest (``pre``:
+    embeddings)."""
+
+    per_block: float
+    shell: float
+    post: float
+    pre: float
+
+
+def block_seconds(model, batch: BatchShape, cfg, chunks: int = 1, seconds: float = 2.0) -> ComputeProbe:
+    """The compute of a step, from two plain PyTorch models of this shape (activation checkpointing, compute
+    dtype) with n and 2n blocks: the largest pair of BLOCK_PAIRS the model has blocks for and the GPU has room
+    for; and the post pass, timed through the engine's own code (adapter.post_in_chunks) on the smaller one.
 
     Each runs its G micro-batches back to back, repeatedly, for ``seconds`` (the median of the second half is
     taken), so that the GPU works at the clocks a long step holds, not at a short burst's, and the per-block
@@ -329,7 +361,7 @@ def block_seconds(model, batch: BatchShape, cfg, seconds: float = 2.0) -> tuple[
     pairs = [p for p in BLOCK_PAIRS if p[1] <= mcfg.num_hidden_layers] or [BLOCK_PAIRS[-1]]
     for i, pair in enumerate(pairs):
         try:
-            return _block_seconds(model, mcfg, pair, batch, cfg, seconds)
+            return _block_seconds(model, mcfg, pair, batch, cfg, chunks, seconds)
         except torch.cuda.OutOfMemoryError:
             if i == len(pairs) - 1:
                 raise
@@ -338,9 +370,49 @@ def block_seconds(model, batch: BatchShape, cfg, seconds: float = 2.0) -> tuple[
     raise AssertionError("unreachable")
 
 
-def _block_seconds(model, mcfg, pair: tuple[int, int], batch: BatchShape, cfg, seconds: float):
+def _median_late(run, seconds: float) -> float:
+    """The median of the second half of ``run()``'s timings (GPU-synchronized), run for ``seconds``, 4 at least."""
+    runs: list[float] = []
+    start = time.perf_counter()
+    while len(runs) < 4 or time.perf_counter() - start < seconds:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        runs.append(time.perf_counter() - t)
+    late = sorted(runs[len(runs) // 2:])
+    return late[len(late) // 2]
+
+
+def _post_seconds(m, ids: torch.Tensor, chunks: int, seconds: float) -> float | None:
+    """The engine's post pass on model ``m`` (adapter.post_in_chunks): head and loss over ``chunks`` token chunks
+    from a final hidden state, backward, the shell's gradients added into fp32 buffers."""
+    from torch.func import functional_call
+
+    from zerofit.engine.adapter import post_in_chunks
+
+    adapter = Adapter(m)
+    if not adapter.streaming:    # a one-block model: no block list to stand the final hidden state in for
+        return None
+    inside = {id(p) for p in adapter.blocks.parameters()}
+    named = [(n, p) for n, p in m.named_parameters() if id(p) not in inside]
+    leaves = {n: p.detach().requires_grad_(True) for n, p in named}
+    sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for _, p in named]
+    call = lambda kw: functional_call(m, leaves, (), kw, strict=False)   # noqa: E731
+    final = torch.randn(*ids.shape, m.config.hidden_size, dtype=next(m.parameters()).dtype, device=ids.device)
+    batch = {"input_ids": ids, "labels": ids}
+
+    def accumulate(grads):
+        pairs = [(d, g) for d, g in zip(sums, grads) if g is not None]
+        torch._foreach_add_([d for d, _ in pairs], [g for _, g in pairs])
+
+    return _median_late(lambda: post_in_chunks(adapter, call, batch, final, list(leaves.values()), 1.0, chunks,
+                                               accumulate), seconds / 2)
+
+
+def _block_seconds(model, mcfg, pair: tuple[int, int], batch: BatchShape, cfg, chunks: int, seconds: float):
     dev = torch.device("cuda", torch.cuda.current_device())
-    times = []
+    times, posts = [], {}
     for layers in pair:
         small = mcfg.__class__.from_dict({**mcfg.to_dict(), "num_hidden_layers": layers})
         small._attn_implementation = "sdpa"
@@ -349,21 +421,21 @@ def _block_seconds(model, mcfg, pair: tuple[int, int], batch: BatchShape, cfg, s
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
         ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
-        runs: list[float] = []
-        start = time.perf_counter()
-        while len(runs) < 4 or time.perf_counter() - start < seconds:
-            torch.cuda.synchronize()
-            t = time.perf_counter()
+
+        def step():
             for _ in range(batch.grad_accum):
                 m(input_ids=ids, labels=ids).loss.backward()
-            torch.cuda.synchronize()
-            runs.append((time.perf_counter() - t) / batch.grad_accum)
             m.zero_grad(set_to_none=True)
-        late = sorted(runs[len(runs) // 2:])
-        times.append(late[len(late) // 2])
+        times.append(_median_late(step, seconds) / batch.grad_accum)
+        if not posts:     # the shell is the same in both models
+            for c in {1, chunks}:
+                posts[c] = _post_seconds(m, ids, c, seconds)
         del m, ids
         gc.collect()
         torch.cuda.empty_cache()
     n = pair[1] - pair[0]
     per_block = max((times[1] - times[0]) / n, 0.0)
-    return per_block, max(times[0] - pair[0] * per_block, 0.0)
+    shell = max(times[0] - pair[0] * per_block, 0.0)
+    if posts[1] is None:
+        return ComputeProbe(per_block, shell, shell, 0.0)
+    return ComputeProbe(per_block, shell, posts[chunks], max(shell - posts[1], 0.0))

@@ -194,6 +194,38 @@ class Adapter:
         return shell_call(self._inputs(batch))
 
 
+def post_in_chunks(adapter: Adapter, shell_call, batch: dict, final: torch.Tensor, leaves: list[torch.Tensor],
+                   seed_scale: float, chunks: int, accumulate, fork_rng=contextlib.nullcontext):
+    """The post pass and its backward over token chunks ([Note: a smaller GPU floor], planner.py): the model's
+    own head and loss run on each chunk of the final hidden state ``final`` (detached), with the labels already
+    shifted (``shift_labels``) and the micro-batch's whole label count (``num_items_in_batch``), so that each
+    chunk's loss is its sum over the count and the chunks add up to the model's mean loss; each chunk's
+    backward runs at once, so one chunk's logits exist at a time. ``accumulate(grads)`` takes each chunk's
+    gradients of ``leaves`` (the shell's weights); ``fork_rng()`` wraps each chunk's forward. Returns (the
+    gradient of ``final``, the micro-batch's loss). The engine's post pass, and what ``zerofit estimate``
+    times for it."""
+    labels = batch["labels"]
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    count = (shift != -100).sum()
+    grad = torch.zeros_like(final)
+    total = None
+    T = final.shape[1]
+    size = -(-T // chunks)
+    for a in range(0, T, size):
+        b = min(T, a + size)
+        part = final[:, a:b].detach().requires_grad_(True)
+        lab = shift[:, a:b].contiguous()
+        with fork_rng():
+            loss = loss_of(adapter.post(shell_call, {**batch, "labels": lab, "shift_labels": lab,
+                                                     "num_items_in_batch": count}, part))
+        g = torch.autograd.grad(loss * seed_scale, [part] + leaves, allow_unused=True)
+        if g[0] is not None:
+            grad[:, a:b] = g[0]
+        accumulate(list(g[1:]))
+        total = loss.detach() if total is None else total + loss.detach()
+    return grad, total
+
+
 def loss_of(output) -> torch.Tensor:
     """The loss of a model's output: a tensor, or an object/dict with ``loss``."""
     if isinstance(output, torch.Tensor):

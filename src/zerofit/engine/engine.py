@@ -42,7 +42,7 @@ from torch import nn
 from torch.func import functional_call
 
 from zerofit.config.schema import ZerofitConfig
-from zerofit.engine.adapter import Adapter, PreResult, block_output, loss_of
+from zerofit.engine.adapter import Adapter, PreResult, block_output, loss_of, post_in_chunks
 from zerofit.engine.batch import BatchSpec, check_micro_batches, vocab_of
 from zerofit.engine.device import Device
 from zerofit.engine.deepspeed_api import DeepSpeedStyleAPI
@@ -707,7 +707,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         lo, hi = unit.lo, unit.hi     # this rank's shard ([Note: sharded units]); host_grad holds just that
         chunk = self._assist[0][0].numel()
         host_grad = self._host_grads[id(unit)] if grad is None else None
-        step0 = unit.step.to(self.dev.device, copy=True)
+        # [Note: no host wait in an enqueue]: a fill, not a copy. A copy from pageable memory waits for the
+        # stream to drain (here: the compute that wrote ``grad``, or every upload queued before), and the
+        # compute stream would then sit idle while the chunks below are enqueued.
+        step0 = torch.full((), float(unit.step), dtype=unit.step.dtype, device=self.dev.device)
         done = up = None
         for off in range(lo, hi, chunk):
             k = min(chunk, hi - off)
@@ -1000,37 +1003,15 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._accumulate(self.shell, self.shell.grad, list(grads), names)
 
     def _post_chunked(self, micro: _Micro, seed_scale: float, chunks: int) -> torch.Tensor:
-        """The post pass and its backward over token chunks ([Note: a smaller GPU floor], planner.py): the model's
-        own head and loss run on each chunk of the final hidden state, with the labels already shifted
-        (``shift_labels``) and the micro-batch's whole label count (``num_items_in_batch``), so that each chunk's
-        loss is its sum over the count and the chunks add up to the model's mean loss; each chunk's backward runs
-        at once, so one chunk's logits exist at a time. Returns the micro-batch's loss."""
-        final = micro.grad.detach()
-        labels = micro.batch["labels"]
-        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        count = (shift != -100).sum()
+        """The post pass and its backward over token chunks (adapter.post_in_chunks); returns the micro-batch's
+        loss, its final hidden state's gradient in ``micro.grad``."""
         names = list(self.shell.layout.names)
-        leaves = [micro.shell_leaves[n] for n in names]
-        call = self._shell_call(micro.shell_leaves)
-        grad = torch.zeros_like(final)
-        total = None
-        T = final.shape[1]
-        size = -(-T // chunks)
-        for a in range(0, T, size):
-            b = min(T, a + size)
-            part = final[:, a:b].detach().requires_grad_(True)
-            lab = shift[:, a:b].contiguous()
-            batch = {**micro.batch, "labels": lab, "shift_labels": lab,
-                     "num_items_in_batch": count}
-            devices = [self.dev.device] if self.dev.is_cuda else []
-            with torch.random.fork_rng(devices=devices, enabled=self.adapter.has_dropout):   # as _post
-                loss = loss_of(self.adapter.post(call, batch, part))
-            g = torch.autograd.grad(loss * seed_scale, [part] + leaves, allow_unused=True)
-            if g[0] is not None:
-                grad[:, a:b] = g[0]
-            self._accumulate(self.shell, self.shell.grad, list(g[1:]), names)
-            total = loss.detach() if total is None else total + loss.detach()
-        micro.grad = grad
+        devices = [self.dev.device] if self.dev.is_cuda else []
+        micro.grad, total = post_in_chunks(
+            self.adapter, self._shell_call(micro.shell_leaves), micro.batch, micro.grad.detach(),
+            [micro.shell_leaves[n] for n in names], seed_scale, chunks,
+            lambda grads: self._accumulate(self.shell, self.shell.grad, grads, names),
+            fork_rng=lambda: torch.random.fork_rng(devices=devices, enabled=self.adapter.has_dropout))   # as _post
         return total
 
     def _backward_blocks(self, micros: list[_Micro]) -> None:

@@ -148,6 +148,7 @@ def test_predict_step_adds_up_a_plans_phases_from_the_measured_speeds(monkeypatc
     a = len(plan.assisted_blocks) * n
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: E.ComputeProbe(0.008, 0.020, 0.017, 0.003))
+    monkeypatch.setattr(E, "engine_block_seconds", lambda *args, **kw: None)
     monkeypatch.setattr(doctor, "copy_bandwidth", lambda *args: [
         doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host")]
         + [doctor.CopyBandwidth("both", "pinned", 1, 1, 45.0)])
@@ -173,3 +174,20 @@ def test_predict_step_adds_up_a_plans_phases_from_the_measured_speeds(monkeypatc
     assert pred.cpu_optimizer == pytest.approx(host / 2.5e9)
     assert pred.upload == pytest.approx(L * n * 4 / 55e9 + both / 45e9 + (up - both) / 55e9 + s * 12 / 55e9)
     assert "phases" in pred.binds and json.dumps(E.asdict(pred))
+
+
+def test_the_engines_own_block_compute_is_read_off_its_trace():
+    """engine_block_seconds runs the engine on a 2-block model of the shape (here on the CPU, a tiny one) and
+    reads each block's forward and its recompute + backward off the last step's trace."""
+    from transformers import LlamaForCausalLM
+
+    from tests import tiny_models as tm
+    from zerofit.config import load_config
+    from zerofit.engine.planner import BatchShape
+    from zerofit.estimate import engine_block_seconds
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(tm.llama(layers=6).config, dtype=torch.float32)
+    cfg = load_config({"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2}).config
+    per_block, share = engine_block_seconds(model, BatchShape(2, 32, 2), cfg, device="cpu")
+    assert per_block > 0 and 0.05 < share < 0.6     # a forward costs less than its recompute and backward

@@ -222,12 +222,14 @@ class _BackgroundCopies:
         def loop():
             streams = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
             while not self._stop.is_set():
-                with torch.cuda.stream(streams[0]):
-                    gpu[0].copy_(host[0], non_blocking=True)
-                with torch.cuda.stream(streams[1]):
-                    host[1].copy_(gpu[1], non_blocking=True)
-                for s in streams:
-                    s.synchronize()
+                done = []
+                for s, dst, src in zip(streams, (gpu[0], host[1]), (host[0], gpu[1])):
+                    with torch.cuda.stream(s):
+                        dst.copy_(src, non_blocking=True)
+                    done.append(torch.cuda.Event(blocking=True))   # a blocking wait: a spinning thread
+                    done[-1].record(s)                               # would take a core from the optimizer
+                for ev in done:
+                    ev.synchronize()
 
         self._thread = threading.Thread(target=loop, daemon=True)
         self._thread.start()

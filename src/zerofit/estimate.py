@@ -27,6 +27,7 @@ libraries, CUDA context), which a training process has as well.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import asdict, dataclass, field
@@ -227,17 +228,18 @@ def copy_seconds(up: float, down: float, h2d: float, d2h: float, both: float) ->
 
 
 def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, down_fwd: float, down_bwd: float,
-                  cpu_fwd: float, cpu_bwd: float, tail: float, pre: float = 0.0) -> dict[str, tuple[float, str]]:
+                  cpu_fwd: float, cpu_bwd: float, tail: float, pre: float = 0.0,
+                  forward_share: float = FORWARD_SHARE) -> dict[str, tuple[float, str]]:
     """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute,
     ``pre`` the shell's before the first block (embeddings), ``post`` the engine's post pass."""
     def phase(**parts):
         k = max(parts, key=lambda n: parts[n])
         return parts[k], k.replace("_", " ")
 
-    return {"forward": phase(compute=blocks * FORWARD_SHARE + pre, upload=up_fwd, download=down_fwd,
+    return {"forward": phase(compute=blocks * forward_share + pre, upload=up_fwd, download=down_fwd,
                              cpu_optimizer=cpu_fwd),
             "post": (post, "compute"),
-            "backward": phase(compute=blocks * (1 - FORWARD_SHARE), upload=up_bwd, download=down_bwd,
+            "backward": phase(compute=blocks * (1 - forward_share), upload=up_bwd, download=down_bwd,
                               cpu_optimizer=cpu_bwd),
             "shell update": (tail, "the shell's update")}
 
@@ -254,6 +256,10 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     L, G = len(shape.block_numels), batch.grad_accum
     chunks = plan.loss_chunks if plan.loss_chunks > 1 and Adapter(model).chunkable_loss else 1
     probe = block_seconds(model, batch, cfg, chunks)
+    engine_probe = engine_block_seconds(model, batch, cfg)
+    if engine_probe is not None:      # the engine's own block compute
+        probe = dataclasses.replace(probe, per_block=engine_probe[0], forward_share=engine_probe[1],
+                                    source="the engine on a 2-block model")
     per_block, shell = probe.per_block, probe.shell
     pred.compute = G * (probe.pre + probe.post + L * per_block)
     copies = {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
@@ -301,11 +307,13 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     pred.download = t_down_fwd + t_down_bwd + shell_bytes[1] / rates[1]
     pred.cpu_optimizer = host_params / rate
     pred.phases = phase_seconds(blocks=G * L * per_block, pre=G * probe.pre, post=G * probe.post,
+                                forward_share=probe.forward_share,
                                 up_fwd=t_up_fwd, up_bwd=t_up_bwd, down_fwd=t_down_fwd, down_bwd=t_down_bwd,
                                 cpu_fwd=cpu_fwd, cpu_bwd=cpu_bwd, tail=tail)
     pred.speeds = {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "both_ways_gb_per_s_each": both,
                    "cpu_adamw_params_per_s": rate, "block_seconds": per_block, "shell_seconds": shell,
-                   "pre_seconds": probe.pre, "post_seconds": probe.post, "loss_chunks": chunks}
+                   "pre_seconds": probe.pre, "post_seconds": probe.post, "loss_chunks": chunks,
+                   "forward_share": probe.forward_share, "block_seconds_from": probe.source}
     if plan.disk_blocks:    # the tier's own I/O path: direct, parallel requests of its block size
         from zerofit.engine.disk import measure_folder
 
@@ -345,6 +353,59 @@ class ComputeProbe:
     shell: float
     post: float
     pre: float
+    forward_share: float = 0.25    # of a block's compute, its forward's (the rest: recompute and backward)
+    source: str = "plain models"
+
+
+def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: int = 3,
+                         device: str = "cuda") -> tuple[float, float] | None:
+    """(one block's seconds per micro-batch, the forward's share of them) as the engine itself computes a block:
+    the engine on a model of this shape with ``layers`` blocks, all of them resident (no copies to wait for),
+    the config's batch; from its last step's trace (engine.trace()): each block's first compute interval of the
+    step is its forward, its second its recompute and backward (block-major over the micro-batches, the
+    gradients added in fp32: what plain models do not do). None where it does not fit (the fallback is the
+    plain models' difference, block_seconds)."""
+    import zerofit
+    from zerofit.engine.planner import PlanError
+
+    mcfg = model.config
+    small = mcfg.__class__.from_dict({**mcfg.to_dict(), "num_hidden_layers": layers})
+    small._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        m = type(model)._from_config(small, dtype=torch.float32)
+    run = {"precision": cfg.precision, "micro_batch_size": batch.micro_batch, "seq_len": batch.seq_len,
+           "gradient_accumulation_steps": batch.grad_accum, "device": device,
+           "offload": {"resident_blocks": layers}}
+    try:
+        engine = zerofit.initialize(m, run)
+    except (PlanError, torch.cuda.OutOfMemoryError):
+        return None
+    try:
+        names = {engine.adapter.block_prefix(i) for i in range(layers)}
+        ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len))
+        for _ in range(steps):
+            engine.train_batch([{"input_ids": ids, "labels": ids} for _ in range(batch.grad_accum)])
+        seen: dict[str, int] = {}
+        fwd = bwd = 0.0
+        for e in sorted(engine.trace(), key=lambda e: e["start"]):
+            if e["lane"] != "compute" or e["label"] not in names:
+                continue
+            k = seen[e["label"]] = seen.get(e["label"], 0) + 1
+            if k == 1:
+                fwd += e["end"] - e["start"]
+            elif k == 2:
+                bwd += e["end"] - e["start"]
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if not fwd or not bwd:
+        return None
+    return (fwd + bwd) / layers / batch.grad_accum, fwd / (fwd + bwd)
 
 
 def block_seconds(model, batch: BatchShape, cfg, chunks: int = 1, seconds: float = 2.0) -> ComputeProbe:

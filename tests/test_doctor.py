@@ -70,7 +70,10 @@ def test_a_failing_measurement_is_reported_and_the_rest_run(tmp_path, monkeypatc
     monkeypatch.setattr(doctor, "optimizer_speed", broken)
     report = doctor.run_doctor(tmp_path, **SMALL)
     assert report.optimizer is None
-    assert report.errors == {"optimizer": "RuntimeError: no fused AdamW today"}
+    failed = "RuntimeError: no fused AdamW today"     # with a GPU, its rate while copies run failed as well
+    assert report.errors == {"optimizer": failed} | ({"optimizer while copying": failed} if report.gpu.available
+                                                     else {})
+    assert report.optimizer_copying is None
     assert report.disk.bytes_tested > 0 and report.host is not None
 
 

@@ -386,6 +386,12 @@ class OffloadConfig(_Frozen):
     update, its new weights are cast into its 16-bit host copy (by the CPU worker, or on the GPU for a block the
     GPU updates), so the next window's first forward uploads 2 B/param instead of the fp32 master's 4 (costs the
     CPU a cast pass per update; docs/engine.md)"""
+    split_updates: bool | None = None
+    """deferred updates (clipping, fp16) on the CPU in two passes: the new master weights on the next forward's
+    critical path, the moments after it (20 B of host memory each instead of the fused kernel's 32 at once;
+    [Note: moments after the forward], engine/split_adamw.py). A C++ kernel built at first use (a compiler
+    needed; without one the fused kernel is used, with a notice). None = on a GPU (where the host's memory
+    binds the forward), off on the CPU; bitwise the fused kernel's results either way"""
     window_keep_blocks: bool = True
     """the DeepSpeed-shaped loop: keep some streamed blocks on the GPU from a window's first forward to its
     boundary, in the memory of the gradient buffers (idle until the blocks' backward), so the window's later

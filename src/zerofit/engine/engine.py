@@ -50,6 +50,7 @@ from zerofit.engine.deepspeed_surface import DeepSpeedSurface
 from zerofit.engine.lifecycle import EngineLifecycle, EngineState
 from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.groups import resolve_groups
+from zerofit.engine import split_adamw
 from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw
 from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
@@ -63,6 +64,8 @@ from zerofit.engine.store import Home, HostArena, Slot, SlotPool, Unit, WeightSt
 _SPECULATE_FIRST = -(2**40)   # worker priority of speculation tasks ([Note: speculative updates])
 _DISK_LAST = 2**40            # worker priority of disk-tier updates: after the in-memory ones, FIFO among
                               # themselves, the order the tier reads ahead in ([Note: disk updates in order])
+_MOMENTS_LAST = 2**41         # moments passes: after every update the next forward needs, the last block first
+                              # (the backward needs its gradient buffer first): [Note: moments after the forward]
 _DISK_FIELDS = {"moments": ("exp_avg", "exp_avg_sq"), "all": ("master", "exp_avg", "exp_avg_sq")}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger("zerofit")
@@ -217,6 +220,13 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                                and config.offload.speculative_updates
                                and all(Speculation.usable(*g.optimizer.betas) for g in self.param_groups))
         self._speculate_next = True       # the last step was not clipped (or there was none)
+        # [Note: moments after the forward] (split_adamw.py): deferred host updates in two passes
+        split = config.offload.split_updates
+        self._split = self.deferred and (self.dev.is_cuda if split is None else split)
+        if self._split and not split_adamw.available():
+            log.warning("zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel "
+                        "updates in one pass", split_adamw.why_unavailable())
+            self._split = False
         self._spec: Speculation | None = None
         self.speculation_stats = {"held": 0, "rolled_back": 0, "waited": 0}   # steps by outcome
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
@@ -1071,6 +1081,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             return
         grad = unit.grad
         unit.host16_epoch = -1     # its update may start now: the 16-bit copy goes stale
+        self._await_moments(unit)  # [Note: moments after the forward]: its host gradient buffer is free then
         if self.deferred and unit.swap is not None:
             self._stash_grad(unit, grad)
             return
@@ -1257,13 +1268,19 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._tier.expect([u.index for u in units if u.swap])
 
     def _task_update(self, unit: Unit, grad: torch.Tensor, event, hypers: tuple[Hyper, ...], factor: float,
-                     release: bool, cast16=None):
+                     release: bool, cast16=None, split: bool = False):
         """The worker's AdamW step of a host unit; with ``cast16`` (a label: _cast16_label) its new weights are
-        then cast into its 16-bit host copy ([Note: 16-bit copies after the update])."""
+        then cast into its 16-bit host copy ([Note: 16-bit copies after the update]). ``split``: its master pass
+        only; the caller queues the moments pass (_task_moments)."""
         def run():
             event.synchronize()
             g = grad.narrow(0, 0, unit.hi - unit.lo) if grad is not None else None
-            self._apply(unit, g, [(hypers, factor, False)])
+            if split:
+                lo, hi = unit.lo, unit.hi
+                unit_adamw(unit, unit.master[lo:hi], g, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], unit.step,
+                           hypers, factor, start=lo, part="master")
+            else:
+                self._apply(unit, g, [(hypers, factor, False)])
             if release:
                 self._give_staging(grad)
             if cast16 is not None:
@@ -1271,6 +1288,30 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 unit.host16_epoch = cast16      # read by the main thread only after ``updated``
             unit.updated.set()
         return run
+
+    def _task_moments(self, unit: Unit, grad: torch.Tensor, hypers: tuple[Hyper, ...], factor: float):
+        """[Note: moments after the forward]: the moments pass of the unit's last update, queued behind every
+        update (the worker runs its master pass first). Until it has run, the unit's gradient buffer and moments
+        are not touched: _await_moments."""
+        def run():
+            lo, hi = unit.lo, unit.hi
+            unit_adamw(unit, unit.master[lo:hi], grad.narrow(0, 0, hi - lo), unit.exp_avg[lo:hi],
+                       unit.exp_avg_sq[lo:hi], unit.step, hypers, factor, start=lo, part="moments")
+            unit.moments_done.set()
+        return run
+
+    def _await_moments(self, unit: Unit) -> None:
+        """[Note: moments after the forward]
+        A unit updated in two passes keeps the gradient its moments pass reads in its host buffer until that pass
+        has run (the worker runs it after the updates the forward needed, while the post pass and the backward
+        go on, the last block first). The unit's next gradient must not come down into that buffer before: wait
+        for it here (rarely: the backward reaches the unit later). Every other reader of the moments (a
+        checkpoint, the next update, a rollback) drains the worker first."""
+        if not unit.moments_done.is_set():
+            t = time.perf_counter()
+            while not unit.moments_done.wait(0.05):
+                self.worker.check()
+            self._add_time("wait", time.perf_counter() - t, label=f"moments[{unit.name}]")
 
     def _task_speculate(self, unit: Unit, spec: Speculation, event, hypers: tuple[Hyper, ...]):
         """[Note: speculative updates]: update with factor 1 unless the partial norm already proves clipping.
@@ -1455,8 +1496,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                     u.pending_update = (factor, hypers)
                     continue
                 u.updated.clear()
-                self.worker.submit(self._task_update(u, self._host_grads.get(id(u)), ev, hypers, factor, release=False),
+                grad = self._host_grads.get(id(u))
+                split = self._split and u.swap is None     # [Note: moments after the forward]
+                self.worker.submit(self._task_update(u, grad, ev, hypers, factor, release=False, split=split),
                                    self._priority(u), label=f"adamw[{u.name}]")
+                if split:
+                    u.moments_done.clear()
+                    self.worker.submit(self._task_moments(u, grad, hypers, factor), _MOMENTS_LAST - u.index,
+                                       label=f"moments[{u.name}]")
         if self._shell_host_opt and not shell_assisted:
             self.shell.dirty = True
         return True

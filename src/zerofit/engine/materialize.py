@@ -172,6 +172,8 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
         unit.updated = threading.Event()
         unit.updated.set()
+        unit.moments_done = threading.Event()
+        unit.moments_done.set()
         # the module's own parameters become views of the host weights (fp32, current after engine.wait())
         views = layout.views(unit.host)
         for n in names:

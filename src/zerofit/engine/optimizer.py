@@ -24,6 +24,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from zerofit.config.schema import OptimizerConfig
+from zerofit.engine import split_adamw
 from zerofit.engine.speculation import adamw_rollback
 
 
@@ -61,7 +62,7 @@ def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 
 def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                step: torch.Tensor, hypers: tuple[Hyper, ...], factor: float = 1.0, *, start: int = 0,
-               inverse: bool = False) -> None:
+               inverse: bool = False, part: str | None = None) -> None:
     """One AdamW step (``inverse``: its undoing, :func:`adamw_rollback`) on a unit's state, each parameter group
     with its own hyperparameters. Every update and rollback of the engine goes through here.
 
@@ -73,13 +74,20 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     The fused kernel increments the ``step`` it is given, and the bias corrections read it. Every segment
     must see the same starting step, so each segment's call gets its own copy and the unit's ``step`` advances
     once, at the end (decreases once, for ``inverse``). A unit of one segment (no groups) is one call on the
-    whole buffers with ``step`` itself, as before groups existed."""
+    whole buffers with ``step`` itself, as before groups existed.
+
+    ``part``: "master" or "moments", one of the two passes of the step ([Note: moments after the forward],
+    split_adamw.py); the master pass counts the step."""
     if inverse and factor != 1.0:
         raise ValueError("a rollback undoes an update taken with factor 1 (a speculative update)")
 
     def run(p, g, m, v, s, h):
         if inverse:
             adamw_rollback(p, g, m, v, s, h)
+        elif part == "master":      # [Note: moments after the forward] (split_adamw.py)
+            split_adamw.master_pass(p, g, m, v, s, h, factor)
+        elif part == "moments":
+            split_adamw.moments_pass(g, m, v, h, factor)
         else:
             adamw_flat(p, g, m, v, s, h, factor)
 
@@ -91,7 +99,8 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
         a, b = max(seg.offset, start) - start, min(seg.offset + seg.numel, start + n) - start
         if a < b:
             run(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step.clone(), hypers[seg.group])
-    step.add_(-1 if inverse else 1)
+    if part != "moments":     # the master pass counted the step
+        step.add_(-1 if inverse else 1)
 
 
 class WorkerError(RuntimeError):

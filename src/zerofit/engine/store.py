@@ -136,6 +136,8 @@ class Unit:
     grad_slot: "Slot | None" = None
     grad_fresh: bool = True                  # next gradient write is a copy, not an add
     updated: object = None                   # threading.Event: master holds the latest update
+    moments_done: object = None              # threading.Event: no moments pass pending ([Note: moments after
+                                             # the forward], split_adamw.py)
     host_grad_fresh: bool = True             # deferred updates: the host gradient buffer holds nothing yet
                                              # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
     pending_update: tuple | None = None      # deferred: (grad factor, Hyper) of an update the device applies

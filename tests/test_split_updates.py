@@ -1,0 +1,132 @@
+"""[Note: moments after the forward] (engine/split_adamw.py): deferred host updates in two passes, the master on
+the next forward's path and the moments after it, give bitwise the fused kernel's results. On the CPU; the
+kernel is built at first use (a C++ compiler is on every machine this project tests on)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zerofit
+from tests import tiny_models as tm
+from zerofit.engine import split_adamw
+from zerofit.engine.optimizer import Hyper, adamw_flat
+
+pytestmark = pytest.mark.skipif(not split_adamw.available(), reason=f"no C++ toolchain here to build the split "
+                                f"kernel: {split_adamw.why_unavailable()}")
+
+
+@pytest.mark.parametrize("n", [1000, 1003, 4096, 100_001])
+@pytest.mark.parametrize("factor,wd", [(1.0, 0.0), (1.0, 0.01), (0.127, 0.0), (0.127, 0.01)])
+def test_the_two_passes_are_the_fused_step_bitwise(n, factor, wd):
+    """Master, moments and step count equal the fused kernel's bit for bit (the vector loop's elements and the
+    scalar tail's, n % 8 or 16 of them); the master pass leaves moments and gradient alone; the gradient
+    is left unscaled (the fused kernel scales it in place)."""
+    torch.manual_seed(n)
+    h = Hyper(1e-3, 0.9, 0.999, 1e-8, wd)
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01
+    fused = [t.clone() for t in (p, g, m, v)] + [torch.tensor(4.0)]
+    adamw_flat(*fused, h, factor)
+    split = [t.clone() for t in (p, g, m, v)] + [torch.tensor(4.0)]
+    split_adamw.master_pass(*split, h, factor)
+    assert torch.equal(split[1], g) and torch.equal(split[2], m) and torch.equal(split[3], v)
+    split_adamw.moments_pass(split[1], split[2], split[3], h, factor)
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq", "step"), (fused[0], fused[2], fused[3], fused[4]),
+                          (split[0], split[2], split[3], split[4])):
+        assert torch.equal(a, b), name
+    assert torch.equal(split[1], g)
+
+
+def _cfg(**kw):
+    base = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
+            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}, "gradient_clipping": 0.05}
+    base.update(kw)
+    return base
+
+
+def _state(engine):
+    engine.wait()
+    return {u.name: (u.master.clone(), u.exp_avg.clone(), u.exp_avg_sq.clone(), float(u.step))
+            for u in engine.units if not u.optimizer_on_device}
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one-group", "param-groups"])
+@pytest.mark.parametrize("speculate", [False, True])
+def test_deferred_updates_in_two_passes_are_bitwise_the_one_pass_engine(groups, speculate):
+    """Every step clipped (clip 0.05): the engine with split updates gives the same losses, master weights,
+    moments and step counts as the engine with the fused kernel, bit for bit, with parameter groups (segments
+    per unit) and with speculation (its first step rolled back); its moments passes ran for every host block
+    not updated on the device, and ran after the step's updates."""
+    torch.manual_seed(0)
+    model = tm.llama(layers=4)
+    def groups_of(m):
+        named = list(m.named_parameters())
+        return [{"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
+                {"params": [p for n, p in named if "norm" not in n]}]
+    engines = []
+    for split in (False, True):
+        m = copy.deepcopy(model)
+        kw = {"param_groups": groups_of(m)} if groups else {}
+        engines.append(zerofit.initialize(m, _cfg(offload={"split_updates": split,
+                                                           "speculative_updates": speculate}), **kw))
+    one, two = engines
+    assert not one._split and two._split
+    labels = []
+    worker = two.worker
+    submit = worker.submit
+    worker.submit = lambda fn, priority=0, label=None: (labels.append(label), submit(fn, priority, label))
+    data = tm.batches(6, 2)
+    for mbs in data:
+        assert one.train_batch(mbs) == two.train_batch(mbs)
+    a, b = _state(one), _state(two)
+    assert a.keys() == b.keys()
+    for name in a:
+        for what, x, y in zip(("master", "exp_avg", "exp_avg_sq", "step"), a[name], b[name]):
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{name} {what}"
+    moments = [lab[len("moments["):-1] for lab in labels if lab and lab.startswith("moments[")]
+    host = [u.name for u in two.units if not u.optimizer_on_device and not two._assisted(u)]
+    assert host and set(moments) == set(host)
+    assert len(moments) == len(host) * (5 if speculate else 6)     # speculation's first step: its own updates
+    for e in engines:
+        e.close()
+
+
+def test_a_unit_waits_for_its_moments_before_its_next_gradient_comes_down():
+    """The moments pass reads the gradient buffer the next backward writes: held back, the backward waits for
+    it (and the results stay the one-pass engine's)."""
+    torch.manual_seed(0)
+    model = tm.llama(layers=3)
+    ref = zerofit.initialize(copy.deepcopy(model), _cfg(offload={"split_updates": False}))
+    engine = zerofit.initialize(model, _cfg(offload={"split_updates": True, "speculative_updates": False}))
+    import threading
+
+    gate = threading.Event()
+    task = engine._task_moments
+    ran = []
+
+    def slow(unit, grad, hypers, factor):
+        inner = task(unit, grad, hypers, factor)
+
+        def run():
+            gate.wait(5.0)
+            ran.append(unit.name)
+            inner()
+        return run
+    engine._task_moments = slow
+    data = tm.batches(3, 2)
+    ref.train_batch(data[0])
+    engine.train_batch(data[0])
+    waits = []
+    awaited = engine._await_moments
+    engine._await_moments = lambda u: (waits.append(u.moments_done.is_set()), awaited(u))
+    threading.Timer(0.3, gate.set).start()
+    for mbs in data[1:]:
+        assert ref.train_batch(mbs) == engine.train_batch(mbs)
+    assert False in waits and ran     # some unit's gradient came while its moments were still pending
+    a, b = _state(ref), _state(engine)
+    assert all(torch.equal(x, y) for n in a for x, y in zip(a[n][:3], b[n][:3]))
+    ref.close()
+    engine.close()
+

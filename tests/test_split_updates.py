@@ -130,3 +130,21 @@ def test_a_unit_waits_for_its_moments_before_its_next_gradient_comes_down():
     ref.close()
     engine.close()
 
+
+
+def test_split_updates_default_on_a_gpu_and_give_the_device_a_smaller_share():
+    """offload.split_updates None: two passes on a GPU with deferred updates only; then, unless the config sets
+    assisted_fraction, the device's share is SPLIT_FRACTION."""
+    from zerofit.config import load_config
+    from zerofit.engine.engine import assisted_fraction, split_updates
+    from zerofit.engine.planner import SPLIT_FRACTION
+
+    cfg = load_config(_cfg()).config
+    assert split_updates(cfg, on_cuda=True, deferred=True)
+    assert not split_updates(cfg, on_cuda=False, deferred=True) and not split_updates(cfg, True, deferred=False)
+    assert assisted_fraction(cfg, True, True) == SPLIT_FRACTION != cfg.offload.assisted_fraction
+    assert assisted_fraction(cfg, False, True) == cfg.offload.assisted_fraction
+    set_ = load_config(_cfg(offload={"assisted_fraction": 0.5})).config
+    assert assisted_fraction(set_, True, True) == 0.5
+    off = load_config(_cfg(offload={"split_updates": False})).config
+    assert not split_updates(off, True, True) and assisted_fraction(off, True, True) == off.offload.assisted_fraction

@@ -369,7 +369,8 @@ class OffloadConfig(_Frozen):
     clipped step, fp16) both run during the next forward; with immediate ones during the backward (the GPU
     takes the block's gradient where it is), when their buffers fit beside the plan. 0 = the CPU updates all
     of them. The default balances the CPU's and the copy engines' busy time on the benchmark machine (W1,
-    deferred: 0.375 gave 1.49 s/step, 0.5 1.53, 0.625 1.58; docs/benchmarks.md)"""
+    deferred: 0.375 gave 1.49 s/step, 0.5 1.53, 0.625 1.58; docs/benchmarks.md); left unset, deferred updates in
+    two passes (``split_updates``) take 0.25 (1.39 s/step against 1.42 at 0.375)"""
     assisted_updates: bool | None = None
     """None = the planner decides (deferred updates: always; immediate ones: on one GPU, when the buffers fit
     beside the plan); False = never (the CPU updates every streamed block); True = also with immediate updates

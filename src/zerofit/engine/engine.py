@@ -56,8 +56,8 @@ from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
 from zerofit.engine.ranks import Ranks
-from zerofit.engine.planner import (ASSIST_SETS, TIER_BUFFERS, BatchShape, ModelShape, Plan, assist_chunk, fmt_bytes,
-                                    make_plan)
+from zerofit.engine.planner import (ASSIST_SETS, SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape, Plan,
+                                    assist_chunk, fmt_bytes, make_plan)
 from zerofit.engine.speculation import Speculation
 from zerofit.engine.store import Home, HostArena, Slot, SlotPool, Unit, WeightState
 
@@ -91,6 +91,22 @@ class _Micro:
     output: object = None
 
 
+def split_updates(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
+    """Whether deferred host updates run in two passes ([Note: moments after the forward], split_adamw.py), as
+    configured (``offload.split_updates``; None: on a GPU); whether the kernel builds is checked at start-up."""
+    split = config.offload.split_updates
+    return deferred and (on_cuda if split is None else split)
+
+
+def assisted_fraction(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> float:
+    """The device's share of the streamed blocks' updates: the configured one, or with split updates and none
+    configured, SPLIT_FRACTION (the CPU's share costs less on the forward's path then)."""
+    off = config.offload
+    if "assisted_fraction" not in off.model_fields_set and split_updates(config, on_cuda, deferred):
+        return SPLIT_FRACTION
+    return off.assisted_fraction
+
+
 def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> dict:
     """make_plan's arguments that follow from the config and the device: the engine's and ``zerofit estimate``'s."""
     off = config.offload
@@ -101,7 +117,7 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
     return dict(compute_dtype=dtype, on_cuda=on_cuda, deferred_updates=deferred, shards=shards,
                 ranks=config.world_size, device_state=on_gpus,
                 checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none" or on_gpus,
-                prefetch_depth=off.prefetch_depth, assisted_fraction=off.assisted_fraction,
+                prefetch_depth=off.prefetch_depth, assisted_fraction=assisted_fraction(config, on_cuda, deferred),
                 assisted_updates=off.assisted_updates,
                 disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
                 disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
@@ -221,8 +237,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                                and all(Speculation.usable(*g.optimizer.betas) for g in self.param_groups))
         self._speculate_next = True       # the last step was not clipped (or there was none)
         # [Note: moments after the forward] (split_adamw.py): deferred host updates in two passes
-        split = config.offload.split_updates
-        self._split = self.deferred and (self.dev.is_cuda if split is None else split)
+        self._split = split_updates(config, self.dev.is_cuda, self.deferred)
         if self._split and not split_adamw.available():
             log.warning("zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel "
                         "updates in one pass", split_adamw.why_unavailable())

@@ -272,6 +272,11 @@ CAST_SHARE = 1 / 3   # the CPU's fp32 -> 16-bit cast of a block, as a share of i
                      # backward, hold the gradient buffers longer (docs/benchmarks.md)
 
 
+SPLIT_FRACTION = 0.25    # [Note: moments after the forward] (split_adamw.py): deferred updates whose CPU share
+                         # runs only its master pass on the forward's path leave the device a smaller share. W1,
+                         # clip 1.0, 24 GiB (2026-12-01, one call): 1.39 s/step at 0.25 against 1.42 at 0.375
+
+
 def copies_fraction(fraction: float) -> float:
     """[Note: 16-bit copies after the update] (engine/deepspeed_api.py): the share of the streamed blocks the device
     updates when each CPU update is followed by a cast: the CPU keeps the busy time it had without the casts."""

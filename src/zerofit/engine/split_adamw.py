@@ -164,6 +164,7 @@ def _load():
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                log.info("zerofit: loading the split AdamW kernel (built at its first use here: about a minute)")
                 _module = load_inline(
                     name="zerofit_split_adamw", cpp_sources=[_SOURCE], functions=["adamw_master", "adamw_moments"],
                     # only the fused multiply-adds written out; an errno-free sqrt lets the loops vectorize

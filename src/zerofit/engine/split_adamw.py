@@ -33,6 +33,8 @@ every reader of the optimizer state drains the worker first.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 
 import torch
@@ -164,6 +166,8 @@ def _load():
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                _ninja_on_path()
+
                 log.info("zerofit: loading the split AdamW kernel (built at its first use here: about a minute)")
                 _module = load_inline(
                     name="zerofit_split_adamw", cpp_sources=[_SOURCE], functions=["adamw_master", "adamw_moments"],
@@ -176,6 +180,17 @@ def _load():
                 log.warning("zerofit: the split AdamW kernel could not be built (%s); torch's fused kernel is used",
                             _error)
     return _module
+
+
+def _ninja_on_path() -> None:
+    """torch's build runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) installs it in the virtual
+    environment, whose bin folder is on PATH only when the environment is activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def available() -> bool:

@@ -16,14 +16,13 @@ minute; a C++ compiler is needed, else ``available()`` is False and the engine k
 It does the fused kernel's arithmetic in its order (ATen ``FusedAdamKernel.cpp``, ADAMW mode, as torch's
 AVX2/AVX-512 builds compile its vector loop: the gradient divided by the float ``grad_scale``; ``exp_avg`` by
 ``lerp`` as one fused multiply-add; ``exp_avg_sq`` as ``fma((1 - beta2) * g, g, v * beta2)``; the step
-``p + ((-step_size) * m) / (sqrt(v) / bc2_sqrt + eps)``). The moments come out bitwise as the fused
-kernel's, and so does the master wherever that was tested (torch 2.13, AVX2: every element; the scalar tail,
-the last ``numel % width`` elements, as torch's compiler contracted it: ``fma(v, beta2, ((1 - beta2) * g) *
-g)``). Should
-a torch build round differently, the difference is in the last bit, as between torch's CPU and GPU kernels.
-Both passes compute the moments the same way, so the
-master pass's step uses exactly the moments the later pass writes. The gradient is left unscaled (the fused
-kernel writes it scaled; nothing reads it after the update).
+``p + ((-step_size) * m) / (sqrt(v) / bc2_sqrt + eps)``; in the scalar tail, the last ``numel % width``
+elements, as torch's compiler contracted it there: ``fma(v, beta2, ((1 - beta2) * g) * g)``). Master and moments
+come out bitwise as the fused kernel's where that was tested (torch 2.13, AVX2, tests/test_split_updates.py; not
+compared bitwise on the GPU machine's torch 2.11, AVX-512). A build that rounds differently differs in the last
+bit, as torch's CPU and GPU kernels do. Both passes compute the moments the same way, so the master pass's step
+uses exactly the moments the later pass writes. The gradient is left unscaled (the fused kernel writes it scaled;
+nothing reads it after the update).
 
 The moments pass must run before the moments or the gradient buffer are read or written again: the engine
 waits for it before the unit's next gradient comes down ([Note: moments after the forward] in engine.py), and

@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from zerofit.engine.optimizer import Hyper
-from zerofit.engine.split_adamw import available, fused_step, master_pass, moments_pass
+from zerofit.doctor import BackgroundCopies
+from zerofit.engine.optimizer import Hyper, adamw_flat
+from zerofit.engine.split_adamw import available, master_pass, moments_pass
 
 
 def main() -> None:
@@ -37,13 +38,11 @@ def main() -> None:
 
     rows = []
     for busy in [False] + ([True] if torch.cuda.is_available() else []):
-        from zerofit.doctor import _BackgroundCopies
-
-        ctx = _BackgroundCopies() if busy else None
+        ctx = BackgroundCopies() if busy else None
         if ctx:
             ctx.__enter__()
         try:
-            rows.append((busy, "fused step", rate(lambda: fused_step(p, g, m, v, torch.tensor(4.0), h, factor))))
+            rows.append((busy, "fused step", rate(lambda: adamw_flat(p, g, m, v, torch.tensor(4.0), h, factor))))
             rows.append((busy, "master pass", rate(lambda: master_pass(p, g, m, v, torch.tensor(4.0), h, factor))))
             rows.append((busy, "moments pass", rate(lambda: moments_pass(g, m, v, h, factor))))
         finally:

@@ -208,7 +208,7 @@ def _duplex(gpu: torch.Tensor, nbytes: int, repeats: int) -> CopyBandwidth:
     return CopyBandwidth("both", "pinned", half, repeats, half / best / 1e9)
 
 
-class _BackgroundCopies:
+class BackgroundCopies:
     """Pinned copies up and down in a loop on their own streams, from a thread, until the block ends."""
 
     def __init__(self, nbytes: int = 256 * MiB):
@@ -255,7 +255,7 @@ def optimizer_speed(params: int = 16 * MiB, time_limit_s: float = 5.0, while_cop
     median of up to 9 steps.
     """
     if while_copying:     # the median of more steps: the best one could fall in a gap between the copies
-        with _BackgroundCopies():
+        with BackgroundCopies():
             speed = _optimizer_speed(params, time_limit_s, steps=9, pick=statistics.median)
         return dataclasses.replace(speed, while_copying=True)
     return _optimizer_speed(params, time_limit_s, steps=5, pick=min)
@@ -272,13 +272,35 @@ def _optimizer_speed(params: int, time_limit_s: float, steps: int, pick) -> Opti
     except (RuntimeError, TypeError, ValueError):
         opt, impl = torch.optim.AdamW(tensors, lr=1e-3, foreach=True), "foreach"
         opt.step()
+    times = timed_steps(opt.step, time_limit_s, steps)
+    return OptimizerSpeed(impl, chunk * 4, len(times), torch.get_num_threads(), chunk * 4 / pick(times))
+
+
+def timed_steps(step, time_limit_s: float, steps: int) -> list[float]:
+    """Seconds of up to ``steps`` calls of ``step()`` (at least one) within ``time_limit_s``."""
     times: list[float] = []
     deadline = time.perf_counter() + time_limit_s
     while len(times) < steps and (not times or time.perf_counter() < deadline):
         t0 = time.perf_counter()
-        opt.step()
+        step()
         times.append(time.perf_counter() - t0)
-    return OptimizerSpeed(impl, chunk * 4, len(times), torch.get_num_threads(), chunk * 4 / pick(times))
+    return times
+
+
+def master_pass_speed(params: int = 64 * MiB, time_limit_s: float = 5.0) -> float:
+    """Parameters per second of the two-pass AdamW's master pass (engine/split_adamw.py, [Note: moments after
+    the forward]) while pinned copies run both ways, as optimizer_speed(while_copying=True) measures the fused
+    kernel: one warm-up, then the median of up to 9 steps."""
+    from zerofit.engine import split_adamw
+    from zerofit.engine.optimizer import Hyper
+
+    p, g, m, v = (torch.randn(params) for _ in range(4))
+    h = Hyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
+    step = lambda: split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), h, 0.5)   # noqa: E731
+    step()
+    with BackgroundCopies():
+        times = timed_steps(step, time_limit_s, 9)
+    return params / statistics.median(times)
 
 
 # ---------------------------------------------------------------- host

@@ -36,9 +36,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from zerofit.engine import split_adamw
 from zerofit.engine.adapter import Adapter
-from zerofit.engine.optimizer import Hyper
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes
 
 # the benchmark shapes (../shared/bench/WORKLOADS.md), by the names tutorials use, and the workload names
@@ -283,7 +281,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     host_params = sum(n[i] for i in streamed) - a
     if plan.deferred_updates:     # the updates wait for the norm and run during the next forward
         # in two passes, the forward waits for the master pass only ([Note: moments after the forward])
-        fwd_rate = master_pass_speed() if split_updates(cfg, True, True) and split_adamw.available() else rate
+        fwd_rate = doctor.master_pass_speed() if split_updates(cfg, on_cuda, True) else rate
         up_fwd, down_fwd, cpu_fwd = weights + a * 12, a * 12, host_params / fwd_rate
         pred.speeds["cpu_forward_params_per_s"] = fwd_rate
         up_bwd, down_bwd, cpu_bwd = weights, sum(n[i] for i in streamed) * 4, 0.0
@@ -336,23 +334,6 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         pred.binds = "its phases in turn (" + ", ".join(f"{k} {t:.2f} s: {why}" for k, (t, why) in pred.phases.items()
                                                        if t > 0) + ")"
     return pred
-
-
-def master_pass_speed(params: int = 64 << 20, steps: int = 5) -> float:
-    """Parameters per second of the split kernel's master pass ([Note: moments after the forward]) while pinned
-    copies run both ways, as in a training step (doctor.optimizer_speed's way): the median of ``steps``."""
-    from zerofit.doctor import _BackgroundCopies
-
-    p, g, m, v = (torch.randn(params) for _ in range(4))
-    h = Hyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
-    split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), h, 0.5)    # warm
-    times = []
-    with _BackgroundCopies():
-        for _ in range(steps):
-            t = time.perf_counter()
-            split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), h, 0.5)
-            times.append(time.perf_counter() - t)
-    return params / sorted(times)[len(times) // 2]
 
 
 def _dtype(cfg) -> torch.dtype:

@@ -91,11 +91,16 @@ class _Micro:
     output: object = None
 
 
-def split_updates(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
-    """Whether deferred host updates run in two passes ([Note: moments after the forward], split_adamw.py), as
-    configured (``offload.split_updates``; None: on a GPU); whether the kernel builds is checked at start-up."""
+def split_wanted(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
+    """Whether the config asks for deferred host updates in two passes (``offload.split_updates``; None: on a
+    GPU): [Note: moments after the forward], split_adamw.py."""
     split = config.offload.split_updates
     return deferred and (on_cuda if split is None else split)
+
+
+def split_updates(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
+    """Whether they run in two passes: asked for, and the kernel built (building it now on first use)."""
+    return split_wanted(config, on_cuda, deferred) and split_adamw.available()
 
 
 def assisted_fraction(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> float:
@@ -238,10 +243,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._speculate_next = True       # the last step was not clipped (or there was none)
         # [Note: moments after the forward] (split_adamw.py): deferred host updates in two passes
         self._split = split_updates(config, self.dev.is_cuda, self.deferred)
-        if self._split and not split_adamw.available():
+        if split_wanted(config, self.dev.is_cuda, self.deferred) and not self._split:
             log.warning("zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel "
                         "updates in one pass", split_adamw.why_unavailable())
-            self._split = False
         self._spec: Speculation | None = None
         self.speculation_stats = {"held": 0, "rolled_back": 0, "waited": 0}   # steps by outcome
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
@@ -1242,16 +1246,18 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._give_staging(staging)
         return run
 
-    def _apply(self, unit: Unit, grad: torch.Tensor | None, ops: list[tuple]) -> None:
+    def _apply(self, unit: Unit, grad: torch.Tensor | None, ops: list[tuple], part: str | None = None) -> None:
         """Run ``ops`` ((hypers, factor, inverse), in turn) on a host unit's state: the AdamW step, or a rollback
-        and a redo. A unit on the disk tier is streamed chunk by chunk ([Note: chunked updates], disk.py):
-        each chunk read (ahead), updated, its 16-bit copy refreshed ("all"), written back (behind)."""
+        and a redo; ``part``: one pass of a split step (unit_adamw; in-memory units only). A unit on the disk tier
+        is streamed chunk by chunk ([Note: chunked updates], disk.py): each chunk read (ahead), updated, its
+        16-bit copy refreshed ("all"), written back (behind)."""
         if unit.swap is None:
             lo, hi = unit.lo, unit.hi     # the whole unit, or this rank's shard ([Note: sharded units])
             for hypers, factor, inverse in ops:
                 unit_adamw(unit, unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], unit.step,
-                           hypers, factor, start=lo, inverse=inverse)
+                           hypers, factor, start=lo, inverse=inverse, part=part)
             return
+        assert part is None, "a unit on the disk tier is updated in one pass"
         tier, key = self._tier, unit.index
         step0 = unit.step.clone()
         s = step0
@@ -1290,12 +1296,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         def run():
             event.synchronize()
             g = grad.narrow(0, 0, unit.hi - unit.lo) if grad is not None else None
-            if split:
-                lo, hi = unit.lo, unit.hi
-                unit_adamw(unit, unit.master[lo:hi], g, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], unit.step,
-                           hypers, factor, start=lo, part="master")
-            else:
-                self._apply(unit, g, [(hypers, factor, False)])
+            self._apply(unit, g, [(hypers, factor, False)], part="master" if split else None)
             if release:
                 self._give_staging(grad)
             if cast16 is not None:
@@ -1309,9 +1310,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         update (the worker runs its master pass first). Until it has run, the unit's gradient buffer and moments
         are not touched: _await_moments."""
         def run():
-            lo, hi = unit.lo, unit.hi
-            unit_adamw(unit, unit.master[lo:hi], grad.narrow(0, 0, hi - lo), unit.exp_avg[lo:hi],
-                       unit.exp_avg_sq[lo:hi], unit.step, hypers, factor, start=lo, part="moments")
+            self._apply(unit, grad.narrow(0, 0, unit.hi - unit.lo), [(hypers, factor, False)], part="moments")
             unit.moments_done.set()
         return run
 

@@ -37,7 +37,6 @@ import shutil
 import threading
 
 import torch
-from torch.optim.adamw import adamw
 
 log = logging.getLogger("zerofit")
 
@@ -50,11 +49,10 @@ namespace {
 
 struct Consts {
   float scale, decay, lw, coeff, beta2, c2, bc2_sqrt, eps, neg_step_size;
-  bool has_scale, has_decay, small, fused;
+  bool has_scale, has_decay, small;
 };
 
-Consts consts(double lr, double beta1, double beta2, double eps, double wd, double step, double scale,
-              bool fused) {
+Consts consts(double lr, double beta1, double beta2, double eps, double wd, double step, double scale) {
   Consts c;
   c.has_scale = scale != 0.0;
   c.scale = (float)scale;
@@ -69,7 +67,6 @@ Consts consts(double lr, double beta1, double beta2, double eps, double wd, doub
   c.bc2_sqrt = (float)std::sqrt(bc2);
   c.eps = (float)eps;
   c.neg_step_size = (float)(-(lr / bc1));
-  c.fused = fused;
   return c;
 }
 
@@ -127,7 +124,7 @@ void adamw_master(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, double
                   double eps, double wd, double step, double scale, int64_t tail, bool fused) {
   for (auto* t : {&p, &g, &m, &v}) check(*t);
   pybind11::gil_scoped_release nogil;    // the worker thread's pass must not stop the main thread
-  Consts c = consts(lr, beta1, beta2, eps, wd, step, scale, fused);
+  Consts c = consts(lr, beta1, beta2, eps, wd, step, scale);
   float* pp = p.data_ptr<float>();
   const float *gp = g.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   int64_t n = p.numel(), body = fused ? n - tail : n;
@@ -141,7 +138,7 @@ void adamw_moments(at::Tensor g, at::Tensor m, at::Tensor v, double beta1, doubl
                    int64_t tail, bool fused) {
   for (auto* t : {&g, &m, &v}) check(*t);
   pybind11::gil_scoped_release nogil;
-  Consts c = consts(0.0, beta1, beta2, 0.0, 0.0, 1.0, scale, fused);
+  Consts c = consts(0.0, beta1, beta2, 0.0, 0.0, 1.0, scale);
   const float* gp = g.data_ptr<float>();
   float *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   int64_t n = m.numel(), body = fused ? n - tail : n;
@@ -226,10 +223,3 @@ def moments_pass(grad, exp_avg, exp_avg_sq, h, factor: float = 1.0) -> None:
     _load().adamw_moments(grad, exp_avg, exp_avg_sq, h.beta1, h.beta2, _scale_of(factor),
                           *_layout(exp_avg.numel()))
 
-
-def fused_step(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0) -> None:
-    """torch's fused step in one pass, as optimizer.adamw_flat runs it on the host (what the passes split)."""
-    scale = None if factor == 1.0 else torch.tensor(1.0 / factor, dtype=torch.float32)
-    adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=True, amsgrad=False, beta1=h.beta1,
-          beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False, grad_scale=scale,
-          found_inf=None)

@@ -18,25 +18,50 @@ pytestmark = pytest.mark.skipif(not split_adamw.available(), reason=f"no C++ too
                                 f"kernel: {split_adamw.why_unavailable()}")
 
 
-@pytest.mark.parametrize("n", [1000, 1003, 4096, 100_001])
+@pytest.mark.parametrize("n", [1000, 1003, 4096, 100_001, 300_007])
 @pytest.mark.parametrize("factor,wd", [(1.0, 0.0), (1.0, 0.01), (0.127, 0.0), (0.127, 0.01)])
-def test_the_two_passes_are_the_fused_step_bitwise(n, factor, wd):
+@pytest.mark.parametrize("cast", [None, torch.bfloat16, torch.float16], ids=["master", "bf16", "fp16"])
+def test_the_two_passes_are_the_fused_step_bitwise(n, factor, wd, cast):
     """Master, moments and step count equal the fused kernel's bit for bit (the vector loop's elements and the
-    scalar tail's, n % 8 or 16 of them); the master pass leaves moments and gradient alone; the gradient
-    is left unscaled (the fused kernel scales it in place)."""
+    scalar tail's, n % 8 or 16 of them, over several of the kernel's chunks); the first pass leaves moments and
+    gradient alone; the gradient is left unscaled (the fused kernel scales it in place). [Note: the master
+    behind its cast]: the cast pass writes the fused step's new master, cast as torch casts it, and leaves the
+    master as it was; the rest pass then writes it."""
     torch.manual_seed(n)
     h = Hyper(1e-3, 0.9, 0.999, 1e-8, wd)
     p, g, m, v = torch.randn(n), torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01
     fused = [t.clone() for t in (p, g, m, v)] + [torch.tensor(4.0)]
     adamw_flat(*fused, h, factor)
     split = [t.clone() for t in (p, g, m, v)] + [torch.tensor(4.0)]
-    split_adamw.master_pass(*split, h, factor)
+    out = None if cast is None else torch.full((n,), 7.0, dtype=cast)
+    split_adamw.master_pass(*split, h, factor, out16=out)
     assert torch.equal(split[1], g) and torch.equal(split[2], m) and torch.equal(split[3], v)
-    split_adamw.moments_pass(split[1], split[2], split[3], h, factor)
+    if cast is not None:
+        assert torch.equal(split[0], p)         # the master waits for the rest pass
+        assert torch.equal(out.view(torch.int16), fused[0].to(cast).view(torch.int16))
+    assert float(split[4]) == 5.0
+    split_adamw.rest_pass(*split, h, factor, with_master=cast is not None)
     for name, a, b in zip(("master", "exp_avg", "exp_avg_sq", "step"), (fused[0], fused[2], fused[3], fused[4]),
                           (split[0], split[2], split[3], split[4])):
         assert torch.equal(a, b), name
     assert torch.equal(split[1], g)
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
+def test_the_cast_rounds_as_torch_does(cast):
+    """The cast pass's rounding is torch's (to nearest, ties to even) on ties, subnormals, overflow and
+    infinities: a zero step (lr 0) makes the pass a pure cast of the master."""
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200_003,), dtype=torch.int64).to(torch.int32)
+    p = bits.view(torch.float32).clone()
+    special = torch.tensor([0.0, -0.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 65504.0, 65520.0, 1e5, -1e5, 6e-8, 3e-8,
+                            1e-40, -1e-40, 3.4e38, float("inf"), float("-inf")])
+    p[:special.numel()] = special
+    p = torch.where(p.isnan(), torch.zeros_like(p), p)      # NaN's bits differ between torch's own kernels
+    n = p.numel()
+    g, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=cast)
+    split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), Hyper(0.0, 0.9, 0.999, 1e-8, 0.0), 1.0, out16=out)
+    assert torch.equal(out.view(torch.int16), p.to(cast).view(torch.int16))
 
 
 def _cfg(**kw):
@@ -106,8 +131,8 @@ def test_a_unit_waits_for_its_moments_before_its_next_gradient_comes_down():
     task = engine._task_moments
     ran = []
 
-    def slow(unit, grad, hypers, factor):
-        inner = task(unit, grad, hypers, factor)
+    def slow(unit, grad, hypers, factor, **kw):
+        inner = task(unit, grad, hypers, factor, **kw)
 
         def run():
             gate.wait(5.0)
@@ -148,3 +173,71 @@ def test_split_updates_default_on_a_gpu_and_give_the_device_a_smaller_share():
     assert assisted_fraction(set_, True, True) == 0.5
     off = load_config(_cfg(offload={"split_updates": False})).config
     assert not split_updates(off, True, True) and assisted_fraction(off, True, True) == off.offload.assisted_fraction
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_master_behind_its_cast_is_the_one_pass_engine_bitwise(precision):
+    """[Note: the master behind its cast]: 16-bit, every step clipped, split updates: the engine makes 16-bit
+    host copies of the streamed blocks, each host block's first pass writes only its copy, and from the second
+    step on every forward and backward upload of a host-updated block reads that copy (none reads the fp32
+    master). Losses, masters, moments and step counts equal the one-pass engine's bit for bit (fp16: its loss
+    scaler too)."""
+    torch.manual_seed(0)
+    model = tm.llama(layers=4)
+    cfg = _cfg(precision=precision, offload={"prefetch_depth": 1, "speculative_updates": False})
+    one = zerofit.initialize(copy.deepcopy(model), cfg | {"offload": cfg["offload"] | {"split_updates": False}})
+    two = zerofit.initialize(model, cfg | {"offload": cfg["offload"] | {"split_updates": True}})
+    assert two._split
+    parts = []
+    apply = two._apply
+    two._apply = lambda unit, grad, ops, part=None: (parts.append(part), apply(unit, grad, ops, part))
+    data = tm.batches(5, 2)
+    host = None
+    for i, mbs in enumerate(data):
+        assert one.train_batch(mbs) == two.train_batch(mbs), i
+        if i == 0:
+            host = {u.name for u in two.blocks if u.home.name == "STREAMED" and not two._assisted(u)}
+            assert host and all(u.host16 is not None for u in two.blocks if u.name in host)
+        else:
+            uploads = [x for x in tm.upload_labels(two) if x.split("(")[0] in host]
+            assert uploads and all(x.endswith("(16)") for x in uploads), uploads
+    a, b = _state(one), _state(two)
+    assert parts.count("cast") == parts.count("rest") == len(host) * len(data)
+    assert "master" not in parts
+    for name in a:
+        for what, x, y in zip(("master", "exp_avg", "exp_avg_sq", "step"), a[name], b[name]):
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{name} {what}"
+    one.close()
+    two.close()
+
+
+def test_an_fp32_upload_of_a_master_behind_its_cast_waits_for_the_rest_pass():
+    """[Note: the master behind its cast]: when the 16-bit copies go stale before the rest pass ran (here: the
+    weights epoch moved, as a rollback or a load moves it), the upload of the fp32 master waits for that pass,
+    and the step's results stay the one-pass engine's."""
+    import threading
+
+    torch.manual_seed(0)
+    model = tm.llama(layers=3)
+    cfg = _cfg(precision="bf16", offload={"prefetch_depth": 1, "speculative_updates": False})
+    ref = zerofit.initialize(copy.deepcopy(model), cfg | {"offload": cfg["offload"] | {"split_updates": False}})
+    engine = zerofit.initialize(model, cfg | {"offload": cfg["offload"] | {"split_updates": True}})
+    gate = threading.Event()
+    task = engine._task_moments
+    engine._task_moments = lambda *a, **k: (lambda inner: lambda: (gate.wait(5.0), inner()))(task(*a, **k))
+    data = tm.batches(3, 2)
+    assert ref.train_batch(data[0]) == engine.train_batch(data[0])
+    assert ref.train_batch(data[1]) == engine.train_batch(data[1])
+    behind = [u for u in engine.blocks if u.master_behind and not u.moments_done.is_set()]
+    assert behind        # the rest passes are held back
+    engine._weights_changed()
+    waited = []
+    awaited = engine._await_moments
+    engine._await_moments = lambda u: (waited.append((u.name, u.moments_done.is_set())), awaited(u))
+    threading.Timer(0.3, gate.set).start()
+    assert ref.train_batch(data[2]) == engine.train_batch(data[2])
+    assert (behind[0].name, False) in waited
+    a, b = _state(ref), _state(engine)
+    assert all(torch.equal(x, y) for n in a for x, y in zip(a[n][:3], b[n][:3]))
+    ref.close()
+    engine.close()

@@ -622,6 +622,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 self.dev.wait(self.dev.upload, unit.host16_event)
                 dst.copy_(unit.host16, non_blocking=True)
             return None
+        if unit.master_behind:      # [Note: the master behind its cast]: its 16-bit copy went stale first
+            self._await_moments(unit)
         lo, hi = unit.lo, unit.hi     # the whole unit, or this rank's shard ([Note: sharded units])
         with self.dev.timed("upload", self.dev.upload, unit.name):
             if dst.dtype == torch.float32:
@@ -1253,9 +1255,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         16-bit copy refreshed ("all"), written back (behind)."""
         if unit.swap is None:
             lo, hi = unit.lo, unit.hi     # the whole unit, or this rank's shard ([Note: sharded units])
+            out16 = unit.host16[lo:hi] if part == "cast" else None
             for hypers, factor, inverse in ops:
                 unit_adamw(unit, unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], unit.step,
-                           hypers, factor, start=lo, inverse=inverse, part=part)
+                           hypers, factor, start=lo, inverse=inverse, part=part, out16=out16)
             return
         assert part is None, "a unit on the disk tier is updated in one pass"
         tier, key = self._tier, unit.index
@@ -1291,26 +1294,34 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     def _task_update(self, unit: Unit, grad: torch.Tensor, event, hypers: tuple[Hyper, ...], factor: float,
                      release: bool, cast16=None, split: bool = False):
         """The worker's AdamW step of a host unit; with ``cast16`` (a label: _cast16_label) its new weights are
-        then cast into its 16-bit host copy ([Note: 16-bit copies after the update]). ``split``: its master pass
-        only; the caller queues the moments pass (_task_moments)."""
+        then cast into its 16-bit host copy ([Note: 16-bit copies after the update]). ``split``: the step's first
+        pass only, the caller queues the second (_task_moments); with ``cast16`` too, that first pass writes the
+        cast alone ([Note: the master behind its cast])."""
         def run():
             event.synchronize()
             g = grad.narrow(0, 0, unit.hi - unit.lo) if grad is not None else None
-            self._apply(unit, g, [(hypers, factor, False)], part="master" if split else None)
+            if split and cast16 is not None:
+                self._apply(unit, g, [(hypers, factor, False)], part="cast")
+            else:
+                self._apply(unit, g, [(hypers, factor, False)], part="master" if split else None)
+                if cast16 is not None:
+                    unit.host16.copy_(unit.master)
             if release:
                 self._give_staging(grad)
             if cast16 is not None:
-                unit.host16.copy_(unit.master)
                 unit.host16_epoch = cast16      # read by the main thread only after ``updated``
             unit.updated.set()
         return run
 
-    def _task_moments(self, unit: Unit, grad: torch.Tensor, hypers: tuple[Hyper, ...], factor: float):
-        """[Note: moments after the forward]: the moments pass of the unit's last update, queued behind every
-        update (the worker runs its master pass first). Until it has run, the unit's gradient buffer and moments
-        are not touched: _await_moments."""
+    def _task_moments(self, unit: Unit, grad: torch.Tensor, hypers: tuple[Hyper, ...], factor: float,
+                      with_master: bool = False):
+        """[Note: moments after the forward]: the second pass of the unit's last update, queued behind every
+        update (the worker runs its first pass first): the moments, and ``with_master`` the master too ([Note:
+        the master behind its cast]). Until it has run, the unit's gradient buffer and moments (and then its
+        master) are not touched: _await_moments."""
         def run():
-            self._apply(unit, grad.narrow(0, 0, unit.hi - unit.lo), [(hypers, factor, False)], part="moments")
+            self._apply(unit, grad.narrow(0, 0, unit.hi - unit.lo), [(hypers, factor, False)],
+                        part="rest" if with_master else "moments")
             unit.moments_done.set()
         return run
 
@@ -1503,6 +1514,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if spec is not None:
             self._settle(spec, host_units, hypers, factor)
         elif self.deferred:
+            if self._split and self._host16_possible():    # [Note: the master behind its cast]
+                self._enable_host16()
             ev = self.dev.record(self.dev.download)
             self._expect_updates(host_units)
             for u in host_units:          # forward order: the next forward needs block 0 first
@@ -1512,12 +1525,15 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 u.updated.clear()
                 grad = self._host_grads.get(id(u))
                 split = self._split and u.swap is None     # [Note: moments after the forward]
-                self.worker.submit(self._task_update(u, grad, ev, hypers, factor, release=False, split=split),
+                cast16 = self._cast16_label(u, now=True) if split else None
+                self.worker.submit(self._task_update(u, grad, ev, hypers, factor, release=False, split=split,
+                                                     cast16=cast16),
                                    self._priority(u), label=f"adamw[{u.name}]")
                 if split:
                     u.moments_done.clear()
-                    self.worker.submit(self._task_moments(u, grad, hypers, factor), _MOMENTS_LAST - u.index,
-                                       label=f"moments[{u.name}]")
+                    u.master_behind = cast16 is not None
+                    self.worker.submit(self._task_moments(u, grad, hypers, factor, with_master=u.master_behind),
+                                       _MOMENTS_LAST - u.index, label=f"moments[{u.name}]")
         if self._shell_host_opt and not shell_assisted:
             self.shell.dirty = True
         return True

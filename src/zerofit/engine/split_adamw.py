@@ -27,6 +27,23 @@ nothing reads it after the update).
 The moments pass must run before the moments or the gradient buffer are read or written again: the engine
 waits for it before the unit's next gradient comes down ([Note: moments after the forward] in engine.py), and
 every reader of the optimizer state drains the worker first.
+
+[Note: the master behind its cast]
+A 16-bit model's forward does not read the fp32 master: it reads the weights cast to 16 bits. So when a
+streamed block has a 16-bit host copy (``Unit.host16``; the engine makes them for split updates on a GPU), its
+first pass writes only that cast (2 bytes, not the master's 4) and the second pass, the **rest pass**, writes
+the master with the moments (28 bytes, off the critical path). On the forward's path per parameter: 16 bytes
+read, 2 written by the CPU, 2 read by the upload, against 20 and 4 (the fp32 upload, cast on the device); the
+upload itself takes half the time. The cast rounds as torch and the GPU round (to nearest, ties to even), so
+the device gets the bits it would have cast itself; the rest pass recomputes the same new master from the same
+inputs. Between the passes the master is stale (``Unit.master_behind``): its 16-bit copy is valid (labelled
+for the step, [Note: 16-bit copies after the update]), and a read of the master itself (an fp32 upload once the
+copies went stale, a checkpoint, the next update) waits for the rest pass or drains the worker.
+
+[Note: dynamic chunks]
+The passes split the elements into chunks that the threads take in turn, not into one equal range per thread:
+the worker shares the cores with the main thread, which launches the GPU's work, and one thread of a static
+split that the scheduler pauses holds the whole pass back. Elementwise, so any split gives the same bits.
 """
 
 from __future__ import annotations
@@ -42,8 +59,9 @@ log = logging.getLogger("zerofit")
 
 _SOURCE = r"""
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
+#include <omp.h>
 
 namespace {
 
@@ -88,27 +106,55 @@ inline void moments(const Consts& c, float g, float& m, float& v) {
   }
 }
 
-template <int MODE>
-void master_range(const Consts& c, float* p, const float* g, const float* m, const float* v, int64_t a, int64_t b) {
+// fp32 -> bfloat16, rounded to nearest even: c10::BFloat16's (and the GPU's) rounding, branch-free so that the
+// loop vectorizes; a NaN becomes c10's 0x7FC0
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? (uint16_t)0x7FC0 : (uint16_t)r;
+}
+
+inline uint16_t to_f16(float f) { return c10::Half(f).x; }
+
+// One pass over [a, b): the moments of the step always; what it writes: W_P the new master, W_MV the moments,
+// OUT (1: bfloat16, 2: float16) the new master cast into ``o``
+template <int MODE, bool W_P, bool W_MV, int OUT>
+void pass_range(const Consts& c, float* p, const float* g, float* m, float* v, uint16_t* o, int64_t a,
+                int64_t b) {
   for (int64_t i = a; i < b; i++) {
     float gv = c.has_scale ? g[i] / c.scale : g[i];
-    float pv = c.has_decay ? p[i] * c.decay : p[i];
     float mv = m[i], vv = v[i];
     moments<MODE>(c, gv, mv, vv);
-    float denom = std::sqrt(vv) / c.bc2_sqrt + c.eps;
-    p[i] = pv + (c.neg_step_size * mv) / denom;
+    if (W_MV) {
+      m[i] = mv;
+      v[i] = vv;
+    }
+    if (W_P || OUT) {
+      float pv = c.has_decay ? p[i] * c.decay : p[i];
+      float denom = std::sqrt(vv) / c.bc2_sqrt + c.eps;
+      pv = pv + (c.neg_step_size * mv) / denom;
+      if (W_P) p[i] = pv;
+      if (OUT == 1) o[i] = to_bf16(pv);
+      if (OUT == 2) o[i] = to_f16(pv);
+    }
   }
 }
 
-template <int MODE>
-void moments_range(const Consts& c, const float* g, float* m, float* v, int64_t a, int64_t b) {
-  for (int64_t i = a; i < b; i++) {
-    float gv = c.has_scale ? g[i] / c.scale : g[i];
-    float mv = m[i], vv = v[i];
-    moments<MODE>(c, gv, mv, vv);
-    m[i] = mv;
-    v[i] = vv;
+// [Note: dynamic chunks] (split_adamw.py)
+template <bool W_P, bool W_MV, int OUT>
+void run(const Consts& c, float* p, const float* g, float* m, float* v, uint16_t* o, int64_t n, int64_t tail,
+         bool fused, int64_t threads) {
+  const int64_t body = fused ? n - tail : n, chunk = 1 << 16;
+  const int64_t chunks = (body + chunk - 1) / chunk;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+  for (int64_t k = 0; k < chunks; k++) {
+    int64_t a = k * chunk, b = std::min(body, a + chunk);
+    if (fused) pass_range<1, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b);
+    else pass_range<0, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b);
   }
+  pass_range<2, W_P, W_MV, OUT>(c, p, g, m, v, o, body, n);
 }
 
 void check(const at::Tensor& t) {
@@ -119,33 +165,38 @@ void check(const at::Tensor& t) {
 }  // namespace
 
 // ``tail``: the last elements torch's kernel updates in its scalar loop (numel % its vector width);
-// ``fused``: whether torch's build uses fused multiply-adds (every vector capability but the default)
-void adamw_master(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, double lr, double beta1, double beta2,
-                  double eps, double wd, double step, double scale, int64_t tail, bool fused) {
+// ``fused``: whether torch's build uses fused multiply-adds (every vector capability but the default);
+// ``out``: an empty tensor, or a bfloat16/float16 one the new master is cast into (then the master itself is
+// not written: ``adamw_rest`` writes it later)
+void adamw_master(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, at::Tensor out, double lr, double beta1,
+                  double beta2, double eps, double wd, double step, double scale, int64_t tail, bool fused,
+                  int64_t threads) {
   for (auto* t : {&p, &g, &m, &v}) check(*t);
+  const bool cast = out.numel() > 0;
+  TORCH_CHECK(!cast || (out.is_contiguous() && out.numel() == p.numel() &&
+                        (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf)),
+              "split AdamW: the cast's output must be a contiguous bfloat16/float16 tensor of the master's size");
   pybind11::gil_scoped_release nogil;    // the worker thread's pass must not stop the main thread
   Consts c = consts(lr, beta1, beta2, eps, wd, step, scale);
-  float* pp = p.data_ptr<float>();
-  const float *gp = g.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
-  int64_t n = p.numel(), body = fused ? n - tail : n;
-  at::parallel_for(0, body, 1 << 14, [&](int64_t a, int64_t b) {
-    if (fused) master_range<1>(c, pp, gp, mp, vp, a, b); else master_range<0>(c, pp, gp, mp, vp, a, b);
-  });
-  master_range<2>(c, pp, gp, mp, vp, body, n);
+  float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  uint16_t* op = cast ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  if (!cast) run<true, false, 0>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
+  else if (out.scalar_type() == at::kBFloat16) run<false, false, 1>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
+  else run<false, false, 2>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
 }
 
-void adamw_moments(at::Tensor g, at::Tensor m, at::Tensor v, double beta1, double beta2, double scale,
-                   int64_t tail, bool fused) {
-  for (auto* t : {&g, &m, &v}) check(*t);
+// the moments of the step (``with_master``: and the new master, after a master pass that wrote only its cast)
+void adamw_rest(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, bool with_master, double lr, double beta1,
+                double beta2, double eps, double wd, double step, double scale, int64_t tail, bool fused,
+                int64_t threads) {
+  for (auto* t : {&p, &g, &m, &v}) check(*t);
   pybind11::gil_scoped_release nogil;
-  Consts c = consts(0.0, beta1, beta2, 0.0, 0.0, 1.0, scale);
+  Consts c = consts(lr, beta1, beta2, eps, wd, step, scale);
+  float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
-  float *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
-  int64_t n = m.numel(), body = fused ? n - tail : n;
-  at::parallel_for(0, body, 1 << 14, [&](int64_t a, int64_t b) {
-    if (fused) moments_range<1>(c, gp, mp, vp, a, b); else moments_range<0>(c, gp, mp, vp, a, b);
-  });
-  moments_range<2>(c, gp, mp, vp, body, n);
+  if (with_master) run<true, true, 0>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, fused, threads);
+  else run<false, true, 0>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, fused, threads);
 }
 """
 
@@ -166,7 +217,7 @@ def _load():
 
                 log.info("zerofit: loading the split AdamW kernel (built at its first use here: about a minute)")
                 _module = load_inline(
-                    name="zerofit_split_adamw", cpp_sources=[_SOURCE], functions=["adamw_master", "adamw_moments"],
+                    name="zerofit_split_adamw", cpp_sources=[_SOURCE], functions=["adamw_master", "adamw_rest"],
                     # only the fused multiply-adds written out; an errno-free sqrt lets the loops vectorize
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
@@ -210,16 +261,27 @@ def _layout(numel: int) -> tuple[int, bool]:
     return numel % (16 if cap.startswith("AVX512") else 8), cap != "DEFAULT"
 
 
-def master_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0) -> None:
+_EMPTY = torch.empty(0)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def master_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0, out16=None) -> None:
     """``master`` takes its AdamW step (``step`` is incremented, as the fused kernel's caller does); the
-    moments and the gradient are left as they were. ``h``: an optimizer.Hyper."""
+    moments and the gradient are left as they were. ``h``: an optimizer.Hyper. With ``out16`` (a bfloat16 or
+    float16 tensor of the master's size) the new master is written there, cast, and not into ``master``:
+    [Note: the master behind its cast]; ``rest_pass(..., with_master=True)`` writes it."""
     step.add_(1)
-    _load().adamw_master(master, grad, exp_avg, exp_avg_sq, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                         float(step), _scale_of(factor), *_layout(master.numel()))
+    _load().adamw_master(master, grad, exp_avg, exp_avg_sq, _EMPTY if out16 is None else out16, h.lr, h.beta1,
+                         h.beta2, h.eps, h.weight_decay, float(step), _scale_of(factor), *_layout(master.numel()),
+                         _threads())
 
 
-def moments_pass(grad, exp_avg, exp_avg_sq, h, factor: float = 1.0) -> None:
-    """The moments of the same step: the same gradient, moments and factor as its master pass."""
-    _load().adamw_moments(grad, exp_avg, exp_avg_sq, h.beta1, h.beta2, _scale_of(factor),
-                          *_layout(exp_avg.numel()))
-
+def rest_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0, with_master: bool = False) -> None:
+    """The rest of the step whose master pass ran: the same gradient, moments, factor and (already counted)
+    ``step``. Writes the moments, and with ``with_master`` the new master too (its master pass wrote only the
+    cast)."""
+    _load().adamw_rest(master, grad, exp_avg, exp_avg_sq, with_master, h.lr, h.beta1, h.beta2, h.eps,
+                       h.weight_decay, float(step), _scale_of(factor), *_layout(exp_avg.numel()), _threads())

@@ -138,6 +138,8 @@ class Unit:
     updated: object = None                   # threading.Event: master holds the latest update
     moments_done: object = None              # threading.Event: no moments pass pending ([Note: moments after
                                              # the forward], split_adamw.py)
+    master_behind: bool = False              # the last update's first pass wrote only host16: master is current
+                                             # once moments_done ([Note: the master behind its cast])
     host_grad_fresh: bool = True             # deferred updates: the host gradient buffer holds nothing yet
                                              # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
     pending_update: tuple | None = None      # deferred: (grad factor, Hyper) of an update the device applies

@@ -1,6 +1,7 @@
 """How fast each way of a clipped CPU AdamW step runs on this host, alone and while pinned copies run both ways
 (as in a training step): torch's fused kernel (master, moments and the unscaled gradient written) against the
-two passes of [Note: moments after the forward] (split_adamw.py). Prints G params/s of each.
+two passes of [Note: moments after the forward] (split_adamw.py), and those of [Note: the master behind its
+cast]. Prints G params/s of each.
 
     python3 bench/split_probe.py [--params 268435456]
 """
@@ -14,7 +15,7 @@ import torch
 
 from zerofit.doctor import BackgroundCopies
 from zerofit.engine.optimizer import Hyper, adamw_flat
-from zerofit.engine.split_adamw import available, master_pass, moments_pass
+from zerofit.engine.split_adamw import available, master_pass, rest_pass
 
 
 def main() -> None:
@@ -27,6 +28,7 @@ def main() -> None:
     torch.manual_seed(0)
     p, g, m, v = torch.randn(n), torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01
     h, factor = Hyper(1e-4, 0.9, 0.999, 1e-8, 0.01), 0.127
+    w16 = torch.empty(n, dtype=torch.bfloat16)
 
     def rate(fn, reps=5):
         ts = []
@@ -44,7 +46,12 @@ def main() -> None:
         try:
             rows.append((busy, "fused step", rate(lambda: adamw_flat(p, g, m, v, torch.tensor(4.0), h, factor))))
             rows.append((busy, "master pass", rate(lambda: master_pass(p, g, m, v, torch.tensor(4.0), h, factor))))
-            rows.append((busy, "moments pass", rate(lambda: moments_pass(g, m, v, h, factor))))
+            rows.append((busy, "moments pass", rate(lambda: rest_pass(p, g, m, v, torch.tensor(4.0), h, factor))))
+            # [Note: the master behind its cast]: the first pass writes the bf16 cast only, the rest pass the master
+            rows.append((busy, "cast pass", rate(lambda: master_pass(p, g, m, v, torch.tensor(4.0), h, factor,
+                                                                     out16=w16))))
+            rows.append((busy, "rest pass", rate(lambda: rest_pass(p, g, m, v, torch.tensor(4.0), h, factor,
+                                                                   with_master=True))))
         finally:
             if ctx:
                 ctx.__exit__(None, None, None)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not split_adamw.available(), reason=f"no C++ too
 
 @pytest.mark.parametrize("n", [1000, 1003, 4096, 100_001, 300_007])
 @pytest.mark.parametrize("factor,wd", [(1.0, 0.0), (1.0, 0.01), (0.127, 0.0), (0.127, 0.01)])
-@pytest.mark.parametrize("cast", [None, torch.bfloat16, torch.float16], ids=["master", "bf16", "fp16"])
+@pytest.mark.parametrize("cast", [None, torch.bfloat16], ids=["master", "bf16"])
 def test_the_two_passes_are_the_fused_step_bitwise(n, factor, wd, cast):
     """Master, moments and step count equal the fused kernel's bit for bit (the vector loop's elements and the
     scalar tail's, n % 8 or 16 of them, over several of the kernel's chunks); the first pass leaves moments and
@@ -47,21 +47,22 @@ def test_the_two_passes_are_the_fused_step_bitwise(n, factor, wd, cast):
     assert torch.equal(split[1], g)
 
 
-@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
-def test_the_cast_rounds_as_torch_does(cast):
+def test_the_cast_rounds_as_torch_does():
     """The cast pass's rounding is torch's (to nearest, ties to even) on ties, subnormals, overflow and
-    infinities: a zero step (lr 0) makes the pass a pure cast of the master."""
+    infinities, and a NaN stays a NaN: a zero step (lr 0) makes the pass a pure cast of the master."""
+    cast = torch.bfloat16
     bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200_003,), dtype=torch.int64).to(torch.int32)
     p = bits.view(torch.float32).clone()
     special = torch.tensor([0.0, -0.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 65504.0, 65520.0, 1e5, -1e5, 6e-8, 3e-8,
                             1e-40, -1e-40, 3.4e38, float("inf"), float("-inf")])
     p[:special.numel()] = special
-    p = torch.where(p.isnan(), torch.zeros_like(p), p)      # NaN's bits differ between torch's own kernels
     n = p.numel()
     g, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     out = torch.empty(n, dtype=cast)
     split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), Hyper(0.0, 0.9, 0.999, 1e-8, 0.0), 1.0, out16=out)
-    assert torch.equal(out.view(torch.int16), p.to(cast).view(torch.int16))
+    nan = p.isnan()
+    assert 0 < int(nan.sum()) < n and torch.equal(out.isnan(), nan)    # NaN's bits differ between torch's kernels
+    assert torch.equal(out[~nan].view(torch.int16), p[~nan].to(cast).view(torch.int16))
 
 
 def _cfg(**kw):
@@ -177,11 +178,11 @@ def test_split_updates_default_on_a_gpu_and_give_the_device_a_smaller_share():
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_the_master_behind_its_cast_is_the_one_pass_engine_bitwise(precision):
-    """[Note: the master behind its cast]: 16-bit, every step clipped, split updates: the engine makes 16-bit
+    """[Note: the master behind its cast]: bf16, every step clipped, split updates: the engine makes 16-bit
     host copies of the streamed blocks, each host block's first pass writes only its copy, and from the second
     step on every forward and backward upload of a host-updated block reads that copy (none reads the fp32
-    master). Losses, masters, moments and step counts equal the one-pass engine's bit for bit (fp16: its loss
-    scaler too)."""
+    master). fp16 (its loss scaler defers every update) keeps the master pass and fp32 uploads. Losses,
+    masters, moments and step counts equal the one-pass engine's bit for bit."""
     torch.manual_seed(0)
     model = tm.llama(layers=4)
     cfg = _cfg(precision=precision, offload={"prefetch_depth": 1, "speculative_updates": False})
@@ -193,17 +194,19 @@ def test_the_master_behind_its_cast_is_the_one_pass_engine_bitwise(precision):
     two._apply = lambda unit, grad, ops, part=None: (parts.append(part), apply(unit, grad, ops, part))
     data = tm.batches(5, 2)
     host = None
+    cast = precision == "bf16"
     for i, mbs in enumerate(data):
         assert one.train_batch(mbs) == two.train_batch(mbs), i
         if i == 0:
             host = {u.name for u in two.blocks if u.home.name == "STREAMED" and not two._assisted(u)}
-            assert host and all(u.host16 is not None for u in two.blocks if u.name in host)
+            assert host and all((u.host16 is not None) == cast for u in two.blocks if u.name in host)
         else:
             uploads = [x for x in tm.upload_labels(two) if x.split("(")[0] in host]
-            assert uploads and all(x.endswith("(16)") for x in uploads), uploads
+            assert uploads and all(x.endswith("(16)") == cast for x in uploads), uploads
     a, b = _state(one), _state(two)
-    assert parts.count("cast") == parts.count("rest") == len(host) * len(data)
-    assert "master" not in parts
+    first, second = ("cast", "rest") if cast else ("master", "moments")
+    assert parts.count(first) == parts.count(second) == len(host) * len(data)
+    assert set(parts) <= {first, second, None}
     for name in a:
         for what, x, y in zip(("master", "exp_avg", "exp_avg_sq", "step"), a[name], b[name]):
             assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{name} {what}"

@@ -161,7 +161,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     ``gpu``: plan for a GPU (True) or the CPU (False); None: the config's device (``auto``: a GPU if this
     machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size."""
     from zerofit.config import load_config
-    from zerofit.engine.engine import _DTYPES, default_host_budget, placement_args, plan_args, plan_batch
+    from zerofit.engine.engine import _DTYPES, cast_copies, default_host_budget, placement_args, plan_args, plan_batch
     from zerofit.engine.materialize import model_shape, param_table
     from zerofit.engine.planner import PlanError, make_plan
 
@@ -188,13 +188,25 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     params = shape.shell_numel + sum(shape.block_numels)
     baseline = psutil.Process().memory_info().rss * cfg.world_size    # one process per rank
     est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline, ranks=cfg.world_size)
+    args = dict(device_budget=dev_budget, host_budget=host_budget, chunkable_loss=adapter.chunkable_loss,
+                **placement_args(cfg, adapter.num_blocks), **plan_args(cfg, dtype, on_cuda, deferred))
     try:
-        plan = make_plan(shape, batch, device_budget=dev_budget, host_budget=host_budget,
-                         chunkable_loss=adapter.chunkable_loss,
-                         **placement_args(cfg, adapter.num_blocks), **plan_args(cfg, dtype, on_cuda, deferred))
+        plan = make_plan(shape, batch, **args)
     except PlanError as e:
         est.refusal = str(e)
         return est
+    if cast_copies(cfg, dtype, on_cuda, deferred) and any(d != "all" for d in
+                                                          [plan.disk_of.get(i) for i in range(plan.resident_blocks,
+                                                                                              len(shape.block_numels))]):
+        # [Note: the master behind its cast]: the engine adds 16-bit host copies at its first update, where
+        # they fit beside its plan (Engine._enable_host16)
+        try:
+            plan = make_plan(shape, batch, **(args | dict(
+                resident_blocks=plan.resident_blocks, shell_on_device=plan.shell_optimizer_on_device,
+                fixed_staging=plan.staging_buffers, disk_placement=plan.disk_of, disk_budget=plan.disk_budget,
+                floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel)), host16=True)))
+        except PlanError:
+            pass
     est.plan = plan
     est.gpu_bytes = plan.device_peak if on_cuda else 0
     est.host_bytes = plan.host_total + baseline
@@ -248,7 +260,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     """Each resource's seconds per step from this machine's measured speeds, and the step from the phases they
     run in ([Note: the step's phases]; see also the module docstring)."""
     from zerofit import doctor
-    from zerofit.engine.engine import split_updates
+    from zerofit.engine.engine import cast_copies, split_updates
 
     pred = StepPrediction()
     if not on_cuda or not torch.cuda.is_available():
@@ -280,11 +292,18 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     weights = sum(n[i] * (cb if disk_of.get(i) == "all" else 4) for i in streamed)    # one pass over the blocks
     host_params = sum(n[i] for i in streamed) - a
     if plan.deferred_updates:     # the updates wait for the norm and run during the next forward
-        # in two passes, the forward waits for the master pass only ([Note: moments after the forward])
-        fwd_rate = doctor.master_pass_speed() if split_updates(cfg, on_cuda, True) else rate
-        up_fwd, down_fwd, cpu_fwd = weights + a * 12, a * 12, host_params / fwd_rate
+        # in two passes, the forward waits for the first pass only ([Note: moments after the forward]); with
+        # 16-bit host copies it writes the cast alone, and every upload after it reads the copy ([Note: the
+        # master behind its cast])
+        cast = plan.host_bytes.get("host16_copies", 0) > 0 and cast_copies(cfg, _dtype(cfg), on_cuda, True)
+        fwd_rate = (doctor.master_pass_speed(cast=_dtype(cfg) if cast else None)
+                    if split_updates(cfg, on_cuda, True) else rate)
+        w16 = sum(n[i] * cb for i in streamed)
+        up_fwd = (w16 - a * cb + a * 16) if cast else weights + a * 12
+        down_fwd = a * (12 + cb) if cast else a * 12
+        cpu_fwd = host_params / fwd_rate
         pred.speeds["cpu_forward_params_per_s"] = fwd_rate
-        up_bwd, down_bwd, cpu_bwd = weights, sum(n[i] for i in streamed) * 4, 0.0
+        up_bwd, down_bwd, cpu_bwd = (w16 if cast else weights), sum(n[i] for i in streamed) * 4, 0.0
     else:
         up_fwd, down_fwd, cpu_fwd = weights, 0, 0.0
         up_bwd, down_bwd, cpu_bwd = weights + a * 12, (host_params * 4) + a * 12, host_params / rate

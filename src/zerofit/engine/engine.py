@@ -103,6 +103,13 @@ def split_updates(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
     return split_wanted(config, on_cuda, deferred) and split_adamw.available()
 
 
+def cast_copies(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> bool:
+    """Whether split updates write the 16-bit cast first ([Note: the master behind its cast], split_adamw.py):
+    bf16 compute on one rank, where the streamed blocks can have 16-bit host copies (_host16_possible)."""
+    return (split_updates(config, on_cuda, deferred) and dtype == torch.bfloat16 and config.world_size == 1
+            and config.offload.copies_after_update)
+
+
 def assisted_fraction(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> float:
     """The device's share of the streamed blocks' updates: the configured one, or with split updates and none
     configured, SPLIT_FRACTION (the CPU's share costs less on the forward's path then)."""
@@ -243,6 +250,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._speculate_next = True       # the last step was not clipped (or there was none)
         # [Note: moments after the forward] (split_adamw.py): deferred host updates in two passes
         self._split = split_updates(config, self.dev.is_cuda, self.deferred)
+        # [Note: the master behind its cast]: the streamed blocks get 16-bit host copies at the first update
+        self._cast_first = self._split and cast_copies(config, self.dtype, self.dev.is_cuda, self.deferred)
         if split_wanted(config, self.dev.is_cuda, self.deferred) and not self._split:
             log.warning("zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel "
                         "updates in one pass", split_adamw.why_unavailable())
@@ -1514,7 +1523,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if spec is not None:
             self._settle(spec, host_units, hypers, factor)
         elif self.deferred:
-            if self._split and self._host16_possible():    # [Note: the master behind its cast]
+            if (self._cast_first and self._host16_possible()     # [Note: the master behind its cast]
+                    and any(u.home is Home.STREAMED and u.swap is None for u in self.blocks)):
                 self._enable_host16()
             ev = self.dev.record(self.dev.download)
             self._expect_updates(host_units)

@@ -29,13 +29,14 @@ waits for it before the unit's next gradient comes down ([Note: moments after th
 every reader of the optimizer state drains the worker first.
 
 [Note: the master behind its cast]
-A 16-bit model's forward does not read the fp32 master: it reads the weights cast to 16 bits. So when a
-streamed block has a 16-bit host copy (``Unit.host16``; the engine makes them for split updates on a GPU), its
+A bf16 model's forward does not read the fp32 master: it reads the weights cast to bf16. So when a streamed
+block has a bf16 host copy (``Unit.host16``; the engine makes them for split updates on a GPU), its
 first pass writes only that cast (2 bytes, not the master's 4) and the second pass, the **rest pass**, writes
 the master with the moments (28 bytes, off the critical path). On the forward's path per parameter: 16 bytes
 read, 2 written by the CPU, 2 read by the upload, against 20 and 4 (the fp32 upload, cast on the device); the
 upload itself takes half the time. The cast rounds as torch and the GPU round (to nearest, ties to even), so
-the device gets the bits it would have cast itself; the rest pass recomputes the same new master from the same
+the device gets the bits it would have cast itself (fp16 keeps the fp32 uploads: GCC 12 does not vectorize its
+conversion written portably); the rest pass recomputes the same new master from the same
 inputs. Between the passes the master is stale (``Unit.master_behind``): its 16-bit copy is valid (labelled
 for the step, [Note: 16-bit copies after the update]), and a read of the master itself (an fp32 upload once the
 copies went stale, a checkpoint, the next update) waits for the rest pass or drains the worker.
@@ -67,15 +68,15 @@ namespace {
 
 struct Consts {
   float scale, decay, lw, coeff, beta2, c2, bc2_sqrt, eps, neg_step_size;
-  bool has_scale, has_decay, small;
+  bool small;
 };
 
 Consts consts(double lr, double beta1, double beta2, double eps, double wd, double step, double scale) {
   Consts c;
-  c.has_scale = scale != 0.0;
-  c.scale = (float)scale;
-  c.has_decay = wd != 0.0;
-  c.decay = (float)(1 - lr * wd);
+  // without a scale or a decay, torch's kernel skips the division or the product: by 1 they give the same bits
+  // (exact in IEEE arithmetic), and the loop has no branch that would keep it from vectorizing
+  c.scale = scale != 0.0 ? (float)scale : 1.0f;
+  c.decay = wd != 0.0 ? (float)(1 - lr * wd) : 1.0f;
   c.lw = (float)(1 - beta1);
   c.small = std::fabs(c.lw) < 0.5f;
   c.coeff = c.small ? c.lw : c.lw - 1.0f;
@@ -106,43 +107,43 @@ inline void moments(const Consts& c, float g, float& m, float& v) {
   }
 }
 
-// fp32 -> bfloat16, rounded to nearest even: c10::BFloat16's (and the GPU's) rounding, branch-free so that the
-// loop vectorizes; a NaN becomes c10's 0x7FC0
+// fp32 -> bfloat16, rounded to nearest even as c10::BFloat16 and the GPU round; a NaN stays a NaN (its bits, as
+// between torch's own kernels, may differ). Integer arithmetic only, so that the loop vectorizes (GCC 12 leaves
+// the loop scalar for a select or a comparison here)
 inline uint16_t to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return f != f ? (uint16_t)0x7FC0 : (uint16_t)r;
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (uint32_t)((0x7F800000 - (int32_t)(u & 0x7FFFFFFFu)) >> 31);   // all ones for a NaN
+  return (uint16_t)(r | (nan & 0x7FC0u));
 }
 
-inline uint16_t to_f16(float f) { return c10::Half(f).x; }
-
 // One pass over [a, b): the moments of the step always; what it writes: W_P the new master, W_MV the moments,
-// OUT (1: bfloat16, 2: float16) the new master cast into ``o``
-template <int MODE, bool W_P, bool W_MV, int OUT>
-void pass_range(const Consts& c, float* p, const float* g, float* m, float* v, uint16_t* o, int64_t a,
-                int64_t b) {
+// OUT the new master cast to bfloat16 into ``o``
+template <int MODE, bool W_P, bool W_MV, bool OUT>
+void pass_range(const Consts& c, float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                float* __restrict__ v, uint16_t* __restrict__ o, int64_t a, int64_t b) {
+  const Consts k = c;     // in registers: nothing the loop stores can change them
   for (int64_t i = a; i < b; i++) {
-    float gv = c.has_scale ? g[i] / c.scale : g[i];
+    const float gv = g[i] / k.scale;
     float mv = m[i], vv = v[i];
-    moments<MODE>(c, gv, mv, vv);
+    moments<MODE>(k, gv, mv, vv);
     if (W_MV) {
       m[i] = mv;
       v[i] = vv;
     }
     if (W_P || OUT) {
-      float pv = c.has_decay ? p[i] * c.decay : p[i];
-      float denom = std::sqrt(vv) / c.bc2_sqrt + c.eps;
-      pv = pv + (c.neg_step_size * mv) / denom;
+      float pv = p[i] * k.decay;
+      const float denom = std::sqrt(vv) / k.bc2_sqrt + k.eps;
+      pv = pv + (k.neg_step_size * mv) / denom;
       if (W_P) p[i] = pv;
-      if (OUT == 1) o[i] = to_bf16(pv);
-      if (OUT == 2) o[i] = to_f16(pv);
+      if (OUT) o[i] = to_bf16(pv);
     }
   }
 }
 
 // [Note: dynamic chunks] (split_adamw.py)
-template <bool W_P, bool W_MV, int OUT>
+template <bool W_P, bool W_MV, bool OUT>
 void run(const Consts& c, float* p, const float* g, float* m, float* v, uint16_t* o, int64_t n, int64_t tail,
          bool fused, int64_t threads) {
   const int64_t body = fused ? n - tail : n, chunk = 1 << 16;
@@ -166,24 +167,22 @@ void check(const at::Tensor& t) {
 
 // ``tail``: the last elements torch's kernel updates in its scalar loop (numel % its vector width);
 // ``fused``: whether torch's build uses fused multiply-adds (every vector capability but the default);
-// ``out``: an empty tensor, or a bfloat16/float16 one the new master is cast into (then the master itself is
-// not written: ``adamw_rest`` writes it later)
+// ``out``: an empty tensor, or a bfloat16 one the new master is cast into (then the master itself is not
+// written: ``adamw_rest`` writes it later)
 void adamw_master(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, at::Tensor out, double lr, double beta1,
                   double beta2, double eps, double wd, double step, double scale, int64_t tail, bool fused,
                   int64_t threads) {
   for (auto* t : {&p, &g, &m, &v}) check(*t);
   const bool cast = out.numel() > 0;
-  TORCH_CHECK(!cast || (out.is_contiguous() && out.numel() == p.numel() &&
-                        (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf)),
-              "split AdamW: the cast's output must be a contiguous bfloat16/float16 tensor of the master's size");
+  TORCH_CHECK(!cast || (out.is_contiguous() && out.numel() == p.numel() && out.scalar_type() == at::kBFloat16),
+              "split AdamW: the cast's output must be a contiguous bfloat16 tensor of the master's size");
   pybind11::gil_scoped_release nogil;    // the worker thread's pass must not stop the main thread
   Consts c = consts(lr, beta1, beta2, eps, wd, step, scale);
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
   uint16_t* op = cast ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
-  if (!cast) run<true, false, 0>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
-  else if (out.scalar_type() == at::kBFloat16) run<false, false, 1>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
-  else run<false, false, 2>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
+  if (cast) run<false, false, true>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
+  else run<true, false, false>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
 }
 
 // the moments of the step (``with_master``: and the new master, after a master pass that wrote only its cast)
@@ -195,8 +194,8 @@ void adamw_rest(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, bool wit
   Consts c = consts(lr, beta1, beta2, eps, wd, step, scale);
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
-  if (with_master) run<true, true, 0>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, fused, threads);
-  else run<false, true, 0>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, fused, threads);
+  if (with_master) run<true, true, false>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, fused, threads);
+  else run<false, true, false>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, fused, threads);
 }
 """
 
@@ -270,8 +269,8 @@ def _threads() -> int:
 
 def master_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0, out16=None) -> None:
     """``master`` takes its AdamW step (``step`` is incremented, as the fused kernel's caller does); the
-    moments and the gradient are left as they were. ``h``: an optimizer.Hyper. With ``out16`` (a bfloat16 or
-    float16 tensor of the master's size) the new master is written there, cast, and not into ``master``:
+    moments and the gradient are left as they were. ``h``: an optimizer.Hyper. With ``out16`` (a bfloat16
+    tensor of the master's size) the new master is written there, cast, and not into ``master``:
     [Note: the master behind its cast]; ``rest_pass(..., with_master=True)`` writes it."""
     step.add_(1)
     _load().adamw_master(master, grad, exp_avg, exp_avg_sq, _EMPTY if out16 is None else out16, h.lr, h.beta1,

@@ -393,6 +393,10 @@ class OffloadConfig(_Frozen):
     [Note: moments after the forward], engine/split_adamw.py). A C++ kernel built at first use (a compiler
     needed; without one the fused kernel is used, with a notice). None = on a GPU (where the host's memory
     binds the forward), off on the CPU; the fused kernel's results (bitwise where tested: torch 2.13, AVX2)"""
+    rest_pass_threads: int | None = Field(None, ge=1)
+    """threads of the second pass of a split update (off the critical path, while the post pass and the backward
+    run): fewer than the first pass's leave cores to the main thread, which launches the GPU's work. None =
+    torch's intra-op threads less a quarter ([Note: threads for the rest pass], engine/split_adamw.py)"""
     window_keep_blocks: bool = True
     """the DeepSpeed-shaped loop: keep some streamed blocks on the GPU from a window's first forward to its
     boundary, in the memory of the gradient buffers (idle until the blocks' backward), so the window's later

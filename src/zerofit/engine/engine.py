@@ -1265,9 +1265,11 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if unit.swap is None:
             lo, hi = unit.lo, unit.hi     # the whole unit, or this rank's shard ([Note: sharded units])
             out16 = unit.host16[lo:hi] if part == "cast" else None
+            threads = (split_adamw.rest_threads(self.config.offload.rest_pass_threads)
+                       if part in ("moments", "rest") else None)
             for hypers, factor, inverse in ops:
                 unit_adamw(unit, unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], unit.step,
-                           hypers, factor, start=lo, inverse=inverse, part=part, out16=out16)
+                           hypers, factor, start=lo, inverse=inverse, part=part, out16=out16, threads=threads)
             return
         assert part is None, "a unit on the disk tier is updated in one pass"
         tier, key = self._tier, unit.index

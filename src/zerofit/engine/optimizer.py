@@ -62,7 +62,8 @@ def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 
 def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                step: torch.Tensor, hypers: tuple[Hyper, ...], factor: float = 1.0, *, start: int = 0,
-               inverse: bool = False, part: str | None = None, out16: torch.Tensor | None = None) -> None:
+               inverse: bool = False, part: str | None = None, out16: torch.Tensor | None = None,
+               threads: int | None = None) -> None:
     """One AdamW step (``inverse``: its undoing, :func:`adamw_rollback`) on a unit's state, each parameter group
     with its own hyperparameters. Every update and rollback of the engine goes through here.
 
@@ -79,7 +80,8 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     ``part``: one of the two passes of the step ([Note: moments after the forward], split_adamw.py): "master"
     (the new master) then "moments"; or, [Note: the master behind its cast], "cast" (the new master cast into
     ``out16``, the unit's 16-bit copy over the same elements, the master left as it was) then "rest" (moments
-    and master). The first pass counts the step."""
+    and master). The first pass counts the step. ``threads``: the second pass's ([Note: threads for the rest
+    pass])."""
     if inverse and factor != 1.0:
         raise ValueError("a rollback undoes an update taken with factor 1 (a speculative update)")
 
@@ -92,7 +94,7 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
         elif part in ("master", "cast"):      # [Note: moments after the forward] (split_adamw.py)
             split_adamw.master_pass(p, g, m, v, s, h, factor, out16=o)
         elif part in ("moments", "rest"):
-            split_adamw.rest_pass(p, g, m, v, s, h, factor, with_master=part == "rest")
+            split_adamw.rest_pass(p, g, m, v, s, h, factor, with_master=part == "rest", threads=threads)
         else:
             adamw_flat(p, g, m, v, s, h, factor)
 

@@ -278,9 +278,20 @@ def master_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0,
                          _threads())
 
 
-def rest_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0, with_master: bool = False) -> None:
+def rest_threads(configured: int | None = None) -> int:
+    """[Note: threads for the rest pass]
+    The second pass runs while the post pass and the backward do, and the main thread launches their kernels:
+    with every core busy in the pass, the post pass's kernels went out late (W1, clipped: 36 ms per micro-batch
+    against 22 with the CPU quiet; docs/benchmarks.md). It is off the critical path and bound by host memory,
+    so it leaves a quarter of the threads free. ``configured``: offload.rest_pass_threads."""
+    return configured or max(1, _threads() - _threads() // 4)
+
+
+def rest_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0, with_master: bool = False,
+              threads: int | None = None) -> None:
     """The rest of the step whose master pass ran: the same gradient, moments, factor and (already counted)
     ``step``. Writes the moments, and with ``with_master`` the new master too (its master pass wrote only the
-    cast)."""
+    cast). ``threads``: default all of torch's intra-op threads."""
     _load().adamw_rest(master, grad, exp_avg, exp_avg_sq, with_master, h.lr, h.beta1, h.beta2, h.eps,
-                       h.weight_decay, float(step), _scale_of(factor), *_layout(exp_avg.numel()), _threads())
+                       h.weight_decay, float(step), _scale_of(factor), *_layout(exp_avg.numel()),
+                       threads or _threads())

@@ -244,3 +244,15 @@ def test_an_fp32_upload_of_a_master_behind_its_cast_waits_for_the_rest_pass():
     assert all(torch.equal(x, y) for n in a for x, y in zip(a[n][:3], b[n][:3]))
     ref.close()
     engine.close()
+
+
+def test_the_calibration_tells_the_ways_of_rounding_apart():
+    """[Note: the fused kernel's rounding]: the modes the kernel chose at load reproduce the fused kernel on its
+    calibration cases, and every other way of rounding the vector loop or the tail fails on them: the cases
+    would catch a build that rounds another way (as torch 2.11's AVX-512 tail does)."""
+    module = split_adamw._load()
+    cases = split_adamw._calibration_cases()
+    body, tail = split_adamw._modes
+    assert split_adamw._matches(module, cases, body, tail)
+    assert not any(split_adamw._matches(module, cases, body, t) for t in range(6) if t != tail)
+    assert not any(split_adamw._matches(module, cases, b, tail) for b in range(6) if b != body)

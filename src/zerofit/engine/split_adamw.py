@@ -89,18 +89,19 @@ Consts consts(double lr, double beta1, double beta2, double eps, double wd, doub
   return c;
 }
 
-// MODE 1: torch's vector loop on an FMA build (AVX2, AVX-512); 2: its scalar tail there, as the compiler
-// contracted it; 0: a build without FMA
+// [Note: the fused kernel's rounding] (split_adamw.py): MODE / 3 says whether ``exp_avg``'s lerp is one fused
+// multiply-add, MODE % 3 how ``exp_avg_sq`` is: 0 none, 1 fma((1 - beta2) * g, g, v * beta2) (torch's vector
+// loops on AVX2 and AVX-512), 2 fma(v, beta2, ((1 - beta2) * g) * g) (its scalar tail, as GCC contracted it)
 template <int MODE>
 inline void moments(const Consts& c, float g, float& m, float& v) {
-  if (MODE != 0) {
+  if (MODE / 3 == 1) {
     m = std::fma(c.coeff, g - m, c.small ? m : g);
   } else {
     m = c.small ? m + c.lw * (g - m) : g - (g - m) * (1.0f - c.lw);
   }
-  if (MODE == 1) {
+  if (MODE % 3 == 1) {
     v = std::fma(c.c2 * g, g, v * c.beta2);
-  } else if (MODE == 2) {
+  } else if (MODE % 3 == 2) {
     v = std::fma(v, c.beta2, (c.c2 * g) * g);
   } else {
     v = v * c.beta2 + (c.c2 * g) * g;
@@ -142,20 +143,33 @@ void pass_range(const Consts& c, float* __restrict__ p, const float* __restrict_
   }
 }
 
-// [Note: dynamic chunks] (split_adamw.py)
+template <bool W_P, bool W_MV, bool OUT>
+void range_in(int mode, const Consts& c, float* p, const float* g, float* m, float* v, uint16_t* o, int64_t a,
+              int64_t b) {
+  switch (mode) {
+    case 0: pass_range<0, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b); break;
+    case 1: pass_range<1, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b); break;
+    case 2: pass_range<2, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b); break;
+    case 3: pass_range<3, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b); break;
+    case 4: pass_range<4, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b); break;
+    default: pass_range<5, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b); break;
+  }
+}
+
+// [Note: dynamic chunks] (split_adamw.py); the last ``tail`` elements in ``tail_mode``, the others in
+// ``body_mode`` ([Note: the fused kernel's rounding])
 template <bool W_P, bool W_MV, bool OUT>
 void run(const Consts& c, float* p, const float* g, float* m, float* v, uint16_t* o, int64_t n, int64_t tail,
-         bool fused, int64_t threads) {
-  const int64_t body = fused ? n - tail : n, chunk = 1 << 16;
+         int64_t body_mode, int64_t tail_mode, int64_t threads) {
+  const int64_t body = n - tail, chunk = 1 << 16;
   const int64_t chunks = (body + chunk - 1) / chunk;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, chunks));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
   for (int64_t k = 0; k < chunks; k++) {
     int64_t a = k * chunk, b = std::min(body, a + chunk);
-    if (fused) pass_range<1, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b);
-    else pass_range<0, W_P, W_MV, OUT>(c, p, g, m, v, o, a, b);
+    range_in<W_P, W_MV, OUT>((int)body_mode, c, p, g, m, v, o, a, b);
   }
-  pass_range<2, W_P, W_MV, OUT>(c, p, g, m, v, o, body, n);
+  range_in<W_P, W_MV, OUT>((int)tail_mode, c, p, g, m, v, o, body, n);
 }
 
 void check(const at::Tensor& t) {
@@ -166,12 +180,12 @@ void check(const at::Tensor& t) {
 }  // namespace
 
 // ``tail``: the last elements torch's kernel updates in its scalar loop (numel % its vector width);
-// ``fused``: whether torch's build uses fused multiply-adds (every vector capability but the default);
+// ``body_mode``, ``tail_mode``: how its vector loop and its tail round ([Note: the fused kernel's rounding]);
 // ``out``: an empty tensor, or a bfloat16 one the new master is cast into (then the master itself is not
 // written: ``adamw_rest`` writes it later)
 void adamw_master(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, at::Tensor out, double lr, double beta1,
-                  double beta2, double eps, double wd, double step, double scale, int64_t tail, bool fused,
-                  int64_t threads) {
+                  double beta2, double eps, double wd, double step, double scale, int64_t tail, int64_t body_mode,
+                  int64_t tail_mode, int64_t threads) {
   for (auto* t : {&p, &g, &m, &v}) check(*t);
   const bool cast = out.numel() > 0;
   TORCH_CHECK(!cast || (out.is_contiguous() && out.numel() == p.numel() && out.scalar_type() == at::kBFloat16),
@@ -181,27 +195,28 @@ void adamw_master(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, at::Te
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
   uint16_t* op = cast ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
-  if (cast) run<false, false, true>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
-  else run<true, false, false>(c, pp, gp, mp, vp, op, p.numel(), tail, fused, threads);
+  if (cast) run<false, false, true>(c, pp, gp, mp, vp, op, p.numel(), tail, body_mode, tail_mode, threads);
+  else run<true, false, false>(c, pp, gp, mp, vp, op, p.numel(), tail, body_mode, tail_mode, threads);
 }
 
 // the moments of the step (``with_master``: and the new master, after a master pass that wrote only its cast)
 void adamw_rest(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, bool with_master, double lr, double beta1,
-                double beta2, double eps, double wd, double step, double scale, int64_t tail, bool fused,
-                int64_t threads) {
+                double beta2, double eps, double wd, double step, double scale, int64_t tail, int64_t body_mode,
+                int64_t tail_mode, int64_t threads) {
   for (auto* t : {&p, &g, &m, &v}) check(*t);
   pybind11::gil_scoped_release nogil;
   Consts c = consts(lr, beta1, beta2, eps, wd, step, scale);
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
-  if (with_master) run<true, true, false>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, fused, threads);
-  else run<false, true, false>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, fused, threads);
+  if (with_master) run<true, true, false>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, body_mode, tail_mode, threads);
+  else run<false, true, false>(c, pp, gp, mp, vp, nullptr, m.numel(), tail, body_mode, tail_mode, threads);
 }
 """
 
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
+_modes: tuple[int, int] = (4, 5)    # (body, tail): [Note: the fused kernel's rounding], set by _calibrate
 
 
 def _load():
@@ -220,12 +235,70 @@ def _load():
                     # only the fused multiply-adds written out; an errno-free sqrt lets the loops vectorize
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as e:     # no compiler, no headers: the fused kernel stays
+                _calibrate(_module)
+            except Exception as e:     # no compiler, no headers, no way to round as torch: the fused kernel stays
                 lines = str(e).strip().splitlines()
                 _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
                 log.warning("zerofit: the split AdamW kernel could not be built (%s); torch's fused kernel is used",
                             _error)
     return _module
+
+
+def _calibrate(module) -> None:
+    """[Note: the fused kernel's rounding]
+    torch's fused CPU AdamW is written once (ATen ``FusedAdamKernel.cpp``) but compiled per capability and per
+    build, and the compiler decides which products it fuses with additions: on torch 2.13's AVX2 build the
+    vector loop fuses ``exp_avg_sq``'s update one way and the scalar tail (the last ``numel % width`` elements)
+    another; on the GPU machine's torch 2.11 AVX-512 build the tail rounds differently again (found there: the
+    two passes differed in the last bit of ``exp_avg_sq`` on a tail of 8 elements). So the passes do not assume
+    an order: at load they try each way of rounding the moments (with and without the fused multiply-adds),
+    body and tail, against the fused kernel of this process on vectors with long tails, a clipping factor and
+    weight decay, and keep the first that gives every master, moment and step bitwise. If none does, the
+    kernel is not used (torch's fused kernel is, with a notice)."""
+    global _modes
+    cases = _calibration_cases()
+    order = (4, 5, 0, 1, 2, 3)      # torch 2.13's AVX2 build first; a build without fused multiply-adds next
+    for body in order:
+        for tail in order:
+            if _matches(module, cases, body, tail):
+                _modes = (body, tail)
+                return
+    raise RuntimeError("no order of the passes' arithmetic rounds as torch's fused AdamW does in this build")
+
+
+def _width() -> int:
+    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
+def _calibration_cases() -> list[tuple]:
+    """((master, grad, exp_avg, exp_avg_sq), Hyper, factor, the fused kernel's results) on vectors whose tails
+    are long (up to width - 1 elements), with and without a factor and weight decay."""
+    from zerofit.engine.optimizer import Hyper, adamw_flat
+
+    gen = torch.Generator().manual_seed(1234)
+    w = _width()
+    cases = []
+    for n, factor, wd in ((64 * w + w - 1, 0.127, 0.01), (40 * w + w // 2, 1.0, 0.0), (4096 + w - 3, 0.31, 0.1)):
+        p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+        h = Hyper(1e-3, 0.9, 0.999, 1e-8, wd)
+        want = [t.clone() for t in (p, g, m, v)] + [torch.tensor(4.0)]
+        adamw_flat(*want, h, factor)
+        cases.append(((p, g, m, v), h, factor, want))
+    return cases
+
+
+def _matches(module, cases, body: int, tail: int) -> bool:
+    """Whether the two passes in these modes give each case's fused results bitwise."""
+    for (p, g, m, v), h, factor, want in cases:
+        got = [t.clone() for t in (p, g, m, v)]
+        args = (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, float(want[4]), _scale_of(factor),
+                p.numel() % _width(), body, tail, 1)
+        module.adamw_master(*got, _EMPTY, *args)
+        module.adamw_rest(*got, False, *args)
+        if not all(torch.equal(a, b) for a, b in zip((got[0], got[2], got[3]), (want[0], want[2], want[3]))):
+            return False
+    return True
 
 
 def _ninja_on_path() -> None:
@@ -253,11 +326,11 @@ def _scale_of(factor: float) -> float:
     return 0.0 if factor == 1.0 else float(torch.tensor(1.0 / factor, dtype=torch.float32))
 
 
-def _layout(numel: int) -> tuple[int, bool]:
-    """(the elements torch's fused kernel leaves to its scalar tail, whether its build fuses multiply-adds) for
-    ``numel`` fp32 elements on this CPU: its vector width is the dispatched capability's."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    return numel % (16 if cap.startswith("AVX512") else 8), cap != "DEFAULT"
+def _layout(numel: int) -> tuple[int, int, int]:
+    """(the elements torch's fused kernel leaves to its scalar tail, how its vector loop rounds, how its tail
+    rounds) for ``numel`` fp32 elements on this CPU: its vector width is the dispatched capability's; the
+    rounding, [Note: the fused kernel's rounding]."""
+    return numel % _width(), *_modes
 
 
 _EMPTY = torch.empty(0)

@@ -1768,6 +1768,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._note_host()
         return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(self.dev.device) if self.dev.is_cuda else 0,
                 "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.dev.device) if self.dev.is_cuda else 0,
+                # the caching allocator freed its cache and retried an allocation (each a device sync)
+                "gpu_alloc_retries": (torch.cuda.memory_stats(self.dev.device).get("num_alloc_retries", 0)
+                                      if self.dev.is_cuda else 0),
                 "gpu_predicted_bytes": getattr(self, "batch_plan", self.plan).device_total,
                 "host_bytes": psutil.Process().memory_info().rss,
                 "host_peak_bytes": self._peak_host,

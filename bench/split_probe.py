@@ -21,7 +21,13 @@ from zerofit.engine.split_adamw import available, master_pass, rest_pass
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=int, default=256 << 20)
-    n = ap.parse_args().params
+    ap.add_argument("--rounding", action="store_true",
+                    help="instead: which ways of rounding ([Note: the fused kernel's rounding]) match torch's fused "
+                         "kernel on sizes 960-1100 (the tail's width taken as 8, 16 and 32)")
+    args = ap.parse_args()
+    if args.rounding:
+        return rounding()
+    n = args.params
     t = time.perf_counter()
     assert available(), "the split kernel did not build"
     print(f"split kernel built/loaded in {time.perf_counter() - t:.1f} s")
@@ -59,6 +65,35 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}")
     for busy, what, r in rows:
         print(f"{'copies running' if busy else 'alone':15s} {what:14s} {r:6.2f} G params/s")
+
+
+def rounding() -> None:
+    """For each size, the (body, tail) modes whose passes equal the fused kernel bitwise, per assumed width."""
+    import zerofit.engine.split_adamw as sa
+    from zerofit.engine.optimizer import Hyper
+
+    module = sa._load()
+    print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, chosen modes {sa._modes}")
+    gen = torch.Generator().manual_seed(7)
+    for n in list(range(960, 1100, 7)) + [1000, 4096 + 8, 100_001]:
+        p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+        want = [t.clone() for t in (p, g, m, v)] + [torch.tensor(4.0)]
+        h = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)
+        adamw_flat(*want, h, 1.0)
+        found = {}
+        for width in (8, 16, 32):
+            ok = []
+            for body in range(6):
+                for tail in range(6):
+                    got = [t.clone() for t in (p, g, m, v)]
+                    a = (h.lr, h.beta1, h.beta2, h.eps, 0.0, 5.0, 0.0, n % width, body, tail, 1)
+                    module.adamw_master(*got, sa._EMPTY, *a)
+                    module.adamw_rest(*got, False, *a)
+                    if all(torch.equal(x, y) for x, y in zip((got[0], got[2], got[3]), (want[0], want[2], want[3]))):
+                        ok.append((body, tail))
+            found[width] = ok
+        print(n, {w: o[:6] for w, o in found.items()})
 
 
 if __name__ == "__main__":

@@ -252,7 +252,8 @@ def test_the_calibration_tells_the_ways_of_rounding_apart():
     would catch a build that rounds another way (as torch 2.11's AVX-512 tail does)."""
     module = split_adamw._load()
     cases = split_adamw._calibration_cases()
-    body, tail = split_adamw._modes
-    assert split_adamw._matches(module, cases, body, tail)
-    assert not any(split_adamw._matches(module, cases, body, t) for t in range(6) if t != tail)
-    assert not any(split_adamw._matches(module, cases, b, tail) for b in range(6) if b != body)
+    (body, tail), w = split_adamw._modes, split_adamw._tail_width
+    assert split_adamw._matches(module, cases, body, tail, w)
+    assert not any(split_adamw._matches(module, cases, body, t, w) for t in range(6) if t != tail)
+    assert not any(split_adamw._matches(module, cases, b, tail, w) for b in range(6) if b != body)
+    assert not any(split_adamw._matches(module, cases, body, tail, x) for x in (8, 16, 32) if x != w)

@@ -217,6 +217,7 @@ _lock = threading.Lock()
 _module = None
 _error: str | None = None
 _modes: tuple[int, int] = (4, 5)    # (body, tail): [Note: the fused kernel's rounding], set by _calibrate
+_tail_width = 8                     # the fused kernel's vector width: its tail is numel % this (_calibrate)
 
 
 def _load():
@@ -252,33 +253,36 @@ def _calibrate(module) -> None:
     another; on the GPU machine's torch 2.11 AVX-512 build the tail rounds differently again (found there: the
     two passes differed in the last bit of ``exp_avg_sq`` on a tail of 8 elements). So the passes do not assume
     an order: at load they try each way of rounding the moments (with and without the fused multiply-adds),
-    body and tail, against the fused kernel of this process on vectors with long tails, a clipping factor and
-    weight decay, and keep the first that gives every master, moment and step bitwise. If none does, the
+    body and tail, and each vector width the tail may follow (the dispatched capability's first), against the
+    fused kernel of this process on vectors with long tails, a clipping factor and weight decay, and keep the
+    first that gives every master, moment and step bitwise. If none does, the
     kernel is not used (torch's fused kernel is, with a notice)."""
-    global _modes
+    global _modes, _tail_width
     cases = _calibration_cases()
     order = (4, 5, 0, 1, 2, 3)      # torch 2.13's AVX2 build first; a build without fused multiply-adds next
-    for body in order:
-        for tail in order:
-            if _matches(module, cases, body, tail):
-                _modes = (body, tail)
-                return
+    for width in dict.fromkeys((_capability_width(), 8, 16, 32)):
+        for body in order:
+            for tail in order:
+                if _matches(module, cases, body, tail, width):
+                    _modes, _tail_width = (body, tail), width
+                    return
     raise RuntimeError("no order of the passes' arithmetic rounds as torch's fused AdamW does in this build")
 
 
-def _width() -> int:
+def _capability_width() -> int:
     return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
 
 
 def _calibration_cases() -> list[tuple]:
     """((master, grad, exp_avg, exp_avg_sq), Hyper, factor, the fused kernel's results) on vectors whose tails
-    are long (up to width - 1 elements), with and without a factor and weight decay."""
+    are long and tell vector widths of 8, 16 and 32 apart, with and without a factor and weight decay."""
     from zerofit.engine.optimizer import Hyper, adamw_flat
 
     gen = torch.Generator().manual_seed(1234)
-    w = _width()
     cases = []
-    for n, factor, wd in ((64 * w + w - 1, 0.127, 0.01), (40 * w + w // 2, 1.0, 0.0), (4096 + w - 3, 0.31, 0.1)):
+    # n % (8, 16, 32): 1039 (7, 15, 15), 1000 (0, 8, 8), 1048 (0, 8, 24), 4109 (5, 13, 13), 657 (1, 1, 17)
+    for n, factor, wd in ((1039, 0.127, 0.01), (1000, 1.0, 0.0), (1048, 0.31, 0.0), (4109, 0.31, 0.1),
+                          (657, 1.0, 0.01)):
         p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
         m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
         h = Hyper(1e-3, 0.9, 0.999, 1e-8, wd)
@@ -288,12 +292,13 @@ def _calibration_cases() -> list[tuple]:
     return cases
 
 
-def _matches(module, cases, body: int, tail: int) -> bool:
-    """Whether the two passes in these modes give each case's fused results bitwise."""
+def _matches(module, cases, body: int, tail: int, width: int) -> bool:
+    """Whether the two passes in these modes, the tail ``numel % width``, give each case's fused results
+    bitwise."""
     for (p, g, m, v), h, factor, want in cases:
         got = [t.clone() for t in (p, g, m, v)]
         args = (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, float(want[4]), _scale_of(factor),
-                p.numel() % _width(), body, tail, 1)
+                p.numel() % width, body, tail, 1)
         module.adamw_master(*got, _EMPTY, *args)
         module.adamw_rest(*got, False, *args)
         if not all(torch.equal(a, b) for a, b in zip((got[0], got[2], got[3]), (want[0], want[2], want[3]))):
@@ -328,9 +333,8 @@ def _scale_of(factor: float) -> float:
 
 def _layout(numel: int) -> tuple[int, int, int]:
     """(the elements torch's fused kernel leaves to its scalar tail, how its vector loop rounds, how its tail
-    rounds) for ``numel`` fp32 elements on this CPU: its vector width is the dispatched capability's; the
-    rounding, [Note: the fused kernel's rounding]."""
-    return numel % _width(), *_modes
+    rounds) for ``numel`` fp32 elements in this process: [Note: the fused kernel's rounding]."""
+    return numel % _tail_width, *_modes
 
 
 _EMPTY = torch.empty(0)

@@ -13,15 +13,13 @@ The forward needs only the new master. So the update is split in two passes:
 
 The passes are a small C++ kernel (built at first use by ``torch.utils.cpp_extension``, cached; about a
 minute; a C++ compiler is needed, else ``available()`` is False and the engine keeps torch's fused kernel).
-It does the fused kernel's arithmetic in its order (ATen ``FusedAdamKernel.cpp``, ADAMW mode, as torch's
-AVX2/AVX-512 builds compile its vector loop: the gradient divided by the float ``grad_scale``; ``exp_avg`` by
-``lerp`` as one fused multiply-add; ``exp_avg_sq`` as ``fma((1 - beta2) * g, g, v * beta2)``; the step
-``p + ((-step_size) * m) / (sqrt(v) / bc2_sqrt + eps)``; in the scalar tail, the last ``numel % width``
-elements, as torch's compiler contracted it there: ``fma(v, beta2, ((1 - beta2) * g) * g)``). Master and moments
-come out bitwise as the fused kernel's where that was tested (torch 2.13, AVX2, tests/test_split_updates.py; not
-compared bitwise on the GPU machine's torch 2.11, AVX-512). A build that rounds differently differs in the last
-bit, as torch's CPU and GPU kernels do. Both passes compute the moments the same way, so the master pass's step
-uses exactly the moments the later pass writes. The gradient is left unscaled (the fused kernel writes it scaled;
+It does the fused kernel's arithmetic in its order (ATen ``FusedAdamKernel.cpp``, ADAMW mode: the gradient
+divided by the float ``grad_scale``; ``exp_avg`` by ``lerp``; ``exp_avg_sq``; the step
+``p + ((-step_size) * m) / (sqrt(v) / bc2_sqrt + eps)``), rounding as this process's torch build rounds: found
+at load ([Note: the fused kernel's rounding]). Master and moments come out bitwise as the fused kernel's
+(tests/test_split_updates.py, passed on torch 2.13/AVX2 here and torch 2.11/AVX-512 on the GPU machine). Both
+passes compute the moments the same way, so the master pass's step uses exactly the moments the later pass
+writes. The gradient is left unscaled (the fused kernel writes it scaled;
 nothing reads it after the update).
 
 The moments pass must run before the moments or the gradient buffer are read or written again: the engine
@@ -35,8 +33,8 @@ first pass writes only that cast (2 bytes, not the master's 4) and the second pa
 the master with the moments (28 bytes, off the critical path). On the forward's path per parameter: 16 bytes
 read, 2 written by the CPU, 2 read by the upload, against 20 and 4 (the fp32 upload, cast on the device); the
 upload itself takes half the time. The cast rounds as torch and the GPU round (to nearest, ties to even), so
-the device gets the bits it would have cast itself (fp16 keeps the fp32 uploads: GCC 12 does not vectorize its
-conversion written portably); the rest pass recomputes the same new master from the same
+the device gets the bits it would have cast itself (fp16 keeps the master pass and the fp32 uploads: GCC 12 does
+not vectorize its conversion written portably); the rest pass recomputes the same new master from the same
 inputs. Between the passes the master is stale (``Unit.master_behind``): its 16-bit copy is valid (labelled
 for the step, [Note: 16-bit copies after the update]), and a read of the master itself (an fp32 upload once the
 copies went stale, a checkpoint, the next update) waits for the rest pass or drains the worker.
@@ -357,10 +355,11 @@ def master_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0,
 
 def rest_threads(configured: int | None = None) -> int:
     """[Note: threads for the rest pass]
-    The second pass runs while the post pass and the backward do, and the main thread launches their kernels:
-    with every core busy in the pass, the post pass's kernels went out late (W1, clipped: 36 ms per micro-batch
-    against 22 with the CPU quiet; docs/benchmarks.md). It is off the critical path and bound by host memory,
-    so it leaves a quarter of the threads free. ``configured``: offload.rest_pass_threads."""
+    The second pass runs while the post pass and the backward do, off the critical path and bound by host
+    memory, while the main thread launches the GPU's kernels: it leaves a quarter of the threads free for that.
+    (W1 clipped, 2026-12-01, one run each: 12 threads 12,714 tokens/s, 8 threads 12,652, 16 threads 12,484:
+    within the runs' noise of a few percent, so a choice for the main thread's sake, not a measured gain.)
+    ``configured``: offload.rest_pass_threads."""
     return configured or max(1, _threads() - _threads() // 4)
 
 

@@ -336,9 +336,9 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
     """The DeepSpeed-shaped loop with real streams: the blocks' backward at the boundary, the 16-bit host
     copies (pinned, filled on the download stream while slots are reused, and after each update: [Note: 16-bit
     copies after the update]) and the blocks kept in the gradient buffers' memory through a window's forwards
-    ([Note: a window keeps some blocks]) give train_batch's losses and weights bitwise. Without clipping only the
-    very first forward uploads fp32 masters; with it a step's first forward does (but for the blocks the device
-    updates on the way). With the window announced (forward_window), the forwards are made at once:
+    ([Note: a window keeps some blocks]) give train_batch's losses and weights bitwise. Only the very first
+    forward uploads every fp32 master; without clipping no later one does, with it the updates' bf16 casts
+    ([Note: the master behind its cast]) serve the later forwards too, but for a step that speculated. With the window announced (forward_window), the forwards are made at once:
     train_batch's uploads, no copies."""
     G3, steps = 3, 4
     # the share of device updates set: the loop's default is larger than train_batch's ([Note: 16-bit copies after

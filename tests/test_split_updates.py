@@ -257,3 +257,46 @@ def test_the_calibration_tells_the_ways_of_rounding_apart():
     assert not any(split_adamw._matches(module, cases, body, t, w) for t in range(6) if t != tail)
     assert not any(split_adamw._matches(module, cases, b, tail, w) for b in range(6) if b != body)
     assert not any(split_adamw._matches(module, cases, body, tail, x) for x in (8, 16, 32) if x != w)
+
+
+@pytest.mark.parametrize("n", [1000, 1003, 300_007])
+def test_a_whole_step_through_the_kernel_is_the_fused_step_bitwise(n):
+    """[Note: one pass through the kernel]: master, moments and step as the fused kernel's, the gradient left
+    alone."""
+    torch.manual_seed(n)
+    h = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01)
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01
+    fused = [t.clone() for t in (p, g, m, v)] + [torch.tensor(2.0)]
+    adamw_flat(*fused, h, 1.0)
+    mine = [t.clone() for t in (p, g, m, v)] + [torch.tensor(2.0)]
+    split_adamw.full_step(*mine, h)
+    assert all(torch.equal(a, b) for a, b in zip(fused, mine))
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e3], ids=["no-clipping", "speculated"])
+def test_immediate_updates_through_the_kernel_are_the_fused_engine_bitwise(clip):
+    """[Note: one pass through the kernel]: with the kernel on, the CPU's immediate (and speculative, never
+    clipped) updates run through it, and losses, masters, moments and steps equal the engine with torch's fused
+    kernel bit for bit."""
+    torch.manual_seed(0)
+    model = tm.llama(layers=3)
+    one = zerofit.initialize(copy.deepcopy(model), _cfg(gradient_clipping=clip, offload={"split_updates": False}))
+    two = zerofit.initialize(model, _cfg(gradient_clipping=clip, offload={"split_updates": True}))
+    assert two._kernel_steps and not one._kernel_steps
+    parts = []
+    import zerofit.engine.engine as eng
+    inner = eng.unit_adamw
+    eng.unit_adamw = lambda *a, **k: (parts.append(k.get("part")), inner(*a, **k))[1]
+    try:
+        for mbs in tm.batches(4, 2):
+            assert one.train_batch(mbs) == two.train_batch(mbs)
+        a, b = _state(one), _state(two)
+    finally:
+        eng.unit_adamw = inner
+    host = [u for u in two.units if not u.optimizer_on_device]
+    assert host and parts.count("full") == len(host) * 4     # (the device's own updates pass no part)
+    for name in a:
+        for what, x, y in zip(("master", "exp_avg", "exp_avg_sq", "step"), a[name], b[name]):
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{name} {what}"
+    one.close()
+    two.close()

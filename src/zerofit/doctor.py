@@ -287,23 +287,18 @@ def timed_steps(step, time_limit_s: float, steps: int) -> list[float]:
     return times
 
 
-def master_pass_speed(params: int = 64 * MiB, time_limit_s: float = 5.0, cast: torch.dtype | None = None,
-                      full: bool = False) -> float:
+def master_pass_speed(params: int = 64 * MiB, time_limit_s: float = 5.0, cast: torch.dtype | None = None) -> float:
     """Parameters per second of the two-pass AdamW's first pass (engine/split_adamw.py, [Note: moments after
     the forward]; with ``cast``, the pass that writes only the new weights cast to that 16-bit dtype: [Note: the
-    master behind its cast]; with ``full``, a whole step through the kernel: [Note: one pass through the
-    kernel]) while pinned copies run both ways, as optimizer_speed(while_copying=True) measures the fused
-    kernel: one warm-up, then the median of up to 9 steps."""
+    master behind its cast]) while pinned copies run both ways, as optimizer_speed(while_copying=True)
+    measures the fused kernel: one warm-up, then the median of up to 9 steps."""
     from zerofit.engine import split_adamw
     from zerofit.engine.optimizer import Hyper
 
     p, g, m, v = (torch.randn(params) for _ in range(4))
     out16 = None if cast is None else torch.empty(params, dtype=cast)
     h = Hyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
-    if full:
-        step = lambda: split_adamw.full_step(p, g, m, v, torch.tensor(0.0), h)   # noqa: E731
-    else:
-        step = lambda: split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), h, 0.5, out16=out16)   # noqa: E731
+    step = lambda: split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), h, 0.5, out16=out16)   # noqa: E731
     step()
     with BackgroundCopies():
         times = timed_steps(step, time_limit_s, 9)

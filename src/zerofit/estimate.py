@@ -279,10 +279,8 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     h2d, d2h = copies[("host->gpu", "pinned")], copies[("gpu->host", "pinned")]
     both = copies.get(("both", "pinned"), min(h2d, d2h))
     # the CPU's AdamW runs while the copies do, sharing the host's memory bandwidth with them (ENGINE.md)
-    # the CPU's whole steps: torch's fused kernel, or zerofit's where the engine uses it ([Note: one pass through
-    # the kernel])
-    rate = (doctor.master_pass_speed(full=True) if split_updates(cfg, on_cuda, True)
-            else doctor.optimizer_speed(64 << 20, 5.0, while_copying=True).params_per_s)
+    opt = doctor.optimizer_speed(64 << 20, 5.0, while_copying=True)
+    rate = opt.params_per_s
     cb = torch.empty((), dtype=_dtype(cfg)).element_size()
     n = shape.block_numels
     disk_of = plan.disk_of

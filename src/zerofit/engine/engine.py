@@ -252,8 +252,6 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._split = split_updates(config, self.dev.is_cuda, self.deferred)
         # [Note: the master behind its cast]: the streamed blocks get 16-bit host copies at the first update
         self._cast_first = self._split and cast_copies(config, self.dtype, self.dev.is_cuda, self.deferred)
-        # [Note: one pass through the kernel] (split_adamw.py): the CPU's other steps through the same kernel
-        self._kernel_steps = split_updates(config, self.dev.is_cuda, True)
         if split_wanted(config, self.dev.is_cuda, self.deferred) and not self._split:
             log.warning("zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel "
                         "updates in one pass", split_adamw.why_unavailable())
@@ -1270,10 +1268,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             threads = (split_adamw.rest_threads(self.config.offload.rest_pass_threads)
                        if part in ("moments", "rest") else None)
             for hypers, factor, inverse in ops:
-                # [Note: one pass through the kernel]: a whole step with no factor through the split kernel
-                p = "full" if part is None and self._kernel_steps and factor == 1.0 and not inverse else part
                 unit_adamw(unit, unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], unit.step,
-                           hypers, factor, start=lo, inverse=inverse, part=p, out16=out16, threads=threads)
+                           hypers, factor, start=lo, inverse=inverse, part=part, out16=out16, threads=threads)
             return
         assert part is None, "a unit on the disk tier is updated in one pass"
         tier, key = self._tier, unit.index

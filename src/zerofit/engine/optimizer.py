@@ -80,8 +80,7 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     ``part``: one of the two passes of the step ([Note: moments after the forward], split_adamw.py): "master"
     (the new master) then "moments"; or, [Note: the master behind its cast], "cast" (the new master cast into
     ``out16``, the unit's 16-bit copy over the same elements, the master left as it was) then "rest" (moments
-    and master). The first pass counts the step. "full": the whole step in one pass of the same kernel, with no
-    factor ([Note: one pass through the kernel]). ``threads``: the second pass's ([Note: threads for the rest
+    and master). The first pass counts the step. ``threads``: the second pass's ([Note: threads for the rest
     pass])."""
     if inverse and factor != 1.0:
         raise ValueError("a rollback undoes an update taken with factor 1 (a speculative update)")
@@ -96,8 +95,6 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
             split_adamw.master_pass(p, g, m, v, s, h, factor, out16=o)
         elif part in ("moments", "rest"):
             split_adamw.rest_pass(p, g, m, v, s, h, factor, with_master=part == "rest", threads=threads)
-        elif part == "full":
-            split_adamw.full_step(p, g, m, v, s, h)
         else:
             adamw_flat(p, g, m, v, s, h, factor)
 
@@ -110,7 +107,7 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
         if a < b:
             run(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step.clone(), hypers[seg.group],
                 None if out16 is None else out16[a:b])
-    if part not in ("moments", "rest"):     # the first pass (or the whole step) counted the step
+    if part not in ("moments", "rest"):     # the first pass counted the step
         step.add_(-1 if inverse else 1)
 
 

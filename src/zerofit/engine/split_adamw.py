@@ -353,17 +353,6 @@ def master_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0,
                          _threads())
 
 
-def full_step(master, grad, exp_avg, exp_avg_sq, step, h) -> None:
-    """[Note: one pass through the kernel]
-    A whole AdamW step with no factor (an immediate host update, a speculative one) in one pass of this kernel:
-    master and moments written, ``step`` incremented, bitwise torch's fused step (which, with no
-    ``grad_scale``, writes the same three and leaves the gradient alone). It reads and writes what torch's
-    kernel does, but its threads take chunks in turn ([Note: dynamic chunks]) where torch's split the range
-    evenly, so a thread the main thread preempts no longer holds the step back."""
-    step.add_(1)
-    rest_pass(master, grad, exp_avg, exp_avg_sq, step, h, 1.0, with_master=True)
-
-
 def rest_threads(configured: int | None = None) -> int:
     """[Note: threads for the rest pass]
     The second pass runs while the post pass and the backward do, off the critical path and bound by host

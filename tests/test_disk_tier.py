@@ -351,3 +351,21 @@ def test_tier_streams_any_order_of_updates_without_losing_a_write(tmp_path, seed
     assert tier.bytes_written > 0 and tier.bytes_read > 0
     tier.close()
     assert not list(tmp_path.glob("zerofit-swap-*.bin"))
+
+
+def test_split_updates_beside_the_disk_tier(tmp_path):
+    """Clipped bf16 with split updates ([Note: the master behind its cast]) and blocks on the disk tier: the
+    in-memory streamed blocks take the cast pass and the rest pass, the swapped ones their chunked one-pass update;
+    losses, masters and moments are the in-memory engine's bitwise."""
+    ref, eng = _pair(tmp_path, clip=0.05, disk_blocks=2, disk_weights=False, split_updates=True)
+    assert eng._split and eng._cast_first
+    parts = []
+    apply = eng._apply
+    eng._apply = lambda unit, grad, ops, part=None: (parts.append((unit.swap, part)), apply(unit, grad, ops, part))
+    data = tm.batches(4, G)
+    assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]
+    _assert_bitwise(_state(eng), _state(ref))
+    assert (None, "cast") in parts and (None, "rest") in parts
+    assert {p for s, p in parts if s} == {None}       # the disk tier's units: one pass
+    ref.close()
+    eng.close()

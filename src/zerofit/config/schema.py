@@ -392,7 +392,9 @@ class OffloadConfig(_Frozen):
     critical path, the moments after it (20 B of host memory each instead of the fused kernel's 32 at once;
     [Note: moments after the forward], engine/split_adamw.py). A C++ kernel built at first use (a compiler
     needed; without one the fused kernel is used, with a notice). None = on a GPU (where the host's memory
-    binds the forward), off on the CPU; the fused kernel's results (bitwise where tested: torch 2.13, AVX2)"""
+    binds the forward), off on the CPU; the fused kernel's results bitwise (the kernel finds how this torch build
+    rounds at load). In bf16 the first pass writes only the weights cast for the upload, the second the master
+    and the moments ([Note: the master behind its cast])"""
     rest_pass_threads: int | None = Field(None, ge=1)
     """threads of the second pass of a split update (off the critical path, while the post pass and the backward
     run): fewer than the first pass's leave cores to the main thread, which launches the GPU's work. None =

@@ -227,9 +227,10 @@ def test_an_fp32_upload_of_a_master_behind_its_cast_waits_for_the_rest_pass():
     engine = zerofit.initialize(model, cfg | {"offload": cfg["offload"] | {"split_updates": True}})
     gate = threading.Event()
     task = engine._task_moments
-    engine._task_moments = lambda *a, **k: (lambda inner: lambda: (gate.wait(5.0), inner()))(task(*a, **k))
     data = tm.batches(3, 2)
     assert ref.train_batch(data[0]) == engine.train_batch(data[0])
+    engine.wait()       # the first step's rest passes ran; the second step's are held back
+    engine._task_moments = lambda *a, **k: (lambda inner: lambda: (gate.wait(5.0), inner()))(task(*a, **k))
     assert ref.train_batch(data[1]) == engine.train_batch(data[1])
     behind = [u for u in engine.blocks if u.master_behind and not u.moments_done.is_set()]
     assert behind        # the rest passes are held back

@@ -73,7 +73,8 @@ def rounding() -> None:
     from zerofit.engine.optimizer import Hyper
 
     module = sa._load()
-    print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, chosen modes {sa._modes}")
+    print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, chosen modes "
+          f"{sa._modes}, tail width {sa._tail_width}")
     gen = torch.Generator().manual_seed(7)
     for n in list(range(960, 1100, 7)) + [1000, 4096 + 8, 100_001]:
         p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
@@ -81,18 +82,9 @@ def rounding() -> None:
         want = [t.clone() for t in (p, g, m, v)] + [torch.tensor(4.0)]
         h = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)
         adamw_flat(*want, h, 1.0)
-        found = {}
-        for width in (8, 16, 32):
-            ok = []
-            for body in range(6):
-                for tail in range(6):
-                    got = [t.clone() for t in (p, g, m, v)]
-                    a = (h.lr, h.beta1, h.beta2, h.eps, 0.0, 5.0, 0.0, n % width, body, tail, 1)
-                    module.adamw_master(*got, sa._EMPTY, *a)
-                    module.adamw_rest(*got, False, *a)
-                    if all(torch.equal(x, y) for x, y in zip((got[0], got[2], got[3]), (want[0], want[2], want[3]))):
-                        ok.append((body, tail))
-            found[width] = ok
+        case = [((p, g, m, v), h, 1.0, want)]
+        found = {width: [(b, t) for b in range(6) for t in range(6) if sa._matches(module, case, b, t, width)]
+                 for width in (8, 16, 32)}
         print(n, {w: o[:6] for w, o in found.items()})
 
 

@@ -161,7 +161,8 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     ``gpu``: plan for a GPU (True) or the CPU (False); None: the config's device (``auto``: a GPU if this
     machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size."""
     from zerofit.config import load_config
-    from zerofit.engine.engine import _DTYPES, cast_copies, default_host_budget, placement_args, plan_args, plan_batch
+    from zerofit.engine.engine import (_DTYPES, cast_copies, default_host_budget, placement_args, placement_kept,
+                                       plan_args, plan_batch)
     from zerofit.engine.materialize import model_shape, param_table
     from zerofit.engine.planner import PlanError, make_plan
 
@@ -195,16 +196,12 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     except PlanError as e:
         est.refusal = str(e)
         return est
-    if cast_copies(cfg, dtype, on_cuda, deferred) and any(d != "all" for d in
-                                                          [plan.disk_of.get(i) for i in range(plan.resident_blocks,
-                                                                                              len(shape.block_numels))]):
+    streamed = range(plan.resident_blocks, len(shape.block_numels))
+    if cast_copies(cfg, dtype, on_cuda, deferred) and any(plan.disk_of.get(i) is None for i in streamed):
         # [Note: the master behind its cast]: the engine adds 16-bit host copies at its first update, where
         # they fit beside its plan (Engine._enable_host16)
         try:
-            plan = make_plan(shape, batch, **(args | dict(
-                resident_blocks=plan.resident_blocks, shell_on_device=plan.shell_optimizer_on_device,
-                fixed_staging=plan.staging_buffers, disk_placement=plan.disk_of, disk_budget=plan.disk_budget,
-                floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel)), host16=True)))
+            plan = make_plan(shape, batch, **(args | placement_kept(plan) | dict(host16=True)))
         except PlanError:
             pass
     est.plan = plan

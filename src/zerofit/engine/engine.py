@@ -103,6 +103,15 @@ def split_updates(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
     return split_wanted(config, on_cuda, deferred) and split_adamw.available()
 
 
+def placement_kept(plan: Plan) -> dict:
+    """make_plan's arguments that keep ``plan``'s placement (resident blocks, shell optimizer, staging, disk tier,
+    floor) in a new plan: the engine's replans and ``zerofit estimate``'s plan with 16-bit host copies."""
+    return dict(resident_blocks=plan.resident_blocks, shell_on_device=plan.shell_optimizer_on_device,
+                fixed_staging=plan.staging_buffers, disk_placement=plan.disk_of,
+                floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel)),
+                disk_budget=plan.disk_budget)     # measured before the swap file took its share of the disk
+
+
 def cast_copies(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> bool:
     """Whether split updates write the 16-bit cast first ([Note: the master behind its cast], split_adamw.py):
     bf16 compute on one rank, where the streamed blocks can have 16-bit host copies (_host16_possible)."""
@@ -343,11 +352,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     def _replan(self, batch: BatchShape, **changes) -> Plan:
         """A plan for ``batch`` with the current placement kept (resident blocks, shell optimizer, staging)."""
         args = self._plan_args() | dict(
-            device_budget=self.plan.device_budget, host_budget=self.plan.host_budget,
-            resident_blocks=self.plan.resident_blocks, shell_on_device=self.plan.shell_optimizer_on_device,
-            fixed_staging=self.plan.staging_buffers, disk_placement=self.plan.disk_of,
-            floor=(self.plan.loss_chunks > 1, self.plan.offload_checkpoints, bool(self.plan.stage_numel)),
-            disk_budget=self.plan.disk_budget,     # measured before the swap file took its share of the disk
+            device_budget=self.plan.device_budget, host_budget=self.plan.host_budget, **placement_kept(self.plan),
             host16=any(u.host16 is not None and u.swap != "all" for u in self.blocks))
         # the disk's speed was measured on the swap file once, at initialize: it stays with the plan
         plan = make_plan(self._shape, batch, **(args | changes))

@@ -274,7 +274,8 @@ CAST_SHARE = 1 / 3   # the CPU's fp32 -> 16-bit cast of a block, as a share of i
 
 SPLIT_FRACTION = 0.25    # [Note: moments after the forward] (split_adamw.py): deferred updates whose CPU share
                          # runs only its master pass on the forward's path leave the device a smaller share. W1,
-                         # clip 1.0, 24 GiB (2026-12-01, one call): 1.39 s/step at 0.25 against 1.42 at 0.375
+                         # clip 1.0, 24 GiB (2026-12-01, one call each): 1.39 s/step at 0.25 against 1.42 at 0.375;
+                         # with the cast pass (c98d24c): 1.35 at 0.25, 1.43 at 0.3, 1.50 at 0.375; (3a8595c) 1.33 at 0.2
 
 
 def copies_fraction(fraction: float) -> float:

@@ -267,9 +267,9 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     chunks = plan.loss_chunks if plan.loss_chunks > 1 and Adapter(model).chunkable_loss else 1
     probe = block_seconds(model, batch, cfg, chunks)
     engine_probe = engine_block_seconds(model, batch, cfg)
-    if engine_probe is not None:      # the engine's own block compute
-        probe = dataclasses.replace(probe, per_block=engine_probe[0], forward_share=engine_probe[1],
-                                    source="the engine on a 2-block model")
+    if engine_probe is not None:      # the engine's own block compute and pre pass
+        probe = dataclasses.replace(probe, per_block=engine_probe.per_block, forward_share=engine_probe.forward_share,
+                                    pre=engine_probe.pre, source="the engine on a 2-block model")
     per_block, shell = probe.per_block, probe.shell
     pred.compute = G * (probe.pre + probe.post + L * per_block)
     copies = {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
@@ -377,13 +377,24 @@ class ComputeProbe:
     source: str = "plain models"
 
 
+@dataclass
+class EngineProbe:
+    """Seconds per micro-batch as the engine computes them (engine_block_seconds)."""
+
+    per_block: float        # one block's forward + recompute + backward
+    forward_share: float    # of it, the forward's
+    pre: float              # the pre pass (embeddings) and its backward
+
+
 def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: int = 3,
-                         device: str = "cuda") -> tuple[float, float] | None:
-    """(one block's seconds per micro-batch, the forward's share of them) as the engine itself computes a block:
-    the engine on a model of this shape with ``layers`` blocks, all of them resident (no copies to wait for),
-    the config's batch; from its last step's trace (engine.trace()): each block's first compute interval of the
-    step is its forward, its second its recompute and backward (block-major over the micro-batches, the
-    gradients added in fp32: what plain models do not do). None where it does not fit (the fallback is the
+                         device: str = "cuda", seconds: float = 2.0) -> EngineProbe | None:
+    """One block's seconds per micro-batch, the forward's share of them and the pre pass's, as the engine itself
+    computes them: the engine on a model of this shape with ``layers`` blocks, all of them resident (no copies
+    to wait for), the config's batch; from its last step's trace (engine.trace()): each block's first compute
+    interval of the step is its forward, its second its recompute and backward (block-major over the
+    micro-batches, the gradients added in fp32: what plain models do not do); the intervals labelled "pre" are
+    the embeddings' forward and backward. At least ``steps`` steps and ``seconds`` of them, so that the GPU runs
+    at the clocks a long step holds ([Note: steady clocks]). None where it does not fit (the fallback is the
     plain models' difference, block_seconds)."""
     import zerofit
     from zerofit.engine.planner import PlanError
@@ -403,11 +414,15 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
     try:
         names = {engine.adapter.block_prefix(i) for i in range(layers)}
         ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len))
-        for _ in range(steps):
+        start, done = time.perf_counter(), 0
+        while done < steps or time.perf_counter() - start < seconds:
             engine.train_batch([{"input_ids": ids, "labels": ids} for _ in range(batch.grad_accum)])
+            done += 1
         seen: dict[str, int] = {}
-        fwd = bwd = 0.0
+        fwd = bwd = pre = 0.0
         for e in sorted(engine.trace(), key=lambda e: e["start"]):
+            if e["lane"] == "compute" and e["label"] == "pre":
+                pre += e["end"] - e["start"]
             if e["lane"] != "compute" or e["label"] not in names:
                 continue
             k = seen[e["label"]] = seen.get(e["label"], 0) + 1
@@ -425,7 +440,7 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
             torch.cuda.empty_cache()
     if not fwd or not bwd:
         return None
-    return (fwd + bwd) / layers / batch.grad_accum, fwd / (fwd + bwd)
+    return EngineProbe((fwd + bwd) / layers / batch.grad_accum, fwd / (fwd + bwd), pre / batch.grad_accum)
 
 
 def block_seconds(model, batch: BatchShape, cfg, chunks: int = 1, seconds: float = 2.0) -> ComputeProbe:
@@ -450,6 +465,13 @@ def block_seconds(model, batch: BatchShape, cfg, chunks: int = 1, seconds: float
             torch.cuda.empty_cache()
     raise AssertionError("unreachable")
 
+
+# [Note: steady clocks]
+# A GPU runs a short burst of work at higher clocks than a long step holds, so every compute probe here runs
+# for seconds before it is read: the plain models' timings are the median of their second half (_median_late),
+# the engine's probe is read off its last step after two seconds of steps. With three steps only (~0.2 s), the
+# engine's probe read W1's block at 0.00842 s per micro-batch and W2's at 0.01489, where the runs measured
+# 0.00861 (+2.3%) and 0.01559 (+4.7%) (ebd8986, the runs' traces; docs/benchmarks.md, tenth session).
 
 def _median_late(run, seconds: float) -> float:
     """The median of the second half of ``run()``'s timings (GPU-synchronized), run for ``seconds``, 4 at least."""

@@ -56,8 +56,8 @@ from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
 from zerofit.engine.ranks import Ranks
-from zerofit.engine.planner import (ASSIST_SETS, SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape, Plan,
-                                    assist_chunk, fmt_bytes, make_plan)
+from zerofit.engine.planner import (ASSIST_SETS, CKPT_AHEAD, SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape,
+                                    Plan, assist_chunk, fmt_bytes, make_plan)
 from zerofit.engine.speculation import Speculation
 from zerofit.engine.store import Home, HostArena, Slot, SlotPool, Unit, WeightState
 
@@ -960,10 +960,17 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     # a pinned host arena right after the block's forward (download stream, after the compute that wrote them;
     # ``record_stream`` keeps the allocator from reusing the device memory before the copy has read it), except
     # block 0's (it is the pre pass's output, alive anyway) and the last two's (needed first). The backward
-    # brings each block's back up on the upload stream one block ahead, into memory allocated on the compute
-    # stream before the upload stream is told to wait for it, and the compute stream waits on the upload before
-    # using them. A host slot is rewritten only by the next step's forward, which the compute stream orders
-    # after this step's uploads of it.
+    # brings each block's back up on the upload stream CKPT_AHEAD blocks ahead, into memory allocated on the
+    # compute stream before the upload stream is told to wait for it, and the compute stream waits on the upload
+    # before using them. A host slot is rewritten only by the next step's forward, which the compute stream
+    # orders after this step's uploads of it.
+    #
+    # Two blocks ahead, not one: a block updated on the device in the backward ([Note: assisted updates in the
+    # backward]) queues its state's chunks on the upload stream right after its compute, and a checkpoint
+    # enqueued one block ahead sat behind them. W1 at 8 GiB (ebd8986, its trace) waited ~8 ms before each block
+    # that followed an assisted one: ~0.07 s of its 1.33 s step. Two ahead, the next block's checkpoint is
+    # enqueued before those chunks. On the device at once: block 0's, the one computing, the two coming up
+    # (within the planner's CKPT_ON_DEVICE).
 
     def _offloaded(self, index: int) -> bool:
         return 0 < index < len(self.blocks) - 2
@@ -1071,7 +1078,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             names = list(unit.layout.names)
             self._ckpt_up(micros, unit.index)             # [Note: offloaded checkpoints] (no-op otherwise)
             self._ckpt_wait(unit.index)
-            self._ckpt_up(micros, unit.index - 1)
+            for ahead in range(1, CKPT_AHEAD + 1):        # each a no-op but the farthest, already enqueued
+                self._ckpt_up(micros, unit.index - ahead)
             with self.dev.timed("compute", label=unit.name):
                 for micro in micros:
                     if micro.graphs:

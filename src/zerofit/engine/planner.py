@@ -230,7 +230,9 @@ def placement_warnings(plan: Plan, num_blocks: int, *, optimizer_device: str, pa
 LOSS_CHUNK_TOKENS = 512       # tokens per chunk of the head and loss when the logits are chunked
 CKPT_KEPT = 3                 # offloaded checkpoints: blocks whose inputs stay on the device: block 0 (shared with
                               # the pre pass) and the last two (needed first in the backward)
-CKPT_ON_DEVICE = CKPT_KEPT + 2   # ... and two more in flight in the backward (the one computing, the next coming up)
+CKPT_AHEAD = 2                # the backward brings them up this many blocks ahead ([Note: offloaded checkpoints])
+CKPT_ON_DEVICE = CKPT_KEPT + 2   # room enough for the backward's peak: block 0's, the one computing and CKPT_AHEAD
+                                 # coming up (the last two blocks' are consumed first)
 
 
 def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int,

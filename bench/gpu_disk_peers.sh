@@ -18,7 +18,7 @@ export CPATH=/tmp/aio/usr/include LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib${LD_LIB
        CFLAGS=-I/tmp/aio/usr/include LDFLAGS=-L$lib
 rm -rf /tmp/nv && mkdir -p /tmp/nv/ds
 python3 bench/run.py --workload "$workload" --engines deepspeed --engine-args 'deepspeed=--nvme /tmp/nv/ds --warmup 0' \
-  --steps 1 --cap 24GiB --timeout 1500 --out "$res/ds" --commit "$commit" > "$res/ds.txt" 2>&1
+  --steps 1 --cap 24GiB --timeout 750 --out "$res/ds" --commit "$commit" > "$res/ds.txt" 2>&1
 echo "rc=$?" >> "$res/ds.txt"
 df -h /tmp > "$res/df.txt"; du -sh /tmp/nv >> "$res/df.txt"
 rm -rf /tmp/nv && mkdir -p /tmp/nv

@@ -30,6 +30,44 @@ import common  # noqa: E402
 _LIVE: list = []    # engines to release before the process exits at once (common.exit_now)
 
 
+def estimate_apart(workload: str, config: dict) -> tuple[dict, str]:
+    """zerofit estimate's prediction (as a dict, and its text) from a process of its own, started and ended before
+    the engine: as a user runs `zerofit estimate` before the training run. In the engine's process its probes
+    (plain models, a 2-block engine, copies) left the caching allocator fragmented under the cap: W1 at 24 GiB
+    ran 1.12-1.59 s steps, slower at each (e52c963, docs/benchmarks.md, tenth session)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_estimate_child, args=(workload, config, send))
+    proc.start()
+    send.close()
+    try:
+        out = recv.recv()
+    except EOFError:
+        out = None
+    proc.join()
+    if out is None or isinstance(out, BaseException):
+        raise RuntimeError(f"zerofit estimate failed (exit code {proc.exitcode}): {out!r}")
+    return out
+
+
+def _estimate_child(workload: str, config: dict, send) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from zerofit.estimate import estimate
+
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(common.llama_config(common.WORKLOADS[workload]))
+        est = estimate(model, config)
+        send.send((est.to_dict(), est.render()))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        send.send(RuntimeError(f"{type(e).__name__}: {e}"))
+        raise
+
+
 class Zerofit:
     def __init__(self, args, w, res):
         import torch
@@ -69,12 +107,8 @@ class Zerofit:
             self.config.setdefault("offload", {}).update(optimizer_device="nvme", nvme_path=args.nvme)
         res.extra["zerofit_config"] = self.config
         if args.estimate:             # zerofit estimate's prediction, made before anything is allocated
-            from zerofit.estimate import estimate
-
-            est = estimate(model, self.config)
-            res.extra["estimate"] = est.to_dict()
-            print(f"[zerofit] estimate:\n{est.render()}", flush=True)
-            torch.cuda.reset_peak_memory_stats()
+            res.extra["estimate"], text = estimate_apart(w.name, self.config)
+            print(f"[zerofit] estimate:\n{text}", flush=True)
         self.engine = zerofit.initialize(model, self.config)
         _LIVE.append(self.engine)
         res.extra["plan"] = self.engine.plan.describe()

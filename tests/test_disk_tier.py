@@ -369,3 +369,35 @@ def test_split_updates_beside_the_disk_tier(tmp_path):
     assert {p for s, p in parts if s} == {None}       # the disk tier's units: one pass
     ref.close()
     eng.close()
+
+
+def test_a_refusal_beside_the_tier_names_the_smallest_host_budget_and_fewer_micro_batches():
+    """32 micro-batches keep 32 micro-batches' block checkpoints in host memory: with the NVMe tier configured,
+    the refusal names the smallest host budget that fits beside it (to a MiB) and the most micro-batches per step
+    that fit the budget given, each checked by planning it."""
+    import re
+
+    from zerofit.engine.planner import GiB, MiB
+
+    shape = ModelShape(50_000_000, (40_000_000,) * 8, 1024, 2816, 32000)
+    batch = BatchShape(2, 2048, 32)
+    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=4 * GiB, deferred_updates=False,
+              checkpointing=True, stream_params=True, resident_blocks=None, prefetch_depth=None, disk=True,
+              disk_budget=10**12)
+    with pytest.raises(PlanError) as info:
+        make_plan(shape, batch, host_budget=2 * GiB, **kw)
+    msg = str(info.value)
+    m = re.search(r"max_host_memory\) of at least ([\d.]+) GiB beside the NVMe tier", msg)
+    assert m, msg
+    need = round(float(m.group(1)) * GiB)
+    fits = make_plan(shape, batch, host_budget=need + 10 * MiB, **kw)      # the figure is rounded to 0.01 GiB
+    assert fits.disk_blocks and fits.offload_checkpoints
+    with pytest.raises(PlanError):
+        make_plan(shape, batch, host_budget=need - 10 * MiB, **kw)
+    m = re.search(r"gradient_accumulation_steps (\d+) or fewer", msg)
+    assert m, msg
+    g = int(m.group(1))
+    assert g < 32
+    make_plan(shape, BatchShape(2, 2048, g), host_budget=2 * GiB, **kw)
+    with pytest.raises(PlanError):
+        make_plan(shape, BatchShape(2, 2048, 2 * g), host_budget=2 * GiB, **kw)

@@ -25,6 +25,7 @@ import torch
 from zerofit.engine.disk import ALIGN, tier_buffers, tier_chunk
 
 GiB = 2**30
+MiB = 2**20
 
 
 class PlanError(RuntimeError):
@@ -353,6 +354,27 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
     if host_only is not None and kw.get("host_budget") is not None and host_only.host_total > kw["host_budget"]:
         tips.append(f"a host budget (max_host_memory) of at least {fmt_bytes(host_only.host_total)}, all state in "
                     "host memory")
+    if kw.get("host_budget") is not None and kw.get("disk") and host_only is not None:
+        # with the configured NVMe tier: the smallest host budget that fits beside it (the disk's free bytes
+        # kept), to a MiB; the planner fills host memory first, so a larger budget fits too
+        lo, hi = 0, host_only.host_total
+        if tries(**hb, host_budget=hi) is not None and tries(**hb, host_budget=kw["host_budget"]) is None:
+            while hi - lo > MiB:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if tries(**hb, host_budget=mid) is not None else (mid, hi)
+            beside = tries(**hb, host_budget=hi)
+            tips.append(f"a host budget (max_host_memory) of at least {fmt_bytes(hi)} beside the NVMe tier "
+                        f"({fmt_bytes(beside.disk_bytes)} on the disk)")
+    if batch is not None and batch.grad_accum > 1 and kw.get("host_budget") is not None:
+        # every micro-batch of a step keeps its block checkpoints until the step's backward (block-major):
+        # fewer micro-batches per step keep fewer
+        g = batch.grad_accum // 2
+        while g >= 1:
+            if tries(batch=BatchShape(batch.micro_batch, batch.seq_len, g)) is not None:
+                tips.append(f"gradient_accumulation_steps {g} or fewer (each micro-batch of a step keeps its blocks' "
+                            "checkpoints until the step's backward)")
+                break
+            g //= 2
     if kw.get("host_budget") is not None:
         on_disk = tries(**hb, disk=True, disk_budget=None)
         if on_disk is not None and on_disk.disk_blocks:

@@ -192,3 +192,42 @@ def test_the_engines_own_block_compute_is_read_off_its_trace():
     probe = engine_block_seconds(model, BatchShape(2, 32, 2), cfg, device="cpu", seconds=0.0)
     assert probe.per_block > 0 and 0.05 < probe.forward_share < 0.6  # a forward: less than recompute + backward
     assert 0 < probe.pre < probe.per_block      # the embeddings' lookup and its backward: less than a block
+
+
+@pytest.mark.parametrize("on_disk", ["last blocks", "every block"])
+def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(monkeypatch, on_disk):
+    """[Note: when the disk works]: with immediate updates and the disk the binding resource, the disk's work
+    starts with the backward. Where the backward's last host update is in host memory (the last blocks on the
+    disk) the step is the forward and post pass plus the disk's time; where it is on the disk (every block) the
+    updates run on into the next forward and the step is the disk's time alone."""
+    from zerofit import doctor
+    from zerofit import estimate as E
+    from zerofit.config import load_config
+    from zerofit.engine import disk as D
+    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+
+    n, L = 10_000_000, 8
+    shape = ModelShape(shell_numel=1_000_000, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
+    batch = BatchShape(1, 256, 4)
+    k = 3 if on_disk == "last blocks" else L
+    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None,
+                     host_budget=10**12, deferred_updates=False, checkpointing=True, stream_params=True,
+                     resident_blocks=0, prefetch_depth=None, disk=True, disk_budget=10**12, disk_blocks=k,
+                     assisted_fraction=0.0)
+    assert len(plan.disk_blocks) == k and not plan.assisted_blocks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: E.ComputeProbe(0.008, 0.020, 0.017, 0.003))
+    monkeypatch.setattr(E, "engine_block_seconds", lambda *args, **kw: None)
+    monkeypatch.setattr(doctor, "copy_bandwidth", lambda *args: [
+        doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host", "both")])
+    monkeypatch.setattr(doctor, "optimizer_speed", lambda *args, **kw: doctor.OptimizerSpeed(
+        "fused", 1, 1, 1, 2.5e9, True))
+    monkeypatch.setattr(D, "measure_folder", lambda *args, **kw: (0.01, 0.01))     # 10 MB/s: the disk binds
+    cfg = load_config(_cfg(device="cuda", offload={"optimizer_device": "nvme", "nvme_path": "/nonexistent"})).config
+    pred = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
+    read, written = plan.disk_traffic(shape)
+    assert pred.disk == pytest.approx(read / 1e7 + written / 1e7)
+    ph = {name: t for name, (t, _) in pred.phases.items()}
+    assert pred.binds == "disk" and pred.disk > sum(ph.values())
+    idle = ph["forward"] + ph["post"] if on_disk == "last blocks" else 0.0
+    assert pred.step == pytest.approx(pred.disk + idle)

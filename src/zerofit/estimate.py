@@ -216,6 +216,19 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     return est
 
 
+# [Note: when the disk works]
+# With immediate updates the disk tier reads a block's state when the backward hands over its gradient, and
+# writes it back after its update: its traffic starts with the backward. Where the backward's last host update
+# (its lowest streamed, host-updated block) is in host memory, the step's disk work ends within the step and
+# the disk idles through the next forward and post pass: the step is those phases plus the disk's time. Where
+# that block is on the disk, the updates still pending when the backward ends (as many as the gradient staging
+# buffers hold) run on into the next forward, which waits for them block by block: the disk works through the
+# whole step. With deferred updates (clipping, fp16) the gradients go to the disk in the backward and the
+# updates run in the next forward: the disk works through the whole step as well. W1 with 32 micro-batches per
+# step (d50e4a9, docs/benchmarks.md, tenth session): host budget 40 GiB, the moments of blocks 14-27 on the
+# disk: forward and post pass 3.2 s, then 11.9 s of backward paced by the disk (predicted: 3.2 + 11.5); host
+# budget 28 GiB, every streamed block on the disk: the forward waited 2.6 s on block 4's update.
+
 # [Note: the step's phases]
 # The engine overlaps its resources within a phase of the step, not across all of it (engine.trace(),
 # bench/trace.py): the forward (a quarter of the blocks' compute: forward, recompute and backward run about
@@ -343,8 +356,16 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         pred.disk = read / (rd * 1e9) + written / (wr * 1e9)
         pred.speeds |= {"disk_read_gb_per_s": rd, "disk_write_gb_per_s": wr}
     phased = sum(t for t, _ in pred.phases.values())
-    if pred.disk is not None and pred.disk > phased:
-        pred.step, pred.binds = pred.disk, "disk"
+    # [Note: when the disk works]
+    disk_step = None
+    if pred.disk is not None:
+        host_updated = [i for i in streamed if i not in assisted]
+        spills = bool(host_updated) and disk_of.get(min(host_updated)) is not None
+        disk_step = pred.disk
+        if not plan.deferred_updates and not spills:
+            disk_step += pred.phases["forward"][0] + pred.phases["post"][0]
+    if disk_step is not None and disk_step > phased:
+        pred.step, pred.binds = disk_step, "disk"
     else:
         pred.step = phased
         pred.binds = "its phases in turn (" + ", ".join(f"{k} {t:.2f} s: {why}" for k, (t, why) in pred.phases.items()

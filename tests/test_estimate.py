@@ -189,7 +189,7 @@ def test_the_engines_own_block_compute_is_read_off_its_trace():
     with torch.device("meta"):
         model = LlamaForCausalLM._from_config(tm.llama(layers=6).config, dtype=torch.float32)
     cfg = load_config({"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2}).config
-    probe = engine_block_seconds(model, BatchShape(2, 32, 2), cfg, device="cpu", seconds=0.0)
+    probe = engine_block_seconds(model, BatchShape(2, 32, 2), cfg, device="cpu")
     assert probe.per_block > 0 and 0.05 < probe.forward_share < 0.6  # a forward: less than recompute + backward
     assert 0 < probe.pre < probe.per_block      # the embeddings' lookup and its backward: less than a block
 

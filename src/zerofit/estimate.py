@@ -408,15 +408,15 @@ class EngineProbe:
 
 
 def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: int = 3,
-                         device: str = "cuda", seconds: float = 2.0) -> EngineProbe | None:
+                         device: str = "cuda") -> EngineProbe | None:
     """One block's seconds per micro-batch, the forward's share of them and the pre pass's, as the engine itself
     computes them: the engine on a model of this shape with ``layers`` blocks, all of them resident (no copies
     to wait for), the config's batch; from its last step's trace (engine.trace()): each block's first compute
     interval of the step is its forward, its second its recompute and backward (block-major over the
     micro-batches, the gradients added in fp32: what plain models do not do); the intervals labelled "pre" are
-    the embeddings' forward and backward. At least ``steps`` steps and ``seconds`` of them, so that the GPU runs
-    at the clocks a long step holds ([Note: steady clocks]). None where it does not fit (the fallback is the
-    plain models' difference, block_seconds)."""
+    the embeddings' forward and backward (the plain models' difference, block_seconds, leaves them in the noise:
+    0 in W1, where the engine spends 3.4 ms per micro-batch on them). None where it does not fit (the fallback is
+    the plain models' difference)."""
     import zerofit
     from zerofit.engine.planner import PlanError
 
@@ -435,10 +435,8 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
     try:
         names = {engine.adapter.block_prefix(i) for i in range(layers)}
         ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len))
-        start, done = time.perf_counter(), 0
-        while done < steps or time.perf_counter() - start < seconds:
+        for _ in range(steps):
             engine.train_batch([{"input_ids": ids, "labels": ids} for _ in range(batch.grad_accum)])
-            done += 1
         seen: dict[str, int] = {}
         fwd = bwd = pre = 0.0
         for e in sorted(engine.trace(), key=lambda e: e["start"]):
@@ -486,13 +484,6 @@ def block_seconds(model, batch: BatchShape, cfg, chunks: int = 1, seconds: float
             torch.cuda.empty_cache()
     raise AssertionError("unreachable")
 
-
-# [Note: steady clocks]
-# A GPU runs a short burst of work at higher clocks than a long step holds, so every compute probe here runs
-# for seconds before it is read: the plain models' timings are the median of their second half (_median_late),
-# the engine's probe is read off its last step after two seconds of steps. With three steps only (~0.2 s), the
-# engine's probe read W1's block at 0.00842 s per micro-batch and W2's at 0.01489, where the runs measured
-# 0.00861 (+2.3%) and 0.01559 (+4.7%) (ebd8986, the runs' traces; docs/benchmarks.md, tenth session).
 
 def _median_late(run, seconds: float) -> float:
     """The median of the second half of ``run()``'s timings (GPU-synchronized), run for ``seconds``, 4 at least."""

@@ -10,7 +10,7 @@ import torch
 
 import zerofit
 from tests import tiny_models as tm
-from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+from zerofit.engine.planner import BatchShape, ModelShape, PlanError, make_plan
 
 G = 2
 
@@ -117,3 +117,68 @@ def test_lean_pipeline_is_bitwise(monkeypatch):
     assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]
     ma, mb = ref.master_state_dict(), eng.master_state_dict()
     assert all(torch.equal(ma[n], mb[n]) for n in ma)
+
+
+@pytest.mark.parametrize("every,offload,layers,dropout", [(2, True, 5, 0.0), (3, False, 7, 0.0), (4, True, 9, 0.0),
+                                                          (2, True, 6, 0.1), (5, True, 5, 0.0)],
+                         ids=["k2-offloaded", "k3-on-device", "k4-offloaded", "k2-dropout", "k5-one-segment"])
+def test_checkpoints_every_k_blocks_are_bitwise(every, offload, layers, dropout):
+    """[Note: checkpoints every k blocks]: the forward keeps every k-th block's inputs only (fewer in host memory
+    too), the backward recomputes the rest a segment at a time, with the forward's RNG states: the same losses and
+    updates, bitwise, as every block's checkpoints (bf16, fp32 gradients; a last segment shorter than k; dropout)."""
+    torch.manual_seed(0)
+    model = tm.llama(layers=layers)
+    if dropout:
+        model.config.attention_dropout = dropout
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = dropout
+    model.train()
+    cfg = _cfg(loss_chunks=1, offload_checkpoints=offload) | {"precision": "bf16"}
+    ref = zerofit.initialize(copy.deepcopy(model), cfg)
+    eng = zerofit.initialize(model, cfg | {"offload": cfg["offload"] | {"checkpoint_every": every}})
+    assert eng.plan.checkpoint_every == every and ref.plan.checkpoint_every == 1
+    assert f"checkpoints every {every} blocks" in eng.plan.describe()
+    data = tm.batches(4, G)
+
+    def run(engine):
+        torch.manual_seed(1)        # the same dropout masks in both
+        return [engine.train_batch(m) for m in data]
+    assert run(eng) == run(ref)
+    ma, mb = ref.master_state_dict(), eng.master_state_dict()
+    assert all(torch.equal(ma[n], mb[n]) for n in ma)
+    # the backward ran the forwards of the recomputed inputs: every block but each segment's last
+    again = {e["label"] for e in eng.trace() if e["label"].endswith("(inputs)")}
+    want = {f"{eng.blocks[i].name}(inputs)" for i in range(layers) if (i + 1) % every and i != layers - 1}
+    assert again == want
+    if offload:     # only the kept blocks' inputs (but block 0's and the last segment's) went to the host
+        kept = [i for i in range(0, layers, every)][1:-1]
+        n = G * 2 * 16 * model.config.hidden_size     # micro-batches x sequences x tokens x hidden
+        arena = eng._ckpt_arena
+        if kept:
+            assert arena is not None and arena.tensor.numel() == len(kept) * n
+        else:
+            assert arena is None
+        assert ref._ckpt_arena.tensor.numel() == (layers - 3) * n
+
+
+def test_planner_keeps_fewer_checkpoints_only_when_every_blocks_do_not_fit():
+    """The 7B shape with 32 micro-batches per step under a 32 GiB host budget and a 64 GiB disk (W3a at 32): every
+    block's inputs would take 32 GiB of host memory; the planner keeps every k-th (the smallest k that fits), and
+    not when they fit."""
+    from zerofit.engine.planner import GiB
+
+    shape = ModelShape(262_148_096, (202_383_360,) * 32, 4096, 11008, 32000)
+    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=24 * GiB, deferred_updates=False,
+              checkpointing=True, stream_params=True, resident_blocks=None, prefetch_depth=None, disk=True,
+              disk_budget=int(63.7 * GiB))
+    many = make_plan(shape, BatchShape(2, 2048, 32), host_budget=32 * GiB, **kw)
+    assert many.checkpoint_every in (2, 4, 8) and many.offload_checkpoints, many.describe()
+    assert many.host_total <= 32 * GiB and many.device_total <= 24 * GiB and many.disk_bytes <= 63.7 * GiB
+    per_block = 32 * 2 * 2048 * 4096 * 2
+    kept = -(-32 // many.checkpoint_every)
+    assert many.host_bytes["checkpoint_copies"] == (kept - 2) * per_block
+    with pytest.raises(PlanError):      # every block's, or every other one's when k = 4 was needed, do not fit
+        make_plan(shape, BatchShape(2, 2048, 32), host_budget=32 * GiB,
+                  **(kw | dict(floor=(True, True, False, many.checkpoint_every // 2))))
+    few = make_plan(shape, BatchShape(2, 2048, 4), host_budget=32 * GiB, **kw)
+    assert few.checkpoint_every == 1

@@ -251,9 +251,10 @@ def copy_seconds(up: float, down: float, h2d: float, d2h: float, both: float) ->
 
 def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, down_fwd: float, down_bwd: float,
                   cpu_fwd: float, cpu_bwd: float, tail: float, pre: float = 0.0,
-                  forward_share: float = FORWARD_SHARE) -> dict[str, tuple[float, str]]:
+                  forward_share: float = FORWARD_SHARE, again: float = 0.0) -> dict[str, tuple[float, str]]:
     """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute,
-    ``pre`` the shell's before the first block (embeddings), ``post`` the engine's post pass."""
+    ``pre`` the shell's before the first block (embeddings), ``post`` the engine's post pass, ``again`` the
+    backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine.py)."""
     def phase(**parts):
         k = max(parts, key=lambda n: parts[n])
         return parts[k], k.replace("_", " ")
@@ -261,7 +262,7 @@ def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, d
     return {"forward": phase(compute=blocks * forward_share + pre, upload=up_fwd, download=down_fwd,
                              cpu_optimizer=cpu_fwd),
             "post": (post, "compute"),
-            "backward": phase(compute=blocks * (1 - forward_share), upload=up_bwd, download=down_bwd,
+            "backward": phase(compute=blocks * (1 - forward_share) + again, upload=up_bwd, download=down_bwd,
                               cpu_optimizer=cpu_bwd),
             "shell update": (tail, "the shell's update")}
 
@@ -284,7 +285,9 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         probe = dataclasses.replace(probe, per_block=engine_probe.per_block, forward_share=engine_probe.forward_share,
                                     pre=engine_probe.pre, source="the engine on a 2-block model")
     per_block, shell = probe.per_block, probe.shell
-    pred.compute = G * (probe.pre + probe.post + L * per_block)
+    # [Note: checkpoints every k blocks] (engine.py): the backward's forwards for the recomputed inputs
+    regen = (L - -(-L // plan.checkpoint_every)) * per_block * probe.forward_share
+    pred.compute = G * (probe.pre + probe.post + L * per_block + regen)
     copies = {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
     h2d, d2h = copies[("host->gpu", "pinned")], copies[("gpu->host", "pinned")]
     both = copies.get(("both", "pinned"), min(h2d, d2h))
@@ -317,6 +320,11 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     else:
         up_fwd, down_fwd, cpu_fwd = weights, 0, 0.0
         up_bwd, down_bwd, cpu_bwd = weights + a * 12, (host_params * 4) + a * 12, host_params / rate
+    # [Note: checkpoints every k blocks]: the backward runs the forward of every block but each segment's last
+    # again, and uploads those blocks once more
+    k = plan.checkpoint_every
+    again = [i for i in range(L) if k > 1 and (i + 1) % k and i != L - 1]
+    up_bwd += sum(n[i] * (cb if disk_of.get(i) == "all" else 4) for i in again if i >= plan.resident_blocks)
     s = shape.shell_numel
     shell_bytes = (0, 0)
     if plan.assisted_shell:     # updated on the device: its state up and back down
@@ -339,7 +347,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     pred.upload = t_up_fwd + t_up_bwd + shell_bytes[0] / rates[0]
     pred.download = t_down_fwd + t_down_bwd + shell_bytes[1] / rates[1]
     pred.cpu_optimizer = host_params / rate
-    pred.phases = phase_seconds(blocks=G * L * per_block, pre=G * probe.pre, post=G * probe.post,
+    pred.phases = phase_seconds(blocks=G * L * per_block, pre=G * probe.pre, post=G * probe.post, again=G * regen,
                                 forward_share=probe.forward_share,
                                 up_fwd=t_up_fwd, up_bwd=t_up_bwd, down_fwd=t_down_fwd, down_bwd=t_down_bwd,
                                 cpu_fwd=cpu_fwd, cpu_bwd=cpu_bwd, tail=tail)

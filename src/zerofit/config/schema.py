@@ -382,6 +382,11 @@ class OffloadConfig(_Frozen):
     offload_checkpoints: bool | None = None
     """keep the blocks' input checkpoints in pinned host memory between the forward and the backward (all but
     three blocks'); None = the planner decides (only when the device budget needs it)"""
+    checkpoint_every: int | None = Field(None, ge=1)
+    """keep the inputs of every k-th block only (blocks 0, k, 2k, ...) and recompute the others' in the backward,
+    one segment of k blocks at a time: a forward more for k - 1 of every k blocks, for the memory of 1/k of the
+    checkpoints (every micro-batch of a step keeps them until the step's backward); train_batch only. 1: every
+    block's; None = the planner decides (only when the checkpoints do not fit otherwise)"""
     copies_after_update: bool = True
     """the DeepSpeed-shaped loop (one forward per call), updates without clipping: after a streamed block's
     update, its new weights are cast into its 16-bit host copy (by the CPU worker, or on the GPU for a block the

@@ -57,7 +57,7 @@ from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, ti
 from zerofit.engine.disk import layout as disk_layout
 from zerofit.engine.ranks import Ranks
 from zerofit.engine.planner import (ASSIST_SETS, CKPT_AHEAD, SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape,
-                                    Plan, assist_chunk, fmt_bytes, make_plan)
+                                    Plan, assist_chunk, fmt_bytes, make_plan, offloaded_checkpoints)
 from zerofit.engine.speculation import Speculation
 from zerofit.engine.store import Home, HostArena, Slot, SlotPool, Unit, WeightState
 
@@ -108,7 +108,7 @@ def placement_kept(plan: Plan) -> dict:
     floor) in a new plan: the engine's replans and ``zerofit estimate``'s plan with 16-bit host copies."""
     return dict(resident_blocks=plan.resident_blocks, shell_on_device=plan.shell_optimizer_on_device,
                 fixed_staging=plan.staging_buffers, disk_placement=plan.disk_of,
-                floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel)),
+                floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every),
                 disk_budget=plan.disk_budget)     # measured before the swap file took its share of the disk
 
 
@@ -143,7 +143,9 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
                 disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
                 disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
                 floor=(None if off.loss_chunks is None and off.offload_checkpoints is None
-                       else ((off.loss_chunks or 1) > 1, bool(off.offload_checkpoints))))
+                       and off.checkpoint_every is None
+                       else ((off.loss_chunks or 1) > 1, bool(off.offload_checkpoints), False,
+                             off.checkpoint_every or 1)))
 
 
 def _world_size() -> int:
@@ -283,6 +285,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._ckpt_arena: HostArena | None = None   # [Note: offloaded checkpoints]
         self._ckpt_g = 0
         self._ckpt_ready: dict = {}
+        self._ckpt_every = 1      # [Note: checkpoints every k blocks]: the step in progress's
         self._host16_epoch = 0    # [Note: 16-bit copies for extra forwards]: bumped whenever masters may change
         self._host16_next = None  # [Note: 16-bit copies after the update]: the label valid after the last step's bump
         self._kept: dict[int, Slot] = {}   # [Note: a window keeps some blocks]: id(unit) -> its slot in gradient memory
@@ -573,7 +576,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                          type(e).__name__, e)
                 ok = False
         if not ok and self.plan.loss_chunks > 1:
-            self.plan = self._replan(self._plan_batch, floor=(False, True, bool(self.plan.stage_numel)))
+            self.plan = self._replan(self._plan_batch, floor=(False, True, bool(self.plan.stage_numel),
+                                                             self.plan.checkpoint_every))
             log.info("zerofit: re-planned without loss chunks:\n%s", self.plan.describe())
         return ok
 
@@ -915,9 +919,12 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._plan_batch = batch
         self.batch_plan = check     # the plan's prediction for the batch actually trained
 
-    def _forward(self, micro_batches: list[dict], *, shell_grad: bool, offload: bool = False) -> list[_Micro]:
+    def _forward(self, micro_batches: list[dict], *, shell_grad: bool, offload: bool = False,
+                 every: int = 1) -> list[_Micro]:
         """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints (with
-        ``offload``, most of them in pinned host memory: [Note: offloaded checkpoints])."""
+        ``offload``, most of them in pinned host memory: [Note: offloaded checkpoints]; with ``every`` > 1,
+        only every ``every``-th block's: [Note: checkpoints every k blocks])."""
+        self._ckpt_every = every
         self._refresh_shell()
         leaves = self._leaves(self.shell, grad=shell_grad)
         micros = []
@@ -939,7 +946,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             leaves_b = self._leaves(unit, grad=keep_graph)
             with self.dev.timed("compute", label=unit.name), torch.set_grad_enabled(keep_graph):
                 for m, micro in enumerate(micros):
-                    micro.ckpts.append(xs[m])
+                    micro.ckpts.append(xs[m] if unit.index % every == 0 else None)
                     micro.rng.append(self._rng_state())
                     if keep_graph:   # all blocks are resident (the planner's rule): the graph may hold their weights
                         x = xs[m].requires_grad_(True)
@@ -973,14 +980,21 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     # (within the planner's CKPT_ON_DEVICE).
 
     def _offloaded(self, index: int) -> bool:
-        return 0 < index < len(self.blocks) - 2
+        every = self._ckpt_every
+        if every == 1:
+            return 0 < index < len(self.blocks) - 2
+        return index % every == 0 and 0 < index < (len(self.blocks) - 1) // every * every   # not the last segment's
+
+    def _ckpt_slot(self, index: int) -> int:
+        """Block ``index``'s place among the offloaded checkpoints (planner.offloaded_checkpoints of them)."""
+        return index - 1 if self._ckpt_every == 1 else index // self._ckpt_every - 1
 
     def _ckpt_view(self, index: int, m: int, like: torch.Tensor) -> torch.Tensor:
         """The pinned host slot of block ``index``'s checkpoint of micro-batch ``m`` (the arena grows to the
         batch the first time)."""
         n = like.numel()
         G = self._ckpt_g
-        need = (len(self.blocks) - 3) * G * n
+        need = offloaded_checkpoints(len(self.blocks), self._ckpt_every) * G * n
         arena = self._ckpt_arena
         if arena is None or arena.tensor.numel() < need or arena.tensor.dtype != like.dtype:
             if arena is not None:       # a larger batch than before: the smaller arena goes
@@ -989,7 +1003,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 arena.close()
             arena = self._ckpt_arena = HostArena(need, like.dtype, self.dev.is_cuda and self.config.offload.pin_memory)
             self._arenas.append(arena)
-        off = ((index - 1) * G + m) * n
+        off = (self._ckpt_slot(index) * G + m) * n
         return arena.tensor[off:off + n].view(like.shape)
 
     def _ckpt_down(self, micros: list[_Micro], index: int) -> None:
@@ -1066,14 +1080,56 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             fork_rng=lambda: torch.random.fork_rng(devices=devices, enabled=self.adapter.has_dropout))   # as _post
         return total
 
+    def _backward_steps(self) -> list[tuple[Unit, bool]]:
+        """The backward's blocks in turn, (unit, recompute): in reverse; with checkpoints every k blocks, each
+        segment's recomputed inputs first ([Note: checkpoints every k blocks])."""
+        every, L = self._ckpt_every, len(self.blocks)
+        if every == 1:
+            return [(u, False) for u in reversed(self.blocks)]
+        steps = []
+        for start in reversed(range(0, L, every)):
+            end = min(start + every, L)
+            steps += [(self.blocks[i], True) for i in range(start, end - 1)]
+            steps += [(self.blocks[i], False) for i in reversed(range(start, end))]
+        return steps
+
+    # [Note: checkpoints every k blocks]
+    # Every micro-batch of a step keeps its blocks' inputs until the step's backward (block-major order): 32
+    # micro-batches of the 7B shape keep 34 GB. With plan.checkpoint_every = k (train_batch only; the planner's
+    # last resort, or offload.checkpoint_every) the forward keeps the inputs of blocks 0, k, 2k, ... only. The
+    # backward takes the segments from the last: it first runs the forward of the segment's blocks but its last,
+    # block-major over the micro-batches as the forward did and with the same RNG states, which gives the others'
+    # inputs again, then the segment's backward as before, each block recomputed from its input. The inputs are
+    # the forward's bitwise (the same kernels on the same inputs), so are the gradients and the updates. Cost: a
+    # forward more of k - 1 blocks in k and their weights uploaded once more; the memory: 1/k of the checkpoints,
+    # and a segment's k - 1 inputs at a time on the device. The backward's block order, and so the updates'
+    # order, is unchanged.
+
+    def _recompute_inputs(self, micros: list[_Micro], unit: Unit) -> None:
+        """[Note: checkpoints every k blocks]: block ``unit``'s forward again from its input, for the next block's
+        input, every micro-batch."""
+        self._ckpt_up(micros, unit.index)
+        self._ckpt_wait(unit.index)
+        leaves = self._leaves(unit, grad=False)
+        with self.dev.timed("compute", label=f"{unit.name}(inputs)"), torch.no_grad():
+            for micro in micros:
+                with self._rng(micro.rng[unit.index]):
+                    y = self._block(unit, leaves, micro.ckpts[unit.index], micro.pre.calls[unit.index])
+                micro.ckpts[unit.index + 1] = y
+
     def _backward_blocks(self, micros: list[_Micro]) -> None:
-        order = list(reversed(self.blocks))
+        steps = self._backward_steps()
+        order = [u for u, _ in steps]
         if not self.deferred or self._spec is not None:     # the updates start during this backward
-            self._expect_updates(order, grads_written=False)
-        for pos, unit in enumerate(order):
+            self._expect_updates(list(reversed(self.blocks)), grads_written=False)
+        for pos, (unit, recompute) in enumerate(steps):
             self._safe_point()
             self._acquire(order, pos)
             self._prefetch(order, pos)
+            if recompute:
+                self._recompute_inputs(micros, unit)
+                self._release(unit)
+                continue
             gdst = self._grad_buffer(unit)
             names = list(unit.layout.names)
             self._ckpt_up(micros, unit.index)             # [Note: offloaded checkpoints] (no-op otherwise)
@@ -1605,7 +1661,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         plan = getattr(self, "batch_plan", self.plan)
         self._ckpt_ready = {}
         micros = self._forward(micro_batches, shell_grad=True,
-                               offload=plan.offload_checkpoints and self.adapter.streaming)
+                               offload=plan.offload_checkpoints and self.adapter.streaming,
+                               every=plan.checkpoint_every if self.adapter.streaming else 1)
         chunks = plan.loss_chunks if self.adapter.streaming and self._chunk_loss_ok else 1
         losses = []
         for micro in micros:

@@ -87,6 +87,7 @@ class Plan:
                                    # in pieces
     loss_chunks: int = 1           # [Note: a smaller GPU floor]: the head and loss run over this many token chunks
     offload_checkpoints: bool = False   # block inputs kept in pinned host memory between forward and backward
+    checkpoint_every: int = 1      # [Note: checkpoints every k blocks]: only blocks 0, k, 2k, ... keep their inputs
     device_state: bool = False     # several ranks, FULL_SHARD without offload: streamed blocks keep their optimizer
                                    # state on the GPUs, sharded; their weights are gathered from it for each use
 
@@ -130,6 +131,8 @@ class Plan:
                     if self.assisted_updates else "")
                  + (f", loss in {self.loss_chunks} token chunks" if self.loss_chunks > 1 else "")
                  + (", block checkpoints in host memory" if self.offload_checkpoints else "")
+                 + (f", checkpoints every {self.checkpoint_every} blocks (the rest recomputed in the backward)"
+                    if self.checkpoint_every > 1 else "")
                  + (f", uploads staged in pieces of {fmt_bytes(self.stage_numel * 4)}" if self.stage_numel else ""),
                  f"  device {fmt_bytes(self.device_total)}"
                  + (f" of {fmt_bytes(self.device_budget)}" if self.device_budget else "") + ": "
@@ -231,22 +234,42 @@ def placement_warnings(plan: Plan, num_blocks: int, *, optimizer_device: str, pa
 LOSS_CHUNK_TOKENS = 512       # tokens per chunk of the head and loss when the logits are chunked
 CKPT_KEPT = 3                 # offloaded checkpoints: blocks whose inputs stay on the device: block 0 (shared with
                               # the pre pass) and the last two (needed first in the backward)
+SPARSE_EVERY = (2, 4, 8)      # the checkpoint spacings the planner tries when every block's input does not fit
 CKPT_AHEAD = 2                # the backward brings them up this many blocks ahead ([Note: offloaded checkpoints])
 CKPT_ON_DEVICE = CKPT_KEPT + 2   # room enough for the backward's peak: block 0's, the one computing and CKPT_AHEAD
                                  # coming up (the last two blocks' are consumed first)
 
 
+def kept_checkpoints(n_blocks: int, every: int) -> int:
+    """How many blocks keep their inputs as checkpoints: blocks 0, every, 2 every, ..."""
+    return -(-n_blocks // every)
+
+
+def offloaded_checkpoints(n_blocks: int, every: int) -> int:
+    """How many blocks' checkpoints go to host memory when they are offloaded ([Note: offloaded checkpoints]):
+    all but block 0's and the last two's; with checkpoints every k blocks, all kept ones but block 0's and the
+    last segment's."""
+    if every == 1:
+        return max(n_blocks - CKPT_KEPT, 0)
+    return max(kept_checkpoints(n_blocks, every) - 2, 0)
+
+
 def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int,
-                     loss_chunks: int = 1, offload_checkpoints: bool = False) -> dict[str, int]:
+                     loss_chunks: int = 1, offload_checkpoints: bool = False, every: int = 1) -> dict[str, int]:
     """Predicted activation memory of a block-major step with per-block recompute.
 
-    checkpoints: every block's input for every micro-batch (block-major order keeps them all);
+    checkpoints: every block's input for every micro-batch (block-major order keeps them all); with checkpoints
+    every k blocks, the kept ones and a segment's k - 1 inputs recomputed in the backward;
     boundary: the gradient flowing between blocks, one per micro-batch;
     block: one block's recomputed activations and their gradients (transient);
     logits: the fp32 upcast of the head's output for the loss, its gradient, the 16-bit gradient
     (the 16-bit logits themselves are dropped before the backward)."""
     tok = batch.tokens
-    kept = min(n_blocks, CKPT_ON_DEVICE) if offload_checkpoints else n_blocks
+    if every == 1:
+        kept = min(n_blocks, CKPT_ON_DEVICE) if offload_checkpoints else n_blocks
+    else:   # block 0's, the last segment's, the one coming up, and the k - 1 a segment recomputes
+        kept = (min(kept_checkpoints(n_blocks, every), 3) if offload_checkpoints
+                else kept_checkpoints(n_blocks, every)) + every - 1
     return {
         "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": 2 * batch.grad_accum * tok * shape.hidden * dtype_bytes,
@@ -448,7 +471,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         disk_of = disk_of or {}
         chunked, offloaded = level[0], level[1]
         lean = len(level) > 2 and level[2]
-        act = activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded) if batch else {}
+        every = level[3] if len(level) > 3 else 1
+        act = activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded, every) if batch else {}
         act_total = sum(act.values())
         streamed = shape.block_numels[r:]
         host_streamed = [] if device_state else streamed      # streamed blocks whose state is on the host
@@ -515,8 +539,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             "disk_buffers": (tier_buffers(max_block, disk_buffers)
                              * ((3 if on_disk["all"] else 2) + (1 if deferred_updates else 0)) * chunk * 4 + ALIGN)
             if disk_of else 0,
-            "checkpoint_copies": ((L - min(L, CKPT_KEPT)) * batch.grad_accum * batch.tokens * shape.hidden * cb
-                                  * ranks if batch and offloaded else 0),
+            "checkpoint_copies": (offloaded_checkpoints(L, every) * batch.grad_accum * batch.tokens * shape.hidden
+                                  * cb * ranks if batch and offloaded else 0),
         }
         if not on_cuda:  # device memory is host memory: count it once, as host
             for k, v in dev.items():
@@ -527,7 +551,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, assisted, dev, host, device_budget,
                     host_budget, chosen, tuple(sorted(disk_of.items())), dbytes, disk_budget,
                     loss_chunks=chunks if chunked else 1, offload_checkpoints=offloaded, stage_numel=up_stage,
-                    device_state=device_state)
+                    device_state=device_state, checkpoint_every=every)
 
     def disk_choices(r: int):
         """[Note: disk placement]
@@ -585,6 +609,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     elif on_cuda and batch is not None and checkpointing and stream_params:
         levels += ([(True, False), (True, True), (True, True, True)] if chunkable_loss
                    else [(False, True), (False, True, True)])
+        # [Note: checkpoints every k blocks]: last, for the host memory (or device) the kept inputs take
+        levels += [(chunkable_loss, True, False, k) for k in SPARSE_EVERY]
     for level in levels:
         for shell_dev in shell_choices:
             for r in candidates:

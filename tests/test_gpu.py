@@ -446,6 +446,34 @@ def test_smaller_floor_on_gpu_keeps_the_math():
         e.close()
 
 
+def test_checkpoints_every_k_blocks_on_gpu_keep_the_math():
+    """[Note: checkpoints every k blocks] with real streams: every third block's checkpoints, offloaded to pinned
+    host memory, the others recomputed in the backward (their weights uploaded again): fp32 losses and weights as
+    the engine with every block's, at the fp32 tolerances of the test above. Not yet run on a GPU when written
+    (tenth session: no device time left); on the CPU the same comparison is bitwise
+    (tests/test_small_gpu_floor.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    model = tm.llama(layers=8)
+    base = {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
+            "offload": {"resident_blocks": 0, "loss_chunks": 1, "offload_checkpoints": True}}
+    ref = zerofit.initialize(copy.deepcopy(model), base)
+    eng = zerofit.initialize(model, base | {"offload": base["offload"] | {"checkpoint_every": 3}})
+    assert eng.plan.checkpoint_every == 3 and eng.plan.offload_checkpoints
+    data = _gpu_batches(4, 2)
+    a = [ref.train_batch(m) for m in data]
+    b = [eng.train_batch(m) for m in data]
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-6, atol=1e-6)
+    ma, mb = ref.master_state_dict(), eng.master_state_dict()
+    for n in ma:
+        torch.testing.assert_close(mb[n], ma[n], rtol=1.3e-6, atol=1e-5)
+    labels = {t["label"] or "" for t in eng.trace()}
+    assert {f"{eng.blocks[i].name}(inputs)" for i in (0, 1, 3, 4, 6)} <= labels and "ckpt[3]" in labels
+    for e in (ref, eng):
+        e.close()
+
+
 def test_estimate_times_the_engines_post_pass_and_the_contended_speeds():
     """``zerofit estimate`` on a GPU: the post pass is timed through the engine's own code (in the plan's
     loss chunks), its remainder of the shell is the pre pass, and the speeds it predicts from include both

@@ -458,19 +458,25 @@ def test_checkpoints_every_k_blocks_on_gpu_keep_the_math():
     model = tm.llama(layers=8)
     base = {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
             "offload": {"resident_blocks": 0, "loss_chunks": 1, "offload_checkpoints": True}}
+    sparse = base | {"offload": base["offload"] | {"checkpoint_every": 3}}
     ref = zerofit.initialize(copy.deepcopy(model), base)
-    eng = zerofit.initialize(model, base | {"offload": base["offload"] | {"checkpoint_every": 3}})
+    eng = zerofit.initialize(copy.deepcopy(model), sparse)
+    ds = zerofit.initialize(model, sparse)      # the DeepSpeed-shaped loop, its forwards one at a time
     assert eng.plan.checkpoint_every == 3 and eng.plan.offload_checkpoints
     data = _gpu_batches(4, 2)
     a = [ref.train_batch(m) for m in data]
     b = [eng.train_batch(m) for m in data]
+    c = [tm.ds_step(ds, m) for m in data]
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-6, atol=1e-6)
-    ma, mb = ref.master_state_dict(), eng.master_state_dict()
+    torch.testing.assert_close(torch.tensor(c), torch.tensor(a), rtol=1e-6, atol=1e-6)
+    ma, mb, mc = ref.master_state_dict(), eng.master_state_dict(), ds.master_state_dict()
     for n in ma:
         torch.testing.assert_close(mb[n], ma[n], rtol=1.3e-6, atol=1e-5)
-    labels = {t["label"] or "" for t in eng.trace()}
-    assert {f"{eng.blocks[i].name}(inputs)" for i in (0, 1, 3, 4, 6)} <= labels and "ckpt[3]" in labels
-    for e in (ref, eng):
+        torch.testing.assert_close(mc[n], ma[n], rtol=1.3e-6, atol=1e-5)
+    for e in (eng, ds):
+        labels = {t["label"] or "" for t in e.trace()}
+        assert {f"{e.blocks[i].name}(inputs)" for i in (0, 1, 3, 4, 6)} <= labels and "ckpt[3]" in labels
+    for e in (ref, eng, ds):
         e.close()
 
 

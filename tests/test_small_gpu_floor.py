@@ -182,3 +182,48 @@ def test_planner_keeps_fewer_checkpoints_only_when_every_blocks_do_not_fit():
                   **(kw | dict(floor=(True, True, False, many.checkpoint_every // 2))))
     few = make_plan(shape, BatchShape(2, 2048, 4), host_budget=32 * GiB, **kw)
     assert few.checkpoint_every == 1
+
+
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("loop", ["one at a time", "window", "with an evaluation"])
+def test_the_deepspeed_shaped_loop_keeps_checkpoints_as_the_plan_says(every, loop):
+    """The DeepSpeed-shaped loop (engine(**mb), backward, step; or forward_window first) keeps its block checkpoints
+    as train_batch does: offloaded to the host arena (each micro-batch in its own place, though its forwards come
+    one at a time) and every k-th only, an evaluation forward in the middle of the window changing nothing: the
+    same losses and weights, bitwise, as train_batch with the same plan."""
+    G3 = 3
+    torch.manual_seed(0)
+    model = tm.llama(layers=7)
+    cfg = _cfg(loss_chunks=1, offload_checkpoints=True, checkpoint_every=every) | {
+        "precision": "bf16", "gradient_accumulation_steps": G3}
+    ref = zerofit.initialize(copy.deepcopy(model), cfg)
+    eng = zerofit.initialize(copy.deepcopy(model), cfg)
+    probe = tm.batches(1, 1)[0][0]
+    data = tm.batches(3, G3)
+    a = [ref.train_batch(mbs) for mbs in data]
+    b = []
+    for mbs in data:
+        if loop == "window":
+            eng.forward_window(mbs)
+        losses = []
+        for j, mb in enumerate(mbs):
+            out = eng(**mb)
+            eng.backward(out.loss)
+            if loop == "with an evaluation" and j == 1:
+                eng.eval()
+                with torch.no_grad():
+                    eng(**probe)
+                eng.train()
+            eng.step()
+            losses.append(out.loss.detach().float())
+        b.append(torch.stack(losses).mean().item())
+    assert b == a
+    ma, mb_ = ref.master_state_dict(), eng.master_state_dict()
+    assert all(torch.equal(ma[n], mb_[n]) for n in ma)
+    if loop != "window":     # the window's forwards ran at once, as train_batch's
+        assert eng.window_stats["announced"] == 0
+    kept = [i for i in range(1, 7) if i % every == 0 and i < (6 // every * every if every > 1 else 5)]
+    n = 2 * 16 * model.config.hidden_size
+    assert eng._ckpt_arena is not None and eng._ckpt_arena.tensor.numel() == len(kept) * G3 * n
+    assert all(float(eng._ckpt_arena.tensor[(k * G3 + m) * n:(k * G3 + m + 1) * n].abs().sum()) > 0
+               for k in range(len(kept)) for m in range(G3)), "each micro-batch has its own place"

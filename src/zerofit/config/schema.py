@@ -385,7 +385,7 @@ class OffloadConfig(_Frozen):
     checkpoint_every: int | None = Field(None, ge=1)
     """keep the inputs of every k-th block only (blocks 0, k, 2k, ...) and recompute the others' in the backward,
     one segment of k blocks at a time: a forward more for k - 1 of every k blocks, for the memory of 1/k of the
-    checkpoints (every micro-batch of a step keeps them until the step's backward); train_batch only. 1: every
+    checkpoints (every micro-batch of a step keeps them until the step's backward). 1: every
     block's; None = the planner decides (only when the checkpoints do not fit otherwise)"""
     copies_after_update: bool = True
     """the DeepSpeed-shaped loop (one forward per call), updates without clipping: after a streamed block's

@@ -920,11 +920,16 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self.batch_plan = check     # the plan's prediction for the batch actually trained
 
     def _forward(self, micro_batches: list[dict], *, shell_grad: bool, offload: bool = False,
-                 every: int = 1) -> list[_Micro]:
+                 every: int | None = None, first: int = 0) -> list[_Micro]:
         """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints (with
         ``offload``, most of them in pinned host memory: [Note: offloaded checkpoints]; with ``every`` > 1,
-        only every ``every``-th block's: [Note: checkpoints every k blocks])."""
-        self._ckpt_every = every
+        only every ``every``-th block's: [Note: checkpoints every k blocks]). A training forward gives ``every``
+        (it holds for the window's backward; an evaluation forward in the middle of a window leaves it) and
+        ``first``, its first micro-batch's place in the window (the DeepSpeed-shaped loop's forwards come one at a
+        time)."""
+        if every is not None:
+            self._ckpt_every = every
+        every = every or 1
         self._refresh_shell()
         leaves = self._leaves(self.shell, grad=shell_grad)
         micros = []
@@ -957,14 +962,15 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                         xs[m] = self._block(unit, leaves_b, xs[m], micro.pre.calls[unit.index])
             self._release(unit)
             if offload and self._offloaded(unit.index):
-                self._ckpt_down(micros, unit.index)
+                self._ckpt_down(micros, unit.index, first)
         for micro, x in zip(micros, xs):
             micro.grad = x      # holds the final hidden state until the post pass
         return micros
 
     # [Note: offloaded checkpoints]
-    # With plan.offload_checkpoints (train_batch only), the inputs each block kept for its backward go down to
-    # a pinned host arena right after the block's forward (download stream, after the compute that wrote them;
+    # With plan.offload_checkpoints, the inputs each block kept for its backward go down to a pinned host arena,
+    # G micro-batches' worth (train_batch, or a DeepSpeed-shaped window, whose forwards come one at a time:
+    # ``first`` places each), right after the block's forward (download stream, after the compute that wrote them;
     # ``record_stream`` keeps the allocator from reusing the device memory before the copy has read it), except
     # block 0's (it is the pre pass's output, alive anyway) and the last two's (needed first). The backward
     # brings each block's back up on the upload stream CKPT_AHEAD blocks ahead, into memory allocated on the
@@ -1006,13 +1012,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         off = (self._ckpt_slot(index) * G + m) * n
         return arena.tensor[off:off + n].view(like.shape)
 
-    def _ckpt_down(self, micros: list[_Micro], index: int) -> None:
-        self._ckpt_g = max(self._ckpt_g, len(micros))
+    def _ckpt_down(self, micros: list[_Micro], index: int, first: int = 0) -> None:
+        # the arena's layout is per window of G micro-batches (the DeepSpeed-shaped loop's come one at a time)
+        self._ckpt_g = max(self._ckpt_g, first + len(micros), self.config.gradient_accumulation_steps)
         ev = self.dev.record(self.dev.compute)
         with self.dev.on(self.dev.download):
             self.dev.wait(self.dev.download, ev)
             with self.dev.timed("download", self.dev.download, f"ckpt[{index}]"):
-                for m, micro in enumerate(micros):
+                for m, micro in enumerate(micros, start=first):
                     x = micro.ckpts[index]
                     h = self._ckpt_view(index, m, x)
                     h.copy_(x, non_blocking=True)
@@ -1095,7 +1102,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     # [Note: checkpoints every k blocks]
     # Every micro-batch of a step keeps its blocks' inputs until the step's backward (block-major order): 32
-    # micro-batches of the 7B shape keep 34 GB. With plan.checkpoint_every = k (train_batch only; the planner's
+    # micro-batches of the 7B shape keep 34 GB. With plan.checkpoint_every = k (the planner's
     # last resort, or offload.checkpoint_every) the forward keeps the inputs of blocks 0, k, 2k, ... only. The
     # backward takes the segments from the last: it first runs the forward of the segment's blocks but its last,
     # block-major over the micro-batches as the forward did and with the same RNG states, which gives the others'

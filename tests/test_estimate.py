@@ -231,3 +231,35 @@ def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(mon
     assert pred.binds == "disk" and pred.disk > sum(ph.values())
     idle = ph["forward"] + ph["post"] if on_disk == "last blocks" else 0.0
     assert pred.step == pytest.approx(pred.disk + idle)
+
+
+def test_the_estimate_counts_the_backwards_forwards_with_checkpoints_every_k_blocks(monkeypatch):
+    """[Note: checkpoints every k blocks]: the backward reruns the forward of every block but each segment's last,
+    and uploads those blocks again: the predicted compute and the backward's upload grow by exactly that."""
+    from zerofit import doctor
+    from zerofit import estimate as E
+    from zerofit.config import load_config
+    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+
+    n, L = 10_000_000, 8
+    shape = ModelShape(shell_numel=1_000_000, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
+    batch = BatchShape(1, 256, 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: E.ComputeProbe(0.008, 0.020, 0.017, 0.003))
+    monkeypatch.setattr(E, "engine_block_seconds", lambda *args, **kw: None)
+    monkeypatch.setattr(doctor, "copy_bandwidth", lambda *args: [
+        doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host", "both")])
+    monkeypatch.setattr(doctor, "optimizer_speed", lambda *args, **kw: doctor.OptimizerSpeed(
+        "fused", 1, 1, 1, 2.5e9, True))
+    cfg = load_config(_cfg(device="cuda")).config
+    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=None,
+              deferred_updates=False, checkpointing=True, stream_params=True, resident_blocks=0, prefetch_depth=None,
+              assisted_fraction=0.0)
+    every = make_plan(shape, batch, **kw, floor=(False, True, False, 1))
+    sparse = make_plan(shape, batch, **kw, floor=(False, True, False, 4))
+    assert (every.checkpoint_every, sparse.checkpoint_every) == (1, 4)
+    a, b = (E.predict_step(None, cfg, p, shape, batch, on_cuda=True) for p in (every, sparse))
+    again = 6      # blocks 0-2 and 4-6: every block but 3 and 7
+    assert b.compute - a.compute == pytest.approx(4 * again * 0.008 * E.FORWARD_SHARE)
+    assert b.upload - a.upload == pytest.approx(again * n * 4 / 55e9)
+    assert sparse.host_bytes["checkpoint_copies"] < every.host_bytes["checkpoint_copies"]

@@ -227,3 +227,17 @@ def test_the_deepspeed_shaped_loop_keeps_checkpoints_as_the_plan_says(every, loo
     assert eng._ckpt_arena is not None and eng._ckpt_arena.tensor.numel() == len(kept) * G3 * n
     assert all(float(eng._ckpt_arena.tensor[(k * G3 + m) * n:(k * G3 + m + 1) * n].abs().sum()) > 0
                for k in range(len(kept)) for m in range(G3)), "each micro-batch has its own place"
+
+
+def test_checkpoints_every_k_blocks_without_activation_checkpointing_is_refused():
+    """Without activation checkpointing the forward keeps every block's activations, not checkpoints: a spacing
+    of k > 1 is refused at initialize, naming the field; 1 is accepted."""
+    from zerofit.config import ConfigError
+
+    cfg = _cfg(checkpoint_every=2) | {"activation_checkpointing": False}
+    with pytest.raises(ConfigError, match="offload.checkpoint_every") as info:
+        zerofit.initialize(tm.llama(layers=4), cfg)
+    assert "activation_checkpointing" in str(info.value)
+    eng = zerofit.initialize(tm.llama(layers=4), cfg | {"offload": {"checkpoint_every": 1}})
+    assert eng.plan.checkpoint_every == 1
+    eng.close()

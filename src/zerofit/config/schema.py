@@ -514,6 +514,11 @@ class ZerofitConfig(_Frozen):
     def _batch_triple(self):
         resolve_batch(self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps,
                       self.world_size)
+        every = self.offload.checkpoint_every
+        if every is not None and every > 1 and not self.activation_checkpointing:
+            raise ConfigError("offload.checkpoint_every", "1 or unset with activation_checkpointing false",
+                              str(every), "keeping every k-th block's checkpoints needs activation_checkpointing "
+                              "(without it the forward keeps every block's activations, not checkpoints)")
         return self
 
 

@@ -81,15 +81,16 @@ WORKLOADS: dict[str, Workload] = {
                    vocab=32000, tied=False, max_positions=4096),
     # W1 and W3a with 32 micro-batches per step (WORKLOADS.md's disk-tier comparison at 32: the disk's traffic is
     # per optimizer step for zerofit, per micro-batch for DeepSpeed's parameters on the NVMe)
-    "W1-ga32": Workload("W1-ga32", hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8,
-                        vocab=128256, tied=True, rope_theta=500000.0, max_positions=8192, grad_accum=32),
-    "W2-ga32": Workload("W2-ga32", hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32,
-                        vocab=32000, tied=False, max_positions=4096, grad_accum=32),
     # A toy for dry runs of the harness on CPU or GPU (seconds).
     "smoke": Workload("smoke", hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2,
                       vocab=1024, tied=True, micro_batch=2, seq=128, grad_accum=4, cap=None,
                       max_positions=512),
 }
+
+# W1 and W3a with 32 micro-batches per step (WORKLOADS.md's disk-tier comparison at 32: the disk's traffic is per
+# optimizer step for zerofit, per micro-batch for DeepSpeed's parameters on the NVMe)
+for _base in ("W1", "W2"):
+    WORKLOADS[f"{_base}-ga32"] = dataclasses.replace(WORKLOADS[_base], name=f"{_base}-ga32", grad_accum=32)
 
 
 def llama_config(w: Workload):

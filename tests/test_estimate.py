@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import zerofit
 from tests import tiny_models as tm
 from zerofit.cli import app
-from zerofit.engine.planner import PlanError
+from zerofit.engine.planner import ModelShape, PlanError
 from zerofit.estimate import estimate, meta_model
 
 
@@ -194,27 +194,17 @@ def test_the_engines_own_block_compute_is_read_off_its_trace():
     assert 0 < probe.pre < probe.per_block      # the embeddings' lookup and its backward: less than a block
 
 
-@pytest.mark.parametrize("on_disk", ["last blocks", "every block"])
-def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(monkeypatch, on_disk):
-    """[Note: when the disk works]: with immediate updates and the disk the binding resource, the disk's work
-    starts with the backward. Where the backward's last host update is in host memory (the last blocks on the
-    disk) the step is the forward and post pass plus the disk's time; where it is on the disk (every block) the
-    updates run on into the next forward and the step is the disk's time alone."""
+EIGHT_BLOCKS = ModelShape(shell_numel=1_000_000, block_numels=(10_000_000,) * 8, hidden=512, intermediate=1376,
+                          vocab=32000)
+
+
+def _stub_measurements(monkeypatch) -> None:
+    """predict_step's measurements, which only a GPU machine makes, stubbed: 8 ms per block and micro-batch, 20 ms
+    of shell (17 of them the post pass, 3 the pre pass), 55 GB/s each way and both ways at once, 2.5 G params/s of
+    CPU AdamW."""
     from zerofit import doctor
     from zerofit import estimate as E
-    from zerofit.config import load_config
-    from zerofit.engine import disk as D
-    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
 
-    n, L = 10_000_000, 8
-    shape = ModelShape(shell_numel=1_000_000, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
-    batch = BatchShape(1, 256, 4)
-    k = 3 if on_disk == "last blocks" else L
-    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None,
-                     host_budget=10**12, deferred_updates=False, checkpointing=True, stream_params=True,
-                     resident_blocks=0, prefetch_depth=None, disk=True, disk_budget=10**12, disk_blocks=k,
-                     assisted_fraction=0.0)
-    assert len(plan.disk_blocks) == k and not plan.assisted_blocks
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: E.ComputeProbe(0.008, 0.020, 0.017, 0.003))
     monkeypatch.setattr(E, "engine_block_seconds", lambda *args, **kw: None)
@@ -222,6 +212,27 @@ def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(mon
         doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host", "both")])
     monkeypatch.setattr(doctor, "optimizer_speed", lambda *args, **kw: doctor.OptimizerSpeed(
         "fused", 1, 1, 1, 2.5e9, True))
+
+
+@pytest.mark.parametrize("on_disk", ["last blocks", "every block"])
+def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(monkeypatch, on_disk):
+    """[Note: when the disk works]: with immediate updates and the disk the binding resource, the disk's work
+    starts with the backward. Where the backward's last host update is in host memory (the last blocks on the
+    disk) the step is the forward and post pass plus the disk's time; where it is on the disk (every block) the
+    updates run on into the next forward and the step is the disk's time alone."""
+    from zerofit import estimate as E
+    from zerofit.config import load_config
+    from zerofit.engine import disk as D
+    from zerofit.engine.planner import BatchShape, make_plan
+
+    L, shape, batch = 8, EIGHT_BLOCKS, BatchShape(1, 256, 4)
+    k = 3 if on_disk == "last blocks" else L
+    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None,
+                     host_budget=10**12, deferred_updates=False, checkpointing=True, stream_params=True,
+                     resident_blocks=0, prefetch_depth=None, disk=True, disk_budget=10**12, disk_blocks=k,
+                     assisted_fraction=0.0)
+    assert len(plan.disk_blocks) == k and not plan.assisted_blocks
+    _stub_measurements(monkeypatch)
     monkeypatch.setattr(D, "measure_folder", lambda *args, **kw: (0.01, 0.01))     # 10 MB/s: the disk binds
     cfg = load_config(_cfg(device="cuda", offload={"optimizer_device": "nvme", "nvme_path": "/nonexistent"})).config
     pred = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
@@ -236,21 +247,12 @@ def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(mon
 def test_the_estimate_counts_the_backwards_forwards_with_checkpoints_every_k_blocks(monkeypatch):
     """[Note: checkpoints every k blocks]: the backward reruns the forward of every block but each segment's last,
     and uploads those blocks again: the predicted compute and the backward's upload grow by exactly that."""
-    from zerofit import doctor
     from zerofit import estimate as E
     from zerofit.config import load_config
-    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+    from zerofit.engine.planner import BatchShape, make_plan
 
-    n, L = 10_000_000, 8
-    shape = ModelShape(shell_numel=1_000_000, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
-    batch = BatchShape(1, 256, 4)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: E.ComputeProbe(0.008, 0.020, 0.017, 0.003))
-    monkeypatch.setattr(E, "engine_block_seconds", lambda *args, **kw: None)
-    monkeypatch.setattr(doctor, "copy_bandwidth", lambda *args: [
-        doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host", "both")])
-    monkeypatch.setattr(doctor, "optimizer_speed", lambda *args, **kw: doctor.OptimizerSpeed(
-        "fused", 1, 1, 1, 2.5e9, True))
+    n, L, shape, batch = 10_000_000, 8, EIGHT_BLOCKS, BatchShape(1, 256, 4)
+    _stub_measurements(monkeypatch)
     cfg = load_config(_cfg(device="cuda")).config
     kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=None,
               deferred_updates=False, checkpointing=True, stream_params=True, resident_blocks=0, prefetch_depth=None,

@@ -37,7 +37,7 @@ import psutil
 import torch
 
 from zerofit.engine.adapter import Adapter
-from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes
+from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes, recomputed_blocks
 
 # the benchmark shapes (../shared/bench/WORKLOADS.md), by the names tutorials use, and the workload names
 SHAPES = {
@@ -225,7 +225,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
 # buffers hold) run on into the next forward, which waits for them block by block: the disk works through the
 # whole step. With deferred updates (clipping, fp16) the gradients go to the disk in the backward and the
 # updates run in the next forward: the disk works through the whole step as well. W1 with 32 micro-batches per
-# step (d50e4a9, docs/benchmarks.md, tenth session): host budget 40 GiB, the moments of blocks 14-27 on the
+# step (b85c3df, docs/benchmarks.md, tenth session): host budget 40 GiB, the moments of blocks 14-27 on the
 # disk: forward and post pass 3.2 s, then 11.9 s of backward paced by the disk (predicted: 3.2 + 11.5); host
 # budget 28 GiB, every streamed block on the disk: the forward waited 2.6 s on block 4's update.
 
@@ -285,8 +285,10 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         probe = dataclasses.replace(probe, per_block=engine_probe.per_block, forward_share=engine_probe.forward_share,
                                     pre=engine_probe.pre, source="the engine on a 2-block model")
     per_block, shell = probe.per_block, probe.shell
-    # [Note: checkpoints every k blocks] (engine.py): the backward's forwards for the recomputed inputs
-    regen = (L - -(-L // plan.checkpoint_every)) * per_block * probe.forward_share
+    # [Note: checkpoints every k blocks] (engine.py): the backward runs these blocks' forward again, their weights
+    # uploaded once more
+    again = recomputed_blocks(L, plan.checkpoint_every)
+    regen = len(again) * per_block * probe.forward_share
     pred.compute = G * (probe.pre + probe.post + L * per_block + regen)
     copies = {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
     h2d, d2h = copies[("host->gpu", "pinned")], copies[("gpu->host", "pinned")]
@@ -320,10 +322,6 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     else:
         up_fwd, down_fwd, cpu_fwd = weights, 0, 0.0
         up_bwd, down_bwd, cpu_bwd = weights + a * 12, (host_params * 4) + a * 12, host_params / rate
-    # [Note: checkpoints every k blocks]: the backward runs the forward of every block but each segment's last
-    # again, and uploads those blocks once more
-    k = plan.checkpoint_every
-    again = [i for i in range(L) if k > 1 and (i + 1) % k and i != L - 1]
     up_bwd += sum(n[i] * (cb if disk_of.get(i) == "all" else 4) for i in again if i >= plan.resident_blocks)
     s = shape.shell_numel
     shell_bytes = (0, 0)

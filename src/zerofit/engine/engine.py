@@ -981,9 +981,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     # Two blocks ahead, not one: a block updated on the device in the backward ([Note: assisted updates in the
     # backward]) queues its state's chunks on the upload stream right after its compute, and a checkpoint
     # enqueued one block ahead sat behind them. W1 at 8 GiB (ebd8986, its trace) waited ~8 ms before each block
-    # that followed an assisted one: ~0.07 s of its 1.33 s step. Two ahead, the next block's checkpoint is
-    # enqueued before those chunks. On the device at once: block 0's, the one computing, the two coming up
-    # (within the planner's CKPT_ON_DEVICE).
+    # that followed an assisted one (nine of them in its backward). Two ahead, the next block's checkpoint is
+    # enqueued before those chunks: 1.342 -> 1.299 s/step (ebd8986 -> 23bacce, docs/benchmarks.md). On the
+    # device at once: block 0's, the one computing, the two coming up (within the planner's CKPT_ON_DEVICE).
 
     def _offloaded(self, index: int) -> bool:
         every = self._ckpt_every

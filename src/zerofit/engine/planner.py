@@ -245,6 +245,14 @@ def kept_checkpoints(n_blocks: int, every: int) -> int:
     return -(-n_blocks // every)
 
 
+def recomputed_blocks(n_blocks: int, every: int) -> list[int]:
+    """The blocks whose forward the backward runs again for the next block's input ([Note: checkpoints every k
+    blocks], engine.py): every block but each segment's last."""
+    if every == 1:
+        return []
+    return [i for i in range(n_blocks) if (i + 1) % every and i != n_blocks - 1]
+
+
 def offloaded_checkpoints(n_blocks: int, every: int) -> int:
     """How many blocks' checkpoints go to host memory when they are offloaded ([Note: offloaded checkpoints]):
     all but block 0's and the last two's; with checkpoints every k blocks, all kept ones but block 0's and the

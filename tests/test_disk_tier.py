@@ -401,3 +401,38 @@ def test_a_refusal_beside_the_tier_names_the_smallest_host_budget_and_fewer_micr
     make_plan(shape, BatchShape(2, 2048, g), host_budget=2 * GiB, **kw)
     with pytest.raises(PlanError):
         make_plan(shape, BatchShape(2, 2048, 2 * g), host_budget=2 * GiB, **kw)
+
+
+def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch, caplog):
+    """A write that completes while the tier closes frees its buffer; that must not issue the next expected read
+    on the stopping pool. (W3a at 32 micro-batches, 2026-12-01: five "cannot schedule new futures after shutdown"
+    tracebacks from write callbacks at exit.) The file goes."""
+    import logging
+    import threading
+    import time
+
+    from zerofit.engine.disk import DiskTier, SwapFile, layout
+
+    real = disk_mod._pwrite
+    gate = threading.Event()
+
+    def slow(fd, bufs, offset):
+        gate.wait(5)
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(disk_mod, "_pwrite", slow)
+    regions, nbytes = layout([(i, 3072, ("master", "exp_avg")) for i in range(4)])
+    tier = DiskTier(SwapFile(tmp_path, nbytes, threads=2, block_bytes=8192), regions, chunk=3072, buffers=2)
+    tier.expect([0, 1, 2, 3])                       # two buffers: units 0 and 1 read ahead, 2 and 3 queued
+    for key in (0, 1):
+        f = tier.acquire(key, 0)
+        f["master"].fill_(key + 1.0)
+        tier.release(key, 0)                        # its write waits on the gate
+    closer = threading.Thread(target=tier.close)
+    with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
+        closer.start()
+        time.sleep(0.2)                             # close is waiting on the pool
+        gate.set()                                  # the writes complete, their callbacks free the buffers
+        closer.join(30)
+    assert not closer.is_alive()
+    assert not [r for r in caplog.records if r.name == "concurrent.futures"], caplog.text
+    assert not list(tmp_path.glob("zerofit-swap-*.bin"))

@@ -361,6 +361,7 @@ class DiskTier:
         self._expect: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._error: BaseException | None = None
+        self._closing = False                   # no more reads: the pool is stopping
         self.bytes_read = self.bytes_written = 0
         self.spans: list[tuple[str, float, float]] = []     # (label, start, end): per chunk read/write
 
@@ -405,7 +406,7 @@ class DiskTier:
 
     def _pump(self) -> None:
         """Issue expected reads into free buffers (lock held)."""
-        while self._free and self._expect and self._error is None:
+        while self._free and self._expect and self._error is None and not self._closing:
             k = self._expect[0]
             if k in self._held:          # someone holds it (a gradient being stashed): read on demand after
                 self._expect.popleft()
@@ -573,4 +574,10 @@ class DiskTier:
         return spans
 
     def close(self) -> None:
+        """Read nothing more, then stop the file's pool (it finishes the requests in flight). A write completing
+        meanwhile frees its buffer and pumps; without the flag that pump would submit a read to the stopping
+        pool, which raises in the write's completion callback."""
+        with self._cv:
+            self._closing = True
+            self._expect.clear()
         self.file.close()

@@ -381,7 +381,7 @@ def test_a_refusal_beside_the_tier_names_the_smallest_host_budget_and_fewer_micr
 
     shape = ModelShape(50_000_000, (40_000_000,) * 8, 1024, 2816, 32000)
     batch = BatchShape(2, 2048, 32)
-    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=4 * GiB, deferred_updates=False,
+    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=3 * GiB, deferred_updates=False,
               checkpointing=True, stream_params=True, resident_blocks=None, prefetch_depth=None, disk=True,
               disk_budget=10**12)
     with pytest.raises(PlanError) as info:

@@ -236,8 +236,8 @@ CKPT_KEPT = 3                 # offloaded checkpoints: blocks whose inputs stay 
                               # the pre pass) and the last two (needed first in the backward)
 SPARSE_EVERY = (2, 4, 8)      # the checkpoint spacings the planner tries when every block's input does not fit
 CKPT_AHEAD = 2                # the backward brings them up this many blocks ahead ([Note: offloaded checkpoints])
-CKPT_ON_DEVICE = CKPT_KEPT + 2   # room enough for the backward's peak: block 0's, the one computing and CKPT_AHEAD
-                                 # coming up (the last two blocks' are consumed first)
+CKPT_ON_DEVICE = 2 + CKPT_AHEAD  # the backward's peak: block 0's, the one computing and CKPT_AHEAD coming up (the
+                                 # last two blocks' are consumed first)
 
 
 def kept_checkpoints(n_blocks: int, every: int) -> int:
@@ -268,19 +268,20 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
 
     checkpoints: every block's input for every micro-batch (block-major order keeps them all); with checkpoints
     every k blocks, the kept ones and a segment's k - 1 inputs recomputed in the backward;
-    boundary: the gradient flowing between blocks, one per micro-batch;
+    boundary: the gradient flowing between blocks, one per micro-batch, and the one a block's backward is making;
     block: one block's recomputed activations and their gradients (transient);
     logits: the fp32 upcast of the head's output for the loss, its gradient, the 16-bit gradient
     (the 16-bit logits themselves are dropped before the backward)."""
     tok = batch.tokens
     if every == 1:
         kept = min(n_blocks, CKPT_ON_DEVICE) if offload_checkpoints else n_blocks
-    else:   # block 0's, the last segment's, the one coming up, and the k - 1 a segment recomputes
-        kept = (min(kept_checkpoints(n_blocks, every), 3) if offload_checkpoints
+    else:   # offloaded: block 0's and the segment's own; else every kept one (the peak is in the last segment);
+            # and the k - 1 inputs a segment recomputes
+        kept = (min(kept_checkpoints(n_blocks, every), 2) if offload_checkpoints
                 else kept_checkpoints(n_blocks, every)) + every - 1
     return {
         "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
-        "boundary_grads": 2 * batch.grad_accum * tok * shape.hidden * dtype_bytes,
+        "boundary_grads": (batch.grad_accum + 1) * tok * shape.hidden * dtype_bytes,
         "block_working_set": tok * (48 * shape.hidden + 16 * shape.intermediate) * dtype_bytes // 2,
         "logits": -(-tok // loss_chunks) * shape.vocab * (dtype_bytes + 8),
     }

@@ -436,3 +436,34 @@ def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch,
     assert not closer.is_alive()
     assert not [r for r in caplog.records if r.name == "concurrent.futures"], caplog.text
     assert not list(tmp_path.glob("zerofit-swap-*.bin"))
+
+
+def test_the_mixed_speed_test_reads_and_writes_what_it_counts(tmp_path, monkeypatch):
+    """SwapFile.measure_mixed (bench/disk_probe.py) counts the bytes of half the file read while the other half is
+    written: the pool sees exactly those, after the untimed write of the half read."""
+    from zerofit.engine.disk import SwapFile
+
+    seen = []
+    real_r, real_w = disk_mod._pread, disk_mod._pwrite
+
+    def rd(fd, bufs, offset):
+        seen.append(("read", offset, sum(len(b) for b in bufs)))
+        return real_r(fd, bufs, offset)
+
+    def wr(fd, bufs, offset):
+        seen.append(("write", offset, sum(len(b) for b in bufs)))
+        return real_w(fd, bufs, offset)
+    monkeypatch.setattr(disk_mod, "_pread", rd)
+    monkeypatch.setattr(disk_mod, "_pwrite", wr)
+    f = SwapFile(tmp_path, 8 << 20, threads=2, block_bytes=1 << 20)
+    try:
+        speed = f.measure_mixed(8 << 20)
+    finally:
+        f.close()
+    half = 4 << 20
+    first, timed = seen[:4], seen[4:]                     # the untimed write of the first half, then the mix
+    assert all(op == "write" and off < half for op, off, _ in first)
+    assert sum(n for op, off, n in timed if op == "read" and off < half) == half
+    assert sum(n for op, off, n in timed if op == "write" and off >= half) == half
+    assert len(timed) == 8
+    assert speed > 0

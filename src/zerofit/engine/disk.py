@@ -244,6 +244,31 @@ class SwapFile:
         r = time.perf_counter() - t
         return n / max(w, 1e-9) / 1e9, n / max(r, 1e-9) / 1e9
 
+    def measure_mixed(self, nbytes: int = 1 << 30) -> float:
+        """GB/s of reads and writes at once, as a step streams them (chunks read ahead of their updates while
+        earlier ones are written behind): the first half of ``nbytes`` (at most the file) is written (untimed),
+        then read back while zeros go to the second half, the requests interleaved; (bytes read + written) / s."""
+        half = min(nbytes, self.nbytes) // 2 // ALIGN * ALIGN
+        wbuf = aligned_empty(half).zero_()
+        rbuf = aligned_empty(half)
+        for f in self.submit("write", 0, wbuf, "speed test"):
+            f.result()
+        if not self.direct:
+            os.fsync(self._fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fd, 0, half, os.POSIX_FADV_DONTNEED)
+        t = time.perf_counter()
+        futs = []
+        for a in range(0, half, self.block_bytes):
+            b = min(a + self.block_bytes, half)
+            futs += self.submit("read", a, rbuf[a:b], "speed test")
+            futs += self.submit("write", half + a, wbuf[a:b], "speed test")
+        for f in futs:
+            f.result()
+        if not self.direct:
+            os.fsync(self._fd)
+        return 2 * half / max(time.perf_counter() - t, 1e-9) / 1e9
+
     def close(self) -> None:
         """Stop the I/O threads, remove the file, release the lock. Idempotent. Views of the mapping
         that are still referenced stay valid memory (the kernel keeps the removed file until they go)."""

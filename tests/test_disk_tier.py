@@ -409,7 +409,6 @@ def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch,
     tracebacks from write callbacks at exit.) The file goes."""
     import logging
     import threading
-    import time
 
     from zerofit.engine.disk import DiskTier, SwapFile, layout
 
@@ -427,10 +426,18 @@ def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch,
         f = tier.acquire(key, 0)
         f["master"].fill_(key + 1.0)
         tier.release(key, 0)                        # its write waits on the gate
+    pool, stopped = tier.file._pool, threading.Event()
+    real_shutdown = pool.shutdown
+
+    def shutdown(wait=True, **kw):                  # the pool refuses new work, then the writes may complete
+        real_shutdown(wait=False, **kw)
+        stopped.set()
+        real_shutdown(wait=wait, **kw)
+    pool.shutdown = shutdown
     closer = threading.Thread(target=tier.close)
     with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
         closer.start()
-        time.sleep(0.2)                             # close is waiting on the pool
+        assert stopped.wait(10)
         gate.set()                                  # the writes complete, their callbacks free the buffers
         closer.join(30)
     assert not closer.is_alive()

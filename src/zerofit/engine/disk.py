@@ -225,18 +225,23 @@ class SwapFile:
         self._mm.flush(a, n)
         self._mm.madvise(mmap.MADV_DONTNEED, a, n)
 
+    def _write_through(self, buf: torch.Tensor) -> None:
+        """Write ``buf`` at offset 0 and wait until it is on the disk; buffered I/O: synced, and out of the
+        page cache (a speed test's read must come from the disk)."""
+        for f in self.submit("write", 0, buf, "speed test"):
+            f.result()
+        if not self.direct:
+            os.fsync(self._fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fd, 0, buf.numel(), os.POSIX_FADV_DONTNEED)
+
     def measure(self, nbytes: int = 256 << 20) -> tuple[float, float]:
         """(write, read) GB/s of this file's own path (direct I/O, the pool's parallel requests), over the
         first ``nbytes`` (at most the file): zeros written, so the reserved file stays zero."""
         n = min(_up(nbytes), self.nbytes)
         buf = aligned_empty(n).zero_()
         t = time.perf_counter()
-        for f in self.submit("write", 0, buf, "speed test"):
-            f.result()
-        if not self.direct:
-            os.fsync(self._fd)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fd, 0, n, os.POSIX_FADV_DONTNEED)
+        self._write_through(buf)
         w = time.perf_counter() - t
         t = time.perf_counter()
         for f in self.submit("read", 0, buf, "speed test"):
@@ -251,12 +256,7 @@ class SwapFile:
         half = min(nbytes, self.nbytes) // 2 // ALIGN * ALIGN
         wbuf = aligned_empty(half).zero_()
         rbuf = aligned_empty(half)
-        for f in self.submit("write", 0, wbuf, "speed test"):
-            f.result()
-        if not self.direct:
-            os.fsync(self._fd)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fd, 0, half, os.POSIX_FADV_DONTNEED)
+        self._write_through(wbuf)
         t = time.perf_counter()
         futs = []
         for a in range(0, half, self.block_bytes):

@@ -244,6 +244,38 @@ def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(mon
     assert pred.step == pytest.approx(pred.disk + idle)
 
 
+def test_a_disk_bound_step_takes_the_median_disk_test_and_shows_the_range(monkeypatch):
+    """[Note: the disk's speed moves]: the disk is tested DISK_TESTS times; the prediction is the median test's,
+    and the estimate shows the disk-bound step at the fastest and the slowest test."""
+    from zerofit import estimate as E
+    from zerofit.config import load_config
+    from zerofit.engine import disk as D
+    from zerofit.engine.planner import BatchShape, make_plan
+
+    shape, batch = EIGHT_BLOCKS, BatchShape(1, 256, 4)
+    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None,
+                     host_budget=10**12, deferred_updates=False, checkpointing=True, stream_params=True,
+                     resident_blocks=0, prefetch_depth=None, disk=True, disk_budget=10**12, disk_blocks=8,
+                     assisted_fraction=0.0)
+    _stub_measurements(monkeypatch)
+    tested = [(0.2, 0.15), (0.1, 0.075), (0.4, 0.3)]         # (write, read) GB/s: middle, slowest, fastest
+    speeds = iter(tested)
+    monkeypatch.setattr(D, "measure_folder", lambda *args, **kw: next(speeds))
+    cfg = load_config(_cfg(device="cuda", offload={"optimizer_device": "nvme", "nvme_path": "/nonexistent"})).config
+    pred = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
+    assert E.DISK_TESTS == 3
+    read, written = plan.disk_traffic(shape)
+    at = {w: read / (r * 1e9) + written / (w * 1e9) for w, r in tested}
+    assert pred.disk == pytest.approx(at[0.2])
+    assert pred.disk_range == pytest.approx((at[0.4], at[0.1]))
+    assert pred.binds == "disk" and pred.step == pytest.approx(pred.disk)      # every block on the disk: no idle
+    assert pred.step_range == pytest.approx((at[0.4], at[0.1]))
+    est = E.Estimate(plan, shape, batch, 1, step=pred)
+    text = est.render()
+    assert "disk tests   3: read 0.30, 0.15, 0.07 GB/s, write 0.40, 0.20, 0.10 GB/s" in text, text
+    assert f"the step {at[0.4]:.2f}-{at[0.1]:.2f} s at the fastest and slowest" in text, text
+
+
 def test_the_estimate_counts_the_backwards_forwards_with_checkpoints_every_k_blocks(monkeypatch):
     """[Note: checkpoints every k blocks]: the backward reruns the forward of every block but each segment's last,
     and uploads those blocks again: the predicted compute and the backward's upload grow by exactly that."""

@@ -16,7 +16,8 @@ The step time is predicted from this machine's measured speeds, each resource on
   measures;
 * CPU optimizer: the host-updated parameters (less those the device updates) over the fused CPU AdamW speed
   ``zerofit doctor`` measures;
-* disk: the tier's bytes read and written per step over the disk speeds measured under ``nvme_path``.
+* disk: the tier's bytes read and written per step over the disk speeds measured under ``nvme_path``
+  (DISK_TESTS tests: the median's, with the step at the fastest and the slowest shown).
 
 The engine overlaps them within each phase of the step (the forward, the post pass, the backward, a
 host-optimized shell's update: [Note: the step's phases]), so the predicted step is the sum of the phases, each
@@ -85,7 +86,9 @@ class StepPrediction:
     download: float | None = None
     cpu_optimizer: float | None = None
     disk: float | None = None
+    disk_range: tuple | None = None     # (fastest, slowest) disk seconds over the DISK_TESTS tests of the disk
     step: float | None = None
+    step_range: tuple | None = None     # the step at those, where the disk binds
     binds: str = ""
     phases: dict = field(default_factory=dict)     # phase -> (seconds, what binds it): [Note: the step's phases]
     speeds: dict = field(default_factory=dict)
@@ -149,6 +152,12 @@ class Estimate:
                                                    ("disk", s.disk)) if v is not None]
             lines.append(f"step time    {s.step:.2f} s ({self.tokens_per_s:,.0f} tokens/s), bound by {s.binds}: "
                          + ", ".join(parts))
+            if s.disk_range is not None:
+                tests = s.speeds.get("disk_tests_gb_per_s", [])
+                lines.append(f"disk tests   {len(tests)}: read " + ", ".join(f"{r:.2f}" for r, _ in tests)
+                             + " GB/s, write " + ", ".join(f"{w:.2f}" for _, w in tests) + " GB/s"
+                             + (f"; the step {s.step_range[0]:.2f}-{s.step_range[1]:.2f} s at the fastest and slowest"
+                                if s.step_range else ""))
         else:
             lines.append(f"step time    not predicted: {s.note}")
         return "\n".join(lines)
@@ -228,6 +237,13 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
 # step (b85c3df, docs/benchmarks.md, tenth session): host budget 40 GiB, the moments of blocks 14-27 on the
 # disk: forward and post pass 3.2 s, then 11.9 s of backward paced by the disk (predicted: 3.2 + 11.5); host
 # budget 28 GiB, every streamed block on the disk: the forward waited 2.6 s on block 4's update.
+
+# [Note: the disk's speed moves]
+# The benchmark machine's disk measured 2.39, 2.16, 2.08 and 1.64 GB/s in four 1 GiB tests within a minute, and its
+# runs' steps moved 1.73-2.35 GB/s (bench/disk_probe.py; docs/benchmarks.md, eleventh session): one test predicted
+# disk-bound steps 18% short and 24% long. So the disk is tested DISK_TESTS times: the prediction takes the median
+# test, and the estimate shows the step at the fastest and the slowest.
+DISK_TESTS = 3
 
 # [Note: the step's phases]
 # The engine overlaps its resources within a phase of the step, not across all of it (engine.trace(),
@@ -357,21 +373,28 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         from zerofit.engine.disk import measure_folder
 
         off = cfg.offload
-        wr, rd = measure_folder(off.nvme_path, 1 << 30, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
         read, written = plan.disk_traffic(shape)
-        pred.disk = read / (rd * 1e9) + written / (wr * 1e9)
-        pred.speeds |= {"disk_read_gb_per_s": rd, "disk_write_gb_per_s": wr}
+        tests = []      # [Note: the disk's speed moves]
+        for _ in range(DISK_TESTS):
+            wr, rd = measure_folder(off.nvme_path, 1 << 30, threads=off.nvme_queue_depth,
+                                    block_bytes=off.nvme_block_size)
+            tests.append((read / (rd * 1e9) + written / (wr * 1e9), rd, wr))
+        tests.sort()
+        pred.disk, rd, wr = tests[len(tests) // 2]
+        pred.disk_range = (tests[0][0], tests[-1][0])
+        pred.speeds |= {"disk_read_gb_per_s": rd, "disk_write_gb_per_s": wr,
+                        "disk_tests_gb_per_s": [(r, w) for _, r, w in tests]}
     phased = sum(t for t, _ in pred.phases.values())
     # [Note: when the disk works]
     disk_step = None
     if pred.disk is not None:
         host_updated = [i for i in streamed if i not in assisted]
         spills = bool(host_updated) and disk_of.get(min(host_updated)) is not None
-        disk_step = pred.disk
-        if not plan.deferred_updates and not spills:
-            disk_step += pred.phases["forward"][0] + pred.phases["post"][0]
+        idle = 0.0 if plan.deferred_updates or spills else pred.phases["forward"][0] + pred.phases["post"][0]
+        disk_step = pred.disk + idle
     if disk_step is not None and disk_step > phased:
         pred.step, pred.binds = disk_step, "disk"
+        pred.step_range = tuple(max(phased, t + idle) for t in pred.disk_range)
     else:
         pred.step = phased
         pred.binds = "its phases in turn (" + ", ".join(f"{k} {t:.2f} s: {why}" for k, (t, why) in pred.phases.items()

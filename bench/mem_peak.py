@@ -4,7 +4,8 @@ code that made them (torch.cuda.memory's allocation history over one step after 
     python3 bench/mem_peak.py W1 8GiB [steps]
 
 Prints memory allocated before the step, the step's peak, and the bytes alive at the peak that the step
-allocated, by the first zerofit frame (file:line function) and by the engine method of the phase."""
+allocated, by the first zerofit frame (file:line function), and the phase (engine method) of the allocation that
+made the peak. The autograd engine's allocations carry no Python frames: they are listed by their size."""
 import collections
 import sys
 
@@ -47,7 +48,10 @@ def at_peak(events, base: int):
             alive.pop(e["addr"], None)
     sites = collections.Counter()
     for e in alive.values():
-        sites[_site(e.get("frames", []))] += e["size"]
+        site = _site(e.get("frames", []))
+        if site == "?":     # made by the autograd engine's thread (no Python frames): named by their size
+            site = f"? {e['size']:,} B"
+        sites[site] += e["size"]
     return peak, sites, (_phase(events[at].get("frames", [])) if at >= 0 else "none")
 
 

@@ -239,10 +239,10 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
 # budget 28 GiB, every streamed block on the disk: the forward waited 2.6 s on block 4's update.
 
 # [Note: the disk's speed moves]
-# The benchmark machine's disk measured 2.39, 2.16, 2.08 and 1.64 GB/s in four 1 GiB tests within a minute, and its
-# runs' steps moved 1.73-2.35 GB/s (bench/disk_probe.py; docs/benchmarks.md, eleventh session): one test predicted
-# disk-bound steps 18% short and 24% long. So the disk is tested DISK_TESTS times: the prediction takes the median
-# test, and the estimate shows the step at the fastest and the slowest.
+# The benchmark machine's disk moved 2.39, 2.16, 2.08 and 1.64 GB/s (written, then read) in four 1 GiB tests within
+# a minute, and its runs' steps moved 1.73-2.35 GB/s (bench/disk_probe.py; docs/benchmarks.md, eleventh session):
+# one test predicted disk-bound steps 18% short and 24% long. So the disk is tested DISK_TESTS times: the
+# prediction takes the median test, and the estimate shows the step at the fastest and the slowest.
 DISK_TESTS = 3
 
 # [Note: the step's phases]

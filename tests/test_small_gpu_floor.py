@@ -241,3 +241,48 @@ def test_checkpoints_every_k_blocks_without_activation_checkpointing_is_refused(
     eng = zerofit.initialize(tm.llama(layers=4), cfg | {"offload": {"checkpoint_every": 1}})
     assert eng.plan.checkpoint_every == 1
     eng.close()
+
+
+@pytest.mark.parametrize("every,offload,layers", [(1, True, 7), (1, False, 5), (2, True, 7), (3, True, 8),
+                                                  (3, False, 7), (4, True, 8)])
+def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, layers):
+    """The planner's checkpoints term (planner.device_checkpoints, per micro-batch) is what the engine's backward
+    holds at its peak: watched at each block computation of the backward, the block inputs on the device (on the
+    CPU: outside the host arena, or asked up from it) never exceed it, and reach it. W3a at 32 micro-batches had peaked 2 GiB under
+    a count that was one block's worth too high (2026-12-01)."""
+    from zerofit.engine.planner import activation_bytes, device_checkpoints
+
+    torch.manual_seed(0)
+    model = tm.llama(layers=layers)
+    cfg = _cfg(loss_chunks=1, offload_checkpoints=offload, checkpoint_every=every) | {"precision": "bf16"}
+    eng = zerofit.initialize(model, cfg)
+    held, micros, up = [], [], set()
+    real_backward, real_block, real_up = eng._backward_blocks, eng._block, eng._ckpt_up
+
+    def backward(ms):
+        micros[:] = ms
+        up.clear()
+        try:
+            return real_backward(ms)
+        finally:
+            micros.clear()
+
+    def ckpt_up(ms, index):     # on a GPU the copy comes up here; on the CPU the engine reads the arena in place
+        up.add(index)
+        return real_up(ms, index)
+
+    def block(unit, leaves, x, call):
+        if micros:
+            arena = eng._ckpt_arena.tensor.untyped_storage().data_ptr() if eng._ckpt_arena is not None else None
+            held.append(sum(1 for mc in micros for i, t in enumerate(mc.ckpts)
+                            if t is not None and (t.untyped_storage().data_ptr() != arena or i in up)))
+        return real_block(unit, leaves, x, call)
+    eng._backward_blocks, eng._block, eng._ckpt_up = backward, block, ckpt_up
+    for m in tm.batches(2, G):
+        eng.train_batch(m)
+    assert held, "the backward computed no block"
+    assert max(held) == device_checkpoints(layers, every, offload) * G, (held, every, offload)
+    h = model.config.hidden_size          # the plan's term is those inputs' bytes: (2 x 16 tokens) x hidden, bf16
+    term = activation_bytes(ModelShape(0, (1,) * layers, h, 1, 1), BatchShape(2, 16, G), layers, 2,
+                            offload_checkpoints=offload, every=every)["checkpoints"]
+    assert term == max(held) * 2 * 16 * h * 2

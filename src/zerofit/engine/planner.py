@@ -262,23 +262,33 @@ def offloaded_checkpoints(n_blocks: int, every: int) -> int:
     return max(kept_checkpoints(n_blocks, every) - 2, 0)
 
 
+def device_checkpoints(n_blocks: int, every: int, offloaded: bool) -> int:
+    """How many blocks' inputs (per micro-batch) the device holds at once in the backward, at most. Every block's
+    checkpoints: all, or, offloaded, block 0's, the one computing and CKPT_AHEAD coming up. Every k-th block's
+    ([Note: checkpoints every k blocks]), in a segment: its own input and the k - 1 it recomputes, beside block 0's
+    when offloaded, else beside every earlier segment's kept input."""
+    if every == 1:
+        return min(n_blocks, CKPT_ON_DEVICE) if offloaded else n_blocks
+    peak = 0
+    for j, start in enumerate(range(0, n_blocks, every)):
+        recomputed = min(every, n_blocks - start) - 1
+        kept = (2 if j else 1) if offloaded else j + 1
+        peak = max(peak, kept + recomputed)
+    return peak
+
+
 def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int,
                      loss_chunks: int = 1, offload_checkpoints: bool = False, every: int = 1) -> dict[str, int]:
     """Predicted activation memory of a block-major step with per-block recompute.
 
-    checkpoints: every block's input for every micro-batch (block-major order keeps them all); with checkpoints
-    every k blocks, the kept ones and a segment's k - 1 inputs recomputed in the backward;
+    checkpoints: the block inputs the device holds at once (:func:`device_checkpoints`), for every micro-batch
+    (block-major order keeps them all until the backward);
     boundary: the gradient flowing between blocks, one per micro-batch, and the one a block's backward is making;
     block: one block's recomputed activations and their gradients (transient);
     logits: the fp32 upcast of the head's output for the loss, its gradient, the 16-bit gradient
     (the 16-bit logits themselves are dropped before the backward)."""
     tok = batch.tokens
-    if every == 1:
-        kept = min(n_blocks, CKPT_ON_DEVICE) if offload_checkpoints else n_blocks
-    else:   # offloaded: block 0's and the segment's own; else every kept one (the peak is in the last segment);
-            # and the k - 1 inputs a segment recomputes
-        kept = (min(kept_checkpoints(n_blocks, every), 2) if offload_checkpoints
-                else kept_checkpoints(n_blocks, every)) + every - 1
+    kept = device_checkpoints(n_blocks, every, offload_checkpoints)
     return {
         "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": (batch.grad_accum + 1) * tok * shape.hidden * dtype_bytes,

@@ -320,7 +320,11 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     # with the host gradient going up too; in the backward, from the gradient where it is (not sent down)
     assisted = set(plan.assisted_blocks) if plan.assisted_updates else set()
     a = sum(n[i] for i in assisted)
-    weights = sum(n[i] * (cb if disk_of.get(i) == "all" else 4) for i in streamed)    # one pass over the blocks
+
+    def up_bytes(i: int) -> int:
+        """Block i's weights going up: fp32, or its 16-bit host copy where master and moments are on the disk."""
+        return n[i] * (cb if disk_of.get(i) == "all" else 4)
+    weights = sum(up_bytes(i) for i in streamed)    # one pass over the blocks
     host_params = sum(n[i] for i in streamed) - a
     if plan.deferred_updates:     # the updates wait for the norm and run during the next forward
         # in two passes, the forward waits for the first pass only ([Note: moments after the forward]); with
@@ -338,7 +342,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     else:
         up_fwd, down_fwd, cpu_fwd = weights, 0, 0.0
         up_bwd, down_bwd, cpu_bwd = weights + a * 12, (host_params * 4) + a * 12, host_params / rate
-    up_bwd += sum(n[i] * (cb if disk_of.get(i) == "all" else 4) for i in again if i >= plan.resident_blocks)
+    up_bwd += sum(up_bytes(i) for i in again if i >= plan.resident_blocks)
     s = shape.shell_numel
     shell_bytes = (0, 0)
     if plan.assisted_shell:     # updated on the device: its state up and back down

@@ -101,7 +101,7 @@ class DeepSpeedStyleAPI:
     def _announce(self, batches: list[dict]) -> None:
         self._ds_t0, self._ds_busy0 = self._start_clock()
         self._ensure_plan(batches)
-        micros = self._forward(batches, shell_grad=True, **self._window_checkpoints())
+        micros = self._forward(batches, shell_grad=True, **self._checkpoint_args())
         if self.adapter.streaming:       # not after a fall-back to the generic path: its forwards come later
             self._announced = list(zip(batches, micros))
             self.window_stats["announced"] += 1
@@ -169,7 +169,7 @@ class DeepSpeedStyleAPI:
         if self._micro_steps == 0 and self._host16_fill:
             self._keep_blocks()
         try:
-            micros = self._forward([batch], shell_grad=True, first=self._micro_steps, **self._window_checkpoints())
+            micros = self._forward([batch], shell_grad=True, first=self._micro_steps, **self._checkpoint_args())
             if self._host16_fill and self.adapter.streaming:
                 self._prefetch_first_blocks()
         finally:
@@ -179,15 +179,6 @@ class DeepSpeedStyleAPI:
         micro.output = (out, final)
         self._pending = micro
         return out
-
-    def _window_checkpoints(self) -> dict:
-        """How this window's forwards keep their block checkpoints: as the plan says, as train_batch does
-        ([Note: offloaded checkpoints], [Note: checkpoints every k blocks]), since the blocks' backward waits
-        for the boundary and every micro-batch of the window keeps them until then."""
-        plan = getattr(self, "batch_plan", self.plan)
-        streaming = self.adapter.streaming
-        return dict(offload=plan.offload_checkpoints and streaming,
-                    every=plan.checkpoint_every if streaming else 1)
 
     def _evaluate(self, batch: dict):
         """The model's output for ``batch`` without autograd; no state of a step is touched or kept."""

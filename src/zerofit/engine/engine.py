@@ -57,7 +57,7 @@ from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, ti
 from zerofit.engine.disk import layout as disk_layout
 from zerofit.engine.ranks import Ranks
 from zerofit.engine.planner import (ASSIST_SETS, CKPT_AHEAD, SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape,
-                                    Plan, assist_chunk, fmt_bytes, make_plan, offloaded_checkpoints)
+                                    Plan, assist_chunk, fmt_bytes, make_plan, offloaded_blocks)
 from zerofit.engine.speculation import Speculation
 from zerofit.engine.store import Home, HostArena, Slot, SlotPool, Unit, WeightState
 
@@ -919,6 +919,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._plan_batch = batch
         self.batch_plan = check     # the plan's prediction for the batch actually trained
 
+    def _checkpoint_args(self) -> dict:
+        """How a training forward keeps its block checkpoints, as the plan for the batch says ([Note: offloaded
+        checkpoints], [Note: checkpoints every k blocks]): train_batch, and the DeepSpeed-shaped loop's window,
+        whose blocks' backward waits for the boundary with every micro-batch's checkpoints kept until then."""
+        plan = getattr(self, "batch_plan", self.plan)
+        streaming = self.adapter.streaming
+        return dict(offload=plan.offload_checkpoints and streaming, every=plan.checkpoint_every if streaming else 1)
+
     def _forward(self, micro_batches: list[dict], *, shell_grad: bool, offload: bool = False,
                  every: int | None = None, first: int = 0) -> list[_Micro]:
         """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints (with
@@ -986,21 +994,18 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     # device at once: block 0's, the one computing, the two coming up (within the planner's CKPT_ON_DEVICE).
 
     def _offloaded(self, index: int) -> bool:
-        every = self._ckpt_every
-        if every == 1:
-            return 0 < index < len(self.blocks) - 2
-        return index % every == 0 and 0 < index < (len(self.blocks) - 1) // every * every   # not the last segment's
+        return index in offloaded_blocks(len(self.blocks), self._ckpt_every)
 
     def _ckpt_slot(self, index: int) -> int:
-        """Block ``index``'s place among the offloaded checkpoints (planner.offloaded_checkpoints of them)."""
-        return index - 1 if self._ckpt_every == 1 else index // self._ckpt_every - 1
+        """Block ``index``'s place among the offloaded checkpoints."""
+        return offloaded_blocks(len(self.blocks), self._ckpt_every).index(index)
 
     def _ckpt_view(self, index: int, m: int, like: torch.Tensor) -> torch.Tensor:
         """The pinned host slot of block ``index``'s checkpoint of micro-batch ``m`` (the arena grows to the
         batch the first time)."""
         n = like.numel()
         G = self._ckpt_g
-        need = offloaded_checkpoints(len(self.blocks), self._ckpt_every) * G * n
+        need = len(offloaded_blocks(len(self.blocks), self._ckpt_every)) * G * n
         arena = self._ckpt_arena
         if arena is None or arena.tensor.numel() < need or arena.tensor.dtype != like.dtype:
             if arena is not None:       # a larger batch than before: the smaller arena goes
@@ -1667,9 +1672,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         scale = self.scaler.scale if self.scaler else 1.0
         plan = getattr(self, "batch_plan", self.plan)
         self._ckpt_ready = {}
-        micros = self._forward(micro_batches, shell_grad=True,
-                               offload=plan.offload_checkpoints and self.adapter.streaming,
-                               every=plan.checkpoint_every if self.adapter.streaming else 1)
+        micros = self._forward(micro_batches, shell_grad=True, **self._checkpoint_args())
         chunks = plan.loss_chunks if self.adapter.streaming and self._chunk_loss_ok else 1
         losses = []
         for micro in micros:

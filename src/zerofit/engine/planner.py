@@ -16,6 +16,7 @@ does not fit with :class:`PlanError`, naming the bytes needed and available.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from dataclasses import dataclass
@@ -232,17 +233,10 @@ def placement_warnings(plan: Plan, num_blocks: int, *, optimizer_device: str, pa
 
 
 LOSS_CHUNK_TOKENS = 512       # tokens per chunk of the head and loss when the logits are chunked
-CKPT_KEPT = 3                 # offloaded checkpoints: blocks whose inputs stay on the device: block 0 (shared with
-                              # the pre pass) and the last two (needed first in the backward)
 SPARSE_EVERY = (2, 4, 8)      # the checkpoint spacings the planner tries when every block's input does not fit
 CKPT_AHEAD = 2                # the backward brings them up this many blocks ahead ([Note: offloaded checkpoints])
 CKPT_ON_DEVICE = 2 + CKPT_AHEAD  # the backward's peak: block 0's, the one computing and CKPT_AHEAD coming up (the
                                  # last two blocks' are consumed first)
-
-
-def kept_checkpoints(n_blocks: int, every: int) -> int:
-    """How many blocks keep their inputs as checkpoints: blocks 0, every, 2 every, ..."""
-    return -(-n_blocks // every)
 
 
 def recomputed_blocks(n_blocks: int, every: int) -> list[int]:
@@ -253,13 +247,19 @@ def recomputed_blocks(n_blocks: int, every: int) -> list[int]:
     return [i for i in range(n_blocks) if (i + 1) % every and i != n_blocks - 1]
 
 
-def offloaded_checkpoints(n_blocks: int, every: int) -> int:
-    """How many blocks' checkpoints go to host memory when they are offloaded ([Note: offloaded checkpoints]):
-    all but block 0's and the last two's; with checkpoints every k blocks, all kept ones but block 0's and the
-    last segment's."""
+@functools.lru_cache(maxsize=64)
+def offloaded_blocks(n_blocks: int, every: int) -> tuple[int, ...]:
+    """The blocks whose checkpoints go to host memory when they are offloaded ([Note: offloaded checkpoints],
+    engine.py), in order (their places in the host arena): all but block 0's and the last two's; with checkpoints
+    every k blocks, the kept ones but block 0's and the last segment's."""
     if every == 1:
-        return max(n_blocks - CKPT_KEPT, 0)
-    return max(kept_checkpoints(n_blocks, every) - 2, 0)
+        return tuple(range(1, n_blocks - 2))
+    return tuple(range(every, (n_blocks - 1) // every * every, every))
+
+
+def offloaded_checkpoints(n_blocks: int, every: int) -> int:
+    """How many blocks' checkpoints go to host memory when they are offloaded."""
+    return len(offloaded_blocks(n_blocks, every))
 
 
 def device_checkpoints(n_blocks: int, every: int, offloaded: bool) -> int:

@@ -46,20 +46,21 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def loss_bytes(tokens: int, vocab: int, hidden: int = 64) -> tuple[float, list]:
-    """Peak bytes per token and vocabulary entry of a bf16 head's fp32 loss and its backward (the 16-bit logits
-    dropped before the backward, as the engine does)."""
+def loss_bytes(tokens: int, vocab: int, hidden: int = 64, dtype=torch.bfloat16, loss=None) -> tuple[float, list]:
+    """Peak bytes per token and vocabulary entry of a ``dtype`` head's loss (``loss(logits, labels, vocab_size=)``,
+    transformers' ForCausalLMLoss if None) and its backward (the logits dropped before the backward, as the engine
+    does)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     torch.manual_seed(0)
-    h = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+    h = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (1, tokens))
     with LiveBytes(ignore=(h, w, labels)) as m:
         logits = h @ w.t()
-        loss = ForCausalLMLoss(logits, labels, vocab_size=vocab)
+        value = (loss or ForCausalLMLoss)(logits, labels, vocab_size=vocab)
         del logits
-        loss.backward()
+        value.backward()
     return m.peak / (tokens * vocab), m.at_peak
 
 

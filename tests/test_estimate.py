@@ -178,7 +178,7 @@ def test_predict_step_adds_up_a_plans_phases_from_the_measured_speeds(monkeypatc
 
 def test_the_engines_own_block_compute_is_read_off_its_trace():
     """engine_block_seconds runs the engine on a 2-block model of the shape (here on the CPU, a tiny one) and
-    reads each block's forward and its recompute + backward off the last step's trace."""
+    reads each block's forward, its recompute + backward and its update off its steps' traces."""
     from transformers import LlamaForCausalLM
 
     from tests import tiny_models as tm
@@ -192,6 +192,8 @@ def test_the_engines_own_block_compute_is_read_off_its_trace():
     probe = engine_block_seconds(model, BatchShape(2, 32, 2), cfg, device="cpu")
     assert probe.per_block > 0 and 0.05 < probe.forward_share < 0.6  # a forward: less than recompute + backward
     assert 0 < probe.pre < probe.per_block      # the embeddings' lookup and its backward: less than a block
+    block = sum(p.numel() for p in tm.llama(layers=6).model.layers[0].parameters())
+    assert 0 < probe.update * block < probe.per_block     # a block's AdamW: less than its compute of a micro-batch
 
 
 EIGHT_BLOCKS = ModelShape(shell_numel=1_000_000, block_numels=(10_000_000,) * 8, hidden=512, intermediate=1376,
@@ -297,3 +299,32 @@ def test_the_estimate_counts_the_backwards_forwards_with_checkpoints_every_k_blo
     assert b.compute - a.compute == pytest.approx(4 * again * 0.008 * E.FORWARD_SHARE)
     assert b.upload - a.upload == pytest.approx(again * n * 4 / 55e9)
     assert sparse.host_bytes["checkpoint_copies"] < every.host_bytes["checkpoint_copies"]
+
+
+def test_the_devices_own_updates_count_in_the_step(monkeypatch):
+    """The engine's probe times the device's AdamW per parameter (its resident blocks' "optimizer[...]" intervals);
+    predict_step counts it for the resident blocks and the shell after the backward (a phase of its own) and for
+    the assisted blocks beside the backward's compute."""
+    import zerofit.estimate as E
+    from zerofit.config import load_config
+    from zerofit.engine.planner import BatchShape, make_plan
+
+    n, L, s = 10_000_000, 8, 30_000_000
+    shape = ModelShape(shell_numel=s, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
+    batch = BatchShape(1, 256, 4)
+    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=None,
+                     deferred_updates=False, checkpointing=True, stream_params=True, resident_blocks=2,
+                     prefetch_depth=None)
+    assert plan.shell_optimizer_on_device and plan.assisted_blocks
+    a = len(plan.assisted_blocks) * n
+    _stub_measurements(monkeypatch)
+    cfg = load_config(_cfg()).config
+    base = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
+    update = 1e-9      # seconds per parameter: large enough that the backward stays bound by its compute
+    monkeypatch.setattr(E, "engine_block_seconds", lambda *args, **kw: E.EngineProbe(0.008, 0.25, 0.003, update))
+    pred = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
+    assert pred.phases["device updates"] == (pytest.approx((2 * n + s) * update), "compute")
+    assert pred.phases["backward"] == (pytest.approx(base.phases["backward"][0] + a * update), "compute")
+    assert pred.compute == pytest.approx(base.compute + (2 * n + s + a) * update)
+    assert pred.step == pytest.approx(base.step + (2 * n + s + a) * update)
+    assert pred.speeds["device_adamw_seconds_per_param"] == update

@@ -267,20 +267,27 @@ def copy_seconds(up: float, down: float, h2d: float, d2h: float, both: float) ->
 
 def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, down_fwd: float, down_bwd: float,
                   cpu_fwd: float, cpu_bwd: float, tail: float, pre: float = 0.0,
-                  forward_share: float = FORWARD_SHARE, again: float = 0.0) -> dict[str, tuple[float, str]]:
+                  forward_share: float = FORWARD_SHARE, again: float = 0.0, device_updates: float = 0.0,
+                  assisted: float = 0.0, assisted_in_forward: bool = False) -> dict[str, tuple[float, str]]:
     """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute,
     ``pre`` the shell's before the first block (embeddings), ``post`` the engine's post pass, ``again`` the
-    backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine.py)."""
+    backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine.py), ``device_updates``
+    the device's AdamW of the resident blocks and the shell after the backward, ``assisted`` the assisted blocks'
+    beside the backward's compute (the forward's if ``assisted_in_forward``: deferred updates)."""
     def phase(**parts):
         k = max(parts, key=lambda n: parts[n])
         return parts[k], k.replace("_", " ")
 
-    return {"forward": phase(compute=blocks * forward_share + pre, upload=up_fwd, download=down_fwd,
-                             cpu_optimizer=cpu_fwd),
-            "post": (post, "compute"),
-            "backward": phase(compute=blocks * (1 - forward_share) + again, upload=up_bwd, download=down_bwd,
-                              cpu_optimizer=cpu_bwd),
-            "shell update": (tail, "the shell's update")}
+    fwd_assist, bwd_assist = (assisted, 0.0) if assisted_in_forward else (0.0, assisted)
+    phases = {"forward": phase(compute=blocks * forward_share + pre + fwd_assist, upload=up_fwd, download=down_fwd,
+                               cpu_optimizer=cpu_fwd),
+              "post": (post, "compute"),
+              "backward": phase(compute=blocks * (1 - forward_share) + again + bwd_assist, upload=up_bwd,
+                                download=down_bwd, cpu_optimizer=cpu_bwd)}
+    if device_updates:
+        phases["device updates"] = (device_updates, "compute")
+    phases["shell update"] = (tail, "the shell's update")
+    return phases
 
 
 def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, on_cuda: bool) -> StepPrediction:
@@ -301,6 +308,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         probe = dataclasses.replace(probe, per_block=engine_probe.per_block, forward_share=engine_probe.forward_share,
                                     pre=engine_probe.pre, source="the engine on a 2-block model")
     per_block, shell = probe.per_block, probe.shell
+    update = engine_probe.update if engine_probe is not None else 0.0   # device AdamW, seconds per parameter
     # [Note: checkpoints every k blocks] (engine.py): the backward runs these blocks' forward again, their weights
     # uploaded once more
     again = recomputed_blocks(L, plan.checkpoint_every)
@@ -362,17 +370,26 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         tail = s * 4 / d2h / 1e9 + s / rate + s * 4 / h2d / 1e9
     else:
         tail = 0.0
+    # the device's own updates (engine._finish_step): the resident blocks' and the shell's after the backward; the
+    # assisted blocks' beside the backward's compute, or the next forward's with deferred updates; each rank its
+    # shard of them
+    dev_params = (sum(n[:plan.resident_blocks])
+                  + (s if plan.shell_optimizer_on_device or plan.assisted_shell else 0)) / r
+    dev_update, assist_update = dev_params * update, a * update / r
+    pred.compute += dev_update + assist_update
     pred.upload = t_up_fwd + t_up_bwd + shell_bytes[0] / rates[0]
     pred.download = t_down_fwd + t_down_bwd + shell_bytes[1] / rates[1]
     pred.cpu_optimizer = host_params / rate
     pred.phases = phase_seconds(blocks=G * L * per_block, pre=G * probe.pre, post=G * probe.post, again=G * regen,
                                 forward_share=probe.forward_share,
                                 up_fwd=t_up_fwd, up_bwd=t_up_bwd, down_fwd=t_down_fwd, down_bwd=t_down_bwd,
-                                cpu_fwd=cpu_fwd, cpu_bwd=cpu_bwd, tail=tail)
+                                cpu_fwd=cpu_fwd, cpu_bwd=cpu_bwd, tail=tail, device_updates=dev_update,
+                                assisted=assist_update, assisted_in_forward=plan.deferred_updates)
     pred.speeds |= {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "both_ways_gb_per_s_each": both,
                    "cpu_adamw_params_per_s": rate, "block_seconds": per_block, "shell_seconds": shell,
                    "pre_seconds": probe.pre, "post_seconds": probe.post, "loss_chunks": chunks,
-                   "forward_share": probe.forward_share, "block_seconds_from": probe.source}
+                   "forward_share": probe.forward_share, "block_seconds_from": probe.source,
+                   "device_adamw_seconds_per_param": update}
     if plan.disk_blocks:    # the tier's own I/O path: direct, parallel requests of its block size
         from zerofit.engine.disk import measure_folder
 
@@ -438,18 +455,21 @@ class EngineProbe:
     per_block: float        # one block's forward + recompute + backward
     forward_share: float    # of it, the forward's
     pre: float              # the pre pass (embeddings) and its backward
+    update: float = 0.0     # the device AdamW's seconds per parameter
 
 
-def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: int = 3,
+def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: int = 3, seconds: float = 2.0,
                          device: str = "cuda") -> EngineProbe | None:
-    """One block's seconds per micro-batch, the forward's share of them and the pre pass's, as the engine itself
-    computes them: the engine on a model of this shape with ``layers`` blocks, all of them resident (no copies
-    to wait for), the config's batch; from its last step's trace (engine.trace()): each block's first compute
-    interval of the step is its forward, its second its recompute and backward (block-major over the
-    micro-batches, the gradients added in fp32: what plain models do not do); the intervals labelled "pre" are
-    the embeddings' forward and backward (the plain models' difference, block_seconds, leaves them in the noise:
-    0 in W1, where the engine spends 3.4 ms per micro-batch on them). None where it does not fit (the fallback is
-    the plain models' difference)."""
+    """One block's seconds per micro-batch, the forward's share of them, the pre pass's, and the device AdamW's
+    seconds per parameter, as the engine itself computes them: the engine on a model of this shape with ``layers``
+    blocks, all of them resident (no copies to wait for), the config's batch; from its steps' traces
+    (engine.trace()): each block's first compute interval of a step is its forward, its second its recompute and
+    backward (block-major over the micro-batches, the gradients added in fp32: what plain models do not do); the
+    intervals labelled "pre" are the embeddings' forward and backward (the plain models' difference,
+    block_seconds, leaves them in the noise: 0 in W1, where the engine spends 3.4 ms per micro-batch on them); those
+    labelled "optimizer[block]" the blocks' updates on the device. Steps run for ``seconds`` (``steps`` at least):
+    the median step of the second half counts ([Note: the probe's clocks]). None where it does not fit (the
+    fallback is the plain models' difference)."""
     import zerofit
     from zerofit.engine.planner import PlanError
 
@@ -465,23 +485,15 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
         engine = zerofit.initialize(m, run)
     except (PlanError, torch.cuda.OutOfMemoryError):
         return None
+    samples = []
     try:
         names = {engine.adapter.block_prefix(i) for i in range(layers)}
+        numel = sum(u.numel for u in engine.blocks)
         ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len))
-        for _ in range(steps):
+        start = time.perf_counter()
+        while len(samples) < steps or time.perf_counter() - start < seconds:
             engine.train_batch([{"input_ids": ids, "labels": ids} for _ in range(batch.grad_accum)])
-        seen: dict[str, int] = {}
-        fwd = bwd = pre = 0.0
-        for e in sorted(engine.trace(), key=lambda e: e["start"]):
-            if e["lane"] == "compute" and e["label"] == "pre":
-                pre += e["end"] - e["start"]
-            if e["lane"] != "compute" or e["label"] not in names:
-                continue
-            k = seen[e["label"]] = seen.get(e["label"], 0) + 1
-            if k == 1:
-                fwd += e["end"] - e["start"]
-            elif k == 2:
-                bwd += e["end"] - e["start"]
+            samples.append(_probe_step(engine.trace(), names))
     except torch.cuda.OutOfMemoryError:
         return None
     finally:
@@ -490,9 +502,41 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    late = sorted(samples[len(samples) // 2:], key=lambda s: s[0] + s[1])
+    fwd, bwd, pre, opt = late[len(late) // 2]
     if not fwd or not bwd:
         return None
-    return EngineProbe((fwd + bwd) / layers / batch.grad_accum, fwd / (fwd + bwd), pre / batch.grad_accum)
+    return EngineProbe((fwd + bwd) / layers / batch.grad_accum, fwd / (fwd + bwd), pre / batch.grad_accum,
+                       opt / numel)
+
+
+# [Note: the probe's clocks]
+# The 2-block engine's steps are short (W1: ~0.1 s); three of them, as the probe first ran, were a burst, where the
+# whole model's blocks then computed 5-7% slower in a step of 1-2 s (docs/benchmarks.md, eighth session: W2 62.3 ms
+# per block against the probe's 59.4). The plain models' probe (block_seconds) runs for 2 s for the same reason:
+# so that the GPU works at the clocks a long step holds. The engine's probe now does too.
+
+
+def _probe_step(trace: list[dict], names: set[str]) -> tuple[float, float, float, float]:
+    """One step's (forward, recompute + backward, pre pass, device updates) seconds of ``names``' blocks, from
+    the engine's trace."""
+    seen: dict[str, int] = {}
+    fwd = bwd = pre = opt = 0.0
+    for e in sorted(trace, key=lambda e: e["start"]):
+        if e["lane"] != "compute":
+            continue
+        label, span = e["label"], e["end"] - e["start"]
+        if label == "pre":
+            pre += span
+        elif label.startswith("optimizer[") and label[len("optimizer["):-1] in names:
+            opt += span
+        elif label in names:
+            k = seen[label] = seen.get(label, 0) + 1
+            if k == 1:
+                fwd += span
+            elif k == 2:
+                bwd += span
+    return fwd, bwd, pre, opt
 
 
 def block_seconds(model, batch: BatchShape, cfg, chunks: int = 1, seconds: float = 2.0) -> ComputeProbe:

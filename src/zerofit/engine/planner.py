@@ -277,6 +277,16 @@ def device_checkpoints(n_blocks: int, every: int, offloaded: bool) -> int:
     return peak
 
 
+# [Note: the loss's bytes]
+# The head's loss as transformers' Llama models compute it (ForCausalLMLoss: the logits upcast to fp32, cross
+# entropy) holds three fp32 tensors per token and vocabulary entry at its peak, in its backward: log_softmax's saved
+# output, nll_loss's gradient, and log_softmax's gradient, 12 B whatever the model's dtype (bench/live_bytes.py,
+# measured on the CPU; tests/test_planner_memory.py holds the planner to it). The 16-bit gradient that follows is
+# made after nll_loss's gradient is freed. W1's GPU peak at 24 GiB, in the post pass, held 12.5 B (bench/mem_peak.py,
+# eleventh session), where the planner had counted dtype_bytes + 8 (10 in bf16).
+LOSS_BYTES = 12
+
+
 def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int,
                      loss_chunks: int = 1, offload_checkpoints: bool = False, every: int = 1) -> dict[str, int]:
     """Predicted activation memory of a block-major step with per-block recompute.
@@ -285,15 +295,15 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
     (block-major order keeps them all until the backward);
     boundary: the gradient flowing between blocks, one per micro-batch, and the one a block's backward is making;
     block: one block's recomputed activations and their gradients (transient);
-    logits: the fp32 upcast of the head's output for the loss, its gradient, the 16-bit gradient
-    (the 16-bit logits themselves are dropped before the backward)."""
+    logits: the loss's fp32 tensors at its peak ([Note: the loss's bytes]; the 16-bit logits themselves are
+    dropped before the backward)."""
     tok = batch.tokens
     kept = device_checkpoints(n_blocks, every, offload_checkpoints)
     return {
         "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": (batch.grad_accum + 1) * tok * shape.hidden * dtype_bytes,
         "block_working_set": tok * (48 * shape.hidden + 16 * shape.intermediate) * dtype_bytes // 2,
-        "logits": -(-tok // loss_chunks) * shape.vocab * (dtype_bytes + 8),
+        "logits": -(-tok // loss_chunks) * shape.vocab * LOSS_BYTES,
     }
 
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The compute-bound runs again after a planner or estimate change, each against its prediction, on one GPU,
+# detached from the device call that starts it (the runs take longer than one call):
+#
+#     setsid bash bench/gpu_remeasure.sh RESULTS COMMIT </dev/null >/dev/null 2>&1 &
+#
+# then poll RESULTS/done. W1 at 24 GiB (zerofit and the in-GPU plain run), W1 at 8 GiB (zerofit), W2 (both),
+# each with `zerofit estimate`'s prediction made first in a process of its own; then where W1 at 8 GiB's GPU memory
+# peaks (bench/mem_peak.py). Each run's exit code ends its log.
+set -u
+res=$1 commit=$2
+mkdir -p "$res"
+source bench/gpu_setup.sh > "$res/setup.txt" 2>&1
+run() {   # NAME TIMEOUT ARGS...
+  local name=$1 timeout=$2; shift 2
+  python3 bench/run.py "$@" --timeout "$timeout" --out "$res/$name" --commit "$commit" > "$res/$name.txt" 2>&1
+  echo "rc=$?" >> "$res/$name.txt"
+}
+run w1 220 --workload W1 --engines plain,zerofit --engine-args 'zerofit=--estimate' --steps 4 --cap 24GiB
+run w1_8 160 --workload W1 --engines zerofit --engine-args 'zerofit=--estimate' --steps 4 --cap 8GiB
+run w2 260 --workload W2 --engines plain,zerofit --engine-args 'zerofit=--estimate' --steps 4 --cap 24GiB
+timeout 150 python3 bench/mem_peak.py W1 8GiB 1 > "$res/mem_peak_w1_8.txt" 2>&1
+echo "rc=$?" >> "$res/mem_peak_w1_8.txt"
+touch "$res/done"

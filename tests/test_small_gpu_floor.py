@@ -313,3 +313,44 @@ def test_the_plan_counts_the_bytes_the_models_loss_holds(dtype, chunks):
     shape = ModelShape(0, (1,), 32, 64, vocab)
     term = activation_bytes(shape, BatchShape(1, tokens, 1), 1, dtype.itemsize, loss_chunks=chunks)["logits"]
     assert 0.999 * measured <= term <= 1.02 * measured, (term, measured, at_peak)    # 0.999: the scalars
+
+
+@pytest.mark.parametrize("chunks", [1, 8])
+def test_the_post_pass_holds_no_more_than_the_plan_counts(chunks):
+    """[Note: the loss's bytes]: the engine's post pass over token chunks (adapter.post_in_chunks, a tied Llama's
+    head and loss, fp32) creates at most the planner's logits term beside the final hidden state's gradient. At 16
+    tokens a chunk the head's backward binds (its weight gradient, vocabulary x hidden), and a chunk's weight
+    gradients kept into the next chunk's backward (as the loop once did) would pass the term."""
+    from torch.func import functional_call
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerofit.engine.adapter import Adapter, post_in_chunks
+
+    live = _bench_module("live_bytes")
+    torch.manual_seed(0)
+    hidden, vocab, tokens = 256, 8192, 128
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=1024, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                     max_position_embeddings=tokens, tie_word_embeddings=True,
+                                     attn_implementation="sdpa"))
+    adapter = Adapter(m)
+    inside = {id(p) for p in adapter.blocks.parameters()}
+    leaves = {n: p.detach().requires_grad_(True) for n, p in m.named_parameters() if id(p) not in inside}
+    sums = {n: torch.zeros_like(p) for n, p in leaves.items()}
+    ids = torch.randint(0, vocab, (1, tokens))
+    final = torch.randn(1, tokens, hidden)
+
+    def accumulate(grads):
+        pairs = [(sums[n], g) for n, g in zip(leaves, grads) if g is not None]
+        torch._foreach_add_([d for d, _ in pairs], [g for _, g in pairs])
+
+    call = lambda kw: functional_call(m, leaves, (), kw, strict=False)   # noqa: E731
+    with live.LiveBytes(ignore=[final, ids, *leaves.values(), *sums.values(), *m.parameters(), *m.buffers()]) as mode:
+        post_in_chunks(adapter, call, {"input_ids": ids, "labels": ids}, final, list(leaves.values()), 1.0, chunks,
+                       accumulate)
+    shape = ModelShape(0, (1,), hidden, 1024, vocab)
+    term = activation_bytes(shape, BatchShape(1, tokens, 1), 1, 4, loss_chunks=chunks)["logits"]
+    final_grad = tokens * hidden * 4
+    assert mode.peak <= term + final_grad + 4096, (mode.peak, term, mode.at_peak[:6])
+    if chunks > 1:   # the head's backward binds, and one more weight gradient would not fit
+        assert term + final_grad + 4096 < mode.peak + vocab * hidden * 4

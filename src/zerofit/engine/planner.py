@@ -283,7 +283,12 @@ def device_checkpoints(n_blocks: int, every: int, offloaded: bool) -> int:
 # output, nll_loss's gradient, and log_softmax's gradient, 12 B whatever the model's dtype (bench/live_bytes.py,
 # measured on the CPU; tests/test_planner_memory.py holds the planner to it). The 16-bit gradient that follows is
 # made after nll_loss's gradient is freed. W1's GPU peak at 24 GiB, in the post pass, held 12.5 B (bench/mem_peak.py,
-# eleventh session), where the planner had counted dtype_bytes + 8 (10 in bf16).
+# eleventh session), where the planner had counted dtype_bytes + 8 (10 in bf16). Then the head's backward holds the
+# 16-bit logits' gradient, the head's weight gradient (vocabulary x hidden, 16-bit), the hidden state's and the final
+# norm's backward's (fp32: three of tokens x hidden in all): with the loss in token chunks (W1 at 8 GiB: 512 tokens,
+# 788 MB either way) that is the larger. The chunks' loop frees each
+# chunk's weight gradients before the next chunk's backward (adapter.post_in_chunks): it had held two, 1.47 GiB of
+# W1 at 8 GiB's 6.24 GiB peak (bench/mem_peak.py, twelfth session).
 LOSS_BYTES = 12
 
 
@@ -295,15 +300,17 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
     (block-major order keeps them all until the backward);
     boundary: the gradient flowing between blocks, one per micro-batch, and the one a block's backward is making;
     block: one block's recomputed activations and their gradients (transient);
-    logits: the loss's fp32 tensors at its peak ([Note: the loss's bytes]; the 16-bit logits themselves are
-    dropped before the backward)."""
+    logits: the post pass's transient: the loss's fp32 tensors at its peak, or the head's backward after it
+    ([Note: the loss's bytes]; the 16-bit logits themselves are dropped before the backward)."""
     tok = batch.tokens
+    per_chunk = -(-tok // loss_chunks)
     kept = device_checkpoints(n_blocks, every, offload_checkpoints)
     return {
         "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": (batch.grad_accum + 1) * tok * shape.hidden * dtype_bytes,
         "block_working_set": tok * (48 * shape.hidden + 16 * shape.intermediate) * dtype_bytes // 2,
-        "logits": -(-tok // loss_chunks) * shape.vocab * LOSS_BYTES,
+        "logits": max(per_chunk * shape.vocab * LOSS_BYTES,
+                      (per_chunk + shape.hidden) * shape.vocab * dtype_bytes + 3 * per_chunk * shape.hidden * 4),
     }
 
 

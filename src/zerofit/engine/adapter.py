@@ -223,7 +223,7 @@ def post_in_chunks(adapter: Adapter, shell_call, batch: dict, final: torch.Tenso
             grad[:, a:b] = g[0]
         accumulate(list(g[1:]))
         total = loss.detach() if total is None else total + loss.detach()
-        del g, loss     # the chunk's weight gradients (the head's: vocabulary x hidden) go before the next chunk's come
+        del g, loss     # [Note: one micro-batch's gradients at a time] (engine.py), for the token chunks
     return grad, total
 
 

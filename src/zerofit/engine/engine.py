@@ -1162,6 +1162,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                     micro.grad = grads[0]
                     micro.ckpts[unit.index] = None
                     self._accumulate(unit, gdst, list(grads[1:]), names)
+                    del grads, x, y, leaves    # [Note: one micro-batch's gradients at a time]
             self._release(unit)
             self._evict(unit)
             self._unit_grads_done(unit)
@@ -1171,7 +1172,15 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             with self.dev.timed("compute", label="pre"):
                 grads = torch.autograd.grad(micro.pre.hidden, leaves, micro.grad, allow_unused=True)
                 self._accumulate(self.shell, self.shell.grad, list(grads), names)
+                del grads     # [Note: one micro-batch's gradients at a time]
             micro.grad = None
+
+    # [Note: one micro-batch's gradients at a time]
+    # A backward over the micro-batches makes each one's weight gradients, adds them into the unit's fp32 gradient
+    # and drops them before the next micro-batch's backward makes its own: a loop variable would keep them alive into
+    # it, two sets at once. W1 at 8 GiB peaked at 6.24 GiB with two of the shell's 16-bit gradients alive (788 MB
+    # each: the head's in the chunked post pass, then the embeddings' in the pre pass's backward), 5.94 after the
+    # first fix (bench/mem_peak.py, twelfth session). The same holds for adapter.post_in_chunks's token chunks.
 
     def _grad_buffer(self, unit: Unit) -> torch.Tensor:
         if unit.home is Home.RESIDENT:

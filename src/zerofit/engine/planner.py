@@ -281,14 +281,13 @@ def device_checkpoints(n_blocks: int, every: int, offloaded: bool) -> int:
 # The head's loss as transformers' Llama models compute it (ForCausalLMLoss: the logits upcast to fp32, cross
 # entropy) holds three fp32 tensors per token and vocabulary entry at its peak, in its backward: log_softmax's saved
 # output, nll_loss's gradient, and log_softmax's gradient, 12 B whatever the model's dtype (bench/live_bytes.py,
-# measured on the CPU; tests/test_planner_memory.py holds the planner to it). The 16-bit gradient that follows is
+# measured on the CPU; tests/test_small_gpu_floor.py holds the planner to it). The 16-bit gradient that follows is
 # made after nll_loss's gradient is freed. W1's GPU peak at 24 GiB, in the post pass, held 12.5 B (bench/mem_peak.py,
 # eleventh session), where the planner had counted dtype_bytes + 8 (10 in bf16). Then the head's backward holds the
 # 16-bit logits' gradient, the head's weight gradient (vocabulary x hidden, 16-bit), the hidden state's and the final
 # norm's backward's (fp32: three of tokens x hidden in all): with the loss in token chunks (W1 at 8 GiB: 512 tokens,
-# 788 MB either way) that is the larger. The chunks' loop frees each
-# chunk's weight gradients before the next chunk's backward (adapter.post_in_chunks): it had held two, 1.47 GiB of
-# W1 at 8 GiB's 6.24 GiB peak (bench/mem_peak.py, twelfth session).
+# 788 MB either way) that is the larger. One chunk's weight gradients at a time ([Note: one micro-batch's gradients
+# at a time], engine.py): the chunks' loop had kept two, 1.47 GiB of W1 at 8 GiB's 6.24 GiB peak.
 LOSS_BYTES = 12
 
 

@@ -7,6 +7,8 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import zerofit
 from tests import tiny_models as tm
@@ -356,7 +358,7 @@ def test_the_post_pass_holds_no_more_than_the_plan_counts(chunks):
         assert term + final_grad + 4096 < mode.peak + vocab * hidden * 4
 
 
-class _AliveOfShapes(torch.utils._python_dispatch.TorchDispatchMode):
+class _AliveOfShapes(TorchDispatchMode):
     """The most weight gradients of each watched shape alive at once: tensors of that shape made inside the mode by
     the operations that make weight gradients (a linear layer's matrix product, the embeddings' backward)."""
 
@@ -374,7 +376,7 @@ class _AliveOfShapes(torch.utils._python_dispatch.TorchDispatchMode):
         import weakref
 
         out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_flatten(out)[0]:
+        for t in tree_flatten(out)[0]:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else None
             if shape in self.alive and str(func) in self.MAKERS:
                 self.alive[shape] += 1

@@ -6,6 +6,9 @@ Per lane (compute, upload, download, cpu, wait, disk): busy seconds (overlapping
 seconds inside each phase of the step: forward (until the first ``post`` compute), post (named "later fwd"
 when block computes fall in it: the DeepSpeed-shaped loop's later forwards with every micro-batch's head and
 loss), backward, and after the backward's last compute (the optimizer's tail). ``--gantt`` prints every interval.
+``--gaps`` prints where the device does not compute (gaps of over 1 ms between compute intervals, with the
+intervals on either side), each CPU task's seconds by phase, and, with a disk lane, how long reads and writes ran
+at once.
 """
 
 from __future__ import annotations
@@ -60,6 +63,36 @@ def summarize(trace: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gaps(trace: list[dict], least: float = 1e-3) -> str:
+    """The compute lane's gaps over ``least`` seconds, the CPU lane's tasks by phase, the disk's reads and writes
+    at once (1 ms bins)."""
+    comp = sorted((e for e in trace if e["lane"] == "compute"), key=lambda e: e["start"])
+    holes = [(a["end"], b["start"] - a["end"], a["label"], b["label"]) for a, b in zip(comp, comp[1:])
+             if b["start"] - a["end"] > least]
+    lines = [f"compute gaps over {least * 1e3:.0f} ms: {len(holes)}, {sum(h[1] for h in holes) * 1e3:.1f} ms"]
+    lines += [f"  at {t * 1e3:8.1f} ms  {g * 1e3:6.1f} ms  after {a}, before {b}" for t, g, a, b in holes]
+    ph = phases(trace)
+    for name, a, b in ph:
+        tasks = [e for e in trace if e["lane"] == "cpu" and a <= e["start"] < b]
+        if tasks:
+            lines.append(f"cpu tasks starting in the {name}: {len(tasks)}, "
+                         + ", ".join(f"{e['label']} {(e['end'] - e['start']) * 1e3:.0f}" for e in tasks) + " (ms)")
+    disk = [e for e in trace if e["lane"] == "disk"]
+    if disk:
+        bins = int(max(e["end"] for e in disk) * 1e3) + 1
+        busy = {"read": [False] * bins, "write": [False] * bins}
+        for e in disk:
+            kind = "read" if e["label"].startswith("read") else "write"
+            for i in range(max(0, int(e["start"] * 1e3)), int(e["end"] * 1e3) + 1):
+                busy[kind][i] = True
+        both = sum(r and w for r, w in zip(busy["read"], busy["write"]))
+        only_r = sum(r and not w for r, w in zip(busy["read"], busy["write"]))
+        only_w = sum(w and not r for r, w in zip(busy["read"], busy["write"]))
+        lines.append(f"disk over {bins / 1e3:.3f} s: reads and writes at once {both / 1e3:.3f} s, reads alone "
+                     f"{only_r / 1e3:.3f}, writes alone {only_w / 1e3:.3f}")
+    return "\n".join(lines)
+
+
 def gantt(trace: list[dict]) -> str:
     return "\n".join(f"{e['start'] * 1e3:9.1f} {(e['end'] - e['start']) * 1e3:7.1f} ms  {e['lane']:9} {e['label']}"
                      for e in sorted(trace, key=lambda e: e["start"]))
@@ -70,6 +103,7 @@ def main() -> int:
     ap.add_argument("result")
     ap.add_argument("--engine", default="zerofit")
     ap.add_argument("--gantt", action="store_true")
+    ap.add_argument("--gaps", action="store_true")
     a = ap.parse_args()
     data = json.load(open(a.result))
     rows = data.get("results", [data])
@@ -80,6 +114,8 @@ def main() -> int:
         print(f"== {r['engine']} {r.get('extra', {}).get('zerofit_config', {}).get('offload', {})}: "
               f"{r.get('s_per_step')} s/step")
         print(summarize(t))
+        if a.gaps:
+            print(gaps(t))
         if a.gantt:
             print(gantt(t))
     return 0

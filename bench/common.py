@@ -112,6 +112,13 @@ def llama_config(w: Workload):
     )
 
 
+def zerofit_config(w: Workload) -> dict:
+    """zerofit's config for workload ``w`` (WORKLOADS.md's common settings): bf16, AdamW lr 1e-4 and weight decay
+    0.01, activation checkpointing, the workload's batch."""
+    return {"precision": "bf16", "micro_batch_size": w.micro_batch, "gradient_accumulation_steps": w.grad_accum,
+            "optimizer": {"lr": 1e-4, "weight_decay": 0.01}, "activation_checkpointing": True, "seq_len": w.seq}
+
+
 def count_parameters(w: Workload) -> int:
     """P: the model's parameter count (tied weights once), from a meta-device build."""
     import torch

@@ -80,14 +80,7 @@ class Zerofit:
         res.extra["zerofit_path"] = os.path.dirname(zerofit.__file__)
         with torch.device("meta"):
             model = LlamaForCausalLM(common.llama_config(w))
-        self.config = {
-            "precision": "bf16",
-            "micro_batch_size": w.micro_batch,
-            "gradient_accumulation_steps": w.grad_accum,
-            "optimizer": {"lr": 1e-4, "weight_decay": 0.01},
-            "activation_checkpointing": True,
-            "seq_len": w.seq,
-        }
+        self.config = common.zerofit_config(w)
         if args.clip:
             self.config["gradient_clipping"] = args.clip
         if args.precision:

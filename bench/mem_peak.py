@@ -68,9 +68,7 @@ def main():
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     with torch.device("meta"):
         model = LlamaForCausalLM(common.llama_config(w))
-    cfg = {"precision": "bf16", "micro_batch_size": w.micro_batch, "gradient_accumulation_steps": w.grad_accum,
-           "optimizer": {"lr": 1e-4, "weight_decay": 0.01}, "activation_checkpointing": True, "seq_len": w.seq,
-           "max_gpu_memory": cap}
+    cfg = common.zerofit_config(w) | {"max_gpu_memory": cap}
     eng = zerofit.initialize(model, cfg)
     print(eng.plan.describe(), flush=True)
     data = common.make_batches(w, steps + 1)

@@ -3,8 +3,9 @@ planner change before device time is spent on it.
 
     python3 bench/plans.py [WORKLOAD:CAP[:HOST] ...]
 
-The GPU machine's budgets: the cap less the CUDA context (0.58 GiB: ``estimate`` reads the free memory there), the
-host budget what its runs had available (113 GiB) unless the workload sets one, 63.9 GiB free on its disk."""
+The GPU machine's budgets: the cap less the CUDA context (0.58 GiB: ``estimate`` reads the free memory there; its
+plans at a 24 GiB cap were made against 23.42 GiB), the host budget its runs' plans had (111.4-112.2 GiB: 112) unless
+the workload sets one, 63.9 GiB free on its disk."""
 import sys
 from unittest import mock
 
@@ -23,16 +24,15 @@ def plan(workload: str, cap: float, host: float | None) -> str:
     w = common.WORKLOADS[workload]
     with torch.device("meta"):
         model = LlamaForCausalLM(common.llama_config(w))
-    cfg = {"precision": "bf16", "micro_batch_size": w.micro_batch, "gradient_accumulation_steps": w.grad_accum,
-           "optimizer": {"lr": 1e-4, "weight_decay": 0.01}, "activation_checkpointing": True, "seq_len": w.seq,
-           "max_gpu_memory": f"{cap - CONTEXT:.2f}GiB", "max_host_memory": f"{host or 113}GiB"}
+    cfg = common.zerofit_config(w) | {"max_gpu_memory": f"{cap - CONTEXT:.2f}GiB",
+                                      "max_host_memory": f"{host or 112}GiB"}
     if host:
         cfg["offload"] = {"optimizer_device": "nvme", "nvme_path": "/tmp"}
     with mock.patch.object(disk, "_free", lambda path: int(63.9 * 2**30)):
         est = estimate(model, cfg, measure=False, gpu=True)
     if est.plan is None:
         return f"{workload} {cap} GiB: refused: {est.refusal.splitlines()[0]}"
-    return f"{workload} {cap} GiB host {host or 113}: {est.plan.describe()}  gpu {est.gpu_bytes / 2**30:.2f} GiB"
+    return f"{workload} {cap} GiB host {host or 112}: {est.plan.describe()}  gpu {est.gpu_bytes / 2**30:.2f} GiB"
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ blocks' checkpoints in host memory change where memory goes, not the math."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -373,8 +374,6 @@ class _AliveOfShapes(TorchDispatchMode):
         self.alive[shape] -= 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else None
@@ -387,9 +386,10 @@ class _AliveOfShapes(TorchDispatchMode):
 
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_the_backward_holds_one_micro_batchs_weight_gradients_at_a_time(chunks):
-    """[Note: one micro-batch's gradients at a time] (engine.py): the embeddings' and a block's 16-bit weight gradients
-    of a micro-batch are gone before the next micro-batch's backward makes its own (a loop variable once kept them:
-    two of the embeddings' 788 MB gradients made W1 at 8 GiB's GPU peak)."""
+    """[Note: one micro-batch's gradients at a time] (engine.py): a micro-batch's (and a loss chunk's) weight
+    gradients, the embeddings' and the head's (one shape here) and a block's, are gone before the next one's backward
+    makes its own (loop variables once kept them: two of the embeddings' 788 MB gradients made W1 at 8 GiB's GPU
+    peak). Fails with either fix undone, the engine's or adapter.post_in_chunks's (with 2 chunks)."""
     torch.manual_seed(0)
     model = tm.llama(layers=4, tied=False)
     eng = zerofit.initialize(model, {**_cfg(loss_chunks=chunks), "gradient_accumulation_steps": 4})

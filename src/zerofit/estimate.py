@@ -485,15 +485,15 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
         engine = zerofit.initialize(m, run)
     except (PlanError, torch.cuda.OutOfMemoryError):
         return None
-    samples = []
     try:
         names = {engine.adapter.block_prefix(i) for i in range(layers)}
         numel = sum(u.numel for u in engine.blocks)
         ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len))
-        start = time.perf_counter()
-        while len(samples) < steps or time.perf_counter() - start < seconds:
+
+        def step() -> tuple[float, float, float, float]:
             engine.train_batch([{"input_ids": ids, "labels": ids} for _ in range(batch.grad_accum)])
-            samples.append(_probe_step(engine.trace(), names))
+            return _probe_step(engine.trace(), names)
+        fwd, bwd, pre, opt = _late_median(step, seconds, least=steps, key=lambda s: s[0] + s[1])
     except torch.cuda.OutOfMemoryError:
         return None
     finally:
@@ -502,8 +502,6 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    late = sorted(samples[len(samples) // 2:], key=lambda s: s[0] + s[1])
-    fwd, bwd, pre, opt = late[len(late) // 2]
     if not fwd or not bwd:
         return None
     return EngineProbe((fwd + bwd) / layers / batch.grad_accum, fwd / (fwd + bwd), pre / batch.grad_accum,
@@ -515,8 +513,8 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
 # whole model's blocks then computed 5-7% slower in a step of 1-2 s (docs/benchmarks.md, eighth session: W2 62.3 ms
 # per block against the probe's 59.4). The plain models' probe (block_seconds) runs for 2 s for the same reason:
 # so that the GPU works at the clocks a long step holds. The engine's probe does too: it then timed W2's blocks at
-# 14.81-15.01 ms per micro-batch (14.50 in three steps) and W1's at 8.45-8.89 (8.29); the whole models' compute
-# stayed 3-4% longer than predicted (docs/benchmarks.md, twelfth session).
+# 14.81-15.01 ms per micro-batch and W1's at 8.45-8.89 (the eleventh session's three-step probe: 14.50 and 8.29);
+# the whole models' compute stayed 3-4% longer than predicted (docs/benchmarks.md, twelfth session).
 
 
 def _probe_step(trace: list[dict], names: set[str]) -> tuple[float, float, float, float]:
@@ -564,18 +562,26 @@ def block_seconds(model, batch: BatchShape, cfg, chunks: int = 1, seconds: float
     raise AssertionError("unreachable")
 
 
+def _late_median(run, seconds: float, least: int = 4, key=None):
+    """``run()`` called for ``seconds`` (``least`` times at least); the median of the second half of its results
+    (by ``key``): the clocks a long step holds ([Note: the probe's clocks])."""
+    results = []
+    start = time.perf_counter()
+    while len(results) < least or time.perf_counter() - start < seconds:
+        results.append(run())
+    late = sorted(results[len(results) // 2:], key=key)
+    return late[len(late) // 2]
+
+
 def _median_late(run, seconds: float) -> float:
     """The median of the second half of ``run()``'s timings (GPU-synchronized), run for ``seconds``, 4 at least."""
-    runs: list[float] = []
-    start = time.perf_counter()
-    while len(runs) < 4 or time.perf_counter() - start < seconds:
+    def timed() -> float:
         torch.cuda.synchronize()
         t = time.perf_counter()
         run()
         torch.cuda.synchronize()
-        runs.append(time.perf_counter() - t)
-    late = sorted(runs[len(runs) // 2:])
-    return late[len(late) // 2]
+        return time.perf_counter() - t
+    return _late_median(timed, seconds)
 
 
 def _post_seconds(m, ids: torch.Tensor, chunks: int, seconds: float) -> float | None:

@@ -57,7 +57,8 @@ from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, ti
 from zerofit.engine.disk import layout as disk_layout
 from zerofit.engine.ranks import Ranks
 from zerofit.engine.planner import (ASSIST_SETS, CKPT_AHEAD, SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape,
-                                    Plan, assist_chunk, fmt_bytes, make_plan, offloaded_blocks)
+                                    Plan, assist_chunk, fmt_bytes, make_plan, offloaded_blocks,
+                                    offloaded_checkpoints)
 from zerofit.engine.speculation import Speculation
 from zerofit.engine.store import Home, HostArena, Slot, SlotPool, Unit, WeightState
 
@@ -1005,7 +1006,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         batch the first time)."""
         n = like.numel()
         G = self._ckpt_g
-        need = len(offloaded_blocks(len(self.blocks), self._ckpt_every)) * G * n
+        need = offloaded_checkpoints(len(self.blocks), self._ckpt_every) * G * n
         arena = self._ckpt_arena
         if arena is None or arena.tensor.numel() < need or arena.tensor.dtype != like.dtype:
             if arena is not None:       # a larger batch than before: the smaller arena goes
@@ -1178,9 +1179,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     # [Note: one micro-batch's gradients at a time]
     # A backward over the micro-batches makes each one's weight gradients, adds them into the unit's fp32 gradient
     # and drops them before the next micro-batch's backward makes its own: a loop variable would keep them alive into
-    # it, two sets at once. W1 at 8 GiB peaked at 6.24 GiB with two of the shell's 16-bit gradients alive (788 MB
-    # each: the head's in the chunked post pass, then the embeddings' in the pre pass's backward), 5.94 after the
-    # first fix (bench/mem_peak.py, twelfth session). The same holds for adapter.post_in_chunks's token chunks.
+    # it, two sets at once. W1 at 8 GiB peaked at 6.24 GiB with two shell-sized 16-bit gradients alive (788 MB each,
+    # in the chunked post pass: the head's), then, with post_in_chunks mended, at 5.94 with two still (outside the
+    # post pass; the allocation history names no frames, the CPU test shows the embeddings' case), at 5.51 with one
+    # after this (bench/mem_peak.py, twelfth session). The same holds for adapter.post_in_chunks's token chunks.
 
     def _grad_buffer(self, unit: Unit) -> torch.Tensor:
         if unit.home is Home.RESIDENT:

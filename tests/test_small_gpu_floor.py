@@ -386,10 +386,10 @@ class _AliveOfShapes(TorchDispatchMode):
 
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_the_backward_holds_one_micro_batchs_weight_gradients_at_a_time(chunks):
-    """[Note: one micro-batch's gradients at a time] (engine.py): a micro-batch's (and a loss chunk's) weight
+    """[Note: one micro-batch's gradients at a time] (adapter.py): a micro-batch's (and a loss chunk's) weight
     gradients, the embeddings' and the head's (one shape here) and a block's, are gone before the next one's backward
     makes its own (loop variables once kept them: two of the embeddings' 788 MB gradients made W1 at 8 GiB's GPU
-    peak). Fails with either fix undone, the engine's or adapter.post_in_chunks's (with 2 chunks)."""
+    peak). Failed with either site undone, the engine's backward or adapter.post_in_chunks's (with 2 chunks)."""
     torch.manual_seed(0)
     model = tm.llama(layers=4, tied=False)
     eng = zerofit.initialize(model, {**_cfg(loss_chunks=chunks), "gradient_accumulation_steps": 4})

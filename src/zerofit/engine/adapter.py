@@ -208,23 +208,47 @@ def post_in_chunks(adapter: Adapter, shell_call, batch: dict, final: torch.Tenso
     shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     count = (shift != -100).sum()
     grad = torch.zeros_like(final)
-    total = None
-    T = final.shape[1]
-    size = -(-T // chunks)
-    for a in range(0, T, size):
-        b = min(T, a + size)
+
+    def chunk(a: int, b: int) -> torch.Tensor:
+        """Tokens a..b: their loss (returned), the gradient of their final hidden state into ``grad``; nothing else
+        of the chunk outlives the call ([Note: one micro-batch's gradients at a time])."""
         part = final[:, a:b].detach().requires_grad_(True)
         lab = shift[:, a:b].contiguous()
         with fork_rng():
             loss = loss_of(adapter.post(shell_call, {**batch, "labels": lab, "shift_labels": lab,
                                                      "num_items_in_batch": count}, part))
-        g = torch.autograd.grad(loss * seed_scale, [part] + leaves, allow_unused=True)
-        if g[0] is not None:
-            grad[:, a:b] = g[0]
-        accumulate(list(g[1:]))
-        total = loss.detach() if total is None else total + loss.detach()
-        del g, loss     # [Note: one micro-batch's gradients at a time] (engine.py), for the token chunks
+        (g,) = backward_into(loss * seed_scale, [part], leaves, accumulate)
+        if g is not None:
+            grad[:, a:b] = g
+        return loss.detach()
+
+    T = final.shape[1]
+    size = -(-T // chunks)
+    losses = [chunk(a, min(T, a + size)) for a in range(0, T, size)]
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
     return grad, total
+
+
+def backward_into(output: torch.Tensor, inputs: list, leaves: list, accumulate, grad_output=None) -> tuple:
+    """The backward of ``output`` (seeded with ``grad_output``): the gradients of ``leaves`` (weights) go to
+    ``accumulate(grads)`` and are gone when this returns; those of ``inputs`` are returned (None where unused).
+    [Note: one micro-batch's gradients at a time]"""
+    grads = torch.autograd.grad(output, [*inputs, *leaves], grad_output, allow_unused=True)
+    accumulate(list(grads[len(inputs):]))
+    return grads[:len(inputs)]
+
+
+# [Note: one micro-batch's gradients at a time]
+# A backward over the micro-batches (or a micro-batch's loss chunks) makes each one's weight gradients, adds them into
+# the unit's fp32 gradient and must drop them before the next one's backward makes its own: a loop variable holding
+# them kept two sets alive at once. W1 at 8 GiB peaked at 6.24 GiB with two shell-sized 16-bit gradients alive (788
+# MB each, in the chunked post pass: the head's), then, with the chunks mended, at 5.94 with two still (outside the
+# post pass; the allocation history names no frames, and a CPU test found the embeddings' kept by the pre pass's
+# backward), at 5.51 with one when every site was mended (bench/mem_peak.py, twelfth session). So every backward
+# of the engine goes through backward_into, whose weight gradients die with its frame, and the block's backward of
+# a micro-batch is a method of its own (Engine._block_backward), whose input and output die with it.
 
 
 def loss_of(output) -> torch.Tensor:

@@ -42,7 +42,7 @@ from torch import nn
 from torch.func import functional_call
 
 from zerofit.config.schema import ZerofitConfig
-from zerofit.engine.adapter import Adapter, PreResult, block_output, loss_of, post_in_chunks
+from zerofit.engine.adapter import Adapter, PreResult, backward_into, block_output, loss_of, post_in_chunks
 from zerofit.engine.batch import BatchSpec, check_micro_batches, vocab_of
 from zerofit.engine.device import Device
 from zerofit.engine.deepspeed_api import DeepSpeedStyleAPI
@@ -1073,13 +1073,12 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         return out, final
 
     def _post_backward(self, micro: _Micro, loss: torch.Tensor, final: torch.Tensor | None, seed_scale: float):
-        names = [n for n in self.shell.layout.names]
-        leaves = [micro.shell_leaves[n] for n in names]
-        inputs = ([final] if final is not None else []) + leaves
-        grads = torch.autograd.grad(loss * seed_scale, inputs, allow_unused=True)
+        names = list(self.shell.layout.names)
+        got = backward_into(loss * seed_scale, [final] if final is not None else [],
+                            [micro.shell_leaves[n] for n in names],
+                            lambda g: self._accumulate(self.shell, self.shell.grad, g, names))
         if final is not None:
-            micro.grad, grads = grads[0], grads[1:]
-        self._accumulate(self.shell, self.shell.grad, list(grads), names)
+            (micro.grad,) = got
 
     def _post_chunked(self, micro: _Micro, seed_scale: float, chunks: int) -> torch.Tensor:
         """The post pass and its backward over token chunks (adapter.post_in_chunks); returns the micro-batch's
@@ -1151,38 +1150,32 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 self._ckpt_up(micros, unit.index - ahead)
             with self.dev.timed("compute", label=unit.name):
                 for micro in micros:
-                    if micro.graphs:
-                        x, leaves, y = micro.graphs[unit.index]
-                        micro.graphs[unit.index] = None
-                    else:   # recompute the block from its checkpoint, replaying its RNG state
-                        x = micro.ckpts[unit.index].detach().requires_grad_(True)
-                        leaves = self._leaves(unit, grad=True)
-                        with torch.enable_grad(), self._rng(micro.rng[unit.index]):
-                            y = self._block(unit, leaves, x, micro.pre.calls[unit.index])
-                    grads = torch.autograd.grad(y, [x] + [leaves[n] for n in names], micro.grad, allow_unused=True)
-                    micro.grad = grads[0]
-                    micro.ckpts[unit.index] = None
-                    self._accumulate(unit, gdst, list(grads[1:]), names)
-                    del grads, x, y, leaves    # [Note: one micro-batch's gradients at a time]
+                    self._block_backward(unit, micro, names, gdst)
             self._release(unit)
             self._evict(unit)
             self._unit_grads_done(unit)
+        names = list(self.shell.layout.names)
         for micro in micros:   # backward of the pre pass into the shell's gradient
-            names = list(self.shell.layout.names)
-            leaves = [micro.shell_leaves[n] for n in names]
             with self.dev.timed("compute", label="pre"):
-                grads = torch.autograd.grad(micro.pre.hidden, leaves, micro.grad, allow_unused=True)
-                self._accumulate(self.shell, self.shell.grad, list(grads), names)
-                del grads     # [Note: one micro-batch's gradients at a time]
+                backward_into(micro.pre.hidden, [], [micro.shell_leaves[n] for n in names],
+                              lambda g: self._accumulate(self.shell, self.shell.grad, g, names), micro.grad)
             micro.grad = None
 
-    # [Note: one micro-batch's gradients at a time]
-    # A backward over the micro-batches makes each one's weight gradients, adds them into the unit's fp32 gradient
-    # and drops them before the next micro-batch's backward makes its own: a loop variable would keep them alive into
-    # it, two sets at once. W1 at 8 GiB peaked at 6.24 GiB with two shell-sized 16-bit gradients alive (788 MB each,
-    # in the chunked post pass: the head's), then, with post_in_chunks mended, at 5.94 with two still (outside the
-    # post pass; the allocation history names no frames, the CPU test shows the embeddings' case), at 5.51 with one
-    # after this (bench/mem_peak.py, twelfth session). The same holds for adapter.post_in_chunks's token chunks.
+    def _block_backward(self, unit: Unit, micro: _Micro, names: list[str], gdst: torch.Tensor) -> None:
+        """One micro-batch's backward through block ``unit``: its input's gradient into ``micro.grad``, its weights'
+        added into ``gdst``; the recomputed input and output and the weight gradients go when it returns ([Note: one
+        micro-batch's gradients at a time], adapter.py)."""
+        if micro.graphs:
+            x, leaves, y = micro.graphs[unit.index]
+            micro.graphs[unit.index] = None
+        else:   # recompute the block from its checkpoint, replaying its RNG state
+            x = micro.ckpts[unit.index].detach().requires_grad_(True)
+            leaves = self._leaves(unit, grad=True)
+            with torch.enable_grad(), self._rng(micro.rng[unit.index]):
+                y = self._block(unit, leaves, x, micro.pre.calls[unit.index])
+        (micro.grad,) = backward_into(y, [x], [leaves[n] for n in names],
+                                      lambda g: self._accumulate(unit, gdst, g, names), micro.grad)
+        micro.ckpts[unit.index] = None
 
     def _grad_buffer(self, unit: Unit) -> torch.Tensor:
         if unit.home is Home.RESIDENT:

@@ -287,7 +287,7 @@ def device_checkpoints(n_blocks: int, every: int, offloaded: bool) -> int:
 # 16-bit logits' gradient, the head's weight gradient (vocabulary x hidden, 16-bit), the hidden state's and the final
 # norm's backward's (fp32: three of tokens x hidden in all): with the loss in token chunks (W1 at 8 GiB: 512 tokens,
 # 788 MB either way) that is the larger. One chunk's weight gradients at a time ([Note: one micro-batch's gradients
-# at a time], engine.py): the chunks' loop had kept two, 1.47 GiB of W1 at 8 GiB's 6.24 GiB peak.
+# at a time], adapter.py): the chunks' loop had kept two, 1.47 GiB of W1 at 8 GiB's 6.24 GiB peak.
 LOSS_BYTES = 12
 
 

@@ -5,15 +5,18 @@
 #
 #     setsid bash bench/gpu_threads.sh RESULTS COMMIT </dev/null >/dev/null 2>&1 &
 #
-# then poll RESULTS/done; RESULTS.tgz holds the logs. Each run's exit code ends its log.
+# then poll RESULTS/done; RESULTS.tgz holds the logs. Each run's exit code ends its log. PLAIN=0 leaves out the
+# plain run (when the same call has one); THREADS lists the settings (default: "default 15 14").
 set -u
 res=$1 commit=$2
 mkdir -p "$res"
 source bench/gpu_setup.sh > "$res/setup.txt" 2>&1
-python3 bench/run.py --workload W2 --engines plain --steps 4 --cap 24GiB --timeout 200 --out "$res/plain" \
-  --commit "$commit" > "$res/plain.txt" 2>&1
-echo "rc=$?" >> "$res/plain.txt"
-for t in default 15 14; do
+if [ "${PLAIN:-1}" = 1 ]; then
+  python3 bench/run.py --workload W2 --engines plain --steps 4 --cap 24GiB --timeout 200 --out "$res/plain" \
+    --commit "$commit" > "$res/plain.txt" 2>&1
+  echo "rc=$?" >> "$res/plain.txt"
+fi
+for t in ${THREADS:-default 15 14}; do
   if [ "$t" = default ]; then unset OMP_NUM_THREADS; else export OMP_NUM_THREADS=$t; fi
   python3 bench/run.py --workload W2 --engines zerofit --steps 5 --cap 24GiB --timeout 200 --out "$res/t$t" \
     --commit "$commit" > "$res/t$t.txt" 2>&1

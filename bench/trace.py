@@ -2,12 +2,12 @@
 
     python3 bench/trace.py RESULT.json [--engine zerofit] [--gantt]
 
-Per lane (compute, upload, download, cpu, wait, disk): busy seconds (overlapping intervals of a lane merged), first start, last end, and the busy
+Per lane (compute, upload, download, cpu, cpu wait, wait, disk): busy seconds (overlapping intervals of a lane merged), first start, last end, and the busy
 seconds inside each phase of the step: forward (until the first ``post`` compute), post (named "later fwd"
 when block computes fall in it: the DeepSpeed-shaped loop's later forwards with every micro-batch's head and
 loss), backward, and after the backward's last compute (the optimizer's tail). ``--gantt`` prints every interval.
 ``--gaps`` prints where the device does not compute (gaps of over 1 ms between compute intervals, with the
-intervals on either side), each CPU task's seconds by phase, and, with a disk lane, how long reads and writes ran
+intervals on either side), each CPU task's working and waiting seconds by phase, and, with a disk lane, how long reads and writes ran
 at once.
 """
 
@@ -63,6 +63,24 @@ def summarize(trace: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_tasks(trace: list[dict]) -> list[dict]:
+    """The CPU worker's tasks: {label, start, work, wait}. A task's span is cut where it waited for a gradient or
+    the disk ("cpu wait" lane, labelled ``task(what)``: [Note: the worker's waits], engine/optimizer.py); the worker
+    runs one task at a time, so a task is the run of adjacent pieces with its label. Traces from before that cut
+    have no waits: their work is the whole span."""
+    pieces = sorted((e for e in trace if e["lane"] in ("cpu", "cpu wait")), key=lambda e: (e["start"], e["end"]))
+    out: list[dict] = []
+    for e in pieces:
+        waited = e["lane"] == "cpu wait"
+        label = e["label"].rsplit("(", 1)[0] if waited else e["label"]
+        if not out or out[-1]["label"] != label or e["start"] > out[-1]["end"] + 1e-4:
+            out.append({"label": label, "start": e["start"], "end": e["end"], "work": 0.0, "wait": 0.0})
+        t = out[-1]
+        t["end"] = max(t["end"], e["end"])
+        t["wait" if waited else "work"] += e["end"] - e["start"]
+    return out
+
+
 def gaps(trace: list[dict], least: float = 1e-3) -> str:
     """The compute lane's gaps over ``least`` seconds, the CPU lane's tasks by phase, the disk's reads and writes
     at once (1 ms bins)."""
@@ -72,11 +90,13 @@ def gaps(trace: list[dict], least: float = 1e-3) -> str:
     lines = [f"compute gaps over {least * 1e3:.0f} ms: {len(holes)}, {sum(h[1] for h in holes) * 1e3:.1f} ms"]
     lines += [f"  at {t * 1e3:8.1f} ms  {g * 1e3:6.1f} ms  after {a}, before {b}" for t, g, a, b in holes]
     ph = phases(trace)
+    tasks = cpu_tasks(trace)
     for name, a, b in ph:
-        tasks = [e for e in trace if e["lane"] == "cpu" and a <= e["start"] < b]
-        if tasks:
-            lines.append(f"cpu tasks starting in the {name}: {len(tasks)}, "
-                         + ", ".join(f"{e['label']} {(e['end'] - e['start']) * 1e3:.0f}" for e in tasks) + " (ms)")
+        some = [t for t in tasks if a <= t["start"] < b]
+        if some:
+            lines.append(f"cpu tasks taken in the {name}: {len(some)}, label working ms (+ waiting ms): "
+                         + ", ".join(f"{t['label']} {t['work'] * 1e3:.0f}"
+                                     + (f" (+{t['wait'] * 1e3:.0f})" if t["wait"] > 5e-4 else "") for t in some))
     disk = [e for e in trace if e["lane"] == "disk"]
     if disk:
         bins = int(max(e["end"] for e in disk) * 1e3) + 1

@@ -14,7 +14,8 @@ PHASES = {
     "compute": "forward + backward on the device",
     "upload": "weights host -> device",
     "download": "gradients device -> host",
-    "optimizer": "CPU optimizer worker busy",
+    "optimizer": "CPU optimizer worker working",
+    "optimizer_wait": "CPU optimizer tasks waiting for a gradient or the disk",
     "wait": "host blocked waiting for the optimizer or buffers",
 }
 

@@ -51,7 +51,7 @@ from zerofit.engine.lifecycle import EngineLifecycle, EngineState
 from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine import split_adamw
-from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw
+from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw, waiting
 from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
@@ -1302,9 +1302,12 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         tier, key = self._tier, unit.index
 
         def stash():
-            done.synchronize()
+            with waiting("gradient"):       # [Note: the worker's waits]
+                done.synchronize()
             for c, (a, k) in enumerate(tier.chunks(key)):
-                tier.acquire(key, c, write_only=("grad",))["grad"].copy_(dst.narrow(0, a, k))
+                with waiting("disk"):
+                    f = tier.acquire(key, c, write_only=("grad",))
+                f["grad"].copy_(dst.narrow(0, a, k))
                 tier.release(key, c)
             self._give_staging(dst)
             if speculate:
@@ -1337,7 +1340,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _task_add(self, host: torch.Tensor, staging: torch.Tensor, event):
         def run():
-            event.synchronize()
+            with waiting("gradient"):       # [Note: the worker's waits]
+                event.synchronize()
             host.add_(staging.narrow(0, 0, host.numel()))
             self._give_staging(staging)
         return run
@@ -1361,7 +1365,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         step0 = unit.step.clone()
         s = step0
         for c, (a, k) in enumerate(tier.chunks(key)):
-            f = tier.acquire(key, c)
+            with waiting("disk"):       # [Note: the worker's waits]
+                f = tier.acquire(key, c)
             p = f["master"] if unit.swap == "all" else unit.master[a:a + k]
             g = f["grad"] if grad is None else grad[a:a + k]       # [Note: gradients on the disk]
             s = step0.clone()
@@ -1394,7 +1399,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         pass only, the caller queues the second (_task_moments); with ``cast16`` too, that first pass writes the
         cast alone ([Note: the master behind its cast])."""
         def run():
-            event.synchronize()
+            with waiting("gradient"):       # [Note: the worker's waits]
+                event.synchronize()
             g = grad.narrow(0, 0, unit.hi - unit.lo) if grad is not None else None
             if split and cast16 is not None:
                 self._apply(unit, g, [(hypers, factor, False)], part="cast")
@@ -1438,7 +1444,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         """[Note: speculative updates]: update with factor 1 unless the partial norm already proves clipping.
         The unit stays not ``updated`` until its settle task has run: only that one decides what the master is."""
         def run():
-            event.synchronize()
+            with waiting("gradient"):       # [Note: the worker's waits]
+                event.synchronize()
             if spec.admit(float(self._block_sq[unit.index])):
                 self._apply(unit, self._host_grads.get(id(unit)), [(hypers, 1.0, False)])
                 spec.speculated.add(id(unit))
@@ -1450,7 +1457,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         block the worker did not speculate on) apply the deferred update. Runs after the block's
         speculation task (same priority, submitted later)."""
         def run():
-            event.synchronize()
+            with waiting("gradient"):       # [Note: the worker's waits]
+                event.synchronize()
             grad = self._host_grads.get(id(unit))      # None: on the disk ([Note: gradients on the disk])
             held = id(unit) in spec.speculated
             ops = [(hypers, 1.0, True)] if held and factor != 1.0 else []
@@ -1701,26 +1709,28 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._end_step(t0, busy0, applied)
         return loss_value
 
-    def _start_clock(self) -> tuple[float, float]:
-        """The step's clocks start: wall time, the worker's busy seconds, the device trace's origin."""
+    def _start_clock(self) -> tuple[float, tuple[float, float]]:
+        """The step's clocks start: wall time, the worker's working and waiting seconds, the device trace's
+        origin."""
         self.dev.intervals.clear()     # regions between steps (evaluation forwards) belong to no step
         self.worker.drain_spans()
         self._timeline, self._wait_spans = {}, []
         self._origin = self.dev.mark()
-        return time.perf_counter(), self.worker.busy_seconds
+        return time.perf_counter(), (self.worker.busy_seconds, self.worker.wait_seconds)
 
-    def _end_step(self, t0: float, busy0: float, applied: bool) -> None:
+    def _end_step(self, t0: float, busy0: tuple[float, float], applied: bool) -> None:
         if applied:
             self.global_step += 1
         self.dev.synchronize()
         tl, intervals = self.dev.drain_intervals()
-        tl["optimizer"] = self.worker.busy_seconds - busy0
+        tl["optimizer"] = self.worker.busy_seconds - busy0[0]       # [Note: the worker's waits]
+        tl["optimizer_wait"] = self.worker.wait_seconds - busy0[1]
         tl["wait"] = self._timeline.get("wait", 0.0)
         tl["step"] = time.perf_counter() - t0
         for k in ("compute", "upload", "download"):
             tl.setdefault(k, 0.0)
         self._timeline = tl
-        host = [("cpu", label, a, b) for label, a, b in self.worker.drain_spans()]
+        host = self.worker.drain_spans()
         if self._tier is not None:
             host += [("disk", label, a, b) for label, a, b in self._tier.drain_spans()]
         host += [("wait", label, a, b) for label, a, b in self._wait_spans]
@@ -1737,7 +1747,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     def trace(self) -> list[dict]:
         """The last step's timeline interval by interval: {lane, label, start, end} in seconds from the
         step's start. Lanes: compute, upload, download (device streams; from CUDA events), cpu (the host
-        optimizer thread's tasks) and wait (the main thread blocked on it or on pinned buffers). Device and
+        optimizer thread's tasks, working), cpu wait (those tasks waiting for a gradient or the disk: [Note: the
+        worker's waits]), disk (the tier's reads and writes) and wait (the main thread blocked on the CPU
+        optimizer or on pinned buffers). Device and
         host intervals come from different clocks that start together: compare them to a millisecond. A CPU
         task of the previous step still running when this one started has a negative start."""
         if isinstance(self._trace, tuple):
@@ -1750,7 +1762,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def timeline(self) -> dict[str, float]:
         """Seconds per phase of the last step: step (wall), compute (device), upload, download,
-        optimizer (CPU worker busy), wait (host blocked on the CPU optimizer or pinned buffers)."""
+        optimizer (the CPU worker working), optimizer_wait (its tasks waiting for a gradient or the disk),
+        wait (the main thread blocked on the CPU optimizer or pinned buffers)."""
         return dict(self._timeline)
 
     # ------------------------------------------------------------------ access

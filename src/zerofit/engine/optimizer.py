@@ -18,6 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,30 @@ class WorkerError(RuntimeError):
     thread skips every later task: the engine that owns it cannot go on (see [Note: failure semantics])."""
 
 
+# [Note: the worker's waits]
+# A task of the worker waits for its inputs before it works: an update for its gradient to come down from the
+# device (``event.synchronize()``), a disk-tier update for each chunk's read (``DiskTier.acquire``). The task
+# wraps each such wait in ``waiting(what)``. The step's trace then shows the task's working time on the "cpu"
+# lane (its span cut where it waited) and each wait on the "cpu wait" lane; the timeline's ``optimizer`` is the
+# working seconds, ``optimizer_wait`` the waiting ones. Before, a task's span ran from the moment the worker
+# took it: an update taken before its gradient was down counted the backward's compute as the CPU's work, and
+# a disk-bound step showed the CPU "busy" for the disk's whole time.
+_current = threading.local()
+
+
+@contextmanager
+def waiting(what: str):
+    """Around a blocking wait inside a worker task (see [Note: the worker's waits]); on any other thread (the main
+    thread's checkpoint or flush calls) it records nothing."""
+    worker = getattr(_current, "worker", None)
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        if worker is not None:
+            worker._task_waits.append((what, t, time.perf_counter()))
+
+
 class HostWorker:
     """One thread that runs host-side tasks (AdamW updates, gradient adds) in submission order.
 
@@ -128,30 +153,52 @@ class HostWorker:
         self._seq = 0
         self._error: BaseException | None = None
         self._stopping = False
-        self.busy_seconds = 0.0
-        self.spans: list[tuple[str | None, float, float]] = []   # (label, start, end) per task, host clock
+        self.busy_seconds = 0.0       # working, waits excluded ([Note: the worker's waits])
+        self.wait_seconds = 0.0       # waiting inside tasks
+        self.spans: list[tuple[str | None, float, float]] = []   # (label, start, end) working, host clock
+        self.wait_spans: list[tuple[str, float, float]] = []     # ("label(what)", start, end) waiting
+        self._task_waits: list[tuple[str, float, float]] = []
         self._thread = threading.Thread(target=self._loop, name="zerofit-cpu-optimizer", daemon=True)
         self._thread.start()
 
     def _loop(self):
+        _current.worker = self
         while True:
             _, _, label, task = self._q.get()
             if task is None:
                 self._q.task_done()
                 return
             t = time.perf_counter()
+            self._task_waits = []
             try:
                 if self._error is None and not self._stopping:
                     task()
             except BaseException as e:  # surfaced on the main thread by check()
                 self._error = e
             finally:
-                end = time.perf_counter()
-                self.busy_seconds += end - t
-                if len(self.spans) < 100_000:     # drained every step; bounded if nobody drains
-                    self.spans.append((label, t, end))
+                self._record(label, t, time.perf_counter())
                 task = None          # a done task must not keep its engine alive while the queue is idle
                 self._q.task_done()
+
+    def _record(self, label: str | None, start: float, end: float) -> None:
+        """The task's span, cut at its waits: working pieces (at least one, possibly empty) and waits."""
+        work, waits = [], []
+        a = start
+        for what, ws, we in self._task_waits:
+            if we - ws < 1e-5:      # an input that was ready: no wait worth a piece of the trace
+                continue
+            if ws - a >= 1e-5:      # (the few microseconds from a task's start to its first wait: no piece)
+                work.append((label, a, ws))
+            waits.append((f"{label}({what})", ws, we))
+            a = max(a, we)
+        if end > a or not work:
+            work.append((label, a, max(a, end)))
+        waited = sum(we - ws for _, ws, we in waits)
+        self.busy_seconds += (end - start) - waited
+        self.wait_seconds += waited
+        if len(self.spans) < 100_000:     # drained every step; bounded if nobody drains
+            self.spans += work
+            self.wait_spans += waits
 
     def submit(self, fn, priority: int = 0, label: str | None = None) -> None:
         """Queue ``fn``; among queued tasks the lowest ``priority`` runs first, ties in submission order.
@@ -160,9 +207,11 @@ class HostWorker:
         self._seq += 1
         self._q.put((priority, self._seq, label, fn))
 
-    def drain_spans(self) -> list[tuple[str | None, float, float]]:
-        spans, self.spans = self.spans, []
-        return spans
+    def drain_spans(self) -> list[tuple[str, str | None, float, float]]:
+        """(lane, label, start, end) since the last call: "cpu" (working) and "cpu wait"."""
+        spans, waits = self.spans, self.wait_spans
+        self.spans, self.wait_spans = [], []
+        return [("cpu", *s) for s in spans] + [("cpu wait", *w) for w in waits]
 
     def drain(self) -> None:
         """Wait until every submitted task ran (or was skipped after an error)."""

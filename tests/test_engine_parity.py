@@ -156,7 +156,8 @@ def test_assisted_updates_in_the_backward_keep_the_math(api, shell):
     # the last update of a backward may still run when the step returns (on a loaded machine it did)
     tasks = set()
     submit = engine.worker.submit
-    engine.worker.submit = lambda fn, priority=0, label=None: (tasks.add(label), submit(fn, priority, label))[1]
+    engine.worker.submit = lambda fn, priority=0, label=None, ready=None: (tasks.add(label),
+                                                                        submit(fn, priority, label, ready))[1]
     data = tm.batches(STEPS, G)
     if api == "train_batch":
         losses = [engine.train_batch(mbs) for mbs in data]

@@ -103,7 +103,8 @@ def test_deferred_updates_in_two_passes_are_bitwise_the_one_pass_engine(groups, 
     labels = []
     worker = two.worker
     submit = worker.submit
-    worker.submit = lambda fn, priority=0, label=None: (labels.append(label), submit(fn, priority, label))
+    worker.submit = lambda fn, priority=0, label=None, ready=None: (labels.append(label),
+                                                                  submit(fn, priority, label, ready))
     data = tm.batches(6, 2)
     for mbs in data:
         assert one.train_batch(mbs) == two.train_batch(mbs)

@@ -1232,7 +1232,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             unit.updated.clear()
             self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True,
                                                  cast16=self._cast16_label(unit)),
-                               self._priority(unit), label=f"adamw[{unit.name}]")
+                               self._priority(unit), label=f"adamw[{unit.name}]",
+                               ready=None if unit.swap else done.query)     # [Note: ready tasks first]
 
     def _keep_grad_shard(self, unit: Unit) -> None:
         """[Note: sharded device state] (FULL_SHARD, no offload): the block's gradient is reduce-scattered and this

@@ -127,6 +127,21 @@ class WorkerError(RuntimeError):
 # a disk-bound step showed the CPU "busy" for the disk's whole time.
 _current = threading.local()
 
+# [Note: ready tasks first]
+# The worker runs queued tasks lowest priority first: for the backward's immediate updates, the lowest block first,
+# which the next forward needs first. But the main thread queues a block's update when it has queued the block's
+# backward, well ahead of the device, and the backward hands the gradients over last block first: the task first in
+# line is then the one whose gradient comes down last. Taking it, the worker waited for it while gradients of
+# higher blocks sat ready in host memory. W2 (2026-12-01, thirteenth session, `bench/trace.py --gaps`): 12 updates
+# in the backward, each working 41-66 ms after waiting 51-100 ms for its gradient; 5 more ran in the next forward,
+# which waited for them. So a task may say when its inputs are there (``submit(..., ready=)``: its gradient's
+# download event has completed). When the task first in line has such a check and is not ready, the worker takes
+# the first queued task in priority order whose check passes; when none does, the one with a check that was
+# submitted first (the device runs its downloads in submission order: that one comes down first). Tasks without a
+# check (disk-tier updates, which must run in the order the tier reads ahead: [Note: disk updates in order];
+# speculation, whose order decides what is speculated; deferred updates and moments passes) are never taken out
+# of their order. Which task runs when changes; what each computes does not: each is one unit's own update.
+
 
 @contextmanager
 def waiting(what: str):
@@ -158,13 +173,14 @@ class HostWorker:
         self.spans: list[tuple[str | None, float, float]] = []   # (label, start, end) working, host clock
         self.wait_spans: list[tuple[str, float, float]] = []     # ("label(what)", start, end) waiting
         self._task_waits: list[tuple[str, float, float]] = []
+        self.taken_ahead = 0          # tasks run ahead of one not yet ready ([Note: ready tasks first])
         self._thread = threading.Thread(target=self._loop, name="zerofit-cpu-optimizer", daemon=True)
         self._thread.start()
 
     def _loop(self):
         _current.worker = self
         while True:
-            _, _, label, task = self._q.get()
+            _, _, label, task, _ = self._take()
             if task is None:
                 self._q.task_done()
                 return
@@ -179,6 +195,28 @@ class HostWorker:
                 self._record(label, t, time.perf_counter())
                 task = None          # a done task must not keep its engine alive while the queue is idle
                 self._q.task_done()
+
+    def _take(self) -> tuple:
+        """The next task ([Note: ready tasks first])."""
+        head = self._q.get()
+        if head[4] is None or head[4]():
+            return head
+        queued = [head]
+        while True:
+            try:
+                queued.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+        queued.sort()
+        checked = [item for item in queued if item[4] is not None]
+        chosen = next((item for item in checked if item[4]()), None) or min(checked, key=lambda item: item[1])
+        if chosen is not head:
+            self.taken_ahead += 1
+        for item in queued:
+            if item is not chosen:
+                self._q.put(item)
+                self._q.task_done()      # (a put counts a task: this one was counted when first submitted)
+        return chosen
 
     def _record(self, label: str | None, start: float, end: float) -> None:
         """The task's span, cut at its waits: working pieces (at least one, possibly empty) and waits."""
@@ -200,12 +238,13 @@ class HostWorker:
             self.spans += work
             self.wait_spans += waits
 
-    def submit(self, fn, priority: int = 0, label: str | None = None) -> None:
+    def submit(self, fn, priority: int = 0, label: str | None = None, ready=None) -> None:
         """Queue ``fn``; among queued tasks the lowest ``priority`` runs first, ties in submission order.
-        ``label`` names the task in the step's trace."""
+        ``label`` names the task in the step's trace. ``ready``: a check that ``fn``'s inputs are there; a task
+        with one may run ahead of one whose check fails ([Note: ready tasks first])."""
         self.check()
         self._seq += 1
-        self._q.put((priority, self._seq, label, fn))
+        self._q.put((priority, self._seq, label, fn, ready))
 
     def drain_spans(self) -> list[tuple[str, str | None, float, float]]:
         """(lane, label, start, end) since the last call: "cpu" (working) and "cpu wait"."""
@@ -233,7 +272,7 @@ class HostWorker:
         self._stopping = True
         if self._thread.is_alive():
             self._seq += 1
-            self._q.put((2**62, self._seq, None, None))
+            self._q.put((2**62, self._seq, None, None, None))
             if threading.current_thread() is self._thread:
                 return True      # the engine was collected on this thread (a task held its last reference)
             self._thread.join(timeout)

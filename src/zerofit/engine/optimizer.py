@@ -5,9 +5,9 @@ to each unit's flat fp32 master weights. The cast to the compute dtype happens
 on the device after the next upload (see [Note: fp32 uploads] in materialize.py).
 
 [Note: CPU optimizer overlap]
-Host-optimized units are updated by one worker thread, in the order their
-gradients arrive (backward order: last block first), while the GPU computes
-the backward of the blocks before them. A unit's ``updated`` event is set when
+Host-optimized units are updated by one worker thread as their gradients
+arrive (backward order: last block first; [Note: ready tasks first]), while
+the GPU computes the backward of the blocks before them. A unit's ``updated`` event is set when
 its new 16-bit weights are in ``host16``; the next forward's upload of that
 unit waits for it (on the host, before enqueueing the copy). The fused kernel
 and the cast release the GIL and use torch's intra-op threads.

@@ -133,8 +133,8 @@ _current = threading.local()
 # backward, well ahead of the device, and the backward hands the gradients over last block first: the task first in
 # line is then the one whose gradient comes down last. Taking it, the worker waited for it while gradients of
 # higher blocks sat ready in host memory. W2 (2026-12-01, thirteenth session, `bench/trace.py --gaps`): 12 updates
-# in the backward, each working 41-66 ms after waiting 51-100 ms for its gradient; 5 more ran in the next forward,
-# which waited for them. So a task may say when its inputs are there (``submit(..., ready=)``: its gradient's
+# in the backward, each working 41-66 ms after waiting 51-100 ms for its gradient; 5 more ran in the next forward
+# (in the twelfth session's W2 trace the forward waited 18 ms on each of three such). So a task may say when its inputs are there (``submit(..., ready=)``: its gradient's
 # download event has completed). When the task first in line has such a check and is not ready, the worker takes
 # the first queued task in priority order whose check passes; when none does, the one with a check that was
 # submitted first (the device runs its downloads in submission order: that one comes down first). Tasks without a
@@ -157,7 +157,8 @@ def waiting(what: str):
 
 
 class HostWorker:
-    """One thread that runs host-side tasks (AdamW updates, gradient adds) in submission order.
+    """One thread that runs host-side tasks (AdamW updates, gradient adds) by priority, then in submission order
+    ([Note: ready tasks first] for the tasks that may run ahead).
 
     A task that raises stops the work: the error is kept (not cleared by reading it), every later task is
     skipped, and every :meth:`check` raises :class:`WorkerError`, so that no caller waits forever on an

@@ -186,3 +186,37 @@ def test_updates_taken_out_of_order_are_the_same_updates():
             assert torch.equal(x.exp_avg, y.exp_avg) and torch.equal(x.exp_avg_sq, y.exp_avg_sq), x.name
     ref.close()
     eng.close()
+
+
+def test_a_readiness_check_that_raises_runs_its_task_and_reports_the_tasks_error():
+    """A device error can surface in the check itself (``event.query()``): the worker must not die of it unreported.
+    The task runs; its own wait raises; the worker reports that, and runs nothing after it."""
+    from zerofit.engine.optimizer import WorkerError
+
+    w = HostWorker()
+    gate, ran = threading.Event(), []
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def task():
+        ran.append("task")
+        broken()                       # its event.synchronize() raises the same error
+    w.submit(lambda: gate.wait(5), label="gate")
+    w.submit(task, 0, label="adamw[b]", ready=broken)
+    w.submit(lambda: ran.append("later"), 1, label="adamw[c]", ready=lambda: True)
+    gate.set()
+    errors = []
+
+    def drain():
+        try:
+            w.drain()
+        except WorkerError as e:
+            errors.append(e)
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the worker ended without reporting: drain() never returns"
+    assert len(errors) == 1 and "illegal memory access" in str(errors[0])
+    assert ran == ["task"] and w.alive
+    w.close()

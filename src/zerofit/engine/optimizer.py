@@ -200,7 +200,7 @@ class HostWorker:
     def _take(self) -> tuple:
         """The next task ([Note: ready tasks first])."""
         head = self._q.get()
-        if head[4] is None or head[4]():
+        if self._ready(head):
             return head
         queued = [head]
         while True:
@@ -210,7 +210,7 @@ class HostWorker:
                 break
         queued.sort()
         checked = [item for item in queued if item[4] is not None]
-        chosen = next((item for item in checked if item[4]()), None) or min(checked, key=lambda item: item[1])
+        chosen = next((item for item in checked if self._ready(item)), None) or min(checked, key=lambda item: item[1])
         if chosen is not head:
             self.taken_ahead += 1
         for item in queued:
@@ -218,6 +218,16 @@ class HostWorker:
                 self._q.put(item)
                 self._q.task_done()      # (a put counts a task: this one was counted when first submitted)
         return chosen
+
+    @staticmethod
+    def _ready(item: tuple) -> bool:
+        """Whether a queued task's inputs are there. A check that raises (a device error) counts as ready: the task
+        then runs, and its own wait raises the error where the worker reports it (a raise here, outside any task,
+        would end the thread unreported and leave the main thread waiting on an update that never comes)."""
+        try:
+            return item[4] is None or bool(item[4]())
+        except Exception:
+            return True
 
     def _record(self, label: str | None, start: float, end: float) -> None:
         """The task's span, cut at its waits: working pieces (at least one, possibly empty) and waits."""

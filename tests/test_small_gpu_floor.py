@@ -291,24 +291,13 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
     assert term == max(held) * 2 * 16 * h * 2
 
 
-def _bench_module(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_the_plan_counts_the_bytes_the_models_loss_holds(dtype, chunks):
     """[Note: the loss's bytes]: the planner's logits term covers the peak of the tensors a Llama model's own loss
     and its backward create (bench/live_bytes.py: each new storage from its creation until it is freed), within 2%
     (the old count, dtype_bytes + 8, was 17% short in bf16)."""
-    live = _bench_module("live_bytes")
+    live = tm.bench_module("live_bytes")
     tokens, vocab = 512, 4096
     per_chunk = tokens // chunks
     measured, at_peak = live.loss_bytes(per_chunk, vocab, dtype=dtype, loss=tm.llama().loss_function)
@@ -329,7 +318,7 @@ def test_the_post_pass_holds_no_more_than_the_plan_counts(chunks):
 
     from zerofit.engine.adapter import Adapter, post_in_chunks
 
-    live = _bench_module("live_bytes")
+    live = tm.bench_module("live_bytes")
     torch.manual_seed(0)
     hidden, vocab, tokens = 256, 8192, 128
     m = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=1024, num_hidden_layers=3,

@@ -88,6 +88,10 @@ def test_a_disk_bound_step_shows_the_cpu_waiting_for_the_disk(tmp_path, monkeypa
     assert tl["optimizer_wait"] >= 0.02
     worker = [(e["label"], e["start"], e["end"]) for e in trace if e["lane"] in ("cpu", "cpu wait")]
     _tiled(worker)
+    tasks = {t["label"]: t for t in tm.bench_module("trace").cpu_tasks(trace)}     # bench/trace.py --gaps
+    for name in swapped:
+        t = tasks[f"adamw[{name}]"]
+        assert t["wait"] >= 0.02 and t["work"] > 0.0, t
     within = [e for e in trace if e["lane"] == "cpu" and e["start"] >= 0.0]
     assert sum(e["end"] - e["start"] for e in within) <= tl["optimizer"] + 1e-3
     assert sum(e["end"] - e["start"] for e in waits if e["start"] >= 0.0) <= tl["optimizer_wait"] + 1e-3
@@ -220,3 +224,20 @@ def test_a_readiness_check_that_raises_runs_its_task_and_reports_the_tasks_error
     assert len(errors) == 1 and "illegal memory access" in str(errors[0])
     assert ran == ["task"] and w.alive
     w.close()
+
+
+def test_trace_tools_task_list_joins_each_tasks_pieces():
+    """bench/trace.py's ``cpu_tasks``: a task is the run of adjacent pieces with its label (working, waiting); the
+    same label later in the step is another task; a trace without waits counts every span as work."""
+    trace = [
+        {"lane": "cpu", "label": "adamw[a]", "start": 0.000, "end": 0.001},
+        {"lane": "cpu wait", "label": "adamw[a](gradient)", "start": 0.001, "end": 0.050},
+        {"lane": "cpu", "label": "adamw[a]", "start": 0.050, "end": 0.090},
+        {"lane": "cpu wait", "label": "adamw[b](disk)", "start": 0.090, "end": 0.300},
+        {"lane": "cpu", "label": "adamw[b]", "start": 0.300, "end": 0.380},
+        {"lane": "compute", "label": "model.layers.0", "start": 0.0, "end": 0.4},
+        {"lane": "cpu", "label": "adamw[a]", "start": 0.500, "end": 0.540},
+    ]
+    tasks = tm.bench_module("trace").cpu_tasks(trace)
+    got = [(t["label"], round(t["work"], 3), round(t["wait"], 3), t["start"]) for t in tasks]
+    assert got == [("adamw[a]", 0.041, 0.049, 0.0), ("adamw[b]", 0.08, 0.21, 0.09), ("adamw[a]", 0.04, 0.0, 0.5)]

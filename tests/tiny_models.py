@@ -220,3 +220,15 @@ def assert_updates_close(engine, before: dict[str, torch.Tensor], ref: nn.Module
         d_eng = master[n] - before[n]
         err = float((d_eng - d_ref).norm() / d_ref.norm().clamp_min(1e-12))
         assert err < rtol, f"{n}: update differs from the reference by {err:.3g} of its norm (limit {rtol})"
+
+
+def bench_module(name: str):
+    """A module of bench/ (not a package), loaded from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -9,14 +9,10 @@ set -u
 res=$1 commit=$2 old=$3
 mkdir -p "$res"
 source bench/gpu_setup.sh > "$res/setup.txt" 2>&1
-timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu.py > "$res/gpu_tests.txt" 2>&1
-echo "rc=$?" >> "$res/gpu_tests.txt"
-w2() {   # NAME COMMIT REPO
-  python3 "$3/bench/run.py" --workload W2 --engines zerofit --steps 4 --cap 24GiB --timeout 150 --out "$res/$1" \
-    --commit "$2" > "$res/$1.txt" 2>&1
-  echo "rc=$?" >> "$res/$1.txt"
-  python3 bench/trace.py "$res/$1/results_W2.json" --gaps >> "$res/$1.txt" 2>&1
-}
-w2 new "$commit" .
-w2 old "$old" "$OLD_REPO"
+source bench/gpu_lib.sh
+zf_tests gpu_tests 200 -x tests/test_gpu.py
+zf_run new 150 --workload W2 --engines zerofit --steps 4 --cap 24GiB
+zf_trace new
+commit=$old ZF_REPO=$OLD_REPO zf_run old 150 --workload W2 --engines zerofit --steps 4 --cap 24GiB
+zf_trace old
 touch "$res/done"

@@ -9,15 +9,11 @@ set -u
 res=$1 commit=$2
 mkdir -p "$res"
 source bench/gpu_setup.sh > "$res/setup.txt" 2>&1
-python3 bench/run.py --workload W2 --engines zerofit --steps 4 --cap 24GiB --timeout 200 --out "$res/w2" \
-  --commit "$commit" > "$res/w2.txt" 2>&1
-echo "rc=$?" >> "$res/w2.txt"
-python3 bench/trace.py "$res/w2/results_W2.json" --gaps >> "$res/w2.txt" 2>&1
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_split_updates.py \
-  > "$res/gpu_tests.txt" 2>&1
-echo "rc=$?" >> "$res/gpu_tests.txt"
-python3 bench/run.py --workload W2 --engines zerofit --engine-args 'zerofit=--set max_host_memory=32GiB --nvme /tmp/nv' \
-  --steps 2 --cap 24GiB --timeout 300 --out "$res/w3a" --commit "$commit" > "$res/w3a.txt" 2>&1
-echo "rc=$?" >> "$res/w3a.txt"
-python3 bench/trace.py "$res/w3a/results_W2.json" --gaps >> "$res/w3a.txt" 2>&1
+source bench/gpu_lib.sh
+zf_run w2 200 --workload W2 --engines zerofit --steps 4 --cap 24GiB
+zf_trace w2
+zf_tests gpu_tests 300 tests/test_gpu.py tests/test_split_updates.py
+zf_run w3a 300 --workload W2 --engines zerofit --engine-args 'zerofit=--set max_host_memory=32GiB --nvme /tmp/nv' \
+  --steps 2 --cap 24GiB
+zf_trace w3a
 touch "$res/done"

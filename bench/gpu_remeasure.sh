@@ -11,21 +11,16 @@ set -u
 res=$1 commit=$2
 mkdir -p "$res"
 source bench/gpu_setup.sh > "$res/setup.txt" 2>&1
-run() {   # NAME TIMEOUT ARGS...
-  local name=$1 timeout=$2; shift 2
-  python3 bench/run.py "$@" --timeout "$timeout" --out "$res/$name" --commit "$commit" > "$res/$name.txt" 2>&1
-  echo "rc=$?" >> "$res/$name.txt"
-}
-run w1 220 --workload W1 --engines plain,zerofit --engine-args 'zerofit=--estimate' --steps 4 --cap 24GiB
-run w1_8 160 --workload W1 --engines zerofit --engine-args 'zerofit=--estimate' --steps 4 --cap 8GiB
-run w2 260 --workload W2 --engines plain,zerofit --engine-args 'zerofit=--estimate' --steps 4 --cap 24GiB
+source bench/gpu_lib.sh
+zf_run w1 220 --workload W1 --engines plain,zerofit --engine-args 'zerofit=--estimate' --steps 4 --cap 24GiB
+zf_run w1_8 160 --workload W1 --engines zerofit --engine-args 'zerofit=--estimate' --steps 4 --cap 8GiB
+zf_run w2 260 --workload W2 --engines plain,zerofit --engine-args 'zerofit=--estimate' --steps 4 --cap 24GiB
 if [ "${MEMPEAK:-1}" = 1 ]; then
   timeout 150 python3 bench/mem_peak.py W1 8GiB 1 > "$res/mem_peak_w1_8.txt" 2>&1
   echo "rc=$?" >> "$res/mem_peak_w1_8.txt"
 fi
 if [ "${TESTS:-0}" = 1 ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_split_updates.py > "$res/gpu_tests.txt" 2>&1
-  echo "rc=$?" >> "$res/gpu_tests.txt"
+  zf_tests gpu_tests 300 tests/test_gpu.py tests/test_split_updates.py
 fi
 tar czf "$res.tgz" -C "$res" .
 touch "$res/done"

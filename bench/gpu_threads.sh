@@ -11,17 +11,14 @@ set -u
 res=$1 commit=$2
 mkdir -p "$res"
 source bench/gpu_setup.sh > "$res/setup.txt" 2>&1
+source bench/gpu_lib.sh
 if [ "${PLAIN:-1}" = 1 ]; then
-  python3 bench/run.py --workload W2 --engines plain --steps 4 --cap 24GiB --timeout 200 --out "$res/plain" \
-    --commit "$commit" > "$res/plain.txt" 2>&1
-  echo "rc=$?" >> "$res/plain.txt"
+  zf_run plain 200 --workload W2 --engines plain --steps 4 --cap 24GiB
 fi
 for t in ${THREADS:-default 15 14}; do
   if [ "$t" = default ]; then unset OMP_NUM_THREADS; else export OMP_NUM_THREADS=$t; fi
-  python3 bench/run.py --workload W2 --engines zerofit --steps 5 --cap 24GiB --timeout 200 --out "$res/t$t" \
-    --commit "$commit" > "$res/t$t.txt" 2>&1
-  echo "rc=$?" >> "$res/t$t.txt"
-  python3 bench/trace.py "$res/t$t/results_W2.json" --gaps >> "$res/t$t.txt" 2>&1
+  zf_run "t$t" 200 --workload W2 --engines zerofit --steps 5 --cap 24GiB
+  zf_trace "t$t"
 done
 unset OMP_NUM_THREADS
 tar czf "$res.tgz" -C "$res" .

@@ -10,13 +10,13 @@ set -u
 res=$1 commit=$2
 mkdir -p "$res"
 source bench/gpu_setup.sh > "$res/setup.txt" 2>&1
+source bench/gpu_lib.sh
 df -h /tmp > "$res/df.txt"
 for cap in 24GiB 8GiB; do
   w=W3; [ "$cap" = 8GiB ] && w=W3-mb1
-  python3 bench/run.py --workload $w --engines zerofit --engine-args 'zerofit=--set max_host_memory=108GiB --nvme /tmp/nv --estimate' \
-    --steps 3 --cap $cap --timeout 420 --out "$res/w3b_$cap" --commit "$commit" > "$res/w3b_$cap.txt" 2>&1
-  echo "rc=$?" >> "$res/w3b_$cap.txt"
-  python3 bench/trace.py "$res/w3b_$cap/results_$w.json" --gaps >> "$res/w3b_$cap.txt" 2>&1
+  zf_run "w3b_$cap" 420 --workload $w --engines zerofit \
+    --engine-args 'zerofit=--set max_host_memory=108GiB --nvme /tmp/nv --estimate' --steps 3 --cap $cap
+  zf_trace "w3b_$cap"
 done
 tar czf "$res.tgz" -C "$res" .
 touch "$res/done"

@@ -99,7 +99,7 @@ class DeepSpeedStyleAPI:
             self._with_fallback(lambda: self._announce(batches))
 
     def _announce(self, batches: list[dict]) -> None:
-        self._ds_t0, self._ds_busy0 = self._start_clock()
+        self._ds_t0, self._ds_worker0 = self._start_clock()
         self._ensure_plan(batches)
         micros = self._forward(batches, shell_grad=True, **self._checkpoint_args())
         if self.adapter.streaming:       # not after a fall-back to the generic path: its forwards come later
@@ -160,7 +160,7 @@ class DeepSpeedStyleAPI:
             self._pending = micro
             return out
         if self._micro_steps == 0:
-            self._ds_t0, self._ds_busy0 = self._start_clock()
+            self._ds_t0, self._ds_worker0 = self._start_clock()
         self._ensure_plan([batch])
         if self._micro_steps == 0 and G > 1 and self._host16_possible():
             self._enable_host16()
@@ -375,7 +375,7 @@ class DeepSpeedStyleAPI:
             self._announced = []        # announced forwards nobody called for: dropped
             applied = self._finish_step()
             self._micro_steps = 0
-            self._end_step(self._ds_t0, self._ds_busy0, applied)
+            self._end_step(self._ds_t0, self._ds_worker0, applied)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward

@@ -51,7 +51,7 @@ from zerofit.engine.lifecycle import EngineLifecycle, EngineState
 from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine import split_adamw
-from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw, waiting
+from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw, wait_event, waiting
 from zerofit.engine.materialize import build_units, model_shape, param_table
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
@@ -1303,8 +1303,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         tier, key = self._tier, unit.index
 
         def stash():
-            with waiting("gradient"):       # [Note: the worker's waits]
-                done.synchronize()
+            wait_event(done)       # [Note: the worker's waits]
             for c, (a, k) in enumerate(tier.chunks(key)):
                 with waiting("disk"):
                     f = tier.acquire(key, c, write_only=("grad",))
@@ -1341,8 +1340,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _task_add(self, host: torch.Tensor, staging: torch.Tensor, event):
         def run():
-            with waiting("gradient"):       # [Note: the worker's waits]
-                event.synchronize()
+            wait_event(event)       # [Note: the worker's waits]
             host.add_(staging.narrow(0, 0, host.numel()))
             self._give_staging(staging)
         return run
@@ -1400,8 +1398,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         pass only, the caller queues the second (_task_moments); with ``cast16`` too, that first pass writes the
         cast alone ([Note: the master behind its cast])."""
         def run():
-            with waiting("gradient"):       # [Note: the worker's waits]
-                event.synchronize()
+            wait_event(event)       # [Note: the worker's waits]
             g = grad.narrow(0, 0, unit.hi - unit.lo) if grad is not None else None
             if split and cast16 is not None:
                 self._apply(unit, g, [(hypers, factor, False)], part="cast")
@@ -1445,8 +1442,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         """[Note: speculative updates]: update with factor 1 unless the partial norm already proves clipping.
         The unit stays not ``updated`` until its settle task has run: only that one decides what the master is."""
         def run():
-            with waiting("gradient"):       # [Note: the worker's waits]
-                event.synchronize()
+            wait_event(event)       # [Note: the worker's waits]
             if spec.admit(float(self._block_sq[unit.index])):
                 self._apply(unit, self._host_grads.get(id(unit)), [(hypers, 1.0, False)])
                 spec.speculated.add(id(unit))
@@ -1458,8 +1454,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         block the worker did not speculate on) apply the deferred update. Runs after the block's
         speculation task (same priority, submitted later)."""
         def run():
-            with waiting("gradient"):       # [Note: the worker's waits]
-                event.synchronize()
+            wait_event(event)       # [Note: the worker's waits]
             grad = self._host_grads.get(id(unit))      # None: on the disk ([Note: gradients on the disk])
             held = id(unit) in spec.speculated
             ops = [(hypers, 1.0, True)] if held and factor != 1.0 else []
@@ -1680,7 +1675,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     def _train_batch(self, micro_batches: list[dict]) -> float:
         self._ensure_plan(micro_batches)
         self._begin_speculation()
-        t0, busy0 = self._start_clock()
+        t0, worker0 = self._start_clock()
         G = len(micro_batches) * self.ranks.world    # the gradient is the mean over every rank's micro-batches
         scale = self.scaler.scale if self.scaler else 1.0
         plan = getattr(self, "batch_plan", self.plan)
@@ -1707,7 +1702,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             mean = self.ranks.all_reduce(mean.reshape(1)).reshape(()) / self.ranks.world
         applied = self._finish_step()
         loss_value = mean.item()              # the step's one device sync
-        self._end_step(t0, busy0, applied)
+        self._end_step(t0, worker0, applied)
         return loss_value
 
     def _start_clock(self) -> tuple[float, tuple[float, float]]:
@@ -1719,13 +1714,13 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._origin = self.dev.mark()
         return time.perf_counter(), (self.worker.busy_seconds, self.worker.wait_seconds)
 
-    def _end_step(self, t0: float, busy0: tuple[float, float], applied: bool) -> None:
+    def _end_step(self, t0: float, worker0: tuple[float, float], applied: bool) -> None:
         if applied:
             self.global_step += 1
         self.dev.synchronize()
         tl, intervals = self.dev.drain_intervals()
-        tl["optimizer"] = self.worker.busy_seconds - busy0[0]       # [Note: the worker's waits]
-        tl["optimizer_wait"] = self.worker.wait_seconds - busy0[1]
+        tl["optimizer"] = self.worker.busy_seconds - worker0[0]       # [Note: the worker's waits]
+        tl["optimizer_wait"] = self.worker.wait_seconds - worker0[1]
         tl["wait"] = self._timeline.get("wait", 0.0)
         tl["step"] = time.perf_counter() - t0
         for k in ("compute", "upload", "download"):

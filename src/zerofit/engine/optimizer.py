@@ -156,6 +156,13 @@ def waiting(what: str):
             worker._task_waits.append((what, t, time.perf_counter()))
 
 
+def wait_event(event, what: str = "gradient") -> None:
+    """``event.synchronize()`` inside a worker task, counted as its wait for ``what`` ([Note: the worker's
+    waits]): a device event, that of the download of the task's gradient."""
+    with waiting(what):
+        event.synchronize()
+
+
 class HostWorker:
     """One thread that runs host-side tasks (AdamW updates, gradient adds) by priority, then in submission order
     ([Note: ready tasks first] for the tasks that may run ahead).

@@ -45,10 +45,16 @@ def _named_units(engine):
     return [(u, "" if u.index < 0 else engine.adapter.block_prefix(u.index) + ".") for u in engine.units]
 
 
-def weight_entries(engine, dtype: torch.dtype = torch.float32) -> list[Entry]:
-    """The fp32 master weights, one entry per canonical parameter, pointing into the units' buffers."""
-    return [Entry(p + n, tuple(s), dtype, u.master, o)
-            for u, p in _named_units(engine) for n, s, o in zip(u.layout.names, u.layout.shapes, u.layout.offsets)]
+def weight_entries(engine, dtype: torch.dtype = torch.float32, frozen: bool = True) -> list[Entry]:
+    """The fp32 master weights, one entry per canonical parameter, pointing into the units' buffers; with
+    ``frozen`` the frozen parameters' weights too, after each unit's trained ones ([Note: frozen parameters],
+    engine/store.py)."""
+    out = []
+    for u, p in _named_units(engine):
+        parts = [(u.layout, u.master)] + ([(u.frozen, u.frozen_host)] if frozen and u.frozen is not None else [])
+        out += [Entry(p + n, tuple(s), dtype, base, o)
+                for layout, base in parts for n, s, o in zip(layout.names, layout.shapes, layout.offsets)]
+    return out
 
 
 def optimizer_entries(engine) -> list[Entry]:
@@ -69,8 +75,11 @@ def _refuse_mid_step(engine, action: str) -> None:
 
 
 def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dict | None = None,
-         save_latest: bool = True, max_shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 4) -> Path:
-    """Write the engine's whole training state as ``save_dir/<tag>`` (see docs/checkpoints.md)."""
+         save_latest: bool = True, max_shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 4,
+         exclude_frozen: bool = False) -> Path:
+    """Write the engine's whole training state as ``save_dir/<tag>`` (see docs/checkpoints.md); with
+    ``exclude_frozen`` (DeepSpeed's ``exclude_frozen_parameters``) without the frozen parameters' weights,
+    which the model the checkpoint is loaded into then supplies."""
     _refuse_mid_step(engine, "save a checkpoint")
     tag = tag if tag is not None else f"global_step{engine.global_step}"
     engine.wait()
@@ -81,8 +90,9 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     hf = model_side_files(model, getattr(engine, "source_dir", None), torch.float32)
     side = [SideFile(CLIENT_STATE, buf.getvalue()),
             SideFile(ZEROFIT_CONFIG, json.dumps(engine.config.model_dump(mode="json"), indent=2).encode())] + hf
-    weights = weight_entries(engine)
+    weights = weight_entries(engine, frozen=not exclude_frozen)
     state = {
+        "frozen_excluded": bool(exclude_frozen and engine.frozen),
         "global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
         "unit_steps": {u.name: int(u.step.item()) for u in engine.units},
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
@@ -131,14 +141,17 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
     files = {ix: shard_files(folder, record, ix) for ix in indexes}
     side = [n for n in (CLIENT_STATE, ZEROFIT_CONFIG) if record.file(n) is not None]
     verify(folder, record, [f for ix in indexes for f in [ix, *files[ix]]] + side, workers)
-    expected_w = {p + n: (tuple(s), torch.float32) for u, p in _named_units(engine)
-                  for n, s in zip(u.layout.names, u.layout.shapes)}
+    trained = {p + n: (tuple(s), torch.float32) for u, p in _named_units(engine)
+               for n, s in zip(u.layout.names, u.layout.shapes)}
+    with_frozen = not st.get("frozen_excluded", False)     # save_checkpoint(exclude_frozen_parameters=True)
+    entries = weight_entries(engine, frozen=with_frozen)
+    expected_w = {e.name: (e.shape, torch.float32) for e in entries}
     found = locate(folder, files[WEIGHTS_INDEX], WEIGHTS_INDEX)
     match(found, expected_w, folder, "weight")
-    targets = {e.name: e.base[e.offset:e.offset + e.numel] for e in weight_entries(engine)}
+    targets = {e.name: e.base[e.offset:e.offset + e.numel] for e in entries}
     if load_optimizer_states:
         opt = locate(folder, files[OPTIMIZER_INDEX], OPTIMIZER_INDEX)
-        match(opt, {f"{n}.{m}": v for n, v in expected_w.items() for m in MOMENTS}, folder, "optimizer")
+        match(opt, {f"{n}.{m}": v for n, v in trained.items() for m in MOMENTS}, folder, "optimizer")
         targets.update({e.name: e.base[e.offset:e.offset + e.numel] for e in optimizer_entries(engine)})
         found = {**found, **opt}
         units = {u.name for u in engine.units}
@@ -185,7 +198,8 @@ def refresh_after_load(engine) -> None:
     - a host-optimized resident shell is marked ``dirty``: the next forward uploads it (``_refresh_shell``);
       any other resident host-optimized unit is re-cast at once;
     - streamed units drop their device slot (state ON_HOST, the slot's tenant None): the next forward
-      uploads them from ``master`` (16-bit host copies are dropped);
+      uploads them from ``master`` (16-bit host copies are dropped); a resident unit's frozen weights are
+      re-cast from ``frozen_host``;
     - gradient state restarts: ``grad_fresh`` and ``host_grad_fresh`` true (the next write copies),
       resident gradients zeroed, partial squared norms dropped, no pending assisted update;
     - units on the disk tier: the load wrote their state through the swap file's mapping; a master kept
@@ -205,6 +219,8 @@ def refresh_after_load(engine) -> None:
                 u.dirty = True
             else:
                 u.dev16.copy_(u.master)
+        if u.frozen_dev is not None and u.frozen_dev is not u.frozen_host:    # [Note: frozen parameters]
+            u.frozen_dev.copy_(u.frozen_host)
         if u.home is Home.STREAMED:
             u.state, u.slot, u.ready_event = WeightState.ON_HOST, None, None
         if u.home is Home.RESIDENT and u.grad is not None:

@@ -28,7 +28,7 @@ import torch
 from zerofit.deepspeed import zero
 from zerofit.deepspeed.arguments import (add_config_arguments, check_single_process, client_optimizer,
                                          dataloader_drop_last, groups_from_model_parameters, raw_config,
-                                         refuse_client_scheduler, refuse_frozen, resolve_config)
+                                         refuse_client_scheduler, resolve_config)
 from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported, GroupSettings, UnsupportedAttribute
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedUnsupported",
@@ -72,7 +72,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         init_distributed()
     config = resolve_config(args, config, config_params)
     raw = raw_config(config)
-    refuse_frozen(model)
 
     groups = None
     if optimizer is not None:

@@ -5,10 +5,10 @@ What maps exactly is accepted; what would change the training silently is refuse
 
 * the config: ``config`` (a path or a dict), else ``config_params``, else ``args.deepspeed_config`` (or the
   deprecated ``args.deepscale_config``); two of them at once is an error, as in DeepSpeed;
-* ``model_parameters``: an iterable of parameters must cover every parameter of the model (zerofit trains
-  them all; DeepSpeed would leave the others untouched); a list of dicts becomes torch-format parameter
+* ``model_parameters``: the parameters to train (as DeepSpeed, the others, and those with
+  ``requires_grad=False``, are left untouched: frozen); a list of dicts becomes torch-format parameter
   groups (``params`` as canonical parameter names, and the group's own ``lr``, ``weight_decay``, ``betas``,
-  ``eps``), covering every parameter too;
+  ``eps``);
 * a client ``optimizer``: a ``torch.optim.AdamW``, or a ``torch.optim.Adam`` whose weight decay is decoupled
   or zero (then it is AdamW's math), or a callable that returns one of them from the model parameters (as
   DeepSpeed calls it). Its hyperparameters replace the config's optimizer block, its param_groups become
@@ -101,33 +101,21 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def refuse_frozen(model: nn.Module) -> None:
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise DeepSpeedUnsupported(
-            f"parameters with requires_grad=False ({_names(frozen)}): zerofit trains every parameter of the model "
-            "(its AdamW and weight decay would change them, where DeepSpeed leaves them untouched); freezing is "
-            "not available yet. Set requires_grad=True, or leave those parameters out of the model")
-
-
 def _names(names: list[str], limit: int = 4) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _covering(model: nn.Module, found: list[str], where: str) -> None:
-    """Every parameter of the model once among ``found`` (canonical names)."""
+def _covering(model: nn.Module, found: list[str], where: str) -> bool:
+    """Whether ``found`` (canonical names, each once) holds every parameter of the model that requires a
+    gradient. The others are not trained (frozen), as DeepSpeed's optimizer leaves them ([Note: frozen
+    parameters], engine/store.py)."""
     seen, twice = set(), []
     for n in found:
         (twice.append(n) if n in seen else seen.add(n))
     if twice:
         raise ValueError(f"{where} names {_names(twice)} more than once")
-    missing = [n for n, _ in model.named_parameters() if n not in seen]
-    if missing:
-        raise DeepSpeedUnsupported(
-            f"{where} leaves out {_names(missing)}: DeepSpeed would not update those, and zerofit trains every "
-            "parameter of the model (freezing is not available yet); pass model.parameters(), or groups that "
-            "together hold every parameter")
+    return all(n in seen for n, p in model.named_parameters() if p.requires_grad)
 
 
 def _name_of(p, ids: dict[int, str], model: nn.Module, where: str) -> str:
@@ -164,8 +152,10 @@ def groups_from_model_parameters(model: nn.Module, model_parameters) -> list[dic
         return groups
     if any(isinstance(g, Mapping) for g in items):
         raise ValueError("model_parameters mixes parameter groups (dicts) and parameters; pass one kind")
-    _covering(model, [_name_of(p, ids, model, "model_parameters") for p in items], "model_parameters")
-    return None
+    names = [_name_of(p, ids, model, "model_parameters") for p in items]
+    if _covering(model, names, "model_parameters"):
+        return None
+    return [{"params": names}]      # the parameters left out are frozen
 
 
 def _group_hypers(g: Mapping, where: str, *, decoupled_default: bool = True) -> dict[str, Any]:
@@ -218,9 +208,9 @@ def client_optimizer(optimizer, model: nn.Module, model_parameters) -> tuple[dic
         where = f"{kind}.param_groups[{i}]"
         hypers = _group_hypers(g, where, decoupled_default=decoupled)
         groups.append({"params": [_name_of(p, ids, model, where) for p in g["params"]], **hypers})
-    _covering(model, [n for g in groups for n in g["params"]], f"optimizer ({kind})")
+    covers = _covering(model, [n for g in groups for n in g["params"]], f"optimizer ({kind})")
     first = {k: groups[0][k] for k in _HYPERS}
-    if len(groups) == 1:
+    if len(groups) == 1 and covers:
         return first, None
     return first, groups
 

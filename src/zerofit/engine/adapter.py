@@ -121,7 +121,11 @@ class Adapter:
             raise ValueError("adapter='blocks' but no list of repeated blocks holding most parameters was found")
         self.blocks_path, self.blocks = found if found else ("", nn.ModuleList())
         params = inspect.signature(model.forward).parameters
-        self._accepts_use_cache = "use_cache" in params
+        # a model that caches keys and values would hand its blocks a cache the recomputed backward reads (and
+        # appends to) again: turn it off, also through a wrapper's **kwargs (PEFT's PeftModelForCausalLM)
+        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self._accepts_use_cache = "use_cache" in params or (
+            takes_kwargs and hasattr(getattr(model, "config", None), "use_cache"))
         self.has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
             isinstance(v, float) and v > 0 and "dropout" in k
             for k, v in getattr(getattr(model, "config", None), "to_dict", dict)().items())

@@ -251,6 +251,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         # [Note: parameter groups] (groups.py): refused here, before anything is allocated
         self.param_groups = resolve_groups(param_groups, self._table, config.optimizer)
         self._group_of = {n: i for i, g in enumerate(self.param_groups) for n in g.names}
+        # [Note: frozen parameters] (store.py): what no group trains (requires_grad=False, or in no group)
+        self.frozen = frozenset(self._table.canonical) - set(self._group_of)
         # the global gradient norm is needed for clipping and for fp16's overflow check; either one
         # makes every host update wait for it (deferred updates)
         self._needs_norm = config.gradient_clipping > 0 or config.precision == "fp16"
@@ -386,7 +388,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         ranks = self.ranks
         self.units, arenas = build_units(self._model, self.adapter, self._table, plan, self.dev.device, cb, pinned,
                                          source=self._source, group_of=self._group_of, tier=self._tier, ranks=ranks,
-                                         on_device_unit=self._share_device_unit if ranks.many else None)
+                                         on_device_unit=self._share_device_unit if ranks.many else None,
+                                         frozen=self.frozen)
         self._source = None   # the files are read: keep only their folder (source_dir)
         self._arenas.extend(arenas)
         self.shell, self.blocks = self.units[0], self.units[1:]     # each unit's shard [lo, hi): build_units
@@ -394,9 +397,11 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._share_units()
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         cap = max((ranks.padded(u.numel) for u in streamed), default=0)
+        wcap = max((u.frozen_at + u.frozen_numel if u.frozen else ranks.padded(u.numel) for u in streamed),
+                   default=0)   # a weight slot holds the frozen weights too, after the trained ones
         # [Note: sharded units]: a gradient slot also holds the reduce-scattered shard, after the padded gradient
         gcap = cap + (max((ranks.shard_size(u.numel) for u in streamed), default=0) if ranks.many else 0)
-        self.weight_pool = SlotPool(self.dev, plan.weight_slots, cap, cb) if streamed else None
+        self.weight_pool = SlotPool(self.dev, plan.weight_slots, wcap, cb) if streamed else None
         self.grad_pool = SlotPool(self.dev, plan.grad_slots, gcap, torch.float32) if streamed else None
         uploaded = streamed + ([self.shell] if self._shell_host_opt else [])
         ucap = plan.stage_numel or max((u.numel for u in (streamed or uploaded)), default=0)
@@ -519,6 +524,11 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         plan = self.plan
         if not plan.disk_blocks:
             return None
+        if self.frozen:
+            raise ValueError(f"the NVMe tier cannot hold a model with frozen parameters yet ({len(self.frozen)} "
+                             "tensors have requires_grad=False or are in no parameter group): give the host budget "
+                             "room for the plan (max_host_memory), or offload the optimizer to 'cpu' instead of "
+                             "'nvme'")
         off = self.config.offload
         grad = ("grad",) if self.deferred else ()    # [Note: gradients on the disk]
         regions, nbytes = disk_layout([(i, self._shape.block_numels[i], _DISK_FIELDS[m] + grad)
@@ -614,9 +624,11 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self.dev.wait(self.dev.upload, slot.free_event)       # [Note: slot reuse]
             self.dev.wait(self.dev.upload, slot.read_event)
             slot.read_event = self._upload(unit, dst)
-            if self.ranks.many:      # [Note: sharded units]: the rank uploaded its shard; the GPUs share the rest
+            if self.ranks.many and unit.numel:   # [Note: sharded units]: the rank uploaded its shard; the GPUs share the rest
                 with self.dev.timed("upload", self.dev.upload, f"{unit.name}(gather)"):
                     self.ranks.gather(slot.tensor, unit.numel)
+            if unit.frozen is not None:          # [Note: frozen parameters]: after the trained weights, whole
+                self._upload_frozen(unit, slot.tensor[unit.frozen_at:unit.frozen_at + unit.frozen_numel])
             unit.ready_event = self.dev.record(self.dev.upload)
         slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
         return True
@@ -664,6 +676,21 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             unit.host16_event = self.dev.record(self.dev.download)
         unit.host16_epoch = self._host16_epoch
         return unit.host16_event
+
+    def _upload_frozen(self, unit: Unit, dst: torch.Tensor) -> None:
+        """The unit's frozen weights (fp32 host) into ``dst`` (compute dtype) on the upload stream: in place, or
+        through the upload stage in pieces as _upload does ([Note: frozen parameters], store.py)."""
+        src = unit.frozen_host
+        with self.dev.timed("upload", self.dev.upload, f"{unit.name}(frozen)"):
+            if dst.dtype == src.dtype:
+                dst.copy_(src, non_blocking=True)
+                return
+            cap = self._upload_stage.numel()
+            for a in range(0, src.numel(), cap):
+                k = min(cap, src.numel() - a)
+                stage = self._upload_stage[:k]
+                stage.copy_(src[a:a + k], non_blocking=True)
+                dst[a:a + k].copy_(stage)
 
     def _host16_valid(self, unit: Unit) -> bool:
         """Whether ``unit.host16`` holds the weights the master holds now ([Note: 16-bit copies for extra
@@ -861,10 +888,12 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         return lambda kw: functional_call(self._model, params, (), kw, strict=False)
 
     def _leaves(self, unit: Unit, grad: bool) -> dict[str, torch.Tensor]:
+        """The unit's device tensors by name for ``functional_call``; with ``grad``, its trained weights as leaves
+        that take a gradient (frozen ones never do: [Note: frozen parameters])."""
         views = unit.layout.views(unit.device_weights())
         if grad:
             views = {k: v.detach().requires_grad_(True) for k, v in views.items()}
-        return {**views, **unit.buffers}
+        return {**views, **unit.frozen_weights(), **unit.buffers}
 
     def _block(self, unit: Unit, leaves: dict, x: torch.Tensor, call) -> torch.Tensor:
         module = self.adapter.blocks[unit.index]
@@ -1156,9 +1185,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._unit_grads_done(unit)
         names = list(self.shell.layout.names)
         for micro in micros:   # backward of the pre pass into the shell's gradient
-            with self.dev.timed("compute", label="pre"):
-                backward_into(micro.pre.hidden, [], [micro.shell_leaves[n] for n in names],
-                              lambda g: self._accumulate(self.shell, self.shell.grad, g, names), micro.grad)
+            if names and micro.pre.hidden.requires_grad:     # else nothing before block 0 trains
+                with self.dev.timed("compute", label="pre"):
+                    backward_into(micro.pre.hidden, [], [micro.shell_leaves[n] for n in names],
+                                  lambda g: self._accumulate(self.shell, self.shell.grad, g, names), micro.grad)
             micro.grad = None
 
     def _block_backward(self, unit: Unit, micro: _Micro, names: list[str], gdst: torch.Tensor) -> None:
@@ -1178,7 +1208,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         micro.ckpts[unit.index] = None
 
     def _grad_buffer(self, unit: Unit) -> torch.Tensor:
-        if unit.home is Home.RESIDENT:
+        if unit.home is Home.RESIDENT or not unit.trains:    # a unit that trains nothing has an empty one
             return unit.grad
         slot = self.grad_pool.take()
         self.dev.wait(self.dev.compute, slot.free_event)          # [Note: slot reuse]
@@ -1189,6 +1219,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _unit_grads_done(self, unit: Unit) -> None:
         """A streamed unit's gradient for this micro-step is complete on the device: send it to the host."""
+        if not unit.trains:       # [Note: frozen parameters]: no gradient, no update
+            return
         if unit.shard_state and unit.home is Home.STREAMED:
             self._keep_grad_shard(unit)
             return
@@ -1527,8 +1559,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         # this step's updates are the ones valid now ([Note: 16-bit copies after the update])
         self._host16_next = ("after", self._host16_epoch)
         self._host16_epoch += 1
-        device_units = [u for u in self.units if u.optimizer_on_device]
-        host_units = [u for u in self.units if not u.optimizer_on_device]
+        device_units = [u for u in self.units if u.optimizer_on_device and u.trains]
+        host_units = [u for u in self.units if not u.optimizer_on_device and u.trains]
         # the shell's gradient is complete only now: send it down if its optimizer is on the host
         shell_assisted = self._assist is not None and self.plan.assisted_shell
         if self._shell_host_opt and not self.shell.grad_fresh:
@@ -1787,7 +1819,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         return self.dev.device
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights by parameter name (host copies)."""
+        """fp32 master weights by parameter name (host copies); frozen parameters as they are."""
         self._check_open()
         with self._call(discard_step=False):
             self._apply_pending()
@@ -1795,7 +1827,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             with self._full_state(write_back=False):      # [Note: sharded device state]
                 for u in self.units:
                     prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
-                    for n, v in u.layout.views(u.master).items():
+                    views = u.layout.views(u.master)
+                    if u.frozen is not None:               # [Note: frozen parameters]: as they were
+                        views.update(u.frozen.views(u.frozen_host))
+                    for n, v in views.items():
                         out[prefix + n] = v.detach().to("cpu", copy=True)
         return out
 
@@ -1805,10 +1840,11 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                         exclude_frozen_parameters=False) -> str:
         """DeepSpeed's save_checkpoint: the whole training state in ``save_dir/<tag>`` (default
         ``global_step{N}``), written atomically, then ``latest`` names it. Returns the folder.
-        ``exclude_frozen_parameters`` changes nothing: zerofit trains every parameter."""
+        ``exclude_frozen_parameters``: leave out the weights of the frozen parameters (DeepSpeed's meaning)."""
         from zerofit.checkpoint.state import save
 
-        return str(self._on_rank0(lambda: save(self, save_dir, tag, client_state, save_latest)))
+        return str(self._on_rank0(lambda: save(self, save_dir, tag, client_state, save_latest,
+                                               exclude_frozen=exclude_frozen_parameters)))
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):

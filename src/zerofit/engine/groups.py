@@ -9,10 +9,12 @@ groups a user would give ``torch.optim.AdamW`` (the Hugging Face Trainer's decay
 ``name`` and keys starting with ``_`` are ignored; any other key (``amsgrad``, ``maximize``, ``foreach``...)
 is refused, as zerofit does not implement it. A plain list of parameters is one group.
 
-zerofit trains every parameter of the model, so every parameter must be in exactly one group (a tied
-weight counts once, under any of its names): a parameter in none, or in two, is refused, naming it, before
-anything is allocated. The groups are resolved to canonical names (ParamTable) here, while the model's own
-parameters still exist: materialization then replaces them with views of the units' buffers.
+A parameter is trained when it requires a gradient and is in a group, as with ``torch.optim``: one with
+``requires_grad=False`` (listed or not) gets no gradient, and one in no group is never stepped; both are
+*frozen* ([Note: frozen parameters], store.py). A parameter in two groups is refused (a tied weight counts
+once, under any of its names), naming it, before anything is allocated; so is a model with nothing left to
+train. The groups are resolved to canonical names (ParamTable) here, while the model's own parameters still
+exist: materialization then replaces them with views of the units' buffers.
 
 Each unit places its parameters group by group ([Note: segments per unit], store.py) and runs AdamW per
 segment with its group's hyperparameters (optimizer.unit_adamw). The learning-rate schedule scales every
@@ -23,6 +25,7 @@ with ``make_lambda`` (engine._hyper).
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,7 @@ from pydantic import ValidationError
 
 from zerofit.config.schema import ConfigError, OptimizerConfig, config_error_from, show
 
+log = logging.getLogger("zerofit")
 GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps")
 _SHOWN = 8    # parameter names shown in an error before "and N more"
 
@@ -53,13 +57,23 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:_SHOWN]) + more
 
 
-def resolve_groups(groups, table, optimizer: OptimizerConfig) -> tuple[ParamGroup, ...]:
-    """``groups`` (torch's format, or None) as :class:`ParamGroup` s over ``table``'s canonical names.
+def trainable(table) -> list[str]:
+    """The canonical names of the parameters that require a gradient, in model order."""
+    return [n for n, p in table.canonical.items() if p.requires_grad]
 
-    None: one group of every parameter with the config's values. Raises :class:`ConfigError` (field
-    ``param_groups...``) for an unknown key, a bad value, a parameter not of this model, a parameter in two
-    groups or one in none."""
-    canonical = list(table.canonical)
+
+def resolve_groups(groups, table, optimizer: OptimizerConfig) -> tuple[ParamGroup, ...]:
+    """``groups`` (torch's format, or None) as :class:`ParamGroup` s over ``table``'s canonical names of the
+    parameters that are trained (see [Note: parameter groups]).
+
+    None: one group of every parameter that requires a gradient, with the config's values. Raises
+    :class:`ConfigError` (field ``param_groups...``) for an unknown key, a bad value, a parameter not of this
+    model, a parameter in two groups, or nothing to train."""
+    canonical = trainable(table)
+    if not canonical:
+        raise ConfigError("parameters", "at least one parameter to train (requires_grad=True)",
+                          f"all {len(table.canonical)} parameters of the model have requires_grad=False",
+                          "unfreeze the parameters to train (p.requires_grad_(True)) before zerofit.initialize")
     if groups is None:
         return (ParamGroup(tuple(canonical), optimizer),)
     if isinstance(groups, (dict, str, torch.Tensor)) or not hasattr(groups, "__iter__"):
@@ -100,17 +114,19 @@ def resolve_groups(groups, table, optimizer: OptimizerConfig) -> tuple[ParamGrou
                 twice.setdefault(name, [owner[name]]).append(i)
             else:
                 owner[name] = i
-        resolved.append(ParamGroup(tuple(n for n in canonical if n in mine), opt))
+        resolved.append(ParamGroup(tuple(n for n in canonical if n in mine), opt))   # frozen ones left out
     if twice:
         shown = [f"{n} (groups {', '.join(map(str, gs))})" for n, gs in twice.items()]
         raise ConfigError("param_groups", "every parameter in exactly one group", f"{len(twice)} in more than one: "
                           f"{_names(shown)}", "a tied weight counts once, whichever of its names lists it")
     missing = [n for n in canonical if n not in owner]
+    if len(missing) == len(canonical):
+        raise ConfigError("param_groups", "at least one parameter that requires a gradient in a group",
+                          "none: every group is empty or holds only parameters with requires_grad=False")
     if missing:
-        raise ConfigError("param_groups", "every parameter of the model in one group: zerofit trains every "
-                          "parameter of the model", f"{len(missing)} in no group: {_names(missing)}",
-                          "add them to a group (for example one with 'weight_decay': 0.0)")
-    return tuple(resolved)
+        log.warning("zerofit: %d parameters that require a gradient are in no parameter group: they are not trained "
+                    "(frozen), as torch.optim leaves them: %s", len(missing), _names(missing))
+    return tuple(resolved)      # a group left with no trained parameter stays, so group indices keep their meaning
 
 
 def _param_list(params, where: str) -> list:

@@ -78,7 +78,7 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelS
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
                 compute_dtype: torch.dtype, pinned: bool, source=None,
                 group_of: dict[str, int] | None = None, tier=None, ranks=None,
-                on_device_unit=None) -> tuple[list[Unit], list[HostArena]]:
+                on_device_unit=None, frozen: frozenset = frozenset()) -> tuple[list[Unit], list[HostArena]]:
     """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them.
 
     ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model.
@@ -87,7 +87,9 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     ``ranks`` with several ranks: the host state is in arenas the host's ranks share, written by local rank 0
     only (the others' values, maybe initialized differently, never reach it); [Note: sharded units], ranks.py.
     ``on_device_unit(unit)``: called as soon as a device-optimized unit is built (the engine broadcasts and
-    shards it there, so that one unit's whole state at most exists at a time)."""
+    shards it there, so that one unit's whole state at most exists at a time).
+    ``frozen``: canonical names of the parameters that are not trained; each unit keeps them apart, in its
+    ``frozen`` layout and ``frozen_host`` buffer ([Note: frozen parameters], store.py)."""
     canon = table.canonical
     meta = any(p.is_meta for p in canon.values())
     init_device = dev if meta else None
@@ -102,7 +104,9 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     # into the compute dtype: the CPU's only work per step is the AdamW update, no 16-bit copy-out.
     # The PCIe bytes double (4 B/param each way up), which the measured budget affords; the CPU was
     # the binding resource (design/ENGINE.md). The module's parameters are fp32 views of the same.
-    sizes = [sum(canon[n].numel() for n in names) for names in table.unit_names]
+    trained = [[n for n in names if n not in frozen] for names in table.unit_names]
+    still = [[n for n in names if n in frozen] for names in table.unit_names]
+    sizes = [sum(canon[n].numel() for n in names) for names in trained]
     disk_of = {i + 1: m for i, m in plan.disk_of.items()}     # unit index -> "moments" | "all"
     need = sum(n for i, (n, on_dev) in enumerate(zip(sizes, opt_on_dev)) if not on_dev and disk_of.get(i) != "all")
     need16 = sum(sizes[i] for i, m in disk_of.items() if m == "all")
@@ -118,15 +122,21 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     else:
         need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
     arena = HostArena(need, torch.float32, pinned, ranks) if need else None
+    need_f = sum(canon[n].numel() for names in still for n in names)
+    arena_f = HostArena(need_f, torch.float32, pinned, ranks) if need_f else None   # shared by the host's ranks
     units: list[Unit] = []
-    for idx, names in enumerate(table.unit_names):
+    for idx, (all_names, names, frozen_names) in enumerate(zip(table.unit_names, trained, still)):
         layout = FlatLayout.of([(n, canon[n].shape) for n in names],
                                [group_of[n] for n in names] if group_of is not None else None)
+        flayout = FlatLayout.of([(n, canon[n].shape) for n in frozen_names]) if frozen_names else None
+        fhost = arena_f.take(flayout.numel) if flayout is not None else None     # (frozen numel,) fp32, host
         home, on_dev = homes[idx], opt_on_dev[idx]
         opt_dev = dev if on_dev else torch.device("cpu")
         prefix = "" if idx == 0 else adapter.block_prefix(idx - 1) + "."
         rel = dataclasses.replace(layout, names=tuple(n[len(prefix):] for n in layout.names))
         unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
+        if flayout is not None:
+            unit.frozen = dataclasses.replace(flayout, names=tuple(n[len(prefix):] for n in flayout.names))
         swap = disk_of.get(idx)
         if on_dev:
             master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
@@ -135,14 +145,19 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         else:
             master = arena.take(layout.numel)              # (numel,) fp32, pinned host: the upload source
         fill = writer or on_dev
+        frozen_fill = writer       # frozen weights live on the host only, in memory the host's ranks share
         if source is not None:
             _init_buffers(model, adapter, idx, init_device)
             if fill:
                 _read_unit(source, table, names, layout.views(master), fds)
+            if frozen_fill and flayout is not None:
+                _read_unit(source, table, frozen_names, flayout.views(fhost), fds)
         else:
-            values = _unit_values(model, adapter, idx, names, init_device)
+            values = dict(zip(all_names, _unit_values(model, adapter, idx, all_names, init_device)))
             if fill:
-                _fill(layout.views(master), names, values)
+                _fill(layout.views(master), names, [values[n] for n in names])
+            if frozen_fill and flayout is not None:
+                _fill(flayout.views(fhost), frozen_names, [values[n] for n in frozen_names])
             del values
         unit.master = master
         if swap:
@@ -170,13 +185,21 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
                 unit.dev16 = master.to(dev, compute_dtype)
         if home is Home.RESIDENT:
             unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
+        if flayout is not None:       # [Note: frozen parameters]
+            unit.frozen_host = fhost
+            if home is Home.RESIDENT:
+                unit.frozen_dev = fhost.to(dev, compute_dtype)
+            else:
+                unit.frozen_at = ranks.padded(layout.numel) if ranks is not None else layout.numel
         unit.updated = threading.Event()
         unit.updated.set()
         unit.moments_done = threading.Event()
         unit.moments_done.set()
         # the module's own parameters become views of the host weights (fp32, current after engine.wait())
         views = layout.views(unit.host)
-        for n in names:
+        if flayout is not None:
+            views.update(flayout.views(fhost))
+        for n in all_names:
             shared = nn.Parameter(views[n], requires_grad=canon[n].requires_grad)
             for alias in table.aliases[n]:
                 mod_path, _, leaf = alias.rpartition(".")
@@ -192,15 +215,14 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         os.close(fd)
     if tier is not None:
         tier.file.flush_mapping()       # the masters written through the mapping reach the disk, and leave memory
-    return units, [a for a in (arena, arena16) if a is not None]
+    return units, [a for a in (arena, arena16, arena_f) if a is not None]
 
 
 def rebind_params(model: nn.Module, adapter: Adapter, table: ParamTable, unit: Unit, host: torch.Tensor) -> None:
-    """Point the module's parameters of ``unit`` at views of ``host`` (fp32, the unit's flat layout)."""
-    names = table.unit_names[unit.index + 1]
+    """Point the module's trained parameters of ``unit`` at views of ``host`` (fp32, the unit's flat layout)."""
     prefix = "" if unit.index < 0 else adapter.block_prefix(unit.index) + "."
     views = unit.layout.views(host)
-    for n in names:
+    for n in (prefix + rel for rel in unit.layout.names):
         old = table.canonical[n]
         shared = nn.Parameter(views[n[len(prefix):]], requires_grad=old.requires_grad)
         for alias in table.aliases[n]:

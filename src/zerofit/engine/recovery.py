@@ -31,7 +31,7 @@ class StepRecovery:
         self._reset_transfers()
         spec, self._spec = self._spec, None
         if spec is not None:         # [Note: speculative updates]: undo what the worker updated early
-            self._settle(spec, [u for u in self.units if not u.optimizer_on_device], self._hyper(), None)
+            self._settle(spec, [u for u in self.units if not u.optimizer_on_device and u.trains], self._hyper(), None)
             self.worker.drain()
         self._pending = None
         self._micro_steps = 0
@@ -65,6 +65,7 @@ class StepRecovery:
         self._pending, self._micro_steps, self._held, self._announced, self._offered = None, 0, [], [], None
         for u in self.units:
             u.dev16 = u.grad = u.slot = u.grad_slot = u.ready_event = u.master_event = u.pending_update = None
+            u.frozen_dev = None
             u.buffers = {}
             if u.optimizer_on_device:
                 u.master = u.exp_avg = u.exp_avg_sq = u.step = None

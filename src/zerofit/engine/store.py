@@ -26,6 +26,18 @@ updates stream them through the tier's buffers ([Note: the swap file is also a m
 Host-optimized units upload ``master`` (pinned) and the device casts it: see
 [Note: fp32 uploads] in materialize.py.
 
+[Note: frozen parameters]
+A parameter that is not trained (``requires_grad=False``, or in no parameter group: groups.py) is *frozen*: it
+is part of its unit's weights but of none of its training state. A unit keeps its frozen parameters in a second
+layout, ``frozen``, with their own flat buffer ``frozen_host`` (fp32, host: the module's frozen parameters view
+it, and it is their upload source); ``layout`` and every buffer sized by it (``master``, the moments, ``grad``,
+the host gradients, staging, shards) hold the trained parameters only. So a frozen parameter has no optimizer
+state and no gradient buffer, nothing of it is downloaded or updated, and it stays bitwise as it was. On the
+device a resident unit holds ``frozen_dev`` (compute dtype) beside ``dev16``; a streamed unit's weight slot
+holds its frozen weights after the trained ones, at ``frozen_at``, uploaded with them. A unit may train nothing
+(``numel`` 0: a frozen block, a frozen shell): it is uploaded and computed as any other, and the backward passes
+gradients through it to its input only.
+
 [Note: slot reuse]
 A streamed unit borrows a device weight slot from the :class:`SlotPool` while
 it computes. Before an upload overwrites a slot, the upload stream waits on the
@@ -154,10 +166,23 @@ class Unit:
     hi: int = 0                              # units], ranks.py); one rank: [0, numel)
     shard_state: bool = False                # device-optimized on several ranks: master and moments hold only
                                              # [lo, hi) (dev16 and the host mirror stay whole)
+    frozen: FlatLayout | None = None         # its parameters that are not trained ([Note: frozen parameters])
+    frozen_host: torch.Tensor | None = None  # (frozen.numel,) fp32, host (pinned when streamed); module params view it
+    frozen_dev: torch.Tensor | None = None   # (frozen.numel,) compute dtype, device; RESIDENT only
+    frozen_at: int = 0                       # STREAMED: where the frozen weights start in a weight slot
 
     @property
     def numel(self) -> int:
         return self.layout.numel
+
+    @property
+    def frozen_numel(self) -> int:
+        return self.frozen.numel if self.frozen is not None else 0
+
+    @property
+    def trains(self) -> bool:
+        """Whether the unit has trained parameters (else it has no gradient and no update)."""
+        return self.layout.numel > 0
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -172,9 +197,14 @@ class Unit:
             raise RuntimeError(f"{self.name}: weights used while {self.state.name}")
         return self.slot.tensor[: self.numel]
 
-    def params(self) -> dict[str, torch.Tensor]:
-        """Parameter-name -> device tensor, for ``functional_call``."""
-        return {**self.layout.views(self.device_weights()), **self.buffers}
+    def frozen_weights(self) -> dict[str, torch.Tensor]:
+        """The frozen parameters' device tensors by name ([Note: frozen parameters]); valid as device_weights."""
+        if self.frozen is None:
+            return {}
+        if self.home is Home.RESIDENT:
+            return self.frozen.views(self.frozen_dev)
+        self.device_weights()      # raises unless ON_DEVICE
+        return self.frozen.views(self.slot.tensor[self.frozen_at:self.frozen_at + self.frozen.numel])
 
 
 @dataclass

@@ -284,12 +284,7 @@ def check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedArgumentError("Trainer(model=...)", type(model).__name__, "zerofit trains an nn.Module",
                                        "pass the model")
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise UnsupportedArgumentError(
-            "Trainer(model=...)", f"{len(frozen)} frozen parameters ({frozen[0]}, ...)", "zerofit trains every "
-            "parameter (adapters such as LoRA over a frozen model are not supported yet)",
-            "unfreeze them, or train the adapter model without zerofit")
+    # parameters with requires_grad=False stay as they are ([Note: frozen parameters], engine/store.py)
 
 
 # ------------------------------------------------------------------------------------------ the config

@@ -39,6 +39,9 @@ def run(spec: dict) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(spec.get("model_seed", 0))
     model = getattr(tm, spec.get("model", "llama"))()
+    for n, p in model.named_parameters():       # frozen parameters ([Note: frozen parameters])
+        if any(f in n for f in spec.get("freeze", ())):
+            p.requires_grad_(False)
     G = spec["G"]
     data = tm.batches(spec["steps_total"], G * world, seed=spec.get("data_seed", 1))[spec.get("first", 0):
                                                                                       spec.get("first", 0) + spec["steps"]]

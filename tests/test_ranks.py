@@ -85,12 +85,16 @@ def _cfg(**kw) -> dict:
     return base
 
 
-def _reference(world: int, steps: int, clip: float = 0.0, model: str = "llama"):
-    """Plain PyTorch on the global batch: per-step losses, final weights and AdamW's exp_avg by name."""
+def _reference(world: int, steps: int, clip: float = 0.0, model: str = "llama", freeze=()):
+    """Plain PyTorch on the global batch: per-step losses, final weights and AdamW's exp_avg by name (of the
+    parameters it trains: those whose names contain none of ``freeze``)."""
     torch.manual_seed(0)
     ref = getattr(tm, model)()
+    for n, p in ref.named_parameters():
+        if any(f in n for f in freeze):
+            p.requires_grad_(False)
     data = tm.batches(steps, G * world)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
     losses = []
     for mbs in data:
         opt.zero_grad()
@@ -104,7 +108,7 @@ def _reference(world: int, steps: int, clip: float = 0.0, model: str = "llama"):
         opt.step()
         losses.append(total / len(mbs))
     weights = {n: p.detach() for n, p in ref.named_parameters()}
-    moments = {n: opt.state[p]["exp_avg"] for n, p in ref.named_parameters()}
+    moments = {n: opt.state[p]["exp_avg"] for n, p in ref.named_parameters() if p.requires_grad}
     return losses, (weights, moments)
 
 
@@ -113,8 +117,10 @@ def _check(result, ref_losses, ref, rtol=1.3e-6, atol=1e-5):
     torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(ref_losses), rtol=rtol, atol=atol)
     for n, w in weights.items():
         torch.testing.assert_close(result["master"][n], w, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
-        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7,
-                                   msg=lambda m: f"{n}.exp_avg: {m}")
+        if n in moments:
+            torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{n}.exp_avg: {m}")
+    assert set(result["exp_avg"]) == set(moments), "optimizer state only for the trained parameters"
 
 
 def _ok(rcs, errs):
@@ -140,7 +146,8 @@ _PLACEMENTS = {
 
 
 _THREE = ["offload", "mixed", "no-offload", "full-shard", "clip"]   # one launch of 3 ranks runs these in turn
-_TWO = ["no-offload-replicated", "deepspeed-loop", "fp16"]   # and one of 2 ranks these
+_TWO = ["no-offload-replicated", "deepspeed-loop", "fp16", "frozen"]   # and one of 2 ranks these
+_FROZEN = ("embed_tokens", "layers.1.", "q_proj")
 
 
 def _run_spec(name: str) -> dict:
@@ -148,6 +155,8 @@ def _run_spec(name: str) -> dict:
         return {"steps": STEPS, "steps_total": STEPS, "config": _cfg(gradient_clipping=0.74, **_PLACEMENTS["mixed"])}
     if name == "deepspeed-loop":
         return {"steps": STEPS, "steps_total": STEPS, "api": "deepspeed", "config": _cfg(**_PLACEMENTS["mixed"])}
+    if name == "frozen":      # frozen parameters: the shell's embedding, a whole block, a projection of each
+        return {"steps": STEPS, "steps_total": STEPS, "freeze": list(_FROZEN), "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fp16":        # a loss scale that overflows at first
         return {"steps": 6, "steps_total": 6, "config": _fp16_cfg()}
     return {"steps": STEPS, "steps_total": STEPS, "config": _cfg(**_PLACEMENTS[name])}
@@ -194,6 +203,19 @@ def test_ranks_train_like_one_process(placement, launched):
         assert all(st["shared_mappings"] >= 1 for st in states)     # the host state is mapped, not copied
     if world == 3:
         assert any(numel % 3 for _, _, numel in shards[0].values()), "3 ranks should make uneven shards"
+
+
+def test_ranks_leave_frozen_parameters_as_one_process_does(launched):
+    """[Note: frozen parameters] on two ranks: the frozen weights (shared host memory, uploaded whole by each
+    rank) stay bitwise, the others train as plain PyTorch over the trained parameters."""
+    world, result = launched["frozen"]
+    ref_losses, ref = _reference(world, STEPS, freeze=_FROZEN)
+    _check(result, ref_losses, ref)
+    torch.manual_seed(0)
+    start = tm.llama()
+    for n, p in start.named_parameters():
+        if any(f in n for f in _FROZEN):
+            assert torch.equal(result["master"][n], p.detach()), n
 
 
 def test_ranks_clip_by_the_global_norm(launched):

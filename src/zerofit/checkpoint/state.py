@@ -94,7 +94,7 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     state = {
         "frozen_excluded": bool(exclude_frozen and engine.frozen),
         "global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
-        "unit_steps": {u.name: int(u.step.item()) for u in engine.units},
+        "unit_steps": {u.name: int(u.step.item()) for u in engine.units if u.trains},
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "rng": rng.capture(engine.dev.device if engine.dev.is_cuda else None),
         "precision": engine.config.precision, "model_class": type(model).__name__,
@@ -154,10 +154,7 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
         match(opt, {f"{n}.{m}": v for n, v in trained.items() for m in MOMENTS}, folder, "optimizer")
         targets.update({e.name: e.base[e.offset:e.offset + e.numel] for e in optimizer_entries(engine)})
         found = {**found, **opt}
-        units = {u.name for u in engine.units}
-        if set(st["unit_steps"]) != units:
-            raise CheckpointMismatchError(f"{folder}: optimizer step counts for units {sorted(st['unit_steps'])}, "
-                                          f"this engine has {sorted(units)}")
+        steps = unit_steps(engine, st["unit_steps"], folder)
     _check_scaler(engine, st.get("scaler"), folder)
     _warn_config_changes(engine, folder, st)
     client_state = torch.load(io.BytesIO((folder / CLIENT_STATE).read_bytes()), weights_only=False)
@@ -169,7 +166,8 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
             copy_into(folder, record, found, targets, workers)
         if load_optimizer_states:
             for u in engine.units:
-                u.step.fill_(float(st["unit_steps"][u.name]))
+                if u.trains:
+                    u.step.fill_(float(steps[u.name]))
         refresh_after_load(engine)
     except BaseException as e:
         # [Note: a failed load fails the engine]: its weights are partly from the checkpoint; the engine's
@@ -186,6 +184,22 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
         engine.scaler.load_state_dict(st["scaler"])
     rng.restore(st["rng"], engine.dev.device if engine.dev.is_cuda else None)
     return str(folder), client_state
+
+
+def unit_steps(engine, saved: dict[str, int], folder: Path) -> dict[str, int]:
+    """Each trained unit's AdamW step count from the checkpoint's. The units are the engine's cut of the model
+    (blocks, or the whole model as one unit on the generic path: [Note: generic fallback], engine/recovery.py);
+    when the checkpoint was cut otherwise, its parameters all took the same number of steps (every update steps
+    every trained parameter), and that number is every unit's."""
+    units = {u.name for u in engine.units if u.trains}
+    if set(saved) == units:
+        return dict(saved)
+    counts = set(saved.values())
+    if len(counts) != 1:
+        raise CheckpointMismatchError(f"{folder}: optimizer step counts for units {sorted(saved)} differ "
+                                      f"({sorted(counts)}), and this engine cuts the model into {sorted(units)}: load "
+                                      "it into an engine built as the one that saved it (the same adapter and model)")
+    return dict.fromkeys(units, counts.pop())
 
 
 def refresh_after_load(engine) -> None:

@@ -46,20 +46,34 @@ class DeepSpeedStyleAPI:
 
 
     def __call__(self, **batch):
-        """Forward one micro-batch; returns the model's output (with ``.loss``).
+        """Forward one micro-batch; returns the model's output as the model returns it.
 
-        Training (the module in train mode, autograd on): pair with backward(); one micro-batch in flight.
-        Evaluation (``engine.eval()``, or under ``torch.no_grad()``): the output only, nothing is kept, so
-        any number of forwards may follow each other (also in the middle of an accumulation)."""
+        [Note: a forward records for backward as autograd says]
+        As in DeepSpeed, whether a forward can be backpropagated follows ``torch.is_grad_enabled()``, and the
+        module's mode only says what the model's own code does with it (dropout): a model straight from
+        ``from_pretrained`` is in eval mode, and its ``engine(**batch)``, ``engine.backward(loss)`` trains
+        without dropout. With autograd on, a forward is kept for a backward(), one micro-batch in flight; one
+        that no backward() followed is dropped by the next forward or train_batch (DeepSpeed drops its graph),
+        its loss never counted. Under ``torch.no_grad()`` a forward keeps nothing, so any number of them may
+        follow each other, also in the middle of an accumulation."""
         self._check_open()
-        if not (torch.is_grad_enabled() and self._model.training):
+        if not torch.is_grad_enabled():
             return self._evaluate(batch)
-        if self._pending is not None:
-            raise RuntimeError("forward called twice without backward(); zerofit keeps one micro-batch in flight "
-                               "(for evaluation, call engine.eval() or run under torch.no_grad())")
         check_batch(batch, self._batch_spec)
+        self._drop_unused_forward()
         with self._call(discard_step=True):
             return self._with_fallback(lambda: self._forward_micro(batch))
+
+    def _drop_unused_forward(self) -> None:
+        """A forward that no backward() followed: dropped ([Note: a forward records for backward as autograd
+        says])."""
+        if self._pending is None:
+            return
+        log.debug("zerofit: a forward without backward() is dropped")
+        self._pending = None
+        if not self._micro_steps and not self._held:       # it opened the window: nothing of the window is left
+            self._return_kept()
+            self._announced = []
 
     forward = __call__
 
@@ -80,9 +94,10 @@ class DeepSpeedStyleAPI:
         the start of a window, in training mode; a no-op on the generic path (a model that does not stream) and
         with several ranks."""
         self._check_open()
-        if not (torch.is_grad_enabled() and self._model.training) or not batches:
-            raise RuntimeError("forward_window() announces training forwards: call it in training mode, with "
-                               "autograd on, and at least one micro-batch")
+        if not torch.is_grad_enabled() or not batches:
+            raise RuntimeError("forward_window() announces training forwards: call it with autograd on, and at "
+                               "least one micro-batch")
+        self._drop_unused_forward()
         if self._micro_steps or self._pending is not None or self._held or self._announced:
             raise RuntimeError("forward_window() is for the start of an accumulation window (after step() took the "
                                "optimizer step, before the window's first forward)")

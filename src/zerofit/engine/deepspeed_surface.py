@@ -170,6 +170,29 @@ def deepspeed_hint(name: str) -> str | None:
     return None
 
 
+def bind_inputs(model, inputs: tuple, batch: dict) -> dict:
+    """Positional arguments of a forward call as the keyword arguments of ``model.forward`` they bind to (the
+    engine passes its micro-batches by name): ``engine(x, y)`` of ``forward(self, x, y)`` is ``{"x": x, "y": y}``."""
+    import inspect
+
+    sig = inspect.signature(model.forward)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
+        raise TypeError(f"engine(...) got {len(inputs)} positional argument(s) for {type(model).__name__}.forward"
+                        f"{sig}, which takes *args: zerofit passes a micro-batch by name; call the engine with "
+                        "keyword arguments")
+    try:
+        bound = sig.bind_partial(*inputs, **batch)
+    except TypeError as e:
+        raise TypeError(f"engine(...): {e}, for {type(model).__name__}.forward{sig}") from None
+    out = {}
+    for name, value in bound.arguments.items():
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
 def refuse_attribute(owner: str, name: str, hint: str) -> UnsupportedAttribute:
     return UnsupportedAttribute(f"zerofit's DeepSpeed {owner} has no {name}: {hint}")
 
@@ -199,9 +222,10 @@ class DeepSpeedSurface:
     # ----------------------------------------------------------------- the micro-batch loop, DeepSpeed's arguments
 
     def __call__(self, *inputs, **batch):
+        """The model's forward on one micro-batch, with the model's own arguments (positional ones too, as
+        DeepSpeed passes them on: ``engine(x, y)``); returns what the model returns."""
         if inputs:
-            raise TypeError(f"engine(...) takes the micro-batch as keyword arguments, engine(**batch) (input_ids=..., "
-                            f"labels=..., attention_mask=...); got {len(inputs)} positional argument(s)")
+            batch = bind_inputs(self._model, inputs, batch)
         return super().__call__(**batch)
 
     def forward(self, *inputs, **batch):

@@ -1693,6 +1693,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         PyTorch gradient accumulation. Returns the mean loss (a float; one device sync).
         An error leaves the engine as [Note: failure semantics] (lifecycle.py) says."""
         self._check_open()
+        self._drop_unused_forward()
         if self._micro_steps or self._pending is not None or self._announced:
             raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation "
                                "(a forward without backward(), or micro-batches without step()); finish it first")

@@ -121,15 +121,17 @@ class StepRecovery:
     # Whether a model chains its blocks output-to-input shows only when its forward runs (the pre and post
     # passes check it, see [Note: sequential blocks]), and a probe at initialize would need an input the engine
     # cannot make up. So with adapter="auto" the first forward decides: if it raises NonSequentialModel
-    # before anything was trained, the step's transient state is dropped, the units are rebuilt as one
-    # generic unit (the whole model) from the module's current weights, the RNG state the aborted forward
-    # consumed is restored, and the same call runs again, with a logged notice. Memory: the old host weights
-    # live until the new unit has copied them. adapter="blocks" refuses instead; adapter="generic" skips it.
+    # (before anything of its step was applied), the step's transient state is dropped, the units are rebuilt
+    # as one generic unit (the whole model) from the module's current weights, with the optimizer state they
+    # hold (a checkpoint loaded into a fresh engine: moments by name, the common step count), the RNG state
+    # the aborted forward consumed is restored, and the same call runs again, with a logged notice. Memory:
+    # the old host weights and moments live until the new unit has copied them. adapter="blocks" refuses
+    # instead; adapter="generic" skips it.
 
     def _fallback_possible(self) -> bool:
-        return (self._adapter_kind == "auto" and self.adapter.streaming and self.global_step == 0
-                and self.skipped_steps == 0 and self._micro_steps == 0 and self._pending is None and not self._held
-                and not self._announced)
+        # (after steps too, a loaded checkpoint's: the moments go over to the generic unit)
+        return (self._adapter_kind == "auto" and self.adapter.streaming and self._micro_steps == 0
+                and self._pending is None and not self._held and not self._announced)
 
     def _with_fallback(self, run):
         """``run()``, and once more on the generic path if it finds the model not block-sequential."""
@@ -151,9 +153,7 @@ class StepRecovery:
         if self._tier is not None:
             raise NonSequentialModel(f"{err.reason}; the generic path (the whole model as one unit) cannot use the "
                                      "disk tier this plan needs") from err
-        if any(float(u.step) for u in self.units):     # a loaded checkpoint: its moments cannot be carried over
-            raise NonSequentialModel(f"{err.reason} (found after this engine took optimizer state, too late to "
-                                     "fall back by itself)") from err
+        carried = self._optimizer_state_by_name()     # a loaded checkpoint's moments go over to the new unit
         generic = Adapter(self._model, "generic")
         table = param_table(self._model, generic)
         shape = model_shape(self._model, generic, table)
@@ -185,8 +185,42 @@ class StepRecovery:
         self._checked_shape = None
         try:
             self._build_buffers()
+            self._restore_optimizer_state(carried)
         except BaseException as e:
             self._fail(e)
             raise
         self._log_placement()
+
+    def _optimizer_state_by_name(self) -> tuple[float, dict] | None:
+        """(the step count, {canonical name: (exp_avg, exp_avg_sq) host copies}) of a unit set that took optimizer
+        state (a loaded checkpoint), for _become_generic; None before any."""
+        trained = [u for u in self.units if u.trains]
+        steps = {float(u.step) for u in trained}
+        if steps == {0.0}:
+            return None
+        if len(steps) != 1:
+            raise RuntimeError(f"the units took different numbers of optimizer steps ({sorted(steps)}): cannot "
+                               "fall back to the generic path with their state")
+        moments = {}
+        with self._full_state(write_back=False):      # [Note: sharded device state]
+            for u in trained:
+                prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
+                m, v = u.layout.views(u.exp_avg), u.layout.views(u.exp_avg_sq)
+                for n in u.layout.names:
+                    moments[prefix + n] = (m[n].detach().to("cpu", copy=True), v[n].detach().to("cpu", copy=True))
+        return steps.pop(), moments
+
+    def _restore_optimizer_state(self, carried: tuple[float, dict] | None) -> None:
+        """The moments and step count _optimizer_state_by_name took, into the rebuilt units, by name."""
+        if carried is None:
+            return
+        step, moments = carried
+        for u in self.units:
+            if not u.trains:
+                continue
+            m, v = u.layout.views(u.exp_avg), u.layout.views(u.exp_avg_sq)
+            for n in u.layout.names:
+                m[n].copy_(moments[n][0])
+                v[n].copy_(moments[n][1])
+            u.step.fill_(step)
 

@@ -141,6 +141,11 @@ def test_positional_calls_reach_a_convnet_and_return_its_logits():
         assert torch.equal(engine(x), ref(x))
     with pytest.raises(TypeError, match=r"engine\(\.\.\.\): too many positional arguments"):
         engine(x, x)
+    from zerofit.engine.batch import BatchError
+
+    with pytest.raises(BatchError, match=r"micro-batch 0 is a Tensor; .*forward \(x\)") as err:
+        engine.train_batch([x])
+    assert "input_ids" not in str(err.value)     # a convnet's hint names its own argument
     engine.close()
 
 

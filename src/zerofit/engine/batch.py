@@ -58,10 +58,9 @@ def check_micro_batches(micro_batches, spec: BatchSpec) -> None:
 def check_batch(batch, spec: BatchSpec, where: str = "the batch") -> None:
     """One micro-batch: a dict of tensors the model's forward accepts, with consistent shapes."""
     if not isinstance(batch, Mapping):
-        raise BatchError(f"{where} is a {type(batch).__name__}; expected a dict of tensors "
-                         "(input_ids, labels, optional attention_mask)")
+        raise BatchError(f"{where} is a {type(batch).__name__}; expected a dict of tensors: {_inputs(spec)}")
     if not batch:
-        raise BatchError(f"{where} is an empty dict; expected input_ids (and labels to get a loss)")
+        raise BatchError(f"{where} is an empty dict; expected {_inputs(spec)}")
     if spec.accepted is not None:
         unknown = sorted(k for k in batch if k not in spec.accepted)
         if unknown:
@@ -94,6 +93,13 @@ def check_batch(batch, spec: BatchSpec, where: str = "the batch") -> None:
         if mask.dim() < 2 or mask.shape[0] != shape[0] or mask.shape[-1] != shape[1]:
             raise BatchError(f"{where}['attention_mask'] has shape {tuple(mask.shape)}, input_ids "
                              f"{tuple(shape)}: expected (batch, seq) = {tuple(shape)}")
+
+
+def _inputs(spec: BatchSpec) -> str:
+    """What the model's forward takes, in words: a language model's keys, or its own parameters' names."""
+    if spec.accepted is None or "input_ids" in spec.accepted:
+        return "input_ids, labels (for a loss), optional attention_mask"
+    return "the arguments of the model's forward (" + ", ".join(sorted(spec.accepted)) + ")"
 
 
 def _token_tensor(t, key: str, where: str) -> torch.Size:

@@ -342,7 +342,8 @@ def export(
     checkpoint: Annotated[Path, typer.Argument(
         help="A checkpoint folder (save_dir/<tag>) or a save folder (its 'latest' is used).")],
     out_dir: Annotated[Path, typer.Argument(help="Folder for the Hugging Face model (created).")],
-    dtype: Annotated[str, typer.Option(help="Weights dtype: bf16, fp16 or fp32.")] = "bf16",
+    dtype: Annotated[str | None, typer.Option(
+        help="Weights dtype: bf16, fp16 or fp32 (default: the trained model's own dtype).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB or 2GiB.")] = "5GB",
 ) -> None:
     """Write a checkpoint's weights as a Hugging Face model (config.json, sharded safetensors, tokenizer)."""
@@ -352,7 +353,9 @@ def export(
         out = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size)
     except (CheckpointError, ValueError) as e:
         _fail(Console(stderr=True), f"export failed: {e}")
-    typer.echo(f"exported {checkpoint} -> {out} ({dtype})")
+    written = json.loads((out / "config.json").read_text())["dtype"]
+    how = "as asked" if dtype else "the model's own dtype; --dtype to change it"
+    typer.echo(f"exported {checkpoint} -> {out} ({written}: {how})")
 
 
 _GEN_MODEL = typer.Option(help="A Hugging Face model directory or a zerofit checkpoint (a tag folder, or a save "

@@ -289,7 +289,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         if opts.export:
             out = run_dir / "model"
             t = time.perf_counter()
-            engine.save_pretrained(out, dtype=opts.export_dtype or _model_dtype(opts.model))
+            engine.save_pretrained(out, dtype=opts.export_dtype)     # None: the model directory's dtype
             result.export_dir = out
             console.print(f"exported the trained model to {out} in {time.perf_counter() - t:.1f} s")
         return result
@@ -315,16 +315,6 @@ def _init_ranks(device: torch.device) -> tuple[int, int, bool]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_world_size(), dist.get_rank(), made
-
-
-def _model_dtype(model_dir: Path) -> str:
-    """The model directory's own dtype (config.json's ``dtype``, or ``torch_dtype`` in older files), as
-    bf16/fp16/fp32 (bf16 when it names none)."""
-    import json
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    dt = cfg.get("dtype") or cfg.get("torch_dtype")
-    return {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}.get(dt, "bf16")
 
 
 def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, data, engine, total: int,

@@ -143,3 +143,25 @@ def test_chat_session_state():
     assert chat.turns == 2 and "(the conversation starts over)\n" in printed
     chat.reset()
     assert chat.messages == [{"role": "system", "content": "Be brief."}] and Chat().messages == []
+
+
+def test_the_deepspeed_doors_refusals_say_how_several_gpus_train(monkeypatch):
+    import zerofit.deepspeed as zds
+    from tests import tiny_models as tm
+    from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = zds.initialize(model=tm.llama(), model_parameters=None, config=config)
+    with pytest.raises(DeepSpeedUnsupported) as err:
+        engine.no_sync()
+    with pytest.raises(DeepSpeedUnsupported) as comm:
+        engine.allreduce_gradients()
+    engine.close()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DeepSpeedUnsupported) as launch:
+        zds.initialize(model=tm.llama(), config=config)
+    for e in (err, comm, launch):
+        text = str(e.value)
+        assert "not available yet" not in text and "zerofit.deepspeed runs one process" in text, text
+        assert "torchrun --nproc-per-node N" in text and "zerofit train --gpus N" in text, text
+    assert "WORLD_SIZE=2" in str(launch.value)

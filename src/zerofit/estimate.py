@@ -38,7 +38,7 @@ import psutil
 import torch
 
 from zerofit.engine.adapter import Adapter
-from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes, recomputed_blocks
+from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes, fmt_count, recomputed_blocks
 
 # the benchmark shapes (../shared/bench/WORKLOADS.md), by the names tutorials use, and the workload names
 SHAPES = {
@@ -133,7 +133,7 @@ class Estimate:
         b = self.batch
         ranks = f" per rank, {self.ranks} ranks (GPU bytes: each GPU's; host bytes: the host's)" \
             if self.ranks > 1 else ""
-        lines = [f"model: {self.parameters / 1e9:.2f} B parameters, {len(self.shape.block_numels)} blocks; batch "
+        lines = [f"model: {fmt_count(self.parameters)} parameters, {len(self.shape.block_numels)} blocks; batch "
                  f"{b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step{ranks}"]
         if self.refusal is not None:
             return "\n".join(lines + ["", self.refusal])

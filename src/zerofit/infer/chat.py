@@ -42,9 +42,9 @@ class Chat:
 
 
 def help_text() -> str:
-    width = max(map(len, COMMANDS))
-    return "\n".join([f"  {c:<{width}}  {what}" for c, what in COMMANDS.items()]
-                     + ["  //text   send '/text' to the model (a message that starts with '/')"])
+    rows = {**COMMANDS, "//text": "send '/text' to the model (a message that starts with '/')"}
+    width = max(map(len, rows))
+    return "\n".join(f"  {c:<{width}}  {what}" for c, what in rows.items())
 
 
 def run_chat(chat: Chat, answer: Callable[[list[dict], Callable[[str], None]], str], read: Callable[[str], str],

@@ -165,3 +165,12 @@ def test_the_deepspeed_doors_refusals_say_how_several_gpus_train(monkeypatch):
         assert "not available yet" not in text and "zerofit.deepspeed runs one process" in text, text
         assert "torchrun --nproc-per-node N" in text and "zerofit train --gpus N" in text, text
     assert "WORLD_SIZE=2" in str(launch.value)
+
+
+def test_estimate_on_the_cpu_speaks_of_the_cpu(workspace):
+    _, model, _ = workspace
+    r = CliRunner().invoke(app, ["estimate", "--model", str(model), "--cpu", "--no-measure", "--seq-len", "64"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert " K parameters" in out and "0.00 B" not in out, out
+    assert "plan: on the CPU" in out and "GPU peak" not in out and "device 0 B" not in out, out

@@ -48,7 +48,7 @@ def test_a_cpu_run_says_what_is_true_on_the_cpu(workspace):
     assert "device 0 B" not in out and "pinned" not in out and "resident blocks (device optimizer)" not in out
     assert "warning: the held-out set has only" in out and "--eval-size" in out, out
     assert out.count("warning: the held-out set") == 1
-    assert "step 1: torch's CPU kernels start up" in out, out      # the progress line while step 1 runs
+    assert "step 1: torch's CPU kernels warm up" in out, out      # the progress line while step 1 runs
 
 
 def test_the_plan_on_a_gpu_still_names_the_device():

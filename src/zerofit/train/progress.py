@@ -23,9 +23,8 @@ from zerofit.config.schema import ZerofitConfig
 def first_step_note(device: torch.device | str) -> str:
     """The progress line's text until the first step ends ([Note: the first step's seconds])."""
     if torch.device(device).type == "cpu":
-        return ("step 1: torch's CPU kernels start up (MKL's OpenMP threads; seconds on a busy machine, once; "
-                "the next steps are faster)")
-    return "step 1: CUDA kernels load and the memory pools fill (once; the next steps are faster)"
+        return "step 1: torch's CPU kernels warm up (MKL's threads start: seconds, once)"
+    return "step 1: CUDA kernels load, memory pools fill (once)"
 
 
 def kernel_build_note(config: ZerofitConfig, device: torch.device | str) -> str | None:

@@ -66,7 +66,7 @@ def test_save_pretrained_round_trip_fp32_and_bf16(tmp_path, name):
     if module.config.tie_word_embeddings:
         assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
 
-    out16 = Path(engine.save_pretrained(tmp_path / "bf16"))            # default: bf16, one file
+    out16 = Path(engine.save_pretrained(tmp_path / "bf16", dtype="bf16"))   # one file
     assert (out16 / "model.safetensors").is_file() and not (out16 / "model.safetensors.index.json").exists()
     master = engine.master_state_dict()
     assert all(torch.equal(t, master[k].to(torch.bfloat16)) for k, t in _keys(out16).items())  # one rounding

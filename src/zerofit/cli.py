@@ -239,6 +239,8 @@ def _relaunch(gpus: int) -> int:
 
 
 def _render_train_summary(result, console: Console) -> None:
+    from zerofit.engine.planner import fmt_bytes
+
     t = Table(title="summary", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
@@ -252,12 +254,12 @@ def _render_train_summary(result, console: Console) -> None:
         t.add_row("held-out", f"loss {e['eval_loss']:.4f}, perplexity {e['eval_perplexity']:,.2f}")
     s = result.setup
     if s.get("load_seconds") is not None:
-        t.add_row("model load", f"{s['load_seconds']:.1f} s, host memory grew {s['load_rss_growth_bytes'] / 2**30:.2f} GiB "
-                                f"(plan {s['host_planned_bytes'] / 2**30:.2f} GiB)"
+        t.add_row("model load", f"{s['load_seconds']:.1f} s, host memory grew {fmt_bytes(s['load_rss_growth_bytes'])} "
+                                f"(plan {fmt_bytes(s['host_planned_bytes'])})"
                                 + (f"; resume {s['resume_seconds']:.1f} s" if "resume_seconds" in s else ""))
     if result.memory.get("gpu_peak_bytes"):
-        t.add_row("GPU memory peak", f"{result.memory['gpu_peak_bytes'] / 2**30:.2f} GiB")
-    t.add_row("host memory peak", f"{result.memory.get('host_peak_bytes', 0) / 2**30:.2f} GiB (process RSS)")
+        t.add_row("GPU memory peak", fmt_bytes(result.memory["gpu_peak_bytes"]))
+    t.add_row("host memory peak", f"{fmt_bytes(result.memory.get('host_peak_bytes', 0))} (process RSS)")
     if result.checkpoints:
         t.add_row("checkpoint", str(result.checkpoints[-1]))
     if result.export_dir:
@@ -342,7 +344,8 @@ def export(
     checkpoint: Annotated[Path, typer.Argument(
         help="A checkpoint folder (save_dir/<tag>) or a save folder (its 'latest' is used).")],
     out_dir: Annotated[Path, typer.Argument(help="Folder for the Hugging Face model (created).")],
-    dtype: Annotated[str, typer.Option(help="Weights dtype: bf16, fp16 or fp32.")] = "bf16",
+    dtype: Annotated[str | None, typer.Option(
+        help="Weights dtype: bf16, fp16 or fp32 (default: the trained model's own dtype).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB or 2GiB.")] = "5GB",
 ) -> None:
     """Write a checkpoint's weights as a Hugging Face model (config.json, sharded safetensors, tokenizer)."""
@@ -352,7 +355,9 @@ def export(
         out = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size)
     except (CheckpointError, ValueError) as e:
         _fail(Console(stderr=True), f"export failed: {e}")
-    typer.echo(f"exported {checkpoint} -> {out} ({dtype})")
+    written = json.loads((out / "config.json").read_text())["dtype"]
+    how = "as asked" if dtype else "the model's own dtype; --dtype to change it"
+    typer.echo(f"exported {checkpoint} -> {out} ({written}: {how})")
 
 
 _GEN_MODEL = typer.Option(help="A Hugging Face model directory or a zerofit checkpoint (a tag folder, or a save "
@@ -469,35 +474,41 @@ def chat(
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling threshold.")] = None,
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
 ) -> None:
-    """Chat with a model or checkpoint in the terminal (its chat template; the conversation is kept). An empty
-    line or end of input ends it."""
+    """Chat with a model or checkpoint in the terminal (its chat template; the conversation is kept).
+    /help lists the commands; /reset starts over; /quit, /exit or Ctrl-D (end of input) ends it."""
     from zerofit.infer import InferencePlanError
+    from zerofit.infer.chat import HINT, Chat, run_chat
     from zerofit.infer.text import complete
 
     err = Console(stderr=True)
+    err.print(Text(f"loading {model} ...", style="dim"), soft_wrap=True)
+    t0 = time.perf_counter()
     engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+        engine.close()
         _fail(err, f"{model}: its tokenizer has no chat template: use zerofit generate with plain prompts")
-    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    err.print(Text(f"loaded in {time.perf_counter() - t0:.1f} s; {engine.summary()}", style="dim"), soft_wrap=True)
+    err.print(Text(HINT), soft_wrap=True)
     sampling = _sampling_options(temperature, None, top_p, None, None, seed, temperature is None)
-    while True:
+
+    def answer(messages: list[dict], stream) -> str:
         try:
-            line = input("you> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        history.append({"role": "user", "content": line})
-        sys.stdout.write("model> ")
-        sys.stdout.flush()
-        try:
-            (c,) = complete(engine, [history], max_new_tokens=max_new_tokens,
-                            stream=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), **sampling)
+            (c,) = complete(engine, [messages], max_new_tokens=max_new_tokens, stream=stream, **sampling)
         except InferencePlanError as e:
             engine.close()
             _fail(err, f"refused: {e}")
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": c.text})
+        return c.text
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        run_chat(Chat(system=system), answer, input, write)
+    except KeyboardInterrupt:      # Ctrl-C: the chat ends, the engine's memory is given back
+        write("\n")
+        engine.close()
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     engine.close()
 
 

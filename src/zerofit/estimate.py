@@ -38,7 +38,7 @@ import psutil
 import torch
 
 from zerofit.engine.adapter import Adapter
-from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes, recomputed_blocks
+from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes, fmt_count, recomputed_blocks
 
 # the benchmark shapes (../shared/bench/WORKLOADS.md), by the names tutorials use, and the workload names
 SHAPES = {
@@ -133,14 +133,15 @@ class Estimate:
         b = self.batch
         ranks = f" per rank, {self.ranks} ranks (GPU bytes: each GPU's; host bytes: the host's)" \
             if self.ranks > 1 else ""
-        lines = [f"model: {self.parameters / 1e9:.2f} B parameters, {len(self.shape.block_numels)} blocks; batch "
+        lines = [f"model: {fmt_count(self.parameters)} parameters, {len(self.shape.block_numels)} blocks; batch "
                  f"{b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step{ranks}"]
         if self.refusal is not None:
             return "\n".join(lines + ["", self.refusal])
-        lines += [self.plan.describe(), "",
-                  f"GPU peak     {fmt_bytes(self.gpu_bytes)} allocated (planned against the cap with the "
-                  f"allocator's slack: {fmt_bytes(self.plan.device_total)})",
-                  f"host peak    {fmt_bytes(self.host_bytes)} (plan {fmt_bytes(self.plan.host_total)} + this process "
+        lines += [self.plan.describe(), ""]
+        if not self.plan.on_cpu:      # on the CPU there is no GPU memory to speak of: the host's line holds it all
+            lines.append(f"GPU peak     {fmt_bytes(self.gpu_bytes)} allocated (planned against the cap with the "
+                         f"allocator's slack: {fmt_bytes(self.plan.device_total)})")
+        lines += [f"host peak    {fmt_bytes(self.host_bytes)} (plan {fmt_bytes(self.plan.host_total)} + this process "
                   f"{fmt_bytes(self.host_baseline_bytes)})",
                   f"disk         {fmt_bytes(self.disk_bytes)}"
                   + (f", {fmt_bytes(self.disk_traffic[0])} read and {fmt_bytes(self.disk_traffic[1])} written per "

@@ -9,6 +9,11 @@ second whole copy on the host is ever needed. The layout is ``save_pretrained``'
 ``model.safetensors.index.json`` written after them; ``config.json`` with the
 exported dtype; ``generation_config.json`` and tokenizer files when known. Tied
 parameters appear once, under their first name, as Hugging Face writes them.
+
+The dtype, unless given, is the model's own, as Hugging Face's ``save_pretrained`` keeps it: the engine's
+``model_dtype`` (recorded at initialize, before its parameters became fp32 views of the masters), or the
+``model_dtype`` a checkpoint records. An fp32 model exports fp32: a bf16 default would round a fine-tuning
+update away (a norm weight of 1.0003 is 1.0 in bf16).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from zerofit.checkpoint.durable import disk_bytes, free_bytes, write_file
 from zerofit.checkpoint.errors import CheckpointDiskFullError, CheckpointNotFoundError, MissingFileError
 from zerofit.checkpoint.format import Entry, index_bytes, plan_shards, read_tensor, write_shards
 from zerofit.checkpoint.load import locate, open_checkpoint, shard_files
-from zerofit.checkpoint.model_files import CONFIG, model_side_files, with_dtype
+from zerofit.checkpoint.model_files import CONFIG, DTYPE_OF_NAME, model_side_files, with_dtype
 from zerofit.checkpoint.save import WEIGHTS_INDEX, SideFile
 from zerofit.config.schema import parse_bytes
 
@@ -43,27 +48,30 @@ def export_dtype(dtype: str | torch.dtype, what: str = "export dtype") -> torch.
     raise ValueError(f"{what} {dtype!r}: expected one of bf16, fp16, fp32")
 
 
-def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype = "bf16",
+def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype | None = None,
                     max_shard_size: int | str = "5GB", workers: int = 4) -> Path:
-    """The engine's current weights as a Hugging Face model directory (see the module docstring)."""
+    """The engine's current weights as a Hugging Face model directory (see the module docstring); ``dtype``
+    None: the model's own (``engine.model_dtype``)."""
     from zerofit.checkpoint.state import weight_entries
 
-    dt = export_dtype(dtype)
+    dt = engine.model_dtype if dtype is None else export_dtype(dtype)
     engine.wait()
     engine.dev.synchronize()
     side = model_side_files(engine._model, getattr(engine, "source_dir", None), dt)
     return write_model_dir(Path(out_dir), weight_entries(engine, dt), side, parse_bytes(max_shard_size), workers)
 
 
-def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | torch.dtype = "bf16",
+def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | torch.dtype | None = None,
                       max_shard_size: int | str = "5GB", workers: int = 4) -> Path:
     """Export a checkpoint's weights as a Hugging Face model directory. ``checkpoint`` is a tag folder or a
-    save folder (its ``latest`` is used). Only the weight shards are read (and verified), never the moments."""
-    dt = export_dtype(dtype)
+    save folder (its ``latest`` is used). Only the weight shards are read (and verified), never the moments.
+    ``dtype`` None: the model's own (:func:`checkpoint_dtype`)."""
+    dt = None if dtype is None else export_dtype(dtype)
     opened = open_checkpoint(checkpoint, None)
     if opened is None:
         raise CheckpointNotFoundError(f"{checkpoint}: neither a checkpoint folder nor a folder with a 'latest' file")
     folder, record = opened
+    dt = dt or checkpoint_dtype(record.state)
     model_files = list(record.state.get("model_files", []))
     if CONFIG not in model_files:
         raise MissingFileError(folder / CONFIG, "this checkpoint has no Hugging Face config.json (the model was not "
@@ -76,6 +84,12 @@ def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | 
     side = [SideFile(n, with_dtype((folder / n).read_bytes(), dt) if n == CONFIG else (folder / n).read_bytes())
             for n in model_files]
     return write_model_dir(Path(out_dir), entries, side, parse_bytes(max_shard_size), workers)
+
+
+def checkpoint_dtype(state: dict) -> torch.dtype:
+    """The model's dtype a checkpoint's record holds (``model_dtype``); fp32, its weight shards' own, for a
+    checkpoint written before zerofit recorded it."""
+    return DTYPE_OF_NAME.get(state.get("model_dtype"), torch.float32)
 
 
 def write_model_dir(out: Path, entries: list[Entry], side: list[SideFile], max_shard_bytes: int,

@@ -20,6 +20,35 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "spiece.model",
                    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_OF_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32``, ``bfloat16`` or ``float16``: the name config.json (and a checkpoint's record) uses."""
+    return _DTYPE_NAMES[dtype]
+
+
+def model_dtype(model: nn.Module, source=None) -> torch.dtype:
+    """The dtype the user's model had, before the engine made its parameters fp32 views of the masters: what
+    an export writes unless told otherwise. A model directory (``source``, a :class:`zerofit.models.ModelDir`,
+    whose meta model is built in fp32): its config.json's ``dtype`` (``torch_dtype`` in older files), else
+    the dtype most of its stored weights have. A module: the dtype most of its floating parameters' elements
+    have (a model that keeps a few norms in fp32 is the 16-bit model it mostly is). fp32 when nothing says."""
+    if source is not None:
+        cfg = json.loads((Path(source.path) / CONFIG).read_text())
+        named = cfg.get("dtype") or cfg.get("torch_dtype")
+        if named in DTYPE_OF_NAME:
+            return DTYPE_OF_NAME[named]
+        return _most((i.dtype, i.numel) for i in source.weights.values())
+    return _most((p.dtype, p.numel()) for p in model.parameters() if p.is_floating_point())   # tied: once
+
+
+def _most(sizes) -> torch.dtype:
+    count: dict[torch.dtype, int] = {}
+    for dt, n in sizes:
+        if dt in _DTYPE_NAMES:
+            count[dt] = count.get(dt, 0) + n
+    return max(count, key=count.__getitem__) if count else torch.float32
 
 
 def with_dtype(config: bytes, dtype: torch.dtype) -> bytes:

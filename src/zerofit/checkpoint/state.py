@@ -26,7 +26,7 @@ from zerofit.checkpoint.errors import (CheckpointMismatchError, CheckpointStateE
 from zerofit.checkpoint.format import Entry
 from zerofit.checkpoint.load import copy_into, locate, match, open_checkpoint, shard_files
 from zerofit.checkpoint.commit import verify
-from zerofit.checkpoint.model_files import model_side_files
+from zerofit.checkpoint.model_files import dtype_name, model_side_files
 from zerofit.checkpoint.save import (DEFAULT_SHARD_BYTES, OPTIMIZER_INDEX, WEIGHTS_INDEX, Content, SideFile,
                                      write_checkpoint)
 
@@ -98,6 +98,7 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "rng": rng.capture(engine.dev.device if engine.dev.is_cuda else None),
         "precision": engine.config.precision, "model_class": type(model).__name__,
+        "model_dtype": dtype_name(engine.model_dtype),     # what zerofit export writes by default
         "parameters": {"tensors": len(weights), "numel": sum(e.numel for e in weights)},
         "placement": {"resident_blocks": engine.plan.resident_blocks,
                       "shell_optimizer_on_device": engine.plan.shell_optimizer_on_device,

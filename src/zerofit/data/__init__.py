@@ -37,7 +37,7 @@ _EXPORTS = {
     "load_documents": "build", "load_tokenizer": "build", "split_documents": "build",
     "StepLoader": "loader",
     "EvalResult": "evaluation", "evaluate": "evaluation", "count_targets": "evaluation",
-    "model_loss_fn": "evaluation",
+    "model_loss_fn": "evaluation", "scored_tokens": "evaluation", "small_held_out": "evaluation",
 }
 __all__ = sorted(_EXPORTS)
 

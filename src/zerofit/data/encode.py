@@ -65,10 +65,18 @@ class Encoder:
         self.prefix: list[int] = [bos] if adds_bos else []  # what starts every document
         self.name = name
 
+    def _tokenize(self, texts, **kw):
+        """The tokenizer on whole documents. ``verbose=False``: transformers warns "Token indices sequence length
+        is longer than the specified maximum sequence length" for any text longer than ``model_max_length``;
+        here that is expected and harmless, since packing cuts the documents into ``seq_len`` windows itself
+        (zerofit.data.packing), so no sequence that long ever reaches the model. The flag silences only that
+        warning and the padding ones (nothing is padded here)."""
+        return self.tokenizer(texts, verbose=False, **kw)
+
     def _encode(self, texts: list[str]) -> list[list[int]]:
         if not texts:
             return []
-        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        return [list(ids) for ids in self._tokenize(texts, add_special_tokens=False)["input_ids"]]
 
     def encode(self, rows: Sequence[Row], sources: Sequence[str]) -> list[Document]:
         """The rows' documents, in order; rows that leave nothing to learn (empty text, a chat without an
@@ -102,7 +110,7 @@ class Encoder:
         full, spans = assistant_spans(tok, row.messages, source)
         if not spans:
             return None
-        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self._tokenize(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)  # (L,) char offsets
         targets = np.zeros(len(ids), dtype=bool)

@@ -69,3 +69,29 @@ def evaluate(data: PackedDataset, loss_fn: LossFn, micro_batch_size: int,
     mean = total / tokens
     perplexity = math.exp(mean) if mean < 700 else math.inf  # exp overflows a float past ~709
     return EvalResult(loss=mean, perplexity=perplexity, tokens=tokens, windows=n)
+
+
+def scored_tokens(data: PackedDataset, max_windows: int | None = None) -> int:
+    """Target tokens in the first ``max_windows`` windows (all by default): what :func:`evaluate` scores.
+    Window ``k`` scores stream positions ``k(T-1)+1 .. (k+1)(T-1)`` ([Note: packed targets])."""
+    n = len(data) if max_windows is None else min(len(data), max_windows)
+    return int(data.targets[1:n * (data.seq_len - 1) + 1].sum())
+
+
+def small_held_out(data: PackedDataset, max_windows: int | None = None) -> str | None:
+    """Why the held-out loss will not mean much, or None: fewer scored tokens than one full window.
+
+    Why one window: the mean loss over ``n`` tokens has a standard error of about ``s / sqrt(n)`` (``s``, the
+    spread of one token's loss, is a nat or two for a language model), so under a window's worth (2048 tokens
+    by default, a standard error near 0.03 nat) the held-out loss moves by more than a fine-tuning run changes
+    it, and a held-out set smaller than one training sequence does not resemble what the model trains on."""
+    n = scored_tokens(data, max_windows)
+    if n >= data.seq_len:
+        return None
+    cut = max_windows is not None and max_windows < len(data)
+    docs = data.num_documents
+    return (f"the held-out set has only {n:,} tokens with a loss ({docs:,} document{'s' if docs != 1 else ''}"
+            + (f", the first {max_windows} of its {len(data)} windows" if cut else "")
+            + f"), less than one --seq-len window ({data.seq_len:,} tokens): a mean over so few tokens is noise, "
+            "not a measure of the model. Hold out more with --eval-size (a fraction such as 0.05, or a number of "
+            "documents)" + (", evaluate more windows with --eval-windows" if cut else "") + ", or add data.")

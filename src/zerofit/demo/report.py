@@ -39,8 +39,11 @@ def render_start(result: DemoResult, console: Console) -> None:
     console.print(f"  optimizer AdamW lr {cfg.optimizer.lr:g}, betas {tuple(cfg.optimizer.betas)}, "
                   f"weight decay {cfg.optimizer.weight_decay:g}; schedule {sched.type}, "
                   f"warm-up {sched.warmup_steps}; clipping {cfg.gradient_clipping:g}")
-    console.print(f"  precision {cfg.precision}; max GPU memory "
-                  f"{_mib(cfg.max_gpu_memory) if cfg.max_gpu_memory else 'all free'}")
+    if result.device.startswith("cuda"):
+        cap = f"max GPU memory {_mib(cfg.max_gpu_memory) if cfg.max_gpu_memory else 'all free'}"
+    else:     # no GPU: every buffer is in host memory, nothing is capped or streamed over PCIe
+        cap = "on the CPU: no GPU memory cap, all in host memory"
+    console.print(f"  precision {cfg.precision}; {cap}")
     notices = format_report(result.loaded.notices)
     if notices:
         console.print("  DeepSpeed keys zerofit maps or decides itself:")

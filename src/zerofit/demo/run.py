@@ -28,6 +28,7 @@ from zerofit.demo.corpus import Corpus, load_corpus, micro_batches, random_windo
 from zerofit.demo.model import build_model, eval_loss, sample
 from zerofit.demo.options import DemoOptions
 from zerofit.demo.tokenizer import ByteTokenizer
+from zerofit.train.progress import first_step_note, kernel_build_note
 
 SAMPLE_PROMPT = "def "
 EVAL_BATCHES = 4  # held-out micro-batches of 8 windows for the evaluation loss
@@ -164,6 +165,9 @@ def run_demo(options: DemoOptions | None = None, console: Console | None = None,
     if on_start is not None:
         on_start(result)
 
+    build = kernel_build_note(cfg, device)
+    if build:
+        console.print(build)
     engine = zerofit.initialize(model, loaded, device=str(device))
     data = micro_batches(corpus.train, cfg.micro_batch_size, options.seq_len,
                          cfg.gradient_accumulation_steps, seed=cfg.seed)
@@ -172,7 +176,8 @@ def run_demo(options: DemoOptions | None = None, console: Console | None = None,
                    TextColumn("{task.fields[stats]}"), console=console, disable=not progress, transient=False)
     t_start = time.perf_counter()
     with bar:
-        task = bar.add_task("train", total=options.steps, stats="")
+        task = bar.add_task("train", total=options.steps, stats=first_step_note(device))
+        bar.refresh()      # the note shows now, not at the next tick: step 1 may take seconds
         for step in range(options.steps):
             if step > 0 and options.time_budget is not None and time.perf_counter() - t_start >= options.time_budget:
                 result.stopped_early = True

@@ -74,7 +74,10 @@ class UnsupportedAttribute(DeepSpeedUnsupported, AttributeError):
 
 # ---------------------------------------------------------------------------------------------- refusals
 
-ONE_PROCESS = "zerofit trains on one GPU in one process; multi-GPU training is not available yet"
+# what the DeepSpeed door does with several processes; the engine itself trains on several GPUs (ranks.py)
+ONE_PROCESS = ("zerofit.deepspeed runs one process (one GPU, or the CPU); several GPUs of one host train with "
+               "zerofit.initialize (or zerofit.hf.Trainer) in a script launched by torchrun --nproc-per-node N, "
+               "or with zerofit train --gpus N (docs/ranks.md)")
 _CONFIG_GETTER = ("a DeepSpeed config getter; zerofit's resolved configuration is engine.config (a ZerofitConfig; "
                   "`zerofit config show ds_config.json` shows how each DeepSpeed key was read)")
 _NO_ZERO = ("zerofit has no ZeRO stages: it streams whole blocks through the GPU (engine.plan says what stays "

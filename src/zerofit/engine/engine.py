@@ -247,6 +247,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._adapter_kind = adapter or config.adapter
         self.adapter = Adapter(model, self._adapter_kind)
         self._model = model
+        from zerofit.checkpoint.model_files import model_dtype
+        self.model_dtype = model_dtype(model, source)   # the user's model's dtype, before fp32 masters: exports keep it
         self._table = param_table(model, self.adapter)
         # [Note: parameter groups] (groups.py): refused here, before anything is allocated
         self.param_groups = resolve_groups(param_groups, self._table, config.optimizer)
@@ -1888,8 +1890,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             raise RuntimeError(f"rank 0 failed to write: {said[1]}")
         return said[0]
 
-    def save_pretrained(self, out_dir, dtype="bf16", max_shard_size="5GB") -> str:
-        """The current weights as a Hugging Face model directory, streamed tensor by tensor."""
+    def save_pretrained(self, out_dir, dtype=None, max_shard_size="5GB") -> str:
+        """The current weights as a Hugging Face model directory, streamed tensor by tensor; in ``dtype``
+        (bf16, fp16, fp32), by default the model's own (``self.model_dtype``)."""
         from zerofit.checkpoint.export import save_pretrained
 
         return str(self._on_rank0(lambda: save_pretrained(self, out_dir, dtype, max_shard_size)))

@@ -41,6 +41,15 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def fmt_count(n: float) -> str:
+    """A count in the largest of K, M, B that keeps it >= 1, three significant digits: '203 K', '3.03 M',
+    '13 B' (a 0.2 M-parameter model is not '0.00 B')."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)}"
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the planner needs to know of the model."""
@@ -124,23 +133,27 @@ class Plan:
                                                                        d.get("block_working_set", 0))
 
     def describe(self) -> str:
-        lines = [f"plan: {self.resident_blocks} resident blocks (device optimizer), "
-                 f"shell optimizer on {'device' if self.shell_optimizer_on_device else 'host'}, "
-                 f"{self.weight_slots} weight slots, {self.staging_buffers} pinned gradient buffers"
-                 f"{', deferred updates' if self.deferred_updates else ''}"
-                 + (f" ({len(self.assisted_blocks)} of the streamed blocks updated on the device)"
-                    if self.assisted_updates else "")
-                 + (f", loss in {self.loss_chunks} token chunks" if self.loss_chunks > 1 else "")
-                 + (", block checkpoints in host memory" if self.offload_checkpoints else "")
-                 + (f", checkpoints every {self.checkpoint_every} blocks (the rest recomputed in the backward)"
-                    if self.checkpoint_every > 1 else "")
-                 + (f", uploads staged in pieces of {fmt_bytes(self.stage_numel * 4)}" if self.stage_numel else ""),
-                 f"  device {fmt_bytes(self.device_total)}"
-                 + (f" of {fmt_bytes(self.device_budget)}" if self.device_budget else "") + ": "
-                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.device_bytes.items() if v),
-                 f"  host {fmt_bytes(self.host_total)}"
-                 + (f" of {fmt_bytes(self.host_budget)}" if self.host_budget else "") + ": "
-                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.host_bytes.items() if v)]
+        """The placement and its bytes in a few lines (``zerofit train`` and ``zerofit estimate`` print it)."""
+        extras = ((f" ({len(self.assisted_blocks)} of the streamed blocks updated on the device)"
+                   if self.assisted_updates else "")
+                  + (f", loss in {self.loss_chunks} token chunks" if self.loss_chunks > 1 else "")
+                  + (", block checkpoints in host memory" if self.offload_checkpoints else "")
+                  + (f", checkpoints every {self.checkpoint_every} blocks (the rest recomputed in the backward)"
+                     if self.checkpoint_every > 1 else "")
+                  + (f", uploads staged in pieces of {fmt_bytes(self.stage_numel * 4)}" if self.stage_numel else ""))
+        if self.on_cpu:
+            lines = self._describe_cpu(extras)
+        else:
+            lines = [f"plan: {self.resident_blocks} resident blocks (device optimizer), "
+                     f"shell optimizer on {'device' if self.shell_optimizer_on_device else 'host'}, "
+                     f"{self.weight_slots} weight slots, {self.staging_buffers} pinned gradient buffers"
+                     f"{', deferred updates' if self.deferred_updates else ''}" + extras,
+                     f"  device {fmt_bytes(self.device_total)}"
+                     + (f" of {fmt_bytes(self.device_budget)}" if self.device_budget else "") + ": "
+                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.device_bytes.items() if v),
+                     f"  host {fmt_bytes(self.host_total)}"
+                     + (f" of {fmt_bytes(self.host_budget)}" if self.host_budget else "") + ": "
+                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.host_bytes.items() if v)]
         if self.disk_blocks:
             d = self.disk_of
             moments = [i for i, m in d.items() if m == "moments"]
@@ -153,6 +166,29 @@ class Plan:
                          + (f"; measured write {self.disk_speed[0]:.2f} GB/s, read {self.disk_speed[1]:.2f} GB/s"
                             if self.disk_speed else ""))
         return "\n".join(lines)
+
+    @property
+    def on_cpu(self) -> bool:
+        """A plan for training on the CPU: the planner counts the device's buffers as host memory there
+        (``device:<kind>``) and leaves ``device_bytes`` empty."""
+        return not self.device_bytes and any(k.startswith("device:") for k in self.host_bytes)
+
+    def _describe_cpu(self, extras: str) -> list[str]:
+        """On the CPU there is no GPU: no GPU memory cap, nothing crosses PCIe. The engine still runs its
+        streaming path (the code a GPU runs), its "device" buffers in host memory: say that, in those words."""
+        kept = f"{self.resident_blocks} blocks kept whole, the others stream" if self.resident_blocks \
+            else "every block streams"
+        shell = "in the step" if self.shell_optimizer_on_device else "on the optimizer thread"
+        own = {k: v for k, v in self.host_bytes.items() if not k.startswith("device:") and v}
+        work = {k[len("device:"):]: v for k, v in self.host_bytes.items() if k.startswith("device:") and v}
+        return [f"plan: on the CPU (no GPU: no GPU memory cap, nothing streams over PCIe); {kept} through "
+                f"{self.weight_slots} weight slots in host memory (the GPU's code path), {self.staging_buffers} "
+                f"gradient buffers; the shell's AdamW {shell}, the streamed blocks' on the optimizer thread"
+                + (", deferred updates" if self.deferred_updates else "") + extras,
+                f"  host {fmt_bytes(self.host_total)}"
+                + (f" of {fmt_bytes(self.host_budget)}" if self.host_budget else "") + ": "
+                + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in own.items())
+                + (("; compute " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in work.items())) if work else "")]
 
     def disk_traffic(self, shape: ModelShape) -> tuple[int, int]:
         """(bytes read, bytes written) on the disk per optimizer step: every swapped field once each way (the

@@ -53,6 +53,7 @@ import logging
 import os
 import shutil
 import threading
+from pathlib import Path
 
 import torch
 
@@ -322,6 +323,20 @@ def available() -> bool:
 
 def why_unavailable() -> str | None:
     return _error
+
+
+def will_build() -> bool:
+    """Whether its first use in this process compiles the kernel (about a minute): not loaded yet, and no
+    earlier build in torch's extensions folder (``TORCH_EXTENSIONS_DIR``). A CLI says so before it waits."""
+    if _module is not None or _error is not None:
+        return False
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        folder = _get_build_directory("zerofit_split_adamw", False)
+    except Exception:      # noqa: BLE001 - no folder to look in: torch's build would make one
+        return True
+    return not any(Path(folder).glob("zerofit_split_adamw*.so"))
 
 
 def _scale_of(factor: float) -> float:

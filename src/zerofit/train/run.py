@@ -35,10 +35,13 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.text import Text
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from zerofit.config import LoadedConfig, load_config, load_with_defaults
+from zerofit.engine.planner import fmt_count
 from zerofit.train.metrics import Metrics
+from zerofit.train.progress import first_step_note, kernel_build_note
 from zerofit.train.options import TrainOptions
 
 log = logging.getLogger("zerofit")
@@ -158,7 +161,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     """Fine-tune ``opts.model`` on ``opts.data``; see the module docstring."""
     import zerofit
     from zerofit.checkpoint import prune
-    from zerofit.data import StepLoader, build_datasets, evaluate, load_tokenizer
+    from zerofit.data import StepLoader, build_datasets, evaluate, load_tokenizer, small_held_out
     from zerofit.models import ModelDir
     from zerofit.demo.run import resolve_device
     from zerofit.optim.schedules import lr_at
@@ -201,6 +204,9 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     lcfg = loaded.config
     _reset_peak_rss()
     rss0, t_load = _rss("VmRSS:"), time.perf_counter()
+    build = kernel_build_note(lcfg, device)
+    if build:
+        console.print(build)
     engine = zerofit.initialize(str(opts.model), loaded)
     setup = {"load_seconds": round(time.perf_counter() - t_load, 3), "load_rss_growth_bytes": _rss("VmHWM:") - rss0,
              "host_planned_bytes": engine.plan.host_total}
@@ -218,6 +224,9 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
             elapsed = float(client.get("elapsed", 0.0))
             console.print(f"resumed from {path} at step {result.start_step} of {total}")
     _print_start(console, opts, loaded, data, engine, total, result)
+    tiny = small_held_out(data.eval, opts.eval_windows) if data.eval is not None else None
+    if tiny:
+        console.print(Text("warning: " + tiny, style="yellow"))
 
     metrics = (Metrics(run_dir, tensorboard=opts.tensorboard, elapsed=elapsed) if rank == 0 else
                Metrics(run_dir / "ranks" / f"rank{rank}", tensorboard=False, elapsed=elapsed))
@@ -251,7 +260,8 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     step = result.start_step
     try:
         with _StopRequest(console) as stop, bar:
-            task = bar.add_task("train", total=total, completed=step, stats="")
+            task = bar.add_task("train", total=total, completed=step, stats=first_step_note(device))
+            bar.refresh()      # the note shows now, not at the next tick: step 1 may take seconds
             while step < total:
                 requested = stop.requested
                 if world > 1:     # every rank stops at the same step, or one would wait for the others forever
@@ -289,7 +299,7 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
         if opts.export:
             out = run_dir / "model"
             t = time.perf_counter()
-            engine.save_pretrained(out, dtype=opts.export_dtype or _model_dtype(opts.model))
+            engine.save_pretrained(out, dtype=opts.export_dtype)     # None: the model directory's dtype
             result.export_dir = out
             console.print(f"exported the trained model to {out} in {time.perf_counter() - t:.1f} s")
         return result
@@ -317,16 +327,6 @@ def _init_ranks(device: torch.device) -> tuple[int, int, bool]:
     return dist.get_world_size(), dist.get_rank(), made
 
 
-def _model_dtype(model_dir: Path) -> str:
-    """The model directory's own dtype (config.json's ``dtype``, or ``torch_dtype`` in older files), as
-    bf16/fp16/fp32 (bf16 when it names none)."""
-    import json
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    dt = cfg.get("dtype") or cfg.get("torch_dtype")
-    return {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}.get(dt, "bf16")
-
-
 def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, data, engine, total: int,
                  result: TrainResult) -> None:
     from zerofit.config import format_report
@@ -334,7 +334,7 @@ def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, dat
     cfg = loaded.config
     s = data.stats
     params = sum(u.numel for u in engine.units)
-    console.print(f"[bold]zerofit train[/]: {opts.model} ({params / 1e9:.2f} B parameters) on {engine.device}")
+    console.print(f"[bold]zerofit train[/]: {opts.model} ({fmt_count(params)} parameters) on {engine.device}")
     kinds = ", ".join(f"{n:,} {k}" for k, n in s.documents)
     console.print(f"  data      {s.files} files, {kinds}; {s.tokens:,} tokens ({s.target_tokens:,} with a loss); "
                   f"{len(data.train):,} training windows of {opts.seq_len}"

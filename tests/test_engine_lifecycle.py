@@ -709,3 +709,17 @@ def test_script_interrupted_by_sigint_stops_promptly(exits):
     assert "training" in o.stdout, o.stderr[-2000:]
     assert o.returncode != 0 and "KeyboardInterrupt" in o.stderr, (o.returncode, o.stderr[-2000:])
     assert o.seconds_after_sigint is not None and o.seconds_after_sigint < 30, o.seconds_after_sigint
+
+
+def test_the_engine_keeps_none_of_the_users_original_weights():
+    """The module's parameters become views of the units' buffers; the engine holds no reference to the tensors
+    they replaced (a real model's weights would be held twice in host memory)."""
+    import gc
+    import weakref
+
+    model = tm.llama()
+    originals = [weakref.ref(p) for p in model.parameters()]
+    engine = zerofit.initialize(model, _cfg())
+    gc.collect()
+    assert sum(r() is not None for r in originals) == 0
+    engine.close()

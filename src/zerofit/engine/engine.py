@@ -52,7 +52,7 @@ from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine import split_adamw
 from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw, wait_event, waiting
-from zerofit.engine.materialize import build_units, model_shape, param_table
+from zerofit.engine.materialize import build_units, model_shape, param_table, release_originals
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
 from zerofit.engine.ranks import Ranks
@@ -393,6 +393,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                                          on_device_unit=self._share_device_unit if ranks.many else None,
                                          frozen=self.frozen)
         self._source = None   # the files are read: keep only their folder (source_dir)
+        self._table = release_originals(self._model, self._table)    # the user's tensors are copied: let go
         self._arenas.extend(arenas)
         self.shell, self.blocks = self.units[0], self.units[1:]     # each unit's shard [lo, hi): build_units
         if ranks.many:

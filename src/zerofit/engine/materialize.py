@@ -218,6 +218,12 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     return units, [a for a in (arena, arena16, arena_f) if a is not None]
 
 
+def release_originals(model: nn.Module, table: ParamTable) -> ParamTable:
+    """The table with the module's parameters as they are now (views of the units' buffers), so that it holds
+    none of the user's original tensors: a real model's weights are not kept a second time in host memory."""
+    return dataclasses.replace(table, canonical={n: model.get_parameter(n) for n in table.canonical})
+
+
 def rebind_params(model: nn.Module, adapter: Adapter, table: ParamTable, unit: Unit, host: torch.Tensor) -> None:
     """Point the module's trained parameters of ``unit`` at views of ``host`` (fp32, the unit's flat layout)."""
     prefix = "" if unit.index < 0 else adapter.block_prefix(unit.index) + "."

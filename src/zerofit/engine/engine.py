@@ -425,6 +425,12 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         # (L,) fp64 host: each block's squared gradient norm, downloaded with its gradient (speculation)
         self._block_sq = torch.zeros(max(len(self.blocks), 1), dtype=torch.float64,
                                      pin_memory=pinned and self._can_speculate)
+        # [Note: non-finite gradients without a norm]: per unit, the step's running count of non-finite
+        # gradients up to and including it; on the device, and as its gradient's download brings it down
+        n = len(self.units)
+        self._bad_run = torch.zeros((), dtype=torch.float32, device=self.dev.device)     # () fp32, device
+        self._bad_dev = torch.zeros(n, dtype=torch.float32, device=self.dev.device)      # (units,) fp32, device
+        self._bad_host = torch.zeros(n, dtype=torch.float32, pin_memory=pinned)          # (units,) fp32, host
         waiting = [u for u in host_units if u.swap is None]    # swapped units: [Note: gradients on the disk]
         if self.deferred and waiting:     # each rank's shard of the gradients that wait for the norm
             a = HostArena(sum(u.hi - u.lo for u in waiting), torch.float32, pinned)
@@ -751,7 +757,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         the CPU. The gradient slot is free once the last chunk's AdamW has read it; the unit's next upload
         (and any host read of its master) waits on ``master_event``, as for a deferred assisted update. Its
         ``updated`` flag is never cleared: the CPU worker does not touch the unit."""
-        read = self._adamw_after_compute(unit, grad, None, cast16=self._cast16_label(unit))
+        read = self._adamw_after_compute(unit, grad, None, cast16=self._cast16_label(unit),
+                                         found_inf=self._bad_dev[unit.index + 1])
         slot = unit.grad_slot
         slot.free_event, slot.tenant = read, None
         unit.grad_slot, unit.grad, unit.grad_fresh = None, None, True
@@ -765,19 +772,22 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         each way, both copy engines busy), no CPU pass, no upload after it. The next forward's compute waits
         for it (``_refresh_shell``), and so does the next write of the shell's gradient, which comes after."""
         u = self.shell
-        self._shell_updated = self._adamw_after_compute(u, u.grad, u.dev16)
+        self._flag_nonfinite(u, u.grad)
+        self._shell_updated = self._adamw_after_compute(u, u.grad, u.dev16, found_inf=self._bad_dev[0])
         u.grad_fresh = True
 
-    def _adamw_after_compute(self, unit: Unit, grad: torch.Tensor, dst: torch.Tensor | None, cast16=None):
+    def _adamw_after_compute(self, unit: Unit, grad: torch.Tensor, dst: torch.Tensor | None, cast16=None,
+                             found_inf: torch.Tensor | None = None):
         """_device_adamw on the upload stream from the unit's device gradient, once the compute stream's work
-        so far (which wrote it) is done; returns the event after its last read of ``grad``."""
+        so far (which wrote it) is done; returns the event after its last read of ``grad``. ``found_inf``: a
+        device scalar, nonzero to leave the state as it is ([Note: non-finite gradients without a norm])."""
         ev = self.dev.record(self.dev.compute)
         with self.dev.on(self.dev.upload):
             self.dev.wait(self.dev.upload, ev)
-            return self._device_adamw(unit, grad, self._hyper(), 1.0, dst, cast16=cast16)
+            return self._device_adamw(unit, grad, self._hyper(), 1.0, dst, cast16=cast16, found_inf=found_inf)
 
     def _device_adamw(self, unit: Unit, grad: torch.Tensor | None, hypers, factor: float,
-                      dst: torch.Tensor | None, cast16=None):
+                      dst: torch.Tensor | None, cast16=None, found_inf: torch.Tensor | None = None):
         """The unit's AdamW step on the device, its state moving up and down in chunks ([Note: assisted
         updates]). ``grad``: the unit's gradient on the device, or None to bring the host gradient up with
         the state. ``dst``: a slot to cast the new weights into, or None. ``cast16``: a label
@@ -808,7 +818,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 else:
                     g = grad[off - lo:off - lo + k]
                 # a chunk may straddle a border between parameter groups: unit_adamw cuts it there
-                unit_adamw(unit, p, g, m, v, step0.clone(), hypers, factor, start=off)
+                unit_adamw(unit, p, g, m, v, step0.clone(), hypers, factor, start=off, found_inf=found_inf)
                 if dst is not None:
                     dst[off:off + k].copy_(p)
                 if cast16 is not None:
@@ -1236,11 +1246,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._stash_grad(unit, grad)
             return
         if not self.deferred and self._assisted(unit):     # [Note: assisted updates in the backward]
+            self._flag_nonfinite(unit, grad)
             self._begin_applying()
             self._assist_in_backward(unit, grad)
             return
         if self.ranks.many:
             grad = self._reduce_scatter(unit)
+        if not self.deferred:
+            self._flag_nonfinite(unit, grad)      # the gradient its update takes: this rank's shard
         host = self._host_grads.get(id(unit))
         fresh_host = host is not None and unit.host_grad_fresh
         if fresh_host:     # the whole gradient goes straight into the unit's host buffer; its norm is taken here
@@ -1266,9 +1279,60 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._begin_applying()   # this block is updated now, while the backward goes on
             unit.updated.clear()
             self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True,
-                                                 cast16=self._cast16_label(unit)),
+                                                 cast16=self._cast16_label(unit), flag=unit.index + 1),
                                self._priority(unit), label=f"adamw[{unit.name}]",
                                ready=None if unit.swap else done.query)     # [Note: ready tasks first]
+
+    # [Note: non-finite gradients without a norm]
+    # With clipping (or fp16) every update waits for the global norm, and a non-finite one refuses the step (or
+    # skips it) before anything is applied. Without them the CPU updates each block as its gradient comes down,
+    # during the backward, and a non-finite gradient would be applied, making every weight non-finite. So each
+    # unit's gradient is summed on the device as it is handed over (a sum is non-finite if an element is, or if
+    # the gradient is too large to sum: then too it is refused), into the step's running count, a snapshot of
+    # which goes down with the gradient (``_bad_dev`` -> ``_bad_host``, one element). An update runs only if
+    # nothing up to and including its unit was non-finite: the CPU worker reads the flag after the download it
+    # waits for anyway; a device update takes it as the fused kernel's ``found_inf`` (torch's GradScaler
+    # protocol: the state stays as it is). The units updated at the step's end, on the device, run only after
+    # the host has read the step's count (one device sync, before their AdamW kernels are enqueued). A step
+    # with a non-finite gradient is then refused with FloatingPointError, every weight and moment as before it,
+    # like a clipped step's; only when a non-finite gradient comes after blocks were updated (the loss finite,
+    # a gradient of an early block overflowing) is the state torn, and the engine fails (EngineFailedError,
+    # [Note: failure semantics]). Cost: a read of each gradient on the device, which a norm would read too.
+
+    def _flag_nonfinite(self, unit: Unit, grad: torch.Tensor) -> None:
+        """Count ``grad`` (on the device, compute stream) into the step's running count of non-finite gradients
+        and snapshot the count for ``unit``: [Note: non-finite gradients without a norm]."""
+        bad = torch.isfinite(grad.sum()).logical_not()
+        torch.maximum(self._bad_run, bad.to(self._bad_run.dtype), out=self._bad_run)
+        k = unit.index + 1
+        self._bad_dev[k:k + 1].copy_(self._bad_run.view(1))
+
+    def _refuse_nonfinite(self, host_units: list[Unit], device_units: list[Unit], shell_assisted: bool) -> None:
+        """A step with a non-finite gradient and no norm ([Note: non-finite gradients without a norm]): refused,
+        every weight and moment as before it, or, when some units took its update, torn (the engine fails)."""
+        self.worker.drain()            # every update task of the step ran (or skipped)
+        self.dev.synchronize()
+        flags = self._bad_dev.to("cpu")
+        applied = [u for u in host_units if not flags[u.index + 1]]
+        if self.ranks.many:     # every rank decides alike
+            torn = bool(self.ranks.all_reduce(torch.tensor([float(len(applied))], device=self.dev.device)).item())
+        else:
+            torn = bool(applied)
+        for u in host_units:    # the device's updates in the backward counted their step on the host first
+            if flags[u.index + 1] and (self._assisted(u) or (u is self.shell and shell_assisted)):
+                u.step.sub_(1)
+        order = [*reversed(host_units), *device_units]       # the order the backward handed the gradients over
+        first = next((u.name for u in order if flags[u.index + 1]), None)
+        where = f"first at {first}" if first else "on another rank"
+        msg = (f"non-finite gradients at step {self.global_step} ({where}; no gradient clipping, so no norm "
+               "was taken)")
+        if torn:
+            raise FloatingPointError(f"{msg}, after {len(applied)} units took the step's update: the state is "
+                                     "torn. Resume from the last checkpoint (and lower the learning rate, or set "
+                                     "gradient_clipping)")
+        self._end_applying()      # nothing was applied: the step is dropped as before its updates
+        raise FloatingPointError(f"{msg}: the step was not applied, every weight and moment is as before it. "
+                                 "Lower the learning rate, check the data, or set gradient_clipping")
 
     def _keep_grad_shard(self, unit: Unit) -> None:
         """[Note: sharded device state] (FULL_SHARD, no offload): the block's gradient is reduce-scattered and this
@@ -1307,6 +1371,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 dst.narrow(0, 0, grad.numel()).copy_(grad, non_blocking=True)
                 if block_sq is not None:
                     self._block_sq[unit.index:unit.index + 1].copy_(block_sq.view(1), non_blocking=True)
+                if not self.deferred:      # [Note: non-finite gradients without a norm]
+                    k = unit.index + 1
+                    self._bad_host[k:k + 1].copy_(self._bad_dev[k:k + 1], non_blocking=True)
             done = self.dev.record(self.dev.download)
         if unit.grad_slot is not None:
             unit.grad_slot.free_event = done
@@ -1427,13 +1494,18 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._tier.expect([u.index for u in units if u.swap])
 
     def _task_update(self, unit: Unit, grad: torch.Tensor, event, hypers: tuple[Hyper, ...], factor: float,
-                     release: bool, cast16=None, split: bool = False):
+                     release: bool, cast16=None, split: bool = False, flag: int | None = None):
         """The worker's AdamW step of a host unit; with ``cast16`` (a label: _cast16_label) its new weights are
         then cast into its 16-bit host copy ([Note: 16-bit copies after the update]). ``split``: the step's first
         pass only, the caller queues the second (_task_moments); with ``cast16`` too, that first pass writes the
         cast alone ([Note: the master behind its cast])."""
         def run():
             wait_event(event)       # [Note: the worker's waits]
+            if flag is not None and float(self._bad_host[flag]):    # [Note: non-finite gradients without a norm]
+                if release:
+                    self._give_staging(grad)
+                unit.updated.set()
+                return
             g = grad.narrow(0, 0, unit.hi - unit.lo) if grad is not None else None
             if split and cast16 is not None:
                 self._apply(unit, g, [(hypers, factor, False)], part="cast")
@@ -1543,6 +1615,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _discard_grads(self, host_units: list[Unit]) -> None:
         """Forget this step's gradients (a skipped step): the next writes start fresh."""
+        self._bad_run.zero_()       # [Note: non-finite gradients without a norm]
+        self._bad_dev.zero_()
         for u in self.units:
             u.grad_fresh = True
             if u.optimizer_on_device and u.grad is not None:
@@ -1585,6 +1659,12 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                         dev_grads[id(u)] = self._reduce_scatter(u)
                     else:
                         self.ranks.all_reduce(u.grad)
+        if not self.deferred:     # [Note: non-finite gradients without a norm]
+            for u in device_units:
+                self._flag_nonfinite(u, dev_grads.get(id(u), u.grad))
+            bad = self.ranks.all_reduce(self._bad_run.reshape(1).clone()) if self.ranks.many else self._bad_run
+            if float(bad):        # a device sync, before the device's AdamW kernels are enqueued
+                self._refuse_nonfinite(host_units, device_units, shell_assisted)
         if self._needs_norm:
             sq = [torch.linalg.vector_norm(u.grad, dtype=torch.float64) ** 2 for u in device_units
                   if not u.shard_state]

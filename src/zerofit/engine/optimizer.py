@@ -43,13 +43,14 @@ class Hyper:
 
 
 def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               step: torch.Tensor, h: Hyper, factor: float = 1.0) -> None:
+               step: torch.Tensor, h: Hyper, factor: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step on flat fp32 tensors (``step`` is incremented), as ``torch.optim.AdamW(fused=True)``,
     on the gradient times ``factor`` (clipping, fp16 unscaling; ``grad`` is left scaled).
 
     On the host the factor rides in the fused kernel (as its ``grad_scale``, 1/factor): one pass over the
     state instead of two, the binding resource of a clipped step being host memory bandwidth. A separate
-    multiply on the device, where it is cheap."""
+    multiply on the device, where it is cheap. ``found_inf``: a () fp32 tensor on ``master``'s device; when it is
+    nonzero the kernel leaves master, moments and ``step`` as they are (torch's own GradScaler protocol)."""
     scale = None
     if factor != 1.0:
         if grad.is_cuda:
@@ -58,13 +59,13 @@ def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
             scale = torch.tensor(1.0 / factor, dtype=torch.float32)
     adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=True, amsgrad=False,
           beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False,
-          grad_scale=scale, found_inf=None)
+          grad_scale=scale, found_inf=found_inf)
 
 
 def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                step: torch.Tensor, hypers: tuple[Hyper, ...], factor: float = 1.0, *, start: int = 0,
                inverse: bool = False, part: str | None = None, out16: torch.Tensor | None = None,
-               threads: int | None = None) -> None:
+               threads: int | None = None, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step (``inverse``: its undoing, :func:`adamw_rollback`) on a unit's state, each parameter group
     with its own hyperparameters. Every update and rollback of the engine goes through here.
 
@@ -82,7 +83,7 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     (the new master) then "moments"; or, [Note: the master behind its cast], "cast" (the new master cast into
     ``out16``, the unit's 16-bit copy over the same elements, the master left as it was) then "rest" (moments
     and master). The first pass counts the step. ``threads``: the second pass's ([Note: threads for the rest
-    pass])."""
+    pass]). ``found_inf`` (one pass, not inverse): see adamw_flat; the unit's ``step`` then stays too."""
     if inverse and factor != 1.0:
         raise ValueError("a rollback undoes an update taken with factor 1 (a speculative update)")
 
@@ -97,7 +98,7 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
         elif part in ("moments", "rest"):
             split_adamw.rest_pass(p, g, m, v, s, h, factor, with_master=part == "rest", threads=threads)
         else:
-            adamw_flat(p, g, m, v, s, h, factor)
+            adamw_flat(p, g, m, v, s, h, factor, found_inf=found_inf)
 
     if len(unit.segments) == 1:
         run(master, grad, exp_avg, exp_avg_sq, step, hypers[unit.segments[0].group], out16)
@@ -109,7 +110,7 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
             run(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step.clone(), hypers[seg.group],
                 None if out16 is None else out16[a:b])
     if part not in ("moments", "rest"):     # the first pass counted the step
-        step.add_(-1 if inverse else 1)
+        step.add_(-1 if inverse else (1 if found_inf is None else 1 - found_inf.to(step.device)))
 
 
 class WorkerError(RuntimeError):

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator,
+                      model_serializer, model_validator)
 
 __all__ = [
     "ConfigError",
@@ -42,6 +43,8 @@ __all__ = [
     "show",
     "OptimizerConfig",
     "SchedulerConfig",
+    "OneCycleConfig",
+    "LRRangeTestConfig",
     "LossScaleConfig",
     "OffloadConfig",
     "ZerofitConfig",
@@ -285,12 +288,60 @@ class OptimizerConfig(_Frozen):
         return tuple(float(b) for b in v)
 
 
+class OneCycleConfig(_Frozen):
+    """DeepSpeed's ``OneCycle`` schedule (deepspeed/runtime/lr_schedules.py), its parameters by its names:
+    the lr (and Adam's beta1) cycle between the bounds, then decay ([Note: OneCycle and LRRangeTest],
+    zerofit/optim/schedules.py). Every parameter group gets the same lr, as DeepSpeed sets it."""
+
+    cycle_min_lr: float = Field(ge=0)
+    """lower lr bound of the cycle (the first step's lr)"""
+    cycle_max_lr: float = Field(ge=0)
+    """upper lr bound of the cycle"""
+    decay_lr_rate: float = Field(0.0, ge=0)
+    """after the cycle: lr = cycle_min_lr / (1 + decay_lr_rate * steps / decay_step_size)"""
+    cycle_first_step_size: float = Field(2000.0, gt=0)
+    """optimizer steps of the rising half of the cycle"""
+    cycle_second_step_size: float | None = Field(None, ge=0)
+    """optimizer steps of the falling half; None = cycle_first_step_size"""
+    cycle_first_stair_count: int = Field(0, ge=0)
+    """stairs in the rising half (the lr held flat between them); 0 = continuous"""
+    cycle_second_stair_count: int | None = Field(None, ge=0)
+    """stairs in the falling half; None = cycle_first_stair_count"""
+    decay_step_size: float = Field(0.0, ge=0)
+    """interval of the post-cycle decay; 0 = no decay (the lr stays at cycle_min_lr)"""
+    cycle_momentum: bool = True
+    """cycle Adam's beta1 inversely to the lr between cycle_max_mom and cycle_min_mom, with beta2 0.99 (what
+    DeepSpeed writes into the optimizer's betas); False keeps the optimizer's betas"""
+    cycle_min_mom: float = Field(0.8, ge=0, lt=1)
+    """lower beta1 bound (the first step's beta1)"""
+    cycle_max_mom: float = Field(0.9, ge=0, lt=1)
+    """upper beta1 bound"""
+    decay_mom_rate: float = Field(0.0, ge=0)
+    """after the cycle: beta1 = cycle_max_mom * (1 + decay_mom_rate * steps / decay_step_size)"""
+
+
+class LRRangeTestConfig(_Frozen):
+    """DeepSpeed's ``LRRangeTest`` schedule: the lr grows from ``min_lr`` by ``step_rate`` per ``step_size``
+    steps, ``min_lr * (1 + step_rate * steps / step_size)`` (floored to whole intervals when ``staircase``).
+    Every parameter group gets the same lr, as DeepSpeed sets it."""
+
+    min_lr: float = Field(1e-3, ge=0)
+    """the first step's lr (DeepSpeed's lr_range_test_min_lr)"""
+    step_size: int = Field(2000, ge=1)
+    """optimizer steps per interval (lr_range_test_step_size)"""
+    step_rate: float = Field(1.0, ge=0)
+    """growth per interval, as a multiple of min_lr (lr_range_test_step_rate)"""
+    staircase: bool = False
+    """grow in whole intervals instead of continuously (lr_range_test_staircase)"""
+
+
 class SchedulerConfig(_Frozen):
     """Learning-rate schedule; ``lr(step)`` is computed by :func:`zerofit.optim.schedules.lr_at`."""
 
-    type: Literal["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
-                  "hf_constant", "hf_constant_with_warmup", "hf_linear", "hf_cosine"] = "constant"
-    """constant/linear/cosine: zerofit's schedules; Warmup*: DeepSpeed's, with DeepSpeed's formulas; hf_*:
+    type: Literal["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                  "LRRangeTest", "hf_constant", "hf_constant_with_warmup", "hf_linear", "hf_cosine"] = "constant"
+    """constant/linear/cosine: zerofit's schedules; Warmup*, OneCycle, LRRangeTest: DeepSpeed's, with DeepSpeed's
+    formulas (OneCycle's and LRRangeTest's parameters in ``one_cycle`` / ``lr_range_test``); hf_*:
     transformers' get_scheduler ("constant", "constant_with_warmup", "linear", "cosine"), with its formulas
     (zerofit.hf maps TrainingArguments.lr_scheduler_type onto them)"""
     warmup_steps: int = Field(0, ge=0)
@@ -308,6 +359,30 @@ class SchedulerConfig(_Frozen):
     """final lr / peak lr (linear, cosine; WarmupCosineLR's ``cos_min_ratio``)"""
     warmup_min_ratio: float = Field(0.0, ge=0, le=1)
     """WarmupCosineLR: lr at the start of warm-up / peak lr"""
+    one_cycle: OneCycleConfig | None = None
+    """OneCycle's parameters (required with type OneCycle, and only then)"""
+    lr_range_test: LRRangeTestConfig | None = None
+    """LRRangeTest's parameters (type LRRangeTest; None there = DeepSpeed's defaults)"""
+
+    @model_validator(mode="after")
+    def _parameters_of_the_type(self):
+        if self.type == "OneCycle" and self.one_cycle is None:
+            raise ConfigError("one_cycle", "OneCycle's parameters (at least cycle_min_lr and cycle_max_lr)",
+                              "nothing", "DeepSpeed's OneCycle requires cycle_min_lr and cycle_max_lr")
+        for name, kind in (("one_cycle", "OneCycle"), ("lr_range_test", "LRRangeTest")):
+            if getattr(self, name) is not None and self.type != kind:
+                raise ConfigError(name, f"nothing unless scheduler.type is {kind!r}",
+                                  f"{name} with type {self.type!r}", f"set type {kind!r} or remove {name}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_unused_parameters(self, handler: SerializerFunctionWrapHandler):
+        """The dump leaves out the parameters of schedules not in use (as configs written before they existed)."""
+        out = handler(self)
+        for name in ("one_cycle", "lr_range_test"):
+            if out.get(name) is None:
+                out.pop(name, None)
+        return out
 
 
 class LossScaleConfig(_Frozen):
@@ -465,8 +540,12 @@ class ZerofitConfig(_Frozen):
     """bytes of host memory the engine may use (accepts '64GiB'); None = what the machine has"""
     seed: int = Field(0, ge=0)
     """random seed for initialisation, dropout and data order"""
-    steps_per_print: int = Field(10, ge=1)
-    """log every N optimizer steps"""
+    steps_per_print: int | None = Field(10, ge=1)
+    """log every N optimizer steps (engine.steps_per_print()); None: never (a DeepSpeed config without the key)"""
+    managed_gradient_accumulation: bool = True
+    """the DeepSpeed-shaped loop (DeepSpeed's key): True, engine.step() steps at every
+    gradient_accumulation_steps-th micro-batch; False, every engine.step() after a backward() is the
+    accumulation boundary, whatever the count so far (at most gradient_accumulation_steps micro-batches)"""
     wall_clock_breakdown: bool = False
     """print where the step's time went every steps_per_print steps"""
     sharding: Literal["auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "auto"

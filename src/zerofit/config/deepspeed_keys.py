@@ -277,6 +277,9 @@ _ZERO = Section({
     "stage3_partition_stream_chunk_size": _na(Int(0), _BUCKETS, aliases=("partition_stream_chunk_size",)),
     "sub_group_size": _na(Int(0), "zerofit's optimizer steps one block at a time", auto=True),
     "contiguous_gradients": _na(Bool(), "zerofit keeps each block's gradients in one flat buffer"),
+    "parameter_alignment": _na(Bool(), "zerofit keeps each block's parameters in one flat buffer"),
+    "compute_grad_norm": _na(Bool(), "zerofit computes the global gradient norm where a step needs it (clipping, "
+                                     "fp16): engine.get_global_grad_norm() is None otherwise"),
     "overlap_comm": _na(Bool(nullable=True), _COMM),
     "reduce_scatter": _na(Bool(), _COMM),
     "reduce_bucket_size": _na(Int(0), _BUCKETS, auto=True),

@@ -100,7 +100,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             settings = [GroupSettings.of(opt, g["params"], **{k: v for k, v in g.items() if k != "params"})
                         for g in groups]
         engine._configure_deepspeed(settings, collate_fn, dataloader_drop_last(raw), training_data)
-        if lr_scheduler is not None:
+        sched = engine.config.scheduler
+        if lr_scheduler is not None or (torch_optimizer is not None and sched.type == "constant"
+                                        and sched.warmup_steps == 0):
+            # [Note: a client scheduler drives the engine's lr]: as DeepSpeed, the engine applies the client
+            # optimizer's param_groups (unless the config's schedule sets them)
             from zerofit.optim.client_schedule import attach
 
             attach(engine, lr_scheduler, torch_optimizer)

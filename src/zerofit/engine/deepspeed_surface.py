@@ -25,6 +25,7 @@ import os
 import weakref
 from dataclasses import dataclass
 
+import torch
 from torch.utils.data import DataLoader
 
 log = logging.getLogger("zerofit")
@@ -205,6 +206,14 @@ class DeepSpeedSurface:
         if inputs:
             raise TypeError(f"engine(...) takes the micro-batch as keyword arguments, engine(**batch) (input_ids=..., "
                             f"labels=..., attention_mask=...); got {len(inputs)} positional argument(s)")
+        G = self.config.gradient_accumulation_steps
+        if not self.config.managed_gradient_accumulation and self._micro_steps >= G and torch.is_grad_enabled() \
+                and self._model.training:
+            raise DeepSpeedUnsupported(
+                f"engine(**batch): micro-batch {G + 1} before engine.step() with managed_gradient_accumulation false: "
+                f"zerofit's window holds at most gradient_accumulation_steps ({G}) micro-batches (their block "
+                f"checkpoints wait on the device for the blocks' backward). Call engine.step() after at most {G} "
+                "backward() calls, or raise gradient_accumulation_steps")
         return super().__call__(**batch)
 
     def forward(self, *inputs, **batch):
@@ -217,15 +226,9 @@ class DeepSpeedSurface:
             raise DeepSpeedUnsupported("engine.backward(retain_graph=True): zerofit frees each block's graph as it "
                                        "goes (it recomputes blocks from checkpoints), so a second backward through "
                                        "the same forward is not possible; run the forward again")
-        G = self.config.gradient_accumulation_steps
-        if not self.config.managed_gradient_accumulation and self._micro_steps >= G:
-            raise DeepSpeedUnsupported(
-                f"engine.backward(): a {G + 1}th micro-batch before engine.step() with managed_gradient_accumulation "
-                f"false: zerofit's window holds at most gradient_accumulation_steps ({G}) micro-batches (their block "
-                "checkpoints stay on the device until the blocks' backward). Call engine.step() after at most "
-                f"{G} backward() calls, or raise gradient_accumulation_steps")
         super().backward(loss, scale_wrt_gas=scale_wrt_gas)
         self._ds_unstepped = self._micro_steps
+        G = self.config.gradient_accumulation_steps
         out = loss.detach().float()
         return out / G if G > 1 and scale_wrt_gas else out
 
@@ -361,12 +364,13 @@ class DeepSpeedSurface:
 
     def _views(self):
         views = self.__dict__.get("_ds_views")
-        if views is None or (self._client_schedule is not None and views[1] is not self._client_schedule.scheduler):
+        client = self._client_schedule
+        if views is None or (client is not None and views[1] is not client.scheduler):
             opt = OptimizerView(self, self._ds_groups or (GroupSettings.of(self.config.optimizer, None),))
             sched = self.config.scheduler
             identity = sched.type == "constant" and sched.warmup_steps == 0
-            if self._client_schedule is not None:      # DeepSpeed returns the client's scheduler itself
-                views = (opt, self._client_schedule.scheduler)
+            if client is not None:      # DeepSpeed returns the client's scheduler itself (None without one)
+                views = (opt, client.scheduler)
             else:
                 views = (opt, None if identity else SchedulerView(self, opt))
             self.__dict__["_ds_views"] = views

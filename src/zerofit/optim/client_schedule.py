@@ -61,7 +61,8 @@ class ClientSchedule:
     optimizer: torch.optim.Optimizer
     """the carrier: one param group per engine group, in the engine's order; never stepped"""
     scheduler: Any
-    """the user's scheduler (torch's LRScheduler, DeepSpeed's own, anything with step()) over ``optimizer``"""
+    """the user's scheduler (torch's LRScheduler, DeepSpeed's own, anything with step()) over ``optimizer``;
+    None: a client optimizer alone, whose lrs the user (or a scheduler they step themselves) may change"""
     train_batch_size: int
     """passed to a ``step`` that needs an argument, as DeepSpeed does (its TypeError fallback)"""
     stepped: int = 0
@@ -104,6 +105,8 @@ class ClientSchedule:
 
     def catch_up(self, engine, lr_kwargs: dict | None = None) -> None:
         """Step the scheduler once per applied optimizer step it has not seen (one, after engine.step())."""
+        if self.scheduler is None:
+            self.stepped = engine.global_step
         while self.stepped < engine.global_step:
             self.optimizer._opt_called = True    # torch's order check: the engine took the optimizer's step
             step = self.scheduler.step
@@ -120,7 +123,7 @@ class ClientSchedule:
     def state_bytes(self, engine) -> bytes:
         self.catch_up(engine)
         state = getattr(self.scheduler, "state_dict", None)
-        if state is None:
+        if state is None and self.scheduler is not None:
             log.warning("zerofit: the client lr_scheduler (%s) has no state_dict(): a resumed run replays it from "
                         "the start to the checkpoint's step", type(self.scheduler).__name__)
         buf = io.BytesIO()
@@ -144,11 +147,11 @@ class ClientSchedule:
                                       f"{len(self.optimizer.param_groups)}")
         for g, s in zip(self.optimizer.param_groups, groups):
             g.update(s)
-        if saved["scheduler"] is not None:
+        if saved["scheduler"] is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
             self.stepped = int(saved["stepped"])
         else:
-            self.stepped = 0
+            self.stepped = 0 if self.scheduler is not None else global_step
 
 
 def _needs_argument(step) -> bool:
@@ -185,8 +188,9 @@ def engine_hypers(engine) -> tuple[Hyper, ...] | None:
 # ---------------------------------------------------------------------------------------------- attaching
 
 def attach(engine, lr_scheduler, client_optimizer: torch.optim.Optimizer | None) -> ClientSchedule:
-    """Build the :class:`ClientSchedule` of ``lr_scheduler`` (a scheduler over ``client_optimizer``, or a
-    callable taking the optimizer) for ``engine``, and attach it (``engine._client_schedule``)."""
+    """Build the :class:`ClientSchedule` of ``lr_scheduler`` (a scheduler over ``client_optimizer``, a callable
+    taking the optimizer, or None: the client optimizer's own lrs) for ``engine``, and attach it
+    (``engine._client_schedule``)."""
     carrier = client_optimizer if client_optimizer is not None else _carrier(engine)
     if len(carrier.param_groups) != len(engine.param_groups):
         raise ClientScheduleError(f"the client optimizer has {len(carrier.param_groups)} param groups and the "
@@ -194,7 +198,16 @@ def attach(engine, lr_scheduler, client_optimizer: torch.optim.Optimizer | None)
     params = dict(engine._model.named_parameters())
     for g, zg in zip(carrier.param_groups, engine.param_groups):
         g["params"] = [params[n] for n in zg.names]     # the engine's own tensors: the originals are released
-    if callable(lr_scheduler):       # DeepSpeed: isinstance(client_lr_scheduler, Callable) -> call it
+    carrier._opt_called = True      # torch's order check (a scheduler stepped by the script): the engine steps it
+    if lr_scheduler is None:
+        if any("initial_lr" in g and g["initial_lr"] != g["lr"] for g in carrier.param_groups):
+            log.warning("zerofit: a scheduler built over the client optimizer has changed its lr (initial_lr %s, "
+                        "lr now %s) and was not passed to initialize(): as DeepSpeed, the engine applies the "
+                        "param_groups' lr, which follows that scheduler only if the script steps it; pass it as "
+                        "lr_scheduler=... to have engine.step() step it",
+                        [g.get("initial_lr") for g in carrier.param_groups], [g["lr"] for g in carrier.param_groups])
+        scheduler = None
+    elif callable(lr_scheduler):       # DeepSpeed: isinstance(client_lr_scheduler, Callable) -> call it
         kind = getattr(lr_scheduler, "__name__", type(lr_scheduler).__name__)
         scheduler = lr_scheduler(carrier)
         if scheduler is None or not callable(getattr(scheduler, "step", None)):
@@ -202,7 +215,7 @@ def attach(engine, lr_scheduler, client_optimizer: torch.optim.Optimizer | None)
                                       "not a scheduler with step(); return one built over the optimizer it is given")
     else:
         scheduler = lr_scheduler
-    if getattr(scheduler, "optimizer", None) is not carrier:
+    if scheduler is not None and getattr(scheduler, "optimizer", None) is not carrier:
         raise ClientScheduleError(
             f"lr_scheduler={type(scheduler).__name__} is not over the optimizer zerofit reads its learning rates "
             "from (" + ("the optimizer passed to initialize" if client_optimizer is not None else

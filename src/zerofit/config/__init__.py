@@ -25,7 +25,9 @@ from zerofit.config.deepspeed import KeyReport, is_deepspeed_config, translate
 from zerofit.config.schema import (
     ConfigError,
     LossScaleConfig,
+    LRRangeTestConfig,
     OffloadConfig,
+    OneCycleConfig,
     OptimizerConfig,
     Problem,
     SchedulerConfig,
@@ -44,6 +46,8 @@ __all__ = [
     "ZerofitConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "OneCycleConfig",
+    "LRRangeTestConfig",
     "LossScaleConfig",
     "OffloadConfig",
     "load_config",

@@ -457,9 +457,10 @@ class ParamGroup(dict):
 
     def _refuse(self, *args, **kwargs):
         raise DeepSpeedUnsupported(
-            "optimizer.param_groups is read-only in zerofit: the engine computes each step's lr from the config's "
-            "optimizer and scheduler blocks (WarmupLR, WarmupDecayLR, WarmupCosineLR) and would not see a change "
-            "made here; set them in the config instead")
+            "optimizer.param_groups is read-only in zerofit here: the engine computes each step's lr from the "
+            "config's optimizer and scheduler blocks and would not see a change made here; set them in the config, "
+            "or pass initialize() a torch optimizer (and lr_scheduler=...), whose param_groups the engine reads at "
+            "every step")
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 

@@ -347,3 +347,25 @@ def test_client_schedulers_zerofit_cannot_follow_are_refused():
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['betas'\] is \(0\.9, 1\.5\)"):
         engine.get_mom()
     engine.close()
+
+
+def test_a_skipped_fp16_step_does_not_step_the_scheduler():
+    """DeepSpeed steps the scheduler only after an applied step: an fp16 step skipped for overflow (the first
+    ones, at a loss scale of 2**18) leaves it where it is, and the applied steps take its lrs in order."""
+    torch.manual_seed(0)
+    model = tm.PlainLM()
+    opt = _adamw(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_decay)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, device="cpu", config=_config(
+        1, fp16={"enabled": True, "initial_scale_power": 18, "hysteresis": 1}))
+    applied = []
+    for mb in tm.batches(8, 1):
+        lr = engine.get_lr()[0]
+        engine.backward(loss_of(engine(**mb[0])))
+        engine.step()
+        if engine.was_step_applied():
+            applied.append(lr)
+        assert sched.last_epoch == engine.global_step
+    assert engine.skipped_steps > 0 and engine.global_step > 2
+    assert applied == [LR * _warmup_decay(s) for s in range(engine.global_step)]
+    engine.close()

@@ -278,3 +278,45 @@ def test_a_deepspeed_config_without_gradient_clipping_clips_at_one():
         torch.testing.assert_close(master[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     assert max(abs(a - b) for a, b in zip(losses, off)) > 1e-3      # unclipped differs far beyond rounding
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_loss_scale_config_follows_deepspeeds_arithmetic(stage):
+    """optimizer.loss_scale_config (DeepSpeed's FP16 optimizer's) through a run of clean and overflowing steps.
+    Without ZeRO the scale halves at every overflow and stays at min_loss_scale, skipping (DeepSpeed's own
+    FP16_Optimizer._update_scale on its own LossScaleConfig is the reference); with ZeRO the hysteresis absorbs
+    the first overflow, as DeepSpeed's DynamicLossScaler does."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig, LossScaleProfile
+
+    fp16 = {"enabled": True, "initial_scale_power": 3, "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 2}
+    config = {"train_micro_batch_size_per_gpu": 1, "fp16": fp16, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    torch.manual_seed(0)
+    engine, optimizer, _, _ = zdeepspeed.initialize(model=tm.PlainLM(), config=config, device="cpu")
+    scale = optimizer.loss_scale_config
+    assert (scale.use_grad_scaling, scale.dynamic_loss_scale, scale.cur_scale, scale.scale_window,
+            scale.min_loss_scale) == (True, True, 8.0, 2, 2.0)
+    theirs = LossScaleConfig(low_precision_dtype=torch.float16, dynamic_loss_scale=True, static_loss_scale=0,
+                             dynamic_loss_args=DeepSpeedFP16Config(**fp16).dynamic_loss_scale_args(),
+                             profile=LossScaleProfile.FUSED, initial_dynamic_scale=2.0 ** 3)
+    ds_optimizer = SimpleNamespace(loss_scale_config=theirs, verbose=False)
+    overflows = [True, False, False, False, True, True, True, True, False]
+    scales = []
+    for overflow, mb in zip(overflows, tm.batches(len(overflows), 1)):
+        loss = loss_of(engine(**mb[0]))
+        engine.backward(loss * float("inf") if overflow else loss)
+        engine.step()
+        assert engine.was_step_applied() == (not overflow)
+        scales.append(scale.cur_scale)
+        if stage == 0:
+            FP16_Optimizer._update_scale(ds_optimizer, overflow)
+            assert (scale.cur_scale, scale.cur_iter, scale.last_overflow_iter) == (
+                theirs.cur_scale, theirs.cur_iter, theirs.last_overflow_iter)
+    if stage == 0:
+        assert scales == [4.0, 4.0, 4.0, 8.0, 4.0, 2.0, 2.0, 2.0, 2.0]     # down at once, floored at the minimum
+    else:
+        assert scales[:4] == [8.0, 8.0, 8.0, 16.0] and scale.cur_hysteresis is not None
+    engine.close()

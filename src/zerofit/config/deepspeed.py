@@ -258,7 +258,7 @@ def translate(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
     _refuse_unsupported(v)
     _batch(v, world_size, fields, notes, origin)
     fields["precision"] = _precision(v, notes)
-    fields["fp16"] = _loss_scale(v, origin)
+    fields["fp16"] = _loss_scale(v, fields["precision"], notes, origin)
     fields["optimizer"] = _optimizer(v, notes, origin, extra)
     if "scheduler" in v:
         fields["scheduler"] = _scheduler(v, fields["optimizer"], notes, origin)
@@ -349,12 +349,20 @@ def _precision(v: _Values, notes: dict) -> str:
     return precision
 
 
-def _loss_scale(v: _Values, origin: dict) -> dict:
+def _loss_scale(v: _Values, precision: str, notes: dict, origin: dict) -> dict:
     out = {}
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "consecutive_hysteresis", "min_loss_scale"):
         out[key] = v.get(f"fp16.{key}", default(f"fp16.{key}"))
         origin[f"fp16.{key}"] = v.name(f"fp16.{key}")
+    if precision == "fp16" and v.get("zero_optimization.stage", default("zero_optimization.stage")) == 0:
+        # [Note: fp16 without ZeRO] (optim/loss_scaler.py): DeepSpeed's FP16_Optimizer has no hysteresis
+        out.update(hysteresis=1, consecutive_hysteresis=False, raise_at_min_scale=False)
+        notes["fp16.enabled"] = ("true -> precision fp16; without ZeRO (stage 0) as DeepSpeed's FP16_Optimizer: the "
+                                 "scale halves at every overflow (no hysteresis) and stays at min_loss_scale")
+        for key in ("hysteresis", "consecutive_hysteresis"):
+            if f"fp16.{key}" in v:
+                notes[f"fp16.{key}"] = "not used without ZeRO (stage 0): DeepSpeed's FP16_Optimizer has no hysteresis"
     return out
 
 

@@ -336,6 +336,9 @@ class LossScaleConfig(_Frozen):
     """refill the hysteresis on every clean step instead of only when the scale grows"""
     min_loss_scale: float = Field(1.0, gt=0)
     """floor of the dynamic scale; another overflow there stops the run with LossScaleUnderflowError"""
+    raise_at_min_scale: bool = True
+    """False: an overflow at min_loss_scale skips the step and keeps the scale, as DeepSpeed's ZeRO stage 0 fp16
+    optimizer does (a DeepSpeed config without ZeRO reads to False, with hysteresis 1)"""
 
 
 class OffloadConfig(_Frozen):

@@ -515,6 +515,14 @@ class OptimizerView:
 
     cur_scale = loss_scale
 
+    @property
+    def loss_scale_config(self):
+        """DeepSpeed's ``optimizer.loss_scale_config`` (its FP16 optimizer's): the fp16 scale, its window, its
+        counters, read live from the engine's scaler ([Note: fp16 without ZeRO], optim/loss_scaler.py)."""
+        from zerofit.optim.loss_scaler import DeepSpeedLossScaleConfig
+
+        return DeepSpeedLossScaleConfig(self._engine.scaler)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """A no-op: gradients live in the engine, which starts each accumulation from zero."""
 
@@ -534,8 +542,9 @@ class OptimizerView:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        raise refuse_attribute("optimizer", name, "it offers param_groups, defaults, loss_scale, zero_grad() "
-                                                  "(a no-op); the engine steps and checkpoints the optimizer")
+        raise refuse_attribute("optimizer", name, "it offers param_groups, defaults, loss_scale, loss_scale_config, "
+                                                  "zero_grad() (a no-op); the engine steps and checkpoints the "
+                                                  "optimizer")
 
     def __repr__(self) -> str:
         return f"zerofit AdamW view ({len(self._groups)} group(s), lr {self._lrs()})"

@@ -21,6 +21,11 @@ next step. ``engine.get_lr()``, ``optimizer.param_groups`` and the scheduler's o
 report the carrier's values, the ones applied. The carrier's groups are re-pointed at the engine's
 parameters, so the model's original tensors are not kept alive by it.
 
+A client optimizer without ``lr_scheduler`` and without a schedule in the config is a carrier too, with no
+scheduler: as in DeepSpeed, whose optimizer *is* the client's, a change to its ``param_groups`` (by the
+script, or by a scheduler the script steps itself) applies from the next step. With a config schedule the
+engine's own rule sets the lr (DeepSpeed's config scheduler would overwrite the groups at every step).
+
 Checkpoints: ``scheduler.state_dict()`` and the carrier's group settings go into the side file
 :data:`LR_SCHEDULER` of ``engine.save_checkpoint``; ``load_checkpoint`` restores both (a scheduler's
 ``load_state_dict`` does not touch its optimizer's lrs), so a resumed run applies the same lr at every step.

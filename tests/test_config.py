@@ -204,7 +204,7 @@ def test_hugging_face_recipe_auto_resolution():
     c = loaded.config
     assert (c.train_batch_size, c.micro_batch_size, c.gradient_accumulation_steps) == (4, 1, 1)
     assert c.precision == "bf16"  # fp16.enabled "auto" and no explicit choice: zerofit's bf16
-    assert c.gradient_clipping == 0.0
+    assert c.gradient_clipping == 1.0     # "auto": DeepSpeed's default (and transformers' max_grad_norm)
     assert c.optimizer == ZerofitConfig().optimizer
     assert (c.scheduler.type, c.scheduler.warmup_min_lr, c.scheduler.warmup_max_lr, c.scheduler.warmup_steps,
             c.scheduler.total_steps) == ("WarmupDecayLR", 0.0, None, 0, None)
@@ -476,7 +476,8 @@ def test_scheduler_mapping():
                        ).config.scheduler.min_lr_ratio == 0.0001
     err = _error({"scheduler": {"type": "WarmupDecayLR", "params": {}}})
     assert err.field == "scheduler.params.total_num_steps"
-    assert _error({"scheduler": {"type": "OneCycle", "params": {}}}).field == "scheduler.type"
+    assert _error({"scheduler": {"type": "CyclicLR", "params": {}}}).field == "scheduler.type"
+    assert _error({"scheduler": {"type": "OneCycle", "params": {}}}).field == "scheduler.params.cycle_min_lr"
     assert _error({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5}}}).field == \
         "scheduler.params.last_batch_iteration"
 
@@ -511,7 +512,7 @@ def test_disabled_features_and_sinks_are_reported():
     loaded = load_config({"elasticity": {"enabled": False}, "tensorboard": {"enabled": True, "output_path": "tb"},
                           "flops_profiler": {"enabled": True, "profile_step": 1},
                           "activation_checkpointing": {"partition_activations": True}})
-    assert {k: s for k, s in _statuses(loaded).items() if k != "optimizer"} == {
+    assert {k: s for k, s in _statuses(loaded).items() if k not in ("optimizer", "gradient_clipping")} == {
         "elasticity": "not-applicable", "tensorboard.enabled": "not-applicable",
         "tensorboard.output_path": "not-applicable", "flops_profiler.enabled": "not-applicable",
         "flops_profiler.profile_step": "not-applicable", "activation_checkpointing.partition_activations":
@@ -575,7 +576,8 @@ def test_render_config_and_report():
     loaded = load_config(HF_ZERO3)
     text = render_config(loaded)
     first, rest = text.split("\n", 1)
-    assert first == "zerofit configuration (from deepspeed config <dict>)"
+    assert first == ("zerofit configuration (from deepspeed config <dict>; a key it leaves out takes the defaults "
+                     "of DeepSpeed 0.19.8)")
     body = rest[: rest.index("\nDeepSpeed keys")]
     assert ZerofitConfig.model_validate(json.loads(body)) == loaded.config
     assert "zero_optimization.overlap_comm" in text and "not-applicable" in text

@@ -162,9 +162,12 @@ def deepspeed_configs(draw) -> tuple[dict, int]:
 
     if draw(st.booleans()):
         kind = draw(st.sampled_from(sorted(SCHEDULER_PARAMS)))
-        params = _random_leaves(draw, SCHEDULER_PARAMS[kind], skip={"total_num_steps"})
-        if kind != "WarmupLR":
-            params["total_num_steps"] = draw(st.integers(1, 10**6) | st.just("auto"))
+        required = {"WarmupDecayLR": ["total_num_steps"], "WarmupCosineLR": ["total_num_steps"],
+                    "OneCycle": ["cycle_min_lr", "cycle_max_lr"]}.get(kind, [])
+        params = _random_leaves(draw, SCHEDULER_PARAMS[kind], skip=set(required))
+        for key in required:
+            params[key] = draw(st.integers(1, 10**6) | st.just("auto") if key == "total_num_steps"
+                               else valid_value(SCHEDULER_PARAMS[kind][key].kind))
         cfg["scheduler"] = {"type": kind, "params": params}
 
     stage = draw(st.integers(0, 3))
@@ -386,7 +389,7 @@ _ZF_WRONG = {
     "fp16.consecutive_hysteresis": ["no", 1], "fp16.min_loss_scale": ["1", None],
     "optimizer.lr": ["1e-3", None, True], "optimizer.betas": [[0.9], "0.9", [0.9, 1.0], [0.9, "x"]],
     "optimizer.eps": ["1e-8"], "optimizer.type": ["sgd", 1, None], "optimizer.weight_decay": ["0.1", None],
-    "scheduler.type": ["OneCycle", 1], "scheduler.warmup_steps": ["10", 1.5], "scheduler.total_steps": ["100", 0],
+    "scheduler.type": ["OneCycleLR", 1], "scheduler.warmup_steps": ["10", 1.5], "scheduler.total_steps": ["100", 0],
     "scheduler.warmup_type": ["cosine"], "scheduler.min_lr_ratio": [1.5, "0"],
     "offload.param_device": ["gpu", None, 1], "offload.pin_memory": ["true"], "offload.prefetch_depth": [65, "2"],
     "offload.resident_blocks": ["1", 1.5],

@@ -605,7 +605,7 @@ def test_deepspeed_fixture_config_trains(path):
         assert cfg.gradient_accumulation_steps == ds["gradient_accumulation_steps"]
     if "train_batch_size" in ds:
         assert cfg.train_batch_size == ds["train_batch_size"]
-    assert cfg.gradient_clipping == ds.get("gradient_clipping", 0.0)
+    assert cfg.gradient_clipping == ds.get("gradient_clipping", 1.0)      # DeepSpeed 0.19.8's default
     fp16 = ds.get("fp16", {})
     if fp16.get("enabled"):
         assert cfg.precision == "fp16" and engine.scaler is not None

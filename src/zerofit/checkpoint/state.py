@@ -29,6 +29,7 @@ from zerofit.checkpoint.commit import verify
 from zerofit.checkpoint.model_files import dtype_name, model_side_files
 from zerofit.checkpoint.save import (DEFAULT_SHARD_BYTES, OPTIMIZER_INDEX, WEIGHTS_INDEX, Content, SideFile,
                                      write_checkpoint)
+from zerofit.optim.client_schedule import LR_SCHEDULER
 
 log = logging.getLogger("zerofit")
 
@@ -90,6 +91,9 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     hf = model_side_files(model, getattr(engine, "source_dir", None), torch.float32)
     side = [SideFile(CLIENT_STATE, buf.getvalue()),
             SideFile(ZEROFIT_CONFIG, json.dumps(engine.config.model_dump(mode="json"), indent=2).encode())] + hf
+    schedule = getattr(engine, "_client_schedule", None)     # [Note: a client scheduler drives the engine's lr]
+    if schedule is not None:
+        side.append(SideFile(LR_SCHEDULER, schedule.state_bytes(engine)))
     weights = weight_entries(engine, frozen=not exclude_frozen)
     state = {
         "frozen_excluded": bool(exclude_frozen and engine.frozen),
@@ -140,7 +144,7 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
         raise MissingFileError(folder / OPTIMIZER_INDEX, "this checkpoint has no optimizer state; load it with "
                                                          "load_optimizer_states=False")
     files = {ix: shard_files(folder, record, ix) for ix in indexes}
-    side = [n for n in (CLIENT_STATE, ZEROFIT_CONFIG) if record.file(n) is not None]
+    side = [n for n in (CLIENT_STATE, ZEROFIT_CONFIG, LR_SCHEDULER) if record.file(n) is not None]
     verify(folder, record, [f for ix in indexes for f in [ix, *files[ix]]] + side, workers)
     trained = {p + n: (tuple(s), torch.float32) for u, p in _named_units(engine)
                for n, s in zip(u.layout.names, u.layout.shapes)}
@@ -183,6 +187,7 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
         engine._speculate_next = bool(st["speculate_next"])
     if engine.scaler is not None and st.get("scaler") is not None:
         engine.scaler.load_state_dict(st["scaler"])
+    _restore_client_schedule(engine, folder, LR_SCHEDULER in side)
     rng.restore(st["rng"], engine.dev.device if engine.dev.is_cuda else None)
     return str(folder), client_state
 
@@ -201,6 +206,15 @@ def unit_steps(engine, saved: dict[str, int], folder: Path) -> dict[str, int]:
                                       f"({sorted(counts)}), and this engine cuts the model into {sorted(units)}: load "
                                       "it into an engine built as the one that saved it (the same adapter and model)")
     return dict.fromkeys(units, counts.pop())
+
+
+def _restore_client_schedule(engine, folder: Path, saved: bool) -> None:
+    schedule = getattr(engine, "_client_schedule", None)
+    if schedule is not None:
+        schedule.restore((folder / LR_SCHEDULER).read_bytes() if saved else None, engine.global_step, str(folder))
+    elif saved:
+        log.warning("%s: saved with a client lr_scheduler, loaded into an engine without one: its state is not "
+                    "used", folder)
 
 
 def refresh_after_load(engine) -> None:

@@ -25,7 +25,9 @@ from zerofit.config.deepspeed import KeyReport, is_deepspeed_config, translate
 from zerofit.config.schema import (
     ConfigError,
     LossScaleConfig,
+    LRRangeTestConfig,
     OffloadConfig,
+    OneCycleConfig,
     OptimizerConfig,
     Problem,
     SchedulerConfig,
@@ -44,6 +46,8 @@ __all__ = [
     "ZerofitConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "OneCycleConfig",
+    "LRRangeTestConfig",
     "LossScaleConfig",
     "OffloadConfig",
     "load_config",
@@ -227,6 +231,10 @@ def format_report(report: tuple[KeyReport, ...] | list[KeyReport], *, include_ho
 def render_config(loaded: LoadedConfig) -> str:
     """A readable resolved configuration: the zerofit config as JSON, then the DeepSpeed key report."""
     origin = "defaults" if loaded.source == "<defaults>" else f"{loaded.flavour} config {loaded.source}"
+    if loaded.flavour == "deepspeed":
+        from zerofit.config.deepspeed_keys import DEEPSPEED_VERSION
+
+        origin += f"; a key it leaves out takes the defaults of DeepSpeed {DEEPSPEED_VERSION}"
     lines = [f"zerofit configuration (from {origin})",
              json.dumps(loaded.config.model_dump(mode="json"), indent=2)]
     if loaded.report:

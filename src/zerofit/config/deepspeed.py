@@ -20,11 +20,15 @@ would change the training math if ignored (``elasticity``, ``curriculum_learning
 ``amp`` when enabled) are refused rather than dropped.
 
 Defaults. A key *absent* from a DeepSpeed config takes DeepSpeed's default, as
-DeepSpeed would (``weight_decay`` 0, ``offload_*.device`` ``none``, fp32 when
-neither ``fp16`` nor ``bf16`` is enabled, ``WarmupDecayLR``'s ``warmup_max_lr``
-0.001, ...). Two exceptions, both with no effect on the math: ``pin_memory``
-keeps zerofit's default (on) unless the config sets it, and settings DeepSpeed
-has no default for (no ``optimizer`` section) take zerofit's.
+DeepSpeed 0.19.8 (:data:`~zerofit.config.deepspeed_keys.DEEPSPEED_VERSION`) reads it:
+each key's ``default`` in the table, checked against DeepSpeed's own source by
+``tests/test_deepspeed_defaults.py`` (``gradient_clipping`` 1.0, ``weight_decay`` 0,
+``offload_*.device`` ``none``, fp32 when neither ``fp16`` nor ``bf16`` is enabled,
+``WarmupDecayLR``'s ``warmup_max_lr`` 0.001, ``steps_per_print`` none, ...). Exceptions, none of
+which changes the math: ``aio.block_size`` keeps zerofit's 4 MiB request unless the config
+sets it; settings DeepSpeed has no default for take zerofit's (no ``optimizer`` section:
+DeepSpeed would have no optimizer to step; neither a batch size nor a micro batch size:
+DeepSpeed stops, zerofit takes a micro batch of 1).
 
 ``"auto"`` (accepted where Hugging Face recipes put it) resolves the same way
 every time, to what zerofit would choose on its own:
@@ -35,7 +39,7 @@ key                                             ``"auto"`` becomes
 ``train_batch_size``,                           derived from the other two and ``world_size``;
 ``train_micro_batch_size_per_gpu``,             with fewer than two given: micro batch 1,
 ``gradient_accumulation_steps``                 accumulation 1 (see :func:`~zerofit.config.schema.resolve_batch`)
-``gradient_clipping``                           0.0 (off; zerofit's default)
+``gradient_clipping``                           1.0 (DeepSpeed's default; transformers' max_grad_norm)
 ``optimizer.params.{lr,betas,eps,weight_decay}``  zerofit's defaults: 1e-3, (0.9, 0.999), 1e-8, 0.01
 ``scheduler.params.warmup_min_lr``              0.0
 ``scheduler.params.warmup_max_lr``              the optimizer's lr
@@ -65,23 +69,27 @@ from zerofit.config.schema import (
 __all__ = [
     "KeyReport", "Status", "Key", "Section", "Translation",
     "translate", "from_deepspeed", "is_deepspeed_config", "rename_fields",
-    "DEEPSPEED_KEYS", "ADAM_PARAMS", "SCHEDULER_PARAMS",
+    "DEEPSPEED_KEYS", "ADAM_PARAMS", "SCHEDULER_PARAMS", "DEEPSPEED_VERSION",
 ]
 
 from zerofit.config.deepspeed_keys import (
     ADAM_PARAMS,
     AUTO,
     DEEPSPEED_KEYS,
+    DEEPSPEED_VERSION,
     Key,
     KeyReport,
     MAPPED,
+    NO_DEFAULT,
     SCHEDULER_PARAMS,
+    TORCH_ADAMW_WEIGHT_DECAY,
     Section,
     Status,
     _Bad,
     _KNOWN_PATHS,
     _PLANNER,
     _REFUSED_WHEN_ENABLED,
+    default,
 )
 
 
@@ -250,7 +258,7 @@ def translate(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
     _refuse_unsupported(v)
     _batch(v, world_size, fields, notes, origin)
     fields["precision"] = _precision(v, notes)
-    fields["fp16"] = _loss_scale(v, origin)
+    fields["fp16"] = _loss_scale(v, fields["precision"], notes, origin)
     fields["optimizer"] = _optimizer(v, notes, origin, extra)
     if "scheduler" in v:
         fields["scheduler"] = _scheduler(v, fields["optimizer"], notes, origin)
@@ -259,16 +267,18 @@ def translate(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
         fields["sharding"] = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP"}.get(v.get("zero_optimization.stage", 0), "NO_SHARD")
         origin["sharding"] = v.name("zero_optimization.stage")
 
-    clip = v.get("gradient_clipping", 0.0)
+    clip = v.get("gradient_clipping", default("gradient_clipping"))
     if clip is AUTO:
-        clip = 0.0
-        notes["gradient_clipping"] = "auto -> 0.0 (off, zerofit's default)"
-    fields["gradient_clipping"] = clip
+        clip = default("gradient_clipping")
+        notes["gradient_clipping"] = f"auto -> {clip} (DeepSpeed's default, and transformers' max_grad_norm)"
+    elif "gradient_clipping" not in v:
+        extra.append(KeyReport("gradient_clipping", MAPPED, f"not given: {clip} (DeepSpeed {DEEPSPEED_VERSION}'s "
+                               "default; 0 turns clipping off)"))
+    fields["gradient_clipping"] = float(clip)
     origin["gradient_clipping"] = v.name("gradient_clipping")
-    if v.get("steps_per_print") is not None:
-        fields["steps_per_print"] = v.get("steps_per_print")
-    if "wall_clock_breakdown" in v:
-        fields["wall_clock_breakdown"] = v.get("wall_clock_breakdown")
+    for key in ("steps_per_print", "wall_clock_breakdown", "managed_gradient_accumulation"):
+        fields[key] = v.get(key, default(key))
+        origin[key] = v.name(key)
     for path in ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_max_live_parameters"):
         if v.get(path) is AUTO:
             notes[path] = "auto: " + _PLANNER
@@ -339,13 +349,20 @@ def _precision(v: _Values, notes: dict) -> str:
     return precision
 
 
-def _loss_scale(v: _Values, origin: dict) -> dict:
+def _loss_scale(v: _Values, precision: str, notes: dict, origin: dict) -> dict:
     out = {}
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "consecutive_hysteresis", "min_loss_scale"):
-        if f"fp16.{key}" in v:
-            out[key] = v.get(f"fp16.{key}")
+        out[key] = v.get(f"fp16.{key}", default(f"fp16.{key}"))
         origin[f"fp16.{key}"] = v.name(f"fp16.{key}")
+    if precision == "fp16" and v.get("zero_optimization.stage", default("zero_optimization.stage")) == 0:
+        # [Note: fp16 without ZeRO] (optim/loss_scaler.py): DeepSpeed's FP16_Optimizer has no hysteresis
+        out.update(hysteresis=1, consecutive_hysteresis=False, raise_at_min_scale=False)
+        notes["fp16.enabled"] = ("true -> precision fp16; without ZeRO (stage 0) as DeepSpeed's FP16_Optimizer: the "
+                                 "scale halves at every overflow (no hysteresis) and stays at min_loss_scale")
+        for key in ("hysteresis", "consecutive_hysteresis"):
+            if f"fp16.{key}" in v:
+                notes[f"fp16.{key}"] = "not used without ZeRO (stage 0): DeepSpeed's FP16_Optimizer has no hysteresis"
     return out
 
 
@@ -363,12 +380,21 @@ def _optimizer(v: _Values, notes: dict, origin: dict, extra: list) -> dict:
     if kind.lower() not in ("adam", "adamw"):
         raise ConfigError(v.name("optimizer.type"), "'AdamW' or 'Adam' (zerofit implements AdamW only)", show(kind),
                           "zerofit's AdamW has the math of torch.optim.AdamW")
-    _walk(ADAM_PARAMS, v.get("optimizer.params", {}), "optimizer.params", v.name("optimizer") + ".params", v)
+    params = v.get("optimizer.params", {})
+    if isinstance(params, Mapping) and "max_grad_norm" in params:
+        raise ConfigError(v.name("optimizer") + ".params.max_grad_norm", "no max_grad_norm (DeepSpeed "
+                          f"{DEEPSPEED_VERSION} refuses it as an optimizer parameter)", show(params["max_grad_norm"]),
+                          "set the top-level gradient_clipping instead")
+    _walk(ADAM_PARAMS, params, "optimizer.params", v.name("optimizer") + ".params", v)
 
+    adam_w = kind.lower() == "adamw" or v.get("optimizer.params.adam_w_mode", default("optimizer.params.adam_w_mode"))
     out = {}
-    # DeepSpeed's Adam/AdamW defaults for absent keys; zerofit's defaults for "auto".
-    for key, ds_default in (("lr", 1e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0.0)):
+    # DeepSpeed's Adam/AdamW defaults for absent keys (its own Adam kernels' defaults, or torch.optim.AdamW's with
+    # torch_adam: weight_decay 0.01); zerofit's defaults for "auto".
+    torch_adamw = adam_w and v.get("optimizer.params.torch_adam", default("optimizer.params.torch_adam"))
+    for key in ("lr", "betas", "eps", "weight_decay"):
         path = f"optimizer.params.{key}"
+        ds_default = TORCH_ADAMW_WEIGHT_DECAY if key == "weight_decay" and torch_adamw else default(path)
         value = v.get(path, ds_default)
         if value is AUTO:
             value = getattr(_ZF_OPT, key)
@@ -376,7 +402,6 @@ def _optimizer(v: _Values, notes: dict, origin: dict, extra: list) -> dict:
         out[key] = value
         origin[f"optimizer.{key}"] = v.name(path)
     if kind.lower() == "adam":
-        adam_w = v.get("optimizer.params.adam_w_mode", True)
         if not adam_w and out["weight_decay"] > 0:
             raise ConfigError(v.name("optimizer.params.adam_w_mode"), "true (decoupled weight decay, AdamW)",
                               "false with weight_decay > 0 (L2-regularised Adam)",
@@ -390,14 +415,19 @@ def _scheduler(v: _Values, optimizer: dict, notes: dict, origin: dict) -> dict:
     if kind not in SCHEDULER_PARAMS:
         raise ConfigError(v.name("scheduler") + ".type", "one of " + ", ".join(map(repr, SCHEDULER_PARAMS)),
                           "nothing" if kind is None else show(kind),
-                          "zerofit implements DeepSpeed's warm-up schedules, and constant/linear/cosine "
-                          "in its own config")
+                          "zerofit implements DeepSpeed's schedules, and constant/linear/cosine in its own "
+                          "config; DeepSpeed's torch.optim.lr_scheduler names are not read from a config: pass "
+                          "the torch scheduler as zerofit.deepspeed.initialize(lr_scheduler=...)")
     _walk(SCHEDULER_PARAMS[kind], v.get("scheduler.params", {}), "scheduler.params",
           v.name("scheduler") + ".params", v)
+    origin["scheduler.type"] = v.name("scheduler.type")
+    if kind in _OWN_SECTION:
+        return _cyclic_scheduler(v, kind, origin)
 
-    def param(key: str, default: Any, auto_value: Any, auto_note: str) -> Any:
+    def param(key: str, auto_value: Any = None, auto_note: str = "") -> Any:
+        """The key's value; DeepSpeed's default when absent (the table's); ``auto_value`` for "auto"."""
         path = f"scheduler.params.{key}"
-        value = v.get(path, default)
+        value = v.get(path, default(path, kind))
         if value is AUTO:
             notes[path] = f"auto -> {auto_note}"
             return auto_value
@@ -405,14 +435,13 @@ def _scheduler(v: _Values, optimizer: dict, notes: dict, origin: dict) -> dict:
 
     out: dict[str, Any] = {
         "type": kind,
-        "warmup_steps": param("warmup_num_steps", 1000, 0, "0 (no warm-up beyond DeepSpeed's minimum of 2)"),
-        "warmup_type": v.get("scheduler.params.warmup_type", "log"),
+        "warmup_steps": param("warmup_num_steps", 0, "0 (no warm-up beyond DeepSpeed's minimum of 2)"),
+        "warmup_type": param("warmup_type"),
     }
     if kind in ("WarmupLR", "WarmupDecayLR"):
-        out["warmup_min_lr"] = param("warmup_min_lr", 0.0, 0.0, "0.0")
-        # DeepSpeed: WarmupLR's warmup_max_lr defaults to the optimizer's lr, WarmupDecayLR's to 0.001.
-        out["warmup_max_lr"] = param("warmup_max_lr", None if kind == "WarmupLR" else 0.001, None,
-                                     "the optimizer's lr")
+        out["warmup_min_lr"] = param("warmup_min_lr", 0.0, "0.0")
+        # DeepSpeed: WarmupLR's warmup_max_lr defaults to the optimizer's lr (None), WarmupDecayLR's to 0.001.
+        out["warmup_max_lr"] = param("warmup_max_lr", None, "the optimizer's lr")
         if kind == "WarmupDecayLR" and "scheduler.params.warmup_max_lr" not in v:
             notes["scheduler.type"] = "WarmupDecayLR without warmup_max_lr: DeepSpeed's default peak 0.001 " \
                                       f"(not the optimizer's lr {optimizer.get('lr', _ZF_OPT.lr)})"
@@ -421,17 +450,38 @@ def _scheduler(v: _Values, optimizer: dict, notes: dict, origin: dict) -> dict:
             raise ConfigError(v.name("scheduler") + ".params.total_num_steps",
                               f"the run's length in optimizer steps ({kind} needs it)", "nothing",
                               'give a number, or "auto" to have the engine supply it')
-        out["total_steps"] = param("total_num_steps", None, None, "the run length, supplied by the engine")
+        out["total_steps"] = param("total_num_steps", None, "the run length, supplied by the engine")
     if kind == "WarmupCosineLR":
-        out["warmup_min_ratio"] = v.get("scheduler.params.warmup_min_ratio", 0.0)
-        out["min_lr_ratio"] = v.get("scheduler.params.cos_min_ratio", 0.0001)  # DeepSpeed's default
+        out["warmup_min_ratio"] = param("warmup_min_ratio")
+        out["min_lr_ratio"] = param("cos_min_ratio")
     for zf, ds in (("warmup_steps", "warmup_num_steps"), ("warmup_type", "warmup_type"),
                    ("warmup_min_lr", "warmup_min_lr"), ("warmup_max_lr", "warmup_max_lr"),
                    ("total_steps", "total_num_steps"), ("warmup_min_ratio", "warmup_min_ratio"),
                    ("min_lr_ratio", "cos_min_ratio")):
         origin[f"scheduler.{zf}"] = v.name(f"scheduler.params.{ds}")
-    origin["scheduler.type"] = v.name("scheduler.type")
     return out
+
+
+# DeepSpeed's OneCycle and LRRangeTest: their parameters go to a section of their own (zerofit field -> DeepSpeed key)
+_OWN_SECTION = {
+    "OneCycle": ("one_cycle", {k: k for k in SCHEDULER_PARAMS["OneCycle"] if k != "last_batch_iteration"}),
+    "LRRangeTest": ("lr_range_test", {"min_lr": "lr_range_test_min_lr", "step_size": "lr_range_test_step_size",
+                                      "step_rate": "lr_range_test_step_rate", "staircase": "lr_range_test_staircase"}),
+}
+
+
+def _cyclic_scheduler(v: _Values, kind: str, origin: dict) -> dict:
+    section, names = _OWN_SECTION[kind]
+    params = {}
+    for zf, ds in names.items():
+        path = f"scheduler.params.{ds}"
+        value = v.get(path, default(path, kind))
+        if value is NO_DEFAULT:
+            raise ConfigError(v.name("scheduler") + f".params.{ds}", f"a number ({kind} needs it)", "nothing",
+                              f"DeepSpeed's {kind} requires {ds}")
+        params[zf] = value
+        origin[f"scheduler.{section}.{zf}"] = v.name(path)
+    return {"type": kind, section: params}
 
 
 def _offload(v: _Values, notes: dict, origin: dict) -> dict:
@@ -474,8 +524,11 @@ def _offload(v: _Values, notes: dict, origin: dict) -> dict:
     if v.get("aio.block_size") is not None:
         out["nvme_block_size"] = max(4096, -(-int(v.get("aio.block_size")) // 4096) * 4096)
         origin["offload.nvme_block_size"] = v.name("aio.block_size")
-    if v.get("aio.queue_depth") is not None or v.get("aio.thread_count") is not None:
-        out["nvme_queue_depth"] = max(1, min(256, int(v.get("aio.queue_depth", 8)) * int(v.get("aio.thread_count", 1))))
+    # (DeepSpeed 0.19.8's threads per request are intra_op_parallelism; thread_count is its older name)
+    threads = v.get("aio.intra_op_parallelism", v.get("aio.thread_count"))
+    if v.get("aio.queue_depth") is not None or threads is not None:
+        depth = int(v.get("aio.queue_depth", default("aio.queue_depth")))
+        out["nvme_queue_depth"] = max(1, min(256, depth * int(threads or default("aio.intra_op_parallelism"))))
         origin["offload.nvme_queue_depth"] = v.name("aio.queue_depth")
     pins = {p: v.get(p) for p in (f"{z}.offload_optimizer.pin_memory", f"{z}.offload_param.pin_memory",
                                   f"{z}.cpu_offload_use_pin_memory") if v.get(p) is not None}

@@ -8,9 +8,13 @@ its note), **mapped** (translated onto zerofit's own mechanism) or
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Union
+
+DEEPSPEED_VERSION = "0.19.8"
+"""the DeepSpeed release whose defaults a key absent from a DeepSpeed config takes (``Key.default``)"""
 
 Status = Literal["honoured", "mapped", "not-applicable"]
 HONOURED: Status = "honoured"
@@ -152,6 +156,16 @@ class Anything:
 _Kind = Union[Int, Float, Bool, Choice, Text, Betas, Anything]
 
 
+class _NoDefault:
+    """``Key.default`` when zerofit has no use for DeepSpeed's default (the key is not-applicable)."""
+
+    def __repr__(self) -> str:
+        return "NO_DEFAULT"
+
+
+NO_DEFAULT: Any = _NoDefault()
+
+
 # ----------------------------------------------------------------------------
 # The key table
 # ----------------------------------------------------------------------------
@@ -170,6 +184,10 @@ class Key:
     """other spellings DeepSpeed accepts (its pydantic field names vs. aliases)"""
     hint: str = ""
     """what to do when the value is refused"""
+    default: Any = NO_DEFAULT
+    """DeepSpeed's default (:data:`DEEPSPEED_VERSION`): what an absent key means, and what zerofit takes then.
+    Set for every key zerofit honours or maps; ``tests/test_deepspeed_defaults.py`` compares each one with
+    DeepSpeed's own source"""
 
 
 @dataclass(frozen=True)
@@ -201,9 +219,10 @@ _OFFLOAD_OPTIMIZER = Section({
     "device": Key(Choice(("none", "cpu", "nvme")), MAPPED,
                   "-> offload.optimizer_device: where the planner may put optimizer state; a block's state stays "
                   "where its weights are (on the GPU without offload_param, or for blocks the planner keeps "
-                  f"there); {_NVME}; the engine logs the placement after planning"),
-    "nvme_path": Key(Text(nullable=True), MAPPED, "-> offload.nvme_path: the folder of the disk tier's swap file"),
-    "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)"),
+                  f"there); {_NVME}; the engine logs the placement after planning", default="none"),
+    "nvme_path": Key(Text(nullable=True), MAPPED, "-> offload.nvme_path: the folder of the disk tier's swap file",
+                     default=None),
+    "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)", default=True),
     "buffer_count": _na(Int(0), "zerofit sizes its own staging buffers"),
     "pipeline_read": _na(Bool(), "the disk tier always reads ahead of each update, overlapped with compute"),
     "pipeline_write": _na(Bool(), "the disk tier always writes behind each update, overlapped with compute"),
@@ -218,9 +237,10 @@ _OFFLOAD_OPTIMIZER = Section({
 _OFFLOAD_PARAM = Section({
     "device": Key(Choice(("none", "cpu", "nvme")), MAPPED,
                   "-> offload.param_device: 'none' keeps every block on the GPU; 'cpu' streams blocks from host "
-                  f"memory, except those the planner keeps on the GPU while they fit; {_NVME}"),
-    "nvme_path": Key(Text(nullable=True), MAPPED, "-> offload.nvme_path: the folder of the disk tier's swap file"),
-    "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)"),
+                  f"memory, except those the planner keeps on the GPU while they fit; {_NVME}", default="none"),
+    "nvme_path": Key(Text(nullable=True), MAPPED, "-> offload.nvme_path: the folder of the disk tier's swap file",
+                     default=None),
+    "pin_memory": Key(Bool(), HONOURED, "-> offload.pin_memory (one setting for all host buffers)", default=True),
     "buffer_count": _na(Int(0), "zerofit sizes its own staging buffers"),
     "buffer_size": _na(Int(0), "zerofit sizes its own staging buffers", auto=True),
     "max_in_cpu": _na(Int(0), "bounded by max_host_memory instead"),
@@ -231,7 +251,7 @@ _ZERO = Section({
                  "-> sharding (3 FULL_SHARD, 2 SHARD_GRAD_OP, 0/1 NO_SHARD). zerofit streams whole blocks; where "
                  "weights and optimizer state live follows offload_param and offload_optimizer; with several ranks "
                  "the offloaded state is sharded 1/N and held once per host whatever the stage, and units kept on "
-                 "the GPUs with their optimizer are replicated (docs/ranks.md)"),
+                 "the GPUs with their optimizer are replicated (docs/ranks.md)", default=0),
     "offload_optimizer": _OFFLOAD_OPTIMIZER,
     "offload_param": _OFFLOAD_PARAM,
     "cpu_offload": Key(Bool(nullable=True), MAPPED, "deprecated; true -> offload_optimizer.device cpu"),
@@ -257,6 +277,9 @@ _ZERO = Section({
     "stage3_partition_stream_chunk_size": _na(Int(0), _BUCKETS, aliases=("partition_stream_chunk_size",)),
     "sub_group_size": _na(Int(0), "zerofit's optimizer steps one block at a time", auto=True),
     "contiguous_gradients": _na(Bool(), "zerofit keeps each block's gradients in one flat buffer"),
+    "parameter_alignment": _na(Bool(), "zerofit keeps each block's parameters in one flat buffer"),
+    "compute_grad_norm": _na(Bool(), "zerofit computes the global gradient norm where a step needs it (clipping, "
+                                     "fp16): engine.get_global_grad_norm() is None otherwise"),
     "overlap_comm": _na(Bool(nullable=True), _COMM),
     "reduce_scatter": _na(Bool(), _COMM),
     "reduce_bucket_size": _na(Int(0), _BUCKETS, auto=True),
@@ -286,22 +309,24 @@ _ZERO = Section({
 })
 
 _FP16 = Section({
-    "enabled": Key(Bool(), HONOURED, "true -> precision fp16", auto=True),
-    "loss_scale": Key(Float(0), HONOURED, "-> fp16.loss_scale (0 = dynamic)"),
-    "initial_scale_power": Key(Int(0, 64), HONOURED, "-> fp16.initial_scale_power"),
-    "loss_scale_window": Key(Int(1), HONOURED, "-> fp16.loss_scale_window"),
-    "hysteresis": Key(Int(1), HONOURED, "-> fp16.hysteresis"),
-    "consecutive_hysteresis": Key(Bool(), HONOURED, "-> fp16.consecutive_hysteresis"),
-    "min_loss_scale": Key(Float(0, lo_open=True), HONOURED, "-> fp16.min_loss_scale"),
+    "enabled": Key(Bool(), HONOURED, "true -> precision fp16", auto=True, default=False),
+    "loss_scale": Key(Float(0), HONOURED, "-> fp16.loss_scale (0 = dynamic)", default=0),
+    "initial_scale_power": Key(Int(0, 64), HONOURED, "-> fp16.initial_scale_power", default=16),
+    "loss_scale_window": Key(Int(1), HONOURED, "-> fp16.loss_scale_window", default=1000),
+    "hysteresis": Key(Int(1), HONOURED, "-> fp16.hysteresis", default=2),
+    "consecutive_hysteresis": Key(Bool(), HONOURED, "-> fp16.consecutive_hysteresis", default=False),
+    "min_loss_scale": Key(Float(0, lo_open=True), HONOURED, "-> fp16.min_loss_scale", default=1),
     "auto_cast": _na(Bool(), "zerofit runs the model's forward in the compute dtype itself"),
     "fused_mode": _na(Bool(), "zerofit has one fp16 optimizer path"),
     "fp16_master_weights_and_grads": _na(Bool(), "zerofit always keeps fp32 master weights"),
 })
 
 _BF16 = Section({
-    "enabled": Key(Bool(), HONOURED, "true -> precision bf16", auto=True),
+    "enabled": Key(Bool(), HONOURED, "true -> precision bf16", auto=True, default=False),
     "immediate_grad_update": _na(Bool(), "zerofit decides when gradients are applied"),
-    "check_grad_overflow": _na(Bool(), "bf16 needs no overflow check in zerofit"),
+    "check_grad_overflow": _na(Bool(), "zerofit skips no bf16 step: where it computes the gradient norm "
+                                       "(gradient_clipping > 0) a non-finite norm stops the step with "
+                                       "FloatingPointError, where DeepSpeed (default true) skips the step"),
     "bf16_master_weights_and_grads": _na(Bool(), "zerofit always keeps fp32 master weights"),
     "bf16_optimizer_states": _na(Bool(), "zerofit always keeps fp32 optimizer state"),
 }, aliases=("bfloat16",))
@@ -318,11 +343,15 @@ _ACT = Section({
 
 _AIO_NOTE = "the disk tier does plain preadv/pwritev on O_DIRECT from a thread pool (no libaio)"
 _AIO = Section({
-    "block_size": Key(Int(1), MAPPED, "-> offload.nvme_block_size, bytes per disk request (rounded up to 4 KiB)"),
-    "queue_depth": Key(Int(1), MAPPED, "-> offload.nvme_queue_depth = queue_depth x thread_count requests in flight "
-                                       "(threads of the disk tier's pool)"),
-    "thread_count": Key(Int(1), MAPPED, "-> offload.nvme_queue_depth = queue_depth x thread_count"),
-    "intra_op_parallelism": _na(Int(1), _AIO_NOTE),
+    "block_size": Key(Int(1), MAPPED, "-> offload.nvme_block_size, bytes per disk request (rounded up to 4 KiB); "
+                                      "absent: zerofit's 4 MiB, not DeepSpeed's 1 MiB (sized for libaio; no effect "
+                                      "on the math)", default=1048576),
+    "queue_depth": Key(Int(1), MAPPED, "-> offload.nvme_queue_depth = queue_depth x intra_op_parallelism requests "
+                                       "in flight (threads of the disk tier's pool)", default=8),
+    "intra_op_parallelism": Key(Int(1), MAPPED, "-> offload.nvme_queue_depth = queue_depth x intra_op_parallelism",
+                                default=1),
+    "thread_count": Key(Int(1), MAPPED, "older DeepSpeed's name of intra_op_parallelism (DeepSpeed 0.19.8 ignores "
+                                        "it): read as intra_op_parallelism when that is absent"),
     "single_submit": _na(Bool(), _AIO_NOTE),
     "overlap_events": _na(Bool(), _AIO_NOTE),
     "use_gds": _na(Bool(), _AIO_NOTE),
@@ -333,16 +362,26 @@ def _monitor(*keys: str) -> Section:
     return Section({"enabled": _na(Bool(), _MONITOR), **{k: _na(Text(nullable=True), _MONITOR) for k in keys}})
 
 
+_CKPT_NOTE = "zerofit's checkpoints are written and verified by its own checkpointer"
 _FLOPS_NOTE = "zerofit's timeline (wall_clock_breakdown) reports compute and transfers"
 
 DEEPSPEED_KEYS: dict[str, Key | Section] = {
     # batch, clipping, logging
-    "train_batch_size": Key(Int(1), HONOURED, "-> train_batch_size", auto=True),
-    "train_micro_batch_size_per_gpu": Key(Int(1), HONOURED, "-> micro_batch_size", auto=True),
-    "gradient_accumulation_steps": Key(Int(1), HONOURED, "-> gradient_accumulation_steps", auto=True),
-    "gradient_clipping": Key(Float(0), HONOURED, "-> gradient_clipping", auto=True),
-    "steps_per_print": Key(Int(1, nullable=True), HONOURED, "-> steps_per_print"),
-    "wall_clock_breakdown": Key(Bool(), HONOURED, "-> wall_clock_breakdown"),
+    "train_batch_size": Key(Int(1), HONOURED, "-> train_batch_size; absent: derived from the other two", auto=True,
+                            default=None),
+    "train_micro_batch_size_per_gpu": Key(Int(1), HONOURED, "-> micro_batch_size; absent: derived from the other "
+                                          "two (with neither it nor train_batch_size, where DeepSpeed stops, 1)",
+                                          auto=True, default=None),
+    "gradient_accumulation_steps": Key(Int(1), HONOURED, "-> gradient_accumulation_steps; absent: derived (1 when "
+                                       "train_batch_size or the micro batch is missing too)", auto=True, default=None),
+    "gradient_clipping": Key(Float(0), HONOURED, "-> gradient_clipping (0: off)", auto=True, default=1.0),
+    "steps_per_print": Key(Int(1, nullable=True), HONOURED, "-> steps_per_print (engine.steps_per_print())",
+                           default=None),
+    "wall_clock_breakdown": Key(Bool(), HONOURED, "-> wall_clock_breakdown", default=False),
+    "managed_gradient_accumulation": Key(Bool(), HONOURED, "-> managed_gradient_accumulation: false makes every "
+                                         "engine.step() the accumulation boundary (the caller's), as DeepSpeed does",
+                                         default=True),
+    "disable_python_gc": _na(Bool(), "zerofit leaves Python's garbage collector as it is"),
     # optimizer and schedule; their params are checked per type (ADAM_PARAMS, SCHEDULER_PARAMS)
     "optimizer": Section({
         "type": Key(Text(), HONOURED, "Adam/AdamW -> zerofit's AdamW"),
@@ -362,6 +401,7 @@ DEEPSPEED_KEYS: dict[str, Key | Section] = {
         "grad_accum_dtype": _na(Choice(("fp32", "fp16", "bf16", None)), "zerofit accumulates gradients in fp32"),
         "param_dtype": _na(Choice(("fp32", "fp16", "bf16", None)), "zerofit's compute dtype comes from fp16/bf16"),
         "buffer_dtype": _na(Choice(("fp32", "fp16", "bf16", None)), "zerofit leaves buffers as loaded"),
+        "keep_in_fp32_modules": _na(Anything(), "zerofit leaves buffers as loaded"),
     }),
     "communication_data_type": _na(Choice(("fp32", "fp16", "bf16", None)), _COMM),
     "seq_parallel_communication_data_type": _na(Choice(("fp32", "fp16", "bf16")), _COMM),
@@ -397,12 +437,23 @@ DEEPSPEED_KEYS: dict[str, Key | Section] = {
     "dump_state": _na(Bool(), "zerofit prints its resolved config at start-up"),
     "log_level": _na(Text(), "zerofit logs through Python's logging"),
     # checkpointing
-    "checkpoint": Section(None, NA, "zerofit's checkpoints are written and verified by its own checkpointer"),
+    "checkpoint": Section({
+        "tag_validation": Key(Choice(("Ignore", "Warn", "Fail"), fold_case=True), HONOURED,
+                              "DeepSpeed checks that every rank saves under the same tag; on one process a tag is "
+                              "always consistent, so no value changes anything (with several ranks zerofit writes "
+                              "rank 0's tag)", default="Warn"),
+        "load_universal": _na(Bool(), "zerofit's checkpoints load under any placement already"),
+        "use_node_local_storage": _na(Bool(), _CKPT_NOTE),
+        "parallel_write": Section({"pipeline_stage": _na(Bool(), _CKPT_NOTE)}),
+        "checkpoint_serialization": _na(Bool(), _CKPT_NOTE),
+        "writer": Section(None, NA, _CKPT_NOTE, nullable=True),
+    }),
     "nebula": Section(None, NA, "zerofit's checkpoints are written by its own checkpointer"),
     "datastates": Section(None, NA, "zerofit's checkpoints are written by its own checkpointer"),
     # data loading
-    "dataloader_drop_last": _na(Bool(), "the engine takes batches, not a loader; "
-                                "zerofit.deepspeed.initialize(training_data=...) reads it for the loader it builds"),
+    "dataloader_drop_last": Key(Bool(), NA, "the engine takes batches, not a loader; "
+                                "zerofit.deepspeed.initialize(training_data=...) reads it for the loader it builds",
+                                default=False),
     "vocabulary_size": _na(Int(1, nullable=True), "DeepSpeed only used it for a warning"),
     # parallelism zerofit decides (data parallel only)
     "sequence_parallel_size": _na(Int(1), "zerofit is data-parallel only"),
@@ -428,40 +479,81 @@ DEEPSPEED_KEYS: dict[str, Key | Section] = {
 _REFUSED_WHEN_ENABLED = ("elasticity", "curriculum_learning", "data_efficiency", "progressive_layer_drop", "amp")
 
 ADAM_PARAMS: dict[str, Key | Section] = {
-    "lr": Key(Float(0, lo_open=True), HONOURED, "-> optimizer.lr", auto=True),
-    "betas": Key(Betas(), HONOURED, "-> optimizer.betas", auto=True),
-    "eps": Key(Float(0, lo_open=True), HONOURED, "-> optimizer.eps", auto=True),
-    "weight_decay": Key(Float(0), HONOURED, "-> optimizer.weight_decay (decoupled, as AdamW)", auto=True),
-    "adam_w_mode": Key(Bool(), MAPPED, "true (DeepSpeed's default) = AdamW"),
-    "torch_adam": _na(Bool(), "zerofit's AdamW is its own; same math as torch.optim.AdamW"),
+    "lr": Key(Float(0, lo_open=True), HONOURED, "-> optimizer.lr", auto=True, default=1e-3),
+    "betas": Key(Betas(), HONOURED, "-> optimizer.betas", auto=True, default=(0.9, 0.999)),
+    "eps": Key(Float(0, lo_open=True), HONOURED, "-> optimizer.eps", auto=True, default=1e-8),
+    "weight_decay": Key(Float(0), HONOURED, "-> optimizer.weight_decay (decoupled, as AdamW); absent with "
+                        "torch_adam true and AdamW's math: torch.optim.AdamW's 0.01", auto=True, default=0.0),
+    "adam_w_mode": Key(Bool(), MAPPED, "true = AdamW (type AdamW is AdamW whatever it says)", default=True),
+    "torch_adam": Key(Bool(), NA, "DeepSpeed's choice of torch.optim.AdamW over its own kernels: zerofit's AdamW is "
+                      "torch.optim.AdamW's math either way (only the absent weight_decay follows it)", default=False),
+    "fp32_optimizer_states": Key(Choice((True,)), NA, "zerofit always keeps fp32 optimizer state",
+                                 hint="zerofit keeps the Adam moments in fp32; remove the key"),
+    "foreach": _na(Bool(nullable=True), "zerofit's AdamW is its own kernel"),
     "bias_correction": Key(Choice((True,)), HONOURED, "zerofit's AdamW is always bias-corrected",
-                           hint="zerofit's AdamW is always bias-corrected; remove the key"),
+                           hint="zerofit's AdamW is always bias-corrected; remove the key", default=True),
     "amsgrad": Key(Choice((False,)), HONOURED, "zerofit's AdamW has no amsgrad variant",
-                   hint="zerofit's AdamW has no amsgrad variant; remove the key"),
-    "max_grad_norm": Key(Choice((0, 0.0)), NA, "DeepSpeed ignores it; use gradient_clipping",
-                         hint="DeepSpeed ignores max_grad_norm as an optimizer parameter; set gradient_clipping"),
+                   hint="zerofit's AdamW has no amsgrad variant; remove the key", default=False),
 }
+"""``max_grad_norm`` is not in the table: DeepSpeed 0.19.8 raises for it, and so does zerofit, before the walk."""
 
+TORCH_ADAMW_WEIGHT_DECAY = 0.01
+"""``torch.optim.AdamW``'s default weight decay: DeepSpeed's with ``torch_adam`` true and AdamW's math"""
+
+_LAST_ITERATION = Key(Choice((-1,)), NA, "zerofit resumes the schedule from its checkpoint",
+                      hint="zerofit resumes the schedule from its checkpoint; remove the key", default=-1)
 _WARMUP_COMMON: dict[str, Key | Section] = {
-    "warmup_num_steps": Key(Int(0), HONOURED, "-> scheduler.warmup_steps", auto=True),
-    "warmup_type": Key(Choice(("log", "linear")), HONOURED, "-> scheduler.warmup_type"),
-    "last_batch_iteration": Key(Choice((-1,)), NA, "zerofit resumes the schedule from its checkpoint",
-                                hint="zerofit resumes the schedule from its checkpoint; remove the key"),
+    "warmup_num_steps": Key(Int(0), HONOURED, "-> scheduler.warmup_steps", auto=True, default=1000),
+    "warmup_type": Key(Choice(("log", "linear")), HONOURED, "-> scheduler.warmup_type", default="log"),
+    "last_batch_iteration": _LAST_ITERATION,
 }
 _WARMUP_LR: dict[str, Key | Section] = {
     **_WARMUP_COMMON,
-    "warmup_min_lr": Key(Float(0), HONOURED, "-> scheduler.warmup_min_lr", auto=True),
-    "warmup_max_lr": Key(Float(0, lo_open=True), HONOURED, "-> scheduler.warmup_max_lr", auto=True),
+    "warmup_min_lr": Key(Float(0), HONOURED, "-> scheduler.warmup_min_lr", auto=True, default=0.0),
+    "warmup_max_lr": Key(Float(0, lo_open=True), HONOURED, "-> scheduler.warmup_max_lr; absent: the optimizer's lr",
+                         auto=True, default=None),
 }
-_TOTAL = Key(Int(1), HONOURED, "-> scheduler.total_steps", auto=True)
+_TOTAL = Key(Int(1), HONOURED, "-> scheduler.total_steps (DeepSpeed requires it)", auto=True)
+_MOM = Float(0, 1)
 SCHEDULER_PARAMS: dict[str, dict[str, Key | Section]] = {
     "WarmupLR": _WARMUP_LR,
-    "WarmupDecayLR": {**_WARMUP_LR, "total_num_steps": _TOTAL},
+    "WarmupDecayLR": {**_WARMUP_LR, "total_num_steps": _TOTAL,
+                      "warmup_max_lr": Key(Float(0, lo_open=True), HONOURED, "-> scheduler.warmup_max_lr", auto=True,
+                                           default=0.001)},
     "WarmupCosineLR": {
         **_WARMUP_COMMON,
         "total_num_steps": _TOTAL,
-        "warmup_min_ratio": Key(Float(0, 1), HONOURED, "-> scheduler.warmup_min_ratio"),
-        "cos_min_ratio": Key(Float(0, 1), HONOURED, "-> scheduler.min_lr_ratio"),
+        "warmup_min_ratio": Key(Float(0, 1), HONOURED, "-> scheduler.warmup_min_ratio", default=0.0),
+        "cos_min_ratio": Key(Float(0, 1), HONOURED, "-> scheduler.min_lr_ratio", default=0.0001),
+    },
+    # [Note: OneCycle and LRRangeTest] (zerofit/optim/schedules.py)
+    "OneCycle": {
+        "cycle_min_lr": Key(Float(0), HONOURED, "-> scheduler.one_cycle.cycle_min_lr (DeepSpeed requires it)"),
+        "cycle_max_lr": Key(Float(0), HONOURED, "-> scheduler.one_cycle.cycle_max_lr (DeepSpeed requires it)"),
+        "decay_lr_rate": Key(Float(0), HONOURED, "-> scheduler.one_cycle.decay_lr_rate", default=0.0),
+        "cycle_first_step_size": Key(Float(0, lo_open=True), HONOURED,
+                                     "-> scheduler.one_cycle.cycle_first_step_size", default=2000),
+        "cycle_second_step_size": Key(Float(0), HONOURED, "-> scheduler.one_cycle.cycle_second_step_size; absent: "
+                                      "cycle_first_step_size", default=None),
+        "cycle_first_stair_count": Key(Int(0), HONOURED, "-> scheduler.one_cycle.cycle_first_stair_count",
+                                       default=0),
+        "cycle_second_stair_count": Key(Int(0, nullable=True), HONOURED, "-> scheduler.one_cycle."
+                                        "cycle_second_stair_count; absent: cycle_first_stair_count", default=None),
+        "decay_step_size": Key(Float(0), HONOURED, "-> scheduler.one_cycle.decay_step_size (0: no decay)",
+                               default=0),
+        "cycle_momentum": Key(Bool(), HONOURED, "-> scheduler.one_cycle.cycle_momentum: Adam's beta1 cycles inversely "
+                              "to the lr and beta2 is 0.99, as DeepSpeed sets the optimizer's betas", default=True),
+        "cycle_min_mom": Key(_MOM, HONOURED, "-> scheduler.one_cycle.cycle_min_mom", default=0.8),
+        "cycle_max_mom": Key(_MOM, HONOURED, "-> scheduler.one_cycle.cycle_max_mom", default=0.9),
+        "decay_mom_rate": Key(Float(0), HONOURED, "-> scheduler.one_cycle.decay_mom_rate", default=0.0),
+        "last_batch_iteration": _LAST_ITERATION,
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": Key(Float(0), HONOURED, "-> scheduler.lr_range_test.min_lr", default=1e-3),
+        "lr_range_test_step_size": Key(Int(1), HONOURED, "-> scheduler.lr_range_test.step_size", default=2000),
+        "lr_range_test_step_rate": Key(Float(0), HONOURED, "-> scheduler.lr_range_test.step_rate", default=1.0),
+        "lr_range_test_staircase": Key(Bool(), HONOURED, "-> scheduler.lr_range_test.staircase", default=False),
+        "last_batch_iteration": _LAST_ITERATION,
     },
 }
 
@@ -503,6 +595,8 @@ def key_table() -> list[tuple[str, str, str]]:
                 walk(item.keys, path + ".")
             else:
                 note = item.note + (" (\"auto\" accepted)" if isinstance(item, Key) and item.auto else "")
+                if isinstance(item, Key) and item.default is not NO_DEFAULT:
+                    note += f"; DeepSpeed {DEEPSPEED_VERSION}'s default: {_shown(item.default)}"
                 rows.append((path, item.status, note))
 
     walk(DEEPSPEED_KEYS, "")
@@ -510,3 +604,31 @@ def key_table() -> list[tuple[str, str, str]]:
     for sched, table in SCHEDULER_PARAMS.items():
         walk(table, f"scheduler.params.[{sched}].")
     return rows
+
+
+def _shown(value: Any) -> str:
+    """A default as the JSON a user would write: ``[0.9, 0.999]``, ``true``, ``null``, ``"Warn"``, ``0.001``."""
+    if isinstance(value, tuple):
+        value = list(value)
+    return json.dumps(value)
+
+
+def default(path: str, scheduler: str | None = None) -> Any:
+    """DeepSpeed's default (:data:`DEEPSPEED_VERSION`) for the key at the canonical dotted ``path``
+    (``optimizer.params.lr``; ``scheduler.params.<key>`` of ``scheduler``'s type): what an absent key means.
+    :data:`NO_DEFAULT` for keys zerofit does not use."""
+    parts = path.split(".")
+    if parts[:2] == ["optimizer", "params"]:
+        spec, parts = ADAM_PARAMS, parts[2:]
+    elif parts[:2] == ["scheduler", "params"]:
+        spec, parts = SCHEDULER_PARAMS[scheduler], parts[2:]
+    else:
+        spec = DEEPSPEED_KEYS
+    item: Key | Section | None = None
+    for i, part in enumerate(parts):
+        item = spec[part]
+        if isinstance(item, Section):
+            spec = item.keys or {}
+    if not isinstance(item, Key):
+        raise KeyError(f"{path} is not a DeepSpeed key zerofit knows")
+    return item.default

@@ -21,7 +21,6 @@ Two rules span several fields and are written once here:
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -30,7 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator,
+                      model_serializer, model_validator)
+
+from zerofit.config.errors import ConfigError, Problem, _close, config_error_from, show
 
 __all__ = [
     "ConfigError",
@@ -42,75 +44,12 @@ __all__ = [
     "show",
     "OptimizerConfig",
     "SchedulerConfig",
+    "OneCycleConfig",
+    "LRRangeTestConfig",
     "LossScaleConfig",
     "OffloadConfig",
     "ZerofitConfig",
 ]
-
-
-# ----------------------------------------------------------------------------
-# The one error type
-# ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a configuration."""
-
-    field: str
-    """dotted path of the offending key, e.g. ``zero_optimization.offload_param.device``"""
-    expected: str
-    """what a valid value looks like"""
-    found: str
-    """what the configuration holds, already formatted for display (see :func:`show`)"""
-    hint: str = ""
-    """what to do about it (may be empty)"""
-
-    def __str__(self) -> str:
-        text = f"{self.field}: expected {self.expected}, found {self.found}"
-        return f"{text}. {self.hint}" if self.hint else text
-
-
-class ConfigError(ValueError):
-    """A configuration is invalid. The message names the field, what was expected and what was found.
-
-    ``field`` is the dotted path of the first problem; ``problems`` lists all of them.
-    """
-
-    def __init__(self, field: str, expected: str, found: str, hint: str = "", *,
-                 more: Sequence[Problem] = ()) -> None:
-        self.problems: tuple[Problem, ...] = (Problem(field, expected, found, hint), *more)
-        super().__init__(self._message())
-
-    @classmethod
-    def from_problems(cls, problems: Sequence[Problem]) -> "ConfigError":
-        first, *rest = problems
-        return cls(first.field, first.expected, first.found, first.hint, more=rest)
-
-    @property
-    def field(self) -> str:
-        return self.problems[0].field
-
-    def _message(self) -> str:
-        if len(self.problems) == 1:
-            return str(self.problems[0])
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        return f"{len(self.problems)} configuration problems:\n{lines}"
-
-    def __reduce__(self):
-        # Exceptions cross process boundaries (multi-rank start-up); rebuild from problems.
-        return (ConfigError.from_problems, (list(self.problems),))
-
-
-def show(value: Any, limit: int = 80) -> str:
-    """How a found value is written in an error message."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _close(word: str, candidates: Sequence[str]) -> str | None:
-    hits = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return hits[0] if hits else None
 
 
 # ----------------------------------------------------------------------------
@@ -285,12 +224,60 @@ class OptimizerConfig(_Frozen):
         return tuple(float(b) for b in v)
 
 
+class OneCycleConfig(_Frozen):
+    """DeepSpeed's ``OneCycle`` schedule (deepspeed/runtime/lr_schedules.py), its parameters by its names:
+    the lr (and Adam's beta1) cycle between the bounds, then decay ([Note: OneCycle and LRRangeTest],
+    zerofit/optim/schedules.py). Every parameter group gets the same lr, as DeepSpeed sets it."""
+
+    cycle_min_lr: float = Field(ge=0)
+    """lower lr bound of the cycle (the first step's lr)"""
+    cycle_max_lr: float = Field(ge=0)
+    """upper lr bound of the cycle"""
+    decay_lr_rate: float = Field(0.0, ge=0)
+    """after the cycle: lr = cycle_min_lr / (1 + decay_lr_rate * steps / decay_step_size)"""
+    cycle_first_step_size: float = Field(2000.0, gt=0)
+    """optimizer steps of the rising half of the cycle"""
+    cycle_second_step_size: float | None = Field(None, ge=0)
+    """optimizer steps of the falling half; None = cycle_first_step_size"""
+    cycle_first_stair_count: int = Field(0, ge=0)
+    """stairs in the rising half (the lr held flat between them); 0 = continuous"""
+    cycle_second_stair_count: int | None = Field(None, ge=0)
+    """stairs in the falling half; None = cycle_first_stair_count"""
+    decay_step_size: float = Field(0.0, ge=0)
+    """interval of the post-cycle decay; 0 = no decay (the lr stays at cycle_min_lr)"""
+    cycle_momentum: bool = True
+    """cycle Adam's beta1 inversely to the lr between cycle_max_mom and cycle_min_mom, with beta2 0.99 (what
+    DeepSpeed writes into the optimizer's betas); False keeps the optimizer's betas"""
+    cycle_min_mom: float = Field(0.8, ge=0, lt=1)
+    """lower beta1 bound (the first step's beta1)"""
+    cycle_max_mom: float = Field(0.9, ge=0, lt=1)
+    """upper beta1 bound"""
+    decay_mom_rate: float = Field(0.0, ge=0)
+    """after the cycle: beta1 = cycle_max_mom * (1 + decay_mom_rate * steps / decay_step_size)"""
+
+
+class LRRangeTestConfig(_Frozen):
+    """DeepSpeed's ``LRRangeTest`` schedule: the lr grows from ``min_lr`` by ``step_rate`` per ``step_size``
+    steps, ``min_lr * (1 + step_rate * steps / step_size)`` (floored to whole intervals when ``staircase``).
+    Every parameter group gets the same lr, as DeepSpeed sets it."""
+
+    min_lr: float = Field(1e-3, ge=0)
+    """the first step's lr (DeepSpeed's lr_range_test_min_lr)"""
+    step_size: int = Field(2000, ge=1)
+    """optimizer steps per interval (lr_range_test_step_size)"""
+    step_rate: float = Field(1.0, ge=0)
+    """growth per interval, as a multiple of min_lr (lr_range_test_step_rate)"""
+    staircase: bool = False
+    """grow in whole intervals instead of continuously (lr_range_test_staircase)"""
+
+
 class SchedulerConfig(_Frozen):
     """Learning-rate schedule; ``lr(step)`` is computed by :func:`zerofit.optim.schedules.lr_at`."""
 
-    type: Literal["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
-                  "hf_constant", "hf_constant_with_warmup", "hf_linear", "hf_cosine"] = "constant"
-    """constant/linear/cosine: zerofit's schedules; Warmup*: DeepSpeed's, with DeepSpeed's formulas; hf_*:
+    type: Literal["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                  "LRRangeTest", "hf_constant", "hf_constant_with_warmup", "hf_linear", "hf_cosine"] = "constant"
+    """constant/linear/cosine: zerofit's schedules; Warmup*, OneCycle, LRRangeTest: DeepSpeed's, with DeepSpeed's
+    formulas (OneCycle's and LRRangeTest's parameters in ``one_cycle`` / ``lr_range_test``); hf_*:
     transformers' get_scheduler ("constant", "constant_with_warmup", "linear", "cosine"), with its formulas
     (zerofit.hf maps TrainingArguments.lr_scheduler_type onto them)"""
     warmup_steps: int = Field(0, ge=0)
@@ -308,6 +295,30 @@ class SchedulerConfig(_Frozen):
     """final lr / peak lr (linear, cosine; WarmupCosineLR's ``cos_min_ratio``)"""
     warmup_min_ratio: float = Field(0.0, ge=0, le=1)
     """WarmupCosineLR: lr at the start of warm-up / peak lr"""
+    one_cycle: OneCycleConfig | None = None
+    """OneCycle's parameters (required with type OneCycle, and only then)"""
+    lr_range_test: LRRangeTestConfig | None = None
+    """LRRangeTest's parameters (type LRRangeTest; None there = DeepSpeed's defaults)"""
+
+    @model_validator(mode="after")
+    def _parameters_of_the_type(self):
+        if self.type == "OneCycle" and self.one_cycle is None:
+            raise ConfigError("one_cycle", "OneCycle's parameters (at least cycle_min_lr and cycle_max_lr)",
+                              "nothing", "DeepSpeed's OneCycle requires cycle_min_lr and cycle_max_lr")
+        for name, kind in (("one_cycle", "OneCycle"), ("lr_range_test", "LRRangeTest")):
+            if getattr(self, name) is not None and self.type != kind:
+                raise ConfigError(name, f"nothing unless scheduler.type is {kind!r}",
+                                  f"{name} with type {self.type!r}", f"set type {kind!r} or remove {name}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_unused_parameters(self, handler: SerializerFunctionWrapHandler):
+        """The dump leaves out the parameters of schedules not in use (as configs written before they existed)."""
+        out = handler(self)
+        for name in ("one_cycle", "lr_range_test"):
+            if out.get(name) is None:
+                out.pop(name, None)
+        return out
 
 
 class LossScaleConfig(_Frozen):
@@ -325,6 +336,9 @@ class LossScaleConfig(_Frozen):
     """refill the hysteresis on every clean step instead of only when the scale grows"""
     min_loss_scale: float = Field(1.0, gt=0)
     """floor of the dynamic scale; another overflow there stops the run with LossScaleUnderflowError"""
+    raise_at_min_scale: bool = True
+    """False: an overflow at min_loss_scale skips the step and keeps the scale, as DeepSpeed's ZeRO stage 0 fp16
+    optimizer does (a DeepSpeed config without ZeRO reads to False, with hysteresis 1)"""
 
 
 class OffloadConfig(_Frozen):
@@ -465,8 +479,12 @@ class ZerofitConfig(_Frozen):
     """bytes of host memory the engine may use (accepts '64GiB'); None = what the machine has"""
     seed: int = Field(0, ge=0)
     """random seed for initialisation, dropout and data order"""
-    steps_per_print: int = Field(10, ge=1)
-    """log every N optimizer steps"""
+    steps_per_print: int | None = Field(10, ge=1)
+    """log every N optimizer steps (engine.steps_per_print()); None: never (a DeepSpeed config without the key)"""
+    managed_gradient_accumulation: bool = True
+    """the DeepSpeed-shaped loop (DeepSpeed's key): True, engine.step() steps at every
+    gradient_accumulation_steps-th micro-batch; False, every engine.step() after a backward() is the
+    accumulation boundary, whatever the count so far (at most gradient_accumulation_steps micro-batches)"""
     wall_clock_breakdown: bool = False
     """print where the step's time went every steps_per_print steps"""
     sharding: Literal["auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "auto"
@@ -524,51 +542,3 @@ class ZerofitConfig(_Frozen):
 
 def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-# ----------------------------------------------------------------------------
-# pydantic -> ConfigError
-# ----------------------------------------------------------------------------
-
-
-def _model_at(model: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
-    """The sub-model class reached by following ``loc`` from ``model`` (None if not a model)."""
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        ann = field.annotation if field is not None else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        model = ann
-    return model
-
-
-def config_error_from(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> ConfigError:
-    """Readable :class:`ConfigError` for a pydantic ``ValidationError`` raised while building ``model``."""
-    problems: list[Problem] = []
-    for err in exc.errors(include_url=False):
-        loc = [str(p) for p in err["loc"]]
-        field = ".".join(([prefix] if prefix else []) + loc) or (prefix or "<config>")
-        cause = (err.get("ctx") or {}).get("error")
-        if isinstance(cause, ConfigError):
-            for p in cause.problems:
-                full = field if field.endswith(p.field) else (f"{field}.{p.field}" if loc or prefix else p.field)
-                problems.append(Problem(full, p.expected, p.found, p.hint))
-            continue
-        if err["type"] == "extra_forbidden":
-            parent = _model_at(model, err["loc"][:-1])
-            known = list(parent.model_fields) if parent else []
-            guess = _close(loc[-1], known)
-            if guess:
-                hint = f"did you mean {'.'.join(loc[:-1] + [guess])!r}?"
-            else:
-                hint = f"known keys here: {', '.join(known)}" if known else ""
-            problems.append(Problem(field, "a known key", f"unknown key {loc[-1]!r}", hint))
-            continue
-        msg = err["msg"]
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-            problems.append(Problem(field, "a valid value", show(err.get("input")), msg))
-            continue
-        expected = msg[len("Input should be "):] if msg.startswith("Input should be ") else msg
-        problems.append(Problem(field, expected, show(err.get("input"))))
-    return ConfigError.from_problems(problems)

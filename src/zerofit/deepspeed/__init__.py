@@ -26,9 +26,9 @@ import logging
 import torch
 
 from zerofit.deepspeed import zero
-from zerofit.deepspeed.arguments import (add_config_arguments, check_single_process, client_optimizer,
-                                         dataloader_drop_last, groups_from_model_parameters, raw_config,
-                                         refuse_client_scheduler, resolve_config)
+from zerofit.deepspeed.arguments import (add_config_arguments, check_client_scheduler, check_single_process,
+                                         client_optimizer, dataloader_drop_last, groups_from_model_parameters,
+                                         raw_config, resolve_config)
 from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported, GroupSettings, UnsupportedAttribute
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedUnsupported",
@@ -48,7 +48,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     their own ``lr``, ``weight_decay``, ``betas``, ``eps``). ``optimizer``: a ``torch.optim.AdamW`` (or
     equivalent Adam, or a callable returning one), whose settings replace the config's optimizer block.
     ``training_data``: a torch Dataset; the loader (DeepSpeed's order) comes back third. ``collate_fn``: for it.
-    ``lr_scheduler``, ``mpu``, ``mesh_param``: refused (the config's scheduler block; one process).
+    ``lr_scheduler``: a scheduler over ``optimizer``, or a callable building one from the optimizer it is given
+    (as DeepSpeed calls it); it replaces the config's scheduler block and is returned fourth, stepped by
+    ``engine.step()`` ([Note: a client scheduler drives the engine's lr]). ``mpu``, ``mesh_param``: refused.
     ``dist_init_required=True`` initializes ``torch.distributed`` for one process, as :func:`init_distributed`.
     ``distributed_port``: unused (one process). ``overrides``: zerofit config fields beyond DeepSpeed's
     vocabulary (``max_gpu_memory="24GiB"``, ``device="cpu"``), as for :func:`zerofit.initialize`.
@@ -67,21 +69,27 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mesh_param is not None:
         raise DeepSpeedUnsupported(f"initialize(mesh_param={mesh_param!r}): {ONE_PROCESS}")
     check_single_process("deepspeed.initialize")
-    refuse_client_scheduler(lr_scheduler)
+    check_client_scheduler(lr_scheduler, optimizer)
     if dist_init_required:
         init_distributed()
     config = resolve_config(args, config, config_params)
     raw = raw_config(config)
 
-    groups = None
+    groups, torch_optimizer = None, None
     if optimizer is not None:
-        hypers, groups = client_optimizer(optimizer, model, model_parameters)
+        hypers, groups, torch_optimizer = client_optimizer(optimizer, model, model_parameters)
         if "optimizer" in raw:
             log.warning("zerofit: the client optimizer's settings replace the config's optimizer block, as in "
                         "DeepSpeed")
         overrides["optimizer"] = hypers
     else:
         groups = groups_from_model_parameters(model, model_parameters)
+    if lr_scheduler is not None:
+        from zerofit.config import SchedulerConfig
+
+        if "scheduler" in raw:
+            log.warning("zerofit: the client lr_scheduler replaces the config's scheduler block, as in DeepSpeed")
+        overrides["scheduler"] = {**SchedulerConfig().model_dump(), "one_cycle": None, "lr_range_test": None}
     kwargs = {"param_groups": groups} if groups is not None else {}
     engine = zerofit.initialize(model, config, **kwargs, **overrides)
     try:
@@ -91,6 +99,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             settings = [GroupSettings.of(opt, g["params"], **{k: v for k, v in g.items() if k != "params"})
                         for g in groups]
         engine._configure_deepspeed(settings, collate_fn, dataloader_drop_last(raw), training_data)
+        sched = engine.config.scheduler
+        if lr_scheduler is not None or (torch_optimizer is not None and sched.type == "constant"
+                                        and sched.warmup_steps == 0):
+            # [Note: a client scheduler drives the engine's lr]: as DeepSpeed, the engine applies the client
+            # optimizer's param_groups (unless the config's schedule sets them)
+            from zerofit.optim.client_schedule import attach
+
+            attach(engine, lr_scheduler, torch_optimizer)
     except BaseException:
         engine.close()
         raise

@@ -12,8 +12,12 @@ What maps exactly is accepted; what would change the training silently is refuse
 * a client ``optimizer``: a ``torch.optim.AdamW``, or a ``torch.optim.Adam`` whose weight decay is decoupled
   or zero (then it is AdamW's math), or a callable that returns one of them from the model parameters (as
   DeepSpeed calls it). Its hyperparameters replace the config's optimizer block, its param_groups become
-  the groups. Anything else is refused: zerofit runs its own AdamW;
-* a client ``lr_scheduler`` is refused: zerofit computes every step's lr from the config's scheduler block.
+  the groups; a group's base lr is its ``initial_lr`` where a scheduler has been attached (a warm-up may have
+  set ``lr`` itself to 0). Anything else is refused: zerofit runs its own AdamW;
+* a client ``lr_scheduler``: a scheduler over the client optimizer (torch's ``LRScheduler``, transformers'
+  ``get_scheduler``, DeepSpeed's own classes: anything with ``step()``), or a callable that builds one from the
+  optimizer it is given, as DeepSpeed calls it. It replaces the config's scheduler block, as in DeepSpeed, and
+  drives the lr of every step ([Note: a client scheduler drives the engine's lr], optim/client_schedule.py).
 """
 
 from __future__ import annotations
@@ -89,8 +93,9 @@ def raw_config(config) -> dict:
 
 def dataloader_drop_last(raw: Mapping) -> bool:
     from zerofit.config.deepspeed import is_deepspeed_config
+    from zerofit.config.deepspeed_keys import default
 
-    value = raw.get("dataloader_drop_last", False) if is_deepspeed_config(raw) else False
+    value = raw.get("dataloader_drop_last", default("dataloader_drop_last")) if is_deepspeed_config(raw) else False
     return bool(value)
 
 
@@ -158,7 +163,7 @@ def groups_from_model_parameters(model: nn.Module, model_parameters) -> list[dic
     return [{"params": names}]      # the parameters left out are frozen
 
 
-def _group_hypers(g: Mapping, where: str, *, decoupled_default: bool = True) -> dict[str, Any]:
+def _group_hypers(g: Mapping, where: str, *, decoupled_default: bool = True, base_lr: bool = False) -> dict[str, Any]:
     """The group's AdamW settings, refusing those that change the math away from AdamW's."""
     if g.get("amsgrad"):
         raise DeepSpeedUnsupported(f"{where}: amsgrad=True; zerofit's AdamW has no amsgrad variant")
@@ -169,7 +174,8 @@ def _group_hypers(g: Mapping, where: str, *, decoupled_default: bool = True) -> 
     out = {}
     for k in _HYPERS:
         if k in g:
-            v = g[k]
+            # a torch scheduler keeps the lr it was built with as initial_lr, and may have changed lr already
+            v = g["initial_lr"] if k == "lr" and base_lr and "initial_lr" in g else g[k]
             out[k] = tuple(float(b) for b in v) if k == "betas" else float(v)
     if not g.get("decoupled_weight_decay", decoupled_default) and out.get("weight_decay", 0.0) > 0:
         raise DeepSpeedUnsupported(f"{where}: Adam with weight_decay={out['weight_decay']} adds it to the gradient "
@@ -185,8 +191,10 @@ _INSTEAD_OPTIMIZER = ('zerofit runs its own AdamW (the math of torch.optim.AdamW
                       '"params": {"lr": ..., "betas": [...], "eps": ..., "weight_decay": ...}}')
 
 
-def client_optimizer(optimizer, model: nn.Module, model_parameters) -> tuple[dict, list[dict] | None]:
-    """(the config's optimizer block as zerofit fields, the groups or None) from a client optimizer."""
+def client_optimizer(optimizer, model: nn.Module, model_parameters) -> tuple[dict, list[dict] | None,
+                                                                             torch.optim.Optimizer]:
+    """(the config's optimizer block as zerofit fields, the groups or None, the torch optimizer) from a client
+    optimizer (or the callable that builds one)."""
     if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
         built = optimizer(params)
@@ -206,21 +214,27 @@ def client_optimizer(optimizer, model: nn.Module, model_parameters) -> tuple[dic
     groups = []
     for i, g in enumerate(optimizer.param_groups):
         where = f"{kind}.param_groups[{i}]"
-        hypers = _group_hypers(g, where, decoupled_default=decoupled)
+        hypers = _group_hypers(g, where, decoupled_default=decoupled, base_lr=True)
         groups.append({"params": [_name_of(p, ids, model, where) for p in g["params"]], **hypers})
     covers = _covering(model, [n for g in groups for n in g["params"]], f"optimizer ({kind})")
     first = {k: groups[0][k] for k in _HYPERS}
     if len(groups) == 1 and covers:
-        return first, None
-    return first, groups
+        return first, None, optimizer
+    return first, groups, optimizer
 
 
-def refuse_client_scheduler(lr_scheduler) -> None:
-    if lr_scheduler is None:
+def check_client_scheduler(lr_scheduler, optimizer) -> None:
+    """Refuse what DeepSpeed refuses: a scheduler object (not a callable) without a client optimizer it
+    could be over; and anything that is neither a scheduler nor a callable."""
+    if lr_scheduler is None or callable(lr_scheduler):
         return
-    kind = type(lr_scheduler).__name__ if not isinstance(lr_scheduler, type) else lr_scheduler.__name__
-    raise DeepSpeedUnsupported(
-        f"lr_scheduler={kind}: zerofit computes every step's learning rate itself and cannot follow a client "
-        'scheduler. Put the schedule in the config\'s "scheduler" block instead: WarmupLR, WarmupDecayLR or '
-        "WarmupCosineLR with DeepSpeed's formulas (zerofit.optim.schedules), stepped by engine.step() after every "
-        "applied optimizer step as DeepSpeed steps a scheduler from its config")
+    kind = type(lr_scheduler).__name__
+    if not callable(getattr(lr_scheduler, "step", None)):
+        raise DeepSpeedUnsupported(f"lr_scheduler={kind}: expected a scheduler with step() (torch's LRScheduler, "
+                                   "transformers' get_scheduler) or a callable that builds one from the optimizer")
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        raise DeepSpeedUnsupported(
+            f"lr_scheduler={kind} without the optimizer it was built over: DeepSpeed refuses a scheduler object "
+            "with no client optimizer, and zerofit would not see its learning rates. Pass optimizer=<the "
+            "scheduler's optimizer> too, or lr_scheduler=lambda optimizer: ... to build it over the optimizer "
+            "zerofit gives it")

@@ -25,6 +25,7 @@ import os
 import weakref
 from dataclasses import dataclass
 
+import torch
 from torch.utils.data import DataLoader
 
 log = logging.getLogger("zerofit")
@@ -109,7 +110,7 @@ _HINTS = {
     "random_ltd_initialize": "random layer-token drop is not implemented",
     "basic_optimizer": "zerofit's AdamW is its own; engine.optimizer is a view of its settings",
     "client_optimizer": "zerofit's AdamW is its own; engine.optimizer is a view of its settings",
-    "client_lr_scheduler": "zerofit computes the lr from the config's scheduler block; see engine.lr_scheduler",
+    "client_lr_scheduler": "engine.lr_scheduler is the client's scheduler itself when initialize() was given one",
     "timers": "see engine.timeline() and engine.trace()",
     "tput_timer": "see engine.timeline() and engine.trace()",
     "monitor": "zerofit logs to its own timeline (engine.timeline())",
@@ -212,6 +213,9 @@ class DeepSpeedSurface:
     _ds_groups: tuple | None = None           # GroupSettings per group; None: one group, the config's optimizer
     _ds_collate_fn = None
     _ds_drop_last: bool = False
+    _ds_samples: int = 0                      # managed_gradient_accumulation false: samples of the steps taken
+    _ds_stepping: bool = False                # managed_gradient_accumulation false: inside step() (the boundary)
+    _client_schedule = None                   # [Note: a client scheduler drives the engine's lr]
     training_dataloader = None                # the loader initialize(training_data=...) built (DeepSpeed's name)
 
     def _configure_deepspeed(self, groups=None, collate_fn=None, drop_last: bool = False, training_data=None) -> None:
@@ -229,6 +233,13 @@ class DeepSpeedSurface:
         DeepSpeed passes them on: ``engine(x, y)``); returns what the model returns."""
         if inputs:
             batch = bind_inputs(self._model, inputs, batch)
+        G = self.config.gradient_accumulation_steps
+        if not self.config.managed_gradient_accumulation and self._micro_steps >= G and torch.is_grad_enabled():
+            raise DeepSpeedUnsupported(
+                f"engine(**batch): micro-batch {G + 1} before engine.step() with managed_gradient_accumulation false: "
+                f"zerofit's window holds at most gradient_accumulation_steps ({G}) micro-batches (their block "
+                f"checkpoints wait on the device for the blocks' backward). Call engine.step() after at most {G} "
+                "backward() calls, or raise gradient_accumulation_steps")
         return super().__call__(**batch)
 
     def forward(self, *inputs, **batch):
@@ -248,18 +259,41 @@ class DeepSpeedSurface:
         return out / G if G > 1 and scale_wrt_gas else out
 
     def step(self, lr_kwargs=None) -> None:
-        """The optimizer step at the accumulation boundary (a no-op before it), then the lr schedule's step."""
-        if lr_kwargs:
-            raise DeepSpeedUnsupported(f"engine.step(lr_kwargs={lr_kwargs!r}): zerofit's schedule takes no "
-                                       "arguments; it follows the config's scheduler block")
-        applied_before = self.global_step
-        super().step()
+        """The optimizer step at the accumulation boundary (a no-op before it), then the lr schedule's step
+        (a client scheduler's ``step(**lr_kwargs)``, after an applied step only, as DeepSpeed steps it). With
+        ``managed_gradient_accumulation`` false every call after a backward() is the boundary, as in DeepSpeed."""
+        if lr_kwargs and self._client_schedule is None:
+            raise DeepSpeedUnsupported(f"engine.step(lr_kwargs={lr_kwargs!r}): the config's schedule takes no "
+                                       "arguments (it is a function of the applied steps); lr_kwargs go to a client "
+                                       "lr_scheduler passed to initialize()")
+        applied_before, micro = self.global_step, self._micro_steps
+        unmanaged = not self.config.managed_gradient_accumulation
+        if unmanaged and micro:       # the caller's boundary: DeepSpeed steps whatever the count
+            self._boundary_override, self._ds_stepping = True, True
+        try:
+            super().step()
+        finally:
+            if unmanaged:
+                self._boundary_override, self._ds_stepping = None, False
         self._ds_unstepped = None
         self._ds_step_applied = self.global_step > applied_before
+        if unmanaged and self._micro_steps == 0:       # DeepSpeed counts the micro-batches the caller gave
+            self._ds_samples += micro * (self.train_batch_size() // self.config.gradient_accumulation_steps)
+        if self._ds_step_applied and self._client_schedule is not None:
+            self._client_schedule.catch_up(self, lr_kwargs)
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        if not self.config.managed_gradient_accumulation:
+            raise DeepSpeedUnsupported("engine.set_gradient_accumulation_boundary(): not with "
+                                       "managed_gradient_accumulation false, where every engine.step() is the "
+                                       "boundary (DeepSpeed refuses it too)")
+        return super().set_gradient_accumulation_boundary(is_boundary)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the last micro-batch of an accumulation is worked on ([Note: DeepSpeed's accumulation
         boundary]): from its forward until its step(); what set_gradient_accumulation_boundary() said, when set."""
+        if not self.config.managed_gradient_accumulation:
+            return self._ds_stepping          # DeepSpeed: true only while step() runs
         if getattr(self, "_boundary_override", None) is not None:
             return self._boundary_override
         return (self._micro_position() + 1) % self.config.gradient_accumulation_steps == 0
@@ -287,6 +321,10 @@ class DeepSpeedSurface:
 
     @property
     def global_samples(self) -> int:
+        """global_steps * train_batch_size; with managed_gradient_accumulation false, the samples of the
+        micro-batches each step() took (DeepSpeed's count), since this engine started."""
+        if not self.config.managed_gradient_accumulation:
+            return self._ds_samples
         return self.global_steps * self.train_batch_size()
 
     @property
@@ -331,7 +369,8 @@ class DeepSpeedSurface:
         return self.optimizer._lrs()
 
     def get_mom(self) -> list[tuple[float, float]]:
-        return [g.betas for g in self.optimizer._groups]
+        """Adam's betas of each group for the next optimizer step (OneCycle and a client scheduler may change them)."""
+        return [(h.beta1, h.beta2) for h in self.optimizer._hypers()]
 
     def get_global_grad_norm(self) -> float | None:
         """The last step's global gradient norm, where the engine computed it (gradient clipping or fp16);
@@ -351,11 +390,16 @@ class DeepSpeedSurface:
 
     def _views(self):
         views = self.__dict__.get("_ds_views")
-        if views is None:
+        client = self._client_schedule
+        if views is None or (client is not None and views[1] is not client.scheduler):
             opt = OptimizerView(self, self._ds_groups or (GroupSettings.of(self.config.optimizer, None),))
             sched = self.config.scheduler
             identity = sched.type == "constant" and sched.warmup_steps == 0
-            views = self.__dict__["_ds_views"] = (opt, None if identity else SchedulerView(self, opt))
+            if client is not None:      # DeepSpeed returns the client's scheduler itself (None without one)
+                views = (opt, client.scheduler)
+            else:
+                views = (opt, None if identity else SchedulerView(self, opt))
+            self.__dict__["_ds_views"] = views
         return views
 
     # ----------------------------------------------------------------- data
@@ -439,9 +483,10 @@ class ParamGroup(dict):
 
     def _refuse(self, *args, **kwargs):
         raise DeepSpeedUnsupported(
-            "optimizer.param_groups is read-only in zerofit: the engine computes each step's lr from the config's "
-            "optimizer and scheduler blocks (WarmupLR, WarmupDecayLR, WarmupCosineLR) and would not see a change "
-            "made here; set them in the config instead")
+            "optimizer.param_groups is read-only in zerofit here: the engine computes each step's lr from the "
+            "config's optimizer and scheduler blocks and would not see a change made here; set them in the config, "
+            "or pass initialize() a torch optimizer (and lr_scheduler=...), whose param_groups the engine reads at "
+            "every step")
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 
@@ -458,20 +503,31 @@ class OptimizerView:
         self._engine = engine
         self._groups = groups
 
-    def _lrs(self) -> list[float]:
-        """The lr the engine will use for each group at its next step (its own [Note: group learning rates])."""
-        lrs = [h.lr for h in self._engine._hyper()]
-        if len(lrs) != len(self._groups):
+    def _hypers(self):
+        """The AdamW settings the engine will use for each group at its next step (its own [Note: group learning
+        rates], or a client scheduler's: [Note: a client scheduler drives the engine's lr])."""
+        client = self._engine._client_schedule
+        hypers = client.reported(self._engine) if client is not None else self._engine._hyper()
+        if len(hypers) != len(self._groups):
             raise RuntimeError(f"zerofit: the optimizer view has {len(self._groups)} groups and the engine "
-                               f"{len(lrs)}")
-        return lrs
+                               f"{len(hypers)}")
+        return hypers
+
+    def _lrs(self) -> list[float]:
+        return [h.lr for h in self._hypers()]
 
     @property
     def param_groups(self) -> list[ParamGroup]:
+        """Each group's settings for the next step. With a client scheduler, the client optimizer's own groups
+        (writable: the engine reads them at each step, as DeepSpeed's optimizer does)."""
+        client = self._engine._client_schedule
+        if client is not None:
+            client.catch_up(self._engine)
+            return client.optimizer.param_groups
         params = dict(self._engine._model.named_parameters())
         return [ParamGroup(params=list(params.values()) if g.names is None else [params[n] for n in g.names],
-                           lr=lr, betas=g.betas, eps=g.eps, weight_decay=g.weight_decay)
-                for g, lr in zip(self._groups, self._lrs())]
+                           lr=h.lr, betas=(h.beta1, h.beta2), eps=g.eps, weight_decay=g.weight_decay)
+                for g, h in zip(self._groups, self._hypers())]
 
     @property
     def defaults(self) -> dict:
@@ -484,6 +540,14 @@ class OptimizerView:
         return float(self._engine.scaler.scale) if self._engine.scaler is not None else 1.0
 
     cur_scale = loss_scale
+
+    @property
+    def loss_scale_config(self):
+        """DeepSpeed's ``optimizer.loss_scale_config`` (its FP16 optimizer's): the fp16 scale, its window, its
+        counters, read live from the engine's scaler ([Note: fp16 without ZeRO], optim/loss_scaler.py)."""
+        from zerofit.optim.loss_scaler import DeepSpeedLossScaleConfig
+
+        return DeepSpeedLossScaleConfig(self._engine.scaler)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """A no-op: gradients live in the engine, which starts each accumulation from zero."""
@@ -504,8 +568,9 @@ class OptimizerView:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        raise refuse_attribute("optimizer", name, "it offers param_groups, defaults, loss_scale, zero_grad() "
-                                                  "(a no-op); the engine steps and checkpoints the optimizer")
+        raise refuse_attribute("optimizer", name, "it offers param_groups, defaults, loss_scale, loss_scale_config, "
+                                                  "zero_grad() (a no-op); the engine steps and checkpoints the "
+                                                  "optimizer")
 
     def __repr__(self) -> str:
         return f"zerofit AdamW view ({len(self._groups)} group(s), lr {self._lrs()})"

@@ -1580,9 +1580,15 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         ``lr * lr_at(step) / optimizer.lr``, as ``LambdaLR`` with ``make_lambda`` (and DeepSpeed's
         WarmupCosineLR) scale each group's initial lr; DeepSpeed's WarmupLR and WarmupDecayLR would instead set
         every group to the schedule's one lr. A group with the config's lr gets ``lr_at(step)`` itself, bitwise
-        what it was before groups existed."""
+        what it was before groups existed. A client scheduler, DeepSpeed's OneCycle/LRRangeTest and DeepSpeed's
+        warm-ups over groups of their own lr take theirs from ``engine_hypers`` ([Note: a client scheduler drives
+        the engine's lr], optim/client_schedule.py)."""
+        from zerofit.optim.client_schedule import engine_hypers
         from zerofit.optim.schedules import lr_at
 
+        hypers = engine_hypers(self)
+        if hypers is not None:
+            return hypers
         base = self.config.optimizer.lr
         lr = lr_at(self.global_step, base, self.config.scheduler)
         return tuple(Hyper.of(g.optimizer, lr if g.optimizer.lr == base else g.optimizer.lr * (lr / base))

@@ -20,6 +20,14 @@ optimizer state left untouched) and adjusts the scale.
 
 Every overflow skips its step, hysteresis or not. ``cur_iter`` counts calls to
 ``update`` (applied and skipped steps).
+
+[Note: fp16 without ZeRO]
+DeepSpeed 0.19.8 has two fp16 loss scalers: its ZeRO optimizers (stages 1-3) use ``DynamicLossScaler`` as
+above; without ZeRO (stage 0) its ``FP16_Optimizer`` keeps a ``LossScaleConfig`` and halves the scale at every
+overflow (no hysteresis) and, at ``min_loss_scale``, keeps it there and skips the step without stopping. A
+DeepSpeed config without ZeRO reads to ``hysteresis`` 1 and ``raise_at_min_scale`` false, which is that
+arithmetic (zerofit.config.deepspeed). :class:`DeepSpeedLossScaleConfig` is that optimizer's
+``loss_scale_config`` (``engine.optimizer.loss_scale_config``), read from zerofit's scaler.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from typing import Any, Union
 
 from zerofit.config.schema import LossScaleConfig
 
-__all__ = ["LossScaleUnderflowError", "DynamicLossScaler", "StaticLossScaler", "LossScaler", "make_loss_scaler"]
+__all__ = ["LossScaleUnderflowError", "DynamicLossScaler", "StaticLossScaler", "LossScaler", "make_loss_scaler",
+           "DeepSpeedLossScaleConfig"]
 
 
 class LossScaleUnderflowError(RuntimeError):
@@ -70,7 +79,8 @@ class DynamicLossScaler:
     def from_config(cls, cfg: LossScaleConfig) -> "DynamicLossScaler":
         return cls(init_scale=2.0**cfg.initial_scale_power, scale_window=cfg.loss_scale_window,
                    min_scale=cfg.min_loss_scale, delayed_shift=cfg.hysteresis,
-                   consecutive_hysteresis=cfg.consecutive_hysteresis)
+                   consecutive_hysteresis=cfg.consecutive_hysteresis,
+                   raise_error_at_min_scale=cfg.raise_at_min_scale)
 
     @property
     def scale(self) -> float:
@@ -170,3 +180,57 @@ def _check_state(state: dict[str, Any], kind: str, keys: tuple[str, ...]) -> Non
     missing = [k for k in keys if k not in state]
     if missing:
         raise ValueError(f"loss scaler state: missing {', '.join(missing)}")
+
+
+class DeepSpeedLossScaleConfig:
+    """DeepSpeed's ``FP16_Optimizer.loss_scale_config`` (deepspeed/runtime/fp16/loss_scaler.py, 0.19.8), read
+    live from zerofit's scaler (``None``: no fp16): what scripts and DeepSpeed's unit tests read as
+    ``optimizer.loss_scale_config.cur_scale`` and the like. Read-only."""
+
+    def __init__(self, scaler: LossScaler | None) -> None:
+        self._scaler = scaler
+
+    def _dynamic(self, name: str):
+        s = self._scaler
+        return getattr(s, name) if s is not None and s.dynamic else None
+
+    @property
+    def use_grad_scaling(self) -> bool:
+        return self._scaler is not None
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self._scaler is not None and self._scaler.dynamic
+
+    @property
+    def cur_scale(self) -> float:
+        return self._scaler.cur_scale if self._scaler is not None else 1.0
+
+    @property
+    def cur_iter(self) -> int:
+        return self._scaler.cur_iter if self._scaler is not None else 0
+
+    @property
+    def last_overflow_iter(self) -> int | None:
+        return self._dynamic("last_overflow_iter")
+
+    @property
+    def scale_factor(self) -> float | None:
+        return self._dynamic("scale_factor")
+
+    @property
+    def scale_window(self) -> int | None:
+        return self._dynamic("scale_window")
+
+    @property
+    def min_loss_scale(self) -> float | None:
+        return self._dynamic("min_scale")
+
+    @property
+    def cur_hysteresis(self) -> int | None:
+        """(a later DeepSpeed's field: the overflows still absorbed before the scale halves)"""
+        return self._dynamic("cur_hysteresis")
+
+    def __repr__(self) -> str:
+        return (f"LossScaleConfig(use_grad_scaling={self.use_grad_scaling}, dynamic_loss_scale="
+                f"{self.dynamic_loss_scale}, cur_iter={self.cur_iter}, cur_scale={self.cur_scale})")

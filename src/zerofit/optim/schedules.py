@@ -44,6 +44,18 @@ step ``s`` is ``get_lr()`` evaluated at ``last_batch_iteration = s - 1``:
 The warm-up length is ``max(2, warmup_num_steps)`` (DeepSpeed's floor). We keep
 all of this, so a run resumed from DeepSpeed or compared against it sees the
 same learning rate at every step.
+
+[Note: OneCycle and LRRangeTest]
+DeepSpeed's ``OneCycle`` and ``LRRangeTest`` (deepspeed/runtime/lr_schedules.py, DeepSpeed 0.19.8) follow
+the same step offset, with their own start: their ``__init__`` writes ``cycle_min_lr`` (and, cycling
+momentum, the betas ``(cycle_min_mom, 0.99)``) or ``lr_range_test_min_lr`` into the optimizer, so applied
+step 0 uses those, and step ``s >= 1`` the values at ``last_batch_iteration = s - 1``
+(:func:`one_cycle_lr`, :func:`one_cycle_betas`, :func:`lr_range_test_lr`, the float operations of DeepSpeed's
+code in its order). Both broadcast one value to every parameter group, and OneCycle with
+``cycle_momentum`` (its default) sets each group's betas to ``(beta1, 0.99)``: a per-step beta1 and a beta2
+of 0.99 whatever the optimizer's. zerofit's AdamW takes both per step (``optimizer.client_schedule``
+supplies them to the engine's hyperparameters), bias corrections included, as DeepSpeed's Adam reads
+``group['betas']`` at every step.
 """
 
 from __future__ import annotations
@@ -51,9 +63,10 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from zerofit.config.schema import ConfigError, SchedulerConfig
+from zerofit.config.schema import ConfigError, LRRangeTestConfig, OneCycleConfig, SchedulerConfig
 
-__all__ = ["lr_at", "make_lambda", "deepspeed_lr", "transformers_lambda", "HF_SCHEDULES"]
+__all__ = ["lr_at", "make_lambda", "deepspeed_lr", "transformers_lambda", "HF_SCHEDULES", "one_cycle_lr",
+           "one_cycle_betas", "lr_range_test_lr", "betas_at"]
 
 
 def lr_at(step: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
@@ -63,6 +76,10 @@ def lr_at(step: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
     if sched.type in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
         # [Note: DeepSpeed's step offset]
         return deepspeed_lr(step - 1, optimizer_lr, sched)
+    if sched.type == "OneCycle":      # [Note: OneCycle and LRRangeTest]
+        return sched.one_cycle.cycle_min_lr if step == 0 else one_cycle_lr(step - 1, sched.one_cycle)
+    if sched.type == "LRRangeTest":
+        return lr_range_test_lr(step - 1, sched.lr_range_test or LRRangeTestConfig())
     if sched.type in HF_SCHEDULES:
         return optimizer_lr * transformers_lambda(step, sched)
 
@@ -143,6 +160,86 @@ def _total_steps(sched: SchedulerConfig) -> int:
         raise ConfigError("scheduler.total_steps", f"the run's length in optimizer steps ({sched.type} decays "
                           "over it)", "nothing", "set scheduler.total_steps, or let the engine supply the run length")
     return sched.total_steps
+
+
+def betas_at(step: int, betas: tuple[float, float], sched: SchedulerConfig) -> tuple[float, float]:
+    """Adam's betas at applied step ``step``: OneCycle's cycled ``(beta1, 0.99)`` when it cycles momentum, else
+    ``betas`` (the optimizer's). [Note: OneCycle and LRRangeTest]"""
+    c = sched.one_cycle
+    if sched.type != "OneCycle" or not c.cycle_momentum:
+        return betas
+    return (c.cycle_min_mom, _ONE_CYCLE_BETA2) if step == 0 else one_cycle_betas(step - 1, c)
+
+
+_ONE_CYCLE_BETA2 = 0.99   # DeepSpeed: self.min_moms = [(mom, 0.99) ...], self.max_moms likewise
+
+
+def _one_cycle_shape(c: OneCycleConfig) -> tuple[float, float, float, float, int, int]:
+    """DeepSpeed's ``OneCycle._initialize_cycle``: (first, second, total_size, step_ratio, first and second stair
+    counts)."""
+    first = float(c.cycle_first_step_size)
+    second = float(c.cycle_second_step_size) if c.cycle_second_step_size is not None else first
+    total = first + second
+    second_stairs = c.cycle_first_stair_count if c.cycle_second_stair_count is None else c.cycle_second_stair_count
+    return first, second, total, first / total, c.cycle_first_stair_count, second_stairs
+
+
+def _one_cycle_scale(it: int, c: OneCycleConfig) -> float:
+    """DeepSpeed's ``OneCycle._get_scale_factor`` at ``last_batch_iteration = it``."""
+    first, second, total, step_ratio, first_stairs, second_stairs = _one_cycle_shape(c)
+    batch_iteration = it + 1
+    cycle = math.floor(1 + batch_iteration / total)
+    x = 1. + batch_iteration / total - cycle
+    if x <= step_ratio:
+        scale_factor, stair_count = x / step_ratio, first_stairs
+    else:
+        scale_factor, stair_count = (x - 1) / (step_ratio - 1), second_stairs
+    if stair_count > 0:
+        cycle_iteration = batch_iteration % total
+        if cycle_iteration <= first:
+            stair_position = cycle_iteration * stair_count / first
+        else:
+            stair_position = (total - cycle_iteration) * stair_count / second
+        scale_factor = math.floor(stair_position) / stair_count
+    return scale_factor
+
+
+def _decays(c: OneCycleConfig, rate: float) -> bool:
+    """DeepSpeed's ``skip_lr_decay`` / ``skip_mom_decay``, negated: a decay step size and a rate, both non-zero."""
+    return not (math.isclose(c.decay_step_size, 0) or math.isclose(rate, 0))
+
+
+def one_cycle_lr(it: int, c: OneCycleConfig) -> float:
+    """DeepSpeed's ``OneCycle.get_lr()`` at ``last_batch_iteration = it`` (>= 0), one group's."""
+    total = _one_cycle_shape(c)[2]
+    if it < total:
+        base_height = (c.cycle_max_lr - c.cycle_min_lr) * _one_cycle_scale(it, c)
+        return c.cycle_min_lr + base_height
+    if not _decays(c, c.decay_lr_rate):
+        return c.cycle_min_lr
+    decay_interval = (it - total + 1) / c.decay_step_size
+    return c.cycle_min_lr / (1 + c.decay_lr_rate * decay_interval)
+
+
+def one_cycle_betas(it: int, c: OneCycleConfig) -> tuple[float, float]:
+    """DeepSpeed's ``OneCycle.get_mom()`` at ``last_batch_iteration = it`` (>= 0), one group's ``(beta1, beta2)``."""
+    total = _one_cycle_shape(c)[2]
+    if it < total:
+        base_height = (c.cycle_max_mom - c.cycle_min_mom) * _one_cycle_scale(it, c)
+        return c.cycle_max_mom - base_height, _ONE_CYCLE_BETA2
+    if not _decays(c, c.decay_mom_rate):
+        return c.cycle_max_mom, _ONE_CYCLE_BETA2
+    decay_interval = (it - total + 1) / c.decay_step_size
+    return c.cycle_max_mom * (1 + c.decay_mom_rate * decay_interval), _ONE_CYCLE_BETA2
+
+
+def lr_range_test_lr(it: int, c: LRRangeTestConfig) -> float:
+    """DeepSpeed's ``LRRangeTest.get_lr()`` at ``last_batch_iteration = it`` (>= -1), one group's."""
+    if c.staircase:
+        interval = math.floor(float(it + 1) / c.step_size)
+    else:
+        interval = float(it + 1) / c.step_size
+    return c.min_lr * (1 + c.step_rate * interval)
 
 
 def make_lambda(optimizer_lr: float, sched: SchedulerConfig) -> Callable[[int], float]:

@@ -1116,9 +1116,18 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _post_backward(self, micro: _Micro, loss: torch.Tensor, final: torch.Tensor | None, seed_scale: float):
         names = list(self.shell.layout.names)
+        reached = []
+
+        def accumulate(grads):
+            reached.append(any(g is not None for g in grads))
+            self._accumulate(self.shell, self.shell.grad, grads, names)
+
         got = backward_into(loss * seed_scale, [final] if final is not None else [],
-                            [micro.shell_leaves[n] for n in names],
-                            lambda g: self._accumulate(self.shell, self.shell.grad, g, names))
+                            [micro.shell_leaves[n] for n in names], accumulate)
+        if (final is not None and got[0] is None) or (final is None and not reached[0]):
+            raise RuntimeError("backward(loss): the loss does not depend on the engine's last forward (a loss of an "
+                               "earlier forward, whose graph the next forward dropped, or of another model); call "
+                               "backward() on what the last engine(...) call returned")
         if final is not None:
             (micro.grad,) = got
 

@@ -29,9 +29,10 @@ import weakref
 import torch
 from torch import nn
 
-from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
+from zerofit.deepspeed.names import refusing_getattr
+from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported
 
-__all__ = ["Init", "GatheredParameters"]
+__all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -156,13 +157,14 @@ _DEEPSPEED_ZERO_NAMES = {
     "register_external_parameter": "zerofit runs the model's own forward with every parameter of a block present",
     "unregister_external_parameter": "zerofit runs the model's own forward with every parameter of a block present",
     "MiCS_Init": ONE_PROCESS,
-    "ZeroParamStatus": "zerofit's parameters are never partitioned",
-    "partition_parameters": "zerofit's parameters are never partitioned",
+    "ZeroParamType": "zerofit's parameters are plain nn.Parameter objects, never partitioned",
+    "DeepSpeedTensorOverride": "zerofit's parameters are plain nn.Parameter objects, never partitioned",
+    "DeepSpeedZeRoOffload": "zerofit has no ZeRO stages: it streams whole blocks through the GPU",
+    "unwrap_model_for_generation": "zerofit never partitions the model: use engine.module for generation",
     "DeepSpeedTiledLinear": "zerofit does not replace the model's modules",
 }
 
+# DeepSpeed's deepspeed.zero is deepspeed.runtime.zero, a package: its partition_parameters and offload_config
+from zerofit.deepspeed.zero.partition_parameters import ZeroParamStatus  # noqa: E402
 
-def __getattr__(name: str):
-    if name in _DEEPSPEED_ZERO_NAMES:
-        raise UnsupportedAttribute(f"zerofit's deepspeed.zero has no {name}: {_DEEPSPEED_ZERO_NAMES[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = refusing_getattr(__name__, _DEEPSPEED_ZERO_NAMES, submodules=("partition_parameters", "offload_config"))

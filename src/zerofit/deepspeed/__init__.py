@@ -157,7 +157,6 @@ _DEEPSPEED_NAMES = {
     "DualPipeVEngine": ONE_PROCESS,
     "DualPipeVModule": ONE_PROCESS,
     "checkpointing": "zerofit checkpoints every block's activations itself (activation_checkpointing)",
-    "DeepSpeedEngine": "zerofit.deepspeed.initialize returns zerofit's Engine (zerofit.engine.engine.Engine)",
     "DeepSpeedHybridEngine": "zerofit has no inference hybrid engine",
     "DeepSpeedConfig": "zerofit reads DeepSpeed configs into zerofit.config.ZerofitConfig (zerofit.config.load_config)",
     "DeepSpeedConfigError": "zerofit raises zerofit.config.ConfigError",
@@ -181,7 +180,8 @@ _DEEPSPEED_NAMES.update({name[len("deepspeed."):]: hint for name, hint in REFUSE
 # zerofit's modules of DeepSpeed's layout (zerofit.deepspeed.names), imported on first access as DeepSpeed's
 # eager imports make them attributes of `deepspeed`; and the names DeepSpeed re-exports from them
 _SUBMODULES = ("accelerator", "comm", "compression", "moe", "ops", "runtime", "utils")
-_FROM_SUBMODULES = {"get_accelerator": "accelerator", "log_dist": "utils", "logger": "utils"}
+_FROM_SUBMODULES = {"get_accelerator": "accelerator", "log_dist": "utils", "logger": "utils",
+                    "DeepSpeedEngine": "runtime.engine"}
 
 
 def __getattr__(name: str):

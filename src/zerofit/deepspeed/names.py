@@ -31,7 +31,8 @@ _ALIASED_PACKAGES = {"deepspeed.runtime.zero": "zerofit.deepspeed.zero"}   # Dee
 _NO_KERNELS = ("zerofit runs its own AdamW on the host (torch.optim.AdamW's math) and builds none of DeepSpeed's "
                "kernels; pass torch.optim.AdamW or deepspeed.ops.adam.FusedAdam / DeepSpeedCPUAdam as the "
                "optimizer, or put AdamW in the config's optimizer block")
-_NO_MOE = "zerofit has no mixture-of-experts layers (expert parallelism needs several processes); " + ONE_PROCESS
+_NO_MOE = ("zerofit has no mixture-of-experts layers (DeepSpeed's MoE needs its expert-parallel groups); train a "
+           "model without deepspeed.moe.layer.MoE (DeepSpeedExamples' cifar10: leave out --moe)")
 _NO_INFERENCE = "zerofit trains; for generation use engine.module (the model with its current weights)"
 _NO_INJECT = "zerofit runs the model's own modules and does not replace them"
 
@@ -58,8 +59,6 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.moe.experts": _NO_MOE,
     "deepspeed.moe.sharded_moe": _NO_MOE,
     "deepspeed.moe.mappings": _NO_MOE,
-    "deepspeed.runtime.engine": "deepspeed.initialize returns zerofit's Engine (zerofit.engine.engine.Engine) "
-                                "with DeepSpeed's engine surface",
     "deepspeed.runtime.lr_schedules": "put the schedule in the config's scheduler block (WarmupLR, WarmupDecayLR, "
                                       "WarmupCosineLR with DeepSpeed's formulas, zerofit.optim.schedules)",
     "deepspeed.runtime.config": "zerofit reads DeepSpeed configs into zerofit.config.ZerofitConfig "

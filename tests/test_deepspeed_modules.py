@@ -12,13 +12,11 @@ do on the CPU (CUDA where a GPU is); what zerofit does not provide is refused by
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -233,14 +231,14 @@ json.dump({"losses": losses, "optimizer": Adam.__name__, "argv": sys.argv[1:], "
 
 
 def _script_model_adamw_losses() -> list[float]:
-    """The script's training in this process, with torch.optim.AdamW as the client optimizer."""
+    """The script's training in this process, with torch.optim.AdamW as the client optimizer (on the device the
+    script's engine takes: the config's default, a GPU where there is one)."""
     space = {"torch": torch}
     exec(_MODEL, space)
     torch.manual_seed(0)
     model = space["TinyLM"]()
     opt = torch.optim.AdamW(space["groups_of"](model), lr=1e-3, betas=(0.9, 0.95))
-    engine, *_ = zds.initialize(model=model, optimizer=opt, config={**_CFG, "zero_optimization": {"stage": 2}},
-                                device="cpu")
+    engine, *_ = zds.initialize(model=model, optimizer=opt, config={**_CFG, "zero_optimization": {"stage": 2}})
     try:
         losses = []
         for batch in space["batches"](3):
@@ -328,7 +326,7 @@ def test_launcher_passes_the_scripts_exit_status_and_error(tmp_path, monkeypatch
         assert capsys.readouterr().out == f"['--local_rank=0', '--x'] 0 {tmp_path}\n"
         assert main(["-q", "--no_local_rank", str(fails)]) == 1
         err = capsys.readouterr().err
-        assert err.startswith("Traceback (most recent call last):\n  File \"" + str(fails)) and "ValueError: boom" in err
+        assert err.startswith(f'Traceback (most recent call last):\n  File "{fails}"') and "ValueError: boom" in err
     finally:
         alias.uninstall()
     assert not alias.installed()
@@ -524,19 +522,21 @@ def test_comm_is_torch_distributed_for_one_process(monkeypatch):
 
     assert not tdist.is_initialized()
     monkeypatch.setenv("LOCAL_RANK", "0")
+    dev = "cuda" if CUDA else "cpu"              # nccl with a GPU (as DeepSpeed), gloo on the CPU
     try:
         assert (dist.get_rank(), dist.get_world_size(), dist.get_local_rank()) == (0, 1, 0)   # no group needed
         assert not dist.is_initialized()
         dist.barrier()                       # a collective makes the one-process group, as initialize() would
         assert dist.is_initialized() and tdist.get_world_size() == 1 and tdist.get_rank() == 0
-        x = torch.arange(4.0)
+        assert tdist.get_backend() == ("nccl" if CUDA else "gloo")
+        x = torch.arange(4.0, device=dev)
         dist.all_reduce(x, op=dist.ReduceOp.SUM, log_name="sum", prof=False)        # DeepSpeed's keywords too
         dist.all_reduce(x, op=tdist.ReduceOp.MAX)
-        assert torch.equal(x, torch.arange(4.0))
-        out = [torch.zeros(4)]
+        assert torch.equal(x, torch.arange(4.0, device=dev))
+        out = [torch.zeros(4, device=dev)]
         dist.all_gather(out, x)
         assert torch.equal(out[0], x)
-        flat = torch.zeros(4)
+        flat = torch.zeros(4, device=dev)
         dist.all_gather_into_tensor(flat, x)
         assert torch.equal(flat, x)
         dist.broadcast(x, src=0)

@@ -137,7 +137,11 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
         raise DeepSpeedUnsupported(f"init_distributed(rank={rank}, world_size={world_size}): {ONE_PROCESS}")
     if dist_init_required is False or dist.is_initialized():
         return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if dist_backend is None:                        # as DeepSpeed: the accelerator's (nccl on CUDA, gloo on the CPU)
+        from zerofit.deepspeed.accelerator import get_accelerator
+
+        dist_backend = get_accelerator().communication_backend_name()
+    backend = dist_backend
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timeout or datetime.timedelta(minutes=30))
 

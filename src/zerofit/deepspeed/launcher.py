@@ -182,11 +182,16 @@ def _print_script_error(exc: BaseException) -> None:
 
 
 def _note_other_gpus(launch: Launch) -> None:
+    """Say so where DeepSpeed's launcher would start several processes. Counted without touching CUDA (a
+    script may still set CUDA_VISIBLE_DEVICES before it imports torch)."""
     if "CUDA_VISIBLE_DEVICES" in launch.env:
         return
-    import torch
-
-    n = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        n = len([d for d in visible.split(",") if d.strip()]) if visible is not None else \
+            len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        n = 0
     if n > 1:
         print(f"zerofit deepspeed: {n} GPUs are visible; DeepSpeed's launcher would start one process per GPU, "
               "zerofit starts one, which uses the config's device (cuda: the first); --include localhost:K picks "

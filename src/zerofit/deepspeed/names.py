@@ -102,7 +102,8 @@ def is_deepspeed_name(fullname: str) -> bool:
 
 
 def zerofit_module(fullname: str) -> str:
-    """``deepspeed.<path>`` -> ``zerofit.deepspeed.<path>`` (``deepspeed.runtime.zero`` -> ``zerofit.deepspeed.zero``)."""
+    """``deepspeed.<path>`` -> ``zerofit.deepspeed.<path>`` (and ``deepspeed.runtime.zero[.x]`` ->
+    ``zerofit.deepspeed.zero[.x]``)."""
     for prefix, target in _ALIASED_PACKAGES.items():
         if fullname == prefix or fullname.startswith(prefix + "."):
             return target + fullname[len(prefix):]

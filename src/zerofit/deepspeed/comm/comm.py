@@ -33,7 +33,6 @@ import functools
 import os
 from enum import Enum
 
-import torch
 import torch.distributed as tdist
 
 from zerofit.deepspeed import init_distributed
@@ -61,6 +60,11 @@ class ReduceOp(Enum):
     BXOR = 6
     AVG = 7
     UNUSED = 8
+
+
+# torch 2.13 names them *_single (the *_tensor names are deprecated there); torch 2.6 has only *_tensor
+_all_gather_single = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+_reduce_scatter_single = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
 
 
 def _torch_op(op):
@@ -190,17 +194,17 @@ def all_gather_object(object_list, obj, group=None):
 
 @_collective
 def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False):
-    return tdist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    return _all_gather_single(output_tensor, tensor, group=group, async_op=async_op)
 
 
 @_collective
 def allgather_fn(output_tensor, input_tensor, group=None, async_op=False):
-    return tdist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+    return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 @_collective
 def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=False):
-    works = [tdist.all_gather_into_tensor(o, i, group=group, async_op=async_op)
+    works = [_all_gather_single(o, i, group=group, async_op=async_op)
              for o, i in zip(output_tensors, input_tensors)]
     return works[-1] if async_op and works else None
 
@@ -212,12 +216,12 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
 
 @_collective
 def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    return tdist.reduce_scatter_tensor(output_tensor, tensor, op=_torch_op(op), group=group, async_op=async_op)
+    return _reduce_scatter_single(output_tensor, tensor, op=_torch_op(op), group=group, async_op=async_op)
 
 
 @_collective
 def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    return tdist.reduce_scatter_tensor(output_tensor, tensor, op=_torch_op(op), group=group, async_op=async_op)
+    return _reduce_scatter_single(output_tensor, tensor, op=_torch_op(op), group=group, async_op=async_op)
 
 
 @_collective
@@ -263,9 +267,9 @@ _REFUSED = {name: _NO_PEER for name in ("send", "recv", "isend", "irecv", "P2POp
 _REFUSED.update({name: _NO_LOG for name in ("configure", "log_summary", "reset_log", "has_comm_data",
                                             "get_comm_operation_count", "get_logged_comm_ops", "comms_logger",
                                             "timers")})
-_REFUSED.update({name: ONE_PROCESS for name in ("initialize_mesh_device", "enable_symm_mem_for_group", "mpi_discovery",
-                                                "in_aml", "in_aws_sm", "in_dlts", "patch_aml_env_for_torch_nccl_backend",
-                                                "patch_aws_sm_env_for_torch_nccl_backend", "init_deepspeed_backend",
-                                                "set_backend", "cdb", "ProcessGroup")})
+_REFUSED.update({name: ONE_PROCESS for name in (
+    "initialize_mesh_device", "enable_symm_mem_for_group", "mpi_discovery", "in_aml", "in_aws_sm", "in_dlts",
+    "patch_aml_env_for_torch_nccl_backend", "patch_aws_sm_env_for_torch_nccl_backend", "init_deepspeed_backend",
+    "set_backend", "cdb", "ProcessGroup")})
 
 __getattr__ = refusing_getattr("zerofit.deepspeed.comm", _REFUSED)

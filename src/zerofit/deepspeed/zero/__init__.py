@@ -1,5 +1,9 @@
 """``deepspeed.zero``: ``Init`` (build a model without allocating its weights) and ``GatheredParameters``.
 
+This package is also DeepSpeed's ``deepspeed.runtime.zero`` (one module, as in DeepSpeed), with its
+``partition_parameters`` (``ZeroParamStatus``: every zerofit parameter is available) and ``offload_config``
+(DeepSpeed's offload enums) submodules.
+
 DeepSpeed's ``zero.Init`` partitions each parameter across the ranks as the model is built, so that no
 process ever holds the whole model. zerofit has one process and its own storage: under ``Init`` every
 *parameter* is created on the meta device (no memory), while buffers (rotary tables, masks) are computed

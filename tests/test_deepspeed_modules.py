@@ -315,7 +315,8 @@ def test_launcher_passes_the_scripts_exit_status_and_error(tmp_path, monkeypatch
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
                  "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)                   # restored after the test, as sys.argv and path
+        monkeypatch.setenv(name, "")            # restored (or removed) after the test, as sys.argv and sys.path
+        monkeypatch.delenv(name)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     exits, fails = tmp_path / "exits.py", tmp_path / "fails.py"
@@ -346,6 +347,18 @@ def test_launcher_passes_the_scripts_exit_status_and_error(tmp_path, monkeypatch
 def test_launcher_refuses_several_processes_by_name(argv, match):
     with pytest.raises(DeepSpeedUnsupported, match=match):
         plan(argv)
+
+
+def test_cli_subcommand_refuses_by_name_with_exit_2_and_has_the_launchers_help():
+    from typer.testing import CliRunner
+
+    from zerofit.cli import app
+
+    r = CliRunner().invoke(app, ["deepspeed", "--num_gpus", "2", "train.py", "--deepspeed_config", "ds.json"])
+    assert r.exit_code == 2 and "--num_gpus 2: zerofit deepspeed runs the script in one process" in r.output
+    r = CliRunner().invoke(app, ["deepspeed", "--help"])
+    assert r.exit_code == 0 and "usage: zerofit deepspeed" in r.output and "--num_gpus" in r.output
+    assert "deepspeed" in CliRunner().invoke(app, ["--help"]).output
 
 
 def test_launcher_options_as_deepspeeds_runner_reads_them():
@@ -460,9 +473,11 @@ def test_cpu_accelerator_answers_as_deepspeeds(fresh_accelerator, monkeypatch):
     a.manual_seed(123)
     assert torch.equal(torch.randn(4), x) and a.initial_seed() == 123
     rss = psutil.Process().memory_info().rss
-    assert abs(a.memory_allocated() - rss) < 64 << 20 and a.max_memory_allocated() >= a.memory_allocated() * 0.9
+    current = a.memory_allocated()
+    assert abs(current - rss) < 64 << 20 and a.max_memory_allocated() >= current
     a.reset_peak_memory_stats()
-    assert a.memory_stats()["allocated_bytes.all.peak"] >= a.memory_stats()["allocated_bytes.all.current"] * 0.9
+    stats = a.memory_stats()
+    assert stats["allocated_bytes.all.peak"] >= stats["allocated_bytes.all.current"] > 0
     assert a.total_memory() == psutil.virtual_memory().total
     t = torch.ones(3)
     assert a.on_accelerator(t) and a.pin_memory(t) is t and a.pin_empty(2, 3, dtype=torch.bfloat16).shape == (2, 3)

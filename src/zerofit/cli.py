@@ -7,6 +7,7 @@
     zerofit estimate --shape llama-2-13b --max-gpu-memory 24GiB --nvme /nvme   # the plan, before launch
     zerofit generate --model DIR --prompt "Hello" --max-gpu-memory 24GiB       # offloaded generation
     zerofit chat --model runs/x/export                                          # chat in the terminal
+    zerofit deepspeed train.py --deepspeed_config ds.json                       # a DeepSpeed script, unchanged
 
 Each ``train`` option maps onto one config field (or describes the run); the
 logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
@@ -362,6 +363,23 @@ def export(
 
 _GEN_MODEL = typer.Option(help="A Hugging Face model directory or a zerofit checkpoint (a tag folder, or a save "
                                 "folder whose 'latest' is used).")
+
+
+@app.command("deepspeed", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def deepspeed_launch(ctx: typer.Context) -> None:
+    """Run a DeepSpeed training script unchanged, in one process, its `import deepspeed` zerofit's:
+    `zerofit deepspeed train.py --deepspeed_config ds.json` (DeepSpeed's launcher options; --help)."""
+    from zerofit.deepspeed.launcher import main as launch
+    from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported
+
+    # the command line itself where it is this command's (click drops a `--` the script may want)
+    argv = sys.argv[2:] if sys.argv[1:2] == ["deepspeed"] else list(ctx.args)
+    try:
+        code = launch(argv)
+    except (DeepSpeedUnsupported, FileNotFoundError, ValueError) as e:      # the launch itself; not the script's
+        _fail(Console(stderr=True), str(e))
+    raise typer.Exit(code)
 
 
 def _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed, greedy) -> dict:

@@ -17,11 +17,19 @@ optimizer, training_dataloader, lr_scheduler)``: the engine is zerofit's :class:
 with DeepSpeed's engine surface (zerofit/engine/deepspeed_surface.py), the optimizer and scheduler are views of
 its AdamW settings and learning-rate schedule. What zerofit cannot do as DeepSpeed does is refused with
 :class:`DeepSpeedUnsupported` naming the argument, attribute or call; docs/migration.md has the table.
+
+The modules DeepSpeed scripts import sit under this package in DeepSpeed 0.19.8's layout
+(``zerofit.deepspeed.accelerator``, ``.comm``, ``.ops.adam``, ``.moe.utils``, ``.runtime.utils``, ``.utils``,
+``.zero``; zerofit/deepspeed/names.py), so that with ``import zerofit.deepspeed.alias`` (or the
+``zerofit deepspeed train.py`` launcher) a script's own ``import deepspeed`` and ``from deepspeed.<path>
+import ...`` lines are zerofit's, unchanged. ``__version__`` is ``"0.19.8+zerofit"``.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -29,10 +37,23 @@ from zerofit.deepspeed import zero
 from zerofit.deepspeed.arguments import (add_config_arguments, check_client_scheduler, check_single_process,
                                          client_optimizer, dataloader_drop_last, groups_from_model_parameters,
                                          raw_config, resolve_config)
+from zerofit.deepspeed.names import DEEPSPEED_VERSION, REFUSED_MODULES, UnsupportedModule
 from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported, GroupSettings, UnsupportedAttribute
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedUnsupported",
-           "UnsupportedAttribute"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "get_accelerator", "log_dist", "logger",
+           "DeepSpeedUnsupported", "UnsupportedAttribute", "UnsupportedModule", "__version__"]
+
+__version__ = DEEPSPEED_VERSION + "+zerofit"
+"""DeepSpeed's version, 0.19.8, whose names and meanings this surface follows, with the PEP 440 local label
+``+zerofit`` (where DeepSpeed's own source builds put their git hash). ``packaging.version.parse`` orders it
+after 0.19.8 and before 0.19.9, so version checks written for DeepSpeed (``>= "0.9"``, ``>= "0.19.8"``)
+pass as for 0.19.8, and a printed version says whose it is."""
+__version_major__, __version_minor__, __version_patch__ = (int(v) for v in DEEPSPEED_VERSION.split("."))
+__git_hash__ = __git_branch__ = "unknown"       # as in DeepSpeed's released wheels
+HAS_TRITON = False                              # DeepSpeed's switch for its Triton kernels; zerofit has none
+
+DeepSpeedOptimizerCallable = Callable[[Iterable[torch.nn.Parameter] | dict[str, Iterable]], torch.optim.Optimizer]
+DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 log = logging.getLogger("zerofit")
@@ -131,7 +152,11 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
         raise DeepSpeedUnsupported(f"init_distributed(rank={rank}, world_size={world_size}): {ONE_PROCESS}")
     if dist_init_required is False or dist.is_initialized():
         return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if dist_backend is None:                        # as DeepSpeed: the accelerator's (nccl on CUDA, gloo on the CPU)
+        from zerofit.deepspeed.accelerator import get_accelerator
+
+        dist_backend = get_accelerator().communication_backend_name()
+    backend = dist_backend
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timeout or datetime.timedelta(minutes=30))
 
@@ -142,31 +167,47 @@ _DEEPSPEED_NAMES = {
     "DeepSpeedInferenceConfig": "zerofit trains; for generation use engine.module",
     "default_inference_config": "zerofit trains; for generation use engine.module",
     "tp_model_init": ONE_PROCESS,
+    "set_autotp_mode": ONE_PROCESS,
+    "load_ds_config": ONE_PROCESS,
+    "merge_tp_model_init_into_config": ONE_PROCESS,
+    "record_tp_model_init_args": ONE_PROCESS,
     "PipelineModule": ONE_PROCESS,
     "PipelineEngine": ONE_PROCESS,
-    "pipe": ONE_PROCESS,
-    "comm": ONE_PROCESS + "; torch.distributed works after init_distributed() (rank 0 of 1)",
+    "DualPipeVEngine": ONE_PROCESS,
+    "DualPipeVModule": ONE_PROCESS,
     "checkpointing": "zerofit checkpoints every block's activations itself (activation_checkpointing)",
-    "DeepSpeedEngine": "zerofit.deepspeed.initialize returns zerofit's Engine (zerofit.engine.engine.Engine)",
     "DeepSpeedHybridEngine": "zerofit has no inference hybrid engine",
     "DeepSpeedConfig": "zerofit reads DeepSpeed configs into zerofit.config.ZerofitConfig (zerofit.config.load_config)",
     "DeepSpeedConfigError": "zerofit raises zerofit.config.ConfigError",
-    "ops": "zerofit has its own CPU AdamW; DeepSpeed's kernels are not used",
-    "module_inject": "zerofit does not replace the model's modules",
+    "DeepSpeedOptimizer": "zerofit runs its own AdamW; initialize() returns a view of it (engine.optimizer)",
+    "DeepSpeedDataLoader": "initialize(training_data=...) returns the loader (engine.deepspeed_io builds one)",
+    "MUON_OPTIMIZER": "zerofit runs AdamW only",
+    "set_optimizer_flags": "zerofit runs AdamW only",
+    "resolve_per_head_muon_after_sharding": "zerofit runs AdamW only",
     "replace_transformer_layer": "zerofit does not replace the model's modules",
     "revert_transformer_layer": "zerofit does not replace the model's modules",
     "DeepSpeedTransformerLayer": "zerofit does not replace the model's modules",
     "DeepSpeedTransformerConfig": "zerofit does not replace the model's modules",
     "add_tuning_arguments": "zerofit's schedules come from the config's scheduler block",
-    "moe": "zerofit has no mixture-of-experts layers of its own",
-    "runtime": "see the names zerofit.deepspeed offers: initialize, init_distributed, add_config_arguments, zero",
-    "accelerator": "zerofit uses the GPU torch sees (config device: auto, cpu, cuda, cuda:N)",
     "OnDevice": "use zero.Init() to build a model without allocating its parameters",
     "domino": ONE_PROCESS,
 }
+# DeepSpeed's other top-level modules (deepspeed.inference, deepspeed.pipe, ...): refused as their imports are
+_DEEPSPEED_NAMES.update({name[len("deepspeed."):]: hint for name, hint in REFUSED_MODULES.items()
+                         if name.count(".") == 1 and name[len("deepspeed."):] not in _DEEPSPEED_NAMES})
+
+# zerofit's modules of DeepSpeed's layout (zerofit.deepspeed.names), imported on first access as DeepSpeed's
+# eager imports make them attributes of `deepspeed`; and the names DeepSpeed re-exports from them
+_SUBMODULES = ("accelerator", "comm", "compression", "moe", "ops", "runtime", "utils")
+_FROM_SUBMODULES = {"get_accelerator": "accelerator", "log_dist": "utils", "logger": "utils",
+                    "DeepSpeedEngine": "runtime.engine"}
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _FROM_SUBMODULES:
+        return getattr(importlib.import_module(f"{__name__}.{_FROM_SUBMODULES[name]}"), name)
     if name in _DEEPSPEED_NAMES:
         raise UnsupportedAttribute(f"zerofit's deepspeed has no {name}: {_DEEPSPEED_NAMES[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,9 @@
 """``deepspeed.zero``: ``Init`` (build a model without allocating its weights) and ``GatheredParameters``.
 
+This package is also DeepSpeed's ``deepspeed.runtime.zero`` (one module, as in DeepSpeed), with its
+``partition_parameters`` (``ZeroParamStatus``: every zerofit parameter is available) and ``offload_config``
+(DeepSpeed's offload enums) submodules.
+
 DeepSpeed's ``zero.Init`` partitions each parameter across the ranks as the model is built, so that no
 process ever holds the whole model. zerofit has one process and its own storage: under ``Init`` every
 *parameter* is created on the meta device (no memory), while buffers (rotary tables, masks) are computed
@@ -29,9 +33,10 @@ import weakref
 import torch
 from torch import nn
 
-from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
+from zerofit.deepspeed.names import refusing_getattr
+from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported
 
-__all__ = ["Init", "GatheredParameters"]
+__all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -156,13 +161,14 @@ _DEEPSPEED_ZERO_NAMES = {
     "register_external_parameter": "zerofit runs the model's own forward with every parameter of a block present",
     "unregister_external_parameter": "zerofit runs the model's own forward with every parameter of a block present",
     "MiCS_Init": ONE_PROCESS,
-    "ZeroParamStatus": "zerofit's parameters are never partitioned",
-    "partition_parameters": "zerofit's parameters are never partitioned",
+    "ZeroParamType": "zerofit's parameters are plain nn.Parameter objects, never partitioned",
+    "DeepSpeedTensorOverride": "zerofit's parameters are plain nn.Parameter objects, never partitioned",
+    "DeepSpeedZeRoOffload": "zerofit has no ZeRO stages: it streams whole blocks through the GPU",
+    "unwrap_model_for_generation": "zerofit never partitions the model: use engine.module for generation",
     "DeepSpeedTiledLinear": "zerofit does not replace the model's modules",
 }
 
+# DeepSpeed's deepspeed.zero is deepspeed.runtime.zero, a package: its partition_parameters and offload_config
+from zerofit.deepspeed.zero.partition_parameters import ZeroParamStatus  # noqa: E402
 
-def __getattr__(name: str):
-    if name in _DEEPSPEED_ZERO_NAMES:
-        raise UnsupportedAttribute(f"zerofit's deepspeed.zero has no {name}: {_DEEPSPEED_ZERO_NAMES[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = refusing_getattr(__name__, _DEEPSPEED_ZERO_NAMES, submodules=("partition_parameters", "offload_config"))

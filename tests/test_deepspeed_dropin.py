@@ -541,8 +541,11 @@ def test_unsupported_engine_optimizer_and_scheduler_calls_name_themselves():
         with pytest.raises(UnsupportedAttribute, match=f"DeepSpeed engine has no {name}:"):
             getattr(engine, name)
         assert not hasattr(engine, name)
-    with pytest.raises(AttributeError, match=r"engine\.module\.parameters"):
-        engine.parameters()
+    # what the engine does not have itself goes on to the model, as DeepSpeed's engine passes it on
+    assert sum(p.numel() for p in engine.parameters()) == sum(p.numel() for p in engine.module.parameters())
+    assert engine.get_input_embeddings() is engine.module.get_input_embeddings()
+    with pytest.raises(AttributeError, match="no attribute '_mistyped'"):
+        engine._mistyped
     with pytest.raises(DeepSpeedUnsupported, match=r"optimizer\.step\(\): engine\.step\(\)"):
         optimizer.step()
     with pytest.raises(DeepSpeedUnsupported, match="engine.save_checkpoint"):

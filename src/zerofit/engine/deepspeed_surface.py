@@ -446,14 +446,16 @@ class DeepSpeedSurface:
 
     def __getattr__(self, name: str):
         # only reached when normal lookup failed; must raise AttributeError (getattr(engine, x, default) relies on it)
+        if name.startswith("_"):        # the engine's own (a mistyped private name is a plain AttributeError)
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         hint = deepspeed_hint(name)
         if hint is not None:
             raise refuse_attribute("engine", name, hint)
         model = self.__dict__.get("_model")
-        if not name.startswith("_") and model is not None and hasattr(model, name):
-            raise AttributeError(f"zerofit's engine has no {name}, and does not pass attributes through to the model "
-                                 f"as DeepSpeed's engine does: use engine.module.{name} (the model with its current "
-                                 "weights, on the host)")
+        if model is not None and hasattr(model, name):
+            # DeepSpeed's engine passes what it does not have itself on to its module (engine.parameters(),
+            # engine.config of a model...): the model with its current weights (engine.module applies pending updates)
+            return getattr(self.module, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 

@@ -14,8 +14,8 @@ import time
 import torch
 
 from zerofit.doctor import BackgroundCopies
-from zerofit.engine.optimizer import Hyper, adamw_flat
-from zerofit.engine.split_adamw import available, master_pass, rest_pass
+from zerofit.engine.update.adamw import Hyper, adamw_flat
+from zerofit.engine.update.split_adamw import available, master_pass, rest_pass
 
 
 def main() -> None:
@@ -69,8 +69,8 @@ def main() -> None:
 
 def rounding() -> None:
     """For each size, the (body, tail) modes whose passes equal the fused kernel bitwise, per assumed width."""
-    import zerofit.engine.split_adamw as sa
-    from zerofit.engine.optimizer import Hyper
+    import zerofit.engine.update.split_adamw as sa
+    from zerofit.engine.update.adamw import Hyper
 
     module = sa._load()
     print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, chosen modes "

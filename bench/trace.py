@@ -65,7 +65,7 @@ def summarize(trace: list[dict]) -> str:
 
 def cpu_tasks(trace: list[dict]) -> list[dict]:
     """The CPU worker's tasks: {label, start, work, wait}. A task's span is cut where it waited for a gradient or
-    the disk ("cpu wait" lane, labelled ``task(what)``: [Note: the worker's waits], engine/optimizer.py); the worker
+    the disk ("cpu wait" lane, labelled ``task(what)``: [Note: the worker's waits], engine/update/worker.py); the worker
     runs one task at a time, so a task is the run of adjacent pieces with its label. Traces from before that cut
     have no waits: their work is the whole span."""
     pieces = sorted((e for e in trace if e["lane"] in ("cpu", "cpu wait")), key=lambda e: (e["start"], e["end"]))

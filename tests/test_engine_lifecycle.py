@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerofit
-import zerofit.engine.optimizer as optimizer_module
+import zerofit.engine.update.unit_adamw as optimizer_module
 from tests import lifecycle_script
 from tests import tiny_models as tm
 from zerofit.engine.adapter import loss_of
 from zerofit.engine.batch import BatchError
 from zerofit.engine.lifecycle import EngineClosedError, EngineFailedError, EngineState
-from zerofit.engine.optimizer import WorkerError
+from zerofit.engine.update.worker import WorkerError
 
 G = 2
 

@@ -91,7 +91,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_groups_match_torch_adamw_groups(case, monkeypatch):
-    import zerofit.engine.optimizer as optimizer_module
+    import zerofit.engine.update.unit_adamw as optimizer_module
 
     kw = CASES[case]
     rollbacks = []

@@ -10,8 +10,7 @@ import torch
 
 import zerofit
 from tests import tiny_models as tm
-from zerofit.engine.optimizer import Hyper, adamw_flat
-from zerofit.engine.speculation import adamw_rollback
+from zerofit.engine.update.adamw import Hyper, adamw_flat, adamw_rollback
 
 
 @pytest.mark.parametrize("wd,steps", [(0.01, 1), (0.0, 5), (0.1, 3)])
@@ -56,7 +55,7 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
             dst.view(-1)[0] = float("nan")
 
     engine._accumulate = poisoned
-    import zerofit.engine.optimizer as optimizer_module   # unit_adamw runs every rollback
+    import zerofit.engine.update.unit_adamw as optimizer_module   # unit_adamw runs every rollback
     rolled = []
     monkeypatch.setattr(optimizer_module, "adamw_rollback", lambda master, *a: (rolled.append(master.data_ptr()),
                                                                                adamw_rollback(master, *a)))

@@ -1,4 +1,4 @@
-"""[Note: moments after the forward] (engine/split_adamw.py): deferred host updates in two passes, the master on
+"""[Note: moments after the forward] (engine/update/split_adamw.py): deferred host updates in two passes, the master on
 the next forward's path and the moments after it, give bitwise the fused kernel's results. On the CPU; the
 kernel is built at first use (a C++ compiler is on every machine this project tests on)."""
 
@@ -11,8 +11,8 @@ import torch
 
 import zerofit
 from tests import tiny_models as tm
-from zerofit.engine import split_adamw
-from zerofit.engine.optimizer import Hyper, adamw_flat
+from zerofit.engine.update import split_adamw
+from zerofit.engine.update.adamw import Hyper, adamw_flat
 
 pytestmark = pytest.mark.skipif(not split_adamw.available(), reason=f"no C++ toolchain here to build the split "
                                 f"kernel: {split_adamw.why_unavailable()}")

@@ -1,4 +1,4 @@
-"""[Note: the worker's waits] (src/zerofit/engine/optimizer.py): the CPU optimizer thread's time in the step's
+"""[Note: the worker's waits] (src/zerofit/engine/update/worker.py): the CPU optimizer thread's time in the step's
 trace and timeline is its working time; where a task waits for a gradient or for the disk, that time is on the
 "cpu wait" lane and in ``optimizer_wait``."""
 
@@ -14,7 +14,7 @@ import torch
 import zerofit
 from tests import tiny_models as tm
 from zerofit.engine import disk as disk_mod
-from zerofit.engine.optimizer import HostWorker, waiting
+from zerofit.engine.update.worker import HostWorker, waiting
 
 
 def _spin(seconds: float) -> None:
@@ -195,7 +195,7 @@ def test_updates_taken_out_of_order_are_the_same_updates():
 def test_a_readiness_check_that_raises_runs_its_task_and_reports_the_tasks_error():
     """A device error can surface in the check itself (``event.query()``): the worker must not die of it unreported.
     The task runs; its own wait raises; the worker reports that, and runs nothing after it."""
-    from zerofit.engine.optimizer import WorkerError
+    from zerofit.engine.update.worker import WorkerError
 
     w = HostWorker()
     gate, ran = threading.Event(), []

@@ -288,12 +288,12 @@ def timed_steps(step, time_limit_s: float, steps: int) -> list[float]:
 
 
 def master_pass_speed(params: int = 64 * MiB, time_limit_s: float = 5.0, cast: torch.dtype | None = None) -> float:
-    """Parameters per second of the two-pass AdamW's first pass (engine/split_adamw.py, [Note: moments after
+    """Parameters per second of the two-pass AdamW's first pass (engine/update/split_adamw.py, [Note: moments after
     the forward]; with ``cast``, the pass that writes only the new weights cast to that 16-bit dtype: [Note: the
     master behind its cast]) while pinned copies run both ways, as optimizer_speed(while_copying=True)
     measures the fused kernel: one warm-up, then the median of up to 9 steps."""
-    from zerofit.engine import split_adamw
-    from zerofit.engine.optimizer import Hyper
+    from zerofit.engine.update import split_adamw
+    from zerofit.engine.update.adamw import Hyper
 
     p, g, m, v = (torch.randn(params) for _ in range(4))
     out16 = None if cast is None else torch.empty(params, dtype=cast)

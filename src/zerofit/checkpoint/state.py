@@ -108,7 +108,7 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
                       "shell_optimizer_on_device": engine.plan.shell_optimizer_on_device,
                       "device": str(engine.dev.device)},
         "model_files": [f.name for f in hf],
-        # [Note: speculative updates] (engine/speculation.py): whether the next step speculates depends on
+        # [Note: speculative updates] (engine/update/speculation.py): whether the next step speculates depends on
         # whether the last one was clipped, and a speculated-then-redone update differs in rounding
         "speculate_next": getattr(engine, "_speculate_next", None),
         "param_groups": groups_record(engine),

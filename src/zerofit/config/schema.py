@@ -409,7 +409,7 @@ class OffloadConfig(_Frozen):
     split_updates: bool | None = None
     """deferred updates (clipping, fp16) on the CPU in two passes: the new master weights on the next forward's
     critical path, the moments after it (20 B of host memory each instead of the fused kernel's 32 at once;
-    [Note: moments after the forward], engine/split_adamw.py). A C++ kernel built at first use (a compiler
+    [Note: moments after the forward], engine/update/split_adamw.py). A C++ kernel built at first use (a compiler
     needed; without one the fused kernel is used, with a notice). None = on a GPU (where the host's memory
     binds the forward), off on the CPU; the fused kernel's results bitwise (the kernel finds how this torch build
     rounds at load). In bf16 the first pass writes only the weights cast for the upload, the second the master
@@ -417,14 +417,14 @@ class OffloadConfig(_Frozen):
     rest_pass_threads: int | None = Field(None, ge=1)
     """threads of the second pass of a split update (off the critical path, while the post pass and the backward
     run): fewer than the first pass's leave cores to the main thread, which launches the GPU's work. None =
-    torch's intra-op threads less a quarter ([Note: threads for the rest pass], engine/split_adamw.py)"""
+    torch's intra-op threads less a quarter ([Note: threads for the rest pass], engine/update/split_adamw.py)"""
     window_keep_blocks: bool = True
     """the DeepSpeed-shaped loop: keep some streamed blocks on the GPU from a window's first forward to its
     boundary, in the memory of the gradient buffers (idle until the blocks' backward), so the window's later
     forwards do not upload them again"""
     speculative_updates: bool = True
     """with gradient clipping (bf16/fp32): update host blocks during the backward as if unclipped, and roll
-    them back and update again in the rare step that the global norm then clips (zerofit/engine/speculation.py);
+    them back and update again in the rare step that the global norm then clips (zerofit/engine/update/speculation.py);
     after a clipped step the next one waits for the norm instead"""
 
     @field_validator("nvme_path")

@@ -50,8 +50,10 @@ from zerofit.engine.deepspeed_surface import DeepSpeedSurface
 from zerofit.engine.lifecycle import EngineLifecycle, EngineState
 from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.groups import resolve_groups
-from zerofit.engine import split_adamw
-from zerofit.engine.optimizer import HostWorker, Hyper, unit_adamw, wait_event, waiting
+from zerofit.engine.update import split_adamw
+from zerofit.engine.update.adamw import Hyper
+from zerofit.engine.update.unit_adamw import unit_adamw
+from zerofit.engine.update.worker import HostWorker, wait_event, waiting
 from zerofit.engine.materialize import build_units, model_shape, param_table, release_originals
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
@@ -59,7 +61,7 @@ from zerofit.engine.ranks import Ranks
 from zerofit.engine.planner import (ASSIST_SETS, CKPT_AHEAD, SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape,
                                     Plan, assist_chunk, fmt_bytes, make_plan, offloaded_blocks,
                                     offloaded_checkpoints)
-from zerofit.engine.speculation import Speculation
+from zerofit.engine.update.speculation import Speculation
 from zerofit.engine.store import Home, HostArena, Slot, SlotPool, Unit, WeightState
 
 _SPECULATE_FIRST = -(2**40)   # worker priority of speculation tasks ([Note: speculative updates])
@@ -887,11 +889,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._begin_upload(u, self._window(order, pos), wait=self.ranks.many)
 
     def _wait_updated(self, unit: Unit) -> None:
-        if not unit.updated.is_set():
-            t = time.perf_counter()
-            while not unit.updated.wait(0.05):
-                self.worker.check()
-            self._add_time("wait", time.perf_counter() - t, label=unit.name)
+        waited = self.worker.wait_until(unit.updated.is_set, unit.updated.wait)
+        if waited is not None:
+            self._add_time("wait", waited, label=unit.name)
         self.worker.check()
 
     # ------------------------------------------------------------------ compute helpers
@@ -1431,11 +1431,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def _take_staging(self) -> torch.Tensor:
         with self._staging_cv:
-            t = time.perf_counter()
-            while not self._staging_free:
-                self._staging_cv.wait(0.05)
-                self.worker.check()
-            waited = time.perf_counter() - t
+            waited = self.worker.wait_until(lambda: bool(self._staging_free), self._staging_cv.wait) or 0.0
             i = self._staging_free.pop(0)
         if waited > 1e-4:
             self._add_time("wait", waited, label="staging")
@@ -1548,11 +1544,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         go on, the last block first). The unit's next gradient must not come down into that buffer before: wait
         for it here (rarely: the backward reaches the unit later). Every other reader of the moments (a
         checkpoint, the next update, a rollback) drains the worker first."""
-        if not unit.moments_done.is_set():
-            t = time.perf_counter()
-            while not unit.moments_done.wait(0.05):
-                self.worker.check()
-            self._add_time("wait", time.perf_counter() - t, label=f"moments[{unit.name}]")
+        waited = self.worker.wait_until(unit.moments_done.is_set, unit.moments_done.wait)
+        if waited is not None:
+            self._add_time("wait", waited, label=f"moments[{unit.name}]")
 
     def _task_speculate(self, unit: Unit, spec: Speculation, event, hypers: tuple[Hyper, ...]):
         """[Note: speculative updates]: update with factor 1 unless the partial norm already proves clipping.

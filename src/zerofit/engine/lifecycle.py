@@ -32,7 +32,7 @@ Every public call runs under ``EngineLifecycle._guard``. An error there (any exc
 * ``APPLYING``: some units already hold the new step and others not (without clipping the CPU updates
   blocks during the backward, which is what hides its cost). AdamW cannot be undone bitwise, and keeping
   a copy to restore would cost a pass over all host state per step, so the engine becomes ``FAILED``.
-* a failure of the CPU optimizer thread (:class:`~zerofit.engine.optimizer.WorkerError`): its update may
+* a failure of the CPU optimizer thread (:class:`~zerofit.engine.update.worker.WorkerError`): its update may
   be torn, and it may belong to a step that already returned: ``FAILED`` too.
 
 A ``FAILED`` engine has released its resources and raises :class:`EngineFailedError` (chained to the
@@ -63,7 +63,7 @@ import torch
 
 from zerofit.engine.device import Device
 from zerofit.engine.disk import DiskTierError
-from zerofit.engine.optimizer import HostWorker, WorkerError
+from zerofit.engine.update.worker import HostWorker, WorkerError
 from zerofit.engine.store import HostArena
 
 log = logging.getLogger("zerofit")

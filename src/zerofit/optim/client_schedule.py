@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from zerofit.engine.optimizer import Hyper
+from zerofit.engine.update.adamw import Hyper
 from zerofit.optim.schedules import betas_at, lr_at
 
 log = logging.getLogger("zerofit")

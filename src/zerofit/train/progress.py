@@ -10,7 +10,7 @@ starts at its first use wait for a core the other processes hold, until they set
 work in step 1 on the CPU is negligible in that profile (its buffers are allocated at initialize). On a GPU the first
 step loads CUDA kernels and fills the allocator's pools; and on a GPU, with clipping or fp16, initialize
 compiles the split AdamW kernel the first time on a machine (about a minute, cached:
-``zerofit.engine.split_adamw``), which :func:`kernel_build_note` announces.
+``zerofit.engine.update.split_adamw``), which :func:`kernel_build_note` announces.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def first_step_note(device: torch.device | str) -> str:
 
 def kernel_build_note(config: ZerofitConfig, device: torch.device | str) -> str | None:
     """A line to print before ``zerofit.initialize`` when it will compile the split AdamW kernel, else None."""
-    from zerofit.engine import split_adamw
+    from zerofit.engine.update import split_adamw
     from zerofit.engine.engine import split_wanted
 
     deferred = config.gradient_clipping > 0 or config.precision == "fp16"   # the engine's deferred updates

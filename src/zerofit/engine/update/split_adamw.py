@@ -57,6 +57,8 @@ from pathlib import Path
 
 import torch
 
+from zerofit.engine.update.adamw import Hyper, adamw_flat
+
 log = logging.getLogger("zerofit")
 
 _SOURCE = r"""
@@ -275,8 +277,6 @@ def _capability_width() -> int:
 def _calibration_cases() -> list[tuple]:
     """((master, grad, exp_avg, exp_avg_sq), Hyper, factor, the fused kernel's results) on vectors whose tails
     are long and tell vector widths of 8, 16 and 32 apart, with and without a factor and weight decay."""
-    from zerofit.engine.optimizer import Hyper, adamw_flat
-
     gen = torch.Generator().manual_seed(1234)
     cases = []
     # n % (8, 16, 32): 1039 (7, 15, 15), 1000 (0, 8, 8), 1048 (0, 8, 24), 4109 (5, 13, 13), 657 (1, 1, 17)
@@ -340,7 +340,7 @@ def will_build() -> bool:
 
 
 def _scale_of(factor: float) -> float:
-    """The float ``grad_scale`` torch's fused kernel is given for ``factor`` (optimizer.adamw_flat); 0: none."""
+    """The float ``grad_scale`` torch's fused kernel is given for ``factor`` (adamw.adamw_flat); 0: none."""
     return 0.0 if factor == 1.0 else float(torch.tensor(1.0 / factor, dtype=torch.float32))
 
 
@@ -359,7 +359,7 @@ def _threads() -> int:
 
 def master_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0, out16=None) -> None:
     """``master`` takes its AdamW step (``step`` is incremented, as the fused kernel's caller does); the
-    moments and the gradient are left as they were. ``h``: an optimizer.Hyper. With ``out16`` (a bfloat16
+    moments and the gradient are left as they were. ``h``: an adamw.Hyper. With ``out16`` (a bfloat16
     tensor of the master's size) the new master is written there, cast, and not into ``master``:
     [Note: the master behind its cast]; ``rest_pass(..., with_master=True)`` writes it."""
     step.add_(1)

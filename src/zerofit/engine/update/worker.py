@@ -1,16 +1,12 @@
-"""AdamW on flat buffers, on the device or on a host worker thread.
-
-The math is ``torch.optim.AdamW``'s (its functional form, fused kernel) applied
-to each unit's flat fp32 master weights. The cast to the compute dtype happens
-on the device after the next upload (see [Note: fp32 uploads] in materialize.py).
+"""The host worker: one thread that runs the CPU's tasks (AdamW updates, gradient adds) by priority.
 
 [Note: CPU optimizer overlap]
 Host-optimized units are updated by one worker thread as their gradients
 arrive (backward order: last block first; [Note: ready tasks first]), while
 the GPU computes the backward of the blocks before them. A unit's ``updated`` event is set when
-its new 16-bit weights are in ``host16``; the next forward's upload of that
-unit waits for it (on the host, before enqueueing the copy). The fused kernel
-and the cast release the GIL and use torch's intra-op threads.
+its update is done; the next forward's upload of that unit waits for it (on the host, before
+enqueueing the copy: :meth:`HostWorker.wait_for`). The fused kernel and the cast release the GIL
+and use torch's intra-op threads.
 """
 
 from __future__ import annotations
@@ -19,98 +15,6 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-
-import torch
-from torch.optim.adamw import adamw
-
-from zerofit.config.schema import OptimizerConfig
-from zerofit.engine import split_adamw
-from zerofit.engine.speculation import adamw_rollback
-
-
-@dataclass(frozen=True)
-class Hyper:
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-
-    @classmethod
-    def of(cls, cfg: OptimizerConfig, lr: float) -> "Hyper":
-        return cls(lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
-
-
-def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               step: torch.Tensor, h: Hyper, factor: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
-    """One AdamW step on flat fp32 tensors (``step`` is incremented), as ``torch.optim.AdamW(fused=True)``,
-    on the gradient times ``factor`` (clipping, fp16 unscaling; ``grad`` is left scaled).
-
-    On the host the factor rides in the fused kernel (as its ``grad_scale``, 1/factor): one pass over the
-    state instead of two, the binding resource of a clipped step being host memory bandwidth. A separate
-    multiply on the device, where it is cheap. ``found_inf``: a () fp32 tensor on ``master``'s device; when it is
-    nonzero the kernel leaves master, moments and ``step`` as they are (torch's own GradScaler protocol)."""
-    scale = None
-    if factor != 1.0:
-        if grad.is_cuda:
-            grad.mul_(factor)
-        else:
-            scale = torch.tensor(1.0 / factor, dtype=torch.float32)
-    adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=True, amsgrad=False,
-          beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False,
-          grad_scale=scale, found_inf=found_inf)
-
-
-def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               step: torch.Tensor, hypers: tuple[Hyper, ...], factor: float = 1.0, *, start: int = 0,
-               inverse: bool = False, part: str | None = None, out16: torch.Tensor | None = None,
-               threads: int | None = None, found_inf: torch.Tensor | None = None) -> None:
-    """One AdamW step (``inverse``: its undoing, :func:`adamw_rollback`) on a unit's state, each parameter group
-    with its own hyperparameters. Every update and rollback of the engine goes through here.
-
-    The tensors hold the unit's flat elements ``[start, start + master.numel())``: the whole unit, or a chunk
-    of it (assisted updates); ``hypers[g]`` is group ``g``'s. A segment of the unit (see [Note: segments per
-    unit] in store.py) that the range cuts is updated on its part inside the range.
-
-    [Note: one step per unit]
-    The fused kernel increments the ``step`` it is given, and the bias corrections read it. Every segment
-    must see the same starting step, so each segment's call gets its own copy and the unit's ``step`` advances
-    once, at the end (decreases once, for ``inverse``). A unit of one segment (no groups) is one call on the
-    whole buffers with ``step`` itself, as before groups existed.
-
-    ``part``: one of the two passes of the step ([Note: moments after the forward], split_adamw.py): "master"
-    (the new master) then "moments"; or, [Note: the master behind its cast], "cast" (the new master cast into
-    ``out16``, the unit's 16-bit copy over the same elements, the master left as it was) then "rest" (moments
-    and master). The first pass counts the step. ``threads``: the second pass's ([Note: threads for the rest
-    pass]). ``found_inf`` (one pass, not inverse): see adamw_flat; the unit's ``step`` then stays too."""
-    if inverse and factor != 1.0:
-        raise ValueError("a rollback undoes an update taken with factor 1 (a speculative update)")
-
-    if (part == "cast") != (out16 is not None):
-        raise ValueError("a 16-bit output goes with the cast pass, and only with it")
-
-    def run(p, g, m, v, s, h, o):
-        if inverse:
-            adamw_rollback(p, g, m, v, s, h)
-        elif part in ("master", "cast"):      # [Note: moments after the forward] (split_adamw.py)
-            split_adamw.master_pass(p, g, m, v, s, h, factor, out16=o)
-        elif part in ("moments", "rest"):
-            split_adamw.rest_pass(p, g, m, v, s, h, factor, with_master=part == "rest", threads=threads)
-        else:
-            adamw_flat(p, g, m, v, s, h, factor, found_inf=found_inf)
-
-    if len(unit.segments) == 1:
-        run(master, grad, exp_avg, exp_avg_sq, step, hypers[unit.segments[0].group], out16)
-        return
-    n = master.numel()
-    for seg in unit.segments:
-        a, b = max(seg.offset, start) - start, min(seg.offset + seg.numel, start + n) - start
-        if a < b:
-            run(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step.clone(), hypers[seg.group],
-                None if out16 is None else out16[a:b])
-    if part not in ("moments", "rest"):     # the first pass counted the step
-        step.add_(-1 if inverse else (1 if found_inf is None else 1 - found_inf.to(step.device)))
 
 
 class WorkerError(RuntimeError):
@@ -275,6 +179,21 @@ class HostWorker:
         """Wait until every submitted task ran (or was skipped after an error)."""
         self._q.join()
         self.check()
+
+    def wait_until(self, ready, block) -> float | None:
+        """Block the calling (main) thread until ``ready()``, sleeping in ``block(timeout)`` (an event's
+        ``wait``, a condition's ``wait``) and checking every 50 ms that this thread has not failed (a task that
+        raised never frees what it held: WorkerError instead of a hang). The seconds waited, or None when
+        ``ready()`` held at once. The one poll-and-check wait of the engine: for a unit's update, its moments
+        pass, a staging buffer."""
+        if ready():
+            return None
+        t = time.perf_counter()
+        while not ready():
+            block(0.05)
+            if not ready():
+                self.check()
+        return time.perf_counter() - t
 
     def check(self) -> None:
         if self._error is not None:

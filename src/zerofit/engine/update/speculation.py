@@ -20,7 +20,7 @@ as if the clipping coefficient were 1:
 * when the global norm is known: if the coefficient is 1 (no clipping), the
   speculative updates *are* the step, bitwise the same as a deferred update
   with factor 1; otherwise each speculated block is rolled back
-  (:func:`adamw_rollback`, the exact algebraic inverse of the fused AdamW step,
+  (``adamw.adamw_rollback``, the exact algebraic inverse of the fused AdamW step,
   in fp32: the restored state differs from the old one by rounding only) and
   updated again with the true factor. A non-finite norm rolls them back too.
 
@@ -36,42 +36,6 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-
-from typing import TYPE_CHECKING
-
-import torch
-
-if TYPE_CHECKING:
-    from zerofit.engine.optimizer import Hyper
-
-_CHUNK = 1 << 22   # elements per rollback chunk: bounds the temporaries to a few 16 MiB buffers
-
-
-@torch.no_grad()
-def adamw_rollback(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                   step: torch.Tensor, h: Hyper) -> None:
-    """Undo one ``adamw_flat`` step (in place, ``step`` decremented), given the gradient it used.
-
-    The fused step (torch's ``_fused_adamw_``, ADAMW mode) computes, with ``s`` the incremented step::
-
-        p1 = p0 * (1 - lr*wd) - (lr / bc1) * m1 / (sqrt(v1) / sqrt(bc2) + eps)
-        m1 = m0 + (1 - b1) * (g - m0)          v1 = b2 * v0 + (1 - b2) * g * g
-
-    with ``bc1 = 1 - b1**s``, ``bc2 = 1 - b2**s``. Solved for ``p0, m0, v0`` (``v0`` clamped at 0 against
-    rounding)."""
-    s = float(step.item())
-    bc1, bc2 = 1.0 - h.beta1 ** s, 1.0 - h.beta2 ** s
-    step_size, bc2_sqrt, decay = h.lr / bc1, math.sqrt(bc2), 1.0 - h.lr * h.weight_decay
-    n = master.numel()
-    for a in range(0, n, _CHUNK):
-        p, m, v, g = (t[a:a + _CHUNK] for t in (master, exp_avg, exp_avg_sq, grad))
-        denom = v.sqrt().div_(bc2_sqrt).add_(h.eps)
-        p.addcdiv_(m, denom, value=step_size)
-        if decay != 1.0:
-            p.div_(decay)
-        m.sub_(g, alpha=1.0 - h.beta1).div_(h.beta1)
-        v.addcmul_(g, g, value=-(1.0 - h.beta2)).div_(h.beta2).clamp_(min=0.0)
-    step.sub_(1)
 
 
 @dataclass

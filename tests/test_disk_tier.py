@@ -212,7 +212,7 @@ def test_preflight_refusals(tmp_path, monkeypatch):
         (tmp_path / "file").write_text("x")
         zerofit.initialize(copy.deepcopy(model), _cfg(tmp_path / "file", disk_blocks=1))
     # not enough free space for the plan: refused by the planner, naming the disk bytes
-    monkeypatch.setattr("zerofit.engine.engine.free_bytes", lambda p: 4096)
+    monkeypatch.setattr("zerofit.engine.planning.free_bytes", lambda p: 4096)
     with pytest.raises(PlanError, match="disk needs"):
         zerofit.initialize(copy.deepcopy(model), _cfg(tmp_path / "nvme", disk_blocks=2))
     monkeypatch.undo()

@@ -429,7 +429,7 @@ def test_smaller_floor_on_gpu_keeps_the_math():
                                                                       "offload_checkpoints": True}})
     ck = zerofit.initialize(model, base | {"offload": {"resident_blocks": 0, "loss_chunks": 1,
                                                        "offload_checkpoints": True}})
-    assert eng.plan.loss_chunks == 4 and eng.plan.offload_checkpoints and eng._chunk_loss_ok
+    assert eng.plan.loss_chunks == 4 and eng.plan.offload_checkpoints and eng.planning.chunk_loss_ok
     data = _gpu_batches(4, 2)
     a = [ref.train_batch(m) for m in data]
     b = [eng.train_batch(m) for m in data]

@@ -31,9 +31,9 @@ def test_chunked_loss_and_offloaded_checkpoints_keep_the_math(build):
     ref = zerofit.initialize(copy.deepcopy(model), _cfg())
     eng = zerofit.initialize(model, _cfg(loss_chunks=4, offload_checkpoints=True))
     if build is tm.gpt2:       # reshapes the hidden state by the input's length after its blocks: not chunked
-        assert not eng._chunk_loss_ok and eng.plan.loss_chunks == 1
+        assert not eng.planning.chunk_loss_ok and eng.plan.loss_chunks == 1
     else:
-        assert eng._chunk_loss_ok and eng.plan.loss_chunks == 4
+        assert eng.planning.chunk_loss_ok and eng.plan.loss_chunks == 4
     assert eng.plan.offload_checkpoints
     data = tm.batches(6, G)
     a = [ref.train_batch(m) for m in data]
@@ -76,7 +76,7 @@ def test_chunked_loss_with_padding_and_ignored_labels():
 
 def test_a_model_without_a_chunkable_loss_is_not_chunked():
     eng = zerofit.initialize(tm.PlainLM(), _cfg(loss_chunks=4))
-    assert not eng.adapter.chunkable_loss and not eng._chunk_loss_ok
+    assert not eng.adapter.chunkable_loss and not eng.planning.chunk_loss_ok
     data = tm.batches(2, G)
     for m in data:
         eng.train_batch(m)     # the plan says 4 chunks; the engine computes the loss whole
@@ -104,7 +104,7 @@ def test_planner_uses_the_floor_only_when_the_device_needs_it():
 def test_lean_pipeline_is_bitwise(monkeypatch):
     """Two weight slots, one gradient slot, uploads (the host-updated shell's too) staged in quarter-block pieces,
     checkpoints on the host: the same updates, bitwise, as the default pipeline."""
-    import zerofit.engine.engine as engine_mod
+    import zerofit.engine.planning as engine_mod
 
     torch.manual_seed(0)
     model = tm.llama(layers=5)

@@ -171,8 +171,8 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     ``gpu``: plan for a GPU (True) or the CPU (False); None: the config's device (``auto``: a GPU if this
     machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size."""
     from zerofit.config import load_config
-    from zerofit.engine.engine import (_DTYPES, cast_copies, default_host_budget, placement_args, placement_kept,
-                                       plan_args, plan_batch)
+    from zerofit.engine.planning import (DTYPES, cast_copies, default_host_budget, gpu_budget, needs_norm,
+                                         placement_kept, plan_batch, planner_inputs)
     from zerofit.engine.materialize import model_shape, param_table
     from zerofit.engine.planner import PlanError, make_plan
 
@@ -189,18 +189,14 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     table = param_table(model, adapter)
     shape = model_shape(model, adapter, table)
     batch = plan_batch(cfg, model, None)
-    dtype = _DTYPES[cfg.precision]
-    deferred = cfg.gradient_clipping > 0 or cfg.precision == "fp16"
-    dev_budget = cfg.max_gpu_memory
-    if on_cuda and torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
+    dtype = DTYPES[cfg.precision]
+    deferred = needs_norm(cfg)
+    dev_budget = gpu_budget(cfg) if on_cuda and torch.cuda.is_available() else cfg.max_gpu_memory
     host_budget = cfg.max_host_memory or default_host_budget()
     params = shape.shell_numel + sum(shape.block_numels)
     baseline = psutil.Process().memory_info().rss * cfg.world_size    # one process per rank
     est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline, ranks=cfg.world_size)
-    args = dict(device_budget=dev_budget, host_budget=host_budget, chunkable_loss=adapter.chunkable_loss,
-                **placement_args(cfg, adapter.num_blocks), **plan_args(cfg, dtype, on_cuda, deferred))
+    args = planner_inputs(cfg, adapter, on_cuda=on_cuda, device_budget=dev_budget, host_budget=host_budget)
     try:
         plan = make_plan(shape, batch, **args)
     except PlanError as e:
@@ -209,7 +205,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     streamed = range(plan.resident_blocks, len(shape.block_numels))
     if cast_copies(cfg, dtype, on_cuda, deferred) and any(plan.disk_of.get(i) is None for i in streamed):
         # [Note: the master behind its cast]: the engine adds 16-bit host copies at its first update, where
-        # they fit beside its plan (Engine._enable_host16)
+        # they fit beside its plan (Copies16.enable, copies16.py)
         try:
             plan = make_plan(shape, batch, **(args | placement_kept(plan) | dict(host16=True)))
         except PlanError:
@@ -295,7 +291,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     """Each resource's seconds per step from this machine's measured speeds, and the step from the phases they
     run in ([Note: the step's phases]; see also the module docstring)."""
     from zerofit import doctor
-    from zerofit.engine.engine import cast_copies, split_updates
+    from zerofit.engine.planning import cast_copies, split_updates
 
     pred = StepPrediction()
     if not on_cuda or not torch.cuda.is_available():

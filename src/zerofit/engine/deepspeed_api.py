@@ -56,7 +56,7 @@ class DeepSpeedStyleAPI:
         that no backward() followed is dropped by the next forward or train_batch (DeepSpeed drops its graph),
         its loss never counted. Under ``torch.no_grad()`` a forward keeps nothing, so any number of them may
         follow each other, also in the middle of an accumulation."""
-        self._check_open()
+        self.lifecycle.check_open()
         if not torch.is_grad_enabled():
             return self._evaluate(batch)
         check_batch(batch, self._batch_spec)
@@ -93,7 +93,7 @@ class DeepSpeedStyleAPI:
         forwards at once]); each later ``engine(**batch)`` of the window takes its forward from here. Only at
         the start of a window, in training mode; a no-op on the generic path (a model that does not stream) and
         with several ranks."""
-        self._check_open()
+        self.lifecycle.check_open()
         if not torch.is_grad_enabled() or not batches:
             raise RuntimeError("forward_window() announces training forwards: call it with autograd on, and at "
                                "least one micro-batch")
@@ -114,9 +114,9 @@ class DeepSpeedStyleAPI:
             self._with_fallback(lambda: self._announce(batches))
 
     def _announce(self, batches: list[dict]) -> None:
-        self._ds_t0, self._ds_worker0 = self._start_clock()
-        self._ensure_plan(batches)
-        micros = self._forward(batches, shell_grad=True, **self._checkpoint_args())
+        self.clock.start()
+        self.planning.ensure(batches)
+        micros = self._forward(batches, shell_grad=True, **self.planning.checkpoint_args(self.adapter.streaming))
         if self.adapter.streaming:       # not after a fall-back to the generic path: its forwards come later
             self._announced = list(zip(batches, micros))
             self.window_stats["announced"] += 1
@@ -175,8 +175,8 @@ class DeepSpeedStyleAPI:
             self._pending = micro
             return out
         if self._micro_steps == 0:
-            self._ds_t0, self._ds_worker0 = self._start_clock()
-        self._ensure_plan([batch])
+            self.clock.start()
+        self.planning.ensure([batch])
         if self._micro_steps == 0 and G > 1 and self._host16_possible():
             self._enable_host16()
         override = self._boundary_override           # more forwards of this window follow?
@@ -184,7 +184,7 @@ class DeepSpeedStyleAPI:
         if self._micro_steps == 0 and self._host16_fill:
             self._keep_blocks()
         try:
-            micros = self._forward([batch], shell_grad=True, first=self._micro_steps, **self._checkpoint_args())
+            micros = self._forward([batch], shell_grad=True, first=self._micro_steps, **self.planning.checkpoint_args(self.adapter.streaming))
             if self._host16_fill and self.adapter.streaming:
                 self._prefetch_first_blocks()
         finally:
@@ -298,7 +298,7 @@ class DeepSpeedStyleAPI:
             # [Note: 16-bit copies after the update]: the device takes a larger share of the updates
             changes["assisted_fraction"] = copies_fraction(off.assisted_fraction)
         try:
-            self.plan = self._replan(self._plan_batch, host16=True, **changes)
+            self.planning.adopt_host16(**changes)
         except PlanError as e:
             self._host16_refused = True
             log.info("zerofit: no room for 16-bit host copies of the streamed blocks (%s); DeepSpeed-style "
@@ -333,7 +333,7 @@ class DeepSpeedStyleAPI:
                 t = arena.take(u.numel)
                 t.copy_(getattr(u, name))
                 setattr(u, name, t)
-        self._note_host()
+        self.clock.note_host()
 
     # [Note: the block backward waits for the boundary]
     # backward(loss) runs only the post pass's backward (head and loss) for its micro-batch, keeping the
@@ -351,7 +351,7 @@ class DeepSpeedStyleAPI:
         The gradient is that of ``loss / gradient_accumulation_steps``; with ``scale_wrt_gas=False``
         (DeepSpeed's keyword) that of ``loss`` itself, for callers that already divided it as they want
         (Hugging Face's Trainer: by the micro-batches of the step, or by the step's token count)."""
-        self._check_open()
+        self.lifecycle.check_open()
         micro = self._pending
         if micro is None:
             raise RuntimeError("backward() without a forward through the engine")
@@ -379,7 +379,7 @@ class DeepSpeedStyleAPI:
 
     def step(self) -> None:
         """Take the optimizer step at the gradient-accumulation boundary (a no-op before it)."""
-        self._check_open()
+        self.lifecycle.check_open()
         override = self._boundary_override
         if self._micro_steps == 0 or override is False or \
                 (override is None and self._micro_steps < self.config.gradient_accumulation_steps):
@@ -390,7 +390,7 @@ class DeepSpeedStyleAPI:
             self._announced = []        # announced forwards nobody called for: dropped
             applied = self._finish_step()
             self._micro_steps = 0
-            self._end_step(self._ds_t0, self._ds_worker0, applied)
+            self._end_step(applied)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward

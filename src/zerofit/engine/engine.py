@@ -47,7 +47,8 @@ from zerofit.engine.batch import BatchSpec, check_micro_batches, vocab_of
 from zerofit.engine.device import Device
 from zerofit.engine.deepspeed_api import DeepSpeedStyleAPI
 from zerofit.engine.deepspeed_surface import DeepSpeedSurface
-from zerofit.engine.lifecycle import EngineLifecycle, EngineState
+from zerofit.engine.lifecycle import EngineState, Lifecycle
+from zerofit.engine.timeline import Timeline
 from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine.update import split_adamw
@@ -55,12 +56,12 @@ from zerofit.engine.update.adamw import Hyper
 from zerofit.engine.update.unit_adamw import unit_adamw
 from zerofit.engine.update.worker import HostWorker, wait_event, waiting
 from zerofit.engine.materialize import build_units, model_shape, param_table, release_originals
-from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
+from zerofit.engine.disk import DiskTier, SwapFile, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
 from zerofit.engine.ranks import Ranks
-from zerofit.engine.planner import (ASSIST_SETS, CKPT_AHEAD, SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape,
-                                    Plan, assist_chunk, fmt_bytes, make_plan, offloaded_blocks,
-                                    offloaded_checkpoints)
+from zerofit.engine.planner import (ASSIST_SETS, CKPT_AHEAD, TIER_BUFFERS, Plan, assist_chunk, fmt_bytes,
+                                    offloaded_blocks, offloaded_checkpoints)
+from zerofit.engine.planning import DTYPES, Planning, cast_copies, needs_norm, split_updates, split_wanted, world_size
 from zerofit.engine.update.speculation import Speculation
 from zerofit.engine.store import Home, HostArena, Slot, SlotPool, Unit, WeightState
 
@@ -70,7 +71,6 @@ _DISK_LAST = 2**40            # worker priority of disk-tier updates: after the 
 _MOMENTS_LAST = 2**41         # moments passes: after every update the next forward needs, the last block first
                               # (the backward needs its gradient buffer first): [Note: moments after the forward]
 _DISK_FIELDS = {"moments": ("exp_avg", "exp_avg_sq"), "all": ("master", "exp_avg", "exp_avg_sq")}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger("zerofit")
 
 
@@ -94,110 +94,7 @@ class _Micro:
     output: object = None
 
 
-def split_wanted(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
-    """Whether the config asks for deferred host updates in two passes (``offload.split_updates``; None: on a
-    GPU): [Note: moments after the forward], split_adamw.py."""
-    split = config.offload.split_updates
-    return deferred and (on_cuda if split is None else split)
-
-
-def split_updates(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
-    """Whether they run in two passes: asked for, and the kernel built (building it now on first use)."""
-    return split_wanted(config, on_cuda, deferred) and split_adamw.available()
-
-
-def placement_kept(plan: Plan) -> dict:
-    """make_plan's arguments that keep ``plan``'s placement (resident blocks, shell optimizer, staging, disk tier,
-    floor) in a new plan: the engine's replans and ``zerofit estimate``'s plan with 16-bit host copies."""
-    return dict(resident_blocks=plan.resident_blocks, shell_on_device=plan.shell_optimizer_on_device,
-                fixed_staging=plan.staging_buffers, disk_placement=plan.disk_of,
-                floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every),
-                disk_budget=plan.disk_budget)     # measured before the swap file took its share of the disk
-
-
-def cast_copies(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> bool:
-    """Whether split updates write the 16-bit cast first ([Note: the master behind its cast], split_adamw.py):
-    bf16 compute on one rank, where the streamed blocks can have 16-bit host copies (_host16_possible)."""
-    return (split_updates(config, on_cuda, deferred) and dtype == torch.bfloat16 and config.world_size == 1
-            and config.offload.copies_after_update)
-
-
-def assisted_fraction(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> float:
-    """The device's share of the streamed blocks' updates: the configured one, or with split updates and none
-    configured, SPLIT_FRACTION (the CPU's share costs less on the forward's path then)."""
-    off = config.offload
-    if "assisted_fraction" not in off.model_fields_set and split_updates(config, on_cuda, deferred):
-        return SPLIT_FRACTION
-    return off.assisted_fraction
-
-
-def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> dict:
-    """make_plan's arguments that follow from the config and the device: the engine's and ``zerofit estimate``'s."""
-    off = config.offload
-    disk = "nvme" in (off.param_device, off.optimizer_device)
-    # several ranks: the GPU-resident units' optimizer state is sharded ([Note: sharded device state])
-    shards = config.world_size if config.world_size > 1 and config.sharding != "NO_SHARD" else 1
-    on_gpus = device_state(config)
-    return dict(compute_dtype=dtype, on_cuda=on_cuda, deferred_updates=deferred, shards=shards,
-                ranks=config.world_size, device_state=on_gpus,
-                checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none" or on_gpus,
-                prefetch_depth=off.prefetch_depth, assisted_fraction=assisted_fraction(config, on_cuda, deferred),
-                assisted_updates=off.assisted_updates,
-                disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
-                disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
-                floor=(None if off.loss_chunks is None and off.offload_checkpoints is None
-                       and off.checkpoint_every is None
-                       else ((off.loss_chunks or 1) > 1, bool(off.offload_checkpoints), False,
-                             off.checkpoint_every or 1)))
-
-
-def _world_size() -> int:
-    """The number of ranks of the process group (made, or described by torchrun's environment)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def default_host_budget() -> int:
-    """The host budget when ``max_host_memory`` is not set: the memory available now, less a tenth (at least
-    4 GiB) for what the plan does not count: the CUDA context and libraries' growth, the page cache the
-    disk tier and checkpoints pass through, the rest of the machine. A plan of every available byte was
-    killed by the kernel's out-of-memory killer on the 13B shape (docs/benchmarks.md)."""
-    avail = psutil.virtual_memory().available
-    return max(avail - max(avail // 10, 4 << 30), avail // 2)
-
-
-def device_state(config: ZerofitConfig) -> bool:
-    """FULL_SHARD (ZeRO stage 3) on several ranks without offload: every block streams from the GPUs' shards of
-    its state ([Note: sharded device state])."""
-    return (config.world_size > 1 and config.sharding == "FULL_SHARD" and config.offload.param_device == "none"
-            and config.activation_checkpointing)
-
-
-def placement_args(config: ZerofitConfig, num_blocks: int) -> dict:
-    """The first plan's placement settings from the config (no optimizer offload: every unit resident)."""
-    off = config.offload
-    if device_state(config):
-        return dict(resident_blocks=0, shell_on_device=True)
-    return dict(resident_blocks=num_blocks if off.optimizer_device == "none" else off.resident_blocks,
-                shell_on_device={"auto": None, "device": True, "host": False}[off.shell_optimizer])
-
-
-def plan_batch(config: ZerofitConfig, model: nn.Module, seq_len: int | None) -> BatchShape:
-    """The batch the first plan is made for: the config's, with ``seq_len`` (None: the model's context, at most
-    2048)."""
-    if seq_len is None:
-        seq_len = config.seq_len
-    if seq_len is None:
-        mcfg = getattr(model, "config", None)
-        seq_len = min(getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
-                      or 2048, 2048)
-    return BatchShape(config.micro_batch_size, seq_len, config.gradient_accumulation_steps)
-
-
-class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI):
+class Engine(StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
     @classmethod
@@ -208,7 +105,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         from zerofit.config import load_config
 
         if "world_size" not in overrides:      # several ranks (torchrun): the batch triple counts them
-            world = _world_size()
+            world = world_size()
             if world > 1:
                 overrides["world_size"] = world
         loaded = load_config(config, **overrides)   # a bad config fails before any file is read
@@ -230,7 +127,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self.source_dir = source.path if source is not None else None   # the model directory it was loaded from
         self._source = source
         self.report = list(report)
-        self.dtype = _DTYPES[config.precision]
+        self.dtype = DTYPES[config.precision]
         want = str(device) if device is not None else config.device
         if want == "auto":
             want = "cuda" if torch.cuda.is_available() else "cpu"
@@ -259,8 +156,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self.frozen = frozenset(self._table.canonical) - set(self._group_of)
         # the global gradient norm is needed for clipping and for fp16's overflow check; either one
         # makes every host update wait for it (deferred updates)
-        self._needs_norm = config.gradient_clipping > 0 or config.precision == "fp16"
-        self.deferred = self._needs_norm
+        self.deferred = needs_norm(config)
         # [Note: speculative updates] (speculation.py): clipping without fp16 may update during the backward
         self._can_speculate = (config.gradient_clipping > 0 and config.precision != "fp16"
                                and config.offload.speculative_updates
@@ -278,10 +174,6 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
         self.global_step = 0
         self.skipped_steps = 0
-        self._timeline: dict[str, float] = {}
-        self._trace: list[dict] | tuple = []     # the last step's trace, or what trace() builds it from
-        self._wait_spans: list[tuple] = []
-        self._origin = None
         self._micro_steps = 0     # DeepSpeed-style API: micro-batches since the last optimizer step
         self._boundary_override: bool | None = None   # set_gradient_accumulation_boundary()
         self._held: list[_Micro] = []   # DeepSpeed-style API: micro-batches whose block backward waits for the boundary
@@ -304,13 +196,13 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         self._dev_shard_grad: dict[int, torch.Tensor] = {}  # FULL_SHARD, no offload: streamed units' gradient shards
         self._sq_norms: dict[int, torch.Tensor] = {}
         self._mirror_stale = False
-        self._peak_host = 0
-        self._checked_shape = None
         self._shape = model_shape(model, self.adapter, self._table)
-        self.plan = self._plan(self._shape, config.seq_len)   # may refuse: nothing allocated yet
-        self._open_lifecycle(self.dev)    # [Note: engine lifecycle]: from here on, released exactly once
-        self._resources.ranks = self.ranks
-        self._arenas = self._resources.arenas
+        # may refuse (PlanError): nothing allocated yet
+        self.planning = Planning(config, self.adapter, self._shape, on_cuda=self.dev.is_cuda, device=self.dev.device,
+                                 ranks=self.ranks, seq_len=config.seq_len)
+        # [Note: engine lifecycle]: from here on, released exactly once
+        self.lifecycle = Lifecycle(self, self.dev, self.ranks)
+        self._arenas = self.lifecycle.resources.arenas
         if self.dev.is_cuda and config.max_gpu_memory:
             # The plan fits: enforce the cap on the allocator. Running close to a cap, expandable
             # segments keep fragmentation from turning into an out-of-memory error.
@@ -319,20 +211,62 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             set_alloc("expandable_segments:True")
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, config.max_gpu_memory / total), dev)
-            self._resources.capped = True
-        self.worker = self._resources.worker = HostWorker()
+            self.lifecycle.resources.capped = True
+        self.worker = self.lifecycle.resources.worker = HostWorker()
+        self.clock = Timeline(self.dev, self.worker)
         self._tier: DiskTier | None = None
         try:
-            self._tier = self._resources.tier = self._open_tier()
+            self._tier = self.lifecycle.resources.tier = self._open_tier()
             self._build_buffers()
-            self._chunk_loss_ok = self._probe_chunked_loss()
+            self._probe_chunked_loss()
         except BaseException:
-            self._resources.release()
+            self.lifecycle.resources.release()
             raise
         self._batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
         self._log_placement()
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(dev)
+
+    # ------------------------------------------------------------------ lifecycle (lifecycle.py)
+
+    @property
+    def state(self) -> EngineState:
+        """OPEN, APPLYING, FAILED or CLOSED: what an error would do to the weights ([Note: engine lifecycle])."""
+        return self.lifecycle.state
+
+    def _call(self, *, discard_step: bool):
+        """A public call under the lifecycle's guard: an error drops the step in progress (training calls,
+        ``discard_step``) or only the transfers in flight (evaluation, reads), [Note: failure semantics]."""
+        return self.lifecycle.call(self._discard_step if discard_step else self._reset_transfers,
+                                   self._drop_device_state, dropped_step=discard_step)
+
+    def _fail(self, err: BaseException) -> None:
+        """-> FAILED: everything released; every later call raises EngineFailedError naming ``err``."""
+        self.lifecycle.fail(err, self._drop_device_state)
+
+    def close(self) -> None:
+        """Apply the updates of completed steps, copy the final weights into the module's parameters, and
+        release the CPU worker, pinned host memory, the GPU memory cap and the device buffers. Idempotent,
+        and a no-op on a failed engine (already released). Gradients of an unfinished DeepSpeed-style
+        accumulation are dropped. Every later call raises EngineClosedError; ``module`` stays readable.
+        See [Note: engine lifecycle]."""
+        def finish():
+            self._apply_pending()
+            self._sync_host_weights()
+            self._leave_disk()
+        self.lifecycle.close(finish, self._reset_transfers, self._drop_device_state)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:     # the error that ended the block is the one to see
+            log.warning("zerofit: closing the engine after %s failed too: %r", exc_type.__name__, e)
 
     # ------------------------------------------------------------------ ranks
 
@@ -355,35 +289,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         """The shell's optimizer runs on the host (its weights stay resident on the device)."""
         return not self.plan.shell_optimizer_on_device
 
-    def _plan_args(self) -> dict:
-        """make_plan's arguments that follow from the config and the device (one place for all plans)."""
-        return plan_args(self.config, self.dtype, self.dev.is_cuda, self.deferred)
-
-    def _replan(self, batch: BatchShape, **changes) -> Plan:
-        """A plan for ``batch`` with the current placement kept (resident blocks, shell optimizer, staging)."""
-        args = self._plan_args() | dict(
-            device_budget=self.plan.device_budget, host_budget=self.plan.host_budget, **placement_kept(self.plan),
-            host16=any(u.host16 is not None and u.swap != "all" for u in self.blocks))
-        # the disk's speed was measured on the swap file once, at initialize: it stays with the plan
-        plan = make_plan(self._shape, batch, **(args | changes))
-        return dataclasses.replace(plan, disk_speed=self.plan.disk_speed)
-
-    def _plan(self, shape: ModelShape, seq_len: int | None) -> Plan:
-        cfg = self.config
-        self._plan_batch = plan_batch(cfg, self._model, seq_len)
-        dev_budget = None
-        if self.dev.is_cuda:
-            free, total = torch.cuda.mem_get_info(self.dev.device)
-            dev_budget = min(cfg.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
-        host_budget = cfg.max_host_memory or default_host_budget()
-        if self.ranks.many:     # every rank must make the same plan: the collectives follow the units' homes
-            budgets = self.ranks.objects((dev_budget, host_budget))
-            dev_budget = None if dev_budget is None else min(b[0] for b in budgets)
-            host_budget = budgets[0][1]
-        return make_plan(shape, self._plan_batch, device_budget=dev_budget,
-                         host_budget=host_budget,
-                         chunkable_loss=self.adapter.chunkable_loss,
-                         **placement_args(cfg, self.adapter.num_blocks), **self._plan_args())
+    @property
+    def plan(self) -> Plan:
+        """Where each unit lives and what it costs (planner.py): the placement the buffers were allocated for."""
+        return self.planning.plan
 
     def _build_buffers(self) -> None:
         """Materialize the units (materialize.py), then the device slots and pinned gradient buffers."""
@@ -439,7 +348,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self._arenas.append(a)
             for u in waiting:
                 self._host_grads[id(u)] = a.take(u.hi - u.lo)
-        self._note_host()
+        self.clock.note_host()
 
     def _share_units(self) -> None:
         """[Note: sharded units] after materialization: every rank starts from local rank 0's weights. The host
@@ -552,7 +461,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         except BaseException:
             file.close()
             raise
-        self.plan = dataclasses.replace(plan, disk_speed=(w, r))
+        self.planning.measured_disk(w, r)
         log.info("zerofit: NVMe tier: %s, %s reserved%s; measured there: write %.2f GB/s, read %.2f GB/s",
                  file.path, fmt_bytes(file.nbytes), "" if file.direct else
                  " (O_DIRECT refused by this file system: buffered I/O)", w, r)
@@ -571,13 +480,13 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         w, r = self.plan.disk_speed
         return {"write_gb_per_s": w, "read_gb_per_s": r, "direct_io": self._tier.file.direct}
 
-    def _probe_chunked_loss(self) -> bool:
+    def _probe_chunked_loss(self) -> None:
         """Whether the model's head and loss run on a chunk of the final hidden state ([Note: a smaller GPU
         floor], planner.py): tried once, on 4 tokens, with the shell's own device weights. A model that reshapes
         the hidden state by the input's length after its blocks (GPT-2) fails it; the plan is then made again
         without chunks, before step 0 (refused if the device cannot hold the whole logits)."""
         if self.plan.loss_chunks <= 1:
-            return False           # not planned: nothing to probe
+            return                 # not planned: nothing to probe
         if not (self.adapter.streaming and self.adapter.chunkable_loss):
             ok = False
         else:
@@ -597,11 +506,9 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 log.info("zerofit: the head and loss cannot run over token chunks for this model (%s: %s)",
                          type(e).__name__, e)
                 ok = False
-        if not ok and self.plan.loss_chunks > 1:
-            self.plan = self._replan(self._plan_batch, floor=(False, True, bool(self.plan.stage_numel),
-                                                             self.plan.checkpoint_every))
-            log.info("zerofit: re-planned without loss chunks:\n%s", self.plan.describe())
-        return ok
+        self.planning.chunk_loss_ok = ok
+        if not ok:
+            self.planning.without_loss_chunks()
 
     def _alloc_assist(self, cap: int) -> None:
         """[Note: assisted updates]: ASSIST_SETS sets of (chunk,) fp32 device buffers (master, exp_avg,
@@ -613,9 +520,6 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                         for _ in range(ASSIST_SETS)]
         self._assist_free = [None] * ASSIST_SETS
         self._assist_next = 0
-
-    def _note_host(self) -> None:
-        self._peak_host = max(self._peak_host, psutil.Process().memory_info().rss)
 
     # ------------------------------------------------------------------ weight transitions (streamed units)
 
@@ -740,11 +644,10 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         of the step count (the kernel increments it). The unit's next upload (and any host read of its
         master) waits on ``master_event``, the event after its last chunk went down."""
         # [Note: failure semantics]: an error before this unit's update is fully enqueued leaves it torn
-        before, self.state = self.state, EngineState.APPLYING
         factor, hypers = unit.pending_update
-        unit.pending_update = None
-        self._device_adamw(unit, None, hypers, factor, dst, cast16=self._cast16_label(unit, now=True))
-        self.state = before
+        with self.lifecycle.applying():
+            unit.pending_update = None
+            self._device_adamw(unit, None, hypers, factor, dst, cast16=self._cast16_label(unit, now=True))
 
     def _assist_in_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         """[Note: assisted updates in the backward]
@@ -891,7 +794,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
     def _wait_updated(self, unit: Unit) -> None:
         waited = self.worker.wait_until(unit.updated.is_set, unit.updated.wait)
         if waited is not None:
-            self._add_time("wait", waited, label=unit.name)
+            self.clock.add_wait(waited, unit.name)
         self.worker.check()
 
     # ------------------------------------------------------------------ compute helpers
@@ -951,25 +854,6 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     # ------------------------------------------------------------------ the step
 
-    def _ensure_plan(self, micro_batches: list[dict]) -> None:
-        """Check the plan against the real batch shape before the first step allocates activations."""
-        ids = micro_batches[0].get("input_ids")
-        if ids is None or self._checked_shape == tuple(ids.shape):
-            return
-        batch = BatchShape(ids.shape[0], ids.shape[-1], max(len(micro_batches), self.config.gradient_accumulation_steps))
-        check = self._replan(batch)   # PlanError before anything of this step is allocated
-        self._checked_shape = tuple(ids.shape)
-        self._plan_batch = batch
-        self.batch_plan = check     # the plan's prediction for the batch actually trained
-
-    def _checkpoint_args(self) -> dict:
-        """How a training forward keeps its block checkpoints, as the plan for the batch says ([Note: offloaded
-        checkpoints], [Note: checkpoints every k blocks]): train_batch, and the DeepSpeed-shaped loop's window,
-        whose blocks' backward waits for the boundary with every micro-batch's checkpoints kept until then."""
-        plan = getattr(self, "batch_plan", self.plan)
-        streaming = self.adapter.streaming
-        return dict(offload=plan.offload_checkpoints and streaming, every=plan.checkpoint_every if streaming else 1)
-
     def _forward(self, micro_batches: list[dict], *, shell_grad: bool, offload: bool = False,
                  every: int | None = None, first: int = 0) -> list[_Micro]:
         """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints (with
@@ -995,7 +879,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         xs = [m.pre.hidden.detach() for m in micros]
         order = self.blocks
         for pos, unit in enumerate(order):
-            self._safe_point()
+            self.lifecycle.safe_point()
             self._acquire(order, pos)
             self._prefetch(order, pos)
             keep_graph = not self.config.activation_checkpointing
@@ -1186,7 +1070,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if not self.deferred or self._spec is not None:     # the updates start during this backward
             self._expect_updates(list(reversed(self.blocks)), grads_written=False)
         for pos, (unit, recompute) in enumerate(steps):
-            self._safe_point()
+            self.lifecycle.safe_point()
             self._acquire(order, pos)
             self._prefetch(order, pos)
             if recompute:
@@ -1256,7 +1140,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             return
         if not self.deferred and self._assisted(unit):     # [Note: assisted updates in the backward]
             self._flag_nonfinite(unit, grad)
-            self._begin_applying()
+            self.lifecycle.begin_applying()
             self._assist_in_backward(unit, grad)
             return
         if self.ranks.many:
@@ -1268,7 +1152,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if fresh_host:     # the whole gradient goes straight into the unit's host buffer; its norm is taken here
             dst = host
             unit.host_grad_fresh = False
-            if self._needs_norm:
+            if self.deferred:
                 self._sq_norms[id(unit)] = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
         else:              # staging: either an immediate update, or an add into the host buffer
             dst = self._take_staging()
@@ -1285,7 +1169,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
                 self.worker.submit(self._task_speculate(unit, self._spec, done, self._hyper()), _SPECULATE_FIRST,
                                    label=f"speculate[{unit.name}]")
         else:
-            self._begin_applying()   # this block is updated now, while the backward goes on
+            self.lifecycle.begin_applying()   # this block is updated now, while the backward goes on
             unit.updated.clear()
             self.worker.submit(self._task_update(unit, dst, done, self._hyper(), 1.0, release=True,
                                                  cast16=self._cast16_label(unit), flag=unit.index + 1),
@@ -1339,7 +1223,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             raise FloatingPointError(f"{msg}, after {len(applied)} units took the step's update: the state is "
                                      "torn. Resume from the last checkpoint (and lower the learning rate, or set "
                                      "gradient_clipping)")
-        self._end_applying()      # nothing was applied: the step is dropped as before its updates
+        self.lifecycle.end_applying()      # nothing was applied: the step is dropped as before its updates
         raise FloatingPointError(f"{msg}: the step was not applied, every weight and moment is as before it. "
                                  "Lower the learning rate, check the data, or set gradient_clipping")
 
@@ -1434,7 +1318,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             waited = self.worker.wait_until(lambda: bool(self._staging_free), self._staging_cv.wait) or 0.0
             i = self._staging_free.pop(0)
         if waited > 1e-4:
-            self._add_time("wait", waited, label="staging")
+            self.clock.add_wait(waited, "staging")
         return self._staging[i]
 
     def _give_staging(self, buf: torch.Tensor) -> None:
@@ -1546,7 +1430,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         checkpoint, the next update, a rollback) drains the worker first."""
         waited = self.worker.wait_until(unit.moments_done.is_set, unit.moments_done.wait)
         if waited is not None:
-            self._add_time("wait", waited, label=f"moments[{unit.name}]")
+            self.clock.add_wait(waited, f"moments[{unit.name}]")
 
     def _task_speculate(self, unit: Unit, spec: Speculation, event, hypers: tuple[Hyper, ...]):
         """[Note: speculative updates]: update with factor 1 unless the partial norm already proves clipping.
@@ -1651,7 +1535,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         shell_assisted = self._assist is not None and self.plan.assisted_shell
         if self._shell_host_opt and not self.shell.grad_fresh:
             if shell_assisted:     # [Note: assisted updates in the backward]
-                self._begin_applying()
+                self.lifecycle.begin_applying()
                 self._assist_shell()
             else:
                 self._unit_grads_done(self.shell)
@@ -1674,7 +1558,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             bad = self.ranks.all_reduce(self._bad_run.reshape(1).clone()) if self.ranks.many else self._bad_run
             if float(bad):        # a device sync, before the device's AdamW kernels are enqueued
                 self._refuse_nonfinite(host_units, device_units, shell_assisted)
-        if self._needs_norm:
+        if self.deferred:
             sq = [torch.linalg.vector_norm(u.grad, dtype=torch.float64) ** 2 for u in device_units
                   if not u.shard_state]
             shards = [torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in dev_grads.values()]
@@ -1716,7 +1600,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             self.skipped_steps += 1
             self._discard_grads(host_units)
             return False
-        self._begin_applying()
+        self.lifecycle.begin_applying()
         for u in device_units:
             u.grad_fresh = True
             with self.dev.timed("compute", label=f"optimizer[{u.name}]"):
@@ -1784,7 +1668,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         Gradients are averaged over the micro-batches (each micro-batch loss / G), as plain
         PyTorch gradient accumulation. Returns the mean loss (a float; one device sync).
         An error leaves the engine as [Note: failure semantics] (lifecycle.py) says."""
-        self._check_open()
+        self.lifecycle.check_open()
         self._drop_unused_forward()
         if self._micro_steps or self._pending is not None or self._announced:
             raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation "
@@ -1798,18 +1682,17 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             return self._with_fallback(lambda: self._train_batch(micro_batches))
 
     def _train_batch(self, micro_batches: list[dict]) -> float:
-        self._ensure_plan(micro_batches)
+        self.planning.ensure(micro_batches)
         self._begin_speculation()
-        t0, worker0 = self._start_clock()
+        self.clock.start()
         G = len(micro_batches) * self.ranks.world    # the gradient is the mean over every rank's micro-batches
         scale = self.scaler.scale if self.scaler else 1.0
-        plan = getattr(self, "batch_plan", self.plan)
         self._ckpt_ready = {}
-        micros = self._forward(micro_batches, shell_grad=True, **self._checkpoint_args())
-        chunks = plan.loss_chunks if self.adapter.streaming and self._chunk_loss_ok else 1
+        micros = self._forward(micro_batches, shell_grad=True, **self.planning.checkpoint_args(self.adapter.streaming))
+        chunks = self.planning.loss_chunks(self.adapter.streaming)
         losses = []
         for micro in micros:
-            self._safe_point()
+            self.lifecycle.safe_point()
             with self.dev.timed("compute", label="post"):
                 if chunks > 1:
                     loss = self._post_chunked(micro, scale / G, chunks)
@@ -1827,43 +1710,14 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             mean = self.ranks.all_reduce(mean.reshape(1)).reshape(()) / self.ranks.world
         applied = self._finish_step()
         loss_value = mean.item()              # the step's one device sync
-        self._end_step(t0, worker0, applied)
+        self._end_step(applied)
         return loss_value
 
-    def _start_clock(self) -> tuple[float, tuple[float, float]]:
-        """The step's clocks start: wall time, the worker's working and waiting seconds, the device trace's
-        origin."""
-        self.dev.intervals.clear()     # regions between steps (evaluation forwards) belong to no step
-        self.worker.drain_spans()
-        self._timeline, self._wait_spans = {}, []
-        self._origin = self.dev.mark()
-        return time.perf_counter(), (self.worker.busy_seconds, self.worker.wait_seconds)
-
-    def _end_step(self, t0: float, worker0: tuple[float, float], applied: bool) -> None:
+    def _end_step(self, applied: bool) -> None:
         if applied:
             self.global_step += 1
-        self.dev.synchronize()
-        tl, intervals = self.dev.drain_intervals()
-        tl["optimizer"] = self.worker.busy_seconds - worker0[0]       # [Note: the worker's waits]
-        tl["optimizer_wait"] = self.worker.wait_seconds - worker0[1]
-        tl["wait"] = self._timeline.get("wait", 0.0)
-        tl["step"] = time.perf_counter() - t0
-        for k in ("compute", "upload", "download"):
-            tl.setdefault(k, 0.0)
-        self._timeline = tl
-        host = self.worker.drain_spans()
-        if self._tier is not None:
-            host += [("disk", label, a, b) for label, a, b in self._tier.drain_spans()]
-        host += [("wait", label, a, b) for label, a, b in self._wait_spans]
-        self._trace = (intervals, self._origin, host, t0)    # built by trace(), if anyone asks
-        self._note_host()
-        self._end_applying()
-
-    def _add_time(self, key: str, seconds: float, label: str | None = None) -> None:
-        self._timeline[key] = self._timeline.get(key, 0.0) + seconds
-        if label is not None:
-            end = time.perf_counter()
-            self._wait_spans.append((label, end - seconds, end))
+        self.clock.end(self._tier)
+        self.lifecycle.end_applying()
 
     def trace(self) -> list[dict]:
         """The last step's timeline interval by interval: {lane, label, start, end} in seconds from the
@@ -1873,25 +1727,19 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         optimizer or on pinned buffers). Device and
         host intervals come from different clocks that start together: compare them to a millisecond. A CPU
         task of the previous step still running when this one started has a negative start."""
-        if isinstance(self._trace, tuple):
-            intervals, origin, host, t0 = self._trace
-            trace = self.dev.trace_of(intervals, origin)
-            trace += [{"lane": lane, "label": label, "start": round(a - t0, 6), "end": round(b - t0, 6)}
-                      for lane, label, a, b in host if b >= t0]
-            self._trace = sorted(trace, key=lambda e: (e["lane"], e["start"]))
-        return list(self._trace)
+        return self.clock.trace()
 
     def timeline(self) -> dict[str, float]:
         """Seconds per phase of the last step: step (wall), compute (device), upload, download,
         optimizer (the CPU worker working), optimizer_wait (its tasks waiting for a gradient or the disk),
         wait (the main thread blocked on the CPU optimizer or pinned buffers)."""
-        return dict(self._timeline)
+        return self.clock.timeline()
 
     # ------------------------------------------------------------------ access
 
     def wait(self) -> None:
         """Block until every pending update (host, or assisted on the device) is applied."""
-        self._check_open()
+        self.lifecycle.check_open()
         with self._call(discard_step=False):
             self._apply_pending()
 
@@ -1901,7 +1749,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         Still readable after close(), which left the final weights there."""
         if self.state is EngineState.CLOSED:
             return self._model
-        self._check_open()
+        self.lifecycle.check_open()
         with self._call(discard_step=False):
             self._apply_pending()
             self._sync_host_weights()
@@ -1913,7 +1761,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by parameter name (host copies); frozen parameters as they are."""
-        self._check_open()
+        self.lifecycle.check_open()
         with self._call(discard_step=False):
             self._apply_pending()
             out = {}
@@ -1988,15 +1836,15 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         return str(self._on_rank0(lambda: save_pretrained(self, out_dir, dtype, max_shard_size)))
 
     def memory_stats(self) -> dict[str, int]:
-        self._note_host()
+        self.clock.note_host()
         return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(self.dev.device) if self.dev.is_cuda else 0,
                 "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.dev.device) if self.dev.is_cuda else 0,
                 # the caching allocator freed its cache and retried an allocation (each a device sync)
                 "gpu_alloc_retries": (torch.cuda.memory_stats(self.dev.device).get("num_alloc_retries", 0)
                                       if self.dev.is_cuda else 0),
-                "gpu_predicted_bytes": getattr(self, "batch_plan", self.plan).device_total,
+                "gpu_predicted_bytes": self.planning.current.device_total,
                 "host_bytes": psutil.Process().memory_info().rss,
-                "host_peak_bytes": self._peak_host,
+                "host_peak_bytes": self.clock.peak_host,
                 "host_predicted_bytes": self.plan.host_total}
 
     def train(self, mode: bool = True):

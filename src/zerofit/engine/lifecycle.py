@@ -19,7 +19,7 @@ first stops the thread (it finishes the task it is running, skips the queued one
 for the device, and only then unpins the memory and lifts the cap.
 
 [Note: failure semantics]
-Every public call runs under ``EngineLifecycle._guard``. An error there (any exception,
+Every public call runs under ``Lifecycle.guard``. An error there (any exception,
 ``KeyboardInterrupt`` included) is handled by the state the engine was in when it happened:
 
 * ``OPEN``: nothing of the step was applied (the forward, the loss, the backward before any update, a
@@ -37,12 +37,12 @@ Every public call runs under ``EngineLifecycle._guard``. An error there (any exc
 
 A ``FAILED`` engine has released its resources and raises :class:`EngineFailedError` (chained to the
 original error) from the failing call and from every later one: resume from the last checkpoint. (A
-checkpoint load that fails after it began copying fails the engine the same way, through ``_fail``.)
+checkpoint load that fails after it began copying fails the engine the same way: ``Engine.load_checkpoint``.)
 
 [Note: Ctrl-C inside a step]
 During a public call from the main thread, while SIGINT has Python's default handler, the engine holds
 Ctrl-C back: the first SIGINT only sets a flag. While nothing of the step is applied, the step stops at
-its next block boundary (``Engine._safe_point``) with ``KeyboardInterrupt``, and the failure semantics
+its next block boundary (``Lifecycle.safe_point``) with ``KeyboardInterrupt``, and the failure semantics
 above leave the state untouched. Once its updates began, the step runs to its end (at most the rest of
 the backward and the optimizer step), and ``KeyboardInterrupt`` is raised as the call returns: the step
 is then fully applied. A second SIGINT raises at once, wherever the step is (the engine may then fail).
@@ -190,127 +190,113 @@ class InterruptDeferral:
                     "(press Ctrl-C again to stop at once, which may leave the engine failed)")
 
 
-class EngineLifecycle:
-    """The engine's state machine: one method per transition, and the guard every public call runs under.
+class Lifecycle:
+    """The engine's state machine (a part): its state, the error that failed it, Ctrl-C held back, and what it must
+    release. One method per transition; :meth:`call` is the guard every public call runs under. The engine gives
+    it, per call, what a failure does to the step: ``discard`` (drop the step in progress, nothing of it applied:
+    the parts' ``reset()``; or only the transfers in flight) and ``drop`` (let go of every device buffer)."""
 
-    The step itself (engine.py) provides the hooks the transitions call: ``_discard_step()`` (drop the step in
-    progress, nothing of it applied), ``_reset_transfers()`` (no copy in flight, every slot empty),
-    ``_apply_pending()`` (every update in flight applied), ``_leave_disk()`` (weights on the disk tier copied into
-    host memory before its file goes), ``_sync_host_weights()`` (the module's parameters
-    hold the current weights) and ``_drop_device_state()`` (let go of every device buffer)."""
-
-    state: EngineState
-
-    def _open_lifecycle(self, device: Device) -> None:
-        """-> OPEN, with the resources to release registered for garbage collection and exit."""
+    def __init__(self, owner, device: Device, ranks=None) -> None:
+        """-> OPEN, with the resources to release registered for ``owner``'s garbage collection and exit."""
         self.state = EngineState.OPEN
-        self._failure: str | None = None          # FAILED: the error that failed the engine, in words
-        self._interrupts = InterruptDeferral()
-        self._resources = EngineResources(device)
-        weakref.finalize(self, self._resources.release)    # holds the resources, not the engine
+        self.failure: str | None = None          # FAILED: the error that failed the engine, in words
+        self.ranks = ranks
+        self.interrupts = InterruptDeferral()
+        self.resources = EngineResources(device, ranks=ranks)
+        weakref.finalize(owner, self.resources.release)    # holds the resources, not the engine
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         """Refuse a call on a closed or failed engine, saying what to do."""
         if self.state is EngineState.FAILED:
-            raise EngineFailedError(failed_message(self._failure))
+            raise EngineFailedError(failed_message(self.failure))
         if self.state is EngineState.CLOSED:
             raise EngineClosedError(closed_message())
 
     @contextlib.contextmanager
-    def _call(self, *, discard_step: bool):
-        """A public call: Ctrl-C held back ([Note: Ctrl-C inside a step]), errors handled by :meth:`_guard`."""
-        with self._interrupts.deferred(), self._guard(discard_step=discard_step):
+    def call(self, discard, drop, dropped_step: bool = True):
+        """A public call: Ctrl-C held back ([Note: Ctrl-C inside a step]), errors handled by :meth:`guard`."""
+        with self.interrupts.deferred(), self.guard(discard, drop, dropped_step):
             yield
 
     @contextlib.contextmanager
-    def _guard(self, *, discard_step: bool):
-        """[Note: failure semantics]. ``discard_step``: an error drops the step in progress (training calls);
-        otherwise only the transfers in flight (evaluation, reads), so a DeepSpeed-style accumulation survives."""
+    def guard(self, discard, drop, dropped_step: bool = True):
+        """[Note: failure semantics]. ``discard()``: what an error in OPEN drops (the step in progress, for training
+        calls; otherwise only the transfers in flight, so a DeepSpeed-style accumulation survives); ``drop()``:
+        the device buffers of an engine that fails. ``dropped_step``: which of the two the note says."""
         try:
             yield
         except BaseException as err:
-            ranks = getattr(self, "ranks", None)
+            ranks = self.ranks
             if ranks is not None and ranks.many and self.state not in (EngineState.FAILED, EngineState.CLOSED):
                 # [Note: a failing rank] (ranks.py): the other ranks cannot go on without this one
                 peer = ranks.peer_error(err)
                 ranks.fail(err)
-                self._fail(peer)
+                self.fail(peer, drop)
                 if peer is not err:
                     raise peer from err
                 raise
             if self.state in (EngineState.FAILED, EngineState.CLOSED):
                 raise                                   # a nested call handled it
             if self.state is EngineState.APPLYING or isinstance(err, (WorkerError, DiskTierError)):
-                self._fail(err)
+                self.fail(err, drop)
                 if isinstance(err, Exception):
-                    raise EngineFailedError(failed_message(self._failure)) from err
-                _add_note(err, "zerofit: " + failed_message(self._failure))
+                    raise EngineFailedError(failed_message(self.failure)) from err
+                _add_note(err, "zerofit: " + failed_message(self.failure))
                 raise                                   # KeyboardInterrupt, SystemExit keep their meaning
             try:
-                if discard_step:
-                    self._discard_step()
-                else:
-                    self._reset_transfers()
+                discard()
             except BaseException as again:
-                self._fail(again)
-                raise EngineFailedError(failed_message(self._failure)) from err
+                self.fail(again, drop)
+                raise EngineFailedError(failed_message(self.failure)) from err
             _add_note(err, "zerofit: this step was not applied: its gradients were dropped (with those of any "
                       "DeepSpeed-style micro-batches accumulated since the last optimizer step); every weight and "
-                      "moment is as before it, and the engine is usable" if discard_step else
+                      "moment is as before it, and the engine is usable" if dropped_step else
                       "zerofit: nothing was applied; the engine is usable")
             raise
 
-    def _begin_applying(self) -> None:
+    def begin_applying(self) -> None:
         """OPEN -> APPLYING: the step's first update is about to run; from here an error fails the engine."""
         self.state = EngineState.APPLYING
 
-    def _end_applying(self) -> None:
+    def end_applying(self) -> None:
         """APPLYING -> OPEN: the step is applied (or its last updates are in flight on the worker)."""
         self.state = EngineState.OPEN
 
-    def _safe_point(self) -> None:
+    @contextlib.contextmanager
+    def applying(self):
+        """APPLYING for the block (one unit's update being enqueued), then the state as it was before."""
+        before, self.state = self.state, EngineState.APPLYING
+        yield
+        self.state = before
+
+    def safe_point(self) -> None:
         """[Note: Ctrl-C inside a step]: a held-back Ctrl-C stops the step here while nothing of it is applied
         (an attribute read on the hot path)."""
-        if self._interrupts.pending and self.state is EngineState.OPEN:
+        if self.interrupts.pending and self.state is EngineState.OPEN:
             raise KeyboardInterrupt("Ctrl-C: the step stopped before any of its updates; nothing was applied")
 
-    def _fail(self, err: BaseException) -> None:
-        """-> FAILED: release everything; every later call raises EngineFailedError naming ``err``."""
-        self._failure = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    def fail(self, err: BaseException, drop) -> None:
+        """-> FAILED: release everything (``drop()``: the device buffers); every later call raises
+        EngineFailedError naming ``err``."""
+        self.failure = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         self.state = EngineState.FAILED
-        self._resources.release()
-        self._drop_device_state()
+        self.resources.release()
+        drop()
 
-    def close(self) -> None:
-        """Apply the updates of completed steps, copy the final weights into the module's parameters, and
-        release the CPU worker, pinned host memory, the GPU memory cap and the device buffers. Idempotent,
-        and a no-op on a failed engine (already released). Gradients of an unfinished DeepSpeed-style
-        accumulation are dropped. Every later call raises EngineClosedError; ``module`` stays readable.
-        See [Note: engine lifecycle]."""
+    def close(self, finish, reset, drop) -> None:
+        """Run ``finish()`` (apply pending updates, leave the final weights in the module's parameters) under the
+        guard, then -> CLOSED: resources released, ``drop()``. Idempotent, and a no-op on a failed engine
+        (already released). See [Note: engine lifecycle]."""
         if self.state in (EngineState.FAILED, EngineState.CLOSED):
             return
         try:
-            with self._call(discard_step=False):
-                self._apply_pending()
-                self._sync_host_weights()
-                self._leave_disk()
+            with self.call(reset, drop, dropped_step=False):
+                finish()
         finally:
             if self.state is not EngineState.FAILED:     # -> CLOSED
                 self.state = EngineState.CLOSED
-                self._resources.release()
-                self._drop_device_state()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as e:     # the error that ended the block is the one to see
-            log.warning("zerofit: closing the engine after %s failed too: %r", exc_type.__name__, e)
+                self.resources.release()
+                drop()
 
 
 def _add_note(err: BaseException, note: str) -> None:

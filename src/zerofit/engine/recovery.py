@@ -15,6 +15,7 @@ import torch
 from zerofit.engine.adapter import Adapter, NonSequentialModel
 from zerofit.engine.materialize import model_shape, param_table
 from zerofit.engine.planner import PlanError, placement_warnings
+from zerofit.engine.planning import Planning
 from zerofit.engine.store import Home, WeightState
 
 log = logging.getLogger("zerofit")
@@ -157,11 +158,10 @@ class StepRecovery:
         generic = Adapter(self._model, "generic")
         table = param_table(self._model, generic)
         shape = model_shape(self._model, generic, table)
-        adapter, self.adapter = self.adapter, generic
-        try:
-            plan = self._plan(shape, self.config.seq_len)     # refused here, the streaming engine is intact
+        try:     # refused here, the streaming engine is intact
+            planning = Planning(self.config, generic, shape, on_cuda=self.dev.is_cuda, device=self.dev.device,
+                                ranks=self.ranks, seq_len=self.config.seq_len)
         except PlanError as e:
-            self.adapter = adapter
             raise NonSequentialModel(f"{err.reason}; and the generic path (the whole model resident on the device) "
                                      f"does not fit either: {e}") from err
         log.warning("zerofit: %s, so this model cannot stream block by block: it trains on the generic path "
@@ -180,9 +180,7 @@ class StepRecovery:
         self.weight_pool = self.grad_pool = None
         self._upload_stage = self._assist = self._assist_free = self._assist16 = None
         self._staging, self._staging_free = [], []
-        self._table, self._shape, self.plan = table, shape, plan
-        self.deferred = self._needs_norm
-        self._checked_shape = None
+        self.adapter, self._table, self._shape, self.planning = generic, table, shape, planning
         try:
             self._build_buffers()
             self._restore_optimizer_state(carried)

@@ -233,7 +233,7 @@ class InferenceEngine:
         """The blocks whose weights go to the disk: none when they all fit ``max_host_memory`` (by default, for
         a model read from files, the training engine's: the available memory less a tenth); else those
         beyond it, the blocks a batch-1 plan streams kept in host memory first (they cross every token)."""
-        from zerofit.engine.engine import default_host_budget
+        from zerofit.engine.planning import default_host_budget
 
         elem, n = self.shape.elem, len(sizes)
         total = sum(sizes) * elem

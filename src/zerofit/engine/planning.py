@@ -1,0 +1,240 @@
+"""Planning: the config and the device as the planner's inputs, and the engine's plan (a part).
+
+:func:`planner_inputs` turns a config, a model's adapter and the budgets into ``make_plan``'s arguments: the
+engine's first plan and ``zerofit estimate``'s come from it, so the estimate plans what the engine will. The
+other functions here are the config's reading that both share (the compute dtype, deferred and split updates,
+the device's share of the updates, the batch a first plan is made for, the host budget).
+
+:class:`Planning` owns the engine's plan: the first one, the replans that keep its placement (for the batch
+actually trained, for 16-bit host copies, without loss chunks), and which of them the step in progress follows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import psutil
+import torch
+
+from zerofit.config.schema import ZerofitConfig
+from zerofit.engine.disk import free_bytes
+from zerofit.engine.planner import SPLIT_FRACTION, BatchShape, ModelShape, Plan, make_plan
+from zerofit.engine.update import split_adamw
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger("zerofit")
+
+
+# ---------------------------------------------------------------------------------------------- the config, read once
+
+def needs_norm(config: ZerofitConfig) -> bool:
+    """Whether every step needs the global gradient norm first: clipping, or fp16's overflow check. Either one
+    makes every host update wait for it (deferred updates)."""
+    return config.gradient_clipping > 0 or config.precision == "fp16"
+
+
+def split_wanted(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
+    """Whether the config asks for deferred host updates in two passes (``offload.split_updates``; None: on a
+    GPU): [Note: moments after the forward], update/split_adamw.py."""
+    split = config.offload.split_updates
+    return deferred and (on_cuda if split is None else split)
+
+
+def split_updates(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
+    """Whether they run in two passes: asked for, and the kernel built (building it now on first use)."""
+    return split_wanted(config, on_cuda, deferred) and split_adamw.available()
+
+
+def cast_copies(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> bool:
+    """Whether split updates write the 16-bit cast first ([Note: the master behind its cast], split_adamw.py):
+    bf16 compute on one rank, where the streamed blocks can have 16-bit host copies (Copies16.possible)."""
+    return (split_updates(config, on_cuda, deferred) and dtype == torch.bfloat16 and config.world_size == 1
+            and config.offload.copies_after_update)
+
+
+def assisted_fraction(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> float:
+    """The device's share of the streamed blocks' updates: the configured one, or with split updates and none
+    configured, SPLIT_FRACTION (the CPU's share costs less on the forward's path then)."""
+    off = config.offload
+    if "assisted_fraction" not in off.model_fields_set and split_updates(config, on_cuda, deferred):
+        return SPLIT_FRACTION
+    return off.assisted_fraction
+
+
+def device_state(config: ZerofitConfig) -> bool:
+    """FULL_SHARD (ZeRO stage 3) on several ranks without offload: every block streams from the GPUs' shards of
+    its state ([Note: sharded device state], sharding.py)."""
+    return (config.world_size > 1 and config.sharding == "FULL_SHARD" and config.offload.param_device == "none"
+            and config.activation_checkpointing)
+
+
+def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> dict:
+    """make_plan's arguments that follow from the config and the device: every plan's, the engine's and
+    ``zerofit estimate``'s."""
+    off = config.offload
+    disk = "nvme" in (off.param_device, off.optimizer_device)
+    # several ranks: the GPU-resident units' optimizer state is sharded ([Note: sharded device state])
+    shards = config.world_size if config.world_size > 1 and config.sharding != "NO_SHARD" else 1
+    on_gpus = device_state(config)
+    return dict(compute_dtype=dtype, on_cuda=on_cuda, deferred_updates=deferred, shards=shards,
+                ranks=config.world_size, device_state=on_gpus,
+                checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none" or on_gpus,
+                prefetch_depth=off.prefetch_depth, assisted_fraction=assisted_fraction(config, on_cuda, deferred),
+                assisted_updates=off.assisted_updates,
+                disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
+                disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
+                floor=(None if off.loss_chunks is None and off.offload_checkpoints is None
+                       and off.checkpoint_every is None
+                       else ((off.loss_chunks or 1) > 1, bool(off.offload_checkpoints), False,
+                             off.checkpoint_every or 1)))
+
+
+def placement_args(config: ZerofitConfig, num_blocks: int) -> dict:
+    """The first plan's placement settings from the config (no optimizer offload: every unit resident)."""
+    off = config.offload
+    if device_state(config):
+        return dict(resident_blocks=0, shell_on_device=True)
+    return dict(resident_blocks=num_blocks if off.optimizer_device == "none" else off.resident_blocks,
+                shell_on_device={"auto": None, "device": True, "host": False}[off.shell_optimizer])
+
+
+def placement_kept(plan: Plan) -> dict:
+    """make_plan's arguments that keep ``plan``'s placement (resident blocks, shell optimizer, staging, disk tier,
+    floor) in a new plan: the engine's replans and ``zerofit estimate``'s plan with 16-bit host copies."""
+    return dict(resident_blocks=plan.resident_blocks, shell_on_device=plan.shell_optimizer_on_device,
+                fixed_staging=plan.staging_buffers, disk_placement=plan.disk_of,
+                floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every),
+                disk_budget=plan.disk_budget)     # measured before the swap file took its share of the disk
+
+
+def plan_batch(config: ZerofitConfig, model, seq_len: int | None) -> BatchShape:
+    """The batch the first plan is made for: the config's, with ``seq_len`` (None: the model's context, at most
+    2048)."""
+    if seq_len is None:
+        seq_len = config.seq_len
+    if seq_len is None:
+        mcfg = getattr(model, "config", None)
+        seq_len = min(getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
+                      or 2048, 2048)
+    return BatchShape(config.micro_batch_size, seq_len, config.gradient_accumulation_steps)
+
+
+def default_host_budget() -> int:
+    """The host budget when ``max_host_memory`` is not set: the memory available now, less a tenth (at least
+    4 GiB) for what the plan does not count: the CUDA context and libraries' growth, the page cache the
+    disk tier and checkpoints pass through, the rest of the machine. A plan of every available byte was
+    killed by the kernel's out-of-memory killer on the 13B shape (docs/benchmarks.md)."""
+    avail = psutil.virtual_memory().available
+    return max(avail - max(avail // 10, 4 << 30), avail // 2)
+
+
+def gpu_budget(config: ZerofitConfig, device: torch.device | None = None) -> int:
+    """The device bytes a plan may take: ``max_gpu_memory`` (at most the GPU's size), less what others (other
+    processes, this one's allocations outside the caching allocator) hold on it now."""
+    free, total = torch.cuda.mem_get_info(device)
+    return min(config.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
+
+
+def planner_inputs(config: ZerofitConfig, adapter, *, on_cuda: bool, device_budget: int | None,
+                   host_budget: int | None) -> dict:
+    """make_plan's keyword arguments for a first plan of ``adapter``'s model under ``config``, within the
+    budgets: the one function the engine's first plan and ``zerofit estimate``'s plan are made from."""
+    dtype = DTYPES[config.precision]
+    return dict(device_budget=device_budget, host_budget=host_budget, chunkable_loss=adapter.chunkable_loss,
+                **placement_args(config, adapter.num_blocks), **plan_args(config, dtype, on_cuda, needs_norm(config)))
+
+
+def world_size() -> int:
+    """The number of ranks of the process group (made, or described by torchrun's environment)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# ---------------------------------------------------------------------------------------------- the part
+
+class Planning:
+    """The engine's plan (a part). ``plan``: the placement every buffer was allocated for; ``batch_plan``: its
+    prediction for the batch actually trained (checked before the first step of each new shape, PlanError before
+    anything of that step is allocated); ``host16``: whether the plan counts 16-bit host copies of the streamed
+    blocks; ``chunk_loss_ok``: whether the model's head and loss run over token chunks (probed at start-up)."""
+
+    def __init__(self, config: ZerofitConfig, adapter, shape: ModelShape, *, on_cuda: bool, device, ranks,
+                 seq_len: int | None):
+        self.config, self.shape, self.on_cuda = config, shape, on_cuda
+        self.plan_batch = plan_batch(config, adapter.model, seq_len)
+        dev_budget = gpu_budget(config, device) if on_cuda else None
+        host_budget = config.max_host_memory or default_host_budget()
+        if ranks.many:      # every rank must make the same plan: the collectives follow the units' homes
+            budgets = ranks.objects((dev_budget, host_budget))
+            dev_budget = None if dev_budget is None else min(b[0] for b in budgets)
+            host_budget = budgets[0][1]
+        self.plan: Plan = make_plan(shape, self.plan_batch, **planner_inputs(
+            config, adapter, on_cuda=on_cuda, device_budget=dev_budget, host_budget=host_budget))
+        self.batch_plan: Plan | None = None
+        self.checked_shape: tuple | None = None
+        self.host16 = False
+        self.chunk_loss_ok = False
+
+    @property
+    def current(self) -> Plan:
+        """The plan the step in progress follows: the one for the batch trained, once there is one."""
+        return self.batch_plan if self.batch_plan is not None else self.plan
+
+    def replan(self, batch: BatchShape, **changes) -> Plan:
+        """A plan for ``batch`` with the current placement kept (resident blocks, shell optimizer, staging);
+        the disk's speed, measured on the swap file once, stays with it."""
+        args = plan_args(self.config, DTYPES[self.config.precision], self.on_cuda, needs_norm(self.config)) | dict(
+            device_budget=self.plan.device_budget, host_budget=self.plan.host_budget, **placement_kept(self.plan),
+            host16=self.host16)
+        plan = make_plan(self.shape, batch, **(args | changes))
+        return dataclasses.replace(plan, disk_speed=self.plan.disk_speed)
+
+    def adopt(self, plan: Plan) -> None:
+        """``plan`` (a replan of this one) is the engine's plan from now on."""
+        self.plan = plan
+
+    def adopt_host16(self, **changes) -> None:
+        """The plan with 16-bit host copies of the streamed blocks ([Note: 16-bit copies for extra forwards],
+        copies16.py), adopted; PlanError (the plan unchanged) where they do not fit."""
+        self.plan = self.replan(self.plan_batch, host16=True, **changes)
+        self.host16 = True
+
+    def ensure(self, micro_batches: list[dict]) -> None:
+        """Check the plan against the real batch shape before the first step allocates activations."""
+        ids = micro_batches[0].get("input_ids")
+        if ids is None or self.checked_shape == tuple(ids.shape):
+            return
+        batch = BatchShape(ids.shape[0], ids.shape[-1], max(len(micro_batches),
+                                                             self.config.gradient_accumulation_steps))
+        check = self.replan(batch)   # PlanError before anything of this step is allocated
+        self.checked_shape = tuple(ids.shape)
+        self.plan_batch = batch
+        self.batch_plan = check
+
+    def checkpoint_args(self, streaming: bool) -> dict:
+        """How a training forward keeps its block checkpoints, as the plan for the batch says ([Note: offloaded
+        checkpoints], [Note: checkpoints every k blocks], activations.py): train_batch, and the DeepSpeed-shaped
+        loop's window, whose blocks' backward waits for the boundary with every micro-batch's checkpoints kept
+        until then."""
+        plan = self.current
+        return dict(offload=plan.offload_checkpoints and streaming, every=plan.checkpoint_every if streaming else 1)
+
+    def loss_chunks(self, streaming: bool) -> int:
+        """The token chunks the step in progress computes the head and loss over ([Note: a smaller GPU floor])."""
+        return self.current.loss_chunks if streaming and self.chunk_loss_ok else 1
+
+    def without_loss_chunks(self) -> None:
+        """The model's loss cannot run over chunks: the plan is made again without them, before step 0 (refused
+        if the device cannot hold the whole logits)."""
+        p = self.plan
+        self.plan = self.replan(self.plan_batch, floor=(False, True, bool(p.stage_numel), p.checkpoint_every))
+        log.info("zerofit: re-planned without loss chunks:\n%s", self.plan.describe())
+
+    def measured_disk(self, write: float, read: float) -> None:
+        """The disk tier's speed, measured on its swap file, is part of the plan (its description shows it)."""
+        self.plan = dataclasses.replace(self.plan, disk_speed=(write, read))

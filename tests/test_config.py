@@ -642,3 +642,29 @@ def test_zero_stage_maps_to_fsdp_sharding_words(stage, word):
     assert load_config({"sharding": word}).config.sharding == word
     with pytest.raises(ConfigError, match="sharding"):
         load_config({"sharding": "HYBRID"})
+
+
+def test_a_deepspeed_config_is_read_once(tmp_path, monkeypatch):
+    """The batch triple is resolved once and the NVMe folder checked once for a DeepSpeed config (in the
+    translation, under DeepSpeed's names): the ZerofitConfig it builds does not read them again."""
+    import zerofit.config.deepspeed as ds_mod
+    import zerofit.config.schema as schema_mod
+
+    calls = {"batch": 0, "nvme": 0}
+    real_batch, real_nvme = schema_mod.resolve_batch, schema_mod.check_nvme_path
+
+    def batch(*a, **k):
+        calls["batch"] += 1
+        return real_batch(*a, **k)
+
+    def nvme(*a, **k):
+        calls["nvme"] += 1
+        return real_nvme(*a, **k)
+    for mod in (schema_mod, ds_mod):
+        monkeypatch.setattr(mod, "resolve_batch", batch)
+        monkeypatch.setattr(mod, "check_nvme_path", nvme)
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                "nvme_path": str(tmp_path)}}}).config
+    assert (cfg.train_batch_size, cfg.offload.nvme_path) == (8, str(tmp_path))
+    assert calls == {"batch": 1, "nvme": 1}

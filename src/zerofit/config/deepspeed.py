@@ -60,7 +60,6 @@ from zerofit.config.schema import (
     OptimizerConfig,
     Problem,
     ZerofitConfig,
-    _close,
     check_nvme_path,
     resolve_batch,
     show,
@@ -72,6 +71,7 @@ __all__ = [
     "DEEPSPEED_KEYS", "ADAM_PARAMS", "SCHEDULER_PARAMS", "DEEPSPEED_VERSION",
 ]
 
+from zerofit.config.errors import close_match
 from zerofit.config.deepspeed_keys import (
     ADAM_PARAMS,
     AUTO,
@@ -85,9 +85,9 @@ from zerofit.config.deepspeed_keys import (
     TORCH_ADAMW_WEIGHT_DECAY,
     Section,
     Status,
-    _Bad,
-    _KNOWN_PATHS,
-    _PLANNER,
+    BadValue,
+    KNOWN_PATHS,
+    PLANNER_DECIDES,
     _REFUSED_WHEN_ENABLED,
     default,
 )
@@ -124,13 +124,13 @@ def _join(prefix: str, key: str) -> str:
 def _unknown_key(key: str, written_parent: str, spec: Mapping[str, Key | Section]) -> ConfigError:
     here = _join(written_parent, key)
     names = list(spec) + [a for item in spec.values() for a in item.aliases]
-    guess = _close(key, names)
+    guess = close_match(key, names)
     if guess is not None:
         hint = f"did you mean {_join(written_parent, guess)!r}?"
     else:
         # A known key in the wrong place, or a close one anywhere.
-        leaves = {p.rpartition(".")[2]: p for p in _KNOWN_PATHS}
-        far = _close(key, list(leaves))
+        leaves = {p.rpartition(".")[2]: p for p in KNOWN_PATHS}
+        far = close_match(key, list(leaves))
         if far:
             hint = f"did you mean {leaves[far]!r}?"
         elif len(spec) <= 16:
@@ -175,7 +175,7 @@ def _walk(spec: Mapping[str, Key | Section], data: Any, canon: str, written: str
         else:
             try:
                 out.values[path] = item.kind.check(value)
-            except _Bad:
+            except BadValue:
                 expected = item.kind.expected + (' or "auto"' if item.auto else "")
                 raise ConfigError(here, expected, show(value), item.hint) from None
 
@@ -231,8 +231,8 @@ class Translation:
 
     def validate(self) -> ZerofitConfig:
         """Build the :class:`ZerofitConfig`; errors name the DeepSpeed key the field came from."""
-        try:
-            return ZerofitConfig.model_validate(self.fields)
+        try:     # the batch triple and the NVMe folder were read here, under DeepSpeed's names: not again
+            return ZerofitConfig(_read=("batch", "nvme_path"), **self.fields)
         except ConfigError as exc:
             raise rename_fields(exc, self.origin) from None
 
@@ -281,7 +281,7 @@ def translate(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
         origin[key] = v.name(key)
     for path in ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_max_live_parameters"):
         if v.get(path) is AUTO:
-            notes[path] = "auto: " + _PLANNER
+            notes[path] = "auto: " + PLANNER_DECIDES
 
     # Report in the config's own order (optimizer/scheduler params are checked after the main walk).
     order = {key: i for i, key in enumerate(ds)}

@@ -42,7 +42,7 @@ class KeyReport:
 # ----------------------------------------------------------------------------
 
 
-class _Bad(Exception):
+class BadValue(Exception):
     """A value does not fit its kind (turned into ConfigError by the walker, which knows the path)."""
 
 
@@ -66,10 +66,10 @@ class Int:
             return None
         # JSON writes big counts as 5e8: accept floats with no fractional part.
         if not _is_number(v) or (isinstance(v, float) and not v.is_integer()):
-            raise _Bad
+            raise BadValue
         v = int(v)
         if v < self.lo or (self.hi is not None and v > self.hi):
-            raise _Bad
+            raise BadValue
         return v
 
 
@@ -86,9 +86,9 @@ class Float:
 
     def check(self, v: Any) -> Any:
         if not _is_number(v):
-            raise _Bad
+            raise BadValue
         if v < self.lo or (self.lo_open and v == self.lo) or (self.hi is not None and v > self.hi):
-            raise _Bad
+            raise BadValue
         return float(v)
 
 
@@ -100,7 +100,7 @@ class Bool:
     def check(self, v: Any) -> Any:
         if isinstance(v, bool) or (v is None and self.nullable):
             return v
-        raise _Bad
+        raise BadValue
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class Choice:
                 return x
             if self.fold_case and isinstance(v, str) and isinstance(x, str) and v.lower() == x.lower():
                 return x
-        raise _Bad
+        raise BadValue
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class Text:
     def check(self, v: Any) -> Any:
         if isinstance(v, str) or (v is None and self.nullable):
             return v
-        raise _Bad
+        raise BadValue
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class Betas:
     def check(self, v: Any) -> Any:
         if isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v):
             return (float(v[0]), float(v[1]))
-        raise _Bad
+        raise BadValue
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ class Section:
 
 
 _BUCKETS = "zerofit sizes its transfers per block; no communication buckets"
-_PLANNER = "zerofit's planner decides from the model's block sizes and the memory budgets"
+PLANNER_DECIDES = "zerofit's planner decides from the model's block sizes and the memory budgets"
 _COMM = ("zerofit decides its own communication schedule: with several ranks each block's weights are "
          "all-gathered from the ranks' shards and its gradient reduce-scattered, once per block, on process groups "
          "of their own (docs/ranks.md)")
@@ -258,14 +258,14 @@ _ZERO = Section({
     "cpu_offload_param": Key(Bool(nullable=True), MAPPED, "deprecated; true -> offload_param.device cpu"),
     "cpu_offload_use_pin_memory": Key(Bool(nullable=True), MAPPED, "deprecated; -> offload.pin_memory"),
     "stage3_prefetch_bucket_size": Key(Int(0), MAPPED, "elements fetched ahead -> offload.prefetch_depth (blocks), "
-                                       + _PLANNER, auto=True, aliases=("prefetch_bucket_size",)),
+                                       + PLANNER_DECIDES, auto=True, aliases=("prefetch_bucket_size",)),
     "stage3_max_live_parameters": Key(Int(0), MAPPED, "resident parameters -> bounded by max_gpu_memory; "
-                                      + _PLANNER, auto=True, aliases=("max_live_parameters",)),
-    "stage3_param_persistence_threshold": _na(Int(0), _PLANNER, auto=True,
+                                      + PLANNER_DECIDES, auto=True, aliases=("max_live_parameters",)),
+    "stage3_param_persistence_threshold": _na(Int(0), PLANNER_DECIDES, auto=True,
                                               aliases=("param_persistence_threshold",)),
-    "stage3_model_persistence_threshold": _na(Int(0), _PLANNER, auto=True,
+    "stage3_model_persistence_threshold": _na(Int(0), PLANNER_DECIDES, auto=True,
                                               aliases=("model_persistence_threshold",)),
-    "stage3_max_reuse_distance": _na(Int(0), _PLANNER, auto=True, aliases=("max_reuse_distance",)),
+    "stage3_max_reuse_distance": _na(Int(0), PLANNER_DECIDES, auto=True, aliases=("max_reuse_distance",)),
     "stage3_gather_16bit_weights_on_model_save": _na(
         Bool(), "zerofit's checkpoints always hold whole tensors", auto=True,
         aliases=("gather_16bit_weights_on_model_save",)),
@@ -568,7 +568,7 @@ def _all_paths(spec: Mapping[str, Key | Section], prefix: str = "") -> list[str]
     return out
 
 
-_KNOWN_PATHS = sorted(set(
+KNOWN_PATHS = sorted(set(
     _all_paths(DEEPSPEED_KEYS)
     + _all_paths(ADAM_PARAMS, "optimizer.params.")
     + [p for table in SCHEDULER_PARAMS.values() for p in _all_paths(table, "scheduler.params.")]

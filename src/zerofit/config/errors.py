@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["ConfigError", "Problem", "show", "config_error_from"]
+__all__ = ["ConfigError", "Problem", "show", "config_error_from", "close_match"]
 
 
 # ----------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _close(word: str, candidates: Sequence[str]) -> str | None:
+def close_match(word: str, candidates: Sequence[str]) -> str | None:
     hits = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return hits[0] if hits else None
 
@@ -112,7 +112,7 @@ def config_error_from(exc: ValidationError, model: type[BaseModel], prefix: str 
         if err["type"] == "extra_forbidden":
             parent = _model_at(model, err["loc"][:-1])
             known = list(parent.model_fields) if parent else []
-            guess = _close(loc[-1], known)
+            guess = close_match(loc[-1], known)
             if guess:
                 hint = f"did you mean {'.'.join(loc[:-1] + [guess])!r}?"
             else:

@@ -32,7 +32,7 @@ from typing import Any, Literal, Sequence
 from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator,
                       model_serializer, model_validator)
 
-from zerofit.config.errors import ConfigError, Problem, _close, config_error_from, show
+from zerofit.config.errors import ConfigError, Problem, close_match, config_error_from, show
 
 __all__ = [
     "ConfigError",
@@ -431,7 +431,7 @@ class OffloadConfig(_Frozen):
     @classmethod
     def _nvme_usable(cls, v, info):
         devices = (info.data.get("param_device"), info.data.get("optimizer_device"))
-        if "nvme" in devices:
+        if "nvme" in devices and not _read(info, "nvme_path"):
             check_nvme_path(v, field="nvme_path")
         return v
 
@@ -496,10 +496,12 @@ class ZerofitConfig(_Frozen):
     distributed_timeout_s: float = Field(600.0, gt=0)
     """with several ranks: how long a collective may wait for the others before the process group fails"""
 
-    # Raise ConfigError, never pydantic's ValidationError, from every way of building one.
-    def __init__(self, /, **data: Any) -> None:
-        try:
-            super().__init__(**data)
+    # Raise ConfigError, never pydantic's ValidationError, from every way of building one. ``_read``: what the
+    # source read already and the validators do not read again ("batch", "nvme_path": a DeepSpeed translation)
+    def __init__(self, /, _read: tuple = (), **data: Any) -> None:
+        try:     # BaseModel.__init__'s own call, with the context the validators read
+            self.__pydantic_validator__.validate_python(data, self_instance=self,
+                                                        context={"read": _read} if _read else None)
         except ValidationError as exc:
             raise config_error_from(exc, type(self)) from None
 
@@ -517,9 +519,10 @@ class ZerofitConfig(_Frozen):
 
     @model_validator(mode="before")
     @classmethod
-    def _derive_batch(cls, data: Any) -> Any:
-        """Fill in the batch triple (see :func:`resolve_batch`) before the fields are checked."""
-        if not isinstance(data, dict):
+    def _derive_batch(cls, data: Any, info) -> Any:
+        """Fill in the batch triple (see :func:`resolve_batch`) before the fields are checked (once: a source
+        that resolved it already, a DeepSpeed translation, says so)."""
+        if not isinstance(data, dict) or _read(info, "batch"):
             return data
         world = data.get("world_size", 1)
         given = [data.get(k) for k in ZEROFIT_BATCH_NAMES[:3]]
@@ -529,15 +532,19 @@ class ZerofitConfig(_Frozen):
         return {**data, "train_batch_size": train, "micro_batch_size": micro, "gradient_accumulation_steps": accum}
 
     @model_validator(mode="after")
-    def _batch_triple(self):
-        resolve_batch(self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps,
-                      self.world_size)
+    def _checkpoint_every(self):
         every = self.offload.checkpoint_every
         if every is not None and every > 1 and not self.activation_checkpointing:
             raise ConfigError("offload.checkpoint_every", "1 or unset with activation_checkpointing false",
                               str(every), "keeping every k-th block's checkpoints needs activation_checkpointing "
                               "(without it the forward keeps every block's activations, not checkpoints)")
         return self
+
+
+def _read(info, what: str) -> bool:
+    """Whether the source already read ``what`` ("batch": the batch triple resolved; "nvme_path": the folder
+    checked), as ``ZerofitConfig(_read=(...), **fields)`` says: the config is read once."""
+    return what in ((info.context or {}).get("read") or ())
 
 
 def _positive_int(v: Any) -> bool:

@@ -179,7 +179,7 @@ def main() -> int:
     args = parser.parse_args()
     code = common.run_engine("zerofit", args, Zerofit, Zerofit.step, uses_cap=False, version_modules=("zerofit",))
     for engine in _LIVE:     # the disk tier's swap file is removed (exit_now skips every finalizer)
-        engine._resources.release()
+        engine.lifecycle.resources.release()
     return code
 
 

@@ -12,8 +12,8 @@ import sys
 sys.path.insert(0, "bench")
 sys.path.insert(0, "src")
 
-PHASES = ("_forward", "_post_chunked", "_post_backward", "_post", "_recompute_inputs", "_block_backward",
-          "_backward_blocks", "_apply", "_assist_in_backward")
+PHASES = ("forward", "post_chunked", "post_backward", "post", "_recompute_inputs", "_block_backward",
+          "backward_blocks", "apply", "in_backward")
 
 
 def _site(frames):

@@ -79,7 +79,7 @@ def run(spec: dict) -> None:
     master = engine.master_state_dict()     # a collective: every rank reads the weights together
     out = {"state": state}
     state["sharded_device_units"] = sum(u.shard_state for u in engine.units)
-    with engine._full_state(write_back=False):     # whole moments of GPU-sharded units (a collective)
+    with engine.sharding.full_state(engine.units, write_back=False):     # whole moments of GPU-sharded units (a collective)
         if rank == 0:
             moments = {}
             for u in engine.units:

@@ -1,7 +1,7 @@
 """The calls DeepSpeed scripts make, made as DeepSpeed makes them (CPU, fp32, against plain PyTorch).
 
 - A model straight from ``from_pretrained`` is in eval mode: ``engine(**batch)``, ``engine.backward(loss)`` trains
-  it, without dropout ([Note: a forward records for backward as autograd says], engine/deepspeed_api.py).
+  it, without dropout ([Note: a forward records for backward as autograd says], engine/window.py).
 - Positional calls, ``engine(x)`` and ``engine(x, y)``, reach the model's own forward, whatever the model, and
   the engine returns what the model returns (cifar10_deepspeed.py's convnet returns logits, the loss is the
   script's; DeepSpeed's unit tests' ``SimpleModel`` returns its loss).

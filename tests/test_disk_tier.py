@@ -76,10 +76,10 @@ def test_disk_tier_is_bitwise_the_in_memory_path(tmp_path, precision, clip, weig
     l_eng = [eng.train_batch(m) for m in data]
     assert l_eng == l_ref
     _assert_bitwise(_state(eng), _state(ref))
-    assert eng._tier.bytes_read > 0 and eng._tier.bytes_written > 0
+    assert eng.tier.bytes_read > 0 and eng.tier.bytes_written > 0
     if eng.deferred:     # [Note: gradients on the disk]: no host buffer for a swapped unit's gradient
-        assert "grad" in eng._tier.regions[3].fields
-        assert not any(id(u) in eng._host_grads for u in eng.blocks if u.swap)
+        assert "grad" in eng.tier.regions[3].fields
+        assert not any(id(u) in eng.grads.host_grads for u in eng.blocks if u.swap)
         assert eng.plan.host_bytes["grad_buffers"] == 4 * sum(u.numel for u in eng.units
                                                               if not u.optimizer_on_device and not u.swap)
     if clip == 0.05:
@@ -233,13 +233,13 @@ def test_swap_files_are_reused_and_removed(tmp_path):
     (folder / "zerofit-swap-3.bin").write_bytes(b"\x7f" * 8192)
     model = tm.llama(layers=4)
     a = zerofit.initialize(copy.deepcopy(model), _cfg(folder, disk_blocks=2))
-    assert a._tier.file.reused and a._tier.file.path.name == "zerofit-swap-0.bin"
+    assert a.tier.file.reused and a.tier.file.path.name == "zerofit-swap-0.bin"
     assert sorted(p.name for p in folder.iterdir()) == ["zerofit-swap-0.bin"]
     # the reused file's old bytes do not show through: the moments start at zero
     assert all(float(u.exp_avg.abs().max()) == 0.0 for u in a.blocks if u.swap)
     b = zerofit.initialize(copy.deepcopy(model), _cfg(folder, disk_blocks=2))     # a second live run
-    assert b._tier.file.path.name == "zerofit-swap-1.bin"
-    with open(a._tier.file.path, "rb") as f:       # held while in use
+    assert b.tier.file.path.name == "zerofit-swap-1.bin"
+    with open(a.tier.file.path, "rb") as f:       # held while in use
         with pytest.raises(BlockingIOError):
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     a.close()
@@ -358,10 +358,10 @@ def test_split_updates_beside_the_disk_tier(tmp_path):
     in-memory streamed blocks take the cast pass and the rest pass, the swapped ones their chunked one-pass update;
     losses, masters and moments are the in-memory engine's bitwise."""
     ref, eng = _pair(tmp_path, clip=0.05, disk_blocks=2, disk_weights=False, split_updates=True)
-    assert eng._split and eng._cast_first
+    assert eng.host_updates.split and eng.stepper.cast_first
     parts = []
-    apply = eng._apply
-    eng._apply = lambda unit, grad, ops, part=None: (parts.append((unit.swap, part)), apply(unit, grad, ops, part))
+    apply = eng.host_updates.apply
+    eng.host_updates.apply = lambda unit, grad, ops, part=None: (parts.append((unit.swap, part)), apply(unit, grad, ops, part))
     data = tm.batches(4, G)
     assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]
     _assert_bitwise(_state(eng), _state(ref))

@@ -232,11 +232,11 @@ def test_deepspeed_error_in_a_later_micro_batch_drops_the_accumulation():
     loss = loss_of(engine(**data[1][0]))
     engine.backward(loss)
     engine.step()                                               # before the boundary: a no-op
-    assert len(engine._held) == 1
+    assert len(engine.window.held) == 1
     model.fault.update(phase="forward", block=2)                # the second micro-batch's forward
     with pytest.raises(_Boom):
         engine(**data[1][1])
-    assert model.fault["hits"] == 1 and not engine._held and engine._micro_steps == 0
+    assert model.fault["hits"] == 1 and not engine.window.held and engine.window.micro_steps == 0
     model.fault.clear()
     _assert_unchanged(before, _snapshot(engine))
     engine.step()                                               # nothing accumulated: a no-op

@@ -87,8 +87,8 @@ def test_global_norm_clipping_matches_clip_grad_norm(clip, speculate):
     assert engine.plan.deferred_updates and engine.plan.assisted_updates
     dev_block = f"model.layers.{min(engine.plan.assisted_blocks)}"    # one the device updates
     calls = []
-    assisted = engine._assisted_update
-    engine._assisted_update = lambda unit, dst: (calls.append(unit.name), assisted(unit, dst))
+    assisted = engine.device_updates.assisted_update
+    engine.device_updates.assisted_update = lambda unit, dst: (calls.append(unit.name), assisted(unit, dst))
     data = tm.batches(STEPS, G)
     losses = [engine.train_batch(mbs) for mbs in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data, clip=clip)))
@@ -149,8 +149,8 @@ def test_assisted_updates_in_the_backward_keep_the_math(api, shell):
     streamed = {u.index for u in engine.blocks if u.home.name == "STREAMED"}
     assert plan.assisted_blocks < streamed          # a share: the CPU keeps the others
     calls = []
-    inner = engine._device_adamw
-    engine._device_adamw = lambda unit, grad, *a, **kw: (calls.append((unit.name, grad is not None)),
+    inner = engine.device_updates.device_adamw
+    engine.device_updates.device_adamw = lambda unit, grad, *a, **kw: (calls.append((unit.name, grad is not None)),
                                                          inner(unit, grad, *a, **kw))[1]
     # the CPU worker's tasks, as submitted: the trace's cpu lane holds the tasks that ended within the step, and
     # the last update of a backward may still run when the step returns (on a loaded machine it did)
@@ -430,20 +430,20 @@ def test_a_window_keeps_blocks_in_the_gradient_buffers(precision, clip, assisted
     assert len(streamed) == 8 and a.plan.weight_slots == 2 and a.plan.grad_slots == 2
     n_keep = 4 if precision == "bf16" else 2
     want = {u.name for u in streamed[8 - 2 - n_keep:8 - 2]}
-    grads = [(g.tensor.data_ptr(), g.tensor.data_ptr() + g.tensor.nbytes) for g in a.grad_pool.slots]
+    grads = [(g.tensor.data_ptr(), g.tensor.data_ptr() + g.tensor.nbytes) for g in a.grads.pool.slots]
     for mbs in data:
         losses = []
         for i, mb in enumerate(mbs):
             out = a(**mb)
             if i == 0:
-                kept = {s.tenant.name for s in a._kept.values()}
+                kept = {s.tenant.name for s in a.streamer.kept.values()}
                 assert kept == want, kept
-                for s in a._kept.values():       # the slots are the gradient buffers' memory
+                for s in a.streamer.kept.values():       # the slots are the gradient buffers' memory
                     assert any(lo <= s.tensor.data_ptr() < hi for lo, hi in grads)
             a.backward(out.loss)
             a.step()
             losses.append(out.loss.detach().float())
-        assert not a._kept
+        assert not a.streamer.kept
         ups = Counter(x.removesuffix("(16)") for x in tm.upload_labels(a))
         for u in streamed if not a.plan.assisted_updates else ():
             # kept: the first forward and the backward; the others once per later forward too

@@ -1,7 +1,7 @@
 """The engine keeps RELIABILITY.md's promises on the CPU: fp16 overflow, memory budgets, meta-device
 materialization, the timeline, the DeepSpeed-style API, DeepSpeed configs, non-sequential models.
 
-Faults are injected through one seam of the engine, ``Engine._accumulate`` (every gradient of every unit,
+Faults are injected through one seam of the engine, ``Compute.accumulate`` (every gradient of every unit,
 shell and blocks, device- and host-optimized, goes through it on its way into the fp32 gradient buffer):
 the tests wrap it on the engine *instance* and write an inf/NaN into the buffer after it ran. Every
 injecting test asserts that the seam was hit, so a renamed seam fails loudly instead of passing silently.
@@ -76,11 +76,11 @@ def _module_params(engine) -> dict[str, torch.Tensor]:
 
 class _Inject:
     """While armed, the first element of ``unit``'s fp32 gradient buffer becomes ``value`` after every
-    accumulation into it (the seam: the engine instance's ``_accumulate``)."""
+    accumulation into it (the seam: the engine's ``compute.accumulate``)."""
 
     def __init__(self, engine, unit, value: float, nth: int | None = None):
         self.unit, self.value, self.armed, self.hits, self.nth, self.calls = unit, value, False, 0, nth, 0
-        original = engine._accumulate
+        original = engine.compute.accumulate
 
         def accumulate(u, dst, grads, names):
             original(u, dst, grads, names)
@@ -91,7 +91,7 @@ class _Inject:
                 dst.view(-1)[0] = self.value
                 self.hits += 1
 
-        engine._accumulate = accumulate
+        engine.compute.accumulate = accumulate
 
     def __call__(self, fn):
         self.armed, hits, self.calls = True, self.hits, 0
@@ -246,7 +246,7 @@ def test_fp16_trains_and_tracks_fp32_master_fp16_compute_reference():
     for _ in range(steps):
         scales.append(engine.scaler.scale)
         losses.append(engine.train_batch(mbs))
-    assert engine.weight_pool.slots[0].tensor.dtype == torch.float16, "blocks must compute in fp16"
+    assert engine.streamer.pool.slots[0].tensor.dtype == torch.float16, "blocks must compute in fp16"
 
     ref_losses, ref_scales = tm.fp16_reference_train(master, mbs, steps, lr,
                                                      DynamicLossScaler(2.0**10, window, 1.0, 2))
@@ -405,13 +405,13 @@ def _engine_buffer_bytes(engine) -> int:
     tensors = []
     for u in engine.units:
         tensors += [v for v in vars(u).values() if isinstance(v, torch.Tensor)]
-    for pool in (getattr(engine, "weight_pool", None), getattr(engine, "grad_pool", None)):
+    for pool in (engine.streamer.pool, engine.grads.pool):
         if pool is not None:
             tensors += [s.tensor for s in pool.slots]
-    tensors += list(getattr(engine, "_staging", []))
-    tensors += list(getattr(engine, "_host_grads", {}).values())
-    tensors += [a.tensor for a in getattr(engine, "_arenas", [])]
-    stage = getattr(engine, "_upload_stage", None)
+    tensors += list(engine.grads.staging)
+    tensors += list(engine.grads.host_grads.values())
+    tensors += [a.tensor for a in engine.lifecycle.resources.arenas]
+    stage = engine.streamer.stage
     if stage is not None:
         tensors.append(stage)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}

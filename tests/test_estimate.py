@@ -45,7 +45,7 @@ def test_estimate_is_the_plan_initialize_makes(tmp_path, offload, host):
     if host:
         assert len(est.plan.disk_blocks) == 3 and est.plan.host_total <= 800 * 1024
     if offload:
-        assert est.disk_bytes == engine._tier.file.nbytes     # the file reserved is the size predicted
+        assert est.disk_bytes == engine.tier.file.nbytes     # the file reserved is the size predicted
         assert est.disk_traffic[0] > 0
     assert est.step.step is None and "GPU" in est.step.note      # the step time is measured on a GPU only
     engine.close()

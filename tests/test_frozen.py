@@ -102,8 +102,8 @@ def test_train_batch_leaves_frozen_parameters_and_equals_adamw_over_the_rest(cas
     for u in engine.units:
         if u.grad is not None:
             assert u.grad.numel() == u.numel
-    if engine.grad_pool is not None:
-        assert engine.grad_pool.slots[0].tensor.numel() == max(u.numel for u in engine.blocks)
+    if engine.grads.pool is not None:
+        assert engine.grads.pool.slots[0].tensor.numel() == max(u.numel for u in engine.blocks)
     data = tm.batches(4, G)
     losses = [engine.train_batch(mbs) for mbs in data]
     assert losses == _reference(ref, data)

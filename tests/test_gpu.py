@@ -39,8 +39,8 @@ def test_fp32_parity_on_gpu_with_streaming(resident, clip, shell):
     assert engine.device.type == "cuda"
     assert engine.plan.assisted_updates and engine.plan.assisted_blocks
     calls = []
-    inner = engine._device_adamw
-    engine._device_adamw = lambda unit, grad, *a, **kw: (calls.append(unit.name), inner(unit, grad, *a, **kw))[1]
+    inner = engine.device_updates.device_adamw
+    engine.device_updates.device_adamw = lambda unit, grad, *a, **kw: (calls.append(unit.name), inner(unit, grad, *a, **kw))[1]
     data = _gpu_batches(20, 2)
     losses = [engine.train_batch(mbs) for mbs in data]
     ref_losses = tm.reference_train(ref, data, clip=clip)
@@ -247,7 +247,7 @@ def test_close_releases_pinned_memory_the_cap_and_device_buffers():
     engine = zerofit.initialize(tm.llama(layers=4), {"precision": "bf16", "micro_batch_size": 2,
                                                      "gradient_accumulation_steps": 2, "max_gpu_memory": 4 << 30,
                                                      "gradient_clipping": 1.0, "offload": {"resident_blocks": 1}})
-    arenas = list(engine._resources.arenas)
+    arenas = list(engine.lifecycle.resources.arenas)
     assert arenas and all(a.pinned for a in arenas)
     assert torch.cuda.get_per_process_memory_fraction() < 1.0
     for mbs in _gpu_batches(2, 2):
@@ -353,8 +353,8 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
     b = zerofit.initialize(tm.llama(layers=5), cfg)
     streamed = sum(1 for u in a.blocks if u.home.name == "STREAMED")
     kept = []
-    inner = a._return_kept
-    a._return_kept = lambda: (kept.append(len(a._kept)), inner())[1]
+    inner = a.streamer.return_kept
+    a.streamer.return_kept = lambda: (kept.append(len(a.streamer.kept)), inner())[1]
     for i, mbs in enumerate(data):
         if announce:
             a.forward_window(mbs)

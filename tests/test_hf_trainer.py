@@ -442,3 +442,37 @@ def test_torchrun_two_ranks_like_the_plain_trainer_with_ddp(tmp_path):
         torch.testing.assert_close(torch.tensor([x[1:] for x in zf]), torch.tensor([x[1:] for x in plain]))
         for n, w in res["weights"]["plain"].items():
             torch.testing.assert_close(res["weights"]["zerofit"][n], w, msg=lambda m: f"rank {r} {n}: {m}")
+
+
+def test_the_trainers_optimizer_and_schedule_report_what_each_group_gets():
+    """The Trainer's optimizer and scheduler are the engine's one torch.optim-shaped view: each parameter group's
+    lr, betas, eps and weight decay as the engine applies them ([Note: group learning rates]), the same as the
+    DeepSpeed door reports (engine.optimizer), before and after steps; with groups of their own lr too."""
+    from zerofit.hf.trainer import EngineOptimizer, EngineSchedule
+
+    torch.manual_seed(0)
+    model = tm.qwen2()
+    names = [n for n, _ in model.named_parameters()]
+    own = [n for n in names if "down_proj" in n]
+    groups = [{"params": [n for n in names if n not in own], "weight_decay": 0.1},
+              {"params": own, "lr": 4e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)}]
+    cfg = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+           "scheduler": {"type": "hf_linear", "warmup_steps": 2, "total_steps": 10}}
+    engine = zerofit.initialize(model, cfg, param_groups=groups)
+    opt, sched = EngineOptimizer(engine, model), EngineSchedule(engine)
+    batch = [{"input_ids": torch.randint(0, tm.VOCAB, (2, 16)), "labels": torch.randint(0, tm.VOCAB, (2, 16))}]
+    for step in range(4):
+        factor = step / 2 if step < 2 else (10 - step) / 8       # hf_linear: warm up 2 steps, decay to step 10
+        want = [1e-3 * factor, 4e-3 * factor]
+        got = opt.param_groups
+        assert [g["lr"] for g in got] == pytest.approx(want, rel=1e-12)
+        ds = engine.optimizer.param_groups
+        for g, d, w in zip(got, ds, (0.1, 0.0)):
+            assert (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) == \
+                (d["lr"], tuple(d["betas"]), d["eps"], d["weight_decay"])
+            assert g["weight_decay"] == w
+        assert sched.get_last_lr() == [g["lr"] for g in ds] == engine.get_lr()
+        engine.train_batch(batch)
+        sched.step()
+    engine.close()

@@ -106,8 +106,8 @@ def test_groups_match_torch_adamw_groups(case, monkeypatch):
     for u in engine.blocks:
         assert [s.group for s in u.segments] == [0, 1, 2], u.segments
     calls = []
-    assisted = engine._assisted_update
-    monkeypatch.setattr(engine, "_assisted_update", lambda unit, dst: (calls.append(unit.name), assisted(unit, dst)))
+    assisted = engine.device_updates.assisted_update
+    monkeypatch.setattr(engine.device_updates, "assisted_update", lambda unit, dst: (calls.append(unit.name), assisted(unit, dst)))
     data = tm.batches(steps, G)
     step = tm.ds_step if case.startswith("deepspeed") else type(engine).train_batch
     losses = [step(engine, mbs) for mbs in data]
@@ -125,7 +125,7 @@ def test_groups_match_torch_adamw_groups(case, monkeypatch):
         sizes = {s.numel for s in engine.blocks[-1].segments}
         assert len(rollbacks) >= 6 and sizes <= set(rollbacks), (sizes, rollbacks)   # per segment, every segment
     elif case == "always-clipped-assisted":
-        chunk = engine._assist[0][0].numel()
+        chunk = engine.device_updates.buffers[0][0].numel()
         streamed = [u for u in engine.blocks if u.home.name == "STREAMED"]
         # a chunk straddles a border between two groups' segments (else that case would go untested)
         assert any(s.offset % chunk for u in streamed for s in u.segments[1:]), (chunk, streamed[0].segments)

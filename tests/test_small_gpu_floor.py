@@ -43,7 +43,7 @@ def test_chunked_loss_and_offloaded_checkpoints_keep_the_math(build):
     for n in ma:
         torch.testing.assert_close(mb[n], ma[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     if len(eng.blocks) > 3:     # blocks 1 .. L-3 keep their inputs on the host between forward and backward
-        assert eng._ckpt_arena is not None and eng._ckpt_arena.tensor.abs().sum() > 0, "checkpoints went to the host"
+        assert eng.activations.arena is not None and eng.activations.arena.tensor.abs().sum() > 0, "checkpoints went to the host"
 
 
 def test_offloaded_checkpoints_alone_are_bitwise():
@@ -115,7 +115,7 @@ def test_lean_pipeline_is_bitwise(monkeypatch):
     eng = zerofit.initialize(model, cfg)
     p = eng.plan
     assert (p.weight_slots, p.grad_slots, p.offload_checkpoints) == (2, 1, True) and 0 < p.stage_numel < eng.shell.numel
-    assert eng._upload_stage.numel() == p.stage_numel
+    assert eng.streamer.stage.numel() == p.stage_numel
     data = tm.batches(4, G)
     assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]
     ma, mb = ref.master_state_dict(), eng.master_state_dict()
@@ -156,12 +156,12 @@ def test_checkpoints_every_k_blocks_are_bitwise(every, offload, layers, dropout)
     if offload:     # only the kept blocks' inputs (but block 0's and the last segment's) went to the host
         kept = [i for i in range(0, layers, every)][1:-1]
         n = G * 2 * 16 * model.config.hidden_size     # micro-batches x sequences x tokens x hidden
-        arena = eng._ckpt_arena
+        arena = eng.activations.arena
         if kept:
             assert arena is not None and arena.tensor.numel() == len(kept) * n
         else:
             assert arena is None
-        assert ref._ckpt_arena.tensor.numel() == (layers - 3) * n
+        assert ref.activations.arena.tensor.numel() == (layers - 3) * n
 
 
 def test_planner_keeps_fewer_checkpoints_only_when_every_blocks_do_not_fit():
@@ -227,8 +227,8 @@ def test_the_deepspeed_shaped_loop_keeps_checkpoints_as_the_plan_says(every, loo
         assert eng.window_stats["announced"] == 0
     kept = [i for i in range(1, 7) if i % every == 0 and i < (6 // every * every if every > 1 else 5)]
     n = 2 * 16 * model.config.hidden_size
-    assert eng._ckpt_arena is not None and eng._ckpt_arena.tensor.numel() == len(kept) * G3 * n
-    assert all(float(eng._ckpt_arena.tensor[(k * G3 + m) * n:(k * G3 + m + 1) * n].abs().sum()) > 0
+    assert eng.activations.arena is not None and eng.activations.arena.tensor.numel() == len(kept) * G3 * n
+    assert all(float(eng.activations.arena.tensor[(k * G3 + m) * n:(k * G3 + m + 1) * n].abs().sum()) > 0
                for k in range(len(kept)) for m in range(G3)), "each micro-batch has its own place"
 
 
@@ -260,7 +260,7 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
     cfg = _cfg(loss_chunks=1, offload_checkpoints=offload, checkpoint_every=every) | {"precision": "bf16"}
     eng = zerofit.initialize(model, cfg)
     held, micros, up = [], [], set()
-    real_backward, real_block, real_up = eng._backward_blocks, eng._block, eng._ckpt_up
+    real_backward, real_block, real_up = eng.schedule.backward_blocks, eng.compute.block, eng.activations.up
 
     def backward(ms):
         micros[:] = ms
@@ -276,11 +276,11 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
 
     def block(unit, leaves, x, call):
         if micros:
-            arena = eng._ckpt_arena.tensor.untyped_storage().data_ptr() if eng._ckpt_arena is not None else None
+            arena = eng.activations.arena.tensor.untyped_storage().data_ptr() if eng.activations.arena is not None else None
             held.append(sum(1 for mc in micros for i, t in enumerate(mc.ckpts)
                             if t is not None and (t.untyped_storage().data_ptr() != arena or i in up)))
         return real_block(unit, leaves, x, call)
-    eng._backward_blocks, eng._block, eng._ckpt_up = backward, block, ckpt_up
+    eng.schedule.backward_blocks, eng.compute.block, eng.activations.up = backward, block, ckpt_up
     for m in tm.batches(2, G):
         eng.train_batch(m)
     assert held, "the backward computed no block"

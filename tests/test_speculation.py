@@ -46,7 +46,7 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
     engine.wait()
     before = {u.name: [t.clone() for t in (u.master, u.exp_avg, u.exp_avg_sq, u.step)] for u in engine.units}
     hits = []
-    inner = engine._accumulate
+    inner = engine.compute.accumulate
 
     def poisoned(unit, dst, grads, names):
         inner(unit, dst, grads, names)
@@ -54,7 +54,7 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
             hits.append(unit.name)
             dst.view(-1)[0] = float("nan")
 
-    engine._accumulate = poisoned
+    engine.compute.accumulate = poisoned
     import zerofit.engine.update.unit_adamw as optimizer_module   # unit_adamw runs every rollback
     rolled = []
     monkeypatch.setattr(optimizer_module, "adamw_rollback", lambda master, *a: (rolled.append(master.data_ptr()),
@@ -68,5 +68,5 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
             torch.testing.assert_close(t, b, rtol=1e-5, atol=1e-9, msg=lambda msg: f"{u.name}: {msg}")
     assert len(rolled) == 3, "blocks 3, 2 and 1 were updated speculatively, then rolled back"
     assert engine.speculation_stats == {"held": 1, "rolled_back": 1, "waited": 0}
-    engine._accumulate = inner
+    engine.compute.accumulate = inner
     assert math.isfinite(engine.train_batch(data[2]))       # the engine goes on

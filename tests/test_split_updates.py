@@ -99,7 +99,7 @@ def test_deferred_updates_in_two_passes_are_bitwise_the_one_pass_engine(groups, 
         engines.append(zerofit.initialize(m, _cfg(offload={"split_updates": split,
                                                            "speculative_updates": speculate}), **kw))
     one, two = engines
-    assert not one._split and two._split
+    assert not one.host_updates.split and two.host_updates.split
     labels = []
     worker = two.worker
     submit = worker.submit
@@ -114,7 +114,7 @@ def test_deferred_updates_in_two_passes_are_bitwise_the_one_pass_engine(groups, 
         for what, x, y in zip(("master", "exp_avg", "exp_avg_sq", "step"), a[name], b[name]):
             assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{name} {what}"
     moments = [lab[len("moments["):-1] for lab in labels if lab and lab.startswith("moments[")]
-    host = [u.name for u in two.units if not u.optimizer_on_device and not two._assisted(u)]
+    host = [u.name for u in two.units if not u.optimizer_on_device and not two.device_updates.assisted(u)]
     assert host and set(moments) == set(host)
     assert len(moments) == len(host) * (5 if speculate else 6)     # speculation's first step: its own updates
     for e in engines:
@@ -131,7 +131,7 @@ def test_a_unit_waits_for_its_moments_before_its_next_gradient_comes_down():
     import threading
 
     gate = threading.Event()
-    task = engine._task_moments
+    task = engine.host_updates.task_moments
     ran = []
 
     def slow(unit, grad, hypers, factor, **kw):
@@ -142,13 +142,13 @@ def test_a_unit_waits_for_its_moments_before_its_next_gradient_comes_down():
             ran.append(unit.name)
             inner()
         return run
-    engine._task_moments = slow
+    engine.host_updates.task_moments = slow
     data = tm.batches(3, 2)
     ref.train_batch(data[0])
     engine.train_batch(data[0])
     waits = []
-    awaited = engine._await_moments
-    engine._await_moments = lambda u: (waits.append(u.moments_done.is_set()), awaited(u))
+    awaited = engine.host_updates.await_moments
+    engine.host_updates.await_moments = lambda u: (waits.append(u.moments_done.is_set()), awaited(u))
     threading.Timer(0.3, gate.set).start()
     for mbs in data[1:]:
         assert ref.train_batch(mbs) == engine.train_batch(mbs)
@@ -190,17 +190,17 @@ def test_the_master_behind_its_cast_is_the_one_pass_engine_bitwise(precision):
     cfg = _cfg(precision=precision, offload={"prefetch_depth": 1, "speculative_updates": False})
     one = zerofit.initialize(copy.deepcopy(model), cfg | {"offload": cfg["offload"] | {"split_updates": False}})
     two = zerofit.initialize(model, cfg | {"offload": cfg["offload"] | {"split_updates": True}})
-    assert two._split
+    assert two.host_updates.split
     parts = []
-    apply = two._apply
-    two._apply = lambda unit, grad, ops, part=None: (parts.append(part), apply(unit, grad, ops, part))
+    apply = two.host_updates.apply
+    two.host_updates.apply = lambda unit, grad, ops, part=None: (parts.append(part), apply(unit, grad, ops, part))
     data = tm.batches(5, 2)
     host = None
     cast = precision == "bf16"
     for i, mbs in enumerate(data):
         assert one.train_batch(mbs) == two.train_batch(mbs), i
         if i == 0:
-            host = {u.name for u in two.blocks if u.home.name == "STREAMED" and not two._assisted(u)}
+            host = {u.name for u in two.blocks if u.home.name == "STREAMED" and not two.device_updates.assisted(u)}
             assert host and all((u.host16 is not None) == cast for u in two.blocks if u.name in host)
         else:
             uploads = [x for x in tm.upload_labels(two) if x.split("(")[0] in host]
@@ -228,18 +228,18 @@ def test_an_fp32_upload_of_a_master_behind_its_cast_waits_for_the_rest_pass():
     ref = zerofit.initialize(copy.deepcopy(model), cfg | {"offload": cfg["offload"] | {"split_updates": False}})
     engine = zerofit.initialize(model, cfg | {"offload": cfg["offload"] | {"split_updates": True}})
     gate = threading.Event()
-    task = engine._task_moments
+    task = engine.host_updates.task_moments
     data = tm.batches(3, 2)
     assert ref.train_batch(data[0]) == engine.train_batch(data[0])
     engine.wait()       # the first step's rest passes ran; the second step's are held back
-    engine._task_moments = lambda *a, **k: (lambda inner: lambda: (gate.wait(5.0), inner()))(task(*a, **k))
+    engine.host_updates.task_moments = lambda *a, **k: (lambda inner: lambda: (gate.wait(5.0), inner()))(task(*a, **k))
     assert ref.train_batch(data[1]) == engine.train_batch(data[1])
     behind = [u for u in engine.blocks if u.master_behind and not u.moments_done.is_set()]
     assert behind        # the rest passes are held back
-    engine._weights_changed()
+    engine.copies16.weights_changed()
     waited = []
-    awaited = engine._await_moments
-    engine._await_moments = lambda u: (waited.append((u.name, u.moments_done.is_set())), awaited(u))
+    awaited = engine.host_updates.await_moments
+    engine.host_updates.await_moments = lambda u: (waited.append((u.name, u.moments_done.is_set())), awaited(u))
     threading.Timer(0.3, gate.set).start()
     assert ref.train_batch(data[2]) == engine.train_batch(data[2])
     assert (behind[0].name, False) in waited

@@ -268,7 +268,7 @@ def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, d
                   assisted: float = 0.0, assisted_in_forward: bool = False) -> dict[str, tuple[float, str]]:
     """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute,
     ``pre`` the shell's before the first block (embeddings), ``post`` the engine's post pass, ``again`` the
-    backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine.py), ``device_updates``
+    backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine/schedule.py), ``device_updates``
     the device's AdamW of the resident blocks and the shell after the backward, ``assisted`` the assisted blocks'
     beside the backward's compute (the forward's if ``assisted_in_forward``: deferred updates)."""
     def phase(**parts):
@@ -306,7 +306,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
                                     pre=engine_probe.pre, source="the engine on a 2-block model")
     per_block, shell = probe.per_block, probe.shell
     update = engine_probe.update if engine_probe is not None else 0.0   # device AdamW, seconds per parameter
-    # [Note: checkpoints every k blocks] (engine.py): the backward runs these blocks' forward again, their weights
+    # [Note: checkpoints every k blocks] (engine/schedule.py): the backward runs these blocks' forward again, their weights
     # uploaded once more
     again = recomputed_blocks(L, plan.checkpoint_every)
     regen = len(again) * per_block * probe.forward_share
@@ -321,7 +321,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     n = shape.block_numels
     disk_of = plan.disk_of
     streamed = range(plan.resident_blocks, L)
-    # assisted updates (engine.py): the device updates these blocks, their state up and back down; deferred,
+    # assisted updates (engine/update/device.py): the device updates these blocks, their state up and back down; deferred,
     # with the host gradient going up too; in the backward, from the gradient where it is (not sent down)
     assisted = set(plan.assisted_blocks) if plan.assisted_updates else set()
     a = sum(n[i] for i in assisted)
@@ -367,7 +367,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         tail = s * 4 / d2h / 1e9 + s / rate + s * 4 / h2d / 1e9
     else:
         tail = 0.0
-    # the device's own updates (engine._finish_step): the resident blocks' and the shell's after the backward; the
+    # the device's own updates (Step.finish, engine/step.py): the resident blocks' and the shell's after the backward; the
     # assisted blocks' beside the backward's compute, or the next forward's with deferred updates; each rank its
     # shard of them
     dev_params = (sum(n[:plan.resident_blocks])

@@ -57,7 +57,7 @@ def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype | None
     dt = engine.model_dtype if dtype is None else export_dtype(dtype)
     engine.wait()
     engine.dev.synchronize()
-    side = model_side_files(engine._model, getattr(engine, "source_dir", None), dt)
+    side = model_side_files(engine.adapter.model, engine.source_dir, dt)
     return write_model_dir(Path(out_dir), weight_entries(engine, dt), side, parse_bytes(max_shard_size), workers)
 
 

@@ -67,12 +67,12 @@ def optimizer_entries(engine) -> list[Entry]:
 
 
 def _refuse_mid_step(engine, action: str) -> None:
-    if engine._micro_steps or engine._pending is not None or engine._announced:
+    open_window = engine.window.in_progress()
+    if open_window:
         raise CheckpointStateError(
-            f"cannot {action} in the middle of a gradient accumulation ({engine._micro_steps} micro-batches since "
-            "the last optimizer step, forward pending: "
-            f"{engine._pending is not None}): the accumulated gradients are not part of a checkpoint. "
-            "Call it after engine.step() has taken the optimizer step (engine.is_gradient_accumulation_boundary()).")
+            f"cannot {action} in the middle of a gradient accumulation ({open_window}): the accumulated gradients "
+            "are not part of a checkpoint. Call it after engine.step() has taken the optimizer step "
+            "(engine.is_gradient_accumulation_boundary()).")
 
 
 def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dict | None = None,
@@ -87,13 +87,13 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     engine.dev.synchronize()
     buf = io.BytesIO()
     torch.save(client_state if client_state is not None else {}, buf)
-    model = engine._model
-    hf = model_side_files(model, getattr(engine, "source_dir", None), torch.float32)
+    model = engine.adapter.model
+    hf = model_side_files(model, engine.source_dir, torch.float32)
     side = [SideFile(CLIENT_STATE, buf.getvalue()),
             SideFile(ZEROFIT_CONFIG, json.dumps(engine.config.model_dump(mode="json"), indent=2).encode())] + hf
-    schedule = getattr(engine, "_client_schedule", None)     # [Note: a client scheduler drives the engine's lr]
+    schedule = engine.hypers.client     # [Note: a client scheduler drives the engine's lr]
     if schedule is not None:
-        side.append(SideFile(LR_SCHEDULER, schedule.state_bytes(engine)))
+        side.append(SideFile(LR_SCHEDULER, schedule.state_bytes(engine.hypers)))
     weights = weight_entries(engine, frozen=not exclude_frozen)
     state = {
         "frozen_excluded": bool(exclude_frozen and engine.frozen),
@@ -110,7 +110,7 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
         "model_files": [f.name for f in hf],
         # [Note: speculative updates] (engine/update/speculation.py): whether the next step speculates depends on
         # whether the last one was clipped, and a speculated-then-redone update differs in rounding
-        "speculate_next": getattr(engine, "_speculate_next", None),
+        "speculate_next": engine.speculator.next,
         "param_groups": groups_record(engine),
     }
     from zerofit import __version__
@@ -120,8 +120,8 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     with torch.profiler.record_function("zerofit::checkpoint.save"):
         folder = write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers)
     s = time.perf_counter() - t
-    if getattr(engine, "_tier", None) is not None:
-        engine._tier.file.flush_mapping()      # the disk tier's pages read for the save leave memory
+    if engine.tier is not None:
+        engine.tier.file.flush_mapping()      # the disk tier's pages read for the save leave memory
     nbytes = sum(f.stat().st_size for f in folder.iterdir())
     log.info("saved %s: %.1f MB in %.2f s (%.0f MB/s)", folder, nbytes / 1e6, s, nbytes / 1e6 / max(s, 1e-9))
     return folder
@@ -173,18 +173,16 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
             for u in engine.units:
                 if u.trains:
                     u.step.fill_(float(steps[u.name]))
-        refresh_after_load(engine)
+        engine.weights_loaded()     # [Note: engine consistency after a load] (engine/store.py)
     except BaseException as e:
-        # [Note: a failed load fails the engine]: its weights are partly from the checkpoint; the engine's
-        # FAILED state (engine/lifecycle.py) makes every later call raise, naming this cause
-        lost = EngineStateLostError(f"loading {folder} failed after tensors were copied into the engine ({e}); its "
-                                    "weights are partly from the checkpoint: build a new engine and load again")
-        engine._fail(lost)
-        raise lost from e
+        # [Note: a failed load fails the engine]: its weights are partly from the checkpoint; Engine.load_checkpoint
+        # makes the engine FAILED (engine/lifecycle.py): every later call raises, naming this cause
+        raise EngineStateLostError(f"loading {folder} failed after tensors were copied into the engine ({e}); its "
+                                   "weights are partly from the checkpoint: build a new engine and load again") from e
     engine.global_step = int(st["global_step"])
     engine.skipped_steps = int(st["skipped_steps"])
-    if st.get("speculate_next") is not None and hasattr(engine, "_speculate_next"):
-        engine._speculate_next = bool(st["speculate_next"])
+    if st.get("speculate_next") is not None:
+        engine.speculator.next = bool(st["speculate_next"])
     if engine.scaler is not None and st.get("scaler") is not None:
         engine.scaler.load_state_dict(st["scaler"])
     _restore_client_schedule(engine, folder, LR_SCHEDULER in side)
@@ -209,64 +207,12 @@ def unit_steps(engine, saved: dict[str, int], folder: Path) -> dict[str, int]:
 
 
 def _restore_client_schedule(engine, folder: Path, saved: bool) -> None:
-    schedule = getattr(engine, "_client_schedule", None)
+    schedule = engine.hypers.client
     if schedule is not None:
         schedule.restore((folder / LR_SCHEDULER).read_bytes() if saved else None, engine.global_step, str(folder))
     elif saved:
         log.warning("%s: saved with a client lr_scheduler, loaded into an engine without one: its state is not "
                     "used", folder)
-
-
-def refresh_after_load(engine) -> None:
-    """[Note: engine consistency after a load]
-    A load writes only ``master``, ``exp_avg``, ``exp_avg_sq`` (and ``step``). Every other copy of the
-    weights is derived from ``master`` and must follow, or the next step computes with the old weights:
-    - device-optimized units: ``dev16`` is re-cast from ``master`` (unless it *is* master, fp32 on the
-      device), and the host mirror ``host`` re-copied (unless it is master, on the CPU);
-      ``engine._mirror_stale`` is then false;
-    - a host-optimized resident shell is marked ``dirty``: the next forward uploads it (``_refresh_shell``);
-      any other resident host-optimized unit is re-cast at once;
-    - streamed units drop their device slot (state ON_HOST, the slot's tenant None): the next forward
-      uploads them from ``master`` (16-bit host copies are dropped); a resident unit's frozen weights are
-      re-cast from ``frozen_host``;
-    - gradient state restarts: ``grad_fresh`` and ``host_grad_fresh`` true (the next write copies),
-      resident gradients zeroed, partial squared norms dropped, no pending assisted update;
-    - units on the disk tier: the load wrote their state through the swap file's mapping; a master kept
-      there is re-cast into its 16-bit host copy (the upload source), and the mapping is flushed before
-      the tier's next direct read ([Note: the swap file is also a mapping], engine/disk.py).
-    The caller ran ``engine.wait()`` before writing (no CPU or assisted update in flight)."""
-    from zerofit.engine.store import Home, WeightState
-
-    for u in engine.units:
-        if u.optimizer_on_device:
-            if u.dev16 is not None and u.dev16 is not u.master:
-                u.dev16.copy_(u.master)
-            if u.host is not None and u.host is not u.master:
-                u.host.copy_(u.master)
-        elif u.home is Home.RESIDENT:
-            if u is engine.shell:
-                u.dirty = True
-            else:
-                u.dev16.copy_(u.master)
-        if u.frozen_dev is not None and u.frozen_dev is not u.frozen_host:    # [Note: frozen parameters]
-            u.frozen_dev.copy_(u.frozen_host)
-        if u.home is Home.STREAMED:
-            u.state, u.slot, u.ready_event = WeightState.ON_HOST, None, None
-        if u.home is Home.RESIDENT and u.grad is not None:
-            u.grad.zero_()
-        u.grad_fresh = u.host_grad_fresh = True
-        u.pending_update, u.master_event = None, None
-        if u.swap == "all":
-            u.host16.copy_(u.master)
-    if getattr(engine, "_tier", None) is not None:
-        engine._tier.file.flush_mapping()
-    for pool in (engine.weight_pool, engine.grad_pool):
-        for slot in pool.slots if pool is not None else ():
-            slot.tenant = None
-    engine._sq_norms.clear()
-    engine._mirror_stale = False
-    engine._weights_changed()     # 16-bit host copies of the old weights go stale (engine/deepspeed_api.py)
-    engine.dev.synchronize()
 
 
 def _check_scaler(engine, saved: dict | None, folder: Path) -> None:

@@ -38,7 +38,7 @@ from zerofit.deepspeed.arguments import (add_config_arguments, check_client_sche
                                          client_optimizer, dataloader_drop_last, groups_from_model_parameters,
                                          raw_config, resolve_config)
 from zerofit.deepspeed.names import DEEPSPEED_VERSION, REFUSED_MODULES, UnsupportedModule
-from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported, GroupSettings, UnsupportedAttribute
+from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "get_accelerator", "log_dist", "logger",
            "DeepSpeedUnsupported", "UnsupportedAttribute", "UnsupportedModule", "__version__"]
@@ -114,12 +114,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     kwargs = {"param_groups": groups} if groups is not None else {}
     engine = zerofit.initialize(model, config, **kwargs, **overrides)
     try:
-        settings = None
-        if groups is not None:
-            opt = engine.config.optimizer
-            settings = [GroupSettings.of(opt, g["params"], **{k: v for k, v in g.items() if k != "params"})
-                        for g in groups]
-        engine._configure_deepspeed(settings, collate_fn, dataloader_drop_last(raw), training_data)
+        names = [g["params"] for g in groups] if groups is not None else None   # each group's, as given
+        engine.configure_deepspeed(names, collate_fn, dataloader_drop_last(raw), training_data)
         sched = engine.config.scheduler
         if lr_scheduler is not None or (torch_optimizer is not None and sched.type == "constant"
                                         and sched.warmup_steps == 0):

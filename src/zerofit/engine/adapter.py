@@ -252,7 +252,7 @@ def backward_into(output: torch.Tensor, inputs: list, leaves: list, accumulate, 
 # post pass; the allocation history names no frames, and a CPU test found the embeddings' kept by the pre pass's
 # backward), at 5.51 with one when every site was mended (bench/mem_peak.py, twelfth session). So every backward
 # of the engine goes through backward_into, whose weight gradients die with its frame, and the block's backward of
-# a micro-batch is a method of its own (Engine._block_backward), whose input and output die with it.
+# a micro-batch is a method of its own (Schedule._block_backward), whose input and output die with it.
 
 
 def loss_of(output) -> torch.Tensor:

@@ -7,10 +7,18 @@ engine code runs, in order, on a machine without a GPU.
 
 [Note: events, not device syncs]
 A device-wide ``torch.cuda.synchronize()`` waits for every stream, copies
-included, and so serialises the pipeline. The engine only ever waits on an
-event (``stream.wait_event`` on the GPU, ``event.synchronize()`` on a host
-thread) for the one piece of work it needs. The single device sync per step is
-the loss read at its end.
+included, and so serialises the pipeline. Inside a step's passes the engine
+only ever waits on an event (``stream.wait_event`` on the GPU,
+``event.synchronize()`` on a host thread) for the one piece of work it needs.
+The host waits for the device at a step's end only, at three points, each named
+where it is: the global norm's read (clipping, fp16: ``Step._global_norm``) or,
+without a norm, the read of the step's count of non-finite gradients ([Note:
+non-finite gradients without a norm], step.py), both before the
+device-optimized units' AdamW is enqueued; the loss read (``train_batch``'s
+return value); and ``Timeline.end``'s ``synchronize()``, which reads the step's
+timed regions (the copies still in flight then are waited for, so the next step
+starts with idle streams). Outside a step's passes: a checkpoint, ``engine.module``,
+``wait()``, ``close()`` and the reset after a failed step synchronize too.
 """
 
 from __future__ import annotations
@@ -148,6 +156,25 @@ class Device:
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+
+def requested_device(want: str) -> torch.device:
+    """The device the config (or the caller) asks for: "auto" is the GPU if torch sees one, else the CPU."""
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(want)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA GPU")
+    return dev
+
+
+def rank_device(dev: torch.device, ranks) -> torch.device:
+    """The device this process computes on: with several ranks its local rank's GPU; a GPU with its index."""
+    if ranks.many and dev.type == "cuda":
+        dev = torch.device("cuda", ranks.local_rank)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    return dev
 
 
 def pin(t: torch.Tensor) -> torch.Tensor:

@@ -498,7 +498,7 @@ class DiskTier:
         """Chunk ``c`` of unit ``key``: field -> (k,) fp32 host tensor holding the state read from disk.
 
         ``write_only``: those fields only, not read (their contents are the caller's to fill; ``release``
-        writes just them): a gradient stashed on the disk ([Note: gradients on the disk], engine.py)."""
+        writes just them): a gradient stashed on the disk ([Note: gradients on the disk], step.py)."""
         k = (key, c)
         with self._cv:
             while True:

@@ -27,7 +27,7 @@ Every public call runs under ``Lifecycle.guard``. An error there (any exception,
   dropped (its gradients, the pending micro-batch, the DeepSpeed-style micro-step count: an accumulation
   in progress starts again, staging buffers, device slots) and the original error propagates, with a
   note. Every weight and moment is as before the step and the engine is usable: bitwise, except after
-  speculative updates (clipping, [Note: speculative updates] in speculation.py), which the discard rolls
+  speculative updates (clipping, [Note: speculative updates] in update/speculation.py), which the discard rolls
   back algebraically, to fp32 rounding.
 * ``APPLYING``: some units already hold the new step and others not (without clipping the CPU updates
   blocks during the backward, which is what hides its cost). AdamW cannot be undone bitwise, and keeping
@@ -119,6 +119,17 @@ class EngineResources:
     tier: object = None                                      # the disk tier (disk.py): its file removed
     ranks: object = None                                     # ranks.Ranks: its monitor stopped, its group closed
     released: bool = False
+
+    def cap_gpu(self, max_gpu_memory: int) -> None:
+        """Enforce the plan's GPU cap on the allocator (lifted at release). Running close to a cap, expandable
+        segments keep fragmentation from turning into an out-of-memory error."""
+        dev = self.device.device
+        set_alloc = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+            torch.cuda.memory._set_allocator_settings
+        set_alloc("expandable_segments:True")
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, max_gpu_memory / total), dev)
+        self.capped = True
 
     def release(self) -> None:
         """Stop the worker, wait for the device, lift the GPU cap, unpin host memory. Idempotent; never

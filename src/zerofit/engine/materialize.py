@@ -114,7 +114,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     # With assisted updates the moments of the device-updated blocks are copied too: pin them as well
     # (a pageable copy runs at a seventh of the speed and blocks the host).
     assisted = [i - 1 in plan.assisted_blocks for i in range(len(sizes))]
-    assisted[0] = plan.assisted_shell     # the shell too ([Note: assisted updates in the backward], engine.py)
+    assisted[0] = plan.assisted_shell     # the shell too ([Note: assisted updates in the backward], update/device.py)
     many = ranks is not None and ranks.many
     writer = not many or ranks.local_rank == 0
     if many:     # every host unit's moments in the shared arena (zeros as mapped): the state is held once

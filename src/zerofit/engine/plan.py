@@ -94,7 +94,7 @@ class Plan:
     def assisted_shell(self) -> bool:
         """The device also updates the shell, from its gradient, at the end of the backward: immediate updates
         with the assisted updates' buffers and the shell's optimizer on the host ([Note: assisted updates in the
-        backward], engine.py)."""
+        backward], update/device.py)."""
         return self.assisted_updates and not self.deferred_updates and not self.shell_optimizer_on_device
 
     @property
@@ -175,7 +175,7 @@ class Plan:
 
     def disk_traffic(self, shape: ModelShape) -> tuple[int, int]:
         """(bytes read, bytes written) on the disk per optimizer step: every swapped field once each way (the
-        gradient too with deferred updates: [Note: gradients on the disk], engine.py)."""
+        gradient too with deferred updates: [Note: gradients on the disk], step.py)."""
         per = {"moments": 8 + 4 * self.deferred_updates, "all": 12 + 4 * self.deferred_updates}
         n = sum(shape.block_numels[i] * per[m] for i, m in self.disk_blocks)
         return n, n

@@ -35,7 +35,7 @@ CKPT_ON_DEVICE = 2 + CKPT_AHEAD  # the backward's peak: block 0's, the one compu
 
 def recomputed_blocks(n_blocks: int, every: int) -> list[int]:
     """The blocks whose forward the backward runs again for the next block's input ([Note: checkpoints every k
-    blocks], engine.py): every block but each segment's last."""
+    blocks], schedule.py): every block but each segment's last."""
     if every == 1:
         return []
     return [i for i in range(n_blocks) if (i + 1) % every and i != n_blocks - 1]
@@ -44,7 +44,7 @@ def recomputed_blocks(n_blocks: int, every: int) -> list[int]:
 @functools.lru_cache(maxsize=64)
 def offloaded_blocks(n_blocks: int, every: int) -> tuple[int, ...]:
     """The blocks whose checkpoints go to host memory when they are offloaded ([Note: offloaded checkpoints],
-    engine.py), in order (their places in the host arena): all but block 0's and the last two's; with checkpoints
+    activations.py), in order (their places in the host arena): all but block 0's and the last two's; with checkpoints
     every k blocks, the kept ones but block 0's and the last segment's."""
     if every == 1:
         return tuple(range(1, n_blocks - 2))
@@ -127,14 +127,14 @@ CAST_SHARE = 1 / 3   # the CPU's fp32 -> 16-bit cast of a block, as a share of i
                      # backward, hold the gradient buffers longer (docs/benchmarks.md)
 
 
-SPLIT_FRACTION = 0.25    # [Note: moments after the forward] (split_adamw.py): deferred updates whose CPU share
+SPLIT_FRACTION = 0.25    # [Note: moments after the forward] (update/split_adamw.py): deferred updates whose CPU share
                          # runs only its master pass on the forward's path leave the device a smaller share. W1,
                          # clip 1.0, 24 GiB (2026-12-01, one call each): 1.39 s/step at 0.25 against 1.42 at 0.375;
                          # with the cast pass (c98d24c): 1.35 at 0.25, 1.43 at 0.3, 1.50 at 0.375; (3a8595c) 1.33 at 0.2
 
 
 def copies_fraction(fraction: float) -> float:
-    """[Note: 16-bit copies after the update] (engine/deepspeed_api.py): the share of the streamed blocks the device
+    """[Note: 16-bit copies after the update] (copies16.py): the share of the streamed blocks the device
     updates when each CPU update is followed by a cast: the CPU keeps the busy time it had without the casts."""
     return 1.0 - (1.0 - fraction) / (1.0 + CAST_SHARE)
 
@@ -271,14 +271,14 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     bytes are the host's, the shared state once and each rank's private buffers (the host mirrors of its
     device-optimized units, its gradient staging for its shard, its offloaded checkpoints) ``ranks`` times.
     ``shards``: the ranks that share a GPU-resident unit's optimizer state. ``device_state`` (FULL_SHARD without
-    offload, [Note: sharded device state] in engine.py): every block streams, its weights gathered from the
+    offload, [Note: sharded device state] in sharding.py): every block streams, its weights gathered from the
     GPUs' shards of its state instead of uploaded from the host, which holds none of it."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
     L = len(shape.block_numels)
     max_block = max(shape.block_numels, default=0)
     # bytes/param of a resident unit with its optimizer on the device: weights, master, 2 moments, grad; with
-    # ``shards`` ranks sharing its state ([Note: sharded device state], engine.py): whole 16-bit weights (a
+    # ``shards`` ranks sharing its state ([Note: sharded device state], sharding.py): whole 16-bit weights (a
     # buffer of their own even in fp32) and gradient, 1/shards of master and moments and the gradient's shard
     res_opt = (0 if fp32 else cb) + 16 if shards <= 1 else cb + 4 + -(-16 // shards)
     chunks = loss_chunks or (loss_chunks_for(batch) if batch else 1)
@@ -361,7 +361,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             "grad_staging": stage * -(-stage_numel // ranks) * 4 * ranks,    # each rank's, for its shard
             # deferred updates: each host unit's gradient waits for the norm here, or on the disk with its state
             "grad_buffers": (host_units - on_disk["moments"] - on_disk["all"]) * 4 if deferred_updates else 0,
-            # DeepSpeed-style forwards: 16-bit copies of the streamed blocks (engine/deepspeed_api.py)
+            # DeepSpeed-style forwards: 16-bit copies of the streamed blocks (copies16.py)
             "host16_copies": (sum(streamed) - on_disk["all"]) * cb if host16 and not fp32 else 0,
             "disk_block_masters": on_disk["moments"] * 4,               # moments on the disk, master here
             "disk_block_weights16": on_disk["all"] * cb,                # master on the disk: 16-bit weights here

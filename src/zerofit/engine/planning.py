@@ -19,11 +19,14 @@ import psutil
 import torch
 
 from zerofit.config.schema import ZerofitConfig
-from zerofit.engine.disk import free_bytes
-from zerofit.engine.planner import SPLIT_FRACTION, BatchShape, ModelShape, Plan, make_plan
+from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
+from zerofit.engine.disk import layout as disk_layout
+from zerofit.engine.planner import (SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape, Plan, fmt_bytes,
+                                    make_plan, placement_warnings)
 from zerofit.engine.update import split_adamw
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DISK_FIELDS = {"moments": ("exp_avg", "exp_avg_sq"), "all": ("master", "exp_avg", "exp_avg_sq")}
 log = logging.getLogger("zerofit")
 
 
@@ -48,7 +51,7 @@ def split_updates(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
 
 
 def cast_copies(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> bool:
-    """Whether split updates write the 16-bit cast first ([Note: the master behind its cast], split_adamw.py):
+    """Whether split updates write the 16-bit cast first ([Note: the master behind its cast], update/split_adamw.py):
     bf16 compute on one rank, where the streamed blocks can have 16-bit host copies (Copies16.possible)."""
     return (split_updates(config, on_cuda, deferred) and dtype == torch.bfloat16 and config.world_size == 1
             and config.offload.copies_after_update)
@@ -146,6 +149,18 @@ def planner_inputs(config: ZerofitConfig, adapter, *, on_cuda: bool, device_budg
                 **placement_args(config, adapter.num_blocks), **plan_args(config, dtype, on_cuda, needs_norm(config)))
 
 
+def check_ranks(config: ZerofitConfig, ranks) -> None:
+    """What several ranks cannot do yet is refused before anything is allocated."""
+    if config.world_size != ranks.world:
+        raise ValueError(f"the config's world_size is {config.world_size} but {ranks.world} ranks run: build the "
+                         "config with zerofit.initialize (it reads WORLD_SIZE) or pass world_size="
+                         f"{ranks.world} to load_config")
+    off = config.offload
+    if "nvme" in (off.param_device, off.optimizer_device):
+        raise ValueError("the NVMe tier runs on one rank for now: with several ranks use offload device 'cpu' "
+                         "(the host's ranks share one copy of the state in host memory)")
+
+
 def world_size() -> int:
     """The number of ranks of the process group (made, or described by torchrun's environment)."""
     import torch.distributed as dist
@@ -218,7 +233,7 @@ class Planning:
 
     def checkpoint_args(self, streaming: bool) -> dict:
         """How a training forward keeps its block checkpoints, as the plan for the batch says ([Note: offloaded
-        checkpoints], [Note: checkpoints every k blocks], activations.py): train_batch, and the DeepSpeed-shaped
+        checkpoints], activations.py; [Note: checkpoints every k blocks], schedule.py): train_batch, and the DeepSpeed-shaped
         loop's window, whose blocks' backward waits for the boundary with every micro-batch's checkpoints kept
         until then."""
         plan = self.current
@@ -228,9 +243,15 @@ class Planning:
         """The token chunks the step in progress computes the head and loss over ([Note: a smaller GPU floor])."""
         return self.current.loss_chunks if streaming and self.chunk_loss_ok else 1
 
-    def without_loss_chunks(self) -> None:
-        """The model's loss cannot run over chunks: the plan is made again without them, before step 0 (refused
-        if the device cannot hold the whole logits)."""
+    def probed_chunked_loss(self, ok: bool) -> None:
+        """Whether the model's head and loss ran on a chunk of the final hidden state (Schedule.chunked_loss_works);
+        if not, the plan is made again without loss chunks, before step 0 (refused if the device cannot hold the
+        whole logits)."""
+        self.chunk_loss_ok = ok
+        if not ok:
+            self._without_loss_chunks()
+
+    def _without_loss_chunks(self) -> None:
         p = self.plan
         self.plan = self.replan(self.plan_batch, floor=(False, True, bool(p.stage_numel), p.checkpoint_every))
         log.info("zerofit: re-planned without loss chunks:\n%s", self.plan.describe())
@@ -238,3 +259,46 @@ class Planning:
     def measured_disk(self, write: float, read: float) -> None:
         """The disk tier's speed, measured on its swap file, is part of the plan (its description shows it)."""
         self.plan = dataclasses.replace(self.plan, disk_speed=(write, read))
+
+    def open_tier(self, frozen: frozenset, deferred: bool) -> DiskTier | None:
+        """The disk tier the plan asks for: its file reserved under ``offload.nvme_path`` and its speed measured
+        (preflight: a path that cannot hold it fails here, before anything else is allocated)."""
+        plan = self.plan
+        if not plan.disk_blocks:
+            return None
+        if frozen:
+            raise ValueError(f"the NVMe tier cannot hold a model with frozen parameters yet ({len(frozen)} "
+                             "tensors have requires_grad=False or are in no parameter group): give the host budget "
+                             "room for the plan (max_host_memory), or offload the optimizer to 'cpu' instead of "
+                             "'nvme'")
+        off = self.config.offload
+        grad = ("grad",) if deferred else ()    # [Note: gradients on the disk], step.py
+        regions, nbytes = disk_layout([(i, self.shape.block_numels[i], DISK_FIELDS[m] + grad)
+                                       for i, m in plan.disk_blocks])
+        file = SwapFile(off.nvme_path, nbytes, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
+        try:
+            w, r = file.measure()
+            mb = max(self.shape.block_numels)
+            tier = DiskTier(file, regions, tier_chunk(mb), tier_buffers(mb, TIER_BUFFERS))
+        except BaseException:
+            file.close()
+            raise
+        self.measured_disk(w, r)
+        log.info("zerofit: NVMe tier: %s, %s reserved%s; measured there: write %.2f GB/s, read %.2f GB/s",
+                 file.path, fmt_bytes(file.nbytes), "" if file.direct else
+                 " (O_DIRECT refused by this file system: buffered I/O)", w, r)
+        if not file.direct:
+            log.warning("zerofit: %s does not accept O_DIRECT: the disk tier uses buffered I/O (the page cache "
+                        "takes host memory and the speed differs)", file.path)
+        if file.reused:
+            log.info("zerofit: reused the swap file a previous run left in %s", file.folder)
+        return tier
+
+    def log_placement(self, num_blocks: int, on_cuda: bool, device) -> None:
+        """Say where the optimizer state is under the plan, and where that is not what the config asked for."""
+        off = self.config.offload
+        log.info("zerofit %s", self.plan.optimizer_homes(num_blocks, "the GPU" if on_cuda else
+                                                        f"the device ({device})"))
+        for warning in placement_warnings(self.plan, num_blocks, optimizer_device=off.optimizer_device,
+                                          param_device=off.param_device, on_cuda=on_cuda):
+            log.warning("zerofit: %s", warning)

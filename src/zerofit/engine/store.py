@@ -149,7 +149,7 @@ class Unit:
     grad_fresh: bool = True                  # next gradient write is a copy, not an add
     updated: object = None                   # threading.Event: master holds the latest update
     moments_done: object = None              # threading.Event: no moments pass pending ([Note: moments after
-                                             # the forward], split_adamw.py)
+                                             # the forward], update/split_adamw.py)
     master_behind: bool = False              # the last update's first pass wrote only host16: master is current
                                              # once moments_done ([Note: the master behind its cast])
     host_grad_fresh: bool = True             # deferred updates: the host gradient buffer holds nothing yet
@@ -278,3 +278,44 @@ class HostArena:
             self.close()
         except Exception:
             pass
+
+
+def follow_masters(units: list[Unit], shell: Unit) -> None:
+    """[Note: engine consistency after a load]
+    A load writes only ``master``, ``exp_avg``, ``exp_avg_sq`` (and ``step``). Every other copy of the
+    weights is derived from ``master`` and must follow, or the next step computes with the old weights:
+    - device-optimized units: ``dev16`` is re-cast from ``master`` (unless it *is* master, fp32 on the
+      device), and the host mirror ``host`` re-copied (unless it is master, on the CPU): the mirrors are then
+      current (Step.mirror_stale false);
+    - a host-optimized resident shell is marked ``dirty``: the next forward uploads it
+      (Streamer.refresh_shell); any other resident host-optimized unit is re-cast at once;
+    - streamed units drop their device slot (state ON_HOST; the engine empties the slots): the next forward
+      uploads them from ``master`` (16-bit host copies are dropped: Copies16.weights_changed); a resident unit's
+      frozen weights are re-cast from ``frozen_host``;
+    - gradient state restarts: ``grad_fresh`` and ``host_grad_fresh`` true (the next write copies),
+      resident gradients zeroed, partial squared norms dropped (Grads.sq_norms), no pending assisted update;
+    - units on the disk tier: the load wrote their state through the swap file's mapping; a master kept
+      there is re-cast into its 16-bit host copy (the upload source), and the mapping is flushed before
+      the tier's next direct read ([Note: the swap file is also a mapping], disk.py).
+    The caller (Engine.weights_loaded) ran ``engine.wait()`` before the load wrote (no update in flight)."""
+    for u in units:
+        if u.optimizer_on_device:
+            if u.dev16 is not None and u.dev16 is not u.master:
+                u.dev16.copy_(u.master)
+            if u.host is not None and u.host is not u.master:
+                u.host.copy_(u.master)
+        elif u.home is Home.RESIDENT:
+            if u is shell:
+                u.dirty = True
+            else:
+                u.dev16.copy_(u.master)
+        if u.frozen_dev is not None and u.frozen_dev is not u.frozen_host:    # [Note: frozen parameters]
+            u.frozen_dev.copy_(u.frozen_host)
+        if u.home is Home.STREAMED:
+            u.state, u.slot, u.ready_event = WeightState.ON_HOST, None, None
+        if u.home is Home.RESIDENT and u.grad is not None:
+            u.grad.zero_()
+        u.grad_fresh = u.host_grad_fresh = True
+        u.pending_update, u.master_event = None, None
+        if u.swap == "all":
+            u.host16.copy_(u.master)

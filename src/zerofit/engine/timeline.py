@@ -65,9 +65,19 @@ class Timeline:
         self.peak_host = max(self.peak_host, psutil.Process().memory_info().rss)
 
     def timeline(self) -> dict[str, float]:
+        """Seconds per phase of the last step: step (wall), compute (device), upload, download,
+        optimizer (the CPU worker working), optimizer_wait (its tasks waiting for a gradient or the disk),
+        wait (the main thread blocked on the CPU optimizer or pinned buffers)."""
         return dict(self._seconds)
 
     def trace(self) -> list[dict]:
+        """The last step's timeline interval by interval: {lane, label, start, end} in seconds from the
+        step's start. Lanes: compute, upload, download (device streams; from CUDA events), cpu (the host
+        optimizer thread's tasks, working), cpu wait (those tasks waiting for a gradient or the disk: [Note: the
+        worker's waits]), disk (the tier's reads and writes) and wait (the main thread blocked on the CPU
+        optimizer or on pinned buffers). Device and host intervals come from different clocks that start
+        together: compare them to a millisecond. A CPU task of the previous step still running when this one
+        started has a negative start."""
         if isinstance(self._trace, tuple):
             intervals, origin, host, t0 = self._trace
             trace = self.dev.trace_of(intervals, origin)

@@ -9,8 +9,8 @@ Three small objects stand where the Trainer expects a model, an optimizer and a 
   ``sync_gradients``) ``engine.step()``, as accelerate's own DeepSpeed wrapper does: the step, clipping
   included, is taken there, so the gradient norm is known when the Trainer asks for it;
 * :class:`EngineOptimizer` (``step()`` and ``zero_grad()`` have nothing left to do) and
-  :class:`EngineSchedule` (the learning rate of each step: ``zerofit.optim.schedules.lr_at`` of the engine's
-  applied steps, the one the engine used).
+  :class:`EngineSchedule`: the engine's one optimizer and scheduler view (engine/views.py), reporting each
+  parameter group's lr, betas, eps and weight decay as the engine applies them.
 
 Checkpoints: each ``checkpoint-N`` folder gets the model (``engine.save_pretrained``, loadable by
 ``from_pretrained``) from the Trainer's ``save_model``, a zerofit checkpoint (``latest``, ``global_stepN/``:
@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from zerofit.engine.views import OptimizerView, SchedulerView
 from zerofit.hf.arguments import check_arguments, check_model, check_trainer, zerofit_config
 
 log = logging.getLogger("zerofit")
@@ -75,30 +76,19 @@ class EngineModel(nn.Module):
         return self.module.named_parameters(*args, **kwargs)
 
 
-class EngineOptimizer:
-    """The Trainer's ``optimizer``: the engine stepped at the accumulation boundary, inside ``backward``."""
+class EngineOptimizer(OptimizerView):
+    """The Trainer's ``optimizer``: the engine's one optimizer view (engine/views.py: each parameter group's lr,
+    betas, eps and weight decay of the next step, as the engine applies them), stepped by the engine at the
+    accumulation boundary, inside ``backward``: ``step()`` and ``zero_grad()`` have nothing left to do."""
 
     def __init__(self, engine, model: nn.Module) -> None:
+        super().__init__(engine.hypers, model)
         self.engine = engine
-        self._model = model
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """One group per engine AdamW setting, with the lr of the next step (read-only: it comes from the config)."""
-        from zerofit.optim.schedules import lr_at
-
-        cfg = self.engine.config
-        return [{"params": list(self._model.parameters()), "betas": cfg.optimizer.betas, "eps": cfg.optimizer.eps,
-                 "weight_decay": cfg.optimizer.weight_decay,
-                 "lr": lr_at(self.engine.global_step, cfg.optimizer.lr, cfg.scheduler)}]
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("zerofit's optimizer step takes no closure")
         return None     # taken by the engine at the boundary micro-batch's backward
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None     # the engine starts every step from fresh gradients
 
     def state_dict(self) -> dict:
         return {}       # moments and step counts are in the zerofit checkpoint (global_stepN/)
@@ -107,19 +97,17 @@ class EngineOptimizer:
         return None
 
 
-class EngineSchedule:
-    """The Trainer's ``lr_scheduler``: ``get_last_lr()`` is the lr of the step just taken until ``step()`` moves
-    it to the next one, as ``LambdaLR`` does; both are the engine's own (``lr_at`` of its applied steps)."""
+class EngineSchedule(SchedulerView):
+    """The Trainer's ``lr_scheduler``: ``get_last_lr()`` is each group's lr of the step just taken until ``step()``
+    moves it to the next one, as ``LambdaLR`` does; both are the engine's own (the view's, engine/views.py)."""
 
     def __init__(self, engine) -> None:
+        super().__init__(engine.hypers, OptimizerView(engine.hypers, engine.adapter.model))
         self.engine = engine
-        self.refresh()
+        self._last_lr = self.optimizer.lrs()
 
     def refresh(self) -> None:
-        from zerofit.optim.schedules import lr_at
-
-        cfg = self.engine.config
-        self._last_lr = [lr_at(self.engine.global_step, cfg.optimizer.lr, cfg.scheduler)]
+        self._last_lr = self.optimizer.lrs()
 
     def step(self) -> None:
         self.refresh()     # an fp16 step skipped for overflow did not advance the engine: the lr stays
@@ -240,7 +228,7 @@ class ZerofitTrainerMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The Trainer fetches an optimizer step's micro-batches up front: remember them, so that the window's
         first training_step can announce them to the engine ([Note: a window's forwards at once],
-        engine/deepspeed_api.py)."""
+        engine/window.py)."""
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._zerofit_window = list(samples)
         return samples, num_items

@@ -1,8 +1,9 @@
 """Learning rates that are not one formula of the step for all groups: a client's own torch scheduler, and
 DeepSpeed's per-group and per-step settings (OneCycle's betas, its broadcast lrs).
 
-``Engine._hyper`` asks :func:`engine_hypers` first; ``None`` leaves it to its own rule ([Note: group learning
-rates], engine/engine.py).
+``Hypers.for_step`` (engine/hypers.py) asks :func:`engine_hypers` first; ``None`` leaves it to its own rule
+([Note: group learning rates], engine/hypers.py). The methods take the engine's :class:`~zerofit.engine.hypers.Hypers`
+(``engine.hypers``: the step count the values follow).
 
 [Note: a client scheduler drives the engine's lr]
 ``zerofit.deepspeed.initialize(optimizer=AdamW(...), lr_scheduler=LambdaLR(...))`` (or a callable
@@ -75,19 +76,20 @@ class ClientSchedule:
     _read: tuple = field(default=(None, ()), repr=False)
     """(step key, hypers) of the step in progress: [Note: a client scheduler drives the engine's lr]"""
 
-    def hypers(self, engine) -> tuple[Hyper, ...]:
-        """The AdamW settings of the engine's step in progress, one per group, from the carrier."""
-        self.catch_up(engine)
-        key = (engine.global_step, engine.skipped_steps)
+    def hypers(self, steps) -> tuple[Hyper, ...]:
+        """The AdamW settings of the engine's step in progress, one per group, from the carrier. ``steps``: the
+        engine's Hypers (its step counts)."""
+        self.catch_up(steps)
+        key = (steps.global_step, steps.skipped_steps)
         if self._read[0] != key:
-            self._read = (key, self.current(speculating=getattr(engine, "_can_speculate", False)))
+            self._read = (key, self.current(speculating=steps.speculating))
         return self._read[1]
 
-    def reported(self, engine) -> tuple[Hyper, ...]:
+    def reported(self, steps) -> tuple[Hyper, ...]:
         """What the next (or the in-progress) step applies: the values read for it once it has begun, else the
         carrier's now."""
-        self.catch_up(engine)
-        key = (engine.global_step, engine.skipped_steps)
+        self.catch_up(steps)
+        key = (steps.global_step, steps.skipped_steps)
         return self._read[1] if self._read[0] == key else self.current()
 
     def current(self, speculating: bool = False) -> tuple[Hyper, ...]:
@@ -108,11 +110,11 @@ class ClientSchedule:
             out.append(Hyper(lr, b1, b2, eps, wd))
         return tuple(out)
 
-    def catch_up(self, engine, lr_kwargs: dict | None = None) -> None:
+    def catch_up(self, steps, lr_kwargs: dict | None = None) -> None:
         """Step the scheduler once per applied optimizer step it has not seen (one, after engine.step())."""
         if self.scheduler is None:
-            self.stepped = engine.global_step
-        while self.stepped < engine.global_step:
+            self.stepped = steps.global_step
+        while self.stepped < steps.global_step:
             self.optimizer._opt_called = True    # torch's order check: the engine took the optimizer's step
             step = self.scheduler.step
             if lr_kwargs:
@@ -125,8 +127,8 @@ class ClientSchedule:
 
     # ----------------------------------------------------------------- checkpoints
 
-    def state_bytes(self, engine) -> bytes:
-        self.catch_up(engine)
+    def state_bytes(self, steps) -> bytes:
+        self.catch_up(steps)
         state = getattr(self.scheduler, "state_dict", None)
         if state is None and self.scheduler is not None:
             log.warning("zerofit: the client lr_scheduler (%s) has no state_dict(): a resumed run replays it from "
@@ -169,24 +171,23 @@ def _needs_argument(step) -> bool:
 
 # ---------------------------------------------------------------------------------------------- the engine's hook
 
-def engine_hypers(engine) -> tuple[Hyper, ...] | None:
-    """The AdamW settings of each group for the engine's step in progress, where they do not follow
-    ``Engine._hyper``'s own rule: a client scheduler's (the carrier's values); DeepSpeed's OneCycle and
+def engine_hypers(hypers) -> tuple[Hyper, ...] | None:
+    """The AdamW settings of each group for the engine's step in progress (``hypers``: its Hypers), where they do
+    not follow ``Hypers.for_step``'s own rule: a client scheduler's (the carrier's values); DeepSpeed's OneCycle and
     LRRangeTest (one lr for every group, OneCycle's betas: [Note: OneCycle and LRRangeTest]); DeepSpeed's
     warm-up schedules over groups with their own lr (each group's own schedule, as DeepSpeed gives each group
     its lr as the peak, or the schedule's peak to all of them when ``warmup_max_lr`` is set). ``None``: the
     engine's rule."""
-    client = getattr(engine, "_client_schedule", None)
-    if client is not None:
-        return client.hypers(engine)
-    sched, step = engine.config.scheduler, engine.global_step
+    if hypers.client is not None:
+        return hypers.client.hypers(hypers)
+    sched, step = hypers.config.scheduler, hypers.global_step
     if sched.type in _DEEPSPEED_BROADCAST:
-        lr = lr_at(step, engine.config.optimizer.lr, sched)
+        lr = lr_at(step, hypers.config.optimizer.lr, sched)
         return tuple(Hyper(lr, *betas_at(step, g.optimizer.betas, sched), g.optimizer.eps, g.optimizer.weight_decay)
-                     for g in engine.param_groups)
-    base = engine.config.optimizer.lr
-    if sched.type in _DEEPSPEED_PER_GROUP and any(g.optimizer.lr != base for g in engine.param_groups):
-        return tuple(Hyper.of(g.optimizer, lr_at(step, g.optimizer.lr, sched)) for g in engine.param_groups)
+                     for g in hypers.groups)
+    base = hypers.config.optimizer.lr
+    if sched.type in _DEEPSPEED_PER_GROUP and any(g.optimizer.lr != base for g in hypers.groups):
+        return tuple(Hyper.of(g.optimizer, lr_at(step, g.optimizer.lr, sched)) for g in hypers.groups)
     return None
 
 
@@ -195,12 +196,12 @@ def engine_hypers(engine) -> tuple[Hyper, ...] | None:
 def attach(engine, lr_scheduler, client_optimizer: torch.optim.Optimizer | None) -> ClientSchedule:
     """Build the :class:`ClientSchedule` of ``lr_scheduler`` (a scheduler over ``client_optimizer``, a callable
     taking the optimizer, or None: the client optimizer's own lrs) for ``engine``, and attach it
-    (``engine._client_schedule``)."""
+    (``engine.hypers.attach``)."""
     carrier = client_optimizer if client_optimizer is not None else _carrier(engine)
     if len(carrier.param_groups) != len(engine.param_groups):
         raise ClientScheduleError(f"the client optimizer has {len(carrier.param_groups)} param groups and the "
                                   f"engine {len(engine.param_groups)}")
-    params = dict(engine._model.named_parameters())
+    params = dict(engine.adapter.model.named_parameters())
     for g, zg in zip(carrier.param_groups, engine.param_groups):
         g["params"] = [params[n] for n in zg.names]     # the engine's own tensors: the originals are released
     carrier._opt_called = True      # torch's order check (a scheduler stepped by the script): the engine steps it
@@ -226,14 +227,14 @@ def attach(engine, lr_scheduler, client_optimizer: torch.optim.Optimizer | None)
             "from (" + ("the optimizer passed to initialize" if client_optimizer is not None else
                         "the one zerofit passes to a callable lr_scheduler") + "): build it over that optimizer")
     schedule = ClientSchedule(carrier, scheduler, engine.config.train_batch_size, stepped=engine.global_step)
-    engine._client_schedule = schedule
+    engine.hypers.attach(schedule)
     return schedule
 
 
 def _carrier(engine) -> torch.optim.AdamW:
     """DeepSpeed calls a callable lr_scheduler with its own optimizer: here a torch AdamW over the engine's
     parameters with each group's settings, never stepped (no state is allocated)."""
-    params = dict(engine._model.named_parameters())
+    params = dict(engine.adapter.model.named_parameters())
     groups = [{"params": [params[n] for n in g.names], "lr": g.optimizer.lr, "betas": g.optimizer.betas,
                "eps": g.optimizer.eps, "weight_decay": g.optimizer.weight_decay} for g in engine.param_groups]
     opt = engine.config.optimizer

@@ -137,7 +137,7 @@ class GatheredParameters:
                 "them. Read or change them afterwards through engine.module, or build the model without zero.Init "
                 "to load weights into it first")
         ids = {id(p) for p in self.params}
-        owners = [e for e in list(_engines) if any(id(p) in ids for p in e._model.parameters())]
+        owners = [e for e in list(_engines) if any(id(p) in ids for p in e.adapter.model.parameters())]
         if owners and self.modifier_rank is not None:
             raise DeepSpeedUnsupported(
                 f"zero.GatheredParameters(modifier_rank={self.modifier_rank}) on parameters an engine trains: "

@@ -65,3 +65,35 @@ class Speculation:
     def usable(beta1: float, beta2: float) -> bool:
         """The rollback divides by beta1 and beta2."""
         return beta1 > 0.0 and beta2 > 0.0
+
+
+class Speculator:
+    """Whether each step's host updates speculate (a part of the engine's step that outlives the units).
+
+    State: ``can`` (clipping without fp16, speculation on, every group's betas positive: the rollback divides by
+    them), ``next`` (the last step was not clipped, or there was none: the next one speculates), ``current``
+    (the step in progress's :class:`Speculation`, from its backward's start to its settling) and ``stats``
+    (steps held, rolled back, and waited: the ones that did not speculate after a clipped one)."""
+
+    def __init__(self, clip: float, can: bool):
+        self.clip_sq, self.can = clip ** 2, can
+        self.next = True
+        self.current: Speculation | None = None
+        self.stats = {"held": 0, "rolled_back": 0, "waited": 0}
+
+    def begin(self, streaming: bool) -> None:
+        """Before a step's block backward: whether its host updates speculate."""
+        if self.can and streaming:
+            if self.next:
+                self.current = Speculation(self.clip_sq)
+            else:
+                self.stats["waited"] += 1
+
+    def take(self) -> Speculation | None:
+        """The step in progress's record, for its end (or its discard); the next step begins without one."""
+        spec, self.current = self.current, None
+        return spec
+
+    def settled(self, clipped: bool) -> None:
+        """The speculative step was kept (held) or rolled back and redone with the true factor."""
+        self.stats["rolled_back" if clipped else "held"] += 1

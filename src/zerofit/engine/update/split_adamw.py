@@ -23,7 +23,7 @@ writes. The gradient is left unscaled (the fused kernel writes it scaled;
 nothing reads it after the update).
 
 The moments pass must run before the moments or the gradient buffer are read or written again: the engine
-waits for it before the unit's next gradient comes down ([Note: moments after the forward] in engine.py), and
+waits for it before the unit's next gradient comes down (HostUpdates.await_moments, update/host.py), and
 every reader of the optimizer state drains the worker first.
 
 [Note: the master behind its cast]

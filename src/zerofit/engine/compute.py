@@ -1,0 +1,88 @@
+"""Compute: the model's own code run over the units' device weights (a part, stateless).
+
+``functional_call`` of the shell (through the adapter's pre and post passes) and of one block, with the unit's
+device weights as its parameters (as leaves that take a gradient for the backward, the trained ones only:
+[Note: frozen parameters], store.py); a block recomputed with the RNG state its forward saw (models with
+dropout); and every gradient of every unit summed into its flat fp32 buffer (:meth:`Compute.accumulate`, the
+one place a weight gradient is written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from zerofit.engine.adapter import Adapter, block_output
+from zerofit.engine.device import Device
+from zerofit.engine.store import Unit
+
+
+class Compute:
+    """Holds what the calls need: the model, its adapter (the block modules), the device, the shell's buffers."""
+
+    def __init__(self, model: nn.Module, adapter: Adapter, dev: Device, shell: Unit):
+        self.model, self.adapter, self.dev, self.shell = model, adapter, dev, shell
+
+    def shell_call(self, leaves: dict):
+        """The model's own forward with the shell's ``leaves`` (and buffers) as its parameters: ``call(kwargs)``."""
+        params = {**leaves, **self.shell.buffers}
+        return lambda kw: functional_call(self.model, params, (), kw, strict=False)
+
+    def leaves(self, unit: Unit, grad: bool) -> dict[str, torch.Tensor]:
+        """The unit's device tensors by name for ``functional_call``; with ``grad``, its trained weights as leaves
+        that take a gradient (frozen ones never do: [Note: frozen parameters])."""
+        views = unit.layout.views(unit.device_weights())
+        if grad:
+            views = {k: v.detach().requires_grad_(True) for k, v in views.items()}
+        return {**views, **unit.frozen_weights(), **unit.buffers}
+
+    def block(self, unit: Unit, leaves: dict, x: torch.Tensor, call) -> torch.Tensor:
+        """Block ``unit``'s output for input ``x`` and the rest of what the model passed it (``call``)."""
+        module = self.adapter.blocks[unit.index]
+        return block_output(functional_call(module, leaves, (x, *call.args), call.kwargs, strict=False))
+
+    @contextlib.contextmanager
+    def rng(self, state):
+        """Replay a saved RNG state for a recompute, leaving the outer stream untouched."""
+        if state is None:
+            yield
+            return
+        devices = [self.dev.device] if self.dev.is_cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(state[0])
+            if self.dev.is_cuda:
+                torch.cuda.set_rng_state(state[1], self.dev.device)
+            yield
+
+    def rng_state(self):
+        """The RNG state a block's recompute must replay (models with dropout, in training mode), or None."""
+        if not (self.adapter.has_dropout and self.model.training):
+            return None
+        return (torch.get_rng_state(), torch.cuda.get_rng_state(self.dev.device) if self.dev.is_cuda else None)
+
+    def fork_rng(self):
+        """The post pass's RNG fork: what it draws (dropout in the head) leaves the outer stream as it was."""
+        devices = [self.dev.device] if self.dev.is_cuda else []
+        return torch.random.fork_rng(devices=devices, enabled=self.adapter.has_dropout)
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.dev.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+
+    def accumulate(self, unit: Unit, dst: torch.Tensor, grads: list, names: list[str]) -> None:
+        """dst (fp32 flat) += grads, or = grads on the first write of a step."""
+        views = unit.layout.views(dst)
+        pairs = [(views[n], g) for n, g in zip(names, grads) if g is not None]
+        if not pairs:
+            return
+        d, g = [p[0] for p in pairs], [p[1] for p in pairs]
+        if unit.grad_fresh:
+            if len(pairs) < len(unit.layout.names):
+                dst.zero_()
+            torch._foreach_copy_(d, g)
+            unit.grad_fresh = False
+        else:
+            torch._foreach_add_(d, g)

@@ -129,6 +129,15 @@ def _check_range(t: torch.Tensor, lo: int, hi: int, key: str, where: str, rule: 
         raise BatchError(f"{where}[{key!r}] holds {bad}: {rule}")
 
 
+def scores_tokens(batch: Mapping) -> bool:
+    """Whether a micro-batch's loss scores any token: labels not all IGNORE_INDEX (or no labels: the model's own
+    loss). Device labels are not read (a device sync): they count as scoring."""
+    labels = batch.get("labels")
+    if not isinstance(labels, torch.Tensor) or labels.device.type != "cpu" or labels.numel() == 0:
+        return True
+    return bool((labels != IGNORE_INDEX).any())
+
+
 def vocab_of(model: nn.Module, default: int) -> int:
     """The number of token ids the model embeds: its input embedding's rows, else ``default``."""
     try:

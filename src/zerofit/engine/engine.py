@@ -43,7 +43,7 @@ from torch.func import functional_call
 
 from zerofit.config.schema import ZerofitConfig
 from zerofit.engine.adapter import Adapter, PreResult, backward_into, block_output, loss_of, post_in_chunks
-from zerofit.engine.batch import BatchSpec, check_micro_batches, vocab_of
+from zerofit.engine.batch import BatchSpec, check_micro_batches, scores_tokens, vocab_of
 from zerofit.engine.device import Device
 from zerofit.engine.deepspeed_api import DeepSpeedStyleAPI
 from zerofit.engine.deepspeed_surface import DeepSpeedSurface
@@ -1828,9 +1828,15 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         if self.adapter.streaming:
             self._backward_blocks(micros)
         del micros
-        mean = torch.stack(losses).float().mean()
+        # the reported loss is over the micro-batches that score tokens: one whose labels are all -100 has a loss of
+        # 0/0 (NaN) and no gradient (a prompt longer than the window); its zero gradient still counts in the 1/G
+        scored = [loss for loss, mb in zip(losses, micro_batches) if scores_tokens(mb)]
+        mean = torch.stack(scored).float().mean() if scored else torch.full((), math.nan, device=self.dev.device)
         if self.ranks.many:     # the loss of the global batch, the same on every rank
-            mean = self.ranks.all_reduce(mean.reshape(1)).reshape(()) / self.ranks.world
+            part = torch.stack([mean.nan_to_num(0.0) * len(scored), torch.tensor(float(len(scored)),
+                                                                               device=self.dev.device)])
+            total, count = self.ranks.all_reduce(part).tolist()
+            mean = torch.tensor(total / count if count else math.nan)
         applied = self._finish_step()
         loss_value = mean.item()              # the step's one device sync
         self._end_step(t0, worker0, applied)

@@ -3,7 +3,8 @@
 Every record has ``step`` and ``time`` (seconds since the run started, resumes included); training records
 carry loss, learning rate, gradient norm, tokens/s and memory, evaluation records ``eval_loss`` and
 ``eval_perplexity``. The JSON-lines file is appended to (a resumed run continues it) and flushed per record,
-so a crash loses nothing that was logged.
+so a crash loses nothing that was logged. A value that is not finite (a step whose micro-batches scored no token
+has no loss) is written as ``null``: every line is valid JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class Metrics:
 
     def log(self, step: int, **values) -> dict:
         rec = {"step": step, "time": round(self.elapsed, 3), **values}
-        self._f.write(json.dumps(rec) + "\n")
+        # JSON has no NaN or infinity: a non-finite value is written as null (json.dumps would write NaN)
+        safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+        self._f.write(json.dumps(safe, allow_nan=False) + "\n")
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):

@@ -3,16 +3,19 @@ DeepSpeed checkpoint and goes on training, and writes what DeepSpeed itself had 
 
 Run in a subprocess of its own (DeepSpeed sets up its accelerator, logging and torch.distributed in the
 process): ``python tests/deepspeed_script.py SPEC_JSON`` with ``DS_ACCELERATOR=cpu``. The spec:
-``{"out": dir, "runs": [run, ...]}``, a run ``{"name", "stage", "precision", "G", "steps", "more", ...}``:
+``{"out": dir, "runs": [run, ...]}``, a run ``{"name", "config" (DeepSpeed's), "steps", "more"}`` and optionally
+``"model"`` (LlamaConfig keywords; else ``tiny_models.llama()``), ``"mid"``, ``"universal"``:
 
-- trains ``steps`` optimizer steps (``G`` micro-batches each, DeepSpeed's loop: ``engine(**b)``,
+- trains ``steps`` optimizer steps (G = ``gradient_accumulation_steps`` micro-batches each, DeepSpeed's loop: ``engine(**b)``,
   ``backward``, ``step`` per micro-batch) of ``tiny_models.batches(steps + more, G)``, then
   ``save_checkpoint(out/name, client_state=...)``; with ``"mid": k`` it runs ``k`` more micro-batches of
   the next step first and saves in the middle of that accumulation window, as a script may;
 - writes ``out/name.pt``: per parameter (DeepSpeed's own accessors, ``safe_get_full_fp32_param`` and
-  ``safe_get_full_optimizer_state``) the fp32 master and moments at the save, the losses of ``more`` further
-  steps DeepSpeed takes itself (the window a mid-window save was in runs to its end first) and the fp32
-  masters after them.
+  ``safe_get_full_optimizer_state``) the fp32 master and moments after the last optimizer step before the
+  save, the losses of ``more`` further steps DeepSpeed takes itself (the micro-batches before a mid-window
+  save included) and the fp32 masters after them, its step counters and loss scale;
+- with ``"universal": true``, converts the checkpoint with DeepSpeed's ds_to_universal into
+  ``out/name/<tag>_universal``.
 
 Several data-parallel ranks (``"world": 2``): the test starts one process per rank (RANK, WORLD_SIZE and a
 ``file://`` store in ``ZF_DS_STORE``); rank r trains on its half of each step's 2G micro-batches.
@@ -30,27 +33,15 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
-import deepspeed.comm.torch as ds_comm_torch  # noqa: E402
+import deepspeed.comm.torch  # noqa: E402,F401
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tests import tiny_models as tm  # noqa: E402
 
 # world size 1 needs no shared-memory all-reduce; DeepSpeed would compile its C++ op (a minute) to get one
-ds_comm_torch.build_shm_op = lambda: None
-
-
-def ds_config(run: dict) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": run["G"],
-           "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.99], "eps": 1e-8,
-                                                     "weight_decay": 0.01, "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3,
-                                                        "warmup_num_steps": 4, "warmup_type": "linear"}},
-           "zero_optimization": {"stage": run["stage"]}, "gradient_clipping": run.get("clip", 0.0),
-           "steps_per_print": 10**6}
-    if run["precision"] == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    cfg.update(run.get("extra", {}))
-    return cfg
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None   # (deepspeed.comm.torch is torch, as an attribute)
 
 
 def state_of(engine) -> dict:
@@ -65,6 +56,11 @@ def masters(engine) -> dict:
     return {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
 
 
+def adam_step(engine) -> list[float]:
+    """The AdamW step count of each of DeepSpeed's flat groups (its base optimizer's state)."""
+    return [float(s["step"]) for s in engine.optimizer.optimizer.state.values()]
+
+
 def micro(engine, b) -> float:
     out = engine(**b)
     engine.backward(out.loss)
@@ -74,10 +70,14 @@ def micro(engine, b) -> float:
 
 def one(run: dict, out_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    if run["config"].get("fp16", {}).get("enabled"):
+        # DeepSpeed's CPU accelerator offers fp16 only where oneDNN has fp16 kernels; torch computes fp16 on any CPU
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().is_fp16_supported = lambda: True
     torch.manual_seed(0)
-    model = tm.llama()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(run))
-    G = run["G"]
+    model = tm.llama() if "model" not in run else LlamaForCausalLM(LlamaConfig(**run["model"]))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=run["config"])
+    G = run["config"]["gradient_accumulation_steps"]
     data = tm.batches(run["steps"] + run["more"], G * world)
     mine = [mbs[rank * G:(rank + 1) * G] for mbs in data]
     for mbs in mine[:run["steps"]]:
@@ -85,16 +85,47 @@ def one(run: dict, out_dir: str) -> None:
             micro(engine, b)
     rest = [b for mbs in mine[run["steps"]:] for b in mbs]
     mid = run.get("mid", 0)
-    done = [micro(engine, b) for b in rest[:mid]]
     state = state_of(engine)
-    engine.save_checkpoint(os.path.join(out_dir, run["name"]),
-                           client_state={"epoch": 3, "seen": torch.arange(4), "note": run["name"]})
+    scaler = {k: getattr(engine.optimizer.loss_scaler, k, None)
+              for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "dynamic")}
+    at_save = {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps, "scaler": scaler,
+               "adam_step": adam_step(engine)}
+    done = [micro(engine, b) for b in rest[:mid]]
+    save_dir = os.path.join(out_dir, run["name"])
+    engine.save_checkpoint(save_dir, client_state={"epoch": 3, "seen": torch.arange(4), "note": run["name"]})
     losses = done + [micro(engine, b) for b in rest[mid:]]
-    result = {"state": state, "losses": losses, "final": masters(engine), "global_steps": engine.global_steps,
-              "lr": engine.get_lr()}
+    every = [None] * world
+    dist.all_gather_object(every, losses)
+    result = {"state": state, "losses": every[0], "rank_losses": every,
+              "at_save": at_save, "final": masters(engine), "global_steps": engine.global_steps,
+              "skipped_steps": engine.skipped_steps, "lr": engine.get_lr(),
+              "scale": float(engine.optimizer.loss_scaler.cur_scale)}
+    if run.get("reload"):      # what DeepSpeed's own load_checkpoint gives back, in a fresh engine
+        torch.manual_seed(1)
+        fresh = LlamaForCausalLM(LlamaConfig(**run["model"])) if "model" in run else tm.llama()
+        again, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=run["config"])
+        path, client_state = again.load_checkpoint(save_dir)
+        result["reload"] = {"path": path, "client_state": client_state, "global_steps": again.global_steps,
+                            "lr": again.get_lr()}
+        del again
     if rank == 0:
         torch.save(result, os.path.join(out_dir, run["name"] + ".pt"))
+        if run.get("universal"):
+            universal(save_dir)
     del engine
+
+
+def universal(save_dir: str) -> None:
+    """DeepSpeed's own conversion of the checkpoint to its universal layout, beside it (tag + "_universal")."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag = open(os.path.join(save_dir, "latest")).read().strip()
+    args = argparse.Namespace(input_folder=os.path.join(save_dir, tag),
+                              output_folder=os.path.join(save_dir, tag + "_universal"), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    ds_to_universal.main(args)
 
 
 def main() -> None:

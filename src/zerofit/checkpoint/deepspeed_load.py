@@ -98,6 +98,10 @@ def _match(engine, ck: DeepSpeedCheckpoint, units, with_moments: bool) -> dict[s
             missing.append(name)
             continue
         p = ck.params[stored]
+        if stored in used:
+            shapes.append(f"{name}: tied to {stored} in the checkpoint (shared_params), a parameter of its own "
+                          "in this model")
+            continue
         used.add(stored)
         if tuple(p.shape) != shape:
             shapes.append(f"{name}: {tuple(p.shape)} in the checkpoint, {shape} in this model")
@@ -106,7 +110,7 @@ def _match(engine, ck: DeepSpeedCheckpoint, units, with_moments: bool) -> dict[s
     if missing or extra or shapes:
         parts = ([f"in this model but not in the checkpoint: {_names(missing)}"] if missing else []) + \
                 ([f"in the checkpoint but not in this model: {_names(extra)}"] if extra else []) + \
-                ([f"of another shape: {_names(shapes)}"] if shapes else [])
+                ([f"that differ: {_names(shapes)}"] if shapes else [])
         raise CheckpointMismatchError(
             f"{ck.folder}: a DeepSpeed checkpoint of another model: parameters {'; '.join(parts)}. Build the engine "
             "from the model the checkpoint was trained with (the same class and config, the same parameter names: "
@@ -209,13 +213,19 @@ def _warn_differences(engine, ck: DeepSpeedCheckpoint, sources: dict[str, ParamS
         from zerofit.config.deepspeed import from_deepspeed
 
         try:
-            saved = from_deepspeed(ck.ds_config)[0].model_dump(mode="json")
+            saved = from_deepspeed(ck.ds_config, world_size=ck.dp_world_size)[0].model_dump(mode="json")
         except (ConfigError, ValueError, TypeError) as e:
             log.info("zerofit: %s: the DeepSpeed config saved with it does not read as a zerofit config (%s); "
                      "settings not compared", ck.folder, e)
         else:
             now = engine.config.model_dump(mode="json")
             changed = [k for k in _RESUME_FIELDS if saved.get(k) != now.get(k)]
+            if changed == ["gradient_accumulation_steps"] and saved["train_batch_size"] == now["train_batch_size"]:
+                changed = []       # several ranks' micro-batches as one process's window: the same batch
+                log.info("zerofit: %s: saved by %d data-parallel ranks with %d micro-batches each, loaded in %d "
+                         "process(es) with %d: the same batch of %d samples a step", ck.folder, ck.dp_world_size,
+                         saved["gradient_accumulation_steps"], now["world_size"], now["gradient_accumulation_steps"],
+                         now["train_batch_size"])
             if changed:
                 log.warning("zerofit: %s: saved by DeepSpeed with a different %s; the run continues with this "
                             "engine's settings, so it will not match DeepSpeed going on", ck.folder, ", ".join(changed))

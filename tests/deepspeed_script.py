@@ -14,6 +14,8 @@ process): ``python tests/deepspeed_script.py SPEC_JSON`` with ``DS_ACCELERATOR=c
   ``safe_get_full_optimizer_state``) the fp32 master and moments after the last optimizer step before the
   save, the losses of ``more`` further steps DeepSpeed takes itself (the micro-batches before a mid-window
   save included) and the fp32 masters after them, its step counters and loss scale;
+- with ``"args"`` (TrainingArguments keywords), it is transformers' Trainer with ``deepspeed=config`` that
+  trains and saves its ``checkpoint-N`` folders (:func:`hf`);
 - with ``"universal": true``, converts the checkpoint with DeepSpeed's ds_to_universal into
   ``out/name/<tag>_universal``.
 
@@ -128,6 +130,24 @@ def universal(save_dir: str) -> None:
     ds_to_universal.main(args)
 
 
+def hf_data() -> list[dict]:
+    """The Hugging Face run's 12 sequences (tests/test_deepspeed_checkpoints.py builds the same)."""
+    return [{"input_ids": r, "labels": r} for mbs in tm.batches(6, 1) for r in mbs[0]["input_ids"]]
+
+
+def hf(run: dict, out_dir: str) -> None:
+    """transformers' Trainer with ``deepspeed=`` (its own DeepSpeed integration), saving checkpoint-N folders:
+    writes its log history and the final fp32 masters."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    args = TrainingArguments(output_dir=os.path.join(out_dir, run["name"]), deepspeed=run["config"], **run["args"])
+    torch.manual_seed(0)
+    trainer = Trainer(model=tm.llama(), args=args, train_dataset=hf_data(), data_collator=default_data_collator)
+    trainer.train()
+    torch.save({"log_history": trainer.state.log_history, "final": masters(trainer.model_wrapped)},
+               os.path.join(out_dir, run["name"] + ".pt"))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     store = os.environ.get("ZF_DS_STORE")
@@ -140,7 +160,7 @@ def main() -> None:
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])     # DeepSpeed asks for it (one host)
     deepspeed.init_distributed(dist_backend="gloo")
     for run in spec["runs"]:
-        one(run, spec["out"])
+        (hf if "args" in run else one)(run, spec["out"])
     dist.destroy_process_group()
 
 

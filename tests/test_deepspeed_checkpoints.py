@@ -35,6 +35,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import zerofit
 import zerofit.deepspeed as zds
+import zerofit.hf
 from tests import tiny_models as tm
 from zerofit.checkpoint import CheckpointMismatchError, CheckpointStateError
 from zerofit.checkpoint.deepspeed_format import DeepSpeedCheckpointError, find, read
@@ -72,6 +73,11 @@ ONE = {   # one process
     "h2": dict(config=ds_config(2, "fp16"), steps=5),
     "m1": dict(config=ds_config(1, G=2), steps=2, more=1, mid=1),      # saved one micro-batch into a window of 2
 }
+# transformers' Trainer with deepspeed= (the same settings as ds_config's), 5 steps, checkpoint-3 saved
+HF_ARGS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, learning_rate=LR, max_grad_norm=0.0,
+               adam_beta2=0.99, weight_decay=0.01, warmup_steps=WARMUP, max_steps=5, save_strategy="steps",
+               save_steps=3, logging_steps=1, report_to=[], disable_tqdm=True, use_cpu=True, seed=7)
+ONE["hf"] = dict(config=ds_config(2), args=HF_ARGS)
 TWO = {   # two data-parallel ranks
     "p2": dict(config=ds_config(2), model=ODD),
     "p3": dict(config=ds_config(3), model=ODD),
@@ -91,7 +97,9 @@ def ds(tmp_path_factory) -> Path:
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed (pip install deepspeed==0.19.8)")
     out = tmp_path_factory.mktemp("deepspeed")
+    # one thread each: three processes share the cores, and tiny matrices gain nothing from a second thread
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "TORCH_EXTENSIONS_DIR": str(out / "ext"),
+           "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), _spec(out, ONE)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)]
@@ -100,10 +108,23 @@ def ds(tmp_path_factory) -> Path:
                                       env={**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                                            "ZF_DS_STORE": str(out / "store")},
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=280)[0] for p in procs]
+    logs = [p.communicate(timeout=800)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
     return out
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """As DeepSpeed's processes run (and faster for tiny matrices on a shared machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# the first test to ask for ``ds`` waits for DeepSpeed's runs (a minute of CPU, more on a busy machine)
+deepspeed_runs = pytest.mark.timeout(900)
 
 
 def _result(ds: Path, name: str) -> dict:
@@ -193,6 +214,7 @@ def _continue(engine, name: str, world: int = 1) -> tuple[list[float], dict]:
 
 
 @pytest.mark.slow
+@deepspeed_runs
 @pytest.mark.parametrize("name", ["s1", "s2", "s2-universal", "s3", "b3", "h2", "m1", "p2", "p3"])
 def test_the_reader_gives_deepspeeds_own_state(ds, name):
     """Every parameter's fp32 master and moments (DeepSpeed's flat partitions, cut by param_shapes and its
@@ -227,6 +249,7 @@ def test_the_reader_gives_deepspeeds_own_state(ds, name):
 
 
 @pytest.mark.slow
+@deepspeed_runs
 @pytest.mark.parametrize("name,door", [("s1", "deepspeed"), ("s2", "initialize"), ("s3", "deepspeed"),
                                        ("s2-universal", "deepspeed")])
 def test_a_deepspeed_run_continues_on_zerofit(ds, name, door):
@@ -269,6 +292,7 @@ def test_a_deepspeed_run_continues_on_zerofit(ds, name, door):
 
 
 @pytest.mark.slow
+@deepspeed_runs
 @pytest.mark.parametrize("name", ["b3", "h2"])
 def test_bf16_and_fp16_runs_continue(ds, name, caplog):
     """bf16 (stage 3) and fp16 (stage 2, with skipped steps): the state and, in fp16, DeepSpeed's dynamic loss
@@ -296,6 +320,7 @@ def test_bf16_and_fp16_runs_continue(ds, name, caplog):
 
 
 @pytest.mark.slow
+@deepspeed_runs
 @pytest.mark.parametrize("name", ["p2", "p3"])
 def test_two_ranks_continue_in_one_process(ds, name, caplog):
     """A checkpoint of two data-parallel ranks (stage 2: the ranks' slices of each flat group; stage 3: every
@@ -316,6 +341,37 @@ def test_two_ranks_continue_in_one_process(ds, name, caplog):
 
 
 @pytest.mark.slow
+@deepspeed_runs
+def test_a_hugging_face_deepspeed_run_resumes_on_zerofit_hf(ds, tmp_path):
+    """transformers' Trainer with deepspeed= saved checkpoint-3 (DeepSpeed's folder beside the Trainer's state);
+    zerofit.hf's Trainer, with the same arguments, resumes from it: steps 4 and 5 log DeepSpeed's losses, and the
+    weights end where DeepSpeed's did (to the AdamW kernels' rounding)."""
+    from transformers import TrainingArguments, default_data_collator
+
+    ref = _result(ds, "hf")
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=ds_config(2), **HF_ARGS)
+    torch.manual_seed(99)
+    data = [{"input_ids": r, "labels": r} for mbs in tm.batches(6, 1) for r in mbs[0]["input_ids"]]  # as the script's
+    trainer = zerofit.hf.Trainer(model=tm.llama(), args=args, train_dataset=data,
+                                 data_collator=default_data_collator)
+    trainer.train(resume_from_checkpoint=str(ds / "hf" / "checkpoint-3"))
+    assert trainer.state.global_step == 5 and trainer.zerofit_engine.global_step == 5
+
+    def logged(history, key):
+        return [(e["step"], e[key]) for e in history if key in e and e["step"] > 3]
+
+    # (the logged learning rates are not compared: transformers + DeepSpeed logs the next step's lr, DeepSpeed's
+    # scheduler having stepped, zerofit.hf the lr of the step taken; the lr used is the same, as the losses show)
+    mine, theirs = logged(trainer.state.log_history, "loss"), logged(ref["log_history"], "loss")
+    assert [s for s, _ in mine] == [4, 5] and mine[0] == theirs[0]
+    torch.testing.assert_close(torch.tensor(mine), torch.tensor(theirs), rtol=1e-6, atol=0)
+    final = trainer.zerofit_engine.master_state_dict()
+    for n, w in final.items():
+        torch.testing.assert_close(w, ref["final"][n], rtol=0, atol=2e-7)
+
+
+@pytest.mark.slow
+@deepspeed_runs
 def test_weights_only(ds):
     """load_optimizer_states=False: the masters from DeepSpeed's fp32 partitions; moments and steps stay."""
     ref = _result(ds, "s3")
@@ -339,6 +395,7 @@ def _copy(ds: Path, name: str, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
+@deepspeed_runs
 def test_what_cannot_map_is_refused_by_name(ds, tmp_path):
     engine = _engine("s1")
     before = _state(engine)

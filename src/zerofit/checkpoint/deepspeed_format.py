@@ -37,7 +37,7 @@ The "universal" layout (checkpoint/ds_to_universal.py) is per parameter already:
 copied model-states file(s); ``latest_universal`` names the folder.
 
 A :class:`Gathered` is one parameter's tensor as views of the ranks' pieces: it is copied piece by piece
-into its destination, never concatenated. The optimizer files are opened with ``mmap``, so only what is
+into its destination, never concatenated. Every file is opened with ``mmap``, so only what is
 copied is read. Files are unpickled with DeepSpeed's own classes replaced by :class:`DeepSpeedObject`
 (their attributes kept), so neither DeepSpeed nor its accelerator set-up is needed to read them; like
 DeepSpeed's own ``torch.load(weights_only=False)``, any other class a ``client_state`` holds is imported:
@@ -95,9 +95,6 @@ class DeepSpeedObject:
         else:
             self.ds_state = state
 
-    def __int__(self):
-        return int(self.ds_args[0])
-
     def __repr__(self):
         return f"<{self.ds_class} {self.ds_args or ''}{ {k: v for k, v in vars(self).items() if k != 'ds_args'} }>"
 
@@ -125,10 +122,16 @@ _pickle.load = lambda f, **kw: _Unpickler(f, **kw).load()
 _pickle.__dict__.update({k: getattr(pickle, k) for k in ("dump", "dumps", "loads", "HIGHEST_PROTOCOL")})
 
 
-def load_pickle(path: Path, mmap: bool = False):
-    """A DeepSpeed ``.pt`` file, DeepSpeed's classes as :class:`DeepSpeedObject` s."""
+def load_pickle(path: Path):
+    """A DeepSpeed ``.pt`` file, DeepSpeed's classes as :class:`DeepSpeedObject` s, its tensors memory-mapped
+    (read when copied; a file of torch's legacy format is read whole)."""
     try:
-        return torch.load(path, map_location="cpu", pickle_module=_pickle, weights_only=False, mmap=mmap)
+        try:
+            return torch.load(path, map_location="cpu", pickle_module=_pickle, weights_only=False, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", pickle_module=_pickle, weights_only=False)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as e:
         raise DeepSpeedCheckpointError(f"{path}: not readable as a DeepSpeed checkpoint file ({e}); a save that "
                                        "did not finish, or a damaged copy: load another tag") from None
@@ -387,7 +390,7 @@ def _read_zero(folder: Path, names: list[str], states: dict, optimizer_states: b
     files, bf16_files = _optim_files(folder, names, dp)
     osds = []
     for f in files:
-        sd = load_pickle(f, mmap=True)
+        sd = load_pickle(f)
         osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
         if not isinstance(osd, dict) or "zero_stage" not in osd:
             raise DeepSpeedCheckpointError(f"{f}: not a ZeRO optimizer file (no optimizer_state_dict.zero_stage)")
@@ -409,7 +412,7 @@ def _zero12(folder, files, osds, shapes, dp, optimizer_states):
     paddings = osds[0].get("param_alignment_paddings")
     base = [o.get("base_optimizer_state") for o in osds]
     elastic = isinstance(base[0], list)
-    groups, steps = [], []
+    groups = []
     if not elastic and isinstance(base[0], dict):
         groups = [_hypers(g) for g in base[0].get("param_groups", [])]
     params: dict[str, ParamState] = {}

@@ -4,7 +4,8 @@ DeepSpeed checkpoint and goes on training, and writes what DeepSpeed itself had 
 Run in a subprocess of its own (DeepSpeed sets up its accelerator, logging and torch.distributed in the
 process): ``python tests/deepspeed_script.py SPEC_JSON`` with ``DS_ACCELERATOR=cpu``. The spec:
 ``{"out": dir, "runs": [run, ...]}``, a run ``{"name", "config" (DeepSpeed's), "steps", "more"}`` and optionally
-``"model"`` (LlamaConfig keywords; else ``tiny_models.llama()``), ``"groups"``, ``"mid"``, ``"universal"``:
+``"model"`` (LlamaConfig keywords; else ``tiny_models.llama()``), ``"groups"``, ``"freeze"`` (parameter
+names), ``"mid"``, ``"universal"``:
 
 - trains ``steps`` optimizer steps (G = ``gradient_accumulation_steps`` micro-batches each, DeepSpeed's loop: ``engine(**b)``,
   ``backward``, ``step`` per micro-batch) of ``tiny_models.batches(steps + more, G)``, then
@@ -60,19 +61,23 @@ def state_of(engine) -> dict | None:
 def _state_of(engine) -> dict:
     out = {}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:      # frozen: no optimizer state, its own value
+            out[name] = (p.detach().float().clone(), None, None)
+            continue
         out[name] = (safe_get_full_fp32_param(p).clone(), safe_get_full_optimizer_state(p, "exp_avg").clone(),
                      safe_get_full_optimizer_state(p, "exp_avg_sq").clone())
     return out
 
 
 def masters(engine) -> dict:
-    return {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
+    return {name: (safe_get_full_fp32_param(p) if p.requires_grad else p.detach().float()).clone()
+            for name, p in engine.module.named_parameters()}
 
 
 def parameters(model, run: dict):
     """The model's parameters, or with ``"groups"`` two AdamW groups: matrices, and vectors without weight decay."""
     if not run.get("groups"):
-        return model.parameters()
+        return [p for p in model.parameters() if p.requires_grad]
     named = list(model.named_parameters())
     return [{"params": [p for _, p in named if p.ndim > 1]},
             {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]
@@ -98,6 +103,8 @@ def one(run: dict, out_dir: str) -> None:
         get_accelerator().is_fp16_supported = lambda: True
     torch.manual_seed(0)
     model = tm.llama() if "model" not in run else LlamaForCausalLM(LlamaConfig(**run["model"]))
+    for name in run.get("freeze", ()):
+        model.get_parameter(name).requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters(model, run), config=run["config"])
     G = run["config"]["gradient_accumulation_steps"]
     data = tm.batches(run["steps"] + run["more"], G * world)

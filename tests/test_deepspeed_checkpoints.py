@@ -72,6 +72,7 @@ ONE = {   # one process
     "b3": dict(config=ds_config(3, "bf16")),
     "h2": dict(config=ds_config(2, "fp16"), steps=5),
     "g1": dict(config=ds_config(1), groups=True),     # two parameter groups: no weight decay for the vectors
+    "f2": dict(config=ds_config(2), freeze=["model.norm.weight"]),
     "m1": dict(config=ds_config(1, G=2), steps=2, more=1, mid=1),      # saved one micro-batch into a window of 2
 }
 # transformers' Trainer with deepspeed= (the same settings as ds_config's), 5 steps, checkpoint-3 saved
@@ -413,6 +414,24 @@ def test_parameter_groups(ds, caplog):
         assert n in caplog.text, n
     assert "and 1 more" in caplog.text and "model.embed_tokens.weight" not in caplog.text
     assert torch.equal(_state(engine)["model.norm.weight"], ref["state"]["model.norm.weight"][0])
+
+
+@pytest.mark.slow
+@deepspeed_runs
+def test_a_parameter_deepspeed_froze(ds):
+    """f2 froze model.norm.weight (frozen_param_shapes / frozen_param_fragments, no optimizer state): an engine
+    that trains it is refused with the moments, by name; the weights alone load, that one's value included."""
+    ref = _result(ds, "f2")
+    assert read(_tag(ds, "f2")).params["model.norm.weight"].frozen
+    engine = _engine("f2")
+    before = _state(engine)
+    with pytest.raises(CheckpointMismatchError, match=r"DeepSpeed did not train model.norm.weight \(frozen there"):
+        engine.load_checkpoint(ds / "f2")
+    assert all(torch.equal(_state(engine)[k], v) for k, v in before.items())
+    engine.load_checkpoint(ds / "f2", load_optimizer_states=False)
+    got = _state(engine)
+    for n, (master, _, _) in ref["state"].items():
+        assert torch.equal(got[n], master), n
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ process): ``python tests/deepspeed_script.py SPEC_JSON`` with ``DS_ACCELERATOR=c
 ``"model"`` (LlamaConfig keywords; else ``tiny_models.llama()``), ``"groups"``, ``"freeze"`` (parameter
 names), ``"mid"``, ``"universal"``:
 
-- trains ``steps`` optimizer steps (G = ``gradient_accumulation_steps`` micro-batches each, DeepSpeed's loop: ``engine(**b)``,
-  ``backward``, ``step`` per micro-batch) of ``tiny_models.batches(steps + more, G)``, then
+- trains ``steps`` optimizer steps (G = ``gradient_accumulation_steps`` micro-batches each, DeepSpeed's loop:
+  ``engine(**b)``, ``backward``, ``step`` per micro-batch) of ``tiny_models.batches(steps + more, G)``, then
   ``save_checkpoint(out/name, client_state=...)``; with ``"mid": k`` it runs ``k`` more micro-batches of
   the next step first and saves in the middle of that accumulation window, as a script may;
 - writes ``out/name.pt``: per parameter (DeepSpeed's own accessors, ``safe_get_full_fp32_param`` and

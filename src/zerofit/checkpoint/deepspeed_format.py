@@ -6,8 +6,8 @@ What ``DeepSpeedEngine.save_checkpoint(save_dir, tag)`` writes (DeepSpeed 0.19.8
 runtime/zero/stage_1_and_2.py and stage3.py ``state_dict()``, utils/zero_to_fp32.py, checkpoint/constants.py)::
 
     save_dir/latest                                          the tag
-    save_dir/<tag>/mp_rank_00_model_states.pt                stages 1-2 (stage 3: zero_pp_rank_<r>_mp_rank_00_model_states.pt,
-                                                             one per data-parallel rank)
+    save_dir/<tag>/mp_rank_00_model_states.pt                stages 1-2 (stage 3: one per data-parallel rank,
+                                                             zero_pp_rank_<r>_mp_rank_00_model_states.pt)
     save_dir/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   one per data-parallel rank r
 
 The model-states file (a pickle) holds ``module`` (the 16-bit weights; empty tensors under stage 3),
@@ -344,13 +344,14 @@ def _optim_files(folder: Path, names: list[str], dp: int) -> tuple[list[Path], b
     ranks = sorted(found)
     if ranks != list(range(dp)):
         raise DeepSpeedCheckpointError(
-            f"{folder}: expected the optimizer files of {dp} data-parallel rank(s) (zero_pp_rank_0..{dp - 1}_mp_rank_00_"
-            f"optim_states.pt, dp_world_size {dp} in the model states), found ranks {ranks or 'none'}: a save that "
-            "did not finish on every rank, or files overwritten by another run; load another tag")
+            f"{folder}: expected the optimizer files of {dp} data-parallel rank(s) (zero_pp_rank_0..{dp - 1}_"
+            f"mp_rank_00_optim_states.pt, dp_world_size {dp} in the model states), found ranks {ranks or 'none'}: "
+            "a save that did not finish on every rank, or files overwritten by another run; load another tag")
     files = []
     for r in ranks:
         if len(found[r]) > 1:
-            raise DeepSpeedCheckpointError(f"{folder}: rank {r} has several optimizer files ({[n for _, n in found[r]]})")
+            raise DeepSpeedCheckpointError(f"{folder}: rank {r} has several optimizer files "
+                                           f"({[n for _, n in found[r]]})")
         files.append(folder / found[r][0][1])
     return files, found[0][0][0]
 

@@ -125,7 +125,20 @@ def _match(engine, ck: DeepSpeedCheckpoint, units, with_moments: bool) -> dict[s
     untrained = [n for n, p in ck.params.items() if p.frozen and n not in used]
     if untrained:
         _check_frozen(engine, ck, untrained)
+    _check_buffers(engine, ck)
     return sources
+
+
+def _check_buffers(engine, ck: DeepSpeedCheckpoint) -> None:
+    """Persistent buffers are the model's, as with zerofit's own checkpoints: say so when DeepSpeed's differ."""
+    module = ck.model_states.get("module") or {}
+    own = dict(engine._model.named_buffers())
+    differ = [n for n in ck.model_states.get("buffer_names") or () if n in module and
+              (n not in own or own[n].shape != module[n].shape or
+               not torch.equal(own[n].detach().cpu().to(module[n].dtype), module[n]))]
+    if differ:
+        log.warning("zerofit: %s: the model's buffers %s differ from those DeepSpeed saved; zerofit keeps the "
+                    "model's own buffers (its checkpoints hold parameters only)", ck.folder, _names(differ))
 
 
 def _check_frozen(engine, ck: DeepSpeedCheckpoint, names: list[str]) -> None:

@@ -100,7 +100,8 @@ _HINTS = {
     "reload_states": "zerofit keeps the optimizer state in host memory already (engine.plan)",
     "empty_partition_cache": "zerofit holds no parameter cache beyond the slots its planner sized",
     "clip_fp32_gradients": "set gradient_clipping in the config: zerofit clips by the global norm in step()",
-    "load_universal_checkpoint": "zerofit's checkpoints load under any placement already",
+    "load_universal_checkpoint": "engine.load_checkpoint(dir) reads zerofit's checkpoints under any placement, and "
+                                 "DeepSpeed's (ZeRO stages 1-3 and the universal layout) too",
     "get_pld_theta": "progressive layer drop is not implemented",
     "print_forward_breakdown": "see engine.timeline() and engine.trace()",
     "get_data_types": "zerofit computes in config.precision with fp32 master weights and gradients",

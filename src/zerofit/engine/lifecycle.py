@@ -118,6 +118,7 @@ class EngineResources:
     capped: bool = False                                     # set_per_process_memory_fraction applied
     tier: object = None                                      # the disk tier (disk.py): its file removed
     ranks: object = None                                     # ranks.Ranks: its monitor stopped, its group closed
+    locks: dict = field(default_factory=dict)                # checkpoint folders held (checkpoint/lock.py)
     released: bool = False
 
     def release(self) -> None:
@@ -151,6 +152,9 @@ class EngineResources:
                             arena.tensor.numel() * arena.tensor.element_size(), e)
         if self.ranks is not None:
             self.ranks.close()
+        for lock in self.locks.values():     # [Note: one writer per folder]: another engine may save there now
+            lock.release()
+        self.locks.clear()
 
 
 class InterruptDeferral:

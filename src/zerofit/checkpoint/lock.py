@@ -86,7 +86,10 @@ def this_command() -> str:
     elif argv[0] == "-c":
         argv = ["python", "-c", "...", *argv[1:]]
     text = shlex.join(argv)
-    return text if len(text) <= _COMMAND_CHARS else text[:_COMMAND_CHARS - 3] + "..."
+    if len(text) <= _COMMAND_CHARS:
+        return text
+    tail = _COMMAND_CHARS // 3        # the options at the end (--resume, --steps) say as much as the start
+    return f"{text[:_COMMAND_CHARS - tail - 5]} ... {text[-tail:]}"
 
 
 @dataclass

@@ -23,13 +23,12 @@ import torch
 
 import zerofit
 from tests import tiny_models as tm
-from tests.train_cli import REPO, args, assert_same_tensors, invoke, losses, records, spawn, tensors, \
-    wait_for_steps, workspace
+from tests.train_cli import (REPO, args, assert_same_tensors, invoke, losses, records, spawn, tensors,
+                             wait_for_steps, workspace)
 from zerofit.checkpoint import prune
 from zerofit.checkpoint.commit import LATEST, RECORD, survey
 from zerofit.checkpoint.format import Entry
-from zerofit.checkpoint.lock import (RUN_LOCK, SAVE_LOCK, CheckpointFolderInUseError, FolderInUseError, hold,
-                                     read_holder)
+from zerofit.checkpoint.lock import RUN_LOCK, SAVE_LOCK, CheckpointFolderInUseError, FolderInUseError, read_holder
 from zerofit.checkpoint.save import Content, write_checkpoint
 from zerofit.train.resume import RunFolderError, hold_run_folder, plan_start
 
@@ -91,6 +90,7 @@ def three(ws):
     return run, procs, outs
 
 
+@pytest.mark.slow
 def test_three_runs_into_one_folder_one_trains_the_others_are_refused(three):
     run, procs, outs = three
     assert sorted(p.returncode for p in procs) == [0, 1, 1], outs
@@ -107,6 +107,7 @@ def test_three_runs_into_one_folder_one_trains_the_others_are_refused(three):
     assert not (run / RUN_LOCK).exists()
 
 
+@pytest.mark.slow
 def test_two_resumes_at_once_one_continues(ws, three):
     root, model, data = ws
     run = three[0]
@@ -120,6 +121,7 @@ def test_two_resumes_at_once_one_continues(ws, three):
     assert (run / "checkpoints" / LATEST).read_text() == "global_step8"
 
 
+@pytest.mark.slow
 def test_a_killed_run_releases_its_folder_and_resume_before_any_checkpoint_starts_cleanly(ws):
     """kill -9 before the first checkpoint: the next run takes the folder over; --resume finds nothing to
     resume, says so, and trains from scratch: the same losses as a run in a fresh folder."""

@@ -29,7 +29,7 @@ from zerofit.checkpoint import seams
 from zerofit.checkpoint.commit import LATEST, TMP_PREFIX, survey
 from zerofit.engine.lifecycle import EngineState
 from zerofit.train.resume import plan_start
-from zerofit.train.signals import PAUSE_ENV, RunSignals, StopNow, exit_at_once, exit_on_signal
+from zerofit.train.signals import PAUSE_ENV, RunSignals, StopNow, exit_on_signal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP seams and /proc (Linux)")
 

@@ -219,8 +219,9 @@ def train(
             except FolderInUseError as e:
                 _fail(console, str(e), EXIT_FAILED)
             except OSError as e:
-                _fail(console, f"--output {output}: cannot hold the run folder ({e.strerror or e}); choose a "
-                               "folder you can write to", EXIT_FAILED)
+                _fail(console, f"--output {output}: cannot create and lock {output}/.zerofit-run.lock "
+                               f"({e.strerror or e}); choose a folder you can write to, on a file system with "
+                               "locks", EXIT_FAILED)
         try:
             status = _train_model(console, opts, lock)
         finally:

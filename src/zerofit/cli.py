@@ -11,7 +11,8 @@
 
 Each ``train`` option maps onto one config field (or describes the run); the
 logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
-Exit codes: 0 done, 2 bad configuration or option.
+Exit codes: 0 done, 1 a run that cannot go on (its folder in use, its checkpoints), 2 bad configuration or
+option, 130 / 143 a run stopped by Ctrl-C / SIGTERM (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ app = typer.Typer(name="zerofit", no_args_is_help=True, add_completion=False,
 config_app = typer.Typer(no_args_is_help=True, help="Read and check configurations.")
 app.add_typer(config_app, name="config")
 
+EXIT_FAILED = 1          # a run that cannot go on: its folder in use, its checkpoints refused
 EXIT_BAD_CONFIG = 2
-EXIT_INTERRUPTED = 130   # the shell's code for a process stopped by SIGINT
+EXIT_INTERRUPTED = 130   # the shell's code for a process stopped by SIGINT (143: SIGTERM, 128 + its number)
 
 
 class Precision(str, Enum):
@@ -48,10 +50,10 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
-def _fail(console: Console, message: str) -> None:
+def _fail(console: Console, message: str, status: int = EXIT_BAD_CONFIG) -> None:
     # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names
     console.print(Text(message, style="bold red"), soft_wrap=True)
-    raise typer.Exit(EXIT_BAD_CONFIG)
+    raise typer.Exit(status)
 
 
 @app.command()
@@ -179,8 +181,6 @@ def train(
         min=0, help="Demo only: bytes to generate after training; 0 skips the sample.")] = _DEFAULT.sample_tokens,
 ) -> None:
     """Fine-tune a Hugging Face model directory on your data (--model, --data), or train the embedded demo."""
-    from zerofit.config import ConfigError
-
     console = Console()
     paths = list(data or []) + list(more_data or [])
     if gpus > 1 and model is None:
@@ -195,9 +195,10 @@ def train(
         return
     if not paths:
         _fail(console, "--model needs --data PATH [PATH...]: the files or folders to train on")
-    from zerofit.data import DataError
-    from zerofit.models import WeightFileError
-    from zerofit.train import TrainOptions, run_training
+    from zerofit.checkpoint.lock import FolderInUseError
+    from zerofit.train.options import TrainOptions
+    from zerofit.train.resume import hold_run_folder
+    from zerofit.train.signals import exit_at_once, exit_on_signal
 
     opts = TrainOptions(
         model=model, data=paths, output=output, config=config, steps=steps, epochs=epochs,
@@ -208,17 +209,58 @@ def train(
         save_every=save_every, keep=keep, save_at_end=save_at_end, resume=resume,
         save_on_interrupt=save_on_interrupt, export=export, export_dtype=export_dtype.value if export_dtype else None,
         progress=progress, deterministic=deterministic)
+    status = 0
+    with exit_on_signal():     # until the run's own handling: a signal ends the command with 130 / 143
+        # [Note: one writer per folder]: the run folder is held before torch loads, so a second run is refused
+        # in a moment; with --gpus, rank 0 holds it for all ranks
+        lock = None
+        if int(os.environ.get("RANK", "0")) == 0:
+            try:
+                lock = hold_run_folder(output)
+            except FolderInUseError as e:
+                _fail(console, str(e), EXIT_FAILED)
+            except OSError as e:
+                _fail(console, f"--output {output}: cannot create and lock {output}/.zerofit-run.lock "
+                               f"({e.strerror or e}); choose a folder you can write to, on a file system with "
+                               "locks", EXIT_FAILED)
+        try:
+            status = _train_model(console, opts, lock)
+        finally:
+            if lock is not None:
+                lock.release()
+    if status:
+        exit_at_once()      # the run is over: a signal from here to the process's end exits with 130 / 143
+        raise typer.Exit(status)
+
+
+def _train_model(console: Console, opts, lock) -> int:
+    """``zerofit train --model``: the run; returns the exit status (0, or 130 / 143 after a signal)."""
+    from zerofit.checkpoint.lock import FolderInUseError
+    from zerofit.config import ConfigError
+    from zerofit.data import DataError
+    from zerofit.models import WeightFileError
+    from zerofit.train import run_training
+    from zerofit.train.resume import RunFolderError
+    from zerofit.train.signals import StopNow, exit_status
+
     try:
-        result = run_training(opts, console)
+        result = run_training(opts, console, run_lock=lock)
     except (ConfigError, DataError, WeightFileError) as e:
         _fail(console, f"{type(e).__name__}: {e}")
+    except RunFolderError as e:
+        _fail(console, str(e), e.exit_status)
+    except FolderInUseError as e:
+        _fail(console, str(e), EXIT_FAILED)
+    except StopNow as e:       # [Note: signals of a run]: a second signal, or one during start-up
+        console.print(Text(f"{e}. {opts.output}: `--resume` continues from the last checkpoint (if any)",
+                           style="yellow"), soft_wrap=True)
+        return exit_status(e.signum)
     except ValueError as e:
         if "--device" not in str(e):
             raise
         _fail(console, str(e))
     _render_train_summary(result, console)
-    if result.interrupted:
-        raise typer.Exit(EXIT_INTERRUPTED)
+    return exit_status(result.stop_signal) if result.interrupted else 0
 
 
 def _relaunch(gpus: int) -> int:

@@ -147,7 +147,8 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     content = Content(tag, weights, optimizer_entries(engine), side, state)
     t = time.perf_counter()
     with torch.profiler.record_function("zerofit::checkpoint.save"):
-        folder = write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers)
+        # [Note: one writer per folder] (lock.py): the engine holds save_dir from now until it closes
+        folder = write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers, holder=engine._resources)
     s = time.perf_counter() - t
     if getattr(engine, "_tier", None) is not None:
         engine._tier.file.flush_mapping()      # the disk tier's pages read for the save leave memory

@@ -10,7 +10,8 @@
 
 Each ``train`` option maps onto one config field (or describes the run); the
 logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
-Exit codes: 0 done, 2 bad configuration or option.
+Exit codes: 0 done, 1 the run failed, 2 bad configuration, option or path, 130 Ctrl-C; every error is one
+line ([Note: one line per error], zerofit.cli_errors), its traceback only with ``--debug`` or ZEROFIT_DEBUG=1.
 """
 
 from __future__ import annotations
@@ -24,15 +25,35 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
 
+from zerofit import cli_errors
 from zerofit.demo.options import DemoOptions
 
 _DEFAULT = DemoOptions()
-app = typer.Typer(name="zerofit", no_args_is_help=True, add_completion=False,
+
+
+class _Commands(TyperGroup):
+    """The command group: an error a command did not handle is one line and an exit status ([Note: one line per
+    error]), not a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except Exception as e:     # noqa: BLE001 - each is described, see cli_errors
+            if cli_errors.debug_requested():
+                raise
+            _fail_on(e)
+
+
+app = typer.Typer(name="zerofit", no_args_is_help=True, add_completion=False, cls=_Commands,
                   help="Train language models whose training state is larger than GPU memory.")
 config_app = typer.Typer(no_args_is_help=True, help="Read and check configurations.")
 app.add_typer(config_app, name="config")
@@ -51,6 +72,19 @@ def _fail(console: Console, message: str) -> None:
     # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names
     console.print(Text(message, style="bold red"), soft_wrap=True)
     raise typer.Exit(EXIT_BAD_CONFIG)
+
+
+def _fail_on(err: Exception, *, output: Path | None = None, resume: bool = False) -> None:
+    """``err`` as one line on stderr, and its exit status ([Note: one line per error])."""
+    code, message = cli_errors.describe(err, output=output, resume=resume)
+    Console(stderr=True).print(Text(message, style="bold red"), soft_wrap=True)
+    raise typer.Exit(code) from None
+
+
+@app.callback()
+def _root(ctx: typer.Context, debug: Annotated[bool, typer.Option(
+        "--debug", help="Show an error's full traceback (also ZEROFIT_DEBUG=1).")] = False) -> None:
+    ctx.meta[cli_errors.DEBUG_KEY] = debug
 
 
 @app.command()
@@ -178,8 +212,6 @@ def train(
         min=0, help="Demo only: bytes to generate after training; 0 skips the sample.")] = _DEFAULT.sample_tokens,
 ) -> None:
     """Fine-tune a Hugging Face model directory on your data (--model, --data), or train the embedded demo."""
-    from zerofit.config import ConfigError
-
     console = Console()
     paths = list(data or []) + list(more_data or [])
     if gpus > 1 and model is None:
@@ -194,8 +226,6 @@ def train(
         return
     if not paths:
         _fail(console, "--model needs --data PATH [PATH...]: the files or folders to train on")
-    from zerofit.data import DataError
-    from zerofit.models import WeightFileError
     from zerofit.train import TrainOptions, run_training
 
     opts = TrainOptions(
@@ -209,12 +239,12 @@ def train(
         progress=progress, deterministic=deterministic)
     try:
         result = run_training(opts, console)
-    except (ConfigError, DataError, WeightFileError) as e:
-        _fail(console, f"{type(e).__name__}: {e}")
-    except ValueError as e:
-        if "--device" not in str(e):
+    except Exception as e:     # noqa: BLE001 - [Note: one line per error]; the run folder's paths name --output
+        if cli_errors.debug_requested():
             raise
-        _fail(console, str(e))
+        if isinstance(e, ValueError) and "--device" in str(e):
+            _fail(console, str(e))
+        _fail_on(e, output=output, resume=resume)
     _render_train_summary(result, console)
     if result.interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)

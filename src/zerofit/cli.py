@@ -25,12 +25,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
+from typer.exceptions import TyperException
 
 from zerofit import cli_errors
 from zerofit.demo.options import DemoOptions
@@ -42,10 +42,10 @@ class _Commands(TyperGroup):
     """The command group: an error a command did not handle is one line and an exit status ([Note: one line per
     error]), not a traceback."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except (typer.Exit, typer.Abort, TyperException):     # exits, and usage errors typer prints itself
             raise
         except Exception as e:     # noqa: BLE001 - each is described, see cli_errors
             if cli_errors.debug_requested():
@@ -69,6 +69,9 @@ class Precision(str, Enum):
 
 
 def _fail(console: Console, message: str) -> None:
+    handled = sys.exc_info()[1]
+    if handled is not None and cli_errors.debug_requested():
+        raise handled          # --debug: the error being reported, with its traceback
     # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names
     console.print(Text(message, style="bold red"), soft_wrap=True)
     raise typer.Exit(EXIT_BAD_CONFIG)
@@ -84,7 +87,7 @@ def _fail_on(err: Exception, *, output: Path | None = None, resume: bool = False
 @app.callback()
 def _root(ctx: typer.Context, debug: Annotated[bool, typer.Option(
         "--debug", help="Show an error's full traceback (also ZEROFIT_DEBUG=1).")] = False) -> None:
-    ctx.meta[cli_errors.DEBUG_KEY] = debug
+    cli_errors.debug_flag(debug)
 
 
 @app.command()

@@ -22,20 +22,20 @@ from pathlib import Path
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 DEBUG_ENV = "ZEROFIT_DEBUG"
-DEBUG_KEY = "zerofit.debug"          # click's ctx.meta: set by ``zerofit --debug``
+_debug = {"flag": False}             # ``zerofit --debug``: set by the command group's callback, each invocation
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _BAD_PATH = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG)
 
 
-def debug_requested() -> bool:
-    """``--debug`` on the command line, or ``ZEROFIT_DEBUG`` set to anything but 0/false/no/empty."""
-    import click
+def debug_flag(on: bool) -> None:
+    """What ``zerofit --debug`` said, for this invocation."""
+    _debug["flag"] = bool(on)
 
-    if os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
-        return True
-    ctx = click.get_current_context(silent=True)
-    return bool(ctx is not None and ctx.find_root().meta.get(DEBUG_KEY))
+
+def debug_requested() -> bool:
+    """``--debug`` on the command line, or ``ZEROFIT_DEBUG`` set to anything but 0/false/no/off/empty."""
+    return _debug["flag"] or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def one_line(text: str) -> str:

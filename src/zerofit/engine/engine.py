@@ -1813,7 +1813,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             return self._model
         self._check_open()
         with self._call(discard_step=False):
-            self._apply_pending()
+            self._apply_pending("engine.module")     # [Note: engine.module is a collective]
             self._sync_host_weights()
         return self._model
 

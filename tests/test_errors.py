@@ -117,7 +117,16 @@ def test_full_disk_at_save_is_one_line_exit_1(workspace, tmp_path, monkeypatch):
     r = _train(model, data, out, "--steps", "1")
     assert r.exit_code == 1, r.output
     _one_line(r.output, "CheckpointDiskFullError", str(out / "checkpoints"), "not enough disk space",
-              "1000 bytes) are free", "Free space on that disk", "--resume continues")
+              "1000 bytes) are free", "Free space on that disk", "No checkpoint of this run was saved before")
+    # with checkpoints kept before the disk filled up: --resume continues from the newest
+    monkeypatch.undo()
+    r = _train(model, data, out, "--steps", "2", "--save-every", "1")
+    assert r.exit_code == 0, r.output
+    monkeypatch.setattr(save_mod, "free_bytes", lambda p: 1000)
+    r = _train(model, data, out, "--steps", "4", "--save-every", "1", "--resume")
+    assert r.exit_code == 1, r.output
+    _one_line(r.output, "CheckpointDiskFullError", str(out / "checkpoints" / "global_step3"),
+              "Then zerofit train --resume continues from global_step2")
 
 
 @pytest.fixture
@@ -149,7 +158,7 @@ def test_read_only_output_is_one_line_exit_2(workspace, read_only_folder):
     out = read_only_folder / "run"
     r = _train(model, data, out, "--steps", "1")
     assert r.exit_code == 2, r.output
-    _one_line(r.output, "Error:", f"--output {out}: {out}", "not writable", "choose a folder this user can write to")
+    _one_line(r.output, "Error:", f"--output {out}: not writable", "choose a folder this user can write to")
 
 
 def test_model_directory_with_a_config_field_of_the_wrong_type(workspace, tmp_path):

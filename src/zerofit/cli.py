@@ -72,8 +72,8 @@ def _fail(console: Console, message: str) -> None:
     handled = sys.exc_info()[1]
     if handled is not None and cli_errors.debug_requested():
         raise handled          # --debug: the error being reported, with its traceback
-    # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names
-    console.print(Text(message, style="bold red"), soft_wrap=True)
+    # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names; one line
+    console.print(Text(cli_errors.one_line(message), style="bold red"), soft_wrap=True)
     raise typer.Exit(EXIT_BAD_CONFIG)
 
 

@@ -58,8 +58,7 @@ def describe(err: BaseException, *, output: Path | None = None, resume: bool = F
     if isinstance(err, (ConfigError, DataError, WeightFileError)):
         return EXIT_BAD_INPUT, f"{name}: {one_line(err)}"
     if isinstance(err, CheckpointDiskFullError):
-        then = " Then zerofit train --resume continues from the newest checkpoint." if output is not None else ""
-        return EXIT_FAILED, f"{name}: {one_line(err)}{then}"
+        return EXIT_FAILED, f"{name}: {one_line(err)}{_after_full_disk(output)}"
     if isinstance(err, CheckpointError):
         return EXIT_BAD_INPUT, f"{name}: {one_line(err)}{_resume_advice(err, output) if resume else ''}"
     if isinstance(err, OSError) and err.errno is not None:
@@ -84,7 +83,8 @@ def _os_error(err: OSError, output: Path | None) -> tuple[int, str]:
     path = err.filename
     where = f"{path}: " if path else ""
     if output is not None and path and _inside(Path(path), Path(output)):
-        where = f"--output {output}: {path}: "
+        same = Path(path).absolute() == Path(output).absolute()
+        where = f"--output {output}: " if same else f"--output {output}: {path}: "
     what = err.strerror or str(err)
     if err.errno in _NO_SPACE:
         return EXIT_FAILED, f"{type(err).__name__}: {where}{what}: free space on that disk, or choose a folder on another"
@@ -102,6 +102,18 @@ def _inside(path: Path, folder: Path) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _after_full_disk(output: Path | None) -> str:
+    """How ``zerofit train`` goes on once there is space: from the newest checkpoint it kept, if any."""
+    from zerofit.checkpoint.commit import list_tags
+
+    if output is None:
+        return ""
+    tags = list_tags(Path(output) / "checkpoints")
+    if tags:
+        return f" Then zerofit train --resume continues from {tags[-1]}."
+    return " No checkpoint of this run was saved before: run it again once there is space."
 
 
 def _resume_advice(err: BaseException, output: Path | None) -> str:

@@ -11,8 +11,9 @@
 
 Each ``train`` option maps onto one config field (or describes the run); the
 logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
-Exit codes: 0 done, 1 a run that cannot go on (its folder in use, its checkpoints), 2 bad configuration or
-option, 130 / 143 a run stopped by Ctrl-C / SIGTERM (docs/cli.md).
+Exit codes: 0 done, 1 the run failed (or its folder is in use, its checkpoints refused), 2 bad configuration,
+option or path, 130 / 143 a run stopped by Ctrl-C / SIGTERM (docs/cli.md); every error is one line ([Note: one
+line per error], zerofit.cli_errors), its traceback only with ``--debug`` or ZEROFIT_DEBUG=1.
 """
 
 from __future__ import annotations
@@ -30,11 +31,31 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
 
+from zerofit import cli_errors
 from zerofit.demo.options import DemoOptions
 
 _DEFAULT = DemoOptions()
-app = typer.Typer(name="zerofit", no_args_is_help=True, add_completion=False,
+
+
+class _Commands(TyperGroup):
+    """The command group: an error a command did not handle is one line and an exit status ([Note: one line per
+    error]), not a traceback."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, TyperException):     # exits, and usage errors typer prints itself
+            raise
+        except Exception as e:     # noqa: BLE001 - each is described, see cli_errors
+            if cli_errors.debug_requested():
+                raise
+            _fail_on(e)
+
+
+app = typer.Typer(name="zerofit", no_args_is_help=True, add_completion=False, cls=_Commands,
                   help="Train language models whose training state is larger than GPU memory.")
 config_app = typer.Typer(no_args_is_help=True, help="Read and check configurations.")
 app.add_typer(config_app, name="config")
@@ -51,9 +72,25 @@ class Precision(str, Enum):
 
 
 def _fail(console: Console, message: str, status: int = EXIT_BAD_CONFIG) -> None:
-    # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names
-    console.print(Text(message, style="bold red"), soft_wrap=True)
+    handled = sys.exc_info()[1]
+    if handled is not None and cli_errors.debug_requested():
+        raise handled          # --debug: the error being reported, with its traceback
+    # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names; one line
+    console.print(Text(cli_errors.one_line(message), style="bold red"), soft_wrap=True)
     raise typer.Exit(status)
+
+
+def _fail_on(err: Exception, *, output: Path | None = None, resume: bool = False) -> None:
+    """``err`` as one line on stderr, and its exit status ([Note: one line per error])."""
+    code, message = cli_errors.describe(err, output=output, resume=resume)
+    Console(stderr=True).print(Text(message, style="bold red"), soft_wrap=True)
+    raise typer.Exit(code) from None
+
+
+@app.callback()
+def _root(ctx: typer.Context, debug: Annotated[bool, typer.Option(
+        "--debug", help="Show an error's full traceback (also ZEROFIT_DEBUG=1).")] = False) -> None:
+    cli_errors.debug_flag(debug)
 
 
 @app.command()
@@ -236,17 +273,12 @@ def train(
 def _train_model(console: Console, opts, lock) -> int:
     """``zerofit train --model``: the run; returns the exit status (0, or 130 / 143 after a signal)."""
     from zerofit.checkpoint.lock import FolderInUseError
-    from zerofit.config import ConfigError
-    from zerofit.data import DataError
-    from zerofit.models import WeightFileError
     from zerofit.train import run_training
     from zerofit.train.resume import RunFolderError
     from zerofit.train.signals import StopNow, exit_status
 
     try:
         result = run_training(opts, console, run_lock=lock)
-    except (ConfigError, DataError, WeightFileError) as e:
-        _fail(console, f"{type(e).__name__}: {e}")
     except RunFolderError as e:
         _fail(console, str(e), e.exit_status)
     except FolderInUseError as e:
@@ -255,10 +287,12 @@ def _train_model(console: Console, opts, lock) -> int:
         console.print(Text(f"{e}. {opts.output}: `--resume` continues from the last checkpoint (if any)",
                            style="yellow"), soft_wrap=True)
         return exit_status(e.signum)
-    except ValueError as e:
-        if "--device" not in str(e):
+    except Exception as e:     # noqa: BLE001 - [Note: one line per error]; the run folder's paths name --output
+        if cli_errors.debug_requested():
             raise
-        _fail(console, str(e))
+        if isinstance(e, ValueError) and "--device" in str(e):
+            _fail(console, str(e))
+        _fail_on(e, output=opts.output, resume=opts.resume)
     _render_train_summary(result, console)
     return exit_status(result.stop_signal) if result.interrupted else 0
 

@@ -191,14 +191,30 @@ def set_latest(save_dir: Path, tag: str) -> None:
 
 
 def read_latest(save_dir: Path) -> str | None:
+    """The tag ``save_dir/latest`` names; None without the file; :class:`CheckpointCorruptError` naming the
+    file when it holds anything but a tag name (bytes that are not UTF-8 text, a path, nothing)."""
     path = save_dir / LATEST
     if not path.is_file():
         return None
-    tag = path.read_text().strip()
+    raw = path.read_bytes()
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointCorruptError(path, f"holds {len(raw)} bytes that are not UTF-8 text ({raw[:16]!r}), "
+                                           f"not a tag name: {_latest_fix(save_dir)}") from None
     try:
         return check_tag(tag)
     except ValueError:
-        raise CheckpointCorruptError(path, f"holds {tag[:80]!r}, not a tag name") from None
+        raise CheckpointCorruptError(path, f"holds {tag[:80]!r}, not a tag name: {_latest_fix(save_dir)}") from None
+
+
+def _latest_fix(save_dir: Path) -> str:
+    """What to do about a damaged ``latest``: the tags it could name."""
+    tags = list_tags(save_dir)
+    if not tags:
+        return f"no complete checkpoint is in {save_dir} either; remove the file"
+    return (f"write the tag of the checkpoint to load into it (complete-looking ones there: {', '.join(tags[-3:])}"
+            f"{'' if len(tags) <= 3 else f' and {len(tags) - 3} older'}), or remove it")
 
 
 def list_tags(save_dir: Path) -> list[str]:

@@ -43,7 +43,7 @@ from torch.func import functional_call
 
 from zerofit.config.schema import ZerofitConfig
 from zerofit.engine.adapter import Adapter, PreResult, backward_into, block_output, loss_of, post_in_chunks
-from zerofit.engine.batch import BatchSpec, check_micro_batches, scores_tokens, vocab_of
+from zerofit.engine.batch import BatchSpec, check_micro_batches, scores_tokens, to_device, vocab_of
 from zerofit.engine.device import Device
 from zerofit.engine.deepspeed_api import DeepSpeedStyleAPI
 from zerofit.engine.deepspeed_surface import DeepSpeedSurface
@@ -931,8 +931,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         return (torch.get_rng_state(), torch.cuda.get_rng_state(self.dev.device) if self.dev.is_cuda else None)
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.dev.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                for k, v in batch.items()}
+        return to_device(batch, self.dev.device)      # token ids as int64: [Note: token ids of any integer dtype]
 
     def _accumulate(self, unit: Unit, dst: torch.Tensor, grads: list, names: list[str]) -> None:
         """dst (fp32 flat) += grads, or = grads on the first write of a step."""
@@ -1915,7 +1914,7 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
             return self._model
         self._check_open()
         with self._call(discard_step=False):
-            self._apply_pending()
+            self._apply_pending("engine.module")     # [Note: engine.module is a collective]
             self._sync_host_weights()
         return self._model
 

@@ -15,6 +15,7 @@ import torch
 from zerofit.engine.adapter import Adapter, NonSequentialModel
 from zerofit.engine.materialize import model_shape, param_table
 from zerofit.engine.planner import PlanError, placement_warnings
+from zerofit.engine.rendezvous import named_barrier, wait_s
 from zerofit.engine.store import Home, WeightState
 
 log = logging.getLogger("zerofit")
@@ -73,14 +74,20 @@ class StepRecovery:
         self._kept = {}
         self._upload_stage = self._assist = self._assist_free = self._assist16 = None
 
-    def _apply_pending(self) -> None:
-        """Every pending update (host, or assisted on the device) applied, and on the disk (tier writes done)."""
+    def _apply_pending(self, collective: str | None = None) -> None:
+        """Every pending update (host, or assisted on the device) applied, and on the disk (tier writes done).
+        ``collective``: the public call this is, for a barrier that names it and fails when a rank does not
+        come ([Note: engine.module is a collective], rendezvous.py)."""
         self.worker.drain()
         self._flush_assisted()
         if self._tier is not None:
             self._tier.drain()
-        if not getattr(self, "_solo", False):
+        if getattr(self, "_solo", False):
+            return
+        if collective is None:
             self.ranks.barrier()    # the other ranks' shards too ([Note: sharded units]): a collective
+        else:
+            named_barrier(self.ranks, collective, wait_s(self.config.distributed_timeout_s))
 
     def _sync_host_weights(self) -> None:
         """The module's parameters (host views) take the current weights of device-optimized units."""

@@ -209,7 +209,7 @@ def test_an_unexpected_error_is_one_line_exit_1_saying_how_to_see_it(workspace, 
 
     root, model, data, _ = workspace
 
-    def broken(opts, console):
+    def broken(opts, console, **kw):      # (the CLI also passes the run folder's lock)
         raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'\n(second line)")
 
     monkeypatch.setattr(zerofit.train, "run_training", broken)

@@ -256,10 +256,8 @@ def train(
                 lock = hold_run_folder(output)
             except FolderInUseError as e:
                 _fail(console, str(e), EXIT_FAILED)
-            except OSError as e:
-                _fail(console, f"--output {output}: cannot create and lock {output}/.zerofit-run.lock "
-                               f"({e.strerror or e}); choose a folder you can write to, on a file system with "
-                               "locks", EXIT_FAILED)
+            except OSError as e:       # a folder that cannot be written (exit 2), or locks it does not take
+                _fail_on(e, output=output)
         try:
             status = _train_model(console, opts, lock)
         finally:

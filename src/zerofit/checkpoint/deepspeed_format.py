@@ -227,7 +227,10 @@ def find(load_dir: Path | str, tag: str | None, record_name: str) -> Path | None
         for pointer in (LATEST, LATEST_UNIVERSAL):
             path = load_dir / pointer
             if path.is_file():
-                tag = path.read_text().strip()
+                try:
+                    tag = path.read_bytes().decode("utf-8").strip()
+                except UnicodeDecodeError:
+                    return None     # not DeepSpeed's pointer: zerofit's loader names the damaged file
                 break
         else:
             return None

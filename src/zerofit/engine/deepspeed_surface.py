@@ -96,8 +96,6 @@ _HINTS = {
     "no_sync": ONE_PROCESS + " (there is no gradient all-reduce to skip)",
     "compile": "zerofit runs the model's own forward per block; torch.compile the model's blocks yourself",
     "is_compiled": "zerofit does not compile the model",
-    "offload_states": "zerofit keeps the optimizer state in host memory already (engine.plan)",
-    "reload_states": "zerofit keeps the optimizer state in host memory already (engine.plan)",
     "empty_partition_cache": "zerofit holds no parameter cache beyond the slots its planner sized",
     "clip_fp32_gradients": "set gradient_clipping in the config: zerofit clips by the global norm in step()",
     "load_universal_checkpoint": "zerofit's checkpoints load under any placement already",

@@ -21,8 +21,8 @@ bytes (``UntypedStorage.resize_(0)``), which gives its memory back to the cachin
 object and every view of these storages (the units' attributes, a slot's tenant, a carved view) stays the same
 object, so nothing in the engine is rebound, and every byte comes back as it was: training goes on bitwise as
 without the round trip (tests/test_offload_states.py). The buffers whose contents never outlive a step (the
-gradient slots, the upload stage, the assisted chunk buffers and casts) are freed and grown again without a
-copy, as DeepSpeed does not restore its contiguous gradient buffer. A storage the module's own parameters or
+gradient slots, a weight slot without a tenant, the upload stage, the assisted chunk buffers and casts) are freed
+and grown again without a copy, as DeepSpeed does not restore its contiguous gradient buffer. A storage the module's own parameters or
 buffers view (on the CPU, an fp32 resident unit's master is the module's parameter; ``b.to('cpu')`` of a CPU
 buffer is the buffer itself) is host memory already and stays: on the CPU the "device" is the host, so the
 round trip moves bytes but frees no memory.
@@ -216,15 +216,17 @@ class OffloadStates:
             if u.optimizer_on_device:
                 by_kind["hp_params"].append(u.master)
                 by_kind["optim_states"] += [u.exp_avg, u.exp_avg_sq, u.step]
-        scratch = []
-        for pool, kind in ((self.weight_pool, "lp_params"), (self.grad_pool, "contiguous_grad_buffer")):
-            slots = [s.tensor for s in pool.slots] if pool is not None else []
-            (scratch if kind == "contiguous_grad_buffer" else by_kind[kind]).extend(slots)
+        # a weight slot's bytes matter while it has a tenant (a streamed unit's weights, uploaded); a gradient
+        # slot's never outlive the backward that filled it
+        slots = self.weight_pool.slots if self.weight_pool is not None else []
+        by_kind["lp_params"] += [s.tensor for s in slots if s.tenant is not None]
+        free = [s.tensor for s in slots if s.tenant is None]
+        grad_slots = [s.tensor for s in self.grad_pool.slots] if self.grad_pool is not None else []
         by_kind["lp_grads"] += [self._bad_run, self._bad_dev, *self._sq_norms.values(),
                                 *self._padded_grad.values(), *self._dev_shard_grad.values()]
         chunks = [t for s in (self._assist or ()) for t in s]
         casts = list(self._assist16 or ())
-        scratch_of = {"contiguous_grad_buffer": scratch, "lp_params": [self._upload_stage, *casts],
+        scratch_of = {"contiguous_grad_buffer": grad_slots, "lp_params": [self._upload_stage, *casts, *free],
                       "optim_states": chunks}
         host = {t.untyped_storage()._cdata for t in (*self._model.parameters(), *self._model.buffers())}
         host |= {t.untyped_storage()._cdata for u in self.units

@@ -1,0 +1,145 @@
+"""DeepSpeedExamples' training scripts, ported into this folder (each file's docstring: upstream path, commit, and
+exactly which lines were replaced and why), run with the one change docs/migration.md names:
+``import zerofit.deepspeed.alias`` added as the script's first line (the test writes that copy), or no change at
+all through the ``zerofit deepspeed`` launcher. Each runs in its own process (the real DeepSpeed is installed and
+imported in this one), on the CPU, under record.py, which watches zerofit's engine from outside (the model at
+``initialize``, each training call's inputs, each loss given to ``backward``). The test checks the exit status
+0, and compares the losses with the same training written in plain PyTorch (torch.optim.AdamW, clipping by
+``clip_grad_norm_``) and, for the learning rate, DeepSpeed 0.19.8's own ``WarmupLR`` stepping that optimizer.
+
+The scripts run as DeepSpeed's launcher starts a rank (``deepspeed script.py``): RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT in the environment (cifar10 reads LOCAL_RANK itself); ``zerofit deepspeed`` sets them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+ALIAS = "import zerofit.deepspeed.alias  # the one change: `deepspeed` is zerofit's from here on\n"
+LAUNCH_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": "29511"}
+
+
+def run_port(name: str, args: list[str], work: Path, launcher: bool = False, files=("standins.py",),
+             launcher_args: tuple = ()) -> SimpleNamespace:
+    """Run the ported script ``name`` in ``work`` (its own process) with the one change (``launcher``: none,
+    through ``zerofit deepspeed``); what record.py saw, the exit status and the output."""
+    work.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        src = HERE / f
+        (shutil.copytree(src, work / f, dirs_exist_ok=True) if src.is_dir() else shutil.copy(src, work / f))
+    text = (HERE / name).read_text()
+    (work / name).write_text(text if launcher else ALIAS + text)
+    out = work / "recorded"
+    cmd = [sys.executable, str(HERE / "record.py"), str(out)]
+    cmd += ["--launcher", *launcher_args, name, *args] if launcher else [name, *args]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}", "PYTHONUNBUFFERED": "1"}
+    env.pop("DS_ACCELERATOR", None)
+    if not launcher:
+        env.update(LAUNCH_ENV)
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    rec = SimpleNamespace(rc=r.returncode, stdout=r.stdout, stderr=r.stderr, output=r.stdout + r.stderr,
+                          losses=json.loads((out / "losses.json").read_text()) if (out / "losses.json").exists()
+                          else None)
+    if (out / "initial.pt").exists():
+        rec.initial = torch.load(out / "initial.pt")
+        rec.calls = torch.load(out / "calls.pt")
+    return rec
+
+
+def _ok(rec) -> None:
+    assert rec.rc == 0, f"exit status {rec.rc}:\n{rec.output[-6000:]}"
+
+
+def _real_deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    return pytest.importorskip("deepspeed")
+
+
+def _import_port(name: str):
+    """The ported module itself (for its model class), imported here with the real DeepSpeed."""
+    _real_deepspeed()
+    sys.path.insert(0, str(HERE))
+    try:
+        import importlib
+
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(HERE))
+
+
+# ---------------------------------------------------------------------------------------------- cifar10
+
+def _cifar_reference(initial: dict, data: Path, epochs: int) -> list[float]:
+    """cifar10_deepspeed.py's training in plain PyTorch: its Net from the same weights, DeepSpeed's loader order
+    (a DistributedSampler over one rank, seed 0, the same order every epoch), AdamW with the config's settings,
+    clipping at 1.0, and DeepSpeed 0.19.8's WarmupLR stepped after each optimizer step."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    port = _import_port("cifar10_deepspeed")
+    import standins
+
+    net = port.Net(SimpleNamespace(moe=False))
+    net.load_state_dict(initial)
+    transform = standins.transforms.Compose([standins.transforms.ToTensor(),
+                                             standins.transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+    trainset = standins.datasets.CIFAR10(root=str(data), train=True, transform=transform)
+    loader = DataLoader(trainset, batch_size=16, sampler=DistributedSampler(trainset, num_replicas=1, rank=0))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.001, betas=(0.8, 0.999), eps=1e-8, weight_decay=3e-7)
+    sched = WarmupLR(opt, warmup_min_lr=0, warmup_max_lr=0.001, warmup_num_steps=1000)
+    losses = []
+    for _ in range(epochs):
+        for inputs, labels in loader:
+            loss = torch.nn.CrossEntropyLoss()(net(inputs), labels)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_cifar10_deepspeed_runs_with_the_alias_line_and_matches_plain_pytorch(tmp_path):
+    sys.path.insert(0, str(HERE))
+    import standins
+    sys.path.remove(str(HERE))
+
+    work = tmp_path / "cifar"
+    standins.write_cifar10(work / "data")
+    rec = run_port("cifar10_deepspeed.py", ["--epochs", "2", "--dtype", "fp32", "--log-interval", "1"], work)
+    _ok(rec)
+    assert "Finished Training" in rec.stdout and "Accuracy of the network on the 20 test images" in rec.stdout
+    assert len(rec.losses) == 8          # 64 images, train_batch_size 16, 2 epochs
+    want = _cifar_reference(rec.initial, work / "data", epochs=2)
+    torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(want), rtol=1e-6, atol=1e-6)
+    assert rec.losses[-1] != rec.losses[3]      # the weights moved (WarmupLR's first two steps have lr 0)
+
+
+def test_cifar10_deepspeed_runs_unchanged_through_the_launcher_in_bf16(tmp_path):
+    sys.path.insert(0, str(HERE))
+    import standins
+    sys.path.remove(str(HERE))
+
+    work = tmp_path / "cifar"
+    standins.write_cifar10(work / "data")
+    rec = run_port("cifar10_deepspeed.py", ["--epochs", "1", "--dtype", "bf16"], work, launcher=True,
+                   launcher_args=("--num_gpus", "1"))
+    _ok(rec)
+    assert "zerofit deepspeed: running cifar10_deepspeed.py" in rec.stderr and "Finished Training" in rec.stdout
+    want = _cifar_reference(rec.initial, work / "data", epochs=1)
+    # bf16 compute against the fp32 reference: the same training at bf16's resolution
+    torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(want), rtol=2e-2, atol=2e-2)

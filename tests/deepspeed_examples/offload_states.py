@@ -1,3 +1,18 @@
+"""DeepSpeedExamples' training/offload_states/offload_states.py, ported to run here (on the CPU as on a GPU).
+
+Upstream: github.com/deepspeedai/DeepSpeedExamples, training/offload_states/offload_states.py at commit
+45b4b7156c8794a3452a5a7d03dbd8d797068569 (2026-03-29); Apache-2.0 (DeepSpeed Team). Every line below is
+upstream's except:
+
+- the two memory assertions (after ``offload_states`` and after ``reload_states``) run only where the accelerator
+  is not the CPU: on the CPU the "device" is the host, so offloading into host memory cannot lower the memory the
+  CPU accelerator reports (the process's resident set); the GPU test runs them as written.
+- this docstring.
+
+Sizes come from its own arguments (the test passes ``--hidden_dim 16 --nlayers 2 --iteration 4 --warmup 1``).
+tests/deepspeed_examples/test_examples.py runs it with ``import zerofit.deepspeed.alias`` added as its first line.
+"""
+
 # Copyright (c) Microsoft Corporation.
 # SPDX-License-Identifier: Apache-2.0
 
@@ -72,7 +87,8 @@ def run_model(model, config_dict, hidden_dim, dtype, include, pin_memory, non_bl
         dist.barrier()
         time_after_offload = time.time()
         alloc_after_offload = get_accelerator().memory_allocated()
-        assert alloc_after_offload < alloc_before_offload, f"Allocated memory should decrease after offload"
+        if get_accelerator().device_name() != "cpu":  # port: on the CPU the device is the host (see the docstring)
+            assert alloc_after_offload < alloc_before_offload, f"Allocated memory should decrease after offload"
 
         # Load offloaded states back
         model.reload_states()
@@ -82,8 +98,9 @@ def run_model(model, config_dict, hidden_dim, dtype, include, pin_memory, non_bl
         time_offload_list.append(time_after_offload - time_start)
         time_load_list.append(time_after_load - time_after_offload)
 
-        assert alloc_after_offload < get_accelerator().memory_allocated(
-        ), f"Allocated memory should increase after offload back"
+        if get_accelerator().device_name() != "cpu":  # port: on the CPU the device is the host (see the docstring)
+            assert alloc_after_offload < get_accelerator().memory_allocated(
+            ), f"Allocated memory should increase after offload back"
 
         if dist.get_rank() == 0:
             print(

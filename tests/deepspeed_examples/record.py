@@ -6,7 +6,7 @@
 The script itself carries the one change (``import zerofit.deepspeed.alias`` as its first line, written by the
 test) or none (``--launcher``, whose code is ``zerofit deepspeed``'s own: zerofit.deepspeed.launcher.main). This
 wrapper changes nothing in it: it only watches zerofit's engine from outside, so that the test can compare the
-training with plain PyTorch: the model's state when ``initialize`` was called (``OUT_DIR/initial.pt``), every
+training with plain PyTorch: the model's state when ``initialize`` was called and the engine's weights after it (``OUT_DIR/initial.pt``), every
 training call of the engine (its inputs, ``OUT_DIR/calls.pt``) and every loss given to ``engine.backward``
 (``OUT_DIR/losses.json``), written also when the script fails. It imports zerofit's engine, never ``deepspeed``.
 """
@@ -51,11 +51,15 @@ def main(argv: list[str]) -> int:
 
     def rec_initialize(*a, **k):
         model = k.get("model", a[1] if len(a) > 1 else None)
-        if model is not None and not initial:
+        first = not initial
+        if model is not None and first:
             state = model.state_dict()
             if not any(t.is_meta for t in state.values()):       # a model built under zero.Init has no weights yet
-                initial.update({n: _cpu(t) for n, t in state.items()})
-        return initialize(*a, **k)
+                initial["model"] = {n: _cpu(t) for n, t in state.items()}
+        out = initialize(*a, **k)
+        if first:          # the weights training starts from (a zero.Init model's too), by parameter name
+            initial["start"] = out[0].master_state_dict()
+        return out
 
     DeepSpeedSurface.backward, DeepSpeedSurface.__call__, zds.initialize = rec_backward, rec_call, rec_initialize
     try:

@@ -93,7 +93,7 @@ def _cifar_reference(initial: dict, data: Path, epochs: int) -> list[float]:
     import standins
 
     net = port.Net(SimpleNamespace(moe=False))
-    net.load_state_dict(initial)
+    net.load_state_dict(initial["model"])
     transform = standins.transforms.Compose([standins.transforms.ToTensor(),
                                              standins.transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
     trainset = standins.datasets.CIFAR10(root=str(data), train=True, transform=transform)
@@ -143,3 +143,40 @@ def test_cifar10_deepspeed_runs_unchanged_through_the_launcher_in_bf16(tmp_path)
     want = _cifar_reference(rec.initial, work / "data", epochs=1)
     # bf16 compute against the fp32 reference: the same training at bf16's resolution
     torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(want), rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------- offload_states
+
+def _simple_reference(port, start: dict, calls: list, hidden_dim: int, nlayers: int, lr: float,
+                      dtype=torch.float32) -> list[float]:
+    """A script's SimpleModel trained in plain PyTorch on the batches its engine got: AdamW with DeepSpeed's
+    Adam defaults (betas (0.9, 0.999), eps 1e-8, weight decay 0, decoupled), clipping at DeepSpeed's default 1.0."""
+    model = port.SimpleModel(hidden_dim, nlayers=nlayers)
+    model.load_state_dict(start, strict=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for inputs, kwargs in calls:
+        x, y = inputs
+        loss = model(x.to(dtype), y, **kwargs)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("dtype,extra", [("torch.float32", ["--pin_memory"]),
+                                         ("torch.bfloat16", ["--included_state", "optim_states", "--non_blocking"])])
+def test_offload_states_runs_with_the_alias_line(tmp_path, dtype, extra):
+    """Each iteration: a step, offload_states(), reload_states() (the memory assertions where the device is not the
+    host); the training through them is plain PyTorch's on the same batches."""
+    args = ["--hidden_dim", "16", "--nlayers", "2", "--iteration", "4", "--warmup", "1", "--dtype", dtype, *extra]
+    rec = run_port("offload_states.py", args, tmp_path / "offload", files=())
+    _ok(rec)
+    assert rec.stdout.count("Memory usage (") == 4 and "Summary: pin_memory=" in rec.stdout
+    assert (tmp_path / "offload" / "offload_states.log").read_text().count("\n") == 1
+    port = _import_port("offload_states")
+    want = _simple_reference(port, rec.initial["start"], rec.calls, 16, 2, lr=1e-6)
+    tol = 1e-6 if dtype == "torch.float32" else 2e-2
+    torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(want), rtol=tol, atol=tol)

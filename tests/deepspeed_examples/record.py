@@ -6,7 +6,7 @@
 The script itself carries the one change (``import zerofit.deepspeed.alias`` as its first line, written by the
 test) or none (``--launcher``, whose code is ``zerofit deepspeed``'s own: zerofit.deepspeed.launcher.main). This
 wrapper changes nothing in it: it only watches zerofit's engine from outside, so that the test can compare the
-training with plain PyTorch: the model's state when ``initialize`` was called and the engine's weights after it (``OUT_DIR/initial.pt``), every
+training with plain PyTorch: the model's state when ``initialize`` was called, the engine's weights after it, after a ``load_checkpoint`` and at the end (``OUT_DIR/initial.pt``), every
 training call of the engine (its inputs, ``OUT_DIR/calls.pt``) and every loss given to ``engine.backward``
 (``OUT_DIR/losses.json``), written also when the script fails. It imports zerofit's engine, never ``deepspeed``.
 """
@@ -37,8 +37,16 @@ def main(argv: list[str]) -> int:
     import zerofit.deepspeed as zds
     from zerofit.engine.deepspeed_surface import DeepSpeedSurface
 
-    losses, calls, initial = [], [], {}
+    from zerofit.engine.engine import Engine
+
+    losses, calls, initial, engines = [], [], {}, []
     backward, call, initialize = DeepSpeedSurface.backward, DeepSpeedSurface.__call__, zds.initialize
+    load = Engine.load_checkpoint
+
+    def rec_load(self, *a, **k):
+        out = load(self, *a, **k)
+        initial["loaded"] = self.master_state_dict()
+        return out
 
     def rec_backward(self, loss, *a, **k):
         losses.append(float(loss.detach().float()))
@@ -57,11 +65,13 @@ def main(argv: list[str]) -> int:
             if not any(t.is_meta for t in state.values()):       # a model built under zero.Init has no weights yet
                 initial["model"] = {n: _cpu(t) for n, t in state.items()}
         out = initialize(*a, **k)
+        engines.append(out[0])
         if first:          # the weights training starts from (a zero.Init model's too), by parameter name
             initial["start"] = out[0].master_state_dict()
         return out
 
     DeepSpeedSurface.backward, DeepSpeedSurface.__call__, zds.initialize = rec_backward, rec_call, rec_initialize
+    Engine.load_checkpoint = rec_load
     try:
         if rest and rest[0] == "--launcher":
             from zerofit.deepspeed.launcher import main as launch
@@ -76,6 +86,9 @@ def main(argv: list[str]) -> int:
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         return 0
     finally:
+        if engines:        # the last engine's weights at the end (readable after close too)
+            e = engines[-1]
+            initial["final"] = {n: _cpu(p) for n, p in e.module.named_parameters()}
         with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump(losses, f)
         torch.save(initial, os.path.join(out, "initial.pt"))

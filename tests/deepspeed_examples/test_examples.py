@@ -180,3 +180,78 @@ def test_offload_states_runs_with_the_alias_line(tmp_path, dtype, extra):
     want = _simple_reference(port, rec.initial["start"], rec.calls, 16, 2, lr=1e-6)
     tol = 1e-6 if dtype == "torch.float32" else 2e-2
     torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(want), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------------------------- HelloDeepSpeed
+
+_BERT_SIZES = ["--num_layers", "2", "--num_heads", "2", "--ff_dim", "32", "--h_dim", "16", "--max_seq_length", "32",
+               "--batch_size", "4", "--dropout", "0", "--log_every", "1"]
+
+
+def _bert_reference(port, initial: dict, calls: list) -> dict[str, torch.Tensor]:
+    """train_bert_ds.py's training in plain PyTorch, in bf16 as its config says: fp32 master weights (the
+    model's, from the same state) copied into a bf16 copy of the model for each forward and backward, the bf16
+    gradients taken back in fp32, clipped at DeepSpeed's default 1.0, AdamW with DeepSpeed's Adam defaults (lr
+    1e-4 from the config, weight decay 0). The master weights at the end, by name."""
+    import copy
+
+    model = port.create_model(num_layers=2, num_heads=2, ff_dim=32, h_dim=16, dropout=0.0)
+    model.load_state_dict(initial["model"])
+    master = dict(model.named_parameters())
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    opt = torch.optim.AdamW(master.values(), lr=1e-4, weight_decay=0.0)
+    for inputs, batch in calls:
+        with torch.no_grad():
+            for n, p in low.named_parameters():
+                p.copy_(master[n])
+        low.zero_grad()
+        low(*inputs, **batch).backward()
+        for n, p in low.named_parameters():      # (the encoder's pooler takes no part in the loss: no gradient)
+            master[n].grad = None if p.grad is None else p.grad.float()
+        torch.nn.utils.clip_grad_norm_(master.values(), 1.0)
+        opt.step()
+    return {n: p.detach() for n, p in master.items()}
+
+
+def test_hello_deepspeed_trains_saves_and_resumes(tmp_path):
+    """train_bert_ds.py with the alias line: four steps, checkpoints every two (save_checkpoint with its
+    client_state), the weights those steps reach as plain PyTorch's; then the same script unchanged through
+    ``zerofit deepspeed --load_checkpoint_dir``: load_checkpoint restores those weights exactly, its client_state
+    gives the step to go on from, and training goes on."""
+    sys.path.insert(0, str(HERE))
+    import standins
+    sys.path.remove(str(HERE))
+
+    work = tmp_path / "bert"
+    work.mkdir()
+    cwd = os.getcwd()
+    try:
+        os.chdir(work)
+        standins.write_wikitext("data")
+        standins.write_roberta_like_tokenizer("tok")
+    finally:
+        os.chdir(cwd)
+    first = run_port("train_bert_ds.py", ["--checkpoint_dir", "ckpt", "--tokenizer", "tok", "--num_iterations", "5",
+                                          "--checkpoint_every", "2", *_BERT_SIZES], work)
+    _ok(first)
+    assert len(first.losses) == 4 and first.output.count("Loss: ") == 4
+    (exp_dir,) = (work / "ckpt").iterdir()
+    assert (exp_dir / "latest").read_text().strip() == "global_step4"
+    assert sorted(p.name for p in exp_dir.iterdir() if p.name.startswith("global_step")) == ["global_step2",
+                                                                                         "global_step4"]
+    port = _import_port("train_bert_ds")
+    want = _bert_reference(port, first.initial, first.calls)
+    start, final = first.initial["start"], first.initial["final"]
+    for n, w in want.items():      # what the four steps moved, as plain PyTorch moves it
+        torch.testing.assert_close(final[n] - start[n], w - start[n], rtol=2e-2, atol=2e-6, msg=lambda m: f"{n}: {m}")
+    assert max((final[n] - start[n]).abs().max().item() for n in want) > 1e-5
+
+    second = run_port("train_bert_ds.py", ["--load_checkpoint_dir", str(exp_dir), "--num_iterations", "8",
+                                           "--log_every", "1"], work,
+                      launcher=True)
+    _ok(second)
+    loaded = second.initial["loaded"]
+    assert all(torch.equal(loaded[n], final[n]) for n in final)
+    # the last save (after the loop stopped at step 5) holds checkpoint_step 5: steps 6 and 7 follow
+    assert len(second.losses) == 2 and second.output.count("Loss: ") == 2
+    assert torch.equal(second.calls[0][1]["src_tokens"], first.calls[0][1]["src_tokens"])   # the same seeds

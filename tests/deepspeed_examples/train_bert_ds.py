@@ -1,3 +1,23 @@
+"""DeepSpeedExamples' training/HelloDeepSpeed/train_bert_ds.py, ported to run here (on the CPU, without downloads).
+
+Upstream: github.com/deepspeedai/DeepSpeedExamples, training/HelloDeepSpeed/train_bert_ds.py at commit
+45b4b7156c8794a3452a5a7d03dbd8d797068569 (2026-03-29); Apache-2.0. Every line below is upstream's except:
+
+- ``import fire``, ``import loguru``, ``import pytz``, ``import sh``: these packages are not installed here; they
+  come from ``standins`` (fire.Fire calls ``train`` with the command line's ``--name value`` pairs, loguru's logger
+  is the standard logging's, pytz.timezone is zoneinfo's, sh.git runs git).
+- ``datasets.load_dataset("wikitext", "wikitext-2-v1", split="train")`` downloads wikitext-2: it is
+  ``standins.load_dataset(...)``, the lines of ``./data/wikitext.txt`` that the test writes (empty lines too,
+  which the script's own filter drops). The tokenizer is upstream's ``AutoTokenizer.from_pretrained(tokenizer)``
+  on a local directory the test writes and passes as ``--tokenizer`` (roberta's special tokens at roberta's ids).
+- this docstring.
+
+Sizes come from its own arguments (the test passes ``--num_layers 2 --num_heads 2 --ff_dim 32 --h_dim 16
+--max_seq_length 32 --batch_size 4``; the vocabulary, 50265, is upstream's, hard-coded in ``create_model``).
+tests/deepspeed_examples/test_examples.py runs it with ``import zerofit.deepspeed.alias`` added as its first line,
+then resumes its checkpoint through ``zerofit deepspeed`` (``--load_checkpoint_dir``).
+"""
+
 """
 Modified version of train_bert.py that adds DeepSpeed
 """
@@ -13,12 +33,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar
 
 import random
 import datasets
-import fire
+from standins import fire  # stand-in: not installed here (see the docstring)
 import logging
-import loguru
+from standins import loguru  # stand-in: not installed here
 import numpy as np
-import pytz
-import sh
+from standins import pytz  # stand-in: not installed here
+from standins import sh  # stand-in: not installed here
 import torch
 import torch.nn as nn
 import deepspeed
@@ -264,7 +284,8 @@ def create_data_iterator(
             be able to continuously generate samples
 
     """
-    wikitext_dataset = datasets.load_dataset("wikitext",
+    import standins  # stand-in: no download (see the docstring)
+    wikitext_dataset = standins.load_dataset("wikitext",
                                              "wikitext-2-v1",
                                              split="train")
     wikitext_dataset = wikitext_dataset.filter(

@@ -40,10 +40,11 @@ def run_port(name: str, args: list[str], work: Path, launcher: bool = False, fil
         src = HERE / f
         (shutil.copytree(src, work / f, dirs_exist_ok=True) if src.is_dir() else shutil.copy(src, work / f))
     text = (HERE / name).read_text()
-    (work / name).write_text(text if launcher else ALIAS + text)
+    script = Path(name).name
+    (work / script).write_text(text if launcher else ALIAS + text)
     out = work / "recorded"
     cmd = [sys.executable, str(HERE / "record.py"), str(out)]
-    cmd += ["--launcher", *launcher_args, name, *args] if launcher else [name, *args]
+    cmd += ["--launcher", *launcher_args, script, *args] if launcher else [script, *args]
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}", "PYTHONUNBUFFERED": "1"}
     env.pop("DS_ACCELERATOR", None)
     if not launcher:
@@ -184,6 +185,15 @@ def test_offload_states_runs_with_the_alias_line(tmp_path, dtype, extra):
 
 # ---------------------------------------------------------------------------------------------- HelloDeepSpeed
 
+def _assert_moved_alike(start: dict, final: dict, want: dict, least: float, rel: float = 3e-2) -> None:
+    """What training moved each weight by, as the plain PyTorch reference moved it: in bf16 the two round their
+    forwards and gradients apart, so each tensor's update agrees to ``rel`` of its norm (not element by element:
+    an Adam update near zero can take either sign); and training moved something (``least``)."""
+    for n, w in want.items():
+        got, ref = final[n] - start[n], w - start[n]
+        assert (got - ref).norm() <= rel * ref.norm() + 1e-7, (n, (got - ref).norm().item(), ref.norm().item())
+    assert max((final[n] - start[n]).abs().max().item() for n in want) > least
+
 _BERT_SIZES = ["--num_layers", "2", "--num_heads", "2", "--ff_dim", "32", "--h_dim", "16", "--max_seq_length", "32",
                "--batch_size", "4", "--dropout", "0", "--log_every", "1"]
 
@@ -242,9 +252,7 @@ def test_hello_deepspeed_trains_saves_and_resumes(tmp_path):
     port = _import_port("train_bert_ds")
     want = _bert_reference(port, first.initial, first.calls)
     start, final = first.initial["start"], first.initial["final"]
-    for n, w in want.items():      # what the four steps moved, as plain PyTorch moves it
-        torch.testing.assert_close(final[n] - start[n], w - start[n], rtol=2e-2, atol=2e-6, msg=lambda m: f"{n}: {m}")
-    assert max((final[n] - start[n]).abs().max().item() for n in want) > 1e-5
+    _assert_moved_alike(start, final, want, least=1e-5)
 
     second = run_port("train_bert_ds.py", ["--load_checkpoint_dir", str(exp_dir), "--num_iterations", "8",
                                            "--log_every", "1"], work,
@@ -255,3 +263,92 @@ def test_hello_deepspeed_trains_saves_and_resumes(tmp_path):
     # the last save (after the loop stopped at step 5) holds checkpoint_step 5: steps 6 and 7 follow
     assert len(second.losses) == 2 and second.output.count("Loss: ") == 2
     assert all(0 < loss < 12 for loss in second.losses)
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed-Chat
+
+_DSCHAT_ARGS = ["--data_path", "local/jsonfile", "--data_split", "10,0,0", "--data_output_path", "data_files",
+                "--model_name_or_path", "sft_base", "--per_device_train_batch_size", "2",
+                "--per_device_eval_batch_size", "2", "--max_seq_len", "32", "--learning_rate", "1e-3",
+                "--num_train_epochs", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler_type", "cosine",
+                "--num_warmup_steps", "1", "--zero_stage", "2", "--dtype", "bf16", "--print_loss",
+                "--output_dir", "out_model"]
+
+
+def _dschat_inputs(work: Path) -> None:
+    """A tiny fp32 Llama with a GPT-2-style tokenizer (vocab.json and merges.txt, as a downloaded OPT or GPT-2 has
+    them: dschat's save_hf_format calls tokenizer.save_vocabulary, which needs the vocabulary files), and
+    local/jsonfile data (data/train.json, data/eval.json: prompt, chosen, rejected)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.model_dirs import make_model_dir
+    sys.path.remove(str(ROOT))
+
+    base = make_model_dir(work / "sft_base", dtype=torch.float32)
+    tok = json.loads((base / "tokenizer.json").read_text())
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    (base / "vocab.json").write_text(json.dumps(tok["model"]["vocab"]))
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
+    (base / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (base / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", **{k: config[k] for k in ("bos_token", "eos_token", "pad_token")}}))
+    (work / "data").mkdir()
+    for name, n in (("train", 16), ("eval", 4)):
+        rows = [{"prompt": f"Human: what is {i} plus {i}? Assistant:", "chosen": f"It is {2 * i}.",
+                 "rejected": f"It is {i}."} for i in range(n)]
+        (work / "data" / f"{name}.json").write_text(json.dumps(rows))
+
+
+def _dschat_reference(initial: dict, calls: list, model_dir: Path) -> dict[str, torch.Tensor]:
+    """Step 1's training in plain PyTorch, bf16 as its config says (as _bert_reference): the same batches, loss / 2
+    accumulated over the 2 micro-batches of a step, clipping at 1.0 (dschat's get_train_ds_config), AdamW with
+    main.py's settings (lr 1e-3, betas (0.9, 0.95), weight decay 0 for both of its groups), transformers'
+    cosine schedule with 1 warm-up step over the 4 steps."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.resize_token_embeddings(int(8 * -(-model.config.vocab_size // 8)))
+    model.load_state_dict(initial["model"])
+    master = dict(model.named_parameters())
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    opt = torch.optim.AdamW(master.values(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = get_scheduler("cosine", optimizer=opt, num_warmup_steps=1, num_training_steps=4)
+    for i, (inputs, batch) in enumerate(calls):
+        with torch.no_grad():
+            for n, p in low.named_parameters():
+                p.copy_(master[n])
+        if i % 2 == 0:
+            low.zero_grad()
+        (low(*inputs, **batch).loss / 2).backward()
+        if i % 2 == 1:
+            for n, p in low.named_parameters():
+                master[n].grad = None if p.grad is None else p.grad.float()
+            torch.nn.utils.clip_grad_norm_(master.values(), 1.0)
+            opt.step()
+            sched.step()
+    return {n: p.detach() for n, p in master.items()}
+
+
+def test_deepspeed_chat_step1_sft_runs_with_the_alias_line(tmp_path):
+    """DeepSpeed-Chat's step-1 main.py (its dschat.utils beside it) with the alias line: the evaluation pass,
+    FusedAdam over its parameter groups with transformers' get_scheduler passed as lr_scheduler, an epoch of the
+    tutorial loop (engine(**batch, use_cache=False), backward, step, engine.model for its throughput print,
+    engine.tput_timer.update_epoch_count()), the evaluation again and save_hf_format; the weights as plain
+    PyTorch's."""
+    work = tmp_path / "dschat"
+    shutil.copytree(HERE / "dschat_step1" / "dschat", work / "dschat")
+    _dschat_inputs(work)
+    # --local_rank 0: what DeepSpeed's launcher passes (main.py initializes torch.distributed only with it)
+    rec = run_port("dschat_step1/main.py", ["--local_rank", "0", *_DSCHAT_ARGS], work, files=())
+    _ok(rec)
+    assert len(rec.losses) == 8 and rec.stdout.count("Epoch: 0, Step: ") == 8
+    assert rec.stdout.count("ppl: ") == 2 and "saving the final model ..." in rec.stdout
+    want = _dschat_reference(rec.initial, rec.calls, work / "sft_base")
+    start, final = rec.initial["start"], rec.initial["final"]
+    _assert_moved_alike(start, final, want, least=1e-3)
+    saved = torch.load(work / "out_model" / "pytorch_model.bin")
+    assert all(torch.equal(saved[n], final[n]) for n in final)

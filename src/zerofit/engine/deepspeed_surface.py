@@ -110,7 +110,6 @@ _HINTS = {
     "client_optimizer": "zerofit's AdamW is its own; engine.optimizer is a view of its settings",
     "client_lr_scheduler": "engine.lr_scheduler is the client's scheduler itself when initialize() was given one",
     "timers": "see engine.timeline() and engine.trace()",
-    "tput_timer": "see engine.timeline() and engine.trace()",
     "monitor": "zerofit logs to its own timeline (engine.timeline())",
     "losses": "engine(**batch).loss is each micro-batch's loss",
     "mpu": ONE_PROCESS,
@@ -379,6 +378,15 @@ class DeepSpeedSurface:
         self.close()
 
     @property
+    def tput_timer(self) -> "ThroughputTimerView":
+        """DeepSpeed's throughput timer: its epoch and step counters (DeepSpeed-Chat calls
+        ``engine.tput_timer.update_epoch_count()`` after each epoch); its timings are engine.timeline()'s."""
+        view = self.__dict__.get("_ds_tput")
+        if view is None:
+            view = self.__dict__["_ds_tput"] = ThroughputTimerView(self)
+        return view
+
+    @property
     def optimizer(self) -> "OptimizerView":
         return self._views()[0]
 
@@ -455,6 +463,44 @@ class DeepSpeedSurface:
             # engine.config of a model...): the model with its current weights (engine.module applies pending updates)
             return getattr(self.module, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+
+# ---------------------------------------------------------------------------------------------- throughput timer
+
+class ThroughputTimerView:
+    """``engine.tput_timer`` (DeepSpeed's ``ThroughputTimer``, deepspeed/utils/timer.py): the counters with
+    DeepSpeed's meaning, ``epoch_count`` (``update_epoch_count()`` adds one and restarts ``micro_step_count``),
+    ``micro_step_count`` (the engine's micro-batches in this epoch), ``global_step_count`` (``engine.global_steps``),
+    ``batch_size`` (the micro batch). Its timing (``start``, ``stop``, ``avg_samples_per_sec``, its periodic
+    throughput log) is refused by name: the engine's own timings are ``engine.timeline()`` and ``engine.trace()``."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+        self.epoch_count = 0
+        self._epoch_start = 0
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+        self._epoch_start = self._engine().micro_steps
+
+    @property
+    def micro_step_count(self) -> int:
+        return self._engine().micro_steps - self._epoch_start
+
+    @property
+    def global_step_count(self) -> int:
+        return self._engine().global_steps
+
+    @property
+    def batch_size(self) -> int:
+        return self._engine().train_micro_batch_size_per_gpu()
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise refuse_attribute("tput_timer", name, "it keeps DeepSpeed's counters (epoch_count, update_epoch_count(), "
+                                                   "micro_step_count, global_step_count, batch_size); the engine's "
+                                                   "timings are engine.timeline() and engine.trace()")
 
 
 # ---------------------------------------------------------------------------------------------- optimizer, scheduler

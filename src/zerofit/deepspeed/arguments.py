@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported
+from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported
 
 _HYPERS = ("lr", "weight_decay", "betas", "eps")   # other group keys (foreach, fused, ...) only pick an implementation
 
@@ -233,7 +233,7 @@ def check_client_scheduler(lr_scheduler, optimizer) -> None:
         raise DeepSpeedUnsupported(f"lr_scheduler={kind}: expected a scheduler with step() (torch's LRScheduler, "
                                    "transformers' get_scheduler) or a callable that builds one from the optimizer")
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
-        raise DeepSpeedUnsupported(
+        raise DeepSpeedAssertion(
             f"lr_scheduler={kind} without the optimizer it was built over: DeepSpeed refuses a scheduler object "
             "with no client optimizer, and zerofit would not see its learning rates. Pass optimizer=<the "
             "scheduler's optimizer> too, or lr_scheduler=lambda optimizer: ... to build it over the optimizer "

@@ -73,6 +73,11 @@ class UnsupportedAttribute(DeepSpeedUnsupported, AttributeError):
     """A DeepSpeed attribute zerofit does not provide (an ``AttributeError`` too, so ``hasattr`` is False)."""
 
 
+class DeepSpeedAssertion(DeepSpeedUnsupported, ValueError, AssertionError):
+    """A call DeepSpeed refuses with an ``assert`` (an ``AssertionError`` there, which its callers and tests catch):
+    zerofit refuses it too, with a message that says what to do."""
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 
 # what the DeepSpeed door does with several processes; the engine itself trains on several GPUs (ranks.py)
@@ -96,7 +101,6 @@ _HINTS = {
     "no_sync": ONE_PROCESS + " (there is no gradient all-reduce to skip)",
     "compile": "zerofit runs the model's own forward per block; torch.compile the model's blocks yourself",
     "is_compiled": "zerofit does not compile the model",
-    "empty_partition_cache": "zerofit holds no parameter cache beyond the slots its planner sized",
     "clip_fp32_gradients": "set gradient_clipping in the config: zerofit clips by the global norm in step()",
     "load_universal_checkpoint": "zerofit's checkpoints load under any placement already",
     "get_pld_theta": "progressive layer drop is not implemented",
@@ -377,6 +381,13 @@ class DeepSpeedSurface:
     def destroy(self) -> None:
         self.close()
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: frees ZeRO-3's cache of gathered parameters; without ZeRO-3 (and in zerofit, which keeps no
+        parameters beyond its planned slots) there is none, and it frees the allocator's unused cache, as DeepSpeed
+        does after it."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @property
     def tput_timer(self) -> "ThroughputTimerView":
         """DeepSpeed's throughput timer: its epoch and step counters (DeepSpeed-Chat calls
@@ -403,8 +414,13 @@ class DeepSpeedSurface:
             identity = sched.type == "constant" and sched.warmup_steps == 0
             if client is not None:      # DeepSpeed returns the client's scheduler itself (None without one)
                 views = (opt, client.scheduler)
-            else:
-                views = (opt, None if identity else SchedulerView(self, opt))
+            elif identity:
+                views = (opt, None)
+            else:                       # DeepSpeed's class for its own schedules (deepspeed.runtime.lr_schedules)
+                from zerofit.deepspeed.runtime.lr_schedules import view_class
+
+                cls = view_class(sched.type)
+                views = (opt, SchedulerView(self, opt) if cls is None else cls._of(self, opt))
             self.__dict__["_ds_views"] = views
         return views
 

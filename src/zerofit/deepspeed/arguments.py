@@ -234,7 +234,8 @@ def check_client_scheduler(lr_scheduler, optimizer) -> None:
                                    "transformers' get_scheduler) or a callable that builds one from the optimizer")
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         raise DeepSpeedAssertion(
-            f"lr_scheduler={kind} without the optimizer it was built over: DeepSpeed refuses a scheduler object "
-            "with no client optimizer, and zerofit would not see its learning rates. Pass optimizer=<the "
+            f"lr_scheduler={kind} without the optimizer it was built over: zerofit would not see its learning rates "
+            "(DeepSpeed asserts this for torch's old _LRScheduler class; with torch 2's schedulers it steps one whose "
+            "lr never reaches the optimizer it trains). Pass optimizer=<the "
             "scheduler's optimizer> too, or lr_scheduler=lambda optimizer: ... to build it over the optimizer "
             "zerofit gives it")

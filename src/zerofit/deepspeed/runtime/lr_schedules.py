@@ -87,6 +87,19 @@ class LRRangeTest(_ConfigSchedule):
 class OneCycle(_ConfigSchedule):
     """DeepSpeed's OneCycle (the config's, a view; get_mom() gives its momentum)."""
 
+    def get_mom(self):
+        """DeepSpeed's OneCycle.get_mom(): each group's (beta1, beta2) for the next step; None without
+        cycle_momentum. Before the first step DeepSpeed's reports its cycle's start, (cycle_max_mom, 0.99), though
+        that step applies (cycle_min_mom, 0.99), which its constructor wrote into the optimizer: so does this view,
+        and the engine applies what DeepSpeed applies (engine.get_mom() says which)."""
+        one_cycle = self._engine.config.scheduler.one_cycle
+        if one_cycle is not None and not one_cycle.cycle_momentum:
+            return None
+        moms = self._engine.get_mom()
+        if self._engine.global_steps == 0 and one_cycle is not None:
+            return [(one_cycle.cycle_max_mom, 0.99) for _ in moms]
+        return moms
+
 
 class WarmupLR(_ConfigSchedule):
     """DeepSpeed's WarmupLR (the config's, a view)."""

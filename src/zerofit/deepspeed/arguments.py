@@ -203,8 +203,9 @@ def client_optimizer(optimizer, model: nn.Module, model_parameters) -> tuple[dic
                                        f"optimizer; {_INSTEAD_OPTIMIZER}")
         optimizer = built
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-        raise DeepSpeedUnsupported(f"optimizer={type(optimizer).__module__}.{type(optimizer).__name__}: "
-                                   f"{_INSTEAD_OPTIMIZER}")
+        # (an AssertionError too: DeepSpeed asserts on an untested client optimizer under ZeRO)
+        raise DeepSpeedAssertion(f"optimizer={type(optimizer).__module__}.{type(optimizer).__name__}: "
+                                 f"{_INSTEAD_OPTIMIZER}")
     kind = type(optimizer).__name__
     if any(optimizer.state.values()):
         raise DeepSpeedUnsupported(f"optimizer: this {kind} has state (it has taken steps); zerofit's AdamW starts "

@@ -604,6 +604,16 @@ class OptimizerView:
     cur_scale = loss_scale
 
     @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the fp16 loss scale is dynamic (DeepSpeed's FP16 optimizers' attribute)."""
+        return self._engine.scaler is not None and bool(self._engine.scaler.dynamic)
+
+    @property
+    def loss_scaler(self) -> "LossScalerView":
+        """DeepSpeed's FP16 optimizers' ``loss_scaler``: ``loss_scale`` (= ``cur_scale``) and ``dynamic``."""
+        return LossScalerView(self)
+
+    @property
     def loss_scale_config(self):
         """DeepSpeed's ``optimizer.loss_scale_config`` (its FP16 optimizer's): the fp16 scale, its window, its
         counters, read live from the engine's scaler ([Note: fp16 without ZeRO], optim/loss_scaler.py)."""
@@ -631,11 +641,29 @@ class OptimizerView:
         if name.startswith("_"):
             raise AttributeError(name)
         raise refuse_attribute("optimizer", name, "it offers param_groups, defaults, loss_scale, loss_scale_config, "
+                                                  "dynamic_loss_scale, loss_scaler, "
                                                   "zero_grad() (a no-op); the engine steps and checkpoints the "
                                                   "optimizer")
 
     def __repr__(self) -> str:
         return f"zerofit AdamW view ({len(self._groups)} group(s), lr {self._lrs()})"
+
+
+@dataclass(frozen=True)
+class LossScalerView:
+    """``optimizer.loss_scaler`` (DeepSpeed's Static/DynamicLossScaler): the fp16 scale, read live."""
+
+    _optimizer: "OptimizerView"
+
+    @property
+    def loss_scale(self) -> float:
+        return self._optimizer.loss_scale
+
+    cur_scale = loss_scale
+
+    @property
+    def dynamic(self) -> bool:
+        return self._optimizer.dynamic_loss_scale
 
 
 class SchedulerView:

@@ -1943,6 +1943,8 @@ class Engine(OffloadStates, EngineLifecycle, StepRecovery, DeepSpeedSurface, Dee
         ``exclude_frozen_parameters``: leave out the weights of the frozen parameters (DeepSpeed's meaning)."""
         from zerofit.checkpoint.state import save
 
+        if not save_dir:           # as DeepSpeed 0.19.8
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         return str(self._on_rank0(lambda: save(self, save_dir, tag, client_state, save_latest,
                                                exclude_frozen=exclude_frozen_parameters)))
 

@@ -42,7 +42,9 @@ def test_start_method_safety(method):
     mp.set_start_method(method, force=True)
 
 
-_STAGE0_OFFLOAD = pytest.mark.xfail(strict=True, reason="zerofit's config refuses zero_optimization.offload_param with "
+from zerofit.config import ConfigError  # port: xfail marks
+from zerofit.engine.deepspeed_surface import DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute  # port: xfail marks
+_STAGE0_OFFLOAD = pytest.mark.xfail(strict=True, raises=ConfigError, reason="zerofit's config refuses zero_optimization.offload_param with "
                                      "stage 0 (ConfigError), where DeepSpeed 0.19.8 accepts and ignores it")
 
 
@@ -82,7 +84,7 @@ class TestNoOptim(DistributedTest):
         see_memory_usage('post-fwds', force=True)
 
 
-_VIEW = pytest.mark.xfail(strict=True, reason="zerofit's optimizer is a view of its AdamW (OptimizerView), not the client's object")
+_VIEW = pytest.mark.xfail(strict=True, raises=AssertionError, reason="zerofit's optimizer is a view of its AdamW (OptimizerView), not the client's object")
 
 
 # port: [None] left out (see above)
@@ -125,7 +127,7 @@ class TestClientOptimizer(DistributedTest):
 def _refused_other_optimizer(optimizer_type, scheduler_type):
     """port: the two combinations of a scheduler object over an optimizer other than the engine's"""
     if scheduler_type is _LRScheduler and optimizer_type is not Optimizer:
-        return pytest.param(scheduler_type, optimizer_type, marks=pytest.mark.xfail(strict=True, reason=(
+        return pytest.param(scheduler_type, optimizer_type, marks=pytest.mark.xfail(strict=True, raises=DeepSpeedAssertion, reason=(
             "zerofit refuses a scheduler object without the client optimizer it was built over (DeepSpeedAssertion); "
             "DeepSpeed 0.19.8 asserts that only for torch's old _LRScheduler class, which torch 2's schedulers are "
             "not, so with torch 2 it accepts and steps a scheduler whose lr never reaches the optimizer it trains")))

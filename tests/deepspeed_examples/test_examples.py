@@ -24,6 +24,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow     # each case runs a script in a process of its own (tens of seconds)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 ALIAS = "import zerofit.deepspeed.alias  # the one change: `deepspeed` is zerofit's from here on\n"

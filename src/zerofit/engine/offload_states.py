@@ -132,7 +132,8 @@ class OffloadStates:
                     off.moved[s._cdata] = _Moved(s, n, dst)
                     s.resize_(0)
             except BaseException:
-                self._restore(off, non_blocking=False)       # as before the call: every storage back
+                self._restore(off, non_blocking=False)       # every storage back, an earlier call's too
+                self._states_off = None
                 raise
             off.kinds |= kinds
             self._states_off = off

@@ -392,6 +392,8 @@ class DeepSpeedSurface:
     def tput_timer(self) -> "ThroughputTimerView":
         """DeepSpeed's throughput timer: its epoch and step counters (DeepSpeed-Chat calls
         ``engine.tput_timer.update_epoch_count()`` after each epoch); its timings are engine.timeline()'s."""
+        from zerofit.engine.deepspeed_views import ThroughputTimerView
+
         view = self.__dict__.get("_ds_tput")
         if view is None:
             view = self.__dict__["_ds_tput"] = ThroughputTimerView(self)
@@ -479,44 +481,6 @@ class DeepSpeedSurface:
             # engine.config of a model...): the model with its current weights (engine.module applies pending updates)
             return getattr(self.module, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-
-
-# ---------------------------------------------------------------------------------------------- throughput timer
-
-class ThroughputTimerView:
-    """``engine.tput_timer`` (DeepSpeed's ``ThroughputTimer``, deepspeed/utils/timer.py): the counters with
-    DeepSpeed's meaning, ``epoch_count`` (``update_epoch_count()`` adds one and restarts ``micro_step_count``),
-    ``micro_step_count`` (the engine's micro-batches in this epoch), ``global_step_count`` (``engine.global_steps``),
-    ``batch_size`` (the micro batch). Its timing (``start``, ``stop``, ``avg_samples_per_sec``, its periodic
-    throughput log) is refused by name: the engine's own timings are ``engine.timeline()`` and ``engine.trace()``."""
-
-    def __init__(self, engine):
-        self._engine = weakref.ref(engine)
-        self.epoch_count = 0
-        self._epoch_start = 0
-
-    def update_epoch_count(self) -> None:
-        self.epoch_count += 1
-        self._epoch_start = self._engine().micro_steps
-
-    @property
-    def micro_step_count(self) -> int:
-        return self._engine().micro_steps - self._epoch_start
-
-    @property
-    def global_step_count(self) -> int:
-        return self._engine().global_steps
-
-    @property
-    def batch_size(self) -> int:
-        return self._engine().train_micro_batch_size_per_gpu()
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        raise refuse_attribute("tput_timer", name, "it keeps DeepSpeed's counters (epoch_count, update_epoch_count(), "
-                                                   "micro_step_count, global_step_count, batch_size); the engine's "
-                                                   "timings are engine.timeline() and engine.trace()")
 
 
 # ---------------------------------------------------------------------------------------------- optimizer, scheduler
@@ -611,6 +575,8 @@ class OptimizerView:
     @property
     def loss_scaler(self) -> "LossScalerView":
         """DeepSpeed's FP16 optimizers' ``loss_scaler``: ``loss_scale`` (= ``cur_scale``) and ``dynamic``."""
+        from zerofit.engine.deepspeed_views import LossScalerView
+
         return LossScalerView(self)
 
     @property
@@ -647,23 +613,6 @@ class OptimizerView:
 
     def __repr__(self) -> str:
         return f"zerofit AdamW view ({len(self._groups)} group(s), lr {self._lrs()})"
-
-
-@dataclass(frozen=True)
-class LossScalerView:
-    """``optimizer.loss_scaler`` (DeepSpeed's Static/DynamicLossScaler): the fp16 scale, read live."""
-
-    _optimizer: "OptimizerView"
-
-    @property
-    def loss_scale(self) -> float:
-        return self._optimizer.loss_scale
-
-    cur_scale = loss_scale
-
-    @property
-    def dynamic(self) -> bool:
-        return self._optimizer.dynamic_loss_scale
 
 
 class SchedulerView:

@@ -82,13 +82,14 @@ out = {"deepspeed_is_zerofit": deepspeed is zds, "spec": deepspeed.__spec__.name
        "ranks": [dist.get_rank(), dist.get_world_size()], "same": {}, "refused": {}}
 for name in ("deepspeed.accelerator", "deepspeed.comm", "deepspeed.comm.comm", "deepspeed.ops", "deepspeed.ops.adam",
              "deepspeed.ops.adam.fused_adam", "deepspeed.moe", "deepspeed.moe.utils", "deepspeed.runtime",
-             "deepspeed.runtime.utils", "deepspeed.runtime.engine", "deepspeed.runtime.zero",
+             "deepspeed.runtime.utils", "deepspeed.runtime.engine", "deepspeed.runtime.lr_schedules",
+             "deepspeed.runtime.zero",
              "deepspeed.runtime.zero.partition_parameters", "deepspeed.zero", "deepspeed.utils",
              "deepspeed.utils.logging", "deepspeed.compression.helper"):
     m = importlib.import_module(name)
     out["same"][name] = m is importlib.import_module(zerofit_module(name)) and m.__spec__.name == zerofit_module(name)
 for stmt in ("import deepspeed.ops.lamb", "from deepspeed.moe.layer import MoE",
-             "import deepspeed.utils.zero_to_fp32", "from deepspeed.runtime.lr_schedules import WarmupLR",
+             "import deepspeed.utils.zero_to_fp32", "from deepspeed.runtime.config import DeepSpeedConfig",
              "import deepspeed.accelerator.real_accelerator"):
     try:
         exec(stmt)
@@ -660,7 +661,7 @@ def test_deepspeed_engine_is_the_type_of_zerofits_engines():
     (zds.ops, "lamb", "FusedAdam"),
     (zds.ops, "DeepSpeedTransformerLayer", "does not replace"),
     (zds.ops.adam, "ZenFlowCPUAdam", "AdamW"),
-    (zds.runtime, "lr_schedules", "scheduler block"),
+    (zds.runtime, "config", "ZerofitConfig"),
     (zds.utils, "safe_get_full_fp32_param", "engine.module"),
     (zds.utils, "set_z3_leaf_modules", "drop the call"),
     (zds.utils, "groups", "one process"),

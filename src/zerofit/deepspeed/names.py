@@ -59,8 +59,6 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.moe.experts": _NO_MOE,
     "deepspeed.moe.sharded_moe": _NO_MOE,
     "deepspeed.moe.mappings": _NO_MOE,
-    "deepspeed.runtime.lr_schedules": "put the schedule in the config's scheduler block (WarmupLR, WarmupDecayLR, "
-                                      "WarmupCosineLR with DeepSpeed's formulas, zerofit.optim.schedules)",
     "deepspeed.runtime.config": "zerofit reads DeepSpeed configs into zerofit.config.ZerofitConfig "
                                 "(zerofit.config.load_config; `zerofit config show ds.json`)",
     "deepspeed.runtime.activation_checkpointing": "zerofit checkpoints every block's activations itself "

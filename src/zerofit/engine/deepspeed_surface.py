@@ -73,6 +73,11 @@ class UnsupportedAttribute(DeepSpeedUnsupported, AttributeError):
     """A DeepSpeed attribute zerofit does not provide (an ``AttributeError`` too, so ``hasattr`` is False)."""
 
 
+class DeepSpeedAssertion(DeepSpeedUnsupported, ValueError, AssertionError):
+    """A call DeepSpeed refuses with an ``assert`` (an ``AssertionError`` there, which its callers and tests catch):
+    zerofit refuses it too, with a message that says what to do."""
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 
 # what the DeepSpeed door does with several processes; the engine itself trains on several GPUs (ranks.py)
@@ -96,9 +101,6 @@ _HINTS = {
     "no_sync": ONE_PROCESS + " (there is no gradient all-reduce to skip)",
     "compile": "zerofit runs the model's own forward per block; torch.compile the model's blocks yourself",
     "is_compiled": "zerofit does not compile the model",
-    "offload_states": "zerofit keeps the optimizer state in host memory already (engine.plan)",
-    "reload_states": "zerofit keeps the optimizer state in host memory already (engine.plan)",
-    "empty_partition_cache": "zerofit holds no parameter cache beyond the slots its planner sized",
     "clip_fp32_gradients": "set gradient_clipping in the config: zerofit clips by the global norm in step()",
     "load_universal_checkpoint": "engine.load_checkpoint(dir) reads zerofit's checkpoints under any placement, and "
                                  "DeepSpeed's (ZeRO stages 1-3 and the universal layout) too",
@@ -113,7 +115,6 @@ _HINTS = {
     "client_optimizer": "zerofit's AdamW is its own; engine.optimizer is a view of its settings",
     "client_lr_scheduler": "engine.lr_scheduler is the client's scheduler itself when initialize() was given one",
     "timers": "see engine.timeline() and engine.trace()",
-    "tput_timer": "see engine.timeline() and engine.trace()",
     "monitor": "zerofit logs to its own timeline (engine.timeline())",
     "losses": "engine(**batch).loss is each micro-batch's loss",
     "mpu": ONE_PROCESS,
@@ -381,6 +382,24 @@ class DeepSpeedSurface:
     def destroy(self) -> None:
         self.close()
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: frees ZeRO-3's cache of gathered parameters; without ZeRO-3 (and in zerofit, which keeps no
+        parameters beyond its planned slots) there is none, and it frees the allocator's unused cache, as DeepSpeed
+        does after it."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def tput_timer(self) -> "ThroughputTimerView":
+        """DeepSpeed's throughput timer: its epoch and step counters (DeepSpeed-Chat calls
+        ``engine.tput_timer.update_epoch_count()`` after each epoch); its timings are engine.timeline()'s."""
+        from zerofit.engine.deepspeed_views import ThroughputTimerView
+
+        view = self.__dict__.get("_ds_tput")
+        if view is None:
+            view = self.__dict__["_ds_tput"] = ThroughputTimerView(self)
+        return view
+
     @property
     def optimizer(self) -> "OptimizerView":
         return self._views()[0]
@@ -398,8 +417,13 @@ class DeepSpeedSurface:
             identity = sched.type == "constant" and sched.warmup_steps == 0
             if client is not None:      # DeepSpeed returns the client's scheduler itself (None without one)
                 views = (opt, client.scheduler)
-            else:
-                views = (opt, None if identity else SchedulerView(self, opt))
+            elif identity:
+                views = (opt, None)
+            else:                       # DeepSpeed's class for its own schedules (deepspeed.runtime.lr_schedules)
+                from zerofit.deepspeed.runtime.lr_schedules import view_class
+
+                cls = view_class(sched.type)
+                views = (opt, SchedulerView(self, opt) if cls is None else cls._of(self, opt))
             self.__dict__["_ds_views"] = views
         return views
 
@@ -545,6 +569,18 @@ class OptimizerView:
     cur_scale = loss_scale
 
     @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the fp16 loss scale is dynamic (DeepSpeed's FP16 optimizers' attribute)."""
+        return self._engine.scaler is not None and bool(self._engine.scaler.dynamic)
+
+    @property
+    def loss_scaler(self) -> "LossScalerView":
+        """DeepSpeed's FP16 optimizers' ``loss_scaler``: ``loss_scale`` (= ``cur_scale``) and ``dynamic``."""
+        from zerofit.engine.deepspeed_views import LossScalerView
+
+        return LossScalerView(self)
+
+    @property
     def loss_scale_config(self):
         """DeepSpeed's ``optimizer.loss_scale_config`` (its FP16 optimizer's): the fp16 scale, its window, its
         counters, read live from the engine's scaler ([Note: fp16 without ZeRO], optim/loss_scaler.py)."""
@@ -572,6 +608,7 @@ class OptimizerView:
         if name.startswith("_"):
             raise AttributeError(name)
         raise refuse_attribute("optimizer", name, "it offers param_groups, defaults, loss_scale, loss_scale_config, "
+                                                  "dynamic_loss_scale, loss_scaler, "
                                                   "zero_grad() (a no-op); the engine steps and checkpoints the "
                                                   "optimizer")
 

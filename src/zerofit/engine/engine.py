@@ -48,6 +48,7 @@ from zerofit.engine.device import Device
 from zerofit.engine.deepspeed_api import DeepSpeedStyleAPI
 from zerofit.engine.deepspeed_surface import DeepSpeedSurface
 from zerofit.engine.lifecycle import EngineLifecycle, EngineState
+from zerofit.engine.offload_states import OffloadStates
 from zerofit.engine.recovery import StepRecovery
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine import split_adamw
@@ -195,7 +196,7 @@ def plan_batch(config: ZerofitConfig, model: nn.Module, seq_len: int | None) -> 
     return BatchShape(config.micro_batch_size, seq_len, config.gradient_accumulation_steps)
 
 
-class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI):
+class Engine(OffloadStates, EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
     @classmethod
@@ -1947,6 +1948,8 @@ class Engine(EngineLifecycle, StepRecovery, DeepSpeedSurface, DeepSpeedStyleAPI)
         ``exclude_frozen_parameters``: leave out the weights of the frozen parameters (DeepSpeed's meaning)."""
         from zerofit.checkpoint.state import save
 
+        if not save_dir:           # as DeepSpeed 0.19.8
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         return str(self._on_rank0(lambda: save(self, save_dir, tag, client_state, save_latest,
                                                exclude_frozen=exclude_frozen_parameters)))
 

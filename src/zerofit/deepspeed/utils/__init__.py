@@ -54,4 +54,4 @@ _REFUSED.update({
     "get_caller_func": "zerofit logs no communication (one process)",
 })
 
-__getattr__ = refusing_getattr(__name__, _REFUSED, submodules=("logging", "module_utils"))
+__getattr__ = refusing_getattr(__name__, _REFUSED, submodules=("logging", "module_utils", "torch"))

@@ -309,29 +309,25 @@ def test_launcher_runs_an_unmodified_deepspeed_script(tmp_path):
 
 
 
-def test_launcher_passes_the_scripts_exit_status_and_error(tmp_path, monkeypatch, capsys):
-    """In this process (the scripts import no deepspeed); the alias the launcher installs is removed after."""
-    from zerofit.deepspeed import alias
-    from zerofit.deepspeed.launcher import main
-
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT"):
-        monkeypatch.setenv(name, "")            # restored (or removed) after the test, as sys.argv and sys.path
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setattr(sys, "path", list(sys.path))
+def test_launcher_passes_the_scripts_exit_status_and_error(tmp_path):
+    """The launcher in a process of its own (in this one, real DeepSpeed may be imported already, and the alias
+    refuses to shadow it): the script's own exit status, and its own traceback."""
+    code = ("import sys; from zerofit.deepspeed import alias; from zerofit.deepspeed.launcher import main\n"
+            "try:\n    sys.exit(main(sys.argv[1:]))\nfinally:\n    alias.uninstall(); assert not alias.installed()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
+                                                             "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     exits, fails = tmp_path / "exits.py", tmp_path / "fails.py"
     exits.write_text("import os, sys\nprint(sys.argv[1:], os.environ['RANK'], sys.path[0])\nsys.exit(3)\n")
     fails.write_text("def f():\n    raise ValueError('boom')\nf()\n")
-    try:
-        assert main(["-q", str(exits), "--x"]) == 3
-        assert capsys.readouterr().out == f"['--local_rank=0', '--x'] 0 {tmp_path}\n"
-        assert main(["-q", "--no_local_rank", str(fails)]) == 1
-        err = capsys.readouterr().err
-        assert err.startswith(f'Traceback (most recent call last):\n  File "{fails}"') and "ValueError: boom" in err
-    finally:
-        alias.uninstall()
-    assert not alias.installed()
+    r = subprocess.run([sys.executable, "-c", code, "-q", str(exits), "--x"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout == f"['--local_rank=0', '--x'] 0 {tmp_path}\n"
+    r = subprocess.run([sys.executable, "-c", code, "-q", "--no_local_rank", str(fails)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert f'Traceback (most recent call last):\n  File "{fails}"' in r.stderr and "ValueError: boom" in r.stderr
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -245,10 +245,8 @@ def test_announced_window_is_train_batch_bitwise_with_one_upload_per_block(preci
 def test_announced_window_mismatch_falls_back_and_refusals(tmp_path, caplog):
     """A call whose inputs are not the next announced micro-batch's drops the rest of the window: the losses are
     those of the forwards the caller ran, the step equals train_batch over the micro-batches actually called.
-    forward_window is refused mid-window, with too many micro-batches; a checkpoint and train_batch are refused
-    while announced forwards wait."""
-    from zerofit.checkpoint import CheckpointStateError
-
+    forward_window is refused mid-window, with too many micro-batches; train_batch is refused while announced
+    forwards wait, and a checkpoint saved then changes nothing of them."""
     G3 = 3
     (mbs,), (other,) = tm.batches(1, G3), tm.batches(1, G3, seed=5)
     cfg = _cfg(precision="bf16", gradient_accumulation_steps=G3)
@@ -264,8 +262,7 @@ def test_announced_window_mismatch_falls_back_and_refusals(tmp_path, caplog):
         a.forward_window(mbs)
     with pytest.raises(RuntimeError, match="middle of a DeepSpeed-style accumulation"):
         a.train_batch(mbs)
-    with pytest.raises(CheckpointStateError):
-        a.save_checkpoint(tmp_path)
+    a.save_checkpoint(tmp_path)          # mid-window: the last step's state; the announced forwards stay
     with caplog.at_level("WARNING", logger="zerofit"):
         losses = tm.ds_losses(a, called)
     assert "other inputs than the next micro-batch" in caplog.text

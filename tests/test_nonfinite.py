@@ -123,3 +123,60 @@ def test_a_gradient_that_turns_non_finite_after_updates_began_fails_the_engine()
     with pytest.raises(EngineFailedError, match="torn"):
         engine.train_batch(data[1])
     assert engine.state is EngineState.FAILED
+
+
+def test_a_micro_batch_that_scores_no_token_is_left_out_of_the_reported_loss():
+    """A window inside a prompt longer than the window: labels all -100, a loss of 0/0 (NaN) with no gradient.
+    The step's loss is over the micro-batches that score tokens; the update is plain PyTorch's."""
+    import copy
+
+    torch.manual_seed(0)
+    model = tm.llama()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg())
+    mbs = tm.batches(1, G)[0]
+    mbs[1] = {**mbs[1], "labels": torch.full_like(mbs[1]["labels"], -100)}
+    with torch.no_grad():
+        scored = ref(**mbs[0]).loss.item()       # the one micro-batch that scores tokens, before the step
+    loss = engine.train_batch(mbs)
+    ref_losses = tm.reference_train(ref, [mbs])
+    assert loss == pytest.approx(scored, rel=1e-6)
+    assert not torch.isfinite(torch.tensor(ref_losses[0]))     # plain PyTorch's mean of the two is NaN
+    master = engine.master_state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(master[n], p.detach(), msg=lambda m: f"{n}: {m}")
+    engine.close()
+
+
+def test_metrics_lines_are_valid_json_with_non_finite_values(tmp_path):
+    import json
+
+    from zerofit.train.metrics import Metrics
+
+    m = Metrics(tmp_path, tensorboard=False)
+    m.log(1, loss=float("nan"), lr=1e-3, grad_norm=float("inf"))
+    m.close()
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert rec["loss"] is None and rec["grad_norm"] is None and rec["lr"] == 1e-3
+
+
+def test_windows_inside_long_prompts_are_counted_and_warned_about(caplog):
+    import logging
+
+    import numpy as np
+
+    from zerofit.data.build import _warn_long_prompts
+    from zerofit.data.encode import Document
+    from zerofit.data.packing import pack
+
+    T = 8
+    prompt = Document(np.arange(1, 21, dtype=np.int32), np.r_[np.zeros(17, bool), np.ones(3, bool)],
+                      "prompt/completion", "row 1")          # 17 prompt tokens: two windows of it score nothing
+    short = Document(np.arange(1, 7, dtype=np.int32), np.r_[np.zeros(2, bool), np.ones(4, bool)],
+                     "prompt/completion", "row 2")
+    packed = pack([prompt, short], T, 0)
+    assert packed.windows_without_targets() == 2
+    assert sum(int((packed[k]["labels"] != -100).any()) for k in range(len(packed))) == len(packed) - 2
+    with caplog.at_level(logging.WARNING, logger="zerofit"):
+        _warn_long_prompts([prompt, short], packed, T)
+    assert "1 documents have a prompt longer than --seq-len 8" in caplog.text and "2 of 4 windows" in caplog.text

@@ -143,7 +143,7 @@ def test_every_train_option_reaches_the_run(workspace, tmp_path, monkeypatch):
 
     root, model, data = workspace
     seen = {}
-    monkeypatch.setattr(train_pkg, "run_training", lambda opts, console: seen.setdefault("opts", opts) and
+    monkeypatch.setattr(train_pkg, "run_training", lambda opts, console, **kw: seen.setdefault("opts", opts) and
                         (_ for _ in ()).throw(SystemExit(0)))
     CliRunner().invoke(app, _args(model, data, tmp_path / "o", "--steps", "3", "--epochs", "2", "--warmup-steps", "1",
                                   "--max-host-memory", "8GiB", "--nvme", str(tmp_path / "nv"), "--seed", "5",

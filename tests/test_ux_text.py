@@ -148,7 +148,7 @@ def test_chat_session_state():
 def test_the_deepspeed_doors_refusals_say_how_several_gpus_train(monkeypatch):
     import zerofit.deepspeed as zds
     from tests import tiny_models as tm
-    from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported
+    from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
 
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, *_ = zds.initialize(model=tm.llama(), model_parameters=None, config=config)

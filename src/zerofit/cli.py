@@ -11,7 +11,9 @@
 
 Each ``train`` option maps onto one config field (or describes the run); the
 logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
-Exit codes: 0 done, 2 bad configuration or option.
+Exit codes: 0 done, 1 the run failed (or its folder is in use, its checkpoints refused), 2 bad configuration,
+option or path, 130 / 143 a run stopped by Ctrl-C / SIGTERM (docs/cli.md); every error is one line ([Note: one
+line per error], zerofit.cli_errors), its traceback only with ``--debug`` or ZEROFIT_DEBUG=1.
 """
 
 from __future__ import annotations
@@ -29,17 +31,38 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
 
+from zerofit import cli_errors
 from zerofit.demo.options import DemoOptions
 
 _DEFAULT = DemoOptions()
-app = typer.Typer(name="zerofit", no_args_is_help=True, add_completion=False,
+
+
+class _Commands(TyperGroup):
+    """The command group: an error a command did not handle is one line and an exit status ([Note: one line per
+    error]), not a traceback."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, TyperException):     # exits, and usage errors typer prints itself
+            raise
+        except Exception as e:     # noqa: BLE001 - each is described, see cli_errors
+            if cli_errors.debug_requested():
+                raise
+            _fail_on(e)
+
+
+app = typer.Typer(name="zerofit", no_args_is_help=True, add_completion=False, cls=_Commands,
                   help="Train language models whose training state is larger than GPU memory.")
 config_app = typer.Typer(no_args_is_help=True, help="Read and check configurations.")
 app.add_typer(config_app, name="config")
 
+EXIT_FAILED = 1          # a run that cannot go on: its folder in use, its checkpoints refused
 EXIT_BAD_CONFIG = 2
-EXIT_INTERRUPTED = 130   # the shell's code for a process stopped by SIGINT
+EXIT_INTERRUPTED = 130   # the shell's code for a process stopped by SIGINT (143: SIGTERM, 128 + its number)
 
 
 class Precision(str, Enum):
@@ -48,10 +71,26 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
-def _fail(console: Console, message: str) -> None:
-    # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names
-    console.print(Text(message, style="bold red"), soft_wrap=True)
-    raise typer.Exit(EXIT_BAD_CONFIG)
+def _fail(console: Console, message: str, status: int = EXIT_BAD_CONFIG) -> None:
+    handled = sys.exc_info()[1]
+    if handled is not None and cli_errors.debug_requested():
+        raise handled          # --debug: the error being reported, with its traceback
+    # Text: a message with [brackets] is not markup; soft_wrap: no line breaks inside names; one line
+    console.print(Text(cli_errors.one_line(message), style="bold red"), soft_wrap=True)
+    raise typer.Exit(status)
+
+
+def _fail_on(err: Exception, *, output: Path | None = None, resume: bool = False) -> None:
+    """``err`` as one line on stderr, and its exit status ([Note: one line per error])."""
+    code, message = cli_errors.describe(err, output=output, resume=resume)
+    Console(stderr=True).print(Text(message, style="bold red"), soft_wrap=True)
+    raise typer.Exit(code) from None
+
+
+@app.callback()
+def _root(ctx: typer.Context, debug: Annotated[bool, typer.Option(
+        "--debug", help="Show an error's full traceback (also ZEROFIT_DEBUG=1).")] = False) -> None:
+    cli_errors.debug_flag(debug)
 
 
 @app.command()
@@ -179,8 +218,6 @@ def train(
         min=0, help="Demo only: bytes to generate after training; 0 skips the sample.")] = _DEFAULT.sample_tokens,
 ) -> None:
     """Fine-tune a Hugging Face model directory on your data (--model, --data), or train the embedded demo."""
-    from zerofit.config import ConfigError
-
     console = Console()
     paths = list(data or []) + list(more_data or [])
     if gpus > 1 and model is None:
@@ -195,9 +232,10 @@ def train(
         return
     if not paths:
         _fail(console, "--model needs --data PATH [PATH...]: the files or folders to train on")
-    from zerofit.data import DataError
-    from zerofit.models import WeightFileError
-    from zerofit.train import TrainOptions, run_training
+    from zerofit.checkpoint.lock import FolderInUseError
+    from zerofit.train.options import TrainOptions
+    from zerofit.train.resume import hold_run_folder
+    from zerofit.train.signals import exit_at_once, exit_on_signal
 
     opts = TrainOptions(
         model=model, data=paths, output=output, config=config, steps=steps, epochs=epochs,
@@ -208,17 +246,53 @@ def train(
         save_every=save_every, keep=keep, save_at_end=save_at_end, resume=resume,
         save_on_interrupt=save_on_interrupt, export=export, export_dtype=export_dtype.value if export_dtype else None,
         progress=progress, deterministic=deterministic)
+    status = 0
+    with exit_on_signal():     # until the run's own handling: a signal ends the command with 130 / 143
+        # [Note: one writer per folder]: the run folder is held before torch loads, so a second run is refused
+        # in a moment; with --gpus, rank 0 holds it for all ranks
+        lock = None
+        if int(os.environ.get("RANK", "0")) == 0:
+            try:
+                lock = hold_run_folder(output)
+            except FolderInUseError as e:
+                _fail(console, str(e), EXIT_FAILED)
+            except OSError as e:       # a folder that cannot be written (exit 2), or locks it does not take
+                _fail_on(e, output=output)
+        try:
+            status = _train_model(console, opts, lock)
+        finally:
+            if lock is not None:
+                lock.release()
+    if status:
+        exit_at_once()      # the run is over: a signal from here to the process's end exits with 130 / 143
+        raise typer.Exit(status)
+
+
+def _train_model(console: Console, opts, lock) -> int:
+    """``zerofit train --model``: the run; returns the exit status (0, or 130 / 143 after a signal)."""
+    from zerofit.checkpoint.lock import FolderInUseError
+    from zerofit.train import run_training
+    from zerofit.train.resume import RunFolderError
+    from zerofit.train.signals import StopNow, exit_status
+
     try:
-        result = run_training(opts, console)
-    except (ConfigError, DataError, WeightFileError) as e:
-        _fail(console, f"{type(e).__name__}: {e}")
-    except ValueError as e:
-        if "--device" not in str(e):
+        result = run_training(opts, console, run_lock=lock)
+    except RunFolderError as e:
+        _fail(console, str(e), e.exit_status)
+    except FolderInUseError as e:
+        _fail(console, str(e), EXIT_FAILED)
+    except StopNow as e:       # [Note: signals of a run]: a second signal, or one during start-up
+        console.print(Text(f"{e}. {opts.output}: `--resume` continues from the last checkpoint (if any)",
+                           style="yellow"), soft_wrap=True)
+        return exit_status(e.signum)
+    except Exception as e:     # noqa: BLE001 - [Note: one line per error]; the run folder's paths name --output
+        if cli_errors.debug_requested():
             raise
-        _fail(console, str(e))
+        if isinstance(e, ValueError) and "--device" in str(e):
+            _fail(console, str(e))
+        _fail_on(e, output=opts.output, resume=opts.resume)
     _render_train_summary(result, console)
-    if result.interrupted:
-        raise typer.Exit(EXIT_INTERRUPTED)
+    return exit_status(result.stop_signal) if result.interrupted else 0
 
 
 def _relaunch(gpus: int) -> int:
@@ -371,7 +445,7 @@ def deepspeed_launch(ctx: typer.Context) -> None:
     """Run a DeepSpeed training script unchanged, in one process, its `import deepspeed` zerofit's:
     `zerofit deepspeed train.py --deepspeed_config ds.json` (DeepSpeed's launcher options; --help)."""
     from zerofit.deepspeed.launcher import main as launch
-    from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported
+    from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
 
     # the command line itself where it is this command's (click drops a `--` the script may want)
     argv = sys.argv[2:] if sys.argv[1:2] == ["deepspeed"] else list(ctx.args)

@@ -10,6 +10,7 @@
 | ``rng.py`` | every random generator's state as JSON |
 | ``model_files.py`` | config.json, generation_config.json, tokenizer files |
 | ``export.py`` | a Hugging Face model directory from an engine or a checkpoint |
+| ``lock.py`` | one holder per folder: a run folder's or a save folder's lock |
 | ``seams.py`` | test seams: pause at a phase, inject write errors |
 | ``errors.py`` | the typed errors |
 """
@@ -20,7 +21,15 @@ from zerofit.checkpoint.errors import (CheckpointCorruptError, CheckpointDiskFul
                                        MissingFileError, TruncatedFileError)
 from zerofit.checkpoint.commit import RECORD as COMMIT_RECORD
 from zerofit.checkpoint.commit import list_tags, prune
-from zerofit.checkpoint.export import export_checkpoint
+
+
+def __getattr__(name: str):
+    # export (and torch) on first use: `zerofit train` takes its run folder's lock (lock.py) before torch loads
+    if name == "export_checkpoint":
+        from zerofit.checkpoint.export import export_checkpoint
+        return export_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["COMMIT_RECORD", "export_checkpoint", "list_tags", "prune", "CheckpointError", "CheckpointCorruptError",
            "CheckpointDiskFullError", "CheckpointIncompleteError", "CheckpointMismatchError",

@@ -191,22 +191,86 @@ def set_latest(save_dir: Path, tag: str) -> None:
 
 
 def read_latest(save_dir: Path) -> str | None:
+    """The tag ``save_dir/latest`` names; None without the file; :class:`CheckpointCorruptError` naming the
+    file when it holds anything but a tag name (bytes that are not UTF-8 text, a path, nothing)."""
     path = save_dir / LATEST
     if not path.is_file():
         return None
-    tag = path.read_text().strip()
+    raw = path.read_bytes()
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointCorruptError(path, f"holds {len(raw)} bytes that are not UTF-8 text ({raw[:16]!r}), "
+                                           f"not a tag name: {_latest_fix(save_dir)}") from None
     try:
         return check_tag(tag)
     except ValueError:
-        raise CheckpointCorruptError(path, f"holds {tag[:80]!r}, not a tag name") from None
+        raise CheckpointCorruptError(path, f"holds {tag[:80]!r}, not a tag name: {_latest_fix(save_dir)}") from None
+
+
+def _latest_fix(save_dir: Path) -> str:
+    """What to do about a damaged ``latest``: the tags it could name."""
+    tags = list_tags(save_dir)
+    if not tags:
+        return f"no complete checkpoint is in {save_dir} either; remove the file"
+    return (f"write the tag of the checkpoint to load into it (complete-looking ones there: {', '.join(tags[-3:])}"
+            f"{'' if len(tags) <= 3 else f' and {len(tags) - 3} older'}), or remove it")
 
 
 def list_tags(save_dir: Path) -> list[str]:
-    """Tags of complete-looking checkpoints (a commit record present), oldest first."""
+    """Tags of complete-looking checkpoints (a commit record present), oldest first: by the global step
+    their records hold, then by commit time (see :func:`survey` for which are complete)."""
     if not save_dir.is_dir():
         return []
     found = [p for p in save_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / RECORD).is_file()]
-    return [p.name for p in sorted(found, key=lambda p: (p / RECORD).stat().st_mtime)]
+    return [p.name for p in sorted(found, key=lambda p: (_recorded_step(p), (p / RECORD).stat().st_mtime))]
+
+
+def _recorded_step(folder: Path) -> int:
+    try:
+        return int(json.loads((folder / RECORD).read_bytes())["state"]["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+@dataclass(frozen=True)
+class Found:
+    """A tag folder of a save folder, as :func:`survey` sees it."""
+
+    tag: str
+    step: int | None           # the global step its commit record holds; None when it is not complete
+    problem: str | None = None  # why it is not complete, in words
+
+    @property
+    def complete(self) -> bool:
+        return self.problem is None
+
+
+def survey(save_dir: Path) -> list[Found]:
+    """Every tag folder of ``save_dir``: the complete ones (a commit record that reads and matches its own
+    CRC32, every file it lists present at its recorded size; the CRC32s of their bytes are checked by the
+    load), oldest first by recorded global step (then commit time), then the others with what is wrong.
+    Hidden folders (saves in progress or killed, ``.replaced-`` spares) are not tags."""
+    if not save_dir.is_dir():
+        return []
+    done, broken = [], []
+    for p in save_dir.iterdir():
+        if not p.is_dir() or p.name.startswith("."):
+            continue
+        try:
+            record = CommitRecord.read(p)
+            for f in record.files:
+                size = (p / f.name).stat().st_size if (p / f.name).is_file() else None
+                if size != f.bytes:
+                    raise CheckpointIncompleteError(f"{f.name} is " + ("missing" if size is None else
+                                                    f"{size} bytes, {f.bytes} recorded"))
+            step = int(record.state.get("global_step", -1))
+        except (CheckpointCorruptError, CheckpointIncompleteError, ValueError, TypeError) as e:
+            why = "no commit record (a save that did not finish)" if not (p / RECORD).is_file() else str(e)
+            broken.append(Found(p.name, None, why.replace(f"{p}: ", "").replace(f"{p / RECORD}: ", "")))
+            continue
+        done.append((step, (p / RECORD).stat().st_mtime, Found(p.name, step)))
+    return [f for _, _, f in sorted(done, key=lambda x: x[:2])] + sorted(broken, key=lambda f: f.tag)
 
 
 def resolve(load_dir: Path, tag: str | None) -> Path | None:
@@ -259,19 +323,31 @@ def verify(folder: Path, record: CommitRecord, names: list[str] | None = None, w
                                                              "file's bytes changed after it was saved")
 
 
-def prune(save_dir: Path | str, keep: int) -> list[str]:
-    """Delete all but the ``keep`` newest complete checkpoints (by commit time), never the one ``latest``
-    names; for a trainer's ``--keep K``. Returns the removed tags."""
+def prune(save_dir: Path | str, keep: int, protect: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Delete all but the ``keep`` newest complete checkpoints (newest: by the global step their commit records
+    hold), never the one ``latest`` names nor any in ``protect`` (a trainer protects the checkpoint it resumed
+    from and every one newer than it that was there before it started); for a trainer's ``--keep K``. Refused
+    (:class:`~zerofit.checkpoint.lock.CheckpointFolderInUseError`) while another process holds the folder
+    ([Note: one writer per folder]). Returns the removed tags."""
+    from zerofit.checkpoint.lock import SAVE_LOCK, held_here, hold_save_dir
+
     if keep < 1:
         raise ValueError(f"keep must be >= 1, found {keep}")
     save_dir = Path(save_dir)
-    tags = list_tags(save_dir)
-    latest = read_latest(save_dir)
-    doomed = [t for t in tags[:max(0, len(tags) - keep)] if t != latest]
-    for t in doomed:     # rename first: a kill mid-removal leaves a hidden folder, never a partial tag
-        hidden = save_dir / f"{TMP_PREFIX}{t}-{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(save_dir / t, hidden)
-        shutil.rmtree(hidden, ignore_errors=True)
-    if doomed:
-        fsync_dir(save_dir)
+    if not save_dir.is_dir():
+        return []
+    own = None if held_here(save_dir, SAVE_LOCK) else hold_save_dir(save_dir, None)
+    try:
+        tags = [f.tag for f in survey(save_dir) if f.complete]
+        latest = read_latest(save_dir)
+        doomed = [t for t in tags[:max(0, len(tags) - keep)] if t != latest and t not in protect]
+        for t in doomed:     # rename first: a kill mid-removal leaves a hidden folder, never a partial tag
+            hidden = save_dir / f"{TMP_PREFIX}{t}-{os.getpid()}-{secrets.token_hex(4)}"
+            os.rename(save_dir / t, hidden)
+            shutil.rmtree(hidden, ignore_errors=True)
+        if doomed:
+            fsync_dir(save_dir)
+    finally:
+        if own is not None:
+            own.release()
     return doomed

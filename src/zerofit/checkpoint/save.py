@@ -20,6 +20,7 @@ from zerofit.checkpoint.commit import RECORD, CommitRecord, FileEntry, begin, ch
 from zerofit.checkpoint.durable import disk_bytes, free_bytes, write_file
 from zerofit.checkpoint.errors import CheckpointDiskFullError
 from zerofit.checkpoint.format import Entry, index_bytes, plan_shards, write_shards
+from zerofit.checkpoint.lock import hold_save_dir
 
 WEIGHTS = "weights"
 OPTIMIZER = "optimizer"
@@ -55,11 +56,23 @@ def planned_bytes(content: Content, max_shard_bytes: int = DEFAULT_SHARD_BYTES) 
 
 
 def write_checkpoint(save_dir: Path | str, content: Content, save_latest: bool = True,
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 4) -> Path:
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 4, holder=None) -> Path:
     """Write ``content`` as ``save_dir/<tag>/`` atomically and (``save_latest``) point ``latest`` at it.
-    Returns the checkpoint folder."""
+    Returns the checkpoint folder. ``save_dir`` is held first ([Note: one writer per folder], lock.py): for the
+    life of ``holder`` (an object with a ``locks`` dict, such as an engine's resources), else for this save;
+    a folder another holder has raises :class:`~zerofit.checkpoint.lock.CheckpointFolderInUseError`."""
     save_dir = Path(save_dir)
     tag = check_tag(content.tag)
+    own = hold_save_dir(save_dir, holder)
+    try:
+        return _write(save_dir, tag, content, save_latest, max_shard_bytes, workers)
+    finally:
+        if own is not None:
+            own.release()
+
+
+def _write(save_dir: Path, tag: str, content: Content, save_latest: bool, max_shard_bytes: int,
+           workers: int) -> Path:
     w_shards = plan_shards(content.weights, WEIGHTS, max_shard_bytes)
     o_shards = plan_shards(content.optimizer, OPTIMIZER, max_shard_bytes) if content.optimizer else []
     small = [SideFile(WEIGHTS_INDEX, index_bytes(w_shards))]

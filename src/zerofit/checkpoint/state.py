@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from zerofit.checkpoint import rng
+from zerofit.checkpoint import deepspeed_format, deepspeed_load, rng
+from zerofit.checkpoint.commit import RECORD as COMMIT_RECORD
 from zerofit.checkpoint.errors import (CheckpointMismatchError, CheckpointStateError, EngineStateLostError,
                                        MissingFileError)
 from zerofit.checkpoint.format import Entry
@@ -70,9 +71,37 @@ def _refuse_mid_step(engine, action: str) -> None:
     open_window = engine.window.in_progress()
     if open_window:
         raise CheckpointStateError(
-            f"cannot {action} in the middle of a gradient accumulation ({open_window}): the accumulated gradients "
-            "are not part of a checkpoint. Call it after engine.step() has taken the optimizer step "
+            f"cannot {action} in the middle of a gradient accumulation ({open_window}): the loaded weights would "
+            "meet gradients of the current ones. Call it after engine.step() has taken the optimizer step "
             "(engine.is_gradient_accumulation_boundary()).")
+
+
+# [Note: a save in the middle of an accumulation window]
+# DeepSpeed's save_checkpoint between the micro-batches of a window saves the weights and optimizer state of
+# the last optimizer step; the window's gradients are not saved (runtime/engine.py, save_checkpoint: the
+# module and optimizer state only). zerofit does the same: between a window's micro-batches nothing has
+# changed the masters, moments or step counts since the last step (the blocks' backward waits for the
+# boundary: [Note: the block backward waits for the boundary], engine/window.py), so after
+# engine.wait() (the last step's updates applied) the save reads them as at the boundary. The save only
+# reads: the window (its held micro-batches, a pending forward, announced forwards) goes on in the saving
+# engine, and its step is bitwise the one it takes without the save (tests/test_deepspeed_checkpoints.py).
+# The record says how far into the window it was; a load warns that those micro-batches' gradients are gone
+# and that the loaded engine starts a new window. One moment is refused: after the boundary's backward and
+# before its step(), the blocks' updates are under way (a streaming engine updates them during that backward).
+
+
+def _window(engine) -> dict | None:
+    """Where in an accumulation window a save is made: None at a boundary."""
+    w = engine.window
+    if not w.in_progress():
+        return None
+    if w.micro_steps and engine.adapter.streaming and not w.held:
+        raise CheckpointStateError(
+            f"cannot save a checkpoint between the accumulation boundary's backward() and its step() "
+            f"({w.micro_steps} micro-batches): the optimizer step has begun (the blocks' updates run during "
+            "that backward). Call engine.step() first, then save: the checkpoint then holds this step's update")
+    return {"micro_batches": w.micro_steps, "forward_pending": w.pending is not None,
+            "gradient_accumulation_steps": engine.config.gradient_accumulation_steps}
 
 
 def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dict | None = None,
@@ -81,7 +110,7 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     """Write the engine's whole training state as ``save_dir/<tag>`` (see docs/checkpoints.md); with
     ``exclude_frozen`` (DeepSpeed's ``exclude_frozen_parameters``) without the frozen parameters' weights,
     which the model the checkpoint is loaded into then supplies."""
-    _refuse_mid_step(engine, "save a checkpoint")
+    window = _window(engine)     # [Note: a save in the middle of an accumulation window]
     tag = tag if tag is not None else f"global_step{engine.global_step}"
     engine.wait()
     engine.dev.synchronize()
@@ -112,13 +141,15 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
         # whether the last one was clipped, and a speculated-then-redone update differs in rounding
         "speculate_next": engine.speculator.next,
         "param_groups": groups_record(engine),
+        "window": window,
     }
     from zerofit import __version__
     state["zerofit_version"] = __version__
     content = Content(tag, weights, optimizer_entries(engine), side, state)
     t = time.perf_counter()
     with torch.profiler.record_function("zerofit::checkpoint.save"):
-        folder = write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers)
+        # [Note: one writer per folder] (lock.py): the engine holds save_dir from now until it closes
+        folder = write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers, holder=engine.lifecycle.resources)
     s = time.perf_counter() - t
     if engine.tier is not None:
         engine.tier.file.flush_mapping()      # the disk tier's pages read for the save leave memory
@@ -132,6 +163,9 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
     """Load a checkpoint into the engine; ``(path, client_state)``, or ``(None, None)`` with a warning when
     ``tag`` is None and ``load_dir`` has no ``latest``. See [Note: verify before copying] (load.py)."""
     _refuse_mid_step(engine, "load a checkpoint")
+    ds_folder = deepspeed_format.find(load_dir, tag, COMMIT_RECORD)
+    if ds_folder is not None:      # [Note: a DeepSpeed checkpoint into the units] (deepspeed_load.py)
+        return deepspeed_load.load(engine, ds_folder, load_optimizer_states)
     opened = open_checkpoint(load_dir, tag)
     if opened is None:
         log.warning("%s: no 'latest' file, so no checkpoint to load; training starts from the current state. "
@@ -162,6 +196,7 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
         steps = unit_steps(engine, st["unit_steps"], folder)
     _check_scaler(engine, st.get("scaler"), folder)
     _warn_config_changes(engine, folder, st)
+    _warn_partial_window(folder, st.get("window"))
     client_state = torch.load(io.BytesIO((folder / CLIENT_STATE).read_bytes()), weights_only=False)
     # nothing has been written into the engine so far; from here on a failure must not go unnoticed
     engine.wait()
@@ -213,6 +248,17 @@ def _restore_client_schedule(engine, folder: Path, saved: bool) -> None:
     elif saved:
         log.warning("%s: saved with a client lr_scheduler, loaded into an engine without one: its state is not "
                     "used", folder)
+
+
+def _warn_partial_window(folder: Path, window: dict | None) -> None:
+    """[Note: a save in the middle of an accumulation window]: say what became of the saved window."""
+    if not window:
+        return
+    n, G = window["micro_batches"], window["gradient_accumulation_steps"]
+    pending = " (and a forward without its backward)" if window.get("forward_pending") else ""
+    log.warning("%s: the checkpoint was saved %d micro-batches into an accumulation window of %d%s; their "
+                "gradients were not saved: the loaded engine starts a new window (the weights and optimizer state "
+                "are those of the last optimizer step, as DeepSpeed saves them)", folder, n, G, pending)
 
 
 def _check_scaler(engine, saved: dict | None, folder: Path) -> None:

@@ -177,15 +177,33 @@ def check_nvme_path(path: str | os.PathLike | None, *, field: str = "offload.nvm
     if existing.exists() and not existing.is_dir():
         what = "a file" if existing == p else f"a path under the file {existing}"
         raise ConfigError(field, expected, f"{str(path)!r} ({what})", "point nvme_path at a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    unwritable = _unwritable(existing)
+    if unwritable:
         what = "not writable" if existing == p else f"missing, and its parent {existing} is not writable"
-        raise ConfigError(field, expected, f"{str(path)!r} ({what})",
-                          "choose a folder this user can write to")
+        raise ConfigError(field, expected, f"{str(path)!r} ({what}: {unwritable})",
+                          "choose a folder on a local disk this user can write to")
     free = shutil.disk_usage(existing).free
     if free <= 0 or free < required_bytes:
         raise ConfigError(field, f"at least {max(required_bytes, 1)} bytes free", f"{free} bytes free at {p}",
                           "free space on that disk or choose another folder")
     return NvmePathCheck(path=p, exists=existing == p, free_bytes=free)
+
+
+def _unwritable(folder: Path) -> str:
+    """Why the disk tier cannot write files in ``folder`` (an existing folder), or "" when it can: the
+    permissions (``os.access``, which root passes everywhere), a read-only mount, or a file system with no
+    blocks at all (/proc, /sys: no file can be made there, whatever access says)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "this user may not create files there"
+    try:
+        st = os.statvfs(folder)
+    except OSError as e:
+        return f"its file system cannot be queried ({e.strerror})"
+    if st.f_flag & os.ST_RDONLY:
+        return "a read-only file system"
+    if st.f_blocks == 0:
+        return "a virtual file system with no disk blocks, such as /proc or /sys, not a disk"
+    return ""
 
 
 # ----------------------------------------------------------------------------

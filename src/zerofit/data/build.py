@@ -14,6 +14,7 @@ order, on any machine: the split and the packing order are seeded permutations
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from zerofit.data.shuffle import ORDER, SPLIT, permutation
 from zerofit.data.sources import DataError, TextUnit, find_files, iter_rows, offline_hub
 
 PathArg = str | os.PathLike | Sequence[str | os.PathLike]
+log = logging.getLogger("zerofit")
 
 
 @dataclass(frozen=True)
@@ -150,4 +152,18 @@ def build_datasets(paths: PathArg, tokenizer: Any, seq_len: int, eval_size: floa
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     train = pack(train_docs, seq_len, pad_id)
     held = pack(eval_docs, seq_len, pad_id) if eval_docs else None
+    _warn_long_prompts(train_docs, train, seq_len)
     return DataSplit(train, held, docs.stats)
+
+
+def _warn_long_prompts(documents: Sequence[Document], packed: PackedDataset, seq_len: int) -> None:
+    """Documents whose first scored token lies more than a window into them (a prompt longer than ``seq_len``):
+    their answers are scored without the start of their prompt in view, and the windows inside such a prompt score
+    nothing (a micro-batch of only such windows has no loss, and no gradient)."""
+    long = sum(1 for d in documents if d.targets.any() and int(d.targets.argmax()) >= seq_len - 1)
+    empty = packed.windows_without_targets()
+    if long or empty:
+        log.warning("zerofit: %d documents have a prompt longer than --seq-len %d, so their answers are scored "
+                    "without the start of the prompt in view; %d of %d windows score no token (a step's loss is over "
+                    "the micro-batches that do). Raise --seq-len, or shorten those prompts", long, seq_len, empty,
+                    len(packed))

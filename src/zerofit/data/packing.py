@@ -53,6 +53,15 @@ class PackedDataset:
     def __len__(self) -> int:
         return 0 if self.num_tokens < 2 else -(-(self.num_tokens - 1) // (self.seq_len - 1))
 
+    def windows_without_targets(self) -> int:
+        """Windows that score no token (inside a long prompt): a micro-batch of only such windows has no loss."""
+        if len(self) == 0:
+            return 0
+        scored = self.targets.clone()
+        scored[0] = False                   # the stream's first token is never scored
+        per = scored[1:].reshape(len(self), self.seq_len - 1).any(dim=1)    # position 0 of a window is context
+        return int((~per).sum())
+
     @property
     def num_target_tokens(self) -> int:
         """Tokens scored over all windows (each target once; the stream's first token never is)."""

@@ -38,10 +38,16 @@ from zerofit.deepspeed.arguments import (add_config_arguments, check_client_sche
                                          client_optimizer, dataloader_drop_last, groups_from_model_parameters,
                                          raw_config, resolve_config)
 from zerofit.deepspeed.names import DEEPSPEED_VERSION, REFUSED_MODULES, UnsupportedModule
-from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
+from zerofit.config import ConfigError
+from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "get_accelerator", "log_dist", "logger",
-           "DeepSpeedUnsupported", "UnsupportedAttribute", "UnsupportedModule", "__version__"]
+           "DeepSpeedUnsupported", "DeepSpeedAssertion", "DeepSpeedConfigError", "UnsupportedAttribute",
+           "UnsupportedModule", "__version__"]
+
+DeepSpeedConfigError = ConfigError
+"""DeepSpeed's config error is zerofit's: a config zerofit refuses raises it (``except deepspeed.DeepSpeedConfigError``
+catches it), naming the key, what was expected and what was found."""
 
 __version__ = DEEPSPEED_VERSION + "+zerofit"
 """DeepSpeed's version, 0.19.8, whose names and meanings this surface follows, with the PEP 440 local label
@@ -82,8 +88,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """
     import zerofit
 
-    if model is None:
-        raise ValueError("deepspeed.initialize requires a model")
+    if model is None:               # DeepSpeed: assert model is not None (an AssertionError there)
+        raise DeepSpeedAssertion("deepspeed.initialize requires a model: pass model=<your nn.Module> (initialize's "
+                                 "first positional argument is args, as in DeepSpeed)")
     if mpu is not None:
         raise DeepSpeedUnsupported(f"initialize(mpu=...): a model-parallel unit needs several processes; "
                                    f"{ONE_PROCESS}")
@@ -174,7 +181,6 @@ _DEEPSPEED_NAMES = {
     "checkpointing": "zerofit checkpoints every block's activations itself (activation_checkpointing)",
     "DeepSpeedHybridEngine": "zerofit has no inference hybrid engine",
     "DeepSpeedConfig": "zerofit reads DeepSpeed configs into zerofit.config.ZerofitConfig (zerofit.config.load_config)",
-    "DeepSpeedConfigError": "zerofit raises zerofit.config.ConfigError",
     "DeepSpeedOptimizer": "zerofit runs its own AdamW; initialize() returns a view of it (engine.optimizer)",
     "DeepSpeedDataLoader": "initialize(training_data=...) returns the loader (engine.deepspeed_io builds one)",
     "MUON_OPTIMIZER": "zerofit runs AdamW only",

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported
+from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported
 
 _HYPERS = ("lr", "weight_decay", "betas", "eps")   # other group keys (foreach, fused, ...) only pick an implementation
 
@@ -203,8 +203,9 @@ def client_optimizer(optimizer, model: nn.Module, model_parameters) -> tuple[dic
                                        f"optimizer; {_INSTEAD_OPTIMIZER}")
         optimizer = built
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-        raise DeepSpeedUnsupported(f"optimizer={type(optimizer).__module__}.{type(optimizer).__name__}: "
-                                   f"{_INSTEAD_OPTIMIZER}")
+        # (an AssertionError too: DeepSpeed asserts on an untested client optimizer under ZeRO)
+        raise DeepSpeedAssertion(f"optimizer={type(optimizer).__module__}.{type(optimizer).__name__}: "
+                                 f"{_INSTEAD_OPTIMIZER}")
     kind = type(optimizer).__name__
     if any(optimizer.state.values()):
         raise DeepSpeedUnsupported(f"optimizer: this {kind} has state (it has taken steps); zerofit's AdamW starts "
@@ -233,8 +234,9 @@ def check_client_scheduler(lr_scheduler, optimizer) -> None:
         raise DeepSpeedUnsupported(f"lr_scheduler={kind}: expected a scheduler with step() (torch's LRScheduler, "
                                    "transformers' get_scheduler) or a callable that builds one from the optimizer")
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
-        raise DeepSpeedUnsupported(
-            f"lr_scheduler={kind} without the optimizer it was built over: DeepSpeed refuses a scheduler object "
-            "with no client optimizer, and zerofit would not see its learning rates. Pass optimizer=<the "
+        raise DeepSpeedAssertion(
+            f"lr_scheduler={kind} without the optimizer it was built over: zerofit would not see its learning rates "
+            "(DeepSpeed asserts this for torch's old _LRScheduler class; with torch 2's schedulers it steps one whose "
+            "lr never reaches the optimizer it trains). Pass optimizer=<the "
             "scheduler's optimizer> too, or lr_scheduler=lambda optimizer: ... to build it over the optimizer "
             "zerofit gives it")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Mapping
 
-from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
+from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
 
 DEEPSPEED_VERSION = "0.19.8"        # the DeepSpeed release whose names and meanings zerofit's surface follows
 ZEROFIT_DEEPSPEED = "zerofit.deepspeed"
@@ -59,8 +59,6 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.moe.experts": _NO_MOE,
     "deepspeed.moe.sharded_moe": _NO_MOE,
     "deepspeed.moe.mappings": _NO_MOE,
-    "deepspeed.runtime.lr_schedules": "put the schedule in the config's scheduler block (WarmupLR, WarmupDecayLR, "
-                                      "WarmupCosineLR with DeepSpeed's formulas, zerofit.optim.schedules)",
     "deepspeed.runtime.config": "zerofit reads DeepSpeed configs into zerofit.config.ZerofitConfig "
                                 "(zerofit.config.load_config; `zerofit config show ds.json`)",
     "deepspeed.runtime.activation_checkpointing": "zerofit checkpoints every block's activations itself "

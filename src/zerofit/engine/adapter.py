@@ -259,7 +259,7 @@ def loss_of(output) -> torch.Tensor:
     """The loss of a model's output: a tensor, or an object/dict with ``loss``."""
     if isinstance(output, torch.Tensor):
         return output
-    loss = output["loss"] if isinstance(output, dict) else getattr(output, "loss", None)
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)   # ModelOutput too
     if loss is None:
         raise ValueError("the model returned no loss: pass 'labels' in every micro-batch")
     return loss

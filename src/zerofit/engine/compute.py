@@ -16,6 +16,7 @@ from torch import nn
 from torch.func import functional_call
 
 from zerofit.engine.adapter import Adapter, block_output
+from zerofit.engine.batch import to_device
 from zerofit.engine.device import Device
 from zerofit.engine.store import Unit
 
@@ -69,8 +70,7 @@ class Compute:
         return torch.random.fork_rng(devices=devices, enabled=self.adapter.has_dropout)
 
     def to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.dev.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                for k, v in batch.items()}
+        return to_device(batch, self.dev.device)      # token ids as int64: [Note: token ids of any integer dtype]
 
     def accumulate(self, unit: Unit, dst: torch.Tensor, grads: list, names: list[str]) -> None:
         """dst (fp32 flat) += grads, or = grads on the first write of a step."""

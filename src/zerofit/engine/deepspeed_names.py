@@ -16,6 +16,11 @@ class UnsupportedAttribute(DeepSpeedUnsupported, AttributeError):
     """A DeepSpeed attribute zerofit does not provide (an ``AttributeError`` too, so ``hasattr`` is False)."""
 
 
+class DeepSpeedAssertion(DeepSpeedUnsupported, ValueError, AssertionError):
+    """A call DeepSpeed refuses with an ``assert`` (an ``AssertionError`` there, which its callers and tests catch):
+    zerofit refuses it too, with a message that says what to do."""
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 
 # what the DeepSpeed door does with several processes; the engine itself trains on several GPUs (ranks.py)
@@ -39,11 +44,9 @@ _HINTS = {
     "no_sync": ONE_PROCESS + " (there is no gradient all-reduce to skip)",
     "compile": "zerofit runs the model's own forward per block; torch.compile the model's blocks yourself",
     "is_compiled": "zerofit does not compile the model",
-    "offload_states": "zerofit keeps the optimizer state in host memory already (engine.plan)",
-    "reload_states": "zerofit keeps the optimizer state in host memory already (engine.plan)",
-    "empty_partition_cache": "zerofit holds no parameter cache beyond the slots its planner sized",
     "clip_fp32_gradients": "set gradient_clipping in the config: zerofit clips by the global norm in step()",
-    "load_universal_checkpoint": "zerofit's checkpoints load under any placement already",
+    "load_universal_checkpoint": "engine.load_checkpoint(dir) reads zerofit's checkpoints under any placement, and "
+                                 "DeepSpeed's (ZeRO stages 1-3 and the universal layout) too",
     "get_pld_theta": "progressive layer drop is not implemented",
     "print_forward_breakdown": "see engine.timeline() and engine.trace()",
     "get_data_types": "zerofit computes in config.precision with fp32 master weights and gradients",
@@ -55,7 +58,6 @@ _HINTS = {
     "client_optimizer": "zerofit's AdamW is its own; engine.optimizer is a view of its settings",
     "client_lr_scheduler": "engine.lr_scheduler is the client's scheduler itself when initialize() was given one",
     "timers": "see engine.timeline() and engine.trace()",
-    "tput_timer": "see engine.timeline() and engine.trace()",
     "monitor": "zerofit logs to its own timeline (engine.timeline())",
     "losses": "engine(**batch).loss is each micro-batch's loss",
     "mpu": ONE_PROCESS,

@@ -26,10 +26,13 @@ import os
 import weakref
 from dataclasses import dataclass
 
+import torch
 from torch.utils.data import DataLoader
 
-from zerofit.engine.deepspeed_names import (ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute,  # noqa: F401
-                                            deepspeed_hint, refuse_attribute)
+from zerofit.engine import offload_states as offloading
+from zerofit.engine.batch import check_batch
+from zerofit.engine.deepspeed_names import (ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported,  # noqa: F401
+                                            UnsupportedAttribute, deepspeed_hint, refuse_attribute)
 from zerofit.engine.views import OptimizerView, SchedulerView
 
 log = logging.getLogger("zerofit")
@@ -84,6 +87,7 @@ class DeepSpeedRecord:
     collate_fn: object = None
     drop_last: bool = False
     views: tuple | None = None            # (optimizer, lr_scheduler) returned, built at first use
+    tput_timer: object = None             # engine.tput_timer (deepspeed_views.py), built at first use
     training_dataloader: object = None    # the loader initialize(training_data=...) built
 
 
@@ -116,7 +120,8 @@ def bind_inputs(model, inputs: tuple, batch: dict) -> dict:
 
 class DeepSpeedSurface:
     """Mixed into :class:`~zerofit.engine.engine.Engine` as its DeepSpeed names: no state (``self.ds`` is the
-    engine's), each name a delegate to the engine's parts and config."""
+    engine's), each name a delegate to the engine's parts and config, under the engine's guard (``_check_open``,
+    ``_call``, ``_with_fallback``, ``_end_step``: engine.py) as FSDP2's ``FSDPModule`` is over its state."""
 
     def configure_deepspeed(self, names=None, collate_fn=None, drop_last: bool = False, training_data=None) -> None:
         """What zerofit.deepspeed.initialize knows beyond the config: each group's parameter names, collate_fn,
@@ -131,6 +136,150 @@ class DeepSpeedSurface:
     def training_dataloader(self):
         """The loader initialize(training_data=...) built (DeepSpeed's name), or None."""
         return self.ds.training_dataloader
+
+    # ----------------------------------------------------------------- the loop: engine(**batch), backward(), step()
+
+    def __call__(self, *inputs, **batch):
+        """Forward one micro-batch, with the model's own arguments (positional ones too, as DeepSpeed passes them
+        on: ``engine(x, y)``); returns the model's output as the model returns it ([Note: a forward records for
+        backward as autograd says], window.py). Under ``torch.no_grad()`` (or in eval mode with autograd off) it
+        keeps nothing."""
+        if inputs:
+            batch = bind_inputs(self._model, inputs, batch)
+        G = self.config.gradient_accumulation_steps
+        if (not self.config.managed_gradient_accumulation and self.window.micro_steps >= G
+                and torch.is_grad_enabled()):
+            raise DeepSpeedUnsupported(
+                f"engine(**batch): micro-batch {G + 1} before engine.step() with managed_gradient_accumulation false: "
+                f"zerofit's window holds at most gradient_accumulation_steps ({G}) micro-batches (their block "
+                f"checkpoints wait on the device for the blocks' backward). Call engine.step() after at most {G} "
+                "backward() calls, or raise gradient_accumulation_steps")
+        self._check_open()
+        if not torch.is_grad_enabled():
+            return self._evaluate(batch)
+        check_batch(batch, self._batch_spec)
+        self.window.drop_unused()
+        with self._call(discard_step=True):
+            return self._with_fallback(lambda: self.window.forward(batch))
+
+    def forward(self, *inputs, **batch):
+        return self(*inputs, **batch)
+
+    def forward_window(self, batches: list[dict]) -> None:
+        """Announce the accumulation window's micro-batches: run their forwards now, together ([Note: a window's
+        forwards at once], window.py); each later ``engine(**batch)`` of the window takes its forward from here.
+        Only at the start of a window, in training mode; a no-op on the generic path (a model that does not
+        stream) and with several ranks."""
+        self._check_open()
+        if not self.window.may_announce(batches):
+            return
+        with self._call(discard_step=True):
+            self._with_fallback(lambda: self.window.announce(batches))
+
+    def backward(self, loss, release_loss: bool = False, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients (the
+        blocks' part at the accumulation boundary: [Note: the block backward waits for the boundary], window.py).
+
+        The gradient is that of ``loss / gradient_accumulation_steps``; with ``scale_wrt_gas=False``
+        (DeepSpeed's keyword) that of ``loss`` itself, for callers that already divided it as they want
+        (Hugging Face's Trainer: by the micro-batches of the step, or by the step's token count). Returns the
+        loss divided by gradient_accumulation_steps (detached), as DeepSpeed returns it; ``release_loss`` is
+        ignored, as DeepSpeed does."""
+        if retain_graph:
+            raise DeepSpeedUnsupported("engine.backward(retain_graph=True): zerofit frees each block's graph as it "
+                                       "goes (it recomputes blocks from checkpoints), so a second backward through "
+                                       "the same forward is not possible; run the forward again")
+        self._check_open()
+        micro = self.window.take_pending()
+        with self._call(discard_step=True):
+            self.window.backward(micro, loss, scale_wrt_gas, self.scaler.scale if self.scaler else 1.0)
+        self.ds.unstepped = self.window.micro_steps
+        G = self.config.gradient_accumulation_steps
+        out = loss.detach().float()
+        return out / G if G > 1 and scale_wrt_gas else out
+
+    def step(self, lr_kwargs=None) -> None:
+        """Take the optimizer step at the gradient-accumulation boundary (a no-op before it), then the lr
+        schedule's step (a client scheduler's ``step(**lr_kwargs)``, after an applied step only, as DeepSpeed
+        steps it). With ``managed_gradient_accumulation`` false every call after a backward() is the boundary,
+        as in DeepSpeed."""
+        client = self.hypers.client
+        if lr_kwargs and client is None:
+            raise DeepSpeedUnsupported(f"engine.step(lr_kwargs={lr_kwargs!r}): the config's schedule takes no "
+                                       "arguments (it is a function of the applied steps); lr_kwargs go to a client "
+                                       "lr_scheduler passed to initialize()")
+        applied_before, micro = self.global_step, self.window.micro_steps
+        unmanaged = not self.config.managed_gradient_accumulation
+        if unmanaged and micro:       # the caller's boundary: DeepSpeed steps whatever the count
+            self.window.override(True)
+            self.ds.stepping = True
+        try:
+            self._step_at_boundary()
+        finally:
+            if unmanaged:
+                self.window.override(None)
+                self.ds.stepping = False
+        self.ds.unstepped = None
+        self.ds.step_applied = self.global_step > applied_before
+        if unmanaged and self.window.micro_steps == 0:       # DeepSpeed counts the micro-batches the caller gave
+            self.ds.samples += micro * (self.train_batch_size() // self.config.gradient_accumulation_steps)
+        if self.ds.step_applied and client is not None:
+            client.catch_up(self.hypers, lr_kwargs)
+
+    def _step_at_boundary(self) -> None:
+        self._check_open()
+        if not self.window.at_boundary():
+            return
+        with self._call(discard_step=True):
+            self.window.before_step()
+            applied, norm = self.stepper.finish()
+            self.window.stepped()
+            self._end_step(applied, norm)
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward
+        (or at least before its backward): True ends the window with this micro-batch, however many came
+        before it (a short last window, as accelerate's DeepSpeed wrapper and zerofit.hf ask for at the end of
+        an epoch), so its backward runs the blocks' backward and step() steps; False holds the step back
+        (a window stays at most gradient_accumulation_steps long: the device keeps that many micro-batches'
+        block checkpoints); None returns to counting gradient_accumulation_steps."""
+        if not self.config.managed_gradient_accumulation:
+            raise DeepSpeedUnsupported("engine.set_gradient_accumulation_boundary(): not with "
+                                       "managed_gradient_accumulation false, where every engine.step() is the "
+                                       "boundary (DeepSpeed refuses it too)")
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary must be True, False or None, found {is_boundary!r}")
+        self.window.override(is_boundary)
+
+    # ----------------------------------------------------------------- offload_states (offload_states.py)
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
+        """Move the engine's device state of the kinds ``include`` (all when None) into host memory (page-locked
+        when ``pin_memory``) and free its device memory ([Note: offloaded device state]). Until
+        ``reload_states()`` the engine refuses every other call."""
+        self.lifecycle.check_open()
+        where, kinds = offloading.parse(include, device)
+        offloading.refuse_param_offload(self.report, self.config)
+        if where == "none":
+            log.warning("No device specified for offloading states.")
+            return
+        offloading.refuse_window("offload_states()", self.window, self.streamer)
+        storages = lambda kinds: offloading.device_storages(     # noqa: E731
+            kinds, units=self.units, streamer=self.streamer, grads=self.grads, sharding=self.sharding,
+            device_updates=self.device_updates, model=self._model, device=self.dev.device)
+        with self._call(discard_step=False):
+            self.offloaded.offload(kinds, storages, pin_memory and self.dev.is_cuda, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Put back what ``offload_states`` moved, on the device, byte for byte; training goes on as if it had
+        stayed there. A no-op when nothing is offloaded."""
+        self.lifecycle.check_open()
+        if self.offloaded.current is None:
+            return
+        with self._call(discard_step=False):
+            self.offloaded.reload(non_blocking)
+
+    # ----------------------------------------------------------------- the accumulation boundary
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the last micro-batch of an accumulation is worked on ([Note: DeepSpeed's accumulation
@@ -223,6 +372,23 @@ class DeepSpeedSurface:
     def destroy(self) -> None:
         self.close()
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: frees ZeRO-3's cache of gathered parameters; without ZeRO-3 (and in zerofit, which keeps no
+        parameters beyond its planned slots) there is none, and it frees the allocator's unused cache, as DeepSpeed
+        does after it."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def tput_timer(self) -> "ThroughputTimerView":
+        """DeepSpeed's throughput timer: its epoch and step counters (DeepSpeed-Chat calls
+        ``engine.tput_timer.update_epoch_count()`` after each epoch); its timings are engine.timeline()'s."""
+        from zerofit.engine.deepspeed_views import ThroughputTimerView
+
+        if self.ds.tput_timer is None:
+            self.ds.tput_timer = ThroughputTimerView(self)
+        return self.ds.tput_timer
+
     @property
     def optimizer(self) -> "DeepSpeedOptimizer":
         return self._views()[0]
@@ -240,8 +406,13 @@ class DeepSpeedSurface:
             identity = sched.type == "constant" and sched.warmup_steps == 0
             if client is not None:      # DeepSpeed returns the client's scheduler itself (None without one)
                 views = (opt, client.scheduler)
-            else:
-                views = (opt, None if identity else DeepSpeedScheduler(self.hypers, opt))
+            elif identity:
+                views = (opt, None)
+            else:                       # DeepSpeed's class for its own schedules (deepspeed.runtime.lr_schedules)
+                from zerofit.deepspeed.runtime.lr_schedules import view_class
+
+                cls = view_class(sched.type)
+                views = (opt, DeepSpeedScheduler(self.hypers, opt) if cls is None else cls._of(self.hypers, opt))
             self.ds.views = views
         return views
 
@@ -321,6 +492,18 @@ class DeepSpeedOptimizer(OptimizerView):
     cur_scale = loss_scale
 
     @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the fp16 loss scale is dynamic (DeepSpeed's FP16 optimizers' attribute)."""
+        return self._scaler is not None and bool(self._scaler.dynamic)
+
+    @property
+    def loss_scaler(self) -> "LossScalerView":
+        """DeepSpeed's FP16 optimizers' ``loss_scaler``: ``loss_scale`` (= ``cur_scale``) and ``dynamic``."""
+        from zerofit.engine.deepspeed_views import LossScalerView
+
+        return LossScalerView(self)
+
+    @property
     def loss_scale_config(self):
         """DeepSpeed's ``optimizer.loss_scale_config`` (its FP16 optimizer's): the fp16 scale, its window, its
         counters, read live from the engine's scaler ([Note: fp16 without ZeRO], optim/loss_scaler.py)."""
@@ -345,6 +528,7 @@ class DeepSpeedOptimizer(OptimizerView):
         if name.startswith("_"):
             raise AttributeError(name)
         raise refuse_attribute("optimizer", name, "it offers param_groups, defaults, loss_scale, loss_scale_config, "
+                                                  "dynamic_loss_scale, loss_scaler, "
                                                   "zero_grad() (a no-op); the engine steps and checkpoints the "
                                                   "optimizer")
 

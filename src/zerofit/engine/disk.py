@@ -113,6 +113,7 @@ class SwapFile:
         self.folder = Path(folder).expanduser().absolute()
         self.nbytes = _up(max(nbytes, ALIGN))
         self.block_bytes = _up(max(block_bytes, ALIGN))
+        _preflight(self.folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path, self._lock_fd, self.reused = self._claim()
         self._fd = -1
@@ -293,10 +294,23 @@ class SwapFile:
                 self._lock_fd = -1
 
 
+def _preflight(folder: Path) -> None:
+    """The folder can hold a swap file (it exists or can be made, on a writable disk), or DiskTierError saying
+    why not: what the config's check says (zerofit.config.check_nvme_path; /proc is "not writable", not "0 bytes
+    free"), for callers whose path no config checked (generation's --nvme, estimate's speed test)."""
+    from zerofit.config.schema import ConfigError, check_nvme_path
+
+    try:
+        check_nvme_path(folder, field="nvme_path")
+    except ConfigError as e:
+        raise DiskTierError(str(e)) from None
+
+
 def measure_folder(folder, nbytes: int = 1 << 30, **io) -> tuple[float, float]:
     """(write, read) GB/s of the disk tier's I/O path under ``folder``: a swap file of ``nbytes`` reserved,
     written and read back as :meth:`SwapFile.measure` does, then removed (``zerofit estimate``)."""
     path = Path(folder).expanduser().absolute()
+    _preflight(path)
     path.mkdir(parents=True, exist_ok=True)
     f = SwapFile(path, min(nbytes, max(ALIGN, _free(path) // 2)), **io)
     try:

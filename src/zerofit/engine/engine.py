@@ -21,6 +21,7 @@ weights as before the step (OPEN) or torn (APPLYING, then FAILED); see [Note: en
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import psutil
@@ -30,20 +31,22 @@ from torch import nn
 from zerofit.config.schema import ZerofitConfig
 from zerofit.engine.activations import Activations
 from zerofit.engine.adapter import Adapter, NonSequentialModel
-from zerofit.engine.batch import BatchSpec, check_batch, check_micro_batches, vocab_of
+from zerofit.engine.batch import BatchSpec, check_batch, check_micro_batches, scores_tokens, vocab_of
 from zerofit.engine.compute import Compute
 from zerofit.engine.copies16 import Copies16
-from zerofit.engine.deepspeed_surface import DeepSpeedRecord, DeepSpeedSurface, DeepSpeedUnsupported, bind_inputs
+from zerofit.engine.deepspeed_surface import DeepSpeedRecord, DeepSpeedSurface
 from zerofit.engine.device import Device, rank_device, requested_device
 from zerofit.engine.grads import Grads
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine.hypers import Hypers
 from zerofit.engine.lifecycle import EngineState, Lifecycle
 from zerofit.engine.materialize import build_units, model_shape, param_table, release_originals
+from zerofit.engine.offload_states import OffloadStates
 from zerofit.engine.plan import Plan
 from zerofit.engine.planning import (DTYPES, Planning, cast_copies, check_ranks, needs_norm, split_updates,
                                      split_wanted, world_size)
 from zerofit.engine.ranks import Ranks
+from zerofit.engine.rendezvous import named_barrier, wait_s
 from zerofit.engine import recovery
 from zerofit.engine.schedule import Schedule
 from zerofit.engine.sharding import Sharding
@@ -143,8 +146,12 @@ class Engine(DeepSpeedSurface):
             self.lifecycle.resources.cap_gpu(config.max_gpu_memory)    # the plan fits: the allocator is held to it
         self.worker = self.lifecycle.resources.worker = HostWorker()
         self.clock = Timeline(self.dev, self.worker)
+        self.offloaded = OffloadStates(self.dev, self.worker, self._arenas)   # [Note: offloaded device state]
         self.tier = None
-        self.window: Window | None = None
+        # the parts over the units, made by _build_parts (here, and again for the generic fallback)
+        self.units = self.shell = self.blocks = self.sharding = self.grads = self.copies16 = None
+        self.device_updates = self.host_updates = self.streamer = self.activations = self.compute = None
+        self.stepper = self.schedule = self.window = None
         try:
             self.tier = self.lifecycle.resources.tier = self.planning.open_tier(self.frozen, self.deferred)
             self._build_parts()
@@ -260,6 +267,11 @@ class Engine(DeepSpeedSurface):
         """OPEN, APPLYING, FAILED or CLOSED: what an error would do to the weights ([Note: engine lifecycle])."""
         return self.lifecycle.state
 
+    def _check_open(self) -> None:
+        """Refuse a call on a closed or failed engine, or while its device state is offloaded."""
+        self.lifecycle.check_open()
+        self.offloaded.check()
+
     def _call(self, *, discard_step: bool):
         """A public call under the lifecycle's guard: an error drops the step in progress (training calls,
         ``discard_step``) or only the transfers in flight (evaluation, reads), [Note: failure semantics]."""
@@ -306,14 +318,20 @@ class Engine(DeepSpeedSurface):
         self.grads.drop()
         self.device_updates.drop()
 
-    def _apply_pending(self) -> None:
-        """Every pending update (host, or assisted on the device) applied, and on the disk (tier writes done)."""
+    def _apply_pending(self, collective: str | None = None) -> None:
+        """Every pending update (host, or assisted on the device) applied, and on the disk (tier writes done).
+        ``collective``: the public call this is, for a barrier that names it and fails when a rank does not
+        come ([Note: engine.module is a collective], rendezvous.py)."""
         self.worker.drain()
         self.device_updates.flush(self.units)
         if self.tier is not None:
             self.tier.drain()
-        if not self.sharding.writing_alone:
+        if self.sharding.writing_alone:
+            return
+        if collective is None:
             self.ranks.barrier()    # the other ranks' shards too ([Note: sharded units]): a collective
+        else:
+            named_barrier(self.ranks, collective, wait_s(self.config.distributed_timeout_s))
 
     def _sync_host_weights(self) -> None:
         """The module's parameters (host views) take the current weights of device-optimized units."""
@@ -325,6 +343,9 @@ class Engine(DeepSpeedSurface):
         and a no-op on a failed engine (already released). Gradients of an unfinished DeepSpeed-style
         accumulation are dropped. Every later call raises EngineClosedError; ``module`` stays readable.
         See [Note: engine lifecycle]."""
+        if self.offloaded.current is not None and self.state is EngineState.OPEN:
+            self.reload_states()          # the final weights are read from the device state
+
         def finish():
             self._apply_pending()
             self._sync_host_weights()
@@ -385,7 +406,7 @@ class Engine(DeepSpeedSurface):
         Gradients are averaged over the micro-batches (each micro-batch loss / G), as plain
         PyTorch gradient accumulation. Returns the mean loss (a float; one device sync).
         An error leaves the engine as [Note: failure semantics] (lifecycle.py) says."""
-        self.lifecycle.check_open()
+        self._check_open()
         self.window.drop_unused()
         if self.window.in_progress():
             raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation "
@@ -411,9 +432,15 @@ class Engine(DeepSpeedSurface):
         if streaming:
             self.schedule.backward_blocks(micros)
         del micros
-        mean = torch.stack(losses).float().mean()
+        # the reported loss is over the micro-batches that score tokens: one whose labels are all -100 has a loss of
+        # 0/0 (NaN) and no gradient (a prompt longer than the window); its zero gradient still counts in the 1/G
+        scored = [loss for loss, mb in zip(losses, micro_batches) if scores_tokens(mb)]
+        mean = torch.stack(scored).float().mean() if scored else torch.full((), math.nan, device=self.dev.device)
         if self.ranks.many:     # the loss of the global batch, the same on every rank
-            mean = self.ranks.all_reduce(mean.reshape(1)).reshape(()) / self.ranks.world
+            part = torch.stack([mean.nan_to_num(0.0) * len(scored), torch.tensor(float(len(scored)),
+                                                                               device=self.dev.device)])
+            total, count = self.ranks.all_reduce(part).tolist()
+            mean = torch.tensor(total / count if count else math.nan)
         applied, norm = self.stepper.finish()
         loss_value = mean.item()              # the loss read: a device sync ([Note: events, not device syncs])
         self._end_step(applied, norm)
@@ -426,33 +453,7 @@ class Engine(DeepSpeedSurface):
         self.clock.end(self.tier)
         self.lifecycle.end_applying()
 
-    # ------------------------------------------------------------------ the DeepSpeed-shaped loop (window.py)
-
-    def __call__(self, *inputs, **batch):
-        """Forward one micro-batch, with the model's own arguments (positional ones too, as DeepSpeed passes them
-        on: ``engine(x, y)``); returns the model's output as the model returns it ([Note: a forward records for
-        backward as autograd says], window.py). Under ``torch.no_grad()`` (or in eval mode with autograd off) it
-        keeps nothing."""
-        if inputs:
-            batch = bind_inputs(self._model, inputs, batch)
-        G = self.config.gradient_accumulation_steps
-        if (not self.config.managed_gradient_accumulation and self.window.micro_steps >= G
-                and torch.is_grad_enabled()):
-            raise DeepSpeedUnsupported(
-                f"engine(**batch): micro-batch {G + 1} before engine.step() with managed_gradient_accumulation false: "
-                f"zerofit's window holds at most gradient_accumulation_steps ({G}) micro-batches (their block "
-                f"checkpoints wait on the device for the blocks' backward). Call engine.step() after at most {G} "
-                "backward() calls, or raise gradient_accumulation_steps")
-        self.lifecycle.check_open()
-        if not torch.is_grad_enabled():
-            return self._evaluate(batch)
-        check_batch(batch, self._batch_spec)
-        self.window.drop_unused()
-        with self._call(discard_step=True):
-            return self._with_fallback(lambda: self.window.forward(batch))
-
-    def forward(self, *inputs, **batch):
-        return self(*inputs, **batch)
+    # ------------------------------------------------------------------ the DeepSpeed-shaped loop's evaluation
 
     def _evaluate(self, batch: dict):
         """The model's output for ``batch`` without autograd; no state of a step is touched or kept."""
@@ -463,92 +464,6 @@ class Engine(DeepSpeedSurface):
                 lambda: self.schedule.post(self.schedule.forward([batch], shell_grad=False)[0])[0])
         del self.dev.intervals[n:]            # not part of any step's timeline
         return out
-
-    def forward_window(self, batches: list[dict]) -> None:
-        """Announce the accumulation window's micro-batches: run their forwards now, together ([Note: a window's
-        forwards at once], window.py); each later ``engine(**batch)`` of the window takes its forward from here.
-        Only at the start of a window, in training mode; a no-op on the generic path (a model that does not
-        stream) and with several ranks."""
-        self.lifecycle.check_open()
-        if not self.window.may_announce(batches):
-            return
-        with self._call(discard_step=True):
-            self._with_fallback(lambda: self.window.announce(batches))
-
-    def backward(self, loss, release_loss: bool = False, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients (the
-        blocks' part at the accumulation boundary: [Note: the block backward waits for the boundary], window.py).
-
-        The gradient is that of ``loss / gradient_accumulation_steps``; with ``scale_wrt_gas=False``
-        (DeepSpeed's keyword) that of ``loss`` itself, for callers that already divided it as they want
-        (Hugging Face's Trainer: by the micro-batches of the step, or by the step's token count). Returns the
-        loss divided by gradient_accumulation_steps (detached), as DeepSpeed returns it; ``release_loss`` is
-        ignored, as DeepSpeed does."""
-        if retain_graph:
-            raise DeepSpeedUnsupported("engine.backward(retain_graph=True): zerofit frees each block's graph as it "
-                                       "goes (it recomputes blocks from checkpoints), so a second backward through "
-                                       "the same forward is not possible; run the forward again")
-        self.lifecycle.check_open()
-        micro = self.window.take_pending()
-        with self._call(discard_step=True):
-            self.window.backward(micro, loss, scale_wrt_gas, self.scaler.scale if self.scaler else 1.0)
-        self.ds.unstepped = self.window.micro_steps
-        G = self.config.gradient_accumulation_steps
-        out = loss.detach().float()
-        return out / G if G > 1 and scale_wrt_gas else out
-
-    def step(self, lr_kwargs=None) -> None:
-        """Take the optimizer step at the gradient-accumulation boundary (a no-op before it), then the lr
-        schedule's step (a client scheduler's ``step(**lr_kwargs)``, after an applied step only, as DeepSpeed
-        steps it). With ``managed_gradient_accumulation`` false every call after a backward() is the boundary,
-        as in DeepSpeed."""
-        client = self.hypers.client
-        if lr_kwargs and client is None:
-            raise DeepSpeedUnsupported(f"engine.step(lr_kwargs={lr_kwargs!r}): the config's schedule takes no "
-                                       "arguments (it is a function of the applied steps); lr_kwargs go to a client "
-                                       "lr_scheduler passed to initialize()")
-        applied_before, micro = self.global_step, self.window.micro_steps
-        unmanaged = not self.config.managed_gradient_accumulation
-        if unmanaged and micro:       # the caller's boundary: DeepSpeed steps whatever the count
-            self.window.override(True)
-            self.ds.stepping = True
-        try:
-            self._step_at_boundary()
-        finally:
-            if unmanaged:
-                self.window.override(None)
-                self.ds.stepping = False
-        self.ds.unstepped = None
-        self.ds.step_applied = self.global_step > applied_before
-        if unmanaged and self.window.micro_steps == 0:       # DeepSpeed counts the micro-batches the caller gave
-            self.ds.samples += micro * (self.train_batch_size() // self.config.gradient_accumulation_steps)
-        if self.ds.step_applied and client is not None:
-            client.catch_up(self.hypers, lr_kwargs)
-
-    def _step_at_boundary(self) -> None:
-        self.lifecycle.check_open()
-        if not self.window.at_boundary():
-            return
-        with self._call(discard_step=True):
-            self.window.before_step()
-            applied, norm = self.stepper.finish()
-            self.window.stepped()
-            self._end_step(applied, norm)
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward
-        (or at least before its backward): True ends the window with this micro-batch, however many came
-        before it (a short last window, as accelerate's DeepSpeed wrapper and zerofit.hf ask for at the end of
-        an epoch), so its backward runs the blocks' backward and step() steps; False holds the step back
-        (a window stays at most gradient_accumulation_steps long: the device keeps that many micro-batches'
-        block checkpoints); None returns to counting gradient_accumulation_steps."""
-        if not self.config.managed_gradient_accumulation:
-            raise DeepSpeedUnsupported("engine.set_gradient_accumulation_boundary(): not with "
-                                       "managed_gradient_accumulation false, where every engine.step() is the "
-                                       "boundary (DeepSpeed refuses it too)")
-        if is_boundary is not None and not isinstance(is_boundary, bool):
-            raise TypeError(f"is_boundary must be True, False or None, found {is_boundary!r}")
-        self.window.override(is_boundary)
 
     # ------------------------------------------------------------------ reading the engine
 
@@ -562,7 +477,7 @@ class Engine(DeepSpeedSurface):
 
     def wait(self) -> None:
         """Block until every pending update (host, or assisted on the device) is applied."""
-        self.lifecycle.check_open()
+        self._check_open()
         with self._call(discard_step=False):
             self._apply_pending()
 
@@ -572,9 +487,9 @@ class Engine(DeepSpeedSurface):
         Still readable after close(), which left the final weights there."""
         if self.state is EngineState.CLOSED:
             return self._model
-        self.lifecycle.check_open()
+        self._check_open()
         with self._call(discard_step=False):
-            self._apply_pending()
+            self._apply_pending("engine.module")     # [Note: engine.module is a collective]
             self._sync_host_weights()
         return self._model
 
@@ -584,7 +499,7 @@ class Engine(DeepSpeedSurface):
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by parameter name (host copies); frozen parameters as they are."""
-        self.lifecycle.check_open()
+        self._check_open()
         with self._call(discard_step=False):
             self._apply_pending()
             out = {}
@@ -626,6 +541,8 @@ class Engine(DeepSpeedSurface):
         ``exclude_frozen_parameters``: leave out the weights of the frozen parameters (DeepSpeed's meaning)."""
         from zerofit.checkpoint.state import save
 
+        if not save_dir:           # as DeepSpeed 0.19.8
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         return str(self.sharding.on_rank0(self.units, self.wait, lambda: save(
             self, save_dir, tag, client_state, save_latest, exclude_frozen=exclude_frozen_parameters)))
 

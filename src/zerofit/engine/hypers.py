@@ -43,16 +43,21 @@ class Hypers:
         else:
             self.skipped_steps += 1
 
+    def lr_at(self, step: int) -> float:
+        """The config schedule's lr at ``step`` (``optimizer.lr``'s: a group of its own lr scales it)."""
+        from zerofit.optim.schedules import lr_at
+
+        return lr_at(step, self.config.optimizer.lr, self.config.scheduler)
+
     def for_step(self) -> tuple[Hyper, ...]:
         """This step's AdamW hyperparameters, one per parameter group ([Note: group learning rates])."""
         from zerofit.optim.client_schedule import engine_hypers
-        from zerofit.optim.schedules import lr_at
 
         hypers = engine_hypers(self)
         if hypers is not None:
             return hypers
         base = self.config.optimizer.lr
-        lr = lr_at(self.global_step, base, self.config.scheduler)
+        lr = self.lr_at(self.global_step)
         return tuple(Hyper.of(g.optimizer, lr if g.optimizer.lr == base else g.optimizer.lr * (lr / base))
                      for g in self.groups)
 

@@ -47,6 +47,10 @@ above leave the state untouched. Once its updates began, the step runs to its en
 the backward and the optimizer step), and ``KeyboardInterrupt`` is raised as the call returns: the step
 is then fully applied. A second SIGINT raises at once, wherever the step is (the engine may then fail).
 A program that installed its own SIGINT handler keeps it; what it raises goes through the same guard.
+SIGTERM is held back the same way while its handler is ``signal.default_int_handler`` (a program opts in
+with ``signal.signal(signal.SIGTERM, signal.default_int_handler)``; SIGTERM's own default, SIG_DFL, still
+ends the process). ``zerofit train`` installs its own handler for both ([Note: signals of a run],
+train/signals.py): it lets the step finish, so that its checkpoint resumes bitwise.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ from zerofit.engine.update.worker import HostWorker, WorkerError
 from zerofit.engine.store import HostArena
 
 log = logging.getLogger("zerofit")
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # [Note: Ctrl-C inside a step]: while default_int_handler
 
 
 class EngineState(enum.Enum):
@@ -118,6 +124,7 @@ class EngineResources:
     capped: bool = False                                     # set_per_process_memory_fraction applied
     tier: object = None                                      # the disk tier (disk.py): its file removed
     ranks: object = None                                     # ranks.Ranks: its monitor stopped, its group closed
+    locks: dict = field(default_factory=dict)                # checkpoint folders held (checkpoint/lock.py)
     released: bool = False
 
     def cap_gpu(self, max_gpu_memory: int) -> None:
@@ -162,43 +169,50 @@ class EngineResources:
                             arena.tensor.numel() * arena.tensor.element_size(), e)
         if self.ranks is not None:
             self.ranks.close()
+        for lock in self.locks.values():     # [Note: one writer per folder]: another engine may save there now
+            lock.release()
+        self.locks.clear()
 
 
 class InterruptDeferral:
-    """Holds SIGINT back during a call, as [Note: Ctrl-C inside a step] describes."""
+    """Holds SIGINT (and SIGTERM) back during a call, as [Note: Ctrl-C inside a step] describes."""
 
     def __init__(self) -> None:
         self.pending = False     # a Ctrl-C arrived during the current call and was held back
+        self.signal = "Ctrl-C"   # which one, in words
         self._active = False
 
     @contextlib.contextmanager
     def deferred(self):
         """Hold Ctrl-C back for the call; raise KeyboardInterrupt as it returns if one arrived.
 
-        Only the outermost call acts (calls nest: close() waits), only on the main thread, and only while
-        SIGINT has Python's default handler."""
-        if (self._active or threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        Only the outermost call acts (calls nest: close() waits), only on the main thread, and only for the
+        signals (SIGINT, SIGTERM) whose handler is Python's default SIGINT handler."""
+        held = () if self._active or threading.current_thread() is not threading.main_thread() else \
+            [s for s in HELD_SIGNALS if signal.getsignal(s) is signal.default_int_handler]
+        if not held:
             yield
             return
         self._active, self.pending = True, False
-        previous = signal.signal(signal.SIGINT, self._handler)
+        previous = {s: signal.signal(s, self._handler) for s in held}
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s, h in previous.items():
+                signal.signal(s, h)
             self._active = False
             interrupted, self.pending = self.pending, False
         if interrupted:   # reached only when the call completed: its step is applied in full
-            raise KeyboardInterrupt("Ctrl-C during a step whose updates had begun: zerofit finished the step "
-                                    "first, so the engine is consistent")
+            raise KeyboardInterrupt(f"{self.signal} during a step whose updates had begun: zerofit finished the "
+                                    "step first, so the engine is consistent")
 
     def _handler(self, signum, frame) -> None:
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.pending:
-            raise KeyboardInterrupt("second Ctrl-C: stopped at once")
-        self.pending = True
-        log.warning("zerofit: Ctrl-C: stopping at the next safe point of this step "
-                    "(press Ctrl-C again to stop at once, which may leave the engine failed)")
+            raise KeyboardInterrupt(f"second {name}: stopped at once")
+        self.pending, self.signal = True, name
+        log.warning("zerofit: %s: stopping at the next safe point of this step "
+                    "(%s again stops at once, which may leave the engine failed)", name, name)
 
 
 class Lifecycle:
@@ -284,7 +298,8 @@ class Lifecycle:
         """[Note: Ctrl-C inside a step]: a held-back Ctrl-C stops the step here while nothing of it is applied
         (an attribute read on the hot path)."""
         if self.interrupts.pending and self.state is EngineState.OPEN:
-            raise KeyboardInterrupt("Ctrl-C: the step stopped before any of its updates; nothing was applied")
+            raise KeyboardInterrupt(f"{self.interrupts.signal}: the step stopped before any of its updates; "
+                                    "nothing was applied")
 
     def fail(self, err: BaseException, drop) -> None:
         """-> FAILED: release everything (``drop()``: the device buffers); every later call raises

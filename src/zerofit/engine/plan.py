@@ -6,6 +6,7 @@ plans for, planning.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GiB = 2**30
@@ -22,6 +23,18 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def fmt_at_least(n: float) -> str:
+    """``n`` bytes as :func:`fmt_bytes` writes them, rounded up, so that the figure (read back as a size:
+    ``1.46MiB``) is never less than ``n``: what a refusal's "at least" says."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            v = math.ceil(n * 100 / size) / 100
+            while int(float(f"{v:.2f}") * size) < n:      # as zerofit.config.parse_bytes reads it back
+                v += 0.01
+            return f"{v:.2f} {unit}"
+    return f"{math.ceil(n)} B"
 
 
 def fmt_count(n: float) -> str:

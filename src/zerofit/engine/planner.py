@@ -22,8 +22,8 @@ import math
 import torch
 
 from zerofit.engine.disk import ALIGN, tier_buffers, tier_chunk
-from zerofit.engine.plan import (GiB, MiB, BatchShape, ModelShape, Plan, PlanError, fmt_bytes, fmt_count,  # noqa: F401
-                                 placement_warnings)
+from zerofit.engine.plan import (GiB, MiB, BatchShape, ModelShape, Plan, PlanError, fmt_at_least,  # noqa: F401
+                                 fmt_bytes, fmt_count, placement_warnings)
 
 
 LOSS_CHUNK_TOKENS = 512       # tokens per chunk of the head and loss when the logits are chunked
@@ -171,12 +171,18 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, **kw) -> Plan:
 
 def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
     """What would make a refused plan fit, each with its numbers: a GPU cap, a host budget, an NVMe tier of
-    N bytes, a smaller micro-batch. Each is checked by planning it."""
+    N bytes, a smaller micro-batch. Each is checked by planning it, with the figure as written (rounded up:
+    a budget rounded down to the figure shown would be refused again)."""
     def tries(**changes) -> Plan | None:
         try:
             return _make_plan(shape, batch if "batch" not in changes else changes.pop("batch"), **(kw | changes))
         except PlanError:
             return None
+
+    def shown(n: int, budget: str, **changes) -> str | None:
+        """``n`` as the tip writes it, if planning with that budget (``budget``: the keyword) fits."""
+        text = fmt_at_least(n)
+        return text if tries(**(changes | {budget: _read_back(text)})) is not None else None
 
     tips = []
     free = dict(device_budget=None, host_budget=None, disk_budget=None)
@@ -186,10 +192,12 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
     dev_only = tries(host_budget=None, disk_budget=None)
     if dev_only is None and kw.get("on_cuda"):
         # the smallest device plan: every block streamed, the shell's optimizer on the host if need be
-        low = tries(**free, resident_blocks=0, shell_on_device=False,
-                    floor=(kw.get("chunkable_loss", True), True, True) if kw.get("checkpointing") else None)
-        if low is not None:
-            tips.append(f"a GPU cap (max_gpu_memory) of at least {fmt_bytes(low.device_total)}")
+        smallest = dict(resident_blocks=0, shell_on_device=False,
+                        floor=(kw.get("chunkable_loss", True), True, True) if kw.get("checkpointing") else None)
+        low = tries(**free, **smallest)
+        cap = low and shown(low.device_total, "device_budget", **free, **smallest)
+        if cap:
+            tips.append(f"a GPU cap (max_gpu_memory) of at least {cap}")
         if batch is not None:
             mb = batch.micro_batch // 2
             while mb >= 1:
@@ -204,8 +212,9 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
           else dict(device_budget=None, resident_blocks=0, shell_on_device=False))
     host_only = tries(**hb, host_budget=None, disk=False)
     if host_only is not None and kw.get("host_budget") is not None and host_only.host_total > kw["host_budget"]:
-        tips.append(f"a host budget (max_host_memory) of at least {fmt_bytes(host_only.host_total)}, all state in "
-                    "host memory")
+        budget = shown(host_only.host_total, "host_budget", **hb, disk=False)
+        if budget:
+            tips.append(f"a host budget (max_host_memory) of at least {budget}, all state in host memory")
     if kw.get("host_budget") is not None and kw.get("disk") and host_only is not None:
         # with the configured NVMe tier: the smallest host budget that fits beside it (the disk's free bytes
         # kept), to a MiB; the planner fills host memory first, so a larger budget fits too
@@ -214,9 +223,10 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
             while hi - lo > MiB:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if tries(**hb, host_budget=mid) is not None else (mid, hi)
-            beside = tries(**hb, host_budget=hi)
-            tips.append(f"a host budget (max_host_memory) of at least {fmt_bytes(hi)} beside the NVMe tier "
-                        f"({fmt_bytes(beside.disk_bytes)} on the disk)")
+            beside, budget = tries(**hb, host_budget=hi), shown(hi, "host_budget", **hb)
+            if budget:
+                tips.append(f"a host budget (max_host_memory) of at least {budget} beside the NVMe tier "
+                            f"({fmt_bytes(beside.disk_bytes)} on the disk)")
     if batch is not None and batch.grad_accum > 1 and kw.get("host_budget") is not None:
         # every micro-batch of a step keeps its block checkpoints until the step's backward (block-major):
         # fewer micro-batches per step keep fewer
@@ -230,11 +240,17 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
     if kw.get("host_budget") is not None:
         on_disk = tries(**hb, disk=True, disk_budget=None)
         if on_disk is not None and on_disk.disk_blocks:
-            tips.append(f"an NVMe tier with at least {fmt_bytes(on_disk.disk_bytes)} free (offload.optimizer_device "
+            tips.append(f"an NVMe tier with at least {fmt_at_least(on_disk.disk_bytes)} free (offload.optimizer_device "
                         "'nvme' and offload.nvme_path; DeepSpeed: offload_optimizer.device 'nvme') within the host "
                         f"budget of {fmt_bytes(kw['host_budget'])}: {len(on_disk.disk_blocks)} blocks' state on the "
                         "disk")
     return tips
+
+
+def _read_back(text: str) -> int:
+    """A size as :func:`fmt_bytes` writes it, in bytes, as ``zerofit.config.parse_bytes`` reads it."""
+    value, unit = text.split()
+    return int(float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": GiB}[unit])
 
 
 def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: torch.dtype, on_cuda: bool,

@@ -281,8 +281,9 @@ class ZerofitTrainerMixin:
         # train() calls this before the engine exists: check the folder now, load it in _load_optimizer_and_scheduler
         if not (Path(resume_from_checkpoint) / "latest").is_file():
             raise FileNotFoundError(
-                f"{resume_from_checkpoint} has no zerofit checkpoint (no 'latest' file): it was not written by "
-                "zerofit.hf's Trainer, or with save_only_model=True; zerofit resumes only from its own checkpoints")
+                f"{resume_from_checkpoint} has no zerofit or DeepSpeed checkpoint (no 'latest' file): it was written "
+                "with save_only_model=True, or by a Trainer without zerofit or DeepSpeed; resume from a folder a "
+                "zerofit.hf Trainer (or a Trainer with deepspeed=) saved")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zerofit.engine.planner import PlanError, fmt_bytes
+from zerofit.engine.planner import PlanError, fmt_at_least, fmt_bytes
 
 MiB = 2**20
 RESERVE = 384 * MiB     # the allocator's rounding and fragmentation, cuBLAS workspaces
@@ -162,5 +162,5 @@ def _refusal(shape: InferShape, cap: int, batch: int, context: int, prefill: int
         c = max(prefill + 1, c * 7 // 8)
     if need(batch, c, prefill) <= cap:
         fits.append(f"at most {c - prefill} new tokens (context {c})")
-    fits.append(f"a cap of at least {fmt_bytes(total)} (--max-gpu-memory)")
+    fits.append(f"a cap of at least {fmt_at_least(total)} (--max-gpu-memory)")
     return f"{parts[0]}. What fits: {'; or '.join(fits)}."

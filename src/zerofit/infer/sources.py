@@ -101,9 +101,9 @@ def open_source(path: str | os.PathLike):
         if not (folder / "config.json").is_file():
             raise ModelDirError(f"{folder}: this checkpoint has no config.json (the model was not a transformers "
                                 "model): generation needs one")
-        from transformers import AutoConfig
+        from zerofit.models.directory import read_config
 
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = read_config(folder)      # a wrong field is a ModelDirError naming the file and the field
         found = locate(folder, shard_files(folder, record, WEIGHTS_INDEX), WEIGHTS_INDEX)
         return _CheckpointSource(folder, ModelDir(folder, config, {}), found)
     return _DirSource(p, ModelDir.open(p))

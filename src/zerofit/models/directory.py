@@ -22,7 +22,7 @@ from torch import nn
 
 from zerofit.models.safetensors import TensorInfo, WeightFileError, read_header, read_into
 
-__all__ = ["ModelDir", "ModelDirError", "WeightFileError", "TOKENIZER_FILES"]
+__all__ = ["ModelDir", "ModelDirError", "WeightFileError", "TOKENIZER_FILES", "read_config"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -53,13 +53,7 @@ class ModelDir:
             raise ModelDirError(f"{p}: {what} (expected a folder with config.json and *.safetensors)")
         if not (p / "config.json").is_file():
             raise ModelDirError(f"{p / 'config.json'}: no such file: {p} is not a Hugging Face model directory")
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(p, local_files_only=True)
-        except (ValueError, KeyError, OSError) as e:
-            raise ModelDirError(f"{p / 'config.json'}: cannot read the model configuration: {e}") from None
-        return cls(p, config, _weight_table(p))
+        return cls(p, read_config(p), _weight_table(p))
 
     # ------------------------------------------------------------------ the model
 
@@ -86,9 +80,13 @@ class ModelDir:
         """The model with every parameter on the meta device (no memory), fp32, ready for the engine."""
         cls = self.model_class()
         self.prefix = getattr(cls, "base_model_prefix", "") or ""
-        with torch.device("meta"):
-            return cls._from_config(self.config, dtype=torch.float32) if hasattr(cls, "_from_config") \
-                else cls(self.config)
+        try:
+            with torch.device("meta"):
+                return cls._from_config(self.config, dtype=torch.float32) if hasattr(cls, "_from_config") \
+                    else cls(self.config)
+        except Exception as e:      # noqa: BLE001 - a value the config class let through, that the model cannot use
+            raise ModelDirError(f"{self.path / 'config.json'}: {cls.__name__} cannot be built from it "
+                                f"({type(e).__name__}: {_one_line(e)}): correct that value in config.json") from None
 
     # ------------------------------------------------------------------ the weights
 
@@ -106,6 +104,57 @@ class ModelDir:
 
     def tokenizer_files(self) -> list[Path]:
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+
+
+def read_config(folder: Path):
+    """``folder/config.json`` as transformers reads it (its ``AutoConfig``), or :class:`ModelDirError` naming the
+    file, the field and what is wrong: not JSON, not an object, a value of the wrong type (transformers' config
+    classes check each field's type), a combination the config class refuses."""
+    path = Path(folder) / "config.json"
+    try:
+        body = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelDirError(f"{path}: not a JSON file ({e}): a model directory's config.json is the JSON object "
+                            "transformers' save_pretrained writes") from None
+    if not isinstance(body, dict):
+        raise ModelDirError(f"{path}: holds a JSON {type(body).__name__}; expected an object with the model's "
+                            "configuration (model_type, hidden_size, ...)")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:     # noqa: BLE001 - transformers raises many types here; each is named in the message
+        raise ModelDirError(f"{path}: {_config_problem(e, body)}") from None
+
+
+def _config_problem(e: BaseException, body: dict) -> str:
+    """What transformers' refusal of a config.json says, in one line, with what to do."""
+    import re
+
+    import transformers
+
+    cls = getattr(transformers, f"{str(body.get('model_type', '')).capitalize()}Config", None)
+    reader = f"transformers {transformers.__version__}" + (f"'s {cls.__name__}" if isinstance(cls, type) else "")
+    m = re.match(r"Validation error for field '([^']+)'", str(e))
+    if m and e.__cause__ is not None:       # huggingface_hub's strict dataclasses: one field's type
+        field, cause = m.group(1), _one_line(e.__cause__)
+        wanted = list(dict.fromkeys(_JSON_TYPES.get(t, t) for t, _ in
+                                    re.findall(r"expected (?:an? )?([\w\[\]]+), got (\w+)", cause)))
+        if not wanted:
+            return f"field {field!r}: {cause} ({reader} checks each field's type): correct it in config.json"
+        return (f"field {field!r}: expected {' or '.join(wanted)}, found {json.dumps(body.get(field))[:80]} ({reader} "
+                f"checks each field's type): write {field} as {wanted[0]} in config.json")
+    if type(e).__name__.startswith("StrictDataclass") and e.__cause__ is not None:
+        return f"{reader} refuses it ({_one_line(e.__cause__)}): correct config.json"
+    return f"cannot read the model configuration ({type(e).__name__}: {_one_line(e)})"
+
+
+_JSON_TYPES = {"NoneType": "null", "str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+               "list": "a list", "dict": "an object"}
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip())
 
 
 def _weight_table(p: Path) -> dict[str, TensorInfo]:

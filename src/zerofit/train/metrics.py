@@ -3,7 +3,11 @@
 Every record has ``step`` and ``time`` (seconds since the run started, resumes included); training records
 carry loss, learning rate, gradient norm, tokens/s and memory, evaluation records ``eval_loss`` and
 ``eval_perplexity``. The JSON-lines file is appended to (a resumed run continues it) and flushed per record,
-so a crash loses nothing that was logged.
+so a crash loses nothing that was logged. A value that is not finite (a step whose micro-batches scored no token
+has no loss) is written as ``null``: every line is valid JSON. A run that starts at step S (resumed from a
+checkpoint of step S, or S = 0: from the model directory) first drops the records of later steps, which it trains
+again, and a line a crash cut short: the file is then one run's history, each step once (rewritten atomically).
+TensorBoard is told the same (``purge_step``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -20,9 +25,10 @@ log = logging.getLogger("zerofit")
 class Metrics:
     """Append-only JSON lines plus optional TensorBoard event files."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, elapsed: float = 0.0):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, elapsed: float = 0.0, start_step: int = 0):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / "metrics.jsonl"
+        _keep_until(self.path, start_step)
         self._f = open(self.path, "a", buffering=1)
         self._t0 = time.time() - elapsed
         self._tb = None
@@ -32,7 +38,7 @@ class Metrics:
             except ImportError as e:   # tensorboard is a dependency; a broken install should not stop training
                 log.warning("TensorBoard logging is off: %s", e)
             else:
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
 
     @property
     def elapsed(self) -> float:
@@ -40,7 +46,9 @@ class Metrics:
 
     def log(self, step: int, **values) -> dict:
         rec = {"step": step, "time": round(self.elapsed, 3), **values}
-        self._f.write(json.dumps(rec) + "\n")
+        # JSON has no NaN or infinity: a non-finite value is written as null (json.dumps would write NaN)
+        safe = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+        self._f.write(json.dumps(safe, allow_nan=False) + "\n")
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -52,3 +60,25 @@ class Metrics:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _keep_until(path: Path, step: int) -> None:
+    """Rewrite ``path`` with only its whole records of steps up to ``step`` (none when ``step`` is 0)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(errors="replace").splitlines()
+    kept = [line for line in lines if step > 0 and _step_of(line) is not None and _step_of(line) <= step]
+    dropped = len(lines) - len(kept)
+    if not dropped:
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    log.info("%s: dropped %d records of steps after %d (trained again) or cut short", path, dropped, step)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -9,11 +9,14 @@ tokenizer (:mod:`zerofit.data`), build the engine from the model directory (weig
 buffers), train with a progress bar, log metrics (``metrics.jsonl``, TensorBoard), evaluate on held-out
 documents, save resumable checkpoints (``checkpoints/``, the newest ``keep``), and export a Hugging Face model
 (``model/``). ``--resume`` continues from ``checkpoints/latest`` exactly where it stopped, data order
-included. The first Ctrl-C finishes the current step, saves a checkpoint and stops (exit 130); a second
-one stops at once.
+included (without ``latest``, from the newest complete checkpoint: [Note: where a run starts], resume.py).
+One run holds the folder at a time ([Note: one writer per folder], checkpoint/lock.py). The first Ctrl-C or
+SIGTERM finishes the current step, saves a checkpoint and stops (exit 130 or 143); a second one stops at
+once ([Note: signals of a run], signals.py).
 
 Run folder::
 
+    OUTPUT/.zerofit-run.lock      held by the run (who: pid, host, start time, command)
     OUTPUT/metrics.jsonl          one JSON object per training step and per evaluation
     OUTPUT/tensorboard/           TensorBoard event files
     OUTPUT/checkpoints/latest     the tag of the newest complete checkpoint
@@ -26,8 +29,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ from zerofit.engine.planner import fmt_count
 from zerofit.train.metrics import Metrics
 from zerofit.train.progress import first_step_note, kernel_build_note
 from zerofit.train.options import TrainOptions
+from zerofit.train.resume import hold_run_folder, plan_start
+from zerofit.train.signals import RunSignals, StopNow, reached
 
 log = logging.getLogger("zerofit")
 
@@ -92,6 +95,7 @@ class TrainResult:
     checkpoints: list[Path] = field(default_factory=list)
     export_dir: Path | None = None
     interrupted: bool = False
+    stop_signal: int = 0                   # the signal that interrupted it (SIGINT, SIGTERM); 0: none
     tokens_per_step: int = 0
     memory: dict = field(default_factory=dict)
     setup: dict = field(default_factory=dict)     # load (and resume) seconds and memory, as logged
@@ -104,35 +108,6 @@ class TrainResult:
     def tokens_per_s(self) -> float:
         timed = self.step_seconds[1:] or self.step_seconds
         return len(timed) * self.tokens_per_step / sum(timed) if timed and sum(timed) > 0 else 0.0
-
-
-class _StopRequest:
-    """[Note: Ctrl-C between steps]
-    While training, the first SIGINT only asks the loop to stop after the current step (which then completes,
-    so the engine's state is a whole step and can be saved); a second SIGINT raises KeyboardInterrupt at
-    once (the engine then leaves the step unapplied or fails, see docs/engine.md). Installed only from the
-    main thread; the previous handler comes back afterwards."""
-
-    def __init__(self, console: Console):
-        self.requested = False
-        self._console = console
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self._console.print("[yellow]interrupt: finishing this step, then saving a checkpoint "
-                            "(Ctrl-C again to stop now)[/]")
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 def _reset_peak_rss() -> None:
@@ -157,16 +132,31 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}G"
 
 
-def run_training(opts: TrainOptions, console: Console | None = None) -> TrainResult:
-    """Fine-tune ``opts.model`` on ``opts.data``; see the module docstring."""
+def run_training(opts: TrainOptions, console: Console | None = None, *, run_lock=None) -> TrainResult:
+    """Fine-tune ``opts.model`` on ``opts.data``; see the module docstring. The run folder is held for the
+    run (``run_lock``: the caller holds it already, as ``zerofit train`` does before torch loads); a folder
+    another run holds raises :class:`~zerofit.checkpoint.lock.FolderInUseError` before anything is read or
+    written. A signal that stops the run at once raises :class:`~zerofit.train.signals.StopNow` (a
+    KeyboardInterrupt); one that lets the step finish returns the result, ``interrupted``."""
+    console = console or Console()
+    # several ranks: rank 0 holds the folder for all of them (the others write only below it, ranks/rankN/)
+    rank = int(os.environ.get("RANK", "0"))
+    own = run_lock is None and rank == 0
+    lock = hold_run_folder(opts.output) if own else run_lock
+    try:
+        with RunSignals((console if rank == 0 else Console(quiet=True)).print) as signals:
+            return _run(opts, console, signals)
+    finally:
+        if own:
+            lock.release()
+
+
+def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResult:
     import zerofit
-    from zerofit.checkpoint import prune
-    from zerofit.data import StepLoader, build_datasets, evaluate, load_tokenizer, small_held_out
+    from zerofit.data import StepLoader, build_datasets, load_tokenizer, small_held_out
     from zerofit.models import ModelDir
     from zerofit.demo.run import resolve_device
-    from zerofit.optim.schedules import lr_at
 
-    console = console or Console()
     if opts.deterministic:
         # [Note: bitwise runs on a GPU] Some CUDA kernels accumulate with atomics (the embedding's backward, some
         # attention backwards) and cuBLAS picks workspaces per stream: two runs (or a run and its resume) then
@@ -186,9 +176,11 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     run_dir = Path(opts.output)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = run_dir / "checkpoints"
+    start = plan_start(ckpt_dir, opts.resume)     # [Note: where a run starts]: refused before anything loads
 
     ModelDir.open(opts.model)          # a wrong path fails here, naming it, before the data is read
     tokenizer = load_tokenizer(opts.model)
+    reached("data")
     # rank 0 fills the datasets cache before the others read it: each rank passes one barrier, before or after
     if rank:
         torch.distributed.barrier()
@@ -208,37 +200,66 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     if build:
         console.print(build)
     engine = zerofit.initialize(str(opts.model), loaded)
-    setup = {"load_seconds": round(time.perf_counter() - t_load, 3), "load_rss_growth_bytes": _rss("VmHWM:") - rss0,
-             "host_planned_bytes": engine.plan.host_total}
     result = TrainResult(run_dir, total, tokens_per_step=cfg.micro_batch_size * G * world * opts.seq_len)
-    elapsed = 0.0
-    if opts.resume:
-        t_resume = time.perf_counter()
-        path, client = engine.load_checkpoint(ckpt_dir)
-        setup["resume_seconds"] = round(time.perf_counter() - t_resume, 3)
-        if path is None:
-            console.print(f"[yellow]--resume: no checkpoint in {ckpt_dir}; starting from the model directory[/]")
-        else:
+    metrics = None
+    try:
+        reached("engine")
+        setup = {"load_seconds": round(time.perf_counter() - t_load, 3),
+                 "load_rss_growth_bytes": _rss("VmHWM:") - rss0, "host_planned_bytes": engine.plan.host_total}
+        elapsed = 0.0
+        if start.note:
+            console.print(Text(start.note, style="yellow"), soft_wrap=True)
+        if start.resume:
+            t_resume = time.perf_counter()
+            path, client = engine.load_checkpoint(ckpt_dir, tag=start.tag)
+            setup["resume_seconds"] = round(time.perf_counter() - t_resume, 3)
             loader.load_state_dict(client["loader"])
             result.start_step = int(client["iterations"])
             elapsed = float(client.get("elapsed", 0.0))
             console.print(f"resumed from {path} at step {result.start_step} of {total}")
-    _print_start(console, opts, loaded, data, engine, total, result)
-    tiny = small_held_out(data.eval, opts.eval_windows) if data.eval is not None else None
-    if tiny:
-        console.print(Text("warning: " + tiny, style="yellow"))
+        _print_start(console, opts, loaded, data, engine, total, result)
+        tiny = small_held_out(data.eval, opts.eval_windows) if data.eval is not None else None
+        if tiny:
+            console.print(Text("warning: " + tiny, style="yellow"))
+        # the records of steps after the start are dropped: they are trained again (metrics.py)
+        metrics = (Metrics(run_dir, tensorboard=opts.tensorboard, elapsed=elapsed, start_step=result.start_step)
+                   if rank == 0 else Metrics(run_dir / "ranks" / f"rank{rank}", tensorboard=False, elapsed=elapsed,
+                                             start_step=result.start_step))
+        result.setup = metrics.log(result.start_step, **setup)
+        signals.training = True
+        return _loop(opts, console, signals, engine, loader, data, metrics, result, start.protect, ckpt_dir)
+    except StopNow as e:
+        result.interrupted, result.stop_signal = True, e.signum
+        engine = None      # at once: no orderly close; the engine's finalizer releases it ([Note: signals of a run])
+        raise
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if engine is not None:
+            result.memory = dict(engine.memory_stats())
+            engine.close()
+        if world > 1 and _made_group:
+            torch.distributed.destroy_process_group()
 
-    metrics = (Metrics(run_dir, tensorboard=opts.tensorboard, elapsed=elapsed) if rank == 0 else
-               Metrics(run_dir / "ranks" / f"rank{rank}", tensorboard=False, elapsed=elapsed))
-    result.setup = metrics.log(result.start_step, **setup)
+
+def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loader, data, metrics: Metrics,
+          result: TrainResult, protect: frozenset[str], ckpt_dir: Path) -> TrainResult:
+    """The steps, evaluations and checkpoints, then the end of the run: evaluation, checkpoint, export. The
+    first signal ends it after the step in progress, with a checkpoint ([Note: signals of a run])."""
+    from zerofit.checkpoint import prune
+    from zerofit.data import evaluate
+
+    cfg = engine.config
+    world, rank = engine.ranks.world, engine.ranks.rank
+    G, total = cfg.gradient_accumulation_steps, result.steps_total
 
     def save(step: int) -> None:
         client = {"loader": loader.state_dict(), "iterations": step, "elapsed": metrics.elapsed}
         t = time.perf_counter()
         engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state=client)
         result.checkpoints.append(ckpt_dir / f"global_step{step}")
-        if rank == 0:
-            prune(ckpt_dir, opts.keep)
+        if rank == 0:     # never the checkpoint the run started from, nor a newer one that was there before it
+            prune(ckpt_dir, opts.keep, protect=protect)
         metrics.log(step, checkpoint_seconds=round(time.perf_counter() - t, 3))
 
     def run_eval(step: int) -> None:
@@ -257,58 +278,59 @@ def run_training(opts: TrainOptions, console: Console | None = None) -> TrainRes
     bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console,
                    disable=not opts.progress)
+    def stop_requested() -> int:
+        """The signal that asked the run to stop, or 0; the same on every rank (else one would wait forever
+        for the others)."""
+        return max(engine.ranks.objects(signals.signum)) if world > 1 else signals.signum
+
     step = result.start_step
-    try:
-        with _StopRequest(console) as stop, bar:
-            task = bar.add_task("train", total=total, completed=step, stats=first_step_note(device))
-            bar.refresh()      # the note shows now, not at the next tick: step 1 may take seconds
-            while step < total:
-                requested = stop.requested
-                if world > 1:     # every rank stops at the same step, or one would wait for the others forever
-                    requested = any(engine.ranks.objects(requested))
-                if requested:
-                    result.interrupted = True
-                    break
-                batch = next(loader)[rank * G:(rank + 1) * G]
-                t0 = time.perf_counter()
-                loss = engine.train_batch(batch)
-                dt = time.perf_counter() - t0
-                step += 1
-                result.losses.append(loss)
-                result.step_seconds.append(dt)
-                mem = engine.memory_stats()
-                rec = metrics.log(step, loss=loss, lr=lr_at(engine.global_step - 1, lcfg.optimizer.lr, lcfg.scheduler),
-                                  grad_norm=getattr(engine, "last_grad_norm", None),
-                                  tokens_per_s=round(result.tokens_per_step / dt, 1), step_seconds=round(dt, 4),
-                                  gpu_peak_bytes=mem["gpu_peak_bytes"], host_rss_bytes=mem["host_bytes"],
-                                  skipped_steps=engine.skipped_steps)
-                gpu = f" gpu {_gib(mem['gpu_peak_bytes'])}" if mem["gpu_peak_bytes"] else ""
-                bar.update(task, completed=step, stats=f"loss {loss:.4f} {rec['tokens_per_s']:,.0f} tok/s"
-                                                        f"{gpu} host {_gib(mem['host_bytes'])}")
-                if opts.eval_every and step % opts.eval_every == 0 and step < total:
-                    run_eval(step)
-                if opts.save_every and step % opts.save_every == 0 and step < total:
-                    save(step)
-            if result.interrupted:
-                if opts.save_on_interrupt and step > result.start_step:
-                    save(step)
-                return result
+    with bar:
+        task = bar.add_task("train", total=total, completed=step, stats=first_step_note(engine.device))
+        bar.refresh()      # the note shows now, not at the next tick: step 1 may take seconds
+        while step < total and not stop_requested():
+            batch = next(loader)[rank * G:(rank + 1) * G]
+            t0 = time.perf_counter()
+            loss = engine.train_batch(batch)
+            dt = time.perf_counter() - t0
+            step += 1
+            result.losses.append(loss)
+            result.step_seconds.append(dt)
+            mem = engine.memory_stats()
+            rec = metrics.log(step, loss=loss, lr=engine.hypers.lr_at(engine.global_step - 1),
+                              grad_norm=getattr(engine, "last_grad_norm", None),
+                              tokens_per_s=round(result.tokens_per_step / dt, 1), step_seconds=round(dt, 4),
+                              gpu_peak_bytes=mem["gpu_peak_bytes"], host_rss_bytes=mem["host_bytes"],
+                              skipped_steps=engine.skipped_steps)
+            gpu = f" gpu {_gib(mem['gpu_peak_bytes'])}" if mem["gpu_peak_bytes"] else ""
+            bar.update(task, completed=step, stats=f"loss {loss:.4f} {rec['tokens_per_s']:,.0f} tok/s"
+                                                    f"{gpu} host {_gib(mem['host_bytes'])}")
+            if opts.eval_every and step % opts.eval_every == 0 and step < total:
+                run_eval(step)
+            if opts.save_every and step % opts.save_every == 0 and step < total:
+                save(step)
+    # the end: a signal during the last step skips the evaluation; one up to the export skips the export
+    result.stop_signal = stop_requested()
+    if not result.stop_signal:
         run_eval(step)
-        if opts.save_at_end and (not result.checkpoints or result.checkpoints[-1].name != f"global_step{step}"):
+        result.stop_signal = stop_requested()
+    saved = bool(result.checkpoints) and result.checkpoints[-1].name == f"global_step{step}"
+    if result.stop_signal:
+        result.interrupted = True
+        if opts.save_on_interrupt and step > result.start_step and not saved:
             save(step)
-        if opts.export:
-            out = run_dir / "model"
-            t = time.perf_counter()
-            engine.save_pretrained(out, dtype=opts.export_dtype)     # None: the model directory's dtype
-            result.export_dir = out
-            console.print(f"exported the trained model to {out} in {time.perf_counter() - t:.1f} s")
         return result
-    finally:
-        result.memory = dict(engine.memory_stats())
-        metrics.close()
-        engine.close()
-        if world > 1 and _made_group:
-            torch.distributed.destroy_process_group()
+    if opts.save_at_end and not saved:
+        save(step)
+    result.stop_signal = stop_requested()
+    if result.stop_signal:
+        result.interrupted = True
+    elif opts.export:
+        out = result.run_dir / "model"
+        t = time.perf_counter()
+        engine.save_pretrained(out, dtype=opts.export_dtype)     # None: the model directory's dtype
+        result.export_dir = out
+        console.print(f"exported the trained model to {out} in {time.perf_counter() - t:.1f} s")
+    return result
 
 
 def _init_ranks(device: torch.device) -> tuple[int, int, bool]:

@@ -32,7 +32,7 @@ import os
 import torch
 
 from zerofit.deepspeed.names import refusing_getattr
-from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported, UnsupportedAttribute
+from zerofit.engine.deepspeed_names import DeepSpeedUnsupported, UnsupportedAttribute
 
 __all__ = ["get_accelerator", "set_accelerator", "is_current_accelerator_supported", "DeepSpeedAccelerator",
            "CUDA_Accelerator", "CPU_Accelerator"]

@@ -37,7 +37,7 @@ import torch.distributed as tdist
 
 from zerofit.deepspeed import init_distributed
 from zerofit.deepspeed.names import refusing_getattr
-from zerofit.engine.deepspeed_surface import ONE_PROCESS
+from zerofit.engine.deepspeed_names import ONE_PROCESS
 
 __all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "destroy_process_group", "new_group",
            "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_all_ranks_from_group",

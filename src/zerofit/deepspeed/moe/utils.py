@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from zerofit.deepspeed.names import REFUSED_MODULES
-from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported
+from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
 
 __all__ = ["has_moe_layers", "is_moe_param", "split_params_into_shared_and_expert_params",
            "split_params_grads_into_shared_and_expert_params", "split_params_into_different_moe_groups_for_optimizer",

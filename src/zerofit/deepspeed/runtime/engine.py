@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from zerofit.deepspeed import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable  # noqa: F401
 from zerofit.deepspeed.names import refusing_getattr
-from zerofit.engine.deepspeed_surface import DeepSpeedUnsupported
+from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedOptimizerCallable", "DeepSpeedSchedulerCallable"]
 

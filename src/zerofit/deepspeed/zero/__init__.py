@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from zerofit.deepspeed.names import refusing_getattr
-from zerofit.engine.deepspeed_surface import ONE_PROCESS, DeepSpeedUnsupported
+from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedUnsupported
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 

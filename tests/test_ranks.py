@@ -353,3 +353,148 @@ def test_the_plan_counts_a_shard_of_the_gpu_resident_state():
     assert two.resident_blocks > one.resident_blocks
     assert two.device_bytes["resident_blocks"] / two.resident_blocks == 100_000_000 * (2 + 4 + 8)
     assert one.device_bytes["resident_blocks"] / one.resident_blocks == 100_000_000 * (2 + 16)
+
+
+# ---------------------------------------------------------------- [Note: a process group that lives] (ranks.py)
+
+def launch_forked(launches: list[dict], tmp: Path, timeout_each: float = 60.0, timeout: float = 240.0) -> list:
+    """Several launches from one process that imports torch, transformers and zerofit once (tests/ranks_script.py
+    ``--forked``): each launch ``{"world": N, "spec": ..., "agent_store": bool}`` forks its N ranks with torchrun's
+    environment and a fresh port. Returns per launch (exit statuses, None for a rank still running after
+    ``timeout_each``; stderr texts; rank 0's outputs as ``launch`` returns them; seconds)."""
+    job = {"launches": [], "logs": str(tmp), "result": str(tmp / "forked.json"), "timeout_s": timeout_each}
+    for k, ln in enumerate(launches):
+        out = tmp / f"forked-{k}.pt"
+        spec = {"G": G, **ln["spec"], "runs": [{**r, "out": f"{out}.{i}"} for i, r in enumerate(ln["spec"]["runs"])]}
+        job["launches"].append({**ln, "spec": spec})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                      if os.environ.get("PYTHONPATH") else []))}
+    p = subprocess.run([sys.executable, str(SCRIPT), "--forked", json.dumps(job)], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    done = json.loads(Path(job["result"]).read_text())
+    out = []
+    for k, (ln, res) in enumerate(zip(job["launches"], done)):
+        world = ln["world"]
+        errs = [(tmp / f"{k}.{r}").read_text() for r in range(world)]
+        out.append((res["codes"], errs, [_collect(Path(r["out"]), world) for r in ln["spec"]["runs"]], res["seconds"]))
+    return out
+
+
+_LIVES = 2         # steps per engine
+
+
+def _engines(n: int = 3, **last) -> list[dict]:
+    """``n`` runs of ``_LIVES`` steps from the same start (each a new engine of a new model); ``last``: the last's."""
+    one = {"steps": _LIVES, "steps_total": _LIVES, "config": _cfg()}
+    return [one] * (n - 1) + [{**one, **last}]
+
+
+def _check_engines(codes, errs, results, seconds, world: int, reused: bool):
+    """Every rank exited 0 in bounded time; every engine's losses (and rank 0's weights) are plain PyTorch's on
+    the global batch; ``reused``: every engine ran in the group the first one made (the same groups by name,
+    none made after the first engine), else each in a group of its own."""
+    assert None not in codes, f"ranks still running after the launch's limit (a hang): {codes}\n" + \
+        "\n".join(e[-2000:] for e in errs)
+    _ok(codes, errs)
+    assert seconds < 50, f"{seconds:.1f} s"
+    ref_losses, (weights, _) = _reference(world, _LIVES)
+    for k, result in enumerate(results):
+        assert result is not None, f"engine {k} wrote nothing"
+        for st in result["ranks"]:
+            torch.testing.assert_close(torch.tensor(st["losses"]), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5,
+                                       msg=lambda m: f"engine {k}: {m}")
+        for n, w in weights.items():
+            torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k} {n}: {m}")
+    groups = [r["ranks"][0]["groups"] for r in results]
+    counts = [r["ranks"][0]["group_count"] for r in results]
+    if reused:
+        assert groups == [groups[0]] * len(groups) and counts == [3] * len(counts), (groups, counts)
+    else:
+        assert counts == [3] * len(counts), counts     # the destroyed group's subgroups went with it
+    assert not any("another rank failed" in e for e in errs), errs
+
+
+_FORKED = [      # (name, world, group, agent store): one forked launch each, repeats of the same test in a row
+    ("engine-2", 2, "engine", False), ("engine-2", 2, "engine", False), ("engine-2", 2, "engine", False),
+    ("engine-3", 3, "engine", False), ("engine-3", 3, "engine", False),
+    ("destroys-2", 2, "user-destroys", False), ("destroys-2", 2, "user-destroys", False),
+    ("destroys-3", 3, "user-destroys", False),
+    ("agent-engine-2", 2, "engine", True), ("agent-destroys-2", 2, "user-destroys", True),
+    ("agent-destroys-2", 2, "user-destroys", True),
+]
+
+
+@pytest.fixture(scope="module")
+def forked_launches(tmp_path_factory):
+    """[Note: a process group that lives]: every launch of ``_FORKED`` (its ranks forked from one process that
+    imported torch once, each ending through the interpreter's exit, the last engine left for it to release)
+    and one of a failed engine followed by one that trains: {name: [(codes, errs, results, seconds), ...]}."""
+    tmp = tmp_path_factory.mktemp("lives")
+    launches = [{"world": w, "agent_store": agent, "spec": {"group": g, "runs": _engines(leave_open=True)}}
+                for _, w, g, agent in _FORKED]
+    # engine 1 fails on every rank (a bad batch at its first step, caught); engine 2 must not fail for it
+    fail = {"steps": _LIVES, "steps_total": _LIVES, "config": _cfg(), "fail_rank": "all", "fail_step": 0,
+            "catch": True}
+    for agent in (False, True):
+        launches.append({"world": 2, "agent_store": agent,
+                         "spec": {"group": "engine", "runs": [fail] + _engines(2, linger_s=2.5)}})
+    t = time.monotonic()
+    done = launch_forked(launches, tmp, timeout_each=50, timeout=400)
+    out: dict[str, list] = {}
+    for (name, *_), res in zip(_FORKED + [("failed-first", None, None, False), ("agent-failed-first",) * 4], done):
+        out.setdefault(name, []).append(res)
+    out["seconds"] = time.monotonic() - t
+    return out
+
+
+@pytest.mark.parametrize("name", ["engine-2", "engine-3"])
+def test_engines_in_a_row_reuse_the_group_the_first_one_made(name, forked_launches):
+    """Three engines one after another in the same 2 (3) ranks, zerofit making the process group (the script never
+    calls init_process_group): each trains as plain PyTorch, in the one group the first engine made, and every
+    rank exits 0; in several launches in a row (a second init_process_group used to refuse or hang at random)."""
+    runs = forked_launches[name]
+    assert len(runs) >= 2
+    for codes, errs, results, seconds in runs:
+        _check_engines(codes, errs, results, seconds, world=len(codes), reused=True)
+
+
+@pytest.mark.parametrize("name", ["destroys-2", "destroys-3"])
+def test_a_group_the_program_destroys_between_engines_is_made_again(name, forked_launches):
+    """The script calls dist.destroy_process_group() after each engine: the next engine makes a new group (over
+    the store zerofit kept, under a prefix of its own) and trains as plain PyTorch; every rank exits 0."""
+    for codes, errs, results, seconds in forked_launches[name]:
+        _check_engines(codes, errs, results, seconds, world=len(codes), reused=False)
+
+
+def test_engines_in_a_row_with_torchruns_agent_store(forked_launches):
+    """As torchrun runs its ranks (``TORCHELASTIC_USE_AGENT_STORE=True``: the store is another process's and
+    keeps every key of the job): engines in a row reuse the group; a group destroyed between engines is made
+    again under keys no earlier group used."""
+    for name, reused in (("agent-engine-2", True), ("agent-destroys-2", False)):
+        for codes, errs, results, seconds in forked_launches[name]:
+            _check_engines(codes, errs, results, seconds, world=len(codes), reused=reused)
+
+
+@pytest.mark.parametrize("name", ["failed-first", "agent-failed-first"])
+def test_an_earlier_engines_failure_does_not_fail_a_later_one(name, forked_launches):
+    """[Note: a failing rank] per engine: engine 1 fails on every rank (a bad batch; the store records the first
+    rank's failure); engines 2 and 3 then train in the same ranks, stay open while their failure monitors poll,
+    and no monitor takes engine 1's failure for theirs."""
+    (codes, errs, results, seconds), = forked_launches[name]
+    _ok(codes, errs)
+    first = results[0]
+    assert first is not None and all(st == {"error": True} for st in first["ranks"]), first
+    assert "labels must have input_ids" in first["error"] or "another rank failed first" in first["error"], first
+    later = [e.split("ranks_script: run 1 starts", 1)[1] for e in errs]
+    _check_engines(codes, later, results[1:], seconds, world=2, reused=True)
+
+
+def test_engines_in_a_row_in_processes_of_their_own(tmp_path):
+    """The same three engines in a row in 2 processes started as torchrun starts them (not forked), the last one
+    left open for the interpreter's exit (its finalizer and zerofit's atexit destroy of the group, in either
+    order): every rank exits 0, in bounded time."""
+    t = time.monotonic()
+    rcs, errs, results = launch(2, {"group": "engine", "runs": _engines(leave_open=True)}, tmp_path, timeout=120)
+    _check_engines(rcs, errs, results, 0.0, world=2, reused=True)
+    assert time.monotonic() - t < 120

@@ -28,16 +28,44 @@ forever. An error inside a zerofit call on any rank is recorded in the process g
 wins) and the rank goes on raising. Every rank runs a monitor thread that polls that key: when another rank
 has failed, it logs the rank and the cause, gives the main thread a grace period to fail on its own (a gloo
 peer that exited closes its sockets at once), and then ends the process with status 1. No rank hangs, and
-each names the rank that failed first and why.
+each names the rank that failed first and why. The key is the engine's own (``zerofit/failed/<restart>/<n>``,
+the n-th engine of several ranks in this process, the same n on every rank since every rank makes the same
+engines): a failure an earlier engine recorded never fails a later one. The monitor is joined when the engine
+closes, so none outlives its engine (nor runs into the interpreter's exit inside a store call).
+
+[Note: a process group that lives]
+A process may make several engines in turn (train, then evaluate; a sweep). The process group is made once
+and lives for the process: an engine that finds no group makes it, and its ``close()`` leaves it; the next
+engine finds it and reuses it, with the two groups of its own (gathers, reduce-scatters), which are made once
+per default group and kept with it. zerofit destroys the group it made at interpreter exit, from ``atexit``,
+after stopping every monitor still running (``_at_exit``); whichever of that and the engines' own finalizers
+([Note: engine lifecycle], lifecycle.py) runs first, neither needs the other: releasing an engine issues no
+collective, and destroying the group waits for no engine thread.
+
+Why not destroy and make it again: ``init_process_group`` names the default group ``"0"`` again (its counter
+is reset by ``destroy_process_group``) and its subgroups ``"1"``, ``"2"``, so a second group over the same store
+writes under the keys of the first: torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``) lives as long as
+the job, and rank 0's own store (``MASTER_PORT``, multi-tenant) as long as anything in rank 0 holds it. A rank
+that makes its second group first reads its peers' stale gloo addresses (``Connection refused``) or waits for a
+rank still in the first group (a hang).
+
+When a group must be made again (the program destroyed it with ``dist.destroy_process_group()`` between
+engines), it is made over the same base store, which zerofit keeps for the process (so rank 0's server never
+goes away under a rank that already connected to it), under a prefix no earlier group used:
+``zerofit/<TORCHELASTIC_RESTART_COUNT>/group<k>`` for the k-th group zerofit makes in this process. Its
+subgroups are made afresh (``new_group`` puts their keys under the default group's store, hence under the same
+new prefix). A group the program made itself is used as it is, and never destroyed by zerofit.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -48,6 +76,66 @@ log = logging.getLogger("zerofit")
 
 _FAILED = "zerofit/failed"
 _GRACE_S = 10.0
+_JOIN_S = 5.0            # how long close() waits for the monitor thread to end (it polls every second)
+
+
+def _restart() -> str:
+    """torchrun's restart count: the agent's store lives across restarts, so every key zerofit writes names it."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+class _Process:
+    """What zerofit keeps for the life of the process: [Note: a process group that lives]."""
+
+    def __init__(self) -> None:
+        self.store = None            # the base store (torchrun's env://) of every group zerofit makes
+        self.made = 0                # the groups zerofit made in this process (their store prefixes)
+        self.group = None            # the default group zerofit made last; destroyed at exit if still the default
+        self.subgroups: tuple | None = None    # (default group, gather group, reduce group)
+        self.engines = 0             # engines of several ranks made in this process (their failure keys)
+        self.live: weakref.WeakSet = weakref.WeakSet()    # Ranks whose monitor runs
+        self.at_exit = False
+
+    def make_group(self, backend: str, timeout: timedelta) -> None:
+        """The default group, made over the base store under a prefix no earlier group of this process used."""
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if self.store is None:
+            self.store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            self.store.set_timeout(timeout)
+        self.made += 1
+        store = dist.PrefixStore(f"zerofit/{_restart()}/group{self.made}", self.store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        self.group = dist.distributed_c10d._get_default_group()
+        if not self.at_exit:
+            atexit.register(_at_exit)
+            self.at_exit = True
+
+    def groups(self, world: int) -> tuple:
+        """The gather and reduce groups of the current default group: made at its first engine, then reused."""
+        default = dist.distributed_c10d._get_default_group()
+        kept = self.subgroups
+        if kept is not None and kept[0] is default and all(g in dist.distributed_c10d._world.pg_map for g in kept[1:]):
+            return kept[1:]
+        gather = dist.new_group(list(range(world)))
+        reduce = dist.new_group(list(range(world)))
+        self.subgroups = (default, gather, reduce)
+        return gather, reduce
+
+
+_PROCESS = _Process()
+
+
+def _at_exit() -> None:
+    """Every monitor stopped, then the group zerofit made destroyed (if it is still the default group)."""
+    for r in list(_PROCESS.live):
+        r.close()
+    p = _PROCESS
+    try:
+        if p.group is not None and dist.is_initialized() and dist.distributed_c10d._get_default_group() is p.group:
+            dist.destroy_process_group()
+    except Exception as e:     # noqa: BLE001 - at exit: say it, never raise
+        log.debug("zerofit: destroying the process group at exit: %r", e)
+    p.group = p.subgroups = p.store = None
 
 
 class RankFailedError(RuntimeError):
@@ -58,7 +146,7 @@ def _launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-@dataclass
+@dataclass(eq=False)      # one engine's: compared and hashed by identity (_Process.live)
 class Ranks:
     """The process group as the engine sees it. ``world == 1``: a single process (every method a no-op)."""
 
@@ -68,7 +156,8 @@ class Ranks:
     local_world: int = 1
     gather_group: object = None
     reduce_group: object = None
-    owns_group: bool = False          # initialize created the default group: destroyed when the engine closes
+    owns_group: bool = False          # this engine made the default group (it lives on: [Note: a process group that lives])
+    failed_key: str = _FAILED         # this engine's failure key in the group's store ([Note: a failing rank])
     _monitor: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _mappings: list = field(default_factory=list)
@@ -82,7 +171,8 @@ class Ranks:
     @classmethod
     def setup(cls, device_type: str, timeout_s: float, bind_cores: bool = True) -> "Ranks":
         """The process group from the environment ``torchrun`` sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-        ...), or the one the caller already made; NCCL for GPUs, gloo for the CPU. One process: ``Ranks()``."""
+        ...), or the one the caller (or an earlier engine) already made; NCCL for GPUs, gloo for the CPU. One
+        process: ``Ranks()``. [Note: a process group that lives]."""
         if not dist.is_available() or (not dist.is_initialized() and not _launched()):
             return cls()
         owns = False
@@ -90,8 +180,7 @@ class Ranks:
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
-            backend = "nccl" if device_type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+            _PROCESS.make_group("nccl" if device_type == "cuda" else "gloo", timedelta(seconds=timeout_s))
             owns = True
         world, rank = dist.get_world_size(), dist.get_rank()
         if world == 1:
@@ -101,9 +190,10 @@ class Ranks:
             raise NotImplementedError(
                 f"zerofit runs its ranks on one host for now (WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}): "
                 "the host state is shared by the host's ranks ([Note: sharded units], zerofit/engine/ranks.py)")
-        gather = dist.new_group(list(range(world)))
-        reduce = dist.new_group(list(range(world)))
-        r = cls(world, rank, int(os.environ.get("LOCAL_RANK", str(rank))), local_world, gather, reduce, owns)
+        gather, reduce = _PROCESS.groups(world)
+        _PROCESS.engines += 1
+        r = cls(world, rank, int(os.environ.get("LOCAL_RANK", str(rank))), local_world, gather, reduce, owns,
+                f"{_FAILED}/{_restart()}/{_PROCESS.engines}")
         log.info("zerofit: rank %d of %d, %d torch threads", rank, world, r._share_cores(bind_cores))
         r._start_monitor()
         return r
@@ -210,7 +300,7 @@ class Ranks:
             return
         cause = f"rank {self.rank}: {type(err).__name__}: {err}"
         try:
-            self._store().compare_set(_FAILED, "", cause)
+            self._store().compare_set(self.failed_key, "", cause)
         except Exception as e:       # noqa: BLE001 - the store may be gone already
             log.debug("zerofit: could not record the failure: %r", e)
 
@@ -220,8 +310,8 @@ class Ranks:
             return None
         try:
             store = self._store()
-            if store.check([_FAILED]):
-                value = store.get(_FAILED).decode()
+            if store.check([self.failed_key]):
+                value = store.get(self.failed_key).decode()
                 return value or None
         except Exception:            # noqa: BLE001
             return None
@@ -247,14 +337,16 @@ class Ranks:
                           file=sys.stderr, flush=True)
                     os._exit(1)
         self._monitor = threading.Thread(target=watch, name=f"zerofit-rank{self.rank}-monitor", daemon=True)
+        _PROCESS.live.add(self)
         self._monitor.start()
 
     def close(self) -> None:
-        """Stop the monitor; destroy the process group if the engine made it."""
+        """Stop the monitor and wait for it to end. The process group stays: the next engine of this process
+        reuses it ([Note: a process group that lives]). Idempotent."""
         self._stop.set()
-        if self.owns_group and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:     # noqa: BLE001
-                log.debug("zerofit: destroying the process group: %r", e)
-            self.owns_group = False
+        _PROCESS.live.discard(self)
+        m, self._monitor = self._monitor, None
+        if m is not None and m is not threading.current_thread():
+            m.join(_JOIN_S)
+            if m.is_alive():
+                log.warning("zerofit: rank %d: the failure monitor did not end within %.0f s", self.rank, _JOIN_S)

@@ -382,6 +382,7 @@ def launch_forked(launches: list[dict], tmp: Path, timeout_each: float = 60.0, t
 
 
 _LIVES = 2         # steps per engine
+_LIMIT_S = 90      # a launch of three engines still running after this long hangs (it takes 3 to 12 s)
 
 
 def _engines(n: int = 3, **last) -> list[dict]:
@@ -394,10 +395,10 @@ def _check_engines(codes, errs, results, seconds, world: int, reused: bool):
     """Every rank exited 0 in bounded time; every engine's losses (and rank 0's weights) are plain PyTorch's on
     the global batch; ``reused``: every engine ran in the group the first one made (the same groups by name,
     none made after the first engine), else each in a group of its own."""
-    assert None not in codes, f"ranks still running after the launch's limit (a hang): {codes}\n" + \
+    assert None not in codes, f"ranks still running after {_LIMIT_S} s (a hang): {codes}\n" + \
         "\n".join(e[-2000:] for e in errs)
     _ok(codes, errs)
-    assert seconds < 50, f"{seconds:.1f} s"
+    assert seconds < _LIMIT_S
     ref_losses, (weights, _) = _reference(world, _LIVES)
     for k, result in enumerate(results):
         assert result is not None, f"engine {k} wrote nothing"
@@ -436,13 +437,12 @@ def forked_launches(tmp_path_factory):
     # engine 1 fails on every rank (a bad batch at its first step, caught); engine 2 must not fail for it
     fail = {"steps": _LIVES, "steps_total": _LIVES, "config": _cfg(), "fail_rank": "all", "fail_step": 0,
             "catch": True}
-    for agent in (False, True):
-        launches.append({"world": 2, "agent_store": agent,
-                         "spec": {"group": "engine", "runs": [fail] + _engines(2, linger_s=2.5)}})
+    launches.append({"world": 2, "agent_store": True,
+                     "spec": {"group": "engine", "runs": [fail] + _engines(2, linger_s=2.5)}})
     t = time.monotonic()
-    done = launch_forked(launches, tmp, timeout_each=50, timeout=400)
+    done = launch_forked(launches, tmp, timeout_each=_LIMIT_S, timeout=900)
     out: dict[str, list] = {}
-    for (name, *_), res in zip(_FORKED + [("failed-first", None, None, False), ("agent-failed-first",) * 4], done):
+    for (name, *_), res in zip(_FORKED + [("failed-first",)], done):
         out.setdefault(name, []).append(res)
     out["seconds"] = time.monotonic() - t
     return out
@@ -476,12 +476,11 @@ def test_engines_in_a_row_with_torchruns_agent_store(forked_launches):
             _check_engines(codes, errs, results, seconds, world=len(codes), reused=reused)
 
 
-@pytest.mark.parametrize("name", ["failed-first", "agent-failed-first"])
-def test_an_earlier_engines_failure_does_not_fail_a_later_one(name, forked_launches):
-    """[Note: a failing rank] per engine: engine 1 fails on every rank (a bad batch; the store records the first
-    rank's failure); engines 2 and 3 then train in the same ranks, stay open while their failure monitors poll,
-    and no monitor takes engine 1's failure for theirs."""
-    (codes, errs, results, seconds), = forked_launches[name]
+def test_an_earlier_engines_failure_does_not_fail_a_later_one(forked_launches):
+    """[Note: a failing rank] per engine (torchrun's agent store, which keeps every key of the job): engine 1 fails
+    on every rank (a bad batch; the store records the first rank's failure); engines 2 and 3 then train in the
+    same ranks, stay open while their failure monitors poll, and no monitor takes engine 1's failure for theirs."""
+    (codes, errs, results, seconds), = forked_launches["failed-first"]
     _ok(codes, errs)
     first = results[0]
     assert first is not None and all(st == {"error": True} for st in first["ranks"]), first
@@ -495,6 +494,6 @@ def test_engines_in_a_row_in_processes_of_their_own(tmp_path):
     left open for the interpreter's exit (its finalizer and zerofit's atexit destroy of the group, in either
     order): every rank exits 0, in bounded time."""
     t = time.monotonic()
-    rcs, errs, results = launch(2, {"group": "engine", "runs": _engines(leave_open=True)}, tmp_path, timeout=120)
+    rcs, errs, results = launch(2, {"group": "engine", "runs": _engines(leave_open=True)}, tmp_path, timeout=240)
     _check_engines(rcs, errs, results, 0.0, world=2, reused=True)
-    assert time.monotonic() - t < 120
+    assert time.monotonic() - t < 240

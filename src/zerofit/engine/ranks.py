@@ -37,10 +37,13 @@ closes, so none outlives its engine (nor runs into the interpreter's exit inside
 A process may make several engines in turn (train, then evaluate; a sweep). The process group is made once
 and lives for the process: an engine that finds no group makes it, and its ``close()`` leaves it; the next
 engine finds it and reuses it, with the two groups of its own (gathers, reduce-scatters), which are made once
-per default group and kept with it. zerofit destroys the group it made at interpreter exit, from ``atexit``,
-after stopping every monitor still running (``_at_exit``); whichever of that and the engines' own finalizers
-([Note: engine lifecycle], lifecycle.py) runs first, neither needs the other: releasing an engine issues no
-collective, and destroying the group waits for no engine thread.
+per default group and kept with it. zerofit destroys the group it made at interpreter exit (``_at_exit``),
+after the engines: it is a ``weakref.finalize`` made when zerofit first makes a group, and finalizers run at
+exit newest first, so every engine's own ([Note: engine lifecycle], lifecycle.py: its CPU worker stopped and
+joined, its monitor joined) runs before it, each engine made after the group. ``_at_exit`` stops any monitor
+still running all the same before it destroys the group. (Releasing an engine issues no collective, so even
+the other order would be safe.) A later engine reuses the group as it is, with the first engine's
+``distributed_timeout_s`` and backend (a mismatch of backend and device is logged).
 
 Why not destroy and make it again: ``init_process_group`` names the default group ``"0"`` again (its counter
 is reset by ``destroy_process_group``) and its subgroups ``"1"``, ``"2"``, so a second group over the same store
@@ -59,7 +62,6 @@ new prefix). A group the program made itself is used as it is, and never destroy
 
 from __future__ import annotations
 
-import atexit
 import logging
 import mmap
 import os
@@ -94,7 +96,7 @@ class _Process:
         self.subgroups: tuple | None = None    # (default group, gather group, reduce group)
         self.engines = 0             # engines of several ranks made in this process (their failure keys)
         self.live: weakref.WeakSet = weakref.WeakSet()    # Ranks whose monitor runs
-        self.at_exit = False
+        self.at_exit = None          # the finalizer that destroys the group at exit
 
     def make_group(self, backend: str, timeout: timedelta) -> None:
         """The default group, made over the base store under a prefix no earlier group of this process used."""
@@ -106,9 +108,8 @@ class _Process:
         store = dist.PrefixStore(f"zerofit/{_restart()}/group{self.made}", self.store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.group = dist.distributed_c10d._get_default_group()
-        if not self.at_exit:
-            atexit.register(_at_exit)
-            self.at_exit = True
+        if self.at_exit is None:     # after every engine's finalizer, all made later than this one
+            self.at_exit = weakref.finalize(self, _at_exit)
 
     def groups(self, world: int) -> tuple:
         """The gather and reduce groups of the current default group: made at its first engine, then reused."""
@@ -126,7 +127,8 @@ _PROCESS = _Process()
 
 
 def _at_exit() -> None:
-    """Every monitor stopped, then the group zerofit made destroyed (if it is still the default group)."""
+    """Every monitor stopped, then the group zerofit made destroyed (if it is still the default group). At exit,
+    after the engines' own finalizers."""
     for r in list(_PROCESS.live):
         r.close()
     p = _PROCESS
@@ -179,9 +181,15 @@ class Ranks:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
+        backend = "nccl" if device_type == "cuda" else "gloo"
         if not dist.is_initialized():
-            _PROCESS.make_group("nccl" if device_type == "cuda" else "gloo", timedelta(seconds=timeout_s))
+            _PROCESS.make_group(backend, timedelta(seconds=timeout_s))
             owns = True
+        elif backend not in str(dist.get_backend()):
+            log.warning("zerofit: the process group's backend is %s, and this engine's tensors are on %s (%s "
+                        "expected): its collectives may fail or be slow. Make the group for both before the first "
+                        "engine: torch.distributed.init_process_group('cpu:gloo,cuda:nccl')",
+                        dist.get_backend(), device_type, backend)
         world, rank = dist.get_world_size(), dist.get_rank()
         if world == 1:
             return cls(owns_group=owns)

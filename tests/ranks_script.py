@@ -24,6 +24,9 @@ import zerofit  # noqa: E402
 from tests import tiny_models as tm  # noqa: E402
 
 
+_SEEN: list = []      # the default group of every run so far
+
+
 def main(spec: dict) -> None:
     """One spec, or ``{"runs": [spec, ...]}``: each run in turn in the same processes (the imports are paid
     once); run i writes ``<its out>.<rank>``. ``"group"`` says who makes the process group of the runs:
@@ -98,6 +101,8 @@ def run(spec: dict) -> None:
     state["groups"] = [c10d._get_process_group_name(g) for g in (c10d._get_default_group(), engine.ranks.gather_group,
                                                                  engine.ranks.reduce_group)]
     state["group_count"] = len(c10d._world.pg_map)
+    state["same_group"] = [c10d._get_default_group() is g for g in _SEEN[-1:]]    # as the previous run's
+    _SEEN.append(c10d._get_default_group())
     master = engine.master_state_dict()     # a collective: every rank reads the weights together
     out = {"state": state}
     state["sharded_device_units"] = sum(u.shard_state for u in engine.units)
@@ -138,10 +143,10 @@ def train(engine, spec: dict, data: list, rank: int, G: int) -> list[float]:
 def forked(job: dict) -> None:
     """``job["launches"]``: launches one after another, each of ``world`` ranks forked from this process (which
     imported torch, transformers and zerofit once and runs no torch op itself), with torchrun's environment and a
-    fresh ``MASTER_PORT``. ``"agent_store": true`` (a launch's): as torchrun does, a process other than the ranks (a fork too)
-    hosts the TCPStore and the ranks get ``TORCHELASTIC_USE_AGENT_STORE=True``. A rank's stderr and stdout go to
-    ``<logs>/<launch>.<rank>``; it ends as a process does, through the interpreter's exit (SystemExit unwinds the
-    fork's copy of this stack). Writes ``job["result"]``: per launch the ranks' exit statuses (None: still running
+    fresh ``MASTER_PORT``. ``"agent_store": true`` (a launch's): as torchrun does, a process other than the ranks
+    (a fork too) hosts the TCPStore and the ranks get ``TORCHELASTIC_USE_AGENT_STORE=True``. A rank's stderr and
+    stdout go to ``<logs>/<launch>.<rank>``; it ends as a process does, through the interpreter's exit
+    (SystemExit unwinds the fork's copy of this stack). Writes ``job["result"]``: per launch the ranks' exit statuses (None: still running
     after ``timeout_s``, killed) and its seconds."""
     import gc
     import signal

@@ -8,8 +8,10 @@ tolerances (RELIABILITY.md). 3 ranks make uneven shards (the units' sizes are no
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -369,9 +371,8 @@ def launch_forked(launches: list[dict], tmp: Path, timeout_each: float = 60.0, t
         job["launches"].append({**ln, "spec": spec})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
                                                                       if os.environ.get("PYTHONPATH") else []))}
-    p = subprocess.run([sys.executable, str(SCRIPT), "--forked", json.dumps(job)], env=env, capture_output=True,
-                       text=True, timeout=timeout)
-    assert p.returncode == 0, p.stderr[-3000:]
+    rc, _, err = _run_session([sys.executable, str(SCRIPT), "--forked", json.dumps(job)], env, timeout)
+    assert rc == 0, err[-3000:]
     done = json.loads(Path(job["result"]).read_text())
     out = []
     for k, (ln, res) in enumerate(zip(job["launches"], done)):
@@ -379,6 +380,20 @@ def launch_forked(launches: list[dict], tmp: Path, timeout_each: float = 60.0, t
         errs = [(tmp / f"{k}.{r}").read_text() for r in range(world)]
         out.append((res["codes"], errs, [_collect(Path(r["out"]), world) for r in ln["spec"]["runs"]], res["seconds"]))
     return out
+
+
+def _run_session(cmd: list, env: dict, timeout: float) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``cmd`` in a session of its own: past ``timeout`` (a hang) the whole
+    session is killed (the ranks torchrun or the forked launcher started too), then the test fails."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise AssertionError(f"{cmd[1:4]} still running after {timeout} s (a hang)") from None
+    return p.returncode, out, err
 
 
 _LIVES = 2         # steps per engine
@@ -391,15 +406,20 @@ def _engines(n: int = 3, **last) -> list[dict]:
     return [one] * (n - 1) + [{**one, **last}]
 
 
+@functools.lru_cache(maxsize=None)
+def _lives_reference(world: int):
+    return _reference(world, _LIVES)
+
+
 def _check_engines(codes, errs, results, seconds, world: int, reused: bool):
     """Every rank exited 0 in bounded time; every engine's losses (and rank 0's weights) are plain PyTorch's on
-    the global batch; ``reused``: every engine ran in the group the first one made (the same groups by name,
-    none made after the first engine), else each in a group of its own."""
+    the global batch; ``reused``: every engine after the first ran in the group the first one made (the same
+    group object, no group made after the first engine's three), else each in a new group."""
     assert None not in codes, f"ranks still running after {_LIMIT_S} s (a hang): {codes}\n" + \
         "\n".join(e[-2000:] for e in errs)
     _ok(codes, errs)
     assert seconds < _LIMIT_S
-    ref_losses, (weights, _) = _reference(world, _LIVES)
+    ref_losses, (weights, _) = _lives_reference(world)
     for k, result in enumerate(results):
         assert result is not None, f"engine {k} wrote nothing"
         for st in result["ranks"]:
@@ -407,12 +427,14 @@ def _check_engines(codes, errs, results, seconds, world: int, reused: bool):
                                        msg=lambda m: f"engine {k}: {m}")
         for n, w in weights.items():
             torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k} {n}: {m}")
-    groups = [r["ranks"][0]["groups"] for r in results]
-    counts = [r["ranks"][0]["group_count"] for r in results]
+    for st in (st for r in results[1:] for st in r["ranks"]):
+        assert st["same_group"] == [reused], st["same_group"]
+    groups = [st["groups"] for r in results for st in r["ranks"]]
+    counts = [st["group_count"] for r in results for st in r["ranks"]]
+    # the default group and zerofit's two; in a new group, the destroyed group's subgroups went with it
+    assert counts == [3] * len(counts), counts
     if reused:
-        assert groups == [groups[0]] * len(groups) and counts == [3] * len(counts), (groups, counts)
-    else:
-        assert counts == [3] * len(counts), counts     # the destroyed group's subgroups went with it
+        assert groups == [groups[0]] * len(groups), groups
     assert not any("another rank failed" in e for e in errs), errs
 
 
@@ -489,11 +511,21 @@ def test_an_earlier_engines_failure_does_not_fail_a_later_one(forked_launches):
     _check_engines(codes, later, results[1:], seconds, world=2, reused=True)
 
 
-def test_engines_in_a_row_in_processes_of_their_own(tmp_path):
-    """The same three engines in a row in 2 processes started as torchrun starts them (not forked), the last one
-    left open for the interpreter's exit (its finalizer and zerofit's atexit destroy of the group, in either
-    order): every rank exits 0, in bounded time."""
+def test_engines_in_a_row_under_torchrun(tmp_path):
+    """The same three engines in a row under torchrun itself (``torch.distributed.run --standalone``: 2 processes
+    of their own, the agent's store), the last one left open for the interpreter's exit (its finalizer, then
+    zerofit's destroying the group): torchrun exits 0 (every rank did), in bounded time."""
+    out = tmp_path / "torchrun.pt"
+    runs = _engines(leave_open=True)
+    spec = {"G": G, "group": "engine", "runs": [{**r, "out": f"{out}.{i}"} for i, r in enumerate(runs)]}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                          if os.environ.get("PYTHONPATH") else []))
     t = time.monotonic()
-    rcs, errs, results = launch(2, {"group": "engine", "runs": _engines(leave_open=True)}, tmp_path, timeout=240)
-    _check_engines(rcs, errs, results, 0.0, world=2, reused=True)
+    rc, _, err = _run_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(SCRIPT), json.dumps(spec)], env, timeout=240)
+    assert rc == 0, err[-4000:]
+    results = [_collect(Path(r["out"]), 2) for r in spec["runs"]]
+    _check_engines([0, 0], [err] * 2, results, 0.0, world=2, reused=True)
     assert time.monotonic() - t < 240

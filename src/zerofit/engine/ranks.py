@@ -91,6 +91,7 @@ class _Process:
 
     def __init__(self) -> None:
         self.store = None            # the base store (torchrun's env://) of every group zerofit makes
+        self.rank = self.world = 0   # as the rendezvous read them
         self.made = 0                # the groups zerofit made in this process (their store prefixes)
         self.group = None            # the default group zerofit made last; destroyed at exit if still the default
         self.subgroups: tuple | None = None    # (default group, gather group, reduce group)
@@ -100,13 +101,12 @@ class _Process:
 
     def make_group(self, backend: str, timeout: timedelta) -> None:
         """The default group, made over the base store under a prefix no earlier group of this process used."""
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if self.store is None:
-            self.store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        if self.store is None:     # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+            self.store, self.rank, self.world = next(dist.rendezvous("env://", timeout=timeout))
             self.store.set_timeout(timeout)
         self.made += 1
         store = dist.PrefixStore(f"zerofit/{_restart()}/group{self.made}", self.store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         self.group = dist.distributed_c10d._get_default_group()
         if self.at_exit is None:     # after every engine's finalizer, all made later than this one
             self.at_exit = weakref.finalize(self, _at_exit)
@@ -158,7 +158,8 @@ class Ranks:
     local_world: int = 1
     gather_group: object = None
     reduce_group: object = None
-    owns_group: bool = False          # this engine made the default group (it lives on: [Note: a process group that lives])
+    owns_group: bool = False          # this engine made the default group (which outlives it: [Note: a process
+    #                                   group that lives])
     failed_key: str = _FAILED         # this engine's failure key in the group's store ([Note: a failing rank])
     _monitor: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -185,14 +186,14 @@ class Ranks:
         if not dist.is_initialized():
             _PROCESS.make_group(backend, timedelta(seconds=timeout_s))
             owns = True
-        elif backend not in str(dist.get_backend()):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world == 1:
+            return cls(owns_group=owns)
+        if backend not in str(dist.get_backend()):    # a group an earlier engine (or the script) made for other tensors
             log.warning("zerofit: the process group's backend is %s, and this engine's tensors are on %s (%s "
                         "expected): its collectives may fail or be slow. Make the group for both before the first "
                         "engine: torch.distributed.init_process_group('cpu:gloo,cuda:nccl')",
                         dist.get_backend(), device_type, backend)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world == 1:
-            return cls(owns_group=owns)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         if local_world != world:
             raise NotImplementedError(

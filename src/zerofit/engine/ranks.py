@@ -49,8 +49,8 @@ Why not destroy and make it again: ``init_process_group`` names the default grou
 is reset by ``destroy_process_group``) and its subgroups ``"1"``, ``"2"``, so a second group over the same store
 writes under the keys of the first: torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``) lives as long as
 the job, and rank 0's own store (``MASTER_PORT``, multi-tenant) as long as anything in rank 0 holds it. A rank
-that makes its second group first reads its peers' stale gloo addresses (``Connection refused``) or waits for a
-rank still in the first group (a hang).
+that makes its second group first can read its peers' stale entries (``Connection refused``) or wait for a rank
+still in the first group (a hang): under ``torch.distributed.run``, 2 hangs in 2 launches of three engines.
 
 When a group must be made again (the program destroyed it with ``dist.destroy_process_group()`` between
 engines), it is made over the same base store, which zerofit keeps for the process (so rank 0's server never

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -101,6 +102,7 @@ def run(spec: dict) -> None:
     state["groups"] = [c10d._get_process_group_name(g) for g in (c10d._get_default_group(), engine.ranks.gather_group,
                                                                  engine.ranks.reduce_group)]
     state["group_count"] = len(c10d._world.pg_map)
+    state["monitors"] = sum("zerofit" in t.name and "monitor" in t.name for t in threading.enumerate())
     state["same_group"] = [c10d._get_default_group() is g for g in _SEEN[-1:]]    # as the previous run's
     _SEEN.append(c10d._get_default_group())
     master = engine.master_state_dict()     # a collective: every rank reads the weights together

@@ -429,6 +429,8 @@ def _check_engines(codes, errs, results, seconds, world: int, reused: bool):
             torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k} {n}: {m}")
     for st in (st for r in results[1:] for st in r["ranks"]):
         assert st["same_group"] == [reused], st["same_group"]
+    # one failure monitor per process, whatever the engines before ([Note: a failing rank])
+    assert [st["monitors"] for r in results for st in r["ranks"]] == [1] * len(results) * world
     groups = [st["groups"] for r in results for st in r["ranks"]]
     counts = [st["group_count"] for r in results for st in r["ranks"]]
     # the default group and zerofit's two; in a new group, the destroyed group's subgroups went with it

@@ -30,19 +30,22 @@ has failed, it logs the rank and the cause, gives the main thread a grace period
 peer that exited closes its sockets at once), and then ends the process with status 1. No rank hangs, and
 each names the rank that failed first and why. The key is the engine's own (``zerofit/failed/<restart>/<n>``,
 the n-th engine of several ranks in this process, the same n on every rank since every rank makes the same
-engines): a failure an earlier engine recorded never fails a later one. The monitor is joined when the engine
-closes, so none outlives its engine (nor runs into the interpreter's exit inside a store call).
+engines): a failure an earlier engine recorded never fails a later one. The monitor is one thread per process,
+started by the first engine of several ranks, which polls the keys of the engines open now (a weak set: an
+engine closed, or dropped before it was complete, leaves it at once), so no thread outlives its engine's
+worth; it is stopped and joined at exit, before the group is destroyed, never left inside a store call while
+the interpreter finalizes.
 
 [Note: a process group that lives]
 A process may make several engines in turn (train, then evaluate; a sweep). The process group is made once
 and lives for the process: an engine that finds no group makes it, and its ``close()`` leaves it; the next
 engine finds it and reuses it, with the two groups of its own (gathers, reduce-scatters), which are made once
 per default group and kept with it. zerofit destroys the group it made at interpreter exit (``_at_exit``),
-after the engines: it is a ``weakref.finalize`` made when zerofit first makes a group, and finalizers run at
-exit newest first, so every engine's own ([Note: engine lifecycle], lifecycle.py: its CPU worker stopped and
-joined, its monitor joined) runs before it, each engine made after the group. ``_at_exit`` stops any monitor
-still running all the same before it destroys the group. (Releasing an engine issues no collective, so even
-the other order would be safe.) A later engine reuses the group as it is, with the first engine's
+after the engines: it is a ``weakref.finalize`` made when zerofit first makes a group (or watches an engine),
+and finalizers run at exit newest first, so every engine's own ([Note: engine lifecycle], lifecycle.py: its
+CPU worker stopped and joined, its key no longer polled) runs before it, each engine made after it. Then
+``_at_exit`` stops and joins the monitor thread and destroys the group. (Releasing an engine issues no
+collective, so even the other order would be safe.) A later engine reuses the group as it is, with the first engine's
 ``distributed_timeout_s`` and backend (a mismatch of backend and device is logged).
 
 Why not destroy and make it again: ``init_process_group`` names the default group ``"0"`` again (its counter
@@ -78,7 +81,7 @@ log = logging.getLogger("zerofit")
 
 _FAILED = "zerofit/failed"
 _GRACE_S = 10.0
-_JOIN_S = 5.0            # how long close() waits for the monitor thread to end (it polls every second)
+_JOIN_S = 5.0            # how long the exit waits for the monitor thread to end (it polls every second)
 
 
 def _restart() -> str:
@@ -90,14 +93,44 @@ class _Process:
     """What zerofit keeps for the life of the process: [Note: a process group that lives]."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()    # guards ``live`` (the monitor thread reads it)
+        self.monitor: threading.Thread | None = None    # [Note: a failing rank]: one per process
+        self.stop = threading.Event()
         self.store = None            # the base store (torchrun's env://) of every group zerofit makes
         self.rank = self.world = 0   # as the rendezvous read them
         self.made = 0                # the groups zerofit made in this process (their store prefixes)
         self.group = None            # the default group zerofit made last; destroyed at exit if still the default
         self.subgroups: tuple | None = None    # (default group, gather group, reduce group)
         self.engines = 0             # engines of several ranks made in this process (their failure keys)
-        self.live: weakref.WeakSet = weakref.WeakSet()    # Ranks whose monitor runs
-        self.at_exit = None          # the finalizer that destroys the group at exit
+        self.live: weakref.WeakSet = weakref.WeakSet()    # the open engines' Ranks, whose keys the monitor polls
+        self.at_exit = None          # the finalizer that stops the monitor and destroys the group at exit
+
+    def finalize_at_exit(self) -> None:
+        """At exit, after every engine's finalizer (all made later than this one): ``_at_exit``."""
+        if self.at_exit is None:
+            self.at_exit = weakref.finalize(self, _at_exit)
+
+    def watch(self, r: "Ranks") -> None:
+        """Poll ``r``'s failure key every second until it closes (the thread is started once)."""
+        self.finalize_at_exit()
+        with self.lock:
+            self.live.add(r)
+        if self.monitor is None or not self.monitor.is_alive():
+            self.stop.clear()
+            self.monitor = threading.Thread(target=self._poll, name="zerofit-rank-monitor", daemon=True)
+            self.monitor.start()
+
+    def unwatch(self, r: "Ranks") -> None:
+        with self.lock:
+            self.live.discard(r)
+
+    def _poll(self) -> None:
+        while not self.stop.wait(1.0):
+            with self.lock:
+                ranks = list(self.live)
+            for r in ranks:
+                r._check_peers()
+            del ranks
 
     def make_group(self, backend: str, timeout: timedelta) -> None:
         """The default group, made over the base store under a prefix no earlier group of this process used."""
@@ -108,8 +141,7 @@ class _Process:
         store = dist.PrefixStore(f"zerofit/{_restart()}/group{self.made}", self.store)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         self.group = dist.distributed_c10d._get_default_group()
-        if self.at_exit is None:     # after every engine's finalizer, all made later than this one
-            self.at_exit = weakref.finalize(self, _at_exit)
+        self.finalize_at_exit()
 
     def groups(self, world: int) -> tuple:
         """The gather and reduce groups of the current default group: made at its first engine, then reused."""
@@ -127,11 +159,18 @@ _PROCESS = _Process()
 
 
 def _at_exit() -> None:
-    """Every monitor stopped, then the group zerofit made destroyed (if it is still the default group). At exit,
-    after the engines' own finalizers."""
-    for r in list(_PROCESS.live):
-        r.close()
+    """The monitor stopped and joined, then the group zerofit made destroyed (if it is still the default group).
+    At exit, after the engines' own finalizers."""
     p = _PROCESS
+    with p.lock:
+        ranks = list(p.live)
+    for r in ranks:
+        r.close()
+    p.stop.set()
+    if p.monitor is not None:
+        p.monitor.join(_JOIN_S)
+        if p.monitor.is_alive():
+            log.warning("zerofit: the failure monitor did not end within %.0f s", _JOIN_S)
     try:
         if p.group is not None and dist.is_initialized() and dist.distributed_c10d._get_default_group() is p.group:
             dist.destroy_process_group()
@@ -161,8 +200,7 @@ class Ranks:
     owns_group: bool = False          # this engine made the default group (which outlives it: [Note: a process
     #                                   group that lives])
     failed_key: str = _FAILED         # this engine's failure key in the group's store ([Note: a failing rank])
-    _monitor: threading.Thread | None = None
-    _stop: threading.Event = field(default_factory=threading.Event)
+    _stop: threading.Event = field(default_factory=threading.Event)   # closed: the monitor lets it be
     _mappings: list = field(default_factory=list)
 
     @property
@@ -204,7 +242,7 @@ class Ranks:
         r = cls(world, rank, int(os.environ.get("LOCAL_RANK", str(rank))), local_world, gather, reduce, owns,
                 f"{_FAILED}/{_restart()}/{_PROCESS.engines}")
         log.info("zerofit: rank %d of %d, %d torch threads", rank, world, r._share_cores(bind_cores))
-        r._start_monitor()
+        _PROCESS.watch(r)
         return r
 
     def _share_cores(self, bind: bool) -> int:
@@ -333,29 +371,22 @@ class Ranks:
             return RankFailedError(f"another rank failed first ({cause}); this rank (rank {self.rank}) stops too")
         return err
 
-    def _start_monitor(self) -> None:
-        def watch():
-            while not self._stop.wait(1.0):
-                cause = self.failure()
-                if cause and not cause.startswith(f"rank {self.rank}:"):
-                    print(f"zerofit: rank {self.rank}: another rank failed ({cause}); ending this rank in "
-                          f"{_GRACE_S:.0f} s unless it ends by itself", file=sys.stderr, flush=True)
-                    if self._stop.wait(_GRACE_S):
-                        return
-                    print(f"zerofit: rank {self.rank}: exiting (status 1) after the failure of {cause}",
-                          file=sys.stderr, flush=True)
-                    os._exit(1)
-        self._monitor = threading.Thread(target=watch, name=f"zerofit-rank{self.rank}-monitor", daemon=True)
-        _PROCESS.live.add(self)
-        self._monitor.start()
+    def _check_peers(self) -> None:
+        """The monitor's poll of this engine's key: another rank's failure ends this process unless this engine
+        ends (closes, or fails itself) within the grace period."""
+        cause = self.failure()
+        if self._stop.is_set() or not cause or cause.startswith(f"rank {self.rank}:"):
+            return
+        print(f"zerofit: rank {self.rank}: another rank failed ({cause}); ending this rank in "
+              f"{_GRACE_S:.0f} s unless it ends by itself", file=sys.stderr, flush=True)
+        if self._stop.wait(_GRACE_S):
+            return
+        print(f"zerofit: rank {self.rank}: exiting (status 1) after the failure of {cause}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
     def close(self) -> None:
-        """Stop the monitor and wait for it to end. The process group stays: the next engine of this process
-        reuses it ([Note: a process group that lives]). Idempotent."""
+        """This engine's key is no longer polled. The process group stays: the next engine of this process reuses
+        it ([Note: a process group that lives]). Idempotent."""
         self._stop.set()
-        _PROCESS.live.discard(self)
-        m, self._monitor = self._monitor, None
-        if m is not None and m is not threading.current_thread():
-            m.join(_JOIN_S)
-            if m.is_alive():
-                log.warning("zerofit: rank %d: the failure monitor did not end within %.0f s", self.rank, _JOIN_S)
+        _PROCESS.unwatch(self)

@@ -3,6 +3,9 @@
 Arguments: a JSON spec. Every rank trains the same tiny model on its part of each global batch (rank r takes
 micro-batches r*G .. r*G+G-1 of the step's N*G) and writes, as rank 0, losses and final fp32 weights (and
 moments) to ``out``. Optional: load a checkpoint first, save one at the end, raise on one rank at one step.
+
+``--forked JOB``: several launches from this one process, which pays the imports once (tests/test_ranks.py,
+``launch_forked``): see :func:`forked`.
 """
 
 from __future__ import annotations
@@ -10,8 +13,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 
 import torch
+import torch.distributed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,20 +25,42 @@ import zerofit  # noqa: E402
 from tests import tiny_models as tm  # noqa: E402
 
 
-def main() -> None:
-    """One spec, or ``{"runs": [spec, ...]}``: each run in turn in the same processes and process group (the
-    imports and the group's start-up are paid once); run i writes ``<its out>.<rank>``."""
-    spec = json.loads(sys.argv[1])
+_SEEN: list = []      # the default group of every run so far
+
+
+def main(spec: dict) -> None:
+    """One spec, or ``{"runs": [spec, ...]}``: each run in turn in the same processes (the imports are paid
+    once); run i writes ``<its out>.<rank>``. ``"group"`` says who makes the process group of the runs:
+
+    - ``"script"`` (the default): this script, once, before the first run; destroyed after the last.
+    - ``"engine"``: ``zerofit.initialize`` (the script never calls ``init_process_group``), and the group
+      lives for the process: every engine after the first finds it and reuses it.
+    - ``"user-destroys"``: as ``"engine"``, and the script calls ``dist.destroy_process_group()`` after each
+      run: the next engine makes a new group.
+
+    A run with ``"catch": true`` expects its engine to fail (``fail_rank``: a rank, or ``"all"``): the script
+    writes the error's text and goes on with the next run. ``"linger_s"``: seconds the engine stays open after
+    its run (its failure monitor polls meanwhile). ``"leave_open": true``: the engine is not closed (the
+    interpreter's exit releases it). Each run starts with a line ``ranks_script: run i starts`` on stderr."""
     runs = spec.pop("runs", None)
     if runs is None:
         run(spec)
         return
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo" if all(r["config"].get("device") == "cpu" for r in runs) else "nccl")
-    for r in runs:
+    dist = torch.distributed
+    group = spec.pop("group", "script")
+    if group == "script":
+        dist.init_process_group("gloo" if all(r["config"].get("device") == "cpu" for r in runs) else "nccl")
+    for i, r in enumerate(runs):
+        if group == "user-destroys" or (group == "engine" and i == 0):
+            assert not dist.is_initialized(), "a process group is left over"
+        print(f"ranks_script: run {i} starts", file=sys.stderr, flush=True)
         run({**spec, **r})
-    dist.destroy_process_group()
+        if group == "engine":
+            assert dist.is_initialized(), "the engine's close destroyed the process group it made"
+        elif group == "user-destroys":
+            dist.destroy_process_group()
+    if group == "script":
+        dist.destroy_process_group()
 
 
 def run(spec: dict) -> None:
@@ -47,23 +75,17 @@ def run(spec: dict) -> None:
                                                                                       spec.get("first", 0) + spec["steps"]]
     engine = zerofit.initialize(model, spec["config"])
     assert engine.ranks.world == world and engine.config.world_size == world
+    if spec.get("catch"):
+        try:
+            train(engine, spec, data, rank, G)
+        except Exception as e:      # noqa: BLE001 - the run expects its engine to fail: record how
+            torch.save({"error": f"{type(e).__name__}: {e}", "state": {"error": True}}, f"{spec['out']}.{rank}")
+            engine.close()
+            return
+        raise AssertionError("the run expected its engine to fail, and it trained")
     if spec.get("load"):
         engine.load_checkpoint(spec["load"])
-    losses = []
-    for step, mbs in enumerate(data):
-        mine = mbs[rank * G:(rank + 1) * G]
-        if spec.get("fail_rank") == rank and spec.get("fail_step") == step:
-            mine = [{"input_ids": mine[0]["input_ids"][:, :3], "labels": mine[0]["labels"]}] + mine[1:]  # bad batch
-        if spec.get("api") == "deepspeed":    # engine(**b); backward(loss); step() per micro-batch
-            total = 0.0
-            for b in mine:
-                out = engine(**b)
-                engine.backward(out.loss)
-                engine.step()
-                total += float(out.loss)
-            losses.append(total / len(mine))
-        else:
-            losses.append(engine.train_batch(mine))
+    losses = train(engine, spec, data, rank, G)
     if spec.get("save"):
         engine.save_checkpoint(spec["save"], tag=spec.get("tag"))
     if spec.get("export"):
@@ -76,6 +98,13 @@ def run(spec: dict) -> None:
         state["shared_mappings"] = sum(1 for line in f if "memfd:zerofit-state" in line)
     state["shards"] = {u.name: (u.lo, u.hi, u.numel) for u in engine.units}
     state["streamed"] = sum(1 for u in engine.blocks if u.home.name == "STREAMED")
+    c10d = torch.distributed.distributed_c10d      # the groups the engine used (by name), and how many exist
+    state["groups"] = [c10d._get_process_group_name(g) for g in (c10d._get_default_group(), engine.ranks.gather_group,
+                                                                 engine.ranks.reduce_group)]
+    state["group_count"] = len(c10d._world.pg_map)
+    state["monitors"] = sum("zerofit" in t.name and "monitor" in t.name for t in threading.enumerate())
+    state["same_group"] = [c10d._get_default_group() is g for g in _SEEN[-1:]]    # as the previous run's
+    _SEEN.append(c10d._get_default_group())
     master = engine.master_state_dict()     # a collective: every rank reads the weights together
     out = {"state": state}
     state["sharded_device_units"] = sum(u.shard_state for u in engine.units)
@@ -88,8 +117,116 @@ def run(spec: dict) -> None:
                     moments[prefix + n] = v.detach().to("cpu", copy=True)
             out.update(master=master, exp_avg=moments)
     torch.save(out, f"{spec['out']}.{rank}")
-    engine.close()
+    time.sleep(spec.get("linger_s", 0))
+    if not spec.get("leave_open"):
+        engine.close()
+
+
+def train(engine, spec: dict, data: list, rank: int, G: int) -> list[float]:
+    """The run's steps on this rank's micro-batches; the losses."""
+    losses = []
+    for step, mbs in enumerate(data):
+        mine = mbs[rank * G:(rank + 1) * G]
+        if spec.get("fail_rank") in (rank, "all") and spec.get("fail_step") == step:
+            mine = [{"input_ids": mine[0]["input_ids"][:, :3], "labels": mine[0]["labels"]}] + mine[1:]  # bad batch
+        if spec.get("api") == "deepspeed":    # engine(**b); backward(loss); step() per micro-batch
+            total = 0.0
+            for b in mine:
+                out = engine(**b)
+                engine.backward(out.loss)
+                engine.step()
+                total += float(out.loss)
+            losses.append(total / len(mine))
+        else:
+            losses.append(engine.train_batch(mine))
+    return losses
+
+
+def forked(job: dict) -> None:
+    """``job["launches"]``: launches one after another, each of ``world`` ranks forked from this process (which
+    imported torch, transformers and zerofit once and runs no torch op itself), with torchrun's environment and a
+    fresh ``MASTER_PORT``. ``"agent_store": true`` (a launch's): as torchrun does, a process other than the ranks
+    (a fork too) hosts the TCPStore and the ranks get ``TORCHELASTIC_USE_AGENT_STORE=True``. A rank's stderr and
+    stdout go to ``<logs>/<launch>.<rank>``; it ends as a process does, through the interpreter's exit
+    (SystemExit unwinds the fork's copy of this stack). Writes ``job["result"]``: per launch the ranks' exit statuses (None: still running
+    after ``timeout_s``, killed) and its seconds."""
+    import gc
+    import signal
+    import socket
+
+    results = []
+    for i, launch in enumerate(job["launches"]):
+        world = launch["world"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        t = time.monotonic()
+        agent = None
+        if launch.get("agent_store"):
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+            agent = _fork_store(port, world)
+        pids = []
+        gc.freeze()         # the forks' exits do not copy every page of the imported modules (copy-on-write)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for r in range(world):
+            pid = os.fork()
+            if pid == 0:        # the rank: nothing below returns into the launching loop
+                if agent is not None:
+                    os.close(agent[1])
+                os.environ.update(env, RANK=str(r), LOCAL_RANK=str(r))
+                fd = os.open(f"{job['logs']}/{i}.{r}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.close(fd)
+                main(json.loads(json.dumps(launch["spec"])))
+                sys.exit(0)
+            pids.append(pid)
+        deadline = t + job["timeout_s"]
+        codes: list[int | None] = [None] * world
+        while None in codes and time.monotonic() < deadline:
+            for k, pid in enumerate(pids):
+                if codes[k] is None:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        codes[k] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        for k, pid in enumerate(pids):
+            if codes[k] is None:      # a hang: end it
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        if agent is not None:
+            os.close(agent[1])        # the store's process ends when its pipe closes
+            os.waitpid(agent[0], 0)
+        results.append({"codes": codes, "seconds": time.monotonic() - t})
+    with open(job["result"], "w") as f:
+        json.dump(results, f)
+
+
+def _fork_store(port: int, world: int) -> tuple[int, int]:
+    """torchrun's agent: a process that hosts the TCPStore on ``port`` until the pipe it returns is closed."""
+    ready_r, ready_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        os.close(stop_w)
+        store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
+        os.write(ready_w, b"1")
+        os.read(stop_r, 1)          # blocks until the launcher closes its end
+        del store
+        os._exit(0)
+    os.close(ready_w)
+    os.close(stop_r)
+    os.read(ready_r, 1)
+    os.close(ready_r)
+    return pid, stop_w
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--forked":
+        forked(json.loads(sys.argv[2]))
+    else:
+        main(json.loads(sys.argv[1]))

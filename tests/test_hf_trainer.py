@@ -274,7 +274,7 @@ def test_resume_continues_exactly(tmp_path):
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("latest", "global_step*"))
     trainer = zerofit.hf.Trainer(model=tm.llama(), args=_args(tmp_path / "bare", **kw), train_dataset=TRAIN,
                                  data_collator=default_data_collator)
-    with pytest.raises(FileNotFoundError, match="no zerofit checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no zerofit or DeepSpeed checkpoint"):
         trainer.train(resume_from_checkpoint=str(bare))
     assert trainer.zerofit_engine is None
 

@@ -8,8 +8,10 @@ tolerances (RELIABILITY.md). 3 ranks make uneven shards (the units' sizes are no
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -353,3 +355,179 @@ def test_the_plan_counts_a_shard_of_the_gpu_resident_state():
     assert two.resident_blocks > one.resident_blocks
     assert two.device_bytes["resident_blocks"] / two.resident_blocks == 100_000_000 * (2 + 4 + 8)
     assert one.device_bytes["resident_blocks"] / one.resident_blocks == 100_000_000 * (2 + 16)
+
+
+# ---------------------------------------------------------------- [Note: a process group that lives] (ranks.py)
+
+def launch_forked(launches: list[dict], tmp: Path, timeout_each: float = 60.0, timeout: float = 240.0) -> list:
+    """Several launches from one process that imports torch, transformers and zerofit once (tests/ranks_script.py
+    ``--forked``): each launch ``{"world": N, "spec": ..., "agent_store": bool}`` forks its N ranks with torchrun's
+    environment and a fresh port. Returns per launch (exit statuses, None for a rank still running after
+    ``timeout_each``; stderr texts; rank 0's outputs as ``launch`` returns them; seconds)."""
+    job = {"launches": [], "logs": str(tmp), "result": str(tmp / "forked.json"), "timeout_s": timeout_each}
+    for k, ln in enumerate(launches):
+        out = tmp / f"forked-{k}.pt"
+        spec = {"G": G, **ln["spec"], "runs": [{**r, "out": f"{out}.{i}"} for i, r in enumerate(ln["spec"]["runs"])]}
+        job["launches"].append({**ln, "spec": spec})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                      if os.environ.get("PYTHONPATH") else []))}
+    rc, _, err = _run_session([sys.executable, str(SCRIPT), "--forked", json.dumps(job)], env, timeout)
+    assert rc == 0, err[-3000:]
+    done = json.loads(Path(job["result"]).read_text())
+    out = []
+    for k, (ln, res) in enumerate(zip(job["launches"], done)):
+        world = ln["world"]
+        errs = [(tmp / f"{k}.{r}").read_text() for r in range(world)]
+        out.append((res["codes"], errs, [_collect(Path(r["out"]), world) for r in ln["spec"]["runs"]], res["seconds"]))
+    return out
+
+
+def _run_session(cmd: list, env: dict, timeout: float) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``cmd`` in a session of its own: past ``timeout`` (a hang) the whole
+    session is killed (the ranks torchrun or the forked launcher started too), then the test fails."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise AssertionError(f"{cmd[1:4]} still running after {timeout} s (a hang)") from None
+    return p.returncode, out, err
+
+
+_LIVES = 2         # steps per engine
+_LIMIT_S = 90      # a launch of three engines still running after this long hangs (it takes 3 to 12 s)
+
+
+def _engines(n: int = 3, **last) -> list[dict]:
+    """``n`` runs of ``_LIVES`` steps from the same start (each a new engine of a new model); ``last``: the last's."""
+    one = {"steps": _LIVES, "steps_total": _LIVES, "config": _cfg()}
+    return [one] * (n - 1) + [{**one, **last}]
+
+
+@functools.lru_cache(maxsize=None)
+def _lives_reference(world: int):
+    return _reference(world, _LIVES)
+
+
+def _check_engines(codes, errs, results, seconds, world: int, reused: bool):
+    """Every rank exited 0 in bounded time; every engine's losses (and rank 0's weights) are plain PyTorch's on
+    the global batch; ``reused``: every engine after the first ran in the group the first one made (the same
+    group object, no group made after the first engine's three), else each in a new group."""
+    assert None not in codes, f"ranks still running after {_LIMIT_S} s (a hang): {codes}\n" + \
+        "\n".join(e[-2000:] for e in errs)
+    _ok(codes, errs)
+    assert seconds < _LIMIT_S
+    ref_losses, (weights, _) = _lives_reference(world)
+    for k, result in enumerate(results):
+        assert result is not None, f"engine {k} wrote nothing"
+        for st in result["ranks"]:
+            torch.testing.assert_close(torch.tensor(st["losses"]), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5,
+                                       msg=lambda m: f"engine {k}: {m}")
+        for n, w in weights.items():
+            torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k} {n}: {m}")
+    for st in (st for r in results[1:] for st in r["ranks"]):
+        assert st["same_group"] == [reused], st["same_group"]
+    # one failure monitor per process, whatever the engines before ([Note: a failing rank])
+    assert [st["monitors"] for r in results for st in r["ranks"]] == [1] * len(results) * world
+    groups = [st["groups"] for r in results for st in r["ranks"]]
+    counts = [st["group_count"] for r in results for st in r["ranks"]]
+    # the default group and zerofit's two; in a new group, the destroyed group's subgroups went with it
+    assert counts == [3] * len(counts), counts
+    if reused:
+        assert groups == [groups[0]] * len(groups), groups
+    assert not any("another rank failed" in e for e in errs), errs
+
+
+_FORKED = [      # (name, world, group, agent store): one forked launch each, repeats of the same test in a row
+    ("engine-2", 2, "engine", False), ("engine-2", 2, "engine", False), ("engine-2", 2, "engine", False),
+    ("engine-3", 3, "engine", False), ("engine-3", 3, "engine", False),
+    ("destroys-2", 2, "user-destroys", False), ("destroys-2", 2, "user-destroys", False),
+    ("destroys-3", 3, "user-destroys", False),
+    ("agent-engine-2", 2, "engine", True), ("agent-destroys-2", 2, "user-destroys", True),
+    ("agent-destroys-2", 2, "user-destroys", True),
+]
+
+
+@pytest.fixture(scope="module")
+def forked_launches(tmp_path_factory):
+    """[Note: a process group that lives]: every launch of ``_FORKED`` (its ranks forked from one process that
+    imported torch once, each ending through the interpreter's exit, the last engine left for it to release)
+    and one of a failed engine followed by one that trains: {name: [(codes, errs, results, seconds), ...]}."""
+    tmp = tmp_path_factory.mktemp("lives")
+    launches = [{"world": w, "agent_store": agent, "spec": {"group": g, "runs": _engines(leave_open=True)}}
+                for _, w, g, agent in _FORKED]
+    # engine 1 fails on every rank (a bad batch at its first step, caught); engine 2 must not fail for it
+    fail = {"steps": _LIVES, "steps_total": _LIVES, "config": _cfg(), "fail_rank": "all", "fail_step": 0,
+            "catch": True}
+    launches.append({"world": 2, "agent_store": True,
+                     "spec": {"group": "engine", "runs": [fail] + _engines(2, linger_s=2.5)}})
+    t = time.monotonic()
+    done = launch_forked(launches, tmp, timeout_each=_LIMIT_S, timeout=900)
+    out: dict[str, list] = {}
+    for (name, *_), res in zip(_FORKED + [("failed-first",)], done):
+        out.setdefault(name, []).append(res)
+    out["seconds"] = time.monotonic() - t
+    return out
+
+
+@pytest.mark.parametrize("name", ["engine-2", "engine-3"])
+def test_engines_in_a_row_reuse_the_group_the_first_one_made(name, forked_launches):
+    """Three engines one after another in the same 2 (3) ranks, zerofit making the process group (the script never
+    calls init_process_group): each trains as plain PyTorch, in the one group the first engine made, and every
+    rank exits 0; in several launches in a row (a second init_process_group used to refuse or hang at random)."""
+    runs = forked_launches[name]
+    assert len(runs) >= 2
+    for codes, errs, results, seconds in runs:
+        _check_engines(codes, errs, results, seconds, world=len(codes), reused=True)
+
+
+@pytest.mark.parametrize("name", ["destroys-2", "destroys-3"])
+def test_a_group_the_program_destroys_between_engines_is_made_again(name, forked_launches):
+    """The script calls dist.destroy_process_group() after each engine: the next engine makes a new group (over
+    the store zerofit kept, under a prefix of its own) and trains as plain PyTorch; every rank exits 0."""
+    for codes, errs, results, seconds in forked_launches[name]:
+        _check_engines(codes, errs, results, seconds, world=len(codes), reused=False)
+
+
+def test_engines_in_a_row_with_torchruns_agent_store(forked_launches):
+    """As torchrun runs its ranks (``TORCHELASTIC_USE_AGENT_STORE=True``: the store is another process's and
+    keeps every key of the job): engines in a row reuse the group; a group destroyed between engines is made
+    again under keys no earlier group used."""
+    for name, reused in (("agent-engine-2", True), ("agent-destroys-2", False)):
+        for codes, errs, results, seconds in forked_launches[name]:
+            _check_engines(codes, errs, results, seconds, world=len(codes), reused=reused)
+
+
+def test_an_earlier_engines_failure_does_not_fail_a_later_one(forked_launches):
+    """[Note: a failing rank] per engine (torchrun's agent store, which keeps every key of the job): engine 1 fails
+    on every rank (a bad batch; the store records the first rank's failure); engines 2 and 3 then train in the
+    same ranks, stay open while their failure monitors poll, and no monitor takes engine 1's failure for theirs."""
+    (codes, errs, results, seconds), = forked_launches["failed-first"]
+    _ok(codes, errs)
+    first = results[0]
+    assert first is not None and all(st == {"error": True} for st in first["ranks"]), first
+    assert "labels must have input_ids" in first["error"] or "another rank failed first" in first["error"], first
+    later = [e.split("ranks_script: run 1 starts", 1)[1] for e in errs]
+    _check_engines(codes, later, results[1:], seconds, world=2, reused=True)
+
+
+def test_engines_in_a_row_under_torchrun(tmp_path):
+    """The same three engines in a row under torchrun itself (``torch.distributed.run --standalone``: 2 processes
+    of their own, the agent's store), the last one left open for the interpreter's exit (its finalizer, then
+    zerofit's destroying the group): torchrun exits 0 (every rank did), in bounded time."""
+    out = tmp_path / "torchrun.pt"
+    runs = _engines(leave_open=True)
+    spec = {"G": G, "group": "engine", "runs": [{**r, "out": f"{out}.{i}"} for i, r in enumerate(runs)]}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                          if os.environ.get("PYTHONPATH") else []))
+    t = time.monotonic()
+    rc, _, err = _run_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(SCRIPT), json.dumps(spec)], env, timeout=240)
+    assert rc == 0, err[-4000:]
+    results = [_collect(Path(r["out"]), 2) for r in spec["runs"]]
+    _check_engines([0, 0], [err] * 2, results, 0.0, world=2, reused=True)
+    assert time.monotonic() - t < 240

@@ -28,7 +28,39 @@ forever. An error inside a zerofit call on any rank is recorded in the process g
 wins) and the rank goes on raising. Every rank runs a monitor thread that polls that key: when another rank
 has failed, it logs the rank and the cause, gives the main thread a grace period to fail on its own (a gloo
 peer that exited closes its sockets at once), and then ends the process with status 1. No rank hangs, and
-each names the rank that failed first and why.
+each names the rank that failed first and why. The key is the engine's own (``zerofit/failed/<restart>/<n>``,
+the n-th engine of several ranks in this process, the same n on every rank since every rank makes the same
+engines): a failure an earlier engine recorded never fails a later one. The monitor is one thread per process,
+started by the first engine of several ranks, which polls the keys of the engines open now (a weak set: an
+engine closed, or dropped before it was complete, leaves it at once), so no thread outlives its engine's
+worth; it is stopped and joined at exit, before the group is destroyed, never left inside a store call while
+the interpreter finalizes.
+
+[Note: a process group that lives]
+A process may make several engines in turn (train, then evaluate; a sweep). The process group is made once
+and lives for the process: an engine that finds no group makes it, and its ``close()`` leaves it; the next
+engine finds it and reuses it, with the two groups of its own (gathers, reduce-scatters), which are made once
+per default group and kept with it. zerofit destroys the group it made at interpreter exit (``_at_exit``),
+after the engines: it is a ``weakref.finalize`` made when zerofit first makes a group (or watches an engine),
+and finalizers run at exit newest first, so every engine's own ([Note: engine lifecycle], lifecycle.py: its
+CPU worker stopped and joined, its key no longer polled) runs before it, each engine made after it. Then
+``_at_exit`` stops and joins the monitor thread and destroys the group. (Releasing an engine issues no
+collective, so even the other order would be safe.) A later engine reuses the group as it is, with the first engine's
+``distributed_timeout_s`` and backend (a mismatch of backend and device is logged).
+
+Why not destroy and make it again: ``init_process_group`` names the default group ``"0"`` again (its counter
+is reset by ``destroy_process_group``) and its subgroups ``"1"``, ``"2"``, so a second group over the same store
+writes under the keys of the first: torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``) lives as long as
+the job, and rank 0's own store (``MASTER_PORT``, multi-tenant) as long as anything in rank 0 holds it. A rank
+that makes its second group first can read its peers' stale entries (``Connection refused``) or wait for a rank
+still in the first group (a hang): under ``torch.distributed.run``, 2 hangs in 2 launches of three engines.
+
+When a group must be made again (the program destroyed it with ``dist.destroy_process_group()`` between
+engines), it is made over the same base store, which zerofit keeps for the process (so rank 0's server never
+goes away under a rank that already connected to it), under a prefix no earlier group used:
+``zerofit/<TORCHELASTIC_RESTART_COUNT>/group<k>`` for the k-th group zerofit makes in this process. Its
+subgroups are made afresh (``new_group`` puts their keys under the default group's store, hence under the same
+new prefix). A group the program made itself is used as it is, and never destroyed by zerofit.
 """
 
 from __future__ import annotations
@@ -38,6 +70,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -48,6 +81,102 @@ log = logging.getLogger("zerofit")
 
 _FAILED = "zerofit/failed"
 _GRACE_S = 10.0
+_JOIN_S = 5.0            # how long the exit waits for the monitor thread to end (it polls every second)
+
+
+def _restart() -> str:
+    """torchrun's restart count: the agent's store lives across restarts, so every key zerofit writes names it."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+class _Process:
+    """What zerofit keeps for the life of the process: [Note: a process group that lives]."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()    # guards ``live`` (the monitor thread reads it)
+        self.monitor: threading.Thread | None = None    # [Note: a failing rank]: one per process
+        self.stop = threading.Event()
+        self.store = None            # the base store (torchrun's env://) of every group zerofit makes
+        self.rank = self.world = 0   # as the rendezvous read them
+        self.made = 0                # the groups zerofit made in this process (their store prefixes)
+        self.group = None            # the default group zerofit made last; destroyed at exit if still the default
+        self.subgroups: tuple | None = None    # (default group, gather group, reduce group)
+        self.engines = 0             # engines of several ranks made in this process (their failure keys)
+        self.live: weakref.WeakSet = weakref.WeakSet()    # the open engines' Ranks, whose keys the monitor polls
+        self.at_exit = None          # the finalizer that stops the monitor and destroys the group at exit
+
+    def finalize_at_exit(self) -> None:
+        """At exit, after every engine's finalizer (all made later than this one): ``_at_exit``."""
+        if self.at_exit is None:
+            self.at_exit = weakref.finalize(self, _at_exit)
+
+    def watch(self, r: "Ranks") -> None:
+        """Poll ``r``'s failure key every second until it closes (the thread is started once)."""
+        self.finalize_at_exit()
+        with self.lock:
+            self.live.add(r)
+        if self.monitor is None or not self.monitor.is_alive():
+            self.stop.clear()
+            self.monitor = threading.Thread(target=self._poll, name="zerofit-rank-monitor", daemon=True)
+            self.monitor.start()
+
+    def unwatch(self, r: "Ranks") -> None:
+        with self.lock:
+            self.live.discard(r)
+
+    def _poll(self) -> None:
+        while not self.stop.wait(1.0):
+            with self.lock:
+                ranks = list(self.live)
+            for r in ranks:
+                r._check_peers()
+            del ranks
+
+    def make_group(self, backend: str, timeout: timedelta) -> None:
+        """The default group, made over the base store under a prefix no earlier group of this process used."""
+        if self.store is None:     # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+            self.store, self.rank, self.world = next(dist.rendezvous("env://", timeout=timeout))
+            self.store.set_timeout(timeout)
+        self.made += 1
+        store = dist.PrefixStore(f"zerofit/{_restart()}/group{self.made}", self.store)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
+        self.group = dist.distributed_c10d._get_default_group()
+        self.finalize_at_exit()
+
+    def groups(self, world: int) -> tuple:
+        """The gather and reduce groups of the current default group: made at its first engine, then reused."""
+        default = dist.distributed_c10d._get_default_group()
+        kept = self.subgroups
+        if kept is not None and kept[0] is default and all(g in dist.distributed_c10d._world.pg_map for g in kept[1:]):
+            return kept[1:]
+        gather = dist.new_group(list(range(world)))
+        reduce = dist.new_group(list(range(world)))
+        self.subgroups = (default, gather, reduce)
+        return gather, reduce
+
+
+_PROCESS = _Process()
+
+
+def _at_exit() -> None:
+    """The monitor stopped and joined, then the group zerofit made destroyed (if it is still the default group).
+    At exit, after the engines' own finalizers."""
+    p = _PROCESS
+    with p.lock:
+        ranks = list(p.live)
+    for r in ranks:
+        r.close()
+    p.stop.set()
+    if p.monitor is not None:
+        p.monitor.join(_JOIN_S)
+        if p.monitor.is_alive():
+            log.warning("zerofit: the failure monitor did not end within %.0f s", _JOIN_S)
+    try:
+        if p.group is not None and dist.is_initialized() and dist.distributed_c10d._get_default_group() is p.group:
+            dist.destroy_process_group()
+    except Exception as e:     # noqa: BLE001 - at exit: say it, never raise
+        log.debug("zerofit: destroying the process group at exit: %r", e)
+    p.group = p.subgroups = p.store = None
 
 
 class RankFailedError(RuntimeError):
@@ -58,7 +187,7 @@ def _launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-@dataclass
+@dataclass(eq=False)      # one engine's: compared and hashed by identity (_Process.live)
 class Ranks:
     """The process group as the engine sees it. ``world == 1``: a single process (every method a no-op)."""
 
@@ -68,9 +197,10 @@ class Ranks:
     local_world: int = 1
     gather_group: object = None
     reduce_group: object = None
-    owns_group: bool = False          # initialize created the default group: destroyed when the engine closes
-    _monitor: threading.Thread | None = None
-    _stop: threading.Event = field(default_factory=threading.Event)
+    owns_group: bool = False          # this engine made the default group (which outlives it: [Note: a process
+    #                                   group that lives])
+    failed_key: str = _FAILED         # this engine's failure key in the group's store ([Note: a failing rank])
+    _stop: threading.Event = field(default_factory=threading.Event)   # closed: the monitor lets it be
     _mappings: list = field(default_factory=list)
 
     @property
@@ -82,30 +212,37 @@ class Ranks:
     @classmethod
     def setup(cls, device_type: str, timeout_s: float, bind_cores: bool = True) -> "Ranks":
         """The process group from the environment ``torchrun`` sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-        ...), or the one the caller already made; NCCL for GPUs, gloo for the CPU. One process: ``Ranks()``."""
+        ...), or the one the caller (or an earlier engine) already made; NCCL for GPUs, gloo for the CPU. One
+        process: ``Ranks()``. [Note: a process group that lives]."""
         if not dist.is_available() or (not dist.is_initialized() and not _launched()):
             return cls()
         owns = False
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
+        backend = "nccl" if device_type == "cuda" else "gloo"
         if not dist.is_initialized():
-            backend = "nccl" if device_type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+            _PROCESS.make_group(backend, timedelta(seconds=timeout_s))
             owns = True
         world, rank = dist.get_world_size(), dist.get_rank()
         if world == 1:
             return cls(owns_group=owns)
+        if backend not in str(dist.get_backend()):    # a group an earlier engine (or the script) made for other tensors
+            log.warning("zerofit: the process group's backend is %s, and this engine's tensors are on %s (%s "
+                        "expected): its collectives may fail or be slow. Make the group for both before the first "
+                        "engine: torch.distributed.init_process_group('cpu:gloo,cuda:nccl')",
+                        dist.get_backend(), device_type, backend)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         if local_world != world:
             raise NotImplementedError(
                 f"zerofit runs its ranks on one host for now (WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}): "
                 "the host state is shared by the host's ranks ([Note: sharded units], zerofit/engine/ranks.py)")
-        gather = dist.new_group(list(range(world)))
-        reduce = dist.new_group(list(range(world)))
-        r = cls(world, rank, int(os.environ.get("LOCAL_RANK", str(rank))), local_world, gather, reduce, owns)
+        gather, reduce = _PROCESS.groups(world)
+        _PROCESS.engines += 1
+        r = cls(world, rank, int(os.environ.get("LOCAL_RANK", str(rank))), local_world, gather, reduce, owns,
+                f"{_FAILED}/{_restart()}/{_PROCESS.engines}")
         log.info("zerofit: rank %d of %d, %d torch threads", rank, world, r._share_cores(bind_cores))
-        r._start_monitor()
+        _PROCESS.watch(r)
         return r
 
     def _share_cores(self, bind: bool) -> int:
@@ -210,7 +347,7 @@ class Ranks:
             return
         cause = f"rank {self.rank}: {type(err).__name__}: {err}"
         try:
-            self._store().compare_set(_FAILED, "", cause)
+            self._store().compare_set(self.failed_key, "", cause)
         except Exception as e:       # noqa: BLE001 - the store may be gone already
             log.debug("zerofit: could not record the failure: %r", e)
 
@@ -220,8 +357,8 @@ class Ranks:
             return None
         try:
             store = self._store()
-            if store.check([_FAILED]):
-                value = store.get(_FAILED).decode()
+            if store.check([self.failed_key]):
+                value = store.get(self.failed_key).decode()
                 return value or None
         except Exception:            # noqa: BLE001
             return None
@@ -234,27 +371,22 @@ class Ranks:
             return RankFailedError(f"another rank failed first ({cause}); this rank (rank {self.rank}) stops too")
         return err
 
-    def _start_monitor(self) -> None:
-        def watch():
-            while not self._stop.wait(1.0):
-                cause = self.failure()
-                if cause and not cause.startswith(f"rank {self.rank}:"):
-                    print(f"zerofit: rank {self.rank}: another rank failed ({cause}); ending this rank in "
-                          f"{_GRACE_S:.0f} s unless it ends by itself", file=sys.stderr, flush=True)
-                    if self._stop.wait(_GRACE_S):
-                        return
-                    print(f"zerofit: rank {self.rank}: exiting (status 1) after the failure of {cause}",
-                          file=sys.stderr, flush=True)
-                    os._exit(1)
-        self._monitor = threading.Thread(target=watch, name=f"zerofit-rank{self.rank}-monitor", daemon=True)
-        self._monitor.start()
+    def _check_peers(self) -> None:
+        """The monitor's poll of this engine's key: another rank's failure ends this process unless this engine
+        ends (closes, or fails itself) within the grace period."""
+        cause = self.failure()
+        if self._stop.is_set() or not cause or cause.startswith(f"rank {self.rank}:"):
+            return
+        print(f"zerofit: rank {self.rank}: another rank failed ({cause}); ending this rank in "
+              f"{_GRACE_S:.0f} s unless it ends by itself", file=sys.stderr, flush=True)
+        if self._stop.wait(_GRACE_S):
+            return
+        print(f"zerofit: rank {self.rank}: exiting (status 1) after the failure of {cause}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
     def close(self) -> None:
-        """Stop the monitor; destroy the process group if the engine made it."""
+        """This engine's key is no longer polled. The process group stays: the next engine of this process reuses
+        it ([Note: a process group that lives]). Idempotent."""
         self._stop.set()
-        if self.owns_group and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:     # noqa: BLE001
-                log.debug("zerofit: destroying the process group: %r", e)
-            self.owns_group = False
+        _PROCESS.unwatch(self)

@@ -179,6 +179,12 @@ def describe_text(path: Path) -> str:
     text = path.read_text(errors="replace")
     if "gpu_tests" in name:
         counts = re.findall(r"^=*\s*(\d+ passed[^=\n]*?)\s*=*$", text, re.M)
+        if not counts:       # run with -qq: no summary line, only pytest's progress characters
+            marks = "".join(re.findall(r"^([.sxXFE]+)\s+\[\s*\d+%\]$", text, re.M))
+            if marks:
+                kinds = (("passed", "."), ("failed", "F"), ("errors", "E"), ("skipped", "s"))
+                counts = [", ".join(f"{marks.count(c)} {w}" for w, c in kinds if marks.count(c))
+                          + " (pytest's progress marks)"]
         rcs = re.findall(r"^rc=(-?\d+)$", text, re.M)
         if counts:
             what += ": " + "; ".join(counts)

@@ -25,7 +25,7 @@ do; one process keeps torch's default.
 DeepSpeed's ``cpu_adam`` op compiles on first use (nvcc, g++, ninja); it is
 built before the model, and its build time is reported in ``extra.op_build_s``
 (it is inside the seconds-to-first-step figure too). Set TORCH_EXTENSIONS_DIR
-and TORCH_CUDA_ARCH_LIST=9.0 (bench/gpu_setup.sh does) to keep it short.
+and TORCH_CUDA_ARCH_LIST=9.0 (bench/gpu/setup.sh does) to keep it short.
 """
 
 from __future__ import annotations

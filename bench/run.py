@@ -1,7 +1,7 @@
 """python3 bench/run.py --workload W1 --engines plain,zerofit,deepspeed,fsdp2 --steps 4 \\
     --fsdp2-steps 2 --cap 24GiB --timeout 300 --budget 540 --out $OUT --commit <sha>
 python3 bench/run.py --workload smoke --engines plain,zerofit --device cpu --steps 2 --out /tmp/b
-python3 bench/run.py --from-json results_W1.json --append-docs docs/benchmarks.md   # re-render
+python3 bench/run.py --from-json results_W1.json --append-docs   # re-render, into docs/benchmarks/<its date>.md
 
 Run one workload for several engines, each in its own process, and tabulate them.
 
@@ -16,11 +16,14 @@ on-the-GPU reference, which runs uncapped (``--plain-cap`` to change that).
 zerofit receives the cap as its ``max_gpu_memory`` setting.
 
 Writes ``OUT/results_<W>.json`` (run metadata and one entry per engine),
-``OUT/results_<W>.md`` (the section for docs/benchmarks.md) and
+``OUT/results_<W>.md`` (the section for the benchmark log) and
 ``OUT/log_<W>.txt`` (every engine's output), and prints the table last. With
-``--append-docs FILE`` the section is appended to FILE too. On the GPU machine
-the repository is a copy: append there to a file under $OUT, or here with
-``--from-json``.
+``--append-docs`` the section is appended to the log of the run's day,
+``docs/benchmarks/<YYYY-MM-DD>.md`` (created with its title if new), and the
+line for docs/benchmarks.md's contents is printed; ``--append-docs FILE``
+appends to FILE instead (a folder: FILE/<YYYY-MM-DD>.md; docs/benchmarks.md
+itself, the index, means the day's log). On the GPU machine the repository is
+a copy: append there to a file under $OUT, or here with ``--from-json``.
 """
 
 from __future__ import annotations
@@ -200,7 +203,7 @@ def _fmt(v, spec: str) -> str:
 
 
 def render(doc: dict) -> str:
-    """The markdown section for docs/benchmarks.md of one run (metadata, table, ratios, timeline)."""
+    """The markdown section of one run for the benchmark log (metadata, table, ratios, timeline)."""
     m, rs = doc["meta"], doc["results"]
     vers = {}
     for r in rs:
@@ -283,11 +286,46 @@ def write_outputs(doc: dict, out_dir: str) -> str:
     return md
 
 
+DOCS = os.path.join(REPO, "docs", "benchmarks")     # the dated logs, docs/benchmarks/YYYY-MM-DD.md
+
+
+def docs_target(arg: str, doc: dict) -> str:
+    """The file ``--append-docs [FILE]`` appends to: FILE, or the log of the run's day (no FILE; a folder: the day's
+    file in it; docs/benchmarks.md, which holds the current figures and the contents, not the runs)."""
+    day = f"{doc['meta']['date'][:10]}.md"
+    if not arg:
+        return os.path.join(DOCS, day)
+    if os.path.isdir(arg):
+        return os.path.join(arg, day)
+    if os.path.abspath(arg) == os.path.join(REPO, "docs", "benchmarks.md"):
+        print("docs/benchmarks.md holds the current figures and the contents: appending to the day's log",
+              flush=True)
+        return os.path.join(DOCS, day)
+    return arg
+
+
 def append_docs(md: str, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    day = os.path.basename(path)[:-3]
+    dated = os.path.basename(path).endswith(".md") and len(day) == 10 and day[4] == day[7] == "-"
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
     with open(path, "a") as f:
+        if new and dated:
+            f.write(f"# Benchmarks: {day}\n\nThe benchmark runs of that day, each appended by `bench/run.py "
+                    "--append-docs` as it printed it: date, commit, machine, command and table. "
+                    "[docs/benchmarks.md](../benchmarks.md) has the current figures of each workload, the contents "
+                    "of every dated log and what the columns mean.\n")
         f.write("\n" + md)
     print(f"appended the section to {path}", flush=True)
+    if dated and os.path.abspath(os.path.dirname(path)) == os.path.abspath(DOCS):
+        from pathlib import Path
+
+        sys.path.insert(0, HERE)
+        from results_index import sections       # the headings' anchors, numbered as GitHub numbers them
+
+        title = md.splitlines()[0].lstrip("# ").strip()
+        anchor = [s["anchor"] for s in sections(Path(path)) if s["title"] == title][-1]
+        print(f"its line for docs/benchmarks.md's contents: - [{title}](benchmarks/{day}.md#{anchor})", flush=True)
 
 
 # --------------------------------------------------------------------------- main
@@ -308,7 +346,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", help="cuda, or cpu for dry runs")
     p.add_argument("--gpus", type=int, default=1, help="ranks per engine (torchrun on one host); tokens count all")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "runs", "bench"))
-    p.add_argument("--append-docs", default=None, help="append the markdown section to this file")
+    p.add_argument("--append-docs", nargs="?", const="", default=None, metavar="FILE",
+                   help="append the markdown section to the run's day's log, docs/benchmarks/<YYYY-MM-DD>.md, "
+                        "or to FILE")
     p.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse, if it works)")
     p.add_argument("--python", default=sys.executable, help="interpreter for the engine processes")
     p.add_argument("--engine-args", action="append", default=[], metavar="NAME=ARGS",
@@ -330,8 +370,8 @@ def main(argv=None) -> int:
             doc = json.load(f)
         md = render(doc)
         print(md)
-        if args.append_docs:
-            append_docs(md, args.append_docs)
+        if args.append_docs is not None:
+            append_docs(md, docs_target(args.append_docs, doc))
         return 0
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -376,8 +416,8 @@ def main(argv=None) -> int:
                     if os.path.exists(os.path.join(tmpdir, f"{name}.log")) else []
                 print("\n".join(f"    | {ln[:300]}" for ln in tail), flush=True)
     md = write_outputs(doc, args.out)
-    if args.append_docs:
-        append_docs(md, args.append_docs)
+    if args.append_docs is not None:
+        append_docs(md, docs_target(args.append_docs, doc))
     print(f"\nwrote {args.out}/results_{args.workload}.json, .md, log_{args.workload}.txt "
           f"({time.time() - t_start:.0f} s)\n", flush=True)
     print(md, flush=True)

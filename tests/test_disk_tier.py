@@ -446,7 +446,7 @@ def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch,
 
 
 def test_the_mixed_speed_test_reads_and_writes_what_it_counts(tmp_path, monkeypatch):
-    """SwapFile.measure_mixed (bench/disk_probe.py) counts the bytes of half the file read while the other half is
+    """SwapFile.measure_mixed (bench/probes/disk_probe.py) counts the bytes of half the file read while the other half is
     written: the pool sees exactly those, after the untimed write of the half read."""
     from zerofit.engine.disk import SwapFile
 

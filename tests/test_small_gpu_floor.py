@@ -295,9 +295,9 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_the_plan_counts_the_bytes_the_models_loss_holds(dtype, chunks):
     """[Note: the loss's bytes]: the planner's logits term covers the peak of the tensors a Llama model's own loss
-    and its backward create (bench/live_bytes.py: each new storage from its creation until it is freed), within 2%
+    and its backward create (bench/probes/live_bytes.py: each new storage from its creation until it is freed), within 2%
     (the old count, dtype_bytes + 8, was 17% short in bf16)."""
-    live = tm.bench_module("live_bytes")
+    live = tm.bench_module("probes/live_bytes")
     tokens, vocab = 512, 4096
     per_chunk = tokens // chunks
     measured, at_peak = live.loss_bytes(per_chunk, vocab, dtype=dtype, loss=tm.llama().loss_function)
@@ -318,7 +318,7 @@ def test_the_post_pass_holds_no_more_than_the_plan_counts(chunks):
 
     from zerofit.engine.adapter import Adapter, post_in_chunks
 
-    live = tm.bench_module("live_bytes")
+    live = tm.bench_module("probes/live_bytes")
     torch.manual_seed(0)
     hidden, vocab, tokens = 256, 8192, 128
     m = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=1024, num_hidden_layers=3,

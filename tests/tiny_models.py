@@ -223,12 +223,12 @@ def assert_updates_close(engine, before: dict[str, torch.Tensor], ref: nn.Module
 
 
 def bench_module(name: str):
-    """A module of bench/ (not a package), loaded from its file."""
+    """A module of bench/ (not a package), loaded from its file: ``"trace"``, ``"probes/live_bytes"``."""
     import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    spec = importlib.util.spec_from_file_location("bench_" + name.replace("/", "_"), path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -237,7 +237,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
 
 # [Note: the disk's speed moves]
 # The benchmark machine's disk moved 2.39, 2.16, 2.08 and 1.64 GB/s (written, then read) in four 1 GiB tests within
-# a minute, and its runs' steps moved 1.73-2.35 GB/s (bench/disk_probe.py; docs/benchmarks.md, eleventh session):
+# a minute, and its runs' steps moved 1.73-2.35 GB/s (bench/probes/disk_probe.py; docs/benchmarks.md, eleventh session):
 # one test predicted disk-bound steps 18% short and 24% long. So the disk is tested DISK_TESTS times: the
 # prediction takes the median test, and the estimate shows the step at the fastest and the slowest.
 DISK_TESTS = 3
@@ -426,7 +426,7 @@ def _dtype(cfg) -> torch.dtype:
 
 # block counts of the two plain models whose difference gives one block's time, largest first: 4 and 8 blocks
 # came out 5.5% short of the whole W1 model's time per block on the H200, 8 and 16 within 0.3%
-# (bench/compute_probe.py, docs/benchmarks.md); a GPU without room for 16 blocks falls back to the next pair
+# (bench/probes/compute_probe.py, docs/benchmarks.md); a GPU without room for 16 blocks falls back to the next pair
 BLOCK_PAIRS = ((8, 16), (4, 8), (2, 4), (1, 2))
 
 

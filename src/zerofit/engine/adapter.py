@@ -250,7 +250,7 @@ def backward_into(output: torch.Tensor, inputs: list, leaves: list, accumulate, 
 # them kept two sets alive at once. W1 at 8 GiB peaked at 6.24 GiB with two shell-sized 16-bit gradients alive (788
 # MB each, in the chunked post pass: the head's), then, with the chunks mended, at 5.94 with two still (outside the
 # post pass; the allocation history names no frames, and a CPU test found the embeddings' kept by the pre pass's
-# backward), at 5.51 with one when every site was mended (bench/mem_peak.py, twelfth session). So every backward
+# backward), at 5.51 with one when every site was mended (bench/probes/mem_peak.py, twelfth session). So every backward
 # of the engine goes through backward_into, whose weight gradients die with its frame, and the block's backward of
 # a micro-batch is a method of its own (Schedule._block_backward), whose input and output die with it.
 

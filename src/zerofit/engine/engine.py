@@ -575,13 +575,13 @@ class Engine(DeepSpeedSurface):
         follow_masters(self.units, self.shell)
         if self.tier is not None:
             self.tier.file.flush_mapping()
+        self.dev.synchronize()                  # follow_masters' copies done: no slot is read or written
         for pool in (self.streamer.pool, self.grads.pool):
-            for slot in pool.slots if pool is not None else ():
-                slot.tenant = None
+            if pool is not None:
+                pool.empty()
         self.grads.sq_norms.clear()
         self.stepper.mirror_stale = False       # follow_masters copied the device masters into the mirrors
         self.copies16.weights_changed()         # 16-bit host copies of the old weights go stale
-        self.dev.synchronize()
 
     def save_pretrained(self, out_dir, dtype=None, max_shard_size="5GB") -> str:
         """The current weights as a Hugging Face model directory, streamed tensor by tensor; in ``dtype``

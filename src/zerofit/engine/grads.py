@@ -162,8 +162,8 @@ class Grads:
     def reset_transfers(self, units: list[Unit]) -> None:
         """No copy is in flight (the caller waited for the device): every gradient slot is empty and no streamed
         unit holds one ([Note: slot reuse])."""
-        for slot in (self.pool.slots if self.pool is not None else ()):
-            slot.tenant = slot.free_event = slot.read_event = None
+        if self.pool is not None:
+            self.pool.empty()
         for u in units:
             if u.home is Home.STREAMED:
                 u.grad_slot, u.grad = None, None

@@ -229,6 +229,13 @@ class SlotPool:
     def nbytes(self) -> int:
         return sum(s.tensor.numel() * s.tensor.element_size() for s in self.slots)
 
+    def empty(self) -> None:
+        """Every slot holds nothing and waits for nothing. The caller waited for the device first: no copy or kernel
+        that reads or writes a slot is in flight ([Note: slot reuse]); the units that held one are set ON_HOST by
+        their owner (Streamer.reset, Grads.reset_transfers, follow_masters)."""
+        for slot in self.slots:
+            slot.tenant = slot.free_event = slot.read_event = None
+
     def take(self, protect: tuple = ()) -> Slot:
         """The least recently taken slot whose tenant is not in ``protect`` (the units in use or needed
         sooner); that tenant, if any, is evicted."""

@@ -59,8 +59,8 @@ class Streamer:
         """No copy or kernel is in flight (the caller waited for the device): every slot is empty and every
         streamed unit ON_HOST, to be uploaded again when next needed (see [Note: slot reuse])."""
         self.kept = {}      # its slots were carved from the gradient buffers
-        for slot in (self.pool.slots if self.pool is not None else ()):
-            slot.tenant = slot.free_event = slot.read_event = None
+        if self.pool is not None:
+            self.pool.empty()
         for u in self.blocks:
             if u.home is Home.STREAMED:
                 u.slot, u.state, u.ready_event = None, WeightState.ON_HOST, None

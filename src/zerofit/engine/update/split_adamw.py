@@ -253,7 +253,7 @@ def _calibrate(module) -> None:
     vector loop fuses ``exp_avg_sq``'s update one way and the scalar tail (the last ``numel % width`` elements)
     another; on the GPU machine's torch 2.11 AVX-512 build the tail rounds the same way but is ``numel % 8``,
     not ``% 16`` (found there: assuming 16, the passes differed in the last bit of ``exp_avg_sq`` on n = 1000;
-    ``bench/split_probe.py --rounding``). So the passes do not assume an order or a width: at load they try each way of rounding the moments (with and without the fused multiply-adds),
+    ``bench/probes/split_probe.py --rounding``). So the passes do not assume an order or a width: at load they try each way of rounding the moments (with and without the fused multiply-adds),
     body and tail, and each vector width the tail may follow (the dispatched capability's first), against the
     fused kernel of this process on vectors with long tails, a clipping factor and weight decay, and keep the
     first that gives every master, moment and step bitwise. If none does, the

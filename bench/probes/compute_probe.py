@@ -6,7 +6,7 @@ for 2 s and for 8 s (clocks under sustained load), an 8/16 pair, and the whole m
 and shell figures each implies and the whole model's time against each prediction. One JSON line per
 measurement, then a summary.
 
-    python3 bench/compute_probe.py --shape w1 --micro-batch 2 --seq-len 2048 --accum 4
+    python3 bench/probes/compute_probe.py --shape w1 --micro-batch 2 --seq-len 2048 --accum 4
 """
 
 from __future__ import annotations
@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the working tree's zerofit
 
 
 def timed(model_cls, cfg, layers, mb, seq, accum, seconds):

@@ -1,15 +1,16 @@
 """The disk tier's speed tests against each other on one folder, repeated: how much each moves between runs
-minutes apart, and which one the steps' sustained rate follows (docs/benchmarks.md, eleventh session).
+minutes apart, and which one the steps' sustained rate follows (docs/benchmarks/2026-12-01.md, eleventh session).
 
-    python3 bench/disk_probe.py /tmp/nv [rounds]
+    python3 bench/probes/disk_probe.py /tmp/nv [rounds]
 
 Per round: SwapFile.measure over 1 GiB (write, then read: what `zerofit estimate` used), and measure_mixed over
 2 GiB and 8 GiB (reads and writes at once, as a step streams them)."""
 import json
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, "src")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the working tree's zerofit
 from zerofit.engine.disk import SwapFile  # noqa: E402
 
 folder = sys.argv[1]

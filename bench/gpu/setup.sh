@@ -1,6 +1,6 @@
-# Prepares the GPU machine for bench/run.py; source it from the repository root:
+# Prepares the GPU machine for bench/run.py; bench/gpu/suite.sh sources it. By hand, from the repository root:
 #
-#     source bench/gpu_setup.sh; python3 bench/run.py --workload W1 ... --out $OUT
+#     source bench/gpu/setup.sh; python3 bench/run.py --workload W1 ... --out $OUT
 #
 # (the device call must carry .whl). Installs the wheels in .whl/ (DeepSpeed
 # 0.19.8, pure Python, built by shared/bench/peer-wheels.sh with DS_BUILD_OPS=0;

@@ -1,16 +1,18 @@
 """Where a zerofit step's GPU memory peaks: the allocations alive at the step's peak, grouped by the engine's
 code that made them (torch.cuda.memory's allocation history over one step after a warm-up).
 
-    python3 bench/mem_peak.py W1 8GiB [steps]
+    python3 bench/probes/mem_peak.py W1 8GiB [steps]
 
 Prints memory allocated before the step, the step's peak, and the bytes alive at the peak that the step
 allocated, by the first zerofit frame (file:line function), and the phase (engine method) of the allocation that
 made the peak. The autograd engine's allocations carry no Python frames: they are listed by their size."""
 import collections
 import sys
+from pathlib import Path
 
-sys.path.insert(0, "bench")
-sys.path.insert(0, "src")
+_REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_REPO / "bench"))    # bench/common.py
+sys.path.insert(0, str(_REPO / "src"))      # the working tree's zerofit
 
 PHASES = ("forward", "post_chunked", "post_backward", "post", "_recompute_inputs", "_block_backward",
           "backward_blocks", "apply", "in_backward")

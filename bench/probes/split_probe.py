@@ -3,19 +3,23 @@
 two passes of [Note: moments after the forward] (split_adamw.py), and those of [Note: the master behind its
 cast]. Prints G params/s of each.
 
-    python3 bench/split_probe.py [--params 268435456]
+    python3 bench/probes/split_probe.py [--params 268435456]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from zerofit.doctor import BackgroundCopies
-from zerofit.engine.update.adamw import Hyper, adamw_flat
-from zerofit.engine.update.split_adamw import available, master_pass, rest_pass
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the working tree's zerofit
+
+from zerofit.doctor import BackgroundCopies  # noqa: E402
+from zerofit.engine.update.adamw import Hyper, adamw_flat  # noqa: E402
+from zerofit.engine.update.split_adamw import available, master_pass, rest_pass  # noqa: E402
 
 
 def main() -> None:

@@ -1,0 +1,104 @@
+# Helpers of bench/gpu/suite.sh. Source it after setting `res` (the suite's folder, absolute) and `commit`.
+#
+#   zf_run NAME TIMEOUT ARGS...      $ZF_PYTHON bench/run.py ARGS --timeout TIMEOUT --out $res/NAME --commit $commit
+#                                    (TIMEOUT: seconds per engine, run.py's own --timeout). ZF_REPO (default: this
+#                                    tree) runs another tree's bench/run.py: an earlier commit's src/ and bench/.
+#                                    After it, each engine's status and exit code from the results JSON.
+#   zf_trace NAME [ENGINE...]        bench/trace.py --gaps on $res/NAME's results (default engine zerofit), into
+#                                    $res/NAME_trace.txt
+#   zf_tests NAME TIMEOUT ARGS...    pytest ARGS under `timeout TIMEOUT`
+#   zf_cmd NAME TIMEOUT CMD...       any command under `timeout TIMEOUT`
+#   zf_skip NAME WHY...              a step that could not run (recorded as rc=2)
+#
+# Each writes its output to $res/NAME.txt, ending with "rc=N", and appends "NAME rc=N (S s)" to
+# $res/exit_codes.txt. ZF_DRY=1: each writes its command there instead of running it (rc=dry).
+
+ZF_PYTHON=${ZF_PYTHON:-python3}
+
+_zf_record() {     # NAME RC START
+  local took=$(( $(date +%s) - $3 ))
+  echo "rc=$2" >> "$res/$1.txt"
+  printf '%-28s rc=%s (%s s)\n' "$1" "$2" "$took" >> "$res/exit_codes.txt"
+}
+
+_zf_shown() {      # ARGS... as a shell line (arguments with spaces or quotes in single quotes)
+  local a q="'" out=""
+  for a in "$@"; do
+    if [[ "$a" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=" $a"; else out+=" '${a//$q/$q\\$q$q}'"; fi
+  done
+  echo "${out# }"
+}
+
+_zf_exec() {       # NAME CMD...: run (or, with ZF_DRY=1, show) CMD with its output in $res/NAME.txt
+  local name=$1 start line; shift
+  start=$(date +%s) line=$(_zf_shown "$@")
+  printf '$ %s\n' "$line" > "$res/$name.txt"
+  if [ "${ZF_DRY:-0}" = 1 ]; then
+    echo "  $name: $line"
+    _zf_record "$name" dry "$start"
+    return 0
+  fi
+  echo "$(date -u +%H:%M:%S) $name: $line"
+  "$@" >> "$res/$name.txt" 2>&1
+  _zf_record "$name" $? "$start"
+}
+
+zf_run() {
+  local name=$1 timeout=$2; shift 2
+  _zf_exec "$name" "$ZF_PYTHON" "${ZF_REPO:-.}/bench/run.py" "$@" --timeout "$timeout" --out "$res/$name" \
+    --commit "$commit"
+  [ "${ZF_DRY:-0}" = 1 ] && return 0
+  local f
+  for f in "$res/$name"/results_*.json; do
+    [ -f "$f" ] || continue
+    "$ZF_PYTHON" - "$f" "$name" >> "$res/exit_codes.txt" 2>&1 <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+for r in doc.get("results", []):
+    print(f"  {sys.argv[2]}/{r.get('engine')}: status {r.get('status')}, exit {r.get('returncode')}"
+          + (f", {r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else "")
+          + (f": {r['error'][:160]}" if r.get("status") != "ok" and r.get("error") else ""))
+PY
+  done
+}
+
+zf_trace() {
+  local name=$1 f e; shift
+  [ "${ZF_DRY:-0}" = 1 ] && return 0
+  for f in "$res/$name"/results_*.json; do
+    [ -f "$f" ] || continue
+    for e in "${@:-zerofit}"; do
+      echo "== bench/trace.py $f --engine $e --gaps" >> "$res/${name}_trace.txt"
+      "$ZF_PYTHON" bench/trace.py "$f" --engine "$e" --gaps >> "$res/${name}_trace.txt" 2>&1 \
+        || echo "  $name trace ($e): rc=$?" >> "$res/exit_codes.txt"
+    done
+  done
+}
+
+zf_tests() {
+  local name=$1 timeout=$2; shift 2
+  _zf_exec "$name" timeout "$timeout" "$ZF_PYTHON" -m pytest -rfEs -p no:cacheprovider "$@"   # -q from pyproject.toml
+}
+
+zf_cmd() {
+  local name=$1 timeout=$2; shift 2
+  _zf_exec "$name" timeout "$timeout" "$@"
+}
+
+zf_skip() {
+  local name=$1; shift
+  echo "not run: $*" > "$res/$name.txt"
+  echo "  $name: not run: $*"
+  _zf_record "$name" 2 "$(date +%s)"
+}
+
+zf_aio() {         # libaio for DeepSpeed's async_io op (ZeRO-Infinity), unpacked from .whl/aio/*.deb
+  if ! ls .whl/aio/*.deb >/dev/null 2>&1; then
+    echo "zf_aio: no .whl/aio/*.deb (shared/bench/peer-wheels.sh fetches them): DeepSpeed's NVMe offload will not build"
+    return 0
+  fi
+  mkdir -p /tmp/aio && for f in .whl/aio/*.deb; do dpkg -x "$f" /tmp/aio; done
+  local lib=/tmp/aio/usr/lib/x86_64-linux-gnu
+  export CPATH=/tmp/aio/usr/include LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+         CFLAGS=-I/tmp/aio/usr/include LDFLAGS=-L$lib
+}

@@ -1,0 +1,398 @@
+"""Writes bench/results/README.md: every result file of bench/results/, grouped by workload, with its date, commit,
+what it measured (from its name and its content) and the section of the dated benchmark logs
+(docs/benchmarks/YYYY-MM-DD.md) that it backs.
+
+    python3 bench/results_index.py            # rewrite bench/results/README.md
+    python3 bench/results_index.py --check    # exit 1 if README.md is not what this would write
+
+A file backs a section when the section names it, or names a pattern that matches it (`2026-12-01_*_s9_*.json`,
+`{a,b}` alternatives): the most specific pattern wins. A file no section names is placed by its commit (and its
+run's time, HH:MM, when its JSON has one) in the sections of the same day; the table says "by commit" then (or
+"by hand": HINTS below, for a folder whose name has no commit).
+Nothing is run and no figure is computed: tokens/s, statuses and test counts are read from the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import shlex
+import sys
+import unicodedata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+LOGS = REPO / "docs" / "benchmarks"
+INDEX = RESULTS / "README.md"
+
+GROUPS = [     # name token -> title, in the order they are listed
+    ("W1", "W1: 3.2 B Llama (Llama-3.2-3B shape), 16k tokens per step"),
+    ("W1nvme", "W1 on the NVMe tier against DeepSpeed ZeRO-Infinity (4 micro-batches)"),
+    ("W1-ga32", "W1-ga32: W1 with 32 micro-batches per step (the disk tier against DeepSpeed ZeRO-Infinity)"),
+    ("W2", "W2: 6.7 B Llama (Llama-2-7B shape), 16k tokens per step (also W3a's runs before the W3a name)"),
+    ("W2-ga32", "W2-ga32: W3a with 32 micro-batches per step"),
+    ("W3a", "W3a: the 7B shape under a 32 GiB host budget, the rest on the disk"),
+    ("W3b", "W3b: the 13B shape on one GPU with the disk tier"),
+    ("W4", "W4: offloaded generation of the 13B shape (bench/infer.py)"),
+    ("W5", "W5: the 13B shape on 2 GPUs"),
+    ("other", "Probes, GPU tests, zerofit doctor"),
+]
+OTHER_KINDS = [   # name part -> what the file holds
+    ("disk_probe", "bench/probes/disk_probe.py output (JSON lines)"),
+    ("split_rounding", "bench/probes/split_probe.py --rounding output"),
+    ("split_probe", "bench/probes/split_probe.py output"),
+    ("doctor", "zerofit doctor output"),
+    ("gpu_tests", "pytest output of the GPU tests"),
+    ("compute_probe", "bench/probes/compute_probe.py output"),
+    ("mem_peak", "bench/probes/mem_peak.py output"),
+    ("_gaps", "bench/trace.py --gaps output"),
+    ("_mem.log", "host memory every 2 s (free -m) beside the run"),
+    ("_log.txt", "bench/run.py's log (every engine's output)"),
+]
+HEX7 = re.compile(r"^[0-9a-f]{7,12}$")
+WEAK = 10      # a pattern matching more files than this names a session's files, not a run's
+# files that no section names and whose name has no commit: the section they belong to, placed by hand
+HINTS = {
+    "2026-11-30_W2_finetune": ("2026-11-30", "Issue 6: a W2-shaped model directory fine-tuned"),
+}
+
+
+# --------------------------------------------------------------------------- headings and their anchors
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading's text (before duplicates are numbered): markdown marks and punctuation dropped,
+    lower case, each space a hyphen."""
+    text = re.sub(r"[`*]", "", heading).lower()
+    keep = "".join(c for c in text if c.isalnum() or c in "-_ " or unicodedata.category(c).startswith("M"))
+    return keep.replace(" ", "-")
+
+
+def sections(path: Path) -> list[dict]:
+    """The headings of a markdown file with their anchors (duplicates numbered as GitHub does), levels, parents and
+    text (up to the next heading of any level)."""
+    out, seen, stack, fence = [], {}, [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        m = None if fence else re.match(r"^(#{1,6}) (.*)$", line)
+        if m:
+            level, title = len(m.group(1)), m.group(2).strip()
+            base = slug(title)
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            while stack and stack[-1]["level"] >= level:
+                stack.pop()
+            sec = {"file": path, "level": level, "title": title, "anchor": base if n == 0 else f"{base}-{n}",
+                   "parent": stack[-1] if stack else None, "text": [line]}
+            stack.append(sec)
+            out.append(sec)
+        elif out:
+            out[-1]["text"].append(line)
+    for s in out:
+        s["text"] = "\n".join(s["text"])
+    return out
+
+
+def patterns(text: str) -> list[str]:
+    """The result-file names and patterns a section's text names, braces expanded."""
+    found = []
+    for ref in re.findall(r"20\d\d-\d\d-\d\d_(?:\{[^{}\s]*\}|[^\s`'\"(),;{])+", text):
+        ref = ref.rstrip(".:/")
+        found += expand(ref)
+    return found
+
+
+def expand(ref: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", ref)
+    if not m:
+        return [ref]
+    return [x for alt in m.group(1).split(",") for x in expand(ref[:m.start()] + alt + ref[m.end():])]
+
+
+# --------------------------------------------------------------------------- what a file holds
+
+
+def name_parts(name: str) -> dict:
+    date, rest = name[:10], name[11:]
+    tokens = rest.split("_")
+    group = tokens[0] if re.match(r"^W\d", tokens[0]) else "other"
+    commit = next((t.split(".")[0] for t in tokens if HEX7.match(t.split(".")[0])), "")
+    cap = next((t for t in tokens[1:3] if re.match(r"^\d+GiB$", t)), "")
+    # what follows the commit, less the session (s9) and the extension: compute_probe, mem_peak, clip1_both
+    after = tokens[[t.split(".")[0] for t in tokens].index(commit) + 1:] if commit else tokens[1:]
+    tag = "_".join(t for t in after if not re.match(r"^s\d+$", t)).split(".")[0]
+    return {"date": date, "group": group, "commit": commit, "cap": cap, "tag": tag if len(tag) >= 5 else ""}
+
+
+def _engine_args(command: str) -> list[str]:
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        return []
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--engine-args" and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif a.startswith("--engine-args="):
+            out.append(a.split("=", 1)[1])
+        elif a == "--gpus" and i + 1 < len(argv) and argv[i + 1] != "1":
+            out.append(f"{argv[i + 1]} GPUs")
+    return out
+
+
+def _tps(v) -> str:
+    return f"{v:,.0f}" if isinstance(v, (int, float)) else "?"
+
+
+def describe_json(doc: dict) -> tuple[dict, str]:
+    """(date/commit/cap found in the file, what it measured) of a JSON result."""
+    if "meta" in doc and "results" in doc:                       # bench/run.py
+        m = doc["meta"]
+        engines = "; ".join(f"{r.get('engine')} {r.get('status')}"
+                            + (f", {_tps(r['tokens_per_s'])} tokens/s" if r.get("tokens_per_s") else "")
+                            for r in doc["results"])
+        what = f"bench/run.py: {engines}"
+        args = _engine_args(m.get("command", ""))
+        if args:
+            what += "; " + ", ".join(f"`{a}`" for a in args)
+        return {"date": m.get("date", ""), "commit": m.get("commit", ""), "cap": m.get("cap", "")}, what
+    if doc.get("engine") == "zerofit-trainer":                   # bench/trainer_bench.py
+        return {}, (f"bench/trainer_bench.py (zerofit.hf.Trainer): {_tps(doc.get('tokens_per_s'))} tokens/s, "
+                    f"{doc.get('s_per_step', 0):.2f} s/step")
+    if "runs" in doc and doc.get("engine") in ("zerofit", "accelerate"):     # bench/infer.py, one engine
+        runs = ", ".join(f"batch {r.get('batch')}: {r.get('decode_tokens_per_s')}" for r in doc["runs"])
+        extra = ""
+        if doc.get("max_host_memory"):
+            extra = f", host budget {doc['max_host_memory']}, blocks on the disk"
+        return {"cap": doc.get("cap", "")}, (f"bench/infer.py, {doc['engine']}{extra}: decode tokens/s {runs}")
+    return {}, "JSON: " + ", ".join(sorted(doc)[:8])
+
+
+def describe_text(path: Path) -> str:
+    name = path.name
+    what = next((w for key, w in OTHER_KINDS if key in name), "text output")
+    text = path.read_text(errors="replace")
+    if "gpu_tests" in name:
+        counts = re.findall(r"^=*\s*(\d+ passed[^=\n]*?)\s*=*$", text, re.M)
+        if not counts:       # run with -qq: no summary line, only pytest's progress characters
+            marks = "".join(re.findall(r"^([.sxXFE]+)\s+\[\s*\d+%\]$", text, re.M))
+            if marks:
+                kinds = (("passed", "."), ("failed", "F"), ("errors", "E"), ("skipped", "s"))
+                counts = [", ".join(f"{marks.count(c)} {w}" for w, c in kinds if marks.count(c))
+                          + " (pytest's progress marks)"]
+        rcs = re.findall(r"^rc=(-?\d+)$", text, re.M)
+        if counts:
+            what += ": " + "; ".join(counts)
+        if rcs:
+            what += (", " if counts else ": ") + "exit " + ", ".join(rcs)
+    elif "mem_peak" in name:
+        m = re.search(r"replayed peak ([\d.]+ GiB), during (\w+)", text)
+        if m:
+            what += f": peak {m.group(1)}, in {m.group(2)}"
+    elif "_gaps" in name:
+        m = re.search(r"^== \S+ .*?: ([\d.]+) s/step", text, re.M)
+        if m:
+            what += f": {float(m.group(1)):.3f} s/step"
+    elif name.endswith("_log.txt"):
+        oks = re.findall(r"^\[(\S+)\] ok: (\d+) tokens/s", text, re.M)
+        if oks:
+            what += ": " + "; ".join(f"{e} {int(t):,} tokens/s" for e, t in oks)
+    elif "disk_probe" in name:
+        what += f": {len([ln for ln in text.splitlines() if ln.strip()])} tests"
+    return what
+
+
+def describe_dir(path: Path) -> str:
+    files = sorted(p.name for p in path.iterdir())
+    what = "a zerofit train fine-tuning job (bench/finetune.py, bench/finetune_run.sh): " + ", ".join(files)
+    cmp = path / "compare.json"
+    if cmp.is_file():
+        c = json.loads(cmp.read_text())
+        what += (f"; compare.json: same_losses {str(c.get('same_losses')).lower()}, "
+                 f"same_exported_weights {str(c.get('same_exported_weights')).lower()}")
+    return what
+
+
+def entries() -> list[dict]:
+    out = []
+    for path in sorted(RESULTS.iterdir()):
+        if path.name == INDEX.name:
+            continue
+        e = {"name": path.name + ("/" if path.is_dir() else ""), "path": path, **name_parts(path.name)}
+        e["time"], e["commits"] = "", [e["commit"]] if e["commit"] else []
+        if path.is_dir():
+            e["what"] = describe_dir(path)
+        elif path.suffix == ".json":
+            found, e["what"] = describe_json(json.loads(path.read_text()))
+            if found.get("date"):
+                e["time"] = found["date"][11:16]
+                e["date"] = found["date"].replace(" UTC", "")
+            if found.get("commit") and HEX7.match(found["commit"].split("+")[0]):
+                e["commits"].append(found["commit"].split("+")[0])
+            if found.get("commit") and found["commit"] != e["commit"]:      # the name's, and the file's if other
+                e["commit"] = f"{e['commit']} (file: {found['commit']})" if e["commit"] else found["commit"]
+            e["cap"] = found.get("cap") or e["cap"]
+        else:
+            e["what"] = describe_text(path)
+        out.append(e)
+    return out
+
+
+# --------------------------------------------------------------------------- which section a file backs
+
+
+def place(items: list[dict], secs: list[dict]) -> None:
+    names = [e["name"].rstrip("/") for e in items]
+    refs = [(s, p) for s in secs for p in patterns(s["text"])]
+    hits = {p: [n for n in names if fnmatch.fnmatchcase(n, p)] for _, p in refs}
+    for e in items:
+        name = e["name"].rstrip("/")
+        exact = [s for s, p in refs if p == name]
+        matched = [(len(hits[p]), s) for s, p in refs if name in hits[p] and p != name]
+        best = min((n for n, _ in matched), default=0)
+        if exact:        # and the sections of the most specific pattern that matches it too
+            more = [s for n, s in matched if n == best and n <= WEAK]
+            e["backs"], e["how"] = _unique(exact + more), "named"
+            continue
+        if matched:
+            chosen = _unique([s for n, s in matched if n == best])
+            e["backs"], e["how"] = chosen, "named"
+            if best > WEAK:      # a session's "Result files: 2026-12-01_*": its subsection, else the day's, by commit
+                inside = [t for t in secs if any(t is s or _under(t, s) for s in chosen)]
+                same_day = [t for t in secs if t["file"].stem == e["date"][:10]]
+                better = _by_commit(inside, e) or _by_commit(same_day, e)
+                if better:
+                    e["backs"], e["how"] = better, "by commit"
+            continue
+        if name in HINTS:
+            day, prefix = HINTS[name]
+            e["backs"] = [s for s in secs if s["file"].stem == day and s["title"].startswith(prefix)]
+            e["how"] = "by hand"
+            continue
+        same_day = [s for s in secs if s["file"].stem == e["date"][:10]]
+        e["backs"], e["how"] = _by_commit(same_day, e), "by commit"
+
+
+def _unique(ss: list[dict]) -> list[dict]:
+    out = []
+    for s in ss:
+        if all(s is not t for t in out):
+            out.append(s)
+    return out
+
+
+def _under(t: dict, s: dict) -> bool:
+    p = t["parent"]
+    while p is not None:
+        if p is s:
+            return True
+        p = p["parent"]
+    return False
+
+
+def _mentions(s: dict, e: dict) -> int:
+    """How well a section matches a file by its commit, its run's time and its workload (0: not its commit)."""
+    if not any(c[:7] in s["text"] for c in e["commits"]):
+        return 0
+    score = 1
+    if e["time"] and e["time"] in s["title"]:
+        score += 4
+    elif e["time"] and e["time"] in s["text"]:
+        score += 2
+    if e["group"] != "other" and re.search(rf"\b{re.escape(e['group'])}\b", s["title"]):
+        score += 1
+    if e["tag"] and e["tag"] in s["text"]:
+        score += 2
+    return score
+
+
+def _by_commit(candidates: list[dict], e: dict) -> list[dict]:
+    scored = [(_mentions(s, e), s) for s in candidates]
+    best = max((n for n, _ in scored), default=0)
+    return [s for n, s in scored if n == best] if best else []
+
+
+# --------------------------------------------------------------------------- the index
+
+
+def link(s: dict) -> str:
+    top = s
+    while top["parent"] is not None and top["parent"]["level"] >= 2:
+        top = top["parent"]
+    title = s["title"] if top is s else f"{_short(top['title'])} › {s['title']}"
+    title = re.sub(r"[`*]", "", title).replace("|", "/")
+    if len(title) > 110:
+        title = title[:107].rstrip() + "..."
+    return f"[{s['file'].stem}: {title}](../../docs/benchmarks/{s['file'].name}#{s['anchor']})"
+
+
+def _short(title: str) -> str:
+    m = re.match(r"^(Issues? [\d and]+(?:, \w+ session)?)", title)
+    return m.group(1) if m else title.split(":")[0]
+
+
+def render(items: list[dict]) -> str:
+    lines = [
+        "# bench/results: an index",
+        "",
+        "Written by `python3 bench/results_index.py` (do not edit by hand; run it again after adding results). Every",
+        "file of this folder, grouped by workload: the date and commit it records (from its JSON where it has one, else",
+        "its name), what it measured (read from the file: each engine's status and tokens/s for a `bench/run.py` result,",
+        "the engine arguments of its command), and the section of the dated logs under",
+        "[docs/benchmarks/](../../docs/benchmarks.md) that it backs. \"by commit\": no section names the file; the",
+        "section is the one of the same day that names its commit (and its run's time, when known); \"by hand\": placed",
+        "by bench/results_index.py's HINTS.",
+        "",
+        "File names: `DATE_WORKLOAD[_CAP]_COMMIT_WHAT.ext`. A `bench/run.py` result is its `results_<W>.json`",
+        "renamed; its `.md` is the section it rendered (`python3 bench/run.py --from-json FILE` prints it again).",
+        "",
+        "Contents: " + ", ".join(f"[{key}](#{slug(title)})" for key, title in GROUPS
+                                 if any(e["group"] == key for e in items)),
+        "",
+    ]
+    known = {k for k, _ in GROUPS}
+    for key, title in GROUPS + [(g, g) for g in sorted({e["group"] for e in items} - known)]:
+        rows = [e for e in items if e["group"] == key]
+        if not rows:
+            continue
+        lines += [f"## {title}", "", "| file | date (UTC) | commit | cap | what it measured | backs |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for e in sorted(rows, key=lambda e: (e["date"], e["name"])):
+            backs = "<br>".join(link(s) for s in e["backs"]) or "not found in the dated logs"
+            if e["backs"] and e["how"] != "named":
+                backs = f"{e['how']}: " + backs
+            what = e["what"].replace("|", "/")
+            lines.append(f"| `{e['name']}` | {e['date']} | `{e['commit'] or '?'}` | {e['cap']} | {what} | {backs} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def build() -> str:
+    items = entries()
+    secs = [s for f in sorted(LOGS.glob("20*.md")) for s in sections(f)]
+    place(items, secs)
+    return render(items)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="only check that README.md is up to date")
+    a = ap.parse_args()
+    text = build()
+    if a.check:
+        same = INDEX.is_file() and INDEX.read_text() == text
+        print(f"{INDEX.relative_to(REPO)} is {'up to date' if same else 'out of date: run bench/results_index.py'}")
+        return 0 if same else 1
+    INDEX.write_text(text)
+    items = text.count("\n| `")
+    print(f"wrote {INDEX.relative_to(REPO)}: {items} files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

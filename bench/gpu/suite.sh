@@ -23,7 +23,8 @@
 #                and use this Python's packages; 1: setup must succeed; 0: src/ on PYTHONPATH only
 #   ESTIMATE     1 (default): headline's zerofit runs record `zerofit estimate`'s prediction first (--estimate)
 #   HEADLINE_PEERS  the peers of headline's W1 and W2 at 24 GiB (default deepspeed,fsdp2; empty: none)
-#   ZF_REPO, OLD_COMMIT, AB   ab: the older tree (its src/ and bench/), its commit id, which runs (default all)
+#   ZF_REPO, OLD_COMMIT, AB   ab: the older tree (its src/ and bench/), its commit id, which runs (default
+#                w1_24 w1_clip1 w1_8 w2_24; also w1_ds w2_ds (the DeepSpeed-shaped loop), w2_trainer, w4, w3b_24)
 #   DISK, DISK_PEERS, DS_TIMEOUT, NVME   disk: which runs, WORKLOAD:HOST_BUDGET pairs against DeepSpeed
 #                ZeRO-Infinity (default W1:16GiB), DeepSpeed's seconds, the disk tier's folder (default /tmp/nv)
 #   RANKS_DS     ranks: 1 (default) runs DeepSpeed on W5 too (RANKS_DS_ARGS, default --no-offload-param)
@@ -129,23 +130,50 @@ suite_ab() {
     return
   fi
   local old=${OLD_COMMIT:-old} run
+  # the older tree's own scripts over its own src/ (engine_zerofit.py puts its repository's src/ first; the
+  # Trainer's and generation's scripts get it on PYTHONPATH)
+  local old_path="$ab_repo/src:${PYTHONPATH:-}"
   for run in ${AB:-w1_24 w1_clip1 w1_8 w2_24}; do
-    local w=W1 cap=24GiB plain=() zf=() t=220 steps=4
+    local w=W1 cap=24GiB plain=(--engines plain,zerofit) zf=() t=220 steps=4 eng=zerofit
     case "$run" in
       w1_24) ;;
-      w1_clip1) plain=(--engine-args 'plain=--clip 1.0'); zf=(--engine-args 'zerofit=--clip 1.0'); steps=5 ;;
+      w1_clip1) plain+=(--engine-args 'plain=--clip 1.0'); zf=(--engine-args 'zerofit=--clip 1.0'); steps=5 ;;
       w1_8) cap=8GiB ;;
       w2_24) w=W2; t=300 ;;
-      *) zf_skip "ab_$run" "no ab run '$run' (w1_24 w1_clip1 w1_8 w2_24)"; continue ;;
+      w1_ds) eng=zerofit-ds; plain=(--engines zerofit-ds) ;;
+      w2_ds) w=W2; t=300; eng=zerofit-ds; plain=(--engines zerofit-ds) ;;
+      w2_trainer)
+        zf_cmd w2_trainer_new 400 "$ZF_PYTHON" bench/trainer_bench.py --workload W2 --steps 5 --cap 24GiB \
+          --out "$res/trainer_W2_new.json"
+        PYTHONPATH=$old_path zf_cmd w2_trainer_old 400 "$ZF_PYTHON" "$ab_repo/bench/trainer_bench.py" \
+          --workload W2 --steps 5 --cap 24GiB --out "$res/trainer_W2_old.json"
+        continue ;;
+      w4)
+        zf_cmd w4_new 400 "$ZF_PYTHON" bench/infer.py --engines zerofit --caps 24GiB --batches 1,16 \
+          --out "$res/w4_new" --commit "$commit" --timeout 250
+        PYTHONPATH=$old_path zf_cmd w4_old 400 "$ZF_PYTHON" "$ab_repo/bench/infer.py" --engines zerofit \
+          --caps 24GiB --batches 1,16 --out "$res/w4_old" --commit "$old" --timeout 250
+        continue ;;
+      w3b_24)
+        fresh_nvme
+        zf_run w3b_24_new 440 --workload W3 --engines zerofit \
+          --engine-args "zerofit=--set max_host_memory=108GiB --nvme $NVME" --steps 3 --cap 24GiB
+        zf_trace w3b_24_new
+        fresh_nvme
+        ZF_REPO=$ab_repo commit=$old zf_run w3b_24_old 440 --workload W3 --engines zerofit \
+          --engine-args "zerofit=--set max_host_memory=108GiB --nvme $NVME" --steps 3 --cap 24GiB
+        zf_trace w3b_24_old
+        [ "$dry" = 1 ] || rm -rf "$NVME"
+        continue ;;
+      *) zf_skip "ab_$run" "no ab run '$run' (w1_24 w1_clip1 w1_8 w2_24 w1_ds w2_ds w2_trainer w4 w3b_24)"; continue ;;
     esac
-    zf_run "${run}_new" $t --workload $w --engines plain,zerofit "${plain[@]}" "${zf[@]}" --steps $steps --cap $cap
+    zf_run "${run}_new" $t --workload $w "${plain[@]}" "${zf[@]}" --steps $steps --cap $cap
     zf_trace "${run}_new"
-    ZF_REPO=$ab_repo commit=$old zf_run "${run}_old" $t --workload $w --engines zerofit "${zf[@]}" \
+    ZF_REPO=$ab_repo commit=$old zf_run "${run}_old" $t --workload $w --engines $eng "${zf[@]}" \
       --steps $steps --cap $cap
     zf_trace "${run}_old"
   done
 }
-
 suite_dsloop() {
   zf_run w1 240 --workload W1 --engines plain,zerofit,zerofit-ds,zerofit-dsw,zerofit-dsl,deepspeed --steps 4 \
     --cap 24GiB

@@ -1,6 +1,6 @@
 """The tests that skip without CUDA, found by reading the test files (nothing is imported or run):
 
-    python3 bench/gpu/gpu_tests.py [--exclude tests/test_gpu.py ...] [ROOT]
+    python3 bench/gpu/gpu_tests.py [--exclude tests/gpu/test_gpu.py ...] [ROOT]
 
 prints one pytest node id a line (``path`` for a whole file, ``path::test`` or ``path::Class::test``), for
 bench/gpu/suite.sh's ``tests`` suite. A test counts when it, its class or its module (``pytestmark``) carries a

@@ -42,7 +42,7 @@ declare -A ABOUT=(
   [disk]="the disk tier: W3a (7B, 32 GiB host), W3b (13B, 108 GiB host) at 24 and 8 GiB, then DISK_PEERS against DeepSpeed ZeRO-Infinity"
   [infer]="W4: offloaded generation of the 13B shape against accelerate (bench/infer.py), then with blocks on the disk"
   [ranks]="2 GPUs (the nvidia-h200-x2 kind): the NCCL rank tests, W2 on 1 and 2 GPUs, W5 zerofit, FSDP2 without offload, DeepSpeed"
-  [tests]="pytest of the GPU tests: tests/test_gpu.py, test_small_gpu_floor.py, test_split_updates.py and every test that skips without CUDA (bench/gpu/gpu_tests.py)"
+  [tests]="pytest of the GPU tests: tests/gpu/ (test_gpu.py, test_small_gpu_floor.py), tests/unit/test_split_updates.py and every test that skips without CUDA (bench/gpu/gpu_tests.py)"
 )
 
 usage() {
@@ -247,7 +247,7 @@ suite_ranks() {
     zf_skip ranks "needs 2 GPUs (the nvidia-h200-x2 kind); nvidia-smi lists $n"
     return
   fi
-  zf_tests rank_tests 400 tests/test_ranks.py -k nccl
+  zf_tests rank_tests 400 tests/processes/test_ranks.py -k nccl
   zf_run w2_1gpu 200 --workload W2 --engines zerofit --steps 5 --cap 24GiB
   zf_run w2_2gpus 240 --workload W2 --engines zerofit --gpus 2 --steps 5 --cap 24GiB
   zf_trace w2_2gpus
@@ -270,7 +270,7 @@ suite_ranks() {
 }
 
 suite_tests() {
-  local whole=(tests/test_gpu.py tests/test_small_gpu_floor.py tests/test_split_updates.py) ex=() f
+  local whole=(tests/gpu/test_gpu.py tests/gpu/test_small_gpu_floor.py tests/unit/test_split_updates.py) ex=() f
   for f in "${whole[@]}"; do ex+=(--exclude "$f"); done
   local more
   mapfile -t more < <("$ZF_PYTHON" bench/gpu/gpu_tests.py "${ex[@]}")

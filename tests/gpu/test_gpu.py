@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.engine.planner import PlanError
 
 pytestmark = [pytest.mark.gpu,
@@ -62,10 +62,11 @@ def test_fp32_parity_on_gpu_with_streaming(resident, clip, shell):
                                           (0.05, {"speculative_updates": False, "assisted_fraction": 1.0})],
                          ids=["no-clipping", "mixed", "always-clipped-assisted"])
 def test_param_groups_parity_on_gpu(clip, offload):
-    """Parameter groups (tests/test_param_groups.py) with real streams: the shell and a resident block updated
-    on the device per segment (the factor multiplied into each segment's gradient there), streamed blocks on
-    the CPU (speculated and rolled back with clip 1.16), or by the device in chunks straddling group borders."""
-    from tests.test_param_groups import _groups
+    """Parameter groups (tests/integration/test_param_groups.py) with real streams: the shell and a resident
+    block updated on the device per segment (the factor multiplied into each segment's gradient there), streamed
+    blocks on the CPU (speculated and rolled back with clip 1.16), or by the device in chunks straddling group
+    borders."""
+    from tests.integration.test_param_groups import _groups
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -165,7 +166,7 @@ def test_fp16_with_clipping_on_gpu_tracks_the_reference():
 
 
 def test_resume_in_a_new_process_is_bitwise_exact_on_gpu(tmp_path):
-    """tests/resume_run.py's variants on the GPU (real streams, pinned buffers, CUDA RNG): 2N steps straight
+    """tests/support/resume_run.py's variants on the GPU (real streams, pinned buffers, CUDA RNG): 2N steps straight
     (saving at N) in one process, the last N steps after a load in another; every loss and the final masters,
     moments, step counts and loss scale bitwise equal (the placement variant: see below)."""
     import os
@@ -173,13 +174,13 @@ def test_resume_in_a_new_process_is_bitwise_exact_on_gpu(tmp_path):
     import sys
     from pathlib import Path
 
-    from tests import resume_run
+    from tests.support import resume_run
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "ZEROFIT_RESUME_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
            "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])}
     for mode in ("save", "resume"):
-        r = subprocess.run([sys.executable, str(root / "tests" / "resume_run.py"), mode, str(tmp_path)],
+        r = subprocess.run([sys.executable, str(root / "tests" / "support" / "resume_run.py"), mode, str(tmp_path)],
                            capture_output=True, text=True, env=env, timeout=280)
         assert r.returncode == 0, r.stderr[-3000:]
     straight = torch.load(tmp_path / "save.pt", weights_only=False)
@@ -224,10 +225,10 @@ def test_load_a_model_directory_on_gpu(tmp_path):
 
 def test_training_scripts_exit_cleanly_on_gpu():
     """RELIABILITY.md "a process ends cleanly" on the GPU: pinned memory, a memory cap, CUDA streams and the CPU
-    worker are all live when each script ends (tests/lifecycle_script.py says what each mode does)."""
+    worker are all live when each script ends (tests/support/lifecycle_script.py says what each mode does)."""
     import signal
 
-    from tests import lifecycle_script
+    from tests.support import lifecycle_script
 
     out = lifecycle_script.run_all("cuda", timeout=300)
     for mode, o in out.items():
@@ -386,7 +387,7 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
 def test_disk_tier_on_gpu_is_bitwise_the_in_memory_path(tmp_path, weights, clip, api):
     """The disk tier (engine/disk.py) with real streams and O_DIRECT where the disk allows it: the same losses,
     weights and moments, bitwise, as the same engine with every state in host memory."""
-    from tests.test_disk_tier import _assert_bitwise, _state
+    from tests.integration.test_disk_tier import _assert_bitwise, _state
 
     torch.manual_seed(0)
     model = tm.llama(layers=4)
@@ -415,7 +416,7 @@ def test_disk_tier_on_gpu_is_bitwise_the_in_memory_path(tmp_path, weights, clip,
 
 def test_smaller_floor_on_gpu_keeps_the_math():
     """Chunked loss and checkpoints in pinned host memory with real streams: fp32 losses and weights as the
-    plain engine's. (On the CPU the checkpoints alone are bitwise, tests/test_small_gpu_floor.py; two GPU runs
+    plain engine's. (On the CPU the checkpoints alone are bitwise, tests/gpu/test_small_gpu_floor.py; two GPU runs
     are not: the embedding's backward sums with atomics. Its bitwise assertion here failed on the H200 at
     d1ad1b6 on the master weights, the losses being equal bitwise: now fp32 tolerance.)"""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -451,7 +452,7 @@ def test_checkpoints_every_k_blocks_on_gpu_keep_the_math():
     host memory, the others recomputed in the backward (their weights uploaded again): fp32 losses and weights as
     the engine with every block's, at the fp32 tolerances of the test above. Not yet run on a GPU when written
     (tenth session: no device time left); on the CPU the same comparison is bitwise
-    (tests/test_small_gpu_floor.py)."""
+    (tests/gpu/test_small_gpu_floor.py)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.checkpoint import CheckpointDiskFullError, seams
 from zerofit.checkpoint import save as save_mod
 from zerofit.checkpoint.lock import SAVE_LOCK

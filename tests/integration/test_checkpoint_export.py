@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.checkpoint import MissingFileError, export_checkpoint
 from zerofit.cli import app
 

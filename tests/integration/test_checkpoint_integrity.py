@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.checkpoint import list_tags, prune
 from zerofit.checkpoint import (CheckpointIncompleteError, CheckpointMismatchError, CheckpointNotFoundError,
                                 CheckpointStateError, ChecksumMismatchError, EngineStateLostError, MissingFileError,
@@ -223,8 +223,8 @@ def test_replacement_without_rename_exchange_recovers_from_the_moved_aside_copy(
 
 
 def test_load_refused_mid_accumulation(tmp_path):
-    """A save mid-window saves the last step's state, as DeepSpeed does (tests/test_deepspeed_checkpoints.py);
-    a load mid-window is refused."""
+    """A save mid-window saves the last step's state, as DeepSpeed does
+    (tests/integration/test_deepspeed_checkpoints.py); a load mid-window is refused."""
     engine = _engine()
     out = engine(**tm.batches(1, G)[0][0])
     engine.save_checkpoint(tmp_path / "mid")

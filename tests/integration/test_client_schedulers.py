@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import zerofit.deepspeed as deepspeed
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.deepspeed import DeepSpeedUnsupported
 from zerofit.engine.adapter import loss_of
 

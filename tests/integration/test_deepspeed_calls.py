@@ -21,7 +21,7 @@ from torch import nn
 
 import zerofit
 import zerofit.deepspeed as deepspeed
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 
 
 def _ds(G: int = 1, **extra) -> dict:

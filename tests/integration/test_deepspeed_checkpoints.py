@@ -1,6 +1,6 @@
 """Checkpoints across the DeepSpeed boundary (docs/checkpoints.md, "DeepSpeed checkpoints").
 
-Real DeepSpeed 0.19.8 on the CPU (tests/deepspeed_script.py, run in subprocesses of its own: one process, and
+Real DeepSpeed 0.19.8 on the CPU (tests/support/deepspeed_script.py, run in subprocesses of its own: one process, and
 two data-parallel ranks over gloo) trains a tiny Llama under ZeRO stages 1, 2 and 3 (fp32; bf16 and fp16 too)
 with AdamW, a WarmupLR schedule and a client_state, saves, and goes on training. DeepSpeed's AdamW is
 ``torch_adam`` (torch.optim.AdamW): its CPU Adam and FusedAdam are C++ ops it would compile first. zerofit
@@ -37,13 +37,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import zerofit
 import zerofit.deepspeed as zds
 import zerofit.hf
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.checkpoint import CheckpointMismatchError, CheckpointStateError
 from zerofit.checkpoint.deepspeed_format import DeepSpeedCheckpointError, find, read
 from zerofit.checkpoint.state import optimizer_entries, weight_entries
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "deepspeed_script.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "support" / "deepspeed_script.py"
 STEPS, MORE = 3, 2
 LR, WARMUP = 2e-3, 4
 # a Llama whose tensors have odd sizes (33 wide, vocabulary 97): ZeRO pads its partitions over two ranks
@@ -154,7 +154,7 @@ def _run(name: str) -> dict:
 
 
 def _groups(model) -> list[dict]:
-    """tests/deepspeed_script.py's two groups."""
+    """tests/support/deepspeed_script.py's two groups."""
     named = list(model.named_parameters())
     return [{"params": [p for _, p in named if p.ndim > 1]},
             {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]

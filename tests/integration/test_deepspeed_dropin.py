@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 import zerofit.deepspeed as deepspeed
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.config import load_config
 from zerofit.deepspeed import DeepSpeedUnsupported, UnsupportedAttribute
 from zerofit.engine.adapter import loss_of
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
 MICRO, T = 2, 16
 
 
@@ -501,7 +501,8 @@ def test_client_optimizers_other_than_adamw_are_refused():
              optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     m = tm.llama()
     _refused("amsgrad", model=m, optimizer=torch.optim.AdamW(m.parameters(), amsgrad=True))
-    # an optimizer over some of the parameters leaves the others frozen, as DeepSpeed does (tests/test_frozen.py)
+    # an optimizer over some of the parameters leaves the others frozen, as DeepSpeed does
+    # (tests/integration/test_frozen.py)
     # Adam with decoupled weight decay is AdamW, and a callable returning AdamW is what DeepSpeed calls with the
     # model parameters: both accepted, with their settings
     m = tm.llama()
@@ -528,7 +529,7 @@ def test_foreign_scheduler_mpu_and_ranks_are_refused(monkeypatch):
         deepspeed.init_distributed()
 
 
-# model_parameters subsets and requires_grad=False: frozen, as DeepSpeed leaves them (tests/test_frozen.py)
+# model_parameters subsets and requires_grad=False: frozen, as DeepSpeed leaves them (tests/integration/test_frozen.py)
 
 
 def test_unsupported_engine_optimizer_and_scheduler_calls_name_themselves():

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.engine import disk as disk_mod
 from zerofit.engine.lifecycle import EngineFailedError
 from zerofit.engine.planner import BatchShape, ModelShape, PlanError, make_plan

@@ -25,8 +25,8 @@ from torch import nn
 
 import zerofit
 import zerofit.engine.update.unit_adamw as optimizer_module
-from tests import lifecycle_script
-from tests import tiny_models as tm
+from tests.support import lifecycle_script
+from tests.support import tiny_models as tm
 from zerofit.engine.adapter import loss_of
 from zerofit.engine.batch import BatchError
 from zerofit.engine.lifecycle import EngineClosedError, EngineFailedError, EngineState

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 
 STEPS, G = 20, 2
 

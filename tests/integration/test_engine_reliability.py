@@ -25,14 +25,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.config import ConfigError, load_config
 from zerofit.engine.adapter import NonSequentialModel
 from zerofit.engine.engine import Engine
 from zerofit.engine.planner import BatchShape, ModelShape, PlanError, activation_bytes, make_plan
 from zerofit.optim.loss_scaler import DynamicLossScaler, LossScaleUnderflowError
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
 G = 2
 
 
@@ -311,7 +311,7 @@ _GPU = dict(compute_dtype=torch.bfloat16, on_cuda=True, host_budget=None, deferr
 
 def _candidate(shape, batch, r, shell_dev, **kw):
     """The placement's own plan: with immediate updates, without the assisted updates' buffers, which the
-    planner only adds beside a plan that fits (tests/test_engine_parity.py checks those)."""
+    planner only adds beside a plan that fits (tests/integration/test_engine_parity.py checks those)."""
     if not kw.get("deferred_updates"):
         kw.setdefault("assisted_updates", False)
     return make_plan(shape, batch, device_budget=None, resident_blocks=r, shell_on_device=shell_dev, **kw)

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import zerofit
-from tests import tiny_models as tm
-from tests.model_dirs import make_model_dir, write_data
+from tests.support import tiny_models as tm
+from tests.support.model_dirs import make_model_dir, write_data
 from zerofit.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _CFG = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 1}
 
 
@@ -343,7 +343,7 @@ def test_the_host_budget_a_refusal_suggests_trains(workspace):
 _MODULE_SCRIPT = r"""
 import json, os, sys, time
 import torch, zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 
 rank = int(os.environ["RANK"])
 torch.manual_seed(0)

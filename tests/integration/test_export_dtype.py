@@ -11,8 +11,8 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import zerofit
-from tests import tiny_models as tm
-from tests.model_dirs import make_model_dir
+from tests.support import tiny_models as tm
+from tests.support.model_dirs import make_model_dir
 from zerofit.checkpoint import export_checkpoint
 from zerofit.cli import app
 

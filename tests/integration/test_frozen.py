@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 
 G = 2
 CFG = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,

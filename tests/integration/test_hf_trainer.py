@@ -1,6 +1,6 @@
 """zerofit.hf: the Hugging Face Trainer on zerofit's engine, against the plain transformers Trainer (CPU, fp32).
 
-    PYTHONPATH=src .venv/bin/python -m pytest tests/test_hf_trainer.py -q
+    PYTHONPATH=src .venv/bin/python -m pytest tests/integration/test_hf_trainer.py -q
 
 The same arguments, seed, data and initial weights go to ``transformers.Trainer`` and to ``zerofit.hf.Trainer``;
 the logged losses, learning rates and gradient norms, the evaluation losses and the final weights must agree at
@@ -27,10 +27,10 @@ from transformers import AutoModelForCausalLM, TrainingArguments, default_data_c
 from transformers import Trainer as PlainTrainer
 
 import zerofit.hf
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.hf import UnsupportedArgumentError, ZerofitTrainerMixin, with_zerofit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -280,7 +280,7 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_save_model_round_trip_and_best_model(tmp_path):
-    from tests.tiny_tokenizer import build_tokenizer
+    from tests.support.tiny_tokenizer import build_tokenizer
 
     torch.manual_seed(0)
     kw = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
@@ -390,7 +390,7 @@ def test_refused_trainer_arguments(tmp_path):
     assert "AdamW" in str(err.value)
     with pytest.raises(UnsupportedArgumentError, match=r"Trainer\(model_init="):
         zerofit.hf.Trainer(model_init=lambda: tm.llama(), args=_args(tmp_path), train_dataset=TRAIN)
-    # frozen parameters are no longer refused: tests/test_frozen.py trains them against the plain Trainer
+    # frozen parameters are no longer refused: tests/integration/test_frozen.py trains them against the plain Trainer
 
 
 def test_every_training_arguments_field_has_a_status():
@@ -429,7 +429,7 @@ def test_torchrun_two_ranks_like_the_plain_trainer_with_ddp(tmp_path):
         env.pop(k, None)
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(ROOT / "tests" / "hf_ranks_script.py"), str(out)], env=env, cwd=tmp_path,
+                        str(ROOT / "tests" / "support" / "hf_ranks_script.py"), str(out)], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     for r in (0, 1):

@@ -12,8 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 import zerofit
-from tests import tiny_models as tm
-from tests.model_dirs import make_model_dir
+from tests.support import tiny_models as tm
+from tests.support.model_dirs import make_model_dir
 from zerofit.cli import app
 from zerofit.infer import InferenceEngine, InferencePlanError
 from zerofit.infer.plan import InferShape, plan_inference, spread

@@ -20,10 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.models import ModelDirError, WeightFileError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _save(model, path: Path, dtype=torch.bfloat16, shard="20KB") -> Path:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.engine.lifecycle import EngineFailedError, EngineState
 
 G = 2

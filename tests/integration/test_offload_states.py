@@ -20,7 +20,7 @@ import torch
 
 import zerofit
 import zerofit.deepspeed as deepspeed
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.deepspeed.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from zerofit.engine.offload_states import KINDS
 

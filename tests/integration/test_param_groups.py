@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.config import ConfigError
 
 G = 2

@@ -1,7 +1,7 @@
 """Exact resume across processes (RELIABILITY.md: 2N steps straight vs N steps, save, new process, load,
 N steps: every loss, the final weights, optimizer state, scaler, RNG and data position bitwise equal).
 
-This process trains every variant of tests/resume_run.py for 2N steps, saving at step N (a save must not
+This process trains every variant of tests/support/resume_run.py for 2N steps, saving at step N (a save must not
 disturb the run either); a new Python process loads each checkpoint and trains the last N steps. Variants:
 fp32 with dropout (the RNG must resume), bf16, fp16 with a loss scale that overflows (the scaler must
 resume), and GPT-2 saved with one resident block and loaded with none and a host-optimized shell.
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from tests import resume_run
+from tests.support import resume_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
@@ -30,7 +30,7 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "resume_run.py"), "resume", str(tmp_path)],
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "resume_run.py"), "resume", str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     straight = torch.load(tmp_path / "save.pt", weights_only=False)

@@ -24,7 +24,7 @@ import torch
 from packaging import version
 
 import zerofit.deepspeed as zds
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.deepspeed import DeepSpeedUnsupported, UnsupportedAttribute, UnsupportedModule
 from zerofit.deepspeed import accelerator as acc_module
 from zerofit.deepspeed import comm as dist
@@ -33,7 +33,7 @@ from zerofit.deepspeed.moe.utils import (has_moe_layers, is_moe_param,
                                          split_params_into_different_moe_groups_for_optimizer)
 from zerofit.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 _CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0}
 

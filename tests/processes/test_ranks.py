@@ -1,6 +1,6 @@
 """Several ranks on the CPU (gloo), launched as torchrun launches them: the same math as one process.
 
-Each test starts N processes of tests/ranks_script.py with torchrun's environment (RANK, WORLD_SIZE,
+Each test starts N processes of tests/support/ranks_script.py with torchrun's environment (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and compares rank 0's per-step losses and final
 weights with plain PyTorch training on the same global batch (N x G micro-batches per step), at fp32
 tolerances (RELIABILITY.md). 3 ranks make uneven shards (the units' sizes are not multiples of 3).
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "ranks_script.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "support" / "ranks_script.py"
 G = 2
 
 
@@ -360,10 +360,11 @@ def test_the_plan_counts_a_shard_of_the_gpu_resident_state():
 # ---------------------------------------------------------------- [Note: a process group that lives] (ranks.py)
 
 def launch_forked(launches: list[dict], tmp: Path, timeout_each: float = 60.0, timeout: float = 240.0) -> list:
-    """Several launches from one process that imports torch, transformers and zerofit once (tests/ranks_script.py
-    ``--forked``): each launch ``{"world": N, "spec": ..., "agent_store": bool}`` forks its N ranks with torchrun's
-    environment and a fresh port. Returns per launch (exit statuses, None for a rank still running after
-    ``timeout_each``; stderr texts; rank 0's outputs as ``launch`` returns them; seconds)."""
+    """Several launches from one process that imports torch, transformers and zerofit once
+    (tests/support/ranks_script.py ``--forked``): each launch ``{"world": N, "spec": ..., "agent_store": bool}``
+    forks its N ranks with torchrun's environment and a fresh port. Returns per launch (exit statuses, None for a
+    rank still running after ``timeout_each``; stderr texts; rank 0's outputs as ``launch`` returns them;
+    seconds)."""
     job = {"launches": [], "logs": str(tmp), "result": str(tmp / "forked.json"), "timeout_s": timeout_each}
     for k, ln in enumerate(launches):
         out = tmp / f"forked-{k}.pt"

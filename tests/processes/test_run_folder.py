@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import zerofit
-from tests import tiny_models as tm
-from tests.train_cli import (REPO, args, assert_same_tensors, invoke, losses, records, spawn, tensors,
+from tests.support import tiny_models as tm
+from tests.support.train_cli import (REPO, args, assert_same_tensors, invoke, losses, records, spawn, tensors,
                              wait_for_steps, workspace)
 from zerofit.checkpoint import prune
 from zerofit.checkpoint.commit import LATEST, RECORD, survey

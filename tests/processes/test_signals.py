@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerofit
-from tests import tiny_models as tm
-from tests.train_cli import args, assert_same_tensors, invoke, losses, spawn, tensors, wait_for_steps, workspace
+from tests.support import tiny_models as tm
+from tests.support.train_cli import args, assert_same_tensors, invoke, losses, spawn, tensors, wait_for_steps, workspace
 from zerofit.checkpoint import seams
 from zerofit.checkpoint.commit import LATEST, TMP_PREFIX, survey
 from zerofit.engine.lifecycle import EngineState
@@ -172,7 +172,7 @@ def test_exit_at_once_ends_the_process_with_128_plus_the_signal(tmp_path):
             "import time; time.sleep(30)")
     for name, status in (("INT", 130), ("TERM", 143)):
         p = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60,
-                           env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+                           env={"PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
         assert p.returncode == status, p.stderr
 
 

@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from tests.model_dirs import make_model_dir, write_data
+from tests.support.model_dirs import make_model_dir, write_data
 from zerofit.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
-"""Real DeepSpeed on the CPU, for tests/test_deepspeed_checkpoints.py: each run trains a tiny Llama, saves a
+"""Real DeepSpeed on the CPU, for tests/integration/test_deepspeed_checkpoints.py: each run trains a tiny Llama, saves a
 DeepSpeed checkpoint and goes on training, and writes what DeepSpeed itself had and did.
 
 Run in a subprocess of its own (DeepSpeed sets up its accelerator, logging and torch.distributed in the
-process): ``python tests/deepspeed_script.py SPEC_JSON`` with ``DS_ACCELERATOR=cpu``. The spec:
+process): ``python tests/support/deepspeed_script.py SPEC_JSON`` with ``DS_ACCELERATOR=cpu``. The spec:
 ``{"out": dir, "runs": [run, ...]}``, a run ``{"name", "config" (DeepSpeed's), "steps", "more"}`` and optionally
 ``"model"`` (LlamaConfig keywords; else ``tiny_models.llama()``), ``"groups"``, ``"freeze"`` (parameter
 names), ``"mid"``, ``"universal"``:
@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import deepspeed  # noqa: E402
 import deepspeed.comm.torch  # noqa: E402,F401
@@ -41,7 +41,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from tests import tiny_models as tm  # noqa: E402
+from tests.support import tiny_models as tm  # noqa: E402
 
 # world size 1 needs no shared-memory all-reduce; DeepSpeed would compile its C++ op (a minute) to get one
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None   # (deepspeed.comm.torch is torch, as an attribute)
@@ -163,7 +163,7 @@ def universal(save_dir: str) -> None:
 
 
 def hf_data() -> list[dict]:
-    """The Hugging Face run's 12 sequences (tests/test_deepspeed_checkpoints.py builds the same)."""
+    """The Hugging Face run's 12 sequences (tests/integration/test_deepspeed_checkpoints.py builds the same)."""
     return [{"input_ids": r, "labels": r} for mbs in tm.batches(6, 1) for r in mbs[0]["input_ids"]]
 
 

@@ -1,4 +1,4 @@
-"""One rank of tests/test_hf_trainer.py's torchrun test: the plain transformers Trainer (DDP over gloo) and
+"""One rank of tests/integration/test_hf_trainer.py's torchrun test: the plain transformers Trainer (DDP over gloo) and
 zerofit.hf.Trainer on the same arguments, data and initial weights, in the same ranks; writes rank 0's and
 rank 1's logged losses and gradient norms and the final weights of both to ``sys.argv[1].<rank>``."""
 
@@ -10,14 +10,14 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from transformers import Trainer as PlainTrainer  # noqa: E402
 from transformers import TrainingArguments, default_data_collator  # noqa: E402
 
 import zerofit.hf  # noqa: E402
-from tests import tiny_models as tm  # noqa: E402
-from tests.test_hf_trainer import TRAIN  # noqa: E402
+from tests.support import tiny_models as tm  # noqa: E402
+from tests.integration.test_hf_trainer import TRAIN  # noqa: E402
 
 
 def args(out: str) -> TrainingArguments:

@@ -1,6 +1,6 @@
 """A training script for the exit-status tests (test_engine_lifecycle.py on the CPU, test_gpu.py on the GPU):
 
-    python tests/lifecycle_script.py {return,raise,raise-forward,sigint} [--device cpu|cuda]
+    python tests/support/lifecycle_script.py {return,raise,raise-forward,sigint} [--device cpu|cuda]
 
 return: trains a few steps with clipping, so that the CPU worker is still applying the last step's updates
         when the script ends, and returns. Expected: exit status 0.
@@ -118,7 +118,7 @@ class Outcome:
 def run_all(device: str, modes: tuple[str, ...] = MODES, timeout: float = 120.0) -> dict[str, Outcome]:
     """Run these modes of this script at once in child processes (their start is mostly torch's import) and
     return how each ended. The ``sigint`` child gets SIGINT shortly after it reports that it trains."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root / "src"), str(root),
                                                                      os.environ.get("PYTHONPATH")])))
     if env.pop("PYTHONDONTWRITEBYTECODE", None):

@@ -1,5 +1,5 @@
 """Hugging Face model directories for tests, made offline: a tiny model of a family, saved sharded in a dtype,
-with the tiny test tokenizer (tests/tiny_tokenizer.py) beside it, as a user's downloaded model looks."""
+with the tiny test tokenizer (tests/support/tiny_tokenizer.py) beside it, as a user's downloaded model looks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from tests.tiny_tokenizer import build_tokenizer
+from tests.support.tiny_tokenizer import build_tokenizer
 
 
 def make_model_dir(path: Path, family: str = "llama", dtype: torch.dtype = torch.bfloat16, tied: bool = False,

@@ -1,10 +1,10 @@
-"""One rank of a multi-process CPU (gloo) run, launched by tests/test_ranks.py the way torchrun would.
+"""One rank of a multi-process CPU (gloo) run, launched by tests/processes/test_ranks.py the way torchrun would.
 
 Arguments: a JSON spec. Every rank trains the same tiny model on its part of each global batch (rank r takes
 micro-batches r*G .. r*G+G-1 of the step's N*G) and writes, as rank 0, losses and final fp32 weights (and
 moments) to ``out``. Optional: load a checkpoint first, save one at the end, raise on one rank at one step.
 
-``--forked JOB``: several launches from this one process, which pays the imports once (tests/test_ranks.py,
+``--forked JOB``: several launches from this one process, which pays the imports once (tests/processes/test_ranks.py,
 ``launch_forked``): see :func:`forked`.
 """
 
@@ -19,10 +19,10 @@ import time
 import torch
 import torch.distributed
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import zerofit  # noqa: E402
-from tests import tiny_models as tm  # noqa: E402
+from tests.support import tiny_models as tm  # noqa: E402
 
 
 _SEEN: list = []      # the default group of every run so far

@@ -1,7 +1,7 @@
-"""Child process of tests/test_checkpoint_resume.py: train, save, or load and continue, then dump the results.
+"""Child process of tests/processes/test_checkpoint_resume.py: train, save, or load and continue, then dump the results.
 
-    python tests/resume_run.py save   OUT   # per variant: N steps, save_checkpoint, N more steps; dump
-    python tests/resume_run.py resume OUT   # per variant: a fresh engine (the variant's load placement),
+    python tests/support/resume_run.py save   OUT   # per variant: N steps, save_checkpoint, N more steps; dump
+    python tests/support/resume_run.py resume OUT   # per variant: a fresh engine (the variant's load placement),
                                             # load_checkpoint, the remaining steps; dump
 
 Each step's micro-batches are picked with Python's ``random`` and cropped with numpy, and the
@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zerofit  # noqa: E402
-from tests import tiny_models as tm  # noqa: E402
+from tests.support import tiny_models as tm  # noqa: E402
 from zerofit.checkpoint.state import optimizer_entries, weight_entries  # noqa: E402
 
 N, G = 3, 2
-_BASE = {"device": os.environ.get("ZEROFIT_RESUME_DEVICE", "cpu"),   # tests/test_gpu.py runs it on cuda too
+_BASE = {"device": os.environ.get("ZEROFIT_RESUME_DEVICE", "cpu"),   # tests/gpu/test_gpu.py runs it on cuda too
           "micro_batch_size": 2, "gradient_accumulation_steps": G, "gradient_clipping": 1.0,
          "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
          "scheduler": {"type": "cosine", "warmup_steps": 2, "total_steps": 2 * N}}

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from tests.model_dirs import make_model_dir, write_data
+from tests.support.model_dirs import make_model_dir, write_data
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def workspace(root: Path) -> tuple[Path, list[Path]]:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from zerofit.cli import app
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
 FIXTURE_FILES = sorted(FIXTURES.glob("*.json")) if FIXTURES.is_dir() else []
 needs_fixtures = pytest.mark.skipif(not FIXTURE_FILES, reason="shared/fixtures not beside the repository")
 runner = CliRunner()

@@ -1,6 +1,6 @@
 """Configuration: fixtures, DeepSpeed keys, "auto", the batch triple, NVMe, overrides, errors.
 
-    .venv/bin/python -m pytest tests/test_config.py -q
+    .venv/bin/python -m pytest tests/unit/test_config.py -q
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from zerofit.config.deepspeed import (
     is_deepspeed_config,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
 needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared fixtures not present")
 
 # The Hugging Face Trainer's ZeRO-3 recipe, "auto" everywhere it puts it.

@@ -5,7 +5,7 @@ unchanged; one mutation (an unknown key at any depth, a wrong type, a negative
 size, an inconsistent batch triple, NVMe without a usable path) always raises
 ConfigError naming the mutated field.
 
-    .venv/bin/python -m pytest tests/test_config_fuzz.py -q
+    .venv/bin/python -m pytest tests/unit/test_config_fuzz.py -q
 """
 
 from __future__ import annotations

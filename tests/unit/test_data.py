@@ -1,7 +1,7 @@
 """zerofit.data: formats and their loss masks, packing, split, shuffling, the resumable loader, evaluation.
 
 Expected tokens are built independently of zerofit.data: each piece of a document is tokenized on its own with
-the test tokenizer (tests/tiny_tokenizer.py) and marked by hand as scored or not.
+the test tokenizer (tests/support/tiny_tokenizer.py) and marked by hand as scored or not.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.tiny_tokenizer import build_tokenizer, build_tokenizer_without_bos
+from tests.support.tiny_tokenizer import build_tokenizer, build_tokenizer_without_bos
 from zerofit.data import (DataError, Document, PackedDataset, StepLoader, build_datasets, evaluate, load_documents,
                           load_tokenizer, model_loss_fn, pack, split_documents)
 from zerofit.data.shuffle import permutation

@@ -33,7 +33,7 @@ from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizer
                                                    DeepSpeedZeroOffloadParamConfig)
 
 import zerofit.deepspeed as zdeepspeed  # noqa: E402
-from tests import tiny_models as tm  # noqa: E402
+from tests.support import tiny_models as tm  # noqa: E402
 from zerofit.config import load_config, render_config  # noqa: E402
 from zerofit.config.deepspeed_keys import (ADAM_PARAMS, DEEPSPEED_KEYS, DEEPSPEED_VERSION, NO_DEFAULT,  # noqa: E402
                                            SCHEDULER_PARAMS, TORCH_ADAMW_WEIGHT_DECAY, Key, Section, default)

@@ -18,7 +18,7 @@ from zerofit.demo.model import build_model, eval_loss, sample
 from zerofit.demo.run import DemoOptions, resolve_config, run_demo
 from zerofit.demo.tokenizer import ByteTokenizer
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
 CPU = torch.device("cpu")
 
 

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.cli import app
 from zerofit.engine.planner import ModelShape, PlanError
 from zerofit.estimate import estimate, meta_model
@@ -181,7 +181,7 @@ def test_the_engines_own_block_compute_is_read_off_its_trace():
     reads each block's forward, its recompute + backward and its update off its steps' traces."""
     from transformers import LlamaForCausalLM
 
-    from tests import tiny_models as tm
+    from tests.support import tiny_models as tm
     from zerofit.config import load_config
     from zerofit.engine.planner import BatchShape
     from zerofit.estimate import engine_block_seconds

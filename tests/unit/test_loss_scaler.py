@@ -1,6 +1,6 @@
 """fp16 loss scaling: DeepSpeed's semantics, hysteresis, growth, the error at the minimum.
 
-    .venv/bin/python -m pytest tests/test_loss_scaler.py -q
+    .venv/bin/python -m pytest tests/unit/test_loss_scaler.py -q
 """
 
 from __future__ import annotations

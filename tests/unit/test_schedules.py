@@ -1,6 +1,6 @@
 """Learning-rate schedules: hand-computed values, DeepSpeed's own code restated, and LambdaLR.
 
-    .venv/bin/python -m pytest tests/test_schedules.py -q
+    .venv/bin/python -m pytest tests/unit/test_schedules.py -q
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 from zerofit.engine.update.adamw import Hyper, adamw_flat, adamw_rollback
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.model_dirs import make_model_dir, write_data
-from tests.tiny_tokenizer import build_tokenizer
+from tests.support.model_dirs import make_model_dir, write_data
+from tests.support.tiny_tokenizer import build_tokenizer
 from zerofit.cli import app
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
@@ -147,7 +147,7 @@ def test_chat_session_state():
 
 def test_the_deepspeed_doors_refusals_say_how_several_gpus_train(monkeypatch):
     import zerofit.deepspeed as zds
-    from tests import tiny_models as tm
+    from tests.support import tiny_models as tm
     from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
 
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}

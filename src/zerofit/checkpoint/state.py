@@ -84,7 +84,7 @@ def _refuse_mid_step(engine, action: str) -> None:
 # boundary: [Note: the block backward waits for the boundary], engine/window.py), so after
 # engine.wait() (the last step's updates applied) the save reads them as at the boundary. The save only
 # reads: the window (its held micro-batches, a pending forward, announced forwards) goes on in the saving
-# engine, and its step is bitwise the one it takes without the save (tests/test_deepspeed_checkpoints.py).
+# engine, and its step is bitwise the one it takes without the save (tests/integration/test_deepspeed_checkpoints.py).
 # The record says how far into the window it was; a load warns that those micro-batches' gradients are gone
 # and that the loaded engine starts a new window. One moment is refused: after the boundary's backward and
 # before its step(), the blocks' updates are under way (a streaming engine updates them during that backward).

@@ -22,7 +22,7 @@ would change the training math if ignored (``elasticity``, ``curriculum_learning
 Defaults. A key *absent* from a DeepSpeed config takes DeepSpeed's default, as
 DeepSpeed 0.19.8 (:data:`~zerofit.config.deepspeed_keys.DEEPSPEED_VERSION`) reads it:
 each key's ``default`` in the table, checked against DeepSpeed's own source by
-``tests/test_deepspeed_defaults.py`` (``gradient_clipping`` 1.0, ``weight_decay`` 0,
+``tests/unit/test_deepspeed_defaults.py`` (``gradient_clipping`` 1.0, ``weight_decay`` 0,
 ``offload_*.device`` ``none``, fp32 when neither ``fp16`` nor ``bf16`` is enabled,
 ``WarmupDecayLR``'s ``warmup_max_lr`` 0.001, ``steps_per_print`` none, ...). Exceptions, none of
 which changes the math: ``aio.block_size`` keeps zerofit's 4 MiB request unless the config

@@ -186,7 +186,7 @@ class Key:
     """what to do when the value is refused"""
     default: Any = NO_DEFAULT
     """DeepSpeed's default (:data:`DEEPSPEED_VERSION`): what an absent key means, and what zerofit takes then.
-    Set for every key zerofit honours or maps; ``tests/test_deepspeed_defaults.py`` compares each one with
+    Set for every key zerofit honours or maps; ``tests/unit/test_deepspeed_defaults.py`` compares each one with
     DeepSpeed's own source"""
 
 

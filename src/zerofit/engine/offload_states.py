@@ -20,7 +20,7 @@ bytes (``UntypedStorage.resize_(0)``), which gives its memory back to the cachin
 ``reload_states`` grows each storage back to its size on the same device and copies the bytes in. Every tensor
 object and every view of these storages (the units' attributes, a slot's tenant, a carved view) stays the same
 object, so nothing in the engine is rebound, and every byte comes back as it was: training goes on bitwise as
-without the round trip (tests/test_offload_states.py). The buffers whose contents never outlive a step (the
+without the round trip (tests/integration/test_offload_states.py). The buffers whose contents never outlive a step (the
 gradient slots, a weight slot without a tenant, the upload stage, the assisted chunk buffers and casts) are freed
 and grown again without a copy, as DeepSpeed does not restore its contiguous gradient buffer. A storage the module's own parameters or
 buffers view (on the CPU, an fp32 resident unit's master is the module's parameter; ``b.to('cpu')`` of a CPU

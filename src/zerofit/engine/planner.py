@@ -75,7 +75,7 @@ def device_checkpoints(n_blocks: int, every: int, offloaded: bool) -> int:
 # The head's loss as transformers' Llama models compute it (ForCausalLMLoss: the logits upcast to fp32, cross
 # entropy) holds three fp32 tensors per token and vocabulary entry at its peak, in its backward: log_softmax's saved
 # output, nll_loss's gradient, and log_softmax's gradient, 12 B whatever the model's dtype (bench/probes/live_bytes.py,
-# measured on the CPU; tests/test_small_gpu_floor.py holds the planner to it). The 16-bit gradient that follows is
+# measured on the CPU; tests/gpu/test_small_gpu_floor.py holds the planner to it). The 16-bit gradient that follows is
 # made after nll_loss's gradient is freed. W1's GPU peak at 24 GiB, in the post pass, held 12.5 B (bench/probes/mem_peak.py,
 # eleventh session), where the planner had counted dtype_bytes + 8 (10 in bf16). Then the head's backward holds the
 # 16-bit logits' gradient, the head's weight gradient (vocabulary x hidden, 16-bit), the hidden state's and the final

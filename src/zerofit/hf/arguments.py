@@ -433,7 +433,7 @@ def decay_groups(trainer) -> list[dict]:
 
 
 def markdown_table() -> str:
-    """docs/hf_trainer.md's table of every field (tests/test_hf_trainer.py checks that the two agree)."""
+    """docs/hf_trainer.md's table of every field (tests/integration/test_hf_trainer.py checks that the two agree)."""
     rows = ["| field | status | what zerofit does with it |", "| --- | --- | --- |"]
     rows += [f"| `{name}` | {status} | {note} |".replace(" |  |", " | |") for name, (status, note) in FIELDS.items()]
     return "\n".join(rows)

@@ -10,7 +10,7 @@ CIFAR-10 tutorial) and Apache-2.0 (DeepSpeedExamples). Every line below is upstr
   into ``./data``, and whose ``transforms.Compose/ToTensor/Normalize`` do torchvision's arithmetic.
 - this docstring.
 
-The model (62 k parameters) is upstream's, small already. tests/deepspeed_examples/test_examples.py runs it with
+The model (62 k parameters) is upstream's, small already. test_examples.py (beside this file) runs it with
 ``import zerofit.deepspeed.alias`` added as its first line (and once through ``zerofit deepspeed``), with
 ``--epochs 1 --dtype fp32`` (and bf16), and compares its losses with the same training in plain PyTorch.
 """

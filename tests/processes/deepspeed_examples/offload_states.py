@@ -10,7 +10,7 @@ upstream's except:
 - this docstring.
 
 Sizes come from its own arguments (the test passes ``--hidden_dim 16 --nlayers 2 --iteration 4 --warmup 1``).
-tests/deepspeed_examples/test_examples.py runs it with ``import zerofit.deepspeed.alias`` added as its first line.
+test_examples.py (beside this file) runs it with ``import zerofit.deepspeed.alias`` added as its first line.
 """
 
 # Copyright (c) Microsoft Corporation.

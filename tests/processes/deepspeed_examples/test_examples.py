@@ -27,7 +27,7 @@ import torch
 pytestmark = pytest.mark.slow     # each case runs a script in a process of its own (tens of seconds)
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 ALIAS = "import zerofit.deepspeed.alias  # the one change: `deepspeed` is zerofit's from here on\n"
 LAUNCH_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
               "MASTER_PORT": "29511"}
@@ -282,7 +282,7 @@ def _dschat_inputs(work: Path) -> None:
     them: dschat's save_hf_format calls tokenizer.save_vocabulary, which needs the vocabulary files), and
     local/jsonfile data (data/train.json, data/eval.json: prompt, chosen, rejected)."""
     sys.path.insert(0, str(ROOT))
-    from tests.model_dirs import make_model_dir
+    from tests.support.model_dirs import make_model_dir
     sys.path.remove(str(ROOT))
 
     base = make_model_dir(work / "sft_base", dtype=torch.float32)

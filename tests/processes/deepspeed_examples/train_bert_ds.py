@@ -14,7 +14,7 @@ Upstream: github.com/deepspeedai/DeepSpeedExamples, training/HelloDeepSpeed/trai
 
 Sizes come from its own arguments (the test passes ``--num_layers 2 --num_heads 2 --ff_dim 32 --h_dim 16
 --max_seq_length 32 --batch_size 4``; the vocabulary, 50265, is upstream's, hard-coded in ``create_model``).
-tests/deepspeed_examples/test_examples.py runs it with ``import zerofit.deepspeed.alias`` added as its first line,
+test_examples.py (beside this file) runs it with ``import zerofit.deepspeed.alias`` added as its first line,
 then resumes its checkpoint through ``zerofit deepspeed`` (``--load_checkpoint_dir``).
 """
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 
 FILES = ["unit/runtime/test_ds_initialize.py", "unit/runtime/test_data.py", "unit/runtime/test_ds_config_dict.py",
          "unit/runtime/test_lr_schedulers.py", "unit/runtime/half_precision/test_dynamic_loss_scale.py",
@@ -55,7 +55,7 @@ def test_deepspeed_unit_tests_run_with_the_alias_line(tmp_path):
     assert report.exists(), r.stdout[-4000:] + r.stderr[-4000:]
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
-        module = case.get("classname").removeprefix("tests.deepspeed_unit.")     # junit's path from the root
+        module = case.get("classname").removeprefix("tests.processes.deepspeed_unit.")     # junit's path from the root
         name = f"{module}::{case.get('name')}"                                 # unit.x.test_y[.Class]::test[params]
         kinds = {child.tag for child in case}
         skipped = case.find("skipped")

@@ -17,7 +17,7 @@ It does the fused kernel's arithmetic in its order (ATen ``FusedAdamKernel.cpp``
 divided by the float ``grad_scale``; ``exp_avg`` by ``lerp``; ``exp_avg_sq``; the step
 ``p + ((-step_size) * m) / (sqrt(v) / bc2_sqrt + eps)``), rounding as this process's torch build rounds: found
 at load ([Note: the fused kernel's rounding]). Master and moments come out bitwise as the fused kernel's
-(tests/test_split_updates.py, passed on torch 2.13/AVX2 here and torch 2.11/AVX-512 on the GPU machine). Both
+(tests/unit/test_split_updates.py, passed on torch 2.13/AVX2 here and torch 2.11/AVX-512 on the GPU machine). Both
 passes compute the moments the same way, so the master pass's step uses exactly the moments the later pass
 writes. The gradient is left unscaled (the fused kernel writes it scaled;
 nothing reads it after the update).

@@ -1,7 +1,7 @@
 # Ported from DeepSpeedExamples applications/DeepSpeed-Chat/training/step1_supervised_finetuning/main.py at commit
 # 45b4b7156c8794a3452a5a7d03dbd8d797068569 (Apache-2.0, DeepSpeed Team): unchanged. It sits beside dschat/ (here a
 # part of dschat/utils: see each file's first lines), where DeepSpeed-Chat installs dschat as a package. The test
-# (tests/deepspeed_examples/test_examples.py) runs it on a tiny local Llama, its tokenizer and local/jsonfile data
+# (deepspeed_examples/test_examples.py) runs it on a tiny local Llama, its tokenizer and local/jsonfile data
 # (data/train.json, data/eval.json), which it writes; it adds `import zerofit.deepspeed.alias` as the first line.
 #!/usr/bin/env python
 # Copyright (c) Microsoft Corporation.

@@ -2,7 +2,7 @@
 
     python tests/support/resume_run.py save   OUT   # per variant: N steps, save_checkpoint, N more steps; dump
     python tests/support/resume_run.py resume OUT   # per variant: a fresh engine (the variant's load placement),
-                                            # load_checkpoint, the remaining steps; dump
+                                                    # load_checkpoint, the remaining steps; dump
 
 Each step's micro-batches are picked with Python's ``random`` and cropped with numpy, and the
 models have dropout, so the runs agree only if every generator and the data position resume too.

@@ -22,7 +22,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,10 +120,6 @@ def run_all(device: str, modes: tuple[str, ...] = MODES, timeout: float = 120.0)
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root / "src"), str(root),
                                                                      os.environ.get("PYTHONPATH")])))
-    if env.pop("PYTHONDONTWRITEBYTECODE", None):
-        # Without bytecode every child compiles torch's Python anew (~10 s of CPU each): cache it outside the
-        # repository and the environment, in the temp folder, where later runs find it.
-        env.setdefault("PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / "zerofit-test-pycache"))
     procs = {mode: subprocess.Popen([sys.executable, str(Path(__file__).resolve()), mode, "--device", device],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for mode in modes}

@@ -73,6 +73,7 @@ def run(spec: dict) -> None:
     G = spec["G"]
     data = tm.batches(spec["steps_total"], G * world, seed=spec.get("data_seed", 1))[spec.get("first", 0):
                                                                                       spec.get("first", 0) + spec["steps"]]
+    earlier = _state_mappings()
     engine = zerofit.initialize(model, spec["config"])
     assert engine.ranks.world == world and engine.config.world_size == world
     if spec.get("catch"):
@@ -93,9 +94,9 @@ def run(spec: dict) -> None:
     engine.wait()
     state = {"losses": losses, "skipped": engine.skipped_steps,
              "threads": torch.get_num_threads(), "speculation": dict(engine.speculation_stats)}
-    # the host state is in one shared mapping per arena (memfd), not copied per rank
-    with open("/proc/self/maps") as f:
-        state["shared_mappings"] = sum(1 for line in f if "memfd:zerofit-state" in line)
+    # the host state is in one shared mapping per arena (memfd), not copied per rank: this run's mappings (an
+    # earlier run's engine, closed, may sit in a reference cycle with its arena mapped until the collector runs)
+    state["shared_mappings"] = sum(1 for inode in _state_mappings(unique=False) if inode not in earlier)
     state["shards"] = {u.name: (u.lo, u.hi, u.numel) for u in engine.units}
     state["streamed"] = sum(1 for u in engine.blocks if u.home.name == "STREAMED")
     c10d = torch.distributed.distributed_c10d      # the groups the engine used (by name), and how many exist
@@ -120,6 +121,13 @@ def run(spec: dict) -> None:
     time.sleep(spec.get("linger_s", 0))
     if not spec.get("leave_open"):
         engine.close()
+
+
+def _state_mappings(unique: bool = True):
+    """The inodes of this process's mappings of zerofit's shared host state (memfd), one per mapping or a set."""
+    with open("/proc/self/maps") as f:
+        inodes = [line.split()[4] for line in f if "memfd:zerofit-state" in line]
+    return set(inodes) if unique else inodes
 
 
 def train(engine, spec: dict, data: list, rank: int, G: int) -> list[float]:

@@ -10,6 +10,7 @@ PYTHON      ?= python3
 # A guard, not the plan: the demo's 250 steps take about a minute on 2 idle cores;
 # on a busy machine training stops after 90 s so that make demo stays near 3 minutes.
 DEMO_ARGS   ?= --time-budget 90
+PYTEST_ARGS ?= -n 2 --dist loadscope --no-loadscope-reorder
 VENV        ?= .venv
 CONSTRAINTS ?= constraints-cpu.txt
 BIN         := $(VENV)/bin
@@ -20,8 +21,10 @@ STAMP       := $(VENV)/.zerofit-installed
 demo: $(STAMP)
 	$(BIN)/zerofit train $(DEMO_ARGS)
 
+# Two xdist workers, one per core of the CI machine; each test module runs whole on one worker (its module
+# fixtures once), in the order of pyproject.toml's testpaths. make test PYTEST_ARGS= runs in one process.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 doctor: $(STAMP)
 	$(BIN)/zerofit doctor

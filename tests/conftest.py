@@ -1,4 +1,5 @@
-"""What every tier shares: the bytecode cache of this process and of every process a test starts.
+"""What every tier shares: the bytecode cache of this process and of every process a test starts, and one
+torch thread per xdist worker.
 
 The suite starts about a hundred Python processes (ranks, `zerofit train`, DeepSpeed's scripts, ...), each
 importing torch and transformers. Where the environment sets ``PYTHONDONTWRITEBYTECODE`` (container images
@@ -21,3 +22,13 @@ if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
     os.environ.setdefault("PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / "zerofit-test-pycache"))
     sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
     sys.dont_write_bytecode = False
+
+# `make test` runs the suite in two xdist workers, one per core of a CI machine: a worker's torch computes with one
+# thread (tiny matrices gain nothing from a second, and two workers of two threads each oversubscribe two cores),
+# and so do the processes it starts. The comparisons hold with one thread as with two: the bitwise ones compare
+# computations of one process, or of children that run with one thread already (ranks, `zerofit train`, resume).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

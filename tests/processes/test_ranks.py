@@ -280,7 +280,8 @@ def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
     """4 micro-batches per step throughout: 2 steps in one process (G=4), saved; 2 more on 4 ranks (G=1) from
     that checkpoint, saved; 2 more on 2 ranks (G=2), saved and exported; that checkpoint loaded in one process.
     Losses, weights and moments are those of 6 uninterrupted steps of plain PyTorch, and the exported directory
-    loads with from_pretrained."""
+    loads with from_pretrained. (The ranks of each launch are forked from one process that imported torch once:
+    the checkpoints are the subject here; the launches above and below start each rank as its own process.)"""
     import zerofit
     from transformers import AutoModelForCausalLM
 
@@ -295,14 +296,15 @@ def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
     losses = [one.train_batch(b) for b in tm.batches(total, mbs)[:2]]
     one.save_checkpoint(tmp_path / "ck", tag="one")
     one.close()
-    rcs, errs, r4 = launch(4, {"G": 1, "steps": 2, "steps_total": total, "first": 2, "config": {**cfg,
-                           "gradient_accumulation_steps": 1}, "load": str(tmp_path / "ck"),
-                           "save": str(tmp_path / "ck"), "tag": "four"}, tmp_path)
+    rcs, errs, r4 = _launch_forked_once(4, {"G": 1, "steps": 2, "steps_total": total, "first": 2, "config": {**cfg,
+                                        "gradient_accumulation_steps": 1}, "load": str(tmp_path / "ck"),
+                                        "save": str(tmp_path / "ck"), "tag": "four"}, tmp_path / "four")
     _ok(rcs, errs)
     assert (tmp_path / "ck" / "latest").read_text().strip() == "four"
-    rcs, errs, r2 = launch(2, {"G": 2, "steps": 2, "steps_total": total, "first": 4, "config": {**cfg,
-                           "gradient_accumulation_steps": 2}, "load": str(tmp_path / "ck"),
-                           "save": str(tmp_path / "ck"), "tag": "two", "export": str(tmp_path / "hf")}, tmp_path)
+    rcs, errs, r2 = _launch_forked_once(2, {"G": 2, "steps": 2, "steps_total": total, "first": 4, "config": {**cfg,
+                                        "gradient_accumulation_steps": 2}, "load": str(tmp_path / "ck"),
+                                        "save": str(tmp_path / "ck"), "tag": "two", "export": str(tmp_path / "hf")},
+                                        tmp_path / "two")
     _ok(rcs, errs)
     losses += r4["state"]["losses"] + r2["state"]["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5)
@@ -381,6 +383,16 @@ def launch_forked(launches: list[dict], tmp: Path, timeout_each: float = 60.0, t
         errs = [(tmp / f"{k}.{r}").read_text() for r in range(world)]
         out.append((res["codes"], errs, [_collect(Path(r["out"]), world) for r in ln["spec"]["runs"]], res["seconds"]))
     return out
+
+
+def _launch_forked_once(world: int, spec: dict, tmp: Path) -> tuple:
+    """``launch(world, spec, tmp)`` with the ranks forked from one process that imported torch, transformers and
+    zerofit once (``launch_forked``), not started as processes of their own: (exit statuses, stderr texts, rank
+    0's output)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (codes, errs, (result,), _), = launch_forked([{"world": world, "agent_store": False, "spec": {"runs": [spec]}}],
+                                                 tmp, timeout_each=240.0, timeout=300.0)
+    return codes, errs, result
 
 
 def _run_session(cmd: list, env: dict, timeout: float) -> tuple[int, str, str]:

@@ -320,6 +320,19 @@ def test_blocks_beyond_the_host_budget_stream_from_the_disk_and_match(tmp_path):
     assert not swap.exists()                      # removed at close
 
 
+def test_disk_blocks_are_the_blocks_whose_weights_live_on_the_disk(tmp_path):
+    model = tm.llama(layers=6).eval()
+    probe = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
+    blk = max(probe.shape.block_bytes)
+    probe.prepare(3, 15, 9)
+    assert probe.disk_blocks == ()
+    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu",
+                          max_gpu_memory=_streaming_cap(probe, 3, 15, 9, resident=2),
+                          max_host_memory=4 * blk, nvme_path=tmp_path / "nvme")
+    assert eng.disk_blocks == tuple(sorted(eng._disk.regions)) and len(eng.disk_blocks) == 4
+    eng.close()
+
+
 def test_disk_tier_refusals_name_what_to_change(tmp_path):
     model = tm.llama(layers=3).eval()
     with pytest.raises(ValueError, match="give nvme_path"):

@@ -449,6 +449,13 @@ class InferenceEngine:
             kwargs.setdefault("tokenizer", self.tokenizer)
         return self.model.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, **kwargs)
 
+    @property
+    def disk_blocks(self) -> tuple[int, ...]:
+        """The blocks whose weights live on the disk (read through a staging buffer at each use); () without one."""
+        if self._disk is None:
+            return ()
+        return tuple(b for b in range(len(self._host)) if self._host[b] is None)
+
     def stats(self) -> dict:
         """The plan, and the uploads so far: count, bytes, busy seconds of the upload stream (CUDA events),
         cycle restarts."""

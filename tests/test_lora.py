@@ -13,6 +13,7 @@ micro-batch before the next block (block-major), so the masks are drawn in anoth
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,97 @@ def test_hf_trainer_equals_the_plain_trainer(tmp_path, case):
     want = dict(plain.model.named_parameters())
     for n, p in zf.zerofit_engine.module.named_parameters():
         assert torch.equal(p.detach(), want[n].detach()), f"{n} differs from the plain Trainer's"
+
+
+# ---------------------------------------------------------------------------------------------- adapters out
+
+
+def _base(case: str):
+    torch.manual_seed(0)
+    return CASES[case][0]()
+
+
+@pytest.mark.parametrize("case", ["llama-modules_to_save", "gpt2-all-linear"])
+def test_save_pretrained_writes_an_adapter_peft_loads_and_a_merged_model(tmp_path, case):
+    from transformers import AutoModelForCausalLM
+
+    model = _peft(case)
+    engine = zerofit.initialize(model, CFG)
+    data = tm.batches(2, G)
+    for mbs in data:
+        engine.train_batch(mbs)
+    engine.save_pretrained(tmp_path / "adapter")
+    engine.save_pretrained(tmp_path / "merged", merge=True)
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                       "adapter_model.safetensors"]
+    trained = engine.module
+    ids = data[0][0]["input_ids"]
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        peft_merged = copy.deepcopy(trained).merge_and_unload()
+    engine.close()
+    loaded = PeftModel.from_pretrained(_base(case), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, want)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    # the merged weights are PEFT's merge_and_unload's, bitwise
+    ref = dict(peft_merged.named_parameters())
+    for n, p in merged.named_parameters():
+        assert torch.equal(p, ref[n]), n
+    # the logits of W + s*B@A against x@W + s*(x@A)@B: fp32 rounding of the sums only
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_is_only_for_peft_models(tmp_path):
+    engine = zerofit.initialize(_base("qwen2"), CFG)
+    with pytest.raises(ValueError, match="not a PEFT model"):
+        engine.save_pretrained(tmp_path / "m", merge=True)
+    engine.close()
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_holds_the_trainable_state_and_the_base_by_reference(tmp_path):
+    from zerofit.checkpoint import CheckpointMismatchError, export_checkpoint
+    from zerofit.checkpoint.commit import CommitRecord
+
+    data = tm.batches(4, G)
+    engine = zerofit.initialize(_peft("qwen2-all-linear"), CFG)
+    for mbs in data[:2]:
+        engine.train_batch(mbs)
+    folder = Path(engine.save_checkpoint(tmp_path / "ckpt"))
+    engine.save_pretrained(tmp_path / "adapter-at-2")
+    rest = [engine.train_batch(mbs) for mbs in data[2:]]
+    final = engine.master_state_dict()
+    engine.close()
+    record = CommitRecord.read(folder).state
+    assert record["frozen_excluded"] and len(record["lora_base"]["fingerprint"]) == 32
+    trainable = sum(p.numel() for p in _peft("qwen2-all-linear").parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in _base("qwen2").parameters())
+    assert record["parameters"]["numel"] == trainable and record["lora_base"]["frozen_numel"] == frozen
+    import json
+
+    names = json.loads((folder / "weights.safetensors.index.json").read_text())["weight_map"]
+    assert names and all("lora_" in n for n in names)      # no frozen weight of the base
+    # resume: bitwise the same steps
+    e2 = zerofit.initialize(_peft("qwen2-all-linear"), CFG)
+    e2.load_checkpoint(tmp_path / "ckpt")
+    assert [e2.train_batch(mbs) for mbs in data[2:]] == rest
+    for n, v in e2.master_state_dict().items():
+        assert torch.equal(v, final[n]), n
+    e2.close()
+    # another base (same architecture, other weights): refused by name before anything is copied
+    torch.manual_seed(1)
+    other = get_peft_model(tm.qwen2(), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                  target_modules="all-linear"))
+    e3 = zerofit.initialize(other, CFG)
+    with pytest.raises(CheckpointMismatchError, match="trained over another base"):
+        e3.load_checkpoint(tmp_path / "ckpt")
+    e3.close()
+    # zerofit export of the checkpoint: the adapter PEFT loads
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "adapter")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "adapter" / name).read_bytes() == (tmp_path / "adapter-at-2" / name).read_bytes()
+    assert PeftModel.from_pretrained(_base("qwen2"), tmp_path / "adapter") is not None

@@ -45,8 +45,11 @@ def adapter_files(engine) -> dict[str, bytes]:
         tensors = get_peft_model_state_dict(model, state_dict=_trained_state(engine), adapter_name=name)
         with tempfile.TemporaryDirectory() as tmp:
             model.peft_config[name].save_pretrained(tmp)
-            config = (Path(tmp) / ADAPTER_CONFIG).read_bytes()
-        out[ADAPTER_CONFIG] = config
+            config = json.loads((Path(tmp) / ADAPTER_CONFIG).read_text())
+        for key in ("target_modules", "modules_to_save", "exclude_modules"):   # sets, in hash order: sorted
+            if isinstance(config.get(key), list):
+                config[key] = sorted(config[key])
+        out[ADAPTER_CONFIG] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
         out[ADAPTER_WEIGHTS] = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
         break        # one adapter: the one PEFT trains (a model with several trains its active one)
     return out

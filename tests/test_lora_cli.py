@@ -127,3 +127,58 @@ def test_export_merge_writes_a_hugging_face_model_with_the_trained_logits(worksp
     ids = torch.arange(3, 40).unsqueeze(0)
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_with_the_base_and_the_adapter_equals_peft_s_generate(workspace, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    root, model, other, _, run, _ = workspace
+    prompt = "The quick brown fox"
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(app, ["generate", "--model", str(model), "--adapter", str(run / "adapter"), "--prompt",
+                                 prompt, "--max-new-tokens", "8", "--greedy", "--device", "cpu", "--dtype", "fp32",
+                                 "--output", str(out)])
+    assert r.exit_code == 0, r.output
+    got = json.loads(out.read_text())["text"]
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    ref = PeftModel.from_pretrained(_base(model), run / "adapter").eval()
+    want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert got == tok.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+    # an adapter for another base: refused from the files' headers, in one line
+    gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2", torch.bfloat16)
+    r = CliRunner().invoke(app, ["generate", "--model", str(gpt2), "--adapter", str(run / "adapter"), "--prompt",
+                                 "x", "--device", "cpu"])
+    assert r.exit_code == 2 and "trained over another base" in r.output, r.output
+
+
+def test_generate_bitwise_logits_and_tokens_through_the_inference_engine(workspace):
+    """The inference engine over BASE + ADAPTER: PEFT's generate on plain PyTorch, tokens and logits bitwise."""
+    from peft import PeftModel
+
+    from zerofit.infer.engine import InferenceEngine
+
+    root, model, _, _, run, _ = workspace
+    ids = torch.arange(5, 17).view(2, 6)
+    ref = PeftModel.from_pretrained(_base(model), run / "adapter").eval()
+    eng = InferenceEngine.from_pretrained(model, adapter=run / "adapter", device="cpu", dtype="fp32")
+    mask = torch.ones_like(ids)
+    assert torch.equal(eng.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+                       ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+    with torch.no_grad():
+        assert torch.equal(eng(input_ids=ids).logits, ref(input_ids=ids).logits)
+    eng.close()
+
+
+def test_merge_into_a_quantized_base_is_refused_before_it_is_read(workspace, tmp_path):
+    root, model, _, _, run, _ = workspace
+    quantized = tmp_path / "quantized"
+    shutil.copytree(model, quantized)
+    cfg = json.loads((quantized / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (quantized / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, ["export", str(run / "checkpoints"), str(tmp_path / "m"), "--merge", "--base",
+                                 str(quantized)])
+    assert r.exit_code == 2 and "a quantized model (bitsandbytes)" in r.output and "--base DIR" in r.output, r.output
+    assert not (tmp_path / "m").exists()

@@ -489,14 +489,14 @@ def _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed,
 
 
 def _inference_engine(console: Console, model: Path, max_gpu_memory, dtype, device, max_host_memory=None,
-                      nvme=None):
+                      nvme=None, adapter=None):
     from zerofit.engine.disk import DiskTierError
     from zerofit.infer.engine import InferenceEngine
     from zerofit.models import WeightFileError
 
     try:
-        return InferenceEngine.from_pretrained(model, max_gpu_memory=max_gpu_memory, dtype=dtype, device=device,
-                                               max_host_memory=max_host_memory, nvme_path=nvme)
+        return InferenceEngine.from_pretrained(model, adapter=adapter, max_gpu_memory=max_gpu_memory, dtype=dtype,
+                                               device=device, max_host_memory=max_host_memory, nvme_path=nvme)
     except (WeightFileError, ValueError, OSError, DiskTierError) as e:
         _fail(console, f"cannot load {model}: {e}")
 
@@ -534,6 +534,8 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Random seed (sampling is reproducible with it).")] = None,
     output: Annotated[Path | None, typer.Option(help="Write one JSON line per prompt (prompt, text, tokens, "
                                                      "finish) to this file.")] = None,
+    adapter: Annotated[Path | None, typer.Option(
+        help="A PEFT adapter folder (zerofit train --lora's OUTPUT/adapter) over --model, the base directory.")] = None,
 ) -> None:
     """Generate text with a model or checkpoint larger than the GPU: as many blocks as fit stay resident, the
     others stream from pinned host memory. One prompt streams its tokens to the terminal."""
@@ -547,7 +549,7 @@ def generate(
         items = list(prompt) if prompt else read_prompts(prompts)
     except (OSError, ValueError) as e:
         _fail(err, f"--prompts: {e}")
-    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme)
+    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme, adapter)
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed, greedy)
     one = len(items) == 1
     stream = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if one and output is None else None

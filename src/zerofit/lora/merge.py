@@ -57,6 +57,13 @@ def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.d
     from zerofit.lora.files import refuse_quantized
 
     check_adapter_fits(base_dir, adapter_dir)
+    from zerofit.models import ModelDir
+
+    quant = getattr(ModelDir.open(base_dir).config, "quantization_config", None)
+    if quant:                     # from config.json, before the base is read
+        raise LoraError(f"--merge into {base_dir}, a quantized model ({dict(quant).get('quant_method', 'quantized')}): "
+                        "merging into quantized weights breaks models (the delta is rounded away); merge into the "
+                        "16-bit base it was quantized from (--base DIR), then quantize the merged model")
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     refuse_quantized(base)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()

@@ -253,3 +253,19 @@ def test_checkpoint_holds_the_trainable_state_and_the_base_by_reference(tmp_path
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (tmp_path / "adapter" / name).read_bytes() == (tmp_path / "adapter-at-2" / name).read_bytes()
     assert PeftModel.from_pretrained(_base("qwen2"), tmp_path / "adapter") is not None
+
+
+def test_an_adapter_for_a_base_of_another_size_is_refused_from_the_headers(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerofit.lora import LoraError
+    from zerofit.lora.merge import check_adapter_fits
+
+    _peft("llama-rslora-all-linear").save_pretrained(tmp_path / "adapter")
+    _base("llama-rslora-all-linear").save_pretrained(tmp_path / "same")
+    check_adapter_fits(tmp_path / "same", tmp_path / "adapter")
+    LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=tm.VOCAB, tie_word_embeddings=False)
+                     ).save_pretrained(tmp_path / "wider")
+    with pytest.raises(LoraError, match=r"takes \d+ -> \d+: the adapter was trained over another base \(shape"):
+        check_adapter_fits(tmp_path / "wider", tmp_path / "adapter")

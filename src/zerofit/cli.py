@@ -246,7 +246,7 @@ def train(
     if qlora:
         _fail(console, "--qlora: not yet: issue 29 item 3 (QLoRA over an NF4 base); --lora trains over the 16-bit "
                        "or fp32 base")
-    from zerofit.lora.model import LoraOptions
+    from zerofit.lora.options import LoraOptions
     from zerofit.checkpoint.lock import FolderInUseError
     from zerofit.train.options import TrainOptions
     from zerofit.train.resume import hold_run_folder

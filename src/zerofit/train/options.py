@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerofit.lora.model import LoraOptions
+from zerofit.lora.options import LoraOptions
 
 
 @dataclass

@@ -594,6 +594,8 @@ def chat(
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature (default: greedy).")] = None,
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling threshold.")] = None,
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    adapter: Annotated[Path | None, typer.Option(
+        help="A PEFT adapter folder (zerofit train --lora's OUTPUT/adapter) over --model, the base directory.")] = None,
 ) -> None:
     """Chat with a model or checkpoint in the terminal (its chat template; the conversation is kept).
     /help lists the commands; /reset starts over; /quit, /exit or Ctrl-D (end of input) ends it."""
@@ -604,7 +606,7 @@ def chat(
     err = Console(stderr=True)
     err.print(Text(f"loading {model} ...", style="dim"), soft_wrap=True)
     t0 = time.perf_counter()
-    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme)
+    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme, adapter)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         engine.close()
         _fail(err, f"{model}: its tokenizer has no chat template: use zerofit generate with plain prompts")

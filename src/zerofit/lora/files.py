@@ -68,7 +68,7 @@ def merged_entries(model: nn.Module, dtype: torch.dtype):
     from peft.tuners.lora import LoraLayer
 
     from zerofit.checkpoint.format import Entry
-    from zerofit.lora.model import base_name
+    from zerofit.lora.model import base_name, is_adapter_param
 
     refuse_quantized(model)
     layer_of = {}
@@ -88,7 +88,7 @@ def merged_entries(model: nn.Module, dtype: torch.dtype):
 
     out = []
     for n, p in model.named_parameters():       # tied parameters once, under their first name
-        if _is_adapter(n) or ".original_module." in n:
+        if is_adapter_param(n) or ".original_module." in n:
             continue
         layer = layer_of.get(id(p))
         fetch = (lambda p=p, layer=layer: merged(p, layer)) if layer is not None else (lambda p=p: p.detach())
@@ -96,13 +96,8 @@ def merged_entries(model: nn.Module, dtype: torch.dtype):
     return out
 
 
-def _is_adapter(name: str) -> bool:
-    from zerofit.lora.model import _PEFT_OWN
-
-    return _PEFT_OWN.search(name) is not None
-
-
 def refuse_quantized(model: nn.Module) -> None:
+    """A merge into a quantized base is refused (:class:`LoraError`), before anything is written."""
     cfg = getattr(model, "config", None)
     quant = getattr(cfg, "quantization_config", None)
     if quant or any(getattr(p, "quant_state", None) is not None or type(p).__name__ in ("Params4bit", "NF4Tensor")
@@ -110,10 +105,3 @@ def refuse_quantized(model: nn.Module) -> None:
         raise LoraError("--merge into a quantized base: merging into 4-bit weights breaks models (the delta is "
                         "rounded away); save the adapter (without --merge), then merge it into the 16-bit base")
 
-
-def base_model(model: nn.Module) -> nn.Module:
-    return model.get_base_model()
-
-
-def adapter_config(folder: Path) -> dict:
-    return json.loads((Path(folder) / ADAPTER_CONFIG).read_text())

@@ -22,6 +22,11 @@ from zerofit.lora.options import LoraOptions  # noqa: F401 - re-exported
 _PEFT_OWN = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
 
 
+def is_adapter_param(name: str) -> bool:
+    """Whether a PEFT model's parameter is one PEFT added (an adapter's), not one of the base."""
+    return _PEFT_OWN.search(name) is not None
+
+
 def base_name(name: str) -> str:
     """The base model's name of a PEFT model's parameter (its name in the model directory's files)."""
     name = name.removeprefix("base_model.model.")

@@ -160,8 +160,8 @@ def run_zerofit(args, w) -> dict:
         r = timed(gen, ids, mask, args.new_tokens)
         r.update(plan=eng.summary(), resident=len(eng.plan.resident), streamed=len(eng.plan.streamed),
                  streamed_gb_per_token=round(eng.plan.streamed_bytes / 1e9, 3), stats=eng.stats())
-        if eng._disk is not None and res.get("disk_read_gb_per_s"):
-            disk = sum(eng.shape.block_bytes[x] for x in eng.plan.streamed if eng._host[x] is None)
+        if eng.disk_blocks and res.get("disk_read_gb_per_s"):
+            disk = sum(eng.shape.block_bytes[x] for x in eng.plan.streamed if x in eng.disk_blocks)
             r["disk_gb_per_token"] = round(disk / 1e9, 3)
             r["disk_bound_tokens_per_s"] = round(res["disk_read_gb_per_s"] * 1e9 / disk * b, 3) if disk else None
         if r["decode_tokens_per_s"] and eng.plan.streamed_bytes and res["pinned_h2d_gb_per_s"]:

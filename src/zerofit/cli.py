@@ -212,6 +212,15 @@ def train(
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
     deterministic: Annotated[bool, typer.Option(
         "--deterministic", help="Deterministic GPU kernels: runs and resumes repeat bitwise (slower).")] = False,
+    lora: Annotated[bool, typer.Option(
+        "--lora", help="Train LoRA adapters (PEFT) over the frozen model; the run exports OUTPUT/adapter "
+                       "(docs/lora.md).")] = False,
+    lora_r: Annotated[int, typer.Option(min=1, help="LoRA rank (LoraConfig.r).")] = 16,
+    lora_alpha: Annotated[float, typer.Option(help="LoRA alpha (LoraConfig.lora_alpha).")] = 32.0,
+    lora_targets: Annotated[str, typer.Option(
+        help="Modules to adapt: all-linear, or names, comma-separated (q_proj,v_proj).")] = "all-linear",
+    lora_dropout: Annotated[float, typer.Option(min=0.0, max=1.0, help="LoRA dropout.")] = 0.0,
+    qlora: Annotated[bool, typer.Option("--qlora", help="LoRA over a 4-bit NF4 base: not yet.")] = False,
     time_budget: Annotated[float | None, typer.Option(
         min=0, help="Demo only: no new step starts after this many seconds of training.")] = None,
     sample_tokens: Annotated[int, typer.Option(
@@ -227,11 +236,17 @@ def train(
     if model is None:
         if paths:
             _fail(console, "--data needs --model (the model directory whose tokenizer reads it)")
+        if lora or qlora:
+            _fail(console, "--lora needs --model DIR: the model whose adapters to train (the demo trains everything)")
         _train_demo(console, config, steps, micro_batch_size, grad_accum, seq_len, lr, precision, max_gpu_memory,
                     device, seed, time_budget, sample_tokens)
         return
     if not paths:
         _fail(console, "--model needs --data PATH [PATH...]: the files or folders to train on")
+    if qlora:
+        _fail(console, "--qlora: not yet: issue 29 item 3 (QLoRA over an NF4 base); --lora trains over the 16-bit "
+                       "or fp32 base")
+    from zerofit.lora.options import LoraOptions
     from zerofit.checkpoint.lock import FolderInUseError
     from zerofit.train.options import TrainOptions
     from zerofit.train.resume import hold_run_folder
@@ -245,7 +260,8 @@ def train(
         eval_size=int(eval_size) if eval_size >= 1 else eval_size, eval_every=eval_every, eval_windows=eval_windows,
         save_every=save_every, keep=keep, save_at_end=save_at_end, resume=resume,
         save_on_interrupt=save_on_interrupt, export=export, export_dtype=export_dtype.value if export_dtype else None,
-        progress=progress, deterministic=deterministic)
+        progress=progress, deterministic=deterministic,
+        lora=LoraOptions(r=lora_r, alpha=lora_alpha, targets=lora_targets, dropout=lora_dropout) if lora else None)
     status = 0
     with exit_on_signal():     # until the run's own handling: a signal ends the command with 130 / 143
         # [Note: one writer per folder]: the run folder is held before torch loads, so a second run is refused
@@ -337,7 +353,10 @@ def _render_train_summary(result, console: Console) -> None:
     t.add_row("host memory peak", f"{fmt_bytes(result.memory.get('host_peak_bytes', 0))} (process RSS)")
     if result.checkpoints:
         t.add_row("checkpoint", str(result.checkpoints[-1]))
-    if result.export_dir:
+    if result.export_dir and result.export_dir.name == "adapter":
+        t.add_row("adapter", f"{result.export_dir} (PeftModel.from_pretrained(base, it); zerofit generate --model "
+                             "BASE --adapter it)")
+    elif result.export_dir:
         t.add_row("model", f"{result.export_dir} (AutoModelForCausalLM.from_pretrained works on it)")
     console.print(t)
 
@@ -422,14 +441,22 @@ def export(
     dtype: Annotated[str | None, typer.Option(
         help="Weights dtype: bf16, fp16 or fp32 (default: the trained model's own dtype).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB or 2GiB.")] = "5GB",
+    merge: Annotated[bool, typer.Option("--merge", help="A LoRA run's checkpoint: merge the adapter into its base "
+                                                        "and write a Hugging Face model (default: the adapter).")] = False,
+    base: Annotated[Path | None, typer.Option(help="With --merge: the base model directory (default: the one the "
+                                                   "checkpoint was trained over).")] = None,
 ) -> None:
-    """Write a checkpoint's weights as a Hugging Face model (config.json, sharded safetensors, tokenizer)."""
+    """Write a checkpoint's weights as a Hugging Face model (config.json, sharded safetensors, tokenizer); a LoRA
+    run's checkpoint as PEFT's adapter folder, or merged (--merge)."""
     from zerofit.checkpoint import CheckpointError, export_checkpoint
 
     try:
-        out = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size)
+        out = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size, merge=merge, base=base)
     except (CheckpointError, ValueError) as e:
         _fail(Console(stderr=True), f"export failed: {e}")
+    if (out / "adapter_config.json").is_file():
+        typer.echo(f"exported {checkpoint} -> {out} (a PEFT adapter: PeftModel.from_pretrained(base, {out}))")
+        return
     written = json.loads((out / "config.json").read_text())["dtype"]
     how = "as asked" if dtype else "the model's own dtype; --dtype to change it"
     typer.echo(f"exported {checkpoint} -> {out} ({written}: {how})")
@@ -462,14 +489,14 @@ def _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed,
 
 
 def _inference_engine(console: Console, model: Path, max_gpu_memory, dtype, device, max_host_memory=None,
-                      nvme=None):
+                      nvme=None, adapter=None):
     from zerofit.engine.disk import DiskTierError
     from zerofit.infer.engine import InferenceEngine
     from zerofit.models import WeightFileError
 
     try:
-        return InferenceEngine.from_pretrained(model, max_gpu_memory=max_gpu_memory, dtype=dtype, device=device,
-                                               max_host_memory=max_host_memory, nvme_path=nvme)
+        return InferenceEngine.from_pretrained(model, adapter=adapter, max_gpu_memory=max_gpu_memory, dtype=dtype,
+                                               device=device, max_host_memory=max_host_memory, nvme_path=nvme)
     except (WeightFileError, ValueError, OSError, DiskTierError) as e:
         _fail(console, f"cannot load {model}: {e}")
 
@@ -507,6 +534,8 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Random seed (sampling is reproducible with it).")] = None,
     output: Annotated[Path | None, typer.Option(help="Write one JSON line per prompt (prompt, text, tokens, "
                                                      "finish) to this file.")] = None,
+    adapter: Annotated[Path | None, typer.Option(
+        help="A PEFT adapter folder (zerofit train --lora's OUTPUT/adapter) over --model, the base directory.")] = None,
 ) -> None:
     """Generate text with a model or checkpoint larger than the GPU: as many blocks as fit stay resident, the
     others stream from pinned host memory. One prompt streams its tokens to the terminal."""
@@ -520,7 +549,7 @@ def generate(
         items = list(prompt) if prompt else read_prompts(prompts)
     except (OSError, ValueError) as e:
         _fail(err, f"--prompts: {e}")
-    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme)
+    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme, adapter)
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed, greedy)
     one = len(items) == 1
     stream = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if one and output is None else None
@@ -565,6 +594,8 @@ def chat(
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature (default: greedy).")] = None,
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling threshold.")] = None,
     seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    adapter: Annotated[Path | None, typer.Option(
+        help="A PEFT adapter folder (zerofit train --lora's OUTPUT/adapter) over --model, the base directory.")] = None,
 ) -> None:
     """Chat with a model or checkpoint in the terminal (its chat template; the conversation is kept).
     /help lists the commands; /reset starts over; /quit, /exit or Ctrl-D (end of input) ends it."""
@@ -575,7 +606,7 @@ def chat(
     err = Console(stderr=True)
     err.print(Text(f"loading {model} ...", style="dim"), soft_wrap=True)
     t0 = time.perf_counter()
-    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme)
+    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme, adapter)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         engine.close()
         _fail(err, f"{model}: its tokenizer has no chat template: use zerofit generate with plain prompts")

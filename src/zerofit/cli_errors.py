@@ -55,7 +55,9 @@ def describe(err: BaseException, *, output: Path | None = None, resume: bool = F
     name = type(err).__name__
     if isinstance(err, PlanError):
         return EXIT_BAD_INPUT, f"{name}: {_plan_line(str(err))}"
-    if isinstance(err, (ConfigError, DataError, WeightFileError)):
+    from zerofit.lora import LoraError
+
+    if isinstance(err, (ConfigError, DataError, WeightFileError, LoraError)):
         return EXIT_BAD_INPUT, f"{name}: {one_line(err)}"
     if isinstance(err, CheckpointDiskFullError):
         return EXIT_FAILED, f"{name}: {one_line(err)}{_after_full_disk(output)}"

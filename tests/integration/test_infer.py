@@ -54,6 +54,14 @@ def _streaming_cap(eng: InferenceEngine, batch: int, context: int, prefill: int,
             + (eng.slots_wanted + resident) * blk + blk // 2)
 
 
+def _on_gpu(cap: int) -> int:
+    """``cap`` on the GPU: plus the reserve the plan keeps and what the device holds outside this process's caching
+    allocator now (the CUDA context, other tests' libraries), which the engine's budget subtracts from its cap
+    (InferenceEngine._device_budget)."""
+    free, total = torch.cuda.mem_get_info()
+    return cap + (384 << 20) + (total - free - torch.cuda.memory_reserved())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_streamed_generate_is_transformers_generate(family, dtype):
@@ -268,7 +276,7 @@ def test_gpu_streamed_generate_is_transformers_generate(family):
     ref = _reference(model, torch.bfloat16).cuda()
     want = ref.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, **STATIC)
     eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cuda")
-    eng.cap = _streaming_cap(eng, 3, 25, 9, resident=1) + (384 << 20)
+    eng.cap = _on_gpu(_streaming_cap(eng, 3, 25, 9, resident=1))
     got = eng.generate(ids, mask, max_new_tokens=16, **GREEDY)
     assert eng.plan.streamed and eng.plan.resident
     assert torch.equal(got.sequences, want.sequences)
@@ -312,6 +320,19 @@ def test_blocks_beyond_the_host_budget_stream_from_the_disk_and_match(tmp_path):
     assert not swap.exists()                      # removed at close
 
 
+def test_disk_blocks_are_the_blocks_whose_weights_live_on_the_disk(tmp_path):
+    model = tm.llama(layers=6).eval()
+    probe = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
+    blk = max(probe.shape.block_bytes)
+    probe.prepare(3, 15, 9)
+    assert probe.disk_blocks == ()
+    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu",
+                          max_gpu_memory=_streaming_cap(probe, 3, 15, 9, resident=2),
+                          max_host_memory=4 * blk, nvme_path=tmp_path / "nvme")
+    assert eng.disk_blocks == tuple(sorted(eng._disk.regions)) and len(eng.disk_blocks) == 4
+    eng.close()
+
+
 def test_disk_tier_refusals_name_what_to_change(tmp_path):
     model = tm.llama(layers=3).eval()
     with pytest.raises(ValueError, match="give nvme_path"):
@@ -329,7 +350,7 @@ def test_gpu_disk_blocks_stream_through_pinned_staging_and_match(tmp_path):
                                                              max_new_tokens=12, **STATIC)
     probe = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
     blk = max(probe.shape.block_bytes)
-    cap = _streaming_cap(probe, 3, 21, 9, resident=1) + (384 << 20)
+    cap = _on_gpu(_streaming_cap(probe, 3, 21, 9, resident=1))
     eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cuda", max_gpu_memory=cap,
                           max_host_memory=4 * blk, nvme_path=tmp_path)
     got = eng.generate(ids, mask, max_new_tokens=12, **GREEDY)

@@ -49,28 +49,52 @@ def export_dtype(dtype: str | torch.dtype, what: str = "export dtype") -> torch.
 
 
 def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype | None = None,
-                    max_shard_size: int | str = "5GB", workers: int = 4) -> Path:
+                    max_shard_size: int | str = "5GB", workers: int = 4, merge: bool = False) -> Path:
     """The engine's current weights as a Hugging Face model directory (see the module docstring); ``dtype``
-    None: the model's own (``engine.model_dtype``)."""
+    None: the model's own (``engine.model_dtype``). A PEFT model: its adapter folder (zerofit/lora/files.py),
+    or with ``merge`` the base with the adapters merged in, as a Hugging Face model directory (the module's
+    host weights must be current: ``Engine.save_pretrained`` reads ``engine.module`` first)."""
     from zerofit.checkpoint.state import weight_entries
+    from zerofit.lora import is_peft
 
     dt = engine.model_dtype if dtype is None else export_dtype(dtype)
+    model = engine.adapter.model
+    peft = is_peft(model)
+    if merge and not peft:
+        raise ValueError("save_pretrained(merge=True) merges LoRA adapters: this model is not a PEFT model")
+    if peft and merge:
+        from zerofit.lora.files import refuse_quantized
+        refuse_quantized(model)           # before anything is written
     engine.wait()
     engine.dev.synchronize()
-    side = model_side_files(engine.adapter.model, engine.source_dir, dt)
+    if peft and not merge:
+        from zerofit.lora.files import save_adapter
+        return save_adapter(engine, out_dir)
+    if peft:
+        from zerofit.lora.files import merged_entries
+        side = model_side_files(model.get_base_model(), engine.source_dir, dt)
+        return write_model_dir(Path(out_dir), merged_entries(model, dt), side, parse_bytes(max_shard_size), workers)
+    side = model_side_files(model, engine.source_dir, dt)
     return write_model_dir(Path(out_dir), weight_entries(engine, dt), side, parse_bytes(max_shard_size), workers)
 
 
 def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | torch.dtype | None = None,
-                      max_shard_size: int | str = "5GB", workers: int = 4) -> Path:
+                      max_shard_size: int | str = "5GB", workers: int = 4, merge: bool = False,
+                      base: Path | str | None = None) -> Path:
     """Export a checkpoint's weights as a Hugging Face model directory. ``checkpoint`` is a tag folder or a
     save folder (its ``latest`` is used). Only the weight shards are read (and verified), never the moments.
-    ``dtype`` None: the model's own (:func:`checkpoint_dtype`)."""
+    ``dtype`` None: the model's own (:func:`checkpoint_dtype`). A checkpoint of a PEFT run: its adapter folder
+    (the files it carries), or with ``merge`` the adapter merged into its base (``base``, default the folder
+    the checkpoint names; read whole into host memory by transformers, merged by PEFT's merge_and_unload)."""
     dt = None if dtype is None else export_dtype(dtype)
     opened = open_checkpoint(checkpoint, None)
     if opened is None:
         raise CheckpointNotFoundError(f"{checkpoint}: neither a checkpoint folder nor a folder with a 'latest' file")
     folder, record = opened
+    if record.state.get("lora_base") is not None:
+        return _export_adapter(folder, record, Path(out_dir), dt, merge, base, max_shard_size, workers)
+    if merge:
+        raise ValueError(f"{folder}: --merge merges LoRA adapters; this checkpoint is of a whole model (no adapter)")
     dt = dt or checkpoint_dtype(record.state)
     model_files = list(record.state.get("model_files", []))
     if CONFIG not in model_files:
@@ -110,3 +134,26 @@ def write_model_dir(out: Path, entries: list[Entry], side: list[SideFile], max_s
     for f in small:
         write_file(out / f.name, f.data)
     return out
+
+
+def _export_adapter(folder: Path, record, out: Path, dtype, merge: bool, base, max_shard_size, workers: int) -> Path:
+    from zerofit.lora.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    names = [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    verify(folder, record, names, workers)
+    if not merge:
+        out.mkdir(parents=True, exist_ok=True)
+        for n in names:
+            write_file(out / n, (folder / n).read_bytes())
+        return out
+    import tempfile
+
+    from zerofit.lora.merge import merge_into_base
+
+    base = base or record.state["lora_base"].get("path")
+    if base is None:
+        raise ValueError(f"{folder}: the checkpoint's base was not loaded from a folder: give it (--base DIR)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in names:
+            (Path(tmp) / n).write_bytes((folder / n).read_bytes())
+        return merge_into_base(Path(base), Path(tmp), out, dtype, max_shard_size)

@@ -28,6 +28,7 @@ from zerofit.checkpoint.format import Entry
 from zerofit.checkpoint.load import copy_into, locate, match, open_checkpoint, shard_files
 from zerofit.checkpoint.commit import verify
 from zerofit.checkpoint.model_files import dtype_name, model_side_files
+from zerofit.lora import is_peft
 from zerofit.checkpoint.save import (DEFAULT_SHARD_BYTES, OPTIMIZER_INDEX, WEIGHTS_INDEX, Content, SideFile,
                                      write_checkpoint)
 from zerofit.optim.client_schedule import LR_SCHEDULER
@@ -117,12 +118,20 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     buf = io.BytesIO()
     torch.save(client_state if client_state is not None else {}, buf)
     model = engine.adapter.model
-    hf = model_side_files(model, engine.source_dir, torch.float32)
+    # [Note: the base's fingerprint] (zerofit/lora/base.py): a PEFT run's checkpoint holds its trainable state,
+    # its adapter folder's files (for zerofit export) and a reference to the base, never the frozen base
+    peft = is_peft(model)
+    exclude_frozen = exclude_frozen or peft
+    hf = model_side_files(model.get_base_model() if peft else model, engine.source_dir, torch.float32)
     side = [SideFile(CLIENT_STATE, buf.getvalue()),
             SideFile(ZEROFIT_CONFIG, json.dumps(engine.config.model_dump(mode="json"), indent=2).encode())] + hf
     schedule = engine.hypers.client     # [Note: a client scheduler drives the engine's lr]
     if schedule is not None:
         side.append(SideFile(LR_SCHEDULER, schedule.state_bytes(engine.hypers)))
+    if peft:
+        from zerofit.lora.files import adapter_files
+
+        side += [SideFile(n, data) for n, data in adapter_files(engine).items()]
     weights = weight_entries(engine, frozen=not exclude_frozen)
     state = {
         "frozen_excluded": bool(exclude_frozen and engine.frozen),
@@ -143,6 +152,10 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
         "param_groups": groups_record(engine),
         "window": window,
     }
+    if peft:
+        from zerofit.lora import base
+
+        state["lora_base"] = base.record(engine)
     from zerofit import __version__
     state["zerofit_version"] = __version__
     content = Content(tag, weights, optimizer_entries(engine), side, state)
@@ -173,6 +186,10 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
         return None, None
     folder, record = opened
     st = record.state
+    if st.get("lora_base") is not None:     # [Note: the base's fingerprint] (zerofit/lora/base.py)
+        from zerofit.lora import base
+
+        base.check(engine, st["lora_base"], folder)
     indexes = [WEIGHTS_INDEX] + ([OPTIMIZER_INDEX] if load_optimizer_states else [])
     if load_optimizer_states and record.file(OPTIMIZER_INDEX) is None:
         raise MissingFileError(folder / OPTIMIZER_INDEX, "this checkpoint has no optimizer state; load it with "

@@ -583,13 +583,17 @@ class Engine(DeepSpeedSurface):
         self.stepper.mirror_stale = False       # follow_masters copied the device masters into the mirrors
         self.copies16.weights_changed()         # 16-bit host copies of the old weights go stale
 
-    def save_pretrained(self, out_dir, dtype=None, max_shard_size="5GB") -> str:
+    def save_pretrained(self, out_dir, dtype=None, max_shard_size="5GB", merge=False) -> str:
         """The current weights as a Hugging Face model directory, streamed tensor by tensor; in ``dtype``
-        (bf16, fp16, fp32), by default the model's own (``self.model_dtype``)."""
+        (bf16, fp16, fp32), by default the model's own (``self.model_dtype``). A PEFT model: its adapter
+        folder (adapter_config.json, adapter_model.safetensors), or with ``merge`` the adapters merged into the
+        base, a Hugging Face model directory (docs/lora.md)."""
         from zerofit.checkpoint.export import save_pretrained
 
+        if merge:
+            self.module      # the module's host weights current: the merge reads the PEFT layers' own
         return str(self.sharding.on_rank0(self.units, self.wait,
-                                          lambda: save_pretrained(self, out_dir, dtype, max_shard_size)))
+                                          lambda: save_pretrained(self, out_dir, dtype, max_shard_size, merge=merge)))
 
 
 def _loss_scaler(config: ZerofitConfig):

@@ -17,7 +17,7 @@ train. The groups are resolved to canonical names (ParamTable) here, while the m
 exist: materialization then replaces them with views of the units' buffers.
 
 Each unit places its parameters group by group ([Note: segments per unit], store.py) and runs AdamW per
-segment with its group's hyperparameters (optimizer.unit_adamw). The learning-rate schedule scales every
+segment with its group's hyperparameters (update/unit_adamw.py). The learning-rate schedule scales every
 group's lr by the same factor, ``lr_at(step) / optimizer.lr``, as ``torch.optim.lr_scheduler.LambdaLR`` does
 with ``make_lambda`` (Hypers.for_step, hypers.py).
 """

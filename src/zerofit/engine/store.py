@@ -77,7 +77,7 @@ class FlatLayout:
     [Note: segments per unit]
     With parameter groups (groups.py) a unit's parameters are placed group by group: each group's
     parameters are contiguous, in model order within the group, so AdamW runs once per ``segments``
-    entry with that group's hyperparameters (optimizer.unit_adamw). ``names`` stay in model order, so
+    entry with that group's hyperparameters (update/unit_adamw.py). ``names`` stay in model order, so
     everything that goes by name (gradient accumulation, checkpoints, export) does not see the
     reordering; only ``offsets`` do. Without groups there is one segment and the layout is the model's
     order, as it always was."""

@@ -148,12 +148,19 @@ class InferenceEngine:
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kw) -> "InferenceEngine":
+    def from_pretrained(cls, path: str | os.PathLike, adapter: str | os.PathLike | None = None,
+                        **kw) -> "InferenceEngine":
         """A Hugging Face model directory, or a zerofit checkpoint (a tag folder, or a save folder whose
-        ``latest`` is used): the model is built on the meta device and each tensor read once into place."""
+        ``latest`` is used): the model is built on the meta device and each tensor read once into place.
+        ``adapter``: a PEFT adapter folder over the model directory ``path`` (zerofit/lora/infer.py)."""
         from zerofit.infer.sources import open_source
 
-        src = open_source(path)
+        if adapter is not None:
+            from zerofit.lora.infer import AdapterSource
+
+            src = AdapterSource(path, adapter)
+        else:
+            src = open_source(path)
         kw.setdefault("tokenizer", src.tokenizer())
         kw.setdefault("dtype", src.dtype())
         try:
@@ -448,6 +455,13 @@ class InferenceEngine:
         if self.tokenizer is not None and kwargs.get("stop_strings"):
             kwargs.setdefault("tokenizer", self.tokenizer)
         return self.model.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+    @property
+    def disk_blocks(self) -> tuple[int, ...]:
+        """The blocks whose weights live on the disk (read through a staging buffer at each use); () without one."""
+        if self._disk is None:
+            return ()
+        return tuple(b for b in range(len(self._host)) if self._host[b] is None)
 
     def stats(self) -> dict:
         """The plan, and the uploads so far: count, bytes, busy seconds of the upload stream (CUDA events),

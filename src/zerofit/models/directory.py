@@ -198,7 +198,13 @@ def _weight_table(p: Path) -> dict[str, TensorInfo]:
 
 def load_tensor(md: ModelDir, names: list[str], dst: torch.Tensor, fds: dict | None = None) -> None:
     """Read the parameter known as ``names`` into ``dst`` (any dtype/device), checking its shape.
-    ``fds``: open file descriptors by path, reused across calls (the caller closes them)."""
+    ``fds``: open file descriptors by path, reused across calls (the caller closes them). A source that
+    holds some values itself (``own_value``: a PEFT model's adapters, zerofit.lora.model) gives those."""
+    own = getattr(md, "own_value", None)
+    value = own(names) if own is not None else None
+    if value is not None:
+        dst.copy_(value)
+        return
     info = md.tensor(names)
     if tuple(info.shape) != tuple(dst.shape):
         raise ModelDirError(f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the model built "

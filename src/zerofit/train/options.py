@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zerofit.lora.options import LoraOptions
+
 
 @dataclass
 class TrainOptions:
@@ -43,3 +45,4 @@ class TrainOptions:
     tensorboard: bool = True                     # TensorBoard event files in output/tensorboard
     progress: bool = True                        # the progress bar (off in logs and tests)
     deterministic: bool = False                  # deterministic kernels: runs and resumes repeat bitwise on a GPU
+    lora: LoraOptions | None = None              # train LoRA adapters (PEFT) over the frozen model; docs/lora.md

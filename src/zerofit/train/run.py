@@ -199,7 +199,7 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
     build = kernel_build_note(lcfg, device)
     if build:
         console.print(build)
-    engine = zerofit.initialize(str(opts.model), loaded)
+    engine = _build_engine(opts, loaded)
     result = TrainResult(run_dir, total, tokens_per_step=cfg.micro_batch_size * G * world * opts.seq_len)
     metrics = None
     try:
@@ -240,6 +240,20 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
             engine.close()
         if world > 1 and _made_group:
             torch.distributed.destroy_process_group()
+
+
+def _build_engine(opts: TrainOptions, loaded: LoadedConfig):
+    """The engine over the model directory; with ``opts.lora``, over the PEFT model that wraps it (the base
+    read from the files into the engine's buffers, frozen; the adapters PEFT's, seeded: zerofit/lora/model.py)."""
+    import zerofit
+
+    if opts.lora is None:
+        return zerofit.initialize(str(opts.model), loaded)
+    from zerofit.engine.engine import Engine
+    from zerofit.lora.model import from_model_dir
+
+    model, source = from_model_dir(opts.model, opts.lora, seed=loaded.config.seed)
+    return Engine(model, loaded.config, report=loaded.report, source=source)
 
 
 def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loader, data, metrics: Metrics,
@@ -325,11 +339,12 @@ def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loa
     if result.stop_signal:
         result.interrupted = True
     elif opts.export:
-        out = result.run_dir / "model"
+        out = result.run_dir / ("adapter" if opts.lora is not None else "model")
         t = time.perf_counter()
-        engine.save_pretrained(out, dtype=opts.export_dtype)     # None: the model directory's dtype
+        engine.save_pretrained(out, dtype=opts.export_dtype)     # None: the model directory's dtype; LoRA: PEFT's
         result.export_dir = out
-        console.print(f"exported the trained model to {out} in {time.perf_counter() - t:.1f} s")
+        what = "the trained adapter (PEFT's adapter folder)" if opts.lora is not None else "the trained model"
+        console.print(f"exported {what} to {out} in {time.perf_counter() - t:.1f} s")
     return result
 
 
@@ -356,7 +371,13 @@ def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, dat
     cfg = loaded.config
     s = data.stats
     params = sum(u.numel for u in engine.units)
-    console.print(f"[bold]zerofit train[/]: {opts.model} ({fmt_count(params)} parameters) on {engine.device}")
+    frozen = sum(u.frozen_numel for u in engine.units)
+    console.print(f"[bold]zerofit train[/]: {opts.model} ({fmt_count(params + frozen)} parameters) on {engine.device}")
+    if opts.lora is not None:
+        lo = opts.lora
+        console.print(f"  lora      r {lo.r}, alpha {lo.alpha:g}, targets {lo.targets}, dropout {lo.dropout:g}: "
+                      f"trainable {params:,} of {params + frozen:,} parameters "
+                      f"({100 * params / max(1, params + frozen):.2f}%); the base is frozen")
     kinds = ", ".join(f"{n:,} {k}" for k, n in s.documents)
     console.print(f"  data      {s.files} files, {kinds}; {s.tokens:,} tokens ({s.target_tokens:,} with a loss); "
                   f"{len(data.train):,} training windows of {opts.seq_len}"

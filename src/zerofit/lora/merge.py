@@ -1,0 +1,77 @@
+"""An adapter folder merged into its base, offline (``zerofit export CHECKPOINT OUT --merge``): transformers
+reads the base (whole, into host memory), PEFT loads the adapter over it and merges it (``merge_and_unload``),
+transformers writes the result. A live engine merges without a second copy instead (files.merged_entries)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from zerofit.lora import LoraError
+
+
+def check_adapter_fits(base_dir: Path, adapter_dir: Path) -> None:
+    """Refuse, from the files' headers alone (before anything is allocated), an adapter whose tensors do not
+    fit the base's layers: an adapter trained over another model."""
+    from safetensors import safe_open
+
+    from zerofit.lora.files import ADAPTER_WEIGHTS
+    from zerofit.models import ModelDir
+
+    md = ModelDir.open(base_dir)
+    weights = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise LoraError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}: not a PEFT adapter folder (engine.save_pretrained "
+                        "or zerofit export of a LoRA run writes one)")
+    with safe_open(str(weights), "pt") as f:
+        for key in f.keys():
+            shape = f.get_slice(key).get_shape()
+            module = key.removeprefix("base_model.model.")
+            for part in (".lora_A.weight", ".lora_B.weight"):
+                if not module.endswith(part):
+                    continue
+                layer = module[: -len(part)]
+                try:
+                    w = md.tensor([layer + ".weight"])
+                except Exception:       # noqa: BLE001 - ModelDirError: the layer is not in the base at all
+                    raise LoraError(f"{adapter_dir}: adapter tensor {key} is for layer {layer}, which {base_dir} does "
+                                    "not have: the adapter was trained over another base; give that base") from None
+                out_f, in_f = w.shape[0], w.shape[-1]
+                conv1d = getattr(md.config, "model_type", "") == "gpt2"     # Conv1D stores (in, out)
+                if conv1d:
+                    in_f, out_f = out_f, in_f
+                want = in_f if part == ".lora_A.weight" else out_f
+                got = shape[1] if part == ".lora_A.weight" else shape[0]
+                if got != want:
+                    raise LoraError(f"{adapter_dir}: adapter tensor {key} is {list(shape)}, the layer {layer} of "
+                                    f"{base_dir} takes {in_f} -> {out_f}: the adapter was trained over another base "
+                                    "(shape mismatch); give the base it was trained over")
+
+
+def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.dtype | None,
+                    max_shard_size="5GB") -> Path:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from zerofit.lora.files import refuse_quantized
+
+    check_adapter_fits(base_dir, adapter_dir)
+    from zerofit.models import ModelDir
+
+    quant = getattr(ModelDir.open(base_dir).config, "quantization_config", None)
+    if quant:                     # from config.json, before the base is read
+        raise LoraError(f"--merge into {base_dir}, a quantized model ({dict(quant).get('quant_method', 'quantized')}): "
+                        "merging into quantized weights breaks models (the delta is rounded away); merge into the "
+                        "16-bit base it was quantized from (--base DIR), then quantize the merged model")
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    refuse_quantized(base)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    if dtype is not None:
+        merged = merged.to(dtype)
+    merged.save_pretrained(out, max_shard_size=max_shard_size)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+              "merges.txt", "chat_template.jinja"):
+        if (Path(base_dir) / f).is_file():
+            (Path(out) / f).write_bytes((Path(base_dir) / f).read_bytes())
+    return out

@@ -16,11 +16,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.model_dirs import make_model_dir, write_data
+from tests.support.model_dirs import make_model_dir, write_data
 from zerofit.cli import app
 
 pytest.importorskip("peft")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LORA = ("--lora", "--lora-r", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj,down_proj")
 
 

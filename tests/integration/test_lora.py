@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import zerofit
-from tests import tiny_models as tm
+from tests.support import tiny_models as tm
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402

@@ -32,13 +32,13 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _lora(zero_b: bool = False, **kw):
+def _lora(zero_b: bool = False, targets="all-linear", **kw):
     """PEFT LoRA over a tiny Llama: every linear of the blocks adapted; ``zero_b``: PEFT's default init (B = 0)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     base = tm.llama(tied=False)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
                      init_lora_weights=True if zero_b else False, **kw)
     return get_peft_model(base, cfg)
 
@@ -108,3 +108,144 @@ def test_bf16_frozen_base_is_held_in_bf16_and_trains_as_the_fp32_base_did():
     assert all(msd[n].dtype == torch.bfloat16 for n in base_before)
     engine.close()
     ref.close()
+
+
+def _plain(model, data, lr: float, wd: float) -> list[float]:
+    """Plain PyTorch: loss / G accumulated, fused AdamW over the trained parameters; each step's mean loss, averaged
+    as the engine averages it (in fp32)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=True)
+    out = []
+    for mbs in data:
+        opt.zero_grad()
+        losses = []
+        for mb in mbs:
+            loss = model(**mb).loss
+            (loss / len(mbs)).backward()
+            losses.append(loss.detach())
+        opt.step()
+        out.append(torch.stack(losses).float().mean().item())
+    return out
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0], ids=["immediate", "deferred"])
+def test_a_lora_models_buffers_hold_the_adapters_only(clip):
+    """Per unit: master, moments and gradients sized by the adapters (and modules_to_save), the base only in
+    ``frozen_host``; a block with no adapter gets no gradient, staging or host gradient and nothing of it is
+    downloaded; the gradient slots, staging buffers and weight slots are the plan's."""
+    model = _lora(targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                  layers_to_transform=[0, 2], modules_to_save=["lm_head"])
+    per_block = [{"trained": 0, "frozen": 0} for _ in range(3)]
+    shell = {"trained": 0, "frozen": 0}
+    for n, p in model.named_parameters():
+        where = per_block[int(n.split("layers.")[1].split(".")[0])] if "layers." in n else shell
+        where["trained" if p.requires_grad else "frozen"] += p.numel()
+    engine = zerofit.initialize(model, {**CFG, "gradient_clipping": clip})
+    plan = engine.plan
+    for u, want in zip(engine.blocks, per_block):
+        assert (u.numel, u.frozen_numel) == (want["trained"], want["frozen"]), u.name
+        assert u.master.numel() == u.exp_avg.numel() == u.exp_avg_sq.numel() == want["trained"]
+        assert u.frozen_host.dtype == torch.bfloat16
+    assert (engine.shell.numel, engine.shell.frozen_numel) == (shell["trained"], shell["frozen"])
+    assert shell["trained"] > 0      # lm_head's trained copy (modules_to_save): a full parameter with its state
+    frozen_block = engine.blocks[1]
+    assert not frozen_block.trains and frozen_block.grad is None and id(frozen_block) not in engine.grads.host_grads
+    host_trained = [u for u in engine.units if not u.optimizer_on_device and u.trains]
+    assert host_trained and all(u.optimizer_on_device is (u.index < plan.resident_blocks and u.index >= 0)
+                                for u in engine.blocks)
+    # staging and host gradients: the largest trained unit's gradient, never a frozen weight's worth
+    assert len(engine.grads.staging) == plan.staging_buffers
+    assert all(s.numel() == max(u.numel for u in host_trained) for s in engine.grads.staging)
+    assert set(engine.grads.host_grads) == ({id(u) for u in host_trained} if clip else set())
+    assert all(engine.grads.host_grads[id(u)].numel() == u.numel for u in host_trained if clip)
+    # gradient slots: a trained block's gradient; weight slots: its trained and frozen weights (the plan's bytes)
+    streamed = [u for u in engine.blocks if u.home.name == "STREAMED"]
+    assert len(engine.grads.pool.slots) == plan.grad_slots
+    assert engine.grads.pool.slots[0].tensor.numel() == max(u.numel for u in streamed)
+    assert engine.grads.pool.nbytes == plan.host_bytes["device:grad_slots"]
+    assert engine.streamer.pool.slots[0].tensor.numel() == max(u.numel + u.frozen_numel for u in streamed)
+    assert engine.streamer.pool.nbytes == plan.host_bytes["device:weight_slots"]
+    engine.train_batch(tm.batches(1, G)[0])
+    downloads = [e["label"] for e in engine.trace() if e["lane"] == "download"]
+    assert downloads and not any(lab.startswith(frozen_block.name) for lab in downloads), downloads
+    assert f"{frozen_block.name}(frozen)" in tm.upload_labels(engine)     # its weights went up, as they are
+    assert float(frozen_block.step) == 0.0 and all(float(u.step) == 1.0 for u in engine.units if u.trains)
+    engine.close()
+
+
+@pytest.mark.parametrize("precision,per_param", [("bf16", 2), ("fp32", 4)])
+def test_the_planners_host_bytes_for_a_frozen_base_are_what_the_engine_allocates(precision, per_param):
+    """The plan's host bytes (frozen weights at their stored dtype, master and moments of the adapters only,
+    staging, host gradients) against the host buffers the engine allocated: equal to within 1% + 4 KiB (the
+    arenas' one-element minimum)."""
+    model = _lora()
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    engine = zerofit.initialize(model, {**CFG, "precision": precision, "gradient_clipping": 1.0})
+    plan = engine.plan
+    assert plan.host_bytes["frozen_weights"] == base * per_param
+    stored = sum(u.frozen_host.numel() * u.frozen_host.element_size() for u in engine.units if u.frozen is not None)
+    assert stored == base * per_param         # measured: per_param bytes per base parameter
+    # the host's own buffers (on the CPU the device's buffers are host memory too: the plan's "device:" entries)
+    planned = sum(v for k, v in plan.host_bytes.items() if not k.startswith("device:"))
+    seen = set()
+
+    def nbytes(ts):
+        out = 0
+        for t in ts:
+            if t is not None and (t.data_ptr(), t.numel()) not in seen:
+                seen.add((t.data_ptr(), t.numel()))
+                out += t.numel() * t.element_size()
+        return out
+    host_state = nbytes(t for u in engine.units if not u.optimizer_on_device
+                        for t in (u.master, u.exp_avg, u.exp_avg_sq, u.host16))
+    allocated = (host_state + stored + nbytes(engine.grads.staging) + nbytes(engine.grads.host_grads.values()))
+    assert abs(planned - allocated) <= 0.01 * allocated + 4096, (planned, allocated, plan.host_bytes)
+    # no optimizer state or gradient buffer of the base anywhere: the trained bytes are the adapters'
+    trained = sum(u.numel for u in engine.units)
+    assert trained == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine.close()
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_recomputed_blocks_with_a_frozen_base_give_the_zero_initialized_adapters_their_gradients(every):
+    """Checkpoints every k blocks (the backward recomputes the others from a frozen embedding's output, whose
+    input needs no gradient): no "does not require grad", and every block's lora_B, PEFT's zeros at first, gets its
+    gradient and moves: bitwise plain PyTorch (fp32)."""
+    model = _lora(zero_b=True)
+    ref = copy.deepcopy(model)
+    names_b = [n for n, p in model.named_parameters() if "lora_B" in n]
+    assert all(not dict(model.named_parameters())[n].any() for n in names_b)
+    cfg = {**CFG, "precision": "fp32", "offload": {"checkpoint_every": every}}
+    engine = zerofit.initialize(model, cfg)
+    assert engine.plan.checkpoint_every == every
+    data = tm.batches(2, G)
+    assert [engine.train_batch(mbs) for mbs in data] == _plain(ref, data, lr=1e-2, wd=0.01)
+    got, want = dict(engine.module.named_parameters()), dict(ref.named_parameters())
+    for n in names_b:
+        assert got[n].detach().any(), f"{n} got no gradient"
+    for n, p in want.items():
+        assert torch.equal(got[n].detach(), p.detach()), n
+    engine.close()
+
+
+def test_a_model_directorys_bf16_tensors_become_the_frozen_host_copy_as_they_are(tmp_path):
+    """Read from the files into the bf16 host copy directly (no fp32 copy of the base), bitwise the files'."""
+    from safetensors.torch import load_file
+
+    from tests.model_dirs import make_model_dir
+
+    d = make_model_dir(tmp_path / "m", dtype=torch.bfloat16, layers=3)
+    files = {}
+    for f in d.glob("*.safetensors"):
+        files.update(load_file(f))
+    engine = zerofit.initialize(str(d), CFG, param_groups=[{"params": [n for n in files if "mlp" in n]}])
+    assert engine.frozen and all("mlp" not in n for n in engine.frozen)
+    module = dict(engine.module.named_parameters())
+    for n in engine.frozen:
+        assert module[n].dtype == torch.bfloat16 and torch.equal(module[n].detach(), files[n]), n
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 50, (2, 8), generator=g) for _ in range(G)]
+    engine.train_batch([{"input_ids": i, "labels": i} for i in ids])
+    for n in engine.frozen:
+        assert torch.equal(module[n].detach(), files[n]), n
+    engine.close()

@@ -249,3 +249,34 @@ def test_a_model_directorys_bf16_tensors_become_the_frozen_host_copy_as_they_are
     for n in engine.frozen:
         assert torch.equal(module[n].detach(), files[n]), n
     engine.close()
+
+
+def test_estimate_of_a_lora_model_plans_what_the_engine_allocates():
+    """``zerofit estimate --lora`` (estimate(lora=...)): the base frozen at 2 B/param in bf16, no state for it; the
+    same plan the engine makes for that PEFT model, and a 13B shape's host bytes are its bf16 base and the adapters'
+    state."""
+    from zerofit.estimate import estimate, meta_model, with_lora
+
+    lora = dict(r=4, alpha=8, targets="all-linear")
+    cfg = {**CFG, "max_host_memory": "8GiB"}
+    with torch.device("meta"):
+        meta = tm.llama(tied=False)
+    est = estimate(meta, cfg, measure=False, gpu=False, lora=lora)
+    torch.manual_seed(0)
+    model = with_lora(tm.llama(tied=False), **lora)
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert est.shape.frozen_numel == base and est.plan.host_bytes["frozen_weights"] == 2 * base
+    engine = zerofit.initialize(model, cfg)
+    assert est.plan.host_bytes == engine.plan.host_bytes
+    engine.close()
+    big = estimate(meta_model(shape="llama-2-13b"), {"precision": "bf16", "max_gpu_memory": "24GiB",
+                                                      "max_host_memory": "108GiB", "micro_batch_size": 2,
+                                                      "gradient_accumulation_steps": 4},
+                   measure=False, gpu=True, lora=True)
+    sh = big.shape
+    trained = sh.shell_numel + sum(sh.block_numels)
+    assert 60e6 < trained < 65e6 and sh.frozen_numel > 12.9e9     # r 16 on every linear: 62.6 M (design/LORA.md)
+    host = big.plan.host_bytes
+    assert host["frozen_weights"] == 2 * sh.frozen_numel
+    assert host["master_and_moments"] <= 12 * trained and host.get("grad_buffers", 0) <= 4 * trained
+    assert "13.1 B parameters (62.6 M trained; 13 B frozen" in big.render()

@@ -280,3 +280,36 @@ def test_estimate_of_a_lora_model_plans_what_the_engine_allocates():
     assert host["frozen_weights"] == 2 * sh.frozen_numel
     assert host["master_and_moments"] <= 12 * trained and host.get("grad_buffers", 0) <= 4 * trained
     assert "13.1 B parameters (62.6 M trained; 13 B frozen" in big.render()
+
+
+def test_bf16_frozen_base_through_a_checkpoint_and_an_export(tmp_path):
+    """Checkpoints keep the frozen weights (as fp32 entries, the stored bf16 values exactly) and resume bitwise;
+    an export writes the stored values in the export's dtype."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = tm.llama(tied=False)
+    frozen = [n for n, p in model.named_parameters() if "embed_tokens" in n or "layers.1." in n or "q_proj" in n]
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
+    twin = copy.deepcopy(model)
+    engine = zerofit.initialize(model, CFG)
+    data = tm.batches(3, G)
+    engine.train_batch(data[0])
+    engine.save_checkpoint(tmp_path / "ck", tag="one")
+    rest = [engine.train_batch(mbs) for mbs in data[1:]]
+    final = engine.master_state_dict()
+    engine.save_pretrained(tmp_path / "out", dtype="bf16")
+    engine.close()
+    exported = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        exported.update(load_file(f))
+    for n in frozen:
+        assert final[n].dtype == torch.bfloat16 and torch.equal(exported[n], final[n]), n
+        assert torch.equal(final[n], twin.get_parameter(n).detach().to(torch.bfloat16)), n
+    e2 = zerofit.initialize(twin, CFG)
+    e2.load_checkpoint(tmp_path / "ck", tag="one")
+    assert [e2.train_batch(mbs) for mbs in data[1:]] == rest
+    for n, v in e2.master_state_dict().items():
+        assert v.dtype == final[n].dtype and torch.equal(v, final[n]), n
+    e2.close()

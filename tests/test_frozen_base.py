@@ -313,3 +313,23 @@ def test_bf16_frozen_base_through_a_checkpoint_and_an_export(tmp_path):
     for n, v in e2.master_state_dict().items():
         assert v.dtype == final[n].dtype and torch.equal(v, final[n]), n
     e2.close()
+
+
+@pytest.mark.parametrize("weights", [True, False], ids=["master-and-moments", "moments"])
+def test_the_disk_tier_holds_the_adapters_state_beside_a_frozen_base_in_host_memory(tmp_path, weights):
+    """A model with frozen parameters on the NVMe tier (refused before): the last blocks' trained state on the disk,
+    their frozen weights in host memory; bitwise the in-memory engine. (The frozen weights themselves do not go to
+    the disk yet.)"""
+    model = _lora()
+    ref = zerofit.initialize(copy.deepcopy(model), CFG)
+    eng = zerofit.initialize(model, {**CFG, "offload": {"optimizer_device": "nvme", "nvme_path": str(tmp_path),
+                                                        "disk_blocks": 2, "disk_weights": weights}})
+    assert [u.swap for u in eng.blocks] == [None] + ["all" if weights else "moments"] * 2
+    assert all(u.frozen_host.dtype == torch.bfloat16 and u.frozen_host.device.type == "cpu" for u in eng.blocks)
+    data = tm.batches(3, G)
+    assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]
+    assert eng.tier.bytes_read > 0
+    a, b = eng.master_state_dict(), ref.master_state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in b)
+    eng.close()
+    ref.close()

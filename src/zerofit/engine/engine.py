@@ -153,7 +153,7 @@ class Engine(DeepSpeedSurface):
         self.device_updates = self.host_updates = self.streamer = self.activations = self.compute = None
         self.stepper = self.schedule = self.window = None
         try:
-            self.tier = self.lifecycle.resources.tier = self.planning.open_tier(self.frozen, self.deferred)
+            self.tier = self.lifecycle.resources.tier = self.planning.open_tier(self.deferred)
             self._build_parts()
             if self.plan.loss_chunks > 1:      # [Note: a smaller GPU floor]: does this model's loss take chunks?
                 self.planning.probed_chunked_loss(self.schedule.chunked_loss_works(self._shape.hidden, self.dtype))

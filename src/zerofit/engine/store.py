@@ -65,8 +65,9 @@ streamed unit trains), staging buffer, host gradient or update. Block recompute 
 leaf that takes a gradient (Schedule._block_backward), so a frozen embedding (or frozen earlier blocks) never
 leaves a block's adapters without one. The planner counts the same (ModelShape's ``block_numels`` are the
 trained parameters, ``shell_frozen``/``block_frozen`` the frozen ones: their weights at the compute dtype's bytes
-in host memory, in the weight slots, and on the device for resident units on a GPU). The disk tier holds no
-frozen parameter yet (Planning.open_tier refuses it).
+in host memory, in the weight slots, and on the device for resident units on a GPU). The disk tier holds the
+trained state of the last blocks of a model with frozen parameters as of any other (its master and moments, or
+its moments); their frozen weights stay in host memory: streaming them from the disk, read-only, is not done yet.
 
 [Note: slot reuse]
 A streamed unit borrows a device weight slot from the :class:`SlotPool` while

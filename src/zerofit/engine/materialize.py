@@ -6,7 +6,8 @@ copied to its home, and released before the next), or built on the meta device
 with its weights in a model directory (each tensor is read from its safetensors
 file straight into the unit's buffer: [Note: one tensor's worth] in
 zerofit/models/safetensors.py): host memory never holds the model twice. Afterwards the module's own parameters are views of the units'
-fp32 host weights, so ``engine.module`` is the model with its current weights.
+fp32 host weights (the frozen ones views of their host copy, in the compute dtype: [Note: frozen parameters] in
+store.py), so ``engine.module`` is the model with its current weights.
 """
 
 from __future__ import annotations

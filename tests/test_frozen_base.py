@@ -169,6 +169,7 @@ def test_a_lora_models_buffers_hold_the_adapters_only(clip):
     downloads = [e["label"] for e in engine.trace() if e["lane"] == "download"]
     assert downloads and not any(lab.startswith(frozen_block.name) for lab in downloads), downloads
     assert f"{frozen_block.name}(frozen)" in tm.upload_labels(engine)     # its weights went up, as they are
+    engine.wait()     # deferred updates: applied on the worker after the step
     assert float(frozen_block.step) == 0.0 and all(float(u.step) == 1.0 for u in engine.units if u.trains)
     engine.close()
 
@@ -333,3 +334,28 @@ def test_the_disk_tier_holds_the_adapters_state_beside_a_frozen_base_in_host_mem
     assert all(torch.equal(a[n], b[n]) for n in b)
     eng.close()
     ref.close()
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_no_backward_below_the_lowest_trained_block(every):
+    """[Note: no backward below the lowest trained block]: adapters on the last block only and a frozen embedding:
+    blocks 0 and 1 run their forward and nothing in the backward (no upload, no compute), and the step is bitwise
+    plain PyTorch's (fp32)."""
+    model = _lora(targets=["q_proj", "v_proj", "down_proj"], layers_to_transform=[2])
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, {**CFG, "precision": "fp32", "offload": {"checkpoint_every": every}})
+    assert [u.trains for u in engine.blocks] == [False, False, True]
+    data = tm.batches(2, G)
+    assert [engine.train_batch(mbs) for mbs in data] == _plain(ref, data, lr=1e-2, wd=0.01)
+    got = dict(engine.module.named_parameters())
+    for n, p in ref.named_parameters():
+        assert torch.equal(got[n].detach(), p.detach()), n
+    computed = [e["label"] for e in engine.trace() if e["lane"] == "compute"]
+    uploads = tm.upload_labels(engine)
+    for u in engine.blocks[:2]:
+        assert computed.count(u.name) == 1, (u.name, computed)     # its forward only
+    # block 0's input recomputed for block 1 (every 2) only where block 1's backward runs: not here
+    assert not any(lab.startswith(engine.blocks[0].name) and "inputs" in lab for lab in computed)
+    assert uploads.count(f"{engine.blocks[2].name}") + uploads.count(f"{engine.blocks[2].name}(16)") >= 1
+    assert sum(lab.startswith(engine.blocks[0].name) for lab in uploads) <= 2     # the forward's (weights, frozen)
+    engine.close()

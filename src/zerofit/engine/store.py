@@ -63,7 +63,8 @@ train nothing (``numel`` 0: a frozen block, a frozen shell): it is uploaded and 
 backward passes gradients through it to its input, and it gets no gradient slot (no gradient pool at all when no
 streamed unit trains), staging buffer, host gradient or update. Block recompute makes each recomputed input a
 leaf that takes a gradient (Schedule._block_backward), so a frozen embedding (or frozen earlier blocks) never
-leaves a block's adapters without one. The planner counts the same (ModelShape's ``block_numels`` are the
+leaves a block's adapters without one. Below the lowest trained block, with nothing before block 0 trained, no backward runs at all
+([Note: no backward below the lowest trained block], schedule.py). The planner counts the same (ModelShape's ``block_numels`` are the
 trained parameters, ``shell_frozen``/``block_frozen`` the frozen ones: their weights at the compute dtype's bytes
 in host memory, in the weight slots, and on the device for resident units on a GPU). The disk tier holds the
 trained state of the last blocks of a model with frozen parameters as of any other (its master and moments, or

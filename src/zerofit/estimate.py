@@ -130,7 +130,8 @@ class Estimate:
         return self.batch.tokens * self.batch.grad_accum * self.ranks / self.step.step
 
     def to_dict(self) -> dict:
-        d = {"parameters": self.parameters, "frozen_parameters": self.shape.frozen_numel, "batch": asdict(self.batch), "refusal": self.refusal,
+        d = {"parameters": self.parameters, "frozen_parameters": self.shape.frozen_numel,
+             "batch": asdict(self.batch), "refusal": self.refusal,
              "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
              "host_baseline_bytes": self.host_baseline_bytes, "disk_bytes": self.disk_bytes,
              "disk_traffic_bytes": list(self.disk_traffic), "step": asdict(self.step),

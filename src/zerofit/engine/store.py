@@ -58,17 +58,18 @@ before, so older checkpoints load, cast into the stored dtype); an export writes
 export's dtype.
 
 The backward: ``Compute.leaves`` gives the frozen weights as plain slot views (``requires_grad`` false), so
-autograd makes no gradient for them: a frozen block's backward computes its input's gradient only. A unit may
-train nothing (``numel`` 0: a frozen block, a frozen shell): it is uploaded and computed as any other, the
-backward passes gradients through it to its input, and it gets no gradient slot (no gradient pool at all when no
-streamed unit trains), staging buffer, host gradient or update. Block recompute makes each recomputed input a
-leaf that takes a gradient (Schedule._block_backward), so a frozen embedding (or frozen earlier blocks) never
-leaves a block's adapters without one. Below the lowest trained block, with nothing before block 0 trained, no backward runs at all
-([Note: no backward below the lowest trained block], schedule.py). The planner counts the same (ModelShape's ``block_numels`` are the
-trained parameters, ``shell_frozen``/``block_frozen`` the frozen ones: their weights at the compute dtype's bytes
-in host memory, in the weight slots, and on the device for resident units on a GPU). The disk tier holds the
-trained state of the last blocks of a model with frozen parameters as of any other (its master and moments, or
-its moments); their frozen weights stay in host memory: streaming them from the disk, read-only, is not done yet.
+autograd makes no gradient for them: a frozen block's backward computes its input's gradient only. A unit may train
+nothing (``numel`` 0: a frozen block, a frozen shell): it is uploaded and computed as any other, the backward
+passes gradients through it to its input, and it gets no gradient slot (no gradient pool at all when no streamed
+unit trains), staging buffer, host gradient or update. Block recompute makes each recomputed input a leaf that
+takes a gradient (Schedule._block_backward), so a frozen embedding (or frozen earlier blocks) never leaves a
+block's adapters without one. Below the lowest trained block, with nothing before block 0 trained, no backward runs
+at all ([Note: no backward below the lowest trained block], schedule.py). The planner counts the same (ModelShape's
+``block_numels`` are the trained parameters, ``shell_frozen``/``block_frozen`` the frozen ones: their weights at
+the compute dtype's bytes in host memory, in the weight slots, and on the device for resident units on a GPU). The
+disk tier holds the trained state of the last blocks of a model with frozen parameters as of any other (its master
+and moments, or its moments); their frozen weights stay in host memory: streaming them from the disk, read-only, is
+not done yet.
 
 [Note: slot reuse]
 A streamed unit borrows a device weight slot from the :class:`SlotPool` while

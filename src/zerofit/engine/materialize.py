@@ -6,7 +6,8 @@ copied to its home, and released before the next), or built on the meta device
 with its weights in a model directory (each tensor is read from its safetensors
 file straight into the unit's buffer: [Note: one tensor's worth] in
 zerofit/models/safetensors.py): host memory never holds the model twice. Afterwards the module's own parameters are views of the units'
-fp32 host weights, so ``engine.module`` is the model with its current weights.
+fp32 host weights (the frozen ones views of their host copy, in the compute dtype: [Note: frozen parameters] in
+store.py), so ``engine.module`` is the model with its current weights.
 """
 
 from __future__ import annotations
@@ -63,8 +64,13 @@ def param_table(model: nn.Module, adapter: Adapter) -> ParamTable:
     return ParamTable(canonical, aliases, unit_names)
 
 
-def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelShape:
-    numels = [sum(table.canonical[n].numel() for n in names) for names in table.unit_names]
+def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: frozenset | None = None) -> ModelShape:
+    """The planner's view of the model: each unit's trained and frozen parameter counts and the widths.
+    ``frozen``: the canonical names not trained (None: those with ``requires_grad=False``)."""
+    if frozen is None:
+        frozen = frozenset(n for n, p in table.canonical.items() if not p.requires_grad)
+    numels = [sum(table.canonical[n].numel() for n in names if n not in frozen) for names in table.unit_names]
+    still = [sum(table.canonical[n].numel() for n in names if n in frozen) for names in table.unit_names]
     cfg = getattr(model, "config", None)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 0
     inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
@@ -72,7 +78,8 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelS
     if not hidden and adapter.streaming:   # not a Hugging Face model: the block's widest weight
         hidden = max((p.shape[-1] for p in adapter.blocks[0].parameters() if p.dim() == 2), default=0)
         inter = 4 * hidden
-    return ModelShape(numels[0], tuple(numels[1:]), hidden, inter, vocab)
+    return ModelShape(numels[0], tuple(numels[1:]), hidden, inter, vocab, still[0],
+                      tuple(still[1:]) if any(still[1:]) else ())
 
 
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
@@ -123,13 +130,15 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
     arena = HostArena(need, torch.float32, pinned, ranks) if need else None
     need_f = sum(canon[n].numel() for names in still for n in names)
-    arena_f = HostArena(need_f, torch.float32, pinned, ranks) if need_f else None   # shared by the host's ranks
+    # [Note: frozen parameters]: the frozen weights in the compute dtype, read into it from the files or the user's
+    # tensors (a bf16 file's tensors as they are); shared by the host's ranks
+    arena_f = HostArena(need_f, compute_dtype, pinned, ranks) if need_f else None
     units: list[Unit] = []
     for idx, (all_names, names, frozen_names) in enumerate(zip(table.unit_names, trained, still)):
         layout = FlatLayout.of([(n, canon[n].shape) for n in names],
                                [group_of[n] for n in names] if group_of is not None else None)
         flayout = FlatLayout.of([(n, canon[n].shape) for n in frozen_names]) if frozen_names else None
-        fhost = arena_f.take(flayout.numel) if flayout is not None else None     # (frozen numel,) fp32, host
+        fhost = arena_f.take(flayout.numel) if flayout is not None else None     # (frozen numel,) compute dtype, host
         home, on_dev = homes[idx], opt_on_dev[idx]
         opt_dev = dev if on_dev else torch.device("cpu")
         prefix = "" if idx == 0 else adapter.block_prefix(idx - 1) + "."
@@ -187,15 +196,16 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
         if flayout is not None:       # [Note: frozen parameters]
             unit.frozen_host = fhost
-            if home is Home.RESIDENT:
-                unit.frozen_dev = fhost.to(dev, compute_dtype)
+            if home is Home.RESIDENT:   # on the CPU the host copy itself (same dtype and device)
+                unit.frozen_dev = fhost.to(dev)
             else:
                 unit.frozen_at = ranks.padded(layout.numel) if ranks is not None else layout.numel
         unit.updated = threading.Event()
         unit.updated.set()
         unit.moments_done = threading.Event()
         unit.moments_done.set()
-        # the module's own parameters become views of the host weights (fp32, current after engine.wait())
+        # the module's own parameters become views of the host weights (fp32, current after engine.wait()); the
+        # frozen ones views of their host copy, in the compute dtype ([Note: frozen parameters], store.py)
         views = layout.views(unit.host)
         if flayout is not None:
             views.update(flayout.views(fhost))

@@ -283,6 +283,10 @@ def _unit_values(model: nn.Module, adapter: Adapter, idx: int, names: list[str],
         return [canon[n].detach() for n in names]
     root = model if idx == 0 else adapter.blocks[idx - 1]
     mods = list(root.modules()) if idx > 0 else _shell_modules(model, adapter)
+    # only what is still on meta is initialized: real weights beside it (PEFT's adapters made real over a meta
+    # base, say) keep their values
+    on_meta = {id(m) for m in mods if any(t is not None and t.is_meta
+                                          for t in [*m._parameters.values(), *m._buffers.values()])}
     for m in mods:
         for p in list(m._parameters.values()):
             if p is not None and p.is_meta:
@@ -297,15 +301,33 @@ def _unit_values(model: nn.Module, adapter: Adapter, idx: int, names: list[str],
                 m._buffers[bn] = torch.empty(b.shape, dtype=b.dtype, device=init_device)
     init = getattr(model, "_init_weights", None)
     for m in reversed(mods):                             # children before parents, as HF's own init
+        if id(m) not in on_meta:
+            continue
         if init is not None:
             init(m)
         elif hasattr(m, "reset_parameters"):
             m.reset_parameters()
+    _init_lora(model, mods, on_meta)
     canon, _ = _canonical(model)
     missing = [n for n in names if canon[n].is_meta]
     if missing:
         raise ValueError(f"cannot initialize {missing} on the meta device: no _init_weights or reset_parameters")
     return [canon[n].detach() for n in names]
+
+
+def _init_lora(model: nn.Module, mods: list[nn.Module], on_meta: set) -> None:
+    """PEFT's LoRA layers whose adapters were on meta get PEFT's own initialization (``reset_lora_parameters``
+    with the adapter's ``init_lora_weights``: lora_B zero, so the model starts as its base), not the model's
+    ``_init_weights``, which would draw lora_B at random."""
+    configs = getattr(model, "peft_config", None) or {}
+    for m in mods:
+        lora_a = getattr(m, "lora_A", None)
+        if not hasattr(m, "reset_lora_parameters") or not isinstance(lora_a, nn.ModuleDict):
+            continue
+        for name, sub in lora_a.items():
+            if id(sub) in on_meta:
+                cfg = configs.get(name)
+                m.reset_lora_parameters(name, cfg.init_lora_weights if cfg is not None else True)
 
 
 def _shell_modules(model: nn.Module, adapter: Adapter) -> list[nn.Module]:

@@ -57,6 +57,8 @@ class Workload:
     cap: str | None = "24GiB"  # GPU memory cap for the offloading engines
     rope_theta: float = 10000.0
     max_positions: int = 4096
+    lora: bool = False  # W6: LoRA (LORA below) over the frozen base, through peft.get_peft_model
+    qlora: bool = False  # W6c: an NF4 base (not buildable yet: refused)
 
     @property
     def tokens_per_step(self) -> int:
@@ -92,6 +94,108 @@ WORKLOADS: dict[str, Workload] = {
 for _base in ("W1", "W2"):
     WORKLOADS[f"{_base}-ga32"] = dataclasses.replace(WORKLOADS[_base], name=f"{_base}-ga32", grad_accum=32)
 
+# W6 (WORKLOADS.md): LoRA over a frozen bf16 base, batch as W1. W6a: the 13B shape at 24 GiB; W6b: at 8 GiB; W6c: a
+# Llama-3-70B shape in QLoRA (NF4 base), listed for its parameter count only: zerofit has no QLoRA yet (refused).
+WORKLOADS["W6a"] = dataclasses.replace(WORKLOADS["W3"], name="W6a", lora=True)
+WORKLOADS["W6b"] = dataclasses.replace(WORKLOADS["W3"], name="W6b", lora=True, cap="8GiB")
+WORKLOADS["W6c"] = Workload("W6c", hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256,
+                            tied=False, rope_theta=500000.0, max_positions=8192, lora=True, qlora=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """W6's adapters: PEFT LoRA r 16, alpha 32, dropout 0 on the seven linear layers of every block; AdamW lr 2e-4
+    over the adapters (weight decay 0.01, as every workload)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lr: float = 2e-4
+
+
+LORA = LoraSpec()
+QLORA_REFUSAL = ("QLoRA (an NF4 base, W6c) is not buildable yet: zerofit has no QLoRA (issue 29 item 3); "
+                 "run W6a/W6b or --lora over a bf16 base")
+
+
+class Refused(Exception):
+    """An engine that cannot run this workload as asked (the result's status "refused", exit code 2)."""
+
+
+def lora_wanted(args, w: Workload) -> bool:
+    """Whether this engine run trains LoRA (``--lora``, or a W6 workload); ``--qlora`` or W6c: :class:`Refused`."""
+    if getattr(args, "qlora", False) or w.qlora:
+        raise Refused(QLORA_REFUSAL)
+    return bool(getattr(args, "lora", False) or w.lora)
+
+
+def lora_config():
+    """PEFT's ``LoraConfig`` of :data:`LORA` (the same fields as zerofit's ``LoraOptions.config()``)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, target_modules=list(LORA.targets), lora_dropout=LORA.dropout,
+                      task_type="CAUSAL_LM")
+
+
+def lora_wrap(base, seed: int = 0):
+    """``peft.get_peft_model(base, lora_config())``. Adapters PEFT left on the meta device (a meta base) are made
+    real on the CPU and given PEFT's own init (``reset_lora_parameters``: A Kaiming-uniform, B zero), seeded, as
+    zerofit/lora/model.py's ``from_model_dir`` does for ``zerofit train --lora``."""
+    from peft import get_peft_model
+
+    return init_meta_adapters(get_peft_model(base, lora_config()), seed)
+
+
+def init_meta_adapters(model, seed: int = 0):
+    """A PEFT model's adapters that are still on the meta device, real on the CPU with PEFT's init, seeded."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        for m in model.modules():
+            if not isinstance(m, LoraLayer):
+                continue
+            for adapter in m.active_adapters:
+                if not any(p.is_meta for part in (m.lora_A, m.lora_B) if adapter in part
+                           for p in part[adapter].parameters()):
+                    continue
+                for part in (m.lora_A, m.lora_B):
+                    if adapter in part:
+                        part[adapter] = part[adapter].to_empty(device="cpu").float()
+                m.reset_lora_parameters(adapter, model.peft_config[adapter].init_lora_weights)
+                for part in (m.lora_A, m.lora_B):      # Hugging Face's _init_weights (zerofit runs it on each unit
+                    for p in part[adapter].parameters():   # of a meta model) leaves these values as PEFT made them
+                        p._is_hf_initialized = True
+    return model
+
+
+def lora_counts(model) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts of a (PEFT) model, each tensor once; ZeRO-3 shards by ``ds_numel``."""
+    seen, trainable, frozen = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = getattr(p, "ds_numel", None) or p.numel()
+        if p.requires_grad:
+            trainable += n
+        else:
+            frozen += n
+    return trainable, frozen
+
+
+def lora_record(res, model) -> None:
+    """The LoRA run's settings and parameter counts into its result."""
+    res.trainable_params, res.frozen_params = lora_counts(model)
+    res.flops_per_param_token = 6
+    res.extra["lora"] = {"r": LORA.r, "alpha": LORA.alpha, "dropout": LORA.dropout, "targets": list(LORA.targets),
+                         "lr": LORA.lr, "trainable": res.trainable_params, "frozen": res.frozen_params}
+    print(f"[{res.engine}] LoRA r {LORA.r} alpha {LORA.alpha} on {','.join(LORA.targets)}: trainable "
+          f"{res.trainable_params:,} of {res.trainable_params + res.frozen_params:,} parameters", flush=True)
+
 
 def llama_config(w: Workload):
     """The ``LlamaConfig`` of workload ``w`` (sdpa attention, no KV cache)."""
@@ -112,11 +216,12 @@ def llama_config(w: Workload):
     )
 
 
-def zerofit_config(w: Workload) -> dict:
-    """zerofit's config for workload ``w`` (WORKLOADS.md's common settings): bf16, AdamW lr 1e-4 and weight decay
-    0.01, activation checkpointing, the workload's batch."""
+def zerofit_config(w: Workload, lora: bool = False) -> dict:
+    """zerofit's config for workload ``w`` (WORKLOADS.md's common settings): bf16, AdamW lr 1e-4 (LoRA: 2e-4) and
+    weight decay 0.01, activation checkpointing, the workload's batch."""
     return {"precision": "bf16", "micro_batch_size": w.micro_batch, "gradient_accumulation_steps": w.grad_accum,
-            "optimizer": {"lr": 1e-4, "weight_decay": 0.01}, "activation_checkpointing": True, "seq_len": w.seq}
+            "optimizer": {"lr": LORA.lr if lora else 1e-4, "weight_decay": 0.01}, "activation_checkpointing": True,
+            "seq_len": w.seq}
 
 
 def count_parameters(w: Workload) -> int:
@@ -129,20 +234,23 @@ def count_parameters(w: Workload) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
 
 
-def build_model(w: Workload, device: str, dtype=None):
+def build_model(w: Workload, device: str, dtype=None, init_in_dtype: bool = False):
     """The workload's ``LlamaForCausalLM``, randomly initialised on ``device``.
 
     Built on the meta device, materialised with ``to_empty`` and initialised once
     by Hugging Face's ``initialize_weights`` where it will live: no CPU fp32 copy
     of a GPU model, and no double initialisation (constructor, then post_init).
     ``initialize_weights`` also recomputes the rotary ``inv_freq`` buffers that
-    ``to_empty`` leaves as garbage. fp32 unless ``dtype`` says otherwise.
+    ``to_empty`` leaves as garbage. fp32 unless ``dtype`` says otherwise; ``init_in_dtype``: materialized and
+    initialized in ``dtype`` itself (no fp32 copy first: the 13B base's 52 GB would be the GPU peak of W6's plain run).
     """
     import torch
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_config(w))
+    if dtype is not None and init_in_dtype:
+        model.to(dtype)
     model.to_empty(device=device)
     with torch.device(device):
         model.initialize_weights()
@@ -283,7 +391,7 @@ class Result:
 
     engine: str
     workload: str
-    status: str = "running"  # running | ok | OOM | timeout | error
+    status: str = "running"  # running | ok | OOM | timeout | error | refused
     error: str = ""  # last line of the error, if any
     device: str = ""  # e.g. "NVIDIA H200" or "cpu"
     cap_gib: float | None = None  # GPU memory cap, None = uncapped
@@ -297,6 +405,9 @@ class Result:
     peak_gpu_gib: float | None = None  # torch.cuda.max_memory_allocated over the whole run
     peak_gpu_reserved_gib: float | None = None
     peak_rss_gib: float | None = None  # ru_maxrss
+    trainable_params: int | None = None  # LoRA: the adapters' parameters (None: every parameter trains)
+    frozen_params: int | None = None  # LoRA: the frozen base's
+    flops_per_param_token: int = 8  # model FLOPs per parameter and token: 8 (fwd, recompute, dX, dW); LoRA 6 (no dW)
     peak_host_used_gib: float | None = None  # host-wide used memory, sampled
     timeline: dict[str, Any] | None = None  # zerofit: seconds per phase of the last step
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # engine-specific
@@ -307,13 +418,13 @@ class Result:
         return self.step_s[self.warmup_steps:]
 
     def summary(self) -> dict[str, Any]:
-        """Derived figures: median s/step over the timed steps, tokens/s, model TFLOP/s (8*P*T/s)."""
+        """Derived figures: median s/step over the timed steps, tokens/s, model TFLOP/s (8*P*T/s; LoRA 6*P*T/s)."""
         timed = self.timed_s
         if not timed:
             return {"s_per_step": None, "tokens_per_s": None, "tflops": None}
         s = statistics.median(timed)
         return {"s_per_step": s, "tokens_per_s": self.tokens_per_step / s,
-                "tflops": 8 * self.params * self.tokens_per_step / s / 1e12}
+                "tflops": self.flops_per_param_token * self.params * self.tokens_per_step / s / 1e12}
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -362,6 +473,10 @@ def engine_args(description: str) -> argparse.ArgumentParser:
                    help="GPU memory cap, e.g. 24GiB; 'none' = uncapped; default: the workload's")
     p.add_argument("--result", default=None, help="write the result JSON here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora", action="store_true",
+                   help="W6's LoRA (r 16, alpha 32, dropout 0, the 7 linears; AdamW lr 2e-4) over the frozen base "
+                        "through peft.get_peft_model; implied by W6a, W6b")
+    p.add_argument("--qlora", action="store_true", help="refused: zerofit has no QLoRA yet (W6c)")
     return p
 
 
@@ -400,6 +515,11 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
         res.extra["world_size"], res.extra["rank"] = world, rank
     res.cap_gib = (parse_bytes(args.cap) / GiB) if parse_bytes(args.cap) else None
     t0 = process_start_time()
+    if getattr(args, "qlora", False) or w.qlora:     # refused before anything is built or allocated
+        res.status, res.error = "refused", QLORA_REFUSAL
+        print(f"[{name}] refused: {QLORA_REFUSAL}", flush=True)
+        res.save(args.result)
+        return 2
     sampler = HostMemorySampler()
     peaks = None
     code = 0
@@ -439,6 +559,8 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
                   f"loss {loss:.4f}", flush=True)
             res.save(args.result)
         res.status = "ok"
+    except Refused as e:
+        res.status, res.error, code = "refused", str(e), 2
     except BaseException as e:  # noqa: BLE001 - every failure becomes a result line
         traceback.print_exc()
         res.status = "OOM" if is_oom(e) else "error"

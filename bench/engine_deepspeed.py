@@ -12,6 +12,11 @@ lr 1e-4, weight decay 0.01); micro-batch 2, 4 gradient-accumulation steps. The
 model is built under ``deepspeed.zero.Init`` with Hugging Face gradient
 checkpointing on every decoder layer.
 
+``--lora`` (and the W6 workloads): PEFT + ZeRO-3 with the same offload, the field's usual route on a 24 GB card.
+The base is built under ``deepspeed.zero.Init`` (bf16, partitioned, offloaded), gradient checkpointing on, then
+``peft.get_peft_model`` with W6's LoRA (common.LORA); ``deepspeed.initialize`` partitions the adapters PEFT added
+and gets the trainable parameters only (DeepSpeedCPUAdam, lr 2e-4, over the adapters' fp32 masters).
+
 ``--no-offload-param``: ``offload_param`` ``none`` (the parameter shards stay on
 the GPUs; only the optimizer, fp32 master weights and gradients go to pinned
 CPU memory), the ZeRO-3 CPU-offload setting for when the host cannot hold the
@@ -39,14 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 
-def ds_config(w: common.Workload, bf16: bool = True, offload_param: bool = True) -> dict:
+def ds_config(w: common.Workload, bf16: bool = True, offload_param: bool = True, lr: float = 1e-4) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": w.micro_batch,
         "gradient_accumulation_steps": w.grad_accum,
         "train_batch_size": w.micro_batch * w.grad_accum * int(os.environ.get("WORLD_SIZE", "1")),
         "bf16": {"enabled": bf16},
         "optimizer": {"type": "AdamW",
-                      "params": {"lr": 1e-4, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}},
+                      "params": {"lr": lr, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}},
         "zero_optimization": {
             "stage": 3,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -125,7 +130,8 @@ class DeepSpeedEngine:
         res.extra["op_build_s"] = round(time.perf_counter() - t, 1)
         print(f"[deepspeed] cpu_adam op ready in {res.extra['op_build_s']} s", flush=True)
 
-        config = ds_config(w, offload_param=not args.no_offload_param)
+        lora = common.lora_wanted(args, w)
+        config = ds_config(w, offload_param=not args.no_offload_param, lr=common.LORA.lr if lora else 1e-4)
         if args.nvme:
             config = infinity(config, args.nvme)
             from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -143,9 +149,15 @@ class DeepSpeedEngine:
             gradient_checkpointing_kwargs={"use_reentrant": args.reentrant_checkpointing})
         model.config.use_cache = False
         model.train()
+        params = model.parameters()
+        if lora:     # PEFT over the partitioned base; the adapters are partitioned by deepspeed.initialize
+            torch.manual_seed(args.seed)
+            model = common.lora_wrap(model, args.seed)
+            model.train()
+            common.lora_record(res, model)
+            params = [p for p in model.parameters() if p.requires_grad]
         t = time.perf_counter()
-        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                           config=config)
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         res.extra["ds_initialize_s"] = round(time.perf_counter() - t, 1)
         res.extra["optimizer"] = type(self.engine.optimizer).__name__ + " / " + type(
             getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)).__name__

@@ -27,6 +27,8 @@ import common  # noqa: E402
 
 class FSDP2:
     def __init__(self, args, w, res):
+        if common.lora_wanted(args, w):
+            raise common.Refused("fsdp2 has no LoRA run (W6's peers are plain, deepspeed and zerofit)")
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

@@ -3,6 +3,10 @@ python bench/engine_plain.py --workload smoke --device cpu          # dry run on
 
 Everything on the GPU, no cap: the in-GPU speed the offloading engines are measured against.
 
+``--lora`` (and the W6 workloads): PEFT on the GPU, the in-GPU ceiling of W6. The base in bf16 on the device
+(built there, frozen), ``peft.get_peft_model`` with W6's LoRA (common.LORA: fp32 adapters, PEFT's own init),
+gradient checkpointing on every decoder layer, fused AdamW (lr 2e-4) over the adapters only, bf16 autocast.
+
 fp32 parameters on the device, bf16 compute under ``torch.autocast``, Hugging
 Face gradient checkpointing (non-reentrant) on every decoder layer, fused AdamW
 (lr 1e-4, weight decay 0.01), loss / G summed over the G micro-batches. The
@@ -24,12 +28,23 @@ class Plain:
         import torch
 
         self.torch, self.device = torch, args.device
-        self.model = common.build_model(w, args.device)  # fp32 master weights on the device
-        common.enable_checkpointing(self.model)
+        if common.lora_wanted(args, w):   # W6: the bf16 base on the device, frozen; fp32 adapters trained
+            base = common.build_model(w, args.device, dtype=torch.bfloat16, init_in_dtype=True)
+            common.enable_checkpointing(base)
+            torch.manual_seed(args.seed)       # PEFT's adapter init draws from the global generator
+            self.model = common.lora_wrap(base, args.seed)
+            self.model.train()
+            common.lora_record(res, self.model)
+            params, lr = [p for p in self.model.parameters() if p.requires_grad], common.LORA.lr
+            res.extra["optimizer"] = "torch.optim.AdamW(fused=True) over the adapters (fp32); bf16 base on device"
+        else:
+            self.model = common.build_model(w, args.device)  # fp32 master weights on the device
+            common.enable_checkpointing(self.model)
+            params, lr = self.model.parameters(), 1e-4
+            res.extra["optimizer"] = "torch.optim.AdamW(fused=True), fp32 params on device"
         # fused=True needs the CUDA (or CPU) fused kernel; both exist in torch >= 2.4.
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True)
         self.device_type = "cuda" if args.device.startswith("cuda") else "cpu"
-        res.extra["optimizer"] = "torch.optim.AdamW(fused=True), fp32 params on device"
         self.clip, self.res = args.clip, res
         if args.clip:
             res.extra["gradient_clipping"] = args.clip

@@ -9,6 +9,11 @@ the allocator's fraction itself, so this script does not. The result carries
 zerofit's per-phase timeline of the last step (``engine.timeline()``) and its
 ``memory_stats()``.
 
+``--lora`` (and the W6 workloads): the base built on the meta device, wrapped by ``zerofit.lora.model.wrap``
+(``peft.get_peft_model`` with W6's LoRA, what ``zerofit train --lora`` calls), its adapters made real with PEFT's
+own init (common.init_meta_adapters, as ``from_model_dir`` does); zerofit initializes the frozen base unit by unit
+where it lives and trains the adapters with AdamW lr 2e-4 (docs/lora.md).
+
 Peak GPU memory is over the whole process, as for the other engines: zerofit
 resets the allocator's peak counters at the end of ``initialize``, and
 ``common.PeakKeeper`` keeps the peak seen before each reset.
@@ -30,7 +35,23 @@ import common  # noqa: E402
 _LIVE: list = []    # engines to release before the process exits at once (common.exit_now)
 
 
-def estimate_apart(workload: str, config: dict) -> tuple[dict, str]:
+def build(w, lora: bool, seed: int = 0):
+    """The workload's model on the meta device; with ``lora``, the PEFT model over it (adapters real, on the CPU)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(common.llama_config(w))
+    if not lora:
+        return model
+    from zerofit.lora.model import LoraOptions, wrap
+
+    L = common.LORA
+    opts = LoraOptions(r=L.r, alpha=L.alpha, targets=",".join(L.targets), dropout=L.dropout)
+    return common.init_meta_adapters(wrap(model, opts), seed)
+
+
+def estimate_apart(workload: str, config: dict, lora: bool = False) -> tuple[dict, str]:
     """zerofit estimate's prediction (as a dict, and its text) from a process of its own, started and ended before
     the engine: as a user runs `zerofit estimate` before the training run. In the engine's process its probes
     (plain models, a 2-block engine, copies) left the caching allocator fragmented under the cap: W1 at 24 GiB
@@ -39,7 +60,7 @@ def estimate_apart(workload: str, config: dict) -> tuple[dict, str]:
 
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_estimate_child, args=(workload, config, send))
+    proc = ctx.Process(target=_estimate_child, args=(workload, config, lora, send))
     proc.start()
     send.close()
     try:
@@ -52,7 +73,7 @@ def estimate_apart(workload: str, config: dict) -> tuple[dict, str]:
     return out
 
 
-def _estimate_child(workload: str, config: dict, send) -> None:
+def _estimate_child(workload: str, config: dict, lora: bool, send) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -61,7 +82,8 @@ def _estimate_child(workload: str, config: dict, send) -> None:
     try:
         with torch.device("meta"):
             model = LlamaForCausalLM(common.llama_config(common.WORKLOADS[workload]))
-        est = estimate(model, config)
+        L = common.LORA    # LoRA: estimate's own wrap (with_lora), W6's settings
+        est = estimate(model, config, lora=dict(r=L.r, alpha=L.alpha, targets=list(L.targets)) if lora else None)
         send.send((est.to_dict(), est.render()))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
         send.send(RuntimeError(f"{type(e).__name__}: {e}"))
@@ -71,16 +93,17 @@ def _estimate_child(workload: str, config: dict, send) -> None:
 class Zerofit:
     def __init__(self, args, w, res):
         import torch
-        from transformers import LlamaForCausalLM
 
         import zerofit
 
         self.torch, self.args, self.res = torch, args, res
         res.versions["zerofit"] = getattr(zerofit, "__version__", "?")
         res.extra["zerofit_path"] = os.path.dirname(zerofit.__file__)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(common.llama_config(w))
-        self.config = common.zerofit_config(w)
+        lora = common.lora_wanted(args, w)
+        model = build(w, lora, args.seed)
+        if lora:
+            common.lora_record(res, model)
+        self.config = common.zerofit_config(w, lora)
         if args.clip:
             self.config["gradient_clipping"] = args.clip
         if args.precision:
@@ -100,7 +123,7 @@ class Zerofit:
             self.config.setdefault("offload", {}).update(optimizer_device="nvme", nvme_path=args.nvme)
         res.extra["zerofit_config"] = self.config
         if args.estimate:             # zerofit estimate's prediction, made before anything is allocated
-            res.extra["estimate"], text = estimate_apart(w.name, self.config)
+            res.extra["estimate"], text = estimate_apart(w.name, self.config, lora)
             print(f"[zerofit] estimate:\n{text}", flush=True)
         self.engine = zerofit.initialize(model, self.config)
         _LIVE.append(self.engine)

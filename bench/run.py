@@ -123,7 +123,7 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
                                           f"--nproc-per-node={args.gpus}"]
     cmd = [args.python, *launcher, os.path.join(HERE, f"engine_{base}.py"), "--workload", args.workload,
            "--steps", str(steps), "--device", args.device, "--cap", cap, "--result", result_path,
-           *fixed, *shlex.split(args.engine_args.get(name, ""))]
+           *(["--lora"] if args.lora else []), *fixed, *shlex.split(args.engine_args.get(name, ""))]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(REPO, "src"), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -212,6 +212,7 @@ def render(doc: dict) -> str:
                 vers.setdefault(k, v)
     mach = m["machine"]
     first = next((r for r in rs if r.get("params")), {})
+    lora = any(r.get("trainable_params") for r in rs) or m.get("lora")
     p, t = first.get("params"), first.get("tokens_per_step")
     lines = [
         f"## {m['workload']}: {m['date']}",
@@ -224,11 +225,13 @@ def render(doc: dict) -> str:
                                           if p and t else "")
         + f"; GPU cap {m['cap']} (plain: {m['plain_cap']}); steps {m['steps']} (fsdp2: {m['fsdp2_steps']}),"
         f" the first untimed",
+        *([f"- LoRA: {_lora_line(rs)}"] if lora else []),
         f"- command: `{m['command']}`",
         "",
         "| engine | status | tokens/s | model TFLOP/s | peak GPU GiB | peak host RSS GiB | s to first step "
-        "| s/step | timed steps | loss (last) | note |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| s/step | timed steps | loss (last) |" + (" trainable / frozen params |" if lora else "") + " note |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if lora else "")
+        + " --- |",
     ]
     for r in rs:
         timed = max(0, len(r.get("step_s") or []) - r.get("warmup_steps", 1))
@@ -241,7 +244,8 @@ def render(doc: dict) -> str:
             f"| {r['engine']}", r.get("status", "?"), _fmt(r.get("tokens_per_s"), ",.0f"),
             _fmt(r.get("tflops"), ".1f" if (r.get("tflops") or 0) >= 1 else ".2g"), _fmt(r.get("peak_gpu_gib"), ".1f"), _fmt(r.get("peak_rss_gib"), ".1f"),
             _fmt(r.get("first_step_s"), ".1f"), _fmt(r.get("s_per_step"), ".2f"), str(timed),
-            _fmt(losses[-1] if losses else None, ".3f"), note.replace("|", "/") + " |"]))
+            _fmt(losses[-1] if losses else None, ".3f"),
+            *([_counts(r)] if lora else []), note.replace("|", "/") + " |"]))
     lines.append("")
     by = {r["engine"]: r for r in rs}
     zf = by.get("zerofit")
@@ -269,11 +273,28 @@ def render(doc: dict) -> str:
         if zf.get("timeline"):
             lines += ["zerofit timeline of the last step (s): "
                       + ", ".join(f"{k} {v:.3f}" for k, v in zf["timeline"].items()), ""]
-    lines.append("tokens/s and model TFLOP/s (8·P·T / s) use the median of the timed steps; peak GPU is "
+    lines.append(("tokens/s and model TFLOP/s (6·P·T / s for LoRA over a frozen base: forward, recompute and the "
+                  "input gradients; P the base's parameters)" if lora else "tokens/s and model TFLOP/s (8·P·T / s)")
+                 + " use the median of the timed steps; peak GPU is "
                  "`torch.cuda.max_memory_allocated` over the whole process; peak host RSS is `ru_maxrss`; "
                  "s to first step counts from process start (imports, model build and JIT builds included).")
     lines.append("")
     return "\n".join(lines)
+
+
+def _counts(r: dict) -> str:
+    t, f = r.get("trainable_params"), r.get("frozen_params")
+    return f"{t / 1e6:,.1f} M / {f / 1e9:,.3f} B" if t is not None and f is not None else ""
+
+
+def _lora_line(rs: list) -> str:
+    """The LoRA settings of a run (any engine's ``extra.lora``)."""
+    lo = next(((r.get("extra") or {}).get("lora") for r in rs if (r.get("extra") or {}).get("lora")), None)
+    if not lo:
+        return "r 16, alpha 32, dropout 0 on the seven linears (no engine reported its adapters)"
+    return (f"r {lo['r']}, alpha {lo['alpha']}, dropout {lo['dropout']} on {', '.join(lo['targets'])} through "
+            f"peft.get_peft_model; AdamW lr {lo['lr']} over the adapters; the base frozen in bf16; trainable "
+            f"{lo['trainable']:,}, frozen {lo['frozen']:,} parameters")
 
 
 def write_outputs(doc: dict, out_dir: str) -> str:
@@ -333,7 +354,10 @@ def append_docs(md: str, path: str) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="W1", help="W1, W2, W3 or smoke")
+    p.add_argument("--workload", default="W1", help="W1, W2, W3, W6a, W6b (LoRA), smoke, ... (common.WORKLOADS)")
+    p.add_argument("--lora", action="store_true",
+                   help="every engine trains W6's LoRA over the frozen base (implied by W6a, W6b); fsdp2 refuses")
+    p.add_argument("--qlora", action="store_true", help="refused: zerofit has no QLoRA yet (W6c)")
     p.add_argument("--engines", default="plain,zerofit,deepspeed,fsdp2",
                    help=f"comma-separated, run in this order; from {', '.join(ENGINES)}")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per engine, the first untimed")
@@ -341,6 +365,8 @@ def parse_args(argv=None):
     p.add_argument("--cap", default="24GiB", help="GPU memory cap of the offloading engines ('none': no cap)")
     p.add_argument("--plain-cap", default="none", help="GPU memory cap of plain (default: none)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per engine before it is killed")
+    p.add_argument("--engine-timeout", action="append", default=[], metavar="NAME=SECONDS",
+                   help="one engine's own --timeout, e.g. deepspeed=540 (repeatable)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run: later engines get what is left (minus a margin)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for dry runs")
@@ -360,6 +386,7 @@ def parse_args(argv=None):
         name, _, rest = item.partition("=")
         extra[name.strip()] = (extra.get(name.strip(), "") + " " + rest).strip()
     args.engine_args = extra
+    args.engine_timeout = {k.strip(): float(v) for k, _, v in (t.partition("=") for t in args.engine_timeout)}
     return args
 
 
@@ -374,6 +401,13 @@ def main(argv=None) -> int:
             append_docs(md, docs_target(args.append_docs, doc))
         return 0
 
+    sys.path.insert(0, HERE)
+    import common     # the workloads (no torch import)
+
+    if args.workload not in common.WORKLOADS:
+        sys.exit(f"unknown workload {args.workload!r}; expected one of {sorted(common.WORKLOADS)}")
+    if args.qlora or common.WORKLOADS[args.workload].qlora:
+        sys.exit(f"refused: {common.QLORA_REFUSAL}")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
@@ -388,7 +422,7 @@ def main(argv=None) -> int:
         "machine": machine_info(),
         "command": command_line(),
         "cap": args.cap, "plain_cap": args.plain_cap, "steps": args.steps, "fsdp2_steps": args.fsdp2_steps,
-        "engines": engines,
+        "engines": engines, "lora": bool(args.lora or common.WORKLOADS[args.workload].lora),
     }, "results": []}
     print(f"bench {args.workload}: engines {engines}; machine {doc['meta']['machine']}", flush=True)
     log_path = os.path.join(args.out, f"log_{args.workload}.txt")
@@ -396,7 +430,7 @@ def main(argv=None) -> int:
         for name in engines:
             steps = args.fsdp2_steps if name == "fsdp2" else args.steps
             cap = args.plain_cap if name == "plain" else args.cap
-            timeout = args.timeout
+            timeout = args.engine_timeout.get(name, args.timeout)
             if deadline:
                 timeout = min(timeout, deadline - time.time() - 10)
             if timeout < 20:

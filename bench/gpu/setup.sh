@@ -37,6 +37,12 @@ for name in ("transformers", "accelerate", "pydantic", "pydantic_core", "deepspe
     except Exception as e:
         bad.append(name)
         print(f"gpu_setup: {name} FAILED to import: {type(e).__name__}: {e}")
+for name in ("peft",):     # the lora suite's (its wheel in .whl); the others run without it
+    try:
+        mod = importlib.import_module(name)
+        print(f"gpu_setup: {name} {getattr(mod, '__version__', '?')} from {os.path.dirname(mod.__file__)}")
+    except Exception as e:
+        print(f"gpu_setup: {name} does not import ({type(e).__name__}): the lora suite is skipped")
 sys.exit(1 if bad else 0)
 EOF
 }

@@ -29,11 +29,12 @@
 #                ZeRO-Infinity (default W1:16GiB), DeepSpeed's seconds, the disk tier's folder (default /tmp/nv)
 #   RANKS_DS     ranks: 1 (default) runs DeepSpeed on W5 too (RANKS_DS_ARGS, default --no-offload-param)
 #   TESTS_ARGS   tests: more pytest arguments (e.g. -x)
+#   LORA         lora: which runs (default w6a w6b); LORA_STEPS (default 4)
 #   ZF_TAR=1     tar $OUT into $OUT.tgz at the end
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2      # the repository root
 
-SUITES=(headline ab dsloop trainer disk infer ranks tests)
+SUITES=(headline ab dsloop trainer disk infer ranks lora tests)
 declare -A ABOUT=(
   [headline]="the README's figures: W1 at 24 GiB (plain, zerofit, DeepSpeed, FSDP2), W1 clipped at 1.0 (plain, zerofit), W1 at 8 GiB (plain, zerofit), W2 at 24 GiB (plain, zerofit, DeepSpeed, FSDP2)"
   [ab]="headline's workloads for zerofit at this tree and at an older one (ZF_REPO, OLD_COMMIT), one after the other, plain beside the new one"
@@ -42,6 +43,7 @@ declare -A ABOUT=(
   [disk]="the disk tier: W3a (7B, 32 GiB host), W3b (13B, 108 GiB host) at 24 and 8 GiB, then DISK_PEERS against DeepSpeed ZeRO-Infinity"
   [infer]="W4: offloaded generation of the 13B shape against accelerate (bench/infer.py), then with blocks on the disk"
   [ranks]="2 GPUs (the nvidia-h200-x2 kind): the NCCL rank tests, W2 on 1 and 2 GPUs, W5 zerofit, FSDP2 without offload, DeepSpeed"
+  [lora]="W6: LoRA of the 13B shape over its frozen bf16 base (PEFT): W6a at 24 GiB (plain PEFT on the GPU, zerofit, DeepSpeed ZeRO-3 offload), W6b at 8 GiB (zerofit); needs peft (its wheel in .whl)"
   [tests]="pytest of the GPU tests: tests/gpu/ (test_gpu.py, test_small_gpu_floor.py), tests/unit/test_split_updates.py and every test that skips without CUDA (bench/gpu/gpu_tests.py)"
 )
 
@@ -267,6 +269,27 @@ suite_ranks() {
     [ -n "$memlog" ] && kill "$memlog"
     [ "$dry" = 1 ] || dmesg 2>&1 | tail -50 > "$res/w5_deepspeed_dmesg.txt"
   fi
+}
+
+suite_lora() {     # W6 (shared/bench/WORKLOADS.md): about 15-25 min; run it detached, poll for $OUT/done
+  if [ "$dry" = 0 ] && ! "$ZF_PYTHON" -c "import peft" >/dev/null 2>&1; then
+    zf_skip lora "peft does not import here: put its wheel in .whl (pip download --no-deps peft==0.21.2 -d .whl;" \
+      "pure Python) and carry .whl"
+    return
+  fi
+  local run steps=${LORA_STEPS:-4}
+  for run in ${LORA:-w6a w6b}; do
+    case "$run" in
+      # each engine its own timeout (below a device call's 600 s): plain ~1 min, zerofit a few, DeepSpeed's
+      # ZeRO-3 moves the 26 GB base over PCIe per micro-batch pass
+      w6a) zf_run w6a 360 --workload W6a --engines plain,zerofit,deepspeed --steps "$steps" --cap 24GiB \
+             --engine-timeout plain=300 --engine-timeout deepspeed=540
+           zf_trace w6a ;;
+      w6b) zf_run w6b 360 --workload W6b --engines zerofit --steps "$steps" --cap 8GiB
+           zf_trace w6b ;;
+      *) zf_skip "lora_$run" "no lora run '$run' (w6a w6b)" ;;
+    esac
+  done
 }
 
 suite_tests() {

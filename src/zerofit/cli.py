@@ -111,6 +111,8 @@ def estimate(
         min=1, help="Ranks on one host, one GPU each: GPU bytes per GPU, host bytes for the host (docs/ranks.md).")] = 1,
     measure: Annotated[bool, typer.Option(help="Measure this machine's speeds to predict the step time.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
+    lora: Annotated[bool, typer.Option("--lora", help="Plan LoRA (r 16, alpha 32, all linears) over a frozen base.")]
+    = False,
 ) -> None:
     """The plan zerofit would choose, the GPU, host and disk bytes it needs and the predicted step time,
     without allocating the model. When nothing fits: what would, with the numbers (exit 2)."""
@@ -140,7 +142,7 @@ def estimate(
         from zerofit.estimate import meta_model
 
         meta = meta_model(model_dir=model, shape=shape)
-        est = run_estimate(meta, base, measure=measure, gpu=not cpu, **overrides)
+        est = run_estimate(meta, base, measure=measure, gpu=not cpu, lora=lora or None, **overrides)
     except (ConfigError, WeightFileError, ValueError) as e:
         _fail(console, f"{type(e).__name__}: {e}")
     if as_json:

@@ -77,6 +77,19 @@ def meta_model(model_dir: str | Path | None = None, shape: str | None = None):
         return LlamaForCausalLM._from_config(shape_config(shape), dtype=torch.float32)
 
 
+LORA_DEFAULTS = dict(r=16, alpha=32, targets="all-linear")   # what ``--lora`` plans without its own settings
+
+
+def with_lora(model, r: int = 16, alpha: int = 32, targets="all-linear"):
+    """``model`` (on the meta device) with PEFT's LoRA adapters (``target_modules=targets``): its base frozen, as
+    ``zerofit train --lora`` trains it. Nothing is allocated: PEFT makes the adapters on the base's meta device."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ValueError("estimating a LoRA model needs peft (pip install peft)") from e
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
+
+
 @dataclass
 class StepPrediction:
     """Seconds per optimizer step, per resource; ``step`` from the phases they run in, or the disk's time."""
@@ -117,7 +130,8 @@ class Estimate:
         return self.batch.tokens * self.batch.grad_accum * self.ranks / self.step.step
 
     def to_dict(self) -> dict:
-        d = {"parameters": self.parameters, "batch": asdict(self.batch), "refusal": self.refusal,
+        d = {"parameters": self.parameters, "frozen_parameters": self.shape.frozen_numel,
+             "batch": asdict(self.batch), "refusal": self.refusal,
              "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
              "host_baseline_bytes": self.host_baseline_bytes, "disk_bytes": self.disk_bytes,
              "disk_traffic_bytes": list(self.disk_traffic), "step": asdict(self.step),
@@ -133,8 +147,11 @@ class Estimate:
         b = self.batch
         ranks = f" per rank, {self.ranks} ranks (GPU bytes: each GPU's; host bytes: the host's)" \
             if self.ranks > 1 else ""
-        lines = [f"model: {fmt_count(self.parameters)} parameters, {len(self.shape.block_numels)} blocks; batch "
-                 f"{b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step{ranks}"]
+        sh = self.shape
+        frozen = (f" ({fmt_count(sh.shell_numel + sum(sh.block_numels))} trained; {fmt_count(sh.frozen_numel)} frozen:"
+                  " their weights only, in the compute dtype)" if sh.frozen_numel else "")
+        lines = [f"model: {fmt_count(self.parameters)} parameters{frozen}, {len(self.shape.block_numels)} blocks; "
+                 f"batch {b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step{ranks}"]
         if self.refusal is not None:
             return "\n".join(lines + ["", self.refusal])
         lines += [self.plan.describe(), ""]
@@ -164,9 +181,13 @@ class Estimate:
         return "\n".join(lines)
 
 
-def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = None, **overrides) -> Estimate:
+def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = None, lora: dict | bool | None = None,
+             **overrides) -> Estimate:
     """Plan ``model`` (an ``nn.Module`` on the meta device, or a model directory) under ``config`` (any form
     ``zerofit.initialize`` takes, with the same keyword overrides) without allocating it.
+
+    ``lora``: plan LoRA over a frozen base (True: LORA_DEFAULTS; a dict: :func:`with_lora`'s settings). A model
+    whose parameters have ``requires_grad=False`` (a PEFT model) is planned with them frozen anyway.
 
     ``gpu``: plan for a GPU (True) or the CPU (False); None: the config's device (``auto``: a GPU if this
     machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size."""
@@ -179,6 +200,8 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     cfg = load_config(config, **overrides).config
     if isinstance(model, (str, Path)):
         model = meta_model(model_dir=model)
+    if lora:
+        model = with_lora(model, **(LORA_DEFAULTS | (lora if isinstance(lora, dict) else {})))
     if gpu is None:
         gpu = (cfg.device.startswith("cuda") if cfg.device != "auto"
                else torch.cuda.is_available() or cfg.max_gpu_memory is not None)
@@ -193,7 +216,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     deferred = needs_norm(cfg)
     dev_budget = gpu_budget(cfg) if on_cuda and torch.cuda.is_available() else cfg.max_gpu_memory
     host_budget = cfg.max_host_memory or default_host_budget()
-    params = shape.shell_numel + sum(shape.block_numels)
+    params = shape.parameters
     baseline = psutil.Process().memory_info().rss * cfg.world_size    # one process per rank
     est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline, ranks=cfg.world_size)
     args = planner_inputs(cfg, adapter, on_cuda=on_cuda, device_budget=dev_budget, host_budget=host_budget)
@@ -327,8 +350,9 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     a = sum(n[i] for i in assisted)
 
     def up_bytes(i: int) -> int:
-        """Block i's weights going up: fp32, or its 16-bit host copy where master and moments are on the disk."""
-        return n[i] * (cb if disk_of.get(i) == "all" else 4)
+        """Block i's weights going up: fp32, or its 16-bit host copy where master and moments are on the disk; its
+        frozen weights as they are stored, in the compute dtype ([Note: frozen parameters], engine/store.py)."""
+        return n[i] * (cb if disk_of.get(i) == "all" else 4) + shape.frozen_of(i) * cb
     weights = sum(up_bytes(i) for i in streamed)    # one pass over the blocks
     host_params = sum(n[i] for i in streamed) - a
     if plan.deferred_updates:     # the updates wait for the norm and run during the next forward
@@ -338,7 +362,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         cast = plan.host_bytes.get("host16_copies", 0) > 0 and cast_copies(cfg, _dtype(cfg), on_cuda, True)
         fwd_rate = (doctor.master_pass_speed(cast=_dtype(cfg) if cast else None)
                     if split_updates(cfg, on_cuda, True) else rate)
-        w16 = sum(n[i] * cb for i in streamed)
+        w16 = sum((n[i] + shape.frozen_of(i)) * cb for i in streamed)
         up_fwd = (w16 - a * cb + a * 16) if cast else weights + a * 12
         down_fwd = a * (12 + cb) if cast else a * 12
         cpu_fwd = host_params / fwd_rate

@@ -134,7 +134,7 @@ class Engine(DeepSpeedSurface):
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
         self.last_grad_norm: float | None = None     # the last step's global gradient norm, where one was taken
         self.ds = DeepSpeedRecord()                  # what the DeepSpeed door knows (deepspeed_surface.py)
-        self._shape = model_shape(model, self.adapter, self._table)
+        self._shape = model_shape(model, self.adapter, self._table, self.frozen)
         self._batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
         # may refuse (PlanError): nothing allocated yet
         self.planning = Planning(config, self.adapter, self._shape, on_cuda=self.dev.is_cuda, device=self.dev.device,
@@ -153,7 +153,7 @@ class Engine(DeepSpeedSurface):
         self.device_updates = self.host_updates = self.streamer = self.activations = self.compute = None
         self.stepper = self.schedule = self.window = None
         try:
-            self.tier = self.lifecycle.resources.tier = self.planning.open_tier(self.frozen, self.deferred)
+            self.tier = self.lifecycle.resources.tier = self.planning.open_tier(self.deferred)
             self._build_parts()
             if self.plan.loss_chunks > 1:      # [Note: a smaller GPU floor]: does this model's loss take chunks?
                 self.planning.probed_chunked_loss(self.schedule.chunked_loss_works(self._shape.hidden, self.dtype))
@@ -380,7 +380,7 @@ class Engine(DeepSpeedSurface):
                                      "disk tier this plan needs") from err
         carried = recovery.optimizer_state_by_name(self.units, self.adapter, self.sharding)
         generic, table, shape, planning = recovery.generic_plan(err, model=self._model, config=self.config,
-                                                               dev=self.dev, ranks=self.ranks)
+                                                               dev=self.dev, ranks=self.ranks, frozen=self.frozen)
         self.stepper.mirror_stale = True
         self._sync_host_weights()      # the module's parameters hold the current weights: the new unit copies them
         self.worker.drain()

@@ -34,8 +34,9 @@ class Grads:
         cap = max((ranks.padded(u.numel) for u in streamed), default=0)
         # [Note: sharded units]: a gradient slot also holds the reduce-scattered shard, after the padded gradient
         gcap = cap + (max((ranks.shard_size(u.numel) for u in streamed), default=0) if ranks.many else 0)
-        self.pool = SlotPool(dev, plan.grad_slots, gcap, torch.float32) if streamed else None
-        host_units = [u for u in units if not u.optimizer_on_device]
+        # a streamed unit that trains nothing takes no gradient slot ([Note: frozen parameters], store.py)
+        self.pool = SlotPool(dev, plan.grad_slots, gcap, torch.float32) if any(u.trains for u in streamed) else None
+        host_units = [u for u in units if not u.optimizer_on_device and u.trains]
         scap = max((u.hi - u.lo for u in host_units), default=0)     # a rank downloads its shard only
         self.staging: list[torch.Tensor] = []   # (scap,) fp32, pinned host each
         if host_units:

@@ -6,7 +6,8 @@ copied to its home, and released before the next), or built on the meta device
 with its weights in a model directory (each tensor is read from its safetensors
 file straight into the unit's buffer: [Note: one tensor's worth] in
 zerofit/models/safetensors.py): host memory never holds the model twice. Afterwards the module's own parameters are views of the units'
-fp32 host weights, so ``engine.module`` is the model with its current weights.
+fp32 host weights (the frozen ones views of their host copy, in the compute dtype: [Note: frozen parameters] in
+store.py), so ``engine.module`` is the model with its current weights.
 """
 
 from __future__ import annotations
@@ -63,8 +64,13 @@ def param_table(model: nn.Module, adapter: Adapter) -> ParamTable:
     return ParamTable(canonical, aliases, unit_names)
 
 
-def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelShape:
-    numels = [sum(table.canonical[n].numel() for n in names) for names in table.unit_names]
+def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: frozenset | None = None) -> ModelShape:
+    """The planner's view of the model: each unit's trained and frozen parameter counts and the widths.
+    ``frozen``: the canonical names not trained (None: those with ``requires_grad=False``)."""
+    if frozen is None:
+        frozen = frozenset(n for n, p in table.canonical.items() if not p.requires_grad)
+    numels = [sum(table.canonical[n].numel() for n in names if n not in frozen) for names in table.unit_names]
+    still = [sum(table.canonical[n].numel() for n in names if n in frozen) for names in table.unit_names]
     cfg = getattr(model, "config", None)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 0
     inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
@@ -72,7 +78,8 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable) -> ModelS
     if not hidden and adapter.streaming:   # not a Hugging Face model: the block's widest weight
         hidden = max((p.shape[-1] for p in adapter.blocks[0].parameters() if p.dim() == 2), default=0)
         inter = 4 * hidden
-    return ModelShape(numels[0], tuple(numels[1:]), hidden, inter, vocab)
+    return ModelShape(numels[0], tuple(numels[1:]), hidden, inter, vocab, still[0],
+                      tuple(still[1:]) if any(still[1:]) else ())
 
 
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
@@ -123,13 +130,15 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
     arena = HostArena(need, torch.float32, pinned, ranks) if need else None
     need_f = sum(canon[n].numel() for names in still for n in names)
-    arena_f = HostArena(need_f, torch.float32, pinned, ranks) if need_f else None   # shared by the host's ranks
+    # [Note: frozen parameters]: the frozen weights in the compute dtype, read into it from the files or the user's
+    # tensors (a bf16 file's tensors as they are); shared by the host's ranks
+    arena_f = HostArena(need_f, compute_dtype, pinned, ranks) if need_f else None
     units: list[Unit] = []
     for idx, (all_names, names, frozen_names) in enumerate(zip(table.unit_names, trained, still)):
         layout = FlatLayout.of([(n, canon[n].shape) for n in names],
                                [group_of[n] for n in names] if group_of is not None else None)
         flayout = FlatLayout.of([(n, canon[n].shape) for n in frozen_names]) if frozen_names else None
-        fhost = arena_f.take(flayout.numel) if flayout is not None else None     # (frozen numel,) fp32, host
+        fhost = arena_f.take(flayout.numel) if flayout is not None else None     # (frozen numel,) compute dtype, host
         home, on_dev = homes[idx], opt_on_dev[idx]
         opt_dev = dev if on_dev else torch.device("cpu")
         prefix = "" if idx == 0 else adapter.block_prefix(idx - 1) + "."
@@ -187,15 +196,16 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
         if flayout is not None:       # [Note: frozen parameters]
             unit.frozen_host = fhost
-            if home is Home.RESIDENT:
-                unit.frozen_dev = fhost.to(dev, compute_dtype)
+            if home is Home.RESIDENT:   # on the CPU the host copy itself (same dtype and device)
+                unit.frozen_dev = fhost.to(dev)
             else:
                 unit.frozen_at = ranks.padded(layout.numel) if ranks is not None else layout.numel
         unit.updated = threading.Event()
         unit.updated.set()
         unit.moments_done = threading.Event()
         unit.moments_done.set()
-        # the module's own parameters become views of the host weights (fp32, current after engine.wait())
+        # the module's own parameters become views of the host weights (fp32, current after engine.wait()); the
+        # frozen ones views of their host copy, in the compute dtype ([Note: frozen parameters], store.py)
         views = layout.views(unit.host)
         if flayout is not None:
             views.update(flayout.views(fhost))
@@ -273,6 +283,10 @@ def _unit_values(model: nn.Module, adapter: Adapter, idx: int, names: list[str],
         return [canon[n].detach() for n in names]
     root = model if idx == 0 else adapter.blocks[idx - 1]
     mods = list(root.modules()) if idx > 0 else _shell_modules(model, adapter)
+    # only what is still on meta is initialized: real weights beside it (PEFT's adapters made real over a meta
+    # base, say) keep their values
+    on_meta = {id(m) for m in mods if any(t is not None and t.is_meta
+                                          for t in [*m._parameters.values(), *m._buffers.values()])}
     for m in mods:
         for p in list(m._parameters.values()):
             if p is not None and p.is_meta:
@@ -287,15 +301,33 @@ def _unit_values(model: nn.Module, adapter: Adapter, idx: int, names: list[str],
                 m._buffers[bn] = torch.empty(b.shape, dtype=b.dtype, device=init_device)
     init = getattr(model, "_init_weights", None)
     for m in reversed(mods):                             # children before parents, as HF's own init
+        if id(m) not in on_meta:
+            continue
         if init is not None:
             init(m)
         elif hasattr(m, "reset_parameters"):
             m.reset_parameters()
+    _init_lora(model, mods, on_meta)
     canon, _ = _canonical(model)
     missing = [n for n in names if canon[n].is_meta]
     if missing:
         raise ValueError(f"cannot initialize {missing} on the meta device: no _init_weights or reset_parameters")
     return [canon[n].detach() for n in names]
+
+
+def _init_lora(model: nn.Module, mods: list[nn.Module], on_meta: set) -> None:
+    """PEFT's LoRA layers whose adapters were on meta get PEFT's own initialization (``reset_lora_parameters``
+    with the adapter's ``init_lora_weights``: lora_B zero, so the model starts as its base), not the model's
+    ``_init_weights``, which would draw lora_B at random."""
+    configs = getattr(model, "peft_config", None) or {}
+    for m in mods:
+        lora_a = getattr(m, "lora_A", None)
+        if not hasattr(m, "reset_lora_parameters") or not isinstance(lora_a, nn.ModuleDict):
+            continue
+        for name, sub in lora_a.items():
+            if id(sub) in on_meta:
+                cfg = configs.get(name)
+                m.reset_lora_parameters(name, cfg.init_lora_weights if cfg is not None else True)
 
 
 def _shell_modules(model: nn.Module, adapter: Adapter) -> list[nn.Module]:

@@ -50,11 +50,27 @@ def fmt_count(n: float) -> str:
 class ModelShape:
     """What the planner needs to know of the model."""
 
-    shell_numel: int
-    block_numels: tuple[int, ...]
+    shell_numel: int       # the shell's trained parameters
+    block_numels: tuple[int, ...]   # each block's trained parameters (master, moments, gradient)
     hidden: int            # width of the residual stream
     intermediate: int      # MLP width (for the activation estimate)
     vocab: int             # 0 if unknown
+    shell_frozen: int = 0  # the shell's frozen parameters: weights only, in the compute dtype ([Note: frozen
+                           # parameters], store.py)
+    block_frozen: tuple[int, ...] = ()   # each block's frozen parameters (empty: none)
+
+    def frozen_of(self, i: int) -> int:
+        """Block ``i``'s frozen parameters."""
+        return self.block_frozen[i] if self.block_frozen else 0
+
+    @property
+    def frozen_numel(self) -> int:
+        return self.shell_frozen + sum(self.block_frozen)
+
+    @property
+    def parameters(self) -> int:
+        """Every parameter, trained and frozen."""
+        return self.shell_numel + sum(self.block_numels) + self.frozen_numel
 
 
 @dataclass(frozen=True)

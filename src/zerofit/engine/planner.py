@@ -292,7 +292,11 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
     L = len(shape.block_numels)
-    max_block = max(shape.block_numels, default=0)
+    max_block = max(shape.block_numels, default=0)     # trained parameters: gradients, state, staging
+    # [Note: frozen parameters] (store.py): a frozen parameter is only its weights, stored in the compute dtype
+    # (2 B/param in bf16, 4 in fp32), in host memory once, and on the device where its unit's weights are
+    frozen = [shape.frozen_of(i) for i in range(L)]
+    weights_of = [n + f for n, f in zip(shape.block_numels, frozen)]    # a weight slot holds both
     # bytes/param of a resident unit with its optimizer on the device: weights, master, 2 moments, grad; with
     # ``shards`` ranks sharing its state ([Note: sharded device state], sharding.py): whole 16-bit weights (a
     # buffer of their own even in fp32) and gradient, 1/shards of master and moments and the gradient's shard
@@ -321,10 +325,12 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         act_total = sum(act.values())
         streamed = shape.block_numels[r:]
         host_streamed = [] if device_state else streamed      # streamed blocks whose state is on the host
-        n_cpu_units = len(host_streamed) + (0 if shell_dev else 1)
+        n_cpu_units = len([n for n in host_streamed if n]) + (0 if shell_dev else 1)
         slots = (1 if lean else depth) + 1 if streamed else 0
         slots = min(slots, len(streamed))
-        gslots = min(1 if lean else 2, len(streamed))
+        max_weights = max(weights_of[r:], default=0)      # a streamed block's trained and frozen weights
+        # a block that trains nothing takes no gradient slot; none trains: no gradient pool (grads.py)
+        gslots = min(1 if lean else 2, len(streamed)) if any(streamed) else 0
         up_stage = -(-max_block // (4 * 64)) * 64 if lean else 0
         # Gradient staging buffers let the CPU optimizer fall behind the backward by that many units
         # without stalling it; take up to ``staging`` while they fit in a quarter of the host budget.
@@ -345,12 +351,15 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         if not assisted:
             chosen = frozenset()
         uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
+        # frozen weights on the device: a copy of their own on a GPU; on the CPU the device's tensor is the host
+        # copy itself (materialize.py: the same dtype and device)
+        frozen_dev = cb if on_cuda else 0
         dev = {
-            "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4),
-            "resident_blocks": sum(shape.block_numels[:r]) * res_opt,
+            "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4) + shape.shell_frozen * frozen_dev,
+            "resident_blocks": sum(shape.block_numels[:r]) * res_opt + sum(frozen[:r]) * frozen_dev,
             # device_state: each GPU's shard of every streamed block's master, moments and summed gradient
             "sharded_state": -(-sum(streamed) * 20 // shards) if device_state else 0,
-            "weight_slots": slots * max_block * cb,
+            "weight_slots": slots * max_weights * cb,
             # [Note: fp32 uploads]; a unit larger than a block (the shell) goes up through it in pieces
             "upload_staging": ((up_stage or max(list(streamed) or uploaded, default=0)) * 4
                                if not fp32 and uploaded else 0),
@@ -365,7 +374,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         # (resident blocks and weight slots; a streamed block is on the device only in a slot), and 256 MiB.
         # (W1 clipped at a 24 GiB cap, 2026-12-01: reserved exceeded allocated by 1.02 GiB, against the 0.76 that
         # 5% gave; the allocator then freed its cache and retried 15 times, each a device sync)
-        held16 = (sum(shape.block_numels[:r]) + slots * max_block) * cb
+        held16 = (sum(weights_of[:r]) + slots * max_weights) * cb
         dev["allocator_reserve"] = int(0.08 * (act_total + held16)) + (256 << 20 if on_cuda else 0)
         host_units = sum(host_streamed) + (0 if shell_dev else shape.shell_numel)
         device_opt_units = shape.shell_numel + sum(shape.block_numels) - host_units
@@ -373,6 +382,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         chunk = tier_chunk(max_block)
         host = {
             "master_and_moments": (host_units - on_disk["moments"] - on_disk["all"]) * 12,   # master pinned: uploaded
+            # [Note: frozen parameters]: the frozen weights, once (the host's ranks share them), no state
+            "frozen_weights": shape.frozen_numel * cb,
             "host_mirrors": device_opt_units * 4 * ranks if on_cuda else 0,   # fp32 copies the params view
             "grad_staging": stage * -(-stage_numel // ranks) * 4 * ranks,    # each rank's, for its shard
             # deferred updates: each host unit's gradient waits for the norm here, or on the disk with its state

@@ -260,17 +260,14 @@ class Planning:
         """The disk tier's speed, measured on its swap file, is part of the plan (its description shows it)."""
         self.plan = dataclasses.replace(self.plan, disk_speed=(write, read))
 
-    def open_tier(self, frozen: frozenset, deferred: bool) -> DiskTier | None:
+    def open_tier(self, deferred: bool) -> DiskTier | None:
         """The disk tier the plan asks for: its file reserved under ``offload.nvme_path`` and its speed measured
         (preflight: a path that cannot hold it fails here, before anything else is allocated)."""
         plan = self.plan
         if not plan.disk_blocks:
             return None
-        if frozen:
-            raise ValueError(f"the NVMe tier cannot hold a model with frozen parameters yet ({len(frozen)} "
-                             "tensors have requires_grad=False or are in no parameter group): give the host budget "
-                             "room for the plan (max_host_memory), or offload the optimizer to 'cpu' instead of "
-                             "'nvme'")
+        # [Note: frozen parameters] (store.py): the tier holds the trained state of the last blocks (of a LoRA model,
+        # their adapters'); their frozen weights stay in host memory, which the planner counts
         off = self.config.offload
         grad = ("grad",) if deferred else ()    # [Note: gradients on the disk], step.py
         regions, nbytes = disk_layout([(i, self.shape.block_numels[i], DISK_FIELDS[m] + grad)

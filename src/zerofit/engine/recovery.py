@@ -45,12 +45,12 @@ def run_with_fallback(run, possible: bool, dev, discard, become_generic):
         return run()
 
 
-def generic_plan(err: NonSequentialModel, *, model, config, dev, ranks):
+def generic_plan(err: NonSequentialModel, *, model, config, dev, ranks, frozen: frozenset | None = None):
     """The generic path's adapter, parameter table, shape and planning; NonSequentialModel (the engine intact)
     where the device has no room for the whole model."""
     generic = Adapter(model, "generic")
     table = param_table(model, generic)
-    shape = model_shape(model, generic, table)
+    shape = model_shape(model, generic, table, frozen)
     try:     # refused here, the streaming engine is intact
         planning = Planning(config, generic, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks,
                             seq_len=config.seq_len)

@@ -173,18 +173,33 @@ class Schedule:
 
     # ------------------------------------------------------------------ backward
 
-    def _backward_steps(self) -> list[tuple[Unit, bool]]:
+    def _backward_steps(self, first: int = 0) -> list[tuple[Unit, bool]]:
         """The backward's blocks in turn, (unit, recompute): in reverse; with checkpoints every k blocks, each
-        segment's recomputed inputs first ([Note: checkpoints every k blocks])."""
+        segment's recomputed inputs first ([Note: checkpoints every k blocks]). Only blocks ``first`` onwards
+        ([Note: no backward below the lowest trained block]); a segment's recomputes only where one of its blocks
+        runs its backward."""
         every, L = self.activations.every, len(self.blocks)
         if every == 1:
-            return [(u, False) for u in reversed(self.blocks)]
+            return [(u, False) for u in reversed(self.blocks[first:])]
         steps = []
         for start in reversed(range(0, L, every)):
             end = min(start + every, L)
+            if end - 1 < first:
+                break
             steps += [(self.blocks[i], True) for i in range(start, end - 1)]
-            steps += [(self.blocks[i], False) for i in reversed(range(start, end))]
+            steps += [(self.blocks[i], False) for i in reversed(range(max(start, first), end))]
         return steps
+
+    def _first_backward(self, micros: list[Micro]) -> int:
+        """[Note: no backward below the lowest trained block]
+        A block's backward makes its weights' gradients and its input's; its input's gradient is needed only by a
+        trained block, or shell parameter, before it. Where nothing before block 0 trains (the pre pass's output
+        needs no gradient: a frozen embedding) the blocks below the lowest trained one have nothing to give a
+        gradient to: their backward is not run, and they are not uploaded again for it. A PEFT model with
+        ``layers_to_transform`` above the first layers, or a full fine-tune of the top layers, skips the rest."""
+        if any(m.pre.hidden.requires_grad for m in micros):
+            return 0
+        return next((u.index for u in self.blocks if u.trains), len(self.blocks))
 
     def _recompute_inputs(self, micros: list[Micro], unit: Unit) -> None:
         """[Note: checkpoints every k blocks]: block ``unit``'s forward again from its input, for the next block's
@@ -201,7 +216,8 @@ class Schedule:
     def backward_blocks(self, micros: list[Micro]) -> None:
         """The blocks' backward in reverse, block-major over ``micros``, each block's gradient handed to the step
         as it completes; then the pre pass's backward into the shell's gradient."""
-        steps = self._backward_steps()
+        first = self._first_backward(micros)
+        steps = self._backward_steps(first)
         order = [u for u, _ in steps]
         if not self.step.deferred or self.step.speculator.current is not None:   # the updates start during it
             self.host_updates.expect(list(reversed(self.blocks)), grads_written=False)
@@ -217,7 +233,7 @@ class Schedule:
             names = list(unit.layout.names)
             self.activations.up(micros, unit.index)         # [Note: offloaded checkpoints] (no-op otherwise)
             self.activations.wait(unit.index)
-            for ahead in range(1, CKPT_AHEAD + 1):          # each a no-op but the farthest, already enqueued
+            for ahead in range(1, min(CKPT_AHEAD, unit.index - first) + 1):   # each a no-op but the farthest
                 self.activations.up(micros, unit.index - ahead)
             with self.dev.timed("compute", label=unit.name):
                 for micro in micros:

@@ -16,6 +16,8 @@ buffer          shape, dtype                home
 ``exp_avg``     (numel,) fp32               optimizer home
 ``exp_avg_sq``  (numel,) fp32               optimizer home
 ``grad``        (numel,) fp32               device: a slot (streamed) or own buffer
+``frozen_host`` (frozen numel,) compute     host, once: the frozen parameters' weights, which the module's
+                dtype                       frozen parameters view ([Note: frozen parameters])
 ==============  ==========================  ========================================
 
 A unit on the disk tier (``swap``, disk.py) has its moments (``"moments"``), or its master and
@@ -29,14 +31,45 @@ Host-optimized units upload ``master`` (pinned) and the device casts it: see
 [Note: frozen parameters]
 A parameter that is not trained (``requires_grad=False``, or in no parameter group: groups.py) is *frozen*: it
 is part of its unit's weights but of none of its training state. A unit keeps its frozen parameters in a second
-layout, ``frozen``, with their own flat buffer ``frozen_host`` (fp32, host: the module's frozen parameters view
-it, and it is their upload source); ``layout`` and every buffer sized by it (``master``, the moments, ``grad``,
-the host gradients, staging, shards) hold the trained parameters only. So a frozen parameter has no optimizer
-state and no gradient buffer, nothing of it is downloaded or updated, and it stays bitwise as it was. On the
-device a resident unit holds ``frozen_dev`` (compute dtype) beside ``dev16``; a streamed unit's weight slot
-holds its frozen weights after the trained ones, at ``frozen_at``, uploaded with them. A unit may train nothing
-(``numel`` 0: a frozen block, a frozen shell): it is uploaded and computed as any other, and the backward passes
-gradients through it to its input only.
+layout, ``frozen``, with their own flat buffer ``frozen_host``; ``layout`` and every buffer sized by it
+(``master``, the moments, ``grad``, the host gradients, staging, shards) hold the trained parameters only. So a
+frozen parameter has no optimizer state and no gradient buffer, nothing of it is downloaded or updated, and it
+stays bitwise as it was.
+
+``frozen_host`` is the only copy of the frozen weights: host memory, once (pinned when the engine pins; shared by
+the host's ranks), in the *compute dtype*: 2 B/param in bf16 or fp16 training, 4 in fp32 (fp32 training keeps
+fp32, so the CPU's bitwise fp32 tests hold). It is filled tensor by tensor from the model directory (a bf16
+file's tensors read into it as they are: models/safetensors.py) or from the user's tensors (cast, rounding to
+nearest even), never through an fp32 copy of the base (materialize.py). A streamed unit's weight slot holds its
+frozen weights after the trained ones, at ``frozen_at``, and their upload is a plain copy (no staging, no cast on
+the device); a resident unit holds ``frozen_dev`` on the device (on the CPU the host copy itself). The math is
+the one of the fp32 copy this replaced: the device computed with the compute-dtype rounding of the fp32 weights,
+cast at each upload; now the host rounds them once at load, the same way (tests/integration/test_frozen_base.py
+compares a bf16 LoRA run bitwise against the same engine training the base at lr 1e-30, whose fp32 masters are cast
+on the device as the frozen weights were).
+
+What the module views: its frozen parameters are views of ``frozen_host``, so in bf16 training ``engine.module``
+has bf16 frozen parameters beside fp32 trained ones (as a PEFT model loaded in bf16 with fp32 adapters does), and
+an fp32 model's frozen parameters become bf16 at ``initialize`` (the user's originals are released, as the
+trained ones' are). The alternative, fp32 views, means an fp32 copy of the base in host memory (twice the bf16
+base's bytes), which is what this removes. ``master_state_dict`` gives the frozen weights
+in that stored dtype; a checkpoint writes them as fp32 entries (the stored values exactly; the format is as
+before, so older checkpoints load, cast into the stored dtype); an export writes the stored values in the
+export's dtype.
+
+The backward: ``Compute.leaves`` gives the frozen weights as plain slot views (``requires_grad`` false), so
+autograd makes no gradient for them: a frozen block's backward computes its input's gradient only. A unit may train
+nothing (``numel`` 0: a frozen block, a frozen shell): it is uploaded and computed as any other, the backward
+passes gradients through it to its input, and it gets no gradient slot (no gradient pool at all when no streamed
+unit trains), staging buffer, host gradient or update. Block recompute makes each recomputed input a leaf that
+takes a gradient (Schedule._block_backward), so a frozen embedding (or frozen earlier blocks) never leaves a
+block's adapters without one. Below the lowest trained block, with nothing before block 0 trained, no backward runs
+at all ([Note: no backward below the lowest trained block], schedule.py). The planner counts the same (ModelShape's
+``block_numels`` are the trained parameters, ``shell_frozen``/``block_frozen`` the frozen ones: their weights at
+the compute dtype's bytes in host memory, in the weight slots, and on the device for resident units on a GPU). The
+disk tier holds the trained state of the last blocks of a model with frozen parameters as of any other (its master
+and moments, or its moments); their frozen weights stay in host memory: streaming them from the disk, read-only, is
+not done yet.
 
 [Note: slot reuse]
 A streamed unit borrows a device weight slot from the :class:`SlotPool` while
@@ -167,7 +200,7 @@ class Unit:
     shard_state: bool = False                # device-optimized on several ranks: master and moments hold only
                                              # [lo, hi) (dev16 and the host mirror stay whole)
     frozen: FlatLayout | None = None         # its parameters that are not trained ([Note: frozen parameters])
-    frozen_host: torch.Tensor | None = None  # (frozen.numel,) fp32, host (pinned when streamed); module params view it
+    frozen_host: torch.Tensor | None = None  # (frozen.numel,) compute dtype, host (pinned); module params view it
     frozen_dev: torch.Tensor | None = None   # (frozen.numel,) compute dtype, device; RESIDENT only
     frozen_at: int = 0                       # STREAMED: where the frozen weights start in a weight slot
 

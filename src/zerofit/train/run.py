@@ -371,8 +371,10 @@ def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, dat
     cfg = loaded.config
     s = data.stats
     params = sum(u.numel for u in engine.units)
-    frozen = sum(u.frozen_numel for u in engine.units)
-    console.print(f"[bold]zerofit train[/]: {opts.model} ({fmt_count(params + frozen)} parameters) on {engine.device}")
+    frozen = sum(u.frozen_numel for u in engine.units)     # [Note: frozen parameters] (engine/store.py)
+    counts = (f"{fmt_count(params + frozen)} parameters, {fmt_count(params)} trained, {fmt_count(frozen)} frozen in "
+              f"{cfg.precision}" if frozen else f"{fmt_count(params)} parameters")
+    console.print(f"[bold]zerofit train[/]: {opts.model} ({counts}) on {engine.device}")
     if opts.lora is not None:
         lo = opts.lora
         console.print(f"  lora      r {lo.r}, alpha {lo.alpha:g}, targets {lo.targets}, dropout {lo.dropout:g}: "

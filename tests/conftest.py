@@ -32,3 +32,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test (as DeepSpeed's processes run; several times faster for tiny matrices on a
+    shared machine), its thread count restored after. Modules ask for it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -128,13 +128,7 @@ def ds(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """As DeepSpeed's processes run (and faster for tiny matrices on a shared machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 # the first test to ask for ``ds`` waits for DeepSpeed's runs (a minute of CPU, more on a busy machine)

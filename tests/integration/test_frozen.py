@@ -23,12 +23,7 @@ CFG = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_ac
        "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def _reference(model: nn.Module, data, clip: float = 0.0, params=None) -> list[float]:

@@ -25,12 +25,7 @@ CFG = {"device": "cpu", "precision": "bf16", "micro_batch_size": 2, "gradient_ac
 peft = pytest.importorskip("peft")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def _lora(zero_b: bool = False, targets="all-linear", **kw):

@@ -33,13 +33,7 @@ from zerofit.hf import UnsupportedArgumentError, ZerofitTrainerMixin, with_zerof
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is several times faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def _data(n: int, T: int = 16, seed: int = 3) -> list[dict]:

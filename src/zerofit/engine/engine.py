@@ -309,11 +309,7 @@ class Engine(DeepSpeedSurface):
         The module's parameters keep viewing the host weights."""
         self.window.reset()
         for u in self.units:
-            u.dev16 = u.grad = u.slot = u.grad_slot = u.ready_event = u.master_event = u.pending_update = None
-            u.frozen_dev = None
-            u.buffers = {}
-            if u.optimizer_on_device:
-                u.master = u.exp_avg = u.exp_avg_sq = u.step = None
+            u.drop_device()
         self.streamer.drop()
         self.grads.drop()
         self.device_updates.drop()

@@ -212,6 +212,15 @@ class Unit:
     def frozen_numel(self) -> int:
         return self.frozen.numel if self.frozen is not None else 0
 
+    def drop_device(self) -> None:
+        """Let go of every device tensor and event of the unit (a closed or failed engine): its weights, gradient,
+        slots, buffers, and the optimizer state it keeps on the device. Its host state stays."""
+        self.dev16 = self.grad = self.slot = self.grad_slot = self.ready_event = self.master_event = None
+        self.pending_update = self.frozen_dev = None
+        self.buffers = {}
+        if self.optimizer_on_device:
+            self.master = self.exp_avg = self.exp_avg_sq = self.step = None
+
     @property
     def trains(self) -> bool:
         """Whether the unit has trained parameters (else it has no gradient and no update)."""

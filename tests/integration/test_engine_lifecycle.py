@@ -100,6 +100,8 @@ def _fire(fault: dict, phase: str, block: int | None = None) -> None:
         for _ in range(fault["sigint"]):
             signal.raise_signal(signal.SIGINT)
         return
+    if fault.get("before") is not None:            # e.g. wait for the CPU worker to have applied an update
+        fault["before"]()
     raise fault.get("exc", _Boom)(f"injected in the {phase} of block {block}")
 
 
@@ -258,7 +260,10 @@ def test_error_after_updates_began_fails_the_engine():
     engine.wait()
     host = {u.name: u.master.clone() for u in engine.units if not u.optimizer_on_device}
     threads = _optimizer_threads()
-    model.fault.update(phase="backward", block=0)
+    # the error comes once the worker has applied a later block's update (submitted during this backward), not
+    # whenever the worker happens to get to it: otherwise a busy machine may fail before any update is applied
+    later = [u for u in engine.units if u.name in host and u.name != "blocks.0" and u.index >= 0]
+    model.fault.update(phase="backward", block=0, before=lambda: later[-1].updated.wait(30))
     with pytest.raises(EngineFailedError, match="resume from the last checkpoint") as err:
         engine.train_batch(data[1])
     assert model.fault["hits"] >= 1 and isinstance(err.value.__cause__, _Boom)

@@ -491,6 +491,10 @@ class ZerofitConfig(_Frozen):
                                 "None: planned for min(max_position_embeddings, 2048) and checked at the first batch")
     activation_checkpointing: bool = True
     """keep only block inputs in forward and recompute each block in backward"""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """QLoRA: hold the frozen nn.Linear weights of the blocks in NF4 with double quantization (bitsandbytes'
+    format, ~0.52 B/param in host memory), dequantized on the GPU once per residency; a model loaded with
+    BitsAndBytesConfig(load_in_4bit=True) is held so whatever the value (docs/lora.md)"""
     max_gpu_memory: int | None = Field(None, ge=0)
     """bytes of GPU memory the engine may use (accepts '24GiB', '1.5GB'); None = what the device has"""
     max_host_memory: int | None = Field(None, ge=0)

@@ -40,6 +40,7 @@ from zerofit.engine.grads import Grads
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine.hypers import Hypers
 from zerofit.engine.lifecycle import EngineState, Lifecycle
+from zerofit.engine.nf4 import BaseNF4
 from zerofit.engine.materialize import build_units, model_shape, param_table, release_originals
 from zerofit.engine.offload_states import OffloadStates
 from zerofit.engine.plan import Plan
@@ -106,6 +107,8 @@ class Engine(DeepSpeedSurface):
         self.dev = Device.create(rank_device(dev, self.ranks))
         self._adapter_kind = adapter or config.adapter
         self.adapter = Adapter(model, self._adapter_kind)
+        # [Note: an NF4 base] (nf4.py): bitsandbytes' 4-bit layers, or quantize_base, swapped before the table
+        self.nf4 = BaseNF4.prepare(model, self.adapter, self.dtype, config.quantize_base == "nf4", self.ranks.many)
         self._model = model
         from zerofit.checkpoint.model_files import model_dtype
         self.model_dtype = model_dtype(model, source)   # the user's model's dtype, before fp32 masters: exports keep it
@@ -134,7 +137,7 @@ class Engine(DeepSpeedSurface):
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
         self.last_grad_norm: float | None = None     # the last step's global gradient norm, where one was taken
         self.ds = DeepSpeedRecord()                  # what the DeepSpeed door knows (deepspeed_surface.py)
-        self._shape = model_shape(model, self.adapter, self._table, self.frozen)
+        self._shape = model_shape(model, self.adapter, self._table, self.frozen, self.nf4)
         self._batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
         # may refuse (PlanError): nothing allocated yet
         self.planning = Planning(config, self.adapter, self._shape, on_cuda=self.dev.is_cuda, device=self.dev.device,
@@ -173,7 +176,7 @@ class Engine(DeepSpeedSurface):
         self.units, arenas = build_units(self._model, self.adapter, self._table, plan, dev.device, self.dtype, pinned,
                                          source=self._source, group_of=self._group_of, tier=self.tier, ranks=ranks,
                                          on_device_unit=self.sharding.share_device_unit if ranks.many else None,
-                                         frozen=self.frozen)
+                                         frozen=self.frozen, nf4=self.nf4)
         self._source = None   # the files are read: keep only their folder (source_dir)
         self._table = release_originals(self._model, self._table)    # the user's tensors are copied: let go
         self._arenas.extend(arenas)
@@ -503,8 +506,7 @@ class Engine(DeepSpeedSurface):
                 for u in self.units:
                     prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
                     views = u.layout.views(u.master)
-                    if u.frozen is not None:               # [Note: frozen parameters]: as they were
-                        views.update(u.frozen.views(u.frozen_host))
+                    views.update(u.frozen_host_views())    # [Note: frozen parameters]: as they were
                     for n, v in views.items():
                         out[prefix + n] = v.detach().to("cpu", copy=True)
         return out

@@ -64,9 +64,11 @@ def param_table(model: nn.Module, adapter: Adapter) -> ParamTable:
     return ParamTable(canonical, aliases, unit_names)
 
 
-def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: frozenset | None = None) -> ModelShape:
+def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: frozenset | None = None,
+                nf4=None) -> ModelShape:
     """The planner's view of the model: each unit's trained and frozen parameter counts and the widths.
-    ``frozen``: the canonical names not trained (None: those with ``requires_grad=False``)."""
+    ``frozen``: the canonical names not trained (None: those with ``requires_grad=False``); ``nf4``: the
+    :class:`~zerofit.engine.nf4.BaseNF4` of the ones held in 4 bits ([Note: an NF4 base])."""
     if frozen is None:
         frozen = frozenset(n for n, p in table.canonical.items() if not p.requires_grad)
     numels = [sum(table.canonical[n].numel() for n in names if n not in frozen) for names in table.unit_names]
@@ -78,14 +80,20 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: f
     if not hidden and adapter.streaming:   # not a Hugging Face model: the block's widest weight
         hidden = max((p.shape[-1] for p in adapter.blocks[0].parameters() if p.dim() == 2), default=0)
         inter = 4 * hidden
+    nf4_numels = nf4_bytes = ()
+    if nf4:
+        nf4_numels = tuple(sum(table.canonical[n].numel() for n in names if n in nf4) for names in table.unit_names)
+        nf4_bytes = tuple(nf4.unit_bytes([(table.canonical[n].shape, n) for n in names if n in nf4])
+                          for names in table.unit_names)
     return ModelShape(numels[0], tuple(numels[1:]), hidden, inter, vocab, still[0],
-                      tuple(still[1:]) if any(still[1:]) else ())
+                      tuple(still[1:]) if any(still[1:]) else (), nf4_numels, nf4_bytes)
 
 
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
                 compute_dtype: torch.dtype, pinned: bool, source=None,
                 group_of: dict[str, int] | None = None, tier=None, ranks=None,
-                on_device_unit=None, frozen: frozenset = frozenset()) -> tuple[list[Unit], list[HostArena]]:
+                on_device_unit=None, frozen: frozenset = frozenset(),
+                nf4=None) -> tuple[list[Unit], list[HostArena]]:
     """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them.
 
     ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model.
@@ -96,9 +104,12 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     ``on_device_unit(unit)``: called as soon as a device-optimized unit is built (the engine broadcasts and
     shards it there, so that one unit's whole state at most exists at a time).
     ``frozen``: canonical names of the parameters that are not trained; each unit keeps them apart, in its
-    ``frozen`` layout and ``frozen_host`` buffer ([Note: frozen parameters], store.py)."""
+    ``frozen`` layout and ``frozen_host`` buffer ([Note: frozen parameters], store.py); of those, the ones in
+    ``nf4`` (a :class:`~zerofit.engine.nf4.BaseNF4`) are held in 4 bits, after the 16-bit ones in the layout, in
+    the unit's ``nf4`` buffer ([Note: an NF4 base], nf4.py)."""
     canon = table.canonical
-    meta = any(p.is_meta for p in canon.values())
+    quant = nf4 if nf4 else ()
+    meta = any(p.is_meta for n, p in canon.items() if n not in quant)
     init_device = dev if meta else None
     fds: dict = {}
     L = adapter.num_blocks
@@ -112,7 +123,8 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     # The PCIe bytes double (4 B/param each way up), which the measured budget affords; the CPU was
     # the binding resource (design/ENGINE.md). The module's parameters are fp32 views of the same.
     trained = [[n for n in names if n not in frozen] for names in table.unit_names]
-    still = [[n for n in names if n in frozen] for names in table.unit_names]
+    still = [[n for n in names if n in frozen and n not in quant] + [n for n in names if n in quant]
+             for names in table.unit_names]
     sizes = [sum(canon[n].numel() for n in names) for names in trained]
     disk_of = {i + 1: m for i, m in plan.disk_of.items()}     # unit index -> "moments" | "all"
     need = sum(n for i, (n, on_dev) in enumerate(zip(sizes, opt_on_dev)) if not on_dev and disk_of.get(i) != "all")
@@ -129,7 +141,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     else:
         need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
     arena = HostArena(need, torch.float32, pinned, ranks) if need else None
-    need_f = sum(canon[n].numel() for names in still for n in names)
+    need_f = sum(canon[n].numel() for names in still for n in names if n not in quant)
     # [Note: frozen parameters]: the frozen weights in the compute dtype, read into it from the files or the user's
     # tensors (a bf16 file's tensors as they are); shared by the host's ranks
     arena_f = HostArena(need_f, compute_dtype, pinned, ranks) if need_f else None
@@ -138,7 +150,12 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         layout = FlatLayout.of([(n, canon[n].shape) for n in names],
                                [group_of[n] for n in names] if group_of is not None else None)
         flayout = FlatLayout.of([(n, canon[n].shape) for n in frozen_names]) if frozen_names else None
-        fhost = arena_f.take(flayout.numel) if flayout is not None else None     # (frozen numel,) compute dtype, host
+        plain = [n for n in frozen_names if n not in quant]     # the 16-bit ones, first ([Note: an NF4 base])
+        qnames = frozen_names[len(plain):]
+        n16 = sum(canon[n].numel() for n in plain)
+        fhost = ((arena_f.take(n16) if n16 else torch.empty(0, dtype=compute_dtype))   # (16-bit frozen numel,)
+                 if flayout is not None else None)                                       # compute dtype, host
+        fviews = FlatLayout.of([(n, canon[n].shape) for n in plain]).views(fhost) if flayout is not None else {}
         home, on_dev = homes[idx], opt_on_dev[idx]
         opt_dev = dev if on_dev else torch.device("cpu")
         prefix = "" if idx == 0 else adapter.block_prefix(idx - 1) + "."
@@ -146,6 +163,10 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
         if flayout is not None:
             unit.frozen = dataclasses.replace(flayout, names=tuple(n[len(prefix):] for n in flayout.names))
+        if qnames:
+            at = dict(zip(flayout.names, flayout.offsets))
+            unit.nf4 = nf4.unit(qnames, [n[len(prefix):] for n in qnames], [canon[n].shape for n in qnames],
+                                [at[n] for n in qnames], pinned)
         swap = disk_of.get(idx)
         if on_dev:
             master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
@@ -160,14 +181,21 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             if fill:
                 _read_unit(source, table, names, layout.views(master), fds)
             if frozen_fill and flayout is not None:
-                _read_unit(source, table, frozen_names, flayout.views(fhost), fds)
+                _read_unit(source, table, plain, fviews, fds)
+            for j, n in enumerate(qnames):      # one tensor at a time, quantized as it is read
+                unit.nf4.put(j, nf4.pack_of(n, lambda n=n: _read_one(source, table, n, compute_dtype, fds)))
         else:
-            values = dict(zip(all_names, _unit_values(model, adapter, idx, all_names, init_device)))
+            real = [n for n in all_names if n not in quant]
+            values = dict(zip(real, _unit_values(model, adapter, idx, real, init_device)))
             if fill:
                 _fill(layout.views(master), names, [values[n] for n in names])
             if frozen_fill and flayout is not None:
-                _fill(flayout.views(fhost), frozen_names, [values[n] for n in frozen_names])
+                _fill(fviews, plain, [values[n] for n in plain])
             del values
+            for j, n in enumerate(qnames):
+                unit.nf4.put(j, nf4.pack_of(n, None))
+        for j, n in enumerate(qnames):
+            nf4.held(n, unit.nf4, j)
         unit.master = master
         if swap:
             unit.swap = swap
@@ -196,7 +224,14 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
         if flayout is not None:       # [Note: frozen parameters]
             unit.frozen_host = fhost
-            if home is Home.RESIDENT:   # on the CPU the host copy itself (same dtype and device)
+            if unit.nf4 is not None:    # dequantized once, for the whole run ([Note: an NF4 base])
+                if home is Home.RESIDENT:
+                    unit.frozen_dev = torch.empty(flayout.numel, dtype=compute_dtype, device=dev)
+                    unit.frozen_dev[:n16].copy_(fhost)
+                    unit.nf4.dequantize(unit.nf4.host.to(dev), unit.frozen_dev)
+                else:
+                    unit.frozen_at = ranks.padded(layout.numel) if ranks is not None else layout.numel
+            elif home is Home.RESIDENT:   # on the CPU the host copy itself (same dtype and device)
                 unit.frozen_dev = fhost.to(dev)
             else:
                 unit.frozen_at = ranks.padded(layout.numel) if ranks is not None else layout.numel
@@ -208,7 +243,9 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         # frozen ones views of their host copy, in the compute dtype ([Note: frozen parameters], store.py)
         views = layout.views(unit.host)
         if flayout is not None:
-            views.update(flayout.views(fhost))
+            views.update(fviews)
+        for n in qnames:      # no 16-bit copy to view outside a step: on the meta device ([Note: an NF4 base])
+            views[n] = torch.empty(canon[n].shape, dtype=compute_dtype, device="meta")
         for n in all_names:
             shared = nn.Parameter(views[n], requires_grad=canon[n].requires_grad)
             for alias in table.aliases[n]:
@@ -245,6 +282,17 @@ def rebind_params(model: nn.Module, adapter: Adapter, table: ParamTable, unit: U
             mod_path, _, leaf = alias.rpartition(".")
             (model.get_submodule(mod_path) if mod_path else model)._parameters[leaf] = shared
     unit.host = host
+
+
+def _read_one(source, table: ParamTable, name: str, dtype: torch.dtype, fds: dict) -> torch.Tensor:
+    """One tensor of the model directory, in ``dtype`` (to be quantized: [Note: an NF4 base])."""
+    from zerofit.models.directory import load_tensor
+
+    if source is None:
+        raise ValueError(f"{name}: no weights to quantize (a model on the meta device, without its files)")
+    out = torch.empty(table.canonical[name].shape, dtype=dtype)
+    load_tensor(source, table.aliases[name], out, fds)
+    return out
 
 
 def _read_unit(source, table: ParamTable, names: list[str], views: dict[str, torch.Tensor], fds: dict) -> None:

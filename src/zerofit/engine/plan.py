@@ -58,10 +58,27 @@ class ModelShape:
     shell_frozen: int = 0  # the shell's frozen parameters: weights only, in the compute dtype ([Note: frozen
                            # parameters], store.py)
     block_frozen: tuple[int, ...] = ()   # each block's frozen parameters (empty: none)
+    # [Note: an NF4 base] (nf4.py): of those, per unit (the shell first), the ones held in NF4 and their host
+    # bytes (empty: none)
+    nf4_numels: tuple[int, ...] = ()
+    nf4_bytes: tuple[int, ...] = ()
 
     def frozen_of(self, i: int) -> int:
         """Block ``i``'s frozen parameters."""
         return self.block_frozen[i] if self.block_frozen else 0
+
+    def nf4_bytes_of(self, i: int) -> int:
+        """Block ``i``'s NF4 weights' host bytes (its packed upload)."""
+        return self.nf4_bytes[i + 1] if self.nf4_bytes else 0
+
+    def frozen_host_bytes(self, cb: int, units=None) -> int:
+        """Host bytes of the frozen weights (of ``units``: indices, the shell 0; None: all): the 16-bit ones
+        at ``cb`` bytes each, the NF4 ones packed."""
+        frozen = (self.shell_frozen,) + (tuple(self.block_frozen) or (0,) * len(self.block_numels))
+        nf4n = self.nf4_numels or (0,) * len(frozen)
+        nf4b = self.nf4_bytes or (0,) * len(frozen)
+        idx = range(len(frozen)) if units is None else units
+        return sum((frozen[i] - nf4n[i]) * cb + nf4b[i] for i in idx)
 
     @property
     def frozen_numel(self) -> int:

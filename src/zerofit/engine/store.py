@@ -203,6 +203,8 @@ class Unit:
     frozen_host: torch.Tensor | None = None  # (frozen.numel,) compute dtype, host (pinned); module params view it
     frozen_dev: torch.Tensor | None = None   # (frozen.numel,) compute dtype, device; RESIDENT only
     frozen_at: int = 0                       # STREAMED: where the frozen weights start in a weight slot
+    nf4: object = None                       # its frozen weights held in 4 bits (nf4.UnitNF4), after those of
+                                             # frozen_host in the frozen layout ([Note: an NF4 base], nf4.py)
 
     @property
     def numel(self) -> int:
@@ -238,6 +240,17 @@ class Unit:
         if self.state is not WeightState.ON_DEVICE:
             raise RuntimeError(f"{self.name}: weights used while {self.state.name}")
         return self.slot.tensor[: self.numel]
+
+    def frozen_host_views(self) -> dict[str, torch.Tensor]:
+        """The frozen parameters' host values by name: views of ``frozen_host``, the NF4 ones dequantized now."""
+        if self.frozen is None:
+            return {}
+        n16 = self.frozen_host.numel()
+        out = {n: self.frozen_host[o:o + math.prod(s)].view(s)
+               for n, s, o in zip(self.frozen.names, self.frozen.shapes, self.frozen.offsets) if o < n16}
+        if self.nf4 is not None:
+            out.update({n: self.nf4.value(n, self.frozen_host.dtype) for n in self.nf4.names})
+        return out
 
     def frozen_weights(self) -> dict[str, torch.Tensor]:
         """The frozen parameters' device tensors by name ([Note: frozen parameters]); valid as device_weights."""
@@ -359,7 +372,7 @@ def follow_masters(units: list[Unit], shell: Unit) -> None:
             else:
                 u.dev16.copy_(u.master)
         if u.frozen_dev is not None and u.frozen_dev is not u.frozen_host:    # [Note: frozen parameters]
-            u.frozen_dev.copy_(u.frozen_host)
+            u.frozen_dev[:u.frozen_host.numel()].copy_(u.frozen_host)     # (NF4 ones never change)
         if u.home is Home.STREAMED:
             u.state, u.slot, u.ready_event = WeightState.ON_HOST, None, None
         if u.home is Home.RESIDENT and u.grad is not None:

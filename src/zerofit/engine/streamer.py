@@ -49,6 +49,11 @@ class Streamer:
         self.stage = (torch.empty(ucap, dtype=torch.float32, device=dev.device)  # (ucap,) fp32
                       if uploaded and dtype != torch.float32 else None)
         self.kept: dict[int, Slot] = {}
+        # [Note: an NF4 base] (nf4.py): a streamed block's packed 4-bit weights go up here, then are dequantized
+        # into its slot (the upload stream runs in order: one stage serves every block)
+        nf4 = max((u.nf4.nbytes for u in streamed if u.nf4 is not None), default=0)
+        self.nf4_stage = (torch.empty(nf4, dtype=torch.uint8, device=dev.device)   # (bytes,) uint8
+                          if nf4 and dev.is_cuda else None)
 
     @property
     def shell_host_optimized(self) -> bool:
@@ -67,7 +72,7 @@ class Streamer:
 
     def drop(self) -> None:
         """Let go of the device buffers (a closed or failed engine)."""
-        self.pool = self.stage = None
+        self.pool = self.stage = self.nf4_stage = None
         self.kept = {}
 
     # ------------------------------------------------------------------ transitions
@@ -143,8 +148,18 @@ class Streamer:
 
     def _upload_frozen(self, unit: Unit, dst: torch.Tensor) -> None:
         """The unit's frozen weights (fp32 host) into ``dst`` (compute dtype) on the upload stream: in place, or
-        through the upload stage in pieces as upload does ([Note: frozen parameters], store.py)."""
+        through the upload stage in pieces as upload does ([Note: frozen parameters], store.py); those held in
+        NF4 packed, then dequantized on the device ([Note: an NF4 base], nf4.py)."""
         src = unit.frozen_host
+        if unit.nf4 is not None:
+            q = unit.nf4
+            with self.dev.timed("upload", self.dev.upload, f"{unit.name}(nf4)"):
+                packed = q.host
+                if self.nf4_stage is not None:
+                    packed = self.nf4_stage[:q.nbytes]
+                    packed.copy_(q.host, non_blocking=True)
+                q.dequantize(packed, dst)
+            dst = dst[:src.numel()]
         with self.dev.timed("upload", self.dev.upload, f"{unit.name}(frozen)"):
             if dst.dtype == src.dtype:
                 dst.copy_(src, non_blocking=True)

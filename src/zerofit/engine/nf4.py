@@ -1,0 +1,331 @@
+"""A frozen base in 4 bits (QLoRA): NF4 with double quantization, in bitsandbytes' format (a part).
+
+[Note: an NF4 base]
+QLoRA keeps the frozen linear weights of the blocks in NF4: 4-bit codes in blocks of 64, each block's scale
+quantized again to 8 bits in blocks of 256 ("double quantization"), about 0.52 B/param; a 70B base in ~37 GB
+of host memory. The format and its arithmetic are bitsandbytes' (``quantize_4bit``, ``dequantize_4bit``:
+docs/dependencies.md says why that library), so a model loaded with ``BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`` is taken as it is (its ``Params4bit`` codes and
+``QuantState``), and ``quantize_base: nf4`` (``zerofit train --qlora``) quantizes each frozen ``nn.Linear``
+weight of the blocks the way that loading does: one tensor at a time, as it is read from the model's files
+(in the compute dtype, as ``from_pretrained(dtype=...)`` reads it), never the whole base in 16 bits.
+
+Where the pieces live: a unit's NF4 weights are one flat uint8 host buffer (``UnitNF4.host``, pinned when the
+engine pins), each tensor's codes, 8-bit scales, their fp32 scales and map at fixed byte offsets. The unit's
+``frozen`` layout still names every frozen parameter: the 16-bit ones first (``frozen_host``, as before), then
+the NF4 ones, whose place in the weight slot (or in a resident unit's ``frozen_dev``) receives their
+dequantized values. An upload copies the packed bytes to the device (``Streamer``'s NF4 stage, on the upload
+stream) and dequantizes them there into the slot, once per residency of the block: a resident unit once at
+start. On the CPU the host buffer is read in place.
+
+The math: the module's layer becomes a :class:`DequantizedLinear` whose weight is that dequantized tensor and
+whose forward is ``Linear4bit``'s training forward (``bnb.matmul_4bit``: dequantize into the input's dtype,
+``F.linear``); its backward gives the input's gradient only (a frozen weight). PEFT's LoRA layers wrap it as
+they wrapped the ``Linear4bit`` (their forward calls ``base_layer(x)``). tests/integration/test_qlora.py:
+bitwise bitsandbytes' own QLoRA path (PEFT over a ``BitsAndBytesConfig`` model, torch's AdamW) on the CPU.
+
+Outside a step the module's NF4 weights are on the meta device (there is no 16-bit copy of them to view);
+``master_state_dict``, a merge and the base's fingerprint read them from the packed buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK, BLOCK2 = 64, 256          # bitsandbytes' defaults: codes per scale, scales per second-level scale
+
+
+class QuantError(ValueError):
+    """A QLoRA request that cannot be carried out; the message says what to do."""
+
+
+def bnb_functional():
+    """``bitsandbytes.functional``, or :class:`QuantError` naming the install."""
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)      # its import reports optional CPU kernels it did not find
+    try:
+        import bitsandbytes.functional as bf
+    except ImportError as e:
+        raise QuantError(f"QLoRA (an NF4 base) needs bitsandbytes ({e}): pip install 'zerofit[qlora]' "
+                         "(bitsandbytes>=0.48, CPU or CUDA)") from None
+    finally:
+        log.setLevel(level)
+    return bf
+
+
+def _up4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Where one NF4 tensor's pieces are in its unit's packed buffer (byte offsets), and its shape."""
+
+    shape: tuple[int, ...]
+    start: int             # its first element in the unit's frozen layout
+    blocksize: int
+    nested: bool           # double quantization: 8-bit scales (else fp32 ones)
+    data: int              # ((numel + 1) // 2,) uint8 codes
+    absmax: int            # (blocks,) uint8 (nested) or fp32
+    absmax2: int           # nested: (ceil(blocks / 256),) fp32
+    code2: int             # nested: (256,) fp32, the scales' 8-bit map
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.numel // self.blocksize)
+
+    @staticmethod
+    def at(offset: int, shape, start: int, blocksize: int = BLOCK, nested: bool = True) -> "Spec":
+        numel = math.prod(shape)
+        blocks = -(-numel // blocksize)
+        data = offset
+        absmax = _up4(data + (numel + 1) // 2)
+        if not nested:
+            return Spec(tuple(shape), start, blocksize, False, data, absmax, 0, 0, absmax + 4 * blocks)
+        absmax2 = _up4(absmax + blocks)
+        code2 = absmax2 + 4 * -(-blocks // BLOCK2)
+        return Spec(tuple(shape), start, blocksize, True, data, absmax, absmax2, code2, code2 + 4 * 256)
+
+
+def nbytes(numel: int, blocksize: int = BLOCK, nested: bool = True) -> int:
+    """Host bytes of one NF4 tensor of ``numel`` elements (the planner's count: ~0.52 B/param nested)."""
+    return Spec.at(0, (numel,), 0, blocksize, nested).end
+
+
+@dataclass
+class Packed:
+    """One weight in NF4 as host tensors: bitsandbytes' codes and QuantState (nested or not)."""
+
+    data: torch.Tensor               # uint8 codes, two a byte
+    absmax: torch.Tensor             # uint8 (nested) or fp32 scales
+    offset: float = 0.0              # nested: the scales' mean, taken out before they were quantized
+    absmax2: torch.Tensor | None = None
+    code2: torch.Tensor | None = None
+    blocksize: int = BLOCK
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Packed":
+        """bitsandbytes' NF4 of ``w`` with double quantization (as ``Params4bit`` quantizes at load)."""
+        bf = bnb_functional()
+        q, qs = bf.quantize_4bit(w.contiguous(), blocksize=BLOCK, compress_statistics=True, quant_type="nf4",
+                                 quant_storage=torch.uint8)
+        return cls.of_state(q, qs)
+
+    @classmethod
+    def of_state(cls, q: torch.Tensor, qs) -> "Packed":
+        if qs.quant_type != "nf4":
+            raise QuantError(f"a 4-bit weight in {qs.quant_type!r}: zerofit's QLoRA holds NF4 "
+                             "(BitsAndBytesConfig(bnb_4bit_quant_type='nf4'))")
+        data = q.detach().reshape(-1).view(torch.uint8).cpu()
+        if qs.nested:
+            s2 = qs.state2
+            if s2.blocksize != BLOCK2:
+                raise QuantError(f"double quantization in blocks of {s2.blocksize}: bitsandbytes' is {BLOCK2}")
+            return cls(data, qs.absmax.cpu(), float(qs.offset), s2.absmax.float().cpu(), s2.code.float().cpu(),
+                       qs.blocksize)
+        return cls(data, qs.absmax.float().cpu(), blocksize=qs.blocksize)
+
+    @property
+    def nested(self) -> bool:
+        return self.absmax2 is not None
+
+
+def is_linear4bit(m: nn.Module) -> bool:
+    """bitsandbytes' ``Linear4bit`` (and its subclasses), without importing bitsandbytes."""
+    return any(c.__name__ == "Linear4bit" and c.__module__.startswith("bitsandbytes") for c in type(m).__mro__)
+
+
+class DequantizedLinear(nn.Module):
+    """A frozen linear layer whose weight the engine holds in NF4 ([Note: an NF4 base]): ``weight`` is the
+    dequantized one, in the compute dtype, that the engine puts where the block computes; ``forward`` is
+    bitsandbytes' ``Linear4bit`` training forward over it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), device="meta", dtype=dtype),
+                                   requires_grad=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        inp = x.dtype
+        x = x.to(w.dtype)
+        bias = None if self.bias is None else self.bias.to(w.dtype)
+        return F.linear(x, w, bias).to(inp)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
+
+
+class BaseNF4:
+    """Which frozen weights are held in NF4, by canonical name, before the units are built: a ``Packed`` (a
+    ``Linear4bit``'s, taken as it is) or None (to quantize as the weight is read). Made by :meth:`prepare`,
+    which swaps their modules for :class:`DequantizedLinear`; empty when the model has none."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.packed: dict[str, Packed | None] = {}
+        self.originals: dict[str, torch.Tensor] = {}     # name -> the user's 16-bit weight, quantized at build
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.packed
+
+    def __bool__(self) -> bool:
+        return bool(self.packed)
+
+    @classmethod
+    def prepare(cls, model: nn.Module, adapter, dtype: torch.dtype, quantize: bool, many: bool = False) -> "BaseNF4":
+        """Swap each ``Linear4bit`` of ``model`` (and with ``quantize`` each frozen ``nn.Linear`` of its blocks)
+        for a :class:`DequantizedLinear`. Refusals (:class:`QuantError`) come before anything is allocated."""
+        out = cls(dtype)
+        if not quantize and not any(is_linear4bit(m) for m in model.modules()):
+            return out
+        if many:
+            raise QuantError("QLoRA (an NF4 base) on several ranks: not yet; train it in one process (LoRA over "
+                             "a 16-bit base runs on several)")
+        if quantize:
+            bnb_functional()         # installed and loadable, or say so now
+        in_blocks = set()
+        for i, block in enumerate(adapter.blocks):
+            in_blocks |= {id(m) for m in block.modules()}
+        for path, m in list(model.named_modules()):
+            if is_linear4bit(m):
+                out.packed[path + ".weight"] = Packed.of_state(m.weight.data, m.weight.quant_state)
+            elif (quantize and type(m) is nn.Linear and id(m) in in_blocks and not m.weight.requires_grad):
+                out.packed[path + ".weight"] = None
+                if not m.weight.is_meta:
+                    out.originals[path + ".weight"] = m.weight.detach()
+            else:
+                continue
+            if m.bias is not None and m.bias.requires_grad:
+                raise QuantError(f"{path}: a trained bias beside a 4-bit weight: freeze it, or leave the layer "
+                                 "out of the quantization")
+            parent_path, _, leaf = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            setattr(parent, leaf, DequantizedLinear(m.in_features, m.out_features, m.bias, dtype))
+        if quantize and not out.packed:
+            raise QuantError("quantize_base: nf4: the blocks have no frozen nn.Linear layer to hold in 4 bits "
+                             "(a model of other layers, or one whose linear layers all train)")
+        return out
+
+    def form(self, name: str) -> tuple[bool, int]:
+        """(nested, blocksize) of ``name``'s NF4: its ``Linear4bit``'s, or the quantization's."""
+        p = self.packed[name]
+        return (True, BLOCK) if p is None else (p.nested, p.blocksize)
+
+    def unit_bytes(self, shapes_names: list[tuple]) -> int:
+        """Host bytes of a unit's packed buffer holding ``(shape, name)`` in order (UnitNF4's layout)."""
+        at = 0
+        for shape, name in shapes_names:
+            nested, blocksize = self.form(name)
+            at = _up4(Spec.at(at, shape, 0, blocksize, nested).end)
+        return at
+
+    def unit(self, names: list[str], rel: list[str], shapes: list, starts: list[int], pinned: bool) -> "UnitNF4":
+        """A unit's empty packed buffer for ``names`` (canonical; ``rel``: the unit's names of them)."""
+        forms = [self.form(n) for n in names]
+        return UnitNF4(rel, shapes, starts, [f[0] for f in forms], [f[1] for f in forms], pinned)
+
+    def pack_of(self, name: str, read) -> Packed:
+        """The NF4 of ``name``: the one taken from a ``Linear4bit``, or ``read()`` (the weight, in the compute
+        dtype) quantized now."""
+        p = self.packed[name]
+        if p is not None:
+            return p
+        w = self.originals.pop(name, None)
+        if w is None and read is None:
+            raise QuantError(f"{name}: no weights to quantize (a model on the meta device without its files: "
+                             "give the model directory)")
+        w = read() if w is None else w.to(self.dtype)
+        return Packed.quantize(w)
+
+    def held(self, name: str, unit: "UnitNF4", i: int) -> None:
+        """``name`` is now in ``unit``'s buffer: a rebuild of the units takes it from there (nothing else kept)."""
+        self.packed[name] = unit.packed(i)
+
+
+class UnitNF4:
+    """A unit's NF4 weights: one flat uint8 host buffer and each tensor's :class:`Spec` (its pieces, where its
+    dequantized values go in the unit's frozen layout)."""
+
+    def __init__(self, names: list[str], shapes: list[tuple], starts: list[int], nested: list[bool],
+                 blocksizes: list[int], pinned: bool):
+        self.names = list(names)
+        self.specs: list[Spec] = []
+        at = 0
+        for shape, start, n, b in zip(shapes, starts, nested, blocksizes):
+            s = Spec.at(at, shape, start, b, n)
+            self.specs.append(s)
+            at = _up4(s.end)
+        self.nbytes = at
+        self.host = torch.empty(at, dtype=torch.uint8, pin_memory=pinned)
+        self.offsets = [0.0] * len(self.specs)
+        self.start = min(starts)         # where the NF4 tensors begin in the frozen layout (after the 16-bit ones)
+
+    def packed(self, i: int) -> Packed:
+        """Tensor ``i``'s NF4 as views of the host buffer (a rebuild of the units takes them from here)."""
+        s, h = self.specs[i], self.host
+        data = h[s.data:s.data + (s.numel + 1) // 2]
+        if s.nested:
+            return Packed(data, h[s.absmax:s.absmax + s.blocks], self.offsets[i],
+                          h[s.absmax2:s.code2].view(torch.float32), h[s.code2:s.end].view(torch.float32), s.blocksize)
+        return Packed(data, h[s.absmax:s.end].view(torch.float32), blocksize=s.blocksize)
+
+    def put(self, i: int, p: Packed) -> None:
+        s, h = self.specs[i], self.host
+        if p.nested != s.nested or p.blocksize != s.blocksize or p.data.numel() != (s.numel + 1) // 2:
+            raise QuantError(f"{self.names[i]}: its 4-bit weight is not laid out as planned")
+        h[s.data:s.data + p.data.numel()].copy_(p.data)
+        if s.nested:
+            h[s.absmax:s.absmax + s.blocks].copy_(p.absmax.view(torch.uint8))
+            h[s.absmax2:s.code2].view(torch.float32).copy_(p.absmax2)
+            h[s.code2:s.end].view(torch.float32).copy_(p.code2)
+            self.offsets[i] = p.offset
+        else:
+            h[s.absmax:s.end].view(torch.float32).copy_(p.absmax)
+
+    def dequantize(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Each tensor's weight from the packed bytes ``src`` (the host buffer, or its copy on the device) into
+        the unit's frozen layout ``dst`` (compute dtype, same device): ``Linear4bit``'s own dequantization
+        (the scales first, then the codes, into the compute dtype as its training forward does)."""
+        bf = bnb_functional()
+        for i, s in enumerate(self.specs):
+            self._one(bf, i, src, dst[s.start:s.start + s.numel].view(s.shape))
+
+    def _one(self, bf, i: int, src: torch.Tensor, out: torch.Tensor) -> None:
+        s = self.specs[i]
+        data = src[s.data:s.data + (s.numel + 1) // 2]
+        if s.nested:
+            state2 = bf.QuantState(absmax=src[s.absmax2:s.code2].view(torch.float32),
+                                   code=src[s.code2:s.end].view(torch.float32), blocksize=BLOCK2,
+                                   dtype=torch.float32)
+            absmax = bf.dequantize_blockwise(src[s.absmax:s.absmax + s.blocks], state2)
+            absmax += self.offsets[i]
+        else:
+            absmax = src[s.absmax:s.end].view(torch.float32)
+        qs = bf.QuantState(absmax=absmax, shape=torch.Size(s.shape), dtype=out.dtype, blocksize=s.blocksize,
+                           quant_type="nf4")
+        if out.is_cuda:
+            bf.dequantize_4bit(data, quant_state=qs, out=out)
+        else:      # (bitsandbytes' CPU backend has no ``out`` variant)
+            out.copy_(bf.dequantize_4bit(data, quant_state=qs))
+
+    def value(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``name`` (the unit's relative name) dequantized on the host (a merge, ``master_state_dict``)."""
+        i = self.names.index(name)
+        out = torch.empty(self.specs[i].shape, dtype=dtype)
+        self._one(bnb_functional(), i, self.host, out)
+        return out

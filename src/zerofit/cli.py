@@ -113,6 +113,8 @@ def estimate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
     lora: Annotated[bool, typer.Option("--lora", help="Plan LoRA (r 16, alpha 32, all linears) over a frozen base.")]
     = False,
+    qlora: Annotated[bool, typer.Option("--qlora", help="Plan QLoRA: --lora with the base's linears in NF4.")]
+    = False,
 ) -> None:
     """The plan zerofit would choose, the GPU, host and disk bytes it needs and the predicted step time,
     without allocating the model. When nothing fits: what would, with the numbers (exit 2)."""
@@ -142,7 +144,9 @@ def estimate(
         from zerofit.estimate import meta_model
 
         meta = meta_model(model_dir=model, shape=shape)
-        est = run_estimate(meta, base, measure=measure, gpu=not cpu, lora=lora or None, **overrides)
+        if qlora:
+            base["quantize_base"] = "nf4"
+        est = run_estimate(meta, base, measure=measure, gpu=not cpu, lora=lora or qlora or None, **overrides)
     except (ConfigError, WeightFileError, ValueError) as e:
         _fail(console, f"{type(e).__name__}: {e}")
     if as_json:
@@ -222,7 +226,9 @@ def train(
     lora_targets: Annotated[str, typer.Option(
         help="Modules to adapt: all-linear, or names, comma-separated (q_proj,v_proj).")] = "all-linear",
     lora_dropout: Annotated[float, typer.Option(min=0.0, max=1.0, help="LoRA dropout.")] = 0.0,
-    qlora: Annotated[bool, typer.Option("--qlora", help="LoRA over a 4-bit NF4 base: not yet.")] = False,
+    qlora: Annotated[bool, typer.Option(
+        "--qlora", help="QLoRA: --lora over the base's linear layers held in 4 bits (NF4 with double quantization, "
+                        "bitsandbytes' format), quantized as they are read (docs/lora.md).")] = False,
     time_budget: Annotated[float | None, typer.Option(
         min=0, help="Demo only: no new step starts after this many seconds of training.")] = None,
     sample_tokens: Annotated[int, typer.Option(
@@ -245,9 +251,6 @@ def train(
         return
     if not paths:
         _fail(console, "--model needs --data PATH [PATH...]: the files or folders to train on")
-    if qlora:
-        _fail(console, "--qlora: not yet: issue 29 item 3 (QLoRA over an NF4 base); --lora trains over the 16-bit "
-                       "or fp32 base")
     from zerofit.lora.options import LoraOptions
     from zerofit.checkpoint.lock import FolderInUseError
     from zerofit.train.options import TrainOptions
@@ -263,7 +266,8 @@ def train(
         save_every=save_every, keep=keep, save_at_end=save_at_end, resume=resume,
         save_on_interrupt=save_on_interrupt, export=export, export_dtype=export_dtype.value if export_dtype else None,
         progress=progress, deterministic=deterministic,
-        lora=LoraOptions(r=lora_r, alpha=lora_alpha, targets=lora_targets, dropout=lora_dropout) if lora else None)
+        lora=(LoraOptions(r=lora_r, alpha=lora_alpha, targets=lora_targets, dropout=lora_dropout, qlora=qlora)
+              if lora or qlora else None))
     status = 0
     with exit_on_signal():     # until the run's own handling: a signal ends the command with 130 / 143
         # [Note: one writer per folder]: the run folder is held before torch loads, so a second run is refused

@@ -148,8 +148,11 @@ class Estimate:
         ranks = f" per rank, {self.ranks} ranks (GPU bytes: each GPU's; host bytes: the host's)" \
             if self.ranks > 1 else ""
         sh = self.shape
+        q = sum(sh.nf4_numels)
+        held = (f"{fmt_count(q)} of them in NF4 ({fmt_bytes(sum(sh.nf4_bytes))}), the rest in the compute dtype"
+                if q else "in the compute dtype")
         frozen = (f" ({fmt_count(sh.shell_numel + sum(sh.block_numels))} trained; {fmt_count(sh.frozen_numel)} frozen:"
-                  " their weights only, in the compute dtype)" if sh.frozen_numel else "")
+                  f" their weights only, {held})" if sh.frozen_numel else "")
         lines = [f"model: {fmt_count(self.parameters)} parameters{frozen}, {len(self.shape.block_numels)} blocks; "
                  f"batch {b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step{ranks}"]
         if self.refusal is not None:
@@ -209,8 +212,12 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     if on_cuda and not torch.cuda.is_available() and cfg.max_gpu_memory is None:
         raise ValueError("no GPU here to read its memory from: give max_gpu_memory (--max-gpu-memory), the GPU's size")
     adapter = Adapter(model, cfg.adapter)
+    from zerofit.engine.nf4 import BaseNF4
+
+    # [Note: an NF4 base] (engine/nf4.py): quantize_base (--qlora), or a model of bitsandbytes' 4-bit layers
+    nf4 = BaseNF4.prepare(model, adapter, DTYPES[cfg.precision], cfg.quantize_base == "nf4", check=False)
     table = param_table(model, adapter)
-    shape = model_shape(model, adapter, table)
+    shape = model_shape(model, adapter, table, nf4=nf4)
     batch = plan_batch(cfg, model, None)
     dtype = DTYPES[cfg.precision]
     deferred = needs_norm(cfg)
@@ -352,7 +359,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     def up_bytes(i: int) -> int:
         """Block i's weights going up: fp32, or its 16-bit host copy where master and moments are on the disk; its
         frozen weights as they are stored, in the compute dtype ([Note: frozen parameters], engine/store.py)."""
-        return n[i] * (cb if disk_of.get(i) == "all" else 4) + shape.frozen_of(i) * cb
+        return n[i] * (cb if disk_of.get(i) == "all" else 4) + shape.frozen_host_bytes(cb, [i + 1])
     weights = sum(up_bytes(i) for i in streamed)    # one pass over the blocks
     host_params = sum(n[i] for i in streamed) - a
     if plan.deferred_updates:     # the updates wait for the norm and run during the next forward
@@ -362,7 +369,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         cast = plan.host_bytes.get("host16_copies", 0) > 0 and cast_copies(cfg, _dtype(cfg), on_cuda, True)
         fwd_rate = (doctor.master_pass_speed(cast=_dtype(cfg) if cast else None)
                     if split_updates(cfg, on_cuda, True) else rate)
-        w16 = sum((n[i] + shape.frozen_of(i)) * cb for i in streamed)
+        w16 = sum(n[i] * cb + shape.frozen_host_bytes(cb, [i + 1]) for i in streamed)
         up_fwd = (w16 - a * cb + a * 16) if cast else weights + a * 12
         down_fwd = a * (12 + cb) if cast else a * 12
         cpu_fwd = host_params / fwd_rate

@@ -62,7 +62,7 @@ def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype | None
     peft = is_peft(model)
     if merge and not peft:
         raise ValueError("save_pretrained(merge=True) merges LoRA adapters: this model is not a PEFT model")
-    if peft and merge:
+    if peft and merge and not engine.nf4:      # an NF4 base merges into its dequantized weights (below)
         from zerofit.lora.files import refuse_quantized
         refuse_quantized(model)           # before anything is written
     engine.wait()
@@ -73,9 +73,21 @@ def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype | None
     if peft:
         from zerofit.lora.files import merged_entries
         side = model_side_files(model.get_base_model(), engine.source_dir, dt)
-        return write_model_dir(Path(out_dir), merged_entries(model, dt), side, parse_bytes(max_shard_size), workers)
+        return write_model_dir(Path(out_dir), merged_entries(model, dt, _dequantized(engine)), side,
+                               parse_bytes(max_shard_size), workers)
     side = model_side_files(model, engine.source_dir, dt)
     return write_model_dir(Path(out_dir), weight_entries(engine, dt), side, parse_bytes(max_shard_size), workers)
+
+
+def _dequantized(engine) -> dict:
+    """Name -> the fp32 value of each weight held in NF4 ([Note: an NF4 base], engine/nf4.py), computed when asked:
+    a merge writes the adapters into the dequantized base (merging into 4-bit weights breaks models)."""
+    out = {}
+    for u in engine.units:
+        if u.nf4 is not None:
+            prefix = "" if u.index < 0 else engine.adapter.block_prefix(u.index) + "."
+            out.update({prefix + n: (lambda u=u, n=n: u.nf4.value(n, torch.float32)) for n in u.nf4.names})
+    return out
 
 
 def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | torch.dtype | None = None,

@@ -68,6 +68,7 @@ def model_side_files(model: nn.Module, source_dir: Path | str | None, dtype: tor
     if cfg is not None and hasattr(cfg, "to_json_string"):
         d = json.loads(cfg.to_json_string())
         d["architectures"] = [type(model).__name__]
+        d.pop("quantization_config", None)      # the weights written are never the 4-bit ones ([Note: an NF4 base])
         out.append(SideFile(CONFIG, with_dtype(json.dumps(d).encode(), dtype)))
         gen = getattr(model, "generation_config", None)
         can = getattr(model, "can_generate", None)

@@ -54,6 +54,12 @@ def weight_entries(engine, dtype: torch.dtype = torch.float32, frozen: bool = Tr
     engine/store.py)."""
     out = []
     for u, p in _named_units(engine):
+        if frozen and u.nf4 is not None:      # [Note: an NF4 base] (engine/nf4.py): no 16-bit copy to point at
+            raise CheckpointStateError(
+                f"{u.name}: its frozen weights are held in NF4 (quantize_base: nf4, or a 4-bit model): a checkpoint "
+                "or export with the frozen weights is not written from them; save the trained state "
+                "(exclude_frozen_parameters=True; a PEFT model's checkpoints do so), the adapter "
+                "(engine.save_pretrained), or a merged model into the dequantized base (zerofit export --merge)")
         parts = [(u.layout, u.master)] + ([(u.frozen, u.frozen_host)] if frozen and u.frozen is not None else [])
         out += [Entry(p + n, tuple(s), dtype, base, o)
                 for layout, base in parts for n, s, o in zip(layout.names, layout.shapes, layout.offsets)]

@@ -187,7 +187,8 @@ class BaseNF4:
         return bool(self.packed)
 
     @classmethod
-    def prepare(cls, model: nn.Module, adapter, dtype: torch.dtype, quantize: bool, many: bool = False) -> "BaseNF4":
+    def prepare(cls, model: nn.Module, adapter, dtype: torch.dtype, quantize: bool, many: bool = False,
+                check: bool = True) -> "BaseNF4":
         """Swap each ``Linear4bit`` of ``model`` (and with ``quantize`` each frozen ``nn.Linear`` of its blocks)
         for a :class:`DequantizedLinear`. Refusals (:class:`QuantError`) come before anything is allocated."""
         out = cls(dtype)
@@ -196,8 +197,8 @@ class BaseNF4:
         if many:
             raise QuantError("QLoRA (an NF4 base) on several ranks: not yet; train it in one process (LoRA over "
                              "a 16-bit base runs on several)")
-        if quantize:
-            bnb_functional()         # installed and loadable, or say so now
+        if quantize and check:
+            bnb_functional()         # installed and loadable, or say so now (not for an estimate)
         in_blocks = set()
         for i, block in enumerate(adapter.blocks):
             in_blocks |= {id(m) for m in block.modules()}

@@ -354,9 +354,15 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         # frozen weights on the device: a copy of their own on a GPU; on the CPU the device's tensor is the host
         # copy itself (materialize.py: the same dtype and device)
         frozen_dev = cb if on_cuda else 0
+        # [Note: an NF4 base] (nf4.py): NF4 weights are dequantized into the device's tensor (on the CPU too)
+        nf4n = shape.nf4_numels or (0,) * (L + 1)
         dev = {
-            "shell": shape.shell_numel * (res_opt if shell_dev else cb + 4) + shape.shell_frozen * frozen_dev,
-            "resident_blocks": sum(shape.block_numels[:r]) * res_opt + sum(frozen[:r]) * frozen_dev,
+            "shell": (shape.shell_numel * (res_opt if shell_dev else cb + 4) + shape.shell_frozen * frozen_dev
+                      + (0 if on_cuda else nf4n[0] * cb)),
+            "resident_blocks": (sum(shape.block_numels[:r]) * res_opt + sum(frozen[:r]) * frozen_dev
+                                + (0 if on_cuda else sum(nf4n[1:r + 1]) * cb)),
+            # a streamed block's packed NF4 weights go up through one stage (streamer.py)
+            "nf4_stage": max((shape.nf4_bytes_of(i) for i in range(r, L)), default=0) if on_cuda else 0,
             # device_state: each GPU's shard of every streamed block's master, moments and summed gradient
             "sharded_state": -(-sum(streamed) * 20 // shards) if device_state else 0,
             "weight_slots": slots * max_weights * cb,
@@ -383,7 +389,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         host = {
             "master_and_moments": (host_units - on_disk["moments"] - on_disk["all"]) * 12,   # master pinned: uploaded
             # [Note: frozen parameters]: the frozen weights, once (the host's ranks share them), no state
-            "frozen_weights": shape.frozen_numel * cb,
+            "frozen_weights": shape.frozen_host_bytes(cb),     # NF4 ones packed ([Note: an NF4 base])
             "host_mirrors": device_opt_units * 4 * ranks if on_cuda else 0,   # fp32 copies the params view
             "grad_staging": stage * -(-stage_numel // ranks) * 4 * ranks,    # each rank's, for its shard
             # deferred updates: each host unit's gradient waits for the norm here, or on the disk with its state

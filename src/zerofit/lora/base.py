@@ -27,8 +27,15 @@ def fingerprint(engine) -> str:
     for u, prefix in _named_units(engine):
         if u.frozen is None:
             continue
+        q = u.nf4.names if u.nf4 is not None else []
         for n, shape, off in zip(u.frozen.names, u.frozen.shapes, u.frozen.offsets):
             numel = math.prod(shape)
+            if n in q:        # [Note: an NF4 base] (engine/nf4.py): its packed codes
+                data = u.nf4.packed(q.index(n)).data
+                h.update(f"{prefix}{n}:{tuple(shape)}:nf4;".encode())
+                idx = torch.linspace(0, data.numel() - 1, min(SAMPLES, data.numel())).long()
+                h.update(data[idx].numpy().tobytes())
+                continue
             h.update(f"{prefix}{n}:{tuple(shape)};".encode())
             idx = torch.linspace(0, numel - 1, min(SAMPLES, numel)).long() + off
             h.update(u.frozen_host[idx].to(torch.float32).numpy().tobytes())

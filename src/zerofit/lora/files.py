@@ -63,14 +63,18 @@ def save_adapter(engine, out_dir: Path | str) -> Path:
     return out
 
 
-def merged_entries(model: nn.Module, dtype: torch.dtype):
-    """The merged model's tensors (the base model's names, tied ones once), each computed when written."""
+def merged_entries(model: nn.Module, dtype: torch.dtype, dequantized: dict | None = None):
+    """The merged model's tensors (the base model's names, tied ones once), each computed when written.
+    ``dequantized``: name -> a function giving the fp32 value of a base weight held in NF4 (the module's is on
+    the meta device: [Note: an NF4 base], engine/nf4.py)."""
     from peft.tuners.lora import LoraLayer
 
     from zerofit.checkpoint.format import Entry
     from zerofit.lora.model import base_name, is_adapter_param
 
-    refuse_quantized(model)
+    dequantized = dequantized or {}
+    if not dequantized:
+        refuse_quantized(model)
     layer_of = {}
     for m in model.modules():
         if isinstance(m, LoraLayer):
@@ -79,8 +83,8 @@ def merged_entries(model: nn.Module, dtype: torch.dtype):
                                 "merge with PEFT's merge_and_unload")
             layer_of[id(m.get_base_layer().weight)] = m
 
-    def merged(p: torch.Tensor, layer) -> torch.Tensor:
-        w = p.detach().clone()
+    def merged(p: torch.Tensor, layer, base=None) -> torch.Tensor:
+        w = base() if base is not None else p.detach().clone()
         for a in layer.active_adapters:
             if a in layer.lora_A:
                 w += layer.get_delta_weight(a)     # as PEFT's merge (safe_merge's arithmetic)
@@ -90,8 +94,11 @@ def merged_entries(model: nn.Module, dtype: torch.dtype):
     for n, p in model.named_parameters():       # tied parameters once, under their first name
         if is_adapter_param(n) or ".original_module." in n:
             continue
-        layer = layer_of.get(id(p))
-        fetch = (lambda p=p, layer=layer: merged(p, layer)) if layer is not None else (lambda p=p: p.detach())
+        layer, base = layer_of.get(id(p)), dequantized.get(n)
+        if layer is not None:
+            fetch = lambda p=p, layer=layer, base=base: merged(p, layer, base)     # noqa: E731
+        else:
+            fetch = base if base is not None else (lambda p=p: p.detach())
         out.append(Entry(base_name(n), tuple(p.shape), dtype, fetch=fetch))
     return out
 

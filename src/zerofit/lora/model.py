@@ -89,8 +89,9 @@ def from_model_dir(path: str | Path, options: LoraOptions, seed: int = 0):
     md = ModelDir.open(path)
     quant = getattr(md.config, "quantization_config", None)
     if quant:
-        raise LoraError(f"{md.path}: a quantized model ({dict(quant).get('quant_method', quant)}): --lora trains "
-                        "over a 16-bit or fp32 base; QLoRA is not yet supported (issue 29 item 3)")
+        raise LoraError(f"{md.path}: a model saved quantized ({dict(quant).get('quant_method', quant)}): zerofit "
+                        "reads 16-bit or fp32 model folders; give the 16-bit model with --qlora, which holds its "
+                        "linears in NF4, quantized as they are read")
     model = wrap(md.build_meta(), options, where=str(md.path))
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):

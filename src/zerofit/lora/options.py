@@ -15,6 +15,7 @@ class LoraOptions:
     dropout: float = 0.0                      # LoraConfig.lora_dropout
     rslora: bool = False                      # LoraConfig.use_rslora
     modules_to_save: tuple[str, ...] = ()     # LoraConfig.modules_to_save (trained whole, e.g. lm_head)
+    qlora: bool = False                       # the base's linears in NF4 (config quantize_base: nf4)
 
     def config(self):
         from peft import LoraConfig

@@ -40,7 +40,7 @@ from rich.text import Text
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from zerofit.config import LoadedConfig, load_config, load_with_defaults
-from zerofit.engine.planner import fmt_count
+from zerofit.engine.planner import fmt_bytes, fmt_count
 from zerofit.train.metrics import Metrics
 from zerofit.train.progress import first_step_note, kernel_build_note
 from zerofit.train.options import TrainOptions
@@ -242,6 +242,10 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
             torch.distributed.destroy_process_group()
 
 
+def _nf4_bytes(engine) -> int:
+    return sum(u.nf4.nbytes for u in engine.units if u.nf4 is not None)
+
+
 def _build_engine(opts: TrainOptions, loaded: LoadedConfig):
     """The engine over the model directory; with ``opts.lora``, over the PEFT model that wraps it (the base
     read from the files into the engine's buffers, frozen; the adapters PEFT's, seeded: zerofit/lora/model.py)."""
@@ -253,7 +257,10 @@ def _build_engine(opts: TrainOptions, loaded: LoadedConfig):
     from zerofit.lora.model import from_model_dir
 
     model, source = from_model_dir(opts.model, opts.lora, seed=loaded.config.seed)
-    return Engine(model, loaded.config, report=loaded.report, source=source)
+    config = loaded.config
+    if opts.lora.qlora:        # [Note: an NF4 base] (engine/nf4.py): quantized as the files are read
+        config = config.model_copy(update={"quantize_base": "nf4"})
+    return Engine(model, config, report=loaded.report, source=source)
 
 
 def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loader, data, metrics: Metrics,
@@ -379,7 +386,9 @@ def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, dat
         lo = opts.lora
         console.print(f"  lora      r {lo.r}, alpha {lo.alpha:g}, targets {lo.targets}, dropout {lo.dropout:g}: "
                       f"trainable {params:,} of {params + frozen:,} parameters "
-                      f"({100 * params / max(1, params + frozen):.2f}%); the base is frozen")
+                      f"({100 * params / max(1, params + frozen):.2f}%); the base is frozen"
+                      + (f", its linears in NF4 ({fmt_bytes(_nf4_bytes(engine))} in host memory)"
+                         if engine.nf4 else ""))
     kinds = ", ".join(f"{n:,} {k}" for k, n in s.documents)
     console.print(f"  data      {s.files} files, {kinds}; {s.tokens:,} tokens ({s.target_tokens:,} with a loss); "
                   f"{len(data.train):,} training windows of {opts.seq_len}"

@@ -111,8 +111,45 @@ def test_bad_lora_input_is_one_line_naming_what_to_do(workspace, tmp_path):
     r = CliRunner().invoke(app, _args(model, data, tmp_path / "a", "--lora", "--lora-targets", "nope", "--steps", "1"))
     assert r.exit_code == 2 and "--lora-targets nope: matches no module" in r.output and "q_proj" in r.output, \
         r.output
-    r = CliRunner().invoke(app, _args(model, data, tmp_path / "b", "--qlora", "--steps", "1"))
-    assert r.exit_code == 2 and "not yet: issue 29 item 3" in r.output, r.output
+    quantized = tmp_path / "quantized"        # a folder saved 4-bit: the 16-bit one with --qlora instead
+    shutil.copytree(model, quantized)
+    cfg = json.loads((quantized / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (quantized / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, _args(quantized, data, tmp_path / "b", "--qlora", "--steps", "1"))
+    assert r.exit_code == 2 and "saved quantized (bitsandbytes)" in r.output and "--qlora" in r.output, r.output
+
+
+def test_a_qlora_run_holds_the_base_in_nf4_and_its_merge_is_into_the_dequantized_base(workspace, tmp_path):
+    """zerofit train --qlora: the blocks' linears quantized as they are read (the start-up summary says so, with
+    their bytes), the adapters trained, PEFT's adapter folder out; zerofit export --merge of its checkpoint
+    merges into the dequantized base, as the live engine's merge does."""
+    pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from zerofit.engine.nf4 import round_trip
+
+    root, model, _, data, _, _ = workspace
+    run = tmp_path / "qrun"
+    r = CliRunner().invoke(app, _args(model, data, run, "--qlora", "--lora-r", "4", "--lora-alpha", "8",
+                                      "--steps", "2", "--save-every", "2"))
+    assert r.exit_code == 0, r.output
+    assert "its linears in NF4" in r.output, r.output
+    losses = _losses(run)
+    assert len(losses) == 2 and all(l > 0 for _, l in losses)
+    adapter = run / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    r = CliRunner().invoke(app, ["export", str(run / "checkpoints"), str(tmp_path / "merged"), "--merge"])
+    assert r.exit_code == 0, r.output
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    base = _base(model)
+    peft_model = PeftModel.from_pretrained(base, adapter)
+    layer = peft_model.base_model.model.model.layers[1].mlp.up_proj
+    want = round_trip(layer.base_layer.weight.detach(), torch.float32) + layer.get_delta_weight("default")
+    assert torch.equal(merged.model.layers[1].mlp.up_proj.weight.detach(), want)
+    # the shell (embeddings, norms, head) as it was: never quantized
+    assert torch.equal(merged.model.embed_tokens.weight, base.model.embed_tokens.weight)
 
 
 def test_export_merge_writes_a_hugging_face_model_with_the_trained_logits(workspace):

@@ -18,6 +18,7 @@ update away (a norm weight of 1.0003 is 1.0 in bf16).
 
 from __future__ import annotations
 
+import json
 import re
 from functools import partial
 from pathlib import Path
@@ -165,7 +166,11 @@ def _export_adapter(folder: Path, record, out: Path, dtype, merge: bool, base, m
     base = base or record.state["lora_base"].get("path")
     if base is None:
         raise ValueError(f"{folder}: the checkpoint's base was not loaded from a folder: give it (--base DIR)")
+    from zerofit.checkpoint.state import ZEROFIT_CONFIG
+
+    trained = json.loads((folder / ZEROFIT_CONFIG).read_text()) if (folder / ZEROFIT_CONFIG).is_file() else {}
+    nf4 = trained.get("precision", "bf16") if trained.get("quantize_base") == "nf4" else None   # a QLoRA run's
     with tempfile.TemporaryDirectory() as tmp:
         for n in names:
             (Path(tmp) / n).write_bytes((folder / n).read_bytes())
-        return merge_into_base(Path(base), Path(tmp), out, dtype, max_shard_size)
+        return merge_into_base(Path(base), Path(tmp), out, dtype, max_shard_size, nf4=nf4)

@@ -142,6 +142,14 @@ class Packed:
         return self.absmax2 is not None
 
 
+def round_trip(w: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``w`` (read in ``dtype``, as the engine reads it) quantized to NF4 and dequantized into ``out_dtype``: the
+    base a QLoRA run trained over, for a merge made offline from its checkpoint (lora/merge.py)."""
+    u = UnitNF4(["w"], [tuple(w.shape)], [0], [True], [BLOCK], False)
+    u.put(0, Packed.quantize(w.to(dtype)))
+    return u.value("w", out_dtype)
+
+
 def is_linear4bit(m: nn.Module) -> bool:
     """bitsandbytes' ``Linear4bit`` (and its subclasses), without importing bitsandbytes."""
     return any(c.__name__ == "Linear4bit" and c.__module__.startswith("bitsandbytes") for c in type(m).__mro__)

@@ -50,7 +50,9 @@ def check_adapter_fits(base_dir: Path, adapter_dir: Path) -> None:
 
 
 def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.dtype | None,
-                    max_shard_size="5GB") -> Path:
+                    max_shard_size="5GB", nf4: str | None = None) -> Path:
+    """``nf4``: the adapter was trained over the base's linears in NF4 (a QLoRA run, in that precision): it is
+    merged into those weights dequantized, the base it trained over ([Note: an NF4 base], engine/nf4.py)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -66,6 +68,8 @@ def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.d
                         "16-bit base it was quantized from (--base DIR), then quantize the merged model")
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     refuse_quantized(base)
+    if nf4 is not None:
+        _dequantized_base(base, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[nf4])
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     if dtype is not None:
         merged = merged.to(dtype)
@@ -75,3 +79,17 @@ def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.d
         if (Path(base_dir) / f).is_file():
             (Path(out) / f).write_bytes((Path(base_dir) / f).read_bytes())
     return out
+
+
+def _dequantized_base(model, dtype: torch.dtype) -> None:
+    """Each linear weight of the blocks as the QLoRA run held it: quantized from ``dtype``, dequantized."""
+    from torch import nn
+
+    from zerofit.engine.adapter import Adapter
+    from zerofit.engine.nf4 import round_trip
+
+    with torch.no_grad():
+        for block in Adapter(model, "auto").blocks:
+            for m in block.modules():
+                if type(m) is nn.Linear:
+                    m.weight.copy_(round_trip(m.weight, dtype))

@@ -58,7 +58,7 @@ class Workload:
     rope_theta: float = 10000.0
     max_positions: int = 4096
     lora: bool = False  # W6: LoRA (LORA below) over the frozen base, through peft.get_peft_model
-    qlora: bool = False  # W6c: an NF4 base (not buildable yet: refused)
+    qlora: bool = False  # W6c: the base's linears in NF4 with double quantization (bitsandbytes' format)
 
     @property
     def tokens_per_step(self) -> int:
@@ -95,7 +95,7 @@ for _base in ("W1", "W2"):
     WORKLOADS[f"{_base}-ga32"] = dataclasses.replace(WORKLOADS[_base], name=f"{_base}-ga32", grad_accum=32)
 
 # W6 (WORKLOADS.md): LoRA over a frozen bf16 base, batch as W1. W6a: the 13B shape at 24 GiB; W6b: at 8 GiB; W6c: a
-# Llama-3-70B shape in QLoRA (NF4 base), listed for its parameter count only: zerofit has no QLoRA yet (refused).
+# Llama-3-70B shape in QLoRA (NF4 base in host memory for zerofit; PEFT + bitsandbytes in the GPU for plain).
 WORKLOADS["W6a"] = dataclasses.replace(WORKLOADS["W3"], name="W6a", lora=True)
 WORKLOADS["W6b"] = dataclasses.replace(WORKLOADS["W3"], name="W6b", lora=True, cap="8GiB")
 WORKLOADS["W6c"] = Workload("W6c", hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256,
@@ -115,8 +115,6 @@ class LoraSpec:
 
 
 LORA = LoraSpec()
-QLORA_REFUSAL = ("QLoRA (an NF4 base, W6c) is not buildable yet: zerofit has no QLoRA (issue 29 item 3); "
-                 "run W6a/W6b or --lora over a bf16 base")
 
 
 class Refused(Exception):
@@ -124,10 +122,65 @@ class Refused(Exception):
 
 
 def lora_wanted(args, w: Workload) -> bool:
-    """Whether this engine run trains LoRA (``--lora``, or a W6 workload); ``--qlora`` or W6c: :class:`Refused`."""
-    if getattr(args, "qlora", False) or w.qlora:
-        raise Refused(QLORA_REFUSAL)
-    return bool(getattr(args, "lora", False) or w.lora)
+    """Whether this engine run trains LoRA (``--lora``, ``--qlora``, or a W6 workload)."""
+    return bool(getattr(args, "lora", False) or w.lora or qlora_wanted(args, w))
+
+
+def qlora_wanted(args, w: Workload) -> bool:
+    """Whether the base's linears are in NF4 (``--qlora``, or W6c)."""
+    return bool(getattr(args, "qlora", False) or w.qlora)
+
+
+def build_qlora_model(w: Workload, device: str):
+    """W6c's in-GPU peer, as bitsandbytes' users build it: the workload's model in bf16 with every linear layer of
+    the blocks a ``bitsandbytes.nn.Linear4bit`` (NF4, double quantization, bf16 compute), quantized on ``device``.
+    Built on the meta device, then one module at a time materialized and initialized there (Hugging Face's own
+    ``_init_weights``) and each block's linears quantized before the next block: the bf16 base (137 GB for 70B)
+    is never whole. Then PEFT's ``prepare_model_for_kbit_training`` (its fp32 cast of the rest, gradient
+    checkpointing, input gradients), as QLoRA recipes call it."""
+    import torch
+    from torch import nn
+    import bitsandbytes as bnb
+    from peft import prepare_model_for_kbit_training
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(w))
+    model.to(torch.bfloat16)
+
+    def real(root):
+        for m in root.modules():
+            for k, p in list(m._parameters.items()):
+                if p is not None and p.is_meta:
+                    m._parameters[k] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                    requires_grad=p.requires_grad)
+            for k, b in list(m._buffers.items()):
+                if b is not None and b.is_meta:
+                    m._buffers[k] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        with torch.no_grad():
+            for m in reversed(list(root.modules())):      # children before parents, as initialize_weights
+                model._init_weights(m)
+
+    for m in (model.model.embed_tokens, model.model.norm, model.model.rotary_emb, model.lm_head):   # the shell
+        real(m)
+    for layer in model.model.layers:
+        real(layer)
+        for path, lin in list(layer.named_modules()):
+            if type(lin) is nn.Linear:
+                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                      device="meta")
+                q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4",
+                                             compress_statistics=True).to(device)
+                if lin.bias is not None:
+                    q.bias = lin.bias
+                parent, _, leaf = path.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, leaf, q)
+                del lin
+    model.tie_weights()
+    model.config.use_cache = False
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                           gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def lora_config():
@@ -179,7 +232,8 @@ def lora_counts(model) -> tuple[int, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        n = getattr(p, "ds_numel", None) or p.numel()
+        qs = getattr(p, "quant_state", None)      # bitsandbytes' Params4bit: two codes a byte
+        n = getattr(p, "ds_numel", None) or (qs.shape.numel() if qs is not None else p.numel())
         if p.requires_grad:
             trainable += n
         else:
@@ -187,12 +241,13 @@ def lora_counts(model) -> tuple[int, int]:
     return trainable, frozen
 
 
-def lora_record(res, model) -> None:
-    """The LoRA run's settings and parameter counts into its result."""
+def lora_record(res, model, qlora: bool = False) -> None:
+    """The LoRA run's settings and parameter counts into its result (``qlora``: over an NF4 base)."""
     res.trainable_params, res.frozen_params = lora_counts(model)
     res.flops_per_param_token = 6
     res.extra["lora"] = {"r": LORA.r, "alpha": LORA.alpha, "dropout": LORA.dropout, "targets": list(LORA.targets),
-                         "lr": LORA.lr, "trainable": res.trainable_params, "frozen": res.frozen_params}
+                         "lr": LORA.lr, "trainable": res.trainable_params, "frozen": res.frozen_params,
+                         "qlora": qlora}
     print(f"[{res.engine}] LoRA r {LORA.r} alpha {LORA.alpha} on {','.join(LORA.targets)}: trainable "
           f"{res.trainable_params:,} of {res.trainable_params + res.frozen_params:,} parameters", flush=True)
 
@@ -476,7 +531,8 @@ def engine_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--lora", action="store_true",
                    help="W6's LoRA (r 16, alpha 32, dropout 0, the 7 linears; AdamW lr 2e-4) over the frozen base "
                         "through peft.get_peft_model; implied by W6a, W6b")
-    p.add_argument("--qlora", action="store_true", help="refused: zerofit has no QLoRA yet (W6c)")
+    p.add_argument("--qlora", action="store_true",
+                   help="W6c's QLoRA: --lora with the blocks' linears in NF4 (bitsandbytes' format); implied by W6c")
     return p
 
 
@@ -515,11 +571,6 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
         res.extra["world_size"], res.extra["rank"] = world, rank
     res.cap_gib = (parse_bytes(args.cap) / GiB) if parse_bytes(args.cap) else None
     t0 = process_start_time()
-    if getattr(args, "qlora", False) or w.qlora:     # refused before anything is built or allocated
-        res.status, res.error = "refused", QLORA_REFUSAL
-        print(f"[{name}] refused: {QLORA_REFUSAL}", flush=True)
-        res.save(args.result)
-        return 2
     sampler = HostMemorySampler()
     peaks = None
     code = 0

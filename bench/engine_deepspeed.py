@@ -130,6 +130,8 @@ class DeepSpeedEngine:
         res.extra["op_build_s"] = round(time.perf_counter() - t, 1)
         print(f"[deepspeed] cpu_adam op ready in {res.extra['op_build_s']} s", flush=True)
 
+        if common.qlora_wanted(args, w):
+            raise common.Refused("deepspeed has no QLoRA run (W6c's peers: plain, PEFT + bitsandbytes in the GPU)")
         lora = common.lora_wanted(args, w)
         config = ds_config(w, offload_param=not args.no_offload_param, lr=common.LORA.lr if lora else 1e-4)
         if args.nvme:

@@ -3,6 +3,9 @@ python bench/engine_plain.py --workload smoke --device cpu          # dry run on
 
 Everything on the GPU, no cap: the in-GPU speed the offloading engines are measured against.
 
+``--qlora`` (and W6c): PEFT over bitsandbytes' 4-bit model on the GPU (common.build_qlora_model), W6c's in-GPU
+peer: 70B in NF4 (~35 GB) fits an H200.
+
 ``--lora`` (and the W6 workloads): PEFT on the GPU, the in-GPU ceiling of W6. The base in bf16 on the device
 (built there, frozen), ``peft.get_peft_model`` with W6's LoRA (common.LORA: fp32 adapters, PEFT's own init),
 gradient checkpointing on every decoder layer, fused AdamW (lr 2e-4) over the adapters only, bf16 autocast.
@@ -28,7 +31,16 @@ class Plain:
         import torch
 
         self.torch, self.device = torch, args.device
-        if common.lora_wanted(args, w):   # W6: the bf16 base on the device, frozen; fp32 adapters trained
+        if common.qlora_wanted(args, w):  # W6c: bitsandbytes' Linear4bit in the GPU, PEFT over it
+            base = common.build_qlora_model(w, args.device)
+            torch.manual_seed(args.seed)
+            self.model = common.lora_wrap(base, args.seed)
+            self.model.train()
+            common.lora_record(res, self.model, qlora=True)
+            params, lr = [p for p in self.model.parameters() if p.requires_grad], common.LORA.lr
+            res.extra["optimizer"] = ("torch.optim.AdamW(fused=True) over the adapters (fp32); NF4 base on device "
+                                      "(bitsandbytes Linear4bit, double quantization)")
+        elif common.lora_wanted(args, w):   # W6: the bf16 base on the device, frozen; fp32 adapters trained
             base = common.build_model(w, args.device, dtype=torch.bfloat16, init_in_dtype=True)
             common.enable_checkpointing(base)
             torch.manual_seed(args.seed)       # PEFT's adapter init draws from the global generator

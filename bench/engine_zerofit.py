@@ -102,8 +102,10 @@ class Zerofit:
         lora = common.lora_wanted(args, w)
         model = build(w, lora, args.seed)
         if lora:
-            common.lora_record(res, model)
+            common.lora_record(res, model, qlora=common.qlora_wanted(args, w))
         self.config = common.zerofit_config(w, lora)
+        if common.qlora_wanted(args, w):     # W6c: the blocks' linears in NF4 in host memory ([Note: an NF4 base])
+            self.config["quantize_base"] = "nf4"
         if args.clip:
             self.config["gradient_clipping"] = args.clip
         if args.precision:

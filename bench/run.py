@@ -123,7 +123,7 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
                                           f"--nproc-per-node={args.gpus}"]
     cmd = [args.python, *launcher, os.path.join(HERE, f"engine_{base}.py"), "--workload", args.workload,
            "--steps", str(steps), "--device", args.device, "--cap", cap, "--result", result_path,
-           *(["--lora"] if args.lora else []), *fixed, *shlex.split(args.engine_args.get(name, ""))]
+           *(["--lora"] if args.lora else []), *(["--qlora"] if args.qlora else []), *fixed, *shlex.split(args.engine_args.get(name, ""))]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(REPO, "src"), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -293,7 +293,8 @@ def _lora_line(rs: list) -> str:
     if not lo:
         return "r 16, alpha 32, dropout 0 on the seven linears (no engine reported its adapters)"
     return (f"r {lo['r']}, alpha {lo['alpha']}, dropout {lo['dropout']} on {', '.join(lo['targets'])} through "
-            f"peft.get_peft_model; AdamW lr {lo['lr']} over the adapters; the base frozen in bf16; trainable "
+            f"peft.get_peft_model; AdamW lr {lo['lr']} over the adapters; the base frozen in "
+            f"{'NF4 (its linears; the rest bf16)' if lo.get('qlora') else 'bf16'}; trainable "
             f"{lo['trainable']:,}, frozen {lo['frozen']:,} parameters")
 
 
@@ -357,7 +358,9 @@ def parse_args(argv=None):
     p.add_argument("--workload", default="W1", help="W1, W2, W3, W6a, W6b (LoRA), smoke, ... (common.WORKLOADS)")
     p.add_argument("--lora", action="store_true",
                    help="every engine trains W6's LoRA over the frozen base (implied by W6a, W6b); fsdp2 refuses")
-    p.add_argument("--qlora", action="store_true", help="refused: zerofit has no QLoRA yet (W6c)")
+    p.add_argument("--qlora", action="store_true",
+                   help="every engine trains W6c's QLoRA (the blocks' linears in NF4; implied by W6c): zerofit with "
+                        "quantize_base nf4, plain with bitsandbytes' Linear4bit in the GPU; deepspeed, fsdp2 refuse")
     p.add_argument("--engines", default="plain,zerofit,deepspeed,fsdp2",
                    help=f"comma-separated, run in this order; from {', '.join(ENGINES)}")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per engine, the first untimed")
@@ -406,8 +409,6 @@ def main(argv=None) -> int:
 
     if args.workload not in common.WORKLOADS:
         sys.exit(f"unknown workload {args.workload!r}; expected one of {sorted(common.WORKLOADS)}")
-    if args.qlora or common.WORKLOADS[args.workload].qlora:
-        sys.exit(f"refused: {common.QLORA_REFUSAL}")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
@@ -422,7 +423,8 @@ def main(argv=None) -> int:
         "machine": machine_info(),
         "command": command_line(),
         "cap": args.cap, "plain_cap": args.plain_cap, "steps": args.steps, "fsdp2_steps": args.fsdp2_steps,
-        "engines": engines, "lora": bool(args.lora or common.WORKLOADS[args.workload].lora),
+        "engines": engines, "lora": bool(args.lora or args.qlora or common.WORKLOADS[args.workload].lora),
+        "qlora": bool(args.qlora or common.WORKLOADS[args.workload].qlora),
     }, "results": []}
     print(f"bench {args.workload}: engines {engines}; machine {doc['meta']['machine']}", flush=True)
     log_path = os.path.join(args.out, f"log_{args.workload}.txt")

@@ -29,7 +29,7 @@
 #                ZeRO-Infinity (default W1:16GiB), DeepSpeed's seconds, the disk tier's folder (default /tmp/nv)
 #   RANKS_DS     ranks: 1 (default) runs DeepSpeed on W5 too (RANKS_DS_ARGS, default --no-offload-param)
 #   TESTS_ARGS   tests: more pytest arguments (e.g. -x)
-#   LORA         lora: which runs (default w6a w6b); LORA_STEPS (default 4)
+#   LORA         lora: which runs (default w6a w6b; w6c: 70B QLoRA); LORA_STEPS (default 4)
 #   ZF_TAR=1     tar $OUT into $OUT.tgz at the end
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2      # the repository root
@@ -287,7 +287,16 @@ suite_lora() {     # W6 (shared/bench/WORKLOADS.md): about 15-25 min; run it det
            zf_trace w6a ;;
       w6b) zf_run w6b 360 --workload W6b --engines zerofit --steps "$steps" --cap 8GiB
            zf_trace w6b ;;
-      *) zf_skip "lora_$run" "no lora run '$run' (w6a w6b)" ;;
+      # W6c: 70B QLoRA; needs bitsandbytes (its wheel in .whl: pip download --no-deps bitsandbytes -d .whl, 43 MB).
+      # zerofit quantizes the base on the GPU as it builds it; plain is PEFT over bitsandbytes' Linear4bit in the GPU
+      w6c) if [ "$dry" = 0 ] && ! "$ZF_PYTHON" -c "import bitsandbytes" >/dev/null 2>&1; then
+             zf_skip lora_w6c "bitsandbytes does not import here: put its wheel in .whl and carry it"
+           else
+             zf_run w6c 580 --workload W6c --engines zerofit,plain --steps "$steps" --cap 24GiB \
+               --engine-timeout zerofit=560 --engine-timeout plain=400
+             zf_trace w6c
+           fi ;;
+      *) zf_skip "lora_$run" "no lora run '$run' (w6a w6b w6c)" ;;
     esac
   done
 }

@@ -97,7 +97,7 @@ def _root(ctx: typer.Context, debug: Annotated[bool, typer.Option(
 def estimate(
     model: Annotated[Path | None, typer.Option(help="Hugging Face model directory (only config.json is read).")] = None,
     shape: Annotated[str | None, typer.Option(
-        help="A named shape instead of --model: llama-3.2-3b, llama-2-7b, llama-2-13b (or W1, W2, W3).")] = None,
+        help="A named shape instead of --model: llama-3.2-3b, llama-2-7b, llama-2-13b, llama-3-70b (or W1, W2, W3, W6c).")] = None,
     config: Annotated[Path | None, typer.Option(help="DeepSpeed or zerofit JSON config.")] = None,
     max_gpu_memory: Annotated[str | None, typer.Option(help="GPU memory budget, e.g. 24GiB.")] = None,
     max_host_memory: Annotated[str | None, typer.Option(help="Host memory budget, e.g. 64GiB.")] = None,

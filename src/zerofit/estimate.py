@@ -48,9 +48,11 @@ SHAPES = {
                        num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
     "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                         num_key_value_heads=40, vocab_size=32000, tie_word_embeddings=False),
+    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),    # W6c's shape
 }
 ALIASES = {"w1": "llama-3.2-3b", "w2": "llama-2-7b", "w3": "llama-2-13b", "13b": "llama-2-13b",
-           "7b": "llama-2-7b", "3b": "llama-3.2-3b"}
+           "7b": "llama-2-7b", "3b": "llama-3.2-3b", "w6c": "llama-3-70b", "70b": "llama-3-70b"}
 
 
 def shape_config(name: str):

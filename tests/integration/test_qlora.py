@@ -262,3 +262,24 @@ def test_refusals_come_before_anything_is_allocated(model_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
     with pytest.raises(QuantError, match=r"needs bitsandbytes.*zerofit\[qlora\]"):
         _engine_over_dir(model_dir)
+
+
+def test_a_meta_model_without_files_is_initialized_then_quantized():
+    """A model on the meta device without its files (a benchmark's): each linear initialized by the model's own
+    init (as the rest of such a model is), then held in NF4; it trains."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        base = tm.llama(tied=False)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for n, p in list(model.named_parameters()):
+        if p.is_meta and p.requires_grad:         # the adapters real (as bench/common.py's init_meta_adapters)
+            mod, _, leaf = n.rpartition(".")
+            model.get_submodule(mod)._parameters[leaf] = torch.nn.Parameter(torch.randn(p.shape) * 0.02)
+    engine = zerofit.initialize(model, {**CFG, "quantize_base": "nf4"})
+    w = engine.master_state_dict()["base_model.model.model.layers.0.mlp.up_proj.weight"]
+    std = LlamaForCausalLM.config_class().initializer_range
+    assert w.dtype == torch.float32 and 0.5 * std < float(w.std()) < 1.5 * std      # the model's init, dequantized
+    losses = [engine.train_batch(mbs) for mbs in tm.batches(2, G)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    engine.close()

@@ -116,9 +116,13 @@ class Packed:
     blocksize: int = BLOCK
 
     @classmethod
-    def quantize(cls, w: torch.Tensor) -> "Packed":
-        """bitsandbytes' NF4 of ``w`` with double quantization (as ``Params4bit`` quantizes at load)."""
+    def quantize(cls, w: torch.Tensor, device: torch.device | None = None) -> "Packed":
+        """bitsandbytes' NF4 of ``w`` with double quantization (as ``Params4bit`` quantizes at load), on ``device``
+        (a GPU: its kernel, as bitsandbytes' loading onto a GPU quantizes; the CPU's runs ~45 M param/s a
+        2-core machine); the pieces come back to the host."""
         bf = bnb_functional()
+        if device is not None:
+            w = w.to(device, non_blocking=False)
         q, qs = bf.quantize_4bit(w.contiguous(), blocksize=BLOCK, compress_statistics=True, quant_type="nf4",
                                  quant_storage=torch.uint8)
         return cls.of_state(q, qs)
@@ -183,10 +187,13 @@ class BaseNF4:
     ``Linear4bit``'s, taken as it is) or None (to quantize as the weight is read). Made by :meth:`prepare`,
     which swaps their modules for :class:`DequantizedLinear`; empty when the model has none."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, device: torch.device | None = None):
         self.dtype = dtype
+        self.device = device if device is not None and device.type == "cuda" else None   # where to quantize
         self.packed: dict[str, Packed | None] = {}
         self.originals: dict[str, torch.Tensor] = {}     # name -> the user's 16-bit weight, quantized at build
+        self.on_meta: dict[str, nn.Module] = {}          # name -> its nn.Linear on the meta device (no files):
+        self.init = None                                 # initialized by the model's own init, then quantized
 
     def __contains__(self, name: str) -> bool:
         return name in self.packed
@@ -196,10 +203,10 @@ class BaseNF4:
 
     @classmethod
     def prepare(cls, model: nn.Module, adapter, dtype: torch.dtype, quantize: bool, many: bool = False,
-                check: bool = True) -> "BaseNF4":
+                check: bool = True, device: torch.device | None = None) -> "BaseNF4":
         """Swap each ``Linear4bit`` of ``model`` (and with ``quantize`` each frozen ``nn.Linear`` of its blocks)
         for a :class:`DequantizedLinear`. Refusals (:class:`QuantError`) come before anything is allocated."""
-        out = cls(dtype)
+        out = cls(dtype, device)
         if not quantize and not any(is_linear4bit(m) for m in model.modules()):
             return out
         if many:
@@ -217,6 +224,9 @@ class BaseNF4:
                 out.packed[path + ".weight"] = None
                 if not m.weight.is_meta:
                     out.originals[path + ".weight"] = m.weight.detach()
+                else:
+                    out.on_meta[path + ".weight"] = m
+                    out.init = getattr(model, "_init_weights", None)
             else:
                 continue
             if m.bias is not None and m.bias.requires_grad:
@@ -255,11 +265,18 @@ class BaseNF4:
         if p is not None:
             return p
         w = self.originals.pop(name, None)
+        m = self.on_meta.pop(name, None)
+        if w is None and read is None and m is not None:
+            # a model on the meta device without files (a benchmark's): initialized as materialize.py initializes
+            # the rest of such a model (its own _init_weights, else reset_parameters), then quantized
+            m.to_empty(device="cpu")
+            with torch.no_grad():
+                self.init(m) if self.init is not None else m.reset_parameters()
+            w = m.weight.detach()
         if w is None and read is None:
-            raise QuantError(f"{name}: no weights to quantize (a model on the meta device without its files: "
-                             "give the model directory)")
+            raise QuantError(f"{name}: no weights to quantize")
         w = read() if w is None else w.to(self.dtype)
-        return Packed.quantize(w)
+        return Packed.quantize(w, self.device)
 
     def held(self, name: str, unit: "UnitNF4", i: int) -> None:
         """``name`` is now in ``unit``'s buffer: a rebuild of the units takes it from there (nothing else kept)."""

@@ -498,3 +498,29 @@ def test_estimate_times_the_engines_post_pass_and_the_contended_speeds():
     one, four = (block_seconds(meta_model(shape="W1"), est.batch, run, chunks=c, seconds=0.5) for c in (1, 4))
     # (the shell is a difference of two timings, 0 when noise covers it in a model this small)
     assert one.post > 0 and four.post > 0 and one.per_block > 0 and four.shell >= 0
+
+
+def test_qlora_streamed_blocks_dequantize_on_the_gpu_as_resident_ones_do():
+    """[Note: an NF4 base]: the blocks' linears quantized on the GPU (bitsandbytes' kernel), held packed in host
+    memory; a streamed block's packed bytes go up through the NF4 stage and are dequantized into its slot at
+    each upload, a resident block's once: the same weights either way, so the same losses bitwise."""
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    base = tm.llama(layers=3, tied=False)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                      init_lora_weights=False))
+    twin = copy.deepcopy(model)
+    cfg = {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-2},
+           "quantize_base": "nf4"}
+    streamed = zerofit.initialize(model, {**cfg, "offload": {"resident_blocks": 0}})
+    resident = zerofit.initialize(twin, {**cfg, "offload": {"resident_blocks": 3}})
+    assert streamed.streamer.nf4_stage is not None and all(u.nf4 is not None for u in streamed.blocks)
+    for a, b in zip(streamed.blocks, resident.blocks):      # the same codes, quantized on the GPU
+        assert torch.equal(a.nf4.host, b.nf4.host)
+    data = _gpu_batches(3, 2)
+    assert [streamed.train_batch(m) for m in data] == [resident.train_batch(m) for m in data]
+    assert any(lab.endswith("(nf4)") for lab in tm.upload_labels(streamed))
+    streamed.close()
+    resident.close()

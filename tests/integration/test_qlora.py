@@ -283,3 +283,46 @@ def test_a_meta_model_without_files_is_initialized_then_quantized():
     losses = [engine.train_batch(mbs) for mbs in tm.batches(2, G)]
     assert all(torch.isfinite(torch.tensor(losses)))
     engine.close()
+
+
+def test_the_deepspeed_door_and_the_hf_trainer_take_a_4bit_peft_model(model_dir, tmp_path):
+    """The other doors, with a BitsAndBytesConfig PEFT model as written for them: zerofit.deepspeed.initialize
+    (the tutorial's loop) bitwise bitsandbytes' QLoRA on plain PyTorch in its weights; zerofit.hf.Trainer against
+    transformers' own Trainer over the same 4-bit model, every adapter bitwise."""
+    import zerofit.deepspeed as deepspeed
+    import zerofit.hf
+    from transformers import Trainer as PlainTrainer
+    from transformers import TrainingArguments, default_data_collator
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": G, "gradient_clipping": 0.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    ref, mine = _bnb_model(model_dir), _bnb_model(model_dir)
+    engine, *_ = deepspeed.initialize(model=mine, model_parameters=filter(lambda p: p.requires_grad,
+                                                                            mine.parameters()),
+                                      config=ds, device="cpu")
+    data = tm.batches(3, G)
+    losses = [tm.ds_step(engine, mbs) for mbs in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data)), rtol=0, atol=1e-6)
+    _assert_adapters_equal(engine, ref)
+    engine.close()
+
+    g = torch.Generator().manual_seed(3)
+    train = [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(8)]
+
+    def args(out):
+        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 learning_rate=2e-3, max_grad_norm=0.0, num_train_epochs=1, logging_steps=1,
+                                 save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=7)
+
+    plain = PlainTrainer(model=_bnb_model(model_dir), args=args(tmp_path / "plain"), train_dataset=train,
+                         data_collator=default_data_collator)
+    plain.train()
+    zf = zerofit.hf.Trainer(model=_bnb_model(model_dir), args=args(tmp_path / "zf"), train_dataset=train,
+                            data_collator=default_data_collator)
+    zf.train()
+    a = [e["loss"] for e in plain.state.log_history if "loss" in e]
+    b = [e["loss"] for e in zf.state.log_history if "loss" in e]
+    assert len(a) == len(b) == 2
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a))
+    _assert_adapters_equal(zf.zerofit_engine, plain.model)

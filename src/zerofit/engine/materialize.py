@@ -13,6 +13,7 @@ store.py), so ``engine.module`` is the model with its current weights.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -71,6 +72,14 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: f
     :class:`~zerofit.engine.nf4.BaseNF4` of the ones held in 4 bits ([Note: an NF4 base])."""
     if frozen is None:
         frozen = frozenset(n for n, p in table.canonical.items() if not p.requires_grad)
+    low = sorted({str(p.dtype).removeprefix("torch.") for n, p in table.canonical.items()
+                  if n not in frozen and p.dtype in (torch.bfloat16, torch.float16)})
+    if low:     # what torch's optimizer over such parameters would do differs: say so (TRL's QLoRA adapters)
+        count = sum(p.numel() for n, p in table.canonical.items() if n not in frozen and p.dtype != torch.float32)
+        logging.getLogger("zerofit").warning(
+            "zerofit: %s trained parameters are %s in the model: the engine keeps fp32 master weights of them and "
+            "updates those (docs/lora.md); their updates are not rounded to %s at every step as an optimizer over "
+            "the %s tensors themselves would round them", f"{count:,}", "/".join(low), low[0], low[0])
     numels = [sum(table.canonical[n].numel() for n in names if n not in frozen) for names in table.unit_names]
     still = [sum(table.canonical[n].numel() for n in names if n in frozen) for names in table.unit_names]
     cfg = getattr(model, "config", None)

@@ -48,7 +48,10 @@ from zerofit.engine.lifecycle import EngineState
 log = logging.getLogger("zerofit")
 
 # keys only the post pass (head and loss) reads: a call may differ from its announced micro-batch in these
-_WINDOW_LOSS_KEYS = frozenset({"labels", "num_items_in_batch"})
+_WINDOW_LOSS_KEYS = frozenset({"labels", "num_items_in_batch",
+                               # nor the blocks' forward: the engine runs them without a cache, and TRL's
+                               # fused-head flag (SFTTrainer's compute_loss adds both) is the post pass's
+                               "use_cache", "fused_lm_head"})
 
 
 def same_forward_inputs(announced: dict, batch: dict) -> bool:

@@ -148,7 +148,7 @@ _PLACEMENTS = {
 
 
 _THREE = ["offload", "mixed", "no-offload", "full-shard", "clip"]   # one launch of 3 ranks runs these in turn
-_TWO = ["no-offload-replicated", "deepspeed-loop", "fp16", "frozen"]   # and one of 2 ranks these
+_TWO = ["no-offload-replicated", "deepspeed-loop", "fp16", "frozen", "lora"]   # and one of 2 ranks these
 _FROZEN = ("embed_tokens", "layers.1.", "q_proj")
 
 
@@ -159,6 +159,8 @@ def _run_spec(name: str) -> dict:
         return {"steps": STEPS, "steps_total": STEPS, "api": "deepspeed", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "frozen":      # frozen parameters: the shell's embedding, a whole block, a projection of each
         return {"steps": STEPS, "steps_total": STEPS, "freeze": list(_FROZEN), "config": _cfg(**_PLACEMENTS["mixed"])}
+    if name == "lora":        # a PEFT LoRA model: its base frozen, its adapters trained (issue 29)
+        return {"steps": STEPS, "steps_total": STEPS, "model": "llama_lora", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fp16":        # a loss scale that overflows at first
         return {"steps": 6, "steps_total": 6, "config": _fp16_cfg()}
     return {"steps": STEPS, "steps_total": STEPS, "config": _cfg(**_PLACEMENTS[name])}
@@ -218,6 +220,21 @@ def test_ranks_leave_frozen_parameters_as_one_process_does(launched):
     for n, p in start.named_parameters():
         if any(f in n for f in _FROZEN):
             assert torch.equal(result["master"][n], p.detach()), n
+
+
+def test_ranks_train_a_peft_lora_model_as_one_process_does(launched):
+    """PEFT LoRA on two ranks: the adapters train as PEFT on plain PyTorch over the global batch does, the frozen
+    base (host memory the ranks share) stays bitwise, and only the adapters have optimizer state."""
+    pytest.importorskip("peft")
+    world, result = launched["lora"]
+    ref_losses, ref = _reference(world, STEPS, model="llama_lora")
+    _check(result, ref_losses, ref)
+    torch.manual_seed(0)
+    start = tm.llama_lora()
+    frozen = [n for n, p in start.named_parameters() if not p.requires_grad]
+    assert frozen and all("lora_" in n for n in result["exp_avg"])
+    for n in frozen:
+        assert torch.equal(result["master"][n], start.get_parameter(n).detach()), n
 
 
 def test_ranks_clip_by_the_global_norm(launched):

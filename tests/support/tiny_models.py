@@ -20,6 +20,14 @@ def llama(tied: bool = True, layers: int = 3, dropout: float = 0.0) -> nn.Module
                                         attention_dropout=dropout, attn_implementation="sdpa"))
 
 
+def llama_lora() -> nn.Module:
+    """PEFT LoRA (r 4, every linear of the blocks, A and B both random) over :func:`llama` (untied)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(llama(tied=False), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                        lora_dropout=0.0, init_lora_weights=False))
+
+
 def qwen2() -> nn.Module:   # attention projections with biases
     return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,

@@ -382,6 +382,10 @@ class OffloadConfig(_Frozen):
     disk_weights: bool | None = None
     """with nvme: whether those blocks' fp32 master weights go to the disk too (else only their moments);
     None = the planner decides (moments first: they save twice the host memory per byte of disk traffic)"""
+    disk_frozen_blocks: int | None = Field(None, ge=0)
+    """with nvme and frozen parameters (LoRA): how many of the last streamed blocks keep their frozen 16-bit
+    weights on the disk (read-only, read ahead of each upload); None = the planner decides (only what host memory
+    cannot hold: a 70B bf16 base)"""
     nvme_block_size: int = Field(4 << 20, ge=4096)
     """bytes per disk request (DeepSpeed's aio.block_size); rounded up to 4 KiB"""
     nvme_queue_depth: int = Field(8, ge=1, le=256)

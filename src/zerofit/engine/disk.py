@@ -24,6 +24,17 @@ A unit's update runs chunk by chunk: read master/moments of elements ``[a, a+k)`
 AdamW is elementwise, so the chunks give the whole-buffer result bitwise; chunk sizes are multiples of
 1024 elements (4 KiB), so every chunk starts aligned. The unit's step count advances once, at the end.
 
+[Note: a frozen base on the disk]
+A LoRA model's frozen base may not fit host memory (a 70B bf16 base is 137 GB; the benchmark machine has 125
+GiB). The planner then puts the 16-bit frozen weights of the last streamed blocks on the disk, each block's in
+a region of its own (key ``frozen_key(i)``, one field ``w16``: the compute-dtype bytes, counted in 4-byte
+elements), written once at materialization through the mapping and never again. Its upload reads them
+(read ahead: the streamer announces the blocks it will upload next, in the order of the step, forward then
+backward) chunk by chunk into the tier's buffers and copies each chunk into the block's weight slot; a chunk's
+buffer is free again as soon as its copy is done (``release(..., write=False)``: nothing to write back).
+``frozen_host`` of such a unit is a view of the mapping, so checkpoints, the base's fingerprint and
+``master_state_dict`` read it as before. Read twice per optimizer step (forward and backward), never written.
+
 [Note: swap files are reused, never leaked]
 Files are named ``zerofit-swap-<n>.bin`` and held with an exclusive ``flock`` while a run uses them. A run
 takes the first name it can lock, so the file a crashed run left behind is reused (truncated and reserved
@@ -66,6 +77,11 @@ def tier_chunk(max_block: int, limit: int = 4 << 20) -> int:
     """Elements per chunk of a swapped unit's update: a quarter of the largest block (so that even small
     models stream in several chunks), at most ``limit``, a multiple of 1024 (see [Note: chunked updates])."""
     return max(CHUNK_ALIGN, min(limit, _up(-(-max(max_block, 1) // 4), CHUNK_ALIGN)))
+
+
+def frozen_key(i: int) -> int:
+    """The tier's key of block ``i``'s frozen weights ([Note: a frozen base on the disk]); ``i`` is its state's."""
+    return -1 - i
 
 
 def tier_buffers(max_block: int, most: int) -> int:
@@ -553,14 +569,21 @@ class DiskTier:
         self._wait_futures(futs)
         return {f: view for f, _, _, view in self._fields(k, i)}
 
-    def release(self, key: int, c: int) -> None:
-        """Chunk ``c`` of unit ``key`` is updated: write it back; its buffer is free once written."""
+    def release(self, key: int, c: int, write: bool = True) -> None:
+        """Chunk ``c`` of unit ``key`` is updated: write it back; its buffer is free once written. ``write``
+        False: it was only read (frozen weights: [Note: a frozen base on the disk]), the buffer is free now."""
         k = (key, c)
         with self._cv:
             self.check()
             i = self._held.pop(k)
             b = self._bufs[i]
             b.acquired, b.futures = False, []
+            if not write:
+                b.key, b.fields = None, None
+                self._free.append(i)
+                self._pump()
+                self._cv.notify_all()
+                return
             self._writing[k] = i
             futs = []
             t = time.perf_counter()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zerofit.engine.adapter import Adapter
+from zerofit.engine.disk import frozen_key
 from zerofit.engine.planner import ModelShape, Plan
 from zerofit.engine.store import FlatLayout, Home, HostArena, Unit
 
@@ -150,7 +151,9 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     else:
         need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
     arena = HostArena(need, torch.float32, pinned, ranks) if need else None
-    need_f = sum(canon[n].numel() for names in still for n in names if n not in quant)
+    on_disk_f = set(plan.disk_frozen)       # [Note: a frozen base on the disk] (disk.py): in the swap file instead
+    need_f = sum(canon[n].numel() for i, names in enumerate(still) for n in names
+                 if n not in quant and i - 1 not in on_disk_f)
     # [Note: frozen parameters]: the frozen weights in the compute dtype, read into it from the files or the user's
     # tensors (a bf16 file's tensors as they are); shared by the host's ranks
     arena_f = HostArena(need_f, compute_dtype, pinned, ranks) if need_f else None
@@ -162,8 +165,11 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         plain = [n for n in frozen_names if n not in quant]     # the 16-bit ones, first ([Note: an NF4 base])
         qnames = frozen_names[len(plain):]
         n16 = sum(canon[n].numel() for n in plain)
-        fhost = ((arena_f.take(n16) if n16 else torch.empty(0, dtype=compute_dtype))   # (16-bit frozen numel,)
-                 if flayout is not None else None)                                       # compute dtype, host
+        if idx - 1 in on_disk_f:        # a view of the swap file's mapping, written once below
+            fhost = tier.view(frozen_key(idx - 1), "w16").view(compute_dtype)[:n16]
+        else:
+            fhost = ((arena_f.take(n16) if n16 else torch.empty(0, dtype=compute_dtype))   # (16-bit frozen numel,)
+                     if flayout is not None else None)                                       # compute dtype, host
         fviews = FlatLayout.of([(n, canon[n].shape) for n in plain]).views(fhost) if flayout is not None else {}
         home, on_dev = homes[idx], opt_on_dev[idx]
         opt_dev = dev if on_dev else torch.device("cpu")
@@ -205,6 +211,10 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
                 unit.nf4.put(j, nf4.pack_of(n, None))
         for j, n in enumerate(qnames):
             nf4.held(n, unit.nf4, j)
+        if idx - 1 in on_disk_f:
+            unit.frozen_disk = True
+            r = tier.regions[frozen_key(idx - 1)]
+            tier.file.drop_pages(r.offsets["w16"], r.numel * 4)     # written: out of host memory
         unit.master = master
         if swap:
             unit.swap = swap

@@ -129,6 +129,9 @@ class Plan:
     checkpoint_every: int = 1      # [Note: checkpoints every k blocks]: only blocks 0, k, 2k, ... keep their inputs
     device_state: bool = False     # several ranks, FULL_SHARD without offload: streamed blocks keep their optimizer
                                    # state on the GPUs, sharded; their weights are gathered from it for each use
+    disk_frozen: tuple = ()        # block indices whose frozen 16-bit weights are on the disk, read-only
+                                   # ([Note: a frozen base on the disk], disk.py)
+    disk_frozen_bytes: int = 0     # their bytes there
 
     @property
     def disk_of(self) -> dict[int, str]:
@@ -183,7 +186,7 @@ class Plan:
                      f"  host {fmt_bytes(self.host_total)}"
                      + (f" of {fmt_bytes(self.host_budget)}" if self.host_budget else "") + ": "
                      + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.host_bytes.items() if v)]
-        if self.disk_blocks:
+        if self.disk_blocks or self.disk_frozen:
             d = self.disk_of
             moments = [i for i, m in d.items() if m == "moments"]
             full = [i for i, m in d.items() if m == "all"]
@@ -191,7 +194,9 @@ class Plan:
                          + (f" of {fmt_bytes(self.disk_budget)} free" if self.disk_budget else "") + ": "
                          + "; ".join(p for p in (
                              f"moments of {_ranges(moments)}" if moments else "",
-                             f"master and moments of {_ranges(full)}" if full else "") if p)
+                             f"master and moments of {_ranges(full)}" if full else "",
+                             f"frozen weights of {_ranges(list(self.disk_frozen))} (read-only)"
+                             if self.disk_frozen else "") if p)
                          + (f"; measured write {self.disk_speed[0]:.2f} GB/s, read {self.disk_speed[1]:.2f} GB/s"
                             if self.disk_speed else ""))
         return "\n".join(lines)
@@ -224,7 +229,9 @@ class Plan:
         gradient too with deferred updates: [Note: gradients on the disk], step.py)."""
         per = {"moments": 8 + 4 * self.deferred_updates, "all": 12 + 4 * self.deferred_updates}
         n = sum(shape.block_numels[i] * per[m] for i, m in self.disk_blocks)
-        return n, n
+        # frozen weights on the disk: read for each upload, the forward's and the backward's ([Note: a frozen
+        # base on the disk]); never written
+        return n + 2 * self.disk_frozen_bytes, n
 
     def optimizer_homes(self, num_blocks: int, device: str = "the GPU") -> str:
         """Where the optimizer state (fp32 master weights and Adam moments) of the shell and of the blocks
@@ -276,7 +283,7 @@ def placement_warnings(plan: Plan, num_blocks: int, *, optimizer_device: str, pa
 
     ``optimizer_device``/``param_device``: the config's ``offload`` fields ('none', 'cpu', 'nvme')."""
     homes = plan.optimizer_homes(num_blocks)
-    if "nvme" in (optimizer_device, param_device) and not plan.disk_blocks:
+    if "nvme" in (optimizer_device, param_device) and not plan.disk_blocks and not plan.disk_frozen:
         return [f"offload to 'nvme' was asked for, but host memory holds all the optimizer state under "
                 f"max_host_memory ({fmt_bytes(plan.host_budget) if plan.host_budget else 'no limit'}): "
                 f"zerofit puts on the disk only what host "

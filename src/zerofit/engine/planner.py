@@ -264,7 +264,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
               disk_placement: dict | None = None, disk_buffers: int = TIER_BUFFERS,
               floor: tuple | None = None, chunkable_loss: bool = True,
               loss_chunks: int | None = None, shards: int = 1, ranks: int = 1,
-              device_state: bool = False) -> Plan:
+              device_state: bool = False, disk_frozen_blocks: int | None = None) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded).
 
     ``disk``: an NVMe tier may hold what host memory cannot (``disk_budget``: its free bytes). The planner
@@ -316,8 +316,11 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     depth = prefetch_depth or 2
 
     def build(r: int, shell_dev: bool, disk_of: dict[int, str] | None = None,
-              level: tuple = (False, False), assist_now: bool = False) -> Plan:
+              level: tuple = (False, False), assist_now: bool = False, frozen_k: int = 0) -> Plan:
         disk_of = disk_of or {}
+        # [Note: a frozen base on the disk] (disk.py): the last frozen_k streamed blocks' frozen weights there
+        fdisk = tuple(range(L - frozen_k, L)) if 0 < frozen_k <= L - r else ()
+        fbytes = {i: -(-shape.frozen_host_bytes(cb, [i + 1]) // ALIGN) * ALIGN for i in fdisk}
         chunked, offloaded = level[0], level[1]
         lean = len(level) > 2 and level[2]
         every = level[3] if len(level) > 3 else 1
@@ -385,11 +388,12 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         host_units = sum(host_streamed) + (0 if shell_dev else shape.shell_numel)
         device_opt_units = shape.shell_numel + sum(shape.block_numels) - host_units
         on_disk = {m: sum(shape.block_numels[i] for i, d in disk_of.items() if d == m) for m in ("moments", "all")}
-        chunk = tier_chunk(max_block)
+        tier_max = max([max_block] + [-(-shape.frozen_host_bytes(cb, [i + 1]) // 4) for i in fdisk])
+        chunk = tier_chunk(tier_max)   # (planning.open_tier sizes the tier so)
         host = {
             "master_and_moments": (host_units - on_disk["moments"] - on_disk["all"]) * 12,   # master pinned: uploaded
             # [Note: frozen parameters]: the frozen weights, once (the host's ranks share them), no state
-            "frozen_weights": shape.frozen_host_bytes(cb),     # NF4 ones packed ([Note: an NF4 base])
+            "frozen_weights": shape.frozen_host_bytes(cb, [0] + [i + 1 for i in range(L) if i not in fbytes]),
             "host_mirrors": device_opt_units * 4 * ranks if on_cuda else 0,   # fp32 copies the params view
             "grad_staging": stage * -(-stage_numel // ranks) * 4 * ranks,    # each rank's, for its shard
             # deferred updates: each host unit's gradient waits for the norm here, or on the disk with its state
@@ -398,9 +402,10 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             "host16_copies": (sum(streamed) - on_disk["all"]) * cb if host16 and not fp32 else 0,
             "disk_block_masters": on_disk["moments"] * 4,               # moments on the disk, master here
             "disk_block_weights16": on_disk["all"] * cb,                # master on the disk: 16-bit weights here
-            "disk_buffers": (tier_buffers(max_block, disk_buffers)
-                             * ((3 if on_disk["all"] else 2) + (1 if deferred_updates else 0)) * chunk * 4 + ALIGN)
-            if disk_of else 0,
+            "disk_buffers": (tier_buffers(tier_max, disk_buffers)
+                             * max((3 if on_disk["all"] else 2) + (1 if deferred_updates else 0) if disk_of else 0,
+                                   1 if fdisk else 0) * chunk * 4 + ALIGN)
+            if disk_of or fdisk else 0,
             "checkpoint_copies": (offloaded_checkpoints(L, every) * batch.grad_accum * batch.tokens * shape.hidden
                                   * cb * ranks if batch and offloaded else 0),
         }
@@ -410,10 +415,12 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             dev = {}
         dbytes = sum(-(-shape.block_numels[i] * 4 // ALIGN) * ALIGN
                      * ((2 if d == "moments" else 3) + (1 if deferred_updates else 0)) for i, d in disk_of.items())
+        dbytes += sum(fbytes.values())
         return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, assisted, dev, host, device_budget,
                     host_budget, chosen, tuple(sorted(disk_of.items())), dbytes, disk_budget,
                     loss_chunks=chunks if chunked else 1, offload_checkpoints=offloaded, stage_numel=up_stage,
-                    device_state=device_state, checkpoint_every=every)
+                    device_state=device_state, checkpoint_every=every, disk_frozen=fdisk,
+                    disk_frozen_bytes=sum(fbytes.values()))
 
     def disk_choices(r: int):
         """[Note: disk placement]
@@ -449,16 +456,30 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
                 host_budget is None or plan.host_total <= host_budget,
                 disk_budget is None or plan.disk_bytes <= disk_budget)
 
+    # [Note: a frozen base on the disk]: 16-bit frozen weights of streamed blocks (not NF4 ones) may go there
+    frozen_ok = disk and any(shape.frozen_of(i) for i in range(L)) and not any(shape.nf4_numels)
+
     def options(r: int, shell_dev: bool, level: tuple[bool, bool]):
         if disk_placement is not None:            # re-planning: the placement stays as it is
-            yield build(r, shell_dev, dict(disk_placement), level)
+            yield build(r, shell_dev, dict(disk_placement), level, frozen_k=disk_frozen_blocks or 0)
             return
         base = build(r, shell_dev, None, level)
-        if not (disk and disk_blocks is not None):
+        forced = disk_blocks is not None or disk_frozen_blocks is not None
+        if not (disk and forced):
             yield base
         if disk and r < L and fits(base)[0]:
-            for d in disk_choices(r):
-                yield build(r, shell_dev, d, level)
+            # the frozen weights first (per byte of host memory they save, the same disk traffic as the moments
+            # and only reads), the last blocks' first; then the trained state beside all of them
+            if disk_frozen_blocks is not None:
+                ks = [min(disk_frozen_blocks, L - r)] if frozen_ok or disk_frozen_blocks == 0 else []
+            else:
+                ks = list(range(1, L - r + 1)) if frozen_ok else []
+            if disk_blocks is None:
+                for k in ks:
+                    yield build(r, shell_dev, None, level, frozen_k=k)
+            if disk_blocks is not None or disk_frozen_blocks is None:
+                for d in disk_choices(r):
+                    yield build(r, shell_dev, d, level, frozen_k=max(ks, default=0))
 
     # immediate updates: the device also updates a share of the streamed blocks during the backward, when its
     # buffers fit in what the chosen plan leaves of the budget (never at the cost of a resident block or of a

@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from zerofit.config.schema import ZerofitConfig
-from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, tier_buffers, tier_chunk
+from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, frozen_key, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
 from zerofit.engine.planner import (SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape, Plan, fmt_bytes,
                                     make_plan, placement_warnings)
@@ -88,6 +88,7 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
                 assisted_updates=off.assisted_updates,
                 disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
                 disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
+                disk_frozen_blocks=off.disk_frozen_blocks,
                 floor=(None if off.loss_chunks is None and off.offload_checkpoints is None
                        and off.checkpoint_every is None
                        else ((off.loss_chunks or 1) > 1, bool(off.offload_checkpoints), False,
@@ -108,6 +109,7 @@ def placement_kept(plan: Plan) -> dict:
     floor) in a new plan: the engine's replans and ``zerofit estimate``'s plan with 16-bit host copies."""
     return dict(resident_blocks=plan.resident_blocks, shell_on_device=plan.shell_optimizer_on_device,
                 fixed_staging=plan.staging_buffers, disk_placement=plan.disk_of,
+                disk_frozen_blocks=len(plan.disk_frozen),
                 floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every),
                 disk_budget=plan.disk_budget)     # measured before the swap file took its share of the disk
 
@@ -264,18 +266,22 @@ class Planning:
         """The disk tier the plan asks for: its file reserved under ``offload.nvme_path`` and its speed measured
         (preflight: a path that cannot hold it fails here, before anything else is allocated)."""
         plan = self.plan
-        if not plan.disk_blocks:
+        if not plan.disk_blocks and not plan.disk_frozen:
             return None
         # [Note: frozen parameters] (store.py): the tier holds the trained state of the last blocks (of a LoRA model,
-        # their adapters'); their frozen weights stay in host memory, which the planner counts
+        # their adapters'), and the frozen 16-bit weights of the plan's disk_frozen blocks ([Note: a frozen base on
+        # the disk], disk.py): the rest of the frozen weights stays in host memory, which the planner counts
         off = self.config.offload
         grad = ("grad",) if deferred else ()    # [Note: gradients on the disk], step.py
+        cb = torch.empty((), dtype=DTYPES[self.config.precision]).element_size()
+        frozen = [(frozen_key(i), -(-self.shape.frozen_host_bytes(cb, [i + 1]) // 4), ("w16",))
+                  for i in plan.disk_frozen]
         regions, nbytes = disk_layout([(i, self.shape.block_numels[i], DISK_FIELDS[m] + grad)
-                                       for i, m in plan.disk_blocks])
+                                       for i, m in plan.disk_blocks] + frozen)
         file = SwapFile(off.nvme_path, nbytes, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
         try:
             w, r = file.measure()
-            mb = max(self.shape.block_numels)
+            mb = max(list(self.shape.block_numels) + [n for _, n, _ in frozen])
             tier = DiskTier(file, regions, tier_chunk(mb), tier_buffers(mb, TIER_BUFFERS))
         except BaseException:
             file.close()

@@ -203,6 +203,8 @@ class Unit:
     frozen_host: torch.Tensor | None = None  # (frozen.numel,) compute dtype, host (pinned); module params view it
     frozen_dev: torch.Tensor | None = None   # (frozen.numel,) compute dtype, device; RESIDENT only
     frozen_at: int = 0                       # STREAMED: where the frozen weights start in a weight slot
+    frozen_disk: bool = False                # frozen_host is a view of the disk tier's mapping, uploaded from the
+                                             # tier ([Note: a frozen base on the disk], disk.py)
     nf4: object = None                       # its frozen weights held in 4 bits (nf4.UnitNF4), after those of
                                              # frozen_host in the frozen layout ([Note: an NF4 base], nf4.py)
 

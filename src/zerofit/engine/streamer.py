@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from zerofit.engine.disk import frozen_key
 from zerofit.engine.store import Home, Slot, SlotPool, Unit, WeightState
 
 
@@ -151,6 +152,16 @@ class Streamer:
         through the upload stage in pieces as upload does ([Note: frozen parameters], store.py); those held in
         NF4 packed, then dequantized on the device ([Note: an NF4 base], nf4.py)."""
         src = unit.frozen_host
+        if unit.frozen_disk:      # [Note: a frozen base on the disk] (disk.py): chunk by chunk from the tier
+            tier, key, n = self.host_updates.tier, frozen_key(unit.index), src.numel()
+            with self.dev.timed("upload", self.dev.upload, f"{unit.name}(frozen disk)"):
+                for c, (a, _) in enumerate(tier.chunks(key)):
+                    chunk = tier.acquire(key, c)["w16"].view(src.dtype)
+                    lo = a * 4 // src.element_size()
+                    hi = min(lo + chunk.numel(), n)
+                    dst[lo:hi].copy_(chunk[:hi - lo])     # (a pageable buffer: the copy is done when it returns)
+                    tier.release(key, c, write=False)
+            return
         if unit.nf4 is not None:
             q = unit.nf4
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(nf4)"):
@@ -200,6 +211,12 @@ class Streamer:
     def prefetch(self, order: list[Unit], pos: int) -> None:
         """Enqueue the uploads of the next units in ``order`` that are ready, as far as the slots allow."""
         depth = self.planning.plan.weight_slots - 1
+        tier = self.host_updates.tier
+        if tier is not None:      # [Note: a frozen base on the disk]: read the next ones' frozen weights ahead
+            ahead = [frozen_key(u.index) for u in order[pos + 1: pos + 2 + depth]
+                     if u.frozen_disk and u.state is WeightState.ON_HOST]
+            if ahead:
+                tier.expect(ahead)
         for u in order[pos + 1: pos + 1 + depth]:
             # a unit whose CPU update is still running is passed over, not waited for: the ones after it
             # (an assisted update, say) keep the copy engines busy meanwhile; it is uploaded when acquired

@@ -76,10 +76,10 @@ def test_a_disk_bound_step_shows_the_cpu_waiting_for_the_disk(tmp_path, monkeypa
 
     @contextlib.contextmanager
     def watched(what):
-        if what == "disk":
-            asked.set()
         try:
-            with waiting(what):
+            with waiting(what):          # (its clock starts before the read may go on)
+                if what == "disk":
+                    asked.set()
                 yield
         finally:
             asked.clear()

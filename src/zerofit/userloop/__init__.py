@@ -1,0 +1,260 @@
+"""The user's own training loop drives the engine (issue 31): ``out = model(**batch)``, ``loss.backward()``,
+``optimizer.step()`` on zerofit, as FSDP-shaped code writes them (zerofit/fsdp: the one import that changes).
+
+[Note: the user's loop drives the engine]
+A :class:`UserLoop` holds an engine over the user's model and stands where the loop expects the model:
+
+- the forward is the engine's DeepSpeed-shaped forward (the blocks streamed, checkpointed; the post pass with
+  autograd). Its output's ``loss`` and ``logits`` are handed back through :class:`_Seed`, an autograd Function
+  whose input is a dummy leaf: ``loss.backward()`` (of whatever the user computed from them: ``loss / G``, a
+  loss of the logits) reaches ``_Seed.backward`` with the gradient of each, and that calls the engine's own
+  backward of ``loss * g_loss + sum(logits * g_logits)`` without rescaling (``scale_wrt_gas=False``): the
+  gradient of the user's objective exactly, as plain autograd gives it (``x * g`` backpropagates ``g``
+  bitwise). The blocks' backward runs when the window of held micro-batches is full (``gradient_accumulation_steps``
+  of the engine's config, by default 1) and at the step: a loop may accumulate over any number of micro-batches,
+  the engine sums every block's gradient over all of them (the host's in its deferred gradient buffers).
+- the step is the user's optimizer's: a global ``torch.optim`` step pre-hook finds the loop whose parameters the
+  optimizer holds and takes the engine's optimizer step there, with the AdamW settings read from the optimizer's
+  ``param_groups`` at that moment (an lr scheduler moves them between steps: ``ClientSchedule`` with no
+  scheduler, optim/client_schedule.py). The module's parameters never get a ``.grad`` (the gradients are the
+  engine's), so torch's own step that follows updates nothing; ``zero_grad`` has nothing to clear.
+- clipping: ``model.clip_grad_norm_(max_norm)`` (FSDP's), and ``torch.nn.utils.clip_grad_norm_`` over the
+  loop's parameters (patched to come here), take the step then and there, clipped, and return the global norm
+  (the parameters' ``.grad`` are not there for torch's function to read); the optimizer's ``step()`` that
+  follows finds it taken. The engine clips as ``clip_grad_norm_`` does (train_batch's clipping, bitwise).
+- the engine runs deferred updates (the host's wait for the step's norm; they overlap the next forward), without
+  speculation (a user's clip is known only when it is called).
+
+Refused by name, before anything trains: an optimizer other than AdamW (or Adam without weight decay), AMSGrad,
+``maximize``, param groups whose settings differ (the engine's groups are fixed when it is built: give them as
+``zerofit_config``'s optimizer), an optimizer built over the model's parameters before it was wrapped (they are
+not the ones trained), fp16 (a ``GradScaler`` needs the ``.grad``; use bf16), a state_dict of the optimizer
+(the engine holds its state: ``model.save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+_LIVE: "weakref.WeakSet[UserLoop]" = weakref.WeakSet()
+_HOOKED = []
+_LOCK = threading.Lock()
+
+
+class UserLoopError(ValueError):
+    """A user loop zerofit cannot run as written; the message says what to change."""
+
+
+class _Seed(torch.autograd.Function):
+    """Identity on the output's loss and logits (from a dummy leaf): its backward hands their gradients to the
+    engine ([Note: the user's loop drives the engine])."""
+
+    @staticmethod
+    def forward(ctx, loop, anchor, loss, logits):
+        ctx.loop, ctx.loss, ctx.logits = loop, loss, logits
+        ctx.set_materialize_grads(False)
+        return (loss.detach().clone() if loss is not None else None,
+                logits.detach().clone() if logits is not None else None)
+
+    @staticmethod
+    def backward(ctx, g_loss, g_logits):
+        ctx.loop._backward(ctx.loss, g_loss, ctx.logits, g_logits)
+        ctx.loss = ctx.logits = None
+        return None, None, None, None
+
+
+class UserLoop:
+    """The engine under the user's loop. ``module``: the model (its parameters become the engine's views);
+    ``config``: zerofit's config (any form ``zerofit.initialize`` takes)."""
+
+    def __init__(self, module: nn.Module, config: dict):
+        import zerofit
+
+        if dict(config).get("precision") == "fp16":
+            raise UserLoopError("fp16 under the user's loop: a GradScaler reads the parameters' .grad, which the "
+                                "engine keeps to itself; use bf16 (MixedPrecision(param_dtype=torch.bfloat16)), "
+                                "or zerofit.initialize and its own loss scaling")
+        cfg = {**dict(config), "managed_gradient_accumulation": False}
+        cfg.setdefault("offload", {})
+        cfg["offload"] = {**cfg["offload"], "speculative_updates": False}
+        self._originals = weakref.WeakSet(module.parameters())
+        self.engine = zerofit.initialize(module, cfg, user_loop=True)
+        self.engine.window.unbounded = True          # any number of micro-batches per step
+        self.params = {id(p) for p in self.engine.module.parameters()}
+        self.taken = False                           # the step in progress was taken (by a clip)
+        self.optimizer = None
+        self.inside = False                          # the engine is running the model's own forward
+        _install_hooks()
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ forward and backward
+
+    def forward(self, *args, **kwargs):
+        self.taken = False
+        self.inside = True
+        try:
+            out = self.engine(*args, **kwargs)
+        finally:
+            self.inside = False
+        if not torch.is_grad_enabled():
+            return out
+        loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
+        if loss is None and logits is None:
+            raise UserLoopError("the model's output has neither .loss nor .logits: zerofit's loop follows the loss "
+                                "of a Hugging Face-style output")
+        anchor = torch.zeros((), requires_grad=True)
+        new_loss, new_logits = _Seed.apply(self, anchor, loss, logits)
+        if loss is not None:
+            out["loss"] = new_loss
+        if logits is not None:
+            out["logits"] = new_logits
+        return out
+
+    def _backward(self, loss, g_loss, logits, g_logits) -> None:
+        parts = []
+        if g_loss is not None and loss is not None:
+            parts.append(loss * g_loss)
+        if g_logits is not None and logits is not None:
+            parts.append((logits * g_logits).sum())
+        if not parts:
+            return
+        objective = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        self.engine.backward(objective, scale_wrt_gas=False)
+
+    # ------------------------------------------------------------------ the step
+
+    def take_step(self, optimizer=None, clip: float | None = None) -> float | None:
+        """The engine's optimizer step now (clipped to ``clip``): the global gradient norm."""
+        if optimizer is not None:
+            self._follow(optimizer)
+        if self.optimizer is None:
+            raise UserLoopError("clip_grad_norm_ before the optimizer's first step(): zerofit reads the AdamW "
+                                "settings from the optimizer; build it over model.parameters() first")
+        eng = self.engine
+        if eng.window.micro_steps == 0:
+            raise UserLoopError("optimizer.step() without a backward since the last step: the engine has no "
+                                "gradient to apply (a loop that steps twice, or whose loss did not come from the "
+                                "wrapped model's output)")
+        eng.stepper.clip_next = clip
+        applied_before = eng.global_step
+        try:
+            eng.window.override(True)
+            eng._step_at_boundary()
+        finally:
+            eng.window.override(None)
+            eng.stepper.clip_next = None
+        self.taken = True
+        return eng.last_grad_norm if eng.global_step > applied_before or eng.last_grad_norm is not None else None
+
+    def on_step(self, optimizer) -> None:
+        """The user's ``optimizer.step()``: the engine's step, unless a clip took it."""
+        if not self.taken:
+            self.take_step(optimizer)
+        self.taken = False
+
+    def _follow(self, optimizer) -> None:
+        if optimizer is self.optimizer:
+            return
+        from zerofit.optim.client_schedule import ClientSchedule
+
+        check_optimizer(optimizer, self)
+        carrier = _OneGroup(optimizer)
+        self.engine.hypers.attach(ClientSchedule(carrier, None, self.engine.config.train_batch_size))
+        optimizer.register_state_dict_pre_hook(_refuse_state_dict)
+        self.optimizer = optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0):
+        if float(norm_type) != 2.0:
+            raise UserLoopError(f"clip_grad_norm_(norm_type={norm_type}): zerofit clips by the L2 norm")
+        return torch.tensor(self.take_step(None, clip=float(max_norm)))
+
+
+class _OneGroup:
+    """The user's optimizer as ClientSchedule's carrier: its groups (the same settings each) as the engine's one."""
+
+    def __init__(self, optimizer):
+        self.inner = optimizer
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups[:1]
+
+
+def check_optimizer(opt, loop: UserLoop) -> None:
+    """Refuse (:class:`UserLoopError`) an optimizer the engine cannot stand in for, by name."""
+    name = type(opt).__name__
+    if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
+        raise UserLoopError(f"{name}: zerofit's engine steps AdamW (torch.optim.AdamW, or Adam without weight "
+                            "decay); use one of them")
+    groups = opt.param_groups
+    for i, g in enumerate(groups):
+        if g.get("amsgrad") or g.get("maximize"):
+            raise UserLoopError(f"{name}.param_groups[{i}]: amsgrad / maximize are not zerofit's AdamW")
+        if isinstance(opt, torch.optim.Adam) and not isinstance(opt, torch.optim.AdamW) and g["weight_decay"]:
+            raise UserLoopError(f"torch.optim.Adam with weight_decay {g['weight_decay']} (L2 added to the gradient) "
+                                "is not AdamW's decoupled decay: use torch.optim.AdamW")
+    keys = ("lr", "betas", "eps", "weight_decay")
+    if any(tuple(g[k] for k in keys) != tuple(groups[0][k] for k in keys) for g in groups[1:]):
+        raise UserLoopError(f"{name}: param groups with different settings; the engine's groups are fixed when it "
+                            "is built: give them in zerofit_config (optimizer) or train with one group")
+    ids = {id(p) for g in groups for p in g["params"]}
+    if ids & {id(p) for p in loop._originals}:
+        raise UserLoopError(f"{name} was built over the model's parameters before it was wrapped: those are not "
+                            "the ones trained now; build the optimizer over the wrapped model's parameters "
+                            "(FSDP asks the same)")
+    trained = {id(p) for p in loop.engine.module.parameters() if p.requires_grad}
+    if not trained <= ids:
+        raise UserLoopError(f"{name} holds {len(ids & trained)} of the model's {len(trained)} trained parameters: "
+                            "zerofit trains every parameter with requires_grad; freeze the others")
+
+
+def _refuse_state_dict(optimizer) -> None:
+    raise UserLoopError(f"{type(optimizer).__name__}.state_dict() under zerofit: the AdamW state is the engine's "
+                        "(the optimizer holds none); save with model.save_checkpoint(dir) and load with "
+                        "model.load_checkpoint(dir)")
+
+
+def _loop_of(params) -> UserLoop | None:
+    ids = {id(p) for p in params}
+    for loop in list(_LIVE):
+        if ids & loop.params:
+            return loop
+    return None
+
+
+def _step_pre_hook(optimizer, args, kwargs):
+    loop = _loop_of(p for g in optimizer.param_groups for p in g["params"])
+    if loop is not None:
+        loop.on_step(optimizer)
+    elif _LIVE:
+        stale = [lp for lp in list(_LIVE)
+                 if any(id(p) in {id(o) for o in lp._originals} for g in optimizer.param_groups for p in g["params"])]
+        if stale:
+            check_optimizer(optimizer, stale[0])      # raises: built before the wrap
+
+
+def _install_hooks() -> None:
+    with _LOCK:
+        if _HOOKED:
+            return
+        _HOOKED.append(torch.optim.optimizer.register_optimizer_step_pre_hook(_step_pre_hook))
+        import torch.nn.utils.clip_grad as clip_mod
+
+        original = clip_mod.clip_grad_norm_
+
+        @functools.wraps(original)
+        def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            loop = _loop_of(params)
+            if loop is None:
+                return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+            return loop.clip_grad_norm_(max_norm, norm_type)
+
+        clip_mod.clip_grad_norm_ = clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+        _HOOKED.append(original)

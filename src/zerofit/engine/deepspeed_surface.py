@@ -148,7 +148,7 @@ class DeepSpeedSurface:
             batch = bind_inputs(self._model, inputs, batch)
         G = self.config.gradient_accumulation_steps
         if (not self.config.managed_gradient_accumulation and self.window.micro_steps >= G
-                and torch.is_grad_enabled()):
+                and torch.is_grad_enabled() and not self.window.unbounded):
             raise DeepSpeedUnsupported(
                 f"engine(**batch): micro-batch {G + 1} before engine.step() with managed_gradient_accumulation false: "
                 f"zerofit's window holds at most gradient_accumulation_steps ({G}) micro-batches (their block "

@@ -69,7 +69,7 @@ class Engine(DeepSpeedSurface):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
     @classmethod
-    def create(cls, model, config=None, *, param_groups=None, **overrides) -> "Engine":
+    def create(cls, model, config=None, *, param_groups=None, user_loop: bool = False, **overrides) -> "Engine":
         """``model``: an ``nn.Module`` (real or on the meta device) or the path of a Hugging Face model
         directory, built on the meta device and filled from its safetensors files (zerofit.models).
         ``param_groups``: torch.optim-style groups ([Note: parameter groups], groups.py)."""
@@ -90,10 +90,11 @@ class Engine(DeepSpeedSurface):
             from zerofit.config import format_report
 
             logging.getLogger("zerofit").warning("configuration notes:\n%s", format_report(loaded.notices))
-        return cls(model, loaded.config, report=loaded.report, source=source, param_groups=param_groups)
+        return cls(model, loaded.config, report=loaded.report, source=source, param_groups=param_groups,
+                   user_loop=user_loop)
 
     def __init__(self, model: nn.Module, config: ZerofitConfig, report=(), device: torch.device | str | None = None,
-                 adapter: str | None = None, source=None, param_groups=None):
+                 adapter: str | None = None, source=None, param_groups=None, user_loop: bool = False):
         self.config = config
         self.source_dir = source.path if source is not None else None   # the model directory it was loaded from
         self._source = source
@@ -119,9 +120,9 @@ class Engine(DeepSpeedSurface):
         self._group_of = {n: i for i, g in enumerate(groups) for n in g.names}
         # [Note: frozen parameters] (store.py): what no group trains (requires_grad=False, or in no group)
         self.frozen = frozenset(self._table.canonical) - set(self._group_of)
-        # the global gradient norm is needed for clipping and for fp16's overflow check; either one
-        # makes every host update wait for it (deferred updates)
-        self.deferred = needs_norm(config)
+        # the global gradient norm is needed for clipping and for fp16's overflow check; either one makes every
+        # host update wait for it (deferred updates), as the user's loop does ([Note: the user's loop drives...])
+        self.deferred = needs_norm(config) or user_loop
         # [Note: speculative updates] (update/speculation.py): clipping without fp16 may update during the backward
         can_speculate = (config.gradient_clipping > 0 and config.precision != "fp16"
                          and config.offload.speculative_updates

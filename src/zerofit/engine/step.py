@@ -63,6 +63,9 @@ class Step:
         self.copies16, self.speculator, self.hypers, self.scaler = copies16, speculator, hypers, scaler
         self.deferred, self.cast_first = deferred, cast_first
         self.mirror_stale = False
+        self.clip_next: float | None = None    # the user's loop: this step's clip, in place of the config's
+        self.clip_order: list | None = None    # the user's loop: (unit, name) of every trained parameter in the
+                                               # model's order, for torch's clip arithmetic (_clip_as_torch)
 
     def host_units(self) -> list[Unit]:
         """The units the CPU worker updates (their optimizer state in host memory or on the disk)."""
@@ -160,7 +163,12 @@ class Step:
     def finish(self) -> tuple[bool, float | None]:
         """Apply the optimizer step to every unit: (applied, the global gradient norm where one was taken).
         Not applied: skipped for an fp16 overflow (every weight and moment as before)."""
-        hypers = self.hypers.for_step()
+        return self.apply(self.prepare())
+
+    def prepare(self) -> tuple:
+        """The step up to its updates: every gradient complete, the global norm and the clip factor (deferred
+        updates). The user's loop takes its ``clip_grad_norm_`` here and :meth:`apply` at ``optimizer.step()``
+        ([Note: the user's loop drives the engine], userloop); the AdamW settings are read in :meth:`apply`."""
         factor = 1.0
         skip = False
         norm = None
@@ -175,7 +183,7 @@ class Step:
         if shell_host and not self.shell.grad_fresh:
             if shell_assisted:     # [Note: assisted updates in the backward]
                 self.lifecycle.begin_applying()
-                self.device.shell(self.shell, hypers)
+                self.device.shell(self.shell, self.hypers.for_step())
             else:
                 self.unit_done(self.shell)
         spec = self.speculator.take()
@@ -208,23 +216,31 @@ class Step:
                     raise FloatingPointError(f"gradient norm is {total} at step {self.hypers.global_step}")
             except Exception:
                 if spec is not None:     # undo the speculative updates: the step is not applied
-                    self.settle(spec, host_units, hypers, None)
+                    self.settle(spec, host_units, self.hypers.for_step(), None)
                     self.worker.drain()
                 self.discard_grads()     # a caller that goes on starts from clean gradients
                 raise
             norm = total / scale
             factor = 1.0 / scale
-            clip = self.config.gradient_clipping
-            if clip > 0 and math.isfinite(norm):
+            clip = self.config.gradient_clipping if self.clip_next is None else self.clip_next
+            if self.clip_next is not None and self.clip_order is not None:    # the user's clip_grad_norm_
+                norm = self._clip_as_torch(self.clip_next)
+            elif clip > 0 and math.isfinite(norm):
                 coef = clip / (norm + 1e-6)
                 if coef < 1.0:
                     factor *= coef
             self.speculator.next = factor == 1.0 / scale    # [Note: speculative updates]: after a clipped step, wait
         for u in host_units:
             u.host_grad_fresh = True
+        return skip, norm, factor, device_units, host_units, dev_grads, spec, shell_host, shell_assisted
+
+    def apply(self, prepared: tuple) -> tuple[bool, float | None]:
+        """The step's updates, after :meth:`prepare`: (applied, the global norm where one was taken)."""
+        skip, norm, factor, device_units, host_units, dev_grads, spec, shell_host, shell_assisted = prepared
         if skip:
             self.discard_grads()
             return False, norm
+        hypers = self.hypers.for_step()
         self.lifecycle.begin_applying()
         self._device_updates(device_units, hypers, factor, dev_grads)
         if spec is not None:
@@ -234,6 +250,26 @@ class Step:
         if shell_host and not shell_assisted:
             self.shell.dirty = True
         return True, norm
+
+    def _clip_as_torch(self, max_norm: float) -> float:
+        """``torch.nn.utils.clip_grad_norm_``'s arithmetic over the step's gradients, in the model's order: each
+        parameter's fp32 norm (``_foreach_norm``), their norm, ``clamp(max_norm / (norm + 1e-6), max=1)``, each
+        gradient multiplied by it in place (the user's loop, [Note: the user's loop drives the engine]: bitwise
+        the plain loop's clipped gradients). Returns the norm."""
+        grads = []
+        for u, name in self.clip_order:
+            flat = u.grad if u.optimizer_on_device else self.grads.host_grads.get(id(u))
+            if flat is None:
+                raise RuntimeError(f"{u.name}: its gradient is not in memory (the disk tier's): clip_grad_norm_ "
+                                   "under the user's loop needs it there")
+            grads.append(u.layout.views(flat)[name])
+        norms = torch._foreach_norm(grads, 2.0)
+        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if float(coef) < 1.0:
+            for g in grads:
+                g.mul_(coef.to(g.device))
+        return float(total)
 
     def _global_norm(self, device_units, host_units, dev_grads) -> float:
         """The global gradient norm, fp64 (each rank's shards' squares summed over the ranks); a device sync."""

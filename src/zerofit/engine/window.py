@@ -92,6 +92,9 @@ class Window:
         # and the counters
         self.boundary: bool | None = carry.boundary if carry is not None else None
         self.stats = carry.stats if carry is not None else {"announced": 0, "mismatched": 0}
+        # the user's loop ([Note: the user's loop drives the engine], userloop): any number of micro-batches per
+        # step, the held ones' blocks backward whenever G of them are held
+        self.unbounded: bool = carry.unbounded if carry is not None else False
 
     @property
     def G(self) -> int:
@@ -200,7 +203,7 @@ class Window:
         """One micro-batch's forward and post pass: its output; the micro-batch waits for its backward()
         ([Note: the block backward waits for the boundary])."""
         G = self.G
-        if self.micro_steps >= G:
+        if self.micro_steps >= G and not self.unbounded:
             raise RuntimeError(f"{self.micro_steps} micro-batches went through backward() since the last optimizer "
                                f"step and gradient_accumulation_steps is {G}: call engine.step() after each "
                                "backward() (it steps at the accumulation boundary), as DeepSpeed's loop does")

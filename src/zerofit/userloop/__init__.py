@@ -56,10 +56,12 @@ class _Seed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loop, anchor, loss, logits):
-        ctx.loop, ctx.loss, ctx.logits = loop, loss, logits
+        # the graph-attached originals come aside (``loop.outputs``): as inputs, autograd would also walk their
+        # graph after this backward, which the engine's own backward has freed
+        ctx.loop, (ctx.loss, ctx.logits) = loop, loop.outputs
+        loop.outputs = None
         ctx.set_materialize_grads(False)
-        return (loss.detach().clone() if loss is not None else None,
-                logits.detach().clone() if logits is not None else None)
+        return (loss.clone() if loss is not None else None, logits.clone() if logits is not None else None)
 
     @staticmethod
     def backward(ctx, g_loss, g_logits):
@@ -73,7 +75,7 @@ class UserLoop:
     ``config``: zerofit's config (any form ``zerofit.initialize`` takes)."""
 
     def __init__(self, module: nn.Module, config: dict):
-        import zerofit
+        from zerofit.engine.engine import Engine
 
         if dict(config).get("precision") == "fp16":
             raise UserLoopError("fp16 under the user's loop: a GradScaler reads the parameters' .grad, which the "
@@ -81,21 +83,43 @@ class UserLoop:
                                 "or zerofit.initialize and its own loss scaling")
         cfg = {**dict(config), "managed_gradient_accumulation": False}
         cfg.setdefault("offload", {})
-        cfg["offload"] = {**cfg["offload"], "speculative_updates": False}
+        # no speculation (a clip is known when it is called), no assisted updates (their settings would be read
+        # before the optimizer is known): [Note: the user's loop drives the engine]
+        cfg["offload"] = {**cfg["offload"], "speculative_updates": False, "assisted_updates": False}
         self._originals = weakref.WeakSet(module.parameters())
-        self.engine = zerofit.initialize(module, cfg, user_loop=True)
-        self.engine.window.unbounded = True          # any number of micro-batches per step
+        self.engine = Engine.create(module, cfg, user_loop=True)
+        # any number of micro-batches per step with a window of one (each micro-batch's blocks backward at its own
+        # backward(): the sums come in plain autograd's order); a window of G > 1 holds exactly the loop's G
+        self.engine.window.unbounded = self.engine.config.gradient_accumulation_steps == 1
+        self.engine.stepper.clip_order = self._clip_order()
         self.params = {id(p) for p in self.engine.module.parameters()}
-        self.taken = False                           # the step in progress was taken (by a clip)
+        self.prepared = None                         # the step prepared by a clip, applied at optimizer.step()
         self.optimizer = None
         self.inside = False                          # the engine is running the model's own forward
+        self.outputs = None                          # the forward's loss and logits, on their way to _Seed
         _install_hooks()
         _LIVE.add(self)
+
+    def _clip_order(self) -> list:
+        """(unit, its name of the parameter) of every trained parameter, in the model's order (torch's clip)."""
+        eng = self.engine
+        where = {}
+        for u in eng.units:
+            prefix = "" if u.index < 0 else eng.adapter.block_prefix(u.index) + "."
+            where.update({prefix + n: (u, n) for n in u.layout.names})
+        return [where[n] for n, p in eng.module.named_parameters() if p.requires_grad and n in where]
 
     # ------------------------------------------------------------------ forward and backward
 
     def forward(self, *args, **kwargs):
-        self.taken = False
+        eng = self.engine
+        G = eng.config.gradient_accumulation_steps
+        if G > 1 and eng.window.micro_steps >= G and torch.is_grad_enabled():
+            raise UserLoopError(f"micro-batch {G + 1} of a step with zerofit_config gradient_accumulation_steps {G}: "
+                                "the window holds that many micro-batches before their blocks' backward, and "
+                                "summing a second window onto the first changes the order of the sums; set it to "
+                                "the loop's accumulation steps, or to 1 (any number, each micro-batch's blocks "
+                                "backward at its own backward())")
         self.inside = True
         try:
             out = self.engine(*args, **kwargs)
@@ -108,7 +132,9 @@ class UserLoop:
             raise UserLoopError("the model's output has neither .loss nor .logits: zerofit's loop follows the loss "
                                 "of a Hugging Face-style output")
         anchor = torch.zeros((), requires_grad=True)
-        new_loss, new_logits = _Seed.apply(self, anchor, loss, logits)
+        self.outputs = (loss, logits)
+        new_loss, new_logits = _Seed.apply(self, anchor, None if loss is None else loss.detach(),
+                                           None if logits is None else logits.detach())
         if loss is not None:
             out["loss"] = new_loss
         if logits is not None:
@@ -116,46 +142,55 @@ class UserLoop:
         return out
 
     def _backward(self, loss, g_loss, logits, g_logits) -> None:
-        parts = []
-        if g_loss is not None and loss is not None:
-            parts.append(loss * g_loss)
-        if g_logits is not None and logits is not None:
-            parts.append((logits * g_logits).sum())
-        if not parts:
-            return
-        objective = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-        self.engine.backward(objective, scale_wrt_gas=False)
+        with torch.enable_grad():         # (autograd runs a Function's backward with grad mode off)
+            parts = []
+            if g_loss is not None and loss is not None:
+                parts.append(loss * g_loss)
+            if g_logits is not None and logits is not None:
+                parts.append((logits * g_logits).sum())
+            if not parts:
+                return
+            objective = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+            self.engine.backward(objective, scale_wrt_gas=False)
 
     # ------------------------------------------------------------------ the step
 
-    def take_step(self, optimizer=None, clip: float | None = None) -> float | None:
-        """The engine's optimizer step now (clipped to ``clip``): the global gradient norm."""
-        if optimizer is not None:
-            self._follow(optimizer)
-        if self.optimizer is None:
-            raise UserLoopError("clip_grad_norm_ before the optimizer's first step(): zerofit reads the AdamW "
-                                "settings from the optimizer; build it over model.parameters() first")
+    def _prepare(self, clip: float | None) -> None:
+        """The step up to its updates (Step.prepare): the held micro-batches' blocks backward, the global norm,
+        the clip factor."""
         eng = self.engine
         if eng.window.micro_steps == 0:
-            raise UserLoopError("optimizer.step() without a backward since the last step: the engine has no "
-                                "gradient to apply (a loop that steps twice, or whose loss did not come from the "
-                                "wrapped model's output)")
+            raise UserLoopError("optimizer.step() (or clip_grad_norm_) without a backward since the last step: the "
+                                "engine has no gradient to apply (a loop that steps twice, or whose loss did not "
+                                "come from the wrapped model's output)")
         eng.stepper.clip_next = clip
-        applied_before = eng.global_step
         try:
-            eng.window.override(True)
-            eng._step_at_boundary()
+            with eng._call(discard_step=True):
+                eng.window.before_step()
+                self.prepared = eng.stepper.prepare()
         finally:
-            eng.window.override(None)
             eng.stepper.clip_next = None
-        self.taken = True
-        return eng.last_grad_norm if eng.global_step > applied_before or eng.last_grad_norm is not None else None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """This step's gradients clipped to ``max_norm`` (applied at ``optimizer.step()``); their global norm."""
+        if float(norm_type) != 2.0:
+            raise UserLoopError(f"clip_grad_norm_(norm_type={norm_type}): zerofit clips by the L2 norm")
+        if self.prepared is not None:
+            raise UserLoopError("clip_grad_norm_ twice in one step: the first one's clip is the step's")
+        self._prepare(float(max_norm))
+        return torch.tensor(self.prepared[1], dtype=torch.float32)
 
     def on_step(self, optimizer) -> None:
-        """The user's ``optimizer.step()``: the engine's step, unless a clip took it."""
-        if not self.taken:
-            self.take_step(optimizer)
-        self.taken = False
+        """The user's ``optimizer.step()``: the engine's updates, with the optimizer's settings now."""
+        self._follow(optimizer)
+        if self.prepared is None:
+            self._prepare(None)
+        prepared, self.prepared = self.prepared, None
+        eng = self.engine
+        with eng._call(discard_step=True):
+            applied, norm = eng.stepper.apply(prepared)
+            eng.window.stepped()
+            eng._end_step(applied, norm)
 
     def _follow(self, optimizer) -> None:
         if optimizer is self.optimizer:
@@ -167,11 +202,6 @@ class UserLoop:
         self.engine.hypers.attach(ClientSchedule(carrier, None, self.engine.config.train_batch_size))
         optimizer.register_state_dict_pre_hook(_refuse_state_dict)
         self.optimizer = optimizer
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0):
-        if float(norm_type) != 2.0:
-            raise UserLoopError(f"clip_grad_norm_(norm_type={norm_type}): zerofit clips by the L2 norm")
-        return torch.tensor(self.take_step(None, clip=float(max_norm)))
 
 
 class _OneGroup:
@@ -242,7 +272,9 @@ def _install_hooks() -> None:
     with _LOCK:
         if _HOOKED:
             return
-        _HOOKED.append(torch.optim.optimizer.register_optimizer_step_pre_hook(_step_pre_hook))
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOKED.append(register_optimizer_step_pre_hook(_step_pre_hook))
         import torch.nn.utils.clip_grad as clip_mod
 
         original = clip_mod.clip_grad_norm_

@@ -1,0 +1,219 @@
+"""FSDP-shaped code on zerofit, with one import changed (docs/fsdp.md; issue 31):
+
+    from zerofit.fsdp import FullyShardedDataParallel as FSDP      # was: from torch.distributed.fsdp import ...
+    from zerofit.fsdp import fully_shard                           # was: from torch.distributed.fsdp import ...
+
+Both build a :class:`zerofit.userloop.UserLoop` over the model ([Note: the user's loop drives the engine]): the
+user's forward, ``loss.backward()``, ``clip_grad_norm_`` and ``optimizer.step()`` drive the engine. Each of
+FSDP's arguments is honoured, mapped onto zerofit's config, or refused by name (:data:`ARGUMENTS` says which);
+torch's own ``CPUOffload``, ``MixedPrecision``, ``ShardingStrategy``, ``MixedPrecisionPolicy`` and
+``CPUOffloadPolicy`` are what they read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from zerofit.userloop import UserLoop, UserLoopError
+
+log = logging.getLogger("zerofit")
+
+__all__ = ["FullyShardedDataParallel", "FSDP", "fully_shard", "ARGUMENTS", "UserLoopError"]
+
+# what each argument does on zerofit (docs/fsdp.md prints this table)
+ARGUMENTS = {
+    "module": "the model; zerofit streams its repeated blocks (the adapter finds them) and keeps the rest resident",
+    "auto_wrap_policy": "accepted: zerofit's units are the model's repeated blocks whatever the policy (a policy "
+                        "naming another layer class is reported)",
+    "cpu_offload": "CPUOffload(offload_params=True): zerofit's offload (the planner keeps on the GPU what fits, the "
+                   "rest in host memory, AdamW on the CPU for it); None or False: nothing offloaded",
+    "mixed_precision": "MixedPrecision(param_dtype=bf16): bf16 compute over fp32 master weights (as FSDP keeps "
+                       "fp32 sharded parameters); None: fp32; fp16: refused (a GradScaler needs the .grad)",
+    "sharding_strategy": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD: zerofit's sharding of the same name (several ranks); "
+                         "HYBRID_SHARD: refused (several hosts: not yet)",
+    "device_id": "the compute device (an int or torch.device); None: the GPU if there is one",
+    "use_orig_params": "accepted: the parameters are the model's own (views of the engine's master weights)",
+    "sync_module_states": "accepted: with several ranks the host's state comes from local rank 0 anyway",
+    "backward_prefetch": "accepted: zerofit prefetches the next blocks' uploads itself",
+    "forward_prefetch": "accepted (as backward_prefetch)",
+    "limit_all_gathers": "accepted (zerofit bounds its uploads by its weight slots)",
+    "process_group": "None (the default group) only",
+    "device_mesh": "None only",
+    "param_init_fn": "refused: build the model on the meta device and give zerofit its files (zerofit.initialize)",
+    "ignored_modules": "refused",
+    "ignored_states": "refused",
+    "zerofit_config": "zerofit's own settings (docs/config.md), applied last: max_gpu_memory, "
+                      "gradient_accumulation_steps (micro-batches held before their blocks' backward), ...",
+}
+
+
+def _precision(param_dtype) -> str:
+    if param_dtype in (None, torch.float32):
+        return "fp32"
+    if param_dtype == torch.bfloat16:
+        return "bf16"
+    if param_dtype == torch.float16:
+        return "fp16"
+    raise UserLoopError(f"mixed precision param_dtype {param_dtype}: zerofit computes in fp32, bf16 or fp16")
+
+
+def _config(*, offload: bool, precision: str, device, sharding: str | None, extra: dict | None) -> dict:
+    cfg: dict = {"precision": precision}
+    if not offload:
+        cfg["offload"] = {"param_device": "none", "optimizer_device": "none"}
+    if device is not None:
+        cfg["device"] = (f"cuda:{device}" if isinstance(device, int) else str(torch.device(device)))
+    if sharding is not None:
+        cfg["sharding"] = sharding
+    for k, v in (extra or {}).items():
+        if k == "offload" and isinstance(v, dict):
+            cfg["offload"] = {**cfg.get("offload", {}), **v}
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def _refuse(**given) -> None:
+    for name, value in given.items():
+        if value is not None:
+            raise UserLoopError(f"FullyShardedDataParallel({name}=...): {ARGUMENTS[name]}")
+
+
+def _check_policy(policy, loop: UserLoop) -> None:
+    classes = getattr(policy, "keywords", {}).get("transformer_layer_cls") if policy is not None else None
+    blocks = loop.engine.adapter.blocks
+    if classes and len(blocks) and type(blocks[0]) not in set(classes):
+        log.warning("zerofit: auto_wrap_policy names %s; zerofit streams the model's repeated %s blocks",
+                    sorted(c.__name__ for c in classes), type(blocks[0]).__name__)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """FSDP1's wrapper, on zerofit: ``FSDP(model, auto_wrap_policy=..., cpu_offload=CPUOffload(True),
+    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), device_id=...)``; then the loop as written
+    (an optimizer over ``model.parameters()``, ``loss.backward()``, ``model.clip_grad_norm_``,
+    ``optimizer.step()``). :data:`ARGUMENTS` says what each argument does here."""
+
+    def __init__(self, module: nn.Module, process_group=None, sharding_strategy=None, cpu_offload=None,
+                 auto_wrap_policy=None, backward_prefetch=None, mixed_precision=None, ignored_modules=None,
+                 param_init_fn=None, device_id=None, sync_module_states: bool = False, forward_prefetch: bool = False,
+                 limit_all_gathers: bool = True, use_orig_params: bool = False, ignored_states=None,
+                 device_mesh=None, *, zerofit_config: dict | None = None):
+        super().__init__()
+        _refuse(process_group=process_group, device_mesh=device_mesh, param_init_fn=param_init_fn,
+                ignored_modules=ignored_modules, ignored_states=ignored_states)
+        strategy = getattr(sharding_strategy, "name", sharding_strategy)
+        if strategy is not None and strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+            raise UserLoopError(f"sharding_strategy {strategy}: {ARGUMENTS['sharding_strategy']}")
+        offload = bool(getattr(cpu_offload, "offload_params", False))
+        precision = _precision(getattr(mixed_precision, "param_dtype", None))
+        self.module = module
+        self._zerofit = UserLoop(module, _config(offload=offload, precision=precision, device=device_id,
+                                                 sharding=strategy, extra=zerofit_config))
+        _check_policy(auto_wrap_policy, self._zerofit)
+
+    @property
+    def zerofit_engine(self):
+        """The engine under the loop (zerofit's own API: checkpoints, memory_stats, timeline)."""
+        return self._zerofit.engine
+
+    def forward(self, *args, **kwargs):
+        return self._zerofit.forward(*args, **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The step's gradients clipped to ``max_norm`` (their global L2 norm returned): the engine takes its
+        optimizer step here, the optimizer's ``step()`` then finds it taken ([Note: the user's loop drives the
+        engine])."""
+        return self._zerofit.clip_grad_norm_(max_norm, norm_type)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """FSDP's: gradients accumulate without being reduced; on zerofit they accumulate until the step anyway."""
+        yield
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
+        """FULL_STATE_DICT: ``model.state_dict()`` is the whole model's, by its own names; the others refused."""
+        name = getattr(state_dict_type, "name", state_dict_type)
+        if name != "FULL_STATE_DICT":
+            raise UserLoopError(f"state_dict_type {name}: zerofit gives the full state dict (FULL_STATE_DICT); "
+                                "for resumable checkpoints use model.save_checkpoint(dir)")
+        yield
+
+    def state_dict(self, *args, **kwargs):
+        """The model's weights by its own names (fp32 masters, current), as FSDP's full state dict."""
+        return self._zerofit.engine.module.state_dict(*args, **kwargs)     # (the host weights made current)
+
+    def save_checkpoint(self, save_dir, tag=None, **kwargs):
+        """The engine's checkpoint (weights, AdamW state, step; docs/checkpoints.md)."""
+        self._zerofit.engine.save_checkpoint(save_dir, tag=tag, **kwargs)
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        return self._zerofit.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+
+
+FSDP = FullyShardedDataParallel
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+
+_MARKED = "_zerofit_fully_shard"
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward=True, shard_placement_fn=None,
+                mp_policy=None, offload_policy=None, ignored_params=None, zerofit_config: dict | None = None):
+    """FSDP2's ``fully_shard``, on zerofit: applied to each block and then to the root (as FSDP2's examples do);
+    the call on the root (a module with ``config``, or one that holds modules already passed here) builds the
+    engine over it and returns it, its class swapped as FSDP2 swaps it (its forward is the engine's). The calls
+    on the blocks are recorded only. ``mp_policy``/``offload_policy`` as FSDP1's ``mixed_precision``/
+    ``cpu_offload``; ``reshard_after_forward`` accepted (zerofit frees a block's slot as it needs it)."""
+    if mesh is not None or shard_placement_fn is not None or ignored_params is not None:
+        raise UserLoopError("fully_shard(mesh=/shard_placement_fn=/ignored_params=): not on zerofit")
+    inner = [m for m in module.modules() if m is not module and getattr(m, _MARKED, False)]
+    setattr(module, _MARKED, True)
+    if not inner and getattr(module, "config", None) is None:
+        return module                     # a block: the root's call builds the engine
+    offload = type(offload_policy).__name__ == "CPUOffloadPolicy"
+    precision = _precision(getattr(mp_policy, "param_dtype", None))
+    loop = UserLoop(module, _config(offload=offload, precision=precision, device=None, sharding=None,
+                                    extra=zerofit_config))
+    module.__dict__["_zerofit"] = loop
+    module.__class__ = _fsdp2_class(type(module))
+    return module
+
+
+_CLASSES: dict = {}
+
+
+def _fsdp2_class(cls):
+    if cls in _CLASSES:
+        return _CLASSES[cls]
+
+    def forward(self, *args, **kwargs):
+        loop = self.__dict__["_zerofit"]
+        if loop.inside:                   # the engine runs the model's own forward (its shell, the blocks)
+            return cls.forward(self, *args, **kwargs)
+        return loop.forward(*args, **kwargs)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: gradients accumulate until the step on zerofit anyway."""
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's: the engine finds the step's end at ``optimizer.step()``."""
+
+    def unshard(self, async_op: bool = False):
+        return None
+
+    def reshard(self) -> None:
+        return None
+
+    new = type(f"FSDP{cls.__name__}", (cls,), {
+        "forward": forward, "set_requires_gradient_sync": set_requires_gradient_sync,
+        "set_is_last_backward": set_is_last_backward, "unshard": unshard, "reshard": reshard,
+        "zerofit_engine": property(lambda self: self.__dict__["_zerofit"].engine)})
+    _CLASSES[cls] = new
+    return new

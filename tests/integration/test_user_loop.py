@@ -1,0 +1,195 @@
+"""The user's own loop on zerofit ([Note: the user's loop drives the engine], src/zerofit/userloop; issue 31):
+FSDP1-shaped (``zerofit.fsdp.FullyShardedDataParallel``) and FSDP2-shaped (``zerofit.fsdp.fully_shard``) code as
+the tutorials write it, with only the import changed, against the same loop on plain PyTorch without any wrapper,
+bitwise in fp32 on the CPU: gradient accumulation (``loss / G`` per micro-batch), clipping (the model's
+``clip_grad_norm_`` and torch's), an lr scheduler; bf16 against the engine's own train_batch; checkpoints; the
+refusals.
+
+The models here have untied embeddings: with a tied head and G > 1 the engine adds the head's and the embedding's
+gradients of the step in another order than autograd does (each micro-batch's head gradient as it comes, the
+embedding's after the blocks), equal to rounding, not bitwise (docs/fsdp.md)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch.distributed.fsdp import CPUOffload, MixedPrecision
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+import zerofit
+from tests.support import tiny_models as tm
+from zerofit.fsdp import FullyShardedDataParallel as FSDP
+from zerofit.fsdp import fully_shard
+from zerofit.userloop import UserLoopError
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+
+LR = 1e-2
+
+
+def _model():
+    torch.manual_seed(0)
+    return tm.llama(layers=3, tied=False)
+
+
+def _loop(model, data, clip=None, sched: bool = False, sync=None) -> list[tuple[float, float]]:
+    """The tutorial's loop: per micro-batch ``(loss / G).backward()``, then clip, ``optimizer.step()``, the
+    scheduler's step, ``zero_grad()``. ``clip``: a function (model, max_norm) -> norm; ``sync``: FSDP2's
+    ``set_requires_gradient_sync`` around the micro-batches."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if sched else None
+    out = []
+    for mbs in data:
+        total = 0.0
+        for i, mb in enumerate(mbs):
+            if sync is not None:
+                sync(model, i == len(mbs) - 1)
+            loss = model(**mb).loss
+            (loss / len(mbs)).backward()
+            total += loss.item()
+        norm = float(clip(model, 0.5)) if clip is not None else 0.0
+        opt.step()
+        if lrs is not None:
+            lrs.step()
+        opt.zero_grad()
+        out.append((total / len(mbs), norm))
+    return out
+
+
+def _torch_clip(model, max_norm):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def _assert_weights(wrapped_state: dict, ref) -> None:
+    for n, p in ref.named_parameters():
+        assert torch.equal(wrapped_state[n], p.detach()), n
+
+
+@pytest.mark.parametrize("G,window", [(1, 1), (3, 1), (3, 3)], ids=["G1", "G3-window1", "G3-window3"])
+def test_fsdp1_shaped_loop_is_plain_pytorch_bitwise(G, window):
+    """FSDP(model, auto_wrap_policy, cpu_offload=CPUOffload(True)); model.clip_grad_norm_; LambdaLR. A window of
+    1 (the default) takes any number of micro-batches; a window of the loop's G runs their blocks backward
+    together."""
+    ref = _model()
+    base = copy.deepcopy(ref)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    model = FSDP(base, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True),
+                 zerofit_config={"gradient_accumulation_steps": window})
+    assert all(u.home.name == "STREAMED" for u in model.zerofit_engine.blocks)
+    data = tm.batches(4, G)
+    got = _loop(model, data, clip=lambda m, c: m.clip_grad_norm_(c), sched=True)
+    want = _loop(ref, data, clip=_torch_clip, sched=True)
+    assert got == want and all(n > 0.5 for _, n in want)        # every step clipped
+    _assert_weights(model.state_dict(), ref)
+
+
+def test_torchs_clip_grad_norm_over_the_wrapped_models_parameters_clips_the_engines_gradients():
+    ref = _model()
+    model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
+    data = tm.batches(3, 2)
+    assert _loop(model, data, clip=_torch_clip) == _loop(ref, data, clip=_torch_clip)
+    _assert_weights(model.state_dict(), ref)
+    # torch's function is untouched for other parameters
+    lin = torch.nn.Linear(3, 3)
+    lin.weight.grad = torch.ones(3, 3)
+    assert float(torch.nn.utils.clip_grad_norm_(lin.parameters(), 1.0)) == pytest.approx(3.0)
+
+
+def test_fsdp2_shaped_loop_is_plain_pytorch_bitwise():
+    """fully_shard(layer) for each block, then fully_shard(model); set_requires_gradient_sync(False) on the
+    micro-batches before the last; torch's clip_grad_norm_."""
+    ref = _model()
+    model = copy.deepcopy(ref)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    out = fully_shard(model, offload_policy=torch.distributed.fsdp.CPUOffloadPolicy())
+    assert out is model and type(model).__name__ == "FSDPLlamaForCausalLM"
+    assert isinstance(model, type(ref))
+    data = tm.batches(3, 2)
+    got = _loop(model, data, clip=_torch_clip, sched=True,
+                sync=lambda m, last: m.set_requires_gradient_sync(last))
+    assert got == _loop(ref, data, clip=_torch_clip, sched=True)
+    _assert_weights(model.zerofit_engine.master_state_dict(), ref)
+
+
+def test_bf16_mixed_precision_is_the_engines_own_bf16():
+    """MixedPrecision(param_dtype=torch.bfloat16): bf16 compute over fp32 masters, the same arithmetic as the
+    engine's train_batch in bf16 (torch's autocast rounds elsewhere: to rounding against it)."""
+    ref = zerofit.initialize(_model(), {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
+                                        "gradient_accumulation_steps": 2,
+                                        "optimizer": {"lr": LR, "weight_decay": 0.01}})
+    model = FSDP(_model(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+                 cpu_offload=CPUOffload(offload_params=True), zerofit_config={"gradient_accumulation_steps": 2})
+    data = tm.batches(3, 2)
+    got = [loss for loss, _ in _loop(model, data)]
+    want = [ref.train_batch(mbs) for mbs in data]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)   # (item() means)
+    mine, theirs = model.zerofit_engine.master_state_dict(), ref.master_state_dict()
+    assert all(torch.equal(mine[n], v) for n, v in theirs.items())
+    ref.close()
+
+
+def test_a_checkpoint_resumes_bitwise(tmp_path):
+    data = tm.batches(4, 2, seed=5)
+    ref = _model()
+    want = _loop(ref, data)
+    a = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True))
+    opt = torch.optim.AdamW(a.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    for mbs in data[:2]:
+        for mb in mbs:
+            (a(**mb).loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    a.save_checkpoint(tmp_path, tag="t")
+    b = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True))
+    b.load_checkpoint(tmp_path, tag="t")
+    got = _loop_from(b, data[2:], steps_done=2)
+    assert got == [loss for loss, _ in want[2:]]
+    _assert_weights(b.state_dict(), ref)
+
+
+def _loop_from(model, data, steps_done: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    out = []
+    for mbs in data:
+        total = 0.0
+        for mb in mbs:
+            loss = model(**mb).loss
+            (loss / len(mbs)).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        out.append(total / len(mbs))
+    return out
+
+
+def test_what_the_engine_cannot_stand_in_for_is_refused_by_name():
+    mb = tm.batches(1, 1)[0][0]
+    with pytest.raises(UserLoopError, match="fp16"):
+        FSDP(_model(), mixed_precision=MixedPrecision(param_dtype=torch.float16))
+    with pytest.raises(UserLoopError, match="param_init_fn"):
+        FSDP(_model(), param_init_fn=lambda m: m)
+    base = _model()
+    early = torch.optim.AdamW(base.parameters(), lr=LR)       # built before the wrap
+    model = FSDP(base, cpu_offload=CPUOffload(offload_params=True))
+    model(**mb).loss.backward()
+    with pytest.raises(UserLoopError, match="before it was wrapped"):
+        early.step()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UserLoopError, match="SGD: zerofit's engine steps AdamW"):
+        sgd.step()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt.step()                                                 # the gradient of the backward above
+    with pytest.raises(UserLoopError, match="without a backward"):
+        opt.step()
+    with pytest.raises(UserLoopError, match="state_dict"):
+        opt.state_dict()
+    held = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True), zerofit_config={"gradient_accumulation_steps": 2})
+    for _ in range(2):
+        held(**mb).loss.backward()
+    with pytest.raises(UserLoopError, match="micro-batch 3 of a step"):
+        held(**mb)

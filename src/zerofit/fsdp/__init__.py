@@ -145,8 +145,28 @@ class FullyShardedDataParallel(nn.Module):
         yield
 
     def state_dict(self, *args, **kwargs):
-        """The model's weights by its own names (fp32 masters, current), as FSDP's full state dict."""
-        return self._zerofit.engine.module.state_dict(*args, **kwargs)     # (the host weights made current)
+        """The model's weights by its own names (fp32 masters, current), as FSDP's full state dict: tensors of
+        their own (the engine's are views of one flat buffer per unit, which safetensors' load refuses)."""
+        sd = self._zerofit.engine.module.state_dict(*args, **kwargs)       # (the host weights made current)
+        for k, v in sd.items():
+            sd[k] = v.detach().clone()
+        return sd
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Weights by the model's own names into the engine's master weights (as FSDP's full state dict loads)."""
+        self._zerofit.load_weights(state_dict, strict)
+        return nn.modules.module._IncompatibleKeys([], [])
+
+    def to(self, *args, **kwargs):
+        """The engine places the weights (streamed through the device, masters in host memory): a move is a no-op
+        (accelerate's prepare moves the model)."""
+        return self
+
+    def cuda(self, device=None):
+        return self
+
+    def cpu(self):
+        return self
 
     def save_checkpoint(self, save_dir, tag=None, **kwargs):
         """The engine's checkpoint (weights, AdamW state, step; docs/checkpoints.md)."""

@@ -28,8 +28,9 @@ A :class:`UserLoop` holds an engine over the user's model and stands where the l
 Refused by name, before anything trains: an optimizer other than AdamW (or Adam without weight decay), AMSGrad,
 ``maximize``, param groups whose settings differ (the engine's groups are fixed when it is built: give them as
 ``zerofit_config``'s optimizer), an optimizer built over the model's parameters before it was wrapped (they are
-not the ones trained), fp16 (a ``GradScaler`` needs the ``.grad``; use bf16), a state_dict of the optimizer
-(the engine holds its state: ``model.save_checkpoint``).
+not the ones trained), fp16 (a ``GradScaler`` needs the ``.grad``; use bf16). The optimizer's ``state_dict()`` is
+torch's AdamW format filled from the engine's moments (and ``load_state_dict`` writes them back): accelerate's
+``save_state``/``load_state`` work as written.
 """
 
 from __future__ import annotations
@@ -200,8 +201,74 @@ class UserLoop:
         check_optimizer(optimizer, self)
         carrier = _OneGroup(optimizer)
         self.engine.hypers.attach(ClientSchedule(carrier, None, self.engine.config.train_batch_size))
-        optimizer.register_state_dict_pre_hook(_refuse_state_dict)
+        optimizer.register_state_dict_post_hook(self._optimizer_state)
+        optimizer.register_load_state_dict_post_hook(self._optimizer_loaded)
         self.optimizer = optimizer
+        if optimizer.state:          # loaded before its first step (accelerate's load_state): the engine's now
+            self._optimizer_loaded(optimizer)
+
+    # ------------------------------------------------------------------ state dicts (accelerate's save_state)
+
+    def _where(self) -> dict:
+        """id(parameter) -> (unit, its name in the unit) of every trained parameter."""
+        eng = self.engine
+        where = {}
+        for u in eng.units:
+            prefix = "" if u.index < 0 else eng.adapter.block_prefix(u.index) + "."
+            where.update({prefix + n: (u, n) for n in u.layout.names})
+        return {id(p): where[n] for n, p in eng.module.named_parameters() if n in where}
+
+    def _optimizer_state(self, optimizer, state: dict) -> dict:
+        """``optimizer.state_dict()``: torch's AdamW format, its ``state`` filled from the engine's moments and
+        step counts (the optimizer holds none itself), by the parameters' positions in its groups."""
+        self.engine.wait()
+        where = self._where()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        out = {}
+        for i, p in enumerate(params):
+            if id(p) not in where:
+                continue
+            u, n = where[id(p)]
+            out[i] = {"step": torch.tensor(float(u.step.item()), dtype=torch.float32),
+                      "exp_avg": u.layout.views(u.exp_avg)[n].detach().to("cpu", copy=True),
+                      "exp_avg_sq": u.layout.views(u.exp_avg_sq)[n].detach().to("cpu", copy=True)}
+        state["state"] = out
+        return state
+
+    def _optimizer_loaded(self, optimizer) -> None:
+        """``optimizer.load_state_dict()``: the moments and step counts into the engine (the optimizer keeps
+        none)."""
+        eng = self.engine
+        eng.wait()
+        where = self._where()
+        for p, st in list(optimizer.state.items()):
+            if id(p) not in where or "exp_avg" not in st:
+                continue
+            u, n = where[id(p)]
+            with torch.no_grad():
+                u.layout.views(u.exp_avg)[n].copy_(st["exp_avg"])
+                u.layout.views(u.exp_avg_sq)[n].copy_(st["exp_avg_sq"])
+                u.step.fill_(float(st["step"]))
+        optimizer.state.clear()      # (moments have no derived copies: the gradients of a step in progress stay)
+
+    def load_weights(self, state_dict: dict, strict: bool = True) -> None:
+        """``model.load_state_dict()``: the weights into the engine's masters (by the model's names)."""
+        eng = self.engine
+        eng.wait()
+        mine = {}
+        for u in eng.units:
+            prefix = "" if u.index < 0 else eng.adapter.block_prefix(u.index) + "."
+            mine.update({prefix + n: v for n, v in u.layout.views(u.master).items()})
+        names = dict(eng.module.named_parameters(remove_duplicate=False))
+        missing = [n for n in names if n not in state_dict and n in mine]
+        unexpected = [n for n in state_dict if n not in names and n not in dict(eng.module.named_buffers())]
+        if strict and (missing or unexpected):
+            raise UserLoopError(f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for n, v in state_dict.items():
+                if n in mine:
+                    mine[n].copy_(v)
+        eng.weights_loaded()
 
 
 class _OneGroup:
@@ -241,12 +308,6 @@ def check_optimizer(opt, loop: UserLoop) -> None:
     if not trained <= ids:
         raise UserLoopError(f"{name} holds {len(ids & trained)} of the model's {len(trained)} trained parameters: "
                             "zerofit trains every parameter with requires_grad; freeze the others")
-
-
-def _refuse_state_dict(optimizer) -> None:
-    raise UserLoopError(f"{type(optimizer).__name__}.state_dict() under zerofit: the AdamW state is the engine's "
-                        "(the optimizer holds none); save with model.save_checkpoint(dir) and load with "
-                        "model.load_checkpoint(dir)")
 
 
 def _loop_of(params) -> UserLoop | None:

@@ -1,0 +1,88 @@
+"""A custom accelerate loop on zerofit ([Note: the user's loop drives the engine], src/zerofit/userloop; issue 31):
+the one change is wrapping the model with ``zerofit.fsdp.FullyShardedDataParallel`` before
+``accelerator.prepare`` (docs/fsdp.md, "accelerate"). Against the same loop over the plain model, on the CPU in
+fp32, bitwise: ``accumulate`` (gradient accumulation), ``backward``, ``clip_grad_norm_``, an lr scheduler; and
+``save_state``/``load_state`` resuming bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from torch.distributed.fsdp import CPUOffload  # noqa: E402
+
+from tests.support import tiny_models as tm  # noqa: E402
+from zerofit.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate's state is per process: each test (and the tests after these) starts from none."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _rows(n=16):
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(n)]
+
+
+def _run(wrap: bool, rows, clip: bool = True, save_at=None, load_from=None, skip: int = 0):
+    torch.manual_seed(0)
+    model = tm.llama(layers=3, tied=False)
+    acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    if wrap:                                     # the one change
+        model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    loader = torch.utils.data.DataLoader(rows, batch_size=2, shuffle=False)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    if load_from is not None:
+        acc.load_state(load_from)
+    out = []
+    for i, batch in enumerate(loader):
+        if i < skip:
+            continue
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            if clip and acc.sync_gradients:
+                out.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        out.append(loss.item())
+        if save_at is not None and i == save_at:
+            acc.save_state(str(save_at_dir(save_at)))
+    return out, acc.unwrap_model(model).state_dict()
+
+
+_DIRS = {}
+
+
+def save_at_dir(i):
+    return _DIRS[i]
+
+
+def test_the_accelerate_loop_is_the_plain_one_bitwise():
+    rows = _rows()
+    got, mine = _run(True, rows)
+    want, theirs = _run(False, rows)
+    assert got == want and len(got) == 8 + 4             # 8 micro-batches' losses, 4 clipped steps' norms
+    for n, v in theirs.items():
+        assert torch.equal(mine[n], v), n
+
+
+def test_save_state_and_load_state_resume_bitwise(tmp_path):
+    rows = _rows()
+    _DIRS[3] = tmp_path / "state"
+    full, _ = _run(True, rows, clip=False, save_at=3)       # saved after the second optimizer step
+    resumed, _ = _run(True, rows, clip=False, load_from=str(tmp_path / "state"), skip=4)
+    assert resumed == full[4:]

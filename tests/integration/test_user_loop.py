@@ -133,6 +133,49 @@ def test_bf16_mixed_precision_is_the_engines_own_bf16():
     ref.close()
 
 
+@pytest.mark.parametrize("scaler_cls", ["GradScaler", "ShardedGradScaler"])
+def test_fp16_with_a_grad_scaler_and_overflowing_steps_is_the_engines_own_fp16(scaler_cls):
+    """MixedPrecision(param_dtype=torch.float16) and torch's GradScaler (or FSDP's ShardedGradScaler): the loss
+    scaled by the scaler, the engine's gradients unscaled and checked by torch's own kernel at unscale_, the
+    overflowing steps skipped by the scaler (its optimizer.step() never called) and its scale halved: bitwise
+    the engine's own fp16 with the same scale schedule (train_batch: DeepSpeed's dynamic loss scaling, hysteresis
+    1), whose first steps overflow too."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    G = 2
+    ref = zerofit.initialize(_model(), {"device": "cpu", "precision": "fp16", "micro_batch_size": 2,
+                                        "gradient_accumulation_steps": G, "optimizer": {"lr": LR, "weight_decay": 0.01},
+                                        "fp16": {"initial_scale_power": 24, "hysteresis": 1,
+                                                 "loss_scale_window": 1000}})
+    model = FSDP(_model(), mixed_precision=MixedPrecision(param_dtype=torch.float16),
+                 cpu_offload=CPUOffload(offload_params=True), zerofit_config={"gradient_accumulation_steps": G})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    kw = dict(init_scale=2.0 ** 24, growth_interval=1000)
+    scaler = (torch.amp.GradScaler("cpu", **kw) if scaler_cls == "GradScaler"
+              else ShardedGradScaler(device="cpu", **kw))
+    data = tm.batches(6, G)
+    got = []
+    for mbs in data:
+        total = 0.0
+        for mb in mbs:
+            loss = model(**mb).loss
+            scaler.scale(loss / G).backward()
+            total += loss.item()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        got.append(total / G)
+    want = [ref.train_batch(mbs) for mbs in data]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)   # (item() means)
+    eng = model.zerofit_engine
+    model(**data[0][0])          # (a forward settles the last step: applied or skipped)
+    assert eng.skipped_steps == ref.skipped_steps > 0 and eng.global_step == ref.global_step > 0
+    assert scaler.get_scale() == ref.scaler.scale
+    mine, theirs = eng.master_state_dict(), ref.master_state_dict()
+    assert all(torch.equal(mine[n], v) for n, v in theirs.items())
+    ref.close()
+
+
 def test_a_checkpoint_resumes_bitwise(tmp_path):
     data = tm.batches(4, 2, seed=5)
     ref = _model()
@@ -169,8 +212,6 @@ def _loop_from(model, data, steps_done: int) -> list[float]:
 
 def test_what_the_engine_cannot_stand_in_for_is_refused_by_name():
     mb = tm.batches(1, 1)[0][0]
-    with pytest.raises(UserLoopError, match="fp16"):
-        FSDP(_model(), mixed_precision=MixedPrecision(param_dtype=torch.float16))
     with pytest.raises(UserLoopError, match="param_init_fn"):
         FSDP(_model(), param_init_fn=lambda m: m)
     base = _model()

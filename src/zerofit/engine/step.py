@@ -63,9 +63,8 @@ class Step:
         self.copies16, self.speculator, self.hypers, self.scaler = copies16, speculator, hypers, scaler
         self.deferred, self.cast_first = deferred, cast_first
         self.mirror_stale = False
-        self.clip_next: float | None = None    # the user's loop: this step's clip, in place of the config's
         self.clip_order: list | None = None    # the user's loop: (unit, name) of every trained parameter in the
-                                               # model's order, for torch's clip arithmetic (_clip_as_torch)
+                                               # model's order, for torch's clip arithmetic (clip_as_torch, grad_views)
 
     def host_units(self) -> list[Unit]:
         """The units the CPU worker updates (their optimizer state in host memory or on the disk)."""
@@ -222,10 +221,8 @@ class Step:
                 raise
             norm = total / scale
             factor = 1.0 / scale
-            clip = self.config.gradient_clipping if self.clip_next is None else self.clip_next
-            if self.clip_next is not None and self.clip_order is not None:    # the user's clip_grad_norm_
-                norm = self._clip_as_torch(self.clip_next)
-            elif clip > 0 and math.isfinite(norm):
+            clip = self.config.gradient_clipping
+            if clip > 0 and math.isfinite(norm):
                 coef = clip / (norm + 1e-6)
                 if coef < 1.0:
                     factor *= coef
@@ -251,18 +248,24 @@ class Step:
             self.shell.dirty = True
         return True, norm
 
-    def _clip_as_torch(self, max_norm: float) -> float:
+    def grad_views(self) -> list[torch.Tensor]:
+        """The step's gradient of every trained parameter (views of the engine's gradient buffers), in the model's
+        order (``clip_order``): the user's loop clips and unscales them as torch does."""
+        out = []
+        for u, name in self.clip_order:
+            flat = u.grad if u.optimizer_on_device else self.grads.host_grads.get(id(u))
+            if flat is None:
+                raise RuntimeError(f"{u.name}: its gradient is not in memory (the disk tier's): clipping or "
+                                   "unscaling under the user's loop needs it there")
+            out.append(u.layout.views(flat)[name])
+        return out
+
+    def clip_as_torch(self, max_norm: float) -> float:
         """``torch.nn.utils.clip_grad_norm_``'s arithmetic over the step's gradients, in the model's order: each
         parameter's fp32 norm (``_foreach_norm``), their norm, ``clamp(max_norm / (norm + 1e-6), max=1)``, each
         gradient multiplied by it in place (the user's loop, [Note: the user's loop drives the engine]: bitwise
         the plain loop's clipped gradients). Returns the norm."""
-        grads = []
-        for u, name in self.clip_order:
-            flat = u.grad if u.optimizer_on_device else self.grads.host_grads.get(id(u))
-            if flat is None:
-                raise RuntimeError(f"{u.name}: its gradient is not in memory (the disk tier's): clip_grad_norm_ "
-                                   "under the user's loop needs it there")
-            grads.append(u.layout.views(flat)[name])
+        grads = self.grad_views()
         norms = torch._foreach_norm(grads, 2.0)
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

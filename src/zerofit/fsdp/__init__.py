@@ -31,8 +31,9 @@ ARGUMENTS = {
                         "naming another layer class is reported)",
     "cpu_offload": "CPUOffload(offload_params=True): zerofit's offload (the planner keeps on the GPU what fits, the "
                    "rest in host memory, AdamW on the CPU for it); None or False: nothing offloaded",
-    "mixed_precision": "MixedPrecision(param_dtype=bf16): bf16 compute over fp32 master weights (as FSDP keeps "
-                       "fp32 sharded parameters); None: fp32; fp16: refused (a GradScaler needs the .grad)",
+    "mixed_precision": "MixedPrecision(param_dtype=bf16 or fp16): compute in that dtype over fp32 master weights (as "
+                       "FSDP keeps fp32 sharded parameters); fp16 with the loop's GradScaler or ShardedGradScaler "
+                       "(its unscale_, overflow skip and scale schedule); None: fp32",
     "sharding_strategy": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD: zerofit's sharding of the same name (several ranks); "
                          "HYBRID_SHARD: refused (several hosts: not yet)",
     "device_id": "the compute device (an int or torch.device); None: the GPU if there is one",

@@ -78,11 +78,9 @@ class UserLoop:
     def __init__(self, module: nn.Module, config: dict):
         from zerofit.engine.engine import Engine
 
-        if dict(config).get("precision") == "fp16":
-            raise UserLoopError("fp16 under the user's loop: a GradScaler reads the parameters' .grad, which the "
-                                "engine keeps to itself; use bf16 (MixedPrecision(param_dtype=torch.bfloat16)), "
-                                "or zerofit.initialize and its own loss scaling")
         cfg = {**dict(config), "managed_gradient_accumulation": False}
+        if cfg.get("precision") == "fp16":       # the user's GradScaler scales the loss: the engine's scale stays 1
+            cfg["fp16"] = {**cfg.get("fp16", {}), "loss_scale": 1.0}
         cfg.setdefault("offload", {})
         # no speculation (a clip is known when it is called), no assisted updates (their settings would be read
         # before the optimizer is known): [Note: the user's loop drives the engine]
@@ -121,6 +119,8 @@ class UserLoop:
                                 "summing a second window onto the first changes the order of the sums; set it to "
                                 "the loop's accumulation steps, or to 1 (any number, each micro-batch's blocks "
                                 "backward at its own backward())")
+        if self.prepared is not None and torch.is_grad_enabled():
+            self._skipped()
         self.inside = True
         try:
             out = self.engine(*args, **kwargs)
@@ -156,37 +156,68 @@ class UserLoop:
 
     # ------------------------------------------------------------------ the step
 
-    def _prepare(self, clip: float | None) -> None:
-        """The step up to its updates (Step.prepare): the held micro-batches' blocks backward, the global norm,
-        the clip factor."""
+    def _prepare(self) -> None:
+        """The step up to its updates (Step.prepare): the held micro-batches' blocks backward, every gradient
+        complete, the global norm (fp16: the overflow check)."""
         eng = self.engine
         if eng.window.micro_steps == 0:
-            raise UserLoopError("optimizer.step() (or clip_grad_norm_) without a backward since the last step: the "
-                                "engine has no gradient to apply (a loop that steps twice, or whose loss did not "
-                                "come from the wrapped model's output)")
-        eng.stepper.clip_next = clip
-        try:
-            with eng._call(discard_step=True):
-                eng.window.before_step()
-                self.prepared = eng.stepper.prepare()
-        finally:
-            eng.stepper.clip_next = None
+            raise UserLoopError("optimizer.step() (or clip_grad_norm_, unscale_) without a backward since the last "
+                                "step: the engine has no gradient to apply (a loop that steps twice, or whose loss "
+                                "did not come from the wrapped model's output)")
+        with eng._call(discard_step=True):
+            eng.window.before_step()
+            self.prepared = eng.stepper.prepare()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """This step's gradients clipped to ``max_norm`` (applied at ``optimizer.step()``); their global norm."""
+        """This step's gradients clipped to ``max_norm`` in place, as torch's ``clip_grad_norm_`` clips them
+        (Step.clip_as_torch); their global norm."""
         if float(norm_type) != 2.0:
             raise UserLoopError(f"clip_grad_norm_(norm_type={norm_type}): zerofit clips by the L2 norm")
-        if self.prepared is not None:
-            raise UserLoopError("clip_grad_norm_ twice in one step: the first one's clip is the step's")
-        self._prepare(float(max_norm))
-        return torch.tensor(self.prepared[1], dtype=torch.float32)
+        if self.prepared is None:
+            self._prepare()
+        return torch.tensor(self.engine.stepper.clip_as_torch(float(max_norm)), dtype=torch.float32)
 
-    def on_step(self, optimizer) -> None:
-        """The user's ``optimizer.step()``: the engine's updates, with the optimizer's settings now."""
+    def unscale(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict:
+        """A ``GradScaler``'s ``unscale_`` of ``optimizer``: the engine's gradients unscaled in place and checked,
+        with torch's own kernel (``_amp_foreach_non_finite_check_and_unscale_``), per device: what the scaler's
+        ``_unscale_grads_`` returns."""
         self._follow(optimizer)
         if self.prepared is None:
-            self._prepare(None)
+            self._prepare()
+        by_device: dict = {}
+        for g in self.engine.stepper.grad_views():
+            by_device.setdefault(g.device, []).append(g)
+        out = {}
+        with torch.no_grad():
+            for dev, grads in by_device.items():
+                fi = found_inf.to(dev, copy=True)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv_scale.to(dev, copy=True))
+                out[dev] = fi
+        return out
+
+    def _skipped(self) -> None:
+        """A prepared step whose ``optimizer.step()`` never came (a GradScaler found an overflow): not applied."""
         prepared, self.prepared = self.prepared, None
+        eng = self.engine
+        with eng._call(discard_step=True):
+            eng.stepper.discard_grads()
+            eng.window.stepped()
+            eng._end_step(False, prepared[1])
+
+    def on_step(self, optimizer) -> None:
+        """The user's ``optimizer.step()``: the engine's updates, with the optimizer's settings now. A GradScaler
+        stepping a fused optimizer leaves the unscaling and the overflow skip to it (``optimizer.grad_scale``,
+        ``optimizer.found_inf``, as torch's fused kernel reads them): the engine does the same."""
+        self._follow(optimizer)
+        if self.prepared is None:
+            self._prepare()
+        found_inf, grad_scale = getattr(optimizer, "found_inf", None), getattr(optimizer, "grad_scale", None)
+        if found_inf is not None and float(found_inf) > 0:
+            self._skipped()
+            return
+        prepared, self.prepared = self.prepared, None
+        if grad_scale is not None:       # the fused kernel's own unscaling: grad / grad_scale
+            prepared = (*prepared[:2], prepared[2] / float(grad_scale), *prepared[3:])
         eng = self.engine
         with eng._call(discard_step=True):
             applied, norm = eng.stepper.apply(prepared)
@@ -351,3 +382,21 @@ def _install_hooks() -> None:
         clip_mod.clip_grad_norm_ = clip_grad_norm_
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
         _HOOKED.append(original)
+        from torch.amp.grad_scaler import GradScaler
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        for cls in (GradScaler, ShardedGradScaler):      # fp16: a scaler's unscale_ of a loop's optimizer
+            _patch_unscale(cls)
+
+
+def _patch_unscale(cls) -> None:
+    original = cls.__dict__["_unscale_grads_"]
+
+    @functools.wraps(original)
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+        loop = _loop_of(p for g in optimizer.param_groups for p in g["params"])
+        if loop is None:
+            return original(self, optimizer, inv_scale, found_inf, allow_fp16)
+        return loop.unscale(optimizer, inv_scale, found_inf)
+
+    cls._unscale_grads_ = _unscale_grads_

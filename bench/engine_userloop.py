@@ -1,0 +1,123 @@
+"""python bench/engine_userloop.py --workload W1 --backend zerofit --cap 24GiB --result /tmp/zf_fsdp1.json
+python bench/engine_userloop.py --workload smoke --backend zerofit --device cpu --steps 2      # dry run
+python bench/engine_userloop.py --workload smoke --backend torch --device cpu --steps 2        # (gloo, no offload)
+
+W7 (shared/bench/WORKLOADS.md): the FSDP1-shaped script users write, run as written on a backend:
+
+    model = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(LlamaDecoderLayer),
+                                     cpu_offload=CPUOffload(offload_params=True),
+                                     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                                    reduce_dtype=torch.float32), device_id=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    for each step: 4 micro-batches, no_sync() on the first three, loss.backward(); model.clip_grad_norm_(1.0);
+    optimizer.step(); optimizer.zero_grad()
+
+``--backend torch``: ``torch.distributed.fsdp.FullyShardedDataParallel`` (one process, world size 1; the model
+built on the CPU in fp32, Hugging Face gradient checkpointing on every decoder layer; the CPU step is torch's
+AdamW over the offloaded parameters). ``--backend zerofit``: ``zerofit.fsdp.FullyShardedDataParallel``, the one
+import changed (the model built on the meta device, the engine initializes it; its cap from ``--cap``;
+zerofit checkpoints the blocks itself). ``--loop accelerate``: the same step through an ``Accelerator``
+(``prepare``, ``accumulate``, ``backward``, ``clip_grad_norm_``), the model wrapped the same way first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+
+class UserLoopBench:
+    def __init__(self, args, w, res):
+        import torch
+        from torch.distributed.fsdp import CPUOffload, MixedPrecision
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        from transformers import LlamaForCausalLM
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        if common.lora_wanted(args, w):
+            raise common.Refused("the W7 loop trains the whole model (no LoRA run)")
+        self.torch, self.args, self.res = torch, args, res
+        cuda = args.device.startswith("cuda")
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.backend == "zerofit":
+            from zerofit.fsdp import FullyShardedDataParallel as FSDP
+
+            with torch.device("meta"):
+                model = LlamaForCausalLM(common.llama_config(w))
+            extra = {"max_gpu_memory": args.cap} if common.parse_bytes(args.cap) else {}
+            extra["seq_len"] = w.seq
+            self.model = FSDP(model, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True),
+                              mixed_precision=mp, device_id=0 if cuda else None, zerofit_config=extra)
+            res.extra["plan"] = self.model.zerofit_engine.plan.describe()
+            print(f"[userloop] {res.extra['plan']}", flush=True)
+        else:
+            import torch.distributed as dist
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            common.single_process_env()
+            if not dist.is_initialized():
+                dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+            model = common.build_model(w, "cpu")
+            common.enable_checkpointing(model)
+            self.model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True,
+                              cpu_offload=CPUOffload(offload_params=True) if cuda else None,
+                              mixed_precision=mp, device_id=torch.cuda.current_device() if cuda else None)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01,
+                                     fused=args.backend == "zerofit" or not cuda)
+        res.extra["loop"], res.extra["backend"] = args.loop, args.backend
+        self.acc = None
+        if args.loop == "accelerate":
+            from accelerate import Accelerator
+
+            self.acc = Accelerator(gradient_accumulation_steps=w.grad_accum, cpu=not cuda)
+            self.model, self.opt = self.acc.prepare(self.model, self.opt)
+        self.device = "cuda" if cuda else "cpu"
+
+    def step(self, micro_batches):
+        torch = self.torch
+        g = len(micro_batches)
+        total = 0.0
+        if self.acc is not None:
+            for ids in micro_batches:
+                ids = ids.to(self.device, non_blocking=True)
+                with self.acc.accumulate(self.model):
+                    loss = self.model(input_ids=ids, labels=ids).loss
+                    self.acc.backward(loss)
+                    if self.acc.sync_gradients:
+                        self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
+                    self.opt.step()
+                    self.opt.zero_grad()
+                total += loss.item() / g
+            return total
+        for i, ids in enumerate(micro_batches):
+            ids = ids.to(self.device, non_blocking=True)
+            ctx = self.model.no_sync() if i < g - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = self.model(input_ids=ids, labels=ids).loss
+                (loss / g).backward()
+            total += loss.item() / g
+        self.model.clip_grad_norm_(1.0)
+        self.opt.step()
+        self.opt.zero_grad()
+        return total
+
+
+def main() -> int:
+    parser = common.engine_args(__doc__)
+    parser.add_argument("--backend", choices=("zerofit", "torch"), default="zerofit")
+    parser.add_argument("--loop", choices=("fsdp1", "accelerate"), default="fsdp1")
+    args = parser.parse_args()
+    name = f"{'zerofit' if args.backend == 'zerofit' else 'fsdp1'}-{args.loop}"
+    return common.run_engine(name, args, UserLoopBench, UserLoopBench.step, uses_cap=True,
+                             version_modules=("accelerate",) if args.loop == "accelerate" else ())
+
+
+if __name__ == "__main__":
+    common.exit_now(main())

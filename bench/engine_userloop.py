@@ -1,6 +1,6 @@
 """python bench/engine_userloop.py --workload W1 --backend zerofit --cap 24GiB --result /tmp/zf_fsdp1.json
 python bench/engine_userloop.py --workload smoke --backend zerofit --device cpu --steps 2      # dry run
-python bench/engine_userloop.py --workload smoke --backend torch --device cpu --steps 2        # (gloo, no offload)
+(``--backend torch`` needs a GPU: torch's FSDP refuses a machine without an accelerator)
 
 W7 (shared/bench/WORKLOADS.md): the FSDP1-shaped script users write, run as written on a backend:
 

@@ -34,7 +34,7 @@
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2      # the repository root
 
-SUITES=(headline ab dsloop trainer disk infer ranks lora tests)
+SUITES=(headline ab dsloop trainer disk infer ranks lora userloop tests)
 declare -A ABOUT=(
   [headline]="the README's figures: W1 at 24 GiB (plain, zerofit, DeepSpeed, FSDP2), W1 clipped at 1.0 (plain, zerofit), W1 at 8 GiB (plain, zerofit), W2 at 24 GiB (plain, zerofit, DeepSpeed, FSDP2)"
   [ab]="headline's workloads for zerofit at this tree and at an older one (ZF_REPO, OLD_COMMIT), one after the other, plain beside the new one"
@@ -44,6 +44,7 @@ declare -A ABOUT=(
   [infer]="W4: offloaded generation of the 13B shape against accelerate (bench/infer.py), then with blocks on the disk"
   [ranks]="2 GPUs (the nvidia-h200-x2 kind): the NCCL rank tests, W2 on 1 and 2 GPUs, W5 zerofit, FSDP2 without offload, DeepSpeed"
   [lora]="W6: LoRA of the 13B shape over its frozen bf16 base (PEFT): W6a at 24 GiB (plain PEFT on the GPU, zerofit, DeepSpeed ZeRO-3 offload), W6b at 8 GiB (zerofit); needs peft (its wheel in .whl)"
+  [userloop]="W7: the user's FSDP1-shaped loop on zerofit.fsdp against torch's FSDP1 with CPU offload, FSDP2 with CPUOffloadPolicy and plain (W1, 4 micro-batches, clip 1.0); then the same loop through accelerate on each"
   [tests]="pytest of the GPU tests: tests/gpu/ (test_gpu.py, test_small_gpu_floor.py), tests/unit/test_split_updates.py and every test that skips without CUDA (bench/gpu/gpu_tests.py)"
 )
 
@@ -299,6 +300,14 @@ suite_lora() {     # W6 (shared/bench/WORKLOADS.md): about 15-25 min; run it det
       *) zf_skip "lora_$run" "no lora run '$run' (w6a w6b w6c)" ;;
     esac
   done
+}
+
+suite_userloop() {     # W7 (shared/bench/WORKLOADS.md): FSDP1 with CPU offload is slow: one timed step
+  zf_run w7 580 --workload W1 --engines plain,zerofit-fsdp1,fsdp1,fsdp2 --steps 3 --fsdp2-steps 2 --cap 24GiB \
+    --engine-args 'plain=--clip 1.0' --engine-timeout fsdp1=300 --engine-timeout fsdp2=300
+  zf_trace w7
+  zf_run w7_accelerate 580 --workload W1 --engines zerofit-accelerate,fsdp1-accelerate --steps 3 --cap 24GiB \
+    --engine-timeout fsdp1-accelerate=300
 }
 
 suite_tests() {

@@ -115,6 +115,10 @@ class FullyShardedDataParallel(nn.Module):
         self._zerofit = UserLoop(module, _config(offload=offload, precision=precision, device=device_id,
                                                  sharding=strategy, extra=zerofit_config))
         _check_policy(auto_wrap_policy, self._zerofit)
+        # state dicts by the model's names, loads into the engine's masters (nested in a LightningModule too)
+        self._register_state_dict_hook(self._state_dict_names)
+        self._register_load_state_dict_pre_hook(self._load_names)
+        self.register_load_state_dict_post_hook(lambda module, keys: self._zerofit.module_loaded())
 
     @property
     def zerofit_engine(self):
@@ -145,18 +149,22 @@ class FullyShardedDataParallel(nn.Module):
                                 "for resumable checkpoints use model.save_checkpoint(dir)")
         yield
 
-    def state_dict(self, *args, **kwargs):
-        """The model's weights by its own names (fp32 masters, current), as FSDP's full state dict: tensors of
-        their own (the engine's are views of one flat buffer per unit, which safetensors' load refuses)."""
-        sd = self._zerofit.engine.module.state_dict(*args, **kwargs)       # (the host weights made current)
-        for k, v in sd.items():
-            sd[k] = v.detach().clone()
-        return sd
+    def _state_dict_names(self, module, state_dict, prefix, local_metadata):
+        """The full state dict by the model's own names (``prefix`` + the model's name, no ``module.`` level, as
+        FSDP's): tensors of their own (the engine's are views of one flat buffer per unit, which safetensors'
+        load refuses), the host weights made current first."""
+        inner = prefix + "module."
+        for k in [k for k in state_dict if k.startswith(inner)]:
+            state_dict[prefix + k[len(inner):]] = state_dict.pop(k).detach().clone()
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Weights by the model's own names into the engine's master weights (as FSDP's full state dict loads)."""
-        self._zerofit.load_weights(state_dict, strict)
-        return nn.modules.module._IncompatibleKeys([], [])
+    def _load_names(self, state_dict, prefix, *args):
+        inner = prefix + "module."
+        for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+            state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
+
+    def state_dict(self, *args, **kwargs):
+        self._zerofit.engine.module      # the host weights made current (device-optimized units' mirrors)
+        return super().state_dict(*args, **kwargs)
 
     def to(self, *args, **kwargs):
         """The engine places the weights (streamed through the device, masters in host memory): a move is a no-op

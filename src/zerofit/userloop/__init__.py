@@ -13,8 +13,8 @@ A :class:`UserLoop` holds an engine over the user's model and stands where the l
   bitwise). The blocks' backward runs when the window of held micro-batches is full (``gradient_accumulation_steps``
   of the engine's config, by default 1) and at the step: a loop may accumulate over any number of micro-batches,
   the engine sums every block's gradient over all of them (the host's in its deferred gradient buffers).
-- the step is the user's optimizer's: a global ``torch.optim`` step pre-hook finds the loop whose parameters the
-  optimizer holds and takes the engine's optimizer step there, with the AdamW settings read from the optimizer's
+- the step is the user's optimizer's: a global ``torch.optim`` step post-hook (after the closure a step may run:
+  Lightning's) finds the loop whose parameters the optimizer holds and takes the engine's optimizer step there, with the AdamW settings read from the optimizer's
   ``param_groups`` at that moment (an lr scheduler moves them between steps: ``ClientSchedule`` with no
   scheduler, optim/client_schedule.py). The module's parameters never get a ``.grad`` (the gradients are the
   engine's), so torch's own step that follows updates nothing; ``zero_grad`` has nothing to clear.
@@ -119,6 +119,11 @@ class UserLoop:
                                 "summing a second window onto the first changes the order of the sums; set it to "
                                 "the loop's accumulation steps, or to 1 (any number, each micro-batch's blocks "
                                 "backward at its own backward())")
+        if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+            raise UserLoopError("the wrapped model called under torch.autocast: zerofit computes in the precision "
+                                "its wrapper is given (mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)) "
+                                "and recomputes the blocks in it; remove the autocast (Lightning: precision='32-true' "
+                                "or '32'; accelerate: mixed_precision='no') and give the wrapper the dtype")
         if self.prepared is not None and torch.is_grad_enabled():
             self._skipped()
         self.inside = True
@@ -282,23 +287,14 @@ class UserLoop:
                 u.step.fill_(float(st["step"]))
         optimizer.state.clear()      # (moments have no derived copies: the gradients of a step in progress stay)
 
-    def load_weights(self, state_dict: dict, strict: bool = True) -> None:
-        """``model.load_state_dict()``: the weights into the engine's masters (by the model's names)."""
+    def module_loaded(self) -> None:
+        """The module's parameters were written in place (``load_state_dict``): the host optimizer's masters are
+        those views; a device-optimized unit's master takes its host mirror; every copy follows."""
         eng = self.engine
-        eng.wait()
-        mine = {}
-        for u in eng.units:
-            prefix = "" if u.index < 0 else eng.adapter.block_prefix(u.index) + "."
-            mine.update({prefix + n: v for n, v in u.layout.views(u.master).items()})
-        names = dict(eng.module.named_parameters(remove_duplicate=False))
-        missing = [n for n in names if n not in state_dict and n in mine]
-        unexpected = [n for n in state_dict if n not in names and n not in dict(eng.module.named_buffers())]
-        if strict and (missing or unexpected):
-            raise UserLoopError(f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
         with torch.no_grad():
-            for n, v in state_dict.items():
-                if n in mine:
-                    mine[n].copy_(v)
+            for u in eng.units:
+                if u.optimizer_on_device and u.host is not None and u.host is not u.master and not u.shard_state:
+                    u.master.copy_(u.host)
         eng.weights_loaded()
 
 
@@ -349,10 +345,18 @@ def _loop_of(params) -> UserLoop | None:
     return None
 
 
-def _step_pre_hook(optimizer, args, kwargs):
+def _step_post_hook(optimizer, args, kwargs):
+    """After ``optimizer.step()`` (and the closure it ran: Lightning's forward and backward): the engine's step.
+    Torch's own step before it found no ``.grad`` to apply."""
     loop = _loop_of(p for g in optimizer.param_groups for p in g["params"])
     if loop is not None:
         loop.on_step(optimizer)
+
+
+def _step_pre_hook(optimizer, args, kwargs):
+    loop = _loop_of(p for g in optimizer.param_groups for p in g["params"])
+    if loop is not None:
+        loop._follow(optimizer)        # refused (by name) before anything runs
     elif _LIVE:
         stale = [lp for lp in list(_LIVE)
                  if any(id(p) in {id(o) for o in lp._originals} for g in optimizer.param_groups for p in g["params"])]
@@ -364,9 +368,10 @@ def _install_hooks() -> None:
     with _LOCK:
         if _HOOKED:
             return
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         _HOOKED.append(register_optimizer_step_pre_hook(_step_pre_hook))
+        _HOOKED.append(register_optimizer_step_post_hook(_step_post_hook))
         import torch.nn.utils.clip_grad as clip_mod
 
         original = clip_mod.clip_grad_norm_

@@ -1,0 +1,92 @@
+"""A LightningModule on zerofit ([Note: the user's loop drives the engine], src/zerofit/userloop; issue 31): the one
+change is wrapping the model in ``configure_model`` with ``zerofit.fsdp.FullyShardedDataParallel`` (where
+Lightning's own FSDP2 recipe calls ``fully_shard``); the Trainer, its ``accumulate_grad_batches``,
+``gradient_clip_val``, lr scheduler and checkpoints as written. Against the same module unwrapped, on the CPU in
+fp32, bitwise; a Trainer checkpoint resumed (``ckpt_path``) bitwise; autocast precisions refused by name."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+from torch.distributed.fsdp import CPUOffload  # noqa: E402
+
+from tests.support import tiny_models as tm  # noqa: E402
+from zerofit.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
+from zerofit.userloop import UserLoopError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+logging.getLogger("lightning").setLevel(logging.ERROR)
+
+
+def _rows(n=16):
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(n)]
+
+
+class LM(L.LightningModule):
+    def __init__(self, wrap: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = tm.llama(layers=3, tied=False)
+        self.wrap = wrap
+        self.losses = []
+
+    def configure_model(self):
+        if self.wrap and not isinstance(self.model, FSDP):
+            self.model = FSDP(self.model, cpu_offload=CPUOffload(offload_params=True))     # the one change
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))}
+
+
+def _fit(module, rows, tmp_path=None, ckpt_path=None, epochs=1, precision="32"):
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=2,
+                        gradient_clip_val=0.5, precision=precision, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path) if tmp_path else None)
+    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=2), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_lightning_module_trains_as_it_does_unwrapped_bitwise():
+    rows = _rows()
+    a, b = LM(True), LM(False)
+    _fit(a, rows)
+    _fit(b, rows)
+    assert a.losses == b.losses and len(a.losses) == 8
+    mine, theirs = a.model.state_dict(), b.model.state_dict()
+    assert all(torch.equal(mine[n], v) for n, v in theirs.items())
+
+
+def test_a_trainer_checkpoint_resumes_bitwise(tmp_path):
+    """Two epochs straight; against one epoch, the Trainer's checkpoint (weights and the optimizer's state: the
+    engine's moments in torch's format), and a new Trainer resuming from it (``ckpt_path``) for the second."""
+    rows = _rows(8)
+    full = LM(True)
+    _fit(full, rows, epochs=2)
+    first = LM(True)
+    trainer = _fit(first, rows, tmp_path, epochs=1)
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    saved = torch.load(tmp_path / "one.ckpt", weights_only=False)
+    assert any(k.startswith("model.model.layers.0.") for k in saved["state_dict"])     # the model's own names
+    assert saved["optimizer_states"][0]["state"]                                        # the engine's moments
+    resumed = LM(True)
+    _fit(resumed, rows, tmp_path, ckpt_path=str(tmp_path / "one.ckpt"), epochs=2)
+    assert resumed.losses == full.losses[4:] and len(resumed.losses) == 4
+    mine, theirs = resumed.model.state_dict(), full.model.state_dict()
+    assert all(torch.equal(mine[n], v) for n, v in theirs.items())
+
+
+def test_an_autocast_precision_is_refused_by_name():
+    with pytest.raises(UserLoopError, match="under torch.autocast"):
+        _fit(LM(True), _rows(4), precision="bf16-mixed")

@@ -74,7 +74,17 @@ def run(spec: dict) -> None:
     data = tm.batches(spec["steps_total"], G * world, seed=spec.get("data_seed", 1))[spec.get("first", 0):
                                                                                       spec.get("first", 0) + spec["steps"]]
     earlier = _state_mappings()
-    engine = zerofit.initialize(model, spec["config"])
+    if spec.get("api") == "fsdp":      # the user's FSDP-shaped loop (zerofit.fsdp: [Note: the user's loop ...])
+        from torch.distributed.fsdp import CPUOffload
+
+        from zerofit.fsdp import FullyShardedDataParallel as FSDP
+
+        wrapper = FSDP(model, cpu_offload=CPUOffload(offload_params=True), zerofit_config=spec["config"])
+        spec = {**spec, "_wrapper": wrapper,
+                "_opt": torch.optim.AdamW(wrapper.parameters(), lr=1e-3, weight_decay=0.01, fused=True)}
+        engine = wrapper.zerofit_engine
+    else:
+        engine = zerofit.initialize(model, spec["config"])
     assert engine.ranks.world == world and engine.config.world_size == world
     if spec.get("catch"):
         try:
@@ -137,7 +147,17 @@ def train(engine, spec: dict, data: list, rank: int, G: int) -> list[float]:
         mine = mbs[rank * G:(rank + 1) * G]
         if spec.get("fail_rank") in (rank, "all") and spec.get("fail_step") == step:
             mine = [{"input_ids": mine[0]["input_ids"][:, :3], "labels": mine[0]["labels"]}] + mine[1:]  # bad batch
-        if spec.get("api") == "deepspeed":    # engine(**b); backward(loss); step() per micro-batch
+        if spec.get("api") == "fsdp":         # model(**b); (loss / G).backward(); clip; optimizer.step()
+            total = 0.0
+            for b in mine:
+                loss = spec["_wrapper"](**b).loss
+                (loss / len(mine)).backward()
+                total += loss.item()
+            spec["_wrapper"].clip_grad_norm_(spec["clip"]) if spec.get("clip") else None
+            spec["_opt"].step()
+            spec["_opt"].zero_grad()
+            losses.append(total / len(mine))
+        elif spec.get("api") == "deepspeed":    # engine(**b); backward(loss); step() per micro-batch
             total = 0.0
             for b in mine:
                 out = engine(**b)

@@ -240,3 +240,30 @@ def test_what_the_engine_cannot_stand_in_for_is_refused_by_name():
         held(**mb).loss.backward()
     with pytest.raises(UserLoopError, match="micro-batch 3 of a step"):
         held(**mb)
+
+
+class _NoBlocks(torch.nn.Module):
+    """No repeated blocks: the engine holds it as one resident unit (the generic path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(tm.VOCAB, 16)
+        self.up = torch.nn.Linear(16, 32)
+        self.out = torch.nn.Linear(32, tm.VOCAB)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.out(torch.relu(self.up(self.embed(input_ids))))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("kind", ["blocks", "no-blocks"])
+def test_a_model_that_returns_its_loss_with_or_without_repeated_blocks(kind):
+    """Not a Hugging Face model (the output is the loss tensor): its repeated blocks streamed, or with none the
+    whole model one resident unit; bitwise plain PyTorch either way, torch's clip included."""
+    torch.manual_seed(0)
+    ref = tm.PlainLM() if kind == "blocks" else _NoBlocks()
+    model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
+    assert model.zerofit_engine.adapter.streaming is (kind == "blocks")
+    data = tm.batches(3, 2)
+    assert _loop(model, data, clip=_torch_clip) == _loop(ref, data, clip=_torch_clip)
+    _assert_weights(model.state_dict(), ref)

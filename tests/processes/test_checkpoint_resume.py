@@ -49,3 +49,20 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     assert fp16["skipped"] > 0 and fp16["scale"] != fp16["scale_at_save"][0], "the fp16 variant never overflowed"
     assert resumed["placement"]["plan"] == (0, False)
     assert resumed["fp32-dropout"]["global_step"] == 2 * resume_run.N
+
+
+def test_the_users_loop_saved_with_torch_save_resumes_in_a_new_process_bitwise(tmp_path):
+    """zerofit.fsdp's loop checkpointed the plain PyTorch way (torch.save of the model's, the optimizer's: the
+    engine's moments in torch's format, and the scheduler's state_dict), loaded in a new process into a new
+    wrapper, optimizer and scheduler: the same losses and weights as the run straight through."""
+    script = ROOT / "tests" / "support" / "userloop_resume.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    for mode in ("save", "resume"):
+        p = subprocess.run([sys.executable, str(script), mode, str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    want = torch.load(tmp_path / "want.pt", weights_only=False)
+    got = torch.load(tmp_path / "got.pt", weights_only=False)
+    assert got["losses"] == want["losses"] and len(got["losses"]) == 2
+    assert got["weights"].keys() == want["weights"].keys()
+    assert all(torch.equal(got["weights"][k], v) for k, v in want["weights"].items())

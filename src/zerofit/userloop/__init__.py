@@ -133,14 +133,19 @@ class UserLoop:
             self.inside = False
         if not torch.is_grad_enabled():
             return out
-        loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
+        if isinstance(out, torch.Tensor):          # a model that returns its loss (a tensor)
+            loss, logits = out, None
+        else:
+            loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
         if loss is None and logits is None:
-            raise UserLoopError("the model's output has neither .loss nor .logits: zerofit's loop follows the loss "
-                                "of a Hugging Face-style output")
+            raise UserLoopError("the model's output is neither a tensor nor has .loss or .logits: zerofit's loop "
+                                "follows the loss (or the logits) the model returns")
         anchor = torch.zeros((), requires_grad=True)
         self.outputs = (loss, logits)
         new_loss, new_logits = _Seed.apply(self, anchor, None if loss is None else loss.detach(),
                                            None if logits is None else logits.detach())
+        if isinstance(out, torch.Tensor):
+            return new_loss
         if loss is not None:
             out["loss"] = new_loss
         if logits is not None:

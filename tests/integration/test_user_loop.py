@@ -48,8 +48,8 @@ def _loop(model, data, clip=None, sched: bool = False, sync=None) -> list[tuple[
         for i, mb in enumerate(mbs):
             if sync is not None:
                 sync(model, i == len(mbs) - 1)
-            out = model(**mb)
-            loss = out if isinstance(out, torch.Tensor) else out.loss
+            result = model(**mb)
+            loss = result if isinstance(result, torch.Tensor) else result.loss
             (loss / len(mbs)).backward()
             total += loss.item()
         norm = float(clip(model, 0.5)) if clip is not None else 0.0

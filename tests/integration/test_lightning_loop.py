@@ -90,3 +90,38 @@ def test_a_trainer_checkpoint_resumes_bitwise(tmp_path):
 def test_an_autocast_precision_is_refused_by_name():
     with pytest.raises(UserLoopError, match="under torch.autocast"):
         _fit(LM(True), _rows(4), precision="bf16-mixed")
+
+
+def test_a_fabric_loop_is_the_plain_one_bitwise():
+    """Lightning Fabric: ``fabric.setup(FSDP(model), optimizer)`` (the one change: the wrap), ``no_backward_sync``
+    on the first micro-batch of each step, ``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step()``."""
+    from lightning.fabric import Fabric
+
+    rows = _rows(8)
+
+    def run(wrap: bool):
+        fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+        torch.manual_seed(0)
+        model = tm.llama(layers=3, tied=False)
+        if wrap:
+            model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+        model, opt = fabric.setup(model, opt)
+        loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(rows, batch_size=2))
+        out = []
+        for i, batch in enumerate(loader):
+            first = i % 2 == 0
+            with fabric.no_backward_sync(model, enabled=first):
+                loss = model(**batch).loss
+                fabric.backward(loss / 2)
+            out.append(loss.item())
+            if not first:
+                out.append(float(fabric.clip_gradients(model, opt, max_norm=0.5)))
+                opt.step()
+                opt.zero_grad()
+        return out, model.state_dict()
+
+    got, mine = run(True)
+    want, theirs = run(False)
+    assert got == want and len(got) == 6            # 4 micro-batches, 2 steps' norms
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], v) for k, v in theirs.items())

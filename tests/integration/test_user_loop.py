@@ -196,6 +196,35 @@ def test_a_checkpoint_resumes_bitwise(tmp_path):
     _assert_weights(b.state_dict(), ref)
 
 
+def test_fsdps_optim_state_dict_by_names_round_trips():
+    """FSDP.optim_state_dict (keyed by the model's parameter names, the engine's moments) and
+    FSDP.optim_state_dict_to_load into a new wrapper's optimizer: its next steps are the first run's, bitwise."""
+    data = tm.batches(4, 2, seed=5)
+    a = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True))
+    opt_a = torch.optim.AdamW(a.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    want = []
+    for k, mbs in enumerate(data):
+        for mb in mbs:
+            (a(**mb).loss / 2).backward()
+        opt_a.step()
+        opt_a.zero_grad()
+        if k == 1:
+            osd = FSDP.optim_state_dict(a, opt_a)
+            weights = a.state_dict()
+    assert "model.layers.0.mlp.up_proj.weight" in osd["state"]
+    b = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True))
+    b.load_state_dict(weights)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    FSDP.optim_state_dict_to_load(b, opt_b, osd, load_directly=True)
+    for mbs in data[2:]:
+        for mb in mbs:
+            (b(**mb).loss / 2).backward()
+        opt_b.step()
+        opt_b.zero_grad()
+    mine, theirs = b.state_dict(), a.state_dict()
+    assert all(torch.equal(mine[k], v) for k, v in theirs.items())
+
+
 def _loop_from(model, data, steps_done: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
     out = []

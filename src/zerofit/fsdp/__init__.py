@@ -166,6 +166,27 @@ class FullyShardedDataParallel(nn.Module):
         self._zerofit.engine.module      # the host weights made current (device-optimized units' mirrors)
         return super().state_dict(*args, **kwargs)
 
+    @staticmethod
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None) -> dict:
+        """FSDP's optimizer state dict keyed by the parameters' names (the model's own): the engine's moments
+        and step counts (``optim.state_dict()``, [Note: the user's loop drives the engine])."""
+        sd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+        names = _param_names(model, optim)
+        return {"state": {names[i]: v for i, v in sd["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+    @staticmethod
+    def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer: bool = False,
+                                 load_directly: bool = False, group=None) -> dict:
+        """The inverse of :meth:`optim_state_dict`: ``optim.load_state_dict``'s format (``load_directly``: loaded)."""
+        index = {n: i for i, n in enumerate(_param_names(model, optim))}
+        sd = {"state": {index[n]: v for n, v in optim_state_dict["state"].items()},
+              "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                               for g in optim_state_dict["param_groups"]]}
+        if load_directly:
+            optim.load_state_dict(sd)
+        return sd
+
     def to(self, *args, **kwargs):
         """The engine places the weights (streamed through the device, masters in host memory): a move is a no-op
         (accelerate's prepare moves the model)."""
@@ -186,6 +207,13 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _param_names(model, optim) -> list[str]:
+    """The name (the model's own) of each parameter of ``optim``, in its groups' order."""
+    inner = model.module if isinstance(model, FullyShardedDataParallel) else model
+    by_id = {id(p): n for n, p in inner.named_parameters()}
+    return [by_id[id(p)] for g in optim.param_groups for p in g["params"]]
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2

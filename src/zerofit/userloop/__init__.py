@@ -99,14 +99,19 @@ class UserLoop:
         _install_hooks()
         _LIVE.add(self)
 
-    def _clip_order(self) -> list:
-        """(unit, its name of the parameter) of every trained parameter, in the model's order (torch's clip)."""
+    def _trained(self) -> dict:
+        """The model's name of every trained parameter -> (its unit, its name in the unit)."""
         eng = self.engine
         where = {}
         for u in eng.units:
             prefix = "" if u.index < 0 else eng.adapter.block_prefix(u.index) + "."
             where.update({prefix + n: (u, n) for n in u.layout.names})
-        return [where[n] for n, p in eng.module.named_parameters() if p.requires_grad and n in where]
+        return where
+
+    def _clip_order(self) -> list:
+        """(unit, its name of the parameter) of every trained parameter, in the model's order (torch's clip)."""
+        where = self._trained()
+        return [where[n] for n, p in self.engine.module.named_parameters() if p.requires_grad and n in where]
 
     # ------------------------------------------------------------------ forward and backward
 
@@ -252,12 +257,8 @@ class UserLoop:
 
     def _where(self) -> dict:
         """id(parameter) -> (unit, its name in the unit) of every trained parameter."""
-        eng = self.engine
-        where = {}
-        for u in eng.units:
-            prefix = "" if u.index < 0 else eng.adapter.block_prefix(u.index) + "."
-            where.update({prefix + n: (u, n) for n in u.layout.names})
-        return {id(p): where[n] for n, p in eng.module.named_parameters() if n in where}
+        where = self._trained()
+        return {id(p): where[n] for n, p in self.engine.module.named_parameters() if n in where}
 
     def _optimizer_state(self, optimizer, state: dict) -> dict:
         """``optimizer.state_dict()``: torch's AdamW format, its ``state`` filled from the engine's moments and

@@ -34,10 +34,10 @@ def _rows(n=16):
     return [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(n)]
 
 
-def _run(wrap: bool, rows, clip: bool = True, save_at=None, load_from=None, skip: int = 0):
+def _run(wrap: bool, rows, clip: bool = True, save_at=None, load_from=None, skip: int = 0, mixed: str = "no"):
     torch.manual_seed(0)
     model = tm.llama(layers=3, tied=False)
-    acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    acc = Accelerator(gradient_accumulation_steps=2, cpu=True, mixed_precision=mixed)
     if wrap:                                     # the one change
         model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
@@ -71,10 +71,12 @@ def save_at_dir(i):
     return _DIRS[i]
 
 
-def test_the_accelerate_loop_is_the_plain_one_bitwise():
+@pytest.mark.parametrize("mixed", ["no", "bf16"])
+def test_the_accelerate_loop_is_the_plain_one_bitwise(mixed):
+    """fp32, and accelerate's bf16 (its autocast around the forward; the engine recomputes under it again)."""
     rows = _rows()
-    got, mine = _run(True, rows)
-    want, theirs = _run(False, rows)
+    got, mine = _run(True, rows, mixed=mixed)
+    want, theirs = _run(False, rows, mixed=mixed)
     assert got == want and len(got) == 8 + 4             # 8 micro-batches' losses, 4 clipped steps' norms
     for n, v in theirs.items():
         assert torch.equal(mine[n], v), n

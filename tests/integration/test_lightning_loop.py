@@ -2,7 +2,7 @@
 change is wrapping the model in ``configure_model`` with ``zerofit.fsdp.FullyShardedDataParallel`` (where
 Lightning's own FSDP2 recipe calls ``fully_shard``); the Trainer, its ``accumulate_grad_batches``,
 ``gradient_clip_val``, lr scheduler and checkpoints as written. Against the same module unwrapped, on the CPU in
-fp32, bitwise; a Trainer checkpoint resumed (``ckpt_path``) bitwise; autocast precisions refused by name."""
+fp32 and under Lightning's AMP precisions, bitwise; a Trainer checkpoint resumed (``ckpt_path``) bitwise; Fabric."""
 
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ class LM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))}
 
 
-def _fit(module, rows, tmp_path=None, ckpt_path=None, epochs=1, precision="32"):
+def _fit(module, rows, tmp_path=None, ckpt_path=None, epochs=1, precision="32", clip=0.5):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=2,
-                        gradient_clip_val=0.5, precision=precision, logger=False, enable_checkpointing=False,
+                        gradient_clip_val=clip, precision=precision, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path) if tmp_path else None)
     trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=2), ckpt_path=ckpt_path)
@@ -87,9 +87,30 @@ def test_a_trainer_checkpoint_resumes_bitwise(tmp_path):
     assert all(torch.equal(mine[n], v) for n, v in theirs.items())
 
 
-def test_an_autocast_precision_is_refused_by_name():
-    with pytest.raises(UserLoopError, match="under torch.autocast"):
-        _fit(LM(True), _rows(4), precision="bf16-mixed")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_lightnings_autocast_precisions_are_bitwise_the_unwrapped_module(precision):
+    """Lightning's AMP precisions (on the CPU both bf16 autocast) over the fp32 wrapper: the forward under the
+    autocast, the engine's recompute and backward under the same one again (as torch.utils.checkpoint restores
+    it); no clipping (Lightning's AMP plugin refuses it with a fused optimizer, plain or not)."""
+    rows = _rows(8)
+    a, b = LM(True), LM(False)
+    _fit(a, rows, precision=precision, clip=None)
+    _fit(b, rows, precision=precision, clip=None)
+    assert a.losses == b.losses and len(a.losses) == 4
+    mine, theirs = a.model.state_dict(), b.model.state_dict()
+    assert all(torch.equal(mine[n], v) for n, v in theirs.items())
+
+
+def test_an_autocast_over_a_16_bit_wrapper_is_refused_by_name():
+    from torch.distributed.fsdp import MixedPrecision
+
+    class Half(LM):
+        def configure_model(self):
+            if not isinstance(self.model, FSDP):
+                self.model = FSDP(self.model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+
+    with pytest.raises(UserLoopError, match="one of them sets the compute dtype"):
+        _fit(Half(True), _rows(4), precision="bf16-mixed", clip=None)
 
 
 def test_a_fabric_loop_is_the_plain_one_bitwise():

@@ -24,6 +24,8 @@ A :class:`UserLoop` holds an engine over the user's model and stands where the l
   follows finds it taken. The engine clips as ``clip_grad_norm_`` does (train_batch's clipping, bitwise).
 - the engine runs deferred updates (the host's wait for the step's norm; they overlap the next forward), without
   speculation (a user's clip is known only when it is called).
+- under ``torch.autocast`` (Lightning's and accelerate's mixed precision, over an fp32 engine) the forward's
+  autocast is entered again around the engine's recompute and backward, as ``torch.utils.checkpoint`` does.
 
 Refused by name, before anything trains: an optimizer other than AdamW (or Adam without weight decay), AMSGrad,
 ``maximize``, param groups whose settings differ (the engine's groups are fixed when it is built: give them as
@@ -35,6 +37,7 @@ torch's AdamW format filled from the engine's moments (and ``load_state_dict`` w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -45,6 +48,20 @@ from torch import nn
 _LIVE: "weakref.WeakSet[UserLoop]" = weakref.WeakSet()
 _HOOKED = []
 _LOCK = threading.Lock()
+
+
+def _autocast_state() -> tuple:
+    """The autocast in force: ((device type, dtype), ...) of each device type where it is enabled."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+
+
+def _autocast(state: tuple):
+    """``state`` (``_autocast_state()``) entered again: the forward's autocast for its recompute and backward, as
+    torch.utils.checkpoint restores it."""
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack
 
 
 class UserLoopError(ValueError):
@@ -96,6 +113,7 @@ class UserLoop:
         self.optimizer = None
         self.inside = False                          # the engine is running the model's own forward
         self.outputs = None                          # the forward's loss and logits, on their way to _Seed
+        self.amp = ()                                # the last forward's autocast: (device type, dtype), ...
         _install_hooks()
         _LIVE.add(self)
 
@@ -124,11 +142,13 @@ class UserLoop:
                                 "summing a second window onto the first changes the order of the sums; set it to "
                                 "the loop's accumulation steps, or to 1 (any number, each micro-batch's blocks "
                                 "backward at its own backward())")
-        if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
-            raise UserLoopError("the wrapped model called under torch.autocast: zerofit computes in the precision "
-                                "its wrapper is given (mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)) "
-                                "and recomputes the blocks in it; remove the autocast (Lightning: precision='32-true' "
-                                "or '32'; accelerate: mixed_precision='no') and give the wrapper the dtype")
+        amp = _autocast_state()
+        if amp and eng.config.precision != "fp32":
+            raise UserLoopError(f"the wrapped model called under torch.autocast and a wrapper in "
+                                f"{eng.config.precision}: one of them sets the compute dtype; keep the autocast "
+                                "(Lightning's 'bf16-mixed', accelerate's mixed_precision) over an fp32 wrapper, or "
+                                "the wrapper's mixed_precision without an autocast")
+        self.amp = amp        # the blocks' recompute and backward run under the forward's autocast
         if self.prepared is not None and torch.is_grad_enabled():
             self._skipped()
         self.inside = True
@@ -158,7 +178,7 @@ class UserLoop:
         return out
 
     def _backward(self, loss, g_loss, logits, g_logits) -> None:
-        with torch.enable_grad():         # (autograd runs a Function's backward with grad mode off)
+        with torch.enable_grad(), _autocast(self.amp):   # (autograd runs a Function's backward with grad off)
             parts = []
             if g_loss is not None and loss is not None:
                 parts.append(loss * g_loss)
@@ -179,7 +199,7 @@ class UserLoop:
             raise UserLoopError("optimizer.step() (or clip_grad_norm_, unscale_) without a backward since the last "
                                 "step: the engine has no gradient to apply (a loop that steps twice, or whose loss "
                                 "did not come from the wrapped model's output)")
-        with eng._call(discard_step=True):
+        with eng._call(discard_step=True), _autocast(self.amp):
             eng.window.before_step()
             self.prepared = eng.stepper.prepare()
 

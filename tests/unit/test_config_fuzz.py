@@ -56,7 +56,7 @@ def valid_value(kind) -> st.SearchStrategy:
         return s | st.none() if kind.nullable else s
     if isinstance(kind, Float):
         hi = kind.hi if kind.hi is not None else 1e6
-        return st.floats(kind.lo, hi, exclude_min=kind.lo_open, allow_nan=False)
+        return st.floats(kind.lo, hi, exclude_min=kind.lo_open, exclude_max=kind.hi_open, allow_nan=False)
     if isinstance(kind, Bool):
         return st.booleans() | st.none() if kind.nullable else st.booleans()
     if isinstance(kind, Choice):

@@ -78,16 +78,19 @@ class Float:
     lo: float = 0.0
     hi: float | None = None
     lo_open: bool = False
+    hi_open: bool = False
 
     @property
     def expected(self) -> str:
         lo = f"> {self.lo:g}" if self.lo_open else f">= {self.lo:g}"
-        return f"a number {lo}" + (f" and <= {self.hi:g}" if self.hi is not None else "")
+        hi = "" if self.hi is None else f" and {'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"a number {lo}{hi}"
 
     def check(self, v: Any) -> Any:
         if not _is_number(v):
             raise BadValue
-        if v < self.lo or (self.lo_open and v == self.lo) or (self.hi is not None and v > self.hi):
+        if (v < self.lo or (self.lo_open and v == self.lo)
+                or (self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))):
             raise BadValue
         return float(v)
 
@@ -514,7 +517,7 @@ _WARMUP_LR: dict[str, Key | Section] = {
                          auto=True, default=None),
 }
 _TOTAL = Key(Int(1), HONOURED, "-> scheduler.total_steps (DeepSpeed requires it)", auto=True)
-_MOM = Float(0, 1)
+_MOM = Float(0, 1, hi_open=True)     # Adam's beta1: the schema's [0, 1)
 SCHEDULER_PARAMS: dict[str, dict[str, Key | Section]] = {
     "WarmupLR": _WARMUP_LR,
     "WarmupDecayLR": {**_WARMUP_LR, "total_num_steps": _TOTAL,

@@ -34,7 +34,8 @@ def _rows(n=16):
     return [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(n)]
 
 
-def _run(wrap: bool, rows, clip: bool = True, save_at=None, load_from=None, skip: int = 0, mixed: str = "no"):
+def _run(wrap: bool, rows, clip: bool = True, save_at=None, save_to=None, load_from=None, skip: int = 0,
+         mixed: str = "no"):
     torch.manual_seed(0)
     model = tm.llama(layers=3, tied=False)
     acc = Accelerator(gradient_accumulation_steps=2, cpu=True, mixed_precision=mixed)
@@ -60,15 +61,8 @@ def _run(wrap: bool, rows, clip: bool = True, save_at=None, load_from=None, skip
             opt.zero_grad()
         out.append(loss.item())
         if save_at is not None and i == save_at:
-            acc.save_state(str(save_at_dir(save_at)))
+            acc.save_state(str(save_to))
     return out, acc.unwrap_model(model).state_dict()
-
-
-_DIRS = {}
-
-
-def save_at_dir(i):
-    return _DIRS[i]
 
 
 @pytest.mark.parametrize("mixed", ["no", "bf16"])
@@ -84,7 +78,6 @@ def test_the_accelerate_loop_is_the_plain_one_bitwise(mixed):
 
 def test_save_state_and_load_state_resume_bitwise(tmp_path):
     rows = _rows()
-    _DIRS[3] = tmp_path / "state"
-    full, _ = _run(True, rows, clip=False, save_at=3)       # saved after the second optimizer step
+    full, _ = _run(True, rows, clip=False, save_at=3, save_to=tmp_path / "state")   # after the second step
     resumed, _ = _run(True, rows, clip=False, load_from=str(tmp_path / "state"), skip=4)
     assert resumed == full[4:]

@@ -40,8 +40,9 @@ from zerofit.engine.grads import Grads
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine.hypers import Hypers
 from zerofit.engine.lifecycle import EngineState, Lifecycle
+from zerofit.engine.materialize import (build_units, model_shape, param_table, release_originals,
+                                       warn_low_precision_trained)
 from zerofit.engine.nf4 import BaseNF4
-from zerofit.engine.materialize import build_units, model_shape, param_table, release_originals
 from zerofit.engine.offload_states import OffloadStates
 from zerofit.engine.plan import Plan
 from zerofit.engine.planning import (DTYPES, Planning, cast_copies, check_ranks, needs_norm, split_updates,
@@ -120,8 +121,8 @@ class Engine(DeepSpeedSurface):
         self._group_of = {n: i for i, g in enumerate(groups) for n in g.names}
         # [Note: frozen parameters] (store.py): what no group trains (requires_grad=False, or in no group)
         self.frozen = frozenset(self._table.canonical) - set(self._group_of)
-        # the global gradient norm is needed for clipping and for fp16's overflow check; either one makes every
-        # host update wait for it (deferred updates), as the user's loop does ([Note: the user's loop drives...])
+        # clipping and fp16's overflow check need the global norm: every host update waits for it (deferred), as
+        # under the user's loop ([Note: the user's loop drives the engine])
         self.deferred = needs_norm(config) or user_loop
         # [Note: speculative updates] (update/speculation.py): clipping without fp16 may update during the backward
         can_speculate = (config.gradient_clipping > 0 and config.precision != "fp16"
@@ -140,6 +141,7 @@ class Engine(DeepSpeedSurface):
         self.last_grad_norm: float | None = None     # the last step's global gradient norm, where one was taken
         self.ds = DeepSpeedRecord()                  # what the DeepSpeed door knows (deepspeed_surface.py)
         self._shape = model_shape(model, self.adapter, self._table, self.frozen, self.nf4)
+        warn_low_precision_trained(self._table, self.frozen)     # (fp32 masters of 16-bit trained parameters)
         self._batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
         # may refuse (PlanError): nothing allocated yet
         self.planning = Planning(config, self.adapter, self._shape, on_cuda=self.dev.is_cuda, device=self.dev.device,

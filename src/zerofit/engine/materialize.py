@@ -73,14 +73,6 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: f
     :class:`~zerofit.engine.nf4.BaseNF4` of the ones held in 4 bits ([Note: an NF4 base])."""
     if frozen is None:
         frozen = frozenset(n for n, p in table.canonical.items() if not p.requires_grad)
-    low = sorted({str(p.dtype).removeprefix("torch.") for n, p in table.canonical.items()
-                  if n not in frozen and p.dtype in (torch.bfloat16, torch.float16)})
-    if low:     # what torch's optimizer over such parameters would do differs: say so (TRL's QLoRA adapters)
-        count = sum(p.numel() for n, p in table.canonical.items() if n not in frozen and p.dtype != torch.float32)
-        logging.getLogger("zerofit").warning(
-            "zerofit: %s trained parameters are %s in the model: the engine keeps fp32 master weights of them and "
-            "updates those (docs/lora.md); their updates are not rounded to %s at every step as an optimizer over "
-            "the %s tensors themselves would round them", f"{count:,}", "/".join(low), low[0], low[0])
     numels = [sum(table.canonical[n].numel() for n in names if n not in frozen) for names in table.unit_names]
     still = [sum(table.canonical[n].numel() for n in names if n in frozen) for names in table.unit_names]
     cfg = getattr(model, "config", None)
@@ -97,6 +89,18 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: f
                           for names in table.unit_names)
     return ModelShape(numels[0], tuple(numels[1:]), hidden, inter, vocab, still[0],
                       tuple(still[1:]) if any(still[1:]) else (), nf4_numels, nf4_bytes)
+
+
+def warn_low_precision_trained(table: ParamTable, frozen: frozenset) -> None:
+    """Trained parameters that are 16-bit in the model (TRL's QLoRA adapters, a bf16 model): the engine keeps fp32
+    masters of them, which an optimizer over the 16-bit tensors would not: say so once, at start-up."""
+    low = [p for n, p in table.canonical.items() if n not in frozen and p.dtype in (torch.bfloat16, torch.float16)]
+    if low:
+        names = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in low}))
+        logging.getLogger("zerofit").warning(
+            "zerofit: %s trained parameters are %s in the model: the engine keeps fp32 master weights of them and "
+            "updates those (docs/lora.md); their updates are not rounded to %s at every step as an optimizer over "
+            "the 16-bit tensors themselves would round them", f"{sum(p.numel() for p in low):,}", names, names)
 
 
 def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
@@ -307,8 +311,6 @@ def _read_one(source, table: ParamTable, name: str, dtype: torch.dtype, fds: dic
     """One tensor of the model directory, in ``dtype`` (to be quantized: [Note: an NF4 base])."""
     from zerofit.models.directory import load_tensor
 
-    if source is None:
-        raise ValueError(f"{name}: no weights to quantize (a model on the meta device, without its files)")
     out = torch.empty(table.canonical[name].shape, dtype=dtype)
     load_tensor(source, table.aliases[name], out, fds)
     return out

@@ -2,8 +2,8 @@
 
 [Note: an NF4 base]
 QLoRA keeps the frozen linear weights of the blocks in NF4: 4-bit codes in blocks of 64, each block's scale
-quantized again to 8 bits in blocks of 256 ("double quantization"), about 0.52 B/param; a 70B base in ~37 GB
-of host memory. The format and its arithmetic are bitsandbytes' (``quantize_4bit``, ``dequantize_4bit``:
+quantized again to 8 bits in blocks of 256 ("double quantization"), 0.516 B/param; the linears of a 70B base
+(Llama-3-70B's shape: 68.5 B parameters) in 32.9 GiB of host memory (zerofit estimate --qlora). The format and its arithmetic are bitsandbytes' (``quantize_4bit``, ``dequantize_4bit``:
 docs/dependencies.md says why that library), so a model loaded with ``BitsAndBytesConfig(load_in_4bit=True,
 bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`` is taken as it is (its ``Params4bit`` codes and
 ``QuantState``), and ``quantize_base: nf4`` (``zerofit train --qlora``) quantizes each frozen ``nn.Linear``
@@ -118,8 +118,8 @@ class Packed:
     @classmethod
     def quantize(cls, w: torch.Tensor, device: torch.device | None = None) -> "Packed":
         """bitsandbytes' NF4 of ``w`` with double quantization (as ``Params4bit`` quantizes at load), on ``device``
-        (a GPU: its kernel, as bitsandbytes' loading onto a GPU quantizes; the CPU's runs ~45 M param/s a
-        2-core machine); the pieces come back to the host."""
+        (a GPU: its kernel, as bitsandbytes' loading onto a GPU quantizes; its CPU path ran 45 M param/s on a
+        2-core machine, 2026-12-02); the pieces come back to the host."""
         bf = bnb_functional()
         if device is not None:
             w = w.to(device, non_blocking=False)
@@ -215,7 +215,7 @@ class BaseNF4:
         if quantize and check:
             bnb_functional()         # installed and loadable, or say so now (not for an estimate)
         in_blocks = set()
-        for i, block in enumerate(adapter.blocks):
+        for block in adapter.blocks:
             in_blocks |= {id(m) for m in block.modules()}
         for path, m in list(model.named_modules()):
             if is_linear4bit(m):

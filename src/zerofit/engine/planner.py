@@ -320,7 +320,8 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         disk_of = disk_of or {}
         # [Note: a frozen base on the disk] (disk.py): the last frozen_k streamed blocks' frozen weights there
         fdisk = tuple(range(L - frozen_k, L)) if 0 < frozen_k <= L - r else ()
-        fbytes = {i: -(-shape.frozen_host_bytes(cb, [i + 1]) // ALIGN) * ALIGN for i in fdisk}
+        fraw = {i: shape.frozen_host_bytes(cb, [i + 1]) for i in fdisk}     # each one's region, 4 KiB-aligned
+        fbytes = {i: -(-n // ALIGN) * ALIGN for i, n in fraw.items()}
         chunked, offloaded = level[0], level[1]
         lean = len(level) > 2 and level[2]
         every = level[3] if len(level) > 3 else 1
@@ -388,7 +389,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         host_units = sum(host_streamed) + (0 if shell_dev else shape.shell_numel)
         device_opt_units = shape.shell_numel + sum(shape.block_numels) - host_units
         on_disk = {m: sum(shape.block_numels[i] for i, d in disk_of.items() if d == m) for m in ("moments", "all")}
-        tier_max = max([max_block] + [-(-shape.frozen_host_bytes(cb, [i + 1]) // 4) for i in fdisk])
+        tier_max = max([max_block] + [-(-n // 4) for n in fraw.values()])
         chunk = tier_chunk(tier_max)   # (planning.open_tier sizes the tier so)
         host = {
             "master_and_moments": (host_units - on_disk["moments"] - on_disk["all"]) * 12,   # master pinned: uploaded

@@ -38,6 +38,7 @@ speculation, which updates it next), or the step's end after ``worker.drain()``.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +47,20 @@ from zerofit.engine.update.host import MOMENTS_LAST, SPECULATE_FIRST
 from zerofit.engine.update.speculation import Speculation
 from zerofit.engine.update.unit_adamw import unit_adamw
 from zerofit.engine.update.worker import wait_event, waiting
+
+
+class Prepared(NamedTuple):
+    """A step up to its updates (:meth:`Step.prepare`), what :meth:`Step.apply` needs."""
+
+    skip: bool               # fp16 overflow: not applied
+    norm: float | None       # the global gradient norm (deferred updates)
+    factor: float            # times each gradient in the update (unscaling, clipping)
+    device_units: list
+    host_units: list
+    dev_grads: dict
+    spec: object             # the speculation being settled, or None
+    shell_host: bool
+    shell_assisted: bool
 
 
 class Step:
@@ -164,7 +179,7 @@ class Step:
         Not applied: skipped for an fp16 overflow (every weight and moment as before)."""
         return self.apply(self.prepare())
 
-    def prepare(self) -> tuple:
+    def prepare(self) -> Prepared:
         """The step up to its updates: every gradient complete, the global norm and the clip factor (deferred
         updates). The user's loop takes its ``clip_grad_norm_`` here and :meth:`apply` at ``optimizer.step()``
         ([Note: the user's loop drives the engine], userloop); the AdamW settings are read in :meth:`apply`."""
@@ -229,9 +244,9 @@ class Step:
             self.speculator.next = factor == 1.0 / scale    # [Note: speculative updates]: after a clipped step, wait
         for u in host_units:
             u.host_grad_fresh = True
-        return skip, norm, factor, device_units, host_units, dev_grads, spec, shell_host, shell_assisted
+        return Prepared(skip, norm, factor, device_units, host_units, dev_grads, spec, shell_host, shell_assisted)
 
-    def apply(self, prepared: tuple) -> tuple[bool, float | None]:
+    def apply(self, prepared: Prepared) -> tuple[bool, float | None]:
         """The step's updates, after :meth:`prepare`: (applied, the global norm where one was taken)."""
         skip, norm, factor, device_units, host_units, dev_grads, spec, shell_host, shell_assisted = prepared
         if skip:

@@ -10,29 +10,36 @@ A :class:`UserLoop` holds an engine over the user's model and stands where the l
   loss of the logits) reaches ``_Seed.backward`` with the gradient of each, and that calls the engine's own
   backward of ``loss * g_loss + sum(logits * g_logits)`` without rescaling (``scale_wrt_gas=False``): the
   gradient of the user's objective exactly, as plain autograd gives it (``x * g`` backpropagates ``g``
-  bitwise). The blocks' backward runs when the window of held micro-batches is full (``gradient_accumulation_steps``
-  of the engine's config, by default 1) and at the step: a loop may accumulate over any number of micro-batches,
-  the engine sums every block's gradient over all of them (the host's in its deferred gradient buffers).
+  bitwise). With a window of 1 (``gradient_accumulation_steps`` of the engine's config, the default) each
+  micro-batch's blocks backward runs at its own ``backward()``, so a loop may accumulate over any number of
+  micro-batches, the sums in autograd's order; a window of the loop's G holds them and runs each block's
+  backward over all G at the step (fewer uploads), and a G+1-th micro-batch is refused.
 - the step is the user's optimizer's: a global ``torch.optim`` step post-hook (after the closure a step may run:
-  Lightning's) finds the loop whose parameters the optimizer holds and takes the engine's optimizer step there, with the AdamW settings read from the optimizer's
-  ``param_groups`` at that moment (an lr scheduler moves them between steps: ``ClientSchedule`` with no
-  scheduler, optim/client_schedule.py). The module's parameters never get a ``.grad`` (the gradients are the
-  engine's), so torch's own step that follows updates nothing; ``zero_grad`` has nothing to clear.
-- clipping: ``model.clip_grad_norm_(max_norm)`` (FSDP's), and ``torch.nn.utils.clip_grad_norm_`` over the
-  loop's parameters (patched to come here), take the step then and there, clipped, and return the global norm
-  (the parameters' ``.grad`` are not there for torch's function to read); the optimizer's ``step()`` that
-  follows finds it taken. The engine clips as ``clip_grad_norm_`` does (train_batch's clipping, bitwise).
-- the engine runs deferred updates (the host's wait for the step's norm; they overlap the next forward), without
-  speculation (a user's clip is known only when it is called).
+  Lightning's) finds the loop whose parameters the optimizer holds and takes the engine's optimizer step there
+  (``Step.prepare`` then ``Step.apply``), with the AdamW settings read from the optimizer's ``param_groups`` at
+  that moment (an lr scheduler moves them between steps: ``ClientSchedule`` with no scheduler,
+  optim/client_schedule.py). The module's parameters never get a ``.grad`` (the gradients are the engine's), so
+  torch's own step updates nothing; ``zero_grad`` has nothing to clear.
+- clipping: ``model.clip_grad_norm_(max_norm)`` (FSDP's) and ``torch.nn.utils.clip_grad_norm_`` over the loop's
+  parameters (patched to come here) prepare the step (every gradient complete) and clip the engine's gradients in
+  place with torch's own arithmetic (``Step.clip_as_torch``), returning the norm; ``optimizer.step()`` applies.
+- fp16: a GradScaler's (or ShardedGradScaler's) ``_unscale_grads_`` of the loop's optimizer unscales and checks
+  the engine's gradients with torch's own kernel; a fused optimizer's step takes the scaler's ``grad_scale`` and
+  ``found_inf`` as torch's fused kernel does; a skipped step is dropped at the next forward.
+- the engine runs deferred updates (the host's updates wait for the step's norm, then run during the next forward),
+  without speculation (a user's clip is known only when it is called) and without assisted updates.
 - under ``torch.autocast`` (Lightning's and accelerate's mixed precision, over an fp32 engine) the forward's
   autocast is entered again around the engine's recompute and backward, as ``torch.utils.checkpoint`` does.
 
 Refused by name, before anything trains: an optimizer other than AdamW (or Adam without weight decay), AMSGrad,
 ``maximize``, param groups whose settings differ (the engine's groups are fixed when it is built: give them as
 ``zerofit_config``'s optimizer), an optimizer built over the model's parameters before it was wrapped (they are
-not the ones trained), fp16 (a ``GradScaler`` needs the ``.grad``; use bf16). The optimizer's ``state_dict()`` is
-torch's AdamW format filled from the engine's moments (and ``load_state_dict`` writes them back): accelerate's
-``save_state``/``load_state`` work as written.
+not the ones trained), an autocast over a 16-bit wrapper. The optimizer's ``state_dict()`` is torch's AdamW
+format filled from the engine's moments (and ``load_state_dict`` writes them back): accelerate's
+``save_state``/``load_state`` and Lightning's checkpoints work as written.
+
+A loop's ``clip_order`` (the engine's units and names in the model's order) is taken at wrap time: a rebuild of the
+engine's units (the generic fallback) would leave it stale (not handled).
 """
 
 from __future__ import annotations
@@ -73,19 +80,18 @@ class _Seed(torch.autograd.Function):
     engine ([Note: the user's loop drives the engine])."""
 
     @staticmethod
-    def forward(ctx, loop, anchor, loss, logits):
-        # the graph-attached originals come aside (``loop.outputs``): as inputs, autograd would also walk their
-        # graph after this backward, which the engine's own backward has freed
-        ctx.loop, (ctx.loss, ctx.logits) = loop, loop.outputs
-        loop.outputs = None
+    def forward(ctx, loop, anchor, outputs):
+        # ``outputs`` (loss, logits) come in a tuple, which autograd does not look into: as tensor inputs it would
+        # also walk their graph after this backward, which the engine's own backward has freed
+        ctx.loop, (ctx.loss, ctx.logits) = loop, outputs
         ctx.set_materialize_grads(False)
-        return (loss.clone() if loss is not None else None, logits.clone() if logits is not None else None)
+        return tuple(t.detach().clone() if t is not None else None for t in outputs)
 
     @staticmethod
     def backward(ctx, g_loss, g_logits):
         ctx.loop._backward(ctx.loss, g_loss, ctx.logits, g_logits)
         ctx.loss = ctx.logits = None
-        return None, None, None, None
+        return None, None, None
 
 
 class UserLoop:
@@ -112,7 +118,6 @@ class UserLoop:
         self.prepared = None                         # the step prepared by a clip, applied at optimizer.step()
         self.optimizer = None
         self.inside = False                          # the engine is running the model's own forward
-        self.outputs = None                          # the forward's loss and logits, on their way to _Seed
         self.amp = ()                                # the last forward's autocast: (device type, dtype), ...
         _install_hooks()
         _LIVE.add(self)
@@ -166,9 +171,7 @@ class UserLoop:
             raise UserLoopError("the model's output is neither a tensor nor has .loss or .logits: zerofit's loop "
                                 "follows the loss (or the logits) the model returns")
         anchor = torch.zeros((), requires_grad=True)
-        self.outputs = (loss, logits)
-        new_loss, new_logits = _Seed.apply(self, anchor, None if loss is None else loss.detach(),
-                                           None if logits is None else logits.detach())
+        new_loss, new_logits = _Seed.apply(self, anchor, (loss, logits))
         if isinstance(out, torch.Tensor):
             return new_loss
         if loss is not None:
@@ -237,7 +240,7 @@ class UserLoop:
         with eng._call(discard_step=True):
             eng.stepper.discard_grads()
             eng.window.stepped()
-            eng._end_step(False, prepared[1])
+            eng._end_step(False, prepared.norm)
 
     def on_step(self, optimizer) -> None:
         """The user's ``optimizer.step()``: the engine's updates, with the optimizer's settings now. A GradScaler
@@ -252,7 +255,7 @@ class UserLoop:
             return
         prepared, self.prepared = self.prepared, None
         if grad_scale is not None:       # the fused kernel's own unscaling: grad / grad_scale
-            prepared = (*prepared[:2], prepared[2] / float(grad_scale), *prepared[3:])
+            prepared = prepared._replace(factor=prepared.factor / float(grad_scale))
         eng = self.engine
         with eng._call(discard_step=True):
             applied, norm = eng.stepper.apply(prepared)

@@ -120,6 +120,7 @@ class UserLoop:
         self.inside = False                          # the engine is running the model's own forward
         self.amp = ()                                # the last forward's autocast: (device type, dtype), ...
         _install_hooks()
+        _patch_accelerate()
         _LIVE.add(self)
 
     def _trained(self) -> dict:
@@ -421,6 +422,33 @@ def _install_hooks() -> None:
 
         for cls in (GradScaler, ShardedGradScaler):      # fp16: a scaler's unscale_ of a loop's optimizer
             _patch_unscale(cls)
+    _patch_accelerate()
+
+
+def _patch_accelerate() -> None:
+    """accelerate >= 1.16 computes a norm itself from ``p.grad`` (``Accelerator._clip_grad_norm_dtensor_aware``)
+    instead of calling torch's ``clip_grad_norm_``: a loop's parameters hold no ``.grad`` (the gradients are the
+    engine's), so it would find a norm of 0 and clip nothing. Over a loop's parameters it comes to the loop's clip
+    (accelerate's ``unscale_gradients`` has run before). Patched once accelerate is imported (before the wrap, as
+    its scripts import it); called again at each wrap."""
+    import sys
+
+    mod = sys.modules.get("accelerate.accelerator")
+    cls = getattr(mod, "Accelerator", None) if mod is not None else None
+    original = cls.__dict__.get("_clip_grad_norm_dtensor_aware") if cls is not None else None
+    if original is None or getattr(original, "_zerofit", False):
+        return
+
+    @functools.wraps(original)
+    def _clip_grad_norm_dtensor_aware(self, parameters, max_norm, norm_type=2, foreach=None):
+        params = list(parameters)
+        loop = _loop_of(params)
+        if loop is None:
+            return original(self, params, max_norm, norm_type=norm_type, foreach=foreach)
+        return loop.clip_grad_norm_(max_norm, norm_type)
+
+    _clip_grad_norm_dtensor_aware._zerofit = True
+    cls._clip_grad_norm_dtensor_aware = _clip_grad_norm_dtensor_aware
 
 
 def _patch_unscale(cls) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import weakref
 
@@ -422,7 +423,6 @@ def _install_hooks() -> None:
 
         for cls in (GradScaler, ShardedGradScaler):      # fp16: a scaler's unscale_ of a loop's optimizer
             _patch_unscale(cls)
-    _patch_accelerate()
 
 
 def _patch_accelerate() -> None:
@@ -430,9 +430,7 @@ def _patch_accelerate() -> None:
     instead of calling torch's ``clip_grad_norm_``: a loop's parameters hold no ``.grad`` (the gradients are the
     engine's), so it would find a norm of 0 and clip nothing. Over a loop's parameters it comes to the loop's clip
     (accelerate's ``unscale_gradients`` has run before). Patched once accelerate is imported (before the wrap, as
-    its scripts import it); called again at each wrap."""
-    import sys
-
+    its scripts import it): called at each wrap."""
     mod = sys.modules.get("accelerate.accelerator")
     cls = getattr(mod, "Accelerator", None) if mod is not None else None
     original = cls.__dict__.get("_clip_grad_norm_dtensor_aware") if cls is not None else None

@@ -52,7 +52,9 @@ class UserLoopBench:
             with torch.device("meta"):
                 model = LlamaForCausalLM(common.llama_config(w))
             extra = {"max_gpu_memory": args.cap} if common.parse_bytes(args.cap) else {}
-            extra["seq_len"] = w.seq
+            # the batch the placement is made for, as a user of zerofit.fsdp names it (docs/userloop.md): the
+            # wrapper sees no batch before the first forward
+            extra.update(seq_len=w.seq, micro_batch_size=w.micro_batch)
             self.model = FSDP(model, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True),
                               mixed_precision=mp, device_id=0 if cuda else None, zerofit_config=extra)
             res.extra["plan"] = self.model.zerofit_engine.plan.describe()

@@ -174,3 +174,32 @@ def test_estimate_on_the_cpu_speaks_of_the_cpu(workspace):
     out = " ".join(r.output.split())
     assert " K parameters" in out and "0.00 B" not in out, out
     assert "plan: on the CPU" in out and "GPU peak" not in out and "device 0 B" not in out, out
+
+
+def test_a_first_micro_batch_larger_than_the_one_placed_for_names_the_batch_to_give():
+    """A user's loop shows the engine its batch only at the first forward; where that batch does not fit the
+    placement made at start-up (resident blocks kept), the refusal names the batch to give at start-up, not a
+    GPU cap the kept placement cannot use (found on the H200, W7 at 24 GiB: micro-batches of 2 x 2048 tokens
+    against a placement made for 1 x 2048)."""
+    from zerofit.config.schema import ZerofitConfig
+    from zerofit.engine import planning
+    from zerofit.engine.planner import BatchShape, ModelShape, PlanError, make_plan
+
+    config = ZerofitConfig()
+    shape = ModelShape(10_000, (5_000,) * 4, 32, 64, 97)
+    args = planning.plan_args(config, torch.bfloat16, True, planning.needs_norm(config)) | dict(
+        host_budget=None, resident_blocks=None)
+    tight = make_plan(shape, BatchShape(1, 16, 1), **args, device_budget=None).device_total
+    p = object.__new__(planning.Planning)      # Planning's own start-up asks the GPU for its budget
+    p.config, p.shape, p.on_cuda, p.plan_batch = config, shape, True, BatchShape(1, 16, 1)
+    p.plan = make_plan(shape, p.plan_batch, **args, device_budget=tight)
+    p.batch_plan, p.checked_shape, p.host16 = None, None, False
+    p.ensure([{"input_ids": torch.zeros(1, 16, dtype=torch.long)}])      # the batch placed for fits
+    kept = p.batch_plan
+    with pytest.raises(PlanError) as e:
+        p.ensure([{"input_ids": torch.zeros(8, 512, dtype=torch.long)}])
+    text = str(e.value)
+    assert "this micro-batch (8 x 512 tokens) does not fit the placement made at start-up for micro-batches " \
+           "of 1 x 16 tokens" in text, text
+    assert "micro_batch_size: 8, seq_len: 512" in text and "no placement fits" in text, text
+    assert p.batch_plan is kept and p.checked_shape == (1, 16) and p.plan_batch == BatchShape(1, 16, 1)

@@ -21,7 +21,7 @@ import torch
 from zerofit.config.schema import ZerofitConfig
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, frozen_key, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
-from zerofit.engine.planner import (SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape, Plan, fmt_bytes,
+from zerofit.engine.planner import (SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape, Plan, PlanError, fmt_bytes,
                                     make_plan, placement_warnings)
 from zerofit.engine.update import split_adamw
 
@@ -228,7 +228,18 @@ class Planning:
             return
         batch = BatchShape(ids.shape[0], ids.shape[-1], max(len(micro_batches),
                                                              self.config.gradient_accumulation_steps))
-        check = self.replan(batch)   # PlanError before anything of this step is allocated
+        try:
+            check = self.replan(batch)   # PlanError before anything of this step is allocated
+        except PlanError as e:
+            if (batch.micro_batch, batch.seq_len) == (self.plan_batch.micro_batch, self.plan_batch.seq_len):
+                raise
+            p = self.plan_batch
+            raise PlanError(
+                f"this micro-batch ({batch.micro_batch} x {batch.seq_len} tokens) does not fit the placement made at "
+                f"start-up for micro-batches of {p.micro_batch} x {p.seq_len} tokens (its resident blocks and "
+                f"staging are kept once made); give the batch at start-up (micro_batch_size: {batch.micro_batch}, "
+                f"seq_len: {batch.seq_len} in the zerofit config; zerofit.fsdp's wrappers take it as "
+                f"zerofit_config=) and the placement is made for it. The replan for the kept placement: {e}") from None
         self.checked_shape = tuple(ids.shape)
         self.plan_batch = batch
         self.batch_plan = check

@@ -43,6 +43,7 @@ class UserLoopBench:
         if common.lora_wanted(args, w):
             raise common.Refused("the W7 loop trains the whole model (no LoRA run)")
         self.torch, self.args, self.res = torch, args, res
+        self.engine = None      # zerofit's engine: its timeline after each step
         cuda = args.device.startswith("cuda")
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -55,9 +56,12 @@ class UserLoopBench:
             # the batch the placement is made for, as a user of zerofit.fsdp names it (docs/userloop.md): the
             # wrapper sees no batch before the first forward
             extra.update(seq_len=w.seq, micro_batch_size=w.micro_batch)
+            if args.window > 1:      # the loop's micro-batches held, each block's backward over all of them
+                extra["gradient_accumulation_steps"] = args.window
             self.model = FSDP(model, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True),
                               mixed_precision=mp, device_id=0 if cuda else None, zerofit_config=extra)
-            res.extra["plan"] = self.model.zerofit_engine.plan.describe()
+            self.engine = self.model.zerofit_engine
+            res.extra["plan"] = self.engine.plan.describe()
             print(f"[userloop] {res.extra['plan']}", flush=True)
         else:
             import torch.distributed as dist
@@ -83,7 +87,14 @@ class UserLoopBench:
         self.device = "cuda" if cuda else "cpu"
 
     def step(self, micro_batches):
-        torch = self.torch
+        loss = self._step(micro_batches)
+        if self.engine is not None:      # as engine_zerofit.py records them (bench/trace.py reads the trace)
+            self.res.timeline = {k: round(float(v), 4) for k, v in self.engine.timeline().items()}
+            self.res.extra["trace"] = self.engine.trace()
+            print(f"[userloop] timeline: {self.res.timeline}", flush=True)
+        return loss
+
+    def _step(self, micro_batches):
         g = len(micro_batches)
         total = 0.0
         if self.acc is not None:
@@ -115,6 +126,9 @@ def main() -> int:
     parser = common.engine_args(__doc__)
     parser.add_argument("--backend", choices=("zerofit", "torch"), default="zerofit")
     parser.add_argument("--loop", choices=("fsdp1", "accelerate"), default="fsdp1")
+    parser.add_argument("--window", type=int, default=1,
+                        help="zerofit: hold this many micro-batches before their blocks' backward (zerofit_config "
+                             "gradient_accumulation_steps; 1: each backward() runs its own)")
     args = parser.parse_args()
     name = f"{'zerofit' if args.backend == 'zerofit' else 'fsdp1'}-{args.loop}"
     return common.run_engine(name, args, UserLoopBench, UserLoopBench.step, uses_cap=True,

@@ -42,7 +42,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit", "zerofit-ds", "zerofit-dsw", "zerofit-dsl",
-           "zerofit-fsdp1", "fsdp1", "zerofit-accelerate", "fsdp1-accelerate")
+           "zerofit-fsdp1", "zerofit-fsdp1-w4", "fsdp1", "zerofit-accelerate", "fsdp1-accelerate")
 # a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop;
 # zerofit-dsw: the same with each window announced first, engine.forward_window; zerofit-dsl: the unchanged loop
 # drawing its micro-batches from the engine's own loader, deepspeed_io, which reads each window ahead)
@@ -52,6 +52,8 @@ VARIANTS = {"zerofit-ds": ("zerofit", ["--api", "deepspeed"]),
             # W7: the user's own FSDP1-shaped loop (engine_userloop.py) on zerofit.fsdp and on torch's FSDP1 with
             # CPU offload, and the same loop through an Accelerator
             "zerofit-fsdp1": ("userloop", ["--backend", "zerofit"]),
+            # the same with the window of the loop's 4 micro-batches held (zerofit_config gradient_accumulation_steps)
+            "zerofit-fsdp1-w4": ("userloop", ["--backend", "zerofit", "--window", "4"]),
             "fsdp1": ("userloop", ["--backend", "torch"]),
             "zerofit-accelerate": ("userloop", ["--backend", "zerofit", "--loop", "accelerate"]),
             "fsdp1-accelerate": ("userloop", ["--backend", "torch", "--loop", "accelerate"])}

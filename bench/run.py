@@ -42,7 +42,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit", "zerofit-ds", "zerofit-dsw", "zerofit-dsl",
-           "zerofit-fsdp1", "zerofit-fsdp1-w4", "fsdp1", "zerofit-accelerate", "fsdp1-accelerate")
+           "zerofit-fsdp1", "zerofit-fsdp1-w4", "fsdp1", "zerofit-accelerate",
+           "zerofit-accelerate-w4", "fsdp1-accelerate")
 # a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop;
 # zerofit-dsw: the same with each window announced first, engine.forward_window; zerofit-dsl: the unchanged loop
 # drawing its micro-batches from the engine's own loader, deepspeed_io, which reads each window ahead)
@@ -56,6 +57,7 @@ VARIANTS = {"zerofit-ds": ("zerofit", ["--api", "deepspeed"]),
             "zerofit-fsdp1-w4": ("userloop", ["--backend", "zerofit", "--window", "4"]),
             "fsdp1": ("userloop", ["--backend", "torch"]),
             "zerofit-accelerate": ("userloop", ["--backend", "zerofit", "--loop", "accelerate"]),
+            "zerofit-accelerate-w4": ("userloop", ["--backend", "zerofit", "--loop", "accelerate", "--window", "4"]),
             "fsdp1-accelerate": ("userloop", ["--backend", "torch", "--loop", "accelerate"])}
 GiB = 2**30
 

@@ -100,6 +100,35 @@ def test_torchs_clip_grad_norm_over_the_wrapped_models_parameters_clips_the_engi
     assert float(torch.nn.utils.clip_grad_norm_(lin.parameters(), 1.0)) == pytest.approx(3.0)
 
 
+def test_a_window_of_the_loops_micro_batches_takes_the_norms_on_the_device_and_clips_as_torch_twice():
+    """[Note: the user's clip on the device]: with the window held, each streamed block's parameter norms are taken
+    as its gradient is handed over and its multiply waits for its update; a second clip (or an unscale) before
+    the step reads the gradients the first one clipped, as torch's do."""
+    ref = _model()
+    model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True),
+                 zerofit_config={"gradient_accumulation_steps": 2})
+    clip = model.zerofit_engine.stepper.torch_clip
+    streamed = {id(u) for u in model.zerofit_engine.blocks if u.home.name == "STREAMED" and u.trains}
+    assert streamed
+    seen = []
+
+    def twice(m, c):
+        first = m.clip_grad_norm_(c) if m is model else _torch_clip(m, c)
+        if m is model:
+            seen.append((set(clip.waiting), set(clip.norms)))
+        second = m.clip_grad_norm_(c / 2) if m is model else _torch_clip(m, c / 2)
+        return first + second
+
+    data = tm.batches(3, 2)
+    got = _loop(model, data, clip=twice)
+    want = _loop(ref, data, clip=twice)
+    assert got == want
+    _assert_weights(model.state_dict(), ref)
+    # after the first clip: every streamed block's multiply waits for its update, the device norms are used up
+    assert all(waiting >= streamed and not norms for waiting, norms in seen), seen
+    assert not clip.waiting and not clip.norms
+
+
 def test_fsdp2_shaped_loop_is_plain_pytorch_bitwise():
     """fully_shard(layer) for each block, then fully_shard(model); set_requires_gradient_sync(False) on the
     micro-batches before the last; torch's clip_grad_norm_."""

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 
 from zerofit.engine.store import Home, Unit
+from zerofit.engine.torch_clip import TorchClip
 from zerofit.engine.update.host import MOMENTS_LAST, SPECULATE_FIRST
 from zerofit.engine.update.speculation import Speculation
 from zerofit.engine.update.unit_adamw import unit_adamw
@@ -78,8 +79,7 @@ class Step:
         self.copies16, self.speculator, self.hypers, self.scaler = copies16, speculator, hypers, scaler
         self.deferred, self.cast_first = deferred, cast_first
         self.mirror_stale = False
-        self.clip_order: list | None = None    # the user's loop: (unit, name) of every trained parameter in the
-                                               # model's order, for torch's clip arithmetic (clip_as_torch, grad_views)
+        self.torch_clip = TorchClip(dev, grads, ranks)     # the user's loop: torch's clip arithmetic
 
     def host_units(self) -> list[Unit]:
         """The units the CPU worker updates (their optimizer state in host memory or on the disk)."""
@@ -120,9 +120,11 @@ class Step:
             unit.host_grad_fresh = False
             if self.deferred:
                 self.grads.sq_norms[id(unit)] = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+                self.torch_clip.note(unit, grad)    # [Note: the user's clip on the device], torch_clip.py
         else:              # staging: either an immediate update, or an add into the host buffer
             dst = self.grads.take_staging()
             self.grads.sq_norms.pop(id(unit), None)
+            self.torch_clip.forget(unit)
         speculate = fresh_host and spec is not None and unit.index >= 0
         done = self.grads.send_down(unit, grad, dst, self.grads.sq_norms[id(unit)] if speculate else None)
         if self.deferred:
@@ -253,6 +255,8 @@ class Step:
             self.discard_grads()
             return False, norm
         hypers = self.hypers.for_step()
+        if spec is not None or not self.deferred:     # the clip's multiplies wait for deferred updates only
+            self.torch_clip.settle()
         self.lifecycle.begin_applying()
         self._device_updates(device_units, hypers, factor, dev_grads)
         if spec is not None:
@@ -264,30 +268,14 @@ class Step:
         return True, norm
 
     def grad_views(self) -> list[torch.Tensor]:
-        """The step's gradient of every trained parameter (views of the engine's gradient buffers), in the model's
-        order (``clip_order``): the user's loop clips and unscales them as torch does."""
-        out = []
-        for u, name in self.clip_order:
-            flat = u.grad if u.optimizer_on_device else self.grads.host_grads.get(id(u))
-            if flat is None:
-                raise RuntimeError(f"{u.name}: its gradient is not in memory (the disk tier's): clipping or "
-                                   "unscaling under the user's loop needs it there")
-            out.append(u.layout.views(flat)[name])
-        return out
+        """The step's gradient of every trained parameter, in the model's order: the user's loop unscales them as
+        torch does (TorchClip.views)."""
+        return self.torch_clip.views()
 
     def clip_as_torch(self, max_norm: float) -> float:
-        """``torch.nn.utils.clip_grad_norm_``'s arithmetic over the step's gradients, in the model's order: each
-        parameter's fp32 norm (``_foreach_norm``), their norm, ``clamp(max_norm / (norm + 1e-6), max=1)``, each
-        gradient multiplied by it in place (the user's loop, [Note: the user's loop drives the engine]: bitwise
-        the plain loop's clipped gradients). Returns the norm."""
-        grads = self.grad_views()
-        norms = torch._foreach_norm(grads, 2.0)
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if float(coef) < 1.0:
-            for g in grads:
-                g.mul_(coef.to(g.device))
-        return float(total)
+        """``torch.nn.utils.clip_grad_norm_``'s arithmetic over the step's gradients (the user's loop: bitwise the
+        plain loop's clipped gradients; [Note: the user's clip on the device]). Returns the norm."""
+        return self.torch_clip.clip(max_norm)
 
     def _global_norm(self, device_units, host_units, dev_grads) -> float:
         """The global gradient norm, fp64 (each rank's shards' squares summed over the ranks); a device sync."""
@@ -337,7 +325,11 @@ class Step:
         ev = self.dev.record(self.dev.download)
         self.host.expect(host_units)
         for u in host_units:
+            multiply = self.torch_clip.pending(u)     # [Note: the user's clip on the device]
             if self.device.assisted(u):
+                if multiply is not None:
+                    ev.synchronize()
+                    multiply()
                 u.pending_update = (factor, hypers)
                 continue
             u.updated.clear()
@@ -345,7 +337,7 @@ class Step:
             split = self.host.split and u.swap is None
             cast16 = self.copies16.label(u, now=True) if split else None
             self.worker.submit(self.host.task_update(u, grad, ev, hypers, factor, release=False, split=split,
-                                                     cast16=cast16),
+                                                     cast16=cast16, before=multiply),
                                self.host.priority(u), label=f"adamw[{u.name}]")
             if split:
                 u.moments_done.clear()
@@ -396,6 +388,7 @@ class Step:
 
     def discard_grads(self) -> None:
         """Forget this step's gradients (a skipped step): the next writes start fresh."""
+        self.torch_clip.discard()
         self.grads.discard(self.units, self.host_units())
 
     def discard(self) -> None:
@@ -405,6 +398,7 @@ class Step:
         if spec is not None:         # [Note: speculative updates]: undo what the worker updated early
             self.settle(spec, self.host_units(), self.hypers.for_step(), None)
             self.worker.drain()
+        self.torch_clip.discard()
         self.grads.discard(self.units, [u for u in self.units if not u.optimizer_on_device])
 
     def sync_mirrors(self) -> None:

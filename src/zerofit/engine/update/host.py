@@ -99,13 +99,16 @@ class HostUpdates:
             self.tier.expect([u.index for u in units if u.swap])
 
     def task_update(self, unit: Unit, grad: torch.Tensor, event, hypers: tuple[Hyper, ...], factor: float,
-                     release: bool, cast16=None, split: bool = False, flag: int | None = None):
+                     release: bool, cast16=None, split: bool = False, flag: int | None = None, before=None):
         """The worker's AdamW step of a host unit; with ``cast16`` (a label: Copies16.label) its new weights are
         then cast into its 16-bit host copy ([Note: 16-bit copies after the update]). ``split``: the step's first
         pass only, the caller queues the second (task_moments); with ``cast16`` too, that first pass writes the
-        cast alone ([Note: the master behind its cast])."""
+        cast alone ([Note: the master behind its cast]). ``before``: run first, once the gradient is down (the
+        user's clip multiply: [Note: the user's clip on the device], torch_clip.py)."""
         def run():
             wait_event(event)       # [Note: the worker's waits]
+            if before is not None:
+                before()
             if flag is not None and float(self.grads.bad_host[flag]):    # [Note: non-finite gradients without a norm]
                 if release:
                     self.grads.give_staging(grad)

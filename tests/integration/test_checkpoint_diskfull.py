@@ -80,7 +80,7 @@ def test_injected_enospc_mid_write(tmp_path, where):
         with pytest.raises(CheckpointDiskFullError, match=rf"\.tmp-global_step3-.*/{re.escape(where)}") as ei:
             engine.save_checkpoint(tmp_path, client_state={"tag": "global_step3"})
     needed, free = _numbers(ei.value)
-    assert needed > 3 * 4 * sum(p.numel() for p in engine._model.parameters() if p is not None) // 2
+    assert needed > 3 * 4 * sum(p.numel() for p in engine.adapter.model.parameters() if p is not None) // 2
     assert ei.value.errno == errno.ENOSPC and isinstance(ei.value, OSError)
     _assert_previous_loads(tmp_path, "global_step2")
     _assert_untouched_and_trains_on(engine, twin)

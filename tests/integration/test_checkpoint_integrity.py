@@ -85,7 +85,7 @@ def test_files_are_safetensors_named_by_parameter_weights_apart_from_moments(tmp
     folder = Path(engine.save_checkpoint(tmp_path))
     index = json.loads((folder / "weights.safetensors.index.json").read_text())
     names = set(index["weight_map"])
-    canonical = {n for n, _ in engine._model.named_parameters()}
+    canonical = {n for n, _ in engine.adapter.model.named_parameters()}
     assert names == canonical and "lm_head.weight" not in names
     master = engine.master_state_dict()
     with safe_open(folder / "weights-00001-of-00001.safetensors", "pt") as f:

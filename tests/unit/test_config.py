@@ -668,3 +668,34 @@ def test_a_deepspeed_config_is_read_once(tmp_path, monkeypatch):
                                                                                 "nvme_path": str(tmp_path)}}}).config
     assert (cfg.train_batch_size, cfg.offload.nvme_path) == (8, str(tmp_path))
     assert calls == {"batch": 1, "nvme": 1}
+
+
+def test_a_config_with_overrides_is_read_once(tmp_path, monkeypatch):
+    """One resolution of the batch triple and one check of the NVMe folder per load_config, overrides or not;
+    an override of the batch or of the offload section has them done again, on the overridden fields."""
+    from zerofit.config import load_config
+    from zerofit.config import schema
+
+    calls = {"batch": 0, "nvme": 0}
+    resolve, check = schema.resolve_batch, schema.check_nvme_path
+
+    def counted_resolve(*a, **kw):
+        calls["batch"] += 1
+        return resolve(*a, **kw)
+
+    def counted_check(*a, **kw):
+        calls["nvme"] += 1
+        return check(*a, **kw)
+
+    monkeypatch.setattr(schema, "resolve_batch", counted_resolve)
+    monkeypatch.setattr(schema, "check_nvme_path", counted_check)
+    src = {"micro_batch_size": 2, "gradient_accumulation_steps": 4,
+           "offload": {"optimizer_device": "nvme", "nvme_path": str(tmp_path)}}
+    cfg = load_config(src, seed=3, max_gpu_memory="8GiB").config
+    assert calls == {"batch": 1, "nvme": 1} and cfg.train_batch_size == 8 and cfg.seed == 3
+    calls.update(batch=0, nvme=0)
+    cfg = load_config(src, micro_batch_size=1).config          # the triple derived again from the override
+    assert calls == {"batch": 2, "nvme": 1} and (cfg.micro_batch_size, cfg.gradient_accumulation_steps) == (1, 8)
+    calls.update(batch=0, nvme=0)
+    load_config(src, **{"offload.prefetch_depth": 2})            # the offload section again: its folder checked again
+    assert calls == {"batch": 1, "nvme": 2}

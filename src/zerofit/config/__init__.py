@@ -109,8 +109,14 @@ def load_config(source: Any = None, *, world_size: int | None = None, **override
     if not overrides:
         return loaded
     fields = loaded.config.model_dump()
-    _apply_overrides(fields, overrides)
-    config = ZerofitConfig.model_validate(fields)
+    touched = _apply_overrides(fields, overrides)
+    # read once: what the source's validation resolved and checked stands unless an override touches it
+    read = []
+    if not touched & _BATCH:
+        read.append("batch")
+    if not any(k == "offload" or k.startswith("offload.") for k in touched):
+        read.append("nvme_path")
+    config = ZerofitConfig(_read=tuple(read), **fields)
     return LoadedConfig(config, loaded.report, loaded.source, loaded.flavour)
 
 
@@ -183,8 +189,8 @@ _TRIPLE_DROP_ORDER = ("gradient_accumulation_steps", "micro_batch_size", "train_
 _BATCH = {"train_batch_size", "micro_batch_size", "gradient_accumulation_steps", "world_size"}
 
 
-def _apply_overrides(fields: dict[str, Any], overrides: Mapping[str, Any]) -> None:
-    """Write ``overrides`` into the dumped config ``fields``, in place."""
+def _apply_overrides(fields: dict[str, Any], overrides: Mapping[str, Any]) -> set[str]:
+    """Write ``overrides`` into the dumped config ``fields``, in place; the keys written."""
     touched = set()
     for key, value in overrides.items():
         parts = key.split(".")
@@ -210,6 +216,7 @@ def _apply_overrides(fields: dict[str, Any], overrides: Mapping[str, Any]) -> No
             if name not in batch:
                 fields.pop(name, None)
                 break
+    return touched
 
 
 def _merged(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:

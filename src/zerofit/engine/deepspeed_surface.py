@@ -120,8 +120,8 @@ def bind_inputs(model, inputs: tuple, batch: dict) -> dict:
 
 class DeepSpeedSurface:
     """Mixed into :class:`~zerofit.engine.engine.Engine` as its DeepSpeed names: no state (``self.ds`` is the
-    engine's), each name a delegate to the engine's parts and config, under the engine's guard (``_check_open``,
-    ``_call``, ``_with_fallback``, ``_end_step``: engine.py) as FSDP2's ``FSDPModule`` is over its state."""
+    engine's), each name a delegate to the engine's parts and config, under the engine's guard (``check_open``,
+    ``guard``, ``with_fallback``, ``end_step``: engine.py) as FSDP2's ``FSDPModule`` is over its state."""
 
     def configure_deepspeed(self, names=None, collate_fn=None, drop_last: bool = False, training_data=None) -> None:
         """What zerofit.deepspeed.initialize knows beyond the config: each group's parameter names, collate_fn,
@@ -145,7 +145,7 @@ class DeepSpeedSurface:
         backward as autograd says], window.py). Under ``torch.no_grad()`` (or in eval mode with autograd off) it
         keeps nothing."""
         if inputs:
-            batch = bind_inputs(self._model, inputs, batch)
+            batch = bind_inputs(self.adapter.model, inputs, batch)
         G = self.config.gradient_accumulation_steps
         if (not self.config.managed_gradient_accumulation and self.window.micro_steps >= G
                 and torch.is_grad_enabled() and not self.window.unbounded):
@@ -154,13 +154,13 @@ class DeepSpeedSurface:
                 f"zerofit's window holds at most gradient_accumulation_steps ({G}) micro-batches (their block "
                 f"checkpoints wait on the device for the blocks' backward). Call engine.step() after at most {G} "
                 "backward() calls, or raise gradient_accumulation_steps")
-        self._check_open()
+        self.check_open()
         if not torch.is_grad_enabled():
-            return self._evaluate(batch)
-        check_batch(batch, self._batch_spec)
+            return self.forward_no_grad(batch)
+        check_batch(batch, self.batch_spec)
         self.window.drop_unused()
-        with self._call(discard_step=True):
-            return self._with_fallback(lambda: self.window.forward(batch))
+        with self.guard(discard_step=True):
+            return self.with_fallback(lambda: self.window.forward(batch))
 
     def forward(self, *inputs, **batch):
         return self(*inputs, **batch)
@@ -170,11 +170,11 @@ class DeepSpeedSurface:
         forwards at once], window.py); each later ``engine(**batch)`` of the window takes its forward from here.
         Only at the start of a window, in training mode; a no-op on the generic path (a model that does not
         stream) and with several ranks."""
-        self._check_open()
+        self.check_open()
         if not self.window.may_announce(batches):
             return
-        with self._call(discard_step=True):
-            self._with_fallback(lambda: self.window.announce(batches))
+        with self.guard(discard_step=True):
+            self.with_fallback(lambda: self.window.announce(batches))
 
     def backward(self, loss, release_loss: bool = False, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients (the
@@ -189,9 +189,9 @@ class DeepSpeedSurface:
             raise DeepSpeedUnsupported("engine.backward(retain_graph=True): zerofit frees each block's graph as it "
                                        "goes (it recomputes blocks from checkpoints), so a second backward through "
                                        "the same forward is not possible; run the forward again")
-        self._check_open()
+        self.check_open()
         micro = self.window.take_pending()
-        with self._call(discard_step=True):
+        with self.guard(discard_step=True):
             self.window.backward(micro, loss, scale_wrt_gas, self.scaler.scale if self.scaler else 1.0)
         self.ds.unstepped = self.window.micro_steps
         G = self.config.gradient_accumulation_steps
@@ -227,14 +227,14 @@ class DeepSpeedSurface:
             client.catch_up(self.hypers, lr_kwargs)
 
     def _step_at_boundary(self) -> None:
-        self._check_open()
+        self.check_open()
         if not self.window.at_boundary():
             return
-        with self._call(discard_step=True):
+        with self.guard(discard_step=True):
             self.window.before_step()
             applied, norm = self.stepper.finish()
             self.window.stepped()
-            self._end_step(applied, norm)
+            self.end_step(applied, norm)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward
@@ -266,8 +266,8 @@ class DeepSpeedSurface:
         offloading.refuse_window("offload_states()", self.window, self.streamer)
         storages = lambda kinds: offloading.device_storages(     # noqa: E731
             kinds, units=self.units, streamer=self.streamer, grads=self.grads, sharding=self.sharding,
-            device_updates=self.device_updates, model=self._model, device=self.dev.device)
-        with self._call(discard_step=False):
+            device_updates=self.device_updates, model=self.adapter.model, device=self.dev.device)
+        with self.guard(discard_step=False):
             self.offloaded.offload(kinds, storages, pin_memory and self.dev.is_cuda, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
@@ -276,7 +276,7 @@ class DeepSpeedSurface:
         self.lifecycle.check_open()
         if self.offloaded.current is None:
             return
-        with self._call(discard_step=False):
+        with self.guard(discard_step=False):
             self.offloaded.reload(non_blocking)
 
     # ----------------------------------------------------------------- the accumulation boundary

@@ -142,7 +142,7 @@ class Engine(DeepSpeedSurface):
         self.ds = DeepSpeedRecord()                  # what the DeepSpeed door knows (deepspeed_surface.py)
         self._shape = model_shape(model, self.adapter, self._table, self.frozen, self.nf4)
         warn_low_precision_trained(self._table, self.frozen)     # (fp32 masters of 16-bit trained parameters)
-        self._batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
+        self.batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
         # may refuse (PlanError): nothing allocated yet
         self.planning = Planning(config, self.adapter, self._shape, on_cuda=self.dev.is_cuda, device=self.dev.device,
                                  ranks=self.ranks, seq_len=config.seq_len)
@@ -215,7 +215,7 @@ class Engine(DeepSpeedSurface):
                              planning=self.planning, schedule=self.schedule, streamer=self.streamer, grads=self.grads,
                              copies16=self.copies16, device_updates=self.device_updates, compute=self.compute,
                              speculator=self.speculator, clock=self.clock, lifecycle=self.lifecycle,
-                             batch_spec=self._batch_spec, carry=self.window)
+                             batch_spec=self.batch_spec, carry=self.window)
         self.clock.note_host()
 
     # ------------------------------------------------------------------ what the parts hold, by name
@@ -274,12 +274,12 @@ class Engine(DeepSpeedSurface):
         """OPEN, APPLYING, FAILED or CLOSED: what an error would do to the weights ([Note: engine lifecycle])."""
         return self.lifecycle.state
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         """Refuse a call on a closed or failed engine, or while its device state is offloaded."""
         self.lifecycle.check_open()
         self.offloaded.check()
 
-    def _call(self, *, discard_step: bool):
+    def guard(self, *, discard_step: bool):
         """A public call under the lifecycle's guard: an error drops the step in progress (training calls,
         ``discard_step``) or only the transfers in flight (evaluation, reads), [Note: failure semantics]."""
         return self.lifecycle.call(self._discard_step if discard_step else self._reset_transfers,
@@ -367,7 +367,7 @@ class Engine(DeepSpeedSurface):
         except Exception as e:     # the error that ended the block is the one to see
             log.warning("zerofit: closing the engine after %s failed too: %r", exc_type.__name__, e)
 
-    def _with_fallback(self, run):
+    def with_fallback(self, run):
         """``run()``, and once more on the generic path if it finds the model not block-sequential ([Note:
         generic fallback], recovery.py)."""
         w = self.window       # (after steps too, a loaded checkpoint's: the moments go over to the generic unit)
@@ -409,18 +409,18 @@ class Engine(DeepSpeedSurface):
         Gradients are averaged over the micro-batches (each micro-batch loss / G), as plain
         PyTorch gradient accumulation. Returns the mean loss (a float; one device sync).
         An error leaves the engine as [Note: failure semantics] (lifecycle.py) says."""
-        self._check_open()
+        self.check_open()
         self.window.drop_unused()
         if self.window.in_progress():
             raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation "
                                "(a forward without backward(), or micro-batches without step()); finish it first")
         try:
-            check_micro_batches(micro_batches, self._batch_spec)
+            check_micro_batches(micro_batches, self.batch_spec)
         except Exception as e:
             self.ranks.fail(e)      # [Note: a failing rank]: the others would wait for this one's collectives
             raise
-        with self._call(discard_step=True):
-            return self._with_fallback(lambda: self._train_batch(micro_batches))
+        with self.guard(discard_step=True):
+            return self.with_fallback(lambda: self._train_batch(micro_batches))
 
     def _train_batch(self, micro_batches: list[dict]) -> float:
         self.planning.ensure(micro_batches)
@@ -446,10 +446,12 @@ class Engine(DeepSpeedSurface):
             mean = torch.tensor(total / count if count else math.nan)
         applied, norm = self.stepper.finish()
         loss_value = mean.item()              # the loss read: a device sync ([Note: events, not device syncs])
-        self._end_step(applied, norm)
+        self.end_step(applied, norm)
         return loss_value
 
-    def _end_step(self, applied: bool, norm: float | None) -> None:
+    def end_step(self, applied: bool, norm: float | None) -> None:
+        """The optimizer step's end, applied or not (train_batch, the DeepSpeed-shaped loop's boundary, the user's
+        loop's ``optimizer.step()``): its norm kept, the step counted, the timeline closed, the updates done."""
         if norm is not None:
             self.last_grad_norm = norm
         self.hypers.counted(applied)
@@ -458,12 +460,12 @@ class Engine(DeepSpeedSurface):
 
     # ------------------------------------------------------------------ the DeepSpeed-shaped loop's evaluation
 
-    def _evaluate(self, batch: dict):
+    def forward_no_grad(self, batch: dict):
         """The model's output for ``batch`` without autograd; no state of a step is touched or kept."""
-        check_batch(batch, self._batch_spec)
+        check_batch(batch, self.batch_spec)
         n = len(self.dev.intervals)
-        with self._call(discard_step=False), torch.no_grad():
-            out = self._with_fallback(
+        with self.guard(discard_step=False), torch.no_grad():
+            out = self.with_fallback(
                 lambda: self.schedule.post(self.schedule.forward([batch], shell_grad=False)[0])[0])
         del self.dev.intervals[n:]            # not part of any step's timeline
         return out
@@ -480,8 +482,8 @@ class Engine(DeepSpeedSurface):
 
     def wait(self) -> None:
         """Block until every pending update (host, or assisted on the device) is applied."""
-        self._check_open()
-        with self._call(discard_step=False):
+        self.check_open()
+        with self.guard(discard_step=False):
             self._apply_pending()
 
     @property
@@ -490,8 +492,8 @@ class Engine(DeepSpeedSurface):
         Still readable after close(), which left the final weights there."""
         if self.state is EngineState.CLOSED:
             return self._model
-        self._check_open()
-        with self._call(discard_step=False):
+        self.check_open()
+        with self.guard(discard_step=False):
             self._apply_pending("engine.module")     # [Note: engine.module is a collective]
             self._sync_host_weights()
         return self._model
@@ -502,8 +504,8 @@ class Engine(DeepSpeedSurface):
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by parameter name (host copies); frozen parameters as they are."""
-        self._check_open()
-        with self._call(discard_step=False):
+        self.check_open()
+        with self.guard(discard_step=False):
             self._apply_pending()
             out = {}
             with self.sharding.full_state(self.units, write_back=False):      # [Note: sharded device state]

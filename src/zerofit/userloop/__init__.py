@@ -204,7 +204,7 @@ class UserLoop:
             raise UserLoopError("optimizer.step() (or clip_grad_norm_, unscale_) without a backward since the last "
                                 "step: the engine has no gradient to apply (a loop that steps twice, or whose loss "
                                 "did not come from the wrapped model's output)")
-        with eng._call(discard_step=True), _autocast(self.amp):
+        with eng.guard(discard_step=True), _autocast(self.amp):
             eng.window.before_step()
             self.prepared = eng.stepper.prepare()
 
@@ -239,10 +239,10 @@ class UserLoop:
         """A prepared step whose ``optimizer.step()`` never came (a GradScaler found an overflow): not applied."""
         prepared, self.prepared = self.prepared, None
         eng = self.engine
-        with eng._call(discard_step=True):
+        with eng.guard(discard_step=True):
             eng.stepper.discard_grads()
             eng.window.stepped()
-            eng._end_step(False, prepared.norm)
+            eng.end_step(False, prepared.norm)
 
     def on_step(self, optimizer) -> None:
         """The user's ``optimizer.step()``: the engine's updates, with the optimizer's settings now. A GradScaler
@@ -259,10 +259,10 @@ class UserLoop:
         if grad_scale is not None:       # the fused kernel's own unscaling: grad / grad_scale
             prepared = prepared._replace(factor=prepared.factor / float(grad_scale))
         eng = self.engine
-        with eng._call(discard_step=True):
+        with eng.guard(discard_step=True):
             applied, norm = eng.stepper.apply(prepared)
             eng.window.stepped()
-            eng._end_step(applied, norm)
+            eng.end_step(applied, norm)
 
     def _follow(self, optimizer) -> None:
         if optimizer is self.optimizer:

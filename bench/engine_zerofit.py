@@ -204,7 +204,7 @@ def main() -> int:
     args = parser.parse_args()
     code = common.run_engine("zerofit", args, Zerofit, Zerofit.step, uses_cap=False, version_modules=("zerofit",))
     for engine in _LIVE:     # the disk tier's swap file is removed (exit_now skips every finalizer)
-        engine.lifecycle.resources.release()
+        engine.release()
     return code
 
 

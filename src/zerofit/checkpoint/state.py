@@ -99,15 +99,15 @@ def _refuse_mid_step(engine, action: str) -> None:
 
 def _window(engine) -> dict | None:
     """Where in an accumulation window a save is made: None at a boundary."""
-    w = engine.window
-    if not w.in_progress():
+    at = engine.window.position()
+    if at is None:
         return None
-    if w.micro_steps and engine.adapter.streaming and not w.held:
+    if at["micro_batches"] and engine.adapter.streaming and not at["held"]:
         raise CheckpointStateError(
             f"cannot save a checkpoint between the accumulation boundary's backward() and its step() "
-            f"({w.micro_steps} micro-batches): the optimizer step has begun (the blocks' updates run during "
+            f"({at['micro_batches']} micro-batches): the optimizer step has begun (the blocks' updates run during "
             "that backward). Call engine.step() first, then save: the checkpoint then holds this step's update")
-    return {"micro_batches": w.micro_steps, "forward_pending": w.pending is not None,
+    return {"micro_batches": at["micro_batches"], "forward_pending": at["forward_pending"],
             "gradient_accumulation_steps": engine.config.gradient_accumulation_steps}
 
 
@@ -240,7 +240,7 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
     engine.global_step = int(st["global_step"])
     engine.skipped_steps = int(st["skipped_steps"])
     if st.get("speculate_next") is not None:
-        engine.speculator.next = bool(st["speculate_next"])
+        engine.speculator.resume(bool(st["speculate_next"]))
     if engine.scaler is not None and st.get("scaler") is not None:
         engine.scaler.load_state_dict(st["scaler"])
     _restore_client_schedule(engine, folder, LR_SCHEDULER in side)

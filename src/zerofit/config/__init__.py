@@ -39,6 +39,7 @@ from zerofit.config.schema import (
 )
 
 __all__ = [
+    "read_json",
     "ConfigError",
     "Problem",
     "KeyReport",
@@ -141,7 +142,7 @@ def _load_source(source: Any, world_size: int | None) -> LoadedConfig:
     if isinstance(source, ZerofitConfig):
         return LoadedConfig(source, source="<ZerofitConfig>")
     if isinstance(source, (str, os.PathLike)):
-        raw, name = _read_json(Path(source)), str(source)
+        raw, name = read_json(Path(source)), str(source)
     elif isinstance(source, Mapping):
         raw, name = source, "<dict>"
     else:
@@ -156,7 +157,8 @@ def _load_source(source: Any, world_size: int | None) -> LoadedConfig:
     return LoadedConfig(ZerofitConfig.model_validate(fields), (), name, "zerofit")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A config file's JSON object (DeepSpeed's or zerofit's); ConfigError naming the file otherwise."""
     if path.suffix.lower() != ".json":
         raise ConfigError(str(path), "a .json file (a DeepSpeed or zerofit config)",
                           f"a {path.suffix or 'file without an extension'}")

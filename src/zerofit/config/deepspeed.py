@@ -88,7 +88,7 @@ from zerofit.config.deepspeed_keys import (
     BadValue,
     KNOWN_PATHS,
     PLANNER_DECIDES,
-    _REFUSED_WHEN_ENABLED,
+    REFUSED_WHEN_ENABLED,
     default,
 )
 
@@ -306,7 +306,7 @@ def _report(v: _Values, notes: Mapping[str, str]) -> list[KeyReport]:
 
 
 def _refuse_unsupported(v: _Values) -> None:
-    for name in _REFUSED_WHEN_ENABLED:
+    for name in REFUSED_WHEN_ENABLED:
         section = v.get(name)
         if isinstance(section, Mapping) and section.get("enabled") not in (None, False, AUTO):
             raise ConfigError(f"{v.name(name)}.enabled", f"false (zerofit does not implement DeepSpeed's {name})",

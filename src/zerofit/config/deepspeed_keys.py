@@ -471,7 +471,7 @@ DEEPSPEED_KEYS: dict[str, Key | Section] = {
     "weight_quantization": Section(None, NA, "zerofit keeps weights in the compute dtype"),
     "compression_training": Section(None, NA, "zerofit does not compress models during training"),
     "eigenvalue": Section(None, NA, "zerofit does not compute eigenvalues"),
-    # refused when enabled: ignoring them would change the math (see _REFUSED_WHEN_ENABLED)
+    # refused when enabled: ignoring them would change the math (see REFUSED_WHEN_ENABLED)
     "elasticity": Section(None, NA, "elastic batch sizes are not used (the section is disabled)"),
     "curriculum_learning": Section(None, NA, "curriculum learning is not used (the section is disabled)"),
     "data_efficiency": Section(None, NA, "data efficiency is not used (the section is disabled)"),
@@ -479,7 +479,7 @@ DEEPSPEED_KEYS: dict[str, Key | Section] = {
     "sparse_attention": Section(None, NA, "refused: zerofit does not replace attention"),
 }
 
-_REFUSED_WHEN_ENABLED = ("elasticity", "curriculum_learning", "data_efficiency", "progressive_layer_drop", "amp")
+REFUSED_WHEN_ENABLED = ("elasticity", "curriculum_learning", "data_efficiency", "progressive_layer_drop", "amp")
 
 ADAM_PARAMS: dict[str, Key | Section] = {
     "lr": Key(Float(0, lo_open=True), HONOURED, "-> optimizer.lr", auto=True, default=1e-3),

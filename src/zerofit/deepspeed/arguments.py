@@ -80,10 +80,10 @@ def resolve_config(args, config, config_params):
 def raw_config(config) -> dict:
     """The config as a dict (read from its file when a path), for the keys zerofit's config does not keep."""
     from zerofit.config import ZerofitConfig
-    from zerofit.config import _read_json
+    from zerofit.config import read_json
 
     if isinstance(config, (str, os.PathLike)):
-        return _read_json(Path(config))
+        return read_json(Path(config))
     if isinstance(config, Mapping):
         return dict(config)
     if isinstance(config, ZerofitConfig):

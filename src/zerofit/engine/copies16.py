@@ -71,6 +71,10 @@ class Copies16:
         self.epoch += 1
         self.after = None
 
+    def weights_loaded(self) -> None:
+        """A checkpoint load wrote the masters: the 16-bit host copies of the old weights go stale."""
+        self.weights_changed()
+
     def step_moves(self) -> None:
         """The optimizer step changes the weights from here; the copies made right after its updates are the ones
         valid now."""

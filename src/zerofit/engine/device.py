@@ -131,6 +131,10 @@ class Device:
             return ev
         return time.perf_counter()
 
+    def forget_intervals(self, since: int = 0) -> None:
+        """Drop the intervals recorded after the first ``since`` (work that belongs to no step's timeline)."""
+        del self.intervals[since:]
+
     def drain_intervals(self) -> tuple[dict[str, float], list[Interval]]:
         """Seconds per phase of the intervals recorded since the last drain (call after a sync), and the
         intervals themselves (for :meth:`trace_of`, built only when asked for)."""

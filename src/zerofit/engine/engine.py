@@ -309,7 +309,7 @@ class Engine(DeepSpeedSurface):
         self.streamer.reset()
         self.grads.reset_transfers(self.blocks)
         self.device_updates.reset()
-        self.dev.intervals.clear()
+        self.dev.forget_intervals()
 
     def _drop_device_state(self) -> None:
         """Let go of every device buffer (the memory goes back to the allocator, for a next engine).
@@ -339,6 +339,11 @@ class Engine(DeepSpeedSurface):
     def _sync_host_weights(self) -> None:
         """The module's parameters (host views) take the current weights of device-optimized units."""
         self.stepper.sync_mirrors()
+
+    def release(self) -> None:
+        """Let go of what the engine holds outside Python's objects (the CPU worker, pinned memory, the GPU cap,
+        the disk tier's swap file), applying nothing: for a process about to leave without finalizers."""
+        self.lifecycle.resources.release()
 
     def close(self) -> None:
         """Apply the updates of completed steps, copy the final weights into the module's parameters, and
@@ -384,7 +389,7 @@ class Engine(DeepSpeedSurface):
         carried = recovery.optimizer_state_by_name(self.units, self.adapter, self.sharding)
         generic, table, shape, planning = recovery.generic_plan(err, model=self._model, config=self.config,
                                                                dev=self.dev, ranks=self.ranks, frozen=self.frozen)
-        self.stepper.mirror_stale = True
+        self.stepper.mirrors_behind()
         self._sync_host_weights()      # the module's parameters hold the current weights: the new unit copies them
         self.worker.drain()
         self.dev.synchronize()
@@ -467,7 +472,7 @@ class Engine(DeepSpeedSurface):
         with self.guard(discard_step=False), torch.no_grad():
             out = self.with_fallback(
                 lambda: self.schedule.post(self.schedule.forward([batch], shell_grad=False)[0])[0])
-        del self.dev.intervals[n:]            # not part of any step's timeline
+        self.dev.forget_intervals(n)            # not part of any step's timeline
         return out
 
     # ------------------------------------------------------------------ reading the engine
@@ -580,12 +585,8 @@ class Engine(DeepSpeedSurface):
         if self.tier is not None:
             self.tier.file.flush_mapping()
         self.dev.synchronize()                  # follow_masters' copies done: no slot is read or written
-        for pool in (self.streamer.pool, self.grads.pool):
-            if pool is not None:
-                pool.empty()
-        self.grads.sq_norms.clear()
-        self.stepper.mirror_stale = False       # follow_masters copied the device masters into the mirrors
-        self.copies16.weights_changed()         # 16-bit host copies of the old weights go stale
+        for part in (self.streamer, self.grads, self.stepper, self.copies16):
+            part.weights_loaded()
 
     def save_pretrained(self, out_dir, dtype=None, max_shard_size="5GB", merge=False) -> str:
         """The current weights as a Hugging Face model directory, streamed tensor by tensor; in ``dtype``

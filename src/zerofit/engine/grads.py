@@ -156,6 +156,13 @@ class Grads:
         with self._cv:
             self._free = list(range(len(self.staging)))
 
+    def weights_loaded(self) -> None:
+        """The masters were written from outside (a checkpoint load; the device is idle): no slot holds a gradient,
+        no partial norm stands."""
+        if self.pool is not None:
+            self.pool.empty()
+        self.sq_norms.clear()
+
     def drop(self) -> None:
         """Let go of the device buffers (a closed or failed engine)."""
         self.pool = None

@@ -243,7 +243,7 @@ class Step:
                 coef = clip / (norm + 1e-6)
                 if coef < 1.0:
                     factor *= coef
-            self.speculator.next = factor == 1.0 / scale    # [Note: speculative updates]: after a clipped step, wait
+            self.speculator.norm_taken(clipped=factor != 1.0 / scale)    # [Note: speculative updates]
         for u in host_units:
             u.host_grad_fresh = True
         return Prepared(skip, norm, factor, device_units, host_units, dev_grads, spec, shell_host, shell_assisted)
@@ -400,6 +400,16 @@ class Step:
             self.worker.drain()
         self.torch_clip.discard()
         self.grads.discard(self.units, [u for u in self.units if not u.optimizer_on_device])
+
+    def weights_loaded(self) -> None:
+        """The masters were written from outside and copied into the mirrors (follow_masters): none is behind;
+        nothing of a clip waits."""
+        self.mirror_stale = False
+        self.torch_clip.discard()
+
+    def mirrors_behind(self) -> None:
+        """The device masters moved without the mirrors (the module's parameters): sync_mirrors copies them."""
+        self.mirror_stale = True
 
     def sync_mirrors(self) -> None:
         """The module's parameters (host views) take the current weights of device-optimized units."""

@@ -71,6 +71,11 @@ class Streamer:
             if u.home is Home.STREAMED:
                 u.slot, u.state, u.ready_event = None, WeightState.ON_HOST, None
 
+    def weights_loaded(self) -> None:
+        """The masters were written from outside (a checkpoint load; the device is idle): no slot holds a weight."""
+        if self.pool is not None:
+            self.pool.empty()
+
     def drop(self) -> None:
         """Let go of the device buffers (a closed or failed engine)."""
         self.pool = self.stage = self.nf4_stage = None

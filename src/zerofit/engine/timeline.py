@@ -30,7 +30,7 @@ class Timeline:
 
     def start(self) -> None:
         """A step's clocks start: wall time, the worker's working and waiting seconds, the device trace's origin."""
-        self.dev.intervals.clear()     # regions between steps (evaluation forwards) belong to no step
+        self.dev.forget_intervals()     # regions between steps (evaluation forwards) belong to no step
         self.worker.drain_spans()
         self._seconds, self._wait_spans = {}, []
         self._origin = self.dev.mark()

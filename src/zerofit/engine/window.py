@@ -107,6 +107,15 @@ class Window:
         self.held = []
         self.announced, self.offered = [], None
 
+    def position(self) -> dict | None:
+        """Where in a window the engine is, for a checkpoint's record: None at a boundary, else the micro-batches
+        since the last step, whether a forward waits for its backward, whether they are held (their blocks'
+        backward not run yet)."""
+        if not self.in_progress():
+            return None
+        return {"micro_batches": self.micro_steps, "forward_pending": self.pending is not None,
+                "held": bool(self.held)}
+
     def in_progress(self) -> str | None:
         """What of a window is open (a forward without backward(), micro-batches without step(), announced
         forwards), in words; None when none is."""

@@ -81,6 +81,14 @@ class Speculator:
         self.current: Speculation | None = None
         self.stats = {"held": 0, "rolled_back": 0, "waited": 0}
 
+    def norm_taken(self, clipped: bool) -> None:
+        """The step's global norm is known: after a clipped step the next one waits for its norm."""
+        self.next = not clipped
+
+    def resume(self, next_speculates: bool) -> None:
+        """A checkpoint's record of whether the step after it speculates (its save's ``next``)."""
+        self.next = next_speculates
+
     def begin(self, streaming: bool) -> None:
         """Before a step's block backward: whether its host updates speculate."""
         if self.can and streaming:

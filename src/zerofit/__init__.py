@@ -10,7 +10,7 @@ The Python API is the product; the CLI is a thin layer over it::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from zerofit.version import __version__
 
 __all__ = ["initialize", "generate", "__version__"]
 

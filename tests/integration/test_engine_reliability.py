@@ -99,7 +99,7 @@ class _Inject:
             return fn()
         finally:
             self.armed = False
-            assert self.hits > hits, "the injection seam (Engine._accumulate) was never called for the unit"
+            assert self.hits > hits, "the injection seam (engine.compute.accumulate) was never called for the unit"
 
 
 _ds_step = tm.ds_step
@@ -354,7 +354,7 @@ def test_make_plan_device_budget():
     below = make_plan(_BIG, _BATCH, device_budget=shell_dev_0 - 1, resident_blocks=None, **_GPU)
     assert not below.shell_optimizer_on_device and below.resident_blocks == 0
 
-    # a batch that needs more than the plan was made for is refused (what Engine._ensure_plan checks)
+    # a batch that needs more than the plan was made for is refused (what Planning.ensure checks)
     with pytest.raises(PlanError, match="device needs"):
         make_plan(_BIG, BatchShape(8, 8192, 4), device_budget=at.device_total, resident_blocks=at.resident_blocks,
                   shell_on_device=at.shell_optimizer_on_device, **_GPU)

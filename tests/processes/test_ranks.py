@@ -148,7 +148,7 @@ _PLACEMENTS = {
 
 
 _THREE = ["offload", "mixed", "no-offload", "full-shard", "clip"]   # one launch of 3 ranks runs these in turn
-_TWO = ["no-offload-replicated", "deepspeed-loop", "fp16", "frozen", "lora", "fsdp-loop"]   # and one of 2 ranks these
+_TWO = ["no-offload-replicated", "deepspeed-loop", "fp16", "frozen", "lora", "fsdp-loop", "fsdp2-loop"]   # and one of 2 ranks these
 _FROZEN = ("embed_tokens", "layers.1.", "q_proj")
 
 
@@ -161,6 +161,8 @@ def _run_spec(name: str) -> dict:
         return {"steps": STEPS, "steps_total": STEPS, "freeze": list(_FROZEN), "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fsdp-loop":   # the user's FSDP-shaped loop (zerofit.fsdp), the engine's window the loop's G
         return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp", "config": _cfg(**_PLACEMENTS["mixed"])}
+    if name == "fsdp2-loop":  # FSDP2-shaped: fully_shard per block and on the model, set_requires_gradient_sync
+        return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp2", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "lora":        # a PEFT LoRA model: its base frozen, its adapters trained (issue 29)
         return {"steps": STEPS, "steps_total": STEPS, "model": "llama_lora", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fp16":        # a loss scale that overflows at first
@@ -282,11 +284,13 @@ def test_deepspeed_shaped_loop_on_ranks(launched):
     torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
-def test_the_users_fsdp_shaped_loop_on_ranks(launched):
-    """`zerofit.fsdp.FullyShardedDataParallel` on 2 gloo ranks, each rank's loop as written (`(loss / G).backward()`
-    per micro-batch, `optimizer.step()`): the gradient averaged over the ranks as FSDP averages it, the weights and
-    moments of plain PyTorch on the global batch (to rounding: torch's non-fused AdamW there, summed over ranks)."""
-    world, result = launched["fsdp-loop"]
+@pytest.mark.parametrize("name", ["fsdp-loop", "fsdp2-loop"])
+def test_the_users_fsdp_shaped_loop_on_ranks(launched, name):
+    """`zerofit.fsdp.FullyShardedDataParallel` (and FSDP2's ``fully_shard``, its ``set_requires_gradient_sync``) on 2
+    gloo ranks, each rank's loop as written (`(loss / G).backward()` per micro-batch, `optimizer.step()`): the
+    gradient averaged over the ranks as FSDP averages it, the weights and moments of plain PyTorch on the global
+    batch (to rounding: torch's non-fused AdamW there, summed over ranks)."""
+    world, result = launched[name]
     ref_losses, (weights, moments) = _reference(world, STEPS)
     for n, w in weights.items():
         torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")

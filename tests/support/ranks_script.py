@@ -83,6 +83,17 @@ def run(spec: dict) -> None:
         spec = {**spec, "_wrapper": wrapper,
                 "_opt": torch.optim.AdamW(wrapper.parameters(), lr=1e-3, weight_decay=0.01, fused=True)}
         engine = wrapper.zerofit_engine
+    elif spec.get("api") == "fsdp2":    # FSDP2-shaped: fully_shard on each block, then on the model
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        from zerofit.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        wrapper = fully_shard(model, offload_policy=CPUOffloadPolicy(), zerofit_config=spec["config"])
+        spec = {**spec, "_wrapper": wrapper,
+                "_opt": torch.optim.AdamW(wrapper.parameters(), lr=1e-3, weight_decay=0.01, fused=True)}
+        engine = wrapper.zerofit_engine
     else:
         engine = zerofit.initialize(model, spec["config"])
     assert engine.ranks.world == world and engine.config.world_size == world
@@ -147,13 +158,19 @@ def train(engine, spec: dict, data: list, rank: int, G: int) -> list[float]:
         mine = mbs[rank * G:(rank + 1) * G]
         if spec.get("fail_rank") in (rank, "all") and spec.get("fail_step") == step:
             mine = [{"input_ids": mine[0]["input_ids"][:, :3], "labels": mine[0]["labels"]}] + mine[1:]  # bad batch
-        if spec.get("api") == "fsdp":         # model(**b); (loss / G).backward(); clip; optimizer.step()
+        if spec.get("api") in ("fsdp", "fsdp2"):     # model(**b); (loss / G).backward(); clip; optimizer.step()
             total = 0.0
-            for b in mine:
+            for i, b in enumerate(mine):
+                if spec["api"] == "fsdp2":          # FSDP2's own accumulation switch, as its users write it
+                    spec["_wrapper"].set_requires_gradient_sync(i == len(mine) - 1)
                 loss = spec["_wrapper"](**b).loss
                 (loss / len(mine)).backward()
                 total += loss.item()
-            spec["_wrapper"].clip_grad_norm_(spec["clip"]) if spec.get("clip") else None
+            if spec.get("clip"):
+                if spec["api"] == "fsdp":
+                    spec["_wrapper"].clip_grad_norm_(spec["clip"])
+                else:
+                    torch.nn.utils.clip_grad_norm_(spec["_wrapper"].parameters(), spec["clip"])
             spec["_opt"].step()
             spec["_opt"].zero_grad()
             losses.append(total / len(mine))

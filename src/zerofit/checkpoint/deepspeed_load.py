@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from zerofit.checkpoint.deepspeed_format import DeepSpeedCheckpoint, ParamState, read
+from zerofit.checkpoint.entries import RESUME_FIELDS, named_units
 from zerofit.checkpoint.errors import CheckpointMismatchError, EngineStateLostError
 
 log = logging.getLogger("zerofit")
@@ -46,10 +47,9 @@ def _names(names) -> str:
 def load(engine, folder: Path, load_optimizer_states: bool = True) -> tuple[str, dict]:
     """Load the DeepSpeed checkpoint ``folder`` into ``engine`` (see [Note: a DeepSpeed checkpoint into the
     units]); ``(path, client_state)`` as DeepSpeed's ``load_checkpoint`` returns them."""
-    from zerofit.checkpoint.state import _named_units
 
     ck = read(folder, optimizer_states=load_optimizer_states)
-    units = _named_units(engine)
+    units = named_units(engine)
     sources = _match(engine, ck, units, load_optimizer_states)
     steps = _unit_steps(ck, units, sources) if load_optimizer_states else {}
     scaler = _scaler_state(engine, ck)
@@ -217,7 +217,6 @@ def _scaler_state(engine, ck: DeepSpeedCheckpoint) -> dict | None:
 
 def _warn_differences(engine, ck: DeepSpeedCheckpoint, sources: dict[str, ParamState], global_steps: int) -> None:
     """Warn where the engine's settings differ from the run that saved (changes can be intended)."""
-    from zerofit.checkpoint.state import _RESUME_FIELDS
 
     if ck.ds_config is not None:
         from zerofit.config import ConfigError
@@ -230,7 +229,7 @@ def _warn_differences(engine, ck: DeepSpeedCheckpoint, sources: dict[str, ParamS
                      "settings not compared", ck.folder, e)
         else:
             now = engine.config.model_dump(mode="json")
-            changed = [k for k in _RESUME_FIELDS if saved.get(k) != now.get(k)]
+            changed = [k for k in RESUME_FIELDS if saved.get(k) != now.get(k)]
             if changed == ["gradient_accumulation_steps"] and saved["train_batch_size"] == now["train_batch_size"]:
                 changed = []       # several ranks' micro-batches as one process's window: the same batch
                 log.info("zerofit: %s: saved by %d data-parallel ranks with %d micro-batches each, loaded in %d "

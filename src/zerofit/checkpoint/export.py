@@ -55,7 +55,7 @@ def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype | None
     None: the model's own (``engine.model_dtype``). A PEFT model: its adapter folder (zerofit/lora/files.py),
     or with ``merge`` the base with the adapters merged in, as a Hugging Face model directory (the module's
     host weights must be current: ``Engine.save_pretrained`` reads ``engine.module`` first)."""
-    from zerofit.checkpoint.state import weight_entries
+    from zerofit.checkpoint.entries import weight_entries
     from zerofit.lora import is_peft
 
     dt = engine.model_dtype if dtype is None else export_dtype(dtype)

@@ -24,6 +24,8 @@ from zerofit.checkpoint import deepspeed_format, deepspeed_load, rng
 from zerofit.checkpoint.commit import RECORD as COMMIT_RECORD
 from zerofit.checkpoint.errors import (CheckpointMismatchError, CheckpointStateError, EngineStateLostError,
                                        MissingFileError)
+from zerofit.checkpoint.entries import (MOMENTS, RESUME_FIELDS, named_units, optimizer_entries,  # noqa: F401
+                                       weight_entries)
 from zerofit.checkpoint.format import Entry
 from zerofit.checkpoint.load import copy_into, locate, match, open_checkpoint, shard_files
 from zerofit.checkpoint.commit import verify
@@ -37,43 +39,6 @@ log = logging.getLogger("zerofit")
 
 CLIENT_STATE = "client_state.pt"
 ZEROFIT_CONFIG = "zerofit_config.json"
-MOMENTS = ("exp_avg", "exp_avg_sq")
-# config fields whose change breaks an exact resume (a warning, not an error: changing them can be intended)
-_RESUME_FIELDS = ("precision", "optimizer", "scheduler", "gradient_clipping", "fp16", "micro_batch_size",
-                  "gradient_accumulation_steps")
-
-
-def _named_units(engine):
-    """(unit, name prefix) in execution order: the shell (no prefix), then block i (``adapter.block_prefix(i).``)."""
-    return [(u, "" if u.index < 0 else engine.adapter.block_prefix(u.index) + ".") for u in engine.units]
-
-
-def weight_entries(engine, dtype: torch.dtype = torch.float32, frozen: bool = True) -> list[Entry]:
-    """The fp32 master weights, one entry per canonical parameter, pointing into the units' buffers; with
-    ``frozen`` the frozen parameters' weights too, after each unit's trained ones ([Note: frozen parameters],
-    engine/store.py)."""
-    out = []
-    for u, p in _named_units(engine):
-        if frozen and u.nf4 is not None:      # [Note: an NF4 base] (engine/nf4.py): no 16-bit copy to point at
-            raise CheckpointStateError(
-                f"{u.name}: its frozen weights are held in NF4 (quantize_base: nf4, or a 4-bit model): a checkpoint "
-                "or export with the frozen weights is not written from them; save the trained state "
-                "(exclude_frozen_parameters=True; a PEFT model's checkpoints do so), the adapter "
-                "(engine.save_pretrained), or a merged model into the dequantized base (zerofit export --merge)")
-        parts = [(u.layout, u.master)] + ([(u.frozen, u.frozen_host)] if frozen and u.frozen is not None else [])
-        out += [Entry(p + n, tuple(s), dtype, base, o)
-                for layout, base in parts for n, s, o in zip(layout.names, layout.shapes, layout.offsets)]
-    return out
-
-
-def optimizer_entries(engine) -> list[Entry]:
-    """``<param>.exp_avg`` then ``<param>.exp_avg_sq`` per unit: each unit's moments go out as two long runs
-    (cut where parameter groups interleave in the model's order)."""
-    return [Entry(f"{p}{n}.{m}", tuple(s), torch.float32, getattr(u, m), o)
-            for u, p in _named_units(engine) for m in MOMENTS
-            for n, s, o in zip(u.layout.names, u.layout.shapes, u.layout.offsets)]
-
-
 def _refuse_mid_step(engine, action: str) -> None:
     open_window = engine.window.in_progress()
     if open_window:
@@ -162,7 +127,7 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
         from zerofit.lora import base
 
         state["lora_base"] = base.record(engine)
-    from zerofit import __version__
+    from zerofit.version import __version__
     state["zerofit_version"] = __version__
     content = Content(tag, weights, optimizer_entries(engine), side, state)
     t = time.perf_counter()
@@ -203,7 +168,7 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
     files = {ix: shard_files(folder, record, ix) for ix in indexes}
     side = [n for n in (CLIENT_STATE, ZEROFIT_CONFIG, LR_SCHEDULER) if record.file(n) is not None]
     verify(folder, record, [f for ix in indexes for f in [ix, *files[ix]]] + side, workers)
-    trained = {p + n: (tuple(s), torch.float32) for u, p in _named_units(engine)
+    trained = {p + n: (tuple(s), torch.float32) for u, p in named_units(engine)
                for n, s in zip(u.layout.names, u.layout.shapes)}
     with_frozen = not st.get("frozen_excluded", False)     # save_checkpoint(exclude_frozen_parameters=True)
     entries = weight_entries(engine, frozen=with_frozen)
@@ -313,7 +278,7 @@ def _warn_config_changes(engine, folder: Path, state: dict) -> None:
         return
     saved = json.loads(path.read_bytes())
     now = engine.config.model_dump(mode="json")
-    changed = [k for k in _RESUME_FIELDS if saved.get(k) != now.get(k)]
+    changed = [k for k in RESUME_FIELDS if saved.get(k) != now.get(k)]
     if state.get("param_groups") != groups_record(engine):
         changed.append("param_groups")
     if changed:

@@ -21,10 +21,10 @@ SAMPLES = 64
 
 
 def fingerprint(engine) -> str:
-    from zerofit.checkpoint.state import _named_units
+    from zerofit.checkpoint.entries import named_units
 
     h = hashlib.sha256()
-    for u, prefix in _named_units(engine):
+    for u, prefix in named_units(engine):
         if u.frozen is None:
             continue
         q = u.nf4.names if u.nf4 is not None else []

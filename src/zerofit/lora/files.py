@@ -27,7 +27,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 def _trained_state(engine) -> dict[str, torch.Tensor]:
     """The trained parameters' current fp32 values by the PEFT model's names, copied to the host."""
-    from zerofit.checkpoint.state import weight_entries
+    from zerofit.checkpoint.entries import weight_entries
 
     return {e.name: e.base[e.offset:e.offset + e.numel].view(e.shape).to("cpu", torch.float32, copy=True)
             for e in weight_entries(engine, frozen=False)}

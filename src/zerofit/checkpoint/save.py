@@ -48,13 +48,6 @@ class Content:
     state: dict = field(default_factory=dict)
 
 
-def planned_bytes(content: Content, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
-    """Bytes of all files of ``content`` (without filesystem rounding)."""
-    w = plan_shards(content.weights, WEIGHTS, max_shard_bytes)
-    o = plan_shards(content.optimizer, OPTIMIZER, max_shard_bytes) if content.optimizer else []
-    return sum(s.size for s in w + o) + sum(len(f.data) for f in content.side_files)
-
-
 def write_checkpoint(save_dir: Path | str, content: Content, save_latest: bool = True,
                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 4, holder=None) -> Path:
     """Write ``content`` as ``save_dir/<tag>/`` atomically and (``save_latest``) point ``latest`` at it.

@@ -69,8 +69,8 @@ class Activations:
         need = offloaded_checkpoints(self.n_blocks, self.every) * G * n
         arena = self.arena
         if arena is None or arena.tensor.numel() < need or arena.tensor.dtype != like.dtype:
-            if arena is not None:       # a larger batch than before: the smaller arena goes
-                self.dev.synchronize()
+            if arena is not None:       # a larger batch than before: the smaller arena goes, once no copy
+                self.dev.synchronize()  # reads it ([Note: events, not device syncs], device.py)
                 self.arenas.remove(arena)
                 arena.close()
             arena = self.arena = HostArena(need, like.dtype, self.pinned)

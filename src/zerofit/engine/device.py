@@ -17,8 +17,13 @@ non-finite gradients without a norm], step.py), both before the
 device-optimized units' AdamW is enqueued; the loss read (``train_batch``'s
 return value); and ``Timeline.end``'s ``synchronize()``, which reads the step's
 timed regions (the copies still in flight then are waited for, so the next step
-starts with idle streams). Outside a step's passes: a checkpoint, ``engine.module``,
-``wait()``, ``close()`` and the reset after a failed step synchronize too.
+starts with idle streams). Under the user's loop the clip's read of the global norm
+(``TorchClip.clip``, torch_clip.py: torch's own ``clip_grad_norm_`` reads it too) is the
+norm's read, after an event wait for the downloads of the host gradients it views. One
+more, rare: a batch with more or larger block checkpoints than any before grows the
+pinned checkpoint arena (``Activations._view``, activations.py), which synchronizes once
+before the smaller arena is unpinned. Outside a step's passes: a checkpoint,
+``engine.module``, ``wait()``, ``close()`` and the reset after a failed step synchronize too.
 """
 
 from __future__ import annotations

@@ -211,10 +211,6 @@ class Planning:
         plan = make_plan(self.shape, batch, **(args | changes))
         return dataclasses.replace(plan, disk_speed=self.plan.disk_speed)
 
-    def adopt(self, plan: Plan) -> None:
-        """``plan`` (a replan of this one) is the engine's plan from now on."""
-        self.plan = plan
-
     def adopt_host16(self, **changes) -> None:
         """The plan with 16-bit host copies of the streamed blocks ([Note: 16-bit copies for extra forwards],
         copies16.py), adopted; PlanError (the plan unchanged) where they do not fit."""

@@ -310,6 +310,7 @@ def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loa
         bar.refresh()      # the note shows now, not at the next tick: step 1 may take seconds
         while step < total and not stop_requested():
             batch = next(loader)[rank * G:(rank + 1) * G]
+            lr = engine.hypers.reported()[0].lr     # the lr this step applies (group 0), as every view reports it
             t0 = time.perf_counter()
             loss = engine.train_batch(batch)
             dt = time.perf_counter() - t0
@@ -317,8 +318,7 @@ def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loa
             result.losses.append(loss)
             result.step_seconds.append(dt)
             mem = engine.memory_stats()
-            rec = metrics.log(step, loss=loss, lr=engine.hypers.lr_at(engine.global_step - 1),
-                              grad_norm=getattr(engine, "last_grad_norm", None),
+            rec = metrics.log(step, loss=loss, lr=lr, grad_norm=engine.last_grad_norm,
                               tokens_per_s=round(result.tokens_per_step / dt, 1), step_seconds=round(dt, 4),
                               gpu_peak_bytes=mem["gpu_peak_bytes"], host_rss_bytes=mem["host_bytes"],
                               skipped_steps=engine.skipped_steps)

@@ -75,10 +75,6 @@ class RunSignals:
         self._stopping = False       # StopNow was raised: one more signal exits at once
         self._previous: dict[int, object] = {}
 
-    @property
-    def requested(self) -> bool:
-        return self.signum != 0
-
     def __enter__(self) -> "RunSignals":
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handler) for s in SIGNALS}

@@ -20,6 +20,7 @@ import torch
 import zerofit
 from tests.support import tiny_models as tm
 from zerofit.engine import disk as disk_mod
+from zerofit.engine import swapfile as swapfile_mod
 from zerofit.engine.lifecycle import EngineFailedError
 from zerofit.engine.planner import BatchShape, ModelShape, PlanError, make_plan
 
@@ -154,7 +155,7 @@ def test_checkpoints_are_the_same_whatever_the_tier(tmp_path, direction):
 def _inject(monkeypatch, op: str, err: int, after: int):
     """Make the tier's ``op`` ('read'/'write') fail with ``err`` from its ``after``-th call on."""
     name = "_pwrite" if op == "write" else "_pread"
-    real = getattr(disk_mod, name)
+    real = getattr(swapfile_mod, name)
     calls = [0]
 
     def faulty(fd, bufs, offset):
@@ -162,7 +163,7 @@ def _inject(monkeypatch, op: str, err: int, after: int):
         if calls[0] > after:
             raise OSError(err, os.strerror(err))
         return real(fd, bufs, offset)
-    monkeypatch.setattr(disk_mod, name, faulty)
+    monkeypatch.setattr(swapfile_mod, name, faulty)
     return calls
 
 
@@ -412,13 +413,13 @@ def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch,
 
     from zerofit.engine.disk import DiskTier, SwapFile, layout
 
-    real = disk_mod._pwrite
+    real = swapfile_mod._pwrite
     gate = threading.Event()
 
     def slow(fd, bufs, offset):
         gate.wait(5)
         return real(fd, bufs, offset)
-    monkeypatch.setattr(disk_mod, "_pwrite", slow)
+    monkeypatch.setattr(swapfile_mod, "_pwrite", slow)
     regions, nbytes = layout([(i, 3072, ("master", "exp_avg")) for i in range(4)])
     tier = DiskTier(SwapFile(tmp_path, nbytes, threads=2, block_bytes=8192), regions, chunk=3072, buffers=2)
     tier.expect([0, 1, 2, 3])                       # two buffers: units 0 and 1 read ahead, 2 and 3 queued
@@ -451,7 +452,7 @@ def test_the_mixed_speed_test_reads_and_writes_what_it_counts(tmp_path, monkeypa
     from zerofit.engine.disk import SwapFile
 
     seen = []
-    real_r, real_w = disk_mod._pread, disk_mod._pwrite
+    real_r, real_w = swapfile_mod._pread, swapfile_mod._pwrite
 
     def rd(fd, bufs, offset):
         seen.append(("read", offset, sum(len(b) for b in bufs)))
@@ -460,8 +461,8 @@ def test_the_mixed_speed_test_reads_and_writes_what_it_counts(tmp_path, monkeypa
     def wr(fd, bufs, offset):
         seen.append(("write", offset, sum(len(b) for b in bufs)))
         return real_w(fd, bufs, offset)
-    monkeypatch.setattr(disk_mod, "_pread", rd)
-    monkeypatch.setattr(disk_mod, "_pwrite", wr)
+    monkeypatch.setattr(swapfile_mod, "_pread", rd)
+    monkeypatch.setattr(swapfile_mod, "_pwrite", wr)
     f = SwapFile(tmp_path, 8 << 20, threads=2, block_bytes=1 << 20)
     try:
         speed = f.measure_mixed(8 << 20)

@@ -14,7 +14,7 @@ import torch
 
 import zerofit
 from tests.support import tiny_models as tm
-from zerofit.engine import disk as disk_mod
+from zerofit.engine import swapfile as swapfile_mod
 from zerofit.engine.update import host as host_mod
 from zerofit.engine.update.worker import HostWorker, waiting
 
@@ -67,7 +67,7 @@ def test_a_disk_bound_step_shows_the_cpu_waiting_for_the_disk(tmp_path, monkeypa
     busy machine or not, so only that one is sure to wait). The trace shows those waits as the tasks' own, on
     the "cpu wait" lane; the working pieces and the waits of the worker never overlap; the timeline's optimizer
     seconds leave them out."""
-    real, asked = disk_mod._pread, threading.Event()
+    real, asked = swapfile_mod._pread, threading.Event()
 
     def slow(fd, bufs, offset):
         asked.wait(2.0)          # (bounded: a read nobody waits for is not held forever)
@@ -83,7 +83,7 @@ def test_a_disk_bound_step_shows_the_cpu_waiting_for_the_disk(tmp_path, monkeypa
                 yield
         finally:
             asked.clear()
-    monkeypatch.setattr(disk_mod, "_pread", slow)
+    monkeypatch.setattr(swapfile_mod, "_pread", slow)
     monkeypatch.setattr(host_mod, "waiting", watched)
     torch.manual_seed(0)
     model = tm.llama(layers=4)

@@ -26,7 +26,6 @@ from zerofit.checkpoint.errors import (CheckpointMismatchError, CheckpointStateE
                                        MissingFileError)
 from zerofit.checkpoint.entries import (MOMENTS, RESUME_FIELDS, named_units, optimizer_entries,  # noqa: F401
                                        weight_entries)
-from zerofit.checkpoint.format import Entry
 from zerofit.checkpoint.load import copy_into, locate, match, open_checkpoint, shard_files
 from zerofit.checkpoint.commit import verify
 from zerofit.checkpoint.model_files import dtype_name, model_side_files

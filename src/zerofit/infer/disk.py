@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from zerofit.engine.device import pin
-from zerofit.engine.disk import SwapFile, _up, aligned_empty
+from zerofit.engine.swapfile import SwapFile, align_up, aligned_empty
 
 
 class DiskBlocks:
@@ -39,7 +39,7 @@ class DiskBlocks:
         for b in blocks:
             n = sizes[b] * self.elem
             self.regions[b] = (pos, n)
-            pos += _up(n)
+            pos += align_up(n)
         self.file = SwapFile(folder, pos)
         self.path = self.file.path
         self._typed_map = self.file.map.view(torch.uint8).view(dtype)
@@ -47,7 +47,7 @@ class DiskBlocks:
         self.pinned = pinned
         self._bufs = []
         for _ in range(buffers):
-            buf = aligned_empty(_up(max(most, 1)))
+            buf = aligned_empty(align_up(max(most, 1)))
             if pinned:
                 pin(buf)
             self._bufs.append(buf)
@@ -64,7 +64,7 @@ class DiskBlocks:
         off, n = self.regions[b]
         buf, _ = self._free[0]
         fill(buf[:n].view(self.dtype))
-        for f in self.file.submit("write", off, buf[:_up(n)], f"block {b}"):
+        for f in self.file.submit("write", off, buf[:align_up(n)], f"block {b}"):
             f.result()
 
     def mapped(self, b: int) -> torch.Tensor:
@@ -88,7 +88,7 @@ class DiskBlocks:
         if after is not None:
             after.synchronize()            # the upload that last read this buffer is done
         off, n = self.regions[b]
-        for f in self.file.submit("read", off, buf[:_up(n)], f"block {b}"):
+        for f in self.file.submit("read", off, buf[:align_up(n)], f"block {b}"):
             f.result()
         self.reads += 1
         self.read_bytes += n

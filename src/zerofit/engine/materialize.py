@@ -196,7 +196,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         fill = writer or on_dev
         frozen_fill = writer       # frozen weights live on the host only, in memory the host's ranks share
         if source is not None:
-            _init_buffers(model, adapter, idx, init_device)
+            init_buffers(model, adapter, idx, init_device)
             if fill:
                 _read_unit(source, table, names, layout.views(master), fds)
             if frozen_fill and flayout is not None:
@@ -324,7 +324,7 @@ def _read_unit(source, table: ParamTable, names: list[str], views: dict[str, tor
         load_tensor(source, table.aliases[n], views[n], fds)
 
 
-def _init_buffers(model: nn.Module, adapter: Adapter, idx: int, init_device: torch.device) -> None:
+def init_buffers(model: nn.Module, adapter: Adapter, idx: int, init_device: torch.device) -> None:
     """Weights come from files: only the unit's meta *buffers* (rotary tables...) need creating and
     initializing, by the model's own ``_init_weights`` on the modules that own them (on still-meta
     parameters that init is a no-op)."""

@@ -72,7 +72,7 @@ from zerofit.checkpoint.export import export_dtype
 from zerofit.config.schema import parse_bytes
 from zerofit.engine.adapter import Adapter
 from zerofit.engine.device import Device
-from zerofit.engine.materialize import _init_buffers, param_table
+from zerofit.engine.materialize import init_buffers, param_table
 from zerofit.engine.store import HostArena
 from zerofit.engine.planner import fmt_bytes
 from zerofit.infer.plan import RESERVE, InferencePlanError, InferPlan, InferShape, plan_inference
@@ -118,6 +118,15 @@ class InferenceEngine:
         self.host_budget = parse_bytes(max_host_memory, "max_host_memory")
         self.nvme_path = nvme_path
         self._disk = None              # DiskBlocks, when some blocks live on the disk
+        # the blocks' host storage, made by _load: per block (name, offset, shape) and its elements, the pinned
+        # arena of the blocks in host memory and each block's flat buffer there (None: on the disk), the views
+        self._layout: list[list[tuple[str, int, torch.Size]]] = []
+        self._sizes: list[int] = []
+        self.shape = None
+        self._arena: HostArena | None = None
+        self._host: list[torch.Tensor | None] = []
+        self._host_views: list = []
+        self._disk_cycle: list[int] = []     # the streamed blocks read from the disk, in the cycle's order
         self.slots_wanted = max(1, int(slots))
         self.adapter = Adapter(model, "auto")
         if not self.adapter.streaming:
@@ -191,8 +200,8 @@ class InferenceEngine:
             fill(table.aliases[name], t)
             self._bind(name, t)
         if meta:
-            _init_buffers(model, adapter, 0, self.device)
-        self._layout: list[list[tuple[str, int, torch.Size]]] = []   # per block: (name, offset, shape)
+            init_buffers(model, adapter, 0, self.device)
+        self._layout = []
         sizes = []
         for b in range(adapter.num_blocks):
             off, lay = 0, []
@@ -203,13 +212,13 @@ class InferenceEngine:
             self._layout.append(lay)
             sizes.append(off)
             if meta:
-                _init_buffers(model, adapter, b + 1, self.device)
+                init_buffers(model, adapter, b + 1, self.device)
         self._sizes = sizes
         self.shape = _shape(model, table, sizes, self.dtype)
         on_disk = self._disk_blocks(sizes, meta)
         in_host = [b for b in range(len(sizes)) if b not in on_disk]
         self._arena = HostArena(sum(sizes[b] for b in in_host), self.dtype, pinned=self.dev.is_cuda)
-        self._host: list[torch.Tensor | None] = [None] * len(sizes)
+        self._host = [None] * len(sizes)
         for b in in_host:
             self._host[b] = self._arena.take(sizes[b])
         if on_disk:
@@ -500,7 +509,7 @@ class InferenceEngine:
         self._dev.clear()
         self._holding.clear()
         self.plan = None
-        if getattr(self, "_arena", None) is not None:
+        if self._arena is not None:
             self._arena.close()
         if self._disk is not None:
             self._disk.close()
@@ -508,7 +517,7 @@ class InferenceEngine:
 
     def __del__(self):
         # the swap file is removed with the engine (a process that dies leaves it to the next run, which
-        # removes it: [Note: swap files are reused, never leaked], engine/disk.py)
+        # removes it: [Note: swap files are reused, never leaked], engine/swapfile.py)
         disk = getattr(self, "_disk", None)
         if disk is not None:
             try:

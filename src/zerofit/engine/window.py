@@ -116,6 +116,11 @@ class Window:
         return {"micro_batches": self.micro_steps, "forward_pending": self.pending is not None,
                 "held": bool(self.held)}
 
+    def any_number_of_micro_batches(self, yes: bool) -> None:
+        """Whether a window of one takes any number of micro-batches before its step (the user's loop: each
+        micro-batch's blocks backward at its own ``backward()``) instead of refusing the G+1-th."""
+        self.unbounded = yes
+
     def in_progress(self) -> str | None:
         """What of a window is open (a forward without backward(), micro-batches without step(), announced
         forwards), in words; None when none is."""

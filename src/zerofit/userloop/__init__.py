@@ -113,7 +113,7 @@ class UserLoop:
         self.engine = Engine.create(module, cfg, user_loop=True)
         # any number of micro-batches per step with a window of one (each micro-batch's blocks backward at its own
         # backward(): the sums come in plain autograd's order); a window of G > 1 holds exactly the loop's G
-        self.engine.window.unbounded = self.engine.config.gradient_accumulation_steps == 1
+        self.engine.window.any_number_of_micro_batches(self.engine.config.gradient_accumulation_steps == 1)
         self.engine.stepper.torch_clip.follow(self._clip_order())
         self.params = {id(p) for p in self.engine.module.parameters()}
         self.prepared = None                         # the step prepared by a clip, applied at optimizer.step()

@@ -129,6 +129,35 @@ def test_a_window_of_the_loops_micro_batches_takes_the_norms_on_the_device_and_c
     assert not clip.waiting and not clip.norms
 
 
+@pytest.mark.parametrize("window", [1, 3], ids=["window1", "window3"])
+def test_frozen_parameters_in_the_users_loop_stay_as_they_are_and_the_rest_is_plain_pytorch(window):
+    """requires_grad=False on the embedding, a whole block and every q_proj ([Note: frozen parameters]), the
+    optimizer over all of model.parameters() as the tutorials build it (torch skips those without a gradient):
+    the frozen weights bitwise unchanged, no gradient or moment for them, the rest bitwise the plain loop's with
+    the model's clip over the trained parameters."""
+    frozen = ("embed_tokens", "layers.1.", "q_proj")
+    ref = _model()
+    for n, p in ref.named_parameters():
+        if any(f in n for f in frozen):
+            p.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True),
+                 zerofit_config={"gradient_accumulation_steps": window})
+    data = tm.batches(3, 3)
+    got = _loop(model, data, clip=lambda m, c: m.clip_grad_norm_(c))
+    want = _loop(ref, data, clip=lambda m, c: torch.nn.utils.clip_grad_norm_(
+        [p for p in m.parameters() if p.requires_grad], c))
+    assert got == want
+    state = model.state_dict()
+    _assert_weights(state, ref)
+    assert all(torch.equal(state[n], v) for n, v in before.items()) and len(before) >= 4
+    eng = model.zerofit_engine
+    held = {n for u in eng.units for n in u.layout.names}        # what the engine trains (has state for)
+    assert not any("q_proj" in n or "embed_tokens" in n for n in held), held
+    assert not eng.blocks[1].trains and eng.blocks[0].trains      # the frozen block: no state, no gradient
+
+
 def test_fsdp2_shaped_loop_is_plain_pytorch_bitwise():
     """fully_shard(layer) for each block, then fully_shard(model); set_requires_gradient_sync(False) on the
     micro-batches before the last; torch's clip_grad_norm_."""

@@ -254,6 +254,46 @@ def test_a_checkpoint_resumes_bitwise(tmp_path):
     _assert_weights(b.state_dict(), ref)
 
 
+def test_a_sharded_state_dict_saved_with_torch_distributed_checkpoint_resumes_bitwise(tmp_path):
+    """FSDP's DCP recipe: under ``state_dict_type(SHARDED_STATE_DICT)``, ``dcp.save`` of the model's state dict and
+    ``FSDP.optim_state_dict``, then a new wrapper and optimizer (no step taken yet) ``dcp.load`` into theirs,
+    ``load_state_dict`` and ``optim_state_dict_to_load``: the next steps bitwise the uninterrupted run's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import StateDictType
+
+    def wrapped():
+        model = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True))
+        return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+
+    def steps(model, opt, data):
+        for mbs in data:
+            for mb in mbs:
+                (model(**mb).loss / len(mbs)).backward()
+            model.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+
+    data = tm.batches(5, 2)
+    first, opt = wrapped()
+    steps(first, opt, data[:3])
+    with FSDP.state_dict_type(first, StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"model": first.state_dict(), "optim": FSDP.optim_state_dict(first, opt)}, checkpoint_id=tmp_path)
+    second, opt2 = wrapped()
+    with FSDP.state_dict_type(second, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": second.state_dict(), "optim": FSDP.optim_state_dict(second, opt2)}
+        assert len(state["optim"]["state"]) == len(list(second.parameters()))    # zero moments at step 0
+        dcp.load(state, checkpoint_id=tmp_path)
+        second.load_state_dict(state["model"])
+        FSDP.optim_state_dict_to_load(second, opt2, state["optim"], load_directly=True)
+    steps(first, opt, data[3:])
+    steps(second, opt2, data[3:])
+    a, b = first.state_dict(), second.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(UserLoopError, match="LOCAL_STATE_DICT"):
+        with FSDP.state_dict_type(first, StateDictType.LOCAL_STATE_DICT):
+            pass
+
+
 def test_fsdps_optim_state_dict_by_names_round_trips():
     """FSDP.optim_state_dict (keyed by the model's parameter names, the engine's moments) and
     FSDP.optim_state_dict_to_load into a new wrapper's optimizer: its next steps are the first run's, bitwise."""

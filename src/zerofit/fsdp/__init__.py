@@ -142,11 +142,15 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     @contextlib.contextmanager
     def state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
-        """FULL_STATE_DICT: ``model.state_dict()`` is the whole model's, by its own names; the others refused."""
+        """FULL_STATE_DICT: ``model.state_dict()`` is the whole model's, by its own names. SHARDED_STATE_DICT: the
+        same whole tensors (a host holds the training state once, shared by its ranks: no rank has a shard of its
+        own to give), which ``torch.distributed.checkpoint`` saves once and loads on any number of ranks, the
+        optimizer's by :meth:`optim_state_dict`. LOCAL_STATE_DICT (FSDP's flat parameters): refused."""
         name = getattr(state_dict_type, "name", state_dict_type)
-        if name != "FULL_STATE_DICT":
-            raise UserLoopError(f"state_dict_type {name}: zerofit gives the full state dict (FULL_STATE_DICT); "
-                                "for resumable checkpoints use model.save_checkpoint(dir)")
+        if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            raise UserLoopError(f"state_dict_type {name}: zerofit gives the model's own tensors by their names "
+                                "(FULL_STATE_DICT, or SHARDED_STATE_DICT for torch.distributed.checkpoint), not "
+                                "FSDP's flat parameters; for resumable checkpoints use model.save_checkpoint(dir)")
         yield
 
     def _state_dict_names(self, module, state_dict, prefix, local_metadata):
@@ -169,7 +173,9 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def optim_state_dict(model, optim, optim_state_dict=None, group=None) -> dict:
         """FSDP's optimizer state dict keyed by the parameters' names (the model's own): the engine's moments
-        and step counts (``optim.state_dict()``, [Note: the user's loop drives the engine])."""
+        and step counts (``optim.state_dict()``, [Note: the user's loop drives the engine]), before its first step
+        too (zero moments at step 0: what torch.distributed.checkpoint loads into)."""
+        _loop_of_model(model).follow(optim)
         sd = optim.state_dict() if optim_state_dict is None else optim_state_dict
         names = _param_names(model, optim)
         return {"state": {names[i]: v for i, v in sd["state"].items()},
@@ -179,6 +185,7 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer: bool = False,
                                  load_directly: bool = False, group=None) -> dict:
         """The inverse of :meth:`optim_state_dict`: ``optim.load_state_dict``'s format (``load_directly``: loaded)."""
+        _loop_of_model(model).follow(optim)
         index = {n: i for i, n in enumerate(_param_names(model, optim))}
         sd = {"state": {index[n]: v for n, v in optim_state_dict["state"].items()},
               "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
@@ -207,6 +214,14 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _loop_of_model(model) -> UserLoop:
+    """The user's loop of a wrapped model (FSDP1's wrapper, or a model ``fully_shard`` swapped)."""
+    loop = getattr(model, "_zerofit", None)
+    if not isinstance(loop, UserLoop):
+        raise UserLoopError(f"{type(model).__name__}: not a model wrapped by zerofit.fsdp")
+    return loop
 
 
 def _param_names(model, optim) -> list[str]:

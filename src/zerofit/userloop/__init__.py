@@ -264,6 +264,11 @@ class UserLoop:
             eng.window.stepped()
             eng.end_step(applied, norm)
 
+    def follow(self, optimizer) -> None:
+        """``optimizer`` is this loop's (checked; refused by name otherwise): its steps, settings and state dicts
+        are the engine's from here (FSDP's ``optim_state_dict`` names it before any step)."""
+        self._follow(optimizer)
+
     def _follow(self, optimizer) -> None:
         if optimizer is self.optimizer:
             return

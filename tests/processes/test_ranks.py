@@ -148,7 +148,8 @@ _PLACEMENTS = {
 
 
 _THREE = ["offload", "mixed", "no-offload", "full-shard", "clip"]   # one launch of 3 ranks runs these in turn
-_TWO = ["no-offload-replicated", "deepspeed-loop", "fp16", "frozen", "lora", "fsdp-loop", "fsdp2-loop"]   # and one of 2 ranks these
+_TWO = ["no-offload-replicated", "deepspeed-loop", "fp16", "frozen", "lora", "fsdp-loop", "fsdp2-loop",
+        "accelerate-loop"]   # and one of 2 ranks these
 _FROZEN = ("embed_tokens", "layers.1.", "q_proj")
 
 
@@ -161,6 +162,8 @@ def _run_spec(name: str) -> dict:
         return {"steps": STEPS, "steps_total": STEPS, "freeze": list(_FROZEN), "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fsdp-loop":   # the user's FSDP-shaped loop (zerofit.fsdp), the engine's window the loop's G
         return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp", "config": _cfg(**_PLACEMENTS["mixed"])}
+    if name == "accelerate-loop":   # the same wrapper through an Accelerator on 2 processes (MULTI_CPU, gloo)
+        return {"steps": STEPS, "steps_total": STEPS, "api": "accelerate", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fsdp2-loop":  # FSDP2-shaped: fully_shard per block and on the model, set_requires_gradient_sync
         return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp2", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "lora":        # a PEFT LoRA model: its base frozen, its adapters trained (issue 29)
@@ -284,9 +287,10 @@ def test_deepspeed_shaped_loop_on_ranks(launched):
     torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["fsdp-loop", "fsdp2-loop"])
+@pytest.mark.parametrize("name", ["fsdp-loop", "fsdp2-loop", "accelerate-loop"])
 def test_the_users_fsdp_shaped_loop_on_ranks(launched, name):
-    """`zerofit.fsdp.FullyShardedDataParallel` (and FSDP2's ``fully_shard``, its ``set_requires_gradient_sync``) on 2
+    """`zerofit.fsdp.FullyShardedDataParallel` (FSDP2's ``fully_shard`` and its ``set_requires_gradient_sync``; the
+    wrapper through accelerate's ``prepare``/``accumulate``/``backward`` with accelerate's own MULTI_CPU state) on 2
     gloo ranks, each rank's loop as written (`(loss / G).backward()` per micro-batch, `optimizer.step()`): the
     gradient averaged over the ranks as FSDP averages it, the weights and moments of plain PyTorch on the global
     batch (to rounding: torch's non-fused AdamW there, summed over ranks)."""
@@ -296,6 +300,30 @@ def test_the_users_fsdp_shaped_loop_on_ranks(launched, name):
         torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
         torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
     per_rank = torch.tensor([st["losses"] for st in result["ranks"]])      # (ranks, steps): local means
+    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+
+
+def test_the_accelerate_loop_under_accelerate_launch(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` (on a machine without a GPU: accelerate's MULTI_CPU over
+    gloo, through torchrun) of the accelerate loop over `zerofit.fsdp`, unchanged: both ranks exit 0 and train the
+    global batch as plain PyTorch does."""
+    out = tmp_path / "out.pt"
+    spec = {"G": G, **_run_spec("accelerate-loop"), "out": str(out)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                           if os.environ.get("PYTHONPATH") else []))}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(_port()), str(SCRIPT), json.dumps(spec)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    result = _collect(out, 2)
+    assert result is not None, p.stderr[-3000:]
+    ref_losses, (weights, moments) = _reference(2, STEPS)
+    for n, w in weights.items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
+    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])
     torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 

@@ -74,14 +74,24 @@ def run(spec: dict) -> None:
     data = tm.batches(spec["steps_total"], G * world, seed=spec.get("data_seed", 1))[spec.get("first", 0):
                                                                                       spec.get("first", 0) + spec["steps"]]
     earlier = _state_mappings()
-    if spec.get("api") == "fsdp":      # the user's FSDP-shaped loop (zerofit.fsdp: [Note: the user's loop ...])
+    if spec.get("api") in ("fsdp", "accelerate"):   # the user's FSDP-shaped loop (zerofit.fsdp: [Note: the user's loop ...])
         from torch.distributed.fsdp import CPUOffload
 
+        if spec["api"] == "accelerate":
+            import accelerate  # noqa: F401  (imported before the wrap, as its scripts do)
         from zerofit.fsdp import FullyShardedDataParallel as FSDP
 
         wrapper = FSDP(model, cpu_offload=CPUOffload(offload_params=True), zerofit_config=spec["config"])
-        spec = {**spec, "_wrapper": wrapper,
-                "_opt": torch.optim.AdamW(wrapper.parameters(), lr=1e-3, weight_decay=0.01, fused=True)}
+        opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+        if spec["api"] == "accelerate":    # the accelerate loop: prepare, accumulate, backward, step
+            from accelerate import Accelerator
+
+            acc = Accelerator(cpu=True, gradient_accumulation_steps=G)
+            assert acc.num_processes == world and acc.distributed_type.name == "MULTI_CPU"
+            wrapper, opt = acc.prepare(wrapper, opt)
+            assert hasattr(wrapper, "zerofit_engine"), type(wrapper)      # not wrapped in DDP
+            spec = {**spec, "_acc": acc}
+        spec = {**spec, "_wrapper": wrapper, "_opt": opt}
         engine = wrapper.zerofit_engine
     elif spec.get("api") == "fsdp2":    # FSDP2-shaped: fully_shard on each block, then on the model
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -173,6 +183,16 @@ def train(engine, spec: dict, data: list, rank: int, G: int) -> list[float]:
                     torch.nn.utils.clip_grad_norm_(spec["_wrapper"].parameters(), spec["clip"])
             spec["_opt"].step()
             spec["_opt"].zero_grad()
+            losses.append(total / len(mine))
+        elif spec.get("api") == "accelerate":   # with accumulate(model): forward, backward, step, zero_grad
+            acc, total = spec["_acc"], 0.0
+            for b in mine:
+                with acc.accumulate(spec["_wrapper"]):
+                    loss = spec["_wrapper"](**b).loss
+                    acc.backward(loss)
+                    spec["_opt"].step()
+                    spec["_opt"].zero_grad()
+                total += loss.item()
             losses.append(total / len(mine))
         elif spec.get("api") == "deepspeed":    # engine(**b); backward(loss); step() per micro-batch
             total = 0.0

@@ -431,14 +431,32 @@ def _install_hooks() -> None:
 
 
 def _patch_accelerate() -> None:
-    """accelerate >= 1.16 computes a norm itself from ``p.grad`` (``Accelerator._clip_grad_norm_dtensor_aware``)
-    instead of calling torch's ``clip_grad_norm_``: a loop's parameters hold no ``.grad`` (the gradients are the
-    engine's), so it would find a norm of 0 and clip nothing. Over a loop's parameters it comes to the loop's clip
-    (accelerate's ``unscale_gradients`` has run before). Patched once accelerate is imported (before the wrap, as
-    its scripts import it): called at each wrap."""
+    """Two of accelerate's methods, over a loop's model or parameters (patched once accelerate is imported, before
+    the wrap, as its scripts import it: called at each wrap):
+
+    - accelerate >= 1.16 computes a norm itself from ``p.grad`` (``Accelerator._clip_grad_norm_dtensor_aware``)
+      instead of calling torch's ``clip_grad_norm_``: a loop's parameters hold no ``.grad`` (the gradients are the
+      engine's), so it would find a norm of 0 and clip nothing. It comes to the loop's clip (accelerate's
+      ``unscale_gradients`` has run before).
+    - ``prepare_model`` under several processes (``accelerate launch``) wraps the model in DDP, whose hooks wait
+      for ``.grad`` that never comes: a loop's model is prepared without it (as accelerate prepares FSDP's, which
+      reduces its gradients itself), its autocast and the rest as usual; the engine averages the gradients over
+      the ranks ([Note: sharded units])."""
     mod = sys.modules.get("accelerate.accelerator")
     cls = getattr(mod, "Accelerator", None) if mod is not None else None
-    original = cls.__dict__.get("_clip_grad_norm_dtensor_aware") if cls is not None else None
+    if cls is None:
+        return
+    prepare = cls.__dict__.get("prepare_model")
+    if prepare is not None and not getattr(prepare, "_zerofit", False):
+        @functools.wraps(prepare)
+        def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+            if _loop_of(model.parameters()) is not None:
+                evaluation_mode = True      # (accelerate: no DDP, no FSDP; the autocast and device as usual)
+            return prepare(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+        prepare_model._zerofit = True
+        cls.prepare_model = prepare_model
+    original = cls.__dict__.get("_clip_grad_norm_dtensor_aware")
     if original is None or getattr(original, "_zerofit", False):
         return
 

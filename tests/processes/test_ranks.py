@@ -130,6 +130,7 @@ def _ok(rcs, errs):
 
 
 STEPS = 4
+CLIP = 0.05      # the user's loop's clip on ranks: every step clipped (the tiny model's norms are larger)
 _PLACEMENTS = {
     # every block streamed, its state in the shared host arena, updated by the CPU worker shard by shard
     "offload": {"offload": {"param_device": "cpu", "optimizer_device": "cpu", "resident_blocks": 0,
@@ -149,7 +150,7 @@ _PLACEMENTS = {
 
 _THREE = ["offload", "mixed", "no-offload", "full-shard", "clip"]   # one launch of 3 ranks runs these in turn
 _TWO = ["no-offload-replicated", "deepspeed-loop", "fp16", "frozen", "lora", "fsdp-loop", "fsdp2-loop",
-        "accelerate-loop"]   # and one of 2 ranks these
+        "accelerate-loop", "fsdp-loop-clip"]   # and one of 2 ranks these
 _FROZEN = ("embed_tokens", "layers.1.", "q_proj")
 
 
@@ -162,6 +163,8 @@ def _run_spec(name: str) -> dict:
         return {"steps": STEPS, "steps_total": STEPS, "freeze": list(_FROZEN), "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fsdp-loop":   # the user's FSDP-shaped loop (zerofit.fsdp), the engine's window the loop's G
         return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp", "config": _cfg(**_PLACEMENTS["mixed"])}
+    if name == "fsdp-loop-clip":   # the model's clip_grad_norm_ on 2 ranks: FSDP's norm over the ranks' shards
+        return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp", "clip": CLIP, "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "accelerate-loop":   # the same wrapper through an Accelerator on 2 processes (MULTI_CPU, gloo)
         return {"steps": STEPS, "steps_total": STEPS, "api": "accelerate", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fsdp2-loop":  # FSDP2-shaped: fully_shard per block and on the model, set_requires_gradient_sync
@@ -287,7 +290,7 @@ def test_deepspeed_shaped_loop_on_ranks(launched):
     torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["fsdp-loop", "fsdp2-loop", "accelerate-loop"])
+@pytest.mark.parametrize("name", ["fsdp-loop", "fsdp2-loop", "accelerate-loop", "fsdp-loop-clip"])
 def test_the_users_fsdp_shaped_loop_on_ranks(launched, name):
     """`zerofit.fsdp.FullyShardedDataParallel` (FSDP2's ``fully_shard`` and its ``set_requires_gradient_sync``; the
     wrapper through accelerate's ``prepare``/``accumulate``/``backward`` with accelerate's own MULTI_CPU state) on 2
@@ -295,12 +298,15 @@ def test_the_users_fsdp_shaped_loop_on_ranks(launched, name):
     gradient averaged over the ranks as FSDP averages it, the weights and moments of plain PyTorch on the global
     batch (to rounding: torch's non-fused AdamW there, summed over ranks)."""
     world, result = launched[name]
-    ref_losses, (weights, moments) = _reference(world, STEPS)
+    ref_losses, (weights, moments) = _reference(world, STEPS, clip=CLIP if name.endswith("-clip") else 0.0)
     for n, w in weights.items():
         torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
         torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
     per_rank = torch.tensor([st["losses"] for st in result["ranks"]])      # (ranks, steps): local means
     torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    if name.endswith("-clip"):       # the clip mattered: unclipped, the weights are elsewhere
+        _, (unclipped, _) = _reference(world, STEPS)
+        assert max(float((unclipped[n] - w).abs().max()) for n, w in weights.items()) > 1e-4
 
 
 def test_the_accelerate_loop_under_accelerate_launch(tmp_path):

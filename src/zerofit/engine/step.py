@@ -272,10 +272,11 @@ class Step:
         torch does (TorchClip.views)."""
         return self.torch_clip.views()
 
-    def clip_as_torch(self, max_norm: float) -> float:
+    def clip_as_torch(self, max_norm: float, prepared: Prepared) -> float:
         """``torch.nn.utils.clip_grad_norm_``'s arithmetic over the step's gradients (the user's loop: bitwise the
-        plain loop's clipped gradients; [Note: the user's clip on the device]). Returns the norm."""
-        return self.torch_clip.clip(max_norm)
+        plain loop's clipped gradients; several ranks: FSDP's; [Note: the user's clip on the device]), after
+        :meth:`prepare`. Returns the norm."""
+        return self.torch_clip.clip(max_norm, prepared.dev_grads)
 
     def _global_norm(self, device_units, host_units, dev_grads) -> float:
         """The global gradient norm, fp64 (each rank's shards' squares summed over the ranks); a device sync."""

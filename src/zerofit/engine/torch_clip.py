@@ -18,6 +18,12 @@ H200 (2026-12-02, bench/engine_userloop.py --window 4). So:
   the step. Anything that reads the gradients before (a second clip, a GradScaler's unscale, ``grad_views``)
   has the multiplies done first (``settle``); a step not applied drops them (``discard``).
 
+Several ranks (each holds its shard of every host-optimized unit's gradient; the replicated device units' whole,
+averaged): FSDP's ``clip_grad_norm_`` arithmetic instead, as FSDP itself has no per-parameter norms to stack: each
+rank's fp32 sum of the squares of its shards (the replicated units' counted on rank 0 only), summed over the ranks,
+its square root the norm; every rank multiplies its shards (now: ``clip_sharded``). A unit whose device state is
+sharded across the GPUs contributes its shard of the averaged gradient (the step's ``dev_grads``), as FSDP's.
+
 State: ``order`` ((unit, name) of every trained parameter in the model's order, set by the user's loop),
 ``names`` (id(unit) -> its names in that order), ``norms`` (id(unit) -> its parameters' norms, device, this
 step's), ``coef`` and ``waiting`` (the clip factor, host fp32, and id(unit) -> the views it is still to
@@ -80,8 +86,11 @@ class TorchClip:
             out.append(u.layout.views(flat)[name])
         return out
 
-    def clip(self, max_norm: float) -> float:
-        """torch's ``clip_grad_norm_`` over the step's gradients (the Note); returns the norm."""
+    def clip(self, max_norm: float, dev_grads: dict | None = None) -> float:
+        """torch's ``clip_grad_norm_`` over the step's gradients (the Note); returns the norm. ``dev_grads``: the
+        prepared step's shards of the device units whose state is sharded (several ranks)."""
+        if self.ranks.many:
+            return self.clip_sharded(max_norm, dev_grads or {})
         self.settle()
         grads = self._views()
         norms: list = [None] * len(grads)
@@ -108,6 +117,41 @@ class TorchClip:
                     g.mul_(coef.to(g.device))
                 else:
                     self.waiting.setdefault(id(u), []).append(g)
+        return float(total)
+
+    def clip_sharded(self, max_norm: float, dev_grads: dict) -> float:
+        """FSDP's ``clip_grad_norm_`` over the ranks' shards (the Note's several ranks); returns the norm."""
+        self.dev.record(self.dev.download).synchronize()
+        units, seen = [], set()
+        for u, _name in self.order:
+            if id(u) not in seen:
+                seen.add(id(u))
+                units.append(u)
+        device = self.dev.device
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        flats = []
+        for u in units:
+            if u.shard_state:               # this rank's shard of the averaged gradient ([Note: sharded device state])
+                flat = dev_grads[id(u)].narrow(0, 0, u.hi - u.lo)
+                sq += torch.linalg.vector_norm(flat, 2.0).to(device) ** 2
+            elif u.optimizer_on_device:     # replicated, whole and averaged on every rank: counted once
+                flat = u.grad
+                if self.ranks.rank == 0:
+                    sq += torch.linalg.vector_norm(flat, 2.0).to(device) ** 2
+            else:                           # this rank's shard
+                flat = self.grads.host_grads.get(id(u))
+                if flat is None:
+                    raise RuntimeError(f"{u.name}: its gradient is not in memory (the disk tier's): clipping under "
+                                       "the user's loop needs it there")
+                flat = flat.narrow(0, 0, u.hi - u.lo)
+                sq += torch.linalg.vector_norm(flat, 2.0).to(device) ** 2
+            flats.append(flat)
+        total = self.ranks.all_reduce(sq.reshape(1)).reshape(()).sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if float(coef) < 1.0:
+            for g in flats:
+                g.mul_(coef.to(g.device))
+        self.norms.clear()
         return float(total)
 
     # ------------------------------------------------------------------ the multiplies left to the updates

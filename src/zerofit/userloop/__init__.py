@@ -122,6 +122,7 @@ class UserLoop:
         self.amp = ()                                # the last forward's autocast: (device type, dtype), ...
         _install_hooks()
         _patch_accelerate()
+        _patch_lightning()
         _LIVE.add(self)
 
     def _trained(self) -> dict:
@@ -215,7 +216,7 @@ class UserLoop:
             raise UserLoopError(f"clip_grad_norm_(norm_type={norm_type}): zerofit clips by the L2 norm")
         if self.prepared is None:
             self._prepare()
-        return torch.tensor(self.engine.stepper.clip_as_torch(float(max_norm)), dtype=torch.float32)
+        return torch.tensor(self.engine.stepper.clip_as_torch(float(max_norm), self.prepared), dtype=torch.float32)
 
     def unscale(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict:
         """A ``GradScaler``'s ``unscale_`` of ``optimizer``: the engine's gradients unscaled in place and checked,
@@ -470,6 +471,35 @@ def _patch_accelerate() -> None:
 
     _clip_grad_norm_dtensor_aware._zerofit = True
     cls._clip_grad_norm_dtensor_aware = _clip_grad_norm_dtensor_aware
+
+
+def _patch_lightning() -> None:
+    """Lightning's DDP strategies (``Trainer(strategy="ddp", devices=N)``, Fabric's ``DDPStrategy``) wrap the module
+    in DDP, whose hooks wait for ``.grad`` that the engine never writes: a module holding a loop's parameters is
+    left unwrapped (the engine averages the gradients over the ranks itself, as FSDP does); every other module as
+    Lightning wraps it. Patched once Lightning is imported (the wrap runs in ``configure_model``, before the
+    strategy's setup): called at each wrap."""
+    trainer_ddp = sys.modules.get("lightning.pytorch.strategies.ddp")
+    cls = getattr(trainer_ddp, "DDPStrategy", None) if trainer_ddp is not None else None
+    original = cls.__dict__.get("configure_ddp") if cls is not None else None
+    if original is not None and not getattr(original, "_zerofit", False):
+        @functools.wraps(original)
+        def configure_ddp(self):
+            if _loop_of(self.model.parameters()) is None:
+                return original(self)        # (no DDP, no DDP hooks: the model stays the LightningModule)
+
+        configure_ddp._zerofit = True
+        cls.configure_ddp = configure_ddp
+    fabric_ddp = sys.modules.get("lightning.fabric.strategies.ddp")
+    cls = getattr(fabric_ddp, "DDPStrategy", None) if fabric_ddp is not None else None
+    original = cls.__dict__.get("setup_module") if cls is not None else None
+    if original is not None and not getattr(original, "_zerofit", False):
+        @functools.wraps(original)
+        def setup_module(self, module):
+            return module if _loop_of(module.parameters()) is not None else original(self, module)
+
+        setup_module._zerofit = True
+        cls.setup_module = setup_module
 
 
 def _patch_unscale(cls) -> None:

@@ -333,6 +333,37 @@ def test_the_accelerate_loop_under_accelerate_launch(tmp_path):
     torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["", "fabric-"], ids=["trainer", "fabric"])
+def test_a_lightning_module_on_two_ranks_trains_as_lightnings_own_ddp(tmp_path, kind):
+    """``Trainer(strategy="ddp", devices=2)`` under torchrun, the model wrapped in ``configure_model`` (the one change):
+    Lightning leaves the module unwrapped (no DDP: the engine averages over the ranks), accumulation, clipping and the
+    lr scheduler as written; the losses and weights of the same module under Lightning's own DDP, to fp32 rounding
+    (DDP's all-reduce and torch's per-parameter clip norm against the engine's average and FSDP's norm). Fabric's
+    DDP strategy the same way (``fabric.setup(FSDP(model), opt)``, ``no_backward_sync``, ``clip_gradients``)."""
+    script = ROOT / "tests" / "support" / "lightning_ranks.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                           if os.environ.get("PYTHONPATH") else []))}
+    got = {}
+    for mode in ("wrap", "plain"):
+        out = tmp_path / mode
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+               kind + mode, str(out)]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert p.returncode == 0, p.stderr[-4000:]
+        got[mode] = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    assert got["wrap"][0]["wrapped"] == ("FullyShardedDataParallel" if kind else "LM")
+    assert got["plain"][0]["wrapped"] == "DistributedDataParallel"
+    for r in range(2):      # each rank's micro-batches (Lightning's DistributedSampler), 8 rows each
+        assert len(got["wrap"][r]["losses"]) == 4
+        torch.testing.assert_close(torch.tensor(got["wrap"][r]["losses"]), torch.tensor(got["plain"][r]["losses"]),
+                                   rtol=1e-5, atol=1e-5)
+    mine, theirs = got["wrap"][0]["weights"], got["plain"][0]["weights"]
+    assert mine.keys() == theirs.keys()
+    for n, w in theirs.items():
+        torch.testing.assert_close(mine[n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
     """Rank 1 gets a bad batch at its second step and raises; rank 0, waiting in a collective, must not hang:
     it fails too, naming rank 1 and the cause."""

@@ -476,8 +476,9 @@ def _patch_accelerate() -> None:
 def _patch_lightning() -> None:
     """Lightning's DDP strategies (``Trainer(strategy="ddp", devices=N)``, Fabric's ``DDPStrategy``) wrap the module
     in DDP, whose hooks wait for ``.grad`` that the engine never writes: a module holding a loop's parameters is
-    left unwrapped (the engine averages the gradients over the ranks itself, as FSDP does); every other module as
-    Lightning wraps it. Patched once Lightning is imported (the wrap runs in ``configure_model``, before the
+    left unwrapped (the engine averages the gradients over the ranks itself, as FSDP does), and Fabric's
+    ``no_backward_sync`` over it is a no-op (the engine sums the micro-batches until the step in any case); every
+    other module as Lightning wraps it. Patched once Lightning is imported (the wrap runs in ``configure_model``, before the
     strategy's setup): called at each wrap."""
     trainer_ddp = sys.modules.get("lightning.pytorch.strategies.ddp")
     cls = getattr(trainer_ddp, "DDPStrategy", None) if trainer_ddp is not None else None
@@ -500,6 +501,17 @@ def _patch_lightning() -> None:
 
         setup_module._zerofit = True
         cls.setup_module = setup_module
+    control = getattr(fabric_ddp, "_DDPBackwardSyncControl", None) if fabric_ddp is not None else None
+    original = control.__dict__.get("no_backward_sync") if control is not None else None
+    if original is not None and not getattr(original, "_zerofit", False):
+        @functools.wraps(original)
+        def no_backward_sync(self, module, enabled):
+            if _loop_of(module.parameters()) is not None:    # the engine sums until the step anyway
+                return contextlib.nullcontext()
+            return original(self, module, enabled)
+
+        no_backward_sync._zerofit = True
+        control.no_backward_sync = no_backward_sync
 
 
 def _patch_unscale(cls) -> None:

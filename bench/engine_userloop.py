@@ -18,6 +18,9 @@ AdamW over the offloaded parameters). ``--backend zerofit``: ``zerofit.fsdp.Full
 import changed (the model built on the meta device, the engine initializes it; its cap from ``--cap``;
 zerofit checkpoints the blocks itself). ``--loop accelerate``: the same step through an ``Accelerator``
 (``prepare``, ``accumulate``, ``backward``, ``clip_grad_norm_``), the model wrapped the same way first.
+``--loop fabric``: the same through Lightning Fabric (``setup``, ``no_backward_sync``, ``backward``,
+``clip_gradients``); its stock run (``--backend torch``) is Fabric's own ``FSDPStrategy(cpu_offload=True)``, which
+wraps the model itself.
 """
 
 from __future__ import annotations
@@ -63,6 +66,15 @@ class UserLoopBench:
             self.engine = self.model.zerofit_engine
             res.extra["plan"] = self.engine.plan.describe()
             print(f"[userloop] {res.extra['plan']}", flush=True)
+        elif args.loop == "fabric":     # the stock Fabric run: its FSDPStrategy with CPU offload wraps the model
+            from lightning.fabric.strategies import FSDPStrategy
+
+            common.single_process_env()
+            model = common.build_model(w, "cpu")
+            common.enable_checkpointing(model)
+            self.strategy = FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, cpu_offload=True, mixed_precision=mp,
+                                         use_orig_params=True)
+            self.model = model
         else:
             import torch.distributed as dist
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -75,8 +87,24 @@ class UserLoopBench:
             self.model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True,
                               cpu_offload=CPUOffload(offload_params=True) if cuda else None,
                               mixed_precision=mp, device_id=torch.cuda.current_device() if cuda else None)
+        self.fabric = None
+        if args.loop == "fabric":      # Lightning Fabric: setup, no_backward_sync, backward, clip_gradients, step
+            from lightning.fabric import Fabric
+
+            if args.backend == "zerofit":
+                self.fabric = Fabric(accelerator="cuda" if cuda else "cpu", devices=1, precision="32-true")
+            else:
+                self.fabric = Fabric(accelerator="cuda", devices=1, strategy=self.strategy, precision="32-true")
+            self.fabric.launch()
+            if args.backend != "zerofit":
+                self.model = self.fabric.setup_module(self.model)     # FSDP wraps here; the optimizer after it
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01,
                                      fused=args.backend == "zerofit" or not cuda)
+        if self.fabric is not None:
+            if args.backend == "zerofit":
+                self.model, self.opt = self.fabric.setup(self.model, self.opt)
+            else:
+                self.opt = self.fabric.setup_optimizers(self.opt)
         res.extra["loop"], res.extra["backend"] = args.loop, args.backend
         self.acc = None
         if args.loop == "accelerate":
@@ -97,6 +125,18 @@ class UserLoopBench:
     def _step(self, micro_batches):
         g = len(micro_batches)
         total = 0.0
+        if self.fabric is not None:
+            fabric = self.fabric
+            for i, ids in enumerate(micro_batches):
+                ids = ids.to(self.device, non_blocking=True)
+                with fabric.no_backward_sync(self.model, enabled=i < g - 1):
+                    loss = self.model(input_ids=ids, labels=ids).loss
+                    fabric.backward(loss / g)
+                total += loss.item() / g
+            fabric.clip_gradients(self.model, self.opt, max_norm=1.0)
+            self.opt.step()
+            self.opt.zero_grad()
+            return total
         if self.acc is not None:
             for ids in micro_batches:
                 ids = ids.to(self.device, non_blocking=True)
@@ -125,14 +165,14 @@ class UserLoopBench:
 def main() -> int:
     parser = common.engine_args(__doc__)
     parser.add_argument("--backend", choices=("zerofit", "torch"), default="zerofit")
-    parser.add_argument("--loop", choices=("fsdp1", "accelerate"), default="fsdp1")
+    parser.add_argument("--loop", choices=("fsdp1", "accelerate", "fabric"), default="fsdp1")
     parser.add_argument("--window", type=int, default=1,
                         help="zerofit: hold this many micro-batches before their blocks' backward (zerofit_config "
                              "gradient_accumulation_steps; 1: each backward() runs its own)")
     args = parser.parse_args()
     name = f"{'zerofit' if args.backend == 'zerofit' else 'fsdp1'}-{args.loop}"
     return common.run_engine(name, args, UserLoopBench, UserLoopBench.step, uses_cap=True,
-                             version_modules=("accelerate",) if args.loop == "accelerate" else ())
+                             version_modules={"accelerate": ("accelerate",), "fabric": ("lightning",)}.get(args.loop, ()))
 
 
 if __name__ == "__main__":

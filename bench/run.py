@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit", "zerofit-ds", "zerofit-dsw", "zerofit-dsl",
            "zerofit-fsdp1", "zerofit-fsdp1-w4", "fsdp1", "zerofit-accelerate",
-           "zerofit-accelerate-w4", "fsdp1-accelerate")
+           "zerofit-accelerate-w4", "fsdp1-accelerate", "zerofit-fabric-w4", "fsdp1-fabric")
 # a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop;
 # zerofit-dsw: the same with each window announced first, engine.forward_window; zerofit-dsl: the unchanged loop
 # drawing its micro-batches from the engine's own loader, deepspeed_io, which reads each window ahead)
@@ -58,7 +58,10 @@ VARIANTS = {"zerofit-ds": ("zerofit", ["--api", "deepspeed"]),
             "fsdp1": ("userloop", ["--backend", "torch"]),
             "zerofit-accelerate": ("userloop", ["--backend", "zerofit", "--loop", "accelerate"]),
             "zerofit-accelerate-w4": ("userloop", ["--backend", "zerofit", "--loop", "accelerate", "--window", "4"]),
-            "fsdp1-accelerate": ("userloop", ["--backend", "torch", "--loop", "accelerate"])}
+            "fsdp1-accelerate": ("userloop", ["--backend", "torch", "--loop", "accelerate"]),
+            # Lightning Fabric: the wrapper through Fabric, against Fabric's own FSDPStrategy with CPU offload
+            "zerofit-fabric-w4": ("userloop", ["--backend", "zerofit", "--loop", "fabric", "--window", "4"]),
+            "fsdp1-fabric": ("userloop", ["--backend", "torch", "--loop", "fabric"])}
 GiB = 2**30
 
 

@@ -44,7 +44,7 @@ declare -A ABOUT=(
   [infer]="W4: offloaded generation of the 13B shape against accelerate (bench/infer.py), then with blocks on the disk"
   [ranks]="2 GPUs (the nvidia-h200-x2 kind): the NCCL rank tests, W2 on 1 and 2 GPUs, W5 zerofit, FSDP2 without offload, DeepSpeed"
   [lora]="W6: LoRA of the 13B shape over its frozen bf16 base (PEFT): W6a at 24 GiB (plain PEFT on the GPU, zerofit, DeepSpeed ZeRO-3 offload), W6b at 8 GiB (zerofit); needs peft (its wheel in .whl)"
-  [userloop]="W7: the user's FSDP1-shaped loop on zerofit.fsdp against torch's FSDP1 with CPU offload, FSDP2 with CPUOffloadPolicy and plain (W1, 4 micro-batches, clip 1.0); then the same loop through accelerate on each"
+  [userloop]="W7: the user's FSDP1-shaped loop on zerofit.fsdp (the window of its 4 micro-batches, and the default) against torch's FSDP1 with CPU offload, FSDP2 with CPUOffloadPolicy and plain (W1, 4 micro-batches, clip 1.0); then the same loop through accelerate and Lightning Fabric, Fabric's own FSDPStrategy with CPU offload beside them"
   [tests]="pytest of the GPU tests: tests/gpu/ (test_gpu.py, test_small_gpu_floor.py), tests/unit/test_split_updates.py and every test that skips without CUDA (bench/gpu/gpu_tests.py)"
 )
 
@@ -303,11 +303,12 @@ suite_lora() {     # W6 (shared/bench/WORKLOADS.md): about 15-25 min; run it det
 }
 
 suite_userloop() {     # W7 (shared/bench/WORKLOADS.md): FSDP1 with CPU offload is slow: one timed step
-  zf_run w7 580 --workload W1 --engines plain,zerofit-fsdp1,fsdp1,fsdp2 --steps 3 --fsdp2-steps 2 --cap 24GiB \
-    --engine-args 'plain=--clip 1.0' --engine-timeout fsdp1=300 --engine-timeout fsdp2=300
-  zf_trace w7
-  zf_run w7_accelerate 580 --workload W1 --engines zerofit-accelerate,fsdp1-accelerate --steps 3 --cap 24GiB \
-    --engine-timeout fsdp1-accelerate=300
+  zf_run w7 580 --workload W1 --engines plain,zerofit-fsdp1-w4,zerofit-fsdp1,fsdp1,fsdp2 --steps 3 --fsdp2-steps 2 \
+    --cap 24GiB --engine-args 'plain=--clip 1.0' --engine-timeout fsdp1=300 --engine-timeout fsdp2=300
+  zf_trace w7 zerofit-fsdp1-w4 zerofit-fsdp1
+  zf_run w7_loops 580 --workload W1 --engines zerofit-accelerate-w4,zerofit-fabric-w4,fsdp1-fabric --steps 3 \
+    --cap 24GiB --engine-timeout fsdp1-fabric=300
+  zf_trace w7_loops zerofit-accelerate-w4 zerofit-fabric-w4
 }
 
 suite_tests() {

@@ -150,7 +150,7 @@ _PLACEMENTS = {
 
 _THREE = ["offload", "mixed", "no-offload", "full-shard", "clip"]   # one launch of 3 ranks runs these in turn
 _TWO = ["no-offload-replicated", "deepspeed-loop", "fp16", "frozen", "lora", "fsdp-loop", "fsdp2-loop",
-        "accelerate-loop", "fsdp-loop-clip"]   # and one of 2 ranks these
+        "accelerate-loop", "fsdp-loop-clip", "fsdp-loop-fp16"]   # and one of 2 ranks these
 _FROZEN = ("embed_tokens", "layers.1.", "q_proj")
 
 
@@ -165,6 +165,9 @@ def _run_spec(name: str) -> dict:
         return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fsdp-loop-clip":   # the model's clip_grad_norm_ on 2 ranks: FSDP's norm over the ranks' shards
         return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp", "clip": CLIP, "config": _cfg(**_PLACEMENTS["mixed"])}
+    if name == "fsdp-loop-fp16":   # MixedPrecision(fp16) with FSDP's ShardedGradScaler, overflowing at first
+        cfg = {k: v for k, v in _cfg(**_PLACEMENTS["mixed"]).items() if k != "precision"}
+        return {"steps": 6, "steps_total": 6, "api": "fsdp", "scaler": True, "clip": 1.0, "config": cfg}
     if name == "accelerate-loop":   # the same wrapper through an Accelerator on 2 processes (MULTI_CPU, gloo)
         return {"steps": STEPS, "steps_total": STEPS, "api": "accelerate", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fsdp2-loop":  # FSDP2-shaped: fully_shard per block and on the model, set_requires_gradient_sync
@@ -307,6 +310,30 @@ def test_the_users_fsdp_shaped_loop_on_ranks(launched, name):
     if name.endswith("-clip"):       # the clip mattered: unclipped, the weights are elsewhere
         _, (unclipped, _) = _reference(world, STEPS)
         assert max(float((unclipped[n] - w).abs().max()) for n, w in weights.items()) > 1e-4
+
+
+def test_the_users_fp16_loop_with_a_sharded_grad_scaler_on_ranks(launched):
+    """``MixedPrecision(param_dtype=torch.float16)`` and FSDP's ``ShardedGradScaler`` (scale, unscale_, the model's
+    clip_grad_norm_, step, update) on 2 ranks, the first steps overflowing: every rank skips the same steps (each
+    rank's overflow check reads its own shards; the ranks' verdicts are shared), and the weights are the engine's
+    own fp16 on one process over the global batch with the same scale schedule (to fp16 rounding)."""
+    import zerofit
+
+    world, result = launched["fsdp-loop-fp16"]
+    skipped = [st["skipped"] for st in result["ranks"]]
+    assert skipped[0] > 0 and skipped == [skipped[0]] * world, skipped
+    torch.manual_seed(0)
+    one = zerofit.initialize(tm.llama(), _cfg(precision="fp16", gradient_accumulation_steps=G * world,
+                                              gradient_clipping=1.0,
+                                              fp16={"initial_scale_power": 24, "hysteresis": 1,
+                                                    "loss_scale_window": 1000}, **_PLACEMENTS["mixed"]))
+    losses = [one.train_batch(mbs) for mbs in tm.batches(6, G * world)]
+    assert one.skipped_steps == skipped[0]
+    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])
+    torch.testing.assert_close(per_rank.mean(0), torch.tensor(losses), rtol=1e-3, atol=1e-3)
+    for n, w in one.master_state_dict().items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    one.close()
 
 
 def test_the_accelerate_loop_under_accelerate_launch(tmp_path):

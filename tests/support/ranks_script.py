@@ -81,7 +81,15 @@ def run(spec: dict) -> None:
             import accelerate  # noqa: F401  (imported before the wrap, as its scripts do)
         from zerofit.fsdp import FullyShardedDataParallel as FSDP
 
-        wrapper = FSDP(model, cpu_offload=CPUOffload(offload_params=True), zerofit_config=spec["config"])
+        mp = None
+        if spec.get("scaler"):       # fp16 with FSDP's ShardedGradScaler, as FSDP's fp16 recipe writes it
+            from torch.distributed.fsdp import MixedPrecision
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            mp = MixedPrecision(param_dtype=torch.float16)
+            spec = {**spec, "_scaler": ShardedGradScaler(device="cpu", init_scale=2.0 ** 24, growth_interval=1000)}
+        wrapper = FSDP(model, cpu_offload=CPUOffload(offload_params=True), mixed_precision=mp,
+                       zerofit_config=spec["config"])
         opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
         if spec["api"] == "accelerate":    # the accelerate loop: prepare, accumulate, backward, step
             from accelerate import Accelerator
@@ -123,6 +131,8 @@ def run(spec: dict) -> None:
     if spec.get("export"):
         engine.save_pretrained(spec["export"], dtype="fp32")
     engine.wait()
+    if spec.get("_scaler") is not None:
+        spec["_wrapper"](**data[0][:1][0])      # a forward settles the last step: applied or skipped
     state = {"losses": losses, "skipped": engine.skipped_steps,
              "threads": torch.get_num_threads(), "speculation": dict(engine.speculation_stats)}
     # the host state is in one shared mapping per arena (memfd), not copied per rank: this run's mappings (an
@@ -170,12 +180,21 @@ def train(engine, spec: dict, data: list, rank: int, G: int) -> list[float]:
             mine = [{"input_ids": mine[0]["input_ids"][:, :3], "labels": mine[0]["labels"]}] + mine[1:]  # bad batch
         if spec.get("api") in ("fsdp", "fsdp2"):     # model(**b); (loss / G).backward(); clip; optimizer.step()
             total = 0.0
+            scaler = spec.get("_scaler")
             for i, b in enumerate(mine):
                 if spec["api"] == "fsdp2":          # FSDP2's own accumulation switch, as its users write it
                     spec["_wrapper"].set_requires_gradient_sync(i == len(mine) - 1)
                 loss = spec["_wrapper"](**b).loss
-                (loss / len(mine)).backward()
+                (scaler.scale(loss / len(mine)) if scaler is not None else loss / len(mine)).backward()
                 total += loss.item()
+            if scaler is not None:                  # unscale_, clip, step (skipped on an overflow), update
+                scaler.unscale_(spec["_opt"])
+                spec["_wrapper"].clip_grad_norm_(spec["clip"]) if spec.get("clip") else None
+                scaler.step(spec["_opt"])
+                scaler.update()
+                spec["_opt"].zero_grad()
+                losses.append(total / len(mine))
+                continue
             if spec.get("clip"):
                 if spec["api"] == "fsdp":
                     spec["_wrapper"].clip_grad_norm_(spec["clip"])

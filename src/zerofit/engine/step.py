@@ -267,10 +267,10 @@ class Step:
             self.shell.dirty = True
         return True, norm
 
-    def grad_views(self) -> list[torch.Tensor]:
-        """The step's gradient of every trained parameter, in the model's order: the user's loop unscales them as
-        torch does (TorchClip.views)."""
-        return self.torch_clip.views()
+    def grad_views(self, prepared: Prepared | None = None) -> list[torch.Tensor]:
+        """The step's gradient of every trained parameter, in the model's order (several ranks: each unit's flat
+        shard), after :meth:`prepare`: the user's loop unscales them as torch does (TorchClip.views)."""
+        return self.torch_clip.views(prepared.dev_grads if prepared is not None else None)
 
     def clip_as_torch(self, max_norm: float, prepared: Prepared) -> float:
         """``torch.nn.utils.clip_grad_norm_``'s arithmetic over the step's gradients (the user's loop: bitwise the

@@ -68,11 +68,34 @@ class TorchClip:
 
     # ------------------------------------------------------------------ the clip
 
-    def views(self) -> list[torch.Tensor]:
+    def views(self, dev_grads: dict | None = None) -> list[torch.Tensor]:
         """The step's gradient of every trained parameter (views of the engine's gradient buffers), in the
-        model's order, every clip multiply done."""
+        model's order, every clip multiply done. Several ranks: each unit's flat gradient this rank holds (its
+        shard, or a replicated unit's whole), for elementwise readers (a GradScaler's unscale)."""
         self.settle()
+        if self.ranks.many:
+            return self._flats(dev_grads or {})
         return self._views()
+
+    def _flats(self, dev_grads: dict) -> list[torch.Tensor]:
+        """Several ranks: (unit, its flat gradient on this rank), each unit once, in the model's order."""
+        self.dev.record(self.dev.download).synchronize()
+        out, seen = [], set()
+        for u, _name in self.order:
+            if id(u) in seen:
+                continue
+            seen.add(id(u))
+            if u.shard_state:
+                out.append(dev_grads[id(u)].narrow(0, 0, u.hi - u.lo))
+            elif u.optimizer_on_device:
+                out.append(u.grad)
+            else:
+                flat = self.grads.host_grads.get(id(u))
+                if flat is None:
+                    raise RuntimeError(f"{u.name}: its gradient is not in memory (the disk tier's): clipping or "
+                                       "unscaling under the user's loop needs it there")
+                out.append(flat.narrow(0, 0, u.hi - u.lo))
+        return out
 
     def _views(self) -> list[torch.Tensor]:
         # the host gradients came down on the download stream: the main thread reads them after it
@@ -121,7 +144,7 @@ class TorchClip:
 
     def clip_sharded(self, max_norm: float, dev_grads: dict) -> float:
         """FSDP's ``clip_grad_norm_`` over the ranks' shards (the Note's several ranks); returns the norm."""
-        self.dev.record(self.dev.download).synchronize()
+        flats = self._flats(dev_grads)
         units, seen = [], set()
         for u, _name in self.order:
             if id(u) not in seen:
@@ -129,23 +152,10 @@ class TorchClip:
                 units.append(u)
         device = self.dev.device
         sq = torch.zeros((), dtype=torch.float32, device=device)
-        flats = []
-        for u in units:
-            if u.shard_state:               # this rank's shard of the averaged gradient ([Note: sharded device state])
-                flat = dev_grads[id(u)].narrow(0, 0, u.hi - u.lo)
+        for u, flat in zip(units, flats):
+            # a replicated unit (whole and averaged on every rank) counted once; a shard by the rank holding it
+            if u.shard_state or not u.optimizer_on_device or self.ranks.rank == 0:
                 sq += torch.linalg.vector_norm(flat, 2.0).to(device) ** 2
-            elif u.optimizer_on_device:     # replicated, whole and averaged on every rank: counted once
-                flat = u.grad
-                if self.ranks.rank == 0:
-                    sq += torch.linalg.vector_norm(flat, 2.0).to(device) ** 2
-            else:                           # this rank's shard
-                flat = self.grads.host_grads.get(id(u))
-                if flat is None:
-                    raise RuntimeError(f"{u.name}: its gradient is not in memory (the disk tier's): clipping under "
-                                       "the user's loop needs it there")
-                flat = flat.narrow(0, 0, u.hi - u.lo)
-                sq += torch.linalg.vector_norm(flat, 2.0).to(device) ** 2
-            flats.append(flat)
         total = self.ranks.all_reduce(sq.reshape(1)).reshape(()).sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if float(coef) < 1.0:

@@ -226,14 +226,20 @@ class UserLoop:
         if self.prepared is None:
             self._prepare()
         by_device: dict = {}
-        for g in self.engine.stepper.grad_views():
+        for g in self.engine.stepper.grad_views(self.prepared):
             by_device.setdefault(g.device, []).append(g)
         out = {}
+        ranks = self.engine.ranks
         with torch.no_grad():
             for dev, grads in by_device.items():
                 fi = found_inf.to(dev, copy=True)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv_scale.to(dev, copy=True))
                 out[dev] = fi
+            if ranks.many:     # each rank holds its shards: an overflow on one skips the step on every rank
+                total = ranks.all_reduce(torch.stack([f.to(self.engine.dev.device).reshape(()) for f in out.values()])
+                                         .sum().reshape(1))
+                for dev, fi in out.items():
+                    fi.copy_((total > 0).to(fi.dtype).to(dev).reshape(fi.shape))
         return out
 
     def _skipped(self) -> None:

@@ -101,13 +101,13 @@ def test_lightnings_autocast_precisions_are_bitwise_the_unwrapped_module(precisi
     assert all(torch.equal(mine[n], v) for n, v in theirs.items())
 
 
-def test_an_autocast_over_a_16_bit_wrapper_is_refused_by_name():
+def test_an_autocast_over_a_16_bit_wrapper_of_another_dtype_is_refused_by_name():
     from torch.distributed.fsdp import MixedPrecision
 
     class Half(LM):
         def configure_model(self):
             if not isinstance(self.model, FSDP):
-                self.model = FSDP(self.model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+                self.model = FSDP(self.model, mixed_precision=MixedPrecision(param_dtype=torch.float16))
 
     with pytest.raises(UserLoopError, match="one of them sets the compute dtype"):
         _fit(Half(True), _rows(4), precision="bf16-mixed", clip=None)

@@ -12,6 +12,7 @@ embedding's after the blocks), equal to rounding, not bitwise (docs/fsdp.md)."""
 from __future__ import annotations
 
 import copy
+import math
 import functools
 
 import pytest
@@ -233,6 +234,38 @@ def test_fp16_with_a_grad_scaler_and_overflowing_steps_is_the_engines_own_fp16(s
     mine, theirs = eng.master_state_dict(), ref.master_state_dict()
     assert all(torch.equal(mine[n], v) for n, v in theirs.items())
     ref.close()
+
+
+def test_the_fsdp_tutorials_fp16_snippet_with_autocast_runs_as_written():
+    """The FSDP tutorial's loop: MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32), the forward
+    under ``torch.autocast(dtype=torch.float16)``, a GradScaler. The autocast over a wrapper of its own dtype is
+    FSDP's recipe (the blocks' recompute and backward run under it again): it trains, bitwise the same loop
+    without the autocast on this model (whose ops autocast keeps in fp16 here); the same first steps overflow."""
+    def run(amp: bool):
+        model = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True),
+                     mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+                     zerofit_config={"gradient_accumulation_steps": 2})
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=1000)
+        losses = []
+        for mbs in tm.batches(5, 2):
+            for mb in mbs:
+                with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                    loss = model(**mb).loss
+                scaler.scale(loss / 2).backward()
+                losses.append(loss.item())
+            scaler.unscale_(opt)
+            model.clip_grad_norm_(1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        model(**tm.batches(1, 1)[0][0])      # (a forward settles the last step: applied or skipped)
+        return losses, model.zerofit_engine.skipped_steps, model.state_dict()
+
+    got, skipped, mine = run(True)
+    want, skipped_ref, theirs = run(False)
+    assert all(math.isfinite(x) for x in got) and skipped == skipped_ref > 0
+    assert got == want and all(torch.equal(mine[n], v) for n, v in theirs.items())
 
 
 def test_a_checkpoint_resumes_bitwise(tmp_path):

@@ -34,7 +34,7 @@ A :class:`UserLoop` holds an engine over the user's model and stands where the l
 Refused by name, before anything trains: an optimizer other than AdamW (or Adam without weight decay), AMSGrad,
 ``maximize``, param groups whose settings differ (the engine's groups are fixed when it is built: give them as
 ``zerofit_config``'s optimizer), an optimizer built over the model's parameters before it was wrapped (they are
-not the ones trained), an autocast over a 16-bit wrapper. The optimizer's ``state_dict()`` is torch's AdamW
+not the ones trained), an autocast of another dtype over a 16-bit wrapper (of its own dtype: FSDP's fp16 recipe, run). The optimizer's ``state_dict()`` is torch's AdamW
 format filled from the engine's moments (and ``load_state_dict`` writes them back): accelerate's
 ``save_state``/``load_state`` and Lightning's checkpoints work as written.
 
@@ -151,11 +151,13 @@ class UserLoop:
                                 "the loop's accumulation steps, or to 1 (any number, each micro-batch's blocks "
                                 "backward at its own backward())")
         amp = _autocast_state()
-        if amp and eng.config.precision != "fp32":
-            raise UserLoopError(f"the wrapped model called under torch.autocast and a wrapper in "
-                                f"{eng.config.precision}: one of them sets the compute dtype; keep the autocast "
-                                "(Lightning's 'bf16-mixed', accelerate's mixed_precision) over an fp32 wrapper, or "
-                                "the wrapper's mixed_precision without an autocast")
+        wrapper_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(eng.config.precision)
+        if amp and wrapper_dtype is not None and any(dtype != wrapper_dtype for _, dtype in amp):
+            raise UserLoopError(f"the wrapped model called under torch.autocast({amp[0][1]}) and a wrapper in "
+                                f"{eng.config.precision}: one of them sets the compute dtype; give them the same "
+                                "dtype (FSDP's recipe: MixedPrecision(param_dtype=torch.float16) under "
+                                "autocast(dtype=torch.float16)), or keep the autocast (Lightning's 'bf16-mixed', "
+                                "accelerate's mixed_precision) over an fp32 wrapper")
         self.amp = amp        # the blocks' recompute and backward run under the forward's autocast
         if self.prepared is not None and torch.is_grad_enabled():
             self._skipped()

@@ -89,6 +89,32 @@ def test_fsdp1_shaped_loop_is_plain_pytorch_bitwise(G, window):
     _assert_weights(model.state_dict(), ref)
 
 
+def test_the_default_window_learns_the_loops_micro_batches_from_its_first_step():
+    """[Note: the window learns the loop's G]: FSDP(model) with no zerofit_config, 3 micro-batches per step: from
+    the second step the window holds 3 (one blocks' backward per step); a step of 2 runs its held backward at the
+    step; a step of 4 runs the 3 held ones' backward at the 4th forward and goes back to a window of one. Every
+    step bitwise plain PyTorch's."""
+    ref = _model()
+    model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
+    eng = model.zerofit_engine
+    data = tm.batches(6, 4)
+    data = [mbs[:3] for mbs in data[:3]] + [data[3][:2]] + [data[4]] + [data[5][:3]]
+    holds = []
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    got = []
+    for mbs in data:
+        for mb in mbs:
+            (model(**mb).loss / len(mbs)).backward()
+        got.append(float(model.clip_grad_norm_(0.5)))
+        opt.step()
+        opt.zero_grad()
+        holds.append(eng.window.hold)
+    want = [n for _, n in _loop(ref, data, clip=_torch_clip)]
+    assert holds == [3, 3, 3, 3, None, None], holds
+    assert got == want
+    _assert_weights(model.state_dict(), ref)
+
+
 def test_torchs_clip_grad_norm_over_the_wrapped_models_parameters_clips_the_engines_gradients():
     ref = _model()
     model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))

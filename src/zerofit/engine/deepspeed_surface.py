@@ -146,7 +146,7 @@ class DeepSpeedSurface:
         keeps nothing."""
         if inputs:
             batch = bind_inputs(self.adapter.model, inputs, batch)
-        G = self.config.gradient_accumulation_steps
+        G = self.window.G       # (the user's loop: the window it learnt)
         if (not self.config.managed_gradient_accumulation and self.window.micro_steps >= G
                 and torch.is_grad_enabled() and not self.window.unbounded):
             raise DeepSpeedUnsupported(

@@ -196,6 +196,7 @@ class Planning:
         self.checked_shape: tuple | None = None
         self.host16 = False
         self.chunk_loss_ok = False
+        self.held = 1        # the user's loop: micro-batches its window holds (learnt: Planning.hold_for)
 
     @property
     def current(self) -> Plan:
@@ -223,7 +224,7 @@ class Planning:
         if ids is None or self.checked_shape == tuple(ids.shape):
             return
         batch = BatchShape(ids.shape[0], ids.shape[-1], max(len(micro_batches),
-                                                             self.config.gradient_accumulation_steps))
+                                                             self.config.gradient_accumulation_steps, self.held))
         try:
             check = self.replan(batch)   # PlanError before anything of this step is allocated
         except PlanError as e:
@@ -239,6 +240,15 @@ class Planning:
         self.checked_shape = tuple(ids.shape)
         self.plan_batch = batch
         self.batch_plan = check
+
+    def hold_for(self, G: int) -> None:
+        """The user's loop's window will hold ``G`` micro-batches (their checkpoints until the step's blocks
+        backward): the plan for the batch checked so far, with them; PlanError (nothing changed) if they do not
+        fit the kept placement."""
+        b = self.plan_batch
+        batch = BatchShape(b.micro_batch, b.seq_len, max(G, b.grad_accum))
+        check = self.replan(batch)
+        self.plan_batch, self.batch_plan, self.held = batch, check, G
 
     def checkpoint_args(self, streaming: bool) -> dict:
         """How a training forward keeps its block checkpoints, as the plan for the batch says ([Note: offloaded

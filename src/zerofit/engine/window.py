@@ -95,10 +95,18 @@ class Window:
         # the user's loop ([Note: the user's loop drives the engine], userloop): any number of micro-batches per
         # step, the held ones' blocks backward whenever G of them are held
         self.unbounded: bool = carry.unbounded if carry is not None else False
+        # the user's loop with the default window: the loop's G, learnt from its first step (None: the config's)
+        self.hold: int | None = carry.hold if carry is not None else None
 
     @property
     def G(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self.hold if self.hold is not None else self.config.gradient_accumulation_steps
+
+    def hold_micro_batches(self, n: int | None) -> None:
+        """The user's loop: hold ``n`` micro-batches before their blocks' backward (None: back to a window of one
+        that takes any number, each micro-batch's blocks backward at its own ``backward()``)."""
+        self.hold = n
+        self.unbounded = n is None
 
     def reset(self) -> None:
         """Drop the window in progress (a failed step): nothing of it is left."""

@@ -46,12 +46,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sys
 import threading
 import weakref
 
 import torch
 from torch import nn
+
+from zerofit.engine.plan import PlanError
+
+log = logging.getLogger("zerofit")
 
 _LIVE: "weakref.WeakSet[UserLoop]" = weakref.WeakSet()
 _HOOKED = []
@@ -114,6 +119,8 @@ class UserLoop:
         # any number of micro-batches per step with a window of one (each micro-batch's blocks backward at its own
         # backward(): the sums come in plain autograd's order); a window of G > 1 holds exactly the loop's G
         self.engine.window.any_number_of_micro_batches(self.engine.config.gradient_accumulation_steps == 1)
+        # [Note: the window learns the loop's G]: with the default window, from the first step's micro-batches
+        self.learn_window = self.engine.config.gradient_accumulation_steps == 1 and self.engine.adapter.streaming
         self.engine.stepper.torch_clip.follow(self._clip_order())
         self.params = {id(p) for p in self.engine.module.parameters()}
         self.prepared = None                         # the step prepared by a clip, applied at optimizer.step()
@@ -144,6 +151,8 @@ class UserLoop:
     def forward(self, *args, **kwargs):
         eng = self.engine
         G = eng.config.gradient_accumulation_steps
+        if eng.window.hold is not None and eng.window.micro_steps >= eng.window.hold and torch.is_grad_enabled():
+            self._unhold()          # more micro-batches than the window learnt: back to a window of one
         if G > 1 and eng.window.micro_steps >= G and torch.is_grad_enabled():
             raise UserLoopError(f"micro-batch {G + 1} of a step with zerofit_config gradient_accumulation_steps {G}: "
                                 "the window holds that many micro-batches before their blocks' backward, and "
@@ -248,10 +257,12 @@ class UserLoop:
         """A prepared step whose ``optimizer.step()`` never came (a GradScaler found an overflow): not applied."""
         prepared, self.prepared = self.prepared, None
         eng = self.engine
+        n = eng.window.micro_steps
         with eng.guard(discard_step=True):
             eng.stepper.discard_grads()
             eng.window.stepped()
             eng.end_step(False, prepared.norm)
+        self._learn_window(n)
 
     def on_step(self, optimizer) -> None:
         """The user's ``optimizer.step()``: the engine's updates, with the optimizer's settings now. A GradScaler
@@ -268,10 +279,51 @@ class UserLoop:
         if grad_scale is not None:       # the fused kernel's own unscaling: grad / grad_scale
             prepared = prepared._replace(factor=prepared.factor / float(grad_scale))
         eng = self.engine
+        n = eng.window.micro_steps
         with eng.guard(discard_step=True):
             applied, norm = eng.stepper.apply(prepared)
             eng.window.stepped()
             eng.end_step(applied, norm)
+        self._learn_window(n)
+
+    def _learn_window(self, n: int) -> None:
+        """[Note: the window learns the loop's G]
+        With the default window (``gradient_accumulation_steps`` 1: each micro-batch's blocks backward at its own
+        ``backward()``, the gradients summed on the host), every micro-batch of a step uploads every streamed block
+        for its backward and downloads its gradient: 1,956 tokens/s on W7 (W1, 4 micro-batches, the H200), against
+        5,362 with the window of the loop's 4 held (2026-12-02, docs/benchmarks.md). The loop's G is not known
+        when it is wrapped, but its first step shows it: from the second step on the window holds that many
+        micro-batches and runs each block's backward over all of them at the step, where the plan fits their
+        checkpoints (Planning.hold_for; else it stays as it is, said once). The sums are the same: the window's
+        block backward adds the micro-batches' gradients in their order, as the host's adds did (bitwise plain
+        PyTorch's for untied models either way; with a tied head both windows add the head's part elsewhere, to
+        rounding: docs/fsdp.md). A step with more micro-batches than learnt runs the held ones' backward when the
+        next comes and goes back to a window of one for good (``_unhold``): the sums stay in the loop's order."""
+        if not self.learn_window:
+            return
+        self.learn_window = False
+        if n < 2:
+            return
+        eng = self.engine
+        try:
+            eng.planning.hold_for(n)
+        except PlanError as e:
+            log.info("zerofit: the loop's %d micro-batches per step do not fit their checkpoints in the plan; each "
+                     "micro-batch's blocks run their backward at its own backward() (%s)", n, str(e).split("\n")[0])
+            return
+        eng.window.hold_micro_batches(n)
+        log.info("zerofit: the loop takes %d micro-batches per step: from its second step the window holds them and "
+                 "runs each block's backward over all of them at the step ([Note: the window learns the loop's G])", n)
+
+    def _unhold(self) -> None:
+        """[Note: the window learns the loop's G]: more micro-batches in a step than learnt."""
+        eng = self.engine
+        with eng.guard(discard_step=True):
+            eng.window.before_step()          # the held micro-batches' blocks backward, in their order
+        eng.window.hold_micro_batches(None)
+        eng.planning.held = 1
+        log.info("zerofit: a step with more than %d micro-batches: each micro-batch's blocks run their backward at "
+                 "its own backward() from here", eng.window.micro_steps)
 
     def follow(self, optimizer) -> None:
         """``optimizer`` is this loop's (checked; refused by name otherwise): its steps, settings and state dicts

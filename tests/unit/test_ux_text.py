@@ -193,7 +193,7 @@ def test_a_first_micro_batch_larger_than_the_one_placed_for_names_the_batch_to_g
     p = object.__new__(planning.Planning)      # Planning's own start-up asks the GPU for its budget
     p.config, p.shape, p.on_cuda, p.plan_batch = config, shape, True, BatchShape(1, 16, 1)
     p.plan = make_plan(shape, p.plan_batch, **args, device_budget=tight)
-    p.batch_plan, p.checked_shape, p.host16 = None, None, False
+    p.batch_plan, p.checked_shape, p.host16, p.held = None, None, False, 1
     p.ensure([{"input_ids": torch.zeros(1, 16, dtype=torch.long)}])      # the batch placed for fits
     kept = p.batch_plan
     with pytest.raises(PlanError) as e:

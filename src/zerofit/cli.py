@@ -239,6 +239,9 @@ def train(
     paths = list(data or []) + list(more_data or [])
     if gpus > 1 and model is None:
         _fail(console, "--gpus needs --model (the demo trains on one device)")
+    from zerofit.engine import slurm
+
+    slurm.adopt()      # under srun: its tasks are the ranks ([Note: srun is a launcher too])
     if gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         raise typer.Exit(_relaunch(gpus))
     if model is None:

@@ -391,6 +391,48 @@ def test_a_lightning_module_on_two_ranks_trains_as_lightnings_own_ddp(tmp_path, 
         torch.testing.assert_close(mine[n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
+def _srun(tmp_path, tasks: int, nodes: int, timeout: float = 120):
+    """``tasks`` processes with the variables ``srun --nodes NODES --ntasks TASKS`` sets (on this one host), none
+    of torchrun's: (return codes, stderr texts, the outputs' path)."""
+    out = tmp_path / "srun"
+    script = ROOT / "tests" / "support" / "srun_script.py"
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    per_node = tasks // nodes
+    job = str(_port() - 15000)      # the job's id: every task derives the same port from it
+    procs = []
+    for r in range(tasks):
+        env = {**base, "SLURM_PROCID": str(r), "SLURM_NTASKS": str(tasks), "SLURM_LOCALID": str(r % per_node),
+               "SLURM_NODEID": str(r // per_node), "SLURM_NNODES": str(nodes),
+               "SLURM_TASKS_PER_NODE": f"{per_node}(x{nodes})", "SLURM_JOB_NODELIST": "localhost",
+               "SLURM_JOB_ID": job, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+        procs.append(subprocess.Popen([sys.executable, str(script), str(out), str(STEPS), str(G)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    return [p.returncode for p in procs], errs, out
+
+
+def test_srun_tasks_on_one_node_are_the_ranks(tmp_path):
+    """[Note: srun is a launcher too]: 2 tasks with SLURM's variables only; the engine makes the group from them
+    (rank, world, the first host of the node list, a port from the job id) and trains as plain PyTorch on the global
+    batch; the user's script reads no rank."""
+    rcs, errs, out = _srun(tmp_path, tasks=2, nodes=1)
+    _ok(rcs, errs)
+    result = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    assert all(r["world"] == 2 for r in result) and [r["env_rank"] for r in result] == ["0", "1"]
+    ref_losses, (weights, _) = _reference(2, STEPS)
+    for n, w in weights.items():
+        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+
+
+def test_an_srun_job_over_two_nodes_is_refused_by_name(tmp_path):
+    rcs, errs, _ = _srun(tmp_path, tasks=2, nodes=2)
+    assert rcs == [1, 1], rcs
+    assert all("zerofit runs its ranks on one host for now (WORLD_SIZE 2, LOCAL_WORLD_SIZE 1)" in e for e in errs), errs[0][-2000:]
+
+
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
     """Rank 1 gets a bad batch at its second step and raises; rank 0, waiting in a collective, must not hang:
     it fails too, naming rank 1 and the cause."""

@@ -164,11 +164,15 @@ def check_ranks(config: ZerofitConfig, ranks) -> None:
 
 
 def world_size() -> int:
-    """The number of ranks of the process group (made, or described by torchrun's environment)."""
+    """The number of ranks of the process group (made, or described by torchrun's environment, or by srun's:
+    [Note: srun is a launcher too], slurm.py)."""
     import torch.distributed as dist
+
+    from zerofit.engine import slurm
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
+    slurm.adopt()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 

@@ -77,6 +77,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zerofit.engine import slurm
+
 log = logging.getLogger("zerofit")
 
 _FAILED = "zerofit/failed"
@@ -213,7 +215,9 @@ class Ranks:
     def setup(cls, device_type: str, timeout_s: float, bind_cores: bool = True) -> "Ranks":
         """The process group from the environment ``torchrun`` sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
         ...), or the one the caller (or an earlier engine) already made; NCCL for GPUs, gloo for the CPU. One
-        process: ``Ranks()``. [Note: a process group that lives]."""
+        process: ``Ranks()``. Under ``srun`` SLURM's variables stand for torchrun's ([Note: srun is a launcher
+        too], slurm.py). [Note: a process group that lives]."""
+        slurm.adopt()
         if not dist.is_available() or (not dist.is_initialized() and not _launched()):
             return cls()
         owns = False

@@ -140,6 +140,9 @@ def run_training(opts: TrainOptions, console: Console | None = None, *, run_lock
     KeyboardInterrupt); one that lets the step finish returns the result, ``interrupted``."""
     console = console or Console()
     # several ranks: rank 0 holds the folder for all of them (the others write only below it, ranks/rankN/)
+    from zerofit.engine import slurm
+
+    slurm.adopt()      # under srun: SLURM's variables as torchrun's ([Note: srun is a launcher too])
     rank = int(os.environ.get("RANK", "0"))
     own = run_lock is None and rank == 0
     lock = hold_run_folder(opts.output) if own else run_lock

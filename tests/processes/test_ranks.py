@@ -34,16 +34,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, spec: dict, tmp: Path, timeout: float = 240.0, env_extra: dict | None = None):
+def launch(world: int, spec: dict, tmp: Path, timeout: float = 240.0, env_extra: dict | None = None,
+           per_node: int | None = None):
     """Run ``world`` ranks; returns (return codes, stderr texts, rank 0's output or None). ``spec["runs"]``: several
     runs in the same processes; the output is then the list of their outputs."""
     out = tmp / f"out-{time.monotonic_ns()}.pt"
     if "runs" in spec:
         spec = {"G": G, **spec, "runs": [{**r, "out": f"{out}.{i}"} for i, r in enumerate(spec["runs"])]}
-        rcs, errs = _start(world, spec, timeout, env_extra)
+        rcs, errs = _start(world, spec, timeout, env_extra, per_node)
         return rcs, errs, [_collect(Path(r["out"]), world) for r in spec["runs"]]
     spec = {"G": G, **spec, "out": str(out)}
-    rcs, errs = _start(world, spec, timeout, env_extra)
+    rcs, errs = _start(world, spec, timeout, env_extra, per_node)
     return rcs, errs, _collect(out, world)
 
 
@@ -56,12 +57,16 @@ def _collect(out: Path, world: int):
     return result
 
 
-def _start(world: int, spec: dict, timeout: float, env_extra: dict | None):
+def _start(world: int, spec: dict, timeout: float, env_extra: dict | None, per_node: int | None = None):
+    """``per_node``: ranks per simulated node (torchrun --nnodes world/per_node, each with its --node-rank: the
+    node's ranks share its own host arenas); None: one node."""
     port = _port()
     procs = []
+    L = per_node or world
     for r in range(world):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r % L),
+               "LOCAL_WORLD_SIZE": str(L), "GROUP_RANK": str(r // L), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
                                                                             if os.environ.get("PYTHONPATH") else [])),
                **(env_extra or {})}
@@ -427,10 +432,64 @@ def test_srun_tasks_on_one_node_are_the_ranks(tmp_path):
     torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
-def test_an_srun_job_over_two_nodes_is_refused_by_name(tmp_path):
-    rcs, errs, _ = _srun(tmp_path, tasks=2, nodes=2)
-    assert rcs == [1, 1], rcs
-    assert all("zerofit runs its ranks on one host for now (WORLD_SIZE 2, LOCAL_WORLD_SIZE 1)" in e for e in errs), errs[0][-2000:]
+def test_an_srun_job_over_two_nodes_trains_as_one_process(tmp_path):
+    """Two nodes of one task each ([Note: nodes hold the state whole]): each node's host state whole, the
+    gradients all-reduced across the nodes; plain PyTorch on the global batch."""
+    rcs, errs, out = _srun(tmp_path, tasks=2, nodes=2)
+    _ok(rcs, errs)
+    result = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    ref_losses, (weights, _) = _reference(2, STEPS)
+    for n, w in weights.items():
+        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+
+
+_NODES = ["offload", "mixed", "clip", "fp16"]      # one launch of 2 simulated nodes x 2 ranks runs these
+
+
+@pytest.fixture(scope="module")
+def on_nodes(tmp_path_factory):
+    """2 simulated nodes of 2 ranks each (4 processes, torchrun's variables per node), the runs of _NODES."""
+    tmp = tmp_path_factory.mktemp("nodes")
+    rcs, errs, results = launch(4, {"runs": [_run_spec(n) for n in _NODES]}, tmp, timeout=600, per_node=2)
+    _ok(rcs, errs)
+    return dict(zip(_NODES, results))
+
+
+@pytest.mark.parametrize("placement", ["offload", "mixed"])
+def test_two_nodes_train_like_one_process(placement, on_nodes):
+    """[Note: nodes hold the state whole]: each node's 2 ranks shard its own copy of the host state (the shards
+    tile each unit inside the node), every node maps arenas of its own, and the weights, moments and losses are
+    plain PyTorch's on the global batch of 4 ranks."""
+    result = on_nodes[placement]
+    ref_losses, ref_weights = _reference(4, STEPS)
+    _check(result, ref_losses, ref_weights)
+    states = result["ranks"]
+    assert [st["shards"] for st in states[:2]] == [st["shards"] for st in states[2:]]     # the same cut per node
+    for name, (_, _, numel) in states[0]["shards"].items():
+        assert sum(st["shards"][name][1] - st["shards"][name][0] for st in states[:2]) == numel
+    inodes = [set(st["inodes"]) for st in states]
+    assert inodes[0] == inodes[1] and inodes[2] == inodes[3] and not inodes[0] & inodes[2], inodes
+
+
+def test_two_nodes_clip_and_skip_overflows_together(on_nodes):
+    """Clipping by the global norm and an fp16 overflow on 2 nodes: the norm over the node's shards of the
+    gradients reduced over every rank; every rank skips the same steps."""
+    import zerofit
+
+    world, result = 4, on_nodes["clip"]
+    ref_losses, ref_weights = _reference(world, STEPS, clip=0.74)
+    _check(result, ref_losses, ref_weights)
+    fp16 = on_nodes["fp16"]
+    skipped = [st["skipped"] for st in fp16["ranks"]]
+    assert skipped[0] > 0 and skipped == [skipped[0]] * world, skipped
+    torch.manual_seed(0)
+    one = zerofit.initialize(tm.llama(), {**_fp16_cfg(), "gradient_accumulation_steps": G * world})
+    losses = [one.train_batch(mbs) for mbs in tm.batches(6, G * world)]
+    assert one.skipped_steps == skipped[0]
+    for n, w in one.master_state_dict().items():
+        torch.testing.assert_close(fp16["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    one.close()
 
 
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):

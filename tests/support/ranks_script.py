@@ -138,6 +138,7 @@ def run(spec: dict) -> None:
     # the host state is in one shared mapping per arena (memfd), not copied per rank: this run's mappings (an
     # earlier run's engine, closed, may sit in a reference cycle with its arena mapped until the collector runs)
     state["shared_mappings"] = sum(1 for inode in _state_mappings(unique=False) if inode not in earlier)
+    state["inodes"] = sorted(_state_mappings() - earlier)      # which arenas (a node's own: [Note: nodes ...])
     state["shards"] = {u.name: (u.lo, u.hi, u.numel) for u in engine.units}
     state["streamed"] = sum(1 for u in engine.blocks if u.home.name == "STREAMED")
     c10d = torch.distributed.distributed_c10d      # the groups the engine used (by name), and how many exist

@@ -447,7 +447,7 @@ class Engine(DeepSpeedSurface):
         if self.ranks.many:     # the loss of the global batch, the same on every rank
             part = torch.stack([mean.nan_to_num(0.0) * len(scored), torch.tensor(float(len(scored)),
                                                                                device=self.dev.device)])
-            total, count = self.ranks.all_reduce(part).tolist()
+            total, count = self.ranks.all_reduce_world(part).tolist()
             mean = torch.tensor(total / count if count else math.nan)
         applied, norm = self.stepper.finish()
         loss_value = mean.item()              # the loss read: a device sync ([Note: events, not device syncs])

@@ -79,7 +79,9 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
     off = config.offload
     disk = "nvme" in (off.param_device, off.optimizer_device)
     # several ranks: the GPU-resident units' optimizer state is sharded ([Note: sharded device state])
-    shards = config.world_size if config.world_size > 1 and config.sharding != "NO_SHARD" else 1
+    # (several nodes: a node's ranks share the shards, [Note: nodes hold the state whole], ranks.py)
+    per_node = min(config.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)))
+    shards = per_node if config.world_size > 1 and config.sharding != "NO_SHARD" else 1
     on_gpus = device_state(config)
     return dict(compute_dtype=dtype, on_cuda=on_cuda, deferred_updates=deferred, shards=shards,
                 ranks=config.world_size, device_state=on_gpus,

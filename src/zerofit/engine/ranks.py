@@ -145,16 +145,30 @@ class _Process:
         self.group = dist.distributed_c10d._get_default_group()
         self.finalize_at_exit()
 
-    def groups(self, world: int) -> tuple:
-        """The gather and reduce groups of the current default group: made at its first engine, then reused."""
+    def groups(self, world: int, local_world: int, rank: int) -> tuple:
+        """The gather and reduce groups of this rank's node and its cross-node group (the ranks of the same local
+        rank on every node; None on one node) of the current default group: made at its first engine, then
+        reused. Every rank makes every node's groups, in the same order, as ``new_group`` requires."""
         default = dist.distributed_c10d._get_default_group()
         kept = self.subgroups
-        if kept is not None and kept[0] is default and all(g in dist.distributed_c10d._world.pg_map for g in kept[1:]):
+        live = dist.distributed_c10d._world.pg_map
+        if kept is not None and kept[0] is default and all(g in live for g in kept[1:] if g is not None):
             return kept[1:]
-        gather = dist.new_group(list(range(world)))
-        reduce = dist.new_group(list(range(world)))
-        self.subgroups = (default, gather, reduce)
-        return gather, reduce
+        nodes = world // local_world
+        node, local = divmod(rank, local_world)
+        gather = reduce = cross = None
+        for n in range(nodes):
+            members = list(range(n * local_world, (n + 1) * local_world))
+            g, r = dist.new_group(members), dist.new_group(members)
+            if n == node:
+                gather, reduce = g, r
+        if nodes > 1:
+            for i in range(local_world):
+                c = dist.new_group([n * local_world + i for n in range(nodes)])
+                if i == local:
+                    cross = c
+        self.subgroups = (default, gather, reduce, cross)
+        return gather, reduce, cross
 
 
 _PROCESS = _Process()
@@ -197,17 +211,26 @@ class Ranks:
     rank: int = 0
     local_rank: int = 0
     local_world: int = 1
-    gather_group: object = None
-    reduce_group: object = None
+    gather_group: object = None      # this node's ranks ([Note: nodes hold the state whole])
+    reduce_group: object = None      # this node's ranks
     owns_group: bool = False          # this engine made the default group (which outlives it: [Note: a process
     #                                   group that lives])
     failed_key: str = _FAILED         # this engine's failure key in the group's store ([Note: a failing rank])
+    cross_group: object = None        # this local rank on every node; None on one node
     _stop: threading.Event = field(default_factory=threading.Event)   # closed: the monitor lets it be
     _mappings: list = field(default_factory=list)
 
     @property
     def many(self) -> bool:
         return self.world > 1
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.local_world
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world
 
     # ------------------------------------------------------------------ set-up
 
@@ -237,14 +260,15 @@ class Ranks:
                         "engine: torch.distributed.init_process_group('cpu:gloo,cuda:nccl')",
                         dist.get_backend(), device_type, backend)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-        if local_world != world:
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+        if world % local_world or rank // local_world * local_world + local_rank != rank:
             raise NotImplementedError(
-                f"zerofit runs its ranks on one host for now (WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}): "
-                "the host state is shared by the host's ranks ([Note: sharded units], zerofit/engine/ranks.py)")
-        gather, reduce = _PROCESS.groups(world)
+                f"WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}, RANK {rank}, LOCAL_RANK {local_rank}: zerofit "
+                "runs the same number of ranks on every node, numbered node by node (as torchrun and srun do)")
+        gather, reduce, cross = _PROCESS.groups(world, local_world, rank)
         _PROCESS.engines += 1
-        r = cls(world, rank, int(os.environ.get("LOCAL_RANK", str(rank))), local_world, gather, reduce, owns,
-                f"{_FAILED}/{_restart()}/{_PROCESS.engines}")
+        r = cls(world, rank, local_rank, local_world, gather, reduce, owns,
+                f"{_FAILED}/{_restart()}/{_PROCESS.engines}", cross_group=cross)
         log.info("zerofit: rank %d of %d, %d torch threads", rank, world, r._share_cores(bind_cores))
         _PROCESS.watch(r)
         return r
@@ -264,16 +288,17 @@ class Ranks:
     # ------------------------------------------------------------------ shards
 
     def shard_size(self, numel: int) -> int:
-        return -(-numel // self.world)
+        return -(-numel // self.local_world)
 
     def padded(self, numel: int) -> int:
-        """Device buffers of a unit hold this many elements: N equal shards."""
-        return self.shard_size(numel) * self.world
+        """Device buffers of a unit hold this many elements: one equal shard per rank of the node."""
+        return self.shard_size(numel) * self.local_world
 
     def bounds(self, numel: int) -> tuple[int, int]:
-        """This rank's shard ``[lo, hi)`` of a unit of ``numel`` elements (empty past the end)."""
+        """This rank's shard ``[lo, hi)`` of a unit of ``numel`` elements (empty past the end): its node's
+        ``local_rank``-th ([Note: nodes hold the state whole])."""
         s = self.shard_size(numel)
-        lo = min(self.rank * s, numel)
+        lo = min(self.local_rank * s, numel)
         return lo, min(lo + s, numel)
 
     # ------------------------------------------------------------------ collectives
@@ -281,31 +306,42 @@ class Ranks:
     def gather(self, full: torch.Tensor, numel: int) -> None:
         """``full`` (at least ``padded(numel)`` elements) holds this rank's shard in place; fill in the rest."""
         s = self.shard_size(numel)
-        out = full[: s * self.world]
-        mine = out[self.rank * s:(self.rank + 1) * s]
+        out = full[: s * self.local_world]
+        mine = out[self.local_rank * s:(self.local_rank + 1) * s]
         if out.device.type == "cpu":       # gloo: no in-place gather
             mine = mine.clone()
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         fn(out, mine, group=self.gather_group)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, numel: int) -> None:
-        """``out`` (shard-sized) = this rank's shard of the sum of every rank's ``full`` (padded)."""
+        """``out`` (shard-sized) = this rank's shard of the sum of every rank's ``full`` (padded): reduce-scattered
+        inside the node, then (several nodes) all-reduced across the nodes ([Note: nodes hold the state whole])."""
         s = self.shard_size(numel)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        fn(out[:s], full[: s * self.world], group=self.reduce_group)
+        fn(out[:s], full[: s * self.local_world], group=self.reduce_group)
+        if self.cross_group is not None:
+            dist.all_reduce(out[:s], group=self.cross_group)
 
     def all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
-        if self.many:
+        """The sum over this node's ranks: of what each holds of the shards (a norm's squares), which every node
+        holds alike once the gradients are reduced ([Note: nodes hold the state whole])."""
+        if self.local_world > 1:
             dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.reduce_group)
+        return t
+
+    def all_reduce_world(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """The sum over every rank (every node's): replicated gradients, losses, flags."""
+        if self.many:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.reduce_group if self.nodes == 1 else None)
         return t
 
     def broadcast(self, t: torch.Tensor) -> None:
         if self.many:
-            dist.broadcast(t, 0, group=self.reduce_group)
+            dist.broadcast(t, 0, group=self.reduce_group if self.nodes == 1 else None)
 
     def barrier(self) -> None:
         if self.many:
-            dist.barrier(group=self.reduce_group)
+            dist.barrier(group=self.reduce_group if self.nodes == 1 else None)
 
     def objects(self, value) -> list:
         """Every rank's ``value`` (pickled), in rank order."""
@@ -329,7 +365,7 @@ class Ranks:
             path = f"/proc/{os.getpid()}/fd/{fd}"
         else:
             path = None
-        path = self.objects(path)[0]
+        path = self.objects(path)[self.rank - self.local_rank]     # this node's local rank 0's
         if fd is None:
             fd = os.open(path, os.O_RDWR)
         try:

@@ -214,12 +214,12 @@ class Step:
                     elif u.shard_state:
                         dev_grads[id(u)] = self.sharding.reduce_scatter(u)
                     else:
-                        self.ranks.all_reduce(u.grad)
+                        self.ranks.all_reduce_world(u.grad)
         if not self.deferred:     # [Note: non-finite gradients without a norm]
             for u in device_units:
                 self.grads.flag(u, dev_grads.get(id(u), u.grad))
             bad = self.grads.bad_run
-            bad = self.ranks.all_reduce(bad.reshape(1).clone()) if self.ranks.many else bad
+            bad = self.ranks.all_reduce_world(bad.reshape(1).clone()) if self.ranks.many else bad
             if float(bad):        # a device sync, before the device's AdamW kernels are enqueued
                 self._refuse_nonfinite(host_units, device_units, shell_assisted)
         if self.deferred:
@@ -366,7 +366,8 @@ class Step:
         flags = self.grads.bad_dev.to("cpu")
         applied = [u for u in host_units if not flags[u.index + 1]]
         if self.ranks.many:     # every rank decides alike
-            torn = bool(self.ranks.all_reduce(torch.tensor([float(len(applied))], device=self.dev.device)).item())
+            torn = bool(self.ranks.all_reduce_world(torch.tensor([float(len(applied))],
+                                                                 device=self.dev.device)).item())
         else:
             torn = bool(applied)
         for u in host_units:    # the device's updates in the backward counted their step on the host first

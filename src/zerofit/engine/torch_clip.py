@@ -154,7 +154,7 @@ class TorchClip:
         sq = torch.zeros((), dtype=torch.float32, device=device)
         for u, flat in zip(units, flats):
             # a replicated unit (whole and averaged on every rank) counted once; a shard by the rank holding it
-            if u.shard_state or not u.optimizer_on_device or self.ranks.rank == 0:
+            if u.shard_state or not u.optimizer_on_device or self.ranks.local_rank == 0:
                 sq += torch.linalg.vector_norm(flat, 2.0).to(device) ** 2
         total = self.ranks.all_reduce(sq.reshape(1)).reshape(()).sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

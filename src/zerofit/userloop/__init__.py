@@ -247,7 +247,7 @@ class UserLoop:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv_scale.to(dev, copy=True))
                 out[dev] = fi
             if ranks.many:     # each rank holds its shards: an overflow on one skips the step on every rank
-                total = ranks.all_reduce(torch.stack([f.to(self.engine.dev.device).reshape(()) for f in out.values()])
+                total = ranks.all_reduce_world(torch.stack([f.to(self.engine.dev.device).reshape(()) for f in out.values()])
                                          .sum().reshape(1))
                 for dev, fi in out.items():
                     fi.copy_((total > 0).to(fi.dtype).to(dev).reshape(fi.shape))

@@ -554,6 +554,49 @@ def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
     back.close()
 
 
+def test_a_checkpoint_saved_on_two_nodes_resumes_on_one_node_and_one_process(tmp_path):
+    """4 micro-batches per step throughout: 2 steps in one process, saved; 2 more on 2 nodes of 2 ranks (G=1) from
+    it, saved and exported; 2 more on one node of 2 ranks (G=2) from that; the last checkpoint in one process. The
+    losses and weights of 6 uninterrupted steps of plain PyTorch; the export from the nodes loads with
+    from_pretrained."""
+    import zerofit
+    from transformers import AutoModelForCausalLM
+
+    total, mbs = 6, 4
+    torch.manual_seed(0)
+    ref = tm.llama()
+    ref_losses = tm.reference_train(ref, tm.batches(total, mbs))
+    ref_weights = {n: p.detach() for n, p in ref.named_parameters()}
+    cfg = _cfg(**_PLACEMENTS["mixed"])
+    torch.manual_seed(0)
+    one = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})
+    losses = [one.train_batch(b) for b in tm.batches(total, mbs)[:2]]
+    one.save_checkpoint(tmp_path / "ck", tag="one")
+    one.close()
+    rcs, errs, nodes = launch(4, {"G": 1, "steps": 2, "steps_total": total, "first": 2,
+                                  "config": {**cfg, "gradient_accumulation_steps": 1}, "load": str(tmp_path / "ck"),
+                                  "save": str(tmp_path / "ck"), "tag": "nodes", "export": str(tmp_path / "hf")},
+                              tmp_path, timeout=300, per_node=2)
+    _ok(rcs, errs)
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    exported = {n: p.detach().clone() for n, p in out.named_parameters()}
+    for n, w in nodes["master"].items():
+        torch.testing.assert_close(exported[n], w, rtol=0, atol=0)
+    rcs, errs, two = launch(2, {"G": 2, "steps": 2, "steps_total": total, "first": 4,
+                                "config": {**cfg, "gradient_accumulation_steps": 2}, "load": str(tmp_path / "ck"),
+                                "save": str(tmp_path / "ck"), "tag": "two"}, tmp_path, timeout=300)
+    _ok(rcs, errs)
+    losses += nodes["state"]["losses"] + two["state"]["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5)
+    for n, w in ref_weights.items():
+        torch.testing.assert_close(two["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    back = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})
+    back.load_checkpoint(tmp_path / "ck")
+    assert back.global_step == total
+    assert all(torch.equal(w, two["master"][n]) for n, w in back.master_state_dict().items())
+    back.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 @pytest.mark.parametrize("placement", ["offload", "mixed", "full-shard"])
 def test_ranks_on_two_gpus_with_nccl(placement, tmp_path):

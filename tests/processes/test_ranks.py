@@ -492,6 +492,19 @@ def test_two_nodes_clip_and_skip_overflows_together(on_nodes):
     one.close()
 
 
+def test_a_failing_node_ends_every_rank_naming_its_rank_and_node(tmp_path):
+    """2 simulated nodes of 2 ranks: rank 3 (node 1) gets a bad batch and raises; every rank of both nodes fails
+    within a bounded time, naming the rank and its node."""
+    t = time.monotonic()
+    rcs, errs, result = launch(4, {"steps": 3, "steps_total": 3, "config": _cfg(), "fail_rank": 3, "fail_step": 1},
+                               tmp_path, timeout=120, per_node=2)
+    assert all(rc != 0 for rc in rcs), rcs
+    assert "labels must have input_ids" in errs[3]
+    for r in (0, 1, 2):
+        assert "another rank failed first (rank 3 (node 1): BatchError" in errs[r], errs[r][-3000:]
+    assert result is None and time.monotonic() - t < 90
+
+
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
     """Rank 1 gets a bad batch at its second step and raises; rank 0, waiting in a collective, must not hang:
     it fails too, naming rank 1 and the cause."""

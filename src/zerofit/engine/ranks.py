@@ -232,6 +232,11 @@ class Ranks:
     def node(self) -> int:
         return self.rank // self.local_world
 
+    @property
+    def who(self) -> str:
+        """This rank as a failure names it: ``rank 3``, with several nodes ``rank 3 (node 1)``."""
+        return f"rank {self.rank}" + (f" (node {self.node})" if self.nodes > 1 else "")
+
     # ------------------------------------------------------------------ set-up
 
     @classmethod
@@ -385,7 +390,7 @@ class Ranks:
         """Record this rank's failure (the first failure of the group wins)."""
         if not self.many or isinstance(err, RankFailedError):
             return
-        cause = f"rank {self.rank}: {type(err).__name__}: {err}"
+        cause = f"{self.who}: {type(err).__name__}: {err}"
         try:
             self._store().compare_set(self.failed_key, "", cause)
         except Exception as e:       # noqa: BLE001 - the store may be gone already
@@ -407,7 +412,7 @@ class Ranks:
     def peer_error(self, err: BaseException) -> BaseException:
         """An error a collective raised, named after the rank that failed first when one did."""
         cause = self.failure()
-        if cause and not cause.startswith(f"rank {self.rank}:"):
+        if cause and not cause.startswith(f"{self.who}:"):
             return RankFailedError(f"another rank failed first ({cause}); this rank (rank {self.rank}) stops too")
         return err
 
@@ -415,7 +420,7 @@ class Ranks:
         """The monitor's poll of this engine's key: another rank's failure ends this process unless this engine
         ends (closes, or fails itself) within the grace period."""
         cause = self.failure()
-        if self._stop.is_set() or not cause or cause.startswith(f"rank {self.rank}:"):
+        if self._stop.is_set() or not cause or cause.startswith(f"{self.who}:"):
             return
         print(f"zerofit: rank {self.rank}: another rank failed ({cause}); ending this rank in "
               f"{_GRACE_S:.0f} s unless it ends by itself", file=sys.stderr, flush=True)

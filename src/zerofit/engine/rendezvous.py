@@ -63,7 +63,7 @@ def named_barrier(ranks, what: str, timeout_s: float) -> None:
     pause = 0.001
     while arrived < ranks.world:
         cause = ranks.failure()
-        if cause and not cause.startswith(f"rank {ranks.rank}:"):
+        if cause and not cause.startswith(f"{ranks.who}:"):
             raise RankFailedError(f"another rank failed first ({cause}); this rank (rank {ranks.rank}) stops too")
         if time.monotonic() >= deadline:
             absent = [r for r in range(ranks.world) if not store.check([f"{key}/rank{r}"])]

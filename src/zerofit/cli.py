@@ -196,6 +196,12 @@ def train(
     gpus: Annotated[int, typer.Option(
         min=1, help="Ranks on this host, one GPU each (launched with torchrun; with --device cpu, gloo "
                     "processes); the batch is per rank (with --model).")] = 1,
+    nnodes: Annotated[int, typer.Option(
+        min=1, help="Nodes of the run, each running this command with its --node-rank (torchrun's --nnodes; "
+                    "docs/ranks.md).")] = 1,
+    node_rank: Annotated[int, typer.Option(min=0, help="This node's index, 0 .. --nnodes - 1.")] = 0,
+    master_addr: Annotated[str, typer.Option(help="Node 0's address, where the ranks meet.")] = "127.0.0.1",
+    master_port: Annotated[int, typer.Option(help="Node 0's port for the rendezvous.")] = 29500,
     seed: Annotated[int | None, typer.Option(
         min=0, help="Random seed (seed): initialisation, dropout, data order and split.")] = None,
     eval_size: Annotated[float, typer.Option(
@@ -237,13 +243,15 @@ def train(
     """Fine-tune a Hugging Face model directory on your data (--model, --data), or train the embedded demo."""
     console = Console()
     paths = list(data or []) + list(more_data or [])
-    if gpus > 1 and model is None:
-        _fail(console, "--gpus needs --model (the demo trains on one device)")
+    if (gpus > 1 or nnodes > 1) and model is None:
+        _fail(console, "--gpus and --nnodes need --model (the demo trains on one device)")
+    if node_rank >= nnodes:
+        _fail(console, f"--node-rank {node_rank}: the nodes are 0 .. {nnodes - 1} (--nnodes {nnodes})")
     from zerofit.engine import slurm
 
     slurm.adopt()      # under srun: its tasks are the ranks ([Note: srun is a launcher too])
-    if gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        raise typer.Exit(_relaunch(gpus))
+    if (gpus > 1 or nnodes > 1) and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise typer.Exit(_relaunch(gpus, nnodes, node_rank, master_addr, master_port))
     if model is None:
         if paths:
             _fail(console, "--data needs --model (the model directory whose tokenizer reads it)")
@@ -320,20 +328,29 @@ def _train_model(console: Console, opts, lock) -> int:
     return exit_status(result.stop_signal) if result.interrupted else 0
 
 
-def _relaunch(gpus: int) -> int:
+_LAUNCH_OPTIONS = ("--gpus", "--nnodes", "--node-rank", "--master-addr", "--master-port")
+
+
+def _relaunch(gpus: int, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+              master_port: int = 29500) -> int:
     """This command again under torchrun, ``gpus`` ranks on this host (the process group comes from its
-    environment: docs/ranks.md). Returns torchrun's exit status (non-zero when any rank failed)."""
+    environment: docs/ranks.md); with ``nnodes`` > 1, this host as node ``node_rank`` of a run that meets at
+    ``master_addr:master_port`` (each node runs the same command with its own --node-rank). Returns torchrun's
+    exit status (non-zero when any rank failed)."""
     argv, skip = [], False
     for a in sys.argv[1:]:
         if skip:
             skip = False
             continue
-        if a == "--gpus":
+        if a in _LAUNCH_OPTIONS:
             skip = True
             continue
-        if not a.startswith("--gpus="):
+        if not a.startswith(tuple(f"{o}=" for o in _LAUNCH_OPTIONS)):
             argv.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+    where = (["--standalone"] if nnodes == 1 else
+             [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+              f"--master-port={master_port}"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={gpus}",
            "-m", "zerofit.cli", *argv]
     return subprocess.call(cmd)
 

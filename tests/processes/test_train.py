@@ -163,6 +163,39 @@ def test_every_train_option_reaches_the_run(workspace, tmp_path, monkeypatch):
     assert (o.seq_len, o.micro_batch_size, o.grad_accum, o.lr, o.precision, o.eval_size) == (32, 2, 2, 1e-3, "fp32", 2)
 
 
+def test_two_nodes_of_one_rank_train_like_one_process(workspace):
+    """`zerofit train --nnodes 2 --node-rank i --master-addr 127.0.0.1 --master-port P` started once per node (two
+    commands on this host, each torchrun's node; gloo on the CPU), 1 micro-batch per rank and step: the same losses
+    and exported weights as one process with 2 ([Note: nodes hold the state whole])."""
+    import socket
+
+    root, model, data = workspace
+    one, two = root / "run-one-n", root / "run-two-n"
+    base = ["--steps", "3", "--export-dtype", "fp32", "--eval-size", "2"]
+    res = CliRunner().invoke(app, _args(model, data, one, *base))
+    assert res.exit_code == 0, res.output
+    args = _args(model, data, two, *base)
+    args[args.index("--grad-accum") + 1] = "1"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src")] + ([os.environ["PYTHONPATH"]]
+                                                       if os.environ.get("PYTHONPATH") else [])), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "zerofit.cli", *args, "--nnodes", "2", "--node-rank", str(i),
+                               "--master-addr", "127.0.0.1", "--master-port", str(port)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=400) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][0][-3000:] + outs[0][1][-3000:] + outs[1][1][-2000:]
+    l1 = [r["loss"] for r in _records(one) if "loss" in r]
+    l2 = [r["loss"] for r in _records(two) if "loss" in r]
+    assert len(l2) == 3
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1.3e-6, atol=1e-5)
+    w1, w2 = _model_weights(one / "model"), _model_weights(two / "model")
+    for n in w1:
+        torch.testing.assert_close(w2[n], w1[n], rtol=1.3e-6, atol=1e-5)
+
+
 def test_two_ranks_train_like_one_process(workspace):
     """`zerofit train --gpus 2` (torchrun, gloo on the CPU) with 1 micro-batch per rank and step trains on the
     same global batches as one process with 2: the same losses and exported weights, at fp32 tolerances; rank 0

@@ -22,6 +22,22 @@ the blocks' forward and backward order; a prefetch therefore waits for a block w
 running (with one rank it passes over it), and gathers and reduce-scatters go through two process groups of
 their own, so that a prefetch's gather never queues behind a gradient's reduce-scatter.
 
+[Note: nodes hold the state whole]
+Several nodes (torchrun ``--nnodes``, an srun job over several nodes: ``WORLD_SIZE`` a multiple of
+``LOCAL_WORLD_SIZE``, ranks numbered node by node) run the *hybrid* layout, FSDP's ``HYBRID_SHARD``: each node
+holds the whole training state in its own host memory, shared by its ranks exactly as on one host (its arenas are
+its own: the memfd of the node's local rank 0), and the units are cut into one shard per rank of the node
+(``local_world`` shards; ``bounds`` by ``local_rank``). A block's 16-bit weights are all-gathered inside the node
+(``gather_group``); its gradient is reduce-scattered inside the node and then all-reduced across the nodes for
+each shard (``cross_group``: the ranks of the same local rank), so every node holds the same summed shard and
+applies the same update: the nodes stay identical without ever sending weights. The norm's squares are summed
+over the node's ranks only (``all_reduce``: every node has them alike); replicated gradients, losses and flags
+over every rank (``all_reduce_world``). Checkpoints: rank 0 writes the whole tensors from its node's state, every
+rank loads a checkpoint into its node's (a checkpoint from N nodes loads on M). What crosses the nodes per step:
+each rank's shard of every host-optimized gradient, all-reduced (about 2 (n-1)/n x 4 bytes per parameter per node
+in fp32), and the replicated units' gradients. The *full* layout (the host state sharded across the nodes too) is
+not built: a node must hold the whole state.
+
 [Note: a failing rank]
 A collective blocks until every rank joins it, so an exception on one rank would leave the others waiting
 forever. An error inside a zerofit call on any rank is recorded in the process group's store (the first one

@@ -109,6 +109,10 @@ def estimate(
     cpu: Annotated[bool, typer.Option("--cpu", help="Plan for training on the CPU instead of a GPU.")] = False,
     gpus: Annotated[int, typer.Option(
         min=1, help="Ranks on one host, one GPU each: GPU bytes per GPU, host bytes for the host (docs/ranks.md).")] = 1,
+    nnodes: Annotated[int, typer.Option(
+        min=1, help="Hosts, each with --gpus ranks and the whole state: the bytes that cross them per step.")] = 1,
+    inter_node_gbps: Annotated[float | None, typer.Option(
+        min=0.0, help="The bandwidth between the hosts, GB/s (with --nnodes): the time of those bytes.")] = None,
     measure: Annotated[bool, typer.Option(help="Measure this machine's speeds to predict the step time.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
     lora: Annotated[bool, typer.Option("--lora", help="Plan LoRA (r 16, alpha 32, all linears) over a frozen base.")]
@@ -146,7 +150,8 @@ def estimate(
         meta = meta_model(model_dir=model, shape=shape)
         if qlora:
             base["quantize_base"] = "nf4"
-        est = run_estimate(meta, base, measure=measure, gpu=not cpu, lora=lora or qlora or None, **overrides)
+        est = run_estimate(meta, base, measure=measure, gpu=not cpu, lora=lora or qlora or None, nnodes=nnodes,
+                           inter_node_gb_per_s=inter_node_gbps, **overrides)
     except (ConfigError, WeightFileError, ValueError) as e:
         _fail(console, f"{type(e).__name__}: {e}")
     if as_json:

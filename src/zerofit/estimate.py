@@ -120,6 +120,9 @@ class Estimate:
     host_bytes: int = 0
     host_baseline_bytes: int = 0
     ranks: int = 1                      # processes (one GPU each) on the host
+    nnodes: int = 1                     # hosts, each the whole state ([Note: nodes hold the state whole])
+    inter_node_bytes: int = 0           # per node and step, across the nodes (a ring all-reduce's)
+    inter_node_gb_per_s: float | None = None
     disk_bytes: int = 0
     disk_traffic: tuple = (0, 0)
     step: StepPrediction = field(default_factory=StepPrediction)
@@ -129,7 +132,14 @@ class Estimate:
     def tokens_per_s(self) -> float | None:
         if not self.step.step:
             return None
-        return self.batch.tokens * self.batch.grad_accum * self.ranks / self.step.step
+        return self.batch.tokens * self.batch.grad_accum * self.ranks * self.nnodes / self.step.step
+
+    @property
+    def inter_node_seconds(self) -> float | None:
+        """The inter-node bytes' seconds at the given bandwidth, were none of it overlapped with the step."""
+        if not self.inter_node_bytes or not self.inter_node_gb_per_s:
+            return None
+        return self.inter_node_bytes / (self.inter_node_gb_per_s * 1e9)
 
     def to_dict(self) -> dict:
         d = {"parameters": self.parameters, "frozen_parameters": self.shape.frozen_numel,
@@ -137,7 +147,8 @@ class Estimate:
              "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
              "host_baseline_bytes": self.host_baseline_bytes, "disk_bytes": self.disk_bytes,
              "disk_traffic_bytes": list(self.disk_traffic), "step": asdict(self.step),
-             "tokens_per_s": self.tokens_per_s, "ranks": self.ranks}
+             "tokens_per_s": self.tokens_per_s, "ranks": self.ranks, "nnodes": self.nnodes,
+             "inter_node_bytes": self.inter_node_bytes, "inter_node_seconds": self.inter_node_seconds}
         if self.plan is not None:
             d["plan"] = self.plan.describe()
             d["device_bytes"] = dict(self.plan.device_bytes)
@@ -183,11 +194,19 @@ class Estimate:
                                 if s.step_range else ""))
         else:
             lines.append(f"step time    not predicted: {s.note}")
+        if self.nnodes > 1:
+            t = self.inter_node_seconds
+            lines.append(f"nodes        {self.nnodes}, each holding the whole state (hybrid); across them "
+                         f"{fmt_bytes(self.inter_node_bytes)} per node and step (every trained gradient all-reduced)"
+                         + (f": {t:.2f} s at {self.inter_node_gb_per_s:g} GB/s, {s.step + t:.2f} s per step were "
+                            "none of it overlapped" if t is not None and s.step else
+                            f": {t:.2f} s at {self.inter_node_gb_per_s:g} GB/s" if t is not None else
+                            " (give --inter-node-gbps for its time)"))
         return "\n".join(lines)
 
 
 def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = None, lora: dict | bool | None = None,
-             **overrides) -> Estimate:
+             nnodes: int = 1, inter_node_gb_per_s: float | None = None, **overrides) -> Estimate:
     """Plan ``model`` (an ``nn.Module`` on the meta device, or a model directory) under ``config`` (any form
     ``zerofit.initialize`` takes, with the same keyword overrides) without allocating it.
 
@@ -195,7 +214,12 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     whose parameters have ``requires_grad=False`` (a PEFT model) is planned with them frozen anyway.
 
     ``gpu``: plan for a GPU (True) or the CPU (False); None: the config's device (``auto``: a GPU if this
-    machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size."""
+    machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size.
+
+    ``nnodes``: hosts of the run, each with the config's ranks (its ``world_size``) and the whole state ([Note:
+    nodes hold the state whole], engine/ranks.py): the plan is each node's; the bytes that cross the nodes per
+    step are each trained gradient element's ring all-reduce over the nodes, 2 (n-1)/n x 4 bytes (fp32) per
+    node; ``inter_node_gb_per_s`` gives their time."""
     from zerofit.config import load_config
     from zerofit.engine.planning import (DTYPES, cast_copies, default_host_budget, gpu_budget, needs_norm,
                                          placement_kept, plan_batch, planner_inputs)
@@ -227,7 +251,10 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     host_budget = cfg.max_host_memory or default_host_budget()
     params = shape.parameters
     baseline = psutil.Process().memory_info().rss * cfg.world_size    # one process per rank
-    est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline, ranks=cfg.world_size)
+    est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline, ranks=cfg.world_size, nnodes=nnodes,
+                   inter_node_gb_per_s=inter_node_gb_per_s)
+    trained = shape.shell_numel + sum(shape.block_numels)
+    est.inter_node_bytes = int(2 * (nnodes - 1) / nnodes * 4 * trained) if nnodes > 1 else 0
     args = planner_inputs(cfg, adapter, on_cuda=on_cuda, device_budget=dev_budget, host_budget=host_budget)
     try:
         plan = make_plan(shape, batch, **args)

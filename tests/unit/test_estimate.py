@@ -328,3 +328,24 @@ def test_the_devices_own_updates_count_in_the_step(monkeypatch):
     assert pred.compute == pytest.approx(base.compute + (2 * n + s + a) * update)
     assert pred.step == pytest.approx(base.step + (2 * n + s + a) * update)
     assert pred.speeds["device_adamw_seconds_per_param"] == update
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3])
+def test_the_bytes_that_cross_the_nodes(nodes):
+    """[Note: nodes hold the state whole]: each node plans as one host; per step every trained gradient element
+    is all-reduced across the nodes (a ring's 2 (n-1)/n x 4 bytes per element and node); with a bandwidth, its
+    seconds; the estimate says so."""
+    with torch.device("meta"):
+        meta = tm.llama(layers=4)
+    one = estimate(meta, _cfg(), measure=False)
+    est = estimate(meta, _cfg(), measure=False, nnodes=nodes, inter_node_gb_per_s=10.0)
+    assert est.plan.host_bytes == one.plan.host_bytes and est.plan.device_bytes == one.plan.device_bytes
+    trained = sum(p.numel() for p in meta.parameters())
+    assert est.inter_node_bytes == int(2 * (nodes - 1) / nodes * 4 * trained)
+    text = est.render()
+    if nodes == 1:
+        assert est.inter_node_seconds is None and "nodes " not in text
+    else:
+        assert est.inter_node_seconds == pytest.approx(est.inter_node_bytes / 1e10)
+        assert f"nodes        {nodes}, each holding the whole state (hybrid)" in text and "at 10 GB/s" in text
+    assert est.to_dict()["inter_node_bytes"] == est.inter_node_bytes

@@ -133,8 +133,12 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
     """Run ``bench/engine_<name>.py`` in its own session; return its result dict (status always set)."""
     result_path = os.path.join(tmpdir, f"{name}.json")
     base, fixed = VARIANTS.get(name, (name, []))
-    launcher = [] if args.gpus <= 1 else ["-m", "torch.distributed.run", "--standalone",
-                                          f"--nproc-per-node={args.gpus}"]
+    nodes = max(1, args.nnodes)
+    port = _free_port() if nodes > 1 else None
+    launcher = [] if args.gpus <= 1 and nodes == 1 else ["-m", "torch.distributed.run", f"--nproc-per-node={args.gpus}",
+                                                        *(["--standalone"] if nodes == 1 else
+                                                          [f"--nnodes={nodes}", "--master-addr=127.0.0.1",
+                                                           f"--master-port={port}", "--node-rank=NODE"])]
     cmd = [args.python, *launcher, os.path.join(HERE, f"engine_{base}.py"), "--workload", args.workload,
            "--steps", str(steps), "--device", args.device, "--cap", cap, "--result", result_path,
            *(["--lora"] if args.lora else []), *(["--qlora"] if args.qlora else []), *fixed, *shlex.split(args.engine_args.get(name, ""))]
@@ -146,14 +150,24 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
     start = time.time()
     engine_log = os.path.join(tmpdir, f"{name}.log")
     with open(engine_log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)  # its own process group: killable as a whole
+        procs = []
+        for node in range(nodes):     # several nodes: one torchrun per node, on this host, its GPUs its own
+            node_env = dict(env)
+            if nodes > 1 and args.device.startswith("cuda"):
+                node_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * args.gpus + g) for g in range(args.gpus))
+            node_cmd = [a.replace("--node-rank=NODE", f"--node-rank={node}") for a in cmd]
+            procs.append(subprocess.Popen(node_cmd, stdout=out, stderr=subprocess.STDOUT, env=node_env, cwd=REPO,
+                                          start_new_session=True))  # its own process group: killable as a whole
+        proc = procs[0]
         timed_out = False
+        deadline = time.time() + timeout
         try:
-            rc = proc.wait(timeout=timeout)
+            codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
+            rc = next((c for c in codes if c != 0), 0)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _kill_group(proc)
+            for p in procs:
+                _kill_group(p)
             rc = proc.returncode
     wall = time.time() - start
     with open(engine_log, errors="replace") as f:
@@ -167,7 +181,7 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
         with open(result_path) as f:
             res = json.load(f)
     ranks = []
-    for r in range(1, args.gpus):     # the other ranks' results (peak GPU, RSS, timeline)
+    for r in range(1, args.gpus * nodes):     # the other ranks' results (peak GPU, RSS, timeline)
         if os.path.exists(f"{result_path}.rank{r}"):
             with open(f"{result_path}.rank{r}") as f:
                 other = json.load(f)
@@ -193,6 +207,14 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
         res["status"] = "error"
         res["error"] = "no result written"
     return res
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -388,6 +410,9 @@ def parse_args(argv=None):
                    help="seconds for the whole run: later engines get what is left (minus a margin)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for dry runs")
     p.add_argument("--gpus", type=int, default=1, help="ranks per engine (torchrun on one host); tokens count all")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="simulated nodes on this host, each a torchrun node of --gpus ranks and GPUs of its own "
+                        "(zerofit's hybrid layout across them: docs/ranks.md); tokens count every node's")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "runs", "bench"))
     p.add_argument("--append-docs", nargs="?", const="", default=None, metavar="FILE",
                    help="append the markdown section to the run's day's log, docs/benchmarks/<YYYY-MM-DD>.md, "

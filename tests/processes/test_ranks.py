@@ -173,6 +173,9 @@ def _run_spec(name: str) -> dict:
     if name == "fsdp-loop-fp16":   # MixedPrecision(fp16) with FSDP's ShardedGradScaler, overflowing at first
         cfg = {k: v for k, v in _cfg(**_PLACEMENTS["mixed"]).items() if k != "precision"}
         return {"steps": 6, "steps_total": 6, "api": "fsdp", "scaler": True, "clip": 1.0, "config": cfg}
+    if name == "fsdp-hybrid":      # the FSDP-shaped loop with sharding_strategy=HYBRID_SHARD (2 nodes)
+        return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp", "strategy": "HYBRID_SHARD",
+                "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "accelerate-loop":   # the same wrapper through an Accelerator on 2 processes (MULTI_CPU, gloo)
         return {"steps": STEPS, "steps_total": STEPS, "api": "accelerate", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fsdp2-loop":  # FSDP2-shaped: fully_shard per block and on the model, set_requires_gradient_sync
@@ -444,7 +447,7 @@ def test_an_srun_job_over_two_nodes_trains_as_one_process(tmp_path):
     torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
-_NODES = ["offload", "mixed", "clip", "fp16"]      # one launch of 2 simulated nodes x 2 ranks runs these
+_NODES = ["offload", "mixed", "clip", "fp16", "fsdp-hybrid"]      # one launch of 2 simulated nodes x 2 ranks runs these
 
 
 @pytest.fixture(scope="module")
@@ -470,6 +473,18 @@ def test_two_nodes_train_like_one_process(placement, on_nodes):
         assert sum(st["shards"][name][1] - st["shards"][name][0] for st in states[:2]) == numel
     inodes = [set(st["inodes"]) for st in states]
     assert inodes[0] == inodes[1] and inodes[2] == inodes[3] and not inodes[0] & inodes[2], inodes
+
+
+def test_the_fsdp_shaped_loop_with_hybrid_shard_on_two_nodes(on_nodes):
+    """``FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, cpu_offload=...)`` on 2 nodes of 2 ranks: FSDP's
+    word for the layout zerofit runs there; plain PyTorch's weights and moments on the global batch."""
+    result = on_nodes["fsdp-hybrid"]
+    ref_losses, (weights, moments) = _reference(4, STEPS)
+    for n, w in weights.items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
+    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])
+    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
 def test_two_nodes_clip_and_skip_overflows_together(on_nodes):

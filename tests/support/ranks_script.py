@@ -88,8 +88,13 @@ def run(spec: dict) -> None:
 
             mp = MixedPrecision(param_dtype=torch.float16)
             spec = {**spec, "_scaler": ShardedGradScaler(device="cpu", init_scale=2.0 ** 24, growth_interval=1000)}
+        strategy = None
+        if spec.get("strategy"):              # FSDP's ShardingStrategy by name (HYBRID_SHARD on several nodes)
+            from torch.distributed.fsdp import ShardingStrategy
+
+            strategy = ShardingStrategy[spec["strategy"]]
         wrapper = FSDP(model, cpu_offload=CPUOffload(offload_params=True), mixed_precision=mp,
-                       zerofit_config=spec["config"])
+                       sharding_strategy=strategy, zerofit_config=spec["config"])
         opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
         if spec["api"] == "accelerate":    # the accelerate loop: prepare, accumulate, backward, step
             from accelerate import Accelerator

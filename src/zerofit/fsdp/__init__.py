@@ -35,7 +35,8 @@ ARGUMENTS = {
                        "FSDP keeps fp32 sharded parameters); fp16 with the loop's GradScaler or ShardedGradScaler "
                        "(its unscale_, overflow skip and scale schedule); None: fp32",
     "sharding_strategy": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD: zerofit's sharding of the same name (several ranks); "
-                         "HYBRID_SHARD: refused (several hosts: not yet)",
+                         "HYBRID_SHARD and _HYBRID_SHARD_ZERO2: FULL_SHARD and SHARD_GRAD_OP inside each node, "
+                         "replicated across the nodes: zerofit's layout on several nodes (docs/ranks.md)",
     "device_id": "the compute device (an int or torch.device); None: the GPU if there is one",
     "use_orig_params": "accepted: the parameters are the model's own (views of the engine's master weights)",
     "sync_module_states": "accepted: with several ranks the host's state comes from local rank 0 anyway",
@@ -107,6 +108,8 @@ class FullyShardedDataParallel(nn.Module):
         _refuse(process_group=process_group, device_mesh=device_mesh, param_init_fn=param_init_fn,
                 ignored_modules=ignored_modules, ignored_states=ignored_states)
         strategy = getattr(sharding_strategy, "name", sharding_strategy)
+        # [Note: nodes hold the state whole] (engine/ranks.py): the layout zerofit runs on several nodes
+        strategy = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}.get(strategy, strategy)
         if strategy is not None and strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             raise UserLoopError(f"sharding_strategy {strategy}: {ARGUMENTS['sharding_strategy']}")
         offload = bool(getattr(cpu_offload, "offload_params", False))

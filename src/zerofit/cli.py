@@ -451,10 +451,28 @@ def config_keys(
 def doctor(
     disk: Annotated[Path, typer.Option(help="Folder whose disk to measure (the would-be NVMe tier).")] = Path("."),
     as_json: Annotated[bool, typer.Option("--json", help="Print the measurements as JSON.")] = False,
+    inter_node: Annotated[bool, typer.Option(
+        "--inter-node", help="Only the bandwidth between the nodes, launched on each node like training (torchrun "
+                             "--nnodes N --node-rank i ... -m zerofit.cli doctor --inter-node, or srun): rank 0 "
+                             "prints it.")] = False,
 ) -> None:
     """Measure GPU, host<->GPU bandwidth, CPU AdamW speed, RAM and disk (under 30 s)."""
     from zerofit.doctor import run_doctor
 
+    if inter_node:
+        from zerofit.doctor import inter_node_bandwidth
+
+        try:
+            r = inter_node_bandwidth()
+        except ValueError as e:
+            _fail(Console(stderr=True), str(e))
+        if int(os.environ.get("RANK", "0")) == 0:
+            typer.echo(json.dumps(r, indent=2) if as_json else
+                       f"between {r['nodes']} nodes ({r['ranks_per_node']} ranks each): "
+                       f"{r['gb_per_s_per_node']:.2f} GB/s per node (all-reduce of {r['bytes'] / 2**20:.0f} MiB per "
+                       f"rank, {r['seconds'] * 1e3:.1f} ms): zerofit estimate --nnodes {r['nodes']} "
+                       f"--inter-node-gbps {r['gb_per_s_per_node']:.2f}")
+        return
     if not disk.is_dir():
         _fail(Console(stderr=True), f"--disk {disk}: not a folder")
     report = run_doctor(disk)

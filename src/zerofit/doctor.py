@@ -425,3 +425,57 @@ def run_doctor(disk: str | Path = ".", *, copy_bytes: int = 256 * MiB, optimizer
         attempt("disk tier", lambda: _tier_speed(report.disk, disk, disk_bytes))
     report.seconds = time.perf_counter() - t0
     return report
+
+
+# ---------------------------------------------------------------- between the nodes
+
+def inter_node_bandwidth(nbytes: int = 64 * MiB, repeats: int = 3) -> dict:
+    """Under ``torchrun --nnodes N`` (or srun over N nodes): the bandwidth between the nodes as zerofit's hybrid
+    layout uses it ([Note: nodes hold the state whole], engine/ranks.py): each local rank's fp32 buffer of
+    ``nbytes`` all-reduced with the same local rank of every other node (NCCL on GPUs, gloo otherwise), all local
+    ranks at once. Returns, on every rank, {nodes, ranks_per_node, bytes, seconds (the best of ``repeats``),
+    gb_per_s_per_node}: the bytes a node sends in a ring all-reduce (2 (n-1)/n x nbytes per rank, times its ranks)
+    over the seconds, what ``zerofit estimate --inter-node-gbps`` takes."""
+    import torch.distributed as dist
+
+    from zerofit.engine import slurm
+
+    slurm.adopt()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    nodes = world // local_world
+    if nodes < 2:
+        raise ValueError(f"WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}: launch on 2 nodes or more "
+                         "(torchrun --nnodes N --node-rank i ...) to measure between them")
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    mine = None
+    for i in range(local_world):       # every rank makes every cross-node group, in the same order
+        g = dist.new_group([n * local_world + i for n in range(nodes)])
+        if i == rank % local_world:
+            mine = g
+    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=f"cuda:{local}" if cuda else "cpu")
+    dist.all_reduce(buf, group=mine)   # warm-up (connections made)
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        dist.all_reduce(buf, group=mine)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(dt.to(buf.device), op=dist.ReduceOp.MAX)     # the slowest rank's
+        best = min(best, float(dt))
+    sent = 2 * (nodes - 1) / nodes * buf.numel() * 4 * local_world
+    if made:
+        dist.destroy_process_group()
+    return {"nodes": nodes, "ranks_per_node": local_world, "bytes": buf.numel() * 4, "seconds": best,
+            "gb_per_s_per_node": sent / best / 1e9}

@@ -520,6 +520,30 @@ def test_a_failing_node_ends_every_rank_naming_its_rank_and_node(tmp_path):
     assert result is None and time.monotonic() - t < 90
 
 
+def test_zerofit_doctor_measures_the_bandwidth_between_the_nodes():
+    """`torchrun --nnodes 2 --node-rank i ... -m zerofit.cli doctor --inter-node --json` on each of 2 simulated
+    nodes: rank 0 prints the all-reduce bandwidth between them (what `zerofit estimate --inter-node-gbps` takes);
+    launched on one node it is refused, exit 2, saying how to launch it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src")] + ([os.environ["PYTHONPATH"]]
+                                                                if os.environ.get("PYTHONPATH") else []))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    port = _port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1",
+                               "-m", "zerofit.cli", "doctor", "--inter-node", "--json"], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:]
+    r = json.loads(outs[0][0])
+    assert r["nodes"] == 2 and r["ranks_per_node"] == 1 and r["gb_per_s_per_node"] > 0 and r["seconds"] > 0
+    assert outs[1][0].strip() == ""       # rank 0 alone prints
+    p = subprocess.run([sys.executable, "-m", "zerofit.cli", "doctor", "--inter-node"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "launch on 2 nodes or more" in p.stderr + p.stdout
+
+
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
     """Rank 1 gets a bad batch at its second step and raises; rank 0, waiting in a collective, must not hang:
     it fails too, naming rank 1 and the cause."""

@@ -544,6 +544,30 @@ def test_zerofit_doctor_measures_the_bandwidth_between_the_nodes():
     assert p.returncode == 2 and "launch on 2 nodes or more" in p.stderr + p.stdout
 
 
+def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
+    """`torchrun --max-restarts 1`, a checkpoint after every step: rank 1 raises after step 3 of 5 on the first
+    attempt; every rank fails, torchrun restarts them, the second attempt loads the latest checkpoint (step 3) and
+    trains steps 4 and 5: the final weights are 5 uninterrupted steps of plain PyTorch on the global batch."""
+    script = ROOT / "tests" / "support" / "restart_script.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                           if os.environ.get("PYTHONPATH") else []))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", "1", str(script), str(out), str(ck), "5", str(G), "1", "3"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "the test's injected failure" in p.stderr
+    result = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    assert [(r["attempt"], r["first"], len(r["losses"])) for r in result] == [(1, 3, 2), (1, 3, 2)]
+    ref_losses, (weights, _) = _reference(2, 5)
+    torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-5)
+    for n, w in weights.items():
+        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
     """Rank 1 gets a bad batch at its second step and raises; rank 0, waiting in a collective, must not hang:
     it fails too, naming rank 1 and the cause."""

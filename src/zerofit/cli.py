@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from enum import Enum
@@ -256,7 +255,9 @@ def train(
 
     slurm.adopt()      # under srun: its tasks are the ranks ([Note: srun is a launcher too])
     if (gpus > 1 or nnodes > 1) and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        raise typer.Exit(_relaunch(gpus, nnodes, node_rank, master_addr, master_port))
+        from zerofit.launch import relaunch
+
+        raise typer.Exit(relaunch(gpus, nnodes, node_rank, master_addr, master_port))
     if model is None:
         if paths:
             _fail(console, "--data needs --model (the model directory whose tokenizer reads it)")
@@ -331,33 +332,6 @@ def _train_model(console: Console, opts, lock) -> int:
         _fail_on(e, output=opts.output, resume=opts.resume)
     _render_train_summary(result, console)
     return exit_status(result.stop_signal) if result.interrupted else 0
-
-
-_LAUNCH_OPTIONS = ("--gpus", "--nnodes", "--node-rank", "--master-addr", "--master-port")
-
-
-def _relaunch(gpus: int, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-              master_port: int = 29500) -> int:
-    """This command again under torchrun, ``gpus`` ranks on this host (the process group comes from its
-    environment: docs/ranks.md); with ``nnodes`` > 1, this host as node ``node_rank`` of a run that meets at
-    ``master_addr:master_port`` (each node runs the same command with its own --node-rank). Returns torchrun's
-    exit status (non-zero when any rank failed)."""
-    argv, skip = [], False
-    for a in sys.argv[1:]:
-        if skip:
-            skip = False
-            continue
-        if a in _LAUNCH_OPTIONS:
-            skip = True
-            continue
-        if not a.startswith(tuple(f"{o}=" for o in _LAUNCH_OPTIONS)):
-            argv.append(a)
-    where = (["--standalone"] if nnodes == 1 else
-             [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
-              f"--master-port={master_port}"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={gpus}",
-           "-m", "zerofit.cli", *argv]
-    return subprocess.call(cmd)
 
 
 def _render_train_summary(result, console: Console) -> None:
@@ -460,18 +434,14 @@ def doctor(
     from zerofit.doctor import run_doctor
 
     if inter_node:
-        from zerofit.doctor import inter_node_bandwidth
+        from zerofit.doctor import inter_node_bandwidth, inter_node_text
 
         try:
             r = inter_node_bandwidth()
         except ValueError as e:
             _fail(Console(stderr=True), str(e))
         if int(os.environ.get("RANK", "0")) == 0:
-            typer.echo(json.dumps(r, indent=2) if as_json else
-                       f"between {r['nodes']} nodes ({r['ranks_per_node']} ranks each): "
-                       f"{r['gb_per_s_per_node']:.2f} GB/s per node (all-reduce of {r['bytes'] / 2**20:.0f} MiB per "
-                       f"rank, {r['seconds'] * 1e3:.1f} ms): zerofit estimate --nnodes {r['nodes']} "
-                       f"--inter-node-gbps {r['gb_per_s_per_node']:.2f}")
+            typer.echo(json.dumps(r, indent=2) if as_json else inter_node_text(r))
         return
     if not disk.is_dir():
         _fail(Console(stderr=True), f"--disk {disk}: not a folder")
@@ -479,7 +449,9 @@ def doctor(
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return
-    _render_doctor(report, Console())
+    from zerofit.doctor import render
+
+    render(report, Console())
 
 
 @app.command("export")
@@ -683,49 +655,6 @@ def chat(
         raise typer.Exit(EXIT_INTERRUPTED) from None
     engine.close()
 
-
-def _render_doctor(report, console: Console) -> None:
-    gib = lambda n: f"{n / 2**30:,.1f} GiB"  # noqa: E731
-    t = Table(title=f"zerofit doctor ({report.seconds:.1f} s)", show_header=False, title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("torch", f"{report.torch_version} (Python {report.python_version})")
-    g = report.gpu
-    if g.available:
-        t.add_row("GPU", f"{g.name} (x{g.count}), compute capability {g.capability}")
-        t.add_row("driver / CUDA", f"{g.driver_version} / CUDA runtime {g.cuda_runtime}")
-        t.add_row("GPU memory", f"{gib(g.memory_free_bytes)} free of {gib(g.memory_total_bytes)}")
-        for c in report.copies:
-            way = "both ways at once (each)" if c.direction == "both" else c.direction
-            t.add_row(f"{way}, {c.host_memory}",
-                      f"{c.gb_per_s:,.1f} GB/s ({c.bytes_per_copy >> 20} MiB copies, best of {c.repeats})")
-    else:
-        t.add_row("GPU", Text(f"none: {g.reason}; host measurements only", style="yellow"))
-    if report.optimizer:
-        o = report.optimizer
-        t.add_row("CPU AdamW", f"{o.params_per_s / 1e9:,.2f} G params/s ({o.implementation}, fp32, "
-                               f"{o.params / 1e6:.0f} M params, {o.threads} torch threads)")
-    if report.optimizer_copying:
-        t.add_row("CPU AdamW, copies running", f"{report.optimizer_copying.params_per_s / 1e9:,.2f} G params/s "
-                                               "(pinned copies both ways meanwhile, as in a training step)")
-    if report.host:
-        h = report.host
-        t.add_row("host RAM", f"{gib(h.available_bytes)} available of {gib(h.total_bytes)}, {h.cpu_cores} CPUs")
-    if report.disk:
-        d = report.disk
-        t.add_row("disk", f"{d.path}: {gib(d.free_bytes)} free of {gib(d.total_bytes)}")
-        if d.bytes_tested:
-            mode = "O_DIRECT" if d.direct_io else "buffered"
-            t.add_row("disk speed", f"write {d.write_gb_per_s:,.2f} GB/s, read {d.read_gb_per_s:,.2f} GB/s "
-                                    f"({d.bytes_tested >> 20} MiB, 1 MiB {mode})")
-        if d.tier_write_gb_per_s:
-            t.add_row("disk tier", f"write {d.tier_write_gb_per_s:,.2f} GB/s, read {d.tier_read_gb_per_s:,.2f} GB/s "
-                                   "(the NVMe tier's own path: 8 requests of 4 MiB in flight)")
-        if d.note:
-            t.add_row("", Text(d.note, style="yellow"))
-    for name, err in report.errors.items():
-        t.add_row(f"{name} failed", Text(err, style="red"))
-    console.print(t)
 
 
 def main() -> None:

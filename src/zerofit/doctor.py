@@ -479,3 +479,58 @@ def inter_node_bandwidth(nbytes: int = 64 * MiB, repeats: int = 3) -> dict:
         dist.destroy_process_group()
     return {"nodes": nodes, "ranks_per_node": local_world, "bytes": buf.numel() * 4, "seconds": best,
             "gb_per_s_per_node": sent / best / 1e9}
+
+
+def inter_node_text(r: dict) -> str:
+    """:func:`inter_node_bandwidth`'s result as the line ``zerofit doctor --inter-node`` prints."""
+    return (f"between {r['nodes']} nodes ({r['ranks_per_node']} ranks each): {r['gb_per_s_per_node']:.2f} GB/s per node "
+            f"(all-reduce of {r['bytes'] / 2**20:.0f} MiB per rank, {r['seconds'] * 1e3:.1f} ms): zerofit estimate "
+            f"--nnodes {r['nodes']} --inter-node-gbps {r['gb_per_s_per_node']:.2f}")
+
+
+def render(report: DoctorReport, console) -> None:
+    """``zerofit doctor``'s table of ``report`` on the rich ``console``."""
+    from rich.table import Table
+    from rich.text import Text
+
+    gib = lambda n: f"{n / 2**30:,.1f} GiB"  # noqa: E731
+    t = Table(title=f"zerofit doctor ({report.seconds:.1f} s)", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("torch", f"{report.torch_version} (Python {report.python_version})")
+    g = report.gpu
+    if g.available:
+        t.add_row("GPU", f"{g.name} (x{g.count}), compute capability {g.capability}")
+        t.add_row("driver / CUDA", f"{g.driver_version} / CUDA runtime {g.cuda_runtime}")
+        t.add_row("GPU memory", f"{gib(g.memory_free_bytes)} free of {gib(g.memory_total_bytes)}")
+        for c in report.copies:
+            way = "both ways at once (each)" if c.direction == "both" else c.direction
+            t.add_row(f"{way}, {c.host_memory}",
+                      f"{c.gb_per_s:,.1f} GB/s ({c.bytes_per_copy >> 20} MiB copies, best of {c.repeats})")
+    else:
+        t.add_row("GPU", Text(f"none: {g.reason}; host measurements only", style="yellow"))
+    if report.optimizer:
+        o = report.optimizer
+        t.add_row("CPU AdamW", f"{o.params_per_s / 1e9:,.2f} G params/s ({o.implementation}, fp32, "
+                               f"{o.params / 1e6:.0f} M params, {o.threads} torch threads)")
+    if report.optimizer_copying:
+        t.add_row("CPU AdamW, copies running", f"{report.optimizer_copying.params_per_s / 1e9:,.2f} G params/s "
+                                               "(pinned copies both ways meanwhile, as in a training step)")
+    if report.host:
+        h = report.host
+        t.add_row("host RAM", f"{gib(h.available_bytes)} available of {gib(h.total_bytes)}, {h.cpu_cores} CPUs")
+    if report.disk:
+        d = report.disk
+        t.add_row("disk", f"{d.path}: {gib(d.free_bytes)} free of {gib(d.total_bytes)}")
+        if d.bytes_tested:
+            mode = "O_DIRECT" if d.direct_io else "buffered"
+            t.add_row("disk speed", f"write {d.write_gb_per_s:,.2f} GB/s, read {d.read_gb_per_s:,.2f} GB/s "
+                                    f"({d.bytes_tested >> 20} MiB, 1 MiB {mode})")
+        if d.tier_write_gb_per_s:
+            t.add_row("disk tier", f"write {d.tier_write_gb_per_s:,.2f} GB/s, read {d.tier_read_gb_per_s:,.2f} GB/s "
+                                   "(the NVMe tier's own path: 8 requests of 4 MiB in flight)")
+        if d.note:
+            t.add_row("", Text(d.note, style="yellow"))
+    for name, err in report.errors.items():
+        t.add_row(f"{name} failed", Text(err, style="red"))
+    console.print(t)

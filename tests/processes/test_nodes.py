@@ -19,6 +19,17 @@ from tests.processes.test_ranks import (G, ROOT, STEPS, _check, _collect, _fp16_
                                         _reference, _run_spec, _cfg, launch, SCRIPT)
 from tests.support import tiny_models as tm
 
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env() -> dict:
+    """A launcher's environment: this one without torchrun's variables, one thread, src/ and the root importable."""
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                         if os.environ.get("PYTHONPATH") else []))
+    return env
+
 
 def test_the_accelerate_loop_under_accelerate_launch(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` (on a machine without a GPU: accelerate's MULTI_CPU over
@@ -26,9 +37,7 @@ def test_the_accelerate_loop_under_accelerate_launch(tmp_path):
     global batch as plain PyTorch does."""
     out = tmp_path / "out.pt"
     spec = {"G": G, **_run_spec("accelerate-loop"), "out": str(out)}
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
-                                                                           if os.environ.get("PYTHONPATH") else []))}
+    env = _env()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
            str(_port()), str(SCRIPT), json.dumps(spec)]
@@ -52,9 +61,7 @@ def test_a_lightning_module_on_two_ranks_trains_as_lightnings_own_ddp(tmp_path, 
     (DDP's all-reduce and torch's per-parameter clip norm against the engine's average and FSDP's norm). Fabric's
     DDP strategy the same way (``fabric.setup(FSDP(model), opt)``, ``no_backward_sync``, ``clip_gradients``)."""
     script = ROOT / "tests" / "support" / "lightning_ranks.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
-                                                                           if os.environ.get("PYTHONPATH") else []))}
+    env = _env()
     got = {}
     for mode in ("wrap", "plain"):
         out = tmp_path / mode
@@ -80,8 +87,7 @@ def _srun(tmp_path, tasks: int, nodes: int, timeout: float = 120):
     of torchrun's: (return codes, stderr texts, the outputs' path)."""
     out = tmp_path / "srun"
     script = ROOT / "tests" / "support" / "srun_script.py"
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    base = _env()
     per_node = tasks // nodes
     job = str(_port() - 15000)      # the job's id: every task derives the same port from it
     procs = []
@@ -89,8 +95,7 @@ def _srun(tmp_path, tasks: int, nodes: int, timeout: float = 120):
         env = {**base, "SLURM_PROCID": str(r), "SLURM_NTASKS": str(tasks), "SLURM_LOCALID": str(r % per_node),
                "SLURM_NODEID": str(r // per_node), "SLURM_NNODES": str(nodes),
                "SLURM_TASKS_PER_NODE": f"{per_node}(x{nodes})", "SLURM_JOB_NODELIST": "localhost",
-               "SLURM_JOB_ID": job, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+               "SLURM_JOB_ID": job}
         procs.append(subprocess.Popen([sys.executable, str(script), str(out), str(STEPS), str(G)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=timeout)[1] for p in procs]
@@ -200,11 +205,7 @@ def test_zerofit_doctor_measures_the_bandwidth_between_the_nodes():
     """`torchrun --nnodes 2 --node-rank i ... -m zerofit.cli doctor --inter-node --json` on each of 2 simulated
     nodes: rank 0 prints the all-reduce bandwidth between them (what `zerofit estimate --inter-node-gbps` takes);
     launched on one node it is refused, exit 2, saying how to launch it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src")] + ([os.environ["PYTHONPATH"]]
-                                                                if os.environ.get("PYTHONPATH") else []))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = _env()
     port = _port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
                                "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1",
@@ -225,11 +226,7 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
     attempt; every rank fails, torchrun restarts them, the second attempt loads the latest checkpoint (step 3) and
     trains steps 4 and 5: the final weights are 5 uninterrupted steps of plain PyTorch on the global batch."""
     script = ROOT / "tests" / "support" / "restart_script.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
-                                                                           if os.environ.get("PYTHONPATH") else []))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = _env()
     out, ck = tmp_path / "out", tmp_path / "ck"
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "--max-restarts", "1", str(script), str(out), str(ck), "5", str(G), "1", "3"],

@@ -249,6 +249,11 @@ class Ranks:
         return self.rank // self.local_world
 
     @property
+    def _world_group(self):
+        """Every rank: on one node the reduce group (as before nodes), else the default group."""
+        return self.reduce_group if self.nodes == 1 else None
+
+    @property
     def who(self) -> str:
         """This rank as a failure names it: ``rank 3``, with several nodes ``rank 3 (node 1)``."""
         return f"rank {self.rank}" + (f" (node {self.node})" if self.nodes > 1 else "")
@@ -353,16 +358,16 @@ class Ranks:
     def all_reduce_world(self, t: torch.Tensor, op=None) -> torch.Tensor:
         """The sum over every rank (every node's): replicated gradients, losses, flags."""
         if self.many:
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.reduce_group if self.nodes == 1 else None)
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self._world_group)
         return t
 
     def broadcast(self, t: torch.Tensor) -> None:
         if self.many:
-            dist.broadcast(t, 0, group=self.reduce_group if self.nodes == 1 else None)
+            dist.broadcast(t, 0, group=self._world_group)
 
     def barrier(self) -> None:
         if self.many:
-            dist.barrier(group=self.reduce_group if self.nodes == 1 else None)
+            dist.barrier(group=self._world_group)
 
     def objects(self, value) -> list:
         """Every rank's ``value`` (pickled), in rank order."""

@@ -145,6 +145,9 @@ def run(spec: dict) -> None:
     state["shared_mappings"] = sum(1 for inode in _state_mappings(unique=False) if inode not in earlier)
     state["inodes"] = sorted(_state_mappings() - earlier)      # which arenas (a node's own: [Note: nodes ...])
     state["shards"] = {u.name: (u.lo, u.hi, u.numel) for u in engine.units}
+    # [Note: nodes hold a slice of the state]: the layout, and the bytes the node's arenas hold (local rank 0)
+    state["layout"], state["held"] = engine.ranks.layout, engine.ranks.held_bytes()
+    state["node_bounds"] = {u.name: engine.ranks.node_bounds(u.numel) for u in engine.units}
     state["streamed"] = sum(1 for u in engine.blocks if u.home.name == "STREAMED")
     c10d = torch.distributed.distributed_c10d      # the groups the engine used (by name), and how many exist
     state["groups"] = [c10d._get_process_group_name(g) for g in (c10d._get_default_group(), engine.ranks.gather_group,
@@ -154,6 +157,7 @@ def run(spec: dict) -> None:
     state["same_group"] = [c10d._get_default_group() is g for g in _SEEN[-1:]]    # as the previous run's
     _SEEN.append(c10d._get_default_group())
     master = engine.master_state_dict()     # a collective: every rank reads the weights together
+    state["held_after_read"] = engine.ranks.held_bytes()     # the whole-state read's gathered slices handed back
     out = {"state": state}
     state["sharded_device_units"] = sum(u.shard_state for u in engine.units)
     with engine.sharding.full_state(engine.units, write_back=False):     # whole moments of GPU-sharded units (a collective)

@@ -266,6 +266,7 @@ def translate(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
     if "zero_optimization.stage" in v:      # FSDP's word for the stage (docs/ranks.md)
         fields["sharding"] = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP"}.get(v.get("zero_optimization.stage", 0), "NO_SHARD")
         origin["sharding"] = v.name("zero_optimization.stage")
+    _nodes_layout(v, fields, notes, origin)
 
     clip = v.get("gradient_clipping", default("gradient_clipping"))
     if clip is AUTO:
@@ -328,6 +329,27 @@ def _batch(v: _Values, world_size: int, fields: dict, notes: dict, origin: dict)
             notes[ds_name] = f"auto -> {value} (derived from the others and world_size={world_size}; " \
                              "micro batch and accumulation default to 1)"
 
+
+
+def _nodes_layout(v, fields: dict, notes: dict, origin: dict) -> None:
+    """[Note: the nodes' layout] (engine/planning.py) in DeepSpeed's words: ZeRO stages 1-3 shard the optimizer
+    state over every rank of every node (the full layout); ``zero_hpz_partition_size`` (ZeRO++'s hierarchical
+    partitioning, the GPUs of a node) gathers the weights inside each node: the hybrid layout, each node holding the
+    whole state (where hpZ keeps the optimizer state sharded over every rank). Stage 0 replicates: hybrid."""
+    hpz = v.get("zero_optimization.zero_hpz_partition_size", 1)
+    if hpz not in (None, 0, 1):
+        fields["nodes_layout"] = "hybrid"
+        origin["nodes_layout"] = v.name("zero_optimization.zero_hpz_partition_size")
+        notes["nodes_layout"] = (f"zero_hpz_partition_size {hpz} -> hybrid: on several nodes each node holds the "
+                                 "whole state and gathers the weights inside itself (hpZ's secondary partition); only "
+                                 "gradients cross the nodes (docs/ranks.md)")
+    elif "zero_optimization.stage" in v:
+        stage = v.get("zero_optimization.stage", 0)
+        fields["nodes_layout"] = "full" if stage else "hybrid"
+        origin["nodes_layout"] = v.name("zero_optimization.stage")
+        notes["nodes_layout"] = (f"stage {stage} -> " + ("full: on several nodes the state is sharded over every rank of "
+                                 "every node, each node holding 1/N (zero_hpz_partition_size = the GPUs per node "
+                                 "names the hybrid layout)" if stage else "hybrid: every node holds the whole state"))
 
 def _precision(v: _Values, notes: dict) -> str:
     fp16, bf16 = v.get("fp16.enabled", False), v.get("bf16.enabled", False)

@@ -294,7 +294,9 @@ _ZERO = Section({
     "elastic_checkpoint": _na(Bool(), "zerofit's checkpoints are its own"),
     "ignore_unused_parameters": _na(Bool(), "parameters without gradients are skipped by zerofit's optimizer"),
     "legacy_stage1": _na(Bool(), "no ZeRO stages in zerofit"),
-    "zero_hpz_partition_size": _na(Int(0), "zerofit does not use hierarchical partitioning"),
+    "zero_hpz_partition_size": Key(Int(0), MAPPED, "> 1 (the GPUs of a node) -> nodes_layout hybrid: on several "
+                                   "nodes each node holds the whole state and gathers the weights inside itself; "
+                                   "without it ZeRO stages 1-3 -> nodes_layout full (docs/ranks.md)", default=1),
     "zero_quantized_weights": _na(Bool(), "zerofit moves weights at full 16-bit precision"),
     "zero_quantized_nontrainable_weights": _na(Bool(), "zerofit moves weights at full 16-bit precision"),
     "zero_quantized_gradients": _na(Bool(), "zerofit moves gradients at full precision"),

@@ -519,6 +519,10 @@ class ZerofitConfig(_Frozen):
     on the GPUs is sharded across them unless NO_SHARD (stage 0/1: replicated); without offload, FULL_SHARD
     (stage 3) also shards the 16-bit weights (each block gathered for each use), SHARD_GRAD_OP (stage 2) and
     auto keep them whole on every GPU"""
+    nodes_layout: Literal["auto", "hybrid", "full"] = "auto"
+    """on several nodes (docs/ranks.md): hybrid, each node holds the whole training state (FSDP's HYBRID_SHARD);
+    full, the host state sharded across the nodes too, each holding 1/N (FSDP's FULL_SHARD, DeepSpeed's ZeRO
+    across nodes); auto, hybrid where the state fits a node's host memory, else full"""
     distributed_timeout_s: float = Field(600.0, gt=0)
     """with several ranks: how long a collective may wait for the others before the process group fails"""
 

@@ -146,6 +146,7 @@ class Engine(DeepSpeedSurface):
         # may refuse (PlanError): nothing allocated yet
         self.planning = Planning(config, self.adapter, self._shape, on_cuda=self.dev.is_cuda, device=self.dev.device,
                                  ranks=self.ranks, seq_len=config.seq_len)
+        self.ranks.use_layout(self.planning.layout, config.nodes_layout)     # [Note: the nodes' layout] (planning.py)
         # [Note: engine lifecycle]: from here on, released exactly once
         self.lifecycle = Lifecycle(self, self.dev, self.ranks)
         self._arenas = self.lifecycle.resources.arenas
@@ -184,6 +185,9 @@ class Engine(DeepSpeedSurface):
         self._source = None   # the files are read: keep only their folder (source_dir)
         self._table = release_originals(self._model, self._table)    # the user's tensors are copied: let go
         self._arenas.extend(arenas)
+        if ranks.full and pinned:     # [Note: nodes hold a slice of the state]: the node's slices only
+            self._arenas.append(self.sharding.slices)
+            self.sharding.slices.pin(self.units)
         self.shell, self.blocks = self.units[0], self.units[1:]     # each unit's shard [lo, hi): build_units
         if ranks.many:
             self.sharding.share_units(self.units)
@@ -337,8 +341,11 @@ class Engine(DeepSpeedSurface):
             named_barrier(self.ranks, collective, wait_s(self.config.distributed_timeout_s))
 
     def _sync_host_weights(self) -> None:
-        """The module's parameters (host views) take the current weights of device-optimized units."""
+        """The module's parameters (host views) take the current weights of device-optimized units (and, in the full
+        layout, of the other nodes' slices: [Note: nodes hold a slice of the state], node_slices.py)."""
         self.stepper.sync_mirrors()
+        if self.sharding.slices.on:
+            self.sharding.slices.module_gathered(self.units)
 
     def release(self) -> None:
         """Let go of what the engine holds outside Python's objects (the CPU worker, pinned memory, the GPU cap,

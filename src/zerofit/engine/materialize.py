@@ -23,6 +23,7 @@ from torch import nn
 
 from zerofit.engine.adapter import Adapter
 from zerofit.engine.disk import frozen_key
+from zerofit.engine.node_slices import free_outside
 from zerofit.engine.planner import ModelShape, Plan
 from zerofit.engine.store import FlatLayout, Home, HostArena, Unit
 
@@ -154,7 +155,9 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         need += 2 * sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
     else:
         need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
-    arena = HostArena(need, torch.float32, pinned, ranks) if need else None
+    sliced_nodes = ranks is not None and ranks.full     # [Note: nodes hold a slice of the state] (node_slices.py)
+    # the full layout page-locks only the node's slices (NodeSlices.pin): locking the arena would back all of it
+    arena = HostArena(need, torch.float32, pinned and not sliced_nodes, ranks) if need else None
     on_disk_f = set(plan.disk_frozen)       # [Note: a frozen base on the disk] (disk.py): in the swap file instead
     need_f = sum(canon[n].numel() for i, names in enumerate(still) for n in names
                  if n not in quant and i - 1 not in on_disk_f)
@@ -220,6 +223,8 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             r = tier.regions[frozen_key(idx - 1)]
             tier.file.drop_pages(r.offsets["w16"], r.numel * 4)     # written: out of host memory
         unit.master = master
+        if sliced_nodes and fill and not on_dev and swap is None and home is Home.STREAMED:    # the others' slices out
+            free_outside(ranks, master)
         if swap:
             unit.swap = swap
             unit.exp_avg, unit.exp_avg_sq = tier.view(idx - 1, "exp_avg"), tier.view(idx - 1, "exp_avg_sq")

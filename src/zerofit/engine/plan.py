@@ -132,6 +132,8 @@ class Plan:
     disk_frozen: tuple = ()        # block indices whose frozen 16-bit weights are on the disk, read-only
                                    # ([Note: a frozen base on the disk], disk.py)
     disk_frozen_bytes: int = 0     # their bytes there
+    host_share: float = 1.0        # the share of the host-optimized units' state this node holds: 1/N in the full
+                                   # layout on N nodes ([Note: nodes hold a slice of the state], node_slices.py)
 
     @property
     def disk_of(self) -> dict[int, str]:

@@ -264,7 +264,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
               disk_placement: dict | None = None, disk_buffers: int = TIER_BUFFERS,
               floor: tuple | None = None, chunkable_loss: bool = True,
               loss_chunks: int | None = None, shards: int = 1, ranks: int = 1,
-              device_state: bool = False, disk_frozen_blocks: int | None = None) -> Plan:
+              device_state: bool = False, disk_frozen_blocks: int | None = None, host_share: float = 1.0) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded).
 
     ``disk``: an NVMe tier may hold what host memory cannot (``disk_budget``: its free bytes). The planner
@@ -288,7 +288,9 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     device-optimized units, its gradient staging for its shard, its offloaded checkpoints) ``ranks`` times.
     ``shards``: the ranks that share a GPU-resident unit's optimizer state. ``device_state`` (FULL_SHARD without
     offload, [Note: sharded device state] in sharding.py): every block streams, its weights gathered from the
-    GPUs' shards of its state instead of uploaded from the host, which holds none of it."""
+    GPUs' shards of its state instead of uploaded from the host, which holds none of it. ``host_share``: the share
+    of the host-optimized units' master, moments and waiting gradients this host holds (1/N: the full layout on N
+    nodes, [Note: nodes hold a slice of the state] in node_slices.py)."""
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
     L = len(shape.block_numels)
@@ -392,13 +394,14 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         tier_max = max([max_block] + [-(-n // 4) for n in fraw.values()])
         chunk = tier_chunk(tier_max)   # (planning.open_tier sizes the tier so)
         host = {
-            "master_and_moments": (host_units - on_disk["moments"] - on_disk["all"]) * 12,   # master pinned: uploaded
+            "master_and_moments": math.ceil((host_units - on_disk["moments"] - on_disk["all"]) * 12 * host_share),
             # [Note: frozen parameters]: the frozen weights, once (the host's ranks share them), no state
             "frozen_weights": shape.frozen_host_bytes(cb, [0] + [i + 1 for i in range(L) if i not in fbytes]),
             "host_mirrors": device_opt_units * 4 * ranks if on_cuda else 0,   # fp32 copies the params view
             "grad_staging": stage * -(-stage_numel // ranks) * 4 * ranks,    # each rank's, for its shard
             # deferred updates: each host unit's gradient waits for the norm here, or on the disk with its state
-            "grad_buffers": (host_units - on_disk["moments"] - on_disk["all"]) * 4 if deferred_updates else 0,
+            "grad_buffers": (math.ceil((host_units - on_disk["moments"] - on_disk["all"]) * 4 * host_share)
+                             if deferred_updates else 0),
             # DeepSpeed-style forwards: 16-bit copies of the streamed blocks (copies16.py)
             "host16_copies": (sum(streamed) - on_disk["all"]) * cb if host16 and not fp32 else 0,
             "disk_block_masters": on_disk["moments"] * 4,               # moments on the disk, master here
@@ -421,7 +424,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
                     host_budget, chosen, tuple(sorted(disk_of.items())), dbytes, disk_budget,
                     loss_chunks=chunks if chunked else 1, offload_checkpoints=offloaded, stage_numel=up_stage,
                     device_state=device_state, checkpoint_every=every, disk_frozen=fdisk,
-                    disk_frozen_bytes=sum(fbytes.values()))
+                    disk_frozen_bytes=sum(fbytes.values()), host_share=host_share)
 
     def disk_choices(r: int):
         """[Note: disk placement]

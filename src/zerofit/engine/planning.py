@@ -113,7 +113,8 @@ def placement_kept(plan: Plan) -> dict:
                 fixed_staging=plan.staging_buffers, disk_placement=plan.disk_of,
                 disk_frozen_blocks=len(plan.disk_frozen),
                 floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every),
-                disk_budget=plan.disk_budget)     # measured before the swap file took its share of the disk
+                disk_budget=plan.disk_budget,     # measured before the swap file took its share of the disk
+                host_share=plan.host_share)       # the nodes' layout ([Note: nodes hold a slice of the state])
 
 
 def plan_batch(config: ZerofitConfig, model, seq_len: int | None) -> BatchShape:
@@ -151,6 +152,35 @@ def planner_inputs(config: ZerofitConfig, adapter, *, on_cuda: bool, device_budg
     dtype = DTYPES[config.precision]
     return dict(device_budget=device_budget, host_budget=host_budget, chunkable_loss=adapter.chunkable_loss,
                 **placement_args(config, adapter.num_blocks), **plan_args(config, dtype, on_cuda, needs_norm(config)))
+
+
+def nodes_plan(config: ZerofitConfig, nodes: int, plan_for) -> tuple[str, Plan]:
+    """[Note: the nodes' layout]
+    On several nodes the planner chooses between the two layouts (docs/ranks.md): ``hybrid`` ([Note: nodes hold
+    the state whole], ranks.py) where the whole host state fits each node's host budget, else ``full`` ([Note:
+    nodes hold a slice of the state], node_slices.py: each node 1/N of it). ``nodes_layout`` names one (FSDP's
+    HYBRID_SHARD and _HYBRID_SHARD_ZERO2 name hybrid, FULL_SHARD and SHARD_GRAD_OP across nodes and DeepSpeed's
+    ZeRO stages 1-3 name full; ``zero_hpz_partition_size``, hybrid). Hybrid first, where both fit: it never
+    sends weights across the nodes (only the gradients, each node's shards all-reduced), whose bytes equal the
+    full layout's for one gather of the weights per use, and every node keeps a whole checkpointable state;
+    the full layout's CPU updates and uploads are 1/N of the hybrid's per node, which ``zerofit estimate --nnodes``
+    weighs against the bandwidth between the nodes. ``plan_for(share)``: the plan with ``host_share`` ``share``.
+    Returns the layout and its plan; one node: ``hybrid`` (the two are the same there)."""
+    want = config.nodes_layout
+    if nodes <= 1 or want == "hybrid":
+        return "hybrid", plan_for(1.0)
+    if want == "full":
+        return "full", plan_for(1.0 / nodes)
+    try:
+        return "hybrid", plan_for(1.0)
+    except PlanError as whole:
+        try:
+            plan = plan_for(1.0 / nodes)
+        except PlanError:
+            raise whole from None
+        log.info("zerofit: the whole state does not fit one node's host memory (%s): the full layout, each of the "
+                 "%d nodes holding 1/%d of it", whole, nodes, nodes)
+        return "full", plan
 
 
 def check_ranks(config: ZerofitConfig, ranks) -> None:
@@ -196,8 +226,10 @@ class Planning:
             budgets = ranks.objects((dev_budget, host_budget))
             dev_budget = None if dev_budget is None else min(b[0] for b in budgets)
             host_budget = budgets[0][1]
-        self.plan: Plan = make_plan(shape, self.plan_batch, **planner_inputs(
-            config, adapter, on_cuda=on_cuda, device_budget=dev_budget, host_budget=host_budget))
+        inputs = planner_inputs(config, adapter, on_cuda=on_cuda, device_budget=dev_budget, host_budget=host_budget)
+        # [Note: the nodes' layout]: hybrid or full on several nodes (the engine hands it to its ranks)
+        self.layout, self.plan = nodes_plan(config, ranks.nodes, lambda share: make_plan(
+            shape, self.plan_batch, **(inputs | dict(host_share=share))))
         self.batch_plan: Plan | None = None
         self.checked_shape: tuple | None = None
         self.host16 = False

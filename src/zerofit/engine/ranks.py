@@ -35,8 +35,8 @@ over the node's ranks only (``all_reduce``: every node has them alike); replicat
 over every rank (``all_reduce_world``). Checkpoints: rank 0 writes the whole tensors from its node's state, every
 rank loads a checkpoint into its node's (a checkpoint from N nodes loads on M). What crosses the nodes per step:
 each rank's shard of every host-optimized gradient, all-reduced (about 2 (n-1)/n x 4 bytes per parameter per node
-in fp32), and the replicated units' gradients. The *full* layout (the host state sharded across the nodes too) is
-not built: a node must hold the whole state.
+in fp32), and the replicated units' gradients. The *full* layout ([Note: nodes hold a slice of the state],
+node_slices.py) shards the host state across the nodes instead: ``use_layout("full")``.
 
 [Note: a failing rank]
 A collective blocks until every rank joins it, so an exception on one rank would leave the others waiting
@@ -118,7 +118,9 @@ class _Process:
         self.rank = self.world = 0   # as the rendezvous read them
         self.made = 0                # the groups zerofit made in this process (their store prefixes)
         self.group = None            # the default group zerofit made last; destroyed at exit if still the default
-        self.subgroups: tuple | None = None    # (default group, gather group, reduce group)
+        self.subgroups: tuple | None = None    # (default group, gather group, reduce group, cross-node group)
+        self.world_groups: tuple | None = None   # (default group, gather group, reduce group) of every rank: the
+        #                                          full layout ([Note: nodes hold a slice of the state])
         self.engines = 0             # engines of several ranks made in this process (their failure keys)
         self.live: weakref.WeakSet = weakref.WeakSet()    # the open engines' Ranks, whose keys the monitor polls
         self.at_exit = None          # the finalizer that stops the monitor and destroys the group at exit
@@ -161,13 +163,20 @@ class _Process:
         self.group = dist.distributed_c10d._get_default_group()
         self.finalize_at_exit()
 
-    def groups(self, world: int, local_world: int, rank: int) -> tuple:
+    def groups(self, world: int, local_world: int, rank: int, layout: str = "hybrid") -> tuple:
         """The gather and reduce groups of this rank's node and its cross-node group (the ranks of the same local
         rank on every node; None on one node) of the current default group: made at its first engine, then
-        reused. Every rank makes every node's groups, in the same order, as ``new_group`` requires."""
+        reused. Every rank makes every node's groups, in the same order, as ``new_group`` requires. The full
+        layout on several nodes: a gather and a reduce group of every rank, no cross-node group."""
         default = dist.distributed_c10d._get_default_group()
-        kept = self.subgroups
         live = dist.distributed_c10d._world.pg_map
+        if layout == "full" and world > local_world:
+            kept = self.world_groups
+            if kept is None or kept[0] is not default or not all(g in live for g in kept[1:]):
+                everyone = list(range(world))
+                kept = self.world_groups = (default, dist.new_group(everyone), dist.new_group(everyone))
+            return kept[1], kept[2], None
+        kept = self.subgroups
         if kept is not None and kept[0] is default and all(g in live for g in kept[1:] if g is not None):
             return kept[1:]
         nodes = world // local_world
@@ -208,7 +217,16 @@ def _at_exit() -> None:
             dist.destroy_process_group()
     except Exception as e:     # noqa: BLE001 - at exit: say it, never raise
         log.debug("zerofit: destroying the process group at exit: %r", e)
-    p.group = p.subgroups = p.store = None
+    p.group = p.subgroups = p.world_groups = p.store = None
+
+
+def _close_all(fds: list) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 class RankFailedError(RuntimeError):
@@ -232,9 +250,11 @@ class Ranks:
     owns_group: bool = False          # this engine made the default group (which outlives it: [Note: a process
     #                                   group that lives])
     failed_key: str = _FAILED         # this engine's failure key in the group's store ([Note: a failing rank])
-    cross_group: object = None        # this local rank on every node; None on one node
+    cross_group: object = None        # this local rank on every node; None on one node (and in the full layout)
+    layout: str = "hybrid"            # several nodes: "hybrid" or "full" (use_layout); one node: either, the same
     _stop: threading.Event = field(default_factory=threading.Event)   # closed: the monitor lets it be
     _mappings: list = field(default_factory=list)
+    _fds: list = field(default_factory=list)     # local rank 0: the memfds it made (held_bytes reads them)
 
     @property
     def many(self) -> bool:
@@ -247,6 +267,37 @@ class Ranks:
     @property
     def node(self) -> int:
         return self.rank // self.local_world
+
+    @property
+    def full(self) -> bool:
+        """The full layout on several nodes: the units cut into one shard per rank of every node, each node's
+        host memory holding its ranks' shards ([Note: nodes hold a slice of the state], node_slices.py)."""
+        return self.layout == "full" and self.nodes > 1
+
+    @property
+    def shards(self) -> int:
+        """The shards a unit is cut into: one per rank of the node (hybrid, one node), of the world (full)."""
+        return self.world if self.full else self.local_world
+
+    @property
+    def shard_rank(self) -> int:
+        """Which of them is this rank's."""
+        return self.rank if self.full else self.local_rank
+
+    def use_layout(self, layout: str, asked: str = "auto") -> None:
+        """Run the nodes' ``layout`` (the planner's choice, every rank the same; a collective on several nodes:
+        the full layout's groups of every rank are made at its first engine), logged by name with ``asked``, the
+        config's ``nodes_layout``."""
+        if layout not in ("hybrid", "full"):
+            raise ValueError(f"nodes_layout {layout!r}: hybrid or full")
+        self.layout = layout
+        if self.nodes > 1:
+            self.gather_group, self.reduce_group, self.cross_group = _PROCESS.groups(
+                self.world, self.local_world, self.rank, layout)
+            log.info("zerofit: %d nodes of %d ranks, the %s layout (nodes_layout %s): %s", self.nodes,
+                     self.local_world, layout, asked,
+                     "each node holds the whole state, gradients all-reduced across the nodes" if layout == "hybrid"
+                     else f"each node holds 1/{self.nodes} of the host state, weights gathered across the nodes")
 
     @property
     def _world_group(self):
@@ -314,17 +365,27 @@ class Ranks:
     # ------------------------------------------------------------------ shards
 
     def shard_size(self, numel: int) -> int:
-        return -(-numel // self.local_world)
+        return -(-numel // self.shards)
 
     def padded(self, numel: int) -> int:
-        """Device buffers of a unit hold this many elements: one equal shard per rank of the node."""
-        return self.shard_size(numel) * self.local_world
+        """Device buffers of a unit hold this many elements: one equal shard per rank of the node (of the world
+        in the full layout)."""
+        return self.shard_size(numel) * self.shards
 
     def bounds(self, numel: int) -> tuple[int, int]:
         """This rank's shard ``[lo, hi)`` of a unit of ``numel`` elements (empty past the end): its node's
-        ``local_rank``-th ([Note: nodes hold the state whole])."""
+        ``local_rank``-th ([Note: nodes hold the state whole]), the world's ``rank``-th in the full layout."""
         s = self.shard_size(numel)
-        lo = min(self.local_rank * s, numel)
+        lo = min(self.shard_rank * s, numel)
+        return lo, min(lo + s, numel)
+
+    def node_bounds(self, numel: int) -> tuple[int, int]:
+        """This node's slice ``[lo, hi)`` of a unit's host state: its ranks' shards in the full layout, the whole
+        unit else ([Note: nodes hold a slice of the state], node_slices.py)."""
+        if not self.full:
+            return 0, numel
+        s = self.shard_size(numel) * self.local_world
+        lo = min(self.node * s, numel)
         return lo, min(lo + s, numel)
 
     # ------------------------------------------------------------------ collectives
@@ -332,8 +393,8 @@ class Ranks:
     def gather(self, full: torch.Tensor, numel: int) -> None:
         """``full`` (at least ``padded(numel)`` elements) holds this rank's shard in place; fill in the rest."""
         s = self.shard_size(numel)
-        out = full[: s * self.local_world]
-        mine = out[self.local_rank * s:(self.local_rank + 1) * s]
+        out = full[: s * self.shards]
+        mine = out[self.shard_rank * s:(self.shard_rank + 1) * s]
         if out.device.type == "cpu":       # gloo: no in-place gather
             mine = mine.clone()
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -341,17 +402,19 @@ class Ranks:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, numel: int) -> None:
         """``out`` (shard-sized) = this rank's shard of the sum of every rank's ``full`` (padded): reduce-scattered
-        inside the node, then (several nodes) all-reduced across the nodes ([Note: nodes hold the state whole])."""
+        inside the node, then (several nodes) all-reduced across the nodes ([Note: nodes hold the state whole]);
+        over every rank in the full layout."""
         s = self.shard_size(numel)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        fn(out[:s], full[: s * self.local_world], group=self.reduce_group)
+        fn(out[:s], full[: s * self.shards], group=self.reduce_group)
         if self.cross_group is not None:
             dist.all_reduce(out[:s], group=self.cross_group)
 
     def all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
-        """The sum over this node's ranks: of what each holds of the shards (a norm's squares), which every node
-        holds alike once the gradients are reduced ([Note: nodes hold the state whole])."""
-        if self.local_world > 1:
+        """The sum over the ranks that hold the shards: of what each holds of them (a norm's squares). Hybrid:
+        this node's ranks, since every node holds them alike once the gradients are reduced ([Note: nodes hold
+        the state whole]); full: every rank."""
+        if self.shards > 1:
             dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.reduce_group)
         return t
 
@@ -398,9 +461,21 @@ class Ranks:
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             self.barrier()          # every rank has it open before the creator lets go of its descriptor
-            os.close(fd)
+            if self.local_rank == 0:
+                if not self._fds:
+                    weakref.finalize(self, _close_all, self._fds)
+                self._fds.append(fd)    # kept while this engine's ranks live: held_bytes reads its pages
+            else:
+                os.close(fd)
         self._mappings.append(mm)   # the mapping outlives every tensor that views it (module parameters)
         return torch.frombuffer(mm, dtype=dtype, count=max(numel, 1))[:numel]
+
+    def held_bytes(self) -> int | None:
+        """The bytes of host memory this node's shared arenas hold now (their memfds' allocated pages; local rank
+        0 only, else None): the whole state in the hybrid layout, the node's slice of it in the full one."""
+        if self.local_rank != 0 or not self.many:
+            return None
+        return sum(os.fstat(fd).st_blocks * 512 for fd in self._fds)
 
     # ------------------------------------------------------------------ failures: [Note: a failing rank]
 

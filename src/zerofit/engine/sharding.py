@@ -22,6 +22,7 @@ import contextlib
 import torch
 
 from zerofit.engine.device import Device
+from zerofit.engine.node_slices import NodeSlices
 from zerofit.engine.store import Home, Unit
 
 
@@ -35,6 +36,7 @@ class Sharding:
         self.padded_grad: dict[int, torch.Tensor] = {}    # id(unit) -> (padded + shard,) fp32, device
         self.shard_grad: dict[int, torch.Tensor] = {}     # id(unit) -> (hi - lo,) fp32, device: summed per step
         self.writing_alone = False      # rank 0 writes a checkpoint: its own waits are not collectives
+        self.slices = NodeSlices(dev, ranks)    # the full layout's host state ([Note: nodes hold a slice of the state])
 
     def share_units(self, units: list[Unit]) -> None:
         """[Note: sharded units] after materialization: every rank starts from local rank 0's weights. The host
@@ -126,7 +128,7 @@ class Sharding:
             return write()
         wait()
         result, err = None, None
-        with self.full_state(units, write_back=False):     # [Note: sharded device state]
+        with self.full_state(units, write_back=False, everywhere=False):     # [Note: sharded device state]
             if self.ranks.rank == 0:
                 self.writing_alone = True
                 try:
@@ -144,11 +146,24 @@ class Sharding:
         return said[0]
 
     @contextlib.contextmanager
-    def full_state(self, units: list[Unit], write_back: bool):
+    def full_state(self, units: list[Unit], write_back: bool, everywhere: bool = True):
         """Within the block, sharded device units ([Note: sharded device state]) show their whole master and
         moments, gathered into the host mirror and host buffers, to what reads or writes whole tensors
         (checkpoints, export, master_state_dict). ``write_back``: afterwards each rank takes its shard of
-        what is there (a checkpoint load wrote it). Collective."""
+        what is there (a checkpoint load wrote it). Collective. The full layout's host units likewise, in the
+        node's arenas ([Note: nodes hold a slice of the state], node_slices.py): gathered unless the block
+        writes them (``write_back``), into node 0's only unless ``everywhere``, handed back after."""
+        if self.slices.on and not write_back:
+            self.slices.gather(units, everywhere=everywhere)
+        try:
+            with self._device_full_state(units, write_back):
+                yield
+        finally:
+            if self.slices.on:
+                self.slices.trim(units)
+
+    @contextlib.contextmanager
+    def _device_full_state(self, units: list[Unit], write_back: bool):
         units = [u for u in units if u.shard_state]
         kept = []
         for u in units:

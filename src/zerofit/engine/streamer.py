@@ -39,6 +39,7 @@ class Streamer:
         self.host_updates, self.device_updates, self.copies16, self.sharding = (host_updates, device_updates,
                                                                                 copies16, sharding)
         self.shell, self.blocks = units[0], units[1:]
+        self.units = units
         self.keep_allowed = keep_blocks
         plan = planning.plan
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
@@ -93,6 +94,7 @@ class Streamer:
         if not unit.updated.is_set() and not wait:
             return False
         self.host_updates.wait_updated(unit)
+        self.sharding.slices.before_upload(self.units)   # [Note: nodes hold a slice of the state]: engine.module's
         slot = self.kept.get(id(unit)) or self.pool.take(protect)   # [Note: a window keeps some blocks]
         dst = slot.tensor[: unit.numel]
         with self.dev.on(self.dev.upload):

@@ -36,7 +36,9 @@ ARGUMENTS = {
                        "(its unscale_, overflow skip and scale schedule); None: fp32",
     "sharding_strategy": "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD: zerofit's sharding of the same name (several ranks); "
                          "HYBRID_SHARD and _HYBRID_SHARD_ZERO2: FULL_SHARD and SHARD_GRAD_OP inside each node, "
-                         "replicated across the nodes: zerofit's layout on several nodes (docs/ranks.md)",
+                         "replicated across the nodes: the hybrid layout on several nodes; FULL_SHARD and "
+                         "SHARD_GRAD_OP given on several nodes: the full layout (the state sharded over every "
+                         "node); None: the planner's choice (docs/ranks.md)",
     "device_id": "the compute device (an int or torch.device); None: the GPU if there is one",
     "use_orig_params": "accepted: the parameters are the model's own (views of the engine's master weights)",
     "sync_module_states": "accepted: with several ranks the host's state comes from local rank 0 anyway",
@@ -63,7 +65,8 @@ def _precision(param_dtype) -> str:
     raise UserLoopError(f"mixed precision param_dtype {param_dtype}: zerofit computes in fp32, bf16 or fp16")
 
 
-def _config(*, offload: bool, precision: str, device, sharding: str | None, extra: dict | None) -> dict:
+def _config(*, offload: bool, precision: str, device, sharding: str | None, extra: dict | None,
+            layout: str | None = None) -> dict:
     cfg: dict = {"precision": precision}
     if not offload:
         cfg["offload"] = {"param_device": "none", "optimizer_device": "none"}
@@ -71,6 +74,8 @@ def _config(*, offload: bool, precision: str, device, sharding: str | None, extr
         cfg["device"] = (f"cuda:{device}" if isinstance(device, int) else str(torch.device(device)))
     if sharding is not None:
         cfg["sharding"] = sharding
+    if layout is not None:
+        cfg["nodes_layout"] = layout
     for k, v in (extra or {}).items():
         if k == "offload" and isinstance(v, dict):
             cfg["offload"] = {**cfg.get("offload", {}), **v}
@@ -108,7 +113,9 @@ class FullyShardedDataParallel(nn.Module):
         _refuse(process_group=process_group, device_mesh=device_mesh, param_init_fn=param_init_fn,
                 ignored_modules=ignored_modules, ignored_states=ignored_states)
         strategy = getattr(sharding_strategy, "name", sharding_strategy)
-        # [Note: nodes hold the state whole] (engine/ranks.py): the layout zerofit runs on several nodes
+        # [Note: the nodes' layout] (engine/planning.py): FSDP's words for the layouts on several nodes
+        layout = ("hybrid" if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+                  else "full" if strategy in ("FULL_SHARD", "SHARD_GRAD_OP") else None)
         strategy = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}.get(strategy, strategy)
         if strategy is not None and strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             raise UserLoopError(f"sharding_strategy {strategy}: {ARGUMENTS['sharding_strategy']}")
@@ -116,7 +123,7 @@ class FullyShardedDataParallel(nn.Module):
         precision = _precision(getattr(mixed_precision, "param_dtype", None))
         self.module = module
         self._zerofit = UserLoop(module, _config(offload=offload, precision=precision, device=device_id,
-                                                 sharding=strategy, extra=zerofit_config))
+                                                 sharding=strategy, layout=layout, extra=zerofit_config))
         _check_policy(auto_wrap_policy, self._zerofit)
         # state dicts by the model's names, loads into the engine's masters (nested in a LightningModule too)
         self._register_state_dict_hook(self._state_dict_names)

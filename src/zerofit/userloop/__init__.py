@@ -354,17 +354,19 @@ class UserLoop:
     def _optimizer_state(self, optimizer, state: dict) -> dict:
         """``optimizer.state_dict()``: torch's AdamW format, its ``state`` filled from the engine's moments and
         step counts (the optimizer holds none itself), by the parameters' positions in its groups."""
-        self.engine.wait()
+        eng = self.engine
+        eng.wait()
         where = self._where()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         out = {}
-        for i, p in enumerate(params):
-            if id(p) not in where:
-                continue
-            u, n = where[id(p)]
-            out[i] = {"step": torch.tensor(float(u.step.item()), dtype=torch.float32),
-                      "exp_avg": u.layout.views(u.exp_avg)[n].detach().to("cpu", copy=True),
-                      "exp_avg_sq": u.layout.views(u.exp_avg_sq)[n].detach().to("cpu", copy=True)}
+        with eng.sharding.full_state(eng.units, write_back=False):    # the full layout: every node's slices
+            for i, p in enumerate(params):
+                if id(p) not in where:
+                    continue
+                u, n = where[id(p)]
+                out[i] = {"step": torch.tensor(float(u.step.item()), dtype=torch.float32),
+                          "exp_avg": u.layout.views(u.exp_avg)[n].detach().to("cpu", copy=True),
+                          "exp_avg_sq": u.layout.views(u.exp_avg_sq)[n].detach().to("cpu", copy=True)}
         state["state"] = out
         return state
 
@@ -374,14 +376,15 @@ class UserLoop:
         eng = self.engine
         eng.wait()
         where = self._where()
-        for p, st in list(optimizer.state.items()):
-            if id(p) not in where or "exp_avg" not in st:
-                continue
-            u, n = where[id(p)]
-            with torch.no_grad():
-                u.layout.views(u.exp_avg)[n].copy_(st["exp_avg"])
-                u.layout.views(u.exp_avg_sq)[n].copy_(st["exp_avg_sq"])
-                u.step.fill_(float(st["step"]))
+        with eng.sharding.full_state(eng.units, write_back=True):     # the full layout: the node's slices kept
+            for p, st in list(optimizer.state.items()):
+                if id(p) not in where or "exp_avg" not in st:
+                    continue
+                u, n = where[id(p)]
+                with torch.no_grad():
+                    u.layout.views(u.exp_avg)[n].copy_(st["exp_avg"])
+                    u.layout.views(u.exp_avg_sq)[n].copy_(st["exp_avg_sq"])
+                    u.step.fill_(float(st["step"]))
         optimizer.state.clear()      # (moments have no derived copies: the gradients of a step in progress stay)
 
     def module_loaded(self) -> None:
@@ -392,6 +395,7 @@ class UserLoop:
             for u in eng.units:
                 if u.optimizer_on_device and u.host is not None and u.host is not u.master and not u.shard_state:
                     u.master.copy_(u.host)
+        eng.sharding.slices.written_whole()    # the full layout: the other nodes' slices handed back at the next upload
         eng.weights_loaded()
 
 

@@ -20,6 +20,15 @@ def llama(tied: bool = True, layers: int = 3, dropout: float = 0.0) -> nn.Module
                                         attention_dropout=dropout, attn_implementation="sdpa"))
 
 
+def llama_wide() -> nn.Module:
+    """:func:`llama` 8x wider (about 0.6 M parameters): host state of a few MB, for measuring a node's share of it
+    ([Note: nodes hold a slice of the state]) where the pages at each slice's edges are a small part."""
+    return LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                        max_position_embeddings=64, tie_word_embeddings=True,
+                                        attn_implementation="sdpa"))
+
+
 def llama_lora() -> nn.Module:
     """PEFT LoRA (r 4, every linear of the blocks, A and B both random) over :func:`llama` (untied)."""
     from peft import LoraConfig, get_peft_model

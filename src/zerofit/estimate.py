@@ -37,6 +37,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from zerofit import estimate_nodes
 from zerofit.engine.adapter import Adapter
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes, fmt_count, recomputed_blocks
 
@@ -101,6 +102,7 @@ class StepPrediction:
     download: float | None = None
     cpu_optimizer: float | None = None
     disk: float | None = None
+    inter_node: float | None = None     # the bytes across the nodes per step, in seconds ([Note: what crosses the nodes])
     disk_range: tuple | None = None     # (fastest, slowest) disk seconds over the DISK_TESTS tests of the disk
     step: float | None = None
     step_range: tuple | None = None     # the step at those, where the disk binds
@@ -120,9 +122,12 @@ class Estimate:
     host_bytes: int = 0
     host_baseline_bytes: int = 0
     ranks: int = 1                      # processes (one GPU each) on the host
-    nnodes: int = 1                     # hosts, each the whole state ([Note: nodes hold the state whole])
-    inter_node_bytes: int = 0           # per node and step, across the nodes (a ring all-reduce's)
+    nnodes: int = 1                     # hosts ([Note: the nodes' layout], engine/planning.py)
+    inter_node_bytes: int = 0           # per node and step, across the nodes, in the chosen layout
     inter_node_gb_per_s: float | None = None
+    layout: str = "hybrid"              # the layout the engine would run on the nodes
+    layouts: dict = field(default_factory=dict)    # name -> LayoutEstimate (estimate_nodes.py), several nodes
+    asked: str = "auto"                 # the config's nodes_layout
     disk_bytes: int = 0
     disk_traffic: tuple = (0, 0)
     step: StepPrediction = field(default_factory=StepPrediction)
@@ -148,7 +153,8 @@ class Estimate:
              "host_baseline_bytes": self.host_baseline_bytes, "disk_bytes": self.disk_bytes,
              "disk_traffic_bytes": list(self.disk_traffic), "step": asdict(self.step),
              "tokens_per_s": self.tokens_per_s, "ranks": self.ranks, "nnodes": self.nnodes,
-             "inter_node_bytes": self.inter_node_bytes, "inter_node_seconds": self.inter_node_seconds}
+             "inter_node_bytes": self.inter_node_bytes, "inter_node_seconds": self.inter_node_seconds,
+             "layout": self.layout, "layouts": {k: v.to_dict() for k, v in self.layouts.items()}}
         if self.plan is not None:
             d["plan"] = self.plan.describe()
             d["device_bytes"] = dict(self.plan.device_bytes)
@@ -183,7 +189,7 @@ class Estimate:
         if s.step:
             parts = [f"{k} {v:.2f} s" for k, v in (("compute", s.compute), ("upload", s.upload),
                                                    ("download", s.download), ("cpu optimizer", s.cpu_optimizer),
-                                                   ("disk", s.disk)) if v is not None]
+                                                   ("disk", s.disk), ("inter-node", s.inter_node)) if v is not None]
             lines.append(f"step time    {s.step:.2f} s ({self.tokens_per_s:,.0f} tokens/s), bound by {s.binds}: "
                          + ", ".join(parts))
             if s.disk_range is not None:
@@ -195,13 +201,8 @@ class Estimate:
         else:
             lines.append(f"step time    not predicted: {s.note}")
         if self.nnodes > 1:
-            t = self.inter_node_seconds
-            lines.append(f"nodes        {self.nnodes}, each holding the whole state (hybrid); across them "
-                         f"{fmt_bytes(self.inter_node_bytes)} per node and step (every trained gradient all-reduced)"
-                         + (f": {t:.2f} s at {self.inter_node_gb_per_s:g} GB/s, {s.step + t:.2f} s per step were "
-                            "none of it overlapped" if t is not None and s.step else
-                            f": {t:.2f} s at {self.inter_node_gb_per_s:g} GB/s" if t is not None else
-                            " (give --inter-node-gbps for its time)"))
+            lines += estimate_nodes.render(self.nnodes, self.ranks, self.layout, self.asked, self.layouts,
+                                           self.inter_node_gb_per_s)
         return "\n".join(lines)
 
 
@@ -216,13 +217,14 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     ``gpu``: plan for a GPU (True) or the CPU (False); None: the config's device (``auto``: a GPU if this
     machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size.
 
-    ``nnodes``: hosts of the run, each with the config's ranks (its ``world_size``) and the whole state ([Note:
-    nodes hold the state whole], engine/ranks.py): the plan is each node's; the bytes that cross the nodes per
-    step are each trained gradient element's ring all-reduce over the nodes, 2 (n-1)/n x 4 bytes (fp32) per
-    node; ``inter_node_gb_per_s`` gives their time."""
+    ``nnodes``: hosts of the run, each with the config's ranks (its ``world_size``): the plan is each node's, in
+    the layout the engine would choose ([Note: the nodes' layout], engine/planning.py); both layouts are planned
+    beside it (``layouts``), with the bytes that cross the nodes per step ([Note: what crosses the nodes],
+    estimate_nodes.py); ``inter_node_gb_per_s`` gives their time, and where the step is predicted, which layout
+    is faster."""
     from zerofit.config import load_config
     from zerofit.engine.planning import (DTYPES, cast_copies, default_host_budget, gpu_budget, needs_norm,
-                                         placement_kept, plan_batch, planner_inputs)
+                                         nodes_plan, placement_kept, plan_batch, planner_inputs)
     from zerofit.engine.materialize import model_shape, param_table
     from zerofit.engine.planner import PlanError, make_plan
 
@@ -252,12 +254,13 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     params = shape.parameters
     baseline = psutil.Process().memory_info().rss * cfg.world_size    # one process per rank
     est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline, ranks=cfg.world_size, nnodes=nnodes,
-                   inter_node_gb_per_s=inter_node_gb_per_s)
-    trained = shape.shell_numel + sum(shape.block_numels)
-    est.inter_node_bytes = int(2 * (nnodes - 1) / nnodes * 4 * trained) if nnodes > 1 else 0
+                   inter_node_gb_per_s=inter_node_gb_per_s, asked=cfg.nodes_layout)
     args = planner_inputs(cfg, adapter, on_cuda=on_cuda, device_budget=dev_budget, host_budget=host_budget)
+
+    def plan_for(share: float) -> Plan:
+        return make_plan(shape, batch, **(args | dict(host_share=share)))
     try:
-        plan = make_plan(shape, batch, **args)
+        est.layout, plan = nodes_plan(cfg, nnodes, plan_for)     # [Note: the nodes' layout]
     except PlanError as e:
         est.refusal = str(e)
         return est
@@ -274,8 +277,29 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     est.host_bytes = plan.host_total + baseline
     est.disk_bytes = plan.disk_bytes
     est.disk_traffic = plan.disk_traffic(shape)
+    cache: dict = {}      # the measured speeds, shared by the layouts' predictions
+    if nnodes > 1:
+        again = recomputed_blocks(len(shape.block_numels), plan.checkpoint_every)
+        cb = torch.empty((), dtype=dtype).element_size()
+        for name, share in (("hybrid", 1.0), ("full", 1.0 / nnodes)):
+            try:
+                p = plan if name == est.layout else plan_for(share)
+            except PlanError as e:
+                est.layouts[name] = estimate_nodes.LayoutEstimate(name, None, 0, estimate_nodes.NodeTraffic(),
+                                                                  refusal=str(e))
+                continue
+            est.layouts[name] = estimate_nodes.LayoutEstimate(
+                name, p, p.host_total + baseline, estimate_nodes.traffic(name, shape, p, nnodes, cb, again))
+        est.inter_node_bytes = est.layouts[est.layout].traffic.total
     if measure:
-        est.step = predict_step(model, cfg, plan, shape, batch, on_cuda)
+        est.step = predict_step(model, cfg, plan, shape, batch, on_cuda, nodes=nnodes, layout=est.layout,
+                                gb_per_s=inter_node_gb_per_s, cache=cache)
+        for name, le in est.layouts.items():
+            if le.plan is None:
+                continue
+            le.step = (est.step if name == est.layout else
+                       predict_step(model, cfg, le.plan, shape, batch, on_cuda, nodes=nnodes, layout=name,
+                                    gb_per_s=inter_node_gb_per_s, cache=cache)).step
     else:
         est.step.note = "not measured (measure=False)"
     return est
@@ -324,7 +348,8 @@ def copy_seconds(up: float, down: float, h2d: float, d2h: float, both: float) ->
 def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, down_fwd: float, down_bwd: float,
                   cpu_fwd: float, cpu_bwd: float, tail: float, pre: float = 0.0,
                   forward_share: float = FORWARD_SHARE, again: float = 0.0, device_updates: float = 0.0,
-                  assisted: float = 0.0, assisted_in_forward: bool = False) -> dict[str, tuple[float, str]]:
+                  assisted: float = 0.0, assisted_in_forward: bool = False,
+                  net=None) -> dict[str, tuple[float, str]]:
     """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute,
     ``pre`` the shell's before the first block (embeddings), ``post`` the engine's post pass, ``again`` the
     backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine/schedule.py), ``device_updates``
@@ -335,20 +360,33 @@ def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, d
         return parts[k], k.replace("_", " ")
 
     fwd_assist, bwd_assist = (assisted, 0.0) if assisted_in_forward else (0.0, assisted)
-    phases = {"forward": phase(compute=blocks * forward_share + pre + fwd_assist, upload=up_fwd, download=down_fwd,
-                               cpu_optimizer=cpu_fwd),
+    net_fwd, net_bwd, net_grads = (net.gather_fwd, net.gather_bwd, net.grads) if net is not None else (0.0, 0.0, 0.0)
+    # [Note: what crosses the nodes] (estimate_nodes.py): the weight gathers after the uploads on their stream, the
+    # gradients' reductions on the compute stream
+    bwd_compute = "compute_and_inter_node" if net_grads else "compute"
+    phases = {"forward": phase(compute=blocks * forward_share + pre + fwd_assist, upload=up_fwd + net_fwd,
+                               download=down_fwd, cpu_optimizer=cpu_fwd),
               "post": (post, "compute"),
-              "backward": phase(compute=blocks * (1 - forward_share) + again + bwd_assist, upload=up_bwd,
-                                download=down_bwd, cpu_optimizer=cpu_bwd)}
+              "backward": phase(**{bwd_compute: blocks * (1 - forward_share) + again + bwd_assist + net_grads},
+                                upload=up_bwd + net_bwd, download=down_bwd, cpu_optimizer=cpu_bwd)}
     if device_updates:
         phases["device updates"] = (device_updates, "compute")
     phases["shell update"] = (tail, "the shell's update")
     return phases
 
 
-def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, on_cuda: bool) -> StepPrediction:
+def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, on_cuda: bool, *, nodes: int = 1,
+                 layout: str = "hybrid", gb_per_s: float | None = None, cache: dict | None = None) -> StepPrediction:
     """Each resource's seconds per step from this machine's measured speeds, and the step from the phases they
-    run in ([Note: the step's phases]; see also the module docstring)."""
+    run in ([Note: the step's phases]; see also the module docstring). ``nodes`` and ``layout``: one node's step
+    of a run on several ([Note: what crosses the nodes], estimate_nodes.py), the bytes across them at
+    ``gb_per_s``. ``cache``: the measured speeds, kept for the next call (the other layout's)."""
+    cache = {} if cache is None else cache
+
+    def once(key, fn):
+        if key not in cache:
+            cache[key] = fn()
+        return cache[key]
     from zerofit import doctor
     from zerofit.engine.planning import cast_copies, split_updates
 
@@ -358,8 +396,8 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         return pred
     L, G = len(shape.block_numels), batch.grad_accum
     chunks = plan.loss_chunks if plan.loss_chunks > 1 and Adapter(model).chunkable_loss else 1
-    probe = block_seconds(model, batch, cfg, chunks)
-    engine_probe = engine_block_seconds(model, batch, cfg)
+    probe = once("block", lambda: block_seconds(model, batch, cfg, chunks))
+    engine_probe = once("engine", lambda: engine_block_seconds(model, batch, cfg))
     if engine_probe is not None:      # the engine's own block compute and pre pass
         probe = dataclasses.replace(probe, per_block=engine_probe.per_block, forward_share=engine_probe.forward_share,
                                     pre=engine_probe.pre, source="the engine on a 2-block model")
@@ -370,11 +408,12 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     again = recomputed_blocks(L, plan.checkpoint_every)
     regen = len(again) * per_block * probe.forward_share
     pred.compute = G * (probe.pre + probe.post + L * per_block + regen)
-    copies = {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
+    copies = once("copies", lambda: {(c.direction, c.host_memory): c.gb_per_s
+                                     for c in doctor.copy_bandwidth(256 << 20, 3)})
     h2d, d2h = copies[("host->gpu", "pinned")], copies[("gpu->host", "pinned")]
     both = copies.get(("both", "pinned"), min(h2d, d2h))
     # the CPU's AdamW runs while the copies do, sharing the host's memory bandwidth with them (ENGINE.md)
-    opt = doctor.optimizer_speed(64 << 20, 5.0, while_copying=True)
+    opt = once("adamw", lambda: doctor.optimizer_speed(64 << 20, 5.0, while_copying=True))
     rate = opt.params_per_s
     cb = torch.empty((), dtype=_dtype(cfg)).element_size()
     n = shape.block_numels
@@ -396,7 +435,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         # 16-bit host copies it writes the cast alone, and every upload after it reads the copy ([Note: the
         # master behind its cast])
         cast = plan.host_bytes.get("host16_copies", 0) > 0 and cast_copies(cfg, _dtype(cfg), on_cuda, True)
-        fwd_rate = (doctor.master_pass_speed(cast=_dtype(cfg) if cast else None)
+        fwd_rate = (once(("pass", cast), lambda: doctor.master_pass_speed(cast=_dtype(cfg) if cast else None))
                     if split_updates(cfg, on_cuda, True) else rate)
         w16 = sum(n[i] * cb + shape.frozen_host_bytes(cb, [i + 1]) for i in streamed)
         up_fwd = (w16 - a * cb + a * 16) if cast else weights + a * 12
@@ -416,8 +455,12 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         shell_bytes = (s * 4, s * 4)
         host_params += s
     # several ranks: each uploads and downloads its shard over its own link (the GPUs exchange the rest); each
-    # CPU worker updates its shard with its share of the cores, against one host memory: as one rank's time
-    r = cfg.world_size
+    # CPU worker updates its shard with its share of the cores, against one host memory: as one rank's time. The
+    # full layout on several nodes: the shards are the world's, each node's CPU updates 1/n of the host state
+    full = layout == "full" and nodes > 1
+    r = cfg.world_size * (nodes if full else 1)
+    share = 1.0 / nodes if full else 1.0
+    cpu_fwd, cpu_bwd = cpu_fwd * share, cpu_bwd * share
     rates = (h2d * r * 1e9, d2h * r * 1e9, both * r * 1e9)
     t_up_fwd, t_down_fwd = copy_seconds(up_fwd, down_fwd, *rates)
     t_up_bwd, t_down_bwd = copy_seconds(up_bwd, down_bwd, *rates)
@@ -427,6 +470,9 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         tail = s * 4 / d2h / 1e9 + s / rate + s * 4 / h2d / 1e9
     else:
         tail = 0.0
+    tail *= share
+    net = estimate_nodes.traffic(layout, shape, plan, nodes, cb, again).seconds(gb_per_s) if nodes > 1 else None
+    pred.inter_node = net.total if net is not None else None
     # the device's own updates (Step.finish, engine/step.py): the resident blocks' and the shell's after the backward; the
     # assisted blocks' beside the backward's compute, or the next forward's with deferred updates; each rank its
     # shard of them
@@ -436,12 +482,12 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     pred.compute += dev_update + assist_update
     pred.upload = t_up_fwd + t_up_bwd + shell_bytes[0] / rates[0]
     pred.download = t_down_fwd + t_down_bwd + shell_bytes[1] / rates[1]
-    pred.cpu_optimizer = host_params / rate
+    pred.cpu_optimizer = host_params / rate * share
     pred.phases = phase_seconds(blocks=G * L * per_block, pre=G * probe.pre, post=G * probe.post, again=G * regen,
                                 forward_share=probe.forward_share,
                                 up_fwd=t_up_fwd, up_bwd=t_up_bwd, down_fwd=t_down_fwd, down_bwd=t_down_bwd,
                                 cpu_fwd=cpu_fwd, cpu_bwd=cpu_bwd, tail=tail, device_updates=dev_update,
-                                assisted=assist_update, assisted_in_forward=plan.deferred_updates)
+                                assisted=assist_update, assisted_in_forward=plan.deferred_updates, net=net)
     pred.speeds |= {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "both_ways_gb_per_s_each": both,
                    "cpu_adamw_params_per_s": rate, "block_seconds": per_block, "shell_seconds": shell,
                    "pre_seconds": probe.pre, "post_seconds": probe.post, "loss_chunks": chunks,

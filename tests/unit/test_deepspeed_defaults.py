@@ -80,6 +80,7 @@ _DEEPSPEED = {
         "enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
         "min_loss_scale")},
     "zero_optimization.stage": _field_default(DeepSpeedZeroConfig, "stage"),
+    "zero_optimization.zero_hpz_partition_size": _field_default(DeepSpeedZeroConfig, "zero_hpz_partition_size"),
     **{f"zero_optimization.offload_optimizer.{k}": _field_default(DeepSpeedZeroOffloadOptimizerConfig, k)
        for k in ("device", "nvme_path", "pin_memory")},
     **{f"zero_optimization.offload_param.{k}": _field_default(DeepSpeedZeroOffloadParamConfig, k)

@@ -332,20 +332,106 @@ def test_the_devices_own_updates_count_in_the_step(monkeypatch):
 
 @pytest.mark.parametrize("nodes", [1, 2, 3])
 def test_the_bytes_that_cross_the_nodes(nodes):
-    """[Note: nodes hold the state whole]: each node plans as one host; per step every trained gradient element
-    is all-reduced across the nodes (a ring's 2 (n-1)/n x 4 bytes per element and node); with a bandwidth, its
-    seconds; the estimate says so."""
+    """[Note: what crosses the nodes] (estimate_nodes.py): each node plans as one host. Hybrid (chosen where the
+    state fits): every trained gradient element all-reduced across the nodes (a ring's 2 (n-1)/n x 4 bytes per
+    element and node); full, beside it: each streamed block's bf16 weights gathered at its two uses, (n-1)/n x 2 B
+    each, the host-optimized gradients reduce-scattered, (n-1)/n x 4 B, the shell's weights gathered after its
+    update (here the shell is replicated: its gradient all-reduced); each node's master and moments 1/n. With a bandwidth, their seconds; the estimate says so."""
     with torch.device("meta"):
         meta = tm.llama(layers=4)
     one = estimate(meta, _cfg(), measure=False)
     est = estimate(meta, _cfg(), measure=False, nnodes=nodes, inter_node_gb_per_s=10.0)
     assert est.plan.host_bytes == one.plan.host_bytes and est.plan.device_bytes == one.plan.device_bytes
     trained = sum(p.numel() for p in meta.parameters())
-    assert est.inter_node_bytes == int(2 * (nodes - 1) / nodes * 4 * trained)
+    f = (nodes - 1) / nodes
+    assert est.inter_node_bytes == int(2 * f * 4 * trained)
     text = est.render()
-    if nodes == 1:
-        assert est.inter_node_seconds is None and "nodes " not in text
-    else:
-        assert est.inter_node_seconds == pytest.approx(est.inter_node_bytes / 1e10)
-        assert f"nodes        {nodes}, each holding the whole state (hybrid)" in text and "at 10 GB/s" in text
     assert est.to_dict()["inter_node_bytes"] == est.inter_node_bytes
+    if nodes == 1:
+        assert est.inter_node_seconds is None and "nodes " not in text and not est.layouts
+        return
+    assert est.layout == "hybrid" and set(est.layouts) == {"hybrid", "full"}
+    assert est.inter_node_seconds == pytest.approx(est.inter_node_bytes / 1e10)
+    full = est.layouts["full"]
+    blocks = sum(p.numel() for p in meta.model.layers.parameters())
+    shell = trained - blocks
+    assert full.plan.shell_optimizer_on_device      # the CPU's plan: the shell replicated, its gradient all-reduced
+    assert full.traffic.gather_fwd == full.traffic.gather_bwd == int(f * blocks * 2)
+    assert full.traffic.grads == int(f * 4 * blocks + 2 * f * 4 * shell)
+    whole = est.layouts["hybrid"].plan.host_bytes["master_and_moments"]
+    assert whole == blocks * 12       # the streamed blocks' (the shell's on the device)
+    assert full.plan.host_bytes["master_and_moments"] == pytest.approx(whole / nodes, abs=1)
+    assert f"nodes        {nodes} x 1 rank: the hybrid layout (nodes_layout auto)" in text
+    assert f"each node holds 1/{nodes} of the host state" in text and "at 10 GB/s" in text
+    assert "which is faster: the steps are predicted on the training machine's GPU" in text
+    assert est.to_dict()["layouts"]["full"]["inter_node"]["grads"] == full.traffic.grads
+
+
+def test_the_planner_takes_the_full_layout_when_the_whole_state_does_not_fit_a_node():
+    """[Note: the nodes' layout]: auto is hybrid where the whole state fits the host budget; where only a node's
+    1/n share fits, the full layout; nodes_layout names either; where neither fits, the hybrid's refusal."""
+    with torch.device("meta"):
+        meta = tm.llama(layers=4)
+    need = estimate(meta, _cfg(), measure=False).plan.host_total
+    share = estimate(meta, _cfg(nodes_layout="full"), measure=False, nnodes=2).plan.host_total
+    assert share < need
+    budget = (share + need) // 2
+    est = estimate(meta, _cfg(max_host_memory=budget), measure=False, nnodes=2)
+    assert est.layout == "full" and est.refusal is None
+    assert est.layouts["hybrid"].refusal is not None and "host needs" in est.layouts["hybrid"].refusal
+    assert "hybrid  does not fit" in est.render()
+    assert estimate(meta, _cfg(nodes_layout="full"), measure=False, nnodes=2).layout == "full"
+    assert estimate(meta, _cfg(max_host_memory=budget, nodes_layout="hybrid"), measure=False,
+                    nnodes=2).refusal is not None
+    assert estimate(meta, _cfg(max_host_memory=share // 2), measure=False, nnodes=2).refusal is not None
+    one = estimate(meta, _cfg(max_host_memory=budget), measure=False)      # one node: nothing to share it with
+    assert one.refusal is not None
+
+
+def test_the_step_of_each_layout_and_which_is_faster(monkeypatch):
+    """With the measurements stubbed (55 GB/s each way, 2.5 G params/s of CPU AdamW): the full layout's CPU
+    optimizer and uploads are 1/n of the hybrid's per node; the bytes across the nodes go into the phases where
+    they run: the hybrid's all-reduce and the full layout's reduce-scatter into the backward's compute, the full
+    layout's gathers after the uploads of the forward and the backward. In bf16 the full layout's gathers (2 B per
+    parameter per use) hide under the compute stream's reduce-scatter, half the hybrid's all-reduce, so by this
+    model the full layout is the faster at 1000 GB/s and at 1 GB/s alike, and the estimate says so."""
+    from zerofit import estimate as E
+    from zerofit import estimate_nodes as N
+    from zerofit.config import load_config
+    from zerofit.engine.planner import BatchShape, make_plan
+
+    shape, batch = EIGHT_BLOCKS, BatchShape(1, 256, 4)
+    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=10**12,
+              deferred_updates=False, checkpointing=True, stream_params=True, resident_blocks=0, prefetch_depth=None,
+              assisted_fraction=0.0, assisted_updates=False)
+    _stub_measurements(monkeypatch)
+    cfg = load_config({"precision": "bf16", "micro_batch_size": 1, "gradient_accumulation_steps": 4}).config
+    plans = {"hybrid": make_plan(shape, batch, **kw), "full": make_plan(shape, batch, host_share=0.5, **kw)}
+    assert plans["full"].host_bytes["master_and_moments"] * 2 == plans["hybrid"].host_bytes["master_and_moments"]
+    one = E.predict_step(None, cfg, plans["hybrid"], shape, batch, on_cuda=True)
+    pred = {(name, bw): E.predict_step(None, cfg, plans[name], shape, batch, on_cuda=True, nodes=2, layout=name,
+                                       gb_per_s=bw)
+            for name in plans for bw in (1.0, 1000.0)}
+    hybrid, full = pred["hybrid", 1000.0], pred["full", 1000.0]
+    assert hybrid.cpu_optimizer == pytest.approx(one.cpu_optimizer)
+    assert full.cpu_optimizer == pytest.approx(one.cpu_optimizer / 2)
+    assert full.upload == pytest.approx(one.upload / 2)
+    for bw in (1.0, 1000.0):
+        t = {k: N.traffic(k, shape, plans[k], 2, 2).seconds(bw) for k in plans}
+        h, f = pred["hybrid", bw], pred["full", bw]
+        assert h.inter_node == pytest.approx(t["hybrid"].total) and f.inter_node == pytest.approx(t["full"].total)
+        assert h.phases["backward"] == (pytest.approx(one.phases["backward"][0] + t["hybrid"].grads),
+                                        "compute and inter node")
+        assert h.phases["forward"] == one.phases["forward"]
+        bwd_compute = one.phases["backward"][0] + t["full"].grads     # the blocks' compute-bound backward, and the RS
+        assert f.phases["backward"][0] == pytest.approx(bwd_compute)
+        assert f.phases["forward"][0] == pytest.approx(max(one.phases["forward"][0], one.upload / 4 + t["full"].gather_fwd),
+                                                       rel=0.05)
+        assert t["full"].grads == pytest.approx(t["hybrid"].grads / 2, rel=0.02)
+        assert f.step < h.step
+        layouts = {k: N.LayoutEstimate(k, plans[k], 0, N.traffic(k, shape, plans[k], 2, 2), step=pred[k, bw].step)
+                   for k in plans}
+        assert N.faster(layouts) == "full"
+        assert "  faster: full (" in "\n".join(N.render(2, 1, "hybrid", "auto", layouts, bw))
+    layouts["full"].refusal = "does not fit"
+    assert N.faster(layouts) is None

@@ -202,6 +202,20 @@ def test_a_failing_node_ends_every_rank_naming_its_rank_and_node(tmp_path):
     assert result is None and time.monotonic() - t < 90
 
 
+def test_a_killed_node_ends_every_rank_naming_its_rank_and_node(tmp_path):
+    """[Note: a rank that dies]: 2 simulated nodes of 2 ranks; rank 2 (node 1) is killed (SIGKILL: it records
+    nothing) in its second step. Every other rank fails within a bounded time, naming rank 2 and its node as the
+    one that stopped answering, not itself."""
+    t = time.monotonic()
+    rcs, errs, result = launch(4, {"steps": 3, "steps_total": 3, "config": _cfg(), "kill_rank": 2, "kill_step": 1},
+                               tmp_path, timeout=150, per_node=2)
+    assert rcs[2] == -9, rcs
+    assert all(rc not in (0, None) for rc in rcs), rcs
+    for r in (0, 1, 3):
+        assert "rank 2 (node 1): stopped answering" in errs[r], errs[r][-3000:]
+    assert result is None and time.monotonic() - t < 120
+
+
 def test_zerofit_doctor_measures_the_bandwidth_between_the_nodes():
     """`torchrun --nnodes 2 --node-rank i ... -m zerofit.cli doctor --inter-node --json` on each of 2 simulated
     nodes: rank 0 prints the all-reduce bandwidth between them (what `zerofit estimate --inter-node-gbps` takes);

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -186,6 +187,9 @@ def train(engine, spec: dict, data: list, rank: int, G: int) -> list[float]:
     losses = []
     for step, mbs in enumerate(data):
         mine = mbs[rank * G:(rank + 1) * G]
+        if spec.get("kill_rank") == rank and spec.get("kill_step") == step:    # [Note: a rank that dies]
+            time.sleep(2.5)      # its heartbeat heard by every rank first
+            os.kill(os.getpid(), signal.SIGKILL)
         if spec.get("fail_rank") in (rank, "all") and spec.get("fail_step") == step:
             mine = [{"input_ids": mine[0]["input_ids"][:, :3], "labels": mine[0]["labels"]}] + mine[1:]  # bad batch
         if spec.get("api") in ("fsdp", "fsdp2"):     # model(**b); (loss / G).backward(); clip; optimizer.step()

@@ -699,3 +699,46 @@ def test_a_config_with_overrides_is_read_once(tmp_path, monkeypatch):
     calls.update(batch=0, nvme=0)
     load_config(src, **{"offload.prefetch_depth": 2})            # the offload section again: its folder checked again
     assert calls == {"batch": 1, "nvme": 2}
+
+
+@pytest.mark.parametrize("zero,layout,said", [
+    ({"stage": 3}, "full", "on several nodes -> nodes_layout full"),
+    ({"stage": 2}, "full", "on several nodes -> nodes_layout full"),
+    ({"stage": 0}, "hybrid", "on several nodes -> nodes_layout hybrid"),
+    ({"stage": 3, "zero_hpz_partition_size": 8}, "hybrid", "8 -> nodes_layout hybrid"),
+    ({}, "auto", None)])
+def test_deepspeeds_words_name_the_layout_across_nodes(zero, layout, said):
+    """[Note: the nodes' layout]: ZeRO stages 1-3 shard over every rank of every node (the full layout), hpZ's
+    zero_hpz_partition_size gathers inside each node (the hybrid one), stage 0 replicates (hybrid); the key report
+    says so; without a zero section, the planner's choice. zerofit's own config takes the words."""
+    from zerofit.config import load_config
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2}
+    if zero:
+        ds["zero_optimization"] = zero
+    loaded = load_config(ds, world_size=2)
+    assert loaded.config.nodes_layout == layout
+    notes = " ".join(r.note for r in loaded.report)
+    assert said is None or said in notes, notes
+    assert load_config({"nodes_layout": "full"}).config.nodes_layout == "full"
+    with pytest.raises(ConfigError, match="nodes_layout"):
+        load_config({"nodes_layout": "sharded"})
+
+
+@pytest.mark.parametrize("strategy,layout", [("HYBRID_SHARD", "hybrid"), ("_HYBRID_SHARD_ZERO2", "hybrid"),
+                                             ("FULL_SHARD", "full"), ("SHARD_GRAD_OP", "full"), (None, "auto")])
+def test_fsdps_sharding_strategy_names_the_layout_across_nodes(strategy, layout):
+    """FSDP's words: HYBRID_SHARD and _HYBRID_SHARD_ZERO2 the hybrid layout, FULL_SHARD and SHARD_GRAD_OP (which
+    shard over every rank of every node) the full one, none the planner's choice; the one-node sharding as before."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    import zerofit.fsdp as zf
+    from tests.support import tiny_models as tm
+
+    wrapped = zf.FullyShardedDataParallel(tm.llama(), sharding_strategy=strategy and ShardingStrategy[strategy],
+                                          zerofit_config={"device": "cpu", "precision": "fp32"})
+    cfg = wrapped.zerofit_engine.config
+    assert cfg.nodes_layout == layout
+    assert cfg.sharding == {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}.get(
+        strategy, strategy or "auto")
+    wrapped.zerofit_engine.close()

@@ -336,20 +336,23 @@ def _nodes_layout(v, fields: dict, notes: dict, origin: dict) -> None:
     state over every rank of every node (the full layout); ``zero_hpz_partition_size`` (ZeRO++'s hierarchical
     partitioning, the GPUs of a node) gathers the weights inside each node: the hybrid layout, each node holding the
     whole state (where hpZ keeps the optimizer state sharded over every rank). Stage 0 replicates: hybrid."""
-    hpz = v.get("zero_optimization.zero_hpz_partition_size", 1)
+    hpz_key = "zero_optimization.zero_hpz_partition_size"
+    hpz = v.get(hpz_key, 1)
     if hpz not in (None, 0, 1):
         fields["nodes_layout"] = "hybrid"
-        origin["nodes_layout"] = v.name("zero_optimization.zero_hpz_partition_size")
-        notes["nodes_layout"] = (f"zero_hpz_partition_size {hpz} -> hybrid: on several nodes each node holds the "
-                                 "whole state and gathers the weights inside itself (hpZ's secondary partition); only "
-                                 "gradients cross the nodes (docs/ranks.md)")
+        origin["nodes_layout"] = v.name(hpz_key)
+        notes[hpz_key] = (f"{hpz} -> nodes_layout hybrid: on several nodes each node holds the whole state and "
+                          "gathers the weights inside itself (hpZ's secondary partition; zerofit keeps the optimizer "
+                          "state whole per node, where hpZ shards it); only gradients cross the nodes (docs/ranks.md)")
     elif "zero_optimization.stage" in v:
         stage = v.get("zero_optimization.stage", 0)
         fields["nodes_layout"] = "full" if stage else "hybrid"
         origin["nodes_layout"] = v.name("zero_optimization.stage")
-        notes["nodes_layout"] = (f"stage {stage} -> " + ("full: on several nodes the state is sharded over every rank of "
-                                 "every node, each node holding 1/N (zero_hpz_partition_size = the GPUs per node "
-                                 "names the hybrid layout)" if stage else "hybrid: every node holds the whole state"))
+        notes["zero_optimization.stage"] = (
+            DEEPSPEED_KEYS["zero_optimization"].keys["stage"].note + "; on several nodes -> nodes_layout "
+            + ("full (the state sharded over every rank of every node; zero_hpz_partition_size = the GPUs per node "
+               "names hybrid)" if stage else "hybrid (every node holds the whole state)"))
+
 
 def _precision(v: _Values, notes: dict) -> str:
     fp16, bf16 = v.get("fp16.enabled", False), v.get("bf16.enabled", False)

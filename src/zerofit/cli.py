@@ -109,7 +109,8 @@ def estimate(
     gpus: Annotated[int, typer.Option(
         min=1, help="Ranks on one host, one GPU each: GPU bytes per GPU, host bytes for the host (docs/ranks.md).")] = 1,
     nnodes: Annotated[int, typer.Option(
-        min=1, help="Hosts, each with --gpus ranks and the whole state: the bytes that cross them per step.")] = 1,
+        min=1, help="Hosts, each with --gpus ranks: both layouts across them (hybrid, full), their host bytes per node, "
+                    "the bytes that cross the nodes per step, and which is faster (docs/ranks.md).")] = 1,
     inter_node_gbps: Annotated[float | None, typer.Option(
         min=0.0, help="The bandwidth between the hosts, GB/s (with --nnodes): the time of those bytes.")] = None,
     measure: Annotated[bool, typer.Option(help="Measure this machine's speeds to predict the step time.")] = True,

@@ -76,7 +76,7 @@ def _expected(err: BaseException) -> bool:
     """Errors of a run that failed, whose message says what happened (another rank, the engine, the disk tier)."""
     from zerofit.engine.disk import DiskTierError
     from zerofit.engine.lifecycle import EngineClosedError
-    from zerofit.engine.ranks import RankFailedError
+    from zerofit.engine.rank_failures import RankFailedError
 
     # FloatingPointError: a step with a non-finite gradient, refused (its message says what to do)
     return isinstance(err, (DiskTierError, EngineClosedError, RankFailedError, MemoryError, FloatingPointError))

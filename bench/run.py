@@ -412,7 +412,8 @@ def parse_args(argv=None):
     p.add_argument("--gpus", type=int, default=1, help="ranks per engine (torchrun on one host); tokens count all")
     p.add_argument("--nnodes", type=int, default=1,
                    help="simulated nodes on this host, each a torchrun node of --gpus ranks and GPUs of its own "
-                        "(zerofit's hybrid layout across them: docs/ranks.md); tokens count every node's")
+                        "(zerofit's layouts across them: docs/ranks.md; --engine-args 'zerofit=--set nodes_layout=full'); "
+                        "tokens count every node's")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "runs", "bench"))
     p.add_argument("--append-docs", nargs="?", const="", default=None, metavar="FILE",
                    help="append the markdown section to the run's day's log, docs/benchmarks/<YYYY-MM-DD>.md, "

@@ -45,7 +45,7 @@ declare -A ABOUT=(
   [ranks]="2 GPUs (the nvidia-h200-x2 kind): the NCCL rank tests, W2 on 1 and 2 GPUs, W5 zerofit, FSDP2 without offload, DeepSpeed"
   [lora]="W6: LoRA of the 13B shape over its frozen bf16 base (PEFT): W6a at 24 GiB (plain PEFT on the GPU, zerofit, DeepSpeed ZeRO-3 offload), W6b at 8 GiB (zerofit); needs peft (its wheel in .whl)"
   [userloop]="W7: the user's FSDP1-shaped loop on zerofit.fsdp (the window of its 4 micro-batches, and the default) against torch's FSDP1 with CPU offload, FSDP2 with CPUOffloadPolicy and plain (W1, 4 micro-batches, clip 1.0); then the same loop through accelerate and Lightning Fabric, Fabric's own FSDPStrategy with CPU offload beside them"
-  [nodes]="several hosts simulated on one (2 GPUs, the nvidia-h200-x2 kind): W2 with the hybrid layout on 2 nodes of 1 GPU (each node its own torchrun and host state, gradients all-reduced across them: docs/ranks.md), against 1 node of 2 GPUs and 1 GPU"
+  [nodes]="several hosts simulated on one (2 GPUs, the nvidia-h200-x2 kind): W2 on 2 nodes of 1 GPU (each node its own torchrun and host state) in the hybrid layout (gradients all-reduced across them) and the full one (each node half the host state, weights gathered across them: docs/ranks.md), against 1 node of 2 GPUs and 1 GPU"
   [tests]="pytest of the GPU tests: tests/gpu/ (test_gpu.py, test_small_gpu_floor.py), tests/unit/test_split_updates.py and every test that skips without CUDA (bench/gpu/gpu_tests.py)"
 )
 
@@ -312,9 +312,12 @@ suite_userloop() {     # W7 (shared/bench/WORKLOADS.md): FSDP1 with CPU offload 
   zf_trace w7_loops zerofit-accelerate-w4 zerofit-fabric-w4
 }
 
-suite_nodes() {       # issue 33's GPU run: the hybrid layout across simulated nodes on one host
+suite_nodes() {       # issue 33's GPU run: both layouts across simulated nodes on one host
   zf_run nodes_2x1 580 --workload W2 --engines zerofit --steps 4 --cap 24GiB --gpus 1 --nnodes 2
   zf_trace nodes_2x1
+  zf_run nodes_2x1_full 580 --workload W2 --engines zerofit --steps 4 --cap 24GiB --gpus 1 --nnodes 2 \
+    --engine-args 'zerofit=--set nodes_layout=full'
+  zf_trace nodes_2x1_full
   zf_run nodes_1x2 580 --workload W2 --engines zerofit --steps 4 --cap 24GiB --gpus 2
   zf_run nodes_1x1 580 --workload W2 --engines zerofit --steps 4 --cap 24GiB
 }

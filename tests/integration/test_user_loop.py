@@ -92,8 +92,8 @@ def test_fsdp1_shaped_loop_is_plain_pytorch_bitwise(G, window):
 def test_the_default_window_learns_the_loops_micro_batches_from_its_first_step():
     """[Note: the window learns the loop's G]: FSDP(model) with no zerofit_config, 3 micro-batches per step: from
     the second step the window holds 3 (one blocks' backward per step); a step of 2 runs its held backward at the
-    step; a step of 4 runs the 3 held ones' backward at the 4th forward and goes back to a window of one. Every
-    step bitwise plain PyTorch's."""
+    step; a step of 4 runs the 3 held ones' backward together and the 4th at its own backward(), and the window
+    still holds 3 after it. Every step bitwise plain PyTorch's."""
     ref = _model()
     model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
     eng = model.zerofit_engine
@@ -110,8 +110,42 @@ def test_the_default_window_learns_the_loops_micro_batches_from_its_first_step()
         opt.zero_grad()
         holds.append(eng.window.hold)
     want = [n for _, n in _loop(ref, data, clip=_torch_clip)]
-    assert holds == [3, 3, 3, 3, None, None], holds
+    assert holds == [3, 3, 3, 3, 3, 3], holds
     assert got == want
+    _assert_weights(model.state_dict(), ref)
+
+
+def test_the_learnt_window_holds_the_most_that_fit_and_takes_the_rest_one_at_a_time(monkeypatch):
+    """[Note: the window learns the loop's G]: where the plan keeps the checkpoints of 2 micro-batches only (here
+    Planning.hold_for refuses more), a loop of 4 per step holds the first 2 and runs each later one's blocks'
+    backward at its own backward(): bitwise plain PyTorch's, the sums in autograd's order. The default plan keeps
+    room for LEARN_WINDOW micro-batches where blocks stream ([Note: room for a learnt window])."""
+    from zerofit.engine.planner import PlanError
+    from zerofit.engine.planning import LEARN_WINDOW, Planning
+
+    real = Planning.hold_for
+
+    def hold_for(self, G):
+        if G > 2:
+            raise PlanError(f"checkpoints of {G} micro-batches do not fit (the test's)")
+        return real(self, G)
+    monkeypatch.setattr(Planning, "hold_for", hold_for)
+    ref = _model()
+    model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
+    eng = model.zerofit_engine
+    assert eng.planning.plan_batch.grad_accum == LEARN_WINDOW
+    data = tm.batches(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    got, holds = [], []
+    for mbs in data:
+        for mb in mbs:
+            (model(**mb).loss / len(mbs)).backward()
+        got.append(float(model.clip_grad_norm_(0.5)))
+        opt.step()
+        opt.zero_grad()
+        holds.append(eng.window.hold)
+    assert holds == [2, 2, 2, 2], holds
+    assert got == [n for _, n in _loop(ref, data, clip=_torch_clip)]
     _assert_weights(model.state_dict(), ref)
 
 

@@ -45,8 +45,8 @@ from zerofit.engine.materialize import (build_units, model_shape, param_table, r
 from zerofit.engine.nf4 import BaseNF4
 from zerofit.engine.offload_states import OffloadStates
 from zerofit.engine.plan import Plan
-from zerofit.engine.planning import (DTYPES, Planning, cast_copies, check_ranks, needs_norm, split_updates,
-                                     split_wanted, world_size)
+from zerofit.engine.planning import (DTYPES, LEARN_WINDOW, Planning, cast_copies, check_ranks, needs_norm,
+                                     split_updates, split_wanted, world_size)
 from zerofit.engine.ranks import Ranks
 from zerofit.engine.rendezvous import named_barrier, wait_s
 from zerofit.engine import recovery
@@ -145,7 +145,9 @@ class Engine(DeepSpeedSurface):
         self.batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
         # may refuse (PlanError): nothing allocated yet
         self.planning = Planning(config, self.adapter, self._shape, on_cuda=self.dev.is_cuda, device=self.dev.device,
-                                 ranks=self.ranks, seq_len=config.seq_len)
+                                 ranks=self.ranks, seq_len=config.seq_len,   # [Note: room for a learnt window]
+                                 window_room=LEARN_WINDOW if user_loop and config.gradient_accumulation_steps == 1
+                                 else 1)
         self.ranks.use_layout(self.planning.layout, config.nodes_layout)     # [Note: the nodes' layout] (planning.py)
         # [Note: engine lifecycle]: from here on, released exactly once
         self.lifecycle = Lifecycle(self, self.dev, self.ranks)

@@ -103,10 +103,16 @@ class Window:
         return self.hold if self.hold is not None else self.config.gradient_accumulation_steps
 
     def hold_micro_batches(self, n: int | None) -> None:
-        """The user's loop: hold ``n`` micro-batches before their blocks' backward (None: back to a window of one
-        that takes any number, each micro-batch's blocks backward at its own ``backward()``)."""
+        """The user's loop: hold the first ``n`` micro-batches of each step before their blocks' backward, any
+        after them each at its own ``backward()`` ([Note: the window learns the loop's G], userloop); None: a window
+        of one. Any number of micro-batches per step either way."""
         self.hold = n
-        self.unbounded = n is None
+        self.unbounded = True
+
+    @property
+    def in_tail(self) -> bool:
+        """The user's loop, past the micro-batches its window holds: each goes on at its own backward()."""
+        return self.hold is not None and self.micro_steps >= self.hold
 
     def reset(self) -> None:
         """Drop the window in progress (a failed step): nothing of it is left."""
@@ -243,7 +249,7 @@ class Window:
         if self.micro_steps == 0 and G > 1 and self.copies16.possible():
             self.copies16.enable(self.device_updates)
         override = self.boundary           # more forwards of this window follow?
-        more = (self.micro_steps % G < G - 1) if override is None else not override
+        more = (self.micro_steps % G < G - 1 and not self.in_tail) if override is None else not override
         if self.micro_steps == 0 and more:
             self.streamer.keep_blocks(self.grads.pool)
         with self.copies16.filling(more):
@@ -275,10 +281,11 @@ class Window:
         with self.dev.timed("compute", label="post"):
             # averaged over the ranks, as DeepSpeed's data parallelism does ([Note: sharded units])
             self.schedule.post_backward(micro, loss, final, scale / (G if scale_wrt_gas else 1) / self.ranks.world)
+        tail = self.in_tail
         self.micro_steps += 1
         if self.adapter.streaming:
             self.held.append(micro)
-            if len(self.held) >= G or self.boundary is True:
+            if len(self.held) >= G or self.boundary is True or tail:
                 self._backward_held()
 
     def _backward_held(self) -> None:

@@ -151,8 +151,6 @@ class UserLoop:
     def forward(self, *args, **kwargs):
         eng = self.engine
         G = eng.config.gradient_accumulation_steps
-        if eng.window.hold is not None and eng.window.micro_steps >= eng.window.hold and torch.is_grad_enabled():
-            self._unhold()          # more micro-batches than the window learnt: back to a window of one
         if G > 1 and eng.window.micro_steps >= G and torch.is_grad_enabled():
             raise UserLoopError(f"micro-batch {G + 1} of a step with zerofit_config gradient_accumulation_steps {G}: "
                                 "the window holds that many micro-batches before their blocks' backward, and "
@@ -292,38 +290,38 @@ class UserLoop:
         ``backward()``, the gradients summed on the host), every micro-batch of a step uploads every streamed block
         for its backward and downloads its gradient: 1,956 tokens/s on W7 (W1, 4 micro-batches, the H200), against
         5,362 with the window of the loop's 4 held (2026-12-02, docs/benchmarks.md). The loop's G is not known
-        when it is wrapped, but its first step shows it: from the second step on the window holds that many
-        micro-batches and runs each block's backward over all of them at the step, where the plan fits their
-        checkpoints (Planning.hold_for; else it stays as it is, said once). The sums are the same: the window's
-        block backward adds the micro-batches' gradients in their order, as the host's adds did (bitwise plain
-        PyTorch's for untied models either way; with a tied head both windows add the head's part elsewhere, to
-        rounding: docs/fsdp.md). A step with more micro-batches than learnt runs the held ones' backward when the
-        next comes and goes back to a window of one for good (``_unhold``): the sums stay in the loop's order."""
+        when it is wrapped, but its first step shows it: from the second step on the window holds the first k of
+        each step's micro-batches and runs each block's backward over them at once, k the loop's G or, where the
+        plan cannot keep that many checkpoints, the most it can (Planning.hold_for, k >= 2; else it stays as it is,
+        said once); the micro-batches after the k-th (a longer step, or k < G) each run their blocks' backward at
+        their own ``backward()``. The sums are the same: the window's block backward adds the held micro-batches'
+        gradients in their order into the block's gradient, which the host then takes or adds, and each later one
+        is added on the host after them, as plain autograd adds them (bitwise plain PyTorch's for untied models;
+        with a tied head every window adds the head's part elsewhere, to rounding: docs/fsdp.md). (Holding a second
+        group of k would sum it on the device before adding it to the first: another order.) The plan made at
+        wrap-up leaves room for the checkpoints of LEARN_WINDOW micro-batches where that costs no placement
+        (Planning: [Note: room for a learnt window]): W7's 24 GiB plan kept 3 resident blocks for one micro-batch
+        and could not hold 4 (2026-12-02, the H200: 8.08 s per step against the window of 4's 1.81)."""
         if not self.learn_window:
             return
         self.learn_window = False
         if n < 2:
             return
         eng = self.engine
-        try:
-            eng.planning.hold_for(n)
-        except PlanError as e:
-            log.info("zerofit: the loop's %d micro-batches per step do not fit their checkpoints in the plan; each "
-                     "micro-batch's blocks run their backward at its own backward() (%s)", n, str(e).split("\n")[0])
+        for k in range(n, 1, -1):
+            try:
+                eng.planning.hold_for(k)
+                break
+            except PlanError as e:
+                why = str(e).split("\n")[0]
+        else:
+            log.info("zerofit: the loop's %d micro-batches per step do not fit the checkpoints of 2 of them in the "
+                     "plan; each micro-batch's blocks run their backward at its own backward() (%s)", n, why)
             return
-        eng.window.hold_micro_batches(n)
-        log.info("zerofit: the loop takes %d micro-batches per step: from its second step the window holds them and "
-                 "runs each block's backward over all of them at the step ([Note: the window learns the loop's G])", n)
-
-    def _unhold(self) -> None:
-        """[Note: the window learns the loop's G]: more micro-batches in a step than learnt."""
-        eng = self.engine
-        with eng.guard(discard_step=True):
-            eng.window.before_step()          # the held micro-batches' blocks backward, in their order
-        eng.window.hold_micro_batches(None)
-        eng.planning.held = 1
-        log.info("zerofit: a step with more than %d micro-batches: each micro-batch's blocks run their backward at "
-                 "its own backward() from here", eng.window.micro_steps)
+        eng.window.hold_micro_batches(k)
+        log.info("zerofit: the loop takes %d micro-batches per step: from its second step the window holds %s and "
+                 "runs each block's backward over them at once ([Note: the window learns the loop's G])", n,
+                 "them" if k == n else f"the first {k} (the most whose checkpoints fit), the rest one at a time")
 
     def follow(self, optimizer) -> None:
         """``optimizer`` is this loop's (checked; refused by name otherwise): its steps, settings and state dicts

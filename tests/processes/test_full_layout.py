@@ -117,14 +117,25 @@ def test_each_node_holds_its_slice_of_the_host_state(full_nodes):
 
 def test_three_nodes_in_both_layouts(tmp_path):
     """3 simulated nodes of one rank each: the full layout (clipped) and the hybrid one, in the same processes, as
-    plain PyTorch on the global batch of 3."""
+    plain PyTorch on the global batch of 3; an fp16 overflow in the full layout skipped by every node, as one
+    process skips it."""
+    import zerofit
+
     runs = [_full(_run_spec("clip")), {**_run_spec("offload"), "config": {**_run_spec("offload")["config"],
-                                                                          "nodes_layout": "hybrid"}}]
-    rcs, errs, (full, hybrid) = launch(3, {"runs": runs}, tmp_path, timeout=400, per_node=1)
+                                                                          "nodes_layout": "hybrid"}},
+            _full(_run_spec("fp16"))]
+    rcs, errs, (full, hybrid, fp16) = launch(3, {"runs": runs}, tmp_path, timeout=400, per_node=1)
     _ok(rcs, errs)
     assert {st["layout"] for st in full["ranks"]} == {"full"} and {st["layout"] for st in hybrid["ranks"]} == {"hybrid"}
     _check(full, *_reference(3, STEPS, clip=0.74))
     _check(hybrid, *_reference(3, STEPS))
+    skipped = [st["skipped"] for st in fp16["ranks"]]
+    torch.manual_seed(0)
+    one = zerofit.initialize(tm.llama(), {**_fp16_cfg(), "gradient_accumulation_steps": G * 3})
+    losses = [one.train_batch(mbs) for mbs in tm.batches(6, G * 3)]
+    assert skipped[0] > 0 and skipped == [one.skipped_steps] * 3, skipped
+    torch.testing.assert_close(torch.tensor(fp16["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
+    one.close()
 
 
 def test_a_full_layout_checkpoint_moves_between_node_counts(tmp_path):

@@ -203,11 +203,12 @@ def test_a_failing_node_ends_every_rank_naming_its_rank_and_node(tmp_path):
 
 
 def test_a_killed_node_ends_every_rank_naming_its_rank_and_node(tmp_path):
-    """[Note: a rank that dies]: 2 simulated nodes of 2 ranks; rank 2 (node 1) is killed (SIGKILL: it records
-    nothing) in its second step. Every other rank fails within a bounded time, naming rank 2 and its node as the
-    one that stopped answering, not itself."""
+    """[Note: a rank that dies]: 2 simulated nodes of 2 ranks in the full layout (the raising rank's test above runs
+    the hybrid one); rank 2 (node 1) is killed (SIGKILL: it records nothing) in its second step. Every other rank
+    fails within a bounded time, naming rank 2 and its node as the one that stopped answering, not itself."""
     t = time.monotonic()
-    rcs, errs, result = launch(4, {"steps": 3, "steps_total": 3, "config": _cfg(), "kill_rank": 2, "kill_step": 1},
+    rcs, errs, result = launch(4, {"steps": 3, "steps_total": 3, "config": _cfg(nodes_layout="full"), "kill_rank": 2,
+                                   "kill_step": 1},
                                tmp_path, timeout=150, per_node=2)
     assert rcs[2] == -9, rcs
     assert all(rc not in (0, None) for rc in rcs), rcs
@@ -234,6 +235,27 @@ def test_zerofit_doctor_measures_the_bandwidth_between_the_nodes():
     p = subprocess.run([sys.executable, "-m", "zerofit.cli", "doctor", "--inter-node"], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "launch on 2 nodes or more" in p.stderr + p.stdout
+
+
+def test_torchrun_c10d_rendezvous_across_two_nodes_trains_as_one_process(tmp_path):
+    """`torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id J`, started
+    once per simulated node with no node rank (the rendezvous numbers the nodes; the workers' store is the agent's):
+    the engine forms its group from what torchrun sets and the two nodes train as one process on the global batch."""
+    script = ROOT / "tests" / "support" / "restart_script.py"
+    env = _env()
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    port = _port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zf33",
+                               str(script), str(out), str(ck), "3", str(G), "-1", "0"], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    result = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    ref_losses, (weights, _) = _reference(2, 3)
+    torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    for n, w in weights.items():
+        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
 def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):

@@ -349,7 +349,8 @@ def _nodes_layout(v, fields: dict, notes: dict, origin: dict) -> None:
         fields["nodes_layout"] = "full" if stage else "hybrid"
         origin["nodes_layout"] = v.name("zero_optimization.stage")
         notes["zero_optimization.stage"] = (
-            DEEPSPEED_KEYS["zero_optimization"].keys["stage"].note + "; on several nodes -> nodes_layout "
+            notes.get("zero_optimization.stage", DEEPSPEED_KEYS["zero_optimization"].keys["stage"].note)
+            + "; on several nodes -> nodes_layout "
             + ("full (the state sharded over every rank of every node; zero_hpz_partition_size = the GPUs per node "
                "names hybrid)" if stage else "hybrid (every node holds the whole state)"))
 

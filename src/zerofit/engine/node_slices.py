@@ -21,8 +21,10 @@ rank 0 writes it), and the other slices are handed back when the block ends (``t
 save, node 0 holds the whole state, and for the length of a load (it writes whole tensors) every node does: a
 state larger than one host's memory trains in the full layout, and is saved and loaded from a host that can
 hold it (the host's memory is checked first). ``engine.module`` gathers the masters into every node (the module's
-parameters whole), and they are handed back at the next upload (``Streamer.begin_upload``): the module is read
-between steps and is current when read, as on one node.
+parameters whole), and they are handed back after the next step's first gather (``Streamer.begin_upload``: every
+rank is in the step then, none reading them): the module is read between steps and is current when read, as on one
+node. A read of a handed-back page backs it again (shared memory has no zero page), so every hand-back waits until
+the node's ranks are done reading: ``full_state`` with a barrier, engine.module's behind that gather.
 
 The frozen weights (LoRA's base) stay whole on every node: they have no state to shard. With pinned memory only
 the node's slices are page-locked (page-rounded, merged ranges): page-locking the whole arena would back every
@@ -121,7 +123,7 @@ class NodeSlices:
         self.whole = self.on
 
     def before_upload(self, units: list[Unit]) -> None:
-        """The first upload after engine.module: its gathered masters handed back (no rank reads them now)."""
+        """The first gather after engine.module: its gathered masters handed back (no rank reads them now)."""
         if self.whole:
             self.trim(units)
 

@@ -159,7 +159,8 @@ class Sharding:
             with self._device_full_state(units, write_back):
                 yield
         finally:
-            if self.slices.on:
+            if self.slices.on:     # every rank of the node done reading them first (a read of a freed page backs it)
+                self.ranks.barrier()
                 self.slices.trim(units)
 
     @contextlib.contextmanager

@@ -94,7 +94,6 @@ class Streamer:
         if not unit.updated.is_set() and not wait:
             return False
         self.host_updates.wait_updated(unit)
-        self.sharding.slices.before_upload(self.units)   # [Note: nodes hold a slice of the state]: engine.module's
         slot = self.kept.get(id(unit)) or self.pool.take(protect)   # [Note: a window keeps some blocks]
         dst = slot.tensor[: unit.numel]
         with self.dev.on(self.dev.upload):
@@ -104,6 +103,9 @@ class Streamer:
             if self.ranks.many and unit.numel:   # [Note: sharded units]: the rank uploaded its shard; the GPUs share the rest
                 with self.dev.timed("upload", self.dev.upload, f"{unit.name}(gather)"):
                     self.ranks.gather(slot.tensor, unit.numel)
+                # [Note: nodes hold a slice of the state]: engine.module's gathered masters handed back, every rank
+                # in the step now (none reading them)
+                self.sharding.slices.before_upload(self.units)
             if unit.frozen is not None:          # [Note: frozen parameters]: after the trained weights, whole
                 self._upload_frozen(unit, slot.tensor[unit.frozen_at:unit.frozen_at + unit.frozen_numel])
             unit.ready_event = self.dev.record(self.dev.upload)

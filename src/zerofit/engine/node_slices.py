@@ -20,8 +20,8 @@ and moments are gathered over every rank into the arenas (``gather``; a checkpoi
 rank 0 writes it), and the other slices are handed back when the block ends (``trim``). So for the length of a
 save, node 0 holds the whole state, and for the length of a load (it writes whole tensors) every node does: a
 state larger than one host's memory trains in the full layout, and is saved and loaded from a host that can
-hold it (the host's memory is checked first). ``engine.module`` gathers the masters into every node (the module's
-parameters whole), and they are handed back after the next step's first gather (``Streamer.begin_upload``: every
+hold it (not checked before the gather: a host that cannot fails as any allocation does). ``engine.module``
+gathers the masters into every node (the module's parameters whole), and they are handed back after the next step's first gather (``Streamer.begin_upload``: every
 rank is in the step then, none reading them): the module is read between steps and is current when read, as on one
 node. A read of a handed-back page backs it again (shared memory has no zero page), so every hand-back waits until
 the node's ranks are done reading: ``full_state`` with a barrier, engine.module's behind that gather.

@@ -89,19 +89,12 @@ def test_fsdp1_shaped_loop_is_plain_pytorch_bitwise(G, window):
     _assert_weights(model.state_dict(), ref)
 
 
-def test_the_default_window_learns_the_loops_micro_batches_from_its_first_step():
-    """[Note: the window learns the loop's G]: FSDP(model) with no zerofit_config, 3 micro-batches per step: from
-    the second step the window holds 3 (one blocks' backward per step); a step of 2 runs its held backward at the
-    step; a step of 4 runs the 3 held ones' backward together and the 4th at its own backward(), and the window
-    still holds 3 after it. Every step bitwise plain PyTorch's."""
-    ref = _model()
-    model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
+def _clipped_steps(model, data) -> tuple[list[float], list]:
+    """The FSDP1-shaped loop over ``data`` (each step's micro-batches), clipping at 0.5: each step's norm and the
+    window's hold after it."""
     eng = model.zerofit_engine
-    data = tm.batches(6, 4)
-    data = [mbs[:3] for mbs in data[:3]] + [data[3][:2]] + [data[4]] + [data[5][:3]]
-    holds = []
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
-    got = []
+    got, holds = [], []
     for mbs in data:
         for mb in mbs:
             (model(**mb).loss / len(mbs)).backward()
@@ -109,6 +102,19 @@ def test_the_default_window_learns_the_loops_micro_batches_from_its_first_step()
         opt.step()
         opt.zero_grad()
         holds.append(eng.window.hold)
+    return got, holds
+
+
+def test_the_default_window_learns_the_loops_micro_batches_from_its_first_step():
+    """[Note: the window learns the loop's G]: FSDP(model) with no zerofit_config, 3 micro-batches per step: from
+    the second step the window holds 3 (one blocks' backward per step); a step of 2 runs its held backward at the
+    step; a step of 4 runs the 3 held ones' backward together and the 4th at its own backward(), and the window
+    still holds 3 after it. Every step bitwise plain PyTorch's."""
+    ref = _model()
+    model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
+    data = tm.batches(6, 4)
+    data = [mbs[:3] for mbs in data[:3]] + [data[3][:2]] + [data[4]] + [data[5][:3]]
+    got, holds = _clipped_steps(model, data)
     want = [n for _, n in _loop(ref, data, clip=_torch_clip)]
     assert holds == [3, 3, 3, 3, 3, 3], holds
     assert got == want
@@ -135,15 +141,7 @@ def test_the_learnt_window_holds_the_most_that_fit_and_takes_the_rest_one_at_a_t
     eng = model.zerofit_engine
     assert eng.planning.plan_batch.grad_accum == LEARN_WINDOW
     data = tm.batches(4, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
-    got, holds = [], []
-    for mbs in data:
-        for mb in mbs:
-            (model(**mb).loss / len(mbs)).backward()
-        got.append(float(model.clip_grad_norm_(0.5)))
-        opt.step()
-        opt.zero_grad()
-        holds.append(eng.window.hold)
+    got, holds = _clipped_steps(model, data)
     assert holds == [2, 2, 2, 2], holds
     assert got == [n for _, n in _loop(ref, data, clip=_torch_clip)]
     _assert_weights(model.state_dict(), ref)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.processes.test_ranks import (G, STEPS, _check, _fp16_cfg, _ok, _PLACEMENTS, _reference, _run_spec, _cfg,
-                                        launch)
+from tests.processes.test_ranks import (STEPS, _check, _check_fp16_like_one_process, _check_local_means, _ok,
+                                        _one_process_then_save, _PLACEMENTS, _reference, _run_spec, _cfg, launch)
 from tests.support import tiny_models as tm
 
 PAGE = 4096
@@ -67,30 +67,15 @@ def test_fsdp_full_shard_on_two_nodes_is_the_full_layout(full_nodes):
     every rank, so zerofit runs the full layout; plain PyTorch's weights and moments on the global batch."""
     result = full_nodes["fsdp-full"]
     assert {st["layout"] for st in result["ranks"]} == {"full"}
-    ref_losses, (weights, moments) = _reference(4, STEPS)
-    for n, w in weights.items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
-        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
+    _check_local_means(result, 4)
 
 
 def test_the_full_layout_clips_and_skips_overflows_on_every_node(full_nodes):
     """Clipping by the global norm (the squares summed over every rank's shards) and an fp16 overflow on one
     rank's shard skipping the step on every rank of both nodes, as one process on the global batch."""
-    import zerofit
-
     ref_losses, ref = _reference(4, STEPS, clip=0.74)
     _check(full_nodes["clip"], ref_losses, ref)
-    fp16 = full_nodes["fp16"]
-    skipped = [st["skipped"] for st in fp16["ranks"]]
-    assert skipped[0] > 0 and skipped == [skipped[0]] * 4, skipped
-    torch.manual_seed(0)
-    one = zerofit.initialize(tm.llama(), {**_fp16_cfg(), "gradient_accumulation_steps": G * 4})
-    losses = [one.train_batch(mbs) for mbs in tm.batches(6, G * 4)]
-    assert one.skipped_steps == skipped[0]
-    torch.testing.assert_close(torch.tensor(fp16["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
-    for n, w in one.master_state_dict().items():
-        torch.testing.assert_close(fp16["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
-    one.close()
+    _check_fp16_like_one_process(full_nodes["fp16"], 4)
 
 
 def test_each_node_holds_its_slice_of_the_host_state(full_nodes):
@@ -119,8 +104,6 @@ def test_three_nodes_in_both_layouts(tmp_path):
     """3 simulated nodes of one rank each: the full layout (clipped) and the hybrid one, in the same processes, as
     plain PyTorch on the global batch of 3; an fp16 overflow in the full layout skipped by every node, as one
     process skips it."""
-    import zerofit
-
     runs = [_full(_run_spec("clip")), {**_run_spec("offload"), "config": {**_run_spec("offload")["config"],
                                                                           "nodes_layout": "hybrid"}},
             _full(_run_spec("fp16"))]
@@ -129,13 +112,7 @@ def test_three_nodes_in_both_layouts(tmp_path):
     assert {st["layout"] for st in full["ranks"]} == {"full"} and {st["layout"] for st in hybrid["ranks"]} == {"hybrid"}
     _check(full, *_reference(3, STEPS, clip=0.74))
     _check(hybrid, *_reference(3, STEPS))
-    skipped = [st["skipped"] for st in fp16["ranks"]]
-    torch.manual_seed(0)
-    one = zerofit.initialize(tm.llama(), {**_fp16_cfg(), "gradient_accumulation_steps": G * 3})
-    losses = [one.train_batch(mbs) for mbs in tm.batches(6, G * 3)]
-    assert skipped[0] > 0 and skipped == [one.skipped_steps] * 3, skipped
-    torch.testing.assert_close(torch.tensor(fp16["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
-    one.close()
+    _check_fp16_like_one_process(fp16, 3)
 
 
 def test_a_full_layout_checkpoint_moves_between_node_counts(tmp_path):
@@ -147,16 +124,8 @@ def test_a_full_layout_checkpoint_moves_between_node_counts(tmp_path):
     from transformers import AutoModelForCausalLM
 
     total, mbs = 6, 6
-    torch.manual_seed(0)
-    ref = tm.llama()
-    ref_losses = tm.reference_train(ref, tm.batches(total, mbs))
-    ref_weights = {n: p.detach() for n, p in ref.named_parameters()}
     cfg = _cfg(**_PLACEMENTS["offload"])
-    torch.manual_seed(0)
-    one = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})
-    losses = [one.train_batch(b) for b in tm.batches(total, mbs)[:2]]
-    one.save_checkpoint(tmp_path / "ck", tag="one")
-    one.close()
+    ref_losses, ref_weights, losses = _one_process_then_save(tmp_path, cfg, total, mbs)
     full = {**cfg, "nodes_layout": "full"}
     rcs, errs, three = launch(3, {"G": 2, "steps": 2, "steps_total": total, "first": 2,
                                   "config": {**full, "gradient_accumulation_steps": 2}, "load": str(tmp_path / "ck"),

@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
-from tests.processes.test_ranks import (G, ROOT, STEPS, _check, _collect, _fp16_cfg, _ok, _PLACEMENTS, _port,
-                                        _reference, _run_spec, _cfg, launch, SCRIPT)
+from tests.processes.test_ranks import (G, ROOT, STEPS, _check, _check_fp16_like_one_process, _check_local_means,
+                                        _collect, _ok, _one_process_then_save, _PLACEMENTS, _port, _reference,
+                                        _run_spec, _cfg, launch, SCRIPT)
 from tests.support import tiny_models as tm
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -45,12 +46,7 @@ def test_the_accelerate_loop_under_accelerate_launch(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     result = _collect(out, 2)
     assert result is not None, p.stderr[-3000:]
-    ref_losses, (weights, moments) = _reference(2, STEPS)
-    for n, w in weights.items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
-        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
-    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])
-    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    _check_local_means(result, 2)
 
 
 @pytest.mark.parametrize("kind", ["", "fabric-"], ids=["trainer", "fabric"])
@@ -159,34 +155,16 @@ def test_two_nodes_train_like_one_process(placement, on_nodes):
 def test_the_fsdp_shaped_loop_with_hybrid_shard_on_two_nodes(on_nodes):
     """``FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, cpu_offload=...)`` on 2 nodes of 2 ranks: FSDP's
     word for the layout zerofit runs there; plain PyTorch's weights and moments on the global batch."""
-    result = on_nodes["fsdp-hybrid"]
-    ref_losses, (weights, moments) = _reference(4, STEPS)
-    for n, w in weights.items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
-        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
-    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])
-    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    _check_local_means(on_nodes["fsdp-hybrid"], 4)
 
 
 def test_two_nodes_clip_and_skip_overflows_together(on_nodes):
     """Clipping by the global norm and an fp16 overflow on 2 nodes: the norm over the node's shards of the
     gradients reduced over every rank; every rank skips the same steps."""
-    import zerofit
-
     world, result = 4, on_nodes["clip"]
     ref_losses, ref_weights = _reference(world, STEPS, clip=0.74)
     _check(result, ref_losses, ref_weights)
-    fp16 = on_nodes["fp16"]
-    skipped = [st["skipped"] for st in fp16["ranks"]]
-    assert skipped[0] > 0 and skipped == [skipped[0]] * world, skipped
-    torch.manual_seed(0)
-    one = zerofit.initialize(tm.llama(), {**_fp16_cfg(), "gradient_accumulation_steps": G * world})
-    losses = [one.train_batch(mbs) for mbs in tm.batches(6, G * world)]
-    assert one.skipped_steps == skipped[0]
-    torch.testing.assert_close(torch.tensor(fp16["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
-    for n, w in one.master_state_dict().items():
-        torch.testing.assert_close(fp16["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
-    one.close()
+    _check_fp16_like_one_process(on_nodes["fp16"], world)
 
 
 def test_a_failing_node_ends_every_rank_naming_its_rank_and_node(tmp_path):
@@ -287,16 +265,8 @@ def test_a_checkpoint_saved_on_two_nodes_resumes_on_one_node_and_one_process(tmp
     from transformers import AutoModelForCausalLM
 
     total, mbs = 6, 4
-    torch.manual_seed(0)
-    ref = tm.llama()
-    ref_losses = tm.reference_train(ref, tm.batches(total, mbs))
-    ref_weights = {n: p.detach() for n, p in ref.named_parameters()}
     cfg = _cfg(**_PLACEMENTS["mixed"])
-    torch.manual_seed(0)
-    one = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})
-    losses = [one.train_batch(b) for b in tm.batches(total, mbs)[:2]]
-    one.save_checkpoint(tmp_path / "ck", tag="one")
-    one.close()
+    ref_losses, ref_weights, losses = _one_process_then_save(tmp_path, cfg, total, mbs)
     rcs, errs, nodes = launch(4, {"G": 1, "steps": 2, "steps_total": total, "first": 2,
                                   "config": {**cfg, "gradient_accumulation_steps": 1}, "load": str(tmp_path / "ck"),
                                   "save": str(tmp_path / "ck"), "tag": "nodes", "export": str(tmp_path / "hf")},

@@ -130,6 +130,53 @@ def _check(result, ref_losses, ref, rtol=1.3e-6, atol=1e-5):
     assert set(result["exp_avg"]) == set(moments), "optimizer state only for the trained parameters"
 
 
+def _check_local_means(result, world: int, clip: float = 0.0):
+    """A loop whose ranks each report their own micro-batches' mean loss (the DeepSpeed-shaped and the user's
+    loops): the weights and moments of plain PyTorch on the global batch, the ranks' mean losses its losses."""
+    ref_losses, (weights, moments) = _reference(world, STEPS, clip=clip)
+    for n, w in weights.items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
+    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])      # (ranks, steps): local means
+    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    return weights
+
+
+def _check_fp16_like_one_process(result, world: int, steps: int = 6):
+    """The fp16 run (_fp16_cfg): every rank skipped the same steps, at least one, as one process on the global
+    batch skips them; its losses and weights to fp16's tolerances."""
+    import zerofit
+
+    skipped = [st["skipped"] for st in result["ranks"]]
+    assert skipped[0] > 0 and skipped == [skipped[0]] * world, skipped
+    torch.manual_seed(0)
+    one = zerofit.initialize(tm.llama(), {**_fp16_cfg(), "gradient_accumulation_steps": G * world})
+    losses = [one.train_batch(mbs) for mbs in tm.batches(steps, G * world)]
+    assert one.skipped_steps == skipped[0]
+    torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
+    for n, w in one.master_state_dict().items():
+        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    one.close()
+
+
+def _one_process_then_save(tmp: Path, cfg: dict, total: int, mbs: int):
+    """The start of a checkpoint's journey: plain PyTorch's losses and weights over ``total`` steps of ``mbs``
+    micro-batches, and the first 2 of them in one process, saved under ``tmp/ck`` (tag ``one``): (reference losses,
+    reference weights, the process's losses)."""
+    import zerofit
+
+    torch.manual_seed(0)
+    ref = tm.llama()
+    ref_losses = tm.reference_train(ref, tm.batches(total, mbs))
+    ref_weights = {n: p.detach() for n, p in ref.named_parameters()}
+    torch.manual_seed(0)
+    one = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})
+    losses = [one.train_batch(b) for b in tm.batches(total, mbs)[:2]]
+    one.save_checkpoint(tmp / "ck", tag="one")
+    one.close()
+    return ref_losses, ref_weights, losses
+
+
 def _ok(rcs, errs):
     assert rcs == [0] * len(rcs), "\n".join(f"rank {i} rc {rc}:\n{e[-3000:]}" for i, (rc, e) in enumerate(zip(rcs, errs)))
 
@@ -272,20 +319,8 @@ def test_ranks_clip_by_the_global_norm(launched):
 def test_ranks_fp16_overflow_skips_the_step_on_every_rank(launched):
     """fp16 with a loss scale that overflows at first: every rank skips the same steps, and the weights are a
     single process's on the same global batch."""
-    import zerofit
-
     world, result = launched["fp16"]
-    steps = 6
-    skipped = [st["skipped"] for st in result["ranks"]]
-    assert skipped[0] > 0 and skipped == [skipped[0]] * world, skipped
-    torch.manual_seed(0)
-    one = zerofit.initialize(tm.llama(), {**_fp16_cfg(), "gradient_accumulation_steps": G * world})
-    losses = [one.train_batch(mbs) for mbs in tm.batches(steps, G * world)]
-    assert one.skipped_steps == skipped[0]
-    torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
-    for n, w in one.master_state_dict().items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
-    one.close()
+    _check_fp16_like_one_process(result, world)
 
 
 def test_deepspeed_shaped_loop_on_ranks(launched):
@@ -293,12 +328,7 @@ def test_deepspeed_shaped_loop_on_ranks(launched):
     averaged over the ranks (as DeepSpeed's data parallelism), the same weights as plain PyTorch on the global
     batch; each rank's returned losses are those of its own micro-batches."""
     world, result = launched["deepspeed-loop"]
-    ref_losses, (weights, moments) = _reference(world, STEPS)
-    for n, w in weights.items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
-        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
-    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])      # (ranks, steps): local means
-    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    _check_local_means(result, world)
 
 
 @pytest.mark.parametrize("name", ["fsdp-loop", "fsdp2-loop", "accelerate-loop", "fsdp-loop-clip"])
@@ -309,12 +339,7 @@ def test_the_users_fsdp_shaped_loop_on_ranks(launched, name):
     gradient averaged over the ranks as FSDP averages it, the weights and moments of plain PyTorch on the global
     batch (to rounding: torch's non-fused AdamW there, summed over ranks)."""
     world, result = launched[name]
-    ref_losses, (weights, moments) = _reference(world, STEPS, clip=CLIP if name.endswith("-clip") else 0.0)
-    for n, w in weights.items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
-        torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
-    per_rank = torch.tensor([st["losses"] for st in result["ranks"]])      # (ranks, steps): local means
-    torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    weights = _check_local_means(result, world, clip=CLIP if name.endswith("-clip") else 0.0)
     if name.endswith("-clip"):       # the clip mattered: unclipped, the weights are elsewhere
         _, (unclipped, _) = _reference(world, STEPS)
         assert max(float((unclipped[n] - w).abs().max()) for n, w in weights.items()) > 1e-4

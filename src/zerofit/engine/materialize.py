@@ -23,7 +23,7 @@ from torch import nn
 
 from zerofit.engine.adapter import Adapter
 from zerofit.engine.disk import frozen_key
-from zerofit.engine.node_slices import free_outside
+from zerofit.engine.node_slices import free_outside, sliced
 from zerofit.engine.planner import ModelShape, Plan
 from zerofit.engine.store import FlatLayout, Home, HostArena, Unit
 
@@ -223,8 +223,6 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             r = tier.regions[frozen_key(idx - 1)]
             tier.file.drop_pages(r.offsets["w16"], r.numel * 4)     # written: out of host memory
         unit.master = master
-        if sliced_nodes and fill and not on_dev and swap is None and home is Home.STREAMED:    # the others' slices out
-            free_outside(ranks, master)
         if swap:
             unit.swap = swap
             unit.exp_avg, unit.exp_avg_sq = tier.view(idx - 1, "exp_avg"), tier.view(idx - 1, "exp_avg_sq")
@@ -239,6 +237,8 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel).zero_(), arena.take(layout.numel).zero_()
         else:
             unit.exp_avg, unit.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+        if sliced_nodes and fill and sliced(unit):     # written whole: the other nodes' slices out
+            free_outside(ranks, master)
         unit.step = torch.zeros((), dtype=torch.float32, device=opt_dev)
         if on_dev:
             if home is Home.RESIDENT:

@@ -21,9 +21,9 @@ rank 0 writes it), and the other slices are handed back when the block ends (``t
 save, node 0 holds the whole state, and for the length of a load (it writes whole tensors) every node does: a
 state larger than one host's memory trains in the full layout, and is saved and loaded from a host that can
 hold it (not checked before the gather: a host that cannot fails as any allocation does). ``engine.module``
-gathers the masters into every node (the module's parameters whole), and they are handed back after the next step's first gather (``Streamer.begin_upload``: every
-rank is in the step then, none reading them): the module is read between steps and is current when read, as on one
-node. A read of a handed-back page backs it again (shared memory has no zero page), so every hand-back waits until
+gathers the masters into every node (the module's parameters whole), and they are handed back after the next
+step's first gather (``Streamer.begin_upload``: every rank is in the step then, none reading them): the module is
+read between steps and is current when read, as on one node. A read of a handed-back page backs it again (shared memory has no zero page), so every hand-back waits until
 the node's ranks are done reading: ``full_state`` with a barrier, engine.module's behind that gather.
 
 The frozen weights (LoRA's base) stay whole on every node: they have no state to shard. With pinned memory only
@@ -49,7 +49,7 @@ _KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 def free_pages(t: torch.Tensor) -> None:
     """Hand back to the kernel the whole pages inside ``t``'s memory (a view of a shared memfd mapping): they read
-    as zeros again and back nothing until written."""
+    as zeros again, and back nothing until touched (a read backs a page too: shared memory has no zero page)."""
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     a, b = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE

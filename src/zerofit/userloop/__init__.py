@@ -299,8 +299,8 @@ class UserLoop:
         is added on the host after them, as plain autograd adds them (bitwise plain PyTorch's for untied models;
         with a tied head every window adds the head's part elsewhere, to rounding: docs/fsdp.md). (Holding a second
         group of k would sum it on the device before adding it to the first: another order.) The plan made at
-        wrap-up leaves room for the checkpoints of LEARN_WINDOW micro-batches where that costs no placement
-        (Planning: [Note: room for a learnt window]): W7's 24 GiB plan kept 3 resident blocks for one micro-batch
+        wrap-up leaves room for the checkpoints of LEARN_WINDOW micro-batches where blocks stream anyway (a
+        resident block or two fewer: Planning, [Note: room for a learnt window]): W7's 24 GiB plan kept 3 resident blocks for one micro-batch
         and could not hold 4 (2026-12-02, the H200: 8.08 s per step against the window of 4's 1.81)."""
         if not self.learn_window:
             return

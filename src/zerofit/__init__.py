@@ -10,7 +10,14 @@ The Python API is the product; the CLI is a thin layer over it::
 
 from __future__ import annotations
 
+import logging as _logging
+
 from zerofit.version import __version__
+
+# bitsandbytes warns at import, on machines without the optional `kernels` package, that its CPU 4-bit matmul
+# kernel is missing: zerofit never calls that kernel (it dequantizes a 4-bit base itself), and peft imports
+# bitsandbytes whenever it is installed, so the line would follow every LoRA command
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
 
 __all__ = ["initialize", "generate", "__version__"]
 

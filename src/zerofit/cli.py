@@ -184,7 +184,8 @@ def train(
     grad_accum: Annotated[int | None, typer.Option(
         min=1, help="Micro-batches per step (gradient_accumulation_steps).")] = None,
     seq_len: Annotated[int | None, typer.Option(
-        min=8, help="Tokens per sequence (seq_len); default 2048 (demo: 64 bytes).")] = None,
+        min=8, help="Tokens per sequence (seq_len); default the model's context, at most 2048 "
+             "(demo: 64 bytes).")] = None,
     lr: Annotated[float | None, typer.Option(help="Peak learning rate (optimizer.lr).")] = None,
     warmup_steps: Annotated[int | None, typer.Option(
         min=0, help="Warm-up steps (scheduler.warmup_steps).")] = None,
@@ -277,7 +278,7 @@ def train(
 
     opts = TrainOptions(
         model=model, data=paths, output=output, config=config, steps=steps, epochs=epochs,
-        seq_len=seq_len or 2048, micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
+        seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
         warmup_steps=warmup_steps, precision=precision.value if precision else None, max_gpu_memory=max_gpu_memory,
         max_host_memory=max_host_memory, nvme=str(nvme) if nvme else None, device=device, seed=seed,
         eval_size=int(eval_size) if eval_size >= 1 else eval_size, eval_every=eval_every, eval_windows=eval_windows,
@@ -659,7 +660,20 @@ def chat(
 
 
 def main() -> None:
+    # DeepSpeed, when installed, is imported by transformers and warns on a machine without a GPU that it chose
+    # the CPU: zerofit's commands use its config format, not its accelerator; on a GPU machine it finds CUDA
+    # itself, and a DS_ACCELERATOR the user set is kept
+    if "DS_ACCELERATOR" not in os.environ and not _has_cuda():
+        os.environ["DS_ACCELERATOR"] = "cpu"
     app()
+
+
+def _has_cuda() -> bool:
+    """Whether a CUDA device is visible, without importing torch (``zerofit --help`` stays fast): the driver's
+    device files."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
 
 
 if __name__ == "__main__":

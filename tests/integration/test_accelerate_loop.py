@@ -81,3 +81,36 @@ def test_save_state_and_load_state_resume_bitwise(tmp_path):
     full, _ = _run(True, rows, clip=False, save_at=3, save_to=tmp_path / "state")   # after the second step
     resumed, _ = _run(True, rows, clip=False, load_from=str(tmp_path / "state"), skip=4)
     assert resumed == full[4:]
+
+
+def test_accelerates_quicktour_with_a_generic_model_is_the_plain_one_bitwise():
+    """accelerate's quicktour loop (``zero_grad`` first, ``outputs = model(inputs)``, the user's loss function of
+    the outputs) over a model that returns its outputs, not a loss."""
+    g = torch.Generator().manual_seed(5)
+    rows = [(torch.randn(12, generator=g), torch.randn(4, generator=g)) for _ in range(16)]
+
+    def run(wrap: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                                    torch.nn.GELU(), torch.nn.Linear(32, 4))
+        if wrap:                                     # the one change
+            model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        accelerator = Accelerator(cpu=True)
+        loader = torch.utils.data.DataLoader(rows, batch_size=4)
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        losses = []
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            outputs = model(inputs)
+            loss = torch.nn.functional.mse_loss(outputs, targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            losses.append(loss.item())
+        return losses, accelerator.unwrap_model(model).state_dict()
+
+    (got, mine), (want, theirs) = run(True), run(False)
+    assert got == want and len(got) == 4
+    assert all(torch.equal(mine[n], v) for n, v in theirs.items())

@@ -273,6 +273,14 @@ def test_unknown_key_names_path_and_suggests():
     assert "did you mean 'zero_optimization.offload_param.pin_memory'?" in str(err)
 
 
+def test_a_misspelled_deepspeed_section_is_suggested_though_the_dict_reads_as_zerofits():
+    """With its one DeepSpeed section misspelled, the rest of the dict (train_batch_size) is read as zerofit's:
+    the hint still names DeepSpeed's key."""
+    err = _error({"train_batch_size": 8, "zero_optimisation": {"stage": 3}})
+    assert err.field == "zero_optimisation"
+    assert "did you mean DeepSpeed's 'zero_optimization'?" in str(err)
+
+
 def test_known_key_in_the_wrong_place_is_pointed_home():
     err = _error({"train_micro_batch_size_per_gpu": 1, "stage3_prefetch_bucket_size": 5e8})
     assert err.field == "stage3_prefetch_bucket_size"

@@ -435,3 +435,19 @@ def test_the_step_of_each_layout_and_which_is_faster(monkeypatch):
         assert "  faster: full (" in "\n".join(N.render(2, 1, "hybrid", "auto", layouts, bw))
     layouts["full"].refusal = "does not fit"
     assert N.faster(layouts) is None
+
+
+def test_a_zero3_config_without_offload_param_is_told_to_offload_the_parameters_first(tmp_path):
+    """DeepSpeed's ZeRO-3 with offload_optimizer alone keeps every block on the GPU with its optimizer state: the
+    first fix named is offload_param, with the device bytes it plans at; then the others."""
+    config = {"train_batch_size": 8, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(config))
+    out = CliRunner().invoke(app, ["estimate", "--shape", "llama-2-7b", "--config", str(cfg), "--max-gpu-memory",
+                                   "24GiB", "--max-host-memory", "200GiB", "--no-measure"])
+    assert out.exit_code == 2, out.output
+    tips = out.output.split("what would fit:")[1].strip().splitlines()
+    assert tips[0].startswith("- the parameters offloaded too") and "offload_param" in tips[0], tips
+    device = float(tips[0].split("streamed from host memory, ")[1].split(" GiB")[0])
+    assert device <= 24 and "GPU cap" in tips[1]

@@ -113,6 +113,14 @@ def config_error_from(exc: ValidationError, model: type[BaseModel], prefix: str 
             parent = _model_at(model, err["loc"][:-1])
             known = list(parent.model_fields) if parent else []
             guess = close_match(loc[-1], known)
+            if not guess and len(loc) == 1 and not prefix:   # a misspelled DeepSpeed key reads as zerofit's
+                from zerofit.config.deepspeed import DEEPSPEED_KEYS
+
+                ds = close_match(loc[-1], sorted(DEEPSPEED_KEYS))
+                if ds:
+                    problems.append(Problem(field, "a known key", f"unknown key {loc[-1]!r}",
+                                            f"did you mean DeepSpeed's {ds!r}?"))
+                    continue
             if guess:
                 hint = f"did you mean {'.'.join(loc[:-1] + [guess])!r}?"
             else:

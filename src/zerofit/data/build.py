@@ -112,7 +112,8 @@ def _eval_count(eval_size: float | int, n: int) -> int:
     if isinstance(eval_size, float):
         if not 0.0 <= eval_size < 1.0:
             raise ValueError(f"eval_size as a fraction must be in [0, 1), found {eval_size}")
-        count = 0 if eval_size == 0 else max(1, round(eval_size * n))
+        # a fraction of a single document would be all of it: nothing is held out then (the run says so)
+        count = 0 if eval_size == 0 or n < 2 else max(1, round(eval_size * n))
     else:
         count = eval_size
     if count < 0 or (count and count >= n):

@@ -55,6 +55,11 @@ class PreResult:
     calls: list[BlockCall]        # per block
 
 
+def _is_cache(value) -> bool:
+    """Whether ``value`` is a Hugging Face key/value cache (transformers' ``Cache``), which a block call fills."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
 class _Recorder(nn.Module):
     def __init__(self, index: int, last: int, sink: list):
         super().__init__()
@@ -68,6 +73,11 @@ class _Recorder(nn.Module):
         if self.index > 0 and hidden is not self.sink[-1][0]:
             raise NonSequentialModel(
                 f"block {self.index} did not receive block {self.index - 1}'s output as its first argument")
+        if any(_is_cache(v) for v in (*args, *kwargs.values())):
+            raise NonSequentialModel(
+                f"block {self.index} was handed a key/value cache (past_key_values) that it appends to: recomputed "
+                "for the backward, it would append the same keys and values again ([Note: no key/value cache in "
+                "training], adapter.py); train without past_key_values")
         self.sink.append((hidden, BlockCall(args, kwargs)))
         if self.index == self.last:
             raise _StopForward
@@ -121,11 +131,12 @@ class Adapter:
             raise ValueError("adapter='blocks' but no list of repeated blocks holding most parameters was found")
         self.blocks_path, self.blocks = found if found else ("", nn.ModuleList())
         params = inspect.signature(model.forward).parameters
-        # a model that caches keys and values would hand its blocks a cache the recomputed backward reads (and
-        # appends to) again: turn it off, also through a wrapper's **kwargs (PEFT's PeftModelForCausalLM)
+        # [Note: no key/value cache in training]
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self._accepts_use_cache = "use_cache" in params or (
             takes_kwargs and hasattr(getattr(model, "config", None), "use_cache"))
+        self._configs = list({id(c): c for m in model.modules()
+                              if hasattr(c := getattr(m, "config", None), "use_cache")}.values())
         self.has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
             isinstance(v, float) and v > 0 and "dropout" in k
             for k, v in getattr(getattr(model, "config", None), "to_dict", dict)().items())
@@ -170,13 +181,35 @@ class Adapter:
             kw["use_cache"] = False
         return kw
 
+    @contextlib.contextmanager
+    def _no_cache(self):
+        """[Note: no key/value cache in training]
+        A model that caches keys and values hands its blocks a cache object that each block call appends to: the
+        engine calls a block again for its backward (recomputed from its checkpoint), which would append the same
+        keys and values a second time and attend over both (the first without their gradient): wrong gradients
+        for k_proj and v_proj, with no error. Training needs no cache, so every call the engine makes runs with it
+        off: ``use_cache=False`` where the model takes it, and ``config.use_cache`` off on every module that has a
+        config for the duration of the call, so that a Hugging Face model called by the user's own wrapper
+        (``self.lm(input_ids=x, labels=x)``, ``use_cache`` at its default) makes none either. A cache handed to
+        the blocks anyway (``past_key_values`` given by the caller) is refused by the pre pass
+        (:class:`NonSequentialModel`: ``adapter='auto'`` trains such a model on the generic path, which calls
+        each block once)."""
+        saved = [(c, c.use_cache) for c in self._configs]
+        for c, _ in saved:
+            c.use_cache = False
+        try:
+            yield
+        finally:
+            for c, value in saved:
+                c.use_cache = value
+
     def pre(self, shell_call, batch: dict) -> PreResult:
         """Run the model up to its first block; record every block's call. ``shell_call(kwargs)`` runs the model."""
         sink: list = []
         last = self.num_blocks - 1
         stubs = [_Recorder(i, last, sink) for i in range(self.num_blocks)]
         kw = self._inputs({k: v for k, v in batch.items() if k != "labels"})
-        with self._swapped(stubs):
+        with self._swapped(stubs), self._no_cache():
             try:
                 shell_call(kw)
             except _StopForward:
@@ -190,22 +223,25 @@ class Adapter:
         holder = [final]
         last = self.num_blocks - 1
         stubs = [_Passthrough(i, last, holder) for i in range(self.num_blocks)]
-        with self._swapped(stubs):
+        with self._swapped(stubs), self._no_cache():
             return shell_call(self._inputs(batch))
 
     def full(self, shell_call, batch: dict):
         """Generic path: the model's whole forward (no blocks)."""
-        return shell_call(self._inputs(batch))
+        with self._no_cache():
+            return shell_call(self._inputs(batch))
 
 
 def post_in_chunks(adapter: Adapter, shell_call, batch: dict, final: torch.Tensor, leaves: list[torch.Tensor],
-                   seed_scale: float, chunks: int, accumulate, fork_rng=contextlib.nullcontext):
+                   seed_scale: float, chunks: int, accumulate, fork_rng=contextlib.nullcontext,
+                   weights=contextlib.nullcontext):
     """The post pass and its backward over token chunks ([Note: a smaller GPU floor], planner.py): the model's
     own head and loss run on each chunk of the final hidden state ``final`` (detached), with the labels already
     shifted (``shift_labels``) and the micro-batch's whole label count (``num_items_in_batch``), so that each
     chunk's loss is its sum over the count and the chunks add up to the model's mean loss; each chunk's
     backward runs at once, so one chunk's logits exist at a time. ``accumulate(grads)`` takes each chunk's
-    gradients of ``leaves`` (the shell's weights); ``fork_rng()`` wraps each chunk's forward. Returns (the
+    gradients of ``leaves`` (the shell's weights); ``fork_rng()`` wraps each chunk's forward, ``weights()`` its
+    backward ([Note: the model's own checkpointing], compute.py). Returns (the
     gradient of ``final``, the micro-batch's loss). The engine's post pass, and what ``zerofit estimate``
     times for it."""
     labels = batch["labels"]
@@ -221,7 +257,8 @@ def post_in_chunks(adapter: Adapter, shell_call, batch: dict, final: torch.Tenso
         with fork_rng():
             loss = loss_of(adapter.post(shell_call, {**batch, "labels": lab, "shift_labels": lab,
                                                      "num_items_in_batch": count}, part))
-        (g,) = backward_into(loss * seed_scale, [part], leaves, accumulate)
+        with weights():
+            (g,) = backward_into(loss * seed_scale, [part], leaves, accumulate)
         if g is not None:
             grad[:, a:b] = g
         return loss.detach()

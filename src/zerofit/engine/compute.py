@@ -14,6 +14,7 @@ import contextlib
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from zerofit.engine.adapter import Adapter, block_output
 from zerofit.engine.batch import to_device
@@ -31,6 +32,25 @@ class Compute:
         """The model's own forward with the shell's ``leaves`` (and buffers) as its parameters: ``call(kwargs)``."""
         params = {**leaves, **self.shell.buffers}
         return lambda kw: functional_call(self.model, params, (), kw, strict=False)
+
+    @contextlib.contextmanager
+    def weights(self, module: nn.Module, params: dict):
+        """[Note: the model's own checkpointing]
+        ``module``'s parameters are ``params`` (the device weights a call used) for the duration: a backward runs
+        inside it. A model that checkpoints its own code (``torch.utils.checkpoint`` in its forward or its blocks',
+        Hugging Face's ``gradient_checkpointing_enable()``) recomputes that code during the backward, after the
+        ``functional_call`` that ran it has put the module's own parameters back (the host's fp32 masters, not the
+        device's 16-bit weights the forward computed with): recomputed there it would use other tensors, in another
+        dtype and on another device, and torch's checkpoint would refuse the values it recomputed (or, where they
+        matched in shape, the gradient would be of other weights). Under this the recompute sees the forward's
+        weights, so the model's checkpointing composes with the engine's (its gradients are the forward's)."""
+        with _reparametrize_module(module, params, tie_weights=True, strict=False):
+            yield
+
+    def shell_weights(self, leaves: dict):
+        """:meth:`weights` of the whole model with the shell's ``leaves`` and buffers (what :meth:`shell_call` ran
+        with)."""
+        return self.weights(self.model, {**leaves, **self.shell.buffers})
 
     def leaves(self, unit: Unit, grad: bool) -> dict[str, torch.Tensor]:
         """The unit's device tensors by name for ``functional_call``; with ``grad``, its trained weights as leaves

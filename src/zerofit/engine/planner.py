@@ -185,6 +185,16 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
         return text if tries(**(changes | {budget: _read_back(text)})) is not None else None
 
     tips = []
+    if not kw.get("stream_params") and not kw.get("device_state"):
+        # every block kept on the GPU with its optimizer state: offloading them is the cheapest fix there is
+        streamed = tries(stream_params=True)
+        host = tries(stream_params=True, host_budget=None, disk_budget=None) if streamed is None else None
+        if streamed is not None or host is not None:
+            fit = streamed or host
+            tips.append("the parameters offloaded too, with the optimizer (DeepSpeed: zero_optimization's "
+                        "offload_param {\"device\": \"cpu\"} beside offload_optimizer; zerofit: offload.param_device "
+                        f"'cpu'): the blocks streamed from host memory, {fmt_bytes(fit.device_total)} on the device"
+                        + (f", {fmt_bytes(fit.host_total)} of host memory" if streamed is None else ""))
     free = dict(device_budget=None, host_budget=None, disk_budget=None)
     unbounded = tries(**free)
     if unbounded is None:

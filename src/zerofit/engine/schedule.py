@@ -135,8 +135,9 @@ class Schedule:
             reached.append(any(g is not None for g in grads))
             self.compute.accumulate(self.shell, self.shell.grad, grads, names)
 
-        got = backward_into(loss * seed_scale, [final] if final is not None else [],
-                            [micro.shell_leaves[n] for n in names], accumulate)
+        with self.compute.shell_weights(micro.shell_leaves):   # [Note: the model's own checkpointing]
+            got = backward_into(loss * seed_scale, [final] if final is not None else [],
+                                [micro.shell_leaves[n] for n in names], accumulate)
         if (final is not None and got[0] is None) or (final is None and not reached[0]):
             raise RuntimeError("backward(loss): the loss does not depend on the engine's last forward (a loss of an "
                                "earlier forward, whose graph the next forward dropped, or of another model); call "
@@ -152,7 +153,7 @@ class Schedule:
             self.adapter, self.compute.shell_call(micro.shell_leaves), micro.batch, micro.grad.detach(),
             [micro.shell_leaves[n] for n in names], seed_scale, chunks,
             lambda grads: self.compute.accumulate(self.shell, self.shell.grad, grads, names),
-            fork_rng=self.compute.fork_rng)   # as post
+            fork_rng=self.compute.fork_rng, weights=lambda: self.compute.shell_weights(micro.shell_leaves))
         return total
 
     def post_all(self, micros: list[Micro], seed_scale: float, chunks: int) -> list[torch.Tensor]:
@@ -244,7 +245,7 @@ class Schedule:
         names = list(self.shell.layout.names)
         for micro in micros:   # backward of the pre pass into the shell's gradient
             if names and micro.pre.hidden.requires_grad:     # else nothing before block 0 trains
-                with self.dev.timed("compute", label="pre"):
+                with self.dev.timed("compute", label="pre"), self.compute.shell_weights(micro.shell_leaves):
                     backward_into(micro.pre.hidden, [], [micro.shell_leaves[n] for n in names],
                                   lambda g: self.compute.accumulate(self.shell, self.shell.grad, g, names), micro.grad)
             micro.grad = None
@@ -261,8 +262,9 @@ class Schedule:
             leaves = self.compute.leaves(unit, grad=True)
             with torch.enable_grad(), self.compute.rng(micro.rng[unit.index]):
                 y = self.compute.block(unit, leaves, x, micro.pre.calls[unit.index])
-        (micro.grad,) = backward_into(y, [x], [leaves[n] for n in names],
-                                      lambda g: self.compute.accumulate(unit, gdst, g, names), micro.grad)
+        with self.compute.weights(self.adapter.blocks[unit.index], leaves):   # [Note: the model's own checkpointing]
+            (micro.grad,) = backward_into(y, [x], [leaves[n] for n in names],
+                                          lambda g: self.compute.accumulate(unit, gdst, g, names), micro.grad)
         micro.ckpts[unit.index] = None
 
     # ------------------------------------------------------------------ the chunked loss's probe

@@ -13,6 +13,8 @@ torch's own ``CPUOffload``, ``MixedPrecision``, ``ShardingStrategy``, ``MixedPre
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 
 import torch
@@ -22,7 +24,13 @@ from zerofit.userloop import UserLoop, UserLoopError
 
 log = logging.getLogger("zerofit")
 
-__all__ = ["FullyShardedDataParallel", "FSDP", "fully_shard", "ARGUMENTS", "UserLoopError"]
+import torch.distributed.fsdp as _torch_fsdp
+
+# torch.distributed.fsdp's other public names as torch has them (CPUOffload, MixedPrecision, ShardingStrategy,
+# StateDictType, MixedPrecisionPolicy, CPUOffloadPolicy...): FSDP code imports them from where it imports FSDP
+globals().update({n: getattr(_torch_fsdp, n) for n in _torch_fsdp.__all__
+                  if n not in ("FullyShardedDataParallel", "fully_shard")})
+__all__ = sorted({*_torch_fsdp.__all__, "FSDP", "ARGUMENTS", "UserLoopError"})
 
 # what each argument does on zerofit (docs/fsdp.md prints this table)
 ARGUMENTS = {
@@ -45,11 +53,14 @@ ARGUMENTS = {
     "backward_prefetch": "accepted: zerofit prefetches the next blocks' uploads itself",
     "forward_prefetch": "accepted (as backward_prefetch)",
     "limit_all_gathers": "accepted (zerofit bounds its uploads by its weight slots)",
-    "process_group": "None (the default group) only",
-    "device_mesh": "None only",
+    "process_group": "None only: zerofit shards over the default process group, every rank the launcher started; "
+                     "to train on fewer, launch fewer (torchrun --nproc_per_node N) and leave process_group out",
+    "device_mesh": "None only: the layout comes from sharding_strategy (HYBRID_SHARD: sharded inside each node, "
+                   "replicated across nodes); leave device_mesh out",
     "param_init_fn": "refused: build the model on the meta device and give zerofit its files (zerofit.initialize)",
-    "ignored_modules": "refused",
-    "ignored_states": "refused",
+    "ignored_modules": "refused: to keep modules out of training, freeze their parameters (requires_grad_(False)): "
+                       "zerofit keeps frozen weights as they are and trains the rest",
+    "ignored_states": "refused: freeze those parameters instead (requires_grad_(False))",
     "zerofit_config": "zerofit's own settings (docs/config.md), applied last: max_gpu_memory, "
                       "gradient_accumulation_steps (micro-batches held before their blocks' backward), ...",
 }
@@ -137,6 +148,29 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self._zerofit.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        """What the wrapper does not have comes from the wrapped model, as torch's FSDP forwards it
+        (``model.config``, PEFT's ``model.save_pretrained(dir)``); a method of the model is called with the host
+        weights made current first (the engine's pending updates applied), since it may read them."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__["_modules"].get("module")
+            if inner is None:
+                raise
+        attr = getattr(inner, name)
+        if not inspect.ismethod(attr):
+            return attr
+        loop = self.__dict__.get("_zerofit")
+
+        @functools.wraps(attr)
+        def with_current_weights(*args, **kwargs):
+            if loop is not None:
+                loop.engine.module          # the host weights made current
+            return attr(*args, **kwargs)
+
+        return with_current_weights
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The step's gradients clipped to ``max_norm`` (their global L2 norm returned): the engine takes its

@@ -4,6 +4,8 @@ transformers writes the result. A live engine merges without a second copy inste
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import torch
@@ -66,19 +68,35 @@ def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.d
         raise LoraError(f"--merge into {base_dir}, a quantized model ({dict(quant).get('quant_method', 'quantized')}): "
                         "merging into quantized weights breaks models (the delta is rounded away); merge into the "
                         "16-bit base it was quantized from (--base DIR), then quantize the merged model")
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    refuse_quantized(base)
-    if nf4 is not None:
-        _dequantized_base(base, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[nf4])
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    if dtype is not None:
-        merged = merged.to(dtype)
-    merged.save_pretrained(out, max_shard_size=max_shard_size)
+    with _no_progress_bars():
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        refuse_quantized(base)
+        if nf4 is not None:
+            _dequantized_base(base, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[nf4])
+        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+        if dtype is not None:
+            merged = merged.to(dtype)
+        merged.save_pretrained(out, max_shard_size=max_shard_size)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
               "merges.txt", "chat_template.jinja"):
         if (Path(base_dir) / f).is_file():
             (Path(out) / f).write_bytes((Path(base_dir) / f).read_bytes())
     return out
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' own progress bars (loading and writing shards) off for the duration: the command says what
+    it did in one line when it is done."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _dequantized_base(model, dtype: torch.dtype) -> None:

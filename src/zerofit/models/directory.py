@@ -218,3 +218,30 @@ def load_tensor(md: ModelDir, names: list[str], dst: torch.Tensor, fds: dict | N
         if fd is None:
             fd = fds[info.file] = os.open(info.file, os.O_RDONLY)
     read_into(info, dst, fd)
+
+
+def positions(config) -> tuple[int | None, bool]:
+    """The model's context (``max_position_embeddings``, GPT-2's ``n_positions``...) and whether its positions
+    are learnt (a table: a longer sequence indexes past it and fails) rather than rotary (a longer sequence runs,
+    beyond what the model was trained on)."""
+    n = next((v for k in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+              if isinstance(v := getattr(config, k, None), int) and v > 0), None)
+    rotary = any(getattr(config, k, None) is not None for k in ("rope_theta", "rope_parameters", "rope_scaling"))
+    return n, n is not None and not rotary
+
+
+def window_length(seq_len: int | None, config) -> tuple[int, str | None]:
+    """The tokens per training window for ``config``'s model: ``seq_len`` as given, else its context, at most
+    2048. With it, a warning (or None) where ``seq_len`` passes a rotary model's context; one past learnt
+    positions raises :class:`ModelDirError` (it would index past the model's position table)."""
+    n, learnt = positions(config)
+    if seq_len is None:
+        return min(n or 2048, 2048), None
+    if n is None or seq_len <= n:
+        return seq_len, None
+    if learnt:
+        raise ModelDirError(f"--seq-len {seq_len} is longer than the model's {n} positions (config.json's learnt "
+                            f"position table): give --seq-len {n} or less")
+    return seq_len, (f"--seq-len {seq_len} is longer than the model's context of {n} tokens (config.json's "
+                     "max_position_embeddings): it trains beyond what the model was trained on (long-context "
+                     "fine-tuning; a rope_scaling in config.json extends it deliberately)")

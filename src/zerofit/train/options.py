@@ -21,7 +21,7 @@ class TrainOptions:
     config: Path | None = None                   # DeepSpeed or zerofit JSON
     steps: int | None = None                     # optimizer steps (scheduler.total_steps); None: one epoch
     epochs: float | None = None                  # or this many passes over the training windows
-    seq_len: int = 2048                          # tokens per packed window (seq_len)
+    seq_len: int | None = None                   # tokens per packed window (seq_len); None: the model's, <= 2048
     micro_batch_size: int | None = None          # micro_batch_size
     grad_accum: int | None = None                # gradient_accumulation_steps
     lr: float | None = None                      # optimizer.lr

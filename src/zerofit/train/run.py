@@ -26,6 +26,7 @@ Run folder::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -158,6 +159,7 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
     import zerofit
     from zerofit.data import StepLoader, build_datasets, load_tokenizer, small_held_out
     from zerofit.models import ModelDir
+    from zerofit.models.directory import window_length
     from zerofit.demo.run import resolve_device
 
     if opts.deterministic:
@@ -174,6 +176,11 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
     world, rank, _made_group = _init_ranks(device)
     if rank:
         console = Console(quiet=True)
+    model_dir = ModelDir.open(opts.model)      # a wrong path fails here, naming it, before the data is read
+    seq_len, note = window_length(opts.seq_len, model_dir.config)
+    if note:
+        console.print(Text(f"zerofit: {note}", style="yellow"), soft_wrap=True)
+    opts = dataclasses.replace(opts, seq_len=seq_len)
     loaded = resolve_config(opts, device, world)
     cfg = loaded.config
     run_dir = Path(opts.output)
@@ -181,7 +188,6 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
     ckpt_dir = run_dir / "checkpoints"
     start = plan_start(ckpt_dir, opts.resume)     # [Note: where a run starts]: refused before anything loads
 
-    ModelDir.open(opts.model)          # a wrong path fails here, naming it, before the data is read
     tokenizer = load_tokenizer(opts.model)
     reached("data")
     # rank 0 fills the datasets cache before the others read it: each rank passes one barrier, before or after

@@ -5,11 +5,12 @@
 A :class:`UserLoop` holds an engine over the user's model and stands where the loop expects the model:
 
 - the forward is the engine's DeepSpeed-shaped forward (the blocks streamed, checkpointed; the post pass with
-  autograd). Its output's ``loss`` and ``logits`` are handed back through :class:`_Seed`, an autograd Function
-  whose input is a dummy leaf: ``loss.backward()`` (of whatever the user computed from them: ``loss / G``, a
-  loss of the logits) reaches ``_Seed.backward`` with the gradient of each, and that calls the engine's own
-  backward of ``loss * g_loss + sum(logits * g_logits)`` without rescaling (``scale_wrt_gas=False``): the
-  gradient of the user's objective exactly, as plain autograd gives it (``x * g`` backpropagates ``g``
+  autograd). Every tensor of its output that requires grad (a loss, logits, a reconstruction, in a tensor, a
+  tuple, a dict or a model output) is handed back through :class:`_Seed`, an autograd Function whose input is a
+  dummy leaf: ``loss.backward()`` (of whatever the user computed from them: ``loss / G``, a criterion of the
+  logits) reaches ``_Seed.backward`` with the gradient of each, and that calls the engine's own backward of
+  ``sum((t * g_t).sum())`` without rescaling (``scale_wrt_gas=False``): the gradient of the user's objective
+  exactly, as plain autograd gives it (``x * g`` backpropagates ``g``
   bitwise). With a window of 1 (``gradient_accumulation_steps`` of the engine's config, the default) each
   micro-batch's blocks backward runs at its own ``backward()``, so a loop may accumulate over any number of
   micro-batches, the sums in autograd's order; a window of the loop's G holds them and runs each block's
@@ -30,6 +31,14 @@ A :class:`UserLoop` holds an engine over the user's model and stands where the l
   without speculation (a user's clip is known only when it is called) and without assisted updates.
 - under ``torch.autocast`` (Lightning's and accelerate's mixed precision, over an fp32 engine) the forward's
   autocast is entered again around the engine's recompute and backward, as ``torch.utils.checkpoint`` does.
+
+[Note: one wrapped model per optimizer]
+A wrapper's engine owns its model's gradients: its backward reaches the model's parameters, not its inputs, and
+its clip, unscale and step see those gradients only. So a step holds one wrapped model: a forward whose input
+requires grad (a wrapped decoder fed by a wrapped encoder) is refused, as are an optimizer over two wrapped models
+and a clip or a GradScaler's unscale over the wrapped model's parameters and others. Plain trained parameters in
+the same optimizer after the wrapped model (a head over its output) train by torch's own step. Wrap one module
+that holds every trained part and call it (a LightningModule with an encoder and a decoder: a module holding both).
 
 Refused by name, before anything trains: an optimizer other than AdamW (or Adam without weight decay), AMSGrad,
 ``maximize``, param groups whose settings differ (the engine's groups are fixed when it is built: give them as
@@ -52,6 +61,7 @@ import threading
 import weakref
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from zerofit.engine.plan import PlanError
@@ -82,21 +92,21 @@ class UserLoopError(ValueError):
 
 
 class _Seed(torch.autograd.Function):
-    """Identity on the output's loss and logits (from a dummy leaf): its backward hands their gradients to the
-    engine ([Note: the user's loop drives the engine])."""
+    """Identity on the output's tensors (from a dummy leaf): its backward hands their gradients to the engine
+    ([Note: the user's loop drives the engine])."""
 
     @staticmethod
     def forward(ctx, loop, anchor, outputs):
-        # ``outputs`` (loss, logits) come in a tuple, which autograd does not look into: as tensor inputs it would
-        # also walk their graph after this backward, which the engine's own backward has freed
-        ctx.loop, (ctx.loss, ctx.logits) = loop, outputs
+        # ``outputs`` come in a tuple, which autograd does not look into: as tensor inputs it would also walk their
+        # graph after this backward, which the engine's own backward has freed
+        ctx.loop, ctx.outputs = loop, outputs
         ctx.set_materialize_grads(False)
-        return tuple(t.detach().clone() if t is not None else None for t in outputs)
+        return tuple(t.detach().clone() for t in outputs)
 
     @staticmethod
-    def backward(ctx, g_loss, g_logits):
-        ctx.loop._backward(ctx.loss, g_loss, ctx.logits, g_logits)
-        ctx.loss = ctx.logits = None
+    def backward(ctx, *grads):
+        ctx.loop._backward(ctx.outputs, grads)
+        ctx.outputs = None
         return None, None, None
 
 
@@ -124,6 +134,7 @@ class UserLoop:
         self.engine.stepper.torch_clip.follow(self._clip_order())
         self.params = {id(p) for p in self.engine.module.parameters()}
         self.prepared = None                         # the step prepared by a clip, applied at optimizer.step()
+        self.uncleared = False                       # a step ran and no zero_grad() since: [Note: zero_grad]
         self.optimizer = None
         self.inside = False                          # the engine is running the model's own forward
         self.amp = ()                                # the last forward's autocast: (device type, dtype), ...
@@ -165,9 +176,16 @@ class UserLoop:
                                 "dtype (FSDP's recipe: MixedPrecision(param_dtype=torch.float16) under "
                                 "autocast(dtype=torch.float16)), or keep the autocast (Lightning's 'bf16-mixed', "
                                 "accelerate's mixed_precision) over an fp32 wrapper")
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+                                           for t in pytree.tree_leaves((args, kwargs))):
+            raise UserLoopError("an input of the wrapped model requires grad (the output of another module, or a "
+                                "leaf made to): the engine's backward reaches the wrapped model's parameters, not "
+                                "its inputs, so what made the input would get no gradient; wrap one module that "
+                                "holds every trained part and call it ([Note: one wrapped model per optimizer])")
         self.amp = amp        # the blocks' recompute and backward run under the forward's autocast
         if self.prepared is not None and torch.is_grad_enabled():
             self._skipped()
+            self.uncleared = True
         self.inside = True
         try:
             out = self.engine(*args, **kwargs)
@@ -175,34 +193,36 @@ class UserLoop:
             self.inside = False
         if not torch.is_grad_enabled():
             return out
-        if isinstance(out, torch.Tensor):          # a model that returns its loss (a tensor)
-            loss, logits = out, None
-        else:
-            loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
-        if loss is None and logits is None:
-            raise UserLoopError("the model's output is neither a tensor nor has .loss or .logits: zerofit's loop "
-                                "follows the loss (or the logits) the model returns")
+        # every tensor of the output the backward can reach (a loss, logits, a reconstruction, a tuple or dict of
+        # them), handed back as it is: the user's objective may be any function of them
+        leaves, spec = pytree.tree_flatten(out)
+        seeded = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not seeded:
+            raise UserLoopError(f"the model's output ({type(out).__name__}) holds no tensor that requires grad: "
+                                "zerofit's loop backpropagates from the tensors the model returns (a loss, logits, "
+                                "any output) ")
         anchor = torch.zeros((), requires_grad=True)
-        new_loss, new_logits = _Seed.apply(self, anchor, (loss, logits))
-        if isinstance(out, torch.Tensor):
-            return new_loss
-        if loss is not None:
-            out["loss"] = new_loss
-        if logits is not None:
-            out["logits"] = new_logits
-        return out
+        for i, t in zip(seeded, _Seed.apply(self, anchor, tuple(leaves[i] for i in seeded))):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, spec)
 
-    def _backward(self, loss, g_loss, logits, g_logits) -> None:
+    def _backward(self, outputs: tuple, grads: tuple) -> None:
+        """The engine's backward of ``sum((t * g).sum())`` over the output tensors ``t`` the user's objective
+        reached (``g`` its gradient of each): that objective's gradient exactly, as plain autograd gives it."""
+        if self.uncleared:
+            raise UserLoopError("a backward after optimizer.step() without optimizer.zero_grad() (or "
+                                "model.zero_grad()) between them: torch would add this step's gradients to the last "
+                                "step's, and zerofit starts each step from zero; call optimizer.zero_grad() once per "
+                                "step, after optimizer.step() or before the step's first backward ([Note: zero_grad])")
         with torch.enable_grad(), _autocast(self.amp):   # (autograd runs a Function's backward with grad off)
-            parts = []
-            if g_loss is not None and loss is not None:
-                parts.append(loss * g_loss)
-            if g_logits is not None and logits is not None:
-                parts.append((logits * g_logits).sum())
-            if not parts:
-                return
-            objective = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-            self.engine.backward(objective, scale_wrt_gas=False)
+            objective = None
+            for t, g in zip(outputs, grads):
+                if g is None:
+                    continue
+                part = (t * g).sum()
+                objective = part if objective is None else objective + part
+            if objective is not None:
+                self.engine.backward(objective, scale_wrt_gas=False)
 
     # ------------------------------------------------------------------ the step
 
@@ -269,6 +289,7 @@ class UserLoop:
         self._follow(optimizer)
         if self.prepared is None:
             self._prepare()
+        self.uncleared = True
         found_inf, grad_scale = getattr(optimizer, "found_inf", None), getattr(optimizer, "grad_scale", None)
         if found_inf is not None and float(found_inf) > 0:
             self._skipped()
@@ -283,6 +304,25 @@ class UserLoop:
             eng.window.stepped()
             eng.end_step(applied, norm)
         self._learn_window(n)
+
+    def zero_grad(self) -> None:
+        """[Note: zero_grad]
+        Torch's gradients stay in ``.grad`` until ``zero_grad()``: a loop that steps without it adds the next step's
+        gradients to the last's, and one that calls it between a backward and its step drops that backward's. The
+        engine's gradients live from a step's first backward to its ``optimizer.step()``, so the loop's
+        ``optimizer.zero_grad()`` and ``module.zero_grad()`` (over a loop's parameters; they hold no ``.grad``) come
+        here: after a step, the next backward is refused until one comes; a step prepared (a GradScaler's unscale)
+        whose ``optimizer.step()`` never came (an overflow) is dropped, as torch's zero_grad drops its gradients;
+        between a backward and its step, refused (the engine has added them already). Clearing ``.grad`` by hand
+        (``p.grad = None``) is not seen: the parameters never hold one."""
+        if self.prepared is not None:
+            self._skipped()
+        elif self.engine.window.micro_steps:
+            raise UserLoopError(f"zero_grad() after {self.engine.window.micro_steps} backward() of a step and "
+                                "before its optimizer.step(): torch would drop their gradients, and zerofit's engine "
+                                "has summed them; call zero_grad() after optimizer.step() or before the step's "
+                                "first backward ([Note: zero_grad])")
+        self.uncleared = False
 
     def _learn_window(self, n: int) -> None:
         """[Note: the window learns the loop's G]
@@ -334,6 +374,11 @@ class UserLoop:
         from zerofit.optim.client_schedule import ClientSchedule
 
         check_optimizer(optimizer, self)
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if any(ids & loop.params for loop in list(_LIVE) if loop is not self):
+            raise UserLoopError(f"{type(optimizer).__name__} holds the parameters of two wrapped models: each "
+                                "wrapper's engine steps its own model at optimizer.step(); wrap one module that "
+                                "holds them both and call it ([Note: one wrapped model per optimizer])")
         carrier = _OneGroup(optimizer)
         self.engine.hypers.attach(ClientSchedule(carrier, None, self.engine.config.train_batch_size))
         optimizer.register_state_dict_post_hook(self._optimizer_state)
@@ -444,6 +489,23 @@ def _loop_of(params) -> UserLoop | None:
     return None
 
 
+def _one_loop(params, what: str) -> UserLoop | None:
+    """The loop whose parameters ``params`` are, for ``what`` (a clip, an unscale) that the loop does over its own
+    gradients only: refused by name where ``params`` also hold another loop's or plain trained parameters, whose
+    gradients it would leave out ([Note: one wrapped model per optimizer])."""
+    params = list(params)
+    loop = _loop_of(params)
+    if loop is None:
+        return None
+    others = [p for p in params if id(p) not in loop.params and p.requires_grad]
+    if others:
+        raise UserLoopError(f"{what} over the wrapped model's parameters and {len(others)} trained parameters "
+                            "outside it: zerofit's clip and unscale see the wrapped model's gradients only; wrap "
+                            "one module that holds every trained part (and call it, not its parts) "
+                            "([Note: one wrapped model per optimizer])")
+    return loop
+
+
 def _step_post_hook(optimizer, args, kwargs):
     """After ``optimizer.step()`` (and the closure it ran: Lightning's forward and backward): the engine's step.
     Torch's own step before it found no ``.grad`` to apply."""
@@ -463,10 +525,27 @@ def _step_pre_hook(optimizer, args, kwargs):
             check_optimizer(optimizer, stale[0])      # raises: built before the wrap
 
 
+def _zero_grad_of(original, params_of):
+    """``original`` (Optimizer.zero_grad or Module.zero_grad), first telling the loop whose parameters its
+    object holds ([Note: zero_grad])."""
+
+    @functools.wraps(original)
+    def zero_grad(self, *args, **kwargs):
+        loop = _loop_of(params_of(self)) if _LIVE else None
+        if loop is not None:
+            loop.zero_grad()
+        return original(self, *args, **kwargs)
+
+    return zero_grad
+
+
 def _install_hooks() -> None:
     with _LOCK:
         if _HOOKED:
             return
+        torch.optim.Optimizer.zero_grad = _zero_grad_of(
+            torch.optim.Optimizer.zero_grad, lambda opt: (p for g in opt.param_groups for p in g["params"]))
+        nn.Module.zero_grad = _zero_grad_of(nn.Module.zero_grad, lambda module: module.parameters())
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         _HOOKED.append(register_optimizer_step_pre_hook(_step_pre_hook))
@@ -478,7 +557,7 @@ def _install_hooks() -> None:
         @functools.wraps(original)
         def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            loop = _loop_of(params)
+            loop = _one_loop(params, "clip_grad_norm_")
             if loop is None:
                 return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
             return loop.clip_grad_norm_(max_norm, norm_type)
@@ -526,7 +605,7 @@ def _patch_accelerate() -> None:
     @functools.wraps(original)
     def _clip_grad_norm_dtensor_aware(self, parameters, max_norm, norm_type=2, foreach=None):
         params = list(parameters)
-        loop = _loop_of(params)
+        loop = _one_loop(params, "clip_grad_norm_")
         if loop is None:
             return original(self, params, max_norm, norm_type=norm_type, foreach=foreach)
         return loop.clip_grad_norm_(max_norm, norm_type)
@@ -581,7 +660,7 @@ def _patch_unscale(cls) -> None:
 
     @functools.wraps(original)
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
-        loop = _loop_of(p for g in optimizer.param_groups for p in g["params"])
+        loop = _one_loop((p for g in optimizer.param_groups for p in g["params"]), "a GradScaler's unscale_")
         if loop is None:
             return original(self, optimizer, inv_scale, found_inf, allow_fp16)
         return loop.unscale(optimizer, inv_scale, found_inf)

@@ -624,7 +624,8 @@ def chat(
     /help lists the commands; /reset starts over; /quit, /exit or Ctrl-D (end of input) ends it."""
     from zerofit.infer import InferencePlanError
     from zerofit.infer.chat import HINT, Chat, run_chat
-    from zerofit.infer.text import complete
+    from zerofit.infer.text import complete, prompt_ids
+    from zerofit.models.directory import positions
 
     err = Console(stderr=True)
     err.print(Text(f"loading {model} ...", style="dim"), soft_wrap=True)
@@ -636,10 +637,20 @@ def chat(
     err.print(Text(f"loaded in {time.perf_counter() - t0:.1f} s; {engine.summary()}", style="dim"), soft_wrap=True)
     err.print(Text(HINT), soft_wrap=True)
     sampling = _sampling_options(temperature, None, top_p, None, None, seed, temperature is None)
+    context, _ = positions(engine.model.config)
 
-    def answer(messages: list[dict], stream) -> str:
+    def prompt_length(messages: list[dict]) -> int:
+        return len(prompt_ids(engine.tokenizer, messages, chat=True))
+
+    def fits(messages: list[dict]) -> bool:      # the history with a whole answer within the model's context
+        return context is None or prompt_length(messages) + max_new_tokens <= context
+
+    def answer(messages: list[dict], stream) -> str | None:
+        room = max_new_tokens if context is None else min(max_new_tokens, context - prompt_length(messages))
+        if room < 1:
+            return None
         try:
-            (c,) = complete(engine, [messages], max_new_tokens=max_new_tokens, stream=stream, **sampling)
+            (c,) = complete(engine, [messages], max_new_tokens=room, stream=stream, **sampling)
         except InferencePlanError as e:
             engine.close()
             _fail(err, f"refused: {e}")
@@ -650,7 +661,7 @@ def chat(
         sys.stdout.flush()
 
     try:
-        run_chat(Chat(system=system), answer, input, write)
+        run_chat(Chat(system=system), answer, input, write, fits)
     except KeyboardInterrupt:      # Ctrl-C: the chat ends, the engine's memory is given back
         write("\n")
         engine.close()

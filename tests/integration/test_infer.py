@@ -267,6 +267,34 @@ def test_cli_chat_keeps_the_conversation(tmp_path):
     assert r.output.count("model> ") == 2
 
 
+def test_cli_chat_leaves_the_oldest_turns_out_when_the_conversation_passes_the_context(tmp_path):
+    """A model of 48 tokens' context: each exchange here takes about 20, so from the second on the oldest turns go
+    (said each time), and every answer fits what is left; a message longer than the context is not sent."""
+    import zerofit.infer.text as text_mod
+
+    d = make_model_dir(tmp_path / "m", "llama", layers=2)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 48}))
+    lengths = []
+    complete = text_mod.complete
+
+    def spy(engine, prompts, **kw):
+        lengths.append(len(text_mod.prompt_ids(engine.tokenizer, prompts[0], chat=True)) + kw["max_new_tokens"])
+        return complete(engine, prompts, **kw)
+
+    text_mod.complete = spy
+    try:
+        r = CliRunner().invoke(app, ["chat", "--model", str(d), "--max-new-tokens", "6", "--device", "cpu"],
+                               input="one two three four\nfive six seven eight\nnine ten eleven\ntwelve\n"
+                                     + "word " * 60 + "\n")
+    finally:
+        text_mod.complete = complete
+    assert r.exit_code == 0, r.output
+    assert r.output.count("model> ") == 5 and r.output.count("oldest turn") >= 3, r.output
+    assert "not sent: the message is longer than the model's context" in r.output
+    assert len(lengths) == 4 and max(lengths) <= 48, lengths
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_gpu_streamed_generate_is_transformers_generate(family):

@@ -183,6 +183,15 @@ def test_generate_with_the_base_and_the_adapter_equals_peft_s_generate(workspace
     ref = PeftModel.from_pretrained(_base(model), run / "adapter").eval()
     want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     assert got == tok.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+    # the same adapter in a chat: the answer is PEFT's generate of the chat template's prompt
+    r = CliRunner().invoke(app, ["chat", "--model", str(model), "--adapter", str(run / "adapter"), "--max-new-tokens",
+                                 "8", "--device", "cpu", "--dtype", "fp32"], input=prompt + "\n")
+    assert r.exit_code == 0, r.output
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)["input_ids"]
+    want = ref.generate(input_ids=chat_ids, attention_mask=torch.ones_like(chat_ids), max_new_tokens=8,
+                        do_sample=False)
+    assert "model> " + tok.decode(want[0, chat_ids.shape[1]:], skip_special_tokens=True) in r.output, r.output
     # an adapter for another base: refused from the files' headers, in one line
     gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2", torch.bfloat16)
     r = CliRunner().invoke(app, ["generate", "--model", str(gpt2), "--adapter", str(run / "adapter"), "--prompt",

@@ -163,6 +163,17 @@ def test_the_models_own_checkpointing_in_bf16_recomputes_in_bf16():
     assert all(torch.equal(mine[n], v) for n, v in theirs.items())
 
 
+def test_mixed_precision_casts_the_models_floating_inputs_as_fsdp_does():
+    """FSDP's MixedPrecision casts the root's floating inputs to param_dtype (cast_root_forward_inputs): fp32
+    inputs to a bf16 wrapper train as the same inputs given in bf16."""
+    def run(dtype):
+        torch.manual_seed(0)
+        model = FSDP(MyLargeModel(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        return _plain_steps(model, _classes(dtype=dtype), lambda m, b: F.cross_entropy(m(b[0]).float(), b[1]))
+
+    assert run(torch.float32) == run(torch.bfloat16)
+
+
 class AutoEncoder(nn.Module):
     def __init__(self):
         super().__init__()

@@ -136,6 +136,9 @@ class FullyShardedDataParallel(nn.Module):
         self._zerofit = UserLoop(module, _config(offload=offload, precision=precision, device=device_id,
                                                  sharding=strategy, layout=layout, extra=zerofit_config))
         _check_policy(auto_wrap_policy, self._zerofit)
+        if precision != "fp32" and (getattr(mixed_precision, "cast_root_forward_inputs", False)
+                                    or getattr(mixed_precision, "cast_forward_inputs", False)):
+            self._zerofit.cast_inputs = mixed_precision.param_dtype      # FSDP casts the root's inputs
         # state dicts by the model's names, loads into the engine's masters (nested in a LightningModule too)
         self._register_state_dict_hook(self._state_dict_names)
         self._register_load_state_dict_pre_hook(self._load_names)
@@ -297,6 +300,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward=True, sha
     precision = _precision(getattr(mp_policy, "param_dtype", None))
     loop = UserLoop(module, _config(offload=offload, precision=precision, device=None, sharding=None,
                                     extra=zerofit_config))
+    if precision != "fp32" and getattr(mp_policy, "cast_forward_inputs", False):
+        loop.cast_inputs = mp_policy.param_dtype                        # FSDP2 casts the root's inputs
     module.__dict__["_zerofit"] = loop
     module.__class__ = _fsdp2_class(type(module))
     return module

@@ -35,6 +35,19 @@ class Chat:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
+    def fit(self, fits: Callable[[list[dict]], bool]) -> int:
+        """Drop the oldest turns (a user message and the replies after it; the system message stays) until
+        ``fits(messages)`` or only the last user message is left; the number of user turns dropped."""
+        dropped = 0
+        while not fits(self.messages):
+            first = next((i for i, m in enumerate(self.messages) if m["role"] != "system"), None)
+            users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+            if first is None or len(users) < 2:
+                break
+            del self.messages[first:users[1]]
+            dropped += 1
+        return dropped
+
     @property
     def turns(self) -> int:
         """User turns so far."""
@@ -48,10 +61,13 @@ def help_text() -> str:
 
 
 def run_chat(chat: Chat, answer: Callable[[list[dict], Callable[[str], None]], str], read: Callable[[str], str],
-             write: Callable[[str], None]) -> None:
+             write: Callable[[str], None], fits: Callable[[list[dict]], bool] | None = None) -> None:
     """Read lines until /quit, /exit or the end of input. ``answer(messages, stream)`` generates the assistant's
-    reply to ``messages``, passing each piece of text to ``stream``, and returns the whole text. ``read(prompt)``
-    returns the next line (raising EOFError at the end); ``write(text)`` shows text (no newline added)."""
+    reply to ``messages``, passing each piece of text to ``stream``, and returns the whole text (None: no room
+    for one, the message is taken back). ``read(prompt)``
+    returns the next line (raising EOFError at the end); ``write(text)`` shows text (no newline added).
+    ``fits(messages)``: whether a conversation and its answer fit the model's context; the oldest turns are
+    left out until it does (said each time)."""
     while True:
         try:
             line = read("you> ")
@@ -76,7 +92,15 @@ def run_chat(chat: Chat, answer: Callable[[list[dict], Callable[[str], None]], s
         if text.startswith("//"):
             line = line.replace("//", "/", 1)
         chat.messages.append({"role": "user", "content": line})
+        dropped = chat.fit(fits) if fits is not None else 0
+        if dropped:
+            write(f"(the {dropped} oldest turn{'s' if dropped > 1 else ''} left out: the conversation passed the "
+                  "model's context)\n")
         write("model> ")
         reply = answer(chat.messages, write)
+        if reply is None:           # the message alone leaves no room for an answer
+            chat.messages.pop()
+            write("(not sent: the message is longer than the model's context)\n")
+            continue
         write("\n")
         chat.messages.append({"role": "assistant", "content": reply})

@@ -54,7 +54,20 @@ def engine_for(model, *, tokenizer=None, **kw):
                         f"got {type(model).__name__}")
     if tokenizer is not None:
         eng.tokenizer = tokenizer
+    elif eng.tokenizer is None:
+        eng.tokenizer = _tokenizer_beside(model)
     return eng
+
+
+def _tokenizer_beside(model):
+    """The tokenizer of the local folder a model (or a training engine's) was loaded from (``from_pretrained``
+    records it as its config's ``name_or_path``), or None."""
+    from zerofit.infer.sources import load_tokenizer
+
+    module = getattr(model, "module", model)
+    config = getattr(module, "config", None)
+    folder = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
+    return load_tokenizer(Path(folder)) if folder and os.path.isdir(folder) else None
 
 
 def prompt_ids(tokenizer, prompt, *, chat: bool = False, system: str | None = None) -> list[int]:

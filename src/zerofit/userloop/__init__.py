@@ -138,6 +138,7 @@ class UserLoop:
         self.optimizer = None
         self.inside = False                          # the engine is running the model's own forward
         self.amp = ()                                # the last forward's autocast: (device type, dtype), ...
+        self.cast_inputs = None                      # a dtype the floating inputs take (FSDP's mixed precision)
         _install_hooks()
         _patch_accelerate()
         _patch_lightning()
@@ -183,6 +184,10 @@ class UserLoop:
                                 "its inputs, so what made the input would get no gradient; wrap one module that "
                                 "holds every trained part and call it ([Note: one wrapped model per optimizer])")
         self.amp = amp        # the blocks' recompute and backward run under the forward's autocast
+        if self.cast_inputs is not None:     # as FSDP's MixedPrecision casts the root's floating inputs
+            args, kwargs = pytree.tree_map(
+                lambda t: t.to(self.cast_inputs) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                (args, kwargs))
         if self.prepared is not None and torch.is_grad_enabled():
             self._skipped()
             self.uncleared = True

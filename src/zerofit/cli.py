@@ -473,10 +473,13 @@ def export(
     run's checkpoint as PEFT's adapter folder, or merged (--merge)."""
     from zerofit.checkpoint import CheckpointError, export_checkpoint
 
+    said: list[str] = []
     try:
-        out = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size, merge=merge, base=base)
+        out = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size, merge=merge, base=base, said=said)
     except (CheckpointError, ValueError) as e:
         _fail(Console(stderr=True), f"export failed: {e}")
+    for line in said:
+        typer.echo(line)
     if (out / "adapter_config.json").is_file():
         typer.echo(f"exported {checkpoint} -> {out} (a PEFT adapter: PeftModel.from_pretrained(base, {out}))")
         return

@@ -93,7 +93,7 @@ def _dequantized(engine) -> dict:
 
 def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | torch.dtype | None = None,
                       max_shard_size: int | str = "5GB", workers: int = 4, merge: bool = False,
-                      base: Path | str | None = None) -> Path:
+                      base: Path | str | None = None, said: list | None = None) -> Path:
     """Export a checkpoint's weights as a Hugging Face model directory. ``checkpoint`` is a tag folder or a
     save folder (its ``latest`` is used). Only the weight shards are read (and verified), never the moments.
     ``dtype`` None: the model's own (:func:`checkpoint_dtype`). A checkpoint of a PEFT run: its adapter folder
@@ -105,7 +105,7 @@ def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | 
         raise CheckpointNotFoundError(f"{checkpoint}: neither a checkpoint folder nor a folder with a 'latest' file")
     folder, record = opened
     if record.state.get("lora_base") is not None:
-        return _export_adapter(folder, record, Path(out_dir), dt, merge, base, max_shard_size, workers)
+        return _export_adapter(folder, record, Path(out_dir), dt, merge, base, max_shard_size, workers, said)
     if merge:
         raise ValueError(f"{folder}: --merge merges LoRA adapters; this checkpoint is of a whole model (no adapter)")
     dt = dt or checkpoint_dtype(record.state)
@@ -149,7 +149,8 @@ def write_model_dir(out: Path, entries: list[Entry], side: list[SideFile], max_s
     return out
 
 
-def _export_adapter(folder: Path, record, out: Path, dtype, merge: bool, base, max_shard_size, workers: int) -> Path:
+def _export_adapter(folder: Path, record, out: Path, dtype, merge: bool, base, max_shard_size, workers: int,
+                    said: list | None = None) -> Path:
     from zerofit.lora.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     names = [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
@@ -173,4 +174,5 @@ def _export_adapter(folder: Path, record, out: Path, dtype, merge: bool, base, m
     with tempfile.TemporaryDirectory() as tmp:
         for n in names:
             (Path(tmp) / n).write_bytes((folder / n).read_bytes())
-        return merge_into_base(Path(base), Path(tmp), out, dtype, max_shard_size, nf4=nf4)
+        return merge_into_base(Path(base), Path(tmp), out, dtype, max_shard_size, nf4=nf4,
+                               precision=trained.get("precision"), said=said)

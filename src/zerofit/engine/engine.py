@@ -111,7 +111,7 @@ class Engine(DeepSpeedSurface):
         self.adapter = Adapter(model, self._adapter_kind)
         # [Note: an NF4 base] (nf4.py): bitsandbytes' 4-bit layers, or quantize_base, swapped before the table
         self.nf4 = BaseNF4.prepare(model, self.adapter, self.dtype, config.quantize_base == "nf4", self.ranks.many,
-                                   device=self.dev.device)
+                                   device=self.dev.device, source=source)
         self._model = model
         from zerofit.checkpoint.model_files import model_dtype
         self.model_dtype = model_dtype(model, source)   # the user's model's dtype, before fp32 masters: exports keep it

@@ -114,6 +114,7 @@ class Packed:
     absmax2: torch.Tensor | None = None
     code2: torch.Tensor | None = None
     blocksize: int = BLOCK
+    quant_type: str = "nf4"          # the 4-bit code: nf4 (QLoRA's), or fp4
 
     @classmethod
     def quantize(cls, w: torch.Tensor, device: torch.device | None = None) -> "Packed":
@@ -129,17 +130,18 @@ class Packed:
 
     @classmethod
     def of_state(cls, q: torch.Tensor, qs) -> "Packed":
-        if qs.quant_type != "nf4":
-            raise QuantError(f"a 4-bit weight in {qs.quant_type!r}: zerofit's QLoRA holds NF4 "
-                             "(BitsAndBytesConfig(bnb_4bit_quant_type='nf4'))")
+        """A ``Params4bit``'s codes and ``QuantState`` (quantized in this process, or loaded from a folder, whose
+        pieces may come shaped otherwise: each is taken flat)."""
+        if qs.quant_type not in ("nf4", "fp4"):
+            raise QuantError(f"a 4-bit weight in {qs.quant_type!r}: zerofit holds nf4 and fp4")
         data = q.detach().reshape(-1).view(torch.uint8).cpu()
         if qs.nested:
             s2 = qs.state2
             if s2.blocksize != BLOCK2:
                 raise QuantError(f"double quantization in blocks of {s2.blocksize}: bitsandbytes' is {BLOCK2}")
-            return cls(data, qs.absmax.cpu(), float(qs.offset), s2.absmax.float().cpu(), s2.code.float().cpu(),
-                       qs.blocksize)
-        return cls(data, qs.absmax.float().cpu(), blocksize=qs.blocksize)
+            return cls(data, qs.absmax.reshape(-1).cpu(), float(qs.offset), s2.absmax.float().reshape(-1).cpu(),
+                       s2.code.float().reshape(-1).cpu(), qs.blocksize, qs.quant_type)
+        return cls(data, qs.absmax.float().reshape(-1).cpu(), blocksize=qs.blocksize, quant_type=qs.quant_type)
 
     @property
     def nested(self) -> bool:
@@ -194,6 +196,8 @@ class BaseNF4:
         self.originals: dict[str, torch.Tensor] = {}     # name -> the user's 16-bit weight, quantized at build
         self.on_meta: dict[str, nn.Module] = {}          # name -> its nn.Linear on the meta device (no files):
         self.init = None                                 # initialized by the model's own init, then quantized
+        self.from_folder: dict[str, tuple] = {}          # name -> (source, shape): stored in 4 bits there
+        self.folder = None                               # that folder's form ([Note: a 4-bit folder])
 
     def __contains__(self, name: str) -> bool:
         return name in self.packed
@@ -203,16 +207,18 @@ class BaseNF4:
 
     @classmethod
     def prepare(cls, model: nn.Module, adapter, dtype: torch.dtype, quantize: bool, many: bool = False,
-                check: bool = True, device: torch.device | None = None) -> "BaseNF4":
-        """Swap each ``Linear4bit`` of ``model`` (and with ``quantize`` each frozen ``nn.Linear`` of its blocks)
-        for a :class:`DequantizedLinear`. Refusals (:class:`QuantError`) come before anything is allocated."""
+                check: bool = True, device: torch.device | None = None, source=None) -> "BaseNF4":
+        """Swap each ``Linear4bit`` of ``model``, each linear the model folder ``source`` stores in 4 bits ([Note:
+        a 4-bit folder], models/quantized.py), and with ``quantize`` each frozen ``nn.Linear`` of its blocks, for
+        a :class:`DequantizedLinear`. Refusals (:class:`QuantError`) come before anything is allocated."""
         out = cls(dtype, device)
-        if not quantize and not any(is_linear4bit(m) for m in model.modules()):
+        out.folder = getattr(source, "quant4", None)
+        if not quantize and out.folder is None and not any(is_linear4bit(m) for m in model.modules()):
             return out
         if many:
             raise QuantError("QLoRA (an NF4 base) on several ranks: not yet; train it in one process (LoRA over "
                              "a 16-bit base runs on several)")
-        if quantize and check:
+        if (quantize or out.folder is not None) and check:
             bnb_functional()         # installed and loadable, or say so now (not for an estimate)
         in_blocks = set()
         for block in adapter.blocks:
@@ -220,6 +226,18 @@ class BaseNF4:
         for path, m in list(model.named_modules()):
             if is_linear4bit(m):
                 out.packed[path + ".weight"] = Packed.of_state(m.weight.data, m.weight.quant_state)
+            elif out.folder is not None and type(m) is nn.Linear and source.is_packed([path + ".weight"]):
+                name = path + ".weight"
+                if m.weight.requires_grad:
+                    raise QuantError(f"{name}: stored in 4 bits in {source.path}: a 4-bit weight does not train; "
+                                     "train LoRA adapters over it (zerofit train --lora, or PEFT's get_peft_model)")
+                if id(m) not in in_blocks:
+                    raise QuantError(f"{name}: stored in 4 bits in {source.path}, outside the model's repeated "
+                                     "blocks: zerofit holds 4-bit weights in the blocks only; give the 16-bit "
+                                     "model (with --qlora)")
+                source.check_packed([name], tuple(m.weight.shape))     # its quant state, before any allocation
+                out.packed[name] = None
+                out.from_folder[name] = (source, tuple(m.weight.shape))
             elif (quantize and type(m) is nn.Linear and id(m) in in_blocks and not m.weight.requires_grad):
                 out.packed[path + ".weight"] = None
                 if not m.weight.is_meta:
@@ -241,8 +259,10 @@ class BaseNF4:
         return out
 
     def form(self, name: str) -> tuple[bool, int]:
-        """(nested, blocksize) of ``name``'s NF4: its ``Linear4bit``'s, or the quantization's."""
+        """(nested, blocksize) of ``name``'s NF4: its ``Linear4bit``'s, its folder's, or the quantization's."""
         p = self.packed[name]
+        if p is None and name in self.from_folder:
+            return self.folder.nested, self.folder.blocksize
         return (True, BLOCK) if p is None else (p.nested, p.blocksize)
 
     def unit_bytes(self, shapes_names: list[tuple]) -> int:
@@ -264,6 +284,9 @@ class BaseNF4:
         p = self.packed[name]
         if p is not None:
             return p
+        if name in self.from_folder:          # its codes and quant state as the folder stores them
+            source, shape = self.from_folder[name]
+            return source.packed([name], shape)
         w = self.originals.pop(name, None)
         m = self.on_meta.pop(name, None)
         if w is None and read is None and m is not None:
@@ -299,6 +322,7 @@ class UnitNF4:
         self.nbytes = at
         self.host = torch.empty(at, dtype=torch.uint8, pin_memory=pinned)
         self.offsets = [0.0] * len(self.specs)
+        self.quant_types = ["nf4"] * len(self.specs)
         self.start = min(starts)         # where the NF4 tensors begin in the frozen layout (after the 16-bit ones)
 
     def packed(self, i: int) -> Packed:
@@ -307,21 +331,24 @@ class UnitNF4:
         data = h[s.data:s.data + (s.numel + 1) // 2]
         if s.nested:
             return Packed(data, h[s.absmax:s.absmax + s.blocks], self.offsets[i],
-                          h[s.absmax2:s.code2].view(torch.float32), h[s.code2:s.end].view(torch.float32), s.blocksize)
-        return Packed(data, h[s.absmax:s.end].view(torch.float32), blocksize=s.blocksize)
+                          h[s.absmax2:s.code2].view(torch.float32), h[s.code2:s.end].view(torch.float32), s.blocksize,
+                          self.quant_types[i])
+        return Packed(data, h[s.absmax:s.end].view(torch.float32), blocksize=s.blocksize,
+                      quant_type=self.quant_types[i])
 
     def put(self, i: int, p: Packed) -> None:
         s, h = self.specs[i], self.host
         if p.nested != s.nested or p.blocksize != s.blocksize or p.data.numel() != (s.numel + 1) // 2:
             raise QuantError(f"{self.names[i]}: its 4-bit weight is not laid out as planned")
-        h[s.data:s.data + p.data.numel()].copy_(p.data)
+        h[s.data:s.data + p.data.numel()].copy_(p.data.reshape(-1))
         if s.nested:
-            h[s.absmax:s.absmax + s.blocks].copy_(p.absmax.view(torch.uint8))
-            h[s.absmax2:s.code2].view(torch.float32).copy_(p.absmax2)
-            h[s.code2:s.end].view(torch.float32).copy_(p.code2)
+            h[s.absmax:s.absmax + s.blocks].copy_(p.absmax.reshape(-1).view(torch.uint8))
+            h[s.absmax2:s.code2].view(torch.float32).copy_(p.absmax2.reshape(-1))
+            h[s.code2:s.end].view(torch.float32).copy_(p.code2.reshape(-1))
             self.offsets[i] = p.offset
         else:
-            h[s.absmax:s.end].view(torch.float32).copy_(p.absmax)
+            h[s.absmax:s.end].view(torch.float32).copy_(p.absmax.reshape(-1))
+        self.quant_types[i] = p.quant_type
 
     def dequantize(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Each tensor's weight from the packed bytes ``src`` (the host buffer, or its copy on the device) into
@@ -343,7 +370,7 @@ class UnitNF4:
         else:
             absmax = src[s.absmax:s.end].view(torch.float32)
         qs = bf.QuantState(absmax=absmax, shape=torch.Size(s.shape), dtype=out.dtype, blocksize=s.blocksize,
-                           quant_type="nf4")
+                           quant_type=self.quant_types[i])
         if out.is_cuda:
             bf.dequantize_4bit(data, quant_state=qs, out=out)
         else:      # (bitsandbytes' CPU backend has no ``out`` variant)

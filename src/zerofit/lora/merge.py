@@ -39,7 +39,8 @@ def check_adapter_fits(base_dir: Path, adapter_dir: Path) -> None:
                 except Exception:       # noqa: BLE001 - ModelDirError: the layer is not in the base at all
                     raise LoraError(f"{adapter_dir}: adapter tensor {key} is for layer {layer}, which {base_dir} does "
                                     "not have: the adapter was trained over another base; give that base") from None
-                out_f, in_f = w.shape[0], w.shape[-1]
+                shape_w = md.weight_shape([layer + ".weight"])      # (a 4-bit weight's from its quant state)
+                out_f, in_f = shape_w[0], shape_w[-1]
                 conv1d = getattr(md.config, "model_type", "") == "gpt2"     # Conv1D stores (in, out)
                 if conv1d:
                     in_f, out_f = out_f, in_f
@@ -52,9 +53,12 @@ def check_adapter_fits(base_dir: Path, adapter_dir: Path) -> None:
 
 
 def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.dtype | None,
-                    max_shard_size="5GB", nf4: str | None = None) -> Path:
+                    max_shard_size="5GB", nf4: str | None = None, precision: str | None = None,
+                    said: list | None = None) -> Path:
     """``nf4``: the adapter was trained over the base's linears in NF4 (a QLoRA run, in that precision): it is
-    merged into those weights dequantized, the base it trained over ([Note: an NF4 base], engine/nf4.py)."""
+    merged into those weights dequantized, the base it trained over ([Note: an NF4 base], engine/nf4.py). A base
+    folder saved in 4 bits ([Note: a 4-bit folder]) is dequantized into ``precision`` (the run's; its linears as
+    the run computed with them) and the merged model written in 16 bits; ``said`` gets a line saying so."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -63,7 +67,22 @@ def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.d
     check_adapter_fits(base_dir, adapter_dir)
     from zerofit.models import ModelDir
 
-    quant = getattr(ModelDir.open(base_dir).config, "quantization_config", None)
+    md = ModelDir.open(base_dir)
+    quant = getattr(md.config, "quantization_config", None)
+    four = md.quant4 if quant else None      # a 4-bit folder is read as stored; another quantization is refused
+    if four is not None:
+        into = DTYPES.get(nf4 or precision or "", _compute_dtype(quant))
+        with _no_progress_bars():
+            base = dequantized_folder(md, into)
+            merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+            merged = merged.to(dtype if dtype is not None else _compute_dtype(quant))
+            merged.save_pretrained(out, max_shard_size=max_shard_size)
+        _copy_tokenizer(base_dir, out)
+        if said is not None:
+            said.append(f"merged into {base_dir}'s linears dequantized from their 4 bits ({four.quant_type}) into "
+                        f"{str(into).removeprefix('torch.')}, the weights the adapter trained over: the merged model "
+                        "is written in 16 bits")
+        return out
     if quant:                     # from config.json, before the base is read
         raise LoraError(f"--merge into {base_dir}, a quantized model ({dict(quant).get('quant_method', 'quantized')}): "
                         "merging into quantized weights breaks models (the delta is rounded away); merge into the "
@@ -77,12 +96,53 @@ def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.d
         if dtype is not None:
             merged = merged.to(dtype)
         merged.save_pretrained(out, max_shard_size=max_shard_size)
+    _copy_tokenizer(base_dir, out)
+    return out
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _compute_dtype(quant) -> torch.dtype:
+    q = quant if isinstance(quant, dict) else quant.to_dict()
+    named = str(q.get("bnb_4bit_compute_dtype") or "bfloat16").removeprefix("torch.")
+    return getattr(torch, named, torch.bfloat16)
+
+
+def _copy_tokenizer(base_dir: Path, out: Path) -> None:
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
               "merges.txt", "chat_template.jinja"):
         if (Path(base_dir) / f).is_file():
             (Path(out) / f).write_bytes((Path(base_dir) / f).read_bytes())
-    return out
 
+
+def dequantized_folder(md, dtype: torch.dtype):
+    """The model of a 4-bit folder as a plain fp32 model: its 16-bit tensors as stored, each 4-bit linear
+    dequantized from its stored codes into ``dtype`` (as the engine dequantizes them), then held in fp32."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from zerofit.engine.nf4 import UnitNF4
+    from zerofit.models.directory import load_tensor
+
+    config = copy.deepcopy(md.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    md.prefix = getattr(type(model), "base_model_prefix", "") or ""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if md.is_packed([name]):
+                packed = md.packed([name], tuple(p.shape))
+                unit = UnitNF4(["w"], [tuple(p.shape)], [0], [packed.nested], [packed.blocksize], False)
+                unit.put(0, packed)
+                p.copy_(unit.value("w", dtype))
+            else:
+                load_tensor(md, [name], p.data)
+    return model
 
 @contextlib.contextmanager
 def _no_progress_bars():

@@ -75,6 +75,19 @@ class PeftSource:
     def tensor(self, names: list[str]):
         return self.md.tensor([base_name(n) for n in names])
 
+    @property
+    def quant4(self):
+        return self.md.quant4
+
+    def is_packed(self, names: list[str]) -> bool:
+        return self.md.is_packed([base_name(n) for n in names])
+
+    def packed(self, names: list[str], shape: tuple):
+        return self.md.packed([base_name(n) for n in names], shape)
+
+    def check_packed(self, names: list[str], shape: tuple) -> None:
+        self.md.check_packed([base_name(n) for n in names], shape)
+
     def tokenizer_files(self) -> list[Path]:
         return self.md.tokenizer_files()
 
@@ -87,11 +100,7 @@ def from_model_dir(path: str | Path, options: LoraOptions, seed: int = 0):
     from zerofit.models import ModelDir
 
     md = ModelDir.open(path)
-    quant = getattr(md.config, "quantization_config", None)
-    if quant:
-        raise LoraError(f"{md.path}: a model saved quantized ({dict(quant).get('quant_method', quant)}): zerofit "
-                        "reads 16-bit or fp32 model folders; give the 16-bit model with --qlora, which holds its "
-                        "linears in NF4, quantized as they are read")
+    md.quant4          # a 4-bit folder is read as it is stored; another quantization is refused here, by name
     model = wrap(md.build_meta(), options, where=str(md.path))
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):

@@ -105,6 +105,69 @@ class ModelDir:
     def tokenizer_files(self) -> list[Path]:
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
 
+    # ------------------------------------------------------------------ a 4-bit folder ([Note: a 4-bit folder])
+
+    @property
+    def quant4(self):
+        """The folder's 4-bit form (:class:`~zerofit.models.quantized.FolderQuant`), None if it is not quantized;
+        a quantization zerofit does not read raises :class:`ModelDirError`."""
+        from zerofit.models.quantized import QuantizedFolderError, folder_quant
+
+        from zerofit.models.quantized import STATE
+
+        try:
+            form = folder_quant(self.config, self.path / "config.json")
+        except QuantizedFolderError as e:
+            raise ModelDirError(str(e)) from None
+        if form is not None and self.weights and not any(STATE in n for n in self.weights):
+            raise ModelDirError(f"{self.path / 'config.json'}: its quantization_config says 4 bits, but no weight of "
+                                "the folder is stored so (no quant states beside them): remove quantization_config "
+                                "from config.json if these are the 16-bit weights")
+        return form
+
+    def is_packed(self, names: list[str]) -> bool:
+        """Whether the weight known as ``names`` is stored in 4 bits (with only config.json read: every linear of
+        the blocks is, as transformers' 4-bit loading quantizes them)."""
+        from zerofit.models.quantized import state_key
+
+        if not self.weights:
+            return self.quant4 is not None
+        try:
+            info = self.tensor(names)
+        except ModelDirError:
+            return False
+        return state_key(self.weights, info.name) is not None
+
+    def weight_shape(self, names: list[str]) -> tuple:
+        """The model's shape of the weight known as ``names`` (a 4-bit one's from its quant state)."""
+        from zerofit.models.quantized import QuantizedFolderError, weight_shape
+
+        try:
+            return weight_shape(self.weights, self.tensor(names))
+        except QuantizedFolderError as e:
+            raise ModelDirError(str(e)) from None
+
+    def check_packed(self, names: list[str], shape: tuple) -> None:
+        """The 4-bit weight known as ``names`` checked from the headers and its quant state alone (before anything
+        is allocated); nothing to check with only config.json read."""
+        from zerofit.models.quantized import QuantizedFolderError, check_packed
+
+        if not self.weights:
+            return
+        try:
+            check_packed(self.weights, self.tensor(names), shape, self.quant4)
+        except QuantizedFolderError as e:
+            raise ModelDirError(str(e)) from None
+
+    def packed(self, names: list[str], shape: tuple):
+        """The 4-bit weight known as ``names`` as stored (:class:`~zerofit.engine.nf4.Packed`), checked."""
+        from zerofit.models.quantized import QuantizedFolderError, read_packed
+
+        try:
+            return read_packed(self.weights, self.tensor(names), shape, self.quant4)
+        except QuantizedFolderError as e:
+            raise ModelDirError(str(e)) from None
+
 
 def read_config(folder: Path):
     """``folder/config.json`` as transformers reads it (its ``AutoConfig``), or :class:`ModelDirError` naming the

@@ -94,9 +94,10 @@ def _root(ctx: typer.Context, debug: Annotated[bool, typer.Option(
 
 @app.command()
 def estimate(
-    model: Annotated[Path | None, typer.Option(help="Hugging Face model directory (only config.json is read).")] = None,
+    model: Annotated[Path | None, typer.Option(
+        help="Hugging Face model directory (only config.json is read: a 4-bit folder's form too).")] = None,
     shape: Annotated[str | None, typer.Option(
-        help="A named shape instead of --model: llama-3.2-3b, llama-2-7b, llama-2-13b, llama-3-70b (or W1, W2, W3, W6c).")] = None,
+        help="A named shape instead of --model: llama-3.2-3b, llama-2-7b, llama-3.1-8b, llama-2-13b, llama-3-70b, qwen3-8b, qwen3-32b, qwen2.5-72b (or W1, W2, W3, W6c).")] = None,
     config: Annotated[Path | None, typer.Option(help="DeepSpeed or zerofit JSON config.")] = None,
     max_gpu_memory: Annotated[str | None, typer.Option(help="GPU memory budget, e.g. 24GiB.")] = None,
     max_host_memory: Annotated[str | None, typer.Option(help="Host memory budget, e.g. 64GiB.")] = None,
@@ -147,7 +148,7 @@ def estimate(
             base.pop("train_batch_size", None)
         from zerofit.estimate import meta_model
 
-        meta = meta_model(model_dir=model, shape=shape)
+        meta = model if model is not None else meta_model(shape=shape)   # a folder: its config.json alone
         if qlora:
             base["quantize_base"] = "nf4"
         est = run_estimate(meta, base, measure=measure, gpu=not cpu, lora=lora or qlora or None, nnodes=nnodes,

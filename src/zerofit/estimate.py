@@ -42,28 +42,46 @@ from zerofit.estimate_probes import (ComputeProbe, EngineProbe, _dtype, block_se
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes, fmt_count, recomputed_blocks
 
 # the benchmark shapes (../shared/bench/WORKLOADS.md), by the names tutorials use, and the workload names
-SHAPES = {
-    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
-    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
-    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                        num_key_value_heads=40, vocab_size=32000, tie_word_embeddings=False),
-    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),    # W6c's shape
+SHAPES = {   # name: (model_type, the config's sizes), as the models' own config.json files give them
+    "llama-3.2-3b": ("llama", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                   num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+                                   tie_word_embeddings=True)),
+    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                 tie_word_embeddings=False)),
+    "llama-3.1-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                   tie_word_embeddings=False)),
+    "llama-2-13b": ("llama", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                                  num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+                                  tie_word_embeddings=False)),
+    "llama-3-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                  tie_word_embeddings=False)),    # W6c's shape; Llama-3.1-70B's and 3.3's too
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                               tie_word_embeddings=False)),
+    "qwen3-32b": ("qwen3", dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                tie_word_embeddings=False)),
+    "qwen2.5-72b": ("qwen2", dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=152064,
+                                  tie_word_embeddings=False)),
 }
 ALIASES = {"w1": "llama-3.2-3b", "w2": "llama-2-7b", "w3": "llama-2-13b", "13b": "llama-2-13b",
-           "7b": "llama-2-7b", "3b": "llama-3.2-3b", "w6c": "llama-3-70b", "70b": "llama-3-70b"}
+           "7b": "llama-2-7b", "3b": "llama-3.2-3b", "w6c": "llama-3-70b", "70b": "llama-3-70b",
+           "llama-3.1-70b": "llama-3-70b", "llama-3.3-70b": "llama-3-70b", "llama-3-8b": "llama-3.1-8b"}
 
 
 def shape_config(name: str):
-    """A transformers ``LlamaConfig`` of a named shape (``llama-2-13b``, ``W1``...)."""
-    from transformers import LlamaConfig
+    """A transformers config of a named shape (``llama-2-13b``, ``qwen3-8b``, ``W1``...)."""
+    from transformers import AutoConfig
 
     key = ALIASES.get(name.lower(), name.lower())
     if key not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}: one of {', '.join(sorted(SHAPES))} (or W1, W2, W3)")
-    return LlamaConfig(**SHAPES[key], max_position_embeddings=4096, attn_implementation="sdpa")
+        raise ValueError(f"unknown shape {name!r}: one of {', '.join(sorted(SHAPES))} (or W1, W2, W3, W6c)")
+    family, sizes = SHAPES[key]
+    return AutoConfig.for_model(family, **sizes, max_position_embeddings=4096, attn_implementation="sdpa")
 
 
 def meta_model(model_dir: str | Path | None = None, shape: str | None = None):
@@ -73,11 +91,11 @@ def meta_model(model_dir: str | Path | None = None, shape: str | None = None):
     if model_dir is not None:
         from zerofit.models import ModelDir
 
-        return ModelDir.open(model_dir).build_meta()
-    from transformers import LlamaForCausalLM
+        return ModelDir.open(model_dir, config_only=True).build_meta()
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return LlamaForCausalLM._from_config(shape_config(shape), dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(shape_config(shape), dtype=torch.float32)
 
 
 LORA_DEFAULTS = dict(r=16, alpha=32, targets="all-linear")   # what ``--lora`` plans without its own settings
@@ -229,8 +247,12 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     from zerofit.engine.planner import PlanError, make_plan
 
     cfg = load_config(config, **overrides).config
-    if isinstance(model, (str, Path)):
-        model = meta_model(model_dir=model)
+    source = None
+    if isinstance(model, (str, Path)):      # config.json alone: a 4-bit folder's form comes from it too
+        from zerofit.models import ModelDir
+
+        source = ModelDir.open(model, config_only=True)
+        model = source.build_meta()
     if lora:
         model = with_lora(model, **(LORA_DEFAULTS | (lora if isinstance(lora, dict) else {})))
     if gpu is None:
@@ -243,7 +265,8 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     from zerofit.engine.nf4 import BaseNF4
 
     # [Note: an NF4 base] (engine/nf4.py): quantize_base (--qlora), or a model of bitsandbytes' 4-bit layers
-    nf4 = BaseNF4.prepare(model, adapter, DTYPES[cfg.precision], cfg.quantize_base == "nf4", check=False)
+    nf4 = BaseNF4.prepare(model, adapter, DTYPES[cfg.precision], cfg.quantize_base == "nf4", check=False,
+                          source=source)
     table = param_table(model, adapter)
     shape = model_shape(model, adapter, table, nf4=nf4)
     batch = plan_batch(cfg, model, None)

@@ -451,3 +451,42 @@ def test_a_zero3_config_without_offload_param_is_told_to_offload_the_parameters_
     assert tips[0].startswith("- the parameters offloaded too") and "offload_param" in tips[0], tips
     device = float(tips[0].split("streamed from host memory, ")[1].split(" GiB")[0])
     assert device <= 24 and "GPU cap" in tips[1]
+
+
+@pytest.mark.parametrize("name,billions", [("llama-3.1-8b", 8.03), ("qwen3-8b", 8.19), ("qwen3-32b", 32.76),
+                                           ("qwen2.5-72b", 72.71), ("llama-3-70b", 70.55)])
+def test_the_named_shapes_are_the_models_own_sizes(name, billions):
+    """The models people ask about, by their config.json's sizes: their parameter counts."""
+    meta = meta_model(shape=name)
+    assert abs(sum(p.numel() for p in meta.parameters()) / 1e9 - billions) < 0.01
+
+
+def test_a_folder_with_config_json_alone_is_estimated_a_4bit_one_from_its_quantization_config(tmp_path):
+    """No weight file: a 16-bit folder plans as the model; a 4-bit one (its config's quantization_config) plans
+    its blocks' linears in 4 bits, with the bytes the engine holds for the same folder; without --lora its 4-bit
+    weights cannot train, and it says so."""
+    cfg = json.loads(json.dumps(tm.llama(layers=4).config.to_dict()))
+    sixteen, four = tmp_path / "sixteen", tmp_path / "four"
+    for d, extra in ((sixteen, {}), (four, {"quantization_config": {
+            "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True}})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
+    runner = CliRunner()
+    out = runner.invoke(app, ["estimate", "--model", str(sixteen), "--cpu", "--no-measure", "--json"])
+    assert out.exit_code == 0, out.output
+    plain = json.loads(out.output)
+    out = runner.invoke(app, ["estimate", "--model", str(four), "--cpu", "--no-measure", "--lora", "--json"])
+    assert out.exit_code == 0, out.output
+    q = json.loads(out.output)
+    qlora = estimate(str(sixteen), {"device": "cpu", "quantize_base": "nf4"}, measure=False, gpu=False,
+                     lora=True).to_dict()     # the 16-bit folder quantized as it is read: the same 4-bit bytes
+    def planned(d):
+        return d["host_bytes"] - d["host_baseline_bytes"]
+
+    assert q["parameters"] == qlora["parameters"] > plain["parameters"] and planned(q) == planned(qlora)
+    lora16 = json.loads(runner.invoke(app, ["estimate", "--model", str(sixteen), "--cpu", "--no-measure", "--lora",
+                                            "--json"]).output)
+    assert planned(q) < planned(lora16)
+    out = runner.invoke(app, ["estimate", "--model", str(four), "--cpu", "--no-measure"])
+    assert out.exit_code == 2 and "a 4-bit weight does not train" in out.output

@@ -226,7 +226,8 @@ class BaseNF4:
         for path, m in list(model.named_modules()):
             if is_linear4bit(m):
                 out.packed[path + ".weight"] = Packed.of_state(m.weight.data, m.weight.quant_state)
-            elif out.folder is not None and type(m) is nn.Linear and source.is_packed([path + ".weight"]):
+            elif (out.folder is not None and type(m) is nn.Linear and (id(m) in in_blocks or source.weights)
+                  and source.is_packed([path + ".weight"])):      # (config.json alone: the blocks' linears)
                 name = path + ".weight"
                 if m.weight.requires_grad:
                     raise QuantError(f"{name}: stored in 4 bits in {source.path}: a 4-bit weight does not train; "

@@ -46,14 +46,16 @@ class ModelDir:
     prefix: str = ""     # the model class's base_model_prefix: some checkpoints store names without it
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "ModelDir":
+    def open(cls, path: str | os.PathLike, config_only: bool = False) -> "ModelDir":
+        """The folder at ``path``, its config and every weight file's header read (``config_only``: config.json
+        alone, for planning: no weights are needed, or read)."""
         p = Path(path).expanduser()
         if not p.is_dir():
             what = "is a file, not a model directory" if p.exists() else "does not exist"
             raise ModelDirError(f"{p}: {what} (expected a folder with config.json and *.safetensors)")
         if not (p / "config.json").is_file():
             raise ModelDirError(f"{p / 'config.json'}: no such file: {p} is not a Hugging Face model directory")
-        return cls(p, read_config(p), _weight_table(p))
+        return cls(p, read_config(p), {} if config_only else _weight_table(p))
 
     # ------------------------------------------------------------------ the model
 
@@ -130,8 +132,10 @@ class ModelDir:
         the blocks is, as transformers' 4-bit loading quantizes them)."""
         from zerofit.models.quantized import state_key
 
-        if not self.weights:
-            return self.quant4 is not None
+        if not self.weights:       # (a PEFT model's adapters are its own, never the folder's)
+            from zerofit.lora.model import is_adapter_param
+
+            return self.quant4 is not None and not any(is_adapter_param(n) for n in names)
         try:
             info = self.tensor(names)
         except ModelDirError:

@@ -353,7 +353,10 @@ def _render_train_summary(result, console: Console) -> None:
         t.add_row("held-out", f"loss {e['eval_loss']:.4f}, perplexity {e['eval_perplexity']:,.2f}")
     s = result.setup
     if s.get("load_seconds") is not None:
-        t.add_row("model load", f"{s['load_seconds']:.1f} s, host memory grew {fmt_bytes(s['load_rss_growth_bytes'])} "
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in sorted((s.get("load_phases") or {}).items(),
+                                                                 key=lambda kv: -kv[1]) if v >= 0.05)
+        t.add_row("model load", f"{s['load_seconds']:.1f} s" + (f" ({phases})" if phases else "")
+                                + f", host memory grew {fmt_bytes(s['load_rss_growth_bytes'])} "
                                 f"(plan {fmt_bytes(s['host_planned_bytes'])})"
                                 + (f"; resume {s['resume_seconds']:.1f} s" if "resume_seconds" in s else ""))
     if result.memory.get("gpu_peak_bytes"):

@@ -40,6 +40,7 @@ from zerofit.engine.grads import Grads
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine.hypers import Hypers
 from zerofit.engine.lifecycle import EngineState, Lifecycle
+from zerofit.engine.startup import Startup
 from zerofit.engine.materialize import (build_units, model_shape, param_table, release_originals,
                                        warn_low_precision_trained)
 from zerofit.engine.nf4 import BaseNF4
@@ -180,10 +181,12 @@ class Engine(DeepSpeedSurface):
         plan, cfg, dev, ranks = self.plan, self.config, self.dev, self.ranks
         pinned = dev.is_cuda and cfg.offload.pin_memory
         self.sharding = Sharding(dev, ranks, self.dtype, cfg.sharding)
+        # [Note: start-up progress] (startup.py): the parameters materialized, the seconds of each phase
+        self.startup = Startup(sum(p.numel() for p in self._table.canonical.values()))
         self.units, arenas = build_units(self._model, self.adapter, self._table, plan, dev.device, self.dtype, pinned,
                                          source=self._source, group_of=self._group_of, tier=self.tier, ranks=ranks,
                                          on_device_unit=self.sharding.share_device_unit if ranks.many else None,
-                                         frozen=self.frozen, nf4=self.nf4)
+                                         frozen=self.frozen, nf4=self.nf4, startup=self.startup)
         self._source = None   # the files are read: keep only their folder (source_dir)
         self._table = release_originals(self._model, self._table)    # the user's tensors are copied: let go
         self._arenas.extend(arenas)

@@ -25,6 +25,7 @@ from zerofit.engine.adapter import Adapter
 from zerofit.engine.disk import frozen_key
 from zerofit.engine.node_slices import free_outside, sliced
 from zerofit.engine.planner import ModelShape, Plan
+from zerofit.engine.startup import Startup
 from zerofit.engine.store import FlatLayout, Home, HostArena, Unit
 
 
@@ -108,7 +109,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
                 compute_dtype: torch.dtype, pinned: bool, source=None,
                 group_of: dict[str, int] | None = None, tier=None, ranks=None,
                 on_device_unit=None, frozen: frozenset = frozenset(),
-                nf4=None) -> tuple[list[Unit], list[HostArena]]:
+                nf4=None, startup: Startup | None = None) -> tuple[list[Unit], list[HostArena]]:
     """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them.
 
     ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model.
@@ -121,8 +122,11 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     ``frozen``: canonical names of the parameters that are not trained; each unit keeps them apart, in its
     ``frozen`` layout and ``frozen_host`` buffer ([Note: frozen parameters], store.py); of those, the ones in
     ``nf4`` (a :class:`~zerofit.engine.nf4.BaseNF4`) are held in 4 bits, after the 16-bit ones in the layout, in
-    the unit's ``nf4`` buffer ([Note: an NF4 base], nf4.py)."""
+    the unit's ``nf4`` buffer ([Note: an NF4 base], nf4.py). ``startup``: counts the parameters done and the
+    seconds of each phase as they go ([Note: start-up progress], startup.py)."""
     canon = table.canonical
+    if startup is None:
+        startup = Startup(sum(p.numel() for p in canon.values()))
     quant = nf4 if nf4 else ()
     meta = any(p.is_meta for n, p in canon.items() if n not in quant)
     init_device = dev if meta else None
@@ -144,7 +148,8 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     disk_of = {i + 1: m for i, m in plan.disk_of.items()}     # unit index -> "moments" | "all"
     need = sum(n for i, (n, on_dev) in enumerate(zip(sizes, opt_on_dev)) if not on_dev and disk_of.get(i) != "all")
     need16 = sum(sizes[i] for i, m in disk_of.items() if m == "all")
-    arena16 = HostArena(need16, compute_dtype, pinned) if need16 else None
+    with startup.phase("allocate"):
+        arena16 = HostArena(need16, compute_dtype, pinned) if need16 else None
     # With assisted updates the moments of the device-updated blocks are copied too: pin them as well
     # (a pageable copy runs at a seventh of the speed and blocks the host).
     assisted = [i - 1 in plan.assisted_blocks for i in range(len(sizes))]
@@ -157,13 +162,15 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
     sliced_nodes = ranks is not None and ranks.full     # [Note: nodes hold a slice of the state] (node_slices.py)
     # the full layout page-locks only the node's slices (NodeSlices.pin): locking the arena would back all of it
-    arena = HostArena(need, torch.float32, pinned and not sliced_nodes, ranks) if need else None
+    with startup.phase("allocate"):
+        arena = HostArena(need, torch.float32, pinned and not sliced_nodes, ranks) if need else None
     on_disk_f = set(plan.disk_frozen)       # [Note: a frozen base on the disk] (disk.py): in the swap file instead
     need_f = sum(canon[n].numel() for i, names in enumerate(still) for n in names
                  if n not in quant and i - 1 not in on_disk_f)
     # [Note: frozen parameters]: the frozen weights in the compute dtype, read into it from the files or the user's
     # tensors (a bf16 file's tensors as they are); shared by the host's ranks
-    arena_f = HostArena(need_f, compute_dtype, pinned, ranks) if need_f else None
+    with startup.phase("allocate"):
+        arena_f = HostArena(need_f, compute_dtype, pinned, ranks) if need_f else None
     units: list[Unit] = []
     for idx, (all_names, names, frozen_names) in enumerate(zip(table.unit_names, trained, still)):
         layout = FlatLayout.of([(n, canon[n].shape) for n in names],
@@ -187,8 +194,9 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
             unit.frozen = dataclasses.replace(flayout, names=tuple(n[len(prefix):] for n in flayout.names))
         if qnames:
             at = dict(zip(flayout.names, flayout.offsets))
-            unit.nf4 = nf4.unit(qnames, [n[len(prefix):] for n in qnames], [canon[n].shape for n in qnames],
-                                [at[n] for n in qnames], pinned)
+            with startup.phase("allocate"):
+                unit.nf4 = nf4.unit(qnames, [n[len(prefix):] for n in qnames], [canon[n].shape for n in qnames],
+                                    [at[n] for n in qnames], pinned)
         swap = disk_of.get(idx)
         if on_dev:
             master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
@@ -200,22 +208,34 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         frozen_fill = writer       # frozen weights live on the host only, in memory the host's ranks share
         if source is not None:
             init_buffers(model, adapter, idx, init_device)
-            if fill:
-                _read_unit(source, table, names, layout.views(master), fds)
-            if frozen_fill and flayout is not None:
-                _read_unit(source, table, plain, fviews, fds)
-            for j, n in enumerate(qnames):      # one tensor at a time, quantized as it is read
-                unit.nf4.put(j, nf4.pack_of(n, lambda n=n: _read_one(source, table, n, compute_dtype, fds)))
+            with startup.phase("read"):
+                if fill:
+                    _read_unit(source, table, names, layout.views(master), fds)
+                if frozen_fill and flayout is not None:
+                    _read_unit(source, table, plain, fviews, fds)
+            for j, n in enumerate(qnames):      # one tensor at a time, quantized as it is read (or read packed)
+                if n in nf4.from_folder:          # [Note: a 4-bit folder]: as stored
+                    with startup.phase("read"):
+                        unit.nf4.put(j, nf4.pack_of(n, None))
+                    continue
+                with startup.phase("read"):
+                    w = _read_one(source, table, n, compute_dtype, fds)
+                with startup.phase("quantize"):
+                    unit.nf4.put(j, nf4.pack_of(n, lambda w=w: w))
+                del w
         else:
             real = [n for n in all_names if n not in quant]
-            values = dict(zip(real, _unit_values(model, adapter, idx, real, init_device)))
-            if fill:
-                _fill(layout.views(master), names, [values[n] for n in names])
-            if frozen_fill and flayout is not None:
-                _fill(fviews, plain, [values[n] for n in plain])
+            with startup.phase("init"):
+                values = dict(zip(real, _unit_values(model, adapter, idx, real, init_device)))
+            with startup.phase("copy"):
+                if fill:
+                    _fill(layout.views(master), names, [values[n] for n in names])
+                if frozen_fill and flayout is not None:
+                    _fill(fviews, plain, [values[n] for n in plain])
             del values
-            for j, n in enumerate(qnames):
-                unit.nf4.put(j, nf4.pack_of(n, None))
+            with startup.phase("quantize"):
+                for j, n in enumerate(qnames):
+                    unit.nf4.put(j, nf4.pack_of(n, None))
         for j, n in enumerate(qnames):
             nf4.held(n, unit.nf4, j)
         if idx - 1 in on_disk_f:
@@ -286,8 +306,12 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         if on_dev and on_device_unit is not None:
             on_device_unit(unit)
         units.append(unit)
+        startup.advance(sum(canon[n].numel() for n in all_names))
     for fd in fds.values():
         os.close(fd)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)      # the packed 4-bit pieces copied from the device without waiting are in
+    startup.finish()
     if tier is not None:
         tier.file.flush_mapping()       # the masters written through the mapping reach the disk, and leave memory
     return units, [a for a in (arena, arena16, arena_f) if a is not None]

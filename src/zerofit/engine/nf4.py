@@ -119,29 +119,35 @@ class Packed:
     @classmethod
     def quantize(cls, w: torch.Tensor, device: torch.device | None = None) -> "Packed":
         """bitsandbytes' NF4 of ``w`` with double quantization (as ``Params4bit`` quantizes at load), on ``device``
-        (a GPU: its kernel, as bitsandbytes' loading onto a GPU quantizes; its CPU path ran 45 M param/s on a
-        2-core machine, 2026-12-02); the pieces come back to the host."""
+        (a GPU: its kernel, as bitsandbytes' loading onto a GPU quantizes; its CPU path is one core's), or where
+        ``w`` is. The pieces stay where they were made: :meth:`UnitNF4.put` copies them into the unit's host
+        buffer, from a GPU without waiting ([Note: start-up progress], startup.py)."""
         bf = bnb_functional()
         if device is not None:
             w = w.to(device, non_blocking=False)
         q, qs = bf.quantize_4bit(w.contiguous(), blocksize=BLOCK, compress_statistics=True, quant_type="nf4",
                                  quant_storage=torch.uint8)
-        return cls.of_state(q, qs)
+        return cls.of_state(q, qs, host=False)
 
     @classmethod
-    def of_state(cls, q: torch.Tensor, qs) -> "Packed":
+    def of_state(cls, q: torch.Tensor, qs, host: bool = True) -> "Packed":
         """A ``Params4bit``'s codes and ``QuantState`` (quantized in this process, or loaded from a folder, whose
-        pieces may come shaped otherwise: each is taken flat)."""
+        pieces may come shaped otherwise: each is taken flat); ``host``: copied to the host (else where they are)."""
         if qs.quant_type not in ("nf4", "fp4"):
             raise QuantError(f"a 4-bit weight in {qs.quant_type!r}: zerofit holds nf4 and fp4")
-        data = q.detach().reshape(-1).view(torch.uint8).cpu()
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().reshape(-1)
+            return t.cpu() if host else t
+
+        data = flat(q).view(torch.uint8)
         if qs.nested:
             s2 = qs.state2
             if s2.blocksize != BLOCK2:
                 raise QuantError(f"double quantization in blocks of {s2.blocksize}: bitsandbytes' is {BLOCK2}")
-            return cls(data, qs.absmax.reshape(-1).cpu(), float(qs.offset), s2.absmax.float().reshape(-1).cpu(),
-                       s2.code.float().reshape(-1).cpu(), qs.blocksize, qs.quant_type)
-        return cls(data, qs.absmax.float().reshape(-1).cpu(), blocksize=qs.blocksize, quant_type=qs.quant_type)
+            return cls(data, flat(qs.absmax), float(qs.offset), flat(s2.absmax.float()), flat(s2.code.float()),
+                       qs.blocksize, qs.quant_type)
+        return cls(data, flat(qs.absmax.float()), blocksize=qs.blocksize, quant_type=qs.quant_type)
 
     @property
     def nested(self) -> bool:
@@ -292,11 +298,13 @@ class BaseNF4:
         m = self.on_meta.pop(name, None)
         if w is None and read is None and m is not None:
             # a model on the meta device without files (a benchmark's): initialized as materialize.py initializes
-            # the rest of such a model (its own _init_weights, else reset_parameters), then quantized
-            m.to_empty(device="cpu")
+            # the rest of such a model (its own _init_weights, else reset_parameters), on the device that quantizes
+            # (the rest of a meta model is initialized on the compute device too; the CPU's generator is one core's)
+            m.to_empty(device=self.device or "cpu")
             with torch.no_grad():
                 self.init(m) if self.init is not None else m.reset_parameters()
             w = m.weight.detach()
+            m.to_empty(device="meta")          # (the 16-bit weight goes once it is quantized)
         if w is None and read is None:
             raise QuantError(f"{name}: no weights to quantize")
         w = read() if w is None else w.to(self.dtype)
@@ -341,14 +349,15 @@ class UnitNF4:
         s, h = self.specs[i], self.host
         if p.nested != s.nested or p.blocksize != s.blocksize or p.data.numel() != (s.numel + 1) // 2:
             raise QuantError(f"{self.names[i]}: its 4-bit weight is not laid out as planned")
-        h[s.data:s.data + p.data.numel()].copy_(p.data.reshape(-1))
+        nb = h.is_pinned()       # from a GPU: without waiting (build_units synchronizes before the buffer is read)
+        h[s.data:s.data + p.data.numel()].copy_(p.data.reshape(-1), non_blocking=nb)
         if s.nested:
-            h[s.absmax:s.absmax + s.blocks].copy_(p.absmax.reshape(-1).view(torch.uint8))
-            h[s.absmax2:s.code2].view(torch.float32).copy_(p.absmax2.reshape(-1))
-            h[s.code2:s.end].view(torch.float32).copy_(p.code2.reshape(-1))
+            h[s.absmax:s.absmax + s.blocks].copy_(p.absmax.reshape(-1).view(torch.uint8), non_blocking=nb)
+            h[s.absmax2:s.code2].view(torch.float32).copy_(p.absmax2.reshape(-1), non_blocking=nb)
+            h[s.code2:s.end].view(torch.float32).copy_(p.code2.reshape(-1), non_blocking=nb)
             self.offsets[i] = p.offset
         else:
-            h[s.absmax:s.end].view(torch.float32).copy_(p.absmax.reshape(-1))
+            h[s.absmax:s.end].view(torch.float32).copy_(p.absmax.reshape(-1), non_blocking=nb)
         self.quant_types[i] = p.quant_type
 
     def dequantize(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -208,12 +208,13 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
     build = kernel_build_note(lcfg, device)
     if build:
         console.print(build)
-    engine = _build_engine(opts, loaded)
+    engine = _load_with_progress(console, opts, loaded)
     result = TrainResult(run_dir, total, tokens_per_step=cfg.micro_batch_size * G * world * opts.seq_len)
     metrics = None
     try:
         reached("engine")
         setup = {"load_seconds": round(time.perf_counter() - t_load, 3),
+                 "load_phases": {k: round(v, 3) for k, v in engine.startup.seconds.items()},
                  "load_rss_growth_bytes": _rss("VmHWM:") - rss0, "host_planned_bytes": engine.plan.host_total}
         elapsed = 0.0
         if start.note:
@@ -253,6 +254,26 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
 
 def _nf4_bytes(engine) -> int:
     return sum(u.nf4.nbytes for u in engine.units if u.nf4 is not None)
+
+
+def _load_with_progress(console: Console, opts: TrainOptions, loaded: LoadedConfig):
+    """The engine (:func:`_build_engine`), a progress bar on screen while its model is read, built or quantized
+    ([Note: start-up progress], engine/startup.py)."""
+    from zerofit.engine.startup import listen
+
+    what = "quantize" if opts.lora is not None and opts.lora.qlora else "load"
+    bar = Progress(TextColumn(f"[bold]{what}"), BarColumn(), TextColumn("{task.fields[done]}"), TimeElapsedColumn(),
+                   TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not opts.progress,
+                   transient=True)
+
+    def tell(done: int, total: int, seconds: float) -> None:
+        rate = done / seconds / 1e6 if seconds > 0 else 0.0
+        bar.update(task, total=total, completed=done,
+                   done=f"{done / 1e9:.2f} of {total / 1e9:.2f} B parameters, {rate:,.0f} M/s")
+
+    with bar, listen(tell):
+        task = bar.add_task(what, total=None, done="reading the model's files")
+        return _build_engine(opts, loaded)
 
 
 def _build_engine(opts: TrainOptions, loaded: LoadedConfig):

@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="where the folders are written (default: a temporary folder)")
     p.add_argument("--direct", action="store_true", help="also time a read of the folder past the page cache")
     p.add_argument("--step", action="store_true", help="also time the first training step")
+    p.add_argument("--profile", default=None, help="write cProfile's 40 costliest calls of initialize here")
     p.add_argument("--result", default=None)
     args = p.parse_args(argv)
 
@@ -137,6 +138,12 @@ def main(argv=None) -> int:
     from zerofit.config import load_config
     from zerofit.engine.engine import Engine
 
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t = time.perf_counter()
     if args.source == "meta":
         import engine_zerofit
@@ -152,6 +159,15 @@ def main(argv=None) -> int:
         engine = Engine(model, load_config(cfg).config, source=source)
         stored = out["folder_read"]["bytes"]
     secs = time.perf_counter() - t
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+        with open(args.profile, "w") as f:
+            f.write(text.getvalue())
     startup = getattr(engine, "startup", None)     # (an engine from before [Note: start-up progress]: none)
     mat = startup.elapsed() if startup is not None else secs
     params = sum(q.numel() for q in {id(q): q for q in engine.module.parameters()}.values())

@@ -294,3 +294,66 @@ def test_the_deepspeed_door_and_the_hf_trainer_take_peft_over_a_4bit_folder(fold
     for n, p in plain.model.named_parameters():
         if p.requires_grad:
             assert torch.equal(got[n].detach(), p.detach()), n
+
+
+_RSS_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {repo!r})
+torch.set_num_threads(1)
+import zerofit, bitsandbytes.functional, peft
+from zerofit.config import load_config
+from zerofit.engine.engine import Engine
+from zerofit.lora.model import LoraOptions, from_model_dir
+from zerofit.models import ModelDir
+ModelDir.open({path!r}).build_meta()      # the imports of the model's code before the baseline
+
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")                          # the peak (VmHWM) from the current RSS: the imports' peaks do not count
+base = status("VmRSS:")
+model, source = from_model_dir({path!r}, LoraOptions(r=4, alpha=8, targets="all-linear", qlora={qlora}))
+cfg = {{"device": "cpu", "precision": "fp32", "micro_batch_size": 1, "seq_len": 16,
+        "quantize_base": "nf4" if {qlora} else "none"}}
+engine = Engine(model, load_config(cfg).config, source=source)
+peak = status("VmHWM:")
+planned = sum(v for k, v in engine.plan.host_bytes.items() if not k.startswith("device:")) + sum(
+    v for k, v in engine.plan.host_bytes.items() if k.startswith("device:"))
+nf4 = sum(u.nf4.nbytes for u in engine.units if u.nf4 is not None)
+print(json.dumps({{"base": base, "peak": peak, "planned": planned, "nf4": nf4}}))
+"""
+
+
+@pytest.mark.parametrize("source", ["4-bit folder", "16-bit folder quantized as read"])
+def test_loading_a_4bit_base_holds_the_plan_plus_one_tensor(tmp_path, source):
+    """In a fresh process, RSS growth while the engine loads <= the plan's host bytes + the largest tensor (read
+    in the compute dtype before it is quantized) + slack; a 16-bit copy of the base would not fit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=8000, max_position_embeddings=64, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "sixteen", max_shard_size="40MB")
+    path = tmp_path / "sixteen"
+    if source == "4-bit folder":
+        q = AutoModelForCausalLM.from_pretrained(path, quantization_config=_bnb(), dtype=torch.bfloat16)
+        q.save_pretrained(tmp_path / "four", max_shard_size="40MB")
+        del q
+        path = tmp_path / "four"
+    block_linears = 8 * (4 * 512 * 512 // 2 + 3 * 512 * 1408)       # (grouped k/v: half of q's)
+    largest = 8000 * 512 * 4
+    repo = Path(__file__).resolve().parents[2] / "src"
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT.format(repo=str(repo), path=str(path),
+                                                                   qlora=source != "4-bit folder")],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    grown, slack = r["peak"] - r["base"], 48 << 20
+    assert grown <= r["planned"] + largest + slack, (grown, r)
+    assert r["nf4"] < block_linears and grown < r["planned"] + 2 * block_linears, (grown, r)   # no 16-bit base held

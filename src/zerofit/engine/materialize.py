@@ -436,7 +436,10 @@ def _shell_modules(model: nn.Module, adapter: Adapter) -> list[nn.Module]:
 
 def _fill(views: dict[str, torch.Tensor], names: list[str], values: list[torch.Tensor]) -> None:
     for n, v in zip(names, values):
-        views[n].copy_(v)
+        dst = views[n]
+        if v.device != dst.device and v.dtype != dst.dtype:   # cast where the value is (a copy across devices that
+            v = v.to(dst.dtype)                               # also casts goes through a temporary on the host)
+        dst.copy_(v)
 
 
 def _unit_buffers(adapter: Adapter, root: nn.Module, is_shell: bool, dev: torch.device) -> dict[str, torch.Tensor]:

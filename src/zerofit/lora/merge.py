@@ -35,7 +35,7 @@ def check_adapter_fits(base_dir: Path, adapter_dir: Path) -> None:
                     continue
                 layer = module[: -len(part)]
                 try:
-                    w = md.tensor([layer + ".weight"])
+                    md.tensor([layer + ".weight"])
                 except Exception:       # noqa: BLE001 - ModelDirError: the layer is not in the base at all
                     raise LoraError(f"{adapter_dir}: adapter tensor {key} is for layer {layer}, which {base_dir} does "
                                     "not have: the adapter was trained over another base; give that base") from None

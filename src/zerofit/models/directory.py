@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zerofit.models.safetensors import TensorInfo, WeightFileError, read_header, read_into
+from zerofit.models.safetensors import TensorInfo, WeightFileError, descriptor, read_header, read_into
 
 __all__ = ["ModelDir", "ModelDirError", "WeightFileError", "TOKENIZER_FILES", "read_config"]
 
@@ -279,12 +279,7 @@ def load_tensor(md: ModelDir, names: list[str], dst: torch.Tensor, fds: dict | N
     if info.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ModelDirError(f"{info.file}: tensor {info.name!r} is {info.dtype}: zerofit trains from fp32, bf16 "
                             "or fp16 weights (dequantize first)")
-    fd = None
-    if fds is not None:
-        fd = fds.get(info.file)
-        if fd is None:
-            fd = fds[info.file] = os.open(info.file, os.O_RDONLY)
-    read_into(info, dst, fd)
+    read_into(info, dst, descriptor(fds, info.file))
 
 
 def positions(config) -> tuple[int | None, bool]:

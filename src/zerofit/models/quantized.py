@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerofit.models.safetensors import WeightFileError, read_into
+from zerofit.models.safetensors import WeightFileError, descriptor, read_into
 
 STATE = ".quant_state.bitsandbytes__"
 
@@ -72,14 +72,7 @@ def _raw(weights: dict, key: str, fds: dict | None) -> torch.Tensor:
     if info is None:
         raise KeyError(key)
     out = torch.empty(tuple(info.shape), dtype=info.dtype)
-    fd = None
-    if fds is not None:
-        import os
-
-        fd = fds.get(info.file)
-        if fd is None:
-            fd = fds[info.file] = os.open(info.file, os.O_RDONLY)
-    read_into(info, out, fd)
+    read_into(info, out, descriptor(fds, info.file))
     return out
 
 

@@ -164,6 +164,17 @@ def _pread_parallel(fd: int, view: memoryview, offset: int, path: Path, name: st
         f.result()
 
 
+def descriptor(fds: dict | None, path: Path) -> int | None:
+    """An open read-only descriptor of ``path`` kept in ``fds`` (by path) for the reads after it; None without
+    ``fds`` (the read opens and closes its own). The caller closes the descriptors of ``fds``."""
+    if fds is None:
+        return None
+    fd = fds.get(path)
+    if fd is None:
+        fd = fds[path] = os.open(path, os.O_RDONLY)
+    return fd
+
+
 def read_into(info: TensorInfo, dst: torch.Tensor, fd: int | None = None) -> None:
     """Copy the tensor ``info`` into ``dst`` (same number of elements; any dtype and device). See
     [Note: one tensor's worth]. ``fd``: an open descriptor of ``info.file`` to reuse."""

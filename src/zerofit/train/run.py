@@ -269,7 +269,7 @@ def _load_with_progress(console: Console, opts: TrainOptions, loaded: LoadedConf
     def tell(done: int, total: int, seconds: float) -> None:
         rate = done / seconds / 1e6 if seconds > 0 else 0.0
         bar.update(task, total=total, completed=done,
-                   done=f"{done / 1e9:.2f} of {total / 1e9:.2f} B parameters, {rate:,.0f} M/s")
+                   done=f"{fmt_count(done)} of {fmt_count(total)} parameters, {fmt_count(rate * 1e6)}/s")
 
     with bar, listen(tell):
         task = bar.add_task(what, total=None, done="reading the model's files")

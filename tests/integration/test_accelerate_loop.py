@@ -1,4 +1,4 @@
-"""A custom accelerate loop on zerofit ([Note: the user's loop drives the engine], src/zerofit/userloop; issue 31):
+"""A custom accelerate loop on zerofit ([Note: the user's loop drives the engine], src/zerofit/userloop):
 the one change is wrapping the model with ``zerofit.fsdp.FullyShardedDataParallel`` before
 ``accelerator.prepare`` (docs/fsdp.md, "accelerate"). Against the same loop over the plain model, on the CPU in
 fp32, bitwise: ``accumulate`` (gradient accumulation), ``backward``, ``clip_grad_norm_``, an lr scheduler; and

@@ -1,4 +1,4 @@
-"""A LightningModule on zerofit ([Note: the user's loop drives the engine], src/zerofit/userloop; issue 31): the one
+"""A LightningModule on zerofit ([Note: the user's loop drives the engine], src/zerofit/userloop): the one
 change is wrapping the model in ``configure_model`` with ``zerofit.fsdp.FullyShardedDataParallel`` (where
 Lightning's own FSDP2 recipe calls ``fully_shard``); the Trainer, its ``accumulate_grad_batches``,
 ``gradient_clip_val``, lr scheduler and checkpoints as written. Against the same module unwrapped, on the CPU in

@@ -1,4 +1,4 @@
-"""The user's own training loop drives the engine (issue 31): ``out = model(**batch)``, ``loss.backward()``,
+"""The user's own training loop drives the engine: ``out = model(**batch)``, ``loss.backward()``,
 ``optimizer.step()`` on zerofit, as FSDP-shaped code writes them (zerofit/fsdp: the one import that changes).
 
 [Note: the user's loop drives the engine]

@@ -77,6 +77,15 @@ def _engine_over(folder):
     return Engine(model, load_config(CFG).config, source=source)
 
 
+def _assert_same_adapters(model, ref) -> None:
+    """Every trained parameter of ``ref`` (plain PyTorch's run) bitwise the same in ``model``."""
+    got = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    want = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
+    assert want and got.keys() == want.keys()
+    for n, w in want.items():
+        assert torch.equal(got[n], w), n
+
+
 def _quant_states(model) -> dict:
     return {n + ".weight": m.weight for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"}
 
@@ -140,10 +149,7 @@ def test_lora_over_a_4bit_folder_trains_as_peft_over_from_pretrained_and_its_ada
                     p.copy_(start[n])
         engine.weights_loaded()
         assert [engine.train_batch(mbs) for mbs in data] == want, build
-        got = {n: p.detach() for n, p in engine.module.named_parameters() if p.requires_grad}
-        for n, p in ref.named_parameters():
-            if p.requires_grad:
-                assert torch.equal(got[n], p.detach()), (build, n)
+        _assert_same_adapters(engine.module, ref)
         engine.save_pretrained(tmp_path / build)
         engine.close()
         # (in train mode, without dropout: in eval bitsandbytes' CPU backend repacks the weights for its own
@@ -270,10 +276,7 @@ def test_the_deepspeed_door_and_the_hf_trainer_take_peft_over_a_4bit_folder(fold
         opt.step()
         opt.zero_grad()
         assert abs(got - sum(losses) / G) <= 1e-6
-    mine_adapters = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
-    for n, p in ref.named_parameters():
-        if p.requires_grad:
-            assert torch.equal(mine_adapters[n].detach(), p.detach()), n
+    _assert_same_adapters(engine.module, ref)
     engine.close()
 
     g = torch.Generator().manual_seed(3)
@@ -290,10 +293,7 @@ def test_the_deepspeed_door_and_the_hf_trainer_take_peft_over_a_4bit_folder(fold
     zf = zerofit.hf.Trainer(model=_peft_over(folder), args=args(tmp_path / "zf"), train_dataset=train,
                             data_collator=default_data_collator)
     zf.train()
-    got = {n: p for n, p in zf.zerofit_engine.module.named_parameters() if p.requires_grad}
-    for n, p in plain.model.named_parameters():
-        if p.requires_grad:
-            assert torch.equal(got[n].detach(), p.detach()), n
+    _assert_same_adapters(zf.zerofit_engine.module, plain.model)
 
 
 _RSS_SCRIPT = """

@@ -132,16 +132,32 @@ def qlora_wanted(args, w: Workload) -> bool:
 
 
 def build_qlora_model(w: Workload, device: str):
-    """W6c's in-GPU peer, as bitsandbytes' users build it: the workload's model in bf16 with every linear layer of
-    the blocks a ``bitsandbytes.nn.Linear4bit`` (NF4, double quantization, bf16 compute), quantized on ``device``.
-    Built on the meta device, then one module at a time materialized and initialized there (Hugging Face's own
-    ``_init_weights``) and each block's linears quantized before the next block: the bf16 base (137 GB for 70B)
-    is never whole. Then PEFT's ``prepare_model_for_kbit_training`` (its fp32 cast of the rest, gradient
-    checkpointing, input gradients), as QLoRA recipes call it."""
+    """W6c's in-GPU peer, as bitsandbytes' users build it: :func:`build_nf4_model`, then PEFT's
+    ``prepare_model_for_kbit_training`` (its fp32 cast of the rest, gradient checkpointing, input gradients), as
+    QLoRA recipes call it."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(build_nf4_model(w, device), use_gradient_checkpointing=True,
+                                           gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def nf4_config():
+    """The ``BitsAndBytesConfig`` of W6c's base: NF4, double quantization, bf16 compute, uint8 storage."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def build_nf4_model(w: Workload, device: str):
+    """The workload's model in bf16 with every linear layer of the blocks a ``bitsandbytes.nn.Linear4bit`` (NF4,
+    double quantization, bf16 compute), quantized on ``device``. Built on the meta device,
+    then one module at a time materialized and initialized there (Hugging Face's own ``_init_weights``) and each
+    block's linears quantized before the next block: the bf16 base (137 GB for 70B) is never whole."""
     import torch
     from torch import nn
     import bitsandbytes as bnb
-    from peft import prepare_model_for_kbit_training
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
@@ -179,8 +195,7 @@ def build_qlora_model(w: Workload, device: str):
                 del lin
     model.tie_weights()
     model.config.use_cache = False
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                           gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def lora_config():
@@ -533,7 +548,20 @@ def engine_args(description: str) -> argparse.ArgumentParser:
                         "through peft.get_peft_model; implied by W6a, W6b")
     p.add_argument("--qlora", action="store_true",
                    help="W6c's QLoRA: --lora with the blocks' linears in NF4 (bitsandbytes' format); implied by W6c")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per micro-batch instead of the workload's, the tokens per step kept (more "
+                        "micro-batches): a peer that holds less at once")
     return p
+
+
+def with_micro_batch(w: Workload, m: int | None) -> Workload:
+    """``w`` in micro-batches of ``m`` sequences, its tokens per step kept (None: ``w``)."""
+    if not m or m == w.micro_batch:
+        return w
+    if (w.micro_batch * w.grad_accum) % m:
+        raise ValueError(f"{w.name}: {w.micro_batch * w.grad_accum} sequences per step do not split into "
+                         f"micro-batches of {m}")
+    return dataclasses.replace(w, micro_batch=m, grad_accum=w.micro_batch * w.grad_accum // m)
 
 
 def versions(*modules: str) -> dict[str, str]:
@@ -556,7 +584,7 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
     makes the wall-clock time honest). Writes ``args.result`` after setup and
     after every step; returns the process exit code (0 ok, 1 error, 3 OOM).
     """
-    w = WORKLOADS[args.workload]
+    w = with_micro_batch(WORKLOADS[args.workload], getattr(args, "micro_batch", None))
     if args.cap is None:
         args.cap = w.cap
     # several ranks (torchrun): each trains its own micro-batches, the step's tokens are every rank's; rank r

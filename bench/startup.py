@@ -8,12 +8,14 @@ workload's shape cut to ``--layers`` blocks, LoRA over its frozen base (``--qlor
 - ``meta``: a model on the meta device, initialized by the engine (a benchmark's model; ``zerofit.initialize``);
 - ``folder``: a bf16 model folder this script writes first, read as ``zerofit train --model DIR --lora`` (with
   ``--qlora``: quantized as it is read);
-- ``folder4``: the same folder saved in 4 bits by transformers (``BitsAndBytesConfig(load_in_4bit=True)``, on a
-  GPU), read as stored.
+- ``folder4``: the model saved in 4 bits by transformers' ``save_pretrained`` (``BitsAndBytesConfig(load_in_4bit=
+  True)``, NF4, double quantization; quantized on the GPU one block at a time), read as stored.
 
 It reports the seconds of ``initialize`` and of its materialization (and of each phase), parameters/s and GB/s
 over the materialization (the folder's bytes, or the model's bf16 bytes for a meta model), the time to read the folder's bytes alone (the page cache's speed, and the
-disk's with ``--direct``), and with ``--step`` the time to the end of the first training step. Run it under
+disk's with ``--direct``; with ``--cold`` the folder's pages are then dropped from the page cache, so that the
+engine reads the disk), and with ``--step`` the time to the end of the first training step (``--steps N``: each of
+N steps, the peak GPU memory and the peak host RSS). Run it under
 ``taskset -c 0`` for one core against all (the readers follow the process's CPU affinity).
 """
 
@@ -52,16 +54,30 @@ def _write_folder(w, path: str, device: str) -> None:
     del model
 
 
-def _write_folder4(src: str, path: str) -> None:
+def _write_folder4(w, path: str, device: str) -> None:
+    """The workload's model with its blocks' linears in NF4 (common.build_nf4_model: quantized on ``device`` one
+    block at a time, the bf16 model never whole), written by transformers' ``save_pretrained`` with its
+    ``BitsAndBytesConfig``: the folder transformers writes for a model loaded in 4 bits, without the bf16
+    folder (137 GB for W6c) that loading one would need first."""
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                             bnb_4bit_compute_dtype=torch.bfloat16)
-    q = AutoModelForCausalLM.from_pretrained(src, quantization_config=bnb, dtype=torch.bfloat16, device_map="cuda")
-    q.save_pretrained(path, max_shard_size="2GB")
-    del q
-    torch.cuda.empty_cache()
+    model = common.build_nf4_model(w, device)
+    model.config.quantization_config = common.nf4_config()
+    model.save_pretrained(path, max_shard_size="2GB")
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _evict(path: str) -> None:
+    """The folder's pages out of the page cache (written back first), so that the next read comes from the disk."""
+    for f in os.listdir(path):
+        fd = os.open(os.path.join(path, f), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _read_speed(path: str, direct: bool) -> dict:
@@ -95,7 +111,11 @@ def main(argv=None) -> int:
     p.add_argument("--cap", default=None, help="max_gpu_memory (default: the workload's)")
     p.add_argument("--dir", default=None, help="where the folders are written (default: a temporary folder)")
     p.add_argument("--direct", action="store_true", help="also time a read of the folder past the page cache")
+    p.add_argument("--write-only", action="store_true",
+                   help="write the folder and stop (its writing then stays out of the run's peak memory)")
+    p.add_argument("--cold", action="store_true", help="drop the folder's pages from the page cache before the run")
     p.add_argument("--step", action="store_true", help="also time the first training step")
+    p.add_argument("--steps", type=int, default=0, help="time this many training steps (implies --step)")
     p.add_argument("--profile", default=None, help="write cProfile's 40 costliest calls of initialize here")
     p.add_argument("--result", default=None)
     args = p.parse_args(argv)
@@ -121,19 +141,26 @@ def main(argv=None) -> int:
         out["gpu"] = torch.cuda.get_device_name()
     root = args.dir or tempfile.mkdtemp(prefix="zerofit-startup-")
     folder = os.path.join(root, f"{w.name}-{w.layers}")
-    if args.source in ("folder", "folder4") and not os.path.isfile(os.path.join(folder, "config.json")):
+    if args.source == "folder" and not os.path.isfile(os.path.join(folder, "config.json")):
         t = time.perf_counter()
         _write_folder(w, folder, "cuda" if cuda else "cpu")
         out["write_seconds"] = round(time.perf_counter() - t, 1)
     if args.source == "folder4":
-        folder4 = folder + "-nf4"
-        if not os.path.isfile(os.path.join(folder4, "config.json")):
-            _write_folder4(folder, folder4)
-        folder = folder4
+        folder = folder + "-nf4"
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            t = time.perf_counter()
+            _write_folder4(w, folder, "cuda" if cuda else "cpu")
+            out["write_seconds"] = round(time.perf_counter() - t, 1)
+    if args.write_only:
+        print(json.dumps(out, indent=1))
+        return 0
     if args.source != "meta":
         out["folder_read"] = _read_speed(folder, direct=False)
         if args.direct:
             out["folder_read_direct"] = _read_speed(folder, direct=True)
+        if args.cold:
+            _evict(folder)
+            out["cold"] = True
 
     from zerofit.config import load_config
     from zerofit.engine.engine import Engine
@@ -175,13 +202,20 @@ def main(argv=None) -> int:
                phases={k: round(v, 2) for k, v in startup.seconds.items()} if startup is not None else None,
                parameters=params, params_per_s=round(params / mat), gb_per_s=round(stored / mat / 1e9, 3),
                stored_bytes=stored, process_to_engine_seconds=round(time.time() - T0, 1))
-    if args.step:
-        batch = [{"input_ids": ids[:, :cfg["seq_len"]], "labels": ids[:, :cfg["seq_len"]]}
-                 for ids in common.make_batches(w, 1)[0]]
-        t = time.perf_counter()
-        loss = engine.train_batch(batch)
-        out.update(first_step_seconds=round(time.perf_counter() - t, 2), first_loss=round(loss, 4),
-                   process_to_first_step_seconds=round(time.time() - T0, 1))
+    steps = max(args.steps, 1 if args.step else 0)
+    if steps:
+        seconds, losses = [], []
+        for i, micro in enumerate(common.make_batches(w, steps)):
+            batch = [{"input_ids": ids[:, :cfg["seq_len"]], "labels": ids[:, :cfg["seq_len"]]} for ids in micro]
+            t = time.perf_counter()
+            losses.append(round(engine.train_batch(batch), 4))
+            seconds.append(round(time.perf_counter() - t, 2))
+            if i == 0:
+                out["process_to_first_step_seconds"] = round(time.time() - T0, 1)
+        out.update(first_step_seconds=seconds[0], first_loss=losses[0], step_seconds=seconds, losses=losses,
+                   peak_rss_gib=round(common.peak_rss_gib(), 2))
+        if cuda:
+            out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     engine.close()
     text = json.dumps(out, indent=1)
     print(text)

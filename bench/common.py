@@ -195,7 +195,8 @@ def build_nf4_model(w: Workload, device: str):
                 del lin
     model.tie_weights()
     model.config.use_cache = False
-    return model
+    model.is_loaded_in_4bit = True       # as from_pretrained(quantization_config=...) marks it: PEFT's
+    return model                         # prepare_model_for_kbit_training turns on checkpointing only then
 
 
 def lora_config():

@@ -420,7 +420,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     L, G = len(shape.block_numels), batch.grad_accum
     chunks = plan.loss_chunks if plan.loss_chunks > 1 and Adapter(model).chunkable_loss else 1
     probe = once("block", lambda: block_seconds(model, batch, cfg, chunks))
-    engine_probe = once("engine", lambda: engine_block_seconds(model, batch, cfg))
+    engine_probe = once("engine", lambda: engine_block_seconds(model, batch, cfg, nf4=any(shape.nf4_numels)))
     if engine_probe is not None:      # the engine's own block compute and pre pass
         probe = dataclasses.replace(probe, per_block=engine_probe.per_block, forward_share=engine_probe.forward_share,
                                     pre=engine_probe.pre, source="the engine on a 2-block model")

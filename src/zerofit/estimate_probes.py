@@ -18,6 +18,26 @@ def _dtype(cfg) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
 
 
+def small_twin(model, layers: int, dtype: torch.dtype):
+    """A model of ``model``'s shape with ``layers`` blocks, made on the current device (``torch.device`` as a
+    context), its attention through SDPA: of the model's own class, or where ``model`` is a PEFT model, of its base
+    model's class with the same adapters over it (their compute is part of the step, and PEFT's class has no
+    constructor from a config)."""
+    peft_config = getattr(model, "peft_config", None)
+    base = model.get_base_model() if peft_config and hasattr(model, "get_base_model") else model
+    mcfg = base.config
+    small = mcfg.__class__.from_dict({**mcfg.to_dict(), "num_hidden_layers": layers})
+    small._attn_implementation = "sdpa"
+    m = type(base)._from_config(small, dtype=dtype)
+    if base is not model:
+        import copy
+
+        from peft import get_peft_model
+
+        m = get_peft_model(m, copy.deepcopy(peft_config[model.active_adapter]))
+    return m
+
+
 # block counts of the two plain models whose difference gives one block's time, largest first: 4 and 8 blocks
 # came out 5.5% short of the whole W1 model's time per block on the H200, 8 and 16 within 0.3%
 # (bench/probes/compute_probe.py, docs/benchmarks.md); a GPU without room for 16 blocks falls back to the next pair
@@ -50,7 +70,7 @@ class EngineProbe:
 
 
 def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: int = 3, seconds: float = 2.0,
-                         device: str = "cuda") -> EngineProbe | None:
+                         device: str = "cuda", nf4: bool = False) -> EngineProbe | None:
     """One block's seconds per micro-batch, the forward's share of them, the pre pass's, and the device AdamW's
     seconds per parameter, as the engine itself computes them: the engine on a model of this shape with ``layers``
     blocks, all of them resident (no copies to wait for), the config's batch; from its steps' traces
@@ -58,20 +78,18 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
     backward (block-major over the micro-batches, the gradients added in fp32: what plain models do not do); the
     intervals labelled "pre" are the embeddings' forward and backward (the plain models' difference,
     block_seconds, leaves them in the noise: 0 in W1, where the engine spends 3.4 ms per micro-batch on them); those
-    labelled "optimizer[block]" the blocks' updates on the device. Steps run for ``seconds`` (``steps`` at least):
+    labelled "optimizer[block]" the blocks' updates on the device. ``nf4``: the base is held in NF4 (a 4-bit
+    folder's, or ``quantize_base``), so the probe's blocks are too. Steps run for ``seconds`` (``steps`` at least):
     the median step of the second half counts ([Note: the probe's clocks]). None where it does not fit (the
     fallback is the plain models' difference)."""
     import zerofit
     from zerofit.engine.planner import PlanError
 
-    mcfg = model.config
-    small = mcfg.__class__.from_dict({**mcfg.to_dict(), "num_hidden_layers": layers})
-    small._attn_implementation = "sdpa"
     with torch.device("meta"):
-        m = type(model)._from_config(small, dtype=torch.float32)
+        m = small_twin(model, layers, torch.float32)
     run = {"precision": cfg.precision, "micro_batch_size": batch.micro_batch, "seq_len": batch.seq_len,
            "gradient_accumulation_steps": batch.grad_accum, "device": device,
-           "offload": {"resident_blocks": layers}}
+           "offload": {"resident_blocks": layers}, "quantize_base": "nf4" if nf4 else cfg.quantize_base}
     try:
         engine = zerofit.initialize(m, run)
     except (PlanError, torch.cuda.OutOfMemoryError):
@@ -79,7 +97,7 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
     try:
         names = {engine.adapter.block_prefix(i) for i in range(layers)}
         numel = sum(u.numel for u in engine.blocks)
-        ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len))
+        ids = torch.randint(0, model.config.vocab_size, (batch.micro_batch, batch.seq_len))
 
         def step() -> tuple[float, float, float, float]:
             engine.train_batch([{"input_ids": ids, "labels": ids} for _ in range(batch.grad_accum)])
@@ -205,13 +223,11 @@ def _block_seconds(model, mcfg, pair: tuple[int, int], batch: BatchShape, cfg, c
     dev = torch.device("cuda", torch.cuda.current_device())
     times, posts = [], {}
     for layers in pair:
-        small = mcfg.__class__.from_dict({**mcfg.to_dict(), "num_hidden_layers": layers})
-        small._attn_implementation = "sdpa"
         with torch.device(dev):
-            m = type(model)._from_config(small, dtype=_dtype(cfg))
+            m = small_twin(model, layers, _dtype(cfg))
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
-        ids = torch.randint(0, small.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
+        ids = torch.randint(0, mcfg.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
 
         def step():
             for _ in range(batch.grad_accum):

@@ -196,6 +196,31 @@ def test_the_engines_own_block_compute_is_read_off_its_trace():
     assert 0 < probe.update * block < probe.per_block     # a block's AdamW: less than its compute of a micro-batch
 
 
+def test_the_probes_of_a_qlora_plan_run_its_adapters_over_an_nf4_base():
+    """``zerofit estimate --qlora``'s model is PEFT's: the probes build their small models of its base's class with
+    the same adapters (PEFT's class has no constructor from a config), and the engine's probe quantizes the base
+    as the run would."""
+    from transformers import LlamaForCausalLM
+
+    from tests.support import tiny_models as tm
+    from zerofit.config import load_config
+    from zerofit.engine.planner import BatchShape
+    from zerofit.estimate import engine_block_seconds, with_lora
+    from zerofit.estimate_probes import small_twin
+
+    with torch.device("meta"):
+        model = with_lora(LlamaForCausalLM._from_config(tm.llama(layers=6).config, dtype=torch.float32), r=4)
+    twin = small_twin(model, 2, torch.float32)
+    assert type(twin) is type(model) and len(twin.get_base_model().model.layers) == 2
+    assert twin.peft_config["default"].r == 4
+    assert sum(p.numel() for p in twin.parameters() if p.requires_grad) == \
+        sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".layers.0." in n) * 2
+    cfg = load_config({"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
+                       "quantize_base": "nf4"}).config
+    probe = engine_block_seconds(model, BatchShape(2, 32, 2), cfg, device="cpu")
+    assert probe is not None and probe.per_block > 0 and 0.05 < probe.forward_share < 0.6
+
+
 EIGHT_BLOCKS = ModelShape(shell_numel=1_000_000, block_numels=(10_000_000,) * 8, hidden=512, intermediate=1376,
                           vocab=32000)
 

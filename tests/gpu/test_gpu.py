@@ -524,3 +524,24 @@ def test_qlora_streamed_blocks_dequantize_on_the_gpu_as_resident_ones_do():
     assert any(lab.endswith("(nf4)") for lab in tm.upload_labels(streamed))
     streamed.close()
     resident.close()
+
+
+def test_fresh_pinned_memory_is_page_locked_at_its_size_and_zero():
+    """[Note: page-locking fresh memory]: the arena is zeros, registered with the driver (an asynchronous copy from
+    it is a DMA), and an NF4 unit's buffer is exactly its bytes (no power-of-two rounding)."""
+    from zerofit.engine.device import fresh_pinned
+    from zerofit.engine.nf4 import UnitNF4
+    from zerofit.engine.store import HostArena
+
+    t = fresh_pinned((5 << 20) + 3, torch.float32)
+    assert t.is_pinned() and t.numel() == (5 << 20) + 3 and not t.any()
+    t.fill_(2.0)
+    d = t.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(d.cpu(), t)
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    arena = HostArena(1000, torch.bfloat16, pinned=True)
+    assert arena.tensor.is_pinned() and arena.tensor.numel() == 1000
+    arena.close()
+    u = UnitNF4(["w"], [(64, 128)], [0], [True], [64], pinned=True)
+    assert u.host.is_pinned() and u.host.numel() == u.nbytes

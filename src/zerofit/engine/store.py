@@ -91,7 +91,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerofit.engine.device import Device, pin
+from zerofit.engine.device import Device, fresh_pinned, pin
 
 
 @dataclass(frozen=True)
@@ -318,10 +318,13 @@ class HostArena:
     def __init__(self, numel: int, dtype: torch.dtype, pinned: bool, ranks=None):
         # ``ranks`` with several ranks: memory every rank of the host maps ([Note: sharded units], ranks.py)
         shared = ranks is not None and ranks.many
-        self.tensor = ranks.shared(max(numel, 1), dtype) if shared else torch.empty(max(numel, 1), dtype=dtype)
+        if shared:
+            self.tensor = ranks.shared(max(numel, 1), dtype)
+            if pinned:
+                pin(self.tensor)
+        else:       # [Note: page-locking fresh memory] (device.py)
+            self.tensor = fresh_pinned(max(numel, 1), dtype) if pinned else torch.empty(max(numel, 1), dtype=dtype)
         self.pinned = pinned
-        if pinned:
-            pin(self.tensor)
         self._used = 0
 
     def take(self, numel: int) -> torch.Tensor:

@@ -46,25 +46,31 @@ def _drop(enabled: bool) -> None:
 
 def dd(path: Path, mb: int) -> float:
     t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={max(1, mb // 64)}", "conv=fsync"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={max(1, mb // 64)}", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
     s = time.perf_counter() - t
     path.unlink()
     return max(1, mb // 64) * 64 / s
 
 
 def synthetic(mb: int) -> tuple[Content, dict]:
-    n = mb * (1 << 20) // 4 // 3                               # fp32 elements per kind
+    n = mb * (1 << 20) // 4 // 3  # fp32 elements per kind
     bufs = {k: torch.rand(n) for k in ("master", "exp_avg", "exp_avg_sq")}
     sizes = [n // 64] * 64
+
     def entries(kind, suffix=""):
         out, o = [], 0
         for i, s in enumerate(sizes):
             out.append(Entry(f"layers.{i}.w{suffix}", (s,), torch.float32, bufs[kind], o))
             o += s
         return out
-    return Content("bench", entries("master"), entries("exp_avg", ".exp_avg") + entries("exp_avg_sq", ".exp_avg_sq"),
-                   state={}), bufs
+
+    return Content(
+        "bench", entries("master"), entries("exp_avg", ".exp_avg") + entries("exp_avg_sq", ".exp_avg_sq"), state={}
+    ), bufs
 
 
 def main() -> None:
@@ -97,30 +103,52 @@ def main() -> None:
         found = {}
         for ix in ("weights.safetensors.index.json", "optimizer.safetensors.index.json"):
             found.update(locate(folder, shard_files(folder, record, ix), ix))
-        targets = {e.name: e.base[e.offset:e.offset + e.numel] for e in content.weights + content.optimizer}
+        targets = {e.name: e.base[e.offset : e.offset + e.numel] for e in content.weights + content.optimizer}
         t = time.perf_counter()
         copy_into(folder, record, found, targets)
         tc = time.perf_counter() - t
-        _emit(what="load", mb=round(total), verify_s=round(tv, 3), copy_s=round(tc, 3),
-              mb_per_s=round(total / (tv + tc), 1), page_cache_dropped=args.drop_caches)
+        _emit(
+            what="load",
+            mb=round(total),
+            verify_s=round(tv, 3),
+            copy_s=round(tc, 3),
+            mb_per_s=round(total / (tv + tc), 1),
+            page_cache_dropped=args.drop_caches,
+        )
         del content, bufs
         if args.engine:
-            import zerofit
             from transformers import LlamaConfig, LlamaForCausalLM
+
+            import zerofit
+
             params = args.mb * (1 << 20) // 12
             layers, h = 8, 512
             inter = max(64, int((params / layers - 4 * h * h) / (3 * h)))
-            model = LlamaForCausalLM(LlamaConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-                                                 num_attention_heads=8, vocab_size=32000, tie_word_embeddings=True))
-            engine = zerofit.initialize(model, {"device": "cpu", "precision": "fp32", "micro_batch_size": 1,
-                                                "seq_len": 16})
+            model = LlamaForCausalLM(
+                LlamaConfig(
+                    hidden_size=h,
+                    intermediate_size=inter,
+                    num_hidden_layers=layers,
+                    num_attention_heads=8,
+                    vocab_size=32000,
+                    tie_word_embeddings=True,
+                )
+            )
+            engine = zerofit.initialize(
+                model, {"device": "cpu", "precision": "fp32", "micro_batch_size": 1, "seq_len": 16}
+            )
             n = sum(p.numel() for p in model.parameters())
             _drop(args.drop_caches)
             t = time.perf_counter()
             engine.save_checkpoint(root / "engine")
             s = time.perf_counter() - t
-            _emit(what="engine-save", params=n, mb=round(n * 12 / 2**20), seconds=round(s, 3),
-                  mb_per_s=round(n * 12 / 2**20 / s, 1))
+            _emit(
+                what="engine-save",
+                params=n,
+                mb=round(n * 12 / 2**20),
+                seconds=round(s, 3),
+                mb_per_s=round(n * 12 / 2**20 / s, 1),
+            )
             t = time.perf_counter()
             engine.load_checkpoint(root / "engine")
             s = time.perf_counter() - t

@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # The process start, as early as this module can see it: psutil gives the real
 # start (interpreter start-up and imports included); this is the fallback.
@@ -67,26 +68,86 @@ class Workload:
 
 WORKLOADS: dict[str, Workload] = {
     # Llama-3.2-3B shape: 3.21 B parameters.
-    "W1": Workload("W1", hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8,
-                   vocab=128256, tied=True, rope_theta=500000.0, max_positions=8192),
+    "W1": Workload(
+        "W1",
+        hidden=3072,
+        intermediate=8192,
+        layers=28,
+        heads=24,
+        kv_heads=8,
+        vocab=128256,
+        tied=True,
+        rope_theta=500000.0,
+        max_positions=8192,
+    ),
     # Llama-2-7B shape: 6.74 B parameters.
-    "W2": Workload("W2", hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32,
-                   vocab=32000, tied=False, max_positions=4096),
+    "W2": Workload(
+        "W2",
+        hidden=4096,
+        intermediate=11008,
+        layers=32,
+        heads=32,
+        kv_heads=32,
+        vocab=32000,
+        tied=False,
+        max_positions=4096,
+    ),
     # Llama-2-13B shape (needs NVMe or a larger host; listed for completeness).
-    "W3": Workload("W3", hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40,
-                   vocab=32000, tied=False, max_positions=4096),
+    "W3": Workload(
+        "W3",
+        hidden=5120,
+        intermediate=13824,
+        layers=40,
+        heads=40,
+        kv_heads=40,
+        vocab=32000,
+        tied=False,
+        max_positions=4096,
+    ),
     # The 13B shape with the same tokens per step in micro-batches of one (what fits an 8 GiB cap).
-    "W3-mb1": Workload("W3-mb1", hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40,
-                       vocab=32000, tied=False, max_positions=4096, micro_batch=1, grad_accum=8),
+    "W3-mb1": Workload(
+        "W3-mb1",
+        hidden=5120,
+        intermediate=13824,
+        layers=40,
+        heads=40,
+        kv_heads=40,
+        vocab=32000,
+        tied=False,
+        max_positions=4096,
+        micro_batch=1,
+        grad_accum=8,
+    ),
     # W5: the 13B shape on two GPUs (run with --gpus 2), micro-batch 2 x 2048, 4 micro-batches per GPU.
-    "W5": Workload("W5", hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40,
-                   vocab=32000, tied=False, max_positions=4096),
+    "W5": Workload(
+        "W5",
+        hidden=5120,
+        intermediate=13824,
+        layers=40,
+        heads=40,
+        kv_heads=40,
+        vocab=32000,
+        tied=False,
+        max_positions=4096,
+    ),
     # W1 and W3a with 32 micro-batches per step (WORKLOADS.md's disk-tier comparison at 32: the disk's traffic is
     # per optimizer step for zerofit, per micro-batch for DeepSpeed's parameters on the NVMe)
     # A toy for dry runs of the harness on CPU or GPU (seconds).
-    "smoke": Workload("smoke", hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2,
-                      vocab=1024, tied=True, micro_batch=2, seq=128, grad_accum=4, cap=None,
-                      max_positions=512),
+    "smoke": Workload(
+        "smoke",
+        hidden=256,
+        intermediate=512,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        vocab=1024,
+        tied=True,
+        micro_batch=2,
+        seq=128,
+        grad_accum=4,
+        cap=None,
+        max_positions=512,
+    ),
 }
 
 # W1 and W3a with 32 micro-batches per step (WORKLOADS.md's disk-tier comparison at 32: the disk's traffic is per
@@ -98,8 +159,20 @@ for _base in ("W1", "W2"):
 # Llama-3-70B shape in QLoRA (NF4 base in host memory for zerofit; PEFT + bitsandbytes in the GPU for plain).
 WORKLOADS["W6a"] = dataclasses.replace(WORKLOADS["W3"], name="W6a", lora=True)
 WORKLOADS["W6b"] = dataclasses.replace(WORKLOADS["W3"], name="W6b", lora=True, cap="8GiB")
-WORKLOADS["W6c"] = Workload("W6c", hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256,
-                            tied=False, rope_theta=500000.0, max_positions=8192, lora=True, qlora=True)
+WORKLOADS["W6c"] = Workload(
+    "W6c",
+    hidden=8192,
+    intermediate=28672,
+    layers=80,
+    heads=64,
+    kv_heads=8,
+    vocab=128256,
+    tied=False,
+    rope_theta=500000.0,
+    max_positions=8192,
+    lora=True,
+    qlora=True,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +210,11 @@ def build_qlora_model(w: Workload, device: str):
     QLoRA recipes call it."""
     from peft import prepare_model_for_kbit_training
 
-    return prepare_model_for_kbit_training(build_nf4_model(w, device), use_gradient_checkpointing=True,
-                                           gradient_checkpointing_kwargs={"use_reentrant": False})
+    return prepare_model_for_kbit_training(
+        build_nf4_model(w, device),
+        use_gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
 
 
 def nf4_config():
@@ -146,8 +222,12 @@ def nf4_config():
     import torch
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=torch.bfloat16)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
 
 
 def build_nf4_model(w: Workload, device: str):
@@ -155,9 +235,9 @@ def build_nf4_model(w: Workload, device: str):
     double quantization, bf16 compute), quantized on ``device``. Built on the meta device,
     then one module at a time materialized and initialized there (Hugging Face's own ``_init_weights``) and each
     block's linears quantized before the next block: the bf16 base (137 GB for 70B) is never whole."""
+    import bitsandbytes as bnb
     import torch
     from torch import nn
-    import bitsandbytes as bnb
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
@@ -168,26 +248,34 @@ def build_nf4_model(w: Workload, device: str):
         for m in root.modules():
             for k, p in list(m._parameters.items()):
                 if p is not None and p.is_meta:
-                    m._parameters[k] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                    requires_grad=p.requires_grad)
+                    m._parameters[k] = nn.Parameter(
+                        torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
+                    )
             for k, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
                     m._buffers[k] = torch.empty(b.shape, dtype=b.dtype, device=device)
         with torch.no_grad():
-            for m in reversed(list(root.modules())):      # children before parents, as initialize_weights
+            for m in reversed(list(root.modules())):  # children before parents, as initialize_weights
                 model._init_weights(m)
 
-    for m in (model.model.embed_tokens, model.model.norm, model.model.rotary_emb, model.lm_head):   # the shell
+    for m in (model.model.embed_tokens, model.model.norm, model.model.rotary_emb, model.lm_head):  # the shell
         real(m)
     for layer in model.model.layers:
         real(layer)
         for path, lin in list(layer.named_modules()):
             if type(lin) is nn.Linear:
-                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
-                                      device="meta")
-                q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4",
-                                             compress_statistics=True).to(device)
+                q = bnb.nn.Linear4bit(
+                    lin.in_features,
+                    lin.out_features,
+                    bias=lin.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    compress_statistics=True,
+                    quant_type="nf4",
+                    device="meta",
+                )
+                q.weight = bnb.nn.Params4bit(
+                    lin.weight.data, requires_grad=False, quant_type="nf4", compress_statistics=True
+                ).to(device)
                 if lin.bias is not None:
                     q.bias = lin.bias
                 parent, _, leaf = path.rpartition(".")
@@ -195,16 +283,21 @@ def build_nf4_model(w: Workload, device: str):
                 del lin
     model.tie_weights()
     model.config.use_cache = False
-    model.is_loaded_in_4bit = True       # as from_pretrained(quantization_config=...) marks it: PEFT's
-    return model                         # prepare_model_for_kbit_training turns on checkpointing only then
+    model.is_loaded_in_4bit = True  # as from_pretrained(quantization_config=...) marks it: PEFT's
+    return model  # prepare_model_for_kbit_training turns on checkpointing only then
 
 
 def lora_config():
     """PEFT's ``LoraConfig`` of :data:`LORA` (the same fields as zerofit's ``LoraOptions.config()``)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, target_modules=list(LORA.targets), lora_dropout=LORA.dropout,
-                      task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=LORA.r,
+        lora_alpha=LORA.alpha,
+        target_modules=list(LORA.targets),
+        lora_dropout=LORA.dropout,
+        task_type="CAUSAL_LM",
+    )
 
 
 def lora_wrap(base, seed: int = 0):
@@ -228,15 +321,16 @@ def init_meta_adapters(model, seed: int = 0):
             if not isinstance(m, LoraLayer):
                 continue
             for adapter in m.active_adapters:
-                if not any(p.is_meta for part in (m.lora_A, m.lora_B) if adapter in part
-                           for p in part[adapter].parameters()):
+                if not any(
+                    p.is_meta for part in (m.lora_A, m.lora_B) if adapter in part for p in part[adapter].parameters()
+                ):
                     continue
                 for part in (m.lora_A, m.lora_B):
                     if adapter in part:
                         part[adapter] = part[adapter].to_empty(device="cpu").float()
                 m.reset_lora_parameters(adapter, model.peft_config[adapter].init_lora_weights)
-                for part in (m.lora_A, m.lora_B):      # Hugging Face's _init_weights (zerofit runs it on each unit
-                    for p in part[adapter].parameters():   # of a meta model) leaves these values as PEFT made them
+                for part in (m.lora_A, m.lora_B):  # Hugging Face's _init_weights (zerofit runs it on each unit
+                    for p in part[adapter].parameters():  # of a meta model) leaves these values as PEFT made them
                         p._is_hf_initialized = True
     return model
 
@@ -248,7 +342,7 @@ def lora_counts(model) -> tuple[int, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        qs = getattr(p, "quant_state", None)      # bitsandbytes' Params4bit: two codes a byte
+        qs = getattr(p, "quant_state", None)  # bitsandbytes' Params4bit: two codes a byte
         n = getattr(p, "ds_numel", None) or (qs.shape.numel() if qs is not None else p.numel())
         if p.requires_grad:
             trainable += n
@@ -261,11 +355,21 @@ def lora_record(res, model, qlora: bool = False) -> None:
     """The LoRA run's settings and parameter counts into its result (``qlora``: over an NF4 base)."""
     res.trainable_params, res.frozen_params = lora_counts(model)
     res.flops_per_param_token = 6
-    res.extra["lora"] = {"r": LORA.r, "alpha": LORA.alpha, "dropout": LORA.dropout, "targets": list(LORA.targets),
-                         "lr": LORA.lr, "trainable": res.trainable_params, "frozen": res.frozen_params,
-                         "qlora": qlora}
-    print(f"[{res.engine}] LoRA r {LORA.r} alpha {LORA.alpha} on {','.join(LORA.targets)}: trainable "
-          f"{res.trainable_params:,} of {res.trainable_params + res.frozen_params:,} parameters", flush=True)
+    res.extra["lora"] = {
+        "r": LORA.r,
+        "alpha": LORA.alpha,
+        "dropout": LORA.dropout,
+        "targets": list(LORA.targets),
+        "lr": LORA.lr,
+        "trainable": res.trainable_params,
+        "frozen": res.frozen_params,
+        "qlora": qlora,
+    }
+    print(
+        f"[{res.engine}] LoRA r {LORA.r} alpha {LORA.alpha} on {','.join(LORA.targets)}: trainable "
+        f"{res.trainable_params:,} of {res.trainable_params + res.frozen_params:,} parameters",
+        flush=True,
+    )
 
 
 def llama_config(w: Workload):
@@ -290,9 +394,14 @@ def llama_config(w: Workload):
 def zerofit_config(w: Workload, lora: bool = False) -> dict:
     """zerofit's config for workload ``w`` (WORKLOADS.md's common settings): bf16, AdamW lr 1e-4 (LoRA: 2e-4) and
     weight decay 0.01, activation checkpointing, the workload's batch."""
-    return {"precision": "bf16", "micro_batch_size": w.micro_batch, "gradient_accumulation_steps": w.grad_accum,
-            "optimizer": {"lr": LORA.lr if lora else 1e-4, "weight_decay": 0.01}, "activation_checkpointing": True,
-            "seq_len": w.seq}
+    return {
+        "precision": "bf16",
+        "micro_batch_size": w.micro_batch,
+        "gradient_accumulation_steps": w.grad_accum,
+        "optimizer": {"lr": LORA.lr if lora else 1e-4, "weight_decay": 0.01},
+        "activation_checkpointing": True,
+        "seq_len": w.seq,
+    }
 
 
 def count_parameters(w: Workload) -> int:
@@ -347,8 +456,10 @@ def make_batches(w: Workload, steps: int, seed: int = 0):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, w.vocab, (w.micro_batch, w.seq), generator=g) for _ in range(w.grad_accum)]
-            for _ in range(steps)]
+    return [
+        [torch.randint(0, w.vocab, (w.micro_batch, w.seq), generator=g) for _ in range(w.grad_accum)]
+        for _ in range(steps)
+    ]
 
 
 # --------------------------------------------------------------------------- GPU memory
@@ -361,8 +472,17 @@ def parse_bytes(value: str | None) -> int | None:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(value), re.IGNORECASE)
     if not m:
         raise ValueError(f"expected a size such as 24GiB, found {value!r}")
-    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    units = {
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
     return int(float(m.group(1)) * units[(m.group(2) or "b").lower()])
 
 
@@ -486,7 +606,7 @@ class Result:
 
     @property
     def timed_s(self) -> list[float]:
-        return self.step_s[self.warmup_steps:]
+        return self.step_s[self.warmup_steps :]
 
     def summary(self) -> dict[str, Any]:
         """Derived figures: median s/step over the timed steps, tokens/s, model TFLOP/s (8*P*T/s; LoRA 6*P*T/s)."""
@@ -494,8 +614,11 @@ class Result:
         if not timed:
             return {"s_per_step": None, "tokens_per_s": None, "tflops": None}
         s = statistics.median(timed)
-        return {"s_per_step": s, "tokens_per_s": self.tokens_per_step / s,
-                "tflops": self.flops_per_param_token * self.params * self.tokens_per_step / s / 1e12}
+        return {
+            "s_per_step": s,
+            "tokens_per_s": self.tokens_per_step / s,
+            "tflops": self.flops_per_param_token * self.params * self.tokens_per_step / s / 1e12,
+        }
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -540,18 +663,27 @@ def engine_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps, warm-up included (default 4)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps (default 1)")
     p.add_argument("--device", default="cuda", help="cuda or cpu (cpu: smoke tests)")
-    p.add_argument("--cap", default=None,
-                   help="GPU memory cap, e.g. 24GiB; 'none' = uncapped; default: the workload's")
+    p.add_argument("--cap", default=None, help="GPU memory cap, e.g. 24GiB; 'none' = uncapped; default: the workload's")
     p.add_argument("--result", default=None, help="write the result JSON here")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lora", action="store_true",
-                   help="W6's LoRA (r 16, alpha 32, dropout 0, the 7 linears; AdamW lr 2e-4) over the frozen base "
-                        "through peft.get_peft_model; implied by W6a, W6b")
-    p.add_argument("--qlora", action="store_true",
-                   help="W6c's QLoRA: --lora with the blocks' linears in NF4 (bitsandbytes' format); implied by W6c")
-    p.add_argument("--micro-batch", type=int, default=None,
-                   help="sequences per micro-batch instead of the workload's, the tokens per step kept (more "
-                        "micro-batches): a peer that holds less at once")
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="W6's LoRA (r 16, alpha 32, dropout 0, the 7 linears; AdamW lr 2e-4) over the frozen base "
+        "through peft.get_peft_model; implied by W6a, W6b",
+    )
+    p.add_argument(
+        "--qlora",
+        action="store_true",
+        help="W6c's QLoRA: --lora with the blocks' linears in NF4 (bitsandbytes' format); implied by W6c",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per micro-batch instead of the workload's, the tokens per step kept (more "
+        "micro-batches): a peer that holds less at once",
+    )
     return p
 
 
@@ -560,8 +692,9 @@ def with_micro_batch(w: Workload, m: int | None) -> Workload:
     if not m or m == w.micro_batch:
         return w
     if (w.micro_batch * w.grad_accum) % m:
-        raise ValueError(f"{w.name}: {w.micro_batch * w.grad_accum} sequences per step do not split into "
-                         f"micro-batches of {m}")
+        raise ValueError(
+            f"{w.name}: {w.micro_batch * w.grad_accum} sequences per step do not split into micro-batches of {m}"
+        )
     return dataclasses.replace(w, micro_batch=m, grad_accum=w.micro_batch * w.grad_accum // m)
 
 
@@ -576,8 +709,9 @@ def versions(*modules: str) -> dict[str, str]:
     return out
 
 
-def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bool = True,
-               version_modules: tuple[str, ...] = ()) -> int:
+def run_engine(
+    name: str, args, setup: Callable, step: Callable, *, uses_cap: bool = True, version_modules: tuple[str, ...] = ()
+) -> int:
     """Time an engine: ``setup(args, w, result) -> state``, then ``step(state, micro_batches) -> loss``.
 
     ``step`` runs one optimizer step over the workload's micro-batches (CPU int64
@@ -594,8 +728,7 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if rank:
         args.result = f"{args.result}.rank{rank}" if args.result else None
-    res = Result(engine=name, workload=w.name, warmup_steps=args.warmup,
-                 tokens_per_step=w.tokens_per_step * world)
+    res = Result(engine=name, workload=w.name, warmup_steps=args.warmup, tokens_per_step=w.tokens_per_step * world)
     if world > 1:
         res.extra["world_size"], res.extra["rank"] = world, rank
     res.cap_gib = (parse_bytes(args.cap) / GiB) if parse_bytes(args.cap) else None
@@ -619,8 +752,11 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
         else:
             res.device = "cpu"
         res.versions = versions(*version_modules)  # after the cap: an import may touch CUDA
-        print(f"[{name}] {w.name}: P={res.params / 1e9:.3f} B, T={w.tokens_per_step} tokens/step, "
-              f"cap={args.cap}, device={res.device}", flush=True)
+        print(
+            f"[{name}] {w.name}: P={res.params / 1e9:.3f} B, T={w.tokens_per_step} tokens/step, "
+            f"cap={args.cap}, device={res.device}",
+            flush=True,
+        )
         batches = make_batches(w, args.steps, args.seed + rank)
         state = setup(args, w, res)
         res.setup_s = time.time() - t0
@@ -635,8 +771,10 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
             if i == 0:
                 res.first_step_s = time.time() - t0
             _record_memory(res, args.device, sampler, peaks)
-            print(f"[{name}] step {i} ({'warm-up' if i < args.warmup else 'timed'}): {dt:.3f} s, "
-                  f"loss {loss:.4f}", flush=True)
+            print(
+                f"[{name}] step {i} ({'warm-up' if i < args.warmup else 'timed'}): {dt:.3f} s, loss {loss:.4f}",
+                flush=True,
+            )
             res.save(args.result)
         res.status = "ok"
     except Refused as e:
@@ -650,9 +788,12 @@ def run_engine(name: str, args, setup: Callable, step: Callable, *, uses_cap: bo
     res.save(args.result)
     s = res.summary()
     if s["tokens_per_s"]:
-        print(f"[{name}] {res.status}: {s['tokens_per_s']:.0f} tokens/s, {s['tflops']:.1f} TFLOP/s, "
-              f"{s['s_per_step']:.3f} s/step, peak GPU {res.peak_gpu_gib} GiB, "
-              f"peak RSS {res.peak_rss_gib:.1f} GiB", flush=True)
+        print(
+            f"[{name}] {res.status}: {s['tokens_per_s']:.0f} tokens/s, {s['tflops']:.1f} TFLOP/s, "
+            f"{s['s_per_step']:.3f} s/step, peak GPU {res.peak_gpu_gib} GiB, "
+            f"peak RSS {res.peak_rss_gib:.1f} GiB",
+            flush=True,
+        )
     else:
         print(f"[{name}] {res.status}: {res.error}", flush=True)
     return code

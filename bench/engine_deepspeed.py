@@ -50,8 +50,7 @@ def ds_config(w: common.Workload, bf16: bool = True, offload_param: bool = True,
         "gradient_accumulation_steps": w.grad_accum,
         "train_batch_size": w.micro_batch * w.grad_accum * int(os.environ.get("WORLD_SIZE", "1")),
         "bf16": {"enabled": bf16},
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": lr, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}},
         "zero_optimization": {
             "stage": 3,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -77,13 +76,23 @@ def infinity(config: dict, nvme: str) -> dict:
     W1 here (shared/bench/WORKLOADS.md: the defaults fail with "More elements ... than buffer size" and "Not
     enough buffers 0 for swapping 1")."""
     z = config["zero_optimization"]
-    z["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 8,
-                          "buffer_size": 4.5e8}
+    z["offload_param"] = {
+        "device": "nvme",
+        "nvme_path": nvme,
+        "pin_memory": True,
+        "buffer_count": 8,
+        "buffer_size": 4.5e8,
+    }
     z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True}
     z["stage3_max_live_parameters"] = 4e8
     z["stage3_prefetch_bucket_size"] = 1e8
-    config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
-                     "overlap_events": True}
+    config["aio"] = {
+        "block_size": 1 << 20,
+        "queue_depth": 8,
+        "thread_count": 1,
+        "single_submit": False,
+        "overlap_events": True,
+    }
     return config
 
 
@@ -148,11 +157,12 @@ class DeepSpeedEngine:
         reinit_partitioned(model)
         res.extra["zero_init_s"] = round(time.perf_counter() - t, 1)
         model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": args.reentrant_checkpointing})
+            gradient_checkpointing_kwargs={"use_reentrant": args.reentrant_checkpointing}
+        )
         model.config.use_cache = False
         model.train()
         params = model.parameters()
-        if lora:     # PEFT over the partitioned base; the adapters are partitioned by deepspeed.initialize
+        if lora:  # PEFT over the partitioned base; the adapters are partitioned by deepspeed.initialize
             torch.manual_seed(args.seed)
             model = common.lora_wrap(model, args.seed)
             model.train()
@@ -161,8 +171,11 @@ class DeepSpeedEngine:
         t = time.perf_counter()
         self.engine, self.opt, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         res.extra["ds_initialize_s"] = round(time.perf_counter() - t, 1)
-        res.extra["optimizer"] = type(self.engine.optimizer).__name__ + " / " + type(
-            getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)).__name__
+        res.extra["optimizer"] = (
+            type(self.engine.optimizer).__name__
+            + " / "
+            + type(getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)).__name__
+        )
         self.device = self.engine.device
 
     def step(self, micro_batches):
@@ -183,17 +196,25 @@ class DeepSpeedEngine:
 
 def main() -> int:
     p = common.engine_args(__doc__)
-    p.add_argument("--reentrant-checkpointing", action="store_true",
-                   help="use_reentrant=True for HF checkpointing (fallback if non-reentrant fails under ZeRO-3)")
-    p.add_argument("--nvme", default=None,
-                   help="ZeRO-Infinity: offload_param and offload_optimizer on nvme under this folder")
-    p.add_argument("--no-offload-param", action="store_true",
-                   help="offload_param none: parameter shards on the GPUs, only the optimizer on the CPU")
+    p.add_argument(
+        "--reentrant-checkpointing",
+        action="store_true",
+        help="use_reentrant=True for HF checkpointing (fallback if non-reentrant fails under ZeRO-3)",
+    )
+    p.add_argument(
+        "--nvme", default=None, help="ZeRO-Infinity: offload_param and offload_optimizer on nvme under this folder"
+    )
+    p.add_argument(
+        "--no-offload-param",
+        action="store_true",
+        help="offload_param none: parameter shards on the GPUs, only the optimizer on the CPU",
+    )
     args = p.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # dry runs only; must precede `import deepspeed`
-    return common.run_engine("deepspeed", args, DeepSpeedEngine, DeepSpeedEngine.step, uses_cap=True,
-                             version_modules=("deepspeed",))
+    return common.run_engine(
+        "deepspeed", args, DeepSpeedEngine, DeepSpeedEngine.step, uses_cap=True, version_modules=("deepspeed",)
+    )
 
 
 if __name__ == "__main__":

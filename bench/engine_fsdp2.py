@@ -36,7 +36,7 @@ class FSDP2:
 
         self.torch = torch
         cuda = args.device.startswith("cuda")
-        common.single_process_env()      # torchrun's environment, or one rank of one
+        common.single_process_env()  # torchrun's environment, or one rank of one
         world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
         self.device = torch.device("cuda", local) if cuda else torch.device("cpu")
         if cuda:
@@ -57,8 +57,13 @@ class FSDP2:
         for layer in model.model.layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
-        res.extra["fsdp"] = {"units": len(model.model.layers) + 1, "offload": cuda and args.offload, "world": world,
-                             "pin_memory": args.pin_memory, "optimizer": args.optimizer}
+        res.extra["fsdp"] = {
+            "units": len(model.model.layers) + 1,
+            "offload": cuda and args.offload,
+            "world": world,
+            "pin_memory": args.pin_memory,
+            "optimizer": args.optimizer,
+        }
         # Buffers (the rotary inv_freq) are not sharded and must be where the compute is.
         for mod in model.modules():
             for name, buf in list(mod.named_buffers(recurse=False)):
@@ -90,12 +95,21 @@ class FSDP2:
 
 def main() -> int:
     p = common.engine_args(__doc__)
-    p.add_argument("--optimizer", default="default", choices=["default", "foreach", "fused"],
-                   help="torch.optim.AdamW implementation on the CPU shards (default: torch's choice)")
-    p.add_argument("--no-offload", dest="offload", action="store_false",
-                   help="no CPU offload: the sharded state stays on the GPUs (the in-GPU ceiling on several GPUs)")
-    p.add_argument("--no-pin-memory", dest="pin_memory", action="store_false",
-                   help="CPUOffloadPolicy(pin_memory=False)")
+    p.add_argument(
+        "--optimizer",
+        default="default",
+        choices=["default", "foreach", "fused"],
+        help="torch.optim.AdamW implementation on the CPU shards (default: torch's choice)",
+    )
+    p.add_argument(
+        "--no-offload",
+        dest="offload",
+        action="store_false",
+        help="no CPU offload: the sharded state stays on the GPUs (the in-GPU ceiling on several GPUs)",
+    )
+    p.add_argument(
+        "--no-pin-memory", dest="pin_memory", action="store_false", help="CPUOffloadPolicy(pin_memory=False)"
+    )
     args = p.parse_args()
     return common.run_engine("fsdp2", args, FSDP2, FSDP2.step, uses_cap=True)
 

@@ -38,12 +38,14 @@ class Plain:
             self.model.train()
             common.lora_record(res, self.model, qlora=True)
             params, lr = [p for p in self.model.parameters() if p.requires_grad], common.LORA.lr
-            res.extra["optimizer"] = ("torch.optim.AdamW(fused=True) over the adapters (fp32); NF4 base on device "
-                                      "(bitsandbytes Linear4bit, double quantization)")
-        elif common.lora_wanted(args, w):   # W6: the bf16 base on the device, frozen; fp32 adapters trained
+            res.extra["optimizer"] = (
+                "torch.optim.AdamW(fused=True) over the adapters (fp32); NF4 base on device "
+                "(bitsandbytes Linear4bit, double quantization)"
+            )
+        elif common.lora_wanted(args, w):  # W6: the bf16 base on the device, frozen; fp32 adapters trained
             base = common.build_model(w, args.device, dtype=torch.bfloat16, init_in_dtype=True)
             common.enable_checkpointing(base)
-            torch.manual_seed(args.seed)       # PEFT's adapter init draws from the global generator
+            torch.manual_seed(args.seed)  # PEFT's adapter init draws from the global generator
             self.model = common.lora_wrap(base, args.seed)
             self.model.train()
             common.lora_record(res, self.model)
@@ -72,9 +74,9 @@ class Plain:
                 loss = self.model(input_ids=ids, labels=ids).loss
             (loss / g).backward()
             total += loss.detach() / g
-        if self.clip:   # global-norm clipping, as the Hugging Face Trainer does (max_grad_norm 1.0)
+        if self.clip:  # global-norm clipping, as the Hugging Face Trainer does (max_grad_norm 1.0)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-            self.res.extra["grad_norms"].append(round(float(norm), 4))   # a sync, as the Trainer's logging
+            self.res.extra["grad_norms"].append(round(float(norm), 4))  # a sync, as the Trainer's logging
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return total.item()  # sync point: the step is done on the GPU

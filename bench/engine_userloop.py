@@ -46,7 +46,7 @@ class UserLoopBench:
         if common.lora_wanted(args, w):
             raise common.Refused("the W7 loop trains the whole model (no LoRA run)")
         self.torch, self.args, self.res = torch, args, res
-        self.engine = None      # zerofit's engine: its timeline after each step
+        self.engine = None  # zerofit's engine: its timeline after each step
         cuda = args.device.startswith("cuda")
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -59,21 +59,28 @@ class UserLoopBench:
             # the batch the placement is made for, as a user of zerofit.fsdp names it (docs/userloop.md): the
             # wrapper sees no batch before the first forward
             extra.update(seq_len=w.seq, micro_batch_size=w.micro_batch)
-            if args.window > 1:      # the loop's micro-batches held, each block's backward over all of them
+            if args.window > 1:  # the loop's micro-batches held, each block's backward over all of them
                 extra["gradient_accumulation_steps"] = args.window
-            self.model = FSDP(model, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True),
-                              mixed_precision=mp, device_id=0 if cuda else None, zerofit_config=extra)
+            self.model = FSDP(
+                model,
+                auto_wrap_policy=policy,
+                cpu_offload=CPUOffload(offload_params=True),
+                mixed_precision=mp,
+                device_id=0 if cuda else None,
+                zerofit_config=extra,
+            )
             self.engine = self.model.zerofit_engine
             res.extra["plan"] = self.engine.plan.describe()
             print(f"[userloop] {res.extra['plan']}", flush=True)
-        elif args.loop == "fabric":     # the stock Fabric run: its FSDPStrategy with CPU offload wraps the model
+        elif args.loop == "fabric":  # the stock Fabric run: its FSDPStrategy with CPU offload wraps the model
             from lightning.fabric.strategies import FSDPStrategy
 
             common.single_process_env()
             model = common.build_model(w, "cpu")
             common.enable_checkpointing(model)
-            self.strategy = FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, cpu_offload=True, mixed_precision=mp,
-                                         use_orig_params=True)
+            self.strategy = FSDPStrategy(
+                auto_wrap_policy={LlamaDecoderLayer}, cpu_offload=True, mixed_precision=mp, use_orig_params=True
+            )
             self.model = model
         else:
             import torch.distributed as dist
@@ -84,11 +91,16 @@ class UserLoopBench:
                 dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
             model = common.build_model(w, "cpu")
             common.enable_checkpointing(model)
-            self.model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True,
-                              cpu_offload=CPUOffload(offload_params=True) if cuda else None,
-                              mixed_precision=mp, device_id=torch.cuda.current_device() if cuda else None)
+            self.model = FSDP(
+                model,
+                auto_wrap_policy=policy,
+                use_orig_params=True,
+                cpu_offload=CPUOffload(offload_params=True) if cuda else None,
+                mixed_precision=mp,
+                device_id=torch.cuda.current_device() if cuda else None,
+            )
         self.fabric = None
-        if args.loop == "fabric":      # Lightning Fabric: setup, no_backward_sync, backward, clip_gradients, step
+        if args.loop == "fabric":  # Lightning Fabric: setup, no_backward_sync, backward, clip_gradients, step
             from lightning.fabric import Fabric
 
             if args.backend == "zerofit":
@@ -97,9 +109,10 @@ class UserLoopBench:
                 self.fabric = Fabric(accelerator="cuda", devices=1, strategy=self.strategy, precision="32-true")
             self.fabric.launch()
             if args.backend != "zerofit":
-                self.model = self.fabric.setup_module(self.model)     # FSDP wraps here; the optimizer after it
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01,
-                                     fused=args.backend == "zerofit" or not cuda)
+                self.model = self.fabric.setup_module(self.model)  # FSDP wraps here; the optimizer after it
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=1e-4, weight_decay=0.01, fused=args.backend == "zerofit" or not cuda
+        )
         if self.fabric is not None:
             if args.backend == "zerofit":
                 self.model, self.opt = self.fabric.setup(self.model, self.opt)
@@ -116,7 +129,7 @@ class UserLoopBench:
 
     def step(self, micro_batches):
         loss = self._step(micro_batches)
-        if self.engine is not None:      # as engine_zerofit.py records them (bench/trace.py reads the trace)
+        if self.engine is not None:  # as engine_zerofit.py records them (bench/trace.py reads the trace)
             self.res.timeline = {k: round(float(v), 4) for k, v in self.engine.timeline().items()}
             self.res.extra["trace"] = self.engine.trace()
             print(f"[userloop] timeline: {self.res.timeline}", flush=True)
@@ -166,13 +179,23 @@ def main() -> int:
     parser = common.engine_args(__doc__)
     parser.add_argument("--backend", choices=("zerofit", "torch"), default="zerofit")
     parser.add_argument("--loop", choices=("fsdp1", "accelerate", "fabric"), default="fsdp1")
-    parser.add_argument("--window", type=int, default=1,
-                        help="zerofit: hold this many micro-batches before their blocks' backward (zerofit_config "
-                             "gradient_accumulation_steps; 1: each backward() runs its own)")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        help="zerofit: hold this many micro-batches before their blocks' backward (zerofit_config "
+        "gradient_accumulation_steps; 1: each backward() runs its own)",
+    )
     args = parser.parse_args()
     name = f"{'zerofit' if args.backend == 'zerofit' else 'fsdp1'}-{args.loop}"
-    return common.run_engine(name, args, UserLoopBench, UserLoopBench.step, uses_cap=True,
-                             version_modules={"accelerate": ("accelerate",), "fabric": ("lightning",)}.get(args.loop, ()))
+    return common.run_engine(
+        name,
+        args,
+        UserLoopBench,
+        UserLoopBench.step,
+        uses_cap=True,
+        version_modules={"accelerate": ("accelerate",), "fabric": ("lightning",)}.get(args.loop, ()),
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))  # the working tr
 
 import common  # noqa: E402
 
-
-_LIVE: list = []    # engines to release before the process exits at once (common.exit_now)
+_LIVE: list = []  # engines to release before the process exits at once (common.exit_now)
 
 
 def build(w, lora: bool, seed: int = 0):
@@ -82,7 +81,7 @@ def _estimate_child(workload: str, config: dict, lora: bool, send) -> None:
     try:
         with torch.device("meta"):
             model = LlamaForCausalLM(common.llama_config(common.WORKLOADS[workload]))
-        L = common.LORA    # LoRA: estimate's own wrap (with_lora), W6's settings
+        L = common.LORA  # LoRA: estimate's own wrap (with_lora), W6's settings
         est = estimate(model, config, lora=dict(r=L.r, alpha=L.alpha, targets=list(L.targets)) if lora else None)
         send.send((est.to_dict(), est.render()))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
@@ -104,7 +103,7 @@ class Zerofit:
         if lora:
             common.lora_record(res, model, qlora=common.qlora_wanted(args, w))
         self.config = common.zerofit_config(w, lora)
-        if common.qlora_wanted(args, w):     # W6c: the blocks' linears in NF4 in host memory ([Note: an NF4 base])
+        if common.qlora_wanted(args, w):  # W6c: the blocks' linears in NF4 in host memory ([Note: an NF4 base])
             self.config["quantize_base"] = "nf4"
         if args.clip:
             self.config["gradient_clipping"] = args.clip
@@ -112,10 +111,10 @@ class Zerofit:
             self.config["precision"] = args.precision
         if common.parse_bytes(args.cap):
             self.config["max_gpu_memory"] = args.cap
-        for item in args.offload:     # e.g. assisted_fraction=0.4, speculative_updates=false
+        for item in args.offload:  # e.g. assisted_fraction=0.4, speculative_updates=false
             key, _, value = item.partition("=")
             self.config.setdefault("offload", {})[key] = json.loads(value)
-        for item in args.set:         # e.g. max_host_memory=32GiB (JSON, else the text itself)
+        for item in args.set:  # e.g. max_host_memory=32GiB (JSON, else the text itself)
             key, _, value = item.partition("=")
             try:
                 self.config[key] = json.loads(value)
@@ -124,7 +123,7 @@ class Zerofit:
         if args.nvme:
             self.config.setdefault("offload", {}).update(optimizer_device="nvme", nvme_path=args.nvme)
         res.extra["zerofit_config"] = self.config
-        if args.estimate:             # zerofit estimate's prediction, made before anything is allocated
+        if args.estimate:  # zerofit estimate's prediction, made before anything is allocated
             res.extra["estimate"], text = estimate_apart(w.name, self.config, lora)
             print(f"[zerofit] estimate:\n{text}", flush=True)
         self.engine = zerofit.initialize(model, self.config)
@@ -132,18 +131,22 @@ class Zerofit:
         res.extra["plan"] = self.engine.plan.describe()
         tier = getattr(self.engine, "_tier", None)
         if tier is not None:
-            res.extra["disk"] = {"path": str(tier.file.path), "bytes": tier.file.nbytes, "direct": tier.file.direct,
-                                 **getattr(self.engine, "disk_speed", {})}
+            res.extra["disk"] = {
+                "path": str(tier.file.path),
+                "bytes": tier.file.nbytes,
+                "direct": tier.file.direct,
+                **getattr(self.engine, "disk_speed", {}),
+            }
             self._disk0 = (tier.bytes_read, tier.bytes_written)
         print(f"[zerofit] {res.extra['plan']}", flush=True)
 
     def step(self, micro_batches):
         batches = [{"input_ids": ids, "labels": ids} for ids in micro_batches]
-        if self.args.api == "deepspeed":   # DeepSpeed-shaped code: one micro-batch per call
+        if self.args.api == "deepspeed":  # DeepSpeed-shaped code: one micro-batch per call
             total = 0.0
-            if self.args.announce:         # the window's micro-batches announced first (engine.forward_window)
+            if self.args.announce:  # the window's micro-batches announced first (engine.forward_window)
                 self.engine.forward_window(batches)
-            if self.args.loader:           # drawn from the engine's own loader (deepspeed_io), as the tutorial does
+            if self.args.loader:  # drawn from the engine's own loader (deepspeed_io), as the tutorial does
                 torch = self.torch
 
                 class Window(torch.utils.data.Dataset):
@@ -154,8 +157,11 @@ class Zerofit:
                         ids = micro_batches[i // micro_batches[0].shape[0]][i % micro_batches[0].shape[0]]
                         return {"input_ids": ids, "labels": ids}
 
-                batches = self.engine.deepspeed_io(Window(), batch_size=micro_batches[0].shape[0],
-                                                   data_sampler=torch.utils.data.SequentialSampler(range(len(Window()))))
+                batches = self.engine.deepspeed_io(
+                    Window(),
+                    batch_size=micro_batches[0].shape[0],
+                    data_sampler=torch.utils.data.SequentialSampler(range(len(Window()))),
+                )
             for b in batches:
                 out = self.engine(**b)
                 self.engine.backward(out.loss)
@@ -175,35 +181,61 @@ class Zerofit:
         if hasattr(self.engine, "memory_stats"):
             self.res.extra["memory_stats"] = self.engine.memory_stats()
         tier = getattr(self.engine, "_tier", None)
-        if tier is not None:     # bytes moved on the disk in this step (the writes behind it may still run)
+        if tier is not None:  # bytes moved on the disk in this step (the writes behind it may still run)
             r, w = tier.bytes_read, tier.bytes_written
-            self.res.extra.setdefault("disk_steps", []).append({"read": r - self._disk0[0], "written": w - self._disk0[1]})
+            self.res.extra.setdefault("disk_steps", []).append(
+                {"read": r - self._disk0[0], "written": w - self._disk0[1]}
+            )
             self._disk0 = (r, w)
-        if hasattr(self.engine, "trace"):     # the last step, interval by interval (engine.trace())
+        if hasattr(self.engine, "trace"):  # the last step, interval by interval (engine.trace())
             self.res.extra["trace"] = self.engine.trace()
         return loss
 
 
 def main() -> int:
     parser = common.engine_args(__doc__)
-    parser.add_argument("--clip", type=float, default=0.0,
-                        help="gradient_clipping (global norm); > 0 makes CPU updates wait for the norm")
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="gradient_clipping (global norm); > 0 makes CPU updates wait for the norm",
+    )
     parser.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--offload", action="append", default=[], metavar="KEY=JSON",
-                        help="an offload setting of zerofit's config, e.g. assisted_fraction=0.4 (repeatable)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                        help='a top-level setting of zerofit\'s config, e.g. max_host_memory="32GiB" (repeatable)')
+    parser.add_argument(
+        "--offload",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="an offload setting of zerofit's config, e.g. assisted_fraction=0.4 (repeatable)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help='a top-level setting of zerofit\'s config, e.g. max_host_memory="32GiB" (repeatable)',
+    )
     parser.add_argument("--nvme", default=None, help="offload.optimizer_device nvme with this nvme_path")
     parser.add_argument("--estimate", action="store_true", help="record zerofit estimate's prediction first")
-    parser.add_argument("--loader", action="store_true",
-                        help="with --api deepspeed: draw each step's micro-batches from engine.deepspeed_io's loader")
-    parser.add_argument("--announce", action="store_true",
-                        help="with --api deepspeed: announce each window's micro-batches with engine.forward_window")
-    parser.add_argument("--api", default="train_batch", choices=["train_batch", "deepspeed"],
-                        help="train_batch, or DeepSpeed-shaped engine(**b); backward(loss); step() per micro-batch")
+    parser.add_argument(
+        "--loader",
+        action="store_true",
+        help="with --api deepspeed: draw each step's micro-batches from engine.deepspeed_io's loader",
+    )
+    parser.add_argument(
+        "--announce",
+        action="store_true",
+        help="with --api deepspeed: announce each window's micro-batches with engine.forward_window",
+    )
+    parser.add_argument(
+        "--api",
+        default="train_batch",
+        choices=["train_batch", "deepspeed"],
+        help="train_batch, or DeepSpeed-shaped engine(**b); backward(loss); step() per micro-batch",
+    )
     args = parser.parse_args()
     code = common.run_engine("zerofit", args, Zerofit, Zerofit.step, uses_cap=False, version_modules=("zerofit",))
-    for engine in _LIVE:     # the disk tier's swap file is removed (exit_now skips every finalizer)
+    for engine in _LIVE:  # the disk tier's swap file is removed (exit_now skips every finalizer)
         engine.release()
     return code
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import sysconfig
 import time
@@ -32,7 +31,6 @@ import common  # noqa: E402
 
 def prepare(args) -> None:
     import torch
-
     from tests.tiny_tokenizer import build_tokenizer
 
     root = Path(args.dir)
@@ -55,12 +53,30 @@ def prepare(args) -> None:
         text = src.read_text(errors="replace")
         (data_dir / (src.stem + ".txt")).write_text(text)
         total += len(text)
-    (root / "config.json").write_text(json.dumps({
-        "precision": "bf16", "micro_batch_size": w.micro_batch, "gradient_accumulation_steps": w.grad_accum,
-        "optimizer": {"lr": 1e-5, "weight_decay": 0.0}, "scheduler": {"type": "constant"},
-        "gradient_clipping": 1.0}, indent=1))
-    print(json.dumps({"model_dir": str(model_dir), "weights_bytes": size, "shards": len(list(model_dir.glob("*.safetensors"))),
-                      "data_bytes": total, "seconds": round(time.perf_counter() - t, 1)}))
+    (root / "config.json").write_text(
+        json.dumps(
+            {
+                "precision": "bf16",
+                "micro_batch_size": w.micro_batch,
+                "gradient_accumulation_steps": w.grad_accum,
+                "optimizer": {"lr": 1e-5, "weight_decay": 0.0},
+                "scheduler": {"type": "constant"},
+                "gradient_clipping": 1.0,
+            },
+            indent=1,
+        )
+    )
+    print(
+        json.dumps(
+            {
+                "model_dir": str(model_dir),
+                "weights_bytes": size,
+                "shards": len(list(model_dir.glob("*.safetensors"))),
+                "data_bytes": total,
+                "seconds": round(time.perf_counter() - t, 1),
+            }
+        )
+    )
 
 
 def _records(run: Path) -> list[dict]:
@@ -85,6 +101,7 @@ def compare(args) -> int:
     del wa, wb
     # round trip: the export loads with transformers and has learned the training windows
     from zerofit.data import build_datasets, load_tokenizer
+
     tok = load_tokenizer(args.model)
     data = build_datasets([Path(args.data)], tok, 2048, eval_size=0.0, seed=0)
     batch = data.train.batch(range(2))
@@ -99,8 +116,13 @@ def compare(args) -> int:
         losses[name + "_load_s"] = round(time.perf_counter() - t, 1)
         del m
         torch.cuda.empty_cache()
-    out = {"losses_straight": a, "losses_resumed": b, "same_losses": same_losses, "same_exported_weights": same_weights,
-           "from_pretrained": losses}
+    out = {
+        "losses_straight": a,
+        "losses_resumed": b,
+        "same_losses": same_losses,
+        "same_exported_weights": same_weights,
+        "from_pretrained": losses,
+    }
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -39,7 +39,7 @@ def meta_model(w, dtype=None):
     cfg.use_cache = True
     with torch.device("meta"):
         model = LlamaForCausalLM._from_config(cfg, dtype=dtype or torch.float32)
-    model.generation_config.eos_token_id = None      # decode every new token
+    model.generation_config.eos_token_id = None  # decode every new token
     model.generation_config.pad_token_id = 0
     return model
 
@@ -65,7 +65,7 @@ class Filler:
         at = 0
         while at < n:
             k = min(n - at, N - off)
-            flat[at:at + k].copy_(self.base[off:off + k])
+            flat[at : at + k].copy_(self.base[off : off + k])
             at, off = at + k, 0
 
 
@@ -109,16 +109,21 @@ def timed(gen, ids, mask, new_tokens: int) -> dict:
     out = gen(ids, mask, new_tokens, clock)
     _sync()
     t1 = time.perf_counter()
-    first = clock.times[1] if len(clock.times) > 1 else t1        # times[0]: the prompt
+    first = clock.times[1] if len(clock.times) > 1 else t1  # times[0]: the prompt
     B = ids.shape[0]
     decoded = out.shape[1] - ids.shape[1]
-    return {"batch": B, "prompt_tokens": ids.shape[1], "new_tokens": decoded, "seconds": round(t1 - t0, 4),
-            "prefill_s": round(first - t0, 4),
-            "decode_tokens_per_s": round(B * (decoded - 1) / (t1 - first), 3) if decoded > 1 else None,
-            "tokens_per_s": round(B * decoded / (t1 - t0), 3),
-            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GiB, 3) if cuda else None,
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GiB, 3) if cuda else None,
-            "first_tokens": out[0, ids.shape[1]:ids.shape[1] + 16].tolist()}
+    return {
+        "batch": B,
+        "prompt_tokens": ids.shape[1],
+        "new_tokens": decoded,
+        "seconds": round(t1 - t0, 4),
+        "prefill_s": round(first - t0, 4),
+        "decode_tokens_per_s": round(B * (decoded - 1) / (t1 - first), 3) if decoded > 1 else None,
+        "tokens_per_s": round(B * decoded / (t1 - t0), 3),
+        "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GiB, 3) if cuda else None,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GiB, 3) if cuda else None,
+        "first_tokens": out[0, ids.shape[1] : ids.shape[1] + 16].tolist(),
+    }
 
 
 def pinned_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -126,8 +131,14 @@ def pinned_bandwidth(nbytes: int = 1 << 30) -> float:
     measurement)."""
     from zerofit.doctor import copy_bandwidth
 
-    return round(next(c.gb_per_s for c in copy_bandwidth(nbytes, repeats=5)
-                      if c.direction == "host->gpu" and c.host_memory == "pinned"), 2)
+    return round(
+        next(
+            c.gb_per_s
+            for c in copy_bandwidth(nbytes, repeats=5)
+            if c.direction == "host->gpu" and c.host_memory == "pinned"
+        ),
+        2,
+    )
 
 
 # --------------------------------------------------------------------------- the engines (child processes)
@@ -147,8 +158,14 @@ def run_zerofit(args, w) -> dict:
         res["max_host_memory"] = args.max_host_memory
     common.set_gpu_cap(args.cap, "cuda" if torch.cuda.is_available() else "cpu")
     t = time.perf_counter()
-    eng = InferenceEngine(meta_model(w), dtype=torch.bfloat16, max_gpu_memory=args.cap, fill=Filler(),
-                          max_host_memory=args.max_host_memory, nvme_path=args.nvme)
+    eng = InferenceEngine(
+        meta_model(w),
+        dtype=torch.bfloat16,
+        max_gpu_memory=args.cap,
+        fill=Filler(),
+        max_host_memory=args.max_host_memory,
+        nvme_path=args.nvme,
+    )
     res["load_s"] = round(time.perf_counter() - t, 1)
 
     def gen(ids, mask, n, clock):
@@ -156,10 +173,15 @@ def run_zerofit(args, w) -> dict:
 
     for b in args.batches:
         ids, mask = prompts(w, b, args.prompt_len)
-        eng.prepare(b, args.prompt_len + args.new_tokens, args.prompt_len, grow_only=False)   # this batch's plan
+        eng.prepare(b, args.prompt_len + args.new_tokens, args.prompt_len, grow_only=False)  # this batch's plan
         r = timed(gen, ids, mask, args.new_tokens)
-        r.update(plan=eng.summary(), resident=len(eng.plan.resident), streamed=len(eng.plan.streamed),
-                 streamed_gb_per_token=round(eng.plan.streamed_bytes / 1e9, 3), stats=eng.stats())
+        r.update(
+            plan=eng.summary(),
+            resident=len(eng.plan.resident),
+            streamed=len(eng.plan.streamed),
+            streamed_gb_per_token=round(eng.plan.streamed_bytes / 1e9, 3),
+            stats=eng.stats(),
+        )
         if eng.disk_blocks and res.get("disk_read_gb_per_s"):
             disk = sum(eng.shape.block_bytes[x] for x in eng.plan.streamed if x in eng.disk_blocks)
             r["disk_gb_per_token"] = round(disk / 1e9, 3)
@@ -170,7 +192,7 @@ def run_zerofit(args, w) -> dict:
             r["of_bound"] = round(r["decode_tokens_per_s"] / bound, 3)
         res["runs"].append(r)
         print(json.dumps(r), flush=True)
-    if args.probe:     # what binds at batch 1: the copy stream's busy time, restarts, and the uncapped floor
+    if args.probe:  # what binds at batch 1: the copy stream's busy time, restarts, and the uncapped floor
         ids, mask = prompts(w, 1, args.prompt_len)
         probes = []
         for label, cap, slots in (("cap", eng.cap, 2), ("cap, 4 slots", eng.cap, 4), ("uncapped", None, 2)):
@@ -181,9 +203,13 @@ def run_zerofit(args, w) -> dict:
             before = eng.stats()
             r = timed(gen, ids, mask, 64)
             after = eng.stats()
-            r.update(probe=label, plan=eng.plan.summary(),
-                     upload_s=round(after["upload_seconds"] - before["upload_seconds"], 4),
-                     primes=after["primes"] - before["primes"], uploads=after["uploads"] - before["uploads"])
+            r.update(
+                probe=label,
+                plan=eng.plan.summary(),
+                upload_s=round(after["upload_seconds"] - before["upload_seconds"], 4),
+                primes=after["primes"] - before["primes"],
+                uploads=after["uploads"] - before["uploads"],
+            )
             probes.append(r)
             print(json.dumps(r), flush=True)
         res["probes"] = probes
@@ -207,9 +233,9 @@ def run_accelerate(args, w) -> dict:
     res = {"engine": "accelerate", "version": accelerate.__version__, "cap": args.cap, "runs": []}
     cap = common.set_gpu_cap(args.cap, "cuda" if torch.cuda.is_available() else "cpu") or common.parse_bytes(args.cap)
     t = time.perf_counter()
-    model = meta_model(w, torch.bfloat16)         # bf16 parameters, fp32 rotary tables (as from_pretrained)
+    model = meta_model(w, torch.bfloat16)  # bf16 parameters, fp32 rotary tables (as from_pretrained)
     model.to_empty(device="cpu")
-    model.tie_weights()                          # to_empty makes new parameters: tie them again
+    model.tie_weights()  # to_empty makes new parameters: tie them again
     fill = Filler()
     for name, p in model.named_parameters():
         fill([name], p.data)
@@ -217,19 +243,26 @@ def run_accelerate(args, w) -> dict:
         if "RotaryEmbedding" in type(m).__name__:
             model._init_weights(m)
     gpu_budget = cap - args.accelerate_headroom if cap else 200 * GiB
-    dm = infer_auto_device_map(model, max_memory={0: gpu_budget, "cpu": 400 * GiB},
-                               no_split_module_classes=["LlamaDecoderLayer"], dtype=torch.bfloat16)
+    dm = infer_auto_device_map(
+        model,
+        max_memory={0: gpu_budget, "cpu": 400 * GiB},
+        no_split_module_classes=["LlamaDecoderLayer"],
+        dtype=torch.bfloat16,
+    )
     model = dispatch_model(model.eval(), device_map=dm) if torch.cuda.is_available() else model.eval()
     res["load_s"] = round(time.perf_counter() - t, 1)
-    res["device_map"] = {"gpu_modules": sum(1 for v in dm.values() if v == 0),
-                         "cpu_modules": sum(1 for v in dm.values() if v == "cpu"),
-                         "gpu_budget_gib": round(gpu_budget / GiB, 2) if gpu_budget else None}
+    res["device_map"] = {
+        "gpu_modules": sum(1 for v in dm.values() if v == 0),
+        "cpu_modules": sum(1 for v in dm.values() if v == "cpu"),
+        "gpu_budget_gib": round(gpu_budget / GiB, 2) if gpu_budget else None,
+    }
 
     def gen(ids, mask, n, clock):
         with torch.no_grad():
             dev = "cuda" if torch.cuda.is_available() else "cpu"
-            return model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=n,
-                                  do_sample=False, streamer=clock)
+            return model.generate(
+                input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=n, do_sample=False, streamer=clock
+            )
 
     for b in args.batches:
         ids, mask = prompts(w, b, args.prompt_len)
@@ -257,11 +290,16 @@ def main() -> int:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--accelerate-new-tokens", type=int, default=None,
-                   help="accelerate's new tokens (default: --new-tokens)")
+    p.add_argument(
+        "--accelerate-new-tokens", type=int, default=None, help="accelerate's new tokens (default: --new-tokens)"
+    )
     p.add_argument("--prefill-len", type=int, default=2048)
-    p.add_argument("--accelerate-headroom", type=int, default=int(4.5 * GiB),
-                   help="bytes of the cap left out of accelerate's max_memory for the KV cache and activations")
+    p.add_argument(
+        "--accelerate-headroom",
+        type=int,
+        default=int(4.5 * GiB),
+        help="bytes of the cap left out of accelerate's max_memory for the KV cache and activations",
+    )
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--max-host-memory", default=None, help="zerofit: host budget for the blocks' weights")
     p.add_argument("--nvme", default=None, help="zerofit: folder for the blocks beyond --max-host-memory")
@@ -281,17 +319,48 @@ def main() -> int:
     jobs = [("zerofit", c) for c in caps if "zerofit" in args.engines]
     if "accelerate" in args.engines:
         jobs.append(("accelerate", caps[0]))
-    summary = {"workload": args.workload, "commit": args.commit, "date": time.strftime("%Y-%m-%d"),
-               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "results": []}
+    summary = {
+        "workload": args.workload,
+        "commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "results": [],
+    }
     for engine, cap in jobs:
         result = out / f"{engine}_{cap}.json"
-        cmd = [sys.executable, __file__, "--engine", engine, "--cap", cap, "--result", str(result),
-               "--workload", args.workload, "--batches", ",".join(map(str, args.batches)),
-               "--prompt-len", str(args.prompt_len), "--accelerate-headroom", str(args.accelerate_headroom),
-               "--new-tokens", str(args.accelerate_new_tokens if engine == "accelerate" and args.accelerate_new_tokens
-                                   else args.new_tokens),
-               "--prefill-len", str(args.prefill_len), "--out", str(out)] + (["--probe"] if args.probe else []) \
+        cmd = (
+            [
+                sys.executable,
+                __file__,
+                "--engine",
+                engine,
+                "--cap",
+                cap,
+                "--result",
+                str(result),
+                "--workload",
+                args.workload,
+                "--batches",
+                ",".join(map(str, args.batches)),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--accelerate-headroom",
+                str(args.accelerate_headroom),
+                "--new-tokens",
+                str(
+                    args.accelerate_new_tokens
+                    if engine == "accelerate" and args.accelerate_new_tokens
+                    else args.new_tokens
+                ),
+                "--prefill-len",
+                str(args.prefill_len),
+                "--out",
+                str(out),
+            ]
+            + (["--probe"] if args.probe else [])
             + (["--max-host-memory", args.max_host_memory, "--nvme", args.nvme] if args.nvme else [])
+        )
         t = time.perf_counter()
         print(f"== {engine} at {cap}: {' '.join(cmd)}", flush=True)
         try:
@@ -307,9 +376,11 @@ def main() -> int:
     a = next((r for r in summary["results"] if r["engine"] == "accelerate" and r.get("runs")), None)
     if z and a:
         summary["same_first_tokens_batch1"] = z["runs"][0]["first_tokens"] == a["runs"][0]["first_tokens"]
-        summary["speedup"] = {str(zr["batch"]): round(zr["decode_tokens_per_s"] / ar["decode_tokens_per_s"], 2)
-                              for zr, ar in zip(z["runs"], a["runs"])
-                              if zr.get("decode_tokens_per_s") and ar.get("decode_tokens_per_s")}
+        summary["speedup"] = {
+            str(zr["batch"]): round(zr["decode_tokens_per_s"] / ar["decode_tokens_per_s"], 2)
+            for zr, ar in zip(z["runs"], a["runs"])
+            if zr.get("decode_tokens_per_s") and ar.get("decode_tokens_per_s")
+        }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=1))
     ok = all(r["rc"] == 0 for r in summary["results"])

@@ -29,7 +29,7 @@ RESULTS = HERE / "results"
 LOGS = REPO / "docs" / "benchmarks"
 INDEX = RESULTS / "README.md"
 
-GROUPS = [     # name token -> title, in the order they are listed
+GROUPS = [  # name token -> title, in the order they are listed
     ("W1", "W1: 3.2 B Llama (Llama-3.2-3B shape), 16k tokens per step"),
     ("W1nvme", "W1 on the NVMe tier against DeepSpeed ZeRO-Infinity (4 micro-batches)"),
     ("W1-ga32", "W1-ga32: W1 with 32 micro-batches per step (the disk tier against DeepSpeed ZeRO-Infinity)"),
@@ -41,7 +41,7 @@ GROUPS = [     # name token -> title, in the order they are listed
     ("W5", "W5: the 13B shape on 2 GPUs"),
     ("other", "Probes, GPU tests, zerofit doctor"),
 ]
-OTHER_KINDS = [   # name part -> what the file holds
+OTHER_KINDS = [  # name part -> what the file holds
     ("disk_probe", "bench/probes/disk_probe.py output (JSON lines)"),
     ("split_rounding", "bench/probes/split_probe.py --rounding output"),
     ("split_probe", "bench/probes/split_probe.py output"),
@@ -54,7 +54,7 @@ OTHER_KINDS = [   # name part -> what the file holds
     ("_log.txt", "bench/run.py's log (every engine's output)"),
 ]
 HEX7 = re.compile(r"^[0-9a-f]{7,12}$")
-WEAK = 10      # a pattern matching more files than this names a session's files, not a run's
+WEAK = 10  # a pattern matching more files than this names a session's files, not a run's
 # files that no section names and whose name has no commit: the section they belong to, placed by hand
 HINTS = {
     "2026-11-30_W2_finetune": ("2026-11-30", "Issue 6: a W2-shaped model directory fine-tuned"),
@@ -87,8 +87,14 @@ def sections(path: Path) -> list[dict]:
             seen[base] = n + 1
             while stack and stack[-1]["level"] >= level:
                 stack.pop()
-            sec = {"file": path, "level": level, "title": title, "anchor": base if n == 0 else f"{base}-{n}",
-                   "parent": stack[-1] if stack else None, "text": [line]}
+            sec = {
+                "file": path,
+                "level": level,
+                "title": title,
+                "anchor": base if n == 0 else f"{base}-{n}",
+                "parent": stack[-1] if stack else None,
+                "text": [line],
+            }
             stack.append(sec)
             out.append(sec)
         elif out:
@@ -111,7 +117,7 @@ def expand(ref: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", ref)
     if not m:
         return [ref]
-    return [x for alt in m.group(1).split(",") for x in expand(ref[:m.start()] + alt + ref[m.end():])]
+    return [x for alt in m.group(1).split(",") for x in expand(ref[: m.start()] + alt + ref[m.end() :])]
 
 
 # --------------------------------------------------------------------------- what a file holds
@@ -124,7 +130,7 @@ def name_parts(name: str) -> dict:
     commit = next((t.split(".")[0] for t in tokens if HEX7.match(t.split(".")[0])), "")
     cap = next((t for t in tokens[1:3] if re.match(r"^\d+GiB$", t)), "")
     # what follows the commit, less the session (s9) and the extension: compute_probe, mem_peak, clip1_both
-    after = tokens[[t.split(".")[0] for t in tokens].index(commit) + 1:] if commit else tokens[1:]
+    after = tokens[[t.split(".")[0] for t in tokens].index(commit) + 1 :] if commit else tokens[1:]
     tag = "_".join(t for t in after if not re.match(r"^s\d+$", t)).split(".")[0]
     return {"date": date, "group": group, "commit": commit, "cap": cap, "tag": tag if len(tag) >= 5 else ""}
 
@@ -151,20 +157,24 @@ def _tps(v) -> str:
 
 def describe_json(doc: dict) -> tuple[dict, str]:
     """(date/commit/cap found in the file, what it measured) of a JSON result."""
-    if "meta" in doc and "results" in doc:                       # bench/run.py
+    if "meta" in doc and "results" in doc:  # bench/run.py
         m = doc["meta"]
-        engines = "; ".join(f"{r.get('engine')} {r.get('status')}"
-                            + (f", {_tps(r['tokens_per_s'])} tokens/s" if r.get("tokens_per_s") else "")
-                            for r in doc["results"])
+        engines = "; ".join(
+            f"{r.get('engine')} {r.get('status')}"
+            + (f", {_tps(r['tokens_per_s'])} tokens/s" if r.get("tokens_per_s") else "")
+            for r in doc["results"]
+        )
         what = f"bench/run.py: {engines}"
         args = _engine_args(m.get("command", ""))
         if args:
             what += "; " + ", ".join(f"`{a}`" for a in args)
         return {"date": m.get("date", ""), "commit": m.get("commit", ""), "cap": m.get("cap", "")}, what
-    if doc.get("engine") == "zerofit-trainer":                   # bench/trainer_bench.py
-        return {}, (f"bench/trainer_bench.py (zerofit.hf.Trainer): {_tps(doc.get('tokens_per_s'))} tokens/s, "
-                    f"{doc.get('s_per_step', 0):.2f} s/step")
-    if "runs" in doc and doc.get("engine") in ("zerofit", "accelerate"):     # bench/infer.py, one engine
+    if doc.get("engine") == "zerofit-trainer":  # bench/trainer_bench.py
+        return {}, (
+            f"bench/trainer_bench.py (zerofit.hf.Trainer): {_tps(doc.get('tokens_per_s'))} tokens/s, "
+            f"{doc.get('s_per_step', 0):.2f} s/step"
+        )
+    if "runs" in doc and doc.get("engine") in ("zerofit", "accelerate"):  # bench/infer.py, one engine
         runs = ", ".join(f"batch {r.get('batch')}: {r.get('decode_tokens_per_s')}" for r in doc["runs"])
         extra = ""
         if doc.get("max_host_memory"):
@@ -179,12 +189,14 @@ def describe_text(path: Path) -> str:
     text = path.read_text(errors="replace")
     if "gpu_tests" in name:
         counts = re.findall(r"^=*\s*(\d+ passed[^=\n]*?)\s*=*$", text, re.M)
-        if not counts:       # run with -qq: no summary line, only pytest's progress characters
+        if not counts:  # run with -qq: no summary line, only pytest's progress characters
             marks = "".join(re.findall(r"^([.sxXFE]+)\s+\[\s*\d+%\]$", text, re.M))
             if marks:
                 kinds = (("passed", "."), ("failed", "F"), ("errors", "E"), ("skipped", "s"))
-                counts = [", ".join(f"{marks.count(c)} {w}" for w, c in kinds if marks.count(c))
-                          + " (pytest's progress marks)"]
+                counts = [
+                    ", ".join(f"{marks.count(c)} {w}" for w, c in kinds if marks.count(c))
+                    + " (pytest's progress marks)"
+                ]
         rcs = re.findall(r"^rc=(-?\d+)$", text, re.M)
         if counts:
             what += ": " + "; ".join(counts)
@@ -213,8 +225,10 @@ def describe_dir(path: Path) -> str:
     cmp = path / "compare.json"
     if cmp.is_file():
         c = json.loads(cmp.read_text())
-        what += (f"; compare.json: same_losses {str(c.get('same_losses')).lower()}, "
-                 f"same_exported_weights {str(c.get('same_exported_weights')).lower()}")
+        what += (
+            f"; compare.json: same_losses {str(c.get('same_losses')).lower()}, "
+            f"same_exported_weights {str(c.get('same_exported_weights')).lower()}"
+        )
     return what
 
 
@@ -234,7 +248,7 @@ def entries() -> list[dict]:
                 e["date"] = found["date"].replace(" UTC", "")
             if found.get("commit") and HEX7.match(found["commit"].split("+")[0]):
                 e["commits"].append(found["commit"].split("+")[0])
-            if found.get("commit") and found["commit"] != e["commit"]:      # the name's, and the file's if other
+            if found.get("commit") and found["commit"] != e["commit"]:  # the name's, and the file's if other
                 e["commit"] = f"{e['commit']} (file: {found['commit']})" if e["commit"] else found["commit"]
             e["cap"] = found.get("cap") or e["cap"]
         else:
@@ -255,14 +269,14 @@ def place(items: list[dict], secs: list[dict]) -> None:
         exact = [s for s, p in refs if p == name]
         matched = [(len(hits[p]), s) for s, p in refs if name in hits[p] and p != name]
         best = min((n for n, _ in matched), default=0)
-        if exact:        # and the sections of the most specific pattern that matches it too
+        if exact:  # and the sections of the most specific pattern that matches it too
             more = [s for n, s in matched if n == best and n <= WEAK]
             e["backs"], e["how"] = _unique(exact + more), "named"
             continue
         if matched:
             chosen = _unique([s for n, s in matched if n == best])
             e["backs"], e["how"] = chosen, "named"
-            if best > WEAK:      # a session's "Result files: 2026-12-01_*": its subsection, else the day's, by commit
+            if best > WEAK:  # a session's "Result files: 2026-12-01_*": its subsection, else the day's, by commit
                 inside = [t for t in secs if any(t is s or _under(t, s) for s in chosen)]
                 same_day = [t for t in secs if t["file"].stem == e["date"][:10]]
                 better = _by_commit(inside, e) or _by_commit(same_day, e)
@@ -344,15 +358,15 @@ def render(items: list[dict]) -> str:
         "file of this folder, grouped by workload: the date and commit it records (from its JSON where it has one, else",
         "its name), what it measured (read from the file: each engine's status and tokens/s for a `bench/run.py` result,",
         "the engine arguments of its command), and the section of the dated logs under",
-        "[docs/benchmarks/](../../docs/benchmarks.md) that it backs. \"by commit\": no section names the file; the",
-        "section is the one of the same day that names its commit (and its run's time, when known); \"by hand\": placed",
+        '[docs/benchmarks/](../../docs/benchmarks.md) that it backs. "by commit": no section names the file; the',
+        'section is the one of the same day that names its commit (and its run\'s time, when known); "by hand": placed',
         "by bench/results_index.py's HINTS.",
         "",
         "File names: `DATE_WORKLOAD[_CAP]_COMMIT_WHAT.ext`. A `bench/run.py` result is its `results_<W>.json`",
         "renamed; its `.md` is the section it rendered (`python3 bench/run.py --from-json FILE` prints it again).",
         "",
-        "Contents: " + ", ".join(f"[{key}](#{slug(title)})" for key, title in GROUPS
-                                 if any(e["group"] == key for e in items)),
+        "Contents: "
+        + ", ".join(f"[{key}](#{slug(title)})" for key, title in GROUPS if any(e["group"] == key for e in items)),
         "",
     ]
     known = {k for k, _ in GROUPS}
@@ -360,8 +374,12 @@ def render(items: list[dict]) -> str:
         rows = [e for e in items if e["group"] == key]
         if not rows:
             continue
-        lines += [f"## {title}", "", "| file | date (UTC) | commit | cap | what it measured | backs |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"## {title}",
+            "",
+            "| file | date (UTC) | commit | cap | what it measured | backs |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for e in sorted(rows, key=lambda e: (e["date"], e["name"])):
             backs = "<br>".join(link(s) for s in e["backs"]) or "not found in the dated logs"
             if e["backs"] and e["how"] != "named":

@@ -41,27 +41,43 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-ENGINES = ("plain", "deepspeed", "fsdp2", "zerofit", "zerofit-ds", "zerofit-dsw", "zerofit-dsl",
-           "zerofit-fsdp1", "zerofit-fsdp1-w4", "fsdp1", "zerofit-accelerate",
-           "zerofit-accelerate-w4", "fsdp1-accelerate", "zerofit-fabric-w4", "fsdp1-fabric")
+ENGINES = (
+    "plain",
+    "deepspeed",
+    "fsdp2",
+    "zerofit",
+    "zerofit-ds",
+    "zerofit-dsw",
+    "zerofit-dsl",
+    "zerofit-fsdp1",
+    "zerofit-fsdp1-w4",
+    "fsdp1",
+    "zerofit-accelerate",
+    "zerofit-accelerate-w4",
+    "fsdp1-accelerate",
+    "zerofit-fabric-w4",
+    "fsdp1-fabric",
+)
 # a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop;
 # zerofit-dsw: the same with each window announced first, engine.forward_window; zerofit-dsl: the unchanged loop
 # drawing its micro-batches from the engine's own loader, deepspeed_io, which reads each window ahead)
-VARIANTS = {"zerofit-ds": ("zerofit", ["--api", "deepspeed"]),
-            "zerofit-dsw": ("zerofit", ["--api", "deepspeed", "--announce"]),
-            "zerofit-dsl": ("zerofit", ["--api", "deepspeed", "--loader"]),
-            # W7: the user's own FSDP1-shaped loop (engine_userloop.py) on zerofit.fsdp and on torch's FSDP1 with
-            # CPU offload, and the same loop through an Accelerator
-            "zerofit-fsdp1": ("userloop", ["--backend", "zerofit"]),
-            # the same with the window of the loop's 4 micro-batches held (zerofit_config gradient_accumulation_steps)
-            "zerofit-fsdp1-w4": ("userloop", ["--backend", "zerofit", "--window", "4"]),
-            "fsdp1": ("userloop", ["--backend", "torch"]),
-            "zerofit-accelerate": ("userloop", ["--backend", "zerofit", "--loop", "accelerate"]),
-            "zerofit-accelerate-w4": ("userloop", ["--backend", "zerofit", "--loop", "accelerate", "--window", "4"]),
-            "fsdp1-accelerate": ("userloop", ["--backend", "torch", "--loop", "accelerate"]),
-            # Lightning Fabric: the wrapper through Fabric, against Fabric's own FSDPStrategy with CPU offload
-            "zerofit-fabric-w4": ("userloop", ["--backend", "zerofit", "--loop", "fabric", "--window", "4"]),
-            "fsdp1-fabric": ("userloop", ["--backend", "torch", "--loop", "fabric"])}
+VARIANTS = {
+    "zerofit-ds": ("zerofit", ["--api", "deepspeed"]),
+    "zerofit-dsw": ("zerofit", ["--api", "deepspeed", "--announce"]),
+    "zerofit-dsl": ("zerofit", ["--api", "deepspeed", "--loader"]),
+    # W7: the user's own FSDP1-shaped loop (engine_userloop.py) on zerofit.fsdp and on torch's FSDP1 with
+    # CPU offload, and the same loop through an Accelerator
+    "zerofit-fsdp1": ("userloop", ["--backend", "zerofit"]),
+    # the same with the window of the loop's 4 micro-batches held (zerofit_config gradient_accumulation_steps)
+    "zerofit-fsdp1-w4": ("userloop", ["--backend", "zerofit", "--window", "4"]),
+    "fsdp1": ("userloop", ["--backend", "torch"]),
+    "zerofit-accelerate": ("userloop", ["--backend", "zerofit", "--loop", "accelerate"]),
+    "zerofit-accelerate-w4": ("userloop", ["--backend", "zerofit", "--loop", "accelerate", "--window", "4"]),
+    "fsdp1-accelerate": ("userloop", ["--backend", "torch", "--loop", "accelerate"]),
+    # Lightning Fabric: the wrapper through Fabric, against Fabric's own FSDPStrategy with CPU offload
+    "zerofit-fabric-w4": ("userloop", ["--backend", "zerofit", "--loop", "fabric", "--window", "4"]),
+    "fsdp1-fabric": ("userloop", ["--backend", "torch", "--loop", "fabric"]),
+}
 GiB = 2**30
 
 
@@ -72,12 +88,17 @@ def machine_info() -> dict:
     """GPU (from nvidia-smi, so this process never opens a CUDA context), cores, RAM."""
     info = {"cpu_count": os.cpu_count(), "gpu": "no GPU"}
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         gpus = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
         if gpus:
-            info["gpu"] = "; ".join(gpus) if len(set(gpus)) > 1 else (
-                gpus[0] if len(gpus) == 1 else f"{len(gpus)} x {gpus[0]}")
+            info["gpu"] = (
+                "; ".join(gpus) if len(set(gpus)) > 1 else (gpus[0] if len(gpus) == 1 else f"{len(gpus)} x {gpus[0]}")
+            )
     except Exception as e:  # noqa: BLE001 - no nvidia-smi: a CPU machine
         info["gpu_error"] = type(e).__name__
     try:
@@ -96,11 +117,16 @@ def machine_info() -> dict:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", REPO, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if out.returncode == 0 and out.stdout.strip():
-            dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
             return out.stdout.strip() + ("+dirty" if dirty else "")
     except Exception:  # noqa: BLE001
         pass
@@ -109,8 +135,11 @@ def git_commit() -> str:
 
 def command_line() -> str:
     """This invocation as a shell line, with the value of $OUT written as ``$OUT``."""
-    argv = ["python3", os.path.relpath(os.path.abspath(sys.argv[0]), REPO) if sys.argv[0] else "bench/run.py",
-            *sys.argv[1:]]
+    argv = [
+        "python3",
+        os.path.relpath(os.path.abspath(sys.argv[0]), REPO) if sys.argv[0] else "bench/run.py",
+        *sys.argv[1:],
+    ]
     line = shlex.join(argv)
     out = os.environ.get("OUT")
     return line.replace(out, "$OUT") if out else line
@@ -135,13 +164,39 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
     base, fixed = VARIANTS.get(name, (name, []))
     nodes = max(1, args.nnodes)
     port = _free_port() if nodes > 1 else None
-    launcher = [] if args.gpus <= 1 and nodes == 1 else ["-m", "torch.distributed.run", f"--nproc-per-node={args.gpus}",
-                                                        *(["--standalone"] if nodes == 1 else
-                                                          [f"--nnodes={nodes}", "--master-addr=127.0.0.1",
-                                                           f"--master-port={port}", "--node-rank=NODE"])]
-    cmd = [args.python, *launcher, os.path.join(HERE, f"engine_{base}.py"), "--workload", args.workload,
-           "--steps", str(steps), "--device", args.device, "--cap", cap, "--result", result_path,
-           *(["--lora"] if args.lora else []), *(["--qlora"] if args.qlora else []), *fixed, *shlex.split(args.engine_args.get(name, ""))]
+    launcher = (
+        []
+        if args.gpus <= 1 and nodes == 1
+        else [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={args.gpus}",
+            *(
+                ["--standalone"]
+                if nodes == 1
+                else [f"--nnodes={nodes}", "--master-addr=127.0.0.1", f"--master-port={port}", "--node-rank=NODE"]
+            ),
+        ]
+    )
+    cmd = [
+        args.python,
+        *launcher,
+        os.path.join(HERE, f"engine_{base}.py"),
+        "--workload",
+        args.workload,
+        "--steps",
+        str(steps),
+        "--device",
+        args.device,
+        "--cap",
+        cap,
+        "--result",
+        result_path,
+        *(["--lora"] if args.lora else []),
+        *(["--qlora"] if args.qlora else []),
+        *fixed,
+        *shlex.split(args.engine_args.get(name, "")),
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(REPO, "src"), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -151,13 +206,16 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
     engine_log = os.path.join(tmpdir, f"{name}.log")
     with open(engine_log, "w") as out:
         procs = []
-        for node in range(nodes):     # several nodes: one torchrun per node, on this host, its GPUs its own
+        for node in range(nodes):  # several nodes: one torchrun per node, on this host, its GPUs its own
             node_env = dict(env)
             if nodes > 1 and args.device.startswith("cuda"):
                 node_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * args.gpus + g) for g in range(args.gpus))
             node_cmd = [a.replace("--node-rank=NODE", f"--node-rank={node}") for a in cmd]
-            procs.append(subprocess.Popen(node_cmd, stdout=out, stderr=subprocess.STDOUT, env=node_env, cwd=REPO,
-                                          start_new_session=True))  # its own process group: killable as a whole
+            procs.append(
+                subprocess.Popen(
+                    node_cmd, stdout=out, stderr=subprocess.STDOUT, env=node_env, cwd=REPO, start_new_session=True
+                )
+            )  # its own process group: killable as a whole
         proc = procs[0]
         timed_out = False
         deadline = time.time() + timeout
@@ -181,7 +239,7 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
         with open(result_path) as f:
             res = json.load(f)
     ranks = []
-    for r in range(1, args.gpus * nodes):     # the other ranks' results (peak GPU, RSS, timeline)
+    for r in range(1, args.gpus * nodes):  # the other ranks' results (peak GPU, RSS, timeline)
         if os.path.exists(f"{result_path}.rank{r}"):
             with open(f"{result_path}.rank{r}") as f:
                 other = json.load(f)
@@ -198,8 +256,11 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
     elif rc is not None and rc < 0:
         sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
         res["status"] = "OOM" if -rc == signal.SIGKILL else "error"
-        res["error"] = f"killed by {sig}" + (" (the kernel's OOM killer?)" if -rc == signal.SIGKILL else "") + (
-            f"; last output: {last_error_line(text)}" if last_error_line(text) else "")
+        res["error"] = (
+            f"killed by {sig}"
+            + (" (the kernel's OOM killer?)" if -rc == signal.SIGKILL else "")
+            + (f"; last output: {last_error_line(text)}" if last_error_line(text) else "")
+        )
     elif rc != 0 and res.get("status") in (None, "running", "ok"):
         res["status"] = "error"
         res["error"] = last_error_line(text) or f"exit code {rc}"
@@ -255,10 +316,11 @@ def render(doc: dict) -> str:
         "",
         f"- commit: `{m['commit']}`",
         f"- machine: {mach.get('gpu')}; {mach.get('cpu_count')} cores"
-        + (f" ({mach['cpu']})" if mach.get("cpu") else "") + f"; {mach.get('ram_gib')} GiB RAM",
+        + (f" ({mach['cpu']})" if mach.get("cpu") else "")
+        + f"; {mach.get('ram_gib')} GiB RAM",
         "- software: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
-        f"- workload: {m['workload']}" + (f", P = {p / 1e9:.3f} B parameters, T = {t:,} tokens per optimizer step"
-                                          if p and t else "")
+        f"- workload: {m['workload']}"
+        + (f", P = {p / 1e9:.3f} B parameters, T = {t:,} tokens per optimizer step" if p and t else "")
         + f"; GPU cap {m['cap']} (plain: {m['plain_cap']}); steps {m['steps']} (fsdp2: {m['fsdp2_steps']}),"
         f" the first untimed",
         *([f"- LoRA: {_lora_line(rs)}"] if lora else []),
@@ -266,7 +328,8 @@ def render(doc: dict) -> str:
         "",
         "| engine | status | tokens/s | model TFLOP/s | peak GPU GiB | peak host RSS GiB | s to first step "
         "| s/step | timed steps | loss (last) |" + (" trainable / frozen params |" if lora else "") + " note |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if lora else "")
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" ---: |" if lora else "")
         + " --- |",
     ]
     for r in rs:
@@ -276,12 +339,24 @@ def render(doc: dict) -> str:
         if "op_build_s" in extra:
             note = (note + "; " if note else "") + f"incl. {extra['op_build_s']} s cpu_adam build"
         losses = r.get("losses") or []
-        lines.append(" | ".join([
-            f"| {r['engine']}", r.get("status", "?"), _fmt(r.get("tokens_per_s"), ",.0f"),
-            _fmt(r.get("tflops"), ".1f" if (r.get("tflops") or 0) >= 1 else ".2g"), _fmt(r.get("peak_gpu_gib"), ".1f"), _fmt(r.get("peak_rss_gib"), ".1f"),
-            _fmt(r.get("first_step_s"), ".1f"), _fmt(r.get("s_per_step"), ".2f"), str(timed),
-            _fmt(losses[-1] if losses else None, ".3f"),
-            *([_counts(r)] if lora else []), note.replace("|", "/") + " |"]))
+        lines.append(
+            " | ".join(
+                [
+                    f"| {r['engine']}",
+                    r.get("status", "?"),
+                    _fmt(r.get("tokens_per_s"), ",.0f"),
+                    _fmt(r.get("tflops"), ".1f" if (r.get("tflops") or 0) >= 1 else ".2g"),
+                    _fmt(r.get("peak_gpu_gib"), ".1f"),
+                    _fmt(r.get("peak_rss_gib"), ".1f"),
+                    _fmt(r.get("first_step_s"), ".1f"),
+                    _fmt(r.get("s_per_step"), ".2f"),
+                    str(timed),
+                    _fmt(losses[-1] if losses else None, ".3f"),
+                    *([_counts(r)] if lora else []),
+                    note.replace("|", "/") + " |",
+                ]
+            )
+        )
     lines.append("")
     by = {r["engine"]: r for r in rs}
     zf = by.get("zerofit")
@@ -292,28 +367,48 @@ def render(doc: dict) -> str:
                 continue
             a, b = zf.get("tokens_per_s"), by[peer].get("tokens_per_s")
             ok = zf.get("status") == "ok" and by[peer].get("status") == "ok"
-            ratios.append(f"zerofit / {peer} tokens/s: **{a / b:.2f}x**" if a and b and ok else
-                          f"zerofit / {peer} tokens/s: n/a (zerofit {zf.get('status')}, "
-                          f"{peer} {by[peer].get('status')})")
-        for name, what in (("zerofit-ds", "DeepSpeed-shaped loop"), ("zerofit-dsw", "the loop, windows announced"),
-                           ("zerofit-dsl", "the loop over the engine's loader")):
+            ratios.append(
+                f"zerofit / {peer} tokens/s: **{a / b:.2f}x**"
+                if a and b and ok
+                else f"zerofit / {peer} tokens/s: n/a (zerofit {zf.get('status')}, {peer} {by[peer].get('status')})"
+            )
+        for name, what in (
+            ("zerofit-ds", "DeepSpeed-shaped loop"),
+            ("zerofit-dsw", "the loop, windows announced"),
+            ("zerofit-dsl", "the loop over the engine's loader"),
+        ):
             ds = by.get(name)
-            if not (ds and ds.get("tokens_per_s") and zf.get("tokens_per_s")
-                    and ds.get("status") == zf.get("status") == "ok"):
+            if not (
+                ds
+                and ds.get("tokens_per_s")
+                and zf.get("tokens_per_s")
+                and ds.get("status") == zf.get("status") == "ok"
+            ):
                 continue
-            ratios.append(f"{name} / zerofit ({what} / train_batch): **{ds['tokens_per_s'] / zf['tokens_per_s']:.2f}x**")
+            ratios.append(
+                f"{name} / zerofit ({what} / train_batch): **{ds['tokens_per_s'] / zf['tokens_per_s']:.2f}x**"
+            )
             if by.get("deepspeed", {}).get("tokens_per_s") and by["deepspeed"].get("status") == "ok":
                 ratios.append(f"{name} / deepspeed: **{ds['tokens_per_s'] / by['deepspeed']['tokens_per_s']:.2f}x**")
         if ratios:
             lines += ["; ".join(ratios), ""]
         if zf.get("timeline"):
-            lines += ["zerofit timeline of the last step (s): "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in zf["timeline"].items()), ""]
-    lines.append(("tokens/s and model TFLOP/s (6·P·T / s for LoRA over a frozen base: forward, recompute and the "
-                  "input gradients; P the base's parameters)" if lora else "tokens/s and model TFLOP/s (8·P·T / s)")
-                 + " use the median of the timed steps; peak GPU is "
-                 "`torch.cuda.max_memory_allocated` over the whole process; peak host RSS is `ru_maxrss`; "
-                 "s to first step counts from process start (imports, model build and JIT builds included).")
+            lines += [
+                "zerofit timeline of the last step (s): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in zf["timeline"].items()),
+                "",
+            ]
+    lines.append(
+        (
+            "tokens/s and model TFLOP/s (6·P·T / s for LoRA over a frozen base: forward, recompute and the "
+            "input gradients; P the base's parameters)"
+            if lora
+            else "tokens/s and model TFLOP/s (8·P·T / s)"
+        )
+        + " use the median of the timed steps; peak GPU is "
+        "`torch.cuda.max_memory_allocated` over the whole process; peak host RSS is `ru_maxrss`; "
+        "s to first step counts from process start (imports, model build and JIT builds included)."
+    )
     lines.append("")
     return "\n".join(lines)
 
@@ -328,10 +423,12 @@ def _lora_line(rs: list) -> str:
     lo = next(((r.get("extra") or {}).get("lora") for r in rs if (r.get("extra") or {}).get("lora")), None)
     if not lo:
         return "r 16, alpha 32, dropout 0 on the seven linears (no engine reported its adapters)"
-    return (f"r {lo['r']}, alpha {lo['alpha']}, dropout {lo['dropout']} on {', '.join(lo['targets'])} through "
-            f"peft.get_peft_model; AdamW lr {lo['lr']} over the adapters; the base frozen in "
-            f"{'NF4 (its linears; the rest bf16)' if lo.get('qlora') else 'bf16'}; trainable "
-            f"{lo['trainable']:,}, frozen {lo['frozen']:,} parameters")
+    return (
+        f"r {lo['r']}, alpha {lo['alpha']}, dropout {lo['dropout']} on {', '.join(lo['targets'])} through "
+        f"peft.get_peft_model; AdamW lr {lo['lr']} over the adapters; the base frozen in "
+        f"{'NF4 (its linears; the rest bf16)' if lo.get('qlora') else 'bf16'}; trainable "
+        f"{lo['trainable']:,}, frozen {lo['frozen']:,} parameters"
+    )
 
 
 def write_outputs(doc: dict, out_dir: str) -> str:
@@ -344,7 +441,7 @@ def write_outputs(doc: dict, out_dir: str) -> str:
     return md
 
 
-DOCS = os.path.join(REPO, "docs", "benchmarks")     # the dated logs, docs/benchmarks/YYYY-MM-DD.md
+DOCS = os.path.join(REPO, "docs", "benchmarks")  # the dated logs, docs/benchmarks/YYYY-MM-DD.md
 
 
 def docs_target(arg: str, doc: dict) -> str:
@@ -356,8 +453,7 @@ def docs_target(arg: str, doc: dict) -> str:
     if os.path.isdir(arg):
         return os.path.join(arg, day)
     if os.path.abspath(arg) == os.path.join(REPO, "docs", "benchmarks.md"):
-        print("docs/benchmarks.md holds the current figures and the contents: appending to the day's log",
-              flush=True)
+        print("docs/benchmarks.md holds the current figures and the contents: appending to the day's log", flush=True)
         return os.path.join(DOCS, day)
     return arg
 
@@ -369,17 +465,19 @@ def append_docs(md: str, path: str) -> None:
     new = not os.path.exists(path) or os.path.getsize(path) == 0
     with open(path, "a") as f:
         if new and dated:
-            f.write(f"# Benchmarks: {day}\n\nThe benchmark runs of that day, each appended by `bench/run.py "
-                    "--append-docs` as it printed it: date, commit, machine, command and table. "
-                    "[docs/benchmarks.md](../benchmarks.md) has the current figures of each workload, the contents "
-                    "of every dated log and what the columns mean.\n")
+            f.write(
+                f"# Benchmarks: {day}\n\nThe benchmark runs of that day, each appended by `bench/run.py "
+                "--append-docs` as it printed it: date, commit, machine, command and table. "
+                "[docs/benchmarks.md](../benchmarks.md) has the current figures of each workload, the contents "
+                "of every dated log and what the columns mean.\n"
+            )
         f.write("\n" + md)
     print(f"appended the section to {path}", flush=True)
     if dated and os.path.abspath(os.path.dirname(path)) == os.path.abspath(DOCS):
         from pathlib import Path
 
         sys.path.insert(0, HERE)
-        from results_index import sections       # the headings' anchors, numbered as GitHub numbers them
+        from results_index import sections  # the headings' anchors, numbered as GitHub numbers them
 
         title = md.splitlines()[0].lstrip("# ").strip()
         anchor = [s["anchor"] for s in sections(Path(path)) if s["title"] == title][-1]
@@ -392,36 +490,68 @@ def append_docs(md: str, path: str) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="W1", help="W1, W2, W3, W6a, W6b (LoRA), smoke, ... (common.WORKLOADS)")
-    p.add_argument("--lora", action="store_true",
-                   help="every engine trains W6's LoRA over the frozen base (implied by W6a, W6b); fsdp2 refuses")
-    p.add_argument("--qlora", action="store_true",
-                   help="every engine trains W6c's QLoRA (the blocks' linears in NF4; implied by W6c): zerofit with "
-                        "quantize_base nf4, plain with bitsandbytes' Linear4bit in the GPU; deepspeed, fsdp2 refuse")
-    p.add_argument("--engines", default="plain,zerofit,deepspeed,fsdp2",
-                   help=f"comma-separated, run in this order; from {', '.join(ENGINES)}")
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="every engine trains W6's LoRA over the frozen base (implied by W6a, W6b); fsdp2 refuses",
+    )
+    p.add_argument(
+        "--qlora",
+        action="store_true",
+        help="every engine trains W6c's QLoRA (the blocks' linears in NF4; implied by W6c): zerofit with "
+        "quantize_base nf4, plain with bitsandbytes' Linear4bit in the GPU; deepspeed, fsdp2 refuse",
+    )
+    p.add_argument(
+        "--engines",
+        default="plain,zerofit,deepspeed,fsdp2",
+        help=f"comma-separated, run in this order; from {', '.join(ENGINES)}",
+    )
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per engine, the first untimed")
     p.add_argument("--fsdp2-steps", type=int, default=2, help="steps for fsdp2 (slow)")
     p.add_argument("--cap", default="24GiB", help="GPU memory cap of the offloading engines ('none': no cap)")
     p.add_argument("--plain-cap", default="none", help="GPU memory cap of plain (default: none)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per engine before it is killed")
-    p.add_argument("--engine-timeout", action="append", default=[], metavar="NAME=SECONDS",
-                   help="one engine's own --timeout, e.g. deepspeed=540 (repeatable)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole run: later engines get what is left (minus a margin)")
+    p.add_argument(
+        "--engine-timeout",
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="one engine's own --timeout, e.g. deepspeed=540 (repeatable)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the whole run: later engines get what is left (minus a margin)",
+    )
     p.add_argument("--device", default="cuda", help="cuda, or cpu for dry runs")
     p.add_argument("--gpus", type=int, default=1, help="ranks per engine (torchrun on one host); tokens count all")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="simulated nodes on this host, each a torchrun node of --gpus ranks and GPUs of its own "
-                        "(zerofit's layouts across them: docs/ranks.md; --engine-args 'zerofit=--set nodes_layout=full'); "
-                        "tokens count every node's")
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="simulated nodes on this host, each a torchrun node of --gpus ranks and GPUs of its own "
+        "(zerofit's layouts across them: docs/ranks.md; --engine-args 'zerofit=--set nodes_layout=full'); "
+        "tokens count every node's",
+    )
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "runs", "bench"))
-    p.add_argument("--append-docs", nargs="?", const="", default=None, metavar="FILE",
-                   help="append the markdown section to the run's day's log, docs/benchmarks/<YYYY-MM-DD>.md, "
-                        "or to FILE")
+    p.add_argument(
+        "--append-docs",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE",
+        help="append the markdown section to the run's day's log, docs/benchmarks/<YYYY-MM-DD>.md, or to FILE",
+    )
     p.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse, if it works)")
     p.add_argument("--python", default=sys.executable, help="interpreter for the engine processes")
-    p.add_argument("--engine-args", action="append", default=[], metavar="NAME=ARGS",
-                   help="extra arguments for one engine, e.g. fsdp2='--optimizer fused' (repeatable)")
+    p.add_argument(
+        "--engine-args",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="extra arguments for one engine, e.g. fsdp2='--optimizer fused' (repeatable)",
+    )
     p.add_argument("--from-json", default=None, help="only re-render (and --append-docs) a results JSON")
     args = p.parse_args(argv)
     extra = {}
@@ -445,7 +575,7 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, HERE)
-    import common     # the workloads (no torch import)
+    import common  # the workloads (no torch import)
 
     if args.workload not in common.WORKLOADS:
         sys.exit(f"unknown workload {args.workload!r}; expected one of {sorted(common.WORKLOADS)}")
@@ -456,16 +586,23 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     deadline = t_start + args.budget if args.budget else None
-    doc = {"meta": {
-        "workload": args.workload,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": args.commit or git_commit(),
-        "machine": machine_info(),
-        "command": command_line(),
-        "cap": args.cap, "plain_cap": args.plain_cap, "steps": args.steps, "fsdp2_steps": args.fsdp2_steps,
-        "engines": engines, "lora": bool(args.lora or args.qlora or common.WORKLOADS[args.workload].lora),
-        "qlora": bool(args.qlora or common.WORKLOADS[args.workload].qlora),
-    }, "results": []}
+    doc = {
+        "meta": {
+            "workload": args.workload,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": args.commit or git_commit(),
+            "machine": machine_info(),
+            "command": command_line(),
+            "cap": args.cap,
+            "plain_cap": args.plain_cap,
+            "steps": args.steps,
+            "fsdp2_steps": args.fsdp2_steps,
+            "engines": engines,
+            "lora": bool(args.lora or args.qlora or common.WORKLOADS[args.workload].lora),
+            "qlora": bool(args.qlora or common.WORKLOADS[args.workload].qlora),
+        },
+        "results": [],
+    }
     print(f"bench {args.workload}: engines {engines}; machine {doc['meta']['machine']}", flush=True)
     log_path = os.path.join(args.out, f"log_{args.workload}.txt")
     with tempfile.TemporaryDirectory(prefix="zerofit-bench-") as tmpdir, open(log_path, "a") as log:
@@ -483,19 +620,28 @@ def main(argv=None) -> int:
             doc["results"].append(res)
             write_outputs(doc, args.out)  # after every engine: a killed run keeps what it had
             tps = res.get("tokens_per_s")
-            print(f"--- {name}: {res.get('status')}"
-                  + (f", {tps:,.0f} tokens/s, {res.get('s_per_step'):.2f} s/step" if tps else "")
-                  + (f", {res.get('wall_s')} s wall" if res.get("wall_s") else "")
-                  + (f": {res.get('error')}" if res.get("status") != "ok" else ""), flush=True)
+            print(
+                f"--- {name}: {res.get('status')}"
+                + (f", {tps:,.0f} tokens/s, {res.get('s_per_step'):.2f} s/step" if tps else "")
+                + (f", {res.get('wall_s')} s wall" if res.get("wall_s") else "")
+                + (f": {res.get('error')}" if res.get("status") != "ok" else ""),
+                flush=True,
+            )
             if res.get("status") not in ("ok", "skipped"):
-                tail = open(os.path.join(tmpdir, f"{name}.log"), errors="replace").read().splitlines()[-12:] \
-                    if os.path.exists(os.path.join(tmpdir, f"{name}.log")) else []
+                tail = (
+                    open(os.path.join(tmpdir, f"{name}.log"), errors="replace").read().splitlines()[-12:]
+                    if os.path.exists(os.path.join(tmpdir, f"{name}.log"))
+                    else []
+                )
                 print("\n".join(f"    | {ln[:300]}" for ln in tail), flush=True)
     md = write_outputs(doc, args.out)
     if args.append_docs is not None:
         append_docs(md, docs_target(args.append_docs, doc))
-    print(f"\nwrote {args.out}/results_{args.workload}.json, .md, log_{args.workload}.txt "
-          f"({time.time() - t_start:.0f} s)\n", flush=True)
+    print(
+        f"\nwrote {args.out}/results_{args.workload}.json, .md, log_{args.workload}.txt "
+        f"({time.time() - t_start:.0f} s)\n",
+        flush=True,
+    )
     print(md, flush=True)
     return 0
 

@@ -31,7 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))     # the working tree's zerofit
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))  # the working tree's zerofit
 
 T0 = time.time()
 
@@ -111,8 +111,11 @@ def main(argv=None) -> int:
     p.add_argument("--cap", default=None, help="max_gpu_memory (default: the workload's)")
     p.add_argument("--dir", default=None, help="where the folders are written (default: a temporary folder)")
     p.add_argument("--direct", action="store_true", help="also time a read of the folder past the page cache")
-    p.add_argument("--write-only", action="store_true",
-                   help="write the folder and stop (its writing then stays out of the run's peak memory)")
+    p.add_argument(
+        "--write-only",
+        action="store_true",
+        help="write the folder and stop (its writing then stays out of the run's peak memory)",
+    )
     p.add_argument("--cold", action="store_true", help="drop the folder's pages from the page cache before the run")
     p.add_argument("--step", action="store_true", help="also time the first training step")
     p.add_argument("--steps", type=int, default=0, help="time this many training steps (implies --step)")
@@ -128,15 +131,27 @@ def main(argv=None) -> int:
     w = _cut(args.workload, args.layers)
     qlora = args.qlora or w.qlora
     cuda = args.device.startswith("cuda")
-    cfg = {"device": args.device, "precision": "bf16" if cuda else "fp32", "micro_batch_size": w.micro_batch,
-           "gradient_accumulation_steps": w.grad_accum, "seq_len": w.seq if cuda else 128,
-           "optimizer": {"lr": common.LORA.lr}}
+    cfg = {
+        "device": args.device,
+        "precision": "bf16" if cuda else "fp32",
+        "micro_batch_size": w.micro_batch,
+        "gradient_accumulation_steps": w.grad_accum,
+        "seq_len": w.seq if cuda else 128,
+        "optimizer": {"lr": common.LORA.lr},
+    }
     if cuda:
         cfg["max_gpu_memory"] = args.cap or w.cap
     if qlora and args.source != "folder4":
         cfg["quantize_base"] = "nf4"
-    out = {"workload": w.name, "layers": w.layers, "source": args.source, "qlora": qlora, "device": args.device,
-           "cpus": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}
+    out = {
+        "workload": w.name,
+        "layers": w.layers,
+        "source": args.source,
+        "qlora": qlora,
+        "device": args.device,
+        "cpus": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+    }
     if cuda:
         out["gpu"] = torch.cuda.get_device_name()
     root = args.dir or tempfile.mkdtemp(prefix="zerofit-startup-")
@@ -177,7 +192,7 @@ def main(argv=None) -> int:
 
         model = engine_zerofit.build(w, lora=True)
         engine = Engine(model, load_config(cfg).config)
-        stored = sum(q.numel() for q in model.parameters()) * 2          # the model's bf16 bytes
+        stored = sum(q.numel() for q in model.parameters()) * 2  # the model's bf16 bytes
     else:
         from zerofit.lora.model import LoraOptions, from_model_dir
 
@@ -195,25 +210,36 @@ def main(argv=None) -> int:
         pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
         with open(args.profile, "w") as f:
             f.write(text.getvalue())
-    startup = getattr(engine, "startup", None)     # (an engine from before [Note: start-up progress]: none)
+    startup = getattr(engine, "startup", None)  # (an engine from before [Note: start-up progress]: none)
     mat = startup.elapsed() if startup is not None else secs
     params = sum(q.numel() for q in {id(q): q for q in engine.module.parameters()}.values())
-    out.update(initialize_seconds=round(secs, 2), materialize_seconds=round(mat, 2),
-               phases={k: round(v, 2) for k, v in startup.seconds.items()} if startup is not None else None,
-               parameters=params, params_per_s=round(params / mat), gb_per_s=round(stored / mat / 1e9, 3),
-               stored_bytes=stored, process_to_engine_seconds=round(time.time() - T0, 1))
+    out.update(
+        initialize_seconds=round(secs, 2),
+        materialize_seconds=round(mat, 2),
+        phases={k: round(v, 2) for k, v in startup.seconds.items()} if startup is not None else None,
+        parameters=params,
+        params_per_s=round(params / mat),
+        gb_per_s=round(stored / mat / 1e9, 3),
+        stored_bytes=stored,
+        process_to_engine_seconds=round(time.time() - T0, 1),
+    )
     steps = max(args.steps, 1 if args.step else 0)
     if steps:
         seconds, losses = [], []
         for i, micro in enumerate(common.make_batches(w, steps)):
-            batch = [{"input_ids": ids[:, :cfg["seq_len"]], "labels": ids[:, :cfg["seq_len"]]} for ids in micro]
+            batch = [{"input_ids": ids[:, : cfg["seq_len"]], "labels": ids[:, : cfg["seq_len"]]} for ids in micro]
             t = time.perf_counter()
             losses.append(round(engine.train_batch(batch), 4))
             seconds.append(round(time.perf_counter() - t, 2))
             if i == 0:
                 out["process_to_first_step_seconds"] = round(time.time() - T0, 1)
-        out.update(first_step_seconds=seconds[0], first_loss=losses[0], step_seconds=seconds, losses=losses,
-                   peak_rss_gib=round(common.peak_rss_gib(), 2))
+        out.update(
+            first_step_seconds=seconds[0],
+            first_loss=losses[0],
+            step_seconds=seconds,
+            losses=losses,
+            peak_rss_gib=round(common.peak_rss_gib(), 2),
+        )
         if cuda:
             out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     engine.close()

@@ -30,8 +30,12 @@ def phases(trace: list[dict]) -> list[tuple[str, float, float]]:
     # the DeepSpeed-shaped loop: each micro-batch's forward, then its head and loss ("post"); the span between
     # the first and the last post then holds the later forwards too
     later = any(e["label"] != "post" and fwd_end < e["start"] < post_end for e in comp)
-    return [("forward", 0.0, fwd_end), ("later fwd" if later else "post", fwd_end, post_end),
-            ("backward", post_end, bwd_end), ("tail", bwd_end, end)]
+    return [
+        ("forward", 0.0, fwd_end),
+        ("later fwd" if later else "post", fwd_end, post_end),
+        ("backward", post_end, bwd_end),
+        ("tail", bwd_end, end),
+    ]
 
 
 def overlap(a0, a1, b0, b1) -> float:
@@ -85,8 +89,11 @@ def gaps(trace: list[dict], least: float = 1e-3) -> str:
     """The compute lane's gaps over ``least`` seconds, the CPU lane's tasks by phase, the disk's reads and writes
     at once (1 ms bins)."""
     comp = sorted((e for e in trace if e["lane"] == "compute"), key=lambda e: e["start"])
-    holes = [(a["end"], b["start"] - a["end"], a["label"], b["label"]) for a, b in zip(comp, comp[1:])
-             if b["start"] - a["end"] > least]
+    holes = [
+        (a["end"], b["start"] - a["end"], a["label"], b["label"])
+        for a, b in zip(comp, comp[1:])
+        if b["start"] - a["end"] > least
+    ]
     lines = [f"compute gaps over {least * 1e3:.0f} ms: {len(holes)}, {sum(h[1] for h in holes) * 1e3:.1f} ms"]
     lines += [f"  at {t * 1e3:8.1f} ms  {g * 1e3:6.1f} ms  after {a}, before {b}" for t, g, a, b in holes]
     ph = phases(trace)
@@ -94,9 +101,13 @@ def gaps(trace: list[dict], least: float = 1e-3) -> str:
     for name, a, b in ph:
         some = [t for t in tasks if a <= t["start"] < b]
         if some:
-            lines.append(f"cpu tasks taken in the {name}: {len(some)}, label working ms (+ waiting ms): "
-                         + ", ".join(f"{t['label']} {t['work'] * 1e3:.0f}"
-                                     + (f" (+{t['wait'] * 1e3:.0f})" if t["wait"] > 5e-4 else "") for t in some))
+            lines.append(
+                f"cpu tasks taken in the {name}: {len(some)}, label working ms (+ waiting ms): "
+                + ", ".join(
+                    f"{t['label']} {t['work'] * 1e3:.0f}" + (f" (+{t['wait'] * 1e3:.0f})" if t["wait"] > 5e-4 else "")
+                    for t in some
+                )
+            )
     disk = [e for e in trace if e["lane"] == "disk"]
     if disk:
         bins = int(max(e["end"] for e in disk) * 1e3) + 1
@@ -108,14 +119,18 @@ def gaps(trace: list[dict], least: float = 1e-3) -> str:
         both = sum(r and w for r, w in zip(busy["read"], busy["write"]))
         only_r = sum(r and not w for r, w in zip(busy["read"], busy["write"]))
         only_w = sum(w and not r for r, w in zip(busy["read"], busy["write"]))
-        lines.append(f"disk over {bins / 1e3:.3f} s: reads and writes at once {both / 1e3:.3f} s, reads alone "
-                     f"{only_r / 1e3:.3f}, writes alone {only_w / 1e3:.3f}")
+        lines.append(
+            f"disk over {bins / 1e3:.3f} s: reads and writes at once {both / 1e3:.3f} s, reads alone "
+            f"{only_r / 1e3:.3f}, writes alone {only_w / 1e3:.3f}"
+        )
     return "\n".join(lines)
 
 
 def gantt(trace: list[dict]) -> str:
-    return "\n".join(f"{e['start'] * 1e3:9.1f} {(e['end'] - e['start']) * 1e3:7.1f} ms  {e['lane']:9} {e['label']}"
-                     for e in sorted(trace, key=lambda e: e["start"]))
+    return "\n".join(
+        f"{e['start'] * 1e3:9.1f} {(e['end'] - e['start']) * 1e3:7.1f} ms  {e['lane']:9} {e['label']}"
+        for e in sorted(trace, key=lambda e: e["start"])
+    )
 
 
 def main() -> int:
@@ -131,8 +146,10 @@ def main() -> int:
         if r.get("engine") != a.engine or not r.get("extra", {}).get("trace"):
             continue
         t = r["extra"]["trace"]
-        print(f"== {r['engine']} {r.get('extra', {}).get('zerofit_config', {}).get('offload', {})}: "
-              f"{r.get('s_per_step')} s/step")
+        print(
+            f"== {r['engine']} {r.get('extra', {}).get('zerofit_config', {}).get('offload', {})}: "
+            f"{r.get('s_per_step')} s/step"
+        )
         print(summarize(t))
         if a.gaps:
             print(gaps(t))

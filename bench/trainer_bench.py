@@ -62,11 +62,22 @@ def main() -> int:
             times.append(time.perf_counter() - self.t)
 
     out_dir = tempfile.mkdtemp(prefix="zf-trainer-")
-    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=w.micro_batch,
-                             gradient_accumulation_steps=w.grad_accum, max_steps=a.steps, learning_rate=1e-4,
-                             weight_decay=0.01, lr_scheduler_type="constant", max_grad_norm=0.0,
-                             bf16=True, logging_steps=1, save_strategy="no", report_to=[],
-                             use_cpu=a.device == "cpu", dataloader_drop_last=True)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=w.micro_batch,
+        gradient_accumulation_steps=w.grad_accum,
+        max_steps=a.steps,
+        learning_rate=1e-4,
+        weight_decay=0.01,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        bf16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=a.device == "cpu",
+        dataloader_drop_last=True,
+    )
     cfg = {"seq_len": w.seq}
     if a.cap and a.device == "cuda":
         cfg["max_gpu_memory"] = a.cap
@@ -78,14 +89,24 @@ def main() -> int:
     steady = times[1:] or times
     s = statistics.median(steady)
     engine = trainer.zerofit_engine
-    res = {"engine": "zerofit-trainer", "workload": a.workload, "step_s": times, "s_per_step": s,
-           "tokens_per_s": tokens / s, "tokens_per_step": tokens, "wall_s": wall,
-           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-           "train_loss": result.training_loss, "plan": engine.plan.describe(),
-           "timeline": engine.timeline(), "zerofit_hf": zerofit.hf.__name__, "window_stats": engine.window_stats,
-           "trace": engine.trace(),
-           "peak_gpu_gib": (torch.cuda.max_memory_allocated() / 2**30) if a.device == "cuda" else None,
-           "peak_rss_gib": common.peak_rss_gib() if hasattr(common, "peak_rss_gib") else None}
+    res = {
+        "engine": "zerofit-trainer",
+        "workload": a.workload,
+        "step_s": times,
+        "s_per_step": s,
+        "tokens_per_s": tokens / s,
+        "tokens_per_step": tokens,
+        "wall_s": wall,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "train_loss": result.training_loss,
+        "plan": engine.plan.describe(),
+        "timeline": engine.timeline(),
+        "zerofit_hf": zerofit.hf.__name__,
+        "window_stats": engine.window_stats,
+        "trace": engine.trace(),
+        "peak_gpu_gib": (torch.cuda.max_memory_allocated() / 2**30) if a.device == "cuda" else None,
+        "peak_rss_gib": common.peak_rss_gib() if hasattr(common, "peak_rss_gib") else None,
+    }
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(f"[trainer] {a.workload}: {res['tokens_per_s']:,.0f} tokens/s, {s:.2f} s/step, steps {times}", flush=True)

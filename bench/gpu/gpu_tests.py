@@ -34,7 +34,7 @@ def _skips_without_cuda(cond: ast.AST, cuda_names: set[str]) -> bool:
         return _mentions_cuda(cond.operand, cuda_names)
     if isinstance(cond, ast.BoolOp) and isinstance(cond.op, ast.Or):
         return any(_skips_without_cuda(v, cuda_names) for v in cond.values)
-    if isinstance(cond, ast.Compare):      # torch.cuda.device_count() < 2
+    if isinstance(cond, ast.Compare):  # torch.cuda.device_count() < 2
         return _mentions_cuda(cond, cuda_names) and "device_count" in ast.unparse(cond)
     return False
 
@@ -63,7 +63,7 @@ def scan(path: Path) -> list[str]:
             elif _is_gpu_skip(stmt.value, cuda_names, markers):
                 markers.add(name)
             elif _mentions_cuda(stmt.value, cuda_names):
-                cuda_names.add(name)       # CUDA = torch.cuda.is_available()
+                cuda_names.add(name)  # CUDA = torch.cuda.is_available()
     if whole:
         return [str(path)]
     found = []
@@ -77,8 +77,11 @@ def scan(path: Path) -> list[str]:
                 found.append(f"{path}::{stmt.name}")
         elif isinstance(stmt, ast.ClassDef) and stmt.name.startswith("Test"):
             class_mark = marked(stmt) or any(
-                isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in s.targets)
-                and _is_gpu_skip(s.value, cuda_names, markers) for s in stmt.body)
+                isinstance(s, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in s.targets)
+                and _is_gpu_skip(s.value, cuda_names, markers)
+                for s in stmt.body
+            )
             for s in stmt.body:
                 if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name.startswith("test"):
                     if class_mark or marked(s):

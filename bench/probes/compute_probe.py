@@ -42,7 +42,7 @@ def timed(model_cls, cfg, layers, mb, seq, accum, seconds):
         torch.cuda.synchronize()
         runs.append((time.perf_counter() - t) / accum)
         m.zero_grad(set_to_none=True)
-    late = sorted(runs[len(runs) // 2:])
+    late = sorted(runs[len(runs) // 2 :])
     del m, ids
     gc.collect()
     torch.cuda.empty_cache()
@@ -62,8 +62,14 @@ def main():
     cfg, cls = model.config, type(model)
     L = cfg.num_hidden_layers
     out = {}
-    for name, layers, secs in [("4@2s", 4, 2.0), ("8@2s", 8, 2.0), ("4@8s", 4, 8.0), ("8@8s", 8, 8.0),
-                               ("16@2s", 16, 2.0), (f"{L}@4s", L, 4.0)]:
+    for name, layers, secs in [
+        ("4@2s", 4, 2.0),
+        ("8@2s", 8, 2.0),
+        ("4@8s", 4, 8.0),
+        ("8@8s", 8, 8.0),
+        ("16@2s", 16, 2.0),
+        (f"{L}@4s", L, 4.0),
+    ]:
         t, n = timed(cls, cfg, layers, a.micro_batch, a.seq_len, a.accum, secs)
         out[name] = t
         print(json.dumps({"run": name, "s_per_micro": t, "runs": n}), flush=True)
@@ -75,8 +81,19 @@ def main():
     full = out[f"{L}@4s"]
     for lo, hi, nlo, nhi in [("4@2s", "8@2s", 4, 8), ("4@8s", "8@8s", 4, 8), ("8@2s", "16@2s", 8, 16)]:
         per, shell, pred = predict(lo, hi, nlo, nhi)
-        print(json.dumps({"pair": f"{lo}/{hi}", "per_block": per, "shell": shell, "predicted_full": pred,
-                          "measured_full": full, "error": pred / full - 1}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "pair": f"{lo}/{hi}",
+                    "per_block": per,
+                    "shell": shell,
+                    "predicted_full": pred,
+                    "measured_full": full,
+                    "error": pred / full - 1,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

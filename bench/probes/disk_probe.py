@@ -5,6 +5,7 @@ minutes apart, and which one the steps' sustained rate follows (docs/benchmarks/
 
 Per round: SwapFile.measure over 1 GiB (write, then read: what `zerofit estimate` used), and measure_mixed over
 2 GiB and 8 GiB (reads and writes at once, as a step streams them)."""
+
 import json
 import sys
 import time
@@ -26,8 +27,11 @@ for r in range(rounds):
                 out = {"mixed_gb_per_s": round(f.measure_mixed(nbytes), 3)}
             else:
                 w, rd = f.measure(nbytes)
-                out = {"write_gb_per_s": round(w, 3), "read_gb_per_s": round(rd, 3),
-                       "sequential_sum_gb_per_s": round(2 / (1 / w + 1 / rd), 3)}
+                out = {
+                    "write_gb_per_s": round(w, 3),
+                    "read_gb_per_s": round(rd, 3),
+                    "sequential_sum_gb_per_s": round(2 / (1 / w + 1 / rd), 3),
+                }
         finally:
             f.close()
         rows.append({"round": r, "test": name, "seconds": round(time.time() - t, 1)} | out)

@@ -6,6 +6,7 @@ terms on this machine; the GPU's kernels can hold other workspaces (bench/probes
 
 measures the head's loss as the Llama models of transformers compute it (transformers' ForCausalLMLoss: the
 logits upcast to fp32, cross entropy) with its backward, in bytes per token and vocabulary entry (planner.activation_bytes' "logits" term)."""
+
 import sys
 import weakref
 

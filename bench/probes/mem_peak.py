@@ -6,16 +6,26 @@ code that made them (torch.cuda.memory's allocation history over one step after 
 Prints memory allocated before the step, the step's peak, and the bytes alive at the peak that the step
 allocated, by the first zerofit frame (file:line function), and the phase (engine method) of the allocation that
 made the peak. The autograd engine's allocations carry no Python frames: they are listed by their size."""
+
 import collections
 import sys
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(_REPO / "bench"))    # bench/common.py
-sys.path.insert(0, str(_REPO / "src"))      # the working tree's zerofit
+sys.path.insert(0, str(_REPO / "bench"))  # bench/common.py
+sys.path.insert(0, str(_REPO / "src"))  # the working tree's zerofit
 
-PHASES = ("forward", "post_chunked", "post_backward", "post", "_recompute_inputs", "_block_backward",
-          "backward_blocks", "apply", "in_backward")
+PHASES = (
+    "forward",
+    "post_chunked",
+    "post_backward",
+    "post",
+    "_recompute_inputs",
+    "_block_backward",
+    "backward_blocks",
+    "apply",
+    "in_backward",
+)
 
 
 def _site(frames):
@@ -44,7 +54,7 @@ def at_peak(events, base: int):
         if total > peak:
             peak, at = total, i
     alive = {}
-    for e in events[:at + 1]:
+    for e in events[: at + 1]:
         if e["action"] == "alloc":
             alive[e["addr"]] = e
         elif e["action"] == "free_completed":
@@ -52,7 +62,7 @@ def at_peak(events, base: int):
     sites = collections.Counter()
     for e in alive.values():
         site = _site(e.get("frames", []))
-        if site == "?":     # made by the autograd engine's thread (no Python frames): named by their size
+        if site == "?":  # made by the autograd engine's thread (no Python frames): named by their size
             site = f"? {e['size']:,} B"
         sites[site] += e["size"]
     return peak, sites, (_phase(events[at].get("frames", [])) if at >= 0 else "none")
@@ -87,9 +97,11 @@ def main():
     events = snap["device_traces"][torch.cuda.current_device()]
     peak, sites, phase = at_peak(events, base)
     GiB = 1 << 30
-    print(f"allocated before the step {base / GiB:.3f} GiB; max_memory_allocated in the step "
-          f"{torch.cuda.max_memory_allocated() / GiB:.3f} GiB; replayed peak {peak / GiB:.3f} GiB, "
-          f"during {phase}; {len(events)} events")
+    print(
+        f"allocated before the step {base / GiB:.3f} GiB; max_memory_allocated in the step "
+        f"{torch.cuda.max_memory_allocated() / GiB:.3f} GiB; replayed peak {peak / GiB:.3f} GiB, "
+        f"during {phase}; {len(events)} events"
+    )
     for site, b in sites.most_common(25):
         print(f"  {b / GiB:8.3f} GiB  {site}")
     getattr(eng, "close", lambda: None)()

@@ -66,8 +66,17 @@ def main() -> None:
             touch = time.perf_counter() - t0
             _register(t)
         s = time.perf_counter() - t0
-        print(json.dumps({"way": way, "seconds": round(s, 3), "touch_seconds": round(touch, 3),
-                          "gb_per_s": round(n / s / 1e9, 2)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "way": way,
+                    "seconds": round(s, 3),
+                    "touch_seconds": round(touch, 3),
+                    "gb_per_s": round(n / s / 1e9, 2),
+                }
+            ),
+            flush=True,
+        )
         if way != "host_alloc":
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         del t

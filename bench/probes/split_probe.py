@@ -25,9 +25,12 @@ from zerofit.engine.update.split_adamw import available, master_pass, rest_pass 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=int, default=256 << 20)
-    ap.add_argument("--rounding", action="store_true",
-                    help="instead: which ways of rounding ([Note: the fused kernel's rounding]) match torch's fused "
-                         "kernel on sizes 960-1100 (the tail's width taken as 8, 16 and 32)")
+    ap.add_argument(
+        "--rounding",
+        action="store_true",
+        help="instead: which ways of rounding ([Note: the fused kernel's rounding]) match torch's fused "
+        "kernel on sizes 960-1100 (the tail's width taken as 8, 16 and 32)",
+    )
     args = ap.parse_args()
     if args.rounding:
         return rounding()
@@ -58,15 +61,19 @@ def main() -> None:
             rows.append((busy, "master pass", rate(lambda: master_pass(p, g, m, v, torch.tensor(4.0), h, factor))))
             rows.append((busy, "moments pass", rate(lambda: rest_pass(p, g, m, v, torch.tensor(4.0), h, factor))))
             # [Note: the master behind its cast]: the first pass writes the bf16 cast only, the rest pass the master
-            rows.append((busy, "cast pass", rate(lambda: master_pass(p, g, m, v, torch.tensor(4.0), h, factor,
-                                                                     out16=w16))))
-            rows.append((busy, "rest pass", rate(lambda: rest_pass(p, g, m, v, torch.tensor(4.0), h, factor,
-                                                                   with_master=True))))
+            rows.append(
+                (busy, "cast pass", rate(lambda: master_pass(p, g, m, v, torch.tensor(4.0), h, factor, out16=w16)))
+            )
+            rows.append(
+                (busy, "rest pass", rate(lambda: rest_pass(p, g, m, v, torch.tensor(4.0), h, factor, with_master=True)))
+            )
         finally:
             if ctx:
                 ctx.__exit__(None, None, None)
-    print(f"{n / 1e6:.0f} M params, {torch.get_num_threads()} threads, capability "
-          f"{torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"{n / 1e6:.0f} M params, {torch.get_num_threads()} threads, capability "
+        f"{torch.backends.cpu.get_cpu_capability()}"
+    )
     for busy, what, r in rows:
         print(f"{'copies running' if busy else 'alone':15s} {what:14s} {r:6.2f} G params/s")
 
@@ -77,8 +84,10 @@ def rounding() -> None:
     from zerofit.engine.update.adamw import Hyper
 
     module = sa._load()
-    print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, chosen modes "
-          f"{sa._modes}, tail width {sa._tail_width}")
+    print(
+        f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, chosen modes "
+        f"{sa._modes}, tail width {sa._tail_width}"
+    )
     gen = torch.Generator().manual_seed(7)
     for n in list(range(960, 1100, 7)) + [1000, 4096 + 8, 100_001]:
         p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
@@ -87,8 +96,10 @@ def rounding() -> None:
         h = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0)
         adamw_flat(*want, h, 1.0)
         case = [((p, g, m, v), h, 1.0, want)]
-        found = {width: [(b, t) for b in range(6) for t in range(6) if sa._matches(module, case, b, t, width)]
-                 for width in (8, 16, 32)}
+        found = {
+            width: [(b, t) for b in range(6) for t in range(6) if sa._matches(module, case, b, t, width)]
+            for width in (8, 16, 32)
+        }
         print(n, {w: o[:6] for w, o in found.items()})
 
 

@@ -11,16 +11,16 @@ import zerofit
 from tests.support import tiny_models as tm
 from zerofit.engine.planner import PlanError
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _gpu_batches(steps, G, B=2, T=32):
     return [[{k: v.cuda() for k, v in mb.items()} for mb in mbs] for mbs in tm.batches(steps, G, B, T)]
 
 
-@pytest.mark.parametrize("resident,clip,shell", [(0, 0.0, "auto"), (1, 0.0, "auto"), (1, 0.05, "auto"),
-                                                 (0, 0.0, "host")])
+@pytest.mark.parametrize(
+    "resident,clip,shell", [(0, 0.0, "auto"), (1, 0.0, "auto"), (1, 0.05, "auto"), (0, 0.0, "host")]
+)
 def test_fp32_parity_on_gpu_with_streaming(resident, clip, shell):
     """Some streamed blocks are updated on the device: during the backward without clipping ([Note: assisted
     updates in the backward]; with the shell's optimizer on the host, the shell too), during the next forward
@@ -30,17 +30,30 @@ def test_fp32_parity_on_gpu_with_streaming(resident, clip, shell):
     torch.manual_seed(0)
     model = tm.llama(layers=4)
     ref = copy.deepcopy(model).cuda()
-    engine = zerofit.initialize(model, {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-                                        "optimizer": {"lr": 1e-3},
-                                        # deferred: the split updates' default share (0.25) of 3 blocks is none
-                                        "offload": {"resident_blocks": resident, "shell_optimizer": shell,
-                                                    **({"assisted_fraction": 0.5} if clip else {})},
-                                        "gradient_clipping": clip})
+    engine = zerofit.initialize(
+        model,
+        {
+            "precision": "fp32",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"lr": 1e-3},
+            # deferred: the split updates' default share (0.25) of 3 blocks is none
+            "offload": {
+                "resident_blocks": resident,
+                "shell_optimizer": shell,
+                **({"assisted_fraction": 0.5} if clip else {}),
+            },
+            "gradient_clipping": clip,
+        },
+    )
     assert engine.device.type == "cuda"
     assert engine.plan.assisted_updates and engine.plan.assisted_blocks
     calls = []
     inner = engine.device_updates.device_adamw
-    engine.device_updates.device_adamw = lambda unit, grad, *a, **kw: (calls.append(unit.name), inner(unit, grad, *a, **kw))[1]
+    engine.device_updates.device_adamw = lambda unit, grad, *a, **kw: (
+        calls.append(unit.name),
+        inner(unit, grad, *a, **kw),
+    )[1]
     data = _gpu_batches(20, 2)
     losses = [engine.train_batch(mbs) for mbs in data]
     ref_losses = tm.reference_train(ref, data, clip=clip)
@@ -52,15 +65,17 @@ def test_fp32_parity_on_gpu_with_streaming(resident, clip, shell):
     assert tl["upload"] > 0 and tl["download"] > 0 and tl["compute"] > 0
     assert {f"model.layers.{i}" for i in engine.plan.assisted_blocks} <= set(calls)
     assert ("shell" in calls) == (shell == "host")
-    for u in engine.units:      # the state the device updates moves through pinned memory only
+    for u in engine.units:  # the state the device updates moves through pinned memory only
         if u.name in calls:
             assert u.master.is_pinned() and u.exp_avg.is_pinned() and u.exp_avg_sq.is_pinned(), u.name
     engine.close()
 
 
-@pytest.mark.parametrize("clip,offload", [(0.0, {}), (1.16, {}),
-                                          (0.05, {"speculative_updates": False, "assisted_fraction": 1.0})],
-                         ids=["no-clipping", "mixed", "always-clipped-assisted"])
+@pytest.mark.parametrize(
+    "clip,offload",
+    [(0.0, {}), (1.16, {}), (0.05, {"speculative_updates": False, "assisted_fraction": 1.0})],
+    ids=["no-clipping", "mixed", "always-clipped-assisted"],
+)
 def test_param_groups_parity_on_gpu(clip, offload):
     """Parameter groups (tests/integration/test_param_groups.py) with real streams: the shell and a resident
     block updated on the device per segment (the factor multiplied into each segment's gradient there), streamed
@@ -73,9 +88,18 @@ def test_param_groups_parity_on_gpu(clip, offload):
     torch.manual_seed(0)
     model = tm.qwen2()
     ref = copy.deepcopy(model).cuda()
-    engine = zerofit.initialize(model, {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-                                        "optimizer": {"lr": 1e-3}, "gradient_clipping": clip,
-                                        "offload": {"resident_blocks": 1, **offload}}, param_groups=_groups(model))
+    engine = zerofit.initialize(
+        model,
+        {
+            "precision": "fp32",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"lr": 1e-3},
+            "gradient_clipping": clip,
+            "offload": {"resident_blocks": 1, **offload},
+        },
+        param_groups=_groups(model),
+    )
     assert engine.device.type == "cuda" and len(engine.blocks[0].segments) == 3
     data = _gpu_batches(10, 2)
     losses = [engine.train_batch(mbs) for mbs in data]
@@ -93,9 +117,17 @@ def test_bf16_trains_and_respects_cap():
     torch.manual_seed(0)
     model = tm.llama(layers=6)
     cap = 2 << 30
-    engine = zerofit.initialize(model, {"precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-                                        "optimizer": {"lr": 3e-3}, "max_gpu_memory": cap,
-                                        "offload": {"resident_blocks": 2}})
+    engine = zerofit.initialize(
+        model,
+        {
+            "precision": "bf16",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"lr": 3e-3},
+            "max_gpu_memory": cap,
+            "offload": {"resident_blocks": 2},
+        },
+    )
     data = _gpu_batches(30, 2)
     losses = [engine.train_batch(data[0]) for _ in range(30)]
     assert losses[-1] < 0.7 * losses[0]
@@ -120,9 +152,17 @@ def test_deepspeed_style_api_on_gpu_matches_train_batch():
     for style in ("train_batch", "deepspeed"):
         torch.manual_seed(0)
         model = tm.llama(layers=3)
-        engine = zerofit.initialize(model, {"precision": "fp32", "micro_batch_size": 2,
-                                            "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
-                                            "gradient_clipping": 0.5, "offload": {"resident_blocks": 1}})
+        engine = zerofit.initialize(
+            model,
+            {
+                "precision": "fp32",
+                "micro_batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "optimizer": {"lr": 1e-3},
+                "gradient_clipping": 0.5,
+                "offload": {"resident_blocks": 1},
+            },
+        )
         for mbs in _gpu_batches(4, 2):
             if style == "train_batch":
                 engine.train_batch(mbs)
@@ -145,19 +185,28 @@ def test_fp16_with_clipping_on_gpu_tracks_the_reference():
     model = tm.llama(layers=4)
     master = copy.deepcopy(model).cuda()
     before = tm.initial_weights(model)
-    engine = zerofit.initialize(model, {"precision": "fp16", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-                                        "optimizer": {"lr": lr, "weight_decay": 0.01}, "gradient_clipping": 0.5,
-                                        "fp16": {"initial_scale_power": 10, "loss_scale_window": window},
-                                        # the split updates' default share (0.25) of 3 blocks is none
-                                        "offload": {"resident_blocks": 1, "assisted_fraction": 0.5}})
+    engine = zerofit.initialize(
+        model,
+        {
+            "precision": "fp16",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"lr": lr, "weight_decay": 0.01},
+            "gradient_clipping": 0.5,
+            "fp16": {"initial_scale_power": 10, "loss_scale_window": window},
+            # the split updates' default share (0.25) of 3 blocks is none
+            "offload": {"resident_blocks": 1, "assisted_fraction": 0.5},
+        },
+    )
     assert engine.plan.assisted_updates
     mbs = _gpu_batches(1, 2)[0]
     losses, scales = [], []
     for _ in range(steps):
         scales.append(engine.scaler.scale)
         losses.append(engine.train_batch(mbs))
-    ref_losses, ref_scales = tm.fp16_reference_train(master, mbs, steps, lr,
-                                                     DynamicLossScaler(2.0**10, window, 1.0, 2), clip=0.5)
+    ref_losses, ref_scales = tm.fp16_reference_train(
+        master, mbs, steps, lr, DynamicLossScaler(2.0**10, window, 1.0, 2), clip=0.5
+    )
     assert scales == ref_scales
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
     tm.assert_updates_close(engine, before, master, rtol=0.1)
@@ -177,11 +226,20 @@ def test_resume_in_a_new_process_is_bitwise_exact_on_gpu(tmp_path):
     from tests.support import resume_run
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "ZEROFIT_RESUME_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "ZEROFIT_RESUME_DEVICE": "cuda",
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     for mode in ("save", "resume"):
-        r = subprocess.run([sys.executable, str(root / "tests" / "support" / "resume_run.py"), mode, str(tmp_path)],
-                           capture_output=True, text=True, env=env, timeout=280)
+        r = subprocess.run(
+            [sys.executable, str(root / "tests" / "support" / "resume_run.py"), mode, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=280,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
     straight = torch.load(tmp_path / "save.pt", weights_only=False)
     resumed = torch.load(tmp_path / "resume.pt", weights_only=False)
@@ -195,8 +253,14 @@ def test_resume_in_a_new_process_is_bitwise_exact_on_gpu(tmp_path):
             torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-5, atol=0)
             for kind in ("master", "moments"):
                 for k in a[kind]:
-                    torch.testing.assert_close(b[kind][k], a[kind][k], rtol=1e-4, atol=1e-6, check_device=False,
-                                               msg=lambda m, kind=kind, k=k: f"{kind} {k}: {m}")
+                    torch.testing.assert_close(
+                        b[kind][k],
+                        a[kind][k],
+                        rtol=1e-4,
+                        atol=1e-6,
+                        check_device=False,
+                        msg=lambda m, kind=kind, k=k: f"{kind} {k}: {m}",
+                    )
             continue
         assert a["losses"] == b["losses"], f"{name}: losses differ after the resume"
         for kind in ("master", "moments"):
@@ -212,8 +276,9 @@ def test_load_a_model_directory_on_gpu(tmp_path):
     torch.manual_seed(0)
     model = tm.llama(layers=4)
     model.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
-    engine = zerofit.initialize(str(tmp_path), {"precision": "bf16", "micro_batch_size": 2,
-                                                "offload": {"resident_blocks": 1}})
+    engine = zerofit.initialize(
+        str(tmp_path), {"precision": "bf16", "micro_batch_size": 2, "offload": {"resident_blocks": 1}}
+    )
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():
@@ -221,7 +286,9 @@ def test_load_a_model_directory_on_gpu(tmp_path):
     assert engine.train_batch(_gpu_batches(1, 1)[0]) > 0
     engine.close()
 
+
 # ---------------------------------------------------------------------------------------------- lifecycle
+
 
 def test_training_scripts_exit_cleanly_on_gpu():
     """RELIABILITY.md "a process ends cleanly" on the GPU: pinned memory, a memory cap, CUDA streams and the CPU
@@ -232,8 +299,11 @@ def test_training_scripts_exit_cleanly_on_gpu():
 
     out = lifecycle_script.run_all("cuda", timeout=300)
     for mode, o in out.items():
-        assert "terminate called" not in o.stderr and o.returncode not in (134, -signal.SIGABRT), \
-            (mode, o.returncode, o.stderr[-3000:])
+        assert "terminate called" not in o.stderr and o.returncode not in (134, -signal.SIGABRT), (
+            mode,
+            o.returncode,
+            o.stderr[-3000:],
+        )
     assert out["return"].returncode == 0, out["return"].stderr[-3000:]
     assert out["raise"].returncode == 1 and "resume from the last checkpoint" in out["raise"].stderr
     assert out["raise-forward"].returncode == 1 and "was not applied" in out["raise-forward"].stderr
@@ -245,24 +315,33 @@ def test_training_scripts_exit_cleanly_on_gpu():
 def test_close_releases_pinned_memory_the_cap_and_device_buffers():
     torch.manual_seed(0)
     base = torch.cuda.memory_allocated()
-    engine = zerofit.initialize(tm.llama(layers=4), {"precision": "bf16", "micro_batch_size": 2,
-                                                     "gradient_accumulation_steps": 2, "max_gpu_memory": 4 << 30,
-                                                     "gradient_clipping": 1.0, "offload": {"resident_blocks": 1}})
+    engine = zerofit.initialize(
+        tm.llama(layers=4),
+        {
+            "precision": "bf16",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "max_gpu_memory": 4 << 30,
+            "gradient_clipping": 1.0,
+            "offload": {"resident_blocks": 1},
+        },
+    )
     arenas = list(engine.lifecycle.resources.arenas)
     assert arenas and all(a.pinned for a in arenas)
     assert torch.cuda.get_per_process_memory_fraction() < 1.0
     for mbs in _gpu_batches(2, 2):
         engine.train_batch(mbs)
     with engine:
-        pass                                              # the context manager closes
+        pass  # the context manager closes
     assert not engine.worker.alive
     assert torch.cuda.get_per_process_memory_fraction() == 1.0
-    for a in arenas:                                      # unregistered: registering the memory again works
+    for a in arenas:  # unregistered: registering the memory again works
         assert not a.pinned
         ptr, nbytes = a.tensor.data_ptr(), a.tensor.numel() * a.tensor.element_size()
         assert int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
         torch.cuda.cudart().cudaHostUnregister(ptr)
     import gc
+
     gc.collect()
     assert torch.cuda.memory_allocated() - base < 16 << 20, "close() kept device buffers"
     assert all(torch.isfinite(p).all() for p in engine.module.parameters())
@@ -278,14 +357,23 @@ def test_error_in_a_step_on_gpu_leaves_state_and_training_as_before():
 
     def build():
         torch.manual_seed(0)
-        return zerofit.initialize(tm.llama(layers=4), {"precision": "fp32", "micro_batch_size": 2,
-                                                      "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
-                                                      "gradient_clipping": 0.5, "offload": {"resident_blocks": 1}})
+        return zerofit.initialize(
+            tm.llama(layers=4),
+            {
+                "precision": "fp32",
+                "micro_batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "optimizer": {"lr": 1e-3},
+                "gradient_clipping": 0.5,
+                "offload": {"resident_blocks": 1},
+            },
+        )
 
     engine, clean = build(), build()
     data = _gpu_batches(3, 2)
     engine.train_batch(data[0])
     before = {n: v.clone() for n, v in engine.master_state_dict().items()}
+
     def boom(module, args):
         raise Boom("injected in block 2's forward")
 
@@ -311,8 +399,13 @@ def test_deepspeed_loop_default_share_pins_its_moments_and_tracks_train_batch():
     (copies_fraction); the blocks it adds get their moments moved into pinned memory (a pageable copy is ~7x
     slower), and the run tracks train_batch's at fp32 rounding (the device's AdamW rounds unlike the CPU's)."""
     G3, steps = 3, 3
-    cfg = {"precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": G3, "optimizer": {"lr": 1e-3},
-           "offload": {"resident_blocks": 1, "prefetch_depth": 1}}
+    cfg = {
+        "precision": "bf16",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G3,
+        "optimizer": {"lr": 1e-3},
+        "offload": {"resident_blocks": 1, "prefetch_depth": 1},
+    }
     data = _gpu_batches(steps, G3)
     torch.manual_seed(0)
     a = zerofit.initialize(tm.llama(layers=9), cfg)
@@ -328,7 +421,9 @@ def test_deepspeed_loop_default_share_pins_its_moments_and_tracks_train_batch():
             assert u.exp_avg.is_pinned() and u.exp_avg_sq.is_pinned(), u.name
     a.wait(), b.wait()
     for ua, ub in zip(a.units, b.units):
-        torch.testing.assert_close(ua.master.cpu(), ub.master.cpu(), rtol=1e-3, atol=2e-4, msg=lambda m: f"{ua.name}: {m}")
+        torch.testing.assert_close(
+            ua.master.cpu(), ub.master.cpu(), rtol=1e-3, atol=2e-4, msg=lambda m: f"{ua.name}: {m}"
+        )
     a.close(), b.close()
 
 
@@ -344,9 +439,14 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
     G3, steps = 3, 4
     # the share of device updates set: the loop's default is larger than train_batch's ([Note: 16-bit copies after
     # the update]), and the device's AdamW rounds differently from the CPU's: then equal at fp32 rounding only
-    cfg = {"precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": G3, "optimizer": {"lr": 1e-3},
-           "gradient_clipping": clip, "offload": {"resident_blocks": 1, "prefetch_depth": 1,
-                                                  "assisted_fraction": 0.375}}
+    cfg = {
+        "precision": "bf16",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G3,
+        "optimizer": {"lr": 1e-3},
+        "gradient_clipping": clip,
+        "offload": {"resident_blocks": 1, "prefetch_depth": 1, "assisted_fraction": 0.375},
+    }
     data = _gpu_batches(steps, G3)
     torch.manual_seed(0)
     a = zerofit.initialize(tm.llama(layers=5), cfg)
@@ -367,11 +467,11 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
             assert ups == tm.upload_labels(b), ups
         elif i == 0:
             assert full == streamed, ups
-        elif clip:    # the updates' casts serve the forward ([Note: the master behind its cast]), a settled one not
+        elif clip:  # the updates' casts serve the forward ([Note: the master behind its cast]), a settled one not
             assert full <= streamed, ups
         else:
             assert full == 0, ups
-        if not announce:     # the kept blocks skip the two later forwards' uploads
+        if not announce:  # the kept blocks skip the two later forwards' uploads
             assert len(ups) <= streamed * (G3 + 1) - 2 * kept[-1], (ups, kept)
     assert len(kept) == steps and all(k == (0 if announce else 2) for k in kept), kept
     assert a.window_stats == {"announced": steps if announce else 0, "mismatched": 0}
@@ -381,9 +481,11 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
     a.close(), b.close()
 
 
-@pytest.mark.parametrize("weights,clip,api", [(True, 0.0, "train_batch"), (False, 0.0, "train_batch"),
-                                              (True, 0.05, "train_batch"), (True, 0.0, "deepspeed")],
-                         ids=["all", "moments", "clipped", "deepspeed-loop"])
+@pytest.mark.parametrize(
+    "weights,clip,api",
+    [(True, 0.0, "train_batch"), (False, 0.0, "train_batch"), (True, 0.05, "train_batch"), (True, 0.0, "deepspeed")],
+    ids=["all", "moments", "clipped", "deepspeed-loop"],
+)
 def test_disk_tier_on_gpu_is_bitwise_the_in_memory_path(tmp_path, weights, clip, api):
     """The disk tier (engine/disk.py) with real streams and O_DIRECT where the disk allows it: the same losses,
     weights and moments, bitwise, as the same engine with every state in host memory."""
@@ -393,13 +495,29 @@ def test_disk_tier_on_gpu_is_bitwise_the_in_memory_path(tmp_path, weights, clip,
     model = tm.llama(layers=4)
     # no assisted updates: the device would update some blocks of the reference that the tier updates on the CPU
     # (never assisted), and the GPU's and the CPU's fused AdamW round differently
-    base = {"precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
-            "gradient_clipping": clip, "offload": {"resident_blocks": 0, "assisted_fraction": 0.0}}
+    base = {
+        "precision": "bf16",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-3},
+        "gradient_clipping": clip,
+        "offload": {"resident_blocks": 0, "assisted_fraction": 0.0},
+    }
     ref = zerofit.initialize(copy.deepcopy(model), base)
-    eng = zerofit.initialize(model, base | {"offload": {"resident_blocks": 0, "assisted_fraction": 0.0,
-                                                        "optimizer_device": "nvme",
-                                                        "nvme_path": str(tmp_path), "disk_blocks": 3,
-                                                        "disk_weights": weights}})
+    eng = zerofit.initialize(
+        model,
+        base
+        | {
+            "offload": {
+                "resident_blocks": 0,
+                "assisted_fraction": 0.0,
+                "optimizer_device": "nvme",
+                "nvme_path": str(tmp_path),
+                "disk_blocks": 3,
+                "disk_weights": weights,
+            }
+        },
+    )
     assert len(eng.plan.disk_blocks) == 3
     data = _gpu_batches(4, 2)
     if api == "deepspeed":
@@ -423,13 +541,20 @@ def test_smaller_floor_on_gpu_keeps_the_math():
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
     model = tm.llama(layers=6)
-    base = {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
-            "offload": {"resident_blocks": 0}}
+    base = {
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-3},
+        "offload": {"resident_blocks": 0},
+    }
     ref = zerofit.initialize(copy.deepcopy(model), base)
-    eng = zerofit.initialize(copy.deepcopy(model), base | {"offload": {"resident_blocks": 0, "loss_chunks": 4,
-                                                                      "offload_checkpoints": True}})
-    ck = zerofit.initialize(model, base | {"offload": {"resident_blocks": 0, "loss_chunks": 1,
-                                                       "offload_checkpoints": True}})
+    eng = zerofit.initialize(
+        copy.deepcopy(model), base | {"offload": {"resident_blocks": 0, "loss_chunks": 4, "offload_checkpoints": True}}
+    )
+    ck = zerofit.initialize(
+        model, base | {"offload": {"resident_blocks": 0, "loss_chunks": 1, "offload_checkpoints": True}}
+    )
     assert eng.plan.loss_chunks == 4 and eng.plan.offload_checkpoints and eng.planning.chunk_loss_ok
     data = _gpu_batches(4, 2)
     a = [ref.train_batch(m) for m in data]
@@ -438,7 +563,7 @@ def test_smaller_floor_on_gpu_keeps_the_math():
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.tensor(c), torch.tensor(a), rtol=1e-6, atol=1e-6)
     ma, mb, mc = ref.master_state_dict(), eng.master_state_dict(), ck.master_state_dict()
-    for n in ma:    # RELIABILITY.md's fp32 tolerances (rtol 1.3e-6, atol 1e-5): Adam scales a gradient's last-bit
+    for n in ma:  # RELIABILITY.md's fp32 tolerances (rtol 1.3e-6, atol 1e-5): Adam scales a gradient's last-bit
         # differences by 1/sqrt(v); at atol 1e-6 one weight of 512 differed by 1.6e-6 on the H200 at bbedebc
         torch.testing.assert_close(mb[n], ma[n], rtol=1.3e-6, atol=1e-5)
         torch.testing.assert_close(mc[n], ma[n], rtol=1.3e-6, atol=1e-5)
@@ -457,12 +582,17 @@ def test_checkpoints_every_k_blocks_on_gpu_keep_the_math():
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
     model = tm.llama(layers=8)
-    base = {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3},
-            "offload": {"resident_blocks": 0, "loss_chunks": 1, "offload_checkpoints": True}}
+    base = {
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-3},
+        "offload": {"resident_blocks": 0, "loss_chunks": 1, "offload_checkpoints": True},
+    }
     sparse = base | {"offload": base["offload"] | {"checkpoint_every": 3}}
     ref = zerofit.initialize(copy.deepcopy(model), base)
     eng = zerofit.initialize(copy.deepcopy(model), sparse)
-    ds = zerofit.initialize(model, sparse)      # the DeepSpeed-shaped loop, its forwards one at a time
+    ds = zerofit.initialize(model, sparse)  # the DeepSpeed-shaped loop, its forwards one at a time
     assert eng.plan.checkpoint_every == 3 and eng.plan.offload_checkpoints
     data = _gpu_batches(4, 2)
     a = [ref.train_batch(m) for m in data]
@@ -509,15 +639,21 @@ def test_qlora_streamed_blocks_dequantize_on_the_gpu_as_resident_ones_do():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     base = tm.llama(layers=3, tied=False)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                      init_lora_weights=False))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    )
     twin = copy.deepcopy(model)
-    cfg = {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-2},
-           "quantize_base": "nf4"}
+    cfg = {
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-2},
+        "quantize_base": "nf4",
+    }
     streamed = zerofit.initialize(model, {**cfg, "offload": {"resident_blocks": 0}})
     resident = zerofit.initialize(twin, {**cfg, "offload": {"resident_blocks": 3}})
     assert streamed.streamer.nf4_stage is not None and all(u.nf4 is not None for u in streamed.blocks)
-    for a, b in zip(streamed.blocks, resident.blocks):      # the same codes, quantized on the GPU
+    for a, b in zip(streamed.blocks, resident.blocks):  # the same codes, quantized on the GPU
         assert torch.equal(a.nf4.host, b.nf4.host)
     data = _gpu_batches(3, 2)
     assert [streamed.train_batch(m) for m in data] == [resident.train_batch(m) for m in data]

@@ -19,18 +19,27 @@ G = 2
 
 
 def _cfg(**offload):
-    return {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}, "offload": offload}
+    return {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+        "offload": offload,
+    }
 
 
-@pytest.mark.parametrize("build", [lambda: tm.llama(layers=5), tm.qwen2, tm.qwen3, tm.mistral, tm.gpt2],
-                         ids=["llama", "qwen2", "qwen3", "mistral", "gpt2"])
+@pytest.mark.parametrize(
+    "build",
+    [lambda: tm.llama(layers=5), tm.qwen2, tm.qwen3, tm.mistral, tm.gpt2],
+    ids=["llama", "qwen2", "qwen3", "mistral", "gpt2"],
+)
 def test_chunked_loss_and_offloaded_checkpoints_keep_the_math(build):
     torch.manual_seed(0)
     model = build()
     ref = zerofit.initialize(copy.deepcopy(model), _cfg())
     eng = zerofit.initialize(model, _cfg(loss_chunks=4, offload_checkpoints=True))
-    if build is tm.gpt2:       # reshapes the hidden state by the input's length after its blocks: not chunked
+    if build is tm.gpt2:  # reshapes the hidden state by the input's length after its blocks: not chunked
         assert not eng.planning.chunk_loss_ok and eng.plan.loss_chunks == 1
     else:
         assert eng.planning.chunk_loss_ok and eng.plan.loss_chunks == 4
@@ -42,8 +51,10 @@ def test_chunked_loss_and_offloaded_checkpoints_keep_the_math(build):
     ma, mb = ref.master_state_dict(), eng.master_state_dict()
     for n in ma:
         torch.testing.assert_close(mb[n], ma[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    if len(eng.blocks) > 3:     # blocks 1 .. L-3 keep their inputs on the host between forward and backward
-        assert eng.activations.arena is not None and eng.activations.arena.tensor.abs().sum() > 0, "checkpoints went to the host"
+    if len(eng.blocks) > 3:  # blocks 1 .. L-3 keep their inputs on the host between forward and backward
+        assert eng.activations.arena is not None and eng.activations.arena.tensor.abs().sum() > 0, (
+            "checkpoints went to the host"
+        )
 
 
 def test_offloaded_checkpoints_alone_are_bitwise():
@@ -79,15 +90,23 @@ def test_a_model_without_a_chunkable_loss_is_not_chunked():
     assert not eng.adapter.chunkable_loss and not eng.planning.chunk_loss_ok
     data = tm.batches(2, G)
     for m in data:
-        eng.train_batch(m)     # the plan says 4 chunks; the engine computes the loss whole
+        eng.train_batch(m)  # the plan says 4 chunks; the engine computes the loss whole
 
 
 def test_planner_uses_the_floor_only_when_the_device_needs_it():
     # the W1 shape: 28 blocks of 113 M parameters, a 394 M shell (tied), vocab 128,256; 2 x 2048 tokens, G 4
     shape = ModelShape(394_002_432, (113_256_448,) * 28, 3072, 8192, 128256)
     batch = BatchShape(2, 2048, 4)
-    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, host_budget=None, deferred_updates=False,
-              checkpointing=True, stream_params=True, resident_blocks=None, prefetch_depth=None)
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        host_budget=None,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=None,
+        prefetch_depth=None,
+    )
     roomy = make_plan(shape, batch, device_budget=24 * 2**30, **kw)
     assert roomy.loss_chunks == 1 and not roomy.offload_checkpoints
     small = make_plan(shape, batch, device_budget=8 * 2**30, **kw)
@@ -122,9 +141,11 @@ def test_lean_pipeline_is_bitwise(monkeypatch):
     assert all(torch.equal(ma[n], mb[n]) for n in ma)
 
 
-@pytest.mark.parametrize("every,offload,layers,dropout", [(2, True, 5, 0.0), (3, False, 7, 0.0), (4, True, 9, 0.0),
-                                                          (2, True, 6, 0.1), (5, True, 5, 0.0)],
-                         ids=["k2-offloaded", "k3-on-device", "k4-offloaded", "k2-dropout", "k5-one-segment"])
+@pytest.mark.parametrize(
+    "every,offload,layers,dropout",
+    [(2, True, 5, 0.0), (3, False, 7, 0.0), (4, True, 9, 0.0), (2, True, 6, 0.1), (5, True, 5, 0.0)],
+    ids=["k2-offloaded", "k3-on-device", "k4-offloaded", "k2-dropout", "k5-one-segment"],
+)
 def test_checkpoints_every_k_blocks_are_bitwise(every, offload, layers, dropout):
     """[Note: checkpoints every k blocks]: the forward keeps every k-th block's inputs only (fewer in host memory
     too), the backward recomputes the rest a segment at a time, with the forward's RNG states: the same losses and
@@ -144,8 +165,9 @@ def test_checkpoints_every_k_blocks_are_bitwise(every, offload, layers, dropout)
     data = tm.batches(4, G)
 
     def run(engine):
-        torch.manual_seed(1)        # the same dropout masks in both
+        torch.manual_seed(1)  # the same dropout masks in both
         return [engine.train_batch(m) for m in data]
+
     assert run(eng) == run(ref)
     ma, mb = ref.master_state_dict(), eng.master_state_dict()
     assert all(torch.equal(ma[n], mb[n]) for n in ma)
@@ -153,9 +175,9 @@ def test_checkpoints_every_k_blocks_are_bitwise(every, offload, layers, dropout)
     again = {e["label"] for e in eng.trace() if e["label"].endswith("(inputs)")}
     want = {f"{eng.blocks[i].name}(inputs)" for i in range(layers) if (i + 1) % every and i != layers - 1}
     assert again == want
-    if offload:     # only the kept blocks' inputs (but block 0's and the last segment's) went to the host
+    if offload:  # only the kept blocks' inputs (but block 0's and the last segment's) went to the host
         kept = [i for i in range(0, layers, every)][1:-1]
-        n = G * 2 * 16 * model.config.hidden_size     # micro-batches x sequences x tokens x hidden
+        n = G * 2 * 16 * model.config.hidden_size  # micro-batches x sequences x tokens x hidden
         arena = eng.activations.arena
         if kept:
             assert arena is not None and arena.tensor.numel() == len(kept) * n
@@ -171,18 +193,31 @@ def test_planner_keeps_fewer_checkpoints_only_when_every_blocks_do_not_fit():
     from zerofit.engine.planner import GiB
 
     shape = ModelShape(262_148_096, (202_383_360,) * 32, 4096, 11008, 32000)
-    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=24 * GiB, deferred_updates=False,
-              checkpointing=True, stream_params=True, resident_blocks=None, prefetch_depth=None, disk=True,
-              disk_budget=int(63.7 * GiB))
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=24 * GiB,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=None,
+        prefetch_depth=None,
+        disk=True,
+        disk_budget=int(63.7 * GiB),
+    )
     many = make_plan(shape, BatchShape(2, 2048, 32), host_budget=32 * GiB, **kw)
     assert many.checkpoint_every in (2, 4, 8) and many.offload_checkpoints, many.describe()
     assert many.host_total <= 32 * GiB and many.device_total <= 24 * GiB and many.disk_bytes <= 63.7 * GiB
     per_block = 32 * 2 * 2048 * 4096 * 2
     kept = -(-32 // many.checkpoint_every)
     assert many.host_bytes["checkpoint_copies"] == (kept - 2) * per_block
-    with pytest.raises(PlanError):      # every block's, or every other one's when k = 4 was needed, do not fit
-        make_plan(shape, BatchShape(2, 2048, 32), host_budget=32 * GiB,
-                  **(kw | dict(floor=(True, True, False, many.checkpoint_every // 2))))
+    with pytest.raises(PlanError):  # every block's, or every other one's when k = 4 was needed, do not fit
+        make_plan(
+            shape,
+            BatchShape(2, 2048, 32),
+            host_budget=32 * GiB,
+            **(kw | dict(floor=(True, True, False, many.checkpoint_every // 2))),
+        )
     few = make_plan(shape, BatchShape(2, 2048, 4), host_budget=32 * GiB, **kw)
     assert few.checkpoint_every == 1
 
@@ -198,7 +233,9 @@ def test_the_deepspeed_shaped_loop_keeps_checkpoints_as_the_plan_says(every, loo
     torch.manual_seed(0)
     model = tm.llama(layers=7)
     cfg = _cfg(loss_chunks=1, offload_checkpoints=True, checkpoint_every=every) | {
-        "precision": "bf16", "gradient_accumulation_steps": G3}
+        "precision": "bf16",
+        "gradient_accumulation_steps": G3,
+    }
     ref = zerofit.initialize(copy.deepcopy(model), cfg)
     eng = zerofit.initialize(copy.deepcopy(model), cfg)
     probe = tm.batches(1, 1)[0][0]
@@ -223,13 +260,16 @@ def test_the_deepspeed_shaped_loop_keeps_checkpoints_as_the_plan_says(every, loo
     assert b == a
     ma, mb_ = ref.master_state_dict(), eng.master_state_dict()
     assert all(torch.equal(ma[n], mb_[n]) for n in ma)
-    if loop != "window":     # the window's forwards ran at once, as train_batch's
+    if loop != "window":  # the window's forwards ran at once, as train_batch's
         assert eng.window_stats["announced"] == 0
     kept = [i for i in range(1, 7) if i % every == 0 and i < (6 // every * every if every > 1 else 5)]
     n = 2 * 16 * model.config.hidden_size
     assert eng.activations.arena is not None and eng.activations.arena.tensor.numel() == len(kept) * G3 * n
-    assert all(float(eng.activations.arena.tensor[(k * G3 + m) * n:(k * G3 + m + 1) * n].abs().sum()) > 0
-               for k in range(len(kept)) for m in range(G3)), "each micro-batch has its own place"
+    assert all(
+        float(eng.activations.arena.tensor[(k * G3 + m) * n : (k * G3 + m + 1) * n].abs().sum()) > 0
+        for k in range(len(kept))
+        for m in range(G3)
+    ), "each micro-batch has its own place"
 
 
 def test_checkpoints_every_k_blocks_without_activation_checkpointing_is_refused():
@@ -246,8 +286,9 @@ def test_checkpoints_every_k_blocks_without_activation_checkpointing_is_refused(
     eng.close()
 
 
-@pytest.mark.parametrize("every,offload,layers", [(1, True, 7), (1, False, 5), (2, True, 7), (3, True, 8),
-                                                  (3, False, 7), (4, True, 8)])
+@pytest.mark.parametrize(
+    "every,offload,layers", [(1, True, 7), (1, False, 5), (2, True, 7), (3, True, 8), (3, False, 7), (4, True, 8)]
+)
 def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, layers):
     """The planner's checkpoints term (planner.device_checkpoints, per micro-batch) is what the engine's backward
     holds at its peak: watched at each block computation of the backward, the block inputs on the device (on the
@@ -270,24 +311,34 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
         finally:
             micros.clear()
 
-    def ckpt_up(ms, index):     # on a GPU the copy comes up here; on the CPU the engine reads the arena in place
+    def ckpt_up(ms, index):  # on a GPU the copy comes up here; on the CPU the engine reads the arena in place
         up.add(index)
         return real_up(ms, index)
 
     def block(unit, leaves, x, call):
         if micros:
-            arena = eng.activations.arena.tensor.untyped_storage().data_ptr() if eng.activations.arena is not None else None
-            held.append(sum(1 for mc in micros for i, t in enumerate(mc.ckpts)
-                            if t is not None and (t.untyped_storage().data_ptr() != arena or i in up)))
+            arena = (
+                eng.activations.arena.tensor.untyped_storage().data_ptr() if eng.activations.arena is not None else None
+            )
+            held.append(
+                sum(
+                    1
+                    for mc in micros
+                    for i, t in enumerate(mc.ckpts)
+                    if t is not None and (t.untyped_storage().data_ptr() != arena or i in up)
+                )
+            )
         return real_block(unit, leaves, x, call)
+
     eng.schedule.backward_blocks, eng.compute.block, eng.activations.up = backward, block, ckpt_up
     for m in tm.batches(2, G):
         eng.train_batch(m)
     assert held, "the backward computed no block"
     assert max(held) == device_checkpoints(layers, every, offload) * G, (held, every, offload)
-    h = model.config.hidden_size          # the plan's term is those inputs' bytes: (2 x 16 tokens) x hidden, bf16
-    term = activation_bytes(ModelShape(0, (1,) * layers, h, 1, 1), BatchShape(2, 16, G), layers, 2,
-                            offload_checkpoints=offload, every=every)["checkpoints"]
+    h = model.config.hidden_size  # the plan's term is those inputs' bytes: (2 x 16 tokens) x hidden, bf16
+    term = activation_bytes(
+        ModelShape(0, (1,) * layers, h, 1, 1), BatchShape(2, 16, G), layers, 2, offload_checkpoints=offload, every=every
+    )["checkpoints"]
     assert term == max(held) * 2 * 16 * h * 2
 
 
@@ -304,7 +355,7 @@ def test_the_plan_counts_the_bytes_the_models_loss_holds(dtype, chunks):
     measured *= per_chunk * vocab
     shape = ModelShape(0, (1,), 32, 64, vocab)
     term = activation_bytes(shape, BatchShape(1, tokens, 1), 1, dtype.itemsize, loss_chunks=chunks)["logits"]
-    assert 0.999 * measured <= term <= 1.02 * measured, (term, measured, at_peak)    # 0.999: the scalars
+    assert 0.999 * measured <= term <= 1.02 * measured, (term, measured, at_peak)  # 0.999: the scalars
 
 
 @pytest.mark.parametrize("chunks", [1, 8])
@@ -321,10 +372,19 @@ def test_the_post_pass_holds_no_more_than_the_plan_counts(chunks):
     live = tm.bench_module("probes/live_bytes")
     torch.manual_seed(0)
     hidden, vocab, tokens = 256, 8192, 128
-    m = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=1024, num_hidden_layers=3,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                                     max_position_embeddings=tokens, tie_word_embeddings=True,
-                                     attn_implementation="sdpa"))
+    m = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=1024,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=vocab,
+            max_position_embeddings=tokens,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+    )
     adapter = Adapter(m)
     inside = {id(p) for p in adapter.blocks.parameters()}
     leaves = {n: p.detach().requires_grad_(True) for n, p in m.named_parameters() if id(p) not in inside}
@@ -336,15 +396,16 @@ def test_the_post_pass_holds_no_more_than_the_plan_counts(chunks):
         pairs = [(sums[n], g) for n, g in zip(leaves, grads) if g is not None]
         torch._foreach_add_([d for d, _ in pairs], [g for _, g in pairs])
 
-    call = lambda kw: functional_call(m, leaves, (), kw, strict=False)   # noqa: E731
+    call = lambda kw: functional_call(m, leaves, (), kw, strict=False)  # noqa: E731
     with live.LiveBytes(ignore=[final, ids, *leaves.values(), *sums.values(), *m.parameters(), *m.buffers()]) as mode:
-        post_in_chunks(adapter, call, {"input_ids": ids, "labels": ids}, final, list(leaves.values()), 1.0, chunks,
-                       accumulate)
+        post_in_chunks(
+            adapter, call, {"input_ids": ids, "labels": ids}, final, list(leaves.values()), 1.0, chunks, accumulate
+        )
     shape = ModelShape(0, (1,), hidden, 1024, vocab)
     term = activation_bytes(shape, BatchShape(1, tokens, 1), 1, 4, loss_chunks=chunks)["logits"]
     final_grad = tokens * hidden * 4
     assert mode.peak <= term + final_grad + 4096, (mode.peak, term, mode.at_peak[:6])
-    if chunks > 1:   # the head's backward binds, and one more weight gradient would not fit
+    if chunks > 1:  # the head's backward binds, and one more weight gradient would not fit
         assert term + final_grad + 4096 < mode.peak + vocab * hidden * 4
 
 
@@ -385,9 +446,9 @@ def test_the_backward_holds_one_micro_batchs_weight_gradients_at_a_time(chunks):
     embed = tuple(model.model.embed_tokens.weight.shape)
     down = tuple(model.model.layers[0].mlp.down_proj.weight.shape)
     assert len({embed, down, tuple(model.model.layers[0].mlp.up_proj.weight.shape)}) == 3
-    data = tm.batches(2, 4, T=24)      # 48 tokens a micro-batch: no activation has a watched shape
+    data = tm.batches(2, 4, T=24)  # 48 tokens a micro-batch: no activation has a watched shape
     eng.train_batch(data[0])
     with _AliveOfShapes([embed, down]) as mode:
         eng.train_batch(data[1])
-    assert mode.most[embed] >= 1 and mode.most[down] >= 1, mode.most    # the mode saw them made
+    assert mode.most[embed] >= 1 and mode.most[down] >= 1, mode.most  # the mode saw them made
     assert mode.most == {embed: 1, down: 1}, mode.most

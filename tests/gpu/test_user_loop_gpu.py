@@ -19,8 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from tests.support import tiny_models as tm
 from zerofit.fsdp import FullyShardedDataParallel as FSDP
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _loop(model, data, clip: float, scaler=None):
@@ -34,8 +33,11 @@ def _loop(model, data, clip: float, scaler=None):
             loss = model(**mb).loss
             (loss / len(mbs)).backward()
             total += loss.item()
-        norm = model.clip_grad_norm_(clip) if hasattr(model, "zerofit_engine") else \
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = (
+            model.clip_grad_norm_(clip)
+            if hasattr(model, "zerofit_engine")
+            else torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        )
         opt.step()
         lrs.step()
         opt.zero_grad()
@@ -52,20 +54,30 @@ def test_the_fsdp1_shaped_loop_on_the_gpu_is_plain_pytorch_in_the_gpu(window):
     base = copy.deepcopy(ref)
     ref = ref.cuda()
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
-    model = FSDP(base, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True), device_id=0,
-                 zerofit_config={"gradient_accumulation_steps": window, "micro_batch_size": 2, "seq_len": 16,
-                                 "offload": {"resident_blocks": 0}})
+    model = FSDP(
+        base,
+        auto_wrap_policy=policy,
+        cpu_offload=CPUOffload(offload_params=True),
+        device_id=0,
+        zerofit_config={
+            "gradient_accumulation_steps": window,
+            "micro_batch_size": 2,
+            "seq_len": 16,
+            "offload": {"resident_blocks": 0},
+        },
+    )
     eng = model.zerofit_engine
     assert eng.device.type == "cuda" and all(u.home.name == "STREAMED" for u in eng.blocks)
     data = tm.batches(5, 3)
     got = _loop(model, data, clip=0.5)
     want = _loop(ref, data, clip=0.5)
-    assert all(n > 0.5 for _, n in want)       # every step clipped
+    assert all(n > 0.5 for _, n in want)  # every step clipped
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
     state = model.state_dict()
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(state[n].float().cpu(), p.detach().cpu(), rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(
+            state[n].float().cpu(), p.detach().cpu(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{n}: {m}"
+        )
     tl = eng.timeline()
     assert tl["upload"] > 0 and tl["download"] > 0
     clip = eng.stepper.torch_clip

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import CPUOffload  # noqa: E402
 from tests.support import tiny_models as tm  # noqa: E402
 from zerofit.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(autouse=True)
@@ -34,12 +34,13 @@ def _rows(n=16):
     return [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(n)]
 
 
-def _run(wrap: bool, rows, clip: bool = True, save_at=None, save_to=None, load_from=None, skip: int = 0,
-         mixed: str = "no"):
+def _run(
+    wrap: bool, rows, clip: bool = True, save_at=None, save_to=None, load_from=None, skip: int = 0, mixed: str = "no"
+):
     torch.manual_seed(0)
     model = tm.llama(layers=3, tied=False)
     acc = Accelerator(gradient_accumulation_steps=2, cpu=True, mixed_precision=mixed)
-    if wrap:                                     # the one change
+    if wrap:  # the one change
         model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -71,14 +72,14 @@ def test_the_accelerate_loop_is_the_plain_one_bitwise(mixed):
     rows = _rows()
     got, mine = _run(True, rows, mixed=mixed)
     want, theirs = _run(False, rows, mixed=mixed)
-    assert got == want and len(got) == 8 + 4             # 8 micro-batches' losses, 4 clipped steps' norms
+    assert got == want and len(got) == 8 + 4  # 8 micro-batches' losses, 4 clipped steps' norms
     for n, v in theirs.items():
         assert torch.equal(mine[n], v), n
 
 
 def test_save_state_and_load_state_resume_bitwise(tmp_path):
     rows = _rows()
-    full, _ = _run(True, rows, clip=False, save_at=3, save_to=tmp_path / "state")   # after the second step
+    full, _ = _run(True, rows, clip=False, save_at=3, save_to=tmp_path / "state")  # after the second step
     resumed, _ = _run(True, rows, clip=False, load_from=str(tmp_path / "state"), skip=4)
     assert resumed == full[4:]
 
@@ -91,9 +92,10 @@ def test_accelerates_quicktour_with_a_generic_model_is_the_plain_one_bitwise():
 
     def run(wrap: bool):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
-                                    torch.nn.GELU(), torch.nn.Linear(32, 4))
-        if wrap:                                     # the one change
+        model = torch.nn.Sequential(
+            torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)
+        )
+        if wrap:  # the one change
             model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))

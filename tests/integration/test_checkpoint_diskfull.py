@@ -24,8 +24,13 @@ from zerofit.checkpoint.lock import SAVE_LOCK
 from zerofit.checkpoint.state import optimizer_entries, weight_entries
 
 G = 2
-_CFG = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-        "gradient_clipping": 1.0}
+_CFG = {
+    "device": "cpu",
+    "precision": "fp32",
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": G,
+    "gradient_clipping": 1.0,
+}
 
 
 def _pair():
@@ -42,8 +47,10 @@ def _pair():
 
 def _state(engine):
     engine.wait()
-    return {e.name: e.base[e.offset:e.offset + e.numel].clone()
-            for e in weight_entries(engine) + optimizer_entries(engine)}
+    return {
+        e.name: e.base[e.offset : e.offset + e.numel].clone()
+        for e in weight_entries(engine) + optimizer_entries(engine)
+    }
 
 
 def _assert_untouched_and_trains_on(engine, twin):
@@ -57,8 +64,9 @@ def _assert_untouched_and_trains_on(engine, twin):
 
 def _assert_previous_loads(root: Path, tag: str):
     assert (root / "latest").read_text() == tag
-    assert not [p for p in root.iterdir() if p.name.startswith(".") and p.name != SAVE_LOCK], \
+    assert not [p for p in root.iterdir() if p.name.startswith(".") and p.name != SAVE_LOCK], (
         "the partial save was left behind"
+    )
     fresh = zerofit.initialize(tm.llama(), _CFG)
     path, client = fresh.load_checkpoint(root)
     assert Path(path).name == tag and client == {"tag": tag}
@@ -105,8 +113,9 @@ def tiny_tmpfs(tmp_path):
     def make(size: int) -> Path:
         point = tmp_path / f"tmpfs{len(mounted)}"
         point.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True, text=True
+        )
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode})")
         mounted.append(point)
@@ -121,11 +130,11 @@ def test_real_full_disk_on_a_small_tmpfs(tmp_path, tiny_tmpfs, monkeypatch):
     if shutil.which("mount") is None:
         pytest.skip("no mount command")
     engine, twin = _pair()
-    with monkeypatch.context() as m:                         # what the saver asks for one checkpoint
+    with monkeypatch.context() as m:  # what the saver asks for one checkpoint
         m.setattr(save_mod, "free_bytes", lambda p: 0)
         with pytest.raises(CheckpointDiskFullError) as probe:
             engine.save_checkpoint(tmp_path / "probe", client_state={"tag": "global_step2"})
-    root = tiny_tmpfs(-(-(_numbers(probe.value)[0] + 65536) // 4096) * 4096)     # one fits, not two
+    root = tiny_tmpfs(-(-(_numbers(probe.value)[0] + 65536) // 4096) * 4096)  # one fits, not two
     engine.save_checkpoint(root, client_state={"tag": "global_step2"})
     for e in (engine, twin):
         e.train_batch(tm.batches(1, G, seed=8)[0])
@@ -134,7 +143,7 @@ def test_real_full_disk_on_a_small_tmpfs(tmp_path, tiny_tmpfs, monkeypatch):
     needed, free = _numbers(ei.value)
     assert needed > free and free == shutil.disk_usage(root).free
     _assert_previous_loads(root, "global_step2")
-    monkeypatch.setattr(seams, "space_check", False)            # now the kernel's ENOSPC itself
+    monkeypatch.setattr(seams, "space_check", False)  # now the kernel's ENOSPC itself
     with pytest.raises(CheckpointDiskFullError, match=rf"{root}/\.tmp-global_step3-.*while writing"):
         engine.save_checkpoint(root, client_state={"tag": "global_step3"})
     _assert_previous_loads(root, "global_step2")

@@ -24,8 +24,16 @@ BUILDS = {"llama-tied": tm.llama, "llama": lambda: tm.llama(tied=False), "gpt2":
 
 def _trained(build, precision="fp32"):
     torch.manual_seed(0)
-    engine = zerofit.initialize(build(), {"device": "cpu", "precision": precision, "micro_batch_size": 2,
-                                          "gradient_accumulation_steps": G, "optimizer": {"lr": 1e-2}})
+    engine = zerofit.initialize(
+        build(),
+        {
+            "device": "cpu",
+            "precision": precision,
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": G,
+            "optimizer": {"lr": 1e-2},
+        },
+    )
     for mbs in tm.batches(3, G):
         engine.train_batch(mbs)
     return engine
@@ -56,7 +64,7 @@ def test_save_pretrained_round_trip_fp32_and_bf16(tmp_path, name):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(shards)
     canonical = {n for n, _ in module.named_parameters()}
-    assert set(index["weight_map"]) == canonical                     # tied weights once, by their first name
+    assert set(index["weight_map"]) == canonical  # tied weights once, by their first name
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["dtype"] == "float32" and cfg["architectures"] == [type(module).__name__]
     assert (out / "generation_config.json").is_file()
@@ -66,7 +74,7 @@ def test_save_pretrained_round_trip_fp32_and_bf16(tmp_path, name):
     if module.config.tie_word_embeddings:
         assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
 
-    out16 = Path(engine.save_pretrained(tmp_path / "bf16", dtype="bf16"))   # one file
+    out16 = Path(engine.save_pretrained(tmp_path / "bf16", dtype="bf16"))  # one file
     assert (out16 / "model.safetensors").is_file() and not (out16 / "model.safetensors.index.json").exists()
     master = engine.master_state_dict()
     assert all(torch.equal(t, master[k].to(torch.bfloat16)) for k, t in _keys(out16).items())  # one rounding
@@ -125,8 +133,9 @@ def test_tutorial_module_save_pretrained_saves_the_trained_weights(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     master = engine.master_state_dict()
     torch.manual_seed(0)
-    init = BUILDS["llama"]()                       # the weights training started from
-    assert not torch.equal(master["model.layers.0.mlp.up_proj.weight"],
-                           dict(init.named_parameters())["model.layers.0.mlp.up_proj.weight"])
+    init = BUILDS["llama"]()  # the weights training started from
+    assert not torch.equal(
+        master["model.layers.0.mlp.up_proj.weight"], dict(init.named_parameters())["model.layers.0.mlp.up_proj.weight"]
+    )
     for n, p in loaded.named_parameters():
         assert torch.equal(p.detach(), master[n]), n

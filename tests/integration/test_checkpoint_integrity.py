@@ -20,10 +20,18 @@ from safetensors import safe_open
 
 import zerofit
 from tests.support import tiny_models as tm
-from zerofit.checkpoint import list_tags, prune
-from zerofit.checkpoint import (CheckpointIncompleteError, CheckpointMismatchError, CheckpointNotFoundError,
-                                CheckpointStateError, ChecksumMismatchError, EngineStateLostError, MissingFileError,
-                                TruncatedFileError)
+from zerofit.checkpoint import (
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointStateError,
+    ChecksumMismatchError,
+    EngineStateLostError,
+    MissingFileError,
+    TruncatedFileError,
+    list_tags,
+    prune,
+)
 from zerofit.checkpoint import commit as commit_mod
 from zerofit.checkpoint import state as state_mod
 from zerofit.checkpoint.commit import RECORD, CommitRecord
@@ -33,8 +41,14 @@ G = 2
 
 
 def _cfg(**kw):
-    return {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-            "gradient_clipping": 1.0, "optimizer": {"lr": 3e-3}} | kw
+    return {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": 1.0,
+        "optimizer": {"lr": 3e-3},
+    } | kw
 
 
 def _engine(build=tm.llama, steps=2, **kw):
@@ -49,7 +63,7 @@ def _snapshot(engine):
     engine.wait()
     out = {}
     for e in state_mod.weight_entries(engine) + state_mod.optimizer_entries(engine):
-        out[e.name] = e.base[e.offset:e.offset + e.numel].clone()
+        out[e.name] = e.base[e.offset : e.offset + e.numel].clone()
     return out, [float(u.step) for u in engine.units], engine.global_step
 
 
@@ -60,7 +74,7 @@ def _same(a, b) -> bool:
 def test_deepspeed_meaning_tags_latest_and_client_state(tmp_path, caplog):
     engine = _engine()
     with caplog.at_level(logging.WARNING, logger="zerofit"):
-        assert engine.load_checkpoint(tmp_path) == (None, None)        # nothing saved yet: a warning only
+        assert engine.load_checkpoint(tmp_path) == (None, None)  # nothing saved yet: a warning only
     assert "no 'latest'" in caplog.text
     path = engine.save_checkpoint(tmp_path, client_state={"data": {"epoch": 1, "pos": 17}})
     assert Path(path) == tmp_path / "global_step2" and (tmp_path / "latest").read_text() == "global_step2"
@@ -68,7 +82,7 @@ def test_deepspeed_meaning_tags_latest_and_client_state(tmp_path, caplog):
     engine.save_checkpoint(tmp_path, tag="mine", client_state={"n": 3}, save_latest=False)
     assert (tmp_path / "latest").read_text() == "global_step2"
     fresh = zerofit.initialize(tm.llama(), _cfg())
-    p, client = fresh.load_checkpoint(tmp_path)                          # latest
+    p, client = fresh.load_checkpoint(tmp_path)  # latest
     assert Path(p).name == "global_step2" and client == {"data": {"epoch": 1, "pos": 17}}
     assert fresh.global_step == 2
     p, client = fresh.load_checkpoint(tmp_path, tag="mine")
@@ -81,7 +95,7 @@ def test_deepspeed_meaning_tags_latest_and_client_state(tmp_path, caplog):
 
 
 def test_files_are_safetensors_named_by_parameter_weights_apart_from_moments(tmp_path):
-    engine = _engine(build=tm.gpt2)     # tied: lm_head.weight is transformer.wte.weight
+    engine = _engine(build=tm.gpt2)  # tied: lm_head.weight is transformer.wte.weight
     folder = Path(engine.save_checkpoint(tmp_path))
     index = json.loads((folder / "weights.safetensors.index.json").read_text())
     names = set(index["weight_map"])
@@ -96,7 +110,7 @@ def test_files_are_safetensors_named_by_parameter_weights_apart_from_moments(tmp
     unit = engine.blocks[1]
     name = engine.adapter.block_prefix(1) + "." + unit.layout.names[0]
     with safe_open(folder / opt[name + ".exp_avg_sq"], "pt") as f:
-        want = unit.exp_avg_sq[:unit.layout.shapes[0].numel()].view(unit.layout.shapes[0])
+        want = unit.exp_avg_sq[: unit.layout.shapes[0].numel()].view(unit.layout.shapes[0])
         assert torch.equal(f.get_tensor(name + ".exp_avg_sq"), want)
     record = json.loads((folder / RECORD).read_text())
     assert record["state"]["global_step"] == 2 and set(record["files"]) == {p.name for p in folder.iterdir()} - {RECORD}
@@ -110,8 +124,8 @@ def test_many_shards_and_a_replaced_tag(tmp_path):
     assert len([f for f in files if f.startswith("weights-")]) > 2 and "optimizer-00001-of-000" in files[0]
     first = _snapshot(engine)
     engine.train_batch(tm.batches(1, G, seed=9)[0])
-    state_mod.save(engine, tmp_path, "t")                  # same tag: swapped in atomically
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != SAVE_LOCK]   # the engine holds it
+    state_mod.save(engine, tmp_path, "t")  # same tag: swapped in atomically
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != SAVE_LOCK]  # the engine holds it
     fresh = zerofit.initialize(tm.llama(), _cfg())
     fresh.load_checkpoint(tmp_path, "t")
     assert _same(_snapshot(fresh), _snapshot(engine)) and not _same(first, _snapshot(fresh))
@@ -153,7 +167,7 @@ def test_corrupt_checkpoint_is_refused_naming_the_file_and_the_engine_is_untouch
     with pytest.raises(err, match=str(path)):
         target.load_checkpoint(tmp_path)
     assert _same(before, _snapshot(target))
-    target.train_batch(tm.batches(1, G)[0])                       # still usable
+    target.train_batch(tm.batches(1, G)[0])  # still usable
 
 
 def _rewrite_shape(folder: Path, name: str, new_shape: list[int]) -> Path:
@@ -162,15 +176,14 @@ def _rewrite_shape(folder: Path, name: str, new_shape: list[int]) -> Path:
     p = folder / "weights-00001-of-00001.safetensors"
     raw = p.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    head = json.loads(raw[8:8 + n])
+    head = json.loads(raw[8 : 8 + n])
     head[name]["shape"] = new_shape
     new = json.dumps(head, separators=(",", ":")).encode()
     new += b" " * (n - len(new))
     assert len(new) == n
-    p.write_bytes(raw[:8] + new + raw[8 + n:])
+    p.write_bytes(raw[:8] + new + raw[8 + n :])
     rec = CommitRecord.read(folder)
-    files = tuple(commit_mod.FileEntry(f.name, f.bytes, commit_mod.crc_of_file(folder / f.name)[1])
-                  for f in rec.files)
+    files = tuple(commit_mod.FileEntry(f.name, f.bytes, commit_mod.crc_of_file(folder / f.name)[1]) for f in rec.files)
     (folder / RECORD).write_bytes(CommitRecord(rec.tag, files, rec.state).to_bytes())
     return p
 
@@ -178,7 +191,7 @@ def _rewrite_shape(folder: Path, name: str, new_shape: list[int]) -> Path:
 def test_changed_shape_and_other_model_are_refused_naming_the_tensor(tmp_path):
     saved = _engine()
     folder = Path(saved.save_checkpoint(tmp_path))
-    name = "model.layers.1.mlp.up_proj.weight"                       # (64, 32)
+    name = "model.layers.1.mlp.up_proj.weight"  # (64, 32)
     path = _rewrite_shape(folder, name, [32, 64])
     target = _engine(steps=1)
     before = _snapshot(target)
@@ -194,15 +207,15 @@ def test_changed_shape_and_other_model_are_refused_naming_the_tensor(tmp_path):
 def test_incomplete_and_stale_folders_are_never_loaded_and_are_cleaned_up(tmp_path):
     engine = _engine()
     engine.save_checkpoint(tmp_path)
-    dead = tmp_path / ".tmp-global_step9-999999999-abcd"      # a killed save (no such pid)
+    dead = tmp_path / ".tmp-global_step9-999999999-abcd"  # a killed save (no such pid)
     dead.mkdir()
     (dead / "weights-00001-of-00001.safetensors").write_bytes(b"junk")
-    (tmp_path / "half").mkdir()                                # a folder without a commit record
+    (tmp_path / "half").mkdir()  # a folder without a commit record
     fresh = zerofit.initialize(tm.llama(), _cfg())
     with pytest.raises(CheckpointIncompleteError, match="half: no zerofit_checkpoint.json"):
         fresh.load_checkpoint(tmp_path, tag="half")
     assert Path(fresh.load_checkpoint(tmp_path)[0]).name == "global_step2"
-    live = tmp_path / f".tmp-global_step9-{os.getppid()}-beef"      # another live process's save in progress
+    live = tmp_path / f".tmp-global_step9-{os.getppid()}-beef"  # another live process's save in progress
     live.mkdir()
     engine.train_batch(tm.batches(1, G)[0])
     engine.save_checkpoint(tmp_path)
@@ -216,7 +229,7 @@ def test_replacement_without_rename_exchange_recovers_from_the_moved_aside_copy(
     engine.train_batch(tm.batches(1, G)[0])
     engine.save_checkpoint(tmp_path, tag="t")
     assert sorted(p.name for p in tmp_path.iterdir()) == [SAVE_LOCK, "latest", "t"]
-    os.rename(tmp_path / "t", tmp_path / ".replaced-t-1-ab")      # killed between the two renames
+    os.rename(tmp_path / "t", tmp_path / ".replaced-t-1-ab")  # killed between the two renames
     fresh = zerofit.initialize(tm.llama(), _cfg())
     assert Path(fresh.load_checkpoint(tmp_path)[0]).name == ".replaced-t-1-ab"
     assert _same(_snapshot(fresh), _snapshot(engine))
@@ -231,7 +244,7 @@ def test_load_refused_mid_accumulation(tmp_path):
     engine.backward(out.loss)
     with pytest.raises(CheckpointStateError, match="1 micro-batches since"):
         engine.load_checkpoint(tmp_path)
-    engine.step()                                  # a no-op before the boundary
+    engine.step()  # a no-op before the boundary
     out = engine(**tm.batches(1, G)[0][1])
     engine.backward(out.loss)
     engine.step()
@@ -255,8 +268,12 @@ def test_a_failure_after_copying_started_makes_the_engine_unusable(tmp_path, mon
     from zerofit.engine.lifecycle import EngineFailedError, EngineState
 
     assert target.state is EngineState.FAILED
-    for use in (lambda: target.train_batch(tm.batches(1, G)[0]), lambda: target.module,
-                lambda: target(**tm.batches(1, G)[0][0]), lambda: target.save_checkpoint(tmp_path / "other")):
+    for use in (
+        lambda: target.train_batch(tm.batches(1, G)[0]),
+        lambda: target.module,
+        lambda: target(**tm.batches(1, G)[0][0]),
+        lambda: target.save_checkpoint(tmp_path / "other"),
+    ):
         with pytest.raises(EngineFailedError, match="partly from the checkpoint"):
             use()
 
@@ -265,8 +282,8 @@ def test_prune_keeps_the_newest_and_never_the_latest(tmp_path):
     engine = _engine(steps=1)
     for i in range(4):
         engine.save_checkpoint(tmp_path, tag=f"s{i}", save_latest=(i != 3))
-        time.sleep(0.01)                               # distinct commit times
+        time.sleep(0.01)  # distinct commit times
     assert prune(tmp_path, keep=2) == ["s0", "s1"]
     assert list_tags(tmp_path) == ["s2", "s3"] and (tmp_path / "latest").read_text() == "s2"
-    assert prune(tmp_path, keep=1) == []               # s2 is older but `latest` names it
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != SAVE_LOCK]   # the engine holds it
+    assert prune(tmp_path, keep=1) == []  # s2 is older but `latest` names it
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != SAVE_LOCK]  # the engine holds it

@@ -19,9 +19,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(model: Path, data: Path, out: Path, *extra: str):
-    return CliRunner().invoke(app, ["train", "--model", str(model), "--data", str(data), "--output", str(out),
-                                    "--device", "cpu", "--steps", "1", "--micro-batch-size", "1", "--grad-accum", "1",
-                                    "--precision", "fp32", "--no-progress", "--no-export", *extra])
+    return CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--output",
+            str(out),
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--micro-batch-size",
+            "1",
+            "--grad-accum",
+            "1",
+            "--precision",
+            "fp32",
+            "--no-progress",
+            "--no-export",
+            *extra,
+        ],
+    )
 
 
 def test_a_gpt2_folder_and_one_text_file_train_with_the_defaults(tmp_path):
@@ -49,8 +71,13 @@ def test_estimate_prints_no_library_noise():
     """bitsandbytes' CPU-kernel line and DeepSpeed's accelerator warning come from their imports: a fresh
     process shows what a user sees."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run([sys.executable, "-m", "zerofit.cli", "estimate", "--shape", "W1", "--lora", "--cpu",
-                        "--no-measure"], capture_output=True, text=True, env=env, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-m", "zerofit.cli", "estimate", "--shape", "W1", "--lora", "--cpu", "--no-measure"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
     assert "kernels-community" not in out and "gemm_4bit" not in out, out

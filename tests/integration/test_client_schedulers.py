@@ -36,9 +36,13 @@ def _ds_lr_schedules():
 
 
 def _config(G: int, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": G, "gradient_clipping": 0.0,
-            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                  "offload_param": {"device": "cpu"}}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+        **extra,
+    }
 
 
 def _adamw(params, fused=False):
@@ -46,7 +50,7 @@ def _adamw(params, fused=False):
 
 
 def _warmup_decay(s):
-    return min(1.0, s / 2) * 0.8 ** s          # 0 at the first step: the client optimizer's lr is zeroed at once
+    return min(1.0, s / 2) * 0.8**s  # 0 at the first step: the client optimizer's lr is zeroed at once
 
 
 # name -> (lr_scheduler argument for initialize (given the client optimizer, None for the config's), whether a
@@ -54,24 +58,36 @@ def _warmup_decay(s):
 def _cases():
     def transformers_cosine(opt):
         from transformers import get_scheduler
+
         return get_scheduler("cosine", optimizer=opt, num_warmup_steps=2, num_training_steps=STEPS)
 
-    def torch_one_cycle(opt):        # cycles AdamW's betas too (cycle_momentum, torch's default)
+    def torch_one_cycle(opt):  # cycles AdamW's betas too (cycle_momentum, torch's default)
         return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS)
 
     def step_lr(opt):
         return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
-    one_cycle = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2, "cycle_first_step_size": 2, "cycle_second_step_size": 3,
-                 "decay_step_size": 1, "decay_lr_rate": 0.5, "decay_mom_rate": 0.01}
+    one_cycle = {
+        "cycle_min_lr": 1e-4,
+        "cycle_max_lr": 1e-2,
+        "cycle_first_step_size": 2,
+        "cycle_second_step_size": 3,
+        "decay_step_size": 1,
+        "decay_lr_rate": 0.5,
+        "decay_mom_rate": 0.01,
+    }
     lr_range = {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 2, "lr_range_test_step_rate": 3.0}
 
     def ds(name, **params):
         return lambda opt: getattr(_ds_lr_schedules(), name)(opt, **params)
 
     return {
-        "LambdaLR": (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_decay), True, None,
-                     lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_decay)),
+        "LambdaLR": (
+            lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_decay),
+            True,
+            None,
+            lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_decay),
+        ),
         "callable": (step_lr, False, None, step_lr),
         "transformers-cosine": (transformers_cosine, True, None, transformers_cosine),
         "torch-OneCycleLR": (torch_one_cycle, True, None, torch_one_cycle),
@@ -95,9 +111,9 @@ def _zerofit(model, G, case, batches, *, resume_at=None, tmp_path=None):
         if make_sched is None:
             sched = None
         elif client_opt:
-            sched = make_sched(opt)         # a scheduler object over the client optimizer
+            sched = make_sched(opt)  # a scheduler object over the client optimizer
         else:
-            sched = make_sched                # a callable: DeepSpeed calls it with its optimizer
+            sched = make_sched  # a callable: DeepSpeed calls it with its optimizer
         config = _config(G, **({"scheduler": config_sched} if config_sched else {}))
         if not client_opt:
             config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
@@ -114,9 +130,14 @@ def _zerofit(model, G, case, batches, *, resume_at=None, tmp_path=None):
         loss = loss_of(engine(**mb))
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
-            seen.append({"get_lr": engine.get_lr(), "param_groups": [g["lr"] for g in optimizer.param_groups],
-                         "scheduler": list(lr_scheduler.get_last_lr()) if lr_scheduler is not None else None,
-                         "betas": [tuple(b) for b in engine.get_mom()]})
+            seen.append(
+                {
+                    "get_lr": engine.get_lr(),
+                    "param_groups": [g["lr"] for g in optimizer.param_groups],
+                    "scheduler": list(lr_scheduler.get_last_lr()) if lr_scheduler is not None else None,
+                    "betas": [tuple(b) for b in engine.get_mom()],
+                }
+            )
         engine.step()
         losses.append(loss.item())
     return losses, seen, engine
@@ -134,8 +155,9 @@ def _plain(model, G, case, batches):
         (loss / G).backward()
         losses.append(loss.item())
         if (i + 1) % G == 0:
-            used.append({"lr": [g["lr"] for g in opt.param_groups],
-                         "betas": [tuple(g["betas"]) for g in opt.param_groups]})
+            used.append(
+                {"lr": [g["lr"] for g in opt.param_groups], "betas": [tuple(g["betas"]) for g in opt.param_groups]}
+            )
             opt.step()
             opt.zero_grad()
             sched.step()
@@ -165,7 +187,7 @@ def test_schedule_matches_plain_torch_bitwise(case, G):
         if got["scheduler"] is not None:
             assert got["scheduler"] == applied["lr"], (s, got, applied)
         assert got["betas"] == applied["betas"], (s, got, applied)
-    if case in ("OneCycle", "torch-OneCycleLR"):       # momentum cycles: the betas moved
+    if case in ("OneCycle", "torch-OneCycleLR"):  # momentum cycles: the betas moved
         assert len({b for step in used for b in step["betas"]}) > 2
     assert len({step["lr"][0] for step in used}) > 2, "the schedule must move the lr"
     engine.close()
@@ -198,15 +220,18 @@ def test_groups_take_their_own_scheduled_lr():
     ref = copy.deepcopy(model)
 
     def groups(m):
-        return [{"params": [p for p in m.parameters() if p.dim() >= 2]},
-                {"params": [p for p in m.parameters() if p.dim() < 2], "lr": 3e-3, "weight_decay": 0.0}]
+        return [
+            {"params": [p for p in m.parameters() if p.dim() >= 2]},
+            {"params": [p for p in m.parameters() if p.dim() < 2], "lr": 3e-3, "weight_decay": 0.0},
+        ]
 
-    lambdas = [_warmup_decay, lambda s: 0.5 ** s]
+    lambdas = [_warmup_decay, lambda s: 0.5**s]
     opt = _adamw(groups(model))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
-    engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                                              config=_config(G), device="cpu")
-    assert lr_scheduler is sched and engine.config.optimizer.lr == LR     # initial_lr, not the zeroed lr
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=_config(G), device="cpu"
+    )
+    assert lr_scheduler is sched and engine.config.optimizer.lr == LR  # initial_lr, not the zeroed lr
     ref_opt = _adamw(groups(ref), fused=True)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambdas)
     batches = [mb for mbs in tm.batches(STEPS, G) for mb in mbs]
@@ -235,9 +260,10 @@ def test_a_client_optimizer_alone_applies_its_param_groups_as_deepspeed():
     model = tm.PlainLM()
     ref = copy.deepcopy(model)
     opt = _adamw(model.parameters())
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)    # stepped by the script
-    engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=opt, config=_config(1),
-                                                              device="cpu")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # stepped by the script
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+        model=model, optimizer=opt, config=_config(1), device="cpu"
+    )
     assert lr_scheduler is None and optimizer.param_groups is opt.param_groups
     ref_opt = _adamw(ref.parameters(), fused=True)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
@@ -247,7 +273,7 @@ def test_a_client_optimizer_alone_applies_its_param_groups_as_deepspeed():
         engine.step()
         sched.step()
         if s == 3:
-            optimizer.param_groups[0]["lr"] = 2e-3          # a script that sets the lr itself
+            optimizer.param_groups[0]["lr"] = 2e-3  # a script that sets the lr itself
         ref_loss = loss_of(ref(**mb[0]))
         ref_loss.backward()
         ref_opt.step()
@@ -260,10 +286,13 @@ def test_a_client_optimizer_alone_applies_its_param_groups_as_deepspeed():
     engine.close()
 
 
-@pytest.mark.parametrize("name, params", [
-    ("WarmupLR", {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 3, "warmup_type": "linear"}),
-    ("WarmupCosineLR", {"total_num_steps": STEPS, "warmup_num_steps": 2, "warmup_min_ratio": 0.1}),
-])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("WarmupLR", {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 3, "warmup_type": "linear"}),
+        ("WarmupCosineLR", {"total_num_steps": STEPS, "warmup_num_steps": 2, "warmup_min_ratio": 0.1}),
+    ],
+)
 def test_deepspeed_warmups_over_groups_of_their_own_lr(name, params):
     """DeepSpeed's WarmupLR with warmup_max_lr gives every group the schedule's lr; its WarmupCosineLR scales each
     group's own: the lr of every group at every step is DeepSpeed's class's, over the same groups."""
@@ -272,13 +301,19 @@ def test_deepspeed_warmups_over_groups_of_their_own_lr(name, params):
     model = tm.PlainLM()
 
     def groups(m):
-        return [{"params": [p for p in m.parameters() if p.dim() >= 2]},
-                {"params": [p for p in m.parameters() if p.dim() < 2], "lr": 5e-4}]
+        return [
+            {"params": [p for p in m.parameters() if p.dim() >= 2]},
+            {"params": [p for p in m.parameters() if p.dim() < 2], "lr": 5e-4},
+        ]
 
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
-        model=model, model_parameters=groups(model), device="cpu",
-        config=_config(1, optimizer={"type": "AdamW", "params": {"lr": LR}}, scheduler={"type": name,
-                                                                                         "params": params}))
+        model=model,
+        model_parameters=groups(model),
+        device="cpu",
+        config=_config(
+            1, optimizer={"type": "AdamW", "params": {"lr": LR}}, scheduler={"type": name, "params": params}
+        ),
+    )
     ref_opt = torch.optim.AdamW(groups(copy.deepcopy(model)), lr=LR)
     ref = getattr(schedules, name)(ref_opt, **params)
     for mb in tm.batches(STEPS, 1):
@@ -298,17 +333,24 @@ def test_unmanaged_gradient_accumulation_steps_at_every_step_call():
     torch.manual_seed(0)
     model = tm.PlainLM()
     ref = copy.deepcopy(model)
-    engine, *_ = deepspeed.initialize(model=model, device="cpu", config=_config(
-        G, managed_gradient_accumulation=False, optimizer={"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        device="cpu",
+        config=_config(
+            G,
+            managed_gradient_accumulation=False,
+            optimizer={"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        ),
+    )
     ref_opt = _adamw(ref.parameters(), fused=True)
-    windows = [1, 2, 1]                  # micro-batches the caller gives each step
+    windows = [1, 2, 1]  # micro-batches the caller gives each step
     batches = iter([mb for mbs in tm.batches(4, G) for mb in mbs])
     for n in windows:
         for _ in range(n):
             mb = next(batches)
             loss = loss_of(engine(**mb))
             engine.backward(loss)
-            assert not engine.is_gradient_accumulation_boundary()      # true only inside step()
+            assert not engine.is_gradient_accumulation_boundary()  # true only inside step()
             (loss_of(ref(**mb)) / G).backward()
         engine.step()
         ref_opt.step()
@@ -322,7 +364,7 @@ def test_unmanaged_gradient_accumulation_steps_at_every_step_call():
         engine.backward(loss_of(engine(**next(batches))))
     with pytest.raises(DeepSpeedUnsupported, match=r"micro-batch 3 before engine\.step\(\) with managed"):
         engine(**tm.batches(1, 1)[0][0])
-    engine.step()                   # the engine goes on: the refused call changed nothing
+    engine.step()  # the engine goes on: the refused call changed nothing
     assert engine.global_steps == len(windows) + 1
     engine.close()
 
@@ -341,8 +383,8 @@ def test_client_schedulers_zerofit_cannot_follow_are_refused():
     opt = _adamw(m.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_decay)
     engine, *_ = deepspeed.initialize(model=m, optimizer=opt, lr_scheduler=sched, config=_config(1), device="cpu")
-    assert engine.config.optimizer.lr == LR and engine.get_lr() == [0.0]    # the base lr is initial_lr
-    assert engine.config.scheduler.type == "constant"       # the client's scheduler replaces the config's block
+    assert engine.config.optimizer.lr == LR and engine.get_lr() == [0.0]  # the base lr is initial_lr
+    assert engine.config.scheduler.type == "constant"  # the client's scheduler replaces the config's block
     opt.param_groups[0]["betas"] = (0.9, 1.5)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['betas'\] is \(0\.9, 1\.5\)"):
         engine.get_mom()
@@ -356,8 +398,13 @@ def test_a_skipped_fp16_step_does_not_step_the_scheduler():
     model = tm.PlainLM()
     opt = _adamw(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_decay)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, device="cpu", config=_config(
-        1, fp16={"enabled": True, "initial_scale_power": 18, "hysteresis": 1}))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        device="cpu",
+        config=_config(1, fp16={"enabled": True, "initial_scale_power": 18, "hysteresis": 1}),
+    )
     applied = []
     for mb in tm.batches(8, 1):
         lr = engine.get_lr()[0]

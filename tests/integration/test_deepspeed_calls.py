@@ -25,9 +25,14 @@ from tests.support import tiny_models as tm
 
 
 def _ds(G: int = 1, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": G, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 3}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3},
+        **extra,
+    }
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -91,8 +96,7 @@ def test_a_model_from_pretrained_trains_in_eval_mode_as_deepspeed_does(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert not model.training
     ref = copy.deepcopy(model)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_ds(G=2),
-                                      device="cpu")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_ds(G=2), device="cpu")
     opt = _adamw(ref)
     data = tm.batches(3, 2, B=4)
     for mbs in data:
@@ -126,7 +130,7 @@ def test_positional_calls_reach_a_convnet_and_return_its_logits():
     for _ in range(3):
         inputs, labels = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
         outputs = engine(inputs)
-        assert outputs.shape == (4, 10)      # the model's own output
+        assert outputs.shape == (4, 10)  # the model's own output
         loss = criterion(outputs, labels)
         engine.backward(loss)
         engine.step()
@@ -145,7 +149,7 @@ def test_positional_calls_reach_a_convnet_and_return_its_logits():
 
     with pytest.raises(BatchError, match=r"micro-batch 0 is a Tensor; .*forward \(x\)") as err:
         engine.train_batch([x])
-    assert "input_ids" not in str(err.value)     # a convnet's hint names its own argument
+    assert "input_ids" not in str(err.value)  # a convnet's hint names its own argument
     engine.close()
 
 
@@ -186,8 +190,13 @@ class _SkipLM(tm.PlainLM):
 
 
 def test_the_checkpoint_of_a_model_that_fell_back_loads_in_a_fresh_engine(tmp_path):
-    cfg = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-           "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    cfg = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+    }
     torch.manual_seed(0)
     model = _SkipLM()
     twin = copy.deepcopy(model)
@@ -195,15 +204,15 @@ def test_the_checkpoint_of_a_model_that_fell_back_loads_in_a_fresh_engine(tmp_pa
     data = tm.batches(4, 2)
     for mbs in data[:2]:
         engine.train_batch(mbs)
-    assert not engine.adapter.streaming          # it fell back on its first step
+    assert not engine.adapter.streaming  # it fell back on its first step
     engine.save_checkpoint(tmp_path)
     rest = [engine.train_batch(mbs) for mbs in data[2:]]
     final = engine.master_state_dict()
     engine.close()
-    fresh = zerofit.initialize(twin, cfg)        # streams until its first forward shows it cannot
+    fresh = zerofit.initialize(twin, cfg)  # streams until its first forward shows it cannot
     assert fresh.adapter.streaming
     fresh.load_checkpoint(tmp_path)
-    assert [fresh.train_batch(mbs) for mbs in data[2:]] == rest     # falls back with the loaded moments
+    assert [fresh.train_batch(mbs) for mbs in data[2:]] == rest  # falls back with the loaded moments
     assert not fresh.adapter.streaming
     for n, v in fresh.master_state_dict().items():
         assert torch.equal(v, final[n]), n

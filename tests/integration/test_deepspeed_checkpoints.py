@@ -47,41 +47,73 @@ SCRIPT = ROOT / "tests" / "support" / "deepspeed_script.py"
 STEPS, MORE = 3, 2
 LR, WARMUP = 2e-3, 4
 # a Llama whose tensors have odd sizes (33 wide, vocabulary 97): ZeRO pads its partitions over two ranks
-ODD = dict(hidden_size=33, intermediate_size=50, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
-           head_dim=8, vocab_size=tm.VOCAB, max_position_embeddings=64, tie_word_embeddings=True,
-           attn_implementation="sdpa")
+ODD = dict(
+    hidden_size=33,
+    intermediate_size=50,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=8,
+    vocab_size=tm.VOCAB,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    attn_implementation="sdpa",
+)
 
 
 def ds_config(stage: int, precision: str = "fp32", G: int = 1, **extra) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": G,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8,
-                                                     "weight_decay": 0.01, "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                        "warmup_num_steps": WARMUP, "warmup_type": "linear"}},
-           "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0, "steps_per_print": 10**6}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": G,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": WARMUP, "warmup_type": "linear"},
+        },
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**6,
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
-    if precision == "fp16":    # 2^20 overflows twice before the save (skipped steps), then the scale grows
+    if precision == "fp16":  # 2^20 overflows twice before the save (skipped steps), then the scale grows
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}
     return {**cfg, **extra}
 
 
-ONE = {   # one process
+ONE = {  # one process
     "s1": dict(config=ds_config(1), reload=True),
     "s2": dict(config=ds_config(2), universal=True),
     "s3": dict(config=ds_config(3)),
     "b3": dict(config=ds_config(3, "bf16")),
     "h2": dict(config=ds_config(2, "fp16"), steps=5),
-    "g1": dict(config=ds_config(1), groups=True),     # two parameter groups: no weight decay for the vectors
+    "g1": dict(config=ds_config(1), groups=True),  # two parameter groups: no weight decay for the vectors
     "f2": dict(config=ds_config(2), freeze=["model.norm.weight"]),
-    "m1": dict(config=ds_config(1, G=2), steps=2, more=1, mid=1),      # saved one micro-batch into a window of 2
+    "m1": dict(config=ds_config(1, G=2), steps=2, more=1, mid=1),  # saved one micro-batch into a window of 2
 }
 # transformers' Trainer with deepspeed= (the same settings as ds_config's), 5 steps, checkpoint-3 saved
-HF_ARGS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, learning_rate=LR, max_grad_norm=0.0,
-               adam_beta2=0.99, weight_decay=0.01, warmup_steps=WARMUP, max_steps=5, save_strategy="steps",
-               save_steps=3, logging_steps=1, report_to=[], disable_tqdm=True, use_cpu=True, seed=7)
+HF_ARGS = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=1,
+    learning_rate=LR,
+    max_grad_norm=0.0,
+    adam_beta2=0.99,
+    weight_decay=0.01,
+    warmup_steps=WARMUP,
+    max_steps=5,
+    save_strategy="steps",
+    save_steps=3,
+    logging_steps=1,
+    report_to=[],
+    disable_tqdm=True,
+    use_cpu=True,
+    seed=7,
+)
 ONE["hf"] = dict(config=ds_config(2), args=HF_ARGS)
-TWO = {   # two data-parallel ranks; p3 in sub-groups
+TWO = {  # two data-parallel ranks; p3 in sub-groups
     "p2": dict(config=ds_config(2), model=ODD),
     "p3": dict(config=ds_config(3, zero_optimization={"stage": 3, "sub_group_size": 3000}), model=ODD),
 }
@@ -90,8 +122,9 @@ TWO = {   # two data-parallel ranks; p3 in sub-groups
 def _spec(out: Path, runs: dict) -> str:
     import json
 
-    return json.dumps({"out": str(out), "runs": [{"name": n, "steps": STEPS, "more": MORE, **r}
-                                                  for n, r in runs.items()]})
+    return json.dumps(
+        {"out": str(out), "runs": [{"name": n, "steps": STEPS, "more": MORE, **r} for n, r in runs.items()]}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,21 +134,34 @@ def ds(tmp_path_factory) -> Path:
         pytest.skip("DeepSpeed is not installed (pip install deepspeed==0.19.8)")
     out = tmp_path_factory.mktemp("deepspeed")
     # one thread each: three processes share the cores, and tiny matrices gain nothing from a second thread
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "TORCH_EXTENSIONS_DIR": str(out / "ext"),
-           "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    runs = [(_spec(out, ONE), {})] + [(_spec(out, TWO), {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                                          "ZF_DS_STORE": str(out / "store")}) for r in range(2)]
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "DS_BUILD_OPS": "0",
+        "TORCH_EXTENSIONS_DIR": str(out / "ext"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    runs = [(_spec(out, ONE), {})] + [
+        (_spec(out, TWO), {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "ZF_DS_STORE": str(out / "store")})
+        for r in range(2)
+    ]
     logs = [out / f"run{i}.log" for i in range(len(runs))]
     procs = []
     for (spec, extra), log in zip(runs, logs):
         with open(log, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), spec], env={**env, **extra}, stdout=f,
-                                          stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPT), spec], env={**env, **extra}, stdout=f, stderr=subprocess.STDOUT
+                )
+            )
     deadline = time.monotonic() + 800
-    try:      # a failed run ends the others (a rank would wait for its peer in a collective)
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and \
-                not any(p.poll() not in (None, 0) for p in procs):
+    try:  # a failed run ends the others (a rank would wait for its peer in a collective)
+        while (
+            any(p.poll() is None for p in procs)
+            and time.monotonic() < deadline
+            and not any(p.poll() not in (None, 0) for p in procs)
+        ):
             time.sleep(0.5)
     finally:
         for p in procs:
@@ -123,12 +169,12 @@ def ds(tmp_path_factory) -> Path:
                 p.kill()
                 p.wait()
     failed = [(p.returncode, log) for p, log in zip(procs, logs) if p.returncode != 0]
-    failed.sort(key=lambda f: f[0] < 0)       # the run that failed before those ended for it
+    failed.sort(key=lambda f: f[0] < 0)  # the run that failed before those ended for it
     assert not failed, f"{failed[0][1]} (exit {failed[0][0]}): " + failed[0][1].read_text()[-4000:]
     return out
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # the first test to ask for ``ds`` waits for DeepSpeed's runs (a minute of CPU, more on a busy machine)
@@ -150,12 +196,14 @@ def _run(name: str) -> dict:
 def _groups(model) -> list[dict]:
     """tests/support/deepspeed_script.py's two groups."""
     named = list(model.named_parameters())
-    return [{"params": [p for _, p in named if p.ndim > 1]},
-            {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]
+    return [
+        {"params": [p for _, p in named if p.ndim > 1]},
+        {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0},
+    ]
 
 
 def _engine(name: str, door: str = "deepspeed", groups: bool | None = None, **overrides):
-    torch.manual_seed(99)          # other initial weights than DeepSpeed's: the load must replace them all
+    torch.manual_seed(99)  # other initial weights than DeepSpeed's: the load must replace them all
     model, cfg = _model(name), _run(name)["config"]
     groups = _groups(model) if (_run(name).get("groups") if groups is None else groups) else None
     if door == "deepspeed":
@@ -170,14 +218,16 @@ def _tag(ds: Path, name: str) -> Path:
 
 def _state(engine) -> dict[str, torch.Tensor]:
     engine.wait()
-    return {e.name: e.base[e.offset:e.offset + e.numel].clone().view(e.shape)
-            for e in weight_entries(engine) + optimizer_entries(engine)}
+    return {
+        e.name: e.base[e.offset : e.offset + e.numel].clone().view(e.shape)
+        for e in weight_entries(engine) + optimizer_entries(engine)
+    }
 
 
 def _assert_deepspeeds_state(engine, ref: dict) -> None:
     got = _state(engine)
     for name, (master, exp_avg, exp_avg_sq) in ref["state"].items():
-        if name not in got:       # a tied alias DeepSpeed lists too: zerofit keeps its first name
+        if name not in got:  # a tied alias DeepSpeed lists too: zerofit keeps its first name
             continue
         for key, want in ((name, master), (f"{name}.exp_avg", exp_avg), (f"{name}.exp_avg_sq", exp_avg_sq)):
             assert torch.equal(got[key], want), key
@@ -186,7 +236,7 @@ def _assert_deepspeeds_state(engine, ref: dict) -> None:
 
 def _data(name: str, world: int = 1) -> list[list[dict]]:
     run = _run(name)
-    return tm.batches(run["steps"] + run["more"], run["config"]["gradient_accumulation_steps"] * world)[run["steps"]:]
+    return tm.batches(run["steps"] + run["more"], run["config"]["gradient_accumulation_steps"] * world)[run["steps"] :]
 
 
 def _warmup_lr(applied: int) -> float:
@@ -200,8 +250,9 @@ def _plain(name: str, ref: dict, fused: bool):
     and the final weights."""
     model = _model(name)
     params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01,
-                            fused=True if fused else None)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, fused=True if fused else None
+    )
     (step,) = set(ref["at_save"]["adam_step"])
     with torch.no_grad():
         for n, p in params.items():
@@ -267,8 +318,9 @@ def test_the_reader_gives_deepspeeds_own_state(ds, name):
 
 @pytest.mark.slow
 @deepspeed_runs
-@pytest.mark.parametrize("name,door", [("s1", "deepspeed"), ("s2", "initialize"), ("s3", "deepspeed"),
-                                       ("s2-universal", "deepspeed")])
+@pytest.mark.parametrize(
+    "name,door", [("s1", "deepspeed"), ("s2", "initialize"), ("s3", "deepspeed"), ("s2-universal", "deepspeed")]
+)
 def test_a_deepspeed_run_continues_on_zerofit(ds, name, door):
     base = name.split("-")[0]
     ref = _result(ds, base)
@@ -284,7 +336,7 @@ def test_a_deepspeed_run_continues_on_zerofit(ds, name, door):
     assert engine.get_lr() == [_warmup_lr(STEPS)]
     assert client_state["epoch"] == 3 and client_state["note"] == base
     assert torch.equal(client_state["seen"], torch.arange(4))
-    if "reload" in ref:      # as DeepSpeed's own load_checkpoint returns it: the same keys, the same values
+    if "reload" in ref:  # as DeepSpeed's own load_checkpoint returns it: the same keys, the same values
         theirs = ref["reload"]["client_state"]
         assert sorted(client_state) == sorted(theirs)
         for k in ("epoch", "note", "global_samples", "ds_version", "shared_params", "buffer_names"):
@@ -293,15 +345,15 @@ def test_a_deepspeed_run_continues_on_zerofit(ds, name, door):
 
     losses, final = _continue(engine, base)
     fused_losses, fused_final = _plain(base, ref, fused=True)
-    assert losses == fused_losses                     # zerofit: torch's fused AdamW kernel, bitwise
+    assert losses == fused_losses  # zerofit: torch's fused AdamW kernel, bitwise
     for n, w in fused_final.items():
         if n in final:
             assert torch.equal(final[n], w), n
     loop_losses, loop_final = _plain(base, ref, fused=False)
-    if ref["state"] and base != "s3":                 # DeepSpeed (stages 1, 2): torch's default AdamW, bitwise
+    if ref["state"] and base != "s3":  # DeepSpeed (stages 1, 2): torch's default AdamW, bitwise
         assert ref["losses"] == loop_losses
         assert all(torch.equal(ref["final"][n], w) for n, w in loop_final.items())
-    assert losses[0] == ref["losses"][0]              # the loaded weights are DeepSpeed's
+    assert losses[0] == ref["losses"][0]  # the loaded weights are DeepSpeed's
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-6, atol=0)
     for n, w in final.items():
         torch.testing.assert_close(w, ref["final"][n], rtol=0, atol=2e-7, msg=lambda m: f"{n}: {m}")
@@ -319,7 +371,7 @@ def test_bf16_and_fp16_runs_continue(ds, name, caplog):
     engine = _engine(name, "initialize")
     with caplog.at_level(logging.WARNING, logger="zerofit"):
         engine.load_checkpoint(ds / name)
-    assert "differen" not in caplog.text and "other AdamW" not in caplog.text   # the same settings and groups
+    assert "differen" not in caplog.text and "other AdamW" not in caplog.text  # the same settings and groups
     _assert_deepspeeds_state(engine, ref)
     at = ref["at_save"]
     assert (engine.global_steps, engine.skipped_steps) == (at["global_steps"], at["skipped_steps"])
@@ -327,8 +379,9 @@ def test_bf16_and_fp16_runs_continue(ds, name, caplog):
     if name == "h2":
         s = engine.scaler.state_dict()
         assert at["skipped_steps"] == 2 and s["skipped_steps"] == 2
-        assert {k: s[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")} == \
-            {k: at["scaler"][k] for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")}
+        assert {k: s[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")} == {
+            k: at["scaler"][k] for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+        }
     losses, final = _continue(engine, name)
     assert losses[0] == ref["losses"][0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-3, atol=0)
@@ -346,7 +399,7 @@ def test_two_ranks_continue_in_one_process(ds, name, caplog):
     engine = _engine(name, gradient_accumulation_steps=2, train_batch_size=4)
     with caplog.at_level(logging.INFO, logger="zerofit"):
         engine.load_checkpoint(ds / name)
-    assert "different" not in caplog.text      # 2 ranks x 1 micro-batch there, 2 micro-batches here: the same batch
+    assert "different" not in caplog.text  # 2 ranks x 1 micro-batch there, 2 micro-batches here: the same batch
     assert "saved by 2 data-parallel ranks with 1 micro-batches each, loaded in 1 process(es) with 2" in caplog.text
     _assert_deepspeeds_state(engine, ref)
     losses, final = _continue(engine, name, world=2)
@@ -369,8 +422,7 @@ def test_a_hugging_face_deepspeed_run_resumes_on_zerofit_hf(ds, tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=ds_config(2), **HF_ARGS)
     torch.manual_seed(99)
     data = [{"input_ids": r, "labels": r} for mbs in tm.batches(6, 1) for r in mbs[0]["input_ids"]]  # as the script's
-    trainer = zerofit.hf.Trainer(model=tm.llama(), args=args, train_dataset=data,
-                                 data_collator=default_data_collator)
+    trainer = zerofit.hf.Trainer(model=tm.llama(), args=args, train_dataset=data, data_collator=default_data_collator)
     trainer.train(resume_from_checkpoint=str(ds / "hf" / "checkpoint-3"))
     assert trainer.state.global_step == 5 and trainer.zerofit_engine.global_step == 5
 
@@ -416,8 +468,11 @@ def test_parameter_groups(ds, caplog):
     with caplog.at_level(logging.WARNING, logger="zerofit"):
         engine.load_checkpoint(ds / "g1")
     assert "with other AdamW betas, eps or weight_decay" in caplog.text
-    for n in ("model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm."
-              "weight"):
+    for n in (
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+    ):
         assert n in caplog.text, n
     assert "and 1 more" in caplog.text and "model.embed_tokens.weight" not in caplog.text
     assert torch.equal(_state(engine)["model.norm.weight"], ref["state"]["model.norm.weight"][0])
@@ -476,7 +531,7 @@ def test_what_cannot_map_is_refused_by_name(ds, tmp_path):
             engine.load_checkpoint(where)
         for w in words:
             assert w in str(e.value), (w, str(e.value))
-        after = _state(engine)        # nothing was written into the engine
+        after = _state(engine)  # nothing was written into the engine
         assert all(torch.equal(after[k], v) for k, v in before.items())
 
     folder = _copy(ds, "s1", tmp_path / "mp")
@@ -496,11 +551,17 @@ def test_what_cannot_map_is_refused_by_name(ds, tmp_path):
     refused(folder.parent, DeepSpeedCheckpointError, "1 data-parallel rank", "found ranks none")
 
     # another model: the names and shapes that differ are listed, and nothing is loaded
-    for model, words in ((tm.llama(layers=2), ["not in this model: model.layers.2."]),
-                         (tm.llama(tied=False), ["lm_head.weight: tied to model.embed_tokens.weight"]),
-                         (LlamaForCausalLM(LlamaConfig(**ODD)),
-                          ["model.embed_tokens.weight: (97, 32) in the checkpoint, (97, 33) in this model",
-                           "not in this model: model.layers.2."])):
+    for model, words in (
+        (tm.llama(layers=2), ["not in this model: model.layers.2."]),
+        (tm.llama(tied=False), ["lm_head.weight: tied to model.embed_tokens.weight"]),
+        (
+            LlamaForCausalLM(LlamaConfig(**ODD)),
+            [
+                "model.embed_tokens.weight: (97, 32) in the checkpoint, (97, 33) in this model",
+                "not in this model: model.layers.2.",
+            ],
+        ),
+    ):
         other = zerofit.initialize(model, ds_config(1), device="cpu")
         mine = _state(other)
         with pytest.raises(CheckpointMismatchError) as e:
@@ -516,14 +577,22 @@ G = 4
 _VARIANTS = {
     "resident": {},
     # blocks streamed from host memory, updated by the CPU worker (deferred under clipping), a host-optimized shell
-    "streamed-bf16-clipped": {"precision": "bf16", "gradient_clipping": 0.05,
-                              "offload": {"resident_blocks": 0, "shell_optimizer": "host"}},
+    "streamed-bf16-clipped": {
+        "precision": "bf16",
+        "gradient_clipping": 0.05,
+        "offload": {"resident_blocks": 0, "shell_optimizer": "host"},
+    },
 }
 
 
 def _zf_config(extra: dict) -> dict:
-    return {"device": "cpu", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-            "optimizer": {"lr": 3e-3, "weight_decay": 0.01}, **extra}
+    return {
+        "device": "cpu",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G,
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
+        **extra,
+    }
 
 
 @pytest.mark.parametrize("variant", list(_VARIANTS))
@@ -536,7 +605,7 @@ def test_a_save_in_the_middle_of_a_window(variant, tmp_path, caplog):
 
     def run(save: bool):
         torch.manual_seed(0)
-        engine = zerofit.initialize(tm.llama(dropout=0.1), _zf_config(_VARIANTS[variant]))   # dropout: RNG too
+        engine = zerofit.initialize(tm.llama(dropout=0.1), _zf_config(_VARIANTS[variant]))  # dropout: RNG too
         losses = [float(x) for x in tm.ds_losses(engine, data[0])]
         at_step = _state(engine)
         losses += [float(x) for x in tm.ds_losses(engine, data[1][:2])]
@@ -558,12 +627,14 @@ def test_a_save_in_the_middle_of_a_window(variant, tmp_path, caplog):
     fresh = zerofit.initialize(tm.llama(dropout=0.1), _zf_config(_VARIANTS[variant]))
     with caplog.at_level(logging.WARNING, logger="zerofit"):
         fresh.load_checkpoint(tmp_path)
-    assert ("the checkpoint was saved 2 micro-batches into an accumulation window of 4 (and a forward without its "
-            "backward); their gradients were not saved: the loaded engine starts a new window") in caplog.text
+    assert (
+        "the checkpoint was saved 2 micro-batches into an accumulation window of 4 (and a forward without its "
+        "backward); their gradients were not saved: the loaded engine starts a new window"
+    ) in caplog.text
     loaded = _state(fresh)
     assert all(torch.equal(loaded[k], v) for k, v in saved[3].items())
     assert fresh.global_step == 1 and {float(u.step) for u in fresh.units} == {1.0}
-    assert fresh.is_gradient_accumulation_boundary() is False and fresh.micro_steps == G   # a new window
+    assert fresh.is_gradient_accumulation_boundary() is False and fresh.micro_steps == G  # a new window
 
 
 def test_a_window_save_when_the_step_has_begun_or_a_load_mid_window_are_refused(tmp_path):
@@ -578,8 +649,11 @@ def test_a_window_save_when_the_step_has_begun_or_a_load_mid_window_are_refused(
     engine.save_checkpoint(tmp_path, tag="early")
     out = engine(**mbs[-1])
     engine.backward(out.loss)
-    with pytest.raises(CheckpointStateError, match="between the accumulation boundary's backward"
-                                                   r"\(\) and its step\(\) \(4 micro-batches\).*Call engine.step"):
+    with pytest.raises(
+        CheckpointStateError,
+        match="between the accumulation boundary's backward"
+        r"\(\) and its step\(\) \(4 micro-batches\).*Call engine.step",
+    ):
         engine.save_checkpoint(tmp_path)
     engine.step()
     assert engine.global_step == 1 and Path(engine.save_checkpoint(tmp_path)).name == "global_step1"

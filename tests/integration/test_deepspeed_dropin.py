@@ -31,11 +31,15 @@ MICRO, T = 2, 16
 
 # ---------------------------------------------------------------------------------------------- helpers
 
+
 def _ds_config(G: int, clip: float = 0.0, scheduler=None, **extra) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": G, "gradient_clipping": clip,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                 "offload_param": {"device": "cpu"}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    }
     if scheduler:
         cfg["scheduler"] = scheduler
     cfg.update(extra)
@@ -73,8 +77,17 @@ def _deepspeed_lr(kind: str, s: int, lr: float, warmup: int, total: int | None =
     return min_lr + (lr - min_lr) * gamma
 
 
-def _reference(model: nn.Module, batches: list[dict], G: int, lrs: list[float], *, clip: float = 0.0,
-               betas=(0.9, 0.999), eps=1e-8, groups=None) -> list[float]:
+def _reference(
+    model: nn.Module,
+    batches: list[dict],
+    G: int,
+    lrs: list[float],
+    *,
+    clip: float = 0.0,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    groups=None,
+) -> list[float]:
     """Plain PyTorch, micro-batch by micro-batch: (loss / G).backward(), global-norm clipping, AdamW with
     ``lrs[s]`` as step s's lr (per group, ``lrs[s]`` a list, when ``groups``). Returns every micro-batch's loss."""
     opt = torch.optim.AdamW(groups or model.parameters(), lr=1.0, betas=betas, eps=eps, weight_decay=0.01)
@@ -111,7 +124,7 @@ def _run_tutorial_loop(engine, loader) -> dict:
         engine.backward(loss)
         seen["boundary"].append(engine.is_gradient_accumulation_boundary())
         if engine.is_gradient_accumulation_boundary():
-            seen["lrs"].append(engine.get_lr()[0])        # the lr this step() applies
+            seen["lrs"].append(engine.get_lr()[0])  # the lr this step() applies
         engine.step()
         seen["losses"].append(loss.item())
         seen["batches"].append(batch)
@@ -122,10 +135,14 @@ def _run_tutorial_loop(engine, loader) -> dict:
 
 SCHEDULES = {
     "constant": None,
-    "WarmupLR": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3,
-                                                "warmup_num_steps": 3, "warmup_type": "linear"}},
-    "WarmupDecayLR": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 2,
-                                                          "total_num_steps": 5, "warmup_type": "linear"}},
+    "WarmupLR": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 3, "warmup_type": "linear"},
+    },
+    "WarmupDecayLR": {
+        "type": "WarmupDecayLR",
+        "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 2, "total_num_steps": 5, "warmup_type": "linear"},
+    },
 }
 
 
@@ -137,16 +154,23 @@ def _expected_lr(schedule: str, s: int) -> float:
     return _deepspeed_lr("WarmupDecayLR", s, 1e-3, 2, total=5)
 
 
-@pytest.mark.parametrize("G,clip,schedule", [(2, 0.0, "constant"), (3, 0.05, "WarmupLR"), (4, 1.0, "WarmupDecayLR")],
-                         ids=["G2", "G3-clipped-WarmupLR", "G4-clip1-WarmupDecayLR"])
+@pytest.mark.parametrize(
+    "G,clip,schedule",
+    [(2, 0.0, "constant"), (3, 0.05, "WarmupLR"), (4, 1.0, "WarmupDecayLR")],
+    ids=["G2", "G3-clipped-WarmupLR", "G4-clip1-WarmupDecayLR"],
+)
 def test_tutorial_loop_matches_plain_pytorch(G, clip, schedule):
     steps = 5
     torch.manual_seed(0)
     model = tm.llama()
     ref = copy.deepcopy(model)
     engine, optimizer, loader, lr_scheduler = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), training_data=_Samples(steps * G * MICRO),
-        config=_ds_config(G, clip, SCHEDULES[schedule]), device="cpu")
+        model=model,
+        model_parameters=model.parameters(),
+        training_data=_Samples(steps * G * MICRO),
+        config=_ds_config(G, clip, SCHEDULES[schedule]),
+        device="cpu",
+    )
     assert engine.train_micro_batch_size_per_gpu() == MICRO and engine.gradient_accumulation_steps() == G
     assert engine.train_batch_size() == MICRO * G and engine.gradient_clipping() == clip
     assert (lr_scheduler is None) == (schedule == "constant")
@@ -180,13 +204,13 @@ def test_loader_read_ahead_is_train_batch_bitwise_and_harmless_when_batches_chan
     once; a loop that moves each batch to new tensors still matches; one that changes them runs as without it,
     with the same results; the loader yields the same batches in the same order either way."""
     G, steps = 3, 3
-    data = _Samples(steps * G * MICRO - MICRO)          # the last window has 2 micro-batches
+    data = _Samples(steps * G * MICRO - MICRO)  # the last window has 2 micro-batches
 
     def run(change):
         torch.manual_seed(0)
-        engine, _, loader, _ = deepspeed.initialize(model=tm.llama(), training_data=data,
-                                                    config=_ds_config(G, 0.0) | {"bf16": {"enabled": True}},
-                                                    device="cpu")
+        engine, _, loader, _ = deepspeed.initialize(
+            model=tm.llama(), training_data=data, config=_ds_config(G, 0.0) | {"bf16": {"enabled": True}}, device="cpu"
+        )
         losses, batches = [], []
         for i, batch in enumerate(loader):
             if i == len(loader) - 1:
@@ -203,8 +227,9 @@ def test_loader_read_ahead_is_train_batch_bitwise_and_harmless_when_batches_chan
     assert same.window_stats == {"announced": steps, "mismatched": 0}
     # the reference: the same loop over a list (nothing read ahead), for full windows train_batch bitwise
     torch.manual_seed(0)
-    ref_engine, _, _, _ = deepspeed.initialize(model=tm.llama(), config=_ds_config(G, 0.0) | {"bf16": {"enabled": True}},
-                                               device="cpu")
+    ref_engine, _, _, _ = deepspeed.initialize(
+        model=tm.llama(), config=_ds_config(G, 0.0) | {"bf16": {"enabled": True}}, device="cpu"
+    )
     ref_losses = []
     for i, batch in enumerate(batches):
         if i == len(batches) - 1:
@@ -217,8 +242,9 @@ def test_loader_read_ahead_is_train_batch_bitwise_and_harmless_when_batches_chan
     assert torch.equal(torch.stack(same_losses), torch.stack(ref_losses))
     moved, moved_losses, moved_batches = run(lambda b: {k: v.clone() for k, v in b.items()})
     assert moved.window_stats == {"announced": steps, "mismatched": 0}
-    changed, changed_losses, changed_batches = run(lambda b: {**b, "labels": b["labels"].clone(),
-                                                              "input_ids": b["input_ids"].flip(-1)})
+    changed, changed_losses, changed_batches = run(
+        lambda b: {**b, "labels": b["labels"].clone(), "input_ids": b["input_ids"].flip(-1)}
+    )
     assert changed.window_stats == {"announced": 0, "mismatched": 0}
     for b1, b2 in zip(batches, changed_batches):
         assert torch.equal(b1["input_ids"], b2["input_ids"])
@@ -227,12 +253,14 @@ def test_loader_read_ahead_is_train_batch_bitwise_and_harmless_when_batches_chan
     for ua, ub, uc in zip(same.units, ref_engine.units, moved.units):
         assert torch.equal(ua.master, ub.master) and torch.equal(ua.master, uc.master), ua.name
         assert torch.equal(ua.exp_avg, ub.exp_avg), ua.name
-    full = len(batches) // G * G        # the full windows: train_batch's losses bitwise
+    full = len(batches) // G * G  # the full windows: train_batch's losses bitwise
     torch.manual_seed(0)
-    tb, _, _, _ = deepspeed.initialize(model=tm.llama(), config=_ds_config(G, 0.0) | {"bf16": {"enabled": True}},
-                                       device="cpu")
-    assert [tb.train_batch(batches[i:i + G]) for i in range(0, full, G)] == \
-        [torch.stack(same_losses[i:i + G]).mean().item() for i in range(0, full, G)]
+    tb, _, _, _ = deepspeed.initialize(
+        model=tm.llama(), config=_ds_config(G, 0.0) | {"bf16": {"enabled": True}}, device="cpu"
+    )
+    assert [tb.train_batch(batches[i : i + G]) for i in range(0, full, G)] == [
+        torch.stack(same_losses[i : i + G]).mean().item() for i in range(0, full, G)
+    ]
     tb.close()
     for e in (same, moved, changed, ref_engine):
         e.close()
@@ -295,8 +323,9 @@ def test_param_groups_become_zerofit_groups():
         rest = [p for n, p in m.named_parameters() if p.dim() < 2]
         return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 5e-4}]
 
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=split(model),
-                                                   config=_ds_config(G), device="cpu")
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=split(model), config=_ds_config(G), device="cpu"
+    )
     groups = optimizer.param_groups
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and [g["lr"] for g in groups] == [1e-3, 5e-4]
     batches = [mb for mbs in tm.batches(steps, G) for mb in mbs]
@@ -310,6 +339,7 @@ def test_param_groups_become_zerofit_groups():
 
 # ---------------------------------------------------------------------------------------------- configs
 
+
 def test_config_from_args_deepspeed_config_json(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(_ds_config(2, 1.0, dataloader_drop_last=True)))
@@ -320,7 +350,7 @@ def test_config_from_args_deepspeed_config_json(tmp_path):
     engine, _, loader, _ = deepspeed.initialize(args=args, model=tm.llama(), training_data=_Samples(11), device="cpu")
     assert engine.config.gradient_clipping == 1.0 and engine.gradient_accumulation_steps() == 2
     assert args.local_rank == 0
-    assert len(loader) == 5 and all(b["input_ids"].shape == (MICRO, T) for b in loader)   # drop_last: 11 // 2
+    assert len(loader) == 5 and all(b["input_ids"].shape == (MICRO, T) for b in loader)  # drop_last: 11 // 2
     with pytest.raises(ValueError, match="args.deepspeed_config"):
         deepspeed.initialize(args=args, model=tm.llama(), config=_ds_config(2))
     with pytest.raises(ValueError, match="needs a configuration"):
@@ -341,8 +371,9 @@ def test_shared_fixture_config_runs_the_tutorial_loop(path):
     args = parser.parse_args(["--deepspeed_config", str(path)])
     torch.manual_seed(0)
     model = tm.llama()
-    engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                        training_data=_Samples(2 * micro * G), device="cpu")
+    engine, optimizer, loader, _ = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=_Samples(2 * micro * G), device="cpu"
+    )
     assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()) == (micro, G)
     if "train_micro_batch_size_per_gpu" in ds:
         assert micro == ds["train_micro_batch_size_per_gpu"]
@@ -351,11 +382,11 @@ def test_shared_fixture_config_runs_the_tutorial_loop(path):
     if "train_batch_size" in ds:
         assert engine.train_batch_size() == ds["train_batch_size"]
     assert engine.fp16_enabled() == ds.get("fp16", {}).get("enabled", False)
-    assert engine.gradient_clipping() == ds.get("gradient_clipping", 1.0)      # DeepSpeed 0.19.8's default
+    assert engine.gradient_clipping() == ds.get("gradient_clipping", 1.0)  # DeepSpeed 0.19.8's default
     lr = ds.get("optimizer", {}).get("params", {}).get("lr")
     if lr is not None:
         assert engine.get_lr() == [lr]
-    seen = _run_tutorial_loop(engine, loader)                              # two optimizer steps of data
+    seen = _run_tutorial_loop(engine, loader)  # two optimizer steps of data
     assert all(math.isfinite(x) for x in seen["losses"]), seen["losses"]
     assert engine.global_steps == 2 and engine.global_samples == 2 * micro * G
     assert engine.global_step + engine.skipped_steps == 2 and engine.global_step >= 1
@@ -368,8 +399,9 @@ def test_training_data_loader_has_deepspeeds_order():
     """DeepSpeed's loader: a DistributedSampler over one rank, shuffled with seed 0 and the same order every
     epoch (DeepSpeed never sets its epoch), micro-batches of train_micro_batch_size_per_gpu."""
     data = _Samples(10)
-    engine, _, loader, _ = deepspeed.initialize(model=tm.llama(), training_data=data, config=_ds_config(2),
-                                                device="cpu")
+    engine, _, loader, _ = deepspeed.initialize(
+        model=tm.llama(), training_data=data, config=_ds_config(2), device="cpu"
+    )
     order = torch.randperm(10, generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         got = torch.cat([b["input_ids"] for b in loader])
@@ -381,6 +413,7 @@ def test_training_data_loader_has_deepspeeds_order():
 
 
 # ---------------------------------------------------------------------------------------------- zero.Init, gather
+
 
 @pytest.mark.parametrize("build", [tm.llama, tm.PlainLM], ids=["llama-tied", "plain-module"])
 def test_zero_init_builds_on_meta_and_the_engine_materializes(build):
@@ -395,18 +428,21 @@ def test_zero_init_builds_on_meta_and_the_engine_materializes(build):
         assert torch.equal(b, rb), f"buffer {n} differs from a real model's"
     if build is tm.llama:
         assert model.lm_head.weight is model.model.embed_tokens.weight, "tied weights must stay one parameter"
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_ds_config(1, optimizer={"type": "AdamW", "params": {"lr": 3e-3}}),
-                                      device="cpu")
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=_ds_config(1, optimizer={"type": "AdamW", "params": {"lr": 3e-3}}),
+        device="cpu",
+    )
     assert not any(p.is_meta for p in engine.module.parameters())
     mb = tm.batches(1, 1)[0][0]
     losses = []
     for _ in range(25):
-        loss = loss_of(engine(**mb))       # PlainLM returns the loss itself
+        loss = loss_of(engine(**mb))  # PlainLM returns the loss itself
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    assert losses[0] == pytest.approx(math.log(tm.VOCAB), rel=0.1)      # a freshly initialized model
+    assert losses[0] == pytest.approx(math.log(tm.VOCAB), rel=0.1)  # a freshly initialized model
     assert losses[-1] < losses[0] - 1.0, losses
     engine.close()
 
@@ -446,6 +482,7 @@ def test_gathered_parameters_reads_current_weights_and_refuses_writes():
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 
+
 def test_save_and_load_checkpoint_return_client_state(tmp_path):
     G = 2
     torch.manual_seed(0)
@@ -472,7 +509,7 @@ def test_save_and_load_checkpoint_return_client_state(tmp_path):
     load_path, client_state = other.load_checkpoint(tmp_path, "step2")
     assert load_path == path and client_state == {"epoch": 3, "pos": 17}
     assert other.global_steps == 2 and other.global_samples == 2 * G * MICRO
-    assert other.load_checkpoint(tmp_path)[1] == {"epoch": 3, "pos": 17}          # latest
+    assert other.load_checkpoint(tmp_path)[1] == {"epoch": 3, "pos": 17}  # latest
     assert train(other, data[4:]) == train(engine, data[4:])
     a, b = engine.master_state_dict(), other.master_state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
@@ -481,6 +518,7 @@ def test_save_and_load_checkpoint_return_client_state(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- refusals
+
 
 def _refused(match: str, **kwargs):
     torch.manual_seed(0)
@@ -491,14 +529,23 @@ def _refused(match: str, **kwargs):
 
 def test_client_optimizers_other_than_adamw_are_refused():
     m = tm.llama()
-    _refused(r"torch\.optim\.sgd\.SGD.*\"optimizer\": \{\"type\": \"AdamW\"", model=m,
-             optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    _refused(
+        r"torch\.optim\.sgd\.SGD.*\"optimizer\": \{\"type\": \"AdamW\"",
+        model=m,
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+    )
     m = tm.llama()
-    _refused(r"Adam with weight_decay=0\.1 .*decoupled", model=m,
-             optimizer=torch.optim.Adam(m.parameters(), weight_decay=0.1))
+    _refused(
+        r"Adam with weight_decay=0\.1 .*decoupled",
+        model=m,
+        optimizer=torch.optim.Adam(m.parameters(), weight_decay=0.1),
+    )
     m = tm.llama()
-    _refused(r"callable returned a SGD|torch\.optim\.sgd\.SGD", model=m,
-             optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    _refused(
+        r"callable returned a SGD|torch\.optim\.sgd\.SGD",
+        model=m,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+    )
     m = tm.llama()
     _refused("amsgrad", model=m, optimizer=torch.optim.AdamW(m.parameters(), amsgrad=True))
     # an optimizer over some of the parameters leaves the others frozen, as DeepSpeed does
@@ -506,9 +553,12 @@ def test_client_optimizers_other_than_adamw_are_refused():
     # Adam with decoupled weight decay is AdamW, and a callable returning AdamW is what DeepSpeed calls with the
     # model parameters: both accepted, with their settings
     m = tm.llama()
-    e, opt, _, _ = deepspeed.initialize(model=m, optimizer=lambda ps: torch.optim.Adam(ps, lr=7e-4, weight_decay=0.02,
-                                                                                      decoupled_weight_decay=True),
-                                        config=_ds_config(2), device="cpu")
+    e, opt, _, _ = deepspeed.initialize(
+        model=m,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=7e-4, weight_decay=0.02, decoupled_weight_decay=True),
+        config=_ds_config(2),
+        device="cpu",
+    )
     assert (e.config.optimizer.lr, e.config.optimizer.weight_decay) == (7e-4, 0.02)
     e.close()
 
@@ -517,8 +567,7 @@ def test_foreign_scheduler_mpu_and_ranks_are_refused(monkeypatch):
     m = tm.llama()
     sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW(m.parameters()), lambda s: 1.0)
     # a scheduler object needs the client optimizer it was built over (DeepSpeed refuses it without one too)
-    _refused(r"lr_scheduler=LambdaLR without the optimizer it was built over.*optimizer=", model=m,
-             lr_scheduler=sched)
+    _refused(r"lr_scheduler=LambdaLR without the optimizer it was built over.*optimizer=", model=m, lr_scheduler=sched)
     _refused(r"initialize\(mpu=", mpu=object())
     _refused(r"mesh_param", mesh_param=(2, 1))
     with pytest.raises(DeepSpeedUnsupported, match=r"zero\.Init\(mpu="):
@@ -535,10 +584,10 @@ def test_foreign_scheduler_mpu_and_ranks_are_refused(monkeypatch):
 def test_unsupported_engine_optimizer_and_scheduler_calls_name_themselves():
     torch.manual_seed(0)
     sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
-    engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=tm.llama(), config=_ds_config(2, scheduler=sched),
-                                                              device="cpu")
-    for name in ("no_sync", "save_16bit_model", "zero_optimization_stage",
-                 "allreduce_gradients", "compile"):
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+        model=tm.llama(), config=_ds_config(2, scheduler=sched), device="cpu"
+    )
+    for name in ("no_sync", "save_16bit_model", "zero_optimization_stage", "allreduce_gradients", "compile"):
         with pytest.raises(UnsupportedAttribute, match=f"DeepSpeed engine has no {name}:"):
             getattr(engine, name)
         assert not hasattr(engine, name)
@@ -562,7 +611,7 @@ def test_unsupported_engine_optimizer_and_scheduler_calls_name_themselves():
     with pytest.raises(UnsupportedAttribute, match="deepspeed.zero has no TiledLinear"):
         deepspeed.zero.TiledLinear
     mb = tm.batches(1, 1)[0][0]
-    assert engine(mb["input_ids"]).loss is None      # positional, as the model takes it; dropped by the next
+    assert engine(mb["input_ids"]).loss is None  # positional, as the model takes it; dropped by the next
     out = engine(**mb)
     with pytest.raises(DeepSpeedUnsupported, match="retain_graph=True"):
         engine.backward(out.loss, retain_graph=True)
@@ -570,10 +619,10 @@ def test_unsupported_engine_optimizer_and_scheduler_calls_name_themselves():
     with pytest.raises(DeepSpeedUnsupported, match="lr_kwargs"):
         engine.step(lr_kwargs={"x": 1})
     before = lr_scheduler.get_last_lr()
-    lr_scheduler.step()                     # the engine steps the schedule: this one is a no-op
+    lr_scheduler.step()  # the engine steps the schedule: this one is a no-op
     optimizer.zero_grad()
     engine.step()
-    assert lr_scheduler.get_last_lr() == before and engine.global_steps == 0      # G = 2: not at the boundary
+    assert lr_scheduler.get_last_lr() == before and engine.global_steps == 0  # G = 2: not at the boundary
     engine.close()
 
 
@@ -589,6 +638,6 @@ def test_init_distributed_makes_a_one_process_group():
         x = torch.ones(2)
         dist.all_reduce(x)
         assert torch.equal(x, torch.ones(2))
-        deepspeed.init_distributed()        # already initialized: nothing to do
+        deepspeed.init_distributed()  # already initialized: nothing to do
     finally:
         dist.destroy_process_group()

@@ -28,8 +28,14 @@ G = 2
 
 
 def _cfg(nvme=None, precision="bf16", clip=0.0, **offload):
-    base = {"device": "cpu", "precision": precision, "micro_batch_size": 2, "gradient_accumulation_steps": G,
-            "gradient_clipping": clip, "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    base = {
+        "device": "cpu",
+        "precision": precision,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": clip,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+    }
     if nvme is not None:
         base["offload"] = {"optimizer_device": "nvme", "nvme_path": str(nvme), **offload}
     return base
@@ -40,8 +46,8 @@ def _state(engine) -> dict[str, torch.Tensor]:
     from zerofit.checkpoint.state import optimizer_entries, weight_entries
 
     engine.wait()
-    out = {e.name: e.base[e.offset:e.offset + e.numel].clone() for e in weight_entries(engine)}
-    out.update({e.name: e.base[e.offset:e.offset + e.numel].clone() for e in optimizer_entries(engine)})
+    out = {e.name: e.base[e.offset : e.offset + e.numel].clone() for e in weight_entries(engine)}
+    out.update({e.name: e.base[e.offset : e.offset + e.numel].clone() for e in optimizer_entries(engine)})
     out.update({f"{u.name}.step": u.step.clone() for u in engine.units})
     return out
 
@@ -60,14 +66,29 @@ def _pair(tmp_path, *, layers=4, precision="bf16", clip=0.0, **offload):
     return ref, eng
 
 
-@pytest.mark.parametrize("precision,clip,weights", [
-    ("bf16", 0.0, True), ("bf16", 0.0, False), ("fp32", 0.0, False),
-    ("bf16", 0.05, True),      # always clipped: speculation rolls back and redoes, then deferred updates
-    ("bf16", 1e3, True),       # never clipped: speculative updates held
-    ("fp16", 0.0, True),       # deferred updates, loss scaling
-    ("bf16", 0.05, False), ("fp16", 1.0, False),
-], ids=["bf16-all", "bf16-moments", "fp32-moments", "clipped", "unclipped-speculation", "fp16", "clipped-moments",
-        "fp16-clipped-moments"])
+@pytest.mark.parametrize(
+    "precision,clip,weights",
+    [
+        ("bf16", 0.0, True),
+        ("bf16", 0.0, False),
+        ("fp32", 0.0, False),
+        ("bf16", 0.05, True),  # always clipped: speculation rolls back and redoes, then deferred updates
+        ("bf16", 1e3, True),  # never clipped: speculative updates held
+        ("fp16", 0.0, True),  # deferred updates, loss scaling
+        ("bf16", 0.05, False),
+        ("fp16", 1.0, False),
+    ],
+    ids=[
+        "bf16-all",
+        "bf16-moments",
+        "fp32-moments",
+        "clipped",
+        "unclipped-speculation",
+        "fp16",
+        "clipped-moments",
+        "fp16-clipped-moments",
+    ],
+)
 def test_disk_tier_is_bitwise_the_in_memory_path(tmp_path, precision, clip, weights):
     ref, eng = _pair(tmp_path, precision=precision, clip=clip, disk_blocks=2, disk_weights=weights)
     assert eng.plan.disk_of == {2: "all" if weights else "moments", 3: "all" if weights else "moments"}
@@ -78,11 +99,12 @@ def test_disk_tier_is_bitwise_the_in_memory_path(tmp_path, precision, clip, weig
     assert l_eng == l_ref
     _assert_bitwise(_state(eng), _state(ref))
     assert eng.tier.bytes_read > 0 and eng.tier.bytes_written > 0
-    if eng.deferred:     # [Note: gradients on the disk]: no host buffer for a swapped unit's gradient
+    if eng.deferred:  # [Note: gradients on the disk]: no host buffer for a swapped unit's gradient
         assert "grad" in eng.tier.regions[3].fields
         assert not any(id(u) in eng.grads.host_grads for u in eng.blocks if u.swap)
-        assert eng.plan.host_bytes["grad_buffers"] == 4 * sum(u.numel for u in eng.units
-                                                              if not u.optimizer_on_device and not u.swap)
+        assert eng.plan.host_bytes["grad_buffers"] == 4 * sum(
+            u.numel for u in eng.units if not u.optimizer_on_device and not u.swap
+        )
     if clip == 0.05:
         assert eng.speculation_stats["rolled_back"] >= 1
     ref.close()
@@ -116,7 +138,7 @@ def test_module_and_export_read_the_weights_on_the_disk(tmp_path):
         if n in exported:
             assert torch.equal(exported[n], q.detach().to(exported[n].dtype)), n
     final = {n: p.detach().clone() for n, p in ref.module.named_parameters()}
-    eng.close()           # the swap file goes; the module keeps the final weights in host memory
+    eng.close()  # the swap file goes; the module keeps the final weights in host memory
     assert not list((tmp_path / "nvme").glob("zerofit-swap-*.bin"))
     for n, p in eng.module.named_parameters():
         assert torch.equal(p.detach(), final[n]), n
@@ -163,6 +185,7 @@ def _inject(monkeypatch, op: str, err: int, after: int):
         if calls[0] > after:
             raise OSError(err, os.strerror(err))
         return real(fd, bufs, offset)
+
     monkeypatch.setattr(swapfile_mod, name, faulty)
     return calls
 
@@ -177,7 +200,7 @@ def test_io_error_mid_step_fails_the_engine_and_the_checkpoint_resumes(tmp_path,
     eng = zerofit.initialize(model, _cfg(tmp_path / "nvme", disk_blocks=2, disk_weights=True))
     eng.train_batch(data[0])
     eng.save_checkpoint(tmp_path / "ckpt")
-    _inject(monkeypatch, op, err, after=3)       # a few requests of the next step go through, then it fails
+    _inject(monkeypatch, op, err, after=3)  # a few requests of the next step go through, then it fails
     with pytest.raises(EngineFailedError) as info:
         for m in data[1:]:
             eng.train_batch(m)
@@ -185,7 +208,7 @@ def test_io_error_mid_step_fails_the_engine_and_the_checkpoint_resumes(tmp_path,
     msg = str(info.value)
     assert "zerofit-swap-0.bin" in msg and os.strerror(err) in msg, msg
     assert "resume from the last checkpoint" in msg
-    with pytest.raises(EngineFailedError):       # never trains on from a half-written step
+    with pytest.raises(EngineFailedError):  # never trains on from a half-written step
         eng.train_batch(data[1])
     monkeypatch.undo()
     assert not list((tmp_path / "nvme").glob("zerofit-swap-*.bin")), "a failed engine removes its swap file"
@@ -204,12 +227,12 @@ def test_preflight_refusals(tmp_path, monkeypatch):
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        if not os.access(ro, os.W_OK):      # (root can write anywhere)
+        if not os.access(ro, os.W_OK):  # (root can write anywhere)
             with pytest.raises(ConfigError, match="nvme_path"):
                 zerofit.initialize(copy.deepcopy(model), _cfg(ro / "x", disk_blocks=1))
     finally:
         ro.chmod(0o700)
-    with pytest.raises(ConfigError, match="nvme_path"):          # a file, not a folder
+    with pytest.raises(ConfigError, match="nvme_path"):  # a file, not a folder
         (tmp_path / "file").write_text("x")
         zerofit.initialize(copy.deepcopy(model), _cfg(tmp_path / "file", disk_blocks=1))
     # not enough free space for the plan: refused by the planner, naming the disk bytes
@@ -217,9 +240,11 @@ def test_preflight_refusals(tmp_path, monkeypatch):
     with pytest.raises(PlanError, match="disk needs"):
         zerofit.initialize(copy.deepcopy(model), _cfg(tmp_path / "nvme", disk_blocks=2))
     monkeypatch.undo()
+
     # the reservation itself fails (the space went meanwhile): DiskTierError naming the path, nothing left
     def no_space(fd, off, n):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     with pytest.raises(disk_mod.DiskTierError, match=r"zerofit-swap-0\.bin: cannot reserve"):
         zerofit.initialize(copy.deepcopy(model), _cfg(tmp_path / "nvme", disk_blocks=2))
@@ -238,14 +263,14 @@ def test_swap_files_are_reused_and_removed(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["zerofit-swap-0.bin"]
     # the reused file's old bytes do not show through: the moments start at zero
     assert all(float(u.exp_avg.abs().max()) == 0.0 for u in a.blocks if u.swap)
-    b = zerofit.initialize(copy.deepcopy(model), _cfg(folder, disk_blocks=2))     # a second live run
+    b = zerofit.initialize(copy.deepcopy(model), _cfg(folder, disk_blocks=2))  # a second live run
     assert b.tier.file.path.name == "zerofit-swap-1.bin"
-    with open(a.tier.file.path, "rb") as f:       # held while in use
+    with open(a.tier.file.path, "rb") as f:  # held while in use
         with pytest.raises(BlockingIOError):
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     a.close()
     assert sorted(p.name for p in folder.iterdir()) == ["zerofit-swap-1.bin"]
-    del b          # never closed: released when collected
+    del b  # never closed: released when collected
     gc.collect()
     assert list(folder.iterdir()) == []
 
@@ -253,9 +278,18 @@ def test_swap_files_are_reused_and_removed(tmp_path):
 def test_planner_puts_moments_on_the_disk_first_and_only_what_host_memory_cannot_hold():
     shape = ModelShape(1000, (40_000_000,) * 8, 64, 256, 100)
     batch = BatchShape(1, 16, 1)
-    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, deferred_updates=False,
-              checkpointing=True, stream_params=True, resident_blocks=0, prefetch_depth=None, disk=True,
-              disk_budget=10**12)
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=None,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=0,
+        prefetch_depth=None,
+        disk=True,
+        disk_budget=10**12,
+    )
     roomy = make_plan(shape, batch, host_budget=10**12, **kw)
     assert roomy.disk_blocks == ()
     need = roomy.host_total
@@ -269,7 +303,7 @@ def test_planner_puts_moments_on_the_disk_first_and_only_what_host_memory_cannot
     k = len(p1.disk_blocks)
     assert set(p1.disk_of.values()) == {"moments"} and sorted(p1.disk_of) == list(range(8 - k, 8))
     assert p1.host_total <= budget < forced(budget, k - 1, False).host_total
-    assert k > 1 and p1.disk_bytes == k * 2 * -(-160_000_000 // 4096) * 4096     # fields 4 KiB aligned
+    assert k > 1 and p1.disk_bytes == k * 2 * -(-160_000_000 // 4096) * 4096  # fields 4 KiB aligned
     # shorter than every block's moments can make up: masters follow, from the last block
     all_moments = forced(None, 8, False)
     budget = all_moments.host_total - 100_000_000
@@ -324,13 +358,13 @@ def test_tier_streams_any_order_of_updates_without_losing_a_write(tmp_path, seed
                 rng.shuffle(order)
                 told = order[:]
                 rng.shuffle(told)
-                tier.expect(told[:3])                      # some announced, in another order
+                tier.expect(told[:3])  # some announced, in another order
                 for key in order:
                     g = float(rnd + key + 1)
-                    for c, (a, k) in enumerate(tier.chunks(key)):     # stash a gradient, write-only
+                    for c, (a, k) in enumerate(tier.chunks(key)):  # stash a gradient, write-only
                         tier.acquire(key, c, write_only=("grad",))["grad"].fill_(g)
                         tier.release(key, c)
-                    for c, (a, k) in enumerate(tier.chunks(key)):     # then the update reads it with the state
+                    for c, (a, k) in enumerate(tier.chunks(key)):  # then the update reads it with the state
                         f = tier.acquire(key, c)
                         assert torch.all(f["grad"] == g), (key, c, rnd)
                         f["master"].add_(f["grad"])
@@ -338,7 +372,7 @@ def test_tier_streams_any_order_of_updates_without_losing_a_write(tmp_path, seed
                         tier.release(key, c)
                     expected[key] += g
             tier.drain()
-        except BaseException as e:          # surfaced below
+        except BaseException as e:  # surfaced below
             errors.append(e)
 
     t = threading.Thread(target=work)
@@ -362,12 +396,15 @@ def test_split_updates_beside_the_disk_tier(tmp_path):
     assert eng.host_updates.split and eng.stepper.cast_first
     parts = []
     apply = eng.host_updates.apply
-    eng.host_updates.apply = lambda unit, grad, ops, part=None: (parts.append((unit.swap, part)), apply(unit, grad, ops, part))
+    eng.host_updates.apply = lambda unit, grad, ops, part=None: (
+        parts.append((unit.swap, part)),
+        apply(unit, grad, ops, part),
+    )
     data = tm.batches(4, G)
     assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]
     _assert_bitwise(_state(eng), _state(ref))
     assert (None, "cast") in parts and (None, "rest") in parts
-    assert {p for s, p in parts if s} == {None}       # the disk tier's units: one pass
+    assert {p for s, p in parts if s} == {None}  # the disk tier's units: one pass
     ref.close()
     eng.close()
 
@@ -382,16 +419,25 @@ def test_a_refusal_beside_the_tier_names_the_smallest_host_budget_and_fewer_micr
 
     shape = ModelShape(50_000_000, (40_000_000,) * 8, 1024, 2816, 32000)
     batch = BatchShape(2, 2048, 32)
-    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=3 * GiB, deferred_updates=False,
-              checkpointing=True, stream_params=True, resident_blocks=None, prefetch_depth=None, disk=True,
-              disk_budget=10**12)
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=3 * GiB,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=None,
+        prefetch_depth=None,
+        disk=True,
+        disk_budget=10**12,
+    )
     with pytest.raises(PlanError) as info:
         make_plan(shape, batch, host_budget=2 * GiB, **kw)
     msg = str(info.value)
     m = re.search(r"max_host_memory\) of at least ([\d.]+) GiB beside the NVMe tier", msg)
     assert m, msg
     need = round(float(m.group(1)) * GiB)
-    fits = make_plan(shape, batch, host_budget=need + 10 * MiB, **kw)      # the figure is rounded to 0.01 GiB
+    fits = make_plan(shape, batch, host_budget=need + 10 * MiB, **kw)  # the figure is rounded to 0.01 GiB
     assert fits.disk_blocks and fits.offload_checkpoints
     with pytest.raises(PlanError):
         make_plan(shape, batch, host_budget=need - 10 * MiB, **kw)
@@ -419,27 +465,29 @@ def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch,
     def slow(fd, bufs, offset):
         gate.wait(5)
         return real(fd, bufs, offset)
+
     monkeypatch.setattr(swapfile_mod, "_pwrite", slow)
     regions, nbytes = layout([(i, 3072, ("master", "exp_avg")) for i in range(4)])
     tier = DiskTier(SwapFile(tmp_path, nbytes, threads=2, block_bytes=8192), regions, chunk=3072, buffers=2)
-    tier.expect([0, 1, 2, 3])                       # two buffers: units 0 and 1 read ahead, 2 and 3 queued
+    tier.expect([0, 1, 2, 3])  # two buffers: units 0 and 1 read ahead, 2 and 3 queued
     for key in (0, 1):
         f = tier.acquire(key, 0)
         f["master"].fill_(key + 1.0)
-        tier.release(key, 0)                        # its write waits on the gate
+        tier.release(key, 0)  # its write waits on the gate
     pool, stopped = tier.file._pool, threading.Event()
     real_shutdown = pool.shutdown
 
-    def shutdown(wait=True, **kw):                  # the pool refuses new work, then the writes may complete
+    def shutdown(wait=True, **kw):  # the pool refuses new work, then the writes may complete
         real_shutdown(wait=False, **kw)
         stopped.set()
         real_shutdown(wait=wait, **kw)
+
     pool.shutdown = shutdown
     closer = threading.Thread(target=tier.close)
     with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
         closer.start()
         assert stopped.wait(10)
-        gate.set()                                  # the writes complete, their callbacks free the buffers
+        gate.set()  # the writes complete, their callbacks free the buffers
         closer.join(30)
     assert not closer.is_alive()
     assert not [r for r in caplog.records if r.name == "concurrent.futures"], caplog.text
@@ -461,6 +509,7 @@ def test_the_mixed_speed_test_reads_and_writes_what_it_counts(tmp_path, monkeypa
     def wr(fd, bufs, offset):
         seen.append(("write", offset, sum(len(b) for b in bufs)))
         return real_w(fd, bufs, offset)
+
     monkeypatch.setattr(swapfile_mod, "_pread", rd)
     monkeypatch.setattr(swapfile_mod, "_pwrite", wr)
     f = SwapFile(tmp_path, 8 << 20, threads=2, block_bytes=1 << 20)
@@ -469,7 +518,7 @@ def test_the_mixed_speed_test_reads_and_writes_what_it_counts(tmp_path, monkeypa
     finally:
         f.close()
     half = 4 << 20
-    first, timed = seen[:4], seen[4:]                     # the untimed write of the first half, then the mix
+    first, timed = seen[:4], seen[4:]  # the untimed write of the first half, then the mix
     assert all(op == "write" and off < half for op, off, _ in first)
     assert sum(n for op, off, n in timed if op == "read" and off < half) == half
     assert sum(n for op, off, n in timed if op == "write" and off >= half) == half

@@ -28,8 +28,14 @@ def ran(tmp_path_factory) -> dict:
     """Every Python block's result, from one process (they take about half a minute together)."""
     out = tmp_path_factory.mktemp("docs") / "results.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    r = subprocess.run([sys.executable, "-m", "tests.support.doc_blocks", str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.support.doc_blocks", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -57,7 +63,7 @@ def _command_lines() -> list[tuple[str, list[str]]]:
             if line.startswith("$ "):
                 line = line[2:]
             elif b["lang"] == "console":
-                continue             # output
+                continue  # output
             try:
                 words = shlex.split(line, comments=True)
             except ValueError:
@@ -81,10 +87,10 @@ def test_every_zerofit_command_in_the_docs_is_one_the_cli_has(where, args):
     known = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
     passes_on = cmd.context_settings.get("ignore_unknown_options") or cmd.context_settings.get("allow_extra_args")
     if passes_on and not cmd.params:
-        return                       # every argument is passed on (zerofit deepspeed: DeepSpeed's launcher's)
+        return  # every argument is passed on (zerofit deepspeed: DeepSpeed's launcher's)
     for w in words:
         if passes_on and not w.startswith("-"):
-            break                    # the script's own arguments from here (zerofit deepspeed script.py ...)
+            break  # the script's own arguments from here (zerofit deepspeed script.py ...)
         if w.startswith("--"):
             assert w.split("=")[0] in known, f"{where}: zerofit {cmd.name} has no option {w}"
 

@@ -37,9 +37,16 @@ G = 2
 
 # ---------------------------------------------------------------------------------------------- helpers
 
+
 def _cfg(**kw) -> dict:
-    base = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-            "seq_len": 16, "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    base = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G,
+        "seq_len": 16,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+    }
     base.update(kw)
     return base
 
@@ -95,12 +102,12 @@ def _fire(fault: dict, phase: str, block: int | None = None) -> None:
         return
     fault["hits"] = fault.get("hits", 0) + 1
     if fault.get("sigint"):
-        fault["phase"] = None                      # once
+        fault["phase"] = None  # once
         fault["signalled_at"] = len(fault["calls"])
         for _ in range(fault["sigint"]):
             signal.raise_signal(signal.SIGINT)
         return
-    if fault.get("before") is not None:            # e.g. wait for the CPU worker to have applied an update
+    if fault.get("before") is not None:  # e.g. wait for the CPU worker to have applied an update
         fault["before"]()
     raise fault.get("exc", _Boom)(f"injected in the {phase} of block {block}")
 
@@ -155,8 +162,11 @@ _BEFORE_UPDATES = {
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case,api", [(c, "train_batch") for c in _BEFORE_UPDATES]
-                         + [(c, "deepspeed") for c in ("forward", "backward-block0-clipping", "keyboard-interrupt")])
+@pytest.mark.parametrize(
+    "case,api",
+    [(c, "train_batch") for c in _BEFORE_UPDATES]
+    + [(c, "deepspeed") for c in ("forward", "backward-block0-clipping", "keyboard-interrupt")],
+)
 def test_error_before_any_update_leaves_everything_as_before_and_the_engine_usable(case, api):
     """Weights and moments bitwise unchanged, the original error raised, and the run afterwards equals one
     that never saw the failed batch, bit for bit (so no transient state of the failed step survived)."""
@@ -233,15 +243,15 @@ def test_deepspeed_error_in_a_later_micro_batch_drops_the_accumulation():
     before = _snapshot(engine)
     loss = loss_of(engine(**data[1][0]))
     engine.backward(loss)
-    engine.step()                                               # before the boundary: a no-op
+    engine.step()  # before the boundary: a no-op
     assert len(engine.window.held) == 1
-    model.fault.update(phase="forward", block=2)                # the second micro-batch's forward
+    model.fault.update(phase="forward", block=2)  # the second micro-batch's forward
     with pytest.raises(_Boom):
         engine(**data[1][1])
     assert model.fault["hits"] == 1 and not engine.window.held and engine.window.micro_steps == 0
     model.fault.clear()
     _assert_unchanged(before, _snapshot(engine))
-    engine.step()                                               # nothing accumulated: a no-op
+    engine.step()  # nothing accumulated: a no-op
     assert engine.global_step == 1
     _ds_step(engine, data[2])
     clean = zerofit.initialize(clean_model, _cfg())
@@ -274,11 +284,18 @@ def test_error_after_updates_began_fails_the_engine():
 
     assert engine.state is EngineState.FAILED
     assert _optimizer_threads() == threads - 1, "the CPU optimizer thread of a failed engine must stop"
-    for call in (lambda: engine.train_batch(data[2]), lambda: engine(**data[2][0]), engine.wait,
-                 engine.master_state_dict, lambda: engine.module, engine.step, lambda: engine.backward(None)):
+    for call in (
+        lambda: engine.train_batch(data[2]),
+        lambda: engine(**data[2][0]),
+        engine.wait,
+        engine.master_state_dict,
+        lambda: engine.module,
+        engine.step,
+        lambda: engine.backward(None),
+    ):
         with pytest.raises(EngineFailedError, match="injected in the backward of block 0"):
             call()
-    engine.close()                                              # a no-op on a failed engine
+    engine.close()  # a no-op on a failed engine
     assert engine.state is EngineState.FAILED
 
 
@@ -356,7 +373,7 @@ _BAD = {
     "negative-label": (_with(labels=_IDS.clone().fill_(-1)), "holds -1: labels must be token ids"),
     "mask-shape": (_with(attention_mask=torch.ones(2, 8)), r"attention_mask'\] has shape \(2, 8\)"),
     "meta-tensor": (_with(input_ids=torch.empty(2, 16, dtype=torch.long, device="meta")), "is on meta"),
-    "unknown-key": (_with(pixel_values=torch.ones(2, 3)), None),    # plain model only: HF models take **kwargs
+    "unknown-key": (_with(pixel_values=torch.ones(2, 3)), None),  # plain model only: HF models take **kwargs
 }
 
 
@@ -375,7 +392,7 @@ def test_bad_batches_are_refused_before_anything_runs(case, family):
         engine.train_batch(batch)
     _assert_unchanged(before, _snapshot(engine))
     padded = _IDS.clone()
-    padded[:, :4] = -100                                     # ignored labels are fine
+    padded[:, :4] = -100  # ignored labels are fine
     assert math.isfinite(engine.train_batch([{"input_ids": _IDS, "labels": padded}] * G))
     assert engine.global_step == 1
     engine.close()
@@ -401,6 +418,7 @@ def test_bad_batch_in_the_middle_of_an_accumulation_keeps_it():
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
+
 
 @pytest.mark.parametrize("how,clip", [("eval-mode", 1.0), ("no-grad", 0.0)], ids=["eval-mode-clip", "no-grad"])
 def test_eval_forwards_match_the_plain_model_and_keep_no_state(how, clip):
@@ -435,7 +453,7 @@ def test_eval_forwards_match_the_plain_model_and_keep_no_state(how, clip):
     for _ in range(2):
         torch.testing.assert_close(torch.stack([engine_loss(mb) for mb in held]), expected)
     assert engine.global_step == 1 and engine.state is EngineState.OPEN
-    losses += [engine.train_batch(mbs) for mbs in data[1:]]      # no forward is pending: train_batch works
+    losses += [engine.train_batch(mbs) for mbs in data[1:]]  # no forward is pending: train_batch works
     ref = copy.deepcopy(initial)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(tm.reference_train(ref, data, clip=clip)))
     master = engine.master_state_dict()
@@ -467,6 +485,7 @@ def test_eval_forward_in_the_middle_of_an_accumulation():
 
 # ---------------------------------------------------------------------------------------------- generic fallback
 
+
 class _SkipLM(tm.PlainLM):
     """A residual *around* each block (block i+1 gets block i's output plus its input); dropout after the
     embedding, so that the RNG the aborted first forward consumed shows if it is not given back."""
@@ -482,10 +501,16 @@ class _SkipLM(tm.PlainLM):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-@pytest.mark.parametrize("make,api", [(lambda: _SkipLM(dropout=0.1), "train_batch"),
-                                      (lambda: _SkipLM(dropout=0.1), "deepspeed"),
-                                      (tm.LoopedLM, "train_batch"), (tm.EarlyExitLM, "train_batch")],
-                         ids=["skip-connection-dropout", "skip-connection-dropout-deepspeed", "looped", "early-exit"])
+@pytest.mark.parametrize(
+    "make,api",
+    [
+        (lambda: _SkipLM(dropout=0.1), "train_batch"),
+        (lambda: _SkipLM(dropout=0.1), "deepspeed"),
+        (tm.LoopedLM, "train_batch"),
+        (tm.EarlyExitLM, "train_batch"),
+    ],
+    ids=["skip-connection-dropout", "skip-connection-dropout-deepspeed", "looped", "early-exit"],
+)
 def test_non_sequential_model_falls_back_to_the_generic_path_and_trains_exactly(make, api, caplog):
     """No weight decay: the early-exit model's last block gets no gradient, which torch.optim.AdamW skips and
     zerofit treats as a zero gradient (equal only without decay)."""
@@ -493,7 +518,7 @@ def test_non_sequential_model_falls_back_to_the_generic_path_and_trains_exactly(
     model = make()
     ref = copy.deepcopy(model)
     engine = zerofit.initialize(model, _cfg(optimizer={"lr": 3e-3, "weight_decay": 0.0}))
-    assert engine.adapter.streaming                    # it cannot tell before the first forward
+    assert engine.adapter.streaming  # it cannot tell before the first forward
     data = tm.batches(3, G)
     torch.manual_seed(1)
     with caplog.at_level(logging.WARNING, logger="zerofit"):
@@ -526,28 +551,35 @@ def test_fallback_on_a_first_eval_forward():
 
 # ---------------------------------------------------------------------------------------------- close and release
 
+
 def test_close_applies_pending_updates_releases_and_refuses_later_calls():
     threads = _optimizer_threads()
     torch.manual_seed(0)
     model = _FaultyLM()
     clean_model = copy.deepcopy(model)
     data = tm.batches(2, G)
-    with zerofit.initialize(model, _cfg(gradient_clipping=1.0)) as engine:   # updates still pending at the end
+    with zerofit.initialize(model, _cfg(gradient_clipping=1.0)) as engine:  # updates still pending at the end
         assert _optimizer_threads() == threads + 1
         for mbs in data:
             engine.train_batch(mbs)
     assert engine.state is EngineState.CLOSED and _optimizer_threads() == threads
-    for call in (lambda: engine.train_batch(data[0]), lambda: engine(**data[0][0]), engine.step, engine.wait,
-                 engine.master_state_dict, lambda: engine.backward(None)):
+    for call in (
+        lambda: engine.train_batch(data[0]),
+        lambda: engine(**data[0][0]),
+        engine.step,
+        engine.wait,
+        engine.master_state_dict,
+        lambda: engine.backward(None),
+    ):
         with pytest.raises(EngineClosedError, match=r"zerofit.initialize") as err:
             call()
         assert not isinstance(err.value, EngineFailedError)
-    engine.close()                                          # idempotent
+    engine.close()  # idempotent
     clean = zerofit.initialize(clean_model, _cfg(gradient_clipping=1.0))
     for mbs in data:
         clean.train_batch(mbs)
     expected = clean.master_state_dict()
-    closed = dict(engine.module.named_parameters())         # still readable: the final weights
+    closed = dict(engine.module.named_parameters())  # still readable: the final weights
     for n, v in expected.items():
         assert torch.equal(closed[n], v), f"{n}: close() did not leave the final weights in the module"
     clean.close()
@@ -577,7 +609,7 @@ def test_an_engine_never_closed_is_released_when_collected():
     engine.train_batch(tm.batches(1, G)[0])
     assert _optimizer_threads() == threads + 1
     del engine
-    gc.collect()                  # the last reference may also go on the worker thread, with its last task
+    gc.collect()  # the last reference may also go on the worker thread, with its last task
     for _ in range(100):
         if _optimizer_threads() == threads:
             break
@@ -587,22 +619,31 @@ def test_an_engine_never_closed_is_released_when_collected():
 
 # ---------------------------------------------------------------------------------------------- placement report
 
+
 def test_placement_warnings_say_where_the_optimizer_state_really_is():
     from zerofit.engine.planner import BatchShape, ModelShape, make_plan, placement_warnings
 
     shape = ModelShape(50_000_000, (100_000_000,) * 8, 2048, 8192, 32000)
-    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=None,
-              deferred_updates=False, checkpointing=True, prefetch_depth=None)
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=None,
+        host_budget=None,
+        deferred_updates=False,
+        checkpointing=True,
+        prefetch_depth=None,
+    )
     all_gpu = make_plan(shape, BatchShape(1, 1024, 1), resident_blocks=None, stream_params=False, **kw)
     assert all_gpu.optimizer_homes(8) == "optimizer state: shell on the GPU; blocks 0-7 on the GPU"
     [w] = placement_warnings(all_gpu, 8, optimizer_device="cpu", param_device="none", on_cuda=True)
     assert "keeps all optimizer state on the GPU" in w and "param_device" in w, w
     [w] = placement_warnings(all_gpu, 8, optimizer_device="none", param_device="cpu", on_cuda=True)
     assert "optimizer_device is 'none'" in w, w
-    split = make_plan(shape, BatchShape(1, 1024, 1), resident_blocks=3, stream_params=True, shell_on_device=False,
-                      **kw)
-    assert split.optimizer_homes(8) == ("optimizer state: shell in host memory (CPU AdamW); blocks 0-2 on the GPU; "
-                                        "blocks 3-7 in host memory (CPU AdamW)")
+    split = make_plan(shape, BatchShape(1, 1024, 1), resident_blocks=3, stream_params=True, shell_on_device=False, **kw)
+    assert split.optimizer_homes(8) == (
+        "optimizer state: shell in host memory (CPU AdamW); blocks 0-2 on the GPU; "
+        "blocks 3-7 in host memory (CPU AdamW)"
+    )
     assert placement_warnings(split, 8, optimizer_device="cpu", param_device="cpu", on_cuda=True) == []
     [w] = placement_warnings(split, 8, optimizer_device="nvme", param_device="cpu", on_cuda=True)
     assert "the disk is not used" in w and "host memory holds all the optimizer state" in w, w
@@ -611,8 +652,9 @@ def test_placement_warnings_say_where_the_optimizer_state_really_is():
 
 def test_initialize_logs_the_placement_and_says_when_nvme_is_not_needed(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="zerofit"):
-        engine = zerofit.initialize(tm.PlainLM(), _cfg(offload={"optimizer_device": "nvme",
-                                                                 "nvme_path": str(tmp_path)}))
+        engine = zerofit.initialize(
+            tm.PlainLM(), _cfg(offload={"optimizer_device": "nvme", "nvme_path": str(tmp_path)})
+        )
     assert "optimizer state: shell on the device (cpu); blocks 0-3 in host memory (CPU AdamW)" in caplog.text
     assert any(r.levelno == logging.WARNING and "the disk is not used" in r.getMessage() for r in caplog.records)
     assert not any(tmp_path.iterdir()), "nothing is written to nvme_path when host memory holds everything"
@@ -620,6 +662,7 @@ def test_initialize_logs_the_placement_and_says_when_nvme_is_not_needed(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------- Ctrl-C
+
 
 @pytest.fixture
 def default_sigint():
@@ -638,7 +681,7 @@ def test_ctrl_c_before_any_update_stops_at_the_next_block_with_nothing_applied(a
     with pytest.raises(KeyboardInterrupt):
         _train(engine, data[1], api)
     assert model.fault["hits"] == 1
-    after_signal = model.fault["calls"][model.fault["signalled_at"]:]
+    after_signal = model.fault["calls"][model.fault["signalled_at"] :]
     assert ("forward", 2) not in after_signal, "the step went on past the next block boundary"
     model.fault.clear()
     assert engine.state is EngineState.OPEN
@@ -676,12 +719,13 @@ def test_second_ctrl_c_stops_at_once(default_sigint):
     model.fault.update(phase="backward", block=0, sigint=2)
     with pytest.raises(KeyboardInterrupt, match="second Ctrl-C") as err:
         engine.train_batch(data[1])
-    assert engine.state is EngineState.FAILED                   # its updates had begun
+    assert engine.state is EngineState.FAILED  # its updates had begun
     assert any("resume from the last checkpoint" in n for n in getattr(err.value, "__notes__", []))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # ---------------------------------------------------------------------------------------------- exit status
+
 
 @pytest.fixture(scope="module")
 def exits():

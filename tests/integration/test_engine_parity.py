@@ -21,8 +21,13 @@ STEPS, G = 20, 2
 
 
 def _cfg(**kw):
-    base = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    base = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+    }
     base.update(kw)
     return base
 
@@ -36,9 +41,11 @@ def _assert_same_weights(engine, ref):
         torch.testing.assert_close(master[name], p.detach(), msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("build", [tm.llama, lambda: tm.llama(tied=False), tm.qwen2, tm.qwen3, tm.mistral,
-                                   tm.gpt2, tm.PlainLM, tm.MLPRegressor],
-                         ids=["llama-tied", "llama", "qwen2", "qwen3", "mistral", "gpt2", "plain-module", "generic"])
+@pytest.mark.parametrize(
+    "build",
+    [tm.llama, lambda: tm.llama(tied=False), tm.qwen2, tm.qwen3, tm.mistral, tm.gpt2, tm.PlainLM, tm.MLPRegressor],
+    ids=["llama-tied", "llama", "qwen2", "qwen3", "mistral", "gpt2", "plain-module", "generic"],
+)
 def test_fp32_parity_with_plain_pytorch(build):
     torch.manual_seed(0)
     model = build()
@@ -73,8 +80,11 @@ def test_gradient_accumulation_equals_one_big_batch():
         torch.testing.assert_close(a[n], b[n])
 
 
-@pytest.mark.parametrize("clip,speculate", [(0.05, True), (1e3, True), (1.16, True), (0.05, False)],
-                         ids=["always-clipped", "never-clipped", "mixed", "always-clipped-no-speculation"])
+@pytest.mark.parametrize(
+    "clip,speculate",
+    [(0.05, True), (1e3, True), (1.16, True), (0.05, False)],
+    ids=["always-clipped", "never-clipped", "mixed", "always-clipped-no-speculation"],
+)
 def test_global_norm_clipping_matches_clip_grad_norm(clip, speculate):
     """Clipping by the global norm, exactly, whichever way the engine schedules the host updates: speculative
     updates during the backward ([Note: speculative updates]) held when the step is not clipped, rolled back
@@ -85,20 +95,20 @@ def test_global_norm_clipping_matches_clip_grad_norm(clip, speculate):
     ref = copy.deepcopy(model)
     engine = zerofit.initialize(model, _cfg(gradient_clipping=clip, offload={"speculative_updates": speculate}))
     assert engine.plan.deferred_updates and engine.plan.assisted_updates
-    dev_block = f"model.layers.{min(engine.plan.assisted_blocks)}"    # one the device updates
+    dev_block = f"model.layers.{min(engine.plan.assisted_blocks)}"  # one the device updates
     calls = []
     assisted = engine.device_updates.assisted_update
     engine.device_updates.assisted_update = lambda unit, dst: (calls.append(unit.name), assisted(unit, dst))
     data = tm.batches(STEPS, G)
     losses = [engine.train_batch(mbs) for mbs in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data, clip=clip)))
-    _assert_same_weights(engine, ref)     # reads the masters: applies the last step's pending updates
+    _assert_same_weights(engine, ref)  # reads the masters: applies the last step's pending updates
     stats = engine.speculation_stats
     assert "model.layers.0" not in calls
     if not speculate:
         assert stats == {"held": 0, "rolled_back": 0, "waited": 0}
         assert calls.count(dev_block) == STEPS
-    elif clip == 0.05:     # the first step speculates and is rolled back; the others wait for the norm
+    elif clip == 0.05:  # the first step speculates and is rolled back; the others wait for the norm
         assert stats == {"held": 0, "rolled_back": 1, "waited": STEPS - 1}
         assert calls.count(dev_block) == STEPS - 1
     elif clip == 1e3:
@@ -115,8 +125,9 @@ def test_assisted_fraction_keeps_the_math(fraction):
     torch.manual_seed(0)
     model = tm.qwen2()
     ref = copy.deepcopy(model)
-    engine = zerofit.initialize(model, _cfg(gradient_clipping=0.05,
-                                            offload={"speculative_updates": False, "assisted_fraction": fraction}))
+    engine = zerofit.initialize(
+        model, _cfg(gradient_clipping=0.05, offload={"speculative_updates": False, "assisted_fraction": fraction})
+    )
     streamed = {u.index for u in engine.blocks if u.home.name == "STREAMED"}
     assert engine.plan.assisted_blocks == (streamed if fraction else frozenset())
     assert engine.plan.assisted_updates == bool(fraction)
@@ -127,8 +138,9 @@ def test_assisted_fraction_keeps_the_math(fraction):
     _assert_same_weights(engine, ref)
 
 
-@pytest.mark.parametrize("api,shell", [("train_batch", "auto"), ("deepspeed", "auto"), ("train_batch", "host"),
-                                       ("deepspeed", "host")])
+@pytest.mark.parametrize(
+    "api,shell", [("train_batch", "auto"), ("deepspeed", "auto"), ("train_batch", "host"), ("deepspeed", "host")]
+)
 def test_assisted_updates_in_the_backward_keep_the_math(api, shell):
     """[Note: assisted updates in the backward]: immediate updates (no clipping) with a share of the streamed
     blocks updated on the device right after their gradient is complete (forced here: on the CPU the planner
@@ -139,25 +151,30 @@ def test_assisted_updates_in_the_backward_keep_the_math(api, shell):
     torch.manual_seed(0)
     model = tm.qwen2()
     ref = copy.deepcopy(model)
-    engine = zerofit.initialize(model, _cfg(offload={"assisted_updates": True, "assisted_fraction": 0.5,
-                                                     "shell_optimizer": shell}))
+    engine = zerofit.initialize(
+        model, _cfg(offload={"assisted_updates": True, "assisted_fraction": 0.5, "shell_optimizer": shell})
+    )
     assert engine.plan.shell_optimizer_on_device == (shell != "host")
     plan = engine.plan
     assert not plan.deferred_updates and plan.assisted_updates and plan.assisted_blocks
-    assert plan.device_bytes.get("assist_buffers", 0) == 0   # CPU: device memory is counted as host
+    assert plan.device_bytes.get("assist_buffers", 0) == 0  # CPU: device memory is counted as host
     assert plan.host_bytes["device:assist_buffers"] > 0
     streamed = {u.index for u in engine.blocks if u.home.name == "STREAMED"}
-    assert plan.assisted_blocks < streamed          # a share: the CPU keeps the others
+    assert plan.assisted_blocks < streamed  # a share: the CPU keeps the others
     calls = []
     inner = engine.device_updates.device_adamw
-    engine.device_updates.device_adamw = lambda unit, grad, *a, **kw: (calls.append((unit.name, grad is not None)),
-                                                         inner(unit, grad, *a, **kw))[1]
+    engine.device_updates.device_adamw = lambda unit, grad, *a, **kw: (
+        calls.append((unit.name, grad is not None)),
+        inner(unit, grad, *a, **kw),
+    )[1]
     # the CPU worker's tasks, as submitted: the trace's cpu lane holds the tasks that ended within the step, and
     # the last update of a backward may still run when the step returns (on a loaded machine it did)
     tasks = set()
     submit = engine.worker.submit
-    engine.worker.submit = lambda fn, priority=0, label=None, ready=None: (tasks.add(label),
-                                                                        submit(fn, priority, label, ready))[1]
+    engine.worker.submit = lambda fn, priority=0, label=None, ready=None: (
+        tasks.add(label),
+        submit(fn, priority, label, ready),
+    )[1]
     data = tm.batches(STEPS, G)
     if api == "train_batch":
         losses = [engine.train_batch(mbs) for mbs in data]
@@ -181,15 +198,24 @@ def test_assisted_updates_in_the_backward_keep_the_math(api, shell):
 def test_assisted_updates_in_the_backward_only_beside_the_plan():
     """The planner adds them on a GPU only when their buffers fit in what the plan leaves of the budget: never
     at the cost of a resident block; never with deferred updates' buffer for the gradient; off when asked."""
-    from zerofit.engine.planner import ModelShape, BatchShape, make_plan
+    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
 
-    shape = ModelShape(shell_numel=20_000_000, block_numels=(10_000_000,) * 8, hidden=512, intermediate=1376,
-                       vocab=32000)
+    shape = ModelShape(
+        shell_numel=20_000_000, block_numels=(10_000_000,) * 8, hidden=512, intermediate=1376, vocab=32000
+    )
     batch = BatchShape(1, 256, 2)
-    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, host_budget=None, deferred_updates=False,
-              checkpointing=True, stream_params=True, resident_blocks=None, prefetch_depth=None)
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        host_budget=None,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=None,
+        prefetch_depth=None,
+    )
     roomy = make_plan(shape, batch, device_budget=None, **kw)
-    assert roomy.resident_blocks == 8 and not roomy.assisted_updates       # nothing streams
+    assert roomy.resident_blocks == 8 and not roomy.assisted_updates  # nothing streams
     base = make_plan(shape, batch, device_budget=None, **(kw | dict(resident_blocks=2, assisted_updates=False)))
     assert not base.assisted_updates
     wide = make_plan(shape, batch, device_budget=None, **(kw | dict(resident_blocks=2)))
@@ -197,17 +223,20 @@ def test_assisted_updates_in_the_backward_only_beside_the_plan():
     assert wide.device_bytes["assist_buffers"] == 2 * 3 * (-(-10_000_000 // (8 * 64)) * 64) * 4
     assert wide.device_total == base.device_total + wide.device_bytes["assist_buffers"]
     # a budget that fits the plan but not the buffers beside it: the plan, without them
-    tight = make_plan(shape, batch, device_budget=base.device_total + 1000,
-                      **(kw | dict(resident_blocks=2)))
+    tight = make_plan(shape, batch, device_budget=base.device_total + 1000, **(kw | dict(resident_blocks=2)))
     assert not tight.assisted_updates and tight.resident_blocks == 2
     # the planner's own choice of resident blocks is the one without the buffers
     free = make_plan(shape, batch, device_budget=base.device_total + 1000, **kw)
-    assert free.resident_blocks == make_plan(shape, batch, device_budget=base.device_total + 1000,
-                                             **(kw | dict(assisted_updates=False))).resident_blocks
-    assert not make_plan(shape, batch, device_budget=None,
-                         **(kw | dict(resident_blocks=2, assisted_fraction=0.0))).assisted_updates
-    assert not make_plan(shape, batch, device_budget=None,
-                         **(kw | dict(resident_blocks=2, ranks=2))).assisted_updates
+    assert (
+        free.resident_blocks
+        == make_plan(
+            shape, batch, device_budget=base.device_total + 1000, **(kw | dict(assisted_updates=False))
+        ).resident_blocks
+    )
+    assert not make_plan(
+        shape, batch, device_budget=None, **(kw | dict(resident_blocks=2, assisted_fraction=0.0))
+    ).assisted_updates
+    assert not make_plan(shape, batch, device_budget=None, **(kw | dict(resident_blocks=2, ranks=2))).assisted_updates
     deferred = make_plan(shape, batch, device_budget=None, **(kw | dict(resident_blocks=2, deferred_updates=True)))
     assert deferred.device_bytes["assist_buffers"] == wide.device_bytes["assist_buffers"] * 4 // 3
 
@@ -219,8 +248,9 @@ def test_announced_window_is_train_batch_bitwise_with_one_upload_per_block(preci
     for the window's forwards (not once per micro-batch, nor as 16-bit copies)."""
     G3, steps = 3, 4
     data = tm.batches(steps, G3)
-    cfg = _cfg(precision=precision, gradient_accumulation_steps=G3, gradient_clipping=clip,
-               offload={"prefetch_depth": 1})     # 2 slots for 3 blocks: every pass over the blocks uploads them
+    cfg = _cfg(
+        precision=precision, gradient_accumulation_steps=G3, gradient_clipping=clip, offload={"prefetch_depth": 1}
+    )  # 2 slots for 3 blocks: every pass over the blocks uploads them
     torch.manual_seed(0)
     a = zerofit.initialize(tm.qwen2(), cfg)
     torch.manual_seed(0)
@@ -233,8 +263,8 @@ def test_announced_window_is_train_batch_bitwise_with_one_upload_per_block(preci
         ref = b.train_batch(mbs)
         assert torch.stack(losses).mean().item() == ref
         assert not any(x.endswith("(16)") for x in uploads)
-        assert uploads == tm.upload_labels(b), uploads      # train_batch's uploads: once per pass over the blocks
-        assert len(uploads) < G3 * len(streamed)            # a forward per micro-batch would upload each block G3 times
+        assert uploads == tm.upload_labels(b), uploads  # train_batch's uploads: once per pass over the blocks
+        assert len(uploads) < G3 * len(streamed)  # a forward per micro-batch would upload each block G3 times
     assert a.window_stats == {"announced": steps, "mismatched": 0}
     a.wait(), b.wait()
     for ua, ub in zip(a.units, b.units):
@@ -254,7 +284,7 @@ def test_announced_window_mismatch_falls_back_and_refusals(tmp_path, caplog):
     a = zerofit.initialize(tm.qwen2(), cfg)
     torch.manual_seed(0)
     b = zerofit.initialize(tm.qwen2(), cfg)
-    called = [mbs[0], other[1], mbs[2]]       # the second call is not the announced one
+    called = [mbs[0], other[1], mbs[2]]  # the second call is not the announced one
     with pytest.raises(ValueError, match="at most"):
         a.forward_window(mbs + mbs[:1])
     a.forward_window(mbs)
@@ -262,7 +292,7 @@ def test_announced_window_mismatch_falls_back_and_refusals(tmp_path, caplog):
         a.forward_window(mbs)
     with pytest.raises(RuntimeError, match="middle of a DeepSpeed-style accumulation"):
         a.train_batch(mbs)
-    a.save_checkpoint(tmp_path)          # mid-window: the last step's state; the announced forwards stay
+    a.save_checkpoint(tmp_path)  # mid-window: the last step's state; the announced forwards stay
     with caplog.at_level("WARNING", logger="zerofit"):
         losses = tm.ds_losses(a, called)
     assert "other inputs than the next micro-batch" in caplog.text
@@ -291,7 +321,7 @@ def test_trace_shows_every_block_and_every_host_update():
         assert ("compute", u.name) in labels
         if not u.optimizer_on_device:
             assert f"adamw[{u.name}]" in cpu, u.name
-    for e in trace:     # a CPU task of the previous step still running at the start begins before 0
+    for e in trace:  # a CPU task of the previous step still running at the start begins before 0
         assert e["start"] <= e["end"] <= tl["step"] + 1e-3 and e["end"] >= 0.0, e
         assert e["start"] >= 0.0 or e["lane"] == "cpu", e
     busy = sum(e["end"] - e["start"] for e in trace if e["lane"] == "compute")
@@ -308,8 +338,12 @@ def test_deepspeed_style_loop_is_train_batch_bitwise(precision, clip):
     G3, steps = 3, 5
     data = tm.batches(steps, G3)
     # 2 slots for 3 blocks and none kept in the gradient buffers: every forward uploads every block
-    cfg = _cfg(precision=precision, gradient_accumulation_steps=G3, gradient_clipping=clip,
-               offload={"prefetch_depth": 1, "window_keep_blocks": False})
+    cfg = _cfg(
+        precision=precision,
+        gradient_accumulation_steps=G3,
+        gradient_clipping=clip,
+        offload={"prefetch_depth": 1, "window_keep_blocks": False},
+    )
     torch.manual_seed(0)
     a = zerofit.initialize(tm.qwen2(), cfg)
     torch.manual_seed(0)
@@ -323,7 +357,7 @@ def test_deepspeed_style_loop_is_train_batch_bitwise(precision, clip):
         ref = b.train_batch(mbs)
         assert torch.stack(losses).mean().item() == ref
     assert a.global_step == b.global_step == steps
-    a.wait(), b.wait()        # the last step's host and assisted updates applied
+    a.wait(), b.wait()  # the last step's host and assisted updates applied
     for ua, ub in zip(a.units, b.units):
         assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
         assert torch.equal(ua.exp_avg.cpu(), ub.exp_avg.cpu()), ua.name
@@ -354,8 +388,11 @@ def test_copies_after_the_update_serve_the_next_window_and_go_stale_on_a_load(tm
     masters and repeats the saved run's losses bitwise."""
     G3, steps = 3, 4
     data = tm.batches(steps, G3)
-    cfg = _cfg(precision="bf16", gradient_accumulation_steps=G3,
-               offload={"prefetch_depth": 1, "assisted_updates": True, "assisted_fraction": 0.5})
+    cfg = _cfg(
+        precision="bf16",
+        gradient_accumulation_steps=G3,
+        offload={"prefetch_depth": 1, "assisted_updates": True, "assisted_fraction": 0.5},
+    )
     torch.manual_seed(0)
     a = zerofit.initialize(tm.qwen2(), cfg)
     torch.manual_seed(0)
@@ -378,7 +415,7 @@ def test_copies_after_the_update_serve_the_next_window_and_go_stale_on_a_load(tm
             assert [x.item() for x in again] == [x.item() for x in saved[0]]
             a.load_checkpoint(tmp_path, tag="after2")
     n = len(streamed)
-    assert first == [n, 0, n, 0], first      # fp32 uploads only in the first window and the one after the load
+    assert first == [n, 0, n, 0], first  # fp32 uploads only in the first window and the one after the load
     a.wait(), b.wait()
     for ua, ub in zip(a.units, b.units):
         assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
@@ -406,8 +443,9 @@ def test_copies_after_the_update_give_the_device_a_larger_share(clip, fraction):
     engine.close()
 
 
-@pytest.mark.parametrize("precision,clip,assisted", [("bf16", 0.0, None), ("bf16", 0.05, False),
-                                                     ("bf16", 0.05, None), ("fp32", 0.0, None)])
+@pytest.mark.parametrize(
+    "precision,clip,assisted", [("bf16", 0.0, None), ("bf16", 0.05, False), ("bf16", 0.05, None), ("fp32", 0.0, None)]
+)
 def test_a_window_keeps_blocks_in_the_gradient_buffers(precision, clip, assisted):
     """[Note: a window keeps some blocks]: in the DeepSpeed-shaped loop the first forward of a window puts some
     streamed blocks into slots carved from the idle gradient buffers, and the window's later forwards do not
@@ -417,8 +455,12 @@ def test_a_window_keeps_blocks_in_the_gradient_buffers(precision, clip, assisted
     the count leaves out)."""
     G3, steps = 3, 3
     data = tm.batches(steps, G3)
-    cfg = _cfg(precision=precision, gradient_accumulation_steps=G3, gradient_clipping=clip,
-               offload={"prefetch_depth": 1, "assisted_updates": assisted})
+    cfg = _cfg(
+        precision=precision,
+        gradient_accumulation_steps=G3,
+        gradient_clipping=clip,
+        offload={"prefetch_depth": 1, "assisted_updates": assisted},
+    )
     torch.manual_seed(0)
     a = zerofit.initialize(tm.llama(layers=8), cfg)
     torch.manual_seed(0)
@@ -426,7 +468,7 @@ def test_a_window_keeps_blocks_in_the_gradient_buffers(precision, clip, assisted
     streamed = [u for u in a.blocks if u.home.name == "STREAMED"]
     assert len(streamed) == 8 and a.plan.weight_slots == 2 and a.plan.grad_slots == 2
     n_keep = 4 if precision == "bf16" else 2
-    want = {u.name for u in streamed[8 - 2 - n_keep:8 - 2]}
+    want = {u.name for u in streamed[8 - 2 - n_keep : 8 - 2]}
     grads = [(g.tensor.data_ptr(), g.tensor.data_ptr() + g.tensor.nbytes) for g in a.grads.pool.slots]
     for mbs in data:
         losses = []
@@ -435,7 +477,7 @@ def test_a_window_keeps_blocks_in_the_gradient_buffers(precision, clip, assisted
             if i == 0:
                 kept = {s.tenant.name for s in a.streamer.kept.values()}
                 assert kept == want, kept
-                for s in a.streamer.kept.values():       # the slots are the gradient buffers' memory
+                for s in a.streamer.kept.values():  # the slots are the gradient buffers' memory
                     assert any(lo <= s.tensor.data_ptr() < hi for lo, hi in grads)
             a.backward(out.loss)
             a.step()
@@ -459,8 +501,9 @@ def test_short_windows_with_the_boundary_override_are_train_batch_bitwise(precis
     set_gradient_accumulation_boundary(True) before its last forward (zerofit.hf's way at an epoch's end), the
     caller scaling each loss (backward(scale_wrt_gas=False)): losses and masters are train_batch's on the same
     windows, bitwise; in 16-bit the shorter windows still read the 16-bit copies their first forward made."""
-    cfg = _cfg(precision=precision, gradient_accumulation_steps=3, gradient_clipping=0.05,
-               offload={"prefetch_depth": 1})
+    cfg = _cfg(
+        precision=precision, gradient_accumulation_steps=3, gradient_clipping=0.05, offload={"prefetch_depth": 1}
+    )
     data = tm.batches(1, 3) + tm.batches(1, 2, seed=4) + tm.batches(1, 1, seed=5) + tm.batches(1, 3, seed=6)
     torch.manual_seed(0)
     a = zerofit.initialize(tm.qwen2(), cfg)
@@ -483,10 +526,11 @@ def test_short_windows_with_the_boundary_override_are_train_batch_bitwise(precis
         assert torch.equal(ua.master.cpu(), ub.master.cpu()), ua.name
         assert torch.equal(ua.exp_avg_sq.cpu(), ub.exp_avg_sq.cpu()), ua.name
     if precision == "bf16":
-        assert sixteen[1] > 0 and sixteen[2] == 0, sixteen     # a window of 1 has no later forward to serve
+        assert sixteen[1] > 0 and sixteen[2] == 0, sixteen  # a window of 1 has no later forward to serve
     else:
         assert sixteen == [0, 0, 0, 0]
     a.close(), b.close()
+
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_deepspeed_style_api_matches(clip):
@@ -524,7 +568,7 @@ def test_deepspeed_boundary_override_and_caller_scaled_loss():
     assert engine.global_step == len(data)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data, clip=0.05)))
     _assert_same_weights(engine, ref)
-    engine.set_gradient_accumulation_boundary(None)     # back to counting: 3 micro-batches per step
+    engine.set_gradient_accumulation_boundary(None)  # back to counting: 3 micro-batches per step
     for i, mb in enumerate(tm.batches(1, 3, seed=7)[0]):
         engine.backward(engine(**mb).loss)
         engine.step()
@@ -602,7 +646,7 @@ def test_dropout_is_active_and_replayed():
     torch.manual_seed(0)
     model = tm.gpt2(dropout=0.2)
     ref = copy.deepcopy(model)
-    engine = zerofit.initialize(model, _cfg())   # the first step's loss is computed before any update
+    engine = zerofit.initialize(model, _cfg())  # the first step's loss is computed before any update
     mbs = tm.batches(1, 1)[0]
     torch.manual_seed(7)
     l_engine = engine.train_batch(mbs)
@@ -614,8 +658,15 @@ def test_dropout_is_active_and_replayed():
     assert l_engine != pytest.approx(l_eval, rel=1e-3)
 
 
-@pytest.mark.parametrize("precision,clip,api", [("fp32", 0.0, "train_batch"), ("fp32", 0.05, "train_batch"),
-                                                ("fp32", 0.0, "deepspeed"), ("bf16", 0.0, "train_batch")])
+@pytest.mark.parametrize(
+    "precision,clip,api",
+    [
+        ("fp32", 0.0, "train_batch"),
+        ("fp32", 0.05, "train_batch"),
+        ("fp32", 0.0, "deepspeed"),
+        ("bf16", 0.0, "train_batch"),
+    ],
+)
 def test_shell_optimizer_on_the_host(precision, clip, api):
     """The shell (embeddings, head) updated by the CPU worker and re-uploaded before the next step's
     pre pass: the planner's choice when the shell's optimizer state does not fit on the device."""
@@ -623,8 +674,9 @@ def test_shell_optimizer_on_the_host(precision, clip, api):
     model = tm.llama()
     ref = copy.deepcopy(model)
     before = tm.initial_weights(model)
-    engine = zerofit.initialize(model, _cfg(precision=precision, gradient_clipping=clip,
-                                            offload={"shell_optimizer": "host"}))
+    engine = zerofit.initialize(
+        model, _cfg(precision=precision, gradient_clipping=clip, offload={"shell_optimizer": "host"})
+    )
     assert not engine.plan.shell_optimizer_on_device and not engine.shell.optimizer_on_device
     data = tm.batches(8, G)
     step = tm.ds_step if api == "deepspeed" else type(engine).train_batch
@@ -633,7 +685,7 @@ def test_shell_optimizer_on_the_host(precision, clip, api):
     if precision == "fp32":
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         _assert_same_weights(engine, ref)
-    else:   # the reference computes in fp32: bf16 compute moves the updates by a few percent
+    else:  # the reference computes in fp32: bf16 compute moves the updates by a few percent
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.6e-2, atol=0)
         tm.assert_updates_close(engine, before, ref, rtol=0.25)
 
@@ -653,7 +705,7 @@ def test_padded_batches_with_attention_mask(build):
         for _ in range(G):
             ids = torch.randint(0, tm.VOCAB, (2, 16), generator=g)
             mask = torch.ones_like(ids)
-            mask[0, 11:] = 0                      # the first sequence is 11 tokens long
+            mask[0, 11:] = 0  # the first sequence is 11 tokens long
             labels = ids.masked_fill(mask == 0, -100)
             mbs.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
         data.append(mbs)

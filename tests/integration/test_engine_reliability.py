@@ -38,9 +38,15 @@ G = 2
 
 # ---------------------------------------------------------------------------------------------- helpers
 
+
 def _cfg(**kw) -> dict:
-    base = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    base = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+    }
     base.update(kw)
     return base
 
@@ -48,8 +54,10 @@ def _cfg(**kw) -> dict:
 def _fp16_cfg(**fp16) -> dict:
     # a small initial scale: the tiny model's fp16 gradients never overflow by themselves, so every
     # overflow in these tests is one the test injected
-    return _cfg(precision="fp16", fp16={"initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 2,
-                                        "min_loss_scale": 1, **fp16})
+    return _cfg(
+        precision="fp16",
+        fp16={"initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1, **fp16},
+    )
 
 
 def _host_weights(unit) -> torch.Tensor:
@@ -60,8 +68,10 @@ def _host_weights(unit) -> torch.Tensor:
 
 def _snapshot(engine) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     engine.wait()
-    return [(u.name, u.master.detach().clone(), u.exp_avg.clone(), u.exp_avg_sq.clone(), u.step.clone())
-            for u in engine.units]
+    return [
+        (u.name, u.master.detach().clone(), u.exp_avg.clone(), u.exp_avg_sq.clone(), u.step.clone())
+        for u in engine.units
+    ]
 
 
 def _assert_bitwise_equal(before, after) -> None:
@@ -87,7 +97,7 @@ class _Inject:
             if self.armed and u is self.unit:
                 self.calls += 1
                 if self.nth is not None and self.calls != self.nth + 1:
-                    return       # only the nth accumulation while armed (0-based)
+                    return  # only the nth accumulation while armed (0-based)
                 dst.view(-1)[0] = self.value
                 self.hits += 1
 
@@ -118,6 +128,7 @@ def _pick_unit(engine, on_device: bool):
 
 # ---------------------------------------------------------------------------------------------- 1. fp16 overflow
 
+
 @pytest.mark.parametrize("api", ["train_batch", "deepspeed"])
 @pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
 @pytest.mark.parametrize("where", ["device-optimizer", "host-optimizer"])
@@ -145,7 +156,7 @@ def test_fp16_overflow_skips_the_step_and_leaves_no_trace(where, value, api):
     assert engine.scaler.scale == scale, "hysteresis 2: the first overflow keeps the scale"
     assert engine.scaler.cur_hysteresis == 1
 
-    _train(engine, data[3], api)   # the next clean step applies, from clean gradients
+    _train(engine, data[3], api)  # the next clean step applies, from clean gradients
     assert (engine.global_step, engine.skipped_steps) == (3, 1)
     after = _snapshot(engine)
     for (name, m0, *_), (_, m1, *_) in zip(before, after):
@@ -208,8 +219,8 @@ def test_fp16_loss_scale_follows_hysteresis_and_window():
         scales.append(engine.scaler.scale)
         ref_scales.append(reference.scale)
     assert scales == ref_scales
-    assert scales[:3] == [256.0, 256.0, 128.0]    # clean, overflow (hysteresis left), overflow (halves)
-    assert 256.0 in scales[3:3 + window + 1], "the scale did not grow back after loss_scale_window clean steps"
+    assert scales[:3] == [256.0, 256.0, 128.0]  # clean, overflow (hysteresis left), overflow (halves)
+    assert 256.0 in scales[3 : 3 + window + 1], "the scale did not grow back after loss_scale_window clean steps"
     assert engine.skipped_steps == 2
     assert engine.global_step == pattern.count(False)
     engine.close()
@@ -227,7 +238,7 @@ def test_fp16_overflow_at_min_loss_scale_raises_named_error():
     before = _snapshot(engine)
     with pytest.raises(LossScaleUnderflowError, match="min_loss_scale"):
         inject(lambda: engine.train_batch(data[3]))
-    _assert_bitwise_equal(before, _snapshot(engine))   # no half-applied step
+    _assert_bitwise_equal(before, _snapshot(engine))  # no half-applied step
     assert (engine.global_step, engine.skipped_steps) == (1, 2)
     engine.close()
 
@@ -239,17 +250,18 @@ def test_fp16_trains_and_tracks_fp32_master_fp16_compute_reference():
     model = tm.llama()
     master = copy.deepcopy(model)
     before = tm.initial_weights(model)
-    engine = zerofit.initialize(model, _fp16_cfg(initial_scale_power=10, loss_scale_window=window)
-                                | {"optimizer": {"lr": lr, "weight_decay": 0.01}})
-    mbs = tm.batches(1, G)[0]                   # one fixed batch: the loss must fall
+    engine = zerofit.initialize(
+        model,
+        _fp16_cfg(initial_scale_power=10, loss_scale_window=window) | {"optimizer": {"lr": lr, "weight_decay": 0.01}},
+    )
+    mbs = tm.batches(1, G)[0]  # one fixed batch: the loss must fall
     losses, scales = [], []
     for _ in range(steps):
         scales.append(engine.scaler.scale)
         losses.append(engine.train_batch(mbs))
     assert engine.streamer.pool.slots[0].tensor.dtype == torch.float16, "blocks must compute in fp16"
 
-    ref_losses, ref_scales = tm.fp16_reference_train(master, mbs, steps, lr,
-                                                     DynamicLossScaler(2.0**10, window, 1.0, 2))
+    ref_losses, ref_scales = tm.fp16_reference_train(master, mbs, steps, lr, DynamicLossScaler(2.0**10, window, 1.0, 2))
 
     assert engine.skipped_steps == 0
     assert scales == ref_scales and scales[-1] > scales[0], "the scale must grow over the run"
@@ -260,6 +272,7 @@ def test_fp16_trains_and_tracks_fp32_master_fp16_compute_reference():
 
 
 # ---------------------------------------------------------------------------------------------- 2. memory budgets
+
 
 def _optimizer_threads() -> int:
     return sum(t.name == "zerofit-cpu-optimizer" and t.is_alive() for t in threading.enumerate())
@@ -296,8 +309,19 @@ def test_plan_error_names_predicted_and_available_bytes():
     size = r"([0-9.]+) ?([KMGT]i?B|B|bytes)?"
     m = re.search(rf"host needs {size} > budget {size}", str(err.value))
     assert m, str(err.value)
-    units = {None: 1, "B": 1, "bytes": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    units = {
+        None: 1,
+        "B": 1,
+        "bytes": 1,
+        "KB": 1e3,
+        "MB": 1e6,
+        "GB": 1e9,
+        "TB": 1e12,
+        "KiB": 2**10,
+        "MiB": 2**20,
+        "GiB": 2**30,
+        "TiB": 2**40,
+    }
     need, budget = float(m[1]) * units[m[2]], float(m[3]) * units[m[4]]
     assert budget == pytest.approx(1e6, rel=0.05), str(err.value)
     assert need > budget, str(err.value)
@@ -305,8 +329,15 @@ def test_plan_error_names_predicted_and_available_bytes():
 
 _BIG = ModelShape(50_000_000, (100_000_000,) * 8, 2048, 8192, 32000)
 _BATCH = BatchShape(1, 1024, 1)
-_GPU = dict(compute_dtype=torch.bfloat16, on_cuda=True, host_budget=None, deferred_updates=False, checkpointing=True,
-            stream_params=True, prefetch_depth=None)
+_GPU = dict(
+    compute_dtype=torch.bfloat16,
+    on_cuda=True,
+    host_budget=None,
+    deferred_updates=False,
+    checkpointing=True,
+    stream_params=True,
+    prefetch_depth=None,
+)
 
 
 def _candidate(shape, batch, r, shell_dev, **kw):
@@ -356,14 +387,26 @@ def test_make_plan_device_budget():
 
     # a batch that needs more than the plan was made for is refused (what Planning.ensure checks)
     with pytest.raises(PlanError, match="device needs"):
-        make_plan(_BIG, BatchShape(8, 8192, 4), device_budget=at.device_total, resident_blocks=at.resident_blocks,
-                  shell_on_device=at.shell_optimizer_on_device, **_GPU)
+        make_plan(
+            _BIG,
+            BatchShape(8, 8192, 4),
+            device_budget=at.device_total,
+            resident_blocks=at.resident_blocks,
+            shell_on_device=at.shell_optimizer_on_device,
+            **_GPU,
+        )
 
 
 @settings(max_examples=60, deadline=None)
-@given(shell=st.integers(1_000, 10**8), block=st.integers(1_000, 10**8), n=st.integers(1, 6),
-       hidden=st.sampled_from([64, 512, 4096]), tokens=st.sampled_from([128, 2048]),
-       deferred=st.booleans(), frac=st.floats(0.0, 1.2))
+@given(
+    shell=st.integers(1_000, 10**8),
+    block=st.integers(1_000, 10**8),
+    n=st.integers(1, 6),
+    hidden=st.sampled_from([64, 512, 4096]),
+    tokens=st.sampled_from([128, 2048]),
+    deferred=st.booleans(),
+    frac=st.floats(0.0, 1.2),
+)
 def test_make_plan_picks_the_preferred_fitting_placement(shell, block, n, hidden, tokens, deferred, frac):
     """Accepted plans fit; the choice is the shell on the device with the most resident blocks, else the
     shell on the host with the most; PlanError exactly when nothing fits."""
@@ -375,8 +418,12 @@ def test_make_plan_picks_the_preferred_fitting_placement(shell, block, n, hidden
     budget = int(lo * 0.8 + frac * (hi - lo * 0.8))
     # [Note: a smaller GPU floor]: the first level of the floor where anything fits decides, then the preference
     for level in [(False, False), (True, False), (True, True), (True, True, True)]:
-        fitting = [(s, r) for s in (True, False) for r in range(n + 1)
-                   if _candidate(shape, batch, r, s, floor=level, **kw).device_total <= budget]
+        fitting = [
+            (s, r)
+            for s in (True, False)
+            for r in range(n + 1)
+            if _candidate(shape, batch, r, s, floor=level, **kw).device_total <= budget
+        ]
         if fitting:
             break
     if not fitting:
@@ -425,14 +472,15 @@ def _static_prediction(plan) -> int:
 
 
 def _slack(engine) -> int:
-    return 64 * len(engine.units)   # the units' step counters (4 bytes each) are not planned
+    return 64 * len(engine.units)  # the units' step counters (4 bytes each) are not planned
 
 
 @pytest.mark.parametrize("precision,clip", [("fp32", 0.0), ("fp32", 1.0), ("bf16", 0.0), ("fp16", 0.0)])
 def test_engine_buffers_stay_under_the_host_prediction(precision, clip):
     torch.manual_seed(0)
-    engine = zerofit.initialize(tm.llama(), _fp16_cfg() | {"precision": precision, "gradient_clipping": clip,
-                                                           "seq_len": 16})
+    engine = zerofit.initialize(
+        tm.llama(), _fp16_cfg() | {"precision": precision, "gradient_clipping": clip, "seq_len": 16}
+    )
     for mbs in tm.batches(2, G):
         engine.train_batch(mbs)
     engine.wait()
@@ -461,11 +509,12 @@ def test_batch_larger_than_planned_is_refused_at_first_step():
     engine = zerofit.initialize(tm.llama(), _cfg(seq_len=16, max_host_memory=budget))
     before = _snapshot(engine)
     with pytest.raises(PlanError, match="host needs"):
-        engine.train_batch(tm.batches(1, G, B=16, T=64)[0])   # ~8x the planned activations
+        engine.train_batch(tm.batches(1, G, B=16, T=64)[0])  # ~8x the planned activations
     _assert_bitwise_equal(before, _snapshot(engine))
 
 
 # ---------------------------------------------------------------------------------------------- 3. meta device
+
 
 def test_meta_model_is_materialized_once_with_hf_init_and_trains():
     torch.manual_seed(0)
@@ -495,8 +544,9 @@ def test_meta_model_is_materialized_once_with_hf_init_and_trains():
         ranges.append((h.data_ptr(), h.data_ptr() + h.numel() * h.element_size()))
     for name, p in module.named_parameters():
         ptr = p.data_ptr()
-        assert any(lo <= ptr and ptr + p.numel() * p.element_size() <= hi for lo, hi in ranges), \
+        assert any(lo <= ptr and ptr + p.numel() * p.element_size() <= hi for lo, hi in ranges), (
             f"{name} is not a view of the engine's host buffers"
+        )
     unit_storages = {_host_weights(u).untyped_storage().data_ptr() for u in engine.units}
     assert {p.untyped_storage().data_ptr() for p in module.parameters()} <= unit_storages
 
@@ -504,11 +554,12 @@ def test_meta_model_is_materialized_once_with_hf_init_and_trains():
     losses = [engine.train_batch(mbs) for _ in range(30)]
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 1.0, losses
-    assert losses[0] == pytest.approx(math.log(tm.VOCAB), rel=0.05)   # a freshly initialized model
+    assert losses[0] == pytest.approx(math.log(tm.VOCAB), rel=0.05)  # a freshly initialized model
     engine.close()
 
 
 # ---------------------------------------------------------------------------------------------- 4. timeline
+
 
 @pytest.mark.parametrize("api", ["train_batch", "deepspeed"])
 def test_timeline_phases(api):
@@ -532,6 +583,7 @@ def test_timeline_phases(api):
 
 # ---------------------------------------------------------------------------------------------- 5. DeepSpeed API
 
+
 def test_deepspeed_step_is_a_noop_before_the_boundary():
     torch.manual_seed(0)
     engine = zerofit.initialize(tm.llama(), _cfg(gradient_accumulation_steps=3))
@@ -549,7 +601,7 @@ def test_deepspeed_step_is_a_noop_before_the_boundary():
     engine.step()
     assert engine.global_step == 1 and not engine.is_gradient_accumulation_boundary()
     assert not torch.equal(before[0][1], _snapshot(engine)[0][1])
-    engine.step()                                   # nothing accumulated: a no-op again
+    engine.step()  # nothing accumulated: a no-op again
     assert engine.global_step == 1
     engine.close()
 
@@ -561,12 +613,12 @@ def test_deepspeed_api_misuse_raises():
     with pytest.raises(RuntimeError, match="backward"):
         engine.backward(torch.tensor(1.0, requires_grad=True))
     stale = engine(**mbs[0][0])
-    engine(**mbs[0][1])          # a forward no backward() followed is dropped, as DeepSpeed drops its graph
+    engine(**mbs[0][1])  # a forward no backward() followed is dropped, as DeepSpeed drops its graph
     with pytest.raises(RuntimeError, match="does not depend on the engine's last forward"):
         engine.backward(stale.loss)
     out = engine(**mbs[0][0])
     engine.backward(out.loss)
-    engine.step()                                    # not at the boundary yet
+    engine.step()  # not at the boundary yet
     with pytest.raises(RuntimeError, match="accumulation"):
         engine.train_batch(mbs[1])
     out = engine(**mbs[0][1])
@@ -612,7 +664,7 @@ def test_deepspeed_fixture_config_trains(path):
         assert cfg.gradient_accumulation_steps == ds["gradient_accumulation_steps"]
     if "train_batch_size" in ds:
         assert cfg.train_batch_size == ds["train_batch_size"]
-    assert cfg.gradient_clipping == ds.get("gradient_clipping", 1.0)      # DeepSpeed 0.19.8's default
+    assert cfg.gradient_clipping == ds.get("gradient_clipping", 1.0)  # DeepSpeed 0.19.8's default
     fp16 = ds.get("fp16", {})
     if fp16.get("enabled"):
         assert cfg.precision == "fp16" and engine.scaler is not None
@@ -631,6 +683,7 @@ def test_deepspeed_fixture_config_trains(path):
 
 
 # ---------------------------------------------------------------------------------------------- 7. model shapes
+
 
 class _SkipLM(tm.PlainLM):
     """A residual *around* each block: block i+1 receives block i's output plus its input."""
@@ -673,15 +726,17 @@ def test_generic_model_without_blocks_trains():
     engine.close()
 
 
-@pytest.mark.parametrize("cls,match", [(_SkipLM, r"block 1 did not receive block 0's output"),
-                                       (tm.EarlyExitLM, "without calling its last block")],
-                         ids=["skip-connection", "early-exit"])
+@pytest.mark.parametrize(
+    "cls,match",
+    [(_SkipLM, r"block 1 did not receive block 0's output"), (tm.EarlyExitLM, "without calling its last block")],
+    ids=["skip-connection", "early-exit"],
+)
 def test_non_sequential_model_is_refused_at_first_step(cls, match):
     """adapter='blocks' refuses (adapter='auto' falls back: test_engine_lifecycle.py)."""
     torch.manual_seed(0)
     model = cls()
     blocks = model.blocks
-    engine = zerofit.initialize(model, _cfg(adapter="blocks"))   # the adapter cannot tell before the forward
+    engine = zerofit.initialize(model, _cfg(adapter="blocks"))  # the adapter cannot tell before the forward
     assert engine.adapter.streaming
     before = _snapshot(engine)
     with pytest.raises(NonSequentialModel, match=match) as err:

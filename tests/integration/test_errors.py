@@ -8,7 +8,6 @@ docstring: what it did then).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -46,9 +45,30 @@ def workspace(tmp_path_factory):
 
 
 def _train(model: Path, data: list[Path], out: Path, *extra: str, env: dict | None = None):
-    args = ["train", "--model", str(model), "--data", *map(str, data), "--output", str(out), "--device", "cpu",
-            "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "1", "--precision", "fp32",
-            "--eval-size", "2", "--no-progress", "--no-export", *extra]
+    args = [
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        *map(str, data),
+        "--output",
+        str(out),
+        "--device",
+        "cpu",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum",
+        "1",
+        "--precision",
+        "fp32",
+        "--eval-size",
+        "2",
+        "--no-progress",
+        "--no-export",
+        *extra,
+    ]
     return CliRunner().invoke(app, args, env=env)
 
 
@@ -70,6 +90,7 @@ def _copy_run(run: Path, to: Path) -> Path:
 
 # ---------------------------------------------------------------- zerofit train: the run folder and resume
 
+
 def test_resume_from_a_corrupt_checkpoint_is_one_line_exit_2(workspace, tmp_path):
     """Before: exit 1 with a full traceback ending in ChecksumMismatchError, and no word on what to do."""
     root, model, data, run = workspace
@@ -80,8 +101,16 @@ def test_resume_from_a_corrupt_checkpoint_is_one_line_exit_2(workspace, tmp_path
     shard.write_bytes(bytes(raw))
     r = _train(model, data, run, "--steps", "3", "--resume")
     assert r.exit_code == 2, r.output
-    _one_line(r.output, "ChecksumMismatchError", str(shard), "CRC32", "--resume cannot continue from it",
-              f"writing its tag into {run / 'checkpoints' / 'latest'}", "global_step1", "without --resume")
+    _one_line(
+        r.output,
+        "ChecksumMismatchError",
+        str(shard),
+        "CRC32",
+        "--resume cannot continue from it",
+        f"writing its tag into {run / 'checkpoints' / 'latest'}",
+        "global_step1",
+        "without --resume",
+    )
 
 
 def test_resume_with_a_latest_of_non_utf8_bytes(workspace, tmp_path):
@@ -112,18 +141,29 @@ def test_full_disk_at_save_is_one_line_exit_1(workspace, tmp_path, monkeypatch):
     from zerofit.checkpoint import save as save_mod
 
     root, model, data, run = workspace
-    monkeypatch.setattr(save_mod, "free_bytes", lambda p: 1000)     # the disk as the saver sees it: full
+    monkeypatch.setattr(save_mod, "free_bytes", lambda p: 1000)  # the disk as the saver sees it: full
     out = tmp_path / "full"
     r = _train(model, data, out, "--steps", "1")
     assert r.exit_code == 1, r.output
-    _one_line(r.output, "CheckpointDiskFullError", str(out / "checkpoints"), "not enough disk space",
-              "1000 bytes) are free", "Free space on that disk", "No checkpoint of this run was saved before")
+    _one_line(
+        r.output,
+        "CheckpointDiskFullError",
+        str(out / "checkpoints"),
+        "not enough disk space",
+        "1000 bytes) are free",
+        "Free space on that disk",
+        "No checkpoint of this run was saved before",
+    )
     # a run with checkpoints from before the disk filled up: --resume continues from the newest
     run = _copy_run(run, tmp_path / "run")
     r = _train(model, data, run, "--steps", "3", "--resume")
     assert r.exit_code == 1, r.output
-    _one_line(r.output, "CheckpointDiskFullError", str(run / "checkpoints" / "global_step3"),
-              "Then zerofit train --resume continues from global_step2")
+    _one_line(
+        r.output,
+        "CheckpointDiskFullError",
+        str(run / "checkpoints" / "global_step3"),
+        "Then zerofit train --resume continues from global_step2",
+    )
 
 
 @pytest.fixture
@@ -139,8 +179,9 @@ def read_only_folder(tmp_path):
         return
     if shutil.which("mount") is None:
         pytest.skip("root without a mount command: no folder is read-only to root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,ro", "tmpfs", str(point)], capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1M,ro", "tmpfs", str(point)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here ({r.stderr.strip() or r.returncode})")
     try:
@@ -174,11 +215,17 @@ def test_model_directory_with_a_config_field_of_the_wrong_type(workspace, tmp_pa
     assert "write hidden_size as an integer in config.json" in str(info.value)
     r = _train(bad, data, tmp_path / "out", "--steps", "1")
     assert r.exit_code == 2, r.output
-    _one_line(r.output, "ModelDirError", str(bad / "config.json"), "'hidden_size'", "expected an integer",
-              "write hidden_size as an integer")
+    _one_line(
+        r.output,
+        "ModelDirError",
+        str(bad / "config.json"),
+        "'hidden_size'",
+        "expected an integer",
+        "write hidden_size as an integer",
+    )
     # the same for estimate (only config.json is read), and for a value whose type is right but which the
     # model cannot be built with
-    cfg["hidden_size"] = 30                                  # not a multiple of the 4 heads
+    cfg["hidden_size"] = 30  # not a multiple of the 4 heads
     (bad / "config.json").write_text(json.dumps(cfg))
     r = CliRunner().invoke(app, ["estimate", "--model", str(bad), "--cpu", "--no-measure"])
     assert r.exit_code == 2, r.output
@@ -209,17 +256,17 @@ def test_an_unexpected_error_is_one_line_exit_1_saying_how_to_see_it(workspace, 
 
     root, model, data, _ = workspace
 
-    def broken(opts, console, **kw):      # (the CLI also passes the run folder's lock)
+    def broken(opts, console, **kw):  # (the CLI also passes the run folder's lock)
         raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'\n(second line)")
 
     monkeypatch.setattr(zerofit.train, "run_training", broken)
     r = _train(model, data, tmp_path / "out", "--steps", "1")
     assert r.exit_code == 1, r.output
-    _one_line(r.output, "TypeError", "'NoneType' (second line)", "did not expect", "zerofit --debug",
-              "ZEROFIT_DEBUG=1")
+    _one_line(r.output, "TypeError", "'NoneType' (second line)", "did not expect", "zerofit --debug", "ZEROFIT_DEBUG=1")
 
 
 # ---------------------------------------------------------------- the batch
+
 
 def test_int32_token_ids_and_labels_train_as_int64_bitwise():
     """Before: int32 ids passed the batch check and the step failed in the loss ("expected target dtype to be
@@ -228,14 +275,16 @@ def test_int32_token_ids_and_labels_train_as_int64_bitwise():
     from zerofit.engine.batch import BatchError
 
     mb = tm.batches(1, 1)[0][0]
-    with pytest.raises(RuntimeError, match="Long"):       # the premise: torch's loss takes int64 targets only
+    with pytest.raises(RuntimeError, match="Long"):  # the premise: torch's loss takes int64 targets only
         F.cross_entropy(torch.zeros(4, 3), torch.zeros(4, dtype=torch.int32))
     runs = {}
     for dtype in (torch.int64, torch.int32, torch.uint8):
         torch.manual_seed(0)
         engine = zerofit.initialize(tm.llama(), _CFG)
-        batch = {"input_ids": mb["input_ids"].to(dtype), "labels": mb["labels"].to(dtype if dtype != torch.uint8
-                                                                                    else torch.int32)}
+        batch = {
+            "input_ids": mb["input_ids"].to(dtype),
+            "labels": mb["labels"].to(dtype if dtype != torch.uint8 else torch.int32),
+        }
         losses = [engine.train_batch([batch]) for _ in range(2)]
         runs[dtype] = losses, {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         engine.close()
@@ -261,19 +310,21 @@ def test_a_batch_without_labels_is_refused_before_the_step():
     with pytest.raises(BatchError) as info:
         engine.train_batch([{"input_ids": mb["input_ids"]}])
     msg = str(info.value)
-    assert msg.startswith("micro-batch 0 has no 'labels' (keys ['input_ids']): LlamaForCausalLM returns a loss "
-                          "only when given labels"), msg
+    assert msg.startswith(
+        "micro-batch 0 has no 'labels' (keys ['input_ids']): LlamaForCausalLM returns a loss only when given labels"
+    ), msg
     assert "Pass labels with input_ids' shape" in msg and "-100" in msg
-    assert engine.train_batch([mb]) > 0          # nothing of the refused step happened: the engine trains on
-    with torch.no_grad():                        # a forward without labels is still fine (evaluation, logits)
+    assert engine.train_batch([mb]) > 0  # nothing of the refused step happened: the engine trains on
+    with torch.no_grad():  # a forward without labels is still fine (evaluation, logits)
         assert engine(input_ids=mb["input_ids"]).loss is None
     engine.close()
-    out = tm.llama()(input_ids=mb["input_ids"])                  # what the generic path's loss_of reads
+    out = tm.llama()(input_ids=mb["input_ids"])  # what the generic path's loss_of reads
     with pytest.raises(ValueError, match="the model returned no loss: pass 'labels'"):
         loss_of(out)
 
 
 # ---------------------------------------------------------------- the disk tier's folder
+
 
 def test_nvme_path_on_proc_is_not_writable_not_zero_bytes_free(tmp_path, read_only_folder):
     """Before: offload.nvme_path: expected at least 1 bytes free, found 0 bytes free at /proc/zz (root passes
@@ -293,8 +344,11 @@ def test_nvme_path_on_proc_is_not_writable_not_zero_bytes_free(tmp_path, read_on
     assert "bytes free" not in msg and "choose a folder on a local disk this user can write to" in msg
     with pytest.raises(ConfigError, match="not writable: (a read-only file system|this user may not)"):
         check_nvme_path(read_only_folder / "tier")
-    with pytest.raises(DiskTierError, match=r"nvme_path: .*'/proc/zz' \(missing, and its parent /proc is not "
-                                            r"writable"):
+    with pytest.raises(
+        DiskTierError,
+        match=r"nvme_path: .*'/proc/zz' \(missing, and its parent /proc is not "
+        r"writable",
+    ):
         SwapFile("/proc/zz", 1 << 20)
     assert not Path("/proc/zz").exists()
     r = CliRunner().invoke(app, ["estimate", "--shape", "llama-3.2-3b", "--cpu", "--no-measure", "--nvme", "/proc/zz"])
@@ -303,6 +357,7 @@ def test_nvme_path_on_proc_is_not_writable_not_zero_bytes_free(tmp_path, read_on
 
 
 # ---------------------------------------------------------------- a host budget too small
+
 
 def test_the_host_budget_a_refusal_suggests_trains(workspace):
     """Before: the refusal rounded the budget it suggested to the nearest 0.01 MiB, often down ("at least
@@ -318,7 +373,7 @@ def test_the_host_budget_a_refusal_suggests_trains(workspace):
         assert n <= parse_bytes(text.replace(" ", "")) <= n * 1.01 + 1, (n, text)
     root, model, data, _ = workspace
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    mb = {k: v % vocab for k, v in tm.batches(1, 1, T=32)[0][0].items()}     # ids of the model dir's vocabulary
+    mb = {k: v % vocab for k, v in tm.batches(1, 1, T=32)[0][0].items()}  # ids of the model dir's vocabulary
     for seq in (32, 256):
         cfg = {**_CFG, "seq_len": seq, "max_host_memory": "1MiB"}
         with pytest.raises(PlanError) as info:
@@ -333,8 +388,13 @@ def test_the_host_budget_a_refusal_suggests_trains(workspace):
         engine.close()
     r = _train(model, data, root / "tight", "--steps", "1", "--max-host-memory", "1MiB")
     assert r.exit_code == 2, r.output
-    line = _one_line(r.output, "PlanError", "no placement fits: host needs", "what would fit: a host budget "
-                     "(max_host_memory) of at least", "zerofit estimate shows the plans")
+    line = _one_line(
+        r.output,
+        "PlanError",
+        "no placement fits: host needs",
+        "what would fit: a host budget (max_host_memory) of at least",
+        "zerofit estimate shows the plans",
+    )
     assert "smallest plan" not in line
 
 
@@ -385,12 +445,28 @@ def test_engine_module_on_one_rank_fails_fast_naming_the_collective(tmp_path):
     procs = []
     t0 = time.monotonic()
     for r in range(2):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "ZEROFIT_COLLECTIVE_WAIT_S": str(wait),
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(r),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "ZEROFIT_COLLECTIVE_WAIT_S": str(wait),
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         try:
@@ -403,7 +479,7 @@ def test_engine_module_on_one_rank_fails_fast_naming_the_collective(tmp_path):
     records = [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out, _ in outs]
     assert procs[0].returncode == 3, outs[0]
     assert procs[1].returncode not in (0, None), outs[1]
-    assert records[0][0]["weights"] == records[1][0]["weights"]       # both read the same, once all had applied
+    assert records[0][0]["weights"] == records[1][0]["weights"]  # both read the same, once all had applied
     err = records[0][1]
     assert err["error"] == "CollectiveMismatchError", err
     assert err["message"].startswith("engine.module is a collective with 2 ranks"), err

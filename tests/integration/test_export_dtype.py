@@ -20,8 +20,16 @@ NORM = "model.norm.weight"
 
 
 def _engine(model, precision="fp32"):
-    return zerofit.initialize(model, {"device": "cpu", "precision": precision, "micro_batch_size": 2,
-                                      "gradient_accumulation_steps": 1, "optimizer": {"lr": 1e-5}})
+    return zerofit.initialize(
+        model,
+        {
+            "device": "cpu",
+            "precision": precision,
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"lr": 1e-5},
+        },
+    )
 
 
 def _one_step(model, precision="fp32"):
@@ -50,7 +58,7 @@ def _assert_fp32_kept(out: Path, master: dict[str, torch.Tensor]) -> None:
     assert all(torch.equal(got[k], master[k]) for k in got)
     norm = got[NORM]
     assert not torch.all(norm == 1.0), "the tiny update was rounded away"
-    assert torch.all(norm.to(torch.bfloat16) == 1.0)      # ... as a bf16 export would have: it differs from that
+    assert torch.all(norm.to(torch.bfloat16) == 1.0)  # ... as a bf16 export would have: it differs from that
     assert not torch.equal(norm, norm.to(torch.bfloat16).float())
 
 
@@ -67,8 +75,9 @@ def test_an_fp32_model_exports_fp32_by_default_through_save_pretrained_and_zerof
     _assert_fp32_kept(tmp_path / "cli", master)
 
     # dtype= still overrides, both ways in
-    assert {t.dtype for t in _tensors(Path(engine.save_pretrained(tmp_path / "b", dtype="bf16"))).values()} \
-        == {torch.bfloat16}
+    assert {t.dtype for t in _tensors(Path(engine.save_pretrained(tmp_path / "b", dtype="bf16"))).values()} == {
+        torch.bfloat16
+    }
     r = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "cli16"), "--dtype", "bf16"])
     assert r.exit_code == 0 and "bfloat16: as asked" in r.output, r.output
     got = _tensors(tmp_path / "cli16")

@@ -19,11 +19,16 @@ import zerofit
 from tests.support import tiny_models as tm
 
 G = 2
-CFG = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-       "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+CFG = {
+    "device": "cpu",
+    "precision": "fp32",
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": G,
+    "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _reference(model: nn.Module, data, clip: float = 0.0, params=None) -> list[float]:
@@ -90,7 +95,7 @@ def test_train_batch_leaves_frozen_parameters_and_equals_adamw_over_the_rest(cas
     ref = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine = zerofit.initialize(model, CFG)
-    assert engine.frozen == frozenset(frozen) - {"lm_head.weight"}   # tied: counted under its first name
+    assert engine.frozen == frozenset(frozen) - {"lm_head.weight"}  # tied: counted under its first name
     # no optimizer state and no gradient buffer for a frozen parameter
     assert sum(u.exp_avg.numel() for u in engine.units) == _trained_numel(ref)
     assert sum(u.numel for u in engine.units) == _trained_numel(ref)
@@ -138,7 +143,7 @@ def test_clipping_takes_the_norm_of_the_trained_parameters(clip):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     got = dict(engine.module.named_parameters())
     for n, q in ref.named_parameters():
-        if q.requires_grad:     # a clipped step's speculative update is rolled back: fp32 rounding, not bitwise
+        if q.requires_grad:  # a clipped step's speculative update is rolled back: fp32 rounding, not bitwise
             torch.testing.assert_close(got[n].detach(), q.detach())
         else:
             assert torch.equal(got[n].detach(), before[n])
@@ -218,7 +223,7 @@ def test_peft_lora_trains_only_the_adapter_and_its_saved_adapter_reloads(tmp_pat
 
     model = _peft_model(target_modules=targets, lora_dropout=0.0)
     ref = copy.deepcopy(model)
-    base_copy = copy.deepcopy(model.get_base_model())     # the base with PEFT's layers; its own weights inside
+    base_copy = copy.deepcopy(model.get_base_model())  # the base with PEFT's layers; its own weights inside
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine = zerofit.initialize(model, CFG)
     data = tm.batches(3, G)
@@ -234,8 +239,9 @@ def test_peft_lora_trains_only_the_adapter_and_its_saved_adapter_reloads(tmp_pat
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     fresh = copy.deepcopy(tm.llama(tied=False))
-    fresh.load_state_dict({k.replace("base_layer.", ""): v for k, v in base_copy.state_dict().items()
-                           if "lora_" not in k})
+    fresh.load_state_dict(
+        {k.replace("base_layer.", ""): v for k, v in base_copy.state_dict().items() if "lora_" not in k}
+    )
     loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter")
     assert any(isinstance(m, BaseTunerLayer) for m in loaded.modules())
     with torch.no_grad():
@@ -249,9 +255,13 @@ def test_peft_lora_trains_only_the_adapter_and_its_saved_adapter_reloads(tmp_pat
 def test_deepspeed_door_trains_requires_grad_and_model_parameters_subsets():
     import zerofit.deepspeed as deepspeed
 
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": G, "gradient_clipping": 0.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
     data = tm.batches(3, G)
     # requires_grad=False, passed as DeepSpeed scripts do: filter(lambda p: p.requires_grad, ...)
     torch.manual_seed(0)
@@ -259,9 +269,9 @@ def test_deepspeed_door_trains_requires_grad_and_model_parameters_subsets():
     _freeze(model, "embed_tokens", "layers.0.")
     ref = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=filter(lambda p: p.requires_grad,
-                                                                             model.parameters()),
-                                      config=ds, device="cpu")
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()), config=ds, device="cpu"
+    )
     losses = [tm.ds_step(engine, mbs) for mbs in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data)))
     _assert_bitwise(engine, ref, before)
@@ -294,16 +304,32 @@ def test_hf_trainer_with_a_peft_model_matches_the_plain_trainer(tmp_path):
     train = [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(8)]
 
     def args(out):
-        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                 learning_rate=2e-3, max_grad_norm=0.0, num_train_epochs=1, logging_steps=1,
-                                 save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=7)
+        return TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=2e-3,
+            max_grad_norm=0.0,
+            num_train_epochs=1,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=7,
+        )
 
     model = _peft_model(target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    plain = PlainTrainer(model=copy.deepcopy(model), args=args(tmp_path / "plain"), train_dataset=train,
-                         data_collator=default_data_collator)
+    plain = PlainTrainer(
+        model=copy.deepcopy(model),
+        args=args(tmp_path / "plain"),
+        train_dataset=train,
+        data_collator=default_data_collator,
+    )
     plain.train()
-    zf = zerofit.hf.Trainer(model=model, args=args(tmp_path / "zf"), train_dataset=train,
-                            data_collator=default_data_collator)
+    zf = zerofit.hf.Trainer(
+        model=model, args=args(tmp_path / "zf"), train_dataset=train, data_collator=default_data_collator
+    )
     zf.train()
     a = [e["loss"] for e in plain.state.log_history if "loss" in e]
     b = [e["loss"] for e in zf.state.log_history if "loss" in e]

@@ -19,13 +19,18 @@ import zerofit
 from tests.support import tiny_models as tm
 
 G = 2
-CFG = {"device": "cpu", "precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-       "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}
+CFG = {
+    "device": "cpu",
+    "precision": "bf16",
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": G,
+    "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
+}
 
 peft = pytest.importorskip("peft")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _lora(zero_b: bool = False, targets="all-linear", **kw):
@@ -34,8 +39,9 @@ def _lora(zero_b: bool = False, targets="all-linear", **kw):
 
     torch.manual_seed(0)
     base = tm.llama(tied=False)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
-                     init_lora_weights=True if zero_b else False, **kw)
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=True if zero_b else False, **kw
+    )
     return get_peft_model(base, cfg)
 
 
@@ -67,10 +73,10 @@ def test_bf16_frozen_base_is_held_in_bf16_and_trains_as_the_fp32_base_did():
     for n, p in mine.items():
         if p.requires_grad:
             assert p.dtype == torch.float32 and torch.equal(p.detach(), theirs[n].detach()), n
-        else:     # the module's frozen parameters view the stored bf16 copy: the rounding of the fp32 weights
+        else:  # the module's frozen parameters view the stored bf16 copy: the rounding of the fp32 weights
             assert p.dtype == torch.bfloat16, n
             assert torch.equal(p.detach(), base_before[n].to(torch.bfloat16)), n
-            assert torch.equal(theirs[n].detach(), base_before[n]), n     # the reference's base did not move
+            assert torch.equal(theirs[n].detach(), base_before[n]), n  # the reference's base did not move
     # master_state_dict: the frozen weights in their stored dtype
     msd = engine.master_state_dict()
     assert all(msd[n].dtype == torch.bfloat16 for n in base_before)
@@ -101,8 +107,11 @@ def test_a_lora_models_buffers_hold_the_adapters_only(clip):
     """Per unit: master, moments and gradients sized by the adapters (and modules_to_save), the base only in
     ``frozen_host``; a block with no adapter gets no gradient, staging or host gradient and nothing of it is
     downloaded; the gradient slots, staging buffers and weight slots are the plan's."""
-    model = _lora(targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                  layers_to_transform=[0, 2], modules_to_save=["lm_head"])
+    model = _lora(
+        targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        layers_to_transform=[0, 2],
+        modules_to_save=["lm_head"],
+    )
     per_block = [{"trained": 0, "frozen": 0} for _ in range(3)]
     shell = {"trained": 0, "frozen": 0}
     for n, p in model.named_parameters():
@@ -115,12 +124,13 @@ def test_a_lora_models_buffers_hold_the_adapters_only(clip):
         assert u.master.numel() == u.exp_avg.numel() == u.exp_avg_sq.numel() == want["trained"]
         assert u.frozen_host.dtype == torch.bfloat16
     assert (engine.shell.numel, engine.shell.frozen_numel) == (shell["trained"], shell["frozen"])
-    assert shell["trained"] > 0      # lm_head's trained copy (modules_to_save): a full parameter with its state
+    assert shell["trained"] > 0  # lm_head's trained copy (modules_to_save): a full parameter with its state
     frozen_block = engine.blocks[1]
     assert not frozen_block.trains and frozen_block.grad is None and id(frozen_block) not in engine.grads.host_grads
     host_trained = [u for u in engine.units if not u.optimizer_on_device and u.trains]
-    assert host_trained and all(u.optimizer_on_device is (u.index < plan.resident_blocks and u.index >= 0)
-                                for u in engine.blocks)
+    assert host_trained and all(
+        u.optimizer_on_device is (u.index < plan.resident_blocks and u.index >= 0) for u in engine.blocks
+    )
     # staging and host gradients: the largest trained unit's gradient, never a frozen weight's worth
     assert len(engine.grads.staging) == plan.staging_buffers
     assert all(s.numel() == max(u.numel for u in host_trained) for s in engine.grads.staging)
@@ -136,8 +146,8 @@ def test_a_lora_models_buffers_hold_the_adapters_only(clip):
     engine.train_batch(tm.batches(1, G)[0])
     downloads = [e["label"] for e in engine.trace() if e["lane"] == "download"]
     assert downloads and not any(lab.startswith(frozen_block.name) for lab in downloads), downloads
-    assert f"{frozen_block.name}(frozen)" in tm.upload_labels(engine)     # its weights went up, as they are
-    engine.wait()     # deferred updates: applied on the worker after the step
+    assert f"{frozen_block.name}(frozen)" in tm.upload_labels(engine)  # its weights went up, as they are
+    engine.wait()  # deferred updates: applied on the worker after the step
     assert float(frozen_block.step) == 0.0 and all(float(u.step) == 1.0 for u in engine.units if u.trains)
     engine.close()
 
@@ -153,7 +163,7 @@ def test_the_planners_host_bytes_for_a_frozen_base_are_what_the_engine_allocates
     plan = engine.plan
     assert plan.host_bytes["frozen_weights"] == base * per_param
     stored = sum(u.frozen_host.numel() * u.frozen_host.element_size() for u in engine.units if u.frozen is not None)
-    assert stored == base * per_param         # measured: per_param bytes per base parameter
+    assert stored == base * per_param  # measured: per_param bytes per base parameter
     # the host's own buffers (on the CPU the device's buffers are host memory too: the plan's "device:" entries)
     planned = sum(v for k, v in plan.host_bytes.items() if not k.startswith("device:"))
     seen = set()
@@ -165,9 +175,11 @@ def test_the_planners_host_bytes_for_a_frozen_base_are_what_the_engine_allocates
                 seen.add((t.data_ptr(), t.numel()))
                 out += t.numel() * t.element_size()
         return out
-    host_state = nbytes(t for u in engine.units if not u.optimizer_on_device
-                        for t in (u.master, u.exp_avg, u.exp_avg_sq, u.host16))
-    allocated = (host_state + stored + nbytes(engine.grads.staging) + nbytes(engine.grads.host_grads.values()))
+
+    host_state = nbytes(
+        t for u in engine.units if not u.optimizer_on_device for t in (u.master, u.exp_avg, u.exp_avg_sq, u.host16)
+    )
+    allocated = host_state + stored + nbytes(engine.grads.staging) + nbytes(engine.grads.host_grads.values())
     assert abs(planned - allocated) <= 0.01 * allocated + 4096, (planned, allocated, plan.host_bytes)
     # no optimizer state or gradient buffer of the base anywhere: the trained bytes are the adapters'
     trained = sum(u.numel for u in engine.units)
@@ -238,13 +250,22 @@ def test_estimate_of_a_lora_model_plans_what_the_engine_allocates():
     engine = zerofit.initialize(model, cfg)
     assert est.plan.host_bytes == engine.plan.host_bytes
     engine.close()
-    big = estimate(meta_model(shape="llama-2-13b"), {"precision": "bf16", "max_gpu_memory": "24GiB",
-                                                      "max_host_memory": "108GiB", "micro_batch_size": 2,
-                                                      "gradient_accumulation_steps": 4},
-                   measure=False, gpu=True, lora=True)
+    big = estimate(
+        meta_model(shape="llama-2-13b"),
+        {
+            "precision": "bf16",
+            "max_gpu_memory": "24GiB",
+            "max_host_memory": "108GiB",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 4,
+        },
+        measure=False,
+        gpu=True,
+        lora=True,
+    )
     sh = big.shape
     trained = sh.shell_numel + sum(sh.block_numels)
-    assert 60e6 < trained < 65e6 and sh.frozen_numel > 12.9e9     # r 16 on every linear: 62.6 M (design/LORA.md)
+    assert 60e6 < trained < 65e6 and sh.frozen_numel > 12.9e9  # r 16 on every linear: 62.6 M (design/LORA.md)
     host = big.plan.host_bytes
     assert host["frozen_weights"] == 2 * sh.frozen_numel
     assert host["master_and_moments"] <= 12 * trained and host.get("grad_buffers", 0) <= 4 * trained
@@ -291,8 +312,18 @@ def test_the_disk_tier_holds_the_adapters_state_beside_a_frozen_base_in_host_mem
     the disk yet.)"""
     model = _lora()
     ref = zerofit.initialize(copy.deepcopy(model), CFG)
-    eng = zerofit.initialize(model, {**CFG, "offload": {"optimizer_device": "nvme", "nvme_path": str(tmp_path),
-                                                        "disk_blocks": 2, "disk_weights": weights}})
+    eng = zerofit.initialize(
+        model,
+        {
+            **CFG,
+            "offload": {
+                "optimizer_device": "nvme",
+                "nvme_path": str(tmp_path),
+                "disk_blocks": 2,
+                "disk_weights": weights,
+            },
+        },
+    )
     assert [u.swap for u in eng.blocks] == [None] + ["all" if weights else "moments"] * 2
     assert all(u.frozen_host.dtype == torch.bfloat16 and u.frozen_host.device.type == "cpu" for u in eng.blocks)
     data = tm.batches(3, G)
@@ -321,9 +352,9 @@ def test_no_backward_below_the_lowest_trained_block(every):
     computed = [e["label"] for e in engine.trace() if e["lane"] == "compute"]
     uploads = tm.upload_labels(engine)
     for u in engine.blocks[:2]:
-        assert computed.count(u.name) == 1, (u.name, computed)     # its forward only
+        assert computed.count(u.name) == 1, (u.name, computed)  # its forward only
     # block 0's input recomputed for block 1 (every 2) only where block 1's backward runs: not here
     assert not any(lab.startswith(engine.blocks[0].name) and "inputs" in lab for lab in computed)
     assert uploads.count(f"{engine.blocks[2].name}") + uploads.count(f"{engine.blocks[2].name}(16)") >= 1
-    assert sum(lab.startswith(engine.blocks[0].name) for lab in uploads) <= 2     # the forward's (weights, frozen)
+    assert sum(lab.startswith(engine.blocks[0].name) for lab in uploads) <= 2  # the forward's (weights, frozen)
     engine.close()

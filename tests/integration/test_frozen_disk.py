@@ -16,18 +16,24 @@ from tests.support import tiny_models as tm
 
 peft = pytest.importorskip("peft")
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 G = 2
-CFG = {"device": "cpu", "precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-       "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}
+CFG = {
+    "device": "cpu",
+    "precision": "bf16",
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": G,
+    "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
+}
 
 
 def _lora(layers: int = 4):
     torch.manual_seed(0)
-    return peft.get_peft_model(tm.llama(tied=False, layers=layers),
-                               peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                               init_lora_weights=False))
+    return peft.get_peft_model(
+        tm.llama(tied=False, layers=layers),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
+    )
 
 
 def _disk(path, **kw) -> dict:
@@ -47,7 +53,7 @@ def test_frozen_weights_on_the_disk_train_bitwise_as_in_host_memory(tmp_path, cl
     assert [u.index for u in on_disk] == [2, 3]
     tier = engine.tier
     lo, hi = tier.file.map.data_ptr(), tier.file.map.data_ptr() + tier.file.nbytes
-    assert all(lo <= u.frozen_host.data_ptr() < hi for u in on_disk)        # views of the swap file's mapping
+    assert all(lo <= u.frozen_host.data_ptr() < hi for u in on_disk)  # views of the swap file's mapping
     # the host arenas hold the other blocks' frozen weights only
     held = sum(u.frozen_host.numel() for u in engine.units if u.frozen is not None and not u.frozen_disk)
     assert engine.plan.host_bytes["frozen_weights"] == held * 2
@@ -56,11 +62,11 @@ def test_frozen_weights_on_the_disk_train_bitwise_as_in_host_memory(tmp_path, cl
     mine, theirs = engine.master_state_dict(), ref.master_state_dict()
     for n, v in theirs.items():
         assert torch.equal(mine[n], v), n
-    for n, v in base.items():            # the frozen weights, read back through the mapping, unchanged
+    for n, v in base.items():  # the frozen weights, read back through the mapping, unchanged
         assert torch.equal(mine[n], v), n
     uploads = tm.upload_labels(engine)
     assert any(lab.endswith("(frozen disk)") for lab in uploads), uploads
-    assert tier.bytes_read > 0 and tier.bytes_written == 0       # read-only: nothing trained is on the disk
+    assert tier.bytes_read > 0 and tier.bytes_written == 0  # read-only: nothing trained is on the disk
     engine.close()
     ref.close()
 
@@ -71,7 +77,7 @@ def test_the_planner_puts_frozen_weights_on_the_disk_when_host_memory_is_short(t
     model = _lora(layers=6)
     twin = copy.deepcopy(model)
     roomy = zerofit.initialize(twin, _disk(tmp_path / "a"))
-    assert not roomy.plan.disk_frozen and not roomy.plan.disk_blocks       # it fits: nothing on the disk
+    assert not roomy.plan.disk_frozen and not roomy.plan.disk_blocks  # it fits: nothing on the disk
     need = roomy.plan.host_total
     frozen = roomy.plan.host_bytes["frozen_weights"]
     budget = need - frozen // 3
@@ -79,7 +85,7 @@ def test_the_planner_puts_frozen_weights_on_the_disk_when_host_memory_is_short(t
     plan = engine.plan
     assert plan.disk_frozen and not plan.disk_blocks, plan.describe()
     assert plan.host_total <= budget
-    assert plan.disk_frozen == tuple(range(6 - len(plan.disk_frozen), 6))     # the last blocks'
+    assert plan.disk_frozen == tuple(range(6 - len(plan.disk_frozen), 6))  # the last blocks'
     read, written = plan.disk_traffic(engine._shape)
     assert written == 0 and read == 2 * plan.disk_frozen_bytes
     data = tm.batches(2, G)
@@ -98,7 +104,7 @@ def test_a_checkpoint_of_a_base_on_the_disk_resumes_bitwise(tmp_path):
         b.train_batch(m)
     b.save_checkpoint(tmp_path / "ck", tag="t")
     b.close()
-    c = zerofit.initialize(_lora(), _disk(tmp_path / "c", disk_frozen_blocks=3))     # the fingerprint matches
+    c = zerofit.initialize(_lora(), _disk(tmp_path / "c", disk_frozen_blocks=3))  # the fingerprint matches
     c.load_checkpoint(tmp_path / "ck", tag="t")
     assert [c.train_batch(m) for m in data[2:]] == want[2:]
     c.close()

@@ -33,7 +33,7 @@ from zerofit.hf import UnsupportedArgumentError, ZerofitTrainerMixin, with_zerof
 ROOT = Path(__file__).resolve().parents[2]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _data(n: int, T: int = 16, seed: int = 3) -> list[dict]:
@@ -42,7 +42,7 @@ def _data(n: int, T: int = 16, seed: int = 3) -> list[dict]:
     for _ in range(n):
         ids = torch.randint(0, tm.VOCAB, (T,), generator=g)
         labels = ids.clone()
-        labels[: int(torch.randint(1, T // 2, (1,), generator=g))] = -100   # a prompt without loss, of varying length
+        labels[: int(torch.randint(1, T // 2, (1,), generator=g))] = -100  # a prompt without loss, of varying length
         out.append({"input_ids": ids, "labels": labels})
     return out
 
@@ -51,17 +51,34 @@ TRAIN, EVAL = _data(13), _data(4, seed=9)
 
 
 def _args(out: Path, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(out), per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                gradient_accumulation_steps=2, learning_rate=2e-3, max_grad_norm=0.5, num_train_epochs=2,
-                logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=7)
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=2e-3,
+        max_grad_norm=0.5,
+        num_train_epochs=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=7,
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
 
 def _train(cls, model, args, train_kwargs: dict | None = None, **kw):
     with _no_deepspeed() if cls is not PlainTrainer else contextlib.nullcontext():
-        trainer = cls(model=model, args=args, train_dataset=kw.pop("train_dataset", TRAIN),
-                      data_collator=default_data_collator, **kw)
+        trainer = cls(
+            model=model,
+            args=args,
+            train_dataset=kw.pop("train_dataset", TRAIN),
+            data_collator=default_data_collator,
+            **kw,
+        )
         trainer.train(**(train_kwargs or {}))
     if cls is not PlainTrainer:
         assert not trainer.is_deepspeed_enabled
@@ -97,9 +114,10 @@ def _assert_same_run(plain, zf, grad_norm: bool = True) -> None:
         a, b = _logs(plain, key), _logs(zf, key)
         assert [s for s, _ in a] == [s for s, _ in b], key
         if a:
-            torch.testing.assert_close(torch.tensor([v for _, v in b]), torch.tensor([v for _, v in a]),
-                                       msg=lambda m: f"{key}: {m}")
-    assert _logs(zf, "learning_rate") == _logs(plain, "learning_rate")     # the same formulas, bitwise
+            torch.testing.assert_close(
+                torch.tensor([v for _, v in b]), torch.tensor([v for _, v in a]), msg=lambda m: f"{key}: {m}"
+            )
+    assert _logs(zf, "learning_rate") == _logs(plain, "learning_rate")  # the same formulas, bitwise
     wa, wb = _weights(plain), _weights(zf)
     assert wa.keys() == wb.keys()
     for n in wa:
@@ -109,18 +127,24 @@ def _assert_same_run(plain, zf, grad_norm: bool = True) -> None:
 # ----------------------------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("build,sched,warmup,ckpt", [
-    (tm.llama, "cosine", 0.25, False), (tm.qwen2, "constant_with_warmup", 2, True),
-    (lambda: tm.llama(tied=False), "linear", 0, False)],
-    ids=["llama-cosine", "qwen2-constant_with_warmup-gradient_checkpointing", "llama-untied-linear"])
+@pytest.mark.parametrize(
+    "build,sched,warmup,ckpt",
+    [
+        (tm.llama, "cosine", 0.25, False),
+        (tm.qwen2, "constant_with_warmup", 2, True),
+        (lambda: tm.llama(tied=False), "linear", 0, False),
+    ],
+    ids=["llama-cosine", "qwen2-constant_with_warmup-gradient_checkpointing", "llama-untied-linear"],
+)
 def test_same_losses_and_weights_as_plain_trainer(tmp_path, build, sched, warmup, ckpt):
     torch.manual_seed(0)
     model = build()
-    kw = dict(lr_scheduler_type=sched, warmup_steps=warmup, eval_strategy="steps", eval_steps=3,
-              gradient_checkpointing=ckpt)
+    kw = dict(
+        lr_scheduler_type=sched, warmup_steps=warmup, eval_strategy="steps", eval_steps=3, gradient_checkpointing=ckpt
+    )
     plain = _train(PlainTrainer, copy.deepcopy(model), _args(tmp_path / "plain", **kw), eval_dataset=EVAL)
     zf = _train(zerofit.hf.Trainer, model, _args(tmp_path / "zf", **kw), eval_dataset=EVAL)
-    assert zf.state.global_step == plain.state.global_step == 8           # 2 epochs of ceil(7 / 2) steps
+    assert zf.state.global_step == plain.state.global_step == 8  # 2 epochs of ceil(7 / 2) steps
     assert len(_logs(zf, "loss")) == 8 and len(_logs(zf, "eval_loss")) == 3
     _assert_same_run(plain, zf)
     assert zf.zerofit_engine.global_step == 8
@@ -128,8 +152,8 @@ def test_same_losses_and_weights_as_plain_trainer(tmp_path, build, sched, warmup
     # last step of each epoch has one (nothing to gain); the model calls all matched them
     assert zf.zerofit_engine.window_stats == {"announced": 6, "mismatched": 0}
     lrs = [v for _, v in _logs(zf, "learning_rate")]
-    assert len(set(lrs)) > 2, lrs     # the schedule moved: a constant lr would not test it
-    assert not zf.model.is_gradient_checkpointing      # zerofit checkpoints blocks itself
+    assert len(set(lrs)) > 2, lrs  # the schedule moved: a constant lr would not test it
+    assert not zf.model.is_gradient_checkpointing  # zerofit checkpoints blocks itself
     assert plain.model.is_gradient_checkpointing == ckpt
 
 
@@ -142,7 +166,7 @@ def test_16_bit_precision_with_fp32_masters(tmp_path, precision):
     assert zf.zerofit_engine.config.precision == precision
     assert all(p.dtype == torch.float32 for p in zf.zerofit_engine.module.parameters())
     a, b = [v for _, v in _logs(ref, "loss")], [v for _, v in _logs(zf, "loss")]
-    assert a[0] != b[0] and b == pytest.approx(a, rel=2e-2)    # 16-bit rounding, the same training
+    assert a[0] != b[0] and b == pytest.approx(a, rel=2e-2)  # 16-bit rounding, the same training
 
 
 def test_weight_decay_groups_match_plain_trainer(tmp_path):
@@ -184,7 +208,7 @@ def test_subclass_overriding_compute_loss(tmp_path):
     zf = _train(Mixed, copy.deepcopy(model), _args(tmp_path / "zf", **kw), eval_dataset=EVAL)
     _assert_same_run(plain, zf)
     # the subclass calls the model without the labels: the calls still match the announced micro-batches
-    assert zf.zerofit_engine.window_stats == {"announced": 4, "mismatched": 0}    # step 4 ends the epoch: one
+    assert zf.zerofit_engine.window_stats == {"announced": 4, "mismatched": 0}  # step 4 ends the epoch: one
     explicit = _train(Explicit, model, _args(tmp_path / "explicit", **dict(kw, max_steps=2)), eval_dataset=EVAL)
     assert _logs(explicit, "loss") == _logs(zf, "loss")[:2]
 
@@ -214,11 +238,21 @@ def test_evaluate_before_training_and_label_smoothing(tmp_path):
     torch.manual_seed(0)
     model = tm.llama()
     kw = dict(label_smoothing_factor=0.1, max_steps=3, eval_strategy="steps", eval_steps=3)
-    plain = PlainTrainer(model=copy.deepcopy(model), args=_args(tmp_path / "plain", **kw), train_dataset=TRAIN,
-                         eval_dataset=EVAL, data_collator=default_data_collator)
-    zf = zerofit.hf.Trainer(model=model, args=_args(tmp_path / "zf", **kw), train_dataset=TRAIN, eval_dataset=EVAL,
-                            data_collator=default_data_collator)
-    before = zf.evaluate()             # builds the engine for the run train() will make
+    plain = PlainTrainer(
+        model=copy.deepcopy(model),
+        args=_args(tmp_path / "plain", **kw),
+        train_dataset=TRAIN,
+        eval_dataset=EVAL,
+        data_collator=default_data_collator,
+    )
+    zf = zerofit.hf.Trainer(
+        model=model,
+        args=_args(tmp_path / "zf", **kw),
+        train_dataset=TRAIN,
+        eval_dataset=EVAL,
+        data_collator=default_data_collator,
+    )
+    before = zf.evaluate()  # builds the engine for the run train() will make
     assert zf.zerofit_engine is not None and zf.zerofit_engine.global_step == 0
     assert before["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-6)
     plain.train()
@@ -237,20 +271,30 @@ def test_resume_continues_exactly(tmp_path):
     kw = dict(max_steps=6, save_strategy="steps", save_steps=2, save_total_limit=2, num_train_epochs=1)
     full = _train(zerofit.hf.Trainer, copy.deepcopy(model), _args(tmp_path / "full", **kw))
     out = tmp_path / "full"
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]   # save_total_limit
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # save_total_limit
     ckpt = out / "checkpoint-4"
     assert (ckpt / "latest").read_text().strip() == "global_step4"
-    for name in ("global_step4/zerofit_checkpoint.json", "model.safetensors", "config.json", "trainer_state.json",
-                 "rng_state.pth", "training_args.bin"):
+    for name in (
+        "global_step4/zerofit_checkpoint.json",
+        "model.safetensors",
+        "config.json",
+        "trainer_state.json",
+        "rng_state.pth",
+        "training_args.bin",
+    ):
         assert (ckpt / name).is_file(), name
     assert not (ckpt / "optimizer.pt").exists() and not (ckpt / "scheduler.pt").exists()
 
     # a new Trainer, a model with other weights: everything comes from the checkpoint
     torch.manual_seed(123)
-    resumed = _train(zerofit.hf.Trainer, tm.llama(), _args(tmp_path / "resumed", **kw),
-                     train_kwargs={"resume_from_checkpoint": str(ckpt)})
+    resumed = _train(
+        zerofit.hf.Trainer,
+        tm.llama(),
+        _args(tmp_path / "resumed", **kw),
+        train_kwargs={"resume_from_checkpoint": str(ckpt)},
+    )
     assert resumed.state.global_step == 6 and resumed.zerofit_engine.global_step == 6
-    assert _logs(resumed, "loss")[-2:] == _logs(full, "loss")[-2:]        # steps 5 and 6, bitwise
+    assert _logs(resumed, "loss")[-2:] == _logs(full, "loss")[-2:]  # steps 5 and 6, bitwise
     assert _logs(resumed, "learning_rate")[-2:] == _logs(full, "learning_rate")[-2:]
     for n, w in _weights(full).items():
         assert torch.equal(_weights(resumed)[n], w), n
@@ -266,8 +310,9 @@ def test_resume_continues_exactly(tmp_path):
     # a folder without a zerofit checkpoint is refused before training
     bare = tmp_path / "bare" / "checkpoint-2"
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("latest", "global_step*"))
-    trainer = zerofit.hf.Trainer(model=tm.llama(), args=_args(tmp_path / "bare", **kw), train_dataset=TRAIN,
-                                 data_collator=default_data_collator)
+    trainer = zerofit.hf.Trainer(
+        model=tm.llama(), args=_args(tmp_path / "bare", **kw), train_dataset=TRAIN, data_collator=default_data_collator
+    )
     with pytest.raises(FileNotFoundError, match="no zerofit or DeepSpeed checkpoint"):
         trainer.train(resume_from_checkpoint=str(bare))
     assert trainer.zerofit_engine is None
@@ -277,16 +322,24 @@ def test_save_model_round_trip_and_best_model(tmp_path):
     from tests.support.tiny_tokenizer import build_tokenizer
 
     torch.manual_seed(0)
-    kw = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-              load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=0.05)
+    kw = dict(
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        learning_rate=0.05,
+    )
     tok = build_tokenizer()
     zf = _train(zerofit.hf.Trainer, tm.llama(), _args(tmp_path / "zf", **kw), eval_dataset=EVAL, processing_class=tok)
     evals = dict(_logs(zf, "eval_loss"))
     best_step = min(evals, key=evals.get)
     assert zf.state.best_model_checkpoint.endswith(f"checkpoint-{best_step}")
-    assert best_step != 4, evals        # the large lr overshoots: loading the best model is visible
+    assert best_step != 4, evals  # the large lr overshoots: loading the best model is visible
     best = AutoModelForCausalLM.from_pretrained(zf.state.best_model_checkpoint)
-    trained = zf.zerofit_engine.module          # the best checkpoint's weights were loaded into the engine
+    trained = zf.zerofit_engine.module  # the best checkpoint's weights were loaded into the engine
     for (n, p), (_, q) in zip(trained.named_parameters(), best.named_parameters()):
         assert torch.equal(p.detach(), q.detach()), n
 
@@ -305,11 +358,20 @@ def test_save_model_round_trip_and_best_model(tmp_path):
 # -------------------------------------------------------------------------------------------- deepspeed=
 
 
-DS_AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-           "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                 "offload_param": {"device": "cpu"}, "stage3_prefetch_bucket_size": "auto",
-                                 "reduce_bucket_size": "auto"}}
+DS_AUTO = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu"},
+        "stage3_prefetch_bucket_size": "auto",
+        "reduce_bucket_size": "auto",
+    },
+}
 
 
 def test_deepspeed_json_trains_like_plain_trainer(tmp_path):
@@ -324,19 +386,42 @@ def test_deepspeed_json_trains_like_plain_trainer(tmp_path):
     zf = _train(zerofit.hf.Trainer, model, _args(tmp_path / "zf", deepspeed=str(path), **kw))
     assert zf.args.deepspeed == str(path) and zf.args.deepspeed_plugin is None
     cfg = zf.zerofit_engine.config
-    assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.gradient_clipping, cfg.precision) == \
-        (2, 2, 0.5, "fp32")
+    assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.gradient_clipping, cfg.precision) == (
+        2,
+        2,
+        0.5,
+        "fp32",
+    )
     assert (cfg.offload.param_device, cfg.offload.optimizer_device) == ("cpu", "cpu")
     _assert_same_run(plain, zf)
 
 
 def test_deepspeed_json_sections_filled_from_arguments(tmp_path):
-    ds = dict(DS_AUTO, optimizer={"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                              "weight_decay": "auto"}},
-              scheduler={"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                             "warmup_num_steps": "auto", "total_num_steps": "auto"}})
-    args = _args(tmp_path / "zf", deepspeed=json.dumps(ds), max_steps=3, warmup_steps=0.5, adam_beta2=0.95,
-                 adam_epsilon=1e-6, weight_decay=0.0, bf16=False, lr_scheduler_type="polynomial", optim="adafactor")
+    ds = dict(
+        DS_AUTO,
+        optimizer={"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        scheduler={
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
+    )
+    args = _args(
+        tmp_path / "zf",
+        deepspeed=json.dumps(ds),
+        max_steps=3,
+        warmup_steps=0.5,
+        adam_beta2=0.95,
+        adam_epsilon=1e-6,
+        weight_decay=0.0,
+        bf16=False,
+        lr_scheduler_type="polynomial",
+        optim="adafactor",
+    )
     # optim and lr_scheduler_type are not refused: the JSON's sections replace them, as under DeepSpeed
     zf = _train(zerofit.hf.Trainer, tm.llama(), args)
     cfg = zf.zerofit_engine.config
@@ -353,8 +438,9 @@ def test_deepspeed_json_mismatch_and_the_plain_trainer_guard(tmp_path):
         trainer.train()
     assert trainer.state.global_step == 0
     with pytest.raises(UnsupportedArgumentError, match="neither an existing JSON file") as err:
-        zerofit.hf.Trainer(model=tm.llama(), args=_args(tmp_path / "zf", deepspeed=str(tmp_path / "missing.json")),
-                           train_dataset=TRAIN)
+        zerofit.hf.Trainer(
+            model=tm.llama(), args=_args(tmp_path / "zf", deepspeed=str(tmp_path / "missing.json")), train_dataset=TRAIN
+        )
     assert err.value.field == "deepspeed"
     # deepspeed= was taken over by zerofit: transformers' own Trainer must not silently train without it
     with pytest.raises(ValueError, match="not zerofit's Trainer"):
@@ -364,11 +450,22 @@ def test_deepspeed_json_mismatch_and_the_plain_trainer_guard(tmp_path):
 # ------------------------------------------------------------------------------------------------ refusals
 
 
-@pytest.mark.parametrize("field,value", [
-    ("torch_compile", True), ("optim", "adamw_bnb_8bit"), ("optim", "sgd"), ("lr_scheduler_type", "polynomial"),
-    ("lr_scheduler_kwargs", {"num_cycles": 2}), ("neftune_noise_alpha", 5.0), ("auto_find_batch_size", True),
-    ("bf16_full_eval", True), ("use_liger_kernel", True), ("debug", "underflow_overflow"), ("fsdp", "full_shard"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("torch_compile", True),
+        ("optim", "adamw_bnb_8bit"),
+        ("optim", "sgd"),
+        ("lr_scheduler_type", "polynomial"),
+        ("lr_scheduler_kwargs", {"num_cycles": 2}),
+        ("neftune_noise_alpha", 5.0),
+        ("auto_find_batch_size", True),
+        ("bf16_full_eval", True),
+        ("use_liger_kernel", True),
+        ("debug", "underflow_overflow"),
+        ("fsdp", "full_shard"),
+    ],
+)
 def test_refused_arguments_name_the_field(tmp_path, field, value):
     args = _args(tmp_path, **{field: value})
     with pytest.raises(UnsupportedArgumentError, match=re.escape(field)) as err:
@@ -391,7 +488,7 @@ def test_every_training_arguments_field_has_a_status():
     from zerofit.hf.arguments import FIELDS, HONOURED, MAPPED, NOT_APPLICABLE, REFUSED, TRAINER
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    assert names == set(FIELDS), (names ^ set(FIELDS))
+    assert names == set(FIELDS), names ^ set(FIELDS)
     assert {s for s, _ in FIELDS.values()} <= {HONOURED, MAPPED, TRAINER, NOT_APPLICABLE, REFUSED}
     doc = (ROOT / "docs" / "hf_trainer.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| (\S+) \|", doc, flags=re.M))
@@ -416,15 +513,32 @@ def test_torchrun_two_ranks_like_the_plain_trainer_with_ddp(tmp_path):
     import os
     import subprocess
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]]
-                                                                           if os.environ.get("PYTHONPATH") else []))}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "src"), str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
+    }
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(ROOT / "tests" / "support" / "hf_ranks_script.py"), str(out)], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=400)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(ROOT / "tests" / "support" / "hf_ranks_script.py"),
+            str(out),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     for r in (0, 1):
         res = torch.load(f"{out}.{r}", weights_only=False)
@@ -448,23 +562,34 @@ def test_the_trainers_optimizer_and_schedule_report_what_each_group_gets():
     model = tm.qwen2()
     names = [n for n, _ in model.named_parameters()]
     own = [n for n in names if "down_proj" in n]
-    groups = [{"params": [n for n in names if n not in own], "weight_decay": 0.1},
-              {"params": own, "lr": 4e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)}]
-    cfg = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 1,
-           "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
-           "scheduler": {"type": "hf_linear", "warmup_steps": 2, "total_steps": 10}}
+    groups = [
+        {"params": [n for n in names if n not in own], "weight_decay": 0.1},
+        {"params": own, "lr": 4e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)},
+    ]
+    cfg = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+        "scheduler": {"type": "hf_linear", "warmup_steps": 2, "total_steps": 10},
+    }
     engine = zerofit.initialize(model, cfg, param_groups=groups)
     opt, sched = EngineOptimizer(engine, model), EngineSchedule(engine)
     batch = [{"input_ids": torch.randint(0, tm.VOCAB, (2, 16)), "labels": torch.randint(0, tm.VOCAB, (2, 16))}]
     for step in range(4):
-        factor = step / 2 if step < 2 else (10 - step) / 8       # hf_linear: warm up 2 steps, decay to step 10
+        factor = step / 2 if step < 2 else (10 - step) / 8  # hf_linear: warm up 2 steps, decay to step 10
         want = [1e-3 * factor, 4e-3 * factor]
         got = opt.param_groups
         assert [g["lr"] for g in got] == pytest.approx(want, rel=1e-12)
         ds = engine.optimizer.param_groups
         for g, d, w in zip(got, ds, (0.1, 0.0)):
-            assert (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) == \
-                (d["lr"], tuple(d["betas"]), d["eps"], d["weight_decay"])
+            assert (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) == (
+                d["lr"],
+                tuple(d["betas"]),
+                d["eps"],
+                d["weight_decay"],
+            )
             assert g["weight_decay"] == w
         assert sched.get_last_lr() == [g["lr"] for g in ds] == engine.get_lr()
         engine.train_batch(batch)

@@ -20,7 +20,9 @@ from zerofit.infer.plan import InferShape, plan_inference, spread
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2"]
 GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-STATIC = dict(GREEDY, cache_implementation="static", disable_compile=True)     # the engine's default cache ([Note: a KV cache ...])
+STATIC = dict(
+    GREEDY, cache_implementation="static", disable_compile=True
+)  # the engine's default cache ([Note: a KV cache ...])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
@@ -37,7 +39,7 @@ def _uneven_batch(B=3, T=9, seed=1):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, tm.VOCAB - 1, (B, T), generator=g)
     mask = torch.ones_like(ids)
-    mask[0, :4] = 0          # left padding: three prompt lengths
+    mask[0, :4] = 0  # left padding: three prompt lengths
     mask[1, :1] = 0
     ids[mask == 0] = 0
     return ids, mask
@@ -50,8 +52,13 @@ def _streaming_cap(eng: InferenceEngine, batch: int, context: int, prefill: int,
     blk = max(s.block_bytes)
     if s.num_blocks - resident < 3:
         eng.slots_wanted = 1
-    return (s.shell_bytes + s.kv_bytes(batch, context) + s.work_bytes(batch, prefill, context)
-            + (eng.slots_wanted + resident) * blk + blk // 2)
+    return (
+        s.shell_bytes
+        + s.kv_bytes(batch, context)
+        + s.work_bytes(batch, prefill, context)
+        + (eng.slots_wanted + resident) * blk
+        + blk // 2
+    )
 
 
 def _on_gpu(cap: int) -> int:
@@ -84,15 +91,14 @@ def test_streamed_generate_is_transformers_generate(family, dtype):
     assert eng.uploads >= 8 * eng.adapter.num_blocks
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits):
-        assert torch.equal(a, b)        # the same kernels on the same values: bitwise
+        assert torch.equal(a, b)  # the same kernels on the same values: bitwise
 
 
 def test_mixed_placement_streams_the_spread_blocks_and_matches():
     torch.manual_seed(0)
     model = tm.llama(layers=6).eval()
     ids, mask = _uneven_batch()
-    want = _reference(model, torch.bfloat16).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                                                      **STATIC)
+    want = _reference(model, torch.bfloat16).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, **STATIC)
     eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
     eng.cap = _streaming_cap(eng, 3, 15, 9, resident=3)
     got = eng.generate(ids, mask, max_new_tokens=6, **GREEDY)
@@ -128,8 +134,9 @@ def test_sampling_is_reproducible_with_a_seed_and_is_transformers_sampling():
     ids, mask = _uneven_batch()
     eng = InferenceEngine(copy.deepcopy(model), dtype=torch.float32, device="cpu")
     eng.cap = _streaming_cap(eng, 3, 21, 9)
-    kw = dict(do_sample=True, temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2, max_new_tokens=12,
-              pad_token_id=0)
+    kw = dict(
+        do_sample=True, temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2, max_new_tokens=12, pad_token_id=0
+    )
 
     def run(gen, seed):
         torch.manual_seed(seed)
@@ -142,12 +149,21 @@ def test_sampling_is_reproducible_with_a_seed_and_is_transformers_sampling():
 
 
 def test_plan_keeps_what_fits_and_spreads_the_rest():
-    shape = InferShape(shell_bytes=100, block_bytes=(10,) * 10, layers=10, kv_heads=1, head_dim=1, hidden=1,
-                       intermediate=1, vocab=1, elem=1)
+    shape = InferShape(
+        shell_bytes=100,
+        block_bytes=(10,) * 10,
+        layers=10,
+        kv_heads=1,
+        head_dim=1,
+        hidden=1,
+        intermediate=1,
+        vocab=1,
+        elem=1,
+    )
     fixed = 100 + shape.kv_bytes(1, 8) + shape.work_bytes(1, 4, 8)
     assert plan_inference(shape, None, 1, 8, 4, reserve=0).resident == list(range(10))
     assert plan_inference(shape, fixed + 100, 1, 8, 4, reserve=0).streamed == []
-    p = plan_inference(shape, fixed + 70, 1, 8, 4, reserve=0)     # 2 slots + 5 resident
+    p = plan_inference(shape, fixed + 70, 1, 8, 4, reserve=0)  # 2 slots + 5 resident
     assert len(p.resident) == 5 and p.streamed == spread(10, 5) == [1, 3, 5, 7, 9] and p.slots == 2
     assert p.device_bytes <= fixed + 70 and p.streamed_bytes == 50
     assert spread(40, 4) == [9, 19, 29, 39] and spread(3, 3) == [0, 1, 2]
@@ -157,7 +173,7 @@ def test_kv_cache_that_cannot_fit_is_refused_before_the_first_token_with_the_num
     torch.manual_seed(0)
     eng = InferenceEngine(tm.llama().eval(), dtype=torch.bfloat16, device="cpu")
     s = eng.shape
-    eng.cap = _streaming_cap(eng, 1, 40, 8) - max(s.block_bytes) // 2   # room for batch 1, not for 64
+    eng.cap = _streaming_cap(eng, 1, 40, 8) - max(s.block_bytes) // 2  # room for batch 1, not for 64
     calls = []
     eng.model.register_forward_pre_hook(lambda *a: calls.append(1))
     ids = torch.randint(1, 90, (64, 8))
@@ -165,7 +181,9 @@ def test_kv_cache_that_cannot_fit_is_refused_before_the_first_token_with_the_num
         eng.generate(ids, torch.ones_like(ids), max_new_tokens=32, do_sample=False, pad_token_id=0)
     msg = str(e.value)
     assert calls == [] and eng.uploads == 0
-    assert "64 sequences x 40 tokens" in msg and "KV cache" in msg and "--batch-size" in msg and "cap of at least" in msg
+    assert (
+        "64 sequences x 40 tokens" in msg and "KV cache" in msg and "--batch-size" in msg and "cap of at least" in msg
+    )
     fits = int(msg.split("--batch-size ")[1].split(";")[0].split(".")[0])
     assert 1 <= fits < 64
     eng.generate(ids[:fits], torch.ones_like(ids[:fits]), max_new_tokens=32, do_sample=False, pad_token_id=0)
@@ -216,8 +234,16 @@ def test_stop_strings_end_the_text(tmp_path):
 
 def test_checkpoint_and_live_engine_sources_generate_the_trained_weights(tmp_path):
     d = make_model_dir(tmp_path / "m", "llama", dtype=torch.float32, layers=2)
-    engine = zerofit.initialize(str(d), {"device": "cpu", "precision": "fp32", "micro_batch_size": 2,
-                                         "gradient_accumulation_steps": 1, "optimizer": {"lr": 1e-2}})
+    engine = zerofit.initialize(
+        str(d),
+        {
+            "device": "cpu",
+            "precision": "fp32",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"lr": 1e-2},
+        },
+    )
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         x = torch.randint(0, 50, (2, 12), generator=g)
@@ -232,28 +258,49 @@ def test_checkpoint_and_live_engine_sources_generate_the_trained_weights(tmp_pat
         got = eng.generate(ids, max_new_tokens=8, **GREEDY)
         assert eng.plan.streamed and torch.equal(got.sequences, want.sequences)
         assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
-    assert from_checkpoint.tokenizer is not None       # the checkpoint carries the model's tokenizer files
+    assert from_checkpoint.tokenizer is not None  # the checkpoint carries the model's tokenizer files
     engine.close()
 
 
 def test_cli_generate_prompt_prompts_file_and_refusal(tmp_path):
     d = make_model_dir(tmp_path / "m", "llama", layers=2)
     runner = CliRunner()
-    r = runner.invoke(app, ["generate", "--model", str(d), "--prompt", "The quick brown", "--max-new-tokens", "6",
-                            "--device", "cpu"])
+    r = runner.invoke(
+        app, ["generate", "--model", str(d), "--prompt", "The quick brown", "--max-new-tokens", "6", "--device", "cpu"]
+    )
     assert r.exit_code == 0, r.output
     assert "new tokens" in r.output and "blocks resident" in r.output
     f = tmp_path / "p.jsonl"
     f.write_text('"Hello"\n{"prompt": "The quick"}\n{"messages": [{"role": "user", "content": "Hi"}]}\n')
     out = tmp_path / "o.jsonl"
-    r = runner.invoke(app, ["generate", "--model", str(d), "--prompts", str(f), "--output", str(out),
-                            "--max-new-tokens", "5", "--device", "cpu", "--batch-size", "2", "--seed", "1",
-                            "--temperature", "0.8"])
+    r = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(d),
+            "--prompts",
+            str(f),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "5",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "2",
+            "--seed",
+            "1",
+            "--temperature",
+            "0.8",
+        ],
+    )
     assert r.exit_code == 0, r.output
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(recs) == 3 and all(0 < x["new_tokens"] <= 5 and x["finish"] in ("stop", "length") for x in recs)
-    r = runner.invoke(app, ["generate", "--model", str(d), "--prompt", "Hi", "--max-gpu-memory", "1KB",
-                            "--device", "cpu"])
+    r = runner.invoke(
+        app, ["generate", "--model", str(d), "--prompt", "Hi", "--max-gpu-memory", "1KB", "--device", "cpu"]
+    )
     assert r.exit_code == 2 and "refused before the first token" in r.output and "KV cache" in r.output
     r = runner.invoke(app, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "Hi"])
     assert r.exit_code == 2 and "does not exist" in r.output
@@ -261,8 +308,9 @@ def test_cli_generate_prompt_prompts_file_and_refusal(tmp_path):
 
 def test_cli_chat_keeps_the_conversation(tmp_path):
     d = make_model_dir(tmp_path / "m", "llama", layers=2)
-    r = CliRunner().invoke(app, ["chat", "--model", str(d), "--max-new-tokens", "4", "--device", "cpu"],
-                           input="Hello\nHow are you?\n\n")
+    r = CliRunner().invoke(
+        app, ["chat", "--model", str(d), "--max-new-tokens", "4", "--device", "cpu"], input="Hello\nHow are you?\n\n"
+    )
     assert r.exit_code == 0, r.output
     assert r.output.count("model> ") == 2
 
@@ -284,9 +332,11 @@ def test_cli_chat_leaves_the_oldest_turns_out_when_the_conversation_passes_the_c
 
     text_mod.complete = spy
     try:
-        r = CliRunner().invoke(app, ["chat", "--model", str(d), "--max-new-tokens", "6", "--device", "cpu"],
-                               input="one two three four\nfive six seven eight\nnine ten eleven\ntwelve\n"
-                                     + "word " * 60 + "\n")
+        r = CliRunner().invoke(
+            app,
+            ["chat", "--model", str(d), "--max-new-tokens", "6", "--device", "cpu"],
+            input="one two three four\nfive six seven eight\nnine ten eleven\ntwelve\n" + "word " * 60 + "\n",
+        )
     finally:
         text_mod.complete = complete
     assert r.exit_code == 0, r.output
@@ -327,13 +377,18 @@ def test_blocks_beyond_the_host_budget_stream_from_the_disk_and_match(tmp_path):
     torch.manual_seed(0)
     model = tm.llama(layers=6).eval()
     ids, mask = _uneven_batch()
-    want = _reference(model, torch.bfloat16).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                                                      **STATIC)
+    want = _reference(model, torch.bfloat16).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, **STATIC)
     probe = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
     blk = max(probe.shape.block_bytes)
     cap = _streaming_cap(probe, 3, 15, 9, resident=2)
-    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu", max_gpu_memory=cap,
-                          max_host_memory=2 * blk + 2 * blk, nvme_path=tmp_path / "nvme")   # staging + 2 blocks
+    eng = InferenceEngine(
+        copy.deepcopy(model),
+        dtype=torch.bfloat16,
+        device="cpu",
+        max_gpu_memory=cap,
+        max_host_memory=2 * blk + 2 * blk,
+        nvme_path=tmp_path / "nvme",
+    )  # staging + 2 blocks
     swap = eng._disk.path
     assert swap.is_file() and sorted(eng._disk.regions) != [] and len(eng._disk.regions) == 4
     got = eng.generate(ids, mask, max_new_tokens=6, **GREEDY)
@@ -345,7 +400,7 @@ def test_blocks_beyond_the_host_budget_stream_from_the_disk_and_match(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
     assert "on the disk" in eng.summary()
     eng.close()
-    assert not swap.exists()                      # removed at close
+    assert not swap.exists()  # removed at close
 
 
 def test_disk_blocks_are_the_blocks_whose_weights_live_on_the_disk(tmp_path):
@@ -354,9 +409,14 @@ def test_disk_blocks_are_the_blocks_whose_weights_live_on_the_disk(tmp_path):
     blk = max(probe.shape.block_bytes)
     probe.prepare(3, 15, 9)
     assert probe.disk_blocks == ()
-    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu",
-                          max_gpu_memory=_streaming_cap(probe, 3, 15, 9, resident=2),
-                          max_host_memory=4 * blk, nvme_path=tmp_path / "nvme")
+    eng = InferenceEngine(
+        copy.deepcopy(model),
+        dtype=torch.bfloat16,
+        device="cpu",
+        max_gpu_memory=_streaming_cap(probe, 3, 15, 9, resident=2),
+        max_host_memory=4 * blk,
+        nvme_path=tmp_path / "nvme",
+    )
     assert eng.disk_blocks == tuple(sorted(eng._disk.regions)) and len(eng.disk_blocks) == 4
     eng.close()
 
@@ -374,13 +434,22 @@ def test_gpu_disk_blocks_stream_through_pinned_staging_and_match(tmp_path):
     torch.manual_seed(0)
     model = tm.llama(layers=6).eval()
     ids, mask = _uneven_batch()
-    want = _reference(model, torch.bfloat16).cuda().generate(input_ids=ids.cuda(), attention_mask=mask.cuda(),
-                                                             max_new_tokens=12, **STATIC)
+    want = (
+        _reference(model, torch.bfloat16)
+        .cuda()
+        .generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=12, **STATIC)
+    )
     probe = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cpu")
     blk = max(probe.shape.block_bytes)
     cap = _on_gpu(_streaming_cap(probe, 3, 21, 9, resident=1))
-    eng = InferenceEngine(copy.deepcopy(model), dtype=torch.bfloat16, device="cuda", max_gpu_memory=cap,
-                          max_host_memory=4 * blk, nvme_path=tmp_path)
+    eng = InferenceEngine(
+        copy.deepcopy(model),
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_gpu_memory=cap,
+        max_host_memory=4 * blk,
+        nvme_path=tmp_path,
+    )
     got = eng.generate(ids, mask, max_new_tokens=12, **GREEDY)
     assert eng.stats()["disk_reads"] > 12 and eng.plan.streamed
     assert torch.equal(got.sequences, want.sequences)
@@ -405,8 +474,9 @@ def test_beam_search_plans_the_cache_of_every_beam_and_matches():
     model = tm.qwen3().eval()
     ids, mask = _uneven_batch()
     kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
-    want = _reference(model, torch.float32).generate(input_ids=ids, attention_mask=mask,
-                                                     cache_implementation="static", disable_compile=True, **kw)
+    want = _reference(model, torch.float32).generate(
+        input_ids=ids, attention_mask=mask, cache_implementation="static", disable_compile=True, **kw
+    )
     eng = InferenceEngine(copy.deepcopy(model), dtype=torch.float32, device="cpu")
     got = eng.generate(ids, mask, **kw)
     assert eng.plan.batch == 9 and torch.equal(got, want)
@@ -414,14 +484,16 @@ def test_beam_search_plans_the_cache_of_every_beam_and_matches():
 
 def test_text_api_takes_a_training_engine_and_refuses_other_objects(tmp_path):
     d = make_model_dir(tmp_path / "m", "llama", dtype=torch.float32, layers=2)
-    engine = zerofit.initialize(str(d), {"device": "cpu", "precision": "fp32", "micro_batch_size": 1,
-                                         "gradient_accumulation_steps": 1})
+    engine = zerofit.initialize(
+        str(d), {"device": "cpu", "precision": "fp32", "micro_batch_size": 1, "gradient_accumulation_steps": 1}
+    )
     from zerofit.infer.sources import load_tokenizer
 
     tok = load_tokenizer(d)
     text = zerofit.generate(engine, "The quick", tokenizer=tok, max_new_tokens=5, device="cpu", dtype="fp32")
-    ref = zerofit.generate(InferenceEngine.from_pretrained(d, device="cpu", dtype="fp32"), "The quick",
-                           max_new_tokens=5)
+    ref = zerofit.generate(
+        InferenceEngine.from_pretrained(d, device="cpu", dtype="fp32"), "The quick", max_new_tokens=5
+    )
     assert text == ref
     with pytest.raises(TypeError, match="model directory"):
         zerofit.generate(object(), "x")

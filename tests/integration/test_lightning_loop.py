@@ -18,7 +18,7 @@ from tests.support import tiny_models as tm  # noqa: E402
 from zerofit.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from zerofit.userloop import UserLoopError  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 logging.getLogger("lightning").setLevel(logging.ERROR)
 
 
@@ -37,7 +37,7 @@ class LM(L.LightningModule):
 
     def configure_model(self):
         if self.wrap and not isinstance(self.model, FSDP):
-            self.model = FSDP(self.model, cpu_offload=CPUOffload(offload_params=True))     # the one change
+            self.model = FSDP(self.model, cpu_offload=CPUOffload(offload_params=True))  # the one change
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
@@ -50,10 +50,19 @@ class LM(L.LightningModule):
 
 
 def _fit(module, rows, tmp_path=None, ckpt_path=None, epochs=1, precision="32", clip=0.5):
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=2,
-                        gradient_clip_val=clip, precision=precision, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(tmp_path) if tmp_path else None)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        accumulate_grad_batches=2,
+        gradient_clip_val=clip,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path) if tmp_path else None,
+    )
     trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=2), ckpt_path=ckpt_path)
     return trainer
 
@@ -78,8 +87,8 @@ def test_a_trainer_checkpoint_resumes_bitwise(tmp_path):
     trainer = _fit(first, rows, tmp_path, epochs=1)
     trainer.save_checkpoint(tmp_path / "one.ckpt")
     saved = torch.load(tmp_path / "one.ckpt", weights_only=False)
-    assert any(k.startswith("model.model.layers.0.") for k in saved["state_dict"])     # the model's own names
-    assert saved["optimizer_states"][0]["state"]                                        # the engine's moments
+    assert any(k.startswith("model.model.layers.0.") for k in saved["state_dict"])  # the model's own names
+    assert saved["optimizer_states"][0]["state"]  # the engine's moments
     resumed = LM(True)
     _fit(resumed, rows, tmp_path, ckpt_path=str(tmp_path / "one.ckpt"), epochs=2)
     assert resumed.losses == full.losses[4:] and len(resumed.losses) == 4
@@ -144,7 +153,7 @@ def test_a_fabric_loop_is_the_plain_one_bitwise():
 
     got, mine = run(True)
     want, theirs = run(False)
-    assert got == want and len(got) == 6            # 4 micro-batches, 2 steps' norms
+    assert got == want and len(got) == 6  # 4 micro-batches, 2 steps' norms
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], v) for k, v in theirs.items())
 
 
@@ -191,9 +200,15 @@ def test_lightnings_autoencoder_trains_its_reconstruction_loss_as_unwrapped():
     (foreach) Adam rounds apart from by an ulp now and then; the losses are bitwise."""
     a, b = LitAutoEncoder("one"), LitAutoEncoder(None)
     for module in (a, b):
-        L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False).fit(
-            module, torch.utils.data.DataLoader(_images(), batch_size=4))
+        L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(module, torch.utils.data.DataLoader(_images(), batch_size=4))
     assert a.losses == b.losses and len(a.losses) == 4
     mine = a.autoencoder.state_dict()
     theirs = torch.nn.Sequential(b.encoder, b.decoder).state_dict()
@@ -205,6 +220,12 @@ def test_two_wrapped_parts_under_one_optimizer_are_refused_by_name():
     """The decoder's input is the encoder's output: the engine would not reach it ([Note: one wrapped model per
     optimizer])."""
     with pytest.raises(UserLoopError, match="wrap one module that holds"):
-        L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False).fit(
-            LitAutoEncoder("each"), torch.utils.data.DataLoader(_images(4), batch_size=4))
+        L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(LitAutoEncoder("each"), torch.utils.data.DataLoader(_images(4), batch_size=4))

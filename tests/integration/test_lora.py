@@ -25,11 +25,16 @@ peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 G = 2
-CFG = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-       "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+CFG = {
+    "device": "cpu",
+    "precision": "fp32",
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": G,
+    "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _reference(model, data) -> list[float]:
@@ -57,11 +62,15 @@ def _assert_bitwise(engine, ref, before) -> None:
 
 
 CASES = {
-    "llama-modules_to_save": (lambda: tm.llama(tied=False), dict(target_modules=["q_proj", "v_proj"],
-                                                                 modules_to_save=["lm_head"])),
+    "llama-modules_to_save": (
+        lambda: tm.llama(tied=False),
+        dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
+    ),
     "llama-rslora-all-linear": (lambda: tm.llama(tied=False), dict(target_modules="all-linear", use_rslora=True)),
-    "qwen2": (tm.qwen2, dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                             "down_proj"])),
+    "qwen2": (
+        tm.qwen2,
+        dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ),
     "qwen2-all-linear": (tm.qwen2, dict(target_modules="all-linear")),
     "gpt2": (tm.gpt2, dict(target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)),
     "gpt2-all-linear": (tm.gpt2, dict(target_modules="all-linear")),
@@ -91,15 +100,19 @@ def test_train_batch_equals_peft_on_plain_pytorch(case):
 def test_deepspeed_door_equals_peft_on_plain_pytorch(case):
     import zerofit.deepspeed as deepspeed
 
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": G, "gradient_clipping": 0.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
     model = _peft(case)
     ref = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=filter(lambda p: p.requires_grad,
-                                                                             model.parameters()),
-                                      config=ds, device="cpu")
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=filter(lambda p: p.requires_grad, model.parameters()), config=ds, device="cpu"
+    )
     data = tm.batches(3, G)
     losses = [tm.ds_step(engine, mbs) for mbs in data]
     ref_losses = _reference(ref, data)
@@ -136,16 +149,32 @@ def test_hf_trainer_equals_the_plain_trainer(tmp_path, case):
     train = [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(8)]
 
     def args(out):
-        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                 learning_rate=2e-3, max_grad_norm=0.0, num_train_epochs=1, logging_steps=1,
-                                 save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=7)
+        return TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=2e-3,
+            max_grad_norm=0.0,
+            num_train_epochs=1,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=7,
+        )
 
     model = _peft(case)
-    plain = PlainTrainer(model=copy.deepcopy(model), args=args(tmp_path / "plain"), train_dataset=train,
-                         data_collator=default_data_collator)
+    plain = PlainTrainer(
+        model=copy.deepcopy(model),
+        args=args(tmp_path / "plain"),
+        train_dataset=train,
+        data_collator=default_data_collator,
+    )
     plain.train()
-    zf = zerofit.hf.Trainer(model=model, args=args(tmp_path / "zf"), train_dataset=train,
-                            data_collator=default_data_collator)
+    zf = zerofit.hf.Trainer(
+        model=model, args=args(tmp_path / "zf"), train_dataset=train, data_collator=default_data_collator
+    )
     zf.train()
     a = [e["loss"] for e in plain.state.log_history if "loss" in e]
     b = [e["loss"] for e in zf.state.log_history if "loss" in e]
@@ -175,8 +204,10 @@ def test_save_pretrained_writes_an_adapter_peft_loads_and_a_merged_model(tmp_pat
         engine.train_batch(mbs)
     engine.save_pretrained(tmp_path / "adapter")
     engine.save_pretrained(tmp_path / "merged", merge=True)
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
-                                                                       "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     trained = engine.module
     ids = data[0][0]["input_ids"]
     with torch.no_grad():
@@ -227,7 +258,7 @@ def test_checkpoint_holds_the_trainable_state_and_the_base_by_reference(tmp_path
     import json
 
     names = json.loads((folder / "weights.safetensors.index.json").read_text())["weight_map"]
-    assert names and all("lora_" in n for n in names)      # no frozen weight of the base
+    assert names and all("lora_" in n for n in names)  # no frozen weight of the base
     # resume: bitwise the same steps
     e2 = zerofit.initialize(_peft("qwen2-all-linear"), CFG)
     e2.load_checkpoint(tmp_path / "ckpt")
@@ -237,8 +268,9 @@ def test_checkpoint_holds_the_trainable_state_and_the_base_by_reference(tmp_path
     e2.close()
     # another base (same architecture, other weights): refused by name before anything is copied
     torch.manual_seed(1)
-    other = get_peft_model(tm.qwen2(), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                  target_modules="all-linear"))
+    other = get_peft_model(
+        tm.qwen2(), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+    )
     e3 = zerofit.initialize(other, CFG)
     with pytest.raises(CheckpointMismatchError, match="trained over another base"):
         e3.load_checkpoint(tmp_path / "ckpt")
@@ -259,8 +291,16 @@ def test_an_adapter_for_a_base_of_another_size_is_refused_from_the_headers(tmp_p
     _peft("llama-rslora-all-linear").save_pretrained(tmp_path / "adapter")
     _base("llama-rslora-all-linear").save_pretrained(tmp_path / "same")
     check_adapter_fits(tmp_path / "same", tmp_path / "adapter")
-    LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=tm.VOCAB, tie_word_embeddings=False)
-                     ).save_pretrained(tmp_path / "wider")
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=tm.VOCAB,
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(tmp_path / "wider")
     with pytest.raises(LoraError, match=r"takes \d+ -> \d+: the adapter was trained over another base \(shape"):
         check_adapter_fits(tmp_path / "wider", tmp_path / "adapter")

@@ -37,9 +37,31 @@ def workspace(tmp_path_factory):
 
 
 def _args(model: Path, data: list[Path], out: Path, *extra: str) -> list[str]:
-    return ["train", "--model", str(model), "--data", *map(str, data), "--output", str(out), "--device", "cpu",
-            "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2", "--lr", "1e-3", "--precision", "fp32",
-            "--eval-size", "2", "--no-progress", *extra]
+    return [
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        *map(str, data),
+        "--output",
+        str(out),
+        "--device",
+        "cpu",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-3",
+        "--precision",
+        "fp32",
+        "--eval-size",
+        "2",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
@@ -63,7 +85,7 @@ def test_a_lora_run_trains_the_adapters_and_writes_peft_s_adapter_folder(workspa
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and sorted(cfg["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
     loaded = PeftModel.from_pretrained(_base(model), adapter)
-    assert all(float(p.abs().sum()) > 0 for n, p in loaded.named_parameters() if "lora_B" in n)   # trained
+    assert all(float(p.abs().sum()) > 0 for n, p in loaded.named_parameters() if "lora_B" in n)  # trained
     # the checkpoint holds the adapters and their moments only, and the base by reference
     ckpt = run / "checkpoints" / "global_step4"
     names = json.loads((ckpt / "weights.safetensors.index.json").read_text())["weight_map"]
@@ -88,9 +110,19 @@ def test_resume_in_a_new_process_is_bitwise(workspace):
     (broken / "checkpoints" / "latest").write_text("global_step2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     code = "import sys; from zerofit.cli import app; app(sys.argv[1:], prog_name='zerofit')"
-    p = subprocess.run([sys.executable, "-c", code, *_args(model, data, broken, *LORA, "--steps", "4",
-                                                           "--save-every", "2", "--resume")],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            *_args(model, data, broken, *LORA, "--steps", "4", "--save-every", "2", "--resume"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert _losses(broken) == _losses(run)
     for n in ("adapter_config.json", "adapter_model.safetensors"):
@@ -109,9 +141,8 @@ def test_a_checkpoint_for_another_base_is_refused_by_name(workspace, tmp_path):
 def test_bad_lora_input_is_one_line_naming_what_to_do(workspace, tmp_path):
     root, model, _, data, _, _ = workspace
     r = CliRunner().invoke(app, _args(model, data, tmp_path / "a", "--lora", "--lora-targets", "nope", "--steps", "1"))
-    assert r.exit_code == 2 and "--lora-targets nope: matches no module" in r.output and "q_proj" in r.output, \
-        r.output
-    quantized = tmp_path / "quantized"        # a config saying 4 bits over 16-bit files: inconsistent
+    assert r.exit_code == 2 and "--lora-targets nope: matches no module" in r.output and "q_proj" in r.output, r.output
+    quantized = tmp_path / "quantized"  # a config saying 4 bits over 16-bit files: inconsistent
     shutil.copytree(model, quantized)
     cfg = json.loads((quantized / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
@@ -132,8 +163,10 @@ def test_a_qlora_run_holds_the_base_in_nf4_and_its_merge_is_into_the_dequantized
 
     root, model, _, data, _, _ = workspace
     run = tmp_path / "qrun"
-    r = CliRunner().invoke(app, _args(model, data, run, "--qlora", "--lora-r", "4", "--lora-alpha", "8",
-                                      "--steps", "2", "--save-every", "2"))
+    r = CliRunner().invoke(
+        app,
+        _args(model, data, run, "--qlora", "--lora-r", "4", "--lora-alpha", "8", "--steps", "2", "--save-every", "2"),
+    )
     assert r.exit_code == 0, r.output
     assert "its linears in NF4" in r.output, r.output
     losses = _losses(run)
@@ -173,29 +206,63 @@ def test_generate_with_the_base_and_the_adapter_equals_peft_s_generate(workspace
     root, model, other, _, run, _ = workspace
     prompt = "The quick brown fox"
     out = tmp_path / "out.jsonl"
-    r = CliRunner().invoke(app, ["generate", "--model", str(model), "--adapter", str(run / "adapter"), "--prompt",
-                                 prompt, "--max-new-tokens", "8", "--greedy", "--device", "cpu", "--dtype", "fp32",
-                                 "--output", str(out)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--adapter",
+            str(run / "adapter"),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "8",
+            "--greedy",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--output",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     got = json.loads(out.read_text())["text"]
     tok = AutoTokenizer.from_pretrained(model)
     ids = tok(prompt, return_tensors="pt").input_ids
     ref = PeftModel.from_pretrained(_base(model), run / "adapter").eval()
     want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    assert got == tok.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+    assert got == tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True)
     # the same adapter in a chat: the answer is PEFT's generate of the chat template's prompt
-    r = CliRunner().invoke(app, ["chat", "--model", str(model), "--adapter", str(run / "adapter"), "--max-new-tokens",
-                                 "8", "--device", "cpu", "--dtype", "fp32"], input=prompt + "\n")
+    r = CliRunner().invoke(
+        app,
+        [
+            "chat",
+            "--model",
+            str(model),
+            "--adapter",
+            str(run / "adapter"),
+            "--max-new-tokens",
+            "8",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+        ],
+        input=prompt + "\n",
+    )
     assert r.exit_code == 0, r.output
-    chat_ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                       return_tensors="pt", return_dict=True)["input_ids"]
-    want = ref.generate(input_ids=chat_ids, attention_mask=torch.ones_like(chat_ids), max_new_tokens=8,
-                        do_sample=False)
-    assert "model> " + tok.decode(want[0, chat_ids.shape[1]:], skip_special_tokens=True) in r.output, r.output
+    chat_ids = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    want = ref.generate(input_ids=chat_ids, attention_mask=torch.ones_like(chat_ids), max_new_tokens=8, do_sample=False)
+    assert "model> " + tok.decode(want[0, chat_ids.shape[1] :], skip_special_tokens=True) in r.output, r.output
     # an adapter for another base: refused from the files' headers, in one line
     gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2", torch.bfloat16)
-    r = CliRunner().invoke(app, ["generate", "--model", str(gpt2), "--adapter", str(run / "adapter"), "--prompt",
-                                 "x", "--device", "cpu"])
+    r = CliRunner().invoke(
+        app, ["generate", "--model", str(gpt2), "--adapter", str(run / "adapter"), "--prompt", "x", "--device", "cpu"]
+    )
     assert r.exit_code == 2 and "trained over another base" in r.output, r.output
 
 
@@ -210,8 +277,10 @@ def test_generate_bitwise_logits_and_tokens_through_the_inference_engine(workspa
     ref = PeftModel.from_pretrained(_base(model), run / "adapter").eval()
     eng = InferenceEngine.from_pretrained(model, adapter=run / "adapter", device="cpu", dtype="fp32")
     mask = torch.ones_like(ids)
-    assert torch.equal(eng.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
-                       ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+    assert torch.equal(
+        eng.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+        ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+    )
     with torch.no_grad():
         assert torch.equal(eng(input_ids=ids).logits, ref(input_ids=ids).logits)
     eng.close()
@@ -224,7 +293,8 @@ def test_merge_into_a_base_whose_config_and_files_disagree_is_refused_before_it_
     cfg = json.loads((quantized / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
     (quantized / "config.json").write_text(json.dumps(cfg))
-    r = CliRunner().invoke(app, ["export", str(run / "checkpoints"), str(tmp_path / "m"), "--merge", "--base",
-                                 str(quantized)])
+    r = CliRunner().invoke(
+        app, ["export", str(run / "checkpoints"), str(tmp_path / "m"), "--merge", "--base", str(quantized)]
+    )
     assert r.exit_code == 2 and "quantization_config says 4 bits, but no weight" in r.output, r.output
     assert not (tmp_path / "m").exists()

@@ -32,13 +32,26 @@ def _save(model, path: Path, dtype=torch.bfloat16, shard="20KB") -> Path:
 
 
 def _cfg(**kw):
-    return {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-            "optimizer": {"lr": 1e-3}, **kw}
+    return {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-3},
+        **kw,
+    }
 
 
-@pytest.mark.parametrize("build,dtype", [(tm.llama, torch.bfloat16), (lambda: tm.llama(tied=False), torch.float16),
-                                         (tm.qwen2, torch.float32), (tm.gpt2, torch.bfloat16)],
-                         ids=["llama-tied-bf16", "llama-fp16", "qwen2-fp32", "gpt2-bf16"])
+@pytest.mark.parametrize(
+    "build,dtype",
+    [
+        (tm.llama, torch.bfloat16),
+        (lambda: tm.llama(tied=False), torch.float16),
+        (tm.qwen2, torch.float32),
+        (tm.gpt2, torch.bfloat16),
+    ],
+    ids=["llama-tied-bf16", "llama-fp16", "qwen2-fp32", "gpt2-bf16"],
+)
 def test_directory_loads_exactly_and_trains_like_transformers(tmp_path, build, dtype):
     torch.manual_seed(0)
     d = _save(build(), tmp_path / "m", dtype)
@@ -47,7 +60,7 @@ def test_directory_loads_exactly_and_trains_like_transformers(tmp_path, build, d
     assert engine.source_dir == d
     ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     master = engine.master_state_dict()
-    for n, p in ref.named_parameters():   # tied: ref names the shared weight once, as the engine does
+    for n, p in ref.named_parameters():  # tied: ref names the shared weight once, as the engine does
         assert torch.equal(master[n], p.detach()), n
     data = tm.batches(3, 2)
     losses = [engine.train_batch(mbs) for mbs in data]
@@ -66,6 +79,7 @@ def test_model_built_by_the_caller_still_works():
 
 
 # ---------------------------------------------------------------------------------------------- errors
+
 
 def _error(path, match):
     with pytest.raises((ModelDirError, WeightFileError), match=match):
@@ -98,8 +112,11 @@ def test_shape_mismatch_names_file_and_tensor(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["intermediate_size"] = 48
     (d / "config.json").write_text(json.dumps(cfg))
-    _error(d, r"model-\d+-of-\d+\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \[\d+, \d+\], "
-              r"the model built from config\.json expects")
+    _error(
+        d,
+        r"model-\d+-of-\d+\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \[\d+, \d+\], "
+        r"the model built from config\.json expects",
+    )
 
 
 def test_missing_tensor_is_named(tmp_path):
@@ -110,6 +127,7 @@ def test_missing_tensor_is_named(tmp_path):
     d.mkdir()
     model.config.save_pretrained(d)
     from safetensors.torch import save_file
+
     save_file(sd, str(d / "model.safetensors"))
     _error(d, r"tensor 'lm_head\.weight' is not in any weight file \(model\.safetensors\)")
 
@@ -163,21 +181,34 @@ def test_loading_peak_rss_is_plan_plus_one_tensor(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=8000, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8000,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     d = _save(model, tmp_path / "m", torch.bfloat16, shard="40MB")
     fp32_bytes = sum(p.numel() for p in model.parameters()) * 4
     largest = max(p.numel() for p in model.parameters()) * 4
     del model
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT.format(repo=str(REPO), path=str(d))],
-                         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT.format(repo=str(REPO), path=str(d))],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     grown = r["peak"] - r["base"]
-    slack = 64 << 20   # allocator arenas, the rotary tables, the plan's small buffers
-    assert grown <= r["planned"] + largest + slack, (grown, r, largest)   # the bound
+    slack = 64 << 20  # allocator arenas, the rotary tables, the plan's small buffers
+    assert grown <= r["planned"] + largest + slack, (grown, r, largest)  # the bound
     # tighter, so that the test can fail: the state actually touched on the CPU is master + two moments
     # (12 B/param); a second copy of the model (4 B/param more) would not fit in the slack
     assert grown <= 3 * fp32_bytes + largest + slack, (grown, fp32_bytes)
-    assert grown >= 3 * fp32_bytes - slack   # and the measurement saw that state being built
+    assert grown >= 3 * fp32_bytes - slack  # and the measurement saw that state being built

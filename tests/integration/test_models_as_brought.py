@@ -13,13 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import zerofit
 from tests.support import tiny_models as tm
 from zerofit.fsdp import CPUOffload, MixedPrecision
 from zerofit.fsdp import FullyShardedDataParallel as FSDP
 from zerofit.userloop import UserLoopError
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _plain_steps(model, batches, loss_of) -> list[float]:
@@ -69,17 +68,26 @@ def test_a_wrapper_calling_the_model_with_its_cache_on_trains_as_plain_pytorch_u
     got = _plain_steps(model, data, lambda m, x: m(x))
     assert got == want
     _same_weights(model.state_dict(), ref)
-    assert ref.lm.config.use_cache and model.lm.config.use_cache        # the user's setting as it was
+    assert ref.lm.config.use_cache and model.lm.config.use_cache  # the user's setting as it was
 
 
 def test_a_wrapper_calling_the_model_with_its_cache_on_trains_as_plain_pytorch_under_the_deepspeed_door():
     import zerofit.deepspeed as deepspeed
 
     ref = _wrapped_llama()
-    engine, *_ = deepspeed.initialize(model=copy.deepcopy(ref), config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}})
+    engine, *_ = deepspeed.initialize(
+        model=copy.deepcopy(ref),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_clipping": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "cpu"},
+                "offload_optimizer": {"device": "cpu"},
+            },
+        },
+    )
     data = [torch.randint(0, tm.VOCAB, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     for x in data:
@@ -128,8 +136,7 @@ class MyLargeModel(nn.Module):
 
 def _classes(n=3, rows=16, dtype=torch.float32):
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(rows, 8, generator=g).to(dtype), torch.randint(0, 5, (rows,), generator=g))
-            for _ in range(n)]
+    return [(torch.randn(rows, 8, generator=g).to(dtype), torch.randint(0, 5, (rows,), generator=g)) for _ in range(n)]
 
 
 @pytest.mark.parametrize("ckpt", [None, "inner", "outer"])
@@ -150,10 +157,14 @@ def test_logits_reach_the_users_criterion_and_the_models_own_checkpointing_compo
 def test_the_models_own_checkpointing_in_bf16_recomputes_in_bf16():
     """Under MixedPrecision(bf16) the model's own checkpoint recomputes a block with the engine's bf16 weights,
     as its first pass ran: the same steps as the model without its checkpointing."""
+
     def run(ckpt):
         torch.manual_seed(0)
-        model = FSDP(MyLargeModel(ckpt), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
-                     cpu_offload=CPUOffload(offload_params=True))
+        model = FSDP(
+            MyLargeModel(ckpt),
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+            cpu_offload=CPUOffload(offload_params=True),
+        )
         criterion = nn.CrossEntropyLoss()
         losses = _plain_steps(model, _classes(dtype=torch.bfloat16), lambda m, b: criterion(m(b[0]).float(), b[1]))
         return losses, model.state_dict()
@@ -166,6 +177,7 @@ def test_the_models_own_checkpointing_in_bf16_recomputes_in_bf16():
 def test_mixed_precision_casts_the_models_floating_inputs_as_fsdp_does():
     """FSDP's MixedPrecision casts the root's floating inputs to param_dtype (cast_root_forward_inputs): fp32
     inputs to a bf16 wrapper train as the same inputs given in bf16."""
+
     def run(dtype):
         torch.manual_seed(0)
         model = FSDP(MyLargeModel(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
@@ -216,11 +228,11 @@ def test_peft_quicktour_trains_and_saves_with_save_pretrained(tmp_path):
         model = get_peft_model(copy.deepcopy(base), cfg)
         if name == "zerofit":
             model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
-        torch.manual_seed(1)                     # the same dropout masks
+        torch.manual_seed(1)  # the same dropout masks
         model.train()
         _plain_steps(model, data, lambda m, x: m(input_ids=x, labels=x).loss)
         model.save_pretrained(tmp_path / name)
-        model.print_trainable_parameters()       # another of the wrapped model's methods
+        model.print_trainable_parameters()  # another of the wrapped model's methods
         fresh = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / name).eval()
         with torch.no_grad():
             logits[name] = fresh(input_ids=data[0]).logits
@@ -269,7 +281,7 @@ def test_a_loop_without_zero_grad_is_refused_by_name():
     with pytest.raises(UserLoopError, match=r"torch would drop their gradients"):
         opt.zero_grad()
 
-    model = FSDP(MyLargeModel())            # model.zero_grad() clears as well, at either end of the step
+    model = FSDP(MyLargeModel())  # model.zero_grad() clears as well, at either end of the step
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for x, y in _classes(3):
         model.zero_grad()

@@ -20,8 +20,13 @@ G = 2
 
 
 def _cfg(**kw) -> dict:
-    base = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    base = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+    }
     base.update(kw)
     return base
 
@@ -30,8 +35,10 @@ def _state(engine) -> dict[str, torch.Tensor]:
     from zerofit.checkpoint.state import optimizer_entries, weight_entries
 
     engine.wait()
-    return {e.name: e.base[e.offset:e.offset + e.numel].clone()
-            for e in weight_entries(engine) + optimizer_entries(engine)}
+    return {
+        e.name: e.base[e.offset : e.offset + e.numel].clone()
+        for e in weight_entries(engine) + optimizer_entries(engine)
+    }
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -43,8 +50,11 @@ def _assert_same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("placement", ["streamed", "assisted-in-backward", "resident"])
 def test_a_huge_learning_rate_is_refused_and_leaves_the_state(placement):
     """lr 1e10: the first step is finite and blows the weights up; every later step's gradients are not finite."""
-    off = {"streamed": {}, "assisted-in-backward": {"assisted_updates": True, "assisted_fraction": 1.0},
-           "resident": {"optimizer_device": "none", "param_device": "none"}}[placement]
+    off = {
+        "streamed": {},
+        "assisted-in-backward": {"assisted_updates": True, "assisted_fraction": 1.0},
+        "resident": {"optimizer_device": "none", "param_device": "none"},
+    }[placement]
     torch.manual_seed(0)
     engine = zerofit.initialize(tm.llama(), _cfg(optimizer={"lr": 1e10, "weight_decay": 0.0}, offload=off))
     if placement == "assisted-in-backward":
@@ -75,7 +85,8 @@ def test_nan_activations_are_refused_and_training_goes_on():
         e.train_batch(data[0])
     poison = {"on": True}
     handle = model.model.embed_tokens.register_forward_hook(
-        lambda mod, args, out: out * float("nan") if poison["on"] else out)
+        lambda mod, args, out: out * float("nan") if poison["on"] else out
+    )
     before = _state(engine)
     with pytest.raises(FloatingPointError, match="not applied"):
         engine.train_batch(data[1])
@@ -91,9 +102,13 @@ def test_nan_activations_are_refused_and_training_goes_on():
 def test_the_deepspeed_loop_refuses_a_non_finite_step_at_its_boundary():
     import zerofit.deepspeed as deepspeed
 
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": G, "gradient_clipping": 0.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e10, "weight_decay": 0.0}},
-          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e10, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
     torch.manual_seed(0)
     engine, *_ = deepspeed.initialize(model=tm.llama(), config=ds, device="cpu")
     data = tm.batches(2, G)
@@ -137,11 +152,11 @@ def test_a_micro_batch_that_scores_no_token_is_left_out_of_the_reported_loss():
     mbs = tm.batches(1, G)[0]
     mbs[1] = {**mbs[1], "labels": torch.full_like(mbs[1]["labels"], -100)}
     with torch.no_grad():
-        scored = ref(**mbs[0]).loss.item()       # the one micro-batch that scores tokens, before the step
+        scored = ref(**mbs[0]).loss.item()  # the one micro-batch that scores tokens, before the step
     loss = engine.train_batch(mbs)
     ref_losses = tm.reference_train(ref, [mbs])
     assert loss == pytest.approx(scored, rel=1e-6)
-    assert not torch.isfinite(torch.tensor(ref_losses[0]))     # plain PyTorch's mean of the two is NaN
+    assert not torch.isfinite(torch.tensor(ref_losses[0]))  # plain PyTorch's mean of the two is NaN
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(master[n], p.detach(), msg=lambda m: f"{n}: {m}")
@@ -170,10 +185,12 @@ def test_windows_inside_long_prompts_are_counted_and_warned_about(caplog):
     from zerofit.data.packing import pack
 
     T = 8
-    prompt = Document(np.arange(1, 21, dtype=np.int32), np.r_[np.zeros(17, bool), np.ones(3, bool)],
-                      "prompt/completion", "row 1")          # 17 prompt tokens: two windows of it score nothing
-    short = Document(np.arange(1, 7, dtype=np.int32), np.r_[np.zeros(2, bool), np.ones(4, bool)],
-                     "prompt/completion", "row 2")
+    prompt = Document(
+        np.arange(1, 21, dtype=np.int32), np.r_[np.zeros(17, bool), np.ones(3, bool)], "prompt/completion", "row 1"
+    )  # 17 prompt tokens: two windows of it score nothing
+    short = Document(
+        np.arange(1, 7, dtype=np.int32), np.r_[np.zeros(2, bool), np.ones(4, bool)], "prompt/completion", "row 2"
+    )
     packed = pack([prompt, short], T, 0)
     assert packed.windows_without_targets() == 2
     assert sum(int((packed[k]["labels"] != -100).any()) for k in range(len(packed))) == len(packed) - 2

@@ -42,8 +42,12 @@ class SimpleModel(torch.nn.Module):
 
 
 def _ds_config(precision: str = "fp32", **extra) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 3}, **extra}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3},
+        **extra,
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -59,8 +63,9 @@ def _data(n: int, dim: int = 8, dtype=torch.float32, seed: int = 1):
 def _simple_engine(precision: str = "fp32", device: str = "cpu", **extra):
     torch.manual_seed(0)
     model = SimpleModel(8, nlayers=3)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_ds_config(precision, **extra), device=device)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=_ds_config(precision, **extra), device=device
+    )
     return engine
 
 
@@ -126,8 +131,11 @@ def test_round_trip_on_a_device_resident_engine_is_bitwise(precision):
     engine.offload_states(include=None, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False)
     # the optimizer's state is out of the "device" (the CPU here: 0-byte storages). (A tensor of a freed storage
     # must not be printed: the assertions compare plain numbers.)
-    sizes = {u.name: [_nbytes(t) for t in (u.exp_avg, u.exp_avg_sq, u.step, u.dev16, u.master)]
-             for u in engine.units if u.numel}
+    sizes = {
+        u.name: [_nbytes(t) for t in (u.exp_avg, u.exp_avg_sq, u.step, u.dev16, u.master)]
+        for u in engine.units
+        if u.numel
+    }
     assert len(sizes) == 3
     for name, (m, v, step, dev16, master) in sizes.items():
         assert (m, v, step) == (0, 0, 0), name
@@ -153,14 +161,14 @@ def test_include_moves_only_the_kinds_asked_for_and_calls_add_up():
     u = engine.units[1]
     engine.offload_states(include=[OffloadStateTypeEnum.optim_states])
     assert [_nbytes(t) > 0 for t in (u.exp_avg, u.step, u.master, u.dev16)] == [False, False, True, True]
-    engine.offload_states(include=["hp_params", OffloadStateTypeEnum.lp_params])     # a second call adds kinds
+    engine.offload_states(include=["hp_params", OffloadStateTypeEnum.lp_params])  # a second call adds kinds
     assert _nbytes(u.dev16) == 0
     with pytest.raises(RuntimeError, match=r"\['hp_params', 'lp_params', 'optim_states'\]"):
         engine.module
     before_reload = engine.offloaded.current.moved.copy()
     engine.reload_states()
     assert all(m.storage.nbytes() == m.nbytes for m in before_reload.values())
-    engine.reload_states()                  # nothing offloaded: a no-op, as in DeepSpeed
+    engine.reload_states()  # nothing offloaded: a no-op, as in DeepSpeed
     engine.close()
 
 
@@ -168,17 +176,28 @@ def _streaming_engine():
     """Blocks streamed through device slots, the shell's optimizer on the host, assisted updates on the CPU:
     weight and gradient slot pools, the upload stage and the assist buffers all exist."""
     torch.manual_seed(0)
-    return zerofit.initialize(tm.llama(layers=3), {"precision": "bf16", "micro_batch_size": 2,
-                                                   "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
-                                                   "offload": {"resident_blocks": 1, "assisted_updates": True,
-                                                               "assisted_fraction": 0.5}}, device="cpu")
+    return zerofit.initialize(
+        tm.llama(layers=3),
+        {
+            "precision": "bf16",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.0,
+            "offload": {"resident_blocks": 1, "assisted_updates": True, "assisted_fraction": 0.5},
+        },
+        device="cpu",
+    )
 
 
 def _poison_scratch(engine) -> None:
     """Fill the buffers whose contents never outlive a step with NaN: training after must not see them."""
-    for t in [s.tensor for s in engine.grads.pool.slots] + [engine.streamer.stage] + \
-             [s.tensor for s in engine.streamer.pool.slots if s.tenant is None] + \
-             [c for s in (engine.device_updates.buffers or ()) for c in s] + list(engine.device_updates.cast or ()):
+    for t in (
+        [s.tensor for s in engine.grads.pool.slots]
+        + [engine.streamer.stage]
+        + [s.tensor for s in engine.streamer.pool.slots if s.tenant is None]
+        + [c for s in (engine.device_updates.buffers or ()) for c in s]
+        + list(engine.device_updates.cast or ())
+    ):
         t.fill_(float("nan"))
 
 
@@ -190,18 +209,20 @@ def test_round_trip_of_a_streaming_engine_is_bitwise_also_between_backward_and_s
     plain.close()
 
     engine = _streaming_engine()
-    assert engine.streamer.pool is not None and engine.grads.pool is not None and engine.device_updates.buffers is not None
+    assert (
+        engine.streamer.pool is not None and engine.grads.pool is not None and engine.device_updates.buffers is not None
+    )
     assert engine.streamer.stage is not None
     got = []
     for i, mbs in enumerate(data):
         losses = []
         for j, mb in enumerate(mbs):
             out = engine(**mb)
-            if j == 0 and i == 1:       # mid-window: the first micro-batch's activations are held
+            if j == 0 and i == 1:  # mid-window: the first micro-batch's activations are held
                 with pytest.raises(RuntimeError, match="middle of an accumulation window"):
                     engine.offload_states()
             engine.backward(out.loss)
-            if j == 1 and i == 2:       # the boundary's backward done, its step() pending
+            if j == 1 and i == 2:  # the boundary's backward done, its step() pending
                 before = _state(engine)
                 engine.offload_states(pin_memory=False)
                 engine.reload_states()
@@ -212,8 +233,11 @@ def test_round_trip_of_a_streaming_engine_is_bitwise_also_between_backward_and_s
         if i in (0, 2):
             stored = engine.streamer.pool.slots[0].tensor.untyped_storage()
             engine.offload_states()
-            assert (stored.nbytes(), _nbytes(engine.device_updates.buffers[0][0]), _nbytes(engine.grads.pool.slots[0].tensor)) == \
-                (0, 0, 0)
+            assert (
+                stored.nbytes(),
+                _nbytes(engine.device_updates.buffers[0][0]),
+                _nbytes(engine.grads.pool.slots[0].tensor),
+            ) == (0, 0, 0)
             engine.reload_states()
             _poison_scratch(engine)
     assert got == want
@@ -251,11 +275,13 @@ def test_refusals_as_deepspeed_makes_them(caplog):
 
     torch.manual_seed(0)
     model = SimpleModel(8)
-    cfg = _ds_config(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"},
-                                        "offload_optimizer": {"device": "cpu"}})
+    cfg = _ds_config(
+        zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, device="cpu")
-    with pytest.raises(AssertionError, match="Moving states across devices is not supported for offloaded "
-                                             "parameters.*offload_param"):
+    with pytest.raises(
+        AssertionError, match="Moving states across devices is not supported for offloaded parameters.*offload_param"
+    ):
         engine.offload_states()
     engine.close()
 
@@ -271,8 +297,9 @@ def test_gpu_memory_drops_after_offload_and_rises_after_reload(pin_memory, non_b
     def engine_of():
         torch.manual_seed(0)
         model = SimpleModel(256, nlayers=4)
-        e, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_ds_config("bf16"),
-                                     device="cuda")
+        e, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=_ds_config("bf16"), device="cuda"
+        )
         return e
 
     plain = engine_of()
@@ -281,12 +308,12 @@ def test_gpu_memory_drops_after_offload_and_rises_after_reload(pin_memory, non_b
     engine = engine_of()
     got = []
     for kinds in (None, [OffloadStateTypeEnum.optim_states], None, [OffloadStateTypeEnum.lp_params]):
-        got += _simple_run(engine, data[len(got):len(got) + 1])
+        got += _simple_run(engine, data[len(got) : len(got) + 1])
         before = get_accelerator().memory_allocated()
         engine.offload_states(include=kinds, pin_memory=pin_memory, non_blocking=non_blocking)
         after = get_accelerator().memory_allocated()
         assert after < before, (kinds, before, after)
-        if kinds is None:          # everything the engine holds: its weights, moments and masters at least
+        if kinds is None:  # everything the engine holds: its weights, moments and masters at least
             held = sum(u.numel for u in engine.units) * (4 * 3 + 2)
             assert before - after >= held, (before, after, held)
         engine.reload_states()

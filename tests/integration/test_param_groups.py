@@ -23,12 +23,17 @@ from tests.support import tiny_models as tm
 from zerofit.config import ConfigError
 
 G = 2
-OWN = {"lr": 3e-3, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}   # the third group's own values
+OWN = {"lr": 3e-3, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}  # the third group's own values
 
 
 def _cfg(**kw):
-    base = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    base = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": G,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+    }
     base.update(kw)
     return base
 
@@ -36,8 +41,12 @@ def _cfg(**kw):
 def _group_names(model: nn.Module) -> list[list[str]]:
     """The Hugging Face Trainer's rule (no decay on biases and norm weights), and the MLP's down projections
     (``down_proj``, or ``down`` in tiny_models.Block) in a group of their own: [decay, no decay, own]."""
-    no_decay = {f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() if "Norm" in type(m).__name__
-                for pn, _ in m.named_parameters(recurse=False)}
+    no_decay = {
+        f"{mn}.{pn}" if mn else pn
+        for mn, m in model.named_modules()
+        if "Norm" in type(m).__name__
+        for pn, _ in m.named_parameters(recurse=False)
+    }
     names = [n for n, _ in model.named_parameters()]
     no_decay |= {n for n in names if "bias" in n}
     own = [n for n in names if ("down_proj." in n or ".down." in n) and n not in no_decay]
@@ -48,8 +57,11 @@ def _groups(model: nn.Module, by_name: bool = False) -> list[dict]:
     """torch-format groups of ``model``'s parameters (or their names): decay 0.1, no decay, own lr/betas/eps."""
     params = dict(model.named_parameters())
     decay, no_decay, own = ([n if by_name else params[n] for n in names] for names in _group_names(model))
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-            {"params": own, **OWN}]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        {"params": own, **OWN},
+    ]
 
 
 def _assert_same_weights(engine, ref: nn.Module, exact: bool = False):
@@ -82,8 +94,9 @@ CASES = {
     # (per segment, with each group's values) and redone, deferred steps
     "mixed": dict(gradient_clipping=1.16),
     # deferred updates, every streamed block updated by the device in chunks
-    "always-clipped-assisted": dict(gradient_clipping=0.05,
-                                    offload={"speculative_updates": False, "assisted_fraction": 1.0}),
+    "always-clipped-assisted": dict(
+        gradient_clipping=0.05, offload={"speculative_updates": False, "assisted_fraction": 1.0}
+    ),
     # the DeepSpeed-shaped API: gradients summed on the host, every update at the accumulation boundary
     "deepspeed-api-clipped": dict(gradient_clipping=0.05),
 }
@@ -96,18 +109,21 @@ def test_groups_match_torch_adamw_groups(case, monkeypatch):
     kw = CASES[case]
     rollbacks = []
     real = optimizer_module.adamw_rollback
-    monkeypatch.setattr(optimizer_module, "adamw_rollback",
-                        lambda master, *a: (rollbacks.append(master.numel()), real(master, *a)))
+    monkeypatch.setattr(
+        optimizer_module, "adamw_rollback", lambda master, *a: (rollbacks.append(master.numel()), real(master, *a))
+    )
     steps = 8
     torch.manual_seed(0)
-    model = tm.qwen2()            # attention biases, RMSNorm weights: three segments per block
+    model = tm.qwen2()  # attention biases, RMSNorm weights: three segments per block
     ref = copy.deepcopy(model)
     engine = zerofit.initialize(model, _cfg(**kw), param_groups=_groups(model))
     for u in engine.blocks:
         assert [s.group for s in u.segments] == [0, 1, 2], u.segments
     calls = []
     assisted = engine.device_updates.assisted_update
-    monkeypatch.setattr(engine.device_updates, "assisted_update", lambda unit, dst: (calls.append(unit.name), assisted(unit, dst)))
+    monkeypatch.setattr(
+        engine.device_updates, "assisted_update", lambda unit, dst: (calls.append(unit.name), assisted(unit, dst))
+    )
     data = tm.batches(steps, G)
     step = tm.ds_step if case.startswith("deepspeed") else type(engine).train_batch
     losses = [step(engine, mbs) for mbs in data]
@@ -123,7 +139,7 @@ def test_groups_match_torch_adamw_groups(case, monkeypatch):
     elif case == "mixed":
         assert stats["held"] >= 1 and stats["rolled_back"] >= 2 and stats["waited"] >= 1, stats
         sizes = {s.numel for s in engine.blocks[-1].segments}
-        assert len(rollbacks) >= 6 and sizes <= set(rollbacks), (sizes, rollbacks)   # per segment, every segment
+        assert len(rollbacks) >= 6 and sizes <= set(rollbacks), (sizes, rollbacks)  # per segment, every segment
     elif case == "always-clipped-assisted":
         chunk = engine.device_updates.buffers[0][0].numel()
         streamed = [u for u in engine.blocks if u.home.name == "STREAMED"]
@@ -137,14 +153,17 @@ def test_groups_match_torch_adamw_groups(case, monkeypatch):
         plain = tm.qwen2()
         tm.reference_train(plain, data, clip=clip)
         for names in _group_names(ref):
-            assert any(not torch.allclose(ref.get_parameter(n), plain.get_parameter(n), rtol=1.3e-6, atol=1e-5)
-                       for n in names), names
+            assert any(
+                not torch.allclose(ref.get_parameter(n), plain.get_parameter(n), rtol=1.3e-6, atol=1e-5) for n in names
+            ), names
     engine.close()
 
 
-@pytest.mark.parametrize("clip,kw", [(0.0, {}), (1e3, {}), (1.16, {}),
-                                     (0.05, {"speculative_updates": False, "assisted_fraction": 1.0})],
-                         ids=["no-clipping", "never-clipped", "mixed", "always-clipped-assisted"])
+@pytest.mark.parametrize(
+    "clip,kw",
+    [(0.0, {}), (1e3, {}), (1.16, {}), (0.05, {"speculative_updates": False, "assisted_fraction": 1.0})],
+    ids=["no-clipping", "never-clipped", "mixed", "always-clipped-assisted"],
+)
 def test_groups_with_the_same_values_change_nothing(clip, kw):
     """Groups that all take the config's values split every unit into segments (and reorder its layout), but
     the math is elementwise with one step count per unit ([Note: one step per unit]): the weights and moments
@@ -155,7 +174,7 @@ def test_groups_with_the_same_values_change_nothing(clip, kw):
         model = tm.qwen2()
         if how == "groups":
             groups = [{"params": g["params"]} for g in _groups(model)]
-        else:     # DeepSpeed's model_parameters=model.parameters(): one group
+        else:  # DeepSpeed's model_parameters=model.parameters(): one group
             groups = list(model.parameters()) if how == "list" else None
         engine = zerofit.initialize(model, _cfg(gradient_clipping=clip, offload=kw), param_groups=groups)
         assert len(engine.blocks[0].segments) == (3 if how == "groups" else 1)
@@ -189,7 +208,7 @@ def test_schedule_scales_every_group_lr_as_lambda_lr():
     ref = copy.deepcopy(model)
     sched = {"type": "cosine", "warmup_steps": 3, "total_steps": 10, "min_lr_ratio": 0.1}
     groups = _groups(model, by_name=True)
-    groups[0]["params"].append("lm_head.weight")     # the tied head, already listed as the embedding
+    groups[0]["params"].append("lm_head.weight")  # the tied head, already listed as the embedding
     engine = zerofit.initialize(model, _cfg(scheduler=sched), param_groups=groups)
     data = tm.batches(10, G)
     losses = [engine.train_batch(mbs) for mbs in data]
@@ -209,8 +228,12 @@ def test_fp16_groups_match_the_fp32_master_reference():
     model = tm.llama(tied=False)
     master = copy.deepcopy(model)
     before = tm.initial_weights(model)
-    cfg = _cfg(precision="fp16", gradient_clipping=clip, optimizer={"lr": lr, "weight_decay": 0.01},
-               fp16={"initial_scale_power": 10, "loss_scale_window": 4, "hysteresis": 2, "min_loss_scale": 1})
+    cfg = _cfg(
+        precision="fp16",
+        gradient_clipping=clip,
+        optimizer={"lr": lr, "weight_decay": 0.01},
+        fp16={"initial_scale_power": 10, "loss_scale_window": 4, "hysteresis": 2, "min_loss_scale": 1},
+    )
     engine = zerofit.initialize(model, cfg, param_groups=_groups(model))
     assert engine.plan.assisted_updates
     mbs = tm.batches(1, G)[0]
@@ -218,8 +241,9 @@ def test_fp16_groups_match_the_fp32_master_reference():
     for _ in range(steps):
         scales.append(engine.scaler.scale)
         losses.append(engine.train_batch(mbs))
-    ref_losses, ref_scales = tm.fp16_reference_train(master, mbs, steps, lr, DynamicLossScaler(2.0**10, 4, 1.0, 2),
-                                                     clip=clip, param_groups=_groups(master))
+    ref_losses, ref_scales = tm.fp16_reference_train(
+        master, mbs, steps, lr, DynamicLossScaler(2.0**10, 4, 1.0, 2), clip=clip, param_groups=_groups(master)
+    )
     assert scales == ref_scales
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
     tm.assert_updates_close(engine, before, master, rtol=0.1)
@@ -238,8 +262,9 @@ def test_groups_survive_the_generic_fallback():
     losses = [engine.train_batch(mbs) for mbs in data]
     assert not engine.adapter.streaming and len(engine.units) == 1
     assert [s.group for s in engine.units[0].segments] == [0, 1, 2]
-    torch.testing.assert_close(torch.tensor(losses),
-                               torch.tensor(tm.reference_train(ref, data, param_groups=_groups(ref))))
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(tm.reference_train(ref, data, param_groups=_groups(ref)))
+    )
     _assert_same_weights(engine, ref)
     engine.close()
 
@@ -252,7 +277,7 @@ def test_checkpoint_with_groups_resumes_bitwise(tmp_path, caplog):
     the same losses and weights, bitwise. Tensors are stored by name: the checkpoint loads into an engine
     without groups too (its layout differs), with a warning that the groups changed."""
     data = tm.batches(6, G)
-    cfg = _cfg(gradient_clipping=0.05)       # rollback, deferred and assisted updates on the way
+    cfg = _cfg(gradient_clipping=0.05)  # rollback, deferred and assisted updates on the way
 
     def fresh(groups=True):
         torch.manual_seed(0)
@@ -313,20 +338,37 @@ def test_refusals_name_the_key_or_the_parameters():
     _refused(model, [{**groups[0], "lr": -1.0}, *groups[1:]], "param_groups[0].lr")
 
     twice = "model.layers.1.mlp.up_proj.weight"
-    msg = _refused(model, [groups[0], {**groups[1], "params": groups[1]["params"] + [params[twice]]}, groups[2]],
-                   twice, "groups 0, 1", "exactly one group")
+    msg = _refused(
+        model,
+        [groups[0], {**groups[1], "params": groups[1]["params"] + [params[twice]]}, groups[2]],
+        twice,
+        "groups 0, 1",
+        "exactly one group",
+    )
     assert msg.count("model.layers") == 1
     # the tied head, by its other name in another group: one parameter in two groups
-    _refused(model, [groups[0], {**groups[1], "params": groups[1]["params"] + ["lm_head.weight"]}, groups[2]],
-             "model.embed_tokens.weight (groups 0, 1)")
+    _refused(
+        model,
+        [groups[0], {**groups[1], "params": groups[1]["params"] + ["lm_head.weight"]}, groups[2]],
+        "model.embed_tokens.weight (groups 0, 1)",
+    )
 
     # parameters in no group are not trained, as torch.optim leaves them ([Note: frozen parameters]): a warning
     # names them; a model with nothing left to train is refused
     _refused(model, [{"params": [], "lr": 1e-3}], "param_groups", "at least one parameter", "every group is empty")
 
-    _refused(model, [*groups, {"params": [nn.Parameter(torch.zeros(3, 4))]}], "param_groups[3].params",
-             "shape [3, 4]", "not one of them")
-    _refused(model, [*groups[:2], {"params": ["model.layers.0.mlp.down_proj.weigth"]}], "param_groups[2].params",
-             "did you mean 'model.layers.0.mlp.down_proj.weight'")
+    _refused(
+        model,
+        [*groups, {"params": [nn.Parameter(torch.zeros(3, 4))]}],
+        "param_groups[3].params",
+        "shape [3, 4]",
+        "not one of them",
+    )
+    _refused(
+        model,
+        [*groups[:2], {"params": ["model.layers.0.mlp.down_proj.weigth"]}],
+        "param_groups[2].params",
+        "did you mean 'model.layers.0.mlp.down_proj.weight'",
+    )
     _refused(model, [*groups[:2], {"lr": 1e-3}], "param_groups[2].params")
     _refused(model, {"params": list(model.parameters())}, "param_groups", "a dict")

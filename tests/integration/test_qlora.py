@@ -21,18 +21,23 @@ from tests.support import tiny_models as tm
 
 peft = pytest.importorskip("peft")
 bnb = pytest.importorskip("bitsandbytes")
+import bitsandbytes.functional as bf  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
-import bitsandbytes.functional as bf  # noqa: E402
 from zerofit.engine.nf4 import Packed, QuantError, nbytes  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 G = 2
 LR = 1e-2
-CFG = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-       "optimizer": {"lr": LR, "weight_decay": 0.01}}
+CFG = {
+    "device": "cpu",
+    "precision": "fp32",
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": G,
+    "optimizer": {"lr": LR, "weight_decay": 0.01},
+}
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
 
 
@@ -46,8 +51,12 @@ def model_dir(tmp_path_factory):
 
 def _bnb_model(path, seed: int = 1):
     """bitsandbytes' QLoRA, as its users write it: the 4-bit model, prepare_model_for_kbit_training, PEFT."""
-    cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                             bnb_4bit_compute_dtype=torch.float32)
+    cfg = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     q = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg, device_map="cpu", dtype=torch.float32)
     q = prepare_model_for_kbit_training(q, use_gradient_checkpointing=False)
     torch.manual_seed(seed)
@@ -57,8 +66,7 @@ def _bnb_model(path, seed: int = 1):
 
 
 def _reference(model, data) -> list[float]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01,
-                            fused=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01, fused=True)
     out = []
     for mbs in data:
         opt.zero_grad()
@@ -74,8 +82,11 @@ def _reference(model, data) -> list[float]:
 
 def _codes(model) -> dict[str, torch.Tensor]:
     """Each Linear4bit's packed codes, by the PEFT model's parameter name."""
-    return {n + ".weight": m.weight.data.reshape(-1).clone() for n, m in model.named_modules()
-            if type(m).__name__ == "Linear4bit"}
+    return {
+        n + ".weight": m.weight.data.reshape(-1).clone()
+        for n, m in model.named_modules()
+        if type(m).__name__ == "Linear4bit"
+    }
 
 
 def _adapters(model) -> dict[str, torch.Tensor]:
@@ -100,8 +111,8 @@ def test_a_bitsandbytes_4bit_peft_model_trains_bitwise_as_bitsandbytes_qlora(mod
     want = _reference(ref, data)
     engine = zerofit.initialize(mine, CFG)
     held = [u for u in engine.blocks if u.nf4 is not None]
-    assert len(held) == 3 and engine.shell.nf4 is None          # bitsandbytes leaves lm_head in 16 bits
-    for u in held:       # the packed codes are the Linear4bit's, byte for byte
+    assert len(held) == 3 and engine.shell.nf4 is None  # bitsandbytes leaves lm_head in 16 bits
+    for u in held:  # the packed codes are the Linear4bit's, byte for byte
         prefix = engine.adapter.block_prefix(u.index) + "."
         for i, n in enumerate(u.nf4.names):
             assert torch.equal(u.nf4.packed(i).data, codes[prefix + n]), n
@@ -118,8 +129,8 @@ def test_a_bitsandbytes_4bit_peft_model_trains_bitwise_as_bitsandbytes_qlora(mod
 
 def _engine_over_dir(model_dir, precision: str = "fp32", **cfg):
     """What `zerofit train --model DIR --qlora` builds: PEFT over the meta model, the base read from the files."""
-    from zerofit.engine.engine import Engine
     from zerofit.config import load_config
+    from zerofit.engine.engine import Engine
     from zerofit.lora.model import from_model_dir
     from zerofit.lora.options import LoraOptions
 
@@ -136,14 +147,14 @@ def test_qlora_over_a_16bit_folder_quantizes_as_bitsandbytes_loading_does_and_tr
     engine = _engine_over_dir(model_dir)
     ref = _bnb_model(model_dir)
     codes = _codes(ref)
-    with torch.no_grad():        # the reference starts from zerofit's adapters (PEFT's init, zerofit's seed)
+    with torch.no_grad():  # the reference starts from zerofit's adapters (PEFT's init, zerofit's seed)
         start = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
         for n, p in ref.named_parameters():
             if p.requires_grad:
                 p.copy_(start[n])
     for u in engine.blocks:
         prefix = engine.adapter.block_prefix(u.index) + "."
-        assert u.nf4 is not None and len(u.nf4.names) == 7           # q k v o gate up down
+        assert u.nf4 is not None and len(u.nf4.names) == 7  # q k v o gate up down
         for i, n in enumerate(u.nf4.names):
             assert torch.equal(u.nf4.packed(i).data, codes[prefix + n]), n
     msd = engine.master_state_dict()
@@ -165,9 +176,17 @@ def test_the_host_holds_the_nf4_base_at_half_a_byte_a_parameter_as_planned(tmp_p
     from zerofit.estimate import estimate
 
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=97,
-                                        max_position_embeddings=64))
+    base = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=97,
+            max_position_embeddings=64,
+        )
+    )
     base.save_pretrained(tmp_path / "wide")
     engine = _engine_over_dir(tmp_path / "wide", precision="bf16")
     q_numel = sum(s.numel for u in engine.units if u.nf4 is not None for s in u.nf4.specs)
@@ -183,8 +202,13 @@ def test_the_host_holds_the_nf4_base_at_half_a_byte_a_parameter_as_planned(tmp_p
     plain = sum(u.frozen_host.numel() * u.frozen_host.element_size() for u in engine.units if u.frozen is not None)
     assert all(u.frozen_host.dtype == torch.bfloat16 for u in engine.units if u.frozen is not None)
     assert engine.plan.host_bytes["frozen_weights"] == plain + q_bytes
-    est = estimate(str(tmp_path / "wide"), {**CFG, "precision": "bf16", "quantize_base": "nf4"}, measure=False,
-                   gpu=False, lora=dict(r=4, alpha=8, targets="all-linear"))
+    est = estimate(
+        str(tmp_path / "wide"),
+        {**CFG, "precision": "bf16", "quantize_base": "nf4"},
+        measure=False,
+        gpu=False,
+        lora=dict(r=4, alpha=8, targets="all-linear"),
+    )
     assert est.plan.host_bytes["frozen_weights"] == plain + q_bytes
     assert sum(est.shape.nf4_numels) == q_numel and sum(est.shape.nf4_bytes) == q_bytes
     engine.close()
@@ -202,14 +226,19 @@ def test_the_adapter_out_loads_on_bitsandbytes_base_and_the_merge_is_into_the_de
     for mbs in data:
         engine.train_batch(mbs)
     engine.save_pretrained(tmp_path / "adapter")
-    cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                             bnb_4bit_compute_dtype=torch.float32)
-    fresh = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=cfg, device_map="cpu",
-                                                 dtype=torch.float32)
+    cfg = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    fresh = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=cfg, device_map="cpu", dtype=torch.float32
+    )
     loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter")
     mb = tm.batches(1, 1, seed=9)[0][0]
     ref.eval()
-    loaded.train()         # (bitsandbytes' CPU inference path repacks the weights: compare in training mode)
+    loaded.train()  # (bitsandbytes' CPU inference path repacks the weights: compare in training mode)
     ref.train()
     with torch.no_grad():
         assert torch.equal(loaded(**mb).logits, ref(**mb).logits)
@@ -250,7 +279,7 @@ def test_refusals_come_before_anything_is_allocated(model_dir, monkeypatch):
     naming what to do."""
     torch.manual_seed(0)
     with pytest.raises(QuantError, match="no frozen nn.Linear"):
-        zerofit.initialize(tm.llama(), {**CFG, "quantize_base": "nf4"})        # everything trains
+        zerofit.initialize(tm.llama(), {**CFG, "quantize_base": "nf4"})  # everything trains
     model = tm.llama()
     for n, p in model.named_parameters():
         p.requires_grad_("layers.0." in n and "norm" in n)
@@ -263,7 +292,7 @@ def test_refusals_come_before_anything_is_allocated(model_dir, monkeypatch):
     engine.close()
     import sys
 
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)     # an import of it now fails, as where it is absent
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import of it now fails, as where it is absent
     monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
     with pytest.raises(QuantError, match=r"needs bitsandbytes.*zerofit\[qlora\]"):
         _engine_over_dir(model_dir)
@@ -278,13 +307,13 @@ def test_a_meta_model_without_files_is_initialized_then_quantized():
         base = tm.llama(tied=False)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     for n, p in list(model.named_parameters()):
-        if p.is_meta and p.requires_grad:         # the adapters real (as bench/common.py's init_meta_adapters)
+        if p.is_meta and p.requires_grad:  # the adapters real (as bench/common.py's init_meta_adapters)
             mod, _, leaf = n.rpartition(".")
             model.get_submodule(mod)._parameters[leaf] = torch.nn.Parameter(torch.randn(p.shape) * 0.02)
     engine = zerofit.initialize(model, {**CFG, "quantize_base": "nf4"})
     w = engine.master_state_dict()["base_model.model.model.layers.0.mlp.up_proj.weight"]
     std = LlamaForCausalLM.config_class().initializer_range
-    assert w.dtype == torch.float32 and 0.5 * std < float(w.std()) < 1.5 * std      # the model's init, dequantized
+    assert w.dtype == torch.float32 and 0.5 * std < float(w.std()) < 1.5 * std  # the model's init, dequantized
     losses = [engine.train_batch(mbs) for mbs in tm.batches(2, G)]
     assert all(torch.isfinite(torch.tensor(losses)))
     engine.close()
@@ -294,18 +323,23 @@ def test_the_deepspeed_door_and_the_hf_trainer_take_a_4bit_peft_model(model_dir,
     """The other doors, with a BitsAndBytesConfig PEFT model as written for them: zerofit.deepspeed.initialize
     (the tutorial's loop) bitwise bitsandbytes' QLoRA on plain PyTorch in its weights; zerofit.hf.Trainer against
     transformers' own Trainer over the same 4-bit model, every adapter bitwise."""
-    import zerofit.deepspeed as deepspeed
-    import zerofit.hf
     from transformers import Trainer as PlainTrainer
     from transformers import TrainingArguments, default_data_collator
 
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": G, "gradient_clipping": 0.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    import zerofit.deepspeed as deepspeed
+    import zerofit.hf
+
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
     ref, mine = _bnb_model(model_dir), _bnb_model(model_dir)
-    engine, *_ = deepspeed.initialize(model=mine, model_parameters=filter(lambda p: p.requires_grad,
-                                                                            mine.parameters()),
-                                      config=ds, device="cpu")
+    engine, *_ = deepspeed.initialize(
+        model=mine, model_parameters=filter(lambda p: p.requires_grad, mine.parameters()), config=ds, device="cpu"
+    )
     data = tm.batches(3, G)
     losses = [tm.ds_step(engine, mbs) for mbs in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference(ref, data)), rtol=0, atol=1e-6)
@@ -316,15 +350,34 @@ def test_the_deepspeed_door_and_the_hf_trainer_take_a_4bit_peft_model(model_dir,
     train = [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(8)]
 
     def args(out):
-        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                 learning_rate=2e-3, max_grad_norm=0.0, num_train_epochs=1, logging_steps=1,
-                                 save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=7)
+        return TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=2e-3,
+            max_grad_norm=0.0,
+            num_train_epochs=1,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=7,
+        )
 
-    plain = PlainTrainer(model=_bnb_model(model_dir), args=args(tmp_path / "plain"), train_dataset=train,
-                         data_collator=default_data_collator)
+    plain = PlainTrainer(
+        model=_bnb_model(model_dir),
+        args=args(tmp_path / "plain"),
+        train_dataset=train,
+        data_collator=default_data_collator,
+    )
     plain.train()
-    zf = zerofit.hf.Trainer(model=_bnb_model(model_dir), args=args(tmp_path / "zf"), train_dataset=train,
-                            data_collator=default_data_collator)
+    zf = zerofit.hf.Trainer(
+        model=_bnb_model(model_dir),
+        args=args(tmp_path / "zf"),
+        train_dataset=train,
+        data_collator=default_data_collator,
+    )
     zf.train()
     a = [e["loss"] for e in plain.state.log_history if "loss" in e]
     b = [e["loss"] for e in zf.state.log_history if "loss" in e]

@@ -23,12 +23,17 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 from zerofit.cli import app  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 G = 2
 LR = 1e-2
-CFG = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G,
-       "optimizer": {"lr": LR, "weight_decay": 0.01}}
+CFG = {
+    "device": "cpu",
+    "precision": "fp32",
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": G,
+    "optimizer": {"lr": LR, "weight_decay": 0.01},
+}
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
 FORMS = {  # name: (quant_type, double quantization, quant_storage, max_shard_size)
     "nf4-double-uint8": ("nf4", True, torch.uint8, None),
@@ -44,8 +49,9 @@ def folders(tmp_path_factory):
     base = make_model_dir(root / "fp32", "llama", torch.float32, layers=3)
     out = {"fp32": base}
     for name, (kind, double, storage, shard) in FORMS.items():
-        q = AutoModelForCausalLM.from_pretrained(base, quantization_config=_bnb(kind, double, storage),
-                                                 dtype=torch.float32)
+        q = AutoModelForCausalLM.from_pretrained(
+            base, quantization_config=_bnb(kind, double, storage), dtype=torch.float32
+        )
         q.save_pretrained(root / name, **({"max_shard_size": shard} if shard else {}))
         for f in base.glob("tok*"):
             (root / name / f.name).write_bytes(f.read_bytes())
@@ -54,15 +60,20 @@ def folders(tmp_path_factory):
 
 
 def _bnb(kind="nf4", double=True, storage=torch.uint8):
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=double,
-                              bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=storage)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=kind,
+        bnb_4bit_use_double_quant=double,
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=storage,
+    )
 
 
 def _peft_over(folder, seed=1):
     """PEFT over ``from_pretrained(FOLDER)``: the folder's Linear4bit layers as bitsandbytes loads them."""
     q = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu")
     torch.manual_seed(seed)
-    return get_peft_model(q, LoraConfig(**LORA)).train()   # (no dropout: train mode is the math of eval here)
+    return get_peft_model(q, LoraConfig(**LORA)).train()  # (no dropout: train mode is the math of eval here)
 
 
 def _engine_over(folder):
@@ -99,7 +110,7 @@ def test_a_4bit_folder_is_read_byte_for_byte(folders, form):
     seen = 0
     for u in engine.blocks:
         prefix = engine.adapter.block_prefix(u.index) + "."
-        assert u.nf4 is not None and len(u.nf4.names) == 7            # q k v o gate up down
+        assert u.nf4 is not None and len(u.nf4.names) == 7  # q k v o gate up down
         for i, n in enumerate(u.nf4.names):
             got, w = u.nf4.packed(i), want[prefix + n]
             qs = w.quant_state
@@ -126,8 +137,7 @@ def test_lora_over_a_4bit_folder_trains_as_peft_over_from_pretrained_and_its_ada
     data = tm.batches(3, G, seed=4)
     ref = _peft_over(folder)
     start = {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.01,
-                            fused=True)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.01, fused=True)
     want = []
     for mbs in data:
         opt.zero_grad()
@@ -154,8 +164,9 @@ def test_lora_over_a_4bit_folder_trains_as_peft_over_from_pretrained_and_its_ada
         engine.close()
         # (in train mode, without dropout: in eval bitsandbytes' CPU backend repacks the weights for its own
         # inference kernel, in bf16, on both models alike)
-        fresh = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                                          tmp_path / build).train()
+        fresh = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tmp_path / build
+        ).train()
         ids = data[0][0]["input_ids"]
         with torch.no_grad():
             assert torch.equal(fresh(input_ids=ids).logits, ref(input_ids=ids).logits), build
@@ -167,10 +178,32 @@ def test_zerofit_train_lora_over_a_4bit_folder_and_the_merge_says_it_is_dequanti
     book = tmp_path / "book.txt"
     book.write_text("The quick brown fox jumps over the lazy dog. " * 80)
     run = tmp_path / "run"
-    r = CliRunner().invoke(app, ["train", "--model", str(folders["fp4-double-sharded"]), "--data", str(book),
-                                 "--output", str(run), "--lora", "--device", "cpu", "--steps", "2",
-                                 "--micro-batch-size", "1", "--grad-accum", "1", "--seq-len", "32",
-                                 "--precision", "fp32", "--no-progress"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            str(folders["fp4-double-sharded"]),
+            "--data",
+            str(book),
+            "--output",
+            str(run),
+            "--lora",
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--micro-batch-size",
+            "1",
+            "--grad-accum",
+            "1",
+            "--seq-len",
+            "32",
+            "--precision",
+            "fp32",
+            "--no-progress",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
     merged = tmp_path / "merged"
@@ -179,7 +212,7 @@ def test_zerofit_train_lora_over_a_4bit_folder_and_the_merge_says_it_is_dequanti
     assert "dequantized" in r.output, r.output
     cfg = json.loads((merged / "config.json").read_text())
     assert "quantization_config" not in cfg
-    AutoModelForCausalLM.from_pretrained(merged)           # a plain 16-bit model
+    AutoModelForCausalLM.from_pretrained(merged)  # a plain 16-bit model
 
 
 def _rewrite(folder, dst, change):
@@ -198,9 +231,26 @@ def _rewrite(folder, dst, change):
 
 def _refused(folder, *fragments):
     (folder.parent / "book.txt").write_text("words and more words. " * 50)
-    r = CliRunner().invoke(app, ["train", "--model", str(folder), "--data", str(folder.parent / "book.txt"),
-                                 "--output", str(folder / "run"), "--lora", "--device", "cpu", "--steps", "1",
-                                 "--seq-len", "16", "--no-progress"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            str(folder),
+            "--data",
+            str(folder.parent / "book.txt"),
+            "--output",
+            str(folder / "run"),
+            "--lora",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--seq-len",
+            "16",
+            "--no-progress",
+        ],
+    )
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.splitlines() if fragments[0] in line]
     assert "Traceback" not in r.output and lines, r.output
@@ -218,8 +268,11 @@ def test_bad_4bit_folders_are_refused_in_one_line_naming_the_file(folders, tmp_p
         t[name + ".quant_state.bitsandbytes__nf4"] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
 
     _refused(_rewrite(folder, tmp_path / "shape", wrong_shape), "model.safetensors", name, "quant state's shape")
-    _refused(_rewrite(folder, tmp_path / "absmax", lambda t: t.pop(name + ".absmax")), name + ".absmax",
-             "is not in the folder")
+    _refused(
+        _rewrite(folder, tmp_path / "absmax", lambda t: t.pop(name + ".absmax")),
+        name + ".absmax",
+        "is not in the folder",
+    )
     sharded = folders["fp4-double-sharded"]
     import shutil
 
@@ -230,9 +283,13 @@ def test_bad_4bit_folders_are_refused_in_one_line_naming_the_file(folders, tmp_p
     gone = shutil.copytree(sharded, tmp_path / "missing")
     sorted(gone.glob("model-*.safetensors"))[0].unlink()
     _refused(gone, "missing shard")
-    for method, extra, said in (("bitsandbytes", {"load_in_8bit": True}, "8 bits"),
-                                ("gptq", {"bits": 4}, "'gptq'"), ("awq", {"bits": 4}, "'awq'"),
-                                ("fp8", {}, "'fp8'"), ("compressed-tensors", {}, "'compressed-tensors'")):
+    for method, extra, said in (
+        ("bitsandbytes", {"load_in_8bit": True}, "8 bits"),
+        ("gptq", {"bits": 4}, "'gptq'"),
+        ("awq", {"bits": 4}, "'awq'"),
+        ("fp8", {}, "'fp8'"),
+        ("compressed-tensors", {}, "'compressed-tensors'"),
+    ):
         other = shutil.copytree(folders["fp32"], tmp_path / f"q-{method}-{said.strip(' ')}")
         cfg = json.loads((other / "config.json").read_text())
         cfg["quantization_config"] = {"quant_method": method, **extra}
@@ -252,18 +309,24 @@ def test_the_deepspeed_door_and_the_hf_trainer_take_peft_over_a_4bit_folder(fold
     """PEFT over ``from_pretrained(FOLDER)`` (its quant states as bitsandbytes loads them from the files) through
     zerofit.deepspeed.initialize, against the same model on plain PyTorch; and zerofit.hf.Trainer against
     transformers' own Trainer, every adapter bitwise."""
-    import zerofit.deepspeed as deepspeed
-    import zerofit.hf
     from transformers import Trainer as PlainTrainer
     from transformers import TrainingArguments, default_data_collator
 
+    import zerofit.deepspeed as deepspeed
+    import zerofit.hf
+
     folder = folders["nf4-bf16-storage"]
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": G, "gradient_clipping": 0.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
     ref, mine = _peft_over(folder), _peft_over(folder)
-    engine, *_ = deepspeed.initialize(model=mine, config=ds, device="cpu",
-                                      model_parameters=[p for p in mine.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(
+        model=mine, config=ds, device="cpu", model_parameters=[p for p in mine.parameters() if p.requires_grad]
+    )
     data = tm.batches(2, G)
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.01, fused=True)
     for mbs in data:
@@ -283,15 +346,31 @@ def test_the_deepspeed_door_and_the_hf_trainer_take_peft_over_a_4bit_folder(fold
     train = [{"input_ids": (ids := torch.randint(0, tm.VOCAB, (16,), generator=g)), "labels": ids} for _ in range(8)]
 
     def args(out):
-        return TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                 learning_rate=2e-3, max_grad_norm=0.0, num_train_epochs=1, logging_steps=1,
-                                 save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=7)
+        return TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=2e-3,
+            max_grad_norm=0.0,
+            num_train_epochs=1,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=7,
+        )
 
-    plain = PlainTrainer(model=_peft_over(folder), args=args(tmp_path / "plain"), train_dataset=train,
-                         data_collator=default_data_collator)
+    plain = PlainTrainer(
+        model=_peft_over(folder),
+        args=args(tmp_path / "plain"),
+        train_dataset=train,
+        data_collator=default_data_collator,
+    )
     plain.train()
-    zf = zerofit.hf.Trainer(model=_peft_over(folder), args=args(tmp_path / "zf"), train_dataset=train,
-                            data_collator=default_data_collator)
+    zf = zerofit.hf.Trainer(
+        model=_peft_over(folder), args=args(tmp_path / "zf"), train_dataset=train, data_collator=default_data_collator
+    )
     zf.train()
     _assert_same_adapters(zf.zerofit_engine.module, plain.model)
 
@@ -337,8 +416,16 @@ def test_loading_a_4bit_base_holds_the_plan_plus_one_tensor(tmp_path, source):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=8000, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8000,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "sixteen", max_shard_size="40MB")
     path = tmp_path / "sixteen"
     if source == "4-bit folder":
@@ -346,14 +433,18 @@ def test_loading_a_4bit_base_holds_the_plan_plus_one_tensor(tmp_path, source):
         q.save_pretrained(tmp_path / "four", max_shard_size="40MB")
         del q
         path = tmp_path / "four"
-    block_linears = 8 * (4 * 512 * 512 // 2 + 3 * 512 * 1408)       # (grouped k/v: half of q's)
+    block_linears = 8 * (4 * 512 * 512 // 2 + 3 * 512 * 1408)  # (grouped k/v: half of q's)
     largest = 8000 * 512 * 4
     repo = Path(__file__).resolve().parents[2] / "src"
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT.format(repo=str(repo), path=str(path),
-                                                                   qlora=source != "4-bit folder")],
-                         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT.format(repo=str(repo), path=str(path), qlora=source != "4-bit folder")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     grown, slack = r["peak"] - r["base"], 48 << 20
     assert grown <= r["planned"] + largest + slack, (grown, r)
-    assert r["nf4"] < block_linears and grown < r["planned"] + 2 * block_linears, (grown, r)   # no 16-bit base held
+    assert r["nf4"] < block_linears and grown < r["planned"] + 2 * block_linears, (grown, r)  # no 16-bit base held

@@ -12,8 +12,8 @@ embedding's after the blocks), equal to rounding, not bitwise (docs/fsdp.md)."""
 from __future__ import annotations
 
 import copy
-import math
 import functools
+import math
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ from zerofit.fsdp import FullyShardedDataParallel as FSDP
 from zerofit.fsdp import fully_shard
 from zerofit.userloop import UserLoopError
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 LR = 1e-2
 
@@ -79,13 +79,17 @@ def test_fsdp1_shaped_loop_is_plain_pytorch_bitwise(G, window):
     ref = _model()
     base = copy.deepcopy(ref)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
-    model = FSDP(base, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True),
-                 zerofit_config={"gradient_accumulation_steps": window})
+    model = FSDP(
+        base,
+        auto_wrap_policy=policy,
+        cpu_offload=CPUOffload(offload_params=True),
+        zerofit_config={"gradient_accumulation_steps": window},
+    )
     assert all(u.home.name == "STREAMED" for u in model.zerofit_engine.blocks)
     data = tm.batches(4, G)
     got = _loop(model, data, clip=lambda m, c: m.clip_grad_norm_(c), sched=True)
     want = _loop(ref, data, clip=_torch_clip, sched=True)
-    assert got == want and all(n > 0.5 for _, n in want)        # every step clipped
+    assert got == want and all(n > 0.5 for _, n in want)  # every step clipped
     _assert_weights(model.state_dict(), ref)
 
 
@@ -135,6 +139,7 @@ def test_the_learnt_window_holds_the_most_that_fit_and_takes_the_rest_one_at_a_t
         if G > 2:
             raise PlanError(f"checkpoints of {G} micro-batches do not fit (the test's)")
         return real(self, G)
+
     monkeypatch.setattr(Planning, "hold_for", hold_for)
     ref = _model()
     model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
@@ -164,8 +169,11 @@ def test_a_window_of_the_loops_micro_batches_takes_the_norms_on_the_device_and_c
     as its gradient is handed over and its multiply waits for its update; a second clip (or an unscale) before
     the step reads the gradients the first one clipped, as torch's do."""
     ref = _model()
-    model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True),
-                 zerofit_config={"gradient_accumulation_steps": 2})
+    model = FSDP(
+        copy.deepcopy(ref),
+        cpu_offload=CPUOffload(offload_params=True),
+        zerofit_config={"gradient_accumulation_steps": 2},
+    )
     clip = model.zerofit_engine.stepper.torch_clip
     streamed = {id(u) for u in model.zerofit_engine.blocks if u.home.name == "STREAMED" and u.trains}
     assert streamed
@@ -201,20 +209,25 @@ def test_frozen_parameters_in_the_users_loop_stay_as_they_are_and_the_rest_is_pl
             p.requires_grad_(False)
     before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
-    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True),
-                 zerofit_config={"gradient_accumulation_steps": window})
+    model = FSDP(
+        copy.deepcopy(ref),
+        auto_wrap_policy=policy,
+        cpu_offload=CPUOffload(offload_params=True),
+        zerofit_config={"gradient_accumulation_steps": window},
+    )
     data = tm.batches(3, 3)
     got = _loop(model, data, clip=lambda m, c: m.clip_grad_norm_(c))
-    want = _loop(ref, data, clip=lambda m, c: torch.nn.utils.clip_grad_norm_(
-        [p for p in m.parameters() if p.requires_grad], c))
+    want = _loop(
+        ref, data, clip=lambda m, c: torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.requires_grad], c)
+    )
     assert got == want
     state = model.state_dict()
     _assert_weights(state, ref)
     assert all(torch.equal(state[n], v) for n, v in before.items()) and len(before) >= 4
     eng = model.zerofit_engine
-    held = {n for u in eng.units for n in u.layout.names}        # what the engine trains (has state for)
+    held = {n for u in eng.units for n in u.layout.names}  # what the engine trains (has state for)
     assert not any("q_proj" in n or "embed_tokens" in n for n in held), held
-    assert not eng.blocks[1].trains and eng.blocks[0].trains      # the frozen block: no state, no gradient
+    assert not eng.blocks[1].trains and eng.blocks[0].trains  # the frozen block: no state, no gradient
 
 
 def test_fsdp2_shaped_loop_is_plain_pytorch_bitwise():
@@ -228,8 +241,7 @@ def test_fsdp2_shaped_loop_is_plain_pytorch_bitwise():
     assert out is model and type(model).__name__ == "FSDPLlamaForCausalLM"
     assert isinstance(model, type(ref))
     data = tm.batches(3, 2)
-    got = _loop(model, data, clip=_torch_clip, sched=True,
-                sync=lambda m, last: m.set_requires_gradient_sync(last))
+    got = _loop(model, data, clip=_torch_clip, sched=True, sync=lambda m, last: m.set_requires_gradient_sync(last))
     assert got == _loop(ref, data, clip=_torch_clip, sched=True)
     _assert_weights(model.zerofit_engine.master_state_dict(), ref)
 
@@ -237,15 +249,26 @@ def test_fsdp2_shaped_loop_is_plain_pytorch_bitwise():
 def test_bf16_mixed_precision_is_the_engines_own_bf16():
     """MixedPrecision(param_dtype=torch.bfloat16): bf16 compute over fp32 masters, the same arithmetic as the
     engine's train_batch in bf16 (torch's autocast rounds elsewhere: to rounding against it)."""
-    ref = zerofit.initialize(_model(), {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
-                                        "gradient_accumulation_steps": 2,
-                                        "optimizer": {"lr": LR, "weight_decay": 0.01}})
-    model = FSDP(_model(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
-                 cpu_offload=CPUOffload(offload_params=True), zerofit_config={"gradient_accumulation_steps": 2})
+    ref = zerofit.initialize(
+        _model(),
+        {
+            "device": "cpu",
+            "precision": "bf16",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"lr": LR, "weight_decay": 0.01},
+        },
+    )
+    model = FSDP(
+        _model(),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        cpu_offload=CPUOffload(offload_params=True),
+        zerofit_config={"gradient_accumulation_steps": 2},
+    )
     data = tm.batches(3, 2)
     got = [loss for loss, _ in _loop(model, data)]
     want = [ref.train_batch(mbs) for mbs in data]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)   # (item() means)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)  # (item() means)
     mine, theirs = model.zerofit_engine.master_state_dict(), ref.master_state_dict()
     assert all(torch.equal(mine[n], v) for n, v in theirs.items())
     ref.close()
@@ -261,16 +284,26 @@ def test_fp16_with_a_grad_scaler_and_overflowing_steps_is_the_engines_own_fp16(s
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     G = 2
-    ref = zerofit.initialize(_model(), {"device": "cpu", "precision": "fp16", "micro_batch_size": 2,
-                                        "gradient_accumulation_steps": G, "optimizer": {"lr": LR, "weight_decay": 0.01},
-                                        "fp16": {"initial_scale_power": 24, "hysteresis": 1,
-                                                 "loss_scale_window": 1000}})
-    model = FSDP(_model(), mixed_precision=MixedPrecision(param_dtype=torch.float16),
-                 cpu_offload=CPUOffload(offload_params=True), zerofit_config={"gradient_accumulation_steps": G})
+    ref = zerofit.initialize(
+        _model(),
+        {
+            "device": "cpu",
+            "precision": "fp16",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": G,
+            "optimizer": {"lr": LR, "weight_decay": 0.01},
+            "fp16": {"initial_scale_power": 24, "hysteresis": 1, "loss_scale_window": 1000},
+        },
+    )
+    model = FSDP(
+        _model(),
+        mixed_precision=MixedPrecision(param_dtype=torch.float16),
+        cpu_offload=CPUOffload(offload_params=True),
+        zerofit_config={"gradient_accumulation_steps": G},
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
-    kw = dict(init_scale=2.0 ** 24, growth_interval=1000)
-    scaler = (torch.amp.GradScaler("cpu", **kw) if scaler_cls == "GradScaler"
-              else ShardedGradScaler(device="cpu", **kw))
+    kw = dict(init_scale=2.0**24, growth_interval=1000)
+    scaler = torch.amp.GradScaler("cpu", **kw) if scaler_cls == "GradScaler" else ShardedGradScaler(device="cpu", **kw)
     data = tm.batches(6, G)
     got = []
     for mbs in data:
@@ -284,9 +317,9 @@ def test_fp16_with_a_grad_scaler_and_overflowing_steps_is_the_engines_own_fp16(s
         opt.zero_grad()
         got.append(total / G)
     want = [ref.train_batch(mbs) for mbs in data]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)   # (item() means)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)  # (item() means)
     eng = model.zerofit_engine
-    model(**data[0][0])          # (a forward settles the last step: applied or skipped)
+    model(**data[0][0])  # (a forward settles the last step: applied or skipped)
     assert eng.skipped_steps == ref.skipped_steps > 0 and eng.global_step == ref.global_step > 0
     assert scaler.get_scale() == ref.scaler.scale
     mine, theirs = eng.master_state_dict(), ref.master_state_dict()
@@ -299,12 +332,16 @@ def test_the_fsdp_tutorials_fp16_snippet_with_autocast_runs_as_written():
     under ``torch.autocast(dtype=torch.float16)``, a GradScaler. The autocast over a wrapper of its own dtype is
     FSDP's recipe (the blocks' recompute and backward run under it again): it trains, bitwise the same loop
     without the autocast on this model (whose ops autocast keeps in fp16 here); the same first steps overflow."""
+
     def run(amp: bool):
-        model = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True),
-                     mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
-                     zerofit_config={"gradient_accumulation_steps": 2})
+        model = FSDP(
+            _model(),
+            cpu_offload=CPUOffload(offload_params=True),
+            mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+            zerofit_config={"gradient_accumulation_steps": 2},
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=1000)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=1000)
         losses = []
         for mbs in tm.batches(5, 2):
             for mb in mbs:
@@ -317,7 +354,7 @@ def test_the_fsdp_tutorials_fp16_snippet_with_autocast_runs_as_written():
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-        model(**tm.batches(1, 1)[0][0])      # (a forward settles the last step: applied or skipped)
+        model(**tm.batches(1, 1)[0][0])  # (a forward settles the last step: applied or skipped)
         return losses, model.zerofit_engine.skipped_steps, model.state_dict()
 
     got, skipped, mine = run(True)
@@ -372,7 +409,7 @@ def test_a_sharded_state_dict_saved_with_torch_distributed_checkpoint_resumes_bi
     second, opt2 = wrapped()
     with FSDP.state_dict_type(second, StateDictType.SHARDED_STATE_DICT):
         state = {"model": second.state_dict(), "optim": FSDP.optim_state_dict(second, opt2)}
-        assert len(state["optim"]["state"]) == len(list(second.parameters()))    # zero moments at step 0
+        assert len(state["optim"]["state"]) == len(list(second.parameters()))  # zero moments at step 0
         dcp.load(state, checkpoint_id=tmp_path)
         second.load_state_dict(state["model"])
         FSDP.optim_state_dict_to_load(second, opt2, state["optim"], load_directly=True)
@@ -434,7 +471,7 @@ def test_what_the_engine_cannot_stand_in_for_is_refused_by_name():
     with pytest.raises(UserLoopError, match="param_init_fn"):
         FSDP(_model(), param_init_fn=lambda m: m)
     base = _model()
-    early = torch.optim.AdamW(base.parameters(), lr=LR)       # built before the wrap
+    early = torch.optim.AdamW(base.parameters(), lr=LR)  # built before the wrap
     model = FSDP(base, cpu_offload=CPUOffload(offload_params=True))
     model(**mb).loss.backward()
     with pytest.raises(UserLoopError, match="before it was wrapped"):
@@ -443,10 +480,10 @@ def test_what_the_engine_cannot_stand_in_for_is_refused_by_name():
     with pytest.raises(UserLoopError, match="SGD: zerofit's engine steps AdamW"):
         sgd.step()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    opt.step()                                                 # the gradient of the backward above
+    opt.step()  # the gradient of the backward above
     with pytest.raises(UserLoopError, match="without a backward"):
         opt.step()
-    state = opt.state_dict()["state"]        # torch's AdamW format, from the engine's moments
+    state = opt.state_dict()["state"]  # torch's AdamW format, from the engine's moments
     params = list(model.parameters())
     eng = model.zerofit_engine
     u = eng.blocks[0]
@@ -454,7 +491,9 @@ def test_what_the_engine_cannot_stand_in_for_is_refused_by_name():
     i = [n for n, _ in model.module.named_parameters()].index(name)
     assert torch.equal(state[i]["exp_avg"], u.layout.views(u.exp_avg)[u.layout.names[0]])
     assert float(state[i]["step"]) == 1.0 and len(state) == len(params)
-    held = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True), zerofit_config={"gradient_accumulation_steps": 2})
+    held = FSDP(
+        _model(), cpu_offload=CPUOffload(offload_params=True), zerofit_config={"gradient_accumulation_steps": 2}
+    )
     for _ in range(2):
         held(**mb).loss.backward()
     with pytest.raises(UserLoopError, match="micro-batch 3 of a step"):

@@ -16,14 +16,32 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_w7_engines_run_as_a_dry_run(tmp_path):
     engines = ["zerofit-fsdp1", "zerofit-accelerate-w4", "zerofit-fabric-w4"]
-    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--workload", "smoke", "--engines", ",".join(engines),
-           "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
-                       env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "run.py"),
+        "--workload",
+        "smoke",
+        "--engines",
+        ",".join(engines),
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+    ]
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     results = json.loads((tmp_path / "results_smoke.json").read_text())
     rows = {r["engine"]: r for r in results["results"]}
     assert set(rows) == set(engines), rows.keys()
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r.get("error"))
-        assert r["timeline"]["compute"] > 0 and r["extra"]["trace"], name      # the engine's own timeline
+        assert r["timeline"]["compute"] > 0 and r["extra"]["trace"], name  # the engine's own timeline

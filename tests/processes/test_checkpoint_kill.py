@@ -33,7 +33,7 @@ SHARD = 1 << 20
 
 def _tensors(gen: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(gen)
-    return {f"w{i}": torch.randn(300_000 + 1000 * i, generator=g) for i in range(3)}   # ~3.6 MB fp32
+    return {f"w{i}": torch.randn(300_000 + 1000 * i, generator=g) for i in range(3)}  # ~3.6 MB fp32
 
 
 def _content(tag: str, gen: int) -> Content:
@@ -49,7 +49,7 @@ def _save(root: Path, tag: str, gen: int, workers: int) -> None:
 
 def _fork_saver(root: Path, tag: str, gen: int, pause: str | None) -> int:
     pid = os.fork()
-    if pid == 0:                                    # child: save, then leave without any cleanup
+    if pid == 0:  # child: save, then leave without any cleanup
         code = 0
         try:
             if pause:
@@ -88,7 +88,7 @@ def _check(root: Path, expect: dict[str, set[int]]) -> tuple[str, int]:
 
 
 def _trial(root: Path, same_tag: bool, pause: str | None, delay: float | None) -> tuple[str, int]:
-    _save(root, "step1", 1, workers=1)              # the previous checkpoint
+    _save(root, "step1", 1, workers=1)  # the previous checkpoint
     new = "step1" if same_tag else "step2"
     pid = _fork_saver(root, new, 2, pause)
     if pause:
@@ -112,7 +112,7 @@ def test_sigkill_at_each_phase(tmp_path, phase, same_tag):
     # moves only with the pointer's rename, which comes after the "pointer" phase
     assert gen == (2 if same_tag and phase in ("rename", "pointer") else 1)
     assert tag == "step1"
-    _save(tmp_path, "step3", 3, workers=1)          # the next save removes what the killed one left
+    _save(tmp_path, "step3", 3, workers=1)  # the next save removes what the killed one left
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert _check(tmp_path, {"step1": {1, 2}, "step2": {2}, "step3": {3}}) == ("step3", 3)
 

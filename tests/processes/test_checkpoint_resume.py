@@ -30,8 +30,13 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "resume_run.py"), "resume", str(tmp_path)],
-                       capture_output=True, text=True, env=env, timeout=240)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "support" / "resume_run.py"), "resume", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     straight = torch.load(tmp_path / "save.pt", weights_only=False)
     resumed = torch.load(tmp_path / "resume.pt", weights_only=False)
@@ -58,8 +63,9 @@ def test_the_users_loop_saved_with_torch_save_resumes_in_a_new_process_bitwise(t
     script = ROOT / "tests" / "support" / "userloop_resume.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     for mode in ("save", "resume"):
-        p = subprocess.run([sys.executable, str(script), mode, str(tmp_path)], env=env, capture_output=True,
-                           text=True, timeout=300)
+        p = subprocess.run(
+            [sys.executable, str(script), mode, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+        )
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     want = torch.load(tmp_path / "want.pt", weights_only=False)
     got = torch.load(tmp_path / "got.pt", weights_only=False)

@@ -29,8 +29,11 @@ from zerofit.deepspeed import DeepSpeedUnsupported, UnsupportedAttribute, Unsupp
 from zerofit.deepspeed import accelerator as acc_module
 from zerofit.deepspeed import comm as dist
 from zerofit.deepspeed.launcher import plan
-from zerofit.deepspeed.moe.utils import (has_moe_layers, is_moe_param,
-                                         split_params_into_different_moe_groups_for_optimizer)
+from zerofit.deepspeed.moe.utils import (
+    has_moe_layers,
+    is_moe_param,
+    split_params_into_different_moe_groups_for_optimizer,
+)
 from zerofit.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,20 +44,23 @@ _CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0}
 def _python(code_or_args: list[str], cwd: Path | None = None, **env) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", **env}
     full_env.pop("DS_ACCELERATOR", None)
-    return subprocess.run([sys.executable, *code_or_args], cwd=cwd or ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, *code_or_args], cwd=cwd or ROOT, env=full_env, capture_output=True, text=True, timeout=240
+    )
 
 
 def _llama_groups(model, wd: float) -> list[dict]:
     """DeepSpeed-Chat's get_optimizer_grouped_parameters: decay for weights, none for norms."""
     named = list(model.named_parameters())
-    return [{"params": [p for n, p in named if "norm" not in n], "weight_decay": wd},
-            {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in named if "norm" not in n], "weight_decay": wd},
+        {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- the alias
 
-_ALIAS_CHECKS = r'''
+_ALIAS_CHECKS = r"""
 import importlib, json, sys, types
 import torch
 import zerofit.deepspeed.alias as alias
@@ -113,15 +119,15 @@ try:
 except ImportError as e:
     out["install_after_real"] = str(e)
 print("RESULT" + json.dumps(out))
-'''
+"""
 
 
-@pytest.mark.slow          # a subprocess that imports torch and accelerate: 8-16 s on 2 busy cores
+@pytest.mark.slow  # a subprocess that imports torch and accelerate: 8-16 s on 2 busy cores
 def test_alias_makes_every_deepspeed_import_zerofits_and_never_the_real_one():
     r = _python(["-c", _ALIAS_CHECKS])
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.split("RESULT", 1)[1])
-    assert out["deepspeed_is_zerofit"] and out["spec"] == "zerofit.deepspeed"      # zerofit's own spec restored
+    assert out["deepspeed_is_zerofit"] and out["spec"] == "zerofit.deepspeed"  # zerofit's own spec restored
     assert out["version"] == "0.19.8+zerofit"
     assert out["accelerator"] == ("CUDA_Accelerator" if CUDA else "CPU_Accelerator")
     assert out["same_get_accelerator"] and out["cpu_adam_same"] and out["runtime_zero_is_zero"]
@@ -133,7 +139,7 @@ def test_alias_makes_every_deepspeed_import_zerofits_and_never_the_real_one():
     assert "FusedAdam" in out["refused"]["import deepspeed.ops.lamb"][1]
     assert "get_accelerator" in out["refused"]["import deepspeed.accelerator.real_accelerator"][1]
     assert "deepspeed.comm" in out["loaded"] and "deepspeed.runtime.zero" in out["loaded"]
-    assert out["real_deepspeed_files"] == []              # the real DeepSpeed (installed here) was never read
+    assert out["real_deepspeed_files"] == []  # the real DeepSpeed (installed here) was never read
     assert out["unwrap"]
     assert out["after_uninstall"] == []
     assert "imported already" in out["install_after_real"] and "zerofit.deepspeed.alias" in out["install_after_real"]
@@ -173,7 +179,8 @@ def groups_of(model):
             {"params": [p for p in model.parameters() if p.ndim != 2], "weight_decay": 0.0}]
 '''
 
-_SCRIPT = r'''
+_SCRIPT = (
+    r'''
 """A DeepSpeed training script, as DeepSpeedExamples write them: nothing in it names zerofit."""
 import argparse, json, logging, os, sys
 import torch
@@ -185,7 +192,9 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import log_dist
-''' + _MODEL + r'''
+'''
+    + _MODEL
+    + r"""
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--offload", action="store_true")
@@ -228,7 +237,8 @@ json.dump({"losses": losses, "optimizer": Adam.__name__, "argv": sys.argv[1:], "
            "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR",
                                                   "MASTER_PORT")},
            "rank": dist.get_rank(), "world": dist.get_world_size()}, open(args.out, "w"))
-'''
+"""
+)
 
 
 def _script_model_adamw_losses() -> list[float]:
@@ -257,8 +267,9 @@ def _engine_run(make_optimizer, steps: int = 3) -> tuple[list[float], dict[str, 
     losses and the final weights."""
     torch.manual_seed(0)
     model = tm.llama(layers=2)
-    engine, *_ = zds.initialize(model=model, optimizer=make_optimizer(_llama_groups(model, 0.1)), config=_CFG,
-                                device="cpu")
+    engine, *_ = zds.initialize(
+        model=model, optimizer=make_optimizer(_llama_groups(model, 0.1)), config=_CFG, device="cpu"
+    )
     try:
         losses = [loss.item() for loss in tm.ds_losses(engine, [mbs[0] for mbs in tm.batches(steps, 1)])]
         return losses, {k: v.clone() for k, v in engine.module.state_dict().items()}
@@ -287,60 +298,111 @@ def _torch_adamw_losses(steps: int) -> list[float]:
     return losses
 
 
-@pytest.mark.slow          # a subprocess: torch, zerofit and a training run, 15-40 s on 2 busy cores
+@pytest.mark.slow  # a subprocess: torch, zerofit and a training run, 15-40 s on 2 busy cores
 def test_launcher_runs_an_unmodified_deepspeed_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     (tmp_path / "ds.json").write_text(json.dumps({**_CFG, "zero_optimization": {"stage": 2}}))
     out = tmp_path / "out.json"
-    r = _python(["-m", "zerofit.cli", "deepspeed", "--num_gpus", "1", str(script), "--deepspeed",
-                 "--deepspeed_config", "ds.json", "--offload", "--out", str(out)], cwd=tmp_path)
+    r = _python(
+        [
+            "-m",
+            "zerofit.cli",
+            "deepspeed",
+            "--num_gpus",
+            "1",
+            str(script),
+            "--deepspeed",
+            "--deepspeed_config",
+            "ds.json",
+            "--offload",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(out.read_text())
     assert got["name"] == "zerofit.deepspeed" and got["rank"] == 0 and got["world"] == 1
-    assert got["argv"] == ["--local_rank=0", "--deepspeed", "--deepspeed_config", "ds.json", "--offload", "--out",
-                           str(out)]
-    assert got["env"] == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
-                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert got["argv"] == [
+        "--local_rank=0",
+        "--deepspeed",
+        "--deepspeed_config",
+        "ds.json",
+        "--offload",
+        "--out",
+        str(out),
+    ]
+    assert got["env"] == {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     assert got["optimizer"] == "DeepSpeedCPUAdam"
-    assert got["losses"] == _script_model_adamw_losses()        # bitwise: torch.optim.AdamW's settings, fp32
-    assert "[Rank 0] step 2 loss" in r.stdout                              # log_dist through DeepSpeed's logger
+    assert got["losses"] == _script_model_adamw_losses()  # bitwise: torch.optim.AdamW's settings, fp32
+    assert "[Rank 0] step 2 loss" in r.stdout  # log_dist through DeepSpeed's logger
     assert "running" in r.stderr and "rank 0 of 1" in r.stderr
-
 
 
 def test_launcher_passes_the_scripts_exit_status_and_error(tmp_path):
     """The launcher in a process of its own (in this one, real DeepSpeed may be imported already, and the alias
     refuses to shadow it): the script's own exit status, and its own traceback."""
-    code = ("import sys; from zerofit.deepspeed import alias; from zerofit.deepspeed.launcher import main\n"
-            "try:\n    sys.exit(main(sys.argv[1:]))\nfinally:\n    alias.uninstall(); assert not alias.installed()\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
-                                                             "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    code = (
+        "import sys; from zerofit.deepspeed import alias; from zerofit.deepspeed.launcher import main\n"
+        "try:\n    sys.exit(main(sys.argv[1:]))\nfinally:\n    alias.uninstall(); assert not alias.installed()\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_SIZE",
+            "CROSS_RANK",
+            "CROSS_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     exits, fails = tmp_path / "exits.py", tmp_path / "fails.py"
     exits.write_text("import os, sys\nprint(sys.argv[1:], os.environ['RANK'], sys.path[0])\nsys.exit(3)\n")
     fails.write_text("def f():\n    raise ValueError('boom')\nf()\n")
-    r = subprocess.run([sys.executable, "-c", code, "-q", str(exits), "--x"], env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code, "-q", str(exits), "--x"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 3, r.stderr
     assert r.stdout == f"['--local_rank=0', '--x'] 0 {tmp_path}\n"
-    r = subprocess.run([sys.executable, "-c", code, "-q", "--no_local_rank", str(fails)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code, "-q", "--no_local_rank", str(fails)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     assert f'Traceback (most recent call last):\n  File "{fails}"' in r.stderr and "ValueError: boom" in r.stderr
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--num_gpus", "2", "t.py"], "--num_gpus 2: zerofit deepspeed runs the script in one process"),
-    (["--num_nodes", "2", "t.py"], "--num_nodes 2"),
-    (["--include", "localhost:0,1", "t.py"], "2 GPUs"),
-    (["--include", "worker-1:0", "t.py"], "--include worker-1:0"),
-    (["--hostfile", "hosts", "t.py"], "--hostfile"),
-    (["--force_multi", "t.py"], "--force_multi"),
-    (["--no_python", "t.py"], "--no_python"),
-    (["--autotuning", "tune", "t.py"], "zerofit estimate"),
-    (["--enable_each_rank_log", "logs", "t.py"], "--enable_each_rank_log"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--num_gpus", "2", "t.py"], "--num_gpus 2: zerofit deepspeed runs the script in one process"),
+        (["--num_nodes", "2", "t.py"], "--num_nodes 2"),
+        (["--include", "localhost:0,1", "t.py"], "2 GPUs"),
+        (["--include", "worker-1:0", "t.py"], "--include worker-1:0"),
+        (["--hostfile", "hosts", "t.py"], "--hostfile"),
+        (["--force_multi", "t.py"], "--force_multi"),
+        (["--no_python", "t.py"], "--no_python"),
+        (["--autotuning", "tune", "t.py"], "zerofit estimate"),
+        (["--enable_each_rank_log", "logs", "t.py"], "--enable_each_rank_log"),
+    ],
+)
 def test_launcher_refuses_several_processes_by_name(argv, match):
     with pytest.raises(DeepSpeedUnsupported, match=match):
         plan(argv)
@@ -359,10 +421,26 @@ def test_cli_subcommand_refuses_by_name_with_exit_2_and_has_the_launchers_help()
 
 
 def test_launcher_options_as_deepspeeds_runner_reads_them():
-    p = plan(["--num_gpus", "1", "--num_nodes", "1", "--include", "localhost:1", "--master_port", "29600",
-              "--no_ssh", "train.py", "--num_gpus", "4", "--lr", "1e-4"])
+    p = plan(
+        [
+            "--num_gpus",
+            "1",
+            "--num_nodes",
+            "1",
+            "--include",
+            "localhost:1",
+            "--master_port",
+            "29600",
+            "--no_ssh",
+            "train.py",
+            "--num_gpus",
+            "4",
+            "--lr",
+            "1e-4",
+        ]
+    )
     assert p.script == "train.py" and not p.module
-    assert p.argv == ["--local_rank=0", "--num_gpus", "4", "--lr", "1e-4"]        # after the script: the script's
+    assert p.argv == ["--local_rank=0", "--num_gpus", "4", "--lr", "1e-4"]  # after the script: the script's
     assert p.env["CUDA_VISIBLE_DEVICES"] == "1" and p.env["MASTER_PORT"] == "29600" and p.env["WORLD_SIZE"] == "1"
     p = plan(["--no_local_rank", "--module", "pkg.train"])
     assert p.module and p.script == "pkg.train" and p.argv == [] and "CUDA_VISIBLE_DEVICES" not in p.env
@@ -370,13 +448,18 @@ def test_launcher_options_as_deepspeeds_runner_reads_them():
 
 # ---------------------------------------------------------------------------------------------- ops.adam
 
+
 def _step_by_hand(opt_factory, steps: int = 4) -> list[torch.Tensor]:
     """``steps`` optimizer steps on random gradients, two groups (weight decay on the matrices only)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
     named = list(model.named_parameters())
-    opt = opt_factory([{"params": [p for n, p in named if p.ndim == 2], "weight_decay": 0.1},
-                       {"params": [p for n, p in named if p.ndim == 1], "weight_decay": 0.0}])
+    opt = opt_factory(
+        [
+            {"params": [p for n, p in named if p.ndim == 2], "weight_decay": 0.1},
+            {"params": [p for n, p in named if p.ndim == 1], "weight_decay": 0.0},
+        ]
+    )
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         opt.zero_grad()
@@ -386,10 +469,14 @@ def _step_by_hand(opt_factory, steps: int = 4) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("make", [
-    lambda groups: FusedAdam(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-6),
-    lambda groups: DeepSpeedCPUAdam(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-6),
-], ids=["FusedAdam", "DeepSpeedCPUAdam"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda groups: FusedAdam(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-6),
+        lambda groups: DeepSpeedCPUAdam(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-6),
+    ],
+    ids=["FusedAdam", "DeepSpeedCPUAdam"],
+)
 def test_adam_classes_step_as_torch_adamw_bitwise(make):
     want = _step_by_hand(lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-6))
     got = _step_by_hand(make)
@@ -398,10 +485,12 @@ def test_adam_classes_step_as_torch_adamw_bitwise(make):
 
 def test_adam_w_mode_false_is_torch_adam_with_l2():
     want = _step_by_hand(lambda g: torch.optim.Adam(g, lr=1e-2))
-    assert all(torch.equal(a, b) for a, b in zip(_step_by_hand(lambda g: FusedAdam(g, lr=1e-2, adam_w_mode=False)),
-                                                 want))
-    assert all(torch.equal(a, b) for a, b in zip(_step_by_hand(lambda g: DeepSpeedCPUAdam(g, lr=1e-2,
-                                                                                         adamw_mode=False)), want))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_step_by_hand(lambda g: FusedAdam(g, lr=1e-2, adam_w_mode=False)), want)
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(_step_by_hand(lambda g: DeepSpeedCPUAdam(g, lr=1e-2, adamw_mode=False)), want)
+    )
     # DeepSpeed's defaults: no weight decay (torch.optim.AdamW's is 0.01)
     assert FusedAdam(torch.nn.Linear(2, 2).parameters()).param_groups[0]["weight_decay"] == 0.0
 
@@ -410,7 +499,7 @@ def test_adam_classes_refuse_what_neither_torch_nor_zerofit_does():
     params = list(torch.nn.Linear(2, 2).parameters())
     with pytest.raises(DeepSpeedUnsupported, match=r"FusedAdam\(amsgrad=True\)"):
         FusedAdam(params, amsgrad=True)
-    with pytest.raises(RuntimeError, match="AMSGrad"):         # DeepSpeed raises a RuntimeError for it
+    with pytest.raises(RuntimeError, match="AMSGrad"):  # DeepSpeed raises a RuntimeError for it
         DeepSpeedCPUAdam(params, amsgrad=True)
     with pytest.raises(DeepSpeedUnsupported, match="bias_correction=False"):
         FusedAdam(params, bias_correction=False)
@@ -429,19 +518,23 @@ def test_adam_classes_as_client_optimizer_train_as_torch_adamw(adamw_run):
     weight decay (adam_w_mode=False, weight_decay > 0) is refused by name."""
     ref_losses, ref_weights = adamw_run
     torch.testing.assert_close(torch.tensor(ref_losses), torch.tensor(_torch_adamw_losses(3)), rtol=1.3e-6, atol=0)
-    for make in (lambda g: FusedAdam(g, lr=1e-3, betas=(0.9, 0.95)),
-                 lambda g: DeepSpeedCPUAdam(g, lr=1e-3, betas=(0.9, 0.95))):
+    for make in (
+        lambda g: FusedAdam(g, lr=1e-3, betas=(0.9, 0.95)),
+        lambda g: DeepSpeedCPUAdam(g, lr=1e-3, betas=(0.9, 0.95)),
+    ):
         losses, weights = _engine_run(make)
         assert losses == ref_losses
         assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in weights)
 
     model = tm.llama(layers=2)
     with pytest.raises(DeepSpeedUnsupported, match=r"FusedAdam\.param_groups\[0\]: Adam with weight_decay=0\.1"):
-        zds.initialize(model=model, optimizer=FusedAdam(_llama_groups(model, 0.1), adam_w_mode=False), config=_CFG,
-                       device="cpu")
+        zds.initialize(
+            model=model, optimizer=FusedAdam(_llama_groups(model, 0.1), adam_w_mode=False), config=_CFG, device="cpu"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- accelerator
+
 
 @pytest.fixture
 def fresh_accelerator(monkeypatch):
@@ -518,7 +611,7 @@ def test_cuda_accelerator_answers_as_deepspeeds(fresh_accelerator):
 def test_accelerator_choice_follows_ds_accelerator(fresh_accelerator, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     a = fresh_accelerator.get_accelerator()
-    assert type(a).__name__ == "CUDA_Accelerator" and a.is_available() == CUDA     # as DeepSpeed: asked for, built
+    assert type(a).__name__ == "CUDA_Accelerator" and a.is_available() == CUDA  # as DeepSpeed: asked for, built
     fresh_accelerator._accelerator = None
     monkeypatch.setenv("DS_ACCELERATOR", "xpu")
     with pytest.raises(DeepSpeedUnsupported, match="DS_ACCELERATOR='xpu'"):
@@ -529,20 +622,21 @@ def test_accelerator_choice_follows_ds_accelerator(fresh_accelerator, monkeypatc
 
 # ---------------------------------------------------------------------------------------------- comm
 
+
 def test_comm_is_torch_distributed_for_one_process(monkeypatch):
     import torch.distributed as tdist
 
     assert not tdist.is_initialized()
     monkeypatch.setenv("LOCAL_RANK", "0")
-    dev = "cuda" if CUDA else "cpu"              # nccl with a GPU (as DeepSpeed), gloo on the CPU
+    dev = "cuda" if CUDA else "cpu"  # nccl with a GPU (as DeepSpeed), gloo on the CPU
     try:
-        assert (dist.get_rank(), dist.get_world_size(), dist.get_local_rank()) == (0, 1, 0)   # no group needed
+        assert (dist.get_rank(), dist.get_world_size(), dist.get_local_rank()) == (0, 1, 0)  # no group needed
         assert not dist.is_initialized()
-        dist.barrier()                       # a collective makes the one-process group, as initialize() would
+        dist.barrier()  # a collective makes the one-process group, as initialize() would
         assert dist.is_initialized() and tdist.get_world_size() == 1 and tdist.get_rank() == 0
         assert tdist.get_backend() == ("nccl" if CUDA else "gloo")
         x = torch.arange(4.0, device=dev)
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, log_name="sum", prof=False)        # DeepSpeed's keywords too
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, log_name="sum", prof=False)  # DeepSpeed's keywords too
         dist.all_reduce(x, op=tdist.ReduceOp.MAX)
         assert torch.equal(x, torch.arange(4.0, device=dev))
         out = [torch.zeros(4, device=dev)]
@@ -568,6 +662,7 @@ def test_comm_is_torch_distributed_for_one_process(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- the rest
 
+
 def test_moe_helpers_return_plain_groups_as_deepspeed():
     model = tm.llama(layers=1)
     params = list(model.parameters())
@@ -577,7 +672,7 @@ def test_moe_helpers_return_plain_groups_as_deepspeed():
     same = split_params_into_different_moe_groups_for_optimizer(chat)
     assert same is chat and [g["weight_decay"] for g in same] == [0.1, 0.0]
     assert not any(is_moe_param(p) for p in params) and has_moe_layers(model) == (False, 0)
-    params[0].allreduce = False                      # what DeepSpeed's MoE layer marks an expert parameter with
+    params[0].allreduce = False  # what DeepSpeed's MoE layer marks an expert parameter with
     try:
         with pytest.raises(DeepSpeedUnsupported, match="expert parameters"):
             split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "p"})
@@ -595,8 +690,13 @@ def test_zero_names_scripts_touch():
     assert partition_parameters.Init is zds.zero.Init
     assert [s.name for s in partition_parameters.ZeroParamStatus] == ["AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"]
     assert offload_config.OffloadDeviceEnum.cpu == "cpu"
-    assert [e.name for e in offload_config.OffloadStateTypeEnum] == ["optim_states", "hp_params", "lp_params",
-                                                                     "lp_grads", "contiguous_grad_buffer"]
+    assert [e.name for e in offload_config.OffloadStateTypeEnum] == [
+        "optim_states",
+        "hp_params",
+        "lp_params",
+        "lp_grads",
+        "contiguous_grad_buffer",
+    ]
     with pytest.raises(UnsupportedAttribute, match="deepspeed.zero has no TiledLinear"):
         zds.zero.TiledLinear
 
@@ -612,11 +712,11 @@ def test_utils_logger_log_dist_and_helpers(capsys):
     logger.addHandler(handler)
     try:
         assert logger.name == "DeepSpeed" and logger.level == logging.WARNING and not logger.propagate
-        log_dist("quiet", ranks=[0])                                  # INFO: below DeepSpeed's default level
+        log_dist("quiet", ranks=[0])  # INFO: below DeepSpeed's default level
         log_dist("hello", ranks=[0], level=logging.WARNING)
     finally:
         logger.removeHandler(handler)
-    assert seen == [(logging.WARNING, "[Rank -1] hello")]            # no process group: every rank logs, as -1
+    assert seen == [(logging.WARNING, "[Rank -1] hello")]  # no process group: every rank logs, as -1
     assert list(zip(range(5), RepeatingLoader([1, 2]))) == [(0, 1), (1, 2), (2, 1), (3, 2), (4, 1)]
     model = tm.llama(layers=1)
     mlp = recursive_getattr(model, "model.layers.0.mlp")
@@ -638,8 +738,7 @@ def test_version_passes_deepspeed_version_checks():
 
 
 def test_deepspeed_engine_is_the_type_of_zerofits_engines():
-    engine, *_ = zds.initialize(model=tm.llama(layers=1), config={"train_micro_batch_size_per_gpu": 2},
-                                device="cpu")
+    engine, *_ = zds.initialize(model=tm.llama(layers=1), config={"train_micro_batch_size_per_gpu": 2}, device="cpu")
     try:
         assert isinstance(engine, zds.DeepSpeedEngine) and not isinstance(engine.module, zds.DeepSpeedEngine)
         assert issubclass(type(engine), zds.DeepSpeedEngine) and not issubclass(torch.nn.Module, zds.DeepSpeedEngine)
@@ -649,20 +748,23 @@ def test_deepspeed_engine_is_the_type_of_zerofits_engines():
         zds.DeepSpeedEngine()
 
 
-@pytest.mark.parametrize("where, name, match", [
-    (zds, "init_inference", "engine.module"),
-    (zds, "PipelineModule", "one process"),
-    (zds, "checkpointing", "activation_checkpointing"),
-    (zds, "inference", "engine.module"),
-    (zds.ops, "lamb", "FusedAdam"),
-    (zds.ops, "DeepSpeedTransformerLayer", "does not replace"),
-    (zds.ops.adam, "ZenFlowCPUAdam", "AdamW"),
-    (zds.runtime, "config", "ZerofitConfig"),
-    (zds.utils, "safe_get_full_fp32_param", "engine.module"),
-    (zds.utils, "set_z3_leaf_modules", "drop the call"),
-    (zds.utils, "groups", "one process"),
-    (zds.runtime.utils, "clip_grad_norm_", "gradient_clipping"),
-])
+@pytest.mark.parametrize(
+    "where, name, match",
+    [
+        (zds, "init_inference", "engine.module"),
+        (zds, "PipelineModule", "one process"),
+        (zds, "checkpointing", "activation_checkpointing"),
+        (zds, "inference", "engine.module"),
+        (zds.ops, "lamb", "FusedAdam"),
+        (zds.ops, "DeepSpeedTransformerLayer", "does not replace"),
+        (zds.ops.adam, "ZenFlowCPUAdam", "AdamW"),
+        (zds.runtime, "config", "ZerofitConfig"),
+        (zds.utils, "safe_get_full_fp32_param", "engine.module"),
+        (zds.utils, "set_z3_leaf_modules", "drop the call"),
+        (zds.utils, "groups", "one process"),
+        (zds.runtime.utils, "clip_grad_norm_", "gradient_clipping"),
+    ],
+)
 def test_names_without_an_equivalent_are_refused_by_name(where, name, match):
     with pytest.raises(UnsupportedAttribute, match=f"has no {name}: .*{match}"):
         getattr(where, name)
@@ -674,5 +776,5 @@ def test_unsupported_modules_are_import_errors_naming_themselves():
 
     err = unsupported_module("deepspeed.ops.lamb.fused_lamb")
     assert isinstance(err, ImportError) and isinstance(err, DeepSpeedUnsupported) and isinstance(err, UnsupportedModule)
-    assert err.name == "deepspeed.ops.lamb.fused_lamb" and "FusedAdam" in str(err)     # the package's hint
+    assert err.name == "deepspeed.ops.lamb.fused_lamb" and "FusedAdam" in str(err)  # the package's hint
     assert "docs/migration.md" in str(unsupported_module("deepspeed.something_new"))

@@ -9,8 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.processes.test_ranks import (STEPS, _check, _check_fp16_like_one_process, _check_local_means, _ok,
-                                        _one_process_then_save, _PLACEMENTS, _reference, _run_spec, _cfg, launch)
+from tests.processes.test_ranks import (
+    _PLACEMENTS,
+    STEPS,
+    _cfg,
+    _check,
+    _check_fp16_like_one_process,
+    _check_local_means,
+    _ok,
+    _one_process_then_save,
+    _reference,
+    _run_spec,
+    launch,
+)
 from tests.support import tiny_models as tm
 
 PAGE = 4096
@@ -28,10 +39,18 @@ _RUNS = {
     # FSDP's FULL_SHARD given on several nodes names the full layout (no nodes_layout in the config)
     "fsdp-full": {**_run_spec("fsdp-hybrid"), "strategy": "FULL_SHARD"},
     # the node's share measured on a wider model (its pages at the slices' edges a small part), then hybrid's
-    "wide-full": {"steps": 2, "steps_total": 2, "model": "llama_wide",
-                  "config": _cfg(nodes_layout="full", **_PLACEMENTS["offload"])},
-    "wide-hybrid": {"steps": 2, "steps_total": 2, "model": "llama_wide",
-                    "config": _cfg(nodes_layout="hybrid", **_PLACEMENTS["offload"])},
+    "wide-full": {
+        "steps": 2,
+        "steps_total": 2,
+        "model": "llama_wide",
+        "config": _cfg(nodes_layout="full", **_PLACEMENTS["offload"]),
+    },
+    "wide-hybrid": {
+        "steps": 2,
+        "steps_total": 2,
+        "model": "llama_wide",
+        "config": _cfg(nodes_layout="hybrid", **_PLACEMENTS["offload"]),
+    },
 }
 
 
@@ -97,16 +116,18 @@ def test_each_node_holds_its_slice_of_the_host_state(full_nodes):
         assert sliced + shell - edges <= st["held"] <= sliced + shell + edges + 4 * PAGE, (node, st["held"], sliced)
         assert st["held_after_read"] <= sliced + shell + edges + 4 * PAGE
         assert st["held"] < 0.6 * wide["hybrid"][2 * node]["held"]
-    assert wide["full"][1]["held"] is None       # local rank 0 reads its node's
+    assert wide["full"][1]["held"] is None  # local rank 0 reads its node's
 
 
 def test_three_nodes_in_both_layouts(tmp_path):
     """3 simulated nodes of one rank each: the full layout (clipped) and the hybrid one, in the same processes, as
     plain PyTorch on the global batch of 3; an fp16 overflow in the full layout skipped by every node, as one
     process skips it."""
-    runs = [_full(_run_spec("clip")), {**_run_spec("offload"), "config": {**_run_spec("offload")["config"],
-                                                                          "nodes_layout": "hybrid"}},
-            _full(_run_spec("fp16"))]
+    runs = [
+        _full(_run_spec("clip")),
+        {**_run_spec("offload"), "config": {**_run_spec("offload")["config"], "nodes_layout": "hybrid"}},
+        _full(_run_spec("fp16")),
+    ]
     rcs, errs, (full, hybrid, fp16) = launch(3, {"runs": runs}, tmp_path, timeout=400, per_node=1)
     _ok(rcs, errs)
     assert {st["layout"] for st in full["ranks"]} == {"full"} and {st["layout"] for st in hybrid["ranks"]} == {"hybrid"}
@@ -120,26 +141,53 @@ def test_a_full_layout_checkpoint_moves_between_node_counts(tmp_path):
     layout from it, saved and exported; 2 on 2 nodes of one rank (full) from that, saved; the last checkpoint
     loaded in one process: the losses and weights of 6 uninterrupted steps of plain PyTorch, the export the weights
     the 3 nodes held."""
-    import zerofit
     from transformers import AutoModelForCausalLM
+
+    import zerofit
 
     total, mbs = 6, 6
     cfg = _cfg(**_PLACEMENTS["offload"])
     ref_losses, ref_weights, losses = _one_process_then_save(tmp_path, cfg, total, mbs)
     full = {**cfg, "nodes_layout": "full"}
-    rcs, errs, three = launch(3, {"G": 2, "steps": 2, "steps_total": total, "first": 2,
-                                  "config": {**full, "gradient_accumulation_steps": 2}, "load": str(tmp_path / "ck"),
-                                  "save": str(tmp_path / "ck"), "tag": "three", "export": str(tmp_path / "hf")},
-                              tmp_path, timeout=300, per_node=1)
+    rcs, errs, three = launch(
+        3,
+        {
+            "G": 2,
+            "steps": 2,
+            "steps_total": total,
+            "first": 2,
+            "config": {**full, "gradient_accumulation_steps": 2},
+            "load": str(tmp_path / "ck"),
+            "save": str(tmp_path / "ck"),
+            "tag": "three",
+            "export": str(tmp_path / "hf"),
+        },
+        tmp_path,
+        timeout=300,
+        per_node=1,
+    )
     _ok(rcs, errs)
     assert {st["layout"] for st in three["ranks"]} == {"full"}
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     exported = {n: p.detach().clone() for n, p in out.named_parameters()}
     for n, w in three["master"].items():
         torch.testing.assert_close(exported[n], w, rtol=0, atol=0)
-    rcs, errs, two = launch(2, {"G": 3, "steps": 2, "steps_total": total, "first": 4,
-                                "config": {**full, "gradient_accumulation_steps": 3}, "load": str(tmp_path / "ck"),
-                                "save": str(tmp_path / "ck"), "tag": "two"}, tmp_path, timeout=300, per_node=1)
+    rcs, errs, two = launch(
+        2,
+        {
+            "G": 3,
+            "steps": 2,
+            "steps_total": total,
+            "first": 4,
+            "config": {**full, "gradient_accumulation_steps": 3},
+            "load": str(tmp_path / "ck"),
+            "save": str(tmp_path / "ck"),
+            "tag": "two",
+        },
+        tmp_path,
+        timeout=300,
+        per_node=1,
+    )
     _ok(rcs, errs)
     losses += three["state"]["losses"] + two["state"]["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5)

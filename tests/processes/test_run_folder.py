@@ -23,8 +23,18 @@ import torch
 
 import zerofit
 from tests.support import tiny_models as tm
-from tests.support.train_cli import (REPO, args, assert_same_tensors, invoke, losses, records, spawn, tensors,
-                             wait_for_steps, workspace)
+from tests.support.train_cli import (
+    REPO,
+    args,
+    assert_same_tensors,
+    invoke,
+    losses,
+    records,
+    spawn,
+    tensors,
+    wait_for_steps,
+    workspace,
+)
 from zerofit.checkpoint import prune
 from zerofit.checkpoint.commit import LATEST, RECORD, survey
 from zerofit.checkpoint.format import Entry
@@ -44,9 +54,11 @@ def ws(tmp_path_factory):
 
 def _holder(folder: Path, name: str) -> subprocess.Popen:
     """Another process that holds ``folder`` (through lock file ``name``) until it is killed."""
-    code = ("import sys, time; from zerofit.checkpoint.lock import hold; "
-            f"hold(sys.argv[1], {name!r}, what='zerofit train', advice='x', command='zerofit train --steps 9'); "
-            "print('held', flush=True); time.sleep(600)")
+    code = (
+        "import sys, time; from zerofit.checkpoint.lock import hold; "
+        f"hold(sys.argv[1], {name!r}, what='zerofit train', advice='x', command='zerofit train --steps 9'); "
+        "print('held', flush=True); time.sleep(600)"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True, env=env)
     assert p.stdout.readline().strip() == "held"
@@ -66,14 +78,14 @@ def test_a_held_run_folder_is_refused_naming_its_holder_and_a_kill_releases_it(t
         assert msg.endswith(": `zerofit train --steps 9`; wait for it or choose another --output"), msg
         assert time.strftime("%H:") in msg
     finally:
-        p.kill()                                   # SIGKILL: no cleanup of any kind ran
+        p.kill()  # SIGKILL: no cleanup of any kind ran
         p.wait()
     stale = tmp_path / RUN_LOCK
-    assert read_holder(stale)["pid"] == p.pid      # its record stays behind; its lock went with it
+    assert read_holder(stale)["pid"] == p.pid  # its record stays behind; its lock went with it
     with hold_run_folder(tmp_path):
         assert read_holder(stale)["pid"] == os.getpid()
         with pytest.raises(FolderInUseError, match=f"another zerofit train of this process \\(pid {os.getpid()}"):
-            hold_run_folder(tmp_path)              # a second open file description of the same file: refused
+            hold_run_folder(tmp_path)  # a second open file description of the same file: refused
     assert not stale.exists(), "the holder removes its lock file on release"
 
 
@@ -100,8 +112,8 @@ def test_three_runs_into_one_folder_one_trains_the_others_are_refused(three):
             continue
         assert f"{run} is in use by pid {winner.pid} on host {socket.gethostname()}, started " in out, out
         assert "`zerofit train --model" in out and "wait for it or choose another --output" in out, out
-        assert "Traceback" not in out and "zerofit train:" not in out, out     # refused before anything ran
-    assert [s for s, _ in losses(run)] == [1, 2, 3, 4, 5, 6]        # one run's records, each step once
+        assert "Traceback" not in out and "zerofit train:" not in out, out  # refused before anything ran
+    assert [s for s, _ in losses(run)] == [1, 2, 3, 4, 5, 6]  # one run's records, each step once
     assert sum("load_seconds" in r for r in records(run)) == 1
     assert [f.tag for f in survey(run / "checkpoints")] == ["global_step2", "global_step4", "global_step6"]
     assert not (run / RUN_LOCK).exists()
@@ -111,8 +123,9 @@ def test_three_runs_into_one_folder_one_trains_the_others_are_refused(three):
 def test_two_resumes_at_once_one_continues(ws, three):
     root, model, data = ws
     run = three[0]
-    procs = [spawn(args(model, data, run, "--steps", "8", "--save-every", "2", "--keep", "3", "--resume"))
-             for _ in range(2)]
+    procs = [
+        spawn(args(model, data, run, "--steps", "8", "--save-every", "2", "--keep", "3", "--resume")) for _ in range(2)
+    ]
     outs = [p.communicate(timeout=400)[0] for p in procs]
     assert sorted(p.returncode for p in procs) == [0, 1], outs
     refused = outs[[p.returncode for p in procs].index(1)]
@@ -137,7 +150,7 @@ def test_a_killed_run_releases_its_folder_and_resume_before_any_checkpoint_start
     assert f"--resume: nothing to resume in {run / 'checkpoints'}" in res.output, res.output
     ref = invoke(args(model, data, fresh, "--steps", "3"))
     assert ref.exit_code == 0, ref.output
-    assert losses(run) == losses(fresh) and [s for s, _ in losses(run)] == [1, 2, 3]   # the killed run's dropped
+    assert losses(run) == losses(fresh) and [s for s, _ in losses(run)] == [1, 2, 3]  # the killed run's dropped
     assert_same_tensors(tensors(run / "checkpoints" / "global_step3"), tensors(fresh / "checkpoints" / "global_step3"))
 
 
@@ -155,22 +168,22 @@ def test_resume_without_latest_continues_from_the_newest_complete_checkpoint_bit
     (ck / LATEST).unlink()
     (ck / "global_step8").rename(ck / ".gone")
     (ck / ".gone" / RECORD).unlink()
-    (ck / ".gone").rename(ck / "global_step7")            # a tag folder without a commit record
+    (ck / ".gone").rename(ck / "global_step7")  # a tag folder without a commit record
     os.utime(ck / "global_step4" / RECORD, (time.time() + 60, time.time() + 60))
     res = invoke(args(model, data, broken, "--steps", "8", "--save-every", "2", "--keep", "1", "--resume"))
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
     assert f"--resume: {ck / LATEST} is missing; resuming from global_step6, the newest complete checkpoint" in out
     assert "global_step7 (no commit record" in out and "resumed from" in out and "at step 6 of 8" in out, out
-    assert losses(broken) == losses(straight)             # bitwise: json keeps every float exactly
+    assert losses(broken) == losses(straight)  # bitwise: json keeps every float exactly
     assert_same_tensors(tensors(ck / "global_step8"), tensors(straight / "checkpoints" / "global_step8"))
     tags = sorted(p.name for p in ck.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert tags == ["global_step6", "global_step7", "global_step8"], tags   # 2 and 4 pruned; 6 it started from
+    assert tags == ["global_step6", "global_step7", "global_step8"], tags  # 2 and 4 pruned; 6 it started from
 
 
 def test_a_new_run_into_a_folder_with_checkpoints_is_refused(ws):
     root, model, data = ws
-    run = root / "straight8"          # from the test above, or made here
+    run = root / "straight8"  # from the test above, or made here
     if not (run / "checkpoints").is_dir():
         assert invoke(args(model, data, run, "--steps", "2")).exit_code == 0
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -190,15 +203,18 @@ def _ckpt(save_dir: Path, tag: str, step: int) -> None:
 
 def test_where_a_run_starts(tmp_path):
     ck = tmp_path / "checkpoints"
-    start = plan_start(ck, resume=True)                   # nothing saved yet
+    start = plan_start(ck, resume=True)  # nothing saved yet
     assert not start.resume and "nothing to resume" in start.note
     ck.mkdir()
-    (ck / ".tmp-global_step2-123-ab").mkdir()             # a first save killed: hidden, not a checkpoint
+    (ck / ".tmp-global_step2-123-ab").mkdir()  # a first save killed: hidden, not a checkpoint
     assert not plan_start(ck, resume=True).resume
     assert not plan_start(ck, resume=False).resume
-    (ck / "global_step2").mkdir()                         # a tag folder without a record, and nothing else
-    with pytest.raises(RunFolderError, match="no 'latest' and no complete checkpoint, only global_step2 "
-                                             r"\(no commit record"):
+    (ck / "global_step2").mkdir()  # a tag folder without a record, and nothing else
+    with pytest.raises(
+        RunFolderError,
+        match="no 'latest' and no complete checkpoint, only global_step2 "
+        r"\(no commit record",
+    ):
         plan_start(ck, resume=True)
     _ckpt(ck, "global_step4", 4)
     _ckpt(ck, "global_step6", 6)
@@ -210,7 +226,7 @@ def test_where_a_run_starts(tmp_path):
     with pytest.raises(RunFolderError) as err:
         plan_start(ck, resume=False)
     assert err.value.exit_status == 2 and "global_step4 (step 4), global_step6 (step 6)" in str(err.value)
-    (ck / LATEST).write_text("global_step4")              # latest names an older one: the newer one is protected
+    (ck / LATEST).write_text("global_step4")  # latest names an older one: the newer one is protected
     start = plan_start(ck, resume=True)
     assert (start.tag, start.step, start.protect) == (None, 4, {"global_step4", "global_step6"})
     assert prune(ck, keep=1, protect=start.protect) == []
@@ -236,8 +252,16 @@ def test_prune_orders_by_recorded_step_not_file_time(tmp_path):
 
 def _engine():
     torch.manual_seed(0)
-    e = zerofit.initialize(tm.llama(), {"device": "cpu", "precision": "fp32", "micro_batch_size": 2,
-                                        "gradient_accumulation_steps": 2, "optimizer": {"lr": 1e-3}})
+    e = zerofit.initialize(
+        tm.llama(),
+        {
+            "device": "cpu",
+            "precision": "fp32",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"lr": 1e-3},
+        },
+    )
     e.train_batch(tm.batches(1, 2)[0])
     return e
 
@@ -251,13 +275,13 @@ def test_save_checkpoint_into_a_folder_another_engine_holds_is_refused(tmp_path)
     assert f"{d} is in use by another engine of this process (pid {os.getpid()}" in str(err.value)
     assert "close the engine that holds it first" in str(err.value)
     assert [f.tag for f in survey(d)] == ["a1"] and (d / LATEST).read_text() == "a1"
-    a.save_checkpoint(d, tag="a2")                        # the holder saves on
-    a.close()                                             # and lets go
+    a.save_checkpoint(d, tag="a2")  # the holder saves on
+    a.close()  # and lets go
     b.save_checkpoint(d, tag="b1")
     assert (d / LATEST).read_text() == "b1"
 
     other = tmp_path / "other"
-    p = _holder(other, SAVE_LOCK)                         # another process holds it
+    p = _holder(other, SAVE_LOCK)  # another process holds it
     try:
         with pytest.raises(CheckpointFolderInUseError, match=f"in use by pid {p.pid} on host"):
             b.save_checkpoint(other)
@@ -267,7 +291,7 @@ def test_save_checkpoint_into_a_folder_another_engine_holds_is_refused(tmp_path)
     finally:
         p.kill()
         p.wait()
-    b.save_checkpoint(other)                              # its lock went with it
+    b.save_checkpoint(other)  # its lock went with it
     assert json.loads((other / SAVE_LOCK).read_text())["pid"] == os.getpid()
     b.close()
     assert not (other / SAVE_LOCK).exists() and not (d / SAVE_LOCK).exists()

@@ -33,7 +33,7 @@ from zerofit.train.signals import PAUSE_ENV, RunSignals, StopNow, exit_on_signal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP seams and /proc (Linux)")
 
-TIER = ("--max-host-memory", "1.45MiB")   # this model's plan then keeps two blocks' moments on the disk
+TIER = ("--max-host-memory", "1.45MiB")  # this model's plan then keeps two blocks' moments on the disk
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +64,10 @@ def _stopped(pid: int, timeout: float = 240) -> None:
 def test_sigterm_with_the_disk_tier_saves_exits_143_removes_the_swap_file_and_resumes_bitwise(ws):
     root, model, data = ws
     straight, broken = root / "straight", root / "broken"
-    steps = ("--steps", "120", "--keep", "2")     # a step takes ~10 ms on a fast machine: the signal lands early
+    steps = ("--steps", "120", "--keep", "2")  # a step takes ~10 ms on a fast machine: the signal lands early
     ref = invoke(args(model, data, straight, *steps, "--nvme", str(root / "nvme-straight"), *TIER))
     assert ref.exit_code == 0, ref.output
-    assert "moments of blocks" in " ".join(ref.output.split()), ref.output      # the plan uses the tier
+    assert "moments of blocks" in " ".join(ref.output.split()), ref.output  # the plan uses the tier
 
     nvme = root / "nvme-broken"
     p = spawn(args(model, data, broken, *steps, "--nvme", str(nvme), *TIER))
@@ -85,9 +85,10 @@ def test_sigterm_with_the_disk_tier_saves_exits_143_removes_the_swap_file_and_re
     res = invoke(args(model, data, broken, *steps, "--nvme", str(nvme), *TIER, "--resume"))
     assert res.exit_code == 0, res.output
     assert f"at step {stopped} of 120" in " ".join(res.output.split()), res.output
-    assert losses(broken) == losses(straight)                         # bitwise: json keeps every float exactly
-    assert_same_tensors(tensors(broken / "checkpoints" / "global_step120"),
-                        tensors(straight / "checkpoints" / "global_step120"))
+    assert losses(broken) == losses(straight)  # bitwise: json keeps every float exactly
+    assert_same_tensors(
+        tensors(broken / "checkpoints" / "global_step120"), tensors(straight / "checkpoints" / "global_step120")
+    )
     assert not _swap_files(nvme)
 
 
@@ -98,12 +99,11 @@ def test_a_second_ctrl_c_during_the_save_exits_130_at_once_leaving_nothing_half_
     is one --resume accepts (nothing was saved: it starts afresh)."""
     root, model, data = ws
     run, nvme = root / "twice", root / "nvme-twice"
-    p = spawn(args(model, data, run, "--steps", "400", "--nvme", str(nvme), *TIER),
-              **{seams.PAUSE_ENV: "shards"})
+    p = spawn(args(model, data, run, "--steps", "400", "--nvme", str(nvme), *TIER), **{seams.PAUSE_ENV: "shards"})
     wait_for_steps(p, run, 2)
-    p.send_signal(signal.SIGINT)            # finish the step, then save: the save stops itself at "shards"
+    p.send_signal(signal.SIGINT)  # finish the step, then save: the save stops itself at "shards"
     _stopped(p.pid)
-    p.send_signal(signal.SIGINT)            # delivered as it continues, inside the save
+    p.send_signal(signal.SIGINT)  # delivered as it continues, inside the save
     p.send_signal(signal.SIGCONT)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 130, out
@@ -112,7 +112,7 @@ def test_a_second_ctrl_c_during_the_save_exits_130_at_once_leaving_nothing_half_
     assert not (ck / LATEST).exists() and not survey(ck), "no checkpoint, not even a partial tag folder"
     assert not list(ck.glob(f"{TMP_PREFIX}*")), "the abandoned save removed its temporary folder"
     assert not _swap_files(nvme), "the engine's resources were released at exit"
-    assert not plan_start(ck, resume=True).resume                    # --resume: nothing to resume, a fresh start
+    assert not plan_start(ck, resume=True).resume  # --resume: nothing to resume, a fresh start
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_ctrl_c_during_start_up_leaves_a_folder_that_resume_accepts(ws):
         assert "Ctrl-C during start-up: stopped; nothing was trained" in out and "Traceback" not in out, out
         assert not _swap_files(nvme)
         if step:
-            assert [s for s, _ in losses(run)] == [1, 2]         # the earlier run's records, untouched
+            assert [s for s, _ in losses(run)] == [1, 2]  # the earlier run's records, untouched
         else:
             assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
         res = invoke(args(model, data, run, "--steps", str(step + 2), "--resume"))
@@ -147,13 +147,13 @@ def test_ctrl_c_during_start_up_leaves_a_folder_that_resume_accepts(ws):
 def test_run_signals_phases():
     said = []
     with RunSignals(said.append) as sig:
-        with pytest.raises(StopNow) as err:             # start-up: at once
+        with pytest.raises(StopNow) as err:  # start-up: at once
             signal.raise_signal(signal.SIGTERM)
         assert err.value.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     with RunSignals(said.append) as sig:
         sig.training = True
-        signal.raise_signal(signal.SIGTERM)              # training: only a request
+        signal.raise_signal(signal.SIGTERM)  # training: only a request
         assert sig.signum == signal.SIGTERM and "SIGTERM: finishing this step" in said[-1]
         with pytest.raises(StopNow, match="Ctrl-C again: stopped at once") as err:
             signal.raise_signal(signal.SIGINT)
@@ -167,12 +167,19 @@ def test_run_signals_phases():
 def test_exit_at_once_ends_the_process_with_128_plus_the_signal(tmp_path):
     import subprocess
 
-    code = ("import os, signal, sys; from zerofit.train.signals import exit_at_once; exit_at_once(); "
-            "os.kill(os.getpid(), signal.SIGINT if sys.argv[1] == 'INT' else signal.SIGTERM); "
-            "import time; time.sleep(30)")
+    code = (
+        "import os, signal, sys; from zerofit.train.signals import exit_at_once; exit_at_once(); "
+        "os.kill(os.getpid(), signal.SIGINT if sys.argv[1] == 'INT' else signal.SIGTERM); "
+        "import time; time.sleep(30)"
+    )
     for name, status in (("INT", 130), ("TERM", 143)):
-        p = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60,
-                           env={"PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+        p = subprocess.run(
+            [sys.executable, "-c", code, name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+        )
         assert p.returncode == status, p.stderr
 
 
@@ -216,8 +223,14 @@ def sigterm_as_ctrl_c():
 def test_the_engine_holds_sigterm_back_like_ctrl_c(sigterm_as_ctrl_c, phase, applied):
     """With SIGTERM given Python's SIGINT handler: in the forward the step stops at the next block with nothing
     applied; once its updates began (no clipping: during the backward) it runs to its end, then raises."""
-    cfg = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-           "seq_len": 16, "optimizer": {"lr": 1e-3}}
+    cfg = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "seq_len": 16,
+        "optimizer": {"lr": 1e-3},
+    }
     arm: dict = {}
     torch.manual_seed(0)
     model = _LM(arm)
@@ -231,7 +244,7 @@ def test_the_engine_holds_sigterm_back_like_ctrl_c(sigterm_as_ctrl_c, phase, app
     assert engine.state is EngineState.OPEN and engine.global_step == (2 if applied else 1)
     assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
     engine.train_batch(data[2])
-    for mbs in (data if applied else [data[0], data[2]]):
+    for mbs in data if applied else [data[0], data[2]]:
         clean.train_batch(mbs)
     a, b = engine.master_state_dict(), clean.master_state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

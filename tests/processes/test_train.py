@@ -35,9 +35,31 @@ def workspace(tmp_path_factory):
 
 
 def _args(model: Path, data: list[Path], out: Path, *extra: str) -> list[str]:
-    return ["train", "--model", str(model), "--data", *map(str, data), "--output", str(out), "--device", "cpu",
-            "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2", "--lr", "1e-3", "--precision", "fp32",
-            "--eval-size", "2", "--no-progress", *extra]
+    return [
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        *map(str, data),
+        "--output",
+        str(out),
+        "--device",
+        "cpu",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-3",
+        "--precision",
+        "fp32",
+        "--eval-size",
+        "2",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def _records(run: Path) -> list[dict]:
@@ -56,30 +78,31 @@ def test_finetune_end_to_end(workspace):
 
     root, model, data = workspace
     run = root / "run-e2e"
-    res = CliRunner().invoke(app, _args(model, data, run, "--steps", "6", "--save-every", "2", "--eval-every", "3",
-                                        "--keep", "2"))
+    res = CliRunner().invoke(
+        app, _args(model, data, run, "--steps", "6", "--save-every", "2", "--eval-every", "3", "--keep", "2")
+    )
     assert res.exit_code == 0, res.output
     recs = _records(run)
     train = [r for r in recs if "loss" in r]
     evals = [r for r in recs if "eval_loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in evals] == [3, 6] and all(r["eval_perplexity"] > 1 for r in evals)
-    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] + 0.5   # finite, sane
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] + 0.5  # finite, sane
     assert {"lr", "grad_norm", "tokens_per_s", "host_rss_bytes"} <= set(train[0])
     assert any((run / "tensorboard").iterdir())
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir())
-    assert ckpts == ["global_step4", "global_step6"]          # --keep 2 removed global_step2
+    assert ckpts == ["global_step4", "global_step6"]  # --keep 2 removed global_step2
     assert (run / "checkpoints" / "latest").read_text().strip() == "global_step6"
     out = run / "model"
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
-    assert all(t.dtype == torch.bfloat16 for t in _model_weights(out).values())   # the model directory's dtype
+    assert all(t.dtype == torch.bfloat16 for t in _model_weights(out).values())  # the model directory's dtype
     exported = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
     assert next(exported.parameters()).dtype == torch.bfloat16
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
     before = AutoModelForCausalLM.from_pretrained(model)
     with torch.no_grad():
-        assert exported(ids, labels=ids).loss < before(ids, labels=ids).loss   # it learned the training text
+        assert exported(ids, labels=ids).loss < before(ids, labels=ids).loss  # it learned the training text
 
 
 def test_errors_exit_2_and_name_the_problem(workspace, tmp_path):
@@ -95,8 +118,15 @@ def test_errors_exit_2_and_name_the_problem(workspace, tmp_path):
 def _cli(args: list[str], **kw) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     code = "import sys; from zerofit.cli import app; app(sys.argv[1:], prog_name='zerofit')"
-    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def test_ctrl_c_saves_and_resume_is_exact(workspace):
@@ -132,7 +162,7 @@ def test_ctrl_c_saves_and_resume_is_exact(workspace):
     assert p.returncode == 0, out
     a = [(r["step"], r["loss"]) for r in _records(straight) if "loss" in r]
     b = [(r["step"], r["loss"]) for r in _records(broken) if "loss" in r]
-    assert b == a, (a, b)     # bitwise: json keeps every float exactly
+    assert b == a, (a, b)  # bitwise: json keeps every float exactly
     wa, wb = _model_weights(straight / "model"), _model_weights(broken / "model")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -143,13 +173,46 @@ def test_every_train_option_reaches_the_run(workspace, tmp_path, monkeypatch):
 
     root, model, data = workspace
     seen = {}
-    monkeypatch.setattr(train_pkg, "run_training", lambda opts, console, **kw: seen.setdefault("opts", opts) and
-                        (_ for _ in ()).throw(SystemExit(0)))
-    CliRunner().invoke(app, _args(model, data, tmp_path / "o", "--steps", "3", "--epochs", "2", "--warmup-steps", "1",
-                                  "--max-host-memory", "8GiB", "--nvme", str(tmp_path / "nv"), "--seed", "5",
-                                  "--eval-every", "2", "--eval-windows", "3",
-                                  "--save-every", "2", "--keep", "4", "--no-save-at-end", "--resume",
-                                  "--no-save-on-interrupt", "--no-export", "--export-dtype", "fp16", "--deterministic"))
+    monkeypatch.setattr(
+        train_pkg,
+        "run_training",
+        lambda opts, console, **kw: seen.setdefault("opts", opts) and (_ for _ in ()).throw(SystemExit(0)),
+    )
+    CliRunner().invoke(
+        app,
+        _args(
+            model,
+            data,
+            tmp_path / "o",
+            "--steps",
+            "3",
+            "--epochs",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--max-host-memory",
+            "8GiB",
+            "--nvme",
+            str(tmp_path / "nv"),
+            "--seed",
+            "5",
+            "--eval-every",
+            "2",
+            "--eval-windows",
+            "3",
+            "--save-every",
+            "2",
+            "--keep",
+            "4",
+            "--no-save-at-end",
+            "--resume",
+            "--no-save-on-interrupt",
+            "--no-export",
+            "--export-dtype",
+            "fp16",
+            "--deterministic",
+        ),
+    )
     o = seen["opts"]
     assert (o.steps, o.epochs, o.warmup_steps, o.max_host_memory, o.seed) == (3, 2.0, 1, "8GiB", 5)
     assert o.nvme == str(tmp_path / "nv")
@@ -158,8 +221,13 @@ def test_every_train_option_reaches_the_run(workspace, tmp_path, monkeypatch):
     off = resolve_config(o, torch.device("cpu")).config.offload
     assert (off.optimizer_device, off.param_device, off.nvme_path) == ("nvme", "nvme", str(tmp_path / "nv"))
     assert (o.eval_every, o.eval_windows, o.save_every, o.keep, o.save_at_end, o.resume) == (2, 3, 2, 4, False, True)
-    assert (o.save_on_interrupt, o.export, o.export_dtype, o.deterministic, o.progress) == (False, False, "fp16", True,
-                                                                                             False)
+    assert (o.save_on_interrupt, o.export, o.export_dtype, o.deterministic, o.progress) == (
+        False,
+        False,
+        "fp16",
+        True,
+        False,
+    )
     assert (o.seq_len, o.micro_batch_size, o.grad_accum, o.lr, o.precision, o.eval_size) == (32, 2, 2, 1e-3, "fp32", 2)
 
 
@@ -176,15 +244,41 @@ def test_two_nodes_of_one_rank_train_like_one_process(workspace):
     assert res.exit_code == 0, res.output
     args = _args(model, data, two, *base)
     args[args.index("--grad-accum") + 1] = "1"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src")] + ([os.environ["PYTHONPATH"]]
-                                                       if os.environ.get("PYTHONPATH") else [])), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO / "src")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("WORLD_SIZE", None)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-m", "zerofit.cli", *args, "--nnodes", "2", "--node-rank", str(i),
-                               "--master-addr", "127.0.0.1", "--master-port", str(port)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "zerofit.cli",
+                *args,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=400) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][0][-3000:] + outs[0][1][-3000:] + outs[1][1][-2000:]
     l1 = [r["loss"] for r in _records(one) if "loss" in r]
@@ -207,11 +301,22 @@ def test_two_ranks_train_like_one_process(workspace):
     assert res.exit_code == 0, res.output
     args = [a if a != "2" or i == 0 else a for i, a in enumerate(_args(model, data, two, *base))]
     args[args.index("--grad-accum") + 1] = "1"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src")] + ([os.environ["PYTHONPATH"]]
-                                                       if os.environ.get("PYTHONPATH") else [])), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO / "src")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("WORLD_SIZE", None)
-    p = subprocess.run([sys.executable, "-m", "zerofit.cli", *args, "--gpus", "2"], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=400)
+    p = subprocess.run(
+        [sys.executable, "-m", "zerofit.cli", *args, "--gpus", "2"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-2000:]
     l1 = [r["loss"] for r in _records(one) if "loss" in r]
     l2 = [r["loss"] for r in _records(two) if "loss" in r]

@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # blocks that cannot run on a CPU, by the file and their first line: why
 NOT_ON_A_CPU = {
-    ("docs/hf_trainer.md", "from transformers import AutoModelForCausalLM, Trainer, TrainingArguments"):
-        "the script before the change: Transformers' own DeepSpeed integration (real DeepSpeed's compiled ops)",
+    (
+        "docs/hf_trainer.md",
+        "from transformers import AutoModelForCausalLM, Trainer, TrainingArguments",
+    ): "the script before the change: Transformers' own DeepSpeed integration (real DeepSpeed's compiled ops)",
 }
 
 
@@ -60,13 +62,30 @@ def _folders(where: Path) -> None:
         (where / name).parent.mkdir(parents=True, exist_ok=True)
         (where / name).symlink_to(model, target_is_directory=True)
     write_data(where / "notes")
-    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"},
-                          {"role": "assistant", "content": f"Answer {i}, at some length. " * 4}]} for i in range(12)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": f"Answer {i}, at some length. " * 4},
+            ]
+        }
+        for i in range(12)
+    ]
     (where / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (where / "ds_config.json").write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}))
+    (where / "ds_config.json").write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "cpu"},
+                    "offload_optimizer": {"device": "cpu"},
+                },
+            }
+        )
+    )
 
 
 def scene() -> dict:
@@ -85,8 +104,13 @@ def scene() -> dict:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": (ids := torch.randint(3, 90, (16,), generator=g)), "labels": ids} for _ in range(8)]
-    config = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-              "optimizer": {"lr": 1e-3}}
+    config = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-3},
+    }
     model = AutoModelForCausalLM.from_pretrained("path/to/model")
     names = [n for n, _ in model.named_parameters()]
 
@@ -99,31 +123,64 @@ def scene() -> dict:
 
     def windows(loader, n):
         batches = list(loader)
-        return [batches[i:i + n] for i in range(0, len(batches) - n + 1, n)]
+        return [batches[i : i + n] for i in range(0, len(batches) - n + 1, n)]
 
     ns = {
-        "zerofit": zerofit, "torch": torch, "functools": functools, "FSDP": FSDP, "CPUOffload": CPUOffload,
-        "MixedPrecision": MixedPrecision, "LlamaDecoderLayer": LlamaDecoderLayer, "Trainer": Trainer,
-        "AutoModelForCausalLM": AutoModelForCausalLM, "BitsAndBytesConfig": BitsAndBytesConfig,
-        "range": _capped_range, "path": "path/to/model", "model": model, "config": config, "G": 2, "n": 2,
-        "warmup": lambda step: 1.0, "split": split, "windows": windows, "build_model": build_model,
-        "dataset": rows, "train": rows, "held_out": rows[:2], "collate": None,
+        "zerofit": zerofit,
+        "torch": torch,
+        "functools": functools,
+        "FSDP": FSDP,
+        "CPUOffload": CPUOffload,
+        "MixedPrecision": MixedPrecision,
+        "LlamaDecoderLayer": LlamaDecoderLayer,
+        "Trainer": Trainer,
+        "AutoModelForCausalLM": AutoModelForCausalLM,
+        "BitsAndBytesConfig": BitsAndBytesConfig,
+        "range": _capped_range,
+        "path": "path/to/model",
+        "model": model,
+        "config": config,
+        "G": 2,
+        "n": 2,
+        "warmup": lambda step: 1.0,
+        "split": split,
+        "windows": windows,
+        "build_model": build_model,
+        "dataset": rows,
+        "train": rows,
+        "held_out": rows[:2],
+        "collate": None,
         "loader": torch.utils.data.DataLoader(rows, batch_size=4),
         "micro_batches": [dict(r, input_ids=r["input_ids"][None], labels=r["labels"][None]) for r in rows[:2]],
-        "input_ids": torch.tensor([[5, 6, 7, 8]]), "mask": torch.ones(1, 4, dtype=torch.long),
-        "save_dir": "ckpts", "load_dir": "ckpts", "out_dir": "out", "checkpoint": "ckpts",
+        "input_ids": torch.tensor([[5, 6, 7, 8]]),
+        "mask": torch.ones(1, 4, dtype=torch.long),
+        "save_dir": "ckpts",
+        "load_dir": "ckpts",
+        "out_dir": "out",
+        "checkpoint": "ckpts",
         "decay": [n for n in names if n.endswith("proj.weight")],
         "no_decay": [n for n in names if not n.endswith("proj.weight") and n != "lm_head.weight"],
-        "args": TrainingArguments(output_dir="runs/sft", per_device_train_batch_size=2, max_steps=2,
-                                  report_to=[], use_cpu=True, save_strategy="no"),
+        "args": TrainingArguments(
+            output_dir="runs/sft",
+            per_device_train_batch_size=2,
+            max_steps=2,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+        ),
     }
     try:
         import lightning
         from accelerate import Accelerator
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-        ns.update(L=lightning, Accelerator=Accelerator, LoraConfig=LoraConfig, get_peft_model=get_peft_model,
-                  prepare_model_for_kbit_training=prepare_model_for_kbit_training)
+        ns.update(
+            L=lightning,
+            Accelerator=Accelerator,
+            LoraConfig=LoraConfig,
+            get_peft_model=get_peft_model,
+            prepare_model_for_kbit_training=prepare_model_for_kbit_training,
+        )
     except ImportError:
         pass
     ns["engine"] = zerofit.initialize(AutoModelForCausalLM.from_pretrained("path/to/model"), config)
@@ -138,22 +195,27 @@ def run(block: dict) -> str:
         if not (work / name).exists() and name != work.name:
             (work / name).symlink_to(here / name)
     os.chdir(work)
-    if "import zerofit.deepspeed.alias" in block["body"]:     # a script's first line: a process of its own
+    if "import zerofit.deepspeed.alias" in block["body"]:  # a script's first line: a process of its own
         import subprocess
 
         try:
-            r = subprocess.run([sys.executable, "-c", block["body"]], capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            r = subprocess.run(
+                [sys.executable, "-c", block["body"]],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            )
             return "ok" if r.returncode == 0 else r.stderr
         finally:
             os.chdir(here)
     argv = sys.argv
-    sys.argv = ["train.py", "--deepspeed", "--deepspeed_config", "ds_config.json"]   # a script's command line
+    sys.argv = ["train.py", "--deepspeed", "--deepspeed_config", "ds_config.json"]  # a script's command line
     try:
         ns = scene()
         exec(compile(block["body"], block["id"], "exec"), ns)
         return "ok"
-    except BaseException:   # noqa: BLE001 - the block's failure is the result
+    except BaseException:  # noqa: BLE001 - the block's failure is the result
         return traceback.format_exc()
     finally:
         sys.argv = argv

@@ -45,7 +45,7 @@ class Block(nn.Module):
         self.down = nn.Linear(4 * d, d)
 
     def forward(self, x):
-        phase = "backward" if torch.is_grad_enabled() else "forward"   # the backward recomputes with autograd
+        phase = "backward" if torch.is_grad_enabled() else "forward"  # the backward recomputes with autograd
         if self.fault.get(phase) == self.index:
             raise RuntimeError(f"injected failure in block {self.index}'s {phase}")
         return x + self.down(F.gelu(self.up(self.norm(x))))
@@ -75,12 +75,18 @@ def main() -> None:
     torch.manual_seed(0)
     d, n = (1024, 8) if cuda else (256, 16)
     model = LM(d, n)
-    config = {"device": args.device, "precision": "bf16" if cuda else "fp32", "micro_batch_size": 2,
-              "gradient_accumulation_steps": 2, "seq_len": 64, "optimizer": {"lr": 1e-4},
-              "gradient_clipping": 0.0 if args.mode == "raise" else 1.0,
-              "offload": {"resident_blocks": 0}}
+    config = {
+        "device": args.device,
+        "precision": "bf16" if cuda else "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "seq_len": 64,
+        "optimizer": {"lr": 1e-4},
+        "gradient_clipping": 0.0 if args.mode == "raise" else 1.0,
+        "offload": {"resident_blocks": 0},
+    }
     if cuda:
-        config["max_gpu_memory"] = "8GiB"       # the cap is lifted at release
+        config["max_gpu_memory"] = "8GiB"  # the cap is lifted at release
     engine = zerofit.initialize(model, config)
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, VOCAB, (2, 64), generator=g) for _ in range(2)]
@@ -89,16 +95,16 @@ def main() -> None:
         for _ in range(2):
             engine.train_batch(mbs)
         print("trained", flush=True)
-        return                                  # the worker is still updating: exit status 0
+        return  # the worker is still updating: exit status 0
     if args.mode == "raise":
         engine.train_batch(mbs)
         model.fault["backward"] = 0
-        engine.train_batch(mbs)                 # EngineFailedError, not caught: exit status 1
+        engine.train_batch(mbs)  # EngineFailedError, not caught: exit status 1
         return
     if args.mode == "raise-forward":
         engine.train_batch(mbs)
         model.fault["forward"] = 0
-        engine.train_batch(mbs)                 # RuntimeError, not caught: exit status 1
+        engine.train_batch(mbs)  # RuntimeError, not caught: exit status 1
         return
     engine.train_batch(mbs)
     print("training", flush=True)
@@ -118,11 +124,20 @@ def run_all(device: str, modes: tuple[str, ...] = MODES, timeout: float = 120.0)
     """Run these modes of this script at once in child processes (their start is mostly torch's import) and
     return how each ended. The ``sigint`` child gets SIGINT shortly after it reports that it trains."""
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root / "src"), str(root),
-                                                                     os.environ.get("PYTHONPATH")])))
-    procs = {mode: subprocess.Popen([sys.executable, str(Path(__file__).resolve()), mode, "--device", device],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for mode in modes}
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(root / "src"), str(root), os.environ.get("PYTHONPATH")])),
+    )
+    procs = {
+        mode: subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), mode, "--device", device],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for mode in modes
+    }
     deadline = time.monotonic() + timeout
     sig = procs.get("sigint")
     first = ""
@@ -132,11 +147,11 @@ def run_all(device: str, modes: tuple[str, ...] = MODES, timeout: float = 120.0)
             first += sig.stdout.readline()
     sent = None
     if "training" in first:
-        time.sleep(0.3)                           # into the next step
+        time.sleep(0.3)  # into the next step
         sig.send_signal(signal.SIGINT)
         sent = time.monotonic()
     out = {}
-    for mode in sorted(procs, key=lambda m: m != "sigint"):       # sigint first: its time after the signal
+    for mode in sorted(procs, key=lambda m: m != "sigint"):  # sigint first: its time after the signal
         proc = procs[mode]
         try:
             stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))

@@ -34,10 +34,10 @@ class LM(L.LightningModule):
 
     def configure_model(self):
         if self.wrap and not isinstance(self.model, FSDP):
-            self.model = FSDP(self.model, cpu_offload=CPUOffload(offload_params=True))     # the one change
+            self.model = FSDP(self.model, cpu_offload=CPUOffload(offload_params=True))  # the one change
 
     def training_step(self, batch, batch_idx):
-        self.wrapped_as = type(self.trainer.strategy.model).__name__      # what the strategy trains
+        self.wrapped_as = type(self.trainer.strategy.model).__name__  # what the strategy trains
         loss = self.model(**batch).loss
         self.losses.append(loss.item())
         return loss
@@ -57,7 +57,7 @@ def fabric_run(wrap: bool, rows: list) -> tuple[list, dict, str]:
     torch.manual_seed(0)
     model = tm.llama(layers=3, tied=False)
     if wrap:
-        model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))     # the one change
+        model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))  # the one change
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     model, opt = fabric.setup(model, opt)
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(rows, batch_size=2))
@@ -87,13 +87,22 @@ def main(mode: str, out: str) -> None:
         torch.save(record, f"{out}.{rank}")
         return
     module = LM(mode == "wrap")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, accumulate_grad_batches=2,
-                        gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=2))
     rank = trainer.global_rank
     record = {"losses": module.losses, "wrapped": module.wrapped_as}
-    weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}   # a collective, as FSDP's
+    weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}  # a collective, as FSDP's
     if rank == 0:
         record["weights"] = weights
     torch.save(record, f"{out}.{rank}")

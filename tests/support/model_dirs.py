@@ -11,21 +11,48 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from tests.support.tiny_tokenizer import build_tokenizer
 
 
-def make_model_dir(path: Path, family: str = "llama", dtype: torch.dtype = torch.bfloat16, tied: bool = False,
-                   layers: int = 2, shard: str = "40KB", seed: int = 0) -> Path:
+def make_model_dir(
+    path: Path,
+    family: str = "llama",
+    dtype: torch.dtype = torch.bfloat16,
+    tied: bool = False,
+    layers: int = 2,
+    shard: str = "40KB",
+    seed: int = 0,
+) -> Path:
     """Save a freshly initialised tiny model (vocabulary = the test tokenizer's) and the tokenizer into ``path``."""
     tok = build_tokenizer(path)
     vocab = len(tok)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if family == "llama":
-            model = LlamaForCausalLM(LlamaConfig(
-                hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=tied,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+            model = LlamaForCausalLM(
+                LlamaConfig(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=layers,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    vocab_size=vocab,
+                    max_position_embeddings=256,
+                    tie_word_embeddings=tied,
+                    bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id,
+                )
+            )
         elif family == "gpt2":
-            model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=layers, n_head=4, vocab_size=vocab, n_positions=256,
-                                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+            model = GPT2LMHeadModel(
+                GPT2Config(
+                    n_embd=32,
+                    n_layer=layers,
+                    n_head=4,
+                    vocab_size=vocab,
+                    n_positions=256,
+                    bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id,
+                )
+            )
         else:
             raise ValueError(f"unknown family {family!r}")
     model.to(dtype).save_pretrained(path, max_shard_size=shard)
@@ -44,6 +71,15 @@ def write_data(folder: Path) -> list[Path]:
             f.write(json.dumps({"prompt": f"What is {i} plus {i}? ", "completion": f"It is {2 * i}."}) + "\n")
     with open(folder / "chat.jsonl", "w") as f:
         for i in range(8):
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"Hello {i}, how are you?"},
-                                             {"role": "assistant", "content": f"I am fine, thank you {i}."}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"Hello {i}, how are you?"},
+                            {"role": "assistant", "content": f"I am fine, thank you {i}."},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return [folder / "notes.txt", folder / "more.txt", folder / "qa.jsonl", folder / "chat.jsonl"]

@@ -23,9 +23,16 @@ from tests.support import tiny_models as tm  # noqa: E402
 def main(out: str, ckpt: str, steps: int, G: int, fail_rank: int, fail_after: int) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    engine = zerofit.initialize(tm.llama(), {"device": "cpu", "precision": "fp32", "micro_batch_size": 2,
-                                             "gradient_accumulation_steps": G,
-                                             "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
+    engine = zerofit.initialize(
+        tm.llama(),
+        {
+            "device": "cpu",
+            "precision": "fp32",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": G,
+            "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+        },
+    )
     rank, world = engine.ranks.rank, engine.ranks.world
     if (Path(ckpt) / "latest").exists():
         engine.load_checkpoint(ckpt)
@@ -33,7 +40,7 @@ def main(out: str, ckpt: str, steps: int, G: int, fail_rank: int, fail_after: in
     data = tm.batches(steps, G * world)
     losses = []
     for step in range(first, steps):
-        losses.append(engine.train_batch(data[step][rank * G:(rank + 1) * G]))
+        losses.append(engine.train_batch(data[step][rank * G : (rank + 1) * G]))
         engine.save_checkpoint(ckpt)
         if attempt == 0 and rank == fail_rank and step + 1 == fail_after:
             raise RuntimeError(f"rank {rank} fails after step {step + 1} (the test's injected failure)")

@@ -25,18 +25,30 @@ from tests.support import tiny_models as tm  # noqa: E402
 from zerofit.checkpoint.state import optimizer_entries, weight_entries  # noqa: E402
 
 N, G = 3, 2
-_BASE = {"device": os.environ.get("ZEROFIT_RESUME_DEVICE", "cpu"),   # tests/gpu/test_gpu.py runs it on cuda too
-          "micro_batch_size": 2, "gradient_accumulation_steps": G, "gradient_clipping": 1.0,
-         "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
-         "scheduler": {"type": "cosine", "warmup_steps": 2, "total_steps": 2 * N}}
+_BASE = {
+    "device": os.environ.get("ZEROFIT_RESUME_DEVICE", "cpu"),  # tests/gpu/test_gpu.py runs it on cuda too
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": G,
+    "gradient_clipping": 1.0,
+    "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
+    "scheduler": {"type": "cosine", "warmup_steps": 2, "total_steps": 2 * N},
+}
 # name -> (model builder, precision, extra config at save, extra config at load)
 VARIANTS = {
     "fp32-dropout": (lambda: tm.llama(dropout=0.1), "fp32", {}, {}),
     "bf16": (lambda: tm.llama(tied=False), "bf16", {}, {}),
-    "fp16-scaler": (tm.llama, "fp16", {"fp16": {"initial_scale_power": 24, "loss_scale_window": 2,
-                                                "hysteresis": 1}}, None),
-    "placement": (lambda: tm.gpt2(dropout=0.1), "fp32", {"offload": {"resident_blocks": 1}},
-                  {"offload": {"resident_blocks": 0, "shell_optimizer": "host"}}),
+    "fp16-scaler": (
+        tm.llama,
+        "fp16",
+        {"fp16": {"initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 1}},
+        None,
+    ),
+    "placement": (
+        lambda: tm.gpt2(dropout=0.1),
+        "fp32",
+        {"offload": {"resident_blocks": 1}},
+        {"offload": {"resident_blocks": 0, "shell_optimizer": "host"}},
+    ),
 }
 POOL = tm.batches(8, G, T=20, seed=3)
 
@@ -53,10 +65,16 @@ def _step(engine) -> float:
 
 def _dump(engine, losses: list[float]) -> dict:
     engine.wait()
-    grab = lambda entries: {e.name: e.base[e.offset:e.offset + e.numel].clone() for e in entries}  # noqa: E731
-    return {"losses": losses, "master": grab(weight_entries(engine)), "moments": grab(optimizer_entries(engine)),
-            "unit_steps": [float(u.step) for u in engine.units], "global_step": engine.global_step,
-            "skipped": engine.skipped_steps, "scale": engine.scaler.scale if engine.scaler else None}
+    grab = lambda entries: {e.name: e.base[e.offset : e.offset + e.numel].clone() for e in entries}  # noqa: E731
+    return {
+        "losses": losses,
+        "master": grab(weight_entries(engine)),
+        "moments": grab(optimizer_entries(engine)),
+        "unit_steps": [float(u.step) for u in engine.units],
+        "global_step": engine.global_step,
+        "skipped": engine.skipped_steps,
+        "scale": engine.scaler.scale if engine.scaler else None,
+    }
 
 
 def main(mode: str, out: Path) -> None:
@@ -77,14 +95,16 @@ def main(mode: str, out: Path) -> None:
             results[name] = _dump(engine, losses) | {"scale_at_save": scales}
         else:
             engine = zerofit.initialize(model, _config(precision, at_save if at_load is None else at_load))
-            torch.manual_seed(123)       # the load must bring every generator back, whatever they are now
+            torch.manual_seed(123)  # the load must bring every generator back, whatever they are now
             random.seed(123)
             np.random.seed(123)
             path, client = engine.load_checkpoint(out / name)
             losses = list(client["losses"])
             losses += [_step(engine) for _ in range(client["next_step"], 2 * N)]
-            results[name] = _dump(engine, losses) | {"path": path, "plan": (engine.plan.resident_blocks,
-                                                                             engine.plan.shell_optimizer_on_device)}
+            results[name] = _dump(engine, losses) | {
+                "path": path,
+                "plan": (engine.plan.resident_blocks, engine.plan.shell_optimizer_on_device),
+            }
         engine.close()
     torch.save(results, out / f"{mode}.pt")
 

@@ -21,12 +21,19 @@ from tests.support import tiny_models as tm  # noqa: E402
 
 def main(out: str, steps: int, G: int) -> None:
     torch.manual_seed(0)
-    engine = zerofit.initialize(tm.llama(), {"device": "cpu", "precision": "fp32", "micro_batch_size": 2,
-                                             "gradient_accumulation_steps": G,
-                                             "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
+    engine = zerofit.initialize(
+        tm.llama(),
+        {
+            "device": "cpu",
+            "precision": "fp32",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": G,
+            "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+        },
+    )
     rank, world = engine.ranks.rank, engine.ranks.world
-    losses = [engine.train_batch(mbs[rank * G:(rank + 1) * G]) for mbs in tm.batches(steps, G * world)]
-    master = engine.master_state_dict()      # a collective
+    losses = [engine.train_batch(mbs[rank * G : (rank + 1) * G]) for mbs in tm.batches(steps, G * world)]
+    master = engine.master_state_dict()  # a collective
     record = {"losses": losses, "world": world, "env_rank": os.environ.get("RANK")}
     if rank == 0:
         record["master"] = master

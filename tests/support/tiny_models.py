@@ -7,58 +7,129 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, MistralConfig, MistralForCausalLM)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 VOCAB = 97
 
 
 def llama(tied: bool = True, layers: int = 3, dropout: float = 0.0) -> nn.Module:
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                        max_position_embeddings=64, tie_word_embeddings=tied,
-                                        attention_dropout=dropout, attn_implementation="sdpa"))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            tie_word_embeddings=tied,
+            attention_dropout=dropout,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def llama_wide() -> nn.Module:
     """:func:`llama` 8x wider (about 0.6 M parameters): host state of a few MB, for measuring a node's share of it
     ([Note: nodes hold a slice of the state]) where the pages at each slice's edges are a small part."""
-    return LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                        max_position_embeddings=64, tie_word_embeddings=True,
-                                        attn_implementation="sdpa"))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def llama_lora() -> nn.Module:
     """PEFT LoRA (r 4, every linear of the blocks, A and B both random) over :func:`llama` (untied)."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(llama(tied=False), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                        lora_dropout=0.0, init_lora_weights=False))
+    return get_peft_model(
+        llama(tied=False),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False),
+    )
 
 
-def qwen2() -> nn.Module:   # attention projections with biases
-    return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                        max_position_embeddings=64, attn_implementation="sdpa"))
+def qwen2() -> nn.Module:  # attention projections with biases
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def qwen3() -> nn.Module:
-    return Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                        max_position_embeddings=64, attn_implementation="sdpa"))
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            head_dim=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def mistral() -> nn.Module:
-    return MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                            max_position_embeddings=64, attn_implementation="sdpa"))
+    return MistralForCausalLM(
+        MistralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def gpt2(dropout: float = 0.0) -> nn.Module:
-    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
-                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                                      bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_embd=32,
+            n_layer=3,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 class Block(nn.Module):
@@ -135,8 +206,15 @@ def batches(steps: int, G: int, B: int = 2, T: int = 16, seed: int = 1) -> list[
     return out
 
 
-def reference_train(model: nn.Module, data: list[list[dict]], lr: float = 1e-3, wd: float = 0.01,
-                    clip: float = 0.0, sched=None, param_groups=None) -> list[float]:
+def reference_train(
+    model: nn.Module,
+    data: list[list[dict]],
+    lr: float = 1e-3,
+    wd: float = 0.01,
+    clip: float = 0.0,
+    sched=None,
+    param_groups=None,
+) -> list[float]:
     """Plain PyTorch training, the textbook way: loss / G accumulated, optional global-norm clipping,
     torch.optim.AdamW (over ``param_groups`` of ``model``'s parameters when given), an optional LambdaLR.
     Returns the mean loss of each step."""
@@ -160,8 +238,9 @@ def reference_train(model: nn.Module, data: list[list[dict]], lr: float = 1e-3, 
     return losses
 
 
-def fp16_reference_train(master: nn.Module, mbs: list[dict], steps: int, lr: float, scaler,
-                         clip: float = 0.0, param_groups=None) -> tuple[list[float], list[float]]:
+def fp16_reference_train(
+    master: nn.Module, mbs: list[dict], steps: int, lr: float, scaler, clip: float = 0.0, param_groups=None
+) -> tuple[list[float], list[float]]:
     """fp16 compute on a copy of fp32 master weights with dynamic loss scaling (``scaler``: a
     DynamicLossScaler), gradients summed in fp32 over ``mbs``, optional global-norm clipping,
     torch.optim.AdamW on the master (over ``param_groups`` of its parameters when given). The same batch

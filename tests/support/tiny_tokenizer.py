@@ -88,12 +88,19 @@ def _build(add_bos: bool = True) -> PreTrainedTokenizerFast:
     tok.add_special_tokens(SPECIAL_TOKENS)
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
-            single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", vocab["<bos>"])])
+            single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", vocab["<bos>"])]
+        )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        additional_special_tokens=SPECIAL_TOKENS[3:], chat_template=CHAT_TEMPLATE, model_max_length=1 << 20)
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+    )
 
 
 def build_tokenizer(save_dir: Path | None = None) -> PreTrainedTokenizerFast:

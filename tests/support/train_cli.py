@@ -25,9 +25,34 @@ def workspace(root: Path) -> tuple[Path, list[Path]]:
 
 
 def args(model: Path, data: list[Path], out: Path, *extra: str) -> list[str]:
-    return ["train", "--model", str(model), "--data", *map(str, data), "--output", str(out), "--device", "cpu",
-            "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2", "--lr", "1e-3", "--precision", "fp32",
-            "--eval-size", "2", "--eval-every", "0", "--no-progress", "--no-export", *extra]
+    return [
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        *map(str, data),
+        "--output",
+        str(out),
+        "--device",
+        "cpu",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-3",
+        "--precision",
+        "fp32",
+        "--eval-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--no-export",
+        *extra,
+    ]
 
 
 def invoke(argv: list[str]):
@@ -37,18 +62,26 @@ def invoke(argv: list[str]):
 
 def app():
     from zerofit.cli import app as zerofit_app
+
     return zerofit_app
 
 
 def spawn(argv: list[str], **env: str) -> subprocess.Popen:
     """``python -m zerofit.cli ARGV`` as its own process (output merged, text), with this checkout's zerofit."""
-    path = os.pathsep.join([str(REPO / "src"), str(REPO)] + ([os.environ["PYTHONPATH"]]
-                                                          if os.environ.get("PYTHONPATH") else []))
+    path = os.pathsep.join(
+        [str(REPO / "src"), str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    )
     full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **env}
     for k in ("WORLD_SIZE", "RANK"):
         full.pop(k, None)
-    return subprocess.Popen([sys.executable, "-m", "zerofit.cli", *argv], cwd=REPO, env=full,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "zerofit.cli", *argv],
+        cwd=REPO,
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def records(run: Path) -> list[dict]:

@@ -57,8 +57,10 @@ def main(mode: str, folder: str) -> None:
         torch.save({"losses": losses[2:], "weights": model.state_dict()}, os.path.join(folder, "want.pt"))
         model, opt, sched = build()
         steps(model, opt, sched, data[:2])
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
-                   os.path.join(folder, "ckpt.pt"))
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+            os.path.join(folder, "ckpt.pt"),
+        )
         return
     ckpt = torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)
     model.load_state_dict(ckpt["model"])

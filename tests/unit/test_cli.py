@@ -31,6 +31,7 @@ def test_help_lists_the_commands():
 
 # ---------------------------------------------------------------- config show
 
+
 @needs_fixtures
 @pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: p.name)
 def test_config_show_every_fixture(path):
@@ -48,13 +49,18 @@ def test_config_show_zerofit_json(tmp_path):
     assert '"train_batch_size": 4' in r.output
 
 
-@pytest.mark.parametrize("config, field", [
-    ({"train_batch_size": 8, "zero_optimisation": {"stage": 3}}, "zero_optimisation"),
-    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
-     "train_batch_size"),
-    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16"),
-    ({"micro_batch_size": -1}, "micro_batch_size"),
-])
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"train_batch_size": 8, "zero_optimisation": {"stage": 3}}, "zero_optimisation"),
+        (
+            {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+            "train_batch_size",
+        ),
+        ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16"),
+        ({"micro_batch_size": -1}, "micro_batch_size"),
+    ],
+)
 def test_config_show_bad_config_exits_2_naming_the_field(tmp_path, config, field):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(config))
@@ -73,6 +79,7 @@ def test_config_show_missing_or_broken_file(tmp_path):
 
 
 # ---------------------------------------------------------------- doctor
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_doctor_json_without_gpu_in_under_30s(tmp_path):
@@ -104,6 +111,7 @@ def test_doctor_disk_must_exist(tmp_path):
 
 # ---------------------------------------------------------------- train
 
+
 @pytest.mark.timeout(300)
 def test_train_tiny_budget():
     r = invoke("train", *TINY)
@@ -117,8 +125,21 @@ def test_train_tiny_budget():
 @pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: p.name)
 @pytest.mark.timeout(300)
 def test_train_with_each_fixture(path):
-    r = invoke("train", "--config", path, "--steps", "1", "--seq-len", "32", "--sample-tokens", "0",
-               "--micro-batch-size", "1", "--grad-accum", "2")
+    r = invoke(
+        "train",
+        "--config",
+        path,
+        "--steps",
+        "1",
+        "--seq-len",
+        "32",
+        "--sample-tokens",
+        "0",
+        "--micro-batch-size",
+        "1",
+        "--grad-accum",
+        "2",
+    )
     assert r.exit_code == 0, r.output
     assert "deepspeed" in r.output and "summary" in r.output
 
@@ -153,12 +174,27 @@ def test_config_keys_lists_every_key_of_the_design_table():
     out = CliRunner().invoke(app, ["config", "keys"])
     assert out.exit_code == 0, out.output
     rows = {line.split()[0]: line.split()[1] for line in out.output.splitlines() if line.strip()}
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping", "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window",
-                "fp16.hysteresis", "fp16.min_loss_scale", "bf16.enabled", "zero_optimization.stage",
-                "zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.buffer_size",
-                "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.sub_group_size",
-                "zero_optimization.stage3_gather_16bit_weights_on_model_save", "aio.block_size",
-                "aio.queue_depth", "steps_per_print", "wall_clock_breakdown"):
+    for key in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "fp16.loss_scale",
+        "fp16.initial_scale_power",
+        "fp16.loss_scale_window",
+        "fp16.hysteresis",
+        "fp16.min_loss_scale",
+        "bf16.enabled",
+        "zero_optimization.stage",
+        "zero_optimization.offload_optimizer.nvme_path",
+        "zero_optimization.offload_param.buffer_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.sub_group_size",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "aio.block_size",
+        "aio.queue_depth",
+        "steps_per_print",
+        "wall_clock_breakdown",
+    ):
         assert key in rows, key
         assert rows[key] in ("honoured", "mapped", "not-applicable"), (key, rows[key])

@@ -1,6 +1,6 @@
 """Configuration: fixtures, DeepSpeed keys, "auto", the batch triple, NVMe, overrides, errors.
 
-    .venv/bin/python -m pytest tests/unit/test_config.py -q
+.venv/bin/python -m pytest tests/unit/test_config.py -q
 """
 
 from __future__ import annotations
@@ -34,11 +34,24 @@ needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared fixtur
 
 # The Hugging Face Trainer's ZeRO-3 recipe, "auto" everywhere it puts it.
 HF_ZERO3 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
     "zero_optimization": {
         "stage": 3,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -85,10 +98,19 @@ def test_fixture_single_gpu_tuned():
     # only micro batch and accumulation given: train_batch_size derived
     assert (c.train_batch_size, c.micro_batch_size, c.gradient_accumulation_steps, c.world_size) == (8, 1, 8, 1)
     assert c.precision == "fp16" and c.gradient_clipping == 1.0
-    assert (c.fp16.initial_scale_power, c.fp16.min_loss_scale, c.fp16.hysteresis, c.fp16.loss_scale_window,
-            c.fp16.loss_scale) == (16, 1.0, 2, 100, 0.0)
+    assert (
+        c.fp16.initial_scale_power,
+        c.fp16.min_loss_scale,
+        c.fp16.hysteresis,
+        c.fp16.loss_scale_window,
+        c.fp16.loss_scale,
+    ) == (16, 1.0, 2, 100, 0.0)
     assert (c.optimizer.lr, c.optimizer.weight_decay, c.optimizer.betas, c.optimizer.eps) == (
-        5e-5, 0.01, (0.9, 0.999), 1e-8)
+        5e-5,
+        0.01,
+        (0.9, 0.999),
+        1e-8,
+    )
     assert (c.offload.param_device, c.offload.optimizer_device, c.offload.pin_memory) == ("cpu", "cpu", True)
     assert c.offload.prefetch_depth is None  # the planner decides from stage3_prefetch_bucket_size's budget
     assert c.scheduler.type == "constant"
@@ -97,7 +119,7 @@ def test_fixture_single_gpu_tuned():
     assert s["zero_optimization.contiguous_gradients"] == "not-applicable"
     assert s["zero_optimization.reduce_bucket_size"] == "not-applicable"
     assert s["zero_optimization.offload_optimizer.buffer_count"] == "not-applicable"
-    assert s["zero_optimization.offload_param.device"] == "mapped"    # the planner keeps on the GPU what fits
+    assert s["zero_optimization.offload_param.device"] == "mapped"  # the planner keeps on the GPU what fits
     assert s["train_micro_batch_size_per_gpu"] == "honoured"
     assert all(r.status != "honoured" for r in loaded.notices)
     assert len(loaded.report) == 23  # every key present, once
@@ -145,22 +167,55 @@ def test_fixtures_round_trip(name):
 # ---------------------------------------------------------------------------
 
 CONFIG_MD_KEYS = [
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "optimizer.type", "optimizer.params", "scheduler.type", "scheduler.params",
-    "fp16.enabled", "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
-    "fp16.min_loss_scale", "bf16.enabled", "zero_optimization.stage",
-    *(f"zero_optimization.offload_optimizer.{k}" for k in
-      ("device", "nvme_path", "pin_memory", "buffer_count", "fast_init", "ratio")),
-    *(f"zero_optimization.offload_param.{k}" for k in
-      ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu")),
-    *(f"zero_optimization.{k}" for k in (
-        "overlap_comm", "contiguous_gradients", "allgather_partitions", "allgather_bucket_size", "reduce_scatter",
-        "reduce_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "sub_group_size",
-        "stage3_gather_16bit_weights_on_model_save")),
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "optimizer.type",
+    "optimizer.params",
+    "scheduler.type",
+    "scheduler.params",
+    "fp16.enabled",
+    "fp16.loss_scale",
+    "fp16.initial_scale_power",
+    "fp16.loss_scale_window",
+    "fp16.hysteresis",
+    "fp16.min_loss_scale",
+    "bf16.enabled",
+    "zero_optimization.stage",
+    *(
+        f"zero_optimization.offload_optimizer.{k}"
+        for k in ("device", "nvme_path", "pin_memory", "buffer_count", "fast_init", "ratio")
+    ),
+    *(
+        f"zero_optimization.offload_param.{k}"
+        for k in ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu")
+    ),
+    *(
+        f"zero_optimization.{k}"
+        for k in (
+            "overlap_comm",
+            "contiguous_gradients",
+            "allgather_partitions",
+            "allgather_bucket_size",
+            "reduce_scatter",
+            "reduce_bucket_size",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "sub_group_size",
+            "stage3_gather_16bit_weights_on_model_save",
+        )
+    ),
     *(f"aio.{k}" for k in ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events")),
-    "activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing",
-    "steps_per_print", "wall_clock_breakdown", "tensorboard", "wandb", "csv_monitor",
+    "activation_checkpointing.partition_activations",
+    "activation_checkpointing.cpu_checkpointing",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
 ]
 
 
@@ -204,10 +259,15 @@ def test_hugging_face_recipe_auto_resolution():
     c = loaded.config
     assert (c.train_batch_size, c.micro_batch_size, c.gradient_accumulation_steps) == (4, 1, 1)
     assert c.precision == "bf16"  # fp16.enabled "auto" and no explicit choice: zerofit's bf16
-    assert c.gradient_clipping == 1.0     # "auto": DeepSpeed's default (and transformers' max_grad_norm)
+    assert c.gradient_clipping == 1.0  # "auto": DeepSpeed's default (and transformers' max_grad_norm)
     assert c.optimizer == ZerofitConfig().optimizer
-    assert (c.scheduler.type, c.scheduler.warmup_min_lr, c.scheduler.warmup_max_lr, c.scheduler.warmup_steps,
-            c.scheduler.total_steps) == ("WarmupDecayLR", 0.0, None, 0, None)
+    assert (
+        c.scheduler.type,
+        c.scheduler.warmup_min_lr,
+        c.scheduler.warmup_max_lr,
+        c.scheduler.warmup_steps,
+        c.scheduler.total_steps,
+    ) == ("WarmupDecayLR", 0.0, None, 0, None)
     assert c.steps_per_print == 2000
     notes = {r.key: r.note for r in loaded.report}
     assert notes["train_batch_size"].startswith("auto -> 4")
@@ -220,11 +280,14 @@ def test_hugging_face_recipe_auto_resolution():
 
 
 def test_auto_batch_sizes_derive_from_the_others():
-    c = load_config({"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto",
-                     "gradient_accumulation_steps": 4}, world_size=2).config
+    c = load_config(
+        {"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4},
+        world_size=2,
+    ).config
     assert (c.train_batch_size, c.micro_batch_size, c.gradient_accumulation_steps) == (64, 8, 4)
-    c = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
-                     "gradient_accumulation_steps": "auto"}).config
+    c = load_config(
+        {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"}
+    ).config
     assert (c.train_batch_size, c.micro_batch_size, c.gradient_accumulation_steps) == (2, 2, 1)
 
 
@@ -300,41 +363,52 @@ def test_unknown_optimizer_and_scheduler_params():
     assert err.field == "scheduler.params.warmup_max_lr"
 
 
-@pytest.mark.parametrize("config, field", [
-    ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage"),
-    ({"fp16": {"enabled": "true"}}, "fp16.enabled"),
-    ({"train_batch_size": 8.5}, "train_batch_size"),
-    ({"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu"),
-    ({"gradient_clipping": "1.0"}, "gradient_clipping"),
-    ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "zero_optimization.offload_param.device"),
-    ({"zero_optimization": []}, "zero_optimization"),
-    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, "optimizer.params.betas"),
-    ({"aio": {"thread_count": 0}}, "aio.thread_count"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}}, "scheduler.params.warmup_type"),
-    ({"fp16": {"enabled": True, "initial_scale_power": 99}}, "fp16.initial_scale_power"),
-])
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage"),
+        ({"fp16": {"enabled": "true"}}, "fp16.enabled"),
+        ({"train_batch_size": 8.5}, "train_batch_size"),
+        ({"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu"),
+        ({"gradient_clipping": "1.0"}, "gradient_clipping"),
+        ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "zero_optimization.offload_param.device"),
+        ({"zero_optimization": []}, "zero_optimization"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, "optimizer.params.betas"),
+        ({"aio": {"thread_count": 0}}, "aio.thread_count"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}}, "scheduler.params.warmup_type"),
+        ({"fp16": {"enabled": True, "initial_scale_power": 99}}, "fp16.initial_scale_power"),
+    ],
+)
 def test_wrong_types_name_the_field(config, field):
     err = _error(config)
     assert err.field == field and "expected" in str(err) and "found" in str(err)
 
 
-@pytest.mark.parametrize("config, field", [
-    ({"zero_optimization": {"reduce_bucket_size": -1}}, "zero_optimization.reduce_bucket_size"),
-    ({"zero_optimization": {"stage3_prefetch_bucket_size": -5e8}}, "zero_optimization.stage3_prefetch_bucket_size"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_size": -1}}},
-     "zero_optimization.offload_param.buffer_size"),
-    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
-    ({"gradient_accumulation_steps": -2, "zero_optimization": {}}, "gradient_accumulation_steps"),
-    ({"gradient_clipping": -1.0, "zero_optimization": {}}, "gradient_clipping"),
-    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16.min_loss_scale"),
-])
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"zero_optimization": {"reduce_bucket_size": -1}}, "zero_optimization.reduce_bucket_size"),
+        ({"zero_optimization": {"stage3_prefetch_bucket_size": -5e8}}, "zero_optimization.stage3_prefetch_bucket_size"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_size": -1}}},
+            "zero_optimization.offload_param.buffer_size",
+        ),
+        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
+        ({"gradient_accumulation_steps": -2, "zero_optimization": {}}, "gradient_accumulation_steps"),
+        ({"gradient_clipping": -1.0, "zero_optimization": {}}, "gradient_clipping"),
+        ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16.min_loss_scale"),
+    ],
+)
 def test_negative_sizes_name_the_field(config, field):
     assert _error(config).field == field
 
 
 def test_error_messages_are_plain():
-    for config in ({"train_batch_size": "x", "zero_optimization": {}}, {"micro_batch_size": "x"},
-                   {"offload": {"prefetch_depth": 0}}):
+    for config in (
+        {"train_batch_size": "x", "zero_optimization": {}},
+        {"micro_batch_size": "x"},
+        {"offload": {"prefetch_depth": 0}},
+    ):
         text = str(_error(config))
         assert "pydantic" not in text and "errors.pydantic.dev" not in text
 
@@ -347,14 +421,18 @@ def test_error_messages_are_plain():
 def test_inconsistent_triple_shows_the_arithmetic_zerofit_names():
     err = _error({"train_batch_size": 32, "micro_batch_size": 4, "gradient_accumulation_steps": 4})
     assert err.field == "train_batch_size"
-    assert ("train_batch_size (32) != micro_batch_size (4) * gradient_accumulation_steps (4) * world_size (1) = 16"
-            in str(err))
+    assert (
+        "train_batch_size (32) != micro_batch_size (4) * gradient_accumulation_steps (4) * world_size (1) = 16"
+        in str(err)
+    )
 
 
 def test_inconsistent_triple_shows_the_arithmetic_deepspeed_names():
     err = _error({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4})
-    assert ("train_batch_size (30) != train_micro_batch_size_per_gpu (4) * gradient_accumulation_steps (4) "
-            "* world_size (1) = 16") in str(err)
+    assert (
+        "train_batch_size (30) != train_micro_batch_size_per_gpu (4) * gradient_accumulation_steps (4) "
+        "* world_size (1) = 16"
+    ) in str(err)
 
 
 def test_fractional_triple():
@@ -363,15 +441,18 @@ def test_fractional_triple():
     assert "train_batch_size (30) / (train_micro_batch_size_per_gpu (4) * world_size (1)) = 7.5" in str(err)
 
 
-@pytest.mark.parametrize("given, expected", [
-    ({"train_batch_size": 24, "micro_batch_size": 3}, (24, 3, 4)),
-    ({"train_batch_size": 24, "gradient_accumulation_steps": 2}, (24, 6, 2)),
-    ({"micro_batch_size": 3, "gradient_accumulation_steps": 2}, (12, 3, 2)),
-    ({"train_batch_size": 24}, (24, 12, 1)),
-    ({"micro_batch_size": 5}, (10, 5, 1)),
-    ({"gradient_accumulation_steps": 3}, (6, 1, 3)),
-    ({}, (2, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ({"train_batch_size": 24, "micro_batch_size": 3}, (24, 3, 4)),
+        ({"train_batch_size": 24, "gradient_accumulation_steps": 2}, (24, 6, 2)),
+        ({"micro_batch_size": 3, "gradient_accumulation_steps": 2}, (12, 3, 2)),
+        ({"train_batch_size": 24}, (24, 12, 1)),
+        ({"micro_batch_size": 5}, (10, 5, 1)),
+        ({"gradient_accumulation_steps": 3}, (6, 1, 3)),
+        ({}, (2, 1, 1)),
+    ],
+)
 def test_any_two_determine_the_third(given, expected):
     c = ZerofitConfig(world_size=2, **given)
     assert (c.train_batch_size, c.micro_batch_size, c.gradient_accumulation_steps) == expected
@@ -412,6 +493,7 @@ def test_nvme_without_usable_path(tmp_path):
 def test_offload_report_says_what_the_plan_does(tmp_path):
     """The offload keys are reported by what zerofit does with them, not as DeepSpeed's meaning: the disk tier
     holds only what host memory cannot, and optimizer state follows its block's weights onto the GPU."""
+
     def report(zero):
         loaded = load_config({"zero_optimization": zero})
         return {r.key.removeprefix("zero_optimization."): (r.status, r.note) for r in loaded.report}
@@ -421,18 +503,34 @@ def test_offload_report_says_what_the_plan_does(tmp_path):
     assert status == "mapped" and "optimizer state stays on the GPU" in note, note
     assert "every block stays on the GPU" in r["stage"][1]
 
-    r = report({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
-                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}})
+    r = report(
+        {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+        }
+    )
     for key in ("offload_optimizer.device", "offload_param.device", "offload_optimizer.nvme_path"):
         status, note = r[key]
         assert status == "mapped" and ("disk tier" in note or "swap file" in note), (key, note)
     assert "on the disk tier under nvme_path" in r["stage"][1] and "host memory first" in r["stage"][1]
-    r = report({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
-                "offload_param": {"device": "cpu"}})
-    loaded = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
-                                                                                   "nvme_path": str(tmp_path)},
-                                                "offload_param": {"device": "cpu"}},
-                          "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 2}})
+    r = report(
+        {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_param": {"device": "cpu"},
+        }
+    )
+    loaded = load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                "offload_param": {"device": "cpu"},
+            },
+            "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 2},
+        }
+    )
     assert loaded.config.offload.nvme_block_size == 1 << 20 and loaded.config.offload.nvme_queue_depth == 16
     aio = {r.key: r.status for r in loaded.report if r.key.startswith("aio.")}
     assert aio["aio.block_size"] == aio["aio.queue_depth"] == aio["aio.thread_count"] == "mapped", aio
@@ -446,9 +544,13 @@ def test_offload_report_says_what_the_plan_does(tmp_path):
 def test_nvme_paths_must_agree(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    config = {"zero_optimization": {"stage": 3,
-                                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
-                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "b")}}}
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "b")},
+        }
+    }
     assert _error(config).field == "zero_optimization.offload_param.nvme_path"
 
 
@@ -464,30 +566,60 @@ def test_optimizer_mapping():
     assert err.field == "optimizer.params.adam_w_mode"
     assert load_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).config.optimizer.lr == 1e-3
     assert _error({"optimizer": {"type": "Lamb", "params": {}}}).field == "optimizer.type"
-    assert _error({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}).field == \
-        "optimizer.params.max_grad_norm"
+    assert (
+        _error({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}).field
+        == "optimizer.params.max_grad_norm"
+    )
     assert _error({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}).field == "optimizer.params.amsgrad"
 
 
 def test_scheduler_mapping():
     c = load_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}).config.scheduler
     assert (c.type, c.warmup_steps, c.warmup_min_lr, c.warmup_max_lr, c.warmup_type) == (
-        "WarmupLR", 100, 0.0, None, "log")
+        "WarmupLR",
+        100,
+        0.0,
+        None,
+        "log",
+    )
     c = load_config({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500}}}).config.scheduler
     assert (c.warmup_steps, c.warmup_max_lr, c.total_steps) == (1000, 0.001, 500)  # DeepSpeed's defaults
-    c = load_config({"scheduler": {"type": "WarmupCosineLR", "params": {
-        "total_num_steps": 500, "warmup_num_steps": 10, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.02,
-        "warmup_type": "linear"}}}).config.scheduler
+    c = load_config(
+        {
+            "scheduler": {
+                "type": "WarmupCosineLR",
+                "params": {
+                    "total_num_steps": 500,
+                    "warmup_num_steps": 10,
+                    "warmup_min_ratio": 0.1,
+                    "cos_min_ratio": 0.02,
+                    "warmup_type": "linear",
+                },
+            }
+        }
+    ).config.scheduler
     assert (c.type, c.total_steps, c.warmup_steps, c.warmup_min_ratio, c.min_lr_ratio, c.warmup_type) == (
-        "WarmupCosineLR", 500, 10, 0.1, 0.02, "linear")
-    assert load_config({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5}}}
-                       ).config.scheduler.min_lr_ratio == 0.0001
+        "WarmupCosineLR",
+        500,
+        10,
+        0.1,
+        0.02,
+        "linear",
+    )
+    assert (
+        load_config(
+            {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5}}}
+        ).config.scheduler.min_lr_ratio
+        == 0.0001
+    )
     err = _error({"scheduler": {"type": "WarmupDecayLR", "params": {}}})
     assert err.field == "scheduler.params.total_num_steps"
     assert _error({"scheduler": {"type": "CyclicLR", "params": {}}}).field == "scheduler.type"
     assert _error({"scheduler": {"type": "OneCycle", "params": {}}}).field == "scheduler.params.cycle_min_lr"
-    assert _error({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5}}}).field == \
-        "scheduler.params.last_batch_iteration"
+    assert (
+        _error({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5}}}).field
+        == "scheduler.params.last_batch_iteration"
+    )
 
 
 def test_offload_rules():
@@ -497,8 +629,15 @@ def test_offload_rules():
     assert err.field == "zero_optimization.offload_optimizer.device"
     c = load_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}).config
     assert (c.offload.param_device, c.offload.optimizer_device) == ("none", "cpu")
-    c = load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False},
-                                           "offload_optimizer": None}}).config
+    c = load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "cpu", "pin_memory": False},
+                "offload_optimizer": None,
+            }
+        }
+    ).config
     assert (c.offload.param_device, c.offload.optimizer_device, c.offload.pin_memory) == ("cpu", "none", False)
     c = load_config({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 1e7}})  # pydantic field name
     assert _statuses(c)["zero_optimization.prefetch_bucket_size"] == "mapped"
@@ -506,25 +645,36 @@ def test_offload_rules():
     assert err.field == "zero_optimization.prefetch_bucket_size"
 
 
-@pytest.mark.parametrize("config, field", [
-    ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, "elasticity.enabled"),
-    ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop.enabled"),
-    ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
-    ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
-])
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, "elasticity.enabled"),
+        ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop.enabled"),
+        ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
+        ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
+    ],
+)
 def test_features_that_would_change_the_math_are_refused(config, field):
     assert _error(config).field == field
 
 
 def test_disabled_features_and_sinks_are_reported():
-    loaded = load_config({"elasticity": {"enabled": False}, "tensorboard": {"enabled": True, "output_path": "tb"},
-                          "flops_profiler": {"enabled": True, "profile_step": 1},
-                          "activation_checkpointing": {"partition_activations": True}})
+    loaded = load_config(
+        {
+            "elasticity": {"enabled": False},
+            "tensorboard": {"enabled": True, "output_path": "tb"},
+            "flops_profiler": {"enabled": True, "profile_step": 1},
+            "activation_checkpointing": {"partition_activations": True},
+        }
+    )
     assert {k: s for k, s in _statuses(loaded).items() if k not in ("optimizer", "gradient_clipping")} == {
-        "elasticity": "not-applicable", "tensorboard.enabled": "not-applicable",
-        "tensorboard.output_path": "not-applicable", "flops_profiler.enabled": "not-applicable",
-        "flops_profiler.profile_step": "not-applicable", "activation_checkpointing.partition_activations":
-        "not-applicable"}
+        "elasticity": "not-applicable",
+        "tensorboard.enabled": "not-applicable",
+        "tensorboard.output_path": "not-applicable",
+        "flops_profiler.enabled": "not-applicable",
+        "flops_profiler.profile_step": "not-applicable",
+        "activation_checkpointing.partition_activations": "not-applicable",
+    }
     assert loaded.config.activation_checkpointing is True
 
 
@@ -584,8 +734,10 @@ def test_render_config_and_report():
     loaded = load_config(HF_ZERO3)
     text = render_config(loaded)
     first, rest = text.split("\n", 1)
-    assert first == ("zerofit configuration (from deepspeed config <dict>; a key it leaves out takes the defaults "
-                     "of DeepSpeed 0.19.8)")
+    assert first == (
+        "zerofit configuration (from deepspeed config <dict>; a key it leaves out takes the defaults "
+        "of DeepSpeed 0.19.8)"
+    )
     body = rest[: rest.index("\nDeepSpeed keys")]
     assert ZerofitConfig.model_validate(json.loads(body)) == loaded.config
     assert "zero_optimization.overlap_comm" in text and "not-applicable" in text
@@ -668,12 +820,17 @@ def test_a_deepspeed_config_is_read_once(tmp_path, monkeypatch):
     def nvme(*a, **k):
         calls["nvme"] += 1
         return real_nvme(*a, **k)
+
     for mod in (schema_mod, ds_mod):
         monkeypatch.setattr(mod, "resolve_batch", batch)
         monkeypatch.setattr(mod, "check_nvme_path", nvme)
-    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
-                       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
-                                                                                "nvme_path": str(tmp_path)}}}).config
+    cfg = load_config(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 4,
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        }
+    ).config
     assert (cfg.train_batch_size, cfg.offload.nvme_path) == (8, str(tmp_path))
     assert calls == {"batch": 1, "nvme": 1}
 
@@ -681,8 +838,7 @@ def test_a_deepspeed_config_is_read_once(tmp_path, monkeypatch):
 def test_a_config_with_overrides_is_read_once(tmp_path, monkeypatch):
     """One resolution of the batch triple and one check of the NVMe folder per load_config, overrides or not;
     an override of the batch or of the offload section has them done again, on the overridden fields."""
-    from zerofit.config import load_config
-    from zerofit.config import schema
+    from zerofit.config import load_config, schema
 
     calls = {"batch": 0, "nvme": 0}
     resolve, check = schema.resolve_batch, schema.check_nvme_path
@@ -697,24 +853,31 @@ def test_a_config_with_overrides_is_read_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(schema, "resolve_batch", counted_resolve)
     monkeypatch.setattr(schema, "check_nvme_path", counted_check)
-    src = {"micro_batch_size": 2, "gradient_accumulation_steps": 4,
-           "offload": {"optimizer_device": "nvme", "nvme_path": str(tmp_path)}}
+    src = {
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "offload": {"optimizer_device": "nvme", "nvme_path": str(tmp_path)},
+    }
     cfg = load_config(src, seed=3, max_gpu_memory="8GiB").config
     assert calls == {"batch": 1, "nvme": 1} and cfg.train_batch_size == 8 and cfg.seed == 3
     calls.update(batch=0, nvme=0)
-    cfg = load_config(src, micro_batch_size=1).config          # the triple derived again from the override
+    cfg = load_config(src, micro_batch_size=1).config  # the triple derived again from the override
     assert calls == {"batch": 2, "nvme": 1} and (cfg.micro_batch_size, cfg.gradient_accumulation_steps) == (1, 8)
     calls.update(batch=0, nvme=0)
-    load_config(src, **{"offload.prefetch_depth": 2})            # the offload section again: its folder checked again
+    load_config(src, **{"offload.prefetch_depth": 2})  # the offload section again: its folder checked again
     assert calls == {"batch": 1, "nvme": 2}
 
 
-@pytest.mark.parametrize("zero,layout,said", [
-    ({"stage": 3}, "full", "on several nodes -> nodes_layout full"),
-    ({"stage": 2}, "full", "on several nodes -> nodes_layout full"),
-    ({"stage": 0}, "hybrid", "on several nodes -> nodes_layout hybrid"),
-    ({"stage": 3, "zero_hpz_partition_size": 8}, "hybrid", "8 -> nodes_layout hybrid"),
-    ({}, "auto", None)])
+@pytest.mark.parametrize(
+    "zero,layout,said",
+    [
+        ({"stage": 3}, "full", "on several nodes -> nodes_layout full"),
+        ({"stage": 2}, "full", "on several nodes -> nodes_layout full"),
+        ({"stage": 0}, "hybrid", "on several nodes -> nodes_layout hybrid"),
+        ({"stage": 3, "zero_hpz_partition_size": 8}, "hybrid", "8 -> nodes_layout hybrid"),
+        ({}, "auto", None),
+    ],
+)
 def test_deepspeeds_words_name_the_layout_across_nodes(zero, layout, said):
     """[Note: the nodes' layout]: ZeRO stages 1-3 shard over every rank of every node (the full layout), hpZ's
     zero_hpz_partition_size gathers inside each node (the hybrid one), stage 0 replicates (hybrid); the key report
@@ -733,8 +896,16 @@ def test_deepspeeds_words_name_the_layout_across_nodes(zero, layout, said):
         load_config({"nodes_layout": "sharded"})
 
 
-@pytest.mark.parametrize("strategy,layout", [("HYBRID_SHARD", "hybrid"), ("_HYBRID_SHARD_ZERO2", "hybrid"),
-                                             ("FULL_SHARD", "full"), ("SHARD_GRAD_OP", "full"), (None, "auto")])
+@pytest.mark.parametrize(
+    "strategy,layout",
+    [
+        ("HYBRID_SHARD", "hybrid"),
+        ("_HYBRID_SHARD_ZERO2", "hybrid"),
+        ("FULL_SHARD", "full"),
+        ("SHARD_GRAD_OP", "full"),
+        (None, "auto"),
+    ],
+)
 def test_fsdps_sharding_strategy_names_the_layout_across_nodes(strategy, layout):
     """FSDP's words: HYBRID_SHARD and _HYBRID_SHARD_ZERO2 the hybrid layout, FULL_SHARD and SHARD_GRAD_OP (which
     shard over every rank of every node) the full one, none the planner's choice; the one-node sharding as before."""
@@ -743,10 +914,14 @@ def test_fsdps_sharding_strategy_names_the_layout_across_nodes(strategy, layout)
     import zerofit.fsdp as zf
     from tests.support import tiny_models as tm
 
-    wrapped = zf.FullyShardedDataParallel(tm.llama(), sharding_strategy=strategy and ShardingStrategy[strategy],
-                                          zerofit_config={"device": "cpu", "precision": "fp32"})
+    wrapped = zf.FullyShardedDataParallel(
+        tm.llama(),
+        sharding_strategy=strategy and ShardingStrategy[strategy],
+        zerofit_config={"device": "cpu", "precision": "fp32"},
+    )
     cfg = wrapped.zerofit_engine.config
     assert cfg.nodes_layout == layout
     assert cfg.sharding == {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}.get(
-        strategy, strategy or "auto")
+        strategy, strategy or "auto"
+    )
     wrapped.zerofit_engine.close()

@@ -39,7 +39,7 @@ from zerofit.config.deepspeed_keys import (
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-NVME_DIR = tempfile.mkdtemp(prefix="zerofit-nvme-")   # a usable folder for valid NVMe configs
+NVME_DIR = tempfile.mkdtemp(prefix="zerofit-nvme-")  # a usable folder for valid NVMe configs
 A_FILE = Path(NVME_DIR) / "a_file"
 A_FILE.write_text("not a folder")
 
@@ -48,7 +48,7 @@ A_FILE.write_text("not a folder")
 # ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def valid_value(kind) -> st.SearchStrategy:
     if isinstance(kind, Int):
         hi = kind.hi if kind.hi is not None else kind.lo + 10**9
@@ -72,7 +72,7 @@ def valid_value(kind) -> st.SearchStrategy:
 _NOT_STRINGS = st.sampled_from([[1], {"a": 1}, [], {}])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def invalid_value(kind) -> st.SearchStrategy:
     """A value of the wrong type (or outside the allowed set) for ``kind``; never "auto"."""
     if isinstance(kind, Int):
@@ -101,20 +101,33 @@ def negative_value(kind) -> st.SearchStrategy:
 # ---------------------------------------------------------------------------
 
 # Leaves set explicitly by the generator (they interact), not drawn from the table.
-_ZERO_EXPLICIT = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param",
-                  "cpu_offload_use_pin_memory"}
-_RANDOM_SECTIONS = ("aio", "activation_checkpointing", "tensorboard", "wandb", "csv_monitor", "flops_profiler",
-                    "data_types")
+_ZERO_EXPLICIT = {
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "cpu_offload",
+    "cpu_offload_param",
+    "cpu_offload_use_pin_memory",
+}
+_RANDOM_SECTIONS = (
+    "aio",
+    "activation_checkpointing",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "flops_profiler",
+    "data_types",
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _leaf_names(spec_id: int, skip: frozenset, max_keys: int) -> st.SearchStrategy:
     spec = _SPECS[spec_id]
     names = sorted(n for n, item in spec.items() if isinstance(item, Key) and n not in skip)
     return st.lists(st.sampled_from(names), unique=True, max_size=max_keys)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _auto_or(kind) -> st.SearchStrategy:
     return st.just("auto") | valid_value(kind)
 
@@ -139,15 +152,30 @@ _TOP_KEYS = {n: i for n, i in DEEPSPEED_KEYS.items() if isinstance(i, Key)}
 def deepspeed_configs(draw) -> tuple[dict, int]:
     world = draw(st.integers(1, 4))
     micro, accum = draw(st.integers(1, 16)), draw(st.integers(1, 8))
-    triple = {"train_batch_size": micro * accum * world, "train_micro_batch_size_per_gpu": micro,
-              "gradient_accumulation_steps": accum}
+    triple = {
+        "train_batch_size": micro * accum * world,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+    }
     cfg: dict[str, Any] = {}
     for key in draw(st.lists(st.sampled_from(sorted(triple)), unique=True)):
         cfg[key] = draw(st.sampled_from([triple[key], "auto"]))
 
     # precision: never both enabled
-    fp16, bf16 = draw(st.sampled_from([(None, None), (True, None), (None, True), (False, True), (True, False),
-                                       ("auto", None), ("auto", "auto"), (False, False)]))
+    fp16, bf16 = draw(
+        st.sampled_from(
+            [
+                (None, None),
+                (True, None),
+                (None, True),
+                (False, True),
+                (True, False),
+                ("auto", None),
+                ("auto", "auto"),
+                (False, False),
+            ]
+        )
+    )
     if fp16 is not None:
         cfg["fp16"] = {"enabled": fp16, **_random_leaves(draw, DEEPSPEED_KEYS["fp16"].keys, skip={"enabled"})}
     if bf16 is not None:
@@ -162,26 +190,36 @@ def deepspeed_configs(draw) -> tuple[dict, int]:
 
     if draw(st.booleans()):
         kind = draw(st.sampled_from(sorted(SCHEDULER_PARAMS)))
-        required = {"WarmupDecayLR": ["total_num_steps"], "WarmupCosineLR": ["total_num_steps"],
-                    "OneCycle": ["cycle_min_lr", "cycle_max_lr"]}.get(kind, [])
+        required = {
+            "WarmupDecayLR": ["total_num_steps"],
+            "WarmupCosineLR": ["total_num_steps"],
+            "OneCycle": ["cycle_min_lr", "cycle_max_lr"],
+        }.get(kind, [])
         params = _random_leaves(draw, SCHEDULER_PARAMS[kind], skip=set(required))
         for key in required:
-            params[key] = draw(st.integers(1, 10**6) | st.just("auto") if key == "total_num_steps"
-                               else valid_value(SCHEDULER_PARAMS[kind][key].kind))
+            params[key] = draw(
+                st.integers(1, 10**6) | st.just("auto")
+                if key == "total_num_steps"
+                else valid_value(SCHEDULER_PARAMS[kind][key].kind)
+            )
         cfg["scheduler"] = {"type": kind, "params": params}
 
     stage = draw(st.integers(0, 3))
-    zero: dict[str, Any] = {"stage": stage, **_random_leaves(draw, DEEPSPEED_KEYS["zero_optimization"].keys,
-                                                             skip=_ZERO_EXPLICIT, max_keys=10)}
+    zero: dict[str, Any] = {
+        "stage": stage,
+        **_random_leaves(draw, DEEPSPEED_KEYS["zero_optimization"].keys, skip=_ZERO_EXPLICIT, max_keys=10),
+    }
     nvme_path = draw(st.sampled_from([NVME_DIR, str(Path(NVME_DIR) / "sub" / "dir")]))
     if stage >= 1 and draw(st.booleans()):
         device = draw(st.sampled_from(["none", "cpu", "nvme"]))
-        zero["offload_optimizer"] = {"device": device, "pin_memory": draw(st.booleans()),
-                                     **({"nvme_path": nvme_path} if device == "nvme" else {})}
+        zero["offload_optimizer"] = {
+            "device": device,
+            "pin_memory": draw(st.booleans()),
+            **({"nvme_path": nvme_path} if device == "nvme" else {}),
+        }
     if stage == 3 and draw(st.booleans()):
         device = draw(st.sampled_from(["none", "cpu", "nvme"]))
-        zero["offload_param"] = {"device": device,
-                                 **({"nvme_path": nvme_path} if device == "nvme" else {})}
+        zero["offload_param"] = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
     cfg["zero_optimization"] = zero  # always present: makes the dict DeepSpeed-flavoured
 
     for name in draw(st.lists(st.sampled_from(_RANDOM_SECTIONS), unique=True, max_size=3)):
@@ -290,16 +328,21 @@ def test_inconsistent_batch_triple_deepspeed(world, micro, accum, train):
     assume(train != micro * accum * world)
     cfg = {"train_batch_size": train, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum}
     err = _raises_naming("train_batch_size", cfg, world_size=world)
-    assert (f"train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) * "
-            f"gradient_accumulation_steps ({accum}) * world_size ({world}) = {micro * accum * world}") in str(err)
+    assert (
+        f"train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) * "
+        f"gradient_accumulation_steps ({accum}) * world_size ({world}) = {micro * accum * world}"
+    ) in str(err)
 
 
 @FUZZ
 @given(world=st.integers(1, 8), other=st.integers(1, 64), train=st.integers(1, 4096), which=st.booleans())
 def test_fractional_batch_triple_deepspeed(world, other, train, which):
     assume(train % (other * world) != 0)
-    given_key, derived = (("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if which
-                          else ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"))
+    given_key, derived = (
+        ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        if which
+        else ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu")
+    )
     cfg = {"train_batch_size": train, given_key: other, "zero_optimization": {}}
     err = _raises_naming(derived, cfg, world_size=world)
     assert f"train_batch_size ({train}) / ({given_key} ({other}) * world_size ({world}))" in str(err)
@@ -330,28 +373,47 @@ def test_nvme_without_usable_path(cfg_world, data):
 
 _POS = st.integers(1, 10**6)
 _ZF_SECTIONS = {
-    "fp16": {"loss_scale": st.floats(0, 1e6), "initial_scale_power": st.integers(0, 64),
-             "loss_scale_window": _POS, "hysteresis": st.integers(1, 8), "consecutive_hysteresis": st.booleans(),
-             "min_loss_scale": st.floats(1e-6, 1e6)},
-    "optimizer": {"lr": st.floats(1e-9, 10, exclude_min=True), "betas": st.tuples(st.floats(0, 0.999),
-                                                                                   st.floats(0, 0.999)),
-                  "eps": st.floats(1e-12, 1e-3), "weight_decay": st.floats(0, 1)},
-    "scheduler": {"type": st.sampled_from(["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR",
-                                           "WarmupCosineLR"]),
-                  "warmup_steps": st.integers(0, 10**5), "total_steps": st.none() | _POS,
-                  "warmup_min_lr": st.floats(0, 1), "warmup_max_lr": st.none() | st.floats(1e-9, 1),
-                  "warmup_type": st.sampled_from(["log", "linear"]), "min_lr_ratio": st.floats(0, 1),
-                  "warmup_min_ratio": st.floats(0, 1)},
-    "offload": {"param_device": st.sampled_from(["none", "cpu"]), "optimizer_device": st.sampled_from(["none", "cpu"]),
-                "pin_memory": st.booleans(), "prefetch_depth": st.none() | st.integers(1, 64),
-                "resident_blocks": st.none() | st.integers(0, 1000)},
+    "fp16": {
+        "loss_scale": st.floats(0, 1e6),
+        "initial_scale_power": st.integers(0, 64),
+        "loss_scale_window": _POS,
+        "hysteresis": st.integers(1, 8),
+        "consecutive_hysteresis": st.booleans(),
+        "min_loss_scale": st.floats(1e-6, 1e6),
+    },
+    "optimizer": {
+        "lr": st.floats(1e-9, 10, exclude_min=True),
+        "betas": st.tuples(st.floats(0, 0.999), st.floats(0, 0.999)),
+        "eps": st.floats(1e-12, 1e-3),
+        "weight_decay": st.floats(0, 1),
+    },
+    "scheduler": {
+        "type": st.sampled_from(["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]),
+        "warmup_steps": st.integers(0, 10**5),
+        "total_steps": st.none() | _POS,
+        "warmup_min_lr": st.floats(0, 1),
+        "warmup_max_lr": st.none() | st.floats(1e-9, 1),
+        "warmup_type": st.sampled_from(["log", "linear"]),
+        "min_lr_ratio": st.floats(0, 1),
+        "warmup_min_ratio": st.floats(0, 1),
+    },
+    "offload": {
+        "param_device": st.sampled_from(["none", "cpu"]),
+        "optimizer_device": st.sampled_from(["none", "cpu"]),
+        "pin_memory": st.booleans(),
+        "prefetch_depth": st.none() | st.integers(1, 64),
+        "resident_blocks": st.none() | st.integers(0, 1000),
+    },
 }
 _ZF_TOP = {
-    "precision": st.sampled_from(["fp32", "bf16", "fp16"]), "gradient_clipping": st.floats(0, 100),
+    "precision": st.sampled_from(["fp32", "bf16", "fp16"]),
+    "gradient_clipping": st.floats(0, 100),
     "activation_checkpointing": st.booleans(),
     "max_gpu_memory": st.none() | st.integers(0, 2**40) | st.sampled_from(["24GiB", "1.5GB", "512MiB"]),
-    "max_host_memory": st.none() | st.integers(0, 2**42), "seed": st.integers(0, 2**31),
-    "steps_per_print": _POS, "wall_clock_breakdown": st.booleans(),
+    "max_host_memory": st.none() | st.integers(0, 2**42),
+    "seed": st.integers(0, 2**31),
+    "steps_per_print": _POS,
+    "wall_clock_breakdown": st.booleans(),
 }
 
 
@@ -359,8 +421,11 @@ _ZF_TOP = {
 def zerofit_configs(draw) -> dict:
     world = draw(st.integers(1, 4))
     micro, accum = draw(st.integers(1, 16)), draw(st.integers(1, 8))
-    triple = {"train_batch_size": micro * accum * world, "micro_batch_size": micro,
-              "gradient_accumulation_steps": accum}
+    triple = {
+        "train_batch_size": micro * accum * world,
+        "micro_batch_size": micro,
+        "gradient_accumulation_steps": accum,
+    }
     cfg: dict[str, Any] = {"world_size": world} if draw(st.booleans()) or world > 1 else {}
     for key in draw(st.lists(st.sampled_from(sorted(triple)), unique=True)):
         cfg[key] = triple[key]
@@ -379,28 +444,67 @@ def zerofit_configs(draw) -> dict:
 
 # Wrong values for zerofit's fields: the field's dotted path -> values of the wrong type or out of range.
 _ZF_WRONG = {
-    "train_batch_size": ["8", 8.0, True, [8]], "micro_batch_size": ["1", 1.0, False],
-    "gradient_accumulation_steps": ["2", 2.5], "world_size": ["1", 1.0, None],
-    "precision": ["fp8", "BF16", 16, None], "gradient_clipping": ["1", True, None, float("nan")],
-    "activation_checkpointing": ["yes", 1, None], "max_gpu_memory": ["lots", True, [1], "24 parsecs"],
-    "seed": ["0", 0.5, None], "steps_per_print": ["10", 10.0], "wall_clock_breakdown": ["false", 0],
-    "fp16": [1, "x", [1]], "optimizer": [1, "adamw"], "offload": [[], "cpu"],
-    "fp16.loss_scale": ["0", True], "fp16.initial_scale_power": [16.0, "16", 65], "fp16.hysteresis": ["2", 2.0],
-    "fp16.consecutive_hysteresis": ["no", 1], "fp16.min_loss_scale": ["1", None],
-    "optimizer.lr": ["1e-3", None, True], "optimizer.betas": [[0.9], "0.9", [0.9, 1.0], [0.9, "x"]],
-    "optimizer.eps": ["1e-8"], "optimizer.type": ["sgd", 1, None], "optimizer.weight_decay": ["0.1", None],
-    "scheduler.type": ["OneCycleLR", 1], "scheduler.warmup_steps": ["10", 1.5], "scheduler.total_steps": ["100", 0],
-    "scheduler.warmup_type": ["cosine"], "scheduler.min_lr_ratio": [1.5, "0"],
-    "offload.param_device": ["gpu", None, 1], "offload.pin_memory": ["true"], "offload.prefetch_depth": [65, "2"],
+    "train_batch_size": ["8", 8.0, True, [8]],
+    "micro_batch_size": ["1", 1.0, False],
+    "gradient_accumulation_steps": ["2", 2.5],
+    "world_size": ["1", 1.0, None],
+    "precision": ["fp8", "BF16", 16, None],
+    "gradient_clipping": ["1", True, None, float("nan")],
+    "activation_checkpointing": ["yes", 1, None],
+    "max_gpu_memory": ["lots", True, [1], "24 parsecs"],
+    "seed": ["0", 0.5, None],
+    "steps_per_print": ["10", 10.0],
+    "wall_clock_breakdown": ["false", 0],
+    "fp16": [1, "x", [1]],
+    "optimizer": [1, "adamw"],
+    "offload": [[], "cpu"],
+    "fp16.loss_scale": ["0", True],
+    "fp16.initial_scale_power": [16.0, "16", 65],
+    "fp16.hysteresis": ["2", 2.0],
+    "fp16.consecutive_hysteresis": ["no", 1],
+    "fp16.min_loss_scale": ["1", None],
+    "optimizer.lr": ["1e-3", None, True],
+    "optimizer.betas": [[0.9], "0.9", [0.9, 1.0], [0.9, "x"]],
+    "optimizer.eps": ["1e-8"],
+    "optimizer.type": ["sgd", 1, None],
+    "optimizer.weight_decay": ["0.1", None],
+    "scheduler.type": ["OneCycleLR", 1],
+    "scheduler.warmup_steps": ["10", 1.5],
+    "scheduler.total_steps": ["100", 0],
+    "scheduler.warmup_type": ["cosine"],
+    "scheduler.min_lr_ratio": [1.5, "0"],
+    "offload.param_device": ["gpu", None, 1],
+    "offload.pin_memory": ["true"],
+    "offload.prefetch_depth": [65, "2"],
     "offload.resident_blocks": ["1", 1.5],
 }
-_ZF_NEGATIVE = ["train_batch_size", "micro_batch_size", "gradient_accumulation_steps", "world_size",
-                "gradient_clipping", "max_gpu_memory", "max_host_memory", "seed", "steps_per_print",
-                "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
-                "fp16.min_loss_scale", "optimizer.lr", "optimizer.eps", "optimizer.weight_decay",
-                "scheduler.warmup_steps", "scheduler.total_steps", "scheduler.warmup_min_lr", "scheduler.warmup_max_lr",
-                "scheduler.min_lr_ratio", "scheduler.warmup_min_ratio", "offload.prefetch_depth",
-                "offload.resident_blocks"]
+_ZF_NEGATIVE = [
+    "train_batch_size",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "world_size",
+    "gradient_clipping",
+    "max_gpu_memory",
+    "max_host_memory",
+    "seed",
+    "steps_per_print",
+    "fp16.loss_scale",
+    "fp16.initial_scale_power",
+    "fp16.loss_scale_window",
+    "fp16.hysteresis",
+    "fp16.min_loss_scale",
+    "optimizer.lr",
+    "optimizer.eps",
+    "optimizer.weight_decay",
+    "scheduler.warmup_steps",
+    "scheduler.total_steps",
+    "scheduler.warmup_min_lr",
+    "scheduler.warmup_max_lr",
+    "scheduler.min_lr_ratio",
+    "scheduler.warmup_min_ratio",
+    "offload.prefetch_depth",
+    "offload.resident_blocks",
+]
 
 
 def _put(cfg: dict, dotted: str, value: Any) -> None:
@@ -455,11 +559,17 @@ def test_zerofit_negative_size_names_the_field(cfg, data):
 @given(world=st.integers(1, 8), micro=st.integers(1, 64), accum=st.integers(1, 64), train=st.integers(1, 4096))
 def test_inconsistent_batch_triple_zerofit(world, micro, accum, train):
     assume(train != micro * accum * world)
-    cfg = {"train_batch_size": train, "micro_batch_size": micro, "gradient_accumulation_steps": accum,
-           "world_size": world}
+    cfg = {
+        "train_batch_size": train,
+        "micro_batch_size": micro,
+        "gradient_accumulation_steps": accum,
+        "world_size": world,
+    }
     err = _raises_naming("train_batch_size", cfg)
-    assert (f"train_batch_size ({train}) != micro_batch_size ({micro}) * gradient_accumulation_steps ({accum}) "
-            f"* world_size ({world}) = {micro * accum * world}") in str(err)
+    assert (
+        f"train_batch_size ({train}) != micro_batch_size ({micro}) * gradient_accumulation_steps ({accum}) "
+        f"* world_size ({world}) = {micro * accum * world}"
+    ) in str(err)
 
 
 @FUZZ

@@ -17,14 +17,29 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.tiny_tokenizer import build_tokenizer, build_tokenizer_without_bos
-from zerofit.data import (DataError, Document, PackedDataset, StepLoader, build_datasets, evaluate, load_documents,
-                          load_tokenizer, model_loss_fn, pack, split_documents)
+from zerofit.data import (
+    DataError,
+    Document,
+    PackedDataset,
+    StepLoader,
+    build_datasets,
+    evaluate,
+    load_documents,
+    load_tokenizer,
+    model_loss_fn,
+    pack,
+    split_documents,
+)
 from zerofit.data.shuffle import permutation
 
 SYSTEM, USER1, ANSWER1, USER2, ANSWER2 = "Be brief.", "hi", "Hello there", "and the fox?", "The quick fox."
-CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER1},
-        {"role": "assistant", "content": ANSWER1}, {"role": "user", "content": USER2},
-        {"role": "assistant", "content": ANSWER2}]
+CHAT = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": USER1},
+    {"role": "assistant", "content": ANSWER1},
+    {"role": "user", "content": USER2},
+    {"role": "assistant", "content": ANSWER2},
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +83,14 @@ def test_tiny_tokenizer_is_deterministic_and_saves(tmp_path, tok):
     assert loaded.decode(loaded(text, add_special_tokens=False)["input_ids"]) == text
     assert len(loaded(text, add_special_tokens=False)["input_ids"]) < len(text.encode())  # merges are in use
     assert (loaded.bos_token, loaded.eos_token, loaded.pad_token) == ("<bos>", "<eos>", "<pad>")
-    assert loaded.apply_chat_template(CHAT[1:3], tokenize=False) == \
-        "<bos><|user|>\nhi<|end|>\n<|assistant|>\nHello there<|end|>\n"
-    assert loaded.apply_chat_template(CHAT[1:2], tokenize=False, add_generation_prompt=True) == \
-        "<bos><|user|>\nhi<|end|>\n<|assistant|>\n"
+    assert (
+        loaded.apply_chat_template(CHAT[1:3], tokenize=False)
+        == "<bos><|user|>\nhi<|end|>\n<|assistant|>\nHello there<|end|>\n"
+    )
+    assert (
+        loaded.apply_chat_template(CHAT[1:2], tokenize=False, add_generation_prompt=True)
+        == "<bos><|user|>\nhi<|end|>\n<|assistant|>\n"
+    )
     with pytest.raises(Exception, match="unknown role: tool"):
         loaded.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
@@ -90,8 +109,7 @@ def test_text_rows_every_token_is_a_target(tmp_path, tok):
 
 
 def test_prompt_completion_masks_the_prompt(tmp_path, tok):
-    doc = only_doc(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "What is 42?", "completion": " The answer."}]),
-                   tok)
+    doc = only_doc(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "What is 42?", "completion": " The answer."}]), tok)
     ids, scored = pieces(tok, ("<bos>", False), ("What is 42?", False), (" The answer.", True), ("<eos>", True))
     assert doc.input_ids.tolist() == ids
     assert doc.targets.tolist() == scored
@@ -101,38 +119,61 @@ def test_prompt_completion_masks_the_prompt(tmp_path, tok):
 def test_chat_scores_only_assistant_turns(tmp_path, tok):
     doc = only_doc(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}]), tok)
     ids, scored = pieces(
-        tok, ("<bos><|system|>\n", False), (SYSTEM, False), ("<|end|>\n<|user|>\n", False), (USER1, False),
-        ("<|end|>\n<|assistant|>\n", False), (ANSWER1, True), ("<|end|>\n", True),
-        ("<|user|>\n", False), (USER2, False), ("<|end|>\n<|assistant|>\n", False), (ANSWER2, True),
-        ("<|end|>\n", True), ("<eos>", True))
+        tok,
+        ("<bos><|system|>\n", False),
+        (SYSTEM, False),
+        ("<|end|>\n<|user|>\n", False),
+        (USER1, False),
+        ("<|end|>\n<|assistant|>\n", False),
+        (ANSWER1, True),
+        ("<|end|>\n", True),
+        ("<|user|>\n", False),
+        (USER2, False),
+        ("<|end|>\n<|assistant|>\n", False),
+        (ANSWER2, True),
+        ("<|end|>\n", True),
+        ("<eos>", True),
+    )
     assert doc.input_ids.tolist() == ids
     assert doc.targets.tolist() == scored
     assert doc.input_ids.tolist().count(tok.bos_token_id) == 1  # the template's BOS, not a second one
     first = only_doc(write_jsonl(tmp_path / "first.jsonl", [{"messages": CHAT[2:3]}]), tok)  # assistant first
-    ids, scored = pieces(tok, ("<bos><|assistant|>\n", False), (ANSWER1, True), ("<|end|>\n", True),
-                         ("<eos>", True))
+    ids, scored = pieces(tok, ("<bos><|assistant|>\n", False), (ANSWER1, True), ("<|end|>\n", True), ("<eos>", True))
     assert (first.input_ids.tolist(), first.targets.tolist()) == (ids, scored)
 
 
 def test_chat_template_that_rewrites_earlier_turns_falls_back_to_the_content(tmp_path):
     tok = build_tokenizer()
     # Marks the last message only: a prefix of the conversation renders differently than in the whole.
-    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-                         "{% if loop.last %} [end]{% endif %}<|end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+        "{% if loop.last %} [end]{% endif %}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
     doc = only_doc(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[1:]}]), tok)
     ids, scored = pieces(
-        tok, ("<bos><|user|>\n", False), (USER1, False), ("<|end|>\n<|assistant|>\n", False), (ANSWER1, True),
-        ("<|end|>\n<|user|>\n", False), (USER2, False), ("<|end|>\n<|assistant|>\n", False), (ANSWER2, True),
-        (" [end]<|end|>\n", False), ("<eos>", False))
+        tok,
+        ("<bos><|user|>\n", False),
+        (USER1, False),
+        ("<|end|>\n<|assistant|>\n", False),
+        (ANSWER1, True),
+        ("<|end|>\n<|user|>\n", False),
+        (USER2, False),
+        ("<|end|>\n<|assistant|>\n", False),
+        (ANSWER2, True),
+        (" [end]<|end|>\n", False),
+        ("<eos>", False),
+    )
     assert doc.input_ids.tolist() == ids
     assert doc.targets.tolist() == scored
 
 
 def test_tokenizer_without_bos_starts_documents_without_one(tmp_path):
     tok = build_tokenizer_without_bos()
-    write_jsonl(tmp_path / "d.jsonl", [{"text": "Hello there"}, {"prompt": "hi", "completion": "the fox"},
-                                       {"messages": CHAT[1:3]}])
+    write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"text": "Hello there"}, {"prompt": "hi", "completion": "the fox"}, {"messages": CHAT[1:3]}],
+    )
     text, pc, chat = load_documents(tmp_path, tok).documents
     assert text.input_ids.tolist() == pieces(tok, ("Hello there", True), ("<eos>", True))[0]
     ids, scored = pieces(tok, ("hi", False), ("the fox", True), ("<eos>", True))
@@ -153,8 +194,14 @@ def test_parquet_and_json_list_read_like_jsonl(tmp_path, tok):
     write_jsonl(tmp_path / "e.jsonl", chats)
     docs = load_documents(tmp_path, tok).documents
     assert len(docs) == 10
-    for x, y in [(docs[0], docs[2]), (docs[0], docs[4]), (docs[1], docs[3]), (docs[1], docs[5]),
-                 (docs[6], docs[8]), (docs[7], docs[9])]:
+    for x, y in [
+        (docs[0], docs[2]),
+        (docs[0], docs[4]),
+        (docs[1], docs[3]),
+        (docs[1], docs[5]),
+        (docs[6], docs[8]),
+        (docs[7], docs[9]),
+    ]:
         assert x.input_ids.tolist() == y.input_ids.tolist() and x.targets.tolist() == y.targets.tolist()
     assert docs[6].kind == "messages" and docs[6].targets.any() and not docs[6].targets.all()
 
@@ -175,8 +222,9 @@ def random_documents(rng: np.random.Generator, n: int, vocab: int = 300) -> list
     docs = []
     for i in range(n):
         length = int(rng.integers(1, 30))
-        docs.append(Document(rng.integers(3, vocab, length).astype(np.int32), rng.random(length) < 0.7,
-                             "text", f"doc {i}"))
+        docs.append(
+            Document(rng.integers(3, vocab, length).astype(np.int32), rng.random(length) < 0.7, "text", f"doc {i}")
+        )
     return docs
 
 
@@ -224,10 +272,13 @@ def test_packed_windows_feed_a_causal_lm_like_unpacked_documents():
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    write_jsonl(root / "a.jsonl", [{"text": f"The quick brown fox {i} jumps over the lazy dog {i * i}."}
-                                   for i in range(30)])
-    write_jsonl(root / "b.jsonl", [{"prompt": f"What is {i}?", "completion": f" It is {i}."} for i in range(10)]
-                + [{"messages": CHAT}] * 3)
+    write_jsonl(
+        root / "a.jsonl", [{"text": f"The quick brown fox {i} jumps over the lazy dog {i * i}."} for i in range(30)]
+    )
+    write_jsonl(
+        root / "b.jsonl",
+        [{"prompt": f"What is {i}?", "completion": f" It is {i}."} for i in range(10)] + [{"messages": CHAT}] * 3,
+    )
     return root
 
 
@@ -335,17 +386,30 @@ def test_evaluate_is_the_token_weighted_mean_over_all_windows(corpus, tok):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
-                                         max_position_embeddings=64, attn_implementation="sdpa")).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=len(tok),
+            max_position_embeddings=64,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     data = build_datasets(corpus, tok, seq_len=16, eval_size=12, seed=0).eval
     assert len(data) >= 5
     # Direct: every window at once, cross-entropy of the shifted logits over the scored labels.
     batch = data.batch(range(len(data)))
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"]).logits  # (W, T, V)
-    per_token = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                batch["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    per_token = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
     n = int((batch["labels"][:, 1:] != -100).sum())
     direct = float(per_token) / n
     for mb in (1, 3, len(data)):  # windows carry different numbers of targets: weighting matters
@@ -354,8 +418,11 @@ def test_evaluate_is_the_token_weighted_mean_over_all_windows(corpus, tok):
         assert result.loss == pytest.approx(direct, rel=1e-5)
         assert result.perplexity == pytest.approx(np.exp(direct), rel=1e-5)
     with torch.no_grad():
-        per_window = [float(model_loss_fn(model)(data.batch([k]))) for k in range(len(data))
-                      if (data[k]["labels"][1:] != -100).any()]
+        per_window = [
+            float(model_loss_fn(model)(data.batch([k])))
+            for k in range(len(data))
+            if (data[k]["labels"][1:] != -100).any()
+        ]
     assert abs(np.mean(per_window) - direct) > 1e-4  # the check above could tell the two apart
     assert evaluate(data, model_loss_fn(model), 2, max_windows=2).windows == 2
 
@@ -373,15 +440,22 @@ def test_errors_name_the_file_row_and_field(tmp_path, tok):
     with pytest.raises(DataError, match="holds no supported file"):
         load_documents(tmp_path / "empty_folder", tok)
     cases = {
-        "nofield.jsonl": ([{"text": "ok"}, {"body": "x", "title": "y"}],
-                          r"nofield.jsonl, row 2: no 'text', 'prompt'\+'completion' or 'messages' field"
-                          r" \(found 'body', 'title'\)"),
+        "nofield.jsonl": (
+            [{"text": "ok"}, {"body": "x", "title": "y"}],
+            r"nofield.jsonl, row 2: no 'text', 'prompt'\+'completion' or 'messages' field"
+            r" \(found 'body', 'title'\)",
+        ),
         "mixed.jsonl": ([{"text": "a", "messages": CHAT}], r"mixed.jsonl, row 1: the row mixes formats"),
         "half.jsonl": ([{"prompt": "a"}], r"half.jsonl, row 1: .*'completion' is missing"),
-        "types.jsonl": ([{"text": "a"}, {"text": {"nested": 1}}], r"types.jsonl, row 2: field 'text' must be a"
-                                                                  r" string, found dict"),
-        "msg.jsonl": ([{"messages": [{"role": "user", "content": 3}]}],
-                      r"msg.jsonl, row 1: messages\[0\].content must be a string, found int"),
+        "types.jsonl": (
+            [{"text": "a"}, {"text": {"nested": 1}}],
+            r"types.jsonl, row 2: field 'text' must be a"
+            r" string, found dict",
+        ),
+        "msg.jsonl": (
+            [{"messages": [{"role": "user", "content": 3}]}],
+            r"msg.jsonl, row 1: messages\[0\].content must be a string, found int",
+        ),
     }
     for name, (rows, pattern) in cases.items():
         with pytest.raises(DataError, match=pattern):

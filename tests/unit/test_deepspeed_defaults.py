@@ -29,21 +29,33 @@ from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config  # noqa: E402
 from deepspeed.runtime.swap_tensor import constants as AIO  # noqa: E402
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
-from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,  # noqa: E402
-                                                   DeepSpeedZeroOffloadParamConfig)
+from deepspeed.runtime.zero.offload_config import (
+    DeepSpeedZeroOffloadOptimizerConfig,  # noqa: E402
+    DeepSpeedZeroOffloadParamConfig,
+)
 
 import zerofit.deepspeed as zdeepspeed  # noqa: E402
 from tests.support import tiny_models as tm  # noqa: E402
 from zerofit.config import load_config, render_config  # noqa: E402
-from zerofit.config.deepspeed_keys import (ADAM_PARAMS, DEEPSPEED_KEYS, DEEPSPEED_VERSION, NO_DEFAULT,  # noqa: E402
-                                           SCHEDULER_PARAMS, TORCH_ADAMW_WEIGHT_DECAY, Key, Section, default)
+from zerofit.config.deepspeed_keys import (
+    ADAM_PARAMS,
+    DEEPSPEED_KEYS,
+    DEEPSPEED_VERSION,
+    NO_DEFAULT,  # noqa: E402
+    SCHEDULER_PARAMS,
+    TORCH_ADAMW_WEIGHT_DECAY,
+    Key,
+    Section,
+    default,
+)
 from zerofit.engine.adapter import loss_of  # noqa: E402
 
 
 def test_the_installed_deepspeed_is_the_one_whose_defaults_zerofit_takes():
     assert deepspeed.__version__ == DEEPSPEED_VERSION, (
         f"DeepSpeed {deepspeed.__version__} is installed, zerofit's table has {DEEPSPEED_VERSION}'s defaults: "
-        "check every default against the new release, then bump DEEPSPEED_VERSION")
+        "check every default against the new release, then bump DEEPSPEED_VERSION"
+    )
 
 
 def _field_default(model, name: str):
@@ -76,15 +88,28 @@ _DEEPSPEED = {
     "dataloader_drop_last": C.DATALOADER_DROP_LAST_DEFAULT,
     "checkpoint.tag_validation": C.CHECKPOINT_TAG_VALIDATION_DEFAULT,
     "bf16.enabled": _field_default(DeepSpeedBF16Config, "enabled"),
-    **{f"fp16.{k}": _field_default(DeepSpeedFP16Config, k) for k in (
-        "enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-        "min_loss_scale")},
+    **{
+        f"fp16.{k}": _field_default(DeepSpeedFP16Config, k)
+        for k in (
+            "enabled",
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "consecutive_hysteresis",
+            "min_loss_scale",
+        )
+    },
     "zero_optimization.stage": _field_default(DeepSpeedZeroConfig, "stage"),
     "zero_optimization.zero_hpz_partition_size": _field_default(DeepSpeedZeroConfig, "zero_hpz_partition_size"),
-    **{f"zero_optimization.offload_optimizer.{k}": _field_default(DeepSpeedZeroOffloadOptimizerConfig, k)
-       for k in ("device", "nvme_path", "pin_memory")},
-    **{f"zero_optimization.offload_param.{k}": _field_default(DeepSpeedZeroOffloadParamConfig, k)
-       for k in ("device", "nvme_path", "pin_memory")},
+    **{
+        f"zero_optimization.offload_optimizer.{k}": _field_default(DeepSpeedZeroOffloadOptimizerConfig, k)
+        for k in ("device", "nvme_path", "pin_memory")
+    },
+    **{
+        f"zero_optimization.offload_param.{k}": _field_default(DeepSpeedZeroOffloadParamConfig, k)
+        for k in ("device", "nvme_path", "pin_memory")
+    },
     "aio.block_size": AIO.AIO_BLOCK_SIZE_DEFAULT,
     "aio.queue_depth": AIO.AIO_QUEUE_DEPTH_DEFAULT,
     "aio.intra_op_parallelism": AIO.AIO_INTRA_OP_PARALLELISM_DEFAULT,
@@ -100,13 +125,13 @@ def _keys_with_defaults(spec, prefix=""):
 
 
 def _same(ours, theirs) -> bool:
-    if hasattr(theirs, "value"):                        # DeepSpeed's enums (stage 0, device "none")
+    if hasattr(theirs, "value"):  # DeepSpeed's enums (stage 0, device "none")
         theirs = theirs.value
     if isinstance(ours, tuple):
         theirs = tuple(theirs)
-    if isinstance(ours, str) and isinstance(theirs, str):     # tag_validation: DeepSpeed upper-cases the value
+    if isinstance(ours, str) and isinstance(theirs, str):  # tag_validation: DeepSpeed upper-cases the value
         return ours.upper() == theirs.upper()
-    return ours == theirs and isinstance(ours, bool) == isinstance(theirs, bool)     # True is not 1
+    return ours == theirs and isinstance(ours, bool) == isinstance(theirs, bool)  # True is not 1
 
 
 def test_every_top_level_default_is_deepspeeds():
@@ -121,8 +146,16 @@ def test_every_optimizer_default_is_deepspeeds_adam():
     """DeepSpeed builds its CPU Adam (offload) or FusedAdam (GPU) from the params: both with these defaults; with
     torch_adam, torch.optim.AdamW, whose weight decay is 0.01."""
     ours = dict(_keys_with_defaults(ADAM_PARAMS))
-    assert set(ours) == {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction",
-                         "amsgrad"}
+    assert set(ours) == {
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "adam_w_mode",
+        "torch_adam",
+        "bias_correction",
+        "amsgrad",
+    }
     for cls in (DeepSpeedCPUAdam, FusedAdam):
         for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad"):
             assert _same(ours[k].default, _signature(cls.__init__, k)), (cls.__name__, k)
@@ -148,14 +181,21 @@ def test_every_scheduler_default_is_deepspeeds(kind):
     assert sorted(SCHEDULER_PARAMS[kind]) == sorted(params)
     for name in params:
         ours = SCHEDULER_PARAMS[kind][name].default
-        assert _same(ours, _signature(init, name)) if ours is not NO_DEFAULT else \
-            _signature(init, name) is NO_DEFAULT, (kind, name, ours, _signature(init, name))
+        assert (
+            _same(ours, _signature(init, name)) if ours is not NO_DEFAULT else _signature(init, name) is NO_DEFAULT
+        ), (kind, name, ours, _signature(init, name))
 
 
-@pytest.mark.parametrize("section, model", [
-    ("fp16", DeepSpeedFP16Config), ("bf16", DeepSpeedBF16Config), ("zero_optimization", DeepSpeedZeroConfig),
-    ("zero_optimization.offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig),
-    ("zero_optimization.offload_param", DeepSpeedZeroOffloadParamConfig)])
+@pytest.mark.parametrize(
+    "section, model",
+    [
+        ("fp16", DeepSpeedFP16Config),
+        ("bf16", DeepSpeedBF16Config),
+        ("zero_optimization", DeepSpeedZeroConfig),
+        ("zero_optimization.offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig),
+        ("zero_optimization.offload_param", DeepSpeedZeroOffloadParamConfig),
+    ],
+)
 def test_every_key_of_the_sections_zerofit_maps_is_known(section, model):
     """A key DeepSpeed adds to these sections must be read by zerofit (or refused by name), not missed."""
     spec = DEEPSPEED_KEYS
@@ -168,12 +208,23 @@ def test_every_key_of_the_sections_zerofit_maps_is_known(section, model):
 
 _CONFIGS = [
     {"train_micro_batch_size_per_gpu": 2},
-    {"train_batch_size": 8, "gradient_accumulation_steps": 2, "fp16": {"enabled": True},
-     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-     "aio": {"queue_depth": 4}, "checkpoint": {"tag_validation": "fail"}, "managed_gradient_accumulation": False},
-    {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "gradient_clipping": 0.0,
-     "steps_per_print": 5, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-     "dataloader_drop_last": True},
+    {
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "fp16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+        "aio": {"queue_depth": 4},
+        "checkpoint": {"tag_validation": "fail"},
+        "managed_gradient_accumulation": False,
+    },
+    {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 5,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "dataloader_drop_last": True,
+    },
 ]
 
 
@@ -183,20 +234,36 @@ def test_deepspeed_resolves_a_config_as_zerofit_does(ds):
     theirs = DeepSpeedConfig(copy.deepcopy(ds))
     ours = load_config(ds).config
     assert (ours.train_batch_size, ours.micro_batch_size, ours.gradient_accumulation_steps) == (
-        theirs.train_batch_size, theirs.train_micro_batch_size_per_gpu, theirs.gradient_accumulation_steps)
+        theirs.train_batch_size,
+        theirs.train_micro_batch_size_per_gpu,
+        theirs.gradient_accumulation_steps,
+    )
     assert ours.gradient_clipping == theirs.gradient_clipping
     assert ours.steps_per_print == theirs.steps_per_print
     assert ours.wall_clock_breakdown == theirs.wall_clock_breakdown
     assert ours.managed_gradient_accumulation == theirs.managed_gradient_accumulation
     fp16, bf16 = theirs.float16_config, theirs.bfloat16_config
     assert ours.precision == ("fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32")
-    assert (ours.fp16.loss_scale, ours.fp16.initial_scale_power, ours.fp16.loss_scale_window, ours.fp16.hysteresis,
-            ours.fp16.consecutive_hysteresis, ours.fp16.min_loss_scale) == (
-        fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
-        fp16.consecutive_hysteresis, fp16.min_loss_scale)
+    assert (
+        ours.fp16.loss_scale,
+        ours.fp16.initial_scale_power,
+        ours.fp16.loss_scale_window,
+        ours.fp16.hysteresis,
+        ours.fp16.consecutive_hysteresis,
+        ours.fp16.min_loss_scale,
+    ) == (
+        fp16.loss_scale,
+        fp16.initial_scale_power,
+        fp16.loss_scale_window,
+        fp16.hysteresis,
+        fp16.consecutive_hysteresis,
+        fp16.min_loss_scale,
+    )
     zero = theirs.zero_config
-    for part, ours_device in (("offload_optimizer", ours.offload.optimizer_device),
-                              ("offload_param", ours.offload.param_device)):
+    for part, ours_device in (
+        ("offload_optimizer", ours.offload.optimizer_device),
+        ("offload_param", ours.offload.param_device),
+    ):
         section = getattr(zero, part)
         device = "none" if section is None else getattr(section.device, "value", section.device)
         assert ours_device == device, part
@@ -212,8 +279,8 @@ def test_deepspeed_resolves_a_config_as_zerofit_does(ds):
 def test_tag_validation_takes_deepspeeds_values():
     for value in ("Ignore", "Warn", "Fail", "ignore", "WARN"):
         ds = {"train_micro_batch_size_per_gpu": 1, "checkpoint": {"tag_validation": value}}
-        DeepSpeedConfig(copy.deepcopy(ds))              # DeepSpeed takes it ...
-        load_config(ds)                                 # ... and so does zerofit
+        DeepSpeedConfig(copy.deepcopy(ds))  # DeepSpeed takes it ...
+        load_config(ds)  # ... and so does zerofit
     with pytest.raises(Exception, match="tag_validation"):
         DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"tag_validation": "Strict"}})
     with pytest.raises(ValueError, match=r"checkpoint\.tag_validation: expected one of 'Ignore', 'Warn', 'Fail'"):
@@ -243,8 +310,11 @@ def test_a_deepspeed_config_without_gradient_clipping_clips_at_one():
     torch.manual_seed(0)
     model = tm.llama()
     clipped, unclipped = copy.deepcopy(model), copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": G,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": G,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    }
     engine, *_ = zdeepspeed.initialize(model=model, config=config, device="cpu")
     assert engine.gradient_clipping() == 1.0
     batches = [mb for mbs in tm.batches(steps, G) for mb in mbs]
@@ -275,10 +345,10 @@ def test_a_deepspeed_config_without_gradient_clipping_clips_at_one():
     assert min(norms) > 1.0, norms
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=1e-6)
     master = engine.master_state_dict()
-    for n, p in clipped.named_parameters():   # RELIABILITY.md's fp32 tolerance (atol 1e-5): on this machine
+    for n, p in clipped.named_parameters():  # RELIABILITY.md's fp32 tolerance (atol 1e-5): on this machine
         # (2026-12-02) one weight of 2048 differed by 2.0e-6 (relative 1.1e-3, a small weight) at atol 1e-6
         torch.testing.assert_close(master[n], p.detach(), rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
-    assert max(abs(a - b) for a, b in zip(losses, off)) > 1e-3      # unclipped differs far beyond rounding
+    assert max(abs(a - b) for a, b in zip(losses, off)) > 1e-3  # unclipped differs far beyond rounding
     engine.close()
 
 
@@ -294,16 +364,30 @@ def test_fp16_loss_scale_config_follows_deepspeeds_arithmetic(stage):
     from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig, LossScaleProfile
 
     fp16 = {"enabled": True, "initial_scale_power": 3, "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 2}
-    config = {"train_micro_batch_size_per_gpu": 1, "fp16": fp16, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "fp16": fp16,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    }
     torch.manual_seed(0)
     engine, optimizer, _, _ = zdeepspeed.initialize(model=tm.PlainLM(), config=config, device="cpu")
     scale = optimizer.loss_scale_config
-    assert (scale.use_grad_scaling, scale.dynamic_loss_scale, scale.cur_scale, scale.scale_window,
-            scale.min_loss_scale) == (True, True, 8.0, 2, 2.0)
-    theirs = LossScaleConfig(low_precision_dtype=torch.float16, dynamic_loss_scale=True, static_loss_scale=0,
-                             dynamic_loss_args=DeepSpeedFP16Config(**fp16).dynamic_loss_scale_args(),
-                             profile=LossScaleProfile.FUSED, initial_dynamic_scale=2.0 ** 3)
+    assert (
+        scale.use_grad_scaling,
+        scale.dynamic_loss_scale,
+        scale.cur_scale,
+        scale.scale_window,
+        scale.min_loss_scale,
+    ) == (True, True, 8.0, 2, 2.0)
+    theirs = LossScaleConfig(
+        low_precision_dtype=torch.float16,
+        dynamic_loss_scale=True,
+        static_loss_scale=0,
+        dynamic_loss_args=DeepSpeedFP16Config(**fp16).dynamic_loss_scale_args(),
+        profile=LossScaleProfile.FUSED,
+        initial_dynamic_scale=2.0**3,
+    )
     ds_optimizer = SimpleNamespace(loss_scale_config=theirs, verbose=False)
     overflows = [True, False, False, False, True, True, True, True, False]
     scales = []
@@ -316,9 +400,12 @@ def test_fp16_loss_scale_config_follows_deepspeeds_arithmetic(stage):
         if stage == 0:
             FP16_Optimizer._update_scale(ds_optimizer, overflow)
             assert (scale.cur_scale, scale.cur_iter, scale.last_overflow_iter) == (
-                theirs.cur_scale, theirs.cur_iter, theirs.last_overflow_iter)
+                theirs.cur_scale,
+                theirs.cur_iter,
+                theirs.last_overflow_iter,
+            )
     if stage == 0:
-        assert scales == [4.0, 4.0, 4.0, 8.0, 4.0, 2.0, 2.0, 2.0, 2.0]     # down at once, floored at the minimum
+        assert scales == [4.0, 4.0, 4.0, 8.0, 4.0, 2.0, 2.0, 2.0, 2.0]  # down at once, floored at the minimum
     else:
         assert scales[:4] == [8.0, 8.0, 8.0, 16.0] and scale.cur_hysteresis is not None
     engine.close()

@@ -24,6 +24,7 @@ CPU = torch.device("cpu")
 
 # ---------------------------------------------------------------- tokenizer
 
+
 @given(st.text())
 @settings(max_examples=200, deadline=None)
 def test_tokenizer_round_trips_any_text(text):
@@ -42,6 +43,7 @@ def test_tokenizer_bytes_are_tokens():
 
 
 # ---------------------------------------------------------------- corpus
+
 
 def test_corpus_is_python_source_and_deterministic():
     a, b = load_corpus(max_bytes=256 << 10), load_corpus(max_bytes=256 << 10)
@@ -77,6 +79,7 @@ def test_windows_are_seeded_slices_of_the_text():
 
 # ---------------------------------------------------------------- model
 
+
 def test_model_is_a_tiny_llama_built_from_a_seed():
     a, b = build_model(seed=1), build_model(seed=1)
     n = sum(p.numel() for p in a.parameters())
@@ -98,6 +101,7 @@ def test_sample_and_eval_loss_on_an_untrained_model():
 
 
 # ---------------------------------------------------------------- configuration
+
 
 def test_demo_defaults_follow_the_options():
     cfg = resolve_config(DemoOptions(micro_batch_size=4, grad_accum=3, lr=1e-3, seed=7, steps=9), CPU).config
@@ -122,6 +126,7 @@ def test_user_config_file_with_options_on_top():
 
 # ---------------------------------------------------------------- training through the engine
 
+
 @pytest.mark.timeout(600)
 def test_demo_trains_loss_falls():
     options = DemoOptions(steps=12, micro_batch_size=8, seq_len=64, sample_tokens=20)
@@ -140,6 +145,9 @@ def test_demo_trains_loss_falls():
 
 @pytest.mark.timeout(300)
 def test_time_budget_stops_after_the_first_step():
-    result = run_demo(DemoOptions(steps=50, micro_batch_size=2, seq_len=32, time_budget=0.0, sample_tokens=0),
-                      console=Console(file=io.StringIO()), progress=False)
+    result = run_demo(
+        DemoOptions(steps=50, micro_batch_size=2, seq_len=32, time_budget=0.0, sample_tokens=0),
+        console=Console(file=io.StringIO()),
+        progress=False,
+    )
     assert result.steps == 1 and result.stopped_early

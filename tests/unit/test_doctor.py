@@ -29,7 +29,7 @@ def test_without_a_gpu_the_rest_is_measured(tmp_path):
     d = report.disk
     assert d.bytes_tested == 16 * MiB and d.write_gb_per_s > 0 and d.read_gb_per_s > 0
     assert d.free_bytes > 0 and d.path == str(tmp_path.resolve())
-    assert d.tier_write_gb_per_s > 0 and d.tier_read_gb_per_s > 0     # the disk tier's own path, measured too
+    assert d.tier_write_gb_per_s > 0 and d.tier_read_gb_per_s > 0  # the disk tier's own path, measured too
     assert list(tmp_path.iterdir()) == []  # the scratch files are gone
     json.dumps(report.to_dict())  # --json needs plain data
 
@@ -70,9 +70,10 @@ def test_a_failing_measurement_is_reported_and_the_rest_run(tmp_path, monkeypatc
     monkeypatch.setattr(doctor, "optimizer_speed", broken)
     report = doctor.run_doctor(tmp_path, **SMALL)
     assert report.optimizer is None
-    failed = "RuntimeError: no fused AdamW today"     # with a GPU, its rate while copies run failed as well
-    assert report.errors == {"optimizer": failed} | ({"optimizer while copying": failed} if report.gpu.available
-                                                     else {})
+    failed = "RuntimeError: no fused AdamW today"  # with a GPU, its rate while copies run failed as well
+    assert report.errors == {"optimizer": failed} | (
+        {"optimizer while copying": failed} if report.gpu.available else {}
+    )
     assert report.optimizer_copying is None
     assert report.disk.bytes_tested > 0 and report.host is not None
 
@@ -87,8 +88,12 @@ def test_optimizer_speed_counts_params_and_steps():
 def test_copy_bandwidth_on_a_gpu():
     copies = doctor.copy_bandwidth(nbytes=16 * MiB, repeats=2)
     assert {(c.direction, c.host_memory) for c in copies} == {
-        ("host->gpu", "pinned"), ("gpu->host", "pinned"), ("host->gpu", "pageable"), ("gpu->host", "pageable"),
-        ("both", "pinned")}
+        ("host->gpu", "pinned"),
+        ("gpu->host", "pinned"),
+        ("host->gpu", "pageable"),
+        ("gpu->host", "pageable"),
+        ("both", "pinned"),
+    }
     assert all(c.gb_per_s > 0 for c in copies)
     rate = {(c.direction, c.host_memory): c.gb_per_s for c in copies}
     # each way, both at once, is no faster than that way alone, and together they move more than one way alone

@@ -17,15 +17,23 @@ from zerofit.estimate import estimate, meta_model
 
 
 def _cfg(**kw):
-    base = {"device": "cpu", "precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-            "seq_len": 16, "optimizer": {"lr": 1e-3}}
+    base = {
+        "device": "cpu",
+        "precision": "bf16",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "seq_len": 16,
+        "optimizer": {"lr": 1e-3},
+    }
     base.update(kw)
     return base
 
 
-@pytest.mark.parametrize("offload,host", [({}, None), ({"optimizer_device": "nvme", "disk_blocks": 2}, None),
-                                          ({"optimizer_device": "nvme"}, "800KiB")],
-                         ids=["host", "disk-forced", "disk-by-budget"])
+@pytest.mark.parametrize(
+    "offload,host",
+    [({}, None), ({"optimizer_device": "nvme", "disk_blocks": 2}, None), ({"optimizer_device": "nvme"}, "800KiB")],
+    ids=["host", "disk-forced", "disk-by-budget"],
+)
 def test_estimate_is_the_plan_initialize_makes(tmp_path, offload, host):
     if offload:
         offload = offload | {"nvme_path": str(tmp_path)}
@@ -45,9 +53,9 @@ def test_estimate_is_the_plan_initialize_makes(tmp_path, offload, host):
     if host:
         assert len(est.plan.disk_blocks) == 3 and est.plan.host_total <= 800 * 1024
     if offload:
-        assert est.disk_bytes == engine.tier.file.nbytes     # the file reserved is the size predicted
+        assert est.disk_bytes == engine.tier.file.nbytes  # the file reserved is the size predicted
         assert est.disk_traffic[0] > 0
-    assert est.step.step is None and "GPU" in est.step.note      # the step time is measured on a GPU only
+    assert est.step.step is None and "GPU" in est.step.note  # the step time is measured on a GPU only
     engine.close()
 
 
@@ -66,21 +74,60 @@ def test_refusal_is_initializes_and_says_what_would_fit():
 
 def test_cli_estimate_of_the_13b_shape(tmp_path):
     runner = CliRunner()
-    refused = runner.invoke(app, ["estimate", "--shape", "llama-2-13b", "--max-gpu-memory", "24GiB",
-                                  "--max-host-memory", "100GiB", "--no-measure"])
+    refused = runner.invoke(
+        app,
+        [
+            "estimate",
+            "--shape",
+            "llama-2-13b",
+            "--max-gpu-memory",
+            "24GiB",
+            "--max-host-memory",
+            "100GiB",
+            "--no-measure",
+        ],
+    )
     assert refused.exit_code == 2, refused.output
     assert "host needs" in refused.output and "an NVMe tier with at least" in refused.output
-    ok = runner.invoke(app, ["estimate", "--shape", "llama-2-13b", "--max-gpu-memory", "24GiB",
-                             "--max-host-memory", "100GiB", "--nvme", str(tmp_path), "--no-measure", "--json"])
+    ok = runner.invoke(
+        app,
+        [
+            "estimate",
+            "--shape",
+            "llama-2-13b",
+            "--max-gpu-memory",
+            "24GiB",
+            "--max-host-memory",
+            "100GiB",
+            "--nvme",
+            str(tmp_path),
+            "--no-measure",
+            "--json",
+        ],
+    )
     assert ok.exit_code == 0, ok.output
     d = json.loads(ok.output)
     assert d["refusal"] is None and d["disk_bytes"] > 0 and d["gpu_bytes"] <= 24 * 2**30
     assert d["gpu_bytes"] < sum(d["device_bytes"].values())
     assert d["host_bytes"] - d["host_baseline_bytes"] <= 100 * 2**30
     assert 12.9e9 < d["parameters"] < 13.1e9
-    text = runner.invoke(app, ["estimate", "--shape", "W1", "--max-gpu-memory", "24GiB", "--max-host-memory", "100GiB",
-                               "--no-measure",
-                               "--micro-batch-size", "2", "--grad-accum", "4"])
+    text = runner.invoke(
+        app,
+        [
+            "estimate",
+            "--shape",
+            "W1",
+            "--max-gpu-memory",
+            "24GiB",
+            "--max-host-memory",
+            "100GiB",
+            "--no-measure",
+            "--micro-batch-size",
+            "2",
+            "--grad-accum",
+            "4",
+        ],
+    )
     assert "3.21 B parameters" in text.output and "GPU peak" in text.output, text.output
     assert "batch 2 x 2048 tokens, 4 micro-batches" in text.output
 
@@ -96,8 +143,17 @@ def test_cli_estimate_for_two_gpus():
     """`--gpus 2`: each GPU's bytes (the resident units' optimizer state counted as a shard, so more blocks stay
     resident) and the host's (the shared state once, each rank's host mirrors twice)."""
     runner = CliRunner()
-    args = ["estimate", "--shape", "llama-2-13b", "--max-gpu-memory", "24GiB", "--max-host-memory", "240GiB",
-            "--no-measure", "--json"]
+    args = [
+        "estimate",
+        "--shape",
+        "llama-2-13b",
+        "--max-gpu-memory",
+        "24GiB",
+        "--max-host-memory",
+        "240GiB",
+        "--no-measure",
+        "--json",
+    ]
     one, two = (json.loads(runner.invoke(app, args + extra).output) for extra in ([], ["--gpus", "2"]))
     assert one["ranks"] == 1 and two["ranks"] == 2
     r1 = int(one["plan"].split(" resident")[0].split()[-1])
@@ -115,16 +171,19 @@ def test_the_step_is_the_sum_of_its_phases_each_as_long_as_its_busiest_resource(
     update add. The W1-at-8-GiB shape of numbers: a CPU-bound backward shows as such."""
     from zerofit.estimate import FORWARD_SHARE, phase_seconds
 
-    p = phase_seconds(blocks=1.0, post=0.1, up_fwd=0.2, up_bwd=0.4, down_fwd=0.0, down_bwd=0.3, cpu_fwd=0.0,
-                      cpu_bwd=0.5, tail=0.09)
+    p = phase_seconds(
+        blocks=1.0, post=0.1, up_fwd=0.2, up_bwd=0.4, down_fwd=0.0, down_bwd=0.3, cpu_fwd=0.0, cpu_bwd=0.5, tail=0.09
+    )
     assert p["forward"] == (pytest.approx(FORWARD_SHARE), "compute")
     assert p["backward"] == (pytest.approx(1 - FORWARD_SHARE), "compute")
     assert p["post"] == (0.1, "compute") and p["shell update"][0] == 0.09
-    slow_cpu = phase_seconds(blocks=1.0, post=0.1, up_fwd=0.2, up_bwd=0.4, down_fwd=0.0, down_bwd=0.3, cpu_fwd=0.0,
-                             cpu_bwd=0.9, tail=0.0)
+    slow_cpu = phase_seconds(
+        blocks=1.0, post=0.1, up_fwd=0.2, up_bwd=0.4, down_fwd=0.0, down_bwd=0.3, cpu_fwd=0.0, cpu_bwd=0.9, tail=0.0
+    )
     assert slow_cpu["backward"] == (0.9, "cpu optimizer")
-    deferred = phase_seconds(blocks=1.0, post=0.1, up_fwd=0.6, up_bwd=0.2, down_fwd=0.1, down_bwd=0.2,
-                             cpu_fwd=0.55, cpu_bwd=0.0, tail=0.0)
+    deferred = phase_seconds(
+        blocks=1.0, post=0.1, up_fwd=0.6, up_bwd=0.2, down_fwd=0.1, down_bwd=0.2, cpu_fwd=0.55, cpu_bwd=0.0, tail=0.0
+    )
     assert deferred["forward"] == (0.6, "upload")
     assert sum(t for t, _ in deferred.values()) == pytest.approx(0.6 + 0.1 + 0.75)
 
@@ -141,35 +200,57 @@ def test_predict_step_adds_up_a_plans_phases_from_the_measured_speeds(monkeypatc
     n, L, s = 10_000_000, 8, 30_000_000
     shape = ModelShape(shell_numel=s, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
     batch = BatchShape(1, 256, 4)
-    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=None,
-                     deferred_updates=False, checkpointing=True, stream_params=True, resident_blocks=0,
-                     prefetch_depth=None, shell_on_device=False)
+    plan = make_plan(
+        shape,
+        batch,
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=None,
+        host_budget=None,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=0,
+        prefetch_depth=None,
+        shell_on_device=False,
+    )
     assert plan.assisted_updates and not plan.shell_optimizer_on_device
     a = len(plan.assisted_blocks) * n
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: E.ComputeProbe(0.008, 0.020, 0.017, 0.003))
     monkeypatch.setattr(E, "engine_block_seconds", lambda *args, **kw: None)
-    monkeypatch.setattr(doctor, "copy_bandwidth", lambda *args: [
-        doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host")]
-        + [doctor.CopyBandwidth("both", "pinned", 1, 1, 45.0)])
+    monkeypatch.setattr(
+        doctor,
+        "copy_bandwidth",
+        lambda *args: (
+            [doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host")]
+            + [doctor.CopyBandwidth("both", "pinned", 1, 1, 45.0)]
+        ),
+    )
     speeds = []
-    monkeypatch.setattr(doctor, "optimizer_speed", lambda *args, **kw: speeds.append(kw) or doctor.OptimizerSpeed(
-        "fused", 1, 1, 1, 2.5e9, kw.get("while_copying", False)))
+    monkeypatch.setattr(
+        doctor,
+        "optimizer_speed",
+        lambda *args, **kw: (
+            speeds.append(kw) or doctor.OptimizerSpeed("fused", 1, 1, 1, 2.5e9, kw.get("while_copying", False))
+        ),
+    )
     from zerofit.config import load_config
 
     cfg = load_config(_cfg()).config
     pred = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
     blocks = 4 * L * 0.008
     ph = {k: t for k, (t, _) in pred.phases.items()}
-    assert speeds == [{"while_copying": True}]     # the CPU's rate with the copies running, as in a step
+    assert speeds == [{"while_copying": True}]  # the CPU's rate with the copies running, as in a step
     assert ph["forward"] == pytest.approx(max(blocks / 4 + 4 * 0.003, L * n * 4 / 55e9))
-    assert ph["post"] == pytest.approx(4 * 0.017)     # the engine's post pass, not the plain model's whole shell
+    assert ph["post"] == pytest.approx(4 * 0.017)  # the engine's post pass, not the plain model's whole shell
     host = L * n - a
-    up, down = L * n * 4 + a * 12, host * 4 + a * 12      # while both ways carry bytes, each goes at 45 GB/s
+    up, down = L * n * 4 + a * 12, host * 4 + a * 12  # while both ways carry bytes, each goes at 45 GB/s
     both = min(up, down)
-    assert ph["backward"] == pytest.approx(max(blocks * 3 / 4, both / 45e9 + (up - both) / 55e9,
-                                               both / 45e9 + (down - both) / 55e9, host / 2.5e9))
-    assert ph["shell update"] == pytest.approx(s * 12 / 45e9)     # on the device: its state up and down at once
+    assert ph["backward"] == pytest.approx(
+        max(blocks * 3 / 4, both / 45e9 + (up - both) / 55e9, both / 45e9 + (down - both) / 55e9, host / 2.5e9)
+    )
+    assert ph["shell update"] == pytest.approx(s * 12 / 45e9)  # on the device: its state up and down at once
     assert pred.step == pytest.approx(sum(ph.values())) and pred.disk is None
     assert pred.cpu_optimizer == pytest.approx(host / 2.5e9)
     assert pred.upload == pytest.approx(L * n * 4 / 55e9 + both / 45e9 + (up - both) / 55e9 + s * 12 / 55e9)
@@ -191,9 +272,9 @@ def test_the_engines_own_block_compute_is_read_off_its_trace():
     cfg = load_config({"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2}).config
     probe = engine_block_seconds(model, BatchShape(2, 32, 2), cfg, device="cpu")
     assert probe.per_block > 0 and 0.05 < probe.forward_share < 0.6  # a forward: less than recompute + backward
-    assert 0 < probe.pre < probe.per_block      # the embeddings' lookup and its backward: less than a block
+    assert 0 < probe.pre < probe.per_block  # the embeddings' lookup and its backward: less than a block
     block = sum(p.numel() for p in tm.llama(layers=6).model.layers[0].parameters())
-    assert 0 < probe.update * block < probe.per_block     # a block's AdamW: less than its compute of a micro-batch
+    assert 0 < probe.update * block < probe.per_block  # a block's AdamW: less than its compute of a micro-batch
 
 
 def test_the_probes_of_a_qlora_plan_run_its_adapters_over_an_nf4_base():
@@ -213,16 +294,20 @@ def test_the_probes_of_a_qlora_plan_run_its_adapters_over_an_nf4_base():
     twin = small_twin(model, 2, torch.float32)
     assert type(twin) is type(model) and len(twin.get_base_model().model.layers) == 2
     assert twin.peft_config["default"].r == 4
-    assert sum(p.numel() for p in twin.parameters() if p.requires_grad) == \
-        sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".layers.0." in n) * 2
-    cfg = load_config({"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-                       "quantize_base": "nf4"}).config
+    assert (
+        sum(p.numel() for p in twin.parameters() if p.requires_grad)
+        == sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".layers.0." in n) * 2
+    )
+    cfg = load_config(
+        {"precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2, "quantize_base": "nf4"}
+    ).config
     probe = engine_block_seconds(model, BatchShape(2, 32, 2), cfg, device="cpu")
     assert probe is not None and probe.per_block > 0 and 0.05 < probe.forward_share < 0.6
 
 
-EIGHT_BLOCKS = ModelShape(shell_numel=1_000_000, block_numels=(10_000_000,) * 8, hidden=512, intermediate=1376,
-                          vocab=32000)
+EIGHT_BLOCKS = ModelShape(
+    shell_numel=1_000_000, block_numels=(10_000_000,) * 8, hidden=512, intermediate=1376, vocab=32000
+)
 
 
 def _stub_measurements(monkeypatch) -> None:
@@ -235,10 +320,14 @@ def _stub_measurements(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: E.ComputeProbe(0.008, 0.020, 0.017, 0.003))
     monkeypatch.setattr(E, "engine_block_seconds", lambda *args, **kw: None)
-    monkeypatch.setattr(doctor, "copy_bandwidth", lambda *args: [
-        doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host", "both")])
-    monkeypatch.setattr(doctor, "optimizer_speed", lambda *args, **kw: doctor.OptimizerSpeed(
-        "fused", 1, 1, 1, 2.5e9, True))
+    monkeypatch.setattr(
+        doctor,
+        "copy_bandwidth",
+        lambda *args: [doctor.CopyBandwidth(d, "pinned", 1, 1, 55.0) for d in ("host->gpu", "gpu->host", "both")],
+    )
+    monkeypatch.setattr(
+        doctor, "optimizer_speed", lambda *args, **kw: doctor.OptimizerSpeed("fused", 1, 1, 1, 2.5e9, True)
+    )
 
 
 @pytest.mark.parametrize("on_disk", ["last blocks", "every block"])
@@ -254,13 +343,26 @@ def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(mon
 
     L, shape, batch = 8, EIGHT_BLOCKS, BatchShape(1, 256, 4)
     k = 3 if on_disk == "last blocks" else L
-    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None,
-                     host_budget=10**12, deferred_updates=False, checkpointing=True, stream_params=True,
-                     resident_blocks=0, prefetch_depth=None, disk=True, disk_budget=10**12, disk_blocks=k,
-                     assisted_fraction=0.0)
+    plan = make_plan(
+        shape,
+        batch,
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=None,
+        host_budget=10**12,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=0,
+        prefetch_depth=None,
+        disk=True,
+        disk_budget=10**12,
+        disk_blocks=k,
+        assisted_fraction=0.0,
+    )
     assert len(plan.disk_blocks) == k and not plan.assisted_blocks
     _stub_measurements(monkeypatch)
-    monkeypatch.setattr(D, "measure_folder", lambda *args, **kw: (0.01, 0.01))     # 10 MB/s: the disk binds
+    monkeypatch.setattr(D, "measure_folder", lambda *args, **kw: (0.01, 0.01))  # 10 MB/s: the disk binds
     cfg = load_config(_cfg(device="cuda", offload={"optimizer_device": "nvme", "nvme_path": "/nonexistent"})).config
     pred = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
     read, written = plan.disk_traffic(shape)
@@ -280,12 +382,25 @@ def test_a_disk_bound_step_takes_the_median_disk_test_and_shows_the_range(monkey
     from zerofit.engine.planner import BatchShape, make_plan
 
     shape, batch = EIGHT_BLOCKS, BatchShape(1, 256, 4)
-    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None,
-                     host_budget=10**12, deferred_updates=False, checkpointing=True, stream_params=True,
-                     resident_blocks=0, prefetch_depth=None, disk=True, disk_budget=10**12, disk_blocks=8,
-                     assisted_fraction=0.0)
+    plan = make_plan(
+        shape,
+        batch,
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=None,
+        host_budget=10**12,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=0,
+        prefetch_depth=None,
+        disk=True,
+        disk_budget=10**12,
+        disk_blocks=8,
+        assisted_fraction=0.0,
+    )
     _stub_measurements(monkeypatch)
-    tested = [(0.2, 0.15), (0.1, 0.075), (0.4, 0.3)]         # (write, read) GB/s: middle, slowest, fastest
+    tested = [(0.2, 0.15), (0.1, 0.075), (0.4, 0.3)]  # (write, read) GB/s: middle, slowest, fastest
     speeds = iter(tested)
     monkeypatch.setattr(D, "measure_folder", lambda *args, **kw: next(speeds))
     cfg = load_config(_cfg(device="cuda", offload={"optimizer_device": "nvme", "nvme_path": "/nonexistent"})).config
@@ -295,7 +410,7 @@ def test_a_disk_bound_step_takes_the_median_disk_test_and_shows_the_range(monkey
     at = {w: read / (r * 1e9) + written / (w * 1e9) for w, r in tested}
     assert pred.disk == pytest.approx(at[0.2])
     assert pred.disk_range == pytest.approx((at[0.4], at[0.1]))
-    assert pred.binds == "disk" and pred.step == pytest.approx(pred.disk)      # every block on the disk: no idle
+    assert pred.binds == "disk" and pred.step == pytest.approx(pred.disk)  # every block on the disk: no idle
     assert pred.step_range == pytest.approx((at[0.4], at[0.1]))
     est = E.Estimate(plan, shape, batch, 1, step=pred)
     text = est.render()
@@ -313,14 +428,23 @@ def test_the_estimate_counts_the_backwards_forwards_with_checkpoints_every_k_blo
     n, L, shape, batch = 10_000_000, 8, EIGHT_BLOCKS, BatchShape(1, 256, 4)
     _stub_measurements(monkeypatch)
     cfg = load_config(_cfg(device="cuda")).config
-    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=None,
-              deferred_updates=False, checkpointing=True, stream_params=True, resident_blocks=0, prefetch_depth=None,
-              assisted_fraction=0.0)
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=None,
+        host_budget=None,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=0,
+        prefetch_depth=None,
+        assisted_fraction=0.0,
+    )
     every = make_plan(shape, batch, **kw, floor=(False, True, False, 1))
     sparse = make_plan(shape, batch, **kw, floor=(False, True, False, 4))
     assert (every.checkpoint_every, sparse.checkpoint_every) == (1, 4)
     a, b = (E.predict_step(None, cfg, p, shape, batch, on_cuda=True) for p in (every, sparse))
-    again = 6      # blocks 0-2 and 4-6: every block but 3 and 7
+    again = 6  # blocks 0-2 and 4-6: every block but 3 and 7
     assert b.compute - a.compute == pytest.approx(4 * again * 0.008 * E.FORWARD_SHARE)
     assert b.upload - a.upload == pytest.approx(again * n * 4 / 55e9)
     assert sparse.host_bytes["checkpoint_copies"] < every.host_bytes["checkpoint_copies"]
@@ -337,15 +461,25 @@ def test_the_devices_own_updates_count_in_the_step(monkeypatch):
     n, L, s = 10_000_000, 8, 30_000_000
     shape = ModelShape(shell_numel=s, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
     batch = BatchShape(1, 256, 4)
-    plan = make_plan(shape, batch, compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=None,
-                     deferred_updates=False, checkpointing=True, stream_params=True, resident_blocks=2,
-                     prefetch_depth=None)
+    plan = make_plan(
+        shape,
+        batch,
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=None,
+        host_budget=None,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=2,
+        prefetch_depth=None,
+    )
     assert plan.shell_optimizer_on_device and plan.assisted_blocks
     a = len(plan.assisted_blocks) * n
     _stub_measurements(monkeypatch)
     cfg = load_config(_cfg()).config
     base = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
-    update = 1e-9      # seconds per parameter: large enough that the backward stays bound by its compute
+    update = 1e-9  # seconds per parameter: large enough that the backward stays bound by its compute
     monkeypatch.setattr(E, "engine_block_seconds", lambda *args, **kw: E.EngineProbe(0.008, 0.25, 0.003, update))
     pred = E.predict_step(None, cfg, plan, shape, batch, on_cuda=True)
     assert pred.phases["device updates"] == (pytest.approx((2 * n + s) * update), "compute")
@@ -380,11 +514,11 @@ def test_the_bytes_that_cross_the_nodes(nodes):
     full = est.layouts["full"]
     blocks = sum(p.numel() for p in meta.model.layers.parameters())
     shell = trained - blocks
-    assert full.plan.shell_optimizer_on_device      # the CPU's plan: the shell replicated, its gradient all-reduced
+    assert full.plan.shell_optimizer_on_device  # the CPU's plan: the shell replicated, its gradient all-reduced
     assert full.traffic.gather_fwd == full.traffic.gather_bwd == int(f * blocks * 2)
     assert full.traffic.grads == int(f * 4 * blocks + 2 * f * 4 * shell)
     whole = est.layouts["hybrid"].plan.host_bytes["master_and_moments"]
-    assert whole == blocks * 12       # the streamed blocks' (the shell's on the device)
+    assert whole == blocks * 12  # the streamed blocks' (the shell's on the device)
     assert full.plan.host_bytes["master_and_moments"] == pytest.approx(whole / nodes, abs=1)
     assert f"nodes        {nodes} x 1 rank: the hybrid layout (nodes_layout auto)" in text
     assert f"each node holds 1/{nodes} of the host state" in text and "at 10 GB/s" in text
@@ -406,10 +540,11 @@ def test_the_planner_takes_the_full_layout_when_the_whole_state_does_not_fit_a_n
     assert est.layouts["hybrid"].refusal is not None and "host needs" in est.layouts["hybrid"].refusal
     assert "hybrid  does not fit" in est.render()
     assert estimate(meta, _cfg(nodes_layout="full"), measure=False, nnodes=2).layout == "full"
-    assert estimate(meta, _cfg(max_host_memory=budget, nodes_layout="hybrid"), measure=False,
-                    nnodes=2).refusal is not None
+    assert (
+        estimate(meta, _cfg(max_host_memory=budget, nodes_layout="hybrid"), measure=False, nnodes=2).refusal is not None
+    )
     assert estimate(meta, _cfg(max_host_memory=share // 2), measure=False, nnodes=2).refusal is not None
-    one = estimate(meta, _cfg(max_host_memory=budget), measure=False)      # one node: nothing to share it with
+    one = estimate(meta, _cfg(max_host_memory=budget), measure=False)  # one node: nothing to share it with
     assert one.refusal is not None
 
 
@@ -426,17 +561,31 @@ def test_the_step_of_each_layout_and_which_is_faster(monkeypatch):
     from zerofit.engine.planner import BatchShape, make_plan
 
     shape, batch = EIGHT_BLOCKS, BatchShape(1, 256, 4)
-    kw = dict(compute_dtype=torch.bfloat16, on_cuda=True, device_budget=None, host_budget=10**12,
-              deferred_updates=False, checkpointing=True, stream_params=True, resident_blocks=0, prefetch_depth=None,
-              assisted_fraction=0.0, assisted_updates=False)
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=None,
+        host_budget=10**12,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=0,
+        prefetch_depth=None,
+        assisted_fraction=0.0,
+        assisted_updates=False,
+    )
     _stub_measurements(monkeypatch)
     cfg = load_config({"precision": "bf16", "micro_batch_size": 1, "gradient_accumulation_steps": 4}).config
     plans = {"hybrid": make_plan(shape, batch, **kw), "full": make_plan(shape, batch, host_share=0.5, **kw)}
     assert plans["full"].host_bytes["master_and_moments"] * 2 == plans["hybrid"].host_bytes["master_and_moments"]
     one = E.predict_step(None, cfg, plans["hybrid"], shape, batch, on_cuda=True)
-    pred = {(name, bw): E.predict_step(None, cfg, plans[name], shape, batch, on_cuda=True, nodes=2, layout=name,
-                                       gb_per_s=bw)
-            for name in plans for bw in (1.0, 1000.0)}
+    pred = {
+        (name, bw): E.predict_step(
+            None, cfg, plans[name], shape, batch, on_cuda=True, nodes=2, layout=name, gb_per_s=bw
+        )
+        for name in plans
+        for bw in (1.0, 1000.0)
+    }
     hybrid, full = pred["hybrid", 1000.0], pred["full", 1000.0]
     assert hybrid.cpu_optimizer == pytest.approx(one.cpu_optimizer)
     assert full.cpu_optimizer == pytest.approx(one.cpu_optimizer / 2)
@@ -445,17 +594,22 @@ def test_the_step_of_each_layout_and_which_is_faster(monkeypatch):
         t = {k: N.traffic(k, shape, plans[k], 2, 2).seconds(bw) for k in plans}
         h, f = pred["hybrid", bw], pred["full", bw]
         assert h.inter_node == pytest.approx(t["hybrid"].total) and f.inter_node == pytest.approx(t["full"].total)
-        assert h.phases["backward"] == (pytest.approx(one.phases["backward"][0] + t["hybrid"].grads),
-                                        "compute and inter node")
+        assert h.phases["backward"] == (
+            pytest.approx(one.phases["backward"][0] + t["hybrid"].grads),
+            "compute and inter node",
+        )
         assert h.phases["forward"] == one.phases["forward"]
-        bwd_compute = one.phases["backward"][0] + t["full"].grads     # the blocks' compute-bound backward, and the RS
+        bwd_compute = one.phases["backward"][0] + t["full"].grads  # the blocks' compute-bound backward, and the RS
         assert f.phases["backward"][0] == pytest.approx(bwd_compute)
-        assert f.phases["forward"][0] == pytest.approx(max(one.phases["forward"][0], one.upload / 4 + t["full"].gather_fwd),
-                                                       rel=0.05)
+        assert f.phases["forward"][0] == pytest.approx(
+            max(one.phases["forward"][0], one.upload / 4 + t["full"].gather_fwd), rel=0.05
+        )
         assert t["full"].grads == pytest.approx(t["hybrid"].grads / 2, rel=0.02)
         assert f.step < h.step
-        layouts = {k: N.LayoutEstimate(k, plans[k], 0, N.traffic(k, shape, plans[k], 2, 2), step=pred[k, bw].step)
-                   for k in plans}
+        layouts = {
+            k: N.LayoutEstimate(k, plans[k], 0, N.traffic(k, shape, plans[k], 2, 2), step=pred[k, bw].step)
+            for k in plans
+        }
         assert N.faster(layouts) == "full"
         assert "  faster: full (" in "\n".join(N.render(2, 1, "hybrid", "auto", layouts, bw))
     layouts["full"].refusal = "does not fit"
@@ -465,12 +619,29 @@ def test_the_step_of_each_layout_and_which_is_faster(monkeypatch):
 def test_a_zero3_config_without_offload_param_is_told_to_offload_the_parameters_first(tmp_path):
     """DeepSpeed's ZeRO-3 with offload_optimizer alone keeps every block on the GPU with its optimizer state: the
     first fix named is offload_param, with the device bytes it plans at; then the others."""
-    config = {"train_batch_size": 8, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    config = {
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 4,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(config))
-    out = CliRunner().invoke(app, ["estimate", "--shape", "llama-2-7b", "--config", str(cfg), "--max-gpu-memory",
-                                   "24GiB", "--max-host-memory", "200GiB", "--no-measure"])
+    out = CliRunner().invoke(
+        app,
+        [
+            "estimate",
+            "--shape",
+            "llama-2-7b",
+            "--config",
+            str(cfg),
+            "--max-gpu-memory",
+            "24GiB",
+            "--max-host-memory",
+            "200GiB",
+            "--no-measure",
+        ],
+    )
     assert out.exit_code == 2, out.output
     tips = out.output.split("what would fit:")[1].strip().splitlines()
     assert tips[0].startswith("- the parameters offloaded too") and "offload_param" in tips[0], tips
@@ -478,8 +649,10 @@ def test_a_zero3_config_without_offload_param_is_told_to_offload_the_parameters_
     assert device <= 24 and "GPU cap" in tips[1]
 
 
-@pytest.mark.parametrize("name,billions", [("llama-3.1-8b", 8.03), ("qwen3-8b", 8.19), ("qwen3-32b", 32.76),
-                                           ("qwen2.5-72b", 72.71), ("llama-3-70b", 70.55)])
+@pytest.mark.parametrize(
+    "name,billions",
+    [("llama-3.1-8b", 8.03), ("qwen3-8b", 8.19), ("qwen3-32b", 32.76), ("qwen2.5-72b", 72.71), ("llama-3-70b", 70.55)],
+)
 def test_the_named_shapes_are_the_models_own_sizes(name, billions):
     """The models people ask about, by their config.json's sizes: their parameter counts."""
     meta = meta_model(shape=name)
@@ -492,9 +665,20 @@ def test_a_folder_with_config_json_alone_is_estimated_a_4bit_one_from_its_quanti
     weights cannot train, and it says so."""
     cfg = json.loads(json.dumps(tm.llama(layers=4).config.to_dict()))
     sixteen, four = tmp_path / "sixteen", tmp_path / "four"
-    for d, extra in ((sixteen, {}), (four, {"quantization_config": {
-            "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-            "bnb_4bit_use_double_quant": True}})):
+    for d, extra in (
+        (sixteen, {}),
+        (
+            four,
+            {
+                "quantization_config": {
+                    "quant_method": "bitsandbytes",
+                    "load_in_4bit": True,
+                    "bnb_4bit_quant_type": "nf4",
+                    "bnb_4bit_use_double_quant": True,
+                }
+            },
+        ),
+    ):
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**cfg, **extra}))
     runner = CliRunner()
@@ -504,14 +688,17 @@ def test_a_folder_with_config_json_alone_is_estimated_a_4bit_one_from_its_quanti
     out = runner.invoke(app, ["estimate", "--model", str(four), "--cpu", "--no-measure", "--lora", "--json"])
     assert out.exit_code == 0, out.output
     q = json.loads(out.output)
-    qlora = estimate(str(sixteen), {"device": "cpu", "quantize_base": "nf4"}, measure=False, gpu=False,
-                     lora=True).to_dict()     # the 16-bit folder quantized as it is read: the same 4-bit bytes
+    qlora = estimate(
+        str(sixteen), {"device": "cpu", "quantize_base": "nf4"}, measure=False, gpu=False, lora=True
+    ).to_dict()  # the 16-bit folder quantized as it is read: the same 4-bit bytes
+
     def planned(d):
         return d["host_bytes"] - d["host_baseline_bytes"]
 
     assert q["parameters"] == qlora["parameters"] > plain["parameters"] and planned(q) == planned(qlora)
-    lora16 = json.loads(runner.invoke(app, ["estimate", "--model", str(sixteen), "--cpu", "--no-measure", "--lora",
-                                            "--json"]).output)
+    lora16 = json.loads(
+        runner.invoke(app, ["estimate", "--model", str(sixteen), "--cpu", "--no-measure", "--lora", "--json"]).output
+    )
     assert planned(q) < planned(lora16)
     out = runner.invoke(app, ["estimate", "--model", str(four), "--cpu", "--no-measure"])
     assert out.exit_code == 2 and "a 4-bit weight does not train" in out.output

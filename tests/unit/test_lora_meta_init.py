@@ -1,5 +1,6 @@
 """A PEFT model built over a meta base without a model directory: zerofit initializes what is on meta only, and
 PEFT's LoRA layers with PEFT's own init (materialize.py, _init_lora)."""
+
 import copy
 
 import pytest
@@ -35,7 +36,7 @@ def test_meta_adapters_get_peft_init_lora_b_zero():
     a = {n: t for n, t in state.items() if "lora_A" in n}
     b = {n: t for n, t in state.items() if "lora_B" in n}
     assert a and b and len(a) == len(b)
-    assert all(torch.count_nonzero(t) == 0 for t in b.values())      # the model starts as its base
+    assert all(torch.count_nonzero(t) == 0 for t in b.values())  # the model starts as its base
     assert all(torch.count_nonzero(t) == t.numel() for t in a.values())
     engine.close()
 

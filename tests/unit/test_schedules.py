@@ -1,6 +1,6 @@
 """Learning-rate schedules: hand-computed values, DeepSpeed's own code restated, and LambdaLR.
 
-    .venv/bin/python -m pytest tests/unit/test_schedules.py -q
+.venv/bin/python -m pytest tests/unit/test_schedules.py -q
 """
 
 from __future__ import annotations
@@ -28,8 +28,15 @@ def _update_lr(param_groups, lrs):
 
 
 class RefWarmupLR:
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
-                 warmup_type="log", last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        warmup_min_lr=0.0,
+        warmup_max_lr=None,
+        warmup_num_steps=1000,
+        warmup_type="log",
+        last_batch_iteration=-1,
+    ):
         self.optimizer = optimizer
         if warmup_max_lr is None:
             warmup_max_lr = optimizer.param_groups[0]["lr"]
@@ -65,11 +72,18 @@ class RefWarmupLR:
 
 
 class RefWarmupDecayLR(RefWarmupLR):
-    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001,
-                 warmup_num_steps=1000, warmup_type="log", last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.001,
+        warmup_num_steps=1000,
+        warmup_type="log",
+        last_batch_iteration=-1,
+    ):
         self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def _get_gamma(self):
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -79,13 +93,22 @@ class RefWarmupDecayLR(RefWarmupLR):
                 return self.last_batch_iteration / self.warmup_num_steps
         return max(
             0.0,
-            float(self.total_num_steps - self.last_batch_iteration) /
-            float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
+            float(self.total_num_steps - self.last_batch_iteration)
+            / float(max(1.0, self.total_num_steps - self.warmup_num_steps)),
+        )
 
 
 class RefWarmupCosineLR:
-    def __init__(self, optimizer, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000,
-                 cos_min_ratio=0.0001, warmup_type="log", last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_ratio=0.0,
+        warmup_num_steps=1000,
+        cos_min_ratio=0.0001,
+        warmup_type="log",
+        last_batch_iteration=-1,
+    ):
         self.optimizer = optimizer
         self.total_num_steps = total_num_steps
         self.last_batch_iteration = last_batch_iteration
@@ -106,13 +129,13 @@ class RefWarmupCosineLR:
                 ratio = self.inverse_log_warm_up * math.log(self.last_batch_iteration + 1)
             elif self.warmup_type == "linear":
                 ratio = self.last_batch_iteration / self.warmup_num_steps
-            ratio_delta = 1. - self.warmup_min_ratio
+            ratio_delta = 1.0 - self.warmup_min_ratio
             ratio = self.warmup_min_ratio + ratio * ratio_delta
             return ratio
         real_last_step = self.last_batch_iteration - self.warmup_num_steps + 1
         real_total_steps = max(1, self.total_num_steps - self.warmup_num_steps)
         cosine_progress = min(1.0, real_last_step / real_total_steps)
-        ratio_delta = 1. - self.cos_min_ratio
+        ratio_delta = 1.0 - self.cos_min_ratio
         ratio = (1 + math.cos(math.pi * cosine_progress)) / 2
         ratio = max(0.0, self.cos_min_ratio + ratio_delta * ratio)
         return ratio
@@ -159,20 +182,40 @@ def _ours(ds_scheduler: dict, optimizer_lr: float, steps: int) -> list[float]:
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ds_scheduler", [
-    {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}},
-    {"type": "WarmupLR", "params": {"warmup_num_steps": 7, "warmup_type": "linear"}},
-    {"type": "WarmupLR", "params": {"warmup_num_steps": 0}},
-    {"type": "WarmupLR", "params": {"warmup_num_steps": 1, "warmup_min_lr": 0.5, "warmup_max_lr": 0.25}},
-    {"type": "WarmupDecayLR", "params": {"total_num_steps": 50, "warmup_num_steps": 10}},
-    {"type": "WarmupDecayLR", "params": {"total_num_steps": 40, "warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3,
-                                         "warmup_num_steps": 5, "warmup_type": "linear"}},
-    {"type": "WarmupDecayLR", "params": {"total_num_steps": 3, "warmup_num_steps": 8}},  # total < warm-up
-    {"type": "WarmupCosineLR", "params": {"total_num_steps": 60, "warmup_num_steps": 12}},
-    {"type": "WarmupCosineLR", "params": {"total_num_steps": 30, "warmup_num_steps": 4, "warmup_min_ratio": 0.1,
-                                          "cos_min_ratio": 0.05, "warmup_type": "linear"}},
-    {"type": "WarmupCosineLR", "params": {"total_num_steps": 2, "warmup_num_steps": 5}},
-], ids=lambda d: f"{d['type']}-{'-'.join(f'{k}={v}' for k, v in d['params'].items())}")
+@pytest.mark.parametrize(
+    "ds_scheduler",
+    [
+        {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}},
+        {"type": "WarmupLR", "params": {"warmup_num_steps": 7, "warmup_type": "linear"}},
+        {"type": "WarmupLR", "params": {"warmup_num_steps": 0}},
+        {"type": "WarmupLR", "params": {"warmup_num_steps": 1, "warmup_min_lr": 0.5, "warmup_max_lr": 0.25}},
+        {"type": "WarmupDecayLR", "params": {"total_num_steps": 50, "warmup_num_steps": 10}},
+        {
+            "type": "WarmupDecayLR",
+            "params": {
+                "total_num_steps": 40,
+                "warmup_min_lr": 1e-4,
+                "warmup_max_lr": 2e-3,
+                "warmup_num_steps": 5,
+                "warmup_type": "linear",
+            },
+        },
+        {"type": "WarmupDecayLR", "params": {"total_num_steps": 3, "warmup_num_steps": 8}},  # total < warm-up
+        {"type": "WarmupCosineLR", "params": {"total_num_steps": 60, "warmup_num_steps": 12}},
+        {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": 30,
+                "warmup_num_steps": 4,
+                "warmup_min_ratio": 0.1,
+                "cos_min_ratio": 0.05,
+                "warmup_type": "linear",
+            },
+        },
+        {"type": "WarmupCosineLR", "params": {"total_num_steps": 2, "warmup_num_steps": 5}},
+    ],
+    ids=lambda d: f"{d['type']}-{'-'.join(f'{k}={v}' for k, v in d['params'].items())}",
+)
 def test_deepspeed_schedules_equal_deepspeed_code(ds_scheduler):
     steps = 80
     assert _ours(ds_scheduler, 3e-4, steps) == _deepspeed_lrs(ds_scheduler, 3e-4, steps)
@@ -203,27 +246,34 @@ def test_deepspeed_schedules_equal_deepspeed_code_generated(kind, warmup, total,
 def test_warmup_lr_hand_computed():
     # W = 10, log warm-up: step s uses last_batch_iteration s-1, gamma = log(s) / log(10).
     sched = SchedulerConfig(type="WarmupLR", warmup_steps=10, warmup_min_lr=0.0, warmup_max_lr=1.0)
-    assert lr_at(0, 0.5, sched) == 0.0                       # before the schedule starts: warmup_min_lr
-    assert lr_at(1, 0.5, sched) == 0.0                       # log(1) = 0
+    assert lr_at(0, 0.5, sched) == 0.0  # before the schedule starts: warmup_min_lr
+    assert lr_at(1, 0.5, sched) == 0.0  # log(1) = 0
     assert lr_at(2, 0.5, sched) == pytest.approx(math.log(2) / math.log(10))
     assert lr_at(10, 0.5, sched) == pytest.approx(math.log(10) / math.log(10))
-    assert lr_at(11, 0.5, sched) == 1.0                      # warm-up over: warmup_max_lr, forever
+    assert lr_at(11, 0.5, sched) == 1.0  # warm-up over: warmup_max_lr, forever
     assert lr_at(1000, 0.5, sched) == 1.0
     linear = SchedulerConfig(type="WarmupLR", warmup_steps=4, warmup_type="linear")
     assert [lr_at(s, 2.0, linear) for s in range(7)] == [0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.0]
 
 
 def test_warmup_decay_lr_hand_computed():
-    sched = SchedulerConfig(type="WarmupDecayLR", warmup_steps=4, warmup_type="linear", total_steps=12,
-                            warmup_max_lr=0.8)
+    sched = SchedulerConfig(
+        type="WarmupDecayLR", warmup_steps=4, warmup_type="linear", total_steps=12, warmup_max_lr=0.8
+    )
     # warm-up to 0.8 over 4 steps (offset by one), then linear to 0 at last_batch_iteration 12 (step 13).
     expected = [0.0, 0.0, 0.2, 0.4, 0.6, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0, 0.0]
     assert [lr_at(s, 1.0, sched) for s in range(15)] == pytest.approx(expected)
 
 
 def test_warmup_cosine_lr_hand_computed():
-    sched = SchedulerConfig(type="WarmupCosineLR", warmup_steps=2, warmup_type="linear", total_steps=6,
-                            warmup_min_ratio=0.0, min_lr_ratio=0.0)
+    sched = SchedulerConfig(
+        type="WarmupCosineLR",
+        warmup_steps=2,
+        warmup_type="linear",
+        total_steps=6,
+        warmup_min_ratio=0.0,
+        min_lr_ratio=0.0,
+    )
     # ratios at last_batch_iteration -1, 0, 1 (warm-up 0, 0/2, 1/2), then cos progress (it-1)/4 for it >= 2.
     expected = [0.0, 0.0, 0.5, 1 + math.cos(math.pi / 4), 1.0, 1 + math.cos(3 * math.pi / 4), 0.0, 0.0]
     expected = [e if i < 3 else e / 2 for i, e in enumerate(expected)]
@@ -250,8 +300,14 @@ def test_linear_hand_computed():
 
 def test_cosine_hand_computed():
     sched = SchedulerConfig(type="cosine", warmup_steps=0, total_steps=4, min_lr_ratio=0.1)
-    expected = [1.0, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2, 0.55,
-                0.1 + 0.9 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.1, 0.1]
+    expected = [
+        1.0,
+        0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2,
+        0.55,
+        0.1 + 0.9 * (1 + math.cos(3 * math.pi / 4)) / 2,
+        0.1,
+        0.1,
+    ]
     assert [lr_at(s, 1.0, sched) for s in range(6)] == pytest.approx(expected)
 
 
@@ -272,16 +328,19 @@ def test_step_must_be_a_count():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sched", [
-    SchedulerConfig(),
-    SchedulerConfig(type="constant", warmup_steps=5),
-    SchedulerConfig(type="linear", warmup_steps=3, total_steps=20, min_lr_ratio=0.1),
-    SchedulerConfig(type="cosine", warmup_steps=4, total_steps=25),
-    SchedulerConfig(type="WarmupLR", warmup_steps=6, warmup_min_lr=1e-5),
-    SchedulerConfig(type="WarmupDecayLR", warmup_steps=6, total_steps=20, warmup_max_lr=3e-3),
-    SchedulerConfig(type="WarmupCosineLR", warmup_steps=6, total_steps=20, warmup_min_ratio=0.1,
-                    min_lr_ratio=0.01),
-], ids=lambda s: s.type)
+@pytest.mark.parametrize(
+    "sched",
+    [
+        SchedulerConfig(),
+        SchedulerConfig(type="constant", warmup_steps=5),
+        SchedulerConfig(type="linear", warmup_steps=3, total_steps=20, min_lr_ratio=0.1),
+        SchedulerConfig(type="cosine", warmup_steps=4, total_steps=25),
+        SchedulerConfig(type="WarmupLR", warmup_steps=6, warmup_min_lr=1e-5),
+        SchedulerConfig(type="WarmupDecayLR", warmup_steps=6, total_steps=20, warmup_max_lr=3e-3),
+        SchedulerConfig(type="WarmupCosineLR", warmup_steps=6, total_steps=20, warmup_min_ratio=0.1, min_lr_ratio=0.01),
+    ],
+    ids=lambda s: s.type,
+)
 def test_lambda_lr_gives_the_same_lr_every_step(sched):
     lr = 2e-3
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
@@ -313,9 +372,17 @@ def test_transformers_schedules_equal_get_scheduler_bitwise(name, warmup, total)
     if name in ("linear", "cosine") and warmup < total:
         assert lr_at(total, lr, sched) == 0.0
     if warmup and name != "constant":
-        assert lr_at(0, lr, sched) == 0.0            # transformers' warm-up starts at 0, zerofit's own does not
-        assert lr_at(0, lr, SchedulerConfig(type=name if name != "constant_with_warmup" else "constant",
-                                            warmup_steps=warmup, total_steps=total)) > 0.0
+        assert lr_at(0, lr, sched) == 0.0  # transformers' warm-up starts at 0, zerofit's own does not
+        assert (
+            lr_at(
+                0,
+                lr,
+                SchedulerConfig(
+                    type=name if name != "constant_with_warmup" else "constant", warmup_steps=warmup, total_steps=total
+                ),
+            )
+            > 0.0
+        )
 
 
 def test_transformers_decaying_schedules_need_the_run_length():

@@ -37,9 +37,17 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
     """The NaN is in block 0, the last block of the backward: every other block was already updated
     speculatively. The step raises FloatingPointError and every master and moment is as before (to rounding)."""
     torch.manual_seed(0)
-    engine = zerofit.initialize(tm.llama(layers=4), {"device": "cpu", "precision": "fp32", "micro_batch_size": 2,
-                                                     "gradient_accumulation_steps": 2, "gradient_clipping": 1e3,
-                                                     "optimizer": {"lr": 1e-3}})
+    engine = zerofit.initialize(
+        tm.llama(layers=4),
+        {
+            "device": "cpu",
+            "precision": "fp32",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 1e3,
+            "optimizer": {"lr": 1e-3},
+        },
+    )
     data = tm.batches(3, 2)
     engine.train_batch(data[0])
     assert engine.speculation_stats["held"] == 1
@@ -55,10 +63,14 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
             dst.view(-1)[0] = float("nan")
 
     engine.compute.accumulate = poisoned
-    import zerofit.engine.update.unit_adamw as optimizer_module   # unit_adamw runs every rollback
+    import zerofit.engine.update.unit_adamw as optimizer_module  # unit_adamw runs every rollback
+
     rolled = []
-    monkeypatch.setattr(optimizer_module, "adamw_rollback", lambda master, *a: (rolled.append(master.data_ptr()),
-                                                                               adamw_rollback(master, *a)))
+    monkeypatch.setattr(
+        optimizer_module,
+        "adamw_rollback",
+        lambda master, *a: (rolled.append(master.data_ptr()), adamw_rollback(master, *a)),
+    )
     with pytest.raises(FloatingPointError):
         engine.train_batch(data[1])
     assert hits, "the seam was not hit"
@@ -69,4 +81,4 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
     assert len(rolled) == 3, "blocks 3, 2 and 1 were updated speculatively, then rolled back"
     assert engine.speculation_stats == {"held": 1, "rolled_back": 1, "waited": 0}
     engine.compute.accumulate = inner
-    assert math.isfinite(engine.train_batch(data[2]))       # the engine goes on
+    assert math.isfinite(engine.train_batch(data[2]))  # the engine goes on

@@ -14,8 +14,10 @@ from tests.support import tiny_models as tm
 from zerofit.engine.update import split_adamw
 from zerofit.engine.update.adamw import Hyper, adamw_flat
 
-pytestmark = pytest.mark.skipif(not split_adamw.available(), reason=f"no C++ toolchain here to build the split "
-                                f"kernel: {split_adamw.why_unavailable()}")
+pytestmark = pytest.mark.skipif(
+    not split_adamw.available(),
+    reason=f"no C++ toolchain here to build the split kernel: {split_adamw.why_unavailable()}",
+)
 
 
 @pytest.mark.parametrize("n", [1000, 1003, 4096, 100_001, 300_007])
@@ -37,12 +39,15 @@ def test_the_two_passes_are_the_fused_step_bitwise(n, factor, wd, cast):
     split_adamw.master_pass(*split, h, factor, out16=out)
     assert torch.equal(split[1], g) and torch.equal(split[2], m) and torch.equal(split[3], v)
     if cast is not None:
-        assert torch.equal(split[0], p)         # the master waits for the rest pass
+        assert torch.equal(split[0], p)  # the master waits for the rest pass
         assert torch.equal(out.view(torch.int16), fused[0].to(cast).view(torch.int16))
     assert float(split[4]) == 5.0
     split_adamw.rest_pass(*split, h, factor, with_master=cast is not None)
-    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq", "step"), (fused[0], fused[2], fused[3], fused[4]),
-                          (split[0], split[2], split[3], split[4])):
+    for name, a, b in zip(
+        ("master", "exp_avg", "exp_avg_sq", "step"),
+        (fused[0], fused[2], fused[3], fused[4]),
+        (split[0], split[2], split[3], split[4]),
+    ):
         assert torch.equal(a, b), name
     assert torch.equal(split[1], g)
 
@@ -51,32 +56,59 @@ def test_the_cast_rounds_as_torch_does():
     """The cast pass's rounding is torch's (to nearest, ties to even) on ties, subnormals, overflow and
     infinities, and a NaN stays a NaN: a zero step (lr 0) makes the pass a pure cast of the master."""
     cast = torch.bfloat16
-    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200_003,), dtype=torch.int64,
-                         generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    bits = torch.randint(
+        -(2**31), 2**31 - 1, (200_003,), dtype=torch.int64, generator=torch.Generator().manual_seed(3)
+    ).to(torch.int32)
     p = bits.view(torch.float32).clone()
-    special = torch.tensor([0.0, -0.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 65504.0, 65520.0, 1e5, -1e5, 6e-8, 3e-8,
-                            1e-40, -1e-40, 3.4e38, float("inf"), float("-inf")])
-    p[:special.numel()] = special
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0 + 2**-8,
+            1.0 + 3 * 2**-8,
+            65504.0,
+            65520.0,
+            1e5,
+            -1e5,
+            6e-8,
+            3e-8,
+            1e-40,
+            -1e-40,
+            3.4e38,
+            float("inf"),
+            float("-inf"),
+        ]
+    )
+    p[: special.numel()] = special
     n = p.numel()
     g, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     out = torch.empty(n, dtype=cast)
     split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), Hyper(0.0, 0.9, 0.999, 1e-8, 0.0), 1.0, out16=out)
     nan = p.isnan()
-    assert 0 < int(nan.sum()) < n and torch.equal(out.isnan(), nan)    # NaN's bits differ between torch's kernels
+    assert 0 < int(nan.sum()) < n and torch.equal(out.isnan(), nan)  # NaN's bits differ between torch's kernels
     assert torch.equal(out[~nan].view(torch.int16), p[~nan].to(cast).view(torch.int16))
 
 
 def _cfg(**kw):
-    base = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}, "gradient_clipping": 0.05}
+    base = {
+        "device": "cpu",
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+        "gradient_clipping": 0.05,
+    }
     base.update(kw)
     return base
 
 
 def _state(engine):
     engine.wait()
-    return {u.name: (u.master.clone(), u.exp_avg.clone(), u.exp_avg_sq.clone(), float(u.step))
-            for u in engine.units if not u.optimizer_on_device}
+    return {
+        u.name: (u.master.clone(), u.exp_avg.clone(), u.exp_avg_sq.clone(), float(u.step))
+        for u in engine.units
+        if not u.optimizer_on_device
+    }
 
 
 @pytest.mark.parametrize("groups", [False, True], ids=["one-group", "param-groups"])
@@ -88,23 +120,30 @@ def test_deferred_updates_in_two_passes_are_bitwise_the_one_pass_engine(groups, 
     not updated on the device, and ran after the step's updates."""
     torch.manual_seed(0)
     model = tm.llama(layers=4)
+
     def groups_of(m):
         named = list(m.named_parameters())
-        return [{"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
-                {"params": [p for n, p in named if "norm" not in n]}]
+        return [
+            {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
+            {"params": [p for n, p in named if "norm" not in n]},
+        ]
+
     engines = []
     for split in (False, True):
         m = copy.deepcopy(model)
         kw = {"param_groups": groups_of(m)} if groups else {}
-        engines.append(zerofit.initialize(m, _cfg(offload={"split_updates": split,
-                                                           "speculative_updates": speculate}), **kw))
+        engines.append(
+            zerofit.initialize(m, _cfg(offload={"split_updates": split, "speculative_updates": speculate}), **kw)
+        )
     one, two = engines
     assert not one.host_updates.split and two.host_updates.split
     labels = []
     worker = two.worker
     submit = worker.submit
-    worker.submit = lambda fn, priority=0, label=None, ready=None: (labels.append(label),
-                                                                  submit(fn, priority, label, ready))
+    worker.submit = lambda fn, priority=0, label=None, ready=None: (
+        labels.append(label),
+        submit(fn, priority, label, ready),
+    )
     data = tm.batches(6, 2)
     for mbs in data:
         assert one.train_batch(mbs) == two.train_batch(mbs)
@@ -112,11 +151,11 @@ def test_deferred_updates_in_two_passes_are_bitwise_the_one_pass_engine(groups, 
     assert a.keys() == b.keys()
     for name in a:
         for what, x, y in zip(("master", "exp_avg", "exp_avg_sq", "step"), a[name], b[name]):
-            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{name} {what}"
-    moments = [lab[len("moments["):-1] for lab in labels if lab and lab.startswith("moments[")]
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f"{name} {what}"
+    moments = [lab[len("moments[") : -1] for lab in labels if lab and lab.startswith("moments[")]
     host = [u.name for u in two.units if not u.optimizer_on_device and not two.device_updates.assisted(u)]
     assert host and set(moments) == set(host)
-    assert len(moments) == len(host) * (5 if speculate else 6)     # speculation's first step: its own updates
+    assert len(moments) == len(host) * (5 if speculate else 6)  # speculation's first step: its own updates
     for e in engines:
         e.close()
 
@@ -141,7 +180,9 @@ def test_a_unit_waits_for_its_moments_before_its_next_gradient_comes_down():
             gate.wait(5.0)
             ran.append(unit.name)
             inner()
+
         return run
+
     engine.host_updates.task_moments = slow
     data = tm.batches(3, 2)
     ref.train_batch(data[0])
@@ -152,20 +193,19 @@ def test_a_unit_waits_for_its_moments_before_its_next_gradient_comes_down():
     threading.Timer(0.3, gate.set).start()
     for mbs in data[1:]:
         assert ref.train_batch(mbs) == engine.train_batch(mbs)
-    assert False in waits and ran     # some unit's gradient came while its moments were still pending
+    assert False in waits and ran  # some unit's gradient came while its moments were still pending
     a, b = _state(ref), _state(engine)
     assert all(torch.equal(x, y) for n in a for x, y in zip(a[n][:3], b[n][:3]))
     ref.close()
     engine.close()
 
 
-
 def test_split_updates_default_on_a_gpu_and_give_the_device_a_smaller_share():
     """offload.split_updates None: two passes on a GPU with deferred updates only; then, unless the config sets
     assisted_fraction, the device's share is SPLIT_FRACTION."""
     from zerofit.config import load_config
-    from zerofit.engine.planning import assisted_fraction, split_updates
     from zerofit.engine.planner import SPLIT_FRACTION
+    from zerofit.engine.planning import assisted_fraction, split_updates
 
     cfg = load_config(_cfg()).config
     assert split_updates(cfg, on_cuda=True, deferred=True)
@@ -211,7 +251,7 @@ def test_the_master_behind_its_cast_is_the_one_pass_engine_bitwise(precision):
     assert set(parts) <= {first, second, None}
     for name in a:
         for what, x, y in zip(("master", "exp_avg", "exp_avg_sq", "step"), a[name], b[name]):
-            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{name} {what}"
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f"{name} {what}"
     one.close()
     two.close()
 
@@ -231,11 +271,11 @@ def test_an_fp32_upload_of_a_master_behind_its_cast_waits_for_the_rest_pass():
     task = engine.host_updates.task_moments
     data = tm.batches(3, 2)
     assert ref.train_batch(data[0]) == engine.train_batch(data[0])
-    engine.wait()       # the first step's rest passes ran; the second step's are held back
+    engine.wait()  # the first step's rest passes ran; the second step's are held back
     engine.host_updates.task_moments = lambda *a, **k: (lambda inner: lambda: (gate.wait(5.0), inner()))(task(*a, **k))
     assert ref.train_batch(data[1]) == engine.train_batch(data[1])
     behind = [u for u in engine.blocks if u.master_behind and not u.moments_done.is_set()]
-    assert behind        # the rest passes are held back
+    assert behind  # the rest passes are held back
     engine.copies16.weights_changed()
     waited = []
     awaited = engine.host_updates.await_moments

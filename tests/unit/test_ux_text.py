@@ -4,7 +4,6 @@ the first step's progress line, and `zerofit chat`'s commands; each through the 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,17 +25,39 @@ def workspace(tmp_path_factory):
 def test_counts_read_as_counts():
     from zerofit.engine.planner import fmt_count
 
-    assert [fmt_count(n) for n in (37, 1_000, 203_456, 3_030_000, 3_212_000_000, 13_016_000_000)] == \
-        ["37", "1 K", "203 K", "3.03 M", "3.21 B", "13 B"]
+    assert [fmt_count(n) for n in (37, 1_000, 203_456, 3_030_000, 3_212_000_000, 13_016_000_000)] == [
+        "37",
+        "1 K",
+        "203 K",
+        "3.03 M",
+        "3.21 B",
+        "13 B",
+    ]
 
 
 def test_a_cpu_run_says_what_is_true_on_the_cpu(workspace):
     """One `zerofit train` run on the CPU, its terminal text: the parameter count, the CPU plan, the warning
     about a tiny held-out set, and the progress line during step 1 (rendered as on a terminal)."""
     root, model, data = workspace
-    args = ["train", "--model", str(model), "--data", *map(str, data), "--output", str(root / "run"),
-            "--device", "cpu", "--seq-len", "64", "--steps", "1", "--eval-size", "1", "--no-save-at-end",
-            "--no-export"]
+    args = [
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        *map(str, data),
+        "--output",
+        str(root / "run"),
+        "--device",
+        "cpu",
+        "--seq-len",
+        "64",
+        "--steps",
+        "1",
+        "--eval-size",
+        "1",
+        "--no-save-at-end",
+        "--no-export",
+    ]
     r = CliRunner().invoke(app, args, env={"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "400"})
     assert r.exit_code == 0, r.output
     out = " ".join(ANSI.sub("", r.output).split())
@@ -48,15 +69,23 @@ def test_a_cpu_run_says_what_is_true_on_the_cpu(workspace):
     assert "device 0 B" not in out and "pinned" not in out and "resident blocks (device optimizer)" not in out
     assert "warning: the held-out set has only" in out and "--eval-size" in out, out
     assert out.count("warning: the held-out set") == 1
-    assert "step 1: torch's CPU kernels warm up" in out, out      # the progress line while step 1 runs
+    assert "step 1: torch's CPU kernels warm up" in out, out  # the progress line while step 1 runs
 
 
 def test_the_plan_on_a_gpu_still_names_the_device():
     from zerofit.engine.planner import BatchShape, ModelShape, make_plan
 
     shape = ModelShape(10_000, (5_000,) * 4, 32, 64, 97)
-    kw = dict(compute_dtype=torch.bfloat16, device_budget=None, host_budget=None, deferred_updates=True,
-              checkpointing=True, stream_params=True, resident_blocks=1, prefetch_depth=None)
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        device_budget=None,
+        host_budget=None,
+        deferred_updates=True,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=1,
+        prefetch_depth=None,
+    )
     gpu = make_plan(shape, BatchShape(1, 16, 1), on_cuda=True, **kw)
     cpu = make_plan(shape, BatchShape(1, 16, 1), on_cuda=False, **kw)
     assert not gpu.on_cpu and "  device " in gpu.describe() and "pinned gradient buffers" in gpu.describe()
@@ -80,14 +109,15 @@ def test_whole_documents_tokenize_without_the_too_long_warning(tmp_path, caplog)
     data = build_datasets([f], tok, seq_len=8)
     assert len(data.train) > 10
     assert "Token indices sequence length" not in caplog.text
-    tok("The quick brown fox jumps over the lazy dog. " * 40)      # the same text, tokenized by anyone else
+    tok("The quick brown fox jumps over the lazy dog. " * 40)  # the same text, tokenized by anyone else
     assert "Token indices sequence length" in caplog.text
 
 
 def test_small_held_out_sets_are_named_and_large_ones_are_not():
+    import numpy as np
+
     from zerofit.data import pack, scored_tokens, small_held_out
     from zerofit.data.encode import Document
-    import numpy as np
 
     def doc(n):
         return Document(np.arange(n, dtype=np.int32) % 50, np.ones(n, dtype=bool), "text", "x")
@@ -98,22 +128,23 @@ def test_small_held_out_sets_are_named_and_large_ones_are_not():
     assert msg is not None and "only 19 tokens with a loss (1 document)" in msg and "--eval-size" in msg
     big = pack([doc(100), doc(100)], 64, 0)
     assert small_held_out(big) is None
-    cut = small_held_out(big, max_windows=1)          # --eval-windows 1: 63 scored tokens, under one window
+    cut = small_held_out(big, max_windows=1)  # --eval-windows 1: 63 scored tokens, under one window
     assert scored_tokens(big, 1) == 63 and cut is not None and "--eval-windows" in cut
 
 
 def test_chat_loads_visibly_hints_and_handles_its_commands(tmp_path):
     d = make_model_dir(tmp_path / "m", "llama", layers=2)
     lines = ["/help", "Hello", "/reset", "/nope", "Hi again", "", "/quit", "never sent"]
-    r = CliRunner().invoke(app, ["chat", "--model", str(d), "--max-new-tokens", "3", "--device", "cpu"],
-                           input="\n".join(lines) + "\n")
+    r = CliRunner().invoke(
+        app, ["chat", "--model", str(d), "--max-new-tokens", "3", "--device", "cpu"], input="\n".join(lines) + "\n"
+    )
     assert r.exit_code == 0, r.output
     out = r.output
     assert out.index(f"loading {d}") < out.index("loaded in") < out.index("/quit, /exit or Ctrl-D ends the chat")
-    assert "/reset" in out and "start the conversation over" in out       # /help answered locally
+    assert "/reset" in out and "start the conversation over" in out  # /help answered locally
     assert "(the conversation starts over)" in out
     assert "unknown command /nope" in out
-    assert out.count("model> ") == 2          # two messages reached the model: not /help, /reset, /nope, nor after /quit
+    assert out.count("model> ") == 2  # two messages reached the model: not /help, /reset, /nope, nor after /quit
 
 
 def test_chat_session_state():
@@ -134,6 +165,7 @@ def test_chat_session_state():
                 return next(feed)
             except StopIteration:
                 raise EOFError from None
+
         return next_line
 
     chat = Chat(system="Be brief.")
@@ -188,18 +220,21 @@ def test_a_first_micro_batch_larger_than_the_one_placed_for_names_the_batch_to_g
     config = ZerofitConfig()
     shape = ModelShape(10_000, (5_000,) * 4, 32, 64, 97)
     args = planning.plan_args(config, torch.bfloat16, True, planning.needs_norm(config)) | dict(
-        host_budget=None, resident_blocks=None)
+        host_budget=None, resident_blocks=None
+    )
     tight = make_plan(shape, BatchShape(1, 16, 1), **args, device_budget=None).device_total
-    p = object.__new__(planning.Planning)      # Planning's own start-up asks the GPU for its budget
+    p = object.__new__(planning.Planning)  # Planning's own start-up asks the GPU for its budget
     p.config, p.shape, p.on_cuda, p.plan_batch = config, shape, True, BatchShape(1, 16, 1)
     p.plan = make_plan(shape, p.plan_batch, **args, device_budget=tight)
     p.batch_plan, p.checked_shape, p.host16, p.held = None, None, False, 1
-    p.ensure([{"input_ids": torch.zeros(1, 16, dtype=torch.long)}])      # the batch placed for fits
+    p.ensure([{"input_ids": torch.zeros(1, 16, dtype=torch.long)}])  # the batch placed for fits
     kept = p.batch_plan
     with pytest.raises(PlanError) as e:
         p.ensure([{"input_ids": torch.zeros(8, 512, dtype=torch.long)}])
     text = str(e.value)
-    assert "this micro-batch (8 x 512 tokens) does not fit the placement made at start-up for micro-batches " \
-           "of 1 x 16 tokens" in text, text
+    assert (
+        "this micro-batch (8 x 512 tokens) does not fit the placement made at start-up for micro-batches "
+        "of 1 x 16 tokens" in text
+    ), text
     assert "micro_batch_size: 8, seq_len: 512" in text and "no placement fits" in text, text
     assert p.batch_plan is kept and p.checked_shape == (1, 16) and p.plan_batch == BatchShape(1, 16, 1)

@@ -42,20 +42,21 @@ def test_a_tasks_waits_are_not_its_work():
         with waiting("disk"):
             time.sleep(0.15)
         _spin(0.01)
+
     w.drain_spans()
     w.submit(task, label="adamw[b]")
     w.drain()
     spans = w.drain_spans()
     work = [s for s in spans if s[0] == "cpu"]
     waits = [s for s in spans if s[0] == "cpu wait"]
-    assert {s[1] for s in work} == {"adamw[b]"} and 2 <= len(work) <= 3     # (+ the instant before the first wait)
+    assert {s[1] for s in work} == {"adamw[b]"} and 2 <= len(work) <= 3  # (+ the instant before the first wait)
     assert [s[1] for s in waits] == ["adamw[b](gradient)", "adamw[b](disk)"]
     _tiled(spans)
     assert w.wait_seconds >= 0.35
-    assert 0.02 <= w.busy_seconds < 0.3, w.busy_seconds        # with the waits it would be over 0.37
+    assert 0.02 <= w.busy_seconds < 0.3, w.busy_seconds  # with the waits it would be over 0.37
     assert sum(b - a for _, _, a, b in work) == pytest.approx(w.busy_seconds, abs=1e-4)
     before = w.wait_seconds
-    with waiting("disk"):          # not on the worker's thread: nothing is recorded
+    with waiting("disk"):  # not on the worker's thread: nothing is recorded
         time.sleep(0.01)
     assert w.wait_seconds == before and w.drain_spans() == []
     w.close()
@@ -70,43 +71,52 @@ def test_a_disk_bound_step_shows_the_cpu_waiting_for_the_disk(tmp_path, monkeypa
     real, asked = swapfile_mod._pread, threading.Event()
 
     def slow(fd, bufs, offset):
-        asked.wait(2.0)          # (bounded: a read nobody waits for is not held forever)
+        asked.wait(2.0)  # (bounded: a read nobody waits for is not held forever)
         time.sleep(0.02)
         return real(fd, bufs, offset)
 
     @contextlib.contextmanager
     def watched(what):
         try:
-            with waiting(what):          # (its clock starts before the read may go on)
+            with waiting(what):  # (its clock starts before the read may go on)
                 if what == "disk":
                     asked.set()
                 yield
         finally:
             asked.clear()
+
     monkeypatch.setattr(swapfile_mod, "_pread", slow)
     monkeypatch.setattr(host_mod, "waiting", watched)
     torch.manual_seed(0)
     model = tm.llama(layers=4)
-    ref = zerofit.initialize(copy.deepcopy(model), {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
-                                                    "gradient_accumulation_steps": 2})
-    eng = zerofit.initialize(model, {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
-                                     "gradient_accumulation_steps": 2,
-                                     "offload": {"optimizer_device": "nvme", "nvme_path": str(tmp_path),
-                                                 "disk_blocks": 2, "disk_weights": True}})
+    ref = zerofit.initialize(
+        copy.deepcopy(model),
+        {"device": "cpu", "precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": 2},
+    )
+    eng = zerofit.initialize(
+        model,
+        {
+            "device": "cpu",
+            "precision": "bf16",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "offload": {"optimizer_device": "nvme", "nvme_path": str(tmp_path), "disk_blocks": 2, "disk_weights": True},
+        },
+    )
     data = tm.batches(3, 2)
-    assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]    # the same math
+    assert [eng.train_batch(m) for m in data] == [ref.train_batch(m) for m in data]  # the same math
     trace, tl = eng.trace(), eng.timeline()
     waits = [e for e in trace if e["lane"] == "cpu wait"]
     swapped = {u.name for u in eng.blocks if u.swap}
     assert swapped
     disk_waits = [e for e in waits if e["label"].endswith("(disk)")]
-    waited = {e["label"][len("adamw["):-len("](disk)")] for e in disk_waits}
-    assert waited and waited <= swapped, (waited, swapped)        # the tasks' own waits, of swapped units only
+    waited = {e["label"][len("adamw[") : -len("](disk)")] for e in disk_waits}
+    assert waited and waited <= swapped, (waited, swapped)  # the tasks' own waits, of swapped units only
     assert all(e["label"].startswith("adamw[") for e in disk_waits), disk_waits
     assert tl["optimizer_wait"] >= 0.02
     worker = [(e["label"], e["start"], e["end"]) for e in trace if e["lane"] in ("cpu", "cpu wait")]
     _tiled(worker)
-    tasks = {t["label"]: t for t in tm.bench_module("trace").cpu_tasks(trace)}     # bench/trace.py --gaps
+    tasks = {t["label"]: t for t in tm.bench_module("trace").cpu_tasks(trace)}  # bench/trace.py --gaps
     for name in waited:
         t = tasks[f"adamw[{name}]"]
         assert t["wait"] > 0.0 and t["work"] > 0.0, t
@@ -140,11 +150,13 @@ def test_the_worker_runs_a_ready_task_before_one_still_waiting_for_its_input():
                 with waiting("gradient"):
                     flag.event.wait(5)
             order.append(name)
+
         return run
-    w.submit(lambda: gate.wait(5), label="gate")          # the queue fills behind it
+
+    w.submit(lambda: gate.wait(5), label="gate")  # the queue fills behind it
     late, ready, first, second = _Flag(), _Flag(), _Flag(), _Flag()
     ready.event.set()
-    w.submit(task("disk-1"), 10)                          # no check: never taken out of order
+    w.submit(task("disk-1"), 10)  # no check: never taken out of order
     w.submit(task("first-submitted", first), 5, ready=first.query)
     w.submit(task("late", late), 0, ready=late.query)
     w.submit(task("ready", ready), 1, ready=ready.query)
@@ -152,9 +164,9 @@ def test_the_worker_runs_a_ready_task_before_one_still_waiting_for_its_input():
     w.submit(task("disk-2"), 11)
     gate.set()
     _until(lambda: order)
-    assert order == ["ready"]                             # run ahead of "late"; then the worker waits for one
-    first.event.set()                                     # of the three not ready: the first submitted of them
-    _until(lambda: len(order) == 2)                       # (had it taken another, it would still wait here)
+    assert order == ["ready"]  # run ahead of "late"; then the worker waits for one
+    first.event.set()  # of the three not ready: the first submitted of them
+    _until(lambda: len(order) == 2)  # (had it taken another, it would still wait here)
     assert order == ["ready", "first-submitted"]
     late.event.set()
     second.event.set()
@@ -193,8 +205,13 @@ def test_updates_taken_out_of_order_are_the_same_updates():
     of its order); the weights, the moments and the losses are bitwise the reference's."""
     torch.manual_seed(0)
     model = tm.llama(layers=6)
-    cfg = {"device": "cpu", "precision": "bf16", "micro_batch_size": 2, "gradient_accumulation_steps": 2,
-           "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    cfg = {
+        "device": "cpu",
+        "precision": "bf16",
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+    }
     ref = zerofit.initialize(copy.deepcopy(model), cfg)
     eng = zerofit.initialize(model, cfg)
     eng.dev.record = lambda stream: _LateEvent(0.05)
@@ -223,7 +240,8 @@ def test_a_readiness_check_that_raises_runs_its_task_and_reports_the_tasks_error
 
     def task():
         ran.append("task")
-        broken()                       # its event.synchronize() raises the same error
+        broken()  # its event.synchronize() raises the same error
+
     w.submit(lambda: gate.wait(5), label="gate")
     w.submit(task, 0, label="adamw[b]", ready=broken)
     w.submit(lambda: ran.append("later"), 1, label="adamw[c]", ready=lambda: True)
@@ -235,6 +253,7 @@ def test_a_readiness_check_that_raises_runs_its_task_and_reports_the_tasks_error
             w.drain()
         except WorkerError as e:
             errors.append(e)
+
     t = threading.Thread(target=drain, daemon=True)
     t.start()
     t.join(10)

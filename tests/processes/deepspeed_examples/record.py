@@ -36,7 +36,6 @@ def main(argv: list[str]) -> int:
     os.makedirs(out, exist_ok=True)
     import zerofit.deepspeed as zds
     from zerofit.engine.deepspeed_surface import DeepSpeedSurface
-
     from zerofit.engine.engine import Engine
 
     losses, calls, initial, engines = [], [], {}, []
@@ -62,11 +61,11 @@ def main(argv: list[str]) -> int:
         first = not initial
         if model is not None and first:
             state = model.state_dict()
-            if not any(t.is_meta for t in state.values()):       # a model built under zero.Init has no weights yet
+            if not any(t.is_meta for t in state.values()):  # a model built under zero.Init has no weights yet
                 initial["model"] = {n: _cpu(t) for n, t in state.items()}
         out = initialize(*a, **k)
         engines.append(out[0])
-        if first:          # the weights training starts from (a zero.Init model's too), by parameter name
+        if first:  # the weights training starts from (a zero.Init model's too), by parameter name
             initial["start"] = out[0].master_state_dict()
         return out
 
@@ -79,14 +78,14 @@ def main(argv: list[str]) -> int:
             return launch(rest[1:])
         script = os.path.abspath(rest[0])
         sys.argv = [rest[0], *rest[1:]]
-        sys.path[0] = os.path.dirname(script)          # as `python script.py`
+        sys.path[0] = os.path.dirname(script)  # as `python script.py`
         try:
             runpy.run_path(script, run_name="__main__")
         except SystemExit as e:
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         return 0
     finally:
-        if engines:        # the last engine's weights at the end (readable after close too)
+        if engines:  # the last engine's weights at the end (readable after close too)
             e = engines[-1]
             initial["final"] = {n: _cpu(p) for n, p in e.module.named_parameters()}
         with open(os.path.join(out, "losses.json"), "w") as f:

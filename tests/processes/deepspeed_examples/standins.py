@@ -67,9 +67,13 @@ def write_cifar10(root, n_train: int = 64, n_test: int = 20, seed: int = 0) -> N
     os.makedirs(root, exist_ok=True)
     for name, n in (("train", n_train), ("test", n_test)):
         targets = torch.arange(n) % 10
-        torch.save({"data": torch.randint(0, 256, (n, 32, 32, 3), generator=g, dtype=torch.uint8),
-                    "targets": targets[torch.randperm(n, generator=g)].tolist()},
-                   os.path.join(root, f"cifar10_{name}.pt"))
+        torch.save(
+            {
+                "data": torch.randint(0, 256, (n, 32, 32, 3), generator=g, dtype=torch.uint8),
+                "targets": targets[torch.randperm(n, generator=g)].tolist(),
+            },
+            os.path.join(root, f"cifar10_{name}.pt"),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- HelloDeepSpeed
@@ -129,15 +133,18 @@ def _git(cmd):
         r = subprocess.run(["git", cmd, *[a for a in args]], capture_output=True, text=True)
         if r.returncode:
             raise {128: sh.ErrorReturnCode_128, 129: sh.ErrorReturnCode_129}.get(r.returncode, _ErrorReturnCode)(
-                r.stderr)
+                r.stderr
+            )
         return _Ran(r.stdout)
+
     return run
 
 
-sh = SimpleNamespace(git=SimpleNamespace(log=lambda *a, format=None, **k: _git("log")(*a, f"--format={format}"),
-                                         diff=_git("diff")),
-                     ErrorReturnCode_128=type("ErrorReturnCode_128", (_ErrorReturnCode,), {}),
-                     ErrorReturnCode_129=type("ErrorReturnCode_129", (_ErrorReturnCode,), {}))
+sh = SimpleNamespace(
+    git=SimpleNamespace(log=lambda *a, format=None, **k: _git("log")(*a, f"--format={format}"), diff=_git("diff")),
+    ErrorReturnCode_128=type("ErrorReturnCode_128", (_ErrorReturnCode,), {}),
+    ErrorReturnCode_129=type("ErrorReturnCode_129", (_ErrorReturnCode,), {}),
+)
 
 
 def load_dataset(path, name=None, split=None):
@@ -149,10 +156,12 @@ def load_dataset(path, name=None, split=None):
         return datasets.Dataset.from_dict({"text": ["" if line == "\n" else line for line in f]})
 
 
-WORDS = ("the of and to in a is was for on as with by he at from his an were are which this that be it or had "
-         "first one their its new after but who not they have her she two been other when there all during into "
-         "school time may years more most only over city some world would where later up such used many can state "
-         "about national out known university united then made").split()
+WORDS = (
+    "the of and to in a is was for on as with by he at from his an were are which this that be it or had "
+    "first one their its new after but who not they have her she two been other when there all during into "
+    "school time may years more most only over city some world would where later up such used many can state "
+    "about national out known university united then made"
+).split()
 
 
 def write_wikitext(root, lines: int = 48, seed: int = 0) -> None:
@@ -176,5 +185,11 @@ def write_roberta_like_tokenizer(out_dir) -> None:
     vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>", "<mask>", ".", *WORDS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
-                            unk_token="<unk>", mask_token="<mask>").save_pretrained(out_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    ).save_pretrained(out_dir)

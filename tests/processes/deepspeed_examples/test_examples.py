@@ -24,17 +24,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow     # each case runs a script in a process of its own (tens of seconds)
+pytestmark = pytest.mark.slow  # each case runs a script in a process of its own (tens of seconds)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 ALIAS = "import zerofit.deepspeed.alias  # the one change: `deepspeed` is zerofit's from here on\n"
-LAUNCH_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": "29511"}
+LAUNCH_ENV = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_SIZE": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29511",
+}
 
 
-def run_port(name: str, args: list[str], work: Path, launcher: bool = False, files=("standins.py",),
-             launcher_args: tuple = ()) -> SimpleNamespace:
+def run_port(
+    name: str, args: list[str], work: Path, launcher: bool = False, files=("standins.py",), launcher_args: tuple = ()
+) -> SimpleNamespace:
     """Run the ported script ``name`` in ``work`` (its own process) with the one change (``launcher``: none,
     through ``zerofit deepspeed``); what record.py saw, the exit status and the output."""
     work.mkdir(parents=True, exist_ok=True)
@@ -52,9 +59,13 @@ def run_port(name: str, args: list[str], work: Path, launcher: bool = False, fil
     if not launcher:
         env.update(LAUNCH_ENV)
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-    rec = SimpleNamespace(rc=r.returncode, stdout=r.stdout, stderr=r.stderr, output=r.stdout + r.stderr,
-                          losses=json.loads((out / "losses.json").read_text()) if (out / "losses.json").exists()
-                          else None)
+    rec = SimpleNamespace(
+        rc=r.returncode,
+        stdout=r.stdout,
+        stderr=r.stderr,
+        output=r.stdout + r.stderr,
+        losses=json.loads((out / "losses.json").read_text()) if (out / "losses.json").exists() else None,
+    )
     if (out / "initial.pt").exists():
         rec.initial = torch.load(out / "initial.pt")
         rec.calls = torch.load(out / "calls.pt")
@@ -85,6 +96,7 @@ def _import_port(name: str):
 
 # ---------------------------------------------------------------------------------------------- cifar10
 
+
 def _cifar_reference(initial: dict, data: Path, epochs: int) -> list[float]:
     """cifar10_deepspeed.py's training in plain PyTorch: its Net from the same weights, DeepSpeed's loader order
     (a DistributedSampler over one rank, seed 0, the same order every epoch), AdamW with the config's settings,
@@ -97,8 +109,9 @@ def _cifar_reference(initial: dict, data: Path, epochs: int) -> list[float]:
 
     net = port.Net(SimpleNamespace(moe=False))
     net.load_state_dict(initial["model"])
-    transform = standins.transforms.Compose([standins.transforms.ToTensor(),
-                                             standins.transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+    transform = standins.transforms.Compose(
+        [standins.transforms.ToTensor(), standins.transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))]
+    )
     trainset = standins.datasets.CIFAR10(root=str(data), train=True, transform=transform)
     loader = DataLoader(trainset, batch_size=16, sampler=DistributedSampler(trainset, num_replicas=1, rank=0))
     opt = torch.optim.AdamW(net.parameters(), lr=0.001, betas=(0.8, 0.999), eps=1e-8, weight_decay=3e-7)
@@ -119,6 +132,7 @@ def _cifar_reference(initial: dict, data: Path, epochs: int) -> list[float]:
 def test_cifar10_deepspeed_runs_with_the_alias_line_and_matches_plain_pytorch(tmp_path):
     sys.path.insert(0, str(HERE))
     import standins
+
     sys.path.remove(str(HERE))
 
     work = tmp_path / "cifar"
@@ -126,21 +140,27 @@ def test_cifar10_deepspeed_runs_with_the_alias_line_and_matches_plain_pytorch(tm
     rec = run_port("cifar10_deepspeed.py", ["--epochs", "2", "--dtype", "fp32", "--log-interval", "1"], work)
     _ok(rec)
     assert "Finished Training" in rec.stdout and "Accuracy of the network on the 20 test images" in rec.stdout
-    assert len(rec.losses) == 8          # 64 images, train_batch_size 16, 2 epochs
+    assert len(rec.losses) == 8  # 64 images, train_batch_size 16, 2 epochs
     want = _cifar_reference(rec.initial, work / "data", epochs=2)
     torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(want), rtol=1e-6, atol=1e-6)
-    assert rec.losses[-1] != rec.losses[3]      # the weights moved (WarmupLR's first two steps have lr 0)
+    assert rec.losses[-1] != rec.losses[3]  # the weights moved (WarmupLR's first two steps have lr 0)
 
 
 def test_cifar10_deepspeed_runs_unchanged_through_the_launcher_in_bf16(tmp_path):
     sys.path.insert(0, str(HERE))
     import standins
+
     sys.path.remove(str(HERE))
 
     work = tmp_path / "cifar"
     standins.write_cifar10(work / "data")
-    rec = run_port("cifar10_deepspeed.py", ["--epochs", "1", "--dtype", "bf16"], work, launcher=True,
-                   launcher_args=("--num_gpus", "1"))
+    rec = run_port(
+        "cifar10_deepspeed.py",
+        ["--epochs", "1", "--dtype", "bf16"],
+        work,
+        launcher=True,
+        launcher_args=("--num_gpus", "1"),
+    )
     _ok(rec)
     assert "zerofit deepspeed: running cifar10_deepspeed.py" in rec.stderr and "Finished Training" in rec.stdout
     want = _cifar_reference(rec.initial, work / "data", epochs=1)
@@ -150,8 +170,10 @@ def test_cifar10_deepspeed_runs_unchanged_through_the_launcher_in_bf16(tmp_path)
 
 # ---------------------------------------------------------------------------------------------- offload_states
 
-def _simple_reference(port, start: dict, calls: list, hidden_dim: int, nlayers: int, lr: float,
-                      dtype=torch.float32) -> list[float]:
+
+def _simple_reference(
+    port, start: dict, calls: list, hidden_dim: int, nlayers: int, lr: float, dtype=torch.float32
+) -> list[float]:
     """A script's SimpleModel trained in plain PyTorch on the batches its engine got: AdamW with DeepSpeed's
     Adam defaults (betas (0.9, 0.999), eps 1e-8, weight decay 0, decoupled), clipping at DeepSpeed's default 1.0."""
     model = port.SimpleModel(hidden_dim, nlayers=nlayers)
@@ -169,8 +191,10 @@ def _simple_reference(port, start: dict, calls: list, hidden_dim: int, nlayers: 
     return losses
 
 
-@pytest.mark.parametrize("dtype,extra", [("torch.float32", ["--pin_memory"]),
-                                         ("torch.bfloat16", ["--included_state", "optim_states", "--non_blocking"])])
+@pytest.mark.parametrize(
+    "dtype,extra",
+    [("torch.float32", ["--pin_memory"]), ("torch.bfloat16", ["--included_state", "optim_states", "--non_blocking"])],
+)
 def test_offload_states_runs_with_the_alias_line(tmp_path, dtype, extra):
     """Each iteration: a step, offload_states(), reload_states() (the memory assertions where the device is not the
     host); the training through them is plain PyTorch's on the same batches."""
@@ -187,6 +211,7 @@ def test_offload_states_runs_with_the_alias_line(tmp_path, dtype, extra):
 
 # ---------------------------------------------------------------------------------------------- HelloDeepSpeed
 
+
 def _assert_moved_alike(start: dict, final: dict, want: dict, least: float, rel: float = 3e-2) -> None:
     """What training moved each weight by, as the plain PyTorch reference moved it: in bf16 the two round their
     forwards and gradients apart, so each tensor's update agrees to ``rel`` of its norm (not element by element:
@@ -196,8 +221,25 @@ def _assert_moved_alike(start: dict, final: dict, want: dict, least: float, rel:
         assert (got - ref).norm() <= rel * ref.norm() + 1e-7, (n, (got - ref).norm().item(), ref.norm().item())
     assert max((final[n] - start[n]).abs().max().item() for n in want) > least
 
-_BERT_SIZES = ["--num_layers", "2", "--num_heads", "2", "--ff_dim", "32", "--h_dim", "16", "--max_seq_length", "32",
-               "--batch_size", "4", "--dropout", "0", "--log_every", "1"]
+
+_BERT_SIZES = [
+    "--num_layers",
+    "2",
+    "--num_heads",
+    "2",
+    "--ff_dim",
+    "32",
+    "--h_dim",
+    "16",
+    "--max_seq_length",
+    "32",
+    "--batch_size",
+    "4",
+    "--dropout",
+    "0",
+    "--log_every",
+    "1",
+]
 
 
 def _bert_reference(port, initial: dict, calls: list) -> dict[str, torch.Tensor]:
@@ -218,7 +260,7 @@ def _bert_reference(port, initial: dict, calls: list) -> dict[str, torch.Tensor]
                 p.copy_(master[n])
         low.zero_grad()
         low(*inputs, **batch).backward()
-        for n, p in low.named_parameters():      # (the encoder's pooler takes no part in the loss: no gradient)
+        for n, p in low.named_parameters():  # (the encoder's pooler takes no part in the loss: no gradient)
             master[n].grad = None if p.grad is None else p.grad.float()
         torch.nn.utils.clip_grad_norm_(master.values(), 1.0)
         opt.step()
@@ -232,6 +274,7 @@ def test_hello_deepspeed_trains_saves_and_resumes(tmp_path):
     gives the step to go on from, and training goes on."""
     sys.path.insert(0, str(HERE))
     import standins
+
     sys.path.remove(str(HERE))
 
     work = tmp_path / "bert"
@@ -243,22 +286,40 @@ def test_hello_deepspeed_trains_saves_and_resumes(tmp_path):
         standins.write_roberta_like_tokenizer("tok")
     finally:
         os.chdir(cwd)
-    first = run_port("train_bert_ds.py", ["--checkpoint_dir", "ckpt", "--tokenizer", "tok", "--num_iterations", "5",
-                                          "--checkpoint_every", "2", *_BERT_SIZES], work)
+    first = run_port(
+        "train_bert_ds.py",
+        [
+            "--checkpoint_dir",
+            "ckpt",
+            "--tokenizer",
+            "tok",
+            "--num_iterations",
+            "5",
+            "--checkpoint_every",
+            "2",
+            *_BERT_SIZES,
+        ],
+        work,
+    )
     _ok(first)
     assert len(first.losses) == 4 and first.output.count("Loss: ") == 4
     (exp_dir,) = (work / "ckpt").iterdir()
     assert (exp_dir / "latest").read_text().strip() == "global_step4"
-    assert sorted(p.name for p in exp_dir.iterdir() if p.name.startswith("global_step")) == ["global_step2",
-                                                                                         "global_step4"]
+    assert sorted(p.name for p in exp_dir.iterdir() if p.name.startswith("global_step")) == [
+        "global_step2",
+        "global_step4",
+    ]
     port = _import_port("train_bert_ds")
     want = _bert_reference(port, first.initial, first.calls)
     start, final = first.initial["start"], first.initial["final"]
     _assert_moved_alike(start, final, want, least=1e-5)
 
-    second = run_port("train_bert_ds.py", ["--load_checkpoint_dir", str(exp_dir), "--num_iterations", "8",
-                                           "--log_every", "1"], work,
-                      launcher=True)
+    second = run_port(
+        "train_bert_ds.py",
+        ["--load_checkpoint_dir", str(exp_dir), "--num_iterations", "8", "--log_every", "1"],
+        work,
+        launcher=True,
+    )
     _ok(second)
     loaded = second.initial["loaded"]
     assert all(torch.equal(loaded[n], final[n]) for n in final)
@@ -269,12 +330,39 @@ def test_hello_deepspeed_trains_saves_and_resumes(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed-Chat
 
-_DSCHAT_ARGS = ["--data_path", "local/jsonfile", "--data_split", "10,0,0", "--data_output_path", "data_files",
-                "--model_name_or_path", "sft_base", "--per_device_train_batch_size", "2",
-                "--per_device_eval_batch_size", "2", "--max_seq_len", "32", "--learning_rate", "1e-3",
-                "--num_train_epochs", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler_type", "cosine",
-                "--num_warmup_steps", "1", "--zero_stage", "2", "--dtype", "bf16", "--print_loss",
-                "--output_dir", "out_model"]
+_DSCHAT_ARGS = [
+    "--data_path",
+    "local/jsonfile",
+    "--data_split",
+    "10,0,0",
+    "--data_output_path",
+    "data_files",
+    "--model_name_or_path",
+    "sft_base",
+    "--per_device_train_batch_size",
+    "2",
+    "--per_device_eval_batch_size",
+    "2",
+    "--max_seq_len",
+    "32",
+    "--learning_rate",
+    "1e-3",
+    "--num_train_epochs",
+    "1",
+    "--gradient_accumulation_steps",
+    "2",
+    "--lr_scheduler_type",
+    "cosine",
+    "--num_warmup_steps",
+    "1",
+    "--zero_stage",
+    "2",
+    "--dtype",
+    "bf16",
+    "--print_loss",
+    "--output_dir",
+    "out_model",
+]
 
 
 def _dschat_inputs(work: Path) -> None:
@@ -283,6 +371,7 @@ def _dschat_inputs(work: Path) -> None:
     local/jsonfile data (data/train.json, data/eval.json: prompt, chosen, rejected)."""
     sys.path.insert(0, str(ROOT))
     from tests.support.model_dirs import make_model_dir
+
     sys.path.remove(str(ROOT))
 
     base = make_model_dir(work / "sft_base", dtype=torch.float32)
@@ -294,12 +383,21 @@ def _dschat_inputs(work: Path) -> None:
     (base / "vocab.json").write_text(json.dumps(tok["model"]["vocab"]))
     merges = [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
     (base / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    (base / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", **{k: config[k] for k in ("bos_token", "eos_token", "pad_token")}}))
+    (base / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "GPT2Tokenizer", **{k: config[k] for k in ("bos_token", "eos_token", "pad_token")}}
+        )
+    )
     (work / "data").mkdir()
     for name, n in (("train", 16), ("eval", 4)):
-        rows = [{"prompt": f"Human: what is {i} plus {i}? Assistant:", "chosen": f"It is {2 * i}.",
-                 "rejected": f"It is {i}."} for i in range(n)]
+        rows = [
+            {
+                "prompt": f"Human: what is {i} plus {i}? Assistant:",
+                "chosen": f"It is {2 * i}.",
+                "rejected": f"It is {i}.",
+            }
+            for i in range(n)
+        ]
         (work / "data" / f"{name}.json").write_text(json.dumps(rows))
 
 

@@ -20,20 +20,27 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 
-FILES = ["unit/runtime/test_ds_initialize.py", "unit/runtime/test_data.py", "unit/runtime/test_ds_config_dict.py",
-         "unit/runtime/test_lr_schedulers.py", "unit/runtime/half_precision/test_dynamic_loss_scale.py",
-         "unit/runtime/half_precision/test_fp16.py", "unit/checkpoint/test_latest_checkpoint.py",
-         "unit/checkpoint/test_tag_validation.py", "unit/checkpoint/test_zero_optimizer.py"]
+FILES = [
+    "unit/runtime/test_ds_initialize.py",
+    "unit/runtime/test_data.py",
+    "unit/runtime/test_ds_config_dict.py",
+    "unit/runtime/test_lr_schedulers.py",
+    "unit/runtime/half_precision/test_dynamic_loss_scale.py",
+    "unit/runtime/half_precision/test_fp16.py",
+    "unit/checkpoint/test_latest_checkpoint.py",
+    "unit/checkpoint/test_tag_validation.py",
+    "unit/checkpoint/test_zero_optimizer.py",
+]
 
 # the cases that fail on zerofit, each for the reason its xfail mark gives
 XFAIL = {
-    "unit.runtime.test_ds_initialize.TestNoOptim::test[0]",                      # offload_param with stage 0
-    "unit.runtime.test_ds_initialize.TestClientOptimizer::test[Optimizer]",      # the optimizer is a view
+    "unit.runtime.test_ds_initialize.TestNoOptim::test[0]",  # offload_param with stage 0
+    "unit.runtime.test_ds_initialize.TestClientOptimizer::test[Optimizer]",  # the optimizer is a view
     "unit.runtime.test_ds_initialize.TestClientOptimizer::test[Callable]",
-    "unit.runtime.test_ds_initialize.TestClientLrScheduler::test[_LRScheduler-None]",   # scheduler over another
+    "unit.runtime.test_ds_initialize.TestClientLrScheduler::test[_LRScheduler-None]",  # scheduler over another
     "unit.runtime.test_ds_initialize.TestClientLrScheduler::test[_LRScheduler-Callable]",  # optimizer
-    "unit.runtime.test_ds_config_dict.TestConfigLoad::test_hjson",               # JSON only
-    "unit.runtime.half_precision.test_dynamic_loss_scale.TestFused::test_no_overflow",    # hand-written p.grad
+    "unit.runtime.test_ds_config_dict.TestConfigLoad::test_hjson",  # JSON only
+    "unit.runtime.half_precision.test_dynamic_loss_scale.TestFused::test_no_overflow",  # hand-written p.grad
     "unit.runtime.half_precision.test_dynamic_loss_scale.TestFused::test_all_overflow",
     "unit.runtime.half_precision.test_dynamic_loss_scale.TestFused::test_some_overflow",
     "unit.checkpoint.test_latest_checkpoint.TestLatestCheckpoint::test_existing_latest",  # load_lr_scheduler_states
@@ -41,7 +48,7 @@ XFAIL = {
     "unit.checkpoint.test_zero_optimizer.TestZeROSaveLoadEdgeCase::test_immediate_save_load[2]",
     "unit.checkpoint.test_zero_optimizer.TestZeROSaveLoadEdgeCase::test_load_immediate_save[2]",
 }
-CASES = 97          # 84 pass, 13 xfail
+CASES = 97  # 84 pass, 13 xfail
 
 
 @pytest.mark.slow
@@ -49,14 +56,30 @@ def test_deepspeed_unit_tests_run_with_the_alias_line(tmp_path):
     report = tmp_path / "report.xml"
     env = {**os.environ, "ZEROFIT_DS_UNIT_PORT": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("DS_ACCELERATOR", None)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
-                        "-o", "junit_family=xunit1", *FILES], cwd=HERE, env=env, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--junitxml={report}",
+            "-o",
+            "junit_family=xunit1",
+            *FILES,
+        ],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert report.exists(), r.stdout[-4000:] + r.stderr[-4000:]
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
-        module = case.get("classname").removeprefix("tests.processes.deepspeed_unit.")     # junit's path from the root
-        name = f"{module}::{case.get('name')}"                                 # unit.x.test_y[.Class]::test[params]
+        module = case.get("classname").removeprefix("tests.processes.deepspeed_unit.")  # junit's path from the root
+        name = f"{module}::{case.get('name')}"  # unit.x.test_y[.Class]::test[params]
         kinds = {child.tag for child in case}
         skipped = case.find("skipped")
         if skipped is not None and skipped.get("type") == "pytest.xfail":
@@ -73,4 +96,3 @@ def test_deepspeed_unit_tests_run_with_the_alias_line(tmp_path):
     assert set(outcomes) >= XFAIL, XFAIL - set(outcomes)
     assert len(outcomes) == CASES, (len(outcomes), r.stdout[-3000:])
     assert r.returncode == 0, r.stdout[-6000:]
-

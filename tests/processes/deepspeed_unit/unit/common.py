@@ -9,7 +9,6 @@
 from pathlib import Path
 
 import torch
-
 from deepspeed.accelerator import get_accelerator
 
 

@@ -54,7 +54,7 @@ def estimate_apart(workload: str, config: dict, lora: bool = False) -> tuple[dic
     """zerofit estimate's prediction (as a dict, and its text) from a process of its own, started and ended before
     the engine: as a user runs `zerofit estimate` before the training run. In the engine's process its probes
     (plain models, a 2-block engine, copies) left the caching allocator fragmented under the cap: W1 at 24 GiB
-    ran 1.12-1.59 s steps, slower at each (23bacce, docs/benchmarks/2026-12-01.md, tenth session)."""
+    ran 1.12-1.59 s steps, slower at each (docs/benchmarks.md)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")

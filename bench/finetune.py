@@ -7,7 +7,7 @@
 ``prepare`` builds the workload's Llama on the GPU in bf16 from a random init and saves it with
 ``save_pretrained`` (sharded, with its index) beside the test tokenizer (tests/support/tiny_tokenizer.py: no download;
 its ids are a subset of the model's vocabulary), then writes the standard library's ``*.py`` files as ``.txt``
-documents. ``compare`` checks what the issue asks of a resumed run: the losses of the steps after the resume equal
+documents. ``compare`` checks what a resumed run must show: the losses of the steps after the resume equal
 the straight run's bitwise, and the exported weights are equal; and that the exported model loads with
 ``AutoModelForCausalLM.from_pretrained`` and scores a training window better than the initial model.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-6 fine-tuning job on the GPU machine, in two parts (each under a device call's 10 minutes):
+# The fine-tuning job of bench/finetune.py on the GPU machine, in two parts (each under a device call's 10 minutes):
 #   bash bench/finetune_run.sh part1 W2 /tmp/ft $OUT   # model directory + text; run A (4 steps, export);
 #                                                      # run B (2 steps, checkpoint at step 2)
 #   bash bench/finetune_run.sh part2 W2 /tmp/ft $OUT   # page cache dropped; run B resumed to step 4 (export);

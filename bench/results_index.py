@@ -1,6 +1,6 @@
 """Writes bench/results/README.md: every result file of bench/results/, grouped by workload, with its date, commit,
 what it measured (from its name and its content) and the section of the dated benchmark logs
-(docs/benchmarks/YYYY-MM-DD.md) that it backs.
+(docs/benchmarks/log/YYYY-MM-DD.md) that it backs.
 
     python3 bench/results_index.py            # rewrite bench/results/README.md
     python3 bench/results_index.py --check    # exit 1 if README.md is not what this would write
@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
-LOGS = REPO / "docs" / "benchmarks"
+LOGS = REPO / "docs" / "benchmarks" / "log"
 INDEX = RESULTS / "README.md"
 
 GROUPS = [  # name token -> title, in the order they are listed
@@ -54,10 +54,10 @@ OTHER_KINDS = [  # name part -> what the file holds
     ("_log.txt", "bench/run.py's log (every engine's output)"),
 ]
 HEX7 = re.compile(r"^[0-9a-f]{7,12}$")
-WEAK = 10  # a pattern matching more files than this names a session's files, not a run's
+WEAK = 10  # a pattern matching more files than this names a whole round's files, not a run's
 # files that no section names and whose name has no commit: the section they belong to, placed by hand
 HINTS = {
-    "2026-11-30_W2_finetune": ("2026-11-30", "Issue 6: a W2-shaped model directory fine-tuned"),
+    "2026-11-30_W2_finetune": ("2026-11-30", "A W2-shaped model directory fine-tuned"),
 }
 
 
@@ -129,7 +129,7 @@ def name_parts(name: str) -> dict:
     group = tokens[0] if re.match(r"^W\d", tokens[0]) else "other"
     commit = next((t.split(".")[0] for t in tokens if HEX7.match(t.split(".")[0])), "")
     cap = next((t for t in tokens[1:3] if re.match(r"^\d+GiB$", t)), "")
-    # what follows the commit, less the session (s9) and the extension: compute_probe, mem_peak, clip1_both
+    # what follows the commit, less the round's tag (s9) and the extension: compute_probe, mem_peak, clip1_both
     after = tokens[[t.split(".")[0] for t in tokens].index(commit) + 1 :] if commit else tokens[1:]
     tag = "_".join(t for t in after if not re.match(r"^s\d+$", t)).split(".")[0]
     return {"date": date, "group": group, "commit": commit, "cap": cap, "tag": tag if len(tag) >= 5 else ""}
@@ -276,7 +276,7 @@ def place(items: list[dict], secs: list[dict]) -> None:
         if matched:
             chosen = _unique([s for n, s in matched if n == best])
             e["backs"], e["how"] = chosen, "named"
-            if best > WEAK:  # a session's "Result files: 2026-12-01_*": its subsection, else the day's, by commit
+            if best > WEAK:  # a round's "Result files: 2026-12-01_*": its subsection, else the day's, by commit
                 inside = [t for t in secs if any(t is s or _under(t, s) for s in chosen)]
                 same_day = [t for t in secs if t["file"].stem == e["date"][:10]]
                 better = _by_commit(inside, e) or _by_commit(same_day, e)
@@ -342,25 +342,24 @@ def link(s: dict) -> str:
     title = re.sub(r"[`*]", "", title).replace("|", "/")
     if len(title) > 110:
         title = title[:107].rstrip() + "..."
-    return f"[{s['file'].stem}: {title}](../../docs/benchmarks/{s['file'].name}#{s['anchor']})"
+    return f"[{s['file'].stem}: {title}](../../{s['file'].relative_to(REPO).as_posix()}#{s['anchor']})"
 
 
 def _short(title: str) -> str:
-    m = re.match(r"^(Issues? [\d and]+(?:, \w+ session)?)", title)
-    return m.group(1) if m else title.split(":")[0]
+    return title.split(":")[0]
 
 
 def render(items: list[dict]) -> str:
     lines = [
         "# bench/results: an index",
         "",
-        "Written by `python3 bench/results_index.py` (do not edit by hand; run it again after adding results). Every",
-        "file of this folder, grouped by workload: the date and commit it records (from its JSON where it has one, else",
-        "its name), what it measured (read from the file: each engine's status and tokens/s for a `bench/run.py` result,",
-        "the engine arguments of its command), and the section of the dated logs under",
-        '[docs/benchmarks/](../../docs/benchmarks.md) that it backs. "by commit": no section names the file; the',
-        'section is the one of the same day that names its commit (and its run\'s time, when known); "by hand": placed',
-        "by bench/results_index.py's HINTS.",
+        "Written by `python3 bench/results_index.py` (do not edit by hand; run it again after adding results).",
+        "Every file of this folder, grouped by workload: the date and commit it records (from its JSON where it has",
+        "one, else its name), what it measured (read from the file: each engine's status and tokens/s for a",
+        "`bench/run.py` result, the engine arguments of its command), and the section of the dated logs under",
+        "docs/benchmarks/log/ that it backs ([docs/benchmarks.md](../../docs/benchmarks.md) has the current figures).",
+        '"by commit": no section names the file; the section is the one of the same day that names its commit (and',
+        "its run's time, when known); \"by hand\": placed by bench/results_index.py's HINTS.",
         "",
         "File names: `DATE_WORKLOAD[_CAP]_COMMIT_WHAT.ext`. A `bench/run.py` result is its `results_<W>.json`",
         "renamed; its `.md` is the section it rendered (`python3 bench/run.py --from-json FILE` prints it again).",

@@ -6,7 +6,7 @@ python3 bench/run.py --from-json results_W1.json --append-docs   # re-render, in
 Run one workload for several engines, each in its own process, and tabulate them.
 
 Each engine runs as ``python bench/engine_<name>.py`` in a fresh process (its
-own session, so a timeout kills the whole process group): GPU and host memory
+own process group, so a timeout kills the whole group): GPU and host memory
 are released between engines, and an engine that crashes, runs out of memory or
 is killed does not take the others with it. Every engine writes a JSON result
 after each step, so a timed-out engine still reports what it measured.
@@ -159,7 +159,7 @@ def last_error_line(log_text: str) -> str:
 
 
 def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: str, log) -> dict:
-    """Run ``bench/engine_<name>.py`` in its own session; return its result dict (status always set)."""
+    """Run ``bench/engine_<name>.py`` in its own process group; return its result dict (status always set)."""
     result_path = os.path.join(tmpdir, f"{name}.json")
     base, fixed = VARIANTS.get(name, (name, []))
     nodes = max(1, args.nnodes)

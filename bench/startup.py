@@ -11,12 +11,12 @@ workload's shape cut to ``--layers`` blocks, LoRA over its frozen base (``--qlor
 - ``folder4``: the model saved in 4 bits by transformers' ``save_pretrained`` (``BitsAndBytesConfig(load_in_4bit=
   True)``, NF4, double quantization; quantized on the GPU one block at a time), read as stored.
 
-It reports the seconds of ``initialize`` and of its materialization (and of each phase), parameters/s and GB/s
-over the materialization (the folder's bytes, or the model's bf16 bytes for a meta model), the time to read the folder's bytes alone (the page cache's speed, and the
-disk's with ``--direct``; with ``--cold`` the folder's pages are then dropped from the page cache, so that the
-engine reads the disk), and with ``--step`` the time to the end of the first training step (``--steps N``: each of
-N steps, the peak GPU memory and the peak host RSS). Run it under
-``taskset -c 0`` for one core against all (the readers follow the process's CPU affinity).
+It reports the seconds of ``initialize`` and of its materialization (and of each phase), parameters/s and GB/s over the
+materialization (the folder's bytes, or the model's bf16 bytes for a meta model), the time to read the folder's bytes
+alone (the page cache's speed, and the disk's with ``--direct``; with ``--cold`` the folder's pages are then dropped
+from the page cache, so that the engine reads the disk), and with ``--step`` the time to the end of the first training
+step (``--steps N``: each of N steps, the peak GPU memory and the peak host RSS). Run it under ``taskset -c 0`` for one
+core against all (the readers follow the process's CPU affinity).
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
     python3 bench/trace.py RESULT.json [--engine zerofit] [--gantt]
 
-Per lane (compute, upload, download, cpu, cpu wait, wait, disk): busy seconds (overlapping intervals of a lane merged), first start, last end, and the busy
-seconds inside each phase of the step: forward (until the first ``post`` compute), post (named "later fwd"
-when block computes fall in it: the DeepSpeed-shaped loop's later forwards with every micro-batch's head and
-loss), backward, and after the backward's last compute (the optimizer's tail). ``--gantt`` prints every interval.
-``--gaps`` prints where the device does not compute (gaps of over 1 ms between compute intervals, with the
-intervals on either side), each CPU task's working and waiting seconds by phase, and, with a disk lane, how long reads and writes ran
-at once.
+Per lane (compute, upload, download, cpu, cpu wait, wait, disk): busy seconds (overlapping intervals of a lane merged),
+first start, last end, and the busy seconds inside each phase of the step: forward (until the first ``post`` compute),
+post (named "later fwd" when block computes fall in it: the DeepSpeed-shaped loop's later forwards with every
+micro-batch's head and loss), backward, and after the backward's last compute (the optimizer's tail). ``--gantt`` prints
+every interval. ``--gaps`` prints where the device does not compute (gaps of over 1 ms between compute intervals, with
+the intervals on either side), each CPU task's working and waiting seconds by phase, and, with a disk lane, how long
+reads and writes ran at once.
 """
 
 from __future__ import annotations

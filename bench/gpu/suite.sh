@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU machine's benchmark runs, by name: one entry in place of a script per session.
+# The GPU machine's benchmark runs, by name: one entry in place of a script per round of runs.
 #
 #     bash bench/gpu/suite.sh headline tests         # from a device call, the repository copy's root (carry .whl)
 #     bash bench/gpu/suite.sh --list                 # the suites, and what each runs
@@ -13,8 +13,8 @@
 # failed. Most suites take longer than one device call (600 s): start them detached and poll from later calls
 # on the same warm machine,
 #
-#     OUT=/tmp/s14 COMMIT=abc1234 setsid bash bench/gpu/suite.sh headline tests </dev/null >/tmp/s14.log 2>&1 &
-#     ls /tmp/s14/done && tar czf $OUT/s14.tgz -C /tmp s14          # a later call
+#     OUT=/tmp/suite COMMIT=abc1234 setsid bash bench/gpu/suite.sh headline tests </dev/null >/tmp/suite.log 2>&1 &
+#     ls /tmp/suite/done && tar czf $OUT/suite.tgz -C /tmp suite          # a later call
 #
 # Settings (environment):
 #   COMMIT       the commit id the results record (default: git rev-parse here, else "unknown")
@@ -312,7 +312,7 @@ suite_userloop() {     # W7 (shared/bench/WORKLOADS.md): FSDP1 with CPU offload 
   zf_trace w7_loops zerofit-accelerate-w4 zerofit-fabric-w4
 }
 
-suite_nodes() {       # issue 33's GPU run: both layouts across simulated nodes on one host
+suite_nodes() {       # both layouts across simulated nodes on one host (docs/ranks.md)
   zf_run nodes_2x1 580 --workload W2 --engines zerofit --steps 4 --cap 24GiB --gpus 1 --nnodes 2
   zf_trace nodes_2x1
   zf_run nodes_2x1_full 580 --workload W2 --engines zerofit --steps 4 --cap 24GiB --gpus 1 --nnodes 2 \

@@ -1,4 +1,4 @@
-"""Why does ``zerofit estimate``'s compute come out short? (issue 8: W1 in host memory, -11%)
+"""Why does ``zerofit estimate``'s compute come out short? (W1 in host memory: 11% short, docs/benchmarks.md)
 
 Times forward + recompute + backward per micro-batch of plain PyTorch models of a workload's shape
 (activation checkpointing, bf16, no optimizer) on the GPU: the 4- and 8-block pair the estimate uses, held

@@ -1,5 +1,5 @@
 """The disk tier's speed tests against each other on one folder, repeated: how much each moves between runs
-minutes apart, and which one the steps' sustained rate follows (docs/benchmarks/2026-12-01.md, eleventh session).
+minutes apart, and which one the steps' sustained rate follows (the disk's speed: docs/benchmarks.md).
 
     python3 bench/probes/disk_probe.py /tmp/nv [rounds]
 

@@ -1,11 +1,12 @@
-"""Peak bytes of the tensors an operation creates, on the CPU: a dispatch mode that counts each new storage from
-its creation until it is freed (views and pre-existing tensors not counted). For checking the planner's transient
-terms on this machine; the GPU's kernels can hold other workspaces (bench/probes/mem_peak.py reads the GPU's own history).
+"""Peak bytes of the tensors an operation creates, on the CPU: a dispatch mode that counts each new storage from its
+creation until it is freed (views and pre-existing tensors not counted). For checking the planner's transient terms on
+this machine; the GPU's kernels can hold other workspaces (bench/probes/mem_peak.py reads the GPU's own history).
 
     python3 bench/probes/live_bytes.py [tokens] [vocab]
 
-measures the head's loss as the Llama models of transformers compute it (transformers' ForCausalLMLoss: the
-logits upcast to fp32, cross entropy) with its backward, in bytes per token and vocabulary entry (planner.activation_bytes' "logits" term)."""
+measures the head's loss as the Llama models of transformers compute it (transformers' ForCausalLMLoss: the logits
+upcast to fp32, cross entropy) with its backward, in bytes per token and vocabulary entry (planner.activation_bytes'
+"logits" term)."""
 
 import sys
 import weakref

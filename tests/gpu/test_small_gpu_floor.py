@@ -50,7 +50,7 @@ def test_chunked_loss_and_offloaded_checkpoints_keep_the_math(build):
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-6, atol=1e-6)
     ma, mb = ref.master_state_dict(), eng.master_state_dict()
     for n in ma:
-        torch.testing.assert_close(mb[n], ma[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(mb[n], ma[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     if len(eng.blocks) > 3:  # blocks 1 .. L-3 keep their inputs on the host between forward and backward
         assert eng.activations.arena is not None and eng.activations.arena.tensor.abs().sum() > 0, (
             "checkpoints went to the host"
@@ -292,8 +292,8 @@ def test_checkpoints_every_k_blocks_without_activation_checkpointing_is_refused(
 def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, layers):
     """The planner's checkpoints term (planner.device_checkpoints, per micro-batch) is what the engine's backward
     holds at its peak: watched at each block computation of the backward, the block inputs on the device (on the
-    CPU: outside the host arena, or asked up from it) never exceed it, and reach it. W3a at 32 micro-batches had peaked 2 GiB under
-    a count that was one block's worth too high (2026-12-01)."""
+    CPU: outside the host arena, or asked up from it) never exceed it, and reach it: a count one block's worth too
+    high had W3a at 32 micro-batches peak 2 GiB under it (docs/benchmarks.md)."""
     from zerofit.engine.planner import activation_bytes, device_checkpoints
 
     torch.manual_seed(0)
@@ -346,8 +346,8 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_the_plan_counts_the_bytes_the_models_loss_holds(dtype, chunks):
     """[Note: the loss's bytes]: the planner's logits term covers the peak of the tensors a Llama model's own loss
-    and its backward create (bench/probes/live_bytes.py: each new storage from its creation until it is freed), within 2%
-    (the old count, dtype_bytes + 8, was 17% short in bf16)."""
+    and its backward create (bench/probes/live_bytes.py: each new storage from its creation until it is freed),
+    within 2% (the old count, dtype_bytes + 8, was 17% short in bf16)."""
     live = tm.bench_module("probes/live_bytes")
     tokens, vocab = 512, 4096
     per_chunk = tokens // chunks

@@ -76,7 +76,7 @@ def test_the_fsdp1_shaped_loop_on_the_gpu_is_plain_pytorch_in_the_gpu(window):
     state = model.state_dict()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(
-            state[n].float().cpu(), p.detach().cpu(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{n}: {m}"
+            state[n].float().cpu(), p.detach().cpu(), rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}"
         )
     tl = eng.timeline()
     assert tl["upload"] > 0 and tl["download"] > 0

@@ -47,7 +47,7 @@ def _same_weights(engine, ref: nn.Module, bitwise: bool = True) -> None:
         if bitwise:
             assert torch.equal(got[n].detach(), q.detach()), n
         else:
-            torch.testing.assert_close(got[n].detach(), q.detach(), msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(got[n].detach(), q.detach(), msg=lambda m, n=n: f"{n}: {m}")
 
 
 class CifarNet(nn.Module):

@@ -356,7 +356,7 @@ def test_a_deepspeed_run_continues_on_zerofit(ds, name, door):
     assert losses[0] == ref["losses"][0]  # the loaded weights are DeepSpeed's
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-6, atol=0)
     for n, w in final.items():
-        torch.testing.assert_close(w, ref["final"][n], rtol=0, atol=2e-7, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(w, ref["final"][n], rtol=0, atol=2e-7, msg=lambda m, n=n: f"{n}: {m}")
     assert engine.global_steps == ref["global_steps"] and engine.get_lr() == ref["lr"]
 
 

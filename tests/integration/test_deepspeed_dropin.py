@@ -111,13 +111,13 @@ def _reference(
 def _assert_same_weights(engine, ref: nn.Module) -> None:
     master = engine.master_state_dict()
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(master[name], p.detach(), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(master[name], p.detach(), msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _run_tutorial_loop(engine, loader) -> dict:
     """The DeepSpeed tutorial loop, with the calls scripts commonly add around it."""
     seen = {"losses": [], "boundary": [], "lrs": [], "batches": []}
-    for step, batch in enumerate(loader):
+    for _step, batch in enumerate(loader):
         engine.zero_grad()
         outputs = engine(**batch)
         loss = outputs.loss
@@ -595,7 +595,7 @@ def test_unsupported_engine_optimizer_and_scheduler_calls_name_themselves():
     assert sum(p.numel() for p in engine.parameters()) == sum(p.numel() for p in engine.module.parameters())
     assert engine.get_input_embeddings() is engine.module.get_input_embeddings()
     with pytest.raises(AttributeError, match="no attribute '_mistyped'"):
-        engine._mistyped
+        _ = engine._mistyped
     with pytest.raises(DeepSpeedUnsupported, match=r"optimizer\.step\(\): engine\.step\(\)"):
         optimizer.step()
     with pytest.raises(DeepSpeedUnsupported, match="engine.save_checkpoint"):
@@ -603,13 +603,13 @@ def test_unsupported_engine_optimizer_and_scheduler_calls_name_themselves():
     with pytest.raises(DeepSpeedUnsupported, match="param_groups is read-only"):
         optimizer.param_groups[0]["lr"] = 1.0
     with pytest.raises(UnsupportedAttribute, match="optimizer has no state"):
-        optimizer.state
+        _ = optimizer.state
     with pytest.raises(DeepSpeedUnsupported, match="load_state_dict"):
         lr_scheduler.load_state_dict({"last_batch_iteration": 5})
     with pytest.raises(UnsupportedAttribute, match="deepspeed has no init_inference"):
-        deepspeed.init_inference
+        _ = deepspeed.init_inference
     with pytest.raises(UnsupportedAttribute, match="deepspeed.zero has no TiledLinear"):
-        deepspeed.zero.TiledLinear
+        _ = deepspeed.zero.TiledLinear
     mb = tm.batches(1, 1)[0][0]
     assert engine(mb["input_ids"]).loss is None  # positional, as the model takes it; dropped by the next
     out = engine(**mb)

@@ -361,10 +361,10 @@ def test_tier_streams_any_order_of_updates_without_losing_a_write(tmp_path, seed
                 tier.expect(told[:3])  # some announced, in another order
                 for key in order:
                     g = float(rnd + key + 1)
-                    for c, (a, k) in enumerate(tier.chunks(key)):  # stash a gradient, write-only
+                    for c, (_a, _k) in enumerate(tier.chunks(key)):  # stash a gradient, write-only
                         tier.acquire(key, c, write_only=("grad",))["grad"].fill_(g)
                         tier.release(key, c)
-                    for c, (a, k) in enumerate(tier.chunks(key)):  # then the update reads it with the state
+                    for c, (_a, _k) in enumerate(tier.chunks(key)):  # then the update reads it with the state
                         f = tier.acquire(key, c)
                         assert torch.all(f["grad"] == g), (key, c, rnd)
                         f["master"].add_(f["grad"])
@@ -380,7 +380,7 @@ def test_tier_streams_any_order_of_updates_without_losing_a_write(tmp_path, seed
     t.join(120)
     assert not t.is_alive(), "the tier deadlocked"
     assert not errors, errors
-    for key, n in enumerate(numels):
+    for key, _n in enumerate(numels):
         assert torch.equal(tier.view(key, "master"), expected[key]), key
         assert torch.all(tier.view(key, "exp_avg") == 6.0), key
     assert tier.bytes_written > 0 and tier.bytes_read > 0
@@ -452,8 +452,8 @@ def test_a_refusal_beside_the_tier_names_the_smallest_host_budget_and_fewer_micr
 
 def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch, caplog):
     """A write that completes while the tier closes frees its buffer; that must not issue the next expected read
-    on the stopping pool. (W3a at 32 micro-batches, 2026-12-01: five "cannot schedule new futures after shutdown"
-    tracebacks from write callbacks at exit.) The file goes."""
+    on the stopping pool (else a run's exit prints "cannot schedule new futures after shutdown" tracebacks from the
+    write callbacks, as W3a at 32 micro-batches did: docs/benchmarks.md). The file goes."""
     import logging
     import threading
 
@@ -495,8 +495,8 @@ def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch,
 
 
 def test_the_mixed_speed_test_reads_and_writes_what_it_counts(tmp_path, monkeypatch):
-    """SwapFile.measure_mixed (bench/probes/disk_probe.py) counts the bytes of half the file read while the other half is
-    written: the pool sees exactly those, after the untimed write of the half read."""
+    """SwapFile.measure_mixed (bench/probes/disk_probe.py) counts the bytes of half the file read while the other half
+    is written: the pool sees exactly those, after the untimed write of the half read."""
     from zerofit.engine.disk import SwapFile
 
     seen = []

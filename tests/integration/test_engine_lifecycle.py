@@ -218,7 +218,7 @@ def test_error_after_speculative_updates_rolls_them_back():
     changed = 0
     for (name, *a), (_, *b) in zip(before, after, strict=True):
         for x, y in zip(a, b):
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-9, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
             changed += not torch.equal(x, y)
     assert changed, "nothing was updated speculatively: the test would not see a rollback"
     engine.train_batch(data[2])
@@ -458,7 +458,7 @@ def test_eval_forwards_match_the_plain_model_and_keep_no_state(how, clip):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(tm.reference_train(ref, data, clip=clip)))
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(master[n], p.detach(), msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(master[n], p.detach(), msg=lambda m, n=n: f"{n}: {m}")
     engine.close()
 
 
@@ -530,7 +530,7 @@ def test_non_sequential_model_falls_back_to_the_generic_path_and_trains_exactly(
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(master[n], p.detach(), msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(master[n], p.detach(), msg=lambda m, n=n: f"{n}: {m}")
     engine.close()
 
 
@@ -591,7 +591,7 @@ def test_context_manager_closes_on_error_and_keeps_the_error():
     with pytest.raises(ZeroDivisionError):
         with zerofit.initialize(tm.llama(), _cfg()) as engine:
             engine.train_batch(tm.batches(1, G)[0])
-            1 / 0
+            _ = 1 / 0
     assert engine.state is EngineState.CLOSED and _optimizer_threads() == threads
 
 

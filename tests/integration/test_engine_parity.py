@@ -38,7 +38,7 @@ _reference = tm.reference_train
 def _assert_same_weights(engine, ref):
     master = engine.master_state_dict()
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(master[name], p.detach(), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(master[name], p.detach(), msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_fp32_parity_with_plain_pytorch(build):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     _assert_same_weights(engine, ref)
     # the module itself carries the current weights (fp32 training: exactly the master)
-    for (n, p), (_, q) in zip(engine.module.named_parameters(), ref.named_parameters()):
+    for (_n, p), (_, q) in zip(engine.module.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.detach(), q.detach())
     if hasattr(engine.adapter, "streaming") and build not in (tm.MLPRegressor,):
         assert engine.adapter.streaming, "block models must take the block-streaming path"

@@ -188,7 +188,7 @@ def test_fp16_overflow_in_one_micro_batch_skips_the_step(micro):
     for i, mb in enumerate(data[1]):
         out = engine(**mb)
         if i == G - 1:
-            inject(lambda: engine.backward(out.loss))
+            inject(lambda out=out: engine.backward(out.loss))
         else:
             engine.backward(out.loss)
         engine.step()
@@ -212,7 +212,7 @@ def test_fp16_loss_scale_follows_hysteresis_and_window():
     scales, ref_scales = [], []
     for overflow, mbs in zip(pattern, tm.batches(len(pattern), G)):
         if overflow:
-            inject(lambda: engine.train_batch(mbs))
+            inject(lambda mbs=mbs: engine.train_batch(mbs))
         else:
             engine.train_batch(mbs)
         reference.update(overflow)
@@ -233,7 +233,7 @@ def test_fp16_overflow_at_min_loss_scale_raises_named_error():
     data = tm.batches(4, G)
     engine.train_batch(data[0])
     for mbs, expect in zip(data[1:3], (4.0, 2.0)):
-        inject(lambda: engine.train_batch(mbs))
+        inject(lambda mbs=mbs: engine.train_batch(mbs))
         assert engine.scaler.scale == expect
     before = _snapshot(engine)
     with pytest.raises(LossScaleUnderflowError, match="min_loss_scale"):
@@ -722,7 +722,7 @@ def test_generic_model_without_blocks_trains():
         opt.step()
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(master[n], p.detach(), msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(master[n], p.detach(), msg=lambda m, n=n: f"{n}: {m}")
     engine.close()
 
 

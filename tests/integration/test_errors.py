@@ -1,4 +1,4 @@
-"""Errors as one line (issue 26, item 6; [Note: one line per error], zerofit/cli_errors.py).
+"""Errors as one line ([Note: one line per error], zerofit/cli_errors.py).
 
 Each case as a user meets it: through the real command (typer's CliRunner, stdout and stderr together) with
 the exit status docs/cli.md promises and one line naming the path or field and what to do, no traceback; or,
@@ -471,10 +471,10 @@ def test_engine_module_on_one_rank_fails_fast_naming_the_collective(tmp_path):
     for p in procs:
         try:
             outs.append(p.communicate(timeout=180))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             for q in procs:
                 q.kill()
-            raise AssertionError("a rank still runs after 180 s: the one-rank engine.module hung")
+            raise AssertionError("a rank still runs after 180 s: the one-rank engine.module hung") from e
     wall = time.monotonic() - t0
     records = [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out, _ in outs]
     assert procs[0].returncode == 3, outs[0]

@@ -337,6 +337,6 @@ def test_hf_trainer_with_a_peft_model_matches_the_plain_trainer(tmp_path):
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a))
     want = dict(plain.model.named_parameters())
     for n, p in zf.zerofit_engine.module.named_parameters():
-        torch.testing.assert_close(p.detach(), want[n].detach(), msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(p.detach(), want[n].detach(), msg=lambda m, n=n: f"{n}: {m}")
         if "lora_" not in n:
             assert torch.equal(p.detach(), want[n].detach()), f"frozen {n} moved"

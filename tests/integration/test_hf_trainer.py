@@ -115,13 +115,13 @@ def _assert_same_run(plain, zf, grad_norm: bool = True) -> None:
         assert [s for s, _ in a] == [s for s, _ in b], key
         if a:
             torch.testing.assert_close(
-                torch.tensor([v for _, v in b]), torch.tensor([v for _, v in a]), msg=lambda m: f"{key}: {m}"
+                torch.tensor([v for _, v in b]), torch.tensor([v for _, v in a]), msg=lambda m, key=key: f"{key}: {m}"
             )
     assert _logs(zf, "learning_rate") == _logs(plain, "learning_rate")  # the same formulas, bitwise
     wa, wb = _weights(plain), _weights(zf)
     assert wa.keys() == wb.keys()
     for n in wa:
-        torch.testing.assert_close(wb[n], wa[n], msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(wb[n], wa[n], msg=lambda m, n=n: f"{n}: {m}")
 
 
 # ----------------------------------------------------------------------------------------------- parity
@@ -549,7 +549,7 @@ def test_torchrun_two_ranks_like_the_plain_trainer_with_ddp(tmp_path):
         assert [s for s, _, _ in zf] == [s for s, _, _ in plain] and len(zf) == 4
         torch.testing.assert_close(torch.tensor([x[1:] for x in zf]), torch.tensor([x[1:] for x in plain]))
         for n, w in res["weights"]["plain"].items():
-            torch.testing.assert_close(res["weights"]["zerofit"][n], w, msg=lambda m: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(res["weights"]["zerofit"][n], w, msg=lambda m, r=r, n=n: f"rank {r} {n}: {m}")
 
 
 def test_the_trainers_optimizer_and_schedule_report_what_each_group_gets():

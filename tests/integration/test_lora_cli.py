@@ -170,7 +170,7 @@ def test_a_qlora_run_holds_the_base_in_nf4_and_its_merge_is_into_the_dequantized
     assert r.exit_code == 0, r.output
     assert "its linears in NF4" in r.output, r.output
     losses = _losses(run)
-    assert len(losses) == 2 and all(l > 0 for _, l in losses)
+    assert len(losses) == 2 and all(loss > 0 for _, loss in losses)
     adapter = run / "adapter"
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     r = CliRunner().invoke(app, ["export", str(run / "checkpoints"), str(tmp_path / "merged"), "--merge"])

@@ -207,7 +207,7 @@ def test_loading_peak_rss_is_plan_plus_one_tensor(tmp_path):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     grown = r["peak"] - r["base"]
     slack = 64 << 20  # allocator arenas, the rotary tables, the plan's small buffers
-    assert grown <= r["planned"] + largest + slack, (grown, r, largest)  # the bound
+    assert grown <= r["planned"] + largest + slack, (grown, r, largest)  # the docstring's bound
     # tighter, so that the test can fail: the state actually touched on the CPU is master + two moments
     # (12 B/param); a second copy of the model (4 B/param more) would not fit in the slack
     assert grown <= 3 * fp32_bytes + largest + slack, (grown, fp32_bytes)

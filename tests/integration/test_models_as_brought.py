@@ -258,7 +258,7 @@ def test_the_wrapper_reaches_the_wrapped_models_attributes():
     assert model.config.num_hidden_layers == 3
     assert model.get_input_embeddings() is model.module.get_input_embeddings()
     with pytest.raises(AttributeError, match="no_such_thing"):
-        model.no_such_thing
+        _ = model.no_such_thing
 
 
 def test_a_loop_without_zero_grad_is_refused_by_name():

@@ -159,7 +159,7 @@ def test_a_micro_batch_that_scores_no_token_is_left_out_of_the_reported_loss():
     assert not torch.isfinite(torch.tensor(ref_losses[0]))  # plain PyTorch's mean of the two is NaN
     master = engine.master_state_dict()
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(master[n], p.detach(), msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(master[n], p.detach(), msg=lambda m, n=n: f"{n}: {m}")
     engine.close()
 
 

@@ -164,7 +164,7 @@ def test_include_moves_only_the_kinds_asked_for_and_calls_add_up():
     engine.offload_states(include=["hp_params", OffloadStateTypeEnum.lp_params])  # a second call adds kinds
     assert _nbytes(u.dev16) == 0
     with pytest.raises(RuntimeError, match=r"\['hp_params', 'lp_params', 'optim_states'\]"):
-        engine.module
+        _ = engine.module
     before_reload = engine.offloaded.current.moved.copy()
     engine.reload_states()
     assert all(m.storage.nbytes() == m.nbytes for m in before_reload.values())

@@ -70,7 +70,7 @@ def _assert_same_weights(engine, ref: nn.Module, exact: bool = False):
         if exact:
             assert torch.equal(master[name], p.detach()), name
         else:
-            torch.testing.assert_close(master[name], p.detach(), msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(master[name], p.detach(), msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _optimizer_threads() -> int:

@@ -1,4 +1,4 @@
-"""QLoRA ([Note: an NF4 base], src/zerofit/engine/nf4.py; issue 29 item 3), on the CPU against bitsandbytes' own
+"""QLoRA ([Note: an NF4 base], src/zerofit/engine/nf4.py), on the CPU against bitsandbytes' own
 QLoRA path: a model loaded with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
 bnb_4bit_use_double_quant=True)``, PEFT's LoRA over it, torch's fused AdamW over the adapters, in fp32.
 

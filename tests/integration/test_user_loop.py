@@ -1,4 +1,4 @@
-"""The user's own loop on zerofit ([Note: the user's loop drives the engine], src/zerofit/userloop; issue 31):
+"""The user's own loop on zerofit ([Note: the user's loop drives the engine], src/zerofit/userloop):
 FSDP1-shaped (``zerofit.fsdp.FullyShardedDataParallel``) and FSDP2-shaped (``zerofit.fsdp.fully_shard``) code as
 the tutorials write it, with only the import changed, against the same loop on plain PyTorch without any wrapper,
 bitwise in fp32 on the CPU: gradient accumulation (``loss / G`` per micro-batch), clipping (the model's
@@ -428,7 +428,6 @@ def test_fsdps_optim_state_dict_by_names_round_trips():
     data = tm.batches(4, 2, seed=5)
     a = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True))
     opt_a = torch.optim.AdamW(a.parameters(), lr=LR, weight_decay=0.01, fused=True)
-    want = []
     for k, mbs in enumerate(data):
         for mb in mbs:
             (a(**mb).loss / 2).backward()

@@ -192,7 +192,7 @@ def test_a_full_layout_checkpoint_moves_between_node_counts(tmp_path):
     losses += three["state"]["losses"] + two["state"]["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5)
     for n, w in ref_weights.items():
-        torch.testing.assert_close(two["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(two["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     back = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})
     back.load_checkpoint(tmp_path / "ck")
     assert back.global_step == total

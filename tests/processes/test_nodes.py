@@ -116,7 +116,7 @@ def test_a_lightning_module_on_two_ranks_trains_as_lightnings_own_ddp(tmp_path, 
     mine, theirs = got["wrap"][0]["weights"], got["plain"][0]["weights"]
     assert mine.keys() == theirs.keys()
     for n, w in theirs.items():
-        torch.testing.assert_close(mine[n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(mine[n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def _srun(tmp_path, tasks: int, nodes: int, timeout: float = 120):
@@ -163,7 +163,7 @@ def test_srun_tasks_on_one_node_are_the_ranks(tmp_path):
     assert all(r["world"] == 2 for r in result) and [r["env_rank"] for r in result] == ["0", "1"]
     ref_losses, (weights, _) = _reference(2, STEPS)
     for n, w in weights.items():
-        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
@@ -175,7 +175,7 @@ def test_an_srun_job_over_two_nodes_trains_as_one_process(tmp_path):
     result = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     ref_losses, (weights, _) = _reference(2, STEPS)
     for n, w in weights.items():
-        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 
@@ -357,7 +357,7 @@ def test_torchrun_c10d_rendezvous_across_two_nodes_trains_as_one_process(tmp_pat
     ref_losses, (weights, _) = _reference(2, 3)
     torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
     for n, w in weights.items():
-        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
@@ -398,7 +398,7 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
     ref_losses, (weights, _) = _reference(2, 5)
     torch.testing.assert_close(torch.tensor(result[0]["losses"]), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-5)
     for n, w in weights.items():
-        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result[0]["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_a_checkpoint_saved_on_two_nodes_resumes_on_one_node_and_one_process(tmp_path):
@@ -454,7 +454,7 @@ def test_a_checkpoint_saved_on_two_nodes_resumes_on_one_node_and_one_process(tmp
     losses += nodes["state"]["losses"] + two["state"]["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5)
     for n, w in ref_weights.items():
-        torch.testing.assert_close(two["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(two["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     back = zerofit.initialize(tm.llama(), {**cfg, "gradient_accumulation_steps": mbs})
     back.load_checkpoint(tmp_path / "ck")
     assert back.global_step == total

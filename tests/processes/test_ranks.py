@@ -99,10 +99,10 @@ def _start(world: int, spec: dict, timeout: float, env_extra: dict | None, per_n
     for p in procs:
         try:
             _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"ranks still running after {timeout} s (a hang)")
+            raise AssertionError(f"ranks still running after {timeout} s (a hang)") from e
         errs.append(err)
     return [p.returncode for p in procs], errs
 
@@ -150,10 +150,10 @@ def _check(result, ref_losses, ref, rtol=1.3e-6, atol=1e-5):
     weights, moments = ref
     torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(ref_losses), rtol=rtol, atol=atol)
     for n, w in weights.items():
-        torch.testing.assert_close(result["master"][n], w, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["master"][n], w, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
         if n in moments:
             torch.testing.assert_close(
-                result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}.exp_avg: {m}"
+                result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}.exp_avg: {m}"
             )
     assert set(result["exp_avg"]) == set(moments), "optimizer state only for the trained parameters"
 
@@ -163,7 +163,7 @@ def _check_local_means(result, world: int, clip: float = 0.0):
     loops): the weights and moments of plain PyTorch on the global batch, the ranks' mean losses its losses."""
     ref_losses, (weights, moments) = _reference(world, STEPS, clip=clip)
     for n, w in weights.items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
         torch.testing.assert_close(result["exp_avg"][n], moments[n], rtol=1e-5, atol=1e-7)
     per_rank = torch.tensor([st["losses"] for st in result["ranks"]])  # (ranks, steps): local means
     torch.testing.assert_close(per_rank.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
@@ -183,7 +183,7 @@ def _check_fp16_like_one_process(result, world: int, steps: int = 6):
     assert one.skipped_steps == skipped[0]
     torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(losses), rtol=1e-3, atol=1e-3)
     for n, w in one.master_state_dict().items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
     one.close()
 
 
@@ -279,7 +279,7 @@ def _run_spec(name: str) -> dict:
         return {"steps": STEPS, "steps_total": STEPS, "api": "accelerate", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fsdp2-loop":  # FSDP2-shaped: fully_shard per block and on the model, set_requires_gradient_sync
         return {"steps": STEPS, "steps_total": STEPS, "api": "fsdp2", "config": _cfg(**_PLACEMENTS["mixed"])}
-    if name == "lora":  # a PEFT LoRA model: its base frozen, its adapters trained (issue 29)
+    if name == "lora":  # a PEFT LoRA model: its base frozen, its adapters trained
         return {"steps": STEPS, "steps_total": STEPS, "model": "llama_lora", "config": _cfg(**_PLACEMENTS["mixed"])}
     if name == "fp16":  # a loss scale that overflows at first
         return {"steps": 6, "steps_total": 6, "config": _fp16_cfg()}
@@ -432,7 +432,7 @@ def test_the_users_fp16_loop_with_a_sharded_grad_scaler_on_ranks(launched):
     per_rank = torch.tensor([st["losses"] for st in result["ranks"]])
     torch.testing.assert_close(per_rank.mean(0), torch.tensor(losses), rtol=1e-3, atol=1e-3)
     for n, w in one.master_state_dict().items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
     one.close()
 
 
@@ -506,7 +506,7 @@ def test_checkpoints_resume_across_world_sizes_and_export(tmp_path):
     losses += r4["state"]["losses"] + r2["state"]["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1.3e-6, atol=1e-5)
     for n, w in ref_weights.items():
-        torch.testing.assert_close(r2["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(r2["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     for n, p in out.named_parameters():
         torch.testing.assert_close(p.detach(), ref_weights[n], rtol=1.3e-6, atol=1e-5)
@@ -535,7 +535,7 @@ def test_ranks_on_two_gpus_with_nccl(placement, tmp_path):
     ref_losses, (weights, _) = _reference(2, STEPS, clip=1.16)
     torch.testing.assert_close(torch.tensor(result["state"]["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
     for n, w in weights.items():
-        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(result["master"][n], w, rtol=1e-3, atol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
     assert all(st["streamed"] >= 2 for st in result["ranks"])
 
 
@@ -609,8 +609,8 @@ def _launch_forked_once(world: int, spec: dict, tmp: Path) -> tuple:
 
 
 def _run_session(cmd: list, env: dict, timeout: float) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of ``cmd`` in a session of its own: past ``timeout`` (a hang) the whole
-    session is killed (the ranks torchrun or the forked launcher started too), then the test fails."""
+    """(exit status, stdout, stderr) of ``cmd`` in a process group of its own (``start_new_session``): past ``timeout``
+    (a hang) the whole group is killed (the ranks torchrun or the forked launcher started too), then the test fails."""
     p = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -656,10 +656,12 @@ def _check_engines(codes, errs, results, seconds, world: int, reused: bool):
                 torch.tensor(ref_losses),
                 rtol=1.3e-6,
                 atol=1e-5,
-                msg=lambda m: f"engine {k}: {m}",
+                msg=lambda m, k=k: f"engine {k}: {m}",
             )
         for n, w in weights.items():
-            torch.testing.assert_close(result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k} {n}: {m}")
+            torch.testing.assert_close(
+                result["master"][n], w, rtol=1.3e-6, atol=1e-5, msg=lambda m, k=k, n=n: f"{k} {n}: {m}"
+            )
     for st in (st for r in results[1:] for st in r["ranks"]):
         assert st["same_group"] == [reused], st["same_group"]
     # one failure monitor per process, whatever the engines before ([Note: a failing rank])

@@ -1,4 +1,4 @@
-"""One run per run folder, and a `--resume` that never destroys (issue 26, items 1 and 2).
+"""One run per run folder, and a `--resume` that never destroys.
 
 The run folder is held by one `zerofit train` ([Note: one writer per folder], checkpoint/lock.py): three at
 once into one `--output`, two `--resume` at once, a holder killed with SIGKILL; an engine holds the folder it

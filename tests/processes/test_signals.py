@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM in `zerofit train` (issue 26, item 4): [Note: signals of a run] (train/signals.py).
+"""Ctrl-C and SIGTERM in `zerofit train`: [Note: signals of a run] (train/signals.py).
 
 SIGTERM with the disk tier saves, exits 143, removes the swap file and resumes bitwise; a second Ctrl-C
 (here: during the save the first one asked for) exits 130 at once, saving nothing and leaving nothing half

@@ -2,7 +2,8 @@
 torchrun (tests/processes/test_ranks.py): the module's model wrapped in ``configure_model`` with
 ``zerofit.fsdp.FullyShardedDataParallel`` (``wrap``), or left as it is (``plain``: Lightning's own DDP).
 
-Arguments: ``wrap|plain|fabric-wrap|fabric-plain OUT`` (``fabric-``: the same with Lightning Fabric's DDP strategy). Each rank writes ``OUT.<rank>``: its losses, and (rank 0) the final weights."""
+Arguments: ``wrap|plain|fabric-wrap|fabric-plain OUT`` (``fabric-``: the same with Lightning Fabric's DDP strategy).
+Each rank writes ``OUT.<rank>``: its losses, and (rank 0) the final weights."""
 
 from __future__ import annotations
 

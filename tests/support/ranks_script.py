@@ -265,8 +265,8 @@ def forked(job: dict) -> None:
     fresh ``MASTER_PORT``. ``"agent_store": true`` (a launch's): as torchrun does, a process other than the ranks
     (a fork too) hosts the TCPStore and the ranks get ``TORCHELASTIC_USE_AGENT_STORE=True``. A rank's stderr and
     stdout go to ``<logs>/<launch>.<rank>``; it ends as a process does, through the interpreter's exit
-    (SystemExit unwinds the fork's copy of this stack). Writes ``job["result"]``: per launch the ranks' exit statuses (None: still running
-    after ``timeout_s``, killed) and its seconds."""
+    (SystemExit unwinds the fork's copy of this stack). Writes ``job["result"]``: per launch the ranks' exit statuses
+    (None: still running after ``timeout_s``, killed) and its seconds."""
     import gc
     import signal
     import socket

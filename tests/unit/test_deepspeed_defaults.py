@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+# DeepSpeed picks its accelerator at import: these come first, DeepSpeed's imports after them (E402)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("DS_BUILD_OPS", "0")
 deepspeed = pytest.importorskip("deepspeed")
@@ -29,19 +30,19 @@ from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config  # noqa: E402
 from deepspeed.runtime.swap_tensor import constants as AIO  # noqa: E402
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
-from deepspeed.runtime.zero.offload_config import (
-    DeepSpeedZeroOffloadOptimizerConfig,  # noqa: E402
+from deepspeed.runtime.zero.offload_config import (  # noqa: E402
+    DeepSpeedZeroOffloadOptimizerConfig,
     DeepSpeedZeroOffloadParamConfig,
 )
 
 import zerofit.deepspeed as zdeepspeed  # noqa: E402
 from tests.support import tiny_models as tm  # noqa: E402
 from zerofit.config import load_config, render_config  # noqa: E402
-from zerofit.config.deepspeed_keys import (
+from zerofit.config.deepspeed_keys import (  # noqa: E402
     ADAM_PARAMS,
     DEEPSPEED_KEYS,
     DEEPSPEED_VERSION,
-    NO_DEFAULT,  # noqa: E402
+    NO_DEFAULT,
     SCHEDULER_PARAMS,
     TORCH_ADAMW_WEIGHT_DECAY,
     Key,
@@ -345,9 +346,9 @@ def test_a_deepspeed_config_without_gradient_clipping_clips_at_one():
     assert min(norms) > 1.0, norms
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=1e-6)
     master = engine.master_state_dict()
-    for n, p in clipped.named_parameters():  # RELIABILITY.md's fp32 tolerance (atol 1e-5): on this machine
-        # (2026-12-02) one weight of 2048 differed by 2.0e-6 (relative 1.1e-3, a small weight) at atol 1e-6
-        torch.testing.assert_close(master[n], p.detach(), rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    for n, p in clipped.named_parameters():  # RELIABILITY.md's fp32 tolerance (atol 1e-5): on a CPU one weight
+        # of 2048 differed by 2.0e-6 (relative 1.1e-3, a small weight) at atol 1e-6
+        torch.testing.assert_close(master[n], p.detach(), rtol=1.3e-6, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     assert max(abs(a - b) for a, b in zip(losses, off)) > 1e-3  # unclipped differs far beyond rounding
     engine.close()
 

@@ -425,7 +425,7 @@ def test_the_estimate_counts_the_backwards_forwards_with_checkpoints_every_k_blo
     from zerofit.config import load_config
     from zerofit.engine.planner import BatchShape, make_plan
 
-    n, L, shape, batch = 10_000_000, 8, EIGHT_BLOCKS, BatchShape(1, 256, 4)
+    n, shape, batch = 10_000_000, EIGHT_BLOCKS, BatchShape(1, 256, 4)
     _stub_measurements(monkeypatch)
     cfg = load_config(_cfg(device="cuda")).config
     kw = dict(
@@ -491,11 +491,12 @@ def test_the_devices_own_updates_count_in_the_step(monkeypatch):
 
 @pytest.mark.parametrize("nodes", [1, 2, 3])
 def test_the_bytes_that_cross_the_nodes(nodes):
-    """[Note: what crosses the nodes] (estimate_nodes.py): each node plans as one host. Hybrid (chosen where the
-    state fits): every trained gradient element all-reduced across the nodes (a ring's 2 (n-1)/n x 4 bytes per
-    element and node); full, beside it: each streamed block's bf16 weights gathered at its two uses, (n-1)/n x 2 B
-    each, the host-optimized gradients reduce-scattered, (n-1)/n x 4 B, the shell's weights gathered after its
-    update (here the shell is replicated: its gradient all-reduced); each node's master and moments 1/n. With a bandwidth, their seconds; the estimate says so."""
+    """[Note: what crosses the nodes] (estimate_nodes.py): each node plans as one host. Hybrid (chosen where the state
+    fits): every trained gradient element all-reduced across the nodes (a ring's 2 (n-1)/n x 4 bytes per element and
+    node); full, beside it: each streamed block's bf16 weights gathered at its two uses, (n-1)/n x 2 B each, the
+    host-optimized gradients reduce-scattered, (n-1)/n x 4 B, the shell's weights gathered after its update (here the
+    shell is replicated: its gradient all-reduced); each node's master and moments 1/n. With a bandwidth, their seconds;
+    the estimate says so."""
     with torch.device("meta"):
         meta = tm.llama(layers=4)
     one = estimate(meta, _cfg(), measure=False)

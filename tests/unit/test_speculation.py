@@ -77,7 +77,7 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
     engine.wait()
     for u in engine.units:
         for t, b in zip((u.master, u.exp_avg, u.exp_avg_sq, u.step), before[u.name]):
-            torch.testing.assert_close(t, b, rtol=1e-5, atol=1e-9, msg=lambda msg: f"{u.name}: {msg}")
+            torch.testing.assert_close(t, b, rtol=1e-5, atol=1e-9, msg=lambda msg, u=u: f"{u.name}: {msg}")
     assert len(rolled) == 3, "blocks 3, 2 and 1 were updated speculatively, then rolled back"
     assert engine.speculation_stats == {"held": 1, "rolled_back": 1, "waited": 0}
     engine.compute.accumulate = inner

@@ -1,4 +1,4 @@
-"""What a person sees (issue 25, item 10): counts, the CPU plan, the tokenizer's warning, a tiny held-out set,
+"""What a person sees: counts, the CPU plan, the tokenizer's warning, a tiny held-out set,
 the first step's progress line, and `zerofit chat`'s commands; each through the real CLI where the CLI prints it."""
 
 from __future__ import annotations

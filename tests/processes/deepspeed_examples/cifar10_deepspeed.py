@@ -1,6 +1,3 @@
-# DeepSpeedExamples' code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 """DeepSpeedExamples' training/cifar/cifar10_deepspeed.py, ported to run here (on the CPU, without downloads).
 
 Upstream: github.com/deepspeedai/DeepSpeedExamples, training/cifar/cifar10_deepspeed.py at commit

@@ -1,6 +1,3 @@
-# DeepSpeedExamples' code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 """DeepSpeedExamples' training/offload_states/offload_states.py, ported to run here (on the CPU as on a GPU).
 
 Upstream: github.com/deepspeedai/DeepSpeedExamples, training/offload_states/offload_states.py at commit

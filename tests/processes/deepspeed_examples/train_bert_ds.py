@@ -1,6 +1,3 @@
-# DeepSpeedExamples' code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 """DeepSpeedExamples' training/HelloDeepSpeed/train_bert_ds.py, ported to run here (on the CPU, without downloads).
 
 Upstream: github.com/deepspeedai/DeepSpeedExamples, training/HelloDeepSpeed/train_bert_ds.py at commit

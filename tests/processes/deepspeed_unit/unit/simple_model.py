@@ -1,6 +1,3 @@
-# DeepSpeed's own test code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 # Copied from DeepSpeed's tests/unit/simple_model.py (github.com/deepspeedai/DeepSpeed at commit
 # edaa7221267243c7be7fb49c5d5f5c4fb97b4641, Apache-2.0, DeepSpeed Team) for the ported unit tests, as written except:
 # the imports of deepspeed.pipe and deepspeed.moe.layer (zerofit refuses both modules: one process, no MoE layers)

@@ -1,6 +1,3 @@
-# DeepSpeed's own test code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 # Copied from DeepSpeed's tests/unit/util.py (github.com/deepspeedai/DeepSpeed at commit
 # edaa7221267243c7be7fb49c5d5f5c4fb97b4641, Apache-2.0, DeepSpeed Team): bf16_required_version_check and
 # required_amp_check, as written except that torch_info (deepspeed.git_version_info, the versions DeepSpeed was built

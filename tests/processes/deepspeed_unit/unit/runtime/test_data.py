@@ -1,7 +1,4 @@
 import zerofit.deepspeed.alias  # the one change: `deepspeed` is zerofit's from here on
-# DeepSpeed's own test code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 # Ported from DeepSpeed's tests/unit/runtime/test_data.py (github.com/deepspeedai/DeepSpeed at commit edaa7221267243c7be7fb49c5d5f5c4fb97b4641,
 # Apache-2.0, DeepSpeed Team). Test bodies as written; besides the line above:
 # Copyright (c) Microsoft Corporation.

@@ -1,6 +1,3 @@
-# DeepSpeedExamples' code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 # Ported from DeepSpeedExamples applications/DeepSpeed-Chat/dschat/utils/ds_utils.py at commit 45b4b7156c8794a3452a5a7d03dbd8d797068569 (Apache-2.0,
 # DeepSpeed Team). Unchanged.
 # Copyright (c) Microsoft Corporation.

@@ -1,7 +1,4 @@
 import zerofit.deepspeed.alias  # the one change: `deepspeed` is zerofit's from here on
-# DeepSpeed's own test code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 # Ported from DeepSpeed's tests/unit/runtime/half_precision/test_dynamic_loss_scale.py (github.com/deepspeedai/DeepSpeed at commit edaa7221267243c7be7fb49c5d5f5c4fb97b4641,
 # Apache-2.0, DeepSpeed Team). Test bodies as written; besides the line above:
 # - `from deepspeed.ops.op_builder import FusedLambBuilder` is left out with TestUnfused, the same cases on DeepSpeed's
@@ -164,3 +161,5 @@ class TestFused(DistributedTest):
         expected_loss_scale /= (2**len(overflow_gradients))
         assert optim.loss_scale_config.cur_scale == expected_loss_scale
         assert optim.loss_scale_config.cur_iter == expected_iteration
+
+

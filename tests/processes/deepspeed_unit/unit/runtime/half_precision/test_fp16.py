@@ -1,7 +1,4 @@
 import zerofit.deepspeed.alias  # the one change: `deepspeed` is zerofit's from here on
-# DeepSpeed's own test code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 # Ported from DeepSpeed's tests/unit/runtime/half_precision/test_fp16.py (github.com/deepspeedai/DeepSpeed at commit edaa7221267243c7be7fb49c5d5f5c4fb97b4641,
 # Apache-2.0, DeepSpeed Team). Test bodies as written; besides the line above:
 # - kept: TestAdamFP32EmptyGrad (one rank suffices: its unused layer's parameters), TestAdamwFP16Basic,
@@ -258,3 +255,4 @@ class TestZeroEmptyGrad(DistributedTest):
             model.step()
 
         model.destroy()
+

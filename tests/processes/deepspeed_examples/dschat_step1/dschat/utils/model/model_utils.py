@@ -1,6 +1,3 @@
-# DeepSpeedExamples' code, kept as written: neither linted nor reformatted, so it stays comparable with upstream
-# ruff: noqa
-# fmt: off
 # Ported from DeepSpeedExamples applications/DeepSpeed-Chat/dschat/utils/model/model_utils.py at commit 45b4b7156c8794a3452a5a7d03dbd8d797068569 (Apache-2.0,
 # DeepSpeed Team). configure_dropout, causal_lm_model_to_fp32_loss and create_hf_model as written; create_critic_model (RLHF) left out,
 # with the import of reward_model it needs. `from transformers.modeling_utils import no_init_weights` fails on

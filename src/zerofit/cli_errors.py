@@ -22,7 +22,7 @@ from pathlib import Path
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 DEBUG_ENV = "ZEROFIT_DEBUG"
-_debug = {"flag": False}             # ``zerofit --debug``: set by the command group's callback, each invocation
+_debug = {"flag": False}  # ``zerofit --debug``: set by the command group's callback, each invocation
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _BAD_PATH = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG)
@@ -68,8 +68,10 @@ def describe(err: BaseException, *, output: Path | None = None, resume: bool = F
     text = one_line(err) or "(no message)"
     if _expected(err):
         return EXIT_FAILED, f"{name}: {text}"
-    return EXIT_FAILED, (f"{name}: {text} (an error zerofit did not expect: `zerofit --debug ...` or "
-                         f"{DEBUG_ENV}=1 shows its traceback; please report it)")
+    return EXIT_FAILED, (
+        f"{name}: {text} (an error zerofit did not expect: `zerofit --debug ...` or "
+        f"{DEBUG_ENV}=1 shows its traceback; please report it)"
+    )
 
 
 def _expected(err: BaseException) -> bool:
@@ -90,10 +92,15 @@ def _os_error(err: OSError, output: Path | None) -> tuple[int, str]:
         where = f"--output {output}: " if same else f"--output {output}: {path}: "
     what = err.strerror or str(err)
     if err.errno in _NO_SPACE:
-        return EXIT_FAILED, f"{type(err).__name__}: {where}{what}: free space on that disk, or choose a folder on another"
+        return (
+            EXIT_FAILED,
+            f"{type(err).__name__}: {where}{what}: free space on that disk, or choose a folder on another",
+        )
     if err.errno in _NOT_WRITABLE:
-        return EXIT_BAD_INPUT, (f"{type(err).__name__}: {where}not writable ({what}): choose a folder this user "
-                                "can write to" + (" (--output DIR)" if where.startswith("--output") else ""))
+        return EXIT_BAD_INPUT, (
+            f"{type(err).__name__}: {where}not writable ({what}): choose a folder this user "
+            "can write to" + (" (--output DIR)" if where.startswith("--output") else "")
+        )
     if err.errno in _BAD_PATH:
         return EXIT_BAD_INPUT, f"{type(err).__name__}: {where}{what}"
     return EXIT_FAILED, f"{type(err).__name__}: {where}{what} (errno {err.errno})"
@@ -128,16 +135,22 @@ def _resume_advice(err: BaseException, output: Path | None) -> str:
         return ""
     ckpts = Path(output) / "checkpoints"
     if isinstance(err, CheckpointMismatchError):
-        return (f" The checkpoints in {ckpts} were saved from another model: resume with the --model they were "
-                "trained from, or train this one into another --output.")
+        return (
+            f" The checkpoints in {ckpts} were saved from another model: resume with the --model they were "
+            "trained from, or train this one into another --output."
+        )
     bad = getattr(err, "path", None)
     bad_tag = None
     if bad is not None and _inside(Path(bad), ckpts):
         parts = Path(bad).absolute().relative_to(ckpts.absolute()).parts
         bad_tag = parts[0] if len(parts) > 1 else None
     others = [t for t in list_tags(ckpts) if t != bad_tag]
-    older = (f"resume from another checkpoint by writing its tag into {ckpts / 'latest'} (there: "
-             f"{', '.join(others[-3:])}), or " if others else "")
+    older = (
+        f"resume from another checkpoint by writing its tag into {ckpts / 'latest'} (there: "
+        f"{', '.join(others[-3:])}), or "
+        if others
+        else ""
+    )
     return f" --resume cannot continue from it: {older}start over without --resume (another --output keeps this one)."
 
 

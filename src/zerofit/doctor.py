@@ -2,8 +2,8 @@
 
     zerofit doctor --disk /mnt/nvme
 
-Every figure the planner's arithmetic depends on (see ENGINE.md, "Where the
-time of one optimizer step goes"): GPU memory, host<->GPU copy bandwidth pinned
+Every figure the planner's arithmetic depends on (where the time of one
+optimizer step goes): GPU memory, host<->GPU copy bandwidth pinned
 and pageable, the CPU optimizer's speed, host RAM, and the disk that would hold
 an NVMe tier. Each measurement is bounded in time (the whole run takes well
 under 30 s) and fails on its own: an error in one is reported in its place and
@@ -106,7 +106,7 @@ class DoctorReport:
     host: HostMemory | None = None
     copies: list[CopyBandwidth] = field(default_factory=list)
     optimizer: OptimizerSpeed | None = None
-    optimizer_copying: OptimizerSpeed | None = None   # the same while copies run both ways (a GPU here)
+    optimizer_copying: OptimizerSpeed | None = None  # the same while copies run both ways (a GPU here)
     disk: DiskSpeed | None = None
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # wall time of the whole run
@@ -116,6 +116,7 @@ class DoctorReport:
 
 
 # ---------------------------------------------------------------- GPU
+
 
 def gpu_info() -> GpuInfo:
     if not torch.cuda.is_available():
@@ -142,8 +143,9 @@ def _driver_version() -> str:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=5)
+            out = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=5
+            )
             if out.returncode == 0 and out.stdout.strip():
                 return out.stdout.strip().splitlines()[0]
         except (OSError, subprocess.SubprocessError):
@@ -174,7 +176,7 @@ def copy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 3) -> list[CopyBandwi
                 start.record()
                 dst.copy_(src, non_blocking=(host_memory == "pinned"))
                 end.record()
-                end.synchronize()  # waits for this copy only, see ENGINE.md on device-wide syncs
+                end.synchronize()  # waits for this copy only, not for the whole device
                 if i > 0:  # the first copy is a warm-up
                     best = min(best, start.elapsed_time(end) / 1000.0)
             results.append(CopyBandwidth(direction, host_memory, nbytes, repeats, nbytes / best / 1e9))
@@ -187,7 +189,7 @@ def copy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 3) -> list[CopyBandwi
 
 def _duplex(gpu: torch.Tensor, nbytes: int, repeats: int) -> CopyBandwidth:
     """Each way's rate while pinned copies run up and down at once on two streams: the copies of a training
-    step overlap (ENGINE.md: 96 GB/s together where one way alone does 55)."""
+    step overlap, and both ways together carry less than twice what one way alone does."""
     half = nbytes // 2
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.fill_(1)
@@ -196,7 +198,7 @@ def _duplex(gpu: torch.Tensor, nbytes: int, repeats: int) -> CopyBandwidth:
     for i in range(repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for stream, dst, src in ((up, gpu[:half], host[:half]), (down, host[half:2 * half], gpu[half:2 * half])):
+        for stream, dst, src in ((up, gpu[:half], host[:half]), (down, host[half : 2 * half], gpu[half : 2 * half])):
             stream.wait_event(start)
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
@@ -227,8 +229,8 @@ class BackgroundCopies:
                 for s, dst, src in zip(streams, (gpu[0], host[1]), (host[0], gpu[1])):
                     with torch.cuda.stream(s):
                         dst.copy_(src, non_blocking=True)
-                    done.append(torch.cuda.Event(blocking=True))   # a blocking wait: a spinning thread
-                    done[-1].record(s)                               # would take a core from the optimizer
+                    done.append(torch.cuda.Event(blocking=True))  # a blocking wait: a spinning thread
+                    done[-1].record(s)  # would take a core from the optimizer
                 for ev in done:
                     ev.synchronize()
 
@@ -245,16 +247,17 @@ class BackgroundCopies:
 
 # ---------------------------------------------------------------- CPU optimizer
 
+
 def optimizer_speed(params: int = 16 * MiB, time_limit_s: float = 5.0, while_copying: bool = False) -> OptimizerSpeed:
     """Steps of ``torch.optim.AdamW`` over ``params`` fp32 parameters (4 tensors) on the CPU.
 
     Fused AdamW when this torch has it on the CPU, else ``foreach``. One warm-up
     step (it allocates the moments), then the best of up to 5 timed steps within ``time_limit_s``.
     ``while_copying`` (a GPU here): with pinned copies running both ways meanwhile, as in a training step,
-    where they share the host's memory bandwidth with it (ENGINE.md: 2.8 G params/s against 3.8 alone); the
-    median of up to 9 steps.
+    where they share the host's memory bandwidth with it (about a quarter slower than alone on the benchmark
+    machine); the median of up to 9 steps.
     """
-    if while_copying:     # the median of more steps: the best one could fall in a gap between the copies
+    if while_copying:  # the median of more steps: the best one could fall in a gap between the copies
         with BackgroundCopies():
             speed = _optimizer_speed(params, time_limit_s, steps=9, pick=statistics.median)
         return dataclasses.replace(speed, while_copying=True)
@@ -298,7 +301,7 @@ def master_pass_speed(params: int = 64 * MiB, time_limit_s: float = 5.0, cast: t
     p, g, m, v = (torch.randn(params) for _ in range(4))
     out16 = None if cast is None else torch.empty(params, dtype=cast)
     h = Hyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
-    step = lambda: split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), h, 0.5, out16=out16)   # noqa: E731
+    step = lambda: split_adamw.master_pass(p, g, m, v, torch.tensor(0.0), h, 0.5, out16=out16)  # noqa: E731
     step()
     with BackgroundCopies():
         times = timed_steps(step, time_limit_s, 9)
@@ -307,12 +310,14 @@ def master_pass_speed(params: int = 64 * MiB, time_limit_s: float = 5.0, cast: t
 
 # ---------------------------------------------------------------- host
 
+
 def host_memory() -> HostMemory:
     vm = psutil.virtual_memory()
     return HostMemory(int(vm.total), int(vm.available), os.cpu_count() or 1, torch.get_num_threads())
 
 
 # ---------------------------------------------------------------- disk
+
 
 def disk_speed(path: str | Path = ".", nbytes: int = 256 * MiB, time_limit_s: float = 8.0) -> DiskSpeed:
     """Write ``nbytes`` in 1 MiB chunks then fsync, read them back, delete the file.
@@ -398,12 +403,22 @@ def _open(name: str, flags: int, direct: bool = True) -> tuple[int, bool]:
 
 # ---------------------------------------------------------------- all together
 
-def run_doctor(disk: str | Path = ".", *, copy_bytes: int = 256 * MiB, optimizer_params: int = 16 * MiB,
-               disk_bytes: int = 256 * MiB) -> DoctorReport:
+
+def run_doctor(
+    disk: str | Path = ".",
+    *,
+    copy_bytes: int = 256 * MiB,
+    optimizer_params: int = 16 * MiB,
+    disk_bytes: int = 256 * MiB,
+) -> DoctorReport:
     """Measure everything; a measurement that fails records its error and the rest still run."""
     t0 = time.perf_counter()
-    report = DoctorReport(torch_version=torch.__version__, python_version=platform.python_version(),
-                          platform=platform.platform(), gpu=GpuInfo(available=False))
+    report = DoctorReport(
+        torch_version=torch.__version__,
+        python_version=platform.python_version(),
+        platform=platform.platform(),
+        gpu=GpuInfo(available=False),
+    )
 
     def attempt(name: str, fn: Callable[[], object]) -> object | None:
         try:
@@ -418,8 +433,9 @@ def run_doctor(disk: str | Path = ".", *, copy_bytes: int = 256 * MiB, optimizer
         report.copies = attempt("copies", lambda: copy_bandwidth(copy_bytes)) or []
     report.optimizer = attempt("optimizer", lambda: optimizer_speed(optimizer_params))
     if report.gpu.available:
-        report.optimizer_copying = attempt("optimizer while copying",
-                                           lambda: optimizer_speed(optimizer_params, while_copying=True))
+        report.optimizer_copying = attempt(
+            "optimizer while copying", lambda: optimizer_speed(optimizer_params, while_copying=True)
+        )
     report.disk = attempt("disk", lambda: disk_speed(disk, disk_bytes))
     if report.disk is not None and report.disk.bytes_tested:
         attempt("disk tier", lambda: _tier_speed(report.disk, disk, disk_bytes))
@@ -428,6 +444,7 @@ def run_doctor(disk: str | Path = ".", *, copy_bytes: int = 256 * MiB, optimizer
 
 
 # ---------------------------------------------------------------- between the nodes
+
 
 def inter_node_bandwidth(nbytes: int = 64 * MiB, repeats: int = 3) -> dict:
     """Under ``torchrun --nnodes N`` (or srun over N nodes): the bandwidth between the nodes as zerofit's hybrid
@@ -445,8 +462,10 @@ def inter_node_bandwidth(nbytes: int = 64 * MiB, repeats: int = 3) -> dict:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     nodes = world // local_world
     if nodes < 2:
-        raise ValueError(f"WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}: launch on 2 nodes or more "
-                         "(torchrun --nnodes N --node-rank i ...) to measure between them")
+        raise ValueError(
+            f"WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}: launch on 2 nodes or more "
+            "(torchrun --nnodes N --node-rank i ...) to measure between them"
+        )
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
@@ -456,12 +475,12 @@ def inter_node_bandwidth(nbytes: int = 64 * MiB, repeats: int = 3) -> dict:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     mine = None
-    for i in range(local_world):       # every rank makes every cross-node group, in the same order
+    for i in range(local_world):  # every rank makes every cross-node group, in the same order
         g = dist.new_group([n * local_world + i for n in range(nodes)])
         if i == rank % local_world:
             mine = g
     buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=f"cuda:{local}" if cuda else "cpu")
-    dist.all_reduce(buf, group=mine)   # warm-up (connections made)
+    dist.all_reduce(buf, group=mine)  # warm-up (connections made)
     best = float("inf")
     for _ in range(repeats):
         dist.barrier()
@@ -472,20 +491,27 @@ def inter_node_bandwidth(nbytes: int = 64 * MiB, repeats: int = 3) -> dict:
         if cuda:
             torch.cuda.synchronize()
         dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(dt.to(buf.device), op=dist.ReduceOp.MAX)     # the slowest rank's
+        dist.all_reduce(dt.to(buf.device), op=dist.ReduceOp.MAX)  # the slowest rank's
         best = min(best, float(dt))
     sent = 2 * (nodes - 1) / nodes * buf.numel() * 4 * local_world
     if made:
         dist.destroy_process_group()
-    return {"nodes": nodes, "ranks_per_node": local_world, "bytes": buf.numel() * 4, "seconds": best,
-            "gb_per_s_per_node": sent / best / 1e9}
+    return {
+        "nodes": nodes,
+        "ranks_per_node": local_world,
+        "bytes": buf.numel() * 4,
+        "seconds": best,
+        "gb_per_s_per_node": sent / best / 1e9,
+    }
 
 
 def inter_node_text(r: dict) -> str:
     """:func:`inter_node_bandwidth`'s result as the line ``zerofit doctor --inter-node`` prints."""
-    return (f"between {r['nodes']} nodes ({r['ranks_per_node']} ranks each): {r['gb_per_s_per_node']:.2f} GB/s per node "
-            f"(all-reduce of {r['bytes'] / 2**20:.0f} MiB per rank, {r['seconds'] * 1e3:.1f} ms): zerofit estimate "
-            f"--nnodes {r['nodes']} --inter-node-gbps {r['gb_per_s_per_node']:.2f}")
+    return (
+        f"between {r['nodes']} nodes ({r['ranks_per_node']} ranks each): {r['gb_per_s_per_node']:.2f} GB/s per node "
+        f"(all-reduce of {r['bytes'] / 2**20:.0f} MiB per rank, {r['seconds'] * 1e3:.1f} ms): zerofit estimate "
+        f"--nnodes {r['nodes']} --inter-node-gbps {r['gb_per_s_per_node']:.2f}"
+    )
 
 
 def render(report: DoctorReport, console) -> None:
@@ -505,17 +531,25 @@ def render(report: DoctorReport, console) -> None:
         t.add_row("GPU memory", f"{gib(g.memory_free_bytes)} free of {gib(g.memory_total_bytes)}")
         for c in report.copies:
             way = "both ways at once (each)" if c.direction == "both" else c.direction
-            t.add_row(f"{way}, {c.host_memory}",
-                      f"{c.gb_per_s:,.1f} GB/s ({c.bytes_per_copy >> 20} MiB copies, best of {c.repeats})")
+            t.add_row(
+                f"{way}, {c.host_memory}",
+                f"{c.gb_per_s:,.1f} GB/s ({c.bytes_per_copy >> 20} MiB copies, best of {c.repeats})",
+            )
     else:
         t.add_row("GPU", Text(f"none: {g.reason}; host measurements only", style="yellow"))
     if report.optimizer:
         o = report.optimizer
-        t.add_row("CPU AdamW", f"{o.params_per_s / 1e9:,.2f} G params/s ({o.implementation}, fp32, "
-                               f"{o.params / 1e6:.0f} M params, {o.threads} torch threads)")
+        t.add_row(
+            "CPU AdamW",
+            f"{o.params_per_s / 1e9:,.2f} G params/s ({o.implementation}, fp32, "
+            f"{o.params / 1e6:.0f} M params, {o.threads} torch threads)",
+        )
     if report.optimizer_copying:
-        t.add_row("CPU AdamW, copies running", f"{report.optimizer_copying.params_per_s / 1e9:,.2f} G params/s "
-                                               "(pinned copies both ways meanwhile, as in a training step)")
+        t.add_row(
+            "CPU AdamW, copies running",
+            f"{report.optimizer_copying.params_per_s / 1e9:,.2f} G params/s "
+            "(pinned copies both ways meanwhile, as in a training step)",
+        )
     if report.host:
         h = report.host
         t.add_row("host RAM", f"{gib(h.available_bytes)} available of {gib(h.total_bytes)}, {h.cpu_cores} CPUs")
@@ -524,11 +558,17 @@ def render(report: DoctorReport, console) -> None:
         t.add_row("disk", f"{d.path}: {gib(d.free_bytes)} free of {gib(d.total_bytes)}")
         if d.bytes_tested:
             mode = "O_DIRECT" if d.direct_io else "buffered"
-            t.add_row("disk speed", f"write {d.write_gb_per_s:,.2f} GB/s, read {d.read_gb_per_s:,.2f} GB/s "
-                                    f"({d.bytes_tested >> 20} MiB, 1 MiB {mode})")
+            t.add_row(
+                "disk speed",
+                f"write {d.write_gb_per_s:,.2f} GB/s, read {d.read_gb_per_s:,.2f} GB/s "
+                f"({d.bytes_tested >> 20} MiB, 1 MiB {mode})",
+            )
         if d.tier_write_gb_per_s:
-            t.add_row("disk tier", f"write {d.tier_write_gb_per_s:,.2f} GB/s, read {d.tier_read_gb_per_s:,.2f} GB/s "
-                                   "(the NVMe tier's own path: 8 requests of 4 MiB in flight)")
+            t.add_row(
+                "disk tier",
+                f"write {d.tier_write_gb_per_s:,.2f} GB/s, read {d.tier_read_gb_per_s:,.2f} GB/s "
+                "(the NVMe tier's own path: 8 requests of 4 MiB in flight)",
+            )
         if d.note:
             t.add_row("", Text(d.note, style="yellow"))
     for name, err in report.errors.items():

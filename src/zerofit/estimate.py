@@ -37,49 +37,138 @@ import torch
 
 from zerofit import estimate_nodes
 from zerofit.engine.adapter import Adapter
-from zerofit.estimate_probes import (ComputeProbe, EngineProbe, _dtype, block_seconds,  # noqa: F401 (re-exported)
-                                     engine_block_seconds)
 from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes, fmt_count, recomputed_blocks
+from zerofit.estimate_probes import (
+    ComputeProbe,  # noqa: F401 (re-exported)
+    EngineProbe,  # noqa: F401 (re-exported)
+    _dtype,
+    block_seconds,  # noqa: F401 (re-exported)
+    engine_block_seconds,
+)
 
-# the benchmark shapes (../shared/bench/WORKLOADS.md), by the names tutorials use, and the workload names
-SHAPES = {   # name: (model_type, the config's sizes), as the models' own config.json files give them
-    "llama-3.2-3b": ("llama", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                                   num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
-                                   tie_word_embeddings=True)),
-    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                                 tie_word_embeddings=False)),
-    "llama-3.1-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                   tie_word_embeddings=False)),
-    "llama-2-13b": ("llama", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                                  num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
-                                  tie_word_embeddings=False)),
-    "llama-3-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                                  tie_word_embeddings=False)),    # W6c's shape; Llama-3.1-70B's and 3.3's too
-    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                               tie_word_embeddings=False)),
-    "qwen3-32b": ("qwen3", dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                                num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                tie_word_embeddings=False)),
-    "qwen2.5-72b": ("qwen2", dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
-                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=152064,
-                                  tie_word_embeddings=False)),
+# the shapes of common open models, by the names tutorials use; ALIASES adds short names for some
+SHAPES = {  # name: (model_type, the config's sizes), as the models' own config.json files give them
+    "llama-3.2-3b": (
+        "llama",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-2-7b": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32000,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-3.1-8b": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-2-13b": (
+        "llama",
+        dict(
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=40,
+            vocab_size=32000,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-3-70b": (
+        "llama",
+        dict(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+        ),
+    ),  # Llama-3.1-70B's and 3.3's too
+    "qwen3-8b": (
+        "qwen3",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-32b": (
+        "qwen3",
+        dict(
+            hidden_size=5120,
+            intermediate_size=25600,
+            num_hidden_layers=64,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2.5-72b": (
+        "qwen2",
+        dict(
+            hidden_size=8192,
+            intermediate_size=29568,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=152064,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
-ALIASES = {"w1": "llama-3.2-3b", "w2": "llama-2-7b", "w3": "llama-2-13b", "13b": "llama-2-13b",
-           "7b": "llama-2-7b", "3b": "llama-3.2-3b", "w6c": "llama-3-70b", "70b": "llama-3-70b",
-           "llama-3.1-70b": "llama-3-70b", "llama-3.3-70b": "llama-3-70b", "llama-3-8b": "llama-3.1-8b"}
+ALIASES = {  # other accepted names: bench/'s short names for its shapes, the sizes alone, other releases
+    "w1": "llama-3.2-3b",
+    "w2": "llama-2-7b",
+    "w3": "llama-2-13b",
+    "13b": "llama-2-13b",
+    "7b": "llama-2-7b",
+    "3b": "llama-3.2-3b",
+    "w6c": "llama-3-70b",
+    "70b": "llama-3-70b",
+    "llama-3.1-70b": "llama-3-70b",
+    "llama-3.3-70b": "llama-3-70b",
+    "llama-3-8b": "llama-3.1-8b",
+}
 
 
 def shape_config(name: str):
-    """A transformers config of a named shape (``llama-2-13b``, ``qwen3-8b``, ``W1``...)."""
+    """A transformers config of a named shape (``llama-2-13b``, ``qwen3-8b``, ``70b``...)."""
     from transformers import AutoConfig
 
     key = ALIASES.get(name.lower(), name.lower())
     if key not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}: one of {', '.join(sorted(SHAPES))} (or W1, W2, W3, W6c)")
+        raise ValueError(f"unknown shape {name!r}: one of {', '.join(sorted(SHAPES))} (or 3b, 7b, 13b, 70b)")
     family, sizes = SHAPES[key]
     return AutoConfig.for_model(family, **sizes, max_position_embeddings=4096, attn_implementation="sdpa")
 
@@ -98,7 +187,7 @@ def meta_model(model_dir: str | Path | None = None, shape: str | None = None):
         return AutoModelForCausalLM.from_config(shape_config(shape), dtype=torch.float32)
 
 
-LORA_DEFAULTS = dict(r=16, alpha=32, targets="all-linear")   # what ``--lora`` plans without its own settings
+LORA_DEFAULTS = dict(r=16, alpha=32, targets="all-linear")  # what ``--lora`` plans without its own settings
 
 
 def with_lora(model, r: int = 16, alpha: int = 32, targets="all-linear"):
@@ -120,12 +209,12 @@ class StepPrediction:
     download: float | None = None
     cpu_optimizer: float | None = None
     disk: float | None = None
-    inter_node: float | None = None     # the bytes across the nodes per step, in seconds ([Note: what crosses the nodes])
-    disk_range: tuple | None = None     # (fastest, slowest) disk seconds over the DISK_TESTS tests of the disk
+    inter_node: float | None = None  # the bytes across the nodes per step, in seconds ([Note: what crosses the nodes])
+    disk_range: tuple | None = None  # (fastest, slowest) disk seconds over the DISK_TESTS tests of the disk
     step: float | None = None
-    step_range: tuple | None = None     # the step at those, where the disk binds
+    step_range: tuple | None = None  # the step at those, where the disk binds
     binds: str = ""
-    phases: dict = field(default_factory=dict)     # phase -> (seconds, what binds it): [Note: the step's phases]
+    phases: dict = field(default_factory=dict)  # phase -> (seconds, what binds it): [Note: the step's phases]
     speeds: dict = field(default_factory=dict)
     note: str = ""
 
@@ -139,13 +228,13 @@ class Estimate:
     gpu_bytes: int = 0
     host_bytes: int = 0
     host_baseline_bytes: int = 0
-    ranks: int = 1                      # processes (one GPU each) on the host
-    nnodes: int = 1                     # hosts ([Note: the nodes' layout], engine/planning.py)
-    inter_node_bytes: int = 0           # per node and step, across the nodes, in the chosen layout
+    ranks: int = 1  # processes (one GPU each) on the host
+    nnodes: int = 1  # hosts ([Note: the nodes' layout], engine/planning.py)
+    inter_node_bytes: int = 0  # per node and step, across the nodes, in the chosen layout
     inter_node_gb_per_s: float | None = None
-    layout: str = "hybrid"              # the layout the engine would run on the nodes
-    layouts: dict = field(default_factory=dict)    # name -> LayoutEstimate (estimate_nodes.py), several nodes
-    asked: str = "auto"                 # the config's nodes_layout
+    layout: str = "hybrid"  # the layout the engine would run on the nodes
+    layouts: dict = field(default_factory=dict)  # name -> LayoutEstimate (estimate_nodes.py), several nodes
+    asked: str = "auto"  # the config's nodes_layout
     disk_bytes: int = 0
     disk_traffic: tuple = (0, 0)
     step: StepPrediction = field(default_factory=StepPrediction)
@@ -165,14 +254,25 @@ class Estimate:
         return self.inter_node_bytes / (self.inter_node_gb_per_s * 1e9)
 
     def to_dict(self) -> dict:
-        d = {"parameters": self.parameters, "frozen_parameters": self.shape.frozen_numel,
-             "batch": asdict(self.batch), "refusal": self.refusal,
-             "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
-             "host_baseline_bytes": self.host_baseline_bytes, "disk_bytes": self.disk_bytes,
-             "disk_traffic_bytes": list(self.disk_traffic), "step": asdict(self.step),
-             "tokens_per_s": self.tokens_per_s, "ranks": self.ranks, "nnodes": self.nnodes,
-             "inter_node_bytes": self.inter_node_bytes, "inter_node_seconds": self.inter_node_seconds,
-             "layout": self.layout, "layouts": {k: v.to_dict() for k, v in self.layouts.items()}}
+        d = {
+            "parameters": self.parameters,
+            "frozen_parameters": self.shape.frozen_numel,
+            "batch": asdict(self.batch),
+            "refusal": self.refusal,
+            "gpu_bytes": self.gpu_bytes,
+            "host_bytes": self.host_bytes,
+            "host_baseline_bytes": self.host_baseline_bytes,
+            "disk_bytes": self.disk_bytes,
+            "disk_traffic_bytes": list(self.disk_traffic),
+            "step": asdict(self.step),
+            "tokens_per_s": self.tokens_per_s,
+            "ranks": self.ranks,
+            "nnodes": self.nnodes,
+            "inter_node_bytes": self.inter_node_bytes,
+            "inter_node_seconds": self.inter_node_seconds,
+            "layout": self.layout,
+            "layouts": {k: v.to_dict() for k, v in self.layouts.items()},
+        }
         if self.plan is not None:
             d["plan"] = self.plan.describe()
             d["device_bytes"] = dict(self.plan.device_bytes)
@@ -182,50 +282,96 @@ class Estimate:
 
     def render(self) -> str:
         b = self.batch
-        ranks = f" per rank, {self.ranks} ranks (GPU bytes: each GPU's; host bytes: the host's)" \
-            if self.ranks > 1 else ""
+        ranks = (
+            f" per rank, {self.ranks} ranks (GPU bytes: each GPU's; host bytes: the host's)" if self.ranks > 1 else ""
+        )
         sh = self.shape
         q = sum(sh.nf4_numels)
-        held = (f"{fmt_count(q)} of them in NF4 ({fmt_bytes(sum(sh.nf4_bytes))}), the rest in the compute dtype"
-                if q else "in the compute dtype")
-        frozen = (f" ({fmt_count(sh.shell_numel + sum(sh.block_numels))} trained; {fmt_count(sh.frozen_numel)} frozen:"
-                  f" their weights only, {held})" if sh.frozen_numel else "")
-        lines = [f"model: {fmt_count(self.parameters)} parameters{frozen}, {len(self.shape.block_numels)} blocks; "
-                 f"batch {b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step{ranks}"]
+        held = (
+            f"{fmt_count(q)} of them in NF4 ({fmt_bytes(sum(sh.nf4_bytes))}), the rest in the compute dtype"
+            if q
+            else "in the compute dtype"
+        )
+        frozen = (
+            f" ({fmt_count(sh.shell_numel + sum(sh.block_numels))} trained; {fmt_count(sh.frozen_numel)} frozen:"
+            f" their weights only, {held})"
+            if sh.frozen_numel
+            else ""
+        )
+        lines = [
+            f"model: {fmt_count(self.parameters)} parameters{frozen}, {len(self.shape.block_numels)} blocks; "
+            f"batch {b.micro_batch} x {b.seq_len} tokens, {b.grad_accum} micro-batches per step{ranks}"
+        ]
         if self.refusal is not None:
             return "\n".join(lines + ["", self.refusal])
         lines += [self.plan.describe(), ""]
-        if not self.plan.on_cpu:      # on the CPU there is no GPU memory to speak of: the host's line holds it all
-            lines.append(f"GPU peak     {fmt_bytes(self.gpu_bytes)} allocated (planned against the cap with the "
-                         f"allocator's slack: {fmt_bytes(self.plan.device_total)})")
-        lines += [f"host peak    {fmt_bytes(self.host_bytes)} (plan {fmt_bytes(self.plan.host_total)} + this process "
-                  f"{fmt_bytes(self.host_baseline_bytes)})",
-                  f"disk         {fmt_bytes(self.disk_bytes)}"
-                  + (f", {fmt_bytes(self.disk_traffic[0])} read and {fmt_bytes(self.disk_traffic[1])} written per "
-                     "step" if self.disk_bytes else "")]
+        if not self.plan.on_cpu:  # on the CPU there is no GPU memory to speak of: the host's line holds it all
+            lines.append(
+                f"GPU peak     {fmt_bytes(self.gpu_bytes)} allocated (planned against the cap with the "
+                f"allocator's slack: {fmt_bytes(self.plan.device_total)})"
+            )
+        lines += [
+            f"host peak    {fmt_bytes(self.host_bytes)} (plan {fmt_bytes(self.plan.host_total)} + this process "
+            f"{fmt_bytes(self.host_baseline_bytes)})",
+            f"disk         {fmt_bytes(self.disk_bytes)}"
+            + (
+                f", {fmt_bytes(self.disk_traffic[0])} read and {fmt_bytes(self.disk_traffic[1])} written per step"
+                if self.disk_bytes
+                else ""
+            ),
+        ]
         s = self.step
         if s.step:
-            parts = [f"{k} {v:.2f} s" for k, v in (("compute", s.compute), ("upload", s.upload),
-                                                   ("download", s.download), ("cpu optimizer", s.cpu_optimizer),
-                                                   ("disk", s.disk), ("inter-node", s.inter_node)) if v is not None]
-            lines.append(f"step time    {s.step:.2f} s ({self.tokens_per_s:,.0f} tokens/s), bound by {s.binds}: "
-                         + ", ".join(parts))
+            parts = [
+                f"{k} {v:.2f} s"
+                for k, v in (
+                    ("compute", s.compute),
+                    ("upload", s.upload),
+                    ("download", s.download),
+                    ("cpu optimizer", s.cpu_optimizer),
+                    ("disk", s.disk),
+                    ("inter-node", s.inter_node),
+                )
+                if v is not None
+            ]
+            lines.append(
+                f"step time    {s.step:.2f} s ({self.tokens_per_s:,.0f} tokens/s), bound by {s.binds}: "
+                + ", ".join(parts)
+            )
             if s.disk_range is not None:
                 tests = s.speeds.get("disk_tests_gb_per_s", [])
-                lines.append(f"disk tests   {len(tests)}: read " + ", ".join(f"{r:.2f}" for r, _ in tests)
-                             + " GB/s, write " + ", ".join(f"{w:.2f}" for _, w in tests) + " GB/s"
-                             + (f"; the step {s.step_range[0]:.2f}-{s.step_range[1]:.2f} s at the fastest and slowest"
-                                if s.step_range else ""))
+                lines.append(
+                    f"disk tests   {len(tests)}: read "
+                    + ", ".join(f"{r:.2f}" for r, _ in tests)
+                    + " GB/s, write "
+                    + ", ".join(f"{w:.2f}" for _, w in tests)
+                    + " GB/s"
+                    + (
+                        f"; the step {s.step_range[0]:.2f}-{s.step_range[1]:.2f} s at the fastest and slowest"
+                        if s.step_range
+                        else ""
+                    )
+                )
         else:
             lines.append(f"step time    not predicted: {s.note}")
         if self.nnodes > 1:
-            lines += estimate_nodes.render(self.nnodes, self.ranks, self.layout, self.asked, self.layouts,
-                                           self.inter_node_gb_per_s)
+            lines += estimate_nodes.render(
+                self.nnodes, self.ranks, self.layout, self.asked, self.layouts, self.inter_node_gb_per_s
+            )
         return "\n".join(lines)
 
 
-def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = None, lora: dict | bool | None = None,
-             nnodes: int = 1, inter_node_gb_per_s: float | None = None, **overrides) -> Estimate:
+def estimate(
+    model,
+    config=None,
+    *,
+    measure: bool = True,
+    gpu: bool | None = None,
+    lora: dict | bool | None = None,
+    nnodes: int = 1,
+    inter_node_gb_per_s: float | None = None,
+    **overrides,
+) -> Estimate:
     """Plan ``model`` (an ``nn.Module`` on the meta device, or a model directory) under ``config`` (any form
     ``zerofit.initialize`` takes, with the same keyword overrides) without allocating it.
 
@@ -241,14 +387,23 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     estimate_nodes.py); ``inter_node_gb_per_s`` gives their time, and where the step is predicted, which layout
     is faster."""
     from zerofit.config import load_config
-    from zerofit.engine.planning import (DTYPES, cast_copies, default_host_budget, gpu_budget, needs_norm,
-                                         nodes_plan, placement_kept, plan_batch, planner_inputs)
     from zerofit.engine.materialize import model_shape, param_table
     from zerofit.engine.planner import PlanError, make_plan
+    from zerofit.engine.planning import (
+        DTYPES,
+        cast_copies,
+        default_host_budget,
+        gpu_budget,
+        needs_norm,
+        nodes_plan,
+        placement_kept,
+        plan_batch,
+        planner_inputs,
+    )
 
     cfg = load_config(config, **overrides).config
     source = None
-    if isinstance(model, (str, Path)):      # config.json alone: a 4-bit folder's form comes from it too
+    if isinstance(model, (str, Path)):  # config.json alone: a 4-bit folder's form comes from it too
         from zerofit.models import ModelDir
 
         source = ModelDir.open(model, config_only=True)
@@ -256,8 +411,11 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     if lora:
         model = with_lora(model, **(LORA_DEFAULTS | (lora if isinstance(lora, dict) else {})))
     if gpu is None:
-        gpu = (cfg.device.startswith("cuda") if cfg.device != "auto"
-               else torch.cuda.is_available() or cfg.max_gpu_memory is not None)
+        gpu = (
+            cfg.device.startswith("cuda")
+            if cfg.device != "auto"
+            else torch.cuda.is_available() or cfg.max_gpu_memory is not None
+        )
     on_cuda = gpu
     if on_cuda and not torch.cuda.is_available() and cfg.max_gpu_memory is None:
         raise ValueError("no GPU here to read its memory from: give max_gpu_memory (--max-gpu-memory), the GPU's size")
@@ -265,8 +423,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     from zerofit.engine.nf4 import BaseNF4
 
     # [Note: an NF4 base] (engine/nf4.py): quantize_base (--qlora), or a model of bitsandbytes' 4-bit layers
-    nf4 = BaseNF4.prepare(model, adapter, DTYPES[cfg.precision], cfg.quantize_base == "nf4", check=False,
-                          source=source)
+    nf4 = BaseNF4.prepare(model, adapter, DTYPES[cfg.precision], cfg.quantize_base == "nf4", check=False, source=source)
     table = param_table(model, adapter)
     shape = model_shape(model, adapter, table, nf4=nf4)
     batch = plan_batch(cfg, model, None)
@@ -275,15 +432,25 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     dev_budget = gpu_budget(cfg) if on_cuda and torch.cuda.is_available() else cfg.max_gpu_memory
     host_budget = cfg.max_host_memory or default_host_budget()
     params = shape.parameters
-    baseline = psutil.Process().memory_info().rss * cfg.world_size    # one process per rank
-    est = Estimate(None, shape, batch, params, host_baseline_bytes=baseline, ranks=cfg.world_size, nnodes=nnodes,
-                   inter_node_gb_per_s=inter_node_gb_per_s, asked=cfg.nodes_layout)
+    baseline = psutil.Process().memory_info().rss * cfg.world_size  # one process per rank
+    est = Estimate(
+        None,
+        shape,
+        batch,
+        params,
+        host_baseline_bytes=baseline,
+        ranks=cfg.world_size,
+        nnodes=nnodes,
+        inter_node_gb_per_s=inter_node_gb_per_s,
+        asked=cfg.nodes_layout,
+    )
     args = planner_inputs(cfg, adapter, on_cuda=on_cuda, device_budget=dev_budget, host_budget=host_budget)
 
     def plan_for(share: float) -> Plan:
         return make_plan(shape, batch, **(args | dict(host_share=share)))
+
     try:
-        est.layout, plan = nodes_plan(cfg, nnodes, plan_for)     # [Note: the nodes' layout]
+        est.layout, plan = nodes_plan(cfg, nnodes, plan_for)  # [Note: the nodes' layout]
     except PlanError as e:
         est.refusal = str(e)
         return est
@@ -300,7 +467,7 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
     est.host_bytes = plan.host_total + baseline
     est.disk_bytes = plan.disk_bytes
     est.disk_traffic = plan.disk_traffic(shape)
-    cache: dict = {}      # the measured speeds, shared by the layouts' predictions
+    cache: dict = {}  # the measured speeds, shared by the layouts' predictions
     if nnodes > 1:
         again = recomputed_blocks(len(shape.block_numels), plan.checkpoint_every)
         cb = torch.empty((), dtype=dtype).element_size()
@@ -308,21 +475,46 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
             try:
                 p = plan if name == est.layout else plan_for(share)
             except PlanError as e:
-                est.layouts[name] = estimate_nodes.LayoutEstimate(name, None, 0, estimate_nodes.NodeTraffic(),
-                                                                  refusal=str(e))
+                est.layouts[name] = estimate_nodes.LayoutEstimate(
+                    name, None, 0, estimate_nodes.NodeTraffic(), refusal=str(e)
+                )
                 continue
             est.layouts[name] = estimate_nodes.LayoutEstimate(
-                name, p, p.host_total + baseline, estimate_nodes.traffic(name, shape, p, nnodes, cb, again))
+                name, p, p.host_total + baseline, estimate_nodes.traffic(name, shape, p, nnodes, cb, again)
+            )
         est.inter_node_bytes = est.layouts[est.layout].traffic.total
     if measure:
-        est.step = predict_step(model, cfg, plan, shape, batch, on_cuda, nodes=nnodes, layout=est.layout,
-                                gb_per_s=inter_node_gb_per_s, cache=cache)
+        est.step = predict_step(
+            model,
+            cfg,
+            plan,
+            shape,
+            batch,
+            on_cuda,
+            nodes=nnodes,
+            layout=est.layout,
+            gb_per_s=inter_node_gb_per_s,
+            cache=cache,
+        )
         for name, le in est.layouts.items():
             if le.plan is None:
                 continue
-            le.step = (est.step if name == est.layout else
-                       predict_step(model, cfg, le.plan, shape, batch, on_cuda, nodes=nnodes, layout=name,
-                                    gb_per_s=inter_node_gb_per_s, cache=cache)).step
+            le.step = (
+                est.step
+                if name == est.layout
+                else predict_step(
+                    model,
+                    cfg,
+                    le.plan,
+                    shape,
+                    batch,
+                    on_cuda,
+                    nodes=nnodes,
+                    layout=name,
+                    gb_per_s=inter_node_gb_per_s,
+                    cache=cache,
+                )
+            ).step
     else:
         est.step.note = "not measured (measure=False)"
     return est
@@ -336,16 +528,16 @@ def estimate(model, config=None, *, measure: bool = True, gpu: bool | None = Non
 # that block is on the disk, the updates still pending when the backward ends (as many as the gradient staging
 # buffers hold) run on into the next forward, which waits for them block by block: the disk works through the
 # whole step. With deferred updates (clipping, fp16) the gradients go to the disk in the backward and the
-# updates run in the next forward: the disk works through the whole step as well. W1 with 32 micro-batches per
-# step (b85c3df, docs/benchmarks.md, tenth session): host budget 40 GiB, the moments of blocks 14-27 on the
-# disk: forward and post pass 3.2 s, then 11.9 s of backward paced by the disk (predicted: 3.2 + 11.5); host
-# budget 28 GiB, every streamed block on the disk: the forward waited 2.6 s on block 4's update.
+# updates run in the next forward: the disk works through the whole step as well. A 3B model with 32 micro-batches
+# per step on the disk tier showed both (docs/benchmarks.md, the 3B model on the NVMe tier): with the moments of its
+# upper blocks on the disk, the forward and post pass, then a backward paced by the disk, as predicted; with every
+# streamed block on the disk, the next forward waited on the lowest one's update.
 
 # [Note: the disk's speed moves]
-# The benchmark machine's disk moved 2.39, 2.16, 2.08 and 1.64 GB/s (written, then read) in four 1 GiB tests within
-# a minute, and its runs' steps moved 1.73-2.35 GB/s (bench/probes/disk_probe.py; docs/benchmarks.md, eleventh session):
-# one test predicted disk-bound steps 18% short and 24% long. So the disk is tested DISK_TESTS times: the
-# prediction takes the median test, and the estimate shows the step at the fastest and the slowest.
+# The benchmark machine's disk moved up to a third less from one 1 GiB test (written, then read) to the next within
+# a minute, and its runs' steps moved bytes at speeds as spread (bench/probes/disk_probe.py; docs/benchmarks.md, the
+# disk's speed): one test predicted disk-bound steps up to a fifth short or long. So the disk is tested DISK_TESTS
+# times: the prediction takes the median test, and the estimate shows the step at the fastest and the slowest.
 DISK_TESTS = 3
 
 # [Note: the step's phases]
@@ -356,8 +548,8 @@ DISK_TESTS = 3
 # quarters) against the uploads, the gradients and the assisted blocks' state going down, and, with immediate
 # updates, the CPU's AdamW as the gradients come; then a host-optimized shell's update, which needs the whole
 # gradient and which the next forward waits for. The step is their sum, or the disk tier's time when that is
-# longer (its reads and writes span the whole step). Measured phases (2026-11-30, docs/benchmarks.md): the
-# forward took 0.243-0.249 of the blocks' compute in W1 and W2.
+# longer (its reads and writes span the whole step). The phases measured on 3B and 7B models put the forward at just
+# under a quarter of the blocks' compute (docs/benchmarks.md, the DeepSpeed-shaped loop's phases).
 FORWARD_SHARE = 0.25
 
 
@@ -368,16 +560,31 @@ def copy_seconds(up: float, down: float, h2d: float, d2h: float, both: float) ->
     return together / both + (up - together) / h2d, together / both + (down - together) / d2h
 
 
-def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, down_fwd: float, down_bwd: float,
-                  cpu_fwd: float, cpu_bwd: float, tail: float, pre: float = 0.0,
-                  forward_share: float = FORWARD_SHARE, again: float = 0.0, device_updates: float = 0.0,
-                  assisted: float = 0.0, assisted_in_forward: bool = False,
-                  net=None) -> dict[str, tuple[float, str]]:
+def phase_seconds(
+    *,
+    blocks: float,
+    post: float,
+    up_fwd: float,
+    up_bwd: float,
+    down_fwd: float,
+    down_bwd: float,
+    cpu_fwd: float,
+    cpu_bwd: float,
+    tail: float,
+    pre: float = 0.0,
+    forward_share: float = FORWARD_SHARE,
+    again: float = 0.0,
+    device_updates: float = 0.0,
+    assisted: float = 0.0,
+    assisted_in_forward: bool = False,
+    net=None,
+) -> dict[str, tuple[float, str]]:
     """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute,
     ``pre`` the shell's before the first block (embeddings), ``post`` the engine's post pass, ``again`` the
-    backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine/schedule.py), ``device_updates``
-    the device's AdamW of the resident blocks and the shell after the backward, ``assisted`` the assisted blocks'
-    beside the backward's compute (the forward's if ``assisted_in_forward``: deferred updates)."""
+    backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine/schedule.py),
+    ``device_updates`` the device's AdamW of the resident blocks and the shell after the backward, ``assisted`` the
+    assisted blocks' beside the backward's compute (the forward's if ``assisted_in_forward``: deferred updates)."""
+
     def phase(**parts):
         k = max(parts, key=lambda n: parts[n])
         return parts[k], k.replace("_", " ")
@@ -387,19 +594,40 @@ def phase_seconds(*, blocks: float, post: float, up_fwd: float, up_bwd: float, d
     # [Note: what crosses the nodes] (estimate_nodes.py): the weight gathers after the uploads on their stream, the
     # gradients' reductions on the compute stream
     bwd_compute = "compute_and_inter_node" if net_grads else "compute"
-    phases = {"forward": phase(compute=blocks * forward_share + pre + fwd_assist, upload=up_fwd + net_fwd,
-                               download=down_fwd, cpu_optimizer=cpu_fwd),
-              "post": (post, "compute"),
-              "backward": phase(**{bwd_compute: blocks * (1 - forward_share) + again + bwd_assist + net_grads},
-                                upload=up_bwd + net_bwd, download=down_bwd, cpu_optimizer=cpu_bwd)}
+    phases = {
+        "forward": phase(
+            compute=blocks * forward_share + pre + fwd_assist,
+            upload=up_fwd + net_fwd,
+            download=down_fwd,
+            cpu_optimizer=cpu_fwd,
+        ),
+        "post": (post, "compute"),
+        "backward": phase(
+            **{bwd_compute: blocks * (1 - forward_share) + again + bwd_assist + net_grads},
+            upload=up_bwd + net_bwd,
+            download=down_bwd,
+            cpu_optimizer=cpu_bwd,
+        ),
+    }
     if device_updates:
         phases["device updates"] = (device_updates, "compute")
     phases["shell update"] = (tail, "the shell's update")
     return phases
 
 
-def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, on_cuda: bool, *, nodes: int = 1,
-                 layout: str = "hybrid", gb_per_s: float | None = None, cache: dict | None = None) -> StepPrediction:
+def predict_step(
+    model,
+    cfg,
+    plan: Plan,
+    shape: ModelShape,
+    batch: BatchShape,
+    on_cuda: bool,
+    *,
+    nodes: int = 1,
+    layout: str = "hybrid",
+    gb_per_s: float | None = None,
+    cache: dict | None = None,
+) -> StepPrediction:
     """Each resource's seconds per step from this machine's measured speeds, and the step from the phases they
     run in ([Note: the step's phases]; see also the module docstring). ``nodes`` and ``layout``: one node's step
     of a run on several ([Note: what crosses the nodes], estimate_nodes.py), the bytes across them at
@@ -410,6 +638,7 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         if key not in cache:
             cache[key] = fn()
         return cache[key]
+
     from zerofit import doctor
     from zerofit.engine.planning import cast_copies, split_updates
 
@@ -421,29 +650,35 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     chunks = plan.loss_chunks if plan.loss_chunks > 1 and Adapter(model).chunkable_loss else 1
     probe = once("block", lambda: block_seconds(model, batch, cfg, chunks))
     engine_probe = once("engine", lambda: engine_block_seconds(model, batch, cfg, nf4=any(shape.nf4_numels)))
-    if engine_probe is not None:      # the engine's own block compute and pre pass
-        probe = dataclasses.replace(probe, per_block=engine_probe.per_block, forward_share=engine_probe.forward_share,
-                                    pre=engine_probe.pre, source="the engine on a 2-block model")
+    if engine_probe is not None:  # the engine's own block compute and pre pass
+        probe = dataclasses.replace(
+            probe,
+            per_block=engine_probe.per_block,
+            forward_share=engine_probe.forward_share,
+            pre=engine_probe.pre,
+            source="the engine on a 2-block model",
+        )
     per_block, shell = probe.per_block, probe.shell
-    update = engine_probe.update if engine_probe is not None else 0.0   # device AdamW, seconds per parameter
-    # [Note: checkpoints every k blocks] (engine/schedule.py): the backward runs these blocks' forward again, their weights
-    # uploaded once more
+    update = engine_probe.update if engine_probe is not None else 0.0  # device AdamW, seconds per parameter
+    # [Note: checkpoints every k blocks] (engine/schedule.py): the backward runs these blocks' forward again, their
+    # weights uploaded once more
     again = recomputed_blocks(L, plan.checkpoint_every)
     regen = len(again) * per_block * probe.forward_share
     pred.compute = G * (probe.pre + probe.post + L * per_block + regen)
-    copies = once("copies", lambda: {(c.direction, c.host_memory): c.gb_per_s
-                                     for c in doctor.copy_bandwidth(256 << 20, 3)})
+    copies = once(
+        "copies", lambda: {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
+    )
     h2d, d2h = copies[("host->gpu", "pinned")], copies[("gpu->host", "pinned")]
     both = copies.get(("both", "pinned"), min(h2d, d2h))
-    # the CPU's AdamW runs while the copies do, sharing the host's memory bandwidth with them (ENGINE.md)
+    # the CPU's AdamW runs while the copies do, sharing the host's memory bandwidth with them
     opt = once("adamw", lambda: doctor.optimizer_speed(64 << 20, 5.0, while_copying=True))
     rate = opt.params_per_s
     cb = torch.empty((), dtype=_dtype(cfg)).element_size()
     n = shape.block_numels
     disk_of = plan.disk_of
     streamed = range(plan.resident_blocks, L)
-    # assisted updates (engine/update/device.py): the device updates these blocks, their state up and back down; deferred,
-    # with the host gradient going up too; in the backward, from the gradient where it is (not sent down)
+    # assisted updates (engine/update/device.py): the device updates these blocks, their state up and back down;
+    # deferred, with the host gradient going up too; in the backward, from the gradient where it is (not sent down)
     assisted = set(plan.assisted_blocks) if plan.assisted_updates else set()
     a = sum(n[i] for i in assisted)
 
@@ -451,15 +686,19 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         """Block i's weights going up: fp32, or its 16-bit host copy where master and moments are on the disk; its
         frozen weights as they are stored, in the compute dtype ([Note: frozen parameters], engine/store.py)."""
         return n[i] * (cb if disk_of.get(i) == "all" else 4) + shape.frozen_host_bytes(cb, [i + 1])
-    weights = sum(up_bytes(i) for i in streamed)    # one pass over the blocks
+
+    weights = sum(up_bytes(i) for i in streamed)  # one pass over the blocks
     host_params = sum(n[i] for i in streamed) - a
-    if plan.deferred_updates:     # the updates wait for the norm and run during the next forward
+    if plan.deferred_updates:  # the updates wait for the norm and run during the next forward
         # in two passes, the forward waits for the first pass only ([Note: moments after the forward]); with
         # 16-bit host copies it writes the cast alone, and every upload after it reads the copy ([Note: the
         # master behind its cast])
         cast = plan.host_bytes.get("host16_copies", 0) > 0 and cast_copies(cfg, _dtype(cfg), on_cuda, True)
-        fwd_rate = (once(("pass", cast), lambda: doctor.master_pass_speed(cast=_dtype(cfg) if cast else None))
-                    if split_updates(cfg, on_cuda, True) else rate)
+        fwd_rate = (
+            once(("pass", cast), lambda: doctor.master_pass_speed(cast=_dtype(cfg) if cast else None))
+            if split_updates(cfg, on_cuda, True)
+            else rate
+        )
         w16 = sum(n[i] * cb + shape.frozen_host_bytes(cb, [i + 1]) for i in streamed)
         up_fwd = (w16 - a * cb + a * 16) if cast else weights + a * 12
         down_fwd = a * (12 + cb) if cast else a * 12
@@ -472,9 +711,9 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     up_bwd += sum(up_bytes(i) for i in again if i >= plan.resident_blocks)
     s = shape.shell_numel
     shell_bytes = (0, 0)
-    if plan.assisted_shell:     # updated on the device: its state up and back down
+    if plan.assisted_shell:  # updated on the device: its state up and back down
         shell_bytes = (s * 12, s * 12)
-    elif not plan.shell_optimizer_on_device:     # its gradient down, the CPU's update, its master up
+    elif not plan.shell_optimizer_on_device:  # its gradient down, the CPU's update, its master up
         shell_bytes = (s * 4, s * 4)
         host_params += s
     # several ranks: each uploads and downloads its shard over its own link (the GPUs exchange the rest); each
@@ -487,50 +726,77 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
     rates = (h2d * r * 1e9, d2h * r * 1e9, both * r * 1e9)
     t_up_fwd, t_down_fwd = copy_seconds(up_fwd, down_fwd, *rates)
     t_up_bwd, t_down_bwd = copy_seconds(up_bwd, down_bwd, *rates)
-    if plan.assisted_shell:     # both ways at once, in chunks
+    if plan.assisted_shell:  # both ways at once, in chunks
         tail = max(copy_seconds(*shell_bytes, h2d * 1e9, d2h * 1e9, both * 1e9))
-    elif not plan.shell_optimizer_on_device:     # one after the other
+    elif not plan.shell_optimizer_on_device:  # one after the other
         tail = s * 4 / d2h / 1e9 + s / rate + s * 4 / h2d / 1e9
     else:
         tail = 0.0
     tail *= share
     net = estimate_nodes.traffic(layout, shape, plan, nodes, cb, again).seconds(gb_per_s) if nodes > 1 else None
     pred.inter_node = net.total if net is not None else None
-    # the device's own updates (Step.finish, engine/step.py): the resident blocks' and the shell's after the backward; the
-    # assisted blocks' beside the backward's compute, or the next forward's with deferred updates; each rank its
+    # the device's own updates (Step.finish, engine/step.py): the resident blocks' and the shell's after the backward;
+    # the assisted blocks' beside the backward's compute, or the next forward's with deferred updates; each rank its
     # shard of them
-    dev_params = (sum(n[:plan.resident_blocks])
-                  + (s if plan.shell_optimizer_on_device or plan.assisted_shell else 0)) / r
+    dev_params = (
+        sum(n[: plan.resident_blocks]) + (s if plan.shell_optimizer_on_device or plan.assisted_shell else 0)
+    ) / r
     dev_update, assist_update = dev_params * update, a * update / r
     pred.compute += dev_update + assist_update
     pred.upload = t_up_fwd + t_up_bwd + shell_bytes[0] / rates[0]
     pred.download = t_down_fwd + t_down_bwd + shell_bytes[1] / rates[1]
     pred.cpu_optimizer = host_params / rate * share
-    pred.phases = phase_seconds(blocks=G * L * per_block, pre=G * probe.pre, post=G * probe.post, again=G * regen,
-                                forward_share=probe.forward_share,
-                                up_fwd=t_up_fwd, up_bwd=t_up_bwd, down_fwd=t_down_fwd, down_bwd=t_down_bwd,
-                                cpu_fwd=cpu_fwd, cpu_bwd=cpu_bwd, tail=tail, device_updates=dev_update,
-                                assisted=assist_update, assisted_in_forward=plan.deferred_updates, net=net)
-    pred.speeds |= {"h2d_gb_per_s": h2d, "d2h_gb_per_s": d2h, "both_ways_gb_per_s_each": both,
-                   "cpu_adamw_params_per_s": rate, "block_seconds": per_block, "shell_seconds": shell,
-                   "pre_seconds": probe.pre, "post_seconds": probe.post, "loss_chunks": chunks,
-                   "forward_share": probe.forward_share, "block_seconds_from": probe.source,
-                   "device_adamw_seconds_per_param": update}
-    if plan.disk_blocks:    # the tier's own I/O path: direct, parallel requests of its block size
+    pred.phases = phase_seconds(
+        blocks=G * L * per_block,
+        pre=G * probe.pre,
+        post=G * probe.post,
+        again=G * regen,
+        forward_share=probe.forward_share,
+        up_fwd=t_up_fwd,
+        up_bwd=t_up_bwd,
+        down_fwd=t_down_fwd,
+        down_bwd=t_down_bwd,
+        cpu_fwd=cpu_fwd,
+        cpu_bwd=cpu_bwd,
+        tail=tail,
+        device_updates=dev_update,
+        assisted=assist_update,
+        assisted_in_forward=plan.deferred_updates,
+        net=net,
+    )
+    pred.speeds |= {
+        "h2d_gb_per_s": h2d,
+        "d2h_gb_per_s": d2h,
+        "both_ways_gb_per_s_each": both,
+        "cpu_adamw_params_per_s": rate,
+        "block_seconds": per_block,
+        "shell_seconds": shell,
+        "pre_seconds": probe.pre,
+        "post_seconds": probe.post,
+        "loss_chunks": chunks,
+        "forward_share": probe.forward_share,
+        "block_seconds_from": probe.source,
+        "device_adamw_seconds_per_param": update,
+    }
+    if plan.disk_blocks:  # the tier's own I/O path: direct, parallel requests of its block size
         from zerofit.engine.disk import measure_folder
 
         off = cfg.offload
         read, written = plan.disk_traffic(shape)
-        tests = []      # [Note: the disk's speed moves]
+        tests = []  # [Note: the disk's speed moves]
         for _ in range(DISK_TESTS):
-            wr, rd = measure_folder(off.nvme_path, 1 << 30, threads=off.nvme_queue_depth,
-                                    block_bytes=off.nvme_block_size)
+            wr, rd = measure_folder(
+                off.nvme_path, 1 << 30, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size
+            )
             tests.append((read / (rd * 1e9) + written / (wr * 1e9), rd, wr))
         tests.sort()
         pred.disk, rd, wr = tests[len(tests) // 2]
         pred.disk_range = (tests[0][0], tests[-1][0])
-        pred.speeds |= {"disk_read_gb_per_s": rd, "disk_write_gb_per_s": wr,
-                        "disk_tests_gb_per_s": [(r, w) for _, r, w in tests]}
+        pred.speeds |= {
+            "disk_read_gb_per_s": rd,
+            "disk_write_gb_per_s": wr,
+            "disk_tests_gb_per_s": [(r, w) for _, r, w in tests],
+        }
     phased = sum(t for t, _ in pred.phases.values())
     # [Note: when the disk works]
     disk_step = None
@@ -544,6 +810,9 @@ def predict_step(model, cfg, plan: Plan, shape: ModelShape, batch: BatchShape, o
         pred.step_range = tuple(max(phased, t + idle) for t in pred.disk_range)
     else:
         pred.step = phased
-        pred.binds = "its phases in turn (" + ", ".join(f"{k} {t:.2f} s: {why}" for k, (t, why) in pred.phases.items()
-                                                       if t > 0) + ")"
+        pred.binds = (
+            "its phases in turn ("
+            + ", ".join(f"{k} {t:.2f} s: {why}" for k, (t, why) in pred.phases.items() if t > 0)
+            + ")"
+        )
     return pred

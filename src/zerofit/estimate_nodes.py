@@ -33,15 +33,15 @@ from zerofit.engine.planner import Plan, fmt_bytes
 class NodeTraffic:
     """Bytes one node sends across the nodes per step, by where in the step they go."""
 
-    gather_fwd: int = 0      # the forward's weight gathers (full): on the upload stream
-    gather_bwd: int = 0      # the backward's (and recomputed inputs')
-    grads: int = 0           # gradients all-reduced (hybrid) or reduce-scattered (full): the backward's compute stream
+    gather_fwd: int = 0  # the forward's weight gathers (full): on the upload stream
+    gather_bwd: int = 0  # the backward's (and recomputed inputs')
+    grads: int = 0  # gradients all-reduced (hybrid) or reduce-scattered (full): the backward's compute stream
 
     @property
     def total(self) -> int:
         return self.gather_fwd + self.gather_bwd + self.grads
 
-    def seconds(self, gb_per_s: float | None) -> "NodeTraffic | None":
+    def seconds(self, gb_per_s: float | None) -> NodeTraffic | None:
         """The same parts in seconds at ``gb_per_s``; None without a bandwidth."""
         if not gb_per_s:
             return None
@@ -63,8 +63,11 @@ def traffic(layout: str, shape, plan: Plan, nnodes: int, compute_bytes: int, rec
     per_pass = sum(n[i] for i in streamed) * compute_bytes
     again = sum(n[i] for i in recomputed if i >= plan.resident_blocks) * compute_bytes
     shell16 = 0 if plan.shell_optimizer_on_device else shape.shell_numel * compute_bytes
-    return NodeTraffic(gather_fwd=int(f * per_pass), gather_bwd=int(f * (per_pass + again + shell16)),
-                       grads=int(f * 4 * host + 2 * f * 4 * replicated))
+    return NodeTraffic(
+        gather_fwd=int(f * per_pass),
+        gather_bwd=int(f * (per_pass + again + shell16)),
+        grads=int(f * 4 * host + 2 * f * 4 * replicated),
+    )
 
 
 @dataclass
@@ -80,14 +83,21 @@ class LayoutEstimate:
     refusal: str | None = None
 
     def to_dict(self) -> dict:
-        return {"plan": self.plan.describe() if self.plan else None, "host_bytes": self.host_bytes,
-                "inter_node_bytes": self.traffic.total, "inter_node": asdict(self.traffic), "step": self.step,
-                "refusal": self.refusal}
+        return {
+            "plan": self.plan.describe() if self.plan else None,
+            "host_bytes": self.host_bytes,
+            "inter_node_bytes": self.traffic.total,
+            "inter_node": asdict(self.traffic),
+            "step": self.step,
+            "refusal": self.refusal,
+        }
 
 
-WHAT = {"hybrid": "each node holds the whole state; every gradient all-reduced across the nodes",
-        "full": "each node holds 1/{n} of the host state; weights gathered over every rank at each use, gradients "
-                "reduce-scattered"}
+WHAT = {
+    "hybrid": "each node holds the whole state; every gradient all-reduced across the nodes",
+    "full": "each node holds 1/{n} of the host state; weights gathered over every rank at each use, gradients "
+    "reduce-scattered",
+}
 
 
 def faster(layouts: dict[str, LayoutEstimate]) -> str | None:
@@ -96,11 +106,14 @@ def faster(layouts: dict[str, LayoutEstimate]) -> str | None:
     return min(timed, key=timed.get) if len(timed) == 2 else None
 
 
-def render(nnodes: int, ranks: int, chosen: str, asked: str, layouts: dict[str, LayoutEstimate],
-           gb_per_s: float | None) -> list[str]:
+def render(
+    nnodes: int, ranks: int, chosen: str, asked: str, layouts: dict[str, LayoutEstimate], gb_per_s: float | None
+) -> list[str]:
     """The estimate's lines on the nodes: each layout, then which is faster (or what it needs to say)."""
-    lines = [f"nodes        {nnodes} x {ranks} rank{'s' if ranks > 1 else ''}: the {chosen} layout (nodes_layout "
-             f"{asked}); the layouts (docs/ranks.md):"]
+    lines = [
+        f"nodes        {nnodes} x {ranks} rank{'s' if ranks > 1 else ''}: the {chosen} layout (nodes_layout "
+        f"{asked}); the layouts (docs/ranks.md):"
+    ]
     for name in ("hybrid", "full"):
         le = layouts.get(name)
         if le is None:
@@ -109,10 +122,12 @@ def render(nnodes: int, ranks: int, chosen: str, asked: str, layouts: dict[str, 
             lines.append(f"  {name:<7} does not fit: {le.refusal.splitlines()[0]}")
             continue
         t = le.traffic.seconds(gb_per_s)
-        lines.append(f"  {name:<7} {WHAT[name].format(n=nnodes)}: host plan {fmt_bytes(le.plan.host_total)} per node, "
-                     f"{fmt_bytes(le.traffic.total)} across the nodes per node and step"
-                     + (f" ({t.total:.2f} s at {gb_per_s:g} GB/s)" if t is not None else "")
-                     + (f"; step {le.step:.2f} s" if le.step is not None else ""))
+        lines.append(
+            f"  {name:<7} {WHAT[name].format(n=nnodes)}: host plan {fmt_bytes(le.plan.host_total)} per node, "
+            f"{fmt_bytes(le.traffic.total)} across the nodes per node and step"
+            + (f" ({t.total:.2f} s at {gb_per_s:g} GB/s)" if t is not None else "")
+            + (f"; step {le.step:.2f} s" if le.step is not None else "")
+        )
     best = faster(layouts)
     if best is not None:
         other = layouts["full" if best == "hybrid" else "hybrid"]

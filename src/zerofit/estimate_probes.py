@@ -38,9 +38,10 @@ def small_twin(model, layers: int, dtype: torch.dtype):
     return m
 
 
-# block counts of the two plain models whose difference gives one block's time, largest first: 4 and 8 blocks
-# came out 5.5% short of the whole W1 model's time per block on the H200, 8 and 16 within 0.3%
-# (bench/probes/compute_probe.py, docs/benchmarks.md); a GPU without room for 16 blocks falls back to the next pair
+# block counts of the two plain models whose difference gives one block's time, largest first: for a 3B model 4 and 8
+# blocks came out several percent short of the whole model's time per block, 8 and 16 within a fraction of a percent
+# (bench/probes/compute_probe.py; docs/benchmarks.md, the estimate's compute, probed); a GPU without room for 16
+# blocks falls back to the next pair
 BLOCK_PAIRS = ((8, 16), (4, 8), (2, 4), (1, 2))
 
 
@@ -55,7 +56,7 @@ class ComputeProbe:
     shell: float
     post: float
     pre: float
-    forward_share: float = 0.25    # of a block's compute, its forward's (the rest: recompute and backward)
+    forward_share: float = 0.25  # of a block's compute, its forward's (the rest: recompute and backward)
     source: str = "plain models"
 
 
@@ -63,33 +64,47 @@ class ComputeProbe:
 class EngineProbe:
     """Seconds per micro-batch as the engine computes them (engine_block_seconds)."""
 
-    per_block: float        # one block's forward + recompute + backward
-    forward_share: float    # of it, the forward's
-    pre: float              # the pre pass (embeddings) and its backward
-    update: float = 0.0     # the device AdamW's seconds per parameter
+    per_block: float  # one block's forward + recompute + backward
+    forward_share: float  # of it, the forward's
+    pre: float  # the pre pass (embeddings) and its backward
+    update: float = 0.0  # the device AdamW's seconds per parameter
 
 
-def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: int = 3, seconds: float = 2.0,
-                         device: str = "cuda", nf4: bool = False) -> EngineProbe | None:
+def engine_block_seconds(
+    model,
+    batch: BatchShape,
+    cfg,
+    layers: int = 2,
+    steps: int = 3,
+    seconds: float = 2.0,
+    device: str = "cuda",
+    nf4: bool = False,
+) -> EngineProbe | None:
     """One block's seconds per micro-batch, the forward's share of them, the pre pass's, and the device AdamW's
     seconds per parameter, as the engine itself computes them: the engine on a model of this shape with ``layers``
     blocks, all of them resident (no copies to wait for), the config's batch; from its steps' traces
     (engine.trace()): each block's first compute interval of a step is its forward, its second its recompute and
     backward (block-major over the micro-batches, the gradients added in fp32: what plain models do not do); the
     intervals labelled "pre" are the embeddings' forward and backward (the plain models' difference,
-    block_seconds, leaves them in the noise: 0 in W1, where the engine spends 3.4 ms per micro-batch on them); those
-    labelled "optimizer[block]" the blocks' updates on the device. ``nf4``: the base is held in NF4 (a 4-bit
-    folder's, or ``quantize_base``), so the probe's blocks are too. Steps run for ``seconds`` (``steps`` at least):
-    the median step of the second half counts ([Note: the probe's clocks]). None where it does not fit (the
+    block_seconds, leaves them in the noise: 0 for a 3B model, where the engine spends a few ms per micro-batch on
+    them); those labelled "optimizer[block]" the blocks' updates on the device. ``nf4``: the base is held in NF4 (a
+    4-bit folder's, or ``quantize_base``), so the probe's blocks are too. Steps run for ``seconds`` (``steps`` at
+    least): the median step of the second half counts ([Note: the probe's clocks]). None where it does not fit (the
     fallback is the plain models' difference)."""
     import zerofit
     from zerofit.engine.planner import PlanError
 
     with torch.device("meta"):
         m = small_twin(model, layers, torch.float32)
-    run = {"precision": cfg.precision, "micro_batch_size": batch.micro_batch, "seq_len": batch.seq_len,
-           "gradient_accumulation_steps": batch.grad_accum, "device": device,
-           "offload": {"resident_blocks": layers}, "quantize_base": "nf4" if nf4 else cfg.quantize_base}
+    run = {
+        "precision": cfg.precision,
+        "micro_batch_size": batch.micro_batch,
+        "seq_len": batch.seq_len,
+        "gradient_accumulation_steps": batch.grad_accum,
+        "device": device,
+        "offload": {"resident_blocks": layers},
+        "quantize_base": "nf4" if nf4 else cfg.quantize_base,
+    }
     try:
         engine = zerofit.initialize(m, run)
     except (PlanError, torch.cuda.OutOfMemoryError):
@@ -100,8 +115,10 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
         ids = torch.randint(0, model.config.vocab_size, (batch.micro_batch, batch.seq_len))
 
         def step() -> tuple[float, float, float, float]:
-            engine.train_batch([{"input_ids": ids, "labels": ids} for _ in range(batch.grad_accum)])
-            return _probe_step(engine.trace(), names)
+            # F821 waived below: ruff reads the finally's ``del engine`` as unbinding it here; step runs before that
+            engine.train_batch([{"input_ids": ids, "labels": ids} for _ in range(batch.grad_accum)])  # noqa: F821
+            return _probe_step(engine.trace(), names)  # noqa: F821
+
         fwd, bwd, pre, opt = _late_median(step, seconds, least=steps, key=lambda s: s[0] + s[1])
     except torch.cuda.OutOfMemoryError:
         return None
@@ -113,17 +130,16 @@ def engine_block_seconds(model, batch: BatchShape, cfg, layers: int = 2, steps: 
             torch.cuda.empty_cache()
     if not fwd or not bwd:
         return None
-    return EngineProbe((fwd + bwd) / layers / batch.grad_accum, fwd / (fwd + bwd), pre / batch.grad_accum,
-                       opt / numel)
+    return EngineProbe((fwd + bwd) / layers / batch.grad_accum, fwd / (fwd + bwd), pre / batch.grad_accum, opt / numel)
 
 
 # [Note: the probe's clocks]
-# The 2-block engine's steps are short (W1: ~0.1 s); three of them, as the probe first ran, were a burst, where the
-# whole model's blocks then computed 5-7% slower in a step of 1-2 s (docs/benchmarks.md, eighth session: W2 62.3 ms
-# per block against the probe's 59.4). The plain models' probe (block_seconds) runs for 2 s for the same reason:
-# so that the GPU works at the clocks a long step holds. The engine's probe does too: it then timed W2's blocks at
-# 14.81-15.01 ms per micro-batch and W1's at 8.45-8.89 (the eleventh session's three-step probe: 14.50 and 8.29);
-# the whole models' compute stayed 3-4% longer than predicted (docs/benchmarks.md, twelfth session).
+# The 2-block engine's steps are short (a 3B model's: about a tenth of a second); three of them, as the probe first
+# ran, were a burst, and the whole model's blocks then computed several percent slower in a step of 1-2 s than the
+# probe had timed them (docs/benchmarks.md, the estimate against the runs). The plain models' probe (block_seconds)
+# runs for 2 s for the same reason: so that the GPU works at the clocks a long step holds. The engine's probe does
+# too: it then timed the blocks a few percent slower than the three-step probe had, and the whole models' compute
+# stayed a few percent longer than predicted (docs/benchmarks.md, the estimate against the runs).
 
 
 def _probe_step(trace: list[dict], names: set[str]) -> tuple[float, float, float, float]:
@@ -137,7 +153,7 @@ def _probe_step(trace: list[dict], names: set[str]) -> tuple[float, float, float
         label, span = e["label"], e["end"] - e["start"]
         if label == "pre":
             pre += span
-        elif label.startswith("optimizer[") and label[len("optimizer["):-1] in names:
+        elif label.startswith("optimizer[") and label[len("optimizer[") : -1] in names:
             opt += span
         elif label in names:
             k = seen[label] = seen.get(label, 0) + 1
@@ -178,18 +194,20 @@ def _late_median(run, seconds: float, least: int = 4, key=None):
     start = time.perf_counter()
     while len(results) < least or time.perf_counter() - start < seconds:
         results.append(run())
-    late = sorted(results[len(results) // 2:], key=key)
+    late = sorted(results[len(results) // 2 :], key=key)
     return late[len(late) // 2]
 
 
 def _median_late(run, seconds: float) -> float:
     """The median of the second half of ``run()``'s timings (GPU-synchronized), run for ``seconds``, 4 at least."""
+
     def timed() -> float:
         torch.cuda.synchronize()
         t = time.perf_counter()
         run()
         torch.cuda.synchronize()
         return time.perf_counter() - t
+
     return _late_median(timed, seconds)
 
 
@@ -201,13 +219,13 @@ def _post_seconds(m, ids: torch.Tensor, chunks: int, seconds: float) -> float | 
     from zerofit.engine.adapter import post_in_chunks
 
     adapter = Adapter(m)
-    if not adapter.streaming:    # a one-block model: no block list to stand the final hidden state in for
+    if not adapter.streaming:  # a one-block model: no block list to stand the final hidden state in for
         return None
     inside = {id(p) for p in adapter.blocks.parameters()}
     named = [(n, p) for n, p in m.named_parameters() if id(p) not in inside]
     leaves = {n: p.detach().requires_grad_(True) for n, p in named}
     sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for _, p in named]
-    call = lambda kw: functional_call(m, leaves, (), kw, strict=False)   # noqa: E731
+    call = lambda kw: functional_call(m, leaves, (), kw, strict=False)  # noqa: E731
     final = torch.randn(*ids.shape, m.config.hidden_size, dtype=next(m.parameters()).dtype, device=ids.device)
     batch = {"input_ids": ids, "labels": ids}
 
@@ -215,8 +233,9 @@ def _post_seconds(m, ids: torch.Tensor, chunks: int, seconds: float) -> float | 
         pairs = [(d, g) for d, g in zip(sums, grads) if g is not None]
         torch._foreach_add_([d for d, _ in pairs], [g for _, g in pairs])
 
-    return _median_late(lambda: post_in_chunks(adapter, call, batch, final, list(leaves.values()), 1.0, chunks,
-                                               accumulate), seconds / 2)
+    return _median_late(
+        lambda: post_in_chunks(adapter, call, batch, final, list(leaves.values()), 1.0, chunks, accumulate), seconds / 2
+    )
 
 
 def _block_seconds(model, mcfg, pair: tuple[int, int], batch: BatchShape, cfg, chunks: int, seconds: float):
@@ -229,15 +248,16 @@ def _block_seconds(model, mcfg, pair: tuple[int, int], batch: BatchShape, cfg, c
         m.train()
         ids = torch.randint(0, mcfg.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
 
-        def step():
+        def step(m=m, ids=ids):
             for _ in range(batch.grad_accum):
                 m(input_ids=ids, labels=ids).loss.backward()
             m.zero_grad(set_to_none=True)
+
         times.append(_median_late(step, seconds) / batch.grad_accum)
-        if not posts:     # the shell is the same in both models
+        if not posts:  # the shell is the same in both models
             for c in {1, chunks}:
                 posts[c] = _post_seconds(m, ids, c, seconds)
-        del m, ids
+        del m, ids, step  # step's defaults hold the model too
         gc.collect()
         torch.cuda.empty_cache()
     n = pair[1] - pair[0]

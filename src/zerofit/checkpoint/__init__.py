@@ -15,23 +15,46 @@
 | ``errors.py`` | the typed errors |
 """
 
-from zerofit.checkpoint.errors import (CheckpointCorruptError, CheckpointDiskFullError, CheckpointError,
-                                       CheckpointIncompleteError, CheckpointMismatchError, CheckpointNotFoundError,
-                                       CheckpointStateError, ChecksumMismatchError, EngineStateLostError,
-                                       MissingFileError, TruncatedFileError)
 from zerofit.checkpoint.commit import RECORD as COMMIT_RECORD
 from zerofit.checkpoint.commit import list_tags, prune
+from zerofit.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointDiskFullError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointStateError,
+    ChecksumMismatchError,
+    EngineStateLostError,
+    MissingFileError,
+    TruncatedFileError,
+)
 
 
 def __getattr__(name: str):
     # export (and torch) on first use: `zerofit train` takes its run folder's lock (lock.py) before torch loads
     if name == "export_checkpoint":
         from zerofit.checkpoint.export import export_checkpoint
+
         return export_checkpoint
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["COMMIT_RECORD", "export_checkpoint", "list_tags", "prune", "CheckpointError", "CheckpointCorruptError",
-           "CheckpointDiskFullError", "CheckpointIncompleteError", "CheckpointMismatchError",
-           "CheckpointNotFoundError", "CheckpointStateError", "ChecksumMismatchError", "EngineStateLostError",
-           "MissingFileError", "TruncatedFileError"]
+__all__ = [
+    "COMMIT_RECORD",
+    "export_checkpoint",
+    "list_tags",
+    "prune",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointDiskFullError",
+    "CheckpointIncompleteError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointStateError",
+    "ChecksumMismatchError",
+    "EngineStateLostError",
+    "MissingFileError",
+    "TruncatedFileError",
+]

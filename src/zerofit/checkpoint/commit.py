@@ -37,8 +37,14 @@ from pathlib import Path
 
 from zerofit.checkpoint import seams
 from zerofit.checkpoint.durable import CHUNK_BYTES, crc_of_file, exchange, fsync_dir, replace_file, write_file
-from zerofit.checkpoint.errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
-                                       ChecksumMismatchError, MissingFileError, TruncatedFileError)
+from zerofit.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    MissingFileError,
+    TruncatedFileError,
+)
 
 RECORD = "zerofit_checkpoint.json"
 LATEST = "latest"
@@ -70,19 +76,25 @@ class CommitRecord:
         return next((f for f in self.files if f.name == name), None)
 
     def to_bytes(self) -> bytes:
-        body = {"format": FORMAT, "format_version": self.format_version, "tag": self.tag,
-                "files": {f.name: {"bytes": f.bytes, "crc32": f.crc32} for f in self.files}, "state": self.state}
+        body = {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "tag": self.tag,
+            "files": {f.name: {"bytes": f.bytes, "crc32": f.crc32} for f in self.files},
+            "state": self.state,
+        }
         body["record_crc32"] = _crc_json(body)
         return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
 
     @classmethod
-    def read(cls, folder: Path) -> "CommitRecord":
+    def read(cls, folder: Path) -> CommitRecord:
         """The folder's commit record; :class:`CheckpointIncompleteError` when it has none."""
         path = folder / RECORD
         if not path.is_file():
             raise CheckpointIncompleteError(
                 f"{folder}: no {RECORD}: a save that did not finish (or not a zerofit checkpoint). "
-                "Load another tag; a later save removes unfinished ones.")
+                "Load another tag; a later save removes unfinished ones."
+            )
         try:
             body = json.loads(path.read_bytes())
             crc = body.pop("record_crc32")
@@ -93,8 +105,10 @@ class CommitRecord:
         if _crc_json(body) != crc:
             raise ChecksumMismatchError(path, "the commit record's own CRC32 does not match its content")
         if body["format_version"] > FORMAT_VERSION:
-            raise CheckpointCorruptError(path, f"format version {body['format_version']}; this zerofit reads up to "
-                                               f"{FORMAT_VERSION}: upgrade zerofit")
+            raise CheckpointCorruptError(
+                path,
+                f"format version {body['format_version']}; this zerofit reads up to {FORMAT_VERSION}: upgrade zerofit",
+            )
         files = tuple(FileEntry(n, int(v["bytes"]), int(v["crc32"])) for n, v in body["files"].items())
         for f in files:
             if Path(f.name).name != f.name or f.name.startswith("."):
@@ -109,8 +123,10 @@ def _crc_json(body: dict) -> int:
 def check_tag(tag: str) -> str:
     tag = str(tag)
     if not tag or tag in (".", "..", LATEST) or "/" in tag or "\\" in tag or tag.startswith(".") or "\0" in tag:
-        raise ValueError(f"checkpoint tag {tag!r}: expected a plain folder name (no '/', not starting with '.', "
-                         f"not {LATEST!r}), such as 'global_step100'")
+        raise ValueError(
+            f"checkpoint tag {tag!r}: expected a plain folder name (no '/', not starting with '.', "
+            f"not {LATEST!r}), such as 'global_step100'"
+        )
     return tag
 
 
@@ -143,9 +159,9 @@ def cleanup_stale(save_dir: Path) -> list[Path]:
             if _alive_other(_pid_of(name) if name.startswith(TMP_PREFIX) else int(name.rsplit("-", 1)[-1])):
                 continue
         elif name.startswith(REPLACED_PREFIX):
-            tag = name[len(REPLACED_PREFIX):].rsplit("-", 2)[0]
+            tag = name[len(REPLACED_PREFIX) :].rsplit("-", 2)[0]
             if not (save_dir / tag / RECORD).is_file():
-                continue      # still the only copy of that tag: resolve() recovers from it
+                continue  # still the only copy of that tag: resolve() recovers from it
         else:
             continue
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
@@ -170,7 +186,7 @@ def commit(tmp: Path, save_dir: Path, record: CommitRecord) -> Path:
     final = save_dir / record.tag
     old = None
     if final.exists():
-        if exchange(tmp, final):          # final is the new one, tmp holds the old one
+        if exchange(tmp, final):  # final is the new one, tmp holds the old one
             old = tmp
         else:
             old = save_dir / f"{REPLACED_PREFIX}{record.tag}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -200,8 +216,10 @@ def read_latest(save_dir: Path) -> str | None:
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
-        raise CheckpointCorruptError(path, f"holds {len(raw)} bytes that are not UTF-8 text ({raw[:16]!r}), "
-                                           f"not a tag name: {_latest_fix(save_dir)}") from None
+        raise CheckpointCorruptError(
+            path,
+            f"holds {len(raw)} bytes that are not UTF-8 text ({raw[:16]!r}), not a tag name: {_latest_fix(save_dir)}",
+        ) from None
     try:
         return check_tag(tag)
     except ValueError:
@@ -213,8 +231,10 @@ def _latest_fix(save_dir: Path) -> str:
     tags = list_tags(save_dir)
     if not tags:
         return f"no complete checkpoint is in {save_dir} either; remove the file"
-    return (f"write the tag of the checkpoint to load into it (complete-looking ones there: {', '.join(tags[-3:])}"
-            f"{'' if len(tags) <= 3 else f' and {len(tags) - 3} older'}), or remove it")
+    return (
+        f"write the tag of the checkpoint to load into it (complete-looking ones there: {', '.join(tags[-3:])}"
+        f"{'' if len(tags) <= 3 else f' and {len(tags) - 3} older'}), or remove it"
+    )
 
 
 def list_tags(save_dir: Path) -> list[str]:
@@ -238,7 +258,7 @@ class Found:
     """A tag folder of a save folder, as :func:`survey` sees it."""
 
     tag: str
-    step: int | None           # the global step its commit record holds; None when it is not complete
+    step: int | None  # the global step its commit record holds; None when it is not complete
     problem: str | None = None  # why it is not complete, in words
 
     @property
@@ -262,8 +282,9 @@ def survey(save_dir: Path) -> list[Found]:
             for f in record.files:
                 size = (p / f.name).stat().st_size if (p / f.name).is_file() else None
                 if size != f.bytes:
-                    raise CheckpointIncompleteError(f"{f.name} is " + ("missing" if size is None else
-                                                    f"{size} bytes, {f.bytes} recorded"))
+                    raise CheckpointIncompleteError(
+                        f"{f.name} is " + ("missing" if size is None else f"{size} bytes, {f.bytes} recorded")
+                    )
             step = int(record.state.get("global_step", -1))
         except (CheckpointCorruptError, CheckpointIncompleteError, ValueError, TypeError) as e:
             why = "no commit record (a save that did not finish)" if not (p / RECORD).is_file() else str(e)
@@ -288,12 +309,13 @@ def resolve(load_dir: Path, tag: str | None) -> Path | None:
     folder = load_dir / check_tag(tag)
     if not folder.is_dir():
         spare = sorted(p for p in load_dir.glob(f"{REPLACED_PREFIX}{tag}-*") if (p / RECORD).is_file())
-        if spare:    # a replacement of the same tag killed between its two renames
+        if spare:  # a replacement of the same tag killed between its two renames
             log.warning("%s: missing, recovering it from %s (a save was interrupted)", folder, spare[0].name)
             return spare[0]
         tags = list_tags(load_dir)
-        raise CheckpointNotFoundError(f"{folder}: no checkpoint with tag {tag!r} in {load_dir} "
-                                      f"(tags there: {', '.join(tags) or 'none'})")
+        raise CheckpointNotFoundError(
+            f"{folder}: no checkpoint with tag {tag!r} in {load_dir} (tags there: {', '.join(tags) or 'none'})"
+        )
     return folder
 
 
@@ -309,7 +331,7 @@ def verify(folder: Path, record: CommitRecord, names: list[str] | None = None, w
         if size != f.bytes:
             raise TruncatedFileError(path, f"{size} bytes, {f.bytes} recorded: truncated or overwritten")
 
-    local = threading.local()       # one read buffer per thread, no larger than the largest file
+    local = threading.local()  # one read buffer per thread, no larger than the largest file
 
     def crc(f: FileEntry) -> tuple[FileEntry, int]:
         if getattr(local, "buf", None) is None:
@@ -319,8 +341,10 @@ def verify(folder: Path, record: CommitRecord, names: list[str] | None = None, w
     with ThreadPoolExecutor(max(1, min(workers, len(files))), thread_name_prefix="zerofit-ckpt-verify") as ex:
         for f, got in ex.map(crc, files):
             if got != f.crc32:
-                raise ChecksumMismatchError(folder / f.name, f"CRC32 {got:08x}, {f.crc32:08x} recorded: the "
-                                                             "file's bytes changed after it was saved")
+                raise ChecksumMismatchError(
+                    folder / f.name,
+                    f"CRC32 {got:08x}, {f.crc32:08x} recorded: the file's bytes changed after it was saved",
+                )
 
 
 def prune(save_dir: Path | str, keep: int, protect: set[str] | frozenset[str] = frozenset()) -> list[str]:
@@ -340,8 +364,8 @@ def prune(save_dir: Path | str, keep: int, protect: set[str] | frozenset[str] = 
     try:
         tags = [f.tag for f in survey(save_dir) if f.complete]
         latest = read_latest(save_dir)
-        doomed = [t for t in tags[:max(0, len(tags) - keep)] if t != latest and t not in protect]
-        for t in doomed:     # rename first: a kill mid-removal leaves a hidden folder, never a partial tag
+        doomed = [t for t in tags[: max(0, len(tags) - keep)] if t != latest and t not in protect]
+        for t in doomed:  # rename first: a kill mid-removal leaves a hidden folder, never a partial tag
             hidden = save_dir / f"{TMP_PREFIX}{t}-{os.getpid()}-{secrets.token_hex(4)}"
             os.rename(save_dir / t, hidden)
             shutil.rmtree(hidden, ignore_errors=True)

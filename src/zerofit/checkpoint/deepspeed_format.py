@@ -66,8 +66,7 @@ _EXPERT_RE = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.p
 _PIPE_RE = re.compile(r"^layer_\d+-model_.*\.pt$")
 # the keys DeepSpeed's load_checkpoint keeps for itself; every other key of the model-states file comes back
 # as client_state (runtime/engine.py, _load_checkpoint: deepspeed_states)
-_DS_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
-              "random_ltd")
+_DS_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd")
 
 
 class DeepSpeedCheckpointError(CheckpointError):
@@ -88,7 +87,7 @@ class DeepSpeedObject:
         self.__dict__.update(kwargs)
 
     def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2:     # (dict, slots)
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
             state = {**(state[0] or {}), **(state[1] or {})}
         if isinstance(state, dict):
             self.__dict__.update(state)
@@ -133,8 +132,10 @@ def load_pickle(path: Path):
                 raise
             return torch.load(path, map_location="cpu", pickle_module=_pickle, weights_only=False)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as e:
-        raise DeepSpeedCheckpointError(f"{path}: not readable as a DeepSpeed checkpoint file ({e}); a save that "
-                                       "did not finish, or a damaged copy: load another tag") from None
+        raise DeepSpeedCheckpointError(
+            f"{path}: not readable as a DeepSpeed checkpoint file ({e}); a save that "
+            "did not finish, or a damaged copy: load another tag"
+        ) from None
 
 
 def _int(x) -> int:
@@ -160,7 +161,7 @@ class Gathered:
         """Into the flat ``dst`` (its numel, any device, float32)."""
         pos = 0
         for (src, start), n in zip(self.pieces, self.lengths):
-            dst[pos:pos + n].copy_(src[start:start + n])
+            dst[pos : pos + n].copy_(src[start : start + n])
             pos += n
 
     def tensor(self) -> torch.Tensor:
@@ -189,17 +190,17 @@ class DeepSpeedCheckpoint:
     """A DeepSpeed checkpoint folder, read (see [Note: DeepSpeed's checkpoint layout])."""
 
     folder: Path
-    stage: int | str                           # 1, 2, 3, or "universal"
-    precision: str                             # "fp32", "bf16", "fp16"
+    stage: int | str  # 1, 2, 3, or "universal"
+    precision: str  # "fp32", "bf16", "fp16"
     dp_world_size: int
-    params: dict[str, ParamState]              # in DeepSpeed's order
-    aliases: dict[str, str]                    # tied weights: alias -> the name stored
-    groups: list[dict]                         # each optimizer group's lr, betas, eps, weight_decay (as saved)
+    params: dict[str, ParamState]  # in DeepSpeed's order
+    aliases: dict[str, str]  # tied weights: alias -> the name stored
+    groups: list[dict]  # each optimizer group's lr, betas, eps, weight_decay (as saved)
     global_steps: int
     global_samples: int | None
     skipped_steps: int
     lr_scheduler: dict | None
-    loss_scaler: dict | None                   # the loss scaler's attributes ("dynamic", "cur_scale", ...)
+    loss_scaler: dict | None  # the loss scaler's attributes ("dynamic", "cur_scale", ...)
     ds_config: dict | None
     ds_version: str | None
     model_states: dict = field(repr=False, default_factory=dict)
@@ -207,8 +208,11 @@ class DeepSpeedCheckpoint:
     def client_state(self, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True) -> dict:
         """What DeepSpeed's ``load_checkpoint`` returns as ``client_state``: every key of the model-states file
         but those it keeps for itself (so the user's keys, and ``param_shapes``, ``ds_config``... beside them)."""
-        own = list(_DS_STATES) + (["lr_scheduler"] if load_lr_scheduler_states else []) + \
-            (["optimizer"] if load_optimizer_states else [])
+        own = (
+            list(_DS_STATES)
+            + (["lr_scheduler"] if load_lr_scheduler_states else [])
+            + (["optimizer"] if load_optimizer_states else [])
+        )
         return {k: v for k, v in self.model_states.items() if k not in own}
 
 
@@ -230,7 +234,7 @@ def find(load_dir: Path | str, tag: str | None, record_name: str) -> Path | None
                 try:
                     tag = path.read_bytes().decode("utf-8").strip()
                 except UnicodeDecodeError:
-                    return None     # not DeepSpeed's pointer: zerofit's loader names the damaged file
+                    return None  # not DeepSpeed's pointer: zerofit's loader names the damaged file
                 break
         else:
             return None
@@ -241,8 +245,11 @@ def find(load_dir: Path | str, tag: str | None, record_name: str) -> Path | None
 
 
 def _looks_deepspeed(folder: Path) -> bool:
-    return any(p.name.endswith("_model_states.pt") or p.name.endswith("optim_states.pt") or _PIPE_RE.match(p.name)
-               for p in folder.iterdir() if p.is_file())
+    return any(
+        p.name.endswith("_model_states.pt") or p.name.endswith("optim_states.pt") or _PIPE_RE.match(p.name)
+        for p in folder.iterdir()
+        if p.is_file()
+    )
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -257,15 +264,18 @@ def read(folder: Path | str, optimizer_states: bool = True) -> DeepSpeedCheckpoi
     _refuse_layouts(folder, names)
     models = {m: _MODEL_RE.match(m) for m in names if _MODEL_RE.match(m)}
     if not models:
-        raise DeepSpeedCheckpointError(f"{folder}: no mp_rank_00_model_states.pt (or zero_pp_rank_0_mp_rank_00_"
-                                       "model_states.pt): not a complete DeepSpeed checkpoint; load another tag")
+        raise DeepSpeedCheckpointError(
+            f"{folder}: no mp_rank_00_model_states.pt (or zero_pp_rank_0_mp_rank_00_"
+            "model_states.pt): not a complete DeepSpeed checkpoint; load another tag"
+        )
     mp_ranks = sorted({int(m.group(2)) for m in models.values()})
     if mp_ranks != [0]:
         raise DeepSpeedCheckpointError(
             f"{folder}: written by {len(mp_ranks)} model-parallel (tensor-parallel) ranks (mp_rank "
             f"{', '.join(f'{r:02d}' for r in mp_ranks)}); zerofit reads checkpoints of one model-parallel rank, with "
             "whole tensors. Convert it first with DeepSpeed's ds_to_universal.py (it merges the ranks' slices), "
-            "then load the universal folder")
+            "then load the universal folder"
+        )
     first = next(m for m in names if m in models and (models[m].group(1) in (None, "0")))
     states = load_pickle(folder / first)
     _refuse_states(folder / first, states)
@@ -280,50 +290,71 @@ def _refuse_layouts(folder: Path, names: list[str]) -> None:
         raise DeepSpeedCheckpointError(
             f"{folder}: a mixture-of-experts checkpoint ({experts[0]}, {len(experts)} expert files); zerofit has no "
             "expert layers of its own and cannot map DeepSpeed's expert-parallel state. Export the model with "
-            "DeepSpeed (zero_to_fp32.py) and start from its weights")
+            "DeepSpeed (zero_to_fp32.py) and start from its weights"
+        )
     pipe = [n for n in names if _PIPE_RE.match(n)]
     if pipe:
         raise DeepSpeedCheckpointError(
             f"{folder}: a pipeline-parallel checkpoint (layer files such as {pipe[0]}); its parameters are named by "
             "pipeline layer, not by the model's own names. Convert it with DeepSpeed's ds_to_universal.py, or "
-            "export the model's weights from DeepSpeed and start from them")
+            "export the model's weights from DeepSpeed and start from them"
+        )
     if (folder / "offloaded_tensors").is_dir():
         raise DeepSpeedCheckpointError(
             f"{folder}: the optimizer state was offloaded to NVMe (offloaded_tensors/): its files are DeepSpeed's "
             "swap format. Load it in DeepSpeed and save again with offload_optimizer on 'cpu' or 'none', then "
-            "load that checkpoint")
+            "load that checkpoint"
+        )
 
 
 def _refuse_states(path: Path, states) -> None:
     if not isinstance(states, dict) or "module" not in states:
         raise DeepSpeedCheckpointError(f"{path}: not a DeepSpeed model-states file (no 'module' key)")
     if states.get("module") is None:
-        raise DeepSpeedCheckpointError(f"{path}: 'module' is None: a pipeline-parallel checkpoint (its weights are "
-                                       "in per-layer files); convert it with DeepSpeed's ds_to_universal.py")
+        raise DeepSpeedCheckpointError(
+            f"{path}: 'module' is None: a pipeline-parallel checkpoint (its weights are "
+            "in per-layer files); convert it with DeepSpeed's ds_to_universal.py"
+        )
     if int(states.get("mp_world_size", 1) or 1) > 1:
-        raise DeepSpeedCheckpointError(f"{path}: mp_world_size {states['mp_world_size']}: several model-parallel "
-                                       "ranks; convert it with DeepSpeed's ds_to_universal.py first")
+        raise DeepSpeedCheckpointError(
+            f"{path}: mp_world_size {states['mp_world_size']}: several model-parallel "
+            "ranks; convert it with DeepSpeed's ds_to_universal.py first"
+        )
     if "num_experts" in states or states.get("ds_autoep_layers") or states.get("autoep_layers"):
-        raise DeepSpeedCheckpointError(f"{path}: a mixture-of-experts model (num_experts / AutoEP layers); zerofit "
-                                       "cannot map expert-parallel state")
+        raise DeepSpeedCheckpointError(
+            f"{path}: a mixture-of-experts model (num_experts / AutoEP layers); zerofit "
+            "cannot map expert-parallel state"
+        )
     if states.get("param_shapes") is None:
         raise DeepSpeedCheckpointError(
             f"{path}: no param_shapes: saved without ZeRO (zero_optimization.stage 0), whose optimizer state "
             "names parameters by position only. zerofit reads ZeRO stages 1-3: save with stage 1 or more, or "
             "start from the weights (engine.load_checkpoint(dir, load_optimizer_states=False) reads them from "
-            "a ZeRO checkpoint)")
+            "a ZeRO checkpoint)"
+        )
 
 
-def _common(folder: Path, states: dict, stage, precision: str, dp: int, params: dict, groups: list[dict],
-            scaler: dict | None) -> DeepSpeedCheckpoint:
+def _common(
+    folder: Path, states: dict, stage, precision: str, dp: int, params: dict, groups: list[dict], scaler: dict | None
+) -> DeepSpeedCheckpoint:
     config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else None
     return DeepSpeedCheckpoint(
-        folder=folder, stage=stage, precision=precision, dp_world_size=dp, params=params,
-        aliases=dict(states.get("shared_params") or {}), groups=groups,
+        folder=folder,
+        stage=stage,
+        precision=precision,
+        dp_world_size=dp,
+        params=params,
+        aliases=dict(states.get("shared_params") or {}),
+        groups=groups,
         global_steps=int(states.get("global_steps", 0)),
         global_samples=None if states.get("global_samples") is None else int(states["global_samples"]),
-        skipped_steps=int(states.get("skipped_steps", 0)), lr_scheduler=states.get("lr_scheduler"),
-        loss_scaler=scaler, ds_config=config, ds_version=states.get("ds_version"), model_states=states)
+        skipped_steps=int(states.get("skipped_steps", 0)),
+        lr_scheduler=states.get("lr_scheduler"),
+        loss_scaler=scaler,
+        ds_config=config,
+        ds_version=states.get("ds_version"),
+        model_states=states,
+    )
 
 
 def _precision(states: dict, bf16_files: bool) -> str:
@@ -349,12 +380,14 @@ def _optim_files(folder: Path, names: list[str], dp: int) -> tuple[list[Path], b
         raise DeepSpeedCheckpointError(
             f"{folder}: expected the optimizer files of {dp} data-parallel rank(s) (zero_pp_rank_0..{dp - 1}_"
             f"mp_rank_00_optim_states.pt, dp_world_size {dp} in the model states), found ranks {ranks or 'none'}: "
-            "a save that did not finish on every rank, or files overwritten by another run; load another tag")
+            "a save that did not finish on every rank, or files overwritten by another run; load another tag"
+        )
     files = []
     for r in ranks:
         if len(found[r]) > 1:
-            raise DeepSpeedCheckpointError(f"{folder}: rank {r} has several optimizer files "
-                                           f"({[n for _, n in found[r]]})")
+            raise DeepSpeedCheckpointError(
+                f"{folder}: rank {r} has several optimizer files ({[n for _, n in found[r]]})"
+            )
         files.append(folder / found[r][0][1])
     return files, found[0][0][0]
 
@@ -363,29 +396,36 @@ def _scaler(osd: dict) -> dict | None:
     s = osd.get("loss_scaler")
     if s is None:
         return None
-    out = {k: v for k, v in vars(s).items() if k != "ds_args"} if isinstance(s, DeepSpeedObject) else \
-        (dict(s) if isinstance(s, dict) else {"cur_scale": float(s)})
+    out = (
+        {k: v for k, v in vars(s).items() if k != "ds_args"}
+        if isinstance(s, DeepSpeedObject)
+        else (dict(s) if isinstance(s, dict) else {"cur_scale": float(s)})
+    )
     out.setdefault("dynamic", bool(osd.get("dynamic_loss_scale", False)))
     return out
 
 
 def _hypers(group: dict) -> dict:
-    return {k: (tuple(group[k]) if k == "betas" else group[k]) for k in ("lr", "betas", "eps", "weight_decay")
-            if k in group}
+    return {
+        k: (tuple(group[k]) if k == "betas" else group[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in group
+    }
 
 
 def _adam_state(path: Path, state, index: int, what: str) -> dict:
     s = state.get(index) if isinstance(state, dict) else state[index] if index < len(state) else None
     if s is None:
-        raise DeepSpeedCheckpointError(f"{path}: no optimizer state for {what}: the checkpoint was saved before the "
-                                       "first optimizer step, or without one; load it with "
-                                       "load_optimizer_states=False")
+        raise DeepSpeedCheckpointError(
+            f"{path}: no optimizer state for {what}: the checkpoint was saved before the "
+            "first optimizer step, or without one; load it with "
+            "load_optimizer_states=False"
+        )
     missing = [m for m in MOMENTS if m not in s]
     if missing:
         raise DeepSpeedCheckpointError(
             f"{path}: the optimizer state of {what} has {sorted(s)}, not Adam's exp_avg and exp_avg_sq: another "
             "optimizer than Adam/AdamW; zerofit trains with AdamW. Load the weights only "
-            "(load_optimizer_states=False)")
+            "(load_optimizer_states=False)"
+        )
     return s
 
 
@@ -422,7 +462,7 @@ def _zero12(folder, files, osds, shapes, dp, optimizer_states):
     params: dict[str, ParamState] = {}
     for g, group_shapes in enumerate(shapes):
         sizes = [int(fp32[r][g].numel()) for r in range(dp)]
-        bounds = [sum(sizes[:r]) for r in range(dp + 1)]      # rank r holds [bounds[r], bounds[r+1]) of the group
+        bounds = [sum(sizes[:r]) for r in range(dp + 1)]  # rank r holds [bounds[r], bounds[r+1]) of the group
         srcs = {"master": [fp32[r][g] for r in range(dp)]}
         step = None
         if optimizer_states:
@@ -430,29 +470,42 @@ def _zero12(folder, files, osds, shapes, dp, optimizer_states):
                 s = _adam_state(files[r], base[r] if elastic else base[r]["state"], g, f"parameter group {g}")
                 for m in MOMENTS:
                     if s[m].numel() < sizes[r]:
-                        raise DeepSpeedCheckpointError(f"{files[r]}: group {g}'s {m} has {s[m].numel()} elements, "
-                                                       f"its fp32 partition {sizes[r]}")
+                        raise DeepSpeedCheckpointError(
+                            f"{files[r]}: group {g}'s {m} has {s[m].numel()} elements, its fp32 partition {sizes[r]}"
+                        )
                     srcs.setdefault(m, []).append(s[m].reshape(-1))
                 if r == 0:
                     step = s.get("step", osds[0].get("base_optimizer_state_step"))
         offset = 0
         pads = paddings[g] if paddings is not None else None
         if pads is not None and len(pads) != len(group_shapes):
-            raise DeepSpeedCheckpointError(f"{files[0]}: {len(pads)} alignment paddings for group {g}'s "
-                                           f"{len(group_shapes)} parameters")
+            raise DeepSpeedCheckpointError(
+                f"{files[0]}: {len(pads)} alignment paddings for group {g}'s {len(group_shapes)} parameters"
+            )
         for i, (name, shape) in enumerate(group_shapes.items()):
             n = math.prod(shape)
             if offset + n > bounds[-1]:
-                raise DeepSpeedCheckpointError(f"{files[0]}: group {g} holds {bounds[-1]} elements, parameter "
-                                               f"{name} {tuple(shape)} would end at {offset + n}")
+                raise DeepSpeedCheckpointError(
+                    f"{files[0]}: group {g} holds {bounds[-1]} elements, parameter "
+                    f"{name} {tuple(shape)} would end at {offset + n}"
+                )
             cut = {k: _span(v, bounds, offset, n) for k, v in srcs.items()}
-            params[name] = ParamState(name, torch.Size(shape), cut["master"], cut.get("exp_avg"),
-                                      cut.get("exp_avg_sq"), None if step is None else _int_step(step), g)
+            params[name] = ParamState(
+                name,
+                torch.Size(shape),
+                cut["master"],
+                cut.get("exp_avg"),
+                cut.get("exp_avg_sq"),
+                None if step is None else _int_step(step),
+                g,
+            )
             offset += n + (int(pads[i]) if pads is not None else 0)
-        align = 2 * dp      # zero_to_fp32's check: what is left is DeepSpeed's alignment padding only
+        align = 2 * dp  # zero_to_fp32's check: what is left is DeepSpeed's alignment padding only
         if math.ceil(offset / align) * align != math.ceil(bounds[-1] / align) * align:
-            raise DeepSpeedCheckpointError(f"{files[0]}: group {g}'s parameters take {offset} elements, its fp32 "
-                                           f"partitions {bounds[-1]}: param_shapes do not describe these partitions")
+            raise DeepSpeedCheckpointError(
+                f"{files[0]}: group {g}'s parameters take {offset} elements, its fp32 "
+                f"partitions {bounds[-1]}: param_shapes do not describe these partitions"
+            )
     return params, groups
 
 
@@ -478,7 +531,7 @@ def _zero3(folder, files, osds, shapes, dp, optimizer_states):
     flats = [list(o["fp32_flat_groups"]) for o in osds]
     torch_state = [o.get("optimizer_state_dict") or {} for o in osds]
     groups = [_hypers(g) for g in torch_state[0].get("param_groups", [])]
-    sub_group = {}     # sub-group index -> its optimizer group
+    sub_group = {}  # sub-group index -> its optimizer group
     for gi, g in enumerate(torch_state[0].get("param_groups", [])):
         for s in g.get("params", []):
             sub_group[int(s)] = gi
@@ -495,8 +548,9 @@ def _zero3(folder, files, osds, shapes, dp, optimizer_states):
                 st = _adam_state(files[r], torch_state[r].get("state", {}), s, f"sub-group {s}")
                 for m in MOMENTS:
                     if st[m].numel() != sizes[s]:
-                        raise DeepSpeedCheckpointError(f"{files[r]}: sub-group {s}'s {m} has {st[m].numel()} "
-                                                       f"elements, its fp32 flat {sizes[s]}")
+                        raise DeepSpeedCheckpointError(
+                            f"{files[r]}: sub-group {s}'s {m} has {st[m].numel()} elements, its fp32 flat {sizes[s]}"
+                        )
                     per_rank.setdefault(m, [[] for _ in range(dp)])[r].append(st[m].reshape(-1))
                 if r == 0:
                     steps[s] = _int_step(st["step"]) if "step" in st else None
@@ -507,8 +561,10 @@ def _zero3(folder, files, osds, shapes, dp, optimizer_states):
         part = math.ceil(numel / dp)
         s = next((i for i in range(len(sizes)) if starts[i] <= offset < starts[i + 1]), None)
         if s is None or offset + part > starts[s + 1]:
-            raise DeepSpeedCheckpointError(f"{files[0]}: parameter {name} {tuple(shape)} does not fit the fp32 "
-                                           f"sub-groups ({sizes}): param_shapes do not describe these partitions")
+            raise DeepSpeedCheckpointError(
+                f"{files[0]}: parameter {name} {tuple(shape)} does not fit the fp32 "
+                f"sub-groups ({sizes}): param_shapes do not describe these partitions"
+            )
         cut = {}
         for kind, ranks in per_rank.items():
             pieces, lengths, left = [], [], numel
@@ -519,12 +575,21 @@ def _zero3(folder, files, osds, shapes, dp, optimizer_states):
                     lengths.append(k)
                 left -= k
             cut[kind] = Gathered(tuple(pieces), tuple(lengths))
-        params[name] = ParamState(name, torch.Size(shape), cut["master"], cut.get("exp_avg"), cut.get("exp_avg_sq"),
-                                  steps.get(s), sub_group.get(s))
+        params[name] = ParamState(
+            name,
+            torch.Size(shape),
+            cut["master"],
+            cut.get("exp_avg"),
+            cut.get("exp_avg_sq"),
+            steps.get(s),
+            sub_group.get(s),
+        )
         offset += part
     if offset != starts[-1]:
-        raise DeepSpeedCheckpointError(f"{files[0]}: the parameters take {offset} elements per rank, the fp32 "
-                                       f"sub-groups {starts[-1]}: param_shapes do not describe these partitions")
+        raise DeepSpeedCheckpointError(
+            f"{files[0]}: the parameters take {offset} elements per rank, the fp32 "
+            f"sub-groups {starts[-1]}: param_shapes do not describe these partitions"
+        )
     return params, groups
 
 
@@ -534,8 +599,9 @@ def _frozen(folder: Path, states: dict, params: dict, dp: int, stage: int, files
     if not frozen:
         return
     if stage == 3:
-        rank_states = [states] + [load_pickle(folder / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
-                                  for r in range(1, dp)]
+        rank_states = [states] + [
+            load_pickle(folder / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(1, dp)
+        ]
     else:
         rank_states = [states]
     for name, shape in frozen.items():
@@ -549,8 +615,9 @@ def _frozen(folder: Path, states: dict, params: dict, dp: int, stage: int, files
                 lengths.append(k)
             left -= k
         if left:
-            raise DeepSpeedCheckpointError(f"{folder}: frozen parameter {name} {tuple(shape)}: its saved fragments "
-                                           f"hold {numel - left} elements")
+            raise DeepSpeedCheckpointError(
+                f"{folder}: frozen parameter {name} {tuple(shape)}: its saved fragments hold {numel - left} elements"
+            )
         params[name] = ParamState(name, torch.Size(shape), Gathered(tuple(pieces), tuple(lengths)), frozen=True)
 
 
@@ -572,18 +639,35 @@ def _read_universal(folder: Path, states: dict, optimizer_states: bool) -> DeepS
                 if not path.is_file():
                     raise DeepSpeedCheckpointError(
                         f"{path}: missing (the universal checkpoint's {kind} of {name}): convert the checkpoint again"
-                        + ("" if kind == "master" else ", or load the weights only (load_optimizer_states=False)"))
+                        + ("" if kind == "master" else ", or load the weights only (load_optimizer_states=False)")
+                    )
                 t = load_pickle(path)
                 t = t["param"] if isinstance(t, dict) else t
                 if not isinstance(t, torch.Tensor) or math.prod(t.shape) != math.prod(shape):
-                    raise DeepSpeedCheckpointError(f"{path}: {getattr(t, 'shape', type(t).__name__)} for {name} "
-                                                   f"{tuple(shape)}")
+                    raise DeepSpeedCheckpointError(
+                        f"{path}: {getattr(t, 'shape', type(t).__name__)} for {name} {tuple(shape)}"
+                    )
                 flat = t.reshape(-1).float()
                 cut[kind] = Gathered(((flat, 0),), (flat.numel(),))
             if optimizer_states and (d / "step.pt").is_file():
                 s = load_pickle(d / "step.pt")
                 step = _int_step(s["param"] if isinstance(s, dict) else s)
-            params[name] = ParamState(name, torch.Size(shape), cut["master"], cut.get("exp_avg"),
-                                      cut.get("exp_avg_sq"), step, owner.get(sub, 0 if len(groups) == 1 else None))
-    return _common(folder, states, "universal", _precision(states, False),
-                   int(states.get("dp_world_size", 1) or 1), params, groups, _scaler(osd) if osd else None)
+            params[name] = ParamState(
+                name,
+                torch.Size(shape),
+                cut["master"],
+                cut.get("exp_avg"),
+                cut.get("exp_avg_sq"),
+                step,
+                owner.get(sub, 0 if len(groups) == 1 else None),
+            )
+    return _common(
+        folder,
+        states,
+        "universal",
+        _precision(states, False),
+        int(states.get("dp_world_size", 1) or 1),
+        params,
+        groups,
+        _scaler(osd) if osd else None,
+    )

@@ -39,14 +39,14 @@ class DurableWriter:
         """Write all of ``data`` (a bytes-like object), updating the size and the CRC."""
         mv = memoryview(data).cast("B")
         for start in range(0, len(mv), CHUNK_BYTES):
-            part = mv[start:start + CHUNK_BYTES]
+            part = mv[start : start + CHUNK_BYTES]
             seams.before_write(str(self.path), self.bytes, len(part))
             done = 0
             try:
                 while done < len(part):
                     done += os.write(self.fd, part[done:])
             except OSError as e:
-                if e.filename is None:      # name the file in the error (ENOSPC, EIO)
+                if e.filename is None:  # name the file in the error (ENOSPC, EIO)
                     raise OSError(e.errno, e.strerror, str(self.path)) from e
                 raise
             self.crc = zlib.crc32(part, self.crc)
@@ -65,7 +65,7 @@ class DurableWriter:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "DurableWriter":
+    def __enter__(self) -> DurableWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -61,10 +61,12 @@ class CheckpointDiskFullError(CheckpointError, OSError):
         self.path = Path(path)
         self.needed = int(needed)
         self.free = int(free)
-        msg = (f"{self.path}: not enough disk space {during}: the checkpoint needs {_size(needed)} "
-               f"({needed} bytes), {_size(free)} ({free} bytes) are free. Free space on that disk, save "
-               "elsewhere, or keep fewer checkpoints; the partial save was removed and the previous "
-               "checkpoint is untouched.")
+        msg = (
+            f"{self.path}: not enough disk space {during}: the checkpoint needs {_size(needed)} "
+            f"({needed} bytes), {_size(free)} ({free} bytes) are free. Free space on that disk, save "
+            "elsewhere, or keep fewer checkpoints; the partial save was removed and the previous "
+            "checkpoint is untouched."
+        )
         OSError.__init__(self, errno.ENOSPC, msg)
         self.args = (msg,)
 

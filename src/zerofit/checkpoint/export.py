@@ -35,8 +35,16 @@ from zerofit.checkpoint.save import WEIGHTS_INDEX, SideFile
 from zerofit.config.schema import parse_bytes
 
 MODEL_INDEX = "model.safetensors.index.json"
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
 _STALE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
 
 
@@ -49,8 +57,14 @@ def export_dtype(dtype: str | torch.dtype, what: str = "export dtype") -> torch.
     raise ValueError(f"{what} {dtype!r}: expected one of bf16, fp16, fp32")
 
 
-def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype | None = None,
-                    max_shard_size: int | str = "5GB", workers: int = 4, merge: bool = False) -> Path:
+def save_pretrained(
+    engine,
+    out_dir: Path | str,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    workers: int = 4,
+    merge: bool = False,
+) -> Path:
     """The engine's current weights as a Hugging Face model directory (see the module docstring); ``dtype``
     None: the model's own (``engine.model_dtype``). A PEFT model: its adapter folder (zerofit/lora/files.py),
     or with ``merge`` the base with the adapters merged in, as a Hugging Face model directory (the module's
@@ -63,19 +77,23 @@ def save_pretrained(engine, out_dir: Path | str, dtype: str | torch.dtype | None
     peft = is_peft(model)
     if merge and not peft:
         raise ValueError("save_pretrained(merge=True) merges LoRA adapters: this model is not a PEFT model")
-    if peft and merge and not engine.nf4:      # an NF4 base merges into its dequantized weights (below)
+    if peft and merge and not engine.nf4:  # an NF4 base merges into its dequantized weights (below)
         from zerofit.lora.files import refuse_quantized
-        refuse_quantized(model)           # before anything is written
+
+        refuse_quantized(model)  # before anything is written
     engine.wait()
     engine.dev.synchronize()
     if peft and not merge:
         from zerofit.lora.files import save_adapter
+
         return save_adapter(engine, out_dir)
     if peft:
         from zerofit.lora.files import merged_entries
+
         side = model_side_files(model.get_base_model(), engine.source_dir, dt)
-        return write_model_dir(Path(out_dir), merged_entries(model, dt, _dequantized(engine)), side,
-                               parse_bytes(max_shard_size), workers)
+        return write_model_dir(
+            Path(out_dir), merged_entries(model, dt, _dequantized(engine)), side, parse_bytes(max_shard_size), workers
+        )
     side = model_side_files(model, engine.source_dir, dt)
     return write_model_dir(Path(out_dir), weight_entries(engine, dt), side, parse_bytes(max_shard_size), workers)
 
@@ -91,9 +109,16 @@ def _dequantized(engine) -> dict:
     return out
 
 
-def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | torch.dtype | None = None,
-                      max_shard_size: int | str = "5GB", workers: int = 4, merge: bool = False,
-                      base: Path | str | None = None, said: list | None = None) -> Path:
+def export_checkpoint(
+    checkpoint: Path | str,
+    out_dir: Path | str,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    workers: int = 4,
+    merge: bool = False,
+    base: Path | str | None = None,
+    said: list | None = None,
+) -> Path:
     """Export a checkpoint's weights as a Hugging Face model directory. ``checkpoint`` is a tag folder or a
     save folder (its ``latest`` is used). Only the weight shards are read (and verified), never the moments.
     ``dtype`` None: the model's own (:func:`checkpoint_dtype`). A checkpoint of a PEFT run: its adapter folder
@@ -111,15 +136,20 @@ def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: str | 
     dt = dt or checkpoint_dtype(record.state)
     model_files = list(record.state.get("model_files", []))
     if CONFIG not in model_files:
-        raise MissingFileError(folder / CONFIG, "this checkpoint has no Hugging Face config.json (the model was not "
-                                                "a transformers model), so it cannot be exported as one")
+        raise MissingFileError(
+            folder / CONFIG,
+            "this checkpoint has no Hugging Face config.json (the model was not "
+            "a transformers model), so it cannot be exported as one",
+        )
     files = shard_files(folder, record, WEIGHTS_INDEX)
     verify(folder, record, [WEIGHTS_INDEX, *files, *model_files], workers)
     found = locate(folder, files, WEIGHTS_INDEX)
     order = sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1].begin))
     entries = [Entry(name, info.shape, dt, fetch=partial(read_tensor, folder / f, info)) for name, (f, info) in order]
-    side = [SideFile(n, with_dtype((folder / n).read_bytes(), dt) if n == CONFIG else (folder / n).read_bytes())
-            for n in model_files]
+    side = [
+        SideFile(n, with_dtype((folder / n).read_bytes(), dt) if n == CONFIG else (folder / n).read_bytes())
+        for n in model_files
+    ]
     return write_model_dir(Path(out_dir), entries, side, parse_bytes(max_shard_size), workers)
 
 
@@ -129,8 +159,9 @@ def checkpoint_dtype(state: dict) -> torch.dtype:
     return DTYPE_OF_NAME.get(state.get("model_dtype"), torch.float32)
 
 
-def write_model_dir(out: Path, entries: list[Entry], side: list[SideFile], max_shard_bytes: int,
-                    workers: int = 4) -> Path:
+def write_model_dir(
+    out: Path, entries: list[Entry], side: list[SideFile], max_shard_bytes: int, workers: int = 4
+) -> Path:
     """Shards, then the index (when sharded), then the side files. Earlier model shards in ``out`` are removed
     first (as ``save_pretrained`` does), so a shard of another export never mixes in."""
     shards = plan_shards(entries, "model", max_shard_bytes, single="model.safetensors")
@@ -149,8 +180,9 @@ def write_model_dir(out: Path, entries: list[Entry], side: list[SideFile], max_s
     return out
 
 
-def _export_adapter(folder: Path, record, out: Path, dtype, merge: bool, base, max_shard_size, workers: int,
-                    said: list | None = None) -> Path:
+def _export_adapter(
+    folder: Path, record, out: Path, dtype, merge: bool, base, max_shard_size, workers: int, said: list | None = None
+) -> Path:
     from zerofit.lora.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     names = [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
@@ -170,9 +202,10 @@ def _export_adapter(folder: Path, record, out: Path, dtype, merge: bool, base, m
     from zerofit.checkpoint.state import ZEROFIT_CONFIG
 
     trained = json.loads((folder / ZEROFIT_CONFIG).read_text()) if (folder / ZEROFIT_CONFIG).is_file() else {}
-    nf4 = trained.get("precision", "bf16") if trained.get("quantize_base") == "nf4" else None   # a QLoRA run's
+    nf4 = trained.get("precision", "bf16") if trained.get("quantize_base") == "nf4" else None  # a QLoRA run's
     with tempfile.TemporaryDirectory() as tmp:
         for n in names:
             (Path(tmp) / n).write_bytes((folder / n).read_bytes())
-        return merge_into_base(Path(base), Path(tmp), out, dtype, max_shard_size, nf4=nf4,
-                               precision=trained.get("precision"), said=said)
+        return merge_into_base(
+            Path(base), Path(tmp), out, dtype, max_shard_size, nf4=nf4, precision=trained.get("precision"), said=said
+        )

@@ -18,10 +18,10 @@ import math
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -40,9 +40,9 @@ class Entry:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    base: torch.Tensor | None = None                   # (N,) flat buffer, any device and dtype
+    base: torch.Tensor | None = None  # (N,) flat buffer, any device and dtype
     offset: int = 0
-    fetch: Callable[[], torch.Tensor] | None = None    # alternative source, called once when written
+    fetch: Callable[[], torch.Tensor] | None = None  # alternative source, called once when written
 
     @property
     def numel(self) -> int:
@@ -77,7 +77,7 @@ def header_bytes(entries: tuple[Entry, ...], metadata: dict[str, str] | None = N
         head[e.name] = {"dtype": DTYPE_CODES[e.dtype], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
         pos += e.nbytes
     raw = json.dumps(head, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)          # data starts 8-byte aligned, as safetensors pads it
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors pads it
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -104,8 +104,12 @@ def index_bytes(shards: list[Shard]) -> bytes:
     """Hugging Face's shard index: total tensor bytes and name -> file."""
     weight_map = {e.name: s.file for s in shards for e in s.entries}
     total = sum(e.nbytes for s in shards for e in s.entries)
-    return json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-                      indent=2).encode() + b"\n"
+    return (
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
+        ).encode()
+        + b"\n"
+    )
 
 
 class _Aborted(Exception):
@@ -135,11 +139,16 @@ def _runs(entries: tuple[Entry, ...]):
             i += 1
             continue
         j, end = i + 1, e.offset + e.numel
-        while (j < len(entries) and entries[j].fetch is None and entries[j].base is e.base
-               and entries[j].offset == end and entries[j].dtype == e.dtype):
+        while (
+            j < len(entries)
+            and entries[j].fetch is None
+            and entries[j].base is e.base
+            and entries[j].offset == end
+            and entries[j].dtype == e.dtype
+        ):
             end += entries[j].numel
             j += 1
-        yield e.base.detach()[e.offset:end], e.dtype
+        yield e.base.detach()[e.offset : end], e.dtype
         i = j
 
 
@@ -158,15 +167,15 @@ def write_shard(folder: Path, shard: Shard, abort: threading.Event | None = None
                 for s in range(0, src.numel(), step):
                     if abort is not None and abort.is_set():
                         raise _Aborted()
-                    w.write(_host_bytes(src[s:s + step]))
+                    w.write(_host_bytes(src[s : s + step]))
                 continue
             step = max(1, CHUNK_BYTES // max(_itemsize(dtype), src.element_size()))
             for s in range(0, src.numel(), step):
                 if abort is not None and abort.is_set():
                     raise _Aborted()
-                part = src[s:s + step]
+                part = src[s : s + step]
                 buf = bounce.get(part.numel(), dtype, pinned=part.device.type == "cuda")
-                buf.copy_(part)          # device -> host and/or cast; synchronous
+                buf.copy_(part)  # device -> host and/or cast; synchronous
                 w.write(_host_bytes(buf))
         size, crc = w.finish()
     if size != shard.size:
@@ -224,8 +233,13 @@ def read_tensor(path: Path, info: TensorInfo) -> torch.Tensor:
     return out.view(info.shape)
 
 
-def read_into(path: Path, header_end: int, plan: list[tuple[TensorInfo, torch.Tensor | None]], crc_expected: int,
-              size_expected: int) -> None:
+def read_into(
+    path: Path,
+    header_end: int,
+    plan: list[tuple[TensorInfo, torch.Tensor | None]],
+    crc_expected: int,
+    size_expected: int,
+) -> None:
     """Read a whole shard sequentially, copying each tensor into its destination (a flat tensor of the
     same numel, any device; None: read and checksummed only), and check the file's CRC32 at the end.
 
@@ -233,6 +247,7 @@ def read_into(path: Path, header_end: int, plan: list[tuple[TensorInfo, torch.Te
     bounce = _Bounce()
     crc = 0
     with open(path, "rb", buffering=0) as f:
+
         def take(mv: memoryview) -> None:
             nonlocal crc
             got = 0
@@ -246,20 +261,22 @@ def read_into(path: Path, header_end: int, plan: list[tuple[TensorInfo, torch.Te
         take(memoryview(bytearray(header_end)))
         pos = header_end
         for info, dst in sorted(plan, key=lambda p: p[0].begin):
-            if info.begin != pos:   # the plan must cover every tensor of the file, in order
+            if info.begin != pos:  # the plan must cover every tensor of the file, in order
                 raise ValueError(f"{path}: read plan skips bytes [{pos}, {info.begin})")
             pos = info.end
             step = max(1, CHUNK_BYTES // _itemsize(info.dtype))
             for s in range(0, info.numel, step):
                 k = min(step, info.numel - s)
-                direct = (dst is not None and dst.device.type == "cpu" and dst.dtype == info.dtype
-                          and dst.is_contiguous())
-                buf = dst[s:s + k] if direct else bounce.get(k, info.dtype, pinned=dst is not None and dst.is_cuda)
+                direct = (
+                    dst is not None and dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous()
+                )
+                buf = dst[s : s + k] if direct else bounce.get(k, info.dtype, pinned=dst is not None and dst.is_cuda)
                 take(memoryview(_host_bytes(buf)).cast("B"))
                 if dst is not None and not direct:
-                    dst[s:s + k].copy_(buf)
+                    dst[s : s + k].copy_(buf)
         if f.read(1):
             raise TruncatedFileError(path, f"longer than the {size_expected} bytes recorded")
     if crc != crc_expected:
-        raise ChecksumMismatchError(path, f"CRC32 {crc:08x} while reading, {crc_expected:08x} recorded: the file "
-                                          "changed after it was verified")
+        raise ChecksumMismatchError(
+            path, f"CRC32 {crc:08x} while reading, {crc_expected:08x} recorded: the file changed after it was verified"
+        )

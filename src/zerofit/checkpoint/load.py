@@ -24,7 +24,7 @@ from zerofit.checkpoint.commit import CommitRecord, resolve
 from zerofit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, MissingFileError
 from zerofit.checkpoint.format import TensorInfo, read_header, read_into
 
-Located = dict[str, tuple[str, TensorInfo]]      # tensor name -> (file name, its place in the file)
+Located = dict[str, tuple[str, TensorInfo]]  # tensor name -> (file name, its place in the file)
 
 
 def open_checkpoint(load_dir: Path | str, tag: str | None) -> tuple[Path, CommitRecord] | None:
@@ -57,13 +57,15 @@ def locate(folder: Path, files: list[str], index_name: str) -> Located:
     for f in files:
         for info in read_header(folder / f)[0]:
             if index.get(info.name) != f:
-                raise CheckpointCorruptError(folder / f, f"holds {info.name}, which {index_name} places in "
-                                                         f"{index.get(info.name)!r}")
+                raise CheckpointCorruptError(
+                    folder / f, f"holds {info.name}, which {index_name} places in {index.get(info.name)!r}"
+                )
             out[info.name] = (f, info)
     missing = sorted(set(index) - set(out))
     if missing:
-        raise CheckpointCorruptError(folder / index_name, f"names {len(missing)} tensors no shard holds, "
-                                                           f"e.g. {missing[0]}")
+        raise CheckpointCorruptError(
+            folder / index_name, f"names {len(missing)} tensors no shard holds, e.g. {missing[0]}"
+        )
     return out
 
 
@@ -77,18 +79,22 @@ def match(found: Located, expected: dict[str, tuple[tuple[int, ...], torch.dtype
             parts.append(f"{len(missing)} {what} tensors of this model are not in it (e.g. {missing[0]})")
         if extra:
             parts.append(f"{len(extra)} of its tensors are not in this model (e.g. {extra[0]})")
-        raise CheckpointMismatchError(f"{folder}: the checkpoint is of another model: {'; '.join(parts)}. "
-                                      "Load it into the model it was saved from.")
+        raise CheckpointMismatchError(
+            f"{folder}: the checkpoint is of another model: {'; '.join(parts)}. "
+            "Load it into the model it was saved from."
+        )
     for n, (shape, dtype) in expected.items():
         f, info = found[n]
         if info.shape != tuple(shape) or info.dtype != dtype:
             raise CheckpointMismatchError(
                 f"{folder / f}: tensor {n} is {list(info.shape)} {info.dtype} in the checkpoint, "
-                f"{list(shape)} {dtype} in this model: the checkpoint is of another model configuration")
+                f"{list(shape)} {dtype} in this model: the checkpoint is of another model configuration"
+            )
 
 
-def copy_into(folder: Path, record: CommitRecord, found: Located, targets: dict[str, torch.Tensor],
-              workers: int = 4) -> None:
+def copy_into(
+    folder: Path, record: CommitRecord, found: Located, targets: dict[str, torch.Tensor], workers: int = 4
+) -> None:
     """Read every file of ``found`` once, sequentially, into ``targets`` (name -> flat destination)."""
     by_file: dict[str, list] = {}
     for name, (f, info) in found.items():

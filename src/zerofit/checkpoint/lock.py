@@ -41,12 +41,12 @@ from pathlib import Path
 
 from zerofit.checkpoint.errors import CheckpointError
 
-RUN_LOCK = ".zerofit-run.lock"      # OUTPUT/ of zerofit train
-SAVE_LOCK = ".zerofit-save.lock"    # a save_checkpoint folder
-_COMMAND_CHARS = 300                # a holder's command, as recorded (argv can be very long)
+RUN_LOCK = ".zerofit-run.lock"  # OUTPUT/ of zerofit train
+SAVE_LOCK = ".zerofit-save.lock"  # a save_checkpoint folder
+_COMMAND_CHARS = 300  # a holder's command, as recorded (argv can be very long)
 
 _registry_lock = threading.Lock()
-_held: dict[str, "FolderLock"] = {}    # lock file (real path) -> this process's holder of it
+_held: dict[str, FolderLock] = {}  # lock file (real path) -> this process's holder of it
 
 
 class FolderInUseError(RuntimeError):
@@ -88,8 +88,8 @@ def this_command() -> str:
     text = shlex.join(argv)
     if len(text) <= _COMMAND_CHARS:
         return text
-    tail = _COMMAND_CHARS // 3        # the options at the end (--resume, --steps) say as much as the start
-    return f"{text[:_COMMAND_CHARS - tail - 5]} ... {text[-tail:]}"
+    tail = _COMMAND_CHARS // 3  # the options at the end (--resume, --steps) say as much as the start
+    return f"{text[: _COMMAND_CHARS - tail - 5]} ... {text[-tail:]}"
 
 
 @dataclass
@@ -99,7 +99,7 @@ class FolderLock:
 
     folder: Path
     path: Path
-    what: str                       # who holds it, in words: "zerofit train", "engine"
+    what: str  # who holds it, in words: "zerofit train", "engine"
     fd: int = -1
     info: dict = field(default_factory=dict)
 
@@ -125,7 +125,7 @@ class FolderLock:
             pass
         self.fd = -1
 
-    def __enter__(self) -> "FolderLock":
+    def __enter__(self) -> FolderLock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -151,12 +151,19 @@ def read_holder(path: Path, tries: int = 20) -> dict | None:
             return None
         except (OSError, ValueError):
             pass
-        time.sleep(0.01)     # a holder between its truncate and its write: a moment later it is there
+        time.sleep(0.01)  # a holder between its truncate and its write: a moment later it is there
     return None
 
 
-def hold(folder: Path | str, name: str, *, what: str, advice: str, command: str | None = None,
-         error: type[FolderInUseError] = FolderInUseError) -> FolderLock:
+def hold(
+    folder: Path | str,
+    name: str,
+    *,
+    what: str,
+    advice: str,
+    command: str | None = None,
+    error: type[FolderInUseError] = FolderInUseError,
+) -> FolderLock:
     """Hold ``folder`` (created if missing) through the lock file ``folder/name``, or raise ``error`` naming
     its holder. See [Note: one writer per folder]."""
     folder = Path(folder)
@@ -175,12 +182,17 @@ def hold(folder: Path | str, name: str, *, what: str, advice: str, command: str 
             if mine is not None and mine.info.get("pid") == os.getpid():
                 raise error(folder, mine.info, advice, same_process=True) from None
             raise error(folder, read_holder(path), advice) from None
-        if not _same_file(fd, path):      # its holder removed it as we opened it: lock the new one
+        if not _same_file(fd, path):  # its holder removed it as we opened it: lock the new one
             os.close(fd)
             continue
-        info = {"pid": os.getpid(), "host": _host(), "started": time.time(), "what": what,
-                "command": command if command is not None else this_command()}
-        try:      # who holds it, for a refused caller's message; a full disk only makes that message vaguer
+        info = {
+            "pid": os.getpid(),
+            "host": _host(),
+            "started": time.time(),
+            "what": what,
+            "command": command if command is not None else this_command(),
+        }
+        try:  # who holds it, for a refused caller's message; a full disk only makes that message vaguer
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(info).encode(), 0)
         except OSError:
@@ -204,8 +216,10 @@ def _host() -> str:
 
 # ---------------------------------------------------------------------------------------------- checkpoint folders
 
-SAVE_ADVICE = ("checkpoints of two writers in one folder would replace each other's tags. Save into another "
-               "folder, or close the engine that holds it first (engine.close())")
+SAVE_ADVICE = (
+    "checkpoints of two writers in one folder would replace each other's tags. Save into another "
+    "folder, or close the engine that holds it first (engine.close())"
+)
 
 
 def hold_save_dir(save_dir: Path | str, holder) -> FolderLock | None:

@@ -16,9 +16,20 @@ from zerofit.checkpoint.save import SideFile
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "spiece.model",
-                   "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPE_OF_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
@@ -40,7 +51,7 @@ def model_dtype(model: nn.Module, source=None) -> torch.dtype:
         if named in DTYPE_OF_NAME:
             return DTYPE_OF_NAME[named]
         return _most((i.dtype, i.numel) for i in source.weights.values())
-    return _most((p.dtype, p.numel()) for p in model.parameters() if p.is_floating_point())   # tied: once
+    return _most((p.dtype, p.numel()) for p in model.parameters() if p.is_floating_point())  # tied: once
 
 
 def _most(sizes) -> torch.dtype:
@@ -68,7 +79,7 @@ def model_side_files(model: nn.Module, source_dir: Path | str | None, dtype: tor
     if cfg is not None and hasattr(cfg, "to_json_string"):
         d = json.loads(cfg.to_json_string())
         d["architectures"] = [type(model).__name__]
-        d.pop("quantization_config", None)      # the weights written are never the 4-bit ones ([Note: an NF4 base])
+        d.pop("quantization_config", None)  # the weights written are never the 4-bit ones ([Note: an NF4 base])
         out.append(SideFile(CONFIG, with_dtype(json.dumps(d).encode(), dtype)))
         gen = getattr(model, "generation_config", None)
         can = getattr(model, "can_generate", None)

@@ -31,15 +31,18 @@ def _pack(words) -> str:
 
 def _unpack(s: str) -> list[int]:
     raw = base64.b64decode(s)
-    return [int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw), 4)]
+    return [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw), 4)]
 
 
 def capture(cuda_device: torch.device | None = None) -> dict:
     """The state of every generator, JSON-serializable. On CUDA only ``cuda_device``'s generator (the
     engine's): asking for all devices would create a context on every GPU of the machine."""
     version, internal, gauss = random.getstate()
-    out = {"torch": _b64(torch.get_rng_state()), "python": [version, _pack(internal), gauss],
-           "cuda": _b64(torch.cuda.get_rng_state(cuda_device)) if cuda_device is not None else None}
+    out = {
+        "torch": _b64(torch.get_rng_state()),
+        "python": [version, _pack(internal), gauss],
+        "cuda": _b64(torch.cuda.get_rng_state(cuda_device)) if cuda_device is not None else None,
+    }
     try:
         import numpy as np
     except ImportError:

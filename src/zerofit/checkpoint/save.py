@@ -27,7 +27,7 @@ OPTIMIZER = "optimizer"
 WEIGHTS_INDEX = "weights.safetensors.index.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 10**9
-_RECORD_RESERVE = 256 << 10   # the commit record is written last (RNG states make it ~25 KB): room for it
+_RECORD_RESERVE = 256 << 10  # the commit record is written last (RNG states make it ~25 KB): room for it
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,14 @@ class Content:
     state: dict = field(default_factory=dict)
 
 
-def write_checkpoint(save_dir: Path | str, content: Content, save_latest: bool = True,
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 4, holder=None) -> Path:
+def write_checkpoint(
+    save_dir: Path | str,
+    content: Content,
+    save_latest: bool = True,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    workers: int = 4,
+    holder=None,
+) -> Path:
     """Write ``content`` as ``save_dir/<tag>/`` atomically and (``save_latest``) point ``latest`` at it.
     Returns the checkpoint folder. ``save_dir`` is held first ([Note: one writer per folder], lock.py): for the
     life of ``holder`` (an object with a ``locks`` dict, such as an engine's resources), else for this save;
@@ -64,8 +70,7 @@ def write_checkpoint(save_dir: Path | str, content: Content, save_latest: bool =
             own.release()
 
 
-def _write(save_dir: Path, tag: str, content: Content, save_latest: bool, max_shard_bytes: int,
-           workers: int) -> Path:
+def _write(save_dir: Path, tag: str, content: Content, save_latest: bool, max_shard_bytes: int, workers: int) -> Path:
     w_shards = plan_shards(content.weights, WEIGHTS, max_shard_bytes)
     o_shards = plan_shards(content.optimizer, OPTIMIZER, max_shard_bytes) if content.optimizer else []
     small = [SideFile(WEIGHTS_INDEX, index_bytes(w_shards))]
@@ -76,8 +81,9 @@ def _write(save_dir: Path, tag: str, content: Content, save_latest: bool, max_sh
     if len(set(names)) != len(names) or RECORD in names:
         raise ValueError(f"checkpoint file names collide: {sorted(names)}")
     save_dir.mkdir(parents=True, exist_ok=True)
-    needed = disk_bytes([s.size for s in w_shards + o_shards] + [len(f.data) for f in small] + [_RECORD_RESERVE],
-                        save_dir)
+    needed = disk_bytes(
+        [s.size for s in w_shards + o_shards] + [len(f.data) for f in small] + [_RECORD_RESERVE], save_dir
+    )
     if seams.space_check:
         free = free_bytes(save_dir)
         if needed > free:

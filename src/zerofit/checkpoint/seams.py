@@ -13,7 +13,7 @@ import contextlib
 import errno
 import os
 import signal
-from typing import Iterator
+from collections.abc import Iterator
 
 PAUSE_ENV = "ZEROFIT_CHECKPOINT_PAUSE_AT"
 PHASES = ("shards", "record", "rename", "pointer")

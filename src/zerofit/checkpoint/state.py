@@ -22,29 +22,47 @@ import torch
 
 from zerofit.checkpoint import deepspeed_format, deepspeed_load, rng
 from zerofit.checkpoint.commit import RECORD as COMMIT_RECORD
-from zerofit.checkpoint.errors import (CheckpointMismatchError, CheckpointStateError, EngineStateLostError,
-                                       MissingFileError)
-from zerofit.checkpoint.entries import (MOMENTS, RESUME_FIELDS, named_units, optimizer_entries,  # noqa: F401
-                                       weight_entries)
-from zerofit.checkpoint.load import copy_into, locate, match, open_checkpoint, shard_files
 from zerofit.checkpoint.commit import verify
+from zerofit.checkpoint.entries import (
+    MOMENTS,
+    RESUME_FIELDS,
+    named_units,
+    optimizer_entries,
+    weight_entries,
+)
+from zerofit.checkpoint.errors import (
+    CheckpointMismatchError,
+    CheckpointStateError,
+    EngineStateLostError,
+    MissingFileError,
+)
+from zerofit.checkpoint.load import copy_into, locate, match, open_checkpoint, shard_files
 from zerofit.checkpoint.model_files import dtype_name, model_side_files
+from zerofit.checkpoint.save import (
+    DEFAULT_SHARD_BYTES,
+    OPTIMIZER_INDEX,
+    WEIGHTS_INDEX,
+    Content,
+    SideFile,
+    write_checkpoint,
+)
 from zerofit.lora import is_peft
-from zerofit.checkpoint.save import (DEFAULT_SHARD_BYTES, OPTIMIZER_INDEX, WEIGHTS_INDEX, Content, SideFile,
-                                     write_checkpoint)
 from zerofit.optim.client_schedule import LR_SCHEDULER
 
 log = logging.getLogger("zerofit")
 
 CLIENT_STATE = "client_state.pt"
 ZEROFIT_CONFIG = "zerofit_config.json"
+
+
 def _refuse_mid_step(engine, action: str) -> None:
     open_window = engine.window.in_progress()
     if open_window:
         raise CheckpointStateError(
             f"cannot {action} in the middle of a gradient accumulation ({open_window}): the loaded weights would "
             "meet gradients of the current ones. Call it after engine.step() has taken the optimizer step "
-            "(engine.is_gradient_accumulation_boundary()).")
+            "(engine.is_gradient_accumulation_boundary())."
+        )
 
 
 # [Note: a save in the middle of an accumulation window]
@@ -70,18 +88,29 @@ def _window(engine) -> dict | None:
         raise CheckpointStateError(
             f"cannot save a checkpoint between the accumulation boundary's backward() and its step() "
             f"({at['micro_batches']} micro-batches): the optimizer step has begun (the blocks' updates run during "
-            "that backward). Call engine.step() first, then save: the checkpoint then holds this step's update")
-    return {"micro_batches": at["micro_batches"], "forward_pending": at["forward_pending"],
-            "gradient_accumulation_steps": engine.config.gradient_accumulation_steps}
+            "that backward). Call engine.step() first, then save: the checkpoint then holds this step's update"
+        )
+    return {
+        "micro_batches": at["micro_batches"],
+        "forward_pending": at["forward_pending"],
+        "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
+    }
 
 
-def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dict | None = None,
-         save_latest: bool = True, max_shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 4,
-         exclude_frozen: bool = False) -> Path:
+def save(
+    engine,
+    save_dir: Path | str,
+    tag: str | None = None,
+    client_state: dict | None = None,
+    save_latest: bool = True,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    workers: int = 4,
+    exclude_frozen: bool = False,
+) -> Path:
     """Write the engine's whole training state as ``save_dir/<tag>`` (see docs/checkpoints.md); with
     ``exclude_frozen`` (DeepSpeed's ``exclude_frozen_parameters``) without the frozen parameters' weights,
     which the model the checkpoint is loaded into then supplies."""
-    window = _window(engine)     # [Note: a save in the middle of an accumulation window]
+    window = _window(engine)  # [Note: a save in the middle of an accumulation window]
     tag = tag if tag is not None else f"global_step{engine.global_step}"
     engine.wait()
     engine.dev.synchronize()
@@ -93,9 +122,11 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     peft = is_peft(model)
     exclude_frozen = exclude_frozen or peft
     hf = model_side_files(model.get_base_model() if peft else model, engine.source_dir, torch.float32)
-    side = [SideFile(CLIENT_STATE, buf.getvalue()),
-            SideFile(ZEROFIT_CONFIG, json.dumps(engine.config.model_dump(mode="json"), indent=2).encode())] + hf
-    schedule = engine.hypers.client     # [Note: a client scheduler drives the engine's lr]
+    side = [
+        SideFile(CLIENT_STATE, buf.getvalue()),
+        SideFile(ZEROFIT_CONFIG, json.dumps(engine.config.model_dump(mode="json"), indent=2).encode()),
+    ] + hf
+    schedule = engine.hypers.client  # [Note: a client scheduler drives the engine's lr]
     if schedule is not None:
         side.append(SideFile(LR_SCHEDULER, schedule.state_bytes(engine.hypers)))
     if peft:
@@ -105,16 +136,20 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
     weights = weight_entries(engine, frozen=not exclude_frozen)
     state = {
         "frozen_excluded": bool(exclude_frozen and engine.frozen),
-        "global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
+        "global_step": engine.global_step,
+        "skipped_steps": engine.skipped_steps,
         "unit_steps": {u.name: int(u.step.item()) for u in engine.units if u.trains},
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "rng": rng.capture(engine.dev.device if engine.dev.is_cuda else None),
-        "precision": engine.config.precision, "model_class": type(model).__name__,
-        "model_dtype": dtype_name(engine.model_dtype),     # what zerofit export writes by default
+        "precision": engine.config.precision,
+        "model_class": type(model).__name__,
+        "model_dtype": dtype_name(engine.model_dtype),  # what zerofit export writes by default
         "parameters": {"tensors": len(weights), "numel": sum(e.numel for e in weights)},
-        "placement": {"resident_blocks": engine.plan.resident_blocks,
-                      "shell_optimizer_on_device": engine.plan.shell_optimizer_on_device,
-                      "device": str(engine.dev.device)},
+        "placement": {
+            "resident_blocks": engine.plan.resident_blocks,
+            "shell_optimizer_on_device": engine.plan.shell_optimizer_on_device,
+            "device": str(engine.dev.device),
+        },
         "model_files": [f.name for f in hf],
         # [Note: speculative updates] (engine/update/speculation.py): whether the next step speculates depends on
         # whether the last one was clipped, and a speculated-then-redone update differs in rounding
@@ -127,58 +162,69 @@ def save(engine, save_dir: Path | str, tag: str | None = None, client_state: dic
 
         state["lora_base"] = base.record(engine)
     from zerofit.version import __version__
+
     state["zerofit_version"] = __version__
     content = Content(tag, weights, optimizer_entries(engine), side, state)
     t = time.perf_counter()
     with torch.profiler.record_function("zerofit::checkpoint.save"):
         # [Note: one writer per folder] (lock.py): the engine holds save_dir from now until it closes
-        folder = write_checkpoint(save_dir, content, save_latest, max_shard_bytes, workers, holder=engine.lifecycle.resources)
+        folder = write_checkpoint(
+            save_dir, content, save_latest, max_shard_bytes, workers, holder=engine.lifecycle.resources
+        )
     s = time.perf_counter() - t
     if engine.tier is not None:
-        engine.tier.file.flush_mapping()      # the disk tier's pages read for the save leave memory
+        engine.tier.file.flush_mapping()  # the disk tier's pages read for the save leave memory
     nbytes = sum(f.stat().st_size for f in folder.iterdir())
     log.info("saved %s: %.1f MB in %.2f s (%.0f MB/s)", folder, nbytes / 1e6, s, nbytes / 1e6 / max(s, 1e-9))
     return folder
 
 
-def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_states: bool = True,
-         workers: int = 4) -> tuple[str | None, dict | None]:
+def load(
+    engine, load_dir: Path | str, tag: str | None = None, load_optimizer_states: bool = True, workers: int = 4
+) -> tuple[str | None, dict | None]:
     """Load a checkpoint into the engine; ``(path, client_state)``, or ``(None, None)`` with a warning when
     ``tag`` is None and ``load_dir`` has no ``latest``. See [Note: verify before copying] (load.py)."""
     _refuse_mid_step(engine, "load a checkpoint")
     ds_folder = deepspeed_format.find(load_dir, tag, COMMIT_RECORD)
-    if ds_folder is not None:      # [Note: a DeepSpeed checkpoint into the units] (deepspeed_load.py)
+    if ds_folder is not None:  # [Note: a DeepSpeed checkpoint into the units] (deepspeed_load.py)
         return deepspeed_load.load(engine, ds_folder, load_optimizer_states)
     opened = open_checkpoint(load_dir, tag)
     if opened is None:
-        log.warning("%s: no 'latest' file, so no checkpoint to load; training starts from the current state. "
-                    "Pass tag=... to load a specific one.", load_dir)
+        log.warning(
+            "%s: no 'latest' file, so no checkpoint to load; training starts from the current state. "
+            "Pass tag=... to load a specific one.",
+            load_dir,
+        )
         return None, None
     folder, record = opened
     st = record.state
-    if st.get("lora_base") is not None:     # [Note: the base's fingerprint] (zerofit/lora/base.py)
+    if st.get("lora_base") is not None:  # [Note: the base's fingerprint] (zerofit/lora/base.py)
         from zerofit.lora import base
 
         base.check(engine, st["lora_base"], folder)
     indexes = [WEIGHTS_INDEX] + ([OPTIMIZER_INDEX] if load_optimizer_states else [])
     if load_optimizer_states and record.file(OPTIMIZER_INDEX) is None:
-        raise MissingFileError(folder / OPTIMIZER_INDEX, "this checkpoint has no optimizer state; load it with "
-                                                         "load_optimizer_states=False")
+        raise MissingFileError(
+            folder / OPTIMIZER_INDEX, "this checkpoint has no optimizer state; load it with load_optimizer_states=False"
+        )
     files = {ix: shard_files(folder, record, ix) for ix in indexes}
     side = [n for n in (CLIENT_STATE, ZEROFIT_CONFIG, LR_SCHEDULER) if record.file(n) is not None]
     verify(folder, record, [f for ix in indexes for f in [ix, *files[ix]]] + side, workers)
-    trained = {p + n: (tuple(s), torch.float32) for u, p in named_units(engine)
-               for n, s in zip(u.layout.names, u.layout.shapes)}
-    with_frozen = not st.get("frozen_excluded", False)     # save_checkpoint(exclude_frozen_parameters=True)
+    trained = {
+        p + n: (tuple(s), torch.float32)
+        for u, p in named_units(engine)
+        for n, s in zip(u.layout.names, u.layout.shapes)
+    }
+    with_frozen = not st.get("frozen_excluded", False)  # save_checkpoint(exclude_frozen_parameters=True)
     entries = weight_entries(engine, frozen=with_frozen)
     expected_w = {e.name: (e.shape, torch.float32) for e in entries}
     found = locate(folder, files[WEIGHTS_INDEX], WEIGHTS_INDEX)
     match(found, expected_w, folder, "weight")
-    targets = {e.name: e.base[e.offset:e.offset + e.numel] for e in entries}
+    targets = {e.name: e.base[e.offset : e.offset + e.numel] for e in entries}
     if load_optimizer_states:
         opt = locate(folder, files[OPTIMIZER_INDEX], OPTIMIZER_INDEX)
         match(opt, {f"{n}.{m}": v for n, v in trained.items() for m in MOMENTS}, folder, "optimizer")
-        targets.update({e.name: e.base[e.offset:e.offset + e.numel] for e in optimizer_entries(engine)})
+        targets.update({e.name: e.base[e.offset : e.offset + e.numel] for e in optimizer_entries(engine)})
         found = {**found, **opt}
         steps = unit_steps(engine, st["unit_steps"], folder)
     _check_scaler(engine, st.get("scaler"), folder)
@@ -195,12 +241,14 @@ def load(engine, load_dir: Path | str, tag: str | None = None, load_optimizer_st
             for u in engine.units:
                 if u.trains:
                     u.step.fill_(float(steps[u.name]))
-        engine.weights_loaded()     # [Note: engine consistency after a load] (engine/store.py)
+        engine.weights_loaded()  # [Note: engine consistency after a load] (engine/store.py)
     except BaseException as e:
         # [Note: a failed load fails the engine]: its weights are partly from the checkpoint; Engine.load_checkpoint
         # makes the engine FAILED (engine/lifecycle.py): every later call raises, naming this cause
-        raise EngineStateLostError(f"loading {folder} failed after tensors were copied into the engine ({e}); its "
-                                   "weights are partly from the checkpoint: build a new engine and load again") from e
+        raise EngineStateLostError(
+            f"loading {folder} failed after tensors were copied into the engine ({e}); its "
+            "weights are partly from the checkpoint: build a new engine and load again"
+        ) from e
     engine.global_step = int(st["global_step"])
     engine.skipped_steps = int(st["skipped_steps"])
     if st.get("speculate_next") is not None:
@@ -222,9 +270,11 @@ def unit_steps(engine, saved: dict[str, int], folder: Path) -> dict[str, int]:
         return dict(saved)
     counts = set(saved.values())
     if len(counts) != 1:
-        raise CheckpointMismatchError(f"{folder}: optimizer step counts for units {sorted(saved)} differ "
-                                      f"({sorted(counts)}), and this engine cuts the model into {sorted(units)}: load "
-                                      "it into an engine built as the one that saved it (the same adapter and model)")
+        raise CheckpointMismatchError(
+            f"{folder}: optimizer step counts for units {sorted(saved)} differ "
+            f"({sorted(counts)}), and this engine cuts the model into {sorted(units)}: load "
+            "it into an engine built as the one that saved it (the same adapter and model)"
+        )
     return dict.fromkeys(units, counts.pop())
 
 
@@ -233,8 +283,9 @@ def _restore_client_schedule(engine, folder: Path, saved: bool) -> None:
     if schedule is not None:
         schedule.restore((folder / LR_SCHEDULER).read_bytes() if saved else None, engine.global_step, str(folder))
     elif saved:
-        log.warning("%s: saved with a client lr_scheduler, loaded into an engine without one: its state is not "
-                    "used", folder)
+        log.warning(
+            "%s: saved with a client lr_scheduler, loaded into an engine without one: its state is not used", folder
+        )
 
 
 def _warn_partial_window(folder: Path, window: dict | None) -> None:
@@ -243,22 +294,34 @@ def _warn_partial_window(folder: Path, window: dict | None) -> None:
         return
     n, G = window["micro_batches"], window["gradient_accumulation_steps"]
     pending = " (and a forward without its backward)" if window.get("forward_pending") else ""
-    log.warning("%s: the checkpoint was saved %d micro-batches into an accumulation window of %d%s; their "
-                "gradients were not saved: the loaded engine starts a new window (the weights and optimizer state "
-                "are those of the last optimizer step, as DeepSpeed saves them)", folder, n, G, pending)
+    log.warning(
+        "%s: the checkpoint was saved %d micro-batches into an accumulation window of %d%s; their "
+        "gradients were not saved: the loaded engine starts a new window (the weights and optimizer state "
+        "are those of the last optimizer step, as DeepSpeed saves them)",
+        folder,
+        n,
+        G,
+        pending,
+    )
 
 
 def _check_scaler(engine, saved: dict | None, folder: Path) -> None:
     if engine.scaler is None or saved is None:
         if (engine.scaler is None) != (saved is None):
-            log.warning("%s: saved with precision %s, loaded with %s: the fp16 loss scaler state is %s", folder,
-                        "fp16" if saved else "not fp16", engine.config.precision,
-                        "ignored" if saved else "fresh")
+            log.warning(
+                "%s: saved with precision %s, loaded with %s: the fp16 loss scaler state is %s",
+                folder,
+                "fp16" if saved else "not fp16",
+                engine.config.precision,
+                "ignored" if saved else "fresh",
+            )
         return
     kind = engine.scaler.state_dict()["kind"]
     if saved.get("kind") != kind:
-        raise CheckpointMismatchError(f"{folder}: the checkpoint's fp16 loss scaler is {saved.get('kind')!r}, "
-                                      f"this engine's is {kind!r} (fp16.loss_scale differs)")
+        raise CheckpointMismatchError(
+            f"{folder}: the checkpoint's fp16 loss scaler is {saved.get('kind')!r}, "
+            f"this engine's is {kind!r} (fp16.loss_scale differs)"
+        )
 
 
 def groups_record(engine) -> list[dict] | None:
@@ -281,5 +344,9 @@ def _warn_config_changes(engine, folder: Path, state: dict) -> None:
     if state.get("param_groups") != groups_record(engine):
         changed.append("param_groups")
     if changed:
-        log.warning("%s: saved with a different %s; the run continues with the new settings, so it will not "
-                    "match an uninterrupted one exactly", folder, ", ".join(changed))
+        log.warning(
+            "%s: saved with a different %s; the run continues with the new settings, so it will not "
+            "match an uninterrupted one exactly",
+            folder,
+            ", ".join(changed),
+        )

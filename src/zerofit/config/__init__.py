@@ -17,9 +17,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from zerofit.config.deepspeed import KeyReport, is_deepspeed_config, translate
 from zerofit.config.schema import (
@@ -121,7 +122,6 @@ def load_config(source: Any = None, *, world_size: int | None = None, **override
     return LoadedConfig(config, loaded.report, loaded.source, loaded.flavour)
 
 
-
 def load_with_defaults(source: Any, defaults: dict, **overrides: Any) -> LoadedConfig:
     """``load_config(source, **overrides)`` for a config file; without one, ``defaults`` (a dict without
     ``train_batch_size``) with the batch fields among ``overrides`` put into it, so that the batch size
@@ -133,6 +133,7 @@ def load_with_defaults(source: Any, defaults: dict, **overrides: Any) -> LoadedC
         if name in overrides:
             base[name] = overrides.pop(name)
     return load_config(base, **overrides)
+
 
 def _load_source(source: Any, world_size: int | None) -> LoadedConfig:
     if source is None:
@@ -146,8 +147,9 @@ def _load_source(source: Any, world_size: int | None) -> LoadedConfig:
     elif isinstance(source, Mapping):
         raw, name = source, "<dict>"
     else:
-        raise ConfigError("<config>", "None, a dict, a ZerofitConfig or the path of a .json file",
-                          f"a {type(source).__name__}")
+        raise ConfigError(
+            "<config>", "None, a dict, a ZerofitConfig or the path of a .json file", f"a {type(source).__name__}"
+        )
     if is_deepspeed_config(raw):
         t = translate(raw, world_size=1 if world_size is None else world_size)
         return LoadedConfig(t.validate(), t.report, name, "deepspeed")
@@ -160,8 +162,9 @@ def _load_source(source: Any, world_size: int | None) -> LoadedConfig:
 def read_json(path: Path) -> dict[str, Any]:
     """A config file's JSON object (DeepSpeed's or zerofit's); ConfigError naming the file otherwise."""
     if path.suffix.lower() != ".json":
-        raise ConfigError(str(path), "a .json file (a DeepSpeed or zerofit config)",
-                          f"a {path.suffix or 'file without an extension'}")
+        raise ConfigError(
+            str(path), "a .json file (a DeepSpeed or zerofit config)", f"a {path.suffix or 'file without an extension'}"
+        )
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -173,8 +176,12 @@ def read_json(path: Path) -> dict[str, Any]:
         seen: dict[str, Any] = {}
         for key, value in pairs:
             if key in seen:
-                raise ConfigError(key, "each key once per object", f"{key!r} twice in {path}",
-                                  "JSON keeps only the last one silently; remove one")
+                raise ConfigError(
+                    key,
+                    "each key once per object",
+                    f"{key!r} twice in {path}",
+                    "JSON keeps only the last one silently; remove one",
+                )
             seen[key] = value
         return seen
 
@@ -202,8 +209,9 @@ def _apply_overrides(fields: dict[str, Any], overrides: Mapping[str, Any]) -> se
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})  # an unknown section is reported by validation, with a suggestion
             if not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: i + 1]), f"a section, to set {key!r} inside it",
-                                  f"the value {show(child)}")
+                raise ConfigError(
+                    ".".join(parts[: i + 1]), f"a section, to set {key!r} inside it", f"the value {show(child)}"
+                )
             node = child
         leaf = parts[-1]
         if isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
@@ -244,8 +252,7 @@ def render_config(loaded: LoadedConfig) -> str:
         from zerofit.config.deepspeed_keys import DEEPSPEED_VERSION
 
         origin += f"; a key it leaves out takes the defaults of DeepSpeed {DEEPSPEED_VERSION}"
-    lines = [f"zerofit configuration (from {origin})",
-             json.dumps(loaded.config.model_dump(mode="json"), indent=2)]
+    lines = [f"zerofit configuration (from {origin})", json.dumps(loaded.config.model_dump(mode="json"), indent=2)]
     if loaded.report:
         counts = {s: sum(r.status == s for r in loaded.report) for s in ("honoured", "mapped", "not-applicable")}
         lines.append("DeepSpeed keys (" + ", ".join(f"{n} {s}" for s, n in counts.items()) + "):")

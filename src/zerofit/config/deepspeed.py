@@ -52,8 +52,9 @@ bucket sizes, thresholds (not-applicable)       zerofit's planner decides
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from zerofit.config.schema import (
     ConfigError,
@@ -66,31 +67,41 @@ from zerofit.config.schema import (
 )
 
 __all__ = [
-    "KeyReport", "Status", "Key", "Section", "Translation",
-    "translate", "from_deepspeed", "is_deepspeed_config", "rename_fields",
-    "DEEPSPEED_KEYS", "ADAM_PARAMS", "SCHEDULER_PARAMS", "DEEPSPEED_VERSION",
+    "KeyReport",
+    "Status",
+    "Key",
+    "Section",
+    "Translation",
+    "translate",
+    "from_deepspeed",
+    "is_deepspeed_config",
+    "rename_fields",
+    "DEEPSPEED_KEYS",
+    "ADAM_PARAMS",
+    "SCHEDULER_PARAMS",
+    "DEEPSPEED_VERSION",
 ]
 
-from zerofit.config.errors import close_match
 from zerofit.config.deepspeed_keys import (
     ADAM_PARAMS,
     AUTO,
     DEEPSPEED_KEYS,
     DEEPSPEED_VERSION,
-    Key,
-    KeyReport,
+    KNOWN_PATHS,
     MAPPED,
     NO_DEFAULT,
-    SCHEDULER_PARAMS,
-    TORCH_ADAMW_WEIGHT_DECAY,
-    Section,
-    Status,
-    BadValue,
-    KNOWN_PATHS,
     PLANNER_DECIDES,
     REFUSED_WHEN_ENABLED,
+    SCHEDULER_PARAMS,
+    TORCH_ADAMW_WEIGHT_DECAY,
+    BadValue,
+    Key,
+    KeyReport,
+    Section,
+    Status,
     default,
 )
+from zerofit.config.errors import close_match
 
 
 class _Values:
@@ -98,7 +109,7 @@ class _Values:
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
-        self.written: dict[str, str] = {}     # canonical path -> path as written (aliases kept)
+        self.written: dict[str, str] = {}  # canonical path -> path as written (aliases kept)
         self.spec: dict[str, Key | Section] = {}
 
     def __contains__(self, path: str) -> bool:
@@ -138,8 +149,10 @@ def _unknown_key(key: str, written_parent: str, spec: Mapping[str, Key | Section
         else:
             hint = "see DeepSpeed's configuration reference for the keys of this section"
     if not written_parent and key in ZerofitConfig.model_fields:
-        hint = (f"{key!r} is a zerofit field: this dict mixes DeepSpeed and zerofit keys; "
-                "pass zerofit fields as overrides instead")
+        hint = (
+            f"{key!r} is a zerofit field: this dict mixes DeepSpeed and zerofit keys; "
+            "pass zerofit fields as overrides instead"
+        )
     return ConfigError(here, "a key DeepSpeed defines", f"unknown key {key!r}", hint)
 
 
@@ -156,8 +169,9 @@ def _walk(spec: Mapping[str, Key | Section], data: Any, canon: str, written: str
             raise _unknown_key(key, written, spec)
         here, path = _join(written, key), _join(canon, name)
         if path in out.written:
-            raise ConfigError(here, "one spelling of this key", f"both {out.written[path]!r} and {here!r}",
-                              "remove one of them")
+            raise ConfigError(
+                here, "one spelling of this key", f"both {out.written[path]!r} and {here!r}", "remove one of them"
+            )
         item = spec[name]
         out.written[path], out.spec[path] = here, item
         if isinstance(item, Section):
@@ -231,7 +245,7 @@ class Translation:
 
     def validate(self) -> ZerofitConfig:
         """Build the :class:`ZerofitConfig`; errors name the DeepSpeed key the field came from."""
-        try:     # the batch triple and the NVMe folder were read here, under DeepSpeed's names: not again
+        try:  # the batch triple and the NVMe folder were read here, under DeepSpeed's names: not again
             return ZerofitConfig(_read=("batch", "nvme_path"), **self.fields)
         except ConfigError as exc:
             raise rename_fields(exc, self.origin) from None
@@ -239,9 +253,9 @@ class Translation:
 
 def rename_fields(exc: ConfigError, origin: Mapping[str, str]) -> ConfigError:
     """``exc`` with zerofit field names replaced by the config keys they came from."""
-    return ConfigError.from_problems([
-        Problem(origin.get(p.field, p.field), p.expected, p.found, p.hint) for p in exc.problems
-    ])
+    return ConfigError.from_problems(
+        [Problem(origin.get(p.field, p.field), p.expected, p.found, p.hint) for p in exc.problems]
+    )
 
 
 def translate(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
@@ -263,7 +277,7 @@ def translate(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
     if "scheduler" in v:
         fields["scheduler"] = _scheduler(v, fields["optimizer"], notes, origin)
     fields["offload"] = _offload(v, notes, origin)
-    if "zero_optimization.stage" in v:      # FSDP's word for the stage (docs/ranks.md)
+    if "zero_optimization.stage" in v:  # FSDP's word for the stage (docs/ranks.md)
         fields["sharding"] = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP"}.get(v.get("zero_optimization.stage", 0), "NO_SHARD")
         origin["sharding"] = v.name("zero_optimization.stage")
     _nodes_layout(v, fields, notes, origin)
@@ -273,8 +287,13 @@ def translate(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
         clip = default("gradient_clipping")
         notes["gradient_clipping"] = f"auto -> {clip} (DeepSpeed's default, and transformers' max_grad_norm)"
     elif "gradient_clipping" not in v:
-        extra.append(KeyReport("gradient_clipping", MAPPED, f"not given: {clip} (DeepSpeed {DEEPSPEED_VERSION}'s "
-                               "default; 0 turns clipping off)"))
+        extra.append(
+            KeyReport(
+                "gradient_clipping",
+                MAPPED,
+                f"not given: {clip} (DeepSpeed {DEEPSPEED_VERSION}'s default; 0 turns clipping off)",
+            )
+        )
     fields["gradient_clipping"] = float(clip)
     origin["gradient_clipping"] = v.name("gradient_clipping")
     for key in ("steps_per_print", "wall_clock_breakdown", "managed_gradient_accumulation"):
@@ -310,25 +329,35 @@ def _refuse_unsupported(v: _Values) -> None:
     for name in REFUSED_WHEN_ENABLED:
         section = v.get(name)
         if isinstance(section, Mapping) and section.get("enabled") not in (None, False, AUTO):
-            raise ConfigError(f"{v.name(name)}.enabled", f"false (zerofit does not implement DeepSpeed's {name})",
-                              show(section.get("enabled")), f"remove the {name!r} section or disable it")
+            raise ConfigError(
+                f"{v.name(name)}.enabled",
+                f"false (zerofit does not implement DeepSpeed's {name})",
+                show(section.get("enabled")),
+                f"remove the {name!r} section or disable it",
+            )
     if "sparse_attention" in v:
-        raise ConfigError(v.name("sparse_attention"), "no sparse_attention section (zerofit keeps the model's "
-                          "own attention)", show(v.get("sparse_attention")), "remove the section")
+        raise ConfigError(
+            v.name("sparse_attention"),
+            "no sparse_attention section (zerofit keeps the model's own attention)",
+            show(v.get("sparse_attention")),
+            "remove the section",
+        )
 
 
 def _batch(v: _Values, world_size: int, fields: dict, notes: dict, origin: dict) -> None:
     ds_names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "world_size")
     given = [None if v.get(k) is AUTO else v.get(k) for k in ds_names[:3]]
     resolved = resolve_batch(*given, world_size, [v.name(k) for k in ds_names[:3]] + ["world_size"])
-    for ds_name, zf_name, value in zip(ds_names, ("train_batch_size", "micro_batch_size",
-                                                  "gradient_accumulation_steps"), resolved):
+    for ds_name, zf_name, value in zip(
+        ds_names, ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps"), resolved
+    ):
         fields[zf_name] = value
         origin[zf_name] = v.name(ds_name)
         if v.get(ds_name) is AUTO:
-            notes[ds_name] = f"auto -> {value} (derived from the others and world_size={world_size}; " \
-                             "micro batch and accumulation default to 1)"
-
+            notes[ds_name] = (
+                f"auto -> {value} (derived from the others and world_size={world_size}; "
+                "micro batch and accumulation default to 1)"
+            )
 
 
 def _nodes_layout(v, fields: dict, notes: dict, origin: dict) -> None:
@@ -341,9 +370,11 @@ def _nodes_layout(v, fields: dict, notes: dict, origin: dict) -> None:
     if hpz not in (None, 0, 1):
         fields["nodes_layout"] = "hybrid"
         origin["nodes_layout"] = v.name(hpz_key)
-        notes[hpz_key] = (f"{hpz} -> nodes_layout hybrid: on several nodes each node holds the whole state and "
-                          "gathers the weights inside itself (hpZ's secondary partition; zerofit keeps the optimizer "
-                          "state whole per node, where hpZ shards it); only gradients cross the nodes (docs/ranks.md)")
+        notes[hpz_key] = (
+            f"{hpz} -> nodes_layout hybrid: on several nodes each node holds the whole state and "
+            "gathers the weights inside itself (hpZ's secondary partition; zerofit keeps the optimizer "
+            "state whole per node, where hpZ shards it); only gradients cross the nodes (docs/ranks.md)"
+        )
     elif "zero_optimization.stage" in v:
         stage = v.get("zero_optimization.stage", 0)
         fields["nodes_layout"] = "full" if stage else "hybrid"
@@ -351,16 +382,24 @@ def _nodes_layout(v, fields: dict, notes: dict, origin: dict) -> None:
         notes["zero_optimization.stage"] = (
             notes.get("zero_optimization.stage", DEEPSPEED_KEYS["zero_optimization"].keys["stage"].note)
             + "; on several nodes -> nodes_layout "
-            + ("full (the state sharded over every rank of every node; zero_hpz_partition_size = the GPUs per node "
-               "names hybrid)" if stage else "hybrid (every node holds the whole state)"))
+            + (
+                "full (the state sharded over every rank of every node; zero_hpz_partition_size = the GPUs per node "
+                "names hybrid)"
+                if stage
+                else "hybrid (every node holds the whole state)"
+            )
+        )
 
 
 def _precision(v: _Values, notes: dict) -> str:
     fp16, bf16 = v.get("fp16.enabled", False), v.get("bf16.enabled", False)
     if fp16 is True and bf16 is True:
-        raise ConfigError(v.name("bf16.enabled"), f"at most one of {v.name('fp16.enabled')} and "
-                          f"{v.name('bf16.enabled')} true", "both true",
-                          "choose fp16 (with loss scaling) or bf16")
+        raise ConfigError(
+            v.name("bf16.enabled"),
+            f"at most one of {v.name('fp16.enabled')} and {v.name('bf16.enabled')} true",
+            "both true",
+            "choose fp16 (with loss scaling) or bf16",
+        )
     if fp16 is True:
         precision = "fp16"
     elif bf16 is True:
@@ -377,15 +416,23 @@ def _precision(v: _Values, notes: dict) -> str:
 
 def _loss_scale(v: _Values, precision: str, notes: dict, origin: dict) -> dict:
     out = {}
-    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                "consecutive_hysteresis", "min_loss_scale"):
+    for key in (
+        "loss_scale",
+        "initial_scale_power",
+        "loss_scale_window",
+        "hysteresis",
+        "consecutive_hysteresis",
+        "min_loss_scale",
+    ):
         out[key] = v.get(f"fp16.{key}", default(f"fp16.{key}"))
         origin[f"fp16.{key}"] = v.name(f"fp16.{key}")
     if precision == "fp16" and v.get("zero_optimization.stage", default("zero_optimization.stage")) == 0:
         # [Note: fp16 without ZeRO] (optim/loss_scaler.py): DeepSpeed's FP16_Optimizer has no hysteresis
         out.update(hysteresis=1, consecutive_hysteresis=False, raise_at_min_scale=False)
-        notes["fp16.enabled"] = ("true -> precision fp16; without ZeRO (stage 0) as DeepSpeed's FP16_Optimizer: the "
-                                 "scale halves at every overflow (no hysteresis) and stays at min_loss_scale")
+        notes["fp16.enabled"] = (
+            "true -> precision fp16; without ZeRO (stage 0) as DeepSpeed's FP16_Optimizer: the "
+            "scale halves at every overflow (no hysteresis) and stays at min_loss_scale"
+        )
         for key in ("hysteresis", "consecutive_hysteresis"):
             if f"fp16.{key}" in v:
                 notes[f"fp16.{key}"] = "not used without ZeRO (stage 0): DeepSpeed's FP16_Optimizer has no hysteresis"
@@ -397,20 +444,33 @@ _ZF_OPT = OptimizerConfig()
 
 def _optimizer(v: _Values, notes: dict, origin: dict, extra: list) -> dict:
     if "optimizer" not in v:
-        extra.append(KeyReport("optimizer", MAPPED, f"not given: zerofit's AdamW with lr={_ZF_OPT.lr}, "
-                               f"betas={_ZF_OPT.betas}, eps={_ZF_OPT.eps}, weight_decay={_ZF_OPT.weight_decay}"))
+        extra.append(
+            KeyReport(
+                "optimizer",
+                MAPPED,
+                f"not given: zerofit's AdamW with lr={_ZF_OPT.lr}, "
+                f"betas={_ZF_OPT.betas}, eps={_ZF_OPT.eps}, weight_decay={_ZF_OPT.weight_decay}",
+            )
+        )
         return {}
     kind = v.get("optimizer.type")
     if kind is None:
         raise ConfigError(v.name("optimizer") + ".type", "'AdamW' or 'Adam'", "nothing")
     if kind.lower() not in ("adam", "adamw"):
-        raise ConfigError(v.name("optimizer.type"), "'AdamW' or 'Adam' (zerofit implements AdamW only)", show(kind),
-                          "zerofit's AdamW has the math of torch.optim.AdamW")
+        raise ConfigError(
+            v.name("optimizer.type"),
+            "'AdamW' or 'Adam' (zerofit implements AdamW only)",
+            show(kind),
+            "zerofit's AdamW has the math of torch.optim.AdamW",
+        )
     params = v.get("optimizer.params", {})
     if isinstance(params, Mapping) and "max_grad_norm" in params:
-        raise ConfigError(v.name("optimizer") + ".params.max_grad_norm", "no max_grad_norm (DeepSpeed "
-                          f"{DEEPSPEED_VERSION} refuses it as an optimizer parameter)", show(params["max_grad_norm"]),
-                          "set the top-level gradient_clipping instead")
+        raise ConfigError(
+            v.name("optimizer") + ".params.max_grad_norm",
+            f"no max_grad_norm (DeepSpeed {DEEPSPEED_VERSION} refuses it as an optimizer parameter)",
+            show(params["max_grad_norm"]),
+            "set the top-level gradient_clipping instead",
+        )
     _walk(ADAM_PARAMS, params, "optimizer.params", v.name("optimizer") + ".params", v)
 
     adam_w = kind.lower() == "adamw" or v.get("optimizer.params.adam_w_mode", default("optimizer.params.adam_w_mode"))
@@ -429,9 +489,12 @@ def _optimizer(v: _Values, notes: dict, origin: dict, extra: list) -> dict:
         origin[f"optimizer.{key}"] = v.name(path)
     if kind.lower() == "adam":
         if not adam_w and out["weight_decay"] > 0:
-            raise ConfigError(v.name("optimizer.params.adam_w_mode"), "true (decoupled weight decay, AdamW)",
-                              "false with weight_decay > 0 (L2-regularised Adam)",
-                              "zerofit implements AdamW only; set weight_decay 0 or adam_w_mode true")
+            raise ConfigError(
+                v.name("optimizer.params.adam_w_mode"),
+                "true (decoupled weight decay, AdamW)",
+                "false with weight_decay > 0 (L2-regularised Adam)",
+                "zerofit implements AdamW only; set weight_decay 0 or adam_w_mode true",
+            )
         notes["optimizer.type"] = "Adam with adam_w_mode=true (DeepSpeed's default) is AdamW -> zerofit's AdamW"
     return out
 
@@ -439,13 +502,15 @@ def _optimizer(v: _Values, notes: dict, origin: dict, extra: list) -> dict:
 def _scheduler(v: _Values, optimizer: dict, notes: dict, origin: dict) -> dict:
     kind = v.get("scheduler.type")
     if kind not in SCHEDULER_PARAMS:
-        raise ConfigError(v.name("scheduler") + ".type", "one of " + ", ".join(map(repr, SCHEDULER_PARAMS)),
-                          "nothing" if kind is None else show(kind),
-                          "zerofit implements DeepSpeed's schedules, and constant/linear/cosine in its own "
-                          "config; DeepSpeed's torch.optim.lr_scheduler names are not read from a config: pass "
-                          "the torch scheduler as zerofit.deepspeed.initialize(lr_scheduler=...)")
-    _walk(SCHEDULER_PARAMS[kind], v.get("scheduler.params", {}), "scheduler.params",
-          v.name("scheduler") + ".params", v)
+        raise ConfigError(
+            v.name("scheduler") + ".type",
+            "one of " + ", ".join(map(repr, SCHEDULER_PARAMS)),
+            "nothing" if kind is None else show(kind),
+            "zerofit implements DeepSpeed's schedules, and constant/linear/cosine in its own "
+            "config; DeepSpeed's torch.optim.lr_scheduler names are not read from a config: pass "
+            "the torch scheduler as zerofit.deepspeed.initialize(lr_scheduler=...)",
+        )
+    _walk(SCHEDULER_PARAMS[kind], v.get("scheduler.params", {}), "scheduler.params", v.name("scheduler") + ".params", v)
     origin["scheduler.type"] = v.name("scheduler.type")
     if kind in _OWN_SECTION:
         return _cyclic_scheduler(v, kind, origin)
@@ -469,21 +534,31 @@ def _scheduler(v: _Values, optimizer: dict, notes: dict, origin: dict) -> dict:
         # DeepSpeed: WarmupLR's warmup_max_lr defaults to the optimizer's lr (None), WarmupDecayLR's to 0.001.
         out["warmup_max_lr"] = param("warmup_max_lr", None, "the optimizer's lr")
         if kind == "WarmupDecayLR" and "scheduler.params.warmup_max_lr" not in v:
-            notes["scheduler.type"] = "WarmupDecayLR without warmup_max_lr: DeepSpeed's default peak 0.001 " \
-                                      f"(not the optimizer's lr {optimizer.get('lr', _ZF_OPT.lr)})"
+            notes["scheduler.type"] = (
+                "WarmupDecayLR without warmup_max_lr: DeepSpeed's default peak 0.001 "
+                f"(not the optimizer's lr {optimizer.get('lr', _ZF_OPT.lr)})"
+            )
     if kind in ("WarmupDecayLR", "WarmupCosineLR"):
         if "scheduler.params.total_num_steps" not in v:
-            raise ConfigError(v.name("scheduler") + ".params.total_num_steps",
-                              f"the run's length in optimizer steps ({kind} needs it)", "nothing",
-                              'give a number, or "auto" to have the engine supply it')
+            raise ConfigError(
+                v.name("scheduler") + ".params.total_num_steps",
+                f"the run's length in optimizer steps ({kind} needs it)",
+                "nothing",
+                'give a number, or "auto" to have the engine supply it',
+            )
         out["total_steps"] = param("total_num_steps", None, "the run length, supplied by the engine")
     if kind == "WarmupCosineLR":
         out["warmup_min_ratio"] = param("warmup_min_ratio")
         out["min_lr_ratio"] = param("cos_min_ratio")
-    for zf, ds in (("warmup_steps", "warmup_num_steps"), ("warmup_type", "warmup_type"),
-                   ("warmup_min_lr", "warmup_min_lr"), ("warmup_max_lr", "warmup_max_lr"),
-                   ("total_steps", "total_num_steps"), ("warmup_min_ratio", "warmup_min_ratio"),
-                   ("min_lr_ratio", "cos_min_ratio")):
+    for zf, ds in (
+        ("warmup_steps", "warmup_num_steps"),
+        ("warmup_type", "warmup_type"),
+        ("warmup_min_lr", "warmup_min_lr"),
+        ("warmup_max_lr", "warmup_max_lr"),
+        ("total_steps", "total_num_steps"),
+        ("warmup_min_ratio", "warmup_min_ratio"),
+        ("min_lr_ratio", "cos_min_ratio"),
+    ):
         origin[f"scheduler.{zf}"] = v.name(f"scheduler.params.{ds}")
     return out
 
@@ -491,8 +566,15 @@ def _scheduler(v: _Values, optimizer: dict, notes: dict, origin: dict) -> dict:
 # DeepSpeed's OneCycle and LRRangeTest: their parameters go to a section of their own (zerofit field -> DeepSpeed key)
 _OWN_SECTION = {
     "OneCycle": ("one_cycle", {k: k for k in SCHEDULER_PARAMS["OneCycle"] if k != "last_batch_iteration"}),
-    "LRRangeTest": ("lr_range_test", {"min_lr": "lr_range_test_min_lr", "step_size": "lr_range_test_step_size",
-                                      "step_rate": "lr_range_test_step_rate", "staircase": "lr_range_test_staircase"}),
+    "LRRangeTest": (
+        "lr_range_test",
+        {
+            "min_lr": "lr_range_test_min_lr",
+            "step_size": "lr_range_test_step_size",
+            "step_rate": "lr_range_test_step_rate",
+            "staircase": "lr_range_test_staircase",
+        },
+    ),
 }
 
 
@@ -503,8 +585,12 @@ def _cyclic_scheduler(v: _Values, kind: str, origin: dict) -> dict:
         path = f"scheduler.params.{ds}"
         value = v.get(path, default(path, kind))
         if value is NO_DEFAULT:
-            raise ConfigError(v.name("scheduler") + f".params.{ds}", f"a number ({kind} needs it)", "nothing",
-                              f"DeepSpeed's {kind} requires {ds}")
+            raise ConfigError(
+                v.name("scheduler") + f".params.{ds}",
+                f"a number ({kind} needs it)",
+                "nothing",
+                f"DeepSpeed's {kind} requires {ds}",
+            )
         params[zf] = value
         origin[f"scheduler.{section}.{zf}"] = v.name(path)
     return {"type": kind, section: params}
@@ -520,13 +606,19 @@ def _offload(v: _Values, notes: dict, origin: dict) -> dict:
         else:
             devices[part] = "cpu" if v.get(f"{z}.{legacy}") is True else "none"
     if devices["offload_param"] != "none" and stage != 3:
-        raise ConfigError(v.name(f"{z}.offload_param.device"), f"'none' unless {z}.stage is 3",
-                          f"{devices['offload_param']!r} with stage {stage}",
-                          "DeepSpeed offloads parameters only in stage 3; set stage 3 or remove offload_param")
+        raise ConfigError(
+            v.name(f"{z}.offload_param.device"),
+            f"'none' unless {z}.stage is 3",
+            f"{devices['offload_param']!r} with stage {stage}",
+            "DeepSpeed offloads parameters only in stage 3; set stage 3 or remove offload_param",
+        )
     if devices["offload_optimizer"] != "none" and stage == 0:
-        raise ConfigError(v.name(f"{z}.offload_optimizer.device"), f"'none' unless {z}.stage is 1, 2 or 3",
-                          f"{devices['offload_optimizer']!r} with stage 0",
-                          "DeepSpeed offloads the optimizer only with ZeRO; set a stage or remove offload_optimizer")
+        raise ConfigError(
+            v.name(f"{z}.offload_optimizer.device"),
+            f"'none' unless {z}.stage is 1, 2 or 3",
+            f"{devices['offload_optimizer']!r} with stage 0",
+            "DeepSpeed offloads the optimizer only with ZeRO; set a stage or remove offload_optimizer",
+        )
 
     nvme: dict[str, str] = {}
     for part in ("offload_optimizer", "offload_param"):
@@ -534,18 +626,26 @@ def _offload(v: _Values, notes: dict, origin: dict) -> dict:
         if devices[part] == "nvme":
             check = check_nvme_path(v.get(path), field=v.name(path))
             nvme[part] = v.get(path)
-            notes[path] = (f"-> offload.nvme_path; {check.describe()}; the disk tier's swap file goes there, "
-                           "sized by the plan (only what max_host_memory cannot hold)")
+            notes[path] = (
+                f"-> offload.nvme_path; {check.describe()}; the disk tier's swap file goes there, "
+                "sized by the plan (only what max_host_memory cannot hold)"
+            )
         elif v.get(path) is not None:
             notes[path] = "unused: the device is not nvme"
     notes.update(_device_notes(z, devices))
     if len(set(nvme.values())) > 1:
-        raise ConfigError(v.name(f"{z}.offload_param.nvme_path"),
-                          f"the same folder as {v.name(f'{z}.offload_optimizer.nvme_path')}",
-                          show(nvme["offload_param"]), "zerofit keeps its NVMe tier in one folder")
+        raise ConfigError(
+            v.name(f"{z}.offload_param.nvme_path"),
+            f"the same folder as {v.name(f'{z}.offload_optimizer.nvme_path')}",
+            show(nvme["offload_param"]),
+            "zerofit keeps its NVMe tier in one folder",
+        )
 
-    out: dict[str, Any] = {"param_device": devices["offload_param"], "optimizer_device": devices["offload_optimizer"],
-                           "nvme_path": next(iter(nvme.values()), None)}
+    out: dict[str, Any] = {
+        "param_device": devices["offload_param"],
+        "optimizer_device": devices["offload_optimizer"],
+        "nvme_path": next(iter(nvme.values()), None),
+    }
     # DeepSpeed's aio block: its request size, and its requests in flight (queue depth x threads)
     if v.get("aio.block_size") is not None:
         out["nvme_block_size"] = max(4096, -(-int(v.get("aio.block_size")) // 4096) * 4096)
@@ -556,34 +656,49 @@ def _offload(v: _Values, notes: dict, origin: dict) -> dict:
         depth = int(v.get("aio.queue_depth", default("aio.queue_depth")))
         out["nvme_queue_depth"] = max(1, min(256, depth * int(threads or default("aio.intra_op_parallelism"))))
         origin["offload.nvme_queue_depth"] = v.name("aio.queue_depth")
-    pins = {p: v.get(p) for p in (f"{z}.offload_optimizer.pin_memory", f"{z}.offload_param.pin_memory",
-                                  f"{z}.cpu_offload_use_pin_memory") if v.get(p) is not None}
+    pins = {
+        p: v.get(p)
+        for p in (
+            f"{z}.offload_optimizer.pin_memory",
+            f"{z}.offload_param.pin_memory",
+            f"{z}.cpu_offload_use_pin_memory",
+        )
+        if v.get(p) is not None
+    }
     if pins:
         out["pin_memory"] = any(pins.values())
         if len(set(pins.values())) > 1:
             for p in pins:
                 notes[p] = f"-> offload.pin_memory={out['pin_memory']} (zerofit has one setting; any true wins)"
-    origin.update({
-        "offload.param_device": v.name(f"{z}.offload_param.device"),
-        "offload.optimizer_device": v.name(f"{z}.offload_optimizer.device"),
-        "offload.nvme_path": v.name(f"{z}.{next(iter(nvme), 'offload_param')}.nvme_path"),
-        "offload.pin_memory": v.name(next(iter(pins), f"{z}.offload_param.pin_memory")),
-    })
+    origin.update(
+        {
+            "offload.param_device": v.name(f"{z}.offload_param.device"),
+            "offload.optimizer_device": v.name(f"{z}.offload_optimizer.device"),
+            "offload.nvme_path": v.name(f"{z}.{next(iter(nvme), 'offload_param')}.nvme_path"),
+            "offload.pin_memory": v.name(next(iter(pins), f"{z}.offload_param.pin_memory")),
+        }
+    )
     if f"{z}.stage" in v:
         if "none" in devices.values():
-            notes[f"{z}.stage"] = (f"stage {stage}: every block stays on the GPU with its optimizer state (zerofit "
-                                   "offloads whole blocks, and only when offload_param and offload_optimizer are "
-                                   "both set)")
+            notes[f"{z}.stage"] = (
+                f"stage {stage}: every block stays on the GPU with its optimizer state (zerofit "
+                "offloads whole blocks, and only when offload_param and offload_optimizer are "
+                "both set)"
+            )
         else:
-            notes[f"{z}.stage"] = (f"stage {stage}: zerofit streams whole blocks; weights "
-                                   f"{_where(devices['offload_param'])}, optimizer state "
-                                   f"{_where(devices['offload_optimizer'])}")
+            notes[f"{z}.stage"] = (
+                f"stage {stage}: zerofit streams whole blocks; weights "
+                f"{_where(devices['offload_param'])}, optimizer state "
+                f"{_where(devices['offload_optimizer'])}"
+            )
     return out
 
 
 def _where(device: str) -> str:
-    return {"cpu": "in host memory (the planner keeps on the GPU what fits)",
-            "nvme": "in host memory first, what max_host_memory cannot hold on the disk tier under nvme_path"}[device]
+    return {
+        "cpu": "in host memory (the planner keeps on the GPU what fits)",
+        "nvme": "in host memory first, what max_host_memory cannot hold on the disk tier under nvme_path",
+    }[device]
 
 
 def _device_notes(z: str, devices: Mapping[str, str]) -> dict[str, str]:
@@ -591,29 +706,41 @@ def _device_notes(z: str, devices: Mapping[str, str]) -> dict[str, str]:
     opt, param = devices["offload_optimizer"], devices["offload_param"]
     notes = {}
     if opt == "nvme":
-        notes[f"{z}.offload_optimizer.device"] = ("nvme -> the disk tier: the optimizer state host memory cannot "
-                                                  "hold (max_host_memory) goes to a swap file under nvme_path, Adam "
-                                                  "moments first, then master weights, streamed around each CPU "
-                                                  "update; the rest stays in host memory (the engine logs the "
-                                                  "placement)")
+        notes[f"{z}.offload_optimizer.device"] = (
+            "nvme -> the disk tier: the optimizer state host memory cannot "
+            "hold (max_host_memory) goes to a swap file under nvme_path, Adam "
+            "moments first, then master weights, streamed around each CPU "
+            "update; the rest stays in host memory (the engine logs the "
+            "placement)"
+        )
     elif opt == "cpu" and param == "none":
-        notes[f"{z}.offload_optimizer.device"] = ("cpu, but without offload_param every block's weights stay on "
-                                                  "the GPU, and zerofit updates a block where its weights live: the "
-                                                  "optimizer state stays on the GPU too (the engine logs the "
-                                                  "placement and a warning); add offload_param cpu (stage 3) to "
-                                                  "move it to host memory")
+        notes[f"{z}.offload_optimizer.device"] = (
+            "cpu, but without offload_param every block's weights stay on "
+            "the GPU, and zerofit updates a block where its weights live: the "
+            "optimizer state stays on the GPU too (the engine logs the "
+            "placement and a warning); add offload_param cpu (stage 3) to "
+            "move it to host memory"
+        )
     elif opt == "cpu":
-        notes[f"{z}.offload_optimizer.device"] = ("cpu -> host memory for the blocks the planner streams; blocks it "
-                                                  "keeps on the GPU (and the shell, when it fits) keep their state "
-                                                  "there (the engine logs the placement)")
+        notes[f"{z}.offload_optimizer.device"] = (
+            "cpu -> host memory for the blocks the planner streams; blocks it "
+            "keeps on the GPU (and the shell, when it fits) keep their state "
+            "there (the engine logs the placement)"
+        )
     if param != "none" and opt == "none":
-        notes[f"{z}.offload_param.device"] = (f"{param}, but without offload_optimizer zerofit keeps every block on "
-                                              "the GPU with its optimizer state (the engine logs a warning)")
+        notes[f"{z}.offload_param.device"] = (
+            f"{param}, but without offload_optimizer zerofit keeps every block on "
+            "the GPU with its optimizer state (the engine logs a warning)"
+        )
     elif param == "nvme":
-        notes[f"{z}.offload_param.device"] = ("nvme -> the 16-bit weights a step reads stay in host memory (read "
-                                              "once per forward and backward); it enables the disk tier for the "
-                                              "optimizer state, as offload_optimizer nvme does")
+        notes[f"{z}.offload_param.device"] = (
+            "nvme -> the 16-bit weights a step reads stay in host memory (read "
+            "once per forward and backward); it enables the disk tier for the "
+            "optimizer state, as offload_optimizer nvme does"
+        )
     elif param == "cpu":
-        notes[f"{z}.offload_param.device"] = ("cpu -> blocks stream from host memory; the planner keeps on the GPU "
-                                              "those that fit (offload.resident_blocks bounds them)")
+        notes[f"{z}.offload_param.device"] = (
+            "cpu -> blocks stream from host memory; the planner keeps on the GPU "
+            "those that fit (offload.resident_blocks bounds them)"
+        )
     return notes

@@ -8,8 +8,9 @@ re-exports both.)
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -45,13 +46,12 @@ class ConfigError(ValueError):
     ``field`` is the dotted path of the first problem; ``problems`` lists all of them.
     """
 
-    def __init__(self, field: str, expected: str, found: str, hint: str = "", *,
-                 more: Sequence[Problem] = ()) -> None:
+    def __init__(self, field: str, expected: str, found: str, hint: str = "", *, more: Sequence[Problem] = ()) -> None:
         self.problems: tuple[Problem, ...] = (Problem(field, expected, found, hint), *more)
         super().__init__(self._message())
 
     @classmethod
-    def from_problems(cls, problems: Sequence[Problem]) -> "ConfigError":
+    def from_problems(cls, problems: Sequence[Problem]) -> ConfigError:
         first, *rest = problems
         return cls(first.field, first.expected, first.found, first.hint, more=rest)
 
@@ -113,13 +113,14 @@ def config_error_from(exc: ValidationError, model: type[BaseModel], prefix: str 
             parent = _model_at(model, err["loc"][:-1])
             known = list(parent.model_fields) if parent else []
             guess = close_match(loc[-1], known)
-            if not guess and len(loc) == 1 and not prefix:   # a misspelled DeepSpeed key reads as zerofit's
+            if not guess and len(loc) == 1 and not prefix:  # a misspelled DeepSpeed key reads as zerofit's
                 from zerofit.config.deepspeed import DEEPSPEED_KEYS
 
                 ds = close_match(loc[-1], sorted(DEEPSPEED_KEYS))
                 if ds:
-                    problems.append(Problem(field, "a known key", f"unknown key {loc[-1]!r}",
-                                            f"did you mean DeepSpeed's {ds!r}?"))
+                    problems.append(
+                        Problem(field, "a known key", f"unknown key {loc[-1]!r}", f"did you mean DeepSpeed's {ds!r}?")
+                    )
                     continue
             if guess:
                 hint = f"did you mean {'.'.join(loc[:-1] + [guess])!r}?"
@@ -129,9 +130,9 @@ def config_error_from(exc: ValidationError, model: type[BaseModel], prefix: str 
             continue
         msg = err["msg"]
         if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
+            msg = msg[len("Value error, ") :]
             problems.append(Problem(field, "a valid value", show(err.get("input")), msg))
             continue
-        expected = msg[len("Input should be "):] if msg.startswith("Input should be ") else msg
+        expected = msg[len("Input should be ") :] if msg.startswith("Input should be ") else msg
         problems.append(Problem(field, expected, show(err.get("input"))))
     return ConfigError.from_problems(problems)

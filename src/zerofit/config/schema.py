@@ -25,14 +25,29 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from zerofit.config.errors import ConfigError, Problem, close_match, config_error_from, show
+from zerofit.config.errors import (
+    ConfigError,
+    Problem,
+    close_match,  # noqa: F401 (re-exported)
+    config_error_from,
+    show,
+)
 
 __all__ = [
     "ConfigError",
@@ -57,8 +72,17 @@ __all__ = [
 # ----------------------------------------------------------------------------
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(value: int | float | str | None, field: str = "size") -> int | None:
@@ -86,8 +110,9 @@ def parse_bytes(value: int | float | str | None, field: str = "size") -> int | N
 ZEROFIT_BATCH_NAMES = ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps", "world_size")
 
 
-def resolve_batch(train: int | None, micro: int | None, accum: int | None, world: int,
-                  names: Sequence[str] = ZEROFIT_BATCH_NAMES) -> tuple[int, int, int]:
+def resolve_batch(
+    train: int | None, micro: int | None, accum: int | None, world: int, names: Sequence[str] = ZEROFIT_BATCH_NAMES
+) -> tuple[int, int, int]:
     """Complete ``(train_batch_size, micro_batch_size, gradient_accumulation_steps)``.
 
     ``train == micro * accum * world`` must hold. Any two of the three given
@@ -105,7 +130,8 @@ def resolve_batch(train: int | None, micro: int | None, accum: int | None, world
         if total % denom:
             shown = " * ".join(f"{n} ({v})" for n, v in parts)
             raise ConfigError(
-                result_name, "a whole number",
+                result_name,
+                "a whole number",
                 f"{total_name} ({total}) / ({shown}) = {total / denom:g}",
                 f"make {total_name} a multiple of {denom}",
             )
@@ -115,7 +141,8 @@ def resolve_batch(train: int | None, micro: int | None, accum: int | None, world
         expect = micro * accum * world
         if train != expect:
             raise ConfigError(
-                n_train, f"{n_train} == {n_micro} * {n_accum} * {n_world}",
+                n_train,
+                f"{n_train} == {n_micro} * {n_accum} * {n_world}",
                 f"{n_train} ({train}) != {n_micro} ({micro}) * {n_accum} ({accum}) * {n_world} ({world}) = {expect}",
                 "give two of the three and the third is derived",
             )
@@ -156,8 +183,9 @@ class NvmePathCheck:
         return f"{self.path}: {state}, {self.free_bytes / 2**30:.1f} GiB free"
 
 
-def check_nvme_path(path: str | os.PathLike | None, *, field: str = "offload.nvme_path",
-                    required_bytes: int = 0) -> NvmePathCheck:
+def check_nvme_path(
+    path: str | os.PathLike | None, *, field: str = "offload.nvme_path", required_bytes: int = 0
+) -> NvmePathCheck:
     """Check that ``path`` can hold the NVMe tier: it exists (or can be created), is writable and has space.
 
     Nothing is created. ``required_bytes`` (from the planner, when known) must be
@@ -166,8 +194,9 @@ def check_nvme_path(path: str | os.PathLike | None, *, field: str = "offload.nvm
     """
     expected = "a writable folder with free space for NVMe offload"
     if path is None or str(path).strip() == "":
-        raise ConfigError(field, expected, "nothing",
-                          "a device 'nvme' needs nvme_path set to a folder on a fast local disk")
+        raise ConfigError(
+            field, expected, "nothing", "a device 'nvme' needs nvme_path set to a folder on a fast local disk"
+        )
     p = Path(path).expanduser().absolute()
     existing = p
     while not existing.exists():
@@ -180,12 +209,20 @@ def check_nvme_path(path: str | os.PathLike | None, *, field: str = "offload.nvm
     unwritable = _unwritable(existing)
     if unwritable:
         what = "not writable" if existing == p else f"missing, and its parent {existing} is not writable"
-        raise ConfigError(field, expected, f"{str(path)!r} ({what}: {unwritable})",
-                          "choose a folder on a local disk this user can write to")
+        raise ConfigError(
+            field,
+            expected,
+            f"{str(path)!r} ({what}: {unwritable})",
+            "choose a folder on a local disk this user can write to",
+        )
     free = shutil.disk_usage(existing).free
     if free <= 0 or free < required_bytes:
-        raise ConfigError(field, f"at least {max(required_bytes, 1)} bytes free", f"{free} bytes free at {p}",
-                          "free space on that disk or choose another folder")
+        raise ConfigError(
+            field,
+            f"at least {max(required_bytes, 1)} bytes free",
+            f"{free} bytes free at {p}",
+            "free space on that disk or choose another folder",
+        )
     return NvmePathCheck(path=p, exists=existing == p, free_bytes=free)
 
 
@@ -213,8 +250,14 @@ def _unwritable(folder: Path) -> str:
 
 class _Frozen(BaseModel):
     # strict: a wrong JSON type is an error, never silently coerced ("4" is not 4).
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, strict=True,
-                              allow_inf_nan=False, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        validate_default=True,
+        strict=True,
+        allow_inf_nan=False,
+        use_attribute_docstrings=True,
+    )
 
 
 class OptimizerConfig(_Frozen):
@@ -235,8 +278,11 @@ class OptimizerConfig(_Frozen):
     @field_validator("betas", mode="before")
     @classmethod
     def _betas(cls, v):
-        ok = (isinstance(v, (list, tuple)) and len(v) == 2
-              and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in v))
+        ok = (
+            isinstance(v, (list, tuple))
+            and len(v) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in v)
+        )
         if not ok:
             raise ConfigError("betas", "two numbers, each in [0, 1)", show(v))
         return tuple(float(b) for b in v)
@@ -292,8 +338,20 @@ class LRRangeTestConfig(_Frozen):
 class SchedulerConfig(_Frozen):
     """Learning-rate schedule; ``lr(step)`` is computed by :func:`zerofit.optim.schedules.lr_at`."""
 
-    type: Literal["constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
-                  "LRRangeTest", "hf_constant", "hf_constant_with_warmup", "hf_linear", "hf_cosine"] = "constant"
+    type: Literal[
+        "constant",
+        "linear",
+        "cosine",
+        "WarmupLR",
+        "WarmupDecayLR",
+        "WarmupCosineLR",
+        "OneCycle",
+        "LRRangeTest",
+        "hf_constant",
+        "hf_constant_with_warmup",
+        "hf_linear",
+        "hf_cosine",
+    ] = "constant"
     """constant/linear/cosine: zerofit's schedules; Warmup*, OneCycle, LRRangeTest: DeepSpeed's, with DeepSpeed's
     formulas (OneCycle's and LRRangeTest's parameters in ``one_cycle`` / ``lr_range_test``); hf_*:
     transformers' get_scheduler ("constant", "constant_with_warmup", "linear", "cosine"), with its formulas
@@ -321,12 +379,20 @@ class SchedulerConfig(_Frozen):
     @model_validator(mode="after")
     def _parameters_of_the_type(self):
         if self.type == "OneCycle" and self.one_cycle is None:
-            raise ConfigError("one_cycle", "OneCycle's parameters (at least cycle_min_lr and cycle_max_lr)",
-                              "nothing", "DeepSpeed's OneCycle requires cycle_min_lr and cycle_max_lr")
+            raise ConfigError(
+                "one_cycle",
+                "OneCycle's parameters (at least cycle_min_lr and cycle_max_lr)",
+                "nothing",
+                "DeepSpeed's OneCycle requires cycle_min_lr and cycle_max_lr",
+            )
         for name, kind in (("one_cycle", "OneCycle"), ("lr_range_test", "LRRangeTest")):
             if getattr(self, name) is not None and self.type != kind:
-                raise ConfigError(name, f"nothing unless scheduler.type is {kind!r}",
-                                  f"{name} with type {self.type!r}", f"set type {kind!r} or remove {name}")
+                raise ConfigError(
+                    name,
+                    f"nothing unless scheduler.type is {kind!r}",
+                    f"{name} with type {self.type!r}",
+                    f"set type {kind!r} or remove {name}",
+                )
         return self
 
     @model_serializer(mode="wrap")
@@ -404,9 +470,10 @@ class OffloadConfig(_Frozen):
     PCIe) while the CPU updates the rest, spread evenly over the blocks. With deferred updates (clipping after a
     clipped step, fp16) both run during the next forward; with immediate ones during the backward (the GPU
     takes the block's gradient where it is), when their buffers fit beside the plan. 0 = the CPU updates all
-    of them. The default balances the CPU's and the copy engines' busy time on the benchmark machine (W1,
-    deferred: 0.375 gave 1.49 s/step, 0.5 1.53, 0.625 1.58; docs/benchmarks.md); left unset, deferred updates in
-    two passes (``split_updates``) take 0.25 (1.39 s/step against 1.42 at 0.375)"""
+    of them. The default balances the CPU's and the copy engines' busy time on the benchmark machine (a 3B model
+    with deferred updates stepped faster at 0.375 than at 0.5 or 0.625: docs/benchmarks.md, the 3B model with
+    gradient clipping); left unset, deferred updates in two passes (``split_updates``) take 0.25, faster there
+    than 0.375"""
     assisted_updates: bool | None = None
     """None = the planner decides (deferred updates: always; immediate ones: on one GPU, when the buffers fit
     beside the plan); False = never (the CPU updates every streamed block); True = also with immediate updates
@@ -486,13 +553,22 @@ class ZerofitConfig(_Frozen):
     """max L2 norm of all gradients together; 0 = off"""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     """where weights and optimizer state live"""
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
-                        description="compute device: auto (the GPU if there is one), cpu, cuda or cuda:N")
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+        description="compute device: auto (the GPU if there is one), cpu, cuda or cuda:N",
+    )
     adapter: Literal["auto", "blocks", "generic"] = Field(
-        "auto", description="how the model is run: auto (stream its repeated blocks when it has them), blocks "
-                            "(require it), generic (the whole model as one resident unit, any nn.Module)")
-    seq_len: int | None = Field(None, ge=1, description="tokens per sequence, for the memory plan made at start-up; "
-                                "None: planned for min(max_position_embeddings, 2048) and checked at the first batch")
+        "auto",
+        description="how the model is run: auto (stream its repeated blocks when it has them), blocks "
+        "(require it), generic (the whole model as one resident unit, any nn.Module)",
+    )
+    seq_len: int | None = Field(
+        None,
+        ge=1,
+        description="tokens per sequence, for the memory plan made at start-up; "
+        "None: planned for min(max_position_embeddings, 2048) and checked at the first batch",
+    )
     activation_checkpointing: bool = True
     """keep only block inputs in forward and recompute each block in backward"""
     quantize_base: Literal["none", "nf4"] = "none"
@@ -529,14 +605,15 @@ class ZerofitConfig(_Frozen):
     # Raise ConfigError, never pydantic's ValidationError, from every way of building one. ``_read``: what the
     # source read already and the validators do not read again ("batch", "nvme_path": a DeepSpeed translation)
     def __init__(self, /, _read: tuple = (), **data: Any) -> None:
-        try:     # BaseModel.__init__'s own call, with the context the validators read
-            self.__pydantic_validator__.validate_python(data, self_instance=self,
-                                                        context={"read": _read} if _read else None)
+        try:  # BaseModel.__init__'s own call, with the context the validators read
+            self.__pydantic_validator__.validate_python(
+                data, self_instance=self, context={"read": _read} if _read else None
+            )
         except ValidationError as exc:
             raise config_error_from(exc, type(self)) from None
 
     @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> "ZerofitConfig":  # type: ignore[override]
+    def model_validate(cls, obj: Any, **kwargs: Any) -> ZerofitConfig:  # type: ignore[override]
         try:
             return super().model_validate(obj, **kwargs)
         except ValidationError as exc:
@@ -565,9 +642,13 @@ class ZerofitConfig(_Frozen):
     def _checkpoint_every(self):
         every = self.offload.checkpoint_every
         if every is not None and every > 1 and not self.activation_checkpointing:
-            raise ConfigError("offload.checkpoint_every", "1 or unset with activation_checkpointing false",
-                              str(every), "keeping every k-th block's checkpoints needs activation_checkpointing "
-                              "(without it the forward keeps every block's activations, not checkpoints)")
+            raise ConfigError(
+                "offload.checkpoint_every",
+                "1 or unset with activation_checkpointing false",
+                str(every),
+                "keeping every k-th block's checkpoints needs activation_checkpointing "
+                "(without it the forward keeps every block's activations, not checkpoints)",
+            )
         return self
 
 

@@ -30,14 +30,26 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "DataError": "sources", "find_files": "sources",
+    "DataError": "sources",
+    "find_files": "sources",
     "Document": "encode",
-    "PackedDataset": "packing", "pack": "packing", "IGNORE_INDEX": "packing",
-    "DataSplit": "build", "DataStats": "build", "Documents": "build", "build_datasets": "build",
-    "load_documents": "build", "load_tokenizer": "build", "split_documents": "build",
+    "PackedDataset": "packing",
+    "pack": "packing",
+    "IGNORE_INDEX": "packing",
+    "DataSplit": "build",
+    "DataStats": "build",
+    "Documents": "build",
+    "build_datasets": "build",
+    "load_documents": "build",
+    "load_tokenizer": "build",
+    "split_documents": "build",
     "StepLoader": "loader",
-    "EvalResult": "evaluation", "evaluate": "evaluation", "count_targets": "evaluation",
-    "model_loss_fn": "evaluation", "scored_tokens": "evaluation", "small_held_out": "evaluation",
+    "EvalResult": "evaluation",
+    "evaluate": "evaluation",
+    "count_targets": "evaluation",
+    "model_loss_fn": "evaluation",
+    "scored_tokens": "evaluation",
+    "small_held_out": "evaluation",
 }
 __all__ = sorted(_EXPORTS)
 

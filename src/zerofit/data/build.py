@@ -70,16 +70,19 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Any:
         try:
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - re-raised with the folder named
-            raise DataError(f"model directory {path}: cannot load its tokenizer ({type(exc).__name__}: {exc});"
-                            " it needs tokenizer.json or the tokenizer files the model was saved with") from exc
+            raise DataError(
+                f"model directory {path}: cannot load its tokenizer ({type(exc).__name__}: {exc});"
+                " it needs tokenizer.json or the tokenizer files the model was saved with"
+            ) from exc
 
 
 def _tokenizer(tokenizer: Any) -> Any:
     return load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
 
 
-def load_documents(paths: PathArg, tokenizer: Any, *, cache_dir: str | os.PathLike | None = None,
-                   text_unit: TextUnit = "document") -> Documents:
+def load_documents(
+    paths: PathArg, tokenizer: Any, *, cache_dir: str | os.PathLike | None = None, text_unit: TextUnit = "document"
+) -> Documents:
     """Every row of the files under ``paths``, tokenized with ``tokenizer`` (an object or a model directory).
 
     See :mod:`zerofit.data.sources` for the files, :mod:`zerofit.data.formats` for the rows and
@@ -96,13 +99,20 @@ def load_documents(paths: PathArg, tokenizer: Any, *, cache_dir: str | os.PathLi
         rows += len(batch)
     if not docs:
         names = ", ".join(str(f.path) for f in found.files[:3]) + (" ..." if len(found.files) > 3 else "")
-        raise DataError(f"the data set is empty: {len(found.files)} files ({names}) gave {rows} rows and no"
-                        " document with a token to learn (empty texts, chats without an assistant turn)")
+        raise DataError(
+            f"the data set is empty: {len(found.files)} files ({names}) gave {rows} rows and no"
+            " document with a token to learn (empty texts, chats without an assistant turn)"
+        )
     kinds = Counter(d.kind for d in docs)
     stats = DataStats(
-        files=len(found.files), skipped_files=tuple(str(p) for p in found.skipped), rows=rows,
-        documents=tuple(sorted(kinds.items())), rows_without_targets=rows - len(docs),
-        tokens=sum(len(d) for d in docs), target_tokens=sum(int(d.targets[1:].sum()) for d in docs))
+        files=len(found.files),
+        skipped_files=tuple(str(p) for p in found.skipped),
+        rows=rows,
+        documents=tuple(sorted(kinds.items())),
+        rows_without_targets=rows - len(docs),
+        tokens=sum(len(d) for d in docs),
+        target_tokens=sum(int(d.targets[1:].sum()) for d in docs),
+    )
     return Documents(tuple(docs), stats)
 
 
@@ -117,14 +127,17 @@ def _eval_count(eval_size: float | int, n: int) -> int:
     else:
         count = eval_size
     if count < 0 or (count and count >= n):
-        raise DataError(f"cannot hold out {count} of {n} documents (eval_size={eval_size!r}): at least one must"
-                        " be left to train on; use a smaller eval_size, more documents, or text_unit='paragraph'"
-                        " to cut .txt files into more documents")
+        raise DataError(
+            f"cannot hold out {count} of {n} documents (eval_size={eval_size!r}): at least one must"
+            " be left to train on; use a smaller eval_size, more documents, or text_unit='paragraph'"
+            " to cut .txt files into more documents"
+        )
     return count
 
 
-def split_documents(documents: Sequence[Document], eval_size: float | int, seed: int,
-                    shuffle: bool = True) -> tuple[list[Document], list[Document]]:
+def split_documents(
+    documents: Sequence[Document], eval_size: float | int, seed: int, shuffle: bool = True
+) -> tuple[list[Document], list[Document]]:
     """``(train, held_out)`` by whole documents; ``eval_size`` is a fraction (``float``) or a count (``int``).
 
     The held-out documents are a seeded random choice (in their original order); the training documents come in
@@ -140,9 +153,17 @@ def split_documents(documents: Sequence[Document], eval_size: float | int, seed:
     return [documents[i] for i in rest], [documents[i] for i in held]
 
 
-def build_datasets(paths: PathArg, tokenizer: Any, seq_len: int, eval_size: float | int = 0.0, seed: int = 0, *,
-                   cache_dir: str | os.PathLike | None = None, text_unit: TextUnit = "document",
-                   shuffle: bool = True) -> DataSplit:
+def build_datasets(
+    paths: PathArg,
+    tokenizer: Any,
+    seq_len: int,
+    eval_size: float | int = 0.0,
+    seed: int = 0,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    text_unit: TextUnit = "document",
+    shuffle: bool = True,
+) -> DataSplit:
     """Read, tokenize, split and pack: the training windows and the held-out windows (``None`` if
     ``eval_size`` is 0). Padding uses the tokenizer's pad token, else its EOS (never scored either way)."""
     if seq_len < 2:
@@ -164,7 +185,12 @@ def _warn_long_prompts(documents: Sequence[Document], packed: PackedDataset, seq
     long = sum(1 for d in documents if d.targets.any() and int(d.targets.argmax()) >= seq_len - 1)
     empty = packed.windows_without_targets()
     if long or empty:
-        log.warning("zerofit: %d documents have a prompt longer than --seq-len %d, so their answers are scored "
-                    "without the start of the prompt in view; %d of %d windows score no token (a step's loss is over "
-                    "the micro-batches that do). Raise --seq-len, or shorten those prompts", long, seq_len, empty,
-                    len(packed))
+        log.warning(
+            "zerofit: %d documents have a prompt longer than --seq-len %d, so their answers are scored "
+            "without the start of the prompt in view; %d of %d windows score no token (a step's loss is over "
+            "the micro-batches that do). Raise --seq-len, or shorten those prompts",
+            long,
+            seq_len,
+            empty,
+            len(packed),
+        )

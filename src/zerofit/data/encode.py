@@ -56,8 +56,10 @@ class Encoder:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         self.eos: int | None = tokenizer.eos_token_id
         if self.eos is None:
-            raise DataError(f"the tokenizer {name} has no eos_token: documents need one to end with (set"
-                            " 'eos_token' in the model directory's tokenizer_config.json)")
+            raise DataError(
+                f"the tokenizer {name} has no eos_token: documents need one to end with (set"
+                " 'eos_token' in the model directory's tokenizer_config.json)"
+            )
         bos = tokenizer.bos_token_id
         with_specials = list(tokenizer("x", add_special_tokens=True)["input_ids"])
         bare = list(tokenizer("x", add_special_tokens=False)["input_ids"])
@@ -91,8 +93,9 @@ class Encoder:
         completions = self._encode([r.completion for _, r in pcs])
         for (i, _), p, c in zip(pcs, prompts, completions):
             ids = self.prefix + p + c + [self.eos]
-            out[i] = _doc(ids, [False] * (len(self.prefix) + len(p)) + [True] * (len(c) + 1),
-                          KINDS[CompletionRow], sources[i])
+            out[i] = _doc(
+                ids, [False] * (len(self.prefix) + len(p)) + [True] * (len(c) + 1), KINDS[CompletionRow], sources[i]
+            )
         for i, r in enumerate(rows):
             if isinstance(r, ChatRow):
                 out[i] = self._chat(r, sources[i])
@@ -101,12 +104,16 @@ class Encoder:
     def _chat(self, row: ChatRow, source: str) -> Document | None:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise DataError(f"{source}: a chat ('messages') row, but the tokenizer {self.name} has no chat"
-                            " template; give the model directory one (chat_template.jinja), or use"
-                            " prompt/completion rows")
+            raise DataError(
+                f"{source}: a chat ('messages') row, but the tokenizer {self.name} has no chat"
+                " template; give the model directory one (chat_template.jinja), or use"
+                " prompt/completion rows"
+            )
         if not getattr(tok, "is_fast", False):
-            raise DataError(f"{source}: chat rows need a fast tokenizer (for its offset mapping); {self.name}"
-                            f" loads as {type(tok).__name__}")
+            raise DataError(
+                f"{source}: chat rows need a fast tokenizer (for its offset mapping); {self.name}"
+                f" loads as {type(tok).__name__}"
+            )
         full, spans = assistant_spans(tok, row.messages, source)
         if not spans:
             return None
@@ -132,22 +139,24 @@ def _render(tok: Any, messages: Sequence[dict[str, Any]], generation_prompt: boo
     try:
         text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as exc:  # noqa: BLE001 - a template error names the row
-        raise DataError(f"{source}: the chat template cannot render this conversation"
-                        f" ({type(exc).__name__}: {exc})") from exc
+        raise DataError(
+            f"{source}: the chat template cannot render this conversation ({type(exc).__name__}: {exc})"
+        ) from exc
     if not isinstance(text, str):
         raise DataError(f"{source}: the chat template rendered {type(text).__name__}, expected a string")
     return text
 
 
-def _span_by_prefix(tok: Any, messages: Sequence[dict[str, Any]], i: int, full: str, cursor: int,
-                    source: str) -> tuple[int, int] | None:
+def _span_by_prefix(
+    tok: Any, messages: Sequence[dict[str, Any]], i: int, full: str, cursor: int, source: str
+) -> tuple[int, int] | None:
     """Turn ``i``'s characters as the difference of two renderings, when the template is prefix-stable."""
     if i == 0:
         return _first_turn_span(tok, messages[0], full, source)
     try:
         before = _render(tok, messages[:i], True, source)  # ends with the assistant header
         before_plain = _render(tok, messages[:i], False, source)
-        through = _render(tok, messages[:i + 1], False, source)
+        through = _render(tok, messages[: i + 1], False, source)
     except DataError:
         return None  # e.g. a template that cannot render an empty conversation, or one ending on a turn
     if before == before_plain:
@@ -173,7 +182,7 @@ def _first_turn_span(tok: Any, message: dict[str, Any], full: str, source: str) 
         return None
     common = next((k for k, (x, y) in enumerate(zip(through, empty)) if x != y), len(empty))
     for a in range(common, -1, -1):  # the longest header that fits
-        if through[a:a + len(content)] == content and through[a + len(content):] == empty[a:]:
+        if through[a : a + len(content)] == content and through[a + len(content) :] == empty[a:]:
             return a, len(through)
     return None
 
@@ -209,10 +218,13 @@ def assistant_spans(tok: Any, messages: Sequence[dict[str, Any]], source: str) -
         if m["role"] != "assistant":
             continue
         span = _span_by_prefix(tok, messages, i, full, cursor, source) or _span_by_search(
-            tok, m["content"], full, cursor)
+            tok, m["content"], full, cursor
+        )
         if span is None:
-            raise DataError(f"{source}: cannot find assistant message {i} ({m['content'][:40]!r}) in the chat"
-                            " template's rendering of the conversation; the template may rewrite or drop it")
+            raise DataError(
+                f"{source}: cannot find assistant message {i} ({m['content'][:40]!r}) in the chat"
+                " template's rendering of the conversation; the template may rewrite or drop it"
+            )
         spans.append(span)
         cursor = span[1]
     return full, spans

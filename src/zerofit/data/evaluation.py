@@ -39,15 +39,16 @@ def count_targets(batch: dict[str, torch.Tensor]) -> int:
 
 def model_loss_fn(model: torch.nn.Module) -> LossFn:
     """``loss_fn`` for a plain Hugging Face causal LM: a forward on the model's own device, its ``.loss``."""
+
     def loss_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         device = next(model.parameters()).device
         return model(**{k: v.to(device) for k, v in batch.items()}).loss
+
     return loss_fn
 
 
 @torch.no_grad()
-def evaluate(data: PackedDataset, loss_fn: LossFn, micro_batch_size: int,
-             max_windows: int | None = None) -> EvalResult:
+def evaluate(data: PackedDataset, loss_fn: LossFn, micro_batch_size: int, max_windows: int | None = None) -> EvalResult:
     """Token-weighted mean loss of ``loss_fn`` over the windows of ``data`` in order (the first ``max_windows``)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be at least 1, found {micro_batch_size}")
@@ -75,7 +76,7 @@ def scored_tokens(data: PackedDataset, max_windows: int | None = None) -> int:
     """Target tokens in the first ``max_windows`` windows (all by default): what :func:`evaluate` scores.
     Window ``k`` scores stream positions ``k(T-1)+1 .. (k+1)(T-1)`` ([Note: packed targets])."""
     n = len(data) if max_windows is None else min(len(data), max_windows)
-    return int(data.targets[1:n * (data.seq_len - 1) + 1].sum())
+    return int(data.targets[1 : n * (data.seq_len - 1) + 1].sum())
 
 
 def small_held_out(data: PackedDataset, max_windows: int | None = None) -> str | None:
@@ -90,8 +91,10 @@ def small_held_out(data: PackedDataset, max_windows: int | None = None) -> str |
         return None
     cut = max_windows is not None and max_windows < len(data)
     docs = data.num_documents
-    return (f"the held-out set has only {n:,} tokens with a loss ({docs:,} document{'s' if docs != 1 else ''}"
-            + (f", the first {max_windows} of its {len(data)} windows" if cut else "")
-            + f"), less than one --seq-len window ({data.seq_len:,} tokens): a mean over so few tokens is noise, "
-            "not a measure of the model. Hold out more with --eval-size (a fraction such as 0.05, or a number of "
-            "documents)" + (", evaluate more windows with --eval-windows" if cut else "") + ", or add data.")
+    return (
+        f"the held-out set has only {n:,} tokens with a loss ({docs:,} document{'s' if docs != 1 else ''}"
+        + (f", the first {max_windows} of its {len(data)} windows" if cut else "")
+        + f"), less than one --seq-len window ({data.seq_len:,} tokens): a mean over so few tokens is noise, "
+        "not a measure of the model. Hold out more with --eval-size (a fraction such as 0.05, or a number of "
+        "documents)" + (", evaluate more windows with --eval-windows" if cut else "") + ", or add data."
+    )

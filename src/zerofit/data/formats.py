@@ -48,15 +48,13 @@ def _present(row: dict[str, Any], key: str) -> bool:
 def _string(row: dict[str, Any], key: str, where: str) -> str:
     value = row[key]
     if not isinstance(value, str):
-        raise DataError(f"{where}: field {key!r} must be a string, found {type(value).__name__}"
-                        f" ({str(value)[:60]!r})")
+        raise DataError(f"{where}: field {key!r} must be a string, found {type(value).__name__} ({str(value)[:60]!r})")
     return value
 
 
 def _message(m: Any, where: str, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
-        raise DataError(f"{where}: messages[{i}] must be an object with 'role' and 'content',"
-                        f" found {type(m).__name__}")
+        raise DataError(f"{where}: messages[{i}] must be an object with 'role' and 'content', found {type(m).__name__}")
     # Arrow fills the keys other messages have with None; a chat template must not see them as set.
     m = {k: v for k, v in m.items() if v is not None}
     for key in ("role", "content"):
@@ -77,11 +75,15 @@ def parse_row(row: dict[str, Any], where: str) -> Row:
         kinds.append("messages")
     if not kinds:
         found = ", ".join(repr(k) for k, v in row.items() if v is not None) or "no non-null field"
-        raise DataError(f"{where}: no 'text', 'prompt'+'completion' or 'messages' field (found {found});"
-                        " every row needs one of them (rename the field, or drop the row)")
+        raise DataError(
+            f"{where}: no 'text', 'prompt'+'completion' or 'messages' field (found {found});"
+            " every row needs one of them (rename the field, or drop the row)"
+        )
     if len(kinds) > 1:
-        raise DataError(f"{where}: the row mixes formats ({' and '.join(kinds)}), which cannot be combined in one"
-                        " row: keep one of them per row")
+        raise DataError(
+            f"{where}: the row mixes formats ({' and '.join(kinds)}), which cannot be combined in one"
+            " row: keep one of them per row"
+        )
     if kinds[0] == "text":
         return TextRow(_string(row, "text", where))
     if kinds[0] == "prompt/completion":
@@ -91,6 +93,8 @@ def parse_row(row: dict[str, Any], where: str) -> Row:
         return CompletionRow(_string(row, "prompt", where), _string(row, "completion", where))
     messages = row["messages"]
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}} objects,"
-                        f" found {type(messages).__name__} {str(messages)[:60]!r}")
+        raise DataError(
+            f"{where}: field 'messages' must be a non-empty list of {{role, content}} objects,"
+            f" found {type(messages).__name__} {str(messages)[:60]!r}"
+        )
     return ChatRow(tuple(_message(m, where, i) for i, m in enumerate(messages)))

@@ -33,11 +33,20 @@ class StepLoader:
     """Yields one optimizer step at a time: ``gradient_accumulation_steps`` micro-batch dicts of
     ``micro_batch_size`` windows (see [Note: window order]); the input of ``engine.train_batch``."""
 
-    def __init__(self, data: PackedDataset, micro_batch_size: int, gradient_accumulation_steps: int = 1,
-                 seed: int = 0, *, shuffle: bool = True):
+    def __init__(
+        self,
+        data: PackedDataset,
+        micro_batch_size: int,
+        gradient_accumulation_steps: int = 1,
+        seed: int = 0,
+        *,
+        shuffle: bool = True,
+    ):
         if micro_batch_size < 1 or gradient_accumulation_steps < 1:
-            raise ValueError(f"micro_batch_size ({micro_batch_size}) and gradient_accumulation_steps"
-                             f" ({gradient_accumulation_steps}) must be at least 1")
+            raise ValueError(
+                f"micro_batch_size ({micro_batch_size}) and gradient_accumulation_steps"
+                f" ({gradient_accumulation_steps}) must be at least 1"
+            )
         if len(data) == 0:
             raise ValueError("the training set has no window: it needs at least 2 tokens")
         if seed < 0:
@@ -62,8 +71,9 @@ class StepLoader:
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if self._order is None or self._order[0] != epoch:
             n = len(self.data)
-            order = (torch.from_numpy(permutation(n, self.seed, EPOCH, epoch)) if self.shuffle
-                     else torch.arange(n))  # (W,) int64
+            order = (
+                torch.from_numpy(permutation(n, self.seed, EPOCH, epoch)) if self.shuffle else torch.arange(n)
+            )  # (W,) int64
             self._order = (epoch, order)
         return self._order[1]
 
@@ -73,7 +83,7 @@ class StepLoader:
         while k:
             order = self._epoch_order(self.epoch)
             n = min(k, len(order) - self.position)
-            parts.append(order[self.position:self.position + n])
+            parts.append(order[self.position : self.position + n])
             self.position += n
             k -= n
             if self.position == len(order):
@@ -88,9 +98,16 @@ class StepLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is, as a plain JSON-able dict (ints, strings, a bool)."""
-        return {"version": STATE_VERSION, "seed": self.seed, "shuffle": self.shuffle, "epoch": self.epoch,
-                "position": self.position, "num_windows": len(self.data), "seq_len": self.data.seq_len,
-                "fingerprint": self.data.fingerprint}
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_windows": len(self.data),
+            "seq_len": self.data.seq_len,
+            "fingerprint": self.data.fingerprint,
+        }
 
     def load_state_dict(self, state: dict[str, Any], *, check_data: bool = True) -> None:
         """Continue from ``state`` (its seed and shuffling included). The batch shape may differ from the saved
@@ -107,10 +124,13 @@ class StepLoader:
             raise ValueError(
                 f"the loader state was saved on other data: {found[0]} windows of {found[1]} tokens (content"
                 f" {found[2]}), this loader has {here[0]} windows of {here[1]} (content {here[2]}); resume with the"
-                " same files, tokenizer, seq_len and seed, or pass check_data=False to continue on new data")
+                " same files, tokenizer, seq_len and seed, or pass check_data=False to continue on new data"
+            )
         if not 0 <= int(state["position"]) < len(self.data) or int(state["epoch"]) < 0:
-            raise ValueError(f"loader state epoch {state['epoch']}, position {state['position']}: expected an epoch"
-                             f" >= 0 and a position in 0..{len(self.data) - 1}")
+            raise ValueError(
+                f"loader state epoch {state['epoch']}, position {state['position']}: expected an epoch"
+                f" >= 0 and a position in 0..{len(self.data) - 1}"
+            )
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = None

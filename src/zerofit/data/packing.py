@@ -47,8 +47,10 @@ class PackedDataset:
     def __post_init__(self) -> None:
         n = len(self) * (self.seq_len - 1) + 1 if self.num_tokens > 1 else self.num_tokens
         if self.stream.shape != (n,) or self.targets.shape != (n,):
-            raise ValueError(f"stream {tuple(self.stream.shape)} and targets {tuple(self.targets.shape)} must be"
-                             f" ({n},) for {self.num_tokens} tokens in windows of {self.seq_len}")
+            raise ValueError(
+                f"stream {tuple(self.stream.shape)} and targets {tuple(self.targets.shape)} must be"
+                f" ({n},) for {self.num_tokens} tokens in windows of {self.seq_len}"
+            )
 
     def __len__(self) -> int:
         return 0 if self.num_tokens < 2 else -(-(self.num_tokens - 1) // (self.seq_len - 1))
@@ -58,8 +60,8 @@ class PackedDataset:
         if len(self) == 0:
             return 0
         scored = self.targets.clone()
-        scored[0] = False                   # the stream's first token is never scored
-        per = scored[1:].reshape(len(self), self.seq_len - 1).any(dim=1)    # position 0 of a window is context
+        scored[0] = False  # the stream's first token is never scored
+        per = scored[1:].reshape(len(self), self.seq_len - 1).any(dim=1)  # position 0 of a window is context
         return int((~per).sum())
 
     @property
@@ -107,5 +109,4 @@ def pack(documents: Sequence[Document], seq_len: int, pad_id: int) -> PackedData
         targets[:n] = np.concatenate([d.targets for d in documents])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         targets[starts[lengths > 0]] = False  # a document's first token: its context is another document
-    return PackedDataset(torch.from_numpy(stream), torch.from_numpy(targets), seq_len, int(pad_id), n,
-                         len(documents))
+    return PackedDataset(torch.from_numpy(stream), torch.from_numpy(targets), seq_len, int(pad_id), n, len(documents))

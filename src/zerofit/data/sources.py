@@ -87,13 +87,17 @@ def find_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> FileLi
                 files.setdefault(q, DataFile(q, builder))
                 found += 1
             if not found:
-                raise DataError(f"data folder {p} holds no supported file (expected {_supported()});"
-                                f" found {len(skipped)} other files")
+                raise DataError(
+                    f"data folder {p} holds no supported file (expected {_supported()});"
+                    f" found {len(skipped)} other files"
+                )
         else:
             builder = BUILDERS.get(p.suffix.lower())
             if builder is None:
-                raise DataError(f"data file {p}: unsupported extension {p.suffix or '(none)'!r}; expected one of"
-                                f" {_supported()} (convert it, or rename a plain-text file to .txt)")
+                raise DataError(
+                    f"data file {p}: unsupported extension {p.suffix or '(none)'!r}; expected one of"
+                    f" {_supported()} (convert it, or rename a plain-text file to .txt)"
+                )
             files.setdefault(p, DataFile(p, builder))
     return FileList(tuple(files.values()), tuple(skipped))
 
@@ -153,8 +157,14 @@ def _load(builder: str, files: list[str], cache_dir: str | None, **kwargs: Any):
     with offline_hub(), _quiet_datasets(), contextlib.ExitStack() as stack:
         cache = cache_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="zerofit-data-"))
         try:
-            return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=str(cache),
-                                         keep_in_memory=cache_dir is None, **kwargs)
+            return datasets.load_dataset(
+                builder,
+                data_files=files,
+                split="train",
+                cache_dir=str(cache),
+                keep_in_memory=cache_dir is None,
+                **kwargs,
+            )
         except Exception as exc:  # noqa: BLE001 - whatever the reader raises, the caller names the file
             raise _ReadFailed() from exc
 
@@ -164,9 +174,11 @@ def _read_error(file: DataFile, exc: _ReadFailed) -> DataError:
     while cause.__cause__ is not None:  # datasets wraps the reader's own error (pyarrow's, the codec's)
         cause = cause.__cause__
     what = f"{type(cause).__name__}: {cause}".strip().rstrip(":")
-    hint = {"text": "is it UTF-8 text?",
-            "json": "each line must be one JSON object (.jsonl), or the file one JSON list of objects (.json)",
-            "parquet": "is it a complete Parquet file?"}[file.builder]
+    hint = {
+        "text": "is it UTF-8 text?",
+        "json": "each line must be one JSON object (.jsonl), or the file one JSON list of objects (.json)",
+        "parquet": "is it a complete Parquet file?",
+    }[file.builder]
     return DataError(f"data file {file.path}: cannot be read as {file.builder} ({what}); {hint}")
 
 
@@ -180,8 +192,9 @@ def _load_file(file: DataFile, cache_dir: str | None, text_unit: TextUnit):
         raise _read_error(file, exc) from exc.__cause__
 
 
-def iter_rows(files: Iterable[DataFile], cache_dir: str | os.PathLike | None = None,
-              text_unit: TextUnit = "document") -> Iterator[tuple[DataFile, int, list[dict[str, Any]]]]:
+def iter_rows(
+    files: Iterable[DataFile], cache_dir: str | os.PathLike | None = None, text_unit: TextUnit = "document"
+) -> Iterator[tuple[DataFile, int, list[dict[str, Any]]]]:
     """Batches of rows: ``(file, index of the batch's first row in that file, rows)``, files in order.
 
     The ``.txt`` files are read together in one ``datasets`` call (thousands of small documents stay fast); the
@@ -208,7 +221,7 @@ def iter_rows(files: Iterable[DataFile], cache_dir: str | os.PathLike | None = N
         if ds is None:
             continue
         for start in range(0, len(ds), READ_BATCH):
-            batch = ds[start:start + READ_BATCH]  # columns -> lists
+            batch = ds[start : start + READ_BATCH]  # columns -> lists
             names = list(batch)
             n = len(batch[names[0]]) if names else 0
             yield f, start, [{k: batch[k][i] for k in names} for i in range(n)]

@@ -33,17 +33,36 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from zerofit.deepspeed import zero
-from zerofit.deepspeed.arguments import (add_config_arguments, check_client_scheduler, check_single_process,
-                                         client_optimizer, dataloader_drop_last, groups_from_model_parameters,
-                                         raw_config, resolve_config)
-from zerofit.deepspeed.names import DEEPSPEED_VERSION, REFUSED_MODULES, UnsupportedModule
 from zerofit.config import ConfigError
+from zerofit.deepspeed import zero
+from zerofit.deepspeed.arguments import (
+    add_config_arguments,
+    check_client_scheduler,
+    check_single_process,
+    client_optimizer,
+    dataloader_drop_last,
+    groups_from_model_parameters,
+    raw_config,
+    resolve_config,
+)
+from zerofit.deepspeed.names import DEEPSPEED_VERSION, REFUSED_MODULES, UnsupportedModule
 from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "get_accelerator", "log_dist", "logger",
-           "DeepSpeedUnsupported", "DeepSpeedAssertion", "DeepSpeedConfigError", "UnsupportedAttribute",
-           "UnsupportedModule", "__version__"]
+__all__ = [
+    "initialize",
+    "init_distributed",
+    "add_config_arguments",
+    "zero",
+    "get_accelerator",
+    "log_dist",
+    "logger",
+    "DeepSpeedUnsupported",
+    "DeepSpeedAssertion",
+    "DeepSpeedConfigError",
+    "UnsupportedAttribute",
+    "UnsupportedModule",
+    "__version__",
+]
 
 DeepSpeedConfigError = ConfigError
 """DeepSpeed's config error is zerofit's: a config zerofit refuses raises it (``except deepspeed.DeepSpeedConfigError``
@@ -55,8 +74,8 @@ __version__ = DEEPSPEED_VERSION + "+zerofit"
 after 0.19.8 and before 0.19.9, so version checks written for DeepSpeed (``>= "0.9"``, ``>= "0.19.8"``)
 pass as for 0.19.8, and a printed version says whose it is."""
 __version_major__, __version_minor__, __version_patch__ = (int(v) for v in DEEPSPEED_VERSION.split("."))
-__git_hash__ = __git_branch__ = "unknown"       # as in DeepSpeed's released wheels
-HAS_TRITON = False                              # DeepSpeed's switch for its Triton kernels; zerofit has none
+__git_hash__ = __git_branch__ = "unknown"  # as in DeepSpeed's released wheels
+HAS_TRITON = False  # DeepSpeed's switch for its Triton kernels; zerofit has none
 
 DeepSpeedOptimizerCallable = Callable[[Iterable[torch.nn.Parameter] | dict[str, Iterable]], torch.optim.Optimizer]
 DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -65,9 +84,22 @@ TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 log = logging.getLogger("zerofit")
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
-               distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None, dist_init_required=None, collate_fn=None,
-               config=None, mesh_param=None, config_params=None, **overrides):
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+    **overrides,
+):
     """DeepSpeed's ``initialize``: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``config``: a DeepSpeed (or zerofit) JSON path or dict; or ``config_params``; or ``args.deepspeed_config``.
@@ -88,12 +120,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """
     import zerofit
 
-    if model is None:               # DeepSpeed: assert model is not None (an AssertionError there)
-        raise DeepSpeedAssertion("deepspeed.initialize requires a model: pass model=<your nn.Module> (initialize's "
-                                 "first positional argument is args, as in DeepSpeed)")
+    if model is None:  # DeepSpeed: assert model is not None (an AssertionError there)
+        raise DeepSpeedAssertion(
+            "deepspeed.initialize requires a model: pass model=<your nn.Module> (initialize's "
+            "first positional argument is args, as in DeepSpeed)"
+        )
     if mpu is not None:
-        raise DeepSpeedUnsupported(f"initialize(mpu=...): a model-parallel unit needs several processes; "
-                                   f"{ONE_PROCESS}")
+        raise DeepSpeedUnsupported(f"initialize(mpu=...): a model-parallel unit needs several processes; {ONE_PROCESS}")
     if mesh_param is not None:
         raise DeepSpeedUnsupported(f"initialize(mesh_param={mesh_param!r}): {ONE_PROCESS}")
     check_single_process("deepspeed.initialize")
@@ -107,8 +140,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if optimizer is not None:
         hypers, groups, torch_optimizer = client_optimizer(optimizer, model, model_parameters)
         if "optimizer" in raw:
-            log.warning("zerofit: the client optimizer's settings replace the config's optimizer block, as in "
-                        "DeepSpeed")
+            log.warning(
+                "zerofit: the client optimizer's settings replace the config's optimizer block, as in DeepSpeed"
+            )
         overrides["optimizer"] = hypers
     else:
         groups = groups_from_model_parameters(model, model_parameters)
@@ -121,11 +155,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     kwargs = {"param_groups": groups} if groups is not None else {}
     engine = zerofit.initialize(model, config, **kwargs, **overrides)
     try:
-        names = [g["params"] for g in groups] if groups is not None else None   # each group's, as given
+        names = [g["params"] for g in groups] if groups is not None else None  # each group's, as given
         engine.configure_deepspeed(names, collate_fn, dataloader_drop_last(raw), training_data)
         sched = engine.config.scheduler
-        if lr_scheduler is not None or (torch_optimizer is not None and sched.type == "constant"
-                                        and sched.warmup_steps == 0):
+        if lr_scheduler is not None or (
+            torch_optimizer is not None and sched.type == "constant" and sched.warmup_steps == 0
+        ):
             # [Note: a client scheduler drives the engine's lr]: as DeepSpeed, the engine applies the client
             # optimizer's param_groups (unless the config's schedule sets them)
             from zerofit.optim.client_schedule import attach
@@ -136,13 +171,22 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise
     zero.register_engine(engine)
     if args is not None and hasattr(args, "local_rank"):
-        args.local_rank = engine.local_rank           # DeepSpeed aligns it with the device it uses
+        args.local_rank = engine.local_rank  # DeepSpeed aligns it with the device it uses
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT,
-                     verbose=True, timeout=None, init_method=None, dist_init_required=None, config=None, rank=-1,
-                     world_size=-1) -> None:
+def init_distributed(
+    dist_backend=None,
+    auto_mpi_discovery=True,
+    distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT,
+    verbose=True,
+    timeout=None,
+    init_method=None,
+    dist_init_required=None,
+    config=None,
+    rank=-1,
+    world_size=-1,
+) -> None:
     """Initialize ``torch.distributed`` for this one process (rank 0 of 1), so that a script's
     ``torch.distributed.get_rank()`` and collectives work as under DeepSpeed on one GPU. Nothing to do when it
     is initialized already or ``dist_init_required`` is False. Several ranks are refused."""
@@ -155,13 +199,14 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
         raise DeepSpeedUnsupported(f"init_distributed(rank={rank}, world_size={world_size}): {ONE_PROCESS}")
     if dist_init_required is False or dist.is_initialized():
         return
-    if dist_backend is None:                        # as DeepSpeed: the accelerator's (nccl on CUDA, gloo on the CPU)
+    if dist_backend is None:  # as DeepSpeed: the accelerator's (nccl on CUDA, gloo on the CPU)
         from zerofit.deepspeed.accelerator import get_accelerator
 
         dist_backend = get_accelerator().communication_backend_name()
     backend = dist_backend
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timeout or datetime.timedelta(minutes=30))
+    dist.init_process_group(
+        backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout or datetime.timedelta(minutes=30)
+    )
 
 
 _DEEPSPEED_NAMES = {
@@ -195,14 +240,23 @@ _DEEPSPEED_NAMES = {
     "domino": ONE_PROCESS,
 }
 # DeepSpeed's other top-level modules (deepspeed.inference, deepspeed.pipe, ...): refused as their imports are
-_DEEPSPEED_NAMES.update({name[len("deepspeed."):]: hint for name, hint in REFUSED_MODULES.items()
-                         if name.count(".") == 1 and name[len("deepspeed."):] not in _DEEPSPEED_NAMES})
+_DEEPSPEED_NAMES.update(
+    {
+        name[len("deepspeed.") :]: hint
+        for name, hint in REFUSED_MODULES.items()
+        if name.count(".") == 1 and name[len("deepspeed.") :] not in _DEEPSPEED_NAMES
+    }
+)
 
 # zerofit's modules of DeepSpeed's layout (zerofit.deepspeed.names), imported on first access as DeepSpeed's
 # eager imports make them attributes of `deepspeed`; and the names DeepSpeed re-exports from them
 _SUBMODULES = ("accelerator", "comm", "compression", "moe", "ops", "runtime", "utils")
-_FROM_SUBMODULES = {"get_accelerator": "accelerator", "log_dist": "utils", "logger": "utils",
-                    "DeepSpeedEngine": "runtime.engine"}
+_FROM_SUBMODULES = {
+    "get_accelerator": "accelerator",
+    "log_dist": "utils",
+    "logger": "utils",
+    "DeepSpeedEngine": "runtime.engine",
+}
 
 
 def __getattr__(name: str):

@@ -63,7 +63,7 @@ class _DeepSpeedAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         module = importlib.import_module(zerofit_module(spec.name))
-        spec.loader_state = module.__spec__          # restored by exec_module
+        spec.loader_state = module.__spec__  # restored by exec_module
         return module
 
     def exec_module(self, module) -> None:
@@ -87,7 +87,8 @@ def install() -> None:
         raise ImportError(
             f"the real DeepSpeed is imported already ({getattr(loaded, '__file__', loaded)!r}), before "
             "zerofit.deepspeed.alias: the two would be mixed. Put `import zerofit.deepspeed.alias` at the top of "
-            "the script, before any import that imports deepspeed (or run it with `zerofit deepspeed script.py`)")
+            "the script, before any import that imports deepspeed (or run it with `zerofit deepspeed script.py`)"
+        )
     sys.meta_path.insert(0, _finder)
 
 

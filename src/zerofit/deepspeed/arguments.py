@@ -33,14 +33,18 @@ from torch import nn
 
 from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported
 
-_HYPERS = ("lr", "weight_decay", "betas", "eps")   # other group keys (foreach, fused, ...) only pick an implementation
+_HYPERS = ("lr", "weight_decay", "betas", "eps")  # other group keys (foreach, fused, ...) only pick an implementation
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """DeepSpeed's ``--deepspeed``, ``--deepspeed_config`` (and the deprecated ``--deepscale*``) options."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="Enable DeepSpeed (helper flag for user code, no impact on the engine)")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="Enable DeepSpeed (helper flag for user code, no impact on the engine)",
+    )
     group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
     group.add_argument("--deepscale", default=False, action="store_true", help="Deprecated: --deepspeed")
     group.add_argument("--deepscale_config", default=None, type=str, help="Deprecated: --deepspeed_config")
@@ -51,8 +55,10 @@ def check_single_process(what: str) -> None:
     """Refuse a launch of several ranks (``WORLD_SIZE`` > 1), naming it."""
     world = os.environ.get("WORLD_SIZE", "1")
     if world.strip() and int(world) > 1:
-        raise DeepSpeedUnsupported(f"{what} with WORLD_SIZE={world}: {ONE_PROCESS}. Launch one process "
-                                   "(python train.py, or deepspeed --num_gpus 1 train.py)")
+        raise DeepSpeedUnsupported(
+            f"{what} with WORLD_SIZE={world}: {ONE_PROCESS}. Launch one process "
+            "(python train.py, or deepspeed --num_gpus 1 train.py)"
+        )
 
 
 def resolve_config(args, config, config_params):
@@ -63,24 +69,29 @@ def resolve_config(args, config, config_params):
     legacy = getattr(args, "deepscale_config", None)
     if legacy is not None:
         if from_args is not None:
-            raise ValueError("both args.deepscale_config and args.deepspeed_config are set; keep "
-                             "args.deepspeed_config (--deepscale_config is deprecated)")
+            raise ValueError(
+                "both args.deepscale_config and args.deepspeed_config are set; keep "
+                "args.deepspeed_config (--deepscale_config is deprecated)"
+            )
         from_args = legacy
     if from_args is not None:
         if config is not None:
-            raise ValueError(f"a config came both as args.deepspeed_config ({from_args!r}) and as the config "
-                             "argument of initialize(); pass one of them")
+            raise ValueError(
+                f"a config came both as args.deepspeed_config ({from_args!r}) and as the config "
+                "argument of initialize(); pass one of them"
+            )
         config = from_args
     if config is None:
-        raise ValueError("initialize() needs a configuration: config='ds_config.json' (or a dict), or "
-                         "--deepspeed_config through deepspeed.add_config_arguments(parser)")
+        raise ValueError(
+            "initialize() needs a configuration: config='ds_config.json' (or a dict), or "
+            "--deepspeed_config through deepspeed.add_config_arguments(parser)"
+        )
     return config
 
 
 def raw_config(config) -> dict:
     """The config as a dict (read from its file when a path), for the keys zerofit's config does not keep."""
-    from zerofit.config import ZerofitConfig
-    from zerofit.config import read_json
+    from zerofit.config import ZerofitConfig, read_json
 
     if isinstance(config, (str, os.PathLike)):
         return read_json(Path(config))
@@ -100,6 +111,7 @@ def dataloader_drop_last(raw: Mapping) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- parameters
+
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its canonical (first) name; tied parameters once."""
@@ -128,11 +140,13 @@ def _name_of(p, ids: dict[int, str], model: nn.Module, where: str) -> str:
         if p not in dict(model.named_parameters()):
             raise ValueError(f"{where}: {p!r} is not a parameter name of the model")
         return p
-    if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):   # torch's named parameters
+    if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):  # torch's named parameters
         p = p[1]
     if not isinstance(p, torch.Tensor) or id(p) not in ids:
-        raise ValueError(f"{where}: a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))} that is not a "
-                         "parameter of the model")
+        raise ValueError(
+            f"{where}: a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))} that is not a "
+            "parameter of the model"
+        )
     return ids[id(p)]
 
 
@@ -160,7 +174,7 @@ def groups_from_model_parameters(model: nn.Module, model_parameters) -> list[dic
     names = [_name_of(p, ids, model, "model_parameters") for p in items]
     if _covering(model, names, "model_parameters"):
         return None
-    return [{"params": names}]      # the parameters left out are frozen
+    return [{"params": names}]  # the parameters left out are frozen
 
 
 def _group_hypers(g: Mapping, where: str, *, decoupled_default: bool = True, base_lr: bool = False) -> dict[str, Any]:
@@ -178,38 +192,48 @@ def _group_hypers(g: Mapping, where: str, *, decoupled_default: bool = True, bas
             v = g["initial_lr"] if k == "lr" and base_lr and "initial_lr" in g else g[k]
             out[k] = tuple(float(b) for b in v) if k == "betas" else float(v)
     if not g.get("decoupled_weight_decay", decoupled_default) and out.get("weight_decay", 0.0) > 0:
-        raise DeepSpeedUnsupported(f"{where}: Adam with weight_decay={out['weight_decay']} adds it to the gradient "
-                                   "(L2, torch.optim.Adam's default); zerofit implements AdamW (decoupled weight "
-                                   "decay). Use torch.optim.AdamW, or Adam(decoupled_weight_decay=True)")
+        raise DeepSpeedUnsupported(
+            f"{where}: Adam with weight_decay={out['weight_decay']} adds it to the gradient "
+            "(L2, torch.optim.Adam's default); zerofit implements AdamW (decoupled weight "
+            "decay). Use torch.optim.AdamW, or Adam(decoupled_weight_decay=True)"
+        )
     return out
 
 
 # ---------------------------------------------------------------------------------------------- client objects
 
-_INSTEAD_OPTIMIZER = ('zerofit runs its own AdamW (the math of torch.optim.AdamW); pass a torch.optim.AdamW, '
-                      'or leave optimizer=None and put the settings in the config: "optimizer": {"type": "AdamW", '
-                      '"params": {"lr": ..., "betas": [...], "eps": ..., "weight_decay": ...}}')
+_INSTEAD_OPTIMIZER = (
+    "zerofit runs its own AdamW (the math of torch.optim.AdamW); pass a torch.optim.AdamW, "
+    'or leave optimizer=None and put the settings in the config: "optimizer": {"type": "AdamW", '
+    '"params": {"lr": ..., "betas": [...], "eps": ..., "weight_decay": ...}}'
+)
 
 
-def client_optimizer(optimizer, model: nn.Module, model_parameters) -> tuple[dict, list[dict] | None,
-                                                                             torch.optim.Optimizer]:
+def client_optimizer(
+    optimizer, model: nn.Module, model_parameters
+) -> tuple[dict, list[dict] | None, torch.optim.Optimizer]:
     """(the config's optimizer block as zerofit fields, the groups or None, the torch optimizer) from a client
     optimizer (or the callable that builds one)."""
     if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
         built = optimizer(params)
         if not isinstance(built, torch.optim.Optimizer):
-            raise DeepSpeedUnsupported(f"optimizer: the callable returned a {type(built).__name__}, not a torch "
-                                       f"optimizer; {_INSTEAD_OPTIMIZER}")
+            raise DeepSpeedUnsupported(
+                f"optimizer: the callable returned a {type(built).__name__}, not a torch "
+                f"optimizer; {_INSTEAD_OPTIMIZER}"
+            )
         optimizer = built
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         # (an AssertionError too: DeepSpeed asserts on an untested client optimizer under ZeRO)
-        raise DeepSpeedAssertion(f"optimizer={type(optimizer).__module__}.{type(optimizer).__name__}: "
-                                 f"{_INSTEAD_OPTIMIZER}")
+        raise DeepSpeedAssertion(
+            f"optimizer={type(optimizer).__module__}.{type(optimizer).__name__}: {_INSTEAD_OPTIMIZER}"
+        )
     kind = type(optimizer).__name__
     if any(optimizer.state.values()):
-        raise DeepSpeedUnsupported(f"optimizer: this {kind} has state (it has taken steps); zerofit's AdamW starts "
-                                   "from zero moments. Pass a fresh optimizer, or resume with engine.load_checkpoint")
+        raise DeepSpeedUnsupported(
+            f"optimizer: this {kind} has state (it has taken steps); zerofit's AdamW starts "
+            "from zero moments. Pass a fresh optimizer, or resume with engine.load_checkpoint"
+        )
     ids = parameter_names(model)
     decoupled = isinstance(optimizer, torch.optim.AdamW)
     groups = []
@@ -231,12 +255,15 @@ def check_client_scheduler(lr_scheduler, optimizer) -> None:
         return
     kind = type(lr_scheduler).__name__
     if not callable(getattr(lr_scheduler, "step", None)):
-        raise DeepSpeedUnsupported(f"lr_scheduler={kind}: expected a scheduler with step() (torch's LRScheduler, "
-                                   "transformers' get_scheduler) or a callable that builds one from the optimizer")
+        raise DeepSpeedUnsupported(
+            f"lr_scheduler={kind}: expected a scheduler with step() (torch's LRScheduler, "
+            "transformers' get_scheduler) or a callable that builds one from the optimizer"
+        )
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         raise DeepSpeedAssertion(
             f"lr_scheduler={kind} without the optimizer it was built over: zerofit would not see its learning rates "
             "(DeepSpeed asserts this for torch's old _LRScheduler class; with torch 2's schedulers it steps one whose "
             "lr never reaches the optimizer it trains). Pass optimizer=<the "
             "scheduler's optimizer> too, or lr_scheduler=lambda optimizer: ... to build it over the optimizer "
-            "zerofit gives it")
+            "zerofit gives it"
+        )

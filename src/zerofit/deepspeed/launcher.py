@@ -39,14 +39,18 @@ from dataclasses import dataclass, field
 from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
-_ONE = ("zerofit deepspeed runs the script in one process (zerofit.deepspeed.initialize trains on one GPU, "
-        "in one process)")
+_ONE = (
+    "zerofit deepspeed runs the script in one process (zerofit.deepspeed.initialize trains on one GPU, in one process)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerofit deepspeed", allow_abbrev=False,
-                                description="Run a DeepSpeed training script unchanged, in one process: its "
-                                            "`import deepspeed` is zerofit's (zerofit.deepspeed.alias).")
+    p = argparse.ArgumentParser(
+        prog="zerofit deepspeed",
+        allow_abbrev=False,
+        description="Run a DeepSpeed training script unchanged, in one process: its "
+        "`import deepspeed` is zerofit's (zerofit.deepspeed.alias).",
+    )
     one = p.add_argument_group("one process (DeepSpeed's launcher options)")
     one.add_argument("--num_gpus", "--num_accelerators", type=int, default=-1, help="1 (or leave it out)")
     one.add_argument("--num_nodes", type=int, default=-1, help="1 (or leave it out)")
@@ -79,9 +83,10 @@ def _parser() -> argparse.ArgumentParser:
 @dataclass(frozen=True)
 class Launch:
     """What :func:`main` runs: the script or module, its argv and the environment it adds."""
+
     script: str
     module: bool
-    argv: list[str]                                   # sys.argv[1:] of the script
+    argv: list[str]  # sys.argv[1:] of the script
     env: dict[str, str] = field(default_factory=dict)
     quiet: bool = False
 
@@ -97,19 +102,32 @@ def plan(argv: list[str]) -> Launch:
         raise DeepSpeedUnsupported(f"--node_rank {a.node_rank}: {_ONE}; the one node is node 0")
     for flag, value in (("--hostfile", a.hostfile), ("--exclude", a.exclude), ("--force_multi", a.force_multi)):
         if value:
-            raise DeepSpeedUnsupported(f"{flag}: {_ONE} on this host; pick its GPU with --include localhost:K "
-                                       "(or CUDA_VISIBLE_DEVICES=K)")
+            raise DeepSpeedUnsupported(
+                f"{flag}: {_ONE} on this host; pick its GPU with --include localhost:K (or CUDA_VISIBLE_DEVICES=K)"
+            )
     for flag, value, instead in (
-            ("--no_python", a.no_python, "it runs Python scripts in its own process; run other programs yourself"),
-            ("--save_pid", a.save_pid, "the script runs in the launcher's process: its pid is the launcher's"),
-            ("--enable_each_rank_log", a.enable_each_rank_log, "redirect the output yourself (... > train.log)"),
-            ("--autotuning", a.autotuning, "`zerofit estimate` prints the plan zerofit would choose"),
-            ("--bind_cores_to_rank", a.bind_cores_to_rank or a.bind_core_list, "bind with numactl or taskset "
-                                                                                "around `zerofit deepspeed`")):
+        ("--no_python", a.no_python, "it runs Python scripts in its own process; run other programs yourself"),
+        ("--save_pid", a.save_pid, "the script runs in the launcher's process: its pid is the launcher's"),
+        ("--enable_each_rank_log", a.enable_each_rank_log, "redirect the output yourself (... > train.log)"),
+        ("--autotuning", a.autotuning, "`zerofit estimate` prints the plan zerofit would choose"),
+        (
+            "--bind_cores_to_rank",
+            a.bind_cores_to_rank or a.bind_core_list,
+            "bind with numactl or taskset around `zerofit deepspeed`",
+        ),
+    ):
         if value:
             raise DeepSpeedUnsupported(f"{flag}: zerofit deepspeed does not do this; {instead}")
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "CROSS_RANK": "0",
-           "CROSS_SIZE": "1", "MASTER_ADDR": a.master_addr or "127.0.0.1", "MASTER_PORT": str(a.master_port)}
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_SIZE": "1",
+        "CROSS_RANK": "0",
+        "CROSS_SIZE": "1",
+        "MASTER_ADDR": a.master_addr or "127.0.0.1",
+        "MASTER_PORT": str(a.master_port),
+    }
     if a.include:
         env["CUDA_VISIBLE_DEVICES"] = _one_slot(a.include)
     argv_out = ([] if a.no_local_rank else ["--local_rank=0"]) + list(a.user_args)
@@ -122,8 +140,9 @@ def _one_slot(include: str) -> str:
         raise DeepSpeedUnsupported(f"--include {include}: {_ONE} on this host; pass --include localhost:K")
     ids = [s for s in slots.split(",") if s]
     if len(ids) > 1:
-        raise DeepSpeedUnsupported(f"--include {include}: {len(ids)} GPUs; {_ONE}; pass one, --include "
-                                   f"localhost:{ids[0]}")
+        raise DeepSpeedUnsupported(
+            f"--include {include}: {len(ids)} GPUs; {_ONE}; pass one, --include localhost:{ids[0]}"
+        )
     if not ids:
         return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     if not ids[0].isdigit():
@@ -145,8 +164,10 @@ def main(argv: list[str]) -> int:
     os.environ.update(launch.env)
     if not launch.quiet:
         what = f"module {launch.script}" if launch.module else launch.script
-        print(f"zerofit deepspeed: running {what} in this process (rank 0 of 1); `import deepspeed` is "
-              "zerofit.deepspeed", file=sys.stderr)
+        print(
+            f"zerofit deepspeed: running {what} in this process (rank 0 of 1); `import deepspeed` is zerofit.deepspeed",
+            file=sys.stderr,
+        )
         _note_other_gpus(launch)
     path = None if launch.module else os.path.abspath(launch.script)
     if path is not None and not os.path.isfile(path):
@@ -155,7 +176,7 @@ def main(argv: list[str]) -> int:
 
     alias.install()
     sys.argv = [launch.script, *launch.argv]
-    sys.path[0:1] = [os.getcwd() if path is None else os.path.dirname(path)]   # as python -m / python script.py
+    sys.path[0:1] = [os.getcwd() if path is None else os.path.dirname(path)]  # as python -m / python script.py
     try:
         if path is None:
             runpy.run_module(launch.script, run_name="__main__", alter_sys=True)
@@ -175,8 +196,11 @@ def main(argv: list[str]) -> int:
 def _print_script_error(exc: BaseException) -> None:
     """The traceback as ``python train.py`` prints it: from the script's frame on (no launcher, no runpy)."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None and (
-            tb.tb_frame.f_code.co_filename == __file__ or "runpy" in tb.tb_frame.f_code.co_filename):
+    while (
+        tb is not None
+        and tb.tb_next is not None
+        and (tb.tb_frame.f_code.co_filename == __file__ or "runpy" in tb.tb_frame.f_code.co_filename)
+    ):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb)
 
@@ -188,11 +212,17 @@ def _note_other_gpus(launch: Launch) -> None:
         return
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
-        n = len([d for d in visible.split(",") if d.strip()]) if visible is not None else \
-            len(os.listdir("/proc/driver/nvidia/gpus"))
+        n = (
+            len([d for d in visible.split(",") if d.strip()])
+            if visible is not None
+            else len(os.listdir("/proc/driver/nvidia/gpus"))
+        )
     except OSError:
         n = 0
     if n > 1:
-        print(f"zerofit deepspeed: {n} GPUs are visible; DeepSpeed's launcher would start one process per GPU, "
-              "zerofit starts one, which uses the config's device (cuda: the first); --include localhost:K picks "
-              "another", file=sys.stderr)
+        print(
+            f"zerofit deepspeed: {n} GPUs are visible; DeepSpeed's launcher would start one process per GPU, "
+            "zerofit starts one, which uses the config's device (cuda: the first); --include localhost:K picks "
+            "another",
+            file=sys.stderr,
+        )

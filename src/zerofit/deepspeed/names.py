@@ -23,16 +23,20 @@ from collections.abc import Iterable, Mapping
 
 from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
 
-DEEPSPEED_VERSION = "0.19.8"        # the DeepSpeed release whose names and meanings zerofit's surface follows
+DEEPSPEED_VERSION = "0.19.8"  # the DeepSpeed release whose names and meanings zerofit's surface follows
 ZEROFIT_DEEPSPEED = "zerofit.deepspeed"
 
-_ALIASED_PACKAGES = {"deepspeed.runtime.zero": "zerofit.deepspeed.zero"}   # DeepSpeed's deepspeed.zero is it
+_ALIASED_PACKAGES = {"deepspeed.runtime.zero": "zerofit.deepspeed.zero"}  # DeepSpeed's deepspeed.zero is it
 
-_NO_KERNELS = ("zerofit runs its own AdamW on the host (torch.optim.AdamW's math) and builds none of DeepSpeed's "
-               "kernels; pass torch.optim.AdamW or deepspeed.ops.adam.FusedAdam / DeepSpeedCPUAdam as the "
-               "optimizer, or put AdamW in the config's optimizer block")
-_NO_MOE = ("zerofit has no mixture-of-experts layers (DeepSpeed's MoE needs its expert-parallel groups); train a "
-           "model without deepspeed.moe.layer.MoE (DeepSpeedExamples' cifar10: leave out --moe)")
+_NO_KERNELS = (
+    "zerofit runs its own AdamW on the host (torch.optim.AdamW's math) and builds none of DeepSpeed's "
+    "kernels; pass torch.optim.AdamW or deepspeed.ops.adam.FusedAdam / DeepSpeedCPUAdam as the "
+    "optimizer, or put AdamW in the config's optimizer block"
+)
+_NO_MOE = (
+    "zerofit has no mixture-of-experts layers (DeepSpeed's MoE needs its expert-parallel groups); train a "
+    "model without deepspeed.moe.layer.MoE (DeepSpeedExamples' cifar10: leave out --moe)"
+)
 _NO_INFERENCE = "zerofit trains; for generation use engine.module (the model with its current weights)"
 _NO_INJECT = "zerofit runs the model's own modules and does not replace them"
 
@@ -60,9 +64,9 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.moe.sharded_moe": _NO_MOE,
     "deepspeed.moe.mappings": _NO_MOE,
     "deepspeed.runtime.config": "zerofit reads DeepSpeed configs into zerofit.config.ZerofitConfig "
-                                "(zerofit.config.load_config; `zerofit config show ds.json`)",
+    "(zerofit.config.load_config; `zerofit config show ds.json`)",
     "deepspeed.runtime.activation_checkpointing": "zerofit checkpoints every block's activations itself "
-                                                  "(the config's activation_checkpointing)",
+    "(the config's activation_checkpointing)",
     "deepspeed.runtime.pipe": ONE_PROCESS,
     "deepspeed.pipe": ONE_PROCESS,
     "deepspeed.runtime.fp16": "zerofit's loss scaling follows the config's fp16 block (zerofit.optim.loss_scaler)",
@@ -71,16 +75,16 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.runtime.zero.tiling": _NO_INJECT,
     "deepspeed.runtime.zero.linear": _NO_INJECT,
     "deepspeed.utils.zero_to_fp32": "zerofit's checkpoints hold fp32 weights already: `zerofit export CKPT OUT` "
-                                    "writes a Hugging Face model directory, engine.module is the model",
+    "writes a Hugging Face model directory, engine.module is the model",
     "deepspeed.utils.groups": ONE_PROCESS,
     "deepspeed.utils.timer": "use engine.timeline() and engine.trace() (zerofit's per-step timings)",
     "deepspeed.utils.tensor_fragment": "zerofit never partitions a parameter: engine.module is the model with "
-                                       "its current fp32 weights",
+    "its current fp32 weights",
     "deepspeed.inference": _NO_INFERENCE,
     "deepspeed.module_inject": _NO_INJECT,
     "deepspeed.model_implementations": _NO_INJECT,
     "deepspeed.checkpoint": "zerofit's checkpoints are its own (docs/checkpoints.md): engine.save_checkpoint, "
-                            "engine.load_checkpoint, zerofit export",
+    "engine.load_checkpoint, zerofit export",
     "deepspeed.launcher": "launch with `zerofit deepspeed train.py ...` (one process)",
     "deepspeed.autotuning": "`zerofit estimate` prints the plan zerofit would choose",
     "deepspeed.profiling": "use engine.timeline() and engine.trace()",
@@ -104,13 +108,13 @@ def zerofit_module(fullname: str) -> str:
     ``zerofit.deepspeed.zero[.x]``)."""
     for prefix, target in _ALIASED_PACKAGES.items():
         if fullname == prefix or fullname.startswith(prefix + "."):
-            return target + fullname[len(prefix):]
-    return ZEROFIT_DEEPSPEED + fullname[len("deepspeed"):]
+            return target + fullname[len(prefix) :]
+    return ZEROFIT_DEEPSPEED + fullname[len("deepspeed") :]
 
 
 def deepspeed_module(name: str) -> str:
     """zerofit's module name as DeepSpeed spells it (``zerofit.deepspeed.ops.adam`` -> ``deepspeed.ops.adam``)."""
-    return "deepspeed" + name[len(ZEROFIT_DEEPSPEED):] if name.startswith(ZEROFIT_DEEPSPEED) else name
+    return "deepspeed" + name[len(ZEROFIT_DEEPSPEED) :] if name.startswith(ZEROFIT_DEEPSPEED) else name
 
 
 def unsupported_module(fullname: str) -> UnsupportedModule:
@@ -121,7 +125,8 @@ def unsupported_module(fullname: str) -> UnsupportedModule:
     hint = REFUSED_MODULES.get(probe) or (
         "zerofit provides the DeepSpeed modules training scripts import (deepspeed.accelerator, deepspeed.comm, "
         "deepspeed.ops.adam, deepspeed.moe.utils, deepspeed.runtime.utils, deepspeed.utils, deepspeed.zero; "
-        "docs/migration.md lists them); drop this import, or use real DeepSpeed for this script")
+        "docs/migration.md lists them); drop this import, or use real DeepSpeed for this script"
+    )
     err = UnsupportedModule(f"zerofit's deepspeed has no module {fullname}: {hint}")
     err.name = fullname
     return err

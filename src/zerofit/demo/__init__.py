@@ -16,10 +16,14 @@ import importlib
 
 _EXPORTS = {
     "ByteTokenizer": "tokenizer",
-    "Corpus": "corpus", "load_corpus": "corpus", "micro_batches": "corpus",
-    "build_model": "model", "sample": "model",
+    "Corpus": "corpus",
+    "load_corpus": "corpus",
+    "micro_batches": "corpus",
+    "build_model": "model",
+    "sample": "model",
     "DemoOptions": "options",
-    "DemoResult": "run", "run_demo": "run",
+    "DemoResult": "run",
+    "run_demo": "run",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -36,8 +36,12 @@ def stdlib_sources(root: str | Path | None = None) -> list[Path]:
     return sorted(p for p in root.glob("*.py") if p.is_file())
 
 
-def load_corpus(max_bytes: int = DEFAULT_MAX_BYTES, eval_fraction: float = 0.05,
-                root: str | Path | None = None, min_bytes: int = 64 << 10) -> Corpus:
+def load_corpus(
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    eval_fraction: float = 0.05,
+    root: str | Path | None = None,
+    min_bytes: int = 64 << 10,
+) -> Corpus:
     """Concatenate standard-library sources (separated by a blank line) up to ``max_bytes``."""
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in (0, 1), found {eval_fraction}")
@@ -54,14 +58,16 @@ def load_corpus(max_bytes: int = DEFAULT_MAX_BYTES, eval_fraction: float = 0.05,
         raise RuntimeError(
             f"the demo needs at least {min_bytes} bytes of Python source in {where}, found {total}"
             f" in {len(chunks)} files: this Python ships without its standard library sources"
-            " (install the distribution's python3 'lib' or '-dev' package)")
+            " (install the distribution's python3 'lib' or '-dev' package)"
+        )
     data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)  # (total,) uint8
     n_eval = max(int(total * eval_fraction), 1)
     return Corpus(train=data[:-n_eval], eval=data[-n_eval:], files=len(chunks), root=str(root or files[0].parent))
 
 
-def random_windows(data: torch.Tensor, batch_size: int, seq_len: int,
-                   generator: torch.Generator) -> dict[str, torch.Tensor]:
+def random_windows(
+    data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
     """One micro-batch of ``batch_size`` windows of ``seq_len`` tokens at random offsets.
 
     ``labels`` equals ``input_ids``: the model shifts them (Hugging Face causal-LM convention).
@@ -73,8 +79,9 @@ def random_windows(data: torch.Tensor, batch_size: int, seq_len: int,
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def micro_batches(data: torch.Tensor, batch_size: int, seq_len: int, grad_accum: int,
-                  seed: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+def micro_batches(
+    data: torch.Tensor, batch_size: int, seq_len: int, grad_accum: int, seed: int
+) -> Iterator[list[dict[str, torch.Tensor]]]:
     """Endless optimizer steps, each a list of ``grad_accum`` micro-batches; same seed, same stream."""
     g = torch.Generator().manual_seed(seed)
     while True:

@@ -41,8 +41,15 @@ def build_model(max_seq_len: int = 1024, seed: int = 0) -> LlamaForCausalLM:
 
 
 @torch.no_grad()
-def sample(model: torch.nn.Module, tokenizer: ByteTokenizer, prompt: str, max_new_tokens: int = 200,
-           top_k: int = 8, temperature: float = 0.8, seed: int = 0) -> str:
+def sample(
+    model: torch.nn.Module,
+    tokenizer: ByteTokenizer,
+    prompt: str,
+    max_new_tokens: int = 200,
+    top_k: int = 8,
+    temperature: float = 0.8,
+    seed: int = 0,
+) -> str:
     """Top-k sampling with a plain loop (no KV cache: the model is tiny), on the model's own device.
 
     Returns the prompt followed by the generated text. ``top_k=1`` is greedy.
@@ -58,7 +65,7 @@ def sample(model: torch.nn.Module, tokenizer: ByteTokenizer, prompt: str, max_ne
     for _ in range(max_new_tokens):
         window = ids[:, -limit:].to(device)
         logits = model(input_ids=window).logits[0, -1].float().cpu()  # (V,)
-        logits[tokenizer.vocab_size:] = float("-inf")  # padded vocab rows, if any
+        logits[tokenizer.vocab_size :] = float("-inf")  # padded vocab rows, if any
         logits[tokenizer.bos_id] = float("-inf")
         top = torch.topk(logits / max(temperature, 1e-5), k=min(top_k, logits.numel()))
         choice = top.indices[torch.multinomial(torch.softmax(top.values, dim=-1), 1, generator=g)]
@@ -75,7 +82,6 @@ def eval_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) ->
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    losses = [float(model(input_ids=b["input_ids"].to(device), labels=b["labels"].to(device)).loss)
-              for b in batches]
+    losses = [float(model(input_ids=b["input_ids"].to(device), labels=b["labels"].to(device)).loss) for b in batches]
     model.train(was_training)
     return sum(losses) / len(losses)

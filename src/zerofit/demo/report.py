@@ -29,19 +29,27 @@ def render_start(result: DemoResult, console: Console) -> None:
     cfg = result.loaded.config
     source = "the demo's defaults" if result.loaded.source == "<dict>" else result.loaded.source
     sched = cfg.scheduler
-    console.print(f"[bold]zerofit train[/]: tiny Llama, {result.params / 1e6:.2f} M parameters, "
-                  f"byte-level tokens, on {result.device}")
-    console.print(f"  data      {result.corpus_bytes / 2**20:.1f} MiB of Python's standard library source "
-                  f"({result.corpus_files} files), 5% held out")
+    console.print(
+        f"[bold]zerofit train[/]: tiny Llama, {result.params / 1e6:.2f} M parameters, "
+        f"byte-level tokens, on {result.device}"
+    )
+    console.print(
+        f"  data      {result.corpus_bytes / 2**20:.1f} MiB of Python's standard library source "
+        f"({result.corpus_files} files), 5% held out"
+    )
     console.print(f"  config    {source} ({result.loaded.flavour})")
-    console.print(f"  batch     {cfg.micro_batch_size} x {result.seq_len} tokens x {cfg.gradient_accumulation_steps}"
-                  f" micro-batches = {result.tokens_per_step:,} tokens per step, {result.steps_planned} steps")
-    console.print(f"  optimizer AdamW lr {cfg.optimizer.lr:g}, betas {tuple(cfg.optimizer.betas)}, "
-                  f"weight decay {cfg.optimizer.weight_decay:g}; schedule {sched.type}, "
-                  f"warm-up {sched.warmup_steps}; clipping {cfg.gradient_clipping:g}")
+    console.print(
+        f"  batch     {cfg.micro_batch_size} x {result.seq_len} tokens x {cfg.gradient_accumulation_steps}"
+        f" micro-batches = {result.tokens_per_step:,} tokens per step, {result.steps_planned} steps"
+    )
+    console.print(
+        f"  optimizer AdamW lr {cfg.optimizer.lr:g}, betas {tuple(cfg.optimizer.betas)}, "
+        f"weight decay {cfg.optimizer.weight_decay:g}; schedule {sched.type}, "
+        f"warm-up {sched.warmup_steps}; clipping {cfg.gradient_clipping:g}"
+    )
     if result.device.startswith("cuda"):
         cap = f"max GPU memory {_mib(cfg.max_gpu_memory) if cfg.max_gpu_memory else 'all free'}"
-    else:     # no GPU: every buffer is in host memory, nothing is capped or streamed over PCIe
+    else:  # no GPU: every buffer is in host memory, nothing is capped or streamed over PCIe
         cap = "on the CPU: no GPU memory cap, all in host memory"
     console.print(f"  precision {cfg.precision}; {cap}")
     notices = format_report(result.loaded.notices)
@@ -65,8 +73,10 @@ def render_summary(result: DemoResult, console: Console) -> None:
     t.add_row("training loss", f"{result.first_loss:.3f} (step 1) -> {last}")
     t.add_row("held-out loss", f"{result.eval_loss_before:.3f} -> {result.eval_loss_after:.3f}")
     if result.steps > 1:
-        rate = (f"{result.tokens_per_s:,.0f} tokens/s over steps 2..{result.steps} "
-                f"({result.tokens_per_s_overall:,.0f} with step 1's set-up)")
+        rate = (
+            f"{result.tokens_per_s:,.0f} tokens/s over steps 2..{result.steps} "
+            f"({result.tokens_per_s_overall:,.0f} with step 1's set-up)"
+        )
     else:
         rate = f"{result.tokens_per_s:,.0f} tokens/s (step 1, set-up included)"
     t.add_row("throughput", f"{rate}; {result.tokens_per_step:,} tokens per step")

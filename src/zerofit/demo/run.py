@@ -137,8 +137,12 @@ class DemoResult:
         return self.steps * self.tokens_per_step / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
-def run_demo(options: DemoOptions | None = None, console: Console | None = None, progress: bool = True,
-             on_start: Callable[[DemoResult], None] | None = None) -> DemoResult:
+def run_demo(
+    options: DemoOptions | None = None,
+    console: Console | None = None,
+    progress: bool = True,
+    on_start: Callable[[DemoResult], None] | None = None,
+) -> DemoResult:
     """Train the demo model as ``options`` say.
 
     ``on_start(result)`` is called once the configuration is resolved and the model
@@ -156,10 +160,14 @@ def run_demo(options: DemoOptions | None = None, console: Console | None = None,
     eval_set = [random_windows(corpus.eval, 8, options.seq_len, eval_gen) for _ in range(EVAL_BATCHES)]
 
     result = DemoResult(
-        loaded=loaded, device=str(device), params=sum(p.numel() for p in model.parameters()),
+        loaded=loaded,
+        device=str(device),
+        params=sum(p.numel() for p in model.parameters()),
         seq_len=options.seq_len,
         tokens_per_step=cfg.micro_batch_size * cfg.gradient_accumulation_steps * options.seq_len,
-        steps_planned=options.steps, corpus_bytes=len(corpus), corpus_files=corpus.files,
+        steps_planned=options.steps,
+        corpus_bytes=len(corpus),
+        corpus_files=corpus.files,
     )
     result.eval_loss_before = eval_loss(model, eval_set)
     if on_start is not None:
@@ -169,15 +177,24 @@ def run_demo(options: DemoOptions | None = None, console: Console | None = None,
     if build:
         console.print(build)
     engine = zerofit.initialize(model, loaded, device=str(device))
-    data = micro_batches(corpus.train, cfg.micro_batch_size, options.seq_len,
-                         cfg.gradient_accumulation_steps, seed=cfg.seed)
+    data = micro_batches(
+        corpus.train, cfg.micro_batch_size, options.seq_len, cfg.gradient_accumulation_steps, seed=cfg.seed
+    )
     timelines: list[dict[str, float]] = []  # engine.timeline() of each step
-    bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[stats]}"), console=console, disable=not progress, transient=False)
+    bar = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[stats]}"),
+        console=console,
+        disable=not progress,
+        transient=False,
+    )
     t_start = time.perf_counter()
     with bar:
         task = bar.add_task("train", total=options.steps, stats=first_step_note(device))
-        bar.refresh()      # the note shows now, not at the next tick: step 1 may take seconds
+        bar.refresh()  # the note shows now, not at the next tick: step 1 may take seconds
         for step in range(options.steps):
             if step > 0 and options.time_budget is not None and time.perf_counter() - t_start >= options.time_budget:
                 result.stopped_early = True

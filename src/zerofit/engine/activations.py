@@ -18,10 +18,11 @@ orders after this step's uploads of it.
 
 Two blocks ahead, not one: a block updated on the device in the backward ([Note: assisted updates in the
 backward], update/device.py) queues its state's chunks on the upload stream right after its compute, and a
-checkpoint enqueued one block ahead sat behind them. W1 at 8 GiB (ebd8986, its trace) waited ~8 ms before
-each block that followed an assisted one (nine of them in its backward). Two ahead, the next block's checkpoint
-is enqueued before those chunks: 1.342 -> 1.299 s/step (ebd8986 -> 23bacce, docs/benchmarks.md). On the
-device at once: block 0's, the one computing, the two coming up (within the planner's CKPT_ON_DEVICE).
+checkpoint enqueued one block ahead sat behind them: in a step's trace of a 3B model at an 8 GiB cap, the
+compute waited several ms before each block that followed an assisted one. Two ahead, the next block's
+checkpoint is enqueued before those chunks, and the step got shorter (docs/benchmarks.md, the 3B model at an
+8 GiB cap). On the device at once: block 0's, the one computing, the two coming up (within the planner's
+CKPT_ON_DEVICE).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ class Activations:
 
     def __init__(self, dev: Device, n_blocks: int, grad_accum: int, pinned: bool, arenas: list):
         self.dev, self.n_blocks, self.grad_accum, self.pinned = dev, n_blocks, grad_accum, pinned
-        self.arenas = arenas                      # the engine's pinned arenas (released with it)
-        self.every = 1                            # [Note: checkpoints every k blocks]: the step in progress's
-        self.arena: HostArena | None = None       # (offloaded checkpoints * g * tokens * hidden,) compute dtype
+        self.arenas = arenas  # the engine's pinned arenas (released with it)
+        self.every = 1  # [Note: checkpoints every k blocks]: the step in progress's
+        self.arena: HostArena | None = None  # (offloaded checkpoints * g * tokens * hidden,) compute dtype
         self.g = 0
         self.ready: dict[int, object] = {}
 
@@ -69,14 +70,14 @@ class Activations:
         need = offloaded_checkpoints(self.n_blocks, self.every) * G * n
         arena = self.arena
         if arena is None or arena.tensor.numel() < need or arena.tensor.dtype != like.dtype:
-            if arena is not None:       # a larger batch than before: the smaller arena goes, once no copy
+            if arena is not None:  # a larger batch than before: the smaller arena goes, once no copy
                 self.dev.synchronize()  # reads it ([Note: events, not device syncs], device.py)
                 self.arenas.remove(arena)
                 arena.close()
             arena = self.arena = HostArena(need, like.dtype, self.pinned)
             self.arenas.append(arena)
         off = (self._slot(index) * G + m) * n
-        return arena.tensor[off:off + n].view(like.shape)
+        return arena.tensor[off : off + n].view(like.shape)
 
     def down(self, micros: list, index: int, first: int = 0) -> None:
         """Block ``index``'s checkpoints of ``micros`` (the window's ``first`` onwards) into the host arena."""
@@ -99,9 +100,10 @@ class Activations:
         first = micros[0].ckpts[index] if index >= 0 and micros else None
         if first is None or first.device == self.dev.device:
             return
-        outs = [torch.empty(mc.ckpts[index].shape, dtype=mc.ckpts[index].dtype, device=self.dev.device)
-                for mc in micros]
-        ev = self.dev.record(self.dev.compute)     # after the allocations: their memory is free on the device
+        outs = [
+            torch.empty(mc.ckpts[index].shape, dtype=mc.ckpts[index].dtype, device=self.dev.device) for mc in micros
+        ]
+        ev = self.dev.record(self.dev.compute)  # after the allocations: their memory is free on the device
         with self.dev.on(self.dev.upload):
             self.dev.wait(self.dev.upload, ev)
             with self.dev.timed("upload", self.dev.upload, f"ckpt[{index}]"):

@@ -51,8 +51,8 @@ class BlockCall:
 class PreResult:
     """Result of the pre pass for one micro-batch."""
 
-    hidden: torch.Tensor          # (B, T, H) input of block 0, with its autograd graph to the shell
-    calls: list[BlockCall]        # per block
+    hidden: torch.Tensor  # (B, T, H) input of block 0, with its autograd graph to the shell
+    calls: list[BlockCall]  # per block
 
 
 def _is_cache(value) -> bool:
@@ -69,15 +69,18 @@ class _Recorder(nn.Module):
         if self.index != len(self.sink):
             raise NonSequentialModel(
                 f"block {self.index} was called when block {len(self.sink)} was expected (the model does not "
-                "run its blocks once each, in order)")
+                "run its blocks once each, in order)"
+            )
         if self.index > 0 and hidden is not self.sink[-1][0]:
             raise NonSequentialModel(
-                f"block {self.index} did not receive block {self.index - 1}'s output as its first argument")
+                f"block {self.index} did not receive block {self.index - 1}'s output as its first argument"
+            )
         if any(_is_cache(v) for v in (*args, *kwargs.values())):
             raise NonSequentialModel(
                 f"block {self.index} was handed a key/value cache (past_key_values) that it appends to: recomputed "
                 "for the backward, it would append the same keys and values again ([Note: no key/value cache in "
-                "training], adapter.py); train without past_key_values")
+                "training], adapter.py); train without past_key_values"
+            )
         self.sink.append((hidden, BlockCall(args, kwargs)))
         if self.index == self.last:
             raise _StopForward
@@ -101,8 +104,10 @@ class NonSequentialModel(RuntimeError):
 
     def __init__(self, reason: str):
         self.reason = reason
-        super().__init__(f"{reason}; this model cannot stream block by block: pass adapter='generic' "
-                         "(adapter='auto' falls back to it by itself before the first step)")
+        super().__init__(
+            f"{reason}; this model cannot stream block by block: pass adapter='generic' "
+            "(adapter='auto' falls back to it by itself before the first step)"
+        )
 
 
 def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -134,12 +139,15 @@ class Adapter:
         # [Note: no key/value cache in training]
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self._accepts_use_cache = "use_cache" in params or (
-            takes_kwargs and hasattr(getattr(model, "config", None), "use_cache"))
-        self._configs = list({id(c): c for m in model.modules()
-                              if hasattr(c := getattr(m, "config", None), "use_cache")}.values())
+            takes_kwargs and hasattr(getattr(model, "config", None), "use_cache")
+        )
+        self._configs = list(
+            {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")}.values()
+        )
         self.has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
             isinstance(v, float) and v > 0 and "dropout" in k
-            for k, v in getattr(getattr(model, "config", None), "to_dict", dict)().items())
+            for k, v in getattr(getattr(model, "config", None), "to_dict", dict)().items()
+        )
 
     @property
     def chunkable_loss(self) -> bool:
@@ -150,8 +158,12 @@ class Adapter:
         fwd = inspect.signature(self.model.forward).parameters.values()
         inside = {id(m) for m in self.blocks.modules()}
         shell_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules() if id(m) not in inside)
-        return (self.streaming and not shell_dropout and hasattr(self.model, "loss_function")
-                and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in fwd))
+        return (
+            self.streaming
+            and not shell_dropout
+            and hasattr(self.model, "loss_function")
+            and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in fwd)
+        )
 
     @property
     def streaming(self) -> bool:
@@ -232,9 +244,18 @@ class Adapter:
             return shell_call(self._inputs(batch))
 
 
-def post_in_chunks(adapter: Adapter, shell_call, batch: dict, final: torch.Tensor, leaves: list[torch.Tensor],
-                   seed_scale: float, chunks: int, accumulate, fork_rng=contextlib.nullcontext,
-                   weights=contextlib.nullcontext):
+def post_in_chunks(
+    adapter: Adapter,
+    shell_call,
+    batch: dict,
+    final: torch.Tensor,
+    leaves: list[torch.Tensor],
+    seed_scale: float,
+    chunks: int,
+    accumulate,
+    fork_rng=contextlib.nullcontext,
+    weights=contextlib.nullcontext,
+):
     """The post pass and its backward over token chunks ([Note: a smaller GPU floor], planner.py): the model's
     own head and loss run on each chunk of the final hidden state ``final`` (detached), with the labels already
     shifted (``shift_labels``) and the micro-batch's whole label count (``num_items_in_batch``), so that each
@@ -255,8 +276,11 @@ def post_in_chunks(adapter: Adapter, shell_call, batch: dict, final: torch.Tenso
         part = final[:, a:b].detach().requires_grad_(True)
         lab = shift[:, a:b].contiguous()
         with fork_rng():
-            loss = loss_of(adapter.post(shell_call, {**batch, "labels": lab, "shift_labels": lab,
-                                                     "num_items_in_batch": count}, part))
+            loss = loss_of(
+                adapter.post(
+                    shell_call, {**batch, "labels": lab, "shift_labels": lab, "num_items_in_batch": count}, part
+                )
+            )
         with weights():
             (g,) = backward_into(loss * seed_scale, [part], leaves, accumulate)
         if g is not None:
@@ -277,26 +301,26 @@ def backward_into(output: torch.Tensor, inputs: list, leaves: list, accumulate, 
     ``accumulate(grads)`` and are gone when this returns; those of ``inputs`` are returned (None where unused).
     [Note: one micro-batch's gradients at a time]"""
     grads = torch.autograd.grad(output, [*inputs, *leaves], grad_output, allow_unused=True)
-    accumulate(list(grads[len(inputs):]))
-    return grads[:len(inputs)]
+    accumulate(list(grads[len(inputs) :]))
+    return grads[: len(inputs)]
 
 
 # [Note: one micro-batch's gradients at a time]
 # A backward over the micro-batches (or a micro-batch's loss chunks) makes each one's weight gradients, adds them into
 # the unit's fp32 gradient and must drop them before the next one's backward makes its own: a loop variable holding
-# them kept two sets alive at once. W1 at 8 GiB peaked at 6.24 GiB with two shell-sized 16-bit gradients alive (788
-# MB each, in the chunked post pass: the head's), then, with the chunks mended, at 5.94 with two still (outside the
-# post pass; the allocation history names no frames, and a CPU test found the embeddings' kept by the pre pass's
-# backward), at 5.51 with one when every site was mended (bench/probes/mem_peak.py, twelfth session). So every backward
-# of the engine goes through backward_into, whose weight gradients die with its frame, and the block's backward of
-# a micro-batch is a method of its own (Schedule._block_backward), whose input and output die with it.
+# them kept two sets alive at once. A 3B model at an 8 GiB cap peaked with two shell-sized 16-bit gradients alive:
+# the head's, in the chunked post pass, and, with the chunks mended, the embeddings', kept by the pre pass's backward
+# (the allocation history names no frames; a CPU test found it). With every site mended one was alive and the peak
+# fell by the size of the other (bench/probes/mem_peak.py; docs/benchmarks.md, where the GPU memory peaks). So every
+# backward of the engine goes through backward_into, whose weight gradients die with its frame, and the block's backward
+# of a micro-batch is a method of its own (Schedule._block_backward), whose input and output die with it.
 
 
 def loss_of(output) -> torch.Tensor:
     """The loss of a model's output: a tensor, or an object/dict with ``loss``."""
     if isinstance(output, torch.Tensor):
         return output
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)   # ModelOutput too
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)  # ModelOutput too
     if loss is None:
         raise ValueError("the model returned no loss: pass 'labels' in every micro-batch")
     return loss

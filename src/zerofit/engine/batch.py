@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-IGNORE_INDEX = -100    # the labels Hugging Face's and torch's cross-entropy skip
-TOKEN_KEYS = ("input_ids", "labels")    # converted to int64 on the way to the device: [Note: token ids of any ...]
+IGNORE_INDEX = -100  # the labels Hugging Face's and torch's cross-entropy skip
+TOKEN_KEYS = ("input_ids", "labels")  # converted to int64 on the way to the device: [Note: token ids of any ...]
 _NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32)
 
 
@@ -38,19 +38,22 @@ class BatchError(ValueError):
 class BatchSpec:
     """What the engine knows of the model's inputs."""
 
-    accepted: frozenset[str] | None   # the forward's keyword parameters; None: it takes **kwargs
-    vocab: int                        # token ids must be < vocab; 0 = unknown (not checked)
-    device: torch.device              # the compute device (tensors may also come from the host)
-    loss_needs_labels: str = ""       # a Hugging Face model's class name: its loss exists only with labels
+    accepted: frozenset[str] | None  # the forward's keyword parameters; None: it takes **kwargs
+    vocab: int  # token ids must be < vocab; 0 = unknown (not checked)
+    device: torch.device  # the compute device (tensors may also come from the host)
+    loss_needs_labels: str = ""  # a Hugging Face model's class name: its loss exists only with labels
 
     @classmethod
-    def of(cls, model: nn.Module, vocab: int, device: torch.device) -> "BatchSpec":
+    def of(cls, model: nn.Module, vocab: int, device: torch.device) -> BatchSpec:
         params = inspect.signature(model.forward).parameters.values()
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
             accepted = None
         else:
-            accepted = frozenset(p.name for p in params
-                                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+            accepted = frozenset(
+                p.name
+                for p in params
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            )
         return cls(accepted, vocab, device, _labelled_loss(model))
 
 
@@ -58,7 +61,7 @@ def _labelled_loss(model: nn.Module) -> str:
     """The class name of a Hugging Face model (or of the one a PEFT model wraps) whose forward takes
     ``labels``: such a model returns a loss only when given labels (transformers' convention for every head).
     "" for any other model, which may compute its loss from other inputs."""
-    transformers = sys.modules.get("transformers")    # a model of it means it is imported already
+    transformers = sys.modules.get("transformers")  # a model of it means it is imported already
     if transformers is None:
         return ""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
@@ -70,21 +73,26 @@ def _labelled_loss(model: nn.Module) -> str:
 def check_micro_batches(micro_batches, spec: BatchSpec) -> None:
     """Raise :class:`BatchError` naming the micro-batch and the field when a micro-batch is unusable."""
     if isinstance(micro_batches, Mapping):
-        raise BatchError("train_batch takes a list of micro-batches (dicts of tensors), got one dict: "
-                         "pass [batch], or split it into gradient_accumulation_steps micro-batches")
+        raise BatchError(
+            "train_batch takes a list of micro-batches (dicts of tensors), got one dict: "
+            "pass [batch], or split it into gradient_accumulation_steps micro-batches"
+        )
     if not isinstance(micro_batches, Sequence) or isinstance(micro_batches, (str, bytes)):
-        raise BatchError(f"train_batch takes a list of micro-batches (dicts of tensors), got a "
-                         f"{type(micro_batches).__name__}")
+        raise BatchError(
+            f"train_batch takes a list of micro-batches (dicts of tensors), got a {type(micro_batches).__name__}"
+        )
     if not micro_batches:
         raise BatchError("train_batch needs at least one micro-batch, got an empty list")
     for i, mb in enumerate(micro_batches):
         check_batch(mb, spec, f"micro-batch {i}")
         if spec.loss_needs_labels and "labels" not in mb:
             # without labels the model returns no loss, and train_batch would fail after the forward
-            raise BatchError(f"micro-batch {i} has no 'labels' (keys {sorted(mb)}): {spec.loss_needs_labels} "
-                             "returns a loss only when given labels, and train_batch trains on the loss. Pass "
-                             "labels with input_ids' shape (a copy of input_ids for causal-LM training; the model "
-                             f"shifts them itself), {IGNORE_INDEX} where a token has no loss")
+            raise BatchError(
+                f"micro-batch {i} has no 'labels' (keys {sorted(mb)}): {spec.loss_needs_labels} "
+                "returns a loss only when given labels, and train_batch trains on the loss. Pass "
+                "labels with input_ids' shape (a copy of input_ids for causal-LM training; the model "
+                f"shifts them itself), {IGNORE_INDEX} where a token has no loss"
+            )
 
 
 def check_batch(batch, spec: BatchSpec, where: str = "the batch") -> None:
@@ -96,35 +104,50 @@ def check_batch(batch, spec: BatchSpec, where: str = "the batch") -> None:
     if spec.accepted is not None:
         unknown = sorted(k for k in batch if k not in spec.accepted)
         if unknown:
-            raise BatchError(f"{where} has keys {unknown} that the model's forward does not take "
-                             f"(it takes {sorted(spec.accepted)}); remove them")
+            raise BatchError(
+                f"{where} has keys {unknown} that the model's forward does not take "
+                f"(it takes {sorted(spec.accepted)}); remove them"
+            )
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.device.type != "cpu" and value.device != spec.device:
-            raise BatchError(f"{where}[{key!r}] is on {value.device}, the engine computes on {spec.device}: "
-                             "pass host tensors (the engine uploads them) or tensors on that device")
+            raise BatchError(
+                f"{where}[{key!r}] is on {value.device}, the engine computes on {spec.device}: "
+                "pass host tensors (the engine uploads them) or tensors on that device"
+            )
     ids = batch.get("input_ids")
     if ids is None:
         return
     shape = _token_tensor(ids, "input_ids", where)
     if spec.vocab:
-        _check_range(ids, 0, spec.vocab, "input_ids", where, f"token ids must be in [0, {spec.vocab}) "
-                     "(the model's vocab_size)")
+        _check_range(
+            ids, 0, spec.vocab, "input_ids", where, f"token ids must be in [0, {spec.vocab}) (the model's vocab_size)"
+        )
     labels = batch.get("labels")
     if labels is not None:
         if _token_tensor(labels, "labels", where) != shape:
-            raise BatchError(f"{where}['labels'] has shape {tuple(labels.shape)}, input_ids {tuple(shape)}: "
-                             "labels must have input_ids' shape (the model shifts them itself)")
+            raise BatchError(
+                f"{where}['labels'] has shape {tuple(labels.shape)}, input_ids {tuple(shape)}: "
+                "labels must have input_ids' shape (the model shifts them itself)"
+            )
         if spec.vocab:
-            _check_range(labels, 0, spec.vocab, "labels", where,
-                         f"labels must be token ids in [0, {spec.vocab}) or {IGNORE_INDEX} (ignored)",
-                         ignore=IGNORE_INDEX)
+            _check_range(
+                labels,
+                0,
+                spec.vocab,
+                "labels",
+                where,
+                f"labels must be token ids in [0, {spec.vocab}) or {IGNORE_INDEX} (ignored)",
+                ignore=IGNORE_INDEX,
+            )
     mask = batch.get("attention_mask")
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise BatchError(f"{where}['attention_mask'] is a {type(mask).__name__}; expected a tensor")
         if mask.dim() < 2 or mask.shape[0] != shape[0] or mask.shape[-1] != shape[1]:
-            raise BatchError(f"{where}['attention_mask'] has shape {tuple(mask.shape)}, input_ids "
-                             f"{tuple(shape)}: expected (batch, seq) = {tuple(shape)}")
+            raise BatchError(
+                f"{where}['attention_mask'] has shape {tuple(mask.shape)}, input_ids "
+                f"{tuple(shape)}: expected (batch, seq) = {tuple(shape)}"
+            )
 
 
 def _inputs(spec: BatchSpec) -> str:
@@ -140,25 +163,27 @@ def _token_tensor(t, key: str, where: str) -> torch.Size:
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise BatchError(f"{where}[{key!r}] has dtype {t.dtype}; expected integer token ids (torch.long)")
     if t.dtype == torch.uint64:
-        raise BatchError(f"{where}[{key!r}] has dtype torch.uint64, whose values need not fit torch.long: pass "
-                         f"{key}.long() (any integer dtype up to int64 or uint32 is taken)")
+        raise BatchError(
+            f"{where}[{key!r}] has dtype torch.uint64, whose values need not fit torch.long: pass "
+            f"{key}.long() (any integer dtype up to int64 or uint32 is taken)"
+        )
     if t.dim() != 2 or t.numel() == 0:
         raise BatchError(f"{where}[{key!r}] has shape {tuple(t.shape)}; expected (batch, seq) with both > 0")
     return t.shape
 
 
 def _check_range(t: torch.Tensor, lo: int, hi: int, key: str, where: str, rule: str, ignore: int | None = None):
-    if t.device.type != "cpu":    # reading a device tensor's values would be a device sync: skipped
+    if t.device.type != "cpu":  # reading a device tensor's values would be a device sync: skipped
         return
-    if t.dtype in (torch.uint16, torch.uint32):              # no aminmax for them; every value fits int64
+    if t.dtype in (torch.uint16, torch.uint32):  # no aminmax for them; every value fits int64
         t = t.long()
-    vmin, vmax = (int(v) for v in torch.aminmax(t))        # one pass
+    vmin, vmax = (int(v) for v in torch.aminmax(t))  # one pass
     bad = None
     if vmax >= hi:
         bad = vmax
     elif vmin < lo and vmin != ignore:
         bad = vmin
-    elif vmin < lo:                                          # ignored labels: is anything else below the range?
+    elif vmin < lo:  # ignored labels: is anything else below the range?
         outside = (t < lo) & (t != ignore)
         if outside.any():
             bad = int(t[outside][0])
@@ -191,5 +216,5 @@ def vocab_of(model: nn.Module, default: int) -> int:
     try:
         weight = model.get_input_embeddings().weight
         return int(weight.shape[0])
-    except Exception:   # not a Hugging Face model, or one without a plain embedding
+    except Exception:  # not a Hugging Face model, or one without a plain embedding
         return default

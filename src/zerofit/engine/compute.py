@@ -90,7 +90,7 @@ class Compute:
         return torch.random.fork_rng(devices=devices, enabled=self.adapter.has_dropout)
 
     def to_device(self, batch: dict) -> dict:
-        return to_device(batch, self.dev.device)      # token ids as int64: [Note: token ids of any integer dtype]
+        return to_device(batch, self.dev.device)  # token ids as int64: [Note: token ids of any integer dtype]
 
     def accumulate(self, unit: Unit, dst: torch.Tensor, grads: list, names: list[str]) -> None:
         """dst (fp32 flat) += grads, or = grads on the first write of a step."""

@@ -24,12 +24,12 @@ With deferred updates (clipping, fp16) only the device's share does it: its upda
 window's first forward, after the step moved the epoch, and its copy is labelled with the epoch itself;
 the CPU's deferred updates are on that forward's critical path and add no cast.
 The cast costs the CPU about a third of an AdamW (CAST_SHARE, planner.py), and the CPU already paces the
-backward (W2: 1.6 s busy against 1.5 s of backward compute; with the casts 2.0 s, its updates spilling into
-the next forward), so with the copies the device takes a larger share of the updates (copies_fraction:
-0.375 -> 0.53, unless offload.assisted_fraction is set): the CPU's busy time stays what it was, the copy
-engines take the rest; the blocks it takes on get their moments moved into pinned memory once. Its AdamW
-rounds unlike the CPU's, so the loop then matches train_batch at fp32 rounding (bitwise with the same
-split). train_batch keeps no copies: unchanged.
+backward (on a 7B model it was busy about as long as the backward computed, and with the casts longer, its
+updates spilling into the next forward: docs/benchmarks.md, the DeepSpeed-shaped loop), so with the copies the device
+takes a larger share of the updates (copies_fraction: 0.375 -> 0.53, unless offload.assisted_fraction is set): the CPU's
+busy time stays what it was, the copy engines take the rest; the blocks it takes on get their moments moved into pinned
+memory once. Its AdamW rounds unlike the CPU's, so the loop then matches train_batch at fp32 rounding (bitwise with the
+same split). train_batch keeps no copies: unchanged.
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ class Copies16:
     progress sends its cast weights down into the copies (more forwards of its window follow); ``refused``:
     the plan had no room for the copies (asked once)."""
 
-    def __init__(self, config, dtype: torch.dtype, dev, ranks, planning, blocks: list[Unit], arenas: list,
-                 deferred: bool):
+    def __init__(
+        self, config, dtype: torch.dtype, dev, ranks, planning, blocks: list[Unit], arenas: list, deferred: bool
+    ):
         self.config, self.dtype, self.dev, self.ranks = config, dtype, dev, ranks
         self.planning, self.blocks, self.arenas, self.deferred = planning, blocks, arenas, deferred
-        self.epoch = 0          # bumped whenever masters may change
-        self.after = None       # the label valid after the last step's bump
+        self.epoch = 0  # bumped whenever masters may change
+        self.after = None  # the label valid after the last step's bump
         self.fill = False
         self.refused = False
 
@@ -106,10 +107,15 @@ class Copies16:
 
     def possible(self) -> bool:
         """Whether the streamed blocks could have copies they do not have yet (16-bit compute, one rank)."""
-        streamed = [u for u in self.blocks if u.home is Home.STREAMED and u.swap != "all"]   # "all": has one
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED and u.swap != "all"]  # "all": has one
         # several ranks upload only a shard of each block: no 16-bit host copies ([Note: sharded units])
-        return (self.dtype != torch.float32 and bool(streamed) and not self.ranks.many
-                and streamed[0].host16 is None and not self.refused)
+        return (
+            self.dtype != torch.float32
+            and bool(streamed)
+            and not self.ranks.many
+            and streamed[0].host16 is None
+            and not self.refused
+        )
 
     def enable(self, device_updates) -> None:
         """Give the streamed blocks their copies, where the plan has room for them (else they stay without,
@@ -123,8 +129,11 @@ class Copies16:
             self.planning.adopt_host16(**changes)
         except PlanError as e:
             self.refused = True
-            log.info("zerofit: no room for 16-bit host copies of the streamed blocks (%s); DeepSpeed-style "
-                     "forwards upload fp32 weights", e)
+            log.info(
+                "zerofit: no room for 16-bit host copies of the streamed blocks (%s); DeepSpeed-style "
+                "forwards upload fp32 weights",
+                e,
+            )
             return
         streamed = [u for u in self.blocks if u.home is Home.STREAMED and u.swap != "all"]
         a = HostArena(sum(u.numel for u in streamed), self.dtype, self.dev.is_cuda and off.pin_memory)

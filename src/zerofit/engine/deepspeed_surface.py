@@ -25,15 +25,25 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader
 
 from zerofit.engine import offload_states as offloading
 from zerofit.engine.batch import check_batch
-from zerofit.engine.deepspeed_names import (ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported,  # noqa: F401
-                                            UnsupportedAttribute, deepspeed_hint, refuse_attribute)
+from zerofit.engine.deepspeed_names import (
+    ONE_PROCESS,  # noqa: F401 (re-exported)
+    DeepSpeedAssertion,  # noqa: F401 (re-exported)
+    DeepSpeedUnsupported,
+    UnsupportedAttribute,  # noqa: F401 (re-exported)
+    deepspeed_hint,
+    refuse_attribute,
+)
 from zerofit.engine.deepspeed_views import DeepSpeedOptimizer, DeepSpeedScheduler  # noqa: F401 (their old home)
+
+if TYPE_CHECKING:
+    from zerofit.engine.deepspeed_views import ThroughputTimerView
 
 log = logging.getLogger("zerofit")
 
@@ -50,7 +60,7 @@ class _WindowLoader(DataLoader):
     loop yields the batches as always; a loop that changes the batches before calling the engine gets no
     offer taken, and runs as without it."""
 
-    zerofit_engine = None       # weakref.ref to the engine
+    zerofit_engine = None  # weakref.ref to the engine
 
     def __iter__(self):
         it = super().__iter__()
@@ -79,16 +89,16 @@ class DeepSpeedRecord:
     whether step() runs (managed_gradient_accumulation false), and what :func:`zerofit.deepspeed.initialize`
     attached (the optimizer's groups' parameter names, the data loader's settings, the loader)."""
 
-    unstepped: int | None = None          # Window.micro_steps after the last backward() whose step() is pending
+    unstepped: int | None = None  # Window.micro_steps after the last backward() whose step() is pending
     step_applied: bool = False
-    samples: int = 0                      # managed_gradient_accumulation false: samples of the steps taken
-    stepping: bool = False                # managed_gradient_accumulation false: inside step() (the boundary)
-    names: tuple | None = None            # each group's parameter names as initialize() got them; None: the engine's
+    samples: int = 0  # managed_gradient_accumulation false: samples of the steps taken
+    stepping: bool = False  # managed_gradient_accumulation false: inside step() (the boundary)
+    names: tuple | None = None  # each group's parameter names as initialize() got them; None: the engine's
     collate_fn: object = None
     drop_last: bool = False
-    views: tuple | None = None            # (optimizer, lr_scheduler) returned, built at first use
-    tput_timer: object = None             # engine.tput_timer (deepspeed_views.py), built at first use
-    training_dataloader: object = None    # the loader initialize(training_data=...) built
+    views: tuple | None = None  # (optimizer, lr_scheduler) returned, built at first use
+    tput_timer: object = None  # engine.tput_timer (deepspeed_views.py), built at first use
+    training_dataloader: object = None  # the loader initialize(training_data=...) built
 
 
 def bind_inputs(model, inputs: tuple, batch: dict) -> dict:
@@ -98,9 +108,11 @@ def bind_inputs(model, inputs: tuple, batch: dict) -> dict:
 
     sig = inspect.signature(model.forward)
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
-        raise TypeError(f"engine(...) got {len(inputs)} positional argument(s) for {type(model).__name__}.forward"
-                        f"{sig}, which takes *args: zerofit passes a micro-batch by name; call the engine with "
-                        "keyword arguments")
+        raise TypeError(
+            f"engine(...) got {len(inputs)} positional argument(s) for {type(model).__name__}.forward"
+            f"{sig}, which takes *args: zerofit passes a micro-batch by name; call the engine with "
+            "keyword arguments"
+        )
     try:
         bound = sig.bind_partial(*inputs, **batch)
     except TypeError as e:
@@ -114,9 +126,8 @@ def bind_inputs(model, inputs: tuple, batch: dict) -> dict:
     return out
 
 
-
-
 # ---------------------------------------------------------------------------------------------- the face
+
 
 class DeepSpeedSurface:
     """Mixed into :class:`~zerofit.engine.engine.Engine` as its DeepSpeed names: no state (``self.ds`` is the
@@ -146,14 +157,19 @@ class DeepSpeedSurface:
         keeps nothing."""
         if inputs:
             batch = bind_inputs(self.adapter.model, inputs, batch)
-        G = self.window.G       # (the user's loop: the window it learnt)
-        if (not self.config.managed_gradient_accumulation and self.window.micro_steps >= G
-                and torch.is_grad_enabled() and not self.window.unbounded):
+        G = self.window.G  # (the user's loop: the window it learnt)
+        if (
+            not self.config.managed_gradient_accumulation
+            and self.window.micro_steps >= G
+            and torch.is_grad_enabled()
+            and not self.window.unbounded
+        ):
             raise DeepSpeedUnsupported(
                 f"engine(**batch): micro-batch {G + 1} before engine.step() with managed_gradient_accumulation false: "
                 f"zerofit's window holds at most gradient_accumulation_steps ({G}) micro-batches (their block "
                 f"checkpoints wait on the device for the blocks' backward). Call engine.step() after at most {G} "
-                "backward() calls, or raise gradient_accumulation_steps")
+                "backward() calls, or raise gradient_accumulation_steps"
+            )
         self.check_open()
         if not torch.is_grad_enabled():
             return self.forward_no_grad(batch)
@@ -186,9 +202,11 @@ class DeepSpeedSurface:
         loss divided by gradient_accumulation_steps (detached), as DeepSpeed returns it; ``release_loss`` is
         ignored, as DeepSpeed does."""
         if retain_graph:
-            raise DeepSpeedUnsupported("engine.backward(retain_graph=True): zerofit frees each block's graph as it "
-                                       "goes (it recomputes blocks from checkpoints), so a second backward through "
-                                       "the same forward is not possible; run the forward again")
+            raise DeepSpeedUnsupported(
+                "engine.backward(retain_graph=True): zerofit frees each block's graph as it "
+                "goes (it recomputes blocks from checkpoints), so a second backward through "
+                "the same forward is not possible; run the forward again"
+            )
         self.check_open()
         micro = self.window.take_pending()
         with self.guard(discard_step=True):
@@ -205,12 +223,14 @@ class DeepSpeedSurface:
         as in DeepSpeed."""
         client = self.hypers.client
         if lr_kwargs and client is None:
-            raise DeepSpeedUnsupported(f"engine.step(lr_kwargs={lr_kwargs!r}): the config's schedule takes no "
-                                       "arguments (it is a function of the applied steps); lr_kwargs go to a client "
-                                       "lr_scheduler passed to initialize()")
+            raise DeepSpeedUnsupported(
+                f"engine.step(lr_kwargs={lr_kwargs!r}): the config's schedule takes no "
+                "arguments (it is a function of the applied steps); lr_kwargs go to a client "
+                "lr_scheduler passed to initialize()"
+            )
         applied_before, micro = self.global_step, self.window.micro_steps
         unmanaged = not self.config.managed_gradient_accumulation
-        if unmanaged and micro:       # the caller's boundary: DeepSpeed steps whatever the count
+        if unmanaged and micro:  # the caller's boundary: DeepSpeed steps whatever the count
             self.window.override(True)
             self.ds.stepping = True
         try:
@@ -221,7 +241,7 @@ class DeepSpeedSurface:
                 self.ds.stepping = False
         self.ds.unstepped = None
         self.ds.step_applied = self.global_step > applied_before
-        if unmanaged and self.window.micro_steps == 0:       # DeepSpeed counts the micro-batches the caller gave
+        if unmanaged and self.window.micro_steps == 0:  # DeepSpeed counts the micro-batches the caller gave
             self.ds.samples += micro * (self.train_batch_size() // self.config.gradient_accumulation_steps)
         if self.ds.step_applied and client is not None:
             client.catch_up(self.hypers, lr_kwargs)
@@ -244,9 +264,11 @@ class DeepSpeedSurface:
         (a window stays at most gradient_accumulation_steps long: the device keeps that many micro-batches'
         block checkpoints); None returns to counting gradient_accumulation_steps."""
         if not self.config.managed_gradient_accumulation:
-            raise DeepSpeedUnsupported("engine.set_gradient_accumulation_boundary(): not with "
-                                       "managed_gradient_accumulation false, where every engine.step() is the "
-                                       "boundary (DeepSpeed refuses it too)")
+            raise DeepSpeedUnsupported(
+                "engine.set_gradient_accumulation_boundary(): not with "
+                "managed_gradient_accumulation false, where every engine.step() is the "
+                "boundary (DeepSpeed refuses it too)"
+            )
         if is_boundary is not None and not isinstance(is_boundary, bool):
             raise TypeError(f"is_boundary must be True, False or None, found {is_boundary!r}")
         self.window.override(is_boundary)
@@ -264,9 +286,16 @@ class DeepSpeedSurface:
             log.warning("No device specified for offloading states.")
             return
         offloading.refuse_window("offload_states()", self.window, self.streamer)
-        storages = lambda kinds: offloading.device_storages(     # noqa: E731
-            kinds, units=self.units, streamer=self.streamer, grads=self.grads, sharding=self.sharding,
-            device_updates=self.device_updates, model=self.adapter.model, device=self.dev.device)
+        storages = lambda kinds: offloading.device_storages(  # noqa: E731
+            kinds,
+            units=self.units,
+            streamer=self.streamer,
+            grads=self.grads,
+            sharding=self.sharding,
+            device_updates=self.device_updates,
+            model=self.adapter.model,
+            device=self.dev.device,
+        )
         with self.guard(discard_step=False):
             self.offloaded.offload(kinds, storages, pin_memory and self.dev.is_cuda, non_blocking)
 
@@ -285,14 +314,14 @@ class DeepSpeedSurface:
         """True while the last micro-batch of an accumulation is worked on ([Note: DeepSpeed's accumulation
         boundary]): from its forward until its step(); what set_gradient_accumulation_boundary() said, when set."""
         if not self.config.managed_gradient_accumulation:
-            return self.ds.stepping          # DeepSpeed: true only while step() runs
+            return self.ds.stepping  # DeepSpeed: true only while step() runs
         if self.window.boundary is not None:
             return self.window.boundary
         return (self._micro_position() + 1) % self.config.gradient_accumulation_steps == 0
 
     def _micro_position(self) -> int:
         done = self.window.micro_steps
-        if done and self.ds.unstepped == done:    # its step() has not been called yet
+        if done and self.ds.unstepped == done:  # its step() has not been called yet
             done -= 1
         return done
 
@@ -380,7 +409,7 @@ class DeepSpeedSurface:
             torch.cuda.empty_cache()
 
     @property
-    def tput_timer(self) -> "ThroughputTimerView":
+    def tput_timer(self) -> ThroughputTimerView:
         """DeepSpeed's throughput timer: its epoch and step counters (DeepSpeed-Chat calls
         ``engine.tput_timer.update_epoch_count()`` after each epoch); its timings are engine.timeline()'s."""
         from zerofit.engine.deepspeed_views import ThroughputTimerView
@@ -390,7 +419,7 @@ class DeepSpeedSurface:
         return self.ds.tput_timer
 
     @property
-    def optimizer(self) -> "DeepSpeedOptimizer":
+    def optimizer(self) -> DeepSpeedOptimizer:
         return self._views()[0]
 
     @property
@@ -404,11 +433,11 @@ class DeepSpeedSurface:
             opt = DeepSpeedOptimizer(self.hypers, self.adapter.model, self.scaler, self.ds.names)
             sched = self.config.scheduler
             identity = sched.type == "constant" and sched.warmup_steps == 0
-            if client is not None:      # DeepSpeed returns the client's scheduler itself (None without one)
+            if client is not None:  # DeepSpeed returns the client's scheduler itself (None without one)
                 views = (opt, client.scheduler)
             elif identity:
                 views = (opt, None)
-            else:                       # DeepSpeed's class for its own schedules (deepspeed.runtime.lr_schedules)
+            else:  # DeepSpeed's class for its own schedules (deepspeed.runtime.lr_schedules)
                 from zerofit.deepspeed.runtime.lr_schedules import view_class
 
                 cls = view_class(sched.type)
@@ -418,8 +447,16 @@ class DeepSpeedSurface:
 
     # ----------------------------------------------------------------- data
 
-    def deepspeed_io(self, dataset, batch_size=None, route="train", pin_memory=True, data_sampler=None,
-                     collate_fn=None, num_local_io_workers=None):
+    def deepspeed_io(
+        self,
+        dataset,
+        batch_size=None,
+        route="train",
+        pin_memory=True,
+        data_sampler=None,
+        collate_fn=None,
+        num_local_io_workers=None,
+    ):
         """DeepSpeed's loader: micro-batches of ``train_micro_batch_size_per_gpu``, in the order of a
         ``DistributedSampler`` over one rank (shuffled with seed 0, the same order every epoch, as DeepSpeed never
         sets its epoch; unshuffled for ``route`` "eval"/"predict"), the config's ``dataloader_drop_last``.
@@ -429,30 +466,47 @@ class DeepSpeedSurface:
 
         map_style = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
         if not (map_style or isinstance(dataset, IterableDataset)):
-            raise ValueError(f"Training data must be a torch Dataset (map-style or iterable), got a "
-                             f"{type(dataset).__name__}")
+            raise ValueError(
+                f"Training data must be a torch Dataset (map-style or iterable), got a {type(dataset).__name__}"
+            )
         if data_sampler is None and not isinstance(dataset, IterableDataset):
             data_sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=route == "train")
         cls = _WindowLoader if route == "train" else DataLoader
-        loader = cls(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-                     sampler=data_sampler, collate_fn=collate_fn or self.ds.collate_fn,
-                     num_workers=num_local_io_workers or 0, pin_memory=pin_memory and self.device.type == "cuda",
-                     drop_last=self.ds.drop_last)
+        loader = cls(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            sampler=data_sampler,
+            collate_fn=collate_fn or self.ds.collate_fn,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and self.device.type == "cuda",
+            drop_last=self.ds.drop_last,
+        )
         if route == "train":
             loader.zerofit_engine = weakref.ref(self)
         return loader
 
     # ----------------------------------------------------------------- checkpoints: DeepSpeed's extra arguments
 
-    def check_deepspeed_load_options(self, load_module_strict=True, load_lr_scheduler_states=True,
-                                      load_module_only=False, custom_load_fn=None) -> None:
+    def check_deepspeed_load_options(
+        self, load_module_strict=True, load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None
+    ) -> None:
         for name, value, default, why in (
-                ("load_module_strict", load_module_strict, True, "zerofit loads every tensor of the model, by name"),
-                ("load_lr_scheduler_states", load_lr_scheduler_states, True,
-                 "the lr schedule's position is the engine's step count, which the checkpoint restores"),
-                ("load_module_only", load_module_only, False, "use load_optimizer_states=False to keep the moments "
-                 "out (the step count and RNG states are still restored)"),
-                ("custom_load_fn", custom_load_fn, None, "zerofit reads its own checkpoint format")):
+            ("load_module_strict", load_module_strict, True, "zerofit loads every tensor of the model, by name"),
+            (
+                "load_lr_scheduler_states",
+                load_lr_scheduler_states,
+                True,
+                "the lr schedule's position is the engine's step count, which the checkpoint restores",
+            ),
+            (
+                "load_module_only",
+                load_module_only,
+                False,
+                "use load_optimizer_states=False to keep the moments "
+                "out (the step count and RNG states are still restored)",
+            ),
+            ("custom_load_fn", custom_load_fn, None, "zerofit reads its own checkpoint format"),
+        ):
             if value != default:
                 raise DeepSpeedUnsupported(f"engine.load_checkpoint({name}={value!r}): {why}")
 
@@ -460,7 +514,7 @@ class DeepSpeedSurface:
 
     def __getattr__(self, name: str):
         # only reached when normal lookup failed; must raise AttributeError (getattr(engine, x, default) relies on it)
-        if name.startswith("_"):        # the engine's own (a mistyped private name is a plain AttributeError)
+        if name.startswith("_"):  # the engine's own (a mistyped private name is a plain AttributeError)
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         hint = deepspeed_hint(name)
         if hint is not None:

@@ -47,16 +47,20 @@ class ThroughputTimerView:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        raise refuse_attribute("tput_timer", name, "it keeps DeepSpeed's counters (epoch_count, update_epoch_count(), "
-                                                   "micro_step_count, global_step_count, batch_size); the engine's "
-                                                   "timings are engine.timeline() and engine.trace()")
+        raise refuse_attribute(
+            "tput_timer",
+            name,
+            "it keeps DeepSpeed's counters (epoch_count, update_epoch_count(), "
+            "micro_step_count, global_step_count, batch_size); the engine's "
+            "timings are engine.timeline() and engine.trace()",
+        )
 
 
 @dataclass(frozen=True)
 class LossScalerView:
     """``optimizer.loss_scaler`` (DeepSpeed's Static/DynamicLossScaler): the fp16 scale, read live."""
 
-    _optimizer: object         # deepspeed_surface.OptimizerView
+    _optimizer: object  # deepspeed_surface.OptimizerView
 
     @property
     def loss_scale(self) -> float:
@@ -91,7 +95,7 @@ class DeepSpeedOptimizer(OptimizerView):
         return self._scaler is not None and bool(self._scaler.dynamic)
 
     @property
-    def loss_scaler(self) -> "LossScalerView":
+    def loss_scaler(self) -> LossScalerView:
         """DeepSpeed's FP16 optimizers' ``loss_scaler``: ``loss_scale`` (= ``cur_scale``) and ``dynamic``."""
         from zerofit.engine.deepspeed_views import LossScalerView
 
@@ -106,25 +110,34 @@ class DeepSpeedOptimizer(OptimizerView):
         return DeepSpeedLossScaleConfig(self._scaler)
 
     def step(self, closure=None):
-        raise DeepSpeedUnsupported("optimizer.step(): engine.step() takes the optimizer step (at the gradient "
-                                   "accumulation boundary), as with DeepSpeed; call engine.step() instead")
+        raise DeepSpeedUnsupported(
+            "optimizer.step(): engine.step() takes the optimizer step (at the gradient "
+            "accumulation boundary), as with DeepSpeed; call engine.step() instead"
+        )
 
     def state_dict(self):
-        raise DeepSpeedUnsupported("optimizer.state_dict(): the AdamW moments live in the engine's host buffers; "
-                                   "engine.save_checkpoint(dir) saves them with the weights, step count and RNG "
-                                   "states, and engine.load_checkpoint(dir) restores them")
+        raise DeepSpeedUnsupported(
+            "optimizer.state_dict(): the AdamW moments live in the engine's host buffers; "
+            "engine.save_checkpoint(dir) saves them with the weights, step count and RNG "
+            "states, and engine.load_checkpoint(dir) restores them"
+        )
 
     def load_state_dict(self, state_dict):
-        raise DeepSpeedUnsupported("optimizer.load_state_dict(): restore the optimizer state with "
-                                   "engine.load_checkpoint(dir)")
+        raise DeepSpeedUnsupported(
+            "optimizer.load_state_dict(): restore the optimizer state with engine.load_checkpoint(dir)"
+        )
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        raise refuse_attribute("optimizer", name, "it offers param_groups, defaults, loss_scale, loss_scale_config, "
-                                                  "dynamic_loss_scale, loss_scaler, "
-                                                  "zero_grad() (a no-op); the engine steps and checkpoints the "
-                                                  "optimizer")
+        raise refuse_attribute(
+            "optimizer",
+            name,
+            "it offers param_groups, defaults, loss_scale, loss_scale_config, "
+            "dynamic_loss_scale, loss_scaler, "
+            "zero_grad() (a no-op); the engine steps and checkpoints the "
+            "optimizer",
+        )
 
     def __repr__(self) -> str:
         return f"zerofit AdamW view ({len(self.hypers())} group(s), lr {self.lrs()})"
@@ -141,23 +154,32 @@ class DeepSpeedScheduler(SchedulerView):
 
     def step(self, last_batch_iteration=None) -> None:
         if last_batch_iteration is not None:
-            raise DeepSpeedUnsupported(f"lr_scheduler.step({last_batch_iteration!r}): the schedule's position is the "
-                                       "engine's count of applied optimizer steps and cannot be set")
+            raise DeepSpeedUnsupported(
+                f"lr_scheduler.step({last_batch_iteration!r}): the schedule's position is the "
+                "engine's count of applied optimizer steps and cannot be set"
+            )
         if not self._warned:
             self._warned = True
-            log.warning("zerofit: lr_scheduler.step() does nothing: engine.step() steps the schedule after every "
-                        "applied optimizer step (DeepSpeed does the same, and a second step() there would advance "
-                        "the schedule twice)")
+            log.warning(
+                "zerofit: lr_scheduler.step() does nothing: engine.step() steps the schedule after every "
+                "applied optimizer step (DeepSpeed does the same, and a second step() there would advance "
+                "the schedule twice)"
+            )
 
     def load_state_dict(self, state_dict):
-        raise DeepSpeedUnsupported("lr_scheduler.load_state_dict(): the schedule's position is the engine's step "
-                                   "count; engine.load_checkpoint(dir) restores it")
+        raise DeepSpeedUnsupported(
+            "lr_scheduler.load_state_dict(): the schedule's position is the engine's step "
+            "count; engine.load_checkpoint(dir) restores it"
+        )
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        raise refuse_attribute("lr_scheduler", name, "it offers get_last_lr(), get_lr(), state_dict(), "
-                                                     "last_batch_iteration and step() (a no-op)")
+        raise refuse_attribute(
+            "lr_scheduler",
+            name,
+            "it offers get_last_lr(), get_lr(), state_dict(), last_batch_iteration and step() (a no-op)",
+        )
 
     def __repr__(self) -> str:
         return f"zerofit {self._hypers.config.scheduler.type} schedule view (lr {self.get_last_lr()})"

@@ -74,11 +74,10 @@ class Device:
     intervals: list[Interval] = field(default_factory=list)
 
     @classmethod
-    def create(cls, device: torch.device) -> "Device":
+    def create(cls, device: torch.device) -> Device:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            return cls(device, torch.cuda.current_stream(device),
-                       torch.cuda.Stream(device), torch.cuda.Stream(device))
+            return cls(device, torch.cuda.current_stream(device), torch.cuda.Stream(device), torch.cuda.Stream(device))
         return cls(device)
 
     @property

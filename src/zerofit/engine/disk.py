@@ -36,10 +36,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerofit.engine.swapfile import (ALIGN, SWAP_GLOB, DiskTierError, Region, SwapFile,  # noqa: F401 (re-exported)
-                                     align_up, aligned_empty, free_bytes, layout, measure_folder)
+from zerofit.engine.swapfile import (
+    ALIGN,
+    SWAP_GLOB,  # noqa: F401 (re-exported)
+    DiskTierError,
+    Region,
+    SwapFile,  # noqa: F401 (re-exported)
+    align_up,
+    aligned_empty,
+    free_bytes,  # noqa: F401 (re-exported)
+    layout,  # noqa: F401 (re-exported)
+    measure_folder,  # noqa: F401 (re-exported)
+)
 
-CHUNK_ALIGN = ALIGN // 4        # elements: chunk starts stay 4 KiB aligned
+CHUNK_ALIGN = ALIGN // 4  # elements: chunk starts stay 4 KiB aligned
 
 
 def tier_chunk(max_block: int, limit: int = 4 << 20) -> int:
@@ -63,11 +73,11 @@ def tier_buffers(max_block: int, most: int) -> int:
 class _Buf:
     """One host chunk buffer of the pool and what it holds."""
 
-    data: torch.Tensor                       # (nbytes,) uint8, aligned
-    key: tuple | None = None                 # (unit key, chunk) it holds or is reading/writing
+    data: torch.Tensor  # (nbytes,) uint8, aligned
+    key: tuple | None = None  # (unit key, chunk) it holds or is reading/writing
     futures: list = field(default_factory=list)
     acquired: bool = False
-    fields: tuple | None = None              # the fields it holds (None: all of the unit's)
+    fields: tuple | None = None  # the fields it holds (None: all of the unit's)
 
 
 class DiskTier:
@@ -94,14 +104,14 @@ class DiskTier:
         self._bytes = chunk * 4
         self._bufs = [_Buf(aligned_empty(nf * self._bytes)) for _ in range(max(2, buffers))]
         self._free = list(range(len(self._bufs)))
-        self._held: dict[tuple, int] = {}        # key -> buffer index (reading, read, or acquired)
-        self._writing: dict[tuple, int] = {}     # key -> buffer index (write in flight)
+        self._held: dict[tuple, int] = {}  # key -> buffer index (reading, read, or acquired)
+        self._writing: dict[tuple, int] = {}  # key -> buffer index (write in flight)
         self._expect: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._error: BaseException | None = None
-        self._closing = False                   # no more reads: the pool is stopping
+        self._closing = False  # no more reads: the pool is stopping
         self.bytes_read = self.bytes_written = 0
-        self.spans: list[tuple[str, float, float]] = []     # (label, start, end): per chunk read/write
+        self.spans: list[tuple[str, float, float]] = []  # (label, start, end): per chunk read/write
 
     def chunks(self, key: int) -> list[tuple[int, int]]:
         n = self.regions[key].numel
@@ -129,7 +139,7 @@ class DiskTier:
         with self._cv:
             self._expect.clear()
             ahead = [(k, i, list(self._bufs[i].futures)) for k, i in self._held.items() if not self._bufs[i].acquired]
-        for _, _, futs in ahead:    # outside the lock: a request's completion callback takes it
+        for _, _, futs in ahead:  # outside the lock: a request's completion callback takes it
             self._wait_futures(futs, raise_=False)
         with self._cv:
             for k, i, _ in ahead:
@@ -146,10 +156,10 @@ class DiskTier:
         """Issue expected reads into free buffers (lock held)."""
         while self._free and self._expect and self._error is None and not self._closing:
             k = self._expect[0]
-            if k in self._held:          # someone holds it (a gradient being stashed): read on demand after
+            if k in self._held:  # someone holds it (a gradient being stashed): read on demand after
                 self._expect.popleft()
                 continue
-            if k in self._writing:       # its last write is in flight: read after it (its completion pumps)
+            if k in self._writing:  # its last write is in flight: read after it (its completion pumps)
                 return
             self._expect.popleft()
             self._read(k, self._free.pop())
@@ -166,7 +176,7 @@ class DiskTier:
         for j, f in enumerate(r.fields):
             if only is not None and f not in only:
                 continue
-            raw = self._bufs[i].data[j * self._bytes: j * self._bytes + nbytes]
+            raw = self._bufs[i].data[j * self._bytes : j * self._bytes + nbytes]
             out.append((f, r.offsets[f] + a * 4, raw, raw[: n * 4].view(torch.float32)))
         return out
 
@@ -188,6 +198,7 @@ class DiskTier:
                 remaining[0] -= 1
                 if remaining[0] == 0 and len(self.spans) < 100_000:
                     self.spans.append((label, t, time.perf_counter()))
+
         for f in futs:
             f.add_done_callback(done)
 
@@ -217,12 +228,12 @@ class DiskTier:
             while True:
                 self.check()
                 if write_only is not None:
-                    if k in self._held and not self._bufs[self._held[k]].acquired:   # read ahead too early:
-                        j = self._held[k]                                           # its data is stale
+                    if k in self._held and not self._bufs[self._held[k]].acquired:  # read ahead too early:
+                        j = self._held[k]  # its data is stale
                         if all(f.done() for f in self._bufs[j].futures):
                             self._drop(k, j)
                         # (never wait on a request while holding the lock: its completion callback takes it)
-                    if k in self._held or k in self._writing:    # let that update or write finish first
+                    if k in self._held or k in self._writing:  # let that update or write finish first
                         self._cv.wait(0.05)
                         continue
                     i = self._take_buffer()
@@ -287,6 +298,7 @@ class DiskTier:
                     self._free.append(i)
                     self._pump()
                     self._cv.notify_all()
+
         for f in futs:
             f.add_done_callback(written)
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from zerofit.config.schema import ZerofitConfig
+from zerofit.engine import recovery
 from zerofit.engine.activations import Activations
 from zerofit.engine.adapter import Adapter, NonSequentialModel
 from zerofit.engine.batch import BatchSpec, check_batch, check_micro_batches, scores_tokens, vocab_of
@@ -40,19 +41,32 @@ from zerofit.engine.grads import Grads
 from zerofit.engine.groups import resolve_groups
 from zerofit.engine.hypers import Hypers
 from zerofit.engine.lifecycle import EngineState, Lifecycle
-from zerofit.engine.startup import Startup
-from zerofit.engine.materialize import (build_units, model_shape, param_table, release_originals,
-                                       warn_low_precision_trained)
+from zerofit.engine.materialize import (
+    build_units,
+    model_shape,
+    param_table,
+    release_originals,
+    warn_low_precision_trained,
+)
 from zerofit.engine.nf4 import BaseNF4
 from zerofit.engine.offload_states import OffloadStates
 from zerofit.engine.plan import Plan
-from zerofit.engine.planning import (DTYPES, LEARN_WINDOW, Planning, cast_copies, check_ranks, needs_norm,
-                                     split_updates, split_wanted, world_size)
+from zerofit.engine.planning import (
+    DTYPES,
+    LEARN_WINDOW,
+    Planning,
+    cast_copies,
+    check_ranks,
+    needs_norm,
+    split_updates,
+    split_wanted,
+    world_size,
+)
 from zerofit.engine.ranks import Ranks
 from zerofit.engine.rendezvous import named_barrier, wait_s
-from zerofit.engine import recovery
 from zerofit.engine.schedule import Schedule
 from zerofit.engine.sharding import Sharding
+from zerofit.engine.startup import Startup
 from zerofit.engine.step import Step
 from zerofit.engine.store import Home, follow_masters
 from zerofit.engine.streamer import Streamer
@@ -71,17 +85,17 @@ class Engine(DeepSpeedSurface):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
     @classmethod
-    def create(cls, model, config=None, *, param_groups=None, user_loop: bool = False, **overrides) -> "Engine":
+    def create(cls, model, config=None, *, param_groups=None, user_loop: bool = False, **overrides) -> Engine:
         """``model``: an ``nn.Module`` (real or on the meta device) or the path of a Hugging Face model
         directory, built on the meta device and filled from its safetensors files (zerofit.models).
         ``param_groups``: torch.optim-style groups ([Note: parameter groups], groups.py)."""
         from zerofit.config import load_config
 
-        if "world_size" not in overrides:      # several ranks (torchrun): the batch triple counts them
+        if "world_size" not in overrides:  # several ranks (torchrun): the batch triple counts them
             world = world_size()
             if world > 1:
                 overrides["world_size"] = world
-        loaded = load_config(config, **overrides)   # a bad config fails before any file is read
+        loaded = load_config(config, **overrides)  # a bad config fails before any file is read
         source = None
         if isinstance(model, (str, os.PathLike)):
             from zerofit.models import ModelDir
@@ -92,13 +106,23 @@ class Engine(DeepSpeedSurface):
             from zerofit.config import format_report
 
             logging.getLogger("zerofit").warning("configuration notes:\n%s", format_report(loaded.notices))
-        return cls(model, loaded.config, report=loaded.report, source=source, param_groups=param_groups,
-                   user_loop=user_loop)
+        return cls(
+            model, loaded.config, report=loaded.report, source=source, param_groups=param_groups, user_loop=user_loop
+        )
 
-    def __init__(self, model: nn.Module, config: ZerofitConfig, report=(), device: torch.device | str | None = None,
-                 adapter: str | None = None, source=None, param_groups=None, user_loop: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZerofitConfig,
+        report=(),
+        device: torch.device | str | None = None,
+        adapter: str | None = None,
+        source=None,
+        param_groups=None,
+        user_loop: bool = False,
+    ):
         self.config = config
-        self.source_dir = source.path if source is not None else None   # the model directory it was loaded from
+        self.source_dir = source.path if source is not None else None  # the model directory it was loaded from
         self._source = source
         self.report = list(report)
         self.dtype = DTYPES[config.precision]
@@ -111,11 +135,19 @@ class Engine(DeepSpeedSurface):
         self._adapter_kind = adapter or config.adapter
         self.adapter = Adapter(model, self._adapter_kind)
         # [Note: an NF4 base] (nf4.py): bitsandbytes' 4-bit layers, or quantize_base, swapped before the table
-        self.nf4 = BaseNF4.prepare(model, self.adapter, self.dtype, config.quantize_base == "nf4", self.ranks.many,
-                                   device=self.dev.device, source=source)
+        self.nf4 = BaseNF4.prepare(
+            model,
+            self.adapter,
+            self.dtype,
+            config.quantize_base == "nf4",
+            self.ranks.many,
+            device=self.dev.device,
+            source=source,
+        )
         self._model = model
         from zerofit.checkpoint.model_files import model_dtype
-        self.model_dtype = model_dtype(model, source)   # the user's model's dtype, before fp32 masters: exports keep it
+
+        self.model_dtype = model_dtype(model, source)  # the user's model's dtype, before fp32 masters: exports keep it
         self._table = param_table(model, self.adapter)
         # [Note: parameter groups] (groups.py): refused here, before anything is allocated
         groups = resolve_groups(param_groups, self._table, config.optimizer)
@@ -126,9 +158,12 @@ class Engine(DeepSpeedSurface):
         # under the user's loop ([Note: the user's loop drives the engine])
         self.deferred = needs_norm(config) or user_loop
         # [Note: speculative updates] (update/speculation.py): clipping without fp16 may update during the backward
-        can_speculate = (config.gradient_clipping > 0 and config.precision != "fp16"
-                         and config.offload.speculative_updates
-                         and all(Speculation.usable(*g.optimizer.betas) for g in groups))
+        can_speculate = (
+            config.gradient_clipping > 0
+            and config.precision != "fp16"
+            and config.offload.speculative_updates
+            and all(Speculation.usable(*g.optimizer.betas) for g in groups)
+        )
         self.speculator = Speculator(config.gradient_clipping, can_speculate)
         self.hypers = Hypers(config, groups, speculating=can_speculate)
         # [Note: moments after the forward] (update/split_adamw.py): deferred host updates in two passes
@@ -136,28 +171,37 @@ class Engine(DeepSpeedSurface):
         # [Note: the master behind its cast]: the streamed blocks get 16-bit host copies at the first update
         self._cast_first = self._split and cast_copies(config, self.dtype, self.dev.is_cuda, self.deferred)
         if split_wanted(config, self.dev.is_cuda, self.deferred) and not self._split:
-            log.warning("zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel "
-                        "updates in one pass", split_adamw.why_unavailable())
+            log.warning(
+                "zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel "
+                "updates in one pass",
+                split_adamw.why_unavailable(),
+            )
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
-        self.last_grad_norm: float | None = None     # the last step's global gradient norm, where one was taken
-        self.ds = DeepSpeedRecord()                  # what the DeepSpeed door knows (deepspeed_surface.py)
+        self.last_grad_norm: float | None = None  # the last step's global gradient norm, where one was taken
+        self.ds = DeepSpeedRecord()  # what the DeepSpeed door knows (deepspeed_surface.py)
         self._shape = model_shape(model, self.adapter, self._table, self.frozen, self.nf4)
-        warn_low_precision_trained(self._table, self.frozen)     # (fp32 masters of 16-bit trained parameters)
+        warn_low_precision_trained(self._table, self.frozen)  # (fp32 masters of 16-bit trained parameters)
         self.batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
         # may refuse (PlanError): nothing allocated yet
-        self.planning = Planning(config, self.adapter, self._shape, on_cuda=self.dev.is_cuda, device=self.dev.device,
-                                 ranks=self.ranks, seq_len=config.seq_len,   # [Note: room for a learnt window]
-                                 window_room=LEARN_WINDOW if user_loop and config.gradient_accumulation_steps == 1
-                                 else 1)
-        self.ranks.use_layout(self.planning.layout, config.nodes_layout)     # [Note: the nodes' layout] (planning.py)
+        self.planning = Planning(
+            config,
+            self.adapter,
+            self._shape,
+            on_cuda=self.dev.is_cuda,
+            device=self.dev.device,
+            ranks=self.ranks,
+            seq_len=config.seq_len,  # [Note: room for a learnt window]
+            window_room=LEARN_WINDOW if user_loop and config.gradient_accumulation_steps == 1 else 1,
+        )
+        self.ranks.use_layout(self.planning.layout, config.nodes_layout)  # [Note: the nodes' layout] (planning.py)
         # [Note: engine lifecycle]: from here on, released exactly once
         self.lifecycle = Lifecycle(self, self.dev, self.ranks)
         self._arenas = self.lifecycle.resources.arenas
         if self.dev.is_cuda and config.max_gpu_memory:
-            self.lifecycle.resources.cap_gpu(config.max_gpu_memory)    # the plan fits: the allocator is held to it
+            self.lifecycle.resources.cap_gpu(config.max_gpu_memory)  # the plan fits: the allocator is held to it
         self.worker = self.lifecycle.resources.worker = HostWorker()
         self.clock = Timeline(self.dev, self.worker)
-        self.offloaded = OffloadStates(self.dev, self.worker, self._arenas)   # [Note: offloaded device state]
+        self.offloaded = OffloadStates(self.dev, self.worker, self._arenas)  # [Note: offloaded device state]
         self.tier = None
         # the parts over the units, made by _build_parts (here, and again for the generic fallback)
         self.units = self.shell = self.blocks = self.sharding = self.grads = self.copies16 = None
@@ -166,7 +210,7 @@ class Engine(DeepSpeedSurface):
         try:
             self.tier = self.lifecycle.resources.tier = self.planning.open_tier(self.deferred)
             self._build_parts()
-            if self.plan.loss_chunks > 1:      # [Note: a smaller GPU floor]: does this model's loss take chunks?
+            if self.plan.loss_chunks > 1:  # [Note: a smaller GPU floor]: does this model's loss take chunks?
                 self.planning.probed_chunked_loss(self.schedule.chunked_loss_works(self._shape.hidden, self.dtype))
         except BaseException:
             self.lifecycle.resources.release()
@@ -183,48 +227,135 @@ class Engine(DeepSpeedSurface):
         self.sharding = Sharding(dev, ranks, self.dtype, cfg.sharding)
         # [Note: start-up progress] (startup.py): the parameters materialized, the seconds of each phase
         self.startup = Startup(sum(p.numel() for p in self._table.canonical.values()))
-        self.units, arenas = build_units(self._model, self.adapter, self._table, plan, dev.device, self.dtype, pinned,
-                                         source=self._source, group_of=self._group_of, tier=self.tier, ranks=ranks,
-                                         on_device_unit=self.sharding.share_device_unit if ranks.many else None,
-                                         frozen=self.frozen, nf4=self.nf4, startup=self.startup)
-        self._source = None   # the files are read: keep only their folder (source_dir)
-        self._table = release_originals(self._model, self._table)    # the user's tensors are copied: let go
+        self.units, arenas = build_units(
+            self._model,
+            self.adapter,
+            self._table,
+            plan,
+            dev.device,
+            self.dtype,
+            pinned,
+            source=self._source,
+            group_of=self._group_of,
+            tier=self.tier,
+            ranks=ranks,
+            on_device_unit=self.sharding.share_device_unit if ranks.many else None,
+            frozen=self.frozen,
+            nf4=self.nf4,
+            startup=self.startup,
+        )
+        self._source = None  # the files are read: keep only their folder (source_dir)
+        self._table = release_originals(self._model, self._table)  # the user's tensors are copied: let go
         self._arenas.extend(arenas)
-        if ranks.full and pinned:     # [Note: nodes hold a slice of the state]: the node's slices only
+        if ranks.full and pinned:  # [Note: nodes hold a slice of the state]: the node's slices only
             self._arenas.append(self.sharding.slices)
             self.sharding.slices.pin(self.units)
-        self.shell, self.blocks = self.units[0], self.units[1:]     # each unit's shard [lo, hi): build_units
+        self.shell, self.blocks = self.units[0], self.units[1:]  # each unit's shard [lo, hi): build_units
         if ranks.many:
             self.sharding.share_units(self.units)
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
-        self.grads = Grads(dev, ranks, self.worker, self.clock, plan, self.units, deferred=self.deferred,
-                           pinned=pinned, speculating=self.speculator.can, arenas=self._arenas)
+        self.grads = Grads(
+            dev,
+            ranks,
+            self.worker,
+            self.clock,
+            plan,
+            self.units,
+            deferred=self.deferred,
+            pinned=pinned,
+            speculating=self.speculator.can,
+            arenas=self._arenas,
+        )
         self.copies16 = Copies16(cfg, self.dtype, dev, ranks, self.planning, self.blocks, self._arenas, self.deferred)
         self.device_updates = DeviceUpdates(
-            dev, self.lifecycle, self.planning, self.grads, self.copies16, deferred=self.deferred, dtype=self.dtype,
-            streamed=bool(streamed), cap=max((ranks.padded(u.numel) for u in streamed), default=0), pinned=pinned,
-            worker=self.worker, clock=self.clock, arenas=self._arenas)
-        self.host_updates = HostUpdates(self.worker, self.grads, self.tier, self.clock, deferred=self.deferred,
-                                        split=self._split, rest_threads=cfg.offload.rest_pass_threads)
-        self.streamer = Streamer(dev, ranks, self.planning, self.units, dtype=self.dtype,
-                                 host_updates=self.host_updates, device_updates=self.device_updates,
-                                 copies16=self.copies16, sharding=self.sharding,
-                                 keep_blocks=cfg.offload.window_keep_blocks)
+            dev,
+            self.lifecycle,
+            self.planning,
+            self.grads,
+            self.copies16,
+            deferred=self.deferred,
+            dtype=self.dtype,
+            streamed=bool(streamed),
+            cap=max((ranks.padded(u.numel) for u in streamed), default=0),
+            pinned=pinned,
+            worker=self.worker,
+            clock=self.clock,
+            arenas=self._arenas,
+        )
+        self.host_updates = HostUpdates(
+            self.worker,
+            self.grads,
+            self.tier,
+            self.clock,
+            deferred=self.deferred,
+            split=self._split,
+            rest_threads=cfg.offload.rest_pass_threads,
+        )
+        self.streamer = Streamer(
+            dev,
+            ranks,
+            self.planning,
+            self.units,
+            dtype=self.dtype,
+            host_updates=self.host_updates,
+            device_updates=self.device_updates,
+            copies16=self.copies16,
+            sharding=self.sharding,
+            keep_blocks=cfg.offload.window_keep_blocks,
+        )
         self.activations = Activations(dev, len(self.blocks), cfg.gradient_accumulation_steps, pinned, self._arenas)
         self.compute = Compute(self._model, self.adapter, dev, self.shell)
-        self.stepper = Step(config=cfg, dev=dev, ranks=ranks, lifecycle=self.lifecycle, worker=self.worker,
-                            tier=self.tier, units=self.units, grads=self.grads, sharding=self.sharding,
-                            host_updates=self.host_updates, device_updates=self.device_updates,
-                            copies16=self.copies16, speculator=self.speculator, hypers=self.hypers,
-                            scaler=self.scaler, deferred=self.deferred, cast_first=self._cast_first)
-        self.schedule = Schedule(config=cfg, dev=dev, adapter=self.adapter, units=self.units, compute=self.compute,
-                                 streamer=self.streamer, activations=self.activations, grads=self.grads,
-                                 step=self.stepper, host_updates=self.host_updates, lifecycle=self.lifecycle)
-        self.window = Window(config=cfg, dev=dev, ranks=ranks, adapter=self.adapter, model=self._model,
-                             planning=self.planning, schedule=self.schedule, streamer=self.streamer, grads=self.grads,
-                             copies16=self.copies16, device_updates=self.device_updates, compute=self.compute,
-                             speculator=self.speculator, clock=self.clock, lifecycle=self.lifecycle,
-                             batch_spec=self.batch_spec, carry=self.window)
+        self.stepper = Step(
+            config=cfg,
+            dev=dev,
+            ranks=ranks,
+            lifecycle=self.lifecycle,
+            worker=self.worker,
+            tier=self.tier,
+            units=self.units,
+            grads=self.grads,
+            sharding=self.sharding,
+            host_updates=self.host_updates,
+            device_updates=self.device_updates,
+            copies16=self.copies16,
+            speculator=self.speculator,
+            hypers=self.hypers,
+            scaler=self.scaler,
+            deferred=self.deferred,
+            cast_first=self._cast_first,
+        )
+        self.schedule = Schedule(
+            config=cfg,
+            dev=dev,
+            adapter=self.adapter,
+            units=self.units,
+            compute=self.compute,
+            streamer=self.streamer,
+            activations=self.activations,
+            grads=self.grads,
+            step=self.stepper,
+            host_updates=self.host_updates,
+            lifecycle=self.lifecycle,
+        )
+        self.window = Window(
+            config=cfg,
+            dev=dev,
+            ranks=ranks,
+            adapter=self.adapter,
+            model=self._model,
+            planning=self.planning,
+            schedule=self.schedule,
+            streamer=self.streamer,
+            grads=self.grads,
+            copies16=self.copies16,
+            device_updates=self.device_updates,
+            compute=self.compute,
+            speculator=self.speculator,
+            clock=self.clock,
+            lifecycle=self.lifecycle,
+            batch_spec=self.batch_spec,
+            carry=self.window,
+        )
         self.clock.note_host()
 
     # ------------------------------------------------------------------ what the parts hold, by name
@@ -291,8 +422,11 @@ class Engine(DeepSpeedSurface):
     def guard(self, *, discard_step: bool):
         """A public call under the lifecycle's guard: an error drops the step in progress (training calls,
         ``discard_step``) or only the transfers in flight (evaluation, reads), [Note: failure semantics]."""
-        return self.lifecycle.call(self._discard_step if discard_step else self._reset_transfers,
-                                   self._drop_device_state, dropped_step=discard_step)
+        return self.lifecycle.call(
+            self._discard_step if discard_step else self._reset_transfers,
+            self._drop_device_state,
+            dropped_step=discard_step,
+        )
 
     def _fail(self, err: BaseException) -> None:
         """-> FAILED: everything released; every later call raises EngineFailedError naming ``err``."""
@@ -301,13 +435,13 @@ class Engine(DeepSpeedSurface):
     def _discard_step(self) -> None:
         """Drop everything of the step in progress, none of which was applied ([Note: failure semantics]): each
         part's reset(), in the order the work was queued."""
-        self.worker.drain()          # earlier steps' updates and this step's adds finish (or WorkerError)
+        self.worker.drain()  # earlier steps' updates and this step's adds finish (or WorkerError)
         self._reset_transfers()
-        self.stepper.discard()       # its speculative updates undone, its gradients forgotten
+        self.stepper.discard()  # its speculative updates undone, its gradients forgotten
         self.window.reset()
-        self.copies16.weights_changed()   # a rollback restores the masters to rounding only
+        self.copies16.weights_changed()  # a rollback restores the masters to rounding only
         if self.tier is not None:
-            self.tier.reset()        # chunks read ahead for updates that will not come
+            self.tier.reset()  # chunks read ahead for updates that will not come
         self.grads.reset()
         self.activations.reset()
 
@@ -341,7 +475,7 @@ class Engine(DeepSpeedSurface):
         if self.sharding.writing_alone:
             return
         if collective is None:
-            self.ranks.barrier()    # the other ranks' shards too ([Note: sharded units]): a collective
+            self.ranks.barrier()  # the other ranks' shards too ([Note: sharded units]): a collective
         else:
             named_barrier(self.ranks, collective, wait_s(self.config.distributed_timeout_s))
 
@@ -364,12 +498,13 @@ class Engine(DeepSpeedSurface):
         accumulation are dropped. Every later call raises EngineClosedError; ``module`` stays readable.
         See [Note: engine lifecycle]."""
         if self.offloaded.current is not None and self.state is EngineState.OPEN:
-            self.reload_states()          # the final weights are read from the device state
+            self.reload_states()  # the final weights are read from the device state
 
         def finish():
             self._apply_pending()
             self._sync_host_weights()
             recovery.leave_disk(self.tier, self.blocks, self._model, self.adapter, self._table)
+
         self.lifecycle.close(finish, self._reset_transfers, self._drop_device_state)
 
     def __enter__(self):
@@ -381,31 +516,39 @@ class Engine(DeepSpeedSurface):
             return
         try:
             self.close()
-        except Exception as e:     # the error that ended the block is the one to see
+        except Exception as e:  # the error that ended the block is the one to see
             log.warning("zerofit: closing the engine after %s failed too: %r", exc_type.__name__, e)
 
     def with_fallback(self, run):
         """``run()``, and once more on the generic path if it finds the model not block-sequential ([Note:
         generic fallback], recovery.py)."""
-        w = self.window       # (after steps too, a loaded checkpoint's: the moments go over to the generic unit)
-        possible = (self._adapter_kind == "auto" and self.adapter.streaming and w.micro_steps == 0
-                    and w.pending is None and not w.held and not w.announced)
+        w = self.window  # (after steps too, a loaded checkpoint's: the moments go over to the generic unit)
+        possible = (
+            self._adapter_kind == "auto"
+            and self.adapter.streaming
+            and w.micro_steps == 0
+            and w.pending is None
+            and not w.held
+            and not w.announced
+        )
         return recovery.run_with_fallback(run, possible, self.dev, self._discard_step, self._become_generic)
 
     def _become_generic(self, err) -> None:
         """[Note: generic fallback]: rebuild the units and their parts as one generic unit, from the current
         weights, with the optimizer state they hold."""
         if self.tier is not None:
-            raise NonSequentialModel(f"{err.reason}; the generic path (the whole model as one unit) cannot use the "
-                                     "disk tier this plan needs") from err
+            raise NonSequentialModel(
+                f"{err.reason}; the generic path (the whole model as one unit) cannot use the disk tier this plan needs"
+            ) from err
         carried = recovery.optimizer_state_by_name(self.units, self.adapter, self.sharding)
-        generic, table, shape, planning = recovery.generic_plan(err, model=self._model, config=self.config,
-                                                               dev=self.dev, ranks=self.ranks, frozen=self.frozen)
+        generic, table, shape, planning = recovery.generic_plan(
+            err, model=self._model, config=self.config, dev=self.dev, ranks=self.ranks, frozen=self.frozen
+        )
         self.stepper.mirrors_behind()
-        self._sync_host_weights()      # the module's parameters hold the current weights: the new unit copies them
+        self._sync_host_weights()  # the module's parameters hold the current weights: the new unit copies them
         self.worker.drain()
         self.dev.synchronize()
-        self._drop_device_state()      # the streaming parts' device buffers go before the generic ones are made
+        self._drop_device_state()  # the streaming parts' device buffers go before the generic ones are made
         for a in self._arenas:
             a.close()
         self._arenas.clear()
@@ -429,12 +572,14 @@ class Engine(DeepSpeedSurface):
         self.check_open()
         self.window.drop_unused()
         if self.window.in_progress():
-            raise RuntimeError("train_batch called in the middle of a DeepSpeed-style accumulation "
-                               "(a forward without backward(), or micro-batches without step()); finish it first")
+            raise RuntimeError(
+                "train_batch called in the middle of a DeepSpeed-style accumulation "
+                "(a forward without backward(), or micro-batches without step()); finish it first"
+            )
         try:
             check_micro_batches(micro_batches, self.batch_spec)
         except Exception as e:
-            self.ranks.fail(e)      # [Note: a failing rank]: the others would wait for this one's collectives
+            self.ranks.fail(e)  # [Note: a failing rank]: the others would wait for this one's collectives
             raise
         with self.guard(discard_step=True):
             return self.with_fallback(lambda: self._train_batch(micro_batches))
@@ -443,7 +588,7 @@ class Engine(DeepSpeedSurface):
         self.planning.ensure(micro_batches)
         self.speculator.begin(self.adapter.streaming)
         self.clock.start()
-        G = len(micro_batches) * self.ranks.world    # the gradient is the mean over every rank's micro-batches
+        G = len(micro_batches) * self.ranks.world  # the gradient is the mean over every rank's micro-batches
         scale = self.scaler.scale if self.scaler else 1.0
         self.activations.reset()
         streaming = self.adapter.streaming
@@ -456,13 +601,14 @@ class Engine(DeepSpeedSurface):
         # 0/0 (NaN) and no gradient (a prompt longer than the window); its zero gradient still counts in the 1/G
         scored = [loss for loss, mb in zip(losses, micro_batches) if scores_tokens(mb)]
         mean = torch.stack(scored).float().mean() if scored else torch.full((), math.nan, device=self.dev.device)
-        if self.ranks.many:     # the loss of the global batch, the same on every rank
-            part = torch.stack([mean.nan_to_num(0.0) * len(scored), torch.tensor(float(len(scored)),
-                                                                               device=self.dev.device)])
+        if self.ranks.many:  # the loss of the global batch, the same on every rank
+            part = torch.stack(
+                [mean.nan_to_num(0.0) * len(scored), torch.tensor(float(len(scored)), device=self.dev.device)]
+            )
             total, count = self.ranks.all_reduce_world(part).tolist()
             mean = torch.tensor(total / count if count else math.nan)
         applied, norm = self.stepper.finish()
-        loss_value = mean.item()              # the loss read: a device sync ([Note: events, not device syncs])
+        loss_value = mean.item()  # the loss read: a device sync ([Note: events, not device syncs])
         self.end_step(applied, norm)
         return loss_value
 
@@ -482,9 +628,8 @@ class Engine(DeepSpeedSurface):
         check_batch(batch, self.batch_spec)
         n = len(self.dev.intervals)
         with self.guard(discard_step=False), torch.no_grad():
-            out = self.with_fallback(
-                lambda: self.schedule.post(self.schedule.forward([batch], shell_grad=False)[0])[0])
-        self.dev.forget_intervals(n)            # not part of any step's timeline
+            out = self.with_fallback(lambda: self.schedule.post(self.schedule.forward([batch], shell_grad=False)[0])[0])
+        self.dev.forget_intervals(n)  # not part of any step's timeline
         return out
 
     # ------------------------------------------------------------------ reading the engine
@@ -511,7 +656,7 @@ class Engine(DeepSpeedSurface):
             return self._model
         self.check_open()
         with self.guard(discard_step=False):
-            self._apply_pending("engine.module")     # [Note: engine.module is a collective]
+            self._apply_pending("engine.module")  # [Note: engine.module is a collective]
             self._sync_host_weights()
         return self._model
 
@@ -525,26 +670,29 @@ class Engine(DeepSpeedSurface):
         with self.guard(discard_step=False):
             self._apply_pending()
             out = {}
-            with self.sharding.full_state(self.units, write_back=False):      # [Note: sharded device state]
+            with self.sharding.full_state(self.units, write_back=False):  # [Note: sharded device state]
                 for u in self.units:
                     prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
                     views = u.layout.views(u.master)
-                    views.update(u.frozen_host_views())    # [Note: frozen parameters]: as they were
+                    views.update(u.frozen_host_views())  # [Note: frozen parameters]: as they were
                     for n, v in views.items():
                         out[prefix + n] = v.detach().to("cpu", copy=True)
         return out
 
     def memory_stats(self) -> dict[str, int]:
         self.clock.note_host()
-        return {"gpu_peak_bytes": torch.cuda.max_memory_allocated(self.dev.device) if self.dev.is_cuda else 0,
-                "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.dev.device) if self.dev.is_cuda else 0,
-                # the caching allocator freed its cache and retried an allocation (each a device sync)
-                "gpu_alloc_retries": (torch.cuda.memory_stats(self.dev.device).get("num_alloc_retries", 0)
-                                      if self.dev.is_cuda else 0),
-                "gpu_predicted_bytes": self.planning.current.device_total,
-                "host_bytes": psutil.Process().memory_info().rss,
-                "host_peak_bytes": self.clock.peak_host,
-                "host_predicted_bytes": self.plan.host_total}
+        return {
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.dev.device) if self.dev.is_cuda else 0,
+            "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.dev.device) if self.dev.is_cuda else 0,
+            # the caching allocator freed its cache and retried an allocation (each a device sync)
+            "gpu_alloc_retries": (
+                torch.cuda.memory_stats(self.dev.device).get("num_alloc_retries", 0) if self.dev.is_cuda else 0
+            ),
+            "gpu_predicted_bytes": self.planning.current.device_total,
+            "host_bytes": psutil.Process().memory_info().rss,
+            "host_peak_bytes": self.clock.peak_host,
+            "host_predicted_bytes": self.plan.host_total,
+        }
 
     def train(self, mode: bool = True):
         self._model.train(mode)
@@ -555,20 +703,34 @@ class Engine(DeepSpeedSurface):
 
     # ------------------------------------------------------------------ checkpoints and export (zerofit.checkpoint)
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
-                        exclude_frozen_parameters=False) -> str:
+    def save_checkpoint(
+        self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False
+    ) -> str:
         """DeepSpeed's save_checkpoint: the whole training state in ``save_dir/<tag>`` (default
         ``global_step{N}``), written atomically, then ``latest`` names it. Returns the folder.
         ``exclude_frozen_parameters``: leave out the weights of the frozen parameters (DeepSpeed's meaning)."""
         from zerofit.checkpoint.state import save
 
-        if not save_dir:           # as DeepSpeed 0.19.8
+        if not save_dir:  # as DeepSpeed 0.19.8
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
-        return str(self.sharding.on_rank0(self.units, self.wait, lambda: save(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen=exclude_frozen_parameters)))
+        return str(
+            self.sharding.on_rank0(
+                self.units,
+                self.wait,
+                lambda: save(self, save_dir, tag, client_state, save_latest, exclude_frozen=exclude_frozen_parameters),
+            )
+        )
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+        custom_load_fn=None,
+    ):
         """DeepSpeed's load_checkpoint (its arguments, in its order): ``(path, client_state)``; ``(None, None)``
         with a warning when ``tag`` is None and ``load_dir`` has no ``latest``. DeepSpeed's options that would
         load less than the whole state are refused by name (deepspeed_surface.py). A load that fails after it
@@ -576,11 +738,12 @@ class Engine(DeepSpeedSurface):
         from zerofit.checkpoint.errors import EngineStateLostError
         from zerofit.checkpoint.state import load
 
-        self.check_deepspeed_load_options(load_module_strict, load_lr_scheduler_states, load_module_only,
-                                          custom_load_fn)
+        self.check_deepspeed_load_options(
+            load_module_strict, load_lr_scheduler_states, load_module_only, custom_load_fn
+        )
         self.wait()
         try:
-            with self.sharding.full_state(self.units, write_back=True):      # [Note: sharded device state]
+            with self.sharding.full_state(self.units, write_back=True):  # [Note: sharded device state]
                 out = load(self, load_dir, tag, load_optimizer_states)
         except EngineStateLostError as lost:
             self._fail(lost)
@@ -596,7 +759,7 @@ class Engine(DeepSpeedSurface):
         follow_masters(self.units, self.shell)
         if self.tier is not None:
             self.tier.file.flush_mapping()
-        self.dev.synchronize()                  # follow_masters' copies done: no slot is read or written
+        self.dev.synchronize()  # follow_masters' copies done: no slot is read or written
         for part in (self.streamer, self.grads, self.stepper, self.copies16):
             part.weights_loaded()
 
@@ -608,9 +771,12 @@ class Engine(DeepSpeedSurface):
         from zerofit.checkpoint.export import save_pretrained
 
         if merge:
-            self.module      # the module's host weights current: the merge reads the PEFT layers' own
-        return str(self.sharding.on_rank0(self.units, self.wait,
-                                          lambda: save_pretrained(self, out_dir, dtype, max_shard_size, merge=merge)))
+            _ = self.module  # the module's host weights current: the merge reads the PEFT layers' own
+        return str(
+            self.sharding.on_rank0(
+                self.units, self.wait, lambda: save_pretrained(self, out_dir, dtype, max_shard_size, merge=merge)
+            )
+        )
 
 
 def _loss_scaler(config: ZerofitConfig):

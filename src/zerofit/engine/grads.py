@@ -26,8 +26,20 @@ class Grads:
     ``bad_run`` (the step's running count, device), ``bad_dev`` (its snapshot per unit, device) and ``bad_host``
     (the snapshots that came down with the gradients)."""
 
-    def __init__(self, dev: Device, ranks, worker, clock, plan, units: list[Unit], *, deferred: bool,
-                 pinned: bool, speculating: bool, arenas: list):
+    def __init__(
+        self,
+        dev: Device,
+        ranks,
+        worker,
+        clock,
+        plan,
+        units: list[Unit],
+        *,
+        deferred: bool,
+        pinned: bool,
+        speculating: bool,
+        arenas: list,
+    ):
         self.dev, self.worker, self.clock, self.deferred = dev, worker, clock, deferred
         blocks = units[1:]
         streamed = [u for u in blocks if u.home is Home.STREAMED]
@@ -37,8 +49,8 @@ class Grads:
         # a streamed unit that trains nothing takes no gradient slot ([Note: frozen parameters], store.py)
         self.pool = SlotPool(dev, plan.grad_slots, gcap, torch.float32) if any(u.trains for u in streamed) else None
         host_units = [u for u in units if not u.optimizer_on_device and u.trains]
-        scap = max((u.hi - u.lo for u in host_units), default=0)     # a rank downloads its shard only
-        self.staging: list[torch.Tensor] = []   # (scap,) fp32, pinned host each
+        scap = max((u.hi - u.lo for u in host_units), default=0)  # a rank downloads its shard only
+        self.staging: list[torch.Tensor] = []  # (scap,) fp32, pinned host each
         if host_units:
             a = HostArena(plan.staging_buffers * scap, torch.float32, pinned)
             arenas.append(a)
@@ -50,26 +62,26 @@ class Grads:
         # [Note: non-finite gradients without a norm]: per unit, the step's running count of non-finite
         # gradients up to and including it; on the device, and as its gradient's download brings it down
         n = len(units)
-        self.bad_run = torch.zeros((), dtype=torch.float32, device=dev.device)     # () fp32, device
-        self.bad_dev = torch.zeros(n, dtype=torch.float32, device=dev.device)      # (units,) fp32, device
-        self.bad_host = torch.zeros(n, dtype=torch.float32, pin_memory=pinned)     # (units,) fp32, host
-        self.host_grads: dict[int, torch.Tensor] = {}     # deferred: id(unit) -> (hi - lo,) fp32 host
-        waiting = [u for u in host_units if u.swap is None]    # swapped units: [Note: gradients on the disk]
-        if deferred and waiting:     # each rank's shard of the gradients that wait for the norm
+        self.bad_run = torch.zeros((), dtype=torch.float32, device=dev.device)  # () fp32, device
+        self.bad_dev = torch.zeros(n, dtype=torch.float32, device=dev.device)  # (units,) fp32, device
+        self.bad_host = torch.zeros(n, dtype=torch.float32, pin_memory=pinned)  # (units,) fp32, host
+        self.host_grads: dict[int, torch.Tensor] = {}  # deferred: id(unit) -> (hi - lo,) fp32 host
+        waiting = [u for u in host_units if u.swap is None]  # swapped units: [Note: gradients on the disk]
+        if deferred and waiting:  # each rank's shard of the gradients that wait for the norm
             a = HostArena(sum(u.hi - u.lo for u in waiting), torch.float32, pinned)
             arenas.append(a)
             for u in waiting:
                 self.host_grads[id(u)] = a.take(u.hi - u.lo)
-        self.sq_norms: dict[int, torch.Tensor] = {}      # id(unit) -> () fp64, device: its squared norm
+        self.sq_norms: dict[int, torch.Tensor] = {}  # id(unit) -> () fp64, device: its squared norm
 
     # ------------------------------------------------------------------ device buffers
 
     def buffer(self, unit: Unit) -> torch.Tensor:
         """The buffer the unit's gradient of this step is summed into: its own (resident), or a slot."""
-        if unit.home is Home.RESIDENT or not unit.trains:    # a unit that trains nothing has an empty one
+        if unit.home is Home.RESIDENT or not unit.trains:  # a unit that trains nothing has an empty one
             return unit.grad
         slot = self.pool.take()
-        self.dev.wait(self.dev.compute, slot.free_event)          # [Note: slot reuse]
+        self.dev.wait(self.dev.compute, slot.free_event)  # [Note: slot reuse]
         slot.tenant, unit.grad_slot = unit, slot
         unit.grad = slot.tensor[: unit.numel]
         unit.grad_fresh = True
@@ -90,7 +102,7 @@ class Grads:
         bad = torch.isfinite(grad.sum()).logical_not()
         torch.maximum(self.bad_run, bad.to(self.bad_run.dtype), out=self.bad_run)
         k = unit.index + 1
-        self.bad_dev[k:k + 1].copy_(self.bad_run.view(1))
+        self.bad_dev[k : k + 1].copy_(self.bad_run.view(1))
 
     def flag_of(self, unit: Unit) -> torch.Tensor:
         """The unit's snapshot of the running count, on the device: a device update's ``found_inf``."""
@@ -108,10 +120,10 @@ class Grads:
             with self.dev.timed("download", self.dev.download, unit.name):
                 dst.narrow(0, 0, grad.numel()).copy_(grad, non_blocking=True)
                 if block_sq is not None:
-                    self.block_sq[unit.index:unit.index + 1].copy_(block_sq.view(1), non_blocking=True)
-                if not self.deferred:      # [Note: non-finite gradients without a norm]
+                    self.block_sq[unit.index : unit.index + 1].copy_(block_sq.view(1), non_blocking=True)
+                if not self.deferred:  # [Note: non-finite gradients without a norm]
                     k = unit.index + 1
-                    self.bad_host[k:k + 1].copy_(self.bad_dev[k:k + 1], non_blocking=True)
+                    self.bad_host[k : k + 1].copy_(self.bad_dev[k : k + 1], non_blocking=True)
             done = self.dev.record(self.dev.download)
         self.release_slot(unit, done)
         return done
@@ -138,7 +150,7 @@ class Grads:
 
     def discard(self, units: list[Unit], host_units: list[Unit]) -> None:
         """Forget this step's gradients (a skipped or dropped step): the next writes start fresh."""
-        self.bad_run.zero_()       # [Note: non-finite gradients without a norm]
+        self.bad_run.zero_()  # [Note: non-finite gradients without a norm]
         self.bad_dev.zero_()
         for u in units:
             u.grad_fresh = True

@@ -35,7 +35,7 @@ from zerofit.config.schema import ConfigError, OptimizerConfig, config_error_fro
 
 log = logging.getLogger("zerofit")
 GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps")
-_SHOWN = 8    # parameter names shown in an error before "and N more"
+_SHOWN = 8  # parameter names shown in an error before "and N more"
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,18 @@ class ParamGroup:
     """One resolved group: its parameters' canonical names (model order) and its AdamW hyperparameters."""
 
     names: tuple[str, ...]
-    optimizer: OptimizerConfig   # the group's own values over the config's optimizer section
+    optimizer: OptimizerConfig  # the group's own values over the config's optimizer section
 
     def record(self) -> dict:
         """JSON form, as a checkpoint records it."""
         o = self.optimizer
-        return {"params": list(self.names), "lr": o.lr, "weight_decay": o.weight_decay, "betas": list(o.betas),
-                "eps": o.eps}
+        return {
+            "params": list(self.names),
+            "lr": o.lr,
+            "weight_decay": o.weight_decay,
+            "betas": list(o.betas),
+            "eps": o.eps,
+        }
 
 
 def _names(names: list[str]) -> str:
@@ -71,20 +76,26 @@ def resolve_groups(groups, table, optimizer: OptimizerConfig) -> tuple[ParamGrou
     model, a parameter in two groups, or nothing to train."""
     canonical = trainable(table)
     if not canonical:
-        raise ConfigError("parameters", "at least one parameter to train (requires_grad=True)",
-                          f"all {len(table.canonical)} parameters of the model have requires_grad=False",
-                          "unfreeze the parameters to train (p.requires_grad_(True)) before zerofit.initialize")
+        raise ConfigError(
+            "parameters",
+            "at least one parameter to train (requires_grad=True)",
+            f"all {len(table.canonical)} parameters of the model have requires_grad=False",
+            "unfreeze the parameters to train (p.requires_grad_(True)) before zerofit.initialize",
+        )
     if groups is None:
         return (ParamGroup(tuple(canonical), optimizer),)
     if isinstance(groups, (dict, str, torch.Tensor)) or not hasattr(groups, "__iter__"):
-        raise ConfigError("param_groups", "a list of dicts in torch.optim's format ({'params': [...], ...}) or a "
-                          "list of parameters", f"a {type(groups).__name__}")
+        raise ConfigError(
+            "param_groups",
+            "a list of dicts in torch.optim's format ({'params': [...], ...}) or a list of parameters",
+            f"a {type(groups).__name__}",
+        )
     groups = list(groups)
     if groups and not any(isinstance(g, dict) for g in groups):
-        groups = [{"params": groups}]          # torch's other form: an iterable of parameters, one group
+        groups = [{"params": groups}]  # torch's other form: an iterable of parameters, one group
     by_id = {id(p): n for n, p in table.canonical.items()}
     by_name = {a: n for n, aliases in table.aliases.items() for a in aliases}
-    owner: dict[str, int] = {}                 # canonical name -> its group
+    owner: dict[str, int] = {}  # canonical name -> its group
     twice: dict[str, list[int]] = {}
     resolved = []
     for i, group in enumerate(groups):
@@ -93,10 +104,13 @@ def resolve_groups(groups, table, optimizer: OptimizerConfig) -> tuple[ParamGrou
             raise ConfigError(where, "a dict such as {'params': [...], 'weight_decay': 0.0}", show(group))
         unknown = [k for k in group if k not in GROUP_KEYS and k != "name" and not str(k).startswith("_")]
         if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}", f"only the keys {', '.join(GROUP_KEYS)} (and 'name')",
-                              f"{unknown[0]}={show(group[unknown[0]])}",
-                              "zerofit runs AdamW with its own kernel (no amsgrad, maximize, foreach, fused, "
-                              "capturable or differentiable): remove the key")
+            raise ConfigError(
+                f"{where}.{unknown[0]}",
+                f"only the keys {', '.join(GROUP_KEYS)} (and 'name')",
+                f"{unknown[0]}={show(group[unknown[0]])}",
+                "zerofit runs AdamW with its own kernel (no amsgrad, maximize, foreach, fused, "
+                "capturable or differentiable): remove the key",
+            )
         if "params" not in group:
             raise ConfigError(f"{where}.params", "the group's parameters (or parameter names)", "nothing")
         values = {**optimizer.model_dump(), **{k: group[k] for k in GROUP_KEYS[1:] if k in group}}
@@ -108,30 +122,41 @@ def resolve_groups(groups, table, optimizer: OptimizerConfig) -> tuple[ParamGrou
         for p in _param_list(group["params"], where):
             name = _resolve(p, by_id, by_name, where)
             if name in mine:
-                continue                   # listed twice in one group, or under two names of a tied weight
+                continue  # listed twice in one group, or under two names of a tied weight
             mine.add(name)
             if name in owner:
                 twice.setdefault(name, [owner[name]]).append(i)
             else:
                 owner[name] = i
-        resolved.append(ParamGroup(tuple(n for n in canonical if n in mine), opt))   # frozen ones left out
+        resolved.append(ParamGroup(tuple(n for n in canonical if n in mine), opt))  # frozen ones left out
     if twice:
         shown = [f"{n} (groups {', '.join(map(str, gs))})" for n, gs in twice.items()]
-        raise ConfigError("param_groups", "every parameter in exactly one group", f"{len(twice)} in more than one: "
-                          f"{_names(shown)}", "a tied weight counts once, whichever of its names lists it")
+        raise ConfigError(
+            "param_groups",
+            "every parameter in exactly one group",
+            f"{len(twice)} in more than one: {_names(shown)}",
+            "a tied weight counts once, whichever of its names lists it",
+        )
     missing = [n for n in canonical if n not in owner]
     if len(missing) == len(canonical):
-        raise ConfigError("param_groups", "at least one parameter that requires a gradient in a group",
-                          "none: every group is empty or holds only parameters with requires_grad=False")
+        raise ConfigError(
+            "param_groups",
+            "at least one parameter that requires a gradient in a group",
+            "none: every group is empty or holds only parameters with requires_grad=False",
+        )
     if missing:
-        log.warning("zerofit: %d parameters that require a gradient are in no parameter group: they are not trained "
-                    "(frozen), as torch.optim leaves them: %s", len(missing), _names(missing))
-    return tuple(resolved)      # a group left with no trained parameter stays, so group indices keep their meaning
+        log.warning(
+            "zerofit: %d parameters that require a gradient are in no parameter group: they are not trained "
+            "(frozen), as torch.optim leaves them: %s",
+            len(missing),
+            _names(missing),
+        )
+    return tuple(resolved)  # a group left with no trained parameter stays, so group indices keep their meaning
 
 
 def _param_list(params, where: str) -> list:
     if isinstance(params, (torch.Tensor, str)):
-        return [params]                    # torch accepts a lone tensor as a group's params
+        return [params]  # torch accepts a lone tensor as a group's params
     if isinstance(params, dict) or not hasattr(params, "__iter__"):
         raise ConfigError(f"{where}.params", "a list of parameters or parameter names", show(params))
     return list(params)
@@ -142,12 +167,19 @@ def _resolve(p, by_id: dict[int, str], by_name: dict[str, str], where: str) -> s
         if p in by_name:
             return by_name[p]
         close = difflib.get_close_matches(p, list(by_name), n=1)
-        raise ConfigError(f"{where}.params", "names of the model's parameters (model.named_parameters())",
-                          repr(p), f"did you mean {close[0]!r}?" if close else "")
+        raise ConfigError(
+            f"{where}.params",
+            "names of the model's parameters (model.named_parameters())",
+            repr(p),
+            f"did you mean {close[0]!r}?" if close else "",
+        )
     if isinstance(p, torch.Tensor):
         if id(p) in by_id:
             return by_id[id(p)]
-        raise ConfigError(f"{where}.params", "parameters of this model (matched by identity)",
-                          f"a tensor of shape {list(p.shape)} that is not one of them",
-                          "build the groups from this model's parameters, before zerofit.initialize")
+        raise ConfigError(
+            f"{where}.params",
+            "parameters of this model (matched by identity)",
+            f"a tensor of shape {list(p.shape)} that is not one of them",
+            "build the groups from this model's parameters, before zerofit.initialize",
+        )
     raise ConfigError(f"{where}.params", "parameters (tensors) or parameter names (str)", show(p))

@@ -58,8 +58,9 @@ class Hypers:
             return hypers
         base = self.config.optimizer.lr
         lr = self.lr_at(self.global_step)
-        return tuple(Hyper.of(g.optimizer, lr if g.optimizer.lr == base else g.optimizer.lr * (lr / base))
-                     for g in self.groups)
+        return tuple(
+            Hyper.of(g.optimizer, lr if g.optimizer.lr == base else g.optimizer.lr * (lr / base)) for g in self.groups
+        )
 
     def reported(self) -> tuple[Hyper, ...]:
         """The settings the engine will use for each group at its next step (or uses in the step in progress):

@@ -67,27 +67,35 @@ import torch
 
 from zerofit.engine.device import Device
 from zerofit.engine.disk import DiskTierError
-from zerofit.engine.update.worker import HostWorker, WorkerError
 from zerofit.engine.store import HostArena
+from zerofit.engine.update.worker import HostWorker, WorkerError
 
 log = logging.getLogger("zerofit")
 
-HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # [Note: Ctrl-C inside a step]: while default_int_handler
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # [Note: Ctrl-C inside a step]: while default_int_handler
 
 
 class EngineState(enum.Enum):
     """What an engine's weights and optimizer state hold, and what an error would do to them."""
 
-    OPEN = ("usable: every unit's master weights and moments hold the last applied optimizer step (updates "
-            "of that step may still be running on the CPU worker or pending on the device; blocks of the step "
-            "in progress may hold a speculative update, which a discard rolls back); the gradients of a step "
-            "in progress may be accumulating. An error drops that step and leaves the engine OPEN.")
-    APPLYING = ("an optimizer step's updates are being applied: some units may hold the new step and others "
-                "the old one. An error now leaves the engine FAILED.")
-    FAILED = ("an error interrupted APPLYING, or the CPU worker failed: weights and moments are no longer "
-              "consistent. Resources are released; every call raises EngineFailedError.")
-    CLOSED = ("close() ran: pending updates were applied and copied into the module's parameters, resources "
-              "released; every call except `module` raises EngineClosedError.")
+    OPEN = (
+        "usable: every unit's master weights and moments hold the last applied optimizer step (updates "
+        "of that step may still be running on the CPU worker or pending on the device; blocks of the step "
+        "in progress may hold a speculative update, which a discard rolls back); the gradients of a step "
+        "in progress may be accumulating. An error drops that step and leaves the engine OPEN."
+    )
+    APPLYING = (
+        "an optimizer step's updates are being applied: some units may hold the new step and others "
+        "the old one. An error now leaves the engine FAILED."
+    )
+    FAILED = (
+        "an error interrupted APPLYING, or the CPU worker failed: weights and moments are no longer "
+        "consistent. Resources are released; every call raises EngineFailedError."
+    )
+    CLOSED = (
+        "close() ran: pending updates were applied and copied into the module's parameters, resources "
+        "released; every call except `module` raises EngineClosedError."
+    )
 
 
 class EngineClosedError(RuntimeError):
@@ -101,16 +109,20 @@ class EngineFailedError(EngineClosedError):
 
 
 def closed_message() -> str:
-    return ("this engine was closed (engine.close(), or the end of its `with` block): it holds no device "
-            "buffers and no CPU optimizer any more. Create a new one with zerofit.initialize(...) to train "
-            "again (its model keeps the final weights: engine.module is still readable)")
+    return (
+        "this engine was closed (engine.close(), or the end of its `with` block): it holds no device "
+        "buffers and no CPU optimizer any more. Create a new one with zerofit.initialize(...) to train "
+        "again (its model keeps the final weights: engine.module is still readable)"
+    )
 
 
 def failed_message(cause: str) -> str:
-    return (f"the engine failed ({cause}) while it was changing its weights and optimizer state (an optimizer "
-            "step, or a checkpoint load), which are now applied only in part: that step was not applied "
-            "completely, and this engine cannot be used any more. Create a new engine and resume from the last "
-            "checkpoint")
+    return (
+        f"the engine failed ({cause}) while it was changing its weights and optimizer state (an optimizer "
+        "step, or a checkpoint load), which are now applied only in part: that step was not applied "
+        "completely, and this engine cannot be used any more. Create a new engine and resume from the last "
+        "checkpoint"
+    )
 
 
 @dataclass
@@ -120,19 +132,20 @@ class EngineResources:
 
     device: Device
     worker: HostWorker | None = None
-    arenas: list[HostArena] = field(default_factory=list)   # pinned host memory, unpinned on release
-    capped: bool = False                                     # set_per_process_memory_fraction applied
-    tier: object = None                                      # the disk tier (disk.py): its file removed
-    ranks: object = None                                     # ranks.Ranks: its monitor stopped, its group closed
-    locks: dict = field(default_factory=dict)                # checkpoint folders held (checkpoint/lock.py)
+    arenas: list[HostArena] = field(default_factory=list)  # pinned host memory, unpinned on release
+    capped: bool = False  # set_per_process_memory_fraction applied
+    tier: object = None  # the disk tier (disk.py): its file removed
+    ranks: object = None  # ranks.Ranks: its monitor stopped, its group closed
+    locks: dict = field(default_factory=dict)  # checkpoint folders held (checkpoint/lock.py)
     released: bool = False
 
     def cap_gpu(self, max_gpu_memory: int) -> None:
         """Enforce the plan's GPU cap on the allocator (lifted at release). Running close to a cap, expandable
         segments keep fragmentation from turning into an out-of-memory error."""
         dev = self.device.device
-        set_alloc = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-            torch.cuda.memory._set_allocator_settings
+        set_alloc = (
+            getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+        )
         set_alloc("expandable_segments:True")
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, max_gpu_memory / total), dev)
@@ -147,8 +160,8 @@ class EngineResources:
         if self.worker is not None and not self.worker.close():
             log.warning("zerofit: the CPU optimizer thread did not stop within 60 s; leaving it")
         try:
-            self.device.synchronize()   # no copy into or out of pinned memory is in flight when it is unpinned
-        except Exception as e:          # a CUDA error is sticky: what follows may fail too, and is logged
+            self.device.synchronize()  # no copy into or out of pinned memory is in flight when it is unpinned
+        except Exception as e:  # a CUDA error is sticky: what follows may fail too, and is logged
             log.warning("zerofit: waiting for the device at release failed: %r", e)
         if self.capped:
             try:
@@ -165,11 +178,14 @@ class EngineResources:
             try:
                 arena.close()
             except Exception as e:
-                log.warning("zerofit: unpinning %d bytes of host memory failed: %r",
-                            arena.tensor.numel() * arena.tensor.element_size(), e)
+                log.warning(
+                    "zerofit: unpinning %d bytes of host memory failed: %r",
+                    arena.tensor.numel() * arena.tensor.element_size(),
+                    e,
+                )
         if self.ranks is not None:
             self.ranks.close()
-        for lock in self.locks.values():     # [Note: one writer per folder]: another engine may save there now
+        for lock in self.locks.values():  # [Note: one writer per folder]: another engine may save there now
             lock.release()
         self.locks.clear()
 
@@ -178,8 +194,8 @@ class InterruptDeferral:
     """Holds SIGINT (and SIGTERM) back during a call, as [Note: Ctrl-C inside a step] describes."""
 
     def __init__(self) -> None:
-        self.pending = False     # a Ctrl-C arrived during the current call and was held back
-        self.signal = "Ctrl-C"   # which one, in words
+        self.pending = False  # a Ctrl-C arrived during the current call and was held back
+        self.signal = "Ctrl-C"  # which one, in words
         self._active = False
 
     @contextlib.contextmanager
@@ -188,8 +204,11 @@ class InterruptDeferral:
 
         Only the outermost call acts (calls nest: close() waits), only on the main thread, and only for the
         signals (SIGINT, SIGTERM) whose handler is Python's default SIGINT handler."""
-        held = () if self._active or threading.current_thread() is not threading.main_thread() else \
-            [s for s in HELD_SIGNALS if signal.getsignal(s) is signal.default_int_handler]
+        held = (
+            ()
+            if self._active or threading.current_thread() is not threading.main_thread()
+            else [s for s in HELD_SIGNALS if signal.getsignal(s) is signal.default_int_handler]
+        )
         if not held:
             yield
             return
@@ -202,17 +221,23 @@ class InterruptDeferral:
                 signal.signal(s, h)
             self._active = False
             interrupted, self.pending = self.pending, False
-        if interrupted:   # reached only when the call completed: its step is applied in full
-            raise KeyboardInterrupt(f"{self.signal} during a step whose updates had begun: zerofit finished the "
-                                    "step first, so the engine is consistent")
+        if interrupted:  # reached only when the call completed: its step is applied in full
+            raise KeyboardInterrupt(
+                f"{self.signal} during a step whose updates had begun: zerofit finished the "
+                "step first, so the engine is consistent"
+            )
 
     def _handler(self, signum, frame) -> None:
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.pending:
             raise KeyboardInterrupt(f"second {name}: stopped at once")
         self.pending, self.signal = True, name
-        log.warning("zerofit: %s: stopping at the next safe point of this step "
-                    "(%s again stops at once, which may leave the engine failed)", name, name)
+        log.warning(
+            "zerofit: %s: stopping at the next safe point of this step "
+            "(%s again stops at once, which may leave the engine failed)",
+            name,
+            name,
+        )
 
 
 class Lifecycle:
@@ -224,11 +249,11 @@ class Lifecycle:
     def __init__(self, owner, device: Device, ranks=None) -> None:
         """-> OPEN, with the resources to release registered for ``owner``'s garbage collection and exit."""
         self.state = EngineState.OPEN
-        self.failure: str | None = None          # FAILED: the error that failed the engine, in words
+        self.failure: str | None = None  # FAILED: the error that failed the engine, in words
         self.ranks = ranks
         self.interrupts = InterruptDeferral()
         self.resources = EngineResources(device, ranks=ranks)
-        weakref.finalize(owner, self.resources.release)    # holds the resources, not the engine
+        weakref.finalize(owner, self.resources.release)  # holds the resources, not the engine
 
     def check_open(self) -> None:
         """Refuse a call on a closed or failed engine, saying what to do."""
@@ -261,22 +286,26 @@ class Lifecycle:
                     raise peer from err
                 raise
             if self.state in (EngineState.FAILED, EngineState.CLOSED):
-                raise                                   # a nested call handled it
+                raise  # a nested call handled it
             if self.state is EngineState.APPLYING or isinstance(err, (WorkerError, DiskTierError)):
                 self.fail(err, drop)
                 if isinstance(err, Exception):
                     raise EngineFailedError(failed_message(self.failure)) from err
                 _add_note(err, "zerofit: " + failed_message(self.failure))
-                raise                                   # KeyboardInterrupt, SystemExit keep their meaning
+                raise  # KeyboardInterrupt, SystemExit keep their meaning
             try:
                 discard()
             except BaseException as again:
                 self.fail(again, drop)
                 raise EngineFailedError(failed_message(self.failure)) from err
-            _add_note(err, "zerofit: this step was not applied: its gradients were dropped (with those of any "
-                      "DeepSpeed-style micro-batches accumulated since the last optimizer step); every weight and "
-                      "moment is as before it, and the engine is usable" if dropped_step else
-                      "zerofit: nothing was applied; the engine is usable")
+            _add_note(
+                err,
+                "zerofit: this step was not applied: its gradients were dropped (with those of any "
+                "DeepSpeed-style micro-batches accumulated since the last optimizer step); every weight and "
+                "moment is as before it, and the engine is usable"
+                if dropped_step
+                else "zerofit: nothing was applied; the engine is usable",
+            )
             raise
 
     def begin_applying(self) -> None:
@@ -298,8 +327,9 @@ class Lifecycle:
         """[Note: Ctrl-C inside a step]: a held-back Ctrl-C stops the step here while nothing of it is applied
         (an attribute read on the hot path)."""
         if self.interrupts.pending and self.state is EngineState.OPEN:
-            raise KeyboardInterrupt(f"{self.interrupts.signal}: the step stopped before any of its updates; "
-                                    "nothing was applied")
+            raise KeyboardInterrupt(
+                f"{self.interrupts.signal}: the step stopped before any of its updates; nothing was applied"
+            )
 
     def fail(self, err: BaseException, drop) -> None:
         """-> FAILED: release everything (``drop()``: the device buffers); every later call raises
@@ -319,7 +349,7 @@ class Lifecycle:
             with self.call(reset, drop, dropped_step=False):
                 finish()
         finally:
-            if self.state is not EngineState.FAILED:     # -> CLOSED
+            if self.state is not EngineState.FAILED:  # -> CLOSED
                 self.state = EngineState.CLOSED
                 self.resources.release()
                 drop()

@@ -5,9 +5,9 @@ the meta device (each unit is created and initialized on the compute device,
 copied to its home, and released before the next), or built on the meta device
 with its weights in a model directory (each tensor is read from its safetensors
 file straight into the unit's buffer: [Note: one tensor's worth] in
-zerofit/models/safetensors.py): host memory never holds the model twice. Afterwards the module's own parameters are views of the units'
-fp32 host weights (the frozen ones views of their host copy, in the compute dtype: [Note: frozen parameters] in
-store.py), so ``engine.module`` is the model with its current weights.
+zerofit/models/safetensors.py): host memory never holds the model twice. Afterwards the module's own parameters are
+views of the units' fp32 host weights (the frozen ones views of their host copy, in the compute dtype: [Note: frozen
+parameters] in store.py), so ``engine.module`` is the model with its current weights.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from zerofit.engine.store import FlatLayout, Home, HostArena, Unit
 class ParamTable:
     """The model's distinct parameters, their aliases (tied weights) and how they split into units."""
 
-    canonical: dict[str, nn.Parameter]   # first name -> parameter
-    aliases: dict[str, list[str]]        # first name -> every name of the same parameter
-    unit_names: list[list[str]]          # [shell, block 0, block 1, ...] -> first names, in order
+    canonical: dict[str, nn.Parameter]  # first name -> parameter
+    aliases: dict[str, list[str]]  # first name -> every name of the same parameter
+    unit_names: list[list[str]]  # [shell, block 0, block 1, ...] -> first names, in order
 
 
 def _canonical(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, list[str]]]:
@@ -68,8 +68,9 @@ def param_table(model: nn.Module, adapter: Adapter) -> ParamTable:
     return ParamTable(canonical, aliases, unit_names)
 
 
-def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: frozenset | None = None,
-                nf4=None) -> ModelShape:
+def model_shape(
+    model: nn.Module, adapter: Adapter, table: ParamTable, frozen: frozenset | None = None, nf4=None
+) -> ModelShape:
     """The planner's view of the model: each unit's trained and frozen parameter counts and the widths.
     ``frozen``: the canonical names not trained (None: those with ``requires_grad=False``); ``nf4``: the
     :class:`~zerofit.engine.nf4.BaseNF4` of the ones held in 4 bits ([Note: an NF4 base])."""
@@ -81,16 +82,26 @@ def model_shape(model: nn.Module, adapter: Adapter, table: ParamTable, frozen: f
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 0
     inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
     vocab = getattr(cfg, "vocab_size", 0) or 0
-    if not hidden and adapter.streaming:   # not a Hugging Face model: the block's widest weight
+    if not hidden and adapter.streaming:  # not a Hugging Face model: the block's widest weight
         hidden = max((p.shape[-1] for p in adapter.blocks[0].parameters() if p.dim() == 2), default=0)
         inter = 4 * hidden
     nf4_numels = nf4_bytes = ()
     if nf4:
         nf4_numels = tuple(sum(table.canonical[n].numel() for n in names if n in nf4) for names in table.unit_names)
-        nf4_bytes = tuple(nf4.unit_bytes([(table.canonical[n].shape, n) for n in names if n in nf4])
-                          for names in table.unit_names)
-    return ModelShape(numels[0], tuple(numels[1:]), hidden, inter, vocab, still[0],
-                      tuple(still[1:]) if any(still[1:]) else (), nf4_numels, nf4_bytes)
+        nf4_bytes = tuple(
+            nf4.unit_bytes([(table.canonical[n].shape, n) for n in names if n in nf4]) for names in table.unit_names
+        )
+    return ModelShape(
+        numels[0],
+        tuple(numels[1:]),
+        hidden,
+        inter,
+        vocab,
+        still[0],
+        tuple(still[1:]) if any(still[1:]) else (),
+        nf4_numels,
+        nf4_bytes,
+    )
 
 
 def warn_low_precision_trained(table: ParamTable, frozen: frozenset) -> None:
@@ -102,14 +113,30 @@ def warn_low_precision_trained(table: ParamTable, frozen: frozenset) -> None:
         logging.getLogger("zerofit").warning(
             "zerofit: %s trained parameters are %s in the model: the engine keeps fp32 master weights of them and "
             "updates those (docs/lora.md); their updates are not rounded to %s at every step as an optimizer over "
-            "the 16-bit tensors themselves would round them", f"{sum(p.numel() for p in low):,}", names, names)
+            "the 16-bit tensors themselves would round them",
+            f"{sum(p.numel() for p in low):,}",
+            names,
+            names,
+        )
 
 
-def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Plan, dev: torch.device,
-                compute_dtype: torch.dtype, pinned: bool, source=None,
-                group_of: dict[str, int] | None = None, tier=None, ranks=None,
-                on_device_unit=None, frozen: frozenset = frozenset(),
-                nf4=None, startup: Startup | None = None) -> tuple[list[Unit], list[HostArena]]:
+def build_units(
+    model: nn.Module,
+    adapter: Adapter,
+    table: ParamTable,
+    plan: Plan,
+    dev: torch.device,
+    compute_dtype: torch.dtype,
+    pinned: bool,
+    source=None,
+    group_of: dict[str, int] | None = None,
+    tier=None,
+    ranks=None,
+    on_device_unit=None,
+    frozen: frozenset = frozenset(),
+    nf4=None,
+    startup: Startup | None = None,
+) -> tuple[list[Unit], list[HostArena]]:
     """Create every unit's buffers where ``plan`` puts them and point the module's parameters at them.
 
     ``source``: a :class:`zerofit.models.ModelDir` whose files hold the weights of a meta model.
@@ -140,12 +167,14 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     # Host-optimized units upload their fp32 master itself (pinned, one arena) and the device casts it
     # into the compute dtype: the CPU's only work per step is the AdamW update, no 16-bit copy-out.
     # The PCIe bytes double (4 B/param each way up), which the measured budget affords; the CPU was
-    # the binding resource (design/ENGINE.md). The module's parameters are fp32 views of the same.
+    # the binding resource. The module's parameters are fp32 views of the same.
     trained = [[n for n in names if n not in frozen] for names in table.unit_names]
-    still = [[n for n in names if n in frozen and n not in quant] + [n for n in names if n in quant]
-             for names in table.unit_names]
+    still = [
+        [n for n in names if n in frozen and n not in quant] + [n for n in names if n in quant]
+        for names in table.unit_names
+    ]
     sizes = [sum(canon[n].numel() for n in names) for names in trained]
-    disk_of = {i + 1: m for i, m in plan.disk_of.items()}     # unit index -> "moments" | "all"
+    disk_of = {i + 1: m for i, m in plan.disk_of.items()}  # unit index -> "moments" | "all"
     need = sum(n for i, (n, on_dev) in enumerate(zip(sizes, opt_on_dev)) if not on_dev and disk_of.get(i) != "all")
     need16 = sum(sizes[i] for i, m in disk_of.items() if m == "all")
     with startup.phase("allocate"):
@@ -153,59 +182,69 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     # With assisted updates the moments of the device-updated blocks are copied too: pin them as well
     # (a pageable copy runs at a seventh of the speed and blocks the host).
     assisted = [i - 1 in plan.assisted_blocks for i in range(len(sizes))]
-    assisted[0] = plan.assisted_shell     # the shell too ([Note: assisted updates in the backward], update/device.py)
+    assisted[0] = plan.assisted_shell  # the shell too ([Note: assisted updates in the backward], update/device.py)
     many = ranks is not None and ranks.many
     writer = not many or ranks.local_rank == 0
-    if many:     # every host unit's moments in the shared arena (zeros as mapped): the state is held once
+    if many:  # every host unit's moments in the shared arena (zeros as mapped): the state is held once
         need += 2 * sum(n for n, on_dev in zip(sizes, opt_on_dev) if not on_dev)
     else:
         need += 2 * sum(n for n, a in zip(sizes, assisted) if a)
-    sliced_nodes = ranks is not None and ranks.full     # [Note: nodes hold a slice of the state] (node_slices.py)
+    sliced_nodes = ranks is not None and ranks.full  # [Note: nodes hold a slice of the state] (node_slices.py)
     # the full layout page-locks only the node's slices (NodeSlices.pin): locking the arena would back all of it
     with startup.phase("allocate"):
         arena = HostArena(need, torch.float32, pinned and not sliced_nodes, ranks) if need else None
-    on_disk_f = set(plan.disk_frozen)       # [Note: a frozen base on the disk] (disk.py): in the swap file instead
-    need_f = sum(canon[n].numel() for i, names in enumerate(still) for n in names
-                 if n not in quant and i - 1 not in on_disk_f)
+    on_disk_f = set(plan.disk_frozen)  # [Note: a frozen base on the disk] (disk.py): in the swap file instead
+    need_f = sum(
+        canon[n].numel() for i, names in enumerate(still) for n in names if n not in quant and i - 1 not in on_disk_f
+    )
     # [Note: frozen parameters]: the frozen weights in the compute dtype, read into it from the files or the user's
     # tensors (a bf16 file's tensors as they are); shared by the host's ranks
     with startup.phase("allocate"):
         arena_f = HostArena(need_f, compute_dtype, pinned, ranks) if need_f else None
     units: list[Unit] = []
     for idx, (all_names, names, frozen_names) in enumerate(zip(table.unit_names, trained, still)):
-        layout = FlatLayout.of([(n, canon[n].shape) for n in names],
-                               [group_of[n] for n in names] if group_of is not None else None)
+        layout = FlatLayout.of(
+            [(n, canon[n].shape) for n in names], [group_of[n] for n in names] if group_of is not None else None
+        )
         flayout = FlatLayout.of([(n, canon[n].shape) for n in frozen_names]) if frozen_names else None
-        plain = [n for n in frozen_names if n not in quant]     # the 16-bit ones, first ([Note: an NF4 base])
-        qnames = frozen_names[len(plain):]
+        plain = [n for n in frozen_names if n not in quant]  # the 16-bit ones, first ([Note: an NF4 base])
+        qnames = frozen_names[len(plain) :]
         n16 = sum(canon[n].numel() for n in plain)
-        if idx - 1 in on_disk_f:        # a view of the swap file's mapping, written once below
+        if idx - 1 in on_disk_f:  # a view of the swap file's mapping, written once below
             fhost = tier.view(frozen_key(idx - 1), "w16").view(compute_dtype)[:n16]
         else:
-            fhost = ((arena_f.take(n16) if n16 else torch.empty(0, dtype=compute_dtype))   # (16-bit frozen numel,)
-                     if flayout is not None else None)                                       # compute dtype, host
+            fhost = (
+                (arena_f.take(n16) if n16 else torch.empty(0, dtype=compute_dtype))  # (16-bit frozen numel,)
+                if flayout is not None
+                else None
+            )  # compute dtype, host
         fviews = FlatLayout.of([(n, canon[n].shape) for n in plain]).views(fhost) if flayout is not None else {}
         home, on_dev = homes[idx], opt_on_dev[idx]
         opt_dev = dev if on_dev else torch.device("cpu")
         prefix = "" if idx == 0 else adapter.block_prefix(idx - 1) + "."
-        rel = dataclasses.replace(layout, names=tuple(n[len(prefix):] for n in layout.names))
+        rel = dataclasses.replace(layout, names=tuple(n[len(prefix) :] for n in layout.names))
         unit = Unit("shell" if idx == 0 else prefix[:-1], idx - 1, rel, home, on_dev)
         if flayout is not None:
-            unit.frozen = dataclasses.replace(flayout, names=tuple(n[len(prefix):] for n in flayout.names))
+            unit.frozen = dataclasses.replace(flayout, names=tuple(n[len(prefix) :] for n in flayout.names))
         if qnames:
             at = dict(zip(flayout.names, flayout.offsets))
             with startup.phase("allocate"):
-                unit.nf4 = nf4.unit(qnames, [n[len(prefix):] for n in qnames], [canon[n].shape for n in qnames],
-                                    [at[n] for n in qnames], pinned)
+                unit.nf4 = nf4.unit(
+                    qnames,
+                    [n[len(prefix) :] for n in qnames],
+                    [canon[n].shape for n in qnames],
+                    [at[n] for n in qnames],
+                    pinned,
+                )
         swap = disk_of.get(idx)
         if on_dev:
             master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
         elif swap == "all":
-            master = tier.view(idx - 1, "master")           # (numel,) fp32, the swap file's mapping
+            master = tier.view(idx - 1, "master")  # (numel,) fp32, the swap file's mapping
         else:
-            master = arena.take(layout.numel)              # (numel,) fp32, pinned host: the upload source
+            master = arena.take(layout.numel)  # (numel,) fp32, pinned host: the upload source
         fill = writer or on_dev
-        frozen_fill = writer       # frozen weights live on the host only, in memory the host's ranks share
+        frozen_fill = writer  # frozen weights live on the host only, in memory the host's ranks share
         if source is not None:
             init_buffers(model, adapter, idx, init_device)
             with startup.phase("read"):
@@ -213,8 +252,8 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
                     _read_unit(source, table, names, layout.views(master), fds)
                 if frozen_fill and flayout is not None:
                     _read_unit(source, table, plain, fviews, fds)
-            for j, n in enumerate(qnames):      # one tensor at a time, quantized as it is read (or read packed)
-                if n in nf4.from_folder:          # [Note: a 4-bit folder]: as stored
+            for j, n in enumerate(qnames):  # one tensor at a time, quantized as it is read (or read packed)
+                if n in nf4.from_folder:  # [Note: a 4-bit folder]: as stored
                     with startup.phase("read"):
                         unit.nf4.put(j, nf4.pack_of(n, None))
                     continue
@@ -241,7 +280,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         if idx - 1 in on_disk_f:
             unit.frozen_disk = True
             r = tier.regions[frozen_key(idx - 1)]
-            tier.file.drop_pages(r.offsets["w16"], r.numel * 4)     # written: out of host memory
+            tier.file.drop_pages(r.offsets["w16"], r.numel * 4)  # written: out of host memory
         unit.master = master
         if swap:
             unit.swap = swap
@@ -250,36 +289,36 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
                 unit.host16 = arena16.take(layout.numel)
                 unit.host16.copy_(master)
                 r = tier.regions[idx - 1]
-                tier.file.drop_pages(r.offsets["master"], layout.numel * 4)   # one unit's pages in memory at a time
+                tier.file.drop_pages(r.offsets["master"], layout.numel * 4)  # one unit's pages in memory at a time
         elif many and not on_dev:
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel), arena.take(layout.numel)
         elif assisted[idx]:
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel).zero_(), arena.take(layout.numel).zero_()
         else:
             unit.exp_avg, unit.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
-        if sliced_nodes and fill and sliced(unit):     # written whole: the other nodes' slices out
+        if sliced_nodes and fill and sliced(unit):  # written whole: the other nodes' slices out
             free_outside(ranks, master)
         unit.step = torch.zeros((), dtype=torch.float32, device=opt_dev)
         if on_dev:
             if home is Home.RESIDENT:
                 unit.dev16 = master if fp32 else master.to(compute_dtype)
-            unit.host = master.to("cpu") if dev.type != "cpu" else master   # host mirror, fp32
+            unit.host = master.to("cpu") if dev.type != "cpu" else master  # host mirror, fp32
         else:
             unit.host = master
             if home is Home.RESIDENT:
                 unit.dev16 = master.to(dev, compute_dtype)
         if home is Home.RESIDENT:
             unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
-        if flayout is not None:       # [Note: frozen parameters]
+        if flayout is not None:  # [Note: frozen parameters]
             unit.frozen_host = fhost
-            if unit.nf4 is not None:    # dequantized once, for the whole run ([Note: an NF4 base])
+            if unit.nf4 is not None:  # dequantized once, for the whole run ([Note: an NF4 base])
                 if home is Home.RESIDENT:
                     unit.frozen_dev = torch.empty(flayout.numel, dtype=compute_dtype, device=dev)
                     unit.frozen_dev[:n16].copy_(fhost)
                     unit.nf4.dequantize(unit.nf4.host.to(dev), unit.frozen_dev)
                 else:
                     unit.frozen_at = ranks.padded(layout.numel) if ranks is not None else layout.numel
-            elif home is Home.RESIDENT:   # on the CPU the host copy itself (same dtype and device)
+            elif home is Home.RESIDENT:  # on the CPU the host copy itself (same dtype and device)
                 unit.frozen_dev = fhost.to(dev)
             else:
                 unit.frozen_at = ranks.padded(layout.numel) if ranks is not None else layout.numel
@@ -292,7 +331,7 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
         views = layout.views(unit.host)
         if flayout is not None:
             views.update(fviews)
-        for n in qnames:      # no 16-bit copy to view outside a step: on the meta device ([Note: an NF4 base])
+        for n in qnames:  # no 16-bit copy to view outside a step: on the meta device ([Note: an NF4 base])
             views[n] = torch.empty(canon[n].shape, dtype=compute_dtype, device="meta")
         for n in all_names:
             shared = nn.Parameter(views[n], requires_grad=canon[n].requires_grad)
@@ -310,10 +349,10 @@ def build_units(model: nn.Module, adapter: Adapter, table: ParamTable, plan: Pla
     for fd in fds.values():
         os.close(fd)
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)      # the packed 4-bit pieces copied from the device without waiting are in
+        torch.cuda.synchronize(dev)  # the packed 4-bit pieces copied from the device without waiting are in
     startup.finish()
     if tier is not None:
-        tier.file.flush_mapping()       # the masters written through the mapping reach the disk, and leave memory
+        tier.file.flush_mapping()  # the masters written through the mapping reach the disk, and leave memory
     return units, [a for a in (arena, arena16, arena_f) if a is not None]
 
 
@@ -329,7 +368,7 @@ def rebind_params(model: nn.Module, adapter: Adapter, table: ParamTable, unit: U
     views = unit.layout.views(host)
     for n in (prefix + rel for rel in unit.layout.names):
         old = table.canonical[n]
-        shared = nn.Parameter(views[n[len(prefix):]], requires_grad=old.requires_grad)
+        shared = nn.Parameter(views[n[len(prefix) :]], requires_grad=old.requires_grad)
         for alias in table.aliases[n]:
             mod_path, _, leaf = alias.rpartition(".")
             (model.get_submodule(mod_path) if mod_path else model)._parameters[leaf] = shared
@@ -372,8 +411,9 @@ def init_buffers(model: nn.Module, adapter: Adapter, idx: int, init_device: torc
                 m.reset_parameters()
 
 
-def _unit_values(model: nn.Module, adapter: Adapter, idx: int, names: list[str],
-                 init_device: torch.device | None) -> list[torch.Tensor]:
+def _unit_values(
+    model: nn.Module, adapter: Adapter, idx: int, names: list[str], init_device: torch.device | None
+) -> list[torch.Tensor]:
     """The unit's parameter values: those of a real model, or freshly initialized ones of a meta model
     (the model's own ``_init_weights`` for Hugging Face models, else each module's ``reset_parameters``)."""
     canon, _ = _canonical(model)
@@ -383,14 +423,16 @@ def _unit_values(model: nn.Module, adapter: Adapter, idx: int, names: list[str],
     mods = list(root.modules()) if idx > 0 else _shell_modules(model, adapter)
     # only what is still on meta is initialized: real weights beside it (PEFT's adapters made real over a meta
     # base, say) keep their values
-    on_meta = {id(m) for m in mods if any(t is not None and t.is_meta
-                                          for t in [*m._parameters.values(), *m._buffers.values()])}
+    on_meta = {
+        id(m) for m in mods if any(t is not None and t.is_meta for t in [*m._parameters.values(), *m._buffers.values()])
+    }
     for m in mods:
         for p in list(m._parameters.values()):
             if p is not None and p.is_meta:
-                real = nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=init_device),
-                                    requires_grad=p.requires_grad)
-                for other in model.modules():           # tied weights stay one object
+                real = nn.Parameter(
+                    torch.empty(p.shape, dtype=torch.float32, device=init_device), requires_grad=p.requires_grad
+                )
+                for other in model.modules():  # tied weights stay one object
                     for on, op in other._parameters.items():
                         if op is p:
                             other._parameters[on] = real
@@ -398,7 +440,7 @@ def _unit_values(model: nn.Module, adapter: Adapter, idx: int, names: list[str],
             if b is not None and b.is_meta:
                 m._buffers[bn] = torch.empty(b.shape, dtype=b.dtype, device=init_device)
     init = getattr(model, "_init_weights", None)
-    for m in reversed(mods):                             # children before parents, as HF's own init
+    for m in reversed(mods):  # children before parents, as HF's own init
         if id(m) not in on_meta:
             continue
         if init is not None:
@@ -437,8 +479,8 @@ def _shell_modules(model: nn.Module, adapter: Adapter) -> list[nn.Module]:
 def _fill(views: dict[str, torch.Tensor], names: list[str], values: list[torch.Tensor]) -> None:
     for n, v in zip(names, values):
         dst = views[n]
-        if v.device != dst.device and v.dtype != dst.dtype:   # cast where the value is (a copy across devices that
-            v = v.to(dst.dtype)                               # also casts goes through a temporary on the host)
+        if v.device != dst.device and v.dtype != dst.dtype:  # cast where the value is (a copy across devices that
+            v = v.to(dst.dtype)  # also casts goes through a temporary on the host)
         dst.copy_(v)
 
 

@@ -1,14 +1,14 @@
 """A frozen base in 4 bits (QLoRA): NF4 with double quantization, in bitsandbytes' format (a part).
 
 [Note: an NF4 base]
-QLoRA keeps the frozen linear weights of the blocks in NF4: 4-bit codes in blocks of 64, each block's scale
-quantized again to 8 bits in blocks of 256 ("double quantization"), 0.516 B/param; the linears of a 70B base
-(Llama-3-70B's shape: 68.5 B parameters) in 32.9 GiB of host memory (zerofit estimate --qlora). The format and its arithmetic are bitsandbytes' (``quantize_4bit``, ``dequantize_4bit``:
-docs/dependencies.md says why that library), so a model loaded with ``BitsAndBytesConfig(load_in_4bit=True,
-bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`` is taken as it is (its ``Params4bit`` codes and
-``QuantState``), and ``quantize_base: nf4`` (``zerofit train --qlora``) quantizes each frozen ``nn.Linear``
-weight of the blocks the way that loading does: one tensor at a time, as it is read from the model's files
-(in the compute dtype, as ``from_pretrained(dtype=...)`` reads it), never the whole base in 16 bits.
+QLoRA keeps the frozen linear weights of the blocks in NF4: 4-bit codes in blocks of 64, each block's scale quantized
+again to 8 bits in blocks of 256 ("double quantization"), 0.516 B/param; the linears of a 70B base (Llama-3-70B's shape:
+68.5 B parameters) in 32.9 GiB of host memory (zerofit estimate --qlora). The format and its arithmetic are
+bitsandbytes' (``quantize_4bit``, ``dequantize_4bit``: docs/dependencies.md says why that library), so a model loaded
+with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`` is taken as it
+is (its ``Params4bit`` codes and ``QuantState``), and ``quantize_base: nf4`` (``zerofit train --qlora``) quantizes each
+frozen ``nn.Linear`` weight of the blocks the way that loading does: one tensor at a time, as it is read from the
+model's files (in the compute dtype, as ``from_pretrained(dtype=...)`` reads it), never the whole base in 16 bits.
 
 Where the pieces live: a unit's NF4 weights are one flat uint8 host buffer (``UnitNF4.host``, pinned when the
 engine pins), each tensor's codes, 8-bit scales, their fp32 scales and map at fixed byte offsets. The unit's
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BLOCK, BLOCK2 = 64, 256          # bitsandbytes' defaults: codes per scale, scales per second-level scale
+BLOCK, BLOCK2 = 64, 256  # bitsandbytes' defaults: codes per scale, scales per second-level scale
 
 
 class QuantError(ValueError):
@@ -49,12 +49,14 @@ def bnb_functional():
     """``bitsandbytes.functional``, or :class:`QuantError` naming the install."""
     log = logging.getLogger("bitsandbytes")
     level = log.level
-    log.setLevel(logging.ERROR)      # its import reports optional CPU kernels it did not find
+    log.setLevel(logging.ERROR)  # its import reports optional CPU kernels it did not find
     try:
         import bitsandbytes.functional as bf
     except ImportError as e:
-        raise QuantError(f"QLoRA (an NF4 base) needs bitsandbytes ({e}): pip install 'zerofit[qlora]' "
-                         "(bitsandbytes>=0.48, CPU or CUDA)") from None
+        raise QuantError(
+            f"QLoRA (an NF4 base) needs bitsandbytes ({e}): pip install 'zerofit[qlora]' "
+            "(bitsandbytes>=0.48, CPU or CUDA)"
+        ) from None
     finally:
         log.setLevel(level)
     return bf
@@ -69,13 +71,13 @@ class Spec:
     """Where one NF4 tensor's pieces are in its unit's packed buffer (byte offsets), and its shape."""
 
     shape: tuple[int, ...]
-    start: int             # its first element in the unit's frozen layout
+    start: int  # its first element in the unit's frozen layout
     blocksize: int
-    nested: bool           # double quantization: 8-bit scales (else fp32 ones)
-    data: int              # ((numel + 1) // 2,) uint8 codes
-    absmax: int            # (blocks,) uint8 (nested) or fp32
-    absmax2: int           # nested: (ceil(blocks / 256),) fp32
-    code2: int             # nested: (256,) fp32, the scales' 8-bit map
+    nested: bool  # double quantization: 8-bit scales (else fp32 ones)
+    data: int  # ((numel + 1) // 2,) uint8 codes
+    absmax: int  # (blocks,) uint8 (nested) or fp32
+    absmax2: int  # nested: (ceil(blocks / 256),) fp32
+    code2: int  # nested: (256,) fp32, the scales' 8-bit map
     end: int
 
     @property
@@ -87,7 +89,7 @@ class Spec:
         return -(-self.numel // self.blocksize)
 
     @staticmethod
-    def at(offset: int, shape, start: int, blocksize: int = BLOCK, nested: bool = True) -> "Spec":
+    def at(offset: int, shape, start: int, blocksize: int = BLOCK, nested: bool = True) -> Spec:
         numel = math.prod(shape)
         blocks = -(-numel // blocksize)
         data = offset
@@ -108,16 +110,16 @@ def nbytes(numel: int, blocksize: int = BLOCK, nested: bool = True) -> int:
 class Packed:
     """One weight in NF4 as host tensors: bitsandbytes' codes and QuantState (nested or not)."""
 
-    data: torch.Tensor               # uint8 codes, two a byte
-    absmax: torch.Tensor             # uint8 (nested) or fp32 scales
-    offset: float = 0.0              # nested: the scales' mean, taken out before they were quantized
+    data: torch.Tensor  # uint8 codes, two a byte
+    absmax: torch.Tensor  # uint8 (nested) or fp32 scales
+    offset: float = 0.0  # nested: the scales' mean, taken out before they were quantized
     absmax2: torch.Tensor | None = None
     code2: torch.Tensor | None = None
     blocksize: int = BLOCK
-    quant_type: str = "nf4"          # the 4-bit code: nf4 (QLoRA's), or fp4
+    quant_type: str = "nf4"  # the 4-bit code: nf4 (QLoRA's), or fp4
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, device: torch.device | None = None) -> "Packed":
+    def quantize(cls, w: torch.Tensor, device: torch.device | None = None) -> Packed:
         """bitsandbytes' NF4 of ``w`` with double quantization (as ``Params4bit`` quantizes at load), on ``device``
         (a GPU: its kernel, as bitsandbytes' loading onto a GPU quantizes; its CPU path is one core's), or where
         ``w`` is. The pieces stay where they were made: :meth:`UnitNF4.put` copies them into the unit's host
@@ -125,12 +127,13 @@ class Packed:
         bf = bnb_functional()
         if device is not None:
             w = w.to(device, non_blocking=False)
-        q, qs = bf.quantize_4bit(w.contiguous(), blocksize=BLOCK, compress_statistics=True, quant_type="nf4",
-                                 quant_storage=torch.uint8)
+        q, qs = bf.quantize_4bit(
+            w.contiguous(), blocksize=BLOCK, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8
+        )
         return cls.of_state(q, qs, host=False)
 
     @classmethod
-    def of_state(cls, q: torch.Tensor, qs, host: bool = True) -> "Packed":
+    def of_state(cls, q: torch.Tensor, qs, host: bool = True) -> Packed:
         """A ``Params4bit``'s codes and ``QuantState`` (quantized in this process, or loaded from a folder, whose
         pieces may come shaped otherwise: each is taken flat); ``host``: copied to the host (else where they are)."""
         if qs.quant_type not in ("nf4", "fp4"):
@@ -145,8 +148,15 @@ class Packed:
             s2 = qs.state2
             if s2.blocksize != BLOCK2:
                 raise QuantError(f"double quantization in blocks of {s2.blocksize}: bitsandbytes' is {BLOCK2}")
-            return cls(data, flat(qs.absmax), float(qs.offset), flat(s2.absmax.float()), flat(s2.code.float()),
-                       qs.blocksize, qs.quant_type)
+            return cls(
+                data,
+                flat(qs.absmax),
+                float(qs.offset),
+                flat(s2.absmax.float()),
+                flat(s2.code.float()),
+                qs.blocksize,
+                qs.quant_type,
+            )
         return cls(data, flat(qs.absmax.float()), blocksize=qs.blocksize, quant_type=qs.quant_type)
 
     @property
@@ -175,8 +185,9 @@ class DequantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty((out_features, in_features), device="meta", dtype=dtype),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty((out_features, in_features), device="meta", dtype=dtype), requires_grad=False
+        )
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,13 +208,13 @@ class BaseNF4:
 
     def __init__(self, dtype: torch.dtype, device: torch.device | None = None):
         self.dtype = dtype
-        self.device = device if device is not None and device.type == "cuda" else None   # where to quantize
+        self.device = device if device is not None and device.type == "cuda" else None  # where to quantize
         self.packed: dict[str, Packed | None] = {}
-        self.originals: dict[str, torch.Tensor] = {}     # name -> the user's 16-bit weight, quantized at build
-        self.on_meta: dict[str, nn.Module] = {}          # name -> its nn.Linear on the meta device (no files):
-        self.init = None                                 # initialized by the model's own init, then quantized
-        self.from_folder: dict[str, tuple] = {}          # name -> (source, shape): stored in 4 bits there
-        self.folder = None                               # that folder's form ([Note: a 4-bit folder])
+        self.originals: dict[str, torch.Tensor] = {}  # name -> the user's 16-bit weight, quantized at build
+        self.on_meta: dict[str, nn.Module] = {}  # name -> its nn.Linear on the meta device (no files):
+        self.init = None  # initialized by the model's own init, then quantized
+        self.from_folder: dict[str, tuple] = {}  # name -> (source, shape): stored in 4 bits there
+        self.folder = None  # that folder's form ([Note: a 4-bit folder])
 
     def __contains__(self, name: str) -> bool:
         return name in self.packed
@@ -212,8 +223,17 @@ class BaseNF4:
         return bool(self.packed)
 
     @classmethod
-    def prepare(cls, model: nn.Module, adapter, dtype: torch.dtype, quantize: bool, many: bool = False,
-                check: bool = True, device: torch.device | None = None, source=None) -> "BaseNF4":
+    def prepare(
+        cls,
+        model: nn.Module,
+        adapter,
+        dtype: torch.dtype,
+        quantize: bool,
+        many: bool = False,
+        check: bool = True,
+        device: torch.device | None = None,
+        source=None,
+    ) -> BaseNF4:
         """Swap each ``Linear4bit`` of ``model``, each linear the model folder ``source`` stores in 4 bits ([Note:
         a 4-bit folder], models/quantized.py), and with ``quantize`` each frozen ``nn.Linear`` of its blocks, for
         a :class:`DequantizedLinear`. Refusals (:class:`QuantError`) come before anything is allocated."""
@@ -222,30 +242,40 @@ class BaseNF4:
         if not quantize and out.folder is None and not any(is_linear4bit(m) for m in model.modules()):
             return out
         if many:
-            raise QuantError("QLoRA (an NF4 base) on several ranks: not yet; train it in one process (LoRA over "
-                             "a 16-bit base runs on several)")
+            raise QuantError(
+                "QLoRA (an NF4 base) on several ranks: not yet; train it in one process (LoRA over "
+                "a 16-bit base runs on several)"
+            )
         if (quantize or out.folder is not None) and check:
-            bnb_functional()         # installed and loadable, or say so now (not for an estimate)
+            bnb_functional()  # installed and loadable, or say so now (not for an estimate)
         in_blocks = set()
         for block in adapter.blocks:
             in_blocks |= {id(m) for m in block.modules()}
         for path, m in list(model.named_modules()):
             if is_linear4bit(m):
                 out.packed[path + ".weight"] = Packed.of_state(m.weight.data, m.weight.quant_state)
-            elif (out.folder is not None and type(m) is nn.Linear and (id(m) in in_blocks or source.weights)
-                  and source.is_packed([path + ".weight"])):      # (config.json alone: the blocks' linears)
+            elif (
+                out.folder is not None
+                and type(m) is nn.Linear
+                and (id(m) in in_blocks or source.weights)
+                and source.is_packed([path + ".weight"])
+            ):  # (config.json alone: the blocks' linears)
                 name = path + ".weight"
                 if m.weight.requires_grad:
-                    raise QuantError(f"{name}: stored in 4 bits in {source.path}: a 4-bit weight does not train; "
-                                     "train LoRA adapters over it (zerofit train --lora, or PEFT's get_peft_model)")
+                    raise QuantError(
+                        f"{name}: stored in 4 bits in {source.path}: a 4-bit weight does not train; "
+                        "train LoRA adapters over it (zerofit train --lora, or PEFT's get_peft_model)"
+                    )
                 if id(m) not in in_blocks:
-                    raise QuantError(f"{name}: stored in 4 bits in {source.path}, outside the model's repeated "
-                                     "blocks: zerofit holds 4-bit weights in the blocks only; give the 16-bit "
-                                     "model (with --qlora)")
-                source.check_packed([name], tuple(m.weight.shape))     # its quant state, before any allocation
+                    raise QuantError(
+                        f"{name}: stored in 4 bits in {source.path}, outside the model's repeated "
+                        "blocks: zerofit holds 4-bit weights in the blocks only; give the 16-bit "
+                        "model (with --qlora)"
+                    )
+                source.check_packed([name], tuple(m.weight.shape))  # its quant state, before any allocation
                 out.packed[name] = None
                 out.from_folder[name] = (source, tuple(m.weight.shape))
-            elif (quantize and type(m) is nn.Linear and id(m) in in_blocks and not m.weight.requires_grad):
+            elif quantize and type(m) is nn.Linear and id(m) in in_blocks and not m.weight.requires_grad:
                 out.packed[path + ".weight"] = None
                 if not m.weight.is_meta:
                     out.originals[path + ".weight"] = m.weight.detach()
@@ -255,14 +285,18 @@ class BaseNF4:
             else:
                 continue
             if m.bias is not None and m.bias.requires_grad:
-                raise QuantError(f"{path}: a trained bias beside a 4-bit weight: freeze it, or leave the layer "
-                                 "out of the quantization")
+                raise QuantError(
+                    f"{path}: a trained bias beside a 4-bit weight: freeze it, or leave the layer "
+                    "out of the quantization"
+                )
             parent_path, _, leaf = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
             setattr(parent, leaf, DequantizedLinear(m.in_features, m.out_features, m.bias, dtype))
         if quantize and not out.packed:
-            raise QuantError("quantize_base: nf4: the blocks have no frozen nn.Linear layer to hold in 4 bits "
-                             "(a model of other layers, or one whose linear layers all train)")
+            raise QuantError(
+                "quantize_base: nf4: the blocks have no frozen nn.Linear layer to hold in 4 bits "
+                "(a model of other layers, or one whose linear layers all train)"
+            )
         return out
 
     def form(self, name: str) -> tuple[bool, int]:
@@ -280,7 +314,7 @@ class BaseNF4:
             at = _up4(Spec.at(at, shape, 0, blocksize, nested).end)
         return at
 
-    def unit(self, names: list[str], rel: list[str], shapes: list, starts: list[int], pinned: bool) -> "UnitNF4":
+    def unit(self, names: list[str], rel: list[str], shapes: list, starts: list[int], pinned: bool) -> UnitNF4:
         """A unit's empty packed buffer for ``names`` (canonical; ``rel``: the unit's names of them)."""
         forms = [self.form(n) for n in names]
         return UnitNF4(rel, shapes, starts, [f[0] for f in forms], [f[1] for f in forms], pinned)
@@ -291,7 +325,7 @@ class BaseNF4:
         p = self.packed[name]
         if p is not None:
             return p
-        if name in self.from_folder:          # its codes and quant state as the folder stores them
+        if name in self.from_folder:  # its codes and quant state as the folder stores them
             source, shape = self.from_folder[name]
             return source.packed([name], shape)
         w = self.originals.pop(name, None)
@@ -304,13 +338,13 @@ class BaseNF4:
             with torch.no_grad():
                 self.init(m) if self.init is not None else m.reset_parameters()
             w = m.weight.detach()
-            m.to_empty(device="meta")          # (the 16-bit weight goes once it is quantized)
+            m.to_empty(device="meta")  # (the 16-bit weight goes once it is quantized)
         if w is None and read is None:
             raise QuantError(f"{name}: no weights to quantize")
         w = read() if w is None else w.to(self.dtype)
         return Packed.quantize(w, self.device)
 
-    def held(self, name: str, unit: "UnitNF4", i: int) -> None:
+    def held(self, name: str, unit: UnitNF4, i: int) -> None:
         """``name`` is now in ``unit``'s buffer: a rebuild of the units takes it from there (nothing else kept)."""
         self.packed[name] = unit.packed(i)
 
@@ -319,8 +353,15 @@ class UnitNF4:
     """A unit's NF4 weights: one flat uint8 host buffer and each tensor's :class:`Spec` (its pieces, where its
     dequantized values go in the unit's frozen layout)."""
 
-    def __init__(self, names: list[str], shapes: list[tuple], starts: list[int], nested: list[bool],
-                 blocksizes: list[int], pinned: bool):
+    def __init__(
+        self,
+        names: list[str],
+        shapes: list[tuple],
+        starts: list[int],
+        nested: list[bool],
+        blocksizes: list[int],
+        pinned: bool,
+    ):
         self.names = list(names)
         self.specs: list[Spec] = []
         at = 0
@@ -337,32 +378,39 @@ class UnitNF4:
         self.host = self._arena.tensor[:at]
         self.offsets = [0.0] * len(self.specs)
         self.quant_types = ["nf4"] * len(self.specs)
-        self.start = min(starts)         # where the NF4 tensors begin in the frozen layout (after the 16-bit ones)
+        self.start = min(starts)  # where the NF4 tensors begin in the frozen layout (after the 16-bit ones)
 
     def packed(self, i: int) -> Packed:
         """Tensor ``i``'s NF4 as views of the host buffer (a rebuild of the units takes them from here)."""
         s, h = self.specs[i], self.host
-        data = h[s.data:s.data + (s.numel + 1) // 2]
+        data = h[s.data : s.data + (s.numel + 1) // 2]
         if s.nested:
-            return Packed(data, h[s.absmax:s.absmax + s.blocks], self.offsets[i],
-                          h[s.absmax2:s.code2].view(torch.float32), h[s.code2:s.end].view(torch.float32), s.blocksize,
-                          self.quant_types[i])
-        return Packed(data, h[s.absmax:s.end].view(torch.float32), blocksize=s.blocksize,
-                      quant_type=self.quant_types[i])
+            return Packed(
+                data,
+                h[s.absmax : s.absmax + s.blocks],
+                self.offsets[i],
+                h[s.absmax2 : s.code2].view(torch.float32),
+                h[s.code2 : s.end].view(torch.float32),
+                s.blocksize,
+                self.quant_types[i],
+            )
+        return Packed(
+            data, h[s.absmax : s.end].view(torch.float32), blocksize=s.blocksize, quant_type=self.quant_types[i]
+        )
 
     def put(self, i: int, p: Packed) -> None:
         s, h = self.specs[i], self.host
         if p.nested != s.nested or p.blocksize != s.blocksize or p.data.numel() != (s.numel + 1) // 2:
             raise QuantError(f"{self.names[i]}: its 4-bit weight is not laid out as planned")
-        nb = h.is_pinned()       # from a GPU: without waiting (build_units synchronizes before the buffer is read)
-        h[s.data:s.data + p.data.numel()].copy_(p.data.reshape(-1), non_blocking=nb)
+        nb = h.is_pinned()  # from a GPU: without waiting (build_units synchronizes before the buffer is read)
+        h[s.data : s.data + p.data.numel()].copy_(p.data.reshape(-1), non_blocking=nb)
         if s.nested:
-            h[s.absmax:s.absmax + s.blocks].copy_(p.absmax.reshape(-1).view(torch.uint8), non_blocking=nb)
-            h[s.absmax2:s.code2].view(torch.float32).copy_(p.absmax2.reshape(-1), non_blocking=nb)
-            h[s.code2:s.end].view(torch.float32).copy_(p.code2.reshape(-1), non_blocking=nb)
+            h[s.absmax : s.absmax + s.blocks].copy_(p.absmax.reshape(-1).view(torch.uint8), non_blocking=nb)
+            h[s.absmax2 : s.code2].view(torch.float32).copy_(p.absmax2.reshape(-1), non_blocking=nb)
+            h[s.code2 : s.end].view(torch.float32).copy_(p.code2.reshape(-1), non_blocking=nb)
             self.offsets[i] = p.offset
         else:
-            h[s.absmax:s.end].view(torch.float32).copy_(p.absmax.reshape(-1), non_blocking=nb)
+            h[s.absmax : s.end].view(torch.float32).copy_(p.absmax.reshape(-1), non_blocking=nb)
         self.quant_types[i] = p.quant_type
 
     def dequantize(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -371,24 +419,32 @@ class UnitNF4:
         (the scales first, then the codes, into the compute dtype as its training forward does)."""
         bf = bnb_functional()
         for i, s in enumerate(self.specs):
-            self._one(bf, i, src, dst[s.start:s.start + s.numel].view(s.shape))
+            self._one(bf, i, src, dst[s.start : s.start + s.numel].view(s.shape))
 
     def _one(self, bf, i: int, src: torch.Tensor, out: torch.Tensor) -> None:
         s = self.specs[i]
-        data = src[s.data:s.data + (s.numel + 1) // 2]
+        data = src[s.data : s.data + (s.numel + 1) // 2]
         if s.nested:
-            state2 = bf.QuantState(absmax=src[s.absmax2:s.code2].view(torch.float32),
-                                   code=src[s.code2:s.end].view(torch.float32), blocksize=BLOCK2,
-                                   dtype=torch.float32)
-            absmax = bf.dequantize_blockwise(src[s.absmax:s.absmax + s.blocks], state2)
+            state2 = bf.QuantState(
+                absmax=src[s.absmax2 : s.code2].view(torch.float32),
+                code=src[s.code2 : s.end].view(torch.float32),
+                blocksize=BLOCK2,
+                dtype=torch.float32,
+            )
+            absmax = bf.dequantize_blockwise(src[s.absmax : s.absmax + s.blocks], state2)
             absmax += self.offsets[i]
         else:
-            absmax = src[s.absmax:s.end].view(torch.float32)
-        qs = bf.QuantState(absmax=absmax, shape=torch.Size(s.shape), dtype=out.dtype, blocksize=s.blocksize,
-                           quant_type=self.quant_types[i])
+            absmax = src[s.absmax : s.end].view(torch.float32)
+        qs = bf.QuantState(
+            absmax=absmax,
+            shape=torch.Size(s.shape),
+            dtype=out.dtype,
+            blocksize=s.blocksize,
+            quant_type=self.quant_types[i],
+        )
         if out.is_cuda:
             bf.dequantize_4bit(data, quant_state=qs, out=out)
-        else:      # (bitsandbytes' CPU backend has no ``out`` variant)
+        else:  # (bitsandbytes' CPU backend has no ``out`` variant)
             out.copy_(bf.dequantize_4bit(data, quant_state=qs))
 
     def value(self, name: str, dtype: torch.dtype) -> torch.Tensor:

@@ -23,8 +23,9 @@ state larger than one host's memory trains in the full layout, and is saved and 
 hold it (not checked before the gather: a host that cannot fails as any allocation does). ``engine.module``
 gathers the masters into every node (the module's parameters whole), and they are handed back after the next
 step's first gather (``Streamer.begin_upload``: every rank is in the step then, none reading them): the module is
-read between steps and is current when read, as on one node. A read of a handed-back page backs it again (shared memory has no zero page), so every hand-back waits until
-the node's ranks are done reading: ``full_state`` with a barrier, engine.module's behind that gather.
+read between steps and is current when read, as on one node. A read of a handed-back page backs it again (shared memory
+has no zero page), so every hand-back waits until the node's ranks are done reading: ``full_state`` with a barrier,
+engine.module's behind that gather.
 
 The frozen weights (LoRA's base) stay whole on every node: they have no state to shard. With pinned memory only
 the node's slices are page-locked (page-rounded, merged ranges): page-locking the whole arena would back every
@@ -83,7 +84,7 @@ class NodeSlices:
     def __init__(self, dev, ranks):
         self.dev, self.ranks = dev, ranks
         self.whole = False
-        self.pinned: list[int] = []      # base addresses registered with cudaHostRegister
+        self.pinned: list[int] = []  # base addresses registered with cudaHostRegister
 
     @property
     def on(self) -> bool:
@@ -98,11 +99,11 @@ class NodeSlices:
             buf = torch.zeros(r.padded(u.numel), dtype=torch.float32, device=self.dev.device)
             for kind in kinds:
                 t = getattr(u, kind)
-                buf[u.lo:u.hi].copy_(t[u.lo:u.hi])
+                buf[u.lo : u.hi].copy_(t[u.lo : u.hi])
                 r.gather(buf, u.numel)
                 if r.local_rank == 0 and (everywhere or r.node == 0):
-                    t.copy_(buf[:u.numel])
-        r.barrier()        # written before any rank reads them
+                    t.copy_(buf[: u.numel])
+        r.barrier()  # written before any rank reads them
 
     def trim(self, units: list[Unit]) -> None:
         """The other nodes' slices handed back (local rank 0 of each node; the pages are the node's)."""

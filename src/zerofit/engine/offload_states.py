@@ -1,5 +1,6 @@
-"""``engine.offload_states()`` / ``engine.reload_states()`` (a part and its functions): DeepSpeed's calls that move what the engine holds on
-the device into host memory between steps, and back (deepspeed/runtime/engine.py ``offload_states``, 0.19.8).
+"""``engine.offload_states()`` / ``engine.reload_states()`` (a part and its functions): DeepSpeed's calls that move what
+the engine holds on the device into host memory between steps, and back (deepspeed/runtime/engine.py ``offload_states``,
+0.19.8).
 
 ::
 
@@ -22,9 +23,9 @@ object and every view of these storages (the units' attributes, a slot's tenant,
 object, so nothing in the engine is rebound, and every byte comes back as it was: training goes on bitwise as
 without the round trip (tests/integration/test_offload_states.py). The buffers whose contents never outlive a step (the
 gradient slots, a weight slot without a tenant, the upload stage, the assisted chunk buffers and casts) are freed
-and grown again without a copy, as DeepSpeed does not restore its contiguous gradient buffer. A storage the module's own parameters or
-buffers view (on the CPU, an fp32 resident unit's master is the module's parameter; ``b.to('cpu')`` of a CPU
-buffer is the buffer itself) is host memory already and stays: on the CPU the "device" is the host, so the
+and grown again without a copy, as DeepSpeed does not restore its contiguous gradient buffer. A storage the module's own
+parameters or buffers view (on the CPU, an fp32 resident unit's master is the module's parameter; ``b.to('cpu')`` of a
+CPU buffer is the buffer itself) is host memory already and stays: on the CPU the "device" is the host, so the
 round trip moves bytes but frees no memory.
 
 The kinds of ``include`` (DeepSpeed's ``OffloadStateTypeEnum``) name, in zerofit: ``hp_params`` the fp32 masters of
@@ -56,7 +57,7 @@ import torch
 log = logging.getLogger("zerofit")
 
 KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
-_SCRATCH = "scratch"      # contents that never outlive a step: freed and grown again, not copied
+_SCRATCH = "scratch"  # contents that never outlive a step: freed and grown again, not copied
 
 
 @dataclass
@@ -65,7 +66,7 @@ class _Moved:
 
     storage: torch.UntypedStorage
     nbytes: int
-    host: torch.Tensor | None       # (nbytes,) uint8, a view of the offload's host buffer; None: scratch
+    host: torch.Tensor | None  # (nbytes,) uint8, a view of the offload's host buffer; None: scratch
 
 
 @dataclass
@@ -73,16 +74,18 @@ class _Offloaded:
     """What offload_states moved, for reload_states."""
 
     kinds: set[str] = field(default_factory=set)
-    moved: dict[int, _Moved] = field(default_factory=dict)      # storage._cdata -> _Moved
-    buffers: list = field(default_factory=list)                 # host buffers (HostArena or tensor) of the calls
+    moved: dict[int, _Moved] = field(default_factory=dict)  # storage._cdata -> _Moved
+    buffers: list = field(default_factory=list)  # host buffers (HostArena or tensor) of the calls
 
 
 def _as_value(x, what: str, valid) -> str:
     value = getattr(x, "value", x)
     if not isinstance(value, str) or value not in valid:
-        raise ValueError(f"offload_states({what}={x!r}): expected one of {sorted(valid)} (DeepSpeed's "
-                         f"{'OffloadDeviceEnum' if what == 'device' else 'OffloadStateTypeEnum'}, "
-                         "deepspeed.runtime.zero.offload_config)")
+        raise ValueError(
+            f"offload_states({what}={x!r}): expected one of {sorted(valid)} (DeepSpeed's "
+            f"{'OffloadDeviceEnum' if what == 'device' else 'OffloadStateTypeEnum'}, "
+            "deepspeed.runtime.zero.offload_config)"
+        )
     return value
 
 
@@ -95,22 +98,26 @@ class OffloadStates:
     def __init__(self, dev, worker, arenas: list):
         self.dev, self.worker, self.arenas = dev, worker, arenas
         self.current: _Offloaded | None = None
-        self.pinned: dict[int, object] = {}       # nbytes -> a pinned HostArena kept for the next offload
+        self.pinned: dict[int, object] = {}  # nbytes -> a pinned HostArena kept for the next offload
 
     def check(self) -> None:
         """Refuse a call while the engine's device state is offloaded, saying what to do."""
         if self.current is not None:
             raise RuntimeError(
                 f"the engine's device state is offloaded (engine.offload_states(): {sorted(self.current.kinds)}): "
-                "call engine.reload_states() before using the engine again")
+                "call engine.reload_states() before using the engine again"
+            )
 
     def offload(self, kinds: set[str], storages, pin: bool, non_blocking: bool) -> None:
         """Move the storages of ``kinds`` (``storages(kinds)``: device_storages) into host memory and free them."""
-        self.worker.drain()              # no CPU update still reads a buffer of this step
-        self.dev.synchronize()           # nor a copy or kernel on any stream
+        self.worker.drain()  # no CPU update still reads a buffer of this step
+        self.dev.synchronize()  # nor a copy or kernel on any stream
         off = self.current if self.current is not None else _Offloaded()
-        todo = [(s, scratch) for s, scratch in storages(kinds - off.kinds).values()
-                if s._cdata not in off.moved and s.nbytes() > 0]
+        todo = [
+            (s, scratch)
+            for s, scratch in storages(kinds - off.kinds).values()
+            if s._cdata not in off.moved and s.nbytes() > 0
+        ]
         host = self._buffer(sum(_padded(s.nbytes()) for s, scratch in todo if not scratch), pin)
         off.buffers.append(host)
         flat = host.tensor if hasattr(host, "tensor") else host
@@ -119,13 +126,13 @@ class OffloadStates:
             for s, scratch in todo:
                 n, dst = s.nbytes(), None
                 if not scratch:
-                    dst = flat[at:at + n]
+                    dst = flat[at : at + n]
                     at += _padded(n)
                     dst.copy_(_bytes(s), non_blocking=non_blocking)
                 off.moved[s._cdata] = _Moved(s, n, dst)
                 s.resize_(0)
         except BaseException:
-            self._restore(off, non_blocking=False)       # every storage back, an earlier call's too
+            self._restore(off, non_blocking=False)  # every storage back, an earlier call's too
             self.current = None
             raise
         off.kinds |= kinds
@@ -152,8 +159,8 @@ class OffloadStates:
                 m.storage.resize_(m.nbytes)
                 if m.host is not None:
                     _bytes(m.storage).copy_(m.host, non_blocking=non_blocking)
-        self.dev.synchronize()          # the engine's other streams read these buffers next
-        for buf in off.buffers:         # page-locked buffers are kept for the next offload, as DeepSpeed keeps them
+        self.dev.synchronize()  # the engine's other streams read these buffers next
+        for buf in off.buffers:  # page-locked buffers are kept for the next offload, as DeepSpeed keeps them
             if getattr(buf, "pinned", False):
                 self.pinned.setdefault(buf.tensor.numel(), buf)
         off.moved.clear()
@@ -169,7 +176,7 @@ class OffloadStates:
         arena = self.pinned.pop(max(nbytes, 1), None)
         if arena is None:
             arena = HostArena(nbytes, torch.uint8, True)
-            self.arenas.append(arena)       # unpinned when the engine releases its resources
+            self.arenas.append(arena)  # unpinned when the engine releases its resources
         return arena
 
 
@@ -177,22 +184,28 @@ def parse(include, device) -> tuple[str, set[str]]:
     """offload_states' arguments: (where, kinds); ValueError as DeepSpeed 0.19.8 for NVMe."""
     where = _as_value(device, "device", ("none", "cpu", "nvme"))
     if where == "nvme":
-        raise ValueError("NVMe offload is not supported for offloading states. (offload_states(device=nvme), "
-                         "as DeepSpeed 0.19.8 refuses it; pass device=OffloadDeviceEnum.cpu)")
+        raise ValueError(
+            "NVMe offload is not supported for offloading states. (offload_states(device=nvme), "
+            "as DeepSpeed 0.19.8 refuses it; pass device=OffloadDeviceEnum.cpu)"
+        )
     return where, set(KINDS) if include is None else {_as_value(k, "include", KINDS) for k in include}
 
 
 def refuse_param_offload(report, config) -> None:
     """DeepSpeed 0.19.8: ``assert param_offload_config is None or ... device == none, "Moving states across
     devices is not supported for offloaded parameters."``"""
-    asked = [r.key for r in report if r.key.startswith(
-        ("zero_optimization.offload_param", "zero_optimization.cpu_offload_param"))]
+    asked = [
+        r.key
+        for r in report
+        if r.key.startswith(("zero_optimization.offload_param", "zero_optimization.cpu_offload_param"))
+    ]
     if asked and config.offload.param_device != "none":
         raise AssertionError(
             "Moving states across devices is not supported for offloaded parameters. (engine.offload_states() "
             f"with the config's {asked[0]} = {config.offload.param_device!r}, as DeepSpeed 0.19.8 refuses "
             "it: those parameters live in host memory already; leave offload_param out of the config to keep "
-            "them on the device and offload them on demand)")
+            "them on the device and offload them on demand)"
+        )
 
 
 def refuse_window(call: str, window, streamer) -> None:
@@ -200,11 +213,13 @@ def refuse_window(call: str, window, streamer) -> None:
         raise RuntimeError(
             f"{call} in the middle of an accumulation window: its micro-batches' activations are held on the "
             "device (a forward without its backward, or a window before its boundary). Call it after "
-            "engine.step(), or between the boundary's engine.backward() and its engine.step()")
+            "engine.step(), or between the boundary's engine.backward() and its engine.step()"
+        )
 
 
-def device_storages(kinds: set[str], *, units, streamer, grads, sharding, device_updates, model,
-                    device) -> dict[int, tuple[torch.UntypedStorage, bool]]:
+def device_storages(
+    kinds: set[str], *, units, streamer, grads, sharding, device_updates, model, device
+) -> dict[int, tuple[torch.UntypedStorage, bool]]:
     """The distinct device storages of ``kinds`` ([Note: offloaded device state]), by ``_cdata``: (storage,
     scratch). Storages the module's parameters and buffers view are host memory and left out. The parts' public
     buffers: the units', the streamer's slots and stage, the gradients' slots and statistics, the shards', the
@@ -223,15 +238,22 @@ def device_storages(kinds: set[str], *, units, streamer, grads, sharding, device
     by_kind["lp_params"] += [s.tensor for s in slots if s.tenant is not None]
     free = [s.tensor for s in slots if s.tenant is None]
     grad_slots = [s.tensor for s in grads.pool.slots] if grads.pool is not None else []
-    by_kind["lp_grads"] += [grads.bad_run, grads.bad_dev, *grads.sq_norms.values(),
-                            *sharding.padded_grad.values(), *sharding.shard_grad.values()]
+    by_kind["lp_grads"] += [
+        grads.bad_run,
+        grads.bad_dev,
+        *grads.sq_norms.values(),
+        *sharding.padded_grad.values(),
+        *sharding.shard_grad.values(),
+    ]
     chunks = [t for s in (device_updates.buffers or ()) for t in s]
     casts = list(device_updates.cast or ())
-    scratch_of = {"contiguous_grad_buffer": grad_slots, "lp_params": [streamer.stage, *casts, *free],
-                  "optim_states": chunks}
+    scratch_of = {
+        "contiguous_grad_buffer": grad_slots,
+        "lp_params": [streamer.stage, *casts, *free],
+        "optim_states": chunks,
+    }
     host = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-    host |= {t.untyped_storage()._cdata for u in units
-             for t in (u.host, u.frozen_host, u.host16) if t is not None}
+    host |= {t.untyped_storage()._cdata for u in units for t in (u.host, u.frozen_host, u.host16) if t is not None}
     out: dict[int, tuple[torch.UntypedStorage, bool]] = {}
     for kind in KINDS:
         if kind not in kinds:
@@ -243,7 +265,7 @@ def device_storages(kinds: set[str], *, units, streamer, grads, sharding, device
                 s = t.untyped_storage()
                 if s._cdata in host or s.device.type != device.type:
                     continue
-                if s._cdata in out:       # in two kinds: copied if either holds it as state
+                if s._cdata in out:  # in two kinds: copied if either holds it as state
                     is_scratch = is_scratch and out[s._cdata][1]
                 out[s._cdata] = (s, is_scratch)
     return out

@@ -22,15 +22,24 @@ import math
 import torch
 
 from zerofit.engine.disk import ALIGN, tier_buffers, tier_chunk
-from zerofit.engine.plan import (GiB, MiB, BatchShape, ModelShape, Plan, PlanError, fmt_at_least,  # noqa: F401
-                                 fmt_bytes, fmt_count, placement_warnings)
+from zerofit.engine.plan import (
+    BatchShape,
+    GiB,
+    MiB,
+    ModelShape,
+    Plan,
+    PlanError,
+    fmt_at_least,
+    fmt_bytes,
+    fmt_count,  # noqa: F401 (re-exported)
+    placement_warnings,  # noqa: F401 (re-exported)
+)
 
-
-LOSS_CHUNK_TOKENS = 512       # tokens per chunk of the head and loss when the logits are chunked
-SPARSE_EVERY = (2, 4, 8)      # the checkpoint spacings the planner tries when every block's input does not fit
-CKPT_AHEAD = 2                # the backward brings them up this many blocks ahead ([Note: offloaded checkpoints])
+LOSS_CHUNK_TOKENS = 512  # tokens per chunk of the head and loss when the logits are chunked
+SPARSE_EVERY = (2, 4, 8)  # the checkpoint spacings the planner tries when every block's input does not fit
+CKPT_AHEAD = 2  # the backward brings them up this many blocks ahead ([Note: offloaded checkpoints])
 CKPT_ON_DEVICE = 2 + CKPT_AHEAD  # the backward's peak: block 0's, the one computing and CKPT_AHEAD coming up (the
-                                 # last two blocks' are consumed first)
+# last two blocks' are consumed first)
 
 
 def recomputed_blocks(n_blocks: int, every: int) -> list[int]:
@@ -76,17 +85,25 @@ def device_checkpoints(n_blocks: int, every: int, offloaded: bool) -> int:
 # entropy) holds three fp32 tensors per token and vocabulary entry at its peak, in its backward: log_softmax's saved
 # output, nll_loss's gradient, and log_softmax's gradient, 12 B whatever the model's dtype (bench/probes/live_bytes.py,
 # measured on the CPU; tests/gpu/test_small_gpu_floor.py holds the planner to it). The 16-bit gradient that follows is
-# made after nll_loss's gradient is freed. W1's GPU peak at 24 GiB, in the post pass, held 12.5 B (bench/probes/mem_peak.py,
-# eleventh session), where the planner had counted dtype_bytes + 8 (10 in bf16). Then the head's backward holds the
-# 16-bit logits' gradient, the head's weight gradient (vocabulary x hidden, 16-bit), the hidden state's and the final
-# norm's backward's (fp32: three of tokens x hidden in all): with the loss in token chunks (W1 at 8 GiB: 512 tokens,
-# 788 MB either way) that is the larger. One chunk's weight gradients at a time ([Note: one micro-batch's gradients
-# at a time], adapter.py): the chunks' loop had kept two, 1.47 GiB of W1 at 8 GiB's 6.24 GiB peak.
+# made after nll_loss's gradient is freed. A 3B model's GPU peak at a 24 GiB cap, in the post pass, held 12.5 B
+# (bench/probes/mem_peak.py; docs/benchmarks.md, where the GPU memory peaks), where the planner had counted
+# dtype_bytes + 8 (10 in bf16). Then the head's backward holds the 16-bit logits' gradient, the head's weight
+# gradient (vocabulary x hidden, 16-bit), the hidden state's and the final norm's backward's (fp32: three of
+# tokens x hidden in all): with the loss in token chunks (a 3B model at an 8 GiB cap: 512 tokens, 788 MB either
+# way) that is the larger. One chunk's weight gradients at a time ([Note: one micro-batch's gradients at a time],
+# adapter.py): the chunks' loop had kept two, about a quarter of that model's peak at 8 GiB.
 LOSS_BYTES = 12
 
 
-def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_bytes: int,
-                     loss_chunks: int = 1, offload_checkpoints: bool = False, every: int = 1) -> dict[str, int]:
+def activation_bytes(
+    shape: ModelShape,
+    batch: BatchShape,
+    n_blocks: int,
+    dtype_bytes: int,
+    loss_chunks: int = 1,
+    offload_checkpoints: bool = False,
+    every: int = 1,
+) -> dict[str, int]:
     """Predicted activation memory of a block-major step with per-block recompute.
 
     checkpoints: the block inputs the device holds at once (:func:`device_checkpoints`), for every micro-batch
@@ -102,8 +119,10 @@ def activation_bytes(shape: ModelShape, batch: BatchShape, n_blocks: int, dtype_
         "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": (batch.grad_accum + 1) * tok * shape.hidden * dtype_bytes,
         "block_working_set": tok * (48 * shape.hidden + 16 * shape.intermediate) * dtype_bytes // 2,
-        "logits": max(per_chunk * shape.vocab * LOSS_BYTES,
-                      (per_chunk + shape.hidden) * shape.vocab * dtype_bytes + 3 * per_chunk * shape.hidden * 4),
+        "logits": max(
+            per_chunk * shape.vocab * LOSS_BYTES,
+            (per_chunk + shape.hidden) * shape.vocab * dtype_bytes + 3 * per_chunk * shape.hidden * 4,
+        ),
     }
 
 
@@ -112,25 +131,24 @@ def loss_chunks_for(batch: BatchShape) -> int:
     return max(1, -(-batch.seq_len // max(1, LOSS_CHUNK_TOKENS // batch.micro_batch)))
 
 
-TIER_BUFFERS = 12   # disk.py: chunk buffers the disk tier streams through (reads ahead, writes behind)
+TIER_BUFFERS = 12  # disk.py: chunk buffers the disk tier streams through (reads ahead, writes behind)
 
 
-ASSIST_CHUNKS = 8    # [Note: assisted updates]: a block's state goes up and down in this many chunks
-ASSIST_SETS = 2      # chunk buffer sets: one chunk's download overlaps the next one's upload
+ASSIST_CHUNKS = 8  # [Note: assisted updates]: a block's state goes up and down in this many chunks
+ASSIST_SETS = 2  # chunk buffer sets: one chunk's download overlaps the next one's upload
 
 
-CAST_SHARE = 1 / 3   # the CPU's fp32 -> 16-bit cast of a block, as a share of its AdamW (both bound by host memory
-                     # traffic: 6 B/param against AdamW's ~28 B/param less cache effects). W2 on the benchmark machine,
-                     # from the CPU's busy time per step over its 19 blocks: 26 ms against 80 ms a block; timed on
-                     # this machine's 2 cores: 0.36. 0.5 (a share of 0.58) was measured
-                     # slower on W2 (2.60 s/step against 2.54): the copy engines, then busier than the CPU in the
-                     # backward, hold the gradient buffers longer (docs/benchmarks.md)
+CAST_SHARE = 1 / 3  # the CPU's fp32 -> 16-bit cast of a block, as a share of its AdamW (both bound by host memory
+# traffic: 6 B/param against AdamW's ~28 B/param less cache effects), as the CPU's busy time per step of a 7B model
+# on the benchmark machine gives it, and a timing on 2 cores (0.36). 0.5 (a device share of 0.58) made that model's
+# step slower: the copy engines, then busier than the CPU in the backward, hold the gradient buffers longer
+# (docs/benchmarks.md, the DeepSpeed-shaped loop)
 
 
-SPLIT_FRACTION = 0.25    # [Note: moments after the forward] (update/split_adamw.py): deferred updates whose CPU share
-                         # runs only its master pass on the forward's path leave the device a smaller share. W1,
-                         # clip 1.0, 24 GiB (2026-12-01, one call each): 1.39 s/step at 0.25 against 1.42 at 0.375;
-                         # with the cast pass (c98d24c): 1.35 at 0.25, 1.43 at 0.3, 1.50 at 0.375; (3a8595c) 1.33 at 0.2
+SPLIT_FRACTION = 0.25  # [Note: moments after the forward] (update/split_adamw.py): deferred updates whose CPU share
+# runs only its master pass on the forward's path leave the device a smaller share. With clipping at 1.0, a 3B
+# model at a 24 GiB cap stepped faster at 0.25 than at 0.3 or 0.375, with the cast pass or without, and about as
+# fast at 0.2 (docs/benchmarks.md, the 3B model with gradient clipping)
 
 
 def copies_fraction(fraction: float) -> float:
@@ -153,8 +171,11 @@ def assist_buffer_numel(max_block: int, grad: bool = True) -> int:
 def assisted_choice(first_streamed: int, n_streamed: int, fraction: float) -> frozenset:
     """Which streamed blocks the device updates: ``fraction`` of them, spread evenly (0.5: every other
     one), so the CPU's and the copy engines' shares interleave in forward (and backward) order."""
-    return frozenset(first_streamed + s for s in range(n_streamed)
-                     if math.floor((s + 1) * fraction + 1e-9) > math.floor(s * fraction + 1e-9))
+    return frozenset(
+        first_streamed + s
+        for s in range(n_streamed)
+        if math.floor((s + 1) * fraction + 1e-9) > math.floor(s * fraction + 1e-9)
+    )
 
 
 def make_plan(shape: ModelShape, batch: BatchShape | None, **kw) -> Plan:
@@ -173,6 +194,7 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
     """What would make a refused plan fit, each with its numbers: a GPU cap, a host budget, an NVMe tier of
     N bytes, a smaller micro-batch. Each is checked by planning it, with the figure as written (rounded up:
     a budget rounded down to the figure shown would be refused again)."""
+
     def tries(**changes) -> Plan | None:
         try:
             return _make_plan(shape, batch if "batch" not in changes else changes.pop("batch"), **(kw | changes))
@@ -191,10 +213,12 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
         host = tries(stream_params=True, host_budget=None, disk_budget=None) if streamed is None else None
         if streamed is not None or host is not None:
             fit = streamed or host
-            tips.append("the parameters offloaded too, with the optimizer (DeepSpeed: zero_optimization's "
-                        "offload_param {\"device\": \"cpu\"} beside offload_optimizer; zerofit: offload.param_device "
-                        f"'cpu'): the blocks streamed from host memory, {fmt_bytes(fit.device_total)} on the device"
-                        + (f", {fmt_bytes(fit.host_total)} of host memory" if streamed is None else ""))
+            tips.append(
+                "the parameters offloaded too, with the optimizer (DeepSpeed: zero_optimization's "
+                'offload_param {"device": "cpu"} beside offload_optimizer; zerofit: offload.param_device '
+                f"'cpu'): the blocks streamed from host memory, {fmt_bytes(fit.device_total)} on the device"
+                + (f", {fmt_bytes(fit.host_total)} of host memory" if streamed is None else "")
+            )
     free = dict(device_budget=None, host_budget=None, disk_budget=None)
     unbounded = tries(**free)
     if unbounded is None:
@@ -202,8 +226,11 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
     dev_only = tries(host_budget=None, disk_budget=None)
     if dev_only is None and kw.get("on_cuda"):
         # the smallest device plan: every block streamed, the shell's optimizer on the host if need be
-        smallest = dict(resident_blocks=0, shell_on_device=False,
-                        floor=(kw.get("chunkable_loss", True), True, True) if kw.get("checkpointing") else None)
+        smallest = dict(
+            resident_blocks=0,
+            shell_on_device=False,
+            floor=(kw.get("chunkable_loss", True), True, True) if kw.get("checkpointing") else None,
+        )
         low = tries(**free, **smallest)
         cap = low and shown(low.device_total, "device_budget", **free, **smallest)
         if cap:
@@ -213,13 +240,18 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
             while mb >= 1:
                 smaller = BatchShape(mb, batch.seq_len, batch.grad_accum * batch.micro_batch // mb)
                 if tries(batch=smaller, host_budget=None, disk_budget=None) is not None:
-                    tips.append(f"micro_batch_size {mb} with gradient_accumulation_steps {smaller.grad_accum} (the "
-                                "same tokens per step)")
+                    tips.append(
+                        f"micro_batch_size {mb} with gradient_accumulation_steps {smaller.grad_accum} (the "
+                        "same tokens per step)"
+                    )
                     break
                 mb //= 2
     # host tips for the placement the device takes: the planned one if it fits, else the smallest one
-    hb = (dict(device_budget=kw.get("device_budget")) if dev_only is not None
-          else dict(device_budget=None, resident_blocks=0, shell_on_device=False))
+    hb = (
+        dict(device_budget=kw.get("device_budget"))
+        if dev_only is not None
+        else dict(device_budget=None, resident_blocks=0, shell_on_device=False)
+    )
     host_only = tries(**hb, host_budget=None, disk=False)
     if host_only is not None and kw.get("host_budget") is not None and host_only.host_total > kw["host_budget"]:
         budget = shown(host_only.host_total, "host_budget", **hb, disk=False)
@@ -235,25 +267,31 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
                 lo, hi = (lo, mid) if tries(**hb, host_budget=mid) is not None else (mid, hi)
             beside, budget = tries(**hb, host_budget=hi), shown(hi, "host_budget", **hb)
             if budget:
-                tips.append(f"a host budget (max_host_memory) of at least {budget} beside the NVMe tier "
-                            f"({fmt_bytes(beside.disk_bytes)} on the disk)")
+                tips.append(
+                    f"a host budget (max_host_memory) of at least {budget} beside the NVMe tier "
+                    f"({fmt_bytes(beside.disk_bytes)} on the disk)"
+                )
     if batch is not None and batch.grad_accum > 1 and kw.get("host_budget") is not None:
         # every micro-batch of a step keeps its block checkpoints until the step's backward (block-major):
         # fewer micro-batches per step keep fewer
         g = batch.grad_accum // 2
         while g >= 1:
             if tries(batch=BatchShape(batch.micro_batch, batch.seq_len, g)) is not None:
-                tips.append(f"gradient_accumulation_steps {g} or fewer (each micro-batch of a step keeps its blocks' "
-                            "checkpoints until the step's backward)")
+                tips.append(
+                    f"gradient_accumulation_steps {g} or fewer (each micro-batch of a step keeps its blocks' "
+                    "checkpoints until the step's backward)"
+                )
                 break
             g //= 2
     if kw.get("host_budget") is not None:
         on_disk = tries(**hb, disk=True, disk_budget=None)
         if on_disk is not None and on_disk.disk_blocks:
-            tips.append(f"an NVMe tier with at least {fmt_at_least(on_disk.disk_bytes)} free (offload.optimizer_device "
-                        "'nvme' and offload.nvme_path; DeepSpeed: offload_optimizer.device 'nvme') within the host "
-                        f"budget of {fmt_bytes(kw['host_budget'])}: {len(on_disk.disk_blocks)} blocks' state on the "
-                        "disk")
+            tips.append(
+                f"an NVMe tier with at least {fmt_at_least(on_disk.disk_bytes)} free (offload.optimizer_device "
+                "'nvme' and offload.nvme_path; DeepSpeed: offload_optimizer.device 'nvme') within the host "
+                f"budget of {fmt_bytes(kw['host_budget'])}: {len(on_disk.disk_blocks)} blocks' state on the "
+                "disk"
+            )
     return tips
 
 
@@ -263,18 +301,40 @@ def _read_back(text: str) -> int:
     return int(float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": GiB}[unit])
 
 
-def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: torch.dtype, on_cuda: bool,
-              device_budget: int | None, host_budget: int | None, deferred_updates: bool,
-              checkpointing: bool, stream_params: bool,
-              resident_blocks: int | None, prefetch_depth: int | None, staging: int = 12,
-              shell_on_device: bool | None = None, fixed_staging: int | None = None,
-              assisted_updates: bool | None = None, assisted_fraction: float = 0.375,
-              host16: bool = False, disk: bool = False, disk_budget: int | None = None,
-              disk_blocks: int | None = None, disk_weights: bool | None = None,
-              disk_placement: dict | None = None, disk_buffers: int = TIER_BUFFERS,
-              floor: tuple | None = None, chunkable_loss: bool = True,
-              loss_chunks: int | None = None, shards: int = 1, ranks: int = 1,
-              device_state: bool = False, disk_frozen_blocks: int | None = None, host_share: float = 1.0) -> Plan:
+def _make_plan(
+    shape: ModelShape,
+    batch: BatchShape | None,
+    *,
+    compute_dtype: torch.dtype,
+    on_cuda: bool,
+    device_budget: int | None,
+    host_budget: int | None,
+    deferred_updates: bool,
+    checkpointing: bool,
+    stream_params: bool,
+    resident_blocks: int | None,
+    prefetch_depth: int | None,
+    staging: int = 12,
+    shell_on_device: bool | None = None,
+    fixed_staging: int | None = None,
+    assisted_updates: bool | None = None,
+    assisted_fraction: float = 0.375,
+    host16: bool = False,
+    disk: bool = False,
+    disk_budget: int | None = None,
+    disk_blocks: int | None = None,
+    disk_weights: bool | None = None,
+    disk_placement: dict | None = None,
+    disk_buffers: int = TIER_BUFFERS,
+    floor: tuple | None = None,
+    chunkable_loss: bool = True,
+    loss_chunks: int | None = None,
+    shards: int = 1,
+    ranks: int = 1,
+    device_state: bool = False,
+    disk_frozen_blocks: int | None = None,
+    host_share: float = 1.0,
+) -> Plan:
     """Choose a placement that fits ``device_budget`` and ``host_budget`` (bytes; None = unbounded).
 
     ``disk``: an NVMe tier may hold what host memory cannot (``disk_budget``: its free bytes). The planner
@@ -304,11 +364,11 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     cb = torch.empty((), dtype=compute_dtype).element_size()
     fp32 = compute_dtype == torch.float32
     L = len(shape.block_numels)
-    max_block = max(shape.block_numels, default=0)     # trained parameters: gradients, state, staging
+    max_block = max(shape.block_numels, default=0)  # trained parameters: gradients, state, staging
     # [Note: frozen parameters] (store.py): a frozen parameter is only its weights, stored in the compute dtype
     # (2 B/param in bf16, 4 in fp32), in host memory once, and on the device where its unit's weights are
     frozen = [shape.frozen_of(i) for i in range(L)]
-    weights_of = [n + f for n, f in zip(shape.block_numels, frozen)]    # a weight slot holds both
+    weights_of = [n + f for n, f in zip(shape.block_numels, frozen)]  # a weight slot holds both
     # bytes/param of a resident unit with its optimizer on the device: weights, master, 2 moments, grad; with
     # ``shards`` ranks sharing its state ([Note: sharded device state], sharding.py): whole 16-bit weights (a
     # buffer of their own even in fp32) and gradient, 1/shards of master and moments and the gradient's shard
@@ -322,17 +382,23 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     elif resident_blocks is not None:
         candidates = [min(resident_blocks, L)]
     elif not on_cuda:
-        candidates = [0]   # CPU: stream everything, so the CPU runs the same code paths as the GPU
+        candidates = [0]  # CPU: stream everything, so the CPU runs the same code paths as the GPU
     else:
         candidates = list(range(L, -1, -1))
     depth = prefetch_depth or 2
 
-    def build(r: int, shell_dev: bool, disk_of: dict[int, str] | None = None,
-              level: tuple = (False, False), assist_now: bool = False, frozen_k: int = 0) -> Plan:
+    def build(
+        r: int,
+        shell_dev: bool,
+        disk_of: dict[int, str] | None = None,
+        level: tuple = (False, False),
+        assist_now: bool = False,
+        frozen_k: int = 0,
+    ) -> Plan:
         disk_of = disk_of or {}
         # [Note: a frozen base on the disk] (disk.py): the last frozen_k streamed blocks' frozen weights there
         fdisk = tuple(range(L - frozen_k, L)) if 0 < frozen_k <= L - r else ()
-        fraw = {i: shape.frozen_host_bytes(cb, [i + 1]) for i in fdisk}     # each one's region, 4 KiB-aligned
+        fraw = {i: shape.frozen_host_bytes(cb, [i + 1]) for i in fdisk}  # each one's region, 4 KiB-aligned
         fbytes = {i: -(-n // ALIGN) * ALIGN for i, n in fraw.items()}
         chunked, offloaded = level[0], level[1]
         lean = len(level) > 2 and level[2]
@@ -340,11 +406,11 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         act = activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded, every) if batch else {}
         act_total = sum(act.values())
         streamed = shape.block_numels[r:]
-        host_streamed = [] if device_state else streamed      # streamed blocks whose state is on the host
+        host_streamed = [] if device_state else streamed  # streamed blocks whose state is on the host
         n_cpu_units = len([n for n in host_streamed if n]) + (0 if shell_dev else 1)
         slots = (1 if lean else depth) + 1 if streamed else 0
         slots = min(slots, len(streamed))
-        max_weights = max(weights_of[r:], default=0)      # a streamed block's trained and frozen weights
+        max_weights = max(weights_of[r:], default=0)  # a streamed block's trained and frozen weights
         # a block that trains nothing takes no gradient slot; none trains: no gradient pool (grads.py)
         gslots = min(1 if lean else 2, len(streamed)) if any(streamed) else 0
         up_stage = -(-max_block // (4 * 64)) * 64 if lean else 0
@@ -354,16 +420,21 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         unit_bytes = max(list(streamed) + [shape.shell_numel], default=0) * 4
         if host_budget and unit_bytes and not deferred_updates:
             stage = max(min(stage, 2 * n_cpu_units), min(stage, max(2, host_budget // 4 // unit_bytes)))
-        if fixed_staging is not None:    # re-planning around buffers that already exist
+        if fixed_staging is not None:  # re-planning around buffers that already exist
             stage = fixed_staging
         stage_numel = max(list(streamed) + ([shape.shell_numel] if not shell_dev else []), default=0)
-        if disk_of:     # the disk tier binds: a deep gradient queue would only hold memory the state could use
+        if disk_of:  # the disk tier binds: a deep gradient queue would only hold memory the state could use
             stage = min(stage, 3)
         chosen = assisted_choice(r, len(streamed), assisted_fraction) - set(disk_of)
         # deferred updates: always (they would wait for the norm); immediate ones: only when asked to (see
         # the end of _make_plan: when they fit beside the plan) [Note: assisted updates in the backward]
-        assisted = ((deferred_updates or assist_now) and len(streamed) > 1 and assisted_updates is not False
-                    and bool(chosen) and not device_state)
+        assisted = (
+            (deferred_updates or assist_now)
+            and len(streamed) > 1
+            and assisted_updates is not False
+            and bool(chosen)
+            and not device_state
+        )
         if not assisted:
             chosen = frozenset()
         uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
@@ -373,68 +444,116 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
         # [Note: an NF4 base] (nf4.py): NF4 weights are dequantized into the device's tensor (on the CPU too)
         nf4n = shape.nf4_numels or (0,) * (L + 1)
         dev = {
-            "shell": (shape.shell_numel * (res_opt if shell_dev else cb + 4) + shape.shell_frozen * frozen_dev
-                      + (0 if on_cuda else nf4n[0] * cb)),
-            "resident_blocks": (sum(shape.block_numels[:r]) * res_opt + sum(frozen[:r]) * frozen_dev
-                                + (0 if on_cuda else sum(nf4n[1:r + 1]) * cb)),
+            "shell": (
+                shape.shell_numel * (res_opt if shell_dev else cb + 4)
+                + shape.shell_frozen * frozen_dev
+                + (0 if on_cuda else nf4n[0] * cb)
+            ),
+            "resident_blocks": (
+                sum(shape.block_numels[:r]) * res_opt
+                + sum(frozen[:r]) * frozen_dev
+                + (0 if on_cuda else sum(nf4n[1 : r + 1]) * cb)
+            ),
             # a streamed block's packed NF4 weights go up through one stage (streamer.py)
             "nf4_stage": max((shape.nf4_bytes_of(i) for i in range(r, L)), default=0) if on_cuda else 0,
             # device_state: each GPU's shard of every streamed block's master, moments and summed gradient
             "sharded_state": -(-sum(streamed) * 20 // shards) if device_state else 0,
             "weight_slots": slots * max_weights * cb,
             # [Note: fp32 uploads]; a unit larger than a block (the shell) goes up through it in pieces
-            "upload_staging": ((up_stage or max(list(streamed) or uploaded, default=0)) * 4
-                               if not fp32 and uploaded else 0),
+            "upload_staging": (
+                (up_stage or max(list(streamed) or uploaded, default=0)) * 4 if not fp32 and uploaded else 0
+            ),
             "grad_slots": gslots * max_block * 4,
-            "assist_buffers": (assist_buffer_numel(max_block, grad=deferred_updates) * 4
-                               # [Note: 16-bit copies after the update]: a set's new weights, cast, on their way down
-                               + (ASSIST_SETS * assist_chunk(max_block) * cb if host16 and not fp32 else 0))
-            if assisted else 0,
+            "assist_buffers": (
+                assist_buffer_numel(max_block, grad=deferred_updates) * 4
+                # [Note: 16-bit copies after the update]: a set's new weights, cast, on their way down
+                + (ASSIST_SETS * assist_chunk(max_block) * cb if host16 and not fp32 else 0)
+            )
+            if assisted
+            else 0,
             **act,
         }
         # the caching allocator's slack: 8% of the activations and of the compute weights the device holds
         # (resident blocks and weight slots; a streamed block is on the device only in a slot), and 256 MiB.
-        # (W1 clipped at a 24 GiB cap, 2026-12-01: reserved exceeded allocated by 1.02 GiB, against the 0.76 that
-        # 5% gave; the allocator then freed its cache and retried 15 times, each a device sync)
+        # (a 3B model with clipping at a 24 GiB cap: reserved exceeded allocated by more than the 5% first counted
+        # gave, and the allocator then freed its cache and retried, each retry a device sync; docs/benchmarks.md,
+        # the 3B model with gradient clipping)
         held16 = (sum(weights_of[:r]) + slots * max_weights) * cb
         dev["allocator_reserve"] = int(0.08 * (act_total + held16)) + (256 << 20 if on_cuda else 0)
         host_units = sum(host_streamed) + (0 if shell_dev else shape.shell_numel)
         device_opt_units = shape.shell_numel + sum(shape.block_numels) - host_units
         on_disk = {m: sum(shape.block_numels[i] for i, d in disk_of.items() if d == m) for m in ("moments", "all")}
         tier_max = max([max_block] + [-(-n // 4) for n in fraw.values()])
-        chunk = tier_chunk(tier_max)   # (planning.open_tier sizes the tier so)
+        chunk = tier_chunk(tier_max)  # (planning.open_tier sizes the tier so)
         host = {
             "master_and_moments": math.ceil((host_units - on_disk["moments"] - on_disk["all"]) * 12 * host_share),
             # [Note: frozen parameters]: the frozen weights, once (the host's ranks share them), no state
             "frozen_weights": shape.frozen_host_bytes(cb, [0] + [i + 1 for i in range(L) if i not in fbytes]),
-            "host_mirrors": device_opt_units * 4 * ranks if on_cuda else 0,   # fp32 copies the params view
-            "grad_staging": stage * -(-stage_numel // ranks) * 4 * ranks,    # each rank's, for its shard
+            "host_mirrors": device_opt_units * 4 * ranks if on_cuda else 0,  # fp32 copies the params view
+            "grad_staging": stage * -(-stage_numel // ranks) * 4 * ranks,  # each rank's, for its shard
             # deferred updates: each host unit's gradient waits for the norm here, or on the disk with its state
-            "grad_buffers": (math.ceil((host_units - on_disk["moments"] - on_disk["all"]) * 4 * host_share)
-                             if deferred_updates else 0),
+            "grad_buffers": (
+                math.ceil((host_units - on_disk["moments"] - on_disk["all"]) * 4 * host_share)
+                if deferred_updates
+                else 0
+            ),
             # DeepSpeed-style forwards: 16-bit copies of the streamed blocks (copies16.py)
             "host16_copies": (sum(streamed) - on_disk["all"]) * cb if host16 and not fp32 else 0,
-            "disk_block_masters": on_disk["moments"] * 4,               # moments on the disk, master here
-            "disk_block_weights16": on_disk["all"] * cb,                # master on the disk: 16-bit weights here
-            "disk_buffers": (tier_buffers(tier_max, disk_buffers)
-                             * max((3 if on_disk["all"] else 2) + (1 if deferred_updates else 0) if disk_of else 0,
-                                   1 if fdisk else 0) * chunk * 4 + ALIGN)
-            if disk_of or fdisk else 0,
-            "checkpoint_copies": (offloaded_checkpoints(L, every) * batch.grad_accum * batch.tokens * shape.hidden
-                                  * cb * ranks if batch and offloaded else 0),
+            "disk_block_masters": on_disk["moments"] * 4,  # moments on the disk, master here
+            "disk_block_weights16": on_disk["all"] * cb,  # master on the disk: 16-bit weights here
+            "disk_buffers": (
+                tier_buffers(tier_max, disk_buffers)
+                * max(
+                    (3 if on_disk["all"] else 2) + (1 if deferred_updates else 0) if disk_of else 0, 1 if fdisk else 0
+                )
+                * chunk
+                * 4
+                + ALIGN
+            )
+            if disk_of or fdisk
+            else 0,
+            "checkpoint_copies": (
+                offloaded_checkpoints(L, every) * batch.grad_accum * batch.tokens * shape.hidden * cb * ranks
+                if batch and offloaded
+                else 0
+            ),
         }
         if not on_cuda:  # device memory is host memory: count it once, as host
             for k, v in dev.items():
                 host["device:" + k] = v
             dev = {}
-        dbytes = sum(-(-shape.block_numels[i] * 4 // ALIGN) * ALIGN
-                     * ((2 if d == "moments" else 3) + (1 if deferred_updates else 0)) for i, d in disk_of.items())
+        dbytes = sum(
+            -(-shape.block_numels[i] * 4 // ALIGN)
+            * ALIGN
+            * ((2 if d == "moments" else 3) + (1 if deferred_updates else 0))
+            for i, d in disk_of.items()
+        )
         dbytes += sum(fbytes.values())
-        return Plan(r, shell_dev, slots, gslots, stage, deferred_updates, assisted, dev, host, device_budget,
-                    host_budget, chosen, tuple(sorted(disk_of.items())), dbytes, disk_budget,
-                    loss_chunks=chunks if chunked else 1, offload_checkpoints=offloaded, stage_numel=up_stage,
-                    device_state=device_state, checkpoint_every=every, disk_frozen=fdisk,
-                    disk_frozen_bytes=sum(fbytes.values()), host_share=host_share)
+        return Plan(
+            r,
+            shell_dev,
+            slots,
+            gslots,
+            stage,
+            deferred_updates,
+            assisted,
+            dev,
+            host,
+            device_budget,
+            host_budget,
+            chosen,
+            tuple(sorted(disk_of.items())),
+            dbytes,
+            disk_budget,
+            loss_chunks=chunks if chunked else 1,
+            offload_checkpoints=offloaded,
+            stage_numel=up_stage,
+            device_state=device_state,
+            checkpoint_every=every,
+            disk_frozen=fdisk,
+            disk_frozen_bytes=sum(fbytes.values()),
+            host_share=host_share,
+        )
 
     def disk_choices(r: int):
         """[Note: disk placement]
@@ -465,16 +584,19 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     shell_choices = (True, False)
     if shell_on_device is not None:
         shell_choices = (shell_on_device,)
+
     def fits(plan: Plan) -> tuple[bool, bool, bool]:
-        return (device_budget is None or not on_cuda or plan.device_total <= device_budget,
-                host_budget is None or plan.host_total <= host_budget,
-                disk_budget is None or plan.disk_bytes <= disk_budget)
+        return (
+            device_budget is None or not on_cuda or plan.device_total <= device_budget,
+            host_budget is None or plan.host_total <= host_budget,
+            disk_budget is None or plan.disk_bytes <= disk_budget,
+        )
 
     # [Note: a frozen base on the disk]: 16-bit frozen weights of streamed blocks (not NF4 ones) may go there
     frozen_ok = disk and any(shape.frozen_of(i) for i in range(L)) and not any(shape.nf4_numels)
 
     def options(r: int, shell_dev: bool, level: tuple[bool, bool]):
-        if disk_placement is not None:            # re-planning: the placement stays as it is
+        if disk_placement is not None:  # re-planning: the placement stays as it is
             yield build(r, shell_dev, dict(disk_placement), level, frozen_k=disk_frozen_blocks or 0)
             return
         base = build(r, shell_dev, None, level)
@@ -498,14 +620,22 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     # immediate updates: the device also updates a share of the streamed blocks during the backward, when its
     # buffers fit in what the chosen plan leaves of the budget (never at the cost of a resident block or of a
     # floor level); one GPU, real streams (on the CPU it would only copy), unless assisted_updates says
-    assist_backward = (not deferred_updates and assisted_updates is not False and ranks == 1 and not device_state
-                       and (on_cuda or assisted_updates is True))
+    assist_backward = (
+        not deferred_updates
+        and assisted_updates is not False
+        and ranks == 1
+        and not device_state
+        and (on_cuda or assisted_updates is True)
+    )
     levels = [(False, False)]
     if floor is not None:
         levels = [tuple(floor)]
     elif on_cuda and batch is not None and checkpointing and stream_params:
-        levels += ([(True, False), (True, True), (True, True, True)] if chunkable_loss
-                   else [(False, True), (False, True, True)])
+        levels += (
+            [(True, False), (True, True), (True, True, True)]
+            if chunkable_loss
+            else [(False, True), (False, True, True)]
+        )
         # [Note: checkpoints every k blocks]: last, for the host memory (or device) the kept inputs take
         levels += [(chunkable_loss, True, False, k) for k in SPARSE_EVERY]
     for level in levels:
@@ -513,7 +643,7 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
             for r in candidates:
                 for plan in options(r, shell_dev, level):
                     if all(fits(plan)):
-                        if assist_backward:     # [Note: assisted updates in the backward]: only beside the plan
+                        if assist_backward:  # [Note: assisted updates in the backward]: only beside the plan
                             wider = build(r, shell_dev, plan.disk_of, level, assist_now=True)
                             if wider.assisted_updates and all(fits(wider)):
                                 return wider
@@ -525,12 +655,23 @@ def _make_plan(shape: ModelShape, batch: BatchShape | None, *, compute_dtype: to
     need_dev = best.device_total
     raise PlanError(
         "no placement fits: "
-        + (f"device needs {fmt_bytes(need_dev)} > budget {fmt_bytes(device_budget)} "
-           f"({need_dev} > {device_budget} bytes); "
-           if device_budget is not None and on_cuda and need_dev > device_budget else "")
-        + (f"host needs {fmt_bytes(best.host_total)} > budget {fmt_bytes(host_budget)} "
-           f"({best.host_total} > {host_budget} bytes); "
-           if host_budget is not None and best.host_total > host_budget else "")
-        + (f"disk needs {fmt_bytes(best.disk_bytes)} > {fmt_bytes(disk_budget)} free; "
-           if disk_budget is not None and best.disk_bytes > disk_budget else "")
-        + "smallest plan:\n" + best.describe())
+        + (
+            f"device needs {fmt_bytes(need_dev)} > budget {fmt_bytes(device_budget)} "
+            f"({need_dev} > {device_budget} bytes); "
+            if device_budget is not None and on_cuda and need_dev > device_budget
+            else ""
+        )
+        + (
+            f"host needs {fmt_bytes(best.host_total)} > budget {fmt_bytes(host_budget)} "
+            f"({best.host_total} > {host_budget} bytes); "
+            if host_budget is not None and best.host_total > host_budget
+            else ""
+        )
+        + (
+            f"disk needs {fmt_bytes(best.disk_bytes)} > {fmt_bytes(disk_budget)} free; "
+            if disk_budget is not None and best.disk_bytes > disk_budget
+            else ""
+        )
+        + "smallest plan:\n"
+        + best.describe()
+    )

@@ -21,17 +21,27 @@ import torch
 from zerofit.config.schema import ZerofitConfig
 from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, frozen_key, tier_buffers, tier_chunk
 from zerofit.engine.disk import layout as disk_layout
-from zerofit.engine.planner import (SPLIT_FRACTION, TIER_BUFFERS, BatchShape, ModelShape, Plan, PlanError, fmt_bytes,
-                                    make_plan, placement_warnings)
+from zerofit.engine.planner import (
+    SPLIT_FRACTION,
+    TIER_BUFFERS,
+    BatchShape,
+    ModelShape,
+    Plan,
+    PlanError,
+    fmt_bytes,
+    make_plan,
+    placement_warnings,
+)
 from zerofit.engine.update import split_adamw
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DISK_FIELDS = {"moments": ("exp_avg", "exp_avg_sq"), "all": ("master", "exp_avg", "exp_avg_sq")}
 log = logging.getLogger("zerofit")
-LEARN_WINDOW = 4      # micro-batches the user's loop's default plan keeps room for ([Note: room for a learnt window])
+LEARN_WINDOW = 4  # micro-batches the user's loop's default plan keeps room for ([Note: room for a learnt window])
 
 
 # ---------------------------------------------------------------------------------------------- the config, read once
+
 
 def needs_norm(config: ZerofitConfig) -> bool:
     """Whether every step needs the global gradient norm first: clipping, or fp16's overflow check. Either one
@@ -54,8 +64,12 @@ def split_updates(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> bool:
 def cast_copies(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> bool:
     """Whether split updates write the 16-bit cast first ([Note: the master behind its cast], update/split_adamw.py):
     bf16 compute on one rank, where the streamed blocks can have 16-bit host copies (Copies16.possible)."""
-    return (split_updates(config, on_cuda, deferred) and dtype == torch.bfloat16 and config.world_size == 1
-            and config.offload.copies_after_update)
+    return (
+        split_updates(config, on_cuda, deferred)
+        and dtype == torch.bfloat16
+        and config.world_size == 1
+        and config.offload.copies_after_update
+    )
 
 
 def assisted_fraction(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> float:
@@ -70,8 +84,12 @@ def assisted_fraction(config: ZerofitConfig, on_cuda: bool, deferred: bool) -> f
 def device_state(config: ZerofitConfig) -> bool:
     """FULL_SHARD (ZeRO stage 3) on several ranks without offload: every block streams from the GPUs' shards of
     its state ([Note: sharded device state], sharding.py)."""
-    return (config.world_size > 1 and config.sharding == "FULL_SHARD" and config.offload.param_device == "none"
-            and config.activation_checkpointing)
+    return (
+        config.world_size > 1
+        and config.sharding == "FULL_SHARD"
+        and config.offload.param_device == "none"
+        and config.activation_checkpointing
+    )
 
 
 def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred: bool) -> dict:
@@ -84,18 +102,30 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
     per_node = min(config.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)))
     shards = per_node if config.world_size > 1 and config.sharding != "NO_SHARD" else 1
     on_gpus = device_state(config)
-    return dict(compute_dtype=dtype, on_cuda=on_cuda, deferred_updates=deferred, shards=shards,
-                ranks=config.world_size, device_state=on_gpus,
-                checkpointing=config.activation_checkpointing, stream_params=off.param_device != "none" or on_gpus,
-                prefetch_depth=off.prefetch_depth, assisted_fraction=assisted_fraction(config, on_cuda, deferred),
-                assisted_updates=off.assisted_updates,
-                disk=disk, disk_budget=free_bytes(off.nvme_path) if disk else None,
-                disk_blocks=off.disk_blocks, disk_weights=off.disk_weights, loss_chunks=off.loss_chunks,
-                disk_frozen_blocks=off.disk_frozen_blocks,
-                floor=(None if off.loss_chunks is None and off.offload_checkpoints is None
-                       and off.checkpoint_every is None
-                       else ((off.loss_chunks or 1) > 1, bool(off.offload_checkpoints), False,
-                             off.checkpoint_every or 1)))
+    return dict(
+        compute_dtype=dtype,
+        on_cuda=on_cuda,
+        deferred_updates=deferred,
+        shards=shards,
+        ranks=config.world_size,
+        device_state=on_gpus,
+        checkpointing=config.activation_checkpointing,
+        stream_params=off.param_device != "none" or on_gpus,
+        prefetch_depth=off.prefetch_depth,
+        assisted_fraction=assisted_fraction(config, on_cuda, deferred),
+        assisted_updates=off.assisted_updates,
+        disk=disk,
+        disk_budget=free_bytes(off.nvme_path) if disk else None,
+        disk_blocks=off.disk_blocks,
+        disk_weights=off.disk_weights,
+        loss_chunks=off.loss_chunks,
+        disk_frozen_blocks=off.disk_frozen_blocks,
+        floor=(
+            None
+            if off.loss_chunks is None and off.offload_checkpoints is None and off.checkpoint_every is None
+            else ((off.loss_chunks or 1) > 1, bool(off.offload_checkpoints), False, off.checkpoint_every or 1)
+        ),
+    )
 
 
 def placement_args(config: ZerofitConfig, num_blocks: int) -> dict:
@@ -103,19 +133,25 @@ def placement_args(config: ZerofitConfig, num_blocks: int) -> dict:
     off = config.offload
     if device_state(config):
         return dict(resident_blocks=0, shell_on_device=True)
-    return dict(resident_blocks=num_blocks if off.optimizer_device == "none" else off.resident_blocks,
-                shell_on_device={"auto": None, "device": True, "host": False}[off.shell_optimizer])
+    return dict(
+        resident_blocks=num_blocks if off.optimizer_device == "none" else off.resident_blocks,
+        shell_on_device={"auto": None, "device": True, "host": False}[off.shell_optimizer],
+    )
 
 
 def placement_kept(plan: Plan) -> dict:
     """make_plan's arguments that keep ``plan``'s placement (resident blocks, shell optimizer, staging, disk tier,
     floor) in a new plan: the engine's replans and ``zerofit estimate``'s plan with 16-bit host copies."""
-    return dict(resident_blocks=plan.resident_blocks, shell_on_device=plan.shell_optimizer_on_device,
-                fixed_staging=plan.staging_buffers, disk_placement=plan.disk_of,
-                disk_frozen_blocks=len(plan.disk_frozen),
-                floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every),
-                disk_budget=plan.disk_budget,     # measured before the swap file took its share of the disk
-                host_share=plan.host_share)       # the nodes' layout ([Note: nodes hold a slice of the state])
+    return dict(
+        resident_blocks=plan.resident_blocks,
+        shell_on_device=plan.shell_optimizer_on_device,
+        fixed_staging=plan.staging_buffers,
+        disk_placement=plan.disk_of,
+        disk_frozen_blocks=len(plan.disk_frozen),
+        floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every),
+        disk_budget=plan.disk_budget,  # measured before the swap file took its share of the disk
+        host_share=plan.host_share,
+    )  # the nodes' layout ([Note: nodes hold a slice of the state])
 
 
 def plan_batch(config: ZerofitConfig, model, seq_len: int | None) -> BatchShape:
@@ -125,8 +161,9 @@ def plan_batch(config: ZerofitConfig, model, seq_len: int | None) -> BatchShape:
         seq_len = config.seq_len
     if seq_len is None:
         mcfg = getattr(model, "config", None)
-        seq_len = min(getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None)
-                      or 2048, 2048)
+        seq_len = min(
+            getattr(mcfg, "max_position_embeddings", None) or getattr(mcfg, "n_positions", None) or 2048, 2048
+        )
     return BatchShape(config.micro_batch_size, seq_len, config.gradient_accumulation_steps)
 
 
@@ -146,13 +183,19 @@ def gpu_budget(config: ZerofitConfig, device: torch.device | None = None) -> int
     return min(config.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
 
 
-def planner_inputs(config: ZerofitConfig, adapter, *, on_cuda: bool, device_budget: int | None,
-                   host_budget: int | None) -> dict:
+def planner_inputs(
+    config: ZerofitConfig, adapter, *, on_cuda: bool, device_budget: int | None, host_budget: int | None
+) -> dict:
     """make_plan's keyword arguments for a first plan of ``adapter``'s model under ``config``, within the
     budgets: the one function the engine's first plan and ``zerofit estimate``'s plan are made from."""
     dtype = DTYPES[config.precision]
-    return dict(device_budget=device_budget, host_budget=host_budget, chunkable_loss=adapter.chunkable_loss,
-                **placement_args(config, adapter.num_blocks), **plan_args(config, dtype, on_cuda, needs_norm(config)))
+    return dict(
+        device_budget=device_budget,
+        host_budget=host_budget,
+        chunkable_loss=adapter.chunkable_loss,
+        **placement_args(config, adapter.num_blocks),
+        **plan_args(config, dtype, on_cuda, needs_norm(config)),
+    )
 
 
 def nodes_plan(config: ZerofitConfig, nodes: int, plan_for) -> tuple[str, Plan]:
@@ -179,21 +222,30 @@ def nodes_plan(config: ZerofitConfig, nodes: int, plan_for) -> tuple[str, Plan]:
             plan = plan_for(1.0 / nodes)
         except PlanError:
             raise whole from None
-        log.info("zerofit: the whole state does not fit one node's host memory (%s): the full layout, each of the "
-                 "%d nodes holding 1/%d of it", whole, nodes, nodes)
+        log.info(
+            "zerofit: the whole state does not fit one node's host memory (%s): the full layout, each of the "
+            "%d nodes holding 1/%d of it",
+            whole,
+            nodes,
+            nodes,
+        )
         return "full", plan
 
 
 def check_ranks(config: ZerofitConfig, ranks) -> None:
     """What several ranks cannot do yet is refused before anything is allocated."""
     if config.world_size != ranks.world:
-        raise ValueError(f"the config's world_size is {config.world_size} but {ranks.world} ranks run: build the "
-                         "config with zerofit.initialize (it reads WORLD_SIZE) or pass world_size="
-                         f"{ranks.world} to load_config")
+        raise ValueError(
+            f"the config's world_size is {config.world_size} but {ranks.world} ranks run: build the "
+            "config with zerofit.initialize (it reads WORLD_SIZE) or pass world_size="
+            f"{ranks.world} to load_config"
+        )
     off = config.offload
     if "nvme" in (off.param_device, off.optimizer_device):
-        raise ValueError("the NVMe tier runs on one rank for now: with several ranks use offload device 'cpu' "
-                         "(the host's ranks share one copy of the state in host memory)")
+        raise ValueError(
+            "the NVMe tier runs on one rank for now: with several ranks use offload device 'cpu' "
+            "(the host's ranks share one copy of the state in host memory)"
+        )
 
 
 def world_size() -> int:
@@ -211,41 +263,54 @@ def world_size() -> int:
 
 # ---------------------------------------------------------------------------------------------- the part
 
+
 class Planning:
     """The engine's plan (a part). ``plan``: the placement every buffer was allocated for; ``batch_plan``: its
     prediction for the batch actually trained (checked before the first step of each new shape, PlanError before
     anything of that step is allocated); ``host16``: whether the plan counts 16-bit host copies of the streamed
     blocks; ``chunk_loss_ok``: whether the model's head and loss run over token chunks (probed at start-up)."""
 
-    def __init__(self, config: ZerofitConfig, adapter, shape: ModelShape, *, on_cuda: bool, device, ranks,
-                 seq_len: int | None, window_room: int = 1):
+    def __init__(
+        self,
+        config: ZerofitConfig,
+        adapter,
+        shape: ModelShape,
+        *,
+        on_cuda: bool,
+        device,
+        ranks,
+        seq_len: int | None,
+        window_room: int = 1,
+    ):
         self.config, self.shape, self.on_cuda = config, shape, on_cuda
         self.plan_batch = plan_batch(config, adapter.model, seq_len)
         dev_budget = gpu_budget(config, device) if on_cuda else None
         host_budget = config.max_host_memory or default_host_budget()
-        if ranks.many:      # every rank must make the same plan: the collectives follow the units' homes
+        if ranks.many:  # every rank must make the same plan: the collectives follow the units' homes
             budgets = ranks.objects((dev_budget, host_budget))
             dev_budget = None if dev_budget is None else min(b[0] for b in budgets)
             host_budget = budgets[0][1]
         inputs = planner_inputs(config, adapter, on_cuda=on_cuda, device_budget=dev_budget, host_budget=host_budget)
         # [Note: the nodes' layout]: hybrid or full on several nodes (the engine hands it to its ranks)
-        self.layout, self.plan = nodes_plan(config, ranks.nodes, lambda share: make_plan(
-            shape, self.plan_batch, **(inputs | dict(host_share=share))))
+        self.layout, self.plan = nodes_plan(
+            config, ranks.nodes, lambda share: make_plan(shape, self.plan_batch, **(inputs | dict(host_share=share)))
+        )
         if window_room > 1 and self.plan.weight_slots:
             self._make_room(window_room, inputs)
         self.batch_plan: Plan | None = None
         self.checked_shape: tuple | None = None
         self.host16 = False
         self.chunk_loss_ok = False
-        self.held = 1        # the user's loop: micro-batches its window holds (learnt: Planning.hold_for)
+        self.held = 1  # the user's loop: micro-batches its window holds (learnt: Planning.hold_for)
 
     def _make_room(self, n: int, inputs: dict) -> None:
         """[Note: room for a learnt window]
         The user's loop with the default window learns the loop's G at its first step and then holds that many
         micro-batches' block checkpoints until their blocks' backward ([Note: the window learns the loop's G],
         userloop), within the placement made here. A plan for one micro-batch fills the GPU with resident blocks
-        and leaves no room for them: W7 at 24 GiB (W1, 4 micro-batches, the H200) kept 3 resident blocks and ran at
-        8.08 s per step, one micro-batch's backward at a time, against 1.81 with a window of 4 planned (2026-12-02).
+        and leaves no room for them: a 3B model's loop of 4 micro-batches at a 24 GiB cap kept 3 resident blocks
+        and ran one micro-batch's backward at a time, several times slower per step than with a window of 4
+        planned (docs/benchmarks.md, the user's own loop).
         So where blocks stream anyway, the plan is made for ``n`` micro-batches' checkpoints (LEARN_WINDOW): a
         resident block or two fewer, each costing its upload per pass, where the window saves whole passes. Only
         where that plan needs nothing slower than the one-micro-batch plan (the same loss chunks, checkpoints on
@@ -258,7 +323,11 @@ class Planning:
         except PlanError:
             return
         if (plan.loss_chunks, plan.offload_checkpoints, plan.checkpoint_every, plan.stage_numel) != (
-                p.loss_chunks, p.offload_checkpoints, p.checkpoint_every, p.stage_numel):
+            p.loss_chunks,
+            p.offload_checkpoints,
+            p.checkpoint_every,
+            p.stage_numel,
+        ):
             return
         self.plan, self.plan_batch = plan, room
 
@@ -271,8 +340,11 @@ class Planning:
         """A plan for ``batch`` with the current placement kept (resident blocks, shell optimizer, staging);
         the disk's speed, measured on the swap file once, stays with it."""
         args = plan_args(self.config, DTYPES[self.config.precision], self.on_cuda, needs_norm(self.config)) | dict(
-            device_budget=self.plan.device_budget, host_budget=self.plan.host_budget, **placement_kept(self.plan),
-            host16=self.host16)
+            device_budget=self.plan.device_budget,
+            host_budget=self.plan.host_budget,
+            **placement_kept(self.plan),
+            host16=self.host16,
+        )
         plan = make_plan(self.shape, batch, **(args | changes))
         return dataclasses.replace(plan, disk_speed=self.plan.disk_speed)
 
@@ -287,10 +359,11 @@ class Planning:
         ids = micro_batches[0].get("input_ids")
         if ids is None or self.checked_shape == tuple(ids.shape):
             return
-        batch = BatchShape(ids.shape[0], ids.shape[-1], max(len(micro_batches),
-                                                             self.config.gradient_accumulation_steps, self.held))
+        batch = BatchShape(
+            ids.shape[0], ids.shape[-1], max(len(micro_batches), self.config.gradient_accumulation_steps, self.held)
+        )
         try:
-            check = self.replan(batch)   # PlanError before anything of this step is allocated
+            check = self.replan(batch)  # PlanError before anything of this step is allocated
         except PlanError as e:
             if (batch.micro_batch, batch.seq_len) == (self.plan_batch.micro_batch, self.plan_batch.seq_len):
                 raise
@@ -300,7 +373,8 @@ class Planning:
                 f"start-up for micro-batches of {p.micro_batch} x {p.seq_len} tokens (its resident blocks and "
                 f"staging are kept once made); give the batch at start-up (micro_batch_size: {batch.micro_batch}, "
                 f"seq_len: {batch.seq_len} in the zerofit config; zerofit.fsdp's wrappers take it as "
-                f"zerofit_config=) and the placement is made for it. The replan for the kept placement: {e}") from None
+                f"zerofit_config=) and the placement is made for it. The replan for the kept placement: {e}"
+            ) from None
         self.checked_shape = tuple(ids.shape)
         self.plan_batch = batch
         self.batch_plan = check
@@ -316,9 +390,9 @@ class Planning:
 
     def checkpoint_args(self, streaming: bool) -> dict:
         """How a training forward keeps its block checkpoints, as the plan for the batch says ([Note: offloaded
-        checkpoints], activations.py; [Note: checkpoints every k blocks], schedule.py): train_batch, and the DeepSpeed-shaped
-        loop's window, whose blocks' backward waits for the boundary with every micro-batch's checkpoints kept
-        until then."""
+        checkpoints], activations.py; [Note: checkpoints every k blocks], schedule.py): train_batch, and the
+        DeepSpeed-shaped loop's window, whose blocks' backward waits for the boundary with every micro-batch's
+        checkpoints kept until then."""
         plan = self.current
         return dict(offload=plan.offload_checkpoints and streaming, every=plan.checkpoint_every if streaming else 1)
 
@@ -353,12 +427,14 @@ class Planning:
         # their adapters'), and the frozen 16-bit weights of the plan's disk_frozen blocks ([Note: a frozen base on
         # the disk], disk.py): the rest of the frozen weights stays in host memory, which the planner counts
         off = self.config.offload
-        grad = ("grad",) if deferred else ()    # [Note: gradients on the disk], step.py
+        grad = ("grad",) if deferred else ()  # [Note: gradients on the disk], step.py
         cb = torch.empty((), dtype=DTYPES[self.config.precision]).element_size()
-        frozen = [(frozen_key(i), -(-self.shape.frozen_host_bytes(cb, [i + 1]) // 4), ("w16",))
-                  for i in plan.disk_frozen]
-        regions, nbytes = disk_layout([(i, self.shape.block_numels[i], DISK_FIELDS[m] + grad)
-                                       for i, m in plan.disk_blocks] + frozen)
+        frozen = [
+            (frozen_key(i), -(-self.shape.frozen_host_bytes(cb, [i + 1]) // 4), ("w16",)) for i in plan.disk_frozen
+        ]
+        regions, nbytes = disk_layout(
+            [(i, self.shape.block_numels[i], DISK_FIELDS[m] + grad) for i, m in plan.disk_blocks] + frozen
+        )
         file = SwapFile(off.nvme_path, nbytes, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
         try:
             w, r = file.measure()
@@ -368,12 +444,20 @@ class Planning:
             file.close()
             raise
         self.measured_disk(w, r)
-        log.info("zerofit: NVMe tier: %s, %s reserved%s; measured there: write %.2f GB/s, read %.2f GB/s",
-                 file.path, fmt_bytes(file.nbytes), "" if file.direct else
-                 " (O_DIRECT refused by this file system: buffered I/O)", w, r)
+        log.info(
+            "zerofit: NVMe tier: %s, %s reserved%s; measured there: write %.2f GB/s, read %.2f GB/s",
+            file.path,
+            fmt_bytes(file.nbytes),
+            "" if file.direct else " (O_DIRECT refused by this file system: buffered I/O)",
+            w,
+            r,
+        )
         if not file.direct:
-            log.warning("zerofit: %s does not accept O_DIRECT: the disk tier uses buffered I/O (the page cache "
-                        "takes host memory and the speed differs)", file.path)
+            log.warning(
+                "zerofit: %s does not accept O_DIRECT: the disk tier uses buffered I/O (the page cache "
+                "takes host memory and the speed differs)",
+                file.path,
+            )
         if file.reused:
             log.info("zerofit: reused the swap file a previous run left in %s", file.folder)
         return tier
@@ -381,8 +465,10 @@ class Planning:
     def log_placement(self, num_blocks: int, on_cuda: bool, device) -> None:
         """Say where the optimizer state is under the plan, and where that is not what the config asked for."""
         off = self.config.offload
-        log.info("zerofit %s", self.plan.optimizer_homes(num_blocks, "the GPU" if on_cuda else
-                                                        f"the device ({device})"))
-        for warning in placement_warnings(self.plan, num_blocks, optimizer_device=off.optimizer_device,
-                                          param_device=off.param_device, on_cuda=on_cuda):
+        log.info(
+            "zerofit %s", self.plan.optimizer_homes(num_blocks, "the GPU" if on_cuda else f"the device ({device})")
+        )
+        for warning in placement_warnings(
+            self.plan, num_blocks, optimizer_device=off.optimizer_device, param_device=off.param_device, on_cuda=on_cuda
+        ):
             log.warning("zerofit: %s", warning)

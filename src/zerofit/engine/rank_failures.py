@@ -42,8 +42,8 @@ log = logging.getLogger("zerofit")
 _FAILED = "zerofit/failed"
 _ALIVE = "zerofit/alive"
 _GRACE_S = 10.0
-_SILENT_S = 30.0         # a rank whose heartbeat has not moved for this long is taken for dead ([Note: a rank that dies])
-_SAMPLE_S = 3.0          # after a collective's error: how long the heartbeats are watched for the one that stopped
+_SILENT_S = 30.0  # a rank whose heartbeat has not moved for this long is taken for dead ([Note: a rank that dies])
+_SAMPLE_S = 3.0  # after a collective's error: how long the heartbeats are watched for the one that stopped
 
 
 class RankFailedError(RuntimeError):
@@ -65,13 +65,13 @@ class RankFailures:
         cause = f"{self.who}: {type(err).__name__}: {err}"
         try:
             self._store().compare_set(self.failed_key, "", cause)
-        except Exception as e:       # noqa: BLE001 - the store may be gone already
+        except Exception as e:  # noqa: BLE001 - the store may be gone already
             log.debug("zerofit: could not record the failure: %r", e)
 
     # ------------------------------------------------------------------ [Note: a rank that dies]
 
     def _alive_key(self, rank: int) -> str:
-        return f"{_ALIVE}{self.failed_key[len(_FAILED):]}/{rank}"
+        return f"{_ALIVE}{self.failed_key[len(_FAILED) :]}/{rank}"
 
     def _beat(self) -> None:
         """The monitor's heartbeat for this engine (every second), and what it last heard of the others."""
@@ -79,7 +79,7 @@ class RankFailures:
             self._store().set(self._alive_key(self.rank), str(self._beats))
             self._beats += 1
             self._listen()
-        except Exception:            # noqa: BLE001 - the store may be gone (its host with it): _check_peers says so
+        except Exception:  # noqa: BLE001 - the store may be gone (its host with it): _check_peers says so
             pass
 
     def _listen(self) -> None:
@@ -107,11 +107,13 @@ class RankFailures:
         if not silent:
             return None
         quiet = time.monotonic() - self._heard[silent[0]][1]
-        cause = (f"{self._name(silent[0])}: stopped answering (no heartbeat for {quiet:.0f} s: its process was "
-                 "killed or its host lost)")
+        cause = (
+            f"{self._name(silent[0])}: stopped answering (no heartbeat for {quiet:.0f} s: its process was "
+            "killed or its host lost)"
+        )
         try:
             self._store().compare_set(self.failed_key, "", cause)
-        except Exception:            # noqa: BLE001
+        except Exception:  # noqa: BLE001
             pass
         return self.failure() or cause
 
@@ -119,8 +121,10 @@ class RankFailures:
         """An error a collective raised because a peer went away (gloo's closed connection, NCCL's errors)."""
         dist_error = getattr(dist, "DistError", ())
         text = str(err)
-        return isinstance(err, dist_error) or (isinstance(err, RuntimeError) and any(
-            w in text for w in ("gloo", "Connection", "NCCL", "connection", "ProcessGroup", "Broken pipe")))
+        return isinstance(err, dist_error) or (
+            isinstance(err, RuntimeError)
+            and any(w in text for w in ("gloo", "Connection", "NCCL", "connection", "ProcessGroup", "Broken pipe"))
+        )
 
     def failure(self) -> str | None:
         """The first recorded failure of any rank, or None."""
@@ -131,7 +135,7 @@ class RankFailures:
             if store.check([self.failed_key]):
                 value = store.get(self.failed_key).decode()
                 return value or None
-        except Exception:            # noqa: BLE001
+        except Exception:  # noqa: BLE001
             return None
         return None
 
@@ -145,7 +149,7 @@ class RankFailures:
                 time.sleep(0.5)
                 try:
                     self._listen()
-                except Exception:        # noqa: BLE001 - the store is gone: rank 0's host with it
+                except Exception:  # noqa: BLE001 - the store is gone: rank 0's host with it
                     cause = f"{self._name(0)}: stopped answering (the group's store, on its host, is gone)"
                     break
                 cause = self.failure() or self._blame_silent(_SAMPLE_S - 1.0)
@@ -159,10 +163,15 @@ class RankFailures:
         cause = self.failure() or self._blame_silent(_SILENT_S)
         if self._stop.is_set() or not cause or cause.startswith(f"{self.who}:"):
             return
-        print(f"zerofit: rank {self.rank}: another rank failed ({cause}); ending this rank in "
-              f"{_GRACE_S:.0f} s unless it ends by itself", file=sys.stderr, flush=True)
+        print(
+            f"zerofit: rank {self.rank}: another rank failed ({cause}); ending this rank in "
+            f"{_GRACE_S:.0f} s unless it ends by itself",
+            file=sys.stderr,
+            flush=True,
+        )
         if self._stop.wait(_GRACE_S):
             return
-        print(f"zerofit: rank {self.rank}: exiting (status 1) after the failure of {cause}",
-              file=sys.stderr, flush=True)
+        print(
+            f"zerofit: rank {self.rank}: exiting (status 1) after the failure of {cause}", file=sys.stderr, flush=True
+        )
         os._exit(1)

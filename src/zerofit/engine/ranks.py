@@ -85,7 +85,7 @@ from zerofit.engine.rank_failures import _FAILED, RankFailures
 
 log = logging.getLogger("zerofit")
 
-_JOIN_S = 5.0            # how long the exit waits for the monitor thread to end (it polls every second)
+_JOIN_S = 5.0  # how long the exit waits for the monitor thread to end (it polls every second)
 
 
 def _restart() -> str:
@@ -97,26 +97,26 @@ class _Process:
     """What zerofit keeps for the life of the process: [Note: a process group that lives]."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()    # guards ``live`` (the monitor thread reads it)
-        self.monitor: threading.Thread | None = None    # [Note: a failing rank]: one per process
+        self.lock = threading.Lock()  # guards ``live`` (the monitor thread reads it)
+        self.monitor: threading.Thread | None = None  # [Note: a failing rank]: one per process
         self.stop = threading.Event()
-        self.store = None            # the base store (torchrun's env://) of every group zerofit makes
-        self.rank = self.world = 0   # as the rendezvous read them
-        self.made = 0                # the groups zerofit made in this process (their store prefixes)
-        self.group = None            # the default group zerofit made last; destroyed at exit if still the default
-        self.subgroups: tuple | None = None    # (default group, gather group, reduce group, cross-node group)
-        self.world_groups: tuple | None = None   # (default group, gather group, reduce group) of every rank: the
+        self.store = None  # the base store (torchrun's env://) of every group zerofit makes
+        self.rank = self.world = 0  # as the rendezvous read them
+        self.made = 0  # the groups zerofit made in this process (their store prefixes)
+        self.group = None  # the default group zerofit made last; destroyed at exit if still the default
+        self.subgroups: tuple | None = None  # (default group, gather group, reduce group, cross-node group)
+        self.world_groups: tuple | None = None  # (default group, gather group, reduce group) of every rank: the
         #                                          full layout ([Note: nodes hold a slice of the state])
-        self.engines = 0             # engines of several ranks made in this process (their failure keys)
-        self.live: weakref.WeakSet = weakref.WeakSet()    # the open engines' Ranks, whose keys the monitor polls
-        self.at_exit = None          # the finalizer that stops the monitor and destroys the group at exit
+        self.engines = 0  # engines of several ranks made in this process (their failure keys)
+        self.live: weakref.WeakSet = weakref.WeakSet()  # the open engines' Ranks, whose keys the monitor polls
+        self.at_exit = None  # the finalizer that stops the monitor and destroys the group at exit
 
     def finalize_at_exit(self) -> None:
         """At exit, after every engine's finalizer (all made later than this one): ``_at_exit``."""
         if self.at_exit is None:
             self.at_exit = weakref.finalize(self, _at_exit)
 
-    def watch(self, r: "Ranks") -> None:
+    def watch(self, r: Ranks) -> None:
         """Poll ``r``'s failure key every second until it closes (the thread is started once)."""
         self.finalize_at_exit()
         with self.lock:
@@ -126,7 +126,7 @@ class _Process:
             self.monitor = threading.Thread(target=self._poll, name="zerofit-rank-monitor", daemon=True)
             self.monitor.start()
 
-    def unwatch(self, r: "Ranks") -> None:
+    def unwatch(self, r: Ranks) -> None:
         with self.lock:
             self.live.discard(r)
 
@@ -141,7 +141,7 @@ class _Process:
 
     def make_group(self, backend: str, timeout: timedelta) -> None:
         """The default group, made over the base store under a prefix no earlier group of this process used."""
-        if self.store is None:     # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        if self.store is None:  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
             self.store, self.rank, self.world = next(dist.rendezvous("env://", timeout=timeout))
             self.store.set_timeout(timeout)
         self.made += 1
@@ -202,7 +202,7 @@ def _at_exit() -> None:
     try:
         if p.group is not None and dist.is_initialized() and dist.distributed_c10d._get_default_group() is p.group:
             dist.destroy_process_group()
-    except Exception as e:     # noqa: BLE001 - at exit: say it, never raise
+    except Exception as e:  # noqa: BLE001 - at exit: say it, never raise
         log.debug("zerofit: destroying the process group at exit: %r", e)
     p.group = p.subgroups = p.world_groups = p.store = None
 
@@ -220,7 +220,7 @@ def _launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-@dataclass(eq=False)      # one engine's: compared and hashed by identity (_Process.live)
+@dataclass(eq=False)  # one engine's: compared and hashed by identity (_Process.live)
 class Ranks(RankFailures):
     """The process group as the engine sees it. ``world == 1``: a single process (every method a no-op)."""
 
@@ -228,18 +228,18 @@ class Ranks(RankFailures):
     rank: int = 0
     local_rank: int = 0
     local_world: int = 1
-    gather_group: object = None      # this node's ranks ([Note: nodes hold the state whole])
-    reduce_group: object = None      # this node's ranks
-    owns_group: bool = False          # this engine made the default group (which outlives it: [Note: a process
+    gather_group: object = None  # this node's ranks ([Note: nodes hold the state whole])
+    reduce_group: object = None  # this node's ranks
+    owns_group: bool = False  # this engine made the default group (which outlives it: [Note: a process
     #                                   group that lives])
-    failed_key: str = _FAILED         # this engine's failure key in the group's store ([Note: a failing rank])
-    cross_group: object = None        # this local rank on every node; None on one node (and in the full layout)
-    layout: str = "hybrid"            # several nodes: "hybrid" or "full" (use_layout); one node: either, the same
-    _stop: threading.Event = field(default_factory=threading.Event)   # closed: the monitor lets it be
+    failed_key: str = _FAILED  # this engine's failure key in the group's store ([Note: a failing rank])
+    cross_group: object = None  # this local rank on every node; None on one node (and in the full layout)
+    layout: str = "hybrid"  # several nodes: "hybrid" or "full" (use_layout); one node: either, the same
+    _stop: threading.Event = field(default_factory=threading.Event)  # closed: the monitor lets it be
     _mappings: list = field(default_factory=list)
-    _fds: list = field(default_factory=list)     # local rank 0: the memfds it made (held_bytes reads them)
-    _beats: int = 0                   # this rank's heartbeat ([Note: a rank that dies])
-    _heard: dict = field(default_factory=dict)   # rank -> (its last heartbeat, when it last moved: monotonic)
+    _fds: list = field(default_factory=list)  # local rank 0: the memfds it made (held_bytes reads them)
+    _beats: int = 0  # this rank's heartbeat ([Note: a rank that dies])
+    _heard: dict = field(default_factory=dict)  # rank -> (its last heartbeat, when it last moved: monotonic)
 
     @property
     def many(self) -> bool:
@@ -278,11 +278,18 @@ class Ranks(RankFailures):
         self.layout = layout
         if self.nodes > 1:
             self.gather_group, self.reduce_group, self.cross_group = _PROCESS.groups(
-                self.world, self.local_world, self.rank, layout)
-            log.info("zerofit: %d nodes of %d ranks, the %s layout (nodes_layout %s): %s", self.nodes,
-                     self.local_world, layout, asked,
-                     "each node holds the whole state, gradients all-reduced across the nodes" if layout == "hybrid"
-                     else f"each node holds 1/{self.nodes} of the host state, weights gathered across the nodes")
+                self.world, self.local_world, self.rank, layout
+            )
+            log.info(
+                "zerofit: %d nodes of %d ranks, the %s layout (nodes_layout %s): %s",
+                self.nodes,
+                self.local_world,
+                layout,
+                asked,
+                "each node holds the whole state, gradients all-reduced across the nodes"
+                if layout == "hybrid"
+                else f"each node holds 1/{self.nodes} of the host state, weights gathered across the nodes",
+            )
 
     @property
     def _world_group(self):
@@ -297,7 +304,7 @@ class Ranks(RankFailures):
     # ------------------------------------------------------------------ set-up
 
     @classmethod
-    def setup(cls, device_type: str, timeout_s: float, bind_cores: bool = True) -> "Ranks":
+    def setup(cls, device_type: str, timeout_s: float, bind_cores: bool = True) -> Ranks:
         """The process group from the environment ``torchrun`` sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
         ...), or the one the caller (or an earlier engine) already made; NCCL for GPUs, gloo for the CPU. One
         process: ``Ranks()``. Under ``srun`` SLURM's variables stand for torchrun's ([Note: srun is a launcher
@@ -316,21 +323,35 @@ class Ranks(RankFailures):
         world, rank = dist.get_world_size(), dist.get_rank()
         if world == 1:
             return cls(owns_group=owns)
-        if backend not in str(dist.get_backend()):    # a group an earlier engine (or the script) made for other tensors
-            log.warning("zerofit: the process group's backend is %s, and this engine's tensors are on %s (%s "
-                        "expected): its collectives may fail or be slow. Make the group for both before the first "
-                        "engine: torch.distributed.init_process_group('cpu:gloo,cuda:nccl')",
-                        dist.get_backend(), device_type, backend)
+        if backend not in str(dist.get_backend()):  # a group an earlier engine (or the script) made for other tensors
+            log.warning(
+                "zerofit: the process group's backend is %s, and this engine's tensors are on %s (%s "
+                "expected): its collectives may fail or be slow. Make the group for both before the first "
+                "engine: torch.distributed.init_process_group('cpu:gloo,cuda:nccl')",
+                dist.get_backend(),
+                device_type,
+                backend,
+            )
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
         if world % local_world or rank // local_world * local_world + local_rank != rank:
             raise NotImplementedError(
                 f"WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}, RANK {rank}, LOCAL_RANK {local_rank}: zerofit "
-                "runs the same number of ranks on every node, numbered node by node (as torchrun and srun do)")
+                "runs the same number of ranks on every node, numbered node by node (as torchrun and srun do)"
+            )
         gather, reduce, cross = _PROCESS.groups(world, local_world, rank)
         _PROCESS.engines += 1
-        r = cls(world, rank, local_rank, local_world, gather, reduce, owns,
-                f"{_FAILED}/{_restart()}/{_PROCESS.engines}", cross_group=cross)
+        r = cls(
+            world,
+            rank,
+            local_rank,
+            local_world,
+            gather,
+            reduce,
+            owns,
+            f"{_FAILED}/{_restart()}/{_PROCESS.engines}",
+            cross_group=cross,
+        )
         log.info("zerofit: rank %d of %d, %d torch threads", rank, world, r._share_cores(bind_cores))
         _PROCESS.watch(r)
         return r
@@ -339,10 +360,12 @@ class Ranks(RankFailures):
         """[Note: a rank's cores] torchrun sets OMP_NUM_THREADS=1 for every rank when there are several, which
         makes a CPU optimizer single-threaded without a word. Each rank gets its share of this process's cores
         (``ZEROFIT_THREADS_PER_RANK`` overrides), bound to a disjoint set of them when there are enough."""
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = (
+            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        )
         n = int(os.environ.get("ZEROFIT_THREADS_PER_RANK", "0")) or max(1, len(cores) // self.local_world)
         if bind and len(cores) >= n * self.local_world:
-            mine = cores[self.local_rank * n:(self.local_rank + 1) * n]
+            mine = cores[self.local_rank * n : (self.local_rank + 1) * n]
             os.sched_setaffinity(0, mine)
         torch.set_num_threads(n)
         return n
@@ -379,8 +402,8 @@ class Ranks(RankFailures):
         """``full`` (at least ``padded(numel)`` elements) holds this rank's shard in place; fill in the rest."""
         s = self.shard_size(numel)
         out = full[: s * self.shards]
-        mine = out[self.shard_rank * s:(self.shard_rank + 1) * s]
-        if out.device.type == "cpu":       # gloo: no in-place gather
+        mine = out[self.shard_rank * s : (self.shard_rank + 1) * s]
+        if out.device.type == "cpu":  # gloo: no in-place gather
             mine = mine.clone()
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         fn(out, mine, group=self.gather_group)
@@ -439,20 +462,20 @@ class Ranks(RankFailures):
             path = f"/proc/{os.getpid()}/fd/{fd}"
         else:
             path = None
-        path = self.objects(path)[self.rank - self.local_rank]     # this node's local rank 0's
+        path = self.objects(path)[self.rank - self.local_rank]  # this node's local rank 0's
         if fd is None:
             fd = os.open(path, os.O_RDWR)
         try:
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            self.barrier()          # every rank has it open before the creator lets go of its descriptor
+            self.barrier()  # every rank has it open before the creator lets go of its descriptor
             if self.local_rank == 0:
                 if not self._fds:
                     weakref.finalize(self, _close_all, self._fds)
-                self._fds.append(fd)    # kept while this engine's ranks live: held_bytes reads its pages
+                self._fds.append(fd)  # kept while this engine's ranks live: held_bytes reads its pages
             else:
                 os.close(fd)
-        self._mappings.append(mm)   # the mapping outlives every tensor that views it (module parameters)
+        self._mappings.append(mm)  # the mapping outlives every tensor that views it (module parameters)
         return torch.frombuffer(mm, dtype=dtype, count=max(numel, 1))[:numel]
 
     def held_bytes(self) -> int | None:
@@ -466,9 +489,9 @@ class Ranks(RankFailures):
         """This engine's key is no longer polled. The process group stays: the next engine of this process reuses
         it ([Note: a process group that lives]). Idempotent."""
         if not self._stop.is_set() and self.many:
-            try:        # the others' monitors: this rank closed, it did not die ([Note: a rank that dies])
+            try:  # the others' monitors: this rank closed, it did not die ([Note: a rank that dies])
                 self._store().set(self._alive_key(self.rank), "closed")
-            except Exception:        # noqa: BLE001
+            except Exception:  # noqa: BLE001
                 pass
         self._stop.set()
         _PROCESS.unwatch(self)

@@ -51,15 +51,20 @@ def generic_plan(err: NonSequentialModel, *, model, config, dev, ranks, frozen: 
     generic = Adapter(model, "generic")
     table = param_table(model, generic)
     shape = model_shape(model, generic, table, frozen)
-    try:     # refused here, the streaming engine is intact
-        planning = Planning(config, generic, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks,
-                            seq_len=config.seq_len)
+    try:  # refused here, the streaming engine is intact
+        planning = Planning(
+            config, generic, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks, seq_len=config.seq_len
+        )
     except PlanError as e:
-        raise NonSequentialModel(f"{err.reason}; and the generic path (the whole model resident on the device) "
-                                 f"does not fit either: {e}") from err
-    log.warning("zerofit: %s, so this model cannot stream block by block: it trains on the generic path "
-                "instead (the whole model as one unit). Pass adapter='generic' to skip this check, or "
-                "adapter='blocks' to refuse.", err.reason)
+        raise NonSequentialModel(
+            f"{err.reason}; and the generic path (the whole model resident on the device) does not fit either: {e}"
+        ) from err
+    log.warning(
+        "zerofit: %s, so this model cannot stream block by block: it trains on the generic path "
+        "instead (the whole model as one unit). Pass adapter='generic' to skip this check, or "
+        "adapter='blocks' to refuse.",
+        err.reason,
+    )
     return generic, table, shape, planning
 
 
@@ -71,10 +76,12 @@ def optimizer_state_by_name(units, adapter, sharding) -> tuple[float, dict] | No
     if steps == {0.0}:
         return None
     if len(steps) != 1:
-        raise RuntimeError(f"the units took different numbers of optimizer steps ({sorted(steps)}): cannot "
-                           "fall back to the generic path with their state")
+        raise RuntimeError(
+            f"the units took different numbers of optimizer steps ({sorted(steps)}): cannot "
+            "fall back to the generic path with their state"
+        )
     moments = {}
-    with sharding.full_state(units, write_back=False):      # [Note: sharded device state]
+    with sharding.full_state(units, write_back=False):  # [Note: sharded device state]
         for u in trained:
             prefix = "" if u.index < 0 else adapter.block_prefix(u.index) + "."
             m, v = u.layout.views(u.exp_avg), u.layout.views(u.exp_avg_sq)

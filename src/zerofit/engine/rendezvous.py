@@ -29,7 +29,7 @@ from zerofit.engine.rank_failures import RankFailedError
 
 MODULE_WAIT_S = 30.0
 WAIT_ENV = "ZEROFIT_COLLECTIVE_WAIT_S"
-_calls: dict[str, int] = {}      # per name, in this process: the same sequence on every rank
+_calls: dict[str, int] = {}  # per name, in this process: the same sequence on every rank
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -72,7 +72,8 @@ def named_barrier(ranks, what: str, timeout_s: float) -> None:
                 f"first): rank {ranks.rank} waited {timeout_s:g} s and rank{'s' if len(absent) > 1 else ''} "
                 f"{', '.join(map(str, absent))} did not read it. Read {what} on every rank at the same point of "
                 f"the script (then use it on one: `model = engine.module` before `if rank == 0:`); if a rank is "
-                f"only slower to get there, set {WAIT_ENV} to more seconds")
+                f"only slower to get there, set {WAIT_ENV} to more seconds"
+            )
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
         arrived = store.add(key, 0)

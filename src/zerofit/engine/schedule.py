@@ -43,11 +43,11 @@ class Micro:
 
     batch: dict
     pre: PreResult
-    ckpts: list = field(default_factory=list)   # (B, T, H) input of each block, compute dtype, device
-    rng: list = field(default_factory=list)     # RNG state before each block (models with dropout)
+    ckpts: list = field(default_factory=list)  # (B, T, H) input of each block, compute dtype, device
+    rng: list = field(default_factory=list)  # RNG state before each block (models with dropout)
     graphs: list = field(default_factory=list)  # checkpointing off: (x, leaves, y) per block, graph kept
     shell_leaves: dict = field(default_factory=dict)
-    grad: torch.Tensor | None = None            # gradient w.r.t. the current block boundary
+    grad: torch.Tensor | None = None  # gradient w.r.t. the current block boundary
     output: object = None
 
 
@@ -55,18 +55,43 @@ class Schedule:
     """Runs the passes over the parts that hold the state: compute (the calls), streamer (the weights),
     activations (the checkpoints), grads (the gradient buffers), the step (each complete gradient)."""
 
-    def __init__(self, *, config, dev, adapter, units: list[Unit], compute, streamer, activations, grads, step,
-                 host_updates, lifecycle):
+    def __init__(
+        self,
+        *,
+        config,
+        dev,
+        adapter,
+        units: list[Unit],
+        compute,
+        streamer,
+        activations,
+        grads,
+        step,
+        host_updates,
+        lifecycle,
+    ):
         self.config, self.dev, self.adapter = config, dev, adapter
         self.shell, self.blocks = units[0], units[1:]
-        self.compute, self.streamer, self.activations, self.grads, self.step = (compute, streamer, activations,
-                                                                                 grads, step)
+        self.compute, self.streamer, self.activations, self.grads, self.step = (
+            compute,
+            streamer,
+            activations,
+            grads,
+            step,
+        )
         self.host_updates, self.lifecycle = host_updates, lifecycle
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, micro_batches: list[dict], *, shell_grad: bool, offload: bool = False,
-                every: int | None = None, first: int = 0) -> list[Micro]:
+    def forward(
+        self,
+        micro_batches: list[dict],
+        *,
+        shell_grad: bool,
+        offload: bool = False,
+        every: int | None = None,
+        first: int = 0,
+    ) -> list[Micro]:
         """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints (with
         ``offload``, most of them in pinned host memory: [Note: offloaded checkpoints]; with ``every`` > 1,
         only every ``every``-th block's: [Note: checkpoints every k blocks]). A training forward gives ``every``
@@ -83,8 +108,7 @@ class Schedule:
             for mb in micro_batches:
                 batch = self.compute.to_device(mb)
                 with torch.set_grad_enabled(shell_grad):
-                    pre = (self.adapter.pre(self.compute.shell_call(leaves), batch) if self.adapter.streaming
-                           else None)
+                    pre = self.adapter.pre(self.compute.shell_call(leaves), batch) if self.adapter.streaming else None
                 micros.append(Micro(batch, pre, shell_leaves=leaves))
         if not self.adapter.streaming:
             return micros
@@ -100,7 +124,7 @@ class Schedule:
                 for m, micro in enumerate(micros):
                     micro.ckpts.append(xs[m] if unit.index % every == 0 else None)
                     micro.rng.append(self.compute.rng_state())
-                    if keep_graph:   # all blocks are resident (the planner's rule): the graph may hold their weights
+                    if keep_graph:  # all blocks are resident (the planner's rule): the graph may hold their weights
                         x = xs[m].requires_grad_(True)
                         y = self.compute.block(unit, leaves_b, x, micro.pre.calls[unit.index])
                         micro.graphs.append((x, leaves_b, y))
@@ -111,7 +135,7 @@ class Schedule:
             if offload and self.activations.offloaded(unit.index):
                 self.activations.down(micros, unit.index, first)
         for micro, x in zip(micros, xs):
-            micro.grad = x      # holds the final hidden state until the post pass
+            micro.grad = x  # holds the final hidden state until the post pass
         return micros
 
     # ------------------------------------------------------------------ post pass
@@ -135,13 +159,19 @@ class Schedule:
             reached.append(any(g is not None for g in grads))
             self.compute.accumulate(self.shell, self.shell.grad, grads, names)
 
-        with self.compute.shell_weights(micro.shell_leaves):   # [Note: the model's own checkpointing]
-            got = backward_into(loss * seed_scale, [final] if final is not None else [],
-                                [micro.shell_leaves[n] for n in names], accumulate)
+        with self.compute.shell_weights(micro.shell_leaves):  # [Note: the model's own checkpointing]
+            got = backward_into(
+                loss * seed_scale,
+                [final] if final is not None else [],
+                [micro.shell_leaves[n] for n in names],
+                accumulate,
+            )
         if (final is not None and got[0] is None) or (final is None and not reached[0]):
-            raise RuntimeError("backward(loss): the loss does not depend on the engine's last forward (a loss of an "
-                               "earlier forward, whose graph the next forward dropped, or of another model); call "
-                               "backward() on what the last engine(...) call returned")
+            raise RuntimeError(
+                "backward(loss): the loss does not depend on the engine's last forward (a loss of an "
+                "earlier forward, whose graph the next forward dropped, or of another model); call "
+                "backward() on what the last engine(...) call returned"
+            )
         if final is not None:
             (micro.grad,) = got
 
@@ -150,10 +180,17 @@ class Schedule:
         loss, its final hidden state's gradient in ``micro.grad``."""
         names = list(self.shell.layout.names)
         micro.grad, total = post_in_chunks(
-            self.adapter, self.compute.shell_call(micro.shell_leaves), micro.batch, micro.grad.detach(),
-            [micro.shell_leaves[n] for n in names], seed_scale, chunks,
+            self.adapter,
+            self.compute.shell_call(micro.shell_leaves),
+            micro.batch,
+            micro.grad.detach(),
+            [micro.shell_leaves[n] for n in names],
+            seed_scale,
+            chunks,
             lambda grads: self.compute.accumulate(self.shell, self.shell.grad, grads, names),
-            fork_rng=self.compute.fork_rng, weights=lambda: self.compute.shell_weights(micro.shell_leaves))
+            fork_rng=self.compute.fork_rng,
+            weights=lambda: self.compute.shell_weights(micro.shell_leaves),
+        )
         return total
 
     def post_all(self, micros: list[Micro], seed_scale: float, chunks: int) -> list[torch.Tensor]:
@@ -167,7 +204,7 @@ class Schedule:
                 else:
                     out, final = self.post(micro)
                     loss = loss_of(out)
-                    del out    # the logits are not needed for the backward: free them first
+                    del out  # the logits are not needed for the backward: free them first
                     self.post_backward(micro, loss, final, seed_scale)
             losses.append(loss.detach())
         return losses
@@ -220,7 +257,7 @@ class Schedule:
         first = self._first_backward(micros)
         steps = self._backward_steps(first)
         order = [u for u, _ in steps]
-        if not self.step.deferred or self.step.speculator.current is not None:   # the updates start during it
+        if not self.step.deferred or self.step.speculator.current is not None:  # the updates start during it
             self.host_updates.expect(list(reversed(self.blocks)), grads_written=False)
         for pos, (unit, recompute) in enumerate(steps):
             self.lifecycle.safe_point()
@@ -232,9 +269,9 @@ class Schedule:
                 continue
             gdst = self.grads.buffer(unit)
             names = list(unit.layout.names)
-            self.activations.up(micros, unit.index)         # [Note: offloaded checkpoints] (no-op otherwise)
+            self.activations.up(micros, unit.index)  # [Note: offloaded checkpoints] (no-op otherwise)
             self.activations.wait(unit.index)
-            for ahead in range(1, min(CKPT_AHEAD, unit.index - first) + 1):   # each a no-op but the farthest
+            for ahead in range(1, min(CKPT_AHEAD, unit.index - first) + 1):  # each a no-op but the farthest
                 self.activations.up(micros, unit.index - ahead)
             with self.dev.timed("compute", label=unit.name):
                 for micro in micros:
@@ -243,11 +280,16 @@ class Schedule:
             self.streamer.evict(unit)
             self.step.unit_done(unit)
         names = list(self.shell.layout.names)
-        for micro in micros:   # backward of the pre pass into the shell's gradient
-            if names and micro.pre.hidden.requires_grad:     # else nothing before block 0 trains
+        for micro in micros:  # backward of the pre pass into the shell's gradient
+            if names and micro.pre.hidden.requires_grad:  # else nothing before block 0 trains
                 with self.dev.timed("compute", label="pre"), self.compute.shell_weights(micro.shell_leaves):
-                    backward_into(micro.pre.hidden, [], [micro.shell_leaves[n] for n in names],
-                                  lambda g: self.compute.accumulate(self.shell, self.shell.grad, g, names), micro.grad)
+                    backward_into(
+                        micro.pre.hidden,
+                        [],
+                        [micro.shell_leaves[n] for n in names],
+                        lambda g: self.compute.accumulate(self.shell, self.shell.grad, g, names),
+                        micro.grad,
+                    )
             micro.grad = None
 
     def _block_backward(self, unit: Unit, micro: Micro, names: list[str], gdst: torch.Tensor) -> None:
@@ -257,14 +299,15 @@ class Schedule:
         if micro.graphs:
             x, leaves, y = micro.graphs[unit.index]
             micro.graphs[unit.index] = None
-        else:   # recompute the block from its checkpoint, replaying its RNG state
+        else:  # recompute the block from its checkpoint, replaying its RNG state
             x = micro.ckpts[unit.index].detach().requires_grad_(True)
             leaves = self.compute.leaves(unit, grad=True)
             with torch.enable_grad(), self.compute.rng(micro.rng[unit.index]):
                 y = self.compute.block(unit, leaves, x, micro.pre.calls[unit.index])
-        with self.compute.weights(self.adapter.blocks[unit.index], leaves):   # [Note: the model's own checkpointing]
-            (micro.grad,) = backward_into(y, [x], [leaves[n] for n in names],
-                                          lambda g: self.compute.accumulate(unit, gdst, g, names), micro.grad)
+        with self.compute.weights(self.adapter.blocks[unit.index], leaves):  # [Note: the model's own checkpointing]
+            (micro.grad,) = backward_into(
+                y, [x], [leaves[n] for n in names], lambda g: self.compute.accumulate(unit, gdst, g, names), micro.grad
+            )
         micro.ckpts[unit.index] = None
 
     # ------------------------------------------------------------------ the chunked loss's probe
@@ -281,13 +324,21 @@ class Schedule:
         final = torch.zeros(1, 2, hidden, dtype=dtype, device=dev)
         try:
             with torch.no_grad():
-                out = self.adapter.post(self.compute.shell_call(self.compute.leaves(self.shell, grad=False)),
-                                        {"input_ids": ids, "labels": lab, "shift_labels": lab,
-                                         "num_items_in_batch": torch.tensor(2, device=dev)}, final)
+                out = self.adapter.post(
+                    self.compute.shell_call(self.compute.leaves(self.shell, grad=False)),
+                    {
+                        "input_ids": ids,
+                        "labels": lab,
+                        "shift_labels": lab,
+                        "num_items_in_batch": torch.tensor(2, device=dev),
+                    },
+                    final,
+                )
             loss = loss_of(out)
             logits = out["logits"] if isinstance(out, dict) else getattr(out, "logits", None)
             return loss.dim() == 0 and (logits is None or logits.shape[1] == 2)
-        except Exception as e:     # noqa: BLE001 - any failure: this model's loss is not chunked
-            log.info("zerofit: the head and loss cannot run over token chunks for this model (%s: %s)",
-                     type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - any failure: this model's loss is not chunked
+            log.info(
+                "zerofit: the head and loss cannot run over token chunks for this model (%s: %s)", type(e).__name__, e
+            )
             return False

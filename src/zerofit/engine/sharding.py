@@ -33,10 +33,10 @@ class Sharding:
 
     def __init__(self, dev: Device, ranks, dtype: torch.dtype, mode: str):
         self.dev, self.ranks, self.dtype, self.mode = dev, ranks, dtype, mode
-        self.padded_grad: dict[int, torch.Tensor] = {}    # id(unit) -> (padded + shard,) fp32, device
-        self.shard_grad: dict[int, torch.Tensor] = {}     # id(unit) -> (hi - lo,) fp32, device: summed per step
-        self.writing_alone = False      # rank 0 writes a checkpoint: its own waits are not collectives
-        self.slices = NodeSlices(dev, ranks)    # the full layout's host state ([Note: nodes hold a slice of the state])
+        self.padded_grad: dict[int, torch.Tensor] = {}  # id(unit) -> (padded + shard,) fp32, device
+        self.shard_grad: dict[int, torch.Tensor] = {}  # id(unit) -> (hi - lo,) fp32, device: summed per step
+        self.writing_alone = False  # rank 0 writes a checkpoint: its own waits are not collectives
+        self.slices = NodeSlices(dev, ranks)  # the full layout's host state ([Note: nodes hold a slice of the state])
 
     def share_units(self, units: list[Unit]) -> None:
         """[Note: sharded units] after materialization: every rank starts from local rank 0's weights. The host
@@ -46,9 +46,9 @@ class Sharding:
         r = self.ranks
         r.barrier()
         for u in units:
-            if u.optimizer_on_device:     # done as it was built: share_device_unit
+            if u.optimizer_on_device:  # done as it was built: share_device_unit
                 continue
-            if u.home is Home.RESIDENT:      # host-optimized but kept on the device: gathered after each update
+            if u.home is Home.RESIDENT:  # host-optimized but kept on the device: gathered after each update
                 self._pad_resident(u, u.master)
         r.barrier()
 
@@ -57,7 +57,7 @@ class Sharding:
         (a copy of ``weights``) padded to N shards, and a gradient buffer with room for its shard after the
         padded gradient ([Note: sharded units])."""
         r, n = self.ranks, u.numel
-        dev16 = torch.empty(r.padded(n), dtype=self.dtype, device=self.dev.device)     # (padded,) compute dtype
+        dev16 = torch.empty(r.padded(n), dtype=self.dtype, device=self.dev.device)  # (padded,) compute dtype
         dev16[:n].copy_(weights)
         u.dev16 = dev16[:n]
         g = torch.zeros(r.padded(n) + r.shard_size(n), dtype=torch.float32, device=self.dev.device)
@@ -77,11 +77,11 @@ class Sharding:
 
     def _shard_device_unit(self, u: Unit) -> None:
         """[Note: sharded device state]: master and moments of the rank's shard only."""
-        if u.home is Home.STREAMED:       # FULL_SHARD without offload: weights only in slots, gathered per use
-            self.shard_grad[id(u)] = torch.zeros(u.hi - u.lo, device=self.dev.device)   # summed per step
+        if u.home is Home.STREAMED:  # FULL_SHARD without offload: weights only in slots, gathered per use
+            self.shard_grad[id(u)] = torch.zeros(u.hi - u.lo, device=self.dev.device)  # summed per step
         else:
             self._pad_resident(u, u.dev16)
-        u.master = u.master[u.lo:u.hi].clone()                                # (hi - lo,) fp32, device
+        u.master = u.master[u.lo : u.hi].clone()  # (hi - lo,) fp32, device
         u.exp_avg = torch.zeros_like(u.master)
         u.exp_avg_sq = torch.zeros_like(u.master)
         u.shard_state = True
@@ -92,8 +92,8 @@ class Sharding:
         r = self.ranks
         full = unit.grad_slot.tensor if unit.grad_slot is not None else self.padded_grad[id(unit)]
         p, s = r.padded(unit.numel), r.shard_size(unit.numel)
-        full[unit.numel:p].zero_()
-        out = full[p:p + s]
+        full[unit.numel : p].zero_()
+        out = full[p : p + s]
         with self.dev.timed("compute", label=f"{unit.name}(reduce-scatter)"):
             r.reduce_scatter(out, full, unit.numel)
         return out[: unit.hi - unit.lo]
@@ -112,7 +112,7 @@ class Sharding:
     def gather_full(self, u: Unit, t: torch.Tensor) -> torch.Tensor:
         """A sharded device unit's whole ``t`` (its shard on every rank), on the host (fp32). Collective."""
         buf = torch.zeros(self.ranks.padded(u.numel), dtype=torch.float32, device=self.dev.device)
-        buf[u.lo:u.hi].copy_(t)
+        buf[u.lo : u.hi].copy_(t)
         self.ranks.gather(buf, u.numel)
         return buf[: u.numel].to("cpu")
 
@@ -128,17 +128,18 @@ class Sharding:
             return write()
         wait()
         result, err = None, None
-        with self.full_state(units, write_back=False, everywhere=False):     # [Note: sharded device state]
+        with self.full_state(units, write_back=False, everywhere=False):  # [Note: sharded device state]
             if self.ranks.rank == 0:
                 self.writing_alone = True
                 try:
                     result = write()
-                except Exception as e:      # noqa: BLE001 - raised below, on every rank
+                except Exception as e:  # noqa: BLE001 - raised below, on every rank
                     err = e
                 finally:
                     self.writing_alone = False
-            said = self.ranks.objects((str(result), None if err is None else f"{type(err).__name__}: {err}")
-                                      if self.ranks.rank == 0 else None)[0]
+            said = self.ranks.objects(
+                (str(result), None if err is None else f"{type(err).__name__}: {err}") if self.ranks.rank == 0 else None
+            )[0]
         if err is not None:
             raise err
         if said[1] is not None:
@@ -159,7 +160,7 @@ class Sharding:
             with self._device_full_state(units, write_back):
                 yield
         finally:
-            if self.slices.on:     # every rank of the node done reading them first (a read of a freed page backs it)
+            if self.slices.on:  # every rank of the node done reading them first (a read of a freed page backs it)
                 self.ranks.barrier()
                 self.slices.trim(units)
 
@@ -178,5 +179,5 @@ class Sharding:
             for u, (master, m, v) in zip(units, kept):
                 if write_back:
                     for dst, src in ((master, u.master), (m, u.exp_avg), (v, u.exp_avg_sq)):
-                        dst.copy_(src[u.lo:u.hi])
+                        dst.copy_(src[u.lo : u.hi])
                 u.master, u.exp_avg, u.exp_avg_sq = master, m, v

@@ -1,4 +1,4 @@
-"""SLURM's launch as torchrun's environment (issue 33's first piece: one node).
+"""SLURM's launch as torchrun's environment (one node).
 
 [Note: srun is a launcher too]
 ``srun --ntasks-per-node N python train.py`` starts N processes with SLURM's variables (``SLURM_PROCID``,
@@ -9,7 +9,7 @@ before the group is made, as Lightning's SLURMEnvironment and DeepSpeed's launch
 rendezvous host is the first host of the job's node list (SLURM's compressed form, ``node[01-04,07]``, expanded),
 the port ``MASTER_PORT`` if the job sets it, else one derived from the job id (every task of the job computes the
 same). Variables already set (a torchrun inside srun, or the user's own) are left as they are. A job over several
-nodes is then refused by the ranks' own check (the host state is one host's: issue 33).
+nodes is then refused by the ranks' own check (the host state is one host's).
 """
 
 from __future__ import annotations

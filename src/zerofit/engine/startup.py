@@ -21,7 +21,7 @@ from collections import defaultdict
 
 log = logging.getLogger("zerofit")
 
-EVERY = 5.0             # seconds between two reports
+EVERY = 5.0  # seconds between two reports
 _LISTENERS: list = []
 
 
@@ -90,8 +90,15 @@ class Startup:
         secs = now - self.t0
         rate = self.done / secs if secs > 0 else 0.0
         left = (self.total - self.done) / rate if rate > 0 else float("nan")
-        log.info("zerofit: %s: %.1f of %.1f B parameters (%d%%), %.0f M/s, about %.0f s left", self.what,
-                 self.done / 1e9, self.total / 1e9, 100 * self.done // self.total, rate / 1e6, left)
+        log.info(
+            "zerofit: %s: %.1f of %.1f B parameters (%d%%), %.0f M/s, about %.0f s left",
+            self.what,
+            self.done / 1e9,
+            self.total / 1e9,
+            100 * self.done // self.total,
+            rate / 1e6,
+            left,
+        )
 
     def summary(self) -> str:
         """Seconds per phase, the longest first: ``read 41.2 s, quantize 12.0 s, ...``."""

@@ -53,13 +53,13 @@ from zerofit.engine.update.worker import wait_event, waiting
 class Prepared(NamedTuple):
     """A step up to its updates (:meth:`Step.prepare`), what :meth:`Step.apply` needs."""
 
-    skip: bool               # fp16 overflow: not applied
-    norm: float | None       # the global gradient norm (deferred updates)
-    factor: float            # times each gradient in the update (unscaling, clipping)
+    skip: bool  # fp16 overflow: not applied
+    norm: float | None  # the global gradient norm (deferred updates)
+    factor: float  # times each gradient in the update (unscaling, clipping)
     device_units: list
     host_units: list
     dev_grads: dict
-    spec: object             # the speculation being settled, or None
+    spec: object  # the speculation being settled, or None
     shell_host: bool
     shell_assisted: bool
 
@@ -69,17 +69,41 @@ class Step:
     view) are older than their masters; the rest is the parts it drives and the step's records kept by others
     (the speculation record: Speculator; gradients: Grads; the step count and settings: Hypers)."""
 
-    def __init__(self, *, config, dev, ranks, lifecycle, worker, tier, units: list[Unit], grads, sharding,
-                 host_updates, device_updates, copies16, speculator, hypers, scaler, deferred: bool,
-                 cast_first: bool):
-        self.config, self.dev, self.ranks, self.lifecycle, self.worker, self.tier = (config, dev, ranks, lifecycle,
-                                                                                    worker, tier)
+    def __init__(
+        self,
+        *,
+        config,
+        dev,
+        ranks,
+        lifecycle,
+        worker,
+        tier,
+        units: list[Unit],
+        grads,
+        sharding,
+        host_updates,
+        device_updates,
+        copies16,
+        speculator,
+        hypers,
+        scaler,
+        deferred: bool,
+        cast_first: bool,
+    ):
+        self.config, self.dev, self.ranks, self.lifecycle, self.worker, self.tier = (
+            config,
+            dev,
+            ranks,
+            lifecycle,
+            worker,
+            tier,
+        )
         self.units, self.shell, self.blocks = units, units[0], units[1:]
         self.grads, self.sharding, self.host, self.device = grads, sharding, host_updates, device_updates
         self.copies16, self.speculator, self.hypers, self.scaler = copies16, speculator, hypers, scaler
         self.deferred, self.cast_first = deferred, cast_first
         self.mirror_stale = False
-        self.torch_clip = TorchClip(dev, grads, ranks)     # the user's loop: torch's clip arithmetic
+        self.torch_clip = TorchClip(dev, grads, ranks)  # the user's loop: torch's clip arithmetic
 
     def host_units(self) -> list[Unit]:
         """The units the CPU worker updates (their optimizer state in host memory or on the disk)."""
@@ -89,21 +113,21 @@ class Step:
 
     def unit_done(self, unit: Unit) -> None:
         """A unit's gradient for this micro-step is complete on the device: hand it on."""
-        if not unit.trains:       # [Note: frozen parameters]: no gradient, no update
+        if not unit.trains:  # [Note: frozen parameters]: no gradient, no update
             return
         if unit.shard_state and unit.home is Home.STREAMED:
-            self.sharding.keep_shard(unit)      # [Note: sharded device state]: the slot goes back at once
+            self.sharding.keep_shard(unit)  # [Note: sharded device state]: the slot goes back at once
             self.grads.release_slot(unit, self.dev.record(self.dev.compute))
             return
         if unit.optimizer_on_device:
             return
         grad = unit.grad
-        unit.host16_epoch = -1     # its update may start now: the 16-bit copy goes stale
+        unit.host16_epoch = -1  # its update may start now: the 16-bit copy goes stale
         self.host.await_moments(unit)  # [Note: moments after the forward]: its host gradient buffer is free then
         if self.deferred and unit.swap is not None:
             self._stash(unit, grad)
             return
-        if not self.deferred and self.device.assisted(unit):     # [Note: assisted updates in the backward]
+        if not self.deferred and self.device.assisted(unit):  # [Note: assisted updates in the backward]
             self.grads.flag(unit, grad)
             self.lifecycle.begin_applying()
             self.device.in_backward(unit, grad, self.hypers.for_step())
@@ -111,44 +135,59 @@ class Step:
         if self.ranks.many:
             grad = self.sharding.reduce_scatter(unit)
         if not self.deferred:
-            self.grads.flag(unit, grad)      # the gradient its update takes: this rank's shard
+            self.grads.flag(unit, grad)  # the gradient its update takes: this rank's shard
         host = self.grads.host_grads.get(id(unit))
         fresh_host = host is not None and unit.host_grad_fresh
         spec = self.speculator.current
-        if fresh_host:     # the whole gradient goes straight into the unit's host buffer; its norm is taken here
+        if fresh_host:  # the whole gradient goes straight into the unit's host buffer; its norm is taken here
             dst = host
             unit.host_grad_fresh = False
             if self.deferred:
                 self.grads.sq_norms[id(unit)] = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
-                self.torch_clip.note(unit, grad)    # [Note: the user's clip on the device], torch_clip.py
-        else:              # staging: either an immediate update, or an add into the host buffer
+                self.torch_clip.note(unit, grad)  # [Note: the user's clip on the device], torch_clip.py
+        else:  # staging: either an immediate update, or an add into the host buffer
             dst = self.grads.take_staging()
             self.grads.sq_norms.pop(id(unit), None)
             self.torch_clip.forget(unit)
         speculate = fresh_host and spec is not None and unit.index >= 0
         done = self.grads.send_down(unit, grad, dst, self.grads.sq_norms[id(unit)] if speculate else None)
         if self.deferred:
-            if not fresh_host:   # DeepSpeed-style accumulation across micro-steps
+            if not fresh_host:  # DeepSpeed-style accumulation across micro-steps
                 self.worker.submit(self.host.task_add(host, dst, done), label=f"add[{unit.name}]")
-            elif speculate:      # [Note: speculative updates]
+            elif speculate:  # [Note: speculative updates]
                 unit.updated.clear()
                 # FIFO, ahead of every other task: the partial norm sums in backward order, so which blocks
                 # are speculated depends on the data only, never on the worker's timing (bitwise reproducible)
-                self.worker.submit(self.host.task_speculate(unit, spec, done, self.hypers.for_step()),
-                                   SPECULATE_FIRST, label=f"speculate[{unit.name}]")
+                self.worker.submit(
+                    self.host.task_speculate(unit, spec, done, self.hypers.for_step()),
+                    SPECULATE_FIRST,
+                    label=f"speculate[{unit.name}]",
+                )
         else:
-            self.lifecycle.begin_applying()   # this block is updated now, while the backward goes on
+            self.lifecycle.begin_applying()  # this block is updated now, while the backward goes on
             unit.updated.clear()
-            self.worker.submit(self.host.task_update(unit, dst, done, self.hypers.for_step(), 1.0, release=True,
-                                                     cast16=self.copies16.label(unit), flag=unit.index + 1),
-                               self.host.priority(unit), label=f"adamw[{unit.name}]",
-                               ready=None if unit.swap else done.query)     # [Note: ready tasks first]
+            self.worker.submit(
+                self.host.task_update(
+                    unit,
+                    dst,
+                    done,
+                    self.hypers.for_step(),
+                    1.0,
+                    release=True,
+                    cast16=self.copies16.label(unit),
+                    flag=unit.index + 1,
+                ),
+                self.host.priority(unit),
+                label=f"adamw[{unit.name}]",
+                ready=None if unit.swap else done.query,
+            )  # [Note: ready tasks first]
 
     def _stash(self, unit: Unit, grad: torch.Tensor) -> None:
         """[Note: gradients on the disk]: a swapped unit's deferred gradient goes down and onto the disk."""
         if not unit.host_grad_fresh:
-            raise RuntimeError(f"{unit.name}: a second gradient in one optimizer step for a unit whose gradient "
-                               "waits on the disk")
+            raise RuntimeError(
+                f"{unit.name}: a second gradient in one optimizer step for a unit whose gradient waits on the disk"
+            )
         unit.host_grad_fresh = False
         sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
         self.grads.sq_norms[id(unit)] = sq
@@ -159,7 +198,7 @@ class Step:
         tier, key, grads = self.tier, unit.index, self.grads
 
         def stash():
-            wait_event(done)       # [Note: the worker's waits]
+            wait_event(done)  # [Note: the worker's waits]
             for c, (a, k) in enumerate(tier.chunks(key)):
                 with waiting("disk"):
                     f = tier.acquire(key, c, write_only=("grad",))
@@ -167,12 +206,16 @@ class Step:
                 tier.release(key, c)
             grads.give_staging(dst)
             if speculate:
-                tier.expect([key])       # its speculative update is the worker's next task for it
+                tier.expect([key])  # its speculative update is the worker's next task for it
+
         self.worker.submit(stash, SPECULATE_FIRST, label=f"stash-grad[{unit.name}]")
-        if speculate:     # as unit_done: not ``updated`` until its settle task ran
+        if speculate:  # as unit_done: not ``updated`` until its settle task ran
             unit.updated.clear()
-            self.worker.submit(self.host.task_speculate(unit, spec, done, self.hypers.for_step()), SPECULATE_FIRST,
-                               label=f"speculate[{unit.name}]")
+            self.worker.submit(
+                self.host.task_speculate(unit, spec, done, self.hypers.for_step()),
+                SPECULATE_FIRST,
+                label=f"speculate[{unit.name}]",
+            )
 
     # ------------------------------------------------------------------ the step's end
 
@@ -197,33 +240,33 @@ class Step:
         shell_assisted = self.device.shell_assisted
         shell_host = not self.shell.optimizer_on_device
         if shell_host and not self.shell.grad_fresh:
-            if shell_assisted:     # [Note: assisted updates in the backward]
+            if shell_assisted:  # [Note: assisted updates in the backward]
                 self.lifecycle.begin_applying()
                 self.device.shell(self.shell, self.hypers.for_step())
             else:
                 self.unit_done(self.shell)
         spec = self.speculator.take()
         if self.deferred and spec is None:
-            self.worker.drain()        # host-side accumulations are done
-        dev_grads = {}      # [Note: sharded device state]: each sharded device unit's gradient shard
-        if self.ranks.many:     # [Note: sharded units]: replicated units take the sum of every rank's gradient
+            self.worker.drain()  # host-side accumulations are done
+        dev_grads = {}  # [Note: sharded device state]: each sharded device unit's gradient shard
+        if self.ranks.many:  # [Note: sharded units]: replicated units take the sum of every rank's gradient
             with self.dev.timed("compute", label="all-reduce"):
                 for u in device_units:
-                    if u.shard_state and u.home is Home.STREAMED:     # reduce-scattered in the backward
+                    if u.shard_state and u.home is Home.STREAMED:  # reduce-scattered in the backward
                         dev_grads[id(u)] = self.sharding.shard_grad[id(u)]
                     elif u.shard_state:
                         dev_grads[id(u)] = self.sharding.reduce_scatter(u)
                     else:
                         self.ranks.all_reduce_world(u.grad)
-        if not self.deferred:     # [Note: non-finite gradients without a norm]
+        if not self.deferred:  # [Note: non-finite gradients without a norm]
             for u in device_units:
                 self.grads.flag(u, dev_grads.get(id(u), u.grad))
             bad = self.grads.bad_run
             bad = self.ranks.all_reduce_world(bad.reshape(1).clone()) if self.ranks.many else bad
-            if float(bad):        # a device sync, before the device's AdamW kernels are enqueued
+            if float(bad):  # a device sync, before the device's AdamW kernels are enqueued
                 self._refuse_nonfinite(host_units, device_units, shell_assisted)
         if self.deferred:
-            total = self._global_norm(device_units, host_units, dev_grads)    # a device sync
+            total = self._global_norm(device_units, host_units, dev_grads)  # a device sync
             scale = self.scaler.scale if self.scaler else 1.0
             try:
                 if self.scaler is not None:
@@ -231,10 +274,10 @@ class Step:
                 elif not math.isfinite(total):
                     raise FloatingPointError(f"gradient norm is {total} at step {self.hypers.global_step}")
             except Exception:
-                if spec is not None:     # undo the speculative updates: the step is not applied
+                if spec is not None:  # undo the speculative updates: the step is not applied
                     self.settle(spec, host_units, self.hypers.for_step(), None)
                     self.worker.drain()
-                self.discard_grads()     # a caller that goes on starts from clean gradients
+                self.discard_grads()  # a caller that goes on starts from clean gradients
                 raise
             norm = total / scale
             factor = 1.0 / scale
@@ -243,7 +286,7 @@ class Step:
                 coef = clip / (norm + 1e-6)
                 if coef < 1.0:
                     factor *= coef
-            self.speculator.norm_taken(clipped=factor != 1.0 / scale)    # [Note: speculative updates]
+            self.speculator.norm_taken(clipped=factor != 1.0 / scale)  # [Note: speculative updates]
         for u in host_units:
             u.host_grad_fresh = True
         return Prepared(skip, norm, factor, device_units, host_units, dev_grads, spec, shell_host, shell_assisted)
@@ -255,7 +298,7 @@ class Step:
             self.discard_grads()
             return False, norm
         hypers = self.hypers.for_step()
-        if spec is not None or not self.deferred:     # the clip's multiplies wait for deferred updates only
+        if spec is not None or not self.deferred:  # the clip's multiplies wait for deferred updates only
             self.torch_clip.settle()
         self.lifecycle.begin_applying()
         self._device_updates(device_units, hypers, factor, dev_grads)
@@ -284,12 +327,11 @@ class Step:
         shards = [torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in dev_grads.values()]
         for u in host_units:
             s = self.grads.sq_norms.pop(id(u), None)
-            if s is None:   # accumulated on the host over several micro-steps
+            if s is None:  # accumulated on the host over several micro-steps
                 s = torch.linalg.vector_norm(self.grads.host_grads[id(u)], dtype=torch.float64) ** 2
             shards.append(s.to(self.dev.device))
-        if self.ranks.many:     # each rank holds its shards' squares: summed over the ranks
-            part = torch.stack(shards).sum() if shards else torch.zeros((), dtype=torch.float64,
-                                                                         device=self.dev.device)
+        if self.ranks.many:  # each rank holds its shards' squares: summed over the ranks
+            part = torch.stack(shards).sum() if shards else torch.zeros((), dtype=torch.float64, device=self.dev.device)
             shards = [self.ranks.all_reduce(part.reshape(1)).reshape(())]
         sq += shards
         return torch.stack(sq).sum().sqrt().item() if sq else 0.0
@@ -299,14 +341,15 @@ class Step:
         for u in device_units:
             u.grad_fresh = True
             with self.dev.timed("compute", label=f"optimizer[{u.name}]"):
-                if u.shard_state:     # [Note: sharded device state]
-                    unit_adamw(u, u.master, dev_grads[id(u)], u.exp_avg, u.exp_avg_sq, u.step, hypers, factor,
-                               start=u.lo)
-                    if u.home is Home.STREAMED:     # the next upload (gather) of it waits for this update
+                if u.shard_state:  # [Note: sharded device state]
+                    unit_adamw(
+                        u, u.master, dev_grads[id(u)], u.exp_avg, u.exp_avg_sq, u.step, hypers, factor, start=u.lo
+                    )
+                    if u.home is Home.STREAMED:  # the next upload (gather) of it waits for this update
                         u.host_grad_fresh = True
                         u.master_event = self.dev.record(self.dev.compute)
                         continue
-                    u.dev16[u.lo:u.hi].copy_(u.master)
+                    u.dev16[u.lo : u.hi].copy_(u.master)
                     self.sharding.gather_dev16(u)
                     continue
                 unit_adamw(u, u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.step, hypers, factor)
@@ -320,13 +363,16 @@ class Step:
         pending for the next upload ([Note: assisted updates]), the CPU's on the worker (in two passes: [Note:
         moments after the forward]; the first writing the 16-bit cast alone: [Note: the master behind its
         cast], which gives the streamed blocks their 16-bit copies first)."""
-        if (self.cast_first and self.copies16.possible()
-                and any(u.home is Home.STREAMED and u.swap is None for u in self.blocks)):
+        if (
+            self.cast_first
+            and self.copies16.possible()
+            and any(u.home is Home.STREAMED and u.swap is None for u in self.blocks)
+        ):
             self.copies16.enable(self.device)
         ev = self.dev.record(self.dev.download)
         self.host.expect(host_units)
         for u in host_units:
-            multiply = self.torch_clip.pending(u)     # [Note: the user's clip on the device]
+            multiply = self.torch_clip.pending(u)  # [Note: the user's clip on the device]
             if self.device.assisted(u):
                 if multiply is not None:
                     ev.synchronize()
@@ -337,54 +383,67 @@ class Step:
             grad = self.grads.host_grads.get(id(u))
             split = self.host.split and u.swap is None
             cast16 = self.copies16.label(u, now=True) if split else None
-            self.worker.submit(self.host.task_update(u, grad, ev, hypers, factor, release=False, split=split,
-                                                     cast16=cast16, before=multiply),
-                               self.host.priority(u), label=f"adamw[{u.name}]")
+            self.worker.submit(
+                self.host.task_update(
+                    u, grad, ev, hypers, factor, release=False, split=split, cast16=cast16, before=multiply
+                ),
+                self.host.priority(u),
+                label=f"adamw[{u.name}]",
+            )
             if split:
                 u.moments_done.clear()
                 u.master_behind = cast16 is not None
-                self.worker.submit(self.host.task_moments(u, grad, hypers, factor, with_master=u.master_behind),
-                                   MOMENTS_LAST - u.index, label=f"moments[{u.name}]")
+                self.worker.submit(
+                    self.host.task_moments(u, grad, hypers, factor, with_master=u.master_behind),
+                    MOMENTS_LAST - u.index,
+                    label=f"moments[{u.name}]",
+                )
 
     def settle(self, spec: Speculation, host_units: list[Unit], hypers, factor: float | None) -> None:
         """Queue each host unit's settle task (HostUpdates.task_settle) and count how the speculation went."""
         clipped = factor != 1.0
         ev = self.dev.record(self.dev.download)
-        if clipped:       # the speculated blocks are read again (rolled back and redone), in forward order
+        if clipped:  # the speculated blocks are read again (rolled back and redone), in forward order
             self.host.expect(host_units, grads_written=False)
         for u in host_units:
             u.updated.clear()
-            self.worker.submit(self.host.task_settle(u, spec, ev, hypers, factor), self.host.priority(u),
-                               label=f"settle[{u.name}]")
+            self.worker.submit(
+                self.host.task_settle(u, spec, ev, hypers, factor), self.host.priority(u), label=f"settle[{u.name}]"
+            )
         self.speculator.settled(clipped)
 
     def _refuse_nonfinite(self, host_units: list[Unit], device_units: list[Unit], shell_assisted: bool) -> None:
         """A step with a non-finite gradient and no norm ([Note: non-finite gradients without a norm]): refused,
         every weight and moment as before it, or, when some units took its update, torn (the engine fails)."""
-        self.worker.drain()            # every update task of the step ran (or skipped)
+        self.worker.drain()  # every update task of the step ran (or skipped)
         self.dev.synchronize()
         flags = self.grads.bad_dev.to("cpu")
         applied = [u for u in host_units if not flags[u.index + 1]]
-        if self.ranks.many:     # every rank decides alike
-            torn = bool(self.ranks.all_reduce_world(torch.tensor([float(len(applied))],
-                                                                 device=self.dev.device)).item())
+        if self.ranks.many:  # every rank decides alike
+            torn = bool(self.ranks.all_reduce_world(torch.tensor([float(len(applied))], device=self.dev.device)).item())
         else:
             torn = bool(applied)
-        for u in host_units:    # the device's updates in the backward counted their step on the host first
+        for u in host_units:  # the device's updates in the backward counted their step on the host first
             if flags[u.index + 1] and (self.device.assisted(u) or (u is self.shell and shell_assisted)):
                 u.step.sub_(1)
-        order = [*reversed(host_units), *device_units]       # the order the backward handed the gradients over
+        order = [*reversed(host_units), *device_units]  # the order the backward handed the gradients over
         first = next((u.name for u in order if flags[u.index + 1]), None)
         where = f"first at {first}" if first else "on another rank"
-        msg = (f"non-finite gradients at step {self.hypers.global_step} ({where}; no gradient clipping, so no norm "
-               "was taken)")
+        msg = (
+            f"non-finite gradients at step {self.hypers.global_step} ({where}; no gradient clipping, so no norm "
+            "was taken)"
+        )
         if torn:
-            raise FloatingPointError(f"{msg}, after {len(applied)} units took the step's update: the state is "
-                                     "torn. Resume from the last checkpoint (and lower the learning rate, or set "
-                                     "gradient_clipping)")
-        self.lifecycle.end_applying()      # nothing was applied: the step is dropped as before its updates
-        raise FloatingPointError(f"{msg}: the step was not applied, every weight and moment is as before it. "
-                                 "Lower the learning rate, check the data, or set gradient_clipping")
+            raise FloatingPointError(
+                f"{msg}, after {len(applied)} units took the step's update: the state is "
+                "torn. Resume from the last checkpoint (and lower the learning rate, or set "
+                "gradient_clipping)"
+            )
+        self.lifecycle.end_applying()  # nothing was applied: the step is dropped as before its updates
+        raise FloatingPointError(
+            f"{msg}: the step was not applied, every weight and moment is as before it. "
+            "Lower the learning rate, check the data, or set gradient_clipping"
+        )
 
     # ------------------------------------------------------------------ resets
 
@@ -397,7 +456,7 @@ class Step:
         """Drop the step in progress (nothing of it applied): its speculative updates are undone (the worker
         drained after), its gradients forgotten. The caller drained the worker and reset the transfers first."""
         spec = self.speculator.take()
-        if spec is not None:         # [Note: speculative updates]: undo what the worker updated early
+        if spec is not None:  # [Note: speculative updates]: undo what the worker updated early
             self.settle(spec, self.host_units(), self.hypers.for_step(), None)
             self.worker.drain()
         self.torch_clip.discard()
@@ -417,7 +476,7 @@ class Step:
         """The module's parameters (host views) take the current weights of device-optimized units."""
         if self.mirror_stale and (self.dev.is_cuda or any(u.shard_state for u in self.units)):
             for u in self.units:
-                if u.shard_state:     # [Note: sharded device state]: gathered from every rank (a collective)
+                if u.shard_state:  # [Note: sharded device state]: gathered from every rank (a collective)
                     u.host.copy_(self.sharding.gather_full(u, u.master))
                 elif u.optimizer_on_device and u.host is not u.master:
                     u.host.copy_(u.master)

@@ -100,7 +100,7 @@ class Segment:
 
     offset: int
     numel: int
-    group: int      # index into the engine's param_groups (0 when there are no groups)
+    group: int  # index into the engine's param_groups (0 when there are no groups)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class FlatLayout:
     segments: tuple[Segment, ...] = ()
 
     @classmethod
-    def of(cls, named_shapes: list[tuple[str, torch.Size]], groups: list[int] | None = None) -> "FlatLayout":
+    def of(cls, named_shapes: list[tuple[str, torch.Size]], groups: list[int] | None = None) -> FlatLayout:
         """``groups``: each parameter's group index (all 0 when None). Parameters are placed by group, then
         in the order given (see [Note: segments per unit])."""
         names = [n for n, _ in named_shapes]
@@ -140,7 +140,7 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter-shaped views of ``flat`` (no copy)."""
-        return {n: flat[o:o + math.prod(s)].view(s) for n, s, o in zip(self.names, self.shapes, self.offsets)}
+        return {n: flat[o : o + math.prod(s)].view(s) for n, s, o in zip(self.names, self.shapes, self.offsets)}
 
 
 class Home(enum.Enum):
@@ -163,50 +163,50 @@ class Unit:
     """One block (or the shell) in the store. Attributes carry shape, dtype and home."""
 
     name: str
-    index: int                               # execution order of blocks; -1 for the shell
+    index: int  # execution order of blocks; -1 for the shell
     layout: FlatLayout
     home: Home
-    optimizer_on_device: bool                # master and moments on the device (else host, CPU worker)
-    host: torch.Tensor | None = None         # (numel,) fp32, host; module params view it
-    dev16: torch.Tensor | None = None        # (numel,) compute dtype, device; RESIDENT only
-    master: torch.Tensor | None = None       # (numel,) fp32, optimizer home
-    exp_avg: torch.Tensor | None = None      # (numel,) fp32, optimizer home
-    exp_avg_sq: torch.Tensor | None = None   # (numel,) fp32, optimizer home
-    step: torch.Tensor | None = None         # () fp32, optimizer home: AdamW steps taken
-    grad: torch.Tensor | None = None         # (numel,) fp32, device: own (RESIDENT) or a slot (STREAMED)
+    optimizer_on_device: bool  # master and moments on the device (else host, CPU worker)
+    host: torch.Tensor | None = None  # (numel,) fp32, host; module params view it
+    dev16: torch.Tensor | None = None  # (numel,) compute dtype, device; RESIDENT only
+    master: torch.Tensor | None = None  # (numel,) fp32, optimizer home
+    exp_avg: torch.Tensor | None = None  # (numel,) fp32, optimizer home
+    exp_avg_sq: torch.Tensor | None = None  # (numel,) fp32, optimizer home
+    step: torch.Tensor | None = None  # () fp32, optimizer home: AdamW steps taken
+    grad: torch.Tensor | None = None  # (numel,) fp32, device: own (RESIDENT) or a slot (STREAMED)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # module buffers on the compute device
     state: WeightState = WeightState.ON_HOST
-    slot: "Slot | None" = None
-    ready_event: object = None               # upload done (STREAMED)
-    grad_slot: "Slot | None" = None
-    grad_fresh: bool = True                  # next gradient write is a copy, not an add
-    updated: object = None                   # threading.Event: master holds the latest update
-    moments_done: object = None              # threading.Event: no moments pass pending ([Note: moments after
-                                             # the forward], update/split_adamw.py)
-    master_behind: bool = False              # the last update's first pass wrote only host16: master is current
-                                             # once moments_done ([Note: the master behind its cast])
-    host_grad_fresh: bool = True             # deferred updates: the host gradient buffer holds nothing yet
-                                             # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
-    pending_update: tuple | None = None      # deferred: (grad factor, Hyper) of an update the device applies
-    master_event: object = None              # the download of a device-applied update into master
-    dirty: bool = False                      # RESIDENT with host optimizer: dev16 older than master
-    host16: torch.Tensor | None = None       # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra forwards]
-    host16_epoch: int = -1                   # the engine's weights epoch host16 was taken in (valid while equal)
-    host16_event: object = None              # the download that filled host16
-    swap: str | None = None                  # on the disk tier (disk.py): "moments", or "all" (master too;
-                                             # host16 then holds its compute weights, the upload source)
-    lo: int = 0                              # this rank's shard [lo, hi) of the flat buffers ([Note: sharded
-    hi: int = 0                              # units], ranks.py); one rank: [0, numel)
-    shard_state: bool = False                # device-optimized on several ranks: master and moments hold only
-                                             # [lo, hi) (dev16 and the host mirror stay whole)
-    frozen: FlatLayout | None = None         # its parameters that are not trained ([Note: frozen parameters])
+    slot: Slot | None = None
+    ready_event: object = None  # upload done (STREAMED)
+    grad_slot: Slot | None = None
+    grad_fresh: bool = True  # next gradient write is a copy, not an add
+    updated: object = None  # threading.Event: master holds the latest update
+    moments_done: object = None  # threading.Event: no moments pass pending ([Note: moments after
+    # the forward], update/split_adamw.py)
+    master_behind: bool = False  # the last update's first pass wrote only host16: master is current
+    # once moments_done ([Note: the master behind its cast])
+    host_grad_fresh: bool = True  # deferred updates: the host gradient buffer holds nothing yet
+    # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
+    pending_update: tuple | None = None  # deferred: (grad factor, Hyper) of an update the device applies
+    master_event: object = None  # the download of a device-applied update into master
+    dirty: bool = False  # RESIDENT with host optimizer: dev16 older than master
+    host16: torch.Tensor | None = None  # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra forwards]
+    host16_epoch: int = -1  # the engine's weights epoch host16 was taken in (valid while equal)
+    host16_event: object = None  # the download that filled host16
+    swap: str | None = None  # on the disk tier (disk.py): "moments", or "all" (master too;
+    # host16 then holds its compute weights, the upload source)
+    lo: int = 0  # this rank's shard [lo, hi) of the flat buffers ([Note: sharded
+    hi: int = 0  # units], ranks.py); one rank: [0, numel)
+    shard_state: bool = False  # device-optimized on several ranks: master and moments hold only
+    # [lo, hi) (dev16 and the host mirror stay whole)
+    frozen: FlatLayout | None = None  # its parameters that are not trained ([Note: frozen parameters])
     frozen_host: torch.Tensor | None = None  # (frozen.numel,) compute dtype, host (pinned); module params view it
-    frozen_dev: torch.Tensor | None = None   # (frozen.numel,) compute dtype, device; RESIDENT only
-    frozen_at: int = 0                       # STREAMED: where the frozen weights start in a weight slot
-    frozen_disk: bool = False                # frozen_host is a view of the disk tier's mapping, uploaded from the
-                                             # tier ([Note: a frozen base on the disk], disk.py)
-    nf4: object = None                       # its frozen weights held in 4 bits (nf4.UnitNF4), after those of
-                                             # frozen_host in the frozen layout ([Note: an NF4 base], nf4.py)
+    frozen_dev: torch.Tensor | None = None  # (frozen.numel,) compute dtype, device; RESIDENT only
+    frozen_at: int = 0  # STREAMED: where the frozen weights start in a weight slot
+    frozen_disk: bool = False  # frozen_host is a view of the disk tier's mapping, uploaded from the
+    # tier ([Note: a frozen base on the disk], disk.py)
+    nf4: object = None  # its frozen weights held in 4 bits (nf4.UnitNF4), after those of
+    # frozen_host in the frozen layout ([Note: an NF4 base], nf4.py)
 
     @property
     def numel(self) -> int:
@@ -248,8 +248,11 @@ class Unit:
         if self.frozen is None:
             return {}
         n16 = self.frozen_host.numel()
-        out = {n: self.frozen_host[o:o + math.prod(s)].view(s)
-               for n, s, o in zip(self.frozen.names, self.frozen.shapes, self.frozen.offsets) if o < n16}
+        out = {
+            n: self.frozen_host[o : o + math.prod(s)].view(s)
+            for n, s, o in zip(self.frozen.names, self.frozen.shapes, self.frozen.offsets)
+            if o < n16
+        }
         if self.nf4 is not None:
             out.update({n: self.nf4.value(n, self.frozen_host.dtype) for n in self.nf4.names})
         return out
@@ -260,17 +263,17 @@ class Unit:
             return {}
         if self.home is Home.RESIDENT:
             return self.frozen.views(self.frozen_dev)
-        self.device_weights()      # raises unless ON_DEVICE
-        return self.frozen.views(self.slot.tensor[self.frozen_at:self.frozen_at + self.frozen.numel])
+        self.device_weights()  # raises unless ON_DEVICE
+        return self.frozen.views(self.slot.tensor[self.frozen_at : self.frozen_at + self.frozen.numel])
 
 
 @dataclass
 class Slot:
     """A preallocated device buffer that streamed units borrow. See [Note: slot reuse]."""
 
-    tensor: torch.Tensor        # (capacity,) on the device
-    free_event: object = None   # last reader (or writer) of the previous tenant is done
-    read_event: object = None   # a download reading the slot (into a host16 copy) is done
+    tensor: torch.Tensor  # (capacity,) on the device
+    free_event: object = None  # last reader (or writer) of the previous tenant is done
+    read_event: object = None  # a download reading the slot (into a host16 copy) is done
     tenant: Unit | None = None
 
 
@@ -322,13 +325,13 @@ class HostArena:
             self.tensor = ranks.shared(max(numel, 1), dtype)
             if pinned:
                 pin(self.tensor)
-        else:       # [Note: page-locking fresh memory] (device.py)
+        else:  # [Note: page-locking fresh memory] (device.py)
             self.tensor = fresh_pinned(max(numel, 1), dtype) if pinned else torch.empty(max(numel, 1), dtype=dtype)
         self.pinned = pinned
         self._used = 0
 
     def take(self, numel: int) -> torch.Tensor:
-        t = self.tensor[self._used:self._used + numel]
+        t = self.tensor[self._used : self._used + numel]
         self._used += numel
         return t
 
@@ -376,8 +379,8 @@ def follow_masters(units: list[Unit], shell: Unit) -> None:
                 u.dirty = True
             else:
                 u.dev16.copy_(u.master)
-        if u.frozen_dev is not None and u.frozen_dev is not u.frozen_host:    # [Note: frozen parameters]
-            u.frozen_dev[:u.frozen_host.numel()].copy_(u.frozen_host)     # (NF4 ones never change)
+        if u.frozen_dev is not None and u.frozen_dev is not u.frozen_host:  # [Note: frozen parameters]
+            u.frozen_dev[: u.frozen_host.numel()].copy_(u.frozen_host)  # (NF4 ones never change)
         if u.home is Home.STREAMED:
             u.state, u.slot, u.ready_event = WeightState.ON_HOST, None, None
         if u.home is Home.RESIDENT and u.grad is not None:

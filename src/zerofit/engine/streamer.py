@@ -33,29 +33,52 @@ class Streamer:
     than fp32: the master goes up through it, a unit larger than it in pieces), and ``kept``: the blocks a
     window keeps in slots carved from the gradient buffers (id(unit) -> slot)."""
 
-    def __init__(self, dev, ranks, planning, units: list[Unit], *, dtype: torch.dtype, host_updates,
-                 device_updates, copies16, sharding, keep_blocks: bool):
+    def __init__(
+        self,
+        dev,
+        ranks,
+        planning,
+        units: list[Unit],
+        *,
+        dtype: torch.dtype,
+        host_updates,
+        device_updates,
+        copies16,
+        sharding,
+        keep_blocks: bool,
+    ):
         self.dev, self.ranks, self.planning, self.dtype = dev, ranks, planning, dtype
-        self.host_updates, self.device_updates, self.copies16, self.sharding = (host_updates, device_updates,
-                                                                                copies16, sharding)
+        self.host_updates, self.device_updates, self.copies16, self.sharding = (
+            host_updates,
+            device_updates,
+            copies16,
+            sharding,
+        )
         self.shell, self.blocks = units[0], units[1:]
         self.units = units
         self.keep_allowed = keep_blocks
         plan = planning.plan
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
-        wcap = max((u.frozen_at + u.frozen_numel if u.frozen else ranks.padded(u.numel) for u in streamed),
-                   default=0)   # a weight slot holds the frozen weights too, after the trained ones
+        wcap = max(
+            (u.frozen_at + u.frozen_numel if u.frozen else ranks.padded(u.numel) for u in streamed), default=0
+        )  # a weight slot holds the frozen weights too, after the trained ones
         self.pool = SlotPool(dev, plan.weight_slots, wcap, dtype) if streamed else None
         uploaded = streamed + ([self.shell] if not plan.shell_optimizer_on_device else [])
         ucap = plan.stage_numel or max((u.numel for u in (streamed or uploaded)), default=0)
-        self.stage = (torch.empty(ucap, dtype=torch.float32, device=dev.device)  # (ucap,) fp32
-                      if uploaded and dtype != torch.float32 else None)
+        self.stage = (
+            torch.empty(ucap, dtype=torch.float32, device=dev.device)  # (ucap,) fp32
+            if uploaded and dtype != torch.float32
+            else None
+        )
         self.kept: dict[int, Slot] = {}
         # [Note: an NF4 base] (nf4.py): a streamed block's packed 4-bit weights go up here, then are dequantized
         # into its slot (the upload stream runs in order: one stage serves every block)
         nf4 = max((u.nf4.nbytes for u in streamed if u.nf4 is not None), default=0)
-        self.nf4_stage = (torch.empty(nf4, dtype=torch.uint8, device=dev.device)   # (bytes,) uint8
-                          if nf4 and dev.is_cuda else None)
+        self.nf4_stage = (
+            torch.empty(nf4, dtype=torch.uint8, device=dev.device)  # (bytes,) uint8
+            if nf4 and dev.is_cuda
+            else None
+        )
 
     @property
     def shell_host_optimized(self) -> bool:
@@ -65,7 +88,7 @@ class Streamer:
     def reset(self) -> None:
         """No copy or kernel is in flight (the caller waited for the device): every slot is empty and every
         streamed unit ON_HOST, to be uploaded again when next needed (see [Note: slot reuse])."""
-        self.kept = {}      # its slots were carved from the gradient buffers
+        self.kept = {}  # its slots were carved from the gradient buffers
         if self.pool is not None:
             self.pool.empty()
         for u in self.blocks:
@@ -94,20 +117,22 @@ class Streamer:
         if not unit.updated.is_set() and not wait:
             return False
         self.host_updates.wait_updated(unit)
-        slot = self.kept.get(id(unit)) or self.pool.take(protect)   # [Note: a window keeps some blocks]
+        slot = self.kept.get(id(unit)) or self.pool.take(protect)  # [Note: a window keeps some blocks]
         dst = slot.tensor[: unit.numel]
         with self.dev.on(self.dev.upload):
-            self.dev.wait(self.dev.upload, slot.free_event)       # [Note: slot reuse]
+            self.dev.wait(self.dev.upload, slot.free_event)  # [Note: slot reuse]
             self.dev.wait(self.dev.upload, slot.read_event)
             slot.read_event = self.upload(unit, dst)
-            if self.ranks.many and unit.numel:   # [Note: sharded units]: the rank uploaded its shard; the GPUs share the rest
+            if (
+                self.ranks.many and unit.numel
+            ):  # [Note: sharded units]: the rank uploaded its shard; the GPUs share the rest
                 with self.dev.timed("upload", self.dev.upload, f"{unit.name}(gather)"):
                     self.ranks.gather(slot.tensor, unit.numel)
                 # [Note: nodes hold a slice of the state]: engine.module's gathered masters handed back, every rank
                 # in the step now (none reading them)
                 self.sharding.slices.before_upload(self.units)
-            if unit.frozen is not None:          # [Note: frozen parameters]: after the trained weights, whole
-                self._upload_frozen(unit, slot.tensor[unit.frozen_at:unit.frozen_at + unit.frozen_numel])
+            if unit.frozen is not None:  # [Note: frozen parameters]: after the trained weights, whole
+                self._upload_frozen(unit, slot.tensor[unit.frozen_at : unit.frozen_at + unit.frozen_numel])
             unit.ready_event = self.dev.record(self.dev.upload)
         slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
         return True
@@ -120,9 +145,9 @@ class Streamer:
         cast weights down into it ([Note: 16-bit copies for extra forwards]). Returns the event of a
         download that reads ``dst`` (the slot must outlive it), or None."""
         self.dev.wait(self.dev.upload, unit.master_event)
-        if unit.shard_state:      # [Note: sharded device state]: the rank's shard, from its GPU (cast)
+        if unit.shard_state:  # [Note: sharded device state]: the rank's shard, from its GPU (cast)
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(shard)"):
-                dst[unit.lo:unit.hi].copy_(unit.master)
+                dst[unit.lo : unit.hi].copy_(unit.master)
             return None
         if unit.pending_update is not None:
             self.device_updates.assisted_update(unit, dst)
@@ -132,19 +157,19 @@ class Streamer:
                 self.dev.wait(self.dev.upload, unit.host16_event)
                 dst.copy_(unit.host16, non_blocking=True)
             return None
-        if unit.master_behind:      # [Note: the master behind its cast]: its 16-bit copy went stale first
+        if unit.master_behind:  # [Note: the master behind its cast]: its 16-bit copy went stale first
             self.host_updates.await_moments(unit)
-        lo, hi = unit.lo, unit.hi     # the whole unit, or this rank's shard ([Note: sharded units])
+        lo, hi = unit.lo, unit.hi  # the whole unit, or this rank's shard ([Note: sharded units])
         with self.dev.timed("upload", self.dev.upload, unit.name):
             if dst.dtype == torch.float32:
                 dst[lo:hi].copy_(unit.master[lo:hi], non_blocking=True)
-            else:   # one buffer: the upload stream runs in order; a unit larger than it (the shell) in pieces
+            else:  # one buffer: the upload stream runs in order; a unit larger than it (the shell) in pieces
                 cap = self.stage.numel()
                 for a in range(lo, hi, cap):
                     k = min(cap, hi - a)
                     stage = self.stage[:k]
-                    stage.copy_(unit.master[a:a + k], non_blocking=True)
-                    dst[a:a + k].copy_(stage)
+                    stage.copy_(unit.master[a : a + k], non_blocking=True)
+                    dst[a : a + k].copy_(stage)
         if unit.host16 is None or not self.copies16.fill:
             return None
         up = self.dev.record(self.dev.upload)
@@ -161,14 +186,14 @@ class Streamer:
         through the upload stage in pieces as upload does ([Note: frozen parameters], store.py); those held in
         NF4 packed, then dequantized on the device ([Note: an NF4 base], nf4.py)."""
         src = unit.frozen_host
-        if unit.frozen_disk:      # [Note: a frozen base on the disk] (disk.py): chunk by chunk from the tier
+        if unit.frozen_disk:  # [Note: a frozen base on the disk] (disk.py): chunk by chunk from the tier
             tier, key, n = self.host_updates.tier, frozen_key(unit.index), src.numel()
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(frozen disk)"):
                 for c, (a, _) in enumerate(tier.chunks(key)):
                     chunk = tier.acquire(key, c)["w16"].view(src.dtype)
                     lo = a * 4 // src.element_size()
                     hi = min(lo + chunk.numel(), n)
-                    dst[lo:hi].copy_(chunk[:hi - lo])     # (a pageable buffer: the copy is done when it returns)
+                    dst[lo:hi].copy_(chunk[: hi - lo])  # (a pageable buffer: the copy is done when it returns)
                     tier.release(key, c, write=False)
             return
         if unit.nf4 is not None:
@@ -176,10 +201,10 @@ class Streamer:
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(nf4)"):
                 packed = q.host
                 if self.nf4_stage is not None:
-                    packed = self.nf4_stage[:q.nbytes]
+                    packed = self.nf4_stage[: q.nbytes]
                     packed.copy_(q.host, non_blocking=True)
                 q.dequantize(packed, dst)
-            dst = dst[:src.numel()]
+            dst = dst[: src.numel()]
         with self.dev.timed("upload", self.dev.upload, f"{unit.name}(frozen)"):
             if dst.dtype == src.dtype:
                 dst.copy_(src, non_blocking=True)
@@ -188,12 +213,12 @@ class Streamer:
             for a in range(0, src.numel(), cap):
                 k = min(cap, src.numel() - a)
                 stage = self.stage[:k]
-                stage.copy_(src[a:a + k], non_blocking=True)
-                dst[a:a + k].copy_(stage)
+                stage.copy_(src[a : a + k], non_blocking=True)
+                dst[a : a + k].copy_(stage)
 
     def _window(self, order: list[Unit], pos: int) -> tuple:
         """The units needed from ``pos`` on that fit in the slots: the ones a slot must not be taken from."""
-        return tuple(order[pos: pos + self.planning.plan.weight_slots])
+        return tuple(order[pos : pos + self.planning.plan.weight_slots])
 
     def acquire(self, order: list[Unit], pos: int) -> None:
         """UPLOADING -> ON_DEVICE for ``order[pos]``: the compute stream waits for its upload."""
@@ -221,12 +246,15 @@ class Streamer:
         """Enqueue the uploads of the next units in ``order`` that are ready, as far as the slots allow."""
         depth = self.planning.plan.weight_slots - 1
         tier = self.host_updates.tier
-        if tier is not None:      # [Note: a frozen base on the disk]: read the next ones' frozen weights ahead
-            ahead = [frozen_key(u.index) for u in order[pos + 1: pos + 2 + depth]
-                     if u.frozen_disk and u.state is WeightState.ON_HOST]
+        if tier is not None:  # [Note: a frozen base on the disk]: read the next ones' frozen weights ahead
+            ahead = [
+                frozen_key(u.index)
+                for u in order[pos + 1 : pos + 2 + depth]
+                if u.frozen_disk and u.state is WeightState.ON_HOST
+            ]
             if ahead:
                 tier.expect(ahead)
-        for u in order[pos + 1: pos + 1 + depth]:
+        for u in order[pos + 1 : pos + 1 + depth]:
             # a unit whose CPU update is still running is passed over, not waited for: the ones after it
             # (an assisted update, say) keep the copy engines busy meanwhile; it is uploaded when acquired
             # several ranks: the gathers must come in the same order on every rank ([Note: sharded units])
@@ -241,13 +269,13 @@ class Streamer:
             return
         u = self.shell
         updated = self.device_updates.take_shell_update()
-        if updated is not None:     # updated on the device: [Note: assisted updates in the backward]
+        if updated is not None:  # updated on the device: [Note: assisted updates in the backward]
             self.dev.wait(self.dev.compute, updated)
         if u.dirty:
             self.host_updates.wait_updated(u)
             with self.dev.on(self.dev.upload):
                 self.upload(u, u.dev16)
-                if self.ranks.many:     # [Note: sharded units]
+                if self.ranks.many:  # [Note: sharded units]
                     self.sharding.gather_dev16(u)
                 ev = self.dev.record(self.dev.upload)
             self.dev.wait(self.dev.compute, ev)
@@ -262,26 +290,31 @@ class Streamer:
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
         window = tuple(streamed[: self.planning.plan.weight_slots])
         for u in streamed[: max(self.planning.plan.weight_slots - 1, 1)]:
-            if not self.begin_upload(u, window, wait=self.ranks.many):   # ranks: [Note: sharded units]
+            if not self.begin_upload(u, window, wait=self.ranks.many):  # ranks: [Note: sharded units]
                 break
 
     def keep_blocks(self, grad_pool: SlotPool | None) -> None:
         """At a window's first forward, with more forwards to come: carve slots for some streamed blocks out of
         the idle gradient buffers ([Note: a window keeps some blocks])."""
-        if (self.kept or not self.keep_allowed or grad_pool is None or self.ranks.many
-                or any(g.tenant is not None for g in grad_pool.slots)):
+        if (
+            self.kept
+            or not self.keep_allowed
+            or grad_pool is None
+            or self.ranks.many
+            or any(g.tenant is not None for g in grad_pool.slots)
+        ):
             return
         cap = self.pool.slots[0].tensor.numel()
         slots = []
         for g in grad_pool.slots:
-            room = g.tensor.view(self.dtype)      # (2 x capacity,) in 16-bit, (capacity,) in fp32
+            room = g.tensor.view(self.dtype)  # (2 x capacity,) in 16-bit, (capacity,) in fp32
             for j in range(room.numel() // cap):
-                slots.append(Slot(room[j * cap:(j + 1) * cap], free_event=g.free_event))
+                slots.append(Slot(room[j * cap : (j + 1) * cap], free_event=g.free_event))
         streamed = [u for u in self.blocks if u.home is Home.STREAMED]
-        candidates = streamed[:max(len(streamed) - self.planning.plan.weight_slots, 0)]
-        keep = candidates[max(len(candidates) - len(slots), 0):]
+        candidates = streamed[: max(len(streamed) - self.planning.plan.weight_slots, 0)]
+        keep = candidates[max(len(candidates) - len(slots), 0) :]
         for u, slot in zip(keep, slots):
-            if u.state is not WeightState.ON_HOST:     # in a pool slot (prefetched): give that slot back first
+            if u.state is not WeightState.ON_HOST:  # in a pool slot (prefetched): give that slot back first
                 self.evict(u)
             self.kept[id(u)] = slot
 
@@ -289,6 +322,6 @@ class Streamer:
         """The window's forwards are done: the kept blocks' slots go back to being gradient memory."""
         kept, self.kept = self.kept, {}
         for slot in kept.values():
-            self.dev.wait(self.dev.compute, slot.read_event)    # a download filling a host copy from it
+            self.dev.wait(self.dev.compute, slot.read_event)  # a download filling a host copy from it
             if slot.tenant is not None:
                 self.evict(slot.tenant)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-ALIGN = 4096                    # O_DIRECT: buffer address, file offset and length aligned to this
+ALIGN = 4096  # O_DIRECT: buffer address, file offset and length aligned to this
 SWAP_GLOB = "zerofit-swap-*.bin"
 
 # the I/O calls, module-level so that tests can inject ENOSPC / EIO
@@ -54,7 +54,7 @@ class Region:
     """Where one unit's swapped fields are in the file: byte offsets of each field's region."""
 
     numel: int
-    offsets: dict            # field name -> byte offset (4 KiB aligned)
+    offsets: dict  # field name -> byte offset (4 KiB aligned)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -77,7 +77,7 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     """(nbytes,) uint8 host tensor whose address is ALIGN-aligned (what O_DIRECT needs)."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     off = -raw.data_ptr() % ALIGN
-    return raw[off:off + nbytes]
+    return raw[off : off + nbytes]
 
 
 class SwapFile:
@@ -97,17 +97,18 @@ class SwapFile:
         self._pool: ThreadPoolExecutor | None = None
         try:
             self._remove_stale()
-            os.ftruncate(self._lock_fd, 0)          # a reused file: its old contents must not show through
+            os.ftruncate(self._lock_fd, 0)  # a reused file: its old contents must not show through
             try:
-                os.posix_fallocate(self._lock_fd, 0, self.nbytes)    # reserved now: no ENOSPC mid-run
+                os.posix_fallocate(self._lock_fd, 0, self.nbytes)  # reserved now: no ENOSPC mid-run
             except OSError as e:
                 raise DiskTierError(
                     f"{self.path}: cannot reserve {self.nbytes / 2**30:.2f} GiB for the NVMe tier "
                     f"({e.strerror}); {_free(self.folder) / 2**30:.2f} GiB are free there. Free space, choose "
-                    "another offload.nvme_path, or raise max_host_memory so that less goes to the disk") from e
+                    "another offload.nvme_path, or raise max_host_memory so that less goes to the disk"
+                ) from e
             self._fd, self.direct = self._open_direct()
             self._mm = mmap.mmap(self._lock_fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self.map = torch.frombuffer(self._mm, dtype=torch.float32)     # keeps the mapping alive
+            self.map = torch.frombuffer(self._mm, dtype=torch.float32)  # keeps the mapping alive
             self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="zerofit-disk")
         except BaseException:
             self.close()
@@ -120,7 +121,7 @@ class SwapFile:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:       # another live run's file
+            except BlockingIOError:  # another live run's file
                 os.close(fd)
                 continue
             return path, fd, existed
@@ -152,7 +153,7 @@ class SwapFile:
 
     def view(self, offset: int, numel: int) -> torch.Tensor:
         """(numel,) fp32 view of the mapping at byte ``offset``."""
-        return self.map[offset // 4: offset // 4 + numel]
+        return self.map[offset // 4 : offset // 4 + numel]
 
     def submit(self, op: str, offset: int, buf: torch.Tensor, what: str) -> list[Future]:
         """Read (``op`` 'read') or write ``buf`` (uint8, aligned, length a multiple of ALIGN) at ``offset``,
@@ -160,7 +161,7 @@ class SwapFile:
         mv = memoryview(buf.numpy())
         futs = []
         for a in range(0, len(mv), self.block_bytes):
-            part = mv[a:a + self.block_bytes]
+            part = mv[a : a + self.block_bytes]
             futs.append(self._pool.submit(self._io, op, part, offset + a, what))
         return futs
 
@@ -170,12 +171,16 @@ class SwapFile:
             try:
                 n = (_pread if op == "read" else _pwrite)(self._fd, [part[done:]], offset + done)
             except OSError as e:
-                raise DiskTierError(f"{self.path}: {'reading' if op == 'read' else 'writing'} {len(part)} bytes at "
-                                    f"offset {offset} ({what}) failed: [Errno {e.errno}] "
-                                    f"{e.strerror or errno.errorcode.get(e.errno, '')}") from e
+                raise DiskTierError(
+                    f"{self.path}: {'reading' if op == 'read' else 'writing'} {len(part)} bytes at "
+                    f"offset {offset} ({what}) failed: [Errno {e.errno}] "
+                    f"{e.strerror or errno.errorcode.get(e.errno, '')}"
+                ) from e
             if n <= 0:
-                raise DiskTierError(f"{self.path}: short {op} at offset {offset + done} ({what}): the file is "
-                                    f"shorter than the {self.nbytes} bytes reserved")
+                raise DiskTierError(
+                    f"{self.path}: short {op} at offset {offset + done} ({what}): the file is "
+                    f"shorter than the {self.nbytes} bytes reserved"
+                )
             done += n
         return done
 
@@ -255,7 +260,7 @@ class SwapFile:
         if self._mm is not None:
             try:
                 self._mm.close()
-            except BufferError:     # views still exist (a closed engine's module): they keep it mapped
+            except BufferError:  # views still exist (a closed engine's module): they keep it mapped
                 pass
             self._mm = None
         if self._fd >= 0:

@@ -23,14 +23,14 @@ class Timeline:
         self._t0 = time.perf_counter()
         self._worker0 = (0.0, 0.0)
         self._origin = None
-        self._seconds: dict[str, float] = {}     # the last step's seconds per phase, or the waits of the one running
-        self._wait_spans: list[tuple] = []       # (label, start, end) of the main thread's waits, this step
-        self._trace: list[dict] | tuple = []     # the last step's trace, or what trace() builds it from
-        self.peak_host = 0                       # the host's peak RSS seen (bytes)
+        self._seconds: dict[str, float] = {}  # the last step's seconds per phase, or the waits of the one running
+        self._wait_spans: list[tuple] = []  # (label, start, end) of the main thread's waits, this step
+        self._trace: list[dict] | tuple = []  # the last step's trace, or what trace() builds it from
+        self.peak_host = 0  # the host's peak RSS seen (bytes)
 
     def start(self) -> None:
         """A step's clocks start: wall time, the worker's working and waiting seconds, the device trace's origin."""
-        self.dev.forget_intervals()     # regions between steps (evaluation forwards) belong to no step
+        self.dev.forget_intervals()  # regions between steps (evaluation forwards) belong to no step
         self.worker.drain_spans()
         self._seconds, self._wait_spans = {}, []
         self._origin = self.dev.mark()
@@ -47,7 +47,7 @@ class Timeline:
         [Note: events, not device syncs], device.py), sum each lane, keep what the trace is built from."""
         self.dev.synchronize()
         tl, intervals = self.dev.drain_intervals()
-        tl["optimizer"] = self.worker.busy_seconds - self._worker0[0]       # [Note: the worker's waits]
+        tl["optimizer"] = self.worker.busy_seconds - self._worker0[0]  # [Note: the worker's waits]
         tl["optimizer_wait"] = self.worker.wait_seconds - self._worker0[1]
         tl["wait"] = self._seconds.get("wait", 0.0)
         tl["step"] = time.perf_counter() - self._t0
@@ -58,7 +58,7 @@ class Timeline:
         if tier is not None:
             host += [("disk", label, a, b) for label, a, b in tier.drain_spans()]
         host += [("wait", label, a, b) for label, a, b in self._wait_spans]
-        self._trace = (intervals, self._origin, host, self._t0)    # built by trace(), if anyone asks
+        self._trace = (intervals, self._origin, host, self._t0)  # built by trace(), if anyone asks
         self.note_host()
 
     def note_host(self) -> None:
@@ -81,7 +81,10 @@ class Timeline:
         if isinstance(self._trace, tuple):
             intervals, origin, host, t0 = self._trace
             trace = self.dev.trace_of(intervals, origin)
-            trace += [{"lane": lane, "label": label, "start": round(a - t0, 6), "end": round(b - t0, 6)}
-                      for lane, label, a, b in host if b >= t0]
+            trace += [
+                {"lane": lane, "label": label, "start": round(a - t0, 6), "end": round(b - t0, 6)}
+                for lane, label, a, b in host
+                if b >= t0
+            ]
             self._trace = sorted(trace, key=lambda e: (e["lane"], e["start"]))
         return list(self._trace)

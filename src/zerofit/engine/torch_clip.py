@@ -5,8 +5,9 @@ The user's loop ([Note: the user's loop drives the engine], userloop) clips as t
 parameter's fp32 norm (``_foreach_norm``), the norm of those norms, ``clamp(max_norm / (norm + 1e-6), max=1)``
 and every gradient multiplied by it in place, so its clipped gradients are bitwise the plain loop's. Done at the
 ``clip_grad_norm_`` call over the host gradients of the streamed blocks, that was two passes over every host
-gradient between the backward and ``optimizer.step()``, with the GPU idle: 1.41 s of W7's 3.07 s step on the
-H200 (2026-12-02, bench/engine_userloop.py --window 4). So:
+gradient between the backward and ``optimizer.step()``, with the GPU idle: almost half the step of a 3B model
+in the user's own loop with 4 micro-batches (bench/engine_userloop.py --window 4; docs/benchmarks.md, the user's
+own loop). So:
 
 - a streamed unit whose whole gradient of the step comes down at once (deferred updates, the unit's host buffer
   filled fresh: the window holds every micro-batch) has its parameters' norms taken on the device as it is
@@ -58,7 +59,7 @@ class TorchClip:
     def note(self, unit: Unit, grad: torch.Tensor) -> None:
         """``grad`` (on the device, fp32) is the unit's whole gradient of the step: its parameters' norms now."""
         names = self.names.get(id(unit))
-        if names and not self.ranks.many:      # several ranks: each holds a shard; the clip reads them as before
+        if names and not self.ranks.many:  # several ranks: each holds a shard; the clip reads them as before
             views = unit.layout.views(grad)
             self.norms[id(unit)] = torch._foreach_norm([views[n] for n in names], 2.0)
 
@@ -92,8 +93,10 @@ class TorchClip:
             else:
                 flat = self.grads.host_grads.get(id(u))
                 if flat is None:
-                    raise RuntimeError(f"{u.name}: its gradient is not in memory (the disk tier's): clipping or "
-                                       "unscaling under the user's loop needs it there")
+                    raise RuntimeError(
+                        f"{u.name}: its gradient is not in memory (the disk tier's): clipping or "
+                        "unscaling under the user's loop needs it there"
+                    )
                 out.append(flat.narrow(0, 0, u.hi - u.lo))
         return out
 
@@ -104,8 +107,10 @@ class TorchClip:
         for u, name in self.order:
             flat = u.grad if u.optimizer_on_device else self.grads.host_grads.get(id(u))
             if flat is None:
-                raise RuntimeError(f"{u.name}: its gradient is not in memory (the disk tier's): clipping or "
-                                   "unscaling under the user's loop needs it there")
+                raise RuntimeError(
+                    f"{u.name}: its gradient is not in memory (the disk tier's): clipping or "
+                    "unscaling under the user's loop needs it there"
+                )
             out.append(u.layout.views(flat)[name])
         return out
 
@@ -128,7 +133,7 @@ class TorchClip:
                 rest.append(i)
         for i, n in zip(rest, torch._foreach_norm([grads[i] for i in rest], 2.0) if rest else []):
             norms[i] = n
-        self.norms.clear()       # a second clip reads the clipped gradients themselves
+        self.norms.clear()  # a second clip reads the clipped gradients themselves
         device = self.dev.device
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -177,6 +182,7 @@ class TorchClip:
         def multiply():
             for g in views:
                 g.mul_(coef)
+
         return multiply
 
     def settle(self) -> None:

@@ -20,11 +20,12 @@ class ParamGroup(dict):
             "optimizer.param_groups is read-only in zerofit here: the engine computes each step's lr from the "
             "config's optimizer and scheduler blocks and would not see a change made here; set them in the config, "
             "or pass initialize() a torch optimizer (and lr_scheduler=...), whose param_groups the engine reads at "
-            "every step")
+            "every step"
+        )
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 
-    def __reduce__(self):    # copies (copy.deepcopy(optimizer.param_groups)) are plain dicts
+    def __reduce__(self):  # copies (copy.deepcopy(optimizer.param_groups)) are plain dicts
         return (dict, (dict(self),))
 
 
@@ -68,8 +69,10 @@ class OptimizerView:
         if client is not None:
             client.catch_up(self._hypers)
             return client.optimizer.param_groups
-        return [ParamGroup(params=p, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay)
-                for p, h in zip(self._group_params(), self.hypers())]
+        return [
+            ParamGroup(params=p, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay)
+            for p, h in zip(self._group_params(), self.hypers())
+        ]
 
     @property
     def defaults(self) -> dict:

@@ -48,10 +48,16 @@ from zerofit.engine.lifecycle import EngineState
 log = logging.getLogger("zerofit")
 
 # keys only the post pass (head and loss) reads: a call may differ from its announced micro-batch in these
-_WINDOW_LOSS_KEYS = frozenset({"labels", "num_items_in_batch",
-                               # nor the blocks' forward: the engine runs them without a cache, and TRL's
-                               # fused-head flag (SFTTrainer's compute_loss adds both) is the post pass's
-                               "use_cache", "fused_lm_head"})
+_WINDOW_LOSS_KEYS = frozenset(
+    {
+        "labels",
+        "num_items_in_batch",
+        # nor the blocks' forward: the engine runs them without a cache, and TRL's
+        # fused-head flag (SFTTrainer's compute_loss adds both) is the post pass's
+        "use_cache",
+        "fused_lm_head",
+    }
+)
 
 
 def same_forward_inputs(announced: dict, batch: dict) -> bool:
@@ -62,8 +68,12 @@ def same_forward_inputs(announced: dict, batch: dict) -> bool:
     for k in keys:
         a, b = announced[k], batch[k]
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                    and torch.equal(a.to(b.device), b)):
+            if not (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.shape == b.shape
+                and torch.equal(a.to(b.device), b)
+            ):
                 return False
         elif a != b:
             return False
@@ -77,8 +87,27 @@ class Window:
     engine's own loader read ahead), ``boundary`` (set_gradient_accumulation_boundary's override) and ``stats``
     (forward_window() calls, and calls that dropped an announced window)."""
 
-    def __init__(self, *, config, dev, ranks, adapter, model, planning, schedule, streamer, grads, copies16,
-                 device_updates, compute, speculator, clock, lifecycle, batch_spec, carry: "Window | None" = None):
+    def __init__(
+        self,
+        *,
+        config,
+        dev,
+        ranks,
+        adapter,
+        model,
+        planning,
+        schedule,
+        streamer,
+        grads,
+        copies16,
+        device_updates,
+        compute,
+        speculator,
+        clock,
+        lifecycle,
+        batch_spec,
+        carry: Window | None = None,
+    ):
         self.config, self.dev, self.ranks, self.adapter, self.model = config, dev, ranks, adapter, model
         self.planning, self.schedule, self.streamer, self.grads = planning, schedule, streamer, grads
         self.copies16, self.device_updates, self.compute = copies16, device_updates, compute
@@ -127,8 +156,7 @@ class Window:
         backward not run yet)."""
         if not self.in_progress():
             return None
-        return {"micro_batches": self.micro_steps, "forward_pending": self.pending is not None,
-                "held": bool(self.held)}
+        return {"micro_batches": self.micro_steps, "forward_pending": self.pending is not None, "held": bool(self.held)}
 
     def any_number_of_micro_batches(self, yes: bool) -> None:
         """Whether a window of one takes any number of micro-batches before its step (the user's loop: each
@@ -140,8 +168,10 @@ class Window:
         forwards), in words; None when none is."""
         if not (self.micro_steps or self.pending is not None or self.announced):
             return None
-        return (f"{self.micro_steps} micro-batches since the last optimizer step, forward pending: "
-                f"{self.pending is not None}")
+        return (
+            f"{self.micro_steps} micro-batches since the last optimizer step, forward pending: "
+            f"{self.pending is not None}"
+        )
 
     def override(self, is_boundary: bool | None) -> None:
         """set_gradient_accumulation_boundary's value (None: count gradient_accumulation_steps)."""
@@ -156,7 +186,7 @@ class Window:
             return
         log.debug("zerofit: a forward without backward() is dropped")
         self.pending = None
-        if not self.micro_steps and not self.held:       # it opened the window: nothing of the window is left
+        if not self.micro_steps and not self.held:  # it opened the window: nothing of the window is left
             self.streamer.return_kept()
             self.announced = []
 
@@ -164,15 +194,20 @@ class Window:
         """forward_window()'s checks: at the start of a window, with autograd on, at most G micro-batches the model
         takes (errors otherwise). False where announcing does nothing: the generic path, several ranks."""
         if not torch.is_grad_enabled() or not batches:
-            raise RuntimeError("forward_window() announces training forwards: call it with autograd on, and at "
-                               "least one micro-batch")
+            raise RuntimeError(
+                "forward_window() announces training forwards: call it with autograd on, and at least one micro-batch"
+            )
         self.drop_unused()
         if self.in_progress() or self.held:
-            raise RuntimeError("forward_window() is for the start of an accumulation window (after step() took the "
-                               "optimizer step, before the window's first forward)")
+            raise RuntimeError(
+                "forward_window() is for the start of an accumulation window (after step() took the "
+                "optimizer step, before the window's first forward)"
+            )
         if len(batches) > self.G:
-            raise ValueError(f"forward_window() got {len(batches)} micro-batches; a window holds at most "
-                             f"gradient_accumulation_steps = {self.G}")
+            raise ValueError(
+                f"forward_window() got {len(batches)} micro-batches; a window holds at most "
+                f"gradient_accumulation_steps = {self.G}"
+            )
         for b in batches:
             check_batch(b, self.batch_spec)
         # several ranks: every rank must make the same forwards in the same order (their weight gathers are
@@ -183,19 +218,27 @@ class Window:
         """[Note: a window's forwards at once]: the window's forwards, now, block-major."""
         self.clock.start()
         self.planning.ensure(batches)
-        micros = self.schedule.forward(batches, shell_grad=True,
-                                       **self.planning.checkpoint_args(self.adapter.streaming))
-        if self.adapter.streaming:       # not after a fall-back to the generic path: its forwards come later
+        micros = self.schedule.forward(
+            batches, shell_grad=True, **self.planning.checkpoint_args(self.adapter.streaming)
+        )
+        if self.adapter.streaming:  # not after a fall-back to the generic path: its forwards come later
             self.announced = list(zip(batches, micros))
             self.stats["announced"] += 1
 
     def can_offer(self) -> bool:
         """At the start of a window, where announced forwards could help ([Note: the loader reads the window
         ahead], deepspeed_surface.py)."""
-        return (self.G > 1 and self.adapter.streaming and not self.ranks.many
-                and not self.micro_steps
-                and self.pending is None and not self.held and not self.announced
-                and not self.stats["mismatched"] and self.lifecycle.state is EngineState.OPEN)
+        return (
+            self.G > 1
+            and self.adapter.streaming
+            and not self.ranks.many
+            and not self.micro_steps
+            and self.pending is None
+            and not self.held
+            and not self.announced
+            and not self.stats["mismatched"]
+            and self.lifecycle.state is EngineState.OPEN
+        )
 
     def offer(self, batches: list[dict]) -> None:
         """The engine's own training loader read the window ahead: if the window's first call is for
@@ -204,13 +247,18 @@ class Window:
 
     def _take_offer(self, batch: dict) -> None:
         offered, self.offered = self.offered, None
-        if (self.micro_steps or self.announced or not same_forward_inputs(offered[0], batch)
-                or not torch.is_grad_enabled() or not self.model.training):
+        if (
+            self.micro_steps
+            or self.announced
+            or not same_forward_inputs(offered[0], batch)
+            or not torch.is_grad_enabled()
+            or not self.model.training
+        ):
             return
         try:
             for b in offered:
                 check_batch(b, self.batch_spec)
-        except Exception:      # noqa: BLE001 - an odd batch is refused where it is called, not here
+        except Exception:  # noqa: BLE001 - an odd batch is refused where it is called, not here
             return
         offered[0] = batch
         self.announce(offered)
@@ -219,10 +267,12 @@ class Window:
         """The announced forward for ``batch`` if it is the next one, else None (the window dropped)."""
         announced, micro = self.announced.pop(0)
         if same_forward_inputs(announced, batch):
-            micro.batch = self.compute.to_device(batch)     # the post pass reads this call's labels and keywords
+            micro.batch = self.compute.to_device(batch)  # the post pass reads this call's labels and keywords
             return micro
-        log.warning("zerofit: engine(**batch) got other inputs than the next micro-batch announced with "
-                    "forward_window(); the rest of the window's forwards are made again, one at a time")
+        log.warning(
+            "zerofit: engine(**batch) got other inputs than the next micro-batch announced with "
+            "forward_window(); the rest of the window's forwards are made again, one at a time"
+        )
         self.announced = []
         self.stats["mismatched"] += 1
         return None
@@ -232,9 +282,11 @@ class Window:
         ([Note: the block backward waits for the boundary])."""
         G = self.G
         if self.micro_steps >= G and not self.unbounded:
-            raise RuntimeError(f"{self.micro_steps} micro-batches went through backward() since the last optimizer "
-                               f"step and gradient_accumulation_steps is {G}: call engine.step() after each "
-                               "backward() (it steps at the accumulation boundary), as DeepSpeed's loop does")
+            raise RuntimeError(
+                f"{self.micro_steps} micro-batches went through backward() since the last optimizer "
+                f"step and gradient_accumulation_steps is {G}: call engine.step() after each "
+                "backward() (it steps at the accumulation boundary), as DeepSpeed's loop does"
+            )
         if self.offered is not None:
             self._take_offer(batch)
         micro = self._take_announced(batch) if self.announced else None
@@ -248,13 +300,17 @@ class Window:
         self.planning.ensure([batch])
         if self.micro_steps == 0 and G > 1 and self.copies16.possible():
             self.copies16.enable(self.device_updates)
-        override = self.boundary           # more forwards of this window follow?
+        override = self.boundary  # more forwards of this window follow?
         more = (self.micro_steps % G < G - 1 and not self.in_tail) if override is None else not override
         if self.micro_steps == 0 and more:
             self.streamer.keep_blocks(self.grads.pool)
         with self.copies16.filling(more):
-            micros = self.schedule.forward([batch], shell_grad=True, first=self.micro_steps,
-                                           **self.planning.checkpoint_args(self.adapter.streaming))
+            micros = self.schedule.forward(
+                [batch],
+                shell_grad=True,
+                first=self.micro_steps,
+                **self.planning.checkpoint_args(self.adapter.streaming),
+            )
             if more and self.adapter.streaming:
                 self.streamer.prefetch_first_blocks()
         micro = micros[0]
@@ -298,8 +354,7 @@ class Window:
     def at_boundary(self) -> bool:
         """Whether step() takes the optimizer step now (else it is a no-op)."""
         override = self.boundary
-        return not (self.micro_steps == 0 or override is False
-                    or (override is None and self.micro_steps < self.G))
+        return not (self.micro_steps == 0 or override is False or (override is None and self.micro_steps < self.G))
 
     def before_step(self) -> None:
         """The boundary's step: the blocks' backward if the boundary was set after the last backward(); announced

@@ -2,5 +2,5 @@
 FSDP code that imports its policies from beside FSDP finds them here. zerofit's units are the model's repeated
 blocks whatever the policy names (zerofit.fsdp.ARGUMENTS)."""
 
-from torch.distributed.fsdp.wrap import *  # noqa: F401,F403
-from torch.distributed.fsdp.wrap import __all__  # noqa: F401
+from torch.distributed.fsdp.wrap import *  # noqa: F403 (torch's public names, re-exported)
+from torch.distributed.fsdp.wrap import __all__  # noqa: F401 (re-exported)

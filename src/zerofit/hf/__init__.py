@@ -26,9 +26,9 @@ The Trainer keeps its own loop. Two ways were weighed:
 
 (b) is the faster path (``train_batch`` moves each block's weights twice per step; the per-micro-batch API
 streams every block again for each micro-batch's forward, though its backward now runs block-major at the
-boundary like ``train_batch``'s: 0.82x of ``train_batch`` on W1, docs/benchmarks.md), but it would
-re-implement the loop: callbacks (``on_step_begin``,
-``on_substep_end``, ``on_pre_optimizer_step``...), ``logging_steps`` accounting, NaN filtering, evaluation
+boundary like ``train_batch``'s: slower than ``train_batch`` on a 3B model; docs/benchmarks.md, the
+DeepSpeed-shaped loop), but it would re-implement the loop: callbacks (``on_step_begin``, ``on_substep_end``,
+``on_pre_optimizer_step``...), ``logging_steps`` accounting, NaN filtering, evaluation
 and saving schedules, epoch ends, resumption's data skipping, token counting, ``num_items_in_batch``; and it
 would bypass ``compute_loss`` and ``training_step``, which TRL's trainers override (``train_batch`` computes
 the model's own loss). Every transformers release moves that loop. (a) leaves all of it to the Trainer and
@@ -68,8 +68,16 @@ from zerofit.hf import hooks
 from zerofit.hf.arguments import FIELDS, UnsupportedArgumentError
 from zerofit.hf.trainer import EngineModel, EngineOptimizer, EngineSchedule, ZerofitTrainerMixin
 
-__all__ = ["Trainer", "ZerofitTrainerMixin", "with_zerofit", "UnsupportedArgumentError", "FIELDS",
-           "EngineModel", "EngineOptimizer", "EngineSchedule"]
+__all__ = [
+    "Trainer",
+    "ZerofitTrainerMixin",
+    "with_zerofit",
+    "UnsupportedArgumentError",
+    "FIELDS",
+    "EngineModel",
+    "EngineOptimizer",
+    "EngineSchedule",
+]
 
 hooks.install()
 
@@ -85,6 +93,12 @@ def with_zerofit(trainer_cls: type) -> type:
         raise TypeError(f"with_zerofit takes a transformers.Trainer subclass, got {trainer_cls!r}")
     if issubclass(trainer_cls, ZerofitTrainerMixin):
         return trainer_cls
-    return type(trainer_cls.__name__, (ZerofitTrainerMixin, trainer_cls),
-                {"__module__": trainer_cls.__module__, "__qualname__": trainer_cls.__qualname__,
-                 "__doc__": trainer_cls.__doc__})
+    return type(
+        trainer_cls.__name__,
+        (ZerofitTrainerMixin, trainer_cls),
+        {
+            "__module__": trainer_cls.__module__,
+            "__qualname__": trainer_cls.__qualname__,
+            "__doc__": trainer_cls.__doc__,
+        },
+    )

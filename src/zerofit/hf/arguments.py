@@ -25,13 +25,23 @@ import base64
 import copy
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-__all__ = ["FIELDS", "UnsupportedArgumentError", "check_arguments", "check_trainer", "zerofit_config", "markdown_table",
-           "fill_deepspeed_auto", "HF_SCHEDULES", "ADAMW_OPTIMS"]
+__all__ = [
+    "FIELDS",
+    "UnsupportedArgumentError",
+    "check_arguments",
+    "check_trainer",
+    "zerofit_config",
+    "markdown_table",
+    "fill_deepspeed_auto",
+    "HF_SCHEDULES",
+    "ADAMW_OPTIMS",
+]
 
 HONOURED, MAPPED, TRAINER, NOT_APPLICABLE, REFUSED = "honoured", "mapped", "trainer", "not-applicable", "refused"
 
@@ -49,7 +59,7 @@ class UnsupportedArgumentError(ValueError):
 
 
 def _value(v):
-    return getattr(v, "value", v)   # transformers' str enums (SchedulerType, OptimizerNames, ...)
+    return getattr(v, "value", v)  # transformers' str enums (SchedulerType, OptimizerNames, ...)
 
 
 # (status, what zerofit does with it). Refusal rules for some fields are in _RULES below.
@@ -59,27 +69,44 @@ FIELDS: dict[str, tuple[str, str]] = {
     "num_train_epochs": (TRAINER, "the run length; the schedule's total_steps"),
     "max_steps": (TRAINER, "the run length; the schedule's total_steps"),
     "learning_rate": (HONOURED, "AdamW's lr (a deepspeed= optimizer section's \"auto\" lr)"),
-    "lr_scheduler_type": (HONOURED, "linear, cosine, constant, constant_with_warmup with transformers' formulas "
-                                    "(zerofit's hf_* schedules); others refused; ignored when deepspeed= has a "
-                                    "scheduler section, as with DeepSpeed"),
+    "lr_scheduler_type": (
+        HONOURED,
+        "linear, cosine, constant, constant_with_warmup with transformers' formulas "
+        "(zerofit's hf_* schedules); others refused; ignored when deepspeed= has a "
+        "scheduler section, as with DeepSpeed",
+    ),
     "lr_scheduler_kwargs": (REFUSED, "refused unless empty (num_cycles etc. are not implemented)"),
     "warmup_steps": (HONOURED, "steps, or a ratio of the run when < 1 (TrainingArguments.get_warmup_steps)"),
-    "optim": (HONOURED, "adamw_torch, adamw_torch_fused (adamw_hf): zerofit's AdamW, torch.optim.AdamW's math; "
-                        "others refused; ignored when deepspeed= has an optimizer section, as with DeepSpeed"),
+    "optim": (
+        HONOURED,
+        "adamw_torch, adamw_torch_fused (adamw_hf): zerofit's AdamW, torch.optim.AdamW's math; "
+        "others refused; ignored when deepspeed= has an optimizer section, as with DeepSpeed",
+    ),
     "optim_args": (HONOURED, "ignored for AdamW, as transformers ignores it"),
-    "weight_decay": (HONOURED, "decoupled; biases and norm weights in a no-decay group "
-                               "(Trainer.get_decay_parameter_names) through zerofit's param_groups"),
+    "weight_decay": (
+        HONOURED,
+        "decoupled; biases and norm weights in a no-decay group "
+        "(Trainer.get_decay_parameter_names) through zerofit's param_groups",
+    ),
     "adam_beta1": (HONOURED, "AdamW's betas[0]"),
     "adam_beta2": (HONOURED, "AdamW's betas[1]"),
     "adam_epsilon": (HONOURED, "AdamW's eps"),
     "optim_target_modules": (REFUSED, "refused unless unset (GaLore/APOLLO optimizers)"),
-    "gradient_accumulation_steps": (HONOURED, "zerofit's gradient_accumulation_steps; a short last accumulation "
-                                              "of an epoch steps early, as the Trainer does"),
-    "average_tokens_across_devices": (TRAINER, "the loss is normalised by the step's tokens (with several ranks, "
-                                               "summed over them; the engine averages gradients over the ranks "
-                                               "as DDP does)"),
-    "max_grad_norm": (HONOURED, "zerofit's gradient_clipping (global norm); with deepspeed=, the JSON's "
-                                "gradient_clipping decides, as with DeepSpeed"),
+    "gradient_accumulation_steps": (
+        HONOURED,
+        "zerofit's gradient_accumulation_steps; a short last accumulation of an epoch steps early, as the Trainer does",
+    ),
+    "average_tokens_across_devices": (
+        TRAINER,
+        "the loss is normalised by the step's tokens (with several ranks, "
+        "summed over them; the engine averages gradients over the ranks "
+        "as DDP does)",
+    ),
+    "max_grad_norm": (
+        HONOURED,
+        "zerofit's gradient_clipping (global norm); with deepspeed=, the JSON's "
+        "gradient_clipping decides, as with DeepSpeed",
+    ),
     "label_smoothing_factor": (HONOURED, "the Trainer's label smoother on the engine's logits"),
     "bf16": (HONOURED, "precision bf16: bf16 compute, fp32 master weights and AdamW state"),
     "fp16": (HONOURED, "precision fp16 with DeepSpeed's dynamic loss scaling"),
@@ -162,20 +189,25 @@ FIELDS: dict[str, tuple[str, str]] = {
     "ddp_bucket_cap_mb": (NOT_APPLICABLE, "no DDP: the engine reduce-scatters each block's gradient"),
     "ddp_broadcast_buffers": (NOT_APPLICABLE, "no DDP: rank 0's weights and buffers are everyone's at start"),
     "ddp_static_graph": (NOT_APPLICABLE, "no DDP"),
-    "ddp_backend": (TRAINER, "the process group accelerate makes under torchrun; the engine uses it "
-                             "(docs/ranks.md)"),
+    "ddp_backend": (TRAINER, "the process group accelerate makes under torchrun; the engine uses it (docs/ranks.md)"),
     "ddp_timeout": (TRAINER, "the process group's timeout"),
     "fsdp": (REFUSED, "refused: zerofit shards over torchrun's ranks itself (docs/ranks.md); drop fsdp"),
     "fsdp_config": (REFUSED, "refused unless unset"),
-    "deepspeed": (MAPPED, "zerofit reads the JSON (path or dict), \"auto\" filled from these arguments as "
-                          "transformers fills them; DeepSpeed is never imported"),
+    "deepspeed": (
+        MAPPED,
+        'zerofit reads the JSON (path or dict), "auto" filled from these arguments as '
+        "transformers fills them; DeepSpeed is never imported",
+    ),
     "debug": (REFUSED, "refused unless empty (underflow_overflow hooks)"),
     "skip_memory_metrics": (TRAINER, ""),
     "do_train": (TRAINER, "not used by the Trainer (scripts read it)"),
     "do_eval": (TRAINER, "not used by the Trainer (scripts read it)"),
     "do_predict": (TRAINER, "not used by the Trainer (scripts read it)"),
-    "resume_from_checkpoint": (TRAINER, "not used by the Trainer; trainer.train(resume_from_checkpoint=...) "
-                                        "loads the zerofit checkpoint of a checkpoint-N folder"),
+    "resume_from_checkpoint": (
+        TRAINER,
+        "not used by the Trainer; trainer.train(resume_from_checkpoint=...) "
+        "loads the zerofit checkpoint of a checkpoint-N folder",
+    ),
     "local_rank": (TRAINER, "torchrun's: one engine per rank, one GPU each (docs/ranks.md)"),
 }
 
@@ -186,24 +218,42 @@ def _empty(v) -> bool:
 
 # field -> (is the value acceptable?, why not, what to do)
 _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "lr_scheduler_kwargs": (_empty, "zerofit implements transformers' schedules without extra arguments",
-                            "remove lr_scheduler_kwargs"),
+    "lr_scheduler_kwargs": (
+        _empty,
+        "zerofit implements transformers' schedules without extra arguments",
+        "remove lr_scheduler_kwargs",
+    ),
     "optim_target_modules": (_empty, "GaLore/APOLLO-style optimizers are not implemented", "remove it"),
     "bf16_full_eval": (_empty, "zerofit evaluates in its compute dtype (bf16=True for bf16)", "set it to False"),
     "fp16_full_eval": (_empty, "zerofit evaluates in its compute dtype (fp16=True for fp16)", "set it to False"),
-    "torch_compile": (_empty, "zerofit runs the model block by block and does not compile it",
-                      "set torch_compile=False"),
+    "torch_compile": (
+        _empty,
+        "zerofit runs the model block by block and does not compile it",
+        "set torch_compile=False",
+    ),
     "torch_compile_backend": (_empty, "zerofit does not compile the model", "remove it"),
     "torch_compile_mode": (_empty, "zerofit does not compile the model", "remove it"),
-    "use_liger_kernel": (_empty, "Liger kernels patch the model's modules, which zerofit does not support",
-                         "set use_liger_kernel=False"),
+    "use_liger_kernel": (
+        _empty,
+        "Liger kernels patch the model's modules, which zerofit does not support",
+        "set use_liger_kernel=False",
+    ),
     "liger_kernel_config": (_empty, "Liger kernels are not supported", "remove it"),
-    "neftune_noise_alpha": (_empty, "NEFTune's embedding noise hooks are not implemented in zerofit.hf",
-                            "remove neftune_noise_alpha"),
-    "auto_find_batch_size": (_empty, "zerofit's planner refuses a batch that does not fit before it runs",
-                             "set auto_find_batch_size=False and choose per_device_train_batch_size"),
-    "parallelism_config": (_empty, "zerofit divides the work over torchrun's ranks itself",
-                           "remove parallelism_config"),
+    "neftune_noise_alpha": (
+        _empty,
+        "NEFTune's embedding noise hooks are not implemented in zerofit.hf",
+        "remove neftune_noise_alpha",
+    ),
+    "auto_find_batch_size": (
+        _empty,
+        "zerofit's planner refuses a batch that does not fit before it runs",
+        "set auto_find_batch_size=False and choose per_device_train_batch_size",
+    ),
+    "parallelism_config": (
+        _empty,
+        "zerofit divides the work over torchrun's ranks itself",
+        "remove parallelism_config",
+    ),
     "fsdp": (_empty, "FSDP shards the model itself; zerofit streams it instead", "remove fsdp"),
     "fsdp_config": (_empty, "FSDP is not used with zerofit", "remove fsdp_config"),
     "debug": (_empty, "the debug hooks are not supported", "remove debug"),
@@ -213,8 +263,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
 def _known_field_default(f: dataclasses.Field):
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:   # type: ignore[misc]
-        return f.default_factory()                        # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
     return dataclasses.MISSING
 
 
@@ -227,9 +277,12 @@ def check_arguments(args) -> None:
 
     if getattr(args, "deepspeed_plugin", None) is not None or getattr(args, "hf_deepspeed_config", None) is not None:
         raise UnsupportedArgumentError(
-            "deepspeed", args.deepspeed, "these TrainingArguments were built before zerofit.hf was imported, so "
-            "accelerate prepared DeepSpeed itself", "import zerofit.hf (or `from zerofit.hf import Trainer`) before "
-            "building TrainingArguments")
+            "deepspeed",
+            args.deepspeed,
+            "these TrainingArguments were built before zerofit.hf was imported, so "
+            "accelerate prepared DeepSpeed itself",
+            "import zerofit.hf (or `from zerofit.hf import Trainer`) before building TrainingArguments",
+        )
     for f in dataclasses.fields(TrainingArguments):
         value = getattr(args, f.name, None)
         if f.name in _RULES:
@@ -240,50 +293,75 @@ def check_arguments(args) -> None:
             default = _known_field_default(f)
             if default is dataclasses.MISSING or value != default:
                 raise UnsupportedArgumentError(
-                    f.name, value, "zerofit.hf does not know this TrainingArguments field (new in this "
-                    "transformers?), so it cannot promise its effect", "leave it at its default")
+                    f.name,
+                    value,
+                    "zerofit.hf does not know this TrainingArguments field (new in this "
+                    "transformers?), so it cannot promise its effect",
+                    "leave it at its default",
+                )
     ds = _deepspeed_dict(deferred_deepspeed(args))
     if ds is None or "scheduler" not in ds:
         kind = _value(args.lr_scheduler_type)
         if kind not in HF_SCHEDULES:
             raise UnsupportedArgumentError(
-                "lr_scheduler_type", kind, "zerofit implements transformers' " + ", ".join(HF_SCHEDULES),
-                "choose one of them (or give the deepspeed config a scheduler section)")
+                "lr_scheduler_type",
+                kind,
+                "zerofit implements transformers' " + ", ".join(HF_SCHEDULES),
+                "choose one of them (or give the deepspeed config a scheduler section)",
+            )
     if ds is None or "optimizer" not in ds:
         optim = _value(args.optim)
         if optim not in ADAMW_OPTIMS:
             raise UnsupportedArgumentError(
-                "optim", optim, "zerofit implements AdamW only (fp32 state, torch.optim.AdamW's math)",
-                "use optim='adamw_torch' or 'adamw_torch_fused'")
+                "optim",
+                optim,
+                "zerofit implements AdamW only (fp32 state, torch.optim.AdamW's math)",
+                "use optim='adamw_torch' or 'adamw_torch_fused'",
+            )
     if args.n_gpu > 1:
-        raise UnsupportedArgumentError("n_gpu", args.n_gpu, "several GPUs are visible to one process, so the "
-                                       "Trainer would use DataParallel, which zerofit does not", "make one GPU visible "
-                                       "(CUDA_VISIBLE_DEVICES=0)")
+        raise UnsupportedArgumentError(
+            "n_gpu",
+            args.n_gpu,
+            "several GPUs are visible to one process, so the Trainer would use DataParallel, which zerofit does not",
+            "make one GPU visible (CUDA_VISIBLE_DEVICES=0)",
+        )
     if args.device.type not in ("cpu", "cuda"):
-        raise UnsupportedArgumentError("device", str(args.device), "zerofit computes on a CUDA GPU or the CPU",
-                                       "use a CUDA GPU or use_cpu=True")
+        raise UnsupportedArgumentError(
+            "device", str(args.device), "zerofit computes on a CUDA GPU or the CPU", "use a CUDA GPU or use_cpu=True"
+        )
 
 
 def check_trainer(trainer) -> None:
     """The Trainer's own arguments zerofit.hf cannot honour, and the model."""
     if trainer.model_init is not None:
-        raise UnsupportedArgumentError("Trainer(model_init=...)", trainer.model_init,
-                                       "zerofit.hf builds its engine around one model",
-                                       "pass model= instead (hyperparameter search is not supported)")
+        raise UnsupportedArgumentError(
+            "Trainer(model_init=...)",
+            trainer.model_init,
+            "zerofit.hf builds its engine around one model",
+            "pass model= instead (hyperparameter search is not supported)",
+        )
     if trainer.optimizer is not None or trainer.lr_scheduler is not None:
-        raise UnsupportedArgumentError("Trainer(optimizers=...)", (trainer.optimizer, trainer.lr_scheduler),
-                                       "zerofit's engine is the optimizer (AdamW on host memory)",
-                                       "leave optimizers unset and choose AdamW's settings in TrainingArguments")
+        raise UnsupportedArgumentError(
+            "Trainer(optimizers=...)",
+            (trainer.optimizer, trainer.lr_scheduler),
+            "zerofit's engine is the optimizer (AdamW on host memory)",
+            "leave optimizers unset and choose AdamW's settings in TrainingArguments",
+        )
     if trainer.optimizer_cls_and_kwargs is not None:
-        raise UnsupportedArgumentError("Trainer(optimizer_cls_and_kwargs=...)", trainer.optimizer_cls_and_kwargs,
-                                       "zerofit's engine is the optimizer (AdamW)", "leave it unset")
+        raise UnsupportedArgumentError(
+            "Trainer(optimizer_cls_and_kwargs=...)",
+            trainer.optimizer_cls_and_kwargs,
+            "zerofit's engine is the optimizer (AdamW)",
+            "leave it unset",
+        )
     check_model(trainer.model)
 
 
 def check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
-        raise UnsupportedArgumentError("Trainer(model=...)", type(model).__name__, "zerofit trains an nn.Module",
-                                       "pass the model")
+        raise UnsupportedArgumentError(
+            "Trainer(model=...)", type(model).__name__, "zerofit trains an nn.Module", "pass the model"
+        )
     # parameters with requires_grad=False stay as they are ([Note: frozen parameters], engine/store.py)
 
 
@@ -301,14 +379,15 @@ def _deepspeed_dict(value) -> dict | None:
     path = Path(text)
     try:
         is_file = path.is_file()
-    except OSError:            # a JSON text too long to be a file name
+    except OSError:  # a JSON text too long to be a file name
         is_file = False
     if is_file:
         try:
             return json.loads(path.read_text())
         except json.JSONDecodeError as exc:
-            raise UnsupportedArgumentError("deepspeed", text, f"not valid JSON ({exc.msg} at line {exc.lineno})",
-                                           "fix the file") from None
+            raise UnsupportedArgumentError(
+                "deepspeed", text, f"not valid JSON ({exc.msg} at line {exc.lineno})", "fix the file"
+            ) from None
     for decode in (lambda t: base64.urlsafe_b64decode(t).decode("utf-8"), lambda t: t):
         try:
             loaded = json.loads(decode(text))
@@ -316,8 +395,12 @@ def _deepspeed_dict(value) -> dict | None:
             continue
         if isinstance(loaded, dict):
             return loaded
-    raise UnsupportedArgumentError("deepspeed", text, "neither an existing JSON file nor a JSON object",
-                                   "pass the path of a DeepSpeed JSON file, or a dict")
+    raise UnsupportedArgumentError(
+        "deepspeed",
+        text,
+        "neither an existing JSON file nor a JSON object",
+        "pass the path of a DeepSpeed JSON file, or a dict",
+    )
 
 
 def _node(config: dict, path: str) -> tuple[dict | None, str]:
@@ -365,9 +448,11 @@ def fill_deepspeed_auto(ds: dict, args, num_training_steps: int | None) -> dict:
         fill("scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)")
         fill("scheduler.params.warmup_num_steps", args.get_warmup_steps(num_training_steps), "warmup_steps")
     if mismatches:
-        raise ValueError("Please correct the following DeepSpeed config values that mismatch TrainingArguments"
-                         f" values:\n{chr(10).join(mismatches)}\nThe easiest method is to set these DeepSpeed "
-                         "config values to 'auto'.")
+        raise ValueError(
+            "Please correct the following DeepSpeed config values that mismatch TrainingArguments"
+            f" values:\n{chr(10).join(mismatches)}\nThe easiest method is to set these DeepSpeed "
+            "config values to 'auto'."
+        )
     # accelerate's DeepSpeedPlugin.set_mixed_precision: the arguments' precision enables a missing section
     for name, on in (("fp16", args.fp16), ("bf16", args.bf16)):
         if on and name not in ds:
@@ -410,14 +495,21 @@ def zerofit_config(trainer, num_training_steps: int | None, overrides: dict | No
         source = fill_deepspeed_auto(ds, args, num_training_steps)
     groups = None
     if ds is None or "optimizer" not in ds:
-        fields["optimizer"] = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
-                               "eps": args.adam_epsilon, "weight_decay": args.weight_decay}
+        fields["optimizer"] = {
+            "lr": args.learning_rate,
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_epsilon,
+            "weight_decay": args.weight_decay,
+        }
         if args.weight_decay:
             groups = decay_groups(trainer)
     if ds is None or "scheduler" not in ds:
         kind = _value(args.lr_scheduler_type)
-        fields["scheduler"] = {"type": f"hf_{kind}", "total_steps": num_training_steps,
-                               "warmup_steps": args.get_warmup_steps(num_training_steps or 0)}
+        fields["scheduler"] = {
+            "type": f"hf_{kind}",
+            "total_steps": num_training_steps,
+            "warmup_steps": args.get_warmup_steps(num_training_steps or 0),
+        }
     fields.update(overrides or {})
     return load_config(source, **fields), groups
 
@@ -428,8 +520,10 @@ def decay_groups(trainer) -> list[dict]:
     args, model = trainer.args, trainer.model
     decay = set(trainer.get_decay_parameter_names(model))
     named = list(model.named_parameters())
-    return [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
 
 
 def markdown_table() -> str:

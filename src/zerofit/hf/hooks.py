@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 
-DEFERRED = "_zerofit_deepspeed"   # the attribute that holds the deferred deepspeed= value
+DEFERRED = "_zerofit_deepspeed"  # the attribute that holds the deferred deepspeed= value
 _MARK = "__zerofit_hook__"
 
 
@@ -39,6 +39,7 @@ def install() -> None:
 
     post_init = TrainingArguments.__post_init__
     if not getattr(post_init, _MARK, False):
+
         @functools.wraps(post_init)
         def __post_init__(self, *a, **kw):
             value = self.deepspeed
@@ -56,6 +57,7 @@ def install() -> None:
 
     init = Trainer.__init__
     if not getattr(init, _MARK, False):
+
         @functools.wraps(init)
         def __init__(self, *a, **kw):
             args = kw["args"] if "args" in kw else (a[1] if len(a) > 1 else None)
@@ -63,7 +65,8 @@ def install() -> None:
                 raise ValueError(
                     f"TrainingArguments.deepspeed={args.deepspeed!r} was taken over by zerofit (zerofit.hf is "
                     f"imported), but {type(self).__name__} is not zerofit's Trainer: use zerofit.hf.Trainer, "
-                    "or zerofit.hf.with_zerofit(YourTrainerClass), or build the arguments without deepspeed")
+                    "or zerofit.hf.with_zerofit(YourTrainerClass), or build the arguments without deepspeed"
+                )
             init(self, *a, **kw)
 
         setattr(__init__, _MARK, True)

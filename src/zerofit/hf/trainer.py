@@ -22,8 +22,8 @@ engine; the Trainer restores its state, RNG and data position as it always does.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ class EngineModel(nn.Module):
 
     def __init__(self, engine, model: nn.Module, boundary: Callable[[], bool]) -> None:
         super().__init__()
-        self.__dict__["engine"] = engine       # not registered: nn.Module must not walk into the engine or model
+        self.__dict__["engine"] = engine  # not registered: nn.Module must not walk into the engine or model
         self.__dict__["module"] = model
         self.__dict__["_boundary"] = boundary
         self.training = model.training
@@ -88,10 +88,10 @@ class EngineOptimizer(OptimizerView):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("zerofit's optimizer step takes no closure")
-        return None     # taken by the engine at the boundary micro-batch's backward
+        return None  # taken by the engine at the boundary micro-batch's backward
 
     def state_dict(self) -> dict:
-        return {}       # moments and step counts are in the zerofit checkpoint (global_stepN/)
+        return {}  # moments and step counts are in the zerofit checkpoint (global_stepN/)
 
     def load_state_dict(self, state_dict: dict) -> None:
         return None
@@ -110,7 +110,7 @@ class EngineSchedule(SchedulerView):
         self._last_lr = self.optimizer.lrs()
 
     def step(self) -> None:
-        self.refresh()     # an fp16 step skipped for overflow did not advance the engine: the lr stays
+        self.refresh()  # an fp16 step skipped for overflow did not advance the engine: the lr stays
 
     def get_last_lr(self) -> list[float]:
         return list(self._last_lr)
@@ -129,25 +129,25 @@ class ZerofitTrainerMixin:
     ``{"max_gpu_memory": "24GiB", "offload": {"resident_blocks": 4}}``). ``trainer.zerofit_engine`` is the zerofit
     engine once training (or an evaluation) started."""
 
-    _zerofit_trainer = True     # the hook on transformers.Trainer.__init__ looks for it (hooks.py)
+    _zerofit_trainer = True  # the hook on transformers.Trainer.__init__ looks for it (hooks.py)
 
     def __init__(self, *args, zerofit_config: dict | None = None, **kwargs) -> None:
         self._zerofit_overrides = dict(zerofit_config or {})
         self.zerofit_engine = None
         self._zerofit_model: EngineModel | None = None
-        self._zerofit_steps: int | None = None       # the run length the engine's schedule was built for
+        self._zerofit_steps: int | None = None  # the run length the engine's schedule was built for
         self._zerofit_trained = False
-        self._zerofit_dtype = None                   # the model's own dtype: what save_model writes
-        self._zerofit_window: list | None = None     # the step's micro-batches, until its first training_step
+        self._zerofit_dtype = None  # the model's own dtype: what save_model writes
+        self._zerofit_window: list | None = None  # the step's micro-batches, until its first training_step
         super().__init__(*args, **kwargs)
         check_trainer(self)
 
     # ------------------------------------------------------------------ set-up
 
     def _build_accelerator_args(self, **kwargs) -> dict:
-        check_arguments(self.args)              # refusals before accelerate is set up
+        check_arguments(self.args)  # refusals before accelerate is set up
         out = super()._build_accelerator_args(**kwargs)
-        out["mixed_precision"] = "no"           # zerofit runs the compute dtype itself (no autocast, no scaler)
+        out["mixed_precision"] = "no"  # zerofit runs the compute dtype itself (no autocast, no scaler)
         out["deepspeed_plugin"] = None
         return out
 
@@ -158,21 +158,23 @@ class ZerofitTrainerMixin:
         self.accelerator.backward = self._zerofit_backward
 
     def _move_model_to_device(self, model, device) -> None:
-        return None     # the model stays in host memory: the engine places (and streams) its weights
+        return None  # the model stays in host memory: the engine places (and streams) its weights
 
     def _zerofit_build(self, num_training_steps: int | None):
         """The engine, built on first use for a run of ``num_training_steps`` optimizer steps."""
         if self.zerofit_engine is not None:
             if num_training_steps is not None and self._zerofit_steps != num_training_steps:
-                raise RuntimeError(f"zerofit's engine was built for {self._zerofit_steps} optimizer steps, the "
-                                   f"Trainer now asks for {num_training_steps}: build a new Trainer")
+                raise RuntimeError(
+                    f"zerofit's engine was built for {self._zerofit_steps} optimizer steps, the "
+                    f"Trainer now asks for {num_training_steps}: build a new Trainer"
+                )
             return self.zerofit_engine
         import zerofit
 
         model = self.model
         check_model(model)
         if getattr(model, "is_gradient_checkpointing", False):
-            model.gradient_checkpointing_disable()     # zerofit checkpoints every block itself
+            model.gradient_checkpointing_disable()  # zerofit checkpoints every block itself
             log.info("zerofit.hf: the model's gradient checkpointing is off; zerofit checkpoints every block")
         self._zerofit_dtype = next(model.parameters()).dtype
         loaded, groups = zerofit_config(self, num_training_steps, self._zerofit_overrides)
@@ -195,16 +197,19 @@ class ZerofitTrainerMixin:
 
     def _zerofit_facade(self) -> EngineModel:
         if self._zerofit_model is None:
-            self._zerofit_model = EngineModel(self._zerofit_current(), self.model,
-                                              boundary=lambda: self.accelerator.sync_gradients)
+            self._zerofit_model = EngineModel(
+                self._zerofit_current(), self.model, boundary=lambda: self.accelerator.sync_gradients
+            )
         return self._zerofit_model
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if self._zerofit_trained:
-            raise RuntimeError("zerofit.hf: this Trainer has trained already and its engine's step count goes on; "
-                               "build a new Trainer (with resume_from_checkpoint to continue from a checkpoint)")
+            raise RuntimeError(
+                "zerofit.hf: this Trainer has trained already and its engine's step count goes on; "
+                "build a new Trainer (with resume_from_checkpoint to continue from a checkpoint)"
+            )
         self._zerofit_trained = True
-        if getattr(self.model, "is_gradient_checkpointing", False):   # train() enables it for gradient_checkpointing
+        if getattr(self.model, "is_gradient_checkpointing", False):  # train() enables it for gradient_checkpointing
             self.model.gradient_checkpointing_disable()
         self._zerofit_build(max_steps)
         return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
@@ -241,8 +246,13 @@ class ZerofitTrainerMixin:
         noticed at its first call and the Trainer goes on one forward at a time."""
         window, self._zerofit_window = self._zerofit_window, None
         engine = self.zerofit_engine
-        if (window and len(window) > 1 and inputs is window[0] and engine is not None
-                and engine.window_stats["mismatched"] == 0):
+        if (
+            window
+            and len(window) > 1
+            and inputs is window[0]
+            and engine is not None
+            and engine.window_stats["mismatched"] == 0
+        ):
             model.train()
             engine.forward_window([self._prepare_inputs(s) for s in window])
         return super().training_step(model, inputs, num_items_in_batch)
@@ -265,7 +275,7 @@ class ZerofitTrainerMixin:
         return getattr(self.zerofit_engine, "last_grad_norm", None) if self.zerofit_engine is not None else None
 
     def _clip_grad_norm(self, model):
-        return self._zerofit_grad_norm()     # clipped inside the engine's step
+        return self._zerofit_grad_norm()  # clipped inside the engine's step
 
     def _get_grad_norm(self, model, grad_norm=None):
         return grad_norm if grad_norm is not None else self._zerofit_grad_norm()
@@ -275,7 +285,7 @@ class ZerofitTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.zerofit_engine is None:
             raise RuntimeError("zerofit.hf: nothing to checkpoint before training starts")
-        self.zerofit_engine.save_checkpoint(output_dir)     # output_dir/latest, output_dir/global_stepN/
+        self.zerofit_engine.save_checkpoint(output_dir)  # output_dir/latest, output_dir/global_stepN/
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # train() calls this before the engine exists: check the folder now, load it in _load_optimizer_and_scheduler
@@ -283,7 +293,8 @@ class ZerofitTrainerMixin:
             raise FileNotFoundError(
                 f"{resume_from_checkpoint} has no zerofit or DeepSpeed checkpoint (no 'latest' file): it was written "
                 "with save_only_model=True, or by a Trainer without zerofit or DeepSpeed; resume from a folder a "
-                "zerofit.hf Trainer (or a Trainer with deepspeed=) saved")
+                "zerofit.hf Trainer (or a Trainer with deepspeed=) saved"
+            )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

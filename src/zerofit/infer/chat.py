@@ -44,7 +44,7 @@ class Chat:
             users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
             if first is None or len(users) < 2:
                 break
-            del self.messages[first:users[1]]
+            del self.messages[first : users[1]]
             dropped += 1
         return dropped
 
@@ -60,8 +60,13 @@ def help_text() -> str:
     return "\n".join(f"  {c:<{width}}  {what}" for c, what in rows.items())
 
 
-def run_chat(chat: Chat, answer: Callable[[list[dict], Callable[[str], None]], str], read: Callable[[str], str],
-             write: Callable[[str], None], fits: Callable[[list[dict]], bool] | None = None) -> None:
+def run_chat(
+    chat: Chat,
+    answer: Callable[[list[dict], Callable[[str], None]], str],
+    read: Callable[[str], str],
+    write: Callable[[str], None],
+    fits: Callable[[list[dict]], bool] | None = None,
+) -> None:
     """Read lines until /quit, /exit or the end of input. ``answer(messages, stream)`` generates the assistant's
     reply to ``messages``, passing each piece of text to ``stream``, and returns the whole text (None: no room
     for one, the message is taken back). ``read(prompt)``
@@ -94,11 +99,13 @@ def run_chat(chat: Chat, answer: Callable[[list[dict], Callable[[str], None]], s
         chat.messages.append({"role": "user", "content": line})
         dropped = chat.fit(fits) if fits is not None else 0
         if dropped:
-            write(f"(the {dropped} oldest turn{'s' if dropped > 1 else ''} left out: the conversation passed the "
-                  "model's context)\n")
+            write(
+                f"(the {dropped} oldest turn{'s' if dropped > 1 else ''} left out: the conversation passed the "
+                "model's context)\n"
+            )
         write("model> ")
         reply = answer(chat.messages, write)
-        if reply is None:           # the message alone leaves no room for an answer
+        if reply is None:  # the message alone leaves no room for an answer
             chat.messages.pop()
             write("(not sent: the message is longer than the model's context)\n")
             continue

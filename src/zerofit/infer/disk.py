@@ -30,11 +30,18 @@ class DiskBlocks:
     """Blocks ``sizes[b]`` elements of ``dtype`` each for ``b`` in ``blocks``, in one swap file under
     ``folder``, read through two staging buffers (see the module docstring)."""
 
-    def __init__(self, folder: str | Path, blocks: list[int], sizes: list[int], dtype: torch.dtype,
-                 pinned: bool, buffers: int = 2):
+    def __init__(
+        self,
+        folder: str | Path,
+        blocks: list[int],
+        sizes: list[int],
+        dtype: torch.dtype,
+        pinned: bool,
+        buffers: int = 2,
+    ):
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.dtype = dtype
-        self.regions: dict[int, tuple[int, int]] = {}       # block -> (byte offset, bytes)
+        self.regions: dict[int, tuple[int, int]] = {}  # block -> (byte offset, bytes)
         pos = 0
         for b in blocks:
             n = sizes[b] * self.elem
@@ -64,13 +71,13 @@ class DiskBlocks:
         off, n = self.regions[b]
         buf, _ = self._free[0]
         fill(buf[:n].view(self.dtype))
-        for f in self.file.submit("write", off, buf[:align_up(n)], f"block {b}"):
+        for f in self.file.submit("write", off, buf[: align_up(n)], f"block {b}"):
             f.result()
 
     def mapped(self, b: int) -> torch.Tensor:
         """Block ``b``'s flat weights as a view of the file's mapping (what idle parameters view)."""
         off, n = self.regions[b]
-        return self._typed_map[off // self.elem:(off + n) // self.elem]
+        return self._typed_map[off // self.elem : (off + n) // self.elem]
 
     # ------------------------------------------------------------------ reads ([Note: staging buffers])
 
@@ -86,9 +93,9 @@ class DiskBlocks:
 
     def _read(self, b: int, buf: torch.Tensor, after) -> None:
         if after is not None:
-            after.synchronize()            # the upload that last read this buffer is done
+            after.synchronize()  # the upload that last read this buffer is done
         off, n = self.regions[b]
-        for f in self.file.submit("read", off, buf[:align_up(n)], f"block {b}"):
+        for f in self.file.submit("read", off, buf[: align_up(n)], f"block {b}"):
             f.result()
         self.reads += 1
         self.read_bytes += n
@@ -104,7 +111,7 @@ class DiskBlocks:
             self.prefetch(b)
         buf, fut = self._pending.pop(b)
         fut.result()
-        return buf[:self.regions[b][1]].view(self.dtype), buf
+        return buf[: self.regions[b][1]].view(self.dtype), buf
 
     def give_back(self, buf: torch.Tensor, after) -> None:
         """The buffer may be refilled once ``after`` (an event, or None) completes."""
@@ -113,7 +120,7 @@ class DiskBlocks:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._pending.clear()
-        if self.pinned:          # undo pin() before the memory can be reused
+        if self.pinned:  # undo pin() before the memory can be reused
             for buf in self._bufs:
                 torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
             self.pinned = False

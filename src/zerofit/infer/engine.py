@@ -26,7 +26,7 @@ the model itself. Generation runs under ``no_grad``; nothing is recorded.
 values for ``batch x (prompt + new tokens)`` allocated once, exactly the bytes
 the plan counted. A dynamic cache grows by concatenation every token (new
 allocations every step); with it, the same plan decoded at less than half the
-speed at batch 1 on the H200 under a 24 GiB cap (docs/benchmarks.md, W4). Why
+speed at batch 1 on the H200 under a 24 GiB cap (docs/benchmarks.md, offloaded generation of the 13B shape). Why
 was not measured: allocator work near the cap is the suspicion. The tokens are those of ``generate`` with the
 default cache too; the logits equal to the dtype's rounding (the static cache
 attends over the padded length, masked), and bitwise those of ``generate(...,
@@ -73,11 +73,11 @@ from zerofit.config.schema import parse_bytes
 from zerofit.engine.adapter import Adapter
 from zerofit.engine.device import Device
 from zerofit.engine.materialize import init_buffers, param_table
-from zerofit.engine.store import HostArena
 from zerofit.engine.planner import fmt_bytes
+from zerofit.engine.store import HostArena
 from zerofit.infer.plan import RESERVE, InferencePlanError, InferPlan, InferShape, plan_inference
 
-ALIGN = 64     # elements: every parameter view starts on a 128-byte boundary in 16-bit
+ALIGN = 64  # elements: every parameter view starts on a 128-byte boundary in 16-bit
 
 
 def as_dtype(dtype) -> torch.dtype | None:
@@ -87,8 +87,8 @@ def as_dtype(dtype) -> torch.dtype | None:
 @dataclass
 class _Slot:
     buf: torch.Tensor
-    ready: object = None        # upload done (event on the upload stream)
-    free: object = None         # the last reader done (event on the compute stream)
+    ready: object = None  # upload done (event on the upload stream)
+    free: object = None  # the last reader done (event on the compute stream)
 
 
 class InferenceEngine:
@@ -102,12 +102,23 @@ class InferenceEngine:
     blocks beyond it go to a swap file under ``nvme_path`` (zerofit/infer/disk.py), or it is refused.
     """
 
-    def __init__(self, model: nn.Module, *, device: str | torch.device | None = None, dtype=None,
-                 max_gpu_memory: int | str | None = None, slots: int = 2, tokenizer=None, fill=None,
-                 source_dir: Path | None = None, max_host_memory: int | str | None = None,
-                 nvme_path: str | os.PathLike | None = None):
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: str | torch.device | None = None,
+        dtype=None,
+        max_gpu_memory: int | str | None = None,
+        slots: int = 2,
+        tokenizer=None,
+        fill=None,
+        source_dir: Path | None = None,
+        max_host_memory: int | str | None = None,
+        nvme_path: str | os.PathLike | None = None,
+    ):
+        self.device = (
+            torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dev = Device.create(self.device)
@@ -117,7 +128,7 @@ class InferenceEngine:
         self.cap = parse_bytes(max_gpu_memory, "max_gpu_memory")
         self.host_budget = parse_bytes(max_host_memory, "max_host_memory")
         self.nvme_path = nvme_path
-        self._disk = None              # DiskBlocks, when some blocks live on the disk
+        self._disk = None  # DiskBlocks, when some blocks live on the disk
         # the blocks' host storage, made by _load: per block (name, offset, shape) and its elements, the pinned
         # arena of the blocks in host memory and each block's flat buffer there (None: on the disk), the views
         self._layout: list[list[tuple[str, int, torch.Size]]] = []
@@ -126,12 +137,14 @@ class InferenceEngine:
         self._arena: HostArena | None = None
         self._host: list[torch.Tensor | None] = []
         self._host_views: list = []
-        self._disk_cycle: list[int] = []     # the streamed blocks read from the disk, in the cycle's order
+        self._disk_cycle: list[int] = []  # the streamed blocks read from the disk, in the cycle's order
         self.slots_wanted = max(1, int(slots))
         self.adapter = Adapter(model, "auto")
         if not self.adapter.streaming:
-            raise ValueError("the model has no list of repeated blocks holding most of its parameters: "
-                             "zerofit's offloaded generation streams blocks")
+            raise ValueError(
+                "the model has no list of repeated blocks holding most of its parameters: "
+                "zerofit's offloaded generation streams blocks"
+            )
         self.table = param_table(model, self.adapter)
         self.dtype = as_dtype(dtype) or _default_dtype(model, self.table)
         self.plan: InferPlan | None = None
@@ -141,13 +154,13 @@ class InferenceEngine:
         self._cycle: list[int] = []
         self._next = 0
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._params: dict[str, nn.Parameter] = {}     # canonical name -> the parameter the model holds
+        self._params: dict[str, nn.Parameter] = {}  # canonical name -> the parameter the model holds
         self.uploads = 0
         self.upload_bytes = 0
-        self.primes = 0                # cycle restarts ([Note: the upload cycle]): one per plan when all goes well
+        self.primes = 0  # cycle restarts ([Note: the upload cycle]): one per plan when all goes well
         self._upload_marks: list = []  # (start, end) timing events of uploads since the last stats()
         self._upload_seconds = 0.0
-        with torch.inference_mode(False):     # [Note: normal tensors]
+        with torch.inference_mode(False):  # [Note: normal tensors]
             self._load(fill)
         self._hooks = []
         for i, blk in enumerate(self.adapter.blocks):
@@ -157,8 +170,9 @@ class InferenceEngine:
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, adapter: str | os.PathLike | None = None,
-                        **kw) -> "InferenceEngine":
+    def from_pretrained(
+        cls, path: str | os.PathLike, adapter: str | os.PathLike | None = None, **kw
+    ) -> InferenceEngine:
         """A Hugging Face model directory, or a zerofit checkpoint (a tag folder, or a save folder whose
         ``latest`` is used): the model is built on the meta device and each tensor read once into place.
         ``adapter``: a PEFT adapter folder over the model directory ``path`` (zerofit/lora/infer.py)."""
@@ -175,11 +189,11 @@ class InferenceEngine:
         try:
             return cls(src.build_meta(), fill=src.fill, source_dir=src.path, **kw)
         finally:
-            if hasattr(src, "close"):      # a model directory's open weight files
+            if hasattr(src, "close"):  # a model directory's open weight files
                 src.close()
 
     @classmethod
-    def from_engine(cls, engine, **kw) -> "InferenceEngine":
+    def from_engine(cls, engine, **kw) -> InferenceEngine:
         """The current weights of a live training engine, in a model of their own (the engine is not changed)."""
         from zerofit.infer.sources import engine_source
 
@@ -190,12 +204,14 @@ class InferenceEngine:
     def _load(self, fill) -> None:
         """Weights into place, one tensor at a time: shell on the device, blocks in one host arena."""
         model, adapter, table = self.model, self.adapter, self.table
-        canon = dict(table.canonical)         # the model's own parameters (a real model's values are read here)
+        canon = dict(table.canonical)  # the model's own parameters (a real model's values are read here)
         if fill is None:
+
             def fill(names, dst):
                 dst.copy_(canon[names[0]].detach())
+
         meta = any(p.is_meta for p in canon.values())
-        for name in table.unit_names[0]:      # shell: parameters straight to the device
+        for name in table.unit_names[0]:  # shell: parameters straight to the device
             t = torch.empty(canon[name].shape, dtype=self.dtype, device=self.device)
             fill(table.aliases[name], t)
             self._bind(name, t)
@@ -229,14 +245,14 @@ class InferenceEngine:
         for b in range(len(sizes)):
             if b in on_disk:
                 self._disk.write(b, lambda flat, b=b: self._fill_block(fill, self._flat_views(flat, b)))
-                views = self._flat_views(self._disk.mapped(b), b)      # idle: the file's mapping
+                views = self._flat_views(self._disk.mapped(b), b)  # idle: the file's mapping
             else:
                 views = self._flat_views(self._host[b], b)
                 self._fill_block(fill, views)
             self._host_views.append(views)
             for name, t in views.items():
                 self._bind(name, t)
-        for m in model.modules():                     # buffers (rotary tables, masks) on the device
+        for m in model.modules():  # buffers (rotary tables, masks) on the device
             for bn, buf in list(m._buffers.items()):
                 if buf is not None and buf.device != self.device:
                     m._buffers[bn] = buf.to(self.device)
@@ -259,15 +275,20 @@ class InferenceEngine:
             return []
         staging = 2 * max(sizes) * elem
         if self.nvme_path is None:
-            raise ValueError(f"the blocks' 16-bit weights ({fmt_bytes(total)}) exceed max_host_memory "
-                             f"({fmt_bytes(self.host_budget)}): give nvme_path (--nvme) for the rest, or raise "
-                             "max_host_memory")
+            raise ValueError(
+                f"the blocks' 16-bit weights ({fmt_bytes(total)}) exceed max_host_memory "
+                f"({fmt_bytes(self.host_budget)}): give nvme_path (--nvme) for the rest, or raise "
+                "max_host_memory"
+            )
         if self.host_budget < staging:
-            raise ValueError(f"max_host_memory {fmt_bytes(self.host_budget)} cannot hold the two staging buffers "
-                             f"the disk needs ({fmt_bytes(staging)}): raise it")
+            raise ValueError(
+                f"max_host_memory {fmt_bytes(self.host_budget)} cannot hold the two staging buffers "
+                f"the disk needs ({fmt_bytes(staging)}): raise it"
+            )
         try:
-            first = plan_inference(self.shape, self._device_budget(), 1, 256, 128, self.slots_wanted,
-                                   RESERVE if self.dev.is_cuda else 0).streamed
+            first = plan_inference(
+                self.shape, self._device_budget(), 1, 256, 128, self.slots_wanted, RESERVE if self.dev.is_cuda else 0
+            ).streamed
         except InferencePlanError:
             first = []
         order = first + [b for b in range(n) if b not in set(first)]
@@ -279,7 +300,7 @@ class InferenceEngine:
         return [b for b in range(n) if b not in keep]
 
     def _flat_views(self, flat: torch.Tensor, b: int) -> dict[str, torch.Tensor]:
-        return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in self._layout[b]}
+        return {name: flat[off : off + math.prod(shape)].view(shape) for name, off, shape in self._layout[b]}
 
     def _bind(self, name: str, t: torch.Tensor) -> None:
         """A new parameter viewing ``t``, under every alias of ``name`` (tied weights stay one parameter)."""
@@ -306,11 +327,18 @@ class InferenceEngine:
         old = self.plan if grow_only else None
         if old is not None and old.batch >= batch and old.context >= context and old.prefill >= prefill:
             return old
-        if old is not None:      # a larger plan may suit the new request: keep the larger of each dimension
+        if old is not None:  # a larger plan may suit the new request: keep the larger of each dimension
             batch, context, prefill = max(batch, old.batch), max(context, old.context), max(prefill, old.prefill)
-        plan = plan_inference(self.shape, self._device_budget(), batch, context, prefill, self.slots_wanted,
-                              RESERVE if self.dev.is_cuda else 0)
-        with torch.inference_mode(False):     # [Note: normal tensors]
+        plan = plan_inference(
+            self.shape,
+            self._device_budget(),
+            batch,
+            context,
+            prefill,
+            self.slots_wanted,
+            RESERVE if self.dev.is_cuda else 0,
+        )
+        with torch.inference_mode(False):  # [Note: normal tensors]
             self._apply(plan)
         return plan
 
@@ -334,13 +362,15 @@ class InferenceEngine:
             self._slots = []
             self._views.clear()
             if self.dev.is_cuda:
-                torch.cuda.empty_cache()      # freed blocks back, so the new placement is not fragmented
-            self._slots = [_Slot(torch.empty(plan.slot_bytes // self.shape.elem, dtype=self.dtype,
-                                              device=self.device)) for _ in range(plan.slots)]
+                torch.cuda.empty_cache()  # freed blocks back, so the new placement is not fragmented
+            self._slots = [
+                _Slot(torch.empty(plan.slot_bytes // self.shape.elem, dtype=self.dtype, device=self.device))
+                for _ in range(plan.slots)
+            ]
             self._views.clear()
         for b in plan.resident:
             if b not in self._dev:
-                if self._host[b] is None:             # on the disk: read once, through a staging buffer
+                if self._host[b] is None:  # on the disk: read once, through a staging buffer
                     flat, stg = self._disk.take(b)
                     buf = torch.empty(self._sizes[b], dtype=self.dtype, device=self.device)
                     buf.copy_(flat)
@@ -349,7 +379,7 @@ class InferenceEngine:
                     buf = torch.empty(self._sizes[b], dtype=self.dtype, device=self.device)
                     buf.copy_(self._host[b], non_blocking=True)
                 else:
-                    buf = self._host[b]               # the CPU computes from the host buffer itself
+                    buf = self._host[b]  # the CPU computes from the host buffer itself
                 self._dev[b] = buf
                 self._bind_block(b, self._flat_views(buf, b))
         self.dev.synchronize()
@@ -373,7 +403,7 @@ class InferenceEngine:
         n = self._sizes[b]
         dev = self.dev
         src, stg = self._host[b], None
-        if src is None:                       # on the disk ([Note: staging buffers], disk.py)
+        if src is None:  # on the disk ([Note: staging buffers], disk.py)
             src, stg = self._disk.take(b)
         with dev.on(dev.upload):
             dev.wait(dev.upload, slot.free)
@@ -391,7 +421,7 @@ class InferenceEngine:
             self._disk.give_back(stg, slot.ready if dev.is_cuda else None)
             dc = self._disk_cycle
             at = dc.index(b)
-            for k in range(1, len(dc)):      # read the next disk blocks of the cycle into the free buffers
+            for k in range(1, len(dc)):  # read the next disk blocks of the cycle into the free buffers
                 if not self._disk.prefetch(dc[(at + k) % len(dc)]):
                     break
         self._holding[b] = slot
@@ -420,7 +450,7 @@ class InferenceEngine:
         key = (id(slot), b)
         views = self._views.get(key)
         if views is None:
-            with torch.inference_mode(False):     # [Note: normal tensors]
+            with torch.inference_mode(False):  # [Note: normal tensors]
                 views = self._views[key] = self._flat_views(slot.buf, b)
         self._bind_block(b, views)
 
@@ -443,20 +473,28 @@ class InferenceEngine:
         with torch.no_grad():
             return self.model(*args, **kwargs)
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 max_new_tokens: int = 128, **kwargs):
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int = 128,
+        **kwargs,
+    ):
         """transformers' ``generate`` on this model, after planning the placement for this batch and length.
         Every generation option of transformers applies (sampling, penalties, stop strings, streamers...);
         the KV cache is transformers' static one unless ``cache_implementation`` says otherwise."""
         B, T = input_ids.shape
-        cfg = self.model.generation_config     # beams and returned sequences multiply the cache's batch
-        copies = max(int(kwargs.get("num_beams") or cfg.num_beams or 1),
-                     int(kwargs.get("num_return_sequences") or cfg.num_return_sequences or 1))
+        cfg = self.model.generation_config  # beams and returned sequences multiply the cache's batch
+        copies = max(
+            int(kwargs.get("num_beams") or cfg.num_beams or 1),
+            int(kwargs.get("num_return_sequences") or cfg.num_return_sequences or 1),
+        )
         self.prepare(B * copies, T + max_new_tokens, T)
-        kwargs.setdefault("cache_implementation", "static")      # [Note: a KV cache allocated once]
-        kwargs.setdefault("disable_compile", True)   # transformers compiles static-cache decoding on CUDA by default:
+        kwargs.setdefault("cache_implementation", "static")  # [Note: a KV cache allocated once]
+        kwargs.setdefault("disable_compile", True)  # transformers compiles static-cache decoding on CUDA by default:
         #                                              the hooks swap parameters, which a compiled graph cannot see
-        if hasattr(self.model, "_previous_max_cache_length"):    # size it for this call, as planned
+        if hasattr(self.model, "_previous_max_cache_length"):  # size it for this call, as planned
             del self.model._previous_max_cache_length
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
@@ -478,13 +516,21 @@ class InferenceEngine:
         self._fold_marks(wait=True)
         p = self.plan
         disk = self._disk
-        return {"disk_blocks": len(disk.regions) if disk else 0, "disk_reads": disk.reads if disk else 0,
-                "disk_read_bytes": disk.read_bytes if disk else 0,
-                "primes": self.primes, "upload_seconds": round(self._upload_seconds, 4),
-                "resident": len(p.resident) if p else None, "streamed": len(p.streamed) if p else None,
-                "slots": p.slots if p else None, "streamed_bytes_per_forward": p.streamed_bytes if p else None,
-                "device_bytes_planned": p.device_bytes if p else None, "uploads": self.uploads,
-                "upload_bytes": self.upload_bytes, "dtype": str(self.dtype).replace("torch.", "")}
+        return {
+            "disk_blocks": len(disk.regions) if disk else 0,
+            "disk_reads": disk.reads if disk else 0,
+            "disk_read_bytes": disk.read_bytes if disk else 0,
+            "primes": self.primes,
+            "upload_seconds": round(self._upload_seconds, 4),
+            "resident": len(p.resident) if p else None,
+            "streamed": len(p.streamed) if p else None,
+            "slots": p.slots if p else None,
+            "streamed_bytes_per_forward": p.streamed_bytes if p else None,
+            "device_bytes_planned": p.device_bytes if p else None,
+            "uploads": self.uploads,
+            "upload_bytes": self.upload_bytes,
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }
 
     def _fold_marks(self, wait: bool) -> None:
         """Add the finished uploads' seconds to the total (all of them, after waiting, with ``wait``), so the
@@ -565,9 +611,14 @@ def _shape(model: nn.Module, table, sizes: list[int], dtype: torch.dtype) -> Inf
     heads = get("num_attention_heads", "n_head", default=1)
     kv_heads = get("num_key_value_heads", default=heads)
     head_dim = get("head_dim", default=hidden // max(heads, 1))
-    return InferShape(shell_bytes=shell, block_bytes=tuple(n * elem for n in sizes),
-                      layers=get("num_hidden_layers", "n_layer", default=len(sizes)), kv_heads=kv_heads,
-                      head_dim=head_dim, hidden=hidden, intermediate=get("intermediate_size", "n_inner",
-                                                                         default=4 * hidden),
-                      vocab=get("vocab_size"), elem=elem)
-
+    return InferShape(
+        shell_bytes=shell,
+        block_bytes=tuple(n * elem for n in sizes),
+        layers=get("num_hidden_layers", "n_layer", default=len(sizes)),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden=hidden,
+        intermediate=get("intermediate_size", "n_inner", default=4 * hidden),
+        vocab=get("vocab_size"),
+        elem=elem,
+    )

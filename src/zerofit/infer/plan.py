@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from zerofit.engine.planner import PlanError, fmt_at_least, fmt_bytes
 
 MiB = 2**20
-RESERVE = 384 * MiB     # the allocator's rounding and fragmentation, cuBLAS workspaces
+RESERVE = 384 * MiB  # the allocator's rounding and fragmentation, cuBLAS workspaces
 
 
 class InferencePlanError(PlanError):
@@ -36,13 +36,13 @@ class InferShape:
 
     shell_bytes: int
     block_bytes: tuple[int, ...]
-    layers: int              # layers that keep a KV cache
+    layers: int  # layers that keep a KV cache
     kv_heads: int
     head_dim: int
     hidden: int
     intermediate: int
     vocab: int
-    elem: int                # bytes per weight/activation element
+    elem: int  # bytes per weight/activation element
 
     @property
     def num_blocks(self) -> int:
@@ -70,12 +70,12 @@ class InferPlan:
     shape: InferShape
     batch: int
     context: int
-    prefill: int                     # longest prompt
-    cap: int | None                  # device budget (None: no cap)
+    prefill: int  # longest prompt
+    cap: int | None  # device budget (None: no cap)
     resident: list[int] = field(default_factory=list)
-    streamed: list[int] = field(default_factory=list)   # in execution order
+    streamed: list[int] = field(default_factory=list)  # in execution order
     slots: int = 0
-    reserve: int = RESERVE           # allocator rounding and workspaces (0 on the CPU)
+    reserve: int = RESERVE  # allocator rounding and workspaces (0 on the CPU)
 
     @property
     def slot_bytes(self) -> int:
@@ -92,8 +92,14 @@ class InferPlan:
     @property
     def device_bytes(self) -> int:
         blocks = sum(self.shape.block_bytes[i] for i in self.resident)
-        return (self.shape.shell_bytes + blocks + self.slots * self.slot_bytes + self.kv_bytes + self.work_bytes
-                + self.reserve)
+        return (
+            self.shape.shell_bytes
+            + blocks
+            + self.slots * self.slot_bytes
+            + self.kv_bytes
+            + self.work_bytes
+            + self.reserve
+        )
 
     @property
     def streamed_bytes(self) -> int:
@@ -103,10 +109,12 @@ class InferPlan:
     def summary(self) -> str:
         s = self.shape
         cap = fmt_bytes(self.cap) if self.cap else "no cap"
-        return (f"{len(self.resident)}/{s.num_blocks} blocks resident, {len(self.streamed)} streamed through "
-                f"{self.slots} slots ({fmt_bytes(self.streamed_bytes)} per token); KV cache "
-                f"{fmt_bytes(self.kv_bytes)} for {self.batch} x {self.context} tokens; device "
-                f"{fmt_bytes(self.device_bytes)} of {cap}")
+        return (
+            f"{len(self.resident)}/{s.num_blocks} blocks resident, {len(self.streamed)} streamed through "
+            f"{self.slots} slots ({fmt_bytes(self.streamed_bytes)} per token); KV cache "
+            f"{fmt_bytes(self.kv_bytes)} for {self.batch} x {self.context} tokens; device "
+            f"{fmt_bytes(self.device_bytes)} of {cap}"
+        )
 
 
 def spread(n: int, m: int) -> list[int]:
@@ -114,8 +122,9 @@ def spread(n: int, m: int) -> list[int]:
     return sorted({n - 1 - (k * n) // m for k in range(m)}) if m else []
 
 
-def plan_inference(shape: InferShape, cap: int | None, batch: int, context: int, prefill: int,
-                   slots: int = 2, reserve: int = RESERVE) -> InferPlan:
+def plan_inference(
+    shape: InferShape, cap: int | None, batch: int, context: int, prefill: int, slots: int = 2, reserve: int = RESERVE
+) -> InferPlan:
     """The placement for ``batch`` sequences of up to ``context`` tokens, the longest prompt ``prefill``
     tokens ([Note: inference placement]). Raises :class:`InferencePlanError` when nothing fits."""
     n = shape.num_blocks
@@ -146,11 +155,13 @@ def _refusal(shape: InferShape, cap: int, batch: int, context: int, prefill: int
         return shape.shell_bytes + shape.kv_bytes(b, c) + shape.work_bytes(b, p, c) + reserve + slots * blk
 
     total = need(batch, context, prefill)
-    parts = [f"generation of {batch} sequences x {context} tokens cannot fit {fmt_bytes(cap)} of GPU memory: the KV cache "
-             f"needs {fmt_bytes(shape.kv_bytes(batch, context))}, the shell {fmt_bytes(shape.shell_bytes)}, "
-             f"{slots} streaming slots {fmt_bytes(slots * blk)}, the working memory of a {prefill}-token prefill "
-             f"{fmt_bytes(shape.work_bytes(batch, prefill, context))} (and {fmt_bytes(reserve)} reserve): "
-             f"{fmt_bytes(total)} with no block resident"]
+    parts = [
+        f"generation of {batch} sequences x {context} tokens cannot fit {fmt_bytes(cap)} of GPU memory: the KV cache "
+        f"needs {fmt_bytes(shape.kv_bytes(batch, context))}, the shell {fmt_bytes(shape.shell_bytes)}, "
+        f"{slots} streaming slots {fmt_bytes(slots * blk)}, the working memory of a {prefill}-token prefill "
+        f"{fmt_bytes(shape.work_bytes(batch, prefill, context))} (and {fmt_bytes(reserve)} reserve): "
+        f"{fmt_bytes(total)} with no block resident"
+    ]
     fits = []
     b = batch - 1
     while b >= 1 and need(b, context, prefill) > cap:

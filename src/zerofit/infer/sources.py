@@ -50,7 +50,7 @@ class _DirSource:
         return load_tokenizer(self.path)
 
     def fill(self, names: list[str], dst: torch.Tensor) -> None:
-        load_tensor(self.md, names, dst, self._fds)     # any dtype and device
+        load_tensor(self.md, names, dst, self._fds)  # any dtype and device
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -60,9 +60,9 @@ class _DirSource:
 
 @dataclass
 class _CheckpointSource:
-    path: Path             # the checkpoint folder (a tag)
-    md: ModelDir           # its config.json (weights come from the checkpoint's shards)
-    found: dict            # tensor name -> (file, TensorInfo)
+    path: Path  # the checkpoint folder (a tag)
+    md: ModelDir  # its config.json (weights come from the checkpoint's shards)
+    found: dict  # tensor name -> (file, TensorInfo)
 
     def build_meta(self) -> nn.Module:
         model = self.md.build_meta()
@@ -70,7 +70,7 @@ class _CheckpointSource:
         return model
 
     def dtype(self) -> torch.dtype | None:
-        return None          # fp32 masters: the default 16-bit dtype
+        return None  # fp32 masters: the default 16-bit dtype
 
     def tokenizer(self):
         return load_tokenizer(self.path)
@@ -80,12 +80,15 @@ class _CheckpointSource:
 
         name = next((n for n in names if n in self.found), None)
         if name is None:
-            raise ModelDirError(f"{self.path}: tensor {names[0]!r} is not in the checkpoint's weights "
-                                "(a checkpoint of another model?)")
+            raise ModelDirError(
+                f"{self.path}: tensor {names[0]!r} is not in the checkpoint's weights (a checkpoint of another model?)"
+            )
         f, info = self.found[name]
         if tuple(info.shape) != tuple(dst.shape):
-            raise ModelDirError(f"{self.path / f}: tensor {name!r} has shape {list(info.shape)}, the model "
-                                f"built from config.json expects {list(dst.shape)}")
+            raise ModelDirError(
+                f"{self.path / f}: tensor {name!r} has shape {list(info.shape)}, the model "
+                f"built from config.json expects {list(dst.shape)}"
+            )
         dst.copy_(read_tensor(self.path / f, info))
 
 
@@ -99,11 +102,13 @@ def open_source(path: str | os.PathLike):
     if p.is_dir() and ((p / RECORD).is_file() or (p / "latest").is_file()):
         folder, record = open_checkpoint(p, None)
         if not (folder / "config.json").is_file():
-            raise ModelDirError(f"{folder}: this checkpoint has no config.json (the model was not a transformers "
-                                "model): generation needs one")
+            raise ModelDirError(
+                f"{folder}: this checkpoint has no config.json (the model was not a transformers "
+                "model): generation needs one"
+            )
         from zerofit.models.directory import read_config
 
-        config = read_config(folder)      # a wrong field is a ModelDirError naming the file and the field
+        config = read_config(folder)  # a wrong field is a ModelDirError naming the file and the field
         found = locate(folder, shard_files(folder, record, WEIGHTS_INDEX), WEIGHTS_INDEX)
         return _CheckpointSource(folder, ModelDir(folder, config, {}), found)
     return _DirSource(p, ModelDir.open(p))
@@ -120,7 +125,7 @@ def engine_source(engine) -> tuple[nn.Module, callable]:
     """A meta twin of the training engine's model, and a fill that reads the engine's current weights."""
     import copy
 
-    live = engine.module                      # the user's model, its parameters the engine's fp32 weights
+    live = engine.module  # the user's model, its parameters the engine's fp32 weights
     params = dict(live.named_parameters(remove_duplicate=False))
     if hasattr(live, "config") and hasattr(type(live), "_from_config"):
         with torch.device("meta"):

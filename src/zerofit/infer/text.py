@@ -28,7 +28,7 @@ class Completion:
     text: str
     prompt_tokens: int
     new_tokens: int
-    finish: str                  # "stop" (end-of-sequence token or a stop string) or "length"
+    finish: str  # "stop" (end-of-sequence token or a stop string) or "length"
     token_ids: list[int] = field(default_factory=list, repr=False)
 
 
@@ -50,8 +50,10 @@ def engine_for(model, *, tokenizer=None, **kw):
     elif hasattr(model, "module") and hasattr(model, "train_batch"):
         eng = InferenceEngine.from_engine(model, **kw)
     else:
-        raise TypeError(f"model: expected a model directory, a checkpoint, an nn.Module or a zerofit engine, "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"model: expected a model directory, a checkpoint, an nn.Module or a zerofit engine, "
+            f"got {type(model).__name__}"
+        )
     if tokenizer is not None:
         eng.tokenizer = tokenizer
     elif eng.tokenizer is None:
@@ -89,8 +91,10 @@ def prompt_ids(tokenizer, prompt, *, chat: bool = False, system: str | None = No
         if system is not None and not (prompt and prompt[0].get("role") == "system"):
             prompt = [{"role": "system", "content": system}, *prompt]
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("a chat prompt needs a chat template, and this model's tokenizer has none "
-                             "(tokenizer_config.json 'chat_template' or chat_template.jinja): give plain text")
+            raise ValueError(
+                "a chat prompt needs a chat template, and this model's tokenizer has none "
+                "(tokenizer_config.json 'chat_template' or chat_template.jinja): give plain text"
+            )
         out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
@@ -105,8 +109,8 @@ def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
     ids = torch.full((len(seqs), T), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, T - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, T - len(s):] = 1
+        ids[i, T - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, T - len(s) :] = 1
     return ids, mask
 
 
@@ -117,26 +121,39 @@ class _CallbackStreamer:
         self.tok, self.cb, self.ids, self.seen, self.prompt = tokenizer, callback, [], "", True
 
     def put(self, value):
-        if self.prompt:          # the first call carries the prompt
+        if self.prompt:  # the first call carries the prompt
             self.prompt = False
             return
         self.ids.extend(value.reshape(-1).tolist())
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         if len(text) > len(self.seen) and not text.endswith("\ufffd"):
-            self.cb(text[len(self.seen):])
+            self.cb(text[len(self.seen) :])
             self.seen = text
 
     def end(self):
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         if len(text) > len(self.seen):
-            self.cb(text[len(self.seen):])
+            self.cb(text[len(self.seen) :])
         self.seen = text
 
 
-def complete(engine, prompts: list, *, max_new_tokens: int = 128, batch_size: int = 8, chat: bool = False,
-             system: str | None = None, stream=None, do_sample: bool | None = None, temperature: float | None = None,
-             top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
-             stop: list[str] | None = None, seed: int | None = None) -> list[Completion]:
+def complete(
+    engine,
+    prompts: list,
+    *,
+    max_new_tokens: int = 128,
+    batch_size: int = 8,
+    chat: bool = False,
+    system: str | None = None,
+    stream=None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    stop: list[str] | None = None,
+    seed: int | None = None,
+) -> list[Completion]:
     """Generate for each prompt, ``batch_size`` at a time; ``stream``: a callable given each new piece of
     text (only with one prompt per batch)."""
     tok = engine.tokenizer
@@ -149,14 +166,19 @@ def complete(engine, prompts: list, *, max_new_tokens: int = 128, batch_size: in
     eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else tok.eos_token_id
     eos_set = set(eos if isinstance(eos, list) else [eos]) - {None}
     pad = tok.pad_token_id if tok.pad_token_id is not None else (min(eos_set) if eos_set else 0)
-    sample = do_sample if do_sample is not None else any(
-        v is not None for v in (temperature, top_k, top_p)) and temperature != 0
+    sample = (
+        do_sample
+        if do_sample is not None
+        else any(v is not None for v in (temperature, top_k, top_p)) and temperature != 0
+    )
     kw: dict = {"do_sample": bool(sample), "pad_token_id": pad}
     if eos_set:
         kw["eos_token_id"] = sorted(eos_set)
     if sample:
-        kw.update({k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if v is not None})
-    else:      # greedy: the model's own sampling defaults must not warn or apply
+        kw.update(
+            {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if v is not None}
+        )
+    else:  # greedy: the model's own sampling defaults must not warn or apply
         kw.update(temperature=None, top_k=None, top_p=None)
     if repetition_penalty is not None:
         kw["repetition_penalty"] = repetition_penalty
@@ -168,15 +190,15 @@ def complete(engine, prompts: list, *, max_new_tokens: int = 128, batch_size: in
     out: list[Completion] = []
     bs = 1 if stream is not None else max(1, batch_size)
     for at in range(0, len(seqs), bs):
-        batch = seqs[at:at + bs]
+        batch = seqs[at : at + bs]
         ids, mask = _left_pad(batch, pad)
         extra = {"streamer": _CallbackStreamer(tok, stream)} if stream is not None else {}
         res = engine.generate(ids, mask, max_new_tokens=max_new_tokens, **kw, **extra)
-        new = res[:, ids.shape[1]:].tolist()
+        new = res[:, ids.shape[1] :].tolist()
         for s, toks in zip(batch, new):
             end = next((i for i, t in enumerate(toks) if t in eos_set), None)
             finish = "stop" if end is not None else "length"
-            toks = toks[:end + 1] if end is not None else toks
+            toks = toks[: end + 1] if end is not None else toks
             while toks and toks[-1] == pad and pad not in eos_set:
                 toks = toks[:-1]
             text = tok.decode(toks, skip_special_tokens=True)
@@ -188,20 +210,40 @@ def complete(engine, prompts: list, *, max_new_tokens: int = 128, batch_size: in
     return out
 
 
-def generate(model, prompts, *, tokenizer=None, max_new_tokens: int = 128, batch_size: int = 8,
-             max_gpu_memory=None, dtype=None, device=None, chat: bool = False, system: str | None = None,
-             stream=None, **sampling) -> list[str]:
+def generate(
+    model,
+    prompts,
+    *,
+    tokenizer=None,
+    max_new_tokens: int = 128,
+    batch_size: int = 8,
+    max_gpu_memory=None,
+    dtype=None,
+    device=None,
+    chat: bool = False,
+    system: str | None = None,
+    stream=None,
+    **sampling,
+) -> list[str]:
     """The completions of ``prompts`` (a text, or a list of texts / chats / prompt records) by ``model`` (a
     model directory, a zerofit checkpoint, an ``nn.Module``, a training engine or an InferenceEngine), with
     the blocks that do not fit ``max_gpu_memory`` streamed through the GPU. ``sampling``: ``do_sample``,
     ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``stop`` (strings), ``seed``."""
-    kw = {k: v for k, v in (("max_gpu_memory", max_gpu_memory), ("dtype", dtype), ("device", device))
-          if v is not None}
+    kw = {k: v for k, v in (("max_gpu_memory", max_gpu_memory), ("dtype", dtype), ("device", device)) if v is not None}
     engine = engine_for(model, tokenizer=tokenizer, **kw)
-    single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts) and all(
-        isinstance(m, dict) and "role" in m for m in prompts))      # one chat
-    res = complete(engine, [prompts] if single else list(prompts), max_new_tokens=max_new_tokens,
-                   batch_size=batch_size, chat=chat, system=system, stream=stream, **sampling)
+    single = isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and bool(prompts) and all(isinstance(m, dict) and "role" in m for m in prompts)
+    )  # one chat
+    res = complete(
+        engine,
+        [prompts] if single else list(prompts),
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        chat=chat,
+        system=system,
+        stream=stream,
+        **sampling,
+    )
     texts = [c.text for c in res]
     return texts[0] if single else texts
 

@@ -1,4 +1,4 @@
-"""LoRA with PEFT over a frozen base (issue 29): PEFT models trained by the engine through every door, the
+"""LoRA with PEFT over a frozen base: PEFT models trained by the engine through every door, the
 adapters out, the base by reference. See docs/lora.md.
 
 | module | concept |
@@ -29,5 +29,6 @@ def is_peft(model) -> bool:
 def __getattr__(name: str):
     if name == "LoraOptions":
         from zerofit.lora.options import LoraOptions
+
         return LoraOptions
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ def fingerprint(engine) -> str:
         q = u.nf4.names if u.nf4 is not None else []
         for n, shape, off in zip(u.frozen.names, u.frozen.shapes, u.frozen.offsets):
             numel = math.prod(shape)
-            if n in q:        # [Note: an NF4 base] (engine/nf4.py): its packed codes
+            if n in q:  # [Note: an NF4 base] (engine/nf4.py): its packed codes
                 data = u.nf4.packed(q.index(n)).data
                 h.update(f"{prefix}{n}:{tuple(shape)}:nf4;".encode())
                 idx = torch.linspace(0, data.numel() - 1, min(SAMPLES, data.numel())).long()
@@ -44,9 +44,11 @@ def fingerprint(engine) -> str:
 
 def record(engine) -> dict:
     """What a checkpoint of a PEFT run says of its base."""
-    return {"path": str(engine.source_dir) if engine.source_dir is not None else None,
-            "fingerprint": fingerprint(engine),
-            "frozen_numel": sum(u.frozen_numel for u in engine.units)}
+    return {
+        "path": str(engine.source_dir) if engine.source_dir is not None else None,
+        "fingerprint": fingerprint(engine),
+        "frozen_numel": sum(u.frozen_numel for u in engine.units),
+    }
 
 
 def check(engine, saved: dict, folder) -> None:
@@ -60,4 +62,5 @@ def check(engine, saved: dict, folder) -> None:
         raise CheckpointMismatchError(
             f"{folder}: the checkpoint holds adapters trained over another base ({where}, fingerprint "
             f"{saved.get('fingerprint')}); this engine's base is {here} (fingerprint {now}): resume over the base "
-            f"it was trained from (--model {where})")
+            f"it was trained from (--model {where})"
+        )

@@ -29,8 +29,10 @@ def _trained_state(engine) -> dict[str, torch.Tensor]:
     """The trained parameters' current fp32 values by the PEFT model's names, copied to the host."""
     from zerofit.checkpoint.entries import weight_entries
 
-    return {e.name: e.base[e.offset:e.offset + e.numel].view(e.shape).to("cpu", torch.float32, copy=True)
-            for e in weight_entries(engine, frozen=False)}
+    return {
+        e.name: e.base[e.offset : e.offset + e.numel].view(e.shape).to("cpu", torch.float32, copy=True)
+        for e in weight_entries(engine, frozen=False)
+    }
 
 
 def adapter_files(engine) -> dict[str, bytes]:
@@ -46,12 +48,12 @@ def adapter_files(engine) -> dict[str, bytes]:
         with tempfile.TemporaryDirectory() as tmp:
             model.peft_config[name].save_pretrained(tmp)
             config = json.loads((Path(tmp) / ADAPTER_CONFIG).read_text())
-        for key in ("target_modules", "modules_to_save", "exclude_modules"):   # sets, in hash order: sorted
+        for key in ("target_modules", "modules_to_save", "exclude_modules"):  # sets, in hash order: sorted
             if isinstance(config.get(key), list):
                 config[key] = sorted(config[key])
         out[ADAPTER_CONFIG] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
         out[ADAPTER_WEIGHTS] = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
-        break        # one adapter: the one PEFT trains (a model with several trains its active one)
+        break  # one adapter: the one PEFT trains (a model with several trains its active one)
     return out
 
 
@@ -79,24 +81,26 @@ def merged_entries(model: nn.Module, dtype: torch.dtype, dequantized: dict | Non
     for m in model.modules():
         if isinstance(m, LoraLayer):
             if getattr(m, "lora_magnitude_vector", None):
-                raise LoraError("merging a DoRA adapter is not supported by zerofit yet: save the adapter and "
-                                "merge with PEFT's merge_and_unload")
+                raise LoraError(
+                    "merging a DoRA adapter is not supported by zerofit yet: save the adapter and "
+                    "merge with PEFT's merge_and_unload"
+                )
             layer_of[id(m.get_base_layer().weight)] = m
 
     def merged(p: torch.Tensor, layer, base=None) -> torch.Tensor:
         w = base() if base is not None else p.detach().clone()
         for a in layer.active_adapters:
             if a in layer.lora_A:
-                w += layer.get_delta_weight(a)     # as PEFT's merge (safe_merge's arithmetic)
+                w += layer.get_delta_weight(a)  # as PEFT's merge (safe_merge's arithmetic)
         return w
 
     out = []
-    for n, p in model.named_parameters():       # tied parameters once, under their first name
+    for n, p in model.named_parameters():  # tied parameters once, under their first name
         if is_adapter_param(n) or ".original_module." in n:
             continue
         layer, base = layer_of.get(id(p)), dequantized.get(n)
         if layer is not None:
-            fetch = lambda p=p, layer=layer, base=base: merged(p, layer, base)     # noqa: E731
+            fetch = lambda p=p, layer=layer, base=base: merged(p, layer, base)  # noqa: E731
         else:
             fetch = base if base is not None else (lambda p=p: p.detach())
         out.append(Entry(base_name(n), tuple(p.shape), dtype, fetch=fetch))
@@ -107,8 +111,11 @@ def refuse_quantized(model: nn.Module) -> None:
     """A merge into a quantized base is refused (:class:`LoraError`), before anything is written."""
     cfg = getattr(model, "config", None)
     quant = getattr(cfg, "quantization_config", None)
-    if quant or any(getattr(p, "quant_state", None) is not None or type(p).__name__ in ("Params4bit", "NF4Tensor")
-                    for p in model.parameters()):
-        raise LoraError("--merge into a quantized base: merging into 4-bit weights breaks models (the delta is "
-                        "rounded away); save the adapter (without --merge), then merge it into the 16-bit base")
-
+    if quant or any(
+        getattr(p, "quant_state", None) is not None or type(p).__name__ in ("Params4bit", "NF4Tensor")
+        for p in model.parameters()
+    ):
+        raise LoraError(
+            "--merge into a quantized base: merging into 4-bit weights breaks models (the delta is "
+            "rounded away); save the adapter (without --merge), then merge it into the 16-bit base"
+        )

@@ -5,7 +5,6 @@ transformers writes the result. A live engine merges without a second copy inste
 from __future__ import annotations
 
 import contextlib
-
 from pathlib import Path
 
 import torch
@@ -24,8 +23,10 @@ def check_adapter_fits(base_dir: Path, adapter_dir: Path) -> None:
     md = ModelDir.open(base_dir)
     weights = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not weights.is_file():
-        raise LoraError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}: not a PEFT adapter folder (engine.save_pretrained "
-                        "or zerofit export of a LoRA run writes one)")
+        raise LoraError(
+            f"{adapter_dir}: no {ADAPTER_WEIGHTS}: not a PEFT adapter folder (engine.save_pretrained "
+            "or zerofit export of a LoRA run writes one)"
+        )
     with safe_open(str(weights), "pt") as f:
         for key in f.keys():
             shape = f.get_slice(key).get_shape()
@@ -36,25 +37,36 @@ def check_adapter_fits(base_dir: Path, adapter_dir: Path) -> None:
                 layer = module[: -len(part)]
                 try:
                     md.tensor([layer + ".weight"])
-                except Exception:       # noqa: BLE001 - ModelDirError: the layer is not in the base at all
-                    raise LoraError(f"{adapter_dir}: adapter tensor {key} is for layer {layer}, which {base_dir} does "
-                                    "not have: the adapter was trained over another base; give that base") from None
-                shape_w = md.weight_shape([layer + ".weight"])      # (a 4-bit weight's from its quant state)
+                except Exception:  # noqa: BLE001 - ModelDirError: the layer is not in the base at all
+                    raise LoraError(
+                        f"{adapter_dir}: adapter tensor {key} is for layer {layer}, which {base_dir} does "
+                        "not have: the adapter was trained over another base; give that base"
+                    ) from None
+                shape_w = md.weight_shape([layer + ".weight"])  # (a 4-bit weight's from its quant state)
                 out_f, in_f = shape_w[0], shape_w[-1]
-                conv1d = getattr(md.config, "model_type", "") == "gpt2"     # Conv1D stores (in, out)
+                conv1d = getattr(md.config, "model_type", "") == "gpt2"  # Conv1D stores (in, out)
                 if conv1d:
                     in_f, out_f = out_f, in_f
                 want = in_f if part == ".lora_A.weight" else out_f
                 got = shape[1] if part == ".lora_A.weight" else shape[0]
                 if got != want:
-                    raise LoraError(f"{adapter_dir}: adapter tensor {key} is {list(shape)}, the layer {layer} of "
-                                    f"{base_dir} takes {in_f} -> {out_f}: the adapter was trained over another base "
-                                    "(shape mismatch); give the base it was trained over")
+                    raise LoraError(
+                        f"{adapter_dir}: adapter tensor {key} is {list(shape)}, the layer {layer} of "
+                        f"{base_dir} takes {in_f} -> {out_f}: the adapter was trained over another base "
+                        "(shape mismatch); give the base it was trained over"
+                    )
 
 
-def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.dtype | None,
-                    max_shard_size="5GB", nf4: str | None = None, precision: str | None = None,
-                    said: list | None = None) -> Path:
+def merge_into_base(
+    base_dir: Path,
+    adapter_dir: Path,
+    out: Path,
+    dtype: torch.dtype | None,
+    max_shard_size="5GB",
+    nf4: str | None = None,
+    precision: str | None = None,
+    said: list | None = None,
+) -> Path:
     """``nf4``: the adapter was trained over the base's linears in NF4 (a QLoRA run, in that precision): it is
     merged into those weights dequantized, the base it trained over ([Note: an NF4 base], engine/nf4.py). A base
     folder saved in 4 bits ([Note: a 4-bit folder]) is dequantized into ``precision`` (the run's; its linears as
@@ -69,7 +81,7 @@ def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.d
 
     md = ModelDir.open(base_dir)
     quant = getattr(md.config, "quantization_config", None)
-    four = md.quant4 if quant else None      # a 4-bit folder is read as stored; another quantization is refused
+    four = md.quant4 if quant else None  # a 4-bit folder is read as stored; another quantization is refused
     if four is not None:
         into = DTYPES.get(nf4 or precision or "", _compute_dtype(quant))
         with _no_progress_bars():
@@ -79,14 +91,18 @@ def merge_into_base(base_dir: Path, adapter_dir: Path, out: Path, dtype: torch.d
             merged.save_pretrained(out, max_shard_size=max_shard_size)
         _copy_tokenizer(base_dir, out)
         if said is not None:
-            said.append(f"merged into {base_dir}'s linears dequantized from their 4 bits ({four.quant_type}) into "
-                        f"{str(into).removeprefix('torch.')}, the weights the adapter trained over: the merged model "
-                        "is written in 16 bits")
+            said.append(
+                f"merged into {base_dir}'s linears dequantized from their 4 bits ({four.quant_type}) into "
+                f"{str(into).removeprefix('torch.')}, the weights the adapter trained over: the merged model "
+                "is written in 16 bits"
+            )
         return out
-    if quant:                     # from config.json, before the base is read
-        raise LoraError(f"--merge into {base_dir}, a quantized model ({dict(quant).get('quant_method', 'quantized')}): "
-                        "merging into quantized weights breaks models (the delta is rounded away); merge into the "
-                        "16-bit base it was quantized from (--base DIR), then quantize the merged model")
+    if quant:  # from config.json, before the base is read
+        raise LoraError(
+            f"--merge into {base_dir}, a quantized model ({dict(quant).get('quant_method', 'quantized')}): "
+            "merging into quantized weights breaks models (the delta is rounded away); merge into the "
+            "16-bit base it was quantized from (--base DIR), then quantize the merged model"
+        )
     with _no_progress_bars():
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         refuse_quantized(base)
@@ -110,8 +126,15 @@ def _compute_dtype(quant) -> torch.dtype:
 
 
 def _copy_tokenizer(base_dir: Path, out: Path) -> None:
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-              "merges.txt", "chat_template.jinja"):
+    for f in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+    ):
         if (Path(base_dir) / f).is_file():
             (Path(out) / f).write_bytes((Path(base_dir) / f).read_bytes())
 
@@ -143,6 +166,7 @@ def dequantized_folder(md, dtype: torch.dtype):
             else:
                 load_tensor(md, [name], p.data)
     return model
+
 
 @contextlib.contextmanager
 def _no_progress_bars():

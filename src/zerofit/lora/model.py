@@ -40,13 +40,17 @@ def wrap(model: nn.Module, options: LoraOptions, where: str = "the model"):
 
     try:
         return get_peft_model(model, options.config())
-    except ValueError as e:          # peft's NoMatchingPeftModuleError is a ValueError
+    except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
         if "not found in the base model" not in str(e) and "No modules were targeted" not in str(e):
             raise
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-                        | {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "Conv1D"})
-        raise LoraError(f"--lora-targets {options.targets}: matches no module of {where} ({e}); its linear "
-                        f"layers are named {', '.join(linear)}: name some of them, or use all-linear") from None
+        linear = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+            | {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+        )
+        raise LoraError(
+            f"--lora-targets {options.targets}: matches no module of {where} ({e}); its linear "
+            f"layers are named {', '.join(linear)}: name some of them, or use all-linear"
+        ) from None
 
 
 class PeftSource:
@@ -100,7 +104,7 @@ def from_model_dir(path: str | Path, options: LoraOptions, seed: int = 0):
     from zerofit.models import ModelDir
 
     md = ModelDir.open(path)
-    md.quant4          # a 4-bit folder is read as it is stored; another quantization is refused here, by name
+    _ = md.quant4  # a 4-bit folder is read as it is stored; another quantization is refused here, by name
     model = wrap(md.build_meta(), options, where=str(md.path))
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):

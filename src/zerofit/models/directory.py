@@ -27,9 +27,18 @@ __all__ = ["ModelDir", "ModelDirError", "WeightFileError", "TOKENIZER_FILES", "r
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # what a tokenizer and generation defaults need, copied into checkpoints and exports
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 class ModelDirError(WeightFileError):
@@ -41,12 +50,12 @@ class ModelDir:
     """A local Hugging Face causal-LM directory: ``config.json`` and safetensors weights (sharded or not)."""
 
     path: Path
-    config: object                                   # transformers.PretrainedConfig
+    config: object  # transformers.PretrainedConfig
     weights: dict[str, TensorInfo] = field(repr=False)  # every tensor of every weight file, by name
-    prefix: str = ""     # the model class's base_model_prefix: some checkpoints store names without it
+    prefix: str = ""  # the model class's base_model_prefix: some checkpoints store names without it
 
     @classmethod
-    def open(cls, path: str | os.PathLike, config_only: bool = False) -> "ModelDir":
+    def open(cls, path: str | os.PathLike, config_only: bool = False) -> ModelDir:
         """The folder at ``path``, its config and every weight file's header read (``config_only``: config.json
         alone, for planning: no weights are needed, or read)."""
         p = Path(path).expanduser()
@@ -76,7 +85,8 @@ class ModelDir:
         raise ModelDirError(
             f"{self.path / 'config.json'}: unknown architecture {names or '(none)'} of model_type "
             f"{getattr(self.config, 'model_type', None)!r}: transformers {transformers.__version__} has no causal-LM "
-            "class for it")
+            "class for it"
+        )
 
     def build_meta(self) -> nn.Module:
         """The model with every parameter on the meta device (no memory), fp32, ready for the engine."""
@@ -84,11 +94,16 @@ class ModelDir:
         self.prefix = getattr(cls, "base_model_prefix", "") or ""
         try:
             with torch.device("meta"):
-                return cls._from_config(self.config, dtype=torch.float32) if hasattr(cls, "_from_config") \
+                return (
+                    cls._from_config(self.config, dtype=torch.float32)
+                    if hasattr(cls, "_from_config")
                     else cls(self.config)
-        except Exception as e:      # noqa: BLE001 - a value the config class let through, that the model cannot use
-            raise ModelDirError(f"{self.path / 'config.json'}: {cls.__name__} cannot be built from it "
-                                f"({type(e).__name__}: {_one_line(e)}): correct that value in config.json") from None
+                )
+        except Exception as e:  # noqa: BLE001 - a value the config class let through, that the model cannot use
+            raise ModelDirError(
+                f"{self.path / 'config.json'}: {cls.__name__} cannot be built from it "
+                f"({type(e).__name__}: {_one_line(e)}): correct that value in config.json"
+            ) from None
 
     # ------------------------------------------------------------------ the weights
 
@@ -101,8 +116,10 @@ class ModelDir:
                 if cand in self.weights:
                     return self.weights[cand]
         files = sorted({str(i.file.name) for i in self.weights.values()})
-        raise ModelDirError(f"{self.path}: tensor {names[0]!r} is not in any weight file "
-                            f"({', '.join(files)}); the files do not match config.json")
+        raise ModelDirError(
+            f"{self.path}: tensor {names[0]!r} is not in any weight file "
+            f"({', '.join(files)}); the files do not match config.json"
+        )
 
     def tokenizer_files(self) -> list[Path]:
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
@@ -113,18 +130,18 @@ class ModelDir:
     def quant4(self):
         """The folder's 4-bit form (:class:`~zerofit.models.quantized.FolderQuant`), None if it is not quantized;
         a quantization zerofit does not read raises :class:`ModelDirError`."""
-        from zerofit.models.quantized import QuantizedFolderError, folder_quant
-
-        from zerofit.models.quantized import STATE
+        from zerofit.models.quantized import STATE, QuantizedFolderError, folder_quant
 
         try:
             form = folder_quant(self.config, self.path / "config.json")
         except QuantizedFolderError as e:
             raise ModelDirError(str(e)) from None
         if form is not None and self.weights and not any(STATE in n for n in self.weights):
-            raise ModelDirError(f"{self.path / 'config.json'}: its quantization_config says 4 bits, but no weight of "
-                                "the folder is stored so (no quant states beside them): remove quantization_config "
-                                "from config.json if these are the 16-bit weights")
+            raise ModelDirError(
+                f"{self.path / 'config.json'}: its quantization_config says 4 bits, but no weight of "
+                "the folder is stored so (no quant states beside them): remove quantization_config "
+                "from config.json if these are the 16-bit weights"
+            )
         return form
 
     def is_packed(self, names: list[str]) -> bool:
@@ -132,7 +149,7 @@ class ModelDir:
         the blocks is, as transformers' 4-bit loading quantizes them)."""
         from zerofit.models.quantized import state_key
 
-        if not self.weights:       # (a PEFT model's adapters are its own, never the folder's)
+        if not self.weights:  # (a PEFT model's adapters are its own, never the folder's)
             from zerofit.lora.model import is_adapter_param
 
             return self.quant4 is not None and not any(is_adapter_param(n) for n in names)
@@ -181,16 +198,20 @@ def read_config(folder: Path):
     try:
         body = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelDirError(f"{path}: not a JSON file ({e}): a model directory's config.json is the JSON object "
-                            "transformers' save_pretrained writes") from None
+        raise ModelDirError(
+            f"{path}: not a JSON file ({e}): a model directory's config.json is the JSON object "
+            "transformers' save_pretrained writes"
+        ) from None
     if not isinstance(body, dict):
-        raise ModelDirError(f"{path}: holds a JSON {type(body).__name__}; expected an object with the model's "
-                            "configuration (model_type, hidden_size, ...)")
+        raise ModelDirError(
+            f"{path}: holds a JSON {type(body).__name__}; expected an object with the model's "
+            "configuration (model_type, hidden_size, ...)"
+        )
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
-    except Exception as e:     # noqa: BLE001 - transformers raises many types here; each is named in the message
+    except Exception as e:  # noqa: BLE001 - transformers raises many types here; each is named in the message
         raise ModelDirError(f"{path}: {_config_problem(e, body)}") from None
 
 
@@ -203,21 +224,33 @@ def _config_problem(e: BaseException, body: dict) -> str:
     cls = getattr(transformers, f"{str(body.get('model_type', '')).capitalize()}Config", None)
     reader = f"transformers {transformers.__version__}" + (f"'s {cls.__name__}" if isinstance(cls, type) else "")
     m = re.match(r"Validation error for field '([^']+)'", str(e))
-    if m and e.__cause__ is not None:       # huggingface_hub's strict dataclasses: one field's type
+    if m and e.__cause__ is not None:  # huggingface_hub's strict dataclasses: one field's type
         field, cause = m.group(1), _one_line(e.__cause__)
-        wanted = list(dict.fromkeys(_JSON_TYPES.get(t, t) for t, _ in
-                                    re.findall(r"expected (?:an? )?([\w\[\]]+), got (\w+)", cause)))
+        wanted = list(
+            dict.fromkeys(
+                _JSON_TYPES.get(t, t) for t, _ in re.findall(r"expected (?:an? )?([\w\[\]]+), got (\w+)", cause)
+            )
+        )
         if not wanted:
             return f"field {field!r}: {cause} ({reader} checks each field's type): correct it in config.json"
-        return (f"field {field!r}: expected {' or '.join(wanted)}, found {json.dumps(body.get(field))[:80]} ({reader} "
-                f"checks each field's type): write {field} as {wanted[0]} in config.json")
+        return (
+            f"field {field!r}: expected {' or '.join(wanted)}, found {json.dumps(body.get(field))[:80]} ({reader} "
+            f"checks each field's type): write {field} as {wanted[0]} in config.json"
+        )
     if type(e).__name__.startswith("StrictDataclass") and e.__cause__ is not None:
         return f"{reader} refuses it ({_one_line(e.__cause__)}): correct config.json"
     return f"cannot read the model configuration ({type(e).__name__}: {_one_line(e)})"
 
 
-_JSON_TYPES = {"NoneType": "null", "str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
-               "list": "a list", "dict": "an object"}
+_JSON_TYPES = {
+    "NoneType": "null",
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "list": "a list",
+    "dict": "an object",
+}
 
 
 def _one_line(e: BaseException) -> str:
@@ -236,8 +269,10 @@ def _weight_table(p: Path) -> dict[str, TensorInfo]:
         missing = [f for f in files if not (p / f).is_file()]
         if missing:
             example = next(n for n, f in weight_map.items() if f == missing[0])
-            raise ModelDirError(f"{p / missing[0]}: missing shard (listed in {INDEX}, holds tensor {example!r}"
-                                f"{f' and {len(missing) - 1} more files' if len(missing) > 1 else ''})")
+            raise ModelDirError(
+                f"{p / missing[0]}: missing shard (listed in {INDEX}, holds tensor {example!r}"
+                f"{f' and {len(missing) - 1} more files' if len(missing) > 1 else ''})"
+            )
     elif (p / SINGLE).is_file():
         files, weight_map = [SINGLE], None
     else:
@@ -245,21 +280,28 @@ def _weight_table(p: Path) -> dict[str, TensorInfo]:
         weight_map = None
         if not files:
             other = sorted(f.name for f in p.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-            hint = (f" (found {', '.join(other)}: convert them to safetensors, e.g. load with transformers and "
-                    "save_pretrained)") if other else ""
+            hint = (
+                (
+                    f" (found {', '.join(other)}: convert them to safetensors, e.g. load with transformers and "
+                    "save_pretrained)"
+                )
+                if other
+                else ""
+            )
             raise ModelDirError(f"{p}: no {SINGLE}, {INDEX} or *.safetensors file{hint}")
     table: dict[str, TensorInfo] = {}
     for f in files:
         infos, _ = read_header(p / f)
         for name, info in infos.items():
             if weight_map is not None and weight_map.get(name) != f:
-                continue   # the index decides which file holds a name
+                continue  # the index decides which file holds a name
             table[name] = info
     if weight_map is not None:
         absent = [n for n in weight_map if n not in table]
         if absent:
-            raise ModelDirError(f"{p / weight_map[absent[0]]}: tensor {absent[0]!r} listed in {INDEX} "
-                                "is not in that file")
+            raise ModelDirError(
+                f"{p / weight_map[absent[0]]}: tensor {absent[0]!r} listed in {INDEX} is not in that file"
+            )
     return table
 
 
@@ -274,11 +316,15 @@ def load_tensor(md: ModelDir, names: list[str], dst: torch.Tensor, fds: dict | N
         return
     info = md.tensor(names)
     if tuple(info.shape) != tuple(dst.shape):
-        raise ModelDirError(f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the model built "
-                            f"from config.json expects {list(dst.shape)}")
+        raise ModelDirError(
+            f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the model built "
+            f"from config.json expects {list(dst.shape)}"
+        )
     if info.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ModelDirError(f"{info.file}: tensor {info.name!r} is {info.dtype}: zerofit trains from fp32, bf16 "
-                            "or fp16 weights (dequantize first)")
+        raise ModelDirError(
+            f"{info.file}: tensor {info.name!r} is {info.dtype}: zerofit trains from fp32, bf16 "
+            "or fp16 weights (dequantize first)"
+        )
     read_into(info, dst, descriptor(fds, info.file))
 
 
@@ -286,8 +332,14 @@ def positions(config) -> tuple[int | None, bool]:
     """The model's context (``max_position_embeddings``, GPT-2's ``n_positions``...) and whether its positions
     are learnt (a table: a longer sequence indexes past it and fails) rather than rotary (a longer sequence runs,
     beyond what the model was trained on)."""
-    n = next((v for k in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-              if isinstance(v := getattr(config, k, None), int) and v > 0), None)
+    n = next(
+        (
+            v
+            for k in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+            if isinstance(v := getattr(config, k, None), int) and v > 0
+        ),
+        None,
+    )
     rotary = any(getattr(config, k, None) is not None for k in ("rope_theta", "rope_parameters", "rope_scaling"))
     return n, n is not None and not rotary
 
@@ -302,8 +354,12 @@ def window_length(seq_len: int | None, config) -> tuple[int, str | None]:
     if n is None or seq_len <= n:
         return seq_len, None
     if learnt:
-        raise ModelDirError(f"--seq-len {seq_len} is longer than the model's {n} positions (config.json's learnt "
-                            f"position table): give --seq-len {n} or less")
-    return seq_len, (f"--seq-len {seq_len} is longer than the model's context of {n} tokens (config.json's "
-                     "max_position_embeddings): it trains beyond what the model was trained on (long-context "
-                     "fine-tuning; a rope_scaling in config.json extends it deliberately)")
+        raise ModelDirError(
+            f"--seq-len {seq_len} is longer than the model's {n} positions (config.json's learnt "
+            f"position table): give --seq-len {n} or less"
+        )
+    return seq_len, (
+        f"--seq-len {seq_len} is longer than the model's context of {n} tokens (config.json's "
+        "max_position_embeddings): it trains beyond what the model was trained on (long-context "
+        "fine-tuning; a rope_scaling in config.json extends it deliberately)"
+    )

@@ -37,7 +37,7 @@ class FolderQuant:
 
     quant_type: str
     nested: bool
-    blocksize: int = 64          # transformers' 4-bit loading quantizes in bitsandbytes' default blocks
+    blocksize: int = 64  # transformers' 4-bit loading quantizes in bitsandbytes' default blocks
 
 
 def folder_quant(config, where) -> FolderQuant | None:
@@ -48,18 +48,23 @@ def folder_quant(config, where) -> FolderQuant | None:
         return None
     q = q if isinstance(q, dict) else q.to_dict()
     method = q.get("quant_method", "bitsandbytes" if "load_in_4bit" in q or "load_in_8bit" in q else None)
-    sixteen = ("give the 16-bit model instead (zerofit train --qlora holds its linears in 4 bits, quantized as "
-               "they are read)")
+    sixteen = (
+        "give the 16-bit model instead (zerofit train --qlora holds its linears in 4 bits, quantized as they are read)"
+    )
     if method == "bitsandbytes" and (q.get("load_in_4bit") or q.get("_load_in_4bit")):
         kind = q.get("bnb_4bit_quant_type", "fp4")
         if kind not in ("nf4", "fp4"):
             raise QuantizedFolderError(f"{where}: bnb_4bit_quant_type {kind!r}: zerofit reads nf4 and fp4")
         return FolderQuant(kind, bool(q.get("bnb_4bit_use_double_quant", False)))
     if method == "bitsandbytes":
-        raise QuantizedFolderError(f"{where}: a model saved in 8 bits (bitsandbytes' LLM.int8): zerofit reads 4-bit "
-                                   f"folders (load_in_4bit) and 16-bit ones; {sixteen}")
-    raise QuantizedFolderError(f"{where}: a model saved quantized by {method!r}: zerofit reads bitsandbytes' 4-bit "
-                               f"folders (load_in_4bit) and 16-bit ones; {sixteen}")
+        raise QuantizedFolderError(
+            f"{where}: a model saved in 8 bits (bitsandbytes' LLM.int8): zerofit reads 4-bit "
+            f"folders (load_in_4bit) and 16-bit ones; {sixteen}"
+        )
+    raise QuantizedFolderError(
+        f"{where}: a model saved quantized by {method!r}: zerofit reads bitsandbytes' 4-bit "
+        f"folders (load_in_4bit) and 16-bit ones; {sixteen}"
+    )
 
 
 def state_key(weights: dict, stored: str) -> str | None:
@@ -84,8 +89,9 @@ def weight_shape(weights: dict, info) -> tuple:
     try:
         return tuple(json.loads(bytes(_raw(weights, key, None).tolist()).decode())["shape"])
     except (KeyError, ValueError, TypeError) as e:
-        raise QuantizedFolderError(f"{info.file}: its quant state {key!r} cannot be read ({type(e).__name__}: {e})") \
-            from None
+        raise QuantizedFolderError(
+            f"{info.file}: its quant state {key!r} cannot be read ({type(e).__name__}: {e})"
+        ) from None
 
 
 def check_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict | None = None) -> dict:
@@ -98,46 +104,68 @@ def check_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict
     key = state_key(weights, info.name)
     where = f"{info.file}: {info.name!r}"
     if key is None:
-        raise QuantizedFolderError(f"{where} has no quant state ({info.name}{STATE}nf4): the folder is not "
-                                   "bitsandbytes' 4-bit format as transformers saves it; save it again with "
-                                   "save_pretrained, or give the 16-bit model")
+        raise QuantizedFolderError(
+            f"{where} has no quant state ({info.name}{STATE}nf4): the folder is not "
+            "bitsandbytes' 4-bit format as transformers saves it; save it again with "
+            "save_pretrained, or give the 16-bit model"
+        )
     try:
         state = json.loads(bytes(_raw(weights, key, fds).tolist()).decode())
         kind, blocksize = state["quant_type"], int(state["blocksize"])
         stored_shape = tuple(state["shape"])
     except (KeyError, ValueError, TypeError) as e:
-        raise QuantizedFolderError(f"{where}: its quant state {key!r} cannot be read ({type(e).__name__}: {e})") \
-            from None
+        raise QuantizedFolderError(
+            f"{where}: its quant state {key!r} cannot be read ({type(e).__name__}: {e})"
+        ) from None
     if stored_shape != tuple(shape):
-        raise QuantizedFolderError(f"{where}: its quant state's shape {list(stored_shape)} is not the "
-                                   f"{list(shape)} the model built from config.json expects")
+        raise QuantizedFolderError(
+            f"{where}: its quant state's shape {list(stored_shape)} is not the "
+            f"{list(shape)} the model built from config.json expects"
+        )
     if kind != form.quant_type:
-        raise QuantizedFolderError(f"{where}: quantized in {kind}, config.json's quantization_config says "
-                                   f"{form.quant_type}")
+        raise QuantizedFolderError(
+            f"{where}: quantized in {kind}, config.json's quantization_config says {form.quant_type}"
+        )
     numel = math.prod(shape)
     blocks = -(-numel // blocksize)
     nested = (info.name + ".nested_absmax") in weights
     if nested != form.nested:
-        raise QuantizedFolderError(f"{where}: double quantization {'on' if nested else 'off'}, config.json's "
-                                   f"bnb_4bit_use_double_quant says {'on' if form.nested else 'off'}")
+        raise QuantizedFolderError(
+            f"{where}: double quantization {'on' if nested else 'off'}, config.json's "
+            f"bnb_4bit_use_double_quant says {'on' if form.nested else 'off'}"
+        )
     if nested and int(state.get("nested_blocksize", BLOCK2)) != BLOCK2:
-        raise QuantizedFolderError(f"{where}: double quantization in blocks of {state['nested_blocksize']}: "
-                                   f"bitsandbytes' is {BLOCK2}")
-    codes = math.prod(info.shape) * info.dtype.itemsize       # (the codes' bytes, whatever dtype stores them)
+        raise QuantizedFolderError(
+            f"{where}: double quantization in blocks of {state['nested_blocksize']}: bitsandbytes' is {BLOCK2}"
+        )
+    codes = math.prod(info.shape) * info.dtype.itemsize  # (the codes' bytes, whatever dtype stores them)
     if codes != (numel + 1) // 2:
         raise QuantizedFolderError(f"{where}: {codes} bytes of codes, a {list(shape)} weight has {(numel + 1) // 2}")
-    pieces = ({".absmax": (blocks, torch.uint8), ".nested_absmax": (-(-blocks // BLOCK2), torch.float32),
-               ".nested_quant_map": (256, torch.float32)} if nested else {".absmax": (blocks, torch.float32)})
+    pieces = (
+        {
+            ".absmax": (blocks, torch.uint8),
+            ".nested_absmax": (-(-blocks // BLOCK2), torch.float32),
+            ".nested_quant_map": (256, torch.float32),
+        }
+        if nested
+        else {".absmax": (blocks, torch.float32)}
+    )
     for suffix, (size, dtype) in pieces.items():
         piece = weights.get(info.name + suffix)
         if piece is None:
             raise QuantizedFolderError(f"{where}: its quant state's {info.name + suffix!r} is not in the folder")
         if piece.dtype != dtype or math.prod(piece.shape) != size:
-            raise QuantizedFolderError(f"{where}: {info.name + suffix!r} holds {math.prod(piece.shape)} "
-                                       f"{piece.dtype} values, a {list(shape)} weight in blocks of {blocksize} has "
-                                       f"{size} {dtype}")
-    return {"quant_type": kind, "blocksize": blocksize, "nested": nested,
-            "offset": float(state.get("nested_offset", 0.0))}
+            raise QuantizedFolderError(
+                f"{where}: {info.name + suffix!r} holds {math.prod(piece.shape)} "
+                f"{piece.dtype} values, a {list(shape)} weight in blocks of {blocksize} has "
+                f"{size} {dtype}"
+            )
+    return {
+        "quant_type": kind,
+        "blocksize": blocksize,
+        "nested": nested,
+        "offset": float(state.get("nested_offset", 0.0)),
+    }
 
 
 def read_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict | None = None):
@@ -152,6 +180,13 @@ def read_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict 
 
     data = _raw(weights, info.name, fds).reshape(-1).view(torch.uint8)
     if st["nested"]:
-        return Packed(data, piece(".absmax"), st["offset"], piece(".nested_absmax"), piece(".nested_quant_map"),
-                      st["blocksize"], st["quant_type"])
+        return Packed(
+            data,
+            piece(".absmax"),
+            st["offset"],
+            piece(".nested_absmax"),
+            piece(".nested_quant_map"),
+            st["blocksize"],
+            st["quant_type"],
+        )
     return Packed(data, piece(".absmax"), blocksize=st["blocksize"], quant_type=st["quant_type"])

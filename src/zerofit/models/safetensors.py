@@ -31,12 +31,21 @@ import torch
 
 __all__ = ["TensorInfo", "WeightFileError", "SafetensorsFormatError", "read_header", "read_into", "DTYPES"]
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_CHUNK = 256 << 20   # bytes per preadv call (Linux caps one read near 2 GiB)
-_MAX_HEADER = 100 << 20   # safetensors' own limit
+_CHUNK = 256 << 20  # bytes per preadv call (Linux caps one read near 2 GiB)
+_MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
 class WeightFileError(ValueError):
@@ -60,8 +69,8 @@ class TensorInfo:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    begin: int   # absolute offset of the first byte in the file
-    end: int     # absolute offset one past the last byte
+    begin: int  # absolute offset of the first byte in the file
+    end: int  # absolute offset one past the last byte
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +96,11 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
                 raise SafetensorsFormatError(path, f"{size} bytes: too short for a safetensors header", True)
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER or 8 + n > size:
-                raise SafetensorsFormatError(path, f"the header says {n} bytes but the file has {size}: truncated "
-                                                   "or not a safetensors file", True)
+                raise SafetensorsFormatError(
+                    path,
+                    f"the header says {n} bytes but the file has {size}: truncated or not a safetensors file",
+                    True,
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise WeightFileError(f"{path}: no such file") from None
@@ -112,8 +124,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
     for t in infos:
         want = t.numel * torch.empty((), dtype=t.dtype).element_size()
         if t.begin != pos or t.nbytes != want:
-            raise SafetensorsFormatError(path, f"tensor {t.name!r}: byte range [{t.begin}, {t.end}) does not follow "
-                                               f"at {pos} with {t.numel} x {t.dtype}", False)
+            raise SafetensorsFormatError(
+                path,
+                f"tensor {t.name!r}: byte range [{t.begin}, {t.end}) does not follow "
+                f"at {pos} with {t.numel} x {t.dtype}",
+                False,
+            )
         if t.end > size:
             raise SafetensorsFormatError(path, f"tensor {t.name!r} ends at byte {t.end}, the file has {size}", True)
         pos = t.end
@@ -125,18 +141,17 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
 def _pread_exact(fd: int, view: memoryview, offset: int, path: Path, name: str) -> None:
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:done + _CHUNK]], offset + done)
+        n = os.preadv(fd, [view[done : done + _CHUNK]], offset + done)
         if n <= 0:
-            raise WeightFileError(f"{path}: truncated while reading tensor {name!r} "
-                                  f"(byte {offset + done} of the file)")
+            raise WeightFileError(f"{path}: truncated while reading tensor {name!r} (byte {offset + done} of the file)")
         done += n
 
 
 # [Note: reads over every core]
-# One thread reading a tensor at a time holds a fast NVMe (or the page cache) to what one core copies: the W6c
-# start-up read at ~65 MB/s on one core of sixteen. A tensor above PARALLEL_MIN bytes is read in PIECE-sized pieces
-# by a pool of threads (os.preadv releases the GIL), each into its own slice of the one destination: the memory
-# of a read stays one tensor's worth ([Note: one tensor's worth]).
+# One thread reading a tensor at a time holds a fast NVMe (or the page cache) to what one core copies: a 70B
+# QLoRA model's start-up read at ~65 MB/s on one core of sixteen. A tensor above PARALLEL_MIN bytes is read in
+# PIECE-sized pieces by a pool of threads (os.preadv releases the GIL), each into its own slice of the one destination:
+# the memory of a read stays one tensor's worth ([Note: one tensor's worth]).
 PIECE = 32 << 20
 PARALLEL_MIN = 2 * PIECE
 _POOL = None
@@ -158,8 +173,10 @@ def _pread_parallel(fd: int, view: memoryview, offset: int, path: Path, name: st
     if len(view) < PARALLEL_MIN:
         _pread_exact(fd, view, offset, path, name)
         return
-    pieces = [_pool().submit(_pread_exact, fd, view[at:at + PIECE], offset + at, path, name)
-              for at in range(0, len(view), PIECE)]
+    pieces = [
+        _pool().submit(_pread_exact, fd, view[at : at + PIECE], offset + at, path, name)
+        for at in range(0, len(view), PIECE)
+    ]
     for f in pieces:
         f.result()
 
@@ -179,17 +196,18 @@ def read_into(info: TensorInfo, dst: torch.Tensor, fd: int | None = None) -> Non
     """Copy the tensor ``info`` into ``dst`` (same number of elements; any dtype and device). See
     [Note: one tensor's worth]. ``fd``: an open descriptor of ``info.file`` to reuse."""
     if dst.numel() != info.numel:
-        raise WeightFileError(f"{info.file}: tensor {info.name!r} has shape {list(info.shape)} "
-                              f"({info.numel} elements), the model expects {dst.numel()} elements")
+        raise WeightFileError(
+            f"{info.file}: tensor {info.name!r} has shape {list(info.shape)} "
+            f"({info.numel} elements), the model expects {dst.numel()} elements"
+        )
     own = fd is None
     if own:
         fd = os.open(info.file, os.O_RDONLY)
     try:
         direct = dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous()
-        buf = dst if direct else torch.empty(info.numel, dtype=info.dtype)   # (numel,) file dtype, host
+        buf = dst if direct else torch.empty(info.numel, dtype=info.dtype)  # (numel,) file dtype, host
         if info.numel:
-            _pread_parallel(fd, memoryview(buf.view(-1).view(torch.uint8).numpy()), info.begin, info.file,
-                            info.name)
+            _pread_parallel(fd, memoryview(buf.view(-1).view(torch.uint8).numpy()), info.begin, info.file, info.name)
         if not direct:
             dst.copy_(buf.view(dst.shape))
     finally:

@@ -100,13 +100,16 @@ class ClientSchedule:
             b1, b2 = (float(b) for b in g["betas"])
             where = f"{type(self.optimizer).__name__}.param_groups[{i}]"
             if not (math.isfinite(lr) and lr >= 0):
-                raise ClientScheduleError(f"{where}['lr'] is {lr} after the client scheduler's step: expected a "
-                                          "finite lr >= 0")
+                raise ClientScheduleError(
+                    f"{where}['lr'] is {lr} after the client scheduler's step: expected a finite lr >= 0"
+                )
             if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
                 raise ClientScheduleError(f"{where}['betas'] is {(b1, b2)}: expected each in [0, 1)")
             if speculating and (b1 == 0.0 or b2 == 0.0):
-                raise ClientScheduleError(f"{where}['betas'] is {(b1, b2)}: a speculative update is undone by "
-                                          "dividing by the betas; set offload.speculative_updates false")
+                raise ClientScheduleError(
+                    f"{where}['betas'] is {(b1, b2)}: a speculative update is undone by "
+                    "dividing by the betas; set offload.speculative_updates false"
+                )
             out.append(Hyper(lr, b1, b2, eps, wd))
         return tuple(out)
 
@@ -115,12 +118,12 @@ class ClientSchedule:
         if self.scheduler is None:
             self.stepped = steps.global_step
         while self.stepped < steps.global_step:
-            self.optimizer._opt_called = True    # torch's order check: the engine took the optimizer's step
+            self.optimizer._opt_called = True  # torch's order check: the engine took the optimizer's step
             step = self.scheduler.step
             if lr_kwargs:
                 step(**lr_kwargs)
             elif _needs_argument(step):
-                step(self.train_batch_size)     # DeepSpeed: lr_scheduler.step(self.train_batch_size())
+                step(self.train_batch_size)  # DeepSpeed: lr_scheduler.step(self.train_batch_size())
             else:
                 step()
             self.stepped += 1
@@ -131,27 +134,40 @@ class ClientSchedule:
         self.catch_up(steps)
         state = getattr(self.scheduler, "state_dict", None)
         if state is None and self.scheduler is not None:
-            log.warning("zerofit: the client lr_scheduler (%s) has no state_dict(): a resumed run replays it from "
-                        "the start to the checkpoint's step", type(self.scheduler).__name__)
+            log.warning(
+                "zerofit: the client lr_scheduler (%s) has no state_dict(): a resumed run replays it from "
+                "the start to the checkpoint's step",
+                type(self.scheduler).__name__,
+            )
         buf = io.BytesIO()
-        torch.save({"scheduler": state() if state is not None else None, "stepped": self.stepped,
-                    "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                     for g in self.optimizer.param_groups]}, buf)
+        torch.save(
+            {
+                "scheduler": state() if state is not None else None,
+                "stepped": self.stepped,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            },
+            buf,
+        )
         return buf.getvalue()
 
     def restore(self, data: bytes | None, global_step: int, where: str) -> None:
         """The state :meth:`state_bytes` wrote (None: not saved; the scheduler is replayed to ``global_step``)."""
         self._read = (None, ())
         if data is None:
-            log.warning("%s: saved without a client lr_scheduler state; the scheduler is stepped %d times from its "
-                        "start", where, global_step)
+            log.warning(
+                "%s: saved without a client lr_scheduler state; the scheduler is stepped %d times from its start",
+                where,
+                global_step,
+            )
             self.stepped = 0
             return
         saved = torch.load(io.BytesIO(data), weights_only=False)
         groups = saved["param_groups"]
         if len(groups) != len(self.optimizer.param_groups):
-            raise ClientScheduleError(f"{where}: the client optimizer had {len(groups)} param groups, this one has "
-                                      f"{len(self.optimizer.param_groups)}")
+            raise ClientScheduleError(
+                f"{where}: the client optimizer had {len(groups)} param groups, this one has "
+                f"{len(self.optimizer.param_groups)}"
+            )
         for g, s in zip(self.optimizer.param_groups, groups):
             g.update(s)
         if saved["scheduler"] is not None and self.scheduler is not None:
@@ -171,6 +187,7 @@ def _needs_argument(step) -> bool:
 
 # ---------------------------------------------------------------------------------------------- the engine's hook
 
+
 def engine_hypers(hypers) -> tuple[Hyper, ...] | None:
     """The AdamW settings of each group for the engine's step in progress (``hypers``: its Hypers), where they do
     not follow ``Hypers.for_step``'s own rule: a client scheduler's (the carrier's values); DeepSpeed's OneCycle and
@@ -183,8 +200,10 @@ def engine_hypers(hypers) -> tuple[Hyper, ...] | None:
     sched, step = hypers.config.scheduler, hypers.global_step
     if sched.type in _DEEPSPEED_BROADCAST:
         lr = lr_at(step, hypers.config.optimizer.lr, sched)
-        return tuple(Hyper(lr, *betas_at(step, g.optimizer.betas, sched), g.optimizer.eps, g.optimizer.weight_decay)
-                     for g in hypers.groups)
+        return tuple(
+            Hyper(lr, *betas_at(step, g.optimizer.betas, sched), g.optimizer.eps, g.optimizer.weight_decay)
+            for g in hypers.groups
+        )
     base = hypers.config.optimizer.lr
     if sched.type in _DEEPSPEED_PER_GROUP and any(g.optimizer.lr != base for g in hypers.groups):
         return tuple(Hyper.of(g.optimizer, lr_at(step, g.optimizer.lr, sched)) for g in hypers.groups)
@@ -193,39 +212,53 @@ def engine_hypers(hypers) -> tuple[Hyper, ...] | None:
 
 # ---------------------------------------------------------------------------------------------- attaching
 
+
 def attach(engine, lr_scheduler, client_optimizer: torch.optim.Optimizer | None) -> ClientSchedule:
     """Build the :class:`ClientSchedule` of ``lr_scheduler`` (a scheduler over ``client_optimizer``, a callable
     taking the optimizer, or None: the client optimizer's own lrs) for ``engine``, and attach it
     (``engine.hypers.attach``)."""
     carrier = client_optimizer if client_optimizer is not None else _carrier(engine)
     if len(carrier.param_groups) != len(engine.param_groups):
-        raise ClientScheduleError(f"the client optimizer has {len(carrier.param_groups)} param groups and the "
-                                  f"engine {len(engine.param_groups)}")
+        raise ClientScheduleError(
+            f"the client optimizer has {len(carrier.param_groups)} param groups and the "
+            f"engine {len(engine.param_groups)}"
+        )
     params = dict(engine.adapter.model.named_parameters())
     for g, zg in zip(carrier.param_groups, engine.param_groups):
-        g["params"] = [params[n] for n in zg.names]     # the engine's own tensors: the originals are released
-    carrier._opt_called = True      # torch's order check (a scheduler stepped by the script): the engine steps it
+        g["params"] = [params[n] for n in zg.names]  # the engine's own tensors: the originals are released
+    carrier._opt_called = True  # torch's order check (a scheduler stepped by the script): the engine steps it
     if lr_scheduler is None:
         if any("initial_lr" in g and g["initial_lr"] != g["lr"] for g in carrier.param_groups):
-            log.warning("zerofit: a scheduler built over the client optimizer has changed its lr (initial_lr %s, "
-                        "lr now %s) and was not passed to initialize(): as DeepSpeed, the engine applies the "
-                        "param_groups' lr, which follows that scheduler only if the script steps it; pass it as "
-                        "lr_scheduler=... to have engine.step() step it",
-                        [g.get("initial_lr") for g in carrier.param_groups], [g["lr"] for g in carrier.param_groups])
+            log.warning(
+                "zerofit: a scheduler built over the client optimizer has changed its lr (initial_lr %s, "
+                "lr now %s) and was not passed to initialize(): as DeepSpeed, the engine applies the "
+                "param_groups' lr, which follows that scheduler only if the script steps it; pass it as "
+                "lr_scheduler=... to have engine.step() step it",
+                [g.get("initial_lr") for g in carrier.param_groups],
+                [g["lr"] for g in carrier.param_groups],
+            )
         scheduler = None
-    elif callable(lr_scheduler):       # DeepSpeed: isinstance(client_lr_scheduler, Callable) -> call it
+    elif callable(lr_scheduler):  # DeepSpeed: isinstance(client_lr_scheduler, Callable) -> call it
         kind = getattr(lr_scheduler, "__name__", type(lr_scheduler).__name__)
         scheduler = lr_scheduler(carrier)
         if scheduler is None or not callable(getattr(scheduler, "step", None)):
-            raise ClientScheduleError(f"lr_scheduler: the callable {kind} returned a {type(scheduler).__name__}, "
-                                      "not a scheduler with step(); return one built over the optimizer it is given")
+            raise ClientScheduleError(
+                f"lr_scheduler: the callable {kind} returned a {type(scheduler).__name__}, "
+                "not a scheduler with step(); return one built over the optimizer it is given"
+            )
     else:
         scheduler = lr_scheduler
     if scheduler is not None and getattr(scheduler, "optimizer", None) is not carrier:
         raise ClientScheduleError(
             f"lr_scheduler={type(scheduler).__name__} is not over the optimizer zerofit reads its learning rates "
-            "from (" + ("the optimizer passed to initialize" if client_optimizer is not None else
-                        "the one zerofit passes to a callable lr_scheduler") + "): build it over that optimizer")
+            "from ("
+            + (
+                "the optimizer passed to initialize"
+                if client_optimizer is not None
+                else "the one zerofit passes to a callable lr_scheduler"
+            )
+            + "): build it over that optimizer"
+        )
     schedule = ClientSchedule(carrier, scheduler, engine.config.train_batch_size, stepped=engine.global_step)
     engine.hypers.attach(schedule)
     return schedule
@@ -235,7 +268,15 @@ def _carrier(engine) -> torch.optim.AdamW:
     """DeepSpeed calls a callable lr_scheduler with its own optimizer: here a torch AdamW over the engine's
     parameters with each group's settings, never stepped (no state is allocated)."""
     params = dict(engine.adapter.model.named_parameters())
-    groups = [{"params": [params[n] for n in g.names], "lr": g.optimizer.lr, "betas": g.optimizer.betas,
-               "eps": g.optimizer.eps, "weight_decay": g.optimizer.weight_decay} for g in engine.param_groups]
+    groups = [
+        {
+            "params": [params[n] for n in g.names],
+            "lr": g.optimizer.lr,
+            "betas": g.optimizer.betas,
+            "eps": g.optimizer.eps,
+            "weight_decay": g.optimizer.weight_decay,
+        }
+        for g in engine.param_groups
+    ]
     opt = engine.config.optimizer
     return torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)

@@ -32,12 +32,18 @@ arithmetic (zerofit.config.deepspeed). :class:`DeepSpeedLossScaleConfig` is that
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from zerofit.config.schema import LossScaleConfig
 
-__all__ = ["LossScaleUnderflowError", "DynamicLossScaler", "StaticLossScaler", "LossScaler", "make_loss_scaler",
-           "DeepSpeedLossScaleConfig"]
+__all__ = [
+    "LossScaleUnderflowError",
+    "DynamicLossScaler",
+    "StaticLossScaler",
+    "LossScaler",
+    "make_loss_scaler",
+    "DeepSpeedLossScaleConfig",
+]
 
 
 class LossScaleUnderflowError(RuntimeError):
@@ -49,9 +55,15 @@ class DynamicLossScaler:
 
     dynamic = True
 
-    def __init__(self, init_scale: float = 2.0**16, scale_window: int = 1000, min_scale: float = 1.0,
-                 delayed_shift: int = 2, consecutive_hysteresis: bool = False,
-                 raise_error_at_min_scale: bool = True) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        scale_window: int = 1000,
+        min_scale: float = 1.0,
+        delayed_shift: int = 2,
+        consecutive_hysteresis: bool = False,
+        raise_error_at_min_scale: bool = True,
+    ) -> None:
         if not init_scale > 0 or not min_scale > 0:
             raise ValueError(f"init_scale and min_scale must be > 0, found {init_scale} and {min_scale}")
         if scale_window < 1 or delayed_shift < 1:
@@ -76,11 +88,15 @@ class DynamicLossScaler:
         """optimizer steps skipped for overflow"""
 
     @classmethod
-    def from_config(cls, cfg: LossScaleConfig) -> "DynamicLossScaler":
-        return cls(init_scale=2.0**cfg.initial_scale_power, scale_window=cfg.loss_scale_window,
-                   min_scale=cfg.min_loss_scale, delayed_shift=cfg.hysteresis,
-                   consecutive_hysteresis=cfg.consecutive_hysteresis,
-                   raise_error_at_min_scale=cfg.raise_at_min_scale)
+    def from_config(cls, cfg: LossScaleConfig) -> DynamicLossScaler:
+        return cls(
+            init_scale=2.0**cfg.initial_scale_power,
+            scale_window=cfg.loss_scale_window,
+            min_scale=cfg.min_loss_scale,
+            delayed_shift=cfg.hysteresis,
+            consecutive_hysteresis=cfg.consecutive_hysteresis,
+            raise_error_at_min_scale=cfg.raise_at_min_scale,
+        )
 
     @property
     def scale(self) -> float:
@@ -162,7 +178,7 @@ class StaticLossScaler:
             setattr(self, k, type(getattr(self, k))(state[k]))
 
 
-LossScaler = Union[DynamicLossScaler, StaticLossScaler]
+LossScaler = DynamicLossScaler | StaticLossScaler
 
 
 def make_loss_scaler(cfg: LossScaleConfig) -> LossScaler:
@@ -175,8 +191,10 @@ def make_loss_scaler(cfg: LossScaleConfig) -> LossScaler:
 def _check_state(state: dict[str, Any], kind: str, keys: tuple[str, ...]) -> None:
     if not isinstance(state, dict) or state.get("kind") != kind:
         found = state.get("kind") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"loss scaler state: expected a {kind} scaler's state, found {found!r}; "
-                         "the checkpoint was written with a different fp16.loss_scale setting")
+        raise ValueError(
+            f"loss scaler state: expected a {kind} scaler's state, found {found!r}; "
+            "the checkpoint was written with a different fp16.loss_scale setting"
+        )
     missing = [k for k in keys if k not in state]
     if missing:
         raise ValueError(f"loss scaler state: missing {', '.join(missing)}")
@@ -232,5 +250,7 @@ class DeepSpeedLossScaleConfig:
         return self._dynamic("cur_hysteresis")
 
     def __repr__(self) -> str:
-        return (f"LossScaleConfig(use_grad_scaling={self.use_grad_scaling}, dynamic_loss_scale="
-                f"{self.dynamic_loss_scale}, cur_iter={self.cur_iter}, cur_scale={self.cur_scale})")
+        return (
+            f"LossScaleConfig(use_grad_scaling={self.use_grad_scaling}, dynamic_loss_scale="
+            f"{self.dynamic_loss_scale}, cur_iter={self.cur_iter}, cur_scale={self.cur_scale})"
+        )

@@ -61,12 +61,21 @@ supplies them to the engine's hyperparameters), bias corrections included, as De
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from zerofit.config.schema import ConfigError, LRRangeTestConfig, OneCycleConfig, SchedulerConfig
 
-__all__ = ["lr_at", "make_lambda", "deepspeed_lr", "transformers_lambda", "HF_SCHEDULES", "one_cycle_lr",
-           "one_cycle_betas", "lr_range_test_lr", "betas_at"]
+__all__ = [
+    "lr_at",
+    "make_lambda",
+    "deepspeed_lr",
+    "transformers_lambda",
+    "HF_SCHEDULES",
+    "one_cycle_lr",
+    "one_cycle_betas",
+    "lr_range_test_lr",
+    "betas_at",
+]
 
 
 def lr_at(step: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
@@ -76,7 +85,7 @@ def lr_at(step: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
     if sched.type in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
         # [Note: DeepSpeed's step offset]
         return deepspeed_lr(step - 1, optimizer_lr, sched)
-    if sched.type == "OneCycle":      # [Note: OneCycle and LRRangeTest]
+    if sched.type == "OneCycle":  # [Note: OneCycle and LRRangeTest]
         return sched.one_cycle.cycle_min_lr if step == 0 else one_cycle_lr(step - 1, sched.one_cycle)
     if sched.type == "LRRangeTest":
         return lr_range_test_lr(step - 1, sched.lr_range_test or LRRangeTestConfig())
@@ -104,7 +113,7 @@ def transformers_lambda(step: int, sched: SchedulerConfig) -> float:
     """The multiplier ``transformers.get_scheduler``'s LambdaLR applies at ``step`` (see the module docstring)."""
     warmup = sched.warmup_steps
     if sched.type == "hf_constant":
-        return 1    # transformers' _get_constant_lambda: warm-up ignored
+        return 1  # transformers' _get_constant_lambda: warm-up ignored
     if step < warmup:
         return float(step) / float(max(1, warmup))
     if sched.type == "hf_constant_with_warmup":
@@ -112,8 +121,8 @@ def transformers_lambda(step: int, sched: SchedulerConfig) -> float:
     total = _total_steps(sched)
     if sched.type == "hf_linear":
         return max(0.0, float(total - step) / float(max(1, total - warmup)))
-    progress = float(step - warmup) / float(max(1, total - warmup))    # hf_cosine, num_cycles 0.5
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress)))
+    progress = float(step - warmup) / float(max(1, total - warmup))  # hf_cosine, num_cycles 0.5
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
 
 
 def deepspeed_lr(last_batch_iteration: int, optimizer_lr: float, sched: SchedulerConfig) -> float:
@@ -157,8 +166,12 @@ def _warmup_gamma(it: int, warmup: int, kind: str) -> float:
 
 def _total_steps(sched: SchedulerConfig) -> int:
     if sched.total_steps is None:
-        raise ConfigError("scheduler.total_steps", f"the run's length in optimizer steps ({sched.type} decays "
-                          "over it)", "nothing", "set scheduler.total_steps, or let the engine supply the run length")
+        raise ConfigError(
+            "scheduler.total_steps",
+            f"the run's length in optimizer steps ({sched.type} decays over it)",
+            "nothing",
+            "set scheduler.total_steps, or let the engine supply the run length",
+        )
     return sched.total_steps
 
 
@@ -171,7 +184,7 @@ def betas_at(step: int, betas: tuple[float, float], sched: SchedulerConfig) -> t
     return (c.cycle_min_mom, _ONE_CYCLE_BETA2) if step == 0 else one_cycle_betas(step - 1, c)
 
 
-_ONE_CYCLE_BETA2 = 0.99   # DeepSpeed: self.min_moms = [(mom, 0.99) ...], self.max_moms likewise
+_ONE_CYCLE_BETA2 = 0.99  # DeepSpeed: self.min_moms = [(mom, 0.99) ...], self.max_moms likewise
 
 
 def _one_cycle_shape(c: OneCycleConfig) -> tuple[float, float, float, float, int, int]:
@@ -189,7 +202,7 @@ def _one_cycle_scale(it: int, c: OneCycleConfig) -> float:
     first, second, total, step_ratio, first_stairs, second_stairs = _one_cycle_shape(c)
     batch_iteration = it + 1
     cycle = math.floor(1 + batch_iteration / total)
-    x = 1. + batch_iteration / total - cycle
+    x = 1.0 + batch_iteration / total - cycle
     if x <= step_ratio:
         scale_factor, stair_count = x / step_ratio, first_stairs
     else:

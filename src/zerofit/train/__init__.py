@@ -14,5 +14,6 @@ __all__ = ["TrainOptions", "TrainResult", "run_training"]
 def __getattr__(name: str):
     if name in ("TrainResult", "run_training"):
         from zerofit.train import run
+
         return getattr(run, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,11 +29,13 @@ def first_step_note(device: torch.device | str) -> str:
 
 def kernel_build_note(config: ZerofitConfig, device: torch.device | str) -> str | None:
     """A line to print before ``zerofit.initialize`` when it will compile the split AdamW kernel, else None."""
-    from zerofit.engine.update import split_adamw
     from zerofit.engine.planning import needs_norm, split_wanted
+    from zerofit.engine.update import split_adamw
 
-    deferred = needs_norm(config)     # the engine's deferred updates
+    deferred = needs_norm(config)  # the engine's deferred updates
     if not split_wanted(config, torch.device(device).type == "cuda", deferred) or not split_adamw.will_build():
         return None
-    return ("building zerofit's CPU AdamW kernel (the split updates, offload.split_updates): its first use on "
-            "this machine, about a minute; later runs load it from torch's extensions cache")
+    return (
+        "building zerofit's CPU AdamW kernel (the split updates, offload.split_updates): its first use on "
+        "this machine, about a minute; later runs load it from torch's extensions cache"
+    )

@@ -72,29 +72,37 @@ def plan_start(ckpt_dir: Path, resume: bool) -> StartPlan:
         if complete:
             raise RunFolderError(
                 f"{ckpt_dir} holds checkpoints of an earlier run ({_listing(complete)}): continue it with "
-                "--resume, or choose another --output (a new run would save over them)", exit_status=2)
+                "--resume, or choose another --output (a new run would save over them)",
+                exit_status=2,
+            )
         return StartPlan(False, found=tuple(found))
     if latest is not None:
         at = next((f for f in complete if f.tag == latest), None)
         step = at.step if at is not None else 0
         return StartPlan(True, None, step, None, _protect(complete, latest, step), tuple(found))
     if not found:
-        return StartPlan(False, note=f"--resume: nothing to resume in {ckpt_dir} (no checkpoint was saved "
-                                     "before the run stopped); starting from the model directory")
+        return StartPlan(
+            False,
+            note=f"--resume: nothing to resume in {ckpt_dir} (no checkpoint was saved "
+            "before the run stopped); starting from the model directory",
+        )
     if not complete:
         raise RunFolderError(
             f"--resume: {ckpt_dir} has no {LATEST!r} and no complete checkpoint, only {_listing(found)}: "
-            f"nothing to resume from. Remove {ckpt_dir} to start over, or restore a complete checkpoint")
+            f"nothing to resume from. Remove {ckpt_dir} to start over, or restore a complete checkpoint"
+        )
     newest = complete[-1]
     tied = [f.tag for f in complete if f.step == newest.step]
     if len(tied) > 1:
         raise RunFolderError(
             f"--resume: {ckpt_dir} has no {LATEST!r}, and {len(tied)} complete checkpoints are at step "
-            f"{newest.step}: {', '.join(tied)}. Write the tag to resume from into {ckpt_dir / LATEST}")
-    note = (f"--resume: {ckpt_dir / LATEST} is missing; resuming from {newest.tag}, the newest complete "
-            f"checkpoint by global step (found {_listing(found)})")
-    return StartPlan(True, newest.tag, newest.step, note, _protect(complete, newest.tag, newest.step),
-                     tuple(found))
+            f"{newest.step}: {', '.join(tied)}. Write the tag to resume from into {ckpt_dir / LATEST}"
+        )
+    note = (
+        f"--resume: {ckpt_dir / LATEST} is missing; resuming from {newest.tag}, the newest complete "
+        f"checkpoint by global step (found {_listing(found)})"
+    )
+    return StartPlan(True, newest.tag, newest.step, note, _protect(complete, newest.tag, newest.step), tuple(found))
 
 
 def _protect(complete: list[Found], start: str, step: int) -> frozenset[str]:

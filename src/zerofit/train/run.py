@@ -37,14 +37,14 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.text import Text
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from zerofit.config import LoadedConfig, load_config, load_with_defaults
 from zerofit.engine.planner import fmt_bytes, fmt_count
 from zerofit.train.metrics import Metrics
-from zerofit.train.progress import first_step_note, kernel_build_note
 from zerofit.train.options import TrainOptions
+from zerofit.train.progress import first_step_note, kernel_build_note
 from zerofit.train.resume import hold_run_folder, plan_start
 from zerofit.train.signals import RunSignals, StopNow, reached
 
@@ -70,14 +70,20 @@ def resolve_config(opts: TrainOptions, device: torch.device, world: int = 1) -> 
     overrides: dict[str, Any] = {"device": str(device)}
     if world > 1:
         overrides["world_size"] = world
-    for name, value in (("micro_batch_size", opts.micro_batch_size), ("gradient_accumulation_steps", opts.grad_accum),
-                        ("optimizer.lr", opts.lr), ("scheduler.warmup_steps", opts.warmup_steps),
-                        ("precision", opts.precision), ("max_gpu_memory", opts.max_gpu_memory),
-                        ("max_host_memory", opts.max_host_memory), ("seed", opts.seed)):
+    for name, value in (
+        ("micro_batch_size", opts.micro_batch_size),
+        ("gradient_accumulation_steps", opts.grad_accum),
+        ("optimizer.lr", opts.lr),
+        ("scheduler.warmup_steps", opts.warmup_steps),
+        ("precision", opts.precision),
+        ("max_gpu_memory", opts.max_gpu_memory),
+        ("max_host_memory", opts.max_host_memory),
+        ("seed", opts.seed),
+    ):
         if value is not None:
             overrides[name] = value
     if opts.nvme is not None:
-        overrides["offload.optimizer_device"] = overrides["offload.param_device"] = "nvme"   # streamed, tier on
+        overrides["offload.optimizer_device"] = overrides["offload.param_device"] = "nvme"  # streamed, tier on
         overrides["offload.nvme_path"] = str(opts.nvme)
     overrides["seq_len"] = opts.seq_len
     return load_with_defaults(opts.config, finetune_defaults(device), **overrides)
@@ -88,18 +94,18 @@ class TrainResult:
     """What a run did (this process: a resumed run counts from where it resumed)."""
 
     run_dir: Path
-    steps_total: int                       # steps the run is planned for
-    start_step: int = 0                    # steps done before this process (resume)
+    steps_total: int  # steps the run is planned for
+    start_step: int = 0  # steps done before this process (resume)
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)   # {"step", "eval_loss", "eval_perplexity"}
+    evals: list[dict] = field(default_factory=list)  # {"step", "eval_loss", "eval_perplexity"}
     checkpoints: list[Path] = field(default_factory=list)
     export_dir: Path | None = None
     interrupted: bool = False
-    stop_signal: int = 0                   # the signal that interrupted it (SIGINT, SIGTERM); 0: none
+    stop_signal: int = 0  # the signal that interrupted it (SIGINT, SIGTERM); 0: none
     tokens_per_step: int = 0
     memory: dict = field(default_factory=dict)
-    setup: dict = field(default_factory=dict)     # load (and resume) seconds and memory, as logged
+    setup: dict = field(default_factory=dict)  # load (and resume) seconds and memory, as logged
 
     @property
     def steps_done(self) -> int:
@@ -143,7 +149,7 @@ def run_training(opts: TrainOptions, console: Console | None = None, *, run_lock
     # several ranks: rank 0 holds the folder for all of them (the others write only below it, ranks/rankN/)
     from zerofit.engine import slurm
 
-    slurm.adopt()      # under srun: SLURM's variables as torchrun's ([Note: srun is a launcher too])
+    slurm.adopt()  # under srun: SLURM's variables as torchrun's ([Note: srun is a launcher too])
     rank = int(os.environ.get("RANK", "0"))
     own = run_lock is None and rank == 0
     lock = hold_run_folder(opts.output) if own else run_lock
@@ -156,11 +162,10 @@ def run_training(opts: TrainOptions, console: Console | None = None, *, run_lock
 
 
 def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResult:
-    import zerofit
     from zerofit.data import StepLoader, build_datasets, load_tokenizer, small_held_out
+    from zerofit.demo.run import resolve_device
     from zerofit.models import ModelDir
     from zerofit.models.directory import window_length
-    from zerofit.demo.run import resolve_device
 
     if opts.deterministic:
         # [Note: bitwise runs on a GPU] Some CUDA kernels accumulate with atomics (the embedding's backward, some
@@ -176,7 +181,7 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
     world, rank, _made_group = _init_ranks(device)
     if rank:
         console = Console(quiet=True)
-    model_dir = ModelDir.open(opts.model)      # a wrong path fails here, naming it, before the data is read
+    model_dir = ModelDir.open(opts.model)  # a wrong path fails here, naming it, before the data is read
     seq_len, note = window_length(opts.seq_len, model_dir.config)
     if note:
         console.print(Text(f"zerofit: {note}", style="yellow"), soft_wrap=True)
@@ -186,15 +191,21 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
     run_dir = Path(opts.output)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = run_dir / "checkpoints"
-    start = plan_start(ckpt_dir, opts.resume)     # [Note: where a run starts]: refused before anything loads
+    start = plan_start(ckpt_dir, opts.resume)  # [Note: where a run starts]: refused before anything loads
 
     tokenizer = load_tokenizer(opts.model)
     reached("data")
     # rank 0 fills the datasets cache before the others read it: each rank passes one barrier, before or after
     if rank:
         torch.distributed.barrier()
-    data = build_datasets(opts.data, tokenizer, opts.seq_len, eval_size=opts.eval_size, seed=cfg.seed,
-                          cache_dir=run_dir / ".datasets-cache")
+    data = build_datasets(
+        opts.data,
+        tokenizer,
+        opts.seq_len,
+        eval_size=opts.eval_size,
+        seed=cfg.seed,
+        cache_dir=run_dir / ".datasets-cache",
+    )
     if world > 1 and rank == 0:
         torch.distributed.barrier()
     G = cfg.gradient_accumulation_steps
@@ -213,9 +224,12 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
     metrics = None
     try:
         reached("engine")
-        setup = {"load_seconds": round(time.perf_counter() - t_load, 3),
-                 "load_phases": {k: round(v, 3) for k, v in engine.startup.seconds.items()},
-                 "load_rss_growth_bytes": _rss("VmHWM:") - rss0, "host_planned_bytes": engine.plan.host_total}
+        setup = {
+            "load_seconds": round(time.perf_counter() - t_load, 3),
+            "load_phases": {k: round(v, 3) for k, v in engine.startup.seconds.items()},
+            "load_rss_growth_bytes": _rss("VmHWM:") - rss0,
+            "host_planned_bytes": engine.plan.host_total,
+        }
         elapsed = 0.0
         if start.note:
             console.print(Text(start.note, style="yellow"), soft_wrap=True)
@@ -232,15 +246,19 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
         if tiny:
             console.print(Text("warning: " + tiny, style="yellow"))
         # the records of steps after the start are dropped: they are trained again (metrics.py)
-        metrics = (Metrics(run_dir, tensorboard=opts.tensorboard, elapsed=elapsed, start_step=result.start_step)
-                   if rank == 0 else Metrics(run_dir / "ranks" / f"rank{rank}", tensorboard=False, elapsed=elapsed,
-                                             start_step=result.start_step))
+        metrics = (
+            Metrics(run_dir, tensorboard=opts.tensorboard, elapsed=elapsed, start_step=result.start_step)
+            if rank == 0
+            else Metrics(
+                run_dir / "ranks" / f"rank{rank}", tensorboard=False, elapsed=elapsed, start_step=result.start_step
+            )
+        )
         result.setup = metrics.log(result.start_step, **setup)
         signals.training = True
         return _loop(opts, console, signals, engine, loader, data, metrics, result, start.protect, ckpt_dir)
     except StopNow as e:
         result.interrupted, result.stop_signal = True, e.signum
-        engine = None      # at once: no orderly close; the engine's finalizer releases it ([Note: signals of a run])
+        engine = None  # at once: no orderly close; the engine's finalizer releases it ([Note: signals of a run])
         raise
     finally:
         if metrics is not None:
@@ -262,14 +280,26 @@ def _load_with_progress(console: Console, opts: TrainOptions, loaded: LoadedConf
     from zerofit.engine.startup import listen
 
     what = "quantize" if opts.lora is not None and opts.lora.qlora else "load"
-    bar = Progress(TextColumn(f"[bold]{what}"), BarColumn(), TextColumn("{task.fields[done]}"), TimeElapsedColumn(),
-                   TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not opts.progress,
-                   transient=True)
+    bar = Progress(
+        TextColumn(f"[bold]{what}"),
+        BarColumn(),
+        TextColumn("{task.fields[done]}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not opts.progress,
+        transient=True,
+    )
 
     def tell(done: int, total: int, seconds: float) -> None:
         rate = done / seconds / 1e6 if seconds > 0 else 0.0
-        bar.update(task, total=total, completed=done,
-                   done=f"{fmt_count(done)} of {fmt_count(total)} parameters, {fmt_count(rate * 1e6)}/s")
+        bar.update(
+            task,
+            total=total,
+            completed=done,
+            done=f"{fmt_count(done)} of {fmt_count(total)} parameters, {fmt_count(rate * 1e6)}/s",
+        )
 
     with bar, listen(tell):
         task = bar.add_task(what, total=None, done="reading the model's files")
@@ -288,13 +318,23 @@ def _build_engine(opts: TrainOptions, loaded: LoadedConfig):
 
     model, source = from_model_dir(opts.model, opts.lora, seed=loaded.config.seed)
     config = loaded.config
-    if opts.lora.qlora:        # [Note: an NF4 base] (engine/nf4.py): quantized as the files are read
+    if opts.lora.qlora:  # [Note: an NF4 base] (engine/nf4.py): quantized as the files are read
         config = config.model_copy(update={"quantize_base": "nf4"})
     return Engine(model, config, report=loaded.report, source=source)
 
 
-def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loader, data, metrics: Metrics,
-          result: TrainResult, protect: frozenset[str], ckpt_dir: Path) -> TrainResult:
+def _loop(
+    opts: TrainOptions,
+    console: Console,
+    signals: RunSignals,
+    engine,
+    loader,
+    data,
+    metrics: Metrics,
+    result: TrainResult,
+    protect: frozenset[str],
+    ckpt_dir: Path,
+) -> TrainResult:
     """The steps, evaluations and checkpoints, then the end of the run: evaluation, checkpoint, export. The
     first signal ends it after the step in progress, with a checkpoint ([Note: signals of a run])."""
     from zerofit.checkpoint import prune
@@ -309,7 +349,7 @@ def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loa
         t = time.perf_counter()
         engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state=client)
         result.checkpoints.append(ckpt_dir / f"global_step{step}")
-        if rank == 0:     # never the checkpoint the run started from, nor a newer one that was there before it
+        if rank == 0:  # never the checkpoint the run started from, nor a newer one that was there before it
             prune(ckpt_dir, opts.keep, protect=protect)
         metrics.log(step, checkpoint_seconds=round(time.perf_counter() - t, 3))
 
@@ -323,12 +363,22 @@ def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loa
             engine.train()
         rec = metrics.log(step, eval_loss=res.loss, eval_perplexity=res.perplexity, eval_tokens=res.tokens)
         result.evals.append(rec)
-        console.print(f"step {step}: held-out loss {res.loss:.4f}, perplexity {res.perplexity:,.2f} "
-                      f"({res.tokens:,} tokens)")
+        console.print(
+            f"step {step}: held-out loss {res.loss:.4f}, perplexity {res.perplexity:,.2f} ({res.tokens:,} tokens)"
+        )
 
-    bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console,
-                   disable=not opts.progress)
+    bar = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[stats]}"),
+        console=console,
+        disable=not opts.progress,
+    )
+
     def stop_requested() -> int:
         """The signal that asked the run to stop, or 0; the same on every rank (else one would wait forever
         for the others)."""
@@ -337,10 +387,10 @@ def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loa
     step = result.start_step
     with bar:
         task = bar.add_task("train", total=total, completed=step, stats=first_step_note(engine.device))
-        bar.refresh()      # the note shows now, not at the next tick: step 1 may take seconds
+        bar.refresh()  # the note shows now, not at the next tick: step 1 may take seconds
         while step < total and not stop_requested():
-            batch = next(loader)[rank * G:(rank + 1) * G]
-            lr = engine.hypers.reported()[0].lr     # the lr this step applies (group 0), as every view reports it
+            batch = next(loader)[rank * G : (rank + 1) * G]
+            lr = engine.hypers.reported()[0].lr  # the lr this step applies (group 0), as every view reports it
             t0 = time.perf_counter()
             loss = engine.train_batch(batch)
             dt = time.perf_counter() - t0
@@ -348,13 +398,23 @@ def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loa
             result.losses.append(loss)
             result.step_seconds.append(dt)
             mem = engine.memory_stats()
-            rec = metrics.log(step, loss=loss, lr=lr, grad_norm=engine.last_grad_norm,
-                              tokens_per_s=round(result.tokens_per_step / dt, 1), step_seconds=round(dt, 4),
-                              gpu_peak_bytes=mem["gpu_peak_bytes"], host_rss_bytes=mem["host_bytes"],
-                              skipped_steps=engine.skipped_steps)
+            rec = metrics.log(
+                step,
+                loss=loss,
+                lr=lr,
+                grad_norm=engine.last_grad_norm,
+                tokens_per_s=round(result.tokens_per_step / dt, 1),
+                step_seconds=round(dt, 4),
+                gpu_peak_bytes=mem["gpu_peak_bytes"],
+                host_rss_bytes=mem["host_bytes"],
+                skipped_steps=engine.skipped_steps,
+            )
             gpu = f" gpu {_gib(mem['gpu_peak_bytes'])}" if mem["gpu_peak_bytes"] else ""
-            bar.update(task, completed=step, stats=f"loss {loss:.4f} {rec['tokens_per_s']:,.0f} tok/s"
-                                                    f"{gpu} host {_gib(mem['host_bytes'])}")
+            bar.update(
+                task,
+                completed=step,
+                stats=f"loss {loss:.4f} {rec['tokens_per_s']:,.0f} tok/s{gpu} host {_gib(mem['host_bytes'])}",
+            )
             if opts.eval_every and step % opts.eval_every == 0 and step < total:
                 run_eval(step)
             if opts.save_every and step % opts.save_every == 0 and step < total:
@@ -378,7 +438,7 @@ def _loop(opts: TrainOptions, console: Console, signals: RunSignals, engine, loa
     elif opts.export:
         out = result.run_dir / ("adapter" if opts.lora is not None else "model")
         t = time.perf_counter()
-        engine.save_pretrained(out, dtype=opts.export_dtype)     # None: the model directory's dtype; LoRA: PEFT's
+        engine.save_pretrained(out, dtype=opts.export_dtype)  # None: the model directory's dtype; LoRA: PEFT's
         result.export_dir = out
         what = "the trained adapter (PEFT's adapter folder)" if opts.lora is not None else "the trained model"
         console.print(f"exported {what} to {out} in {time.perf_counter() - t:.1f} s")
@@ -401,37 +461,54 @@ def _init_ranks(device: torch.device) -> tuple[int, int, bool]:
     return dist.get_world_size(), dist.get_rank(), made
 
 
-def _print_start(console: Console, opts: TrainOptions, loaded: LoadedConfig, data, engine, total: int,
-                 result: TrainResult) -> None:
+def _print_start(
+    console: Console, opts: TrainOptions, loaded: LoadedConfig, data, engine, total: int, result: TrainResult
+) -> None:
     from zerofit.config import format_report
 
     cfg = loaded.config
     s = data.stats
     params = sum(u.numel for u in engine.units)
-    frozen = sum(u.frozen_numel for u in engine.units)     # [Note: frozen parameters] (engine/store.py)
-    counts = (f"{fmt_count(params + frozen)} parameters, {fmt_count(params)} trained, {fmt_count(frozen)} frozen in "
-              f"{cfg.precision}" if frozen else f"{fmt_count(params)} parameters")
+    frozen = sum(u.frozen_numel for u in engine.units)  # [Note: frozen parameters] (engine/store.py)
+    counts = (
+        f"{fmt_count(params + frozen)} parameters, {fmt_count(params)} trained, {fmt_count(frozen)} frozen in "
+        f"{cfg.precision}"
+        if frozen
+        else f"{fmt_count(params)} parameters"
+    )
     console.print(f"[bold]zerofit train[/]: {opts.model} ({counts}) on {engine.device}")
     if opts.lora is not None:
         lo = opts.lora
-        console.print(f"  lora      r {lo.r}, alpha {lo.alpha:g}, targets {lo.targets}, dropout {lo.dropout:g}: "
-                      f"trainable {params:,} of {params + frozen:,} parameters "
-                      f"({100 * params / max(1, params + frozen):.2f}%); the base is frozen"
-                      + (f", its linears in NF4 ({fmt_bytes(_nf4_bytes(engine))} in host memory)"
-                         if engine.nf4 else ""))
+        console.print(
+            f"  lora      r {lo.r}, alpha {lo.alpha:g}, targets {lo.targets}, dropout {lo.dropout:g}: "
+            f"trainable {params:,} of {params + frozen:,} parameters "
+            f"({100 * params / max(1, params + frozen):.2f}%); the base is frozen"
+            + (f", its linears in NF4 ({fmt_bytes(_nf4_bytes(engine))} in host memory)" if engine.nf4 else "")
+        )
     kinds = ", ".join(f"{n:,} {k}" for k, n in s.documents)
-    console.print(f"  data      {s.files} files, {kinds}; {s.tokens:,} tokens ({s.target_tokens:,} with a loss); "
-                  f"{len(data.train):,} training windows of {opts.seq_len}"
-                  + (f", {len(data.eval):,} held out" if data.eval is not None else ", none held out"))
+    console.print(
+        f"  data      {s.files} files, {kinds}; {s.tokens:,} tokens ({s.target_tokens:,} with a loss); "
+        f"{len(data.train):,} training windows of {opts.seq_len}"
+        + (f", {len(data.eval):,} held out" if data.eval is not None else ", none held out")
+    )
     ranks = f" x {cfg.world_size} ranks" if cfg.world_size > 1 else ""
-    console.print(f"  batch     {cfg.micro_batch_size} x {opts.seq_len} x {cfg.gradient_accumulation_steps}{ranks} = "
-                  f"{result.tokens_per_step:,} tokens per step; {total} steps")
-    console.print(f"  optimizer AdamW lr {cfg.optimizer.lr:g}, weight decay {cfg.optimizer.weight_decay:g}; "
-                  f"schedule {cfg.scheduler.type}, warm-up {cfg.scheduler.warmup_steps}; "
-                  f"clipping {cfg.gradient_clipping:g}; precision {cfg.precision}")
+    console.print(
+        f"  batch     {cfg.micro_batch_size} x {opts.seq_len} x {cfg.gradient_accumulation_steps}{ranks} = "
+        f"{result.tokens_per_step:,} tokens per step; {total} steps"
+    )
+    console.print(
+        f"  optimizer AdamW lr {cfg.optimizer.lr:g}, weight decay {cfg.optimizer.weight_decay:g}; "
+        f"schedule {cfg.scheduler.type}, warm-up {cfg.scheduler.warmup_steps}; "
+        f"clipping {cfg.gradient_clipping:g}; precision {cfg.precision}"
+    )
     console.print("  " + engine.plan.describe().replace("\n", "\n  "))
-    when = (f"every {opts.save_every} steps" + (" and at the end" if opts.save_at_end else "") if opts.save_every
-            else "at the end" if opts.save_at_end else "none")
+    when = (
+        f"every {opts.save_every} steps" + (" and at the end" if opts.save_at_end else "")
+        if opts.save_every
+        else "at the end"
+        if opts.save_at_end
+        else "none"
+    )
     console.print(f"  run       {opts.output} (checkpoints: {when}; keep {opts.keep})")
     notices = format_report(loaded.notices)
     if notices:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PAUSE_ENV = "ZEROFIT_TRAIN_PAUSE_AT"
@@ -70,12 +70,12 @@ class RunSignals:
 
     def __init__(self, say: Callable[[str], None]):
         self.say = say
-        self.signum = 0              # the first signal that asked the run to stop; 0: none
-        self.training = False        # past start-up: the first signal waits for the end of the step
-        self._stopping = False       # StopNow was raised: one more signal exits at once
+        self.signum = 0  # the first signal that asked the run to stop; 0: none
+        self.training = False  # past start-up: the first signal waits for the end of the step
+        self._stopping = False  # StopNow was raised: one more signal exits at once
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "RunSignals":
+    def __enter__(self) -> RunSignals:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handler) for s in SIGNALS}
         return self
@@ -86,17 +86,19 @@ class RunSignals:
         self._previous = {}
 
     def _handler(self, signum, frame) -> None:
-        if self._stopping:                   # StopNow is on its way out: this one ends the process
+        if self._stopping:  # StopNow is on its way out: this one ends the process
             os._exit(exit_status(signum))
-        if not self.training:                # start-up: nothing to keep
+        if not self.training:  # start-up: nothing to keep
             self._stopping, self.signum = True, signum
             raise StopNow(signum, f"{name(signum)} during start-up: stopped; nothing was trained")
-        if self.signum:                      # the second
+        if self.signum:  # the second
             self._stopping = True
             raise StopNow(signum, f"{name(signum)} again: stopped at once, without saving")
         self.signum = signum
-        self.say(f"[yellow]{name(signum)}: finishing this step, then saving a checkpoint and stopping "
-                 f"(exit {exit_status(signum)}; {name(signum)} again stops at once, without saving)[/]")
+        self.say(
+            f"[yellow]{name(signum)}: finishing this step, then saving a checkpoint and stopping "
+            f"(exit {exit_status(signum)}; {name(signum)} again stops at once, without saving)[/]"
+        )
 
 
 def _exit_now(signum, frame) -> None:
@@ -117,7 +119,7 @@ class exit_on_signal:
     interpreter's exit), where Python's own handling would end it by the signal itself (status -2, or -15
     for SIGTERM) or with a traceback. A run installs :class:`RunSignals` inside it. Restored on exit."""
 
-    def __enter__(self) -> "exit_on_signal":
+    def __enter__(self) -> exit_on_signal:
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, _exit_now) for s in SIGNALS}

@@ -43,9 +43,9 @@ that holds every trained part and call it (a LightningModule with an encoder and
 Refused by name, before anything trains: an optimizer other than AdamW (or Adam without weight decay), AMSGrad,
 ``maximize``, param groups whose settings differ (the engine's groups are fixed when it is built: give them as
 ``zerofit_config``'s optimizer), an optimizer built over the model's parameters before it was wrapped (they are
-not the ones trained), an autocast of another dtype over a 16-bit wrapper (of its own dtype: FSDP's fp16 recipe, run). The optimizer's ``state_dict()`` is torch's AdamW
-format filled from the engine's moments (and ``load_state_dict`` writes them back): accelerate's
-``save_state``/``load_state`` and Lightning's checkpoints work as written.
+not the ones trained), an autocast of another dtype over a 16-bit wrapper (of its own dtype: FSDP's fp16 recipe, run).
+The optimizer's ``state_dict()`` is torch's AdamW format filled from the engine's moments (and ``load_state_dict``
+writes them back): accelerate's ``save_state``/``load_state`` and Lightning's checkpoints work as written.
 
 A loop's ``clip_order`` (the engine's units and names in the model's order) is taken at wrap time: a rebuild of the
 engine's units (the generic fallback) would leave it stale (not handled).
@@ -68,7 +68,7 @@ from zerofit.engine.plan import PlanError
 
 log = logging.getLogger("zerofit")
 
-_LIVE: "weakref.WeakSet[UserLoop]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[UserLoop] = weakref.WeakSet()
 _HOOKED = []
 _LOCK = threading.Lock()
 
@@ -118,7 +118,7 @@ class UserLoop:
         from zerofit.engine.engine import Engine
 
         cfg = {**dict(config), "managed_gradient_accumulation": False}
-        if cfg.get("precision") == "fp16":       # the user's GradScaler scales the loss: the engine's scale stays 1
+        if cfg.get("precision") == "fp16":  # the user's GradScaler scales the loss: the engine's scale stays 1
             cfg["fp16"] = {**cfg.get("fp16", {}), "loss_scale": 1.0}
         cfg.setdefault("offload", {})
         # no speculation (a clip is known when it is called), no assisted updates (their settings would be read
@@ -133,12 +133,12 @@ class UserLoop:
         self.learn_window = self.engine.config.gradient_accumulation_steps == 1 and self.engine.adapter.streaming
         self.engine.stepper.torch_clip.follow(self._clip_order())
         self.params = {id(p) for p in self.engine.module.parameters()}
-        self.prepared = None                         # the step prepared by a clip, applied at optimizer.step()
-        self.uncleared = False                       # a step ran and no zero_grad() since: [Note: zero_grad]
+        self.prepared = None  # the step prepared by a clip, applied at optimizer.step()
+        self.uncleared = False  # a step ran and no zero_grad() since: [Note: zero_grad]
         self.optimizer = None
-        self.inside = False                          # the engine is running the model's own forward
-        self.amp = ()                                # the last forward's autocast: (device type, dtype), ...
-        self.cast_inputs = None                      # a dtype the floating inputs take (FSDP's mixed precision)
+        self.inside = False  # the engine is running the model's own forward
+        self.amp = ()  # the last forward's autocast: (device type, dtype), ...
+        self.cast_inputs = None  # a dtype the floating inputs take (FSDP's mixed precision)
         _install_hooks()
         _patch_accelerate()
         _patch_lightning()
@@ -164,30 +164,39 @@ class UserLoop:
         eng = self.engine
         G = eng.config.gradient_accumulation_steps
         if G > 1 and eng.window.micro_steps >= G and torch.is_grad_enabled():
-            raise UserLoopError(f"micro-batch {G + 1} of a step with zerofit_config gradient_accumulation_steps {G}: "
-                                "the window holds that many micro-batches before their blocks' backward, and "
-                                "summing a second window onto the first changes the order of the sums; set it to "
-                                "the loop's accumulation steps, or to 1 (any number, each micro-batch's blocks "
-                                "backward at its own backward())")
+            raise UserLoopError(
+                f"micro-batch {G + 1} of a step with zerofit_config gradient_accumulation_steps {G}: "
+                "the window holds that many micro-batches before their blocks' backward, and "
+                "summing a second window onto the first changes the order of the sums; set it to "
+                "the loop's accumulation steps, or to 1 (any number, each micro-batch's blocks "
+                "backward at its own backward())"
+            )
         amp = _autocast_state()
         wrapper_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(eng.config.precision)
         if amp and wrapper_dtype is not None and any(dtype != wrapper_dtype for _, dtype in amp):
-            raise UserLoopError(f"the wrapped model called under torch.autocast({amp[0][1]}) and a wrapper in "
-                                f"{eng.config.precision}: one of them sets the compute dtype; give them the same "
-                                "dtype (FSDP's recipe: MixedPrecision(param_dtype=torch.float16) under "
-                                "autocast(dtype=torch.float16)), or keep the autocast (Lightning's 'bf16-mixed', "
-                                "accelerate's mixed_precision) over an fp32 wrapper")
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
-                                           for t in pytree.tree_leaves((args, kwargs))):
-            raise UserLoopError("an input of the wrapped model requires grad (the output of another module, or a "
-                                "leaf made to): the engine's backward reaches the wrapped model's parameters, not "
-                                "its inputs, so what made the input would get no gradient; wrap one module that "
-                                "holds every trained part and call it ([Note: one wrapped model per optimizer])")
-        self.amp = amp        # the blocks' recompute and backward run under the forward's autocast
-        if self.cast_inputs is not None:     # as FSDP's MixedPrecision casts the root's floating inputs
+            raise UserLoopError(
+                f"the wrapped model called under torch.autocast({amp[0][1]}) and a wrapper in "
+                f"{eng.config.precision}: one of them sets the compute dtype; give them the same "
+                "dtype (FSDP's recipe: MixedPrecision(param_dtype=torch.float16) under "
+                "autocast(dtype=torch.float16)), or keep the autocast (Lightning's 'bf16-mixed', "
+                "accelerate's mixed_precision) over an fp32 wrapper"
+            )
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+            for t in pytree.tree_leaves((args, kwargs))
+        ):
+            raise UserLoopError(
+                "an input of the wrapped model requires grad (the output of another module, or a "
+                "leaf made to): the engine's backward reaches the wrapped model's parameters, not "
+                "its inputs, so what made the input would get no gradient; wrap one module that "
+                "holds every trained part and call it ([Note: one wrapped model per optimizer])"
+            )
+        self.amp = amp  # the blocks' recompute and backward run under the forward's autocast
+        if self.cast_inputs is not None:  # as FSDP's MixedPrecision casts the root's floating inputs
             args, kwargs = pytree.tree_map(
                 lambda t: t.to(self.cast_inputs) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                (args, kwargs))
+                (args, kwargs),
+            )
         if self.prepared is not None and torch.is_grad_enabled():
             self._skipped()
             self.uncleared = True
@@ -203,9 +212,11 @@ class UserLoop:
         leaves, spec = pytree.tree_flatten(out)
         seeded = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not seeded:
-            raise UserLoopError(f"the model's output ({type(out).__name__}) holds no tensor that requires grad: "
-                                "zerofit's loop backpropagates from the tensors the model returns (a loss, logits, "
-                                "any output) ")
+            raise UserLoopError(
+                f"the model's output ({type(out).__name__}) holds no tensor that requires grad: "
+                "zerofit's loop backpropagates from the tensors the model returns (a loss, logits, "
+                "any output) "
+            )
         anchor = torch.zeros((), requires_grad=True)
         for i, t in zip(seeded, _Seed.apply(self, anchor, tuple(leaves[i] for i in seeded))):
             leaves[i] = t
@@ -215,11 +226,13 @@ class UserLoop:
         """The engine's backward of ``sum((t * g).sum())`` over the output tensors ``t`` the user's objective
         reached (``g`` its gradient of each): that objective's gradient exactly, as plain autograd gives it."""
         if self.uncleared:
-            raise UserLoopError("a backward after optimizer.step() without optimizer.zero_grad() (or "
-                                "model.zero_grad()) between them: torch would add this step's gradients to the last "
-                                "step's, and zerofit starts each step from zero; call optimizer.zero_grad() once per "
-                                "step, after optimizer.step() or before the step's first backward ([Note: zero_grad])")
-        with torch.enable_grad(), _autocast(self.amp):   # (autograd runs a Function's backward with grad off)
+            raise UserLoopError(
+                "a backward after optimizer.step() without optimizer.zero_grad() (or "
+                "model.zero_grad()) between them: torch would add this step's gradients to the last "
+                "step's, and zerofit starts each step from zero; call optimizer.zero_grad() once per "
+                "step, after optimizer.step() or before the step's first backward ([Note: zero_grad])"
+            )
+        with torch.enable_grad(), _autocast(self.amp):  # (autograd runs a Function's backward with grad off)
             objective = None
             for t, g in zip(outputs, grads):
                 if g is None:
@@ -236,9 +249,11 @@ class UserLoop:
         complete, the global norm (fp16: the overflow check)."""
         eng = self.engine
         if eng.window.micro_steps == 0:
-            raise UserLoopError("optimizer.step() (or clip_grad_norm_, unscale_) without a backward since the last "
-                                "step: the engine has no gradient to apply (a loop that steps twice, or whose loss "
-                                "did not come from the wrapped model's output)")
+            raise UserLoopError(
+                "optimizer.step() (or clip_grad_norm_, unscale_) without a backward since the last "
+                "step: the engine has no gradient to apply (a loop that steps twice, or whose loss "
+                "did not come from the wrapped model's output)"
+            )
         with eng.guard(discard_step=True), _autocast(self.amp):
             eng.window.before_step()
             self.prepared = eng.stepper.prepare()
@@ -269,9 +284,10 @@ class UserLoop:
                 fi = found_inf.to(dev, copy=True)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv_scale.to(dev, copy=True))
                 out[dev] = fi
-            if ranks.many:     # each rank holds its shards: an overflow on one skips the step on every rank
-                total = ranks.all_reduce_world(torch.stack([f.to(self.engine.dev.device).reshape(()) for f in out.values()])
-                                         .sum().reshape(1))
+            if ranks.many:  # each rank holds its shards: an overflow on one skips the step on every rank
+                total = ranks.all_reduce_world(
+                    torch.stack([f.to(self.engine.dev.device).reshape(()) for f in out.values()]).sum().reshape(1)
+                )
                 for dev, fi in out.items():
                     fi.copy_((total > 0).to(fi.dtype).to(dev).reshape(fi.shape))
         return out
@@ -300,7 +316,7 @@ class UserLoop:
             self._skipped()
             return
         prepared, self.prepared = self.prepared, None
-        if grad_scale is not None:       # the fused kernel's own unscaling: grad / grad_scale
+        if grad_scale is not None:  # the fused kernel's own unscaling: grad / grad_scale
             prepared = prepared._replace(factor=prepared.factor / float(grad_scale))
         eng = self.engine
         n = eng.window.micro_steps
@@ -323,30 +339,33 @@ class UserLoop:
         if self.prepared is not None:
             self._skipped()
         elif self.engine.window.micro_steps:
-            raise UserLoopError(f"zero_grad() after {self.engine.window.micro_steps} backward() of a step and "
-                                "before its optimizer.step(): torch would drop their gradients, and zerofit's engine "
-                                "has summed them; call zero_grad() after optimizer.step() or before the step's "
-                                "first backward ([Note: zero_grad])")
+            raise UserLoopError(
+                f"zero_grad() after {self.engine.window.micro_steps} backward() of a step and "
+                "before its optimizer.step(): torch would drop their gradients, and zerofit's engine "
+                "has summed them; call zero_grad() after optimizer.step() or before the step's "
+                "first backward ([Note: zero_grad])"
+            )
         self.uncleared = False
 
     def _learn_window(self, n: int) -> None:
         """[Note: the window learns the loop's G]
         With the default window (``gradient_accumulation_steps`` 1: each micro-batch's blocks backward at its own
-        ``backward()``, the gradients summed on the host), every micro-batch of a step uploads every streamed block
-        for its backward and downloads its gradient: 1,956 tokens/s on W7 (W1, 4 micro-batches, the H200), against
-        5,362 with the window of the loop's 4 held (2026-12-02, docs/benchmarks.md). The loop's G is not known
-        when it is wrapped, but its first step shows it: from the second step on the window holds the first k of
-        each step's micro-batches and runs each block's backward over them at once, k the loop's G or, where the
-        plan cannot keep that many checkpoints, the most it can (Planning.hold_for, k >= 2; else it stays as it is,
-        said once); the micro-batches after the k-th (a longer step, or k < G) each run their blocks' backward at
-        their own ``backward()``. The sums are the same: the window's block backward adds the held micro-batches'
-        gradients in their order into the block's gradient, which the host then takes or adds, and each later one
-        is added on the host after them, as plain autograd adds them (bitwise plain PyTorch's for untied models;
-        with a tied head every window adds the head's part elsewhere, to rounding: docs/fsdp.md). (Holding a second
-        group of k would sum it on the device before adding it to the first: another order.) The plan made at
-        wrap-up leaves room for the checkpoints of LEARN_WINDOW micro-batches where blocks stream anyway (a
-        resident block or two fewer: Planning, [Note: room for a learnt window]): W7's 24 GiB plan kept 3 resident blocks for one micro-batch
-        and could not hold 4 (2026-12-02, the H200: 8.08 s per step against the window of 4's 1.81)."""
+        ``backward()``, the gradients summed on the host), every micro-batch of a step uploads every streamed block for
+        its backward and downloads its gradient: a 3B model's loop of 4 micro-batches ran at well under half the speed
+        it reached with the window of the loop's 4 held (docs/benchmarks.md, the user's own loop). The loop's G is not
+        known when it is wrapped, but its first step shows it: from the second step on the window holds the first k of
+        each step's micro-batches and runs each block's backward over them at once, k the loop's G or, where the plan
+        cannot keep that many checkpoints, the most it can (Planning.hold_for, k >= 2; else it stays as it is, said
+        once); the micro-batches after the k-th (a longer step, or k < G) each run their blocks' backward at their own
+        ``backward()``. The sums are the same: the window's block backward adds the held micro-batches' gradients in
+        their order into the block's gradient, which the host then takes or adds, and each later one is added on the
+        host after them, as plain autograd adds them (bitwise plain PyTorch's for untied models; with a tied head every
+        window adds the head's part elsewhere, to rounding: docs/fsdp.md). (Holding a second group of k would sum it on
+        the device before adding it to the first: another order.) The plan made at wrap-up leaves room for the
+        checkpoints of LEARN_WINDOW micro-batches where blocks stream anyway (a resident block or two fewer: Planning,
+        [Note: room for a learnt window]): without it, that loop's plan at a 24 GiB cap kept 3 resident blocks for one
+        micro-batch and could not hold 4, several times slower per step than the window of 4 (docs/benchmarks.md, the
+        user's own loop)."""
         if not self.learn_window:
             return
         self.learn_window = False
@@ -360,13 +379,20 @@ class UserLoop:
             except PlanError as e:
                 why = str(e).split("\n")[0]
         else:
-            log.info("zerofit: the loop's %d micro-batches per step do not fit the checkpoints of 2 of them in the "
-                     "plan; each micro-batch's blocks run their backward at its own backward() (%s)", n, why)
+            log.info(
+                "zerofit: the loop's %d micro-batches per step do not fit the checkpoints of 2 of them in the "
+                "plan; each micro-batch's blocks run their backward at its own backward() (%s)",
+                n,
+                why,
+            )
             return
         eng.window.hold_micro_batches(k)
-        log.info("zerofit: the loop takes %d micro-batches per step: from its second step the window holds %s and "
-                 "runs each block's backward over them at once ([Note: the window learns the loop's G])", n,
-                 "them" if k == n else f"the first {k} (the most whose checkpoints fit), the rest one at a time")
+        log.info(
+            "zerofit: the loop takes %d micro-batches per step: from its second step the window holds %s and "
+            "runs each block's backward over them at once ([Note: the window learns the loop's G])",
+            n,
+            "them" if k == n else f"the first {k} (the most whose checkpoints fit), the rest one at a time",
+        )
 
     def follow(self, optimizer) -> None:
         """``optimizer`` is this loop's (checked; refused by name otherwise): its steps, settings and state dicts
@@ -381,15 +407,17 @@ class UserLoop:
         check_optimizer(optimizer, self)
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if any(ids & loop.params for loop in list(_LIVE) if loop is not self):
-            raise UserLoopError(f"{type(optimizer).__name__} holds the parameters of two wrapped models: each "
-                                "wrapper's engine steps its own model at optimizer.step(); wrap one module that "
-                                "holds them both and call it ([Note: one wrapped model per optimizer])")
+            raise UserLoopError(
+                f"{type(optimizer).__name__} holds the parameters of two wrapped models: each "
+                "wrapper's engine steps its own model at optimizer.step(); wrap one module that "
+                "holds them both and call it ([Note: one wrapped model per optimizer])"
+            )
         carrier = _OneGroup(optimizer)
         self.engine.hypers.attach(ClientSchedule(carrier, None, self.engine.config.train_batch_size))
         optimizer.register_state_dict_post_hook(self._optimizer_state)
         optimizer.register_load_state_dict_post_hook(self._optimizer_loaded)
         self.optimizer = optimizer
-        if optimizer.state:          # loaded before its first step (accelerate's load_state): the engine's now
+        if optimizer.state:  # loaded before its first step (accelerate's load_state): the engine's now
             self._optimizer_loaded(optimizer)
 
     # ------------------------------------------------------------------ state dicts (accelerate's save_state)
@@ -407,14 +435,16 @@ class UserLoop:
         where = self._where()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         out = {}
-        with eng.sharding.full_state(eng.units, write_back=False):    # the full layout: every node's slices
+        with eng.sharding.full_state(eng.units, write_back=False):  # the full layout: every node's slices
             for i, p in enumerate(params):
                 if id(p) not in where:
                     continue
                 u, n = where[id(p)]
-                out[i] = {"step": torch.tensor(float(u.step.item()), dtype=torch.float32),
-                          "exp_avg": u.layout.views(u.exp_avg)[n].detach().to("cpu", copy=True),
-                          "exp_avg_sq": u.layout.views(u.exp_avg_sq)[n].detach().to("cpu", copy=True)}
+                out[i] = {
+                    "step": torch.tensor(float(u.step.item()), dtype=torch.float32),
+                    "exp_avg": u.layout.views(u.exp_avg)[n].detach().to("cpu", copy=True),
+                    "exp_avg_sq": u.layout.views(u.exp_avg_sq)[n].detach().to("cpu", copy=True),
+                }
         state["state"] = out
         return state
 
@@ -424,7 +454,7 @@ class UserLoop:
         eng = self.engine
         eng.wait()
         where = self._where()
-        with eng.sharding.full_state(eng.units, write_back=True):     # the full layout: the node's slices kept
+        with eng.sharding.full_state(eng.units, write_back=True):  # the full layout: the node's slices kept
             for p, st in list(optimizer.state.items()):
                 if id(p) not in where or "exp_avg" not in st:
                     continue
@@ -433,7 +463,7 @@ class UserLoop:
                     u.layout.views(u.exp_avg)[n].copy_(st["exp_avg"])
                     u.layout.views(u.exp_avg_sq)[n].copy_(st["exp_avg_sq"])
                     u.step.fill_(float(st["step"]))
-        optimizer.state.clear()      # (moments have no derived copies: the gradients of a step in progress stay)
+        optimizer.state.clear()  # (moments have no derived copies: the gradients of a step in progress stay)
 
     def module_loaded(self) -> None:
         """The module's parameters were written in place (``load_state_dict``): the host optimizer's masters are
@@ -443,7 +473,7 @@ class UserLoop:
             for u in eng.units:
                 if u.optimizer_on_device and u.host is not None and u.host is not u.master and not u.shard_state:
                     u.master.copy_(u.host)
-        eng.sharding.slices.written_whole()    # the full layout: the other nodes' slices handed back at the next upload
+        eng.sharding.slices.written_whole()  # the full layout: the other nodes' slices handed back at the next upload
         eng.weights_loaded()
 
 
@@ -462,28 +492,37 @@ def check_optimizer(opt, loop: UserLoop) -> None:
     """Refuse (:class:`UserLoopError`) an optimizer the engine cannot stand in for, by name."""
     name = type(opt).__name__
     if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
-        raise UserLoopError(f"{name}: zerofit's engine steps AdamW (torch.optim.AdamW, or Adam without weight "
-                            "decay); use one of them")
+        raise UserLoopError(
+            f"{name}: zerofit's engine steps AdamW (torch.optim.AdamW, or Adam without weight decay); use one of them"
+        )
     groups = opt.param_groups
     for i, g in enumerate(groups):
         if g.get("amsgrad") or g.get("maximize"):
             raise UserLoopError(f"{name}.param_groups[{i}]: amsgrad / maximize are not zerofit's AdamW")
         if isinstance(opt, torch.optim.Adam) and not isinstance(opt, torch.optim.AdamW) and g["weight_decay"]:
-            raise UserLoopError(f"torch.optim.Adam with weight_decay {g['weight_decay']} (L2 added to the gradient) "
-                                "is not AdamW's decoupled decay: use torch.optim.AdamW")
+            raise UserLoopError(
+                f"torch.optim.Adam with weight_decay {g['weight_decay']} (L2 added to the gradient) "
+                "is not AdamW's decoupled decay: use torch.optim.AdamW"
+            )
     keys = ("lr", "betas", "eps", "weight_decay")
     if any(tuple(g[k] for k in keys) != tuple(groups[0][k] for k in keys) for g in groups[1:]):
-        raise UserLoopError(f"{name}: param groups with different settings; the engine's groups are fixed when it "
-                            "is built: give them in zerofit_config (optimizer) or train with one group")
+        raise UserLoopError(
+            f"{name}: param groups with different settings; the engine's groups are fixed when it "
+            "is built: give them in zerofit_config (optimizer) or train with one group"
+        )
     ids = {id(p) for g in groups for p in g["params"]}
     if ids & {id(p) for p in loop._originals}:
-        raise UserLoopError(f"{name} was built over the model's parameters before it was wrapped: those are not "
-                            "the ones trained now; build the optimizer over the wrapped model's parameters "
-                            "(FSDP asks the same)")
+        raise UserLoopError(
+            f"{name} was built over the model's parameters before it was wrapped: those are not "
+            "the ones trained now; build the optimizer over the wrapped model's parameters "
+            "(FSDP asks the same)"
+        )
     trained = {id(p) for p in loop.engine.module.parameters() if p.requires_grad}
     if not trained <= ids:
-        raise UserLoopError(f"{name} holds {len(ids & trained)} of the model's {len(trained)} trained parameters: "
-                            "zerofit trains every parameter with requires_grad; freeze the others")
+        raise UserLoopError(
+            f"{name} holds {len(ids & trained)} of the model's {len(trained)} trained parameters: "
+            "zerofit trains every parameter with requires_grad; freeze the others"
+        )
 
 
 def _loop_of(params) -> UserLoop | None:
@@ -504,10 +543,12 @@ def _one_loop(params, what: str) -> UserLoop | None:
         return None
     others = [p for p in params if id(p) not in loop.params and p.requires_grad]
     if others:
-        raise UserLoopError(f"{what} over the wrapped model's parameters and {len(others)} trained parameters "
-                            "outside it: zerofit's clip and unscale see the wrapped model's gradients only; wrap "
-                            "one module that holds every trained part (and call it, not its parts) "
-                            "([Note: one wrapped model per optimizer])")
+        raise UserLoopError(
+            f"{what} over the wrapped model's parameters and {len(others)} trained parameters "
+            "outside it: zerofit's clip and unscale see the wrapped model's gradients only; wrap "
+            "one module that holds every trained part (and call it, not its parts) "
+            "([Note: one wrapped model per optimizer])"
+        )
     return loop
 
 
@@ -522,12 +563,15 @@ def _step_post_hook(optimizer, args, kwargs):
 def _step_pre_hook(optimizer, args, kwargs):
     loop = _loop_of(p for g in optimizer.param_groups for p in g["params"])
     if loop is not None:
-        loop._follow(optimizer)        # refused (by name) before anything runs
+        loop._follow(optimizer)  # refused (by name) before anything runs
     elif _LIVE:
-        stale = [lp for lp in list(_LIVE)
-                 if any(id(p) in {id(o) for o in lp._originals} for g in optimizer.param_groups for p in g["params"])]
+        stale = [
+            lp
+            for lp in list(_LIVE)
+            if any(id(p) in {id(o) for o in lp._originals} for g in optimizer.param_groups for p in g["params"])
+        ]
         if stale:
-            check_optimizer(optimizer, stale[0])      # raises: built before the wrap
+            check_optimizer(optimizer, stale[0])  # raises: built before the wrap
 
 
 def _zero_grad_of(original, params_of):
@@ -549,7 +593,8 @@ def _install_hooks() -> None:
         if _HOOKED:
             return
         torch.optim.Optimizer.zero_grad = _zero_grad_of(
-            torch.optim.Optimizer.zero_grad, lambda opt: (p for g in opt.param_groups for p in g["params"]))
+            torch.optim.Optimizer.zero_grad, lambda opt: (p for g in opt.param_groups for p in g["params"])
+        )
         nn.Module.zero_grad = _zero_grad_of(nn.Module.zero_grad, lambda module: module.parameters())
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -573,7 +618,7 @@ def _install_hooks() -> None:
         from torch.amp.grad_scaler import GradScaler
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        for cls in (GradScaler, ShardedGradScaler):      # fp16: a scaler's unscale_ of a loop's optimizer
+        for cls in (GradScaler, ShardedGradScaler):  # fp16: a scaler's unscale_ of a loop's optimizer
             _patch_unscale(cls)
 
 
@@ -595,10 +640,11 @@ def _patch_accelerate() -> None:
         return
     prepare = cls.__dict__.get("prepare_model")
     if prepare is not None and not getattr(prepare, "_zerofit", False):
+
         @functools.wraps(prepare)
         def prepare_model(self, model, device_placement=None, evaluation_mode=False):
             if _loop_of(model.parameters()) is not None:
-                evaluation_mode = True      # (accelerate: no DDP, no FSDP; the autocast and device as usual)
+                evaluation_mode = True  # (accelerate: no DDP, no FSDP; the autocast and device as usual)
             return prepare(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
         prepare_model._zerofit = True
@@ -624,16 +670,17 @@ def _patch_lightning() -> None:
     in DDP, whose hooks wait for ``.grad`` that the engine never writes: a module holding a loop's parameters is
     left unwrapped (the engine averages the gradients over the ranks itself, as FSDP does), and Fabric's
     ``no_backward_sync`` over it is a no-op (the engine sums the micro-batches until the step in any case); every
-    other module as Lightning wraps it. Patched once Lightning is imported (the wrap runs in ``configure_model``, before the
-    strategy's setup): called at each wrap."""
+    other module as Lightning wraps it. Patched once Lightning is imported (the wrap runs in ``configure_model``, before
+    the strategy's setup): called at each wrap."""
     trainer_ddp = sys.modules.get("lightning.pytorch.strategies.ddp")
     cls = getattr(trainer_ddp, "DDPStrategy", None) if trainer_ddp is not None else None
     original = cls.__dict__.get("configure_ddp") if cls is not None else None
     if original is not None and not getattr(original, "_zerofit", False):
+
         @functools.wraps(original)
         def configure_ddp(self):
             if _loop_of(self.model.parameters()) is None:
-                return original(self)        # (no DDP, no DDP hooks: the model stays the LightningModule)
+                return original(self)  # (no DDP, no DDP hooks: the model stays the LightningModule)
 
         configure_ddp._zerofit = True
         cls.configure_ddp = configure_ddp
@@ -641,6 +688,7 @@ def _patch_lightning() -> None:
     cls = getattr(fabric_ddp, "DDPStrategy", None) if fabric_ddp is not None else None
     original = cls.__dict__.get("setup_module") if cls is not None else None
     if original is not None and not getattr(original, "_zerofit", False):
+
         @functools.wraps(original)
         def setup_module(self, module):
             return module if _loop_of(module.parameters()) is not None else original(self, module)
@@ -650,9 +698,10 @@ def _patch_lightning() -> None:
     control = getattr(fabric_ddp, "_DDPBackwardSyncControl", None) if fabric_ddp is not None else None
     original = control.__dict__.get("no_backward_sync") if control is not None else None
     if original is not None and not getattr(original, "_zerofit", False):
+
         @functools.wraps(original)
         def no_backward_sync(self, module, enabled):
-            if _loop_of(module.parameters()) is not None:    # the engine sums until the step anyway
+            if _loop_of(module.parameters()) is not None:  # the engine sums until the step anyway
                 return contextlib.nullcontext()
             return original(self, module, enabled)
 

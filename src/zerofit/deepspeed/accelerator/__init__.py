@@ -34,8 +34,14 @@ import torch
 from zerofit.deepspeed.names import refusing_getattr
 from zerofit.engine.deepspeed_names import DeepSpeedUnsupported, UnsupportedAttribute
 
-__all__ = ["get_accelerator", "set_accelerator", "is_current_accelerator_supported", "DeepSpeedAccelerator",
-           "CUDA_Accelerator", "CPU_Accelerator"]
+__all__ = [
+    "get_accelerator",
+    "set_accelerator",
+    "is_current_accelerator_supported",
+    "DeepSpeedAccelerator",
+    "CUDA_Accelerator",
+    "CPU_Accelerator",
+]
 
 _NO_OPS = "zerofit builds none of DeepSpeed's kernels (its AdamW runs on the host, in torch)"
 _REFUSED_METHODS = {
@@ -47,7 +53,7 @@ _REFUSED_METHODS = {
     "unregister_host_memory": "pin host tensors with get_accelerator().pin_memory(t) (tensor.pin_memory())",
     "prefer_triton_grouped_mm": "zerofit has no mixture-of-experts kernels",
     "amp": "DeepSpeed 0.19.8's accelerators have no amp(); use torch.autocast(get_accelerator().device_name(), "
-           "dtype=torch.bfloat16)",
+    "dtype=torch.bfloat16)",
 }
 
 
@@ -142,7 +148,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
 
     _name = "cuda"
     _communication_backend_name = "nccl"
-    supports_nvtx_domain = False            # zerofit does not use the nvtx package's domains
+    supports_nvtx_domain = False  # zerofit does not use the nvtx package's domains
 
     def is_synchronized_device(self) -> bool:
         return False
@@ -177,8 +183,11 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
 
     # random numbers
     def set_rng_state(self, new_state, device_index=None):
-        return torch.cuda.set_rng_state(new_state) if device_index is None else \
-            torch.cuda.set_rng_state(new_state, device_index)
+        return (
+            torch.cuda.set_rng_state(new_state)
+            if device_index is None
+            else torch.cuda.set_rng_state(new_state, device_index)
+        )
 
     def get_rng_state(self, device_index=None):
         return torch.cuda.get_rng_state() if device_index is None else torch.cuda.get_rng_state(device_index)
@@ -227,7 +236,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         return torch.cuda.reset_max_memory_allocated(device_index)
 
     def memory_cached(self, device_index=None) -> int:
-        return torch.cuda.memory_reserved(device_index)       # torch's name for it since 1.4
+        return torch.cuda.memory_reserved(device_index)  # torch's name for it since 1.4
 
     def max_memory_cached(self, device_index=None) -> int:
         return torch.cuda.max_memory_reserved(device_index)
@@ -251,7 +260,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         return torch.cuda.get_device_properties(device_index).total_memory
 
     def available_memory(self, device_index=None) -> int:
-        return torch.cuda.mem_get_info(device_index)[0]       # the driver's free bytes, as DeepSpeed's NVML reading
+        return torch.cuda.mem_get_info(device_index)[0]  # the driver's free bytes, as DeepSpeed's NVML reading
 
     # data types
     def is_bf16_supported(self) -> bool:
@@ -300,7 +309,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
     def pin_memory(self, tensor, make_copy=True, match_shape=True):
         if make_copy:
             return tensor.pin_memory()
-        shape = tensor.shape if match_shape else (tensor.numel(),)     # a template only: a fresh pinned buffer
+        shape = tensor.shape if match_shape else (tensor.numel(),)  # a template only: a fresh pinned buffer
         return self._pinned_empty(tuple(shape), tensor.dtype)
 
     def _pinned_empty(self, shape, dtype):
@@ -317,7 +326,7 @@ class CPU_Accelerator(DeepSpeedAccelerator):
     """DeepSpeed's CPU accelerator (deepspeed/accelerator/cpu_accelerator.py): memory is the process's RSS."""
 
     _name = "cpu"
-    _communication_backend_name = "gloo"        # what zerofit's init_distributed uses on the CPU
+    _communication_backend_name = "gloo"  # what zerofit's init_distributed uses on the CPU
 
     def __init__(self):
         super().__init__()
@@ -471,10 +480,10 @@ class CPU_Accelerator(DeepSpeedAccelerator):
     LongTensor = property(lambda self: torch.LongTensor)
 
     def pin_memory(self, tensor, make_copy=True, match_shape=True):
-        return tensor          # DeepSpeed's CPU accelerator pins nothing (no device to pin for)
+        return tensor  # DeepSpeed's CPU accelerator pins nothing (no device to pin for)
 
     def _pinned_empty(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype)          # not page-locked, as DeepSpeed's CPU accelerator
+        return torch.empty(shape, dtype=dtype)  # not page-locked, as DeepSpeed's CPU accelerator
 
     def on_accelerator(self, tensor) -> bool:
         return str(tensor.device).startswith("cpu")
@@ -495,8 +504,10 @@ def get_accelerator() -> DeepSpeedAccelerator:
         if name is None:
             name = "cuda" if torch.cuda.device_count() > 0 and torch.cuda.is_available() else "cpu"
         if name not in ("cuda", "cpu"):
-            raise DeepSpeedUnsupported(f"DS_ACCELERATOR={name!r}: zerofit runs on CUDA GPUs and the CPU; set "
-                                       "DS_ACCELERATOR=cuda or DS_ACCELERATOR=cpu, or unset it")
+            raise DeepSpeedUnsupported(
+                f"DS_ACCELERATOR={name!r}: zerofit runs on CUDA GPUs and the CPU; set "
+                "DS_ACCELERATOR=cuda or DS_ACCELERATOR=cpu, or unset it"
+            )
         _accelerator = CUDA_Accelerator() if name == "cuda" else CPU_Accelerator()
     return _accelerator
 
@@ -505,13 +516,17 @@ def set_accelerator(accel_obj) -> None:
     raise DeepSpeedUnsupported(
         f"set_accelerator({type(accel_obj).__name__}): zerofit's accelerator is torch's device (CUDA or the CPU, "
         "DS_ACCELERATOR=cuda or cpu picks it), and its engine takes its device from the config (device: cpu, cuda, "
-        "cuda:N)")
+        "cuda:N)"
+    )
 
 
 def is_current_accelerator_supported() -> bool:
     return get_accelerator().device_name() in ("cuda", "cpu")
 
 
-__getattr__ = refusing_getattr(__name__, {
-    "real_accelerator": "get_accelerator() is zerofit's accelerator",
-})
+__getattr__ = refusing_getattr(
+    __name__,
+    {
+        "real_accelerator": "get_accelerator() is zerofit's accelerator",
+    },
+)

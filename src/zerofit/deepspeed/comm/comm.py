@@ -39,18 +39,49 @@ from zerofit.deepspeed import init_distributed
 from zerofit.deepspeed.names import refusing_getattr
 from zerofit.engine.deepspeed_names import ONE_PROCESS
 
-__all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "destroy_process_group", "new_group",
-           "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_all_ranks_from_group",
-           "get_world_group", "barrier", "monitored_barrier", "all_reduce", "inference_all_reduce",
-           "all_reduce_coalesced", "reduce", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object",
-           "all_gather_into_tensor", "allgather_fn", "all_gather_coalesced", "reduce_scatter",
-           "reduce_scatter_tensor", "reduce_scatter_fn", "all_to_all_single", "all_to_all", "gather", "scatter",
-           "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "has_all_reduce_coalesced",
-           "has_coalescing_manager"]
+__all__ = [
+    "ReduceOp",
+    "init_distributed",
+    "is_initialized",
+    "is_available",
+    "destroy_process_group",
+    "new_group",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "get_global_rank",
+    "get_all_ranks_from_group",
+    "get_world_group",
+    "barrier",
+    "monitored_barrier",
+    "all_reduce",
+    "inference_all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "allgather_fn",
+    "all_gather_coalesced",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_fn",
+    "all_to_all_single",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "has_all_gather_into_tensor",
+    "has_reduce_scatter_tensor",
+    "has_all_reduce_coalesced",
+    "has_coalescing_manager",
+]
 
 
 class ReduceOp(Enum):
     """DeepSpeed's reduce operations (deepspeed/comm/reduce_op.py); torch's ``ReduceOp`` is accepted too."""
+
     SUM = 0
     PRODUCT = 1
     MIN = 2
@@ -89,6 +120,7 @@ def _collective(fn):
 
 
 # ---------------------------------------------------------------------------------------------- the group
+
 
 def is_initialized() -> bool:
     return tdist.is_initialized()
@@ -139,6 +171,7 @@ def get_all_ranks_from_group(group=None) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- collectives
+
 
 @_collective
 def barrier(group=None, async_op=False, device_ids=None):
@@ -204,8 +237,7 @@ def allgather_fn(output_tensor, input_tensor, group=None, async_op=False):
 
 @_collective
 def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=False):
-    works = [_all_gather_single(o, i, group=group, async_op=async_op)
-             for o, i in zip(output_tensors, input_tensors)]
+    works = [_all_gather_single(o, i, group=group, async_op=async_op) for o, i in zip(output_tensors, input_tensors)]
     return works[-1] if async_op and works else None
 
 
@@ -226,8 +258,14 @@ def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_
 
 @_collective
 def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    return tdist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
-                                   input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+    return tdist.all_to_all_single(
+        output,
+        tensor,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+        async_op=async_op,
+    )
 
 
 @_collective
@@ -264,12 +302,39 @@ def has_coalescing_manager() -> bool:
 _NO_PEER = "zerofit trains in one process, so there is no peer to send to or receive from"
 _NO_LOG = "zerofit logs no communication (one process); engine.timeline() has each step's phases"
 _REFUSED = {name: _NO_PEER for name in ("send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv")}
-_REFUSED.update({name: _NO_LOG for name in ("configure", "log_summary", "reset_log", "has_comm_data",
-                                            "get_comm_operation_count", "get_logged_comm_ops", "comms_logger",
-                                            "timers")})
-_REFUSED.update({name: ONE_PROCESS for name in (
-    "initialize_mesh_device", "enable_symm_mem_for_group", "mpi_discovery", "in_aml", "in_aws_sm", "in_dlts",
-    "patch_aml_env_for_torch_nccl_backend", "patch_aws_sm_env_for_torch_nccl_backend", "init_deepspeed_backend",
-    "set_backend", "cdb", "ProcessGroup")})
+_REFUSED.update(
+    {
+        name: _NO_LOG
+        for name in (
+            "configure",
+            "log_summary",
+            "reset_log",
+            "has_comm_data",
+            "get_comm_operation_count",
+            "get_logged_comm_ops",
+            "comms_logger",
+            "timers",
+        )
+    }
+)
+_REFUSED.update(
+    {
+        name: ONE_PROCESS
+        for name in (
+            "initialize_mesh_device",
+            "enable_symm_mem_for_group",
+            "mpi_discovery",
+            "in_aml",
+            "in_aws_sm",
+            "in_dlts",
+            "patch_aml_env_for_torch_nccl_backend",
+            "patch_aws_sm_env_for_torch_nccl_backend",
+            "init_deepspeed_backend",
+            "set_backend",
+            "cdb",
+            "ProcessGroup",
+        )
+    }
+)
 
 __getattr__ = refusing_getattr("zerofit.deepspeed.comm", _REFUSED)

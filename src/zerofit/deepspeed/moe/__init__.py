@@ -7,6 +7,8 @@ groups back unchanged, as from DeepSpeed."""
 from zerofit.deepspeed.names import REFUSED_MODULES, refusing_getattr
 
 _NO_MOE = REFUSED_MODULES["deepspeed.moe.layer"]
-__getattr__ = refusing_getattr(__name__, {"layer": _NO_MOE, "MoE": _NO_MOE, "experts": _NO_MOE,
-                                          "sharded_moe": _NO_MOE, "mappings": _NO_MOE},
-                               submodules=("utils",))
+__getattr__ = refusing_getattr(
+    __name__,
+    {"layer": _NO_MOE, "MoE": _NO_MOE, "experts": _NO_MOE, "sharded_moe": _NO_MOE, "mappings": _NO_MOE},
+    submodules=("utils",),
+)

@@ -17,9 +17,15 @@ from torch import nn
 from zerofit.deepspeed.names import REFUSED_MODULES
 from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
 
-__all__ = ["has_moe_layers", "is_moe_param", "split_params_into_shared_and_expert_params",
-           "split_params_grads_into_shared_and_expert_params", "split_params_into_different_moe_groups_for_optimizer",
-           "is_moe_param_group", "configure_moe_param_groups"]
+__all__ = [
+    "has_moe_layers",
+    "is_moe_param",
+    "split_params_into_shared_and_expert_params",
+    "split_params_grads_into_shared_and_expert_params",
+    "split_params_into_different_moe_groups_for_optimizer",
+    "is_moe_param_group",
+    "configure_moe_param_groups",
+]
 
 
 def has_moe_layers(m: nn.Module) -> tuple[bool, int]:
@@ -35,8 +41,10 @@ def is_moe_param(param: torch.Tensor) -> bool:
 def _no_experts(params, where: str) -> None:
     experts = [tuple(p.shape) for p in params if is_moe_param(p)]
     if experts:
-        raise DeepSpeedUnsupported(f"{where}: {len(experts)} parameter(s) (shapes {experts[:3]}) are marked as "
-                                  f"expert parameters (allreduce=False): {REFUSED_MODULES['deepspeed.moe.layer']}")
+        raise DeepSpeedUnsupported(
+            f"{where}: {len(experts)} parameter(s) (shapes {experts[:3]}) are marked as "
+            f"expert parameters (allreduce=False): {REFUSED_MODULES['deepspeed.moe.layer']}"
+        )
 
 
 def split_params_into_shared_and_expert_params(params: list[nn.Parameter]) -> tuple[list, list]:
@@ -61,7 +69,7 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group
     elif not isinstance(param_groups, list):
         raise ValueError(f"Unknown param group type of {type(param_groups)}")
     for i, group in enumerate(param_groups):
-        group["params"] = list(group["params"])        # DeepSpeed rebuilds each group's list
+        group["params"] = list(group["params"])  # DeepSpeed rebuilds each group's list
         _no_experts(group["params"], f"split_params_into_different_moe_groups_for_optimizer: group {i}")
     return param_groups
 
@@ -75,12 +83,15 @@ def configure_moe_param_groups(model_parameters: list):
         raise TypeError("model_parameters must be a list")
     for p in model_parameters:
         if not isinstance(p, (torch.Tensor, dict)):
-            raise TypeError("param argument that would be given to the optimizer should be an iterable of Tensors "
-                            f"or dicts, but got {type(p)}")
+            raise TypeError(
+                "param argument that would be given to the optimizer should be an iterable of Tensors "
+                f"or dicts, but got {type(p)}"
+            )
     first = model_parameters[0]
     if isinstance(first, nn.Parameter):
-        return split_params_into_different_moe_groups_for_optimizer({"params": model_parameters,
-                                                                     "name": "dense-params"})
+        return split_params_into_different_moe_groups_for_optimizer(
+            {"params": model_parameters, "name": "dense-params"}
+        )
     if isinstance(first, dict) and not any("moe" in g for g in model_parameters):
         return split_params_into_different_moe_groups_for_optimizer(model_parameters)
     return model_parameters

@@ -8,7 +8,10 @@ from zerofit.deepspeed.names import REFUSED_MODULES, refusing_getattr
 
 __all__ = ["zero"]
 
-_REFUSED = {name.rpartition(".")[2]: hint for name, hint in REFUSED_MODULES.items()
-            if name.rpartition(".")[0] == "deepspeed.runtime"}
+_REFUSED = {
+    name.rpartition(".")[2]: hint
+    for name, hint in REFUSED_MODULES.items()
+    if name.rpartition(".")[0] == "deepspeed.runtime"
+}
 
 __getattr__ = refusing_getattr(__name__, _REFUSED, submodules=("engine", "lr_schedules", "utils"))

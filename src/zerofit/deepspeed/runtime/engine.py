@@ -7,7 +7,7 @@ model.module``) gets the model back. Building one directly is refused: ``deepspe
 
 from __future__ import annotations
 
-from zerofit.deepspeed import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable  # noqa: F401
+from zerofit.deepspeed import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable
 from zerofit.deepspeed.names import refusing_getattr
 from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
 
@@ -30,11 +30,16 @@ class DeepSpeedEngine(metaclass=_EngineType):
     """The type of zerofit's engines under DeepSpeed's name (``isinstance`` only)."""
 
     def __new__(cls, *args, **kwargs):
-        raise DeepSpeedUnsupported("DeepSpeedEngine(...): build the engine with deepspeed.initialize(model=..., "
-                                   "config=...), which returns zerofit's Engine (zerofit.engine.engine.Engine)")
+        raise DeepSpeedUnsupported(
+            "DeepSpeedEngine(...): build the engine with deepspeed.initialize(model=..., "
+            "config=...), which returns zerofit's Engine (zerofit.engine.engine.Engine)"
+        )
 
 
-__getattr__ = refusing_getattr(__name__, {
-    "DeepSpeedOptimizer": "zerofit runs its own AdamW; initialize() returns a view of it (engine.optimizer)",
-    "MUON_OPTIMIZER": "zerofit runs AdamW only",
-})
+__getattr__ = refusing_getattr(
+    __name__,
+    {
+        "DeepSpeedOptimizer": "zerofit runs its own AdamW; initialize() returns a view of it (engine.optimizer)",
+        "MUON_OPTIMIZER": "zerofit runs AdamW only",
+    },
+)

@@ -20,47 +20,47 @@ from __future__ import annotations
 from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
 from zerofit.engine.deepspeed_views import DeepSpeedScheduler
 
-LR_SCHEDULE = 'lr_schedule'
-LR_RANGE_TEST = 'LRRangeTest'
-ONE_CYCLE = 'OneCycle'
-WARMUP_LR = 'WarmupLR'
-WARMUP_DECAY_LR = 'WarmupDecayLR'
-WARMUP_COSINE_LR = 'WarmupCosineLR'
+LR_SCHEDULE = "lr_schedule"
+LR_RANGE_TEST = "LRRangeTest"
+ONE_CYCLE = "OneCycle"
+WARMUP_LR = "WarmupLR"
+WARMUP_DECAY_LR = "WarmupDecayLR"
+WARMUP_COSINE_LR = "WarmupCosineLR"
 VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
 
-LR_RANGE_TEST_MIN_LR = 'lr_range_test_min_lr'
-LR_RANGE_TEST_STEP_RATE = 'lr_range_test_step_rate'
-LR_RANGE_TEST_STEP_SIZE = 'lr_range_test_step_size'
-LR_RANGE_TEST_STAIRCASE = 'lr_range_test_staircase'
+LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
+LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
+LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
 
-EDGE_VALUE = 'edge_value'
-MID_VALUE = 'mid_value'
+EDGE_VALUE = "edge_value"
+MID_VALUE = "mid_value"
 
-CYCLE_FIRST_STEP_SIZE = 'cycle_first_step_size'
-CYCLE_FIRST_STAIR_COUNT = 'cycle_first_stair_count'
-CYCLE_SECOND_STEP_SIZE = 'cycle_second_step_size'
-CYCLE_SECOND_STAIR_COUNT = 'cycle_second_stair_count'
-DECAY_STEP_SIZE = 'decay_step_size'
+CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
+CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
+CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
+CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
+DECAY_STEP_SIZE = "decay_step_size"
 
-CYCLE_MIN_LR = 'cycle_min_lr'
-CYCLE_MAX_LR = 'cycle_max_lr'
-DECAY_LR_RATE = 'decay_lr_rate'
+CYCLE_MIN_LR = "cycle_min_lr"
+CYCLE_MAX_LR = "cycle_max_lr"
+DECAY_LR_RATE = "decay_lr_rate"
 
-CYCLE_MIN_MOM = 'cycle_min_mom'
-CYCLE_MAX_MOM = 'cycle_max_mom'
-DECAY_MOM_RATE = 'decay_mom_rate'
+CYCLE_MIN_MOM = "cycle_min_mom"
+CYCLE_MAX_MOM = "cycle_max_mom"
+DECAY_MOM_RATE = "decay_mom_rate"
 
-WARMUP_MIN_LR = 'warmup_min_lr'
-WARMUP_MAX_LR = 'warmup_max_lr'
-WARMUP_NUM_STEPS = 'warmup_num_steps'
-WARMUP_TYPE = 'warmup_type'
-WARMUP_LOG_RATE = 'log'
-WARMUP_LINEAR_RATE = 'linear'
+WARMUP_MIN_LR = "warmup_min_lr"
+WARMUP_MAX_LR = "warmup_max_lr"
+WARMUP_NUM_STEPS = "warmup_num_steps"
+WARMUP_TYPE = "warmup_type"
+WARMUP_LOG_RATE = "log"
+WARMUP_LINEAR_RATE = "linear"
 
-WARMUP_MIN_RATIO = 'warmup_min_ratio'
-COS_MIN_RATIO = 'cos_min_ratio'
+WARMUP_MIN_RATIO = "warmup_min_ratio"
+COS_MIN_RATIO = "cos_min_ratio"
 
-TOTAL_NUM_STEPS = 'total_num_steps'
+TOTAL_NUM_STEPS = "total_num_steps"
 
 
 class _ConfigSchedule(DeepSpeedScheduler):
@@ -70,12 +70,13 @@ class _ConfigSchedule(DeepSpeedScheduler):
         name = type(self).__name__
         raise DeepSpeedUnsupported(
             f"{name}(optimizer, ...): zerofit applies DeepSpeed's {name} from the config's scheduler block, with "
-            f"DeepSpeed's formula: put \"scheduler\": {{\"type\": \"{name}\", \"params\": {{...}}}} in the config "
+            f'DeepSpeed\'s formula: put "scheduler": {{"type": "{name}", "params": {{...}}}} in the config '
             "(initialize() then returns this schedule's view), or pass a torch scheduler over your optimizer as "
-            "initialize(optimizer=..., lr_scheduler=...)")
+            "initialize(optimizer=..., lr_scheduler=...)"
+        )
 
     @classmethod
-    def _of(cls, hypers, optimizer) -> "_ConfigSchedule":
+    def _of(cls, hypers, optimizer) -> _ConfigSchedule:
         """The view over the engine's step count and settings (``engine.hypers``) and its optimizer view."""
         view = object.__new__(cls)
         DeepSpeedScheduler.__init__(view, hypers, optimizer)
@@ -97,7 +98,7 @@ class OneCycle(_ConfigSchedule):
         one_cycle = self._hypers.config.scheduler.one_cycle
         if one_cycle is not None and not one_cycle.cycle_momentum:
             return None
-        moms = [(h.beta1, h.beta2) for h in self.optimizer.hypers()]       # engine.get_mom()
+        moms = [(h.beta1, h.beta2) for h in self.optimizer.hypers()]  # engine.get_mom()
         if self._hypers.global_step + self._hypers.skipped_steps == 0 and one_cycle is not None:
             return [(one_cycle.cycle_max_mom, 0.99) for _ in moms]
         return moms
@@ -125,8 +126,10 @@ def view_class(schedule_type: str):
 
 
 def add_tuning_arguments(parser):
-    raise DeepSpeedUnsupported("add_tuning_arguments(parser): zerofit's schedules come from the config's scheduler "
-                               "block (docs/config.md), not from command-line arguments")
+    raise DeepSpeedUnsupported(
+        "add_tuning_arguments(parser): zerofit's schedules come from the config's scheduler "
+        "block (docs/config.md), not from command-line arguments"
+    )
 
 
 def get_config_from_args(args):

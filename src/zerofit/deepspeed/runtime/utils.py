@@ -24,14 +24,16 @@ def see_memory_usage(message, force=False) -> None:
         return
     if dist.is_initialized() and not dist.get_rank() == 0:
         return
-    gc.collect()        # python does not collect in real time: collect for a truthful reading
+    gc.collect()  # python does not collect in real time: collect for a truthful reading
     acc = get_accelerator()
-    gib = 1024 ** 3
+    gib = 1024**3
     print(message)
-    print(f"MA {round(acc.memory_allocated() / gib, 2)} GB \
+    print(
+        f"MA {round(acc.memory_allocated() / gib, 2)} GB \
         Max_MA {round(acc.max_memory_allocated() / gib, 2)} GB \
         CA {round(acc.memory_reserved() / gib, 2)} GB \
-        Max_CA {round(acc.max_memory_reserved() / gib)} GB ")
+        Max_CA {round(acc.max_memory_reserved() / gib)} GB "
+    )
     vm = psutil.virtual_memory()
     print(f"CPU Virtual Memory:  used = {round((vm.total - vm.available) / gib, 2)} GB, percent = {vm.percent}%")
     acc.reset_peak_memory_stats()
@@ -41,10 +43,33 @@ def noop_context():
     return contextlib.nullcontext()
 
 
-_PARTITIONS = ("zerofit's engine keeps its own buffers; clip with the config's gradient_clipping, read weights "
-               "through engine.module")
-__getattr__ = refusing_getattr(__name__, {name: _PARTITIONS for name in (
-    "clip_grad_norm_", "get_global_norm", "get_grad_norm", "get_weight_norm", "clip_tensors_by_global_norm",
-    "get_global_norm_of_tensors", "get_flattened_grad_norm", "align_dense_tensors", "all_gather_dp_groups",
-    "PartitionedTensor", "CheckOverflow", "DummyOptim", "memory_status", "empty_cache", "call_to_str",
-    "get_only_unique_item", "bwc_tensor_model_parallel_rank", "is_model_parallel_parameter")})
+_PARTITIONS = (
+    "zerofit's engine keeps its own buffers; clip with the config's gradient_clipping, read weights "
+    "through engine.module"
+)
+__getattr__ = refusing_getattr(
+    __name__,
+    {
+        name: _PARTITIONS
+        for name in (
+            "clip_grad_norm_",
+            "get_global_norm",
+            "get_grad_norm",
+            "get_weight_norm",
+            "clip_tensors_by_global_norm",
+            "get_global_norm_of_tensors",
+            "get_flattened_grad_norm",
+            "align_dense_tensors",
+            "all_gather_dp_groups",
+            "PartitionedTensor",
+            "CheckOverflow",
+            "DummyOptim",
+            "memory_status",
+            "empty_cache",
+            "call_to_str",
+            "get_only_unique_item",
+            "bwc_tensor_model_parallel_rank",
+            "is_model_parallel_parameter",
+        )
+    },
+)

@@ -9,8 +9,16 @@ from zerofit.deepspeed.utils.logging import log_dist, log_dist_once, logger, pri
 from zerofit.deepspeed.utils.module_utils import recursive_getattr, recursive_setattr
 from zerofit.engine.deepspeed_names import ONE_PROCESS
 
-__all__ = ["logger", "log_dist", "log_dist_once", "print_json_dist", "set_log_level_from_string",
-           "recursive_getattr", "recursive_setattr", "RepeatingLoader"]
+__all__ = [
+    "logger",
+    "log_dist",
+    "log_dist_once",
+    "print_json_dist",
+    "set_log_level_from_string",
+    "recursive_getattr",
+    "recursive_setattr",
+    "RepeatingLoader",
+]
 
 
 class RepeatingLoader:
@@ -32,26 +40,63 @@ class RepeatingLoader:
 
 
 _FULL = REFUSED_MODULES["deepspeed.utils.tensor_fragment"]
-_LEAF = ("zerofit streams whole blocks, so every parameter of a block is present in its forward; drop the call "
-         "(ZeRO-3 leaf modules have no meaning here)")
-_REFUSED = {name: _FULL for name in (
-    "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_fp32_param",
-    "safe_set_full_optimizer_state", "safe_set_full_grad", "safe_get_local_fp32_param", "safe_get_local_grad",
-    "safe_get_local_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
-    "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "tensor_fragment", "get_full_hp_param",
-    "get_hp_fragment_mapping", "fragment_address", "get_full_hp_grad", "map_to_flat_opt_states", "set_full_hp_param",
-    "set_full_hp_grad", "link_hp_params", "lazy_init_hp_params_optimizer_state")}
-_REFUSED.update({name: _LEAF for name in (
-    "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
-    "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")})
-_REFUSED.update({
-    "groups": ONE_PROCESS,
-    "zero_to_fp32": REFUSED_MODULES["deepspeed.utils.zero_to_fp32"],
-    "timer": REFUSED_MODULES["deepspeed.utils.timer"],
-    "OnDevice": "use deepspeed.zero.Init() to build a model without allocating its parameters",
-    "instrument_w_nvtx": "zerofit's engine marks its own phases (engine.trace()); use torch.cuda.nvtx for yours",
-    "get_numactl_cmd": "launch with `zerofit deepspeed train.py ...` (one process)",
-    "get_caller_func": "zerofit logs no communication (one process)",
-})
+_LEAF = (
+    "zerofit streams whole blocks, so every parameter of a block is present in its forward; drop the call "
+    "(ZeRO-3 leaf modules have no meaning here)"
+)
+_REFUSED = {
+    name: _FULL
+    for name in (
+        "safe_get_full_fp32_param",
+        "safe_get_full_grad",
+        "safe_get_full_optimizer_state",
+        "safe_set_full_fp32_param",
+        "safe_set_full_optimizer_state",
+        "safe_set_full_grad",
+        "safe_get_local_fp32_param",
+        "safe_get_local_grad",
+        "safe_get_local_optimizer_state",
+        "safe_set_local_fp32_param",
+        "safe_set_local_grad",
+        "safe_set_local_optimizer_state",
+        "safe_update_full_grad_vectorized",
+        "tensor_fragment",
+        "get_full_hp_param",
+        "get_hp_fragment_mapping",
+        "fragment_address",
+        "get_full_hp_grad",
+        "map_to_flat_opt_states",
+        "set_full_hp_param",
+        "set_full_hp_grad",
+        "link_hp_params",
+        "lazy_init_hp_params_optimizer_state",
+    )
+}
+_REFUSED.update(
+    {
+        name: _LEAF
+        for name in (
+            "set_z3_leaf_modules",
+            "unset_z3_leaf_modules",
+            "get_z3_leaf_modules",
+            "z3_leaf_module",
+            "z3_leaf_parameter",
+            "set_z3_leaf_module",
+            "set_z3_leaf_modules_by_name",
+            "set_z3_leaf_modules_by_suffix",
+        )
+    }
+)
+_REFUSED.update(
+    {
+        "groups": ONE_PROCESS,
+        "zero_to_fp32": REFUSED_MODULES["deepspeed.utils.zero_to_fp32"],
+        "timer": REFUSED_MODULES["deepspeed.utils.timer"],
+        "OnDevice": "use deepspeed.zero.Init() to build a model without allocating its parameters",
+        "instrument_w_nvtx": "zerofit's engine marks its own phases (engine.trace()); use torch.cuda.nvtx for yours",
+        "get_numactl_cmd": "launch with `zerofit deepspeed train.py ...` (one process)",
+        "get_caller_func": "zerofit logs no communication (one process)",
+    }
+)
 
 __getattr__ = refusing_getattr(__name__, _REFUSED, submodules=("logging", "module_utils", "torch"))

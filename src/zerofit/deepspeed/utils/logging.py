@@ -14,12 +14,30 @@ import logging
 import os
 import sys
 
-__all__ = ["logger", "log_dist", "log_dist_once", "print_dist", "print_json_dist", "get_dist_msg",
-           "print_configuration", "get_log_level_from_string", "set_log_level_from_string", "get_current_level",
-           "should_log_le", "warning_once", "LoggerFactory", "log_levels"]
+__all__ = [
+    "logger",
+    "log_dist",
+    "log_dist_once",
+    "print_dist",
+    "print_json_dist",
+    "get_dist_msg",
+    "print_configuration",
+    "get_log_level_from_string",
+    "set_log_level_from_string",
+    "get_current_level",
+    "should_log_le",
+    "warning_once",
+    "LoggerFactory",
+    "log_levels",
+]
 
-log_levels = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
-              "critical": logging.CRITICAL}
+log_levels = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 
 class LoggerFactory:
@@ -34,8 +52,9 @@ class LoggerFactory:
         if not logger_.handlers:
             ch = logging.StreamHandler(stream=sys.stdout)
             ch.setLevel(level)
-            ch.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] "
-                                              "[%(filename)s:%(lineno)d:%(funcName)s] %(message)s"))
+            ch.setFormatter(
+                logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s")
+            )
             logger_.addHandler(ch)
         return logger_
 
@@ -53,7 +72,7 @@ logger.warning_once = warning_once
 
 
 def print_configuration(args, name) -> None:
-    logger.info("{}:".format(name))
+    logger.info(f"{name}:")
     for arg in sorted(vars(args)):
         logger.info("  {} {} {}".format(arg, "." * (29 - len(arg)), getattr(args, arg)))
 
@@ -111,8 +130,9 @@ def print_json_dist(message, ranks=None, path=None) -> None:
 def get_log_level_from_string(log_level_str: str) -> int:
     key = log_level_str.lower()
     if key not in log_levels:
-        raise ValueError(f"{log_level_str} is not one of the valid logging levels. Valid log levels are "
-                         f"{log_levels.keys()}.")
+        raise ValueError(
+            f"{log_level_str} is not one of the valid logging levels. Valid log levels are {log_levels.keys()}."
+        )
     return log_levels[key]
 
 

@@ -22,5 +22,10 @@ def required_torch_version(min_version=None, max_version=None) -> bool:
     return True
 
 
-__getattr__ = refusing_getattr(__name__, {name: "DeepSpeed's internal helpers for its own modules" for name in (
-    "is_functorch_transforming", "register_grad_hook", "jit_script_compat")})
+__getattr__ = refusing_getattr(
+    __name__,
+    {
+        name: "DeepSpeed's internal helpers for its own modules"
+        for name in ("is_functorch_transforming", "register_grad_hook", "jit_script_compat")
+    },
+)

@@ -9,8 +9,14 @@ This package is also DeepSpeed's ``deepspeed.runtime.zero``, with its ``partitio
 from __future__ import annotations
 
 from zerofit.deepspeed.names import refusing_getattr
-from zerofit.deepspeed.zero.partition_parameters import (_DEEPSPEED_ZERO_NAMES, GatheredParameters, Init,  # noqa: F401
-                                                         ZeroParamStatus, _original_register, register_engine)
+from zerofit.deepspeed.zero.partition_parameters import (
+    _DEEPSPEED_ZERO_NAMES,
+    GatheredParameters,
+    Init,
+    ZeroParamStatus,
+    _original_register,  # noqa: F401 (re-exported: tests compare against it)
+    register_engine,  # noqa: F401 (re-exported: zerofit.deepspeed calls zero.register_engine)
+)
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 

@@ -14,6 +14,7 @@ __all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum"]
 
 class OffloadDeviceEnum(str, Enum):
     """Valid offload devices."""
+
     none = "none"
     cpu = "cpu"
     nvme = "nvme"
@@ -21,6 +22,7 @@ class OffloadDeviceEnum(str, Enum):
 
 class OffloadStateTypeEnum(str, Enum):
     """DeepSpeed's engine buffer kinds (``engine.offload_states(include=...)``)."""
+
     optim_states = "optim_states"
     hp_params = "hp_params"
     lp_params = "lp_params"
@@ -28,7 +30,14 @@ class OffloadStateTypeEnum(str, Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
-_CONFIG = ("zerofit reads the config's offload_optimizer / offload_param blocks itself (zerofit.config.load_config; "
-           "`zerofit config show ds.json`)")
-__getattr__ = refusing_getattr(__name__, {name: _CONFIG for name in (
-    "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig", "OffloadConfig")})
+_CONFIG = (
+    "zerofit reads the config's offload_optimizer / offload_param blocks itself (zerofit.config.load_config; "
+    "`zerofit config show ds.json`)"
+)
+__getattr__ = refusing_getattr(
+    __name__,
+    {
+        name: _CONFIG
+        for name in ("DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig", "OffloadConfig")
+    },
+)

@@ -45,7 +45,7 @@ __all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 _lock = threading.Lock()
 _depth = 0
 _original_register = nn.Module.register_parameter
-_engines: "weakref.WeakSet" = weakref.WeakSet()   # engines made by zerofit.deepspeed.initialize
+_engines: weakref.WeakSet = weakref.WeakSet()  # engines made by zerofit.deepspeed.initialize
 
 
 def _register_on_meta(module: nn.Module, name: str, param) -> None:
@@ -54,9 +54,11 @@ def _register_on_meta(module: nn.Module, name: str, param) -> None:
     if param is None or param.is_meta:
         return
     if type(param) is not nn.Parameter:
-        raise DeepSpeedUnsupported(f"zero.Init: parameter {name!r} of {type(module).__name__} is a "
-                                   f"{type(param).__name__}; zerofit builds plain nn.Parameter objects on the meta "
-                                   "device only. Build this model outside zero.Init")
+        raise DeepSpeedUnsupported(
+            f"zero.Init: parameter {name!r} of {type(module).__name__} is a "
+            f"{type(param).__name__}; zerofit builds plain nn.Parameter objects on the meta "
+            "device only. Build this model outside zero.Init"
+        )
     meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
     meta.__dict__.update(param.__dict__)
     module._parameters[name] = meta
@@ -66,20 +68,41 @@ class Init:
     """``with deepspeed.zero.Init(): model = MyModel()``: parameters on the meta device, materialized by
     ``initialize``. Also usable as ``deepspeed.zero.Init(module=model)`` (a model already built: nothing to do)."""
 
-    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
-                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
-                 zero_param_parallel_group=None, zero_quantized_weights=False,
-                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None):
-        for name, value in (("mpu", mpu), ("data_parallel_group", data_parallel_group),
-                            ("zero_param_parallel_group", zero_param_parallel_group),
-                            ("sequence_data_parallel_group", sequence_data_parallel_group)):
+    def __init__(
+        self,
+        module=None,
+        data_parallel_group=None,
+        mem_efficient_linear=True,
+        remote_device=None,
+        pin_memory=False,
+        config_dict_or_path=None,
+        config=None,
+        enabled=True,
+        dtype=None,
+        mpu=None,
+        zero_param_parallel_group=None,
+        zero_quantized_weights=False,
+        zero_quantized_nontrainable_weights=False,
+        sequence_data_parallel_group=None,
+        param_swapper=None,
+    ):
+        for name, value in (
+            ("mpu", mpu),
+            ("data_parallel_group", data_parallel_group),
+            ("zero_param_parallel_group", zero_param_parallel_group),
+            ("sequence_data_parallel_group", sequence_data_parallel_group),
+        ):
             if value is not None:
                 raise DeepSpeedUnsupported(f"zero.Init({name}=...): {ONE_PROCESS}")
         if param_swapper is not None:
-            raise DeepSpeedUnsupported("zero.Init(param_swapper=...): zerofit has no parameter swapper (its disk "
-                                       "tier holds optimizer state; the 16-bit weights stay in host memory)")
-        for name, value in (("zero_quantized_weights", zero_quantized_weights),
-                            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights)):
+            raise DeepSpeedUnsupported(
+                "zero.Init(param_swapper=...): zerofit has no parameter swapper (its disk "
+                "tier holds optimizer state; the 16-bit weights stay in host memory)"
+            )
+        for name, value in (
+            ("zero_quantized_weights", zero_quantized_weights),
+            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights),
+        ):
             if value:
                 raise DeepSpeedUnsupported(f"zero.Init({name}=True): zerofit keeps weights at full precision")
         if dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
@@ -88,7 +111,7 @@ class Init:
         if source is not None:
             from zerofit.config import load_config
 
-            load_config(source)          # a bad config fails here, as DeepSpeed's Init reads it
+            load_config(source)  # a bad config fails here, as DeepSpeed's Init reads it
         self.enabled = bool(enabled) and module is None
         self.module = module
 
@@ -139,16 +162,18 @@ class GatheredParameters:
                 f"zero.GatheredParameters: {len(meta)} parameter(s) (shapes {meta[:3]}) are on the meta device "
                 "(built under zero.Init): they hold no values until zerofit.deepspeed.initialize materializes "
                 "them. Read or change them afterwards through engine.module, or build the model without zero.Init "
-                "to load weights into it first")
+                "to load weights into it first"
+            )
         ids = {id(p) for p in self.params}
         owners = [e for e in list(_engines) if any(id(p) in ids for p in e.adapter.model.parameters())]
         if owners and self.modifier_rank is not None:
             raise DeepSpeedUnsupported(
                 f"zero.GatheredParameters(modifier_rank={self.modifier_rank}) on parameters an engine trains: "
                 "zerofit cannot take changed weights back into a running engine. Change the model before "
-                "zerofit.deepspeed.initialize, or load weights with engine.load_checkpoint")
+                "zerofit.deepspeed.initialize, or load weights with engine.load_checkpoint"
+            )
         for e in owners:
-            e.module          # applies the pending updates and refreshes the module's weights
+            _ = e.module  # applies the pending updates and refreshes the module's weights
         return None
 
     def __exit__(self, *exc) -> None:
@@ -174,9 +199,9 @@ _DEEPSPEED_ZERO_NAMES = {
 
 
 class ZeroParamStatus(Enum):
-    AVAILABLE = 1           # fully present on every process: every zerofit parameter
-    NOT_AVAILABLE = 2       # partitioned or remote (never in zerofit)
-    INFLIGHT = 3            # being gathered (never in zerofit)
+    AVAILABLE = 1  # fully present on every process: every zerofit parameter
+    NOT_AVAILABLE = 2  # partitioned or remote (never in zerofit)
+    INFLIGHT = 3  # being gathered (never in zerofit)
 
 
 __getattr__ = refusing_getattr("zerofit.deepspeed.zero.partition_parameters", _DEEPSPEED_ZERO_NAMES)

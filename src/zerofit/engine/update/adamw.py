@@ -25,12 +25,20 @@ class Hyper:
     weight_decay: float
 
     @classmethod
-    def of(cls, cfg: OptimizerConfig, lr: float) -> "Hyper":
+    def of(cls, cfg: OptimizerConfig, lr: float) -> Hyper:
         return cls(lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
 
 
-def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               step: torch.Tensor, h: Hyper, factor: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+def adamw_flat(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    h: Hyper,
+    factor: float = 1.0,
+    found_inf: torch.Tensor | None = None,
+) -> None:
     """One AdamW step on flat fp32 tensors (``step`` is incremented), as ``torch.optim.AdamW(fused=True)``,
     on the gradient times ``factor`` (clipping, fp16 unscaling; ``grad`` is left scaled).
 
@@ -44,17 +52,38 @@ def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
             grad.mul_(factor)
         else:
             scale = torch.tensor(1.0 / factor, dtype=torch.float32)
-    adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=True, amsgrad=False,
-          beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps, maximize=False,
-          grad_scale=scale, found_inf=found_inf)
+    adamw(
+        [master],
+        [grad],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [step],
+        fused=True,
+        amsgrad=False,
+        beta1=h.beta1,
+        beta2=h.beta2,
+        lr=h.lr,
+        weight_decay=h.weight_decay,
+        eps=h.eps,
+        maximize=False,
+        grad_scale=scale,
+        found_inf=found_inf,
+    )
 
 
-_CHUNK = 1 << 22   # elements per rollback chunk: bounds the temporaries to a few 16 MiB buffers
+_CHUNK = 1 << 22  # elements per rollback chunk: bounds the temporaries to a few 16 MiB buffers
 
 
 @torch.no_grad()
-def adamw_rollback(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                   step: torch.Tensor, h: Hyper) -> None:
+def adamw_rollback(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    h: Hyper,
+) -> None:
     """Undo one ``adamw_flat`` step (in place, ``step`` decremented), given the gradient it used.
 
     The fused step (torch's ``_fused_adamw_``, ADAMW mode) computes, with ``s`` the incremented step::
@@ -65,11 +94,11 @@ def adamw_rollback(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     with ``bc1 = 1 - b1**s``, ``bc2 = 1 - b2**s``. Solved for ``p0, m0, v0`` (``v0`` clamped at 0 against
     rounding)."""
     s = float(step.item())
-    bc1, bc2 = 1.0 - h.beta1 ** s, 1.0 - h.beta2 ** s
+    bc1, bc2 = 1.0 - h.beta1**s, 1.0 - h.beta2**s
     step_size, bc2_sqrt, decay = h.lr / bc1, math.sqrt(bc2), 1.0 - h.lr * h.weight_decay
     n = master.numel()
     for a in range(0, n, _CHUNK):
-        p, m, v, g = (t[a:a + _CHUNK] for t in (master, exp_avg, exp_avg_sq, grad))
+        p, m, v, g = (t[a : a + _CHUNK] for t in (master, exp_avg, exp_avg_sq, grad))
         denom = v.sqrt().div_(bc2_sqrt).add_(h.eps)
         p.addcdiv_(m, denom, value=step_size)
         if decay != 1.0:

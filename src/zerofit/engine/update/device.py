@@ -18,7 +18,7 @@ master) waits on ``master_event``, the event after its last chunk went down.
 [Note: assisted updates in the backward]
 With immediate updates (no clipping, bf16/fp32) a host-optimized block is updated while the backward
 goes on, and when the CPU's AdamW is slower than the backward's blocks (the CPU updates every
-parameter when the device is short: the shell's optimizer on the host, W1 at 8 GiB) the gradient
+parameter when the device is short: the shell's optimizer on the host, as for a 3B model at 8 GiB) the gradient
 buffers fill and the backward waits for the CPU. So when the buffers fit beside the plan, the device
 updates a share of the streamed blocks (``plan.assisted_blocks``) itself, right after their gradient
 is complete: master and moments go up (12 B/param; the gradient is already there, in its slot, and
@@ -39,8 +39,8 @@ after.
 [Note: no host wait in an enqueue]
 Enqueueing a device update never waits on the host: its step count is filled on the device (a fill, not a
 copy). A copy from pageable memory waits for the stream to drain (here: the compute that wrote ``grad``, or
-every upload queued before), and the compute stream would then sit idle while the chunks are enqueued (~3-6 ms
-per assisted block in W1's backward, docs/benchmarks.md).
+every upload queued before), and the compute stream would then sit idle while the chunks are enqueued (a few ms
+per assisted block in a 3B model's backward: docs/benchmarks.md, assisted updates in the backward).
 """
 
 from __future__ import annotations
@@ -59,8 +59,23 @@ class DeviceUpdates:
     weights cast on their way into a 16-bit host copy; ``shell_updated``: the upload stream's event after the
     shell's update on the device."""
 
-    def __init__(self, dev, lifecycle, planning, grads, copies16, *, streamed: bool, cap: int, deferred: bool,
-                 dtype: torch.dtype, pinned: bool, worker, clock, arenas: list):
+    def __init__(
+        self,
+        dev,
+        lifecycle,
+        planning,
+        grads,
+        copies16,
+        *,
+        streamed: bool,
+        cap: int,
+        deferred: bool,
+        dtype: torch.dtype,
+        pinned: bool,
+        worker,
+        clock,
+        arenas: list,
+    ):
         self.dev, self.lifecycle, self.planning, self.grads, self.copies16 = dev, lifecycle, planning, grads, copies16
         self.deferred, self.dtype, self.pinned = deferred, dtype, pinned
         self.worker, self.clock, self.arenas = worker, clock, arenas
@@ -72,8 +87,10 @@ class DeviceUpdates:
         if planning.plan.assisted_updates and streamed:
             chunk = assist_chunk(cap)
             n = 4 if deferred else 3
-            self.buffers = [[torch.empty(chunk, dtype=torch.float32, device=dev.device) for _ in range(n)]
-                            for _ in range(ASSIST_SETS)]
+            self.buffers = [
+                [torch.empty(chunk, dtype=torch.float32, device=dev.device) for _ in range(n)]
+                for _ in range(ASSIST_SETS)
+            ]
             self.free = [None] * ASSIST_SETS
 
     def reset(self) -> None:
@@ -109,7 +126,7 @@ class DeviceUpdates:
         movers = [u for u in blocks if u.index in self.planning.plan.assisted_blocks and not u.exp_avg.is_pinned()]
         if not movers:
             return
-        self.worker.drain()          # no CPU update of the last step still reads or writes them
+        self.worker.drain()  # no CPU update of the last step still reads or writes them
         self.dev.synchronize()
         arena = HostArena(2 * sum(u.numel for u in movers), torch.float32, True)
         self.arenas.append(arena)
@@ -134,8 +151,9 @@ class DeviceUpdates:
     def in_backward(self, unit: Unit, grad: torch.Tensor, hypers) -> None:
         """[Note: assisted updates in the backward]: the unit's update from its gradient in its slot, which goes
         back once the last chunk's AdamW has read it."""
-        read = self.after_compute(unit, grad, None, hypers, cast16=self.copies16.label(unit),
-                                  found_inf=self.grads.flag_of(unit))
+        read = self.after_compute(
+            unit, grad, None, hypers, cast16=self.copies16.label(unit), found_inf=self.grads.flag_of(unit)
+        )
         self.grads.release_slot(unit, read)
 
     def shell(self, u: Unit, hypers) -> None:
@@ -150,8 +168,15 @@ class DeviceUpdates:
         ev, self.shell_updated = self.shell_updated, None
         return ev
 
-    def after_compute(self, unit: Unit, grad: torch.Tensor, dst: torch.Tensor | None, hypers, cast16=None,
-                      found_inf: torch.Tensor | None = None):
+    def after_compute(
+        self,
+        unit: Unit,
+        grad: torch.Tensor,
+        dst: torch.Tensor | None,
+        hypers,
+        cast16=None,
+        found_inf: torch.Tensor | None = None,
+    ):
         """device_adamw on the upload stream from the unit's device gradient, once the compute stream's work
         so far (which wrote it) is done; returns the event after its last read of ``grad``. ``found_inf``: a
         device scalar, nonzero to leave the state as it is ([Note: non-finite gradients without a norm])."""
@@ -160,15 +185,23 @@ class DeviceUpdates:
             self.dev.wait(self.dev.upload, ev)
             return self.device_adamw(unit, grad, hypers, 1.0, dst, cast16=cast16, found_inf=found_inf)
 
-    def device_adamw(self, unit: Unit, grad: torch.Tensor | None, hypers, factor: float,
-                     dst: torch.Tensor | None, cast16=None, found_inf: torch.Tensor | None = None):
+    def device_adamw(
+        self,
+        unit: Unit,
+        grad: torch.Tensor | None,
+        hypers,
+        factor: float,
+        dst: torch.Tensor | None,
+        cast16=None,
+        found_inf: torch.Tensor | None = None,
+    ):
         """The unit's AdamW step on the device, its state moving up and down in chunks ([Note: assisted
         updates]). ``grad``: the unit's gradient on the device, or None to bring the host gradient up with
         the state. ``dst``: a slot to cast the new weights into, or None. ``cast16``: a label
         (Copies16.label): the new weights, cast, also go down into the unit's 16-bit host copy ([Note: 16-bit
         copies after the update]). Enqueued on the upload stream (the caller's current stream); returns the
         upload stream's event after the last chunk's AdamW (the last read of ``grad``)."""
-        lo, hi = unit.lo, unit.hi     # this rank's shard ([Note: sharded units]); host_grad holds just that
+        lo, hi = unit.lo, unit.hi  # this rank's shard ([Note: sharded units]); host_grad holds just that
         chunk = self.buffers[0][0].numel()
         host_grad = self.grads.host_grads[id(unit)] if grad is None else None
         # [Note: no host wait in an enqueue]: a fill, not a copy
@@ -180,19 +213,19 @@ class DeviceUpdates:
             self.next = (i + 1) % len(self.buffers)
             p, m, v = (b[:k] for b in self.buffers[i][:3])
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}+adamw"):
-                self.dev.wait(self.dev.upload, self.free[i])   # the set's previous chunk went down
-                p.copy_(unit.master[off:off + k], non_blocking=True)
-                m.copy_(unit.exp_avg[off:off + k], non_blocking=True)
-                v.copy_(unit.exp_avg_sq[off:off + k], non_blocking=True)
+                self.dev.wait(self.dev.upload, self.free[i])  # the set's previous chunk went down
+                p.copy_(unit.master[off : off + k], non_blocking=True)
+                m.copy_(unit.exp_avg[off : off + k], non_blocking=True)
+                v.copy_(unit.exp_avg_sq[off : off + k], non_blocking=True)
                 if grad is None:
                     g = self.buffers[i][3][:k]
-                    g.copy_(host_grad[off - lo:off - lo + k], non_blocking=True)
+                    g.copy_(host_grad[off - lo : off - lo + k], non_blocking=True)
                 else:
-                    g = grad[off - lo:off - lo + k]
+                    g = grad[off - lo : off - lo + k]
                 # a chunk may straddle a border between parameter groups: unit_adamw cuts it there
                 unit_adamw(unit, p, g, m, v, step0.clone(), hypers, factor, start=off, found_inf=found_inf)
                 if dst is not None:
-                    dst[off:off + k].copy_(p)
+                    dst[off : off + k].copy_(p)
                 if cast16 is not None:
                     w16 = self.cast[i][:k]
                     w16.copy_(p)
@@ -200,15 +233,15 @@ class DeviceUpdates:
             with self.dev.on(self.dev.download):
                 self.dev.wait(self.dev.download, up)
                 with self.dev.timed("download", self.dev.download, f"{unit.name}+state"):
-                    unit.master[off:off + k].copy_(p, non_blocking=True)
-                    unit.exp_avg[off:off + k].copy_(m, non_blocking=True)
-                    unit.exp_avg_sq[off:off + k].copy_(v, non_blocking=True)
+                    unit.master[off : off + k].copy_(p, non_blocking=True)
+                    unit.exp_avg[off : off + k].copy_(m, non_blocking=True)
+                    unit.exp_avg_sq[off : off + k].copy_(v, non_blocking=True)
                     if cast16 is not None:
-                        unit.host16[off:off + k].copy_(w16, non_blocking=True)
+                        unit.host16[off : off + k].copy_(w16, non_blocking=True)
                 done = self.free[i] = self.dev.record(self.dev.download)
         unit.step.add_(1)
         unit.master_event = done
-        if cast16 is not None:      # the next upload waits on master_event first: the copy is complete then
+        if cast16 is not None:  # the next upload waits on master_event first: the copy is complete then
             unit.host16_epoch, unit.host16_event = cast16, done
         return up
 

@@ -25,11 +25,11 @@ from zerofit.engine.update.speculation import Speculation
 from zerofit.engine.update.unit_adamw import unit_adamw
 from zerofit.engine.update.worker import wait_event, waiting
 
-SPECULATE_FIRST = -(2**40)   # worker priority of speculation tasks ([Note: speculative updates])
-DISK_LAST = 2**40            # worker priority of disk-tier updates: after the in-memory ones, FIFO among
-                             # themselves, the order the tier reads ahead in ([Note: disk updates in order])
-MOMENTS_LAST = 2**41         # moments passes: after every update the next forward needs, the last block first
-                             # (the backward needs its gradient buffer first): [Note: moments after the forward]
+SPECULATE_FIRST = -(2**40)  # worker priority of speculation tasks ([Note: speculative updates])
+DISK_LAST = 2**40  # worker priority of disk-tier updates: after the in-memory ones, FIFO among
+# themselves, the order the tier reads ahead in ([Note: disk updates in order])
+MOMENTS_LAST = 2**41  # moments passes: after every update the next forward needs, the last block first
+# (the backward needs its gradient buffer first): [Note: moments after the forward]
 
 
 class HostUpdates:
@@ -50,9 +50,10 @@ class HostUpdates:
 
     def task_add(self, host: torch.Tensor, staging: torch.Tensor, event):
         def run():
-            wait_event(event)       # [Note: the worker's waits]
+            wait_event(event)  # [Note: the worker's waits]
             host.add_(staging.narrow(0, 0, host.numel()))
             self.grads.give_staging(staging)
+
         return run
 
     def apply(self, unit: Unit, grad: torch.Tensor | None, ops: list[tuple], part: str | None = None) -> None:
@@ -61,29 +62,40 @@ class HostUpdates:
         is streamed chunk by chunk ([Note: chunked updates], disk.py): each chunk read (ahead), updated, its
         16-bit copy refreshed ("all"), written back (behind)."""
         if unit.swap is None:
-            lo, hi = unit.lo, unit.hi     # the whole unit, or this rank's shard ([Note: sharded units])
+            lo, hi = unit.lo, unit.hi  # the whole unit, or this rank's shard ([Note: sharded units])
             out16 = unit.host16[lo:hi] if part == "cast" else None
-            threads = (split_adamw.rest_threads(self.rest_threads)
-                       if part in ("moments", "rest") else None)
+            threads = split_adamw.rest_threads(self.rest_threads) if part in ("moments", "rest") else None
             for hypers, factor, inverse in ops:
-                unit_adamw(unit, unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], unit.step,
-                           hypers, factor, start=lo, inverse=inverse, part=part, out16=out16, threads=threads)
+                unit_adamw(
+                    unit,
+                    unit.master[lo:hi],
+                    grad,
+                    unit.exp_avg[lo:hi],
+                    unit.exp_avg_sq[lo:hi],
+                    unit.step,
+                    hypers,
+                    factor,
+                    start=lo,
+                    inverse=inverse,
+                    part=part,
+                    out16=out16,
+                    threads=threads,
+                )
             return
         assert part is None, "a unit on the disk tier is updated in one pass"
         tier, key = self.tier, unit.index
         step0 = unit.step.clone()
         s = step0
         for c, (a, k) in enumerate(tier.chunks(key)):
-            with waiting("disk"):       # [Note: the worker's waits]
+            with waiting("disk"):  # [Note: the worker's waits]
                 f = tier.acquire(key, c)
-            p = f["master"] if unit.swap == "all" else unit.master[a:a + k]
-            g = f["grad"] if grad is None else grad[a:a + k]       # [Note: gradients on the disk]
+            p = f["master"] if unit.swap == "all" else unit.master[a : a + k]
+            g = f["grad"] if grad is None else grad[a : a + k]  # [Note: gradients on the disk]
             s = step0.clone()
             for hypers, factor, inverse in ops:
-                unit_adamw(unit, p, g, f["exp_avg"], f["exp_avg_sq"], s, hypers, factor, start=a,
-                           inverse=inverse)
+                unit_adamw(unit, p, g, f["exp_avg"], f["exp_avg_sq"], s, hypers, factor, start=a, inverse=inverse)
             if unit.swap == "all":
-                unit.host16[a:a + k].copy_(p)
+                unit.host16[a : a + k].copy_(p)
             tier.release(key, c)
         unit.step.copy_(s)
 
@@ -98,18 +110,30 @@ class HostUpdates:
         if self.tier is not None and (grads_written or not self.deferred):
             self.tier.expect([u.index for u in units if u.swap])
 
-    def task_update(self, unit: Unit, grad: torch.Tensor, event, hypers: tuple[Hyper, ...], factor: float,
-                     release: bool, cast16=None, split: bool = False, flag: int | None = None, before=None):
+    def task_update(
+        self,
+        unit: Unit,
+        grad: torch.Tensor,
+        event,
+        hypers: tuple[Hyper, ...],
+        factor: float,
+        release: bool,
+        cast16=None,
+        split: bool = False,
+        flag: int | None = None,
+        before=None,
+    ):
         """The worker's AdamW step of a host unit; with ``cast16`` (a label: Copies16.label) its new weights are
         then cast into its 16-bit host copy ([Note: 16-bit copies after the update]). ``split``: the step's first
         pass only, the caller queues the second (task_moments); with ``cast16`` too, that first pass writes the
         cast alone ([Note: the master behind its cast]). ``before``: run first, once the gradient is down (the
         user's clip multiply: [Note: the user's clip on the device], torch_clip.py)."""
+
         def run():
-            wait_event(event)       # [Note: the worker's waits]
+            wait_event(event)  # [Note: the worker's waits]
             if before is not None:
                 before()
-            if flag is not None and float(self.grads.bad_host[flag]):    # [Note: non-finite gradients without a norm]
+            if flag is not None and float(self.grads.bad_host[flag]):  # [Note: non-finite gradients without a norm]
                 if release:
                     self.grads.give_staging(grad)
                 unit.updated.set()
@@ -124,28 +148,36 @@ class HostUpdates:
             if release:
                 self.grads.give_staging(grad)
             if cast16 is not None:
-                unit.host16_epoch = cast16      # read by the main thread only after ``updated``
+                unit.host16_epoch = cast16  # read by the main thread only after ``updated``
             unit.updated.set()
+
         return run
 
-    def task_moments(self, unit: Unit, grad: torch.Tensor, hypers: tuple[Hyper, ...], factor: float,
-                      with_master: bool = False):
+    def task_moments(
+        self, unit: Unit, grad: torch.Tensor, hypers: tuple[Hyper, ...], factor: float, with_master: bool = False
+    ):
         """[Note: moments after the forward]: the second pass of the unit's last update, queued behind every
         update (the worker runs its first pass first): the moments, and ``with_master`` the master too ([Note:
         the master behind its cast]). Until it has run, the unit's gradient buffer and moments (and then its
         master) are not touched: await_moments."""
+
         def run():
-            self.apply(unit, grad.narrow(0, 0, unit.hi - unit.lo), [(hypers, factor, False)],
-                        part="rest" if with_master else "moments")
+            self.apply(
+                unit,
+                grad.narrow(0, 0, unit.hi - unit.lo),
+                [(hypers, factor, False)],
+                part="rest" if with_master else "moments",
+            )
             unit.moments_done.set()
+
         return run
 
     def await_moments(self, unit: Unit) -> None:
-        """A unit updated in two passes ([Note: moments after the forward], split_adamw.py) keeps the gradient its moments pass reads in its host buffer until that pass
-        has run (the worker runs it after the updates the forward needed, while the post pass and the backward
-        go on, the last block first). The unit's next gradient must not come down into that buffer before: wait
-        for it here (rarely: the backward reaches the unit later). Every other reader of the moments (a
-        checkpoint, the next update, a rollback) drains the worker first."""
+        """A unit updated in two passes ([Note: moments after the forward], split_adamw.py) keeps the gradient its
+        moments pass reads in its host buffer until that pass has run (the worker runs it after the updates the forward
+        needed, while the post pass and the backward go on, the last block first). The unit's next gradient must not
+        come down into that buffer before: wait for it here (rarely: the backward reaches the unit later). Every other
+        reader of the moments (a checkpoint, the next update, a rollback) drains the worker first."""
         waited = self.worker.wait_until(unit.moments_done.is_set, unit.moments_done.wait)
         if waited is not None:
             self.clock.add_wait(waited, f"moments[{unit.name}]")
@@ -153,11 +185,13 @@ class HostUpdates:
     def task_speculate(self, unit: Unit, spec: Speculation, event, hypers: tuple[Hyper, ...]):
         """[Note: speculative updates]: update with factor 1 unless the partial norm already proves clipping.
         The unit stays not ``updated`` until its settle task has run: only that one decides what the master is."""
+
         def run():
-            wait_event(event)       # [Note: the worker's waits]
+            wait_event(event)  # [Note: the worker's waits]
             if spec.admit(float(self.grads.block_sq[unit.index])):
                 self.apply(unit, self.grads.host_grads.get(id(unit)), [(hypers, 1.0, False)])
                 spec.speculated.add(id(unit))
+
         return run
 
     def task_settle(self, unit: Unit, spec: Speculation, event, hypers: tuple[Hyper, ...], factor: float | None):
@@ -165,9 +199,10 @@ class HostUpdates:
         non-finite norm): keep a speculative update, redo it with the true factor, roll it back, or (for a
         block the worker did not speculate on) apply the deferred update. Runs after the block's
         speculation task (same priority, submitted later)."""
+
         def run():
-            wait_event(event)       # [Note: the worker's waits]
-            grad = self.grads.host_grads.get(id(unit))      # None: on the disk ([Note: gradients on the disk])
+            wait_event(event)  # [Note: the worker's waits]
+            grad = self.grads.host_grads.get(id(unit))  # None: on the disk ([Note: gradients on the disk])
             held = id(unit) in spec.speculated
             ops = [(hypers, 1.0, True)] if held and factor != 1.0 else []
             if factor is not None and not (held and factor == 1.0):
@@ -175,5 +210,5 @@ class HostUpdates:
             if ops:
                 self.apply(unit, grad, ops)
             unit.updated.set()
-        return run
 
+        return run

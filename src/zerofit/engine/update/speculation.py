@@ -44,9 +44,9 @@ class Speculation:
 
     Written by the worker thread (``record``) and read by the main thread only after ``worker.drain()``."""
 
-    clip_sq: float                                   # gradient_clipping ** 2
-    partial: float = 0.0                             # sum of the squared norms seen so far (worker thread)
-    abandoned: bool = False                          # the partial sum proved clipping (or was not finite)
+    clip_sq: float  # gradient_clipping ** 2
+    partial: float = 0.0  # sum of the squared norms seen so far (worker thread)
+    abandoned: bool = False  # the partial sum proved clipping (or was not finite)
     speculated: set[int] = field(default_factory=set)  # id() of the units updated with factor 1
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -76,7 +76,7 @@ class Speculator:
     (steps held, rolled back, and waited: the ones that did not speculate after a clipped one)."""
 
     def __init__(self, clip: float, can: bool):
-        self.clip_sq, self.can = clip ** 2, can
+        self.clip_sq, self.can = clip**2, can
         self.next = True
         self.current: Speculation | None = None
         self.stats = {"held": 0, "rolled_back": 0, "waited": 0}

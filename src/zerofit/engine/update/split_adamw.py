@@ -2,7 +2,8 @@
 
 [Note: moments after the forward]
 With deferred updates (clipping, fp16) every host update waits for the global norm and then sits on the
-next forward's critical path, where the host's memory bandwidth binds (docs/benchmarks.md, issue 6). torch's
+next forward's critical path, where the host's memory bandwidth binds (docs/benchmarks.md, the clipped step's host
+updates). torch's
 fused CPU AdamW reads master, gradient and both moments and writes master, both moments and, given a
 ``grad_scale`` (the clipping factor), the unscaled gradient too: 16 bytes read and 16 written per parameter.
 The forward needs only the new master. So the update is split in two passes:
@@ -43,8 +44,8 @@ copies went stale, a checkpoint, the next update) waits for the rest pass or dra
 The passes split the elements into chunks that the threads take in turn, not into one equal range per thread:
 the worker shares the cores with the main thread, which launches the GPU's work, and one thread of a static
 split that the scheduler pauses holds the whole pass back. Elementwise, so any split gives the same bits. (Not
-measured apart: with it and the loops' vectorization together the master pass went from 5.08 to 7.10 G
-params/s alone on the GPU host, docs/benchmarks.md.)
+measured on its own: it came with the loops' vectorization, and the two together made the master pass faster on
+the GPU host; docs/benchmarks.md, the clipped step's host updates.)
 """
 
 from __future__ import annotations
@@ -218,8 +219,8 @@ void adamw_rest(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, bool wit
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
-_modes: tuple[int, int] = (4, 5)    # (body, tail): [Note: the fused kernel's rounding], set by _calibrate
-_tail_width = 8                     # the fused kernel's vector width: its tail is numel % this (_calibrate)
+_modes: tuple[int, int] = (4, 5)  # (body, tail): [Note: the fused kernel's rounding], set by _calibrate
+_tail_width = 8  # the fused kernel's vector width: its tail is numel % this (_calibrate)
 
 
 def _load():
@@ -234,12 +235,16 @@ def _load():
 
                 log.info("zerofit: loading the split AdamW kernel (built at its first use here: about a minute)")
                 _module = load_inline(
-                    name="zerofit_split_adamw", cpp_sources=[_SOURCE], functions=["adamw_master", "adamw_rest"],
+                    name="zerofit_split_adamw",
+                    cpp_sources=[_SOURCE],
+                    functions=["adamw_master", "adamw_rest"],
                     # only the fused multiply-adds written out; an errno-free sqrt lets the loops vectorize
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
                 _calibrate(_module)
-            except Exception as e:     # no compiler, no headers, no way to round as torch: the fused kernel stays
+            except Exception as e:  # no compiler, no headers, no way to round as torch: the fused kernel stays
                 lines = str(e).strip().splitlines()
                 _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
                 log.warning("zerofit: the split AdamW kernel is not used (%s); torch's fused kernel is", _error)
@@ -253,14 +258,15 @@ def _calibrate(module) -> None:
     vector loop fuses ``exp_avg_sq``'s update one way and the scalar tail (the last ``numel % width`` elements)
     another; on the GPU machine's torch 2.11 AVX-512 build the tail rounds the same way but is ``numel % 8``,
     not ``% 16`` (found there: assuming 16, the passes differed in the last bit of ``exp_avg_sq`` on n = 1000;
-    ``bench/probes/split_probe.py --rounding``). So the passes do not assume an order or a width: at load they try each way of rounding the moments (with and without the fused multiply-adds),
-    body and tail, and each vector width the tail may follow (the dispatched capability's first), against the
-    fused kernel of this process on vectors with long tails, a clipping factor and weight decay, and keep the
-    first that gives every master, moment and step bitwise. If none does, the
-    kernel is not used (torch's fused kernel is, with a notice)."""
+    ``bench/probes/split_probe.py --rounding``). So the passes do not assume an order or a width: at load they
+    try each way of rounding the moments (with and without the fused multiply-adds), body and tail, and each
+    vector width the tail may follow (the dispatched capability's first), against the fused kernel of this
+    process on vectors with long tails, a clipping factor and weight decay, and keep the first that gives every
+    master, moment and step bitwise. If none does, the kernel is not used (torch's fused kernel is, with a
+    notice)."""
     global _modes, _tail_width
     cases = _calibration_cases()
-    order = (4, 5, 0, 1, 2, 3)      # torch 2.13's AVX2 build first; a build without fused multiply-adds next
+    order = (4, 5, 0, 1, 2, 3)  # torch 2.13's AVX2 build first; a build without fused multiply-adds next
     for width in dict.fromkeys((_capability_width(), 8, 16, 32)):
         for body in order:
             for tail in order:
@@ -280,8 +286,13 @@ def _calibration_cases() -> list[tuple]:
     gen = torch.Generator().manual_seed(1234)
     cases = []
     # n % (8, 16, 32): 1039 (7, 15, 15), 1000 (0, 8, 8), 1048 (0, 8, 24), 4109 (5, 13, 13), 657 (1, 1, 17)
-    for n, factor, wd in ((1039, 0.127, 0.01), (1000, 1.0, 0.0), (1048, 0.31, 0.0), (4109, 0.31, 0.1),
-                          (657, 1.0, 0.01)):
+    for n, factor, wd in (
+        (1039, 0.127, 0.01),
+        (1000, 1.0, 0.0),
+        (1048, 0.31, 0.0),
+        (4109, 0.31, 0.1),
+        (657, 1.0, 0.01),
+    ):
         p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
         m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
         h = Hyper(1e-3, 0.9, 0.999, 1e-8, wd)
@@ -296,8 +307,19 @@ def _matches(module, cases, body: int, tail: int, width: int) -> bool:
     bitwise."""
     for (p, g, m, v), h, factor, want in cases:
         got = [t.clone() for t in (p, g, m, v)]
-        args = (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, float(want[4]), _scale_of(factor),
-                p.numel() % width, body, tail, 1)
+        args = (
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.eps,
+            h.weight_decay,
+            float(want[4]),
+            _scale_of(factor),
+            p.numel() % width,
+            body,
+            tail,
+            1,
+        )
         module.adamw_master(*got, _EMPTY, *args)
         module.adamw_rest(*got, False, *args)
         if not all(torch.equal(a, b) for a, b in zip((got[0], got[2], got[3]), (want[0], want[2], want[3]))):
@@ -334,7 +356,7 @@ def will_build() -> bool:
 
     try:
         folder = _get_build_directory("zerofit_split_adamw", False)
-    except Exception:      # noqa: BLE001 - no folder to look in: torch's build would make one
+    except Exception:  # noqa: BLE001 - no folder to look in: torch's build would make one
         return True
     return not any(Path(folder).glob("zerofit_split_adamw*.so"))
 
@@ -363,26 +385,62 @@ def master_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0,
     tensor of the master's size) the new master is written there, cast, and not into ``master``:
     [Note: the master behind its cast]; ``rest_pass(..., with_master=True)`` writes it."""
     step.add_(1)
-    _load().adamw_master(master, grad, exp_avg, exp_avg_sq, _EMPTY if out16 is None else out16, h.lr, h.beta1,
-                         h.beta2, h.eps, h.weight_decay, float(step), _scale_of(factor), *_layout(master.numel()),
-                         _threads())
+    _load().adamw_master(
+        master,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        _EMPTY if out16 is None else out16,
+        h.lr,
+        h.beta1,
+        h.beta2,
+        h.eps,
+        h.weight_decay,
+        float(step),
+        _scale_of(factor),
+        *_layout(master.numel()),
+        _threads(),
+    )
 
 
 def rest_threads(configured: int | None = None) -> int:
     """[Note: threads for the rest pass]
     The second pass runs while the post pass and the backward do, off the critical path and bound by host
     memory, while the main thread launches the GPU's kernels: it leaves a quarter of the threads free for that.
-    (W1 clipped, 2026-12-01, one run each: 12 threads 12,714 tokens/s, 8 threads 12,652, 16 threads 12,484:
-    within the runs' noise of a few percent, so a choice for the main thread's sake, not a measured gain.)
+    (With clipping on the 3B model, 8, 12 and 16 threads ran within the runs' noise of a few percent of each
+    other (docs/benchmarks.md, the CPU optimizer's threads), so a choice for the main thread's sake, not a
+    measured gain.)
     ``configured``: offload.rest_pass_threads."""
     return configured or max(1, _threads() - _threads() // 4)
 
 
-def rest_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0, with_master: bool = False,
-              threads: int | None = None) -> None:
+def rest_pass(
+    master,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    step,
+    h,
+    factor: float = 1.0,
+    with_master: bool = False,
+    threads: int | None = None,
+) -> None:
     """The rest of the step whose master pass ran: the same gradient, moments, factor and (already counted)
     ``step``. Writes the moments, and with ``with_master`` the new master too (its master pass wrote only the
     cast). ``threads``: default all of torch's intra-op threads."""
-    _load().adamw_rest(master, grad, exp_avg, exp_avg_sq, with_master, h.lr, h.beta1, h.beta2, h.eps,
-                       h.weight_decay, float(step), _scale_of(factor), *_layout(exp_avg.numel()),
-                       threads or _threads())
+    _load().adamw_rest(
+        master,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        with_master,
+        h.lr,
+        h.beta1,
+        h.beta2,
+        h.eps,
+        h.weight_decay,
+        float(step),
+        _scale_of(factor),
+        *_layout(exp_avg.numel()),
+        threads or _threads(),
+    )

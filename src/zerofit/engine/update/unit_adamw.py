@@ -9,10 +9,23 @@ from zerofit.engine.update import split_adamw
 from zerofit.engine.update.adamw import Hyper, adamw_flat, adamw_rollback
 
 
-def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               step: torch.Tensor, hypers: tuple[Hyper, ...], factor: float = 1.0, *, start: int = 0,
-               inverse: bool = False, part: str | None = None, out16: torch.Tensor | None = None,
-               threads: int | None = None, found_inf: torch.Tensor | None = None) -> None:
+def unit_adamw(
+    unit,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hypers: tuple[Hyper, ...],
+    factor: float = 1.0,
+    *,
+    start: int = 0,
+    inverse: bool = False,
+    part: str | None = None,
+    out16: torch.Tensor | None = None,
+    threads: int | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
     """One AdamW step (``inverse``: its undoing, :func:`adamw_rollback`) on a unit's state, each parameter group
     with its own hyperparameters. Every update and rollback of the engine goes through here.
 
@@ -40,7 +53,7 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     def run(p, g, m, v, s, h, o):
         if inverse:
             adamw_rollback(p, g, m, v, s, h)
-        elif part in ("master", "cast"):      # [Note: moments after the forward] (split_adamw.py)
+        elif part in ("master", "cast"):  # [Note: moments after the forward] (split_adamw.py)
             split_adamw.master_pass(p, g, m, v, s, h, factor, out16=o)
         elif part in ("moments", "rest"):
             split_adamw.rest_pass(p, g, m, v, s, h, factor, with_master=part == "rest", threads=threads)
@@ -54,7 +67,14 @@ def unit_adamw(unit, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     for seg in unit.segments:
         a, b = max(seg.offset, start) - start, min(seg.offset + seg.numel, start + n) - start
         if a < b:
-            run(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step.clone(), hypers[seg.group],
-                None if out16 is None else out16[a:b])
-    if part not in ("moments", "rest"):     # the first pass counted the step
+            run(
+                master[a:b],
+                grad[a:b],
+                exp_avg[a:b],
+                exp_avg_sq[a:b],
+                step.clone(),
+                hypers[seg.group],
+                None if out16 is None else out16[a:b],
+            )
+    if part not in ("moments", "rest"):  # the first pass counted the step
         step.add_(-1 if inverse else (1 if found_inf is None else 1 - found_inf.to(step.device)))

@@ -37,15 +37,15 @@ _current = threading.local()
 # which the next forward needs first. But the main thread queues a block's update when it has queued the block's
 # backward, well ahead of the device, and the backward hands the gradients over last block first: the task first in
 # line is then the one whose gradient comes down last. Taking it, the worker waited for it while gradients of
-# higher blocks sat ready in host memory. W2 (2026-12-01, thirteenth session, `bench/trace.py --gaps`): 12 updates
-# in the backward, each working 41-66 ms after waiting 51-100 ms for its gradient; 5 more ran in the next forward
-# (in the twelfth session's W2 trace the forward waited 18 ms on each of three such). So a task may say when its inputs are there (``submit(..., ready=)``: its gradient's
-# download event has completed). When the task first in line has such a check and is not ready, the worker takes
-# the first queued task in priority order whose check passes; when none does, the one with a check that was
-# submitted first (the device runs its downloads in submission order: that one comes down first). Tasks without a
-# check (disk-tier updates, which must run in the order the tier reads ahead: [Note: disk updates in order];
-# speculation, whose order decides what is speculated; deferred updates and moments passes) are never taken out
-# of their order. Which task runs when changes; what each computes does not: each is one unit's own update.
+# higher blocks sat ready in host memory. A step's trace (``bench/trace.py --gaps``) showed each of the backward's
+# updates waiting about as long for its gradient as it then worked, and updates left over for the next forward, which
+# waited on them (docs/benchmarks.md, the CPU worker's waits and ready tasks first). So a task may say when its inputs
+# are there (``submit(..., ready=)``: its gradient's download event has completed). When the task first in line has such
+# a check and is not ready, the worker takes the first queued task in priority order whose check passes; when none does,
+# the one with a check that was submitted first (the device runs its downloads in submission order: that one comes down
+# first). Tasks without a check (disk-tier updates, which must run in the order the tier reads ahead: [Note: disk
+# updates in order]; speculation, whose order decides what is speculated; deferred updates and moments passes) are never
+# taken out of their order. Which task runs when changes; what each computes does not: each is one unit's own update.
 
 
 @contextmanager
@@ -81,12 +81,12 @@ class HostWorker:
         self._seq = 0
         self._error: BaseException | None = None
         self._stopping = False
-        self.busy_seconds = 0.0       # working, waits excluded ([Note: the worker's waits])
-        self.wait_seconds = 0.0       # waiting inside tasks
-        self.spans: list[tuple[str | None, float, float]] = []   # (label, start, end) working, host clock
-        self.wait_spans: list[tuple[str, float, float]] = []     # ("label(what)", start, end) waiting
+        self.busy_seconds = 0.0  # working, waits excluded ([Note: the worker's waits])
+        self.wait_seconds = 0.0  # waiting inside tasks
+        self.spans: list[tuple[str | None, float, float]] = []  # (label, start, end) working, host clock
+        self.wait_spans: list[tuple[str, float, float]] = []  # ("label(what)", start, end) waiting
         self._task_waits: list[tuple[str, float, float]] = []
-        self.taken_ahead = 0          # tasks run ahead of one not yet ready ([Note: ready tasks first])
+        self.taken_ahead = 0  # tasks run ahead of one not yet ready ([Note: ready tasks first])
         self._thread = threading.Thread(target=self._loop, name="zerofit-cpu-optimizer", daemon=True)
         self._thread.start()
 
@@ -106,7 +106,7 @@ class HostWorker:
                 self._error = e
             finally:
                 self._record(label, t, time.perf_counter())
-                task = None          # a done task must not keep its engine alive while the queue is idle
+                task = None  # a done task must not keep its engine alive while the queue is idle
                 self._q.task_done()
 
     def _take(self) -> tuple:
@@ -128,7 +128,7 @@ class HostWorker:
         for item in queued:
             if item is not chosen:
                 self._q.put(item)
-                self._q.task_done()      # (a put counts a task: this one was counted when first submitted)
+                self._q.task_done()  # (a put counts a task: this one was counted when first submitted)
         return chosen
 
     @staticmethod
@@ -146,9 +146,9 @@ class HostWorker:
         work, waits = [], []
         a = start
         for what, ws, we in self._task_waits:
-            if we - ws < 1e-5:      # an input that was ready: no wait worth a piece of the trace
+            if we - ws < 1e-5:  # an input that was ready: no wait worth a piece of the trace
                 continue
-            if ws - a >= 1e-5:      # (the few microseconds from a task's start to its first wait: no piece)
+            if ws - a >= 1e-5:  # (the few microseconds from a task's start to its first wait: no piece)
                 work.append((label, a, ws))
             waits.append((f"{label}({what})", ws, we))
             a = max(a, we)
@@ -157,7 +157,7 @@ class HostWorker:
         waited = sum(we - ws for _, ws, we in waits)
         self.busy_seconds += (end - start) - waited
         self.wait_seconds += waited
-        if len(self.spans) < 100_000:     # drained every step; bounded if nobody drains
+        if len(self.spans) < 100_000:  # drained every step; bounded if nobody drains
             self.spans += work
             self.wait_spans += waits
 
@@ -212,6 +212,6 @@ class HostWorker:
             self._seq += 1
             self._q.put((2**62, self._seq, None, None, None))
             if threading.current_thread() is self._thread:
-                return True      # the engine was collected on this thread (a task held its last reference)
+                return True  # the engine was collected on this thread (a task held its last reference)
             self._thread.join(timeout)
         return not self._thread.is_alive()

@@ -10,5 +10,6 @@ from zerofit.deepspeed.ops.adam.fused_adam import FusedAdam
 __all__ = ["FusedAdam", "DeepSpeedCPUAdam"]
 
 _ZENFLOW = REFUSED_MODULES["deepspeed.ops.adam.zenflow_cpu_adam"]
-__getattr__ = refusing_getattr(__name__, {"ZenFlowCPUAdam": _ZENFLOW, "ZenFlowSelectiveAdamW": _ZENFLOW,
-                                          "ZenFlowSelectiveAdamW_stage3": _ZENFLOW})
+__getattr__ = refusing_getattr(
+    __name__, {"ZenFlowCPUAdam": _ZENFLOW, "ZenFlowSelectiveAdamW": _ZENFLOW, "ZenFlowSelectiveAdamW_stage3": _ZENFLOW}
+)

@@ -19,13 +19,33 @@ class DeepSpeedCPUAdam(DeepSpeedAdam):
 
     optimizer_id = 0
 
-    def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
-                 amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
+    def __init__(
+        self,
+        model_params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0,
+        amsgrad=False,
+        adamw_mode=True,
+        fp32_optimizer_states=True,
+    ):
         if not fp32_optimizer_states:
-            raise DeepSpeedUnsupported("DeepSpeedCPUAdam(fp32_optimizer_states=False): zerofit keeps its AdamW "
-                                       "moments in fp32 on the host; leave fp32_optimizer_states=True")
-        super().__init__(model_params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         weight_decay=weight_decay, adamw=adamw_mode, amsgrad=amsgrad)
+            raise DeepSpeedUnsupported(
+                "DeepSpeedCPUAdam(fp32_optimizer_states=False): zerofit keeps its AdamW "
+                "moments in fp32 on the host; leave fp32_optimizer_states=True"
+            )
+        super().__init__(
+            model_params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw=adamw_mode,
+            amsgrad=amsgrad,
+        )
         self.fp32_optimizer_states = True
         self.opt_id = DeepSpeedCPUAdam.optimizer_id
         DeepSpeedCPUAdam.optimizer_id += 1

@@ -15,16 +15,22 @@ VENV        ?= .venv
 CONSTRAINTS ?= constraints-cpu.txt
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.zerofit-installed
+LINT_PATHS  := src tests bench examples
 
-.PHONY: demo test doctor install clean
+.PHONY: demo test lint doctor install clean
 
 demo: $(STAMP)
 	$(BIN)/zerofit train $(DEMO_ARGS)
 
 # Two xdist workers, one per core of the CI machine; each test module runs whole on one worker (its module
 # fixtures once), in the order of pyproject.toml's testpaths. make test PYTEST_ARGS= runs in one process.
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The gates every change passes before its tests (pyproject.toml's [tool.ruff] and [tool.mypy]).
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
 
 doctor: $(STAMP)
 	$(BIN)/zerofit doctor

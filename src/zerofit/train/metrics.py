@@ -35,7 +35,7 @@ class Metrics:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # tensorboard is a dependency; a broken install should not stop training
+            except ImportError as e:  # the tensorboard extra is optional: the JSON lines are always written
                 log.warning("TensorBoard logging is off: %s", e)
             else:
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)

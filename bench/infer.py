@@ -152,7 +152,7 @@ def run_zerofit(args, w) -> dict:
     res = {"engine": "zerofit", "cap": args.cap, "runs": []}
     res["pinned_h2d_gb_per_s"] = pinned_bandwidth() if torch.cuda.is_available() else None
     if args.nvme:
-        from zerofit.engine.disk import measure_folder
+        from zerofit.engine.disk.tier import measure_folder
 
         res["disk_write_gb_per_s"], res["disk_read_gb_per_s"] = (round(x, 2) for x in measure_folder(args.nvme))
         res["max_host_memory"] = args.max_host_memory

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import common
-from zerofit.engine import disk
+from zerofit.engine.disk import tier as disk
 from zerofit.estimate import estimate
 
 CONTEXT = 0.58  # GiB the CUDA context takes from the cap on the H200 (mem_get_info there)

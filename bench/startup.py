@@ -1,7 +1,7 @@
 """python bench/startup.py --workload W6c --layers 8 --source meta --result /tmp/startup.json
 python bench/startup.py --workload W1 --layers 2 --source folder --device cpu
 
-How fast zerofit materializes a model ([Note: start-up progress], src/zerofit/engine/startup.py): the
+How fast zerofit materializes a model ([Note: start-up progress], src/zerofit/engine/model/startup.py): the
 workload's shape cut to ``--layers`` blocks, LoRA over its frozen base (``--qlora``: the blocks' linears in
 4 bits), from
 

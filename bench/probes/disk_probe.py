@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the working tree's zerofit
-from zerofit.engine.disk import SwapFile  # noqa: E402
+from zerofit.engine.disk.tier import SwapFile  # noqa: E402
 
 folder = sys.argv[1]
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3

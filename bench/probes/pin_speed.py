@@ -1,7 +1,7 @@
 """python bench/probes/pin_speed.py [--gib 8]
 
 Seconds to page-lock a fresh host allocation of ``--gib`` GiB, as the engine's host arenas are made
-(engine/store.py HostArena, engine/device.py pin), each way in a fresh allocation:
+(engine/memory/store.py HostArena, engine/device.py pin), each way in a fresh allocation:
 
 - ``register``: ``torch.empty`` then ``cudaHostRegister``: the driver faults in and locks every page, one thread;
 - ``touch_register``: the pages first written (``zero_``, over torch's threads), then registered;

@@ -359,7 +359,7 @@ def train(
         _fail(console, "--gpus and --nnodes need --model (the demo trains on one device)")
     if node_rank >= nnodes:
         _fail(console, f"--node-rank {node_rank}: the nodes are 0 .. {nnodes - 1} (--nnodes {nnodes})")
-    from zerofit.engine import slurm
+    from zerofit.engine.distributed import slurm
 
     slurm.adopt()  # under srun: its tasks are the ranks ([Note: srun is a launcher too])
     if (gpus > 1 or nnodes > 1) and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -483,7 +483,7 @@ def _train_model(console: Console, opts, lock) -> int:
 
 
 def _render_train_summary(result, console: Console) -> None:
-    from zerofit.engine.planner import fmt_bytes
+    from zerofit.engine.plan.search import fmt_bytes
 
     t = Table(title="summary", show_header=False, title_justify="left")
     t.add_column(style="bold")
@@ -695,7 +695,7 @@ def deepspeed_launch(ctx: typer.Context) -> None:
     """Run a DeepSpeed training script unchanged, in one process, its `import deepspeed` zerofit's:
     `zerofit deepspeed train.py --deepspeed_config ds.json` (DeepSpeed's launcher options; --help)."""
     from zerofit.deepspeed.launcher import main as launch
-    from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
+    from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported
 
     # the command line itself where it is this command's (click drops a `--` the script may want)
     argv = sys.argv[2:] if sys.argv[1:2] == ["deepspeed"] else list(ctx.args)
@@ -721,7 +721,7 @@ def _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed,
 def _inference_engine(
     console: Console, model: Path, max_gpu_memory, dtype, device, max_host_memory=None, nvme=None, adapter=None
 ):
-    from zerofit.engine.disk import DiskTierError
+    from zerofit.engine.disk.tier import DiskTierError
     from zerofit.infer.engine import InferenceEngine
     from zerofit.models import WeightFileError
 

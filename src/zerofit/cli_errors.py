@@ -49,7 +49,7 @@ def describe(err: BaseException, *, output: Path | None = None, resume: bool = F
     from zerofit.checkpoint import CheckpointDiskFullError, CheckpointError
     from zerofit.config import ConfigError
     from zerofit.data import DataError
-    from zerofit.engine.planner import PlanError
+    from zerofit.engine.plan.search import PlanError
     from zerofit.models import WeightFileError
 
     name = type(err).__name__
@@ -76,9 +76,9 @@ def describe(err: BaseException, *, output: Path | None = None, resume: bool = F
 
 def _expected(err: BaseException) -> bool:
     """Errors of a run that failed, whose message says what happened (another rank, the engine, the disk tier)."""
-    from zerofit.engine.disk import DiskTierError
+    from zerofit.engine.disk.tier import DiskTierError
+    from zerofit.engine.distributed.rank_failures import RankFailedError
     from zerofit.engine.lifecycle import EngineClosedError
-    from zerofit.engine.rank_failures import RankFailedError
 
     # FloatingPointError: a step with a non-finite gradient, refused (its message says what to do)
     return isinstance(err, (DiskTierError, EngineClosedError, RankFailedError, MemoryError, FloatingPointError))

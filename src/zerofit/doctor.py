@@ -91,7 +91,7 @@ class DiskSpeed:
     write_gb_per_s: float = 0.0
     read_gb_per_s: float = 0.0
     note: str = ""
-    tier_write_gb_per_s: float = 0.0  # the disk tier's own path: parallel direct requests (engine/disk.py)
+    tier_write_gb_per_s: float = 0.0  # the disk tier's own path: parallel direct requests (engine/disk/tier.py)
     tier_read_gb_per_s: float = 0.0
 
 
@@ -385,7 +385,7 @@ def disk_speed(path: str | Path = ".", nbytes: int = 256 * MiB, time_limit_s: fl
 def _tier_speed(d: DiskSpeed, folder, nbytes: int) -> None:
     """The disk tier's own write and read speed under ``folder`` (what it streams at: 8 direct requests of 4
     MiB in flight, ``zerofit estimate`` uses the same), into ``d``."""
-    from zerofit.engine.disk import measure_folder
+    from zerofit.engine.disk.tier import measure_folder
 
     d.tier_write_gb_per_s, d.tier_read_gb_per_s = measure_folder(folder, nbytes)
 
@@ -448,14 +448,14 @@ def run_doctor(
 
 def inter_node_bandwidth(nbytes: int = 64 * MiB, repeats: int = 3) -> dict:
     """Under ``torchrun --nnodes N`` (or srun over N nodes): the bandwidth between the nodes as zerofit's hybrid
-    layout uses it ([Note: nodes hold the state whole], engine/ranks.py): each local rank's fp32 buffer of
+    layout uses it ([Note: nodes hold the state whole], engine/distributed/ranks.py): each local rank's fp32 buffer of
     ``nbytes`` all-reduced with the same local rank of every other node (NCCL on GPUs, gloo otherwise), all local
     ranks at once. Returns, on every rank, {nodes, ranks_per_node, bytes, seconds (the best of ``repeats``),
     gb_per_s_per_node}: the bytes a node sends in a ring all-reduce (2 (n-1)/n x nbytes per rank, times its ranks)
     over the seconds, what ``zerofit estimate --inter-node-gbps`` takes."""
     import torch.distributed as dist
 
-    from zerofit.engine import slurm
+    from zerofit.engine.distributed import slurm
 
     slurm.adopt()
     world = int(os.environ.get("WORLD_SIZE", "1"))

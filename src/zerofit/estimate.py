@@ -36,8 +36,8 @@ import psutil
 import torch
 
 from zerofit import estimate_nodes
-from zerofit.engine.adapter import Adapter
-from zerofit.engine.planner import BatchShape, ModelShape, Plan, fmt_bytes, fmt_count, recomputed_blocks
+from zerofit.engine.model.adapter import Adapter
+from zerofit.engine.plan.search import BatchShape, ModelShape, Plan, fmt_bytes, fmt_count, recomputed_blocks
 from zerofit.estimate_probes import (
     ComputeProbe,  # noqa: F401 (re-exported)
     EngineProbe,  # noqa: F401 (re-exported)
@@ -229,7 +229,7 @@ class Estimate:
     host_bytes: int = 0
     host_baseline_bytes: int = 0
     ranks: int = 1  # processes (one GPU each) on the host
-    nnodes: int = 1  # hosts ([Note: the nodes' layout], engine/planning.py)
+    nnodes: int = 1  # hosts ([Note: the nodes' layout], engine/plan/engine_plan.py)
     inter_node_bytes: int = 0  # per node and step, across the nodes, in the chosen layout
     inter_node_gb_per_s: float | None = None
     layout: str = "hybrid"  # the layout the engine would run on the nodes
@@ -382,14 +382,13 @@ def estimate(
     machine has one or ``max_gpu_memory`` is set). Without a GPU here, ``max_gpu_memory`` is its size.
 
     ``nnodes``: hosts of the run, each with the config's ranks (its ``world_size``): the plan is each node's, in
-    the layout the engine would choose ([Note: the nodes' layout], engine/planning.py); both layouts are planned
+    the layout the engine would choose ([Note: the nodes' layout], engine/plan/engine_plan.py); both layouts are planned
     beside it (``layouts``), with the bytes that cross the nodes per step ([Note: what crosses the nodes],
     estimate_nodes.py); ``inter_node_gb_per_s`` gives their time, and where the step is predicted, which layout
     is faster."""
     from zerofit.config import load_config
-    from zerofit.engine.materialize import model_shape, param_table
-    from zerofit.engine.planner import PlanError, make_plan
-    from zerofit.engine.planning import (
+    from zerofit.engine.model.materialize import model_shape, param_table
+    from zerofit.engine.plan.engine_plan import (
         DTYPES,
         cast_copies,
         default_host_budget,
@@ -400,6 +399,7 @@ def estimate(
         plan_batch,
         planner_inputs,
     )
+    from zerofit.engine.plan.search import PlanError, make_plan
 
     cfg = load_config(config, **overrides).config
     source = None
@@ -420,9 +420,9 @@ def estimate(
     if on_cuda and not torch.cuda.is_available() and cfg.max_gpu_memory is None:
         raise ValueError("no GPU here to read its memory from: give max_gpu_memory (--max-gpu-memory), the GPU's size")
     adapter = Adapter(model, cfg.adapter)
-    from zerofit.engine.nf4 import BaseNF4
+    from zerofit.engine.model.nf4 import BaseNF4
 
-    # [Note: an NF4 base] (engine/nf4.py): quantize_base (--qlora), or a model of bitsandbytes' 4-bit layers
+    # [Note: an NF4 base] (engine/model/nf4.py): quantize_base (--qlora), or a model of bitsandbytes' 4-bit layers
     nf4 = BaseNF4.prepare(model, adapter, DTYPES[cfg.precision], cfg.quantize_base == "nf4", check=False, source=source)
     table = param_table(model, adapter)
     shape = model_shape(model, adapter, table, nf4=nf4)
@@ -581,7 +581,7 @@ def phase_seconds(
 ) -> dict[str, tuple[float, str]]:
     """Each phase's seconds and what binds it ([Note: the step's phases]); ``blocks`` is the blocks' compute,
     ``pre`` the shell's before the first block (embeddings), ``post`` the engine's post pass, ``again`` the
-    backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine/schedule.py),
+    backward's forwards for recomputed inputs ([Note: checkpoints every k blocks], engine/step/schedule.py),
     ``device_updates`` the device's AdamW of the resident blocks and the shell after the backward, ``assisted`` the
     assisted blocks' beside the backward's compute (the forward's if ``assisted_in_forward``: deferred updates)."""
 
@@ -640,7 +640,7 @@ def predict_step(
         return cache[key]
 
     from zerofit import doctor
-    from zerofit.engine.planning import cast_copies, split_updates
+    from zerofit.engine.plan.engine_plan import cast_copies, split_updates
 
     pred = StepPrediction()
     if not on_cuda or not torch.cuda.is_available():
@@ -660,7 +660,7 @@ def predict_step(
         )
     per_block, shell = probe.per_block, probe.shell
     update = engine_probe.update if engine_probe is not None else 0.0  # device AdamW, seconds per parameter
-    # [Note: checkpoints every k blocks] (engine/schedule.py): the backward runs these blocks' forward again, their
+    # [Note: checkpoints every k blocks] (engine/step/schedule.py): the backward runs these blocks' forward again, their
     # weights uploaded once more
     again = recomputed_blocks(L, plan.checkpoint_every)
     regen = len(again) * per_block * probe.forward_share
@@ -677,14 +677,14 @@ def predict_step(
     n = shape.block_numels
     disk_of = plan.disk_of
     streamed = range(plan.resident_blocks, L)
-    # assisted updates (engine/update/device.py): the device updates these blocks, their state up and back down;
+    # assisted updates (engine/update/assisted.py): the device updates these blocks, their state up and back down;
     # deferred, with the host gradient going up too; in the backward, from the gradient where it is (not sent down)
     assisted = set(plan.assisted_blocks) if plan.assisted_updates else set()
     a = sum(n[i] for i in assisted)
 
     def up_bytes(i: int) -> int:
         """Block i's weights going up: fp32, or its 16-bit host copy where master and moments are on the disk; its
-        frozen weights as they are stored, in the compute dtype ([Note: frozen parameters], engine/store.py)."""
+        frozen weights as they are stored, in the compute dtype ([Note: frozen parameters], engine/memory/store.py)."""
         return n[i] * (cb if disk_of.get(i) == "all" else 4) + shape.frozen_host_bytes(cb, [i + 1])
 
     weights = sum(up_bytes(i) for i in streamed)  # one pass over the blocks
@@ -735,9 +735,9 @@ def predict_step(
     tail *= share
     net = estimate_nodes.traffic(layout, shape, plan, nodes, cb, again).seconds(gb_per_s) if nodes > 1 else None
     pred.inter_node = net.total if net is not None else None
-    # the device's own updates (Step.finish, engine/step.py): the resident blocks' and the shell's after the backward;
-    # the assisted blocks' beside the backward's compute, or the next forward's with deferred updates; each rank its
-    # shard of them
+    # the device's own updates (Step.finish, engine/step/optimizer_step.py): the resident blocks' and the shell's
+    # after the backward; the assisted blocks' beside the backward's compute, or the next forward's with deferred
+    # updates; each rank its shard of them
     dev_params = (
         sum(n[: plan.resident_blocks]) + (s if plan.shell_optimizer_on_device or plan.assisted_shell else 0)
     ) / r
@@ -779,7 +779,7 @@ def predict_step(
         "device_adamw_seconds_per_param": update,
     }
     if plan.disk_blocks:  # the tier's own I/O path: direct, parallel requests of its block size
-        from zerofit.engine.disk import measure_folder
+        from zerofit.engine.disk.tier import measure_folder
 
         off = cfg.offload
         read, written = plan.disk_traffic(shape)

@@ -1,15 +1,17 @@
 """``zerofit estimate --nnodes N``: the two layouts across nodes side by side ([Note: the nodes' layout],
-engine/planning.py), each with its host bytes per node, the bytes that cross the nodes per step and, given their
+engine/plan/engine_plan.py), each with its host bytes per node, the bytes that cross the nodes per step and, given their
 bandwidth, the step they predict; and which is faster.
 
 [Note: what crosses the nodes]
 Per node and step, with n nodes (f = (n-1)/n, a ring's share; P the host-optimized trained parameters, R the
 device-optimized ones, replicated):
 
-- hybrid ([Note: nodes hold the state whole], engine/ranks.py): every gradient all-reduced across the nodes, each
+- hybrid ([Note: nodes hold the state whole], engine/distributed/ranks.py): every gradient all-reduced across the
+nodes, each
   rank its shard: 2 f x 4 B x (P + R), on the compute stream in the backward (Sharding.reduce_scatter runs it
   there, after the node's reduce-scatter), so it lengthens the backward's compute;
-- full ([Note: nodes hold a slice of the state], engine/node_slices.py): each streamed block's 16-bit weights
+- full ([Note: nodes hold a slice of the state], engine/distributed/node_slices.py): each streamed block's 16-bit
+weights
   gathered over every rank at each use (the forward's upload and the backward's, and again for a recomputed
   input), f x compute-dtype bytes each, on the upload stream after the rank's shard went up (so they lengthen the
   uploads); a resident host-optimized shell's 16-bit weights gathered after its update; the gradients
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from zerofit.engine.planner import Plan, fmt_bytes
+from zerofit.engine.plan.search import Plan, fmt_bytes
 
 
 @dataclass

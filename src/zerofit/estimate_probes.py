@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zerofit.engine.adapter import Adapter
-from zerofit.engine.planner import BatchShape
+from zerofit.engine.model.adapter import Adapter
+from zerofit.engine.plan.search import BatchShape
 
 
 def _dtype(cfg) -> torch.dtype:
@@ -92,7 +92,7 @@ def engine_block_seconds(
     least): the median step of the second half counts ([Note: the probe's clocks]). None where it does not fit (the
     fallback is the plain models' difference)."""
     import zerofit
-    from zerofit.engine.planner import PlanError
+    from zerofit.engine.plan.search import PlanError
 
     with torch.device("meta"):
         m = small_twin(model, layers, torch.float32)
@@ -216,7 +216,7 @@ def _post_seconds(m, ids: torch.Tensor, chunks: int, seconds: float) -> float | 
     from a final hidden state, backward, the shell's gradients added into fp32 buffers."""
     from torch.func import functional_call
 
-    from zerofit.engine.adapter import post_in_chunks
+    from zerofit.engine.model.adapter import post_in_chunks
 
     adapter = Adapter(m)
     if not adapter.streaming:  # a one-block model: no block list to stand the final hidden state in for

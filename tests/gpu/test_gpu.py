@@ -9,7 +9,7 @@ import torch
 
 import zerofit
 from tests.support import tiny_models as tm
-from zerofit.engine.planner import PlanError
+from zerofit.engine.plan.search import PlanError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -487,7 +487,7 @@ def test_deepspeed_style_loop_is_train_batch_bitwise_on_gpu(clip, announce):
     ids=["all", "moments", "clipped", "deepspeed-loop"],
 )
 def test_disk_tier_on_gpu_is_bitwise_the_in_memory_path(tmp_path, weights, clip, api):
-    """The disk tier (engine/disk.py) with real streams and O_DIRECT where the disk allows it: the same losses,
+    """The disk tier (engine/disk/tier.py) with real streams and O_DIRECT where the disk allows it: the same losses,
     weights and moments, bitwise, as the same engine with every state in host memory."""
     from tests.integration.test_disk_tier import _assert_bitwise, _state
 
@@ -665,8 +665,8 @@ def test_fresh_pinned_memory_is_page_locked_at_its_size_and_zero():
     """[Note: page-locking fresh memory]: the arena is zeros, registered with the driver (an asynchronous copy from
     it is a DMA), and an NF4 unit's buffer is exactly its bytes (no power-of-two rounding)."""
     from zerofit.engine.device import fresh_pinned
-    from zerofit.engine.nf4 import UnitNF4
-    from zerofit.engine.store import HostArena
+    from zerofit.engine.memory.store import HostArena
+    from zerofit.engine.model.nf4 import UnitNF4
 
     t = fresh_pinned((5 << 20) + 3, torch.float32)
     assert t.is_pinned() and t.numel() == (5 << 20) + 3 and not t.any()

@@ -1,4 +1,4 @@
-"""A smaller GPU floor ([Note: a smaller GPU floor], planner.py): the head and loss over token chunks and the
+"""A smaller GPU floor ([Note: a smaller GPU floor], plan/search.py): the head and loss over token chunks and the
 blocks' checkpoints in host memory change where memory goes, not the math."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 import zerofit
 from tests.support import tiny_models as tm
-from zerofit.engine.planner import BatchShape, ModelShape, PlanError, activation_bytes, make_plan
+from zerofit.engine.plan.search import BatchShape, ModelShape, PlanError, activation_bytes, make_plan
 
 G = 2
 
@@ -123,7 +123,7 @@ def test_planner_uses_the_floor_only_when_the_device_needs_it():
 def test_lean_pipeline_is_bitwise(monkeypatch):
     """Two weight slots, one gradient slot, uploads (the host-updated shell's too) staged in quarter-block pieces,
     checkpoints on the host: the same updates, bitwise, as the default pipeline."""
-    import zerofit.engine.planning as engine_mod
+    import zerofit.engine.plan.engine_plan as engine_mod
 
     torch.manual_seed(0)
     model = tm.llama(layers=5)
@@ -190,7 +190,7 @@ def test_planner_keeps_fewer_checkpoints_only_when_every_blocks_do_not_fit():
     """The 7B shape with 32 micro-batches per step under a 32 GiB host budget and a 64 GiB disk (W3a at 32): every
     block's inputs would take 32 GiB of host memory; the planner keeps every k-th (the smallest k that fits), and
     not when they fit."""
-    from zerofit.engine.planner import GiB
+    from zerofit.engine.plan.search import GiB
 
     shape = ModelShape(262_148_096, (202_383_360,) * 32, 4096, 11008, 32000)
     kw = dict(
@@ -294,7 +294,7 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
     holds at its peak: watched at each block computation of the backward, the block inputs on the device (on the
     CPU: outside the host arena, or asked up from it) never exceed it, and reach it: a count one block's worth too
     high had W3a at 32 micro-batches peak 2 GiB under it (docs/benchmarks.md)."""
-    from zerofit.engine.planner import activation_bytes, device_checkpoints
+    from zerofit.engine.plan.search import activation_bytes, device_checkpoints
 
     torch.manual_seed(0)
     model = tm.llama(layers=layers)
@@ -367,7 +367,7 @@ def test_the_post_pass_holds_no_more_than_the_plan_counts(chunks):
     from torch.func import functional_call
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from zerofit.engine.adapter import Adapter, post_in_chunks
+    from zerofit.engine.model.adapter import Adapter, post_in_chunks
 
     live = tm.bench_module("probes/live_bytes")
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 FSDP1-shaped loop on ``zerofit.fsdp`` with real streams and pinned buffers, against the same loop on plain
 PyTorch in the GPU (fp32, TF32 off), at fp32 tolerance: the engine's CPU AdamW and torch's CUDA one round
 differently. The window of the loop's micro-batches takes each streamed block's parameter norms on the device
-and leaves the clip's multiplies to the updates ([Note: the user's clip on the device], engine/torch_clip.py).
+and leaves the clip's multiplies to the updates ([Note: the user's clip on the device], engine/step/torch_clip.py).
 Skipped without CUDA."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch
 import zerofit.deepspeed as deepspeed
 from tests.support import tiny_models as tm
 from zerofit.deepspeed import DeepSpeedUnsupported
-from zerofit.engine.adapter import loss_of
+from zerofit.engine.model.adapter import loss_of
 
 STEPS = 6
 LR, WD = 1e-3, 0.01

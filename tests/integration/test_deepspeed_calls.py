@@ -1,7 +1,7 @@
 """The calls DeepSpeed scripts make, made as DeepSpeed makes them (CPU, fp32, against plain PyTorch).
 
 - A model straight from ``from_pretrained`` is in eval mode: ``engine(**batch)``, ``engine.backward(loss)`` trains
-  it, without dropout ([Note: a forward records for backward as autograd says], engine/window.py).
+  it, without dropout ([Note: a forward records for backward as autograd says], engine/step/window.py).
 - Positional calls, ``engine(x)`` and ``engine(x, y)``, reach the model's own forward, whatever the model, and
   the engine returns what the model returns (cifar10_deepspeed.py's convnet returns logits, the loss is the
   script's; DeepSpeed's unit tests' ``SimpleModel`` returns its loss).
@@ -145,7 +145,7 @@ def test_positional_calls_reach_a_convnet_and_return_its_logits():
         assert torch.equal(engine(x), ref(x))
     with pytest.raises(TypeError, match=r"engine\(\.\.\.\): too many positional arguments"):
         engine(x, x)
-    from zerofit.engine.batch import BatchError
+    from zerofit.engine.step.batch import BatchError
 
     with pytest.raises(BatchError, match=r"micro-batch 0 is a Tensor; .*forward \(x\)") as err:
         engine.train_batch([x])

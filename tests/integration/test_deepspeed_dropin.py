@@ -23,7 +23,7 @@ import zerofit.deepspeed as deepspeed
 from tests.support import tiny_models as tm
 from zerofit.config import load_config
 from zerofit.deepspeed import DeepSpeedUnsupported, UnsupportedAttribute
-from zerofit.engine.adapter import loss_of
+from zerofit.engine.model.adapter import loss_of
 
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
 MICRO, T = 2, 16

@@ -1,7 +1,7 @@
 """The disk (NVMe) tier: the same updates, bitwise, as when the state is in host memory; checkpoints of the
 same format; I/O errors that fail the engine cleanly; preflight refusals; swap files that never leak.
 
-The tier (src/zerofit/engine/disk.py) keeps the moments, or the master weights and moments, of the last
+The tier (src/zerofit/engine/disk/tier.py) keeps the moments, or the master weights and moments, of the last
 blocks in a swap file under ``offload.nvme_path`` and streams them through aligned buffers around each CPU
 update. On this machine it runs on the CPU engine path with O_DIRECT where the file system allows it.
 """
@@ -19,10 +19,10 @@ import torch
 
 import zerofit
 from tests.support import tiny_models as tm
-from zerofit.engine import disk as disk_mod
-from zerofit.engine import swapfile as swapfile_mod
+from zerofit.engine.disk import swapfile as swapfile_mod
+from zerofit.engine.disk import tier as disk_mod
 from zerofit.engine.lifecycle import EngineFailedError
-from zerofit.engine.planner import BatchShape, ModelShape, PlanError, make_plan
+from zerofit.engine.plan.search import BatchShape, ModelShape, PlanError, make_plan
 
 G = 2
 
@@ -236,7 +236,7 @@ def test_preflight_refusals(tmp_path, monkeypatch):
         (tmp_path / "file").write_text("x")
         zerofit.initialize(copy.deepcopy(model), _cfg(tmp_path / "file", disk_blocks=1))
     # not enough free space for the plan: refused by the planner, naming the disk bytes
-    monkeypatch.setattr("zerofit.engine.planning.free_bytes", lambda p: 4096)
+    monkeypatch.setattr("zerofit.engine.plan.engine_plan.free_bytes", lambda p: 4096)
     with pytest.raises(PlanError, match="disk needs"):
         zerofit.initialize(copy.deepcopy(model), _cfg(tmp_path / "nvme", disk_blocks=2))
     monkeypatch.undo()
@@ -342,7 +342,7 @@ def test_tier_streams_any_order_of_updates_without_losing_a_write(tmp_path, seed
     import random
     import threading
 
-    from zerofit.engine.disk import DiskTier, SwapFile, layout
+    from zerofit.engine.disk.tier import DiskTier, SwapFile, layout
 
     rng = random.Random(seed)
     numels = [10_000, 7_000, 12_288, 4_096, 9_999]
@@ -415,7 +415,7 @@ def test_a_refusal_beside_the_tier_names_the_smallest_host_budget_and_fewer_micr
     that fit the budget given, each checked by planning it."""
     import re
 
-    from zerofit.engine.planner import GiB, MiB
+    from zerofit.engine.plan.search import GiB, MiB
 
     shape = ModelShape(50_000_000, (40_000_000,) * 8, 1024, 2816, 32000)
     batch = BatchShape(2, 2048, 32)
@@ -457,7 +457,7 @@ def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch,
     import logging
     import threading
 
-    from zerofit.engine.disk import DiskTier, SwapFile, layout
+    from zerofit.engine.disk.tier import DiskTier, SwapFile, layout
 
     real = swapfile_mod._pwrite
     gate = threading.Event()
@@ -497,7 +497,7 @@ def test_closing_with_writes_in_flight_reads_nothing_more(tmp_path, monkeypatch,
 def test_the_mixed_speed_test_reads_and_writes_what_it_counts(tmp_path, monkeypatch):
     """SwapFile.measure_mixed (bench/probes/disk_probe.py) counts the bytes of half the file read while the other half
     is written: the pool sees exactly those, after the untimed write of the half read."""
-    from zerofit.engine.disk import SwapFile
+    from zerofit.engine.disk.tier import SwapFile
 
     seen = []
     real_r, real_w = swapfile_mod._pread, swapfile_mod._pwrite

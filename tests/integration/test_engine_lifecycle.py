@@ -27,9 +27,9 @@ import zerofit
 import zerofit.engine.update.unit_adamw as optimizer_module
 from tests.support import lifecycle_script
 from tests.support import tiny_models as tm
-from zerofit.engine.adapter import loss_of
-from zerofit.engine.batch import BatchError
 from zerofit.engine.lifecycle import EngineClosedError, EngineFailedError, EngineState
+from zerofit.engine.model.adapter import loss_of
+from zerofit.engine.step.batch import BatchError
 from zerofit.engine.update.worker import WorkerError
 
 G = 2
@@ -621,7 +621,7 @@ def test_an_engine_never_closed_is_released_when_collected():
 
 
 def test_placement_warnings_say_where_the_optimizer_state_really_is():
-    from zerofit.engine.planner import BatchShape, ModelShape, make_plan, placement_warnings
+    from zerofit.engine.plan.search import BatchShape, ModelShape, make_plan, placement_warnings
 
     shape = ModelShape(50_000_000, (100_000_000,) * 8, 2048, 8192, 32000)
     kw = dict(

@@ -198,7 +198,7 @@ def test_assisted_updates_in_the_backward_keep_the_math(api, shell):
 def test_assisted_updates_in_the_backward_only_beside_the_plan():
     """The planner adds them on a GPU only when their buffers fit in what the plan leaves of the budget: never
     at the cost of a resident block; never with deferred updates' buffer for the gradient; off when asked."""
-    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+    from zerofit.engine.plan.search import BatchShape, ModelShape, make_plan
 
     shape = ModelShape(
         shell_numel=20_000_000, block_numels=(10_000_000,) * 8, hidden=512, intermediate=1376, vocab=32000
@@ -428,7 +428,7 @@ def test_copies_after_the_update_give_the_device_a_larger_share(clip, fraction):
     """[Note: 16-bit copies after the update]: the CPU's cast after each update costs it about a third of an AdamW,
     so the DeepSpeed-shaped loop's plan has the device update more of the streamed blocks (copies_fraction of the
     configured share), unless the share was set in the config or the updates are deferred (no CPU casts)."""
-    from zerofit.engine.planner import assisted_choice, copies_fraction
+    from zerofit.engine.plan.search import assisted_choice, copies_fraction
 
     off = {"assisted_updates": True} | ({"assisted_fraction": fraction} if fraction is not None else {})
     cfg = _cfg(precision="bf16", gradient_accumulation_steps=3, gradient_clipping=clip, offload=off)

@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 import zerofit
 from tests.support import tiny_models as tm
 from zerofit.config import ConfigError, load_config
-from zerofit.engine.adapter import NonSequentialModel
 from zerofit.engine.engine import Engine
-from zerofit.engine.planner import BatchShape, ModelShape, PlanError, activation_bytes, make_plan
+from zerofit.engine.model.adapter import NonSequentialModel
+from zerofit.engine.plan.search import BatchShape, ModelShape, PlanError, activation_bytes, make_plan
 from zerofit.optim.loss_scaler import DynamicLossScaler, LossScaleUnderflowError
 
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"

@@ -272,7 +272,7 @@ def test_int32_token_ids_and_labels_train_as_int64_bitwise():
     """Before: int32 ids passed the batch check and the step failed in the loss ("expected target dtype to be
     Long or Byte, but got Int"). Now ids and labels of any integer dtype up to int64 or uint32 are converted
     to int64 on their way to the device: the same losses and weights, bitwise."""
-    from zerofit.engine.batch import BatchError
+    from zerofit.engine.step.batch import BatchError
 
     mb = tm.batches(1, 1)[0][0]
     with pytest.raises(RuntimeError, match="Long"):  # the premise: torch's loss takes int64 targets only
@@ -301,8 +301,8 @@ def test_int32_token_ids_and_labels_train_as_int64_bitwise():
 def test_a_batch_without_labels_is_refused_before_the_step():
     """Before: KeyError: 'loss' from transformers' ModelOutput in the middle of train_batch (loss_of read
     ``output["loss"]``, which a ModelOutput without a loss does not have)."""
-    from zerofit.engine.adapter import loss_of
-    from zerofit.engine.batch import BatchError
+    from zerofit.engine.model.adapter import loss_of
+    from zerofit.engine.step.batch import BatchError
 
     mb = tm.batches(1, 1)[0][0]
     torch.manual_seed(0)
@@ -331,7 +331,7 @@ def test_nvme_path_on_proc_is_not_writable_not_zero_bytes_free(tmp_path, read_on
     os.access on /proc). Now: not writable, why, and what to do; the same for a read-only mount, in the
     config check, in the disk tier's own preflight (generation's --nvme) and at the command line."""
     from zerofit.config import ConfigError, check_nvme_path, load_config
-    from zerofit.engine.disk import DiskTierError, SwapFile
+    from zerofit.engine.disk.tier import DiskTierError, SwapFile
 
     if not Path("/proc/self").is_dir():
         pytest.skip("no /proc")
@@ -366,7 +366,7 @@ def test_the_host_budget_a_refusal_suggests_trains(workspace):
     import re
 
     from zerofit.config import parse_bytes
-    from zerofit.engine.planner import PlanError, fmt_at_least
+    from zerofit.engine.plan.search import PlanError, fmt_at_least
 
     for n in (1, 1023, 1024, 1447249, 43059425, 2**30 - 1, 2**30 + 1, 123456789012):
         text = fmt_at_least(n)

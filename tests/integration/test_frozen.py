@@ -1,4 +1,4 @@
-"""Frozen parameters stay frozen ([Note: frozen parameters], engine/store.py), through every door.
+"""Frozen parameters stay frozen ([Note: frozen parameters], engine/memory/store.py), through every door.
 
 A parameter with ``requires_grad=False``, or one no parameter group holds, is not trained: its weights stay
 bitwise as they were, it holds no optimizer state and no gradient buffer, and the trained parameters follow

@@ -1,4 +1,4 @@
-"""A frozen base costs what it must and no more ([Note: frozen parameters], engine/store.py).
+"""A frozen base costs what it must and no more ([Note: frozen parameters], engine/memory/store.py).
 
 A frozen parameter is held once, in host memory, in the compute dtype (2 B/param in bf16, 4 in fp32), and is
 uploaded as it is; it has no master, moments, gradient slot, staging buffer or host gradient; the planner counts

@@ -1,4 +1,4 @@
-"""[Note: a frozen base on the disk] (src/zerofit/engine/disk.py): a frozen base that host memory
+"""[Note: a frozen base on the disk] (src/zerofit/engine/disk/tier.py): a frozen base that host memory
 cannot hold keeps the 16-bit frozen weights of its last streamed blocks on the disk tier, read-only, read ahead of
 each upload. The math is the in-memory path's, bitwise; the planner moves frozen weights there first when the host
 budget is short (only reads: the same disk traffic per byte saved as the moments, no writes), and counts them;

@@ -1,4 +1,5 @@
-"""A non-finite step is never applied silently ([Note: non-finite gradients without a norm], engine/step.py).
+"""A non-finite step is never applied silently ([Note: non-finite gradients without a norm],
+engine/step/optimizer_step.py).
 
 Without clipping the CPU updates each block during the backward, as its gradient comes down. A step whose
 gradients are not finite (a huge learning rate blew the weights up; NaN activations) is refused with

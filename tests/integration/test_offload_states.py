@@ -1,4 +1,5 @@
-"""``engine.offload_states()`` / ``engine.reload_states()`` ([Note: offloaded device state], engine/offload_states.py).
+"""``engine.offload_states()`` / ``engine.reload_states()`` ([Note: offloaded device state],
+engine/faces/offload_states.py).
 
 On the CPU the "device" is the host, so memory cannot drop there; these tests check the rest: every device
 storage of the kinds asked for is emptied (0 bytes) by the offload and comes back byte for byte, the units' state
@@ -22,7 +23,7 @@ import zerofit
 import zerofit.deepspeed as deepspeed
 from tests.support import tiny_models as tm
 from zerofit.deepspeed.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
-from zerofit.engine.offload_states import KINDS
+from zerofit.engine.faces.offload_states import KINDS
 
 CUDA = torch.cuda.is_available()
 

@@ -1,4 +1,4 @@
-"""Parameter groups ([Note: parameter groups], src/zerofit/engine/groups.py) are torch.optim.AdamW's: parity with
+"""Parameter groups ([Note: parameter groups], src/zerofit/engine/model/groups.py) are torch.optim.AdamW's: parity with
 ``torch.optim.AdamW(groups)`` on the CPU, on every path that runs AdamW or undoes it (CPU updates during the
 backward, device-optimized units, speculative updates held and rolled back, deferred updates with the device
 updating blocks in chunks that straddle group borders, fp16), the schedule scaling each group's lr, an exact

@@ -1,4 +1,4 @@
-"""QLoRA ([Note: an NF4 base], src/zerofit/engine/nf4.py), on the CPU against bitsandbytes' own
+"""QLoRA ([Note: an NF4 base], src/zerofit/engine/model/nf4.py), on the CPU against bitsandbytes' own
 QLoRA path: a model loaded with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
 bnb_4bit_use_double_quant=True)``, PEFT's LoRA over it, torch's fused AdamW over the adapters, in fp32.
 
@@ -25,7 +25,7 @@ import bitsandbytes.functional as bf  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
-from zerofit.engine.nf4 import Packed, QuantError, nbytes  # noqa: E402
+from zerofit.engine.model.nf4 import Packed, QuantError, nbytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -130,8 +130,8 @@ def test_the_learnt_window_holds_the_most_that_fit_and_takes_the_rest_one_at_a_t
     Planning.hold_for refuses more), a loop of 4 per step holds the first 2 and runs each later one's blocks'
     backward at its own backward(): bitwise plain PyTorch's, the sums in autograd's order. The default plan keeps
     room for LEARN_WINDOW micro-batches where blocks stream ([Note: room for a learnt window])."""
-    from zerofit.engine.planner import PlanError
-    from zerofit.engine.planning import LEARN_WINDOW, Planning
+    from zerofit.engine.plan.engine_plan import LEARN_WINDOW, Planning
+    from zerofit.engine.plan.search import PlanError
 
     real = Planning.hold_for
 

@@ -1,4 +1,5 @@
-"""The full layout across nodes ([Note: nodes hold a slice of the state], src/zerofit/engine/node_slices.py) on the
+"""The full layout across nodes ([Note: nodes hold a slice of the state],
+src/zerofit/engine/distributed/node_slices.py) on the
 CPU (gloo): 2 simulated nodes of 2 ranks and 3 of 1 (each node its own torchrun variables and host arenas), against
 plain PyTorch on the global batch; each node's host memory measured holding its slice of the state; checkpoints
 saved on N nodes resumed on M and in one process; the layout's words (nodes_layout, FSDP's, DeepSpeed's). Apart from

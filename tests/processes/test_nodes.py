@@ -1,6 +1,7 @@
 """Launchers and several nodes on the CPU (gloo): accelerate's and Lightning's launches of the user's loop, srun,
 torchrun's restarts, `zerofit doctor --inter-node`, and 2 simulated nodes of 2 ranks each ([Note: nodes hold the
-state whole], src/zerofit/engine/ranks.py: each node its own torchrun variables and host arenas) against plain
+state whole], src/zerofit/engine/distributed/ranks.py: each node its own torchrun variables and host arenas) against
+plain
 PyTorch on the global batch. Apart from test_ranks.py (whose launch helpers and references they use) so that the
 two several-process modules run on the two test workers at once."""
 

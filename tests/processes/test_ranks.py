@@ -543,7 +543,7 @@ def test_the_plan_counts_a_shard_of_the_gpu_resident_state():
     """[Note: sharded device state]: with 2 ranks sharing it, a resident unit's fp32 master and moments count
     half on each GPU, so a cap that holds 2 resident blocks alone holds more of them on 2 ranks (NO_SHARD: as
     one rank)."""
-    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+    from zerofit.engine.plan.search import BatchShape, ModelShape, make_plan
 
     shape = ModelShape(
         shell_numel=50_000_000, block_numels=(100_000_000,) * 12, hidden=2048, intermediate=5504, vocab=16000

@@ -49,7 +49,7 @@ from zerofit.config.deepspeed_keys import (  # noqa: E402
     Section,
     default,
 )
-from zerofit.engine.adapter import loss_of  # noqa: E402
+from zerofit.engine.model.adapter import loss_of  # noqa: E402
 
 
 def test_the_installed_deepspeed_is_the_one_whose_defaults_zerofit_takes():

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import zerofit
 from tests.support import tiny_models as tm
 from zerofit.cli import app
-from zerofit.engine.planner import ModelShape, PlanError
+from zerofit.engine.plan.search import ModelShape, PlanError
 from zerofit.estimate import estimate, meta_model
 
 
@@ -195,7 +195,7 @@ def test_predict_step_adds_up_a_plans_phases_from_the_measured_speeds(monkeypatc
     shell's update on the device, and the step their sum."""
     import zerofit.doctor as doctor
     import zerofit.estimate as E
-    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+    from zerofit.engine.plan.search import BatchShape, ModelShape, make_plan
 
     n, L, s = 10_000_000, 8, 30_000_000
     shape = ModelShape(shell_numel=s, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
@@ -264,7 +264,7 @@ def test_the_engines_own_block_compute_is_read_off_its_trace():
 
     from tests.support import tiny_models as tm
     from zerofit.config import load_config
-    from zerofit.engine.planner import BatchShape
+    from zerofit.engine.plan.search import BatchShape
     from zerofit.estimate import engine_block_seconds
 
     with torch.device("meta"):
@@ -285,7 +285,7 @@ def test_the_probes_of_a_qlora_plan_run_its_adapters_over_an_nf4_base():
 
     from tests.support import tiny_models as tm
     from zerofit.config import load_config
-    from zerofit.engine.planner import BatchShape
+    from zerofit.engine.plan.search import BatchShape
     from zerofit.estimate import engine_block_seconds, with_lora
     from zerofit.estimate_probes import small_twin
 
@@ -338,8 +338,8 @@ def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(mon
     updates run on into the next forward and the step is the disk's time alone."""
     from zerofit import estimate as E
     from zerofit.config import load_config
-    from zerofit.engine import disk as D
-    from zerofit.engine.planner import BatchShape, make_plan
+    from zerofit.engine.disk import tier as D
+    from zerofit.engine.plan.search import BatchShape, make_plan
 
     L, shape, batch = 8, EIGHT_BLOCKS, BatchShape(1, 256, 4)
     k = 3 if on_disk == "last blocks" else L
@@ -378,8 +378,8 @@ def test_a_disk_bound_step_takes_the_median_disk_test_and_shows_the_range(monkey
     and the estimate shows the disk-bound step at the fastest and the slowest test."""
     from zerofit import estimate as E
     from zerofit.config import load_config
-    from zerofit.engine import disk as D
-    from zerofit.engine.planner import BatchShape, make_plan
+    from zerofit.engine.disk import tier as D
+    from zerofit.engine.plan.search import BatchShape, make_plan
 
     shape, batch = EIGHT_BLOCKS, BatchShape(1, 256, 4)
     plan = make_plan(
@@ -423,7 +423,7 @@ def test_the_estimate_counts_the_backwards_forwards_with_checkpoints_every_k_blo
     and uploads those blocks again: the predicted compute and the backward's upload grow by exactly that."""
     from zerofit import estimate as E
     from zerofit.config import load_config
-    from zerofit.engine.planner import BatchShape, make_plan
+    from zerofit.engine.plan.search import BatchShape, make_plan
 
     n, shape, batch = 10_000_000, EIGHT_BLOCKS, BatchShape(1, 256, 4)
     _stub_measurements(monkeypatch)
@@ -456,7 +456,7 @@ def test_the_devices_own_updates_count_in_the_step(monkeypatch):
     the assisted blocks beside the backward's compute."""
     import zerofit.estimate as E
     from zerofit.config import load_config
-    from zerofit.engine.planner import BatchShape, make_plan
+    from zerofit.engine.plan.search import BatchShape, make_plan
 
     n, L, s = 10_000_000, 8, 30_000_000
     shape = ModelShape(shell_numel=s, block_numels=(n,) * L, hidden=512, intermediate=1376, vocab=32000)
@@ -559,7 +559,7 @@ def test_the_step_of_each_layout_and_which_is_faster(monkeypatch):
     from zerofit import estimate as E
     from zerofit import estimate_nodes as N
     from zerofit.config import load_config
-    from zerofit.engine.planner import BatchShape, make_plan
+    from zerofit.engine.plan.search import BatchShape, make_plan
 
     shape, batch = EIGHT_BLOCKS, BatchShape(1, 256, 4)
     kw = dict(

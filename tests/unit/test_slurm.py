@@ -1,10 +1,10 @@
-"""[Note: srun is a launcher too] (src/zerofit/engine/slurm.py): SLURM's variables as torchrun's."""
+"""[Note: srun is a launcher too] (src/zerofit/engine/distributed/slurm.py): SLURM's variables as torchrun's."""
 
 from __future__ import annotations
 
 import pytest
 
-from zerofit.engine import slurm
+from zerofit.engine.distributed import slurm
 
 
 @pytest.mark.parametrize(

@@ -204,8 +204,8 @@ def test_split_updates_default_on_a_gpu_and_give_the_device_a_smaller_share():
     """offload.split_updates None: two passes on a GPU with deferred updates only; then, unless the config sets
     assisted_fraction, the device's share is SPLIT_FRACTION."""
     from zerofit.config import load_config
-    from zerofit.engine.planner import SPLIT_FRACTION
-    from zerofit.engine.planning import assisted_fraction, split_updates
+    from zerofit.engine.plan.engine_plan import assisted_fraction, split_updates
+    from zerofit.engine.plan.search import SPLIT_FRACTION
 
     cfg = load_config(_cfg()).config
     assert split_updates(cfg, on_cuda=True, deferred=True)

@@ -1,4 +1,4 @@
-"""[Note: start-up progress] (src/zerofit/engine/startup.py): the materialization tells its listeners (zerofit
+"""[Note: start-up progress] (src/zerofit/engine/model/startup.py): the materialization tells its listeners (zerofit
 train's progress bar) as each unit lands, logs at INFO, and names where its seconds went."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 import zerofit
 from tests.support import tiny_models as tm
-from zerofit.engine import startup
+from zerofit.engine.model import startup
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -23,7 +23,7 @@ def workspace(tmp_path_factory):
 
 
 def test_counts_read_as_counts():
-    from zerofit.engine.planner import fmt_count
+    from zerofit.engine.plan.search import fmt_count
 
     assert [fmt_count(n) for n in (37, 1_000, 203_456, 3_030_000, 3_212_000_000, 13_016_000_000)] == [
         "37",
@@ -62,7 +62,7 @@ def test_a_cpu_run_says_what_is_true_on_the_cpu(workspace):
     assert r.exit_code == 0, r.output
     out = " ".join(ANSI.sub("", r.output).split())
     params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model).parameters())
-    from zerofit.engine.planner import fmt_count
+    from zerofit.engine.plan.search import fmt_count
 
     assert f"({fmt_count(params)} parameters)" in out and "K parameters" in out and "0.00 B" not in out, out
     assert "plan: on the CPU (no GPU: no GPU memory cap, nothing streams over PCIe)" in out, out
@@ -73,7 +73,7 @@ def test_a_cpu_run_says_what_is_true_on_the_cpu(workspace):
 
 
 def test_the_plan_on_a_gpu_still_names_the_device():
-    from zerofit.engine.planner import BatchShape, ModelShape, make_plan
+    from zerofit.engine.plan.search import BatchShape, ModelShape, make_plan
 
     shape = ModelShape(10_000, (5_000,) * 4, 32, 64, 97)
     kw = dict(
@@ -180,7 +180,7 @@ def test_chat_session_state():
 def test_the_deepspeed_doors_refusals_say_how_several_gpus_train(monkeypatch):
     import zerofit.deepspeed as zds
     from tests.support import tiny_models as tm
-    from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
+    from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported
 
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, *_ = zds.initialize(model=tm.llama(), model_parameters=None, config=config)
@@ -214,8 +214,8 @@ def test_a_first_micro_batch_larger_than_the_one_placed_for_names_the_batch_to_g
     GPU cap the kept placement cannot use (found on the H200, W7 at 24 GiB: micro-batches of 2 x 2048 tokens
     against a placement made for 1 x 2048)."""
     from zerofit.config.schema import ZerofitConfig
-    from zerofit.engine import planning
-    from zerofit.engine.planner import BatchShape, ModelShape, PlanError, make_plan
+    from zerofit.engine.plan import engine_plan as planning
+    from zerofit.engine.plan.search import BatchShape, ModelShape, PlanError, make_plan
 
     config = ZerofitConfig()
     shape = ModelShape(10_000, (5_000,) * 4, 32, 64, 97)

@@ -14,7 +14,7 @@ import torch
 
 import zerofit
 from tests.support import tiny_models as tm
-from zerofit.engine import swapfile as swapfile_mod
+from zerofit.engine.disk import swapfile as swapfile_mod
 from zerofit.engine.update import host as host_mod
 from zerofit.engine.update.worker import HostWorker, waiting
 

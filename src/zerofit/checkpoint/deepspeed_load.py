@@ -69,7 +69,7 @@ def load(engine, folder: Path, load_optimizer_states: bool = True) -> tuple[str,
                         p.exp_avg_sq.copy_into(u.exp_avg_sq[off : off + numel])
                 if load_optimizer_states:
                     u.step.fill_(float(steps[u.name]))
-        engine.weights_loaded()  # [Note: engine consistency after a load] (engine/store.py)
+        engine.weights_loaded()  # [Note: engine consistency after a load] (engine/memory/store.py)
     except BaseException as e:
         # [Note: a failed load fails the engine] (state.py): Engine.load_checkpoint makes the engine FAILED
         raise EngineStateLostError(

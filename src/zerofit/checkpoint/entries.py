@@ -30,10 +30,10 @@ def named_units(engine):
 def weight_entries(engine, dtype: torch.dtype = torch.float32, frozen: bool = True) -> list[Entry]:
     """The fp32 master weights, one entry per canonical parameter, pointing into the units' buffers; with
     ``frozen`` the frozen parameters' weights too, after each unit's trained ones ([Note: frozen parameters],
-    engine/store.py)."""
+    engine/memory/store.py)."""
     out = []
     for u, p in named_units(engine):
-        if frozen and u.nf4 is not None:  # [Note: an NF4 base] (engine/nf4.py): no 16-bit copy to point at
+        if frozen and u.nf4 is not None:  # [Note: an NF4 base] (engine/model/nf4.py): no 16-bit copy to point at
             raise CheckpointStateError(
                 f"{u.name}: its frozen weights are held in NF4 (quantize_base: nf4, or a 4-bit model): a checkpoint "
                 "or export with the frozen weights is not written from them; save the trained state "

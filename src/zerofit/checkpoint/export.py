@@ -99,7 +99,8 @@ def save_pretrained(
 
 
 def _dequantized(engine) -> dict:
-    """Name -> the fp32 value of each weight held in NF4 ([Note: an NF4 base], engine/nf4.py), computed when asked:
+    """Name -> the fp32 value of each weight held in NF4 ([Note: an NF4 base], engine/model/nf4.py), computed when
+    asked:
     a merge writes the adapters into the dequantized base (merging into 4-bit weights breaks models)."""
     out = {}
     for u in engine.units:

@@ -6,7 +6,7 @@ name of tied parameters), never by unit, slot or device: a unit's flat buffers a
 cut at its layout's offsets. So the files are the same whatever the placement
 (resident blocks, where the shell's optimizer runs, later the number of GPUs), and a
 checkpoint saved under one plan loads under any other. Parameter groups reorder a unit's layout
-([Note: segments per unit], engine/store.py), never its names: tensors are written in the model's order,
+([Note: segments per unit], engine/memory/store.py), never its names: tensors are written in the model's order,
 so a checkpoint does not depend on the groups either (they are recorded, and a change is warned about).
 """
 
@@ -70,7 +70,7 @@ def _refuse_mid_step(engine, action: str) -> None:
 # the last optimizer step; the window's gradients are not saved (runtime/engine.py, save_checkpoint: the
 # module and optimizer state only). zerofit does the same: between a window's micro-batches nothing has
 # changed the masters, moments or step counts since the last step (the blocks' backward waits for the
-# boundary: [Note: the block backward waits for the boundary], engine/window.py), so after
+# boundary: [Note: the block backward waits for the boundary], engine/step/window.py), so after
 # engine.wait() (the last step's updates applied) the save reads them as at the boundary. The save only
 # reads: the window (its held micro-batches, a pending forward, announced forwards) goes on in the saving
 # engine, and its step is bitwise the one it takes without the save (tests/integration/test_deepspeed_checkpoints.py).
@@ -241,7 +241,7 @@ def load(
             for u in engine.units:
                 if u.trains:
                     u.step.fill_(float(steps[u.name]))
-        engine.weights_loaded()  # [Note: engine consistency after a load] (engine/store.py)
+        engine.weights_loaded()  # [Note: engine consistency after a load] (engine/memory/store.py)
     except BaseException as e:
         # [Note: a failed load fails the engine]: its weights are partly from the checkpoint; Engine.load_checkpoint
         # makes the engine FAILED (engine/lifecycle.py): every later call raises, naming this cause
@@ -325,7 +325,7 @@ def _check_scaler(engine, saved: dict | None, folder: Path) -> None:
 
 
 def groups_record(engine) -> list[dict] | None:
-    """The engine's parameter groups as recorded in a checkpoint ([Note: parameter groups], engine/groups.py):
+    """The engine's parameter groups as recorded in a checkpoint ([Note: parameter groups], engine/model/groups.py):
     None when there is one group with the config's optimizer values (no groups), else each group's
     parameter names and its resolved hyperparameters. Tensors are stored by name whatever the groups."""
     groups = getattr(engine, "param_groups", None)

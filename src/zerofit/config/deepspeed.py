@@ -361,7 +361,7 @@ def _batch(v: _Values, world_size: int, fields: dict, notes: dict, origin: dict)
 
 
 def _nodes_layout(v, fields: dict, notes: dict, origin: dict) -> None:
-    """[Note: the nodes' layout] (engine/planning.py) in DeepSpeed's words: ZeRO stages 1-3 shard the optimizer
+    """[Note: the nodes' layout] (engine/plan/engine_plan.py) in DeepSpeed's words: ZeRO stages 1-3 shard the optimizer
     state over every rank of every node (the full layout); ``zero_hpz_partition_size`` (ZeRO++'s hierarchical
     partitioning, the GPUs of a node) gathers the weights inside each node: the hybrid layout, each node holding the
     whole state (where hpZ keeps the optimizer state sharded over every rank). Stage 0 replicates: hybrid."""

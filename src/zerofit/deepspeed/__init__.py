@@ -14,7 +14,7 @@
 
 ``initialize`` takes DeepSpeed's arguments, in DeepSpeed's order, and returns DeepSpeed's tuple ``(engine,
 optimizer, training_dataloader, lr_scheduler)``: the engine is zerofit's :class:`~zerofit.engine.engine.Engine`
-with DeepSpeed's engine surface (zerofit/engine/deepspeed_surface.py), the optimizer and scheduler are views of
+with DeepSpeed's engine surface (zerofit/engine/faces/deepspeed_surface.py), the optimizer and scheduler are views of
 its AdamW settings and learning-rate schedule. What zerofit cannot do as DeepSpeed does is refused with
 :class:`DeepSpeedUnsupported` naming the argument, attribute or call; docs/migration.md has the table.
 
@@ -46,7 +46,12 @@ from zerofit.deepspeed.arguments import (
     resolve_config,
 )
 from zerofit.deepspeed.names import DEEPSPEED_VERSION, REFUSED_MODULES, UnsupportedModule
-from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute
+from zerofit.engine.faces.deepspeed_names import (
+    ONE_PROCESS,
+    DeepSpeedAssertion,
+    DeepSpeedUnsupported,
+    UnsupportedAttribute,
+)
 
 __all__ = [
     "initialize",

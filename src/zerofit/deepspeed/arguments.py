@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported
+from zerofit.engine.faces.deepspeed_names import ONE_PROCESS, DeepSpeedAssertion, DeepSpeedUnsupported
 
 _HYPERS = ("lr", "weight_decay", "betas", "eps")  # other group keys (foreach, fused, ...) only pick an implementation
 
@@ -126,7 +126,7 @@ def _names(names: list[str], limit: int = 4) -> str:
 def _covering(model: nn.Module, found: list[str], where: str) -> bool:
     """Whether ``found`` (canonical names, each once) holds every parameter of the model that requires a
     gradient. The others are not trained (frozen), as DeepSpeed's optimizer leaves them ([Note: frozen
-    parameters], engine/store.py)."""
+    parameters], engine/memory/store.py)."""
     seen, twice = set(), []
     for n in found:
         (twice.append(n) if n in seen else seen.add(n))

@@ -36,7 +36,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
-from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
+from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 _ONE = (

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Mapping
 
-from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
+from zerofit.engine.faces.deepspeed_names import ONE_PROCESS, DeepSpeedUnsupported, UnsupportedAttribute
 
 DEEPSPEED_VERSION = "0.19.8"  # the DeepSpeed release whose names and meanings zerofit's surface follows
 ZEROFIT_DEEPSPEED = "zerofit.deepspeed"

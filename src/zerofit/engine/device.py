@@ -13,7 +13,7 @@ only ever waits on an event (``stream.wait_event`` on the GPU,
 The host waits for the device at a step's end only, at three points, each named
 where it is: the global norm's read (clipping, fp16: ``Step._global_norm``) or,
 without a norm, the read of the step's count of non-finite gradients ([Note:
-non-finite gradients without a norm], step.py), both before the
+non-finite gradients without a norm], step/optimizer_step.py), both before the
 device-optimized units' AdamW is enqueued; the loss read (``train_batch``'s
 return value); and ``Timeline.end``'s ``synchronize()``, which reads the step's
 timed regions (the copies still in flight then are waited for, so the next step

@@ -30,28 +30,30 @@ from torch import nn
 
 from zerofit.config.schema import ZerofitConfig
 from zerofit.engine import recovery
-from zerofit.engine.activations import Activations
-from zerofit.engine.adapter import Adapter, NonSequentialModel
-from zerofit.engine.batch import BatchSpec, check_batch, check_micro_batches, scores_tokens, vocab_of
-from zerofit.engine.compute import Compute
-from zerofit.engine.copies16 import Copies16
-from zerofit.engine.deepspeed_surface import DeepSpeedRecord, DeepSpeedSurface
 from zerofit.engine.device import Device, rank_device, requested_device
-from zerofit.engine.grads import Grads
-from zerofit.engine.groups import resolve_groups
-from zerofit.engine.hypers import Hypers
+from zerofit.engine.distributed.ranks import Ranks
+from zerofit.engine.distributed.rendezvous import named_barrier, wait_s
+from zerofit.engine.distributed.sharding import Sharding
+from zerofit.engine.faces.deepspeed_surface import DeepSpeedRecord, DeepSpeedSurface
+from zerofit.engine.faces.offload_states import OffloadStates
 from zerofit.engine.lifecycle import EngineState, Lifecycle
-from zerofit.engine.materialize import (
+from zerofit.engine.memory.activations import Activations
+from zerofit.engine.memory.copies16 import Copies16
+from zerofit.engine.memory.grads import Grads
+from zerofit.engine.memory.store import Home, follow_masters
+from zerofit.engine.memory.streamer import Streamer
+from zerofit.engine.model.adapter import Adapter, NonSequentialModel
+from zerofit.engine.model.groups import resolve_groups
+from zerofit.engine.model.materialize import (
     build_units,
     model_shape,
     param_table,
     release_originals,
     warn_low_precision_trained,
 )
-from zerofit.engine.nf4 import BaseNF4
-from zerofit.engine.offload_states import OffloadStates
-from zerofit.engine.plan import Plan
-from zerofit.engine.planning import (
+from zerofit.engine.model.nf4 import BaseNF4
+from zerofit.engine.model.startup import Startup
+from zerofit.engine.plan.engine_plan import (
     DTYPES,
     LEARN_WINDOW,
     Planning,
@@ -62,21 +64,19 @@ from zerofit.engine.planning import (
     split_wanted,
     world_size,
 )
-from zerofit.engine.ranks import Ranks
-from zerofit.engine.rendezvous import named_barrier, wait_s
-from zerofit.engine.schedule import Schedule
-from zerofit.engine.sharding import Sharding
-from zerofit.engine.startup import Startup
-from zerofit.engine.step import Step
-from zerofit.engine.store import Home, follow_masters
-from zerofit.engine.streamer import Streamer
-from zerofit.engine.timeline import Timeline
+from zerofit.engine.plan.plan import Plan
+from zerofit.engine.step.batch import BatchSpec, check_batch, check_micro_batches, scores_tokens, vocab_of
+from zerofit.engine.step.compute import Compute
+from zerofit.engine.step.hypers import Hypers
+from zerofit.engine.step.optimizer_step import Step
+from zerofit.engine.step.schedule import Schedule
+from zerofit.engine.step.timeline import Timeline
+from zerofit.engine.step.window import Window
 from zerofit.engine.update import split_adamw
-from zerofit.engine.update.device import DeviceUpdates
+from zerofit.engine.update.assisted import DeviceUpdates
 from zerofit.engine.update.host import HostUpdates
 from zerofit.engine.update.speculation import Speculation, Speculator
 from zerofit.engine.update.worker import HostWorker
-from zerofit.engine.window import Window
 
 log = logging.getLogger("zerofit")
 
@@ -193,7 +193,9 @@ class Engine(DeepSpeedSurface):
             seq_len=config.seq_len,  # [Note: room for a learnt window]
             window_room=LEARN_WINDOW if user_loop and config.gradient_accumulation_steps == 1 else 1,
         )
-        self.ranks.use_layout(self.planning.layout, config.nodes_layout)  # [Note: the nodes' layout] (planning.py)
+        self.ranks.use_layout(
+            self.planning.layout, config.nodes_layout
+        )  # [Note: the nodes' layout] (plan/engine_plan.py)
         # [Note: engine lifecycle]: from here on, released exactly once
         self.lifecycle = Lifecycle(self, self.dev, self.ranks)
         self._arenas = self.lifecycle.resources.arenas
@@ -362,7 +364,7 @@ class Engine(DeepSpeedSurface):
 
     @property
     def plan(self) -> Plan:
-        """Where each unit lives and what it costs (planner.py): the placement the buffers were allocated for."""
+        """Where each unit lives and what it costs (plan/search.py): the placement the buffers were allocated for."""
         return self.planning.plan
 
     @property

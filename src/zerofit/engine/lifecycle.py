@@ -66,8 +66,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zerofit.engine.device import Device
-from zerofit.engine.disk import DiskTierError
-from zerofit.engine.store import HostArena
+from zerofit.engine.disk.tier import DiskTierError
+from zerofit.engine.memory.store import HostArena
 from zerofit.engine.update.worker import HostWorker, WorkerError
 
 log = logging.getLogger("zerofit")

@@ -20,10 +20,10 @@ import logging
 
 import torch
 
-from zerofit.engine.adapter import Adapter, NonSequentialModel
-from zerofit.engine.materialize import model_shape, param_table, rebind_params
-from zerofit.engine.planner import PlanError
-from zerofit.engine.planning import Planning
+from zerofit.engine.model.adapter import Adapter, NonSequentialModel
+from zerofit.engine.model.materialize import model_shape, param_table, rebind_params
+from zerofit.engine.plan.engine_plan import Planning
+from zerofit.engine.plan.search import PlanError
 
 log = logging.getLogger("zerofit")
 

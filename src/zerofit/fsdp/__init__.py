@@ -149,7 +149,7 @@ class FullyShardedDataParallel(nn.Module):
             ignored_states=ignored_states,
         )
         strategy = getattr(sharding_strategy, "name", sharding_strategy)
-        # [Note: the nodes' layout] (engine/planning.py): FSDP's words for the layouts on several nodes
+        # [Note: the nodes' layout] (engine/plan/engine_plan.py): FSDP's words for the layouts on several nodes
         layout = (
             "hybrid"
             if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")

@@ -362,7 +362,7 @@ def check_model(model) -> None:
         raise UnsupportedArgumentError(
             "Trainer(model=...)", type(model).__name__, "zerofit trains an nn.Module", "pass the model"
         )
-    # parameters with requires_grad=False stay as they are ([Note: frozen parameters], engine/store.py)
+    # parameters with requires_grad=False stay as they are ([Note: frozen parameters], engine/memory/store.py)
 
 
 # ------------------------------------------------------------------------------------------ the config

@@ -9,7 +9,7 @@ Three small objects stand where the Trainer expects a model, an optimizer and a 
   ``sync_gradients``) ``engine.step()``, as accelerate's own DeepSpeed wrapper does: the step, clipping
   included, is taken there, so the gradient norm is known when the Trainer asks for it;
 * :class:`EngineOptimizer` (``step()`` and ``zero_grad()`` have nothing left to do) and
-  :class:`EngineSchedule`: the engine's one optimizer and scheduler view (engine/views.py), reporting each
+  :class:`EngineSchedule`: the engine's one optimizer and scheduler view (engine/faces/views.py), reporting each
   parameter group's lr, betas, eps and weight decay as the engine applies them.
 
 Checkpoints: each ``checkpoint-N`` folder gets the model (``engine.save_pretrained``, loadable by
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zerofit.engine.views import OptimizerView, SchedulerView
+from zerofit.engine.faces.views import OptimizerView, SchedulerView
 from zerofit.hf.arguments import check_arguments, check_model, check_trainer, zerofit_config
 
 log = logging.getLogger("zerofit")
@@ -77,7 +77,7 @@ class EngineModel(nn.Module):
 
 
 class EngineOptimizer(OptimizerView):
-    """The Trainer's ``optimizer``: the engine's one optimizer view (engine/views.py: each parameter group's lr,
+    """The Trainer's ``optimizer``: the engine's one optimizer view (engine/faces/views.py: each parameter group's lr,
     betas, eps and weight decay of the next step, as the engine applies them), stepped by the engine at the
     accumulation boundary, inside ``backward``: ``step()`` and ``zero_grad()`` have nothing left to do."""
 
@@ -99,7 +99,7 @@ class EngineOptimizer(OptimizerView):
 
 class EngineSchedule(SchedulerView):
     """The Trainer's ``lr_scheduler``: ``get_last_lr()`` is each group's lr of the step just taken until ``step()``
-    moves it to the next one, as ``LambdaLR`` does; both are the engine's own (the view's, engine/views.py)."""
+    moves it to the next one, as ``LambdaLR`` does; both are the engine's own (the view's, engine/faces/views.py)."""
 
     def __init__(self, engine) -> None:
         super().__init__(engine.hypers, OptimizerView(engine.hypers, engine.adapter.model))
@@ -233,7 +233,7 @@ class ZerofitTrainerMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The Trainer fetches an optimizer step's micro-batches up front: remember them, so that the window's
         first training_step can announce them to the engine ([Note: a window's forwards at once],
-        engine/window.py)."""
+        engine/step/window.py)."""
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._zerofit_window = list(samples)
         return samples, num_items

@@ -1,7 +1,7 @@
 """Generation's weights on the disk, when host memory cannot hold every block's 16-bit weights.
 
 The blocks that do not fit ``max_host_memory`` are written once, at load, into a swap file under the NVMe
-path (the training engine's :class:`~zerofit.engine.disk.SwapFile`: preallocated, flock-held, direct I/O on
+path (the training engine's :class:`~zerofit.engine.disk.tier.SwapFile`: preallocated, flock-held, direct I/O on
 a thread pool, removed at close), each block 4 KiB-aligned. Their parameters view the file's mapping while
 idle. A streamed block on the disk is read into one of two page-locked staging buffers ahead of its turn,
 in the upload cycle's order ([Note: the upload cycle], engine.py), then uploaded from there like a host
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from zerofit.engine.device import pin
-from zerofit.engine.swapfile import SwapFile, align_up, aligned_empty
+from zerofit.engine.disk.swapfile import SwapFile, align_up, aligned_empty
 
 
 class DiskBlocks:

@@ -70,11 +70,11 @@ from torch import nn
 
 from zerofit.checkpoint.export import export_dtype
 from zerofit.config.schema import parse_bytes
-from zerofit.engine.adapter import Adapter
 from zerofit.engine.device import Device
-from zerofit.engine.materialize import init_buffers, param_table
-from zerofit.engine.planner import fmt_bytes
-from zerofit.engine.store import HostArena
+from zerofit.engine.memory.store import HostArena
+from zerofit.engine.model.adapter import Adapter
+from zerofit.engine.model.materialize import init_buffers, param_table
+from zerofit.engine.plan.search import fmt_bytes
 from zerofit.infer.plan import RESERVE, InferencePlanError, InferPlan, InferShape, plan_inference
 
 ALIGN = 64  # elements: every parameter view starts on a 128-byte boundary in 16-bit
@@ -265,7 +265,7 @@ class InferenceEngine:
         """The blocks whose weights go to the disk: none when they all fit ``max_host_memory`` (by default, for
         a model read from files, the training engine's: the available memory less a tenth); else those
         beyond it, the blocks a batch-1 plan streams kept in host memory first (they cross every token)."""
-        from zerofit.engine.planning import default_host_budget
+        from zerofit.engine.plan.engine_plan import default_host_budget
 
         elem, n = self.shape.elem, len(sizes)
         total = sum(sizes) * elem
@@ -563,7 +563,7 @@ class InferenceEngine:
 
     def __del__(self):
         # the swap file is removed with the engine (a process that dies leaves it to the next run, which
-        # removes it: [Note: swap files are reused, never leaked], engine/swapfile.py)
+        # removes it: [Note: swap files are reused, never leaked], engine/disk/swapfile.py)
         disk = getattr(self, "_disk", None)
         if disk is not None:
             try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zerofit.engine.planner import PlanError, fmt_at_least, fmt_bytes
+from zerofit.engine.plan.search import PlanError, fmt_at_least, fmt_bytes
 
 MiB = 2**20
 RESERVE = 384 * MiB  # the allocator's rounding and fragmentation, cuBLAS workspaces

@@ -30,7 +30,7 @@ def fingerprint(engine) -> str:
         q = u.nf4.names if u.nf4 is not None else []
         for n, shape, off in zip(u.frozen.names, u.frozen.shapes, u.frozen.offsets):
             numel = math.prod(shape)
-            if n in q:  # [Note: an NF4 base] (engine/nf4.py): its packed codes
+            if n in q:  # [Note: an NF4 base] (engine/model/nf4.py): its packed codes
                 data = u.nf4.packed(q.index(n)).data
                 h.update(f"{prefix}{n}:{tuple(shape)}:nf4;".encode())
                 idx = torch.linspace(0, data.numel() - 1, min(SAMPLES, data.numel())).long()

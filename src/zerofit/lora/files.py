@@ -68,7 +68,7 @@ def save_adapter(engine, out_dir: Path | str) -> Path:
 def merged_entries(model: nn.Module, dtype: torch.dtype, dequantized: dict | None = None):
     """The merged model's tensors (the base model's names, tied ones once), each computed when written.
     ``dequantized``: name -> a function giving the fp32 value of a base weight held in NF4 (the module's is on
-    the meta device: [Note: an NF4 base], engine/nf4.py)."""
+    the meta device: [Note: an NF4 base], engine/model/nf4.py)."""
     from peft.tuners.lora import LoraLayer
 
     from zerofit.checkpoint.format import Entry

@@ -68,7 +68,7 @@ def merge_into_base(
     said: list | None = None,
 ) -> Path:
     """``nf4``: the adapter was trained over the base's linears in NF4 (a QLoRA run, in that precision): it is
-    merged into those weights dequantized, the base it trained over ([Note: an NF4 base], engine/nf4.py). A base
+    merged into those weights dequantized, the base it trained over ([Note: an NF4 base], engine/model/nf4.py). A base
     folder saved in 4 bits ([Note: a 4-bit folder]) is dequantized into ``precision`` (the run's; its linears as
     the run computed with them) and the merged model written in 16 bits; ``said`` gets a line saying so."""
     from peft import PeftModel
@@ -147,7 +147,7 @@ def dequantized_folder(md, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from zerofit.engine.nf4 import UnitNF4
+    from zerofit.engine.model.nf4 import UnitNF4
     from zerofit.models.directory import load_tensor
 
     config = copy.deepcopy(md.config)
@@ -187,8 +187,8 @@ def _dequantized_base(model, dtype: torch.dtype) -> None:
     """Each linear weight of the blocks as the QLoRA run held it: quantized from ``dtype``, dequantized."""
     from torch import nn
 
-    from zerofit.engine.adapter import Adapter
-    from zerofit.engine.nf4 import round_trip
+    from zerofit.engine.model.adapter import Adapter
+    from zerofit.engine.model.nf4 import round_trip
 
     with torch.no_grad():
         for block in Adapter(model, "auto").blocks:

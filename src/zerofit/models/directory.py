@@ -181,7 +181,7 @@ class ModelDir:
             raise ModelDirError(str(e)) from None
 
     def packed(self, names: list[str], shape: tuple):
-        """The 4-bit weight known as ``names`` as stored (:class:`~zerofit.engine.nf4.Packed`), checked."""
+        """The 4-bit weight known as ``names`` as stored (:class:`~zerofit.engine.model.nf4.Packed`), checked."""
         from zerofit.models.quantized import QuantizedFolderError, read_packed
 
         try:

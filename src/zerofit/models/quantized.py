@@ -7,7 +7,7 @@ transformers writes each quantized linear's weight as its packed codes (two a by
 with double quantization, else fp32), ``.quant_map`` (the 4-bit code's 16 values), with double quantization
 ``.nested_absmax`` and ``.nested_quant_map`` (the scales' fp32 scales and 8-bit map), and
 ``.quant_state.bitsandbytes__nf4`` (or ``__fp4``): a JSON of quant_type, blocksize, dtype, shape and the nested
-offset. These are taken byte for byte into the engine's 4-bit base ([Note: an NF4 base], engine/nf4.py): nothing
+offset. These are taken byte for byte into the engine's 4-bit base ([Note: an NF4 base], engine/model/nf4.py): nothing
 is dequantized and quantized again. config.json's ``quantization_config`` gives the form (NF4 or FP4, double
 quantization or not) before any weight file is read, so ``zerofit estimate`` plans from it alone; each tensor's
 own quant state is checked against it and against the model's shape as it is read. Other quantizations (8-bit,
@@ -99,7 +99,7 @@ def check_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict
     alone (no codes read): its state's shape is the model's ``shape``, each piece is there with the dtype and size
     that shape and the blocksize give, the form is the config's. Returns the state (quant_type, blocksize, nested
     offset) and the pieces' keys."""
-    from zerofit.engine.nf4 import BLOCK2
+    from zerofit.engine.model.nf4 import BLOCK2
 
     key = state_key(weights, info.name)
     where = f"{info.file}: {info.name!r}"
@@ -169,9 +169,9 @@ def check_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict
 
 
 def read_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict | None = None):
-    """The 4-bit weight stored as ``info`` with its quant state, as a :class:`~zerofit.engine.nf4.Packed`,
+    """The 4-bit weight stored as ``info`` with its quant state, as a :class:`~zerofit.engine.model.nf4.Packed`,
     checked first (:func:`check_packed`)."""
-    from zerofit.engine.nf4 import Packed
+    from zerofit.engine.model.nf4 import Packed
 
     st = check_packed(weights, info, shape, form, fds)
 

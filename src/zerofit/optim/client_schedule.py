@@ -1,8 +1,9 @@
 """Learning rates that are not one formula of the step for all groups: a client's own torch scheduler, and
 DeepSpeed's per-group and per-step settings (OneCycle's betas, its broadcast lrs).
 
-``Hypers.for_step`` (engine/hypers.py) asks :func:`engine_hypers` first; ``None`` leaves it to its own rule
-([Note: group learning rates], engine/hypers.py). The methods take the engine's :class:`~zerofit.engine.hypers.Hypers`
+``Hypers.for_step`` (engine/step/hypers.py) asks :func:`engine_hypers` first; ``None`` leaves it to its own rule
+([Note: group learning rates], engine/step/hypers.py). The methods take the engine's
+:class:`~zerofit.engine.step.hypers.Hypers`
 (``engine.hypers``: the step count the values follow).
 
 [Note: a client scheduler drives the engine's lr]

@@ -29,7 +29,7 @@ def first_step_note(device: torch.device | str) -> str:
 
 def kernel_build_note(config: ZerofitConfig, device: torch.device | str) -> str | None:
     """A line to print before ``zerofit.initialize`` when it will compile the split AdamW kernel, else None."""
-    from zerofit.engine.planning import needs_norm, split_wanted
+    from zerofit.engine.plan.engine_plan import needs_norm, split_wanted
     from zerofit.engine.update import split_adamw
 
     deferred = needs_norm(config)  # the engine's deferred updates

@@ -41,7 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from zerofit.config import LoadedConfig, load_config, load_with_defaults
-from zerofit.engine.planner import fmt_bytes, fmt_count
+from zerofit.engine.plan.search import fmt_bytes, fmt_count
 from zerofit.train.metrics import Metrics
 from zerofit.train.options import TrainOptions
 from zerofit.train.progress import first_step_note, kernel_build_note
@@ -147,7 +147,7 @@ def run_training(opts: TrainOptions, console: Console | None = None, *, run_lock
     KeyboardInterrupt); one that lets the step finish returns the result, ``interrupted``."""
     console = console or Console()
     # several ranks: rank 0 holds the folder for all of them (the others write only below it, ranks/rankN/)
-    from zerofit.engine import slurm
+    from zerofit.engine.distributed import slurm
 
     slurm.adopt()  # under srun: SLURM's variables as torchrun's ([Note: srun is a launcher too])
     rank = int(os.environ.get("RANK", "0"))
@@ -276,8 +276,8 @@ def _nf4_bytes(engine) -> int:
 
 def _load_with_progress(console: Console, opts: TrainOptions, loaded: LoadedConfig):
     """The engine (:func:`_build_engine`), a progress bar on screen while its model is read, built or quantized
-    ([Note: start-up progress], engine/startup.py)."""
-    from zerofit.engine.startup import listen
+    ([Note: start-up progress], engine/model/startup.py)."""
+    from zerofit.engine.model.startup import listen
 
     what = "quantize" if opts.lora is not None and opts.lora.qlora else "load"
     bar = Progress(
@@ -318,7 +318,7 @@ def _build_engine(opts: TrainOptions, loaded: LoadedConfig):
 
     model, source = from_model_dir(opts.model, opts.lora, seed=loaded.config.seed)
     config = loaded.config
-    if opts.lora.qlora:  # [Note: an NF4 base] (engine/nf4.py): quantized as the files are read
+    if opts.lora.qlora:  # [Note: an NF4 base] (engine/model/nf4.py): quantized as the files are read
         config = config.model_copy(update={"quantize_base": "nf4"})
     return Engine(model, config, report=loaded.report, source=source)
 
@@ -469,7 +469,7 @@ def _print_start(
     cfg = loaded.config
     s = data.stats
     params = sum(u.numel for u in engine.units)
-    frozen = sum(u.frozen_numel for u in engine.units)  # [Note: frozen parameters] (engine/store.py)
+    frozen = sum(u.frozen_numel for u in engine.units)  # [Note: frozen parameters] (engine/memory/store.py)
     counts = (
         f"{fmt_count(params + frozen)} parameters, {fmt_count(params)} trained, {fmt_count(frozen)} frozen in "
         f"{cfg.precision}"

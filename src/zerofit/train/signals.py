@@ -21,7 +21,7 @@ for the life of :func:`zerofit.train.run_training`, in three phases:
   finish pending updates and copy weights back), so its resources are released by the engine's finalizer
   as the process exits: the CPU optimizer thread stops after its current task, the swap file is removed. A
   third signal exits at once (``os._exit``); the swap file is then left for the next run in that folder,
-  which removes it ([Note: swap files are reused, never leaked], engine/disk.py).
+  which removes it ([Note: swap files are reused, never leaked], engine/disk/tier.py).
 
 Signal handlers can only be installed from the main thread; elsewhere (a run started from a thread) the
 process's own handlers stay.

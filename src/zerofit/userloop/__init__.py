@@ -64,7 +64,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from zerofit.engine.plan import PlanError
+from zerofit.engine.plan.plan import PlanError
 
 log = logging.getLogger("zerofit")
 

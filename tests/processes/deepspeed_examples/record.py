@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     out, rest = argv[0], argv[1:]
     os.makedirs(out, exist_ok=True)
     import zerofit.deepspeed as zds
-    from zerofit.engine.deepspeed_surface import DeepSpeedSurface
+    from zerofit.engine.faces.deepspeed_surface import DeepSpeedSurface
     from zerofit.engine.engine import Engine
 
     losses, calls, initial, engines = [], [], {}, []

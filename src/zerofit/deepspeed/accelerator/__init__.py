@@ -32,7 +32,7 @@ import os
 import torch
 
 from zerofit.deepspeed.names import refusing_getattr
-from zerofit.engine.deepspeed_names import DeepSpeedUnsupported, UnsupportedAttribute
+from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported, UnsupportedAttribute
 
 __all__ = [
     "get_accelerator",

@@ -37,7 +37,7 @@ import torch.distributed as tdist
 
 from zerofit.deepspeed import init_distributed
 from zerofit.deepspeed.names import refusing_getattr
-from zerofit.engine.deepspeed_names import ONE_PROCESS
+from zerofit.engine.faces.deepspeed_names import ONE_PROCESS
 
 __all__ = [
     "ReduceOp",

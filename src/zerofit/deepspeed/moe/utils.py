@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from zerofit.deepspeed.names import REFUSED_MODULES
-from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
+from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported
 
 __all__ = [
     "has_moe_layers",

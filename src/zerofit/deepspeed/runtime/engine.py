@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from zerofit.deepspeed import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable
 from zerofit.deepspeed.names import refusing_getattr
-from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
+from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedOptimizerCallable", "DeepSpeedSchedulerCallable"]
 

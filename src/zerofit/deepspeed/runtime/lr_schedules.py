@@ -17,8 +17,8 @@ schedule in the config, or pass a torch scheduler over the client optimizer as `
 
 from __future__ import annotations
 
-from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
-from zerofit.engine.deepspeed_views import DeepSpeedScheduler
+from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported
+from zerofit.engine.faces.deepspeed_views import DeepSpeedScheduler
 
 LR_SCHEDULE = "lr_schedule"
 LR_RANGE_TEST = "LRRangeTest"

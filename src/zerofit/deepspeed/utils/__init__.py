@@ -7,7 +7,7 @@ from __future__ import annotations
 from zerofit.deepspeed.names import REFUSED_MODULES, refusing_getattr
 from zerofit.deepspeed.utils.logging import log_dist, log_dist_once, logger, print_json_dist, set_log_level_from_string
 from zerofit.deepspeed.utils.module_utils import recursive_getattr, recursive_setattr
-from zerofit.engine.deepspeed_names import ONE_PROCESS
+from zerofit.engine.faces.deepspeed_names import ONE_PROCESS
 
 __all__ = [
     "logger",

@@ -1,7 +1,7 @@
 """``deepspeed.runtime.zero.offload_config``: DeepSpeed's offload enums (``OffloadDeviceEnum``,
 ``OffloadStateTypeEnum``), for scripts that name them. zerofit's offload is set by the config
 (docs/config.md); the engine's ``offload_states(include=..., device=OffloadDeviceEnum.cpu)`` and
-``reload_states()`` take these (zerofit/engine/offload_states.py)."""
+``reload_states()`` take these (zerofit/engine/faces/offload_states.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ process ever holds the whole model. zerofit has one process and its own storage:
 *parameter* is created on the meta device (no memory), while buffers (rotary tables, masks) are computed
 for real as the model's ``__init__`` computes them. ``zerofit.deepspeed.initialize`` then materializes the
 parameters unit by unit into the engine's own buffers, initialized by the model's ``_init_weights`` (Hugging
-Face models) or each module's ``reset_parameters`` (zerofit/engine/materialize.py).
+Face models) or each module's ``reset_parameters`` (zerofit/engine/model/materialize.py).
 
 Of ``Init``'s arguments, those that only say where DeepSpeed keeps its partitions or how it allocates them
 are accepted and ignored (``remote_device``, ``pin_memory``, ``mem_efficient_linear``, ``config_dict_or_path``
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from zerofit.deepspeed.names import refusing_getattr
-from zerofit.engine.deepspeed_names import ONE_PROCESS, DeepSpeedUnsupported
+from zerofit.engine.faces.deepspeed_names import ONE_PROCESS, DeepSpeedUnsupported
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from zerofit.engine.store import Unit
+from zerofit.engine.memory.store import Unit
 from zerofit.engine.update import split_adamw
 from zerofit.engine.update.adamw import Hyper
 from zerofit.engine.update.speculation import Speculation

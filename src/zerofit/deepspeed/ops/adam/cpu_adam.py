@@ -10,7 +10,7 @@ the parameters' dtype) is refused by name, with ``amsgrad=True`` and ``bias_corr
 from __future__ import annotations
 
 from zerofit.deepspeed.ops.adam.fused_adam import DeepSpeedAdam
-from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
+from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported
 
 
 class DeepSpeedCPUAdam(DeepSpeedAdam):

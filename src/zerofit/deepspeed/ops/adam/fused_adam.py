@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
+from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported
 
 
 class DeepSpeedAdam(torch.optim.Adam):

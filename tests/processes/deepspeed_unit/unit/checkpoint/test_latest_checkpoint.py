@@ -16,7 +16,7 @@ from unit.common import DistributedTest
 from unit.simple_model import *
 
 from unit.checkpoint.common import checkpoint_correctness_verification
-from zerofit.engine.deepspeed_surface import DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute  # port: xfail marks
+from zerofit.engine.faces.deepspeed_surface import DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute  # port: xfail marks
 _NO_LR_STATES = pytest.mark.xfail(strict=True, raises=DeepSpeedUnsupported, reason="load_checkpoint(load_lr_scheduler_states=False) is refused: "
                                   "zerofit's lr schedule is a function of the restored step count")
 

@@ -29,7 +29,7 @@ from unit.checkpoint.common import *
 import pytest
 
 
-from zerofit.engine.deepspeed_surface import DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute  # port: xfail marks
+from zerofit.engine.faces.deepspeed_surface import DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute  # port: xfail marks
 _NO_LR_STATES = pytest.mark.xfail(strict=True, raises=DeepSpeedUnsupported, reason="load_checkpoint(load_lr_scheduler_states=False) is refused: "
                                   "zerofit's lr schedule is a function of the restored step count")
 

@@ -43,7 +43,7 @@ def test_start_method_safety(method):
 
 
 from zerofit.config import ConfigError  # port: xfail marks
-from zerofit.engine.deepspeed_surface import DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute  # port: xfail marks
+from zerofit.engine.faces.deepspeed_surface import DeepSpeedAssertion, DeepSpeedUnsupported, UnsupportedAttribute  # port: xfail marks
 _STAGE0_OFFLOAD = pytest.mark.xfail(strict=True, raises=ConfigError, reason="zerofit's config refuses zero_optimization.offload_param with "
                                      "stage 0 (ConfigError), where DeepSpeed 0.19.8 accepts and ignores it")
 

@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 import torch
 
-from zerofit.engine.store import Home, Unit
-from zerofit.engine.torch_clip import TorchClip
+from zerofit.engine.memory.store import Home, Unit
+from zerofit.engine.step.torch_clip import TorchClip
 from zerofit.engine.update.host import MOMENTS_LAST, SPECULATE_FIRST
 from zerofit.engine.update.speculation import Speculation
 from zerofit.engine.update.unit_adamw import unit_adamw

@@ -4,10 +4,10 @@
 2. forward, block by block; each block runs *all* micro-batches while its weights are on the device, keeping
    each micro-batch's block input as its checkpoint (activations.py; no autograd graph is kept);
 3. post pass (final norm, head, loss) and its backward, per micro-batch (over token chunks: [Note: a smaller GPU
-   floor], planner.py);
+   floor], plan/search.py);
 4. backward, block by block in reverse: recompute each micro-batch's block from its checkpoint and
    backpropagate, the block's fp32 gradient summed over the micro-batches on the device and handed to the step
-   (step.py) as soon as it is complete;
+   (step/optimizer_step.py) as soon as it is complete;
 5. backward of the pre pass into the shell's gradient.
 
 [Note: checkpoints every k blocks]
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerofit.engine.adapter import PreResult, backward_into, loss_of, post_in_chunks
-from zerofit.engine.planner import CKPT_AHEAD
-from zerofit.engine.store import Unit
+from zerofit.engine.memory.store import Unit
+from zerofit.engine.model.adapter import PreResult, backward_into, loss_of, post_in_chunks
+from zerofit.engine.plan.search import CKPT_AHEAD
 
 log = logging.getLogger("zerofit")
 
@@ -314,7 +314,7 @@ class Schedule:
 
     def chunked_loss_works(self, hidden: int, dtype: torch.dtype) -> bool:
         """Whether the model's head and loss run on a chunk of the final hidden state ([Note: a smaller GPU
-        floor], planner.py): tried once, on 4 tokens, with the shell's own device weights. A model that reshapes
+        floor], plan/search.py): tried once, on 4 tokens, with the shell's own device weights. A model that reshapes
         the hidden state by the input's length after its blocks (GPT-2) fails it."""
         if not (self.adapter.streaming and self.adapter.chunkable_loss):
             return False

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from zerofit.engine.store import Unit
+from zerofit.engine.memory.store import Unit
 
 
 class TorchClip:

@@ -4,9 +4,10 @@ A streamed unit's gradient is summed in fp32 in a device slot of the gradient po
 over the micro-batches ([Note: slot reuse], store.py); a resident unit's in its own buffer. A host-optimized
 unit's complete gradient goes down on the download stream into a pinned staging buffer the CPU worker takes
 its update from, or, with deferred updates, into the unit's host buffer where it waits for the global norm.
-Which of these happens to a complete gradient is the step's decision (step.py); this part holds the buffers,
+Which of these happens to a complete gradient is the step's decision (step/optimizer_step.py); this part holds the
+buffers,
 the squared norms that come down with them, and the running count of non-finite gradients ([Note: non-finite
-gradients without a norm], step.py).
+gradients without a norm], step/optimizer_step.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import torch
 
 from zerofit.engine.device import Device
-from zerofit.engine.store import Home, HostArena, SlotPool, Unit
+from zerofit.engine.memory.store import Home, HostArena, SlotPool, Unit
 
 
 class Grads:
@@ -98,7 +99,7 @@ class Grads:
 
     def flag(self, unit: Unit, grad: torch.Tensor) -> None:
         """Count ``grad`` (on the device, compute stream) into the step's running count of non-finite gradients
-        and snapshot the count for ``unit``: [Note: non-finite gradients without a norm], step.py."""
+        and snapshot the count for ``unit``: [Note: non-finite gradients without a norm], step/optimizer_step.py."""
         bad = torch.isfinite(grad.sum()).logical_not()
         torch.maximum(self.bad_run, bad.to(self.bad_run.dtype), out=self.bad_run)
         k = unit.index + 1

@@ -22,8 +22,8 @@ import contextlib
 import torch
 
 from zerofit.engine.device import Device
-from zerofit.engine.node_slices import NodeSlices
-from zerofit.engine.store import Home, Unit
+from zerofit.engine.distributed.node_slices import NodeSlices
+from zerofit.engine.memory.store import Home, Unit
 
 
 class Sharding:

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerofit.engine.adapter import Adapter
-from zerofit.engine.disk import frozen_key
-from zerofit.engine.node_slices import free_outside, sliced
-from zerofit.engine.planner import ModelShape, Plan
-from zerofit.engine.startup import Startup
-from zerofit.engine.store import FlatLayout, Home, HostArena, Unit
+from zerofit.engine.disk.tier import frozen_key
+from zerofit.engine.distributed.node_slices import free_outside, sliced
+from zerofit.engine.memory.store import FlatLayout, Home, HostArena, Unit
+from zerofit.engine.model.adapter import Adapter
+from zerofit.engine.model.startup import Startup
+from zerofit.engine.plan.search import ModelShape, Plan
 
 
 @dataclass
@@ -73,7 +73,7 @@ def model_shape(
 ) -> ModelShape:
     """The planner's view of the model: each unit's trained and frozen parameter counts and the widths.
     ``frozen``: the canonical names not trained (None: those with ``requires_grad=False``); ``nf4``: the
-    :class:`~zerofit.engine.nf4.BaseNF4` of the ones held in 4 bits ([Note: an NF4 base])."""
+    :class:`~zerofit.engine.model.nf4.BaseNF4` of the ones held in 4 bits ([Note: an NF4 base])."""
     if frozen is None:
         frozen = frozenset(n for n, p in table.canonical.items() if not p.requires_grad)
     numels = [sum(table.canonical[n].numel() for n in names if n not in frozen) for names in table.unit_names]
@@ -148,7 +148,7 @@ def build_units(
     shards it there, so that one unit's whole state at most exists at a time).
     ``frozen``: canonical names of the parameters that are not trained; each unit keeps them apart, in its
     ``frozen`` layout and ``frozen_host`` buffer ([Note: frozen parameters], store.py); of those, the ones in
-    ``nf4`` (a :class:`~zerofit.engine.nf4.BaseNF4`) are held in 4 bits, after the 16-bit ones in the layout, in
+    ``nf4`` (a :class:`~zerofit.engine.model.nf4.BaseNF4`) are held in 4 bits, after the 16-bit ones in the layout, in
     the unit's ``nf4`` buffer ([Note: an NF4 base], nf4.py). ``startup``: counts the parameters done and the
     seconds of each phase as they go ([Note: start-up progress], startup.py)."""
     canon = table.canonical
@@ -182,7 +182,7 @@ def build_units(
     # With assisted updates the moments of the device-updated blocks are copied too: pin them as well
     # (a pageable copy runs at a seventh of the speed and blocks the host).
     assisted = [i - 1 in plan.assisted_blocks for i in range(len(sizes))]
-    assisted[0] = plan.assisted_shell  # the shell too ([Note: assisted updates in the backward], update/device.py)
+    assisted[0] = plan.assisted_shell  # the shell too ([Note: assisted updates in the backward], update/assisted.py)
     many = ranks is not None and ranks.many
     writer = not many or ranks.local_rank == 0
     if many:  # every host unit's moments in the shared arena (zeros as mapped): the state is held once

@@ -1,7 +1,7 @@
 """A plan and what it is made from: the model's and the batch's shapes, the placement the planner chose
 (:class:`Plan`: where each unit lives, its predicted bytes, in words with :meth:`Plan.describe`), and the
-refusal when none fits (:class:`PlanError`). The planner itself is planner.py; the config and the device it
-plans for, planning.py.
+refusal when none fits (:class:`PlanError`). The planner itself is plan/search.py; the config and the device it
+plans for, plan/engine_plan.py.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class Plan:
     def assisted_shell(self) -> bool:
         """The device also updates the shell, from its gradient, at the end of the backward: immediate updates
         with the assisted updates' buffers and the shell's optimizer on the host ([Note: assisted updates in the
-        backward], update/device.py)."""
+        backward], update/assisted.py)."""
         return self.assisted_updates and not self.deferred_updates and not self.shell_optimizer_on_device
 
     @property
@@ -258,7 +258,7 @@ class Plan:
 
     def disk_traffic(self, shape: ModelShape) -> tuple[int, int]:
         """(bytes read, bytes written) on the disk per optimizer step: every swapped field once each way (the
-        gradient too with deferred updates: [Note: gradients on the disk], step.py)."""
+        gradient too with deferred updates: [Note: gradients on the disk], step/optimizer_step.py)."""
         per = {"moments": 8 + 4 * self.deferred_updates, "all": 12 + 4 * self.deferred_updates}
         n = sum(shape.block_numels[i] * per[m] for i, m in self.disk_blocks)
         # frozen weights on the disk: read for each upload, the forward's and the backward's ([Note: a frozen

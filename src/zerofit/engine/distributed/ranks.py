@@ -80,8 +80,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zerofit.engine import slurm
-from zerofit.engine.rank_failures import _FAILED, RankFailures
+from zerofit.engine.distributed import slurm
+from zerofit.engine.distributed.rank_failures import _FAILED, RankFailures
 
 log = logging.getLogger("zerofit")
 

@@ -3,7 +3,7 @@
 A streamed unit borrows a device weight slot while it computes ([Note: slot reuse], store.py): its upload takes
 a slot (never one the units needed next hold), copies its weights up on the upload stream (the fp32 master cast
 on the device: [Note: fp32 uploads], materialize.py; or its valid 16-bit host copy; or its shard and a gather;
-its pending device update on the way: [Note: assisted updates], update/device.py), and the compute stream waits
+its pending device update on the way: [Note: assisted updates], update/assisted.py), and the compute stream waits
 for it before the first use. Prefetch keeps the next ones uploading. A window of DeepSpeed-shaped forwards keeps
 some blocks in slots carved from the idle gradient buffers ([Note: a window keeps some blocks]).
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from zerofit.engine.disk import frozen_key
-from zerofit.engine.store import Home, Slot, SlotPool, Unit, WeightState
+from zerofit.engine.disk.tier import frozen_key
+from zerofit.engine.memory.store import Home, Slot, SlotPool, Unit, WeightState
 
 
 class Streamer:

@@ -151,7 +151,7 @@ class Adapter:
 
     @property
     def chunkable_loss(self) -> bool:
-        """Whether the head and loss may run over token chunks ([Note: a smaller GPU floor], planner.py): the
+        """Whether the head and loss may run over token chunks ([Note: a smaller GPU floor], plan/search.py): the
         model computes its loss with ``loss_function(..., **kwargs)`` (it then takes already-shifted labels and
         the batch's label count, as Hugging Face causal LMs do), and nothing after the blocks draws random
         numbers (dropout), which chunks would draw differently."""
@@ -256,7 +256,7 @@ def post_in_chunks(
     fork_rng=contextlib.nullcontext,
     weights=contextlib.nullcontext,
 ):
-    """The post pass and its backward over token chunks ([Note: a smaller GPU floor], planner.py): the model's
+    """The post pass and its backward over token chunks ([Note: a smaller GPU floor], plan/search.py): the model's
     own head and loss run on each chunk of the final hidden state ``final`` (detached), with the labels already
     shifted (``shift_labels``) and the micro-batch's whole label count (``num_items_in_batch``), so that each
     chunk's loss is its sum over the count and the chunks add up to the model's mean loss; each chunk's

@@ -169,7 +169,7 @@ class OffloadStates:
     def _buffer(self, nbytes: int, pinned: bool):
         """One host buffer of ``nbytes`` for an offload's copies: a page-locked HostArena (reused from an earlier
         offload of the same size), or pageable memory."""
-        from zerofit.engine.store import HostArena
+        from zerofit.engine.memory.store import HostArena
 
         if not pinned:
             return torch.empty(max(nbytes, 1), dtype=torch.uint8)

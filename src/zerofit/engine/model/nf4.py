@@ -372,7 +372,7 @@ class UnitNF4:
         self.nbytes = at
         # page-locked at its exact size (the caching host allocator would round it up to a power of two: 16%
         # more host memory for a 70B model's blocks), freed with the arena
-        from zerofit.engine.store import HostArena
+        from zerofit.engine.memory.store import HostArena
 
         self._arena = HostArena(at, torch.uint8, pinned)
         self.host = self._arena.tensor[:at]

@@ -17,7 +17,7 @@ before using them. A host slot is rewritten only by the next step's forward, whi
 orders after this step's uploads of it.
 
 Two blocks ahead, not one: a block updated on the device in the backward ([Note: assisted updates in the
-backward], update/device.py) queues its state's chunks on the upload stream right after its compute, and a
+backward], update/assisted.py) queues its state's chunks on the upload stream right after its compute, and a
 checkpoint enqueued one block ahead sat behind them: in a step's trace of a 3B model at an 8 GiB cap, the
 compute waited several ms before each block that followed an assisted one. Two ahead, the next block's
 checkpoint is enqueued before those chunks, and the step got shorter (docs/benchmarks.md, the 3B model at an
@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 
 from zerofit.engine.device import Device
-from zerofit.engine.planner import offloaded_blocks, offloaded_checkpoints
-from zerofit.engine.store import HostArena
+from zerofit.engine.memory.store import HostArena
+from zerofit.engine.plan.search import offloaded_blocks, offloaded_checkpoints
 
 
 class Activations:

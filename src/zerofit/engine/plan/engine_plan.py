@@ -19,9 +19,9 @@ import psutil
 import torch
 
 from zerofit.config.schema import ZerofitConfig
-from zerofit.engine.disk import DiskTier, SwapFile, free_bytes, frozen_key, tier_buffers, tier_chunk
-from zerofit.engine.disk import layout as disk_layout
-from zerofit.engine.planner import (
+from zerofit.engine.disk.tier import DiskTier, SwapFile, free_bytes, frozen_key, tier_buffers, tier_chunk
+from zerofit.engine.disk.tier import layout as disk_layout
+from zerofit.engine.plan.search import (
     SPLIT_FRACTION,
     TIER_BUFFERS,
     BatchShape,
@@ -253,7 +253,7 @@ def world_size() -> int:
     [Note: srun is a launcher too], slurm.py)."""
     import torch.distributed as dist
 
-    from zerofit.engine import slurm
+    from zerofit.engine.distributed import slurm
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -427,7 +427,7 @@ class Planning:
         # their adapters'), and the frozen 16-bit weights of the plan's disk_frozen blocks ([Note: a frozen base on
         # the disk], disk.py): the rest of the frozen weights stays in host memory, which the planner counts
         off = self.config.offload
-        grad = ("grad",) if deferred else ()  # [Note: gradients on the disk], step.py
+        grad = ("grad",) if deferred else ()  # [Note: gradients on the disk], step/optimizer_step.py
         cb = torch.empty((), dtype=DTYPES[self.config.precision]).element_size()
         frozen = [
             (frozen_key(i), -(-self.shape.frozen_host_bytes(cb, [i + 1]) // 4), ("w16",)) for i in plan.disk_frozen

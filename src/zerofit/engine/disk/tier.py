@@ -1,6 +1,6 @@
 """The disk (NVMe) tier: optimizer state that host memory cannot hold, in one preallocated file.
 
-The planner (planner.py) puts the fp32 Adam moments of some streamed blocks, and if host memory is still
+The planner (plan/search.py) puts the fp32 Adam moments of some streamed blocks, and if host memory is still
 short their fp32 master weights too, on the disk: a *swapped* unit. Its state lives in one file under
 ``offload.nvme_path`` (a :class:`SwapFile`), each field of each unit in its own 4 KiB-aligned region, and
 is streamed through a small pool of aligned host buffers around each update (:class:`DiskTier`): read ahead
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerofit.engine.swapfile import (
+from zerofit.engine.disk.swapfile import (
     ALIGN,
     SWAP_GLOB,  # noqa: F401 (re-exported)
     DiskTierError,
@@ -222,7 +222,7 @@ class DiskTier:
         """Chunk ``c`` of unit ``key``: field -> (k,) fp32 host tensor holding the state read from disk.
 
         ``write_only``: those fields only, not read (their contents are the caller's to fill; ``release``
-        writes just them): a gradient stashed on the disk ([Note: gradients on the disk], step.py)."""
+        writes just them): a gradient stashed on the disk ([Note: gradients on the disk], step/optimizer_step.py)."""
         k = (key, c)
         with self._cv:
             while True:

@@ -40,7 +40,7 @@ import os
 
 import torch
 
-from zerofit.engine.store import Home, Unit
+from zerofit.engine.memory.store import Home, Unit
 
 _PAGE = mmap.PAGESIZE
 _MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)

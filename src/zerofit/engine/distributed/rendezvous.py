@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import time
 
-from zerofit.engine.rank_failures import RankFailedError
+from zerofit.engine.distributed.rank_failures import RankFailedError
 
 MODULE_WAIT_S = 30.0
 WAIT_ENV = "ZEROFIT_COLLECTIVE_WAIT_S"

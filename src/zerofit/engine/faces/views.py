@@ -14,7 +14,7 @@ class ParamGroup(dict):
     """One entry of ``optimizer.param_groups``: read-only, since the engine would not see a change."""
 
     def _refuse(self, *args, **kwargs):
-        from zerofit.engine.deepspeed_names import DeepSpeedUnsupported
+        from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported
 
         raise DeepSpeedUnsupported(
             "optimizer.param_groups is read-only in zerofit here: the engine computes each step's lr from the "

@@ -10,8 +10,8 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from zerofit.engine.deepspeed_names import DeepSpeedUnsupported, refuse_attribute
-from zerofit.engine.views import OptimizerView, SchedulerView
+from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported, refuse_attribute
+from zerofit.engine.faces.views import OptimizerView, SchedulerView
 
 log = logging.getLogger("zerofit")
 
@@ -97,7 +97,7 @@ class DeepSpeedOptimizer(OptimizerView):
     @property
     def loss_scaler(self) -> LossScalerView:
         """DeepSpeed's FP16 optimizers' ``loss_scaler``: ``loss_scale`` (= ``cur_scale``) and ``dynamic``."""
-        from zerofit.engine.deepspeed_views import LossScalerView
+        from zerofit.engine.faces.deepspeed_views import LossScalerView
 
         return LossScalerView(self)
 

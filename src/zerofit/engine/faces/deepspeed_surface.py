@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import DataLoader
 
-from zerofit.engine import offload_states as offloading
-from zerofit.engine.batch import check_batch
-from zerofit.engine.deepspeed_names import (
+from zerofit.engine.faces import offload_states as offloading
+from zerofit.engine.faces.deepspeed_names import (
     ONE_PROCESS,  # noqa: F401 (re-exported)
     DeepSpeedAssertion,  # noqa: F401 (re-exported)
     DeepSpeedUnsupported,
@@ -40,10 +39,11 @@ from zerofit.engine.deepspeed_names import (
     deepspeed_hint,
     refuse_attribute,
 )
-from zerofit.engine.deepspeed_views import DeepSpeedOptimizer, DeepSpeedScheduler  # noqa: F401 (their old home)
+from zerofit.engine.faces.deepspeed_views import DeepSpeedOptimizer, DeepSpeedScheduler  # noqa: F401 (their old home)
+from zerofit.engine.step.batch import check_batch
 
 if TYPE_CHECKING:
-    from zerofit.engine.deepspeed_views import ThroughputTimerView
+    from zerofit.engine.faces.deepspeed_views import ThroughputTimerView
 
 log = logging.getLogger("zerofit")
 
@@ -412,7 +412,7 @@ class DeepSpeedSurface:
     def tput_timer(self) -> ThroughputTimerView:
         """DeepSpeed's throughput timer: its epoch and step counters (DeepSpeed-Chat calls
         ``engine.tput_timer.update_epoch_count()`` after each epoch); its timings are engine.timeline()'s."""
-        from zerofit.engine.deepspeed_views import ThroughputTimerView
+        from zerofit.engine.faces.deepspeed_views import ThroughputTimerView
 
         if self.ds.tput_timer is None:
             self.ds.tput_timer = ThroughputTimerView(self)

@@ -16,10 +16,10 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
-from zerofit.engine.adapter import Adapter, block_output
-from zerofit.engine.batch import to_device
 from zerofit.engine.device import Device
-from zerofit.engine.store import Unit
+from zerofit.engine.memory.store import Unit
+from zerofit.engine.model.adapter import Adapter, block_output
+from zerofit.engine.step.batch import to_device
 
 
 class Compute:

@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from zerofit.engine.disk import ALIGN, tier_buffers, tier_chunk
-from zerofit.engine.plan import (
+from zerofit.engine.disk.tier import ALIGN, tier_buffers, tier_chunk
+from zerofit.engine.plan.plan import (
     BatchShape,
     GiB,
     MiB,

@@ -14,7 +14,7 @@ blocks, planned; without room the engine goes on with fp32 uploads.
 [Note: 16-bit copies after the update]
 With immediate updates (no clipping; bf16) a block's update also refreshes its 16-bit copy: the CPU worker
 casts the new master into it right after the block's AdamW (a pass of 6 B/param, during the backward), and a
-block the device updates in the backward ([Note: assisted updates in the backward], update/device.py) casts its
+block the device updates in the backward ([Note: assisted updates in the backward], update/assisted.py) casts its
 new weights there and sends them down with master and moments (2 B/param more, on the download engine). So the
 next window's first forward uploads 16-bit weights too, half the bytes of the fp32 masters, bitwise what the
 device's cast would give (one rounding, to nearest even, on either side). Such a copy is labelled
@@ -23,7 +23,7 @@ makes that label the valid one, and any other move (a rolled-back step, a checkp
 With deferred updates (clipping, fp16) only the device's share does it: its update runs in the next
 window's first forward, after the step moved the epoch, and its copy is labelled with the epoch itself;
 the CPU's deferred updates are on that forward's critical path and add no cast.
-The cast costs the CPU about a third of an AdamW (CAST_SHARE, planner.py), and the CPU already paces the
+The cast costs the CPU about a third of an AdamW (CAST_SHARE, plan/search.py), and the CPU already paces the
 backward (on a 7B model it was busy about as long as the backward computed, and with the casts longer, its
 updates spilling into the next forward: docs/benchmarks.md, the DeepSpeed-shaped loop), so with the copies the device
 takes a larger share of the updates (copies_fraction: 0.375 -> 0.53, unless offload.assisted_fraction is set): the CPU's
@@ -39,8 +39,8 @@ import logging
 
 import torch
 
-from zerofit.engine.planner import PlanError, copies_fraction
-from zerofit.engine.store import Home, HostArena, Unit
+from zerofit.engine.memory.store import Home, HostArena, Unit
+from zerofit.engine.plan.search import PlanError, copies_fraction
 
 log = logging.getLogger("zerofit")
 

@@ -42,8 +42,8 @@ import logging
 
 import torch
 
-from zerofit.engine.batch import check_batch
 from zerofit.engine.lifecycle import EngineState
+from zerofit.engine.step.batch import check_batch
 
 log = logging.getLogger("zerofit")
 

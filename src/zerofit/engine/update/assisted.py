@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import torch
 
-from zerofit.engine.planner import ASSIST_SETS, assist_chunk
-from zerofit.engine.store import HostArena, Unit
+from zerofit.engine.memory.store import HostArena, Unit
+from zerofit.engine.plan.search import ASSIST_SETS, assist_chunk
 from zerofit.engine.update.unit_adamw import unit_adamw
 
 

@@ -4,7 +4,7 @@ Not run directly; each ``bench/engine_<name>.py`` imports it, e.g.::
 
     python bench/engine_plain.py --workload smoke --device cpu --result /tmp/plain.json
 
-The workloads are those of ``shared/bench/WORKLOADS.md``: a Llama-architecture
+The workloads are those of ``bench/WORKLOADS.md``: a Llama-architecture
 model built from its ``LlamaConfig`` (sdpa attention, random initialisation),
 uniform random tokens with ``labels = input_ids``, bf16 compute, AdamW (lr 1e-4,
 weight decay 0.01), activation checkpointing on every decoder layer, 1 warm-up

@@ -3,7 +3,7 @@
 DeepSpeed ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory (the main peer).
 
 Single process (rank 0 of 1 on 127.0.0.1, NCCL). The config is the one of
-``shared/bench/WORKLOADS.md``: bf16, ZeRO stage 3, ``offload_optimizer`` and
+``bench/WORKLOADS.md``: bf16, ZeRO stage 3, ``offload_optimizer`` and
 ``offload_param`` on ``cpu`` with ``pin_memory``, ``overlap_comm``,
 ``contiguous_gradients``, ``stage3_max_live_parameters`` 1e9,
 ``stage3_prefetch_bucket_size`` 5e8, ``stage3_param_persistence_threshold``
@@ -73,7 +73,7 @@ def ds_config(w: common.Workload, bf16: bool = True, offload_param: bool = True,
 
 def infinity(config: dict, nvme: str) -> dict:
     """ZeRO-Infinity: parameters and optimizer state on the NVMe path, with the settings that let it run on
-    W1 here (shared/bench/WORKLOADS.md: the defaults fail with "More elements ... than buffer size" and "Not
+    W1 here (bench/WORKLOADS.md: the defaults fail with "More elements ... than buffer size" and "Not
     enough buffers 0 for swapping 1")."""
     z = config["zero_optimization"]
     z["offload_param"] = {

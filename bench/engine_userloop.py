@@ -2,7 +2,7 @@
 python bench/engine_userloop.py --workload smoke --backend zerofit --device cpu --steps 2      # dry run
 (``--backend torch`` needs a GPU: torch's FSDP refuses a machine without an accelerator)
 
-W7 (shared/bench/WORKLOADS.md): the FSDP1-shaped script users write, run as written on a backend:
+W7 (bench/WORKLOADS.md): the FSDP1-shaped script users write, run as written on a backend:
 
     model = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(LlamaDecoderLayer),
                                      cpu_offload=CPUOffload(offload_params=True),

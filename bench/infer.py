@@ -1,5 +1,5 @@
 """W4: offloaded generation of the 13B shape (bf16) under a GPU cap: zerofit against accelerate's
-``device_map`` offload, each engine in its own process, in one run (``../shared/bench/WORKLOADS.md``).
+``device_map`` offload, each engine in its own process, in one run (``bench/WORKLOADS.md``).
 
     python3 bench/infer.py --out results/w4 [--caps 24GiB,8GiB] [--batches 1,16] [--new-tokens 128]
 

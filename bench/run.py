@@ -1,7 +1,7 @@
 """python3 bench/run.py --workload W1 --engines plain,zerofit,deepspeed,fsdp2 --steps 4 \\
     --fsdp2-steps 2 --cap 24GiB --timeout 300 --budget 540 --out $OUT --commit <sha>
 python3 bench/run.py --workload smoke --engines plain,zerofit --device cpu --steps 2 --out /tmp/b
-python3 bench/run.py --from-json results_W1.json --append-docs   # re-render, into docs/benchmarks/<its date>.md
+python3 bench/run.py --from-json results_W1.json --append-docs   # re-render, into docs/benchmarks/log/<its date>.md
 
 Run one workload for several engines, each in its own process, and tabulate them.
 
@@ -19,7 +19,7 @@ Writes ``OUT/results_<W>.json`` (run metadata and one entry per engine),
 ``OUT/results_<W>.md`` (the section for the benchmark log) and
 ``OUT/log_<W>.txt`` (every engine's output), and prints the table last. With
 ``--append-docs`` the section is appended to the log of the run's day,
-``docs/benchmarks/<YYYY-MM-DD>.md`` (created with its title if new), and the
+``docs/benchmarks/log/<YYYY-MM-DD>.md`` (created with its title if new), and the
 line for docs/benchmarks.md's contents is printed; ``--append-docs FILE``
 appends to FILE instead (a folder: FILE/<YYYY-MM-DD>.md; docs/benchmarks.md
 itself, the index, means the day's log). On the GPU machine the repository is
@@ -441,7 +441,7 @@ def write_outputs(doc: dict, out_dir: str) -> str:
     return md
 
 
-DOCS = os.path.join(REPO, "docs", "benchmarks")  # the dated logs, docs/benchmarks/YYYY-MM-DD.md
+DOCS = os.path.join(REPO, "docs", "benchmarks", "log")  # the dated logs, docs/benchmarks/log/YYYY-MM-DD.md
 
 
 def docs_target(arg: str, doc: dict) -> str:
@@ -468,7 +468,7 @@ def append_docs(md: str, path: str) -> None:
             f.write(
                 f"# Benchmarks: {day}\n\nThe benchmark runs of that day, each appended by `bench/run.py "
                 "--append-docs` as it printed it: date, commit, machine, command and table. "
-                "[docs/benchmarks.md](../benchmarks.md) has the current figures of each workload, the contents "
+                "[docs/benchmarks.md](../../benchmarks.md) has the current figures of each workload, the contents "
                 "of every dated log and what the columns mean.\n"
             )
         f.write("\n" + md)
@@ -481,7 +481,7 @@ def append_docs(md: str, path: str) -> None:
 
         title = md.splitlines()[0].lstrip("# ").strip()
         anchor = [s["anchor"] for s in sections(Path(path)) if s["title"] == title][-1]
-        print(f"its line for docs/benchmarks.md's contents: - [{title}](benchmarks/{day}.md#{anchor})", flush=True)
+        print(f"its line for docs/benchmarks.md's contents: - [{title}](benchmarks/log/{day}.md#{anchor})", flush=True)
 
 
 # --------------------------------------------------------------------------- main
@@ -541,7 +541,7 @@ def parse_args(argv=None):
         const="",
         default=None,
         metavar="FILE",
-        help="append the markdown section to the run's day's log, docs/benchmarks/<YYYY-MM-DD>.md, or to FILE",
+        help="append the markdown section to the run's day's log, docs/benchmarks/log/<YYYY-MM-DD>.md, or to FILE",
     )
     p.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse, if it works)")
     p.add_argument("--python", default=sys.executable, help="interpreter for the engine processes")

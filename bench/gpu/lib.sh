@@ -94,7 +94,7 @@ zf_skip() {
 
 zf_aio() {         # libaio for DeepSpeed's async_io op (ZeRO-Infinity), unpacked from .whl/aio/*.deb
   if ! ls .whl/aio/*.deb >/dev/null 2>&1; then
-    echo "zf_aio: no .whl/aio/*.deb (shared/bench/peer-wheels.sh fetches them): DeepSpeed's NVMe offload will not build"
+    echo "zf_aio: no .whl/aio/*.deb (bench/gpu/peer-wheels.sh fetches them): DeepSpeed's NVMe offload will not build"
     return 0
   fi
   mkdir -p /tmp/aio && for f in .whl/aio/*.deb; do dpkg -x "$f" /tmp/aio; done

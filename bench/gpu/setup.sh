@@ -3,7 +3,7 @@
 #     source bench/gpu/setup.sh; python3 bench/run.py --workload W1 ... --out $OUT
 #
 # (the device call must carry .whl). Installs the wheels in .whl/ (DeepSpeed
-# 0.19.8, pure Python, built by shared/bench/peer-wheels.sh with DS_BUILD_OPS=0;
+# 0.19.8, pure Python, built by bench/gpu/peer-wheels.sh with DS_BUILD_OPS=0;
 # pydantic 2.14.4 and pydantic-core 2.50.5, annotated-types, typing-inspection,
 # typing-extensions, hjson: what DeepSpeed and zerofit need beyond the image)
 # into /tmp/site without touching the image's packages, puts them and the

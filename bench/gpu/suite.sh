@@ -273,7 +273,7 @@ suite_ranks() {
   fi
 }
 
-suite_lora() {     # W6 (shared/bench/WORKLOADS.md): about 15-25 min; run it detached, poll for $OUT/done
+suite_lora() {     # W6 (bench/WORKLOADS.md): about 15-25 min; run it detached, poll for $OUT/done
   if [ "$dry" = 0 ] && ! "$ZF_PYTHON" -c "import peft" >/dev/null 2>&1; then
     zf_skip lora "peft does not import here: put its wheel in .whl (pip download --no-deps peft==0.21.2 -d .whl;" \
       "pure Python) and carry .whl"
@@ -303,7 +303,7 @@ suite_lora() {     # W6 (shared/bench/WORKLOADS.md): about 15-25 min; run it det
   done
 }
 
-suite_userloop() {     # W7 (shared/bench/WORKLOADS.md): FSDP1 with CPU offload is slow: one timed step
+suite_userloop() {     # W7 (bench/WORKLOADS.md): FSDP1 with CPU offload is slow: one timed step
   zf_run w7 580 --workload W1 --engines plain,zerofit-fsdp1-w4,zerofit-fsdp1,fsdp1,fsdp2 --steps 3 --fsdp2-steps 2 \
     --cap 24GiB --engine-args 'plain=--clip 1.0' --engine-timeout fsdp1=300 --engine-timeout fsdp2=300
   zf_trace w7 zerofit-fsdp1-w4 zerofit-fsdp1

@@ -129,7 +129,7 @@ def timed(gen, ids, mask, new_tokens: int) -> dict:
 def pinned_bandwidth(nbytes: int = 1 << 30) -> float:
     """Host-to-device GB/s from page-locked memory, best of 5 copies of ``nbytes`` (``zerofit doctor``'s
     measurement)."""
-    from zerofit.doctor import copy_bandwidth
+    from zerofit.cli.doctor import copy_bandwidth
 
     return round(
         next(

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the working tree's zerofit
 
-from zerofit.doctor import BackgroundCopies  # noqa: E402
+from zerofit.cli.doctor import BackgroundCopies  # noqa: E402
 from zerofit.engine.update.adamw import Hyper, adamw_flat  # noqa: E402
 from zerofit.engine.update.split_adamw import available, master_pass, rest_pass  # noqa: E402
 

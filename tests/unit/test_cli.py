@@ -95,7 +95,7 @@ def test_doctor_json_without_gpu_in_under_30s(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_doctor_table_says_there_is_no_gpu(tmp_path, monkeypatch):
-    from zerofit import doctor
+    from zerofit.cli import doctor
 
     real = doctor.run_doctor
     monkeypatch.setattr(doctor, "run_doctor", lambda disk: real(disk, optimizer_params=1 << 20, disk_bytes=16 << 20))

@@ -10,8 +10,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from zerofit import doctor
-from zerofit.doctor import MiB
+from zerofit.cli import doctor
+from zerofit.cli.doctor import MiB
 
 SMALL = dict(copy_bytes=16 * MiB, optimizer_params=1 * MiB, disk_bytes=16 * MiB)
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

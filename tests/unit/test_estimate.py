@@ -193,8 +193,8 @@ def test_predict_step_adds_up_a_plans_phases_from_the_measured_speeds(monkeypatc
     params/s of CPU AdamW, 8 ms per block and 20 ms of shell per micro-batch): for a plan with assisted updates
     in the backward and the shell's optimizer on the host (the W1-at-8-GiB kind), each phase from its bytes, the
     shell's update on the device, and the step their sum."""
-    import zerofit.doctor as doctor
-    import zerofit.estimate as E
+    import zerofit.cli.doctor as doctor
+    import zerofit.estimate.predict as E
     from zerofit.engine.plan.search import BatchShape, ModelShape, make_plan
 
     n, L, s = 10_000_000, 8, 30_000_000
@@ -287,7 +287,7 @@ def test_the_probes_of_a_qlora_plan_run_its_adapters_over_an_nf4_base():
     from zerofit.config import load_config
     from zerofit.engine.plan.search import BatchShape
     from zerofit.estimate import engine_block_seconds, with_lora
-    from zerofit.estimate_probes import small_twin
+    from zerofit.estimate.probes import small_twin
 
     with torch.device("meta"):
         model = with_lora(LlamaForCausalLM._from_config(tm.llama(layers=6).config, dtype=torch.float32), r=4)
@@ -314,8 +314,8 @@ def _stub_measurements(monkeypatch) -> None:
     """predict_step's measurements, which only a GPU machine makes, stubbed: 8 ms per block and micro-batch, 20 ms
     of shell (17 of them the post pass, 3 the pre pass), 55 GB/s each way and both ways at once, 2.5 G params/s of
     CPU AdamW."""
-    from zerofit import doctor
-    from zerofit import estimate as E
+    from zerofit.cli import doctor
+    from zerofit.estimate import predict as E
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(E, "block_seconds", lambda *args, **kw: E.ComputeProbe(0.008, 0.020, 0.017, 0.003))
@@ -336,10 +336,10 @@ def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(mon
     starts with the backward. Where the backward's last host update is in host memory (the last blocks on the
     disk) the step is the forward and post pass plus the disk's time; where it is on the disk (every block) the
     updates run on into the next forward and the step is the disk's time alone."""
-    from zerofit import estimate as E
     from zerofit.config import load_config
     from zerofit.engine.disk import tier as D
     from zerofit.engine.plan.search import BatchShape, make_plan
+    from zerofit.estimate import predict as E
 
     L, shape, batch = 8, EIGHT_BLOCKS, BatchShape(1, 256, 4)
     k = 3 if on_disk == "last blocks" else L
@@ -376,10 +376,10 @@ def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(mon
 def test_a_disk_bound_step_takes_the_median_disk_test_and_shows_the_range(monkeypatch):
     """[Note: the disk's speed moves]: the disk is tested DISK_TESTS times; the prediction is the median test's,
     and the estimate shows the disk-bound step at the fastest and the slowest test."""
-    from zerofit import estimate as E
     from zerofit.config import load_config
     from zerofit.engine.disk import tier as D
     from zerofit.engine.plan.search import BatchShape, make_plan
+    from zerofit.estimate import predict as E
 
     shape, batch = EIGHT_BLOCKS, BatchShape(1, 256, 4)
     plan = make_plan(
@@ -421,9 +421,9 @@ def test_a_disk_bound_step_takes_the_median_disk_test_and_shows_the_range(monkey
 def test_the_estimate_counts_the_backwards_forwards_with_checkpoints_every_k_blocks(monkeypatch):
     """[Note: checkpoints every k blocks]: the backward reruns the forward of every block but each segment's last,
     and uploads those blocks again: the predicted compute and the backward's upload grow by exactly that."""
-    from zerofit import estimate as E
     from zerofit.config import load_config
     from zerofit.engine.plan.search import BatchShape, make_plan
+    from zerofit.estimate import predict as E
 
     n, shape, batch = 10_000_000, EIGHT_BLOCKS, BatchShape(1, 256, 4)
     _stub_measurements(monkeypatch)
@@ -454,7 +454,7 @@ def test_the_devices_own_updates_count_in_the_step(monkeypatch):
     """The engine's probe times the device's AdamW per parameter (its resident blocks' "optimizer[...]" intervals);
     predict_step counts it for the resident blocks and the shell after the backward (a phase of its own) and for
     the assisted blocks beside the backward's compute."""
-    import zerofit.estimate as E
+    import zerofit.estimate.predict as E
     from zerofit.config import load_config
     from zerofit.engine.plan.search import BatchShape, make_plan
 
@@ -491,7 +491,7 @@ def test_the_devices_own_updates_count_in_the_step(monkeypatch):
 
 @pytest.mark.parametrize("nodes", [1, 2, 3])
 def test_the_bytes_that_cross_the_nodes(nodes):
-    """[Note: what crosses the nodes] (estimate_nodes.py): each node plans as one host. Hybrid (chosen where the state
+    """[Note: what crosses the nodes] (estimate/nodes.py): each node plans as one host. Hybrid (chosen where the state
     fits): every trained gradient element all-reduced across the nodes (a ring's 2 (n-1)/n x 4 bytes per element and
     node); full, beside it: each streamed block's bf16 weights gathered at its two uses, (n-1)/n x 2 B each, the
     host-optimized gradients reduce-scattered, (n-1)/n x 4 B, the shell's weights gathered after its update (here the
@@ -556,10 +556,10 @@ def test_the_step_of_each_layout_and_which_is_faster(monkeypatch):
     layout's gathers after the uploads of the forward and the backward. In bf16 the full layout's gathers (2 B per
     parameter per use) hide under the compute stream's reduce-scatter, half the hybrid's all-reduce, so by this
     model the full layout is the faster at 1000 GB/s and at 1 GB/s alike, and the estimate says so."""
-    from zerofit import estimate as E
-    from zerofit import estimate_nodes as N
     from zerofit.config import load_config
     from zerofit.engine.plan.search import BatchShape, make_plan
+    from zerofit.estimate import nodes as N
+    from zerofit.estimate import predict as E
 
     shape, batch = EIGHT_BLOCKS, BatchShape(1, 256, 4)
     kw = dict(

@@ -81,7 +81,7 @@ def describe(holder: dict | None, same_process: bool = False) -> str:
 def this_command() -> str:
     """This process's command line, as a user would type it (``zerofit train ...`` under the CLI)."""
     argv = list(sys.argv) or ["python"]
-    if Path(argv[0]).name in ("zerofit", "cli.py", "__main__.py") or argv[0].endswith("zerofit/cli.py"):
+    if Path(argv[0]).name in ("zerofit", "commands.py", "__main__.py"):
         argv = ["zerofit", *argv[1:]]
     elif argv[0] == "-c":
         argv = ["python", "-c", "...", *argv[1:]]

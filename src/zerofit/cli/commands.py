@@ -10,10 +10,10 @@
     zerofit deepspeed train.py --deepspeed_config ds.json                       # a DeepSpeed script, unchanged
 
 Each ``train`` option maps onto one config field (or describes the run); the
-logic lives in :mod:`zerofit.demo`, :mod:`zerofit.doctor` and :mod:`zerofit.config`.
+logic lives in :mod:`zerofit.demo`, :mod:`zerofit.cli.doctor` and :mod:`zerofit.config`.
 Exit codes: 0 done, 1 the run failed (or its folder is in use, its checkpoints refused), 2 bad configuration,
 option or path, 130 / 143 a run stopped by Ctrl-C / SIGTERM (docs/cli.md); every error is one line ([Note: one
-line per error], zerofit.cli_errors), its traceback only with ``--debug`` or ZEROFIT_DEBUG=1.
+line per error], zerofit.cli.errors), its traceback only with ``--debug`` or ZEROFIT_DEBUG=1.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from rich.text import Text
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from zerofit import cli_errors
+from zerofit.cli import errors as cli_errors
 from zerofit.demo.options import DemoOptions
 
 _DEFAULT = DemoOptions()
@@ -363,7 +363,7 @@ def train(
 
     slurm.adopt()  # under srun: its tasks are the ranks ([Note: srun is a launcher too])
     if (gpus > 1 or nnodes > 1) and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        from zerofit.launch import relaunch
+        from zerofit.cli.launch import relaunch
 
         raise typer.Exit(relaunch(gpus, nnodes, node_rank, master_addr, master_port))
     if model is None:
@@ -617,10 +617,10 @@ def doctor(
     ] = False,
 ) -> None:
     """Measure GPU, host<->GPU bandwidth, CPU AdamW speed, RAM and disk (under 30 s)."""
-    from zerofit.doctor import run_doctor
+    from zerofit.cli.doctor import run_doctor
 
     if inter_node:
-        from zerofit.doctor import inter_node_bandwidth, inter_node_text
+        from zerofit.cli.doctor import inter_node_bandwidth, inter_node_text
 
         try:
             r = inter_node_bandwidth()
@@ -635,7 +635,7 @@ def doctor(
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return
-    from zerofit.doctor import render
+    from zerofit.cli.doctor import render
 
     render(report, Console())
 

@@ -1,6 +1,6 @@
 """``zerofit estimate``'s compute probes: one block's seconds per micro-batch on this GPU, from two plain models
 of n and 2n blocks (:func:`block_seconds`) and from the engine itself on a 2-block model
-(:func:`engine_block_seconds`); estimate.py's ``predict_step`` takes them."""
+(:func:`engine_block_seconds`); estimate/predict.py's ``predict_step`` takes them."""
 
 from __future__ import annotations
 

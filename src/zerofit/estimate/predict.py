@@ -35,10 +35,10 @@ from pathlib import Path
 import psutil
 import torch
 
-from zerofit import estimate_nodes
 from zerofit.engine.model.adapter import Adapter
 from zerofit.engine.plan.search import BatchShape, ModelShape, Plan, fmt_bytes, fmt_count, recomputed_blocks
-from zerofit.estimate_probes import (
+from zerofit.estimate import nodes as estimate_nodes
+from zerofit.estimate.probes import (
     ComputeProbe,  # noqa: F401 (re-exported)
     EngineProbe,  # noqa: F401 (re-exported)
     _dtype,
@@ -233,7 +233,7 @@ class Estimate:
     inter_node_bytes: int = 0  # per node and step, across the nodes, in the chosen layout
     inter_node_gb_per_s: float | None = None
     layout: str = "hybrid"  # the layout the engine would run on the nodes
-    layouts: dict = field(default_factory=dict)  # name -> LayoutEstimate (estimate_nodes.py), several nodes
+    layouts: dict = field(default_factory=dict)  # name -> LayoutEstimate (estimate/nodes.py), several nodes
     asked: str = "auto"  # the config's nodes_layout
     disk_bytes: int = 0
     disk_traffic: tuple = (0, 0)
@@ -384,7 +384,7 @@ def estimate(
     ``nnodes``: hosts of the run, each with the config's ranks (its ``world_size``): the plan is each node's, in
     the layout the engine would choose ([Note: the nodes' layout], engine/plan/engine_plan.py); both layouts are planned
     beside it (``layouts``), with the bytes that cross the nodes per step ([Note: what crosses the nodes],
-    estimate_nodes.py); ``inter_node_gb_per_s`` gives their time, and where the step is predicted, which layout
+    estimate/nodes.py); ``inter_node_gb_per_s`` gives their time, and where the step is predicted, which layout
     is faster."""
     from zerofit.config import load_config
     from zerofit.engine.model.materialize import model_shape, param_table
@@ -591,7 +591,7 @@ def phase_seconds(
 
     fwd_assist, bwd_assist = (assisted, 0.0) if assisted_in_forward else (0.0, assisted)
     net_fwd, net_bwd, net_grads = (net.gather_fwd, net.gather_bwd, net.grads) if net is not None else (0.0, 0.0, 0.0)
-    # [Note: what crosses the nodes] (estimate_nodes.py): the weight gathers after the uploads on their stream, the
+    # [Note: what crosses the nodes] (estimate/nodes.py): the weight gathers after the uploads on their stream, the
     # gradients' reductions on the compute stream
     bwd_compute = "compute_and_inter_node" if net_grads else "compute"
     phases = {
@@ -630,7 +630,7 @@ def predict_step(
 ) -> StepPrediction:
     """Each resource's seconds per step from this machine's measured speeds, and the step from the phases they
     run in ([Note: the step's phases]; see also the module docstring). ``nodes`` and ``layout``: one node's step
-    of a run on several ([Note: what crosses the nodes], estimate_nodes.py), the bytes across them at
+    of a run on several ([Note: what crosses the nodes], estimate/nodes.py), the bytes across them at
     ``gb_per_s``. ``cache``: the measured speeds, kept for the next call (the other layout's)."""
     cache = {} if cache is None else cache
 
@@ -639,7 +639,7 @@ def predict_step(
             cache[key] = fn()
         return cache[key]
 
-    from zerofit import doctor
+    from zerofit.cli import doctor
     from zerofit.engine.plan.engine_plan import cast_copies, split_updates
 
     pred = StepPrediction()

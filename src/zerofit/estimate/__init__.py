@@ -1,7 +1,7 @@
 """``zerofit estimate``: a plan's GPU, host and disk bytes and its step time, before anything runs.
 
-predict.py builds the model's shape (from a model, a folder's config.json or a named shape), asks the planner and
-predicts the step from measured speeds; probes.py measures those speeds (a block's compute, the engine's own
+predict.py reads the model's shape (from a model, a folder's config.json or a named shape of shapes.py), asks the
+planner and predicts the step from measured speeds; probes.py measures those speeds (a block's compute, the engine's own
 block on a small twin of the model); nodes.py adds what crosses the nodes in a several-node layout."""
 
 from zerofit.estimate.predict import (
@@ -9,10 +9,9 @@ from zerofit.estimate.predict import (
     block_seconds,
     engine_block_seconds,
     estimate,
-    meta_model,
     phase_seconds,
-    with_lora,
 )
+from zerofit.estimate.shapes import meta_model, with_lora
 
 __all__ = [
     "estimate",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import TypeAlias, cast
 
 import torch
 
@@ -48,19 +49,23 @@ class _DoneEvent:
         return True
 
 
+# an event on a stream: a CUDA event on a GPU, a complete stand-in on the CPU
+Event: TypeAlias = "torch.cuda.Event | _DoneEvent"
+
+
 @dataclass
 class Interval:
     """A timed region on one stream (CUDA events) or on the host (perf_counter)."""
 
     phase: str
-    start: object
-    end: object
+    start: float | torch.cuda.Event  # the host's perf_counter, or a timing event on a GPU stream (as ``end``)
+    end: float | torch.cuda.Event
     label: str | None = None
 
     def seconds(self) -> float:
-        if isinstance(self.start, float):
-            return self.end - self.start
-        return self.start.elapsed_time(self.end) / 1000.0
+        if isinstance(self.start, float):  # both host clock readings, or both timing events
+            return cast(float, self.end) - self.start
+        return self.start.elapsed_time(cast(torch.cuda.Event, self.end)) / 1000.0
 
 
 @dataclass
@@ -68,9 +73,9 @@ class Device:
     """Compute device plus the streams the engine schedules work on."""
 
     device: torch.device
-    compute: object = None
-    upload: object = None
-    download: object = None
+    compute: torch.cuda.Stream | None = None  # the streams on a GPU; None on the CPU
+    upload: torch.cuda.Stream | None = None
+    download: torch.cuda.Stream | None = None
     intervals: list[Interval] = field(default_factory=list)
 
     @classmethod

@@ -31,6 +31,7 @@ from torch import nn
 from zerofit.config.schema import ZerofitConfig
 from zerofit.engine import recovery
 from zerofit.engine.device import Device, rank_device, requested_device
+from zerofit.engine.disk.tier import DiskTier
 from zerofit.engine.distributed.ranks import Ranks
 from zerofit.engine.distributed.rendezvous import named_barrier, wait_s
 from zerofit.engine.distributed.sharding import Sharding
@@ -40,7 +41,7 @@ from zerofit.engine.lifecycle import EngineState, Lifecycle
 from zerofit.engine.memory.activations import Activations
 from zerofit.engine.memory.copies16 import Copies16
 from zerofit.engine.memory.grads import Grads
-from zerofit.engine.memory.store import Home, follow_masters
+from zerofit.engine.memory.store import Home, Unit, follow_masters
 from zerofit.engine.memory.streamer import Streamer
 from zerofit.engine.model.adapter import Adapter, NonSequentialModel
 from zerofit.engine.model.groups import resolve_groups
@@ -83,6 +84,23 @@ log = logging.getLogger("zerofit")
 
 class Engine(DeepSpeedSurface):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
+
+    # the parts over the units, made by _build_parts (at __init__, and again for the generic fallback)
+    startup: Startup
+    sharding: Sharding
+    units: list[Unit]  # the shell first, then the blocks in execution order
+    shell: Unit
+    blocks: list[Unit]
+    grads: Grads
+    copies16: Copies16
+    device_updates: DeviceUpdates
+    host_updates: HostUpdates
+    streamer: Streamer
+    activations: Activations
+    compute: Compute
+    stepper: Step
+    schedule: Schedule
+    window: Window
 
     @classmethod
     def create(cls, model, config=None, *, param_groups=None, user_loop: bool = False, **overrides) -> Engine:
@@ -204,14 +222,10 @@ class Engine(DeepSpeedSurface):
         self.worker = self.lifecycle.resources.worker = HostWorker()
         self.clock = Timeline(self.dev, self.worker)
         self.offloaded = OffloadStates(self.dev, self.worker, self._arenas)  # [Note: offloaded device state]
-        self.tier = None
-        # the parts over the units, made by _build_parts (here, and again for the generic fallback)
-        self.units = self.shell = self.blocks = self.sharding = self.grads = self.copies16 = None
-        self.device_updates = self.host_updates = self.streamer = self.activations = self.compute = None
-        self.stepper = self.schedule = self.window = None
+        self.tier: DiskTier | None = None
         try:
             self.tier = self.lifecycle.resources.tier = self.planning.open_tier(self.deferred)
-            self._build_parts()
+            self._build_parts(carry=None)
             if self.plan.loss_chunks > 1:  # [Note: a smaller GPU floor]: does this model's loss take chunks?
                 self.planning.probed_chunked_loss(self.schedule.chunked_loss_works(self._shape.hidden, self.dtype))
         except BaseException:
@@ -221,9 +235,10 @@ class Engine(DeepSpeedSurface):
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
 
-    def _build_parts(self) -> None:
+    def _build_parts(self, carry: Window | None) -> None:
         """Materialize the units (materialize.py) where the plan puts them, then the parts built over them: the
-        same code at initialize and for the generic fallback ([Note: generic fallback], recovery.py)."""
+        same code at initialize and for the generic fallback ([Note: generic fallback], recovery.py). ``carry``:
+        the window the new one takes over (the fallback's), None at initialize."""
         plan, cfg, dev, ranks = self.plan, self.config, self.dev, self.ranks
         pinned = dev.is_cuda and cfg.offload.pin_memory
         self.sharding = Sharding(dev, ranks, self.dtype, cfg.sharding)
@@ -356,7 +371,7 @@ class Engine(DeepSpeedSurface):
             clock=self.clock,
             lifecycle=self.lifecycle,
             batch_spec=self.batch_spec,
-            carry=self.window,
+            carry=carry,
         )
         self.clock.note_host()
 
@@ -556,7 +571,7 @@ class Engine(DeepSpeedSurface):
         self._arenas.clear()
         self.adapter, self._table, self._shape, self.planning = generic, table, shape, planning
         try:
-            self._build_parts()
+            self._build_parts(carry=self.window)
             recovery.restore_optimizer_state(self.units, carried)
         except BaseException as e:
             self._fail(e)

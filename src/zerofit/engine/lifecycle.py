@@ -62,6 +62,7 @@ import signal
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -69,6 +70,11 @@ from zerofit.engine.device import Device
 from zerofit.engine.disk.tier import DiskTierError
 from zerofit.engine.memory.store import HostArena
 from zerofit.engine.update.worker import HostWorker, WorkerError
+
+if TYPE_CHECKING:
+    from zerofit.engine.disk.tier import DiskTier
+    from zerofit.engine.distributed.node_slices import NodeSlices
+    from zerofit.engine.distributed.ranks import Ranks
 
 log = logging.getLogger("zerofit")
 
@@ -116,7 +122,8 @@ def closed_message() -> str:
     )
 
 
-def failed_message(cause: str) -> str:
+def failed_message(cause: str | None) -> str:
+    # ``cause``: Lifecycle.failure, set whenever the state is FAILED
     return (
         f"the engine failed ({cause}) while it was changing its weights and optimizer state (an optimizer "
         "step, or a checkpoint load), which are now applied only in part: that step was not applied "
@@ -132,10 +139,10 @@ class EngineResources:
 
     device: Device
     worker: HostWorker | None = None
-    arenas: list[HostArena] = field(default_factory=list)  # pinned host memory, unpinned on release
+    arenas: list[HostArena | NodeSlices] = field(default_factory=list)  # pinned host memory, unpinned on release
     capped: bool = False  # set_per_process_memory_fraction applied
-    tier: object = None  # the disk tier (disk.py): its file removed
-    ranks: object = None  # ranks.Ranks: its monitor stopped, its group closed
+    tier: DiskTier | None = None  # the disk tier (disk.py): its file removed
+    ranks: Ranks | None = None  # its monitor stopped, its group closed
     locks: dict = field(default_factory=dict)  # checkpoint folders held (checkpoint/lock.py)
     released: bool = False
 
@@ -180,7 +187,8 @@ class EngineResources:
             except Exception as e:
                 log.warning(
                     "zerofit: unpinning %d bytes of host memory failed: %r",
-                    arena.tensor.numel() * arena.tensor.element_size(),
+                    # NodeSlices has no tensor: this message would raise AttributeError for it (left as it is)
+                    arena.tensor.numel() * arena.tensor.element_size(),  # type: ignore[union-attr]
                     e,
                 )
         if self.ranks is not None:
@@ -246,7 +254,7 @@ class Lifecycle:
     it, per call, what a failure does to the step: ``discard`` (drop the step in progress, nothing of it applied:
     the parts' ``reset()``; or only the transfers in flight) and ``drop`` (let go of every device buffer)."""
 
-    def __init__(self, owner, device: Device, ranks=None) -> None:
+    def __init__(self, owner: object, device: Device, ranks: Ranks | None = None) -> None:
         """-> OPEN, with the resources to release registered for ``owner``'s garbage collection and exit."""
         self.state = EngineState.OPEN
         self.failure: str | None = None  # FAILED: the error that failed the engine, in words
@@ -349,7 +357,8 @@ class Lifecycle:
             with self.call(reset, drop, dropped_step=False):
                 finish()
         finally:
-            if self.state is not EngineState.FAILED:  # -> CLOSED
+            # finish() may have failed the engine: mypy keeps the narrowing of self.state from above across the call
+            if self.state is not EngineState.FAILED:  # type: ignore[comparison-overlap]  # -> CLOSED
                 self.state = EngineState.CLOSED
                 self.resources.release()
                 drop()

@@ -37,10 +37,16 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerofit.engine.memory.store import Home, Unit
+
+if TYPE_CHECKING:
+    from zerofit.engine.device import Device
+    from zerofit.engine.distributed.ranks import Ranks
+
 
 _PAGE = mmap.PAGESIZE
 _MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
@@ -81,7 +87,7 @@ class NodeSlices:
     """State: ``whole``, the buffers gathered whole outside a ``full_state`` block (engine.module's masters) and
     not handed back yet; ``pinned``, the page-locked ranges of the node's slices. Inert unless ``ranks.full``."""
 
-    def __init__(self, dev, ranks):
+    def __init__(self, dev: Device, ranks: Ranks) -> None:
         self.dev, self.ranks = dev, ranks
         self.whole = False
         self.pinned: list[int] = []  # base addresses registered with cudaHostRegister

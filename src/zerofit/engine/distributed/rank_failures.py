@@ -34,8 +34,12 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    import threading
 
 log = logging.getLogger("zerofit")
 
@@ -52,6 +56,24 @@ class RankFailedError(RuntimeError):
 
 class RankFailures:
     """Ranks' failure methods ([Note: a failing rank], [Note: a rank that dies])."""
+
+    if TYPE_CHECKING:  # the state of Ranks (ranks.py) these methods read: declared there, as dataclass fields
+        world: int
+        rank: int
+        local_world: int
+        failed_key: str
+        _stop: threading.Event
+        _beats: int
+        _heard: dict
+
+        @property
+        def many(self) -> bool: ...
+
+        @property
+        def nodes(self) -> int: ...
+
+        @property
+        def who(self) -> str: ...
 
     # ------------------------------------------------------------------ failures: [Note: a failing rank]
 

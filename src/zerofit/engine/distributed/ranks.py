@@ -100,16 +100,17 @@ class _Process:
         self.lock = threading.Lock()  # guards ``live`` (the monitor thread reads it)
         self.monitor: threading.Thread | None = None  # [Note: a failing rank]: one per process
         self.stop = threading.Event()
-        self.store = None  # the base store (torchrun's env://) of every group zerofit makes
+        self.store: dist.Store | None = None  # the base store (torchrun's env://) of every group zerofit makes
         self.rank = self.world = 0  # as the rendezvous read them
         self.made = 0  # the groups zerofit made in this process (their store prefixes)
-        self.group = None  # the default group zerofit made last; destroyed at exit if still the default
+        # the default group zerofit made last; destroyed at exit if still the default
+        self.group: dist.ProcessGroup | None = None
         self.subgroups: tuple | None = None  # (default group, gather group, reduce group, cross-node group)
         self.world_groups: tuple | None = None  # (default group, gather group, reduce group) of every rank: the
         #                                          full layout ([Note: nodes hold a slice of the state])
         self.engines = 0  # engines of several ranks made in this process (their failure keys)
         self.live: weakref.WeakSet = weakref.WeakSet()  # the open engines' Ranks, whose keys the monitor polls
-        self.at_exit = None  # the finalizer that stops the monitor and destroys the group at exit
+        self.at_exit: weakref.finalize | None = None  # stops the monitor and destroys the group at exit
 
     def finalize_at_exit(self) -> None:
         """At exit, after every engine's finalizer (all made later than this one): ``_at_exit``."""

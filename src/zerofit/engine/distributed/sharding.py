@@ -18,6 +18,7 @@ The host mirror stays whole; it, checkpoints and export gather the shards (:meth
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,13 +26,16 @@ from zerofit.engine.device import Device
 from zerofit.engine.distributed.node_slices import NodeSlices
 from zerofit.engine.memory.store import Home, Unit
 
+if TYPE_CHECKING:
+    from zerofit.engine.distributed.ranks import Ranks
+
 
 class Sharding:
     """State: ``padded_grad``, the gradient buffers (padded, with room for the shard) of resident host-optimized
     units; ``shard_grad``, the summed gradient shards of streamed units whose state is on the GPUs (FULL_SHARD
     without offload). With one rank it holds nothing and nothing calls it."""
 
-    def __init__(self, dev: Device, ranks, dtype: torch.dtype, mode: str):
+    def __init__(self, dev: Device, ranks: Ranks, dtype: torch.dtype, mode: str) -> None:
         self.dev, self.ranks, self.dtype, self.mode = dev, ranks, dtype, mode
         self.padded_grad: dict[int, torch.Tensor] = {}  # id(unit) -> (padded + shard,) fp32, device
         self.shard_grad: dict[int, torch.Tensor] = {}  # id(unit) -> (hi - lo,) fp32, device: summed per step

@@ -51,8 +51,14 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from zerofit.engine.device import Device
+    from zerofit.engine.update.worker import HostWorker
+
 
 log = logging.getLogger("zerofit")
 
@@ -95,7 +101,7 @@ class OffloadStates:
     (``Engine.offload_states``, ``reload_states``) check and guard; :meth:`check` refuses every other call while
     state is offloaded."""
 
-    def __init__(self, dev, worker, arenas: list):
+    def __init__(self, dev: Device, worker: HostWorker, arenas: list) -> None:
         self.dev, self.worker, self.arenas = dev, worker, arenas
         self.current: _Offloaded | None = None
         self.pinned: dict[int, object] = {}  # nbytes -> a pinned HostArena kept for the next offload

@@ -36,11 +36,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerofit.engine.memory.store import Home, HostArena, Unit
 from zerofit.engine.plan.search import PlanError, copies_fraction
+
+if TYPE_CHECKING:
+    from zerofit.config.schema import ZerofitConfig
+    from zerofit.engine.device import Device
+    from zerofit.engine.distributed.ranks import Ranks
+    from zerofit.engine.plan.engine_plan import Planning
+
 
 log = logging.getLogger("zerofit")
 
@@ -52,8 +60,16 @@ class Copies16:
     the plan had no room for the copies (asked once)."""
 
     def __init__(
-        self, config, dtype: torch.dtype, dev, ranks, planning, blocks: list[Unit], arenas: list, deferred: bool
-    ):
+        self,
+        config: ZerofitConfig,
+        dtype: torch.dtype,
+        dev: Device,
+        ranks: Ranks,
+        planning: Planning,
+        blocks: list[Unit],
+        arenas: list,
+        deferred: bool,
+    ) -> None:
         self.config, self.dtype, self.dev, self.ranks = config, dtype, dev, ranks
         self.planning, self.blocks, self.arenas, self.deferred = planning, blocks, arenas, deferred
         self.epoch = 0  # bumped whenever masters may change

@@ -13,11 +13,18 @@ gradients without a norm], step/optimizer_step.py).
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerofit.engine.device import Device
 from zerofit.engine.memory.store import Home, HostArena, SlotPool, Unit
+
+if TYPE_CHECKING:
+    from zerofit.engine.distributed.ranks import Ranks
+    from zerofit.engine.plan.plan import Plan
+    from zerofit.engine.step.timeline import Timeline
+    from zerofit.engine.update.worker import HostWorker
 
 
 class Grads:
@@ -30,17 +37,17 @@ class Grads:
     def __init__(
         self,
         dev: Device,
-        ranks,
-        worker,
-        clock,
-        plan,
+        ranks: Ranks,
+        worker: HostWorker,
+        clock: Timeline,
+        plan: Plan,
         units: list[Unit],
         *,
         deferred: bool,
         pinned: bool,
         speculating: bool,
         arenas: list,
-    ):
+    ) -> None:
         self.dev, self.worker, self.clock, self.deferred = dev, worker, clock, deferred
         blocks = units[1:]
         streamed = [u for u in blocks if u.home is Home.STREAMED]

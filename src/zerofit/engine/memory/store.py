@@ -88,10 +88,17 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from zerofit.engine.device import Device, fresh_pinned, pin
+from zerofit.engine.device import Device, Event, fresh_pinned, pin
+
+if TYPE_CHECKING:
+    import threading
+
+    from zerofit.engine.distributed.ranks import Ranks
+    from zerofit.engine.model.nf4 import UnitNF4
 
 
 @dataclass(frozen=True)
@@ -177,22 +184,22 @@ class Unit:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # module buffers on the compute device
     state: WeightState = WeightState.ON_HOST
     slot: Slot | None = None
-    ready_event: object = None  # upload done (STREAMED)
+    ready_event: Event | None = None  # upload done (STREAMED)
     grad_slot: Slot | None = None
     grad_fresh: bool = True  # next gradient write is a copy, not an add
-    updated: object = None  # threading.Event: master holds the latest update
-    moments_done: object = None  # threading.Event: no moments pass pending ([Note: moments after
+    updated: threading.Event | None = None  # master holds the latest update
+    moments_done: threading.Event | None = None  # no moments pass pending ([Note: moments after
     # the forward], update/split_adamw.py)
     master_behind: bool = False  # the last update's first pass wrote only host16: master is current
     # once moments_done ([Note: the master behind its cast])
     host_grad_fresh: bool = True  # deferred updates: the host gradient buffer holds nothing yet
     # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
     pending_update: tuple | None = None  # deferred: (grad factor, Hyper) of an update the device applies
-    master_event: object = None  # the download of a device-applied update into master
+    master_event: Event | None = None  # the download of a device-applied update into master
     dirty: bool = False  # RESIDENT with host optimizer: dev16 older than master
     host16: torch.Tensor | None = None  # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra forwards]
     host16_epoch: int = -1  # the engine's weights epoch host16 was taken in (valid while equal)
-    host16_event: object = None  # the download that filled host16
+    host16_event: Event | None = None  # the download that filled host16
     swap: str | None = None  # on the disk tier (disk.py): "moments", or "all" (master too;
     # host16 then holds its compute weights, the upload source)
     lo: int = 0  # this rank's shard [lo, hi) of the flat buffers ([Note: sharded
@@ -205,7 +212,7 @@ class Unit:
     frozen_at: int = 0  # STREAMED: where the frozen weights start in a weight slot
     frozen_disk: bool = False  # frozen_host is a view of the disk tier's mapping, uploaded from the
     # tier ([Note: a frozen base on the disk], disk.py)
-    nf4: object = None  # its frozen weights held in 4 bits (nf4.UnitNF4), after those of
+    nf4: UnitNF4 | None = None  # its frozen weights held in 4 bits (nf4.UnitNF4), after those of
     # frozen_host in the frozen layout ([Note: an NF4 base], nf4.py)
 
     @property
@@ -238,15 +245,18 @@ class Unit:
     def device_weights(self) -> torch.Tensor:
         """The flat compute weights on the device; valid only while RESIDENT or ON_DEVICE."""
         if self.home is Home.RESIDENT:
+            assert self.dev16 is not None  # a resident unit's, from materialize until drop_device
             return self.dev16
         if self.state is not WeightState.ON_DEVICE:
             raise RuntimeError(f"{self.name}: weights used while {self.state.name}")
+        assert self.slot is not None  # ON_DEVICE: the streamed unit holds a slot
         return self.slot.tensor[: self.numel]
 
     def frozen_host_views(self) -> dict[str, torch.Tensor]:
         """The frozen parameters' host values by name: views of ``frozen_host``, the NF4 ones dequantized now."""
         if self.frozen is None:
             return {}
+        assert self.frozen_host is not None  # made with the frozen layout (materialize.py)
         n16 = self.frozen_host.numel()
         out = {
             n: self.frozen_host[o : o + math.prod(s)].view(s)
@@ -262,8 +272,10 @@ class Unit:
         if self.frozen is None:
             return {}
         if self.home is Home.RESIDENT:
+            assert self.frozen_dev is not None  # a resident unit's, as dev16
             return self.frozen.views(self.frozen_dev)
         self.device_weights()  # raises unless ON_DEVICE
+        assert self.slot is not None
         return self.frozen.views(self.slot.tensor[self.frozen_at : self.frozen_at + self.frozen.numel])
 
 
@@ -272,8 +284,8 @@ class Slot:
     """A preallocated device buffer that streamed units borrow. See [Note: slot reuse]."""
 
     tensor: torch.Tensor  # (capacity,) on the device
-    free_event: object = None  # last reader (or writer) of the previous tenant is done
-    read_event: object = None  # a download reading the slot (into a host16 copy) is done
+    free_event: Event | None = None  # last reader (or writer) of the previous tenant is done
+    read_event: Event | None = None  # a download reading the slot (into a host16 copy) is done
     tenant: Unit | None = None
 
 
@@ -318,10 +330,9 @@ class HostArena:
     One registration per arena avoids the caching host allocator's rounding of
     every pinned block up to a power of two (up to 2x the memory)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, pinned: bool, ranks=None):
+    def __init__(self, numel: int, dtype: torch.dtype, pinned: bool, ranks: Ranks | None = None) -> None:
         # ``ranks`` with several ranks: memory every rank of the host maps ([Note: sharded units], ranks.py)
-        shared = ranks is not None and ranks.many
-        if shared:
+        if ranks is not None and ranks.many:
             self.tensor = ranks.shared(max(numel, 1), dtype)
             if pinned:
                 pin(self.tensor)
@@ -369,6 +380,7 @@ def follow_masters(units: list[Unit], shell: Unit) -> None:
       the tier's next direct read ([Note: the swap file is also a mapping], disk.py).
     The caller (Engine.weights_loaded) ran ``engine.wait()`` before the load wrote (no update in flight)."""
     for u in units:
+        assert u.master is not None  # an open engine's units hold their masters (drop_device runs at close)
         if u.optimizer_on_device:
             if u.dev16 is not None and u.dev16 is not u.master:
                 u.dev16.copy_(u.master)
@@ -378,8 +390,10 @@ def follow_masters(units: list[Unit], shell: Unit) -> None:
             if u is shell:
                 u.dirty = True
             else:
+                assert u.dev16 is not None  # resident
                 u.dev16.copy_(u.master)
         if u.frozen_dev is not None and u.frozen_dev is not u.frozen_host:  # [Note: frozen parameters]
+            assert u.frozen_host is not None  # made with the frozen layout, before frozen_dev
             u.frozen_dev[: u.frozen_host.numel()].copy_(u.frozen_host)  # (NF4 ones never change)
         if u.home is Home.STREAMED:
             u.state, u.slot, u.ready_event = WeightState.ON_HOST, None, None
@@ -388,4 +402,5 @@ def follow_masters(units: list[Unit], shell: Unit) -> None:
         u.grad_fresh = u.host_grad_fresh = True
         u.pending_update, u.master_event = None, None
         if u.swap == "all":
+            assert u.host16 is not None  # its upload source ([Note: the swap file is also a mapping])
             u.host16.copy_(u.master)

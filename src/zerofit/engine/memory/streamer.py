@@ -22,10 +22,21 @@ buffer's last reader (its free_event). A failed step empties every slot, these t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zerofit.engine.disk.tier import frozen_key
 from zerofit.engine.memory.store import Home, Slot, SlotPool, Unit, WeightState
+
+if TYPE_CHECKING:
+    from zerofit.engine.device import Device
+    from zerofit.engine.distributed.ranks import Ranks
+    from zerofit.engine.distributed.sharding import Sharding
+    from zerofit.engine.memory.copies16 import Copies16
+    from zerofit.engine.plan.engine_plan import Planning
+    from zerofit.engine.update.assisted import DeviceUpdates
+    from zerofit.engine.update.host import HostUpdates
 
 
 class Streamer:
@@ -35,18 +46,18 @@ class Streamer:
 
     def __init__(
         self,
-        dev,
-        ranks,
-        planning,
+        dev: Device,
+        ranks: Ranks,
+        planning: Planning,
         units: list[Unit],
         *,
         dtype: torch.dtype,
-        host_updates,
-        device_updates,
-        copies16,
-        sharding,
+        host_updates: HostUpdates,
+        device_updates: DeviceUpdates,
+        copies16: Copies16,
+        sharding: Sharding,
         keep_blocks: bool,
-    ):
+    ) -> None:
         self.dev, self.ranks, self.planning, self.dtype = dev, ranks, planning, dtype
         self.host_updates, self.device_updates, self.copies16, self.sharding = (
             host_updates,

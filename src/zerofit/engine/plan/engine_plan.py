@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -33,6 +34,11 @@ from zerofit.engine.plan.search import (
     placement_warnings,
 )
 from zerofit.engine.update import split_adamw
+
+if TYPE_CHECKING:
+    from zerofit.engine.distributed.ranks import Ranks
+    from zerofit.engine.model.adapter import Adapter
+
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DISK_FIELDS = {"moments": ("exp_avg", "exp_avg_sq"), "all": ("master", "exp_avg", "exp_avg_sq")}
@@ -273,15 +279,15 @@ class Planning:
     def __init__(
         self,
         config: ZerofitConfig,
-        adapter,
+        adapter: Adapter,
         shape: ModelShape,
         *,
         on_cuda: bool,
-        device,
-        ranks,
+        device: torch.device,
+        ranks: Ranks,
         seq_len: int | None,
         window_room: int = 1,
-    ):
+    ) -> None:
         self.config, self.shape, self.on_cuda = config, shape, on_cuda
         self.plan_batch = plan_batch(config, adapter.model, seq_len)
         dev_budget = gpu_budget(config, device) if on_cuda else None

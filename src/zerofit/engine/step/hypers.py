@@ -17,7 +17,12 @@ the engine's lr], optim/client_schedule.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from zerofit.engine.update.adamw import Hyper
+
+if TYPE_CHECKING:
+    from zerofit.config.schema import ZerofitConfig
 
 
 class Hypers:
@@ -26,7 +31,7 @@ class Hypers:
     ``groups``: the resolved parameter groups (groups.py), ``speculating``: whether steps may speculate (a
     client's betas must then stay positive)."""
 
-    def __init__(self, config, groups: tuple, speculating: bool):
+    def __init__(self, config: ZerofitConfig, groups: tuple, speculating: bool) -> None:
         self.config, self.groups, self.speculating = config, groups, speculating
         self.global_step = 0
         self.skipped_steps = 0

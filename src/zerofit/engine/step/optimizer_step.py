@@ -38,16 +38,29 @@ speculation, which updates it next), or the step's end after ``worker.drain()``.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from zerofit.engine.memory.store import Home, Unit
 from zerofit.engine.step.torch_clip import TorchClip
-from zerofit.engine.update.host import MOMENTS_LAST, SPECULATE_FIRST
-from zerofit.engine.update.speculation import Speculation
+from zerofit.engine.update.host import MOMENTS_LAST, SPECULATE_FIRST, HostUpdates
+from zerofit.engine.update.speculation import Speculation, Speculator
 from zerofit.engine.update.unit_adamw import unit_adamw
-from zerofit.engine.update.worker import wait_event, waiting
+from zerofit.engine.update.worker import HostWorker, wait_event, waiting
+
+if TYPE_CHECKING:
+    from zerofit.config.schema import ZerofitConfig
+    from zerofit.engine.device import Device
+    from zerofit.engine.disk.tier import DiskTier
+    from zerofit.engine.distributed.ranks import Ranks
+    from zerofit.engine.distributed.sharding import Sharding
+    from zerofit.engine.lifecycle import Lifecycle
+    from zerofit.engine.memory.copies16 import Copies16
+    from zerofit.engine.memory.grads import Grads
+    from zerofit.engine.step.hypers import Hypers
+    from zerofit.engine.update.assisted import DeviceUpdates
+    from zerofit.optim.loss_scaler import LossScaler
 
 
 class Prepared(NamedTuple):
@@ -72,24 +85,24 @@ class Step:
     def __init__(
         self,
         *,
-        config,
-        dev,
-        ranks,
-        lifecycle,
-        worker,
-        tier,
+        config: ZerofitConfig,
+        dev: Device,
+        ranks: Ranks,
+        lifecycle: Lifecycle,
+        worker: HostWorker,
+        tier: DiskTier | None,
         units: list[Unit],
-        grads,
-        sharding,
-        host_updates,
-        device_updates,
-        copies16,
-        speculator,
-        hypers,
-        scaler,
+        grads: Grads,
+        sharding: Sharding,
+        host_updates: HostUpdates,
+        device_updates: DeviceUpdates,
+        copies16: Copies16,
+        speculator: Speculator,
+        hypers: Hypers,
+        scaler: LossScaler | None,
         deferred: bool,
         cast_first: bool,
-    ):
+    ) -> None:
         self.config, self.dev, self.ranks, self.lifecycle, self.worker, self.tier = (
             config,
             dev,

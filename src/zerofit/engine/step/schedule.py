@@ -27,12 +27,25 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerofit.engine.memory.store import Unit
-from zerofit.engine.model.adapter import PreResult, backward_into, loss_of, post_in_chunks
+from zerofit.engine.model.adapter import Adapter, PreResult, backward_into, loss_of, post_in_chunks
 from zerofit.engine.plan.search import CKPT_AHEAD
+
+if TYPE_CHECKING:
+    from zerofit.config.schema import ZerofitConfig
+    from zerofit.engine.device import Device
+    from zerofit.engine.lifecycle import Lifecycle
+    from zerofit.engine.memory.activations import Activations
+    from zerofit.engine.memory.grads import Grads
+    from zerofit.engine.memory.streamer import Streamer
+    from zerofit.engine.step.compute import Compute
+    from zerofit.engine.step.optimizer_step import Step
+    from zerofit.engine.update.host import HostUpdates
+
 
 log = logging.getLogger("zerofit")
 
@@ -58,18 +71,18 @@ class Schedule:
     def __init__(
         self,
         *,
-        config,
-        dev,
-        adapter,
+        config: ZerofitConfig,
+        dev: Device,
+        adapter: Adapter,
         units: list[Unit],
-        compute,
-        streamer,
-        activations,
-        grads,
-        step,
-        host_updates,
-        lifecycle,
-    ):
+        compute: Compute,
+        streamer: Streamer,
+        activations: Activations,
+        grads: Grads,
+        step: Step,
+        host_updates: HostUpdates,
+        lifecycle: Lifecycle,
+    ) -> None:
         self.config, self.dev, self.adapter = config, dev, adapter
         self.shell, self.blocks = units[0], units[1:]
         self.compute, self.streamer, self.activations, self.grads, self.step = (

@@ -9,8 +9,13 @@ pass, a staging buffer) are collected until it ends; the trace is built from the
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from zerofit.engine.device import Device
+    from zerofit.engine.update.worker import HostWorker
 
 
 class Timeline:
@@ -18,7 +23,7 @@ class Timeline:
     the main thread's waits so far; the last step's seconds by resource and its trace; the host's peak RSS.
     ``timeline()`` between a step's start and end reports its waits so far (as it always did)."""
 
-    def __init__(self, dev, worker):
+    def __init__(self, dev: Device, worker: HostWorker) -> None:
         self.dev, self.worker = dev, worker
         self._t0 = time.perf_counter()
         self._worker0 = (0.0, 0.0)

@@ -33,13 +33,20 @@ multiply).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zerofit.engine.memory.store import Unit
 
+if TYPE_CHECKING:
+    from zerofit.engine.device import Device
+    from zerofit.engine.distributed.ranks import Ranks
+    from zerofit.engine.memory.grads import Grads
+
 
 class TorchClip:
-    def __init__(self, dev, grads, ranks):
+    def __init__(self, dev: Device, grads: Grads, ranks: Ranks) -> None:
         self.dev, self.grads, self.ranks = dev, grads, ranks
         self.order: list | None = None
         self.names: dict[int, list[str]] = {}

@@ -39,11 +39,30 @@ The losses the user sees are those of the forwards they ran. step() takes the op
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
-from zerofit.engine.lifecycle import EngineState
-from zerofit.engine.step.batch import check_batch
+from zerofit.engine.lifecycle import EngineState, Lifecycle
+from zerofit.engine.step.batch import BatchSpec, check_batch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from zerofit.config.schema import ZerofitConfig
+    from zerofit.engine.device import Device
+    from zerofit.engine.distributed.ranks import Ranks
+    from zerofit.engine.memory.copies16 import Copies16
+    from zerofit.engine.memory.grads import Grads
+    from zerofit.engine.memory.streamer import Streamer
+    from zerofit.engine.model.adapter import Adapter
+    from zerofit.engine.plan.engine_plan import Planning
+    from zerofit.engine.step.compute import Compute
+    from zerofit.engine.step.schedule import Schedule
+    from zerofit.engine.step.timeline import Timeline
+    from zerofit.engine.update.assisted import DeviceUpdates
+    from zerofit.engine.update.speculation import Speculator
+
 
 log = logging.getLogger("zerofit")
 
@@ -90,24 +109,24 @@ class Window:
     def __init__(
         self,
         *,
-        config,
-        dev,
-        ranks,
-        adapter,
-        model,
-        planning,
-        schedule,
-        streamer,
-        grads,
-        copies16,
-        device_updates,
-        compute,
-        speculator,
-        clock,
-        lifecycle,
-        batch_spec,
+        config: ZerofitConfig,
+        dev: Device,
+        ranks: Ranks,
+        adapter: Adapter,
+        model: nn.Module,
+        planning: Planning,
+        schedule: Schedule,
+        streamer: Streamer,
+        grads: Grads,
+        copies16: Copies16,
+        device_updates: DeviceUpdates,
+        compute: Compute,
+        speculator: Speculator,
+        clock: Timeline,
+        lifecycle: Lifecycle,
+        batch_spec: BatchSpec,
         carry: Window | None = None,
-    ):
+    ) -> None:
         self.config, self.dev, self.ranks, self.adapter, self.model = config, dev, ranks, adapter, model
         self.planning, self.schedule, self.streamer, self.grads = planning, schedule, streamer, grads
         self.copies16, self.device_updates, self.compute = copies16, device_updates, compute

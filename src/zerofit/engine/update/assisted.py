@@ -45,11 +45,22 @@ per assisted block in a 3B model's backward: docs/benchmarks.md, assisted update
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zerofit.engine.memory.store import HostArena, Unit
 from zerofit.engine.plan.search import ASSIST_SETS, assist_chunk
 from zerofit.engine.update.unit_adamw import unit_adamw
+
+if TYPE_CHECKING:
+    from zerofit.engine.device import Device
+    from zerofit.engine.lifecycle import Lifecycle
+    from zerofit.engine.memory.copies16 import Copies16
+    from zerofit.engine.memory.grads import Grads
+    from zerofit.engine.plan.engine_plan import Planning
+    from zerofit.engine.step.timeline import Timeline
+    from zerofit.engine.update.worker import HostWorker
 
 
 class DeviceUpdates:
@@ -61,21 +72,21 @@ class DeviceUpdates:
 
     def __init__(
         self,
-        dev,
-        lifecycle,
-        planning,
-        grads,
-        copies16,
+        dev: Device,
+        lifecycle: Lifecycle,
+        planning: Planning,
+        grads: Grads,
+        copies16: Copies16,
         *,
         streamed: bool,
         cap: int,
         deferred: bool,
         dtype: torch.dtype,
         pinned: bool,
-        worker,
-        clock,
+        worker: HostWorker,
+        clock: Timeline,
         arenas: list,
-    ):
+    ) -> None:
         self.dev, self.lifecycle, self.planning, self.grads, self.copies16 = dev, lifecycle, planning, grads, copies16
         self.deferred, self.dtype, self.pinned = deferred, dtype, pinned
         self.worker, self.clock, self.arenas = worker, clock, arenas

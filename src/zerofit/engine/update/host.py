@@ -16,6 +16,8 @@ tier to read ahead in (``DiskTier.expect``), so that the chunks read ahead are t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zerofit.engine.memory.store import Unit
@@ -23,7 +25,13 @@ from zerofit.engine.update import split_adamw
 from zerofit.engine.update.adamw import Hyper
 from zerofit.engine.update.speculation import Speculation
 from zerofit.engine.update.unit_adamw import unit_adamw
-from zerofit.engine.update.worker import wait_event, waiting
+from zerofit.engine.update.worker import HostWorker, wait_event, waiting
+
+if TYPE_CHECKING:
+    from zerofit.engine.disk.tier import DiskTier
+    from zerofit.engine.memory.grads import Grads
+    from zerofit.engine.step.timeline import Timeline
+
 
 SPECULATE_FIRST = -(2**40)  # worker priority of speculation tasks ([Note: speculative updates])
 DISK_LAST = 2**40  # worker priority of disk-tier updates: after the in-memory ones, FIFO among
@@ -37,7 +45,17 @@ class HostUpdates:
     beyond its settings (``split``: deferred updates run in two passes; ``rest_threads``: the second pass's
     threads); the units' ``updated`` and ``moments_done`` events say what is pending."""
 
-    def __init__(self, worker, grads, tier, clock, *, deferred: bool, split: bool, rest_threads: int | None):
+    def __init__(
+        self,
+        worker: HostWorker,
+        grads: Grads,
+        tier: DiskTier | None,
+        clock: Timeline,
+        *,
+        deferred: bool,
+        split: bool,
+        rest_threads: int | None,
+    ) -> None:
         self.worker, self.grads, self.tier, self.clock = worker, grads, tier, clock
         self.deferred, self.split, self.rest_threads = deferred, split, rest_threads
 

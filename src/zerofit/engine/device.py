@@ -89,10 +89,10 @@ class Device:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def event(self, timing: bool = False):
+    def event(self, timing: bool = False) -> Event:
         return torch.cuda.Event(enable_timing=timing) if self.is_cuda else _DoneEvent()
 
-    def record(self, stream) -> object:
+    def record(self, stream: torch.cuda.Stream | None) -> Event:
         """An event recorded now on ``stream`` (done at once on the CPU)."""
         ev = self.event()
         if self.is_cuda:
@@ -132,7 +132,7 @@ class Device:
                 finally:
                     self.intervals.append(Interval(phase, t, time.perf_counter(), label))
 
-    def mark(self):
+    def mark(self) -> float | torch.cuda.Event:
         """A timing event recorded now on the compute stream (CUDA), or the host clock: a trace's origin."""
         if self.is_cuda:
             ev = torch.cuda.Event(enable_timing=True)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zerofit.engine.memory.store import Home, HostArena, Unit
+from zerofit.engine.memory.store import CopyLabel, Home, HostArena, Unit
 from zerofit.engine.plan.search import PlanError, copies_fraction
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class Copies16:
         self.config, self.dtype, self.dev, self.ranks = config, dtype, dev, ranks
         self.planning, self.blocks, self.arenas, self.deferred = planning, blocks, arenas, deferred
         self.epoch = 0  # bumped whenever masters may change
-        self.after = None  # the label valid after the last step's bump
+        self.after: tuple[str, int] | None = None  # the label valid after the last step's bump
         self.fill = False
         self.refused = False
 
@@ -98,7 +98,7 @@ class Copies16:
         self.after = ("after", self.epoch)
         self.epoch += 1
 
-    def label(self, unit: Unit, now: bool = False):
+    def label(self, unit: Unit, now: bool = False) -> CopyLabel | None:
         """The label of a 16-bit copy made right after this unit's update, or None when none is made: one valid
         from the coming optimizer step's move of the weights epoch (an update during the backward), or with
         ``now``, valid at once (a deferred update, after that move)."""

@@ -87,16 +87,15 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from zerofit.engine.device import Device, Event, fresh_pinned, pin
 
 if TYPE_CHECKING:
-    import threading
-
     from zerofit.engine.distributed.ranks import Ranks
     from zerofit.engine.model.nf4 import UnitNF4
 
@@ -165,6 +164,18 @@ class WeightState(enum.Enum):
     ON_DEVICE = "the slot holds the weights and the compute stream has waited on ready_event"
 
 
+# a 16-bit host copy's label (memory/copies16.py): the weights epoch it was taken in, or ("after", E) for one made
+# right after an update of epoch E
+CopyLabel: TypeAlias = "int | tuple[str, int]"
+
+
+def _set_event() -> threading.Event:
+    """A unit's ``updated`` and ``moments_done`` as a new unit has them: nothing is pending."""
+    ev = threading.Event()
+    ev.set()
+    return ev
+
+
 @dataclass
 class Unit:
     """One block (or the shell) in the store. Attributes carry shape, dtype and home."""
@@ -187,8 +198,8 @@ class Unit:
     ready_event: Event | None = None  # upload done (STREAMED)
     grad_slot: Slot | None = None
     grad_fresh: bool = True  # next gradient write is a copy, not an add
-    updated: threading.Event | None = None  # master holds the latest update
-    moments_done: threading.Event | None = None  # no moments pass pending ([Note: moments after
+    updated: threading.Event = field(default_factory=_set_event)  # master holds the latest update
+    moments_done: threading.Event = field(default_factory=_set_event)  # no moments pass pending ([Note: moments after
     # the forward], update/split_adamw.py)
     master_behind: bool = False  # the last update's first pass wrote only host16: master is current
     # once moments_done ([Note: the master behind its cast])
@@ -198,7 +209,7 @@ class Unit:
     master_event: Event | None = None  # the download of a device-applied update into master
     dirty: bool = False  # RESIDENT with host optimizer: dev16 older than master
     host16: torch.Tensor | None = None  # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra forwards]
-    host16_epoch: int = -1  # the engine's weights epoch host16 was taken in (valid while equal)
+    host16_epoch: CopyLabel = -1  # the engine's weights epoch host16 was taken in (valid while equal)
     host16_event: Event | None = None  # the download that filled host16
     swap: str | None = None  # on the disk tier (disk.py): "moments", or "all" (master too;
     # host16 then holds its compute weights, the upload source)

@@ -30,7 +30,7 @@ from zerofit.engine.disk.tier import frozen_key
 from zerofit.engine.memory.store import Home, Slot, SlotPool, Unit, WeightState
 
 if TYPE_CHECKING:
-    from zerofit.engine.device import Device
+    from zerofit.engine.device import Device, Event
     from zerofit.engine.distributed.ranks import Ranks
     from zerofit.engine.distributed.sharding import Sharding
     from zerofit.engine.memory.copies16 import Copies16
@@ -125,6 +125,7 @@ class Streamer:
         is needed now), without it a prefetch of a unit still being updated is skipped (tried again later)."""
         if unit.home is Home.RESIDENT or unit.state is not WeightState.ON_HOST:
             return True
+        assert unit.updated is not None and self.pool is not None  # set at materialize; a streamed unit has a pool
         if not unit.updated.is_set() and not wait:
             return False
         self.host_updates.wait_updated(unit)
@@ -148,7 +149,7 @@ class Streamer:
         slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
         return True
 
-    def upload(self, unit: Unit, dst: torch.Tensor | None):
+    def upload(self, unit: Unit, dst: torch.Tensor) -> Event | None:
         """Copy the unit's fp32 master into ``dst`` (compute dtype) on the upload stream. See [Note: fp32 uploads].
 
         A unit with a pending assisted update is updated on the way. See [Note: assisted updates].
@@ -156,6 +157,7 @@ class Streamer:
         cast weights down into it ([Note: 16-bit copies for extra forwards]). Returns the event of a
         download that reads ``dst`` (the slot must outlive it), or None."""
         self.dev.wait(self.dev.upload, unit.master_event)
+        assert unit.master is not None  # an open engine's units hold their masters
         if unit.shard_state:  # [Note: sharded device state]: the rank's shard, from its GPU (cast)
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(shard)"):
                 dst[unit.lo : unit.hi].copy_(unit.master)
@@ -166,6 +168,7 @@ class Streamer:
         if unit.swap == "all" or self.copies16.valid(unit):
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(16)"):
                 self.dev.wait(self.dev.upload, unit.host16_event)
+                assert unit.host16 is not None  # the disk tier's upload source, or a valid copy
                 dst.copy_(unit.host16, non_blocking=True)
             return None
         if unit.master_behind:  # [Note: the master behind its cast]: its 16-bit copy went stale first
@@ -175,6 +178,7 @@ class Streamer:
             if dst.dtype == torch.float32:
                 dst[lo:hi].copy_(unit.master[lo:hi], non_blocking=True)
             else:  # one buffer: the upload stream runs in order; a unit larger than it (the shell) in pieces
+                assert self.stage is not None  # made for every uploaded unit in a 16-bit compute dtype
                 cap = self.stage.numel()
                 for a in range(lo, hi, cap):
                     k = min(cap, hi - a)
@@ -197,8 +201,10 @@ class Streamer:
         through the upload stage in pieces as upload does ([Note: frozen parameters], store.py); those held in
         NF4 packed, then dequantized on the device ([Note: an NF4 base], nf4.py)."""
         src = unit.frozen_host
+        assert src is not None  # made with the frozen layout (materialize.py)
         if unit.frozen_disk:  # [Note: a frozen base on the disk] (disk.py): chunk by chunk from the tier
             tier, key, n = self.host_updates.tier, frozen_key(unit.index), src.numel()
+            assert tier is not None  # frozen_disk: the unit's frozen weights are in the tier
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(frozen disk)"):
                 for c, (a, _) in enumerate(tier.chunks(key)):
                     chunk = tier.acquire(key, c)["w16"].view(src.dtype)
@@ -220,6 +226,7 @@ class Streamer:
             if dst.dtype == src.dtype:
                 dst.copy_(src, non_blocking=True)
                 return
+            assert self.stage is not None  # a frozen unit streams: the stage was made for it
             cap = self.stage.numel()
             for a in range(0, src.numel(), cap):
                 k = min(cap, src.numel() - a)
@@ -285,6 +292,7 @@ class Streamer:
         if u.dirty:
             self.host_updates.wait_updated(u)
             with self.dev.on(self.dev.upload):
+                assert u.dev16 is not None  # the shell is resident
                 self.upload(u, u.dev16)
                 if self.ranks.many:  # [Note: sharded units]
                     self.sharding.gather_dev16(u)
@@ -315,6 +323,7 @@ class Streamer:
             or any(g.tenant is not None for g in grad_pool.slots)
         ):
             return
+        assert self.pool is not None  # a window keeps streamed blocks: the pool exists
         cap = self.pool.slots[0].tensor.numel()
         slots = []
         for g in grad_pool.slots:

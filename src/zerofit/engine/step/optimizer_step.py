@@ -69,10 +69,10 @@ class Prepared(NamedTuple):
     skip: bool  # fp16 overflow: not applied
     norm: float | None  # the global gradient norm (deferred updates)
     factor: float  # times each gradient in the update (unscaling, clipping)
-    device_units: list
-    host_units: list
-    dev_grads: dict
-    spec: object  # the speculation being settled, or None
+    device_units: list[Unit]
+    host_units: list[Unit]
+    dev_grads: dict[int, torch.Tensor]  # id(unit) -> its gradient shard ([Note: sharded device state])
+    spec: Speculation | None  # the speculation being settled, or None
     shell_host: bool
     shell_assisted: bool
 
@@ -135,6 +135,7 @@ class Step:
         if unit.optimizer_on_device:
             return
         grad = unit.grad
+        assert grad is not None  # a trained unit's gradient of this micro-step, complete
         unit.host16_epoch = -1  # its update may start now: the 16-bit copy goes stale
         self.host.await_moments(unit)  # [Note: moments after the forward]: its host gradient buffer is free then
         if self.deferred and unit.swap is not None:
@@ -153,6 +154,7 @@ class Step:
         fresh_host = host is not None and unit.host_grad_fresh
         spec = self.speculator.current
         if fresh_host:  # the whole gradient goes straight into the unit's host buffer; its norm is taken here
+            assert host is not None  # (fresh_host)
             dst = host
             unit.host_grad_fresh = False
             if self.deferred:
@@ -166,8 +168,10 @@ class Step:
         done = self.grads.send_down(unit, grad, dst, self.grads.sq_norms[id(unit)] if speculate else None)
         if self.deferred:
             if not fresh_host:  # DeepSpeed-style accumulation across micro-steps
+                assert host is not None  # deferred: a unit off the disk has its host gradient buffer (Grads)
                 self.worker.submit(self.host.task_add(host, dst, done), label=f"add[{unit.name}]")
             elif speculate:  # [Note: speculative updates]
+                assert spec is not None  # (speculate)
                 unit.updated.clear()
                 # FIFO, ahead of every other task: the partial norm sums in backward order, so which blocks
                 # are speculated depends on the data only, never on the worker's timing (bitwise reproducible)
@@ -209,6 +213,7 @@ class Step:
         speculate = spec is not None
         done = self.grads.send_down(unit, grad, dst, sq if speculate else None)
         tier, key, grads = self.tier, unit.index, self.grads
+        assert tier is not None  # the unit is on the disk tier
 
         def stash():
             wait_event(done)  # [Note: the worker's waits]
@@ -223,6 +228,7 @@ class Step:
 
         self.worker.submit(stash, SPECULATE_FIRST, label=f"stash-grad[{unit.name}]")
         if speculate:  # as unit_done: not ``updated`` until its settle task ran
+            assert spec is not None  # (speculate)
             unit.updated.clear()
             self.worker.submit(
                 self.host.task_speculate(unit, spec, done, self.hypers.for_step()),
@@ -270,10 +276,13 @@ class Step:
                     elif u.shard_state:
                         dev_grads[id(u)] = self.sharding.reduce_scatter(u)
                     else:
+                        assert u.grad is not None  # a trained device unit's gradient, complete
                         self.ranks.all_reduce_world(u.grad)
         if not self.deferred:  # [Note: non-finite gradients without a norm]
             for u in device_units:
-                self.grads.flag(u, dev_grads.get(id(u), u.grad))
+                grad = dev_grads.get(id(u), u.grad)
+                assert grad is not None  # a trained device unit's gradient, or its shard
+                self.grads.flag(u, grad)
             bad = self.grads.bad_run
             bad = self.ranks.all_reduce_world(bad.reshape(1).clone()) if self.ranks.many else bad
             if float(bad):  # a device sync, before the device's AdamW kernels are enqueued
@@ -404,6 +413,7 @@ class Step:
                 label=f"adamw[{u.name}]",
             )
             if split:
+                assert grad is not None  # off the disk: its host gradient buffer
                 u.moments_done.clear()
                 u.master_behind = cast16 is not None
                 self.worker.submit(
@@ -438,6 +448,7 @@ class Step:
             torn = bool(applied)
         for u in host_units:  # the device's updates in the backward counted their step on the host first
             if flags[u.index + 1] and (self.device.assisted(u) or (u is self.shell and shell_assisted)):
+                assert u.step is not None  # a host unit's step count
                 u.step.sub_(1)
         order = [*reversed(host_units), *device_units]  # the order the backward handed the gradients over
         first = next((u.name for u in order if flags[u.index + 1]), None)
@@ -489,6 +500,7 @@ class Step:
         """The module's parameters (host views) take the current weights of device-optimized units."""
         if self.mirror_stale and (self.dev.is_cuda or any(u.shard_state for u in self.units)):
             for u in self.units:
+                assert u.host is not None and u.master is not None  # an open engine's units
                 if u.shard_state:  # [Note: sharded device state]: gathered from every rank (a collective)
                     u.host.copy_(self.sharding.gather_full(u, u.master))
                 elif u.optimizer_on_device and u.host is not u.master:

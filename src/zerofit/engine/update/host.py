@@ -16,11 +16,12 @@ tier to read ahead in (``DiskTier.expect``), so that the chunks read ahead are t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from zerofit.engine.memory.store import Unit
+from zerofit.engine.memory.store import CopyLabel, Unit
 from zerofit.engine.update import split_adamw
 from zerofit.engine.update.adamw import Hyper
 from zerofit.engine.update.speculation import Speculation
@@ -28,6 +29,7 @@ from zerofit.engine.update.unit_adamw import unit_adamw
 from zerofit.engine.update.worker import HostWorker, wait_event, waiting
 
 if TYPE_CHECKING:
+    from zerofit.engine.device import Event
     from zerofit.engine.disk.tier import DiskTier
     from zerofit.engine.memory.grads import Grads
     from zerofit.engine.step.timeline import Timeline
@@ -66,7 +68,7 @@ class HostUpdates:
             self.clock.add_wait(waited, unit.name)
         self.worker.check()
 
-    def task_add(self, host: torch.Tensor, staging: torch.Tensor, event):
+    def task_add(self, host: torch.Tensor, staging: torch.Tensor, event: Event) -> Callable[[], None]:
         def run():
             wait_event(event)  # [Note: the worker's waits]
             host.add_(staging.narrow(0, 0, host.numel()))
@@ -79,9 +81,15 @@ class HostUpdates:
         and a redo; ``part``: one pass of a split step (unit_adamw; in-memory units only). A unit on the disk tier
         is streamed chunk by chunk ([Note: chunked updates], disk.py): each chunk read (ahead), updated, its
         16-bit copy refreshed ("all"), written back (behind)."""
+        assert unit.master is not None and unit.exp_avg is not None and unit.exp_avg_sq is not None
+        assert unit.step is not None  # a host unit's optimizer state (in memory, or views of the disk tier's file)
         if unit.swap is None:
+            assert grad is not None  # only a unit on the disk tier has its gradient there
             lo, hi = unit.lo, unit.hi  # the whole unit, or this rank's shard ([Note: sharded units])
-            out16 = unit.host16[lo:hi] if part == "cast" else None
+            out16 = None
+            if part == "cast":  # the first pass writes the 16-bit copy alone ([Note: the master behind its cast])
+                assert unit.host16 is not None
+                out16 = unit.host16[lo:hi]
             threads = split_adamw.rest_threads(self.rest_threads) if part in ("moments", "rest") else None
             for hypers, factor, inverse in ops:
                 unit_adamw(
@@ -102,6 +110,7 @@ class HostUpdates:
             return
         assert part is None, "a unit on the disk tier is updated in one pass"
         tier, key = self.tier, unit.index
+        assert tier is not None  # the unit is on it
         step0 = unit.step.clone()
         s = step0
         for c, (a, k) in enumerate(tier.chunks(key)):
@@ -113,6 +122,7 @@ class HostUpdates:
             for hypers, factor, inverse in ops:
                 unit_adamw(unit, p, g, f["exp_avg"], f["exp_avg_sq"], s, hypers, factor, start=a, inverse=inverse)
             if unit.swap == "all":
+                assert unit.host16 is not None  # its upload source
                 unit.host16[a : a + k].copy_(p)
             tier.release(key, c)
         unit.step.copy_(s)
@@ -131,16 +141,16 @@ class HostUpdates:
     def task_update(
         self,
         unit: Unit,
-        grad: torch.Tensor,
-        event,
+        grad: torch.Tensor | None,
+        event: Event,
         hypers: tuple[Hyper, ...],
         factor: float,
         release: bool,
-        cast16=None,
+        cast16: CopyLabel | None = None,
         split: bool = False,
         flag: int | None = None,
-        before=None,
-    ):
+        before: Callable[[], None] | None = None,
+    ) -> Callable[[], None]:
         """The worker's AdamW step of a host unit; with ``cast16`` (a label: Copies16.label) its new weights are
         then cast into its 16-bit host copy ([Note: 16-bit copies after the update]). ``split``: the step's first
         pass only, the caller queues the second (task_moments); with ``cast16`` too, that first pass writes the
@@ -153,6 +163,7 @@ class HostUpdates:
                 before()
             if flag is not None and float(self.grads.bad_host[flag]):  # [Note: non-finite gradients without a norm]
                 if release:
+                    assert grad is not None  # ``release``: the staging buffer it came down into
                     self.grads.give_staging(grad)
                 unit.updated.set()
                 return
@@ -162,8 +173,10 @@ class HostUpdates:
             else:
                 self.apply(unit, g, [(hypers, factor, False)], part="master" if split else None)
                 if cast16 is not None:
+                    assert unit.host16 is not None and unit.master is not None  # a 16-bit copy is kept
                     unit.host16.copy_(unit.master)
             if release:
+                assert grad is not None  # as above
                 self.grads.give_staging(grad)
             if cast16 is not None:
                 unit.host16_epoch = cast16  # read by the main thread only after ``updated``
@@ -173,7 +186,7 @@ class HostUpdates:
 
     def task_moments(
         self, unit: Unit, grad: torch.Tensor, hypers: tuple[Hyper, ...], factor: float, with_master: bool = False
-    ):
+    ) -> Callable[[], None]:
         """[Note: moments after the forward]: the second pass of the unit's last update, queued behind every
         update (the worker runs its first pass first): the moments, and ``with_master`` the master too ([Note:
         the master behind its cast]). Until it has run, the unit's gradient buffer and moments (and then its
@@ -200,7 +213,9 @@ class HostUpdates:
         if waited is not None:
             self.clock.add_wait(waited, f"moments[{unit.name}]")
 
-    def task_speculate(self, unit: Unit, spec: Speculation, event, hypers: tuple[Hyper, ...]):
+    def task_speculate(
+        self, unit: Unit, spec: Speculation, event: Event, hypers: tuple[Hyper, ...]
+    ) -> Callable[[], None]:
         """[Note: speculative updates]: update with factor 1 unless the partial norm already proves clipping.
         The unit stays not ``updated`` until its settle task has run: only that one decides what the master is."""
 
@@ -212,7 +227,9 @@ class HostUpdates:
 
         return run
 
-    def task_settle(self, unit: Unit, spec: Speculation, event, hypers: tuple[Hyper, ...], factor: float | None):
+    def task_settle(
+        self, unit: Unit, spec: Speculation, event: Event, hypers: tuple[Hyper, ...], factor: float | None
+    ) -> Callable[[], None]:
         """After a speculative backward, once the norm is known (``factor``: the gradient's factor, None for a
         non-finite norm): keep a speculative update, redo it with the true factor, roll it back, or (for a
         block the worker did not speculate on) apply the deferred update. Runs after the block's

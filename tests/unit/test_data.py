@@ -256,6 +256,32 @@ def test_packing_scores_every_target_exactly_once(seq_len):
     assert len(scored_at) == len(set(scored_at)) == data.num_target_tokens
 
 
+@pytest.mark.parametrize("seq_len", [2, 3, 7, 16, 64])
+def test_positions_restart_at_each_document_and_each_window(seq_len):
+    """Each window's position_ids count the tokens since the latest document start in the window (or its first
+    token), from the documents alone; so they never reach the window's length, and the padding starts at 0."""
+    rng = np.random.default_rng(seq_len)
+    docs = random_documents(rng, 25)
+    data = pack(docs, seq_len, pad_id=0)
+    starts = np.zeros(len(data.stream), dtype=bool)  # from the documents: where each one, and the padding, begins
+    at = 0
+    for d in docs:
+        starts[at] = starts[at] or len(d) > 0
+        at += len(d)
+    if at < len(starts):
+        starts[at] = True
+    for k in range(len(data)):
+        pos = data[k]["position_ids"]
+        assert pos.dtype == torch.int64 and pos.shape == (seq_len,)
+        want, run = [], 0
+        for t in range(seq_len):
+            i = k * (seq_len - 1) + t
+            run = 0 if t == 0 or starts[i] else run + 1
+            want.append(run)
+        assert pos.tolist() == want
+    assert int(data.batch(list(range(len(data))))["position_ids"].max()) < seq_len
+
+
 def test_packed_windows_feed_a_causal_lm_like_unpacked_documents():
     """A document that fits in one window is scored on the same tokens as on its own (HF shift convention)."""
     doc = Document(np.arange(5, 15, dtype=np.int32), np.r_[[False] * 4, [True] * 6], "prompt/completion", "d")

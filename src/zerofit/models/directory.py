@@ -360,6 +360,16 @@ def window_length(seq_len: int | None, config) -> tuple[int, str | None]:
         )
     return seq_len, (
         f"--seq-len {seq_len} is longer than the model's context of {n} tokens (config.json's "
-        "max_position_embeddings): it trains beyond what the model was trained on (long-context "
-        "fine-tuning; a rope_scaling in config.json extends it deliberately)"
+        f"max_position_embeddings; {rope_scaling(config)}): it trains as asked, beyond what the model was trained "
+        "on (long-context fine-tuning)"
     )
+
+
+def rope_scaling(config) -> str:
+    """The rotary positions' scaling in words: its type and factor, or that there is none."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return "no rope_scaling"
+    factor = params.get("factor")
+    return f"rope_scaling {kind}" + (f" x{factor:g}" if isinstance(factor, (int, float)) else "")

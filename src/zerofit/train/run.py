@@ -488,7 +488,8 @@ def _print_start(
     kinds = ", ".join(f"{n:,} {k}" for k, n in s.documents)
     console.print(
         f"  data      {s.files} files, {kinds}; {s.tokens:,} tokens ({s.target_tokens:,} with a loss); "
-        f"{len(data.train):,} training windows of {opts.seq_len}"
+        f"{len(data.train):,} training windows of {opts.seq_len} (documents packed, each attending to itself only: "
+        "position ids restart per document)"
         + (f", {len(data.eval):,} held out" if data.eval is not None else ", none held out")
     )
     ranks = f" x {cfg.world_size} ranks" if cfg.world_size > 1 else ""

@@ -174,6 +174,7 @@ class DeepSpeedSurface:
         if not torch.is_grad_enabled():
             return self.forward_no_grad(batch)
         check_batch(batch, self.batch_spec)
+        self.window.refuse_past_g()
         self.window.drop_unused()
         with self.guard(discard_step=True):
             return self.with_fallback(lambda: self.window.forward(batch))

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from zerofit.engine.model.adapter import Adapter
     from zerofit.engine.plan.engine_plan import Planning
     from zerofit.engine.step.compute import Compute
-    from zerofit.engine.step.schedule import Schedule
+    from zerofit.engine.step.schedule import Micro, Schedule
     from zerofit.engine.step.timeline import Timeline
     from zerofit.engine.update.assisted import DeviceUpdates
     from zerofit.engine.update.speculation import Speculator
@@ -132,14 +132,14 @@ class Window:
         self.copies16, self.device_updates, self.compute = copies16, device_updates, compute
         self.speculator, self.clock, self.lifecycle, self.batch_spec = speculator, clock, lifecycle, batch_spec
         self.micro_steps = 0
-        self.pending = None
+        self.pending: Micro | None = None  # the last forward's, until its backward
         self.held: list = []
         self.announced: list[tuple] = []
         self.offered: list[dict] | None = None
         # what outlives a rebuild of the parts ([Note: generic fallback], recovery.py): the caller's override
         # and the counters
         self.boundary: bool | None = carry.boundary if carry is not None else None
-        self.stats = carry.stats if carry is not None else {"announced": 0, "mismatched": 0}
+        self.stats: dict[str, int] = carry.stats if carry is not None else {"announced": 0, "mismatched": 0}
         # the user's loop ([Note: the user's loop drives the engine], userloop): any number of micro-batches per
         # step, the held ones' blocks backward whenever G of them are held
         self.unbounded: bool = carry.unbounded if carry is not None else False
@@ -266,6 +266,7 @@ class Window:
 
     def _take_offer(self, batch: dict) -> None:
         offered, self.offered = self.offered, None
+        assert offered is not None  # the caller saw an offer
         if (
             self.micro_steps
             or self.announced
@@ -296,16 +297,22 @@ class Window:
         self.stats["mismatched"] += 1
         return None
 
-    def forward(self, batch: dict):
-        """One micro-batch's forward and post pass: its output; the micro-batch waits for its backward()
-        ([Note: the block backward waits for the boundary])."""
-        G = self.G
-        if self.micro_steps >= G and not self.unbounded:
+    def refuse_past_g(self) -> None:
+        """A forward past the window's G micro-batches, before step(), is refused before the step's guard: the
+        refusal changes nothing (the window and its held backward stay, whatever updates they began), so the
+        step() its message asks for can follow."""
+        if self.micro_steps >= self.G and not self.unbounded:
             raise RuntimeError(
                 f"{self.micro_steps} micro-batches went through backward() since the last optimizer "
-                f"step and gradient_accumulation_steps is {G}: call engine.step() after each "
+                f"step and gradient_accumulation_steps is {self.G}: call engine.step() after each "
                 "backward() (it steps at the accumulation boundary), as DeepSpeed's loop does"
             )
+
+    def forward(self, batch: dict):
+        """One micro-batch's forward and post pass: its output; the micro-batch waits for its backward()
+        ([Note: the block backward waits for the boundary]). The caller has refused a forward past G
+        (:meth:`refuse_past_g`)."""
+        G = self.G
         if self.offered is not None:
             self._take_offer(batch)
         micro = self._take_announced(batch) if self.announced else None

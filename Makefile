@@ -31,6 +31,7 @@ test: lint
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy
 
 doctor: $(STAMP)
 	$(BIN)/zerofit doctor

@@ -421,6 +421,7 @@ class Engine(DeepSpeedSurface):
         """The disk tier's write and read speed measured on its swap file at initialize ({} without a tier)."""
         if self.tier is None:
             return {}
+        assert self.plan.disk_speed is not None  # measured on its swap file when the tier was opened
         w, r = self.plan.disk_speed
         return {"write_gb_per_s": w, "read_gb_per_s": r, "direct_io": self.tier.file.direct}
 
@@ -690,6 +691,7 @@ class Engine(DeepSpeedSurface):
             with self.sharding.full_state(self.units, write_back=False):  # [Note: sharded device state]
                 for u in self.units:
                     prefix = "" if u.index < 0 else self.adapter.block_prefix(u.index) + "."
+                    assert u.master is not None  # an open engine's (the whole one, in full_state)
                     views = u.layout.views(u.master)
                     views.update(u.frozen_host_views())  # [Note: frozen parameters]: as they were
                     for n, v in views.items():

@@ -92,8 +92,8 @@ class SwapFile:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path, self._lock_fd, self.reused = self._claim()
         self._fd = -1
-        self.map = None
-        self._mm = None
+        self.map: torch.Tensor | None = None
+        self._mm: mmap.mmap | None = None
         self._pool: ThreadPoolExecutor | None = None
         try:
             self._remove_stale()
@@ -144,8 +144,9 @@ class SwapFile:
             if fd >= 0:
                 probe = aligned_empty(ALIGN).zero_()
                 try:
-                    os.pwritev(fd, [memoryview(probe.numpy())], 0)
-                    os.preadv(fd, [memoryview(probe.numpy())], 0)
+                    # (numpy's stubs give ndarray the buffer protocol for Python 3.12+ only)
+                    os.pwritev(fd, [memoryview(probe.numpy())], 0)  # type: ignore[arg-type]
+                    os.preadv(fd, [memoryview(probe.numpy())], 0)  # type: ignore[arg-type]
                     return fd, True
                 except OSError:
                     os.close(fd)
@@ -153,13 +154,15 @@ class SwapFile:
 
     def view(self, offset: int, numel: int) -> torch.Tensor:
         """(numel,) fp32 view of the mapping at byte ``offset``."""
+        assert self.map is not None  # mapped at __init__ (a failed one closed the file and raised)
         return self.map[offset // 4 : offset // 4 + numel]
 
     def submit(self, op: str, offset: int, buf: torch.Tensor, what: str) -> list[Future]:
         """Read (``op`` 'read') or write ``buf`` (uint8, aligned, length a multiple of ALIGN) at ``offset``,
         as requests of ``block_bytes`` on the pool. Each future raises :class:`DiskTierError` on failure."""
-        mv = memoryview(buf.numpy())
+        mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # (as in _open_direct)
         futs = []
+        assert self._pool is not None  # made at __init__
         for a in range(0, len(mv), self.block_bytes):
             part = mv[a : a + self.block_bytes]
             futs.append(self._pool.submit(self._io, op, part, offset + a, what))
@@ -174,7 +177,8 @@ class SwapFile:
                 raise DiskTierError(
                     f"{self.path}: {'reading' if op == 'read' else 'writing'} {len(part)} bytes at "
                     f"offset {offset} ({what}) failed: [Errno {e.errno}] "
-                    f"{e.strerror or errno.errorcode.get(e.errno, '')}"
+                    # (an OSError without an errno has None, which names nothing: "")
+                    f"{e.strerror or errno.errorcode.get(e.errno, '')}"  # type: ignore[arg-type]
                 ) from e
             if n <= 0:
                 raise DiskTierError(

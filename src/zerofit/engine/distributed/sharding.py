@@ -53,6 +53,7 @@ class Sharding:
             if u.optimizer_on_device:  # done as it was built: share_device_unit
                 continue
             if u.home is Home.RESIDENT:  # host-optimized but kept on the device: gathered after each update
+                assert u.master is not None  # materialized
                 self._pad_resident(u, u.master)
         r.barrier()
 
@@ -71,6 +72,7 @@ class Sharding:
     def share_device_unit(self, u: Unit) -> None:
         """A device-optimized unit, as soon as materialization built it (every rank, in the same order): rank 0's
         weights everywhere, then sharded unless NO_SHARD ([Note: sharded device state])."""
+        assert u.master is not None and u.host is not None  # materialized
         self.ranks.broadcast(u.master)
         if u.dev16 is not None and u.dev16 is not u.master:
             u.dev16.copy_(u.master)
@@ -81,9 +83,11 @@ class Sharding:
 
     def _shard_device_unit(self, u: Unit) -> None:
         """[Note: sharded device state]: master and moments of the rank's shard only."""
+        assert u.master is not None  # materialized
         if u.home is Home.STREAMED:  # FULL_SHARD without offload: weights only in slots, gathered per use
             self.shard_grad[id(u)] = torch.zeros(u.hi - u.lo, device=self.dev.device)  # summed per step
         else:
+            assert u.dev16 is not None  # resident
             self._pad_resident(u, u.dev16)
         u.master = u.master[u.lo : u.hi].clone()  # (hi - lo,) fp32, device
         u.exp_avg = torch.zeros_like(u.master)
@@ -122,6 +126,7 @@ class Sharding:
 
     def gather_dev16(self, u: Unit) -> None:
         """A unit's 16-bit device weights, each rank's shard written in place, made whole on every rank."""
+        assert u.dev16 is not None  # a resident unit's (the shell's, or a device-optimized one's)
         self.ranks.gather(u.dev16.as_strided((self.ranks.padded(u.numel),), (1,)), u.numel)
 
     def on_rank0(self, units: list[Unit], wait, write):
@@ -171,8 +176,10 @@ class Sharding:
     @contextlib.contextmanager
     def _device_full_state(self, units: list[Unit], write_back: bool):
         units = [u for u in units if u.shard_state]
-        kept = []
+        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for u in units:
+            assert u.master is not None and u.exp_avg is not None and u.exp_avg_sq is not None
+            assert u.host is not None  # an open engine's sharded device unit
             kept.append((u.master, u.exp_avg, u.exp_avg_sq))
             master, m, v = (self.gather_full(u, t) for t in kept[-1])
             u.host.copy_(master)
@@ -183,5 +190,6 @@ class Sharding:
             for u, (master, m, v) in zip(units, kept):
                 if write_back:
                     for dst, src in ((master, u.master), (m, u.exp_avg), (v, u.exp_avg_sq)):
+                        assert src is not None  # the whole state set above (a load writes into it)
                         dst.copy_(src[u.lo : u.hi])
                 u.master, u.exp_avg, u.exp_avg_sq = master, m, v

@@ -9,9 +9,13 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported, refuse_attribute
 from zerofit.engine.faces.views import OptimizerView, SchedulerView
+
+if TYPE_CHECKING:
+    from zerofit.engine.faces.deepspeed_surface import DeepSpeedSurface
 
 log = logging.getLogger("zerofit")
 
@@ -23,26 +27,31 @@ class ThroughputTimerView:
     ``batch_size`` (the micro batch). Its timing (``start``, ``stop``, ``avg_samples_per_sec``, its periodic
     throughput log) is refused by name: the engine's own timings are ``engine.timeline()`` and ``engine.trace()``."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: DeepSpeedSurface) -> None:
         self._engine = weakref.ref(engine)
         self.epoch_count = 0
         self._epoch_start = 0
 
+    def _live(self) -> DeepSpeedSurface:
+        engine = self._engine()
+        assert engine is not None  # the engine holds its timer (engine.ds): read through a live engine
+        return engine
+
     def update_epoch_count(self) -> None:
         self.epoch_count += 1
-        self._epoch_start = self._engine().micro_steps
+        self._epoch_start = self._live().micro_steps
 
     @property
     def micro_step_count(self) -> int:
-        return self._engine().micro_steps - self._epoch_start
+        return self._live().micro_steps - self._epoch_start
 
     @property
     def global_step_count(self) -> int:
-        return self._engine().global_steps
+        return self._live().global_steps
 
     @property
     def batch_size(self) -> int:
-        return self._engine().train_micro_batch_size_per_gpu()
+        return self._live().train_micro_batch_size_per_gpu()
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -60,7 +69,7 @@ class ThroughputTimerView:
 class LossScalerView:
     """``optimizer.loss_scaler`` (DeepSpeed's Static/DynamicLossScaler): the fp16 scale, read live."""
 
-    _optimizer: object  # deepspeed_surface.OptimizerView
+    _optimizer: DeepSpeedOptimizer
 
     @property
     def loss_scale(self) -> float:

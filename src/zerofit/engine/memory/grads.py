@@ -84,10 +84,12 @@ class Grads:
 
     # ------------------------------------------------------------------ device buffers
 
-    def buffer(self, unit: Unit) -> torch.Tensor:
-        """The buffer the unit's gradient of this step is summed into: its own (resident), or a slot."""
+    def buffer(self, unit: Unit) -> torch.Tensor | None:
+        """The buffer the unit's gradient of this step is summed into: its own (resident), or a slot (None: a
+        streamed unit that trains nothing)."""
         if unit.home is Home.RESIDENT or not unit.trains:  # a unit that trains nothing has an empty one
             return unit.grad
+        assert self.pool is not None  # a streamed unit trains: the gradient slots exist
         slot = self.pool.take()
         self.dev.wait(self.dev.compute, slot.free_event)  # [Note: slot reuse]
         slot.tenant, unit.grad_slot = unit, slot

@@ -98,6 +98,7 @@ from zerofit.engine.device import Device, Event, fresh_pinned, pin
 if TYPE_CHECKING:
     from zerofit.engine.distributed.ranks import Ranks
     from zerofit.engine.model.nf4 import UnitNF4
+    from zerofit.engine.update.adamw import Hyper
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,8 @@ class Unit:
     # once moments_done ([Note: the master behind its cast])
     host_grad_fresh: bool = True  # deferred updates: the host gradient buffer holds nothing yet
     # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
-    pending_update: tuple | None = None  # deferred: (grad factor, Hyper) of an update the device applies
+    pending_update: tuple[float, tuple[Hyper, ...]] | None = None  # deferred: (grad factor, hypers) of an update
+    # the device applies
     master_event: Event | None = None  # the download of a device-applied update into master
     dirty: bool = False  # RESIDENT with host optimizer: dev16 older than master
     host16: torch.Tensor | None = None  # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra forwards]

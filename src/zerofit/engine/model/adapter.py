@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -141,7 +143,8 @@ class Adapter:
         self._accepts_use_cache = "use_cache" in params or (
             takes_kwargs and hasattr(getattr(model, "config", None), "use_cache")
         )
-        self._configs = list(
+        # any module's config with a use_cache setting (Hugging Face's PretrainedConfig, found by the name)
+        self._configs: list[Any] = list(
             {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")}.values()
         )
         self.has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
@@ -177,7 +180,7 @@ class Adapter:
         return f"{self.blocks_path}.{i}" if self.blocks_path else str(i)
 
     @contextlib.contextmanager
-    def _swapped(self, stubs: list[nn.Module]):
+    def _swapped(self, stubs: Sequence[nn.Module]):
         parent_path, _, attr = self.blocks_path.rpartition(".")
         parent = self.model.get_submodule(parent_path) if parent_path else self.model
         original = getattr(parent, attr)

@@ -85,7 +85,8 @@ def model_shape(
     if not hidden and adapter.streaming:  # not a Hugging Face model: the block's widest weight
         hidden = max((p.shape[-1] for p in adapter.blocks[0].parameters() if p.dim() == 2), default=0)
         inter = 4 * hidden
-    nf4_numels = nf4_bytes = ()
+    nf4_numels: tuple[int, ...] = ()
+    nf4_bytes: tuple[int, ...] = ()
     if nf4:
         nf4_numels = tuple(sum(table.canonical[n].numel() for n in names if n in nf4) for names in table.unit_names)
         nf4_bytes = tuple(
@@ -212,12 +213,13 @@ def build_units(
         n16 = sum(canon[n].numel() for n in plain)
         if idx - 1 in on_disk_f:  # a view of the swap file's mapping, written once below
             fhost = tier.view(frozen_key(idx - 1), "w16").view(compute_dtype)[:n16]
+        elif flayout is not None and n16:  # compute dtype, host: (16-bit frozen numel,)
+            assert arena_f is not None  # sized by need_f, which counts these
+            fhost = arena_f.take(n16)
+        elif flayout is not None:
+            fhost = torch.empty(0, dtype=compute_dtype)
         else:
-            fhost = (
-                (arena_f.take(n16) if n16 else torch.empty(0, dtype=compute_dtype))  # (16-bit frozen numel,)
-                if flayout is not None
-                else None
-            )  # compute dtype, host
+            fhost = None
         fviews = FlatLayout.of([(n, canon[n].shape) for n in plain]).views(fhost) if flayout is not None else {}
         home, on_dev = homes[idx], opt_on_dev[idx]
         opt_dev = dev if on_dev else torch.device("cpu")
@@ -227,6 +229,7 @@ def build_units(
         if flayout is not None:
             unit.frozen = dataclasses.replace(flayout, names=tuple(n[len(prefix) :] for n in flayout.names))
         if qnames:
+            assert flayout is not None and nf4 is not None  # NF4 names are frozen ones, of the NF4 base
             at = dict(zip(flayout.names, flayout.offsets))
             with startup.phase("allocate"):
                 unit.nf4 = nf4.unit(
@@ -242,6 +245,7 @@ def build_units(
         elif swap == "all":
             master = tier.view(idx - 1, "master")  # (numel,) fp32, the swap file's mapping
         else:
+            assert arena is not None  # sized by need, which counts every host unit's master off the disk
             master = arena.take(layout.numel)  # (numel,) fp32, pinned host: the upload source
         fill = writer or on_dev
         frozen_fill = writer  # frozen weights live on the host only, in memory the host's ranks share
@@ -253,6 +257,7 @@ def build_units(
                 if frozen_fill and flayout is not None:
                     _read_unit(source, table, plain, fviews, fds)
             for j, n in enumerate(qnames):  # one tensor at a time, quantized as it is read (or read packed)
+                assert unit.nf4 is not None  # made above for its NF4 names
                 if n in nf4.from_folder:  # [Note: a 4-bit folder]: as stored
                     with startup.phase("read"):
                         unit.nf4.put(j, nf4.pack_of(n, None))
@@ -274,6 +279,7 @@ def build_units(
             del values
             with startup.phase("quantize"):
                 for j, n in enumerate(qnames):
+                    assert unit.nf4 is not None  # made above for its NF4 names
                     unit.nf4.put(j, nf4.pack_of(n, None))
         for j, n in enumerate(qnames):
             nf4.held(n, unit.nf4, j)
@@ -286,13 +292,16 @@ def build_units(
             unit.swap = swap
             unit.exp_avg, unit.exp_avg_sq = tier.view(idx - 1, "exp_avg"), tier.view(idx - 1, "exp_avg_sq")
             if swap == "all":
+                assert arena16 is not None  # sized by need16
                 unit.host16 = arena16.take(layout.numel)
                 unit.host16.copy_(master)
                 r = tier.regions[idx - 1]
                 tier.file.drop_pages(r.offsets["master"], layout.numel * 4)  # one unit's pages in memory at a time
         elif many and not on_dev:
+            assert arena is not None  # sized by need, which counts these moments
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel), arena.take(layout.numel)
         elif assisted[idx]:
+            assert arena is not None  # as above
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel).zero_(), arena.take(layout.numel).zero_()
         else:
             unit.exp_avg, unit.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
@@ -392,7 +401,7 @@ def _read_unit(source, table: ParamTable, names: list[str], views: dict[str, tor
         load_tensor(source, table.aliases[n], views[n], fds)
 
 
-def init_buffers(model: nn.Module, adapter: Adapter, idx: int, init_device: torch.device) -> None:
+def init_buffers(model: nn.Module, adapter: Adapter, idx: int, init_device: torch.device | None) -> None:
     """Weights come from files: only the unit's meta *buffers* (rotary tables...) need creating and
     initializing, by the model's own ``_init_weights`` on the modules that own them (on still-meta
     parameters that init is a no-op)."""
@@ -403,12 +412,13 @@ def init_buffers(model: nn.Module, adapter: Adapter, idx: int, init_device: torc
         meta_bufs = [bn for bn, b in m._buffers.items() if b is not None and b.is_meta]
         for bn in meta_bufs:
             b = m._buffers[bn]
+            assert b is not None  # (meta_bufs)
             m._buffers[bn] = torch.empty(b.shape, dtype=b.dtype, device=init_device)
         if meta_bufs:
             if init is not None:
                 init(m)
             elif hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+                m.reset_parameters()  # type: ignore[operator]  # the module's own, found by name
 
 
 def _unit_values(
@@ -446,7 +456,7 @@ def _unit_values(
         if init is not None:
             init(m)
         elif hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+            m.reset_parameters()  # type: ignore[operator]  # the module's own, found by name
     _init_lora(model, mods, on_meta)
     canon, _ = _canonical(model)
     missing = [n for n in names if canon[n].is_meta]
@@ -467,7 +477,8 @@ def _init_lora(model: nn.Module, mods: list[nn.Module], on_meta: set) -> None:
         for name, sub in lora_a.items():
             if id(sub) in on_meta:
                 cfg = configs.get(name)
-                m.reset_lora_parameters(name, cfg.init_lora_weights if cfg is not None else True)
+                # PEFT's own method, found by name (torch types a module attribute as Tensor | Module)
+                m.reset_lora_parameters(name, cfg.init_lora_weights if cfg is not None else True)  # type: ignore[operator]
 
 
 def _shell_modules(model: nn.Module, adapter: Adapter) -> list[nn.Module]:

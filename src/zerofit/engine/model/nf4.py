@@ -32,11 +32,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from zerofit.models.quantized import FolderQuant
 
 BLOCK, BLOCK2 = 64, 256  # bitsandbytes' defaults: codes per scale, scales per second-level scale
 
@@ -211,10 +216,10 @@ class BaseNF4:
         self.device = device if device is not None and device.type == "cuda" else None  # where to quantize
         self.packed: dict[str, Packed | None] = {}
         self.originals: dict[str, torch.Tensor] = {}  # name -> the user's 16-bit weight, quantized at build
-        self.on_meta: dict[str, nn.Module] = {}  # name -> its nn.Linear on the meta device (no files):
-        self.init = None  # initialized by the model's own init, then quantized
+        self.on_meta: dict[str, nn.Linear] = {}  # name -> its nn.Linear on the meta device (no files):
+        self.init: Callable[[nn.Module], object] | None = None  # initialized by the model's own init, then quantized
         self.from_folder: dict[str, tuple] = {}  # name -> (source, shape): stored in 4 bits there
-        self.folder = None  # that folder's form ([Note: a 4-bit folder])
+        self.folder: FolderQuant | None = None  # that folder's form ([Note: a 4-bit folder])
 
     def __contains__(self, name: str) -> bool:
         return name in self.packed
@@ -303,6 +308,7 @@ class BaseNF4:
         """(nested, blocksize) of ``name``'s NF4: its ``Linear4bit``'s, its folder's, or the quantization's."""
         p = self.packed[name]
         if p is None and name in self.from_folder:
+            assert self.folder is not None  # its names come from the folder
             return self.folder.nested, self.folder.blocksize
         return (True, BLOCK) if p is None else (p.nested, p.blocksize)
 
@@ -405,6 +411,7 @@ class UnitNF4:
         nb = h.is_pinned()  # from a GPU: without waiting (build_units synchronizes before the buffer is read)
         h[s.data : s.data + p.data.numel()].copy_(p.data.reshape(-1), non_blocking=nb)
         if s.nested:
+            assert p.absmax2 is not None and p.code2 is not None  # a nested one's second-level scales (checked above)
             h[s.absmax : s.absmax + s.blocks].copy_(p.absmax.reshape(-1).view(torch.uint8), non_blocking=nb)
             h[s.absmax2 : s.code2].view(torch.float32).copy_(p.absmax2.reshape(-1), non_blocking=nb)
             h[s.code2 : s.end].view(torch.float32).copy_(p.code2.reshape(-1), non_blocking=nb)

@@ -435,12 +435,13 @@ class Planning:
         off = self.config.offload
         grad = ("grad",) if deferred else ()  # [Note: gradients on the disk], step/optimizer_step.py
         cb = torch.empty((), dtype=DTYPES[self.config.precision]).element_size()
-        frozen = [
+        frozen: list[tuple[int, int, tuple[str, ...]]] = [
             (frozen_key(i), -(-self.shape.frozen_host_bytes(cb, [i + 1]) // 4), ("w16",)) for i in plan.disk_frozen
         ]
         regions, nbytes = disk_layout(
             [(i, self.shape.block_numels[i], DISK_FIELDS[m] + grad) for i, m in plan.disk_blocks] + frozen
         )
+        assert off.nvme_path is not None  # a device "nvme" needs it (config/schema.py); only then is disk planned
         file = SwapFile(off.nvme_path, nbytes, threads=off.nvme_queue_depth, block_bytes=off.nvme_block_size)
         try:
             w, r = file.measure()

@@ -213,6 +213,7 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
         host = tries(stream_params=True, host_budget=None, disk_budget=None) if streamed is None else None
         if streamed is not None or host is not None:
             fit = streamed or host
+            assert fit is not None  # (one of them fits)
             tips.append(
                 "the parameters offloaded too, with the optimizer (DeepSpeed: zero_optimization's "
                 'offload_param {"device": "cpu"} beside offload_optimizer; zerofit: offload.param_device '
@@ -267,6 +268,7 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
                 lo, hi = (lo, mid) if tries(**hb, host_budget=mid) is not None else (mid, hi)
             beside, budget = tries(**hb, host_budget=hi), shown(hi, "host_budget", **hb)
             if budget:
+                assert beside is not None  # the search ends on a budget that fits (hi)
                 tips.append(
                     f"a host budget (max_host_memory) of at least {budget} beside the NVMe tier "
                     f"({fmt_bytes(beside.disk_bytes)} on the disk)"
@@ -581,7 +583,7 @@ def _make_plan(
     best = None
     # Prefer the shell's optimizer on the device: its gradient is complete only at the very end of the
     # backward, so a host update of it would sit on the critical path of the next step.
-    shell_choices = (True, False)
+    shell_choices: tuple[bool, ...] = (True, False)
     if shell_on_device is not None:
         shell_choices = (shell_on_device,)
 
@@ -595,7 +597,7 @@ def _make_plan(
     # [Note: a frozen base on the disk]: 16-bit frozen weights of streamed blocks (not NF4 ones) may go there
     frozen_ok = disk and any(shape.frozen_of(i) for i in range(L)) and not any(shape.nf4_numels)
 
-    def options(r: int, shell_dev: bool, level: tuple[bool, bool]):
+    def options(r: int, shell_dev: bool, level: tuple):
         if disk_placement is not None:  # re-planning: the placement stays as it is
             yield build(r, shell_dev, dict(disk_placement), level, frozen_k=disk_frozen_blocks or 0)
             return
@@ -627,7 +629,8 @@ def _make_plan(
         and not device_state
         and (on_cuda or assisted_updates is True)
     )
-    levels = [(False, False)]
+    # (chunked loss, offloaded checkpoints[, lean[, checkpoint every k blocks]]): Plan's floor level
+    levels: list[tuple] = [(False, False)]
     if floor is not None:
         levels = [tuple(floor)]
     elif on_cuda and batch is not None and checkpointing and stream_params:

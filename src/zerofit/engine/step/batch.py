@@ -64,7 +64,8 @@ def _labelled_loss(model: nn.Module) -> str:
     transformers = sys.modules.get("transformers")  # a model of it means it is imported already
     if transformers is None:
         return ""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    # PEFT's get_base_model, found by name (torch types a module attribute as Tensor | Module)
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # type: ignore[operator]
     if not isinstance(base, transformers.PreTrainedModel):
         return ""
     return type(base).__name__ if "labels" in inspect.signature(base.forward).parameters else ""
@@ -214,7 +215,8 @@ def to_device(batch: Mapping, device: torch.device) -> dict:
 def vocab_of(model: nn.Module, default: int) -> int:
     """The number of token ids the model embeds: its input embedding's rows, else ``default``."""
     try:
-        weight = model.get_input_embeddings().weight
+        # Hugging Face's get_input_embeddings, tried by name (torch types a module attribute as Tensor | Module)
+        weight = model.get_input_embeddings().weight  # type: ignore[operator]
         return int(weight.shape[0])
     except Exception:  # not a Hugging Face model, or one without a plain embedding
         return default

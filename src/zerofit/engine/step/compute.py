@@ -92,12 +92,14 @@ class Compute:
     def to_device(self, batch: dict) -> dict:
         return to_device(batch, self.dev.device)  # token ids as int64: [Note: token ids of any integer dtype]
 
-    def accumulate(self, unit: Unit, dst: torch.Tensor, grads: list, names: list[str]) -> None:
-        """dst (fp32 flat) += grads, or = grads on the first write of a step."""
-        views = unit.layout.views(dst)
+    def accumulate(self, unit: Unit, dst: torch.Tensor | None, grads: list, names: list[str]) -> None:
+        """dst (fp32 flat) += grads, or = grads on the first write of a step. ``dst`` None: a streamed unit that
+        trains nothing (Grads.buffer), whose backward hands over no gradients."""
+        views = unit.layout.views(dst) if dst is not None else {}
         pairs = [(views[n], g) for n, g in zip(names, grads) if g is not None]
         if not pairs:
             return
+        assert dst is not None  # (pairs are views of it)
         d, g = [p[0] for p in pairs], [p[1] for p in pairs]
         if unit.grad_fresh:
             if len(pairs) < len(unit.layout.names):

@@ -55,13 +55,19 @@ class Micro:
     """State of one micro-batch between the forward and the backward."""
 
     batch: dict
-    pre: PreResult
+    pre: PreResult | None  # the pre pass's result; None on the generic path (no blocks apart)
     ckpts: list = field(default_factory=list)  # (B, T, H) input of each block, compute dtype, device
     rng: list = field(default_factory=list)  # RNG state before each block (models with dropout)
     graphs: list = field(default_factory=list)  # checkpointing off: (x, leaves, y) per block, graph kept
     shell_leaves: dict = field(default_factory=dict)
     grad: torch.Tensor | None = None  # gradient w.r.t. the current block boundary
     output: object = None
+
+    @property
+    def pre_pass(self) -> PreResult:
+        """``pre`` on the streaming path, where the block passes read it."""
+        assert self.pre is not None  # streaming: the pre pass ran
+        return self.pre
 
 
 class Schedule:
@@ -125,7 +131,7 @@ class Schedule:
                 micros.append(Micro(batch, pre, shell_leaves=leaves))
         if not self.adapter.streaming:
             return micros
-        xs = [m.pre.hidden.detach() for m in micros]
+        xs = [m.pre_pass.hidden.detach() for m in micros]
         order = self.blocks
         for pos, unit in enumerate(order):
             self.lifecycle.safe_point()
@@ -139,11 +145,11 @@ class Schedule:
                     micro.rng.append(self.compute.rng_state())
                     if keep_graph:  # all blocks are resident (the planner's rule): the graph may hold their weights
                         x = xs[m].requires_grad_(True)
-                        y = self.compute.block(unit, leaves_b, x, micro.pre.calls[unit.index])
+                        y = self.compute.block(unit, leaves_b, x, micro.pre_pass.calls[unit.index])
                         micro.graphs.append((x, leaves_b, y))
                         xs[m] = y.detach()
                     else:
-                        xs[m] = self.compute.block(unit, leaves_b, xs[m], micro.pre.calls[unit.index])
+                        xs[m] = self.compute.block(unit, leaves_b, xs[m], micro.pre_pass.calls[unit.index])
             self.streamer.release(unit)
             if offload and self.activations.offloaded(unit.index):
                 self.activations.down(micros, unit.index, first)
@@ -153,10 +159,16 @@ class Schedule:
 
     # ------------------------------------------------------------------ post pass
 
+    def _into_shell(self, grads: list, names: list[str]) -> None:
+        """``grads`` (of the shell's ``names``) added into the shell's gradient."""
+        assert self.shell.grad is not None  # the shell is resident: its own gradient buffer
+        self.compute.accumulate(self.shell, self.shell.grad, grads, names)
+
     def post(self, micro: Micro):
         """Post pass with autograd: returns (output, x_L leaf)."""
         if not self.adapter.streaming:
             return self.adapter.full(self.compute.shell_call(micro.shell_leaves), micro.batch), None
+        assert micro.grad is not None  # the final hidden state, from the forward
         final = micro.grad.detach().requires_grad_(True)
         with self.compute.fork_rng():
             out = self.adapter.post(self.compute.shell_call(micro.shell_leaves), micro.batch, final)
@@ -170,7 +182,7 @@ class Schedule:
 
         def accumulate(grads):
             reached.append(any(g is not None for g in grads))
-            self.compute.accumulate(self.shell, self.shell.grad, grads, names)
+            self._into_shell(grads, names)
 
         with self.compute.shell_weights(micro.shell_leaves):  # [Note: the model's own checkpointing]
             got = backward_into(
@@ -192,6 +204,7 @@ class Schedule:
         """The post pass and its backward over token chunks (adapter.post_in_chunks); returns the micro-batch's
         loss, its final hidden state's gradient in ``micro.grad``."""
         names = list(self.shell.layout.names)
+        assert micro.grad is not None  # the final hidden state, from the forward
         micro.grad, total = post_in_chunks(
             self.adapter,
             self.compute.shell_call(micro.shell_leaves),
@@ -200,7 +213,7 @@ class Schedule:
             [micro.shell_leaves[n] for n in names],
             seed_scale,
             chunks,
-            lambda grads: self.compute.accumulate(self.shell, self.shell.grad, grads, names),
+            lambda grads: self._into_shell(grads, names),
             fork_rng=self.compute.fork_rng,
             weights=lambda: self.compute.shell_weights(micro.shell_leaves),
         )
@@ -248,7 +261,7 @@ class Schedule:
         needs no gradient: a frozen embedding) the blocks below the lowest trained one have nothing to give a
         gradient to: their backward is not run, and they are not uploaded again for it. A PEFT model with
         ``layers_to_transform`` above the first layers, or a full fine-tune of the top layers, skips the rest."""
-        if any(m.pre.hidden.requires_grad for m in micros):
+        if any(m.pre_pass.hidden.requires_grad for m in micros):
             return 0
         return next((u.index for u in self.blocks if u.trains), len(self.blocks))
 
@@ -261,7 +274,7 @@ class Schedule:
         with self.dev.timed("compute", label=f"{unit.name}(inputs)"), torch.no_grad():
             for micro in micros:
                 with self.compute.rng(micro.rng[unit.index]):
-                    y = self.compute.block(unit, leaves, micro.ckpts[unit.index], micro.pre.calls[unit.index])
+                    y = self.compute.block(unit, leaves, micro.ckpts[unit.index], micro.pre_pass.calls[unit.index])
                 micro.ckpts[unit.index + 1] = y
 
     def backward_blocks(self, micros: list[Micro]) -> None:
@@ -294,18 +307,18 @@ class Schedule:
             self.step.unit_done(unit)
         names = list(self.shell.layout.names)
         for micro in micros:  # backward of the pre pass into the shell's gradient
-            if names and micro.pre.hidden.requires_grad:  # else nothing before block 0 trains
+            if names and micro.pre_pass.hidden.requires_grad:  # else nothing before block 0 trains
                 with self.dev.timed("compute", label="pre"), self.compute.shell_weights(micro.shell_leaves):
                     backward_into(
-                        micro.pre.hidden,
+                        micro.pre_pass.hidden,
                         [],
                         [micro.shell_leaves[n] for n in names],
-                        lambda g: self.compute.accumulate(self.shell, self.shell.grad, g, names),
+                        lambda g: self._into_shell(g, names),
                         micro.grad,
                     )
             micro.grad = None
 
-    def _block_backward(self, unit: Unit, micro: Micro, names: list[str], gdst: torch.Tensor) -> None:
+    def _block_backward(self, unit: Unit, micro: Micro, names: list[str], gdst: torch.Tensor | None) -> None:
         """One micro-batch's backward through block ``unit``: its input's gradient into ``micro.grad``, its weights'
         added into ``gdst``; the recomputed input and output and the weight gradients go when it returns ([Note: one
         micro-batch's gradients at a time], adapter.py)."""
@@ -316,7 +329,7 @@ class Schedule:
             x = micro.ckpts[unit.index].detach().requires_grad_(True)
             leaves = self.compute.leaves(unit, grad=True)
             with torch.enable_grad(), self.compute.rng(micro.rng[unit.index]):
-                y = self.compute.block(unit, leaves, x, micro.pre.calls[unit.index])
+                y = self.compute.block(unit, leaves, x, micro.pre_pass.calls[unit.index])
         with self.compute.weights(self.adapter.blocks[unit.index], leaves):  # [Note: the model's own checkpointing]
             (micro.grad,) = backward_into(
                 y, [x], [leaves[n] for n in names], lambda g: self.compute.accumulate(unit, gdst, g, names), micro.grad

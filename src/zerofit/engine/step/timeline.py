@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import psutil
 
 if TYPE_CHECKING:
+    import torch
+
     from zerofit.engine.device import Device
     from zerofit.engine.update.worker import HostWorker
 
@@ -27,7 +29,7 @@ class Timeline:
         self.dev, self.worker = dev, worker
         self._t0 = time.perf_counter()
         self._worker0 = (0.0, 0.0)
-        self._origin = None
+        self._origin: float | torch.cuda.Event | None = None  # the step's Device.mark()
         self._seconds: dict[str, float] = {}  # the last step's seconds per phase, or the waits of the one running
         self._wait_spans: list[tuple] = []  # (label, start, end) of the main thread's waits, this step
         self._trace: list[dict] | tuple = []  # the last step's trace, or what trace() builds it from

@@ -33,6 +33,7 @@ multiply).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,13 +49,13 @@ if TYPE_CHECKING:
 class TorchClip:
     def __init__(self, dev: Device, grads: Grads, ranks: Ranks) -> None:
         self.dev, self.grads, self.ranks = dev, grads, ranks
-        self.order: list | None = None
+        self.order: list[tuple[Unit, str]] | None = None  # follow(): the user's loop clips
         self.names: dict[int, list[str]] = {}
-        self.norms: dict[int, list[torch.Tensor]] = {}
+        self.norms: dict[int, Sequence[torch.Tensor]] = {}
         self.coef: torch.Tensor | None = None
         self.waiting: dict[int, list[torch.Tensor]] = {}
 
-    def follow(self, order: list) -> None:
+    def follow(self, order: list[tuple[Unit, str]]) -> None:
         """The user's loop clips over ``order`` ((unit, name) of every trained parameter, the model's order)."""
         self.order = order
         self.names = {}
@@ -87,6 +88,7 @@ class TorchClip:
 
     def _flats(self, dev_grads: dict) -> list[torch.Tensor]:
         """Several ranks: (unit, its flat gradient on this rank), each unit once, in the model's order."""
+        assert self.order is not None  # the user's loop: follow() ran
         self.dev.record(self.dev.download).synchronize()
         out, seen = [], set()
         for u, _name in self.order:
@@ -110,6 +112,7 @@ class TorchClip:
     def _views(self) -> list[torch.Tensor]:
         # the host gradients came down on the download stream: the main thread reads them after it
         self.dev.record(self.dev.download).synchronize()
+        assert self.order is not None  # the user's loop: follow() ran
         out = []
         for u, name in self.order:
             flat = u.grad if u.optimizer_on_device else self.grads.host_grads.get(id(u))
@@ -128,6 +131,7 @@ class TorchClip:
             return self.clip_sharded(max_norm, dev_grads or {})
         self.settle()
         grads = self._views()
+        assert self.order is not None  # (_views)
         norms: list = [None] * len(grads)
         at = {id(u): 0 for u, _ in self.order}
         rest = []
@@ -157,6 +161,7 @@ class TorchClip:
     def clip_sharded(self, max_norm: float, dev_grads: dict) -> float:
         """FSDP's ``clip_grad_norm_`` over the ranks' shards (the Note's several ranks); returns the norm."""
         flats = self._flats(dev_grads)
+        assert self.order is not None  # (_flats)
         units, seen = [], set()
         for u, _name in self.order:
             if id(u) not in seen:
@@ -185,6 +190,7 @@ class TorchClip:
         if not views:
             return None
         coef = self.coef
+        assert coef is not None  # set by the clip that left multiplies waiting
 
         def multiply():
             for g in views:
@@ -195,6 +201,7 @@ class TorchClip:
     def settle(self) -> None:
         """Every multiply still waiting, done now (a reader of the gradients comes before the updates)."""
         for views in self.waiting.values():
+            assert self.coef is not None  # set by the clip that left multiplies waiting
             for g in views:
                 g.mul_(self.coef)
         self.waiting.clear()

@@ -49,12 +49,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zerofit.engine.memory.store import HostArena, Unit
+from zerofit.engine.memory.store import CopyLabel, HostArena, Unit
 from zerofit.engine.plan.search import ASSIST_SETS, assist_chunk
+from zerofit.engine.update.adamw import Hyper
 from zerofit.engine.update.unit_adamw import unit_adamw
 
 if TYPE_CHECKING:
-    from zerofit.engine.device import Device
+    from zerofit.engine.device import Device, Event
     from zerofit.engine.lifecycle import Lifecycle
     from zerofit.engine.memory.copies16 import Copies16
     from zerofit.engine.memory.grads import Grads
@@ -91,10 +92,10 @@ class DeviceUpdates:
         self.deferred, self.dtype, self.pinned = deferred, dtype, pinned
         self.worker, self.clock, self.arenas = worker, clock, arenas
         self.buffers: list[list[torch.Tensor]] | None = None
-        self.free: list = []
+        self.free: list[Event | None] = []  # per set
         self.next = 0
         self.cast: list[torch.Tensor] | None = None
-        self.shell_updated = None
+        self.shell_updated: Event | None = None
         if planning.plan.assisted_updates and streamed:
             chunk = assist_chunk(cap)
             n = 4 if deferred else 3
@@ -134,7 +135,12 @@ class DeviceUpdates:
         if not self.pinned:
             return
         # (assisted blocks are streamed, host-optimized and off the disk tier: the planner's choice)
-        movers = [u for u in blocks if u.index in self.planning.plan.assisted_blocks and not u.exp_avg.is_pinned()]
+        movers = []
+        for u in blocks:
+            if u.index in self.planning.plan.assisted_blocks:
+                assert u.exp_avg is not None  # every unit's moments are made at materialize
+                if not u.exp_avg.is_pinned():
+                    movers.append(u)
         if not movers:
             return
         self.worker.drain()  # no CPU update of the last step still reads or writes them
@@ -154,12 +160,13 @@ class DeviceUpdates:
         """[Note: assisted updates]: the unit's pending deferred update, on the upload stream (the caller's
         current stream) as the next forward uploads it, the new weights cast into ``dst``."""
         # [Note: failure semantics]: an error before this unit's update is fully enqueued leaves it torn
+        assert unit.pending_update is not None  # the caller found one pending
         factor, hypers = unit.pending_update
         with self.lifecycle.applying():
             unit.pending_update = None
             self.device_adamw(unit, None, hypers, factor, dst, cast16=self.copies16.label(unit, now=True))
 
-    def in_backward(self, unit: Unit, grad: torch.Tensor, hypers) -> None:
+    def in_backward(self, unit: Unit, grad: torch.Tensor, hypers: tuple[Hyper, ...]) -> None:
         """[Note: assisted updates in the backward]: the unit's update from its gradient in its slot, which goes
         back once the last chunk's AdamW has read it."""
         read = self.after_compute(
@@ -167,14 +174,15 @@ class DeviceUpdates:
         )
         self.grads.release_slot(unit, read)
 
-    def shell(self, u: Unit, hypers) -> None:
+    def shell(self, u: Unit, hypers: tuple[Hyper, ...]) -> None:
         """The shell's update on the device from its complete gradient, the new weights cast into its 16-bit
         device copy (see the module docstring)."""
+        assert u.grad is not None  # its gradient, complete (the end of the backward)
         self.grads.flag(u, u.grad)
         self.shell_updated = self.after_compute(u, u.grad, u.dev16, hypers, found_inf=self.grads.flag_of(u))
         u.grad_fresh = True
 
-    def take_shell_update(self):
+    def take_shell_update(self) -> Event | None:
         """The event after the shell's last update on the device, once (the next forward's compute waits on it)."""
         ev, self.shell_updated = self.shell_updated, None
         return ev
@@ -184,10 +192,10 @@ class DeviceUpdates:
         unit: Unit,
         grad: torch.Tensor,
         dst: torch.Tensor | None,
-        hypers,
-        cast16=None,
+        hypers: tuple[Hyper, ...],
+        cast16: CopyLabel | None = None,
         found_inf: torch.Tensor | None = None,
-    ):
+    ) -> Event | None:
         """device_adamw on the upload stream from the unit's device gradient, once the compute stream's work
         so far (which wrote it) is done; returns the event after its last read of ``grad``. ``found_inf``: a
         device scalar, nonzero to leave the state as it is ([Note: non-finite gradients without a norm])."""
@@ -200,12 +208,12 @@ class DeviceUpdates:
         self,
         unit: Unit,
         grad: torch.Tensor | None,
-        hypers,
+        hypers: tuple[Hyper, ...],
         factor: float,
         dst: torch.Tensor | None,
-        cast16=None,
+        cast16: CopyLabel | None = None,
         found_inf: torch.Tensor | None = None,
-    ):
+    ) -> Event | None:
         """The unit's AdamW step on the device, its state moving up and down in chunks ([Note: assisted
         updates]). ``grad``: the unit's gradient on the device, or None to bring the host gradient up with
         the state. ``dst``: a slot to cast the new weights into, or None. ``cast16``: a label
@@ -213,6 +221,9 @@ class DeviceUpdates:
         copies after the update]). Enqueued on the upload stream (the caller's current stream); returns the
         upload stream's event after the last chunk's AdamW (the last read of ``grad``)."""
         lo, hi = unit.lo, unit.hi  # this rank's shard ([Note: sharded units]); host_grad holds just that
+        assert self.buffers is not None  # the device takes a share of the updates (assisted)
+        assert unit.master is not None and unit.exp_avg is not None and unit.exp_avg_sq is not None
+        assert unit.step is not None  # a host unit's optimizer state
         chunk = self.buffers[0][0].numel()
         host_grad = self.grads.host_grads[id(unit)] if grad is None else None
         # [Note: no host wait in an enqueue]: a fill, not a copy
@@ -229,6 +240,7 @@ class DeviceUpdates:
                 m.copy_(unit.exp_avg[off : off + k], non_blocking=True)
                 v.copy_(unit.exp_avg_sq[off : off + k], non_blocking=True)
                 if grad is None:
+                    assert host_grad is not None  # (grad is None)
                     g = self.buffers[i][3][:k]
                     g.copy_(host_grad[off - lo : off - lo + k], non_blocking=True)
                 else:
@@ -238,6 +250,7 @@ class DeviceUpdates:
                 if dst is not None:
                     dst[off : off + k].copy_(p)
                 if cast16 is not None:
+                    assert self.cast is not None  # cast_for_copies ran
                     w16 = self.cast[i][:k]
                     w16.copy_(p)
             up = self.dev.record(self.dev.upload)
@@ -248,6 +261,7 @@ class DeviceUpdates:
                     unit.exp_avg[off : off + k].copy_(m, non_blocking=True)
                     unit.exp_avg_sq[off : off + k].copy_(v, non_blocking=True)
                     if cast16 is not None:
+                        assert unit.host16 is not None  # the copy ``cast16`` labels
                         unit.host16[off : off + k].copy_(w16, non_blocking=True)
                 done = self.free[i] = self.dev.record(self.dev.download)
         unit.step.add_(1)

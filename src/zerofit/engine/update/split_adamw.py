@@ -297,7 +297,7 @@ def _calibration_cases() -> list[tuple]:
         m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
         h = Hyper(1e-3, 0.9, 0.999, 1e-8, wd)
         want = [t.clone() for t in (p, g, m, v)] + [torch.tensor(4.0)]
-        adamw_flat(*want, h, factor)
+        adamw_flat(want[0], want[1], want[2], want[3], want[4], h, factor)
         cases.append(((p, g, m, v), h, factor, want))
     return cases
 

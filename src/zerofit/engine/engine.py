@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -79,6 +81,10 @@ from zerofit.engine.update.host import HostUpdates
 from zerofit.engine.update.speculation import Speculation, Speculator
 from zerofit.engine.update.worker import HostWorker
 
+if TYPE_CHECKING:
+    from zerofit.config.deepspeed_keys import KeyReport
+    from zerofit.models import ModelDir
+
 log = logging.getLogger("zerofit")
 
 
@@ -132,13 +138,13 @@ class Engine(DeepSpeedSurface):
         self,
         model: nn.Module,
         config: ZerofitConfig,
-        report=(),
+        report: Iterable[KeyReport] = (),
         device: torch.device | str | None = None,
         adapter: str | None = None,
-        source=None,
-        param_groups=None,
+        source: ModelDir | None = None,
+        param_groups: Iterable[dict[str, Any]] | Iterable[torch.Tensor] | None = None,
         user_loop: bool = False,
-    ):
+    ) -> None:
         self.config = config
         self.source_dir = source.path if source is not None else None  # the model directory it was loaded from
         self._source = source

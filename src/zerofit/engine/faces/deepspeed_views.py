@@ -15,7 +15,11 @@ from zerofit.engine.faces.deepspeed_names import DeepSpeedUnsupported, refuse_at
 from zerofit.engine.faces.views import OptimizerView, SchedulerView
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from zerofit.engine.faces.deepspeed_surface import DeepSpeedSurface
+    from zerofit.engine.step.hypers import Hypers
+    from zerofit.optim.loss_scaler import LossScaler
 
 log = logging.getLogger("zerofit")
 
@@ -87,7 +91,7 @@ class DeepSpeedOptimizer(OptimizerView):
     loss scale and DeepSpeed's refusals. The engine takes the step (``engine.step()``); gradients and moments
     live in its buffers, and its checkpoints hold them (``engine.save_checkpoint``)."""
 
-    def __init__(self, hypers, model, scaler, names=None):
+    def __init__(self, hypers: Hypers, model: nn.Module, scaler: LossScaler | None, names: tuple | None = None) -> None:
         super().__init__(hypers, model, names)
         self._scaler = scaler
 
@@ -157,7 +161,7 @@ class DeepSpeedScheduler(SchedulerView):
     schedule: the engine steps it inside ``engine.step()`` after every applied optimizer step, as DeepSpeed
     steps a scheduler from its config; so ``step()`` here does nothing (with a warning, once)."""
 
-    def __init__(self, hypers, optimizer: OptimizerView):
+    def __init__(self, hypers: Hypers, optimizer: OptimizerView) -> None:
         super().__init__(hypers, optimizer)
         self._warned = False
 

@@ -9,6 +9,13 @@ applies: each parameter group's lr, betas, eps and weight decay of the next step
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from zerofit.engine.step.hypers import Hypers
+
 
 class ParamGroup(dict):
     """One entry of ``optimizer.param_groups``: read-only, since the engine would not see a change."""
@@ -38,7 +45,7 @@ class OptimizerView:
     ``names``: each group's parameter names as the door was given them (the DeepSpeed door's
     ``model_parameters``); None: the engine's groups (one group of every parameter when the engine has one)."""
 
-    def __init__(self, hypers, model, names: tuple | None = None):
+    def __init__(self, hypers: Hypers, model: nn.Module, names: tuple | None = None) -> None:
         self._hypers, self._model, self._names = hypers, model, names
 
     def hypers(self) -> tuple:
@@ -88,7 +95,7 @@ class SchedulerView:
     next step, as ``LambdaLR`` reports after its ``step()``), ``last_batch_iteration`` (-1 before the first
     applied step), ``state_dict()``. The engine steps the schedule with each applied optimizer step."""
 
-    def __init__(self, hypers, optimizer: OptimizerView):
+    def __init__(self, hypers: Hypers, optimizer: OptimizerView) -> None:
         self._hypers = hypers
         self.optimizer = optimizer
 

@@ -76,7 +76,7 @@ class HostWorker:
     skipped, and every :meth:`check` raises :class:`WorkerError`, so that no caller waits forever on an
     update that will never run."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = 0
         self._error: BaseException | None = None

@@ -179,54 +179,70 @@ def _set_event() -> threading.Event:
 
 @dataclass
 class Unit:
-    """One block (or the shell) in the store. Attributes carry shape, dtype and home."""
+    """One block (or the shell) in the store. Attributes carry shape, dtype and home. The fields are grouped by the
+    part that keeps them (whose notes give their rules); a unit stays one record because the optimizer step and
+    the updates also write the gradient's and the copies' flags, and checkpoints, export and inference read them
+    all (docs/engine.md)."""
 
+    # what it is and where it lives: materialize.py, as the plan places it
     name: str
     index: int  # execution order of blocks; -1 for the shell
     layout: FlatLayout
     home: Home
     optimizer_on_device: bool  # master and moments on the device (else host, CPU worker)
+    frozen: FlatLayout | None = None  # its parameters that are not trained ([Note: frozen parameters])
+    nf4: UnitNF4 | None = None  # its frozen weights held in 4 bits (nf4.UnitNF4), after those of
+    # frozen_host in the frozen layout ([Note: an NF4 base], nf4.py)
+    swap: str | None = None  # on the disk tier (disk.py): "moments", or "all" (master too;
+    # host16 then holds its compute weights, the upload source)
+    frozen_disk: bool = False  # frozen_host is a view of the disk tier's mapping, uploaded from the
+    # tier ([Note: a frozen base on the disk], disk.py)
+    frozen_at: int = 0  # STREAMED: where the frozen weights start in a weight slot
+
+    # its host state (materialize.py; the updates write it: update/)
     host: torch.Tensor | None = None  # (numel,) fp32, host; module params view it
-    dev16: torch.Tensor | None = None  # (numel,) compute dtype, device; RESIDENT only
     master: torch.Tensor | None = None  # (numel,) fp32, optimizer home
     exp_avg: torch.Tensor | None = None  # (numel,) fp32, optimizer home
     exp_avg_sq: torch.Tensor | None = None  # (numel,) fp32, optimizer home
     step: torch.Tensor | None = None  # () fp32, optimizer home: AdamW steps taken
-    grad: torch.Tensor | None = None  # (numel,) fp32, device: own (RESIDENT) or a slot (STREAMED)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # module buffers on the compute device
+    frozen_host: torch.Tensor | None = None  # (frozen.numel,) compute dtype, host (pinned); module params view it
+
+    # its device weights: the streamer's (memory/streamer.py; store.WeightState)
     state: WeightState = WeightState.ON_HOST
     slot: Slot | None = None
     ready_event: Event | None = None  # upload done (STREAMED)
+    dev16: torch.Tensor | None = None  # (numel,) compute dtype, device; RESIDENT only
+    frozen_dev: torch.Tensor | None = None  # (frozen.numel,) compute dtype, device; RESIDENT only
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # module buffers on the compute device
+    dirty: bool = False  # RESIDENT with host optimizer: dev16 older than master
+
+    # its gradient: Grads' (memory/grads.py)
+    grad: torch.Tensor | None = None  # (numel,) fp32, device: own (RESIDENT) or a slot (STREAMED)
     grad_slot: Slot | None = None
     grad_fresh: bool = True  # next gradient write is a copy, not an add
+    host_grad_fresh: bool = True  # deferred updates: the host gradient buffer holds nothing yet
+    # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
+
+    # its updates: the optimizer step's and the updates' (step/optimizer_step.py, update/)
     updated: threading.Event = field(default_factory=_set_event)  # master holds the latest update
     moments_done: threading.Event = field(default_factory=_set_event)  # no moments pass pending ([Note: moments after
     # the forward], update/split_adamw.py)
     master_behind: bool = False  # the last update's first pass wrote only host16: master is current
     # once moments_done ([Note: the master behind its cast])
-    host_grad_fresh: bool = True  # deferred updates: the host gradient buffer holds nothing yet
-    # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
     pending_update: tuple[float, tuple[Hyper, ...]] | None = None  # deferred: (grad factor, hypers) of an update
     # the device applies
     master_event: Event | None = None  # the download of a device-applied update into master
-    dirty: bool = False  # RESIDENT with host optimizer: dev16 older than master
+
+    # its 16-bit host copy: Copies16's (memory/copies16.py)
     host16: torch.Tensor | None = None  # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra forwards]
     host16_epoch: CopyLabel = -1  # the engine's weights epoch host16 was taken in (valid while equal)
     host16_event: Event | None = None  # the download that filled host16
-    swap: str | None = None  # on the disk tier (disk.py): "moments", or "all" (master too;
-    # host16 then holds its compute weights, the upload source)
+
+    # its shard with several ranks: Sharding's (distributed/sharding.py)
     lo: int = 0  # this rank's shard [lo, hi) of the flat buffers ([Note: sharded
     hi: int = 0  # units], ranks.py); one rank: [0, numel)
     shard_state: bool = False  # device-optimized on several ranks: master and moments hold only
     # [lo, hi) (dev16 and the host mirror stay whole)
-    frozen: FlatLayout | None = None  # its parameters that are not trained ([Note: frozen parameters])
-    frozen_host: torch.Tensor | None = None  # (frozen.numel,) compute dtype, host (pinned); module params view it
-    frozen_dev: torch.Tensor | None = None  # (frozen.numel,) compute dtype, device; RESIDENT only
-    frozen_at: int = 0  # STREAMED: where the frozen weights start in a weight slot
-    frozen_disk: bool = False  # frozen_host is a view of the disk tier's mapping, uploaded from the
-    # tier ([Note: a frozen base on the disk], disk.py)
-    nf4: UnitNF4 | None = None  # its frozen weights held in 4 bits (nf4.UnitNF4), after those of
-    # frozen_host in the frozen layout ([Note: an NF4 base], nf4.py)
 
     @property
     def numel(self) -> int:

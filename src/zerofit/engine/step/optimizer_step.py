@@ -38,6 +38,7 @@ speculation, which updates it next), or the step's end after ``worker.drain()``.
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -61,6 +62,18 @@ if TYPE_CHECKING:
     from zerofit.engine.step.hypers import Hypers
     from zerofit.engine.update.assisted import DeviceUpdates
     from zerofit.optim.loss_scaler import LossScaler
+
+
+class GradRoute(Enum):
+    """Where a unit's complete gradient goes (:meth:`Step.unit_done`): decided per unit from the plan, once for
+    each plan (at build and at each replan: :meth:`Step.route`), not on every micro-batch."""
+
+    FROZEN = "no gradient: nothing is trained ([Note: frozen parameters])"
+    SHARD = "kept as this rank's shard on the device ([Note: sharded device state])"
+    DEVICE = "stays for the device's AdamW at the step's end"
+    DISK = "down and onto the disk tier, for the deferred update ([Note: gradients on the disk])"
+    ASSISTED = "the device's update of it, in the backward ([Note: assisted updates in the backward])"
+    HOST = "down to the host: an update, an add into the host buffer, or a speculation"
 
 
 class Prepared(NamedTuple):
@@ -116,6 +129,8 @@ class Step:
         self.copies16, self.speculator, self.hypers, self.scaler = copies16, speculator, hypers, scaler
         self.deferred, self.cast_first = deferred, cast_first
         self.mirror_stale = False
+        self._routes: dict[int, GradRoute] = {}
+        self._routed_plan: object = None  # the plan the routes were decided for
         self.torch_clip = TorchClip(dev, grads, ranks)  # the user's loop: torch's clip arithmetic
 
     def host_units(self) -> list[Unit]:
@@ -124,24 +139,45 @@ class Step:
 
     # ------------------------------------------------------------------ the gradient hand-off
 
-    def unit_done(self, unit: Unit) -> None:
-        """A unit's gradient for this micro-step is complete on the device: hand it on."""
-        if not unit.trains:  # [Note: frozen parameters]: no gradient, no update
-            return
+    def _route_of(self, unit: Unit) -> GradRoute:
+        if not unit.trains:
+            return GradRoute.FROZEN
         if unit.shard_state and unit.home is Home.STREAMED:
-            self.sharding.keep_shard(unit)  # [Note: sharded device state]: the slot goes back at once
-            self.grads.release_slot(unit, self.dev.record(self.dev.compute))
-            return
+            return GradRoute.SHARD
         if unit.optimizer_on_device:
+            return GradRoute.DEVICE
+        if self.deferred and unit.swap is not None:
+            return GradRoute.DISK
+        if not self.deferred and self.device.assisted(unit):
+            return GradRoute.ASSISTED
+        return GradRoute.HOST
+
+    def route(self, unit: Unit) -> GradRoute:
+        """``unit``'s gradient route under the current plan: decided again only for another plan (a replan can
+        give the device a larger share of the updates)."""
+        plan = self.device.planning.plan
+        if plan is not self._routed_plan:
+            self._routes = {id(u): self._route_of(u) for u in self.units}
+            self._routed_plan = plan
+        return self._routes[id(unit)]
+
+    def unit_done(self, unit: Unit) -> None:
+        """A unit's gradient for this micro-step is complete on the device: hand it on (:class:`GradRoute`)."""
+        route = self.route(unit)
+        if route is GradRoute.FROZEN or route is GradRoute.DEVICE:
+            return
+        if route is GradRoute.SHARD:
+            self.sharding.keep_shard(unit)  # the slot goes back at once
+            self.grads.release_slot(unit, self.dev.record(self.dev.compute))
             return
         grad = unit.grad
         assert grad is not None  # a trained unit's gradient of this micro-step, complete
         unit.host16_epoch = -1  # its update may start now: the 16-bit copy goes stale
         self.host.await_moments(unit)  # [Note: moments after the forward]: its host gradient buffer is free then
-        if self.deferred and unit.swap is not None:
+        if route is GradRoute.DISK:
             self._stash(unit, grad)
             return
-        if not self.deferred and self.device.assisted(unit):  # [Note: assisted updates in the backward]
+        if route is GradRoute.ASSISTED:
             self.grads.flag(unit, grad)
             self.lifecycle.begin_applying()
             self.device.in_backward(unit, grad, self.hypers.for_step())

@@ -184,13 +184,13 @@ class EngineResources:
         for arena in self.arenas:
             try:
                 arena.close()
-            except Exception as e:
-                log.warning(
-                    "zerofit: unpinning %d bytes of host memory failed: %r",
-                    # NodeSlices has no tensor: this message would raise AttributeError for it (left as it is)
-                    arena.tensor.numel() * arena.tensor.element_size(),  # type: ignore[union-attr]
-                    e,
+            except Exception as e:  # a NodeSlices has no single tensor: its ranges are named by the class
+                what = (
+                    f"{arena.tensor.numel() * arena.tensor.element_size()} bytes"
+                    if isinstance(arena, HostArena)
+                    else "the node's slices"
                 )
+                log.warning("zerofit: unpinning %s of host memory failed: %r", what, e)
         if self.ranks is not None:
             self.ranks.close()
         for lock in self.locks.values():  # [Note: one writer per folder]: another engine may save there now

@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from zerofit.engine.plan.plan import PlanError
+from zerofit.engine.faces.user_loop import UserLoopFace
 
 log = logging.getLogger("zerofit")
 
@@ -79,12 +79,12 @@ class UserLoop:
         cfg["offload"] = {**cfg["offload"], "speculative_updates": False, "assisted_updates": False}
         self._originals = weakref.WeakSet(module.parameters())
         self.engine = Engine.create(module, cfg, user_loop=True)
+        self.face = UserLoopFace(self.engine)  # every call on the engine's parts goes through it
         # any number of micro-batches per step with a window of one (each micro-batch's blocks backward at its own
         # backward(): the sums come in plain autograd's order); a window of G > 1 holds exactly the loop's G
-        self.engine.window.any_number_of_micro_batches(self.engine.config.gradient_accumulation_steps == 1)
+        self.face.start()
         # [Note: the window learns the loop's G]: with the default window, from the first step's micro-batches
-        self.learn_window = self.engine.config.gradient_accumulation_steps == 1 and self.engine.adapter.streaming
-        self.engine.stepper.torch_clip.follow(self._clip_order())
+        self.learn_window = self.engine.config.gradient_accumulation_steps == 1 and self.face.streaming
         self.params = {id(p) for p in self.engine.module.parameters()}
         self.prepared = None  # the step prepared by a clip, applied at optimizer.step()
         self.uncleared = False  # a step ran and no zero_grad() since: [Note: zero_grad]
@@ -95,26 +95,12 @@ class UserLoop:
         patches.install()
         _LIVE.add(self)
 
-    def _trained(self) -> dict:
-        """The model's name of every trained parameter -> (its unit, its name in the unit)."""
-        eng = self.engine
-        where = {}
-        for u in eng.units:
-            prefix = "" if u.index < 0 else eng.adapter.block_prefix(u.index) + "."
-            where.update({prefix + n: (u, n) for n in u.layout.names})
-        return where
-
-    def _clip_order(self) -> list:
-        """(unit, its name of the parameter) of every trained parameter, in the model's order (torch's clip)."""
-        where = self._trained()
-        return [where[n] for n, p in self.engine.module.named_parameters() if p.requires_grad and n in where]
-
     # ------------------------------------------------------------------ forward and backward
 
     def forward(self, *args, **kwargs):
         eng = self.engine
         G = eng.config.gradient_accumulation_steps
-        if G > 1 and eng.window.micro_steps >= G and torch.is_grad_enabled():
+        if G > 1 and self.face.micro_steps >= G and torch.is_grad_enabled():
             raise UserLoopError(
                 f"micro-batch {G + 1} of a step with zerofit_config gradient_accumulation_steps {G}: "
                 "the window holds that many micro-batches before their blocks' backward, and "
@@ -198,16 +184,13 @@ class UserLoop:
     def _prepare(self) -> None:
         """The step up to its updates (Step.prepare): the held micro-batches' blocks backward, every gradient
         complete, the global norm (fp16: the overflow check)."""
-        eng = self.engine
-        if eng.window.micro_steps == 0:
+        if self.face.micro_steps == 0:
             raise UserLoopError(
                 "optimizer.step() (or clip_grad_norm_, unscale_) without a backward since the last "
                 "step: the engine has no gradient to apply (a loop that steps twice, or whose loss "
                 "did not come from the wrapped model's output)"
             )
-        with eng.guard(discard_step=True), _autocast(self.amp):
-            eng.window.before_step()
-            self.prepared = eng.stepper.prepare()
+        self.prepared = self.face.prepare(_autocast(self.amp))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """This step's gradients clipped to ``max_norm`` in place, as torch's ``clip_grad_norm_`` clips them
@@ -216,7 +199,7 @@ class UserLoop:
             raise UserLoopError(f"clip_grad_norm_(norm_type={norm_type}): zerofit clips by the L2 norm")
         if self.prepared is None:
             self._prepare()
-        return torch.tensor(self.engine.stepper.clip_as_torch(float(max_norm), self.prepared), dtype=torch.float32)
+        return torch.tensor(self.face.clip_as_torch(float(max_norm), self.prepared), dtype=torch.float32)
 
     def unscale(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict:
         """A ``GradScaler``'s ``unscale_`` of ``optimizer``: the engine's gradients unscaled in place and checked,
@@ -226,32 +209,25 @@ class UserLoop:
         if self.prepared is None:
             self._prepare()
         by_device: dict = {}
-        for g in self.engine.stepper.grad_views(self.prepared):
+        for g in self.face.grad_views(self.prepared):
             by_device.setdefault(g.device, []).append(g)
         out = {}
-        ranks = self.engine.ranks
         with torch.no_grad():
             for dev, grads in by_device.items():
                 fi = found_inf.to(dev, copy=True)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv_scale.to(dev, copy=True))
                 out[dev] = fi
-            if ranks.many:  # each rank holds its shards: an overflow on one skips the step on every rank
-                total = ranks.all_reduce_world(
-                    torch.stack([f.to(self.engine.dev.device).reshape(()) for f in out.values()]).sum().reshape(1)
-                )
+            if self.face.many_ranks:  # each rank holds its shards: an overflow on one skips the step on every rank
+                anywhere = self.face.any_rank(list(out.values()))
                 for dev, fi in out.items():
-                    fi.copy_((total > 0).to(fi.dtype).to(dev).reshape(fi.shape))
+                    fi.copy_(anywhere.to(fi.dtype).to(dev).reshape(fi.shape))
         return out
 
     def _skipped(self) -> None:
         """A prepared step whose ``optimizer.step()`` never came (a GradScaler found an overflow): not applied."""
         prepared, self.prepared = self.prepared, None
-        eng = self.engine
-        n = eng.window.micro_steps
-        with eng.guard(discard_step=True):
-            eng.stepper.discard_grads()
-            eng.window.stepped()
-            eng.end_step(False, prepared.norm)
+        n = self.face.micro_steps
+        self.face.skip(prepared)
         self._learn_window(n)
 
     def on_step(self, optimizer) -> None:
@@ -269,12 +245,8 @@ class UserLoop:
         prepared, self.prepared = self.prepared, None
         if grad_scale is not None:  # the fused kernel's own unscaling: grad / grad_scale
             prepared = prepared._replace(factor=prepared.factor / float(grad_scale))
-        eng = self.engine
-        n = eng.window.micro_steps
-        with eng.guard(discard_step=True):
-            applied, norm = eng.stepper.apply(prepared)
-            eng.window.stepped()
-            eng.end_step(applied, norm)
+        n = self.face.micro_steps
+        self.face.apply(prepared)
         self._learn_window(n)
 
     def zero_grad(self) -> None:
@@ -289,9 +261,9 @@ class UserLoop:
         (``p.grad = None``) is not seen: the parameters never hold one."""
         if self.prepared is not None:
             self._skipped()
-        elif self.engine.window.micro_steps:
+        elif self.face.micro_steps:
             raise UserLoopError(
-                f"zero_grad() after {self.engine.window.micro_steps} backward() of a step and "
+                f"zero_grad() after {self.face.micro_steps} backward() of a step and "
                 "before its optimizer.step(): torch would drop their gradients, and zerofit's engine "
                 "has summed them; call zero_grad() after optimizer.step() or before the step's "
                 "first backward ([Note: zero_grad])"
@@ -322,14 +294,8 @@ class UserLoop:
         self.learn_window = False
         if n < 2:
             return
-        eng = self.engine
-        for k in range(n, 1, -1):
-            try:
-                eng.planning.hold_for(k)
-                break
-            except PlanError as e:
-                why = str(e).split("\n")[0]
-        else:
+        k, why = self.face.hold(n)
+        if not k:
             log.info(
                 "zerofit: the loop's %d micro-batches per step do not fit the checkpoints of 2 of them in the "
                 "plan; each micro-batch's blocks run their backward at its own backward() (%s)",
@@ -337,7 +303,6 @@ class UserLoop:
                 why,
             )
             return
-        eng.window.hold_micro_batches(k)
         log.info(
             "zerofit: the loop takes %d micro-batches per step: from its second step the window holds %s and "
             "runs each block's backward over them at once ([Note: the window learns the loop's G])",
@@ -365,7 +330,7 @@ class UserLoop:
                 "holds them both and call it ([Note: one wrapped model per optimizer])"
             )
         carrier = _OneGroup(optimizer)
-        self.engine.hypers.attach(ClientSchedule(carrier, None, self.engine.config.train_batch_size))
+        self.face.follow_schedule(ClientSchedule(carrier, None, self.engine.config.train_batch_size))
         optimizer.register_state_dict_post_hook(self._optimizer_state)
         optimizer.register_load_state_dict_post_hook(self._optimizer_loaded)
         self.optimizer = optimizer
@@ -376,18 +341,16 @@ class UserLoop:
 
     def _where(self) -> dict:
         """id(parameter) -> (unit, its name in the unit) of every trained parameter."""
-        where = self._trained()
+        where = self.face.trained()
         return {id(p): where[n] for n, p in self.engine.module.named_parameters() if n in where}
 
     def _optimizer_state(self, optimizer, state: dict) -> dict:
         """``optimizer.state_dict()``: torch's AdamW format, its ``state`` filled from the engine's moments and
         step counts (the optimizer holds none itself), by the parameters' positions in its groups."""
-        eng = self.engine
-        eng.wait()
         where = self._where()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         out = {}
-        with eng.sharding.full_state(eng.units, write_back=False):  # the full layout: every node's slices
+        with self.face.full_state(write_back=False):  # the full layout: every node's slices
             for i, p in enumerate(params):
                 if id(p) not in where:
                     continue
@@ -403,10 +366,8 @@ class UserLoop:
     def _optimizer_loaded(self, optimizer) -> None:
         """``optimizer.load_state_dict()``: the moments and step counts into the engine (the optimizer keeps
         none)."""
-        eng = self.engine
-        eng.wait()
         where = self._where()
-        with eng.sharding.full_state(eng.units, write_back=True):  # the full layout: the node's slices kept
+        with self.face.full_state(write_back=True):  # the full layout: the node's slices kept
             for p, st in list(optimizer.state.items()):
                 if id(p) not in where or "exp_avg" not in st:
                     continue
@@ -420,13 +381,7 @@ class UserLoop:
     def module_loaded(self) -> None:
         """The module's parameters were written in place (``load_state_dict``): the host optimizer's masters are
         those views; a device-optimized unit's master takes its host mirror; every copy follows."""
-        eng = self.engine
-        with torch.no_grad():
-            for u in eng.units:
-                if u.optimizer_on_device and u.host is not None and u.host is not u.master and not u.shard_state:
-                    u.master.copy_(u.host)
-        eng.sharding.slices.written_whole()  # the full layout: the other nodes' slices handed back at the next upload
-        eng.weights_loaded()
+        self.face.module_loaded()
 
 
 def _loop_of(params) -> UserLoop | None:

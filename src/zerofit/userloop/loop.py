@@ -139,7 +139,7 @@ class UserLoop:
             self.uncleared = True
         self.inside = True
         try:
-            out = self.engine(*args, **kwargs)
+            out = self.face.forward(*args, **kwargs)
         finally:
             self.inside = False
         if not torch.is_grad_enabled():
@@ -177,7 +177,7 @@ class UserLoop:
                 part = (t * g).sum()
                 objective = part if objective is None else objective + part
             if objective is not None:
-                self.engine.backward(objective, scale_wrt_gas=False)
+                self.face.backward(objective)
 
     # ------------------------------------------------------------------ the step
 

@@ -62,6 +62,17 @@ class UserLoopFace:
         """Each step's settings from the user's optimizer (a client schedule over it)."""
         self.engine.hypers.attach(schedule)
 
+    # ------------------------------------------------------------------ forward and backward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """One micro-batch's forward, through the accumulation window (the same path as DeepSpeed's loop: its
+        checks, its refusals, the generic fallback); under ``torch.no_grad()`` it keeps nothing."""
+        return self.engine(*args, **kwargs)
+
+    def backward(self, objective: torch.Tensor) -> None:
+        """The engine's backward of ``objective``, unscaled (the loop's objective is its own: no 1/G)."""
+        self.engine.backward(objective, scale_wrt_gas=False)
+
     # ------------------------------------------------------------------ the step
 
     def prepare(self, amp: contextlib.AbstractContextManager) -> Prepared:

@@ -482,6 +482,12 @@ class OffloadConfig(_Frozen):
     """the head and loss over this many token chunks of each micro-batch, so that the full-vocabulary logits
     never exist at once (1: off); None = the planner decides (only when the device budget needs it; models whose
     loss takes shift_labels and num_items_in_batch, as Hugging Face causal LMs' does)"""
+    sequence_tile: int | None = Field(None, ge=1)
+    """tokens per tile of the blocks' MLP: a micro-batch of more tokens runs each block's MLP over tiles of this
+    many, recomputed tile by tile in the backward, so its intermediate-sized tensors are the tile's, not the
+    sequence's ([Note: MLP over sequence tiles], engine/model/tiling.py; MoE blocks' sparse MLPs are not tiled);
+    None = the planner decides (off, the whole sequence, unless the device budget needs it: then the largest
+    power of two of at least 1024 tokens that fits, after loss chunks and offloaded checkpoints)"""
     offload_checkpoints: bool | None = None
     """keep the blocks' input checkpoints in pinned host memory between the forward and the backward (all but
     three blocks'); None = the planner decides (only when the device budget needs it)"""

@@ -8,7 +8,8 @@ The rooms, in the order a step meets them (docs/engine.md has each part, its sta
 ``device.py``           the compute device and its streams and events; page-locked host memory
 ``recovery.py``         the generic fallback; the weights a closing engine takes off the disk tier
 ``model/``              the model as the engine sees it: shell and blocks (``adapter``), its parameters
-                        materialized as flat buffers (``materialize``, ``startup``), parameter groups, an NF4 base
+                        materialized as flat buffers (``materialize``, ``startup``), parameter groups, an NF4 base,
+                        the MLP over sequence tiles (``tiling``)
 ``plan/``               where each unit lives: the ``Plan`` (``plan``), the placement search (``search``), the
                         engine's plan and its replans (``engine_plan``)
 ``memory/``             where each tensor lives and how it moves: the units (``store``), weights up

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from zerofit.engine.memory.copies16 import Copies16
 from zerofit.engine.memory.grads import Grads
 from zerofit.engine.memory.store import Home, Unit, follow_masters
 from zerofit.engine.memory.streamer import Streamer
+from zerofit.engine.model import tiling
 from zerofit.engine.model.adapter import Adapter, NonSequentialModel
 from zerofit.engine.model.groups import resolve_groups
 from zerofit.engine.model.materialize import (
@@ -237,6 +239,8 @@ class Engine(DeepSpeedSurface):
         except BaseException:
             self.lifecycle.resources.release()
             raise
+        # [Note: MLP over sequence tiles] (model/tiling.py): each block's MLP over the plan's tiles, when it has one
+        tiling.install(self.adapter.blocks, _tile_of(weakref.ref(self)))
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
@@ -808,3 +812,14 @@ def _loss_scaler(config: ZerofitConfig):
     from zerofit.optim.loss_scaler import make_loss_scaler
 
     return make_loss_scaler(config.fp16)
+
+
+def _tile_of(engine_ref):
+    """The MLP tile of the plan the step in progress follows (None: the whole sequence); the engine held weakly
+    (the model's wrapped modules keep this, and must not keep a closed engine)."""
+
+    def tile() -> int | None:
+        planning = getattr(engine_ref(), "planning", None)
+        return None if planning is None else planning.current.sequence_tile
+
+    return tile

@@ -125,6 +125,7 @@ def plan_args(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, deferred
         disk_blocks=off.disk_blocks,
         disk_weights=off.disk_weights,
         loss_chunks=off.loss_chunks,
+        sequence_tile=off.sequence_tile,
         disk_frozen_blocks=off.disk_frozen_blocks,
         floor=(
             None
@@ -154,10 +155,17 @@ def placement_kept(plan: Plan) -> dict:
         fixed_staging=plan.staging_buffers,
         disk_placement=plan.disk_of,
         disk_frozen_blocks=len(plan.disk_frozen),
-        floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every),
+        floor=(plan.loss_chunks > 1, plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every)
+        + kept_tile(plan),
         disk_budget=plan.disk_budget,  # measured before the swap file took its share of the disk
         host_share=plan.host_share,
     )  # the nodes' layout ([Note: nodes hold a slice of the state])
+
+
+def kept_tile(plan: Plan) -> tuple:
+    """The floor's tile element of a replan that keeps ``plan``'s MLP tile ([Note: MLP over sequence tiles]):
+    none when it has none (the replan may then choose one, for a longer batch)."""
+    return (plan.sequence_tile,) if plan.sequence_tile else ()
 
 
 def plan_batch(config: ZerofitConfig, model, seq_len: int | None) -> BatchShape:
@@ -328,12 +336,8 @@ class Planning:
             plan = make_plan(self.shape, room, **(inputs | dict(host_share=p.host_share)))
         except PlanError:
             return
-        if (plan.loss_chunks, plan.offload_checkpoints, plan.checkpoint_every, plan.stage_numel) != (
-            p.loss_chunks,
-            p.offload_checkpoints,
-            p.checkpoint_every,
-            p.stage_numel,
-        ):
+        slower = ("loss_chunks", "offload_checkpoints", "checkpoint_every", "stage_numel", "sequence_tile")
+        if any(getattr(plan, k) != getattr(p, k) for k in slower):
             return
         self.plan, self.plan_batch = plan, room
 
@@ -416,7 +420,9 @@ class Planning:
 
     def _without_loss_chunks(self) -> None:
         p = self.plan
-        self.plan = self.replan(self.plan_batch, floor=(False, True, bool(p.stage_numel), p.checkpoint_every))
+        self.plan = self.replan(
+            self.plan_batch, floor=(False, True, bool(p.stage_numel), p.checkpoint_every) + kept_tile(p)
+        )
         log.info("zerofit: re-planned without loss chunks:\n%s", self.plan.describe())
 
     def measured_disk(self, write: float, read: float) -> None:

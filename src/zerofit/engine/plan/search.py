@@ -103,13 +103,17 @@ def activation_bytes(
     loss_chunks: int = 1,
     offload_checkpoints: bool = False,
     every: int = 1,
+    tile: int | None = None,
 ) -> dict[str, int]:
     """Predicted activation memory of a block-major step with per-block recompute.
 
     checkpoints: the block inputs the device holds at once (:func:`device_checkpoints`), for every micro-batch
     (block-major order keeps them all until the backward);
     boundary: the gradient flowing between blocks, one per micro-batch, and the one a block's backward is making;
-    block: one block's recomputed activations and their gradients (transient);
+    block: one block's recomputed activations and their gradients (transient): per token, 24 x hidden elements
+    (the attention's and the norms' tensors, the MLP's input and output) and 8 x intermediate, the MLP's (the gate's,
+    up's and the activation's outputs and their product, and a gradient of each), which with ``tile`` ([Note: MLP
+    over sequence tiles], tiling.py) exist for ``min(tile, tokens)`` tokens at a time;
     logits: the post pass's transient: the loss's fp32 tensors at its peak, or the head's backward after it
     ([Note: the loss's bytes]; the 16-bit logits themselves are dropped before the backward)."""
     tok = batch.tokens
@@ -118,12 +122,33 @@ def activation_bytes(
     return {
         "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": (batch.grad_accum + 1) * tok * shape.hidden * dtype_bytes,
-        "block_working_set": tok * (48 * shape.hidden + 16 * shape.intermediate) * dtype_bytes // 2,
+        "block_working_set": (tok * 48 * shape.hidden + min(tile or tok, tok) * 16 * shape.intermediate)
+        * dtype_bytes
+        // 2,
         "logits": max(
             per_chunk * shape.vocab * LOSS_BYTES,
             (per_chunk + shape.hidden) * shape.vocab * dtype_bytes + 3 * per_chunk * shape.hidden * 4,
         ),
     }
+
+
+TILE_MIN = 1024  # the smallest MLP tile the planner chooses (tokens)
+
+
+def tiles_for(batch: BatchShape) -> list[int]:
+    """The MLP tiles the planner tries for ``batch``, largest first: powers of two of at least TILE_MIN tokens
+    below the micro-batch's tokens ([Note: MLP over sequence tiles], tiling.py)."""
+    tiles, t = [], TILE_MIN
+    while t < batch.tokens:
+        tiles.append(t)
+        t *= 2
+    return tiles[::-1]
+
+
+def _padded(level: tuple) -> tuple:
+    """A floor level as (chunked loss, offloaded checkpoints, lean, every, tile)."""
+    defaults = (False, False, False, 1, None)
+    return tuple(level) + defaults[len(level) :]
 
 
 def loss_chunks_for(batch: BatchShape) -> int:
@@ -331,6 +356,7 @@ def _make_plan(
     floor: tuple | None = None,
     chunkable_loss: bool = True,
     loss_chunks: int | None = None,
+    sequence_tile: int | None = None,
     shards: int = 1,
     ranks: int = 1,
     device_state: bool = False,
@@ -353,7 +379,10 @@ def _make_plan(
     pinned host memory between the forward and the backward (all but CKPT_ON_DEVICE blocks' worth), then also a
     lean pipeline: two weight slots (prefetch one block ahead), one gradient slot, and uploads staged through
     a quarter of a block. Each only when the one before does not fit: they cost time. ``floor`` = (chunked
-    loss, offloaded checkpoints[, lean]) fixes them (re-planning).
+    loss, offloaded checkpoints[, lean[, every[, tile]]]) fixes them (re-planning). Last, each of those levels
+    again with the blocks' MLP over sequence tiles ([Note: MLP over sequence tiles], tiling.py): the largest
+    power of two of at least TILE_MIN tokens below the micro-batch's that fits, halving (a forward of the MLP
+    more per block). ``sequence_tile`` (the config's) fixes the tile at every level.
 
     ``ranks`` processes on this host ([Note: sharded units], ranks.py): the device bytes are one GPU's; the host
     bytes are the host's, the shared state once and each rank's private buffers (the host mirrors of its
@@ -405,7 +434,9 @@ def _make_plan(
         chunked, offloaded = level[0], level[1]
         lean = len(level) > 2 and level[2]
         every = level[3] if len(level) > 3 else 1
-        act = activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded, every) if batch else {}
+        tile = level[4] if len(level) > 4 else None
+        tile = tile if batch is not None and tile is not None and tile < batch.tokens else None
+        act = activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded, every, tile) if batch else {}
         act_total = sum(act.values())
         streamed = shape.block_numels[r:]
         host_streamed = [] if device_state else streamed  # streamed blocks whose state is on the host
@@ -552,6 +583,7 @@ def _make_plan(
             stage_numel=up_stage,
             device_state=device_state,
             checkpoint_every=every,
+            sequence_tile=tile,
             disk_frozen=fdisk,
             disk_frozen_bytes=sum(fbytes.values()),
             host_share=host_share,
@@ -641,6 +673,12 @@ def _make_plan(
         )
         # [Note: checkpoints every k blocks]: last, for the host memory (or device) the kept inputs take
         levels += [(chunkable_loss, True, False, k) for k in SPARSE_EVERY]
+    levels = [_padded(lv) for lv in levels]
+    if sequence_tile is not None:  # the config's tile, at every level
+        levels = [lv[:4] + (sequence_tile,) for lv in levels]
+    elif batch is not None and checkpointing and stream_params and (floor is None or len(floor) < 5):
+        # [Note: MLP over sequence tiles]: last, each level again over tiles, the largest first
+        levels += [lv[:4] + (t,) for t in tiles_for(batch) for lv in levels]
     for level in levels:
         for shell_dev in shell_choices:
             for r in candidates:

@@ -127,6 +127,33 @@ def _spec(out: Path, runs: dict) -> str:
     )
 
 
+def _run_together(runs: list, logs: list, env: dict) -> tuple[int, Path] | None:
+    """The runs as processes side by side: None when every one exits 0, else the first that failed (its exit
+    status and log); a failed run ends the others (a rank would wait for its peer in a collective)."""
+    procs = []
+    for (spec, extra), log in zip(runs, logs):
+        with open(log, "w") as f:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPT), spec], env={**env, **extra}, stdout=f, stderr=subprocess.STDOUT
+                )
+            )
+    deadline = time.monotonic() + 800
+    first = None
+    try:
+        while first is None and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            first = next(((p.returncode, log) for p, log in zip(procs, logs) if p.poll() not in (None, 0)), None)
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if first is None:  # every run ended (or the deadline came): the first that did not exit 0
+        first = next(((p.returncode, log) for p, log in zip(procs, logs) if p.returncode != 0), None)
+    return first
+
+
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory) -> Path:
     """Every DeepSpeed run, once: one process and two ranks side by side. Their folders and results."""
@@ -142,36 +169,24 @@ def ds(tmp_path_factory) -> Path:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    runs = [(_spec(out, ONE), {})] + [
-        (_spec(out, TWO), {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "ZF_DS_STORE": str(out / "store")})
-        for r in range(2)
-    ]
-    logs = [out / f"run{i}.log" for i in range(len(runs))]
-    procs = []
-    for (spec, extra), log in zip(runs, logs):
-        with open(log, "w") as f:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(SCRIPT), spec], env={**env, **extra}, stdout=f, stderr=subprocess.STDOUT
-                )
-            )
-    deadline = time.monotonic() + 800
-    try:  # a failed run ends the others (a rank would wait for its peer in a collective)
-        while (
-            any(p.poll() is None for p in procs)
-            and time.monotonic() < deadline
-            and not any(p.poll() not in (None, 0) for p in procs)
-        ):
-            time.sleep(0.5)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [(p.returncode, log) for p, log in zip(procs, logs) if p.returncode != 0]
-    failed.sort(key=lambda f: f[0] < 0)  # the run that failed before those ended for it
-    assert not failed, f"{failed[0][1]} (exit {failed[0][0]}): " + failed[0][1].read_text()[-4000:]
-    return out
+    # DeepSpeed's own teardown (a C++ thread left joinable at exit: "terminate called without an active
+    # exception") now and then aborts a rank after its results are written, on a busy machine; that is the peer
+    # library's exit, not a reading of its checkpoints, so such a crash runs every DeepSpeed run once more
+    for attempt in range(2):
+        store = out / f"store{attempt}"  # a file rendezvous is used once
+        runs = [(_spec(out, ONE), {})] + [
+            (_spec(out, TWO), {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "ZF_DS_STORE": str(store)})
+            for r in range(2)
+        ]
+        logs = [out / f"run{i}.{attempt}.log" for i in range(len(runs))]
+        failed = _run_together(runs, logs, env)
+        if failed is None:
+            return out
+        code, log = failed
+        text = log.read_text()
+        if attempt == 0 and code < 0 and "terminate called without an active exception" in text:
+            continue
+        raise AssertionError(f"{log} (exit {code}): " + text[-4000:])
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -29,7 +29,7 @@ from tests.support import tiny_models as tm
 from zerofit.config import ConfigError, load_config
 from zerofit.engine.engine import Engine
 from zerofit.engine.model.adapter import NonSequentialModel
-from zerofit.engine.plan.search import BatchShape, ModelShape, PlanError, activation_bytes, make_plan
+from zerofit.engine.plan.search import BatchShape, ModelShape, PlanError, activation_bytes, make_plan, tiles_for
 from zerofit.optim.loss_scaler import DynamicLossScaler, LossScaleUnderflowError
 
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
@@ -416,8 +416,10 @@ def test_make_plan_picks_the_preferred_fitting_placement(shell, block, n, hidden
     cands = {(s, r): _candidate(shape, batch, r, s, **kw).device_total for s in (True, False) for r in range(n + 1)}
     lo, hi = min(cands.values()), max(cands.values())
     budget = int(lo * 0.8 + frac * (hi - lo * 0.8))
-    # [Note: a smaller GPU floor]: the first level of the floor where anything fits decides, then the preference
-    for level in [(False, False), (True, False), (True, True), (True, True, True)]:
+    # [Note: a smaller GPU floor]: the first level of the floor where anything fits decides, then the preference;
+    # after them each level again with the blocks' MLP over sequence tiles ([Note: MLP over sequence tiles])
+    base = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
+    for level in base + [lv + (1, t) for t in tiles_for(batch) for lv in base]:
         fitting = [
             (s, r)
             for s in (True, False)
@@ -433,7 +435,8 @@ def test_make_plan_picks_the_preferred_fitting_placement(shell, block, n, hidden
     plan = make_plan(shape, batch, device_budget=budget, resident_blocks=None, **kw)
     assert plan.device_total <= budget
     assert (plan.shell_optimizer_on_device, plan.resident_blocks) == max(fitting)
-    assert (plan.offload_checkpoints, bool(plan.stage_numel)) == (level[1], len(level) > 2)
+    assert (plan.offload_checkpoints, bool(plan.stage_numel)) == (level[1], level[2])
+    assert plan.sequence_tile == (level[4] if len(level) > 4 else None)
     assert plan.loss_chunks > 1 or not level[0] or tokens <= 512
 
 

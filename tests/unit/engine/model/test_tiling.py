@@ -219,6 +219,24 @@ def test_a_13b_lora_at_65536_tokens_plans_under_24_gib_with_tiles():
     assert untiled.plan is None and "device needs" in (untiled.refusal or "")
 
 
+def test_an_8b_lora_at_262144_tokens_plans_under_80_gib_with_tiles():
+    """``zerofit estimate --shape llama-3.1-8b --lora --max-gpu-memory 80GiB --seq-len 262144``: the MLP over
+    tiles, the plan under the cap."""
+    from zerofit.estimate import estimate, meta_model
+
+    cfg = {
+        "max_gpu_memory": "80GiB",
+        "max_host_memory": "200GiB",
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "seq_len": 262144,
+    }
+    est = estimate(meta_model(shape="llama-3.1-8b"), cfg, measure=False, gpu=True, lora=True)
+    assert est.plan is not None, est.refusal
+    assert est.plan.sequence_tile is not None and est.plan.sequence_tile < 262144
+    assert est.plan.device_total <= 80 << 30
+
+
 def test_a_deep_copy_of_a_wrapped_mlp_runs_its_own_weights():
     import copy
 

@@ -17,6 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from tests.support.model_dirs import make_model_dir, write_data
+from tests.support.train_cli import train_args
 from zerofit.cli import app
 
 pytest.importorskip("peft")
@@ -31,37 +32,9 @@ def workspace(tmp_path_factory):
     other = make_model_dir(root / "other", "llama", torch.bfloat16, seed=1)
     data = write_data(root / "data")
     run = root / "run"
-    r = CliRunner().invoke(app, _args(model, data, run, *LORA, "--steps", "4", "--save-every", "2"))
+    r = CliRunner().invoke(app, train_args(model, data, run, *LORA, "--steps", "4", "--save-every", "2"))
     assert r.exit_code == 0, r.output
     return root, model, other, data, run, r.output
-
-
-def _args(model: Path, data: list[Path], out: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        "--model",
-        str(model),
-        "--data",
-        *map(str, data),
-        "--output",
-        str(out),
-        "--device",
-        "cpu",
-        "--seq-len",
-        "32",
-        "--micro-batch-size",
-        "2",
-        "--grad-accum",
-        "2",
-        "--lr",
-        "1e-3",
-        "--precision",
-        "fp32",
-        "--eval-size",
-        "2",
-        "--no-progress",
-        *extra,
-    ]
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
@@ -115,7 +88,7 @@ def test_resume_in_a_new_process_is_bitwise(workspace):
             sys.executable,
             "-c",
             code,
-            *_args(model, data, broken, *LORA, "--steps", "4", "--save-every", "2", "--resume"),
+            *train_args(model, data, broken, *LORA, "--steps", "4", "--save-every", "2", "--resume"),
         ],
         cwd=REPO,
         env=env,
@@ -133,21 +106,23 @@ def test_a_checkpoint_for_another_base_is_refused_by_name(workspace, tmp_path):
     root, model, other, data, run, _ = workspace
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(run / "checkpoints", elsewhere / "checkpoints")
-    r = CliRunner().invoke(app, _args(other, data, elsewhere, *LORA, "--steps", "6", "--resume"))
+    r = CliRunner().invoke(app, train_args(other, data, elsewhere, *LORA, "--steps", "6", "--resume"))
     assert r.exit_code == 2, r.output
     assert "trained over another base" in r.output and str(model) in r.output
 
 
 def test_bad_lora_input_is_one_line_naming_what_to_do(workspace, tmp_path):
     root, model, _, data, _, _ = workspace
-    r = CliRunner().invoke(app, _args(model, data, tmp_path / "a", "--lora", "--lora-targets", "nope", "--steps", "1"))
+    r = CliRunner().invoke(
+        app, train_args(model, data, tmp_path / "a", "--lora", "--lora-targets", "nope", "--steps", "1")
+    )
     assert r.exit_code == 2 and "--lora-targets nope: matches no module" in r.output and "q_proj" in r.output, r.output
     quantized = tmp_path / "quantized"  # a config saying 4 bits over 16-bit files: inconsistent
     shutil.copytree(model, quantized)
     cfg = json.loads((quantized / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (quantized / "config.json").write_text(json.dumps(cfg))
-    r = CliRunner().invoke(app, _args(quantized, data, tmp_path / "b", "--qlora", "--steps", "1"))
+    r = CliRunner().invoke(app, train_args(quantized, data, tmp_path / "b", "--qlora", "--steps", "1"))
     assert r.exit_code == 2 and "quantization_config says 4 bits, but no weight" in r.output, r.output
 
 
@@ -165,7 +140,9 @@ def test_a_qlora_run_holds_the_base_in_nf4_and_its_merge_is_into_the_dequantized
     run = tmp_path / "qrun"
     r = CliRunner().invoke(
         app,
-        _args(model, data, run, "--qlora", "--lora-r", "4", "--lora-alpha", "8", "--steps", "2", "--save-every", "2"),
+        train_args(
+            model, data, run, "--qlora", "--lora-r", "4", "--lora-alpha", "8", "--steps", "2", "--save-every", "2"
+        ),
     )
     assert r.exit_code == 0, r.output
     assert "its linears in NF4" in r.output, r.output

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from tests.support.model_dirs import make_model_dir, write_data
+from tests.support.train_cli import train_args
 from zerofit.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,34 +33,6 @@ def workspace(tmp_path_factory):
     model = make_model_dir(root / "model", "llama", torch.bfloat16)
     data = write_data(root / "data")
     return root, model, data
-
-
-def _args(model: Path, data: list[Path], out: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        "--model",
-        str(model),
-        "--data",
-        *map(str, data),
-        "--output",
-        str(out),
-        "--device",
-        "cpu",
-        "--seq-len",
-        "32",
-        "--micro-batch-size",
-        "2",
-        "--grad-accum",
-        "2",
-        "--lr",
-        "1e-3",
-        "--precision",
-        "fp32",
-        "--eval-size",
-        "2",
-        "--no-progress",
-        *extra,
-    ]
 
 
 def _records(run: Path) -> list[dict]:
@@ -79,7 +52,7 @@ def test_finetune_end_to_end(workspace):
     root, model, data = workspace
     run = root / "run-e2e"
     res = CliRunner().invoke(
-        app, _args(model, data, run, "--steps", "6", "--save-every", "2", "--eval-every", "3", "--keep", "2")
+        app, train_args(model, data, run, "--steps", "6", "--save-every", "2", "--eval-every", "3", "--keep", "2")
     )
     assert res.exit_code == 0, res.output
     recs = _records(run)
@@ -109,9 +82,9 @@ def test_errors_exit_2_and_name_the_problem(workspace, tmp_path):
     root, model, data = workspace
     r = CliRunner().invoke(app, ["train", "--model", str(model), "--output", str(tmp_path / "x")])
     assert r.exit_code == 2 and "--data" in r.output
-    r = CliRunner().invoke(app, _args(tmp_path / "nope", data, tmp_path / "x", "--steps", "1"))
+    r = CliRunner().invoke(app, train_args(tmp_path / "nope", data, tmp_path / "x", "--steps", "1"))
     assert r.exit_code == 2 and "nope: does not exist" in r.output
-    r = CliRunner().invoke(app, _args(model, [tmp_path / "missing.jsonl"], tmp_path / "x", "--steps", "1"))
+    r = CliRunner().invoke(app, train_args(model, [tmp_path / "missing.jsonl"], tmp_path / "x", "--steps", "1"))
     assert r.exit_code == 2 and "missing.jsonl" in r.output
 
 
@@ -137,11 +110,11 @@ def test_ctrl_c_saves_and_resume_is_exact(workspace):
     straight, broken = root / "straight", root / "broken"
     steps = 200
     common = ("--steps", str(steps), "--eval-every", "0", "--keep", "3")
-    p = _cli(_args(model, data, straight, *common))
+    p = _cli(train_args(model, data, straight, *common))
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0, out
 
-    p = _cli(_args(model, data, broken, *common))
+    p = _cli(train_args(model, data, broken, *common))
     deadline = time.time() + 180
     while time.time() < deadline:
         m = broken / "metrics.jsonl"
@@ -157,7 +130,7 @@ def test_ctrl_c_saves_and_resume_is_exact(workspace):
     assert (broken / "checkpoints" / "latest").read_text().strip() == f"global_step{stopped}"
     assert not (broken / "model").exists()
 
-    p = _cli(_args(model, data, broken, *common, "--resume"))
+    p = _cli(train_args(model, data, broken, *common, "--resume"))
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0, out
     a = [(r["step"], r["loss"]) for r in _records(straight) if "loss" in r]
@@ -180,7 +153,7 @@ def test_every_train_option_reaches_the_run(workspace, tmp_path, monkeypatch):
     )
     CliRunner().invoke(
         app,
-        _args(
+        train_args(
             model,
             data,
             tmp_path / "o",
@@ -240,9 +213,9 @@ def test_two_nodes_of_one_rank_train_like_one_process(workspace):
     root, model, data = workspace
     one, two = root / "run-one-n", root / "run-two-n"
     base = ["--steps", "3", "--export-dtype", "fp32", "--eval-size", "2"]
-    res = CliRunner().invoke(app, _args(model, data, one, *base))
+    res = CliRunner().invoke(app, train_args(model, data, one, *base))
     assert res.exit_code == 0, res.output
-    args = _args(model, data, two, *base)
+    args = train_args(model, data, two, *base)
     args[args.index("--grad-accum") + 1] = "1"
     env = {
         **os.environ,
@@ -297,9 +270,9 @@ def test_two_ranks_train_like_one_process(workspace):
     root, model, data = workspace
     one, two = root / "run-one", root / "run-two"
     base = ["--steps", "3", "--export-dtype", "fp32", "--eval-size", "2"]
-    res = CliRunner().invoke(app, _args(model, data, one, *base))
+    res = CliRunner().invoke(app, train_args(model, data, one, *base))
     assert res.exit_code == 0, res.output
-    args = [a if a != "2" or i == 0 else a for i, a in enumerate(_args(model, data, two, *base))]
+    args = [a if a != "2" or i == 0 else a for i, a in enumerate(train_args(model, data, two, *base))]
     args[args.index("--grad-accum") + 1] = "1"
     env = {
         **os.environ,

@@ -24,35 +24,18 @@ def workspace(root: Path) -> tuple[Path, list[Path]]:
     return make_model_dir(root / "model", "llama", torch.bfloat16), write_data(root / "data")
 
 
-def args(model: Path, data: list[Path], out: Path, *extra: str) -> list[str]:
+def train_args(model: Path, data: list[Path], out: Path, *extra: str) -> list[str]:
+    """``zerofit train`` on a tiny model folder, on the CPU, in fp32, small windows and batches, no progress bar."""
     return [
-        "train",
-        "--model",
-        str(model),
-        "--data",
-        *map(str, data),
-        "--output",
-        str(out),
-        "--device",
-        "cpu",
-        "--seq-len",
-        "32",
-        "--micro-batch-size",
-        "2",
-        "--grad-accum",
-        "2",
-        "--lr",
-        "1e-3",
-        "--precision",
-        "fp32",
-        "--eval-size",
-        "2",
-        "--eval-every",
-        "0",
-        "--no-progress",
-        "--no-export",
-        *extra,
-    ]
+        "train", "--model", str(model), "--data", *map(str, data), "--output", str(out), "--device", "cpu",
+        "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2", "--lr", "1e-3", "--precision", "fp32",
+        "--eval-size", "2", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def args(model: Path, data: list[Path], out: Path, *extra: str) -> list[str]:
+    """:func:`train_args` without evaluations or an export (the run-folder tests)."""
+    return train_args(model, data, out, "--eval-every", "0", "--no-export", *extra)
 
 
 def invoke(argv: list[str]):

@@ -330,20 +330,11 @@ def _stub_measurements(monkeypatch) -> None:
     )
 
 
-@pytest.mark.parametrize("on_disk", ["last blocks", "every block"])
-def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(monkeypatch, on_disk):
-    """[Note: when the disk works]: with immediate updates and the disk the binding resource, the disk's work
-    starts with the backward. Where the backward's last host update is in host memory (the last blocks on the
-    disk) the step is the forward and post pass plus the disk's time; where it is on the disk (every block) the
-    updates run on into the next forward and the step is the disk's time alone."""
-    from zerofit.config import load_config
-    from zerofit.engine.disk import tier as D
-    from zerofit.engine.plan.search import BatchShape, make_plan
-    from zerofit.estimate import predict as E
+def _disk_plan(shape, batch, disk_blocks: int):
+    """A GPU plan with no block resident and ``disk_blocks`` of them on the disk tier, immediate updates."""
+    from zerofit.engine.plan.search import make_plan
 
-    L, shape, batch = 8, EIGHT_BLOCKS, BatchShape(1, 256, 4)
-    k = 3 if on_disk == "last blocks" else L
-    plan = make_plan(
+    return make_plan(
         shape,
         batch,
         compute_dtype=torch.bfloat16,
@@ -357,9 +348,25 @@ def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(mon
         prefetch_depth=None,
         disk=True,
         disk_budget=10**12,
-        disk_blocks=k,
+        disk_blocks=disk_blocks,
         assisted_fraction=0.0,
     )
+
+
+@pytest.mark.parametrize("on_disk", ["last blocks", "every block"])
+def test_a_disk_bound_step_counts_the_forward_when_the_disk_idles_through_it(monkeypatch, on_disk):
+    """[Note: when the disk works]: with immediate updates and the disk the binding resource, the disk's work
+    starts with the backward. Where the backward's last host update is in host memory (the last blocks on the
+    disk) the step is the forward and post pass plus the disk's time; where it is on the disk (every block) the
+    updates run on into the next forward and the step is the disk's time alone."""
+    from zerofit.config import load_config
+    from zerofit.engine.disk import tier as D
+    from zerofit.engine.plan.search import BatchShape
+    from zerofit.estimate import predict as E
+
+    L, shape, batch = 8, EIGHT_BLOCKS, BatchShape(1, 256, 4)
+    k = 3 if on_disk == "last blocks" else L
+    plan = _disk_plan(shape, batch, k)
     assert len(plan.disk_blocks) == k and not plan.assisted_blocks
     _stub_measurements(monkeypatch)
     monkeypatch.setattr(D, "measure_folder", lambda *args, **kw: (0.01, 0.01))  # 10 MB/s: the disk binds
@@ -378,27 +385,11 @@ def test_a_disk_bound_step_takes_the_median_disk_test_and_shows_the_range(monkey
     and the estimate shows the disk-bound step at the fastest and the slowest test."""
     from zerofit.config import load_config
     from zerofit.engine.disk import tier as D
-    from zerofit.engine.plan.search import BatchShape, make_plan
+    from zerofit.engine.plan.search import BatchShape
     from zerofit.estimate import predict as E
 
     shape, batch = EIGHT_BLOCKS, BatchShape(1, 256, 4)
-    plan = make_plan(
-        shape,
-        batch,
-        compute_dtype=torch.bfloat16,
-        on_cuda=True,
-        device_budget=None,
-        host_budget=10**12,
-        deferred_updates=False,
-        checkpointing=True,
-        stream_params=True,
-        resident_blocks=0,
-        prefetch_depth=None,
-        disk=True,
-        disk_budget=10**12,
-        disk_blocks=8,
-        assisted_fraction=0.0,
-    )
+    plan = _disk_plan(shape, batch, 8)
     _stub_measurements(monkeypatch)
     tested = [(0.2, 0.15), (0.1, 0.075), (0.4, 0.3)]  # (write, read) GB/s: middle, slowest, fastest
     speeds = iter(tested)

@@ -7,6 +7,7 @@
     zerofit estimate --shape llama-2-13b --max-gpu-memory 24GiB --nvme /nvme   # the plan, before launch
     zerofit generate --model DIR --prompt "Hello" --max-gpu-memory 24GiB       # offloaded generation
     zerofit chat --model runs/x/export                                          # chat in the terminal
+    zerofit serve --model runs/x/export --max-gpu-memory 24GiB                  # OpenAI's API over HTTP
     zerofit deepspeed train.py --deepspeed_config ds.json                       # a DeepSpeed script, unchanged
 
 Each ``train`` option maps onto one config field (or describes the run); the
@@ -31,7 +32,7 @@ from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from zerofit.cli import errors as cli_errors
-from zerofit.cli import infer, train
+from zerofit.cli import infer, serve, train
 from zerofit.cli.common import EXIT_BAD_CONFIG, fail, fail_on
 
 
@@ -320,6 +321,7 @@ def deepspeed_launch(ctx: typer.Context) -> None:
 
 app.command()(infer.generate)
 app.command()(infer.chat)
+app.command()(serve.serve)
 
 
 def main() -> None:

@@ -126,6 +126,14 @@ def estimate(
         bool, typer.Option("--lora", help="Plan LoRA (r 16, alpha 32, all linears) over a frozen base.")
     ] = False,
     qlora: Annotated[bool, typer.Option("--qlora", help="Plan QLoRA: --lora with the base's linears in NF4.")] = False,
+    serve: Annotated[
+        bool,
+        typer.Option("--serve", help="Plan zerofit serve: the KV cache of --concurrency x --context, blocks streamed."),
+    ] = False,
+    concurrency: Annotated[int, typer.Option(min=1, help="With --serve: requests decoded together (--max-batch).")] = 8,
+    context: Annotated[
+        int | None, typer.Option(min=2, help="With --serve: tokens per request (default: the model's, <= 4096).")
+    ] = None,
 ) -> None:
     """The plan zerofit would choose, the GPU, host and disk bytes it needs and the predicted step time,
     without allocating the model. When nothing fits: what would, with the numbers (exit 2)."""
@@ -136,6 +144,16 @@ def estimate(
     console = Console()
     if (model is None) == (shape is None):
         fail(console, "give --model DIR or --shape NAME (one of them)")
+    if serve:
+        from zerofit.estimate.serve import estimate_serve
+
+        info, text = estimate_serve(
+            model, shape, max_gpu_memory=max_gpu_memory, concurrency=concurrency, context=context, gpu=not cpu
+        )
+        print(json.dumps(info, indent=2)) if as_json else console.print(Text(text), soft_wrap=True)
+        if not info["fits"]:
+            raise typer.Exit(EXIT_BAD_CONFIG)
+        return
     overrides: dict = {}
     for key, value in (
         ("max_gpu_memory", max_gpu_memory),

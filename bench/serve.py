@@ -203,7 +203,7 @@ def generate_batch1(engine, prompt: list[int], new_tokens: int) -> float:
     import torch
 
     ids = torch.tensor([prompt])
-    engine.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm
+    engine.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # warm: the same shapes
     t0 = time.perf_counter()
     engine.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return new_tokens / (time.perf_counter() - t0)

@@ -55,7 +55,7 @@ def _reference(model, data) -> list[float]:
 @pytest.mark.parametrize(
     "build", [tm.llama, tm.qwen3, tm.mistral, tm.llama_lora], ids=["llama", "qwen3", "mistral", "lora"]
 )
-def test_tiled_mlp_trains_like_plain_pytorch(build, monkeypatch):
+def test_tiled_blocks_train_like_plain_pytorch(build, monkeypatch):
     torch.manual_seed(0)
     model = build()
     ref = copy.deepcopy(model)
@@ -63,14 +63,14 @@ def test_tiled_mlp_trains_like_plain_pytorch(build, monkeypatch):
     calls = []
     from zerofit.engine.model import tiling
 
-    real = tiling.tiled_call
-    monkeypatch.setattr(tiling, "tiled_call", lambda *a: calls.append(a[3]) or real(*a))
+    real = tiling._block_over_tiles
+    monkeypatch.setattr(tiling, "_block_over_tiles", lambda *a: calls.append(a[3]) or real(*a))
     engine = zerofit.initialize(model, _cfg(8))
     assert engine.plan.sequence_tile == 8
-    assert "MLP over tiles of 8 tokens" in engine.plan.describe()
+    assert "sequence tiles of 8 tokens" in engine.plan.describe()
     data = tm.batches(STEPS, G, B=B, T=T)
     losses = [engine.train_batch(mbs) for mbs in data]
-    assert calls and set(calls) == {8}, "the blocks' MLPs ran over tiles"
+    assert calls and set(calls) == {8 // B}, "the blocks ran over tiles of 8 tokens (4 positions of 2 sequences)"
     ref_losses = _reference(ref, data)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
     got = dict(engine.module.named_parameters())

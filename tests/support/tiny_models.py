@@ -114,6 +114,61 @@ def mistral() -> nn.Module:
     )
 
 
+def mistral_window(window: int = 8) -> nn.Module:
+    """:func:`mistral` with a sliding window shorter than the test sequences."""
+    model = MistralForCausalLM(
+        MistralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            sliding_window=window,
+            attn_implementation="sdpa",
+        )
+    )
+    return model
+
+
+def mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(
+        MixtralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            attn_implementation="sdpa",
+        )
+    )
+
+
+def qwen3_moe() -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            num_experts=4,
+            num_experts_per_tok=2,
+            attn_implementation="sdpa",
+        )
+    )
+
+
 def gpt2(dropout: float = 0.0) -> nn.Module:
     return GPT2LMHeadModel(
         GPT2Config(

@@ -497,7 +497,11 @@ def predict_step(
     L, G = len(shape.block_numels), batch.grad_accum
     chunks = plan.loss_chunks if plan.loss_chunks > 1 and Adapter(model).chunkable_loss else 1
     probe = once("block", lambda: block_seconds(model, batch, cfg, chunks))
-    engine_probe = once("engine", lambda: engine_block_seconds(model, batch, cfg, nf4=any(shape.nf4_numels)))
+    # [Note: a block over sequence tiles]: the probe's blocks over the plan's tiles, their recompute in its time
+    engine_probe = once(
+        ("engine", plan.sequence_tile),
+        lambda: engine_block_seconds(model, batch, cfg, nf4=any(shape.nf4_numels), tile=plan.sequence_tile),
+    )
     if engine_probe is not None:  # the engine's own block compute and pre pass
         probe = dataclasses.replace(
             probe,

@@ -79,6 +79,7 @@ def engine_block_seconds(
     seconds: float = 2.0,
     device: str = "cuda",
     nf4: bool = False,
+    tile: int | None = None,
 ) -> EngineProbe | None:
     """One block's seconds per micro-batch, the forward's share of them, the pre pass's, and the device AdamW's
     seconds per parameter, as the engine itself computes them: the engine on a model of this shape with ``layers``
@@ -89,7 +90,8 @@ def engine_block_seconds(
     block_seconds, leaves them in the noise: 0 for a 3B model, where the engine spends a few ms per micro-batch on
     them); those labelled "optimizer[block]" the blocks' updates on the device. ``nf4``: the base is held in NF4 (a
     4-bit folder's, or ``quantize_base``), so the probe's blocks are too. Steps run for ``seconds`` (``steps`` at
-    least): the median step of the second half counts ([Note: the probe's clocks]). None where it does not fit (the
+    least): the median step of the second half counts ([Note: the probe's clocks]). ``tile``: the plan's sequence
+    tile, so that the blocks' recompute of their tiles is in the probe's time. None where it does not fit (the
     fallback is the plain models' difference)."""
     import zerofit
     from zerofit.engine.plan.search import PlanError
@@ -102,7 +104,7 @@ def engine_block_seconds(
         "seq_len": batch.seq_len,
         "gradient_accumulation_steps": batch.grad_accum,
         "device": device,
-        "offload": {"resident_blocks": layers},
+        "offload": {"resident_blocks": layers} | ({"sequence_tile": tile} if tile else {}),
         "quantize_base": "nf4" if nf4 else cfg.quantize_base,
     }
     try:

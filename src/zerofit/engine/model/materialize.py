@@ -24,6 +24,7 @@ from torch import nn
 from zerofit.engine.disk.tier import frozen_key
 from zerofit.engine.distributed.node_slices import free_outside, sliced
 from zerofit.engine.memory.store import FlatLayout, Home, HostArena, Unit
+from zerofit.engine.model import tiling
 from zerofit.engine.model.adapter import Adapter
 from zerofit.engine.model.startup import Startup
 from zerofit.engine.plan.search import ModelShape, Plan
@@ -102,7 +103,19 @@ def model_shape(
         tuple(still[1:]) if any(still[1:]) else (),
         nf4_numels,
         nf4_bytes,
+        attention_width(cfg, adapter),
     )
+
+
+def attention_width(cfg, adapter: Adapter) -> int:
+    """Per token, the elements of q, k, v and the attention's output where every block runs over sequence tiles
+    whole ([Note: a block over sequence tiles], tiling.py), else 0."""
+    if not adapter.streaming or any(tiling.block_tileable(b) is not None for b in adapter.blocks):
+        return 0
+    heads = getattr(cfg, "num_attention_heads", 0) or 0
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) or 0) // max(1, heads)
+    return (2 * heads + 2 * kv) * head_dim
 
 
 def warn_low_precision_trained(table: ParamTable, frozen: frozenset) -> None:

@@ -41,9 +41,12 @@ optimistic for that block).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
+import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,56 +69,76 @@ def tileable(mlp: nn.Module) -> str | None:
     return None
 
 
-def _has_dropout(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+def _has_dropout(module: nn.Module, prefixes: tuple[str, ...] = ("",)) -> bool:
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for n, m in module.named_modules() if n.startswith(prefixes))
 
 
-class TiledMLP(torch.autograd.Function):
-    """``fn(x)`` over tiles of ``tile`` rows of ``x`` (flattened to rows of its last dimension); ``names`` and
-    ``params``: the module's parameters ``fn`` reads, put back on ``module`` for the backward's recompute."""
+class TiledRegion(torch.autograd.Function):
+    """``fn`` over sequence tiles ([Note: MLP over sequence tiles], [Note: a block over sequence tiles]).
+
+    ``spec``: a :class:`_Region` (the function, the module whose parameters it reads and their names, the tile's
+    length along each input's sequence dimension, the dimensions); ``tensors``: the inputs (each sliced along its
+    sequence dimension) then the parameters (whole). The forward runs every tile under ``no_grad`` and keeps only
+    the inputs; the backward recomputes each tile with grad enabled and backpropagates that tile's share of the
+    outputs' gradients: the inputs' gradients written tile by tile, the parameters' summed in fp32 and cast once."""
 
     @staticmethod
-    def forward(ctx, fn, module, tile, names, rng, x, *params):
-        ctx.fn, ctx.module, ctx.tile, ctx.names, ctx.rng, ctx.shape = fn, module, tile, names, rng, x.shape
-        ctx.autocast = _autocast_state(x)
-        ctx.save_for_backward(x, *params)
-        rows = x.reshape(-1, x.shape[-1])
-        out = None
+    def forward(ctx, spec, *tensors):
+        n = len(spec.in_dims)
+        inputs, params = tensors[:n], tensors[n:]
+        ctx.spec = spec
+        ctx.autocast = _autocast_state(inputs[0])
+        ctx.save_for_backward(*tensors)
+        length = inputs[0].shape[spec.in_dims[0]]
+        outs: list[torch.Tensor] = []
         with torch.no_grad():
-            for s in range(0, rows.shape[0], tile):
-                y = fn(rows[s : s + tile])
-                if out is None:
-                    out = y.new_empty((rows.shape[0], *y.shape[1:]))
-                out[s : s + y.shape[0]] = y
-        assert out is not None
-        return out.reshape(*x.shape[:-1], *out.shape[1:])
+            for s in range(0, length, spec.step):
+                ys = _as_tuple(spec.fn(*_slices(inputs, spec.in_dims, s, spec.step)))
+                if not outs:
+                    outs = [_full(y, d, length) for y, d in zip(ys, spec.out_dims)]
+                for out, y, d in zip(outs, ys, spec.out_dims):
+                    out.narrow(d, s, y.shape[d]).copy_(y)
+        del params
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x, *params = ctx.saved_tensors
-        rows = x.reshape(-1, x.shape[-1])
-        g_rows = grad_out.reshape(rows.shape[0], -1)
-        want_x = ctx.needs_input_grad[5]
-        trained = [i for i, p in enumerate(params) if ctx.needs_input_grad[6 + i]]
-        gx = torch.empty_like(rows) if want_x else None
+    def backward(ctx, *grad_outs):
+        spec = ctx.spec
+        n = len(spec.in_dims)
+        saved = ctx.saved_tensors
+        inputs, params = saved[:n], saved[n:]
+        want = [ctx.needs_input_grad[1 + i] for i in range(n)]
+        trained = [i for i in range(len(params)) if ctx.needs_input_grad[1 + n + i]]
+        gins = [torch.zeros_like(x) if w else None for x, w in zip(inputs, want)]
         sums: list[torch.Tensor | None] = [None] * len(params)
+        length = inputs[0].shape[spec.in_dims[0]]
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_reparametrize_module(ctx.module, dict(zip(ctx.names, params)), strict=False))
-            stack.enter_context(_replayed(ctx.rng, x.device))
-            stack.enter_context(_autocast(x, ctx.autocast))
+            stack.enter_context(_reparametrize_module(spec.module, dict(zip(spec.names, params)), strict=False))
+            stack.enter_context(_replayed(spec.rng, inputs[0].device))
+            stack.enter_context(_autocast(inputs[0], ctx.autocast))
             stack.enter_context(torch.enable_grad())
-            for s in range(0, rows.shape[0], ctx.tile):
-                xt = rows[s : s + ctx.tile].detach().requires_grad_(want_x)
-                yt = ctx.fn(xt)
-                inputs = ([xt] if want_x else []) + [params[i] for i in trained]
-                if not inputs:
+            for s in range(0, length, spec.step):
+                xs = [
+                    t.detach().requires_grad_(w) if d is not None else t
+                    for t, w, d in zip(_slices(inputs, spec.in_dims, s, spec.step), want, spec.in_dims)
+                ]
+                ys = _as_tuple(spec.fn(*xs))
+                pairs = [
+                    (y, g.narrow(d, s, y.shape[d])) for y, g, d in zip(ys, grad_outs, spec.out_dims) if y.requires_grad
+                ]
+                wanted = [xs[i] for i in range(n) if want[i]] + [params[i] for i in trained]
+                if not pairs or not wanted:
                     continue
-                grads = torch.autograd.grad(yt, inputs, g_rows[s : s + yt.shape[0]], allow_unused=True)
-                if want_x:
-                    assert gx is not None
-                    gx[s : s + xt.shape[0]] = grads[0]
-                    grads = grads[1:]
-                for i, g in zip(trained, grads):
+                grads = torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                k = 0
+                for i in range(n):
+                    if want[i]:
+                        gin = gins[i]
+                        assert gin is not None
+                        if grads[k] is not None:
+                            gin.narrow(spec.in_dims[i], s, xs[i].shape[spec.in_dims[i]]).copy_(grads[k])
+                        k += 1
+                for i, g in zip(trained, grads[k:]):
                     if g is None:
                         continue
                     acc = sums[i]
@@ -124,7 +147,42 @@ class TiledMLP(torch.autograd.Function):
                     else:
                         acc.add_(g)
         pgrads = [None if s is None else s.to(p.dtype) for s, p in zip(sums, params)]
-        return (None, None, None, None, None, None if gx is None else gx.reshape(ctx.shape), *pgrads)
+        return (None, *gins, *pgrads)
+
+
+class _Region:
+    """What :class:`TiledRegion` runs: ``fn`` over tiles of ``step`` positions along each input's dimension in
+    ``in_dims`` (None: the input whole), its outputs' sequence dimensions ``out_dims``; ``module`` and ``names``:
+    where the backward puts the parameters back; ``rng``: the RNG state the forward began with (None: no dropout)."""
+
+    def __init__(self, fn, module, names, step, in_dims, out_dims, rng):
+        self.fn, self.module, self.names, self.step = fn, module, names, step
+        self.in_dims, self.out_dims, self.rng = tuple(in_dims), tuple(out_dims), rng
+
+
+def _as_tuple(y) -> tuple:
+    return y if isinstance(y, tuple) else (y,)
+
+
+def _slices(inputs, dims, s: int, step: int) -> list:
+    return [t if d is None else t.narrow(d, s, min(step, t.shape[d] - s)) for t, d in zip(inputs, dims)]
+
+
+def _full(y: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    shape = list(y.shape)
+    shape[dim] = length
+    return y.new_empty(shape)
+
+
+def region(fn, module: nn.Module, prefixes: tuple[str, ...], step: int, inputs, in_dims, out_dims):
+    """``fn(*inputs)`` over tiles of ``step`` positions ([Note: a block over sequence tiles]), with ``module``'s
+    parameters under ``prefixes`` now (those a ``functional_call`` substituted) as the tensors whose gradients the
+    backward returns."""
+    named = [(n, p) for n, p in module.named_parameters() if n.startswith(prefixes)]
+    spec = _Region(
+        fn, module, [n for n, _ in named], step, in_dims, out_dims, _rng_state(module, inputs[0].device, prefixes)
+    )
+    return TiledRegion.apply(spec, *inputs, *(p for _, p in named))
 
 
 def _autocast_state(x: torch.Tensor) -> tuple[bool, torch.dtype] | None:
@@ -140,8 +198,8 @@ def _autocast(x: torch.Tensor, state):
     return torch.autocast(x.device.type, dtype=state[1])
 
 
-def _rng_state(module: nn.Module, device: torch.device):
-    if not (module.training and _has_dropout(module)):
+def _rng_state(module: nn.Module, device: torch.device, prefixes: tuple[str, ...] = ("",)):
+    if not (module.training and _has_dropout(module, prefixes)):
         return None
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
@@ -160,12 +218,12 @@ def _replayed(state, device: torch.device):
 
 
 def tiled_call(mlp: nn.Module, fn: Callable, x: torch.Tensor, tile: int) -> torch.Tensor:
-    """``fn(x)`` (``mlp``'s own forward) over tiles of ``tile`` tokens, with ``mlp``'s parameters now (those a
-    ``functional_call`` substituted) as the tensors whose gradients the backward returns."""
-    named = list(mlp.named_parameters())
-    names = [n for n, _ in named]
-    params = [p for _, p in named]
-    return TiledMLP.apply(fn, mlp, tile, names, _rng_state(mlp, x.device), x, *params)
+    """``fn(x)`` (``mlp``'s own forward) over tiles of ``tile`` tokens (``x``'s rows, the leading dimensions
+    flattened), with ``mlp``'s parameters now (those a ``functional_call`` substituted) as the tensors whose
+    gradients the backward returns."""
+    rows = x.reshape(-1, x.shape[-1])
+    (y,) = region(fn, mlp, ("",), tile, (rows,), (0,), (0,))
+    return y.reshape(*x.shape[:-1], *y.shape[1:])
 
 
 def _tiled_forward(self: nn.Module, x, *args, **kwargs):
@@ -178,24 +236,176 @@ def _tiled_forward(self: nn.Module, x, *args, **kwargs):
     return tiled_call(self, own, x, tile)
 
 
+# [Note: a block over sequence tiles]
+# A pre-norm decoder layer (Llama, Mistral, Qwen2/3 and their MoE kin: input norm, attention, residual, post norm,
+# MLP, residual) is per token except for attention's core, softmax(q k^T) v. So with a tile, :func:`_block_over_tiles`
+# runs it in three parts: the input norm and the attention module's own projections, norms and RoPE over tiles
+# (:class:`TiledRegion`, keeping only the block's input), which give q, k and v for the whole sequence; the core
+# once over the whole sequence, through the attention function the model's config names (SDPA's flash or
+# memory-efficient kernels on a GPU: no sequence x sequence tensor unless the model builds a mask); then o_proj,
+# the residual, the post norm, the MLP and the residual over tiles again (keeping the core's output and the
+# block's input). What the block holds for the whole sequence is then q, k, v, the core's output and their
+# gradients; everything else (the norms' fp32 copies, the projections' inputs, the MLP's intermediates) exists
+# for one tile at a time. The attention module's own code makes q, k and v: its forward runs per tile with the
+# attention function replaced, through a copy of its config, by one that hands the three back (``_capture``),
+# so its projections, LoRA paths, q/k norms and RoPE are the model's, and the core receives the arguments
+# (mask, scaling, sliding window, dropout) the module would have given it. A MoE layer's sparse MLP runs whole
+# after the tiled part ([Note: MLP over sequence tiles] says why). Layers of other shapes, or a call with a KV
+# cache, run their own forward.
+TILED_LAYERS = frozenset(
+    {
+        "LlamaDecoderLayer",
+        "MistralDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen3DecoderLayer",
+        "MixtralDecoderLayer",
+        "Qwen3MoeDecoderLayer",
+    }
+)
+_CAPTURE = "zerofit_sequence_tiles"  # the attention function that hands q, k and v back
+
+
+class _Captured(Exception):
+    def __init__(self, q, k, v, call):
+        super().__init__("q, k and v")
+        self.qkv, self.call = (q, k, v), call
+
+
+def _capture(module, query, key, value, attention_mask, **kwargs):
+    raise _Captured(query, key, value, (attention_mask, kwargs))
+
+
+@contextlib.contextmanager
+def _capturing(attn: nn.Module):
+    """``attn``'s forward with its attention function ``_capture``: through a copy of its config, so that nothing
+    else reading the model's config sees it."""
+    from transformers import AttentionInterface
+
+    if _CAPTURE not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_CAPTURE, _capture)
+    own = attn.__dict__["config"]
+    cfg = copy.copy(own)
+    cfg._attn_implementation_internal = _CAPTURE
+    attn.__dict__["config"] = cfg
+    try:
+        yield
+    finally:
+        attn.__dict__["config"] = own
+
+
+def block_tileable(block: nn.Module) -> str | None:
+    """None when ``block`` may run over sequence tiles as a whole ([Note: a block over sequence tiles]), else why
+    not."""
+    name = type(block).__name__
+    if name not in TILED_LAYERS:
+        return f"{name} is not a decoder layer zerofit runs over sequence tiles ({', '.join(sorted(TILED_LAYERS))})"
+    attn = getattr(block, "self_attn", None)
+    parts = ("input_layernorm", "post_attention_layernorm", "mlp")
+    if not all(isinstance(getattr(block, n, None), nn.Module) for n in parts) or not isinstance(
+        getattr(attn, "o_proj", None), nn.Module
+    ):
+        return f"{name} lacks one of {', '.join(parts)}, self_attn.o_proj"
+    if "config" not in vars(attn) or not hasattr(sys.modules[type(attn).__module__], "eager_attention_forward"):
+        return f"{type(attn).__name__} has no config or eager attention function of its own"
+    return None
+
+
+def _core(attn: Any):
+    """The attention function ``attn``'s own forward would call."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = sys.modules[type(attn).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+
+
+def _block_over_tiles(layer: Any, x: torch.Tensor, kwargs: dict, step: int) -> torch.Tensor:
+    """``layer(x, **kwargs)`` in three parts, the first and last over tiles of ``step`` positions ([Note: a block
+    over sequence tiles])."""
+    attn = layer.self_attn
+    cos, sin = kwargs["position_embeddings"]
+    call = {k: v for k, v in kwargs.items() if k != "position_embeddings"}
+    seen: list = []
+
+    def qkv(x_t, cos_t, sin_t):
+        h = layer.input_layernorm(x_t)
+        try:
+            with _capturing(attn):
+                attn(hidden_states=h, position_embeddings=(cos_t, sin_t), **call)
+        except _Captured as c:
+            if not seen:
+                seen.append(c.call)
+            return c.qkv
+        raise RuntimeError(f"{type(attn).__name__} returned without calling its attention function")
+
+    heads = ("input_layernorm.",) + tuple(f"self_attn.{n}." for n, _ in attn.named_children() if n != "o_proj")
+    q, k, v = region(qkv, layer, heads, step, (x, cos, sin), (1, 1, 1), (2, 2, 2))
+    mask, kw = seen[0]
+    out, _ = _core(attn)(attn, q, k, v, mask, **kw)
+    moe = tileable(layer.mlp) is not None
+
+    def tail(o_t, x_t):
+        h = x_t + attn.o_proj(o_t.reshape(*o_t.shape[:2], -1))
+        return h if moe else h + layer.mlp(layer.post_attention_layernorm(h))
+
+    tails = ("self_attn.o_proj.",) + (() if moe else ("post_attention_layernorm.", "mlp."))
+    (y,) = region(tail, layer, tails, step, (out, x), (1, 1), (1,))
+    if moe:
+        y = y + layer.mlp(layer.post_attention_layernorm(y))
+    return y
+
+
+def _tiled_block(self: nn.Module, hidden_states, *args, **kwargs):
+    """The wrapped layer's forward ([Note: a block over sequence tiles]): over tiles while the plan has a tile
+    smaller than the call's tokens and the call has no KV cache, else its own."""
+    own = self.__dict__[TILED]
+    tile = self.__dict__[TILE_OF]()
+    if (
+        args
+        or tile is None
+        or kwargs.get("position_embeddings") is None
+        or kwargs.get("past_key_values") is not None
+        or hidden_states.dim() != 3
+        or hidden_states.shape[0] * hidden_states.shape[1] <= tile
+    ):
+        return own(hidden_states, *args, **kwargs)
+    return _block_over_tiles(self, hidden_states, kwargs, max(1, tile // hidden_states.shape[0]))
+
+
+def _wrap(module: nn.Module, forward, tile_of) -> None:
+    # its own forward as a bound method (a deep copy binds it to the copy), then the wrapper over it
+    module.__dict__[TILED] = module.forward
+    module.__dict__[TILE_OF] = tile_of
+    module.__dict__["forward"] = types.MethodType(forward, module)
+
+
+def _unwrap(module) -> None:
+    if isinstance(module, nn.Module) and TILED in module.__dict__:
+        own = module.__dict__.pop(TILED)
+        del module.__dict__[TILE_OF], module.__dict__["forward"]
+        if getattr(own, "__func__", None) is not getattr(type(module), "forward", None):
+            module.__dict__["forward"] = own  # an instance's own forward it had before
+
+
 def install(blocks, tile_of: Callable[[], int | None], attr: str = "mlp") -> int:
-    """Wrap each block's ``attr`` module's forward (once) so that, while ``tile_of()`` is a number of tokens
-    smaller than a call's, it runs over tiles of that many ([Note: MLP over sequence tiles]); otherwise its own
-    forward runs, as before. Returns how many were wrapped; modules that cannot be tiled (:func:`tileable`) are
-    left as they are (logged once)."""
+    """Wrap each block (once) so that, while ``tile_of()`` is a number of tokens smaller than a call's, it runs
+    over tiles of that many: the whole block where :func:`block_tileable` allows ([Note: a block over sequence
+    tiles]), and its ``attr`` module where :func:`tileable` does ([Note: MLP over sequence tiles]: the MLP alone,
+    for the blocks not tiled whole); otherwise their own forwards run, as before. Returns how many blocks were
+    wrapped (whole or their MLP); what cannot be tiled is left as it is (logged once)."""
     wrapped, why = 0, None
     for block in blocks:
         mlp = getattr(block, attr, None)
-        if not isinstance(mlp, nn.Module) or TILED in mlp.__dict__:
+        if TILED in block.__dict__ or (isinstance(mlp, nn.Module) and TILED in mlp.__dict__):
             continue
-        why = tileable(mlp) or why
-        if tileable(mlp) is not None:
-            continue
-        # its own forward as a bound method (a deep copy binds it to the copy), then the wrapper over it
-        mlp.__dict__[TILED] = mlp.forward
-        mlp.__dict__[TILE_OF] = tile_of
-        mlp.__dict__["forward"] = types.MethodType(_tiled_forward, mlp)
-        wrapped += 1
+        whole = attr == "mlp" and block_tileable(block) is None
+        if whole:
+            _wrap(block, _tiled_block, tile_of)
+        if isinstance(mlp, nn.Module):
+            why = tileable(mlp) or why
+            if tileable(mlp) is None:
+                _wrap(mlp, _tiled_forward, tile_of)
+                whole = True
+        wrapped += whole
     if why is not None:
         log.info("zerofit: the MLP over sequence tiles: %s", why)
     return wrapped
@@ -204,9 +414,5 @@ def install(blocks, tile_of: Callable[[], int | None], attr: str = "mlp") -> int
 def uninstall(blocks, attr: str = "mlp") -> None:
     """Undo :func:`install`: each wrapped module's own forward again."""
     for block in blocks:
-        mlp = getattr(block, attr, None)
-        if isinstance(mlp, nn.Module) and TILED in mlp.__dict__:
-            own = mlp.__dict__.pop(TILED)
-            del mlp.__dict__[TILE_OF], mlp.__dict__["forward"]
-            if getattr(own, "__func__", None) is not getattr(type(mlp), "forward", None):
-                mlp.__dict__["forward"] = own  # an instance's own forward it had before
+        _unwrap(block)
+        _unwrap(getattr(block, attr, None))

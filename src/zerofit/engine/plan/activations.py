@@ -85,8 +85,12 @@ def activation_bytes(
     boundary: the gradient flowing between blocks, one per micro-batch, and the one a block's backward is making;
     block: one block's recomputed activations and their gradients (transient): per token, 24 x hidden elements
     (the attention's and the norms' tensors, the MLP's input and output) and 8 x intermediate, the MLP's (the gate's,
-    up's and the activation's outputs and their product, and a gradient of each), which with ``tile`` ([Note: MLP
-    over sequence tiles], tiling.py) exist for ``min(tile, tokens)`` tokens at a time;
+    up's and the activation's outputs and their product, and a gradient of each). With ``tile`` ([Note: MLP over
+    sequence tiles], tiling.py) the MLP's exist for ``min(tile, tokens)`` tokens at a time; where the whole block
+    runs over tiles ([Note: a block over sequence tiles]: ``shape.attention`` set) so do the hidden-sized ones, and
+    the whole sequence holds q, k, v, the attention's output and a gradient of each (2 x ``shape.attention``), the
+    output's copy for o_proj, its gradient, the two parts' input gradients and their sum, and the block's output
+    (6 x hidden);
     logits: the post pass's transient: the loss's fp32 tensors at its peak, or the head's backward after it
     ([Note: the loss's bytes]; the 16-bit logits themselves are dropped before the backward)."""
     tok = batch.tokens
@@ -95,14 +99,20 @@ def activation_bytes(
     return {
         "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": (batch.grad_accum + 1) * tok * shape.hidden * dtype_bytes,
-        "block_working_set": (tok * 48 * shape.hidden + min(tile or tok, tok) * 16 * shape.intermediate)
-        * dtype_bytes
-        // 2,
+        "block_working_set": block_working_set(shape, tok, tile) * dtype_bytes,
         "logits": max(
             per_chunk * shape.vocab * LOSS_BYTES,
             (per_chunk + shape.hidden) * shape.vocab * dtype_bytes + 3 * per_chunk * shape.hidden * 4,
         ),
     }
+
+
+def block_working_set(shape: ModelShape, tokens: int, tile: int | None) -> int:
+    """Elements of one block's working set in the backward (:func:`activation_bytes`)."""
+    t = min(tile or tokens, tokens)
+    if t < tokens and shape.attention:
+        return tokens * (2 * shape.attention + 6 * shape.hidden) + t * (24 * shape.hidden + 8 * shape.intermediate)
+    return tokens * 24 * shape.hidden + t * 8 * shape.intermediate
 
 
 TILE_MIN = 1024  # the smallest MLP tile the planner chooses (tokens)

@@ -62,6 +62,9 @@ class ModelShape:
     # bytes (empty: none)
     nf4_numels: tuple[int, ...] = ()
     nf4_bytes: tuple[int, ...] = ()
+    # [Note: a block over sequence tiles] (tiling.py): per token, the elements of q, k, v and the attention's output
+    # when the blocks run over sequence tiles whole (0: only their MLP does, or nothing)
+    attention: int = 0
 
     def frozen_of(self, i: int) -> int:
         """Block ``i``'s frozen parameters."""
@@ -125,8 +128,8 @@ class Plan:
     stage_numel: int = 0  # fp32 upload staging elements (0: the largest uploaded unit); larger ones go up
     # in pieces
     loss_chunks: int = 1  # [Note: a smaller GPU floor]: the head and loss run over this many token chunks
-    sequence_tile: int | None = None  # [Note: MLP over sequence tiles] (tiling.py): the blocks' MLP over tiles of
-    # this many tokens (None: the whole sequence)
+    sequence_tile: int | None = None  # [Note: a block over sequence tiles] (tiling.py): the blocks' per-token work
+    # over tiles of this many tokens (None: the whole sequence)
     offload_checkpoints: bool = False  # block inputs kept in pinned host memory between forward and backward
     checkpoint_every: int = 1  # [Note: checkpoints every k blocks]: only blocks 0, k, 2k, ... keep their inputs
     device_state: bool = False  # several ranks, FULL_SHARD without offload: streamed blocks keep their optimizer
@@ -179,7 +182,7 @@ class Plan:
             )
             + (f", loss in {self.loss_chunks} token chunks" if self.loss_chunks > 1 else "")
             + (", block checkpoints in host memory" if self.offload_checkpoints else "")
-            + (f", MLP over tiles of {self.sequence_tile} tokens" if self.sequence_tile else "")
+            + (f", sequence tiles of {self.sequence_tile} tokens" if self.sequence_tile else "")
             + (
                 f", checkpoints every {self.checkpoint_every} blocks (the rest recomputed in the backward)"
                 if self.checkpoint_every > 1

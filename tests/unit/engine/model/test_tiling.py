@@ -4,6 +4,8 @@ GEMM over fewer rows rounds otherwise), for Llama, Qwen3, Mistral and LoRA MLPs;
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -131,55 +133,24 @@ def test_lora_dropout_replays_its_masks():
         _close(a, b)
 
 
-def _mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    return MixtralForCausalLM(
-        MixtralConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=tm.VOCAB,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        )
-    )
-
-
-def _qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    return Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=tm.VOCAB,
-            num_experts=4,
-            num_experts_per_tok=2,
-        )
-    )
-
-
-@pytest.mark.parametrize("build", [_mixtral, _qwen3_moe], ids=["mixtral", "qwen3-moe"])
-def test_moe_blocks_are_not_tiled(build, caplog):
+@pytest.mark.parametrize("build", [tm.mixtral, tm.qwen3_moe], ids=["mixtral", "qwen3-moe"])
+def test_moe_blocks_sparse_mlp_is_not_tiled(build, caplog):
+    """Their layers run over tiles ([Note: a block over sequence tiles]); their sparse MLP does not, alone or in
+    the layer."""
     model = build()
     blocks = [m for n, m in model.named_modules() if n.endswith(("layers.0", "layers.1"))]
     why = tiling.tileable(_mlp(model))
     assert why is not None and "MoE" in why
     with caplog.at_level("INFO", logger="zerofit.engine.model.tiling"):
-        assert tiling.install(blocks, lambda: 4) == 0
+        assert tiling.install(blocks, lambda: 4) == 2
     assert "MoE block's sparse MLP" in caplog.text
-    assert "forward" not in _mlp(model).__dict__
+    assert "forward" not in _mlp(model).__dict__ and all("forward" in b.__dict__ for b in blocks)
 
 
 def test_planner_counts_the_tile():
-    """activation_bytes: the intermediate-sized part of a block's working set scales with min(tile, tokens)."""
+    """activation_bytes: the intermediate-sized part of a block's working set scales with min(tile, tokens); where
+    blocks run over tiles whole ([Note: a block over sequence tiles]), the hidden-sized part too, and the whole
+    sequence keeps q, k, v, the attention's output and their gradients."""
     from zerofit.engine.plan.plan import ModelShape
 
     shape = ModelShape(shell_numel=10, block_numels=(10,) * 4, hidden=5120, intermediate=13824, vocab=32000)
@@ -189,52 +160,62 @@ def test_planner_counts_the_tile():
     assert full == 65536 * (48 * 5120 + 16 * 13824)
     assert tiled == (65536 * 48 * 5120 + 4096 * 16 * 13824)
     assert activation_bytes(shape, b, 4, 2, tile=1 << 20)["block_working_set"] == full
+    whole = dataclasses.replace(shape, attention=4 * 5120)
+    assert activation_bytes(whole, b, 4, 2)["block_working_set"] == full  # no tile: the whole block as before
+    assert activation_bytes(whole, b, 4, 2, tile=4096)["block_working_set"] == 2 * (
+        65536 * (2 * 4 * 5120 + 6 * 5120) + 4096 * (24 * 5120 + 8 * 13824)
+    )
     assert tiles_for(b) == [32768, 16384, 8192, 4096, 2048, 1024]
     assert tiles_for(BatchShape(1, 1024, 1)) == []
 
 
-def test_a_13b_lora_at_65536_tokens_plans_under_24_gib_with_tiles():
-    """``zerofit estimate --shape llama-2-13b --lora --max-gpu-memory 24GiB --seq-len 65536``: refused without
-    tiles (the device would need 37.4 GiB, 28.5 of it one block's working set); with the MLP over tiles of 4096
-    tokens it fits."""
+def _estimate(shape: str, seq_len: int, gib: int, **kw):
     from zerofit.estimate import estimate, meta_model
 
     cfg = {
-        "max_gpu_memory": "24GiB",
+        "max_gpu_memory": f"{gib}GiB",
         "max_host_memory": "200GiB",
         "micro_batch_size": 1,
         "gradient_accumulation_steps": 1,
-        "seq_len": 65536,
-    }
-    est = estimate(meta_model(shape="llama-2-13b"), cfg, measure=False, gpu=True, lora=True)
+        "seq_len": seq_len,
+    } | kw.pop("cfg", {})
+    return estimate(meta_model(shape=shape), cfg, measure=False, gpu=True, **kw)
+
+
+def test_a_13b_lora_at_65536_tokens_plans_under_24_gib_with_tiles():
+    """``zerofit estimate --shape llama-2-13b --lora --max-gpu-memory 24GiB --seq-len 65536``: refused without
+    tiles (the device would need 37.4 GiB, 28.5 of it one block's working set); with the blocks over tiles it
+    fits, the attention's q, k, v and output the only sequence-long part of a block's working set."""
+    est = _estimate("llama-2-13b", 65536, 24, lora=True)
     assert est.plan is not None, est.refusal
     plan = est.plan
-    assert plan.sequence_tile == 4096 and plan.device_total <= 24 << 30
-    assert "MLP over tiles of 4096 tokens" in plan.describe()
-    # the hidden-sized part of the working set (attention, norms) is still the whole sequence's
-    assert plan.device_bytes["block_working_set"] == 65536 * 48 * 5120 + 4096 * 16 * 13824
-    untiled = estimate(
-        meta_model(shape="llama-2-13b"), cfg | {"offload": {"sequence_tile": 65536}}, measure=False, gpu=True, lora=True
+    assert plan.sequence_tile is not None and plan.sequence_tile < 65536 and plan.device_total <= 24 << 30
+    assert f"sequence tiles of {plan.sequence_tile} tokens" in plan.describe()
+    assert plan.device_bytes["block_working_set"] == 2 * (
+        65536 * (2 * 4 * 5120 + 6 * 5120) + plan.sequence_tile * (24 * 5120 + 8 * 13824)
     )
+    untiled = _estimate("llama-2-13b", 65536, 24, lora=True, cfg={"offload": {"sequence_tile": 65536}})
     assert untiled.plan is None and "device needs" in (untiled.refusal or "")
 
 
-def test_an_8b_lora_at_262144_tokens_plans_under_80_gib_with_tiles():
-    """``zerofit estimate --shape llama-3.1-8b --lora --max-gpu-memory 80GiB --seq-len 262144``: the MLP over
-    tiles, the plan under the cap."""
-    from zerofit.estimate import estimate, meta_model
-
-    cfg = {
-        "max_gpu_memory": "80GiB",
-        "max_host_memory": "200GiB",
-        "micro_batch_size": 1,
-        "gradient_accumulation_steps": 1,
-        "seq_len": 262144,
-    }
-    est = estimate(meta_model(shape="llama-3.1-8b"), cfg, measure=False, gpu=True, lora=True)
+@pytest.mark.parametrize(
+    "shape, seq_len, gib, kind",
+    [
+        ("llama-3.1-8b", 131072, 24, "lora"),
+        ("llama-3.1-8b", 32768, 24, "full"),
+        ("llama-3-70b", 32768, 24, "qlora"),
+        ("llama-3.1-8b", 262144, 80, "lora"),
+    ],
+)
+def test_long_context_plans_fit_their_cap(shape, seq_len, gib, kind):
+    """The long-context plans of docs/long-context.md, at micro-batch 1: each under its cap with its blocks over
+    sequence tiles."""
+    kw = {"lora": kind != "full"} | ({"cfg": {"quantize_base": "nf4"}} if kind == "qlora" else {})
+    est = _estimate(shape, seq_len, gib, **kw)
     assert est.plan is not None, est.refusal
-    assert est.plan.sequence_tile is not None and est.plan.sequence_tile < 262144
-    assert est.plan.device_total <= 80 << 30
+    assert est.plan.sequence_tile is not None and est.plan.sequence_tile < seq_len
+    assert est.plan.device_total <= gib << 30
+    assert (kind == "qlora") == (est.plan.device_bytes.get("nf4_stage", 0) > 0)  # the base in NF4 for QLoRA
 
 
 def test_a_deep_copy_of_a_wrapped_mlp_runs_its_own_weights():

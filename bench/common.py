@@ -175,6 +175,36 @@ WORKLOADS["W6c"] = Workload(
 )
 
 
+# Long context (WORKLOADS.md has no such row; docs/long-context.md): one sequence per step, no accumulation, the
+# sequence's length set with --seq. L8: the Llama-3.1-8B shape in LoRA, L8-full: in full fine-tuning; L13: the 13B
+# shape (W3's) in LoRA.
+WORKLOADS["L8"] = Workload(
+    "L8",
+    hidden=4096,
+    intermediate=14336,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    vocab=128256,
+    tied=False,
+    rope_theta=500000.0,
+    max_positions=131072,
+    micro_batch=1,
+    seq=32768,
+    grad_accum=1,
+    lora=True,
+)
+WORKLOADS["L8-full"] = dataclasses.replace(WORKLOADS["L8"], name="L8-full", lora=False)
+WORKLOADS["L13"] = dataclasses.replace(WORKLOADS["W3"], name="L13", micro_batch=1, seq=65536, grad_accum=1, lora=True)
+
+
+def with_seq(w: Workload, seq: int | None) -> Workload:
+    """``w`` with sequences of ``seq`` tokens (None: ``w``); its context at least that long."""
+    if not seq or seq == w.seq:
+        return w
+    return dataclasses.replace(w, seq=seq, max_positions=max(w.max_positions, seq))
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
     """W6's adapters: PEFT LoRA r 16, alpha 32, dropout 0 on the seven linear layers of every block; AdamW lr 2e-4
@@ -677,6 +707,7 @@ def engine_args(description: str) -> argparse.ArgumentParser:
         action="store_true",
         help="W6c's QLoRA: --lora with the blocks' linears in NF4 (bitsandbytes' format); implied by W6c",
     )
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence instead of the workload's")
     p.add_argument(
         "--micro-batch",
         type=int,
@@ -720,6 +751,7 @@ def run_engine(
     after every step; returns the process exit code (0 ok, 1 error, 3 OOM).
     """
     w = with_micro_batch(WORKLOADS[args.workload], getattr(args, "micro_batch", None))
+    w = with_seq(w, getattr(args, "seq", None))
     if args.cap is None:
         args.cap = w.cap
     # several ranks (torchrun): each trains its own micro-batches, the step's tokens are every rank's; rank r

@@ -50,7 +50,7 @@ def build(w, lora: bool, seed: int = 0):
     return common.init_meta_adapters(wrap(model, opts), seed)
 
 
-def estimate_apart(workload: str, config: dict, lora: bool = False) -> tuple[dict, str]:
+def estimate_apart(workload, config: dict, lora: bool = False) -> tuple[dict, str]:
     """zerofit estimate's prediction (as a dict, and its text) from a process of its own, started and ended before
     the engine: as a user runs `zerofit estimate` before the training run. In the engine's process its probes
     (plain models, a 2-block engine, copies) left the caching allocator fragmented under the cap: W1 at 24 GiB
@@ -72,7 +72,7 @@ def estimate_apart(workload: str, config: dict, lora: bool = False) -> tuple[dic
     return out
 
 
-def _estimate_child(workload: str, config: dict, lora: bool, send) -> None:
+def _estimate_child(workload, config: dict, lora: bool, send) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -80,7 +80,7 @@ def _estimate_child(workload: str, config: dict, lora: bool, send) -> None:
 
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(common.llama_config(common.WORKLOADS[workload]))
+            model = LlamaForCausalLM(common.llama_config(workload))
         L = common.LORA  # LoRA: estimate's own wrap (with_lora), W6's settings
         est = estimate(model, config, lora=dict(r=L.r, alpha=L.alpha, targets=list(L.targets)) if lora else None)
         send.send((est.to_dict(), est.render()))
@@ -124,7 +124,7 @@ class Zerofit:
             self.config.setdefault("offload", {}).update(optimizer_device="nvme", nvme_path=args.nvme)
         res.extra["zerofit_config"] = self.config
         if args.estimate:  # zerofit estimate's prediction, made before anything is allocated
-            res.extra["estimate"], text = estimate_apart(w.name, self.config, lora)
+            res.extra["estimate"], text = estimate_apart(w, self.config, lora)
             print(f"[zerofit] estimate:\n{text}", flush=True)
         self.engine = zerofit.initialize(model, self.config)
         _LIVE.append(self.engine)

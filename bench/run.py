@@ -194,6 +194,7 @@ def run_engine(name: str, args, steps: int, cap: str, timeout: float, tmpdir: st
         result_path,
         *(["--lora"] if args.lora else []),
         *(["--qlora"] if args.qlora else []),
+        *(["--seq", str(args.seq)] if args.seq else []),
         *fixed,
         *shlex.split(args.engine_args.get(name, "")),
     ]
@@ -507,6 +508,7 @@ def parse_args(argv=None):
         help=f"comma-separated, run in this order; from {', '.join(ENGINES)}",
     )
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per engine, the first untimed")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence instead of the workload's (L8, L13)")
     p.add_argument("--fsdp2-steps", type=int, default=2, help="steps for fsdp2 (slow)")
     p.add_argument("--cap", default="24GiB", help="GPU memory cap of the offloading engines ('none': no cap)")
     p.add_argument("--plain-cap", default="none", help="GPU memory cap of plain (default: none)")

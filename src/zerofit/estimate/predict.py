@@ -496,7 +496,9 @@ def predict_step(
         return pred
     L, G = len(shape.block_numels), batch.grad_accum
     chunks = plan.loss_chunks if plan.loss_chunks > 1 and Adapter(model).chunkable_loss else 1
-    probe = once("block", lambda: block_seconds(model, batch, cfg, chunks))
+    probe = once(
+        ("block", plan.sequence_tile), lambda: block_seconds(model, batch, cfg, chunks, tile=plan.sequence_tile)
+    )
     # [Note: a block over sequence tiles]: the probe's blocks over the plan's tiles, their recompute in its time
     engine_probe = once(
         ("engine", plan.sequence_tile),

@@ -166,7 +166,9 @@ def _probe_step(trace: list[dict], names: set[str]) -> tuple[float, float, float
     return fwd, bwd, pre, opt
 
 
-def block_seconds(model, batch: BatchShape, cfg, chunks: int = 1, seconds: float = 2.0) -> ComputeProbe:
+def block_seconds(
+    model, batch: BatchShape, cfg, chunks: int = 1, seconds: float = 2.0, tile: int | None = None
+) -> ComputeProbe:
     """The compute of a step, from two plain PyTorch models of this shape (activation checkpointing, compute
     dtype) with n and 2n blocks: the largest pair of BLOCK_PAIRS the model has blocks for and the GPU has room
     for; and the post pass, timed through the engine's own code (adapter.post_in_chunks) on the smaller one.
@@ -180,7 +182,7 @@ def block_seconds(model, batch: BatchShape, cfg, chunks: int = 1, seconds: float
     pairs = [p for p in BLOCK_PAIRS if p[1] <= mcfg.num_hidden_layers] or [BLOCK_PAIRS[-1]]
     for i, pair in enumerate(pairs):
         try:
-            return _block_seconds(model, mcfg, pair, batch, cfg, chunks, seconds)
+            return _block_seconds(model, mcfg, pair, batch, cfg, chunks, seconds, tile)
         except torch.cuda.OutOfMemoryError:
             if i == len(pairs) - 1:
                 raise
@@ -240,31 +242,41 @@ def _post_seconds(m, ids: torch.Tensor, chunks: int, seconds: float) -> float | 
     )
 
 
-def _block_seconds(model, mcfg, pair: tuple[int, int], batch: BatchShape, cfg, chunks: int, seconds: float):
+def _block_seconds(
+    model, mcfg, pair: tuple[int, int], batch: BatchShape, cfg, chunks: int, seconds: float, tile: int | None = None
+):
+    """The blocks' and the embeddings' seconds from the pair's decoders alone (their final hidden state's backward
+    from a cheap sum: the head and loss, a long sequence's largest tensors, are the post pass's, timed apart over
+    the plan's chunks). ``tile``: the blocks over sequence tiles, as the engine runs them ([Note: a block over
+    sequence tiles])."""
+    from zerofit.engine.model import tiling
+
     dev = torch.device("cuda", torch.cuda.current_device())
-    times, posts = [], {}
+    times, post = [], None
     for layers in pair:
         with torch.device(dev):
             m = small_twin(model, layers, _dtype(cfg))
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
+        if tile:
+            tiling.install(Adapter(m).blocks, lambda: tile)
         ids = torch.randint(0, mcfg.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
+        decoder = m.get_decoder()
 
-        def step(m=m, ids=ids):
+        def step(decoder=decoder, m=m, ids=ids):
             for _ in range(batch.grad_accum):
-                m(input_ids=ids, labels=ids).loss.backward()
+                decoder(input_ids=ids, use_cache=False).last_hidden_state.float().square().mean().backward()
             m.zero_grad(set_to_none=True)
 
         times.append(_median_late(step, seconds) / batch.grad_accum)
-        if not posts:  # the shell is the same in both models
-            for c in {1, chunks}:
-                posts[c] = _post_seconds(m, ids, c, seconds)
-        del m, ids, step  # step's defaults hold the model too
+        if post is None:  # the shell is the same in both models
+            post = _post_seconds(m, ids, chunks, seconds)
+        del m, ids, step, decoder  # step's defaults hold the model too
         gc.collect()
         torch.cuda.empty_cache()
     n = pair[1] - pair[0]
     per_block = max((times[1] - times[0]) / n, 0.0)
-    shell = max(times[0] - pair[0] * per_block, 0.0)
-    if posts[1] is None:
-        return ComputeProbe(per_block, shell, shell, 0.0)
-    return ComputeProbe(per_block, shell, posts[chunks], max(shell - posts[1], 0.0))
+    pre = max(times[0] - pair[0] * per_block, 0.0)
+    if post is None:
+        return ComputeProbe(per_block, pre, pre, 0.0)
+    return ComputeProbe(per_block, pre + post, post, pre)

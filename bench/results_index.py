@@ -38,6 +38,9 @@ GROUPS = [  # name token -> title, in the order they are listed
     ("W3a", "W3a: the 7B shape under a 32 GiB host budget, the rest on the disk"),
     ("W3b", "W3b: the 13B shape on one GPU with the disk tier"),
     ("W4", "W4: offloaded generation of the 13B shape (bench/infer.py)"),
+    ("L8", "L8: the Llama-3.1-8B shape in LoRA, one long sequence per step (docs/long-context.md)"),
+    ("L8full", "L8-full: the Llama-3.1-8B shape in full fine-tuning, one long sequence per step"),
+    ("L13", "L13: the Llama-2-13B shape in LoRA, one long sequence per step"),
     ("W5", "W5: the 13B shape on 2 GPUs"),
     ("other", "Probes, GPU tests, zerofit doctor"),
 ]
@@ -126,7 +129,7 @@ def expand(ref: str) -> list[str]:
 def name_parts(name: str) -> dict:
     date, rest = name[:10], name[11:]
     tokens = rest.split("_")
-    group = tokens[0] if re.match(r"^W\d", tokens[0]) else "other"
+    group = tokens[0] if re.match(r"^[WL]\d", tokens[0]) else "other"
     commit = next((t.split(".")[0] for t in tokens if HEX7.match(t.split(".")[0])), "")
     cap = next((t for t in tokens[1:3] if re.match(r"^\d+GiB$", t)), "")
     # what follows the commit, less the round's tag (s9) and the extension: compute_probe, mem_peak, clip1_both

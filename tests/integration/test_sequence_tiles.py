@@ -105,3 +105,37 @@ def test_the_planner_leaves_short_sequences_untiled():
     blocks = engine.adapter.blocks
     assert all(TILED in blk.mlp.__dict__ for blk in blocks)  # wrapped, and its own forward runs (no tile)
     engine.close()
+
+
+def test_packed_windows_over_tiles_train_like_plain_pytorch(monkeypatch):
+    """[Note: documents without a mask]: packed windows through the engine with blocks over tiles attend document by
+    document (no batch x T x T mask), and train as plain PyTorch does with the model's own mask."""
+    import numpy as np
+
+    from zerofit.data.encode import Document
+    from zerofit.data.packing import pack
+    from zerofit.engine.model import tiling
+
+    torch.manual_seed(0)
+    model = tm.llama()
+    model.config.use_cache = False
+    ref = copy.deepcopy(model)
+    calls = []
+    real = tiling._documents_attention
+    monkeypatch.setattr(tiling, "_documents_attention", lambda *a: calls.append(1) or real(*a))
+    g = np.random.default_rng(1)
+    docs = [
+        Document(g.integers(0, tm.VOCAB, n, dtype=np.int32), np.ones(n, dtype=bool), "text", f"doc {i}")
+        for i, n in enumerate([11, 3, 20, 7, 16, 5, 9, 30, 4, 12, 25, 8])
+    ]
+    data = pack(docs, seq_len=T, pad_id=0)
+    steps = [[data.batch([2 * s, 2 * s + 1])] for s in range(2)]
+    engine = zerofit.initialize(model, {**_cfg(8), "gradient_accumulation_steps": 1})
+    losses = [engine.train_batch(mbs) for mbs in steps]
+    assert calls, "the blocks attended document by document"
+    ref_losses = tm.reference_train(ref, steps)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+    got = dict(engine.module.named_parameters())
+    for n, q in ref.named_parameters():
+        torch.testing.assert_close(got[n].detach(), q.detach(), msg=lambda m, n=n: f"{n}: {m}")
+    engine.close()

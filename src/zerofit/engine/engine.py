@@ -241,6 +241,8 @@ class Engine(DeepSpeedSurface):
             raise
         # [Note: MLP over sequence tiles] (model/tiling.py): each block's MLP over the plan's tiles, when it has one
         tiling.install(self.adapter.blocks, _tile_of(weakref.ref(self)))
+        # [Note: documents without a mask] (model/tiling.py): packed documents over tiles with no T x T mask
+        self.adapter.inputs_hook = tiling.documents_hook(self.adapter.blocks, _tile_of(weakref.ref(self)))
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)

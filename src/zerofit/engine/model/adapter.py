@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +147,9 @@ class Adapter:
         self._configs: list[Any] = list(
             {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")}.values()
         )
+        # what the engine makes of a micro-batch's inputs before the model sees them ([Note: documents without a
+        # mask], tiling.py); None: the inputs as given
+        self.inputs_hook: Callable[[dict], dict] | None = None
         self.has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
             isinstance(v, float) and v > 0 and "dropout" in k
             for k, v in getattr(getattr(model, "config", None), "to_dict", dict)().items()
@@ -191,7 +194,7 @@ class Adapter:
             setattr(parent, attr, original)
 
     def _inputs(self, batch: dict) -> dict:
-        kw = dict(batch)
+        kw = dict(batch) if self.inputs_hook is None else self.inputs_hook(dict(batch))
         if self._accepts_use_cache:
             kw["use_cache"] = False
         return kw

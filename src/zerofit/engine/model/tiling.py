@@ -340,7 +340,11 @@ def _block_over_tiles(layer: Any, x: torch.Tensor, kwargs: dict, step: int) -> t
     heads = ("input_layernorm.",) + tuple(f"self_attn.{n}." for n, _ in attn.named_children() if n != "o_proj")
     q, k, v = region(qkv, layer, heads, step, (x, cos, sin), (1, 1, 1), (2, 2, 2))
     mask, kw = seen[0]
-    out, _ = _core(attn)(attn, q, k, v, mask, **kw)
+    positions = getattr(mask, DOCUMENTS, None)
+    if positions is not None:  # [Note: documents without a mask]
+        out = _documents_attention(q, k, v, positions, kw)
+    else:
+        out, _ = _core(attn)(attn, q, k, v, mask, **kw)
     moe = tileable(layer.mlp) is not None
 
     def tail(o_t, x_t):
@@ -352,6 +356,78 @@ def _block_over_tiles(layer: Any, x: torch.Tensor, kwargs: dict, step: int) -> t
     if moe:
         y = y + layer.mlp(layer.post_attention_layernorm(y))
     return y
+
+
+# [Note: documents without a mask]
+# Packed documents (position ids that restart at each document's first token, zerofit/data/packing.py) make
+# transformers build a 4-D mask of batch x T x T booleans, in the pre pass and again in each chunk of the post pass:
+# 16 GiB at 131,072 tokens, more than the whole block's working set over tiles. Where every block runs over
+# sequence tiles ([Note: a block over sequence tiles]) and a micro-batch has more tokens than the tile, packed
+# documents and no padding, the engine hands the model a stand-in instead (:func:`documents_in`): a 4-D boolean of
+# that shape with no memory (one element, expanded), carrying the position ids, which transformers passes to the
+# blocks as it would any prepared mask; the tiled block's core then runs attention document by document
+# (:func:`_documents_attention`: causal SDPA over each document's q, k and v, within the sliding window where the
+# model has one). Each token attends to exactly the keys the mask would allow, so the math is the masked
+# attention's; the rounding is that of each document's attention alone.
+DOCUMENTS = "_zerofit_documents"
+
+
+def documents_in(batch: dict, tile: int | None) -> dict:
+    """``batch`` with the stand-in mask of [Note: documents without a mask] where it applies, else as it is."""
+    pos, ids = batch.get("position_ids"), batch.get("input_ids")
+    if tile is None or not isinstance(pos, torch.Tensor) or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return batch
+    B, T = ids.shape
+    if B * T <= tile or pos.shape[-1] != T:
+        return batch
+    mask = batch.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())):
+        return batch  # padding, or a mask of the caller's: the model's own
+    pos = pos.expand(B, T) if pos.dim() == 2 else pos.view(1, T).expand(B, T)
+    if not bool((pos[:, 1:] != pos[:, :-1] + 1).any()):
+        return batch  # one document a row: causal attention needs no mask
+    stand_in = torch.zeros((), dtype=torch.bool, device=ids.device).expand(B, 1, T, T)
+    setattr(stand_in, DOCUMENTS, pos)
+    return {**batch, "attention_mask": stand_in}
+
+
+def documents_hook(blocks, tile_of: Callable[[], int | None]) -> Callable[[dict], dict] | None:
+    """The adapter's inputs hook for [Note: documents without a mask], or None where some block would not run over
+    tiles whole (its own forward would receive the stand-in)."""
+    if not len(blocks) or any(block_tileable(b) is not None for b in blocks):
+        return None
+    return lambda batch: documents_in(batch, tile_of())
+
+
+def _documents_attention(q, k, v, positions: torch.Tensor, kw: dict) -> torch.Tensor:
+    """Causal attention of each document of each row alone ([Note: documents without a mask]); ``q`` (B, H, T, d),
+    ``k`` and ``v`` (B, H_kv, T, d); returns (B, T, H, d), as transformers' attention functions do."""
+    scale, dropout, window = kw.get("scaling"), float(kw.get("dropout", 0.0) or 0.0), kw.get("sliding_window")
+    gqa = q.shape[1] != k.shape[1]
+    rows = []
+    for b in range(q.shape[0]):
+        p = positions[b]
+        cuts = (torch.nonzero(p[1:] != p[:-1] + 1).flatten() + 1).tolist()
+        edges = [0, *cuts, q.shape[2]]
+        pieces = []
+        for s, e in zip(edges, edges[1:]):
+            mask = None
+            if window is not None and e - s > window:
+                i = torch.arange(e - s, device=q.device)
+                mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[b : b + 1, :, s:e],
+                k[b : b + 1, :, s:e],
+                v[b : b + 1, :, s:e],
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            pieces.append(o.transpose(1, 2))
+        rows.append(torch.cat(pieces, 1))
+    return torch.cat(rows, 0)
 
 
 def _tiled_block(self: nn.Module, hidden_states, *args, **kwargs):

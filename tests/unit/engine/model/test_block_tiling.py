@@ -184,3 +184,59 @@ def test_the_config_is_untouched():
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert model.config._attn_implementation == "sdpa"
     assert all(b.self_attn.config is model.config for b in _blocks(model))
+
+
+DOCS_BUILDS = {"llama": tm.llama, "qwen3": tm.qwen3, "mistral-window": tm.mistral_window, "lora": tm.llama_lora}
+
+
+@pytest.mark.parametrize("name", list(DOCS_BUILDS))
+def test_packed_documents_over_tiles_need_no_mask(name, monkeypatch):
+    """[Note: documents without a mask]: with the stand-in, the model builds no batch x T x T mask, the tiled core
+    attends document by document, and the loss, logits and gradients are those of the model with its own mask."""
+    import transformers.masking_utils as mu
+
+    torch.manual_seed(0)
+    model = DOCS_BUILDS[name]()
+    twin = copy.deepcopy(model)
+    tiling.install(_blocks(twin), lambda: 8)
+    hook = tiling.documents_hook(_blocks(twin), lambda: 8)
+    assert hook is not None
+    ids = torch.randint(0, tm.VOCAB, (2, 30))
+    pos = torch.stack([torch.cat([torch.arange(12), torch.arange(18)]), torch.cat([torch.arange(5), torch.arange(25)])])
+    batch = {"input_ids": ids, "labels": ids, "position_ids": pos, "use_cache": False}
+    out0, g0 = _run(model, batch, seed=1)
+    _, g64 = _run(copy.deepcopy(model).double(), batch, seed=1)
+
+    def no_mask(*a, **k):
+        raise AssertionError("a T x T mask was built")
+
+    for fn in ("sdpa_mask", "eager_mask"):
+        monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, fn.split("_")[0], no_mask)
+    calls = []
+    real = tiling._documents_attention
+    monkeypatch.setattr(tiling, "_documents_attention", lambda *a: calls.append(1) or real(*a))
+    given = hook(dict(batch))
+    assert getattr(given["attention_mask"], tiling.DOCUMENTS) is not None
+    assert given["attention_mask"].shape == (2, 1, 30, 30) and given["attention_mask"].untyped_storage().nbytes() == 1
+    out1, g1 = _run(twin, given, seed=1)
+    assert len(calls) == len(_blocks(twin))
+    _close(out0.loss, out1.loss, "the loss")
+    _close(out0.logits, out1.logits, "the logits")
+    for n in g0:
+        _close(g0[n], g1[n], n, g64[n])
+
+
+def test_the_stand_in_only_where_it_applies():
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    packed = torch.cat([torch.arange(6), torch.arange(10)])[None]
+    base = {"input_ids": ids, "position_ids": packed}
+    assert "attention_mask" in tiling.documents_in(base, 8)
+    assert tiling.documents_in(base, None) is base  # no tile
+    assert tiling.documents_in(base, 16) is base  # no more tokens than the tile: the layers' own forward
+    one = {"input_ids": ids, "position_ids": torch.arange(16)[None]}
+    assert tiling.documents_in(one, 8) is one  # one document: causal needs no mask
+    padded = {**base, "attention_mask": torch.cat([torch.zeros(1, 2), torch.ones(1, 14)], 1).long()}
+    assert tiling.documents_in(padded, 8) is padded  # padding: the model's own mask
+    ones = {**base, "attention_mask": torch.ones(1, 16, dtype=torch.long)}
+    assert getattr(tiling.documents_in(ones, 8)["attention_mask"], tiling.DOCUMENTS, None) is not None
+    assert tiling.documents_hook([tm.gpt2().transformer.h[0]], lambda: 8) is None  # not tiled whole

@@ -69,10 +69,6 @@ def tileable(mlp: nn.Module) -> str | None:
     return None
 
 
-def _has_dropout(module: nn.Module, prefixes: tuple[str, ...] = ("",)) -> bool:
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for n, m in module.named_modules() if n.startswith(prefixes))
-
-
 class TiledRegion(torch.autograd.Function):
     """``fn`` over sequence tiles ([Note: MLP over sequence tiles], [Note: a block over sequence tiles]).
 
@@ -199,7 +195,9 @@ def _autocast(x: torch.Tensor, state):
 
 
 def _rng_state(module: nn.Module, device: torch.device, prefixes: tuple[str, ...] = ("",)):
-    if not (module.training and _has_dropout(module, prefixes)):
+    """The RNG state a region's forward begins with, for its recompute: in training, where it may draw (dropout, a
+    MoE router's jitter: any module of its may), else None."""
+    if not module.training or not any(m.training for n, m in module.named_modules() if n.startswith(prefixes)):
         return None
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
@@ -249,9 +247,12 @@ def _tiled_forward(self: nn.Module, x, *args, **kwargs):
 # for one tile at a time. The attention module's own code makes q, k and v: its forward runs per tile with the
 # attention function replaced, through a copy of its config, by one that hands the three back (``_capture``),
 # so its projections, LoRA paths, q/k norms and RoPE are the model's, and the core receives the arguments
-# (mask, scaling, sliding window, dropout) the module would have given it. A MoE layer's sparse MLP runs whole
-# after the tiled part ([Note: MLP over sequence tiles] says why). Layers of other shapes, or a call with a KV
-# cache, run their own forward.
+# (mask, scaling, sliding window, dropout) the module would have given it. A MoE layer's sparse MLP is per token
+# too (each token's top-k experts from its own router logits; training's router jitter replayed with the forward's
+# RNG state) and runs in the tiled part, except while transformers records router logits (a model's forward with
+# ``output_router_logits``): then it runs whole after it ([Note: MLP over sequence tiles] says why). The engine's
+# streamed blocks run outside any model forward, where nothing records. Layers of other shapes, or a call with a
+# KV cache, run their own forward.
 TILED_LAYERS = frozenset(
     {
         "LlamaDecoderLayer",
@@ -310,6 +311,18 @@ def block_tileable(block: nn.Module) -> str | None:
     return None
 
 
+def _recording_router_logits() -> bool:
+    """Whether transformers is recording router logits now (a model's forward called with
+    ``output_router_logits``: its hooks append each router call's logits, which tiles would split and the
+    backward's recompute append again)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output capturing: it records nothing through hooks
+        return False
+    collected = _active_collector.get()
+    return collected is not None and "router_logits" in collected
+
+
 def _core(attn: Any):
     """The attention function ``attn``'s own forward would call."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -345,7 +358,7 @@ def _block_over_tiles(layer: Any, x: torch.Tensor, kwargs: dict, step: int) -> t
         out = _documents_attention(q, k, v, positions, kw)
     else:
         out, _ = _core(attn)(attn, q, k, v, mask, **kw)
-    moe = tileable(layer.mlp) is not None
+    moe = tileable(layer.mlp) is not None and _recording_router_logits()
 
     def tail(o_t, x_t):
         h = x_t + attn.o_proj(o_t.reshape(*o_t.shape[:2], -1))

@@ -240,3 +240,54 @@ def test_the_stand_in_only_where_it_applies():
     ones = {**base, "attention_mask": torch.ones(1, 16, dtype=torch.long)}
     assert getattr(tiling.documents_in(ones, 8)["attention_mask"], tiling.DOCUMENTS, None) is not None
     assert tiling.documents_hook([tm.gpt2().transformer.h[0]], lambda: 8) is None  # not tiled whole
+
+
+@pytest.mark.parametrize("build", [tm.mixtral, tm.qwen3_moe], ids=["mixtral", "qwen3-moe"])
+def test_a_moe_layers_sparse_mlp_runs_over_tiles_unless_router_logits_are_recorded(build):
+    torch.manual_seed(0)
+    model = build()
+    twin = copy.deepcopy(model)
+    tiling.install(_blocks(twin), lambda: 8)
+    sizes: list[int] = []
+    for b in _blocks(twin):
+        b.mlp.register_forward_pre_hook(lambda m, a: sizes.append(a[0].shape[0] * a[0].shape[1]))
+    ids = torch.randint(0, tm.VOCAB, (2, 20))
+    out, _ = _run(twin, {"input_ids": ids, "labels": ids, "use_cache": False}, seed=1)
+    assert sizes and max(sizes) <= 8  # tiles of 4 positions of 2 rows, forward and recompute
+    sizes.clear()
+    recorded = twin(input_ids=ids, use_cache=False, output_router_logits=True)
+    plain = model(input_ids=ids, use_cache=False, output_router_logits=True)
+    assert set(sizes) == {40}  # recorded: the sparse MLP whole
+    assert len(recorded.router_logits) == len(plain.router_logits) == len(_blocks(twin))
+    for a, b in zip(plain.router_logits, recorded.router_logits):
+        assert a.shape == b.shape
+        _close(a, b, "router logits")
+    _close(plain.aux_loss, recorded.aux_loss, "the balancing loss")
+
+
+def test_router_jitter_is_replayed_in_the_backward(monkeypatch):
+    """Mixtral's router jitter in training draws fresh noise per call: the backward's recompute of each tile draws
+    the forward's (outputs bitwise the forward's)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tm.mixtral().config
+    model = MixtralForCausalLM(MixtralConfig(**{**cfg.to_dict(), "router_jitter_noise": 0.1}))
+    model.train()
+    tiling.install(_blocks(model), lambda: 6)
+    seen: dict[tuple, list[torch.Tensor]] = {}
+    made = tiling._Region.__init__
+
+    def recording(self, fn, *a, **k):
+        def fn_seen(*xs):
+            ys = fn(*xs)
+            seen.setdefault((id(self), xs[0].data_ptr()), []).append(torch.cat([y.detach().flatten() for y in ys]))
+            return ys
+
+        made(self, fn_seen, *a, **k)
+
+    monkeypatch.setattr(tiling._Region, "__init__", recording)
+    ids = torch.randint(0, tm.VOCAB, (2, 12))
+    torch.manual_seed(3)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert seen and all(len(v) == 2 and torch.equal(v[0], v[1]) for v in seen.values())

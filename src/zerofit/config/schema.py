@@ -483,9 +483,11 @@ class OffloadConfig(_Frozen):
     never exist at once (1: off); None = the planner decides (only when the device budget needs it; models whose
     loss takes shift_labels and num_items_in_batch, as Hugging Face causal LMs' does)"""
     sequence_tile: int | None = Field(None, ge=1)
-    """tokens per tile of the blocks' MLP: a micro-batch of more tokens runs each block's MLP over tiles of this
-    many, recomputed tile by tile in the backward, so its intermediate-sized tensors are the tile's, not the
-    sequence's ([Note: MLP over sequence tiles], engine/model/tiling.py; MoE blocks' sparse MLPs are not tiled);
+    """tokens per sequence tile of the blocks: a micro-batch of more tokens runs each block's per-token work (norms,
+    projections, RoPE, LoRA paths, the MLP) over tiles of this many, recomputed tile by tile in the backward, and
+    attention's core once over the whole sequence, so all but q, k, v and the attention's output exist for one tile
+    at a time ([Note: a block over sequence tiles], engine/model/tiling.py; layers other than Llama's, Mistral's and
+    Qwen's kin tile their MLP alone);
     None = the planner decides (off, the whole sequence, unless the device budget needs it: then the largest
     power of two of at least 1024 tokens that fits, after loss chunks and offloaded checkpoints)"""
     offload_checkpoints: bool | None = None

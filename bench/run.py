@@ -2,6 +2,7 @@
     --fsdp2-steps 2 --cap 24GiB --timeout 300 --budget 540 --out $OUT --commit <sha>
 python3 bench/run.py --workload smoke --engines plain,zerofit --device cpu --steps 2 --out /tmp/b
 python3 bench/run.py --from-json results_W1.json --append-docs   # re-render, into docs/benchmarks/log/<its date>.md
+python3 bench/run.py --from-json 2026-12-06_L8_3c6acea_h100_32k.json   # a run kept in bench/results/L8.jsonl
 
 Run one workload for several engines, each in its own process, and tabulate them.
 
@@ -554,7 +555,11 @@ def parse_args(argv=None):
         metavar="NAME=ARGS",
         help="extra arguments for one engine, e.g. fsdp2='--optimizer fused' (repeatable)",
     )
-    p.add_argument("--from-json", default=None, help="only re-render (and --append-docs) a results JSON")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        help="only re-render (and --append-docs) a results JSON, or a record of bench/results/ (W1.jsonl#NAME, NAME)",
+    )
     args = p.parse_args(argv)
     extra = {}
     for item in args.engine_args:
@@ -565,11 +570,25 @@ def parse_args(argv=None):
     return args
 
 
+def load_result(ref: str) -> dict:
+    """A results JSON: a file, else a record of bench/results/'s compact files (``W1.jsonl#NAME``, or NAME, the name
+    its file had: bench/results_index.py --show lists them)."""
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            return json.load(f)
+    sys.path.insert(0, HERE)
+    from results_index import record
+
+    rec = record(ref)
+    if "meta" not in rec or "results" not in rec:
+        sys.exit(f"{ref}: a {rec.get('kind')} record, not a bench/run.py result")
+    return rec
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        with open(args.from_json) as f:
-            doc = json.load(f)
+        doc = load_result(args.from_json)
         md = render(doc)
         print(md)
         if args.append_docs is not None:

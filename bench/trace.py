@@ -1,6 +1,7 @@
 """Print the last step's trace of a zerofit result (``extra.trace``, from ``engine.trace()``).
 
     python3 bench/trace.py RESULT.json [--engine zerofit] [--gantt]
+    python3 bench/trace.py 2026-12-01_W2_8cf53f1_s12.json --gaps   # a run of bench/results/: the table and gaps kept
 
 Per lane (compute, upload, download, cpu, cpu wait, wait, disk): busy seconds (overlapping intervals of a lane merged),
 first start, last end, and the busy seconds inside each phase of the step: forward (until the first ``post`` compute),
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -140,16 +142,27 @@ def main() -> int:
     ap.add_argument("--gantt", action="store_true")
     ap.add_argument("--gaps", action="store_true")
     a = ap.parse_args()
-    data = json.load(open(a.result))
+    if os.path.isfile(a.result):
+        data = json.load(open(a.result))
+    else:  # a record of bench/results/'s compact files: its trace kept as this script's table and gaps
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from results_index import record
+
+        data = record(a.result)
     rows = data.get("results", [data])
     for r in rows:
-        if r.get("engine") != a.engine or not r.get("extra", {}).get("trace"):
+        extra = r.get("extra") or {}
+        if r.get("engine") != a.engine or not (extra.get("trace") or extra.get("trace_summary")):
             continue
-        t = r["extra"]["trace"]
-        print(
-            f"== {r['engine']} {r.get('extra', {}).get('zerofit_config', {}).get('offload', {})}: "
-            f"{r.get('s_per_step')} s/step"
-        )
+        print(f"== {r['engine']} {extra.get('zerofit_config', {}).get('offload', {})}: {r.get('s_per_step')} s/step")
+        t = extra.get("trace")
+        if not t:
+            print(extra["trace_summary"])
+            if a.gaps:
+                print(extra.get("trace_gaps", ""))
+            if a.gantt:
+                print(f"(the {extra.get('trace_intervals')} intervals were not kept: bench/results_index.py --show)")
+            continue
         print(summarize(t))
         if a.gaps:
             print(gaps(t))

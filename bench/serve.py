@@ -1,7 +1,7 @@
 """zerofit serve under load: streaming requests at concurrency 1, 8 and 32 against the real server (uvicorn, in this
 process, on a free port); tokens/s and time to the first token, and ``generate`` at batch 1 beside it.
 
-    python3 bench/serve.py --out bench/results/DATE_serve_COMMIT_cpu_tiny.json              # CPU: a tiny Llama
+    python3 bench/serve.py --out /tmp/DATE_serve_COMMIT_cpu_tiny.json                       # CPU: a tiny Llama
     python3 bench/serve.py --shape llama-2-13b --max-gpu-memory 24GiB --out serve13b.json    # CUDA: the 13B shape
     python3 bench/serve.py --shape llama-2-13b --max-gpu-memory 24GiB --peer accelerate --concurrency 1,16
 

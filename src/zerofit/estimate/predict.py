@@ -501,8 +501,10 @@ def predict_step(
     )
     # [Note: a block over sequence tiles]: the probe's blocks over the plan's tiles, their recompute in its time
     engine_probe = once(
-        ("engine", plan.sequence_tile),
-        lambda: engine_block_seconds(model, batch, cfg, nf4=any(shape.nf4_numels), tile=plan.sequence_tile),
+        ("engine", plan.sequence_tile, chunks),
+        lambda: engine_block_seconds(
+            model, batch, cfg, nf4=any(shape.nf4_numels), tile=plan.sequence_tile, chunks=chunks
+        ),
     )
     if engine_probe is not None:  # the engine's own block compute and pre pass
         probe = dataclasses.replace(

@@ -80,6 +80,7 @@ def engine_block_seconds(
     device: str = "cuda",
     nf4: bool = False,
     tile: int | None = None,
+    chunks: int = 1,
 ) -> EngineProbe | None:
     """One block's seconds per micro-batch, the forward's share of them, the pre pass's, and the device AdamW's
     seconds per parameter, as the engine itself computes them: the engine on a model of this shape with ``layers``
@@ -91,8 +92,9 @@ def engine_block_seconds(
     them); those labelled "optimizer[block]" the blocks' updates on the device. ``nf4``: the base is held in NF4 (a
     4-bit folder's, or ``quantize_base``), so the probe's blocks are too. Steps run for ``seconds`` (``steps`` at
     least): the median step of the second half counts ([Note: the probe's clocks]). ``tile``: the plan's sequence
-    tile, so that the blocks' recompute of their tiles is in the probe's time. None where it does not fit (the
-    fallback is the plain models' difference)."""
+    tile, so that the blocks' recompute of their tiles is in the probe's time; ``chunks``: the plan's loss chunks
+    (the probe's own plan, with no cap, would hold a long sequence's full-vocabulary logits at once). None where
+    it does not fit (the fallback is the plain models' difference)."""
     import zerofit
     from zerofit.engine.plan.search import PlanError
 
@@ -104,7 +106,9 @@ def engine_block_seconds(
         "seq_len": batch.seq_len,
         "gradient_accumulation_steps": batch.grad_accum,
         "device": device,
-        "offload": {"resident_blocks": layers} | ({"sequence_tile": tile} if tile else {}),
+        "offload": {"resident_blocks": layers}
+        | ({"sequence_tile": tile} if tile else {})
+        | ({"loss_chunks": chunks} if chunks > 1 else {}),
         "quantize_base": "nf4" if nf4 else cfg.quantize_base,
     }
     try:

@@ -1,9 +1,11 @@
-"""A block's MLP over sequence tiles: its working set bounded by the tile, not the sequence.
+"""Blocks over sequence tiles: a block's working set bounded by the tile, not the sequence. Llama-family layers
+run whole over tiles ([Note: a block over sequence tiles], below), other layers their MLP alone; packed documents
+reach the tiled core without a mask ([Note: documents without a mask]).
 
 [Note: MLP over sequence tiles]
 A decoder block's MLP (gate, up, act, down: Llama, Qwen3, Mistral, and PEFT LoRA layers inside them) is per token:
 row ``i`` of its output depends on row ``i`` of its input only. So it may run over the micro-batch's tokens (its
-``batch x seq`` rows, flattened) a tile of ``tile`` rows at a time: :class:`TiledMLP`'s forward runs each tile
+``batch x seq`` rows, flattened) a tile of ``tile`` rows at a time: :class:`TiledRegion`'s forward runs each tile
 under ``no_grad`` and keeps only the input and the (hidden-sized) output; its backward recomputes each tile with
 grad enabled and backpropagates that tile's share of the output gradient, writing the tile's input gradient
 and adding the tile's parameter gradients into a sum. The intermediate-sized tensors (the gate's, up's and the
@@ -30,12 +32,12 @@ Gradients reach the engine's leaves: the wrapper passes the module's parameters 
 call time, which inside ``functional_call`` (compute.py) are the unit's device weights (leaves that take a
 gradient for the trained ones, plain tensors for frozen ones), and returns their gradients.
 
-A MoE block's sparse MLP (Mixtral, Qwen3-MoE: a module with ``experts``) is not tiled. Its routing is per
-token too (top-k of each token's router logits), but its router's logits are recorded by hooks for the
-load-balancing loss, and in training Mixtral's router jitters its input with fresh noise: run per tile under
-``no_grad`` and again in the backward, the hooks would record each tile twice, without a gradient.
-:func:`tileable` says why; such a module keeps its own forward (the planner's count of its working set is then
-optimistic for that block).
+A MoE block's sparse MLP (Mixtral, Qwen3-MoE: a module with ``experts``) is not tiled alone. Its routing is per
+token too (top-k of each token's router logits), but transformers records its router's logits through hooks while
+a model's forward asks for them (``output_router_logits``), and Mixtral's router jitters its input in place: run
+per tile under ``no_grad`` and again in the backward, the hooks would record each tile twice, without a gradient.
+:func:`tileable` says why. Within a layer over tiles it runs in the tiled part when nothing records ([Note: a
+block over sequence tiles]).
 """
 
 from __future__ import annotations

@@ -99,74 +99,38 @@ def qwen3() -> nn.Module:
     )
 
 
-def mistral() -> nn.Module:
-    return MistralForCausalLM(
-        MistralConfig(
+def _small(**kw) -> dict:
+    """The tiny models' shared config fields: 32 wide, 2 blocks, 4 heads over 2 key/value heads, SDPA."""
+    return (
+        dict(
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
             vocab_size=VOCAB,
-            max_position_embeddings=64,
             attn_implementation="sdpa",
         )
+        | kw
     )
 
 
-def mistral_window(window: int = 8) -> nn.Module:
-    """:func:`mistral` with a sliding window shorter than the test sequences."""
-    model = MistralForCausalLM(
-        MistralConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            max_position_embeddings=64,
-            sliding_window=window,
-            attn_implementation="sdpa",
-        )
-    )
-    return model
+def mistral(window: int | None = None) -> nn.Module:
+    """Mistral; ``window``: a sliding window (shorter than the test sequences), else its config's default."""
+    extra = {} if window is None else {"sliding_window": window}
+    return MistralForCausalLM(MistralConfig(**_small(max_position_embeddings=64, **extra)))
 
 
 def mixtral() -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(
-        MixtralConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            attn_implementation="sdpa",
-        )
-    )
+    return MixtralForCausalLM(MixtralConfig(**_small(num_local_experts=4, num_experts_per_tok=2)))
 
 
 def qwen3_moe() -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    return Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            num_experts=4,
-            num_experts_per_tok=2,
-            attn_implementation="sdpa",
-        )
-    )
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**_small(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)))
 
 
 def gpt2(dropout: float = 0.0) -> nn.Module:

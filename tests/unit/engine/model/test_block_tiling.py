@@ -36,6 +36,10 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
+def _mistral_window() -> nn.Module:
+    return tm.mistral(window=8)
+
+
 def _lora_dropout() -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -49,7 +53,7 @@ BUILDS = {
     "llama": tm.llama,
     "qwen2": tm.qwen2,
     "qwen3": tm.qwen3,
-    "mistral-window": tm.mistral_window,
+    "mistral-window": _mistral_window,
     "mixtral": tm.mixtral,
     "qwen3-moe": tm.qwen3_moe,
     "lora": tm.llama_lora,
@@ -186,7 +190,7 @@ def test_the_config_is_untouched():
     assert all(b.self_attn.config is model.config for b in _blocks(model))
 
 
-DOCS_BUILDS = {"llama": tm.llama, "qwen3": tm.qwen3, "mistral-window": tm.mistral_window, "lora": tm.llama_lora}
+DOCS_BUILDS = {"llama": tm.llama, "qwen3": tm.qwen3, "mistral-window": _mistral_window, "lora": tm.llama_lora}
 
 
 @pytest.mark.parametrize("name", list(DOCS_BUILDS))

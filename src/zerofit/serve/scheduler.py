@@ -7,12 +7,17 @@
     sched.close()                # the requests in flight finish first
 
 [Note: one forward per step for the whole batch]
-Each step is at most two forwards of the model: the prefill of the requests
-that joined since the last step (their prompts together, right-padded), then
-one token for every other request in flight, all rows of one forward. Every
-forward runs each block once, so a streamed block crosses to the GPU once per
-forward whatever the batch ([Note: the upload cycle], zerofit/infer/engine.py):
-requests that arrive together share each upload. A request takes a slot of
+Every forward runs each block once, so a streamed block crosses to the GPU
+once per forward whatever the batch ([Note: the upload cycle],
+zerofit/infer/engine.py): requests that arrive together share each upload.
+Where blocks stream, a step is one forward: the prompts of the requests that
+joined since the last step and the next token of every other request in
+flight, as rows of different widths (the cache takes each row's new tokens at
+its own columns, [Note: a row per sequence]), while that forward's padded
+tokens fit the plan's prefill. Otherwise (every block resident: no upload to
+share, and the decoding rows would be padded to the prompts' width; or a
+forward too wide) a step is at most two forwards: the joiners' prefill, then
+one token for the others. A request takes a slot of
 the KV cache when it joins and gives it back when it finishes or its client
 leaves; a waiting request joins at the next step. Rows are independent
 sequences of the cache ([Note: a row per sequence], cache.py), so a request's
@@ -142,6 +147,7 @@ class Scheduler:
         self._free = list(range(self.slots))
         self._cond = threading.Condition()
         self._stopping = False
+        self.steps = 0  # steps run: one or two forwards each
         self.forwards = 0  # model forwards run (prefills and decodes)
         self.rows = 0  # rows over all forwards: rows / forwards is the mean batch
         self.max_rows = 0
@@ -238,10 +244,25 @@ class Scheduler:
         return joiners
 
     def _step(self, joiners: list[Sequence]) -> None:
-        if joiners:
-            self._forward(joiners, [s.prompt for s in joiners], [0] * len(joiners))
+        self.steps += 1
         with self._cond:
             decoding = [s for s in self._active if s not in joiners and s.finish is None and not s.cancelled]
+        width = max((len(s.prompt) for s in joiners), default=1)
+        if (
+            joiners
+            and decoding
+            and self.plan.streamed
+            and width * (len(joiners) + len(decoding)) <= self.prefill_tokens
+        ):
+            # [Note: one forward per step for the whole batch]: the prompts and the next tokens in one forward
+            self._forward(
+                joiners + decoding,
+                [s.prompt for s in joiners] + [[s.tokens[-1]] for s in decoding],
+                [0] * len(joiners) + [self.cache.lengths[s.slot] for s in decoding],
+            )
+            return
+        if joiners:
+            self._forward(joiners, [s.prompt for s in joiners], [0] * len(joiners))
         if decoding:
             self._forward(decoding, [[s.tokens[-1]] for s in decoding], [self.cache.lengths[s.slot] for s in decoding])
 

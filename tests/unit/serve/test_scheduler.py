@@ -81,6 +81,8 @@ def test_batched_greedy_tokens_are_generate_s_alone_and_share_each_upload(stream
         # every forward streamed the three blocks once, whatever its rows: uploads follow forwards, not requests
         assert eng.uploads <= 3 * (sched.forwards + 1)
         assert sched.forwards < sum(len(s.tokens) for s in seqs) * 0.6
+        # with the blocks streaming, joiners' prompts and the others' next tokens went in one forward a step
+        assert sched.forwards == sched.steps
     finally:
         sched.close()
 

@@ -524,3 +524,69 @@ def test_a_model_that_returns_its_loss_with_or_without_repeated_blocks(kind):
     data = tm.batches(3, 2)
     assert _loop(model, data, clip=_torch_clip) == _loop(ref, data, clip=_torch_clip)
     _assert_weights(model.state_dict(), ref)
+
+
+def _fsdp2(model):
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model, offload_policy=torch.distributed.fsdp.CPUOffloadPolicy())
+
+
+@pytest.mark.parametrize("shape", ["fsdp1", "fsdp2", "frozen"])
+def test_an_unclipped_loop_updates_each_block_in_the_backward_inside_its_step_bitwise_plain_pytorch(shape):
+    """[Note: updates in the backward of the user's loop]: from the second step (the learnt window holds the
+    loop's micro-batches) a step that ``optimizer.step()`` prepares, with no clip or unscale before it, updates
+    every streamed block as its gradient comes down in that step's blocks' backward, before the step's end queues
+    any other update; the steps bitwise the plain loop's (FSDP1 and FSDP2 shapes, frozen parameters, an lr
+    scheduler, ``set_requires_gradient_sync`` on FSDP2's micro-batches before the last)."""
+    from zerofit.engine.step.optimizer_step import Step
+
+    ref = _model()
+    if shape == "frozen":
+        for n, p in ref.named_parameters():
+            if "layers.1." in n or "q_proj" in n:
+                p.requires_grad_(False)
+    if shape == "fsdp2":
+        model = _fsdp2(copy.deepcopy(ref))
+    else:
+        model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
+    eng = model.zerofit_engine
+    events: list[str] = []
+    submit, apply = eng.worker.submit, Step.apply
+
+    def recording_submit(task, *args, label: str = "", **kwargs):
+        events.append(label)
+        return submit(task, *args, label=label, **kwargs)
+
+    def recording_apply(self, prepared):
+        events.append("apply")
+        return apply(self, prepared)
+
+    data = tm.batches(4, 3)
+    sync = (lambda m, last: m.set_requires_gradient_sync(last)) if shape == "fsdp2" else None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eng.worker, "submit", recording_submit)
+        mp.setattr(Step, "apply", recording_apply)
+        got = _loop(model, data, sched=True, sync=sync)
+    assert got == _loop(ref, data, sched=True)
+    _assert_weights(model.zerofit_engine.master_state_dict(), ref)
+    assert eng.speculator.known_steps == len(data) - 1  # the first step learns the window
+    steps = "|".join(events).split("apply")
+    trained = [u for u in eng.blocks if u.trains]
+    assert len(trained) == (2 if shape == "frozen" else 3)
+    for before in steps[1:-1]:  # each later step: every trained block's update submitted before the step's end
+        assert {f"speculate[{u.name}]" for u in trained} <= set(before.split("|")), before
+    assert not any(s.startswith("speculate") for s in steps[0].split("|"))  # the first: deferred, as before
+
+
+def test_a_clipped_loop_keeps_its_deferred_updates_and_a_tail_forward_runs_the_held_backward_first():
+    """A loop that clips prepares its step in the clip: no update before the norm ([Note: updates in the backward
+    of the user's loop]); a step longer than the learnt window runs the held micro-batches' blocks backward at the
+    tail micro-batch's forward, in their order: bitwise the plain loop's."""
+    ref = _model()
+    model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True))
+    data = tm.batches(2, 2) + tm.batches(2, 3, seed=3)  # two steps of 2 (the window learns 2), then steps of 3
+    got = _loop(model, data, clip=lambda m, c: m.clip_grad_norm_(c))
+    assert got == _loop(ref, data, clip=_torch_clip)
+    _assert_weights(model.zerofit_engine.master_state_dict(), ref)
+    assert model.zerofit_engine.speculator.known_steps == 0

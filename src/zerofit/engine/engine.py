@@ -185,12 +185,20 @@ class Engine(DeepSpeedSurface):
         self.deferred = needs_norm(config) or user_loop
         # [Note: speculative updates] (update/speculation.py): clipping without fp16 may update during the backward
         can_speculate = (
-            config.gradient_clipping > 0
+            not user_loop  # a rollback differs by rounding: [Note: updates in the backward of the user's loop]
+            and config.gradient_clipping > 0
             and config.precision != "fp16"
             and config.offload.speculative_updates
             and all(Speculation.usable(*g.optimizer.betas) for g in groups)
         )
-        self.speculator = Speculator(config.gradient_clipping, can_speculate)
+        # [Note: updates in the backward of the user's loop]: where its step's factor is known before its backward
+        known = (
+            user_loop
+            and config.gradient_clipping == 0
+            and config.precision != "fp16"
+            and config.offload.speculative_updates
+        )
+        self.speculator = Speculator(config.gradient_clipping, can_speculate, known=known)
         self.hypers = Hypers(config, groups, speculating=can_speculate)
         # [Note: moments after the forward] (update/split_adamw.py): deferred host updates in two passes
         self._split = split_updates(config, self.dev.is_cuda, self.deferred)
@@ -292,7 +300,7 @@ class Engine(DeepSpeedSurface):
             self.units,
             deferred=self.deferred,
             pinned=pinned,
-            speculating=self.speculator.can,
+            speculating=self.speculator.can or self.speculator.known,
             arenas=self._arenas,
         )
         self.copies16 = Copies16(cfg, self.dtype, dev, ranks, self.planning, self.blocks, self._arenas, self.deferred)

@@ -74,9 +74,9 @@ class UserLoop:
         if cfg.get("precision") == "fp16":  # the user's GradScaler scales the loss: the engine's scale stays 1
             cfg["fp16"] = {**cfg.get("fp16", {}), "loss_scale": 1.0}
         cfg.setdefault("offload", {})
-        # no speculation (a clip is known when it is called), no assisted updates (their settings would be read
-        # before the optimizer is known): [Note: the user's loop drives the engine]
-        cfg["offload"] = {**cfg["offload"], "speculative_updates": False, "assisted_updates": False}
+        # no assisted updates (their settings would be read before the optimizer is known); updates in the
+        # backward where a step's factor is known before it ([Note: updates in the backward of the user's loop])
+        cfg["offload"] = {**cfg["offload"], "assisted_updates": False}
         self._originals = weakref.WeakSet(module.parameters())
         self.engine = Engine.create(module, cfg, user_loop=True)
         self.face = UserLoopFace(self.engine)  # every call on the engine's parts goes through it
@@ -128,6 +128,9 @@ class UserLoop:
                 "its inputs, so what made the input would get no gradient; wrap one module that "
                 "holds every trained part and call it ([Note: one wrapped model per optimizer])"
             )
+        # a forward after the held micro-batches (a tail, or one without grad): their blocks' backward comes first
+        if self.face.holding:  # (``_autocast`` enters its contexts as it is made)
+            self.face.backward_held(_autocast(self.amp))
         self.amp = amp  # the blocks' recompute and backward run under the forward's autocast
         if self.cast_inputs is not None:  # as FSDP's MixedPrecision casts the root's floating inputs
             args, kwargs = pytree.tree_map(
@@ -181,16 +184,17 @@ class UserLoop:
 
     # ------------------------------------------------------------------ the step
 
-    def _prepare(self) -> None:
+    def _prepare(self, factor_known: bool = False) -> None:
         """The step up to its updates (Step.prepare): the held micro-batches' blocks backward, every gradient
-        complete, the global norm (fp16: the overflow check)."""
+        complete, the global norm (fp16: the overflow check). ``factor_known``: from ``optimizer.step()`` with no
+        clip or unscale before it ([Note: updates in the backward of the user's loop], update/speculation.py)."""
         if self.face.micro_steps == 0:
             raise UserLoopError(
                 "optimizer.step() (or clip_grad_norm_, unscale_) without a backward since the last "
                 "step: the engine has no gradient to apply (a loop that steps twice, or whose loss "
                 "did not come from the wrapped model's output)"
             )
-        self.prepared = self.face.prepare(_autocast(self.amp))
+        self.prepared = self.face.prepare(_autocast(self.amp), factor_known)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """This step's gradients clipped to ``max_norm`` in place, as torch's ``clip_grad_norm_`` clips them
@@ -235,10 +239,10 @@ class UserLoop:
         stepping a fused optimizer leaves the unscaling and the overflow skip to it (``optimizer.grad_scale``,
         ``optimizer.found_inf``, as torch's fused kernel reads them): the engine does the same."""
         self._follow(optimizer)
-        if self.prepared is None:
-            self._prepare()
-        self.uncleared = True
         found_inf, grad_scale = getattr(optimizer, "found_inf", None), getattr(optimizer, "grad_scale", None)
+        if self.prepared is None:
+            self._prepare(factor_known=found_inf is None and grad_scale is None)
+        self.uncleared = True
         if found_inf is not None and float(found_inf) > 0:
             self._skipped()
             return

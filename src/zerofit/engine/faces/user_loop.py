@@ -75,13 +75,33 @@ class UserLoopFace:
 
     # ------------------------------------------------------------------ the step
 
-    def prepare(self, amp: contextlib.AbstractContextManager) -> Prepared:
+    def prepare(self, amp: contextlib.AbstractContextManager, factor_known: bool = False) -> Prepared:
         """The step up to its updates: the held micro-batches' blocks backward (under ``amp``, the forward's
-        autocast), every gradient complete, the global norm (fp16: the overflow check)."""
+        autocast), every gradient complete, the global norm (fp16: the overflow check). ``factor_known``: the
+        step's factor is 1 and its settings are the optimizer's now (its ``optimizer.step()`` with no clip or
+        unscale before it): the host updates run in that backward ([Note: updates in the backward of the user's
+        loop], update/speculation.py)."""
         e = self.engine
         with e.guard(discard_step=True), amp:
+            if factor_known and e.window.held_full():
+                from zerofit.engine.update.speculation import Speculation
+
+                if all(Speculation.usable(h.beta1, h.beta2) for h in e.hypers.for_step()):  # (a non-finite norm)
+                    e.speculator.begin_known(e.adapter.streaming)
             e.window.before_step()
             return e.stepper.prepare()
+
+    @property
+    def holding(self) -> bool:
+        """The learnt window holds the step's micro-batches, their blocks' backward not run yet."""
+        return self.engine.window.held_full()
+
+    def backward_held(self, amp: contextlib.AbstractContextManager) -> None:
+        """A forward of the step after its held micro-batches (a tail, or one without autograd): their blocks'
+        backward first, under their autocast ``amp``, as their step would have run it."""
+        e = self.engine
+        with e.guard(discard_step=True), amp, torch.enable_grad():
+            e.window.backward_held()
 
     def clip_as_torch(self, max_norm: float, prepared: Prepared) -> float:
         """torch's ``clip_grad_norm_`` over the prepared step's gradients: their global norm."""

@@ -367,8 +367,22 @@ class Window:
         self.micro_steps += 1
         if self.adapter.streaming:
             self.held.append(micro)
+            if self.hold is not None and not tail and self.boundary is None and len(self.held) >= G:
+                return  # the user's loop: left to the call that prepares its step, or to its next forward
             if len(self.held) >= G or self.boundary is True or tail:
                 self._backward_held()
+
+    def held_full(self) -> bool:
+        """The user's loop's learnt window holds its micro-batches and their blocks' backward has not run: it runs
+        in the call that prepares the step (before_step) or before the next forward (:meth:`backward_held`),
+        so that a step whose factor is known by then updates in it ([Note: updates in the backward of the user's
+        loop], update/speculation.py)."""
+        return self.hold is not None and bool(self.held) and len(self.held) >= self.G
+
+    def backward_held(self) -> None:
+        """The held micro-batches' blocks backward, now (a tail micro-batch's forward comes first)."""
+        if self.held:
+            self._backward_held()
 
     def _backward_held(self) -> None:
         self.streamer.return_kept()

@@ -29,7 +29,23 @@ it costs a wasted update and a rollback pass when it is not, so the engine
 speculates only after a step that was not clipped (and on the first step).
 fp16 never speculates: its overflow steps must leave the state bitwise as it
 was, which a rollback cannot promise.
-"""
+
+[Note: updates in the backward of the user's loop]
+The user's loop ([Note: the user's loop drives the engine], userloop) clips, unscales and steps after its
+backward, so its host updates were all deferred to ``optimizer.step()`` and ran during the next forward, whose
+first blocks waited for them. With the learnt window the held micro-batches' blocks backward is left to the call
+that prepares the step (a clip, a GradScaler's unscale, or ``optimizer.step()`` itself: Window.backward). When
+that call is ``optimizer.step()`` with nothing before it (no clip, no unscale, no fused ``grad_scale``: a bf16 or
+fp32 loop without clipping), every factor of the step is known before any block's gradient is final: 1, and the
+AdamW settings are the optimizer's now. So that backward runs as a speculation whose threshold is unbounded
+(:meth:`Speculator.begin_known`): each streamed block is updated with factor 1 as its gradient comes down,
+during the backward of the others, and its settle keeps it; bitwise the deferred update with factor 1, which
+is torch's step. Nothing is rolled back, except for a non-finite norm (the step is refused then, the state
+to rounding as before it). A loop that clips keeps its deferred updates, each waited for by its block's
+next upload only: the clip's factor is known only after the last gradient, and a speculated update that
+the clip then undid would be redone from the rollback's state, which differs from the old one by rounding
+(bitwise would need a copy of every speculated block's master and moments, one more pass over 12 bytes a
+parameter on the host, the tightest resource: [Note: speculative updates])."""
 
 from __future__ import annotations
 
@@ -73,13 +89,16 @@ class Speculator:
     State: ``can`` (clipping without fp16, speculation on, every group's betas positive: the rollback divides by
     them), ``next`` (the last step was not clipped, or there was none: the next one speculates), ``current``
     (the step in progress's :class:`Speculation`, from its backward's start to its settling) and ``stats``
-    (steps held, rolled back, and waited: the ones that did not speculate after a clipped one)."""
+    (steps held, rolled back, and waited: the ones that did not speculate after a clipped one). ``known``: the
+    user's loop may update in the backward where a step's factor is known, ``known_steps`` counts them ([Note:
+    updates in the backward of the user's loop])."""
 
-    def __init__(self, clip: float, can: bool):
-        self.clip_sq, self.can = clip**2, can
+    def __init__(self, clip: float, can: bool, known: bool = False):
+        self.clip_sq, self.can, self.known = clip**2, can, known
         self.next = True
         self.current: Speculation | None = None
         self.stats = {"held": 0, "rolled_back": 0, "waited": 0}
+        self.known_steps = 0  # the user's loop's steps updated in their backward (also counted as held)
 
     def norm_taken(self, clipped: bool) -> None:
         """The step's global norm is known: after a clipped step the next one waits for its norm."""
@@ -96,6 +115,15 @@ class Speculator:
                 self.current = Speculation(self.clip_sq)
             else:
                 self.stats["waited"] += 1
+
+    def begin_known(self, streaming: bool) -> bool:
+        """The user's loop, before a backward whose step's factor is known to be 1: its host updates run in it
+        ([Note: updates in the backward of the user's loop]). Whether it began."""
+        if not (self.known and streaming) or self.current is not None:
+            return False
+        self.current = Speculation(math.inf)
+        self.known_steps += 1
+        return True
 
     def take(self) -> Speculation | None:
         """The step in progress's record, for its end (or its discard); the next step begins without one."""

@@ -590,3 +590,32 @@ def test_a_clipped_loop_keeps_its_deferred_updates_and_a_tail_forward_runs_the_h
     assert got == _loop(ref, data, clip=_torch_clip)
     _assert_weights(model.zerofit_engine.master_state_dict(), ref)
     assert model.zerofit_engine.speculator.known_steps == 0
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clipped", "unclipped"])
+@pytest.mark.parametrize("G", [1, 3])
+def test_assisted_updates_in_the_users_loop_are_plain_pytorch_bitwise(clip, G, monkeypatch):
+    """The device takes a share of the streamed blocks' updates ([Note: assisted updates]) under the user's loop as
+    under train_batch, with the step's settings from the user's optimizer and scheduler: bitwise torch's loop,
+    clipped or not (on the CPU the device's AdamW is the same kernel; ``assisted_updates`` forces the share)."""
+    from zerofit.engine.update.assisted import DeviceUpdates
+
+    ran = []
+    real = DeviceUpdates.device_adamw
+    monkeypatch.setattr(
+        DeviceUpdates, "device_adamw", lambda self, unit, *a, **k: ran.append(unit) or real(self, unit, *a, **k)
+    )
+    ref = _model()
+    model = FSDP(
+        copy.deepcopy(ref),
+        cpu_offload=CPUOffload(offload_params=True),
+        zerofit_config={"offload": {"assisted_updates": True}},
+    )
+    plan = model.zerofit_engine.plan
+    assert plan.assisted_updates and plan.assisted_blocks
+    data = tm.batches(4, G)
+    got = _loop(model, data, clip=(lambda m, c: m.clip_grad_norm_(c)) if clip else None, sched=True)
+    want = _loop(ref, data, clip=_torch_clip if clip else None, sched=True)
+    assert got == want
+    _assert_weights(model.state_dict(), ref)
+    assert ran, "the device updated its share of the blocks"

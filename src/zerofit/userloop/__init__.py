@@ -28,10 +28,10 @@ A :class:`UserLoop` holds an engine over the user's model and stands where the l
   the engine's gradients with torch's own kernel; a fused optimizer's step takes the scaler's ``grad_scale`` and
   ``found_inf`` as torch's fused kernel does; a skipped step is dropped at the next forward.
 - the engine runs deferred updates (the host's updates wait for the step's norm, then run during the next forward,
-  each waited for by its block's upload), without speculating against a clip (a rollback differs by rounding) and
-  without assisted updates; with the learnt window, a step whose ``optimizer.step()`` comes with no clip or
-  unscale before it updates each block in its blocks' backward ([Note: updates in the backward of the user's
-  loop], engine/update/speculation.py).
+  each waited for by its block's upload), without speculating against a clip (a rollback differs by rounding),
+  the device taking a share of them where the plan has room (assisted updates); with the learnt window, a step
+  whose ``optimizer.step()`` comes with no clip or unscale before it updates each block in its blocks' backward
+  ([Note: updates in the backward of the user's loop], engine/update/speculation.py).
 - under ``torch.autocast`` (Lightning's and accelerate's mixed precision, over an fp32 engine) the forward's
   autocast is entered again around the engine's recompute and backward, as ``torch.utils.checkpoint`` does.
 

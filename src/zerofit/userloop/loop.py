@@ -74,9 +74,9 @@ class UserLoop:
         if cfg.get("precision") == "fp16":  # the user's GradScaler scales the loss: the engine's scale stays 1
             cfg["fp16"] = {**cfg.get("fp16", {}), "loss_scale": 1.0}
         cfg.setdefault("offload", {})
-        # no assisted updates (their settings would be read before the optimizer is known); updates in the
-        # backward where a step's factor is known before it ([Note: updates in the backward of the user's loop])
-        cfg["offload"] = {**cfg["offload"], "assisted_updates": False}
+        # assisted updates as the plan has room for them (the device's AdamW takes each update's settings when it
+        # runs: the step's, from the user's optimizer); updates in the backward where a step's factor is known
+        # before it ([Note: updates in the backward of the user's loop])
         self._originals = weakref.WeakSet(module.parameters())
         self.engine = Engine.create(module, cfg, user_loop=True)
         self.face = UserLoopFace(self.engine)  # every call on the engine's parts goes through it

@@ -34,7 +34,7 @@
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2      # the repository root
 
-SUITES=(headline ab dsloop trainer disk infer ranks lora userloop nodes tests)
+SUITES=(headline ab dsloop trainer disk infer ranks lora userloop longctx serve nodes tests)
 declare -A ABOUT=(
   [headline]="the README's figures: W1 at 24 GiB (plain, zerofit, DeepSpeed, FSDP2), W1 clipped at 1.0 (plain, zerofit), W1 at 8 GiB (plain, zerofit), W2 at 24 GiB (plain, zerofit, DeepSpeed, FSDP2)"
   [ab]="headline's workloads for zerofit at this tree and at an older one (ZF_REPO, OLD_COMMIT), one after the other, plain beside the new one"
@@ -44,7 +44,9 @@ declare -A ABOUT=(
   [infer]="W4: offloaded generation of the 13B shape against accelerate (bench/infer.py), then with blocks on the disk"
   [ranks]="2 GPUs (the nvidia-h200-x2 kind): the NCCL rank tests, W2 on 1 and 2 GPUs, W5 zerofit, FSDP2 without offload, DeepSpeed"
   [lora]="W6: LoRA of the 13B shape over its frozen bf16 base (PEFT): W6a at 24 GiB (plain PEFT on the GPU, zerofit, DeepSpeed ZeRO-3 offload), W6b at 8 GiB (zerofit); needs peft (its wheel in .whl)"
-  [userloop]="W7: the user's FSDP1-shaped loop on zerofit.fsdp (the window of its 4 micro-batches, and the default) against torch's FSDP1 with CPU offload, FSDP2 with CPUOffloadPolicy and plain (W1, 4 micro-batches, clip 1.0); then the same loop through accelerate and Lightning Fabric, Fabric's own FSDPStrategy with CPU offload beside them"
+  [userloop]="W7: the user's FSDP1-shaped loop on zerofit.fsdp (the window of its 4 micro-batches, and the default) against torch's FSDP1 with CPU offload, FSDP2 with CPUOffloadPolicy, plain and train_batch (W1, 4 micro-batches, clip 1.0); then the same loop through accelerate and Lightning Fabric, Fabric's own FSDPStrategy with CPU offload beside them"
+  [longctx]="one long sequence per step at 24 GiB (docs/long-context.md): the Llama-3.1-8B shape in LoRA at 32k, 64k and 128k tokens, the 13B at 64k, each after zerofit estimate and beside PEFT in the GPU with no cap; the 8B in full fine-tuning at 32k (100 GiB host, the disk tier); the 8B LoRA at 256k with no cap"
+  [serve]="zerofit serve (bench/serve.py) of the 13B shape at a 24 GiB cap, 1 and 16 concurrent requests, against the same server over accelerate's device_map offload"
   [nodes]="several hosts simulated on one (2 GPUs, the nvidia-h200-x2 kind): W2 on 2 nodes of 1 GPU (each node its own torchrun and host state) in the hybrid layout (gradients all-reduced across them) and the full one (each node half the host state, weights gathered across them: docs/ranks.md), against 1 node of 2 GPUs and 1 GPU"
   [tests]="pytest of the GPU tests: tests/gpu/ (test_gpu.py, test_small_gpu_floor.py), tests/unit/test_split_updates.py and every test that skips without CUDA (bench/gpu/gpu_tests.py)"
 )
@@ -304,12 +306,36 @@ suite_lora() {     # W6 (bench/WORKLOADS.md): about 15-25 min; run it detached, 
 }
 
 suite_userloop() {     # W7 (bench/WORKLOADS.md): FSDP1 with CPU offload is slow: one timed step
-  zf_run w7 580 --workload W1 --engines plain,zerofit-fsdp1-w4,zerofit-fsdp1,fsdp1,fsdp2 --steps 3 --fsdp2-steps 2 \
-    --cap 24GiB --engine-args 'plain=--clip 1.0' --engine-timeout fsdp1=300 --engine-timeout fsdp2=300
+  zf_run w7 580 --workload W1 --engines plain,zerofit,zerofit-fsdp1-w4,zerofit-fsdp1,fsdp1,fsdp2 --steps 3 \
+    --fsdp2-steps 2 --cap 24GiB --engine-args 'plain=--clip 1.0' --engine-args 'zerofit=--clip 1.0' \
+    --engine-timeout fsdp1=300 --engine-timeout fsdp2=300
   zf_trace w7 zerofit-fsdp1-w4 zerofit-fsdp1
   zf_run w7_loops 580 --workload W1 --engines zerofit-accelerate-w4,zerofit-fabric-w4,fsdp1-fabric --steps 3 \
     --cap 24GiB --engine-timeout fsdp1-fabric=300
   zf_trace w7_loops zerofit-accelerate-w4 zerofit-fabric-w4
+}
+
+suite_longctx() {     # each 8B step at 128k is ~70 s on an H100: the runs take longer than a device call
+  local seq steps
+  for seq in 32768 65536 131072; do
+    steps=3; [ "$seq" = 131072 ] && steps=2
+    zf_run "l8_$((seq / 1024))k" 580 --workload L8 --seq "$seq" --engines zerofit,plain --steps "$steps" \
+      --cap 24GiB --engine-args zerofit=--estimate --engine-timeout zerofit=540 --engine-timeout plain=240
+  done
+  zf_run l13_64k 580 --workload L13 --seq 65536 --engines zerofit,plain --steps 2 --cap 24GiB \
+    --engine-args zerofit=--estimate --engine-timeout zerofit=540 --engine-timeout plain=240
+  fresh_nvme
+  zf_run l8full_32k 580 --workload L8-full --seq 32768 --engines zerofit --steps 2 --cap 24GiB \
+    --engine-args "zerofit=--estimate --set max_host_memory=100GiB --nvme $NVME" --engine-timeout zerofit=580
+  [ "$dry" = 1 ] || rm -rf "$NVME"
+  zf_run l8_256k 900 --workload L8 --seq 262144 --engines zerofit --steps 2 --cap none --engine-timeout zerofit=900
+}
+
+suite_serve() {
+  zf_cmd serve_13b 900 "$ZF_PYTHON" bench/serve.py --shape llama-2-13b --max-gpu-memory 24GiB --concurrency 1,16 \
+    --out "$res/serve_13b.json"
+  zf_cmd serve_13b_accelerate 900 "$ZF_PYTHON" bench/serve.py --shape llama-2-13b --max-gpu-memory 24GiB \
+    --peer accelerate --concurrency 1,16 --out "$res/serve_13b_accelerate.json"
 }
 
 suite_nodes() {       # both layouts across simulated nodes on one host (docs/ranks.md)

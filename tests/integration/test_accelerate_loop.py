@@ -35,13 +35,23 @@ def _rows(n=16):
 
 
 def _run(
-    wrap: bool, rows, clip: bool = True, save_at=None, save_to=None, load_from=None, skip: int = 0, mixed: str = "no"
+    wrap: bool,
+    rows,
+    clip: bool = True,
+    save_at=None,
+    save_to=None,
+    load_from=None,
+    skip: int = 0,
+    mixed: str = "no",
+    engines: list | None = None,
 ):
     torch.manual_seed(0)
     model = tm.llama(layers=3, tied=False)
     acc = Accelerator(gradient_accumulation_steps=2, cpu=True, mixed_precision=mixed)
     if wrap:  # the one change
         model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
+        if engines is not None:
+            engines.append(model.zerofit_engine)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     loader = torch.utils.data.DataLoader(rows, batch_size=2, shuffle=False)
@@ -116,3 +126,17 @@ def test_accelerates_quicktour_with_a_generic_model_is_the_plain_one_bitwise():
     (got, mine), (want, theirs) = run(True), run(False)
     assert got == want and len(got) == 4
     assert all(torch.equal(mine[n], v) for n, v in theirs.items())
+
+
+def test_an_unclipped_accelerate_loop_updates_its_blocks_in_the_steps_backward():
+    """[Note: updates in the backward of the user's loop] through accelerate: from the second step, a step with
+    no clip before ``optimizer.step()`` updates each streamed block as its gradient comes down; bitwise the plain
+    loop."""
+    rows = _rows()
+    engines: list = []
+    got, mine = _run(True, rows, clip=False, engines=engines)
+    want, theirs = _run(False, rows, clip=False)
+    assert got == want and len(got) == 8
+    for n, v in theirs.items():
+        assert torch.equal(mine[n], v), n
+    assert engines[0].speculator.known_steps == 4 - 1  # 4 steps of 2 micro-batches; the first learns the window

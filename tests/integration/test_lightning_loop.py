@@ -122,39 +122,62 @@ def test_an_autocast_over_a_16_bit_wrapper_of_another_dtype_is_refused_by_name()
         _fit(Half(True), _rows(4), precision="bf16-mixed", clip=None)
 
 
-def test_a_fabric_loop_is_the_plain_one_bitwise():
-    """Lightning Fabric: ``fabric.setup(FSDP(model), optimizer)`` (the one change: the wrap), ``no_backward_sync``
-    on the first micro-batch of each step, ``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step()``."""
+def _fabric_run(wrap: bool, rows, clip: bool = True, engines: list | None = None):
+    """Lightning Fabric: ``fabric.setup(FSDP(model), optimizer)`` (the one change: the wrap), ``no_backward_sync`` on
+    the first micro-batch of each step, ``fabric.backward``, ``fabric.clip_gradients`` (with ``clip``),
+    ``optimizer.step()``."""
     from lightning.fabric import Fabric
 
-    rows = _rows(8)
-
-    def run(wrap: bool):
-        fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
-        torch.manual_seed(0)
-        model = tm.llama(layers=3, tied=False)
-        if wrap:
-            model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
-        model, opt = fabric.setup(model, opt)
-        loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(rows, batch_size=2))
-        out = []
-        for i, batch in enumerate(loader):
-            first = i % 2 == 0
-            with fabric.no_backward_sync(model, enabled=first):
-                loss = model(**batch).loss
-                fabric.backward(loss / 2)
-            out.append(loss.item())
-            if not first:
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    torch.manual_seed(0)
+    model = tm.llama(layers=3, tied=False)
+    if wrap:
+        model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))
+        if engines is not None:
+            engines.append(model.zerofit_engine)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    model, opt = fabric.setup(model, opt)
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(rows, batch_size=2))
+    out = []
+    for i, batch in enumerate(loader):
+        first = i % 2 == 0
+        with fabric.no_backward_sync(model, enabled=first):
+            loss = model(**batch).loss
+            fabric.backward(loss / 2)
+        out.append(loss.item())
+        if not first:
+            if clip:
                 out.append(float(fabric.clip_gradients(model, opt, max_norm=0.5)))
-                opt.step()
-                opt.zero_grad()
-        return out, model.state_dict()
+            opt.step()
+            opt.zero_grad()
+    return out, model.state_dict()
 
-    got, mine = run(True)
-    want, theirs = run(False)
+
+def test_a_fabric_loop_is_the_plain_one_bitwise():
+    rows = _rows(8)
+    got, mine = _fabric_run(True, rows)
+    want, theirs = _fabric_run(False, rows)
     assert got == want and len(got) == 6  # 4 micro-batches, 2 steps' norms
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], v) for k, v in theirs.items())
+
+
+def test_unclipped_fabric_and_trainer_loops_update_their_blocks_in_the_steps_backward():
+    """[Note: updates in the backward of the user's loop] through Fabric and the Trainer: from the second step, a
+    step with no clip before ``optimizer.step()`` updates each streamed block as its gradient comes down; bitwise
+    the unwrapped loop."""
+    rows = _rows(16)
+    engines: list = []
+    got, mine = _fabric_run(True, rows, clip=False, engines=engines)
+    want, theirs = _fabric_run(False, rows, clip=False)
+    assert got == want and len(got) == 8
+    assert all(torch.equal(mine[k], v) for k, v in theirs.items())
+    assert engines[0].speculator.known_steps == 4 - 1  # 4 steps of 2 micro-batches; the first learns the window
+    a, b = LM(True), LM(False)
+    _fit(a, rows, clip=None)
+    _fit(b, rows, clip=None)
+    assert a.losses == b.losses
+    assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
+    assert a.model.zerofit_engine.speculator.known_steps == 4 - 1
 
 
 class LitAutoEncoder(L.LightningModule):

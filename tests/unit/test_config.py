@@ -808,6 +808,7 @@ def test_a_deepspeed_config_is_read_once(tmp_path, monkeypatch):
     """The batch triple is resolved once and the NVMe folder checked once for a DeepSpeed config (in the
     translation, under DeepSpeed's names): the ZerofitConfig it builds does not read them again."""
     import zerofit.config.deepspeed as ds_mod
+    import zerofit.config.deepspeed_sections as sections_mod
     import zerofit.config.schema as schema_mod
 
     calls = {"batch": 0, "nvme": 0}
@@ -823,6 +824,7 @@ def test_a_deepspeed_config_is_read_once(tmp_path, monkeypatch):
 
     for mod in (schema_mod, ds_mod):
         monkeypatch.setattr(mod, "resolve_batch", batch)
+    for mod in (schema_mod, sections_mod):
         monkeypatch.setattr(mod, "check_nvme_path", nvme)
     cfg = load_config(
         {

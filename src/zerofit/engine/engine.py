@@ -44,29 +44,25 @@ from zerofit.engine.lifecycle import EngineState, Lifecycle
 from zerofit.engine.memory.activations import Activations
 from zerofit.engine.memory.copies16 import Copies16
 from zerofit.engine.memory.grads import Grads
-from zerofit.engine.memory.store import Home, Unit, follow_masters
+from zerofit.engine.memory.store import Unit, follow_masters
 from zerofit.engine.memory.streamer import Streamer
 from zerofit.engine.model import tiling
-from zerofit.engine.model.adapter import Adapter, NonSequentialModel
+from zerofit.engine.model.adapter import Adapter
 from zerofit.engine.model.groups import resolve_groups
 from zerofit.engine.model.materialize import (
-    build_units,
     model_shape,
     param_table,
-    release_originals,
     warn_low_precision_trained,
 )
 from zerofit.engine.model.nf4 import BaseNF4
 from zerofit.engine.model.startup import Startup
+from zerofit.engine.parts import build_parts
 from zerofit.engine.plan.engine_plan import (
     DTYPES,
     LEARN_WINDOW,
     Planning,
-    cast_copies,
     check_ranks,
-    needs_norm,
-    split_updates,
-    split_wanted,
+    update_policy,
     world_size,
 )
 from zerofit.engine.plan.plan import Plan
@@ -77,10 +73,9 @@ from zerofit.engine.step.optimizer_step import Step
 from zerofit.engine.step.schedule import Schedule
 from zerofit.engine.step.timeline import Timeline
 from zerofit.engine.step.window import Window
-from zerofit.engine.update import split_adamw
 from zerofit.engine.update.assisted import DeviceUpdates
 from zerofit.engine.update.host import HostUpdates
-from zerofit.engine.update.speculation import Speculation, Speculator
+from zerofit.engine.update.speculation import Speculator
 from zerofit.engine.update.worker import HostWorker
 
 if TYPE_CHECKING:
@@ -180,36 +175,12 @@ class Engine(DeepSpeedSurface):
         self._group_of = {n: i for i, g in enumerate(groups) for n in g.names}
         # [Note: frozen parameters] (store.py): what no group trains (requires_grad=False, or in no group)
         self.frozen = frozenset(self._table.canonical) - set(self._group_of)
-        # clipping and fp16's overflow check need the global norm: every host update waits for it (deferred), as
-        # under the user's loop ([Note: the user's loop drives the engine])
-        self.deferred = needs_norm(config) or user_loop
-        # [Note: speculative updates] (update/speculation.py): clipping without fp16 may update during the backward
-        can_speculate = (
-            not user_loop  # a rollback differs by rounding: [Note: updates in the backward of the user's loop]
-            and config.gradient_clipping > 0
-            and config.precision != "fp16"
-            and config.offload.speculative_updates
-            and all(Speculation.usable(*g.optimizer.betas) for g in groups)
-        )
-        # [Note: updates in the backward of the user's loop]: where its step's factor is known before its backward
-        known = (
-            user_loop
-            and config.gradient_clipping == 0
-            and config.precision != "fp16"
-            and config.offload.speculative_updates
-        )
-        self.speculator = Speculator(config.gradient_clipping, can_speculate, known=known)
-        self.hypers = Hypers(config, groups, speculating=can_speculate)
-        # [Note: moments after the forward] (update/split_adamw.py): deferred host updates in two passes
-        self._split = split_updates(config, self.dev.is_cuda, self.deferred)
-        # [Note: the master behind its cast]: the streamed blocks get 16-bit host copies at the first update
-        self._cast_first = self._split and cast_copies(config, self.dtype, self.dev.is_cuda, self.deferred)
-        if split_wanted(config, self.dev.is_cuda, self.deferred) and not self._split:
-            log.warning(
-                "zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel "
-                "updates in one pass",
-                split_adamw.why_unavailable(),
-            )
+        # deferred, speculated, known before the backward, in two passes, cast first: plan/engine_plan.py
+        policy = update_policy(config, self.dtype, self.dev.is_cuda, groups, user_loop)
+        self.deferred = policy.deferred
+        self.speculator = Speculator(config.gradient_clipping, policy.speculate, known=policy.known)
+        self.hypers = Hypers(config, groups, speculating=policy.speculate)
+        self._split, self._cast_first = policy.split, policy.cast_first
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
         self.last_grad_norm: float | None = None  # the last step's global gradient norm, where one was taken
         self.ds = DeepSpeedRecord()  # what the DeepSpeed door knows (deepspeed_surface.py)
@@ -248,9 +219,9 @@ class Engine(DeepSpeedSurface):
             self.lifecycle.resources.release()
             raise
         # [Note: MLP over sequence tiles] (model/tiling.py): each block's MLP over the plan's tiles, when it has one
-        tiling.install(self.adapter.blocks, _tile_of(weakref.ref(self)))
+        tiling.install(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
         # [Note: documents without a mask] (model/tiling.py): packed documents over tiles with no T x T mask
-        self.adapter.inputs_hook = tiling.documents_hook(self.adapter.blocks, _tile_of(weakref.ref(self)))
+        self.adapter.inputs_hook = tiling.documents_hook(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
@@ -259,141 +230,7 @@ class Engine(DeepSpeedSurface):
         """Materialize the units (materialize.py) where the plan puts them, then the parts built over them: the
         same code at initialize and for the generic fallback ([Note: generic fallback], recovery.py). ``carry``:
         the window the new one takes over (the fallback's), None at initialize."""
-        plan, cfg, dev, ranks = self.plan, self.config, self.dev, self.ranks
-        pinned = dev.is_cuda and cfg.offload.pin_memory
-        self.sharding = Sharding(dev, ranks, self.dtype, cfg.sharding)
-        # [Note: start-up progress] (startup.py): the parameters materialized, the seconds of each phase
-        self.startup = Startup(sum(p.numel() for p in self._table.canonical.values()))
-        self.units, arenas = build_units(
-            self._model,
-            self.adapter,
-            self._table,
-            plan,
-            dev.device,
-            self.dtype,
-            pinned,
-            source=self._source,
-            group_of=self._group_of,
-            tier=self.tier,
-            ranks=ranks,
-            on_device_unit=self.sharding.share_device_unit if ranks.many else None,
-            frozen=self.frozen,
-            nf4=self.nf4,
-            startup=self.startup,
-        )
-        self._source = None  # the files are read: keep only their folder (source_dir)
-        self._table = release_originals(self._model, self._table)  # the user's tensors are copied: let go
-        self._arenas.extend(arenas)
-        if ranks.full and pinned:  # [Note: nodes hold a slice of the state]: the node's slices only
-            self._arenas.append(self.sharding.slices)
-            self.sharding.slices.pin(self.units)
-        self.shell, self.blocks = self.units[0], self.units[1:]  # each unit's shard [lo, hi): build_units
-        if ranks.many:
-            self.sharding.share_units(self.units)
-        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
-        self.grads = Grads(
-            dev,
-            ranks,
-            self.worker,
-            self.clock,
-            plan,
-            self.units,
-            deferred=self.deferred,
-            pinned=pinned,
-            speculating=self.speculator.can or self.speculator.known,
-            arenas=self._arenas,
-        )
-        self.copies16 = Copies16(cfg, self.dtype, dev, ranks, self.planning, self.blocks, self._arenas, self.deferred)
-        self.device_updates = DeviceUpdates(
-            dev,
-            self.lifecycle,
-            self.planning,
-            self.grads,
-            self.copies16,
-            deferred=self.deferred,
-            dtype=self.dtype,
-            streamed=bool(streamed),
-            cap=max((ranks.padded(u.numel) for u in streamed), default=0),
-            pinned=pinned,
-            worker=self.worker,
-            clock=self.clock,
-            arenas=self._arenas,
-        )
-        self.host_updates = HostUpdates(
-            self.worker,
-            self.grads,
-            self.tier,
-            self.clock,
-            deferred=self.deferred,
-            split=self._split,
-            rest_threads=cfg.offload.rest_pass_threads,
-        )
-        self.streamer = Streamer(
-            dev,
-            ranks,
-            self.planning,
-            self.units,
-            dtype=self.dtype,
-            host_updates=self.host_updates,
-            device_updates=self.device_updates,
-            copies16=self.copies16,
-            sharding=self.sharding,
-            keep_blocks=cfg.offload.window_keep_blocks,
-        )
-        self.activations = Activations(dev, len(self.blocks), cfg.gradient_accumulation_steps, pinned, self._arenas)
-        self.compute = Compute(self._model, self.adapter, dev, self.shell)
-        self.stepper = Step(
-            config=cfg,
-            dev=dev,
-            ranks=ranks,
-            lifecycle=self.lifecycle,
-            worker=self.worker,
-            tier=self.tier,
-            units=self.units,
-            grads=self.grads,
-            sharding=self.sharding,
-            host_updates=self.host_updates,
-            device_updates=self.device_updates,
-            copies16=self.copies16,
-            speculator=self.speculator,
-            hypers=self.hypers,
-            scaler=self.scaler,
-            deferred=self.deferred,
-            cast_first=self._cast_first,
-        )
-        self.schedule = Schedule(
-            config=cfg,
-            dev=dev,
-            adapter=self.adapter,
-            units=self.units,
-            compute=self.compute,
-            streamer=self.streamer,
-            activations=self.activations,
-            grads=self.grads,
-            step=self.stepper,
-            host_updates=self.host_updates,
-            lifecycle=self.lifecycle,
-        )
-        self.window = Window(
-            config=cfg,
-            dev=dev,
-            ranks=ranks,
-            adapter=self.adapter,
-            model=self._model,
-            planning=self.planning,
-            schedule=self.schedule,
-            streamer=self.streamer,
-            grads=self.grads,
-            copies16=self.copies16,
-            device_updates=self.device_updates,
-            compute=self.compute,
-            speculator=self.speculator,
-            clock=self.clock,
-            lifecycle=self.lifecycle,
-            batch_spec=self.batch_spec,
-            carry=carry,
-        )
-        self.clock.note_host()
+        build_parts(self, carry)  # parts.py
 
     # ------------------------------------------------------------------ what the parts hold, by name
 
@@ -574,30 +411,7 @@ class Engine(DeepSpeedSurface):
     def _become_generic(self, err) -> None:
         """[Note: generic fallback]: rebuild the units and their parts as one generic unit, from the current
         weights, with the optimizer state they hold."""
-        if self.tier is not None:
-            raise NonSequentialModel(
-                f"{err.reason}; the generic path (the whole model as one unit) cannot use the disk tier this plan needs"
-            ) from err
-        carried = recovery.optimizer_state_by_name(self.units, self.adapter, self.sharding)
-        generic, table, shape, planning = recovery.generic_plan(
-            err, model=self._model, config=self.config, dev=self.dev, ranks=self.ranks, frozen=self.frozen
-        )
-        self.stepper.mirrors_behind()
-        self._sync_host_weights()  # the module's parameters hold the current weights: the new unit copies them
-        self.worker.drain()
-        self.dev.synchronize()
-        self._drop_device_state()  # the streaming parts' device buffers go before the generic ones are made
-        for a in self._arenas:
-            a.close()
-        self._arenas.clear()
-        self.adapter, self._table, self._shape, self.planning = generic, table, shape, planning
-        try:
-            self._build_parts(carry=self.window)
-            recovery.restore_optimizer_state(self.units, carried)
-        except BaseException as e:
-            self._fail(e)
-            raise
-        self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
+        recovery.become_generic(self, err)
 
     # ------------------------------------------------------------------ train_batch
 
@@ -822,14 +636,3 @@ def _loss_scaler(config: ZerofitConfig):
     from zerofit.optim.loss_scaler import make_loss_scaler
 
     return make_loss_scaler(config.fp16)
-
-
-def _tile_of(engine_ref):
-    """The MLP tile of the plan the step in progress follows (None: the whole sequence); the engine held weakly
-    (the model's wrapped modules keep this, and must not keep a closed engine)."""
-
-    def tile() -> int | None:
-        planning = getattr(engine_ref(), "planning", None)
-        return None if planning is None else planning.current.sequence_tile
-
-    return tile

@@ -507,3 +507,14 @@ def uninstall(blocks, attr: str = "mlp") -> None:
     for block in blocks:
         _unwrap(block)
         _unwrap(getattr(block, attr, None))
+
+
+def tile_of(engine_ref):
+    """The MLP tile of the plan the step in progress follows (None: the whole sequence); the engine held weakly
+    (the model's wrapped modules keep this, and must not keep a closed engine)."""
+
+    def tile() -> int | None:
+        planning = getattr(engine_ref(), "planning", None)
+        return None if planning is None else planning.current.sequence_tile
+
+    return tile

@@ -34,6 +34,7 @@ from zerofit.engine.plan.search import (
     placement_warnings,
 )
 from zerofit.engine.update import split_adamw
+from zerofit.engine.update.speculation import Speculation
 
 if TYPE_CHECKING:
     from zerofit.engine.distributed.ranks import Ranks
@@ -195,6 +196,55 @@ def gpu_budget(config: ZerofitConfig, device: torch.device | None = None) -> int
     processes, this one's allocations outside the caching allocator) hold on it now."""
     free, total = torch.cuda.mem_get_info(device)
     return min(config.max_gpu_memory or total, total) - (total - free - torch.cuda.memory_reserved())
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePolicy:
+    """How the host updates of a step run, read from the config once at initialize."""
+
+    deferred: bool
+    """every host update waits for the global norm (clipping, fp16's overflow check, the user's loop)"""
+    speculate: bool
+    """[Note: speculative updates]: clipping without fp16 may update during the backward"""
+    known: bool
+    """[Note: updates in the backward of the user's loop]: the step's factor is known before its backward"""
+    split: bool
+    """[Note: moments after the forward]: deferred host updates in two passes"""
+    cast_first: bool
+    """[Note: the master behind its cast]: the streamed blocks get 16-bit host copies at the first update"""
+
+
+def update_policy(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, groups, user_loop: bool) -> UpdatePolicy:
+    """The engine's :class:`UpdatePolicy` for ``config`` and its parameter ``groups``; a warning when the two-pass
+    kernel is wanted but could not be built."""
+    # clipping and fp16's overflow check need the global norm: every host update waits for it (deferred), as
+    # under the user's loop ([Note: the user's loop drives the engine])
+    deferred = needs_norm(config) or user_loop
+    # [Note: speculative updates] (update/speculation.py): clipping without fp16 may update during the backward
+    speculate = (
+        not user_loop  # a rollback differs by rounding: [Note: updates in the backward of the user's loop]
+        and config.gradient_clipping > 0
+        and config.precision != "fp16"
+        and config.offload.speculative_updates
+        and all(Speculation.usable(*g.optimizer.betas) for g in groups)
+    )
+    # [Note: updates in the backward of the user's loop]: where its step's factor is known before its backward
+    known = (
+        user_loop
+        and config.gradient_clipping == 0
+        and config.precision != "fp16"
+        and config.offload.speculative_updates
+    )
+    # [Note: moments after the forward] (update/split_adamw.py): deferred host updates in two passes
+    split = split_updates(config, on_cuda, deferred)
+    # [Note: the master behind its cast]: the streamed blocks get 16-bit host copies at the first update
+    cast_first = split and cast_copies(config, dtype, on_cuda, deferred)
+    if split_wanted(config, on_cuda, deferred) and not split:
+        log.warning(
+            "zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel updates in one pass",
+            split_adamw.why_unavailable(),
+        )
+    return UpdatePolicy(deferred, speculate, known, split, cast_first)
 
 
 def planner_inputs(

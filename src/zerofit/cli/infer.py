@@ -56,6 +56,11 @@ def _inference_engine(
         fail(console, f"cannot load {model}: {e}")
 
 
+_GPU_OPT = typer.Option(help="GPU memory budget, e.g. 24GiB: the blocks that do not fit stream through the GPU.")
+_DTYPE_OPT = typer.Option(
+    help="Weights dtype: bf16 or fp16 (default: the model's 16-bit dtype, else bf16); fp32 on the CPU."
+)
+_DEVICE_OPT = typer.Option(help="cuda, cuda:1 or cpu (default: the GPU if there is one).")
 _HOST_OPT = typer.Option(help="Host memory budget for the blocks' 16-bit weights, e.g. 16GiB: the rest go to --nvme.")
 _NVME_OPT = typer.Option(
     help="Folder for the blocks that do not fit --max-host-memory (a swap file, removed at the end)."
@@ -71,19 +76,11 @@ def generate(
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 128,
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together.")] = 8,
-    max_gpu_memory: Annotated[
-        str | None,
-        typer.Option(help="GPU memory budget, e.g. 24GiB: the blocks that do not fit stream through the GPU."),
-    ] = None,
+    max_gpu_memory: Annotated[str | None, _GPU_OPT] = None,
     max_host_memory: Annotated[str | None, _HOST_OPT] = None,
     nvme: Annotated[Path | None, _NVME_OPT] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="Weights dtype: bf16 or fp16 (default: the model's 16-bit dtype, else bf16); fp32 on the CPU."
-        ),
-    ] = None,
-    device: Annotated[str | None, typer.Option(help="cuda, cuda:1 or cpu (default: the GPU if there is one).")] = None,
+    dtype: Annotated[str | None, _DTYPE_OPT] = None,
+    device: Annotated[str | None, _DEVICE_OPT] = None,
     chat: Annotated[
         bool, typer.Option("--chat", help="Wrap each text prompt as a user message in the model's chat template.")
     ] = False,

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.text import Text
 
 from zerofit.cli.common import fail
-from zerofit.cli.infer import _GEN_MODEL, _HOST_OPT, _NVME_OPT
+from zerofit.cli.infer import _DEVICE_OPT, _DTYPE_OPT, _GEN_MODEL, _GPU_OPT, _HOST_OPT, _NVME_OPT
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "starlette")
 DEFAULT_CONTEXT = 4096  # tokens per request when the model's own context is longer (or unknown)
@@ -65,19 +65,11 @@ def serve(
         int | None,
         typer.Option(min=1, help="Padded prompt tokens of one prefill forward at most (default: --context)."),
     ] = None,
-    max_gpu_memory: Annotated[
-        str | None,
-        typer.Option(help="GPU memory budget, e.g. 24GiB: the blocks that do not fit stream through the GPU."),
-    ] = None,
+    max_gpu_memory: Annotated[str | None, _GPU_OPT] = None,
     max_host_memory: Annotated[str | None, _HOST_OPT] = None,
     nvme: Annotated[Path | None, _NVME_OPT] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="Weights dtype: bf16 or fp16 (default: the model's 16-bit dtype, else bf16); fp32 on the CPU."
-        ),
-    ] = None,
-    device: Annotated[str | None, typer.Option(help="cuda, cuda:1 or cpu (default: the GPU if there is one).")] = None,
+    dtype: Annotated[str | None, _DTYPE_OPT] = None,
+    device: Annotated[str | None, _DEVICE_OPT] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: info logs every request.")] = "warning",
 ) -> None:
     """Serve a model (and LoRA adapters over it) through OpenAI's API: /v1/chat/completions, /v1/completions,

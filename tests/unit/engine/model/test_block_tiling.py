@@ -103,14 +103,9 @@ def test_a_tiled_block_is_the_block(name, tile):
             _close(g0[n], g1[n], n, g64[n])
 
 
-def test_lora_dropout_is_replayed_in_the_backward(monkeypatch):
-    """LoRA dropout in training: a tile's masks differ from the untiled draw (another order of the same random
-    stream), but the backward's recompute of each tile draws the forward's own masks: its outputs are bitwise the
-    forward's, so the gradient is that of the function the forward computed."""
-    torch.manual_seed(0)
-    model = _lora_dropout()
-    model.train()
-    tiling.install(_blocks(model), lambda: 6)
+def _region_outputs(monkeypatch) -> dict[tuple, list[torch.Tensor]]:
+    """Every tiled region's outputs, tile by tile, keyed by (region, the tile's input): the forward's, then the
+    backward's recompute's."""
     seen: dict[tuple, list[torch.Tensor]] = {}
     made = tiling._Region.__init__
 
@@ -123,6 +118,18 @@ def test_lora_dropout_is_replayed_in_the_backward(monkeypatch):
         made(self, fn_seen, *a, **k)
 
     monkeypatch.setattr(tiling._Region, "__init__", recording)
+    return seen
+
+
+def test_lora_dropout_is_replayed_in_the_backward(monkeypatch):
+    """LoRA dropout in training: a tile's masks differ from the untiled draw (another order of the same random
+    stream), but the backward's recompute of each tile draws the forward's own masks: its outputs are bitwise the
+    forward's, so the gradient is that of the function the forward computed."""
+    torch.manual_seed(0)
+    model = _lora_dropout()
+    model.train()
+    tiling.install(_blocks(model), lambda: 6)
+    seen = _region_outputs(monkeypatch)
     ids = torch.randint(0, tm.VOCAB, (2, 19))
     torch.manual_seed(7)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -279,18 +286,7 @@ def test_router_jitter_is_replayed_in_the_backward(monkeypatch):
     model = MixtralForCausalLM(MixtralConfig(**{**cfg.to_dict(), "router_jitter_noise": 0.1}))
     model.train()
     tiling.install(_blocks(model), lambda: 6)
-    seen: dict[tuple, list[torch.Tensor]] = {}
-    made = tiling._Region.__init__
-
-    def recording(self, fn, *a, **k):
-        def fn_seen(*xs):
-            ys = fn(*xs)
-            seen.setdefault((id(self), xs[0].data_ptr()), []).append(torch.cat([y.detach().flatten() for y in ys]))
-            return ys
-
-        made(self, fn_seen, *a, **k)
-
-    monkeypatch.setattr(tiling._Region, "__init__", recording)
+    seen = _region_outputs(monkeypatch)
     ids = torch.randint(0, tm.VOCAB, (2, 12))
     torch.manual_seed(3)
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()

@@ -571,6 +571,12 @@ class ZerofitConfig(_Frozen):
         description="how the model is run: auto (stream its repeated blocks when it has them), blocks "
         "(require it), generic (the whole model as one resident unit, any nn.Module)",
     )
+    kernels: Literal["auto", "exact", "fast"] = Field(
+        "auto",
+        description="the code that computes: exact (the model's own modules, op by op: bitwise plain PyTorch), "
+        "fast (each block through one torch.compile'd graph, train_batch's head and loss as a fused linear "
+        "cross-entropy: the same math rounded differently), auto (fast on a GPU, exact on the CPU)",
+    )
     seq_len: int | None = Field(
         None,
         ge=1,

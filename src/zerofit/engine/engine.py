@@ -49,6 +49,7 @@ from zerofit.engine.memory.streamer import Streamer
 from zerofit.engine.model import tiling
 from zerofit.engine.model.adapter import Adapter
 from zerofit.engine.model.groups import resolve_groups
+from zerofit.engine.model.kernels import Kernels
 from zerofit.engine.model.materialize import (
     model_shape,
     param_table,
@@ -100,6 +101,7 @@ class Engine(DeepSpeedSurface):
     host_updates: HostUpdates
     streamer: Streamer
     activations: Activations
+    kernels: Kernels
     compute: Compute
     stepper: Step
     schedule: Schedule
@@ -223,6 +225,7 @@ class Engine(DeepSpeedSurface):
         # [Note: documents without a mask] (model/tiling.py): packed documents over tiles with no T x T mask
         self.adapter.inputs_hook = tiling.documents_hook(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
+        log.info("zerofit: %s", self.kernels.describe())
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
 

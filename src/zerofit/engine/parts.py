@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from zerofit.engine.distributed.sharding import Sharding
@@ -10,6 +11,8 @@ from zerofit.engine.memory.copies16 import Copies16
 from zerofit.engine.memory.grads import Grads
 from zerofit.engine.memory.store import Home
 from zerofit.engine.memory.streamer import Streamer
+from zerofit.engine.model import tiling
+from zerofit.engine.model.kernels import Kernels
 from zerofit.engine.model.materialize import build_units, release_originals
 from zerofit.engine.model.startup import Startup
 from zerofit.engine.step.compute import Compute
@@ -111,7 +114,11 @@ def build_parts(engine: Engine, carry: Window | None) -> None:
         keep_blocks=cfg.offload.window_keep_blocks,
     )
     engine.activations = Activations(dev, len(engine.blocks), cfg.gradient_accumulation_steps, pinned, engine._arenas)
-    engine.compute = Compute(engine._model, engine.adapter, dev, engine.shell)
+    # [Note: fast kernels] (model/kernels.py): the compiled blocks and the fused loss, or the model's own code
+    engine.kernels = Kernels(
+        engine._model, engine.adapter, cfg.kernels, dev.is_cuda, tiling.tile_of(weakref.ref(engine))
+    )
+    engine.compute = Compute(engine._model, engine.adapter, dev, engine.shell, engine.kernels)
     engine.stepper = Step(
         config=cfg,
         dev=dev,

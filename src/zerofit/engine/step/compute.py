@@ -19,14 +19,16 @@ from torch.nn.utils.stateless import _reparametrize_module
 from zerofit.engine.device import Device
 from zerofit.engine.memory.store import Unit
 from zerofit.engine.model.adapter import Adapter, block_output
+from zerofit.engine.model.kernels import Kernels
 from zerofit.engine.step.batch import to_device
 
 
 class Compute:
     """Holds what the calls need: the model, its adapter (the block modules), the device, the shell's buffers."""
 
-    def __init__(self, model: nn.Module, adapter: Adapter, dev: Device, shell: Unit):
+    def __init__(self, model: nn.Module, adapter: Adapter, dev: Device, shell: Unit, kernels: Kernels | None = None):
         self.model, self.adapter, self.dev, self.shell = model, adapter, dev, shell
+        self.kernels = kernels  # [Note: fast kernels] (model/kernels.py); None: the model's own code
 
     def shell_call(self, leaves: dict):
         """The model's own forward with the shell's ``leaves`` (and buffers) as its parameters: ``call(kwargs)``."""
@@ -63,6 +65,8 @@ class Compute:
     def block(self, unit: Unit, leaves: dict, x: torch.Tensor, call) -> torch.Tensor:
         """Block ``unit``'s output for input ``x`` and the rest of what the model passed it (``call``)."""
         module = self.adapter.blocks[unit.index]
+        if self.kernels is not None and self.kernels.compiled(x):
+            return self.kernels.block(module, leaves, x, call)
         return block_output(functional_call(module, leaves, (x, *call.args), call.kwargs, strict=False))
 
     @contextlib.contextmanager

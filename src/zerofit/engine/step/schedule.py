@@ -219,13 +219,38 @@ class Schedule:
         )
         return total
 
+    def _fused_loss(self, micro: Micro) -> bool:
+        """Whether train_batch's post pass runs the fused linear cross-entropy ([Note: fast kernels])."""
+        kernels = self.compute.kernels
+        return (
+            kernels is not None
+            and kernels.fused_loss
+            and self.adapter.streaming
+            and self.compute.model.training
+            and "labels" in micro.batch
+        )
+
+    def post_fused(self, micro: Micro, seed_scale: float, chunks: int) -> torch.Tensor:
+        """The post pass as the model's final norm and the fused head and loss ([Note: a fused linear
+        cross-entropy], model/linear_loss.py), and its backward: the loss, the final hidden state's gradient in
+        ``micro.grad``."""
+        kernels = self.compute.kernels
+        assert kernels is not None and micro.grad is not None  # the final hidden state, from the forward
+        final = micro.grad.detach().requires_grad_(True)
+        with self.compute.fork_rng():
+            loss = kernels.post_loss(self.compute.shell_call(micro.shell_leaves), micro.batch, final, chunks)
+        self.post_backward(micro, loss, final, seed_scale)
+        return loss
+
     def post_all(self, micros: list[Micro], seed_scale: float, chunks: int) -> list[torch.Tensor]:
         """train_batch's post pass and its backward, each micro-batch in turn: the losses (detached)."""
         losses = []
         for micro in micros:
             self.lifecycle.safe_point()
             with self.dev.timed("compute", label="post"):
-                if chunks > 1:
+                if self._fused_loss(micro):
+                    loss = self.post_fused(micro, seed_scale, chunks)
+                elif chunks > 1:
                     loss = self.post_chunked(micro, seed_scale, chunks)
                 else:
                     out, final = self.post(micro)

@@ -54,8 +54,10 @@ def _call_block(module: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict):
 
 def _inner(model: nn.Module) -> nn.Module:
     """The transformers model inside a PEFT model (``get_base_model``), or ``model``."""
-    while hasattr(model, "get_base_model") and model is not model.get_base_model():
-        model = model.get_base_model()
+    get = getattr(model, "get_base_model", None)
+    while callable(get) and get() is not model:
+        model = get()
+        get = getattr(model, "get_base_model", None)
     return model
 
 
@@ -153,7 +155,8 @@ class Kernels:
             return f"model type {kind!r} is not one whose logits are its head's output as they are"
         if getattr(config, "output_router_logits", False):
             return "the model adds its router's load-balancing loss to the cross-entropy"
-        head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+        get_head = getattr(base, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
         if type(head) is not nn.Linear or head.bias is not None:
             return f"the head is a {type(head).__name__}, not a plain bias-free nn.Linear"
         return None
@@ -167,7 +170,7 @@ class Kernels:
         fused head and loss ([Note: a fused linear cross-entropy]): the model's forward runs with its head
         handing back its input (and its weight noted), without labels, so it computes neither logits nor loss.
         ``chunks``: the plan's loss chunks, which bound the memory the logits may take."""
-        head = _inner(self.model).get_output_embeddings()
+        head = _inner(self.model).get_output_embeddings()  # type: ignore[operator]  # (a transformers model)
         seen: list[torch.Tensor] = []
 
         def capture(x):

@@ -175,6 +175,11 @@ WORKLOADS["W6c"] = Workload(
 )
 
 
+# W6c cut to 8 of its 80 blocks (same widths, vocabulary and batch): its runs, and PEFT + bitsandbytes in the GPU
+# beside them, fit a device call
+WORKLOADS["W6c8"] = dataclasses.replace(WORKLOADS["W6c"], name="W6c8", layers=8)
+
+
 # Long context (WORKLOADS.md has no such row; docs/long-context.md): one sequence per step, no accumulation, the
 # sequence's length set with --seq. L8: the Llama-3.1-8B shape in LoRA, L8-full: in full fine-tuning; L13: the 13B
 # shape (W3's) in LoRA.

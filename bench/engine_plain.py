@@ -3,6 +3,9 @@ python bench/engine_plain.py --workload smoke --device cpu          # dry run on
 
 Everything on the GPU, no cap: the in-GPU speed the offloading engines are measured against.
 
+``--liger``: the same with Liger-Kernel's Llama kernels patched in (plain + Liger, PEFT + Liger: the peers of
+zerofit's fast kernels).
+
 ``--qlora`` (and W6c): PEFT over bitsandbytes' 4-bit model on the GPU (common.build_qlora_model), W6c's in-GPU
 peer: 70B in NF4 (~35 GB) fits an H200.
 
@@ -31,6 +34,12 @@ class Plain:
         import torch
 
         self.torch, self.device = torch, args.device
+        if args.liger:  # the classes are patched before the model is built from them
+            import liger_kernel
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama()
+            res.extra["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
         if common.qlora_wanted(args, w):  # W6c: bitsandbytes' Linear4bit in the GPU, PEFT over it
             base = common.build_qlora_model(w, args.device)
             torch.manual_seed(args.seed)
@@ -85,6 +94,12 @@ class Plain:
 def main() -> int:
     parser = common.engine_args(__doc__)
     parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (global norm); 0 = none")
+    parser.add_argument(
+        "--liger",
+        action="store_true",
+        help="Liger-Kernel's Llama kernels (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy), patched into "
+        "transformers' Llama classes before the model is built (apply_liger_kernel_to_llama)",
+    )
     args = parser.parse_args()
     return common.run_engine("plain", args, Plain, Plain.step, uses_cap=True)
 

@@ -128,6 +128,10 @@ class Zerofit:
             print(f"[zerofit] estimate:\n{text}", flush=True)
         self.engine = zerofit.initialize(model, self.config)
         _LIVE.append(self.engine)
+        kernels = getattr(self.engine, "kernels", None)  # [Note: fast kernels]: what computes, and why
+        if kernels is not None:
+            res.extra["kernels"] = kernels.describe()
+            res.extra["compile_seconds"] = kernels.compile_seconds  # filled by the first step's calls
         res.extra["plan"] = self.engine.plan.describe()
         tier = getattr(self.engine, "_tier", None)
         if tier is not None:

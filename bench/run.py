@@ -58,6 +58,9 @@ ENGINES = (
     "fsdp1-accelerate",
     "zerofit-fabric-w4",
     "fsdp1-fabric",
+    "zerofit-exact",
+    "zerofit-fast",
+    "plain-liger",
 )
 # a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop;
 # zerofit-dsw: the same with each window announced first, engine.forward_window; zerofit-dsl: the unchanged loop
@@ -78,6 +81,10 @@ VARIANTS = {
     # Lightning Fabric: the wrapper through Fabric, against Fabric's own FSDPStrategy with CPU offload
     "zerofit-fabric-w4": ("userloop", ["--backend", "zerofit", "--loop", "fabric", "--window", "4"]),
     "fsdp1-fabric": ("userloop", ["--backend", "torch", "--loop", "fabric"]),
+    # the engine's kernels ([Note: fast kernels]) named, and the in-GPU peer with Liger-Kernel's
+    "zerofit-exact": ("zerofit", ["--set", "kernels=exact"]),
+    "zerofit-fast": ("zerofit", ["--set", "kernels=fast"]),
+    "plain-liger": ("plain", ["--liger"]),
 }
 GiB = 2**30
 

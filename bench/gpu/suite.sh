@@ -34,7 +34,7 @@
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2      # the repository root
 
-SUITES=(headline ab dsloop trainer disk infer ranks lora userloop longctx serve nodes tests)
+SUITES=(headline ab dsloop trainer disk infer ranks lora userloop longctx serve nodes tests kernels convergence)
 declare -A ABOUT=(
   [headline]="the README's figures: W1 at 24 GiB (plain, zerofit, DeepSpeed, FSDP2), W1 clipped at 1.0 (plain, zerofit), W1 at 8 GiB (plain, zerofit), W2 at 24 GiB (plain, zerofit, DeepSpeed, FSDP2)"
   [ab]="headline's workloads for zerofit at this tree and at an older one (ZF_REPO, OLD_COMMIT), one after the other, plain beside the new one"
@@ -48,6 +48,8 @@ declare -A ABOUT=(
   [longctx]="one long sequence per step at 24 GiB (docs/long-context.md): the Llama-3.1-8B shape in LoRA at 32k, 64k and 128k tokens, the 13B at 64k, each after zerofit estimate and beside PEFT in the GPU with no cap; the 8B in full fine-tuning at 32k (100 GiB host, the disk tier); the 8B LoRA at 256k with no cap"
   [serve]="zerofit serve (bench/serve.py) of the 13B shape at a 24 GiB cap, 1 and 16 concurrent requests, against the same server over accelerate's device_map offload"
   [nodes]="several hosts simulated on one (2 GPUs, the nvidia-h200-x2 kind): W2 on 2 nodes of 1 GPU (each node its own torchrun and host state) in the hybrid layout (gradients all-reduced across them) and the full one (each node half the host state, weights gathered across them: docs/ranks.md), against 1 node of 2 GPUs and 1 GPU"
+  [kernels]="the fast kernels (docs/kernels.md): their GPU tests, then W6a (13B LoRA, 24 GiB) zerofit fast and exact against PEFT and PEFT + Liger-Kernel in the GPU, W1 (3B, 24 GiB) against plain and plain + Liger-Kernel, W6c8 (70B QLoRA cut to 8 blocks) against PEFT + bitsandbytes; with ZF_REPO and OLD_COMMIT, W1's exact path on that older tree too"
+  [convergence]="the fast kernels' convergence check (bench/convergence.py): a 0.5 B Llama on the standard library's source, 300 steps, exact and fast over 3 seeds, all six at once on one GPU, then the summary"
   [tests]="pytest of the GPU tests: tests/gpu/ (test_gpu.py, test_small_gpu_floor.py), tests/unit/test_split_updates.py and every test that skips without CUDA (bench/gpu/gpu_tests.py)"
 )
 
@@ -346,6 +348,35 @@ suite_nodes() {       # both layouts across simulated nodes on one host (docs/ra
   zf_trace nodes_2x1_full
   zf_run nodes_1x2 580 --workload W2 --engines zerofit --steps 4 --cap 24GiB --gpus 2
   zf_run nodes_1x1 580 --workload W2 --engines zerofit --steps 4 --cap 24GiB
+}
+
+suite_kernels() {    # about 15 min on an H100; run it detached
+  [ "${KERNEL_TESTS:-1}" = 0 ] || zf_tests kernel_tests 600 tests/gpu/test_gpu_kernels.py
+  zf_run w6a_k 400 --workload W6a --engines zerofit-fast,plain,plain-liger,zerofit-exact --steps 4 --cap 24GiB \
+    --engine-timeout plain=240 --engine-timeout plain-liger=240
+  zf_trace w6a_k zerofit-fast zerofit-exact
+  zf_run w1_k 300 --workload W1 --engines zerofit-fast,plain,plain-liger,zerofit-exact --steps 4 --cap 24GiB
+  zf_trace w1_k zerofit-fast zerofit-exact
+  zf_run w6c8_k 300 --workload W6c8 --engines zerofit-fast,plain,zerofit-exact --steps 4 --cap 24GiB
+  if [ -n "$ab_repo" ]; then   # the exact path against an older tree's engine (which had no other)
+    ZF_REPO=$ab_repo commit=${OLD_COMMIT:-old} zf_run w1_old 300 --workload W1 --engines zerofit --steps 4 --cap 24GiB
+  fi
+}
+
+suite_convergence() {
+  local k s pids=()
+  for k in exact fast; do
+    for s in 1 2 3; do
+      if [ "$dry" = 1 ]; then echo "  conv_${k}_$s: bench/convergence.py run --kernels $k --seed $s"; continue; fi
+      "$ZF_PYTHON" bench/convergence.py run --kernels "$k" --seed "$s" --seq 512 --out "$res/conv_${k}_$s.json" \
+        > "$res/conv_${k}_$s.txt" 2>&1 &
+      pids+=($!)
+    done
+  done
+  local p rc=0
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  echo "conv_runs rc=$rc" >> "$res/exit_codes.txt"
+  zf_cmd conv_summary 60 "$ZF_PYTHON" bench/convergence.py summary "$res"/conv_*.json --json "$res/summary.json"
 }
 
 suite_tests() {

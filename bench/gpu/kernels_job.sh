@@ -1,0 +1,33 @@
+# The fast kernels' GPU runs (docs/kernels.md), detached (a device call lays the tree anew):
+# `COMMIT=$(git rev-parse --short HEAD) OLD_TGZ=.snap_old.tgz OLD_COMMIT=f4f9195 bash bench/gpu/kernels_job.sh start`
+# copies the tree to /tmp/run and starts them under setsid, writing /tmp/run_out; `bash bench/gpu/kernels_job.sh
+# poll SECONDS` waits up to SECONDS for them, then packs what is there into $OUT/all.tgz. Carry .gpu_site
+# (bitsandbytes, pydantic, liger_kernel: pip install --target) and OLD_TGZ (a `git archive` of the older commit).
+# First the convergence suite (six processes on the GPU) beside tests/gpu/test_gpu_kernels.py, then the kernels
+# suite's benchmarks (bench/gpu/suite.sh kernels) one engine at a time.
+set -u
+case "$1" in
+start)
+  rm -rf /tmp/run /tmp/run_out /tmp/old && cp -r . /tmp/run && mkdir -p /tmp/run_out
+  if [ -n "${OLD_TGZ:-}" ]; then mkdir -p /tmp/old && tar xzf "$OLD_TGZ" -C /tmp/old; fi
+  cd /tmp/run
+  export COMMIT=${COMMIT:-unknown} OLD_COMMIT=${OLD_COMMIT:-old}
+  setsid bash -c "
+    export PYTHONPATH=/tmp/run/.gpu_site:/tmp/run/src PYTHONUNBUFFERED=1 ZF_SETUP=0
+    o=/tmp/run_out
+    OUT=\$o/c bash bench/gpu/suite.sh convergence > \$o/convergence.log 2>&1 &
+    python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_gpu_kernels.py > \$o/kernel_tests.log 2>&1
+    echo \"kernel_tests rc=\$? \$(date -u +%H:%M:%S)\" >> \$o/done
+    wait
+    echo \"convergence \$(date -u +%H:%M:%S)\" >> \$o/done
+    ZF_REPO=\$( [ -d /tmp/old/src ] && echo /tmp/old ) KERNEL_TESTS=0 OUT=\$o/k bash bench/gpu/suite.sh kernels > \$o/kernels.log 2>&1
+    echo \"all \$(date -u +%H:%M:%S)\" >> \$o/done
+  " > /dev/null 2>&1 < /dev/null &
+  echo started;;
+poll)
+  end=$((SECONDS + ${2:-500}))
+  while [ $SECONDS -lt $end ] && ! grep -q '^all' /tmp/run_out/done 2>/dev/null; do sleep 5; done
+  cat /tmp/run_out/done 2>/dev/null; cat /tmp/run_out/*/exit_codes.txt 2>/dev/null; tail -n 4 /tmp/run_out/*.log
+  free -g | head -2; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+  cd /tmp/run_out && tar czf "$OUT/all.tgz" --exclude='*.prof' .;;
+esac

@@ -1,14 +1,14 @@
 """python3 bench/convergence.py run --kernels fast --seed 1 --steps 300 --out /tmp/conv/fast-1.json
 python3 bench/convergence.py summary /tmp/conv/*.json
 
-The convergence check of the fast kernels ([Note: fast kernels], src/zerofit/engine/model/kernels.py): a ~0.5 B
-Llama (hidden 1536, 18 layers, the demo's byte-level tokens) trained by ``train_batch`` on Python's standard
+The convergence check of the fast kernels ([Note: fast kernels], src/zerofit/engine/model/kernels.py): a 0.6 B
+Llama (hidden 1536, 24 layers, the demo's byte-level tokens) trained by ``train_batch`` on Python's standard
 library source (the demo's corpus), the same steps with ``kernels: exact`` and ``kernels: fast``, over several
 seeds (the seed sets the initial weights and the order of the windows). ``summary`` compares the curves: the
 exact runs' spread over seeds at each point, against the distance of the fast runs' mean from the exact runs'
 mean (both smoothed over windows of 20 steps).
 
-Each ``run`` is one process; several fit one 80 GB card at once (about 10 GB each, no cap).
+Each ``run`` is one process; several fit one 80 GB card at once (about 12 GB each, no cap).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 
-def config(seq: int, hidden: int = 1536, layers: int = 18):
+def config(seq: int, hidden: int = 1536, layers: int = 24):
     from transformers import LlamaConfig
 
     from zerofit.demo.tokenizer import ByteTokenizer
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     r.add_argument("--grad-accum", type=int, default=1)
     r.add_argument("--lr", type=float, default=3e-4)
     r.add_argument("--hidden", type=int, default=1536, help="the model's width (a smaller one for a dry run)")
-    r.add_argument("--layers", type=int, default=18)
+    r.add_argument("--layers", type=int, default=24)
     r.add_argument("--out", required=True)
     s = sub.add_parser("summary")
     s.add_argument("paths", nargs="+")

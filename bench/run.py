@@ -636,7 +636,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="zerofit-bench-") as tmpdir, open(log_path, "a") as log:
         for name in engines:
             steps = args.fsdp2_steps if name == "fsdp2" else args.steps
-            cap = args.plain_cap if name == "plain" else args.cap
+            cap = args.plain_cap if VARIANTS.get(name, (name,))[0] == "plain" else args.cap
             timeout = args.engine_timeout.get(name, args.timeout)
             if deadline:
                 timeout = min(timeout, deadline - time.time() - 10)

@@ -49,7 +49,7 @@ declare -A ABOUT=(
   [serve]="zerofit serve (bench/serve.py) of the 13B shape at a 24 GiB cap, 1 and 16 concurrent requests, against the same server over accelerate's device_map offload"
   [nodes]="several hosts simulated on one (2 GPUs, the nvidia-h200-x2 kind): W2 on 2 nodes of 1 GPU (each node its own torchrun and host state) in the hybrid layout (gradients all-reduced across them) and the full one (each node half the host state, weights gathered across them: docs/ranks.md), against 1 node of 2 GPUs and 1 GPU"
   [kernels]="the fast kernels (docs/kernels.md): their GPU tests, then W6a (13B LoRA, 24 GiB) zerofit fast and exact against PEFT and PEFT + Liger-Kernel in the GPU, W1 (3B, 24 GiB) against plain and plain + Liger-Kernel, W6c8 (70B QLoRA cut to 8 blocks) against PEFT + bitsandbytes; with ZF_REPO and OLD_COMMIT, W1's exact path on that older tree too"
-  [convergence]="the fast kernels' convergence check (bench/convergence.py): a 0.5 B Llama on the standard library's source, 300 steps, exact and fast over 3 seeds, all six at once on one GPU, then the summary"
+  [convergence]="the fast kernels' convergence check (bench/convergence.py): a 0.6 B Llama on the standard library's source, 300 steps, exact and fast over 3 seeds, all six at once on one GPU, then the summary"
   [tests]="pytest of the GPU tests: tests/gpu/ (test_gpu.py, test_small_gpu_floor.py), tests/unit/test_split_updates.py and every test that skips without CUDA (bench/gpu/gpu_tests.py)"
 )
 
@@ -350,17 +350,29 @@ suite_nodes() {       # both layouts across simulated nodes on one host (docs/ra
   zf_run nodes_1x1 580 --workload W2 --engines zerofit --steps 4 --cap 24GiB
 }
 
-suite_kernels() {    # about 15 min on an H100; run it detached
+suite_kernels() {    # about 10 min on an H100; run it detached. KERNEL_RUNS: which (default w6a w1 w6c8 w1_old)
   [ "${KERNEL_TESTS:-1}" = 0 ] || zf_tests kernel_tests 600 tests/gpu/test_gpu_kernels.py
-  zf_run w6a_k 400 --workload W6a --engines zerofit-fast,plain,plain-liger,zerofit-exact --steps 4 --cap 24GiB \
-    --engine-timeout plain=240 --engine-timeout plain-liger=240
-  zf_trace w6a_k zerofit-fast zerofit-exact
-  zf_run w1_k 300 --workload W1 --engines zerofit-fast,plain,plain-liger,zerofit-exact --steps 4 --cap 24GiB
-  zf_trace w1_k zerofit-fast zerofit-exact
-  zf_run w6c8_k 300 --workload W6c8 --engines zerofit-fast,plain,zerofit-exact --steps 4 --cap 24GiB
-  if [ -n "$ab_repo" ]; then   # the exact path against an older tree's engine (which had no other)
-    ZF_REPO=$ab_repo commit=${OLD_COMMIT:-old} zf_run w1_old 300 --workload W1 --engines zerofit --steps 4 --cap 24GiB
-  fi
+  local run
+  for run in ${KERNEL_RUNS:-w6a w1 w6c8 w1_old}; do
+    case "$run" in
+      w6a) zf_run w6a_k 400 --workload W6a --engines zerofit-fast,plain,plain-liger,zerofit-exact --steps 4 \
+             --cap 24GiB --engine-timeout plain=240 --engine-timeout plain-liger=240
+           zf_trace w6a_k zerofit-fast zerofit-exact ;;
+      w1) zf_run w1_k 300 --workload W1 --engines zerofit-fast,plain,plain-liger,zerofit-exact --steps 4 --cap 24GiB
+          zf_trace w1_k zerofit-fast zerofit-exact ;;
+      # the peers with Liger-Kernel's kernels beside zerofit's fast ones
+      liger) zf_run w6a_liger 400 --workload W6a --engines zerofit-fast,plain-liger --steps 4 --cap 24GiB \
+               --engine-timeout plain-liger=240
+             zf_run w1_liger 300 --workload W1 --engines zerofit-fast,plain-liger --steps 4 --cap 24GiB ;;
+      w6c8) zf_run w6c8_k 300 --workload W6c8 --engines zerofit-fast,plain,zerofit-exact --steps 4 --cap 24GiB ;;
+      # the exact path against an older tree's engine (which had no other): ZF_REPO, OLD_COMMIT
+      w1_old) if [ -n "$ab_repo" ]; then
+                ZF_REPO=$ab_repo commit=${OLD_COMMIT:-old} zf_run w1_old 300 --workload W1 --engines zerofit \
+                  --steps 4 --cap 24GiB
+              fi ;;
+      *) zf_skip "kernels_$run" "no kernels run '$run' (w6a w1 liger w6c8 w1_old)" ;;
+    esac
+  done
 }
 
 suite_convergence() {

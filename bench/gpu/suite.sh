@@ -360,6 +360,12 @@ suite_kernels() {    # about 10 min on an H100; run it detached. KERNEL_RUNS: wh
            zf_trace w6a_k zerofit-fast zerofit-exact ;;
       w1) zf_run w1_k 300 --workload W1 --engines zerofit-fast,plain,plain-liger,zerofit-exact --steps 4 --cap 24GiB
           zf_trace w1_k zerofit-fast zerofit-exact ;;
+      # zerofit's fast kernels and both in-GPU peers (without, with Liger-Kernel) in one call, exact path apart
+      peers) zf_run w6a_peers 400 --workload W6a --engines zerofit-fast,plain,plain-liger --steps 4 --cap 24GiB \
+               --engine-timeout plain=240 --engine-timeout plain-liger=240
+             zf_trace w6a_peers zerofit-fast
+             zf_run w1_peers 300 --workload W1 --engines zerofit-fast,plain,plain-liger --steps 4 --cap 24GiB
+             zf_trace w1_peers zerofit-fast ;;
       # the peers with Liger-Kernel's kernels beside zerofit's fast ones
       liger) zf_run w6a_liger 400 --workload W6a --engines zerofit-fast,plain-liger --steps 4 --cap 24GiB \
                --engine-timeout plain-liger=240
@@ -370,7 +376,7 @@ suite_kernels() {    # about 10 min on an H100; run it detached. KERNEL_RUNS: wh
                 ZF_REPO=$ab_repo commit=${OLD_COMMIT:-old} zf_run w1_old 300 --workload W1 --engines zerofit \
                   --steps 4 --cap 24GiB
               fi ;;
-      *) zf_skip "kernels_$run" "no kernels run '$run' (w6a w1 liger w6c8 w1_old)" ;;
+      *) zf_skip "kernels_$run" "no kernels run '$run' (w6a w1 peers liger w6c8 w1_old)" ;;
     esac
   done
 }

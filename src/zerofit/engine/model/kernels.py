@@ -11,6 +11,8 @@ bitwise the plain model. ``kernels: "fast"`` (the default on a GPU) runs
   instead of tens of elementwise passes over the activations (the GEMMs and attention stay cuBLAS's and SDPA's).
   It compiles once per shape and grad mode (the forward under no_grad, the recompute with its backward): the
   first step pays it and the log says how long;
+* in a block's recompute for its backward, its last linear (the MLP's ``down_proj``, whose output is only added
+  to the residual to make the block's output) without its GEMM: [Note: a recompute's unread output];
 * ``train_batch``'s head and loss as one fused linear cross-entropy over token chunks ([Note: a fused linear
   cross-entropy], linear_loss.py): the logits never exist whole, and the gradients come out of the forward.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -46,6 +49,65 @@ log = logging.getLogger("zerofit")
 
 # model types whose forward returns the head's output as its logits untouched (and computes the loss from them)
 PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "olmo2", "granite")
+
+
+# [Note: a recompute's unread output]
+# The backward of a block recomputes its forward from its input, only to rebuild the autograd graph: the output's
+# value is never read (the engine backpropagates the next block's input gradient into it). In a Llama-family
+# layer (Llama, Mistral, Qwen2, Qwen3: ``residual + mlp(norm(h))``, the MLP ``down_proj(act(gate(x)) * up(x))``)
+# the MLP's ``down_proj`` output reaches the block's output through that sum alone, so no gradient depends on its
+# value: its backward needs only its input and weight. So in the recompute its frozen base linear runs as
+# :class:`_OutputUnread`, which returns an uninitialized tensor of the output's shape and, in the backward, the
+# input's (and a trained weight's) gradient as ``F.linear``'s backward computes them: the GEMM of 22% of a 13B
+# block's weights is not run, and every gradient is the same number (tests/unit/engine/model/test_kernels.py
+# compares them bitwise). A LoRA path on ``down_proj`` runs as before (its gradients read its input and its own
+# intermediate, not the sum); DoRA, which scales the base output, is left alone, as is any other block class.
+UNREAD_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+
+
+class _OutputUnread(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` for a graph whose output's value is never read: an uninitialized output, and
+    ``F.linear``'s own backward ([Note: a recompute's unread output])."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.bias = bias is not None
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        flat = g.reshape(-1, g.shape[-1])
+        gw = flat.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        gb = flat.sum(0) if ctx.bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def _unread_forward(self, x):
+    if x.dtype != self.weight.dtype:  # a cast on the way (DequantizedLinear's): its own forward
+        return type(self).forward(self, x)
+    return _OutputUnread.apply(x, self.weight, self.bias)
+
+
+def unread_linear(block: nn.Module) -> nn.Module | None:
+    """The linear layer of ``block`` whose output a recompute need not compute ([Note: a recompute's unread
+    output]), or None."""
+    from zerofit.engine.model.nf4 import DequantizedLinear
+
+    mlp = getattr(block, "mlp", None)
+    if type(block).__name__ not in UNREAD_LAYERS or not all(
+        isinstance(getattr(mlp, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj")
+    ):
+        return None
+    down = mlp.down_proj
+    if any(getattr(down, "use_dora", {}).values()) if isinstance(getattr(down, "use_dora", None), dict) else False:
+        return None
+    base = getattr(down, "base_layer", down)  # PEFT's LoRA layer wraps it
+    if type(base) not in (nn.Linear, DequantizedLinear) or "forward" in base.__dict__:
+        return None
+    return base
 
 
 def _call_block(module: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict):
@@ -113,8 +175,10 @@ class Kernels:
         tile = self.tile_of()
         return tile is None or x.dim() != 3 or x.shape[0] * x.shape[1] <= tile
 
-    def block(self, module: nn.Module, leaves: dict, x: torch.Tensor, call) -> torch.Tensor:
-        """The block's output for ``x`` with ``leaves`` as its parameters, compiled where :meth:`compiled`."""
+    def block(self, module: nn.Module, leaves: dict, x: torch.Tensor, call, unread: bool = False) -> torch.Tensor:
+        """The block's output for ``x`` with ``leaves`` as its parameters, compiled where :meth:`compiled`.
+        ``unread``: a recompute for the backward, whose output's value is not read ([Note: a recompute's unread
+        output])."""
         if not self.compiled(x):
             from torch.func import functional_call
 
@@ -123,6 +187,17 @@ class Kernels:
         key = f"{'grad' if torch.is_grad_enabled() else 'no_grad'} {tuple(x.shape)}"
         first = key not in self.compile_seconds
         t0 = time.perf_counter()
+        skip = unread_linear(module) if unread and torch.is_grad_enabled() else None
+        if skip is not None:
+            skip.__dict__["forward"] = types.MethodType(_unread_forward, skip)
+        try:
+            return self._compiled_call(module, leaves, x, call, key, first, t0)
+        finally:
+            if skip is not None:
+                del skip.__dict__["forward"]
+
+    def _compiled_call(self, module, leaves, x, call, key: str, first: bool, t0: float) -> torch.Tensor:
+        assert self._block_fn is not None
         with _reparametrize_module(module, leaves, tie_weights=True, strict=False):
             try:
                 out = block_output(self._block_fn(module, x, call.args, call.kwargs))

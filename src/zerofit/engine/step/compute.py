@@ -62,11 +62,13 @@ class Compute:
             views = {k: v.detach().requires_grad_(True) for k, v in views.items()}
         return {**views, **unit.frozen_weights(), **unit.buffers}
 
-    def block(self, unit: Unit, leaves: dict, x: torch.Tensor, call) -> torch.Tensor:
-        """Block ``unit``'s output for input ``x`` and the rest of what the model passed it (``call``)."""
+    def block(self, unit: Unit, leaves: dict, x: torch.Tensor, call, unread: bool = False) -> torch.Tensor:
+        """Block ``unit``'s output for input ``x`` and the rest of what the model passed it (``call``).
+        ``unread``: a recompute for the backward, whose output's value is not read (the fast kernels skip what only
+        that value needs: [Note: a recompute's unread output], model/kernels.py)."""
         module = self.adapter.blocks[unit.index]
         if self.kernels is not None and self.kernels.compiled(x):
-            return self.kernels.block(module, leaves, x, call)
+            return self.kernels.block(module, leaves, x, call, unread)
         return block_output(functional_call(module, leaves, (x, *call.args), call.kwargs, strict=False))
 
     @contextlib.contextmanager

@@ -353,8 +353,8 @@ class Schedule:
         else:  # recompute the block from its checkpoint, replaying its RNG state
             x = micro.ckpts[unit.index].detach().requires_grad_(True)
             leaves = self.compute.leaves(unit, grad=True)
-            with torch.enable_grad(), self.compute.rng(micro.rng[unit.index]):
-                y = self.compute.block(unit, leaves, x, micro.pre_pass.calls[unit.index])
+            with torch.enable_grad(), self.compute.rng(micro.rng[unit.index]):  # y: only its graph is used
+                y = self.compute.block(unit, leaves, x, micro.pre_pass.calls[unit.index], unread=True)
         with self.compute.weights(self.adapter.blocks[unit.index], leaves):  # [Note: the model's own checkpointing]
             (micro.grad,) = backward_into(
                 y, [x], [leaves[n] for n in names], lambda g: self.compute.accumulate(unit, gdst, g, names), micro.grad

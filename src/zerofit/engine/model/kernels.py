@@ -97,12 +97,15 @@ def unread_linear(block: nn.Module) -> nn.Module | None:
     from zerofit.engine.model.nf4 import DequantizedLinear
 
     mlp = getattr(block, "mlp", None)
-    if type(block).__name__ not in UNREAD_LAYERS or not all(
-        isinstance(getattr(mlp, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj")
+    if (
+        mlp is None
+        or type(block).__name__ not in UNREAD_LAYERS
+        or not all(isinstance(getattr(mlp, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
     ):
         return None
     down = mlp.down_proj
-    if any(getattr(down, "use_dora", {}).values()) if isinstance(getattr(down, "use_dora", None), dict) else False:
+    dora = getattr(down, "use_dora", None)
+    if isinstance(dora, dict) and any(dora.values()):
         return None
     base = getattr(down, "base_layer", down)  # PEFT's LoRA layer wraps it
     if type(base) not in (nn.Linear, DequantizedLinear) or "forward" in base.__dict__:

@@ -26,6 +26,12 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
+class KernelsChoice(str, Enum):
+    auto = "auto"
+    exact = "exact"
+    fast = "fast"
+
+
 def fail(console: Console, message: str, status: int = EXIT_BAD_CONFIG) -> None:
     handled = sys.exc_info()[1]
     if handled is not None and cli_errors.debug_requested():

@@ -15,6 +15,7 @@ from zerofit.cli import errors as cli_errors
 from zerofit.cli.common import (
     DEFAULT,
     EXIT_FAILED,
+    KernelsChoice,
     Precision,
     fail,
     fail_on,
@@ -67,6 +68,13 @@ def train(
     warmup_steps: Annotated[int | None, typer.Option(min=0, help="Warm-up steps (scheduler.warmup_steps).")] = None,
     precision: Annotated[
         Precision | None, typer.Option(help="Compute dtype (precision); default bf16 on a GPU, fp32 on the CPU.")
+    ] = None,
+    kernels: Annotated[
+        KernelsChoice | None,
+        typer.Option(
+            help="The code that computes (kernels): fast compiles the blocks and fuses the head and loss (the same "
+            "math, rounded differently), exact runs the model's own ops; default auto, fast on a GPU."
+        ),
     ] = None,
     max_gpu_memory: Annotated[str | None, typer.Option(help="GPU memory budget, e.g. 24GiB (max_gpu_memory).")] = None,
     max_host_memory: Annotated[
@@ -186,6 +194,7 @@ def train(
             seq_len,
             lr,
             precision,
+            kernels,
             max_gpu_memory,
             device,
             seed,
@@ -214,6 +223,7 @@ def train(
         lr=lr,
         warmup_steps=warmup_steps,
         precision=precision.value if precision else None,
+        kernels=kernels.value if kernels else None,
         max_gpu_memory=max_gpu_memory,
         max_host_memory=max_host_memory,
         nvme=str(nvme) if nvme else None,
@@ -341,6 +351,7 @@ def _train_demo(
     seq_len,
     lr,
     precision,
+    kernels,
     max_gpu_memory,
     device,
     seed,
@@ -359,6 +370,7 @@ def _train_demo(
         seq_len=seq_len or DEFAULT.seq_len,
         lr=lr,
         precision=precision.value if precision else None,
+        kernels=kernels.value if kernels else None,
         max_gpu_memory=max_gpu_memory,
         device=device,
         seed=seed,

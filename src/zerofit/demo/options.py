@@ -21,6 +21,7 @@ class DemoOptions:
     seq_len: int = 64  # tokens per sequence (run)
     lr: float | None = None  # optimizer.lr
     precision: str | None = None  # precision; None: bf16 on a GPU, fp32 on the CPU
+    kernels: str | None = None  # kernels; None: auto (fast on a GPU, exact on the CPU)
     max_gpu_memory: str | int | None = None  # max_gpu_memory
     device: str = "auto"  # auto | cpu | cuda | cuda:N (run)
     seed: int | None = None  # seed

@@ -76,6 +76,8 @@ def resolve_config(options: DemoOptions, device: torch.device) -> LoadedConfig:
         overrides["optimizer.lr"] = options.lr
     if options.precision is not None:
         overrides["precision"] = options.precision
+    if options.kernels is not None:
+        overrides["kernels"] = options.kernels
     if options.max_gpu_memory is not None:
         overrides["max_gpu_memory"] = options.max_gpu_memory
     if options.seed is not None:

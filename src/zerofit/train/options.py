@@ -27,6 +27,7 @@ class TrainOptions:
     lr: float | None = None  # optimizer.lr
     warmup_steps: int | None = None  # scheduler.warmup_steps
     precision: str | None = None  # precision
+    kernels: str | None = None  # kernels
     max_gpu_memory: str | None = None  # max_gpu_memory
     max_host_memory: str | None = None  # max_host_memory
     nvme: str | None = None  # offload.optimizer_device "nvme" with this offload.nvme_path

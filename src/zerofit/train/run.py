@@ -76,6 +76,7 @@ def resolve_config(opts: TrainOptions, device: torch.device, world: int = 1) -> 
         ("optimizer.lr", opts.lr),
         ("scheduler.warmup_steps", opts.warmup_steps),
         ("precision", opts.precision),
+        ("kernels", opts.kernels),
         ("max_gpu_memory", opts.max_gpu_memory),
         ("max_host_memory", opts.max_host_memory),
         ("seed", opts.seed),
@@ -503,6 +504,7 @@ def _print_start(
         f"clipping {cfg.gradient_clipping:g}; precision {cfg.precision}"
     )
     console.print("  " + engine.plan.describe().replace("\n", "\n  "))
+    console.print(f"  {engine.kernels.describe()}")  # [Note: fast kernels]: what computes, and why
     when = (
         f"every {opts.save_every} steps" + (" and at the end" if opts.save_at_end else "")
         if opts.save_every

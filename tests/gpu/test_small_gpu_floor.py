@@ -315,7 +315,7 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
         up.add(index)
         return real_up(ms, index)
 
-    def block(unit, leaves, x, call):
+    def block(unit, leaves, x, call, **kw):
         if micros:
             arena = (
                 eng.activations.arena.tensor.untyped_storage().data_ptr() if eng.activations.arena is not None else None
@@ -328,7 +328,7 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
                     if t is not None and (t.untyped_storage().data_ptr() != arena or i in up)
                 )
             )
-        return real_block(unit, leaves, x, call)
+        return real_block(unit, leaves, x, call, **kw)
 
     eng.schedule.backward_blocks, eng.compute.block, eng.activations.up = backward, block, ckpt_up
     for m in tm.batches(2, G):

@@ -4,8 +4,8 @@ models: the losses within 3e-7 relative, the weights within 6e-5 of their larges
 5e-6 with LoRA: AdamW's first steps divide each gradient by its own magnitude, so the rounding of the smallest
 gradients shows in the weights; held to 1e-6 and 2e-4), compiling one graph per grad mode for all the blocks; the
 default on the CPU is exact and compiles nothing, bitwise the engine as it was; the DeepSpeed-shaped loop keeps the
-model's own head (its logits come back) with compiled blocks; and a block whose compilation fails runs its own
-code from then on."""
+model's own head (its logits come back) with compiled blocks, as does the user's own FSDP-shaped loop; QLoRA
+(an NF4 base) trains as exact's; and a block whose compilation fails runs its own code from then on."""
 
 from __future__ import annotations
 
@@ -121,3 +121,53 @@ def test_a_block_that_fails_to_compile_runs_its_own_code(monkeypatch):
     exact, l_exact, _ = _train(twin, "exact", data)
     exact.close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(l_exact), rtol=1e-6, atol=0)
+
+
+def test_the_users_own_loop_trains_like_exact():
+    """The FSDP-shaped loop (``zerofit.fsdp``, the tutorial's ``(loss / G).backward()`` and ``optimizer.step()``)
+    with ``kernels`` in its ``zerofit_config``: compiled blocks, the model's own head, losses as exact's."""
+    from torch.distributed.fsdp import CPUOffload
+
+    from zerofit.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = tm.llama(tied=False)
+    twin = copy.deepcopy(model)
+    data = tm.batches(2, G, B=B, T=T)
+    runs = []
+    for m, kernels in ((model, "exact"), (twin, "fast")):
+        wrapped = FSDP(m, cpu_offload=CPUOffload(offload_params=True), zerofit_config={"kernels": kernels})
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.01)
+        losses = []
+        for mbs in data:
+            for mb in mbs:
+                loss = wrapped(**mb).loss
+                (loss / len(mbs)).backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        assert bool(wrapped.zerofit_engine.kernels.compile_seconds) == (kernels == "fast")
+        runs.append(losses)
+    torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-6, atol=0)
+
+
+def test_qlora_trains_like_exact():
+    """LoRA over a base held in NF4 (``quantize_base: nf4``): the compiled blocks dequantize as the exact ones
+    do, and the recompute runs the dequantized base of ``down_proj`` as unread."""
+    pytest.importorskip("bitsandbytes")
+    from zerofit.engine.model.nf4 import DequantizedLinear
+
+    torch.manual_seed(0)
+    model = tm.llama_lora()
+    twin = copy.deepcopy(model)
+    data = tm.batches(2, G, B=B, T=T)
+    runs = []
+    for m, kernels in ((model, "exact"), (twin, "fast")):
+        engine = zerofit.initialize(m, {**_cfg(kernels), "quantize_base": "nf4"})
+        assert all(u.nf4 is not None for u in engine.blocks)
+        runs.append([engine.train_batch(mbs) for mbs in data])
+        if kernels == "fast":
+            assert engine.kernels.blocks_why is None and engine.kernels.compile_seconds
+            assert all(isinstance(K.unread_linear(b), DequantizedLinear) for b in engine.adapter.blocks)
+        engine.close()
+    torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-6, atol=0)

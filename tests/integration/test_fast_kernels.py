@@ -153,7 +153,7 @@ def test_the_users_own_loop_trains_like_exact():
 
 def test_qlora_trains_like_exact():
     """LoRA over a base held in NF4 (``quantize_base: nf4``): the compiled blocks dequantize as the exact ones
-    do, and the recompute runs the dequantized base of ``down_proj`` as unread."""
+    do, and the linear the recompute leaves unread is ``down_proj``'s dequantized base."""
     pytest.importorskip("bitsandbytes")
     from zerofit.engine.model.nf4 import DequantizedLinear
 

@@ -206,6 +206,54 @@ def test_model_directory_source_matches_from_pretrained(tmp_path, family, dtype)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
 
 
+TWELVE = [
+    "Hello there",
+    "The quick brown fox",
+    "def train(model",
+    "The answer is 42",
+    "x",
+    "Streaming the",
+    "Once upon a time",
+    "import torch",
+    "The weights stream",
+    "Good morning",
+    "1 2 3 4",
+    "What is the capital",
+]
+
+
+def test_an_fp32_folder_generates_in_fp32_by_default_as_transformers_loads_it(tmp_path):
+    """``zerofit generate`` with no --dtype: the folder's own dtype (config.json's), as ``from_pretrained`` loads
+    it, so greedy answers are transformers' on all twelve prompts; the same folder held in bf16 answers some of
+    them otherwise (what the default must not do silently), and the start-up line says which dtype computes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = make_model_dir(tmp_path / "m", "llama", dtype=torch.float32, layers=2)
+    out = tmp_path / "o.jsonl"
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in TWELVE))
+    args = ["generate", "--model", str(d), "--prompts", str(tmp_path / "p.jsonl"), "--greedy", "--device", "cpu"]
+    r = CliRunner().invoke(app, [*args, "--max-new-tokens", "16", "--batch-size", "1", "--output", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "float32 weights and KV cache (the model's own)" in r.output
+    got = [json.loads(x)["text"] for x in out.read_text().splitlines()]
+    ref = AutoModelForCausalLM.from_pretrained(d).eval()
+    assert ref.dtype == torch.float32
+    tok = AutoTokenizer.from_pretrained(d)
+    bf16 = InferenceEngine.from_pretrained(d, device="cpu", dtype="bf16")
+    differs = 0
+    for p, text in zip(TWELVE, got):
+        ids = tok(p, return_tensors="pt").input_ids
+        want = ref.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        assert text == tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True), p
+        differs += not torch.equal(bf16.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0), want)
+    assert differs > 0  # the check has power: bf16 is not the same answers on this folder
+    assert "bfloat16 weights and KV cache (as asked)" in bf16.summary()
+    # a bf16 folder stays bf16, a model in memory keeps its own dtype
+    bf16_folder = make_model_dir(tmp_path / "b", "llama")
+    assert InferenceEngine.from_pretrained(bf16_folder, device="cpu").dtype == torch.bfloat16
+    assert InferenceEngine(copy.deepcopy(ref), device="cpu").dtype == torch.float32
+
+
 def test_text_generation_batches_prompts_of_uneven_lengths_like_one_at_a_time(tmp_path):
     d = make_model_dir(tmp_path / "m", "llama", layers=3)
     eng = InferenceEngine.from_pretrained(d, device="cpu", dtype="fp32")

@@ -243,6 +243,33 @@ def test_generate_with_the_base_and_the_adapter_equals_peft_s_generate(workspace
     assert r.exit_code == 2 and "trained over another base" in r.output, r.output
 
 
+def test_chat_with_an_adapter_holds_a_conversation_of_three_turns(workspace):
+    """Each answer is PEFT's generate on the conversation so far (the earlier answers in it): the inference engine
+    over BASE + ADAPTER answers any number of times."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    root, model, _, _, run, _ = workspace
+    said = ["The quick brown fox", "Hello there", "What is 2 plus 2?"]
+    args = ["chat", "--model", str(model), "--adapter", str(run / "adapter"), "--max-new-tokens", "6"]
+    r = CliRunner().invoke(app, [*args, "--device", "cpu", "--dtype", "fp32"], input="\n".join(said) + "\n")
+    assert r.exit_code == 0, r.output
+    assert r.output.count("model> ") == 3
+    tok = AutoTokenizer.from_pretrained(model)
+    ref = PeftModel.from_pretrained(_base(model), run / "adapter").eval()
+    messages: list[dict] = []
+    rest = r.output
+    for text in said:
+        messages.append({"role": "user", "content": text})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"]
+        out = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+        answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        at = rest.index("model> " + answer)  # in order: each turn after the one before
+        rest = rest[at + len(answer) :]
+        messages.append({"role": "assistant", "content": answer})
+
+
 def test_generate_bitwise_logits_and_tokens_through_the_inference_engine(workspace):
     """The inference engine over BASE + ADAPTER: PEFT's generate on plain PyTorch, tokens and logits bitwise."""
     from peft import PeftModel
@@ -254,10 +281,11 @@ def test_generate_bitwise_logits_and_tokens_through_the_inference_engine(workspa
     ref = PeftModel.from_pretrained(_base(model), run / "adapter").eval()
     eng = InferenceEngine.from_pretrained(model, adapter=run / "adapter", device="cpu", dtype="fp32")
     mask = torch.ones_like(ids)
-    assert torch.equal(
-        eng.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
-        ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
-    )
+    for new in (6, 9, 4):  # answers any number of times, each call's cache sized for it
+        assert torch.equal(
+            eng.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False),
+            ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False),
+        )
     with torch.no_grad():
         assert torch.equal(eng(input_ids=ids).logits, ref(input_ids=ids).logits)
     eng.close()

@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def _start(model: Path, *args: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "zerofit.cli", "serve", "--model", str(model), "--dtype", "fp32", "--port", str(port)]
+    cmd = [sys.executable, "-m", "zerofit.cli", "serve", "--model", str(model), "--port", str(port)]
     proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()

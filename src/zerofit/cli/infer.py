@@ -58,7 +58,8 @@ def _inference_engine(
 
 _GPU_OPT = typer.Option(help="GPU memory budget, e.g. 24GiB: the blocks that do not fit stream through the GPU.")
 _DTYPE_OPT = typer.Option(
-    help="Weights dtype: bf16 or fp16 (default: the model's 16-bit dtype, else bf16); fp32 on the CPU."
+    help="Weights and KV cache dtype: bf16, fp16 or fp32 (default: the model's own, config.json's dtype, as "
+    "transformers loads it)."
 )
 _DEVICE_OPT = typer.Option(help="cuda, cuda:1 or cpu (default: the GPU if there is one).")
 _HOST_OPT = typer.Option(help="Host memory budget for the blocks' 16-bit weights, e.g. 16GiB: the rest go to --nvme.")
@@ -178,7 +179,7 @@ def chat(
     max_gpu_memory: Annotated[str | None, typer.Option(help="GPU memory budget, e.g. 24GiB.")] = None,
     max_host_memory: Annotated[str | None, _HOST_OPT] = None,
     nvme: Annotated[Path | None, _NVME_OPT] = None,
-    dtype: Annotated[str | None, typer.Option(help="Weights dtype: bf16 or fp16.")] = None,
+    dtype: Annotated[str | None, _DTYPE_OPT] = None,
     device: Annotated[str | None, typer.Option(help="cuda, cuda:1 or cpu.")] = None,
     system: Annotated[str | None, typer.Option(help="System message.")] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature (default: greedy).")] = None,

@@ -15,10 +15,13 @@ from zerofit.infer.plan import RESERVE, InferPlan, InferShape, plan_inference
 
 def serve_shape(model, dtype=None) -> InferShape:
     """What the inference planner needs of ``model`` (on the meta device), as InferenceEngine measures it: the
-    shell's bytes and each block's, aligned as its flat buffers are, in the weights' dtype."""
+    shell's bytes and each block's, aligned as its flat buffers are, in ``dtype`` (None: bf16, a named shape's
+    published weights; :func:`estimate_serve` passes a folder's own)."""
+    import torch
+
     from zerofit.engine.model.adapter import Adapter
     from zerofit.engine.model.materialize import param_table
-    from zerofit.infer.engine import _aligned, _default_dtype, _shape, as_dtype
+    from zerofit.infer.engine import _aligned, _shape, as_dtype
 
     adapter = Adapter(model, "auto")
     table = param_table(model, adapter)
@@ -26,7 +29,7 @@ def serve_shape(model, dtype=None) -> InferShape:
     sizes = [
         sum(_aligned(math.prod(canon[n].shape)) for n in table.unit_names[b + 1]) for b in range(adapter.num_blocks)
     ]
-    return _shape(model, table, sizes, as_dtype(dtype) or _default_dtype(model, table))
+    return _shape(model, table, sizes, as_dtype(dtype) or torch.bfloat16)
 
 
 def serve_plan(
@@ -78,8 +81,16 @@ def estimate_serve(
     model = meta_model(model_dir, shape)
     own, _ = positions(model.config)
     ctx = context or min(own or 4096, 4096)
+    dtype = None  # a named shape: bf16; a folder: its own, as zerofit serve holds it ([Note: the model's own dtype])
+    if model_dir is not None:
+        from zerofit.checkpoint.model_files import model_dtype
+        from zerofit.models import ModelDir
+
+        dtype = model_dtype(None, ModelDir.open(model_dir, config_only=True))
     try:
-        plan = serve_plan(model, max_gpu_memory=max_gpu_memory, concurrency=concurrency, context=ctx, gpu=gpu)
+        plan = serve_plan(
+            model, max_gpu_memory=max_gpu_memory, concurrency=concurrency, context=ctx, dtype=dtype, gpu=gpu
+        )
     except InferencePlanError as e:
         return {"fits": False, "concurrency": concurrency, "context": ctx, "refusal": str(e)}, f"refused: {e}"
     info = {

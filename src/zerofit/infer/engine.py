@@ -32,6 +32,15 @@ default cache too; the logits equal to the dtype's rounding (the static cache
 attends over the padded length, masked), and bitwise those of ``generate(...,
 cache_implementation="static")`` on the model held whole.
 
+[Note: the model's own dtype]
+Unless told otherwise (``dtype``), the weights and the KV cache are held in
+the dtype the model has, as transformers' ``from_pretrained`` loads a folder:
+config.json's ``dtype`` (``torch_dtype`` in older files), else the dtype most
+of its stored weights have; a checkpoint's trained model's dtype; a model in
+memory's parameters' own. An fp32 folder generates in fp32, so greedy tokens
+are those of ``generate`` on the model transformers loads; a 16-bit dtype is
+the user's choice (``dtype``), said in :meth:`InferenceEngine.summary`.
+
 [Note: normal tensors]
 The engine's buffers (host arena, resident copies, slots) and the views its
 parameters take are made outside ``torch.inference_mode``, even when the first
@@ -69,6 +78,7 @@ import torch
 from torch import nn
 
 from zerofit.checkpoint.export import export_dtype
+from zerofit.checkpoint.model_files import model_dtype
 from zerofit.config.schema import parse_bytes
 from zerofit.engine.device import Device
 from zerofit.engine.memory.store import HostArena
@@ -96,10 +106,12 @@ class InferenceEngine:
 
     Build it from a model directory or a zerofit checkpoint (:meth:`from_pretrained`), a live training engine
     (:meth:`from_engine`) or a model in memory (the constructor: its parameters are taken over, cast to
-    ``dtype``). ``max_gpu_memory``: the device budget the plan keeps to (None: the whole GPU less what other
-    processes hold; on the CPU no limit). ``max_host_memory``: the host budget for the blocks' 16-bit weights
-    (None: for a model read from files the available memory less a tenth; for a model in memory no limit); the
-    blocks beyond it go to a swap file under ``nvme_path`` (zerofit/infer/disk.py), or it is refused.
+    ``dtype``). ``dtype``: the weights' and the KV cache's; None: ``own_dtype`` (what a source says the model's
+    own is), else the model's parameters' ([Note: the model's own dtype]). ``max_gpu_memory``: the device budget
+    the plan keeps to (None: the whole GPU less what other processes hold; on the CPU no limit).
+    ``max_host_memory``: the host budget for the blocks' weights (None: for a model read from files the available
+    memory less a tenth; for a model in memory no limit); the blocks beyond it go to a swap file under
+    ``nvme_path`` (zerofit/infer/disk.py), or it is refused.
     """
 
     def __init__(
@@ -115,6 +127,7 @@ class InferenceEngine:
         source_dir: Path | None = None,
         max_host_memory: int | str | None = None,
         nvme_path: str | os.PathLike | None = None,
+        own_dtype: torch.dtype | None = None,
     ):
         self.device = (
             torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -146,7 +159,9 @@ class InferenceEngine:
                 "zerofit's offloaded generation streams blocks"
             )
         self.table = param_table(model, self.adapter)
-        self.dtype = as_dtype(dtype) or _default_dtype(model, self.table)
+        # [Note: the model's own dtype]
+        self.dtype = as_dtype(dtype) or own_dtype or model_dtype(model)
+        self.dtype_origin = "as asked" if dtype is not None else "the model's own"
         self.plan: InferPlan | None = None
         self._dev: dict[int, torch.Tensor] = {}
         self._slots: list[_Slot] = []
@@ -185,7 +200,7 @@ class InferenceEngine:
         else:
             src = open_source(path)
         kw.setdefault("tokenizer", src.tokenizer())
-        kw.setdefault("dtype", src.dtype())
+        kw.setdefault("own_dtype", src.dtype())
         try:
             return cls(src.build_meta(), fill=src.fill, source_dir=src.path, **kw)
         finally:
@@ -199,6 +214,7 @@ class InferenceEngine:
 
         model, fill = engine_source(engine)
         kw.setdefault("tokenizer", getattr(engine, "tokenizer", None))
+        kw.setdefault("own_dtype", engine.model_dtype)  # the user's model's, not its fp32 masters'
         return cls(model, fill=fill, source_dir=getattr(engine, "source_dir", None), **kw)
 
     def _load(self, fill) -> None:
@@ -494,8 +510,8 @@ class InferenceEngine:
         kwargs.setdefault("cache_implementation", "static")  # [Note: a KV cache allocated once]
         kwargs.setdefault("disable_compile", True)  # transformers compiles static-cache decoding on CUDA by default:
         #                                              the hooks swap parameters, which a compiled graph cannot see
-        if hasattr(self.model, "_previous_max_cache_length"):  # size it for this call, as planned
-            del self.model._previous_max_cache_length
+        for m in self.model.modules():  # size the cache for this call, as planned: generate keeps the last
+            m.__dict__.pop("_previous_max_cache_length", None)  # size on the model it runs (a PEFT model's base)
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.device)
@@ -573,7 +589,9 @@ class InferenceEngine:
 
     def summary(self) -> str:
         """The plan in one line, and where the blocks' weights are kept."""
-        text = self.plan.summary() if self.plan else "not planned yet"
+        name = str(self.dtype).replace("torch.", "")
+        text = f"{name} weights and KV cache ({self.dtype_origin}); "
+        text += self.plan.summary() if self.plan else "not planned yet"
         if self._disk is not None:
             text += f"; {len(self._disk.regions)} blocks' weights on the disk ({self._disk.path})"
         return text
@@ -581,17 +599,6 @@ class InferenceEngine:
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _default_dtype(model: nn.Module, table) -> torch.dtype:
-    """The model's own 16-bit dtype when it has one, else bf16."""
-    for p in table.canonical.values():
-        if p.dtype in (torch.bfloat16, torch.float16):
-            return p.dtype
-    cfg = getattr(model, "config", None)
-    dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-    dt = as_dtype(dt) if isinstance(dt, str) else dt
-    return dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def _shape(model: nn.Module, table, sizes: list[int], dtype: torch.dtype) -> InferShape:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zerofit.checkpoint.model_files import model_dtype
 from zerofit.models.directory import TOKENIZER_FILES, ModelDir, ModelDirError, load_tensor
 
 __all__ = ["open_source", "engine_source", "load_tokenizer"]
@@ -42,9 +43,9 @@ class _DirSource:
         _generation_config(model, self.path)
         return model
 
-    def dtype(self) -> torch.dtype | None:
-        kinds = {i.dtype for i in self.md.weights.values()}
-        return next((d for d in (torch.bfloat16, torch.float16) if d in kinds), None)
+    def dtype(self) -> torch.dtype:
+        """As transformers' ``from_pretrained`` loads the folder: config.json's dtype, else its weights'."""
+        return model_dtype(None, self.md)
 
     def tokenizer(self):
         return load_tokenizer(self.path)
@@ -63,14 +64,16 @@ class _CheckpointSource:
     path: Path  # the checkpoint folder (a tag)
     md: ModelDir  # its config.json (weights come from the checkpoint's shards)
     found: dict  # tensor name -> (file, TensorInfo)
+    model_dtype: torch.dtype  # the trained model's own dtype, as the checkpoint's record names it
 
     def build_meta(self) -> nn.Module:
         model = self.md.build_meta()
         _generation_config(model, self.path)
         return model
 
-    def dtype(self) -> torch.dtype | None:
-        return None  # fp32 masters: the default 16-bit dtype
+    def dtype(self) -> torch.dtype:
+        """The trained model's own dtype (not its fp32 masters'): what ``zerofit export`` writes by default."""
+        return self.model_dtype
 
     def tokenizer(self):
         return load_tokenizer(self.path)
@@ -95,6 +98,7 @@ class _CheckpointSource:
 def open_source(path: str | os.PathLike):
     """A model directory, or a checkpoint (a tag folder, or a save folder with ``latest``)."""
     from zerofit.checkpoint.commit import RECORD
+    from zerofit.checkpoint.export import checkpoint_dtype
     from zerofit.checkpoint.load import locate, open_checkpoint, shard_files
     from zerofit.checkpoint.save import WEIGHTS_INDEX
 
@@ -110,7 +114,7 @@ def open_source(path: str | os.PathLike):
 
         config = read_config(folder)  # a wrong field is a ModelDirError naming the file and the field
         found = locate(folder, shard_files(folder, record, WEIGHTS_INDEX), WEIGHTS_INDEX)
-        return _CheckpointSource(folder, ModelDir(folder, config, {}), found)
+        return _CheckpointSource(folder, ModelDir(folder, config, {}), found, checkpoint_dtype(record.state))
     return _DirSource(p, ModelDir.open(p))
 
 

@@ -127,6 +127,72 @@ def test_a_bitsandbytes_4bit_peft_model_trains_bitwise_as_bitsandbytes_qlora(mod
     engine.close()
 
 
+def _peft_in_memory(path, seed: int = 1):
+    """PEFT over the 16-bit model in memory (its linears quantized by ``quantize_base: nf4`` at initialize), the
+    same adapters as :func:`_bnb_model`'s (the same seed, the same modules)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(**LORA)).train()
+
+
+def _base_entries(state: dict) -> dict:
+    """The blocks' 4-bit layers' state_dict entries: the codes and bitsandbytes' quant state."""
+    return {k: v for k, v in state.items() if ".base_layer.weight" in k and "layers." in k}
+
+
+@pytest.mark.parametrize("door", ["initialize", "initialize, quantized in memory", "zerofit.fsdp"])
+def test_the_users_own_4bit_model_gives_the_engines_numbers_at_every_point_and_after_close(model_dir, door):
+    """After each step and after close, the user's own PEFT-over-4-bit object (and ``engine.module``, and the
+    wrapper) computes the logits of bitsandbytes' QLoRA trained on plain PyTorch bitwise, generates its tokens,
+    and its ``state_dict`` holds the ``Linear4bit`` entries bitsandbytes' model holds (the packed codes and quant
+    state, not a dequantized copy) ([Note: the user's 4-bit layers outside a step], nf4.py)."""
+    from zerofit.fsdp import FullyShardedDataParallel
+
+    ref = _bnb_model(model_dir)
+    mine = _peft_in_memory(model_dir) if "memory" in door else _bnb_model(model_dir)
+    data = tm.batches(3, G)
+    if door == "zerofit.fsdp":
+        outer = FullyShardedDataParallel(mine, zerofit_config={"device": "cpu"})
+        engine = outer.zerofit_engine
+        opt = torch.optim.AdamW([p for p in outer.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+        objects = [mine, outer]
+    else:
+        engine = zerofit.initialize(mine, {**CFG, **({"quantize_base": "nf4"} if "memory" in door else {})})
+        outer, opt = None, None
+        objects = [mine, engine.module]
+    ids = data[0][0]["input_ids"]
+    prompt = ids[:1, :5]
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.01, fused=True)
+    for mbs in data:
+        ref_opt.zero_grad()
+        for mb in mbs:
+            (ref(**mb).loss / len(mbs)).backward()
+        ref_opt.step()
+        if outer is not None:
+            for mb in mbs:
+                (outer(**mb).loss / len(mbs)).backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            engine.train_batch(mbs)
+        with torch.no_grad():
+            want = ref(input_ids=ids).logits
+            for obj in objects:
+                assert torch.equal(obj(input_ids=ids).logits, want)
+    # (train mode: bitsandbytes' eval path on the CPU repacks its weights, and refuses layers this narrow)
+    tokens = ref.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for obj in objects:
+        assert torch.equal(obj.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0), tokens)
+    want_sd, got_sd = _base_entries(ref.state_dict()), _base_entries(mine.state_dict())
+    assert want_sd.keys() == got_sd.keys() and len(want_sd) == 3 * 7 * 6
+    for k, v in want_sd.items():
+        assert torch.equal(got_sd[k], v), k
+    engine.close()
+    with torch.no_grad():
+        assert torch.equal(mine(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert torch.equal(mine.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0), tokens)
+
+
 def _engine_over_dir(model_dir, precision: str = "fp32", **cfg):
     """What `zerofit train --model DIR --qlora` builds: PEFT over the meta model, the base read from the files."""
     from zerofit.config import load_config

@@ -72,6 +72,22 @@ def test_refusal_is_initializes_and_says_what_would_fit():
     assert "an NVMe tier with at least" in est.refusal
 
 
+def test_a_refusals_host_need_is_the_host_budget_it_suggests():
+    """The 3B shape's LoRA at a 24 GiB cap and a 4 GiB host: the refusal's "host needs N" is the least host memory
+    of a placement the device holds, and the host budget it suggests is that figure rounded up (planned with it,
+    it fits), not another placement's (the smallest device one needed 8.64 GiB beside a suggested 6.08)."""
+    import re
+
+    from zerofit.config import parse_bytes
+
+    args = ["estimate", "--shape", "3b", "--lora", "--max-gpu-memory", "24GiB", "--max-host-memory", "4GiB"]
+    r = CliRunner().invoke(app, [*args, "--micro-batch-size", "2", "--grad-accum", "4", "--seq-len", "2048"])
+    need = re.search(r"host needs [\d.]+ \w+ > budget [\d.]+ \w+ \((\d+) > \d+ bytes\)", r.output)
+    tip = re.search(r"max_host_memory\) of at least ([\d.]+) (\w+)", r.output)
+    assert need and tip, r.output
+    assert int(need.group(1)) <= parse_bytes(tip.group(1) + tip.group(2)) <= int(need.group(1)) * 1.01 + 1
+
+
 def test_cli_estimate_of_the_13b_shape(tmp_path):
     runner = CliRunner()
     refused = runner.invoke(

@@ -157,6 +157,12 @@ class Engine(DeepSpeedSurface):
         self.dev = Device.create(rank_device(dev, self.ranks))
         self._adapter_kind = adapter or config.adapter
         self.adapter = Adapter(model, self._adapter_kind)
+        if self.adapter.streaming and getattr(model, "is_gradient_checkpointing", False):
+            # the engine checkpoints every block it streams: the model's own checkpointing would recompute each
+            # block a second time, and its reentrant form (prepare_model_for_kbit_training's) cannot run under
+            # the engine's backward ([Note: the model's own checkpointing], step/compute.py)
+            model.gradient_checkpointing_disable()
+            log.info("zerofit: the model's gradient checkpointing is off; zerofit checkpoints every block itself")
         # [Note: an NF4 base] (nf4.py): bitsandbytes' 4-bit layers, or quantize_base, swapped before the table
         self.nf4 = BaseNF4.prepare(
             model,

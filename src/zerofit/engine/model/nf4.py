@@ -185,7 +185,16 @@ def is_linear4bit(m: nn.Module) -> bool:
 class DequantizedLinear(nn.Module):
     """A frozen linear layer whose weight the engine holds in NF4 ([Note: an NF4 base]): ``weight`` is the
     dequantized one, in the compute dtype, that the engine puts where the block computes; ``forward`` is
-    bitsandbytes' ``Linear4bit`` training forward over it."""
+    bitsandbytes' ``Linear4bit`` training forward over it.
+
+    [Note: the user's 4-bit layers outside a step]
+    Outside a step ``weight`` is on the meta device, and the layer is still the user's model's: a forward (an
+    evaluation, ``generate``) dequantizes the packed host bytes the engine holds (``held_in``: its unit's buffer,
+    as :meth:`BaseNF4.held` last placed it) into the compute dtype, as the engine does where the block computes,
+    so the user's own object gives the engine's numbers, during the run and after ``close()`` (the buffer lives
+    as long as the layer refers to it). ``state_dict`` holds ``Linear4bit``'s entries (the packed codes and
+    bitsandbytes' quant state, views of that buffer): what the model holds, without a dequantized copy of the
+    base (PEFT's ``save_pretrained`` reads the whole ``state_dict`` to pick the adapters out of it)."""
 
     def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None, dtype: torch.dtype):
         super().__init__()
@@ -194,13 +203,34 @@ class DequantizedLinear(nn.Module):
             torch.empty((out_features, in_features), device="meta", dtype=dtype), requires_grad=False
         )
         self.bias = bias
+        self.held_in: tuple[UnitNF4, int] | None = None  # where the engine holds this weight packed (BaseNF4.held)
+
+    def host_weight(self) -> torch.Tensor:
+        """The weight dequantized on the host, in the compute dtype ([Note: the user's 4-bit layers outside a
+        step])."""
+        if self.held_in is None:
+            raise QuantError(
+                "this 4-bit layer's weight is not held by a zerofit engine yet (zerofit.initialize builds it)"
+            )
+        unit, i = self.held_in
+        return unit.value(unit.names[i], self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if w.is_meta:  # [Note: the user's 4-bit layers outside a step]
+            w = self.host_weight().to(x.device)
         inp = x.dtype
         x = x.to(w.dtype)
         bias = None if self.bias is None else self.bias.to(w.dtype)
         return F.linear(x, w, bias).to(inp)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight.is_meta and self.held_in is not None:  # [Note: the user's 4-bit layers outside a step]
+            unit, i = self.held_in
+            codes, state = unit.linear4bit_entries(i, self.weight.dtype)
+            destination[prefix + "weight"] = codes
+            destination.update({f"{prefix}weight.{k}": v for k, v in state.items()})
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
@@ -219,6 +249,7 @@ class BaseNF4:
         self.on_meta: dict[str, nn.Linear] = {}  # name -> its nn.Linear on the meta device (no files):
         self.init: Callable[[nn.Module], object] | None = None  # initialized by the model's own init, then quantized
         self.from_folder: dict[str, tuple] = {}  # name -> (source, shape): stored in 4 bits there
+        self.layers: dict[str, DequantizedLinear] = {}  # name -> the model's layer that computes with it
         self.folder: FolderQuant | None = None  # that folder's form ([Note: a 4-bit folder])
 
     def __contains__(self, name: str) -> bool:
@@ -296,7 +327,8 @@ class BaseNF4:
                 )
             parent_path, _, leaf = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            setattr(parent, leaf, DequantizedLinear(m.in_features, m.out_features, m.bias, dtype))
+            layer = out.layers[path + ".weight"] = DequantizedLinear(m.in_features, m.out_features, m.bias, dtype)
+            setattr(parent, leaf, layer)
         if quantize and not out.packed:
             raise QuantError(
                 "quantize_base: nf4: the blocks have no frozen nn.Linear layer to hold in 4 bits "
@@ -351,8 +383,11 @@ class BaseNF4:
         return Packed.quantize(w, self.device)
 
     def held(self, name: str, unit: UnitNF4, i: int) -> None:
-        """``name`` is now in ``unit``'s buffer: a rebuild of the units takes it from there (nothing else kept)."""
+        """``name`` is now in ``unit``'s buffer: a rebuild of the units takes it from there (nothing else kept), and
+        its layer computes from there outside a step ([Note: the user's 4-bit layers outside a step])."""
         self.packed[name] = unit.packed(i)
+        if name in self.layers:
+            self.layers[name].held_in = (unit, i)
 
 
 class UnitNF4:
@@ -453,6 +488,27 @@ class UnitNF4:
             bf.dequantize_4bit(data, quant_state=qs, out=out)
         else:  # (bitsandbytes' CPU backend has no ``out`` variant)
             out.copy_(bf.dequantize_4bit(data, quant_state=qs))
+
+    def linear4bit_entries(self, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Tensor ``i`` as a ``Linear4bit``'s ``state_dict`` holds it: its codes ``(numel / 2, 1)`` uint8 and
+        bitsandbytes' ``QuantState.as_dict(packed=True)`` (``dtype``: the weight's, the compute dtype here)."""
+        bf = bnb_functional()
+        p, s = self.packed(i), self.specs[i]
+        state2 = None
+        if p.nested:
+            assert p.absmax2 is not None and p.code2 is not None  # a nested one's second-level scales
+            state2 = bf.QuantState(absmax=p.absmax2, code=p.code2, blocksize=BLOCK2, dtype=torch.float32)
+        qs = bf.QuantState(
+            absmax=p.absmax,
+            shape=torch.Size(s.shape),
+            code=bf.get_4bit_type(p.quant_type, device="cpu"),
+            blocksize=p.blocksize,
+            quant_type=p.quant_type,
+            dtype=dtype,
+            offset=torch.tensor(p.offset) if p.nested else None,
+            state2=state2,
+        )
+        return p.data.view(-1, 1), qs.as_dict(packed=True)
 
     def value(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Tensor ``name`` (the unit's relative name) dequantized on the host (a merge, ``master_state_dict``)."""

@@ -14,7 +14,12 @@ MiB = 2**20
 
 
 class PlanError(RuntimeError):
-    """No placement fits the memory budgets; raised before anything is allocated."""
+    """No placement fits the memory budgets; raised before anything is allocated. ``host_need``: the least host
+    memory of a placement the device holds (None: none does), the figure the refusal gives."""
+
+    def __init__(self, message: str, host_need: int | None = None):
+        super().__init__(message)
+        self.host_need = host_need
 
 
 def fmt_bytes(n: float) -> str:

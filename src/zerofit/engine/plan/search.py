@@ -103,16 +103,17 @@ def make_plan(shape: ModelShape, batch: BatchShape | None, **kw) -> Plan:
     try:
         return _make_plan(shape, batch, **kw)
     except PlanError as e:
-        tips = advice(shape, batch, kw)
+        tips = advice(shape, batch, kw, e.host_need)
         if tips:
             raise PlanError(f"{e}\nwhat would fit:\n" + "\n".join(f"  - {t}" for t in tips)) from None
         raise
 
 
-def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
+def advice(shape: ModelShape, batch: BatchShape | None, kw: dict, host_need: int | None = None) -> list[str]:
     """What would make a refused plan fit, each with its numbers: a GPU cap, a host budget, an NVMe tier of
     N bytes, a smaller micro-batch. Each is checked by planning it, with the figure as written (rounded up:
-    a budget rounded down to the figure shown would be refused again)."""
+    a budget rounded down to the figure shown would be refused again). ``host_need``: the refusal's (the least
+    host memory of a placement the device holds), the host budget suggested when planning with it fits."""
 
     def tries(**changes) -> Plan | None:
         try:
@@ -174,7 +175,10 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict) -> list[str]:
     )
     host_only = tries(**hb, host_budget=None, disk=False)
     if host_only is not None and kw.get("host_budget") is not None and host_only.host_total > kw["host_budget"]:
-        budget = shown(host_only.host_total, "host_budget", **hb, disk=False)
+        least = dev_only is not None and not kw.get("disk") and host_need is not None
+        budget = (least and shown(host_need, "host_budget", **hb, disk=False)) or shown(
+            host_only.host_total, "host_budget", **hb, disk=False
+        )
         if budget:
             tips.append(f"a host budget (max_host_memory) of at least {budget}, all state in host memory")
     if kw.get("host_budget") is not None and kw.get("disk") and host_only is not None:
@@ -507,6 +511,7 @@ def _make_plan(
                 yield {i: ("all" if i >= L - k else "moments") for i in range(r, L)}
 
     best = None
+    least_host: int | None = None
     # Prefer the shell's optimizer on the device: its gradient is complete only at the very end of the
     # backward, so a host update of it would sit on the critical path of the next step.
     shell_choices: tuple[bool, ...] = (True, False)
@@ -586,8 +591,13 @@ def _make_plan(
                     # keep the plan that comes closest, to show in the refusal: the smallest on the device
                     if best is None or (plan.device_total, plan.host_total) < (best.device_total, best.host_total):
                         best = plan
+                    # and the least host memory of a plan the device holds: what the host needs (the refusal's
+                    # figure, which the host budget it suggests covers)
+                    if fits(plan)[0] and (least_host is None or plan.host_total < least_host):
+                        least_host = plan.host_total
     assert best is not None
     need_dev = best.device_total
+    need_host = best.host_total if least_host is None else least_host
     raise PlanError(
         "no placement fits: "
         + (
@@ -597,9 +607,8 @@ def _make_plan(
             else ""
         )
         + (
-            f"host needs {fmt_bytes(best.host_total)} > budget {fmt_bytes(host_budget)} "
-            f"({best.host_total} > {host_budget} bytes); "
-            if host_budget is not None and best.host_total > host_budget
+            f"host needs {fmt_bytes(need_host)} > budget {fmt_bytes(host_budget)} ({need_host} > {host_budget} bytes); "
+            if host_budget is not None and need_host > host_budget
             else ""
         )
         + (
@@ -608,5 +617,6 @@ def _make_plan(
             else ""
         )
         + "smallest plan:\n"
-        + best.describe()
+        + best.describe(),
+        host_need=least_host,
     )

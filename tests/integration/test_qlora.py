@@ -49,8 +49,9 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _bnb_model(path, seed: int = 1):
-    """bitsandbytes' QLoRA, as its users write it: the 4-bit model, prepare_model_for_kbit_training, PEFT."""
+def _bnb_model(path, seed: int = 1, checkpointing: bool = False):
+    """bitsandbytes' QLoRA, as its users write it: the 4-bit model, prepare_model_for_kbit_training, PEFT.
+    ``checkpointing``: prepare_model_for_kbit_training's default (the model checkpoints its layers, reentrant)."""
     cfg = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
@@ -58,7 +59,7 @@ def _bnb_model(path, seed: int = 1):
         bnb_4bit_compute_dtype=torch.float32,
     )
     q = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg, device_map="cpu", dtype=torch.float32)
-    q = prepare_model_for_kbit_training(q, use_gradient_checkpointing=False)
+    q = prepare_model_for_kbit_training(q, use_gradient_checkpointing=checkpointing)
     torch.manual_seed(seed)
     q = get_peft_model(q, LoraConfig(**LORA))
     q.train()
@@ -191,6 +192,21 @@ def test_the_users_own_4bit_model_gives_the_engines_numbers_at_every_point_and_a
     with torch.no_grad():
         assert torch.equal(mine(input_ids=ids).logits, ref(input_ids=ids).logits)
     assert torch.equal(mine.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0), tokens)
+
+
+def test_the_models_own_checkpointing_is_turned_off_and_it_trains_as_bitsandbytes_qlora_with_it(model_dir):
+    """prepare_model_for_kbit_training(model) as docs/lora.md writes it checkpoints the model's layers (reentrant),
+    which cannot run under the engine's backward: the engine, which checkpoints every block itself, turns it off
+    (once, said in the log), and the losses and adapters are bitsandbytes' QLoRA with it, bitwise."""
+    ref, mine = _bnb_model(model_dir, checkpointing=True), _bnb_model(model_dir, checkpointing=True)
+    assert mine.is_gradient_checkpointing
+    data = tm.batches(2, G)
+    want = _reference(ref, data)
+    engine = zerofit.initialize(mine, CFG)
+    assert not mine.is_gradient_checkpointing
+    assert [engine.train_batch(mbs) for mbs in data] == want
+    _assert_adapters_equal(engine, ref)
+    engine.close()
 
 
 def _engine_over_dir(model_dir, precision: str = "fp32", **cfg):

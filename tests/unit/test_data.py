@@ -456,7 +456,7 @@ def test_evaluate_is_the_token_weighted_mean_over_all_windows(corpus, tok):
 # --- errors --------------------------------------------------------------------------------------------------
 
 
-def test_errors_name_the_file_row_and_field(tmp_path, tok):
+def test_errors_name_the_file_row_and_field(tmp_path, tok, capfd):
     with pytest.raises(DataError, match="nope.jsonl: no such file or folder"):
         load_documents(tmp_path / "nope.jsonl", tok)
     (tmp_path / "data.csv").write_text("text\nhello\n")
@@ -487,8 +487,10 @@ def test_errors_name_the_file_row_and_field(tmp_path, tok):
         with pytest.raises(DataError, match=pattern):
             load_documents(write_jsonl(tmp_path / name, rows), tok)
     (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    capfd.readouterr()
     with pytest.raises(DataError, match="broken.jsonl: cannot be read as json"):
         load_documents(tmp_path / "broken.jsonl", tok)
+    assert "Failed to load JSON" not in capfd.readouterr().err  # the reader's own log line: the error says it once
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "fine.txt").write_text("fine")
     with pytest.raises(DataError, match="latin1.txt: cannot be read as text"):

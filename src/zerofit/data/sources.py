@@ -130,14 +130,16 @@ def offline_hub() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_datasets() -> Iterator[None]:
-    """No progress bars or info logs from ``datasets`` while reading: the caller reports progress itself."""
+    """No progress bars or logs from ``datasets`` while reading: the caller reports progress itself, and a file it
+    cannot read itself (its JSON reader logs the parse error before it raises it: zerofit's error names the file
+    and the cause once)."""
     from datasets import utils as ds_utils
     from datasets.utils import logging as ds_logging
 
     bars_were_off = ds_utils.are_progress_bars_disabled()
     verbosity = ds_logging.get_verbosity()
     ds_utils.disable_progress_bars()
-    ds_logging.set_verbosity_error()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
     try:
         yield
     finally:

@@ -161,7 +161,7 @@ class Engine(DeepSpeedSurface):
             # the engine checkpoints every block it streams: the model's own checkpointing would recompute each
             # block a second time, and its reentrant form (prepare_model_for_kbit_training's) cannot run under
             # the engine's backward ([Note: the model's own checkpointing], step/compute.py)
-            model.gradient_checkpointing_disable()
+            model.gradient_checkpointing_disable()  # type: ignore[operator]  # (a transformers model's method)
             log.info("zerofit: the model's gradient checkpointing is off; zerofit checkpoints every block itself")
         # [Note: an NF4 base] (nf4.py): bitsandbytes' 4-bit layers, or quantize_base, swapped before the table
         self.nf4 = BaseNF4.prepare(

@@ -25,7 +25,8 @@ they wrapped the ``Linear4bit`` (their forward calls ``base_layer(x)``). tests/i
 bitwise bitsandbytes' own QLoRA path (PEFT over a ``BitsAndBytesConfig`` model, torch's AdamW) on the CPU.
 
 Outside a step the module's NF4 weights are on the meta device (there is no 16-bit copy of them to view);
-``master_state_dict``, a merge and the base's fingerprint read them from the packed buffer.
+``master_state_dict``, a merge and the base's fingerprint read them from the packed buffer, and so does the
+layer's own forward ([Note: the user's 4-bit layers outside a step]).
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ class DequantizedLinear(nn.Module):
         return unit.value(unit.names[i], self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w: torch.Tensor = self.weight
         if w.is_meta:  # [Note: the user's 4-bit layers outside a step]
             w = self.host_weight().to(x.device)
         inp = x.dtype

@@ -175,8 +175,8 @@ def advice(shape: ModelShape, batch: BatchShape | None, kw: dict, host_need: int
     )
     host_only = tries(**hb, host_budget=None, disk=False)
     if host_only is not None and kw.get("host_budget") is not None and host_only.host_total > kw["host_budget"]:
-        least = dev_only is not None and not kw.get("disk") and host_need is not None
-        budget = (least and shown(host_need, "host_budget", **hb, disk=False)) or shown(
+        least = host_need if dev_only is not None and not kw.get("disk") else None
+        budget = (least is not None and shown(least, "host_budget", **hb, disk=False)) or shown(
             host_only.host_total, "host_budget", **hb, disk=False
         )
         if budget:

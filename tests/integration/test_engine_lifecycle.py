@@ -761,14 +761,18 @@ def test_script_interrupted_by_sigint_stops_promptly(exits):
 
 
 def test_the_engine_keeps_none_of_the_users_original_weights():
-    """The module's parameters become views of the units' buffers; the engine holds no reference to the tensors
-    they replaced (a real model's weights would be held twice in host memory)."""
+    """The module's parameters become views of the units' buffers (the same parameter objects: [Note: the model's
+    parameter objects]); the engine holds no reference to the storage they had (a real model's weights would be
+    held twice in host memory)."""
     import gc
-    import weakref
+
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     model = tm.llama()
-    originals = [weakref.ref(p) for p in model.parameters()]
+    params = list(model.parameters())
+    originals = [StorageWeakRef(p.untyped_storage()) for p in params]
     engine = zerofit.initialize(model, _cfg())
     gc.collect()
-    assert sum(r() is not None for r in originals) == 0
+    assert sum(not r.expired() for r in originals) == 0
+    assert [id(p) for p in engine.module.parameters()] == [id(p) for p in params]
     engine.close()

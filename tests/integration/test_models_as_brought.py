@@ -328,3 +328,131 @@ def test_fsdp_arguments_zerofit_does_not_take_say_what_to_do():
         FSDP(MyLargeModel(), process_group=object())
     with pytest.raises(UserLoopError, match=r"ignored_modules.*requires_grad_\(False\)"):
         FSDP(MyLargeModel(), ignored_modules=[])
+
+
+class KeywordLabels(tm.PlainLM):
+    """``labels`` keyword-only and required."""
+
+    def forward(self, input_ids, *, labels):
+        return super().forward(input_ids, labels)
+
+
+class KwargsLabels(tm.PlainLM):
+    """``labels`` through ``**kwargs``, read before the first block."""
+
+    def forward(self, input_ids, **kwargs):
+        return super().forward(input_ids, kwargs["labels"])
+
+
+class ResidualAround(tm.PlainLM):
+    """The residual around each block (``h = h + block(h)``): not a chain of blocks, so it trains on the generic
+    path ([Note: generic fallback]), whose rebuild keeps the model's parameter objects."""
+
+    def forward(self, input_ids, labels=None):
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def _accumulating(model, data, step_of=None) -> list[float]:
+    """The tutorial's loop with G micro-batches per step: ``(loss / G).backward()`` each, then the step
+    (``step_of(loss)``: the door's own per micro-batch; None: AdamW over ``model.parameters()``, built after the
+    wrap, stepped after the G-th)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True) if step_of is None else None
+    out = []
+    for mbs in data:
+        losses = []
+        for mb in mbs:
+            loss = model(**mb)
+            if step_of is None:
+                (loss / len(mbs)).backward()
+            else:
+                step_of(loss)
+            losses.append(loss.detach())
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        out.append(torch.stack(losses).mean().item())
+    return out
+
+
+@pytest.mark.parametrize("cls", [KeywordLabels, KwargsLabels, ResidualAround])
+@pytest.mark.parametrize("door", ["zerofit.fsdp", "zerofit.deepspeed", "zerofit.initialize"])
+def test_hand_written_forwards_train_as_plain_pytorch_under_every_door(cls, door):
+    """A forward that requires ``labels`` keyword-only or reads it from ``**kwargs`` before its first block (the
+    pre pass calls it with the micro-batch as the user's forward takes it), and one with the residual around its
+    blocks (the generic path): under each door the losses and weights of plain PyTorch, and the user's optimizer
+    built over the wrapper's parameters holds the model's parameters through the generic path's rebuild."""
+    import zerofit
+    import zerofit.deepspeed as deepspeed
+
+    torch.manual_seed(0)
+    ref = cls()
+    data = tm.batches(3, 2)
+    want = _accumulating(ref, data)
+    torch.manual_seed(0)
+    model = cls()
+    if door == "zerofit.fsdp":
+        wrapped = FSDP(model, zerofit_config={"device": "cpu"})
+        got = _accumulating(wrapped, data)
+        state = wrapped.state_dict()
+    elif door == "zerofit.deepspeed":
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config={
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 2,
+                "gradient_clipping": 0,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+                "zero_optimization": {"stage": 3},
+            },
+        )
+
+        def step_of(loss):
+            engine.backward(loss)
+            engine.step()
+
+        got = _accumulating(engine, data, step_of)
+        state = engine.module.state_dict()
+    else:
+        engine = zerofit.initialize(
+            model,
+            {
+                "device": "cpu",
+                "precision": "fp32",
+                "micro_batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
+            },
+        )
+        got = [engine.train_batch(mbs) for mbs in data]
+        state = engine.module.state_dict()
+    assert got == want
+    _same_weights(state, ref)
+
+
+def test_the_residual_model_clipped_under_fsdp_is_plain_pytorch_after_the_generic_rebuild():
+    """``model.clip_grad_norm_`` of the user's loop sums the trained parameters in the module's order: after the
+    generic path's rebuild it follows the new unit (the norms and weights of torch's own clip)."""
+
+    def loop(model, data, clip):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+        norms = []
+        for mbs in data:
+            for mb in mbs:
+                (model(**mb) / len(mbs)).backward()
+            norms.append(float(clip(model)))
+            opt.step()
+            opt.zero_grad()
+        return norms
+
+    torch.manual_seed(0)
+    ref = ResidualAround()
+    torch.manual_seed(0)
+    wrapped = FSDP(ResidualAround(), zerofit_config={"device": "cpu"})
+    data = tm.batches(3, 2)
+    want = loop(ref, data, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+    assert loop(wrapped, data, lambda m: m.clip_grad_norm_(0.5)) == want and want[0] > 0.5
+    _same_weights(wrapped.state_dict(), ref)

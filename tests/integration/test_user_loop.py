@@ -469,12 +469,23 @@ def test_what_the_engine_cannot_stand_in_for_is_refused_by_name():
     mb = tm.batches(1, 1)[0][0]
     with pytest.raises(UserLoopError, match="param_init_fn"):
         FSDP(_model(), param_init_fn=lambda m: m)
-    base = _model()
-    early = torch.optim.AdamW(base.parameters(), lr=LR)  # built before the wrap
-    model = FSDP(base, cpu_offload=CPUOffload(offload_params=True))
-    model(**mb).loss.backward()
+    with torch.device("meta"):
+        base = _model()
+    early = torch.optim.AdamW(base.parameters(), lr=LR)  # built before the wrap, over parameters with no storage
+    FSDP(base, cpu_offload=CPUOffload(offload_params=True))(**mb).loss.backward()
     with pytest.raises(UserLoopError, match="before it was wrapped"):
         early.step()
+    base = _model()
+    held = list(base.parameters())
+    early = torch.optim.AdamW(held, lr=LR)  # built before the wrap over a real model's: still the model's own
+    model = FSDP(base, cpu_offload=CPUOffload(offload_params=True))
+    assert [id(p) for p in model.parameters()] == [id(p) for p in held]  # [Note: the model's parameter objects]
+    model(**mb).loss.backward()
+    before = held[0].detach().clone()
+    early.step()
+    assert not torch.equal(held[0].detach(), before)
+    early.zero_grad()
+    model(**mb).loss.backward()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(UserLoopError, match="SGD: zerofit's engine steps AdamW"):
         sgd.step()
@@ -489,7 +500,7 @@ def test_what_the_engine_cannot_stand_in_for_is_refused_by_name():
     name = eng.adapter.block_prefix(0) + "." + u.layout.names[0]
     i = [n for n, _ in model.module.named_parameters()].index(name)
     assert torch.equal(state[i]["exp_avg"], u.layout.views(u.exp_avg)[u.layout.names[0]])
-    assert float(state[i]["step"]) == 1.0 and len(state) == len(params)
+    assert float(state[i]["step"]) == 2.0 and len(state) == len(params)  # the engine's steps: early's, then this one
     held = FSDP(
         _model(), cpu_offload=CPUOffload(offload_params=True), zerofit_config={"gradient_accumulation_steps": 2}
     )

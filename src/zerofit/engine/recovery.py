@@ -25,6 +25,7 @@ from zerofit.engine.model.adapter import Adapter, NonSequentialModel
 from zerofit.engine.model.materialize import model_shape, param_table, rebind_params
 from zerofit.engine.plan.engine_plan import Planning
 from zerofit.engine.plan.search import PlanError
+from zerofit.engine.step.torch_clip import module_order
 
 if TYPE_CHECKING:
     from zerofit.engine.engine import Engine
@@ -135,6 +136,7 @@ def become_generic(engine: Engine, err: NonSequentialModel) -> None:
     generic, table, shape, planning = generic_plan(
         err, model=engine._model, config=engine.config, dev=engine.dev, ranks=engine.ranks, frozen=engine.frozen
     )
+    following = engine.stepper.torch_clip.order is not None  # the user's loop clips in the module's order
     engine.stepper.mirrors_behind()
     engine._sync_host_weights()  # the module's parameters hold the current weights: the new unit copies them
     engine.worker.drain()
@@ -147,6 +149,8 @@ def become_generic(engine: Engine, err: NonSequentialModel) -> None:
     try:
         engine._build_parts(carry=engine.window)
         restore_optimizer_state(engine.units, carried)
+        if following:  # over the new unit (the module's parameters are the same objects: materialize.py)
+            engine.stepper.torch_clip.follow(module_order(engine.units, engine.adapter, engine._model))
     except BaseException as e:
         engine._fail(e)
         raise

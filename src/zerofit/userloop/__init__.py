@@ -45,13 +45,15 @@ that holds every trained part and call it (a LightningModule with an encoder and
 
 Refused by name, before anything trains: an optimizer other than AdamW (or Adam without weight decay), AMSGrad,
 ``maximize``, param groups whose settings differ (the engine's groups are fixed when it is built: give them as
-``zerofit_config``'s optimizer), an optimizer built over the model's parameters before it was wrapped (they are
-not the ones trained), an autocast of another dtype over a 16-bit wrapper (of its own dtype: FSDP's fp16 recipe, run).
+``zerofit_config``'s optimizer), an optimizer built before the wrap over parameters the model no longer holds (a
+model built on the meta device gets new ones; a real model's are kept: [Note: the model's parameter objects],
+engine/model/materialize.py), an autocast of another dtype over a 16-bit wrapper (of its own dtype: FSDP's fp16
+recipe, run).
 The optimizer's ``state_dict()`` is torch's AdamW format filled from the engine's moments (and ``load_state_dict``
 writes them back): accelerate's ``save_state``/``load_state`` and Lightning's checkpoints work as written.
 
-A loop's ``clip_order`` (the engine's units and names in the model's order) is taken at wrap time: a rebuild of the
-engine's units (the generic fallback) would leave it stale (not handled).
+The clip's order (the engine's units and names in the module's order) is taken at wrap time, and again after a
+rebuild of the engine's units (the generic fallback: recovery.py).
 
 The package: loop.py (:class:`UserLoop`, the registry of live loops), optimizer.py (the optimizer's checks, its step
 hooks and zero_grad), patches.py (every callable of torch, accelerate and Lightning replaced in the process: its

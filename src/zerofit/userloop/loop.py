@@ -95,6 +95,12 @@ class UserLoop:
         patches.install()
         _LIVE.add(self)
 
+    def replaced(self) -> set[int]:
+        """The ids of the model's parameters before the wrap that it no longer holds: an optimizer over them trains
+        nothing. The engine keeps the parameter objects it can ([Note: the model's parameter objects],
+        materialize.py): those of a model built on the meta device are new."""
+        return {id(p) for p in self._originals} - self.params
+
     # ------------------------------------------------------------------ forward and backward
 
     def forward(self, *args, **kwargs):

@@ -50,7 +50,7 @@ def check_optimizer(opt, loop: UserLoop) -> None:
             "is built: give them in zerofit_config (optimizer) or train with one group"
         )
     ids = {id(p) for g in groups for p in g["params"]}
-    if ids & {id(p) for p in loop._originals}:
+    if ids & loop.replaced():
         raise UserLoopError(
             f"{name} was built over the model's parameters before it was wrapped: those are not "
             "the ones trained now; build the optimizer over the wrapped model's parameters "
@@ -78,9 +78,7 @@ def _step_pre_hook(optimizer, args, kwargs):
         loop._follow(optimizer)  # refused (by name) before anything runs
     elif _LIVE:
         stale = [
-            lp
-            for lp in list(_LIVE)
-            if any(id(p) in {id(o) for o in lp._originals} for g in optimizer.param_groups for p in g["params"])
+            lp for lp in list(_LIVE) if any(id(p) in lp.replaced() for g in optimizer.param_groups for p in g["params"])
         ]
         if stale:
             check_optimizer(optimizer, stale[0])  # raises: built before the wrap

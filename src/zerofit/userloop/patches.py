@@ -58,7 +58,8 @@ PATCHES: dict[str, Patch] = {
     "torch.optim.Optimizer.step (global pre-hook)": Patch(
         "torch",
         "before any optimizer's step: an optimizer over a loop's parameters is checked (refused by name: not AdamW, "
-        "param groups that differ, two wrapped models), one built before the wrap is refused",
+        "param groups that differ, two wrapped models), one built before the wrap over parameters the model no "
+        "longer holds (a meta model's) is refused",
         _FIRST_WRAP,
         _NO_TORCH,
     ),

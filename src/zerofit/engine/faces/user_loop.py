@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerofit.engine.plan.plan import PlanError
+from zerofit.engine.step.torch_clip import module_order
 
 if TYPE_CHECKING:
     from zerofit.engine.engine import Engine
@@ -36,9 +37,7 @@ class UserLoopFace:
         its trained parameters."""
         e = self.engine
         e.window.any_number_of_micro_batches(e.config.gradient_accumulation_steps == 1)
-        where = self.trained()
-        order = [where[n] for n, p in e.module.named_parameters() if p.requires_grad and n in where]
-        e.stepper.torch_clip.follow(order)
+        e.stepper.torch_clip.follow(module_order(e.units, e.adapter, e.module))
 
     @property
     def streaming(self) -> bool:

@@ -222,11 +222,13 @@ class Adapter:
                 c.use_cache = value
 
     def pre(self, shell_call, batch: dict) -> PreResult:
-        """Run the model up to its first block; record every block's call. ``shell_call(kwargs)`` runs the model."""
+        """Run the model up to its first block; record every block's call. ``shell_call(kwargs)`` runs the model,
+        with the micro-batch as the user's forward takes it (``labels`` too: a forward may require it, keyword-only
+        or through ``**kwargs``, before its first block)."""
         sink: list = []
         last = self.num_blocks - 1
         stubs = [_Recorder(i, last, sink) for i in range(self.num_blocks)]
-        kw = self._inputs({k: v for k, v in batch.items() if k != "labels"})
+        kw = self._inputs(batch)
         with self._swapped(stubs), self._no_cache():
             try:
                 shell_call(kw)

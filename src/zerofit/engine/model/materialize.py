@@ -356,7 +356,7 @@ def build_units(
         for n in qnames:  # no 16-bit copy to view outside a step: on the meta device ([Note: an NF4 base])
             views[n] = torch.empty(canon[n].shape, dtype=compute_dtype, device="meta")
         for n in all_names:
-            shared = nn.Parameter(views[n], requires_grad=canon[n].requires_grad)
+            shared = as_parameter(canon[n], views[n])
             for alias in table.aliases[n]:
                 mod_path, _, leaf = alias.rpartition(".")
                 (model.get_submodule(mod_path) if mod_path else model)._parameters[leaf] = shared
@@ -384,13 +384,25 @@ def release_originals(model: nn.Module, table: ParamTable) -> ParamTable:
     return dataclasses.replace(table, canonical={n: model.get_parameter(n) for n in table.canonical})
 
 
+def as_parameter(old: torch.Tensor, view: torch.Tensor) -> nn.Parameter:
+    """[Note: the model's parameter objects]
+    The module's parameter ``old`` made to view ``view`` (the engine's buffer): the same ``nn.Parameter`` object,
+    its ``data`` swapped, so that what the user holds (an optimizer built over ``model.parameters()`` after
+    wrapping, a list kept for clipping) stays the model's parameters through every build of the units: the first,
+    a rebuild on the generic path ([Note: generic fallback], recovery.py), a load. A new object only where there
+    is none to keep: a parameter on the meta device (no storage to swap), or a view on it (an NF4 weight)."""
+    if isinstance(old, nn.Parameter) and not old.is_meta and not view.is_meta:
+        old.data = view
+        return old
+    return nn.Parameter(view, requires_grad=old.requires_grad)
+
+
 def rebind_params(model: nn.Module, adapter: Adapter, table: ParamTable, unit: Unit, host: torch.Tensor) -> None:
     """Point the module's trained parameters of ``unit`` at views of ``host`` (fp32, the unit's flat layout)."""
     prefix = "" if unit.index < 0 else adapter.block_prefix(unit.index) + "."
     views = unit.layout.views(host)
     for n in (prefix + rel for rel in unit.layout.names):
-        old = table.canonical[n]
-        shared = nn.Parameter(views[n[len(prefix) :]], requires_grad=old.requires_grad)
+        shared = as_parameter(table.canonical[n], views[n[len(prefix) :]])
         for alias in table.aliases[n]:
             mod_path, _, leaf = alias.rpartition(".")
             (model.get_submodule(mod_path) if mod_path else model)._parameters[leaf] = shared

@@ -46,6 +46,16 @@ if TYPE_CHECKING:
     from zerofit.engine.memory.grads import Grads
 
 
+def module_order(units: list[Unit], adapter, model) -> list[tuple[Unit, str]]:
+    """(unit, its name in the unit) of every trained parameter, in the module's order: what torch's clip sums over
+    in the user's loop (:meth:`TorchClip.follow`)."""
+    where: dict[str, tuple[Unit, str]] = {}
+    for u in units:
+        prefix = "" if u.index < 0 else adapter.block_prefix(u.index) + "."
+        where.update({prefix + n: (u, n) for n in u.layout.names})
+    return [where[n] for n, p in model.named_parameters() if p.requires_grad and n in where]
+
+
 class TorchClip:
     def __init__(self, dev: Device, grads: Grads, ranks: Ranks) -> None:
         self.dev, self.grads, self.ranks = dev, grads, ranks

@@ -630,3 +630,76 @@ def test_assisted_updates_in_the_users_loop_are_plain_pytorch_bitwise(clip, G, m
     assert got == want
     _assert_weights(model.state_dict(), ref)
     assert ran, "the device updated its share of the blocks"
+
+
+def _wide():
+    """A Llama of 256 wide (untied): the optimizer thread's AdamW of a block takes long enough to race a read."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=tm.VOCAB,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
+
+
+@pytest.mark.parametrize("door", ["zerofit.fsdp", "zerofit.initialize"])
+def test_the_users_own_model_read_right_after_each_step_has_that_steps_weights(door):
+    """A stress test of [Note: a read of the user's model] (engine.py): many short runs whose blocks' AdamW runs on
+    the optimizer thread after a clipped step, the user's own object evaluated the moment each step returns. Without
+    the wait its read raced the thread writing the masters (about half of such reads were 1e-3 to 2e-2 away); with
+    it every read is plain PyTorch's weights, bitwise."""
+    import zerofit
+
+    reads = 0
+    for run in range(4):
+        torch.manual_seed(run)
+        ref = _wide()
+        mine = copy.deepcopy(ref)
+        data = tm.batches(3, 2, seed=run + 1)
+        x = data[0][0]["input_ids"]
+        opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01, fused=True)
+        if door == "zerofit.fsdp":
+            outer = FSDP(mine, cpu_offload=CPUOffload(offload_params=True), zerofit_config={"device": "cpu"})
+            engine = outer.zerofit_engine
+            outer_opt = torch.optim.AdamW(outer.parameters(), lr=LR, weight_decay=0.01, fused=True)
+        else:
+            engine = zerofit.initialize(
+                mine,
+                {
+                    "device": "cpu",
+                    "precision": "fp32",
+                    "micro_batch_size": 2,
+                    "gradient_accumulation_steps": 2,
+                    "gradient_clipping": 1e9,
+                    "optimizer": {"lr": LR, "weight_decay": 0.01},
+                },
+            )
+        assert engine.deferred  # the blocks' updates run on the optimizer thread, after the step returns
+        for mbs in data:
+            for mb in mbs:
+                (ref(**mb).loss / len(mbs)).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+            opt.step()
+            opt.zero_grad()
+            if door == "zerofit.fsdp":
+                for mb in mbs:
+                    (outer(**mb).loss / len(mbs)).backward()
+                outer.clip_grad_norm_(1e9)
+                outer_opt.step()
+                outer_opt.zero_grad()
+            else:
+                engine.train_batch(mbs)
+            with torch.no_grad():
+                got = mine(input_ids=x).logits  # the moment the step returned
+                assert torch.equal(got, ref(input_ids=x).logits)
+            reads += 1
+        engine.close()
+    assert reads == 12

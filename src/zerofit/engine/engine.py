@@ -232,6 +232,8 @@ class Engine(DeepSpeedSurface):
         self.adapter.inputs_hook = tiling.documents_hook(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
         log.info("zerofit: %s", self.kernels.describe())
+        # [Note: a read of the user's model]
+        self._reads = model.register_forward_pre_hook(_current_for_reads(weakref.ref(self)))
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
 
@@ -390,6 +392,7 @@ class Engine(DeepSpeedSurface):
             recovery.leave_disk(self.tier, self.blocks, self._model, self.adapter, self._table)
 
         self.lifecycle.close(finish, self._reset_transfers, self._drop_device_state)
+        self._reads.remove()  # the final weights are in the module's parameters: nothing is pending any more
 
     def __enter__(self):
         return self
@@ -645,3 +648,23 @@ def _loss_scaler(config: ZerofitConfig):
     from zerofit.optim.loss_scaler import make_loss_scaler
 
     return make_loss_scaler(config.fp16)
+
+
+def _current_for_reads(engine_ref):
+    """[Note: a read of the user's model]
+    The module's parameters are views of the engine's host weights, which a step leaves behind until its updates
+    land: the host's AdamW runs on the optimizer thread (deferred to the next forward where the plan defers them),
+    a device-optimized unit's host mirror is copied back only when read. ``engine.module`` waits for both; the
+    user's own object (the model they passed, called directly: an evaluation, ``generate``) is the same module, so
+    a forward pre-hook on it does the same wait before a call the engine does not make itself (``Compute.calling``
+    counts those), while the engine is open. A read between two steps then sees the last step's weights, never a
+    half-written update (the optimizer thread writing the masters the forward reads). Holds the engine weakly, and
+    is removed at close, when the final weights are in place."""
+
+    def hook(module, args):
+        engine = engine_ref()
+        if engine is None or engine.state is not EngineState.OPEN or engine.compute.calling:
+            return
+        _ = engine.module  # the pending updates applied, the host mirrors current
+
+    return hook

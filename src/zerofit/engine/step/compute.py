@@ -29,11 +29,20 @@ class Compute:
     def __init__(self, model: nn.Module, adapter: Adapter, dev: Device, shell: Unit, kernels: Kernels | None = None):
         self.model, self.adapter, self.dev, self.shell = model, adapter, dev, shell
         self.kernels = kernels  # [Note: fast kernels] (model/kernels.py); None: the model's own code
+        self.calling = 0  # the engine's own calls of the model in progress ([Note: a read of the user's model])
 
     def shell_call(self, leaves: dict):
         """The model's own forward with the shell's ``leaves`` (and buffers) as its parameters: ``call(kwargs)``."""
         params = {**leaves, **self.shell.buffers}
-        return lambda kw: functional_call(self.model, params, (), kw, strict=False)
+
+        def call(kw: dict):
+            self.calling += 1
+            try:
+                return functional_call(self.model, params, (), kw, strict=False)
+            finally:
+                self.calling -= 1
+
+        return call
 
     @contextlib.contextmanager
     def weights(self, module: nn.Module, params: dict):

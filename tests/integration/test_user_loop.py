@@ -653,9 +653,9 @@ def _wide():
 @pytest.mark.parametrize("door", ["zerofit.fsdp", "zerofit.initialize"])
 def test_the_users_own_model_read_right_after_each_step_has_that_steps_weights(door):
     """A stress test of [Note: a read of the user's model] (engine.py): many short runs whose blocks' AdamW runs on
-    the optimizer thread after a clipped step, the user's own object evaluated the moment each step returns. Without
-    the wait its read raced the thread writing the masters (about half of such reads were 1e-3 to 2e-2 away); with
-    it every read is plain PyTorch's weights, bitwise."""
+    the optimizer thread after a clipped step, the user's own object evaluated (or its state_dict read) the moment
+    each step returns. Without the wait its read raced the thread writing the masters (about half of such reads were
+    1e-3 to 2e-2 away); with it every read is plain PyTorch's weights, bitwise."""
     import zerofit
 
     reads = 0
@@ -697,9 +697,13 @@ def test_the_users_own_model_read_right_after_each_step_has_that_steps_weights(d
                 outer_opt.zero_grad()
             else:
                 engine.train_batch(mbs)
+            # the moment the step returned: its state_dict (copied: its tensors are views of the weights), or
+            state = {k: v.clone() for k, v in mine.state_dict().items()} if run % 2 else None
             with torch.no_grad():
-                got = mine(input_ids=x).logits  # the moment the step returned
+                got = mine(input_ids=x).logits  # its forward
                 assert torch.equal(got, ref(input_ids=x).logits)
+            if state is not None:
+                assert all(torch.equal(state[n], p.detach()) for n, p in ref.named_parameters())
             reads += 1
         engine.close()
     assert reads == 12

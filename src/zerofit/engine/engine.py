@@ -233,7 +233,8 @@ class Engine(DeepSpeedSurface):
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
         log.info("zerofit: %s", self.kernels.describe())
         # [Note: a read of the user's model]
-        self._reads = model.register_forward_pre_hook(_current_for_reads(weakref.ref(self)))
+        current = _current_for_reads(weakref.ref(self))
+        self._reads = (model.register_forward_pre_hook(current), model.register_state_dict_pre_hook(current))
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
 
@@ -392,7 +393,8 @@ class Engine(DeepSpeedSurface):
             recovery.leave_disk(self.tier, self.blocks, self._model, self.adapter, self._table)
 
         self.lifecycle.close(finish, self._reset_transfers, self._drop_device_state)
-        self._reads.remove()  # the final weights are in the module's parameters: nothing is pending any more
+        for handle in self._reads:  # the final weights are in the module's parameters: nothing is pending any more
+            handle.remove()
 
     def __enter__(self):
         return self
@@ -657,11 +659,11 @@ def _current_for_reads(engine_ref):
     a device-optimized unit's host mirror is copied back only when read. ``engine.module`` waits for both; the
     user's own object (the model they passed, called directly: an evaluation, ``generate``) is the same module, so
     a forward pre-hook on it does the same wait before a call the engine does not make itself (``Compute.calling``
-    counts those), while the engine is open. A read between two steps then sees the last step's weights, never a
+    counts those), while the engine is open, and so does a ``state_dict`` pre-hook (``save_pretrained``'s). A read between two steps then sees the last step's weights, never a
     half-written update (the optimizer thread writing the masters the forward reads). Holds the engine weakly, and
     is removed at close, when the final weights are in place."""
 
-    def hook(module, args):
+    def hook(module, *_):
         engine = engine_ref()
         if engine is None or engine.state is not EngineState.OPEN or engine.compute.calling:
             return

@@ -659,9 +659,10 @@ def _current_for_reads(engine_ref):
     a device-optimized unit's host mirror is copied back only when read. ``engine.module`` waits for both; the
     user's own object (the model they passed, called directly: an evaluation, ``generate``) is the same module, so
     a forward pre-hook on it does the same wait before a call the engine does not make itself (``Compute.calling``
-    counts those), while the engine is open, and so does a ``state_dict`` pre-hook (``save_pretrained``'s). A read between two steps then sees the last step's weights, never a
-    half-written update (the optimizer thread writing the masters the forward reads). Holds the engine weakly, and
-    is removed at close, when the final weights are in place."""
+    counts those), while the engine is open, and so does a ``state_dict`` pre-hook (``save_pretrained``'s). A read
+    between two steps then sees the last step's weights, never a half-written update (the optimizer thread writing
+    the masters the forward reads). Holds the engine weakly, and is removed at close, when the final weights are in
+    place."""
 
     def hook(module, *_):
         engine = engine_ref()

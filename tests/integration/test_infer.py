@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import zerofit
 from tests.support import tiny_models as tm
-from tests.support.model_dirs import make_model_dir
+from tests.support.model_dirs import TWELVE, make_model_dir
 from zerofit.cli import app
 from zerofit.infer import InferenceEngine, InferencePlanError
 from zerofit.infer.plan import InferShape, plan_inference, spread
@@ -204,22 +204,6 @@ def test_model_directory_source_matches_from_pretrained(tmp_path, family, dtype)
     got = eng.generate(ids, mask, max_new_tokens=10, **GREEDY)
     assert eng.plan.streamed and torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
-
-
-TWELVE = [
-    "Hello there",
-    "The quick brown fox",
-    "def train(model",
-    "The answer is 42",
-    "x",
-    "Streaming the",
-    "Once upon a time",
-    "import torch",
-    "The weights stream",
-    "Good morning",
-    "1 2 3 4",
-    "What is the capital",
-]
 
 
 def test_an_fp32_folder_generates_in_fp32_by_default_as_transformers_loads_it(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.support.model_dirs import make_model_dir
+from tests.support.model_dirs import TWELVE, make_model_dir
 from zerofit.cli import app
 
 KEY = "test-key"
@@ -144,6 +144,22 @@ def test_greedy_chat_and_completion_equal_zerofit_generate_and_hf_generate(serve
     assert chat.choices[0].message.content == _text(base, _hf_greedy(base, ids, 10))
     assert chat.usage.prompt_tokens == len(ids)
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+
+def test_twelve_greedy_completions_in_the_folders_own_dtype_are_hf_generates(served):
+    """The server started with no --dtype holds the fp32 folder in fp32, as transformers loads it: greedy answers to
+    twelve prompts are HF ``generate``'s on the model ``from_pretrained`` gives (in bf16, some of them differ)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    client, base = _client(served), served["base"]
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    assert model.dtype == torch.float32
+    for p in TWELVE:
+        ids = tok(p, return_tensors="pt").input_ids
+        want = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
+        got = client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0)
+        assert got.choices[0].text == tok.decode(want, skip_special_tokens=True), p
 
 
 def test_streaming_gives_the_same_text_in_pieces_then_usage_and_done(served):

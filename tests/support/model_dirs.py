@@ -10,6 +10,22 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from tests.support.tiny_tokenizer import build_tokenizer
 
+# prompts of the test tokenizer's words on which a tiny fp32 folder held in bf16 answers some otherwise (greedy)
+TWELVE = [
+    "Hello there",
+    "The quick brown fox",
+    "def train(model",
+    "The answer is 42",
+    "x",
+    "Streaming the",
+    "Once upon a time",
+    "import torch",
+    "The weights stream",
+    "Good morning",
+    "1 2 3 4",
+    "What is the capital",
+]
+
 
 def make_model_dir(
     path: Path,

@@ -55,7 +55,6 @@ def make_folder(w, path: str, device: str = "cuda") -> float:
     t = time.time()
     torch.manual_seed(0)
     model = common.build_model(w, device, dtype=torch.bfloat16, init_in_dtype=True)
-    model.config.torch_dtype = torch.bfloat16
     model.save_pretrained(path, safe_serialization=True)
     del model
     tk = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(w.vocab)}, unk_token="t0"))

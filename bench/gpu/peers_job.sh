@@ -31,8 +31,7 @@ start)
         folder W6a /tmp/u_w6a
         bench w6a --workload W6a --engines unsloth,zerofit-fast,plain,plain-liger --steps 4 --cap 24GiB \
           --engine-args 'unsloth=--folder /tmp/u_w6a' --engine-timeout unsloth=420 --engine-timeout plain=240 \
-          --engine-timeout plain-liger=240 --timeout 360
-        rm -rf /tmp/u_w6a;;
+          --engine-timeout plain-liger=240 --timeout 360;;  # the folder stays for a rerun until u8 or w6c8
       w1clip)
         bench w1clip --workload W1 --engines plain,zerofit --engine-args 'plain=--clip 1.0' \
           --engine-args 'zerofit=--clip 1.0' --steps 5 --cap 24GiB --timeout 300;;
@@ -40,7 +39,7 @@ start)
         bench l8_\${L8_SEQ:-262144} --workload L8 --seq \${L8_SEQ:-262144} --engines zerofit --steps 2 --min-timed 1 \
           --cap none --engine-timeout zerofit=\${L8_TIMEOUT:-900};;
       u8)
-        folder L8 /tmp/u_l8
+        rm -rf /tmp/u_w6a; folder L8 /tmp/u_l8
         for seq in \${U8_SEQS:-65536 131072}; do
           bench u8_\$seq --workload L8 --seq \$seq --engines unsloth --steps 2 --min-timed 1 --cap none \
             --engine-args 'unsloth=--folder /tmp/u_l8' --timeout 400
@@ -48,7 +47,7 @@ start)
         done
         rm -rf /tmp/u_l8;;
       w6c8)
-        folder W6c8 /tmp/u_w6c8
+        rm -rf /tmp/u_w6a; folder W6c8 /tmp/u_w6c8
         bench w6c8 --workload W6c8 --engines unsloth,zerofit-fast,plain --steps 4 --cap 24GiB \
           --engine-args 'unsloth=--folder /tmp/u_w6c8' --timeout 300
         rm -rf /tmp/u_w6c8;;

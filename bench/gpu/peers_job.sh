@@ -10,7 +10,8 @@
 #            PEFT and PEFT + Liger-Kernel in the GPU with no cap; Unsloth's bf16 folder written first (26 GB)
 #   w1clip   W1 clipped at 1.0: plain (no cap) and zerofit (24 GiB), 4 timed steps each
 #   l8       the 8B shape in LoRA at L8_SEQ tokens (default 262,144) in one sequence, zerofit with no cap (L8_CAP:
-#            78GiB on a larger card than 80 GB), one timed step
+#            78GiB on a larger card than 80 GB), one timed step (L8_STEPS=1 L8_MIN_TIMED=0 L8_WARMUP=0: the first step
+#            alone, timed, its compile included)
 #   u8       Unsloth on the 8B shape in LoRA at each of U8_SEQS (default 65536 131072), one timed step, up to the
 #            first that fails
 #   w6c8     W6c8 (70B QLoRA cut to 8 blocks): Unsloth in 4 bits, zerofit fast at 24 GiB, PEFT + bitsandbytes
@@ -37,8 +38,9 @@ start)
         bench w1clip --workload W1 --engines plain,zerofit --engine-args 'plain=--clip 1.0' \
           --engine-args 'zerofit=--clip 1.0' --steps 5 --cap 24GiB --timeout 300;;
       l8)
-        bench l8_\${L8_SEQ:-262144} --workload L8 --seq \${L8_SEQ:-262144} --engines zerofit --steps 2 --min-timed 1 \
-          --cap \${L8_CAP:-none} --engine-timeout zerofit=\${L8_TIMEOUT:-900};;
+        bench l8_\${L8_SEQ:-262144} --workload L8 --seq \${L8_SEQ:-262144} --engines zerofit --steps \${L8_STEPS:-2} \
+          --min-timed \${L8_MIN_TIMED:-1} --engine-args \"zerofit=--warmup \${L8_WARMUP:-1}\" --cap \${L8_CAP:-none} \
+          --engine-timeout zerofit=\${L8_TIMEOUT:-900};;
       u8)
         rm -rf /tmp/u_w6a; folder L8 /tmp/u_l8
         for seq in \${U8_SEQS:-65536 131072}; do

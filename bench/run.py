@@ -368,7 +368,7 @@ def render(doc: dict) -> str:
     for r in rs:
         timed = max(0, len(r.get("step_s") or []) - r.get("warmup_steps", 1))
         note = r.get("error", "") if r.get("status") != "ok" else ""
-        checked = _common().step_check_text(step_check(r), m.get("min_timed", 3)) if timed else ""
+        checked = _common().step_check_text(step_check(r)) if timed else ""
         if checked:
             note = (note + "; " if note else "") + checked
         extra = r.get("extra") or {}
@@ -707,7 +707,7 @@ def main(argv=None) -> int:
             doc["results"].append(res)
             write_outputs(doc, args.out)  # after every engine: a killed run keeps what it had
             tps = res.get("tokens_per_s")
-            checked = _common().step_check_text(step_check(res), args.min_timed) if res.get("step_s") else ""
+            checked = _common().step_check_text(step_check(res)) if res.get("step_s") else ""
             print(
                 f"--- {name}: {res.get('status')}"
                 + (f", {tps:,.0f} tokens/s, {res.get('s_per_step'):.2f} s/step" if tps else "")

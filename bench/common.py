@@ -644,15 +644,18 @@ class Result:
         return self.step_s[self.warmup_steps :]
 
     def summary(self) -> dict[str, Any]:
-        """Derived figures: median s/step over the timed steps, tokens/s, model TFLOP/s (8*P*T/s; LoRA 6*P*T/s)."""
+        """Derived figures: median s/step over the timed steps, tokens/s, model TFLOP/s (8*P*T/s; LoRA 6*P*T/s),
+        and the timed steps judged (:func:`step_check`: too few of them, one over 1.5x the median and what it paid)."""
         timed = self.timed_s
+        check = step_check(self.step_s, self.warmup_steps, self.extra.get("timelines"))
         if not timed:
-            return {"s_per_step": None, "tokens_per_s": None, "tflops": None}
+            return {"s_per_step": None, "tokens_per_s": None, "tflops": None, "step_check": check}
         s = statistics.median(timed)
         return {
             "s_per_step": s,
             "tokens_per_s": self.tokens_per_step / s,
             "tflops": self.flops_per_param_token * self.params * self.tokens_per_step / s / 1e12,
+            "step_check": check,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -667,6 +670,68 @@ class Result:
         with open(tmp, "w") as f:
             json.dump(self.to_json(), f, indent=1, default=str)
         os.replace(tmp, path)  # atomic: the harness never reads half a file
+
+
+MIN_TIMED_STEPS = 3  # a figure is the median of at least this many timed steps (bench/run.py --min-timed)
+SLOW_STEP_FACTOR = 1.5  # a timed step longer than this times the median is flagged
+
+
+def step_check(
+    step_s: list[float],
+    warmup: int,
+    timelines: list | None = None,
+    factor: float = SLOW_STEP_FACTOR,
+    min_timed: int = MIN_TIMED_STEPS,
+) -> dict[str, Any]:
+    """The timed steps judged, so that a slow step is not read as the speed.
+
+    ``step_s``: every step's seconds, the ``warmup`` first untimed; ``timelines``: one dict of seconds per phase for
+    each step (zerofit's ``engine.timeline()``; None where an engine has none). Returns ``timed`` (how many),
+    ``enough`` (at least ``min_timed``: with two, the median is their mean and one slow step moves it by half),
+    ``median_s``, and ``slow``: each timed step over ``factor`` times the median, as ``{"step", "s", "x_median",
+    "paid"}``, where ``paid`` lists the phases of its timeline that ran longer than the same phase's median over
+    the timed steps, ``[phase, seconds more]``, the largest first (those above 5% of the median step)."""
+    timed = [float(s) for s in step_s[warmup:]]
+    out: dict[str, Any] = {"timed": len(timed), "enough": len(timed) >= min_timed, "median_s": None, "slow": []}
+    if not timed:
+        return out
+    med = statistics.median(timed)
+    out["median_s"] = round(med, 4)
+    lines = list(timelines or [])
+    timed_lines = [t for t in lines[warmup : len(step_s)] if isinstance(t, dict)]
+    for i, s in enumerate(timed):
+        if s <= factor * med:
+            continue
+        n = warmup + i
+        entry: dict[str, Any] = {"step": n, "s": round(s, 3), "x_median": round(s / med, 2)}
+        line = lines[n] if n < len(lines) and isinstance(lines[n], dict) else None
+        if line is not None:
+            paid = []
+            for phase, v in line.items():
+                if phase == "step" or not isinstance(v, (int, float)):
+                    continue  # "step" is the wall time itself
+                same = [t[phase] for t in timed_lines if isinstance(t.get(phase), (int, float))]
+                more = float(v) - statistics.median(same)
+                if more > 0.05 * med:
+                    paid.append([phase, round(more, 3)])
+            entry["paid"] = sorted(paid, key=lambda p: -p[1])
+        out["slow"].append(entry)
+    return out
+
+
+def step_check_text(check: dict[str, Any], min_timed: int = MIN_TIMED_STEPS) -> str:
+    """One line for the table's note: too few timed steps, and each slow step with what it paid for ("" if none)."""
+    parts = []
+    if check.get("timed") and not check.get("enough"):
+        parts.append(f"only {check['timed']} timed step{'s' if check['timed'] > 1 else ''} (fewer than {min_timed})")
+    for e in check.get("slow", []):
+        text = f"step {e['step']} took {e['s']:.2f} s, {e['x_median']:.1f}x the median {check['median_s']:.2f} s"
+        if e.get("paid"):
+            text += ": " + ", ".join(f"{phase} +{more:.2f} s" for phase, more in e["paid"])
+        elif "paid" in e:
+            text += ": no phase of its timeline over its median"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -805,6 +870,10 @@ def run_engine(
             dt = time.perf_counter() - t
             res.step_s.append(dt)
             res.losses.append(loss)
+            if res.timeline is not None or "timelines" in res.extra:  # each step's phases, for step_check
+                res.extra.setdefault("timelines", [None] * (len(res.step_s) - 1)).append(
+                    dict(res.timeline) if res.timeline is not None else None
+                )
             if i == 0:
                 res.first_step_s = time.time() - t0
             _record_memory(res, args.device, sampler, peaks)
@@ -831,6 +900,8 @@ def run_engine(
             f"peak RSS {res.peak_rss_gib:.1f} GiB",
             flush=True,
         )
+        if step_check_text(s["step_check"]):
+            print(f"[{name}] steps: {step_check_text(s['step_check'])}", flush=True)
     else:
         print(f"[{name}] {res.status}: {res.error}", flush=True)
     return code

@@ -61,6 +61,7 @@ ENGINES = (
     "zerofit-exact",
     "zerofit-fast",
     "plain-liger",
+    "unsloth",
 )
 # a variant runs its base engine's script with fixed arguments (zerofit-ds: the DeepSpeed-shaped loop;
 # zerofit-dsw: the same with each window announced first, engine.forward_window; zerofit-dsl: the unchanged loop
@@ -308,6 +309,29 @@ def _fmt(v, spec: str) -> str:
     return "" if v is None else format(v, spec)
 
 
+def _common():
+    """bench/common.py (no torch import), for the step check of results written before it was recorded."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import common
+
+    return common
+
+
+def step_check(r: dict) -> dict:
+    """An engine result's timed steps judged (common.step_check): as recorded, else from its step times."""
+    if isinstance(r.get("step_check"), dict):
+        return r["step_check"]
+    return _common().step_check(
+        r.get("step_s") or [], r.get("warmup_steps", 1), (r.get("extra") or {}).get("timelines")
+    )
+
+
+def effective_steps(steps: int, min_timed: int, warmup: int = 1) -> int:
+    """The steps an engine runs: ``steps``, raised so that at least ``min_timed`` follow the warm-up."""
+    return max(steps, warmup + min_timed)
+
+
 def render(doc: dict) -> str:
     """The markdown section of one run for the benchmark log (metadata, table, ratios, timeline)."""
     m, rs = doc["meta"], doc["results"]
@@ -344,6 +368,9 @@ def render(doc: dict) -> str:
     for r in rs:
         timed = max(0, len(r.get("step_s") or []) - r.get("warmup_steps", 1))
         note = r.get("error", "") if r.get("status") != "ok" else ""
+        checked = _common().step_check_text(step_check(r)) if timed else ""
+        if checked:
+            note = (note + "; " if note else "") + checked
         extra = r.get("extra") or {}
         if "op_build_s" in extra:
             note = (note + "; " if note else "") + f"incl. {extra['op_build_s']} s cpu_adam build"
@@ -367,6 +394,19 @@ def render(doc: dict) -> str:
             )
         )
     lines.append("")
+    times = [
+        f"{r['engine']} {' / '.join(f'{t:.2f}' for t in r['step_s'][: r.get('warmup_steps', 1)])}"
+        f" | {', '.join(f'{t:.2f}' for t in r['step_s'][r.get('warmup_steps', 1) :])}"
+        for r in rs
+        if r.get("step_s")
+    ]
+    if times:
+        lines += [
+            "step times (s), warm-up | timed: " + "; ".join(times) + f". A timed step over "
+            f"{_common().SLOW_STEP_FACTOR}x the median is named in the note with the phases of its timeline that "
+            "ran longer than their median.",
+            "",
+        ]
     by = {r["engine"]: r for r in rs}
     zf = by.get("zerofit")
     if zf:
@@ -515,7 +555,19 @@ def parse_args(argv=None):
         default="plain,zerofit,deepspeed,fsdp2",
         help=f"comma-separated, run in this order; from {', '.join(ENGINES)}",
     )
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps per engine, the first untimed")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=4,
+        help="optimizer steps per engine, the first untimed; raised to 1 + --min-timed",
+    )
+    p.add_argument(
+        "--min-timed",
+        type=int,
+        default=3,
+        help="timed steps at least, after the warm-up (default 3: the median of two is their mean, and a slow second "
+        "step passes for the speed); a lower value is recorded and each figure's note says how few it had",
+    )
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence instead of the workload's (L8, L13)")
     p.add_argument("--fsdp2-steps", type=int, default=2, help="steps for fsdp2 (slow)")
     p.add_argument("--cap", default="24GiB", help="GPU memory cap of the offloading engines ('none': no cap)")
@@ -623,8 +675,9 @@ def main(argv=None) -> int:
             "command": command_line(),
             "cap": args.cap,
             "plain_cap": args.plain_cap,
-            "steps": args.steps,
-            "fsdp2_steps": args.fsdp2_steps,
+            "steps": effective_steps(args.steps, args.min_timed),
+            "fsdp2_steps": effective_steps(args.fsdp2_steps, args.min_timed),
+            "min_timed": args.min_timed,
             "engines": engines,
             "lora": bool(args.lora or args.qlora or common.WORKLOADS[args.workload].lora),
             "qlora": bool(args.qlora or common.WORKLOADS[args.workload].qlora),
@@ -635,8 +688,14 @@ def main(argv=None) -> int:
     log_path = os.path.join(args.out, f"log_{args.workload}.txt")
     with tempfile.TemporaryDirectory(prefix="zerofit-bench-") as tmpdir, open(log_path, "a") as log:
         for name in engines:
-            steps = args.fsdp2_steps if name == "fsdp2" else args.steps
-            cap = args.plain_cap if VARIANTS.get(name, (name,))[0] == "plain" else args.cap
+            asked = args.fsdp2_steps if name == "fsdp2" else args.steps
+            steps = effective_steps(asked, args.min_timed)
+            if steps != asked:
+                print(
+                    f"--- {name}: {asked} steps raised to {steps}: {args.min_timed} timed after the warm-up", flush=True
+                )
+            # the in-GPU peers (plain and its variants, Unsloth) run with --plain-cap, default none
+            cap = args.plain_cap if VARIANTS.get(name, (name,))[0] in ("plain", "unsloth") else args.cap
             timeout = args.engine_timeout.get(name, args.timeout)
             if deadline:
                 timeout = min(timeout, deadline - time.time() - 10)
@@ -648,11 +707,13 @@ def main(argv=None) -> int:
             doc["results"].append(res)
             write_outputs(doc, args.out)  # after every engine: a killed run keeps what it had
             tps = res.get("tokens_per_s")
+            checked = _common().step_check_text(step_check(res)) if res.get("step_s") else ""
             print(
                 f"--- {name}: {res.get('status')}"
                 + (f", {tps:,.0f} tokens/s, {res.get('s_per_step'):.2f} s/step" if tps else "")
                 + (f", {res.get('wall_s')} s wall" if res.get("wall_s") else "")
-                + (f": {res.get('error')}" if res.get("status") != "ok" else ""),
+                + (f": {res.get('error')}" if res.get("status") != "ok" else "")
+                + (f" [{checked}]" if checked else ""),
                 flush=True,
             )
             if res.get("status") not in ("ok", "skipped"):

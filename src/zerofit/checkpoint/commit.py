@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerofit.checkpoint import seams
+import zerofit.checkpoint.seams as seams
 from zerofit.checkpoint.durable import CHUNK_BYTES, crc_of_file, exchange, fsync_dir, replace_file, write_file
 from zerofit.checkpoint.errors import (
     CheckpointCorruptError,

@@ -20,7 +20,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-from zerofit.checkpoint import seams
+import zerofit.checkpoint.seams as seams
 
 CHUNK_BYTES = 64 << 20
 """largest single write (and read) of the checkpoint IO: big enough for full disk speed"""

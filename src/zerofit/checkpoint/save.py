@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerofit.checkpoint import seams
+import zerofit.checkpoint.seams as seams
 from zerofit.checkpoint.commit import RECORD, CommitRecord, FileEntry, begin, check_tag, commit, set_latest
 from zerofit.checkpoint.durable import disk_bytes, free_bytes, write_file
 from zerofit.checkpoint.errors import CheckpointDiskFullError

@@ -81,7 +81,7 @@ __all__ = [
     "DEEPSPEED_VERSION",
 ]
 
-from zerofit.config import deepspeed_sections as sections
+import zerofit.config.deepspeed_sections as sections
 from zerofit.config.deepspeed_keys import (
     ADAM_PARAMS,
     AUTO,

@@ -35,9 +35,9 @@ from pathlib import Path
 import psutil
 import torch
 
+import zerofit.estimate.nodes as estimate_nodes
 from zerofit.engine.model.adapter import Adapter
 from zerofit.engine.plan.search import BatchShape, ModelShape, Plan, fmt_bytes, fmt_count, recomputed_blocks
-from zerofit.estimate import nodes as estimate_nodes
 from zerofit.estimate.probes import (
     ComputeProbe,  # noqa: F401 (re-exported)
     EngineProbe,  # noqa: F401 (re-exported)

@@ -55,29 +55,25 @@ writes them back): accelerate's ``save_state``/``load_state`` and Lightning's ch
 The clip's order (the engine's units and names in the module's order) is taken at wrap time, and again after a
 rebuild of the engine's units (the generic fallback: recovery.py).
 
-The package: loop.py (:class:`UserLoop`, the registry of live loops), optimizer.py (the optimizer's checks, its step
-hooks and zero_grad), patches.py (every callable of torch, accelerate and Lightning replaced in the process: its
-table ``PATCHES``, ``installed()``, the ``ZEROFIT_PATCHES`` opt-out; [Note: the process-wide patches]).
+The package: live.py (the registry of live loops: the state the modules share), loop.py (:class:`UserLoop`),
+optimizer.py (the optimizer's checks, its step hooks and zero_grad), patches.py (every callable of torch,
+accelerate and Lightning replaced in the process: its table ``PATCHES``, ``installed()``, the ``ZEROFIT_PATCHES``
+opt-out; [Note: the process-wide patches]).
 """
 
-# the public names, and (``_name as _name``) the package's other names from before its split into modules, where
-# code may still reach them as zerofit.userloop._name
-from zerofit.userloop import loop, optimizer, patches
-from zerofit.userloop.loop import _LIVE as _LIVE
+from zerofit.userloop import live, loop, optimizer, patches
 from zerofit.userloop.loop import UserLoop, UserLoopError
-from zerofit.userloop.loop import _autocast as _autocast
-from zerofit.userloop.loop import _autocast_state as _autocast_state
-from zerofit.userloop.loop import _loop_of as _loop_of
-from zerofit.userloop.loop import _Seed as _Seed
-from zerofit.userloop.optimizer import _OneGroup as _OneGroup
-from zerofit.userloop.optimizer import _step_post_hook as _step_post_hook
-from zerofit.userloop.optimizer import _step_pre_hook as _step_pre_hook
-from zerofit.userloop.optimizer import _zero_grad_of as _zero_grad_of
 from zerofit.userloop.optimizer import check_optimizer
 from zerofit.userloop.patches import PATCHES, installed
-from zerofit.userloop.patches import _install_hooks as _install_hooks
-from zerofit.userloop.patches import _one_loop as _one_loop
-from zerofit.userloop.patches import _patch_accelerate as _patch_accelerate
-from zerofit.userloop.patches import _patch_lightning as _patch_lightning
 
-__all__ = ["PATCHES", "UserLoop", "UserLoopError", "check_optimizer", "installed", "loop", "optimizer", "patches"]
+__all__ = [
+    "PATCHES",
+    "UserLoop",
+    "UserLoopError",
+    "check_optimizer",
+    "installed",
+    "live",
+    "loop",
+    "optimizer",
+    "patches",
+]

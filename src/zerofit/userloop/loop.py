@@ -1,7 +1,7 @@
 """The loop's engine: :class:`UserLoop` (forward, the autograd seed of the backward, clip, a GradScaler's unscale,
-the step, zero_grad, the learnt window, the followed optimizer's state dicts) and the registry of live loops that the
-optimizer's hooks (optimizer.py) and the patched callables (patches.py) look a parameter's loop up in
-([Note: the user's loop drives the engine], zerofit/userloop/__init__.py)."""
+the step, zero_grad, the learnt window, the followed optimizer's state dicts), registered in the live loops
+(live.py) that the optimizer's hooks (optimizer.py) and the patched callables (patches.py) look a parameter's loop
+up in ([Note: the user's loop drives the engine], zerofit/userloop/__init__.py)."""
 
 from __future__ import annotations
 
@@ -14,21 +14,18 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from zerofit.engine.faces.user_loop import UserLoopFace
+from zerofit.userloop.live import LIVE
 
 log = logging.getLogger("zerofit")
 
-# every loop alive in the process: the process-wide hooks and patches find the loop of an optimizer's (or a clip's)
-# parameters here, and do nothing while it is empty
-_LIVE: weakref.WeakSet[UserLoop] = weakref.WeakSet()
 
-
-def _autocast_state() -> tuple:
+def autocast_state() -> tuple:
     """The autocast in force: ((device type, dtype), ...) of each device type where it is enabled."""
     return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
-def _autocast(state: tuple):
-    """``state`` (``_autocast_state()``) entered again: the forward's autocast for its recompute and backward, as
+def autocast(state: tuple):
+    """``state`` (``autocast_state()``) entered again: the forward's autocast for its recompute and backward, as
     torch.utils.checkpoint restores it."""
     stack = contextlib.ExitStack()
     for device, dtype in state:
@@ -40,7 +37,7 @@ class UserLoopError(ValueError):
     """A user loop zerofit cannot run as written; the message says what to change."""
 
 
-class _Seed(torch.autograd.Function):
+class Seed(torch.autograd.Function):
     """Identity on the output's tensors (from a dummy leaf): its backward hands their gradients to the engine
     ([Note: the user's loop drives the engine])."""
 
@@ -93,7 +90,7 @@ class UserLoop:
         self.amp = ()  # the last forward's autocast: (device type, dtype), ...
         self.cast_inputs = None  # a dtype the floating inputs take (FSDP's mixed precision)
         patches.install()
-        _LIVE.add(self)
+        LIVE.add(self)
 
     def replaced(self) -> set[int]:
         """The ids of the model's parameters before the wrap that it no longer holds: an optimizer over them trains
@@ -114,7 +111,7 @@ class UserLoop:
                 "the loop's accumulation steps, or to 1 (any number, each micro-batch's blocks "
                 "backward at its own backward())"
             )
-        amp = _autocast_state()
+        amp = autocast_state()
         wrapper_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(eng.config.precision)
         if amp and wrapper_dtype is not None and any(dtype != wrapper_dtype for _, dtype in amp):
             raise UserLoopError(
@@ -136,7 +133,7 @@ class UserLoop:
             )
         # a forward after the held micro-batches (a tail, or one without grad): their blocks' backward comes first
         if self.face.holding:  # (``_autocast`` enters its contexts as it is made)
-            self.face.backward_held(_autocast(self.amp))
+            self.face.backward_held(autocast(self.amp))
         self.amp = amp  # the blocks' recompute and backward run under the forward's autocast
         if self.cast_inputs is not None:  # as FSDP's MixedPrecision casts the root's floating inputs
             args, kwargs = pytree.tree_map(
@@ -164,7 +161,7 @@ class UserLoop:
                 "any output) "
             )
         anchor = torch.zeros((), requires_grad=True)
-        for i, t in zip(seeded, _Seed.apply(self, anchor, tuple(leaves[i] for i in seeded))):
+        for i, t in zip(seeded, Seed.apply(self, anchor, tuple(leaves[i] for i in seeded))):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, spec)
 
@@ -178,7 +175,7 @@ class UserLoop:
                 "step's, and zerofit starts each step from zero; call optimizer.zero_grad() once per "
                 "step, after optimizer.step() or before the step's first backward ([Note: zero_grad])"
             )
-        with torch.enable_grad(), _autocast(self.amp):  # (autograd runs a Function's backward with grad off)
+        with torch.enable_grad(), autocast(self.amp):  # (autograd runs a Function's backward with grad off)
             objective = None
             for t, g in zip(outputs, grads):
                 if g is None:
@@ -200,7 +197,7 @@ class UserLoop:
                 "step: the engine has no gradient to apply (a loop that steps twice, or whose loss "
                 "did not come from the wrapped model's output)"
             )
-        self.prepared = self.face.prepare(_autocast(self.amp), factor_known)
+        self.prepared = self.face.prepare(autocast(self.amp), factor_known)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """This step's gradients clipped to ``max_norm`` in place, as torch's ``clip_grad_norm_`` clips them
@@ -329,17 +326,17 @@ class UserLoop:
         if optimizer is self.optimizer:
             return
         from zerofit.optim.client_schedule import ClientSchedule
-        from zerofit.userloop.optimizer import _OneGroup, check_optimizer
+        from zerofit.userloop.optimizer import OneGroup, check_optimizer
 
         check_optimizer(optimizer, self)
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if any(ids & loop.params for loop in list(_LIVE) if loop is not self):
+        if any(ids & loop.params for loop in list(LIVE) if loop is not self):
             raise UserLoopError(
                 f"{type(optimizer).__name__} holds the parameters of two wrapped models: each "
                 "wrapper's engine steps its own model at optimizer.step(); wrap one module that "
                 "holds them both and call it ([Note: one wrapped model per optimizer])"
             )
-        carrier = _OneGroup(optimizer)
+        carrier = OneGroup(optimizer)
         self.face.follow_schedule(ClientSchedule(carrier, None, self.engine.config.train_batch_size))
         optimizer.register_state_dict_post_hook(self._optimizer_state)
         optimizer.register_load_state_dict_post_hook(self._optimizer_loaded)
@@ -392,12 +389,3 @@ class UserLoop:
         """The module's parameters were written in place (``load_state_dict``): the host optimizer's masters are
         those views; a device-optimized unit's master takes its host mirror; every copy follows."""
         self.face.module_loaded()
-
-
-def _loop_of(params) -> UserLoop | None:
-    """The live loop holding any of ``params`` (None: none does, as for every optimizer while no loop lives)."""
-    ids = {id(p) for p in params}
-    for loop in list(_LIVE):
-        if ids & loop.params:
-            return loop
-    return None

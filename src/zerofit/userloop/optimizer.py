@@ -1,5 +1,5 @@
 """The user's optimizer on a loop: the checks that refuse, by name, an optimizer the engine cannot stand in for
-(:func:`check_optimizer`), its groups as the engine's one (:class:`_OneGroup`), and the functions torch calls for
+(:func:`check_optimizer`), its groups as the engine's one (:class:`OneGroup`), and the functions torch calls for
 every optimizer and module in the process once a loop is wrapped (patches.py installs them): the step pre- and
 post-hooks that take the engine's step, and ``zero_grad`` that tells the loop first ([Note: zero_grad], loop.py)."""
 
@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zerofit.userloop.loop import _LIVE, UserLoopError, _loop_of
+from zerofit.userloop.live import LIVE, loop_of
+from zerofit.userloop.loop import UserLoopError
 
 if TYPE_CHECKING:
     from zerofit.userloop.loop import UserLoop
 
 
-class _OneGroup:
+class OneGroup:
     """The user's optimizer as ClientSchedule's carrier: its groups (the same settings each) as the engine's one."""
 
     def __init__(self, optimizer):
@@ -64,33 +65,33 @@ def check_optimizer(opt, loop: UserLoop) -> None:
         )
 
 
-def _step_post_hook(optimizer, args, kwargs):
+def step_post_hook(optimizer, args, kwargs):
     """After ``optimizer.step()`` (and the closure it ran: Lightning's forward and backward): the engine's step.
     Torch's own step before it found no ``.grad`` to apply."""
-    loop = _loop_of(p for g in optimizer.param_groups for p in g["params"])
+    loop = loop_of(p for g in optimizer.param_groups for p in g["params"])
     if loop is not None:
         loop.on_step(optimizer)
 
 
-def _step_pre_hook(optimizer, args, kwargs):
-    loop = _loop_of(p for g in optimizer.param_groups for p in g["params"])
+def step_pre_hook(optimizer, args, kwargs):
+    loop = loop_of(p for g in optimizer.param_groups for p in g["params"])
     if loop is not None:
         loop._follow(optimizer)  # refused (by name) before anything runs
-    elif _LIVE:
+    elif LIVE:
         stale = [
-            lp for lp in list(_LIVE) if any(id(p) in lp.replaced() for g in optimizer.param_groups for p in g["params"])
+            lp for lp in list(LIVE) if any(id(p) in lp.replaced() for g in optimizer.param_groups for p in g["params"])
         ]
         if stale:
             check_optimizer(optimizer, stale[0])  # raises: built before the wrap
 
 
-def _zero_grad_of(original, params_of):
+def zero_grad_of(original, params_of):
     """``original`` (Optimizer.zero_grad or Module.zero_grad), first telling the loop whose parameters its
     object holds ([Note: zero_grad])."""
 
     @functools.wraps(original)
     def zero_grad(self, *args, **kwargs):
-        loop = _loop_of(params_of(self)) if _LIVE else None
+        loop = loop_of(params_of(self)) if LIVE else None
         if loop is not None:
             loop.zero_grad()
         return original(self, *args, **kwargs)

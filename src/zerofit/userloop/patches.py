@@ -31,8 +31,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zerofit.userloop.loop import UserLoopError, _loop_of
-from zerofit.userloop.optimizer import _step_post_hook, _step_pre_hook, _zero_grad_of
+from zerofit.userloop.live import loop_of
+from zerofit.userloop.loop import UserLoopError
+from zerofit.userloop.optimizer import step_post_hook, step_pre_hook, zero_grad_of
 
 ENV = "ZEROFIT_PATCHES"
 GROUPS = ("torch", "accelerate", "lightning")
@@ -226,7 +227,7 @@ def _one_loop(params, what: str):
     gradients only: refused by name where ``params`` also hold another loop's or plain trained parameters, whose
     gradients it would leave out ([Note: one wrapped model per optimizer])."""
     params = list(params)
-    loop = _loop_of(params)
+    loop = loop_of(params)
     if loop is None:
         return None
     others = [p for p in params if id(p) not in loop.params and p.requires_grad]
@@ -250,24 +251,24 @@ def _install_hooks() -> None:
             return
         _install(
             "torch.optim.Optimizer.zero_grad",
-            lambda original: _zero_grad_of(original, lambda opt: (p for g in opt.param_groups for p in g["params"])),
+            lambda original: zero_grad_of(original, lambda opt: (p for g in opt.param_groups for p in g["params"])),
             (torch.optim.Optimizer, "zero_grad"),
         )
         _install(
             "torch.nn.Module.zero_grad",
-            lambda original: _zero_grad_of(original, lambda module: module.parameters()),
+            lambda original: zero_grad_of(original, lambda module: module.parameters()),
             (torch.nn.Module, "zero_grad"),
         )
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         _install(
             "torch.optim.Optimizer.step (global pre-hook)",
-            lambda _: _step_pre_hook,
+            lambda _: step_pre_hook,
             register=register_optimizer_step_pre_hook,
         )
         _install(
             "torch.optim.Optimizer.step (global post-hook)",
-            lambda _: _step_post_hook,
+            lambda _: step_post_hook,
             register=register_optimizer_step_post_hook,
         )
         import torch.nn.utils.clip_grad as clip_mod
@@ -349,7 +350,7 @@ def _patch_accelerate() -> None:
         def make(prepare):
             @functools.wraps(prepare)
             def prepare_model(self, model, device_placement=None, evaluation_mode=False):
-                if _loop_of(model.parameters()) is not None:
+                if loop_of(model.parameters()) is not None:
                     evaluation_mode = True  # (accelerate: no DDP, no FSDP; the autocast and device as usual)
                 return prepare(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
@@ -389,7 +390,7 @@ def _patch_lightning() -> None:
         def make(original):
             @functools.wraps(original)
             def configure_ddp(self):
-                if _loop_of(self.model.parameters()) is None:
+                if loop_of(self.model.parameters()) is None:
                     return original(self)  # (no DDP, no DDP hooks: the model stays the LightningModule)
 
             return _marked(configure_ddp)
@@ -402,7 +403,7 @@ def _patch_lightning() -> None:
         def make(original):
             @functools.wraps(original)
             def setup_module(self, module):
-                return module if _loop_of(module.parameters()) is not None else original(self, module)
+                return module if loop_of(module.parameters()) is not None else original(self, module)
 
             return _marked(setup_module)
 
@@ -413,7 +414,7 @@ def _patch_lightning() -> None:
         def make(original):
             @functools.wraps(original)
             def no_backward_sync(self, module, enabled):
-                if _loop_of(module.parameters()) is not None:  # the engine sums until the step anyway
+                if loop_of(module.parameters()) is not None:  # the engine sums until the step anyway
                     return contextlib.nullcontext()
                 return original(self, module, enabled)
 

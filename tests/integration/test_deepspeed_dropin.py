@@ -420,7 +420,7 @@ def test_zero_init_builds_on_meta_and_the_engine_materializes(build):
     torch.manual_seed(0)
     with deepspeed.zero.Init(remote_device="cpu", pin_memory=True, config_dict_or_path=_ds_config(1)):
         model = build()
-    assert nn.Module.register_parameter is deepspeed.zero._original_register
+    assert nn.Module.register_parameter is deepspeed.zero.original_register
     assert all(p.is_meta for p in model.parameters())
     assert not any(b.is_meta for b in model.buffers())
     real = build()
@@ -454,7 +454,7 @@ def test_zero_init_disabled_or_on_error_leaves_torch_as_it_was():
     with pytest.raises(RuntimeError, match="boom"):
         with deepspeed.zero.Init():
             raise RuntimeError("boom")
-    assert nn.Module.register_parameter is deepspeed.zero._original_register
+    assert nn.Module.register_parameter is deepspeed.zero.original_register
     assert not any(p.is_meta for p in tm.PlainLM().parameters())
 
 

@@ -17,7 +17,7 @@ from zerofit.cli.common import (
     fail,
 )
 
-_GEN_MODEL = typer.Option(
+GEN_MODEL_OPT = typer.Option(
     help="A Hugging Face model directory or a zerofit checkpoint (a tag folder, or a save "
     "folder whose 'latest' is used)."
 )
@@ -35,7 +35,7 @@ def _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed,
     }
 
 
-def _inference_engine(
+def inference_engine(
     console: Console, model: Path, max_gpu_memory, dtype, device, max_host_memory=None, nvme=None, adapter=None
 ):
     from zerofit.engine.disk.tier import DiskTierError
@@ -56,20 +56,20 @@ def _inference_engine(
         fail(console, f"cannot load {model}: {e}")
 
 
-_GPU_OPT = typer.Option(help="GPU memory budget, e.g. 24GiB: the blocks that do not fit stream through the GPU.")
-_DTYPE_OPT = typer.Option(
+GPU_OPT = typer.Option(help="GPU memory budget, e.g. 24GiB: the blocks that do not fit stream through the GPU.")
+DTYPE_OPT = typer.Option(
     help="Weights and KV cache dtype: bf16, fp16 or fp32 (default: the model's own, config.json's dtype, as "
     "transformers loads it)."
 )
-_DEVICE_OPT = typer.Option(help="cuda, cuda:1 or cpu (default: the GPU if there is one).")
-_HOST_OPT = typer.Option(help="Host memory budget for the blocks' 16-bit weights, e.g. 16GiB: the rest go to --nvme.")
-_NVME_OPT = typer.Option(
+DEVICE_OPT = typer.Option(help="cuda, cuda:1 or cpu (default: the GPU if there is one).")
+HOST_OPT = typer.Option(help="Host memory budget for the blocks' 16-bit weights, e.g. 16GiB: the rest go to --nvme.")
+NVME_OPT = typer.Option(
     help="Folder for the blocks that do not fit --max-host-memory (a swap file, removed at the end)."
 )
 
 
 def generate(
-    model: Annotated[Path, _GEN_MODEL],
+    model: Annotated[Path, GEN_MODEL_OPT],
     prompt: Annotated[list[str] | None, typer.Option(help="A prompt (repeat for several).")] = None,
     prompts: Annotated[
         Path | None,
@@ -77,11 +77,11 @@ def generate(
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 128,
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together.")] = 8,
-    max_gpu_memory: Annotated[str | None, _GPU_OPT] = None,
-    max_host_memory: Annotated[str | None, _HOST_OPT] = None,
-    nvme: Annotated[Path | None, _NVME_OPT] = None,
-    dtype: Annotated[str | None, _DTYPE_OPT] = None,
-    device: Annotated[str | None, _DEVICE_OPT] = None,
+    max_gpu_memory: Annotated[str | None, GPU_OPT] = None,
+    max_host_memory: Annotated[str | None, HOST_OPT] = None,
+    nvme: Annotated[Path | None, NVME_OPT] = None,
+    dtype: Annotated[str | None, DTYPE_OPT] = None,
+    device: Annotated[str | None, DEVICE_OPT] = None,
     chat: Annotated[
         bool, typer.Option("--chat", help="Wrap each text prompt as a user message in the model's chat template.")
     ] = False,
@@ -117,7 +117,7 @@ def generate(
         items = list(prompt) if prompt else read_prompts(prompts)
     except (OSError, ValueError) as e:
         fail(err, f"--prompts: {e}")
-    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme, adapter)
+    engine = inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme, adapter)
     sampling = _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed, greedy)
     one = len(items) == 1
     stream = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if one and output is None else None
@@ -174,12 +174,12 @@ def generate(
 
 
 def chat(
-    model: Annotated[Path, _GEN_MODEL],
+    model: Annotated[Path, GEN_MODEL_OPT],
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per answer.")] = 512,
     max_gpu_memory: Annotated[str | None, typer.Option(help="GPU memory budget, e.g. 24GiB.")] = None,
-    max_host_memory: Annotated[str | None, _HOST_OPT] = None,
-    nvme: Annotated[Path | None, _NVME_OPT] = None,
-    dtype: Annotated[str | None, _DTYPE_OPT] = None,
+    max_host_memory: Annotated[str | None, HOST_OPT] = None,
+    nvme: Annotated[Path | None, NVME_OPT] = None,
+    dtype: Annotated[str | None, DTYPE_OPT] = None,
     device: Annotated[str | None, typer.Option(help="cuda, cuda:1 or cpu.")] = None,
     system: Annotated[str | None, typer.Option(help="System message.")] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature (default: greedy).")] = None,
@@ -202,7 +202,7 @@ def chat(
     err = Console(stderr=True)
     err.print(Text(f"loading {model} ...", style="dim"), soft_wrap=True)
     t0 = time.perf_counter()
-    engine = _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme, adapter)
+    engine = inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme, adapter)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         engine.close()
         fail(err, f"{model}: its tokenizer has no chat template: use zerofit generate with plain prompts")

@@ -22,14 +22,14 @@ from rich.console import Console
 from rich.text import Text
 
 from zerofit.cli.common import fail
-from zerofit.cli.infer import _DEVICE_OPT, _DTYPE_OPT, _GEN_MODEL, _GPU_OPT, _HOST_OPT, _NVME_OPT
+from zerofit.cli.infer import DEVICE_OPT, DTYPE_OPT, GEN_MODEL_OPT, GPU_OPT, HOST_OPT, NVME_OPT
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "starlette")
 DEFAULT_CONTEXT = 4096  # tokens per request when the model's own context is longer (or unknown)
 
 
 def serve(
-    model: Annotated[Path, _GEN_MODEL],
+    model: Annotated[Path, GEN_MODEL_OPT],
     adapter: Annotated[
         list[str] | None,
         typer.Option(
@@ -65,11 +65,11 @@ def serve(
         int | None,
         typer.Option(min=1, help="Padded prompt tokens of one prefill forward at most (default: --context)."),
     ] = None,
-    max_gpu_memory: Annotated[str | None, _GPU_OPT] = None,
-    max_host_memory: Annotated[str | None, _HOST_OPT] = None,
-    nvme: Annotated[Path | None, _NVME_OPT] = None,
-    dtype: Annotated[str | None, _DTYPE_OPT] = None,
-    device: Annotated[str | None, _DEVICE_OPT] = None,
+    max_gpu_memory: Annotated[str | None, GPU_OPT] = None,
+    max_host_memory: Annotated[str | None, HOST_OPT] = None,
+    nvme: Annotated[Path | None, NVME_OPT] = None,
+    dtype: Annotated[str | None, DTYPE_OPT] = None,
+    device: Annotated[str | None, DEVICE_OPT] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: info logs every request.")] = "warning",
 ) -> None:
     """Serve a model (and LoRA adapters over it) through OpenAI's API: /v1/chat/completions, /v1/completions,
@@ -158,10 +158,10 @@ def _loopback(host: str) -> bool:
 
 def _load(err: Console, model: Path, adapters: dict, max_gpu_memory, dtype, device, max_host_memory, nvme):
     """The engine over the base, with every adapter beside it (zerofit/serve/adapters.py)."""
-    from zerofit.cli.infer import _inference_engine
+    from zerofit.cli.infer import inference_engine
 
     if not adapters:
-        return _inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme)
+        return inference_engine(err, model, max_gpu_memory, dtype, device, max_host_memory, nvme)
     from zerofit.infer.engine import InferenceEngine
     from zerofit.lora import LoraError
     from zerofit.models import WeightFileError

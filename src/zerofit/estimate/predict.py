@@ -41,8 +41,8 @@ from zerofit.engine.plan.search import BatchShape, ModelShape, Plan, fmt_bytes, 
 from zerofit.estimate.probes import (
     ComputeProbe,  # noqa: F401 (re-exported)
     EngineProbe,  # noqa: F401 (re-exported)
-    _dtype,
     block_seconds,  # noqa: F401 (re-exported)
+    compute_dtype,
     engine_block_seconds,
 )
 from zerofit.estimate.shapes import LORA_DEFAULTS, meta_model, with_lora  # noqa: F401 (re-exported)
@@ -529,7 +529,7 @@ def predict_step(
     # the CPU's AdamW runs while the copies do, sharing the host's memory bandwidth with them
     opt = once("adamw", lambda: doctor.optimizer_speed(64 << 20, 5.0, while_copying=True))
     rate = opt.params_per_s
-    cb = torch.empty((), dtype=_dtype(cfg)).element_size()
+    cb = torch.empty((), dtype=compute_dtype(cfg)).element_size()
     n = shape.block_numels
     disk_of = plan.disk_of
     streamed = range(plan.resident_blocks, L)
@@ -549,9 +549,9 @@ def predict_step(
         # in two passes, the forward waits for the first pass only ([Note: moments after the forward]); with
         # 16-bit host copies it writes the cast alone, and every upload after it reads the copy ([Note: the
         # master behind its cast])
-        cast = plan.host_bytes.get("host16_copies", 0) > 0 and cast_copies(cfg, _dtype(cfg), on_cuda, True)
+        cast = plan.host_bytes.get("host16_copies", 0) > 0 and cast_copies(cfg, compute_dtype(cfg), on_cuda, True)
         fwd_rate = (
-            once(("pass", cast), lambda: doctor.master_pass_speed(cast=_dtype(cfg) if cast else None))
+            once(("pass", cast), lambda: doctor.master_pass_speed(cast=compute_dtype(cfg) if cast else None))
             if split_updates(cfg, on_cuda, True)
             else rate
         )

@@ -14,7 +14,7 @@ from zerofit.engine.model.adapter import Adapter
 from zerofit.engine.plan.search import BatchShape
 
 
-def _dtype(cfg) -> torch.dtype:
+def compute_dtype(cfg) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
 
 
@@ -259,7 +259,7 @@ def _block_seconds(
     times, post = [], None
     for layers in pair:
         with torch.device(dev):
-            m = small_twin(model, layers, _dtype(cfg))
+            m = small_twin(model, layers, compute_dtype(cfg))
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
         if tile:

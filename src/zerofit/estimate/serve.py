@@ -21,15 +21,15 @@ def serve_shape(model, dtype=None) -> InferShape:
 
     from zerofit.engine.model.adapter import Adapter
     from zerofit.engine.model.materialize import param_table
-    from zerofit.infer.engine import _aligned, _shape, as_dtype
+    from zerofit.infer.engine import aligned, as_dtype, infer_shape
 
     adapter = Adapter(model, "auto")
     table = param_table(model, adapter)
     canon = dict(table.canonical)
     sizes = [
-        sum(_aligned(math.prod(canon[n].shape)) for n in table.unit_names[b + 1]) for b in range(adapter.num_blocks)
+        sum(aligned(math.prod(canon[n].shape)) for n in table.unit_names[b + 1]) for b in range(adapter.num_blocks)
     ]
-    return _shape(model, table, sizes, as_dtype(dtype) or torch.bfloat16)
+    return infer_shape(model, table, sizes, as_dtype(dtype) or torch.bfloat16)
 
 
 def serve_plan(

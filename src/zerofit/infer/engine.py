@@ -240,13 +240,13 @@ class InferenceEngine:
             for name in table.unit_names[b + 1]:
                 shape = canon[name].shape
                 lay.append((name, off, shape))
-                off += _aligned(math.prod(shape))
+                off += aligned(math.prod(shape))
             self._layout.append(lay)
             sizes.append(off)
             if meta:
                 init_buffers(model, adapter, b + 1, self.device)
         self._sizes = sizes
-        self.shape = _shape(model, table, sizes, self.dtype)
+        self.shape = infer_shape(model, table, sizes, self.dtype)
         on_disk = self._disk_blocks(sizes, meta)
         in_host = [b for b in range(len(sizes)) if b not in on_disk]
         self._arena = HostArena(sum(sizes[b] for b in in_host), self.dtype, pinned=self.dev.is_cuda)
@@ -597,11 +597,11 @@ class InferenceEngine:
         return text
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _shape(model: nn.Module, table, sizes: list[int], dtype: torch.dtype) -> InferShape:
+def infer_shape(model: nn.Module, table, sizes: list[int], dtype: torch.dtype) -> InferShape:
     elem = torch.empty((), dtype=dtype).element_size()
     shell = sum(table.canonical[n].numel() for n in table.unit_names[0]) * elem
     cfg = getattr(model, "config", None)

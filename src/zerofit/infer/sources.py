@@ -31,7 +31,7 @@ def load_tokenizer(folder: Path | None):
 
 
 @dataclass
-class _DirSource:
+class DirSource:
     path: Path
     md: ModelDir
 
@@ -115,7 +115,7 @@ def open_source(path: str | os.PathLike):
         config = read_config(folder)  # a wrong field is a ModelDirError naming the file and the field
         found = locate(folder, shard_files(folder, record, WEIGHTS_INDEX), WEIGHTS_INDEX)
         return _CheckpointSource(folder, ModelDir(folder, config, {}), found, checkpoint_dtype(record.state))
-    return _DirSource(p, ModelDir.open(p))
+    return DirSource(p, ModelDir.open(p))
 
 
 def _generation_config(model: nn.Module, folder: Path) -> None:

@@ -26,11 +26,11 @@ class AdapterSource:
     def __init__(self, base_dir: str | os.PathLike, adapter_dir: str | os.PathLike):
         from safetensors import safe_open
 
-        from zerofit.infer.sources import _DirSource
+        from zerofit.infer.sources import DirSource
         from zerofit.lora.merge import check_adapter_fits
         from zerofit.models import ModelDir
 
-        self.base = _DirSource(Path(base_dir).expanduser(), ModelDir.open(base_dir))
+        self.base = DirSource(Path(base_dir).expanduser(), ModelDir.open(base_dir))
         self.adapter_dir = Path(adapter_dir).expanduser()
         check_adapter_fits(self.base.path, self.adapter_dir)
         self.path = self.base.path

@@ -60,13 +60,13 @@ class MultiAdapterSource:
     def __init__(self, base_dir: str | os.PathLike, adapters: dict[str, Path]):
         from safetensors import safe_open
 
-        from zerofit.infer.sources import _DirSource
+        from zerofit.infer.sources import DirSource
         from zerofit.lora.merge import check_adapter_fits
         from zerofit.models import ModelDir
 
         if not adapters:
             raise ValueError("MultiAdapterSource: no adapters (serve the base directory itself)")
-        self.base = _DirSource(Path(base_dir).expanduser(), ModelDir.open(base_dir))
+        self.base = DirSource(Path(base_dir).expanduser(), ModelDir.open(base_dir))
         self.path = self.base.path
         self.adapters = dict(adapters)
         self._files = {}

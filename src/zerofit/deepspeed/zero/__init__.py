@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from zerofit.deepspeed.names import refusing_getattr
 from zerofit.deepspeed.zero.partition_parameters import (
-    _DEEPSPEED_ZERO_NAMES,
+    DEEPSPEED_ZERO_NAMES,
     GatheredParameters,
     Init,
     ZeroParamStatus,
-    _original_register,  # noqa: F401 (re-exported: tests compare against it)
+    original_register,  # noqa: F401 (re-exported: tests compare against it)
     register_engine,  # noqa: F401 (re-exported: zerofit.deepspeed calls zero.register_engine)
 )
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 
-__getattr__ = refusing_getattr(__name__, _DEEPSPEED_ZERO_NAMES, submodules=("partition_parameters", "offload_config"))
+__getattr__ = refusing_getattr(__name__, DEEPSPEED_ZERO_NAMES, submodules=("partition_parameters", "offload_config"))

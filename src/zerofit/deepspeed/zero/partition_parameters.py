@@ -44,13 +44,13 @@ __all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 
 _lock = threading.Lock()
 _depth = 0
-_original_register = nn.Module.register_parameter
+original_register = nn.Module.register_parameter
 _engines: weakref.WeakSet = weakref.WeakSet()  # engines made by zerofit.deepspeed.initialize
 
 
 def _register_on_meta(module: nn.Module, name: str, param) -> None:
     """[Note: parameters on meta, buffers real]"""
-    _original_register(module, name, param)
+    original_register(module, name, param)
     if param is None or param.is_meta:
         return
     if type(param) is not nn.Parameter:
@@ -130,7 +130,7 @@ class Init:
             with _lock:
                 _depth -= 1
                 if _depth == 0:
-                    nn.Module.register_parameter = _original_register
+                    nn.Module.register_parameter = original_register
 
 
 class GatheredParameters:
@@ -184,7 +184,7 @@ def register_engine(engine) -> None:
     _engines.add(engine)
 
 
-_DEEPSPEED_ZERO_NAMES = {
+DEEPSPEED_ZERO_NAMES = {
     "TiledLinear": "zerofit does not replace the model's modules",
     "TiledLinearReturnBias": "zerofit does not replace the model's modules",
     "register_external_parameter": "zerofit runs the model's own forward with every parameter of a block present",
@@ -204,4 +204,4 @@ class ZeroParamStatus(Enum):
     INFLIGHT = 3  # being gathered (never in zerofit)
 
 
-__getattr__ = refusing_getattr("zerofit.deepspeed.zero.partition_parameters", _DEEPSPEED_ZERO_NAMES)
+__getattr__ = refusing_getattr("zerofit.deepspeed.zero.partition_parameters", DEEPSPEED_ZERO_NAMES)

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zerofit")
 
-_FAILED = "zerofit/failed"
+FAILED = "zerofit/failed"
 _ALIVE = "zerofit/alive"
 _GRACE_S = 10.0
 _SILENT_S = 30.0  # a rank whose heartbeat has not moved for this long is taken for dead ([Note: a rank that dies])
@@ -93,7 +93,7 @@ class RankFailures:
     # ------------------------------------------------------------------ [Note: a rank that dies]
 
     def _alive_key(self, rank: int) -> str:
-        return f"{_ALIVE}{self.failed_key[len(_FAILED) :]}/{rank}"
+        return f"{_ALIVE}{self.failed_key[len(FAILED) :]}/{rank}"
 
     def _beat(self) -> None:
         """The monitor's heartbeat for this engine (every second), and what it last heard of the others."""

@@ -81,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from zerofit.engine.distributed import slurm
-from zerofit.engine.distributed.rank_failures import _FAILED, RankFailures
+from zerofit.engine.distributed.rank_failures import FAILED, RankFailures
 
 log = logging.getLogger("zerofit")
 
@@ -233,7 +233,7 @@ class Ranks(RankFailures):
     reduce_group: object = None  # this node's ranks
     owns_group: bool = False  # this engine made the default group (which outlives it: [Note: a process
     #                                   group that lives])
-    failed_key: str = _FAILED  # this engine's failure key in the group's store ([Note: a failing rank])
+    failed_key: str = FAILED  # this engine's failure key in the group's store ([Note: a failing rank])
     cross_group: object = None  # this local rank on every node; None on one node (and in the full layout)
     layout: str = "hybrid"  # several nodes: "hybrid" or "full" (use_layout); one node: either, the same
     _stop: threading.Event = field(default_factory=threading.Event)  # closed: the monitor lets it be
@@ -350,7 +350,7 @@ class Ranks(RankFailures):
             gather,
             reduce,
             owns,
-            f"{_FAILED}/{_restart()}/{_PROCESS.engines}",
+            f"{FAILED}/{_restart()}/{_PROCESS.engines}",
             cross_group=cross,
         )
         log.info("zerofit: rank %d of %d, %d torch threads", rank, world, r._share_cores(bind_cores))

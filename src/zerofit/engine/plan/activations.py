@@ -128,7 +128,7 @@ def tiles_for(batch: BatchShape) -> list[int]:
     return tiles[::-1]
 
 
-def _padded(level: tuple) -> tuple:
+def padded_level(level: tuple) -> tuple:
     """A floor level as (chunked loss, offloaded checkpoints, lean, every, tile)."""
     defaults = (False, False, False, 1, None)
     return tuple(level) + defaults[len(level) :]

@@ -28,12 +28,12 @@ from zerofit.engine.plan.activations import (
     LOSS_CHUNK_TOKENS,  # noqa: F401 (re-exported)
     SPARSE_EVERY,
     TILE_MIN,  # noqa: F401 (re-exported)
-    _padded,
     activation_bytes,
     device_checkpoints,  # noqa: F401 (re-exported)
     loss_chunks_for,
     offloaded_blocks,  # noqa: F401 (re-exported)
     offloaded_checkpoints,
+    padded_level,
     recomputed_blocks,  # noqa: F401 (re-exported)
     tiles_for,
 )
@@ -572,7 +572,7 @@ def _make_plan(
         )
         # [Note: checkpoints every k blocks]: last, for the host memory (or device) the kept inputs take
         levels += [(chunkable_loss, True, False, k) for k in SPARSE_EVERY]
-    levels = [_padded(lv) for lv in levels]
+    levels = [padded_level(lv) for lv in levels]
     if sequence_tile is not None:  # the config's tile, at every level
         levels = [lv[:4] + (sequence_tile,) for lv in levels]
     elif batch is not None and checkpointing and stream_params and (floor is None or len(floor) < 5):

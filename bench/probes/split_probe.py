@@ -18,8 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the working tree's zerofit
 
 from zerofit.cli.doctor import BackgroundCopies  # noqa: E402
-from zerofit.engine.update.adamw import Hyper, adamw_flat  # noqa: E402
+from zerofit.engine.update.adamw import adamw_flat  # noqa: E402
 from zerofit.engine.update.split_adamw import available, master_pass, rest_pass  # noqa: E402
+from zerofit.optim.hyper import Hyper  # noqa: E402
 
 
 def main() -> None:
@@ -81,7 +82,7 @@ def main() -> None:
 def rounding() -> None:
     """For each size, the (body, tail) modes whose passes equal the fused kernel bitwise, per assumed width."""
     import zerofit.engine.update.split_adamw as sa
-    from zerofit.engine.update.adamw import Hyper
+    from zerofit.optim.hyper import Hyper
 
     module = sa._load()
     print(

@@ -10,7 +10,8 @@ import torch
 
 import zerofit
 from tests.support import tiny_models as tm
-from zerofit.engine.update.adamw import Hyper, adamw_flat, adamw_rollback
+from zerofit.engine.update.adamw import adamw_flat, adamw_rollback
+from zerofit.optim.hyper import Hyper
 
 
 @pytest.mark.parametrize("wd,steps", [(0.01, 1), (0.0, 5), (0.1, 3)])

@@ -12,7 +12,8 @@ import torch
 import zerofit
 from tests.support import tiny_models as tm
 from zerofit.engine.update import split_adamw
-from zerofit.engine.update.adamw import Hyper, adamw_flat
+from zerofit.engine.update.adamw import adamw_flat
+from zerofit.optim.hyper import Hyper
 
 pytestmark = pytest.mark.skipif(
     not split_adamw.available(),

@@ -296,7 +296,7 @@ def master_pass_speed(params: int = 64 * MiB, time_limit_s: float = 5.0, cast: t
     master behind its cast]) while pinned copies run both ways, as optimizer_speed(while_copying=True)
     measures the fused kernel: one warm-up, then the median of up to 9 steps."""
     from zerofit.engine.update import split_adamw
-    from zerofit.engine.update.adamw import Hyper
+    from zerofit.optim.hyper import Hyper
 
     p, g, m, v = (torch.randn(params) for _ in range(4))
     out16 = None if cast is None else torch.empty(params, dtype=cast)

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from zerofit.engine.update.adamw import Hyper
+from zerofit.optim.hyper import Hyper
 from zerofit.optim.schedules import betas_at, lr_at
 
 log = logging.getLogger("zerofit")

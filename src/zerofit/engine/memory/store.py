@@ -98,7 +98,7 @@ from zerofit.engine.device import Device, Event, fresh_pinned, pin
 if TYPE_CHECKING:
     from zerofit.engine.distributed.ranks import Ranks
     from zerofit.engine.model.nf4 import UnitNF4
-    from zerofit.engine.update.adamw import Hyper
+    from zerofit.optim.hyper import Hyper
 
 
 @dataclass(frozen=True)

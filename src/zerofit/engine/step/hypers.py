@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zerofit.engine.update.adamw import Hyper
+from zerofit.optim.hyper import Hyper
 
 if TYPE_CHECKING:
     from zerofit.config.schema import ZerofitConfig

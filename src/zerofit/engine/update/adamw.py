@@ -8,25 +8,11 @@ weights; :func:`adamw_rollback` is its exact algebraic inverse ([Note: speculati
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch.optim.adamw import adamw
 
-from zerofit.config.schema import OptimizerConfig
-
-
-@dataclass(frozen=True)
-class Hyper:
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-
-    @classmethod
-    def of(cls, cfg: OptimizerConfig, lr: float) -> Hyper:
-        return cls(lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
+from zerofit.optim.hyper import Hyper
 
 
 def adamw_flat(

@@ -51,8 +51,8 @@ import torch
 
 from zerofit.engine.memory.store import CopyLabel, HostArena, Unit
 from zerofit.engine.plan.search import ASSIST_SETS, assist_chunk
-from zerofit.engine.update.adamw import Hyper
 from zerofit.engine.update.unit_adamw import unit_adamw
+from zerofit.optim.hyper import Hyper
 
 if TYPE_CHECKING:
     from zerofit.engine.device import Device, Event

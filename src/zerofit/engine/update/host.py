@@ -23,10 +23,10 @@ import torch
 
 from zerofit.engine.memory.store import CopyLabel, Unit
 from zerofit.engine.update import split_adamw
-from zerofit.engine.update.adamw import Hyper
 from zerofit.engine.update.speculation import Speculation
 from zerofit.engine.update.unit_adamw import unit_adamw
 from zerofit.engine.update.worker import HostWorker, wait_event, waiting
+from zerofit.optim.hyper import Hyper
 
 if TYPE_CHECKING:
     from zerofit.engine.device import Event

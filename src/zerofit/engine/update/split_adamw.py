@@ -58,7 +58,8 @@ from pathlib import Path
 
 import torch
 
-from zerofit.engine.update.adamw import Hyper, adamw_flat
+from zerofit.engine.update.adamw import adamw_flat
+from zerofit.optim.hyper import Hyper
 
 log = logging.getLogger("zerofit")
 
@@ -381,7 +382,7 @@ def _threads() -> int:
 
 def master_pass(master, grad, exp_avg, exp_avg_sq, step, h, factor: float = 1.0, out16=None) -> None:
     """``master`` takes its AdamW step (``step`` is incremented, as the fused kernel's caller does); the
-    moments and the gradient are left as they were. ``h``: an adamw.Hyper. With ``out16`` (a bfloat16
+    moments and the gradient are left as they were. ``h``: an optim.hyper.Hyper. With ``out16`` (a bfloat16
     tensor of the master's size) the new master is written there, cast, and not into ``master``:
     [Note: the master behind its cast]; ``rest_pass(..., with_master=True)`` writes it."""
     step.add_(1)

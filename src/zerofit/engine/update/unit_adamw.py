@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from zerofit.engine.update import split_adamw
-from zerofit.engine.update.adamw import Hyper, adamw_flat, adamw_rollback
+from zerofit.engine.update.adamw import adamw_flat, adamw_rollback
+from zerofit.optim.hyper import Hyper
 
 
 def unit_adamw(

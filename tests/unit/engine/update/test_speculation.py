@@ -19,8 +19,9 @@ import torch
 
 import zerofit
 from tests.support import tiny_models as tm
-from zerofit.engine.update.adamw import Hyper, adamw_flat, adamw_rollback
+from zerofit.engine.update.adamw import adamw_flat, adamw_rollback
 from zerofit.engine.update.speculation import Speculation, Speculator
+from zerofit.optim.hyper import Hyper
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -286,7 +286,7 @@ def test_an_adapter_for_a_base_of_another_size_is_refused_from_the_headers(tmp_p
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from zerofit.lora import LoraError
-    from zerofit.lora.merge import check_adapter_fits
+    from zerofit.lora.files import check_adapter_fits
 
     _peft("llama-rslora-all-linear").save_pretrained(tmp_path / "adapter")
     _base("llama-rslora-all-linear").save_pretrained(tmp_path / "same")

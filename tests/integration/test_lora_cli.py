@@ -134,7 +134,7 @@ def test_a_qlora_run_holds_the_base_in_nf4_and_its_merge_is_into_the_dequantized
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from zerofit.engine.model.nf4 import round_trip
+    from zerofit.models.nf4 import round_trip
 
     root, model, _, data, _, _ = workspace
     run = tmp_path / "qrun"

@@ -25,7 +25,7 @@ import bitsandbytes.functional as bf  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
-from zerofit.engine.model.nf4 import Packed, QuantError, nbytes  # noqa: E402
+from zerofit.models.nf4 import Packed, QuantError, nbytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

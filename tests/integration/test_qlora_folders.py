@@ -299,7 +299,7 @@ def test_bad_4bit_folders_are_refused_in_one_line_naming_the_file(folders, tmp_p
 
 def test_a_4bit_folders_weights_do_not_train_without_lora(folders):
     import zerofit
-    from zerofit.engine.model.nf4 import QuantError
+    from zerofit.models.nf4 import QuantError
 
     with pytest.raises(QuantError, match="a 4-bit weight does not train"):
         zerofit.initialize(str(folders["nf4-double-uint8"]), CFG)

@@ -66,9 +66,10 @@ def save_pretrained(
     merge: bool = False,
 ) -> Path:
     """The engine's current weights as a Hugging Face model directory (see the module docstring); ``dtype``
-    None: the model's own (``engine.model_dtype``). A PEFT model: its adapter folder (zerofit/lora/files.py),
-    or with ``merge`` the base with the adapters merged in, as a Hugging Face model directory (the module's
-    host weights must be current: ``Engine.save_pretrained`` reads ``engine.module`` first)."""
+    None: the model's own (``engine.model_dtype``). A PEFT model: its adapter folder
+    (zerofit/checkpoint/adapter_files.py), or with ``merge`` the base with the adapters merged in, as a Hugging
+    Face model directory (the module's host weights must be current: ``Engine.save_pretrained`` reads
+    ``engine.module`` first)."""
     from zerofit.checkpoint.entries import weight_entries
     from zerofit.lora import is_peft
 
@@ -84,11 +85,11 @@ def save_pretrained(
     engine.wait()
     engine.dev.synchronize()
     if peft and not merge:
-        from zerofit.lora.files import save_adapter
+        from zerofit.checkpoint.adapter_files import save_adapter
 
         return save_adapter(engine, out_dir)
     if peft:
-        from zerofit.lora.files import merged_entries
+        from zerofit.checkpoint.adapter_files import merged_entries
 
         side = model_side_files(model.get_base_model(), engine.source_dir, dt)
         return write_model_dir(
@@ -195,7 +196,7 @@ def _export_adapter(
         return out
     import tempfile
 
-    from zerofit.lora.merge import merge_into_base
+    from zerofit.checkpoint.merge import merge_into_base
 
     base = base or record.state["lora_base"].get("path")
     if base is None:

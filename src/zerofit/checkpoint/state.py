@@ -117,8 +117,8 @@ def save(
     buf = io.BytesIO()
     torch.save(client_state if client_state is not None else {}, buf)
     model = engine.adapter.model
-    # [Note: the base's fingerprint] (zerofit/lora/base.py): a PEFT run's checkpoint holds its trainable state,
-    # its adapter folder's files (for zerofit export) and a reference to the base, never the frozen base
+    # [Note: the base's fingerprint] (zerofit/checkpoint/lora_base.py): a PEFT run's checkpoint holds its trainable
+    # state, its adapter folder's files (for zerofit export) and a reference to the base, never the frozen base
     peft = is_peft(model)
     exclude_frozen = exclude_frozen or peft
     hf = model_side_files(model.get_base_model() if peft else model, engine.source_dir, torch.float32)
@@ -130,7 +130,7 @@ def save(
     if schedule is not None:
         side.append(SideFile(LR_SCHEDULER, schedule.state_bytes(engine.hypers)))
     if peft:
-        from zerofit.lora.files import adapter_files
+        from zerofit.checkpoint.adapter_files import adapter_files
 
         side += [SideFile(n, data) for n, data in adapter_files(engine).items()]
     weights = weight_entries(engine, frozen=not exclude_frozen)
@@ -158,7 +158,7 @@ def save(
         "window": window,
     }
     if peft:
-        from zerofit.lora import base
+        import zerofit.checkpoint.lora_base as base
 
         state["lora_base"] = base.record(engine)
     from zerofit.version import __version__
@@ -198,8 +198,8 @@ def load(
         return None, None
     folder, record = opened
     st = record.state
-    if st.get("lora_base") is not None:  # [Note: the base's fingerprint] (zerofit/lora/base.py)
-        from zerofit.lora import base
+    if st.get("lora_base") is not None:  # [Note: the base's fingerprint] (zerofit/checkpoint/lora_base.py)
+        import zerofit.checkpoint.lora_base as base
 
         base.check(engine, st["lora_base"], folder)
     indexes = [WEIGHTS_INDEX] + ([OPTIMIZER_INDEX] if load_optimizer_states else [])

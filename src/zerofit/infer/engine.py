@@ -190,11 +190,11 @@ class InferenceEngine:
     ) -> InferenceEngine:
         """A Hugging Face model directory, or a zerofit checkpoint (a tag folder, or a save folder whose
         ``latest`` is used): the model is built on the meta device and each tensor read once into place.
-        ``adapter``: a PEFT adapter folder over the model directory ``path`` (zerofit/lora/infer.py)."""
+        ``adapter``: a PEFT adapter folder over the model directory ``path`` (zerofit/infer/adapter_source.py)."""
         from zerofit.infer.sources import open_source
 
         if adapter is not None:
-            from zerofit.lora.infer import AdapterSource
+            from zerofit.infer.adapter_source import AdapterSource
 
             src = AdapterSource(path, adapter)
         else:

@@ -5,10 +5,12 @@ adapters out, the base by reference. See docs/lora.md.
 | --- | --- |
 | ``options.py`` | the options of ``zerofit train --lora`` (PEFT's ``LoraConfig`` fields) |
 | ``model.py`` | a PEFT model over a model directory, built on the meta device; its weights read from the files |
-| ``files.py`` | adapters out: PEFT's adapter folder, or a merged Hugging Face model, from an engine |
-| ``base.py`` | the base a checkpoint was trained over: its folder and a fingerprint of its weights |
-| ``merge.py`` | an adapter folder merged into its base offline; an adapter checked against a base's headers |
-| ``infer.py`` | generation over a base directory and an adapter folder |
+| ``files.py`` | PEFT's adapter folder: its files, an adapter checked against a base's headers, no merge into 4 bits |
+
+A lower floor of the house (CONTRIBUTING.md, Layers): what uses an engine lives above it. The adapters out of an
+engine, the base's fingerprint and the offline merge are the checkpoint's (checkpoint/adapter_files.py,
+lora_base.py, merge.py); generation over a base and an adapter the inference engine's (infer/adapter_source.py);
+PEFT's parameter names over a base the model folder's (models/adapter_names.py).
 """
 
 from __future__ import annotations

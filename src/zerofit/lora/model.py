@@ -10,7 +10,6 @@ twice. Refusals (targets that match nothing) come before anything is allocated.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -18,20 +17,7 @@ from torch import nn
 
 from zerofit.lora import LoraError
 from zerofit.lora.options import LoraOptions  # noqa: F401 - re-exported
-
-_PEFT_OWN = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
-
-
-def is_adapter_param(name: str) -> bool:
-    """Whether a PEFT model's parameter is one PEFT added (an adapter's), not one of the base."""
-    return _PEFT_OWN.search(name) is not None
-
-
-def base_name(name: str) -> str:
-    """The base model's name of a PEFT model's parameter (its name in the model directory's files)."""
-    name = name.removeprefix("base_model.model.")
-    name = name.replace(".base_layer.", ".").replace(".original_module.", ".")
-    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+from zerofit.models.adapter_names import base_name
 
 
 def wrap(model: nn.Module, options: LoraOptions, where: str = "the model"):

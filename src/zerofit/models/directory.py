@@ -150,7 +150,7 @@ class ModelDir:
         from zerofit.models.quantized import state_key
 
         if not self.weights:  # (a PEFT model's adapters are its own, never the folder's)
-            from zerofit.lora.model import is_adapter_param
+            from zerofit.models.adapter_names import is_adapter_param
 
             return self.quant4 is not None and not any(is_adapter_param(n) for n in names)
         try:
@@ -181,7 +181,7 @@ class ModelDir:
             raise ModelDirError(str(e)) from None
 
     def packed(self, names: list[str], shape: tuple):
-        """The 4-bit weight known as ``names`` as stored (:class:`~zerofit.engine.model.nf4.Packed`), checked."""
+        """The 4-bit weight known as ``names`` as stored (:class:`~zerofit.models.nf4.Packed`), checked."""
         from zerofit.models.quantized import QuantizedFolderError, read_packed
 
         try:

@@ -99,7 +99,7 @@ def check_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict
     alone (no codes read): its state's shape is the model's ``shape``, each piece is there with the dtype and size
     that shape and the blocksize give, the form is the config's. Returns the state (quant_type, blocksize, nested
     offset) and the pieces' keys."""
-    from zerofit.engine.model.nf4 import BLOCK2
+    from zerofit.models.nf4 import BLOCK2
 
     key = state_key(weights, info.name)
     where = f"{info.file}: {info.name!r}"
@@ -169,9 +169,9 @@ def check_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict
 
 
 def read_packed(weights: dict, info, shape: tuple, form: FolderQuant, fds: dict | None = None):
-    """The 4-bit weight stored as ``info`` with its quant state, as a :class:`~zerofit.engine.model.nf4.Packed`,
+    """The 4-bit weight stored as ``info`` with its quant state, as a :class:`~zerofit.models.nf4.Packed`,
     checked first (:func:`check_packed`)."""
-    from zerofit.engine.model.nf4 import Packed
+    from zerofit.models.nf4 import Packed
 
     st = check_packed(weights, info, shape, form, fds)
 

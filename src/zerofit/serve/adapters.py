@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from zerofit.lora.files import ADAPTER_WEIGHTS
-from zerofit.lora.model import base_name
+from zerofit.models.adapter_names import base_name
 
 _LORA_KEY = re.compile(r"\.(lora_[A-Za-z_]+)\.([^.]+)\.")
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -61,7 +61,7 @@ class MultiAdapterSource:
         from safetensors import safe_open
 
         from zerofit.infer.sources import DirSource
-        from zerofit.lora.merge import check_adapter_fits
+        from zerofit.lora.files import check_adapter_fits
         from zerofit.models import ModelDir
 
         if not adapters:

@@ -31,156 +31,27 @@ layer's own forward ([Note: the user's 4-bit layers outside a step]).
 
 from __future__ import annotations
 
-import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerofit.models.nf4 import (
+    BLOCK,
+    BLOCK2,
+    Packed,
+    QuantError,
+    Spec,
+    bnb_functional,
+    dequantize_into,
+    is_linear4bit,
+    up4,
+)
+
 if TYPE_CHECKING:
     from zerofit.models.quantized import FolderQuant
-
-BLOCK, BLOCK2 = 64, 256  # bitsandbytes' defaults: codes per scale, scales per second-level scale
-
-
-class QuantError(ValueError):
-    """A QLoRA request that cannot be carried out; the message says what to do."""
-
-
-def bnb_functional():
-    """``bitsandbytes.functional``, or :class:`QuantError` naming the install."""
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)  # its import reports optional CPU kernels it did not find
-    try:
-        import bitsandbytes.functional as bf
-    except ImportError as e:
-        raise QuantError(
-            f"QLoRA (an NF4 base) needs bitsandbytes ({e}): pip install 'zerofit[qlora]' "
-            "(bitsandbytes>=0.48, CPU or CUDA)"
-        ) from None
-    finally:
-        log.setLevel(level)
-    return bf
-
-
-def _up4(n: int) -> int:
-    return (n + 3) // 4 * 4
-
-
-@dataclass(frozen=True)
-class Spec:
-    """Where one NF4 tensor's pieces are in its unit's packed buffer (byte offsets), and its shape."""
-
-    shape: tuple[int, ...]
-    start: int  # its first element in the unit's frozen layout
-    blocksize: int
-    nested: bool  # double quantization: 8-bit scales (else fp32 ones)
-    data: int  # ((numel + 1) // 2,) uint8 codes
-    absmax: int  # (blocks,) uint8 (nested) or fp32
-    absmax2: int  # nested: (ceil(blocks / 256),) fp32
-    code2: int  # nested: (256,) fp32, the scales' 8-bit map
-    end: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def blocks(self) -> int:
-        return -(-self.numel // self.blocksize)
-
-    @staticmethod
-    def at(offset: int, shape, start: int, blocksize: int = BLOCK, nested: bool = True) -> Spec:
-        numel = math.prod(shape)
-        blocks = -(-numel // blocksize)
-        data = offset
-        absmax = _up4(data + (numel + 1) // 2)
-        if not nested:
-            return Spec(tuple(shape), start, blocksize, False, data, absmax, 0, 0, absmax + 4 * blocks)
-        absmax2 = _up4(absmax + blocks)
-        code2 = absmax2 + 4 * -(-blocks // BLOCK2)
-        return Spec(tuple(shape), start, blocksize, True, data, absmax, absmax2, code2, code2 + 4 * 256)
-
-
-def nbytes(numel: int, blocksize: int = BLOCK, nested: bool = True) -> int:
-    """Host bytes of one NF4 tensor of ``numel`` elements (the planner's count: ~0.52 B/param nested)."""
-    return Spec.at(0, (numel,), 0, blocksize, nested).end
-
-
-@dataclass
-class Packed:
-    """One weight in NF4 as host tensors: bitsandbytes' codes and QuantState (nested or not)."""
-
-    data: torch.Tensor  # uint8 codes, two a byte
-    absmax: torch.Tensor  # uint8 (nested) or fp32 scales
-    offset: float = 0.0  # nested: the scales' mean, taken out before they were quantized
-    absmax2: torch.Tensor | None = None
-    code2: torch.Tensor | None = None
-    blocksize: int = BLOCK
-    quant_type: str = "nf4"  # the 4-bit code: nf4 (QLoRA's), or fp4
-
-    @classmethod
-    def quantize(cls, w: torch.Tensor, device: torch.device | None = None) -> Packed:
-        """bitsandbytes' NF4 of ``w`` with double quantization (as ``Params4bit`` quantizes at load), on ``device``
-        (a GPU: its kernel, as bitsandbytes' loading onto a GPU quantizes; its CPU path is one core's), or where
-        ``w`` is. The pieces stay where they were made: :meth:`UnitNF4.put` copies them into the unit's host
-        buffer, from a GPU without waiting ([Note: start-up progress], startup.py)."""
-        bf = bnb_functional()
-        if device is not None:
-            w = w.to(device, non_blocking=False)
-        q, qs = bf.quantize_4bit(
-            w.contiguous(), blocksize=BLOCK, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8
-        )
-        return cls.of_state(q, qs, host=False)
-
-    @classmethod
-    def of_state(cls, q: torch.Tensor, qs, host: bool = True) -> Packed:
-        """A ``Params4bit``'s codes and ``QuantState`` (quantized in this process, or loaded from a folder, whose
-        pieces may come shaped otherwise: each is taken flat); ``host``: copied to the host (else where they are)."""
-        if qs.quant_type not in ("nf4", "fp4"):
-            raise QuantError(f"a 4-bit weight in {qs.quant_type!r}: zerofit holds nf4 and fp4")
-
-        def flat(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach().reshape(-1)
-            return t.cpu() if host else t
-
-        data = flat(q).view(torch.uint8)
-        if qs.nested:
-            s2 = qs.state2
-            if s2.blocksize != BLOCK2:
-                raise QuantError(f"double quantization in blocks of {s2.blocksize}: bitsandbytes' is {BLOCK2}")
-            return cls(
-                data,
-                flat(qs.absmax),
-                float(qs.offset),
-                flat(s2.absmax.float()),
-                flat(s2.code.float()),
-                qs.blocksize,
-                qs.quant_type,
-            )
-        return cls(data, flat(qs.absmax.float()), blocksize=qs.blocksize, quant_type=qs.quant_type)
-
-    @property
-    def nested(self) -> bool:
-        return self.absmax2 is not None
-
-
-def round_trip(w: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``w`` (read in ``dtype``, as the engine reads it) quantized to NF4 and dequantized into ``out_dtype``: the
-    base a QLoRA run trained over, for a merge made offline from its checkpoint (lora/merge.py)."""
-    u = UnitNF4(["w"], [tuple(w.shape)], [0], [True], [BLOCK], False)
-    u.put(0, Packed.quantize(w.to(dtype)))
-    return u.value("w", out_dtype)
-
-
-def is_linear4bit(m: nn.Module) -> bool:
-    """bitsandbytes' ``Linear4bit`` (and its subclasses), without importing bitsandbytes."""
-    return any(c.__name__ == "Linear4bit" and c.__module__.startswith("bitsandbytes") for c in type(m).__mro__)
 
 
 class DequantizedLinear(nn.Module):
@@ -350,7 +221,7 @@ class BaseNF4:
         at = 0
         for shape, name in shapes_names:
             nested, blocksize = self.form(name)
-            at = _up4(Spec.at(at, shape, 0, blocksize, nested).end)
+            at = up4(Spec.at(at, shape, 0, blocksize, nested).end)
         return at
 
     def unit(self, names: list[str], rel: list[str], shapes: list, starts: list[int], pinned: bool) -> UnitNF4:
@@ -410,7 +281,7 @@ class UnitNF4:
         for shape, start, n, b in zip(shapes, starts, nested, blocksizes):
             s = Spec.at(at, shape, start, b, n)
             self.specs.append(s)
-            at = _up4(s.end)
+            at = up4(s.end)
         self.nbytes = at
         # page-locked at its exact size (the caching host allocator would round it up to a power of two: 16%
         # more host memory for a 70B model's blocks), freed with the arena
@@ -460,35 +331,23 @@ class UnitNF4:
         """Each tensor's weight from the packed bytes ``src`` (the host buffer, or its copy on the device) into
         the unit's frozen layout ``dst`` (compute dtype, same device): ``Linear4bit``'s own dequantization
         (the scales first, then the codes, into the compute dtype as its training forward does)."""
-        bf = bnb_functional()
         for i, s in enumerate(self.specs):
-            self._one(bf, i, src, dst[s.start : s.start + s.numel].view(s.shape))
+            self._one(i, src, dst[s.start : s.start + s.numel].view(s.shape))
 
-    def _one(self, bf, i: int, src: torch.Tensor, out: torch.Tensor) -> None:
+    def _one(self, i: int, src: torch.Tensor, out: torch.Tensor) -> None:
         s = self.specs[i]
-        data = src[s.data : s.data + (s.numel + 1) // 2]
-        if s.nested:
-            state2 = bf.QuantState(
-                absmax=src[s.absmax2 : s.code2].view(torch.float32),
-                code=src[s.code2 : s.end].view(torch.float32),
-                blocksize=BLOCK2,
-                dtype=torch.float32,
-            )
-            absmax = bf.dequantize_blockwise(src[s.absmax : s.absmax + s.blocks], state2)
-            absmax += self.offsets[i]
-        else:
-            absmax = src[s.absmax : s.end].view(torch.float32)
-        qs = bf.QuantState(
-            absmax=absmax,
-            shape=torch.Size(s.shape),
-            dtype=out.dtype,
-            blocksize=s.blocksize,
-            quant_type=self.quant_types[i],
+        nested = (src[s.absmax2 : s.code2].view(torch.float32), src[s.code2 : s.end].view(torch.float32))
+        dequantize_into(
+            src[s.data : s.data + (s.numel + 1) // 2],
+            src[s.absmax : s.absmax + s.blocks] if s.nested else src[s.absmax : s.end].view(torch.float32),
+            nested[0] if s.nested else None,
+            nested[1] if s.nested else None,
+            self.offsets[i],
+            s.shape,
+            s.blocksize,
+            self.quant_types[i],
+            out,
         )
-        if out.is_cuda:
-            bf.dequantize_4bit(data, quant_state=qs, out=out)
-        else:  # (bitsandbytes' CPU backend has no ``out`` variant)
-            out.copy_(bf.dequantize_4bit(data, quant_state=qs))
 
     def linear4bit_entries(self, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Tensor ``i`` as a ``Linear4bit``'s ``state_dict`` holds it: its codes ``(numel / 2, 1)`` uint8 and
@@ -515,5 +374,5 @@ class UnitNF4:
         """Tensor ``name`` (the unit's relative name) dequantized on the host (a merge, ``master_state_dict``)."""
         i = self.names.index(name)
         out = torch.empty(self.specs[i].shape, dtype=dtype)
-        self._one(bnb_functional(), i, self.host, out)
+        self._one(i, self.host, out)
         return out

@@ -1,6 +1,7 @@
 """An adapter folder merged into its base, offline (``zerofit export CHECKPOINT OUT --merge``): transformers
 reads the base (whole, into host memory), PEFT loads the adapter over it and merges it (``merge_and_unload``),
-transformers writes the result. A live engine merges without a second copy instead (files.merged_entries)."""
+transformers writes the result. A live engine merges without a second copy instead
+(adapter_files.merged_entries)."""
 
 from __future__ import annotations
 
@@ -10,51 +11,6 @@ from pathlib import Path
 import torch
 
 from zerofit.lora import LoraError
-
-
-def check_adapter_fits(base_dir: Path, adapter_dir: Path) -> None:
-    """Refuse, from the files' headers alone (before anything is allocated), an adapter whose tensors do not
-    fit the base's layers: an adapter trained over another model."""
-    from safetensors import safe_open
-
-    from zerofit.lora.files import ADAPTER_WEIGHTS
-    from zerofit.models import ModelDir
-
-    md = ModelDir.open(base_dir)
-    weights = Path(adapter_dir) / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise LoraError(
-            f"{adapter_dir}: no {ADAPTER_WEIGHTS}: not a PEFT adapter folder (engine.save_pretrained "
-            "or zerofit export of a LoRA run writes one)"
-        )
-    with safe_open(str(weights), "pt") as f:
-        for key in f.keys():
-            shape = f.get_slice(key).get_shape()
-            module = key.removeprefix("base_model.model.")
-            for part in (".lora_A.weight", ".lora_B.weight"):
-                if not module.endswith(part):
-                    continue
-                layer = module[: -len(part)]
-                try:
-                    md.tensor([layer + ".weight"])
-                except Exception:  # noqa: BLE001 - ModelDirError: the layer is not in the base at all
-                    raise LoraError(
-                        f"{adapter_dir}: adapter tensor {key} is for layer {layer}, which {base_dir} does "
-                        "not have: the adapter was trained over another base; give that base"
-                    ) from None
-                shape_w = md.weight_shape([layer + ".weight"])  # (a 4-bit weight's from its quant state)
-                out_f, in_f = shape_w[0], shape_w[-1]
-                conv1d = getattr(md.config, "model_type", "") == "gpt2"  # Conv1D stores (in, out)
-                if conv1d:
-                    in_f, out_f = out_f, in_f
-                want = in_f if part == ".lora_A.weight" else out_f
-                got = shape[1] if part == ".lora_A.weight" else shape[0]
-                if got != want:
-                    raise LoraError(
-                        f"{adapter_dir}: adapter tensor {key} is {list(shape)}, the layer {layer} of "
-                        f"{base_dir} takes {in_f} -> {out_f}: the adapter was trained over another base "
-                        "(shape mismatch); give the base it was trained over"
-                    )
 
 
 def merge_into_base(
@@ -74,7 +30,7 @@ def merge_into_base(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from zerofit.lora.files import refuse_quantized
+    from zerofit.lora.files import check_adapter_fits, refuse_quantized
 
     check_adapter_fits(base_dir, adapter_dir)
     from zerofit.models import ModelDir
@@ -147,7 +103,6 @@ def dequantized_folder(md, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from zerofit.engine.model.nf4 import UnitNF4
     from zerofit.models.directory import load_tensor
 
     config = copy.deepcopy(md.config)
@@ -159,10 +114,7 @@ def dequantized_folder(md, dtype: torch.dtype):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if md.is_packed([name]):
-                packed = md.packed([name], tuple(p.shape))
-                unit = UnitNF4(["w"], [tuple(p.shape)], [0], [packed.nested], [packed.blocksize], False)
-                unit.put(0, packed)
-                p.copy_(unit.value("w", dtype))
+                p.copy_(md.packed([name], tuple(p.shape)).dequantize(tuple(p.shape), dtype))
             else:
                 load_tensor(md, [name], p.data)
     return model
@@ -188,7 +140,7 @@ def _dequantized_base(model, dtype: torch.dtype) -> None:
     from torch import nn
 
     from zerofit.engine.model.adapter import Adapter
-    from zerofit.engine.model.nf4 import round_trip
+    from zerofit.models.nf4 import round_trip
 
     with torch.no_grad():
         for block in Adapter(model, "auto").blocks:

@@ -5,7 +5,7 @@ once into the inference engine's buffers: the base's from its files, the adapter
 ``adapter_model.safetensors`` (PEFT's key names: the parameter's name less the adapter's). The math is PEFT's
 forward (``x @ W + s * dropout(x) @ A @ B``; dropout off in eval), so greedy tokens and logits are those of
 PEFT's own ``generate`` over the same base. An adapter for another base is refused from the files' headers
-before anything is allocated (zerofit/lora/merge.py)."""
+before anything is allocated (zerofit/lora/files.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zerofit.lora.files import ADAPTER_WEIGHTS
-from zerofit.lora.model import base_name
+from zerofit.models.adapter_names import base_name
 
 
 class AdapterSource:
@@ -27,7 +27,7 @@ class AdapterSource:
         from safetensors import safe_open
 
         from zerofit.infer.sources import DirSource
-        from zerofit.lora.merge import check_adapter_fits
+        from zerofit.lora.files import check_adapter_fits
         from zerofit.models import ModelDir
 
         self.base = DirSource(Path(base_dir).expanduser(), ModelDir.open(base_dir))

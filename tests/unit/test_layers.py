@@ -21,7 +21,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # low to high; a module may import from its own floor and below. Packages not named here are the top floor.
 FLOORS: list[tuple[str, ...]] = [
-    ("zerofit.version",),
+    ("zerofit.version", "zerofit.errors"),
     ("zerofit.config",),
     ("zerofit.models",),
     ("zerofit.optim", "zerofit.lora"),
@@ -221,3 +221,54 @@ def test_the_rules_see_a_planted_circle_a_package_init_and_a_floor_crossed(tmp_p
 )
 def test_the_floors_of_the_lower_packages(module, floor):
     assert floor_of(module) == floor
+
+
+def error_classes(root: Path) -> dict[str, list[str]]:
+    """Every class of the package: its name -> its bases' names (the last part of a dotted base)."""
+    out: dict[str, list[str]] = {}
+    for _m, path in _modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                out[node.name] = [ast.unparse(b).rpartition(".")[2] for b in node.bases]
+    return out
+
+
+def not_zerofit_errors(root: Path) -> list[str]:
+    """Public exception classes that do not derive from ``ZerofitError``: a class is an exception when a base is
+    one of Python's (``ValueError``...) or another exception class of the package."""
+    classes = error_classes(root)
+    builtin = {n for n in dir(__import__("builtins")) if n.endswith(("Error", "Exception")) or n == "Warning"}
+
+    def kind(name: str, seen: frozenset = frozenset()) -> tuple[bool, bool]:
+        """(is an exception, derives from ZerofitError)"""
+        if name == "ZerofitError":
+            return True, True
+        if name in builtin:
+            return True, False
+        if name not in classes or name in seen:
+            return False, False
+        found = [kind(b, seen | {name}) for b in classes[name]]
+        return any(e for e, _ in found), any(z for _, z in found)
+
+    return sorted(n for n in classes if not n.startswith("_") and kind(n) == (True, False))
+
+
+def test_every_public_error_class_is_a_zerofit_error():
+    """One base under every error zerofit raises on purpose (zerofit/errors.py): its exit status and its one
+    line are its own, so the command needs no list of classes (cli/errors.py)."""
+    wrong = not_zerofit_errors(SRC)
+    assert not wrong, "error classes outside ZerofitError:\n" + "\n".join(wrong)
+
+
+def test_the_error_rule_sees_a_class_outside_the_base(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "zerofit/__init__.py": "",
+            "zerofit/errors.py": "class ZerofitError(Exception):\n    pass\n",
+            "zerofit/a.py": "import zerofit.errors as e\nclass Fine(e.ZerofitError, ValueError):\n    pass\n"
+            "class Stray(ValueError):\n    pass\nclass _Signal(Exception):\n    pass\nclass Plain:\n    pass\n"
+            "class Sub(Stray):\n    pass\n",
+        },
+    )
+    assert not_zerofit_errors(tmp_path) == ["Stray", "Sub"]

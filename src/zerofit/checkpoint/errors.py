@@ -9,8 +9,10 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
+from zerofit.errors import EXIT_FAILED, InputError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(InputError, RuntimeError):
     """Base class of every checkpoint error."""
 
 
@@ -56,6 +58,8 @@ class EngineStateLostError(CheckpointError):
 
 class CheckpointDiskFullError(CheckpointError, OSError):
     """Not enough space for the checkpoint (found before writing, or ENOSPC while writing)."""
+
+    exit_code = EXIT_FAILED  # the run failed while it ran: free space and resume
 
     def __init__(self, path: Path | str, needed: int, free: int, during: str):
         self.path = Path(path)

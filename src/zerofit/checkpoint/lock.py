@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerofit.checkpoint.errors import CheckpointError
+from zerofit.errors import EXIT_FAILED, ZerofitError
 
 RUN_LOCK = ".zerofit-run.lock"  # OUTPUT/ of zerofit train
 SAVE_LOCK = ".zerofit-save.lock"  # a save_checkpoint folder
@@ -49,7 +50,7 @@ _registry_lock = threading.Lock()
 _held: dict[str, FolderLock] = {}  # lock file (real path) -> this process's holder of it
 
 
-class FolderInUseError(RuntimeError):
+class FolderInUseError(ZerofitError, RuntimeError):
     """Another process, or another holder in this process, holds the folder. ``holder``: what it recorded
     (pid, host, started, command), or None when it had not written it yet."""
 
@@ -60,6 +61,8 @@ class FolderInUseError(RuntimeError):
 
 class CheckpointFolderInUseError(FolderInUseError, CheckpointError):
     """``save_checkpoint`` into a folder that another engine (of this process or another) holds."""
+
+    exit_code = EXIT_FAILED  # a run that cannot go on while the other holds it
 
 
 def describe(holder: dict | None, same_process: bool = False) -> str:

@@ -10,13 +10,14 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from zerofit import errors
 from zerofit.cli import errors as cli_errors
 from zerofit.demo.options import DemoOptions
 
 DEFAULT = DemoOptions()
 
-EXIT_FAILED = 1  # a run that cannot go on: its folder in use, its checkpoints refused
-EXIT_BAD_CONFIG = 2
+EXIT_FAILED = errors.EXIT_FAILED  # a run that cannot go on: its folder in use, its checkpoints refused
+EXIT_BAD_CONFIG = errors.EXIT_BAD_INPUT
 EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT (143: SIGTERM, 128 + its number)
 
 

@@ -19,8 +19,8 @@ import errno
 import os
 from pathlib import Path
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
+from zerofit.errors import EXIT_BAD_INPUT, EXIT_FAILED, ZerofitError
+
 DEBUG_ENV = "ZEROFIT_DEBUG"
 _debug = {"flag": False}  # ``zerofit --debug``: set by the command group's callback, each invocation
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -45,43 +45,30 @@ def one_line(text: str) -> str:
 
 def describe(err: BaseException, *, output: Path | None = None, resume: bool = False) -> tuple[int, str]:
     """(exit status, one line) for ``err``. ``output``: ``zerofit train``'s run folder (an error on a path in
-    it names ``--output``); ``resume``: the run was asked to ``--resume`` from ``output/checkpoints``."""
+    it names ``--output``); ``resume``: the run was asked to ``--resume`` from ``output/checkpoints``. An error
+    zerofit raises on purpose (:class:`~zerofit.errors.ZerofitError`) carries its own exit status."""
     from zerofit.checkpoint import CheckpointDiskFullError, CheckpointError
-    from zerofit.config import ConfigError
-    from zerofit.data import DataError
     from zerofit.engine.plan.search import PlanError
-    from zerofit.models import WeightFileError
 
     name = type(err).__name__
     if isinstance(err, PlanError):
-        return EXIT_BAD_INPUT, f"{name}: {_plan_line(str(err))}"
-    from zerofit.lora import LoraError
-
-    if isinstance(err, (ConfigError, DataError, WeightFileError, LoraError)):
-        return EXIT_BAD_INPUT, f"{name}: {one_line(err)}"
+        return err.exit_code, f"{name}: {_plan_line(str(err))}"
     if isinstance(err, CheckpointDiskFullError):
-        return EXIT_FAILED, f"{name}: {one_line(err)}{_after_full_disk(output)}"
+        return err.exit_code, f"{name}: {err.one_line()}{_after_full_disk(output)}"
     if isinstance(err, CheckpointError):
-        return EXIT_BAD_INPUT, f"{name}: {one_line(err)}{_resume_advice(err, output) if resume else ''}"
+        return err.exit_code, f"{name}: {err.one_line()}{_resume_advice(err, output) if resume else ''}"
+    if isinstance(err, ZerofitError):
+        return err.exit_code, f"{name}: {err.one_line() or '(no message)'}"
     if isinstance(err, OSError) and err.errno is not None:
         return _os_error(err, output)
     text = one_line(err) or "(no message)"
-    if _expected(err):
+    # a step with a non-finite gradient, refused (FloatingPointError: its message says what to do); out of memory
+    if isinstance(err, (MemoryError, FloatingPointError)):
         return EXIT_FAILED, f"{name}: {text}"
     return EXIT_FAILED, (
         f"{name}: {text} (an error zerofit did not expect: `zerofit --debug ...` or "
         f"{DEBUG_ENV}=1 shows its traceback; please report it)"
     )
-
-
-def _expected(err: BaseException) -> bool:
-    """Errors of a run that failed, whose message says what happened (another rank, the engine, the disk tier)."""
-    from zerofit.engine.disk.tier import DiskTierError
-    from zerofit.engine.distributed.rank_failures import RankFailedError
-    from zerofit.engine.lifecycle import EngineClosedError
-
-    # FloatingPointError: a step with a non-finite gradient, refused (its message says what to do)
-    return isinstance(err, (DiskTierError, EngineClosedError, RankFailedError, MemoryError, FloatingPointError))
 
 
 def _os_error(err: OSError, output: Path | None) -> tuple[int, str]:

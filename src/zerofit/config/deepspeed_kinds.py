@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from zerofit.errors import InputError
+
 Status = Literal["honoured", "mapped", "not-applicable"]
 HONOURED: Status = "honoured"
 MAPPED: Status = "mapped"
@@ -38,7 +40,7 @@ class KeyReport:
 # ----------------------------------------------------------------------------
 
 
-class BadValue(Exception):
+class BadValue(InputError):
     """A value does not fit its kind (turned into ConfigError by the walker, which knows the path)."""
 
 

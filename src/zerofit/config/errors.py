@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from zerofit.errors import InputError
+
 __all__ = ["ConfigError", "Problem", "show", "config_error_from", "close_match"]
 
 
@@ -40,7 +42,7 @@ class Problem:
         return f"{text}. {self.hint}" if self.hint else text
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A configuration is invalid. The message names the field, what was expected and what was found.
 
     ``field`` is the dotted path of the first problem; ``problems`` lists all of them.

@@ -30,12 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from zerofit.errors import InputError
+
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TextUnit = Literal["document", "paragraph", "line"]
 READ_BATCH = 1024  # rows per batch handed to the tokenizer
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """The user's data cannot be used as given; the message names the file (and row and field) and the fix."""
 
 

@@ -70,6 +70,7 @@ from zerofit.engine.device import Device
 from zerofit.engine.disk.tier import DiskTierError
 from zerofit.engine.memory.store import HostArena
 from zerofit.engine.update.worker import HostWorker, WorkerError
+from zerofit.errors import ZerofitError
 
 if TYPE_CHECKING:
     from zerofit.engine.disk.tier import DiskTier
@@ -104,7 +105,7 @@ class EngineState(enum.Enum):
     )
 
 
-class EngineClosedError(RuntimeError):
+class EngineClosedError(ZerofitError, RuntimeError):
     """The engine was closed: it holds no device buffers and no CPU optimizer any more."""
 
 

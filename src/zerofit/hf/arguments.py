@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from zerofit.errors import InputError
+
 __all__ = [
     "FIELDS",
     "UnsupportedArgumentError",
@@ -50,7 +52,7 @@ HF_SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 
 
-class UnsupportedArgumentError(ValueError):
+class UnsupportedArgumentError(InputError, ValueError):
     """A ``TrainingArguments`` field (or ``Trainer`` argument) that zerofit.hf cannot honour. ``field`` names it."""
 
     def __init__(self, field: str, found: Any, why: str, todo: str) -> None:

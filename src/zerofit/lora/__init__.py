@@ -15,10 +15,12 @@ PEFT's parameter names over a base the model folder's (models/adapter_names.py).
 
 from __future__ import annotations
 
+from zerofit.errors import InputError
+
 __all__ = ["LoraError", "LoraOptions", "is_peft"]
 
 
-class LoraError(ValueError):
+class LoraError(InputError, ValueError):
     """A LoRA request that cannot be carried out (targets that match nothing, an adapter of another base, a
     merge into a quantized base); the message says what was found and what to do."""
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zerofit.errors import InputError
+
 BLOCK, BLOCK2 = 64, 256  # bitsandbytes' defaults: codes per scale, scales per second-level scale
 
 
-class QuantError(ValueError):
+class QuantError(InputError, ValueError):
     """A QLoRA request that cannot be carried out; the message says what to do."""
 
 

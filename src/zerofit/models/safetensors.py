@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from zerofit.errors import InputError
+
 __all__ = ["TensorInfo", "WeightFileError", "SafetensorsFormatError", "read_header", "read_into", "DTYPES"]
 
 DTYPES = {
@@ -48,7 +50,7 @@ _CHUNK = 256 << 20  # bytes per preadv call (Linux caps one read near 2 GiB)
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
-class WeightFileError(ValueError):
+class WeightFileError(InputError, ValueError):
     """A weight file is missing, truncated, malformed or does not match the model. The message names the file."""
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from zerofit.errors import InputError
 from zerofit.optim.hyper import Hyper
 from zerofit.optim.schedules import betas_at, lr_at
 
@@ -57,7 +58,7 @@ _DEEPSPEED_BROADCAST = ("OneCycle", "LRRangeTest")
 _HYPERS = ("lr", "betas", "eps", "weight_decay")
 
 
-class ClientScheduleError(ValueError):
+class ClientScheduleError(InputError, ValueError):
     """A client scheduler or optimizer that zerofit cannot follow; the message says what to pass instead."""
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerofit.config.schema import LossScaleConfig
+from zerofit.errors import ZerofitError
 
 __all__ = [
     "LossScaleUnderflowError",
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 
-class LossScaleUnderflowError(RuntimeError):
+class LossScaleUnderflowError(ZerofitError, RuntimeError):
     """The gradients overflowed with the dynamic loss scale already at ``min_loss_scale``."""
 
 

@@ -43,13 +43,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zerofit.errors import ZerofitError
 from zerofit.serve.adapters import BASE
 from zerofit.serve.cache import SlotCache
 
 log = logging.getLogger("zerofit.serve")
 
 
-class Busy(Exception):
+class Busy(ZerofitError):
     """The queue of waiting requests is full (the server answers 503)."""
 
 

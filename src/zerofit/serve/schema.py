@@ -13,11 +13,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from zerofit.errors import ZerofitError
+
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 
 
-class APIError(Exception):
+class APIError(ZerofitError):
     """An answer other than 200, in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None):

@@ -27,17 +27,18 @@ from pathlib import Path
 
 from zerofit.checkpoint.commit import LATEST, Found, read_latest, survey
 from zerofit.checkpoint.lock import RUN_LOCK, FolderLock, hold
+from zerofit.errors import ZerofitError
 
 RUN_ADVICE = "wait for it or choose another --output"
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(ZerofitError, RuntimeError):
     """The run folder's checkpoints do not allow this start (see [Note: where a run starts]); the message
     says what was found and what to do. ``exit_status``: the CLI's (1: the folder's state, 2: an option)."""
 
     def __init__(self, message: str, exit_status: int = 1):
         super().__init__(message)
-        self.exit_status = exit_status
+        self.exit_status = self.exit_code = exit_status
 
 
 def hold_run_folder(output: Path | str, command: str | None = None) -> FolderLock:

@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from zerofit.engine.faces.user_loop import UserLoopFace
+from zerofit.errors import InputError
 from zerofit.userloop.live import LIVE
 
 log = logging.getLogger("zerofit")
@@ -33,7 +34,7 @@ def autocast(state: tuple):
     return stack
 
 
-class UserLoopError(ValueError):
+class UserLoopError(InputError, ValueError):
     """A user loop zerofit cannot run as written; the message says what to change."""
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from zerofit.errors import ZerofitError
+
 ALIGN = 4096  # O_DIRECT: buffer address, file offset and length aligned to this
 SWAP_GLOB = "zerofit-swap-*.bin"
 
@@ -40,7 +42,7 @@ _pread = os.preadv
 _pwrite = os.pwritev
 
 
-class DiskTierError(RuntimeError):
+class DiskTierError(ZerofitError, RuntimeError):
     """The disk tier could not read or write its file (or reserve it): the message names the path."""
 
 

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from zerofit.errors import ZerofitError
+
 if TYPE_CHECKING:
     import threading
 
@@ -50,7 +52,7 @@ _SILENT_S = 30.0  # a rank whose heartbeat has not moved for this long is taken 
 _SAMPLE_S = 3.0  # after a collective's error: how long the heartbeats are watched for the one that stopped
 
 
-class RankFailedError(RuntimeError):
+class RankFailedError(ZerofitError, RuntimeError):
     """Another rank failed: this one cannot go on (its next collective would wait forever)."""
 
 

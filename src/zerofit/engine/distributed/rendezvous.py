@@ -26,13 +26,14 @@ import os
 import time
 
 from zerofit.engine.distributed.rank_failures import RankFailedError
+from zerofit.errors import ZerofitError
 
 MODULE_WAIT_S = 30.0
 WAIT_ENV = "ZEROFIT_COLLECTIVE_WAIT_S"
 _calls: dict[str, int] = {}  # per name, in this process: the same sequence on every rank
 
 
-class CollectiveMismatchError(RuntimeError):
+class CollectiveMismatchError(ZerofitError, RuntimeError):
     """A collective of the engine that some ranks did not call (in time): each would wait for the others."""
 
 

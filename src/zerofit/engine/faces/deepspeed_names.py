@@ -7,8 +7,10 @@ nothing is silently ignored. The table of names and their status is docs/migrati
 
 from __future__ import annotations
 
+from zerofit.errors import InputError
 
-class DeepSpeedUnsupported(NotImplementedError):
+
+class DeepSpeedUnsupported(InputError, NotImplementedError):
     """A DeepSpeed feature, argument or call zerofit does not provide; the message names it and says what to do."""
 
 

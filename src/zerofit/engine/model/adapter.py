@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerofit.errors import InputError
+
 
 class _StopForward(Exception):
     pass
@@ -101,7 +103,7 @@ class _Passthrough(nn.Module):
         return self.final[0] if self.index == self.last else hidden
 
 
-class NonSequentialModel(RuntimeError):
+class NonSequentialModel(InputError, RuntimeError):
     """The model does not feed each block's output straight to the next block."""
 
     def __init__(self, reason: str):

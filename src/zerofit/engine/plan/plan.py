@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zerofit.errors import InputError
+
 GiB = 2**30
 MiB = 2**20
 
 
-class PlanError(RuntimeError):
+class PlanError(InputError, RuntimeError):
     """No placement fits the memory budgets; raised before anything is allocated. ``host_need``: the least host
     memory of a placement the device holds (None: none does), the figure the refusal gives."""
 

@@ -25,12 +25,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zerofit.errors import InputError
+
 IGNORE_INDEX = -100  # the labels Hugging Face's and torch's cross-entropy skip
 TOKEN_KEYS = ("input_ids", "labels")  # converted to int64 on the way to the device: [Note: token ids of any ...]
 _NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32)
 
 
-class BatchError(ValueError):
+class BatchError(InputError, ValueError):
     """A micro-batch does not have the keys, shapes, dtypes, devices or values the model needs."""
 
 

@@ -16,8 +16,10 @@ import threading
 import time
 from contextlib import contextmanager
 
+from zerofit.errors import ZerofitError
 
-class WorkerError(RuntimeError):
+
+class WorkerError(ZerofitError, RuntimeError):
     """A task on the CPU optimizer thread raised. The update it ran may be half applied, and the
     thread skips every later task: the engine that owns it cannot go on (see [Note: failure semantics])."""
 

@@ -229,3 +229,22 @@ def test_the_checkpoint_of_a_model_that_fell_back_loads_in_a_fresh_engine(tmp_pa
     generic.load_checkpoint(tmp_path / "blocks")
     assert generic.train_batch(data[1]) == pytest.approx(after, rel=1e-6)
     generic.close()
+
+
+def test_a_model_attribute_read_through_the_engine_waits_for_nothing_and_a_method_for_the_updates(monkeypatch):
+    """DeepSpeed's engine passes what it does not have on to its module. A value (``engine.training``, a model's
+    own attribute) is read as it is: no attribute read waits for the engine's updates, which with several ranks is
+    a collective. A method of the module (``engine.named_parameters()``) is called with the weights made current."""
+    from zerofit.engine.engine import Engine
+
+    model = SimpleModel(8, nlayers=2)
+    model.marker = "mine"
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_ds())
+    waits = []
+    real = Engine._apply_pending
+    monkeypatch.setattr(Engine, "_apply_pending", lambda self, *a, **k: (waits.append(a), real(self, *a, **k)))
+    assert engine.marker == "mine" and engine.training in (True, False)
+    assert waits == []
+    names = [n for n, _ in engine.named_parameters()]
+    assert names == [n for n, _ in model.named_parameters()] and len(waits) == 1
+    engine.close()

@@ -21,6 +21,8 @@ its step() (``DeepSpeedRecord.unstepped`` holds the count the last backward() le
 from __future__ import annotations
 
 import collections
+import functools
+import inspect
 import logging
 import os
 import weakref
@@ -104,7 +106,6 @@ class DeepSpeedRecord:
 def bind_inputs(model, inputs: tuple, batch: dict) -> dict:
     """Positional arguments of a forward call as the keyword arguments of ``model.forward`` they bind to (the
     engine passes its micro-batches by name): ``engine(x, y)`` of ``forward(self, x, y)`` is ``{"x": x, "y": y}``."""
-    import inspect
 
     sig = inspect.signature(model.forward)
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
@@ -522,9 +523,20 @@ class DeepSpeedSurface:
             raise refuse_attribute("engine", name, hint)
         adapter = self.__dict__.get("adapter")
         if adapter is not None and hasattr(adapter.model, name):
-            # DeepSpeed's engine passes what it does not have itself on to its module (engine.parameters(),
-            # engine.config of a model...): the model with its current weights (engine.module applies pending updates)
-            return getattr(self.module, name)
+            # DeepSpeed's engine passes what it does not have itself on to its module (engine.config of a model,
+            # engine.training, engine.parameters()...). A value is read as it is: no attribute read waits for the
+            # engine's updates (with several ranks that wait is a collective). A method of the module is called with
+            # the weights made current first, as engine.module makes them, since it may read them.
+            value = getattr(adapter.model, name)
+            if not inspect.ismethod(value):
+                return value
+
+            @functools.wraps(value)
+            def with_current_weights(*args, **kwargs):
+                _ = self.module  # the pending updates applied ([Note: engine.module is a collective])
+                return value(*args, **kwargs)
+
+            return with_current_weights
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 

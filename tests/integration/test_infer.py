@@ -519,7 +519,7 @@ def test_text_api_takes_a_training_engine_and_refuses_other_objects(tmp_path):
     engine = zerofit.initialize(
         str(d), {"device": "cpu", "precision": "fp32", "micro_batch_size": 1, "gradient_accumulation_steps": 1}
     )
-    from zerofit.infer.sources import load_tokenizer
+    from zerofit.models.directory import load_tokenizer
 
     tok = load_tokenizer(d)
     text = zerofit.generate(engine, "The quick", tokenizer=tok, max_new_tokens=5, device="cpu", dtype="fp32")
@@ -529,4 +529,50 @@ def test_text_api_takes_a_training_engine_and_refuses_other_objects(tmp_path):
     assert text == ref
     with pytest.raises(TypeError, match="model directory"):
         zerofit.generate(object(), "x")
+    engine.close()
+
+
+def test_every_source_of_weights_is_one_contract_and_reads_the_folders_values(tmp_path):
+    """A folder, a PEFT model over it as ``zerofit train --lora`` builds it, the folder with one adapter and with
+    several, a checkpoint of a run over it and the live engine: each a WeightSource (models/source.py), each
+    building the model on the meta device and filling a base weight with the folder's value."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from zerofit.infer.adapter_source import AdapterSource
+    from zerofit.infer.sources import CheckpointSource, EngineSource, open_source
+    from zerofit.lora.model import from_model_dir
+    from zerofit.lora.options import LoraOptions
+    from zerofit.models import ModelDir
+    from zerofit.models.source import WeightSource
+    from zerofit.serve.adapters import MultiAdapterSource
+
+    d = make_model_dir(tmp_path / "m", "llama", dtype=torch.float32, layers=2)
+    hf = AutoModelForCausalLM.from_pretrained(d)
+    want = hf.model.layers[1].mlp.up_proj.weight.detach()
+    torch.manual_seed(0)
+    get_peft_model(hf, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "a")
+    engine = zerofit.initialize(str(d), {"device": "cpu", "precision": "fp32", "micro_batch_size": 1})
+    engine.save_checkpoint(tmp_path / "ck")
+    name = "model.layers.1.mlp.up_proj.weight"
+    peft_name = "base_model.model." + name  # (up_proj carries no adapter: its base name under PEFT)
+    sources = {
+        "folder": (ModelDir.open(d), name),
+        "opened": (open_source(d), name),
+        "peft": (from_model_dir(d, LoraOptions(r=2, alpha=4, targets="q_proj"))[1], peft_name),
+        "adapter": (AdapterSource(d, tmp_path / "a"), peft_name),
+        "adapters": (MultiAdapterSource(d, {"one": tmp_path / "a", "two": tmp_path / "a"}), peft_name),
+        "checkpoint": (open_source(tmp_path / "ck"), name),
+        "engine": (EngineSource(engine), name),
+    }
+    assert isinstance(sources["checkpoint"][0], CheckpointSource)
+    for what, (src, n) in sources.items():
+        assert isinstance(src, WeightSource), what
+        model = src.build_meta()
+        assert dict(model.named_parameters())[n].is_meta, what
+        assert src.dtype() == torch.float32 and src.tokenizer() is not None, what
+        got = torch.empty(want.shape, dtype=torch.float32)
+        src.fill([n], got)
+        src.close()
+        assert torch.equal(got, want), what
     engine.close()

@@ -41,16 +41,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def model_dtype(model: nn.Module, source=None) -> torch.dtype:
     """The dtype the user's model had, before the engine made its parameters fp32 views of the masters: what
-    an export writes unless told otherwise. A model directory (``source``, a :class:`zerofit.models.ModelDir`,
-    whose meta model is built in fp32): its config.json's ``dtype`` (``torch_dtype`` in older files), else
-    the dtype most of its stored weights have. A module: the dtype most of its floating parameters' elements
-    have (a model that keeps a few norms in fp32 is the 16-bit model it mostly is). fp32 when nothing says."""
+    an export writes unless told otherwise. A source (``source``, a :class:`~zerofit.models.source.WeightSource`
+    whose meta model is built in fp32): its own (a folder's config.json's ``dtype``, else the dtype most of its
+    stored weights have). A module: the dtype most of its floating parameters' elements have (a model that keeps
+    a few norms in fp32 is the 16-bit model it mostly is). fp32 when nothing says."""
     if source is not None:
-        cfg = json.loads((Path(source.path) / CONFIG).read_text())
-        named = cfg.get("dtype") or cfg.get("torch_dtype")
-        if named in DTYPE_OF_NAME:
-            return DTYPE_OF_NAME[named]
-        return _most((i.dtype, i.numel) for i in source.weights.values())
+        return source.dtype()
     return _most((p.dtype, p.numel()) for p in model.parameters() if p.is_floating_point())  # tied: once
 
 

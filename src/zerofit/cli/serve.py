@@ -167,16 +167,10 @@ def _load(err: Console, model: Path, adapters: dict, max_gpu_memory, dtype, devi
     from zerofit.models import WeightFileError
     from zerofit.serve.adapters import MultiAdapterSource
 
-    src = None
     try:
-        src = MultiAdapterSource(model, adapters)
-        return InferenceEngine(
-            src.build_meta(),
-            fill=src.fill,
-            source_dir=src.path,
-            tokenizer=src.tokenizer(),
+        return InferenceEngine.from_source(
+            MultiAdapterSource(model, adapters),
             dtype=dtype,
-            own_dtype=src.dtype(),
             max_gpu_memory=max_gpu_memory,
             device=device,
             max_host_memory=max_host_memory,
@@ -184,6 +178,3 @@ def _load(err: Console, model: Path, adapters: dict, max_gpu_memory, dtype, devi
         )
     except (WeightFileError, LoraError, ValueError, OSError) as e:
         fail(err, f"cannot load {model} with its adapters: {e}")
-    finally:
-        if src is not None:
-            src.close()

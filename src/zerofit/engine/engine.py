@@ -81,7 +81,7 @@ from zerofit.engine.update.worker import HostWorker
 
 if TYPE_CHECKING:
     from zerofit.config.deepspeed_keys import KeyReport
-    from zerofit.models import ModelDir
+    from zerofit.models.source import WeightSource
 
 log = logging.getLogger("zerofit")
 
@@ -140,7 +140,7 @@ class Engine(DeepSpeedSurface):
         report: Iterable[KeyReport] = (),
         device: torch.device | str | None = None,
         adapter: str | None = None,
-        source: ModelDir | None = None,
+        source: WeightSource | None = None,
         param_groups: Iterable[dict[str, Any]] | Iterable[torch.Tensor] | None = None,
         user_loop: bool = False,
     ) -> None:
@@ -662,11 +662,13 @@ def _current_for_reads(engine_ref):
     counts those), while the engine is open, and so does a ``state_dict`` pre-hook (``save_pretrained``'s). A read
     between two steps then sees the last step's weights, never a half-written update (the optimizer thread writing
     the masters the forward reads). Holds the engine weakly, and is removed at close, when the final weights are in
-    place."""
+    place. One process only: with several ranks the wait is a collective ([Note: engine.module is a collective]),
+    which a read on one rank (an evaluation on rank 0) would hang, so there the read goes through
+    ``engine.module`` on every rank, as before (docs/ranks.md)."""
 
     def hook(module, *_):
         engine = engine_ref()
-        if engine is None or engine.state is not EngineState.OPEN or engine.compute.calling:
+        if engine is None or engine.state is not EngineState.OPEN or engine.compute.calling or engine.ranks.many:
             return
         _ = engine.module  # the pending updates applied, the host mirrors current
 

@@ -83,10 +83,9 @@ def estimate_serve(
     ctx = context or min(own or 4096, 4096)
     dtype = None  # a named shape: bf16; a folder: its own, as zerofit serve holds it ([Note: the model's own dtype])
     if model_dir is not None:
-        from zerofit.checkpoint.model_files import model_dtype
         from zerofit.models import ModelDir
 
-        dtype = model_dtype(None, ModelDir.open(model_dir, config_only=True))
+        dtype = ModelDir.open(model_dir, config_only=True).dtype()
     try:
         plan = serve_plan(
             model, max_gpu_memory=max_gpu_memory, concurrency=concurrency, context=ctx, dtype=dtype, gpu=gpu

@@ -20,17 +20,15 @@ from zerofit.models.adapter_names import base_name
 
 
 class AdapterSource:
-    """A source for :class:`zerofit.infer.engine.InferenceEngine` (as zerofit/infer/sources.py's): the base
-    directory's tensors and the adapter folder's."""
+    """A :class:`~zerofit.models.source.WeightSource`: the base directory's tensors and the adapter folder's."""
 
     def __init__(self, base_dir: str | os.PathLike, adapter_dir: str | os.PathLike):
         from safetensors import safe_open
 
-        from zerofit.infer.sources import DirSource
         from zerofit.lora.files import check_adapter_fits
         from zerofit.models import ModelDir
 
-        self.base = DirSource(Path(base_dir).expanduser(), ModelDir.open(base_dir))
+        self.base = ModelDir.open(Path(base_dir).expanduser())
         self.adapter_dir = Path(adapter_dir).expanduser()
         check_adapter_fits(self.base.path, self.adapter_dir)
         self.path = self.base.path
@@ -47,7 +45,7 @@ class AdapterSource:
             model = PeftModel(base, config, adapter_name=self.adapter_name)
         return model
 
-    def dtype(self) -> torch.dtype | None:
+    def dtype(self) -> torch.dtype:
         return self.base.dtype()
 
     def tokenizer(self):

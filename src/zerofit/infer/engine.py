@@ -185,37 +185,37 @@ class InferenceEngine:
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def from_pretrained(
-        cls, path: str | os.PathLike, adapter: str | os.PathLike | None = None, **kw
-    ) -> InferenceEngine:
-        """A Hugging Face model directory, or a zerofit checkpoint (a tag folder, or a save folder whose
-        ``latest`` is used): the model is built on the meta device and each tensor read once into place.
-        ``adapter``: a PEFT adapter folder over the model directory ``path`` (zerofit/infer/adapter_source.py)."""
-        from zerofit.infer.sources import open_source
-
-        if adapter is not None:
-            from zerofit.infer.adapter_source import AdapterSource
-
-            src = AdapterSource(path, adapter)
-        else:
-            src = open_source(path)
+    def from_source(cls, src, **kw) -> InferenceEngine:
+        """A :class:`~zerofit.models.source.WeightSource`: the model built on the meta device and each tensor read
+        once into place, in the source's own dtype unless ``dtype`` says otherwise; the source is closed after."""
         kw.setdefault("tokenizer", src.tokenizer())
         kw.setdefault("own_dtype", src.dtype())
         try:
             return cls(src.build_meta(), fill=src.fill, source_dir=src.path, **kw)
         finally:
-            if hasattr(src, "close"):  # a model directory's open weight files
-                src.close()
+            src.close()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, adapter: str | os.PathLike | None = None, **kw
+    ) -> InferenceEngine:
+        """A Hugging Face model directory, or a zerofit checkpoint (a tag folder, or a save folder whose
+        ``latest`` is used). ``adapter``: a PEFT adapter folder over the model directory ``path``
+        (zerofit/infer/adapter_source.py)."""
+        from zerofit.infer.sources import open_source
+
+        if adapter is not None:
+            from zerofit.infer.adapter_source import AdapterSource
+
+            return cls.from_source(AdapterSource(path, adapter), **kw)
+        return cls.from_source(open_source(path), **kw)
 
     @classmethod
     def from_engine(cls, engine, **kw) -> InferenceEngine:
         """The current weights of a live training engine, in a model of their own (the engine is not changed)."""
-        from zerofit.infer.sources import engine_source
+        from zerofit.infer.sources import EngineSource
 
-        model, fill = engine_source(engine)
-        kw.setdefault("tokenizer", getattr(engine, "tokenizer", None))
-        kw.setdefault("own_dtype", engine.model_dtype)  # the user's model's, not its fp32 masters'
-        return cls(model, fill=fill, source_dir=getattr(engine, "source_dir", None), **kw)
+        return cls.from_source(EngineSource(engine), **kw)
 
     def _load(self, fill) -> None:
         """Weights into place, one tensor at a time: shell on the device, blocks in one host arena."""

@@ -1,75 +1,34 @@
-"""Where generation's weights come from: a model directory, a zerofit checkpoint, or a live training engine.
-
-Each source builds the model on the meta device (no memory) and fills one
-parameter at a time (``fill(names, dst)``: ``names`` every alias of the
-parameter, ``dst`` its place in the inference engine's buffers, any dtype), so
-the host never holds the model twice.
+"""Where generation's weights come from, beside a model directory (:class:`~zerofit.models.ModelDir`) and its
+adapters (adapter_source.py): a zerofit checkpoint, and a live training engine. Each is a
+:class:`~zerofit.models.source.WeightSource`: it builds the model on the meta device (no memory) and fills one
+parameter at a time (``fill(names, dst)``: ``names`` every alias of the parameter, ``dst`` its place in the
+inference engine's buffers, any dtype), so the host never holds the model twice.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from zerofit.checkpoint.model_files import model_dtype
-from zerofit.models.directory import TOKENIZER_FILES, ModelDir, ModelDirError, load_tensor
+from zerofit.models.directory import ModelDir, ModelDirError, load_tokenizer
 
-__all__ = ["open_source", "engine_source", "load_tokenizer"]
-
-
-def load_tokenizer(folder: Path | None):
-    """The folder's own tokenizer (local files only), or None when it has none."""
-    if folder is None or not any((Path(folder) / n).is_file() for n in TOKENIZER_FILES[:5]):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+__all__ = ["CheckpointSource", "EngineSource", "load_tokenizer", "open_source"]
 
 
-@dataclass
-class DirSource:
-    path: Path
-    md: ModelDir
+class CheckpointSource:
+    """A zerofit checkpoint (a tag folder): its config.json's model, its weight shards' tensors."""
 
-    def __post_init__(self):
-        self._fds: dict = {}
+    def __init__(self, path: Path, md: ModelDir, found: dict, model_dtype: torch.dtype):
+        self.path = path  # the checkpoint folder (its tokenizer files)
+        self.md = md  # its config.json (the weights come from the checkpoint's shards)
+        self.found = found  # tensor name -> (file, TensorInfo)
+        self.model_dtype = model_dtype  # the trained model's own dtype, as the checkpoint's record names it
 
     def build_meta(self) -> nn.Module:
-        model = self.md.build_meta()
-        _generation_config(model, self.path)
-        return model
-
-    def dtype(self) -> torch.dtype:
-        """As transformers' ``from_pretrained`` loads the folder: config.json's dtype, else its weights'."""
-        return model_dtype(None, self.md)
-
-    def tokenizer(self):
-        return load_tokenizer(self.path)
-
-    def fill(self, names: list[str], dst: torch.Tensor) -> None:
-        load_tensor(self.md, names, dst, self._fds)  # any dtype and device
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-@dataclass
-class _CheckpointSource:
-    path: Path  # the checkpoint folder (a tag)
-    md: ModelDir  # its config.json (weights come from the checkpoint's shards)
-    found: dict  # tensor name -> (file, TensorInfo)
-    model_dtype: torch.dtype  # the trained model's own dtype, as the checkpoint's record names it
-
-    def build_meta(self) -> nn.Module:
-        model = self.md.build_meta()
-        _generation_config(model, self.path)
-        return model
+        return self.md.build_meta()
 
     def dtype(self) -> torch.dtype:
         """The trained model's own dtype (not its fp32 masters'): what ``zerofit export`` writes by default."""
@@ -94,6 +53,48 @@ class _CheckpointSource:
             )
         dst.copy_(read_tensor(self.path / f, info))
 
+    def close(self) -> None:
+        pass  # (each read opens and closes its shard)
+
+
+class EngineSource:
+    """The current weights of a live training engine, in a model of their own: a meta twin of the engine's model,
+    filled from the engine's host weights (the engine is not changed)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.path = getattr(engine, "source_dir", None)
+
+    def build_meta(self) -> nn.Module:
+        import copy
+
+        live = self.engine.module  # the user's model, its parameters the engine's fp32 weights (made current)
+        self._params = dict(live.named_parameters(remove_duplicate=False))
+        if hasattr(live, "config") and hasattr(type(live), "_from_config"):
+            with torch.device("meta"):
+                twin = type(live)._from_config(live.config, dtype=torch.float32)
+            if hasattr(live, "generation_config"):
+                twin.generation_config = copy.deepcopy(live.generation_config)
+            return twin
+        return copy.deepcopy(live)
+
+    def dtype(self) -> torch.dtype:
+        return self.engine.model_dtype  # the user's model's, not its fp32 masters'
+
+    def tokenizer(self):
+        """The engine's own, else the one of the folder it was read from (or None)."""
+        return getattr(self.engine, "tokenizer", None) or load_tokenizer(self.path)
+
+    def fill(self, names: list[str], dst: torch.Tensor) -> None:
+        params = self.__dict__.get("_params") or dict(self.engine.module.named_parameters(remove_duplicate=False))
+        src = next((params[n] for n in names if n in params), None)
+        if src is None:
+            raise KeyError(f"parameter {names[0]!r} is not in the training engine's model")
+        dst.copy_(src.detach())
+
+    def close(self) -> None:
+        self.__dict__.pop("_params", None)
+
 
 def open_source(path: str | os.PathLike):
     """A model directory, or a checkpoint (a tag folder, or a save folder with ``latest``)."""
@@ -114,35 +115,5 @@ def open_source(path: str | os.PathLike):
 
         config = read_config(folder)  # a wrong field is a ModelDirError naming the file and the field
         found = locate(folder, shard_files(folder, record, WEIGHTS_INDEX), WEIGHTS_INDEX)
-        return _CheckpointSource(folder, ModelDir(folder, config, {}), found, checkpoint_dtype(record.state))
-    return DirSource(p, ModelDir.open(p))
-
-
-def _generation_config(model: nn.Module, folder: Path) -> None:
-    if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
-
-
-def engine_source(engine) -> tuple[nn.Module, callable]:
-    """A meta twin of the training engine's model, and a fill that reads the engine's current weights."""
-    import copy
-
-    live = engine.module  # the user's model, its parameters the engine's fp32 weights
-    params = dict(live.named_parameters(remove_duplicate=False))
-    if hasattr(live, "config") and hasattr(type(live), "_from_config"):
-        with torch.device("meta"):
-            twin = type(live)._from_config(live.config, dtype=torch.float32)
-        if hasattr(live, "generation_config"):
-            twin.generation_config = copy.deepcopy(live.generation_config)
-    else:
-        twin = copy.deepcopy(live)
-
-    def fill(names: list[str], dst: torch.Tensor) -> None:
-        src = next((params[n] for n in names if n in params), None)
-        if src is None:
-            raise KeyError(f"parameter {names[0]!r} is not in the training engine's model")
-        dst.copy_(src.detach())
-
-    return twin, fill
+        return CheckpointSource(folder, ModelDir(folder, config, {}), found, checkpoint_dtype(record.state))
+    return ModelDir.open(p)

@@ -64,7 +64,7 @@ def engine_for(model, *, tokenizer=None, **kw):
 def _tokenizer_beside(model):
     """The tokenizer of the local folder a model (or a training engine's) was loaded from (``from_pretrained``
     records it as its config's ``name_or_path``), or None."""
-    from zerofit.infer.sources import load_tokenizer
+    from zerofit.models.directory import load_tokenizer
 
     module = getattr(model, "module", model)
     config = getattr(module, "config", None)

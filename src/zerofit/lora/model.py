@@ -10,6 +10,7 @@ twice. Refusals (targets that match nothing) come before anything is allocated.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -40,16 +41,38 @@ def wrap(model: nn.Module, options: LoraOptions, where: str = "the model"):
 
 
 class PeftSource:
-    """A :class:`zerofit.models.ModelDir` as the engine's materialization reads it, for a PEFT model over it:
-    the base's tensors from the files under their base names, the adapters' from the values PEFT initialized
-    (the only parameters of the model that are not on the meta device)."""
+    """A :class:`~zerofit.models.source.WeightSource` of a PEFT model over a model directory (what ``zerofit train
+    --lora`` trains): the base's tensors from the folder's files under their base names, the adapters' from the
+    values PEFT initialized (the only parameters of the model that are not on the meta device). It answers the
+    folder's own questions (a 4-bit folder's pieces, its tokenizer files) by the PEFT model's names."""
 
     def __init__(self, md, model: nn.Module):
         self.md = md
+        self.model = model
         self.path = md.path
         self.config = md.config
         self.weights = md.weights
         self.own = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}
+
+    def build_meta(self) -> nn.Module:
+        """The PEFT model it was made for: its base on the meta device, its adapters initialized."""
+        return self.model
+
+    def dtype(self) -> torch.dtype:
+        return self.md.dtype()
+
+    def tokenizer(self):
+        return self.md.tokenizer()
+
+    def fill(self, names: list[str], dst: torch.Tensor) -> None:
+        from zerofit.models.directory import load_tensor
+
+        load_tensor(self, names, dst, self.__dict__.setdefault("_fds", {}))
+
+    def close(self) -> None:
+        for fd in self.__dict__.pop("_fds", {}).values():
+            os.close(fd)
+        self.md.close()
 
     @property
     def prefix(self) -> str:

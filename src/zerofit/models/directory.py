@@ -94,7 +94,7 @@ class ModelDir:
         self.prefix = getattr(cls, "base_model_prefix", "") or ""
         try:
             with torch.device("meta"):
-                return (
+                model = (
                     cls._from_config(self.config, dtype=torch.float32)
                     if hasattr(cls, "_from_config")
                     else cls(self.config)
@@ -104,6 +104,11 @@ class ModelDir:
                 f"{self.path / 'config.json'}: {cls.__name__} cannot be built from it "
                 f"({type(e).__name__}: {_one_line(e)}): correct that value in config.json"
             ) from None
+        if (self.path / "generation_config.json").is_file() and hasattr(model, "generation_config"):
+            from transformers import GenerationConfig  # the folder's generation defaults, as from_pretrained's
+
+            model.generation_config = GenerationConfig.from_pretrained(self.path, local_files_only=True)
+        return model
 
     # ------------------------------------------------------------------ the weights
 
@@ -123,6 +128,33 @@ class ModelDir:
 
     def tokenizer_files(self) -> list[Path]:
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+
+    # ------------------------------------------------------------------ a WeightSource (models/source.py)
+
+    def dtype(self) -> torch.dtype:
+        """As transformers' ``from_pretrained`` loads the folder (``dtype="auto"``): config.json's ``dtype``
+        (``torch_dtype`` in older files), else the dtype most of its stored weights' elements have; fp32 when
+        nothing says."""
+        cfg = json.loads((self.path / "config.json").read_text())
+        named = cfg.get("dtype") or cfg.get("torch_dtype")
+        if named in _DTYPES:
+            return _DTYPES[named]
+        count: dict[torch.dtype, int] = {}
+        for i in self.weights.values():
+            if i.dtype in _DTYPES.values():
+                count[i.dtype] = count.get(i.dtype, 0) + i.numel
+        return max(count, key=count.__getitem__) if count else torch.float32
+
+    def tokenizer(self):
+        """The folder's own tokenizer (local files only), or None when it has none."""
+        return load_tokenizer(self.path)
+
+    def fill(self, names: list[str], dst: torch.Tensor) -> None:
+        load_tensor(self, names, dst, self.__dict__.setdefault("_fds", {}))
+
+    def close(self) -> None:
+        for fd in self.__dict__.pop("_fds", {}).values():
+            os.close(fd)
 
     # ------------------------------------------------------------------ a 4-bit folder ([Note: a 4-bit folder])
 
@@ -303,6 +335,18 @@ def _weight_table(p: Path) -> dict[str, TensorInfo]:
                 f"{p / weight_map[absent[0]]}: tensor {absent[0]!r} listed in {INDEX} is not in that file"
             )
     return table
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(folder: Path | None):
+    """The folder's own tokenizer (local files only), or None when it has none."""
+    if folder is None or not any((Path(folder) / n).is_file() for n in TOKENIZER_FILES[:5]):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def load_tensor(md: ModelDir, names: list[str], dst: torch.Tensor, fds: dict | None = None) -> None:

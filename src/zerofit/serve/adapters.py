@@ -54,19 +54,18 @@ def adapter_names(specs: list[str]) -> dict[str, Path]:
 
 
 class MultiAdapterSource:
-    """A source for :class:`zerofit.infer.engine.InferenceEngine` (as zerofit/infer/sources.py's): the base
-    directory's tensors, and each adapter folder's under its name ([Note: one base, several adapters])."""
+    """A :class:`~zerofit.models.source.WeightSource`: the base directory's tensors, and each adapter folder's
+    under its name ([Note: one base, several adapters])."""
 
     def __init__(self, base_dir: str | os.PathLike, adapters: dict[str, Path]):
         from safetensors import safe_open
 
-        from zerofit.infer.sources import DirSource
         from zerofit.lora.files import check_adapter_fits
         from zerofit.models import ModelDir
 
         if not adapters:
             raise ValueError("MultiAdapterSource: no adapters (serve the base directory itself)")
-        self.base = DirSource(Path(base_dir).expanduser(), ModelDir.open(base_dir))
+        self.base = ModelDir.open(Path(base_dir).expanduser())
         self.path = self.base.path
         self.adapters = dict(adapters)
         self._files = {}
@@ -86,7 +85,7 @@ class MultiAdapterSource:
                 model.add_adapter(name, PeftConfig.from_pretrained(self.adapters[name]))
         return model
 
-    def dtype(self) -> torch.dtype | None:
+    def dtype(self) -> torch.dtype:
         return self.base.dtype()
 
     def tokenizer(self):

@@ -24,14 +24,13 @@ def test_each_rows_line_counts_are_its_files():
         actual = [engine_doc.count(p) for p in paths]
         if len(figures) != len(actual) or any(abs(f - a) > max(10, a // 10) for f, a in zip(figures, actual)):
             wrong.append(f"line {i + 1}: {figures} for {[p.name for p in paths]}, which have {actual}")
-    assert not wrong, "docs/engine.md's line counts (python3 -m tests.support.engine_doc refreshes them):\n" + "\n".join(
-        wrong
-    )
+    how = "docs/engine.md's line counts (python3 -m tests.support.engine_doc refreshes them):\n"
+    assert not wrong, how + "\n".join(wrong)
 
 
 def test_refresh_writes_the_counts_the_test_reads(tmp_path):
     text = engine_doc.DOC.read_text()
     fresh = engine_doc.refresh(text)
-    for (_, paths, figures) in engine_doc.rows(fresh):
+    for _, paths, figures in engine_doc.rows(fresh):
         assert figures == [engine_doc.count(p) for p in paths]
     assert engine_doc.refresh(fresh) == fresh

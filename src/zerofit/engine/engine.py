@@ -72,6 +72,7 @@ from zerofit.engine.step.compute import Compute
 from zerofit.engine.step.hypers import Hypers
 from zerofit.engine.step.optimizer_step import Step
 from zerofit.engine.step.schedule import Schedule
+from zerofit.engine.step.step_end import StepEnd
 from zerofit.engine.step.timeline import Timeline
 from zerofit.engine.step.window import Window
 from zerofit.engine.update.assisted import DeviceUpdates
@@ -106,6 +107,7 @@ class Engine(DeepSpeedSurface):
     stepper: Step
     schedule: Schedule
     window: Window
+    step_end: StepEnd
 
     @classmethod
     def create(cls, model, config=None, *, param_groups=None, user_loop: bool = False, **overrides) -> Engine:
@@ -473,10 +475,10 @@ class Engine(DeepSpeedSurface):
             )
             total, count = self.ranks.all_reduce_world(part).tolist()
             mean = torch.tensor(total / count if count else math.nan)
-        applied, norm = self.stepper.finish()
-        loss_value = mean.item()  # the loss read: a device sync ([Note: events, not device syncs])
-        self.end_step(applied, norm)
-        return loss_value
+        # the loss read is a device sync: after the step's updates are queued ([Note: events, not device syncs])
+        read: list[float] = []
+        self.step_end.finish(windowed=False, before_end=lambda: read.append(mean.item()))
+        return read[0]
 
     def end_step(self, applied: bool, norm: float | None) -> None:
         """The optimizer step's end, applied or not (train_batch, the DeepSpeed-shaped loop's boundary, the user's

@@ -18,6 +18,7 @@ from zerofit.engine.model.startup import Startup
 from zerofit.engine.step.compute import Compute
 from zerofit.engine.step.optimizer_step import Step
 from zerofit.engine.step.schedule import Schedule
+from zerofit.engine.step.step_end import StepEnd
 from zerofit.engine.step.window import Window
 from zerofit.engine.update.assisted import DeviceUpdates
 from zerofit.engine.update.host import HostUpdates
@@ -170,4 +171,5 @@ def build_parts(engine: Engine, carry: Window | None) -> None:
         batch_spec=engine.batch_spec,
         carry=carry,
     )
+    engine.step_end = StepEnd(engine.stepper, engine.window, engine.end_step)  # [Note: one end of a step]
     engine.clock.note_host()

@@ -253,10 +253,7 @@ class DeepSpeedSurface:
         if not self.window.at_boundary():
             return
         with self.guard(discard_step=True):
-            self.window.before_step()
-            applied, norm = self.stepper.finish()
-            self.window.stepped()
-            self.end_step(applied, norm)
+            self.step_end.finish()  # [Note: one end of a step]
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward

@@ -87,8 +87,7 @@ class UserLoopFace:
 
                 if all(Speculation.usable(h.beta1, h.beta2) for h in e.hypers.for_step()):  # (a non-finite norm)
                     e.speculator.begin_known(e.adapter.streaming)
-            e.window.before_step()
-            return e.stepper.prepare()
+            return e.step_end.prepare()  # [Note: one end of a step]
 
     @property
     def holding(self) -> bool:
@@ -121,17 +120,13 @@ class UserLoopFace:
         """The prepared step's updates; the window starts over."""
         e = self.engine
         with e.guard(discard_step=True):
-            applied, norm = e.stepper.apply(prepared)
-            e.window.stepped()
-            e.end_step(applied, norm)
+            e.step_end.apply(prepared)
 
     def skip(self, prepared: Prepared) -> None:
         """A prepared step not applied (a GradScaler found an overflow): its gradients dropped."""
         e = self.engine
         with e.guard(discard_step=True):
-            e.stepper.discard_grads()
-            e.window.stepped()
-            e.end_step(False, prepared.norm)
+            e.step_end.skip(prepared)
 
     def hold(self, n: int) -> tuple[int, str]:
         """The window holds the most of ``n`` micro-batches (at least 2) whose checkpoints the plan can keep:

@@ -284,10 +284,12 @@ def test_beyond_loopback_a_key_is_required_and_without_the_extra_one_line(monkey
 
 
 def test_a_full_queue_answers_503_and_sigterm_drains_then_exits_0(tmp_path):
+    # the first request holds the one slot while the test fills the queue: long enough (240 tokens; 150 were seen to
+    # finish in between on a loaded machine)
     base = make_model_dir(tmp_path / "tiny", dtype=torch.float32, layers=2)
-    proc, url = _start(base, "--max-batch", "1", "--max-waiting", "1", "--context", "200")
+    proc, url = _start(base, "--max-batch", "1", "--max-waiting", "1", "--context", "256")
     try:
-        long = {"model": "tiny", "prompt": "Hello", "max_tokens": 150, "temperature": 0, "stop": ["\x00never"]}
+        long = {"model": "tiny", "prompt": "Hello", "max_tokens": 240, "temperature": 0, "stop": ["\x00never"]}
         first = httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=60)
         r1 = first.__enter__()
         lines = r1.iter_lines()

@@ -595,6 +595,23 @@ def test_context_manager_closes_on_error_and_keeps_the_error():
     assert engine.state is EngineState.CLOSED and _optimizer_threads() == threads
 
 
+def test_an_engine_no_one_holds_is_freed_at_once_without_the_garbage_collector():
+    """No part holds the engine (they take what they need, and the end of a step through a weak reference: [Note:
+    the parts as a value], parts.py), so the last reference's going frees it: no cycle waits for a collection."""
+    import weakref
+
+    gc.disable()
+    try:
+        torch.manual_seed(0)
+        engine = zerofit.initialize(tm.llama(), _cfg(gradient_clipping=1.0))
+        engine.train_batch(tm.batches(1, G)[0])
+        ref = weakref.ref(engine)
+        del engine
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_an_engine_never_closed_is_released_when_collected():
     # engines of earlier tests that sit in reference cycles go first, so the baseline stays put
     gc.collect()

@@ -57,7 +57,7 @@ from zerofit.engine.model.materialize import (
 )
 from zerofit.engine.model.nf4 import BaseNF4
 from zerofit.engine.model.startup import Startup
-from zerofit.engine.parts import build_parts
+from zerofit.engine.parts import PartsInputs, build_parts
 from zerofit.engine.plan.engine_plan import (
     DTYPES,
     LEARN_WINDOW,
@@ -243,8 +243,47 @@ class Engine(DeepSpeedSurface):
     def _build_parts(self, carry: Window | None) -> None:
         """Materialize the units (materialize.py) where the plan puts them, then the parts built over them: the
         same code at initialize and for the generic fallback ([Note: generic fallback], recovery.py). ``carry``:
-        the window the new one takes over (the fallback's), None at initialize."""
-        build_parts(self, carry)  # parts.py
+        the window the new one takes over (the fallback's), None at initialize. [Note: the parts as a value]:
+        the engine assigns what parts.py builds."""
+        parts = build_parts(
+            PartsInputs(
+                config=self.config,
+                dev=self.dev,
+                ranks=self.ranks,
+                dtype=self.dtype,
+                model=self._model,
+                adapter=self.adapter,
+                table=self._table,
+                source=self._source,
+                group_of=self._group_of,
+                frozen=self.frozen,
+                nf4=self.nf4,
+                tier=self.tier,
+                planning=self.planning,
+                lifecycle=self.lifecycle,
+                worker=self.worker,
+                clock=self.clock,
+                speculator=self.speculator,
+                hypers=self.hypers,
+                scaler=self.scaler,
+                batch_spec=self.batch_spec,
+                deferred=self.deferred,
+                split=self._split,
+                cast_first=self._cast_first,
+                arenas=self._arenas,
+                tile_of=tiling.tile_of(weakref.ref(self)),
+                end_step=_end_step_of(weakref.ref(self)),
+                carry=carry,
+            )
+        )
+        self._source = None  # the files are read: keep only their folder (source_dir)
+        self._table = parts.table
+        self.startup, self.sharding, self.units = parts.startup, parts.sharding, parts.units
+        self.shell, self.blocks = parts.units[0], parts.units[1:]
+        self.grads, self.copies16, self.device_updates = parts.grads, parts.copies16, parts.device_updates
+        self.host_updates, self.streamer, self.activations = parts.host_updates, parts.streamer, parts.activations
+        self.kernels, self.compute, self.stepper = parts.kernels, parts.compute, parts.stepper
+        self.schedule, self.window, self.step_end = parts.schedule, parts.window, parts.step_end
 
     # ------------------------------------------------------------------ what the parts hold, by name
 
@@ -675,3 +714,15 @@ def _current_for_reads(engine_ref):
         _ = engine.module  # the pending updates applied, the host mirrors current
 
     return hook
+
+
+def _end_step_of(engine_ref):
+    """``Engine.end_step`` through a weak reference: the parts hold no reference to the engine, so an engine no one
+    holds is freed at once (its worker thread with it), not at the next garbage collection."""
+
+    def end_step(applied: bool, norm: float | None) -> None:
+        engine = engine_ref()
+        assert engine is not None  # a part of a live engine ends its steps
+        engine.end_step(applied, norm)
+
+    return end_step

@@ -1,0 +1,23 @@
+"""The loops alive in the process: where the optimizer's hooks (optimizer.py) and the patched callables (patches.py)
+find the loop of an optimizer's, a clip's or a module's parameters ([Note: the process-wide patches]). The one state
+the package's modules share; a loop adds itself when it is built (loop.py)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zerofit.userloop.loop import UserLoop
+
+# every loop alive in the process: the process-wide hooks and patches do nothing while it is empty
+LIVE: weakref.WeakSet[UserLoop] = weakref.WeakSet()
+
+
+def loop_of(params) -> UserLoop | None:
+    """The live loop holding any of ``params`` (None: none does, as for every optimizer while no loop lives)."""
+    ids = {id(p) for p in params}
+    for loop in list(LIVE):
+        if ids & loop.params:
+            return loop
+    return None

@@ -74,6 +74,7 @@ from zerofit.engine.step.optimizer_step import Step
 from zerofit.engine.step.schedule import Schedule
 from zerofit.engine.step.step_end import StepEnd
 from zerofit.engine.step.timeline import Timeline
+from zerofit.engine.step.torch_clip import module_order
 from zerofit.engine.step.window import Window
 from zerofit.engine.update.assisted import DeviceUpdates
 from zerofit.engine.update.host import HostUpdates
@@ -465,8 +466,38 @@ class Engine(DeepSpeedSurface):
 
     def _become_generic(self, err) -> None:
         """[Note: generic fallback]: rebuild the units and their parts as one generic unit, from the current
-        weights, with the optimizer state they hold."""
-        recovery.become_generic(self, err)
+        weights, with the optimizer state they hold (recovery.py gives the inputs; the engine assigns)."""
+        generic, table, shape, planning, carried = recovery.generic_inputs(
+            err,
+            model=self._model,
+            config=self.config,
+            dev=self.dev,
+            ranks=self.ranks,
+            frozen=self.frozen,
+            tier=self.tier,
+            units=self.units,
+            adapter=self.adapter,
+            sharding=self.sharding,
+        )
+        following = self.stepper.torch_clip.order is not None  # the user's loop clips in the module's order
+        self.stepper.mirrors_behind()
+        self._sync_host_weights()  # the module's parameters hold the current weights: the new unit copies them
+        self.worker.drain()
+        self.dev.synchronize()
+        self._drop_device_state()  # the streaming parts' device buffers go before the generic ones are made
+        for a in self._arenas:
+            a.close()
+        self._arenas.clear()
+        self.adapter, self._table, self._shape, self.planning = generic, table, shape, planning
+        try:
+            self._build_parts(carry=self.window)
+            recovery.restore_optimizer_state(self.units, carried)
+            if following:  # over the new unit (the module's parameters are the same objects: materialize.py)
+                self.stepper.torch_clip.follow(module_order(self.units, self.adapter, self._model))
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
 
     # ------------------------------------------------------------------ train_batch
 

@@ -17,7 +17,6 @@ them. adapter="blocks" refuses instead; adapter="generic" skips it.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,10 +24,6 @@ from zerofit.engine.model.adapter import Adapter, NonSequentialModel
 from zerofit.engine.model.materialize import model_shape, param_table, rebind_params
 from zerofit.engine.plan.engine_plan import Planning
 from zerofit.engine.plan.search import PlanError
-from zerofit.engine.step.torch_clip import module_order
-
-if TYPE_CHECKING:
-    from zerofit.engine.engine import Engine
 
 log = logging.getLogger("zerofit")
 
@@ -125,33 +120,14 @@ def leave_disk(tier, blocks, model, adapter, table) -> None:
     tier.file.flush_mapping()
 
 
-def become_generic(engine: Engine, err: NonSequentialModel) -> None:
-    """[Note: generic fallback]: rebuild the units and their parts as one generic unit, from the current
-    weights, with the optimizer state they hold."""
-    if engine.tier is not None:
+def generic_inputs(err: NonSequentialModel, *, model, config, dev, ranks, frozen, tier, units, adapter, sharding):
+    """[Note: generic fallback]: what the engine rebuilds itself from as one generic unit: (adapter, parameter
+    table, shape, planning, the optimizer state its ``units`` hold by name); NonSequentialModel, the engine intact,
+    where that cannot be (the disk tier, a device without room for the whole model)."""
+    if tier is not None:
         raise NonSequentialModel(
             f"{err.reason}; the generic path (the whole model as one unit) cannot use the disk tier this plan needs"
         ) from err
-    carried = optimizer_state_by_name(engine.units, engine.adapter, engine.sharding)
-    generic, table, shape, planning = generic_plan(
-        err, model=engine._model, config=engine.config, dev=engine.dev, ranks=engine.ranks, frozen=engine.frozen
-    )
-    following = engine.stepper.torch_clip.order is not None  # the user's loop clips in the module's order
-    engine.stepper.mirrors_behind()
-    engine._sync_host_weights()  # the module's parameters hold the current weights: the new unit copies them
-    engine.worker.drain()
-    engine.dev.synchronize()
-    engine._drop_device_state()  # the streaming parts' device buffers go before the generic ones are made
-    for a in engine._arenas:
-        a.close()
-    engine._arenas.clear()
-    engine.adapter, engine._table, engine._shape, engine.planning = generic, table, shape, planning
-    try:
-        engine._build_parts(carry=engine.window)
-        restore_optimizer_state(engine.units, carried)
-        if following:  # over the new unit (the module's parameters are the same objects: materialize.py)
-            engine.stepper.torch_clip.follow(module_order(engine.units, engine.adapter, engine._model))
-    except BaseException as e:
-        engine._fail(e)
-        raise
-    engine.planning.log_placement(engine.adapter.num_blocks, engine.dev.is_cuda, engine.dev.device)
+    carried = optimizer_state_by_name(units, adapter, sharding)
+    generic, table, shape, planning = generic_plan(err, model=model, config=config, dev=dev, ranks=ranks, frozen=frozen)
+    return generic, table, shape, planning, carried

@@ -116,7 +116,7 @@ def config_error_from(exc: ValidationError, model: type[BaseModel], prefix: str 
             known = list(parent.model_fields) if parent else []
             guess = close_match(loc[-1], known)
             if not guess and len(loc) == 1 and not prefix:  # a misspelled DeepSpeed key reads as zerofit's
-                from zerofit.config.deepspeed import DEEPSPEED_KEYS
+                from zerofit.config.deepspeed_keys import DEEPSPEED_KEYS
 
                 ds = close_match(loc[-1], sorted(DEEPSPEED_KEYS))
                 if ds:

@@ -652,10 +652,10 @@ def _wide():
 
 @pytest.mark.parametrize("door", ["zerofit.fsdp", "zerofit.initialize"])
 def test_the_users_own_model_read_right_after_each_step_has_that_steps_weights(door):
-    """A stress test of [Note: a read of the user's model] (engine.py): many short runs whose blocks' AdamW runs on
-    the optimizer thread after a clipped step, the user's own object evaluated (or its state_dict read) the moment
-    each step returns. Without the wait its read raced the thread writing the masters (about half of such reads were
-    1e-3 to 2e-2 away); with it every read is plain PyTorch's weights, bitwise."""
+    """A stress test of [Note: a read of the user's model] (engine/faces/user_model.py): many short runs whose
+    blocks' AdamW runs on the optimizer thread after a clipped step, the user's own object evaluated (or its
+    state_dict read) the moment each step returns. Without the wait its read raced the thread writing the masters
+    (about half of such reads were 1e-3 to 2e-2 away); with it every read is plain PyTorch's weights, bitwise."""
     import zerofit
 
     reads = 0

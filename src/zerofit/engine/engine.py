@@ -37,27 +37,21 @@ from zerofit.engine.device import Device, rank_device, requested_device
 from zerofit.engine.disk.tier import DiskTier
 from zerofit.engine.distributed.ranks import Ranks
 from zerofit.engine.distributed.rendezvous import named_barrier, wait_s
-from zerofit.engine.distributed.sharding import Sharding
 from zerofit.engine.faces.deepspeed_surface import DeepSpeedRecord, DeepSpeedSurface
 from zerofit.engine.faces.offload_states import OffloadStates
+from zerofit.engine.faces.user_model import current_for_reads
 from zerofit.engine.lifecycle import EngineState, Lifecycle
-from zerofit.engine.memory.activations import Activations
-from zerofit.engine.memory.copies16 import Copies16
-from zerofit.engine.memory.grads import Grads
-from zerofit.engine.memory.store import Unit, follow_masters
-from zerofit.engine.memory.streamer import Streamer
+from zerofit.engine.memory.store import follow_masters
 from zerofit.engine.model import tiling
 from zerofit.engine.model.adapter import Adapter
 from zerofit.engine.model.groups import resolve_groups
-from zerofit.engine.model.kernels import Kernels
 from zerofit.engine.model.materialize import (
     model_shape,
     param_table,
     warn_low_precision_trained,
 )
 from zerofit.engine.model.nf4 import BaseNF4
-from zerofit.engine.model.startup import Startup
-from zerofit.engine.parts import PartsInputs, build_parts
+from zerofit.engine.parts import PartsInputs, build_parts, end_step_of
 from zerofit.engine.plan.engine_plan import (
     DTYPES,
     LEARN_WINDOW,
@@ -68,16 +62,10 @@ from zerofit.engine.plan.engine_plan import (
 )
 from zerofit.engine.plan.plan import Plan
 from zerofit.engine.step.batch import BatchSpec, check_batch, check_micro_batches, scores_tokens, vocab_of
-from zerofit.engine.step.compute import Compute
 from zerofit.engine.step.hypers import Hypers
-from zerofit.engine.step.optimizer_step import Step
-from zerofit.engine.step.schedule import Schedule
-from zerofit.engine.step.step_end import StepEnd
 from zerofit.engine.step.timeline import Timeline
 from zerofit.engine.step.torch_clip import module_order
 from zerofit.engine.step.window import Window
-from zerofit.engine.update.assisted import DeviceUpdates
-from zerofit.engine.update.host import HostUpdates
 from zerofit.engine.update.speculation import Speculator
 from zerofit.engine.update.worker import HostWorker
 
@@ -91,24 +79,9 @@ log = logging.getLogger("zerofit")
 class Engine(DeepSpeedSurface):
     """See the module docstring. Build with :func:`zerofit.initialize`."""
 
-    # the parts over the units, made by _build_parts (at __init__, and again for the generic fallback)
-    startup: Startup
-    sharding: Sharding
-    units: list[Unit]  # the shell first, then the blocks in execution order
-    shell: Unit
-    blocks: list[Unit]
-    grads: Grads
-    copies16: Copies16
-    device_updates: DeviceUpdates
-    host_updates: HostUpdates
-    streamer: Streamer
-    activations: Activations
-    kernels: Kernels
-    compute: Compute
-    stepper: Step
-    schedule: Schedule
-    window: Window
-    step_end: StepEnd
+    # the parts over the units (units, shell, blocks, grads, copies16, device_updates, host_updates, streamer,
+    # activations, kernels, compute, stepper, schedule, window, step_end, sharding, startup): parts.py's Parts,
+    # assigned by _build_parts (at __init__, and again for the generic fallback)
 
     @classmethod
     def create(cls, model, config=None, *, param_groups=None, user_loop: bool = False, **overrides) -> Engine:
@@ -236,7 +209,7 @@ class Engine(DeepSpeedSurface):
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
         log.info("zerofit: %s", self.kernels.describe())
         # [Note: a read of the user's model]
-        current = _current_for_reads(weakref.ref(self))
+        current = current_for_reads(weakref.ref(self))
         self._reads = (model.register_forward_pre_hook(current), model.register_state_dict_pre_hook(current))
         if self.dev.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
@@ -273,7 +246,7 @@ class Engine(DeepSpeedSurface):
                 cast_first=self._cast_first,
                 arenas=self._arenas,
                 tile_of=tiling.tile_of(weakref.ref(self)),
-                end_step=_end_step_of(weakref.ref(self)),
+                end_step=end_step_of(weakref.ref(self)),
                 carry=carry,
             )
         )
@@ -722,38 +695,3 @@ def _loss_scaler(config: ZerofitConfig):
     from zerofit.optim.loss_scaler import make_loss_scaler
 
     return make_loss_scaler(config.fp16)
-
-
-def _current_for_reads(engine_ref):
-    """[Note: a read of the user's model]
-    The module's parameters are views of the engine's host weights, which a step leaves behind until its updates
-    land: the host's AdamW runs on the optimizer thread (deferred to the next forward where the plan defers them),
-    a device-optimized unit's host mirror is copied back only when read. ``engine.module`` waits for both; the
-    user's own object (the model they passed, called directly: an evaluation, ``generate``) is the same module, so
-    a forward pre-hook on it does the same wait before a call the engine does not make itself (``Compute.calling``
-    counts those), while the engine is open, and so does a ``state_dict`` pre-hook (``save_pretrained``'s). A read
-    between two steps then sees the last step's weights, never a half-written update (the optimizer thread writing
-    the masters the forward reads). Holds the engine weakly, and is removed at close, when the final weights are in
-    place. One process only: with several ranks the wait is a collective ([Note: engine.module is a collective]),
-    which a read on one rank (an evaluation on rank 0) would hang, so there the read goes through
-    ``engine.module`` on every rank, as before (docs/ranks.md)."""
-
-    def hook(module, *_):
-        engine = engine_ref()
-        if engine is None or engine.state is not EngineState.OPEN or engine.compute.calling or engine.ranks.many:
-            return
-        _ = engine.module  # the pending updates applied, the host mirrors current
-
-    return hook
-
-
-def _end_step_of(engine_ref):
-    """``Engine.end_step`` through a weak reference: the parts hold no reference to the engine, so an engine no one
-    holds is freed at once (its worker thread with it), not at the next garbage collection."""
-
-    def end_step(applied: bool, norm: float | None) -> None:
-        engine = engine_ref()
-        assert engine is not None  # a part of a live engine ends its steps
-        engine.end_step(applied, norm)
-
-    return end_step

@@ -261,3 +261,15 @@ def build_parts(i: PartsInputs) -> Parts:
         window=window,
         step_end=step_end,
     )
+
+
+def end_step_of(engine_ref):
+    """``Engine.end_step`` through a weak reference: the parts hold no reference to the engine, so an engine no one
+    holds is freed at once (its worker thread with it), not at the next garbage collection."""
+
+    def end_step(applied: bool, norm: float | None) -> None:
+        engine = engine_ref()
+        assert engine is not None  # a part of a live engine ends its steps
+        engine.end_step(applied, norm)
+
+    return end_step

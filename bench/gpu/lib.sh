@@ -9,6 +9,8 @@
 #   zf_tests NAME TIMEOUT ARGS...    pytest ARGS under `timeout TIMEOUT`
 #   zf_cmd NAME TIMEOUT CMD...       any command under `timeout TIMEOUT`
 #   zf_skip NAME WHY...              a step that could not run (recorded as rc=2)
+#   zf_job_poll SECONDS              a detached job's poll (the *_job.sh scripts): wait up to SECONDS for /tmp/run_out/done
+#                                    to say "all", show where it stands, pack /tmp/run_out into $OUT/all.tgz
 #
 # Each writes its output to $res/NAME.txt, ending with "rc=N", and appends "NAME rc=N (S s)" to
 # $res/exit_codes.txt. ZF_DRY=1: each writes its command there instead of running it (rc=dry).
@@ -101,4 +103,12 @@ zf_aio() {         # libaio for DeepSpeed's async_io op (ZeRO-Infinity), unpacke
   local lib=/tmp/aio/usr/lib/x86_64-linux-gnu
   export CPATH=/tmp/aio/usr/include LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
          CFLAGS=-I/tmp/aio/usr/include LDFLAGS=-L$lib
+}
+
+zf_job_poll() {
+  local end=$((SECONDS + ${1:-500}))
+  while [ $SECONDS -lt $end ] && ! grep -q '^all' /tmp/run_out/done 2>/dev/null; do sleep 5; done
+  cat /tmp/run_out/done 2>/dev/null; cat /tmp/run_out/*/exit_codes.txt 2>/dev/null; tail -n 4 /tmp/run_out/*.log
+  free -g | head -2; df -h /tmp | tail -1; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+  (cd /tmp/run_out && tar czf "$OUT/all.tgz" --exclude='*.prof' .)
 }

@@ -44,9 +44,5 @@ start)
   " > /dev/null 2>&1 < /dev/null &
   echo started;;
 poll)
-  end=$((SECONDS + ${2:-500}))
-  while [ $SECONDS -lt $end ] && ! grep -q '^all' /tmp/run_out/done 2>/dev/null; do sleep 5; done
-  cat /tmp/run_out/done 2>/dev/null; tail -n 3 /tmp/run_out/*.log
-  free -g | head -2; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-  cd /tmp/run_out && tar czf "$OUT/all.tgz" --exclude='*.prof' .;;
+  . "$(dirname "$0")/lib.sh" && zf_job_poll "${2:-500}";;
 esac

@@ -30,9 +30,10 @@ from zerofit.checkpoint.durable import disk_bytes, free_bytes, write_file
 from zerofit.checkpoint.errors import CheckpointDiskFullError, CheckpointNotFoundError, MissingFileError
 from zerofit.checkpoint.format import Entry, index_bytes, plan_shards, read_tensor, write_shards
 from zerofit.checkpoint.load import locate, open_checkpoint, shard_files
-from zerofit.checkpoint.model_files import CONFIG, DTYPE_OF_NAME, model_side_files, with_dtype
+from zerofit.checkpoint.model_files import CONFIG, model_side_files, with_dtype
 from zerofit.checkpoint.save import WEIGHTS_INDEX, SideFile
 from zerofit.config.schema import parse_bytes
+from zerofit.models.directory import DTYPE_OF_NAME
 
 MODEL_INDEX = "model.safetensors.index.json"
 _DTYPES = {

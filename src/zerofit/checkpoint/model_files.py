@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zerofit.checkpoint.save import SideFile
+from zerofit.models.directory import DTYPE_OF_NAME, most_dtype
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -30,8 +31,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-DTYPE_OF_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
+_DTYPE_NAMES = {v: k for k, v in DTYPE_OF_NAME.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -47,15 +47,7 @@ def model_dtype(model: nn.Module, source=None) -> torch.dtype:
     a few norms in fp32 is the 16-bit model it mostly is). fp32 when nothing says."""
     if source is not None:
         return source.dtype()
-    return _most((p.dtype, p.numel()) for p in model.parameters() if p.is_floating_point())  # tied: once
-
-
-def _most(sizes) -> torch.dtype:
-    count: dict[torch.dtype, int] = {}
-    for dt, n in sizes:
-        if dt in _DTYPE_NAMES:
-            count[dt] = count.get(dt, 0) + n
-    return max(count, key=count.__getitem__) if count else torch.float32
+    return most_dtype((p.dtype, p.numel()) for p in model.parameters() if p.is_floating_point())  # tied: once
 
 
 def with_dtype(config: bytes, dtype: torch.dtype) -> bytes:

@@ -137,13 +137,9 @@ class ModelDir:
         nothing says."""
         cfg = json.loads((self.path / "config.json").read_text())
         named = cfg.get("dtype") or cfg.get("torch_dtype")
-        if named in _DTYPES:
-            return _DTYPES[named]
-        count: dict[torch.dtype, int] = {}
-        for i in self.weights.values():
-            if i.dtype in _DTYPES.values():
-                count[i.dtype] = count.get(i.dtype, 0) + i.numel
-        return max(count, key=count.__getitem__) if count else torch.float32
+        if named in DTYPE_OF_NAME:
+            return DTYPE_OF_NAME[named]
+        return most_dtype((i.dtype, i.numel) for i in self.weights.values())
 
     def tokenizer(self):
         """The folder's own tokenizer (local files only), or None when it has none."""
@@ -337,7 +333,18 @@ def _weight_table(p: Path) -> dict[str, TensorInfo]:
     return table
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the dtypes a config.json (and a checkpoint's record) names, by the names it uses
+DTYPE_OF_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def most_dtype(sizes) -> torch.dtype:
+    """The dtype most of the elements have, of ``(dtype, numel)`` pairs (fp32, bf16 and fp16 counted); fp32 when
+    none: what a model (or a folder) of mostly 16-bit weights with a few fp32 norms is."""
+    count: dict[torch.dtype, int] = {}
+    for dt, n in sizes:
+        if dt in DTYPE_OF_NAME.values():
+            count[dt] = count.get(dt, 0) + n
+    return max(count, key=count.__getitem__) if count else torch.float32
 
 
 def load_tokenizer(folder: Path | None):

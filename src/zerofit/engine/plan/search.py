@@ -582,7 +582,8 @@ def _make_plan(
         for shell_dev in shell_choices:
             for r in candidates:
                 for plan in options(r, shell_dev, level):
-                    if all(fits(plan)):
+                    fit = fits(plan)
+                    if all(fit):
                         if assist_backward:  # [Note: assisted updates in the backward]: only beside the plan
                             wider = build(r, shell_dev, plan.disk_of, level, assist_now=True)
                             if wider.assisted_updates and all(fits(wider)):
@@ -593,7 +594,7 @@ def _make_plan(
                         best = plan
                     # and the least host memory of a plan the device holds: what the host needs (the refusal's
                     # figure, which the host budget it suggests covers)
-                    if fits(plan)[0] and (least_host is None or plan.host_total < least_host):
+                    if fit[0] and (least_host is None or plan.host_total < least_host):
                         least_host = plan.host_total
     assert best is not None
     need_dev = best.device_total

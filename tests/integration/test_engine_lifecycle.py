@@ -273,7 +273,7 @@ def test_error_after_updates_began_fails_the_engine():
     # the error comes once the worker has applied a later block's update (submitted during this backward), not
     # whenever the worker happens to get to it: otherwise a busy machine may fail before any update is applied
     later = [u for u in engine.units if u.name in host and u.name != "blocks.0" and u.index >= 0]
-    model.fault.update(phase="backward", block=0, before=lambda: later[-1].updated.wait(30))
+    model.fault.update(phase="backward", block=0, before=lambda: later[-1].updates.updated.wait(30))
     with pytest.raises(EngineFailedError, match="resume from the last checkpoint") as err:
         engine.train_batch(data[1])
     assert model.fault["hits"] >= 1 and isinstance(err.value.__cause__, _Boom)

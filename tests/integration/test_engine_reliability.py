@@ -90,7 +90,7 @@ class _Inject:
 
     def __init__(self, engine, unit, value: float, nth: int | None = None):
         self.unit, self.value, self.armed, self.hits, self.nth, self.calls = unit, value, False, 0, nth, 0
-        original = engine.compute.accumulate
+        original = engine.grads.accumulate
 
         def accumulate(u, dst, grads, names):
             original(u, dst, grads, names)
@@ -101,7 +101,7 @@ class _Inject:
                 dst.view(-1)[0] = self.value
                 self.hits += 1
 
-        engine.compute.accumulate = accumulate
+        engine.grads.accumulate = accumulate
 
     def __call__(self, fn):
         self.armed, hits, self.calls = True, self.hits, 0
@@ -109,7 +109,7 @@ class _Inject:
             return fn()
         finally:
             self.armed = False
-            assert self.hits > hits, "the injection seam (engine.compute.accumulate) was never called for the unit"
+            assert self.hits > hits, "the injection seam (engine.grads.accumulate) was never called for the unit"
 
 
 _ds_step = tm.ds_step

@@ -75,7 +75,7 @@ def _state(engine) -> dict[str, torch.Tensor]:
     out = {}
     for u in engine.units:
         for name in ("dev16", "frozen_dev", "master", "exp_avg", "exp_avg_sq", "step", "grad", "host"):
-            t = getattr(u, name)
+            t = u.grads.tensor if name == "grad" else getattr(u, name)
             if t is not None:
                 out[f"{u.name}.{name}"] = t.detach().to("cpu", copy=True)
         for b, t in u.buffers.items():

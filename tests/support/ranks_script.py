@@ -160,7 +160,7 @@ def run(spec: dict) -> None:
     # earlier run's engine, closed, may sit in a reference cycle with its arena mapped until the collector runs)
     state["shared_mappings"] = sum(1 for inode in _state_mappings(unique=False) if inode not in earlier)
     state["inodes"] = sorted(_state_mappings() - earlier)  # which arenas (a node's own: [Note: nodes ...])
-    state["shards"] = {u.name: (u.lo, u.hi, u.numel) for u in engine.units}
+    state["shards"] = {u.name: (u.shard.lo, u.shard.hi, u.numel) for u in engine.units}
     # [Note: nodes hold a slice of the state]: the layout, and the bytes the node's arenas hold (local rank 0)
     state["layout"], state["held"] = engine.ranks.layout, engine.ranks.held_bytes()
     state["node_bounds"] = {u.name: engine.ranks.node_bounds(u.numel) for u in engine.units}
@@ -177,7 +177,7 @@ def run(spec: dict) -> None:
     master = engine.master_state_dict()  # a collective: every rank reads the weights together
     state["held_after_read"] = engine.ranks.held_bytes()  # the whole-state read's gathered slices handed back
     out = {"state": state}
-    state["sharded_device_units"] = sum(u.shard_state for u in engine.units)
+    state["sharded_device_units"] = sum(u.shard.state for u in engine.units)
     with engine.sharding.full_state(
         engine.units, write_back=False
     ):  # whole moments of GPU-sharded units (a collective)

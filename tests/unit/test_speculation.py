@@ -55,7 +55,7 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
     engine.wait()
     before = {u.name: [t.clone() for t in (u.master, u.exp_avg, u.exp_avg_sq, u.step)] for u in engine.units}
     hits = []
-    inner = engine.compute.accumulate
+    inner = engine.grads.accumulate
 
     def poisoned(unit, dst, grads, names):
         inner(unit, dst, grads, names)
@@ -63,7 +63,7 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
             hits.append(unit.name)
             dst.view(-1)[0] = float("nan")
 
-    engine.compute.accumulate = poisoned
+    engine.grads.accumulate = poisoned
     import zerofit.engine.update.unit_adamw as optimizer_module  # unit_adamw runs every rollback
 
     rolled = []
@@ -81,5 +81,5 @@ def test_non_finite_gradient_after_speculation_rolls_back(monkeypatch):
             torch.testing.assert_close(t, b, rtol=1e-5, atol=1e-9, msg=lambda msg, u=u: f"{u.name}: {msg}")
     assert len(rolled) == 3, "blocks 3, 2 and 1 were updated speculatively, then rolled back"
     assert engine.speculation_stats == {"held": 1, "rolled_back": 1, "waited": 0}
-    engine.compute.accumulate = inner
+    engine.grads.accumulate = inner
     assert math.isfinite(engine.train_batch(data[2]))  # the engine goes on

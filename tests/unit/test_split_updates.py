@@ -190,7 +190,7 @@ def test_a_unit_waits_for_its_moments_before_its_next_gradient_comes_down():
     engine.train_batch(data[0])
     waits = []
     awaited = engine.host_updates.await_moments
-    engine.host_updates.await_moments = lambda u: (waits.append(u.moments_done.is_set()), awaited(u))
+    engine.host_updates.await_moments = lambda u: (waits.append(u.updates.moments_done.is_set()), awaited(u))
     threading.Timer(0.3, gate.set).start()
     for mbs in data[1:]:
         assert ref.train_batch(mbs) == engine.train_batch(mbs)
@@ -275,12 +275,12 @@ def test_an_fp32_upload_of_a_master_behind_its_cast_waits_for_the_rest_pass():
     engine.wait()  # the first step's rest passes ran; the second step's are held back
     engine.host_updates.task_moments = lambda *a, **k: (lambda inner: lambda: (gate.wait(5.0), inner()))(task(*a, **k))
     assert ref.train_batch(data[1]) == engine.train_batch(data[1])
-    behind = [u for u in engine.blocks if u.master_behind and not u.moments_done.is_set()]
+    behind = [u for u in engine.blocks if u.updates.master_behind and not u.updates.moments_done.is_set()]
     assert behind  # the rest passes are held back
     engine.copies16.weights_changed()
     waited = []
     awaited = engine.host_updates.await_moments
-    engine.host_updates.await_moments = lambda u: (waited.append((u.name, u.moments_done.is_set())), awaited(u))
+    engine.host_updates.await_moments = lambda u: (waited.append((u.name, u.updates.moments_done.is_set())), awaited(u))
     threading.Timer(0.3, gate.set).start()
     assert ref.train_batch(data[2]) == engine.train_batch(data[2])
     assert (behind[0].name, False) in waited

@@ -41,7 +41,7 @@ from zerofit.engine.faces.deepspeed_surface import DeepSpeedRecord, DeepSpeedSur
 from zerofit.engine.faces.offload_states import OffloadStates
 from zerofit.engine.faces.user_model import current_for_reads
 from zerofit.engine.lifecycle import EngineState, Lifecycle
-from zerofit.engine.memory.store import follow_masters
+from zerofit.engine.memory.store import recast_from_masters
 from zerofit.engine.model import tiling
 from zerofit.engine.model.adapter import Adapter
 from zerofit.engine.model.groups import resolve_groups
@@ -668,10 +668,12 @@ class Engine(DeepSpeedSurface):
         """The masters (and moments, step counts) were written from outside (a checkpoint load): every copy
         derived from them follows ([Note: engine consistency after a load], store.py), the slots hold nothing, the
         step's partial norms and the 16-bit host copies are dropped. The caller ran ``wait()`` first."""
-        follow_masters(self.units, self.shell)
+        recast_from_masters(self.units, self.shell)
         if self.tier is not None:
             self.tier.file.flush_mapping()
-        self.dev.synchronize()  # follow_masters' copies done: no slot is read or written
+        self.grads.restart_all(self.units)
+        self.device_updates.weights_loaded(self.units)
+        self.dev.synchronize()  # the copies and the zeroing done: no slot is read or written
         for part in (self.streamer, self.grads, self.stepper, self.copies16):
             part.weights_loaded()
 

@@ -203,6 +203,7 @@ def build_parts(i: PartsInputs) -> Parts:
         host_updates=host_updates,
         device_updates=device_updates,
         copies16=copies16,
+        streamer=streamer,
         speculator=i.speculator,
         hypers=i.hypers,
         scaler=i.scaler,

@@ -105,7 +105,7 @@ class NodeSlices:
             buf = torch.zeros(r.padded(u.numel), dtype=torch.float32, device=self.dev.device)
             for kind in kinds:
                 t = getattr(u, kind)
-                buf[u.lo : u.hi].copy_(t[u.lo : u.hi])
+                buf[u.shard.lo : u.shard.hi].copy_(t[u.shard.lo : u.shard.hi])
                 r.gather(buf, u.numel)
                 if r.local_rank == 0 and (everywhere or r.node == 0):
                     t.copy_(buf[: u.numel])

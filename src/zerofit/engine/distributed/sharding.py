@@ -67,7 +67,7 @@ class Sharding:
         u.dev16 = dev16[:n]
         g = torch.zeros(r.padded(n) + r.shard_size(n), dtype=torch.float32, device=self.dev.device)
         self.padded_grad[id(u)] = g
-        u.grad = g[:n]
+        u.grads.own(g[:n])
 
     def share_device_unit(self, u: Unit) -> None:
         """A device-optimized unit, as soon as materialization built it (every rank, in the same order): rank 0's
@@ -85,42 +85,41 @@ class Sharding:
         """[Note: sharded device state]: master and moments of the rank's shard only."""
         assert u.master is not None  # materialized
         if u.home is Home.STREAMED:  # FULL_SHARD without offload: weights only in slots, gathered per use
-            self.shard_grad[id(u)] = torch.zeros(u.hi - u.lo, device=self.dev.device)  # summed per step
+            self.shard_grad[id(u)] = torch.zeros(u.shard.hi - u.shard.lo, device=self.dev.device)  # summed per step
         else:
             assert u.dev16 is not None  # resident
             self._pad_resident(u, u.dev16)
-        u.master = u.master[u.lo : u.hi].clone()  # (hi - lo,) fp32, device
+        u.master = u.master[u.shard.lo : u.shard.hi].clone()  # (hi - lo,) fp32, device
         u.exp_avg = torch.zeros_like(u.master)
         u.exp_avg_sq = torch.zeros_like(u.master)
-        u.shard_state = True
+        u.shard.state = True
 
     def reduce_scatter(self, unit: Unit) -> torch.Tensor:
         """[Note: sharded units]: the sum over the ranks of this rank's shard of the unit's gradient, on the device
         (in the room after the padded gradient in its buffer, so it lives as long as the gradient slot)."""
         r = self.ranks
-        full = unit.grad_slot.tensor if unit.grad_slot is not None else self.padded_grad[id(unit)]
+        full = unit.grads.slot.tensor if unit.grads.slot is not None else self.padded_grad[id(unit)]
         p, s = r.padded(unit.numel), r.shard_size(unit.numel)
         full[unit.numel : p].zero_()
         out = full[p : p + s]
         with self.dev.timed("compute", label=f"{unit.name}(reduce-scatter)"):
             r.reduce_scatter(out, full, unit.numel)
-        return out[: unit.hi - unit.lo]
+        return out[: unit.shard.hi - unit.shard.lo]
 
-    def keep_shard(self, unit: Unit) -> None:
+    def keep_shard(self, unit: Unit, first: bool) -> None:
         """[Note: sharded device state] (FULL_SHARD, no offload): the block's gradient is reduce-scattered and this
         rank's shard summed into the unit's gradient shard on the GPU (its gradient slot can go back at once)."""
         g = self.reduce_scatter(unit)
         acc = self.shard_grad[id(unit)]
-        if unit.host_grad_fresh:
+        if first:  # the step's first gradient of the unit (Grads.host_written)
             acc.copy_(g)
-            unit.host_grad_fresh = False
         else:
             acc.add_(g)
 
     def gather_full(self, u: Unit, t: torch.Tensor) -> torch.Tensor:
         """A sharded device unit's whole ``t`` (its shard on every rank), on the host (fp32). Collective."""
         buf = torch.zeros(self.ranks.padded(u.numel), dtype=torch.float32, device=self.dev.device)
-        buf[u.lo : u.hi].copy_(t)
+        buf[u.shard.lo : u.shard.hi].copy_(t)
         self.ranks.gather(buf, u.numel)
         return buf[: u.numel].to("cpu")
 
@@ -175,7 +174,7 @@ class Sharding:
 
     @contextlib.contextmanager
     def _device_full_state(self, units: list[Unit], write_back: bool):
-        units = [u for u in units if u.shard_state]
+        units = [u for u in units if u.shard.state]
         kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for u in units:
             assert u.master is not None and u.exp_avg is not None and u.exp_avg_sq is not None
@@ -191,5 +190,5 @@ class Sharding:
                 if write_back:
                     for dst, src in ((master, u.master), (m, u.exp_avg), (v, u.exp_avg_sq)):
                         assert src is not None  # the whole state set above (a load writes into it)
-                        dst.copy_(src[u.lo : u.hi])
+                        dst.copy_(src[u.shard.lo : u.shard.hi])
                 u.master, u.exp_avg, u.exp_avg_sq = master, m, v

@@ -57,6 +57,7 @@ import torch
 
 if TYPE_CHECKING:
     from zerofit.engine.device import Device
+    from zerofit.engine.memory.store import Unit
     from zerofit.engine.update.worker import HostWorker
 
 
@@ -224,7 +225,7 @@ def refuse_window(call: str, window, streamer) -> None:
 
 
 def device_storages(
-    kinds: set[str], *, units, streamer, grads, sharding, device_updates, model, device
+    kinds: set[str], *, units: list[Unit], streamer, grads, sharding, device_updates, model, device
 ) -> dict[int, tuple[torch.UntypedStorage, bool]]:
     """The distinct device storages of ``kinds`` ([Note: offloaded device state]), by ``_cdata``: (storage,
     scratch). Storages the module's parameters and buffers view are host memory and left out. The parts' public
@@ -233,8 +234,8 @@ def device_storages(
     by_kind: dict[str, list] = {k: [] for k in KINDS}
     for u in units:
         by_kind["lp_params"] += [u.dev16, u.frozen_dev, *u.buffers.values()]
-        if u.grad_slot is None:
-            by_kind["lp_grads"].append(u.grad)
+        if u.grads.slot is None:
+            by_kind["lp_grads"].append(u.grads.tensor)
         if u.optimizer_on_device:
             by_kind["hp_params"].append(u.master)
             by_kind["optim_states"] += [u.exp_avg, u.exp_avg_sq, u.step]

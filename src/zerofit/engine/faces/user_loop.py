@@ -162,7 +162,7 @@ class UserLoopFace:
         e = self.engine
         with torch.no_grad():
             for u in e.units:
-                if u.optimizer_on_device and u.host is not None and u.host is not u.master and not u.shard_state:
+                if u.optimizer_on_device and u.host is not None and u.host is not u.master and not u.shard.state:
                     assert u.master is not None  # a device-optimized unit's master is made at materialize
                     u.master.copy_(u.host)
         e.sharding.slices.written_whole()  # the full layout: the other nodes' slices handed back at the next upload

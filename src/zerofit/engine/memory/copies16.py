@@ -45,7 +45,7 @@ from zerofit.engine.plan.search import PlanError, copies_fraction
 
 if TYPE_CHECKING:
     from zerofit.config.schema import ZerofitConfig
-    from zerofit.engine.device import Device
+    from zerofit.engine.device import Device, Event
     from zerofit.engine.distributed.ranks import Ranks
     from zerofit.engine.plan.engine_plan import Planning
 
@@ -79,7 +79,7 @@ class Copies16:
 
     def valid(self, unit: Unit) -> bool:
         """Whether ``unit.host16`` holds the weights the master holds now."""
-        e = unit.host16_epoch
+        e = unit.copy16.epoch
         return unit.host16 is not None and (e == self.epoch or (e is not None and e == self.after))
 
     def weights_changed(self) -> None:
@@ -117,9 +117,14 @@ class Copies16:
         finally:
             self.fill = False
 
-    def filled(self, unit: Unit) -> None:
-        """A forward sent ``unit``'s cast weights down into its copy: valid in this epoch."""
-        unit.host16_epoch = self.epoch
+    def filled(self, unit: Unit, event: Event) -> None:
+        """A forward sent ``unit``'s cast weights down into its copy (the download's ``event``): valid in this
+        epoch."""
+        unit.copy16.made(self.epoch, event)
+
+    def stale(self, unit: Unit) -> None:
+        """The unit's update may start now: its 16-bit copy goes stale."""
+        unit.copy16.epoch = -1
 
     def possible(self) -> bool:
         """Whether the streamed blocks could have copies they do not have yet (16-bit compute, one rank)."""
@@ -155,5 +160,5 @@ class Copies16:
         a = HostArena(sum(u.numel for u in streamed), self.dtype, self.dev.is_cuda and off.pin_memory)
         self.arenas.append(a)
         for u in streamed:
-            u.host16, u.host16_epoch = a.take(u.numel), -1
+            u.host16, u.copy16.epoch = a.take(u.numel), -1
         device_updates.cast_for_copies(self.blocks)

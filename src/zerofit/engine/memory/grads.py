@@ -5,9 +5,9 @@ over the micro-batches ([Note: slot reuse], store.py); a resident unit's in its 
 unit's complete gradient goes down on the download stream into a pinned staging buffer the CPU worker takes
 its update from, or, with deferred updates, into the unit's host buffer where it waits for the global norm.
 Which of these happens to a complete gradient is the step's decision (step/optimizer_step.py); this part holds the
-buffers,
-the squared norms that come down with them, and the running count of non-finite gradients ([Note: non-finite
-gradients without a norm], step/optimizer_step.py).
+buffers, each unit's gradient record (``Unit.grads``: store.GradState, changed only here), the sum of every backward
+into them (:meth:`Grads.accumulate`), the squared norms that come down with them, and the running count of
+non-finite gradients ([Note: non-finite gradients without a norm], step/optimizer_step.py).
 """
 
 from __future__ import annotations
@@ -55,9 +55,13 @@ class Grads:
         # [Note: sharded units]: a gradient slot also holds the reduce-scattered shard, after the padded gradient
         gcap = cap + (max((ranks.shard_size(u.numel) for u in streamed), default=0) if ranks.many else 0)
         # a streamed unit that trains nothing takes no gradient slot ([Note: frozen parameters], store.py)
-        self.pool = SlotPool(dev, plan.grad_slots, gcap, torch.float32) if any(u.trains for u in streamed) else None
+        self.pool = (
+            SlotPool(dev, plan.grad_slots, gcap, torch.float32, self._evicted)
+            if any(u.trains for u in streamed)
+            else None
+        )
         host_units = [u for u in units if not u.optimizer_on_device and u.trains]
-        scap = max((u.hi - u.lo for u in host_units), default=0)  # a rank downloads its shard only
+        scap = max((u.shard.hi - u.shard.lo for u in host_units), default=0)  # a rank downloads its shard only
         self.staging: list[torch.Tensor] = []  # (scap,) fp32, pinned host each
         if host_units:
             a = HostArena(plan.staging_buffers * scap, torch.float32, pinned)
@@ -76,10 +80,10 @@ class Grads:
         self.host_grads: dict[int, torch.Tensor] = {}  # deferred: id(unit) -> (hi - lo,) fp32 host
         waiting = [u for u in host_units if u.swap is None]  # swapped units: [Note: gradients on the disk]
         if deferred and waiting:  # each rank's shard of the gradients that wait for the norm
-            a = HostArena(sum(u.hi - u.lo for u in waiting), torch.float32, pinned)
+            a = HostArena(sum(u.shard.hi - u.shard.lo for u in waiting), torch.float32, pinned)
             arenas.append(a)
             for u in waiting:
-                self.host_grads[id(u)] = a.take(u.hi - u.lo)
+                self.host_grads[id(u)] = a.take(u.shard.hi - u.shard.lo)
         self.sq_norms: dict[int, torch.Tensor] = {}  # id(unit) -> () fp64, device: its squared norm
 
     # ------------------------------------------------------------------ device buffers
@@ -88,23 +92,59 @@ class Grads:
         """The buffer the unit's gradient of this step is summed into: its own (resident), or a slot (None: a
         streamed unit that trains nothing)."""
         if unit.home is Home.RESIDENT or not unit.trains:  # a unit that trains nothing has an empty one
-            return unit.grad
+            return unit.grads.tensor
         assert self.pool is not None  # a streamed unit trains: the gradient slots exist
         slot = self.pool.take()
         self.dev.wait(self.dev.compute, slot.free_event)  # [Note: slot reuse]
-        slot.tenant, unit.grad_slot = unit, slot
-        unit.grad = slot.tensor[: unit.numel]
-        unit.grad_fresh = True
-        return unit.grad
+        slot.tenant, unit.grads.slot = unit, slot
+        unit.grads.tensor = slot.tensor[: unit.numel]
+        unit.grads.fresh = True
+        return unit.grads.tensor
+
+    def accumulate(self, unit: Unit, dst: torch.Tensor | None, grads: list, names: list[str]) -> None:
+        """dst (fp32 flat) += grads, or = grads on the first write of a step. ``dst`` None: a streamed unit that
+        trains nothing (Grads.buffer), whose backward hands over no gradients."""
+        views = unit.layout.views(dst) if dst is not None else {}
+        pairs = [(views[n], g) for n, g in zip(names, grads) if g is not None]
+        if not pairs:
+            return
+        assert dst is not None  # (pairs are views of it)
+        d, g = [p[0] for p in pairs], [p[1] for p in pairs]
+        if unit.grads.fresh:
+            if len(pairs) < len(unit.layout.names):
+                dst.zero_()
+            torch._foreach_copy_(d, g)
+            unit.grads.fresh = False
+        else:
+            torch._foreach_add_(d, g)
+
+    def restart(self, unit: Unit) -> None:
+        """The unit's gradient was taken whole (the shell's update on the device): the next write copies."""
+        unit.grads.fresh = True
+
+    def host_written(self, unit: Unit) -> bool:
+        """A gradient goes into the unit's host buffer (or, FULL_SHARD on the GPUs, its device shard): whether it is
+        the step's first, to be copied rather than added."""
+        first, unit.grads.host_fresh = unit.grads.host_fresh, False
+        return first
+
+    def host_taken(self, units: list[Unit]) -> None:
+        """The units' host gradients were taken by their updates: the next step's first write copies."""
+        for u in units:
+            u.grads.host_fresh = True
+
+    def _evicted(self, unit: Unit) -> None:
+        """The pool gave the unit's gradient slot to another: it holds none."""
+        unit.grads.slot = unit.grads.tensor = None
 
     def release_slot(self, unit: Unit, event) -> None:
         """The unit's gradient is read (``event``: after its last reader): its slot goes back to the pool; the next
         gradient write starts fresh."""
-        slot = unit.grad_slot
+        slot = unit.grads.slot
         if slot is not None:
             slot.free_event, slot.tenant = event, None
-            unit.grad_slot = unit.grad = None
-        unit.grad_fresh = True
+            unit.grads.slot = unit.grads.tensor = None
+        unit.grads.fresh = True
 
     def flag(self, unit: Unit, grad: torch.Tensor) -> None:
         """Count ``grad`` (on the device, compute stream) into the step's running count of non-finite gradients
@@ -163,13 +203,13 @@ class Grads:
         self.bad_run.zero_()  # [Note: non-finite gradients without a norm]
         self.bad_dev.zero_()
         for u in units:
-            u.grad_fresh = True
-            if u.optimizer_on_device and u.grad is not None:
-                u.grad.zero_()
-            if u.shard_state:
-                u.host_grad_fresh = True
+            u.grads.fresh = True
+            if u.optimizer_on_device and u.grads.tensor is not None:
+                u.grads.tensor.zero_()
+            if u.shard.state:
+                u.grads.host_fresh = True
         for u in host_units:
-            u.host_grad_fresh = True
+            u.grads.host_fresh = True
         self.sq_norms.clear()
 
     def reset(self) -> None:
@@ -177,6 +217,15 @@ class Grads:
         may never have been handed on)."""
         with self._cv:
             self._free = list(range(len(self.staging)))
+
+    def restart_all(self, units: list[Unit]) -> None:
+        """The masters were written from outside (a checkpoint load): resident gradients are zeroed (enqueued; the
+        caller waits for the device next) and every unit's next write copies ([Note: engine consistency after a
+        load], store.py)."""
+        for u in units:
+            if u.home is Home.RESIDENT and u.grads.tensor is not None:
+                u.grads.tensor.zero_()
+            u.grads.fresh = u.grads.host_fresh = True
 
     def weights_loaded(self) -> None:
         """The masters were written from outside (a checkpoint load; the device is idle): no slot holds a gradient,
@@ -196,4 +245,4 @@ class Grads:
             self.pool.empty()
         for u in units:
             if u.home is Home.STREAMED:
-                u.grad_slot, u.grad = None, None
+                u.grads.slot, u.grads.tensor = None, None

@@ -88,6 +88,7 @@ from __future__ import annotations
 import enum
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -178,11 +179,94 @@ def _set_event() -> threading.Event:
 
 
 @dataclass
+class Streamed:
+    """A unit's device weights as the streamer keeps them (memory/streamer.py; store.WeightState). Only the streamer
+    changes them (tests/unit/test_part_records.py)."""
+
+    state: WeightState = WeightState.ON_HOST
+    slot: Slot | None = None
+    ready_event: Event | None = None  # upload done (STREAMED)
+    dirty: bool = False  # RESIDENT with host optimizer: dev16 older than master
+
+    def drop(self) -> None:
+        """No device handle (a closed or failed engine)."""
+        self.slot = self.ready_event = None
+
+
+@dataclass
+class GradState:
+    """A unit's gradient as Grads keeps it (memory/grads.py). Only Grads changes it."""
+
+    tensor: torch.Tensor | None = None  # (numel,) fp32, device: own (RESIDENT) or a slot (STREAMED)
+    slot: Slot | None = None
+    fresh: bool = True  # next gradient write is a copy, not an add
+    host_fresh: bool = True  # deferred updates: the host gradient buffer holds nothing yet
+    # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
+
+    def own(self, buffer: torch.Tensor) -> None:
+        """``buffer`` is a resident unit's own gradient buffer, as it is built (materialize.py; a padded one with
+        several ranks: [Note: sharded units])."""
+        self.tensor = buffer
+
+    def drop(self) -> None:
+        """No device handle (a closed or failed engine)."""
+        self.tensor = self.slot = None
+
+
+@dataclass
+class Updates:
+    """A unit's updates in flight, as the updates keep them (update/host.py on the worker thread, update/assisted.py
+    on the device; step/optimizer_step.py hands them out). Only those three change it."""
+
+    updated: threading.Event = field(default_factory=_set_event)  # master holds the latest update
+    moments_done: threading.Event = field(default_factory=_set_event)  # no moments pass pending ([Note: moments
+    # after the forward], update/split_adamw.py)
+    master_behind: bool = False  # the last update's first pass wrote only host16: master is current
+    # once moments_done ([Note: the master behind its cast])
+    pending: tuple[float, tuple[Hyper, ...]] | None = None  # deferred: (grad factor, hypers) of an update the
+    # device applies
+    master_event: Event | None = None  # the download of a device-applied update into master
+
+    def drop(self) -> None:
+        """No device handle (a closed or failed engine)."""
+        self.pending = self.master_event = None
+
+
+@dataclass
+class Copy16:
+    """Which weights a unit's 16-bit host copy ``Unit.host16`` holds, as Copies16 keeps it (memory/copies16.py): the
+    copy is made by the streamer's downloads and the updates' casts, through Copies16's methods. Only Copies16
+    changes it."""
+
+    epoch: CopyLabel = -1  # the engine's weights epoch host16 was taken in (valid while equal)
+    event: Event | None = None  # the download that filled host16
+
+    def made(self, label: CopyLabel, event: Event | None = None) -> None:
+        """An update's cast (update/: ``label`` from Copies16.label) or a forward's download (Copies16.filled) wrote
+        host16: it holds the weights ``label`` names, complete after ``event`` where it is a download."""
+        self.epoch = label
+        if event is not None:
+            self.event = event
+
+
+@dataclass
+class Shard:
+    """A unit's shard with several ranks, as Sharding keeps it (distributed/sharding.py): this rank's
+    [lo, hi) of the flat buffers ([Note: sharded units], ranks.py); one rank: [0, numel). Only Sharding changes it;
+    materialize makes it."""
+
+    lo: int = 0
+    hi: int = 0
+    state: bool = False  # device-optimized on several ranks: master and moments hold only [lo, hi) (dev16 and
+    # the host mirror stay whole)
+
+
+@dataclass
 class Unit:
-    """One block (or the shell) in the store. Attributes carry shape, dtype and home. The fields are grouped by the
-    part that keeps them (whose notes give their rules); a unit stays one record because the optimizer step and
-    the updates also write the gradient's and the copies' flags, and checkpoints, export and inference read them
-    all (docs/engine.md)."""
+    """One block (or the shell) in the store: what materialize makes (its name, place and layout, its home, its
+    host tensors and resident device tensors), and one record per part that keeps per-unit state, each changed
+    only by its owner: ``streamed`` (the streamer), ``grads`` (Grads), ``updates`` (the updates), ``copy16``
+    (Copies16), ``shard`` (Sharding). Checkpoints, export and inference read them (docs/engine.md)."""
 
     # what it is and where it lives: materialize.py, as the plan places it
     name: str
@@ -206,43 +290,20 @@ class Unit:
     exp_avg_sq: torch.Tensor | None = None  # (numel,) fp32, optimizer home
     step: torch.Tensor | None = None  # () fp32, optimizer home: AdamW steps taken
     frozen_host: torch.Tensor | None = None  # (frozen.numel,) compute dtype, host (pinned); module params view it
+    host16: torch.Tensor | None = None  # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra
+    # forwards]; which weights it holds: ``copy16``
 
-    # its device weights: the streamer's (memory/streamer.py; store.WeightState)
-    state: WeightState = WeightState.ON_HOST
-    slot: Slot | None = None
-    ready_event: Event | None = None  # upload done (STREAMED)
+    # its resident device tensors (materialize.py)
     dev16: torch.Tensor | None = None  # (numel,) compute dtype, device; RESIDENT only
     frozen_dev: torch.Tensor | None = None  # (frozen.numel,) compute dtype, device; RESIDENT only
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # module buffers on the compute device
-    dirty: bool = False  # RESIDENT with host optimizer: dev16 older than master
 
-    # its gradient: Grads' (memory/grads.py)
-    grad: torch.Tensor | None = None  # (numel,) fp32, device: own (RESIDENT) or a slot (STREAMED)
-    grad_slot: Slot | None = None
-    grad_fresh: bool = True  # next gradient write is a copy, not an add
-    host_grad_fresh: bool = True  # deferred updates: the host gradient buffer holds nothing yet
-    # (FULL_SHARD on the GPUs: the device gradient shard, likewise)
-
-    # its updates: the optimizer step's and the updates' (step/optimizer_step.py, update/)
-    updated: threading.Event = field(default_factory=_set_event)  # master holds the latest update
-    moments_done: threading.Event = field(default_factory=_set_event)  # no moments pass pending ([Note: moments after
-    # the forward], update/split_adamw.py)
-    master_behind: bool = False  # the last update's first pass wrote only host16: master is current
-    # once moments_done ([Note: the master behind its cast])
-    pending_update: tuple[float, tuple[Hyper, ...]] | None = None  # deferred: (grad factor, hypers) of an update
-    # the device applies
-    master_event: Event | None = None  # the download of a device-applied update into master
-
-    # its 16-bit host copy: Copies16's (memory/copies16.py)
-    host16: torch.Tensor | None = None  # (numel,) compute dtype, pinned host: [Note: 16-bit copies for extra forwards]
-    host16_epoch: CopyLabel = -1  # the engine's weights epoch host16 was taken in (valid while equal)
-    host16_event: Event | None = None  # the download that filled host16
-
-    # its shard with several ranks: Sharding's (distributed/sharding.py)
-    lo: int = 0  # this rank's shard [lo, hi) of the flat buffers ([Note: sharded
-    hi: int = 0  # units], ranks.py); one rank: [0, numel)
-    shard_state: bool = False  # device-optimized on several ranks: master and moments hold only
-    # [lo, hi) (dev16 and the host mirror stay whole)
+    # the parts' records
+    streamed: Streamed = field(default_factory=Streamed)
+    grads: GradState = field(default_factory=GradState)
+    updates: Updates = field(default_factory=Updates)
+    copy16: Copy16 = field(default_factory=Copy16)
+    shard: Shard = field(default_factory=Shard)
 
     @property
     def numel(self) -> int:
@@ -255,9 +316,10 @@ class Unit:
     def drop_device(self) -> None:
         """Let go of every device tensor and event of the unit (a closed or failed engine): its weights, gradient,
         slots, buffers, and the optimizer state it keeps on the device. Its host state stays."""
-        self.dev16 = self.grad = self.slot = self.grad_slot = self.ready_event = self.master_event = None
-        self.pending_update = self.frozen_dev = None
+        self.dev16 = self.frozen_dev = None
         self.buffers = {}
+        for record in (self.streamed, self.grads, self.updates):
+            record.drop()
         if self.optimizer_on_device:
             self.master = self.exp_avg = self.exp_avg_sq = self.step = None
 
@@ -276,10 +338,10 @@ class Unit:
         if self.home is Home.RESIDENT:
             assert self.dev16 is not None  # a resident unit's, from materialize until drop_device
             return self.dev16
-        if self.state is not WeightState.ON_DEVICE:
-            raise RuntimeError(f"{self.name}: weights used while {self.state.name}")
-        assert self.slot is not None  # ON_DEVICE: the streamed unit holds a slot
-        return self.slot.tensor[: self.numel]
+        if self.streamed.state is not WeightState.ON_DEVICE:
+            raise RuntimeError(f"{self.name}: weights used while {self.streamed.state.name}")
+        assert self.streamed.slot is not None  # ON_DEVICE: the streamed unit holds a slot
+        return self.streamed.slot.tensor[: self.numel]
 
     def frozen_host_views(self) -> dict[str, torch.Tensor]:
         """The frozen parameters' host values by name: views of ``frozen_host``, the NF4 ones dequantized now."""
@@ -304,8 +366,8 @@ class Unit:
             assert self.frozen_dev is not None  # a resident unit's, as dev16
             return self.frozen.views(self.frozen_dev)
         self.device_weights()  # raises unless ON_DEVICE
-        assert self.slot is not None
-        return self.frozen.views(self.slot.tensor[self.frozen_at : self.frozen_at + self.frozen.numel])
+        assert self.streamed.slot is not None
+        return self.frozen.views(self.streamed.slot.tensor[self.frozen_at : self.frozen_at + self.frozen.numel])
 
 
 @dataclass
@@ -319,12 +381,14 @@ class Slot:
 
 
 class SlotPool:
-    """A fixed set of device slots handed out round-robin to streamed units."""
+    """A fixed set of device slots handed out round-robin to streamed units. ``evict(unit)``: what the pool's owner
+    does to a tenant whose slot is taken from it (the streamer's: its weights are on the host only again)."""
 
-    def __init__(self, dev: Device, count: int, capacity: int, dtype: torch.dtype):
+    def __init__(self, dev: Device, count: int, capacity: int, dtype: torch.dtype, evict: Callable[[Unit], None]):
         self.dev = dev
         self.slots = [Slot(torch.empty(capacity, dtype=dtype, device=dev.device)) for _ in range(count)]
         self._next = 0
+        self._evict = evict
 
     @property
     def nbytes(self) -> int:
@@ -333,7 +397,7 @@ class SlotPool:
     def empty(self) -> None:
         """Every slot holds nothing and waits for nothing. The caller waited for the device first: no copy or kernel
         that reads or writes a slot is in flight ([Note: slot reuse]); the units that held one are set ON_HOST by
-        their owner (Streamer.reset, Grads.reset_transfers, follow_masters)."""
+        their owner (Streamer.reset, Grads.reset_transfers, the parts' weights_loaded)."""
         for slot in self.slots:
             slot.tenant = slot.free_event = slot.read_event = None
 
@@ -348,7 +412,7 @@ class SlotPool:
         else:
             raise RuntimeError(f"all {len(self.slots)} device slots hold units still needed; raise the slot count")
         if slot.tenant is not None:
-            slot.tenant.state, slot.tenant.slot = WeightState.ON_HOST, None
+            self._evict(slot.tenant)
             slot.tenant = None
         return slot
 
@@ -390,20 +454,22 @@ class HostArena:
             pass
 
 
-def follow_masters(units: list[Unit], shell: Unit) -> None:
+def recast_from_masters(units: list[Unit], shell: Unit) -> None:
     """[Note: engine consistency after a load]
     A load writes only ``master``, ``exp_avg``, ``exp_avg_sq`` (and ``step``). Every other copy of the
-    weights is derived from ``master`` and must follow, or the next step computes with the old weights:
+    weights is derived from ``master`` and must follow, or the next step computes with the old weights. This
+    function re-derives the unit's own copies; each part then restarts its own record (its ``weights_loaded``):
     - device-optimized units: ``dev16`` is re-cast from ``master`` (unless it *is* master, fp32 on the
       device), and the host mirror ``host`` re-copied (unless it is master, on the CPU): the mirrors are then
       current (Step.mirror_stale false);
-    - a host-optimized resident shell is marked ``dirty``: the next forward uploads it
-      (Streamer.refresh_shell); any other resident host-optimized unit is re-cast at once;
-    - streamed units drop their device slot (state ON_HOST; the engine empties the slots): the next forward
+    - any resident host-optimized unit but the shell is re-cast at once; the shell is marked ``dirty`` by the
+      streamer (Streamer.weights_loaded): the next forward uploads it (Streamer.refresh_shell);
+    - streamed units drop their device slot (state ON_HOST; the streamer empties the slots): the next forward
       uploads them from ``master`` (16-bit host copies are dropped: Copies16.weights_changed); a resident unit's
       frozen weights are re-cast from ``frozen_host``;
-    - gradient state restarts: ``grad_fresh`` and ``host_grad_fresh`` true (the next write copies),
-      resident gradients zeroed, partial squared norms dropped (Grads.sq_norms), no pending assisted update;
+    - gradient state restarts (Grads.restart_all, Grads.weights_loaded): the next write copies, resident
+      gradients zeroed, partial squared norms dropped; no assisted update is pending
+      (DeviceUpdates.weights_loaded);
     - units on the disk tier: the load wrote their state through the swap file's mapping; a master kept
       there is re-cast into its 16-bit host copy (the upload source), and the mapping is flushed before
       the tier's next direct read ([Note: the swap file is also a mapping], disk.py).
@@ -415,21 +481,12 @@ def follow_masters(units: list[Unit], shell: Unit) -> None:
                 u.dev16.copy_(u.master)
             if u.host is not None and u.host is not u.master:
                 u.host.copy_(u.master)
-        elif u.home is Home.RESIDENT:
-            if u is shell:
-                u.dirty = True
-            else:
-                assert u.dev16 is not None  # resident
-                u.dev16.copy_(u.master)
+        elif u.home is Home.RESIDENT and u is not shell:
+            assert u.dev16 is not None  # resident
+            u.dev16.copy_(u.master)
         if u.frozen_dev is not None and u.frozen_dev is not u.frozen_host:  # [Note: frozen parameters]
             assert u.frozen_host is not None  # made with the frozen layout, before frozen_dev
             u.frozen_dev[: u.frozen_host.numel()].copy_(u.frozen_host)  # (NF4 ones never change)
-        if u.home is Home.STREAMED:
-            u.state, u.slot, u.ready_event = WeightState.ON_HOST, None, None
-        if u.home is Home.RESIDENT and u.grad is not None:
-            u.grad.zero_()
-        u.grad_fresh = u.host_grad_fresh = True
-        u.pending_update, u.master_event = None, None
         if u.swap == "all":
             assert u.host16 is not None  # its upload source ([Note: the swap file is also a mapping])
             u.host16.copy_(u.master)

@@ -73,7 +73,7 @@ class Streamer:
         wcap = max(
             (u.frozen_at + u.frozen_numel if u.frozen else ranks.padded(u.numel) for u in streamed), default=0
         )  # a weight slot holds the frozen weights too, after the trained ones
-        self.pool = SlotPool(dev, plan.weight_slots, wcap, dtype) if streamed else None
+        self.pool = SlotPool(dev, plan.weight_slots, wcap, dtype, Streamer.evicted) if streamed else None
         uploaded = streamed + ([self.shell] if not plan.shell_optimizer_on_device else [])
         ucap = plan.stage_numel or max((u.numel for u in (streamed or uploaded)), default=0)
         self.stage = (
@@ -104,12 +104,29 @@ class Streamer:
             self.pool.empty()
         for u in self.blocks:
             if u.home is Home.STREAMED:
-                u.slot, u.state, u.ready_event = None, WeightState.ON_HOST, None
+                u.streamed.slot, u.streamed.state, u.streamed.ready_event = None, WeightState.ON_HOST, None
 
     def weights_loaded(self) -> None:
-        """The masters were written from outside (a checkpoint load; the device is idle): no slot holds a weight."""
+        """The masters were written from outside (a checkpoint load; the device is idle): no slot holds a weight,
+        every streamed unit is ON_HOST, and a host-optimized resident shell is uploaded again before its next use
+        ([Note: engine consistency after a load], store.py)."""
         if self.pool is not None:
             self.pool.empty()
+        for u in self.blocks:
+            if u.home is Home.STREAMED:
+                u.streamed.slot, u.streamed.state, u.streamed.ready_event = None, WeightState.ON_HOST, None
+        if not self.shell.optimizer_on_device and self.shell.home is Home.RESIDENT:
+            self.shell.streamed.dirty = True
+
+    def shell_updating(self) -> None:
+        """A host-optimized resident shell's update is queued on the host: its device weights go stale, and the next
+        forward uploads it after the update (:meth:`refresh_shell`)."""
+        self.shell.streamed.dirty = True
+
+    @staticmethod
+    def evicted(unit: Unit) -> None:
+        """The pool gave the unit's slot to another: its weights are on the host only."""
+        unit.streamed.state, unit.streamed.slot = WeightState.ON_HOST, None
 
     def drop(self) -> None:
         """Let go of the device buffers (a closed or failed engine)."""
@@ -123,10 +140,12 @@ class Streamer:
 
         The unit's pending CPU update must be done first: with ``wait`` the host blocks on it (the unit
         is needed now), without it a prefetch of a unit still being updated is skipped (tried again later)."""
-        if unit.home is Home.RESIDENT or unit.state is not WeightState.ON_HOST:
+        if unit.home is Home.RESIDENT or unit.streamed.state is not WeightState.ON_HOST:
             return True
-        assert unit.updated is not None and self.pool is not None  # set at materialize; a streamed unit has a pool
-        if not unit.updated.is_set() and not wait:
+        assert (
+            unit.updates.updated is not None and self.pool is not None
+        )  # set at materialize; a streamed unit has a pool
+        if not unit.updates.updated.is_set() and not wait:
             return False
         self.host_updates.wait_updated(unit)
         slot = self.kept.get(id(unit)) or self.pool.take(protect)  # [Note: a window keeps some blocks]
@@ -145,8 +164,8 @@ class Streamer:
                 self.sharding.slices.before_upload(self.units)
             if unit.frozen is not None:  # [Note: frozen parameters]: after the trained weights, whole
                 self._upload_frozen(unit, slot.tensor[unit.frozen_at : unit.frozen_at + unit.frozen_numel])
-            unit.ready_event = self.dev.record(self.dev.upload)
-        slot.tenant, unit.slot, unit.state = unit, slot, WeightState.UPLOADING
+            unit.streamed.ready_event = self.dev.record(self.dev.upload)
+        slot.tenant, unit.streamed.slot, unit.streamed.state = unit, slot, WeightState.UPLOADING
         return True
 
     def upload(self, unit: Unit, dst: torch.Tensor) -> Event | None:
@@ -156,24 +175,24 @@ class Streamer:
         With a valid 16-bit host copy, that is uploaded instead; a forward that fills the copies sends the
         cast weights down into it ([Note: 16-bit copies for extra forwards]). Returns the event of a
         download that reads ``dst`` (the slot must outlive it), or None."""
-        self.dev.wait(self.dev.upload, unit.master_event)
+        self.dev.wait(self.dev.upload, unit.updates.master_event)
         assert unit.master is not None  # an open engine's units hold their masters
-        if unit.shard_state:  # [Note: sharded device state]: the rank's shard, from its GPU (cast)
+        if unit.shard.state:  # [Note: sharded device state]: the rank's shard, from its GPU (cast)
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(shard)"):
-                dst[unit.lo : unit.hi].copy_(unit.master)
+                dst[unit.shard.lo : unit.shard.hi].copy_(unit.master)
             return None
-        if unit.pending_update is not None:
+        if unit.updates.pending is not None:
             self.device_updates.assisted_update(unit, dst)
             return None
         if unit.swap == "all" or self.copies16.valid(unit):
             with self.dev.timed("upload", self.dev.upload, f"{unit.name}(16)"):
-                self.dev.wait(self.dev.upload, unit.host16_event)
+                self.dev.wait(self.dev.upload, unit.copy16.event)
                 assert unit.host16 is not None  # the disk tier's upload source, or a valid copy
                 dst.copy_(unit.host16, non_blocking=True)
             return None
-        if unit.master_behind:  # [Note: the master behind its cast]: its 16-bit copy went stale first
+        if unit.updates.master_behind:  # [Note: the master behind its cast]: its 16-bit copy went stale first
             self.host_updates.await_moments(unit)
-        lo, hi = unit.lo, unit.hi  # the whole unit, or this rank's shard ([Note: sharded units])
+        lo, hi = unit.shard.lo, unit.shard.hi  # the whole unit, or this rank's shard ([Note: sharded units])
         with self.dev.timed("upload", self.dev.upload, unit.name):
             if dst.dtype == torch.float32:
                 dst[lo:hi].copy_(unit.master[lo:hi], non_blocking=True)
@@ -192,9 +211,9 @@ class Streamer:
             self.dev.wait(self.dev.download, up)
             with self.dev.timed("download", self.dev.download, f"{unit.name}(16)"):
                 unit.host16.copy_(dst, non_blocking=True)
-            unit.host16_event = self.dev.record(self.dev.download)
-        self.copies16.filled(unit)
-        return unit.host16_event
+            filled = self.dev.record(self.dev.download)
+        self.copies16.filled(unit, filled)
+        return filled
 
     def _upload_frozen(self, unit: Unit, dst: torch.Tensor) -> None:
         """The unit's frozen weights (fp32 host) into ``dst`` (compute dtype) on the upload stream: in place, or
@@ -243,22 +262,22 @@ class Streamer:
         unit = order[pos]
         if unit.home is Home.RESIDENT:
             return
-        if unit.state is WeightState.ON_HOST:
+        if unit.streamed.state is WeightState.ON_HOST:
             self.begin_upload(unit, self._window(order, pos))
-        if unit.state is WeightState.UPLOADING:
-            self.dev.wait(self.dev.compute, unit.ready_event)
-            unit.state = WeightState.ON_DEVICE
+        if unit.streamed.state is WeightState.UPLOADING:
+            self.dev.wait(self.dev.compute, unit.streamed.ready_event)
+            unit.streamed.state = WeightState.ON_DEVICE
 
     def release(self, unit: Unit) -> None:
         """The compute stream is done reading the unit's slot for now (the slot keeps it until taken)."""
-        if unit.home is Home.STREAMED and unit.slot is not None:
-            unit.slot.free_event = self.dev.record(self.dev.compute)
+        if unit.home is Home.STREAMED and unit.streamed.slot is not None:
+            unit.streamed.slot.free_event = self.dev.record(self.dev.compute)
 
     def evict(self, unit: Unit) -> None:
         """ON_DEVICE -> ON_HOST: the slot copy is about to go stale (an update is coming); drop it."""
-        if unit.home is Home.STREAMED and unit.slot is not None:
-            unit.slot.tenant = None
-            unit.slot, unit.state = None, WeightState.ON_HOST
+        if unit.home is Home.STREAMED and unit.streamed.slot is not None:
+            unit.streamed.slot.tenant = None
+            unit.streamed.slot, unit.streamed.state = None, WeightState.ON_HOST
 
     def prefetch(self, order: list[Unit], pos: int) -> None:
         """Enqueue the uploads of the next units in ``order`` that are ready, as far as the slots allow."""
@@ -268,7 +287,7 @@ class Streamer:
             ahead = [
                 frozen_key(u.index)
                 for u in order[pos + 1 : pos + 2 + depth]
-                if u.frozen_disk and u.state is WeightState.ON_HOST
+                if u.frozen_disk and u.streamed.state is WeightState.ON_HOST
             ]
             if ahead:
                 tier.expect(ahead)
@@ -289,7 +308,7 @@ class Streamer:
         updated = self.device_updates.take_shell_update()
         if updated is not None:  # updated on the device: [Note: assisted updates in the backward]
             self.dev.wait(self.dev.compute, updated)
-        if u.dirty:
+        if u.streamed.dirty:
             self.host_updates.wait_updated(u)
             with self.dev.on(self.dev.upload):
                 assert u.dev16 is not None  # the shell is resident
@@ -298,7 +317,7 @@ class Streamer:
                     self.sharding.gather_dev16(u)
                 ev = self.dev.record(self.dev.upload)
             self.dev.wait(self.dev.compute, ev)
-            u.dirty = False
+            u.streamed.dirty = False
 
     # ------------------------------------------------------------------ a window of DeepSpeed-shaped forwards
 
@@ -334,7 +353,7 @@ class Streamer:
         candidates = streamed[: max(len(streamed) - self.planning.plan.weight_slots, 0)]
         keep = candidates[max(len(candidates) - len(slots), 0) :]
         for u, slot in zip(keep, slots):
-            if u.state is not WeightState.ON_HOST:  # in a pool slot (prefetched): give that slot back first
+            if u.streamed.state is not WeightState.ON_HOST:  # in a pool slot (prefetched): give that slot back first
                 self.evict(u)
             self.kept[id(u)] = slot
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 
 from zerofit.engine.disk.tier import frozen_key
 from zerofit.engine.distributed.node_slices import free_outside, sliced
-from zerofit.engine.memory.store import FlatLayout, Home, HostArena, Unit
+from zerofit.engine.memory.store import FlatLayout, Home, HostArena, Shard, Unit
 from zerofit.engine.model import tiling
 from zerofit.engine.model.adapter import Adapter
 from zerofit.engine.model.startup import Startup
@@ -330,7 +329,7 @@ def build_units(
             if home is Home.RESIDENT:
                 unit.dev16 = master.to(dev, compute_dtype)
         if home is Home.RESIDENT:
-            unit.grad = torch.zeros(layout.numel, dtype=torch.float32, device=dev)
+            unit.grads.own(torch.zeros(layout.numel, dtype=torch.float32, device=dev))
         if flayout is not None:  # [Note: frozen parameters]
             unit.frozen_host = fhost
             if unit.nf4 is not None:  # dequantized once, for the whole run ([Note: an NF4 base])
@@ -344,10 +343,6 @@ def build_units(
                 unit.frozen_dev = fhost.to(dev)
             else:
                 unit.frozen_at = ranks.padded(layout.numel) if ranks is not None else layout.numel
-        unit.updated = threading.Event()
-        unit.updated.set()
-        unit.moments_done = threading.Event()
-        unit.moments_done.set()
         # the module's own parameters become views of the host weights (fp32, current after engine.wait()); the
         # frozen ones views of their host copy, in the compute dtype ([Note: frozen parameters], store.py)
         views = layout.views(unit.host)
@@ -363,7 +358,7 @@ def build_units(
         root = model if idx == 0 else adapter.blocks[idx - 1]
         unit.buffers = _unit_buffers(adapter, root, idx == 0, dev)
         if ranks is not None:
-            unit.lo, unit.hi = ranks.bounds(unit.numel)
+            unit.shard = Shard(*ranks.bounds(unit.numel))
         if on_dev and on_device_unit is not None:
             on_device_unit(unit)
         units.append(unit)

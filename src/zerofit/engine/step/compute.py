@@ -3,8 +3,8 @@
 ``functional_call`` of the shell (through the adapter's pre and post passes) and of one block, with the unit's
 device weights as its parameters (as leaves that take a gradient for the backward, the trained ones only:
 [Note: frozen parameters], store.py); a block recomputed with the RNG state its forward saw (models with
-dropout); and every gradient of every unit summed into its flat fp32 buffer (:meth:`Compute.accumulate`, the
-one place a weight gradient is written).
+dropout). The gradients it computes are summed into each unit's flat fp32 buffer by Grads (memory/grads.py:
+:meth:`Grads.accumulate`, the one place a weight gradient is written).
 """
 
 from __future__ import annotations
@@ -106,20 +106,3 @@ class Compute:
 
     def to_device(self, batch: dict) -> dict:
         return to_device(batch, self.dev.device)  # token ids as int64: [Note: token ids of any integer dtype]
-
-    def accumulate(self, unit: Unit, dst: torch.Tensor | None, grads: list, names: list[str]) -> None:
-        """dst (fp32 flat) += grads, or = grads on the first write of a step. ``dst`` None: a streamed unit that
-        trains nothing (Grads.buffer), whose backward hands over no gradients."""
-        views = unit.layout.views(dst) if dst is not None else {}
-        pairs = [(views[n], g) for n, g in zip(names, grads) if g is not None]
-        if not pairs:
-            return
-        assert dst is not None  # (pairs are views of it)
-        d, g = [p[0] for p in pairs], [p[1] for p in pairs]
-        if unit.grad_fresh:
-            if len(pairs) < len(unit.layout.names):
-                dst.zero_()
-            torch._foreach_copy_(d, g)
-            unit.grad_fresh = False
-        else:
-            torch._foreach_add_(d, g)

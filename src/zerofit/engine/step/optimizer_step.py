@@ -59,8 +59,10 @@ if TYPE_CHECKING:
     from zerofit.engine.lifecycle import Lifecycle
     from zerofit.engine.memory.copies16 import Copies16
     from zerofit.engine.memory.grads import Grads
+    from zerofit.engine.memory.streamer import Streamer
     from zerofit.engine.step.hypers import Hypers
     from zerofit.engine.update.assisted import DeviceUpdates
+    from zerofit.optim.hyper import Hyper
     from zerofit.optim.loss_scaler import LossScaler
 
 
@@ -110,6 +112,7 @@ class Step:
         host_updates: HostUpdates,
         device_updates: DeviceUpdates,
         copies16: Copies16,
+        streamer: Streamer,
         speculator: Speculator,
         hypers: Hypers,
         scaler: LossScaler | None,
@@ -126,7 +129,13 @@ class Step:
         )
         self.units, self.shell, self.blocks = units, units[0], units[1:]
         self.grads, self.sharding, self.host, self.device = grads, sharding, host_updates, device_updates
-        self.copies16, self.speculator, self.hypers, self.scaler = copies16, speculator, hypers, scaler
+        self.copies16, self.streamer, self.speculator, self.hypers, self.scaler = (
+            copies16,
+            streamer,
+            speculator,
+            hypers,
+            scaler,
+        )
         self.deferred, self.cast_first = deferred, cast_first
         self.mirror_stale = False
         self._routes: dict[int, GradRoute] = {}
@@ -142,7 +151,7 @@ class Step:
     def _route_of(self, unit: Unit) -> GradRoute:
         if not unit.trains:
             return GradRoute.FROZEN
-        if unit.shard_state and unit.home is Home.STREAMED:
+        if unit.shard.state and unit.home is Home.STREAMED:
             return GradRoute.SHARD
         if unit.optimizer_on_device:
             return GradRoute.DEVICE
@@ -167,12 +176,12 @@ class Step:
         if route is GradRoute.FROZEN or route is GradRoute.DEVICE:
             return
         if route is GradRoute.SHARD:
-            self.sharding.keep_shard(unit)  # the slot goes back at once
+            self.sharding.keep_shard(unit, first=self.grads.host_written(unit))  # the slot goes back at once
             self.grads.release_slot(unit, self.dev.record(self.dev.compute))
             return
-        grad = unit.grad
+        grad = unit.grads.tensor
         assert grad is not None  # a trained unit's gradient of this micro-step, complete
-        unit.host16_epoch = -1  # its update may start now: the 16-bit copy goes stale
+        self.copies16.stale(unit)  # its update may start now
         self.host.await_moments(unit)  # [Note: moments after the forward]: its host gradient buffer is free then
         if route is GradRoute.DISK:
             self._stash(unit, grad)
@@ -187,12 +196,11 @@ class Step:
         if not self.deferred:
             self.grads.flag(unit, grad)  # the gradient its update takes: this rank's shard
         host = self.grads.host_grads.get(id(unit))
-        fresh_host = host is not None and unit.host_grad_fresh
+        fresh_host = host is not None and self.grads.host_written(unit)
         spec = self.speculator.current
         if fresh_host:  # the whole gradient goes straight into the unit's host buffer; its norm is taken here
             assert host is not None  # (fresh_host)
             dst = host
-            unit.host_grad_fresh = False
             if self.deferred:
                 self.grads.sq_norms[id(unit)] = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
                 self.torch_clip.note(unit, grad)  # [Note: the user's clip on the device], torch_clip.py
@@ -208,7 +216,7 @@ class Step:
                 self.worker.submit(self.host.task_add(host, dst, done), label=f"add[{unit.name}]")
             elif speculate:  # [Note: speculative updates]
                 assert spec is not None  # (speculate)
-                unit.updated.clear()
+                unit.updates.updated.clear()
                 # FIFO, ahead of every other task: the partial norm sums in backward order, so which blocks
                 # are speculated depends on the data only, never on the worker's timing (bitwise reproducible)
                 self.worker.submit(
@@ -218,7 +226,7 @@ class Step:
                 )
         else:
             self.lifecycle.begin_applying()  # this block is updated now, while the backward goes on
-            unit.updated.clear()
+            unit.updates.updated.clear()
             self.worker.submit(
                 self.host.task_update(
                     unit,
@@ -237,11 +245,10 @@ class Step:
 
     def _stash(self, unit: Unit, grad: torch.Tensor) -> None:
         """[Note: gradients on the disk]: a swapped unit's deferred gradient goes down and onto the disk."""
-        if not unit.host_grad_fresh:
+        if not self.grads.host_written(unit):
             raise RuntimeError(
                 f"{unit.name}: a second gradient in one optimizer step for a unit whose gradient waits on the disk"
             )
-        unit.host_grad_fresh = False
         sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
         self.grads.sq_norms[id(unit)] = sq
         dst = self.grads.take_staging()
@@ -265,7 +272,7 @@ class Step:
         self.worker.submit(stash, SPECULATE_FIRST, label=f"stash-grad[{unit.name}]")
         if speculate:  # as unit_done: not ``updated`` until its settle task ran
             assert spec is not None  # (speculate)
-            unit.updated.clear()
+            unit.updates.updated.clear()
             self.worker.submit(
                 self.host.task_speculate(unit, spec, done, self.hypers.for_step()),
                 SPECULATE_FIRST,
@@ -294,7 +301,7 @@ class Step:
         # the shell's gradient is complete only now: send it down if its optimizer is on the host
         shell_assisted = self.device.shell_assisted
         shell_host = not self.shell.optimizer_on_device
-        if shell_host and not self.shell.grad_fresh:
+        if shell_host and not self.shell.grads.fresh:
             if shell_assisted:  # [Note: assisted updates in the backward]
                 self.lifecycle.begin_applying()
                 self.device.shell(self.shell, self.hypers.for_step())
@@ -307,16 +314,16 @@ class Step:
         if self.ranks.many:  # [Note: sharded units]: replicated units take the sum of every rank's gradient
             with self.dev.timed("compute", label="all-reduce"):
                 for u in device_units:
-                    if u.shard_state and u.home is Home.STREAMED:  # reduce-scattered in the backward
+                    if u.shard.state and u.home is Home.STREAMED:  # reduce-scattered in the backward
                         dev_grads[id(u)] = self.sharding.shard_grad[id(u)]
-                    elif u.shard_state:
+                    elif u.shard.state:
                         dev_grads[id(u)] = self.sharding.reduce_scatter(u)
                     else:
-                        assert u.grad is not None  # a trained device unit's gradient, complete
-                        self.ranks.all_reduce_world(u.grad)
+                        assert u.grads.tensor is not None  # a trained device unit's gradient, complete
+                        self.ranks.all_reduce_world(u.grads.tensor)
         if not self.deferred:  # [Note: non-finite gradients without a norm]
             for u in device_units:
-                grad = dev_grads.get(id(u), u.grad)
+                grad = dev_grads.get(id(u), u.grads.tensor)
                 assert grad is not None  # a trained device unit's gradient, or its shard
                 self.grads.flag(u, grad)
             bad = self.grads.bad_run
@@ -345,8 +352,7 @@ class Step:
                 if coef < 1.0:
                     factor *= coef
             self.speculator.norm_taken(clipped=factor != 1.0 / scale)  # [Note: speculative updates]
-        for u in host_units:
-            u.host_grad_fresh = True
+        self.grads.host_taken(host_units)
         return Prepared(skip, norm, factor, device_units, host_units, dev_grads, spec, shell_host, shell_assisted)
 
     def apply(self, prepared: Prepared) -> tuple[bool, float | None]:
@@ -365,7 +371,7 @@ class Step:
         elif self.deferred:
             self._queue_deferred(host_units, hypers, factor)
         if shell_host and not shell_assisted:
-            self.shell.dirty = True
+            self.streamer.shell_updating()
         return True, norm
 
     def grad_views(self, prepared: Prepared | None = None) -> list[torch.Tensor]:
@@ -379,9 +385,15 @@ class Step:
         :meth:`prepare`. Returns the norm."""
         return self.torch_clip.clip(max_norm, prepared.dev_grads)
 
-    def _global_norm(self, device_units, host_units, dev_grads) -> float:
+    def _global_norm(
+        self, device_units: list[Unit], host_units: list[Unit], dev_grads: dict[int, torch.Tensor]
+    ) -> float:
         """The global gradient norm, fp64 (each rank's shards' squares summed over the ranks); a device sync."""
-        sq = [torch.linalg.vector_norm(u.grad, dtype=torch.float64) ** 2 for u in device_units if not u.shard_state]
+        sq = [
+            torch.linalg.vector_norm(u.grads.tensor, dtype=torch.float64) ** 2
+            for u in device_units
+            if not u.shard.state
+        ]
         shards = [torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in dev_grads.values()]
         for u in host_units:
             s = self.grads.sq_norms.pop(id(u), None)
@@ -394,29 +406,33 @@ class Step:
         sq += shards
         return torch.stack(sq).sum().sqrt().item() if sq else 0.0
 
-    def _device_updates(self, device_units, hypers, factor: float, dev_grads) -> None:
+    def _device_updates(
+        self, device_units: list[Unit], hypers: tuple[Hyper, ...], factor: float, dev_grads: dict[int, torch.Tensor]
+    ) -> None:
         """The device-optimized units' AdamW on the compute stream (each rank its shard, then gathered)."""
         for u in device_units:
-            u.grad_fresh = True
+            self.grads.restart(u)
+            m, ea, eas, st = u.master, u.exp_avg, u.exp_avg_sq, u.step
+            assert m is not None and ea is not None and eas is not None and st is not None  # an open engine's unit
             with self.dev.timed("compute", label=f"optimizer[{u.name}]"):
-                if u.shard_state:  # [Note: sharded device state]
-                    unit_adamw(
-                        u, u.master, dev_grads[id(u)], u.exp_avg, u.exp_avg_sq, u.step, hypers, factor, start=u.lo
-                    )
+                if u.shard.state:  # [Note: sharded device state]
+                    unit_adamw(u, m, dev_grads[id(u)], ea, eas, st, hypers, factor, start=u.shard.lo)
                     if u.home is Home.STREAMED:  # the next upload (gather) of it waits for this update
-                        u.host_grad_fresh = True
-                        u.master_event = self.dev.record(self.dev.compute)
+                        self.grads.host_taken([u])
+                        u.updates.master_event = self.dev.record(self.dev.compute)
                         continue
-                    u.dev16[u.lo : u.hi].copy_(u.master)
+                    assert u.dev16 is not None  # a resident device-optimized unit
+                    u.dev16[u.shard.lo : u.shard.hi].copy_(m)
                     self.sharding.gather_dev16(u)
                     continue
-                unit_adamw(u, u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.step, hypers, factor)
-                if u.dev16 is not u.master:
-                    u.dev16.copy_(u.master)
+                assert u.grads.tensor is not None  # its complete gradient
+                unit_adamw(u, m, u.grads.tensor, ea, eas, st, hypers, factor)
+                if u.dev16 is not None and u.dev16 is not m:
+                    u.dev16.copy_(m)
         if device_units:
             self.mirror_stale = True
 
-    def _queue_deferred(self, host_units, hypers, factor: float) -> None:
+    def _queue_deferred(self, host_units: list[Unit], hypers: tuple[Hyper, ...], factor: float) -> None:
         """The deferred host updates, in forward order (the next forward needs block 0 first): the device's share
         pending for the next upload ([Note: assisted updates]), the CPU's on the worker (in two passes: [Note:
         moments after the forward]; the first writing the 16-bit cast alone: [Note: the master behind its
@@ -435,9 +451,9 @@ class Step:
                 if multiply is not None:
                     ev.synchronize()
                     multiply()
-                u.pending_update = (factor, hypers)
+                u.updates.pending = (factor, hypers)
                 continue
-            u.updated.clear()
+            u.updates.updated.clear()
             grad = self.grads.host_grads.get(id(u))
             split = self.host.split and u.swap is None
             cast16 = self.copies16.label(u, now=True) if split else None
@@ -450,10 +466,10 @@ class Step:
             )
             if split:
                 assert grad is not None  # off the disk: its host gradient buffer
-                u.moments_done.clear()
-                u.master_behind = cast16 is not None
+                u.updates.moments_done.clear()
+                u.updates.master_behind = cast16 is not None
                 self.worker.submit(
-                    self.host.task_moments(u, grad, hypers, factor, with_master=u.master_behind),
+                    self.host.task_moments(u, grad, hypers, factor, with_master=u.updates.master_behind),
                     MOMENTS_LAST - u.index,
                     label=f"moments[{u.name}]",
                 )
@@ -465,7 +481,7 @@ class Step:
         if clipped:  # the speculated blocks are read again (rolled back and redone), in forward order
             self.host.expect(host_units, grads_written=False)
         for u in host_units:
-            u.updated.clear()
+            u.updates.updated.clear()
             self.worker.submit(
                 self.host.task_settle(u, spec, ev, hypers, factor), self.host.priority(u), label=f"settle[{u.name}]"
             )
@@ -523,8 +539,8 @@ class Step:
         self.grads.discard(self.units, [u for u in self.units if not u.optimizer_on_device])
 
     def weights_loaded(self) -> None:
-        """The masters were written from outside and copied into the mirrors (follow_masters): none is behind;
-        nothing of a clip waits."""
+        """The masters were written from outside and copied into the mirrors (store.recast_from_masters): none is
+        behind; nothing of a clip waits."""
         self.mirror_stale = False
         self.torch_clip.discard()
 
@@ -534,10 +550,10 @@ class Step:
 
     def sync_mirrors(self) -> None:
         """The module's parameters (host views) take the current weights of device-optimized units."""
-        if self.mirror_stale and (self.dev.is_cuda or any(u.shard_state for u in self.units)):
+        if self.mirror_stale and (self.dev.is_cuda or any(u.shard.state for u in self.units)):
             for u in self.units:
                 assert u.host is not None and u.master is not None  # an open engine's units
-                if u.shard_state:  # [Note: sharded device state]: gathered from every rank (a collective)
+                if u.shard.state:  # [Note: sharded device state]: gathered from every rank (a collective)
                     u.host.copy_(self.sharding.gather_full(u, u.master))
                 elif u.optimizer_on_device and u.host is not u.master:
                     u.host.copy_(u.master)

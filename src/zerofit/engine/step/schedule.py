@@ -161,8 +161,8 @@ class Schedule:
 
     def _into_shell(self, grads: list, names: list[str]) -> None:
         """``grads`` (of the shell's ``names``) added into the shell's gradient."""
-        assert self.shell.grad is not None  # the shell is resident: its own gradient buffer
-        self.compute.accumulate(self.shell, self.shell.grad, grads, names)
+        assert self.shell.grads.tensor is not None  # the shell is resident: its own gradient buffer
+        self.grads.accumulate(self.shell, self.shell.grads.tensor, grads, names)
 
     def post(self, micro: Micro):
         """Post pass with autograd: returns (output, x_L leaf)."""
@@ -357,7 +357,7 @@ class Schedule:
                 y = self.compute.block(unit, leaves, x, micro.pre_pass.calls[unit.index], unread=True)
         with self.compute.weights(self.adapter.blocks[unit.index], leaves):  # [Note: the model's own checkpointing]
             (micro.grad,) = backward_into(
-                y, [x], [leaves[n] for n in names], lambda g: self.compute.accumulate(unit, gdst, g, names), micro.grad
+                y, [x], [leaves[n] for n in names], lambda g: self.grads.accumulate(unit, gdst, g, names), micro.grad
             )
         micro.ckpts[unit.index] = None
 

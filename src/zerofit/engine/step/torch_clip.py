@@ -105,10 +105,10 @@ class TorchClip:
             if id(u) in seen:
                 continue
             seen.add(id(u))
-            if u.shard_state:
-                out.append(dev_grads[id(u)].narrow(0, 0, u.hi - u.lo))
+            if u.shard.state:
+                out.append(dev_grads[id(u)].narrow(0, 0, u.shard.hi - u.shard.lo))
             elif u.optimizer_on_device:
-                out.append(u.grad)
+                out.append(u.grads.tensor)
             else:
                 flat = self.grads.host_grads.get(id(u))
                 if flat is None:
@@ -116,7 +116,7 @@ class TorchClip:
                         f"{u.name}: its gradient is not in memory (the disk tier's): clipping or "
                         "unscaling under the user's loop needs it there"
                     )
-                out.append(flat.narrow(0, 0, u.hi - u.lo))
+                out.append(flat.narrow(0, 0, u.shard.hi - u.shard.lo))
         return out
 
     def _views(self) -> list[torch.Tensor]:
@@ -125,7 +125,7 @@ class TorchClip:
         assert self.order is not None  # the user's loop: follow() ran
         out = []
         for u, name in self.order:
-            flat = u.grad if u.optimizer_on_device else self.grads.host_grads.get(id(u))
+            flat = u.grads.tensor if u.optimizer_on_device else self.grads.host_grads.get(id(u))
             if flat is None:
                 raise RuntimeError(
                     f"{u.name}: its gradient is not in memory (the disk tier's): clipping or "
@@ -181,7 +181,7 @@ class TorchClip:
         sq = torch.zeros((), dtype=torch.float32, device=device)
         for u, flat in zip(units, flats):
             # a replicated unit (whole and averaged on every rank) counted once; a shard by the rank holding it
-            if u.shard_state or not u.optimizer_on_device or self.ranks.local_rank == 0:
+            if u.shard.state or not u.optimizer_on_device or self.ranks.local_rank == 0:
                 sq += torch.linalg.vector_norm(flat, 2.0).to(device) ** 2
         total = self.ranks.all_reduce(sq.reshape(1)).reshape(()).sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

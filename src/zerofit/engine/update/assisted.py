@@ -160,10 +160,10 @@ class DeviceUpdates:
         """[Note: assisted updates]: the unit's pending deferred update, on the upload stream (the caller's
         current stream) as the next forward uploads it, the new weights cast into ``dst``."""
         # [Note: failure semantics]: an error before this unit's update is fully enqueued leaves it torn
-        assert unit.pending_update is not None  # the caller found one pending
-        factor, hypers = unit.pending_update
+        assert unit.updates.pending is not None  # the caller found one pending
+        factor, hypers = unit.updates.pending
         with self.lifecycle.applying():
-            unit.pending_update = None
+            unit.updates.pending = None
             self.device_adamw(unit, None, hypers, factor, dst, cast16=self.copies16.label(unit, now=True))
 
     def in_backward(self, unit: Unit, grad: torch.Tensor, hypers: tuple[Hyper, ...]) -> None:
@@ -177,10 +177,10 @@ class DeviceUpdates:
     def shell(self, u: Unit, hypers: tuple[Hyper, ...]) -> None:
         """The shell's update on the device from its complete gradient, the new weights cast into its 16-bit
         device copy (see the module docstring)."""
-        assert u.grad is not None  # its gradient, complete (the end of the backward)
-        self.grads.flag(u, u.grad)
-        self.shell_updated = self.after_compute(u, u.grad, u.dev16, hypers, found_inf=self.grads.flag_of(u))
-        u.grad_fresh = True
+        assert u.grads.tensor is not None  # its gradient, complete (the end of the backward)
+        self.grads.flag(u, u.grads.tensor)
+        self.shell_updated = self.after_compute(u, u.grads.tensor, u.dev16, hypers, found_inf=self.grads.flag_of(u))
+        self.grads.restart(u)
 
     def take_shell_update(self) -> Event | None:
         """The event after the shell's last update on the device, once (the next forward's compute waits on it)."""
@@ -220,7 +220,7 @@ class DeviceUpdates:
         (Copies16.label): the new weights, cast, also go down into the unit's 16-bit host copy ([Note: 16-bit
         copies after the update]). Enqueued on the upload stream (the caller's current stream); returns the
         upload stream's event after the last chunk's AdamW (the last read of ``grad``)."""
-        lo, hi = unit.lo, unit.hi  # this rank's shard ([Note: sharded units]); host_grad holds just that
+        lo, hi = unit.shard.lo, unit.shard.hi  # this rank's shard ([Note: sharded units]); host_grad holds just that
         assert self.buffers is not None  # the device takes a share of the updates (assisted)
         assert unit.master is not None and unit.exp_avg is not None and unit.exp_avg_sq is not None
         assert unit.step is not None  # a host unit's optimizer state
@@ -265,19 +265,25 @@ class DeviceUpdates:
                         unit.host16[off : off + k].copy_(w16, non_blocking=True)
                 done = self.free[i] = self.dev.record(self.dev.download)
         unit.step.add_(1)
-        unit.master_event = done
+        unit.updates.master_event = done
         if cast16 is not None:  # the next upload waits on master_event first: the copy is complete then
-            unit.host16_epoch, unit.host16_event = cast16, done
+            unit.copy16.made(cast16, done)
         return up
+
+    def weights_loaded(self, units: list[Unit]) -> None:
+        """The masters were written from outside (a checkpoint load; the caller waited for every update): no
+        assisted update is pending, no download into a master is in flight."""
+        for u in units:
+            u.updates.pending = u.updates.master_event = None
 
     def flush(self, units: list[Unit]) -> None:
         """Apply every pending assisted update now (a host reader wants the masters)."""
-        pending = [u for u in units if u.pending_update is not None]
+        pending = [u for u in units if u.updates.pending is not None]
         for u in pending:
             with self.dev.on(self.dev.upload):
-                self.dev.wait(self.dev.upload, u.master_event)
+                self.dev.wait(self.dev.upload, u.updates.master_event)
                 self.assisted_update(u, None)
-        if pending or any(u.master_event is not None for u in units):
+        if pending or any(u.updates.master_event is not None for u in units):
             self.dev.synchronize()
             for u in units:
-                u.master_event = None
+                u.updates.master_event = None

@@ -63,7 +63,7 @@ class HostUpdates:
 
     def wait_updated(self, unit: Unit) -> None:
         """The main thread waits for the unit's pending CPU update (its next upload reads the master)."""
-        waited = self.worker.wait_until(unit.updated.is_set, unit.updated.wait)
+        waited = self.worker.wait_until(unit.updates.updated.is_set, unit.updates.updated.wait)
         if waited is not None:
             self.clock.add_wait(waited, unit.name)
         self.worker.check()
@@ -85,7 +85,7 @@ class HostUpdates:
         assert unit.step is not None  # a host unit's optimizer state (in memory, or views of the disk tier's file)
         if unit.swap is None:
             assert grad is not None  # only a unit on the disk tier has its gradient there
-            lo, hi = unit.lo, unit.hi  # the whole unit, or this rank's shard ([Note: sharded units])
+            lo, hi = unit.shard.lo, unit.shard.hi  # the whole unit, or this rank's shard ([Note: sharded units])
             out16 = None
             if part == "cast":  # the first pass writes the 16-bit copy alone ([Note: the master behind its cast])
                 assert unit.host16 is not None
@@ -165,9 +165,9 @@ class HostUpdates:
                 if release:
                     assert grad is not None  # ``release``: the staging buffer it came down into
                     self.grads.give_staging(grad)
-                unit.updated.set()
+                unit.updates.updated.set()
                 return
-            g = grad.narrow(0, 0, unit.hi - unit.lo) if grad is not None else None
+            g = grad.narrow(0, 0, unit.shard.hi - unit.shard.lo) if grad is not None else None
             if split and cast16 is not None:
                 self.apply(unit, g, [(hypers, factor, False)], part="cast")
             else:
@@ -179,8 +179,8 @@ class HostUpdates:
                 assert grad is not None  # as above
                 self.grads.give_staging(grad)
             if cast16 is not None:
-                unit.host16_epoch = cast16  # read by the main thread only after ``updated``
-            unit.updated.set()
+                unit.copy16.made(cast16)  # read by the main thread only after ``updated``
+            unit.updates.updated.set()
 
         return run
 
@@ -195,11 +195,11 @@ class HostUpdates:
         def run():
             self.apply(
                 unit,
-                grad.narrow(0, 0, unit.hi - unit.lo),
+                grad.narrow(0, 0, unit.shard.hi - unit.shard.lo),
                 [(hypers, factor, False)],
                 part="rest" if with_master else "moments",
             )
-            unit.moments_done.set()
+            unit.updates.moments_done.set()
 
         return run
 
@@ -209,7 +209,7 @@ class HostUpdates:
         needed, while the post pass and the backward go on, the last block first). The unit's next gradient must not
         come down into that buffer before: wait for it here (rarely: the backward reaches the unit later). Every other
         reader of the moments (a checkpoint, the next update, a rollback) drains the worker first."""
-        waited = self.worker.wait_until(unit.moments_done.is_set, unit.moments_done.wait)
+        waited = self.worker.wait_until(unit.updates.moments_done.is_set, unit.updates.moments_done.wait)
         if waited is not None:
             self.clock.add_wait(waited, f"moments[{unit.name}]")
 
@@ -244,6 +244,6 @@ class HostUpdates:
                 ops.append((hypers, factor, False))
             if ops:
                 self.apply(unit, grad, ops)
-            unit.updated.set()
+            unit.updates.updated.set()
 
         return run

@@ -16,6 +16,7 @@ import zerofit
 from tests.support import tiny_models as tm
 from zerofit.engine.device import Device
 from zerofit.engine.memory.store import FlatLayout, Home, SlotPool, Unit, WeightState
+from zerofit.engine.memory.streamer import Streamer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +29,7 @@ def _unit(name: str, index: int) -> Unit:
 
 def _tenant(slot, unit: Unit) -> None:
     """What Streamer.begin_upload and acquire do to a slot and its unit once the copy is enqueued and waited for."""
-    slot.tenant, unit.slot, unit.state = unit, slot, WeightState.ON_DEVICE
+    slot.tenant, unit.streamed.slot, unit.streamed.state = unit, slot, WeightState.ON_DEVICE
 
 
 def _engine(G: int = 1, slots: int = 2, **offload):
@@ -54,11 +55,13 @@ def _check_slots(engine) -> None:
     held = []
     for u in engine.blocks:
         assert u.home is Home.STREAMED
-        if u.state is WeightState.ON_HOST:
-            assert u.slot is None, f"{u.name} is ON_HOST but holds a slot"
+        if u.streamed.state is WeightState.ON_HOST:
+            assert u.streamed.slot is None, f"{u.name} is ON_HOST but holds a slot"
         else:
-            assert u.slot is not None and u.slot.tenant is u, f"{u.name} is {u.state.name} in a slot it is not in"
-            held.append(u.slot)
+            assert u.streamed.slot is not None and u.streamed.slot.tenant is u, (
+                f"{u.name} is {u.streamed.state.name} in a slot it is not in"
+            )
+            held.append(u.streamed.slot)
     assert len({id(s) for s in held}) == len(held), "one slot held by two units"
     in_pool = [s for s in held if any(s is p for p in pool.slots)]
     assert len(in_pool) <= len(pool.slots)
@@ -67,7 +70,7 @@ def _check_slots(engine) -> None:
 def test_pool_hands_slots_out_round_robin_and_evicts_the_previous_tenant():
     """Each take() gives the least recently taken slot; a slot's previous tenant goes back to ON_HOST without a
     slot (its weights are about to be overwritten), and no two units are ever given the same slot at once."""
-    pool = SlotPool(Device.create(torch.device("cpu")), 2, 8, torch.float32)
+    pool = SlotPool(Device.create(torch.device("cpu")), 2, 8, torch.float32, Streamer.evicted)
     assert pool.nbytes == 2 * 8 * 4
     a, b, c = (_unit(n, i) for i, n in enumerate("abc"))
     sa = pool.take()
@@ -77,26 +80,30 @@ def test_pool_hands_slots_out_round_robin_and_evicts_the_previous_tenant():
     assert sa is not sb
     sc = pool.take()
     assert sc is sa, "the least recently taken slot"
-    assert (a.state, a.slot, sc.tenant) == (WeightState.ON_HOST, None, None)
-    assert b.state is WeightState.ON_DEVICE and b.slot is sb and sb.tenant is b
+    assert (a.streamed.state, a.streamed.slot, sc.tenant) == (WeightState.ON_HOST, None, None)
+    assert b.streamed.state is WeightState.ON_DEVICE and b.streamed.slot is sb and sb.tenant is b
     _tenant(sc, c)
-    assert {id(u.slot) for u in (b, c)} == {id(sb), id(sa)}
+    assert {id(u.streamed.slot) for u in (b, c)} == {id(sb), id(sa)}
 
 
 def test_pool_never_takes_a_protected_units_slot_and_refuses_when_all_are():
     """take(protect) skips the slots of units still needed (the window being computed and prefetched) and evicts
     another; when every slot holds a protected unit it raises and evicts nobody."""
-    pool = SlotPool(Device.create(torch.device("cpu")), 2, 8, torch.float32)
+    pool = SlotPool(Device.create(torch.device("cpu")), 2, 8, torch.float32, Streamer.evicted)
     a, b = _unit("a", 0), _unit("b", 1)
     _tenant(pool.take(), a)
     _tenant(pool.take(), b)
     s = pool.take(protect=(a,))  # round-robin would give a's slot: it is protected
-    assert s.tenant is None and b.state is WeightState.ON_HOST and b.slot is None
-    assert a.state is WeightState.ON_DEVICE and a.slot.tenant is a
+    assert s.tenant is None and b.streamed.state is WeightState.ON_HOST and b.streamed.slot is None
+    assert a.streamed.state is WeightState.ON_DEVICE and a.streamed.slot.tenant is a
     _tenant(s, b)
     with pytest.raises(RuntimeError, match="device slots"):
         pool.take(protect=(a, b))
-    assert a.state is b.state is WeightState.ON_DEVICE and a.slot.tenant is a and b.slot.tenant is b
+    assert (
+        a.streamed.state is b.streamed.state is WeightState.ON_DEVICE
+        and a.streamed.slot.tenant is a
+        and b.streamed.slot.tenant is b
+    )
     pool.empty()
     assert all(s.tenant is None and s.free_event is None and s.read_event is None for s in pool.slots)
 
@@ -114,9 +121,9 @@ def test_a_step_walks_each_block_through_the_states_and_computes_only_on_device(
     def spy(name, fn):
         def wrapped(*a, **kw):
             unit = a[0] if name != "acquire" else a[0][a[1]]
-            before = unit.state
+            before = unit.streamed.state
             out = fn(*a, **kw)
-            log.append((name, unit.index, before, unit.state))
+            log.append((name, unit.index, before, unit.streamed.state))
             _check_slots(engine)
             return out
 
@@ -128,7 +135,7 @@ def test_a_step_walks_each_block_through_the_states_and_computes_only_on_device(
     computed = []
 
     def checked_block(unit, *a, **kw):
-        assert unit.state is WeightState.ON_DEVICE and unit.slot.tenant is unit, unit.name
+        assert unit.streamed.state is WeightState.ON_DEVICE and unit.streamed.slot.tenant is unit, unit.name
         computed.append(unit.index)
         return block(unit, *a, **kw)
 
@@ -147,22 +154,22 @@ def test_a_step_walks_each_block_through_the_states_and_computes_only_on_device(
     assert acquired == order + order[::-1], "the forward in order, the backward in reverse"
     assert [i for name, i, _, _ in log if name == "evict"] == order[::-1]
     assert computed == [i for i in order for _ in range(2)] + [i for i in order[::-1] for _ in range(2)]
-    assert all(u.state is WeightState.ON_HOST for u in engine.blocks)
+    assert all(u.streamed.state is WeightState.ON_HOST for u in engine.blocks)
     engine.close()
 
 
 def test_device_weights_refuse_a_block_not_on_device():
     """Unit.device_weights (what the compute reads) raises while a streamed block is ON_HOST or UPLOADING: reading
     a slot before the compute stream waited for its upload would read another tenant's or half-copied weights."""
-    pool = SlotPool(Device.create(torch.device("cpu")), 1, 4, torch.float32)
+    pool = SlotPool(Device.create(torch.device("cpu")), 1, 4, torch.float32, Streamer.evicted)
     u = _unit("u", 0)
     with pytest.raises(RuntimeError, match="ON_HOST"):
         u.device_weights()
     slot = pool.take()
-    slot.tenant, u.slot, u.state = u, slot, WeightState.UPLOADING
+    slot.tenant, u.streamed.slot, u.streamed.state = u, slot, WeightState.UPLOADING
     with pytest.raises(RuntimeError, match="UPLOADING"):
         u.device_weights()
-    u.state = WeightState.ON_DEVICE
+    u.streamed.state = WeightState.ON_DEVICE
     assert u.device_weights().data_ptr() == slot.tensor.data_ptr()
 
 
@@ -181,7 +188,10 @@ def test_a_failed_step_empties_every_slot_and_the_next_step_uploads_again():
     data = tm.batches(2, 1)
     with pytest.raises(RuntimeError, match="injected"):
         engine.train_batch(data[0])
-    assert all(u.state is WeightState.ON_HOST and u.slot is None and u.ready_event is None for u in engine.blocks)
+    assert all(
+        u.streamed.state is WeightState.ON_HOST and u.streamed.slot is None and u.streamed.ready_event is None
+        for u in engine.blocks
+    )
     assert all(s.tenant is None for s in engine.streamer.pool.slots)
     assert engine.streamer.kept == {}
     engine.compute.block = block
@@ -214,7 +224,7 @@ def test_a_window_keeps_blocks_in_the_gradient_buffers_until_its_boundary():
     backward_blocks = engine.schedule.backward_blocks
 
     def before_backward(micros):
-        at_backward.append((dict(s.kept), [(u.state, u.slot) for u in engine.blocks]))
+        at_backward.append((dict(s.kept), [(u.streamed.state, u.streamed.slot) for u in engine.blocks]))
         return backward_blocks(micros)
 
     engine.schedule.backward_blocks = before_backward
@@ -230,7 +240,7 @@ def test_a_window_keeps_blocks_in_the_gradient_buffers_until_its_boundary():
             spans = [_storage(g.tensor) for g in grad_slots]
             for u in kept:
                 slot = s.kept[id(u)]
-                assert u.slot is slot and slot.tenant is u and u.state is not WeightState.ON_HOST
+                assert u.streamed.slot is slot and slot.tenant is u and u.streamed.state is not WeightState.ON_HOST
                 assert any(a <= slot.tensor.data_ptr() < b for a, b in spans), "carved from a gradient buffer"
         else:
             assert not set(uploads[-1]) & {u.index for u in kept}, "a kept block was uploaded again"

@@ -248,3 +248,32 @@ def test_a_model_attribute_read_through_the_engine_waits_for_nothing_and_a_metho
     names = [n for n, _ in engine.named_parameters()]
     assert names == [n for n, _ in model.named_parameters()] and len(waits) == 1
     engine.close()
+
+
+def test_the_deepspeed_face_is_held_by_the_engine_not_its_base():
+    """The engine holds its DeepSpeed face (``engine.deepspeed``) and serves its names as its own: the DeepSpeed loop
+    through either is the same call, the face holds the engine weakly (a dropped engine is freed with it), and a
+    name neither has is a plain AttributeError (``getattr`` with a default works)."""
+    import gc
+    import weakref
+
+    from zerofit.engine.engine import Engine
+    from zerofit.engine.faces.deepspeed_surface import DeepSpeedFace
+
+    assert DeepSpeedFace not in Engine.__mro__
+    model = SimpleModel(8, nlayers=2)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_ds())
+    face = engine.deepspeed
+    assert isinstance(face, DeepSpeedFace) and face.engine is engine
+    assert Engine.backward.__doc__ == DeepSpeedFace.backward.__doc__
+    x = torch.randn(4, 8)
+    engine.backward(engine(x, torch.zeros(4, dtype=torch.long)))
+    assert face.record.unstepped == engine.window.micro_steps == 1 and engine.micro_steps == face.micro_steps
+    engine.step()
+    assert engine.global_steps == face.global_steps == 1 and engine.was_step_applied()
+    assert getattr(engine, "no_such_name", "default") == "default"
+    engine.close()
+    gone = weakref.ref(engine)
+    del engine, face
+    gc.collect()
+    assert gone() is None

@@ -37,7 +37,7 @@ from zerofit.engine.device import Device, rank_device, requested_device
 from zerofit.engine.disk.tier import DiskTier
 from zerofit.engine.distributed.ranks import Ranks
 from zerofit.engine.distributed.rendezvous import named_barrier, wait_s
-from zerofit.engine.faces.deepspeed_surface import DeepSpeedRecord, DeepSpeedSurface
+from zerofit.engine.faces.deepspeed_surface import DeepSpeedFace, served_by_face
 from zerofit.engine.faces.offload_states import OffloadStates
 from zerofit.engine.faces.user_model import current_for_reads
 from zerofit.engine.lifecycle import EngineState, Lifecycle
@@ -76,8 +76,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("zerofit")
 
 
-class Engine(DeepSpeedSurface):
-    """See the module docstring. Build with :func:`zerofit.initialize`."""
+@served_by_face
+class Engine:
+    """See the module docstring. Build with :func:`zerofit.initialize`. DeepSpeed's names (``engine(**batch)``,
+    ``backward``, ``step``, ``get_lr``...) are its face's (``deepspeed``: faces/deepspeed_surface.py), served as its
+    own."""
 
     # the parts over the units (units, shell, blocks, grads, copies16, device_updates, host_updates, streamer,
     # activations, kernels, compute, stepper, schedule, window, step_end, sharding, startup): parts.py's Parts,
@@ -120,6 +123,7 @@ class Engine(DeepSpeedSurface):
         param_groups: Iterable[dict[str, Any]] | Iterable[torch.Tensor] | None = None,
         user_loop: bool = False,
     ) -> None:
+        self.deepspeed = DeepSpeedFace(self)  # DeepSpeed's names, and what the DeepSpeed door knows
         self.config = config
         self.source_dir = source.path if source is not None else None  # the model directory it was loaded from
         self._source = source
@@ -167,7 +171,6 @@ class Engine(DeepSpeedSurface):
         self._split, self._cast_first = policy.split, policy.cast_first
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None
         self.last_grad_norm: float | None = None  # the last step's global gradient norm, where one was taken
-        self.ds = DeepSpeedRecord()  # what the DeepSpeed door knows (deepspeed_surface.py)
         self._shape = model_shape(model, self.adapter, self._table, self.frozen, self.nf4)
         warn_low_precision_trained(self._table, self.frozen)  # (fp32 masters of 16-bit trained parameters)
         self.batch_spec = BatchSpec.of(model, vocab_of(model, self._shape.vocab), self.dev.device)
@@ -400,7 +403,7 @@ class Engine(DeepSpeedSurface):
         accumulation are dropped. Every later call raises EngineClosedError; ``module`` stays readable.
         See [Note: engine lifecycle]."""
         if self.offloaded.current is not None and self.state is EngineState.OPEN:
-            self.reload_states()  # the final weights are read from the device state
+            self.deepspeed.reload_states()  # the final weights are read from the device state
 
         def finish():
             self._apply_pending()
@@ -650,7 +653,7 @@ class Engine(DeepSpeedSurface):
         from zerofit.checkpoint.errors import EngineStateLostError
         from zerofit.checkpoint.state import load
 
-        self.check_deepspeed_load_options(
+        self.deepspeed.check_deepspeed_load_options(
             load_module_strict, load_lr_scheduler_states, load_module_only, custom_load_fn
         )
         self.wait()

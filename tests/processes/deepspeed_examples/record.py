@@ -35,11 +35,11 @@ def main(argv: list[str]) -> int:
     out, rest = argv[0], argv[1:]
     os.makedirs(out, exist_ok=True)
     import zerofit.deepspeed as zds
-    from zerofit.engine.faces.deepspeed_surface import DeepSpeedSurface
+    from zerofit.engine.faces.deepspeed_surface import DeepSpeedFace
     from zerofit.engine.engine import Engine
 
     losses, calls, initial, engines = [], [], {}, []
-    backward, call, initialize = DeepSpeedSurface.backward, DeepSpeedSurface.__call__, zds.initialize
+    backward, call, initialize = DeepSpeedFace.backward, DeepSpeedFace.__call__, zds.initialize
     load = Engine.load_checkpoint
 
     def rec_load(self, *a, **k):
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
             initial["start"] = out[0].master_state_dict()
         return out
 
-    DeepSpeedSurface.backward, DeepSpeedSurface.__call__, zds.initialize = rec_backward, rec_call, rec_initialize
+    DeepSpeedFace.backward, DeepSpeedFace.__call__, zds.initialize = rec_backward, rec_call, rec_initialize
     Engine.load_checkpoint = rec_load
     try:
         if rest and rest[0] == "--launcher":

@@ -1,13 +1,16 @@
-"""DeepSpeed's engine surface on zerofit's engine: the names a DeepSpeed training script calls (a stateless face).
+"""DeepSpeed's engine surface on zerofit's engine: the names a DeepSpeed training script calls (a face the engine
+holds, ``engine.deepspeed``).
 
-The engine's own calls (engine.py) are DeepSpeed's loop: ``engine(**batch)``, ``backward``, ``step``,
-``set_gradient_accumulation_boundary``. :class:`DeepSpeedSurface` adds the rest of what scripts written for
-``deepspeed.initialize`` read or call, with DeepSpeed's meaning (deepspeed/runtime/engine.py, read at commit
+:class:`DeepSpeedFace` holds the engine and gives it DeepSpeed's loop (``engine(**batch)``, ``backward``, ``step``,
+``set_gradient_accumulation_boundary``) and the rest of what scripts written for ``deepspeed.initialize`` read or
+call, with DeepSpeed's meaning (deepspeed/runtime/engine.py, read at commit
 38327e07f6cd39b63418f60cedd1651b0be3e7c3): the step counters, the accumulation boundary, the learning rate, the
 batch sizes, the data loader, and the optimizer and scheduler objects :func:`zerofit.deepspeed.initialize`
-returns (views.py's, with DeepSpeed's refusals). It holds no state of its own: what the door knows is the
-engine's :class:`DeepSpeedRecord` (``engine.ds``); everything else it reads from the engine's parts. Every other
-name of DeepSpeed's engine raises :class:`UnsupportedAttribute` (deepspeed_names.py).
+returns (views.py's, with DeepSpeed's refusals). What the door knows is the face's :class:`DeepSpeedRecord`
+(``record``); everything else it reads from the engine's parts. The engine serves the face's names as its own
+(:func:`served_by_face`); every other name of DeepSpeed's engine raises :class:`UnsupportedAttribute`
+(deepspeed_names.py), and a name the model has is read from the model as it is (no wait: no attribute read is a
+collective).
 
 [Note: DeepSpeed's accumulation boundary]
 DeepSpeed counts ``micro_steps`` in ``step()``, which scripts call after every micro-batch, and
@@ -26,6 +29,7 @@ import inspect
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +49,7 @@ from zerofit.engine.faces.deepspeed_views import DeepSpeedOptimizer, DeepSpeedSc
 from zerofit.engine.step.batch import check_batch
 
 if TYPE_CHECKING:
+    from zerofit.engine.engine import Engine
     from zerofit.engine.faces.deepspeed_views import ThroughputTimerView
 
 log = logging.getLogger("zerofit")
@@ -86,8 +91,8 @@ class _WindowLoader(DataLoader):
 
 @dataclass
 class DeepSpeedRecord:
-    """What the DeepSpeed door knows beyond the engine's parts (``engine.ds``): the marker of [Note: DeepSpeed's
-    accumulation boundary], whether the last step() applied an update, the samples of the steps taken and
+    """What the DeepSpeed door knows beyond the engine's parts (``engine.deepspeed.record``): the marker of [Note:
+    DeepSpeed's accumulation boundary], whether the last step() applied an update, the samples of the steps taken and
     whether step() runs (managed_gradient_accumulation false), and what :func:`zerofit.deepspeed.initialize`
     attached (the optimizer's groups' parameter names, the data loader's settings, the loader)."""
 
@@ -96,10 +101,10 @@ class DeepSpeedRecord:
     samples: int = 0  # managed_gradient_accumulation false: samples of the steps taken
     stepping: bool = False  # managed_gradient_accumulation false: inside step() (the boundary)
     names: tuple | None = None  # each group's parameter names as initialize() got them; None: the engine's
-    collate_fn: object = None
+    collate_fn: Callable | None = None
     drop_last: bool = False
     views: tuple | None = None  # (optimizer, lr_scheduler) returned, built at first use
-    tput_timer: object = None  # engine.tput_timer (deepspeed_views.py), built at first use
+    tput_timer: ThroughputTimerView | None = None  # engine.tput_timer (deepspeed_views.py), built at first use
     training_dataloader: object = None  # the loader initialize(training_data=...) built
 
 
@@ -130,24 +135,41 @@ def bind_inputs(model, inputs: tuple, batch: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- the face
 
 
-class DeepSpeedSurface:
-    """Mixed into :class:`~zerofit.engine.engine.Engine` as its DeepSpeed names: no state (``self.ds`` is the
-    engine's), each name a delegate to the engine's parts and config, under the engine's guard (``check_open``,
-    ``guard``, ``with_fallback``, ``end_step``: engine.py) as FSDP2's ``FSDPModule`` is over its state."""
+class DeepSpeedFace:
+    """DeepSpeed's names over an engine it holds (``engine.deepspeed``): each a delegate to the engine's parts and
+    config, under the engine's guard (``check_open``, ``guard``, ``with_fallback``: engine.py), as FSDP2's
+    ``FSDPModule`` is over its state. Its own state is ``record`` (:class:`DeepSpeedRecord`). The engine serves
+    these names as its own (:func:`served_by_face`), so ``engine.backward(loss)`` is
+    ``engine.deepspeed.backward(loss)``; the face holds the engine weakly (the engine holds the face)."""
+
+    # DeepSpeed's rank attributes, as one process reads them
+    global_rank = 0
+    world_size = 1
+    dp_world_size = 1
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = weakref.ref(engine)
+        self.record = DeepSpeedRecord()
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engine()
+        assert engine is not None  # the engine holds its face: a face in use has a live engine
+        return engine
 
     def configure_deepspeed(self, names=None, collate_fn=None, drop_last: bool = False, training_data=None) -> None:
         """What zerofit.deepspeed.initialize knows beyond the config: each group's parameter names, collate_fn,
         dataloader_drop_last, the training data."""
-        self.ds.names = tuple(tuple(n) for n in names) if names else None
-        self.ds.collate_fn, self.ds.drop_last = collate_fn, drop_last
-        self.ds.views = None
+        self.record.names = tuple(tuple(n) for n in names) if names else None
+        self.record.collate_fn, self.record.drop_last = collate_fn, drop_last
+        self.record.views = None
         if training_data is not None:
-            self.ds.training_dataloader = self.deepspeed_io(training_data)
+            self.record.training_dataloader = self.deepspeed_io(training_data)
 
     @property
     def training_dataloader(self):
         """The loader initialize(training_data=...) built (DeepSpeed's name), or None."""
-        return self.ds.training_dataloader
+        return self.record.training_dataloader
 
     # ----------------------------------------------------------------- the loop: engine(**batch), backward(), step()
 
@@ -157,13 +179,13 @@ class DeepSpeedSurface:
         backward as autograd says], window.py). Under ``torch.no_grad()`` (or in eval mode with autograd off) it
         keeps nothing."""
         if inputs:
-            batch = bind_inputs(self.adapter.model, inputs, batch)
-        G = self.window.G  # (the user's loop: the window it learnt)
+            batch = bind_inputs(self.engine.adapter.model, inputs, batch)
+        G = self.engine.window.G  # (the user's loop: the window it learnt)
         if (
-            not self.config.managed_gradient_accumulation
-            and self.window.micro_steps >= G
+            not self.engine.config.managed_gradient_accumulation
+            and self.engine.window.micro_steps >= G
             and torch.is_grad_enabled()
-            and not self.window.unbounded
+            and not self.engine.window.unbounded
         ):
             raise DeepSpeedUnsupported(
                 f"engine(**batch): micro-batch {G + 1} before engine.step() with managed_gradient_accumulation false: "
@@ -171,14 +193,14 @@ class DeepSpeedSurface:
                 f"checkpoints wait on the device for the blocks' backward). Call engine.step() after at most {G} "
                 "backward() calls, or raise gradient_accumulation_steps"
             )
-        self.check_open()
+        self.engine.check_open()
         if not torch.is_grad_enabled():
-            return self.forward_no_grad(batch)
-        check_batch(batch, self.batch_spec)
-        self.window.refuse_past_g()
-        self.window.drop_unused()
-        with self.guard(discard_step=True):
-            return self.with_fallback(lambda: self.window.forward(batch))
+            return self.engine.forward_no_grad(batch)
+        check_batch(batch, self.engine.batch_spec)
+        self.engine.window.refuse_past_g()
+        self.engine.window.drop_unused()
+        with self.engine.guard(discard_step=True):
+            return self.engine.with_fallback(lambda: self.engine.window.forward(batch))
 
     def forward(self, *inputs, **batch):
         return self(*inputs, **batch)
@@ -188,11 +210,11 @@ class DeepSpeedSurface:
         forwards at once], window.py); each later ``engine(**batch)`` of the window takes its forward from here.
         Only at the start of a window, in training mode; a no-op on the generic path (a model that does not
         stream) and with several ranks."""
-        self.check_open()
-        if not self.window.may_announce(batches):
+        self.engine.check_open()
+        if not self.engine.window.may_announce(batches):
             return
-        with self.guard(discard_step=True):
-            self.with_fallback(lambda: self.window.announce(batches))
+        with self.engine.guard(discard_step=True):
+            self.engine.with_fallback(lambda: self.engine.window.announce(batches))
 
     def backward(self, loss, release_loss: bool = False, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate ``loss`` (from this engine's forward) through the model, accumulating gradients (the
@@ -209,12 +231,14 @@ class DeepSpeedSurface:
                 "goes (it recomputes blocks from checkpoints), so a second backward through "
                 "the same forward is not possible; run the forward again"
             )
-        self.check_open()
-        micro = self.window.take_pending()
-        with self.guard(discard_step=True):
-            self.window.backward(micro, loss, scale_wrt_gas, self.scaler.scale if self.scaler else 1.0)
-        self.ds.unstepped = self.window.micro_steps
-        G = self.config.gradient_accumulation_steps
+        self.engine.check_open()
+        micro = self.engine.window.take_pending()
+        with self.engine.guard(discard_step=True):
+            self.engine.window.backward(
+                micro, loss, scale_wrt_gas, self.engine.scaler.scale if self.engine.scaler else 1.0
+            )
+        self.record.unstepped = self.engine.window.micro_steps
+        G = self.engine.config.gradient_accumulation_steps
         out = loss.detach().float()
         return out / G if G > 1 and scale_wrt_gas else out
 
@@ -223,37 +247,37 @@ class DeepSpeedSurface:
         schedule's step (a client scheduler's ``step(**lr_kwargs)``, after an applied step only, as DeepSpeed
         steps it). With ``managed_gradient_accumulation`` false every call after a backward() is the boundary,
         as in DeepSpeed."""
-        client = self.hypers.client
+        client = self.engine.hypers.client
         if lr_kwargs and client is None:
             raise DeepSpeedUnsupported(
                 f"engine.step(lr_kwargs={lr_kwargs!r}): the config's schedule takes no "
                 "arguments (it is a function of the applied steps); lr_kwargs go to a client "
                 "lr_scheduler passed to initialize()"
             )
-        applied_before, micro = self.global_step, self.window.micro_steps
-        unmanaged = not self.config.managed_gradient_accumulation
+        applied_before, micro = self.engine.global_step, self.engine.window.micro_steps
+        unmanaged = not self.engine.config.managed_gradient_accumulation
         if unmanaged and micro:  # the caller's boundary: DeepSpeed steps whatever the count
-            self.window.override(True)
-            self.ds.stepping = True
+            self.engine.window.override(True)
+            self.record.stepping = True
         try:
             self._step_at_boundary()
         finally:
             if unmanaged:
-                self.window.override(None)
-                self.ds.stepping = False
-        self.ds.unstepped = None
-        self.ds.step_applied = self.global_step > applied_before
-        if unmanaged and self.window.micro_steps == 0:  # DeepSpeed counts the micro-batches the caller gave
-            self.ds.samples += micro * (self.train_batch_size() // self.config.gradient_accumulation_steps)
-        if self.ds.step_applied and client is not None:
-            client.catch_up(self.hypers, lr_kwargs)
+                self.engine.window.override(None)
+                self.record.stepping = False
+        self.record.unstepped = None
+        self.record.step_applied = self.engine.global_step > applied_before
+        if unmanaged and self.engine.window.micro_steps == 0:  # DeepSpeed counts the micro-batches the caller gave
+            self.record.samples += micro * (self.train_batch_size() // self.engine.config.gradient_accumulation_steps)
+        if self.record.step_applied and client is not None:
+            client.catch_up(self.engine.hypers, lr_kwargs)
 
     def _step_at_boundary(self) -> None:
-        self.check_open()
-        if not self.window.at_boundary():
+        self.engine.check_open()
+        if not self.engine.window.at_boundary():
             return
-        with self.guard(discard_step=True):
-            self.step_end.finish()  # [Note: one end of a step]
+        with self.engine.guard(discard_step=True):
+            self.engine.step_end.finish()  # [Note: one end of a step]
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's override of where an accumulation window ends, set before each micro-batch's forward
@@ -262,7 +286,7 @@ class DeepSpeedSurface:
         an epoch), so its backward runs the blocks' backward and step() steps; False holds the step back
         (a window stays at most gradient_accumulation_steps long: the device keeps that many micro-batches'
         block checkpoints); None returns to counting gradient_accumulation_steps."""
-        if not self.config.managed_gradient_accumulation:
+        if not self.engine.config.managed_gradient_accumulation:
             raise DeepSpeedUnsupported(
                 "engine.set_gradient_accumulation_boundary(): not with "
                 "managed_gradient_accumulation false, where every engine.step() is the "
@@ -270,7 +294,7 @@ class DeepSpeedSurface:
             )
         if is_boundary is not None and not isinstance(is_boundary, bool):
             raise TypeError(f"is_boundary must be True, False or None, found {is_boundary!r}")
-        self.window.override(is_boundary)
+        self.engine.window.override(is_boundary)
 
     # ----------------------------------------------------------------- offload_states (offload_states.py)
 
@@ -278,55 +302,55 @@ class DeepSpeedSurface:
         """Move the engine's device state of the kinds ``include`` (all when None) into host memory (page-locked
         when ``pin_memory``) and free its device memory ([Note: offloaded device state]). Until
         ``reload_states()`` the engine refuses every other call."""
-        self.lifecycle.check_open()
+        self.engine.lifecycle.check_open()
         where, kinds = offloading.parse(include, device)
-        offloading.refuse_param_offload(self.report, self.config)
+        offloading.refuse_param_offload(self.engine.report, self.engine.config)
         if where == "none":
             log.warning("No device specified for offloading states.")
             return
-        offloading.refuse_window("offload_states()", self.window, self.streamer)
+        offloading.refuse_window("offload_states()", self.engine.window, self.engine.streamer)
         storages = lambda kinds: offloading.device_storages(  # noqa: E731
             kinds,
-            units=self.units,
-            streamer=self.streamer,
-            grads=self.grads,
-            sharding=self.sharding,
-            device_updates=self.device_updates,
-            model=self.adapter.model,
-            device=self.dev.device,
+            units=self.engine.units,
+            streamer=self.engine.streamer,
+            grads=self.engine.grads,
+            sharding=self.engine.sharding,
+            device_updates=self.engine.device_updates,
+            model=self.engine.adapter.model,
+            device=self.engine.dev.device,
         )
-        with self.guard(discard_step=False):
-            self.offloaded.offload(kinds, storages, pin_memory and self.dev.is_cuda, non_blocking)
+        with self.engine.guard(discard_step=False):
+            self.engine.offloaded.offload(kinds, storages, pin_memory and self.engine.dev.is_cuda, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Put back what ``offload_states`` moved, on the device, byte for byte; training goes on as if it had
         stayed there. A no-op when nothing is offloaded."""
-        self.lifecycle.check_open()
-        if self.offloaded.current is None:
+        self.engine.lifecycle.check_open()
+        if self.engine.offloaded.current is None:
             return
-        with self.guard(discard_step=False):
-            self.offloaded.reload(non_blocking)
+        with self.engine.guard(discard_step=False):
+            self.engine.offloaded.reload(non_blocking)
 
     # ----------------------------------------------------------------- the accumulation boundary
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the last micro-batch of an accumulation is worked on ([Note: DeepSpeed's accumulation
         boundary]): from its forward until its step(); what set_gradient_accumulation_boundary() said, when set."""
-        if not self.config.managed_gradient_accumulation:
-            return self.ds.stepping  # DeepSpeed: true only while step() runs
-        if self.window.boundary is not None:
-            return self.window.boundary
-        return (self._micro_position() + 1) % self.config.gradient_accumulation_steps == 0
+        if not self.engine.config.managed_gradient_accumulation:
+            return self.record.stepping  # DeepSpeed: true only while step() runs
+        if self.engine.window.boundary is not None:
+            return self.engine.window.boundary
+        return (self._micro_position() + 1) % self.engine.config.gradient_accumulation_steps == 0
 
     def _micro_position(self) -> int:
-        done = self.window.micro_steps
-        if done and self.ds.unstepped == done:  # its step() has not been called yet
+        done = self.engine.window.micro_steps
+        if done and self.record.unstepped == done:  # its step() has not been called yet
             done -= 1
         return done
 
     def was_step_applied(self) -> bool:
         """Whether the last step() updated the weights (False before the boundary and for a skipped fp16 step)."""
-        return self.ds.step_applied
+        return self.record.step_applied
 
     def zero_grad(self) -> None:
         """A no-op: gradients live in the engine's own buffers and the optimizer step consumes them; the
@@ -337,52 +361,49 @@ class DeepSpeedSurface:
     @property
     def global_steps(self) -> int:
         """Optimizer steps taken, skipped fp16 steps included (DeepSpeed counts both)."""
-        return self.global_step + self.skipped_steps
+        return self.engine.global_step + self.engine.skipped_steps
 
     @property
     def global_samples(self) -> int:
         """global_steps * train_batch_size; with managed_gradient_accumulation false, the samples of the
         micro-batches each step() took (DeepSpeed's count), since this engine started."""
-        if not self.config.managed_gradient_accumulation:
-            return self.ds.samples
+        if not self.engine.config.managed_gradient_accumulation:
+            return self.record.samples
         return self.global_steps * self.train_batch_size()
 
     @property
     def micro_steps(self) -> int:
         """DeepSpeed's count of step() calls: global_steps * gradient_accumulation_steps + the current micro-batch."""
-        return self.global_steps * self.config.gradient_accumulation_steps + self._micro_position()
+        return self.global_steps * self.engine.config.gradient_accumulation_steps + self._micro_position()
 
     def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+        return self.engine.config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.micro_batch_size
+        return self.engine.config.micro_batch_size
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self.engine.config.gradient_accumulation_steps
 
     def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
+        return self.engine.config.gradient_clipping
 
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
+    def steps_per_print(self) -> int | None:
+        return self.engine.config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
-        return self.config.wall_clock_breakdown
+        return self.engine.config.wall_clock_breakdown
 
     def fp16_enabled(self) -> bool:
-        return self.config.precision == "fp16"
+        return self.engine.config.precision == "fp16"
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.precision == "bf16"
+        return self.engine.config.precision == "bf16"
 
     @property
     def local_rank(self) -> int:
-        return self.device.index if self.device.type == "cuda" else int(os.environ.get("LOCAL_RANK", 0))
-
-    global_rank = 0
-    world_size = 1
-    dp_world_size = 1
+        index = self.engine.device.index if self.engine.device.type == "cuda" else None
+        return index if index is not None else int(os.environ.get("LOCAL_RANK", 0))
 
     def get_lr(self) -> list[float]:
         """The lr of each parameter group for the next optimizer step (DeepSpeed: after the scheduler's step)."""
@@ -395,16 +416,16 @@ class DeepSpeedSurface:
     def get_global_grad_norm(self) -> float | None:
         """The last step's global gradient norm, where the engine computed it (gradient clipping or fp16);
         None otherwise (DeepSpeed's ZeRO engines compute it always)."""
-        return self.last_grad_norm
+        return self.engine.last_grad_norm
 
     def destroy(self) -> None:
-        self.close()
+        self.engine.close()
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: frees ZeRO-3's cache of gathered parameters; without ZeRO-3 (and in zerofit, which keeps no
         parameters beyond its planned slots) there is none, and it frees the allocator's unused cache, as DeepSpeed
         does after it."""
-        if self.device.type == "cuda":
+        if self.engine.device.type == "cuda":
             torch.cuda.empty_cache()
 
     @property
@@ -413,9 +434,9 @@ class DeepSpeedSurface:
         ``engine.tput_timer.update_epoch_count()`` after each epoch); its timings are engine.timeline()'s."""
         from zerofit.engine.faces.deepspeed_views import ThroughputTimerView
 
-        if self.ds.tput_timer is None:
-            self.ds.tput_timer = ThroughputTimerView(self)
-        return self.ds.tput_timer
+        if self.record.tput_timer is None:
+            self.record.tput_timer = ThroughputTimerView(self)
+        return self.record.tput_timer
 
     @property
     def optimizer(self) -> DeepSpeedOptimizer:
@@ -426,11 +447,13 @@ class DeepSpeedSurface:
         return self._views()[1]
 
     def _views(self):
-        views = self.ds.views
-        client = self.hypers.client
+        views = self.record.views
+        client = self.engine.hypers.client
         if views is None or (client is not None and views[1] is not client.scheduler):
-            opt = DeepSpeedOptimizer(self.hypers, self.adapter.model, self.scaler, self.ds.names)
-            sched = self.config.scheduler
+            opt = DeepSpeedOptimizer(
+                self.engine.hypers, self.engine.adapter.model, self.engine.scaler, self.record.names
+            )
+            sched = self.engine.config.scheduler
             identity = sched.type == "constant" and sched.warmup_steps == 0
             if client is not None:  # DeepSpeed returns the client's scheduler itself (None without one)
                 views = (opt, client.scheduler)
@@ -440,8 +463,11 @@ class DeepSpeedSurface:
                 from zerofit.deepspeed.runtime.lr_schedules import view_class
 
                 cls = view_class(sched.type)
-                views = (opt, DeepSpeedScheduler(self.hypers, opt) if cls is None else cls._of(self.hypers, opt))
-            self.ds.views = views
+                views = (
+                    opt,
+                    DeepSpeedScheduler(self.engine.hypers, opt) if cls is None else cls._of(self.engine.hypers, opt),
+                )
+            self.record.views = views
         return views
 
     # ----------------------------------------------------------------- data
@@ -475,13 +501,13 @@ class DeepSpeedSurface:
             dataset,
             batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
             sampler=data_sampler,
-            collate_fn=collate_fn or self.ds.collate_fn,
+            collate_fn=collate_fn or self.record.collate_fn,
             num_workers=num_local_io_workers or 0,
-            pin_memory=pin_memory and self.device.type == "cuda",
-            drop_last=self.ds.drop_last,
+            pin_memory=pin_memory and self.engine.device.type == "cuda",
+            drop_last=self.record.drop_last,
         )
         if route == "train":
-            loader.zerofit_engine = weakref.ref(self)
+            loader.zerofit_engine = self._engine
         return loader
 
     # ----------------------------------------------------------------- checkpoints: DeepSpeed's extra arguments
@@ -511,14 +537,17 @@ class DeepSpeedSurface:
 
     # ----------------------------------------------------------------- everything else DeepSpeed's engine has
 
-    def __getattr__(self, name: str):
-        # only reached when normal lookup failed; must raise AttributeError (getattr(engine, x, default) relies on it)
-        if name.startswith("_"):  # the engine's own (a mistyped private name is a plain AttributeError)
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+    def attribute(self, name: str):
+        """A name the engine does not have (its ``__getattr__``): DeepSpeed's refusal by name, else the module's
+        attribute, else AttributeError (``getattr(engine, x, default)`` relies on it)."""
+        engine = self._engine()
+        kind = type(engine).__name__
+        if name.startswith("_") or engine is None:  # the engine's own (a mistyped private name is a plain error)
+            raise AttributeError(f"'{kind}' object has no attribute '{name}'")
         hint = deepspeed_hint(name)
         if hint is not None:
             raise refuse_attribute("engine", name, hint)
-        adapter = self.__dict__.get("adapter")
+        adapter = engine.__dict__.get("adapter")
         if adapter is not None and hasattr(adapter.model, name):
             # DeepSpeed's engine passes what it does not have itself on to its module (engine.config of a model,
             # engine.training, engine.parameters()...). A value is read as it is: no attribute read waits for the
@@ -530,11 +559,48 @@ class DeepSpeedSurface:
 
             @functools.wraps(value)
             def with_current_weights(*args, **kwargs):
-                _ = self.module  # the pending updates applied ([Note: engine.module is a collective])
+                _ = self.engine.module  # the pending updates applied ([Note: engine.module is a collective])
                 return value(*args, **kwargs)
 
             return with_current_weights
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        raise AttributeError(f"'{kind}' object has no attribute '{name}'")
+
+
+def served_by_face(cls: type) -> type:
+    """The engine class serving each of :class:`DeepSpeedFace`'s names as its own: a method calls the engine's face's
+    method, a property reads the face's, a constant is the face's; ``__getattr__`` asks the face's
+    :meth:`~DeepSpeedFace.attribute`. A name the class defines itself stays its own."""
+
+    def method(name: str, fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            return getattr(self.deepspeed, name)(*args, **kwargs)
+
+        return call
+
+    def prop(name: str, p: property) -> property:
+        return property(lambda self: getattr(self.deepspeed, name), doc=p.__doc__)
+
+    for name, value in vars(DeepSpeedFace).items():
+        own = name in ("__init__", "engine", "attribute") or (name.startswith("_") and name != "__call__")
+        if own or name in vars(cls):
+            continue
+        if isinstance(value, property):
+            setattr(cls, name, prop(name, value))
+        elif callable(value):
+            setattr(cls, name, method(name, value))
+        else:
+            setattr(cls, name, value)
+
+    def __getattr__(self, name: str):
+        # only reached when normal lookup failed; before the face exists (early in __init__) a plain AttributeError
+        face = self.__dict__.get("deepspeed")
+        if face is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return face.attribute(name)
+
+    cls.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    return cls
 
 
 # ---------------------------------------------------------------------------------------------- optimizer, scheduler

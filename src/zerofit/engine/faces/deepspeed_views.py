@@ -17,7 +17,7 @@ from zerofit.engine.faces.views import OptimizerView, SchedulerView
 if TYPE_CHECKING:
     from torch import nn
 
-    from zerofit.engine.faces.deepspeed_surface import DeepSpeedSurface
+    from zerofit.engine.faces.deepspeed_surface import DeepSpeedFace
     from zerofit.engine.step.hypers import Hypers
     from zerofit.optim.loss_scaler import LossScaler
 
@@ -31,14 +31,14 @@ class ThroughputTimerView:
     ``batch_size`` (the micro batch). Its timing (``start``, ``stop``, ``avg_samples_per_sec``, its periodic
     throughput log) is refused by name: the engine's own timings are ``engine.timeline()`` and ``engine.trace()``."""
 
-    def __init__(self, engine: DeepSpeedSurface) -> None:
+    def __init__(self, engine: DeepSpeedFace) -> None:
         self._engine = weakref.ref(engine)
         self.epoch_count = 0
         self._epoch_start = 0
 
-    def _live(self) -> DeepSpeedSurface:
+    def _live(self) -> DeepSpeedFace:
         engine = self._engine()
-        assert engine is not None  # the engine holds its timer (engine.ds): read through a live engine
+        assert engine is not None  # the face holds its timer (its record): read through a live face
         return engine
 
     def update_epoch_count(self) -> None:

@@ -66,11 +66,11 @@ class UserLoopFace:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """One micro-batch's forward, through the accumulation window (the same path as DeepSpeed's loop: its
         checks, its refusals, the generic fallback); under ``torch.no_grad()`` it keeps nothing."""
-        return self.engine(*args, **kwargs)
+        return self.engine.deepspeed(*args, **kwargs)
 
     def backward(self, objective: torch.Tensor) -> None:
         """The engine's backward of ``objective``, unscaled (the loop's objective is its own: no 1/G)."""
-        self.engine.backward(objective, scale_wrt_gas=False)
+        self.engine.deepspeed.backward(objective, scale_wrt_gas=False)
 
     # ------------------------------------------------------------------ the step
 

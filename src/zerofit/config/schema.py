@@ -566,10 +566,23 @@ class ZerofitConfig(_Frozen):
         pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
         description="compute device: auto (the GPU if there is one), cpu, cuda or cuda:N",
     )
-    adapter: Literal["auto", "blocks", "generic"] = Field(
+    adapter: Literal["auto", "blocks", "generic", "hooked"] = Field(
         "auto",
         description="how the model is run: auto (stream its repeated blocks when it has them), blocks "
-        "(require it), generic (the whole model as one resident unit, any nn.Module)",
+        "(require it), generic (the whole model as one resident unit, any nn.Module), hooked (any nn.Module, "
+        "streamed by its submodules' calls as DeepSpeed ZeRO-3 and FSDP stream it: hooked_units)",
+    )
+    hooked_units: list[str] = Field(
+        default_factory=list,
+        description="adapter hooked: the class names of the submodules that stream, one unit each (FSDP's "
+        "transformer_layer_cls_to_wrap); empty: chosen by size (hooked_share)",
+    )
+    hooked_share: float = Field(
+        0.02,
+        gt=0,
+        le=1,
+        description="adapter hooked without hooked_units: a submodule becomes a unit when its parameters not in a "
+        "unit below it are at least this share of the model's",
     )
     kernels: Literal["auto", "exact", "fast"] = Field(
         "auto",

@@ -136,8 +136,8 @@ class Engine:
             check_ranks(config, self.ranks)
         self.dev = Device.create(rank_device(dev, self.ranks))
         self._adapter_kind = adapter or config.adapter
-        self.adapter = Adapter(model, self._adapter_kind)
-        if self.adapter.streaming and getattr(model, "is_gradient_checkpointing", False):
+        self.adapter = Adapter(model, self._adapter_kind, config.hooked_units, config.hooked_share)
+        if (self.adapter.streaming or self.adapter.hooked) and getattr(model, "is_gradient_checkpointing", False):
             # the engine checkpoints every block it streams: the model's own checkpointing would recompute each
             # block a second time, and its reentrant form (prepare_model_for_kbit_training's) cannot run under
             # the engine's backward ([Note: the model's own checkpointing], step/compute.py)
@@ -164,7 +164,7 @@ class Engine:
         # [Note: frozen parameters] (store.py): what no group trains (requires_grad=False, or in no group)
         self.frozen = frozenset(self._table.canonical) - set(self._group_of)
         # deferred, speculated, known before the backward, in two passes, cast first: plan/engine_plan.py
-        policy = update_policy(config, self.dtype, self.dev.is_cuda, groups, user_loop)
+        policy = update_policy(config, self.dtype, self.dev.is_cuda, groups, user_loop, self.adapter.hooked)
         self.deferred = policy.deferred
         self.speculator = Speculator(config.gradient_clipping, policy.speculate, known=policy.known)
         self.hypers = Hypers(config, groups, speculating=policy.speculate)
@@ -205,10 +205,18 @@ class Engine:
         except BaseException:
             self.lifecycle.resources.release()
             raise
-        # [Note: MLP over sequence tiles] (model/tiling.py): each block's MLP over the plan's tiles, when it has one
-        tiling.install(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
-        # [Note: documents without a mask] (model/tiling.py): packed documents over tiles with no T x T mask
-        self.adapter.inputs_hook = tiling.documents_hook(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
+        if not self.adapter.hooked:  # (a chain's blocks; the hooked mode's units are any modules)
+            # [Note: MLP over sequence tiles] (model/tiling.py): each block's MLP over the plan's tiles, when it has one
+            tiling.install(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
+            # [Note: documents without a mask] (model/tiling.py): packed documents over tiles with no T x T mask
+            self.adapter.inputs_hook = tiling.documents_hook(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
+        if self.adapter.hooked:  # [Note: the hooked mode] (model/hooked.py)
+            log.info(
+                "zerofit: the hooked mode: %d units streamed by their modules' calls (%s), the rest of the model "
+                "on the device",
+                self.adapter.num_blocks,
+                ", ".join(self.adapter.paths[:4]) + (", ..." if self.adapter.num_blocks > 4 else ""),
+            )
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
         log.info("zerofit: %s", self.kernels.describe())
         # [Note: a read of the user's model]

@@ -26,6 +26,7 @@ from zerofit.engine.model.kernels import Kernels
 from zerofit.engine.model.materialize import ParamTable, build_units, release_originals
 from zerofit.engine.model.startup import Startup
 from zerofit.engine.step.compute import Compute
+from zerofit.engine.step.hooked import Hooked
 from zerofit.engine.step.optimizer_step import Step
 from zerofit.engine.step.schedule import Schedule
 from zerofit.engine.step.step_end import StepEnd
@@ -210,6 +211,12 @@ def build_parts(i: PartsInputs) -> Parts:
         deferred=i.deferred,
         cast_first=i.cast_first,
     )
+    # [Note: the hooked mode] (model/hooked.py): the units streamed by their modules' calls
+    hooked = (
+        Hooked(blocks, list(i.adapter.blocks), compute=compute, streamer=streamer, grads=grads, stepper=stepper)
+        if i.adapter.hooked
+        else None
+    )
     schedule = Schedule(
         config=cfg,
         dev=dev,
@@ -222,6 +229,7 @@ def build_parts(i: PartsInputs) -> Parts:
         step=stepper,
         host_updates=host_updates,
         lifecycle=i.lifecycle,
+        hooked=hooked,
     )
     window = Window(
         config=cfg,

@@ -267,7 +267,7 @@ def estimate(
     on_cuda = gpu
     if on_cuda and not torch.cuda.is_available() and cfg.max_gpu_memory is None:
         raise ValueError("no GPU here to read its memory from: give max_gpu_memory (--max-gpu-memory), the GPU's size")
-    adapter = Adapter(model, cfg.adapter)
+    adapter = Adapter(model, cfg.adapter, cfg.hooked_units, cfg.hooked_share)
     from zerofit.engine.model.nf4 import BaseNF4
 
     # [Note: an NF4 base] (engine/model/nf4.py): quantize_base (--qlora), or a model of bitsandbytes' 4-bit layers

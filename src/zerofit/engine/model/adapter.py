@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerofit.engine.model.hooked import hooked_units
 from zerofit.errors import InputError
 
 
@@ -131,14 +132,20 @@ def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
 
 class Adapter:
-    """How the engine runs one model: its block list and the shell around it."""
+    """How the engine runs one model: its block list and the shell around it; or, in the hooked mode ([Note: the
+    hooked mode], hooked.py), its units (``blocks``, any submodules, at ``paths``) and the shell around them."""
 
-    def __init__(self, model: nn.Module, kind: str = "auto"):
+    def __init__(self, model: nn.Module, kind: str = "auto", units: Sequence[str] = (), share: float = 0.02):
         self.model = model
+        self.hooked = kind == "hooked"
         found = _find_blocks(model) if kind in ("auto", "blocks") else None
         if kind == "blocks" and found is None:
             raise ValueError("adapter='blocks' but no list of repeated blocks holding most parameters was found")
         self.blocks_path, self.blocks = found if found else ("", nn.ModuleList())
+        self.paths: list[str] = []  # the hooked mode's units' module paths
+        if self.hooked:
+            chosen = hooked_units(model, units, share)
+            self.paths, self.blocks = [p for p, _ in chosen], nn.ModuleList(m for _, m in chosen)
         params = inspect.signature(model.forward).parameters
         # [Note: no key/value cache in training]
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -175,13 +182,17 @@ class Adapter:
 
     @property
     def streaming(self) -> bool:
-        return len(self.blocks) > 0
+        """Whether the blocks stream as one chain (the block path); the hooked mode streams its units by their
+        calls instead."""
+        return len(self.blocks) > 0 and not self.hooked
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
     def block_prefix(self, i: int) -> str:
+        if self.hooked:
+            return self.paths[i]
         return f"{self.blocks_path}.{i}" if self.blocks_path else str(i)
 
     @contextlib.contextmanager

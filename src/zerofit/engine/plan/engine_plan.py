@@ -214,12 +214,16 @@ class UpdatePolicy:
     """[Note: the master behind its cast]: the streamed blocks get 16-bit host copies at the first update"""
 
 
-def update_policy(config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, groups, user_loop: bool) -> UpdatePolicy:
+def update_policy(
+    config: ZerofitConfig, dtype: torch.dtype, on_cuda: bool, groups, user_loop: bool, hooked: bool = False
+) -> UpdatePolicy:
     """The engine's :class:`UpdatePolicy` for ``config`` and its parameter ``groups``; a warning when the two-pass
     kernel is wanted but could not be built."""
     # clipping and fp16's overflow check need the global norm: every host update waits for it (deferred), as
     # under the user's loop ([Note: the user's loop drives the engine])
-    deferred = needs_norm(config) or user_loop
+    # the hooked mode hands a unit's gradient to the step once per micro-batch: the host sums them, and the updates
+    # wait for the step's end ([Note: a unit's call as an autograd function], step/hooked.py)
+    deferred = needs_norm(config) or user_loop or hooked
     # [Note: speculative updates] (update/speculation.py): clipping without fp16 may update during the backward
     speculate = (
         not user_loop  # a rollback differs by rounding: [Note: updates in the backward of the user's loop]
@@ -258,7 +262,7 @@ def planner_inputs(
         host_budget=host_budget,
         chunkable_loss=adapter.chunkable_loss,
         **placement_args(config, adapter.num_blocks),
-        **plan_args(config, dtype, on_cuda, needs_norm(config)),
+        **plan_args(config, dtype, on_cuda, needs_norm(config) or adapter.hooked),
     )
 
 

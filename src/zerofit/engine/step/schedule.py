@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from zerofit.engine.memory.grads import Grads
     from zerofit.engine.memory.streamer import Streamer
     from zerofit.engine.step.compute import Compute
+    from zerofit.engine.step.hooked import Hooked
     from zerofit.engine.step.optimizer_step import Step
     from zerofit.engine.update.host import HostUpdates
 
@@ -62,6 +63,7 @@ class Micro:
     shell_leaves: dict = field(default_factory=dict)
     grad: torch.Tensor | None = None  # gradient w.r.t. the current block boundary
     output: object = None
+    anchors: list = field(default_factory=list)  # the hooked mode: each unit's anchor in this micro-batch's forward
 
     @property
     def pre_pass(self) -> PreResult:
@@ -88,8 +90,10 @@ class Schedule:
         step: Step,
         host_updates: HostUpdates,
         lifecycle: Lifecycle,
+        hooked: Hooked | None = None,
     ) -> None:
         self.config, self.dev, self.adapter = config, dev, adapter
+        self.hooked = hooked  # the hooked mode's calls ([Note: the hooked mode], model/hooked.py), or None
         self.shell, self.blocks = units[0], units[1:]
         self.compute, self.streamer, self.activations, self.grads, self.step = (
             compute,
@@ -166,6 +170,10 @@ class Schedule:
 
     def post(self, micro: Micro):
         """Post pass with autograd: returns (output, x_L leaf)."""
+        if self.hooked is not None:  # [Note: a unit's call as an autograd function]
+            with self.hooked.installed(grad=torch.is_grad_enabled()) as anchors:
+                micro.anchors = anchors
+                return self.adapter.full(self.compute.shell_call(micro.shell_leaves), micro.batch), None
         if not self.adapter.streaming:
             return self.adapter.full(self.compute.shell_call(micro.shell_leaves), micro.batch), None
         assert micro.grad is not None  # the final hidden state, from the forward
@@ -184,13 +192,19 @@ class Schedule:
             reached.append(any(g is not None for g in grads))
             self._into_shell(grads, names)
 
+        # the hooked mode: its units' anchors are asked for too, so every unit's backward runs
+        anchors, micro.anchors = micro.anchors, []
+        ran = self.hooked.backwards if self.hooked is not None else 0
         with self.compute.shell_weights(micro.shell_leaves):  # [Note: the model's own checkpointing]
             got = backward_into(
                 loss * seed_scale,
-                [final] if final is not None else [],
+                [final] if final is not None else anchors,
                 [micro.shell_leaves[n] for n in names],
                 accumulate,
             )
+        if self.hooked is not None:
+            reached[0] = reached[0] or self.hooked.backwards > ran
+            self.hooked.backward_done()
         if (final is not None and got[0] is None) or (final is None and not reached[0]):
             raise RuntimeError(
                 "backward(loss): the loss does not depend on the engine's last forward (a loss of an "

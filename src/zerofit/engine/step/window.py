@@ -328,8 +328,8 @@ class Window:
             self.copies16.enable(self.device_updates)
         override = self.boundary  # more forwards of this window follow?
         more = (self.micro_steps % G < G - 1 and not self.in_tail) if override is None else not override
-        if self.micro_steps == 0 and more:
-            self.streamer.keep_blocks(self.grads.pool)
+        if self.micro_steps == 0 and more and self.adapter.streaming:  # (the hooked mode's backward runs at once:
+            self.streamer.keep_blocks(self.grads.pool)  # its gradient slots are never idle between forwards)
         with self.copies16.filling(more):
             micros = self.schedule.forward(
                 [batch],

@@ -1,0 +1,200 @@
+"""The hooked mode ([Note: the hooked mode], engine/model/hooked.py): models that are not one chain of blocks stream by
+their submodules' calls, as under DeepSpeed ZeRO-3 and FSDP. A residual ModuleList with a long skip, a U-Net (with
+dropout) and two towers with a module applied twice, each streamed unit by unit (no unit resident) under a budget of a
+few slots, through ``zerofit.initialize`` + ``train_batch``, the DeepSpeed-shaped loop and the FSDP-shaped loop:
+plain PyTorch's losses and weights, bitwise (fp32, torch's fused AdamW)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zerofit
+import zerofit.deepspeed as deepspeed
+from tests.support import any_models as am
+from tests.support import tiny_models as tm
+from zerofit.engine.memory.store import Home, WeightState
+from zerofit.fsdp import CPUOffload
+from zerofit.fsdp import FullyShardedDataParallel as FSDP
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STEPS, G, LR = 4, 2, 1e-3
+MODELS = {"residual": am.Residual, "unet": am.UNet, "two-towers": am.TwoTowers}
+STREAMED = {"adapter": "hooked", "offload": {"resident_blocks": 0, "prefetch_depth": 1}}
+
+
+def _plain(model, data):
+    """Plain PyTorch: (loss / G).backward() per micro-batch, torch's fused AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    losses = []
+    for mbs in data:
+        total = 0.0
+        for mb in mbs:
+            loss = model(**mb).loss
+            (loss / len(mbs)).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / len(mbs))
+    return losses
+
+
+def _cfg(**kw):
+    cfg = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": G}
+    return cfg | {"optimizer": {"lr": LR, "weight_decay": 0.01}} | STREAMED | kw
+
+
+def _watch(engine) -> list:
+    """Record each upload (a unit's name) and, at each, how many units hold a weight slot."""
+    seen: list = []
+    streamer = engine.streamer
+    begin = streamer.begin_upload
+
+    def upload(unit, protect, wait=True):
+        held = sum(u.streamed.state is not WeightState.ON_HOST for u in engine.blocks)
+        seen.append((unit.name, held))
+        return begin(unit, protect, wait)
+
+    streamer.begin_upload = upload
+    return seen
+
+
+def _assert_streamed(engine, seen, micro_batches: int) -> None:
+    """Every unit streams (none resident) and is uploaded in every micro-batch; the first one again for its
+    backward (its slot went to the units after it: released after its forward, fetched again); no more units than
+    the slots hold weights at once. (The last units keep their slots from their forward to their backward.)"""
+    units = engine.blocks
+    assert len(units) >= 4 and all(u.home is Home.STREAMED for u in units)
+    slots = engine.plan.weight_slots
+    assert slots < len(units), "the budget holds fewer units than the model has"
+    counts = {u.name: sum(n == u.name for n, _ in seen) for u in units}
+    assert all(c >= micro_batches for c in counts.values()), counts
+    assert counts[units[0].name] == 2 * micro_batches, counts
+    assert max(h for _, h in seen) <= slots
+
+
+def _assert_weights(state: dict, ref) -> None:
+    for n, p in ref.named_parameters():
+        assert torch.equal(state[n], p.detach()), n
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_train_batch_streams_each_unit_and_is_plain_pytorch_bitwise(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg())
+    assert engine.adapter.hooked and not engine.adapter.streaming
+    seen = _watch(engine)
+    data = tm.batches(STEPS, G, T=8)
+    torch.manual_seed(1)  # the same dropout draws on both sides
+    losses = [engine.train_batch(mbs) for mbs in data]
+    torch.manual_seed(1)
+    want = _plain(ref, data)
+    assert losses == pytest.approx(want, rel=1e-6)
+    _assert_streamed(engine, seen, STEPS * G)
+    _assert_weights(engine.master_state_dict(), ref)
+    engine.close()
+
+
+@pytest.mark.parametrize("name", ["residual", "two-towers"])
+def test_the_deepspeed_shaped_loop_streams_by_calls_and_is_plain_pytorch_bitwise(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": G,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds, device="cpu", **STREAMED
+    )
+    seen = _watch(engine)
+    data = tm.batches(STEPS, G, T=8)
+    losses = []
+    for mbs in data:
+        total = 0.0
+        for mb in mbs:
+            loss = engine(**mb).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / G)
+    assert losses == pytest.approx(_plain(ref, data), rel=1e-6)
+    _assert_streamed(engine, seen, STEPS * G)
+    _assert_weights(engine.master_state_dict(), ref)
+    engine.close()
+
+
+@pytest.mark.parametrize("name", ["residual", "unet"])
+def test_the_fsdp_shaped_loop_streams_by_calls_and_is_plain_pytorch_bitwise(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    wrapped = FSDP(model, cpu_offload=CPUOffload(offload_params=True), zerofit_config={"device": "cpu", **STREAMED})
+    engine = wrapped.zerofit_engine
+    seen = _watch(engine)
+    data = tm.batches(STEPS, G, T=8)
+    torch.manual_seed(1)
+    got = _plain(wrapped, data)
+    torch.manual_seed(1)
+    want = _plain(ref, data)
+    assert got == pytest.approx(want, rel=1e-6)
+    _assert_streamed(engine, seen, STEPS * G)
+    _assert_weights(wrapped.state_dict(), ref)
+
+
+def test_every_parameters_gradient_once_is_plain_pytorchs():
+    """One micro-batch's gradients, read off the host buffers the step sums them in, against autograd's."""
+    torch.manual_seed(0)
+    model = am.TwoTowers()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg(gradient_accumulation_steps=1))
+    mb = tm.batches(1, 1, T=8)[0][0]
+    engine.backward(engine(**mb).loss)
+    engine.worker.drain()
+    ref(**mb).loss.backward()
+    for u in engine.units:
+        grad = engine.grads.host_grads.get(id(u))
+        if grad is None:  # the shell: its own buffer on the device
+            grad = u.grads.tensor
+        views = u.layout.views(grad)
+        prefix = "" if u.index < 0 else engine.adapter.block_prefix(u.index) + "."
+        for n, g in views.items():
+            assert torch.equal(g, ref.get_parameter(prefix + n).grad), prefix + n
+    engine.close()
+
+
+def test_units_by_class_name_and_an_unknown_class_in_one_line():
+    torch.manual_seed(0)
+    model = am.Residual()
+    engine = zerofit.initialize(model, _cfg(hooked_units=["Sequential"]))
+    assert [u.name for u in engine.blocks] == [f"blocks.{i}" for i in range(4)]
+    engine.close()
+    with pytest.raises(ValueError, match=r"hooked_units: no module of the model is a Conv2d \(its module classes: "):
+        zerofit.initialize(am.Residual(), _cfg(hooked_units=["Conv2d"]))
+
+
+class _ReadsAWeight(am.Residual):
+    """The head's weight read directly by the model's own code (x @ W.T), outside the head's call."""
+
+    def forward(self, input_ids, labels=None, **_):
+        h = self.norm(self.emb(input_ids))
+        logits = h @ self.head.weight.T + self.head.bias
+        return am.Out(am._loss(logits, labels), logits)
+
+
+def test_a_units_parameter_read_outside_its_call_is_refused_in_one_line():
+    """[Note: a unit's parameters outside its call]: not computed silently with the host master."""
+    from zerofit.engine.step.hooked import UnitParameterOutside
+
+    engine = zerofit.initialize(_ReadsAWeight(), _cfg(hooked_units=["Linear", "Embedding"]))
+    assert "head" in [u.name for u in engine.blocks]
+    with pytest.raises(UnitParameterOutside, match=r"outside that unit's own call .* name in hooked_units"):
+        engine.train_batch(tm.batches(1, G, T=8)[0])
+    engine.close()

@@ -44,6 +44,7 @@ class BatchSpec:
     vocab: int  # token ids must be < vocab; 0 = unknown (not checked)
     device: torch.device  # the compute device (tensors may also come from the host)
     loss_needs_labels: str = ""  # a Hugging Face model's class name: its loss exists only with labels
+    seq2seq: bool = False  # an encoder-decoder (config.is_encoder_decoder): labels are the decoder's, of any length
 
     @classmethod
     def of(cls, model: nn.Module, vocab: int, device: torch.device) -> BatchSpec:
@@ -56,7 +57,8 @@ class BatchSpec:
                 for p in params
                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
             )
-        return cls(accepted, vocab, device, _labelled_loss(model))
+        seq2seq = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        return cls(accepted, vocab, device, _labelled_loss(model), seq2seq)
 
 
 def _labelled_loss(model: nn.Module) -> str:
@@ -127,7 +129,13 @@ def check_batch(batch, spec: BatchSpec, where: str = "the batch") -> None:
         )
     labels = batch.get("labels")
     if labels is not None:
-        if _token_tensor(labels, "labels", where) != shape:
+        got = _token_tensor(labels, "labels", where)
+        if spec.seq2seq and got[:1] != shape[:1]:
+            raise BatchError(
+                f"{where}['labels'] has {got[0] if got else 0} rows, input_ids {shape[0]}: an encoder-decoder's "
+                "labels are the targets of each input, one row each (of any length)"
+            )
+        if not spec.seq2seq and got != shape:
             raise BatchError(
                 f"{where}['labels'] has shape {tuple(labels.shape)}, input_ids {tuple(shape)}: "
                 "labels must have input_ids' shape (the model shifts them itself)"

@@ -86,10 +86,13 @@ class _UnitCall(torch.autograd.Function):
         return (None, None, None, None, None, None, *grad_in)
 
 
+_TENSOR = object()  # where a call's flattened arguments had a tensor (None is an argument like any other)
+
+
 def _filled(flat: list, tensors) -> list:
-    """``flat`` with its tensors (None placeholders) replaced by ``tensors``, in order."""
+    """``flat`` with its tensors' places (``_TENSOR``) filled by ``tensors``, in order."""
     it = iter(tensors)
-    return [next(it) if v is None else v for v in flat]
+    return [next(it) if v is _TENSOR else v for v in flat]
 
 
 class Hooked:
@@ -148,7 +151,7 @@ class Hooked:
                 return self.run(i, (args, kwargs), grad=False)
             flat, spec = tree_flatten((args, kwargs))
             tensors = [v for v in flat if isinstance(v, torch.Tensor)]
-            bare = [None if isinstance(v, torch.Tensor) else v for v in flat]
+            bare = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
             holder: list = []
             outs = iter(_UnitCall.apply(self, i, bare, spec, holder, self.anchors[i], *tensors))
             self.pending[i] += 1

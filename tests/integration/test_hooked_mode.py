@@ -290,3 +290,27 @@ def test_an_encoder_decoders_labels_must_have_one_row_per_input():
     with pytest.raises(ValueError, match=r"labels'\] has 3 rows, input_ids 2: an encoder-decoder's labels"):
         engine.train_batch([mb, mb])
     engine.close()
+
+
+def test_calls_after_the_first_step_find_their_units_prefetched():
+    """[Note: prefetch by the recorded order]: the first step records the calls' order and uploads each unit when it
+    is called; from the second step on, all but the first unit of the forward (and of the backward) are on their way
+    when called. The math is unchanged (the train_batch tests above run with it)."""
+    torch.manual_seed(0)
+    engine = zerofit.initialize(am.Residual(layers=6), _cfg(gradient_accumulation_steps=1))
+    found: list = []
+    acquire = engine.streamer.acquire
+
+    def watched(order, pos):
+        found.append(order[pos].streamed.state)
+        return acquire(order, pos)
+
+    engine.streamer.acquire = watched
+    data = tm.batches(2, 1, T=8)
+    engine.train_batch(data[0])
+    first, found[:] = list(found), []
+    engine.train_batch(data[1])
+    cold = lambda states: sum(s is WeightState.ON_HOST for s in states)  # noqa: E731
+    assert cold(first) >= len(engine.blocks)  # nothing recorded yet: each forward call uploads on its own
+    assert cold(found) <= 2, found  # the forward's first unit, the backward's first (if its slot went)
+    engine.close()

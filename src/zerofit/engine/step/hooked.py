@@ -26,6 +26,15 @@ own parameter, the host master, and its gradient would never reach the engine. S
 each unit module's own parameters are tensors on the meta device: such a read fails at once, and the engine says
 which units and what to do (:class:`UnitParameterOutside`). Inside its call the module's parameters are the
 device weights.
+
+[Note: prefetch by the recorded order]
+As ZeRO-3 traces its modules' order in the first step and prefetches by it, each training forward records the order
+its units are called in. While a unit computes, the next forward's calls start the uploads of the units that order
+calls next (as many as the weight slots hold beside the one computing), as long as the forward has followed the
+recorded order so far (a forward that takes another path, data-dependent control flow, prefetches nothing until the
+next one records its own). Each call's backward prefetches the units called before it, in reverse: the backward's
+order. A unit's own upload is always waited for where it is called (Streamer.acquire), so a wrong guess costs a slot,
+never a wrong weight.
 """
 
 from __future__ import annotations
@@ -69,8 +78,9 @@ class _UnitCall(torch.autograd.Function):
         args = _filled(flat, tensors)
         ctx.hooked, ctx.index, ctx.flat, ctx.spec = hooked, index, flat, spec
         ctx.rng = hooked.compute.rng_state()
+        ctx.position = len(hooked.calls)  # this call's place in the forward ([Note: prefetch by the recorded order])
         ctx.save_for_backward(*tensors)
-        out = hooked.run(index, tree_unflatten(args, spec), grad=False)
+        out = hooked.run(index, tree_unflatten(args, spec), grad=False, record=True)
         out_flat, out_spec = tree_flatten(out)
         holder.append((out_flat, out_spec))
         outs = tuple(t for t in out_flat if isinstance(t, torch.Tensor))
@@ -82,7 +92,7 @@ class _UnitCall(torch.autograd.Function):
         hooked: Hooked = ctx.hooked
         wanted = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(w) for t, w in zip(ctx.saved_tensors, wanted)]
-        grad_in = hooked.backward(ctx.index, ctx.flat, ctx.spec, inputs, list(grads), ctx.rng)
+        grad_in = hooked.backward(ctx.index, ctx.flat, ctx.spec, inputs, list(grads), ctx.rng, ctx.position)
         return (None, None, None, None, None, None, *grad_in)
 
 
@@ -114,6 +124,9 @@ class Hooked:
         self.pending = [0] * len(units)  # per unit: its calls of this micro-batch whose backward has not run
         self.anchors: list[torch.Tensor] = []
         self.backwards = 0  # calls whose backward ran (the engine's check that a loss reached its forward)
+        # [Note: prefetch by the recorded order]: the units' calls in the last training forward, and this one's so far
+        self.order: list[int] = []
+        self.calls: list[int] = []
 
     # ------------------------------------------------------------------ a forward with the units hooked
 
@@ -123,6 +136,8 @@ class Hooked:
         (a training forward), else computed at once (an evaluation). [Note: a unit's parameters outside its call]"""
         dev = self.compute.dev.device
         self.anchors = [torch.zeros((), device=dev, requires_grad=True) for _ in self.units] if grad else []
+        if grad:
+            self.calls = []
         originals = []
         with contextlib.ExitStack() as stack:
             for i, module in enumerate(self.modules):
@@ -132,6 +147,8 @@ class Hooked:
                 module.forward = self._hook(i, grad)
             try:
                 yield self.anchors
+                if grad:
+                    self.order = self.calls
             except (RuntimeError, NotImplementedError) as e:
                 if "meta" in str(e):
                     raise UnitParameterOutside(self.paths()) from e
@@ -164,12 +181,24 @@ class Hooked:
         module = self.modules[i]
         return type(module).forward.__get__(module)
 
-    def run(self, i: int, call, grad: bool, leaves: dict | None = None):
-        """Unit ``i``'s module computed on ``call`` = (args, kwargs) with its device weights (uploaded now)."""
+    def _prefetch(self, unit: Unit, coming: list[int]) -> None:
+        """[Note: prefetch by the recorded order]: the uploads of the units the recorded order calls next."""
+        ahead = [self.units[j] for j in coming[: self.streamer.planning.plan.weight_slots - 1]]
+        if ahead:
+            self.streamer.prefetch([unit, *ahead], 0)
+
+    def run(self, i: int, call, grad: bool, record: bool = False):
+        """Unit ``i``'s module computed on ``call`` = (args, kwargs) with its device weights (uploaded now); with
+        ``record`` (a training forward's call) recorded, and the next units' uploads started."""
         unit = self.units[i]
         self.streamer.acquire([unit], 0)
+        if record:
+            k = len(self.calls)
+            self.calls.append(i)
+            if self.order[: k + 1] == self.calls:  # the recorded order, so far
+                self._prefetch(unit, self.order[k + 1 :])
         try:
-            leaves = leaves if leaves is not None else self.compute.leaves(unit, grad=grad)
+            leaves = self.compute.leaves(unit, grad=grad)
             args, kwargs = call
             with _reparametrize_module(self.modules[i], leaves, strict=False):
                 return self._forward_of(i)(*args, **kwargs)
@@ -178,11 +207,14 @@ class Hooked:
 
     # ------------------------------------------------------------------ a call's backward
 
-    def backward(self, i: int, flat: list, spec, inputs: list, grads: list, rng) -> list:
-        """The backward of one call of unit ``i``: its inputs' gradients (for autograd), its weights' added into the
-        unit's gradient, and the unit handed to the step after its last call's."""
+    def backward(self, i: int, flat: list, spec, inputs: list, grads: list, rng, position: int) -> list:
+        """The backward of one call of unit ``i`` (the ``position``-th call of the forward): its inputs' gradients
+        (for autograd), its weights' added into the unit's gradient, and the unit handed to the step after its last
+        call's."""
         unit = self.units[i]
         self.streamer.acquire([unit], 0)
+        if self.order[position : position + 1] == [i]:  # the backward comes in the forward's reverse order
+            self._prefetch(unit, self.order[:position][::-1])
         leaves = self.compute.leaves(unit, grad=True)
         names = list(unit.layout.names)
         with torch.enable_grad(), self.compute.rng(rng):

@@ -230,18 +230,47 @@ def _bart():
     return BartForConditionalGeneration(cfg), ["BartEncoderLayer", "BartDecoderLayer"]
 
 
-def _pairs(steps: int, g: int, seed: int = 1) -> list[list[dict]]:
-    """Inputs of 12 tokens and targets of 7: an encoder-decoder's labels are not its inputs' shape."""
+def _whisper():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(
+        vocab_size=128,
+        num_mel_bins=8,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_source_positions=16,
+        max_target_positions=32,
+        decoder_start_token_id=3,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+    )
+    return WhisperForConditionalGeneration(cfg), ["WhisperEncoderLayer", "WhisperDecoderLayer"]
+
+
+def _pairs(steps: int, g: int, seed: int = 1, audio: bool = False) -> list[list[dict]]:
+    """Inputs of 12 tokens (or, ``audio``, 32 frames of 8 mel bins) and targets of 7: an encoder-decoder's labels are
+    not its inputs' shape."""
     gen = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(3, 128, (2, n), generator=gen)  # noqa: E731
-    return [[{"input_ids": ids(12), "labels": ids(7)} for _ in range(g)] for _ in range(steps)]
+    ids = lambda n: torch.randint(4, 128, (2, n), generator=gen)  # noqa: E731
+    source = (
+        (lambda: {"input_features": torch.randn(2, 8, 32, generator=gen)})
+        if audio
+        else (lambda: {"input_ids": ids(12)})
+    )
+    return [[{**source(), "labels": ids(7)} for _ in range(g)] for _ in range(steps)]
 
 
-@pytest.mark.parametrize("build", [_t5, _bart], ids=["t5", "bart"])
+@pytest.mark.parametrize("build", [_t5, _bart, _whisper], ids=["t5", "bart", "whisper"])
 @pytest.mark.parametrize("door", ["train_batch", "deepspeed", "fsdp"])
 def test_encoder_decoders_stream_both_stacks_and_are_plain_pytorch(build, door):
-    """T5 and BART (dropout on: the recompute replays it) with their encoder and decoder blocks as units (the
-    decoder's with their cross-attention), labels shorter than the inputs (the model builds decoder_input_ids),
+    """T5, BART and Whisper (``input_features``; dropout on in T5: the recompute replays it) with their encoder and
+    decoder blocks as units (the decoder's with their cross-attention), labels shorter than the inputs (the model
+    builds decoder_input_ids),
     through each door: plain PyTorch's losses, and its weights within 1e-6 (the shared embedding is used by the
     encoder, the decoder and the head, and autograd sums its gradients in another order here: a rounding apart after
     the first step, which the next steps carry into the other weights)."""
@@ -249,7 +278,7 @@ def test_encoder_decoders_stream_both_stacks_and_are_plain_pytorch(build, door):
     model, classes = build()
     ref = copy.deepcopy(model)
     cfg = _cfg(hooked_units=classes)
-    data = _pairs(STEPS, G)
+    data = _pairs(STEPS, G, audio=build is _whisper)
     torch.manual_seed(2)
     if door == "train_batch":
         engine = zerofit.initialize(model, cfg)

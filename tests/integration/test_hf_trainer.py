@@ -50,7 +50,7 @@ def _data(n: int, T: int = 16, seed: int = 3) -> list[dict]:
 TRAIN, EVAL = _data(13), _data(4, seed=9)
 
 
-def _args(out: Path, **kw) -> TrainingArguments:
+def _args(out: Path, cls=TrainingArguments, **kw) -> TrainingArguments:
     base = dict(
         output_dir=str(out),
         per_device_train_batch_size=2,
@@ -67,7 +67,7 @@ def _args(out: Path, **kw) -> TrainingArguments:
         seed=7,
     )
     base.update(kw)
-    return TrainingArguments(**base)
+    return cls(**base)
 
 
 def _train(cls, model, args, train_kwargs: dict | None = None, **kw):
@@ -595,3 +595,33 @@ def test_the_trainers_optimizer_and_schedule_report_what_each_group_gets():
         engine.train_batch(batch)
         sched.step()
     engine.close()
+
+
+def test_seq2seq_trainer_on_an_encoder_decoder_in_the_hooked_mode(tmp_path):
+    """``with_zerofit(Seq2SeqTrainer)`` over T5 with its blocks streamed in the hooked mode ([Note: the hooked mode],
+    engine/model/hooked.py; ``zerofit_config``): targets shorter than the inputs, masked in part, clipped; the same
+    losses, norms and weights as transformers' own Seq2SeqTrainer."""
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4)
+    cfg.decoder_start_token_id = cfg.pad_token_id = 0
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(cfg)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for _ in range(9):
+        labels = torch.randint(1, 128, (6,), generator=g)
+        labels[4:] = -100
+        data.append({"input_ids": torch.randint(1, 128, (10,), generator=g), "labels": labels})
+    runs = []
+    for cls, m, out in ((Seq2SeqTrainer, ref, "plain"), (with_zerofit(Seq2SeqTrainer), model, "zf")):
+        args = _args(tmp_path / out, Seq2SeqTrainingArguments, num_train_epochs=1)
+        kw = {"zerofit_config": {"adapter": "hooked", "hooked_units": ["T5Block"]}} if out == "zf" else {}
+        with _no_deepspeed() if out == "zf" else contextlib.nullcontext():
+            trainer = cls(model=m, args=args, train_dataset=data, data_collator=default_data_collator, **kw)
+            trainer.train()
+        runs.append(trainer)
+    plain, zf = runs
+    assert zf.zerofit_engine.adapter.hooked and len(zf.zerofit_engine.blocks) == 4
+    _assert_same_run(plain, zf)

@@ -346,3 +346,22 @@ def test_calls_after_the_first_step_find_their_units_prefetched():
     assert cold(first) >= len(engine.blocks)  # nothing recorded yet: each forward call uploads on its own
     assert cold(found) <= 2, found  # the forward's first unit, the backward's first (if its slot went)
     engine.close()
+
+
+def test_an_encoder_decoder_trained_in_the_hooked_mode_exports_a_folder_transformers_loads(tmp_path):
+    """``save_pretrained`` of a T5 whose blocks stream: the folder loads with transformers' ``from_pretrained``, every
+    weight (the tied embedding's aliases too) the engine's masters."""
+    from transformers import T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model, classes = _t5()
+    engine = zerofit.initialize(model, _cfg(hooked_units=classes))
+    for mbs in _pairs(2, G):
+        engine.train_batch(mbs)
+    engine.save_pretrained(tmp_path / "out")
+    master = engine.master_state_dict()
+    engine.close()
+    back = T5ForConditionalGeneration.from_pretrained(tmp_path / "out").state_dict()
+    for n, t in back.items():
+        name = "shared.weight" if n.endswith("embed_tokens.weight") or n == "lm_head.weight" else n
+        assert torch.equal(t, master[name]), n

@@ -365,3 +365,34 @@ def test_an_encoder_decoder_trained_in_the_hooked_mode_exports_a_folder_transfor
     for n, t in back.items():
         name = "shared.weight" if n.endswith("embed_tokens.weight") or n == "lm_head.weight" else n
         assert torch.equal(t, master[name]), n
+
+
+def test_auto_chooses_the_hooked_mode_for_a_model_with_no_chain_the_device_cannot_hold(monkeypatch):
+    """``adapter: auto`` on a model with no chain of blocks (two towers): one resident unit where the device holds it
+    (the plan for it fits), else the hooked mode. The CPU's plan does not bound the device, so the generic plan is
+    made to refuse here, as a GPU's too small would."""
+    from zerofit.engine import recovery
+    from zerofit.engine.plan.search import PlanError
+
+    real = recovery.Planning
+
+    def small_device(config, adapter, *args, **kwargs):
+        if not adapter.hooked:
+            raise PlanError("the device's budget (1 MiB) holds less than the model")
+        return real(config, adapter, *args, **kwargs)
+
+    auto = {k: v for k, v in _cfg().items() if k != "adapter"}
+    torch.manual_seed(0)
+    resident = zerofit.initialize(am.TwoTowers(), auto)
+    assert not resident.adapter.hooked and not resident.blocks  # it fits: one unit
+    resident.close()
+    monkeypatch.setattr(recovery, "Planning", small_device)
+    torch.manual_seed(0)
+    model = am.TwoTowers()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, auto)
+    assert engine.adapter.hooked and len(engine.blocks) >= 4
+    data = tm.batches(2, G, T=8)
+    assert [engine.train_batch(mbs) for mbs in data] == pytest.approx(_plain(ref, data), rel=1e-6)
+    _assert_weights(engine.master_state_dict(), ref)
+    engine.close()

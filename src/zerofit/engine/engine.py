@@ -163,6 +163,11 @@ class Engine:
         self._group_of = {n: i for i, g in enumerate(groups) for n in g.names}
         # [Note: frozen parameters] (store.py): what no group trains (requires_grad=False, or in no group)
         self.frozen = frozenset(self._table.canonical) - set(self._group_of)
+        if self._adapter_kind == "auto" and not self.adapter.streaming:  # no chain of blocks: one unit, or hooked
+            self.adapter = recovery.resident_or_hooked(
+                model, self.adapter, config=config, dev=self.dev, ranks=self.ranks, frozen=self.frozen, nf4=self.nf4
+            )
+            self._table = param_table(model, self.adapter)
         # deferred, speculated, known before the backward, in two passes, cast first: plan/engine_plan.py
         policy = update_policy(config, self.dtype, self.dev.is_cuda, groups, user_loop, self.adapter.hooked)
         self.deferred = policy.deferred

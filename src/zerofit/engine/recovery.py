@@ -57,7 +57,8 @@ def generic_plan(err: NonSequentialModel, *, model, config, dev, ranks, frozen: 
         )
     except PlanError as e:
         raise NonSequentialModel(
-            f"{err.reason}; and the generic path (the whole model resident on the device) does not fit either: {e}"
+            f"{err.reason}; and the generic path (the whole model resident on the device) does not fit either: {e}. "
+            "adapter='hooked' streams it by its modules' calls"
         ) from err
     log.warning(
         "zerofit: %s, so this model cannot stream block by block: it trains on the generic path "
@@ -66,6 +67,26 @@ def generic_plan(err: NonSequentialModel, *, model, config, dev, ranks, frozen: 
         err.reason,
     )
     return generic, table, shape, planning
+
+
+def resident_or_hooked(model, adapter: Adapter, *, config, dev, ranks, frozen: frozenset, nf4=None) -> Adapter:
+    """[Note: the hooked mode] chosen by the engine: a model with no chain of blocks (``adapter`` found none) trains
+    as one resident unit where the device holds it whole, else in the hooked mode, when it has units."""
+    shape = model_shape(model, adapter, param_table(model, adapter), frozen, nf4)
+    try:
+        Planning(config, adapter, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks, seq_len=config.seq_len)
+        return adapter
+    except PlanError as e:
+        hooked = Adapter(model, "hooked", config.hooked_units, config.hooked_share)
+        if not hooked.blocks:
+            raise
+        log.warning(
+            "zerofit: the model has no chain of blocks and the device cannot hold it whole (%s): it streams in the "
+            "hooked mode, by its modules' calls (%d units). Pass adapter='hooked' to choose it yourself.",
+            e,
+            hooked.num_blocks,
+        )
+        return hooked
 
 
 def optimizer_state_by_name(units, adapter, sharding) -> tuple[float, dict] | None:

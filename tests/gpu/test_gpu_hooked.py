@@ -1,0 +1,44 @@
+"""The hooked mode on a GPU ([Note: the hooked mode], engine/model/hooked.py): every unit streamed through the upload
+stream into slots (none resident) while the compute stream runs the model's own forward and each call's recompute in
+its backward; plain PyTorch's losses and weights on the same GPU in fp32 (to cuBLAS's run-to-run rounding)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zerofit
+from tests.integration.test_hooked_mode import _pairs, _plain, _t5
+from tests.support import any_models as am
+from tests.support import tiny_models as tm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _cfg(**kw):
+    cfg = {"device": "cuda", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 2}
+    cfg |= {"optimizer": {"lr": 1e-3, "weight_decay": 0.01}, "kernels": "exact", "adapter": "hooked"}
+    return cfg | {"offload": {"resident_blocks": 0, "prefetch_depth": 1}} | kw
+
+
+@pytest.mark.parametrize("name", ["unet", "t5"])
+def test_hooked_units_stream_on_the_gpu_with_plain_pytorchs_numbers(name):
+    torch.manual_seed(0)
+    if name == "t5":
+        model, classes = _t5()
+        data, cfg = _pairs(4, 2), _cfg(hooked_units=classes)
+    else:
+        model, data, cfg = am.UNet(p=0.0), tm.batches(4, 2, T=8), _cfg()
+    ref = copy.deepcopy(model).cuda()
+    engine = zerofit.initialize(model, cfg)
+    assert engine.adapter.hooked and all(u.home.name == "STREAMED" for u in engine.blocks)
+    got = [engine.train_batch(mbs) for mbs in data]
+    cuda = [[{k: v.cuda() for k, v in mb.items()} for mb in mbs] for mbs in data]
+    want = _plain(ref, cuda)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    master = engine.master_state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(master[n], p.detach().cpu(), rtol=0, atol=1e-5, msg=n)
+    engine.close()

@@ -396,3 +396,28 @@ def test_auto_chooses_the_hooked_mode_for_a_model_with_no_chain_the_device_canno
     assert [engine.train_batch(mbs) for mbs in data] == pytest.approx(_plain(ref, data), rel=1e-6)
     _assert_weights(engine.master_state_dict(), ref)
     engine.close()
+
+
+def test_a_checkpoint_of_the_hooked_mode_resumes_bitwise(tmp_path):
+    """Two steps, a checkpoint, a fresh engine (another seed) that loads it and takes two more: the uninterrupted
+    run's losses and weights, bitwise (the U-Net's dropout draws from the restored RNG state)."""
+    data = tm.batches(4, G, T=8)
+    torch.manual_seed(0)
+    whole = zerofit.initialize(am.UNet(), _cfg())
+    torch.manual_seed(5)
+    want = [whole.train_batch(mbs) for mbs in data]
+    torch.manual_seed(0)
+    first = zerofit.initialize(am.UNet(), _cfg())
+    torch.manual_seed(5)
+    got = [first.train_batch(mbs) for mbs in data[:2]]
+    first.save_checkpoint(tmp_path, tag="half")
+    first.close()
+    torch.manual_seed(1)
+    second = zerofit.initialize(am.UNet(), _cfg())
+    second.load_checkpoint(tmp_path, tag="half")
+    got += [second.train_batch(mbs) for mbs in data[2:]]
+    assert got == want
+    a, b = whole.master_state_dict(), second.master_state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    whole.close()
+    second.close()

@@ -456,9 +456,7 @@ def test_eval_forwards_match_the_plain_model_and_keep_no_state(how, clip):
     losses += [engine.train_batch(mbs) for mbs in data[1:]]  # no forward is pending: train_batch works
     ref = copy.deepcopy(initial)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(tm.reference_train(ref, data, clip=clip)))
-    master = engine.master_state_dict()
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(master[n], p.detach(), msg=lambda m, n=n: f"{n}: {m}")
+    tm.assert_masters(engine, ref)
     engine.close()
 
 

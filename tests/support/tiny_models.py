@@ -257,6 +257,13 @@ def reference_train(
     return losses
 
 
+def assert_masters(engine, ref: nn.Module) -> None:
+    """The engine's master weights are ``ref``'s parameters, at fp32 tolerances."""
+    master = engine.master_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(master[name], p.detach(), msg=lambda m, name=name: f"{name}: {m}")
+
+
 def fp16_reference_train(
     master: nn.Module, mbs: list[dict], steps: int, lr: float, scaler, clip: float = 0.0, param_groups=None
 ) -> tuple[list[float], list[float]]:

@@ -78,9 +78,7 @@ def test_a_dropped_step_forgets_every_gradient():
     assert {u.home for u in engine.blocks} == {Home.STREAMED}
     losses = [engine.train_batch(mbs) for mbs in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(tm.reference_train(ref, data, clip=1.0)))
-    master = engine.master_state_dict()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(master[name], p.detach(), msg=lambda m, name=name: f"{name}: {m}")
+    tm.assert_masters(engine, ref)
     engine.close()
 
 

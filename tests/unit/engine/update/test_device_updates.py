@@ -40,9 +40,7 @@ def test_it_takes_the_planned_blocks_and_applies_their_pending_updates_at_a_flus
     assert all(u.updates.pending is None and u.updates.master_event is None for u in engine.units)
     assert all(not torch.equal(before[u.name], u.master) for u in pending), "the flush applied them"
     tm.reference_train(ref, data, clip=0.05)
-    master = engine.master_state_dict()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(master[name], p.detach(), msg=lambda m, name=name: f"{name}: {m}")
+    tm.assert_masters(engine, ref)
     engine.close()
 
 

@@ -351,4 +351,12 @@ if __name__ == "__main__":
     if sys.argv[1] == "--forked":
         forked(json.loads(sys.argv[2]))
     else:
-        main(json.loads(sys.argv[1]))
+        spec = json.loads(sys.argv[1])
+        made_by_accelerate = spec.get("api") == "accelerate"
+        main(spec)
+        # the group accelerate's loop made, torn down before the interpreter's own teardown, as PyTorch asks of every
+        # distributed script: there gloo's threads were seen to abort the process now and then ("terminate called
+        # without an active exception"), as under Lightning (lightning_ranks.py)
+        if made_by_accelerate and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()

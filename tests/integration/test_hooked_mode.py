@@ -421,3 +421,23 @@ def test_a_checkpoint_of_the_hooked_mode_resumes_bitwise(tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in a)
     whole.close()
     second.close()
+
+
+@pytest.mark.parametrize("build", [_t5, _bart, _whisper], ids=["t5", "bart", "whisper"])
+def test_an_encoder_decoder_streams_its_own_layers_by_default(build):
+    """No adapter and no unit classes in the config: an encoder-decoder takes the hooked mode by itself, its units the
+    layers transformers names as never split (``_no_split_modules``: ``T5Block``, ``BartEncoderLayer``...)."""
+    torch.manual_seed(0)
+    model, classes = build()
+    ref = copy.deepcopy(model)
+    cfg = {k: v for k, v in _cfg().items() if k != "adapter"}
+    engine = zerofit.initialize(model, cfg)
+    assert engine.adapter.hooked
+    assert {type(m).__name__ for m in engine.adapter.blocks} == set(classes) == set(type(model)._no_split_modules)
+    data = _pairs(2, G, audio=build is _whisper)
+    torch.manual_seed(2)
+    got = [engine.train_batch(mbs) for mbs in data]
+    torch.manual_seed(2)
+    assert got == pytest.approx(_plain(ref, data), rel=1e-6)
+    _assert_weights(engine.master_state_dict(), ref, atol=1e-6)
+    engine.close()

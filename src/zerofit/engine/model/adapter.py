@@ -137,6 +137,8 @@ class Adapter:
 
     def __init__(self, model: nn.Module, kind: str = "auto", units: Sequence[str] = (), share: float = 0.02):
         self.model = model
+        if kind == "auto" and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            kind = "hooked"  # two stacks, not one chain: [Note: the hooked mode]
         self.hooked = kind == "hooked"
         found = _find_blocks(model) if kind in ("auto", "blocks") else None
         if kind == "blocks" and found is None:

@@ -11,8 +11,9 @@ uploads them again, recomputes the call from the inputs it kept, and hands the u
 a block's is. So a unit's weights are on the device only while it computes, in the forward and again in its backward,
 as FSDP's unshard/reshard and ZeRO-3's fetch/release do.
 
-Which submodules: those whose class is named (``hooked_units``: FSDP's ``transformer_layer_cls_to_wrap``), else by size
-(FSDP's size-based auto-wrap): bottom up, a module whose parameters not already in a unit below it are at least
+Which submodules: those whose class is named (``hooked_units``: FSDP's ``transformer_layer_cls_to_wrap``), else a
+transformers model's own layer classes (its ``_no_split_modules``, as accelerate's and FSDP's auto-wrap read them), else
+by size (FSDP's size-based auto-wrap): bottom up, a module whose parameters not already in a unit below it are at least
 ``share`` of the model's becomes a unit. A unit never nests in another (its parent's own parameters stay in the shell),
 a module one of whose parameters is also used outside it (a tied embedding, a shared projection) is never one (the
 parameter stays in the shell, on the device, as FSDP2 keeps such parameters in its root), nor is a container that is
@@ -55,12 +56,22 @@ def _own(module: nn.Module, path: str, owners: dict[int, set[str]]) -> bool:
     return all(all(_inside(o, path) for o in owners[id(p)]) for p in module.parameters())
 
 
+def _own_layers(model: nn.Module) -> list[str]:
+    """The layer classes a transformers model names as never to be split across devices (``_no_split_modules``: its
+    blocks, ``T5Block``, ``BartEncoderLayer``...), of the model or of the one a PEFT model wraps."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # type: ignore[operator]
+    return list(getattr(base, "_no_split_modules", None) or [])
+
+
 def hooked_units(model: nn.Module, classes: Sequence[str] = (), share: float = 0.02) -> list[tuple[str, nn.Module]]:
     """The model's units for the hooked mode, in the model's module order: (path, module). See [Note: the hooked
     mode]."""
     owners = _owners(model)
     total = sum(p.numel() for p in model.parameters())
     named = [(path, m) for path, m in model.named_modules() if path]
+    if not classes:  # a transformers model's own layers, where it has them
+        present = {type(m).__name__ for _, m in named}
+        classes = [c for c in _own_layers(model) if c in present]
     if classes:
         present = {type(m).__name__ for _, m in named}
         missing = [c for c in classes if c not in present]

@@ -69,6 +69,23 @@ def make_model_dir(
                     eos_token_id=tok.eos_token_id,
                 )
             )
+        elif family == "t5":  # an encoder-decoder: [Note: pairs for an encoder-decoder]
+            from transformers import T5Config, T5ForConditionalGeneration
+
+            cfg = T5Config(
+                vocab_size=vocab,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=layers,
+                num_decoder_layers=layers,
+                num_heads=4,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                decoder_start_token_id=tok.pad_token_id,
+                dropout_rate=0.0,  # (a loss comparable with an evaluation-mode forward)
+            )
+            model = T5ForConditionalGeneration(cfg)
         else:
             raise ValueError(f"unknown family {family!r}")
     model.to(dtype).save_pretrained(path, max_shard_size=shard)

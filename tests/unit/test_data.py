@@ -468,7 +468,7 @@ def test_errors_name_the_file_row_and_field(tmp_path, tok, capfd):
     cases = {
         "nofield.jsonl": (
             [{"text": "ok"}, {"body": "x", "title": "y"}],
-            r"nofield.jsonl, row 2: no 'text', 'prompt'\+'completion' or 'messages' field"
+            r"nofield.jsonl, row 2: no 'text', 'prompt'\+'completion', 'messages' or 'input'\+'target' field"
             r" \(found 'body', 'title'\)",
         ),
         "mixed.jsonl": ([{"text": "a", "messages": CHAT}], r"mixed.jsonl, row 1: the row mixes formats"),

@@ -338,7 +338,8 @@ def _render_train_summary(result, console: Console) -> None:
             f"{result.export_dir} (PeftModel.from_pretrained(base, it); zerofit generate --model BASE --adapter it)",
         )
     elif result.export_dir:
-        t.add_row("model", f"{result.export_dir} (AutoModelForCausalLM.from_pretrained works on it)")
+        auto = "AutoModelForSeq2SeqLM" if result.seq2seq else "AutoModelForCausalLM"
+        t.add_row("model", f"{result.export_dir} ({auto}.from_pretrained works on it)")
     console.print(t)
 
 

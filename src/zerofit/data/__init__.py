@@ -42,6 +42,8 @@ _EXPORTS = {
     "build_datasets": "build",
     "load_documents": "build",
     "load_tokenizer": "build",
+    "load_pairs": "build",
+    "PairDataset": "pairs",
     "split_documents": "build",
     "StepLoader": "loader",
     "EvalResult": "evaluation",

@@ -20,15 +20,17 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from zerofit.data.encode import Document, Encoder
 from zerofit.data.formats import parse_row
 from zerofit.data.packing import PackedDataset, pack
+from zerofit.data.pairs import Pair, PairDataset, encode_pairs
 from zerofit.data.shuffle import ORDER, SPLIT, permutation
 from zerofit.data.sources import DataError, TextUnit, find_files, iter_rows, offline_hub
 
 PathArg = str | os.PathLike | Sequence[str | os.PathLike]
+T = TypeVar("T")  # a document, or an encoder-decoder's pair
 log = logging.getLogger("zerofit")
 
 
@@ -54,8 +56,8 @@ class Documents:
 
 
 class DataSplit(NamedTuple):
-    train: PackedDataset
-    eval: PackedDataset | None  # None when nothing is held out
+    train: PackedDataset | PairDataset  # an encoder-decoder's: pairs ([Note: pairs for an encoder-decoder])
+    eval: PackedDataset | PairDataset | None  # None when nothing is held out
     stats: DataStats
 
 
@@ -116,6 +118,32 @@ def load_documents(
     return Documents(tuple(docs), stats)
 
 
+def load_pairs(
+    paths: PathArg, tokenizer: Any, *, cache_dir: str | os.PathLike | None = None
+) -> tuple[list[Pair], DataStats]:
+    """Every row of the files under ``paths`` as an encoder-decoder's pair ([Note: pairs for an encoder-decoder])."""
+    found = find_files(paths)
+    tok = _tokenizer(tokenizer)
+    pairs: list[Pair] = []
+    rows = 0
+    for file, first, batch in iter_rows(found.files, cache_dir=cache_dir, text_unit="document"):
+        sources = [f"{file.path}, row {first + i + 1}" for i in range(len(batch))]
+        pairs.extend(encode_pairs(tok, [parse_row(r, where) for r, where in zip(batch, sources)], sources))
+        rows += len(batch)
+    if not pairs:
+        raise DataError(f"the data set is empty: {len(found.files)} files gave {rows} rows and no pair with a target")
+    stats = DataStats(
+        files=len(found.files),
+        skipped_files=tuple(str(p) for p in found.skipped),
+        rows=rows,
+        documents=(("input/target", len(pairs)),),
+        rows_without_targets=rows - len(pairs),
+        tokens=sum(len(p.input_ids) + len(p.labels) for p in pairs),
+        target_tokens=sum(len(p.labels) for p in pairs),
+    )
+    return pairs, stats
+
+
 def _eval_count(eval_size: float | int, n: int) -> int:
     if isinstance(eval_size, bool) or not isinstance(eval_size, (int, float)):
         raise ValueError(f"eval_size must be a fraction in [0, 1) or a count of documents, found {eval_size!r}")
@@ -136,8 +164,8 @@ def _eval_count(eval_size: float | int, n: int) -> int:
 
 
 def split_documents(
-    documents: Sequence[Document], eval_size: float | int, seed: int, shuffle: bool = True
-) -> tuple[list[Document], list[Document]]:
+    documents: Sequence[T], eval_size: float | int, seed: int, shuffle: bool = True
+) -> tuple[list[T], list[T]]:
     """``(train, held_out)`` by whole documents; ``eval_size`` is a fraction (``float``) or a count (``int``).
 
     The held-out documents are a seeded random choice (in their original order); the training documents come in
@@ -163,12 +191,21 @@ def build_datasets(
     cache_dir: str | os.PathLike | None = None,
     text_unit: TextUnit = "document",
     shuffle: bool = True,
+    seq2seq: bool = False,
 ) -> DataSplit:
     """Read, tokenize, split and pack: the training windows and the held-out windows (``None`` if
-    ``eval_size`` is 0). Padding uses the tokenizer's pad token, else its EOS (never scored either way)."""
+    ``eval_size`` is 0). Padding uses the tokenizer's pad token, else its EOS (never scored either way). With
+    ``seq2seq`` (an encoder-decoder) each row is one example: [Note: pairs for an encoder-decoder]."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, found {seq_len}")
     tok = _tokenizer(tokenizer)
+    if seq2seq:
+        pairs, stats = load_pairs(paths, tok, cache_dir=cache_dir)
+        train_pairs, eval_pairs = split_documents(pairs, eval_size, seed, shuffle=shuffle)  # (whole examples)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        train_set = PairDataset.of(train_pairs, seq_len, pad)
+        held_set = PairDataset.of(eval_pairs, seq_len, pad) if eval_pairs else None
+        return DataSplit(train_set, held_set, stats)
     docs = load_documents(paths, tok, cache_dir=cache_dir, text_unit=text_unit)
     train_docs, eval_docs = split_documents(docs.documents, eval_size, seed, shuffle=shuffle)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

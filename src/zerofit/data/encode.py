@@ -8,7 +8,8 @@
   whose rendering already ends with EOS (Qwen's ``<|im_end|>``, Llama 3's ``<|eot_id|>``) gets no second one.
   The closing EOS is a target when the token before it is one.
 - text rows: every token is a target.
-- prompt/completion rows: ``BOS? + tokens(prompt) + tokens(completion) + EOS``, each part tokenized on its own,
+- prompt/completion rows (and input/target rows, the same to a causal LM): ``BOS? + tokens(prompt) +
+  tokens(completion) + EOS``, each part tokenized on its own,
   so the completion's tokens are exactly those the model would generate after the prompt; targets are the
   completion and the EOS.
 - chat rows: the tokenizer's chat template renders the conversation (``add_special_tokens=False`` when tokenizing
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from zerofit.data.formats import KINDS, ChatRow, CompletionRow, Row, TextRow
+from zerofit.data.formats import KINDS, ChatRow, CompletionRow, PairRow, Row, TextRow
 from zerofit.data.sources import DataError
 
 
@@ -83,6 +84,8 @@ class Encoder:
     def encode(self, rows: Sequence[Row], sources: Sequence[str]) -> list[Document]:
         """The rows' documents, in order; rows that leave nothing to learn (empty text, a chat without an
         assistant turn) give none."""
+        # an input/target row (an encoder-decoder's pair) is a prompt and its completion to a causal LM
+        rows = [CompletionRow(r.input, r.target) if isinstance(r, PairRow) else r for r in rows]
         out: list[Document | None] = [None] * len(rows)
         texts = [(i, r.text) for i, r in enumerate(rows) if isinstance(r, TextRow) and r.text]
         for (i, _), ids in zip(texts, self._encode([t for _, t in texts])):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from zerofit.data.packing import IGNORE_INDEX, PackedDataset
+from zerofit.data.pairs import PairDataset
 
 LossFn = Callable[[dict[str, torch.Tensor]], torch.Tensor | float]
 
@@ -48,7 +49,9 @@ def model_loss_fn(model: torch.nn.Module) -> LossFn:
 
 
 @torch.no_grad()
-def evaluate(data: PackedDataset, loss_fn: LossFn, micro_batch_size: int, max_windows: int | None = None) -> EvalResult:
+def evaluate(
+    data: PackedDataset | PairDataset, loss_fn: LossFn, micro_batch_size: int, max_windows: int | None = None
+) -> EvalResult:
     """Token-weighted mean loss of ``loss_fn`` over the windows of ``data`` in order (the first ``max_windows``)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be at least 1, found {micro_batch_size}")
@@ -57,7 +60,7 @@ def evaluate(data: PackedDataset, loss_fn: LossFn, micro_batch_size: int, max_wi
     for start in range(0, n, micro_batch_size):
         stop = min(start + micro_batch_size, n)
         batch = data.batch(range(start, stop))
-        k = count_targets(batch)
+        k = data.scored(batch) if isinstance(data, PairDataset) else count_targets(batch)
         if k == 0:
             continue  # nothing scored; a model would return nan for it
         loss = float(loss_fn(batch))
@@ -72,14 +75,16 @@ def evaluate(data: PackedDataset, loss_fn: LossFn, micro_batch_size: int, max_wi
     return EvalResult(loss=mean, perplexity=perplexity, tokens=tokens, windows=n)
 
 
-def scored_tokens(data: PackedDataset, max_windows: int | None = None) -> int:
+def scored_tokens(data: PackedDataset | PairDataset, max_windows: int | None = None) -> int:
     """Target tokens in the first ``max_windows`` windows (all by default): what :func:`evaluate` scores.
     Window ``k`` scores stream positions ``k(T-1)+1 .. (k+1)(T-1)`` ([Note: packed targets])."""
+    if isinstance(data, PairDataset):  # [Note: pairs for an encoder-decoder]
+        return data.scored_tokens(max_windows)
     n = len(data) if max_windows is None else min(len(data), max_windows)
     return int(data.targets[1 : n * (data.seq_len - 1) + 1].sum())
 
 
-def small_held_out(data: PackedDataset, max_windows: int | None = None) -> str | None:
+def small_held_out(data: PackedDataset | PairDataset, max_windows: int | None = None) -> str | None:
     """Why the held-out loss will not mean much, or None: fewer scored tokens than one full window.
 
     Why one window: the mean loss over ``n`` tokens has a standard error of about ``s / sqrt(n)`` (``s``, the

@@ -6,6 +6,8 @@ fields of the row        kind                                                   
 ``text``                 :class:`TextRow`                                       every token
 ``prompt``+``completion``  :class:`CompletionRow`                               the completion and EOS
 ``messages``             :class:`ChatRow`: a list of ``{"role", "content"}``    the assistant turns
+``input``+``target``     :class:`PairRow`: an encoder-decoder's source and      the target and EOS
+                         target (``prompt``+``completion`` is one too there)
 =======================  =====================================================  ======================
 
 A row must carry exactly one of these (fields that are missing or null do not count; other fields are ignored).
@@ -37,8 +39,14 @@ class ChatRow:
     messages: tuple[dict[str, Any], ...]  # each with a str "role" and a str "content", plus any extra keys
 
 
-Row = TextRow | CompletionRow | ChatRow
-KINDS = {TextRow: "text", CompletionRow: "prompt/completion", ChatRow: "messages"}
+@dataclass(frozen=True)
+class PairRow:
+    input: str
+    target: str
+
+
+Row = TextRow | CompletionRow | ChatRow | PairRow
+KINDS = {TextRow: "text", CompletionRow: "prompt/completion", ChatRow: "messages", PairRow: "input/target"}
 
 
 def _present(row: dict[str, Any], key: str) -> bool:
@@ -73,10 +81,12 @@ def parse_row(row: dict[str, Any], where: str) -> Row:
         kinds.append("prompt/completion")
     if _present(row, "messages"):
         kinds.append("messages")
+    if _present(row, "input") or _present(row, "target"):
+        kinds.append("input/target")
     if not kinds:
         found = ", ".join(repr(k) for k, v in row.items() if v is not None) or "no non-null field"
         raise DataError(
-            f"{where}: no 'text', 'prompt'+'completion' or 'messages' field (found {found});"
+            f"{where}: no 'text', 'prompt'+'completion', 'messages' or 'input'+'target' field (found {found});"
             " every row needs one of them (rename the field, or drop the row)"
         )
     if len(kinds) > 1:
@@ -91,6 +101,11 @@ def parse_row(row: dict[str, Any], where: str) -> Row:
         if missing:
             raise DataError(f"{where}: a prompt/completion row needs both fields; {missing[0]!r} is missing")
         return CompletionRow(_string(row, "prompt", where), _string(row, "completion", where))
+    if kinds[0] == "input/target":
+        missing = [k for k in ("input", "target") if not _present(row, k)]
+        if missing:
+            raise DataError(f"{where}: an input/target row needs both fields; {missing[0]!r} is missing")
+        return PairRow(_string(row, "input", where), _string(row, "target", where))
     messages = row["messages"]
     if not isinstance(messages, (list, tuple)) or not messages:
         raise DataError(

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from zerofit.data.packing import PackedDataset
+from zerofit.data.pairs import PairDataset
 from zerofit.data.shuffle import EPOCH, permutation
 
 STATE_VERSION = 1
@@ -35,7 +36,7 @@ class StepLoader:
 
     def __init__(
         self,
-        data: PackedDataset,
+        data: PackedDataset | PairDataset,
         micro_batch_size: int,
         gradient_accumulation_steps: int = 1,
         seed: int = 0,

@@ -41,6 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from zerofit.config import LoadedConfig, load_config, load_with_defaults
+from zerofit.data.pairs import PairDataset
 from zerofit.engine.plan.search import fmt_bytes, fmt_count
 from zerofit.train.metrics import Metrics
 from zerofit.train.options import TrainOptions
@@ -102,6 +103,7 @@ class TrainResult:
     evals: list[dict] = field(default_factory=list)  # {"step", "eval_loss", "eval_perplexity"}
     checkpoints: list[Path] = field(default_factory=list)
     export_dir: Path | None = None
+    seq2seq: bool = False  # an encoder-decoder trained on pairs ([Note: pairs for an encoder-decoder])
     interrupted: bool = False
     stop_signal: int = 0  # the signal that interrupted it (SIGINT, SIGTERM); 0: none
     tokens_per_step: int = 0
@@ -206,6 +208,7 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
         eval_size=opts.eval_size,
         seed=cfg.seed,
         cache_dir=run_dir / ".datasets-cache",
+        seq2seq=bool(getattr(model_dir.config, "is_encoder_decoder", False)),  # [Note: pairs for an encoder-decoder]
     )
     if world > 1 and rank == 0:
         torch.distributed.barrier()
@@ -222,6 +225,7 @@ def _run(opts: TrainOptions, console: Console, signals: RunSignals) -> TrainResu
         console.print(build)
     engine = _load_with_progress(console, opts, loaded)
     result = TrainResult(run_dir, total, tokens_per_step=cfg.micro_batch_size * G * world * opts.seq_len)
+    result.seq2seq = isinstance(data.train, PairDataset)
     metrics = None
     try:
         reached("engine")
@@ -487,10 +491,18 @@ def _print_start(
             + (f", its linears in NF4 ({fmt_bytes(_nf4_bytes(engine))} in host memory)" if engine.nf4 else "")
         )
     kinds = ", ".join(f"{n:,} {k}" for k, n in s.documents)
+    if isinstance(data.train, PairDataset):  # [Note: pairs for an encoder-decoder]
+        shape = (
+            f"{len(data.train):,} training pairs, inputs padded to {data.train.seq_len} and targets to "
+            f"{data.train.target_len} tokens"
+        )
+    else:
+        shape = (
+            f"{len(data.train):,} training windows of {opts.seq_len} (documents packed, each attending to itself "
+            "only: position ids restart per document)"
+        )
     console.print(
-        f"  data      {s.files} files, {kinds}; {s.tokens:,} tokens ({s.target_tokens:,} with a loss); "
-        f"{len(data.train):,} training windows of {opts.seq_len} (documents packed, each attending to itself only: "
-        "position ids restart per document)"
+        f"  data      {s.files} files, {kinds}; {s.tokens:,} tokens ({s.target_tokens:,} with a loss); {shape}"
         + (f", {len(data.eval):,} held out" if data.eval is not None else ", none held out")
     )
     ranks = f" x {cfg.world_size} ranks" if cfg.world_size > 1 else ""

@@ -44,3 +44,21 @@ def test_hooked_units_stream_on_the_gpu_with_plain_pytorchs_numbers(name):
     for n, p in ref.named_parameters():
         torch.testing.assert_close(master[n], p.detach().cpu(), rtol=0, atol=1e-5, msg=n)
     engine.close()
+
+
+def test_an_encoder_decoder_generates_on_the_gpu_in_the_hooked_mode():
+    """[Note: generation in the hooked mode] on the card: greedy tokens of a trained T5, each unit streamed, as
+    transformers' own ``generate`` over the engine's masters on the same card."""
+    torch.manual_seed(0)
+    model, classes = _t5()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, _cfg(hooked_units=classes))
+    for mbs in _pairs(2, 2):
+        engine.train_batch(mbs)
+    engine.adapter.model.eval()
+    prompt = _pairs(1, 1, seed=7)[0][0]["input_ids"]
+    got = engine.generate(input_ids=prompt, max_new_tokens=6, min_new_tokens=4, do_sample=False)
+    ref.load_state_dict(engine.master_state_dict(), strict=False)
+    want = ref.cuda().eval().generate(input_ids=prompt.cuda(), max_new_tokens=6, min_new_tokens=4, do_sample=False)
+    assert torch.equal(got.cpu(), want.cpu())
+    engine.close()

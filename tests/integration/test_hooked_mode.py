@@ -441,3 +441,24 @@ def test_an_encoder_decoder_streams_its_own_layers_by_default(build):
     assert got == pytest.approx(_plain(ref, data), rel=1e-6)
     _assert_weights(engine.master_state_dict(), ref, atol=1e-6)
     engine.close()
+
+
+@pytest.mark.parametrize("build", [_t5, _bart], ids=["t5", "bart"])
+def test_an_encoder_decoder_generates_in_the_hooked_mode_with_its_trained_weights(build):
+    """``engine.generate`` of a trained encoder-decoder: each unit streamed as in training ([Note: generation in the
+    hooked mode]), greedy, transformers' own ``generate`` over the same weights (the engine's masters)."""
+    torch.manual_seed(0)
+    model, classes = build()
+    ref = copy.deepcopy(model).eval()
+    engine = zerofit.initialize(model, _cfg(hooked_units=classes))
+    for mbs in _pairs(2, G):
+        engine.train_batch(mbs)
+    seen = _watch(engine)
+    engine.adapter.model.eval()
+    prompt = _pairs(1, 1, seed=7)[0][0]["input_ids"]
+    got = engine.generate(input_ids=prompt, max_new_tokens=6, min_new_tokens=4, do_sample=False)
+    ref.load_state_dict(engine.master_state_dict(), strict=False)
+    want = ref.generate(input_ids=prompt, max_new_tokens=6, min_new_tokens=4, do_sample=False)
+    assert torch.equal(got.cpu(), want) and got.shape[1] > 2
+    assert {n for n, _ in seen} == {u.name for u in engine.blocks}  # every unit streamed for it
+    engine.close()

@@ -550,6 +550,20 @@ class Engine:
 
     # ------------------------------------------------------------------ the DeepSpeed-shaped loop's evaluation
 
+    def generate(self, *args, **kwargs):
+        """The model's ``generate``: in the hooked mode on the device, each unit streamed ([Note: generation in the
+        hooked mode], step/hooked.py); otherwise the module's own over the current host weights (zerofit.generate
+        streams a decoder-only model's blocks through the GPU)."""
+        hooked = self.schedule.hooked
+        if hooked is None:
+            return self.module.generate(*args, **kwargs)  # type: ignore[operator]  # (a transformers model's method)
+        self.check_open()
+        with self.guard(discard_step=False):
+            self.wait()  # the last step's updates are in the masters the uploads read
+            self.streamer.refresh_shell()
+            with self.compute.shell_weights(self.compute.leaves(self.shell, grad=False)):
+                return hooked.generate(self.adapter.model, *args, **kwargs)
+
     def forward_no_grad(self, batch: dict):
         """The model's output for ``batch`` without autograd; no state of a step is touched or kept."""
         check_batch(batch, self.batch_spec)

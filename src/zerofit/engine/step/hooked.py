@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from zerofit.errors import InputError
 
@@ -158,6 +158,17 @@ class Hooked:
                     del module.forward
                     if before is not None:
                         module.forward = before
+
+    def generate(self, model: nn.Module, *args: Any, **kwargs: Any):
+        """[Note: generation in the hooked mode]
+        The model's own ``generate`` (an encoder-decoder's too) with its units streamed as in an evaluation forward:
+        each unit's call uploads its weights, computes (with the model's own key/value cache: generation keeps it)
+        and lets the slot go; the caller holds the shell's device weights in the model for the call. Its tensors
+        go to the device; nothing of a step is touched."""
+        dev = self.compute.dev.device
+        args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        with torch.no_grad(), self.installed(grad=False):
+            return model.generate(*args, **kwargs)  # type: ignore[operator]  # (a transformers model's method)
 
     def paths(self) -> list[str]:
         return [u.name for u in self.units]

@@ -462,3 +462,32 @@ def test_an_encoder_decoder_generates_in_the_hooked_mode_with_its_trained_weight
     assert torch.equal(got.cpu(), want) and got.shape[1] > 2
     assert {n for n, _ in seen} == {u.name for u in engine.blocks}  # every unit streamed for it
     engine.close()
+
+
+def test_a_block_list_that_is_not_a_chain_falls_back_to_the_hooked_mode_where_one_unit_does_not_fit(monkeypatch):
+    """``adapter: auto`` on the residual model: its block list is found, its first forward shows the blocks are not
+    a chain ([Note: generic fallback]); where the device cannot hold the model as one unit (the generic plan made to
+    refuse here, as a GPU's too small would), the engine rebuilds itself in the hooked mode, with deferred updates,
+    and the step runs again: plain PyTorch's losses and weights, bitwise."""
+    from zerofit.engine import recovery
+    from zerofit.engine.plan.search import PlanError
+
+    real = recovery.Planning
+
+    def small_device(config, adapter, *args, **kwargs):
+        if not adapter.hooked:
+            raise PlanError("the device's budget (1 MiB) holds less than the model")
+        return real(config, adapter, *args, **kwargs)
+
+    monkeypatch.setattr(recovery, "Planning", small_device)
+    torch.manual_seed(0)
+    model = am.Residual()
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, {k: v for k, v in _cfg().items() if k != "adapter"})
+    assert engine.adapter.streaming and not engine.deferred  # a block list, immediate updates
+    data = tm.batches(STEPS, G, T=8)
+    losses = [engine.train_batch(mbs) for mbs in data]
+    assert engine.adapter.hooked and engine.deferred
+    assert losses == pytest.approx(_plain(ref, data), rel=1e-6)
+    _assert_weights(engine.master_state_dict(), ref)
+    engine.close()

@@ -478,6 +478,8 @@ class Engine:
             a.close()
         self._arenas.clear()
         self.adapter, self._table, self._shape, self.planning = generic, table, shape, planning
+        # the hooked mode's units hand their gradients over once per micro-batch: deferred updates (engine_plan.py)
+        self.deferred = self.deferred or self.adapter.hooked
         try:
             self._build_parts(carry=self.window)
             recovery.restore_optimizer_state(self.units, carried)

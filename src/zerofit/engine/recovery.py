@@ -11,7 +11,8 @@ checkpoint loaded into a fresh engine: moments by name, the common step count), 
 forward consumed is restored, and the same call runs again, with a logged notice. What outlives the rebuild:
 the parts not built over the units (lifecycle, clock, step count and settings, speculation record) and the
 window's override and counters. Memory: the old host weights and moments live until the new unit has copied
-them. adapter="blocks" refuses instead; adapter="generic" skips it.
+them. Where the device cannot hold the model as one unit, the rebuild is in the hooked mode instead ([Note: the hooked
+mode], model/hooked.py), its updates deferred. adapter="blocks" refuses instead; adapter="generic" skips it.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def run_with_fallback(run, possible: bool, dev, discard, become_generic):
 
 
 def generic_plan(err: NonSequentialModel, *, model, config, dev, ranks, frozen: frozenset | None = None):
-    """The generic path's adapter, parameter table, shape and planning; NonSequentialModel (the engine intact)
-    where the device has no room for the whole model."""
+    """The generic path's adapter, parameter table, shape and planning; where the device has no room for the whole
+    model, the hooked mode's; NonSequentialModel (the engine intact) where neither fits."""
     generic = Adapter(model, "generic")
     table = param_table(model, generic)
     shape = model_shape(model, generic, table, frozen)
@@ -56,10 +57,30 @@ def generic_plan(err: NonSequentialModel, *, model, config, dev, ranks, frozen: 
             config, generic, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks, seq_len=config.seq_len
         )
     except PlanError as e:
-        raise NonSequentialModel(
-            f"{err.reason}; and the generic path (the whole model resident on the device) does not fit either: {e}. "
-            "adapter='hooked' streams it by its modules' calls"
-        ) from err
+        # [Note: the hooked mode]: streamed by its modules' calls where the device cannot hold it whole
+        hooked = Adapter(model, "hooked", config.hooked_units, config.hooked_share)
+        table = param_table(model, hooked)
+        shape = model_shape(model, hooked, table, frozen)
+        try:
+            if not hooked.blocks:
+                raise PlanError("no module of the model can be a unit")
+            planning = Planning(
+                config, hooked, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks, seq_len=config.seq_len
+            )
+        except PlanError as again:
+            raise NonSequentialModel(
+                f"{err.reason}; and neither the generic path (the whole model resident on the device: {e}) nor the "
+                f"hooked mode (its modules streamed by their calls: {again}) fits"
+            ) from err
+        log.warning(
+            "zerofit: %s, so this model cannot stream block by block, and the device cannot hold it whole (%s): it "
+            "streams in the hooked mode instead, by its modules' calls (%d units). Pass adapter='hooked' to skip "
+            "this check, or adapter='blocks' to refuse.",
+            err.reason,
+            e,
+            hooked.num_blocks,
+        )
+        return hooked, table, shape, planning
     log.warning(
         "zerofit: %s, so this model cannot stream block by block: it trains on the generic path "
         "instead (the whole model as one unit). Pass adapter='generic' to skip this check, or "

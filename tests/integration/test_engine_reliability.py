@@ -29,7 +29,15 @@ from tests.support import tiny_models as tm
 from zerofit.config import ConfigError, load_config
 from zerofit.engine.engine import Engine
 from zerofit.engine.model.adapter import NonSequentialModel
-from zerofit.engine.plan.search import BatchShape, ModelShape, PlanError, activation_bytes, make_plan, tiles_for
+from zerofit.engine.plan.search import (
+    SPARSE_EVERY,
+    BatchShape,
+    ModelShape,
+    PlanError,
+    activation_bytes,
+    make_plan,
+    tiles_for,
+)
 from zerofit.optim.loss_scaler import DynamicLossScaler, LossScaleUnderflowError
 
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
@@ -417,9 +425,11 @@ def test_make_plan_picks_the_preferred_fitting_placement(shell, block, n, hidden
     lo, hi = min(cands.values()), max(cands.values())
     budget = int(lo * 0.8 + frac * (hi - lo * 0.8))
     # [Note: a smaller GPU floor]: the first level of the floor where anything fits decides, then the preference;
-    # after them each level again with the blocks' MLP over sequence tiles ([Note: MLP over sequence tiles])
-    base = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
-    for level in base + [lv + (1, t) for t in tiles_for(batch) for lv in base]:
+    # then checkpoints every k blocks ([Note: checkpoints every k blocks]); after them each level again with the
+    # blocks' MLP over sequence tiles ([Note: MLP over sequence tiles])
+    base = [(False, False, False, 1), (True, False, False, 1), (True, True, False, 1), (True, True, True, 1)]
+    base += [(True, True, False, k) for k in SPARSE_EVERY]
+    for level in base + [lv + (t,) for t in tiles_for(batch) for lv in base]:
         fitting = [
             (s, r)
             for s in (True, False)
@@ -435,7 +445,7 @@ def test_make_plan_picks_the_preferred_fitting_placement(shell, block, n, hidden
     plan = make_plan(shape, batch, device_budget=budget, resident_blocks=None, **kw)
     assert plan.device_total <= budget
     assert (plan.shell_optimizer_on_device, plan.resident_blocks) == max(fitting)
-    assert (plan.offload_checkpoints, bool(plan.stage_numel)) == (level[1], level[2])
+    assert (plan.offload_checkpoints, bool(plan.stage_numel), plan.checkpoint_every) == level[1:4]
     assert plan.sequence_tile == (level[4] if len(level) > 4 else None)
     assert plan.loss_chunks > 1 or not level[0] or tokens <= 512
 

@@ -491,3 +491,41 @@ def test_a_block_list_that_is_not_a_chain_falls_back_to_the_hooked_mode_where_on
     assert losses == pytest.approx(_plain(ref, data), rel=1e-6)
     _assert_weights(engine.master_state_dict(), ref)
     engine.close()
+
+
+def test_lora_on_an_encoder_decoder_streams_its_blocks_and_trains_the_adapters_as_peft():
+    """PEFT's LoRA over T5 (q and v), no adapter in the config: the hooked mode finds the base's own layers through
+    the PEFT model, streams each block with its frozen base and its adapters, and trains the adapters as PEFT with
+    torch's AdamW does (dropout on, seeded alike), within 1e-6."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base, classes = _t5()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], lora_dropout=0.0))
+    ref = copy.deepcopy(model)
+    engine = zerofit.initialize(model, {k: v for k, v in _cfg().items() if k != "adapter"})
+    assert engine.adapter.hooked and {type(m).__name__ for m in engine.adapter.blocks} == set(classes)
+    assert all(u.frozen is not None and u.trains for u in engine.blocks)  # the base frozen, the adapters trained
+    seen = _watch(engine)
+    data = _pairs(STEPS, G)
+    torch.manual_seed(2)
+    got = [engine.train_batch(mbs) for mbs in data]
+    torch.manual_seed(2)
+    trained = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR, weight_decay=0.01, fused=True)
+    want = []
+    for mbs in data:
+        total = 0.0
+        for mb in mbs:
+            loss = ref(**mb).loss
+            (loss / G).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        want.append(total / G)
+    assert got == pytest.approx(want, rel=1e-6)
+    _assert_streamed(engine, seen, STEPS * G)
+    master = engine.master_state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(master[n], p.detach(), rtol=0, atol=1e-6, msg=n)
+    engine.close()

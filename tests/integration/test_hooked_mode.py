@@ -529,3 +529,28 @@ def test_lora_on_an_encoder_decoder_streams_its_blocks_and_trains_the_adapters_a
     for n, p in ref.named_parameters():
         torch.testing.assert_close(master[n], p.detach(), rtol=0, atol=1e-6, msg=n)
     engine.close()
+
+
+def test_zerofit_generate_of_a_trained_encoder_decoder_engine_decodes_its_answers(tmp_path):
+    """``zerofit.generate(engine, prompts)`` of a T5 trained by ``zerofit train``'s folder and tokenizer: the texts of
+    transformers' own greedy ``generate`` over the engine's masters, in batches with padding."""
+    from transformers import T5ForConditionalGeneration
+
+    from tests.support.model_dirs import make_model_dir
+    from tests.support.tiny_tokenizer import build_tokenizer
+
+    folder = make_model_dir(tmp_path / "t5", "t5", torch.float32)
+    tok = build_tokenizer()
+    engine = zerofit.initialize(str(folder), {k: v for k, v in _cfg().items() if k != "adapter"})
+    assert engine.adapter.hooked
+    prompts = ["What is 3 plus 3?", "The quick brown fox", "Hello there"]
+    got = zerofit.generate(engine, prompts, tokenizer=tok, max_new_tokens=5, batch_size=2, min_new_tokens=3)
+    ref = T5ForConditionalGeneration.from_pretrained(folder).eval()
+    ref.load_state_dict(engine.master_state_dict(), strict=False)
+    want = []
+    for a in range(0, 3, 2):
+        enc = tok(prompts[a : a + 2], return_tensors="pt", padding=True)
+        ids = ref.generate(**enc, max_new_tokens=5, min_new_tokens=3, do_sample=False)
+        want += tok.batch_decode(ids, skip_special_tokens=True)
+    assert got == want and all(got)
+    engine.close()

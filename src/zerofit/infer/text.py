@@ -230,6 +230,10 @@ def generate(
     the blocks that do not fit ``max_gpu_memory`` streamed through the GPU. ``sampling``: ``do_sample``,
     ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``stop`` (strings), ``seed``."""
     kw = {k: v for k, v in (("max_gpu_memory", max_gpu_memory), ("dtype", dtype), ("device", device)) if v is not None}
+    adapter = getattr(model, "adapter", None)
+    if getattr(adapter, "hooked", False) and getattr(getattr(adapter.model, "config", None), "is_encoder_decoder", 0):
+        # a training engine of an encoder-decoder, in the hooked mode
+        return _generate_hooked(model, prompts, tokenizer, max_new_tokens, batch_size, **sampling)
     engine = engine_for(model, tokenizer=tokenizer, **kw)
     single = isinstance(prompts, (str, dict)) or (
         isinstance(prompts, list) and bool(prompts) and all(isinstance(m, dict) and "role" in m for m in prompts)
@@ -246,6 +250,32 @@ def generate(
     )
     texts = [c.text for c in res]
     return texts[0] if single else texts
+
+
+def _generate_hooked(engine, prompts, tokenizer, max_new_tokens: int, batch_size: int, **sampling):
+    """Texts from a training engine in the hooked mode (an encoder-decoder's, say): the model's own ``generate``
+    with each unit streamed ([Note: generation in the hooked mode], engine/step/hooked.py), the prompts in batches
+    (padded on the right, as an encoder reads them), the answers decoded without special tokens."""
+    tok = tokenizer or _tokenizer_beside(engine)
+    if tok is None:
+        raise ValueError("generate: pass tokenizer=...: the engine's model came from no folder with a tokenizer")
+    single = isinstance(prompts, str)
+    texts = [prompts] if single else list(prompts)
+    seed = sampling.pop("seed", None)
+    if seed is not None:
+        torch.manual_seed(seed)
+    module = engine.adapter.model
+    was = module.training
+    module.eval()
+    out: list[str] = []
+    try:
+        for a in range(0, len(texts), batch_size):
+            enc = tok(texts[a : a + batch_size], return_tensors="pt", padding=True)
+            ids = engine.generate(**enc, max_new_tokens=max_new_tokens, **sampling)
+            out += tok.batch_decode(ids.cpu(), skip_special_tokens=True)
+    finally:
+        module.train(was)
+    return out[0] if single else out
 
 
 def read_prompts(path: Path) -> list:

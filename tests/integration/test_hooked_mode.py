@@ -27,18 +27,7 @@ STREAMED = {"adapter": "hooked", "offload": {"resident_blocks": 0, "prefetch_dep
 
 def _plain(model, data):
     """Plain PyTorch: (loss / G).backward() per micro-batch, torch's fused AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
-    losses = []
-    for mbs in data:
-        total = 0.0
-        for mb in mbs:
-            loss = model(**mb).loss
-            (loss / len(mbs)).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / len(mbs))
-    return losses
+    return tm.reference_train(model, data, lr=LR, fused=True)
 
 
 def _cfg(**kw):

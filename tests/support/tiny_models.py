@@ -233,11 +233,13 @@ def reference_train(
     clip: float = 0.0,
     sched=None,
     param_groups=None,
+    fused: bool = False,
 ) -> list[float]:
     """Plain PyTorch training, the textbook way: loss / G accumulated, optional global-norm clipping,
     torch.optim.AdamW (over ``param_groups`` of ``model``'s parameters when given), an optional LambdaLR.
     Returns the mean loss of each step."""
-    opt = torch.optim.AdamW(model.parameters() if param_groups is None else param_groups, lr=lr, weight_decay=wd)
+    params = model.parameters() if param_groups is None else param_groups
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=fused or None)
     lrs = torch.optim.lr_scheduler.LambdaLR(opt, sched) if sched else None
     losses = []
     for mbs in data:

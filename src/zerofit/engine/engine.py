@@ -27,7 +27,6 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 from torch import nn
 
@@ -82,9 +81,8 @@ class Engine:
     ``backward``, ``step``, ``get_lr``...) are its face's (``deepspeed``: faces/deepspeed_surface.py), served as its
     own."""
 
-    # the parts over the units (units, shell, blocks, grads, copies16, device_updates, host_updates, streamer,
-    # activations, kernels, compute, stepper, schedule, window, step_end, sharding, startup): parts.py's Parts,
-    # assigned by _build_parts (at __init__, and again for the generic fallback)
+    # the parts over the units (units, shell, blocks and parts.py's Parts): assigned by _build_parts, at __init__
+    # and again for the generic fallback
 
     @classmethod
     def create(cls, model, config=None, *, param_groups=None, user_loop: bool = False, **overrides) -> Engine:
@@ -210,18 +208,13 @@ class Engine:
         except BaseException:
             self.lifecycle.resources.release()
             raise
-        if not self.adapter.hooked:  # (a chain's blocks; the hooked mode's units are any modules)
+        if self.adapter.hooked:  # [Note: the hooked mode] (model/hooked.py): its units are any modules
+            log.info("zerofit: %s", self.adapter.describe_units())
+        else:
             # [Note: MLP over sequence tiles] (model/tiling.py): each block's MLP over the plan's tiles, when it has one
             tiling.install(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
             # [Note: documents without a mask] (model/tiling.py): packed documents over tiles with no T x T mask
             self.adapter.inputs_hook = tiling.documents_hook(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
-        if self.adapter.hooked:  # [Note: the hooked mode] (model/hooked.py)
-            log.info(
-                "zerofit: the hooked mode: %d units streamed by their modules' calls (%s), the rest of the model "
-                "on the device",
-                self.adapter.num_blocks,
-                ", ".join(self.adapter.paths[:4]) + (", ..." if self.adapter.num_blocks > 4 else ""),
-            )
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
         log.info("zerofit: %s", self.kernels.describe())
         # [Note: a read of the user's model]
@@ -319,11 +312,7 @@ class Engine:
     @property
     def disk_speed(self) -> dict:
         """The disk tier's write and read speed measured on its swap file at initialize ({} without a tier)."""
-        if self.tier is None:
-            return {}
-        assert self.plan.disk_speed is not None  # measured on its swap file when the tier was opened
-        w, r = self.plan.disk_speed
-        return {"write_gb_per_s": w, "read_gb_per_s": r, "direct_io": self.tier.file.direct}
+        return self.planning.disk_speed(self.tier)
 
     # ------------------------------------------------------------------ lifecycle (lifecycle.py)
 
@@ -442,15 +431,9 @@ class Engine:
     def with_fallback(self, run):
         """``run()``, and once more on the generic path if it finds the model not block-sequential ([Note:
         generic fallback], recovery.py)."""
-        w = self.window  # (after steps too, a loaded checkpoint's: the moments go over to the generic unit)
-        possible = (
-            self._adapter_kind == "auto"
-            and self.adapter.streaming
-            and w.micro_steps == 0
-            and w.pending is None
-            and not w.held
-            and not w.announced
-        )
+        # no window open (after steps too, a loaded checkpoint's: the moments go over to the generic unit)
+        w = self.window
+        possible = self._adapter_kind == "auto" and self.adapter.streaming and not (w.in_progress() or w.held)
         return recovery.run_with_fallback(run, possible, self.dev, self._discard_step, self._become_generic)
 
     def _become_generic(self, err) -> None:
@@ -550,21 +533,18 @@ class Engine:
         self.clock.end(self.tier)
         self.lifecycle.end_applying()
 
-    # ------------------------------------------------------------------ the DeepSpeed-shaped loop's evaluation
+    # ------------------------------------------------------------------ evaluation and generation
 
     def generate(self, *args, **kwargs):
         """The model's ``generate``: in the hooked mode on the device, each unit streamed ([Note: generation in the
         hooked mode], step/hooked.py); otherwise the module's own over the current host weights (zerofit.generate
         streams a decoder-only model's blocks through the GPU)."""
-        hooked = self.schedule.hooked
-        if hooked is None:
+        if self.schedule.hooked is None:
             return self.module.generate(*args, **kwargs)  # type: ignore[operator]  # (a transformers model's method)
         self.check_open()
         with self.guard(discard_step=False):
-            self.wait()  # the last step's updates are in the masters the uploads read
-            self.streamer.refresh_shell()
-            with self.compute.shell_weights(self.compute.leaves(self.shell, grad=False)):
-                return hooked.generate(self.adapter.model, *args, **kwargs)
+            self._apply_pending()  # the last step's updates are in the masters the uploads read
+            return self.schedule.generate(*args, **kwargs)
 
     def forward_no_grad(self, batch: dict):
         """The model's output for ``batch`` without autograd; no state of a step is touched or kept."""
@@ -624,19 +604,8 @@ class Engine:
         return out
 
     def memory_stats(self) -> dict[str, int]:
-        self.clock.note_host()
-        return {
-            "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.dev.device) if self.dev.is_cuda else 0,
-            "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.dev.device) if self.dev.is_cuda else 0,
-            # the caching allocator freed its cache and retried an allocation (each a device sync)
-            "gpu_alloc_retries": (
-                torch.cuda.memory_stats(self.dev.device).get("num_alloc_retries", 0) if self.dev.is_cuda else 0
-            ),
-            "gpu_predicted_bytes": self.planning.current.device_total,
-            "host_bytes": psutil.Process().memory_info().rss,
-            "host_peak_bytes": self.clock.peak_host,
-            "host_predicted_bytes": self.plan.host_total,
-        }
+        """Device and host bytes now, at their peak and as planned (Timeline.memory_stats)."""
+        return self.clock.memory_stats(self.planning.current.device_total, self.plan.host_total)
 
     def train(self, mode: bool = True):
         self._model.train(mode)

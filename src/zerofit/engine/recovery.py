@@ -46,27 +46,35 @@ def run_with_fallback(run, possible: bool, dev, discard, become_generic):
         return run()
 
 
+def _planned(model, adapter: Adapter, *, config, dev, ranks, frozen, nf4=None):
+    """``adapter``'s parameter table, shape and planning; PlanError where its plan does not fit."""
+    table = param_table(model, adapter)
+    shape = model_shape(model, adapter, table, frozen, nf4)
+    planning = Planning(
+        config, adapter, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks, seq_len=config.seq_len
+    )
+    return table, shape, planning
+
+
+def _hooked(model, config) -> Adapter:
+    """The hooked mode's adapter ([Note: the hooked mode]); PlanError where no module of the model can be a unit."""
+    hooked = Adapter(model, "hooked", config.hooked_units, config.hooked_share)
+    if not hooked.blocks:
+        raise PlanError("no module of the model can be a unit")
+    return hooked
+
+
 def generic_plan(err: NonSequentialModel, *, model, config, dev, ranks, frozen: frozenset | None = None):
     """The generic path's adapter, parameter table, shape and planning; where the device has no room for the whole
     model, the hooked mode's; NonSequentialModel (the engine intact) where neither fits."""
+    kw = dict(config=config, dev=dev, ranks=ranks, frozen=frozen)
     generic = Adapter(model, "generic")
-    table = param_table(model, generic)
-    shape = model_shape(model, generic, table, frozen)
     try:  # refused here, the streaming engine is intact
-        planning = Planning(
-            config, generic, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks, seq_len=config.seq_len
-        )
+        planned = _planned(model, generic, **kw)
     except PlanError as e:
-        # [Note: the hooked mode]: streamed by its modules' calls where the device cannot hold it whole
-        hooked = Adapter(model, "hooked", config.hooked_units, config.hooked_share)
-        table = param_table(model, hooked)
-        shape = model_shape(model, hooked, table, frozen)
-        try:
-            if not hooked.blocks:
-                raise PlanError("no module of the model can be a unit")
-            planning = Planning(
-                config, hooked, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks, seq_len=config.seq_len
-            )
+        try:  # streamed by its modules' calls where the device cannot hold it whole
+            hooked = _hooked(model, config)
+            planned = _planned(model, hooked, **kw)
         except PlanError as again:
             raise NonSequentialModel(
                 f"{err.reason}; and neither the generic path (the whole model resident on the device: {e}) nor the "
@@ -80,27 +88,27 @@ def generic_plan(err: NonSequentialModel, *, model, config, dev, ranks, frozen: 
             e,
             hooked.num_blocks,
         )
-        return hooked, table, shape, planning
+        return (hooked, *planned)
     log.warning(
         "zerofit: %s, so this model cannot stream block by block: it trains on the generic path "
         "instead (the whole model as one unit). Pass adapter='generic' to skip this check, or "
         "adapter='blocks' to refuse.",
         err.reason,
     )
-    return generic, table, shape, planning
+    return (generic, *planned)
 
 
 def resident_or_hooked(model, adapter: Adapter, *, config, dev, ranks, frozen: frozenset, nf4=None) -> Adapter:
     """[Note: the hooked mode] chosen by the engine: a model with no chain of blocks (``adapter`` found none) trains
     as one resident unit where the device holds it whole, else in the hooked mode, when it has units."""
-    shape = model_shape(model, adapter, param_table(model, adapter), frozen, nf4)
     try:
-        Planning(config, adapter, shape, on_cuda=dev.is_cuda, device=dev.device, ranks=ranks, seq_len=config.seq_len)
+        _planned(model, adapter, config=config, dev=dev, ranks=ranks, frozen=frozen, nf4=nf4)
         return adapter
     except PlanError as e:
-        hooked = Adapter(model, "hooked", config.hooked_units, config.hooked_share)
-        if not hooked.blocks:
-            raise
+        try:
+            hooked = _hooked(model, config)
+        except PlanError:
+            raise e from None
         log.warning(
             "zerofit: the model has no chain of blocks and the device cannot hold it whole (%s): it streams in the "
             "hooked mode, by its modules' calls (%d units). Pass adapter='hooked' to choose it yourself.",

@@ -100,6 +100,10 @@ class Streamer:
         """No copy or kernel is in flight (the caller waited for the device): every slot is empty and every
         streamed unit ON_HOST, to be uploaded again when next needed (see [Note: slot reuse])."""
         self.kept = {}  # its slots were carved from the gradient buffers
+        self._all_on_host()
+
+    def _all_on_host(self) -> None:
+        """Every slot empty, every streamed unit ON_HOST without a slot (the device idle: the caller waited)."""
         if self.pool is not None:
             self.pool.empty()
         for u in self.blocks:
@@ -110,11 +114,7 @@ class Streamer:
         """The masters were written from outside (a checkpoint load; the device is idle): no slot holds a weight,
         every streamed unit is ON_HOST, and a host-optimized resident shell is uploaded again before its next use
         ([Note: engine consistency after a load], store.py)."""
-        if self.pool is not None:
-            self.pool.empty()
-        for u in self.blocks:
-            if u.home is Home.STREAMED:
-                u.streamed.slot, u.streamed.state, u.streamed.ready_event = None, WeightState.ON_HOST, None
+        self._all_on_host()  # (a window's kept blocks stay: a load comes between windows)
         if not self.shell.optimizer_on_device and self.shell.home is Home.RESIDENT:
             self.shell.streamed.dirty = True
 

@@ -192,6 +192,14 @@ class Adapter:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    def describe_units(self) -> str:
+        """The hooked mode's units, for the start-up log."""
+        shown = ", ".join(self.paths[:4]) + (", ..." if len(self.paths) > 4 else "")
+        return (
+            f"the hooked mode: {len(self.paths)} units streamed by their modules' calls ({shown}), the rest of the "
+            "model on the device"
+        )
+
     def block_prefix(self, i: int) -> str:
         if self.hooked:
             return self.paths[i]

@@ -483,6 +483,14 @@ class Planning:
         """The disk tier's speed, measured on its swap file, is part of the plan (its description shows it)."""
         self.plan = dataclasses.replace(self.plan, disk_speed=(write, read))
 
+    def disk_speed(self, tier: DiskTier | None) -> dict:
+        """The disk tier's write and read speed measured on its swap file at initialize ({} without a tier)."""
+        if tier is None:
+            return {}
+        assert self.plan.disk_speed is not None  # measured on its swap file when the tier was opened
+        w, r = self.plan.disk_speed
+        return {"write_gb_per_s": w, "read_gb_per_s": r, "direct_io": tier.file.direct}
+
     def open_tier(self, deferred: bool) -> DiskTier | None:
         """The disk tier the plan asks for: its file reserved under ``offload.nvme_path`` and its speed measured
         (preflight: a path that cannot hold it fails here, before anything else is allocated)."""

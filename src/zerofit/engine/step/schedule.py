@@ -161,6 +161,14 @@ class Schedule:
             micro.grad = x  # holds the final hidden state until the post pass
         return micros
 
+    def generate(self, *args, **kwargs):
+        """The hooked mode's ``generate`` ([Note: generation in the hooked mode], hooked.py), with the shell's
+        current device weights in the model for the call."""
+        assert self.hooked is not None  # (the engine asks only in the hooked mode)
+        self.streamer.refresh_shell()
+        with self.compute.shell_weights(self.compute.leaves(self.shell, grad=False)):
+            return self.hooked.generate(self.adapter.model, *args, **kwargs)
+
     # ------------------------------------------------------------------ post pass
 
     def _into_shell(self, grads: list, names: list[str]) -> None:

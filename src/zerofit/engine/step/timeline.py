@@ -12,10 +12,9 @@ import time
 from typing import TYPE_CHECKING
 
 import psutil
+import torch
 
 if TYPE_CHECKING:
-    import torch
-
     from zerofit.engine.device import Device
     from zerofit.engine.update.worker import HostWorker
 
@@ -70,6 +69,22 @@ class Timeline:
 
     def note_host(self) -> None:
         self.peak_host = max(self.peak_host, psutil.Process().memory_info().rss)
+
+    def memory_stats(self, device_planned: int, host_planned: int) -> dict[str, int]:
+        """The device's peak allocated and reserved bytes and its allocator's retries, the host's bytes now and at
+        their peak, beside what the plan predicted (``device_planned``, ``host_planned``)."""
+        self.note_host()
+        cuda, device = self.dev.is_cuda, self.dev.device
+        return {
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0,
+            "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else 0,
+            # the caching allocator freed its cache and retried an allocation (each a device sync)
+            "gpu_alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0,
+            "gpu_predicted_bytes": device_planned,
+            "host_bytes": psutil.Process().memory_info().rss,
+            "host_peak_bytes": self.peak_host,
+            "host_predicted_bytes": host_planned,
+        }
 
     def timeline(self) -> dict[str, float]:
         """Seconds per phase of the last step: step (wall), compute (device), upload, download,

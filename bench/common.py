@@ -60,10 +60,14 @@ class Workload:
     max_positions: int = 4096
     lora: bool = False  # W6: LoRA (LORA below) over the frozen base, through peft.get_peft_model
     qlora: bool = False  # W6c: the base's linears in NF4 with double quantization (bitsandbytes' format)
+    # llama: LlamaForCausalLM; t5: T5ForConditionalGeneration (seq input tokens, target_seq label tokens);
+    # unet: anymodels.UNetLlama (Llama's layers with a U-Net's long skips: not a chain of blocks)
+    family: str = "llama"
+    target_seq: int = 0  # t5: label tokens per sequence
 
     @property
     def tokens_per_step(self) -> int:
-        return self.micro_batch * self.seq * self.grad_accum
+        return self.micro_batch * (self.seq + self.target_seq) * self.grad_accum
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -201,6 +205,41 @@ WORKLOADS["L8"] = Workload(
 )
 WORKLOADS["L8-full"] = dataclasses.replace(WORKLOADS["L8"], name="L8-full", lora=False)
 WORKLOADS["L13"] = dataclasses.replace(WORKLOADS["W3"], name="L13", micro_batch=1, seq=65536, grad_accum=1, lora=True)
+
+
+# Models that are not one chain of decoder blocks (bench/anymodels.py; docs/benchmarks.md, "Any model"). T5-XL and
+# T5-XXL: Flan-T5's shapes (2.85 B and 11.3 B parameters), 8 sequences of 512 input and 128 target tokens per
+# micro-batch, 4 micro-batches; U7: W2's Llama-2-7B shape as a U-Net, W2's batch.
+WORKLOADS["T5-XL"] = Workload(
+    "T5-XL",
+    hidden=2048,
+    intermediate=5120,
+    layers=24,
+    heads=32,
+    kv_heads=32,
+    vocab=32128,
+    tied=False,
+    micro_batch=8,
+    seq=512,
+    target_seq=128,
+    family="t5",
+)
+WORKLOADS["T5-XXL"] = dataclasses.replace(WORKLOADS["T5-XL"], name="T5-XXL", hidden=4096, intermediate=10240, heads=64)
+WORKLOADS["T5-smoke"] = dataclasses.replace(
+    WORKLOADS["T5-XL"],
+    name="T5-smoke",
+    hidden=128,
+    intermediate=256,
+    layers=2,
+    heads=2,
+    micro_batch=2,
+    seq=32,
+    target_seq=8,
+    vocab=512,
+    cap=None,
+)
+WORKLOADS["U7"] = dataclasses.replace(WORKLOADS["W2"], name="U7", family="unet")
+WORKLOADS["U-smoke"] = dataclasses.replace(WORKLOADS["smoke"], name="U-smoke", family="unet", tied=False)
 
 
 def with_seq(w: Workload, seq: int | None) -> Workload:
@@ -426,6 +465,45 @@ def llama_config(w: Workload):
     )
 
 
+def model_class(w: Workload):
+    """The workload's model class: transformers' Llama or T5, or the U-Net of bench/anymodels.py."""
+    if w.family == "t5":
+        from transformers import T5ForConditionalGeneration
+
+        return T5ForConditionalGeneration
+    if w.family == "unet":
+        from anymodels import UNetLlama
+
+        return UNetLlama
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def model_config(w: Workload):
+    """The workload's model config (its family's)."""
+    if w.family == "t5":
+        from anymodels import t5_config
+
+        return t5_config(w)
+    return llama_config(w)
+
+
+def build_meta(w: Workload):
+    """The workload's model on the meta device."""
+    import torch
+
+    with torch.device("meta"):
+        return model_class(w)(model_config(w))
+
+
+def batch_dict(item) -> dict:
+    """One micro-batch as the model takes it: token ids (their own labels), or a (source, target) pair."""
+    if isinstance(item, tuple):
+        return {"input_ids": item[0], "labels": item[1]}
+    return {"input_ids": item, "labels": item}
+
+
 def zerofit_config(w: Workload, lora: bool = False) -> dict:
     """zerofit's config for workload ``w`` (WORKLOADS.md's common settings): bf16, AdamW lr 1e-4 (LoRA: 2e-4) and
     weight decay 0.01, activation checkpointing, the workload's batch."""
@@ -441,12 +519,7 @@ def zerofit_config(w: Workload, lora: bool = False) -> dict:
 
 def count_parameters(w: Workload) -> int:
     """P: the model's parameter count (tied weights once), from a meta-device build."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(llama_config(w))
-    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
+    return sum(p.numel() for p in build_meta(w).parameters())  # parameters() yields a tied one once
 
 
 def build_model(w: Workload, device: str, dtype=None, init_in_dtype: bool = False):
@@ -460,10 +533,8 @@ def build_model(w: Workload, device: str, dtype=None, init_in_dtype: bool = Fals
     initialized in ``dtype`` itself (no fp32 copy first: the 13B base's 52 GB would be the GPU peak of W6's plain run).
     """
     import torch
-    from transformers import LlamaForCausalLM
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(llama_config(w))
+    model = build_meta(w)
     if dtype is not None and init_in_dtype:
         model.to(dtype)
     model.to_empty(device=device)
@@ -486,11 +557,23 @@ def make_batches(w: Workload, steps: int, seed: int = 0):
     """``steps`` optimizer steps of uniform random tokens on the CPU.
 
     Returns a list (per step) of lists (per micro-batch) of int64 tensors of
-    shape (micro_batch, seq); labels are the same tensor (the model shifts them).
+    shape (micro_batch, seq); labels are the same tensor (the model shifts them). An encoder-decoder's micro-batch is
+    a pair: (micro_batch, seq) input tokens and (micro_batch, target_seq) labels (:func:`batch_dict`).
     """
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    if w.family == "t5":
+        return [
+            [
+                (
+                    torch.randint(2, w.vocab, (w.micro_batch, w.seq), generator=g),
+                    torch.randint(2, w.vocab, (w.micro_batch, w.target_seq), generator=g),
+                )
+                for _ in range(w.grad_accum)
+            ]
+            for _ in range(steps)
+        ]
     return [
         [torch.randint(0, w.vocab, (w.micro_batch, w.seq), generator=g) for _ in range(w.grad_accum)]
         for _ in range(steps)

@@ -119,7 +119,6 @@ class DeepSpeedEngine:
 
         common.single_process_env()
         import deepspeed
-        from transformers import LlamaForCausalLM
 
         self.torch = torch
         deepspeed.init_distributed(dist_backend="nccl" if args.device.startswith("cuda") else "gloo")
@@ -153,7 +152,7 @@ class DeepSpeedEngine:
         res.extra["ds_config"] = config
         t = time.perf_counter()
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = LlamaForCausalLM(common.llama_config(w))
+            model = common.model_class(w)(common.model_config(w))
         reinit_partitioned(model)
         res.extra["zero_init_s"] = round(time.perf_counter() - t, 1)
         model.gradient_checkpointing_enable(
@@ -181,9 +180,9 @@ class DeepSpeedEngine:
     def step(self, micro_batches):
         torch = self.torch
         losses = []
-        for ids in micro_batches:
-            ids = ids.to(self.device, non_blocking=True)  # (B, S) int64
-            loss = self.engine(input_ids=ids, labels=ids).loss
+        for item in micro_batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in common.batch_dict(item).items()}
+            loss = self.engine(**batch).loss
             self.engine.backward(loss)
             self.engine.step()  # steps the optimizer at the gradient-accumulation boundary
             losses.append(loss.detach())

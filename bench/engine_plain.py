@@ -77,10 +77,10 @@ class Plain:
         torch = self.torch
         g = len(micro_batches)
         total = torch.zeros((), device=self.device)
-        for ids in micro_batches:
-            ids = ids.to(self.device, non_blocking=True)  # (B, S) int64
+        for item in micro_batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in common.batch_dict(item).items()}
             with torch.autocast(self.device_type, dtype=torch.bfloat16):
-                loss = self.model(input_ids=ids, labels=ids).loss
+                loss = self.model(**batch).loss
             (loss / g).backward()
             total += loss.detach() / g
         if self.clip:  # global-norm clipping, as the Hugging Face Trainer does (max_grad_norm 1.0)

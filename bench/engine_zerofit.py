@@ -36,11 +36,7 @@ _LIVE: list = []  # engines to release before the process exits at once (common.
 
 def build(w, lora: bool, seed: int = 0):
     """The workload's model on the meta device; with ``lora``, the PEFT model over it (adapters real, on the CPU)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(common.llama_config(w))
+    model = common.build_meta(w)
     if not lora:
         return model
     from zerofit.lora.model import LoraOptions, wrap
@@ -73,14 +69,10 @@ def estimate_apart(workload, config: dict, lora: bool = False) -> tuple[dict, st
 
 
 def _estimate_child(workload, config: dict, lora: bool, send) -> None:
-    import torch
-    from transformers import LlamaForCausalLM
-
     from zerofit.estimate import estimate
 
     try:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(common.llama_config(workload))
+        model = common.build_meta(workload)
         L = common.LORA  # LoRA: estimate's own wrap (with_lora), W6's settings
         est = estimate(model, config, lora=dict(r=L.r, alpha=L.alpha, targets=list(L.targets)) if lora else None)
         send.send((est.to_dict(), est.render()))
@@ -133,6 +125,9 @@ class Zerofit:
             res.extra["kernels"] = kernels.describe()
             res.extra["compile_seconds"] = kernels.compile_seconds  # filled by the first step's calls
         res.extra["plan"] = self.engine.plan.describe()
+        # how the model streams: a chain of blocks, or its units in the hooked mode (docs/engine.md)
+        res.extra["streaming"] = "hooked" if self.engine.adapter.hooked else "chain"
+        res.extra["units"] = len(self.engine.blocks)
         tier = getattr(self.engine, "_tier", None)
         if tier is not None:
             res.extra["disk"] = {
@@ -145,7 +140,7 @@ class Zerofit:
         print(f"[zerofit] {res.extra['plan']}", flush=True)
 
     def step(self, micro_batches):
-        batches = [{"input_ids": ids, "labels": ids} for ids in micro_batches]
+        batches = [common.batch_dict(item) for item in micro_batches]
         if self.args.api == "deepspeed":  # DeepSpeed-shaped code: one micro-batch per call
             total = 0.0
             if self.args.announce:  # the window's micro-batches announced first (engine.forward_window)

@@ -60,6 +60,7 @@ ENGINES = (
     "fsdp1-fabric",
     "zerofit-exact",
     "zerofit-fast",
+    "zerofit-hooked",
     "plain-liger",
     "unsloth",
 )
@@ -85,6 +86,8 @@ VARIANTS = {
     # the engine's kernels ([Note: fast kernels]) named, and the in-GPU peer with Liger-Kernel's
     "zerofit-exact": ("zerofit", ["--set", "kernels=exact"]),
     "zerofit-fast": ("zerofit", ["--set", "kernels=fast"]),
+    # the hooked mode forced (docs/engine.md): a chain of blocks streamed as any model is, against its block chain
+    "zerofit-hooked": ("zerofit", ["--set", "adapter=hooked"]),
     "plain-liger": ("plain", ["--liger"]),
 }
 GiB = 2**30

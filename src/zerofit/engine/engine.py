@@ -536,11 +536,8 @@ class Engine:
     # ------------------------------------------------------------------ evaluation and generation
 
     def generate(self, *args, **kwargs):
-        """The model's ``generate``: in the hooked mode on the device, each unit streamed ([Note: generation in the
-        hooked mode], step/hooked.py); otherwise the module's own over the current host weights (zerofit.generate
-        streams a decoder-only model's blocks through the GPU)."""
-        if self.schedule.hooked is None:
-            return self.module.generate(*args, **kwargs)  # type: ignore[operator]  # (a transformers model's method)
+        """The model's ``generate`` on the device over the current weights, each streamed unit uploaded at its call
+        ([Note: generation over the engine's weights], [Note: generation in the hooked mode], step/hooked.py)."""
         self.check_open()
         with self.guard(discard_step=False):
             self._apply_pending()  # the last step's updates are in the masters the uploads read

@@ -217,6 +217,20 @@ def build_parts(i: PartsInputs) -> Parts:
         if i.adapter.hooked
         else None
     )
+    # [Note: generation over the engine's weights] (step/hooked.py): a chain's blocks streamed by their calls
+    generation = (
+        None
+        if i.adapter.hooked
+        else Hooked(
+            blocks,
+            list(i.adapter.blocks),
+            compute=compute,
+            streamer=streamer,
+            grads=grads,
+            stepper=stepper,
+            cyclic=True,
+        )
+    )
     schedule = Schedule(
         config=cfg,
         dev=dev,
@@ -230,6 +244,7 @@ def build_parts(i: PartsInputs) -> Parts:
         host_updates=host_updates,
         lifecycle=i.lifecycle,
         hooked=hooked,
+        generation=generation,
     )
     window = Window(
         config=cfg,

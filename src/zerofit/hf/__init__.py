@@ -66,10 +66,12 @@ import transformers
 
 from zerofit.hf import hooks
 from zerofit.hf.arguments import FIELDS, UnsupportedArgumentError
+from zerofit.hf.rl import GRPOMixin, is_grpo_trainer
 from zerofit.hf.trainer import EngineModel, EngineOptimizer, EngineSchedule, ZerofitTrainerMixin
 
 __all__ = [
     "Trainer",
+    "GRPOTrainer",
     "ZerofitTrainerMixin",
     "with_zerofit",
     "UnsupportedArgumentError",
@@ -93,12 +95,24 @@ def with_zerofit(trainer_cls: type) -> type:
         raise TypeError(f"with_zerofit takes a transformers.Trainer subclass, got {trainer_cls!r}")
     if issubclass(trainer_cls, ZerofitTrainerMixin):
         return trainer_cls
+    front: tuple[type, ...] = (GRPOMixin,) if is_grpo_trainer(trainer_cls) else ()  # [Note: GRPO on the engine]
     return type(
         trainer_cls.__name__,
-        (ZerofitTrainerMixin, trainer_cls),
+        (*front, ZerofitTrainerMixin, trainer_cls),
         {
             "__module__": trainer_cls.__module__,
             "__qualname__": trainer_cls.__qualname__,
             "__doc__": trainer_cls.__doc__,
         },
     )
+
+
+def __getattr__(name: str):
+    """``GRPOTrainer``: TRL's, on zerofit ([Note: GRPO on the engine], rl.py); TRL is imported when it is asked for."""
+    if name == "GRPOTrainer":
+        import trl
+
+        cls = with_zerofit(trl.GRPOTrainer)
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -69,6 +69,20 @@ class EngineModel(nn.Module):
     def _get_name(self):
         return self.module._get_name()
 
+    # zerofit checkpoints every block itself: the model's own switch stays off under the engine (TRL's generation
+    # helpers read it, and turn it off and on again around a generate)
+    is_gradient_checkpointing = False
+
+    def gradient_checkpointing_disable(self) -> None:
+        return None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        return None
+
+    def generate(self, *args, **kwargs):
+        """The model's ``generate`` over the engine's current weights (Engine.generate)."""
+        return self.engine.generate(*args, **kwargs)
+
     def parameters(self, recurse: bool = True):
         return self.module.parameters(recurse)
 
@@ -250,6 +264,8 @@ class ZerofitTrainerMixin:
             window
             and len(window) > 1
             and inputs is window[0]
+            and isinstance(inputs, dict)
+            and "input_ids" in inputs  # the model's own inputs (an RL trainer's are prompts it generates from)
             and engine is not None
             and engine.window_stats["mismatched"] == 0
         ):

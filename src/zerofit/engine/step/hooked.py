@@ -118,8 +118,10 @@ class Hooked:
         streamer: Streamer,
         grads: Grads,
         stepper: Step,
+        cyclic: bool = False,
     ) -> None:
         self.units, self.modules = units, modules
+        self.cyclic = cyclic  # [Note: generation over the engine's weights]: a chain's blocks, in order, each forward
         self.compute, self.streamer, self.grads, self.stepper = compute, streamer, grads, stepper
         self.pending = [0] * len(units)  # per unit: its calls of this micro-batch whose backward has not run
         self.anchors: list[torch.Tensor] = []
@@ -160,7 +162,14 @@ class Hooked:
                         module.forward = before
 
     def generate(self, model: nn.Module, *args: Any, **kwargs: Any):
-        """[Note: generation in the hooked mode]
+        """[Note: generation over the engine's weights]
+        A chain's engine generates the same way (the engine's ``generate``, TRL's trainers' completions): its blocks
+        are this part's units with ``cyclic`` on, each block's call uploading its weights from the engine's own host
+        state (the current step's, the last updates applied first) into a slot, and prefetching the blocks after it
+        in the chain's order, wrapping to the next token's forward. No second copy of the weights exists, on the host
+        or the device; the key/value cache is the model's own.
+
+        [Note: generation in the hooked mode]
         The model's own ``generate`` (an encoder-decoder's too) with its units streamed as in an evaluation forward:
         each unit's call uploads its weights, computes (with the model's own key/value cache: generation keeps it)
         and lets the slot go; the caller holds the shell's device weights in the model for the call. Its tensors
@@ -208,8 +217,13 @@ class Hooked:
             self.calls.append(i)
             if self.order[: k + 1] == self.calls:  # the recorded order, so far
                 self._prefetch(unit, self.order[k + 1 :])
+        elif self.cyclic:
+            n = len(self.units)
+            self._prefetch(unit, [(i + k) % n for k in range(1, n)])
         try:
-            leaves = self.compute.leaves(unit, grad=grad)
+            # a generation's leaves take a gradient as a loaded model's parameters do, under no_grad: ATen's matmul
+            # picks its kernel by that ([Note: same kernels], zerofit/infer/engine.py)
+            leaves = self.compute.leaves(unit, grad=grad or self.cyclic)
             args, kwargs = call
             with _reparametrize_module(self.modules[i], leaves, strict=False):
                 return self._forward_of(i)(*args, **kwargs)

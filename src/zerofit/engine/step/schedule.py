@@ -91,9 +91,12 @@ class Schedule:
         host_updates: HostUpdates,
         lifecycle: Lifecycle,
         hooked: Hooked | None = None,
+        generation: Hooked | None = None,
     ) -> None:
         self.config, self.dev, self.adapter = config, dev, adapter
         self.hooked = hooked  # the hooked mode's calls ([Note: the hooked mode], model/hooked.py), or None
+        # a chain's blocks called one by one for generate ([Note: generation over the engine's weights], hooked.py)
+        self.generation = generation
         self.shell, self.blocks = units[0], units[1:]
         self.compute, self.streamer, self.activations, self.grads, self.step = (
             compute,
@@ -162,12 +165,14 @@ class Schedule:
         return micros
 
     def generate(self, *args, **kwargs):
-        """The hooked mode's ``generate`` ([Note: generation in the hooked mode], hooked.py), with the shell's
-        current device weights in the model for the call."""
-        assert self.hooked is not None  # (the engine asks only in the hooked mode)
+        """The model's ``generate`` with each streamed unit uploaded at its call ([Note: generation in the hooked
+        mode], [Note: generation over the engine's weights], hooked.py), with the shell's current device weights in
+        the model for the call."""
+        calls = self.hooked or self.generation
+        assert calls is not None  # (built for every engine but the hooked mode's, which has its own)
         self.streamer.refresh_shell()
-        with self.compute.shell_weights(self.compute.leaves(self.shell, grad=False)):
-            return self.hooked.generate(self.adapter.model, *args, **kwargs)
+        with self.compute.shell_weights(self.compute.leaves(self.shell, grad=calls.cyclic)):
+            return calls.generate(self.adapter.model, *args, **kwargs)
 
     # ------------------------------------------------------------------ post pass
 

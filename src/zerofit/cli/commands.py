@@ -134,6 +134,21 @@ def estimate(
     context: Annotated[
         int | None, typer.Option(min=2, help="With --serve: tokens per request (default: the model's, <= 4096).")
     ] = None,
+    grpo: Annotated[
+        bool,
+        typer.Option(
+            "--grpo",
+            help="Plan a GRPO run (TRL's GRPOTrainer on zerofit): generation, scoring, training (docs/rl.md).",
+        ),
+    ] = False,
+    prompt_len: Annotated[int, typer.Option(min=1, help="With --grpo: tokens per prompt.")] = 256,
+    completion_len: Annotated[int, typer.Option(min=1, help="With --grpo: max_completion_length.")] = 1024,
+    generations: Annotated[int, typer.Option(min=1, help="With --grpo: num_generations per prompt.")] = 8,
+    prompts: Annotated[int, typer.Option(min=1, help="With --grpo: prompts per optimizer step.")] = 1,
+    beta: Annotated[float, typer.Option(min=0.0, help="With --grpo: the KL weight (> 0 scores a reference).")] = 0.0,
+    iterations: Annotated[
+        int, typer.Option(min=1, help="With --grpo: num_iterations (> 1 scores the old policy).")
+    ] = 1,
 ) -> None:
     """The plan zerofit would choose, the GPU, host and disk bytes it needs and the predicted step time,
     without allocating the model. When nothing fits: what would, with the numbers (exit 2)."""
@@ -184,16 +199,37 @@ def estimate(
         meta = model if model is not None else meta_model(shape=shape)  # a folder: its config.json alone
         if qlora:
             base["quantize_base"] = "nf4"
-        est = run_estimate(
-            meta,
-            base,
-            measure=measure,
-            gpu=not cpu,
-            lora=lora or qlora or None,
-            nnodes=nnodes,
-            inter_node_gb_per_s=inter_node_gbps,
-            **overrides,
-        )
+        if grpo:
+            from zerofit.estimate.grpo import estimate_grpo
+
+            for key in ("max_gpu_memory", "max_host_memory"):
+                if key in overrides:
+                    base[key] = overrides[key]
+            est = estimate_grpo(
+                meta,
+                base,
+                prompt_len=prompt_len,
+                completion_len=completion_len,
+                generations=generations,
+                prompts=prompts,
+                micro_batch_size=micro_batch_size,
+                beta=beta,
+                num_iterations=iterations,
+                lora=lora or qlora or None,
+                measure=measure,
+                gpu=not cpu,
+            )
+        else:
+            est = run_estimate(  # type: ignore[assignment]
+                meta,
+                base,
+                measure=measure,
+                gpu=not cpu,
+                lora=lora or qlora or None,
+                nnodes=nnodes,
+                inter_node_gb_per_s=inter_node_gbps,
+                **overrides,
+            )
     except (ConfigError, WeightFileError, ValueError) as e:
         fail(console, f"{type(e).__name__}: {e}")
     if as_json:

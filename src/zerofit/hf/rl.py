@@ -27,6 +27,12 @@ from __future__ import annotations
 
 import torch
 
+from zerofit.errors import InputError
+
+
+class GenerationTooLarge(InputError, RuntimeError):
+    """A GRPO step's completions cannot generate within the GPU budget beside the engine's placement."""
+
 
 class GRPOMixin:
     """Put before :class:`~zerofit.hf.trainer.ZerofitTrainerMixin` over TRL's ``GRPOTrainer`` (``with_zerofit`` does):
@@ -51,6 +57,22 @@ class GRPOMixin:
         elif model is not None and model is getattr(self, "ref_model", None):
             model = self._zerofit_reference()
         return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)  # type: ignore[misc]
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        """TRL's generation, refused by name first where its key/value cache cannot fit beside the engine's
+        placement (zerofit estimate --grpo plans the same)."""
+        engine = self._zerofit_current()  # type: ignore[attr-defined]
+        budget = engine.config.max_gpu_memory if engine.dev.is_cuda else None
+        if budget:
+            from zerofit.estimate.grpo import generation_refusal
+            from zerofit.estimate.serve import serve_shape
+
+            length = max(len(p) for p in prompt_ids) + self.max_completion_length  # type: ignore[attr-defined]
+            shape = serve_shape(engine.adapter.model, engine.dtype)
+            refusal = generation_refusal(engine.plan, shape, len(prompt_ids), length, budget)
+            if refusal:
+                raise GenerationTooLarge(refusal)
+        return super()._generate_single_turn(prompt_ids, *args, **kwargs)  # type: ignore[misc]
 
     def _zerofit_reference(self):
         """The reference model's forwards: an InferenceEngine over it, on the training engine's device, within the

@@ -1,0 +1,45 @@
+"""``zerofit estimate --grpo`` (zerofit/estimate/grpo.py): the training step planned at the run's batch, the
+generation's key/value cache counted beside the placement it generates on, and a run whose cache cannot fit refused
+by name, by the estimate and by the trainer at its first generation (the same check)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerofit.estimate import meta_model
+from zerofit.estimate.grpo import estimate_grpo, generation_refusal
+from zerofit.estimate.serve import serve_shape
+
+CFG = {"max_gpu_memory": "24GiB", "max_host_memory": "100GiB"}
+
+
+def _grpo(**kw):
+    args = dict(prompt_len=256, completion_len=1024, generations=8, prompts=2, lora=True, measure=False, gpu=True)
+    return estimate_grpo(meta_model(shape="llama-3.1-8b"), dict(CFG), **(args | kw))
+
+
+def test_an_8b_lora_run_fits_24_gib_with_its_cache_counted():
+    e = _grpo(beta=0.04)
+    assert e.refusal is None and e.training.plan is not None
+    b = e.training.batch
+    assert (b.micro_batch, b.grad_accum, b.seq_len) == (8, 2, 1280)  # 2 x 8 sequences of 256 + 1024 tokens
+    # Llama-3.1-8B: 32 layers x 8 KV heads x 128, keys and values in bf16, for 16 sequences of 1,280 tokens
+    assert e.kv_bytes == 2 * 32 * 8 * 128 * 2 * 16 * 1280
+    assert e.kv_bytes < e.generation_device_bytes <= 24 * 2**30
+    assert 0 < e.streamed_bytes_per_token < 16 * 2**30 and e.scoring_passes == 1
+    assert "KV cache of 16 x 1280 tokens" in e.render() and "scoring: 1 forward" in e.render()
+
+
+def test_a_cache_that_cannot_fit_is_refused_by_name():
+    e = _grpo(prompts=8, generations=16, completion_len=2048, micro_batch_size=1)
+    assert e.training.plan is not None  # the training step alone fits
+    assert e.refusal is not None and e.refusal.startswith("generation: the KV cache of 128 sequences x 2304 tokens")
+    # the trainer's check at its first generation is the same function
+    shape = serve_shape(meta_model(shape="llama-3.1-8b"))
+    assert generation_refusal(e.training.plan, shape, 128, 2304, 24 * 2**30) == e.refusal
+    assert generation_refusal(e.training.plan, shape, 2, 2304, 24 * 2**30) is None
+
+
+def test_a_batch_that_does_not_split_into_micro_batches_is_refused():
+    with pytest.raises(ValueError, match="micro_batch_size 3 does not divide"):
+        _grpo(micro_batch_size=3)

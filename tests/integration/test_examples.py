@@ -27,6 +27,7 @@ SCRIPTS = {
     "accelerate_loop.py": ("accelerate", False),
     "lightning_fabric.py": ("lightning", False),
     "peft_lora.py": ("peft", True),
+    "grpo_arithmetic.py": ("trl", False),  # TRL's GRPOTrainer on zerofit (docs/rl.md)
 }
 
 # "step 1 loss 5.5560" (the scripts' own lines), or the Trainer's logs: {'loss': '5.548', ...} or {'loss': 5.548, ...}

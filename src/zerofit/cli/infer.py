@@ -38,12 +38,15 @@ def _sampling_options(temperature, top_k, top_p, repetition_penalty, stop, seed,
 def inference_engine(
     console: Console, model: Path, max_gpu_memory, dtype, device, max_host_memory=None, nvme=None, adapter=None
 ):
+    """The generation engine for ``model``: the offloaded inference engine, or for an encoder-decoder's folder the
+    hooked mode's (zerofit/infer/seq2seq.py: the choice is made there, by the folder's config)."""
     from zerofit.engine.disk.tier import DiskTierError
-    from zerofit.infer.engine import InferenceEngine
+    from zerofit.engine.plan.search import PlanError
+    from zerofit.infer.seq2seq import open_engine
     from zerofit.models import WeightFileError
 
     try:
-        return InferenceEngine.from_pretrained(
+        return open_engine(
             model,
             adapter=adapter,
             max_gpu_memory=max_gpu_memory,
@@ -52,7 +55,7 @@ def inference_engine(
             max_host_memory=max_host_memory,
             nvme_path=nvme,
         )
-    except (WeightFileError, ValueError, OSError, DiskTierError) as e:
+    except (WeightFileError, ValueError, OSError, DiskTierError, PlanError) as e:
         fail(console, f"cannot load {model}: {e}")
 
 

@@ -90,6 +90,15 @@ def serve(
     from zerofit.models.directory import positions
     from zerofit.serve.adapters import adapter_names
 
+    if adapter:
+        from zerofit.infer.seq2seq import encoder_decoder_config
+
+        config = encoder_decoder_config(model)
+        if config is not None:
+            arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+            fail(
+                err, f"--adapter: adapters are served over a decoder-only base; {model} is an encoder-decoder ({arch})"
+            )
     try:
         adapters = adapter_names(list(adapter or []))
     except ValueError as e:
@@ -109,16 +118,22 @@ def serve(
         fail(err, f"--context {ctx} is longer than the model's {own} positions: give --context {own} or less")
     from zerofit.serve.app import Served, create_app
     from zerofit.serve.scheduler import Scheduler
+    from zerofit.serve.seq2seq import Seq2SeqScheduler
 
     try:
-        sched = Scheduler(
-            engine,
-            slots=max_batch,
-            context=ctx,
-            prefill_tokens=prefill_tokens,
-            max_waiting=max_waiting,
-            adapters=tuple(adapters),
-        )
+        if getattr(engine, "is_encoder_decoder", False):  # [Note: an encoder-decoder's requests, a batch at a time]
+            sched: Scheduler = Seq2SeqScheduler(
+                engine, slots=max_batch, context=ctx, prefill_tokens=prefill_tokens, max_waiting=max_waiting
+            )
+        else:
+            sched = Scheduler(
+                engine,
+                slots=max_batch,
+                context=ctx,
+                prefill_tokens=prefill_tokens,
+                max_waiting=max_waiting,
+                adapters=tuple(adapters),
+            )
     except InferencePlanError as e:
         engine.close()
         fail(err, f"refused before serving: {e} (fewer --max-batch or a shorter --context fit in less)")

@@ -130,7 +130,23 @@ class Scheduler:
         self.adapters = tuple(adapters)
         self.eos = _eos_ids(engine)
         self.pad = _pad_id(self.tok, self.eos)
-        # the plan counts this cache (slots x context) and the largest forward: a prefill of prefill_tokens
+        self._prepare()
+        self._waiting: deque[Sequence] = deque()
+        self._active: list[Sequence] = []
+        self._free = list(range(self.slots))
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.steps = 0  # steps run: one or two forwards each
+        self.forwards = 0  # model forwards run (prefills and decodes)
+        self.rows = 0  # rows over all forwards: rows / forwards is the mean batch
+        self.max_rows = 0
+        self._thread = threading.Thread(target=self._loop, name="zerofit-serve-scheduler", daemon=True)
+        self._thread.start()
+
+    def _prepare(self) -> None:
+        """The placement and the KV cache: the plan counts this cache (slots x context) and the largest forward, a
+        prefill of prefill_tokens."""
+        engine = self.engine
         self.plan = engine.prepare(self.slots, self.context, max(1, self.prefill_tokens // self.slots))
         s = engine.shape
         self.cache = SlotCache(
@@ -143,17 +159,6 @@ class Scheduler:
             device=engine.device,
         )
         self.attn = getattr(_text_config(engine.model), "_attn_implementation", None) or "sdpa"
-        self._waiting: deque[Sequence] = deque()
-        self._active: list[Sequence] = []
-        self._free = list(range(self.slots))
-        self._cond = threading.Condition()
-        self._stopping = False
-        self.steps = 0  # steps run: one or two forwards each
-        self.forwards = 0  # model forwards run (prefills and decodes)
-        self.rows = 0  # rows over all forwards: rows / forwards is the mean batch
-        self.max_rows = 0
-        self._thread = threading.Thread(target=self._loop, name="zerofit-serve-scheduler", daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------------ the server's side
 

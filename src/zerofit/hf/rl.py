@@ -75,8 +75,8 @@ class GRPOMixin:
         return super()._generate_single_turn(prompt_ids, *args, **kwargs)  # type: ignore[misc]
 
     def _zerofit_reference(self):
-        """The reference model's forwards: an InferenceEngine over it, on the training engine's device, within the
-        GPU bytes the training engine's plan leaves of its budget."""
+        """The reference model's forwards: an InferenceEngine over it, on the training engine's device, in its compute
+        dtype, within the GPU bytes the training engine's plan leaves of its budget."""
         if self._zerofit_ref is None:
             from zerofit.infer.engine import InferenceEngine
 
@@ -86,7 +86,11 @@ class GRPOMixin:
                 total = torch.cuda.get_device_properties(engine.dev.device).total_memory
                 cap = engine.config.max_gpu_memory or total
                 budget = max(0, min(cap, total) - engine.plan.device_total)
-            self._zerofit_ref = InferenceEngine(self.ref_model, device=engine.dev.device, max_gpu_memory=budget)
+            # in the policy's compute dtype: the KL compares two forwards of the same rounding (stock TRL runs both
+            # under one autocast)
+            self._zerofit_ref = InferenceEngine(
+                self.ref_model, device=engine.dev.device, dtype=engine.dtype, max_gpu_memory=budget
+            )
         return self._zerofit_ref
 
 

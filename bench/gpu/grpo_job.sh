@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GRPO on one GPU (docs/rl.md; bench/grpo_bench.py), detached (a device call lays the tree anew). TRL and what it
+# needs beyond the GPU machine's image (trl, datasets and its needs: pip download --no-deps, as bench/README.md says
+# for the peers) installed first:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site WHEELS/*.whl
+#   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu/grpo_job.sh start
+# then `bash bench/gpu/grpo_job.sh poll SECONDS` (packs /tmp/run_out into $OUT/all.tgz). GRPO_RUNS picks runs, in this
+# order (default: zf trl long):
+#   zf     the 8B shape (L8), LoRA r 16, 8 completions of 1,024 tokens from a 256-token prompt: zerofit at 24 GiB
+#   trl    the same, TRL + PEFT in the GPU with no cap
+#   long   zerofit at 24 GiB with completions of GRPO_LONG tokens each (default 2048 4096 8192), up to the first
+#          that fails
+set -u
+case "$1" in
+start)
+  rm -rf /tmp/run /tmp/run_out && cp -r . /tmp/run && mkdir -p /tmp/run_out
+  cd /tmp/run
+  commit=${COMMIT:-unknown}
+  setsid bash -c "
+    export PYTHONPATH=/tmp/site:/tmp/run/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+    o=/tmp/run_out
+    stamp() { echo \"\$1 rc=\$2 \$(date -u +%H:%M:%S)\" >> \$o/done; }
+    one() { local name=\$1; shift; python3 bench/grpo_bench.py --workload L8 --result \$o/\$name.json \"\$@\" \
+      > \$o/\$name.log 2>&1; local rc=\$?; stamp \$name \$rc; return \$rc; }
+    echo $commit > \$o/commit
+    for run in ${GRPO_RUNS:-zf trl long}; do
+      case \$run in
+      zf) one zf --engine zerofit --cap 24GiB --steps \${GRPO_STEPS:-3};;
+      trl) one trl --engine trl --cap none --steps \${GRPO_STEPS:-3};;
+      long) for n in \${GRPO_LONG:-2048 4096 8192}; do
+          one long_\$n --engine zerofit --cap 24GiB --steps 2 --completion-len \$n || break
+        done;;
+      esac
+    done
+    echo all >> \$o/done
+  " > /dev/null 2>&1 < /dev/null &
+  echo started;;
+poll)
+  . "$(dirname "$0")/lib.sh" && zf_job_poll "${2:-500}";;
+esac

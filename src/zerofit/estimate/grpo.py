@@ -15,11 +15,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from zerofit.config.schema import parse_bytes
+from zerofit.engine.plan.generation import blocks_kept, generation_bytes, generation_refusal, streamed_per_token
 from zerofit.engine.plan.plan import fmt_bytes
 from zerofit.estimate.predict import FORWARD_SHARE, Estimate
-
-# the plan's device items that stay while the model generates (the step's activations, gradient slots and loss do not)
-_KEPT = ("shell", "resident_blocks", "weight_slots", "upload_staging", "allocator_reserve")
 
 
 @dataclass
@@ -33,6 +31,7 @@ class GRPOEstimate:
     kv_bytes: int = 0
     generation_device_bytes: int = 0
     device_budget: int | None = None
+    kept_blocks: int = 0  # streamed blocks the generation keeps on the device ([Note: generation keeps blocks])
     streamed_bytes_per_token: int = 0  # the weights one decode step uploads, for every sequence at once
     upload_gb_per_s: float | None = None
     generation_s: float | None = None  # a floor: the decode steps' uploads at the measured speed
@@ -64,8 +63,9 @@ class GRPOEstimate:
         budget = f" of {fmt_bytes(self.device_budget)}" if self.device_budget else ""
         gen = (
             f"  generation: the KV cache of {n} x {T} tokens {fmt_bytes(self.kv_bytes)}, beside the plan's shell, "
-            f"resident blocks and slots: {fmt_bytes(self.generation_device_bytes)} of the device{budget}; each "
-            f"decode step uploads {fmt_bytes(self.streamed_bytes_per_token)} of streamed weights for all {n}"
+            f"resident blocks and slots, and {self.kept_blocks} streamed blocks kept for the call: "
+            f"{fmt_bytes(self.generation_device_bytes)} of the device{budget}; each decode step uploads "
+            f"{fmt_bytes(self.streamed_bytes_per_token)} of streamed weights for all {n}"
         )
         if self.generation_s is not None and self.upload_gb_per_s:
             gen += (
@@ -85,29 +85,6 @@ class GRPOEstimate:
         if self.refusal:
             lines.append(f"refused: {self.refusal}")
         return "\n".join(lines)
-
-
-def generation_bytes(plan, shape, sequences: int, length: int) -> int:
-    """The device bytes while ``sequences`` of up to ``length`` tokens generate on ``plan``'s placement: what of the
-    plan stays (the shell, the resident blocks, the slots), the key/value cache of every sequence, and the last
-    token's logits of each in fp32."""
-    kept = sum(plan.device_bytes.get(k, 0) for k in _KEPT)
-    return kept + shape.kv_bytes(sequences, length) + sequences * shape.vocab * 4
-
-
-def generation_refusal(plan, shape, sequences: int, length: int, budget: int | None) -> str | None:
-    """Why ``sequences`` of up to ``length`` tokens cannot generate within ``budget`` on ``plan``'s placement, or
-    None where they fit (or there is no budget)."""
-    need = generation_bytes(plan, shape, sequences, length)
-    if not budget or need <= budget:
-        return None
-    kept = sum(plan.device_bytes.get(k, 0) for k in _KEPT)
-    return (
-        f"generation: the KV cache of {sequences} sequences x {length} tokens "
-        f"({fmt_bytes(shape.kv_bytes(sequences, length))}) does not fit beside the plan's shell, resident blocks and "
-        f"slots ({fmt_bytes(kept)}): {fmt_bytes(need)} > max_gpu_memory {fmt_bytes(budget)}; fewer prompts or "
-        "generations per step, a shorter max_completion_length, or fewer resident blocks (offload.resident_blocks)"
-    )
 
 
 def estimate_grpo(
@@ -159,16 +136,21 @@ def estimate_grpo(
     shape = serve_shape(meta, dtype)
     T = prompt_len + completion_len
     out.kv_bytes = shape.kv_bytes(n, T)
-    out.generation_device_bytes = generation_bytes(plan, shape, n, T)
     out.device_budget = parse_bytes(config.get("max_gpu_memory"), "max_gpu_memory")
+    out.generation_device_bytes = generation_bytes(plan, shape, n, T)
     streamed = range(plan.resident_blocks, shape.num_blocks)
     nf4 = est.shape.nf4_bytes
-    out.streamed_bytes_per_token = sum(
+    up = [
         (est.shape.nf4_bytes_of(i) + shape.block_bytes[i] - est.shape.nf4_numels[i + 1] * shape.elem)
         if nf4
         else shape.block_bytes[i]
         for i in streamed
-    )
+    ]
+    slots = plan.weight_slots
+    slot_bytes = plan.device_bytes.get("weight_slots", 0) // max(slots, 1)
+    out.kept_blocks = blocks_kept(plan, shape, n, T, out.device_budget, slot_bytes, max(len(up) - slots, 0))
+    out.generation_device_bytes += out.kept_blocks * slot_bytes
+    out.streamed_bytes_per_token = streamed_per_token(up, out.kept_blocks, slots)
     if out.refusal is None:
         out.refusal = generation_refusal(plan, shape, n, T, out.device_budget)
     step = est.step
@@ -180,7 +162,8 @@ def estimate_grpo(
 
         speeds = {(c.direction, c.host_memory): c.gb_per_s for c in doctor.copy_bandwidth(256 << 20, 3)}
         out.upload_gb_per_s = speeds[("host->gpu", "pinned")]
-        out.generation_s = completion_len * out.streamed_bytes_per_token / (out.upload_gb_per_s * 1e9)
+        once = sum(up)  # every streamed block crosses for the first token (the kept ones stay after it)
+        out.generation_s = (once + completion_len * out.streamed_bytes_per_token) / (out.upload_gb_per_s * 1e9)
     else:
         out.notes.append("the generation's time is not predicted here (no GPU to measure the upload speed)")
     return out

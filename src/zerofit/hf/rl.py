@@ -64,7 +64,7 @@ class GRPOMixin:
         engine = self._zerofit_current()  # type: ignore[attr-defined]
         budget = engine.config.max_gpu_memory if engine.dev.is_cuda else None
         if budget:
-            from zerofit.estimate.grpo import generation_refusal
+            from zerofit.engine.plan.generation import generation_refusal
             from zerofit.estimate.serve import serve_shape
 
             length = max(len(p) for p in prompt_ids) + self.max_completion_length  # type: ignore[attr-defined]

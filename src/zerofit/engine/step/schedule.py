@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zerofit.engine.memory.store import Unit
+from zerofit.engine.memory.store import Home, Unit
 from zerofit.engine.model.adapter import Adapter, PreResult, backward_into, loss_of, post_in_chunks
 from zerofit.engine.plan.search import CKPT_AHEAD
 
@@ -171,8 +171,33 @@ class Schedule:
         calls = self.hooked or self.generation
         assert calls is not None  # (built for every engine but the hooked mode's, which has its own)
         self.streamer.refresh_shell()
-        with self.compute.shell_weights(self.compute.leaves(self.shell, grad=calls.cyclic)):
-            return calls.generate(self.adapter.model, *args, **kwargs)
+        kept = calls.cyclic and self.streamer.keep_for_generation(self._blocks_kept(args, kwargs))
+        try:
+            with self.compute.shell_weights(self.compute.leaves(self.shell, grad=calls.cyclic)):
+                return calls.generate(self.adapter.model, *args, **kwargs)
+        finally:
+            if kept:
+                self.streamer.return_kept()
+
+    def _blocks_kept(self, args: tuple, kwargs: dict) -> int:
+        """[Note: generation keeps blocks] (plan/generation.py): how many streamed blocks this ``generate`` keeps
+        in slots of their own, within ``max_gpu_memory`` (on a GPU, else its size; on the CPU, only a cap set)."""
+        pool = self.streamer.pool
+        budget = self.config.max_gpu_memory
+        if budget is None and self.dev.is_cuda:
+            budget = torch.cuda.get_device_properties(self.dev.device).total_memory
+        if pool is None or not budget:
+            return 0
+        from zerofit.engine.plan.generation import blocks_kept, generation_shape
+        from zerofit.estimate.serve import serve_shape
+
+        streamed = sum(1 for u in self.blocks if u.home is Home.STREAMED)
+        slot = pool.slots[0].tensor
+        sequences, length = generation_shape(self.adapter.model, args, kwargs)
+        shape = serve_shape(self.adapter.model, self.streamer.dtype)
+        plan = self.streamer.planning.plan
+        room = blocks_kept(plan, shape, sequences, length, budget, slot.numel() * slot.element_size(), streamed)
+        return min(room, max(streamed - len(pool.slots), 0))
 
     # ------------------------------------------------------------------ post pass
 

@@ -1,0 +1,78 @@
+"""A generation on a training plan's placement: what it holds on the device, and the streamed blocks it keeps.
+
+[Note: generation keeps blocks]
+The engine's ``generate`` runs between steps on the training plan's placement ([Note: generation over the engine's
+weights], step/hooked.py): the shell, the resident blocks and the weight slots stay; the step's activations, gradient
+slots and loss buffers are not in use, and the model's key/value cache of every sequence takes their place. Every
+decode step runs every block, so a streamed block that must leave its slot for the next one is uploaded again for
+every token: the PCIe bound of a token is the streamed blocks' bytes. Where the device budget has room beyond
+:func:`generation_bytes` (less a block's working set), the streamer keeps that many more streamed blocks in slots of
+their own for the call (Streamer.keep_for_generation): they cross once per call, and when the rest fit the pool's
+slots, no weight crosses after the first token. ``zerofit estimate --grpo`` plans the same numbers.
+"""
+
+from __future__ import annotations
+
+from zerofit.engine.plan.plan import Plan, fmt_bytes
+
+# the plan's device items that stay while the model generates (the step's activations, gradient slots and loss do not)
+KEPT = ("shell", "resident_blocks", "weight_slots", "upload_staging", "allocator_reserve")
+
+
+def generation_bytes(plan: Plan, shape, sequences: int, length: int) -> int:
+    """The device bytes while ``sequences`` of up to ``length`` tokens generate on ``plan``'s placement: what of the
+    plan stays (the shell, the resident blocks, the slots), the key/value cache of every sequence (``shape``: an
+    InferShape, zerofit/infer/plan.py), and the last token's logits of each in fp32."""
+    kept = sum(plan.device_bytes.get(k, 0) for k in KEPT)
+    return kept + shape.kv_bytes(sequences, length) + sequences * shape.vocab * 4
+
+
+def generation_refusal(plan: Plan, shape, sequences: int, length: int, budget: int | None) -> str | None:
+    """Why ``sequences`` of up to ``length`` tokens cannot generate within ``budget`` on ``plan``'s placement, or
+    None where they fit (or there is no budget)."""
+    need = generation_bytes(plan, shape, sequences, length)
+    if not budget or need <= budget:
+        return None
+    kept = sum(plan.device_bytes.get(k, 0) for k in KEPT)
+    return (
+        f"generation: the KV cache of {sequences} sequences x {length} tokens "
+        f"({fmt_bytes(shape.kv_bytes(sequences, length))}) does not fit beside the plan's shell, resident blocks and "
+        f"slots ({fmt_bytes(kept)}): {fmt_bytes(need)} > max_gpu_memory {fmt_bytes(budget)}; fewer prompts or "
+        "generations per step, a shorter max_completion_length, or fewer resident blocks (offload.resident_blocks)"
+    )
+
+
+def blocks_kept(
+    plan: Plan, shape, sequences: int, length: int, budget: int | None, slot_bytes: int, candidates: int
+) -> int:
+    """How many streamed blocks a generation keeps in slots of their own ([Note: generation keeps blocks]): the room
+    ``budget`` leaves beside :func:`generation_bytes` and a block's working set, in slots of ``slot_bytes``, at most
+    ``candidates`` (the streamed blocks beyond the pool's slots)."""
+    if not budget or slot_bytes <= 0 or candidates <= 0:
+        return 0
+    room = budget - generation_bytes(plan, shape, sequences, length) - plan.device_bytes.get("block_working_set", 0)
+    return max(0, min(candidates, room // slot_bytes))
+
+
+def streamed_per_token(block_bytes: list[int], kept: int, slots: int) -> int:
+    """The bytes one decode step uploads: those of the streamed blocks (``block_bytes``, in order) that neither a
+    kept slot holds (the first ``kept``) nor stay in the pool's ``slots`` (all the rest do when they fit)."""
+    rotating = block_bytes[kept:]
+    return 0 if len(rotating) <= slots else sum(rotating)
+
+
+def generation_shape(model, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(sequences, tokens each at most) of a ``generate(*args, **kwargs)`` call on ``model``: the prompts times the
+    returned sequences or beams, their length plus the new tokens (the call's, else its generation config's)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    batch, prompt = (int(ids.shape[0]), int(ids.shape[-1])) if ids is not None else (1, 1)
+    cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+
+    def setting(name: str, default):
+        value = kwargs.get(name)
+        return value if value is not None else (getattr(cfg, name, None) or default)
+
+    copies = max(int(setting("num_return_sequences", 1)), int(setting("num_beams", 1)))
+    new = setting("max_new_tokens", None)
+    length = prompt + int(new) if new is not None else max(int(setting("max_length", prompt + 1)), prompt + 1)
+    return batch * copies, length

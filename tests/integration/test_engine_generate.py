@@ -1,0 +1,85 @@
+"""A training engine's ``generate`` ([Note: generation over the engine's weights], engine/step/hooked.py): the model's
+own generate with every streamed block uploaded at its call from the engine's host state, on the CPU in fp32, each
+block through the weight slots as on a GPU. Its tokens are transformers' own over the engine's current weights (after
+a step, the updated ones); with a device budget set, the blocks the pool's slots cannot hold stay in slots of their
+own for the call ([Note: generation keeps blocks], engine/plan/generation.py): each crosses once instead of once per
+token, and the slots are given back after."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zerofit
+from tests.support import tiny_models as tm
+from zerofit.engine.memory.streamer import Streamer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+LAYERS, NEW = 6, 5
+
+
+@pytest.fixture
+def uploads(monkeypatch):
+    seen: list[str] = []
+    original = Streamer.upload
+
+    def upload(self, unit, dst):
+        seen.append(unit.name)
+        return original(self, unit, dst)
+
+    monkeypatch.setattr(Streamer, "upload", upload)
+    return seen
+
+
+def _engine(model, **cfg):
+    config = {"device": "cpu", "precision": "fp32", "micro_batch_size": 2, "gradient_accumulation_steps": 1}
+    config |= {"optimizer": {"lr": 1e-2, "weight_decay": 0.0}, "kernels": "exact"}
+    return zerofit.initialize(model, config | cfg)
+
+
+def _greedy(model, ids):
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+
+
+@pytest.mark.parametrize("cap", [None, "1GiB"])
+def test_generate_is_transformers_over_the_current_weights(uploads, cap):
+    torch.manual_seed(0)
+    model = tm.llama(tied=False, layers=LAYERS)
+    ref = copy.deepcopy(model)
+    engine = _engine(model, **({"max_gpu_memory": cap} if cap else {}))
+    slots = engine.plan.weight_slots
+    assert all(u.home.name == "STREAMED" for u in engine.blocks) and slots < LAYERS
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tm.VOCAB, (2, 6), generator=g)
+    engine.train_batch([{"input_ids": ids, "labels": ids}])  # the weights move: generation must read the new ones
+    ref.load_state_dict(engine.master_state_dict(), strict=False)
+    uploads.clear()
+    got = _greedy(engine, ids)
+    assert torch.equal(got, _greedy(ref.eval(), ids))
+    blocks = [n for n in uploads if n != "shell"]
+    if cap is None:  # the pool's slots rotate: every block crosses for every forward (the prompt's, then a token's),
+        # and the last forward prefetches the first blocks of a next one that does not come
+        assert LAYERS * NEW <= len(blocks) < LAYERS * NEW + slots
+    else:  # kept in slots of their own, or left in the pool's: each crosses once
+        assert sorted(blocks) == sorted(u.name for u in engine.blocks)
+    assert engine.streamer.kept == {}  # the call's slots given back
+    engine.close()
+
+
+def test_a_budget_without_room_keeps_nothing(uploads):
+    """A budget that leaves no room beside the plan's placement and the cache: the pool's slots rotate as without
+    one."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, tm.VOCAB, (1, 4))
+    args, kwargs = (), {"input_ids": ids, "max_new_tokens": NEW}
+    roomy = _engine(tm.llama(tied=False, layers=LAYERS), max_gpu_memory="1GiB")
+    assert roomy.schedule._blocks_kept(args, kwargs) == LAYERS - roomy.plan.weight_slots
+    roomy.close()
+    engine = _engine(tm.llama(tied=False, layers=LAYERS), max_gpu_memory=1024)  # (the CPU's plan ignores it)
+    assert engine.schedule._blocks_kept(args, kwargs) == 0
+    uploads.clear()
+    _greedy(engine, ids)
+    assert len([n for n in uploads if n != "shell"]) >= LAYERS * NEW
+    engine.close()

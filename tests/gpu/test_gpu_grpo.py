@@ -54,7 +54,11 @@ def test_full_fine_tuning_streamed_on_the_gpu(tmp_path):
     zf = _run(zerofit.hf.GRPOTrainer, tmp_path, "zf", lambda: folder, beta=0.1)
     _close(stock, zf)
     assert all(u.home.name == "STREAMED" for u in zf.zerofit_engine.blocks)
-    assert isinstance(zf._zerofit_ref, InferenceEngine) and zf._zerofit_ref.device.type == "cuda"
+    ref = zf._zerofit_ref
+    assert isinstance(ref, InferenceEngine) and ref.device.type == "cuda"
+    # between its scoring passes the reference holds nothing on the card ([Note: an inference engine between its
+    # calls])
+    assert ref.plan is None and all(p.device.type == "cpu" for p in ref.model.parameters())
     assert all(p.device.type == "cpu" for p in zf.zerofit_engine.module.parameters())  # the policy stays on the host
 
 
@@ -66,3 +70,19 @@ def test_lora_with_trls_own_sampling_on_the_gpu(tmp_path):
     # sampling draws on the card from logits that differ from the stock run's in their last bits: the completions
     # may differ, so the figures are compared only where the fed ones are (the test above)
     assert len(tg._logged(stock, "loss")) == len(tg._logged(zf, "loss"))
+
+
+def test_an_inference_engine_gives_the_device_back_between_calls():
+    torch.manual_seed(0)
+    model = tg._model()
+    want = model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    eng = InferenceEngine(model, device="cuda", max_gpu_memory="1GiB")
+    ids = torch.tensor([[5, 6, 7]])
+    first = eng.generate(ids, max_new_tokens=4, do_sample=False)
+    held = torch.cuda.memory_allocated()
+    eng.release_device()
+    assert torch.cuda.memory_allocated() < held and eng.plan is None
+    assert all(p.device.type == "cpu" for p in eng.model.parameters())
+    again = eng.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(first.cpu(), want) and torch.equal(again.cpu(), want)
+    eng.close()

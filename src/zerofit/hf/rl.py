@@ -16,8 +16,8 @@ GRPOTrainer makes four kinds of model calls per generation round, and each goes 
   forwards (the adapters' switch is the user's modules' own, which the engine's blocks run).
 * **A full fine-tuning's reference** (TRL's ``ref_model``, a second model of the initial weights): never moved to
   the device whole (the accelerator's ``prepare_model`` for evaluation leaves it in host memory); its forwards run in
-  an :class:`~zerofit.infer.engine.InferenceEngine` over it, its blocks streamed within what the training engine's
-  plan leaves of the GPU budget.
+  an :class:`~zerofit.infer.engine.InferenceEngine` over it, its blocks streamed within what the training plan's
+  placement leaves of the GPU budget between steps, and the device given back after each scoring pass.
 
 The math is TRL's: its sampling, rewards, advantages, KL and loss run unchanged; only where each forward computes
 differs.
@@ -55,7 +55,11 @@ class GRPOMixin:
         if model is self.model:  # type: ignore[attr-defined]  # the policy under no_grad: old, or PEFT's reference
             model = self._zerofit_facade()  # type: ignore[attr-defined]
         elif model is not None and model is getattr(self, "ref_model", None):
-            model = self._zerofit_reference()
+            reference = self._zerofit_reference()
+            try:
+                return super()._get_per_token_logps_and_entropies(reference, *args, **kwargs)  # type: ignore[misc]
+            finally:  # the step's room back to the training engine ([Note: an inference engine between its calls])
+                reference.release_device()
         return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)  # type: ignore[misc]
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
@@ -76,16 +80,19 @@ class GRPOMixin:
 
     def _zerofit_reference(self):
         """The reference model's forwards: an InferenceEngine over it, on the training engine's device, in its compute
-        dtype, within the GPU bytes the training engine's plan leaves of its budget."""
+        dtype, within the GPU bytes the training plan's placement leaves between steps (the step's activations and
+        gradient slots are not in use then); it gives the device back after each scoring pass."""
         if self._zerofit_ref is None:
             from zerofit.infer.engine import InferenceEngine
 
             engine = self._zerofit_current()  # type: ignore[attr-defined]
             budget = None
-            if engine.dev.is_cuda:
+            if engine.dev.is_cuda:  # what the placement leaves between steps: the step's own room is unused then
+                from zerofit.engine.plan.generation import KEPT
+
                 total = torch.cuda.get_device_properties(engine.dev.device).total_memory
                 cap = engine.config.max_gpu_memory or total
-                budget = max(0, min(cap, total) - engine.plan.device_total)
+                budget = max(0, min(cap, total) - sum(engine.plan.device_bytes.get(k, 0) for k in KEPT))
             # in the policy's compute dtype: the KL compares two forwards of the same rounding (stock TRL runs both
             # under one autocast)
             self._zerofit_ref = InferenceEngine(

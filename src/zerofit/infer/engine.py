@@ -170,6 +170,7 @@ class InferenceEngine:
         self._next = 0
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._params: dict[str, nn.Parameter] = {}  # canonical name -> the parameter the model holds
+        self._shell_host: dict[str, torch.Tensor] = {}  # the shell's weights while the device is released
         self.uploads = 0
         self.upload_bytes = 0
         self.primes = 0  # cycle restarts ([Note: the upload cycle]): one per plan when all goes well
@@ -368,6 +369,7 @@ class InferenceEngine:
         return min(self.cap or total, total) - max(others, 0)
 
     def _apply(self, plan: InferPlan) -> None:
+        self._shell_back()
         self._drain()
         self._holding.clear()
         for b in list(self._dev):
@@ -559,6 +561,40 @@ class InferenceEngine:
             done += 1
         self._upload_seconds += sum(a.elapsed_time(b) for a, b in marks[:done]) / 1000.0
         del marks[:done]
+
+    def release_device(self) -> None:
+        """[Note: an inference engine between its calls]
+        Every device buffer given back, the engine usable: the resident blocks' copies and the slots go (the blocks
+        view their host buffers again), the shell's weights move to host memory, and the next call plans and uploads
+        again. An InferenceEngine that shares a GPU with a training engine's step (GRPO's reference model,
+        zerofit/hf/rl.py) holds the device only during its own forwards so. Nothing to do on the CPU."""
+        if not self.dev.is_cuda:
+            return
+        self._drain()
+        self.dev.synchronize()
+        for b in list(self._dev):
+            self._bind_block(b, self._host_views[b])
+        self._dev.clear()
+        self._holding.clear()
+        self._slots = []
+        self._views.clear()
+        self.plan = None
+        for name in self.table.unit_names[0]:
+            p = self._params[name]
+            if p.device == self.device:
+                host = self._shell_host.get(name)
+                if host is None:
+                    host = self._shell_host[name] = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                host.copy_(p.data)
+                p.data = host
+        torch.cuda.empty_cache()
+
+    def _shell_back(self) -> None:
+        """The shell's weights on the device again after :meth:`release_device`."""
+        for name, host in self._shell_host.items():
+            p = self._params[name]
+            if p.device != self.device:
+                p.data = host.to(self.device)
 
     def close(self) -> None:
         """Release the device buffers and the pinned arena (the engine is unusable afterwards)."""

@@ -79,6 +79,15 @@ def estimate_serve(
     from zerofit.models.directory import positions
 
     model = meta_model(model_dir, shape)
+    if getattr(model.config, "is_encoder_decoder", False):  # no chain of decoder blocks to keep or stream
+        arch = ", ".join(getattr(model.config, "architectures", None) or [model.config.model_type])
+        why = (
+            f"an encoder-decoder ({arch}) is served through the hooked mode's generate, one batch of requests at a "
+            "time, its layers streamed as the training engine plans them (docs/serve.md); --serve plans the KV "
+            "cache and the blocks of a decoder-only model. `zerofit estimate --model DIR` gives the hooked mode's "
+            "placement"
+        )
+        return {"fits": False, "concurrency": concurrency, "refusal": why}, f"refused: {why}"
     own, _ = positions(model.config)
     ctx = context or min(own or 4096, 4096)
     dtype = None  # a named shape: bf16; a folder: its own, as zerofit serve holds it ([Note: the model's own dtype])

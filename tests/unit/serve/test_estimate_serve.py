@@ -45,3 +45,10 @@ def test_estimate_serve_on_the_command_line(tmp_path):
     r = CliRunner().invoke(app, ["estimate", "--serve", "--shape", "llama-2-13b", "--max-gpu-memory", "24GiB",
                                  "--concurrency", "16"])  # fmt: skip
     assert r.exit_code == 2 and "What fits" in r.output
+
+
+def test_estimate_serve_says_an_encoder_decoder_is_served_otherwise(tmp_path):
+    d = make_model_dir(tmp_path / "t5", family="t5", layers=2)
+    r = CliRunner().invoke(app, ["estimate", "--serve", "--model", str(d)])
+    assert r.exit_code == 2 and "encoder-decoder (T5ForConditionalGeneration)" in r.output, r.output
+    assert "hooked mode" in r.output

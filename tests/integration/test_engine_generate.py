@@ -48,7 +48,7 @@ def test_generate_is_transformers_over_the_current_weights(uploads, cap):
     torch.manual_seed(0)
     model = tm.llama(tied=False, layers=LAYERS)
     ref = copy.deepcopy(model)
-    engine = _engine(model, **({"max_gpu_memory": cap} if cap else {}))
+    engine = _engine(model, **({"max_gpu_memory": cap} if cap else {}), offload={"resident_blocks": 0})
     slots = engine.plan.weight_slots
     assert all(u.home.name == "STREAMED" for u in engine.blocks) and slots < LAYERS
     g = torch.Generator().manual_seed(1)
@@ -68,18 +68,19 @@ def test_generate_is_transformers_over_the_current_weights(uploads, cap):
     engine.close()
 
 
-def test_a_budget_without_room_keeps_nothing(uploads):
-    """A budget that leaves no room beside the plan's placement and the cache: the pool's slots rotate as without
-    one."""
+def test_a_cache_that_takes_the_room_keeps_nothing(uploads):
+    """At the smallest budget the plan fits, the step's activations leave room for some blocks beside a short
+    generation's cache; a larger batch's cache takes that room, and the pool's slots rotate as without a budget."""
     torch.manual_seed(0)
-    ids = torch.randint(0, tm.VOCAB, (1, 4))
-    args, kwargs = (), {"input_ids": ids, "max_new_tokens": NEW}
-    roomy = _engine(tm.llama(tied=False, layers=LAYERS), max_gpu_memory="1GiB")
-    assert roomy.schedule._blocks_kept(args, kwargs) == LAYERS - roomy.plan.weight_slots
-    roomy.close()
-    engine = _engine(tm.llama(tied=False, layers=LAYERS), max_gpu_memory=1024)  # (the CPU's plan ignores it)
-    assert engine.schedule._blocks_kept(args, kwargs) == 0
+    free = _engine(tm.llama(tied=False, layers=LAYERS), offload={"resident_blocks": 0})
+    need = sum(v for k, v in free.plan.host_bytes.items() if k.startswith("device:"))  # the plan's device bytes
+    free.close()
+    engine = _engine(tm.llama(tied=False, layers=LAYERS), max_gpu_memory=need, offload={"resident_blocks": 0})
+    short = torch.randint(0, tm.VOCAB, (1, 4))
+    assert engine.schedule._blocks_kept((), {"input_ids": short, "max_new_tokens": NEW}) > 0
+    long = torch.randint(0, tm.VOCAB, (16, 35))
+    assert engine.schedule._blocks_kept((), {"input_ids": long, "max_new_tokens": NEW}) == 0
     uploads.clear()
-    _greedy(engine, ids)
+    _greedy(engine, long)
     assert len([n for n in uploads if n != "shell"]) >= LAYERS * NEW
     engine.close()

@@ -603,7 +603,8 @@ class ZerofitConfig(_Frozen):
     format, ~0.52 B/param in host memory), dequantized on the GPU once per residency; a model loaded with
     BitsAndBytesConfig(load_in_4bit=True) is held so whatever the value (docs/lora.md)"""
     max_gpu_memory: int | None = Field(None, ge=0)
-    """bytes of GPU memory the engine may use (accepts '24GiB', '1.5GB'); None = what the device has"""
+    """bytes of GPU memory the engine may use (accepts '24GiB', '1.5GB'); None = what the device has; on the CPU
+    it bounds the device's buffers as a GPU's would (which units stay resident), where by default every one streams"""
     max_host_memory: int | None = Field(None, ge=0)
     """bytes of host memory the engine may use (accepts '64GiB'); None = what the machine has"""
     seed: int = Field(0, ge=0)

@@ -15,7 +15,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from zerofit.config.schema import parse_bytes
-from zerofit.engine.plan.generation import blocks_kept, generation_bytes, generation_refusal, streamed_per_token
+from zerofit.engine.plan.generation import (
+    blocks_kept,
+    device_item,
+    generation_bytes,
+    generation_refusal,
+    streamed_per_token,
+)
 from zerofit.engine.plan.plan import fmt_bytes
 from zerofit.estimate.predict import FORWARD_SHARE, Estimate
 
@@ -147,7 +153,7 @@ def estimate_grpo(
         for i in streamed
     ]
     slots = plan.weight_slots
-    slot_bytes = plan.device_bytes.get("weight_slots", 0) // max(slots, 1)
+    slot_bytes = device_item(plan, "weight_slots") // max(slots, 1)
     out.kept_blocks = blocks_kept(plan, shape, n, T, out.device_budget, slot_bytes, max(len(up) - slots, 0))
     out.generation_device_bytes += out.kept_blocks * slot_bytes
     out.streamed_bytes_per_token = streamed_per_token(up, out.kept_blocks, slots)

@@ -88,11 +88,11 @@ class GRPOMixin:
             engine = self._zerofit_current()  # type: ignore[attr-defined]
             budget = None
             if engine.dev.is_cuda:  # what the placement leaves between steps: the step's own room is unused then
-                from zerofit.engine.plan.generation import KEPT
+                from zerofit.engine.plan.generation import KEPT, device_item
 
                 total = torch.cuda.get_device_properties(engine.dev.device).total_memory
                 cap = engine.config.max_gpu_memory or total
-                budget = max(0, min(cap, total) - sum(engine.plan.device_bytes.get(k, 0) for k in KEPT))
+                budget = max(0, min(cap, total) - sum(device_item(engine.plan, k) for k in KEPT))
             # in the policy's compute dtype: the KL compares two forwards of the same rounding (stock TRL runs both
             # under one autocast)
             self._zerofit_ref = InferenceEngine(

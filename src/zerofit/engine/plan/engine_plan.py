@@ -352,7 +352,8 @@ class Planning:
     ) -> None:
         self.config, self.shape, self.on_cuda = config, shape, on_cuda
         self.plan_batch = plan_batch(config, adapter.model, seq_len)
-        dev_budget = gpu_budget(config, device) if on_cuda else None
+        # [Note: a device budget on the CPU] (search.py): max_gpu_memory bounds the CPU's "device" as a GPU's
+        dev_budget = gpu_budget(config, device) if on_cuda else config.max_gpu_memory
         host_budget = config.max_host_memory or default_host_budget()
         if ranks.many:  # every rank must make the same plan: the collectives follow the units' homes
             budgets = ranks.objects((dev_budget, host_budget))

@@ -19,11 +19,16 @@ from zerofit.engine.plan.plan import Plan, fmt_bytes
 KEPT = ("shell", "resident_blocks", "weight_slots", "upload_staging", "allocator_reserve")
 
 
+def device_item(plan: Plan, key: str) -> int:
+    """One of the plan's device items (on the CPU the planner counts them as host memory, ``device:<key>``)."""
+    return plan.device_bytes.get(key, 0) or plan.host_bytes.get("device:" + key, 0)
+
+
 def generation_bytes(plan: Plan, shape, sequences: int, length: int) -> int:
     """The device bytes while ``sequences`` of up to ``length`` tokens generate on ``plan``'s placement: what of the
     plan stays (the shell, the resident blocks, the slots), the key/value cache of every sequence (``shape``: an
     InferShape, zerofit/infer/plan.py), and the last token's logits of each in fp32."""
-    kept = sum(plan.device_bytes.get(k, 0) for k in KEPT)
+    kept = sum(device_item(plan, k) for k in KEPT)
     return kept + shape.kv_bytes(sequences, length) + sequences * shape.vocab * 4
 
 
@@ -33,7 +38,7 @@ def generation_refusal(plan: Plan, shape, sequences: int, length: int, budget: i
     need = generation_bytes(plan, shape, sequences, length)
     if not budget or need <= budget:
         return None
-    kept = sum(plan.device_bytes.get(k, 0) for k in KEPT)
+    kept = sum(device_item(plan, k) for k in KEPT)
     return (
         f"generation: the KV cache of {sequences} sequences x {length} tokens "
         f"({fmt_bytes(shape.kv_bytes(sequences, length))}) does not fit beside the plan's shell, resident blocks and "
@@ -50,7 +55,7 @@ def blocks_kept(
     ``candidates`` (the streamed blocks beyond the pool's slots)."""
     if not budget or slot_bytes <= 0 or candidates <= 0:
         return 0
-    room = budget - generation_bytes(plan, shape, sequences, length) - plan.device_bytes.get("block_working_set", 0)
+    room = budget - generation_bytes(plan, shape, sequences, length) - device_item(plan, "block_working_set")
     return max(0, min(candidates, room // slot_bytes))
 
 

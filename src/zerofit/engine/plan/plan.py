@@ -256,8 +256,13 @@ class Plan:
         shell = "in the step" if self.shell_optimizer_on_device else "on the optimizer thread"
         own = {k: v for k, v in self.host_bytes.items() if not k.startswith("device:") and v}
         work = {k[len("device:") :]: v for k, v in self.host_bytes.items() if k.startswith("device:") and v}
+        cap = (
+            f"max_gpu_memory {fmt_bytes(self.device_budget)} bounds its device buffers as a GPU's"
+            if self.device_budget
+            else "no GPU memory cap"
+        )  # [Note: a device budget on the CPU] (search.py)
         return [
-            f"plan: on the CPU (no GPU: no GPU memory cap, nothing streams over PCIe); {kept} through "
+            f"plan: on the CPU (no GPU: {cap}, nothing streams over PCIe); {kept} through "
             f"{self.weight_slots} weight slots in host memory (the GPU's code path), {self.staging_buffers} "
             f"gradient buffers; the shell's AdamW {shell}, the streamed blocks' on the optimizer thread"
             + (", deferred updates" if self.deferred_updates else "")

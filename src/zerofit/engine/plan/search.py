@@ -310,8 +310,10 @@ def _make_plan(
         candidates = [L]
     elif resident_blocks is not None:
         candidates = [min(resident_blocks, L)]
-    elif not on_cuda:
+    elif not on_cuda and device_budget is None:
         candidates = [0]  # CPU: stream everything, so the CPU runs the same code paths as the GPU
+    # [Note: a device budget on the CPU]: with max_gpu_memory the CPU's plan keeps resident what a GPU of that size
+    # would (its "device" bytes are host memory, counted once as host), so the choice is testable without a GPU
     else:
         candidates = list(range(L, -1, -1))
     depth = prefetch_depth or 2
@@ -519,8 +521,11 @@ def _make_plan(
         shell_choices = (shell_on_device,)
 
     def fits(plan: Plan) -> tuple[bool, bool, bool]:
+        on_device = (
+            plan.device_total if on_cuda else sum(v for k, v in plan.host_bytes.items() if k.startswith("device:"))
+        )
         return (
-            device_budget is None or not on_cuda or plan.device_total <= device_budget,
+            device_budget is None or on_device <= device_budget,
             host_budget is None or plan.host_total <= host_budget,
             disk_budget is None or plan.disk_bytes <= disk_budget,
         )

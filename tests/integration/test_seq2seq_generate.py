@@ -85,6 +85,9 @@ def test_complete_on_a_t5_folder_is_transformers_generate_greedy_and_seeded(t5):
     eng = open_engine(t5, device="cpu")
     assert isinstance(eng, Seq2SeqEngine) and eng.dtype == torch.float32
     assert "4 layers as units, 4 streamed" in eng.summary()
+    # an engine for generate alone: nothing trains, no optimizer state anywhere
+    assert not any(p.requires_grad for p in eng.model.parameters())
+    assert all(u.master.numel() == 0 and u.exp_avg.numel() == 0 for u in eng.engine.units)
     try:
         got = complete(eng, PROMPTS, max_new_tokens=8, batch_size=4, do_sample=False)
         greedy = _hf(t5, PROMPTS, 8, do_sample=False)

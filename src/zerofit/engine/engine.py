@@ -120,6 +120,7 @@ class Engine:
         source: WeightSource | None = None,
         param_groups: Iterable[dict[str, Any]] | Iterable[torch.Tensor] | None = None,
         user_loop: bool = False,
+        untrained: bool = False,  # every parameter frozen: forwards and generate only ([Note: frozen parameters])
     ) -> None:
         self.deepspeed = DeepSpeedFace(self)  # DeepSpeed's names, and what the DeepSpeed door knows
         self.config = config
@@ -157,7 +158,7 @@ class Engine:
         self.model_dtype = model_dtype(model, source)  # the user's model's dtype, before fp32 masters: exports keep it
         self._table = param_table(model, self.adapter)
         # [Note: parameter groups] (groups.py): refused here, before anything is allocated
-        groups = resolve_groups(param_groups, self._table, config.optimizer)
+        groups = resolve_groups(param_groups, self._table, config.optimizer, untrained)
         self._group_of = {n: i for i, g in enumerate(groups) for n in g.names}
         # [Note: frozen parameters] (store.py): what no group trains (requires_grad=False, or in no group)
         self.frozen = frozenset(self._table.canonical) - set(self._group_of)

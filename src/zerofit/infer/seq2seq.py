@@ -14,10 +14,9 @@ such a chain. The training engine's hooked mode streams any model by its modules
 engine/model/hooked.py) and runs the model's own ``generate`` with each unit uploaded per call ([Note: generation in
 the hooked mode], engine/step/hooked.py): that is the path here, the folder read tensor by tensor into the engine's
 host buffers (never loaded whole, on the host or the device), the planner choosing which units stay resident within
-``max_gpu_memory`` and which stream. A frozen parameter has no optimizer state and no gradient buffer ([Note: frozen
-parameters], engine/memory/store.py); the engine requires at least one parameter to train, so every parameter is
-frozen but the model's smallest (a norm's weight, one vector of the hidden size): its master and moments are a few
-bytes, and no step ever runs, so every weight is the folder's. The weights are held in the compute dtype
+``max_gpu_memory`` and which stream. Every parameter is frozen (``untrained``: an engine for forwards and generate
+alone): no optimizer state, no gradient buffer ([Note: frozen parameters], engine/memory/store.py), and every weight
+is the folder's. The weights are held in the compute dtype
 (``precision``): the folder's own unless ``dtype`` says otherwise, as [Note: the model's own dtype] (engine.py) has
 it for decoder-only models, so an fp32 folder generates transformers' tokens on the same weights.
 """
@@ -97,8 +96,8 @@ def open_engine(path: str | os.PathLike, adapter: str | os.PathLike | None = Non
 
 
 class Seq2SeqEngine:
-    """An encoder-decoder ready for generation: a training engine (``engine``) in the hooked mode, every weight
-    frozen but one vector ([Note: an encoder-decoder generates through the hooked mode]). ``model``: the engine's
+    """An encoder-decoder ready for generation: an engine (``engine``) in the hooked mode, every weight frozen
+    ([Note: an encoder-decoder generates through the hooked mode]). ``model``: the engine's
     model, in evaluation mode; ``tokenizer``: the folder's."""
 
     is_encoder_decoder = True  # text.complete pads on the right and reads the answer after the decoder's start
@@ -130,10 +129,7 @@ class Seq2SeqEngine:
         md = ModelDir.open(path)
         weights = as_dtype(dtype) or md.dtype()
         model = md.build_meta()
-        params = dict(model.named_parameters())
-        kept = min(params, key=lambda n: params[n].numel())  # the one the engine trains (and never steps)
-        for name, p in params.items():
-            p.requires_grad_(name == kept)
+        model.requires_grad_(False)  # an engine for generate alone: nothing trains
         config: dict = {
             "adapter": "hooked",
             "precision": PRECISION[weights],
@@ -146,7 +142,7 @@ class Seq2SeqEngine:
         if nvme_path is not None:
             config["offload"] = {"nvme_path": str(nvme_path)}
         try:
-            engine = Engine(model, load_config(config).config, source=md)
+            engine = Engine(model, load_config(config).config, source=md, untrained=True)
         finally:
             md.close()
         return cls(engine, md.tokenizer(), "as asked" if dtype is not None else "the model's own")

@@ -67,14 +67,17 @@ def trainable(table) -> list[str]:
     return [n for n, p in table.canonical.items() if p.requires_grad]
 
 
-def resolve_groups(groups, table, optimizer: OptimizerConfig) -> tuple[ParamGroup, ...]:
+def resolve_groups(groups, table, optimizer: OptimizerConfig, untrained: bool = False) -> tuple[ParamGroup, ...]:
     """``groups`` (torch's format, or None) as :class:`ParamGroup` s over ``table``'s canonical names of the
     parameters that are trained (see [Note: parameter groups]).
 
     None: one group of every parameter that requires a gradient, with the config's values. Raises
     :class:`ConfigError` (field ``param_groups...``) for an unknown key, a bad value, a parameter not of this
-    model, a parameter in two groups, or nothing to train."""
+    model, a parameter in two groups, or nothing to train (unless ``untrained``: an engine for forwards and
+    generation alone, no group)."""
     canonical = trainable(table)
+    if not canonical and untrained:
+        return ()
     if not canonical:
         raise ConfigError(
             "parameters",

@@ -256,6 +256,8 @@ def build_units(
             master = torch.empty(layout.numel, dtype=torch.float32, device=opt_dev)
         elif swap == "all":
             master = tier.view(idx - 1, "master")  # (numel,) fp32, the swap file's mapping
+        elif not layout.numel:  # nothing of the unit trains ([Note: frozen parameters], store.py)
+            master = torch.empty(0, dtype=torch.float32)
         else:
             assert arena is not None  # sized by need, which counts every host unit's master off the disk
             master = arena.take(layout.numel)  # (numel,) fp32, pinned host: the upload source
@@ -309,10 +311,10 @@ def build_units(
                 unit.host16.copy_(master)
                 r = tier.regions[idx - 1]
                 tier.file.drop_pages(r.offsets["master"], layout.numel * 4)  # one unit's pages in memory at a time
-        elif many and not on_dev:
+        elif many and not on_dev and layout.numel:
             assert arena is not None  # sized by need, which counts these moments
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel), arena.take(layout.numel)
-        elif assisted[idx]:
+        elif assisted[idx] and layout.numel:
             assert arena is not None  # as above
             unit.exp_avg, unit.exp_avg_sq = arena.take(layout.numel).zero_(), arena.take(layout.numel).zero_()
         else:

@@ -136,7 +136,7 @@ def _folder(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"])
 def test_full_fine_tuning_with_a_reference_model(tmp_path, monkeypatch, loss_type):
     folder = _folder(tmp_path)
     kw = dict(beta=0.1, loss_type=loss_type, scale_rewards="group" if loss_type != "dr_grpo" else "none")

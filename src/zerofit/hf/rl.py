@@ -39,6 +39,7 @@ class GRPOMixin:
     [Note: GRPO on the engine]."""
 
     _zerofit_ref = None  # the reference model's InferenceEngine, built at its first forward
+    _zerofit_kv_shape = None  # the model's shape for the generation's cache check
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
@@ -72,7 +73,9 @@ class GRPOMixin:
             from zerofit.estimate.serve import serve_shape
 
             length = max(len(p) for p in prompt_ids) + self.max_completion_length  # type: ignore[attr-defined]
-            shape = serve_shape(engine.adapter.model, engine.dtype)
+            if self._zerofit_kv_shape is None:
+                self._zerofit_kv_shape = serve_shape(engine.adapter.model, engine.dtype)
+            shape = self._zerofit_kv_shape
             refusal = generation_refusal(engine.plan, shape, len(prompt_ids), length, budget)
             if refusal:
                 raise GenerationTooLarge(refusal)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -97,6 +97,7 @@ class Schedule:
         self.hooked = hooked  # the hooked mode's calls ([Note: the hooked mode], model/hooked.py), or None
         # a chain's blocks called one by one for generate ([Note: generation over the engine's weights], hooked.py)
         self.generation = generation
+        self._kv_shape: Any = None  # the model's shape for a generation's cache (an InferShape), at the first generate
         self.shell, self.blocks = units[0], units[1:]
         self.compute, self.streamer, self.activations, self.grads, self.step = (
             compute,
@@ -194,7 +195,9 @@ class Schedule:
         streamed = sum(1 for u in self.blocks if u.home is Home.STREAMED)
         slot = pool.slots[0].tensor
         sequences, length = generation_shape(self.adapter.model, args, kwargs)
-        shape = serve_shape(self.adapter.model, self.streamer.dtype)
+        if self._kv_shape is None:
+            self._kv_shape = serve_shape(self.adapter.model, self.streamer.dtype)
+        shape = self._kv_shape
         plan = self.streamer.planning.plan
         room = blocks_kept(plan, shape, sequences, length, budget, slot.numel() * slot.element_size(), streamed)
         return min(room, max(streamed - len(pool.slots), 0))

@@ -5,7 +5,8 @@
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu/anymodel_job.sh start
 # copies the tree to /tmp/run and starts the runs under setsid, writing /tmp/run_out; `bash bench/gpu/anymodel_job.sh
 # poll SECONDS` waits up to SECONDS for them, then packs what is there into $OUT/all.tgz. ANY_RUNS picks runs, in
-# this order (default: t5xl w2 u7 t5xxl):
+# this order (default: t5xl w2 u7 t5xxl); every zerofit run records zerofit estimate's prediction beside it (the
+# hooked mode's transfers: [Note: the hooked mode's transfers], estimate/predict.py):
 #   t5xl    the Flan-T5-XL shape (2.85 B), full fine-tuning: zerofit's hooked mode at 24 GiB, DeepSpeed ZeRO-3 with
 #           parameters and optimizer offloaded to the CPU at 24 GiB, plain PyTorch in the GPU with no cap
 #   w2      W2 (Llama-2-7B shape) at 24 GiB: zerofit's block chain and the same model in the hooked mode
@@ -27,11 +28,14 @@ start)
     for run in ${ANY_RUNS:-t5xl w2 u7 t5xxl}; do
       case \$run in
       t5xl) bench t5xl --workload T5-XL --engines zerofit-hooked,deepspeed,plain --steps 4 --cap 24GiB \
-          --engine-timeout deepspeed=420 --timeout 300;;
-      w2) bench w2 --workload W2 --engines zerofit,zerofit-hooked --steps 4 --cap 24GiB --timeout 300;;
-      u7) bench u7 --workload U7 --engines zerofit-hooked,plain --steps 4 --cap 24GiB --timeout 300;;
+          --engine-args 'zerofit-hooked=--estimate' --engine-timeout deepspeed=420 --timeout 300;;
+      w2) bench w2 --workload W2 --engines zerofit,zerofit-hooked --steps 4 --cap 24GiB \
+          --engine-args 'zerofit=--estimate' --engine-args 'zerofit-hooked=--estimate' --timeout 300;;
+      u7) bench u7 --workload U7 --engines zerofit-hooked,plain --steps 4 --cap 24GiB \
+          --engine-args 'zerofit-hooked=--estimate' --timeout 300;;
       t5xxl) mkdir -p /tmp/nv; bench t5xxl --workload T5-XXL --engines zerofit-hooked --steps 4 --cap 24GiB \
-          --engine-args 'zerofit-hooked=--nvme /tmp/nv --set max_host_memory=100GiB' --timeout 480; rm -rf /tmp/nv;;
+          --engine-args 'zerofit-hooked=--estimate --nvme /tmp/nv --set max_host_memory=100GiB' --timeout 480
+        rm -rf /tmp/nv;;
       esac
     done
     echo all >> \$o/done

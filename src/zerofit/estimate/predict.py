@@ -343,6 +343,7 @@ def estimate(
             layout=est.layout,
             gb_per_s=inter_node_gb_per_s,
             cache=cache,
+            hooked=adapter.hooked,
         )
         for name, le in est.layouts.items():
             if le.plan is None:
@@ -463,6 +464,17 @@ def phase_seconds(
     return phases
 
 
+def hooked_transfers(G: int, up_fwd: int, up_bwd: int, down_bwd: int) -> tuple[int, int, int]:
+    """[Note: the hooked mode's transfers]
+    A chain of blocks runs each block over every micro-batch of the step at once: its weights cross once in the
+    forward and once in the backward, its gradient once. The hooked mode runs the model's own forward one micro-batch
+    at a time ([Note: a unit's call as an autograd function], engine/step/hooked.py): each streamed unit's weights
+    cross in every micro-batch's forward and again in its backward, and its gradient goes down after every
+    micro-batch's backward (the host sums them), so each of those is G times a chain's: (up in the forwards, up in
+    the backwards, down in the backwards)."""
+    return G * up_fwd, G * up_bwd, G * down_bwd
+
+
 def predict_step(
     model,
     cfg,
@@ -475,6 +487,7 @@ def predict_step(
     layout: str = "hybrid",
     gb_per_s: float | None = None,
     cache: dict | None = None,
+    hooked: bool = False,
 ) -> StepPrediction:
     """Each resource's seconds per step from this machine's measured speeds, and the step from the phases they
     run in ([Note: the step's phases]; see also the module docstring). ``nodes`` and ``layout``: one node's step
@@ -565,6 +578,8 @@ def predict_step(
         up_fwd, down_fwd, cpu_fwd = weights, 0, 0.0
         up_bwd, down_bwd, cpu_bwd = weights + a * 12, (host_params * 4) + a * 12, host_params / rate
     up_bwd += sum(up_bytes(i) for i in again if i >= plan.resident_blocks)
+    if hooked:  # [Note: the hooked mode's transfers]
+        up_fwd, up_bwd, down_bwd = hooked_transfers(G, up_fwd, up_bwd, down_bwd)
     s = shape.shell_numel
     shell_bytes = (0, 0)
     if plan.assisted_shell:  # updated on the device: its state up and back down

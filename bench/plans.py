@@ -10,11 +10,8 @@ the workload sets one, 63.9 GiB free on its disk. The W6 workloads (LoRA) are pl
 import sys
 from unittest import mock
 
-import torch
-from transformers import LlamaForCausalLM
-
 import common
-from zerofit.engine.disk import tier as disk
+from zerofit.engine.disk import swapfile as disk
 from zerofit.estimate import estimate
 
 CONTEXT = 0.58  # GiB the CUDA context takes from the cap on the H200 (mem_get_info there)
@@ -23,8 +20,7 @@ RUNS = ["W1:24", "W1:8", "W2:24", "W2-ga32:24:32", "W1-ga32:24:40", "W3:24:108",
 
 def plan(workload: str, cap: float, host: float | None) -> str:
     w = common.WORKLOADS[workload]
-    with torch.device("meta"):
-        model = LlamaForCausalLM(common.llama_config(w))
+    model = common.build_meta(w)  # its family's model (Llama, T5, the U-Net) on the meta device
     cfg = common.zerofit_config(w, w.lora) | {
         "max_gpu_memory": f"{cap - CONTEXT:.2f}GiB",
         "max_host_memory": f"{host or 112}GiB",

@@ -227,3 +227,30 @@ def test_the_fed_completions_are_what_both_runs_scored(tmp_path):
     its completions end early at EOS, which the tiny model's own sampling over 6 tokens does not."""
     t = _run(trl.GRPOTrainer, tmp_path, "stock", _model, beta=0.0)
     assert min(_logged(t, "completions/mean_length")) < COMMON["max_completion_length"]
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_rloo_trainer_the_same_way(tmp_path, peft):
+    """TRL's RLOOTrainer makes GRPOTrainer's calls (generation, scoring, the fused head's loss): with_zerofit puts
+    it on the engine the same way, with the stock run's KL and weights on the same completions."""
+
+    def fixed(self, prompt_ids, images, multimodal_fields):  # RLOO's generation returns the ids alone
+        return _fixed_completions(self, prompt_ids, images, multimodal_fields, COMMON["num_generations"])[0]
+
+    folder = _folder(tmp_path)
+    out = []
+    for name, cls in (("stock", trl.RLOOTrainer), ("zf", zerofit.hf.with_zerofit(trl.RLOOTrainer))):
+        t = type(cls.__name__, (cls,), {"_generate_single_turn": fixed})(
+            model=_model() if peft else folder,
+            args=trl.RLOOConfig(output_dir=str(tmp_path / name), **{**COMMON, "beta": 0.05}),
+            train_dataset=PROMPTS,
+            processing_class=TOK,
+            reward_funcs=[_length, _vowels],
+            peft_config=LoraConfig(**LORA) if peft else None,
+        )
+        t.train()
+        out.append(t)
+    stock, zf = out
+    assert zf.zerofit_engine is not None and any(abs(x) > 1e-4 for x in _logged(zf, "kl"))  # a KL that can differ
+    _compare(stock, zf)
+    assert (zf._zerofit_ref is None) == peft  # full fine-tuning: its reference streamed by an InferenceEngine

@@ -72,6 +72,7 @@ from zerofit.hf.trainer import EngineModel, EngineOptimizer, EngineSchedule, Zer
 __all__ = [
     "Trainer",
     "GRPOTrainer",
+    "RLOOTrainer",
     "ZerofitTrainerMixin",
     "with_zerofit",
     "UnsupportedArgumentError",
@@ -108,11 +109,12 @@ def with_zerofit(trainer_cls: type) -> type:
 
 
 def __getattr__(name: str):
-    """``GRPOTrainer``: TRL's, on zerofit ([Note: GRPO on the engine], rl.py); TRL is imported when it is asked for."""
-    if name == "GRPOTrainer":
+    """``GRPOTrainer``, ``RLOOTrainer``: TRL's, on zerofit ([Note: GRPO on the engine], rl.py); TRL is imported when
+    one is asked for."""
+    if name in ("GRPOTrainer", "RLOOTrainer"):
         import trl
 
-        cls = with_zerofit(trl.GRPOTrainer)
+        cls = with_zerofit(getattr(trl, name))
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

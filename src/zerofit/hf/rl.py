@@ -1,4 +1,5 @@
-"""TRL's GRPOTrainer on zerofit's engine: ``from zerofit.hf import GRPOTrainer`` (or ``with_zerofit(GRPOTrainer)``).
+"""TRL's GRPOTrainer on zerofit's engine: ``from zerofit.hf import GRPOTrainer`` (or ``with_zerofit(GRPOTrainer)``);
+TRL's RLOOTrainer, which makes the same calls, likewise.
 
 [Note: GRPO on the engine]
 GRPOTrainer makes four kinds of model calls per generation round, and each goes where the engine holds the weights:
@@ -105,9 +106,10 @@ class GRPOMixin:
 
 
 def is_grpo_trainer(trainer_cls: type) -> bool:
-    """Whether ``trainer_cls`` is TRL's GRPOTrainer or a subclass of it (TRL is imported only if it is loaded)."""
+    """Whether ``trainer_cls`` is TRL's GRPOTrainer or RLOOTrainer (the same calls: generation, scoring, the fused
+    head's loss) or a subclass of one (TRL is imported only if it is loaded)."""
     import sys
 
     trl = sys.modules.get("trl")
-    grpo = getattr(trl, "GRPOTrainer", None) if trl is not None else None
-    return isinstance(grpo, type) and issubclass(trainer_cls, grpo)
+    rl = [getattr(trl, name, None) for name in ("GRPOTrainer", "RLOOTrainer")] if trl is not None else []
+    return any(isinstance(c, type) and issubclass(trainer_cls, c) for c in rl)

@@ -14,33 +14,24 @@
 #   t5xxl   the Flan-T5-XXL shape (11.3 B): the hooked mode at 24 GiB, a 100 GiB host budget and the rest of the
 #           optimizer state on the disk (/tmp/nv)
 set -u
+. "$(dirname "$0")/lib.sh"
 case "$1" in
 start)
-  rm -rf /tmp/run /tmp/run_out && cp -r . /tmp/run && mkdir -p /tmp/run_out
-  cd /tmp/run
-  commit=${COMMIT:-unknown}
-  setsid bash -c "
-    export PYTHONPATH=/tmp/site:/tmp/run/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-    export TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0
-    o=/tmp/run_out
-    stamp() { echo \"\$1 rc=\$2 \$(date -u +%H:%M:%S)\" >> \$o/done; }
-    bench() { local name=\$1; shift; python3 bench/run.py --commit $commit --out \$o/\$name \"\$@\" > \$o/\$name.log 2>&1; stamp \$name \$?; }
+  export TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0  # DeepSpeed's cpu_adam op, built once
+  zf_job_start '
     for run in ${ANY_RUNS:-t5xl w2 u7 t5xxl}; do
-      case \$run in
+      case $run in
       t5xl) bench t5xl --workload T5-XL --engines zerofit-hooked,deepspeed,plain --steps 4 --cap 24GiB \
-          --engine-args 'zerofit-hooked=--estimate' --engine-timeout deepspeed=420 --timeout 300;;
+          --engine-args "zerofit-hooked=--estimate" --engine-timeout deepspeed=420 --timeout 300;;
       w2) bench w2 --workload W2 --engines zerofit,zerofit-hooked --steps 4 --cap 24GiB \
-          --engine-args 'zerofit=--estimate' --engine-args 'zerofit-hooked=--estimate' --timeout 300;;
+          --engine-args "zerofit=--estimate" --engine-args "zerofit-hooked=--estimate" --timeout 300;;
       u7) bench u7 --workload U7 --engines zerofit-hooked,plain --steps 4 --cap 24GiB \
-          --engine-args 'zerofit-hooked=--estimate' --timeout 300;;
+          --engine-args "zerofit-hooked=--estimate" --timeout 300;;
       t5xxl) mkdir -p /tmp/nv; bench t5xxl --workload T5-XXL --engines zerofit-hooked --steps 4 --cap 24GiB \
-          --engine-args 'zerofit-hooked=--estimate --nvme /tmp/nv --set max_host_memory=100GiB' --timeout 480
+          --engine-args "zerofit-hooked=--estimate --nvme /tmp/nv --set max_host_memory=100GiB" --timeout 480
         rm -rf /tmp/nv;;
       esac
-    done
-    echo all >> \$o/done
-  " > /dev/null 2>&1 < /dev/null &
-  echo started;;
+    done';;
 poll)
-  . "$(dirname "$0")/lib.sh" && zf_job_poll "${2:-500}";;
+  zf_job_poll "${2:-500}";;
 esac

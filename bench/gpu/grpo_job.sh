@@ -11,30 +11,21 @@
 #   long   zerofit at 24 GiB with completions of GRPO_LONG tokens each (default 2048 4096 8192), up to the first
 #          that fails
 set -u
+. "$(dirname "$0")/lib.sh"
 case "$1" in
 start)
-  rm -rf /tmp/run /tmp/run_out && cp -r . /tmp/run && mkdir -p /tmp/run_out
-  cd /tmp/run
-  commit=${COMMIT:-unknown}
-  setsid bash -c "
-    export PYTHONPATH=/tmp/site:/tmp/run/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-    o=/tmp/run_out
-    stamp() { echo \"\$1 rc=\$2 \$(date -u +%H:%M:%S)\" >> \$o/done; }
-    one() { local name=\$1; shift; python3 bench/grpo_bench.py --workload L8 --result \$o/\$name.json \"\$@\" \
-      > \$o/\$name.log 2>&1; local rc=\$?; stamp \$name \$rc; return \$rc; }
-    echo $commit > \$o/commit
+  zf_job_start '
+    one() { local name=$1; shift; python3 bench/grpo_bench.py --workload L8 --result $o/$name.json "$@" \
+      > $o/$name.log 2>&1; local rc=$?; stamp $name $rc; return $rc; }
     for run in ${GRPO_RUNS:-zf trl long}; do
-      case \$run in
-      zf) one zf --engine zerofit --cap 24GiB --steps \${GRPO_STEPS:-3};;
-      trl) one trl --engine trl --cap none --steps \${GRPO_STEPS:-3};;
-      long) for n in \${GRPO_LONG:-2048 4096 8192}; do
-          one long_\$n --engine zerofit --cap 24GiB --steps 2 --completion-len \$n || break
+      case $run in
+      zf) one zf --engine zerofit --cap 24GiB --steps ${GRPO_STEPS:-3};;
+      trl) one trl --engine trl --cap none --steps ${GRPO_STEPS:-3};;
+      long) for n in ${GRPO_LONG:-2048 4096 8192}; do
+          one long_$n --engine zerofit --cap 24GiB --steps 2 --completion-len $n || break
         done;;
       esac
-    done
-    echo all >> \$o/done
-  " > /dev/null 2>&1 < /dev/null &
-  echo started;;
+    done';;
 poll)
-  . "$(dirname "$0")/lib.sh" && zf_job_poll "${2:-500}";;
+  zf_job_poll "${2:-500}";;
 esac

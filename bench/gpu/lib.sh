@@ -9,6 +9,7 @@
 #   zf_tests NAME TIMEOUT ARGS...    pytest ARGS under `timeout TIMEOUT`
 #   zf_cmd NAME TIMEOUT CMD...       any command under `timeout TIMEOUT`
 #   zf_skip NAME WHY...              a step that could not run (recorded as rc=2)
+#   zf_job_start BODY                a detached job (the *_job.sh scripts): BODY's runs under setsid from /tmp/run
 #   zf_job_poll SECONDS              a detached job's poll (the *_job.sh scripts): wait up to SECONDS for /tmp/run_out/done
 #                                    to say "all", show where it stands, pack /tmp/run_out into $OUT/all.tgz
 #
@@ -103,6 +104,25 @@ zf_aio() {         # libaio for DeepSpeed's async_io op (ZeRO-Infinity), unpacke
   local lib=/tmp/aio/usr/lib/x86_64-linux-gnu
   export CPATH=/tmp/aio/usr/include LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
          CFLAGS=-I/tmp/aio/usr/include LDFLAGS=-L$lib
+}
+
+zf_job_start() {   # BODY: a detached job's runs (bash, single-quoted by the caller), run under setsid from a copy of
+  # the tree in /tmp/run (a device call lays the tree anew), with $o (/tmp/run_out), $commit (COMMIT), `stamp NAME RC`
+  # (a line in $o/done) and `bench NAME ARGS...` (bench/run.py into $o/NAME, its log $o/NAME.log) defined; the wheels
+  # installed in /tmp/site first. zf_job_poll reads what it writes.
+  rm -rf /tmp/run /tmp/run_out && cp -r . /tmp/run && mkdir -p /tmp/run_out
+  cd /tmp/run || return 1
+  setsid bash -c "
+    export PYTHONPATH=/tmp/site:/tmp/run/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+    o=/tmp/run_out commit=${COMMIT:-unknown}
+    stamp() { echo \"\$1 rc=\$2 \$(date -u +%H:%M:%S)\" >> \$o/done; }
+    bench() { local name=\$1; shift; python3 bench/run.py --commit \$commit --out \$o/\$name \"\$@\" > \$o/\$name.log 2>&1
+      stamp \$name \$?; }
+    echo \$commit > \$o/commit
+    $1
+    echo all >> \$o/done
+  " > /dev/null 2>&1 < /dev/null &
+  echo started
 }
 
 zf_job_poll() {

@@ -3,7 +3,7 @@ own generate with every streamed block uploaded at its call from the engine's ho
 block through the weight slots as on a GPU. Its tokens are transformers' own over the engine's current weights (after
 a step, the updated ones); with a device budget set, the blocks the pool's slots cannot hold stay in slots of their
 own for the call ([Note: generation keeps blocks], engine/plan/generation.py): each crosses once instead of once per
-token, and the slots are given back after."""
+token, and the slots are given back after; a batch whose cache cannot fit is refused by name before anything moves."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 import zerofit
 from tests.support import tiny_models as tm
 from zerofit.engine.memory.streamer import Streamer
+from zerofit.engine.plan.generation import GenerationTooLarge
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 LAYERS, NEW = 6, 5
@@ -77,10 +78,26 @@ def test_a_cache_that_takes_the_room_keeps_nothing(uploads):
     free.close()
     engine = _engine(tm.llama(tied=False, layers=LAYERS), max_gpu_memory=need, offload={"resident_blocks": 0})
     short = torch.randint(0, tm.VOCAB, (1, 4))
-    assert engine.schedule._blocks_kept((), {"input_ids": short, "max_new_tokens": NEW}) > 0
+    assert engine.schedule._generation_room((), {"input_ids": short, "max_new_tokens": NEW}) > 0
     long = torch.randint(0, tm.VOCAB, (16, 35))
-    assert engine.schedule._blocks_kept((), {"input_ids": long, "max_new_tokens": NEW}) == 0
+    assert engine.schedule._generation_room((), {"input_ids": long, "max_new_tokens": NEW}) == 0
     uploads.clear()
     _greedy(engine, long)
     assert len([n for n in uploads if n != "shell"]) >= LAYERS * NEW
+    engine.close()
+
+
+def test_a_cache_that_cannot_fit_is_refused_by_name_before_it_generates(uploads):
+    """[Note: generation keeps blocks]: a batch whose key/value cache exceeds the budget beside what stays of the
+    plan is refused in one line, nothing uploaded; a smaller one then generates."""
+    torch.manual_seed(0)
+    free = _engine(tm.llama(tied=False, layers=LAYERS), offload={"resident_blocks": 0})
+    need = sum(v for k, v in free.plan.host_bytes.items() if k.startswith("device:"))
+    free.close()
+    engine = _engine(tm.llama(tied=False, layers=LAYERS), max_gpu_memory=need, offload={"resident_blocks": 0})
+    uploads.clear()
+    with pytest.raises(GenerationTooLarge, match=r"generation: the KV cache of 64 sequences x 35 tokens"):
+        _greedy(engine, torch.randint(0, tm.VOCAB, (64, 30)))
+    assert [n for n in uploads if n != "shell"] == []
+    _greedy(engine, torch.randint(0, tm.VOCAB, (2, 4)))
     engine.close()

@@ -14,18 +14,16 @@ pytest.importorskip("peft")
 trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 import zerofit.hf  # noqa: E402
-from tests.support.tiny_tokenizer import build_tokenizer  # noqa: E402
+from tests.integration.test_trl import LORA, TOK, _model  # noqa: E402  # TRL's tests' tiny Llama and tokenizer
 from zerofit.engine.step.hooked import Hooked  # noqa: E402
 from zerofit.hf.trainer import EngineModel  # noqa: E402
 from zerofit.infer.engine import InferenceEngine  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-TOK = build_tokenizer()
-LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
 COMMON = dict(
     per_device_train_batch_size=4,
     gradient_accumulation_steps=2,
@@ -43,22 +41,6 @@ COMMON = dict(
     num_train_epochs=1,
 )
 PROMPTS = Dataset.from_dict({"prompt": ["The quick brown fox", "A stitch in time", "One two", "Hello there"] * 2})
-
-
-def _model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=len(TOK),
-            max_position_embeddings=64,
-            pad_token_id=TOK.pad_token_id,
-        )
-    )
 
 
 def _length(completions, **_):

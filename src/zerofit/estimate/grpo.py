@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from zerofit.config.schema import parse_bytes
+from zerofit.engine.plan.engine_plan import DTYPES
 from zerofit.engine.plan.generation import (
     blocks_kept,
     device_item,
@@ -135,14 +135,11 @@ def estimate_grpo(
     plan = est.plan
     if plan is None:
         return out
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
-        str(config.get("precision", "bf16")), torch.bfloat16
-    )
     meta = model if hasattr(model, "parameters") else meta_model(model, None)  # a folder: its config.json
-    shape = serve_shape(meta, dtype)
+    shape = serve_shape(meta, DTYPES[config.get("precision", "bf16")])
     T = prompt_len + completion_len
     out.kv_bytes = shape.kv_bytes(n, T)
-    out.device_budget = parse_bytes(config.get("max_gpu_memory"), "max_gpu_memory")
+    out.device_budget = plan.device_budget  # the planner's: max_gpu_memory, or the GPU's free bytes
     out.generation_device_bytes = generation_bytes(plan, shape, n, T)
     streamed = range(plan.resident_blocks, shape.num_blocks)
     nf4 = est.shape.nf4_bytes

@@ -7,7 +7,8 @@ GRPOTrainer makes four kinds of model calls per generation round, and each goes 
 * **Completions** (``unwrap_model_for_generation(model_wrapped).generate``): the engine's ``generate``, on the device
   over the engine's own host weights, each streamed block uploaded at its call ([Note: generation over the
   engine's weights], engine/step/hooked.py). They are the current step's weights (the last updates are applied
-  first), and no second copy of the model exists, nor a gather of it onto the GPU.
+  first), and no second copy of the model exists, nor a gather of it onto the GPU; one whose key/value cache cannot
+  fit is refused by name first ([Note: generation keeps blocks], engine/plan/generation.py).
 * **The policy's log-probabilities** in the loss (``_compute_loss``'s ``model(..., fused_lm_head=True)`` on the
   Trainer's wrapped model): the engine's training forward, whose post pass runs the model's own forward after the
   last block, TRL's fused head included, so the per-token log-probabilities come from TRL's own tiles and the
@@ -26,21 +27,12 @@ differs.
 
 from __future__ import annotations
 
-import torch
-
-from zerofit.errors import InputError
-
-
-class GenerationTooLarge(InputError, RuntimeError):
-    """A GRPO step's completions cannot generate within the GPU budget beside the engine's placement."""
-
 
 class GRPOMixin:
     """Put before :class:`~zerofit.hf.trainer.ZerofitTrainerMixin` over TRL's ``GRPOTrainer`` (``with_zerofit`` does):
     [Note: GRPO on the engine]."""
 
     _zerofit_ref = None  # the reference model's InferenceEngine, built at its first forward
-    _zerofit_kv_shape = None  # the model's shape for the generation's cache check
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
@@ -64,24 +56,6 @@ class GRPOMixin:
                 reference.release_device()
         return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)  # type: ignore[misc]
 
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        """TRL's generation, refused by name first where its key/value cache cannot fit beside the engine's
-        placement (zerofit estimate --grpo plans the same)."""
-        engine = self._zerofit_current()  # type: ignore[attr-defined]
-        budget = engine.config.max_gpu_memory if engine.dev.is_cuda else None
-        if budget:
-            from zerofit.engine.plan.generation import generation_refusal
-            from zerofit.estimate.serve import serve_shape
-
-            length = max(len(p) for p in prompt_ids) + self.max_completion_length  # type: ignore[attr-defined]
-            if self._zerofit_kv_shape is None:
-                self._zerofit_kv_shape = serve_shape(engine.adapter.model, engine.dtype)
-            shape = self._zerofit_kv_shape
-            refusal = generation_refusal(engine.plan, shape, len(prompt_ids), length, budget)
-            if refusal:
-                raise GenerationTooLarge(refusal)
-        return super()._generate_single_turn(prompt_ids, *args, **kwargs)  # type: ignore[misc]
-
     def _zerofit_reference(self):
         """The reference model's forwards: an InferenceEngine over it, on the training engine's device, in its compute
         dtype, within the GPU bytes the training plan's placement leaves between steps (the step's activations and
@@ -92,11 +66,9 @@ class GRPOMixin:
             engine = self._zerofit_current()  # type: ignore[attr-defined]
             budget = None
             if engine.dev.is_cuda:  # what the placement leaves between steps: the step's own room is unused then
-                from zerofit.engine.plan.generation import KEPT, device_item
+                from zerofit.engine.plan.generation import kept_bytes
 
-                total = torch.cuda.get_device_properties(engine.dev.device).total_memory
-                cap = engine.config.max_gpu_memory or total
-                budget = max(0, min(cap, total) - sum(device_item(engine.plan, k) for k in KEPT))
+                budget = max(0, engine.plan.device_budget - kept_bytes(engine.plan))
             # in the policy's compute dtype: the KL compares two forwards of the same rounding (stock TRL runs both
             # under one autocast)
             self._zerofit_ref = InferenceEngine(

@@ -8,12 +8,20 @@ decode step runs every block, so a streamed block that must leave its slot for t
 every token: the PCIe bound of a token is the streamed blocks' bytes. Where the device budget has room beyond
 :func:`generation_bytes` (less a block's working set), the streamer keeps that many more streamed blocks in slots of
 their own for the call (Streamer.keep_for_generation): they cross once per call, and when the rest fit the pool's
-slots, no weight crosses after the first token. ``zerofit estimate --grpo`` plans the same numbers.
+slots, no weight crosses after the first token. A generation whose cache cannot fit the budget beside what stays is
+refused by name before anything is allocated (:class:`GenerationTooLarge`). ``zerofit estimate --grpo`` plans the
+same numbers.
 """
 
 from __future__ import annotations
 
 from zerofit.engine.plan.plan import Plan, fmt_bytes
+from zerofit.errors import InputError
+
+
+class GenerationTooLarge(InputError, RuntimeError):
+    """A generation's key/value cache cannot fit the device budget beside the engine's placement."""
+
 
 # the plan's device items that stay while the model generates (the step's activations, gradient slots and loss do not)
 KEPT = ("shell", "resident_blocks", "weight_slots", "upload_staging", "allocator_reserve")
@@ -24,12 +32,16 @@ def device_item(plan: Plan, key: str) -> int:
     return plan.device_bytes.get(key, 0) or plan.host_bytes.get("device:" + key, 0)
 
 
+def kept_bytes(plan: Plan) -> int:
+    """The bytes of the plan's device items that stay while the model generates (:data:`KEPT`)."""
+    return sum(device_item(plan, k) for k in KEPT)
+
+
 def generation_bytes(plan: Plan, shape, sequences: int, length: int) -> int:
     """The device bytes while ``sequences`` of up to ``length`` tokens generate on ``plan``'s placement: what of the
     plan stays (the shell, the resident blocks, the slots), the key/value cache of every sequence (``shape``: an
     InferShape, zerofit/infer/plan.py), and the last token's logits of each in fp32."""
-    kept = sum(device_item(plan, k) for k in KEPT)
-    return kept + shape.kv_bytes(sequences, length) + sequences * shape.vocab * 4
+    return kept_bytes(plan) + shape.kv_bytes(sequences, length) + sequences * shape.vocab * 4
 
 
 def generation_refusal(plan: Plan, shape, sequences: int, length: int, budget: int | None) -> str | None:
@@ -38,7 +50,7 @@ def generation_refusal(plan: Plan, shape, sequences: int, length: int, budget: i
     need = generation_bytes(plan, shape, sequences, length)
     if not budget or need <= budget:
         return None
-    kept = sum(device_item(plan, k) for k in KEPT)
+    kept = kept_bytes(plan)
     return (
         f"generation: the KV cache of {sequences} sequences x {length} tokens "
         f"({fmt_bytes(shape.kv_bytes(sequences, length))}) does not fit beside the plan's shell, resident blocks and "

@@ -172,7 +172,7 @@ class Schedule:
         calls = self.hooked or self.generation
         assert calls is not None  # (built for every engine but the hooked mode's, which has its own)
         self.streamer.refresh_shell()
-        kept = calls.cyclic and self.streamer.keep_for_generation(self._blocks_kept(args, kwargs))
+        kept = calls.cyclic and self.streamer.keep_for_generation(self._generation_room(args, kwargs))
         try:
             with self.compute.shell_weights(self.compute.leaves(self.shell, grad=calls.cyclic)):
                 return calls.generate(self.adapter.model, *args, **kwargs)
@@ -180,27 +180,29 @@ class Schedule:
             if kept:
                 self.streamer.return_kept()
 
-    def _blocks_kept(self, args: tuple, kwargs: dict) -> int:
-        """[Note: generation keeps blocks] (plan/generation.py): how many streamed blocks this ``generate`` keeps
-        in slots of their own, within ``max_gpu_memory`` (on a GPU, else its size; on the CPU, only a cap set)."""
-        pool = self.streamer.pool
-        budget = self.config.max_gpu_memory
-        if budget is None and self.dev.is_cuda:
-            budget = torch.cuda.get_device_properties(self.dev.device).total_memory
-        if pool is None or not budget:
+    def _generation_room(self, args: tuple, kwargs: dict) -> int:
+        """[Note: generation keeps blocks] (plan/generation.py), within the plan's device budget (on the CPU, only
+        where ``max_gpu_memory`` is set): a chain's ``generate`` whose cache cannot fit beside what stays is refused
+        by name (GenerationTooLarge); else, how many streamed blocks it keeps in slots of its own."""
+        plan, pool = self.streamer.planning.plan, self.streamer.pool
+        if plan.device_budget is None or not self.adapter.streaming:
             return 0
-        from zerofit.engine.plan.generation import blocks_kept, generation_shape
+        from zerofit.engine.plan.generation import GenerationTooLarge, blocks_kept, generation_refusal, generation_shape
         from zerofit.estimate.serve import serve_shape
 
-        streamed = sum(1 for u in self.blocks if u.home is Home.STREAMED)
-        slot = pool.slots[0].tensor
-        sequences, length = generation_shape(self.adapter.model, args, kwargs)
         if self._kv_shape is None:
             self._kv_shape = serve_shape(self.adapter.model, self.streamer.dtype)
-        shape = self._kv_shape
-        plan = self.streamer.planning.plan
-        room = blocks_kept(plan, shape, sequences, length, budget, slot.numel() * slot.element_size(), streamed)
-        return min(room, max(streamed - len(pool.slots), 0))
+        sequences, length = generation_shape(self.adapter.model, args, kwargs)
+        refusal = generation_refusal(plan, self._kv_shape, sequences, length, plan.device_budget)
+        if refusal:
+            raise GenerationTooLarge(refusal)
+        if pool is None:
+            return 0
+        slot = pool.slots[0].tensor
+        beyond = sum(1 for u in self.blocks if u.home is Home.STREAMED) - len(pool.slots)  # what the pool cannot hold
+        return blocks_kept(
+            plan, self._kv_shape, sequences, length, plan.device_budget, slot.numel() * slot.element_size(), beyond
+        )
 
     # ------------------------------------------------------------------ post pass
 

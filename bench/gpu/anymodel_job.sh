@@ -13,12 +13,12 @@
 #   u7      U7 (W2's layers as a U-Net, 6.74 B): the hooked mode at 24 GiB, plain PyTorch in the GPU with no cap
 #   t5xxl   the Flan-T5-XXL shape (11.3 B): the hooked mode at 24 GiB, a 100 GiB host budget and the rest of the
 #           optimizer state on the disk (/tmp/nv)
+# `bash bench/gpu/anymodel_job.sh run` runs them inside a job that zf_job_start (lib.sh) started, to chain them
+# with another script's runs.
 set -u
 . "$(dirname "$0")/lib.sh"
-case "$1" in
-start)
-  export TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0  # DeepSpeed's cpu_adam op, built once
-  zf_job_start '
+export TORCH_EXTENSIONS_DIR=/tmp/torch_ext TORCH_CUDA_ARCH_LIST=9.0  # DeepSpeed's cpu_adam op, built once
+runs='
     for run in ${ANY_RUNS:-t5xl w2 u7 t5xxl}; do
       case $run in
       t5xl) bench t5xl --workload T5-XL --engines zerofit-hooked,deepspeed,plain --steps 4 --cap 24GiB \
@@ -31,7 +31,12 @@ start)
           --engine-args "zerofit-hooked=--estimate --nvme /tmp/nv --set max_host_memory=100GiB" --timeout 480
         rm -rf /tmp/nv;;
       esac
-    done';;
+    done'
+case "$1" in
+start)
+  zf_job_start "$runs";;
+run)    # inside a job zf_job_start started ($o, stamp and bench defined)
+  eval "$runs";;
 poll)
   zf_job_poll "${2:-500}";;
 esac

@@ -10,12 +10,12 @@
 #   trl    the same, TRL + PEFT in the GPU with no cap
 #   long   zerofit at 24 GiB with completions of GRPO_LONG tokens each (default 2048 4096 8192), up to the first
 #          that fails
+# `bash bench/gpu/grpo_job.sh run` runs them inside a job that zf_job_start (lib.sh) started, to chain them with
+# another script's runs. Each run stops after GRPO_TIMEOUT seconds (default 900).
 set -u
 . "$(dirname "$0")/lib.sh"
-case "$1" in
-start)
-  zf_job_start '
-    one() { local name=$1; shift; python3 bench/grpo_bench.py --workload L8 --result $o/$name.json "$@" \
+runs='
+    one() { local name=$1; shift; timeout ${GRPO_TIMEOUT:-900} python3 bench/grpo_bench.py --workload L8 --result $o/$name.json "$@" \
       > $o/$name.log 2>&1; local rc=$?; stamp $name $rc; return $rc; }
     for run in ${GRPO_RUNS:-zf trl long}; do
       case $run in
@@ -25,7 +25,12 @@ start)
           one long_$n --engine zerofit --cap 24GiB --steps 2 --completion-len $n || break
         done;;
       esac
-    done';;
+    done'
+case "$1" in
+start)
+  zf_job_start "$runs";;
+run)    # inside a job zf_job_start started ($o, stamp and bench defined)
+  eval "$runs";;
 poll)
   zf_job_poll "${2:-500}";;
 esac

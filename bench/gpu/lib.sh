@@ -9,7 +9,9 @@
 #   zf_tests NAME TIMEOUT ARGS...    pytest ARGS under `timeout TIMEOUT`
 #   zf_cmd NAME TIMEOUT CMD...       any command under `timeout TIMEOUT`
 #   zf_skip NAME WHY...              a step that could not run (recorded as rc=2)
-#   zf_job_start BODY                a detached job (the *_job.sh scripts): BODY's runs under setsid from /tmp/run
+#   zf_job_start BODY                a detached job (the *_job.sh scripts): BODY's runs under setsid from /tmp/run;
+#                                    the scripts' own `run` verb runs their runs inside one, so one job can chain
+#                                    several scripts' runs: zf_job_start 'bash bench/gpu/grpo_job.sh run; ...'
 #   zf_job_poll SECONDS              a detached job's poll (the *_job.sh scripts): wait up to SECONDS for /tmp/run_out/done
 #                                    to say "all", show where it stands, pack /tmp/run_out into $OUT/all.tgz
 #
@@ -118,6 +120,7 @@ zf_job_start() {   # BODY: a detached job's runs (bash, single-quoted by the cal
     stamp() { echo \"\$1 rc=\$2 \$(date -u +%H:%M:%S)\" >> \$o/done; }
     bench() { local name=\$1; shift; python3 bench/run.py --commit \$commit --out \$o/\$name \"\$@\" > \$o/\$name.log 2>&1
       stamp \$name \$?; }
+    export o commit; export -f stamp bench
     echo \$commit > \$o/commit
     $1
     echo all >> \$o/done

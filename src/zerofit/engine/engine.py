@@ -217,7 +217,7 @@ class Engine:
             # [Note: documents without a mask] (model/tiling.py): packed documents over tiles with no T x T mask
             self.adapter.inputs_hook = tiling.documents_hook(self.adapter.blocks, tiling.tile_of(weakref.ref(self)))
         self.planning.log_placement(self.adapter.num_blocks, self.dev.is_cuda, self.dev.device)
-        log.info("zerofit: %s", self.kernels.describe())
+        log.info("zerofit: %s", "; ".join(p.describe() for p in (self.kernels, self.compute.attention) if p))
         # [Note: a read of the user's model]
         current = current_for_reads(weakref.ref(self))
         self._reads = (model.register_forward_pre_hook(current), model.register_state_dict_pre_hook(current))

@@ -22,6 +22,7 @@ from zerofit.engine.memory.copies16 import Copies16
 from zerofit.engine.memory.grads import Grads
 from zerofit.engine.memory.store import Home, Unit
 from zerofit.engine.memory.streamer import Streamer
+from zerofit.engine.model.attention import Attention
 from zerofit.engine.model.kernels import Kernels
 from zerofit.engine.model.materialize import ParamTable, build_units, release_originals
 from zerofit.engine.model.startup import Startup
@@ -190,7 +191,9 @@ def build_parts(i: PartsInputs) -> Parts:
     activations = Activations(dev, len(blocks), cfg.gradient_accumulation_steps, pinned, i.arenas)
     # [Note: fast kernels] (model/kernels.py): the compiled blocks and the fused loss, or the model's own code
     kernels = Kernels(i.model, i.adapter, cfg.kernels, dev.is_cuda, i.tile_of)
-    compute = Compute(i.model, i.adapter, dev, shell, kernels)
+    # [Note: attention's backend] (model/attention.py): SDPA's kernel first around each block's call
+    attention = Attention(i.model, cfg.attention_backend, dev.device, timed=kernels.fast)
+    compute = Compute(i.model, i.adapter, dev, shell, kernels, attention)
     stepper = Step(
         config=cfg,
         dev=dev,

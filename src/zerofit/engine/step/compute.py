@@ -19,6 +19,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from zerofit.engine.device import Device
 from zerofit.engine.memory.store import Unit
 from zerofit.engine.model.adapter import Adapter, block_output
+from zerofit.engine.model.attention import Attention
 from zerofit.engine.model.kernels import Kernels
 from zerofit.engine.step.batch import to_device
 
@@ -26,9 +27,18 @@ from zerofit.engine.step.batch import to_device
 class Compute:
     """Holds what the calls need: the model, its adapter (the block modules), the device, the shell's buffers."""
 
-    def __init__(self, model: nn.Module, adapter: Adapter, dev: Device, shell: Unit, kernels: Kernels | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: Adapter,
+        dev: Device,
+        shell: Unit,
+        kernels: Kernels | None = None,
+        attention: Attention | None = None,
+    ):
         self.model, self.adapter, self.dev, self.shell = model, adapter, dev, shell
         self.kernels = kernels  # [Note: fast kernels] (model/kernels.py); None: the model's own code
+        self.attention = attention  # [Note: attention's backend] (model/attention.py); None: torch's own choice
         self.calling = 0  # the engine's own calls of the model in progress ([Note: a read of the user's model])
 
     def shell_call(self, leaves: dict):
@@ -76,9 +86,10 @@ class Compute:
         ``unread``: a recompute for the backward, whose output's value is not read (the fast kernels skip what only
         that value needs: [Note: a recompute's unread output], model/kernels.py)."""
         module = self.adapter.blocks[unit.index]
-        if self.kernels is not None and self.kernels.compiled(x):
-            return self.kernels.block(module, leaves, x, call, unread)
-        return block_output(functional_call(module, leaves, (x, *call.args), call.kwargs, strict=False))
+        with self.attention.around(x) if self.attention is not None else contextlib.nullcontext():
+            if self.kernels is not None and self.kernels.compiled(x):
+                return self.kernels.block(module, leaves, x, call, unread)
+            return block_output(functional_call(module, leaves, (x, *call.args), call.kwargs, strict=False))
 
     @contextlib.contextmanager
     def rng(self, state):

@@ -88,6 +88,9 @@ VARIANTS = {
     "zerofit-fast": ("zerofit", ["--set", "kernels=fast"]),
     # the hooked mode forced (docs/engine.md): a chain of blocks streamed as any model is, against its block chain
     "zerofit-hooked": ("zerofit", ["--set", "adapter=hooked"]),
+    # attention's kernel named ([Note: attention's backend]), against auto's timed choice
+    "zerofit-flash": ("zerofit", ["--set", "attention_backend=flash"]),
+    "zerofit-cudnn": ("zerofit", ["--set", "attention_backend=cudnn"]),
     "plain-liger": ("plain", ["--liger"]),
 }
 GiB = 2**30

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Attention's backend (docs/long-context.md; [Note: attention's backend]), detached (a device call lays the tree
+# anew): pydantic on PYTHONPATH (installed into /tmp/site first, as bench/README.md says for the peers), then
+#   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu/attention_job.sh start
+# and `bash bench/gpu/attention_job.sh poll SECONDS`; `run` runs them inside another job (lib.sh, zf_job_start).
+# ATTN_RUNS picks runs, in this order (default: tests a32k a128k):
+#   tests   tests/gpu/test_gpu_attention.py: each kernel trains as flash does; auto times and chooses
+#   a32k    the 8B shape in LoRA, one sequence of 32,768 tokens at 24 GiB: flash named, cuDNN's named, auto
+#   a128k   the same at 131,072 tokens: flash named, auto
+set -u
+. "$(dirname "$0")/lib.sh"
+runs='
+    for run in ${ATTN_RUNS:-tests a32k a128k}; do
+      case $run in
+      tests) python3 -m pytest tests/gpu/test_gpu_attention.py -q -p no:cacheprovider > $o/attn_tests.log 2>&1
+        stamp attn_tests $?;;
+      a32k) bench a32k --workload L8 --seq 32768 --engines zerofit-flash,zerofit-cudnn,zerofit --steps 3 \
+          --cap 24GiB --timeout 300;;
+      a128k) bench a128k --workload L8 --seq 131072 --engines zerofit-flash,zerofit --steps 2 --cap 24GiB \
+          --timeout 540;;
+      esac
+    done'
+case "$1" in
+start)
+  zf_job_start "$runs";;
+run)    # inside a job zf_job_start started ($o, stamp and bench defined)
+  eval "$runs";;
+poll)
+  zf_job_poll "${2:-500}";;
+esac

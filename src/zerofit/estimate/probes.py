@@ -110,6 +110,8 @@ def engine_block_seconds(
         | ({"sequence_tile": tile} if tile else {})
         | ({"loss_chunks": chunks} if chunks > 1 else {}),
         "quantize_base": "nf4" if nf4 else cfg.quantize_base,
+        "kernels": cfg.kernels,
+        "attention_backend": cfg.attention_backend,
     }
     try:
         engine = zerofit.initialize(m, run)
@@ -253,9 +255,11 @@ def _block_seconds(
     from a cheap sum: the head and loss, a long sequence's largest tensors, are the post pass's, timed apart over
     the plan's chunks). ``tile``: the blocks over sequence tiles, as the engine runs them ([Note: a block over
     sequence tiles])."""
-    from zerofit.engine.model import tiling
+    from zerofit.engine.model import kernels, tiling
+    from zerofit.engine.model.attention import Attention
 
     dev = torch.device("cuda", torch.cuda.current_device())
+    shape = (batch.micro_batch, batch.seq_len)
     times, post = [], None
     for layers in pair:
         with torch.device(dev):
@@ -266,16 +270,19 @@ def _block_seconds(
             tiling.install(Adapter(m).blocks, lambda: tile)
         ids = torch.randint(0, mcfg.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
         decoder = m.get_decoder()
+        # [Note: attention's backend]: the kernel the run's blocks will run their attention on
+        order = Attention(m, cfg.attention_backend, dev, timed=kernels.resolve(cfg.kernels, True))
 
-        def step(decoder=decoder, m=m, ids=ids):
+        def step(decoder=decoder, m=m, ids=ids, order=order):
             for _ in range(batch.grad_accum):
-                decoder(input_ids=ids, use_cache=False).last_hidden_state.float().square().mean().backward()
+                with order.context(shape, compute_dtype(cfg)):
+                    decoder(input_ids=ids, use_cache=False).last_hidden_state.float().square().mean().backward()
             m.zero_grad(set_to_none=True)
 
         times.append(_median_late(step, seconds) / batch.grad_accum)
         if post is None:  # the shell is the same in both models
             post = _post_seconds(m, ids, chunks, seconds)
-        del m, ids, step, decoder  # step's defaults hold the model too
+        del m, ids, step, decoder, order  # step's defaults hold the model too
         gc.collect()
         torch.cuda.empty_cache()
     n = pair[1] - pair[0]

@@ -128,17 +128,24 @@ class Attention:
 
     def around(self, x: torch.Tensor):
         """The order in force for a block's call on ``x`` ((sequences, tokens, hidden)): a context manager."""
-        first = self.mode if self.mode != "auto" else (self._choose(x) if self.timed and x.dim() == 3 else None)
+        if x.dim() != 3:
+            return self.context(None)
+        return self.context((int(x.shape[0]), int(x.shape[1])), x.dtype)
+
+    def context(self, shape: tuple[int, int] | None, dtype: torch.dtype = torch.bfloat16):
+        """The order in force for a call of ``shape`` ((sequences, tokens); None: not a sequence) in ``dtype``: a
+        context manager (``zerofit estimate``'s probes run under the order the run will)."""
+        first: str | None = self.mode
+        if first == "auto":
+            first = None
+            if self.timed and shape is not None:
+                if shape not in self.chosen:
+                    self.chosen[shape] = self._time(shape, dtype)
+                first = self.chosen[shape]
         if first is None:
             return contextlib.nullcontext()
         order = [BACKENDS[first]] + [b for n, b in BACKENDS.items() if n != first]
         return sdpa_kernel(order, set_priority=True)
-
-    def _choose(self, x: torch.Tensor) -> str | None:
-        key = (int(x.shape[0]), int(x.shape[1]))
-        if key not in self.chosen:
-            self.chosen[key] = self._time(key, x.dtype)
-        return self.chosen[key]
 
     def _time(self, key: tuple[int, int], dtype: torch.dtype) -> str | None:
         assert self.heads is not None

@@ -12,7 +12,9 @@ where torch's own order (flash first) does not pick it. ``attention_backend``:
   block is called on a shape the engine times one causal call, forward and backward, of each kernel the card has
   but math (whose ``T x T`` scores are what the others avoid), with the model's heads, key-value heads and head
   size, in the compute dtype, at the call's tokens or :data:`PROBE_TOKENS` of them, whichever is fewer, and runs
-  every block call of that shape with the fastest first. The choice and the times are logged once per shape.
+  every block call of that shape with the fastest first. A kernel whose output or gradients are further from
+  flash's than two kernels' rounding allows (:data:`AGREE`) is not used: a fast wrong kernel is never chosen.
+  The choice, the times and any kernel left out are logged once per shape.
   With the exact kernels (the CPU's default) it is torch's own order: bitwise the plain model.
 * a kernel's name: that kernel first in every block call.
 
@@ -80,31 +82,50 @@ def probe_shape(batch: int, tokens: int) -> tuple[int, int]:
     return max(1, PROBE_TOKENS // t), t
 
 
-def time_backend(name: str, q, k, v, reps: int = 2) -> float | None:
-    """Seconds of one causal call of kernel ``name`` on ``q``, ``k``, ``v``, forward and backward (the least of
-    ``reps`` after a warm-up), or None where it cannot serve them."""
+def run_backend(name: str, q, k, v, grad, reps: int = 2) -> tuple[float, list[torch.Tensor]] | None:
+    """One causal call of kernel ``name`` on ``q``, ``k``, ``v``, forward and backward of ``grad``: its seconds (the
+    least of ``reps`` after a warm-up) and its results (the output and the gradients of q, k and v), or None where
+    it cannot serve them."""
     gqa = q.shape[1] != k.shape[1]
     cuda = q.device.type == "cuda"
-    best = None
+    best, results = None, []
     try:
         with sdpa_kernel([BACKENDS[name]]):
             for i in range(reps + 1):
+                for t in (q, k, v):
+                    t.grad = None
                 if cuda:
                     torch.cuda.synchronize(q.device)
                 t0 = time.perf_counter()
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-                out.backward(torch.ones_like(out))
+                out.backward(grad)
                 if cuda:
                     torch.cuda.synchronize(q.device)
                 took = time.perf_counter() - t0
                 if i:
                     best = took if best is None else min(best, took)
+            results = [out.detach(), q.grad, k.grad, v.grad]
     except RuntimeError:
         return None
     finally:
         for t in (q, k, v):
             t.grad = None
-    return best
+    assert best is not None
+    return best, results
+
+
+def distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The largest relative distance (L2) between the tensors of ``a`` and ``b``, pairwise; inf where not finite."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        d = float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30))
+        worst = max(worst, d if d == d else float("inf"))
+    return worst
+
+
+# how far a kernel's results may be from flash's on the probe's inputs: two exact kernels differ by their rounding
+# (16-bit outputs and gradients: a few parts in a thousand); a kernel further off is not used
+AGREE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 
 class Attention:
@@ -117,6 +138,7 @@ class Attention:
         self.timed = mode == "auto" and timed and device.type == "cuda" and self.heads is not None
         self.chosen: dict[tuple[int, int], str | None] = {}  # (sequences, tokens): the kernel first, or None
         self.times: dict[tuple[int, int], dict[str, float | None]] = {}  # (sequences, tokens): each kernel's s
+        self.rejected: dict[tuple[int, int], dict[str, float]] = {}  # ... the kernels off flash's results, by how far
 
     def describe(self) -> str:
         """One line for the start-up summary."""
@@ -157,13 +179,32 @@ class Attention:
             return torch.randn(b, n, t, d, device=self.device, dtype=dtype, generator=g).requires_grad_(True)
 
         q, k, v = make(h), make(kv), make(kv)
+        grad = torch.randn(b, h, t, d, device=self.device, dtype=dtype, generator=g)
+        # every kernel's results against flash's (torch's own first choice), kept alone: one that disagrees is
+        # left out
+        times: dict[str, float | None] = {}
+        bad: dict[str, float] = {}
+        ref = None
         with torch.enable_grad():
-            times = {name: time_backend(name, q, k, v) for name in TIMED}
-        del q, k, v
+            for name in sorted(TIMED, key=lambda n: n != "flash"):
+                r = run_backend(name, q, k, v, grad)
+                times[name] = r[0] if r else None
+                if r is None:
+                    continue
+                if ref is None:
+                    ref = r[1]
+                e = distance(r[1], ref)
+                if not e <= AGREE.get(dtype, 3e-2):
+                    bad[name] = e
+                del r
+        del q, k, v, grad, ref
+        times = {n: times[n] for n in TIMED}
         self.times[key] = times
-        ran = {n: s for n, s in times.items() if s is not None}
+        ran = {n: s for n, s in times.items() if s is not None and n not in bad}
         best = min(ran, key=lambda n: ran[n]) if ran else None
         shown = ", ".join(f"{n} {s * 1e3:.2f} ms" if s is not None else f"{n} cannot" for n, s in times.items())
+        shown += "".join(f"; {n} off flash's results by {e:.1e}: not used" for n, e in bad.items())
+        self.rejected[key] = bad
         log.info(
             "zerofit: attention for %d x %s tokens: %s first (one call timed at %d x %s: %s)",
             key[0], f"{key[1]:,}", best or "torch's own choice", b, f"{t:,}", shown,

@@ -48,17 +48,22 @@ def test_probe_shape_is_the_call_or_at_most_probe_tokens():
     assert att.probe_shape(16, P // 4) == (4, P // 4)
 
 
-def test_a_kernel_that_cannot_serve_times_as_none():
+def test_a_kernel_that_cannot_serve_runs_as_none():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 32, 8, generator=g, requires_grad=True)
     k = torch.randn(1, 2, 32, 8, generator=g, requires_grad=True)
     v = torch.randn(1, 2, 32, 8, generator=g, requires_grad=True)
+    grad = torch.randn(1, 4, 32, 8, generator=g)
+    ran = {}
     for name in ("flash", "math"):
-        s = att.time_backend(name, q, k, v)
-        assert s is not None and s > 0
+        r = att.run_backend(name, q, k, v, grad)
+        assert r is not None and r[0] > 0
+        assert [t.shape for t in r[1]] == [q.shape, q.shape, k.shape, v.shape]
         assert q.grad is None and k.grad is None  # the probe leaves its inputs as it found them
-    assert att.time_backend("efficient", q, k, v) is None
-    assert att.time_backend("cudnn", q, k, v) is None
+        ran[name] = r[1]
+    assert 0 < att.distance(ran["math"], ran["flash"]) < att.AGREE[torch.float32]
+    assert att.run_backend("efficient", q, k, v, grad) is None
+    assert att.run_backend("cudnn", q, k, v, grad) is None
 
 
 def test_a_named_kernel_is_first_around_the_call_only():
@@ -74,29 +79,54 @@ def test_a_named_kernel_is_first_around_the_call_only():
     assert auto.describe() == "attention: torch's own choice"
 
 
-def test_auto_times_each_shape_once_and_runs_the_fastest_first(monkeypatch, caplog):
+def _auto(monkeypatch, wrong: str | None = None):
+    """An auto Attention timing as on a GPU (the CPU's kernels cudnn and efficient cannot serve, flash and math
+    can; auto's candidates made flash and math here), ``wrong``'s results spoiled; and the calls it made."""
     a = att.Attention(_model(), "auto", torch.device("cpu"), timed=False)
-    a.timed = True  # as on a GPU: the CPU's kernels cudnn and efficient cannot serve, flash can
+    a.timed = True
+    monkeypatch.setattr(att, "TIMED", ("cudnn", "flash", "efficient", "math"))
     timed = []
-    real = att.time_backend
+    real = att.run_backend
 
-    def spy(name, q, k, v, reps=2):
+    def spy(name, q, k, v, grad, reps=2):
         timed.append((name, tuple(q.shape), tuple(k.shape), q.dtype))
-        return real(name, q, k, v, reps)
+        r = real(name, q, k, v, grad, reps)
+        if r is not None and name == wrong:
+            r = (r[0] / 1000, [t * 1.5 for t in r[1]])  # the fastest, and wrong
+        return r
 
-    monkeypatch.setattr(att, "time_backend", spy)
+    monkeypatch.setattr(att, "run_backend", spy)
+    return a, timed
+
+
+def test_auto_times_each_shape_once_and_runs_the_fastest_first(monkeypatch, caplog):
+    a, timed = _auto(monkeypatch)
     x = torch.zeros(2, 16, 32, dtype=torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="zerofit"):
         for _ in range(3):
             with a.around(x):
-                assert _first() == SDPBackend.FLASH_ATTENTION.value
-    assert timed == [(n, (2, 4, 16, 8), (2, 2, 16, 8), torch.bfloat16) for n in att.TIMED]  # once, at the shape
-    assert a.chosen == {(2, 16): "flash"}
+                first = _first()
+    fastest = min(("flash", "math"), key=lambda n: a.times[(2, 16)][n])
+    assert first == att.BACKENDS[fastest].value
+    # once each, at the shape; flash first (the others' results are held against its)
+    assert sorted(timed) == sorted((n, (2, 4, 16, 8), (2, 2, 16, 8), torch.bfloat16) for n in att.TIMED)
+    assert timed[0][0] == "flash"
+    assert a.chosen == {(2, 16): fastest} and a.rejected[(2, 16)] == {}
     assert a.times[(2, 16)]["cudnn"] is None and a.times[(2, 16)]["flash"] > 0
-    assert "attention for 2 x 16 tokens: flash first" in caplog.text and "cudnn cannot" in caplog.text
+    assert f"attention for 2 x 16 tokens: {fastest} first" in caplog.text and "cudnn cannot" in caplog.text
     with a.around(torch.zeros(1, 24, 32)):  # a new shape is timed again
         pass
     assert set(a.chosen) == {(2, 16), (1, 24)} and len(timed) == 2 * len(att.TIMED)
+
+
+def test_a_fast_kernel_off_flashs_results_is_never_chosen(monkeypatch, caplog):
+    a, _ = _auto(monkeypatch, wrong="math")
+    with caplog.at_level(logging.INFO, logger="zerofit"):
+        with a.around(torch.zeros(1, 16, 32)):
+            assert _first() == SDPBackend.FLASH_ATTENTION.value
+    assert a.times[(1, 16)]["math"] < a.times[(1, 16)]["flash"]  # it was the fastest
+    assert set(a.rejected[(1, 16)]) == {"math"} and a.rejected[(1, 16)]["math"] > 0.4
+    assert "math off flash's results by 5.0e-01: not used" in caplog.text
 
 
 def test_the_engine_runs_each_block_with_the_named_kernel_first(monkeypatch):

@@ -21,3 +21,11 @@ def loop_of(params) -> UserLoop | None:
         if ids & loop.params:
             return loop
     return None
+
+
+def offering() -> UserLoop | None:
+    """The one live loop at the start of an accumulation window that a loader's read-ahead could serve ([Note: the
+    loop's loader reads the window ahead], loop.py); None where none is, or several are (whose batches would be
+    unknown)."""
+    ready = [loop for loop in list(LIVE) if loop.face.can_offer()]
+    return ready[0] if len(ready) == 1 else None

@@ -5,9 +5,12 @@ up in ([Note: the user's loop drives the engine], zerofit/userloop/__init__.py).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -92,6 +95,32 @@ class UserLoop:
         self.cast_inputs = None  # a dtype the floating inputs take (FSDP's mixed precision)
         patches.install()
         LIVE.add(self)
+
+    def read_ahead(self, first, more: Callable[[], Any], into: collections.deque) -> None:
+        """[Note: the loop's loader reads the window ahead]
+        A loop's micro-batches come one at a time (``model(**batch)``, ``loss.backward()``, the next), so each
+        forward would upload every streamed block again: G + 1 uploads a step where ``train_batch`` makes 2. Where
+        they come from a DataLoader (patches.py), the loader's next batch at the start of a window of G > 1 (after
+        the step, nothing pending) also reads the window's other G - 1 from the same iterator, into ``into`` (the
+        loop gets them from there, in order, as it would have), and the window is offered copies of them: if the
+        window's first forward is for the first of them, its G forwards run at once, block-major, each streamed
+        block uploaded once for all of them ([Note: a window's forwards at once], step/window.py), and each later
+        forward whose inputs equal the next one's takes its forward made; the losses are those of the forwards
+        the loop runs, computed from the same inputs with the same weights. A forward with other inputs (a loop
+        that changes a batch first, a loader of another use) drops what is left, made again one at a time: at
+        worst wasted work, never another number. Only batches that are mappings (``model(**batch)``) are offered;
+        the copies are the offer's own, so a batch the loop changes in place is seen as changed."""
+        if not isinstance(first, Mapping):
+            return
+        for _ in range(self.face.window_size - 1):
+            try:
+                into.append(more())
+            except StopIteration:
+                break
+        batches = [first, *into]
+        if len(batches) > 1 and all(isinstance(b, Mapping) for b in batches):
+            own = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
+            self.face.offer(own)
 
     def replaced(self) -> set[int]:
         """The ids of the model's parameters before the wrap that it no longer holds: an optimizer over them trains

@@ -22,6 +22,7 @@ group, what breaks is in the table's ``without``; it cannot be seen where it hap
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -31,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zerofit.userloop.live import loop_of
+from zerofit.userloop.live import LIVE, loop_of, offering
 from zerofit.userloop.loop import UserLoopError
 from zerofit.userloop.optimizer import step_post_hook, step_pre_hook, zero_grad_of
 
@@ -102,6 +103,16 @@ PATCHES: dict[str, Patch] = {
         "as GradScaler's, for FSDP's ShardedGradScaler (its own _unscale_grads_)",
         _FIRST_WRAP,
         _NO_TORCH,
+    ),
+    "torch.utils.data.dataloader._BaseDataLoaderIter.__next__": Patch(
+        "torch",
+        "at the start of a loop's accumulation window of G > 1 micro-batches, a DataLoader's next batch also reads "
+        "the window's other G - 1 from the same iterator (yielded in order, as before) and offers them to the loop: "
+        "if its next forward is for the first of them, the G forwards run at once, each streamed block uploaded "
+        "once for all of them; any other forward drops the offer (docs/fsdp.md); other times: torch's",
+        _FIRST_WRAP,
+        "each micro-batch's forward uploads every streamed block again (G + 1 uploads a step where train_batch "
+        "makes 2)",
     ),
     "accelerate.Accelerator.prepare_model": Patch(
         "accelerate",
@@ -289,7 +300,33 @@ def _install_hooks() -> None:
             _unscale_grads_of,
             (ShardedGradScaler, "_unscale_grads_"),
         )
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        # [Note: the loop's loader reads the window ahead] (loop.py)
+        _install(
+            "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
+            _loader_next_of,
+            (_BaseDataLoaderIter, "__next__"),
+        )
         _TORCH.append(True)
+
+
+AHEAD = "_zerofit_ahead"  # an iterator's batches read ahead for a loop's window, yielded first
+
+
+def _loader_next_of(original):
+    @functools.wraps(original)
+    def __next__(self):
+        ahead = self.__dict__.get(AHEAD)
+        if ahead:
+            return ahead.popleft()
+        item = original(self)
+        loop = offering() if LIVE else None
+        if loop is not None:
+            loop.read_ahead(item, lambda: original(self), self.__dict__.setdefault(AHEAD, collections.deque()))
+        return item
+
+    return __next__
 
 
 def _clip_grad_norm_of(original):

@@ -68,6 +68,22 @@ class UserLoopFace:
         checks, its refusals, the generic fallback); under ``torch.no_grad()`` it keeps nothing."""
         return self.engine.deepspeed(*args, **kwargs)
 
+    def can_offer(self) -> bool:
+        """At the start of an accumulation window of more than one micro-batch, in training: a read-ahead of the
+        window's batches could serve it ([Note: the loop's loader reads the window ahead], userloop/loop.py)."""
+        e = self.engine
+        return e.window.model.training and e.window.can_offer()
+
+    @property
+    def window_size(self) -> int:
+        """The micro-batches of the accumulation window (the config's, or the one the loop's first step taught)."""
+        return self.engine.window.G
+
+    def offer(self, batches: list[dict]) -> None:
+        """The window's batches, read ahead: if its first forward is for the first of them, its forwards run at
+        once ([Note: a window's forwards at once], step/window.py)."""
+        self.engine.window.offer(batches)
+
     def backward(self, objective: torch.Tensor) -> None:
         """The engine's backward of ``objective``, unscaled (the loop's objective is its own: no 1/G)."""
         self.engine.deepspeed.backward(objective, scale_wrt_gas=False)

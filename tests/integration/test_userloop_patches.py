@@ -35,6 +35,8 @@ import torch.optim.optimizer as optim_mod
 from torch.amp.grad_scaler import GradScaler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
 import accelerate.accelerator
 import lightning.fabric.strategies.ddp as fabric_ddp
 import lightning.pytorch.strategies.ddp as trainer_ddp
@@ -47,6 +49,7 @@ def state():
             vars(ShardedGradScaler)["_unscale_grads_"],
         "torch.optim.Optimizer.zero_grad": vars(torch.optim.Optimizer)["zero_grad"],
         "torch.nn.Module.zero_grad": vars(torch.nn.Module)["zero_grad"],
+        "torch.utils.data.dataloader._BaseDataLoaderIter.__next__": vars(_BaseDataLoaderIter)["__next__"],
         "torch.optim.Optimizer.step (global pre-hook)": tuple(optim_mod._global_optimizer_pre_hooks.values()),
         "torch.optim.Optimizer.step (global post-hook)": tuple(optim_mod._global_optimizer_post_hooks.values()),
         "accelerate.Accelerator.prepare_model": vars(accelerate.accelerator.Accelerator)["prepare_model"],

@@ -31,22 +31,33 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _run(source: str, window: int | None = G, edit: bool = False, as_tuples: bool = False) -> dict:
+def _run(source: str, window: int | None = G, edit: bool = False, as_tuples: bool = False, door: str = "torch") -> dict:
     """The tutorial's loop over ``STEPS`` steps of ``G`` micro-batches, clipped at 1.0, from a DataLoader
     (``source`` "loader") or a list of the same batches ("list"), under a device budget that streams most
     blocks. ``window``: zerofit_config's gradient_accumulation_steps (None: learnt from the first step);
-    ``edit``: the loop changes the second micro-batch of each step in place before its forward."""
+    ``edit``: the loop changes the second micro-batch of each step in place before its forward; ``door``: the
+    loop as plain torch, accelerate's (its prepared loader fetches one batch ahead) or Fabric's writes it."""
     torch.manual_seed(0)
     cfg = {"max_gpu_memory": 3 << 20, "seq_len": 32, "micro_batch_size": 2}
     if window:
         cfg["gradient_accumulation_steps"] = window
-    model = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True), zerofit_config=cfg)
+    wrapped = model = FSDP(_model(), cpu_offload=CPUOffload(offload_params=True), zerofit_config=cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2)
-    if as_tuples:
-        loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, collate_fn=lambda b: tuple(_stack(b).values()))
+    collate = (lambda b: tuple(_stack(b).values())) if as_tuples else None
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, collate_fn=collate)
+    if door == "accelerate":
+        from accelerate import Accelerator
+
+        acc = Accelerator(gradient_accumulation_steps=G, cpu=True)
+        model, opt, loader = acc.prepare(model, opt, loader)
+    elif door == "fabric":
+        from lightning.fabric import Fabric
+
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model, opt = fabric.setup(model, opt)
+        loader = fabric.setup_dataloaders(loader)
     it = iter(loader) if source == "loader" else iter(list(loader))
-    eng = loop_of(list(model.parameters())).engine
+    eng = loop_of(list(wrapped.parameters())).engine
     out: dict = {"losses": [], "uploads": [], "seen": []}
     for _ in range(STEPS):
         for i in range(G):
@@ -58,16 +69,31 @@ def _run(source: str, window: int | None = G, edit: bool = False, as_tuples: boo
             out["seen"].append(b["input_ids"].clone())
             loss = model(**b).loss
             out["losses"].append(loss.item())
-            (loss / G).backward()
-        model.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
+            if door == "accelerate":
+                with acc.accumulate(model):  # its backward divides by G; its step waits for the boundary
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        acc.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    opt.zero_grad()
+                continue
+            if door == "fabric":
+                fabric.backward(loss / G)
+            else:
+                (loss / G).backward()
+        if door == "fabric":
+            fabric.clip_gradients(model, opt, max_norm=1.0)
+        elif door == "torch":
+            wrapped.clip_grad_norm_(1.0)
+        if door != "accelerate":
+            opt.step()
+            opt.zero_grad()
         counts = collections.Counter(iv["label"] for iv in eng.trace() if iv["lane"] == "upload")
         out["uploads"].append(counts)
-    out["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
+    out["weights"] = {k: v.clone() for k, v in wrapped.state_dict().items()}
     out["stats"] = dict(eng.window.stats)
     eng.close()
-    del model, opt, eng
+    del model, wrapped, opt, eng, loader, it
     gc.collect()  # one wrapped model alive at a time: two would offer no read-ahead
     return out
 
@@ -117,3 +143,13 @@ def test_batches_that_are_not_mappings_are_not_offered():
     plain, ahead = _run("list", as_tuples=True), _run("loader", as_tuples=True)
     _same(ahead, plain)
     assert ahead["stats"] == {"announced": 0, "mismatched": 0}
+
+
+@pytest.mark.parametrize("door", ["accelerate", "fabric"])
+def test_accelerates_and_fabrics_loaders_read_ahead_too(door):
+    pytest.importorskip("accelerate" if door == "accelerate" else "lightning")
+    plain, ahead = _run("list"), _run("loader", door=door)
+    _same(ahead, plain)
+    assert ahead["stats"] == {"announced": STEPS, "mismatched": 0}
+    streamed = sorted(n for n in plain["uploads"][-1] if "+" not in n and n.startswith("model.layers."))
+    assert max(ahead["uploads"][-1][n] for n in streamed) <= 2, ahead["uploads"][-1]

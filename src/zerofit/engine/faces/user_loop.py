@@ -80,9 +80,10 @@ class UserLoopFace:
         return self.engine.window.G
 
     def offer(self, batches: list[dict]) -> None:
-        """The window's batches, read ahead: if its first forward is for the first of them, its forwards run at
-        once ([Note: a window's forwards at once], step/window.py)."""
-        self.engine.window.offer(batches)
+        """The window's batches, read ahead: if its first forward is for the first of them, or they follow it (a
+        wrapper that fetches one batch ahead of the loop: accelerate's), its forwards run at once ([Note: a
+        window's forwards at once], step/window.py)."""
+        self.engine.window.offer(batches, may_lead=True)
 
     def backward(self, objective: torch.Tensor) -> None:
         """The engine's backward of ``objective``, unscaled (the loop's objective is its own: no 1/G)."""

@@ -136,6 +136,7 @@ class Window:
         self.held: list = []
         self.announced: list[tuple] = []
         self.offered: list[dict] | None = None
+        self.offer_leads = False  # the offer may start one batch after the window's first (Window.offer)
         # what outlives a rebuild of the parts ([Note: generic fallback], recovery.py): the caller's override
         # and the counters
         self.boundary: bool | None = carry.boundary if carry is not None else None
@@ -259,22 +260,23 @@ class Window:
             and self.lifecycle.state is EngineState.OPEN
         )
 
-    def offer(self, batches: list[dict]) -> None:
-        """The engine's own training loader read the window ahead: if the window's first call is for
-        ``batches[0]``, its forwards are made at once ([Note: a window's forwards at once])."""
+    def offer(self, batches: list[dict], may_lead: bool = False) -> None:
+        """A loader read the window ahead: if the window's first call is for ``batches[0]``, its forwards are made
+        at once ([Note: a window's forwards at once]). ``may_lead``: the batches may start one after the window's
+        first (a loader wrapped by one that fetches a batch ahead of the one it yields: accelerate's); a first
+        call for another batch then takes it and the offered ones after it (each later call checked as always)."""
         self.offered = list(batches) if len(batches) > 1 and self.can_offer() else None
+        self.offer_leads = may_lead
 
     def _take_offer(self, batch: dict) -> None:
         offered, self.offered = self.offered, None
         assert offered is not None  # the caller saw an offer
-        if (
-            self.micro_steps
-            or self.announced
-            or not same_forward_inputs(offered[0], batch)
-            or not torch.is_grad_enabled()
-            or not self.model.training
-        ):
+        if self.micro_steps or self.announced or not torch.is_grad_enabled() or not self.model.training:
             return
+        if not same_forward_inputs(offered[0], batch):
+            if not self.offer_leads:
+                return
+            offered = [batch, *offered[: self.G - 1]]
         try:
             for b in offered:
                 check_batch(b, self.batch_spec)

@@ -9,7 +9,8 @@ W7 (bench/WORKLOADS.md): the FSDP1-shaped script users write, run as written on 
                                      mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                                     reduce_dtype=torch.float32), device_id=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    for each step: 4 micro-batches, no_sync() on the first three, loss.backward(); model.clip_grad_norm_(1.0);
+    for each step: 4 micro-batches from a DataLoader, no_sync() on the first three, loss.backward();
+    model.clip_grad_norm_(1.0);
     optimizer.step(); optimizer.zero_grad()
 
 ``--backend torch``: ``torch.distributed.fsdp.FullyShardedDataParallel`` (one process, world size 1; the model
@@ -138,10 +139,14 @@ class UserLoopBench:
     def _step(self, micro_batches):
         g = len(micro_batches)
         total = 0.0
+        # the micro-batches come from a DataLoader, as a script's do (zerofit reads each window ahead from one:
+        # docs/fsdp.md); --from-list: from the list itself
+        batches = [{"input_ids": ids, "labels": ids} for ids in micro_batches]
+        source = batches if self.args.from_list else self.torch.utils.data.DataLoader(batches, batch_size=None)
         if self.fabric is not None:
             fabric = self.fabric
-            for i, ids in enumerate(micro_batches):
-                ids = ids.to(self.device, non_blocking=True)
+            for i, batch in enumerate(source):
+                ids = batch["input_ids"].to(self.device, non_blocking=True)
                 with fabric.no_backward_sync(self.model, enabled=i < g - 1):
                     loss = self.model(input_ids=ids, labels=ids).loss
                     fabric.backward(loss / g)
@@ -151,8 +156,8 @@ class UserLoopBench:
             self.opt.zero_grad()
             return total
         if self.acc is not None:
-            for ids in micro_batches:
-                ids = ids.to(self.device, non_blocking=True)
+            for batch in source:
+                ids = batch["input_ids"].to(self.device, non_blocking=True)
                 with self.acc.accumulate(self.model):
                     loss = self.model(input_ids=ids, labels=ids).loss
                     self.acc.backward(loss)
@@ -162,8 +167,8 @@ class UserLoopBench:
                     self.opt.zero_grad()
                 total += loss.item() / g
             return total
-        for i, ids in enumerate(micro_batches):
-            ids = ids.to(self.device, non_blocking=True)
+        for i, batch in enumerate(source):
+            ids = batch["input_ids"].to(self.device, non_blocking=True)
             ctx = self.model.no_sync() if i < g - 1 else contextlib.nullcontext()
             with ctx:
                 loss = self.model(input_ids=ids, labels=ids).loss
@@ -185,6 +190,12 @@ def main() -> int:
         default=1,
         help="zerofit: hold this many micro-batches before their blocks' backward (zerofit_config "
         "gradient_accumulation_steps; 1: each backward() runs its own)",
+    )
+    parser.add_argument(
+        "--from-list",
+        action="store_true",
+        help="the loop takes its micro-batches from a list (default: from a torch DataLoader over them, as scripts "
+        "do: zerofit reads each window ahead from it)",
     )
     args = parser.parse_args()
     name = f"{'zerofit' if args.backend == 'zerofit' else 'fsdp1'}-{args.loop}"

@@ -61,6 +61,9 @@ ENGINES = (
     "zerofit-exact",
     "zerofit-fast",
     "zerofit-hooked",
+    "zerofit-flash",
+    "zerofit-cudnn",
+    "zerofit-fsdp1-w4-list",
     "plain-liger",
     "unsloth",
 )
@@ -76,6 +79,8 @@ VARIANTS = {
     "zerofit-fsdp1": ("userloop", ["--backend", "zerofit"]),
     # the same with the window of the loop's 4 micro-batches held (zerofit_config gradient_accumulation_steps)
     "zerofit-fsdp1-w4": ("userloop", ["--backend", "zerofit", "--window", "4"]),
+    # the same drawing its micro-batches from a list, not a DataLoader (no window read ahead: docs/fsdp.md)
+    "zerofit-fsdp1-w4-list": ("userloop", ["--backend", "zerofit", "--window", "4", "--from-list"]),
     "fsdp1": ("userloop", ["--backend", "torch"]),
     "zerofit-accelerate": ("userloop", ["--backend", "zerofit", "--loop", "accelerate"]),
     "zerofit-accelerate-w4": ("userloop", ["--backend", "zerofit", "--loop", "accelerate", "--window", "4"]),

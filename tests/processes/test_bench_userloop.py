@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_w7_engines_run_as_a_dry_run(tmp_path):
-    engines = ["zerofit-fsdp1", "zerofit-accelerate-w4", "zerofit-fabric-w4"]
+    engines = ["zerofit-fsdp1", "zerofit-fsdp1-w4-list", "zerofit-accelerate-w4", "zerofit-fabric-w4"]
     cmd = [
         sys.executable,
         str(ROOT / "bench" / "run.py"),

@@ -63,6 +63,7 @@ ENGINES = (
     "zerofit-hooked",
     "zerofit-flash",
     "zerofit-cudnn",
+    "zerofit-timed",
     "zerofit-fsdp1-w4-list",
     "plain-liger",
     "unsloth",
@@ -93,9 +94,10 @@ VARIANTS = {
     "zerofit-fast": ("zerofit", ["--set", "kernels=fast"]),
     # the hooked mode forced (docs/engine.md): a chain of blocks streamed as any model is, against its block chain
     "zerofit-hooked": ("zerofit", ["--set", "adapter=hooked"]),
-    # attention's kernel named ([Note: attention's backend]), against auto's timed choice
+    # attention's kernel named ([Note: attention's backend]), or timed at the shape, against torch's own choice
     "zerofit-flash": ("zerofit", ["--set", "attention_backend=flash"]),
     "zerofit-cudnn": ("zerofit", ["--set", "attention_backend=cudnn"]),
+    "zerofit-timed": ("zerofit", ["--set", "attention_backend=timed"]),
     "plain-liger": ("plain", ["--liger"]),
 }
 GiB = 2**30

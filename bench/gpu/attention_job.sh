@@ -4,9 +4,10 @@
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu/attention_job.sh start
 # and `bash bench/gpu/attention_job.sh poll SECONDS`; `run` runs them inside another job (lib.sh, zf_job_start).
 # ATTN_RUNS picks runs, in this order (default: tests a32k a128k):
-#   tests   tests/gpu/test_gpu_attention.py: each kernel trains as flash does; auto times and chooses
-#   a32k    the 8B shape in LoRA, one sequence of 32,768 tokens at 24 GiB: flash named, cuDNN's named, auto
-#   a128k   the same at 131,072 tokens: flash named, auto
+#   tests   tests/gpu/test_gpu_attention.py: each kernel trains as flash does; timed times and chooses
+#   a32k    the 8B shape in LoRA, one sequence of 32,768 tokens at 24 GiB: torch's own choice (auto), cuDNN's
+#           named, timed
+#   a128k   the same at 131,072 tokens: auto, timed
 set -u
 . "$(dirname "$0")/lib.sh"
 runs='
@@ -14,9 +15,9 @@ runs='
       case $run in
       tests) python3 -m pytest tests/gpu/test_gpu_attention.py -q -p no:cacheprovider > $o/attn_tests.log 2>&1
         stamp attn_tests $?;;
-      a32k) bench a32k --workload L8 --seq 32768 --engines zerofit-flash,zerofit-cudnn,zerofit --steps 3 \
+      a32k) bench a32k --workload L8 --seq 32768 --engines zerofit,zerofit-cudnn,zerofit-timed --steps 3 \
           --cap 24GiB --timeout 300;;
-      a128k) bench a128k --workload L8 --seq 131072 --engines zerofit-flash,zerofit --steps 2 --cap 24GiB \
+      a128k) bench a128k --workload L8 --seq 131072 --engines zerofit,zerofit-timed --steps 2 --cap 24GiB \
           --timeout 540;;
       esac
     done'

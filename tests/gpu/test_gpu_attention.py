@@ -1,5 +1,5 @@
 """[Note: attention's backend] (engine/model/attention.py) on the GPU in bf16: each of SDPA's kernels the card has
-trains the same model to bf16's rounding of the flash kernel's losses, whole and over sequence tiles; auto times
+trains the same model to bf16's rounding of the flash kernel's losses, whole and over sequence tiles; timed times
 them at the first call of a shape and runs the one it found fastest."""
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def test_every_kernel_trains_as_flash_does(caplog):
     for name, losses in ran.items():
         assert losses == pytest.approx(flash, rel=2e-2), name
     with caplog.at_level(logging.INFO, logger="zerofit"):
-        auto = _losses({})
+        timed = _losses({"attention_backend": "timed"})
     assert "attention for 1 x 1,024 tokens:" in caplog.text
-    assert auto == pytest.approx(flash, rel=2e-2)
+    assert timed == pytest.approx(flash, rel=2e-2)
 
 
 def test_over_sequence_tiles_the_core_runs_on_the_named_kernel(monkeypatch):

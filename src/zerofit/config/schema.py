@@ -590,11 +590,12 @@ class ZerofitConfig(_Frozen):
         "fast (each block through one torch.compile'd graph, train_batch's head and loss as a fused linear "
         "cross-entropy: the same math rounded differently), auto (fast on a GPU, exact on the CPU)",
     )
-    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
+    attention_backend: Literal["auto", "timed", "flash", "cudnn", "efficient", "math"] = Field(
         "auto",
         description="the kernel of torch's scaled_dot_product_attention the blocks' attention runs on first: "
-        "auto (with the fast kernels on a GPU, the fastest of cudnn, flash and efficient, timed at each shape's "
-        "first call; else torch's own choice), or a kernel's name (each exact attention, rounded its own way)",
+        "auto (torch's own choice), timed (the fastest of cudnn, flash and efficient at each shape, timed at its "
+        "first call and checked against flash's results), or a kernel's name (each exact attention, rounded its "
+        "own way)",
     )
     seq_len: int | None = Field(
         None,

@@ -192,7 +192,7 @@ def build_parts(i: PartsInputs) -> Parts:
     # [Note: fast kernels] (model/kernels.py): the compiled blocks and the fused loss, or the model's own code
     kernels = Kernels(i.model, i.adapter, cfg.kernels, dev.is_cuda, i.tile_of)
     # [Note: attention's backend] (model/attention.py): SDPA's kernel first around each block's call
-    attention = Attention(i.model, cfg.attention_backend, dev.device, timed=kernels.fast)
+    attention = Attention(i.model, cfg.attention_backend, dev.device)
     compute = Compute(i.model, i.adapter, dev, shell, kernels, attention)
     stepper = Step(
         config=cfg,

@@ -255,7 +255,7 @@ def _block_seconds(
     from a cheap sum: the head and loss, a long sequence's largest tensors, are the post pass's, timed apart over
     the plan's chunks). ``tile``: the blocks over sequence tiles, as the engine runs them ([Note: a block over
     sequence tiles])."""
-    from zerofit.engine.model import kernels, tiling
+    from zerofit.engine.model import tiling
     from zerofit.engine.model.attention import Attention
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -271,7 +271,7 @@ def _block_seconds(
         ids = torch.randint(0, mcfg.vocab_size, (batch.micro_batch, batch.seq_len), device=dev)
         decoder = m.get_decoder()
         # [Note: attention's backend]: the kernel the run's blocks will run their attention on
-        order = Attention(m, cfg.attention_backend, dev, timed=kernels.resolve(cfg.kernels, True))
+        order = Attention(m, cfg.attention_backend, dev)
 
         def step(decoder=decoder, m=m, ids=ids, order=order):
             for _ in range(batch.grad_accum):

@@ -8,14 +8,15 @@ cuDNN's, the memory-efficient one, or the math one (op by op). Each computes exa
 way, and which is fastest depends on the card and the shape: at long sequences on Hopper, cuDNN's is the faster
 where torch's own order (flash first) does not pick it. ``attention_backend``:
 
-* ``auto`` (the default): with the fast kernels on a GPU ([Note: fast kernels], kernels.py), the first time a
-  block is called on a shape the engine times one causal call, forward and backward, of each kernel the card has
-  but math (whose ``T x T`` scores are what the others avoid), with the model's heads, key-value heads and head
-  size, in the compute dtype, at the call's tokens or :data:`PROBE_TOKENS` of them, whichever is fewer, and runs
-  every block call of that shape with the fastest first. A kernel whose output or gradients are further from
-  flash's than two kernels' rounding allows (:data:`AGREE`) is not used: a fast wrong kernel is never chosen.
-  The choice, the times and any kernel left out are logged once per shape.
-  With the exact kernels (the CPU's default) it is torch's own order: bitwise the plain model.
+* ``auto`` (the default): torch's own order (flash first on a GPU where it can serve the call): the plain
+  model's kernels, bitwise.
+* ``timed``: the first time a block is called on a shape the engine times one causal call, forward and backward,
+  of each kernel in :data:`TIMED` the device has (math left out: its ``T x T`` scores are what the others avoid),
+  with the model's heads, key-value heads and head size, in the compute dtype, at the call's tokens or
+  :data:`PROBE_TOKENS` of them, whichever is fewer, and runs every block call of that shape with the fastest
+  first. A kernel whose output or gradients are further from flash's than two kernels' rounding allows
+  (:data:`AGREE`) is not used: a fast wrong kernel is never chosen. The choice, the times and any kernel left out
+  are logged once per shape. (On the CPU only flash can serve: it is chosen.)
 * a kernel's name: that kernel first in every block call.
 
 The others stay behind the chosen one in the order (``sdpa_kernel(..., set_priority=True)``): a call the chosen
@@ -44,8 +45,8 @@ BACKENDS = {
     "math": SDPBackend.MATH,
 }
 CPU_BACKENDS = ("flash", "math")  # the kernels PyTorch has for the CPU
-TIMED = ("cudnn", "flash", "efficient")  # auto's candidates, in the order ties go
-PROBE_TOKENS = 8192  # the longest sequence auto times: long enough that attention's arithmetic binds each kernel
+TIMED = ("cudnn", "flash", "efficient")  # timed's candidates
+PROBE_TOKENS = 8192  # the longest sequence timed: long enough that attention's arithmetic binds each kernel
 
 
 class AttentionError(InputError, ValueError):
@@ -54,10 +55,10 @@ class AttentionError(InputError, ValueError):
 
 def check(name: str, on_cuda: bool) -> None:
     """Refuse by name a backend the device has no kernel for."""
-    if name != "auto" and not on_cuda and name not in CPU_BACKENDS:
+    if name in BACKENDS and not on_cuda and name not in CPU_BACKENDS:
         raise AttentionError(
             f"attention_backend {name!r}: the CPU has no such kernel (it has {', '.join(CPU_BACKENDS)}); "
-            "use auto, or one of those"
+            "use auto, timed, or one of those"
         )
 
 
@@ -74,7 +75,7 @@ def heads(model: torch.nn.Module) -> tuple[int, int, int] | None:
 
 
 def probe_shape(batch: int, tokens: int) -> tuple[int, int]:
-    """(sequences, tokens) auto times for a call of ``batch`` sequences of ``tokens``: the call's own where it has
+    """(sequences, tokens) timed for a call of ``batch`` sequences of ``tokens``: the call's own where it has
     no more than :data:`PROBE_TOKENS` tokens in all, else sequences of at most that many tokens, as many as fit."""
     if batch * tokens <= PROBE_TOKENS:
         return batch, tokens
@@ -129,23 +130,22 @@ AGREE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 
 class Attention:
-    """The order of SDPA's kernels around each block call, per shape (``mode``: ``attention_backend``; ``timed``:
-    whether auto times the kernels, i.e. the fast kernels on a GPU)."""
+    """The order of SDPA's kernels around each block call, per shape (``mode``: ``attention_backend``)."""
 
-    def __init__(self, model: torch.nn.Module, mode: str, device: torch.device, timed: bool):
+    def __init__(self, model: torch.nn.Module, mode: str, device: torch.device):
         check(mode, device.type == "cuda")
         self.mode, self.device, self.heads = mode, device, heads(model)
-        self.timed = mode == "auto" and timed and device.type == "cuda" and self.heads is not None
+        self.timed = mode == "timed" and self.heads is not None
         self.chosen: dict[tuple[int, int], str | None] = {}  # (sequences, tokens): the kernel first, or None
         self.times: dict[tuple[int, int], dict[str, float | None]] = {}  # (sequences, tokens): each kernel's s
         self.rejected: dict[tuple[int, int], dict[str, float]] = {}  # ... the kernels off flash's results, by how far
 
     def describe(self) -> str:
         """One line for the start-up summary."""
-        if self.mode != "auto":
-            return f"attention: {self.mode} first (attention_backend)"
         if self.timed:
             return "attention: the fastest of cuDNN's, flash and memory-efficient, timed at each shape's first call"
+        if self.mode in BACKENDS:
+            return f"attention: {self.mode} first (attention_backend)"
         return "attention: torch's own choice"
 
     def around(self, x: torch.Tensor):
@@ -157,13 +157,11 @@ class Attention:
     def context(self, shape: tuple[int, int] | None, dtype: torch.dtype = torch.bfloat16):
         """The order in force for a call of ``shape`` ((sequences, tokens); None: not a sequence) in ``dtype``: a
         context manager (``zerofit estimate``'s probes run under the order the run will)."""
-        first: str | None = self.mode
-        if first == "auto":
-            first = None
-            if self.timed and shape is not None:
-                if shape not in self.chosen:
-                    self.chosen[shape] = self._time(shape, dtype)
-                first = self.chosen[shape]
+        first: str | None = self.mode if self.mode in BACKENDS else None
+        if self.timed and shape is not None:
+            if shape not in self.chosen:
+                self.chosen[shape] = self._time(shape, dtype)
+            first = self.chosen[shape]
         if first is None:
             return contextlib.nullcontext()
         order = [BACKENDS[first]] + [b for n, b in BACKENDS.items() if n != first]

@@ -67,23 +67,23 @@ def test_a_kernel_that_cannot_serve_runs_as_none():
 
 
 def test_a_named_kernel_is_first_around_the_call_only():
-    a = att.Attention(_model(), "math", torch.device("cpu"), timed=False)
+    a = att.Attention(_model(), "math", torch.device("cpu"))
     before = _first()
     with a.around(torch.zeros(2, 16, 32)):
         assert _first() == SDPBackend.MATH.value
     assert _first() == before
-    auto = att.Attention(_model(), "auto", torch.device("cpu"), timed=True)
-    assert not auto.timed  # auto times on a GPU only: torch's own order here
+    auto = att.Attention(_model(), "auto", torch.device("cpu"))
+    assert not auto.timed  # torch's own order
     with auto.around(torch.zeros(2, 16, 32)):
         assert _first() == before
-    assert auto.describe() == "attention: torch's own choice"
+    assert auto.chosen == {} and auto.describe() == "attention: torch's own choice"
 
 
 def _auto(monkeypatch, wrong: str | None = None):
-    """An auto Attention timing as on a GPU (the CPU's kernels cudnn and efficient cannot serve, flash and math
-    can; auto's candidates made flash and math here), ``wrong``'s results spoiled; and the calls it made."""
-    a = att.Attention(_model(), "auto", torch.device("cpu"), timed=False)
-    a.timed = True
+    """A timed Attention (the CPU's kernels cudnn and efficient cannot serve, flash and math can: math made a
+    candidate here), ``wrong``'s results spoiled; and the calls it made."""
+    a = att.Attention(_model(), "timed", torch.device("cpu"))
+    assert a.timed
     monkeypatch.setattr(att, "TIMED", ("cudnn", "flash", "efficient", "math"))
     timed = []
     real = att.run_backend
@@ -99,7 +99,7 @@ def _auto(monkeypatch, wrong: str | None = None):
     return a, timed
 
 
-def test_auto_times_each_shape_once_and_runs_the_fastest_first(monkeypatch, caplog):
+def test_timed_times_each_shape_once_and_runs_the_fastest_first(monkeypatch, caplog):
     a, timed = _auto(monkeypatch)
     x = torch.zeros(2, 16, 32, dtype=torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="zerofit"):
@@ -150,3 +150,7 @@ def test_the_engine_runs_each_block_with_the_named_kernel_first(monkeypatch):
     # every block's attention (2 blocks: the forward, and the recompute for the backward, each step)
     assert seen == [SDPBackend.MATH.value] * (2 * 2 * 3)
     assert math == pytest.approx(plain, rel=1e-6)
+    seen.clear()
+    timed = losses({"attention_backend": "timed"})  # on the CPU only flash can serve of the timed kernels
+    assert seen[-2 * 2 * 3 :] == [SDPBackend.FLASH_ATTENTION.value] * (2 * 2 * 3)
+    assert timed == pytest.approx(plain, rel=1e-6)

@@ -26,11 +26,4 @@ runs='
         done;;
       esac
     done'
-case "$1" in
-start)
-  zf_job_start "$runs";;
-run)    # inside a job zf_job_start started ($o, stamp and bench defined)
-  eval "$runs";;
-poll)
-  zf_job_poll "${2:-500}";;
-esac
+zf_job_main "$runs" "$@"

@@ -12,6 +12,8 @@
 #   zf_job_start BODY                a detached job (the *_job.sh scripts): BODY's runs under setsid from /tmp/run;
 #                                    the scripts' own `run` verb runs their runs inside one, so one job can chain
 #                                    several scripts' runs: zf_job_start 'bash bench/gpu/grpo_job.sh run; ...'
+#   zf_job_main RUNS VERB [SECONDS]  a *_job.sh script's verbs over its RUNS: start (zf_job_start), run (inside a
+#                                    job already started), poll (zf_job_poll)
 #   zf_job_poll SECONDS              a detached job's poll (the *_job.sh scripts): wait up to SECONDS for /tmp/run_out/done
 #                                    to say "all", show where it stands, pack /tmp/run_out into $OUT/all.tgz
 #
@@ -126,6 +128,15 @@ zf_job_start() {   # BODY: a detached job's runs (bash, single-quoted by the cal
     echo all >> \$o/done
   " > /dev/null 2>&1 < /dev/null &
   echo started
+}
+
+zf_job_main() {    # RUNS VERB [SECONDS]
+  case "$2" in
+  start) zf_job_start "$1";;
+  run) eval "$1";;  # inside a job zf_job_start started ($o, stamp and bench defined)
+  poll) zf_job_poll "${3:-500}";;
+  *) echo "usage: $0 start|run|poll [SECONDS]" >&2; return 2;;
+  esac
 }
 
 zf_job_poll() {

@@ -37,14 +37,9 @@ def _losses(cfg: dict, seq: int = 1024) -> list[float]:
 
 def test_every_kernel_trains_as_flash_does(caplog):
     flash = _losses({"attention_backend": "flash"})
-    ran = {}
+    # a kernel this card or build lacks falls back in the order (the run still trains)
     for name in ("cudnn", "efficient"):
-        try:
-            ran[name] = _losses({"attention_backend": name})
-        except RuntimeError as e:  # a kernel this card or build lacks falls back in the order; anything else fails
-            pytest.fail(f"{name}: {e}")
-    for name, losses in ran.items():
-        assert losses == pytest.approx(flash, rel=2e-2), name
+        assert _losses({"attention_backend": name}) == pytest.approx(flash, rel=2e-2), name
     with caplog.at_level(logging.INFO, logger="zerofit"):
         timed = _losses({"attention_backend": "timed"})
     assert "attention for 1 x 1,024 tokens:" in caplog.text

@@ -118,7 +118,7 @@ class UserLoop:
             except StopIteration:
                 break
         batches = [first, *into]
-        if len(batches) > 1 and all(isinstance(b, Mapping) for b in batches):
+        if all(isinstance(b, Mapping) for b in batches):  # (the window takes no offer of one batch)
             own = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
             self.face.offer(own)
 

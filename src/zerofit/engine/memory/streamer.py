@@ -357,15 +357,19 @@ class Streamer:
                 self.evict(u)
             self.kept[id(u)] = slot
 
+    def beyond_pool(self) -> list[Unit]:
+        """The streamed blocks the pool's slots cannot hold at once, in order (the first ones past its count)."""
+        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
+        return streamed[: max(len(streamed) - len(self.pool.slots), 0)] if self.pool is not None else []
+
     def keep_for_generation(self, count: int) -> bool:
-        """[Note: generation keeps blocks] (plan/generation.py): ``count`` streamed blocks, the first ones past what
-        the pool's slots hold, get fresh device slots of their own for a generation: each is uploaded once and stays
-        until :meth:`return_kept`. Returns whether it kept any (never while a window keeps blocks)."""
+        """[Note: generation keeps blocks] (plan/generation.py): ``count`` of :meth:`beyond_pool` get fresh device
+        slots of their own for a generation: each is uploaded once and stays until :meth:`return_kept`. Returns
+        whether it kept any (never while a window keeps blocks)."""
         if count <= 0 or self.kept or self.pool is None:
             return False
         cap = self.pool.slots[0].tensor.numel()
-        streamed = [u for u in self.blocks if u.home is Home.STREAMED]
-        for u in streamed[: max(len(streamed) - len(self.pool.slots), 0)][:count]:
+        for u in self.beyond_pool()[:count]:
             if u.streamed.state is not WeightState.ON_HOST:  # in a pool slot: it moves to its own
                 self.evict(u)
             self.kept[id(u)] = Slot(torch.empty(cap, dtype=self.dtype, device=self.dev.device))

@@ -5,11 +5,10 @@ shape and the times it was made from).
 ``torch.nn.functional.scaled_dot_product_attention`` (the attention of every transformers model run with
 ``attn_implementation="sdpa"``, the default) hands each call to one of its kernels: flash (FlashAttention-2),
 cuDNN's, the memory-efficient one, or the math one (op by op). Each computes exact attention, each rounds its own
-way, and which is fastest depends on the card and the shape: at long sequences on Hopper, cuDNN's is the faster
-where torch's own order (flash first) does not pick it. ``attention_backend``:
+way, and which is fastest depends on the card, the shape and the torch build, whose own order need not pick the
+fastest. ``attention_backend``:
 
-* ``auto`` (the default): torch's own order (flash first on a GPU where it can serve the call): the plain
-  model's kernels, bitwise.
+* ``auto`` (the default): torch's own order: the plain model's kernels, bitwise.
 * ``timed``: the first time a block is called on a shape the engine times one causal call, forward and backward,
   of each kernel in :data:`TIMED` the device has (math left out: its ``T x T`` scores are what the others avoid),
   with the model's heads, key-value heads and head size, in the compute dtype, at the call's tokens or

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerofit.engine.memory.store import Home, Unit
+from zerofit.engine.memory.store import Unit
 from zerofit.engine.model.adapter import Adapter, PreResult, backward_into, loss_of, post_in_chunks
 from zerofit.engine.plan.search import CKPT_AHEAD
 
@@ -199,7 +199,7 @@ class Schedule:
         if pool is None:
             return 0
         slot = pool.slots[0].tensor
-        beyond = sum(1 for u in self.blocks if u.home is Home.STREAMED) - len(pool.slots)  # what the pool cannot hold
+        beyond = len(self.streamer.beyond_pool())
         return blocks_kept(
             plan, self._kv_shape, sequences, length, plan.device_budget, slot.numel() * slot.element_size(), beyond
         )

@@ -170,7 +170,9 @@ class Engine:
         # deferred, speculated, known before the backward, in two passes, cast first: plan/engine_plan.py
         policy = update_policy(config, self.dtype, self.dev.is_cuda, groups, user_loop, self.adapter.hooked)
         self.deferred = policy.deferred
-        self.speculator = Speculator(config.gradient_clipping, policy.speculate, known=policy.known)
+        self.speculator = Speculator(
+            config.gradient_clipping, policy.speculate, known=policy.known, cast=policy.cast_early
+        )
         self.hypers = Hypers(config, groups, speculating=policy.speculate)
         self._split, self._cast_first = policy.split, policy.cast_first
         self.scaler = _loss_scaler(config) if config.precision == "fp16" else None

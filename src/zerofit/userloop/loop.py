@@ -217,17 +217,18 @@ class UserLoop:
 
     # ------------------------------------------------------------------ the step
 
-    def _prepare(self, factor_known: bool = False) -> None:
+    def _prepare(self, factor_known: bool = False, clip: float | None = None) -> None:
         """The step up to its updates (Step.prepare): the held micro-batches' blocks backward, every gradient
         complete, the global norm (fp16: the overflow check). ``factor_known``: from ``optimizer.step()`` with no
-        clip or unscale before it ([Note: updates in the backward of the user's loop], update/speculation.py)."""
+        clip or unscale before it ([Note: updates in the backward of the user's loop], update/speculation.py);
+        ``clip``: from a clip to that norm ([Note: a speculated cast])."""
         if self.face.micro_steps == 0:
             raise UserLoopError(
                 "optimizer.step() (or clip_grad_norm_, unscale_) without a backward since the last "
                 "step: the engine has no gradient to apply (a loop that steps twice, or whose loss "
                 "did not come from the wrapped model's output)"
             )
-        self.prepared = self.face.prepare(autocast(self.amp), factor_known)
+        self.prepared = self.face.prepare(autocast(self.amp), factor_known, clip)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """This step's gradients clipped to ``max_norm`` in place, as torch's ``clip_grad_norm_`` clips them
@@ -235,7 +236,7 @@ class UserLoop:
         if float(norm_type) != 2.0:
             raise UserLoopError(f"clip_grad_norm_(norm_type={norm_type}): zerofit clips by the L2 norm")
         if self.prepared is None:
-            self._prepare()
+            self._prepare(clip=float(max_norm))
         return torch.tensor(self.face.clip_as_torch(float(max_norm), self.prepared), dtype=torch.float32)
 
     def unscale(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict:

@@ -38,6 +38,8 @@ class UserLoopFace:
         e = self.engine
         e.window.any_number_of_micro_batches(e.config.gradient_accumulation_steps == 1)
         e.stepper.torch_clip.follow(module_order(e.units, e.adapter, e.module))
+        if e.speculator.cast:  # [Note: a speculated cast]: the settings now, not fixed for the step by the read
+            e.speculator.cast_hypers = e.hypers.reported
 
     @property
     def streaming(self) -> bool:
@@ -91,12 +93,15 @@ class UserLoopFace:
 
     # ------------------------------------------------------------------ the step
 
-    def prepare(self, amp: contextlib.AbstractContextManager, factor_known: bool = False) -> Prepared:
+    def prepare(
+        self, amp: contextlib.AbstractContextManager, factor_known: bool = False, clip: float | None = None
+    ) -> Prepared:
         """The step up to its updates: the held micro-batches' blocks backward (under ``amp``, the forward's
         autocast), every gradient complete, the global norm (fp16: the overflow check). ``factor_known``: the
         step's factor is 1 and its settings are the optimizer's now (its ``optimizer.step()`` with no clip or
         unscale before it): the host updates run in that backward ([Note: updates in the backward of the user's
-        loop], update/speculation.py)."""
+        loop], update/speculation.py). ``clip``: a clip to that norm prepares it: the streamed blocks' casts run
+        in that backward ([Note: a speculated cast])."""
         e = self.engine
         with e.guard(discard_step=True), amp:
             if factor_known and e.window.held_full():
@@ -104,6 +109,8 @@ class UserLoopFace:
 
                 if all(Speculation.usable(h.beta1, h.beta2) for h in e.hypers.for_step()):  # (a non-finite norm)
                     e.speculator.begin_known(e.adapter.streaming)
+            elif clip is not None and e.window.held_full():
+                e.speculator.begin_cast(e.adapter.streaming, clip)
             return e.step_end.prepare()  # [Note: one end of a step]
 
     @property

@@ -212,6 +212,8 @@ class UpdatePolicy:
     """[Note: moments after the forward]: deferred host updates in two passes"""
     cast_first: bool
     """[Note: the master behind its cast]: the streamed blocks get 16-bit host copies at the first update"""
+    cast_early: bool = False
+    """[Note: a speculated cast]: the user's loop's clipped steps cast in their backward"""
 
 
 def update_policy(
@@ -248,7 +250,9 @@ def update_policy(
             "zerofit: offload.split_updates: the kernel could not be built (%s); the fused kernel updates in one pass",
             split_adamw.why_unavailable(),
         )
-    return UpdatePolicy(deferred, speculate, known, split, cast_first)
+    # [Note: a speculated cast] (update/speculation.py): the clipped user's loop casts in its backward
+    cast_early = user_loop and cast_first and config.offload.speculative_updates
+    return UpdatePolicy(deferred, speculate, known, split, cast_first, cast_early)
 
 
 def planner_inputs(

@@ -209,11 +209,17 @@ class Step:
             self.grads.sq_norms.pop(id(unit), None)
             self.torch_clip.forget(unit)
         speculate = fresh_host and spec is not None and unit.index >= 0
+        if speculate and spec is not None and spec.cast:  # [Note: a speculated cast]: a block with its copy
+            speculate = unit.host16 is not None and unit.swap is None and not self.device.assisted(unit)
         done = self.grads.send_down(unit, grad, dst, self.grads.sq_norms[id(unit)] if speculate else None)
         if self.deferred:
             if not fresh_host:  # DeepSpeed-style accumulation across micro-steps
                 assert host is not None  # deferred: a unit off the disk has its host gradient buffer (Grads)
                 self.worker.submit(self.host.task_add(host, dst, done), label=f"add[{unit.name}]")
+                if spec is not None and spec.cast:  # a cast made before this add is of a part of the gradient
+                    spec.void = True
+            elif speculate and spec is not None and spec.cast:  # FIFO first, as below; the unit stays ``updated``
+                self.worker.submit(self.host.task_cast(unit, spec, done), SPECULATE_FIRST, label=f"cast[{unit.name}]")
             elif speculate:  # [Note: speculative updates]
                 assert spec is not None  # (speculate)
                 unit.updates.updated.clear()
@@ -253,7 +259,7 @@ class Step:
         self.grads.sq_norms[id(unit)] = sq
         dst = self.grads.take_staging()
         spec = self.speculator.current
-        speculate = spec is not None
+        speculate = spec is not None and not spec.cast  # a unit on the disk has no 16-bit copy to cast into
         done = self.grads.send_down(unit, grad, dst, sq if speculate else None)
         tier, key, grads = self.tier, unit.index, self.grads
         assert tier is not None  # the unit is on the disk tier
@@ -340,8 +346,7 @@ class Step:
                     raise FloatingPointError(f"gradient norm is {total} at step {self.hypers.global_step}")
             except Exception:
                 if spec is not None:  # undo the speculative updates: the step is not applied
-                    self.settle(spec, host_units, self.hypers.for_step(), None)
-                    self.worker.drain()
+                    self.drop(spec)
                 self.discard_grads()  # a caller that goes on starts from clean gradients
                 raise
             norm = total / scale
@@ -362,14 +367,17 @@ class Step:
             self.discard_grads()
             return False, norm
         hypers = self.hypers.for_step()
-        if spec is not None or not self.deferred:  # the clip's multiplies wait for deferred updates only
+        updates = spec is not None and not spec.cast  # a speculation of updates, settled here
+        if updates or not self.deferred:  # the clip's multiplies wait for deferred updates only
             self.torch_clip.settle()
         self.lifecycle.begin_applying()
         self._device_updates(device_units, hypers, factor, dev_grads)
-        if spec is not None:
+        if updates:
+            assert spec is not None  # (updates)
             self.settle(spec, host_units, hypers, factor)
         elif self.deferred:
-            self._queue_deferred(host_units, hypers, factor)
+            cast = spec if spec is not None and not spec.void and factor == 1.0 and spec.hypers == hypers else None
+            self._queue_deferred(host_units, hypers, factor, cast)
         if shell_host and not shell_assisted:
             self.streamer.shell_updating()
         return True, norm
@@ -377,13 +385,24 @@ class Step:
     def grad_views(self, prepared: Prepared | None = None) -> list[torch.Tensor]:
         """The step's gradient of every trained parameter, in the model's order (several ranks: each unit's flat
         shard), after :meth:`prepare`: the user's loop unscales them as torch does (TorchClip.views)."""
+        if prepared is not None:
+            self._void_casts(prepared.spec)  # they may be written
         return self.torch_clip.views(prepared.dev_grads if prepared is not None else None)
 
     def clip_as_torch(self, max_norm: float, prepared: Prepared) -> float:
         """``torch.nn.utils.clip_grad_norm_``'s arithmetic over the step's gradients (the user's loop: bitwise the
         plain loop's clipped gradients; several ranks: FSDP's; [Note: the user's clip on the device]), after
         :meth:`prepare`. Returns the norm."""
+        if self.torch_clip.waiting:  # a second clip: the first one's multiplies are done first
+            self._void_casts(prepared.spec)
         return self.torch_clip.clip(max_norm, prepared.dev_grads)
+
+    def _void_casts(self, spec: Speculation | None) -> None:
+        """[Note: a speculated cast]: the host gradients are about to change in place; the casts made from them
+        finish first, and none is kept."""
+        if spec is not None and spec.cast and not spec.void:
+            self.worker.drain()
+            spec.void = True
 
     def _global_norm(
         self, device_units: list[Unit], host_units: list[Unit], dev_grads: dict[int, torch.Tensor]
@@ -432,11 +451,14 @@ class Step:
         if device_units:
             self.mirror_stale = True
 
-    def _queue_deferred(self, host_units: list[Unit], hypers: tuple[Hyper, ...], factor: float) -> None:
+    def _queue_deferred(
+        self, host_units: list[Unit], hypers: tuple[Hyper, ...], factor: float, cast: Speculation | None = None
+    ) -> None:
         """The deferred host updates, in forward order (the next forward needs block 0 first): the device's share
         pending for the next upload ([Note: assisted updates]), the CPU's on the worker (in two passes: [Note:
         moments after the forward]; the first writing the 16-bit cast alone: [Note: the master behind its
-        cast], which gives the streamed blocks their 16-bit copies first)."""
+        cast], which gives the streamed blocks their 16-bit copies first). ``cast``: a speculation whose casts
+        a unit whose gradient the clip left as it was keeps ([Note: a speculated cast])."""
         if (
             self.cast_first
             and self.copies16.possible()
@@ -459,7 +481,16 @@ class Step:
             cast16 = self.copies16.label(u, now=True) if split else None
             self.worker.submit(
                 self.host.task_update(
-                    u, grad, ev, hypers, factor, release=False, split=split, cast16=cast16, before=multiply
+                    u,
+                    grad,
+                    ev,
+                    hypers,
+                    factor,
+                    release=False,
+                    split=split,
+                    cast16=cast16,
+                    before=multiply,
+                    cast=cast if multiply is None and cast16 is not None else None,
                 ),
                 self.host.priority(u),
                 label=f"adamw[{u.name}]",
@@ -528,13 +559,19 @@ class Step:
         self.torch_clip.discard()
         self.grads.discard(self.units, self.host_units())
 
+    def drop(self, spec: Speculation) -> None:
+        """A speculation whose step is not applied: its updates undone (its casts changed nothing), the worker
+        drained."""
+        if not spec.cast:
+            self.settle(spec, self.host_units(), self.hypers.for_step(), None)
+        self.worker.drain()
+
     def discard(self) -> None:
         """Drop the step in progress (nothing of it applied): its speculative updates are undone (the worker
         drained after), its gradients forgotten. The caller drained the worker and reset the transfers first."""
         spec = self.speculator.take()
         if spec is not None:  # [Note: speculative updates]: undo what the worker updated early
-            self.settle(spec, self.host_units(), self.hypers.for_step(), None)
-            self.worker.drain()
+            self.drop(spec)
         self.torch_clip.discard()
         self.grads.discard(self.units, [u for u in self.units if not u.optimizer_on_device])
 

@@ -41,7 +41,10 @@ class StepEnd:
         self.ended(applied, norm)
 
     def skip(self, prepared: Prepared, windowed: bool = True) -> None:
-        """A prepared step not applied (a GradScaler found an overflow): its gradients dropped."""
+        """A prepared step not applied (a GradScaler found an overflow): its gradients dropped (a speculation's
+        work undone first)."""
+        if prepared.spec is not None:
+            self.stepper.drop(prepared.spec)
         self.stepper.discard_grads()
         if windowed:
             self.window.stepped()

@@ -390,7 +390,11 @@ class Window:
         self.streamer.return_kept()
         held, self.held = self.held, []
         if self.speculator.current is None:
-            self.speculator.begin(self.adapter.streaming)
+            # the step's whole gradient in this backward: a window the step must end (or the loop said it ends)
+            whole = self.micro_steps == len(held) and (
+                self.boundary is True or (len(held) >= self.G and not self.unbounded and self.hold is None)
+            )
+            self.speculator.begin(self.adapter.streaming, whole)
         self.schedule.backward_blocks(held)
 
     def at_boundary(self) -> bool:

@@ -150,15 +150,23 @@ class HostUpdates:
         split: bool = False,
         flag: int | None = None,
         before: Callable[[], None] | None = None,
+        cast: Speculation | None = None,
     ) -> Callable[[], None]:
         """The worker's AdamW step of a host unit; with ``cast16`` (a label: Copies16.label) its new weights are
         then cast into its 16-bit host copy ([Note: 16-bit copies after the update]). ``split``: the step's first
         pass only, the caller queues the second (task_moments); with ``cast16`` too, that first pass writes the
         cast alone ([Note: the master behind its cast]). ``before``: run first, once the gradient is down (the
-        user's clip multiply: [Note: the user's clip on the device], torch_clip.py)."""
+        user's clip multiply: [Note: the user's clip on the device], torch_clip.py). ``cast``: a speculation whose
+        cast of this unit, if the worker made it, this first pass keeps ([Note: a speculated cast])."""
 
         def run():
             wait_event(event)  # [Note: the worker's waits]
+            if cast is not None and id(unit) in cast.speculated:  # (split, cast16: Step._queue_deferred)
+                assert unit.step is not None and cast16 is not None
+                unit.step.add_(1)  # the first pass counts the step
+                unit.copy16.made(cast16)
+                unit.updates.updated.set()
+                return
             if before is not None:
                 before()
             if flag is not None and float(self.grads.bad_host[flag]):  # [Note: non-finite gradients without a norm]
@@ -224,6 +232,35 @@ class HostUpdates:
             if spec.admit(float(self.grads.block_sq[unit.index])):
                 self.apply(unit, self.grads.host_grads.get(id(unit)), [(hypers, 1.0, False)])
                 spec.speculated.add(id(unit))
+
+        return run
+
+    def task_cast(self, unit: Unit, spec: Speculation, event: Event) -> Callable[[], None]:
+        """[Note: a speculated cast]: the unit's first pass with factor 1 into its 16-bit copy, unless the partial
+        norm already proves the clip; the unit's master, moments and step stay as they are (its step counted on a
+        copy)."""
+
+        def run():
+            wait_event(event)  # [Note: the worker's waits]
+            if not spec.admit(float(self.grads.block_sq[unit.index])):
+                return
+            assert unit.master is not None and unit.exp_avg is not None and unit.exp_avg_sq is not None
+            assert unit.step is not None and unit.host16 is not None and spec.hypers is not None  # (Step.unit_done)
+            grad = self.grads.host_grads[id(unit)]
+            n = unit.master.numel()
+            unit_adamw(
+                unit,
+                unit.master,
+                grad.narrow(0, 0, n),
+                unit.exp_avg,
+                unit.exp_avg_sq,
+                unit.step.clone(),
+                spec.hypers,
+                1.0,
+                part="cast",
+                out16=unit.host16[:n],
+            )
+            spec.speculated.add(id(unit))
 
         return run
 

@@ -41,16 +41,33 @@ AdamW settings are the optimizer's now. So that backward runs as a speculation w
 (:meth:`Speculator.begin_known`): each streamed block is updated with factor 1 as its gradient comes down,
 during the backward of the others, and its settle keeps it; bitwise the deferred update with factor 1, which
 is torch's step. Nothing is rolled back, except for a non-finite norm (the step is refused then, the state
-to rounding as before it). A loop that clips keeps its deferred updates, each waited for by its block's
-next upload only: the clip's factor is known only after the last gradient, and a speculated update that
-the clip then undid would be redone from the rollback's state, which differs from the old one by rounding
-(bitwise would need a copy of every speculated block's master and moments, one more pass over 12 bytes a
-parameter on the host, the tightest resource: [Note: speculative updates])."""
+to rounding as before it). A loop that clips keeps its deferred updates: the clip's factor is known only
+after the last gradient, and a speculated update that the clip then undid would be redone from the
+rollback's state, which differs from the old one by rounding (bitwise would need a copy of every speculated
+block's master and moments, one more pass over 12 bytes a parameter on the host, the tightest resource:
+[Note: speculative updates]). What it speculates is the cast instead: [Note: a speculated cast].
+
+[Note: a speculated cast]
+Where the deferred updates run in two passes and the first writes only the streamed block's 16-bit host
+copy ([Note: the master behind its cast], split_adamw.py), that first pass changes nothing a later update
+reads: master, moments and step stay as they were. So a loop that clips runs it early: its clip call (the
+one that prepares the step: the held micro-batches' blocks backward) begins a cast speculation
+(:meth:`Speculator.begin_cast`) whose threshold is the clip's ``max_norm``, and the worker runs each
+streamed block's cast pass with factor 1 and the settings of the step as its gradient comes down, during
+the backward of the others, into the block's 16-bit copy, its step counted on a copy of the unit's. At
+``optimizer.step()`` a block's update then keeps that cast (counts the step, labels the copy, queues the rest
+pass) when the clip left its gradient as it was (torch's factor clamped to exactly 1: nothing to multiply),
+the step's factor is 1 and its settings are those the cast used; otherwise it runs its first pass again, as
+without speculation, over the same untouched state. Either way the bits are the unspeculated step's; a cast
+made for nothing (a clipped step, a step never taken) costs one pass of 16 bytes read and 2 written a
+parameter, and the partial norm stops it once it proves the clip. A reader that changes the gradients
+before the step (a second clip's multiplies, a GradScaler's unscale) waits for the casts and voids them."""
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -65,6 +82,13 @@ class Speculation:
     abandoned: bool = False  # the partial sum proved clipping (or was not finite)
     speculated: set[int] = field(default_factory=set)  # id() of the units updated with factor 1
     lock: threading.Lock = field(default_factory=threading.Lock)
+    hypers: tuple | None = None  # [Note: a speculated cast]: the settings the casts used; None: an update
+    void: bool = False  # the casts may not be kept: the gradients changed before the step (main thread)
+
+    @property
+    def cast(self) -> bool:
+        """[Note: a speculated cast]: the worker writes the 16-bit copies only."""
+        return self.hypers is not None
 
     def admit(self, sq: float) -> bool:
         """Add a block's squared norm; True if its update may still go ahead with factor 1."""
@@ -91,14 +115,18 @@ class Speculator:
     (the step in progress's :class:`Speculation`, from its backward's start to its settling) and ``stats``
     (steps held, rolled back, and waited: the ones that did not speculate after a clipped one). ``known``: the
     user's loop may update in the backward where a step's factor is known, ``known_steps`` counts them ([Note:
-    updates in the backward of the user's loop])."""
+    updates in the backward of the user's loop]); ``cast``: its steps may cast in the backward (``cast_hypers``:
+    the step's settings, set when the user's loop starts), ``cast_steps`` counts them ([Note: a speculated
+    cast])."""
 
-    def __init__(self, clip: float, can: bool, known: bool = False):
-        self.clip_sq, self.can, self.known = clip**2, can, known
+    def __init__(self, clip: float, can: bool, known: bool = False, cast: bool = False):
+        self.clip_sq, self.can, self.known, self.cast = clip**2, can, known, cast  # cast: the policy allows it
         self.next = True
         self.current: Speculation | None = None
         self.stats = {"held": 0, "rolled_back": 0, "waited": 0}
         self.known_steps = 0  # the user's loop's steps updated in their backward (also counted as held)
+        self.cast_steps = 0  # the user's loop's steps whose casts ran in their backward
+        self.cast_hypers: Callable[[], tuple] | None = None  # the step's settings now: the user's loop casts
 
     def norm_taken(self, clipped: bool) -> None:
         """The step's global norm is known: after a clipped step the next one waits for its norm."""
@@ -108,13 +136,16 @@ class Speculator:
         """A checkpoint's record of whether the step after it speculates (its save's ``next``)."""
         self.next = next_speculates
 
-    def begin(self, streaming: bool) -> None:
-        """Before a step's block backward: whether its host updates speculate."""
+    def begin(self, streaming: bool, whole: bool = True) -> None:
+        """Before a step's block backward: whether its host updates speculate (or, under the user's loop, its
+        casts, where ``whole``: the step's whole gradient comes down in it: [Note: a speculated cast])."""
         if self.can and streaming:
             if self.next:
                 self.current = Speculation(self.clip_sq)
             else:
                 self.stats["waited"] += 1
+        elif whole:
+            self.begin_cast(streaming)
 
     def begin_known(self, streaming: bool) -> bool:
         """The user's loop, before a backward whose step's factor is known to be 1: its host updates run in it
@@ -123,6 +154,15 @@ class Speculator:
             return False
         self.current = Speculation(math.inf)
         self.known_steps += 1
+        return True
+
+    def begin_cast(self, streaming: bool, max_norm: float = math.inf) -> bool:
+        """The user's loop, before a blocks' backward (the one its clip call runs, to ``max_norm``): the streamed
+        blocks' casts run in it, with the step's settings now ([Note: a speculated cast]). Whether it began."""
+        if self.cast_hypers is None or not streaming or self.current is not None:
+            return False
+        self.current = Speculation(float(max_norm) ** 2, hypers=tuple(self.cast_hypers()))
+        self.cast_steps += 1
         return True
 
     def take(self) -> Speculation | None:

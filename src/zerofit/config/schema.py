@@ -522,7 +522,8 @@ class OffloadConfig(_Frozen):
     speculative_updates: bool = True
     """with gradient clipping (bf16/fp32): update host blocks during the backward as if unclipped, and roll
     them back and update again in the rare step that the global norm then clips (zerofit/engine/update/speculation.py);
-    after a clipped step the next one waits for the norm instead"""
+    after a clipped step the next one waits for the norm instead. The user's own loop: its steps update in their
+    backward where nothing clips, and in bf16 cast the streamed blocks' 16-bit copies in it where something does"""
 
     @field_validator("nvme_path")
     @classmethod

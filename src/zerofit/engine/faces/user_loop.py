@@ -109,8 +109,8 @@ class UserLoopFace:
 
                 if all(Speculation.usable(h.beta1, h.beta2) for h in e.hypers.for_step()):  # (a non-finite norm)
                     e.speculator.begin_known(e.adapter.streaming)
-            elif clip is not None and e.window.held_full():
-                e.speculator.begin_cast(e.adapter.streaming, clip)
+            elif clip is not None:  # (it notes the clip's norm for the next steps' casts)
+                e.speculator.begin_cast(e.adapter.streaming and e.window.held_full(), clip)
             return e.step_end.prepare()  # [Note: one end of a step]
 
     @property

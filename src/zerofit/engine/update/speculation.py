@@ -50,11 +50,12 @@ block's master and moments, one more pass over 12 bytes a parameter on the host,
 [Note: a speculated cast]
 Where the deferred updates run in two passes and the first writes only the streamed block's 16-bit host
 copy ([Note: the master behind its cast], split_adamw.py), that first pass changes nothing a later update
-reads: master, moments and step stay as they were. So a loop that clips runs it early: its clip call (the
-one that prepares the step: the held micro-batches' blocks backward) begins a cast speculation
-(:meth:`Speculator.begin_cast`) whose threshold is the clip's ``max_norm``, and the worker runs each
-streamed block's cast pass with factor 1 and the settings of the step as its gradient comes down, during
-the backward of the others, into the block's 16-bit copy, its step counted on a copy of the unit's. At
+reads: master, moments and step stay as they were. So the user's loop runs it early, in the blocks' backward
+that brings the step's whole gradient down: its clip call's with the learnt window (the threshold is that
+clip's ``max_norm``), the last ``backward()`` of a configured window (the last clip's: loops clip to one
+norm). There a cast speculation (:meth:`Speculator.begin_cast`) has the worker run each streamed block's
+cast pass with factor 1 and the step's settings as its gradient comes down, during the backward of the
+others, into the block's 16-bit copy, its step counted on a copy of the unit's. At
 ``optimizer.step()`` a block's update then keeps that cast (counts the step, labels the copy, queues the rest
 pass) when the clip left its gradient as it was (torch's factor clamped to exactly 1: nothing to multiply),
 the step's factor is 1 and its settings are those the cast used; otherwise it runs its first pass again, as
@@ -127,6 +128,7 @@ class Speculator:
         self.known_steps = 0  # the user's loop's steps updated in their backward (also counted as held)
         self.cast_steps = 0  # the user's loop's steps whose casts ran in their backward
         self.cast_hypers: Callable[[], tuple] | None = None  # the step's settings now: the user's loop casts
+        self.cast_limit = math.inf  # the last clip's max_norm: a cast past it is made for nothing
 
     def norm_taken(self, clipped: bool) -> None:
         """The step's global norm is known: after a clipped step the next one waits for its norm."""
@@ -156,12 +158,15 @@ class Speculator:
         self.known_steps += 1
         return True
 
-    def begin_cast(self, streaming: bool, max_norm: float = math.inf) -> bool:
-        """The user's loop, before a blocks' backward (the one its clip call runs, to ``max_norm``): the streamed
-        blocks' casts run in it, with the step's settings now ([Note: a speculated cast]). Whether it began."""
+    def begin_cast(self, streaming: bool, max_norm: float | None = None) -> bool:
+        """The user's loop, before a blocks' backward (the one its clip call runs, to ``max_norm``; else the
+        last clip's, as loops clip to one norm): the streamed blocks' casts run in it, with the step's settings now
+        ([Note: a speculated cast]). Whether it began."""
+        if max_norm is not None:
+            self.cast_limit = float(max_norm)
         if self.cast_hypers is None or not streaming or self.current is not None:
             return False
-        self.current = Speculation(float(max_norm) ** 2, hypers=tuple(self.cast_hypers()))
+        self.current = Speculation(self.cast_limit**2, hypers=tuple(self.cast_hypers()))
         self.cast_steps += 1
         return True
 

@@ -98,8 +98,8 @@ def test_a_clipped_bf16_loop_casts_in_its_backward_and_keeps_what_the_clip_left_
     """Each step whose whole gradient comes down in one blocks' backward (every step with the config's window; from
     the second with the learnt one, in the clip call) casts the host-updated streamed blocks in it, until the
     partial norm passes the clip's (the learnt window's clip call) or the last clip's (the configured window); the
-    unclipped steps keep those casts (no second cast pass), the others cast again. Losses, norms, masters, moments and step counts are bitwise the loop without speculation; every later
-    forward reads the 16-bit copies."""
+    unclipped steps keep those casts (no second cast pass), the others cast again. Losses, norms, masters, moments
+    and step counts are bitwise the loop without speculation; every later forward reads the 16-bit copies."""
     data = tm.batches(6, 2)
     max_norms = [FREE, FREE, TIGHT, FREE, FREE, FREE]
     lr_at_step = {4: LR / 2}  # the lr the casts used is not the step's

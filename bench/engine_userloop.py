@@ -174,9 +174,12 @@ class UserLoopBench:
                 loss = self.model(input_ids=ids, labels=ids).loss
                 (loss / g).backward()
             total += loss.item() / g
-        self.model.clip_grad_norm_(1.0)
+        norm = self.model.clip_grad_norm_(1.0)
+        self.res.extra.setdefault("clip_norms", []).append(round(float(norm), 4))  # > 1.0: a clipped step
         self.opt.step()
         self.opt.zero_grad()
+        if self.engine is not None:  # the steps whose 16-bit casts ran in their backward ([Note: a speculated cast])
+            self.res.extra["cast_steps"] = self.engine.speculator.cast_steps
         return total
 
 

@@ -14,12 +14,13 @@ from tests.support import tiny_models as tm
 from zerofit.engine.step.step_end import StepEnd
 
 
-def _parts():
+def _parts(spec=None):
     calls: list = []
     stepper = SimpleNamespace(
-        prepare=lambda: calls.append("prepare") or SimpleNamespace(norm=2.5),
+        prepare=lambda: calls.append("prepare") or SimpleNamespace(norm=2.5, spec=spec),
         apply=lambda p: calls.append("apply") or (True, p.norm),
         discard_grads=lambda: calls.append("discard_grads"),
+        drop=lambda s: calls.append(("drop", s)),
     )
     window = SimpleNamespace(before_step=lambda: calls.append("before_step"), stepped=lambda: calls.append("stepped"))
     end = StepEnd(stepper, window, lambda applied, norm: calls.append(("ended", applied, norm)))
@@ -37,6 +38,14 @@ def test_a_skipped_step_drops_its_gradients_and_ends_unapplied_with_its_norm():
     prepared = end.prepare()
     end.skip(prepared)
     assert calls == ["before_step", "prepare", "discard_grads", "stepped", ("ended", False, 2.5)]
+
+
+def test_a_skipped_step_drops_its_speculation_before_its_gradients():
+    """A speculation's work (updates to undo, casts still running on the worker) is dropped before the gradients
+    it reads are."""
+    end, calls = _parts(spec="spec")
+    end.skip(end.prepare())
+    assert calls == ["before_step", "prepare", ("drop", "spec"), "discard_grads", "stepped", ("ended", False, 2.5)]
 
 
 def test_train_batch_has_no_window():

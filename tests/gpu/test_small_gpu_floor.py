@@ -334,10 +334,17 @@ def test_the_backward_holds_the_block_inputs_the_plan_counts(every, offload, lay
     for m in tm.batches(2, G):
         eng.train_batch(m)
     assert held, "the backward computed no block"
-    assert max(held) == device_checkpoints(layers, every, offload) * G, (held, every, offload)
+    ahead = eng.plan.checkpoint_ahead  # [Note: one checkpoint ahead]
+    assert max(held) == device_checkpoints(layers, every, offload, ahead) * G, (held, every, offload)
     h = model.config.hidden_size  # the plan's term is those inputs' bytes: (2 x 16 tokens) x hidden, bf16
     term = activation_bytes(
-        ModelShape(0, (1,) * layers, h, 1, 1), BatchShape(2, 16, G), layers, 2, offload_checkpoints=offload, every=every
+        ModelShape(0, (1,) * layers, h, 1, 1),
+        BatchShape(2, 16, G),
+        layers,
+        2,
+        offload_checkpoints=offload,
+        every=every,
+        ahead=ahead,
     )["checkpoints"]
     assert term == max(held) * 2 * 16 * h * 2
 

@@ -22,7 +22,8 @@ checkpoint enqueued one block ahead sat behind them: in a step's trace of a 3B m
 compute waited several ms before each block that followed an assisted one. Two ahead, the next block's
 checkpoint is enqueued before those chunks, and the step got shorter (docs/benchmarks.md, the 3B model at an
 8 GiB cap). On the device at once: block 0's, the one computing, the two coming up (within the planner's
-CKPT_ON_DEVICE).
+CKPT_ON_DEVICE). Where a block's checkpoints outweigh those chunks and its weights, one ahead: [Note: one
+checkpoint ahead], plan/activations.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from zerofit.engine.device import Device
 from zerofit.engine.memory.store import HostArena
-from zerofit.engine.plan.search import offloaded_blocks, offloaded_checkpoints
+from zerofit.engine.plan.search import CKPT_AHEAD, offloaded_blocks, offloaded_checkpoints
 
 
 class Activations:
@@ -43,6 +44,7 @@ class Activations:
         self.dev, self.n_blocks, self.grad_accum, self.pinned = dev, n_blocks, grad_accum, pinned
         self.arenas = arenas  # the engine's pinned arenas (released with it)
         self.every = 1  # [Note: checkpoints every k blocks]: the step in progress's
+        self.ahead = CKPT_AHEAD  # the backward brings checkpoints back this many blocks ahead (the plan's)
         self.arena: HostArena | None = None  # (offloaded checkpoints * g * tokens * hidden,) compute dtype
         self.g = 0
         self.ready: dict[int, object] = {}
@@ -51,9 +53,10 @@ class Activations:
         """A new step (or a dropped one): no checkpoint is on its way up."""
         self.ready = {}
 
-    def keep_every(self, every: int) -> None:
-        """The training forward in progress keeps every ``every``-th block's inputs (its backward follows that)."""
-        self.every = every
+    def keep_every(self, every: int, ahead: int = CKPT_AHEAD) -> None:
+        """The training forward in progress keeps every ``every``-th block's inputs, and its backward brings the
+        offloaded ones back ``ahead`` blocks ahead ([Note: one checkpoint ahead], plan/activations.py)."""
+        self.every, self.ahead = every, ahead
 
     def offloaded(self, index: int) -> bool:
         return index in offloaded_blocks(self.n_blocks, self.every)

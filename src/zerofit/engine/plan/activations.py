@@ -10,9 +10,24 @@ from zerofit.engine.plan.plan import BatchShape, ModelShape
 
 LOSS_CHUNK_TOKENS = 512  # tokens per chunk of the head and loss when the logits are chunked
 SPARSE_EVERY = (2, 4, 8)  # the checkpoint spacings the planner tries when every block's input does not fit
-CKPT_AHEAD = 2  # the backward brings them up this many blocks ahead ([Note: offloaded checkpoints])
+CKPT_AHEAD = 2  # the backward brings them up this many blocks ahead ([Note: offloaded checkpoints]), or one
+# ([Note: one checkpoint ahead])
 CKPT_ON_DEVICE = 2 + CKPT_AHEAD  # the backward's peak: block 0's, the one computing and CKPT_AHEAD coming up (the
 # last two blocks' are consumed first)
+
+
+def checkpoint_ahead(checkpoint_bytes: int, other_bytes: int) -> int:
+    """[Note: one checkpoint ahead]
+    Offloaded checkpoints come back two blocks ahead because what else the upload stream carries for a block (its
+    weights, and with updates in the backward the state of a block the device updates) was queued before a
+    checkpoint asked for one block ahead, and held it back ([Note: offloaded checkpoints], memory/activations.py).
+    Where a block's checkpoints (every micro-batch's) take at least those bytes, as at long sequences (the 8B
+    shape at 131,072 tokens: 1 GiB against 436 MiB of weights), what is queued before one is at most as long as
+    its own transfer, which one block's compute covers, so one block ahead: the device holds one checkpoint less,
+    the room that otherwise sends the planner to checkpoints every 2 blocks (and a forward more of every second
+    block in the backward). ``checkpoint_bytes``: one block's, every micro-batch's; ``other_bytes``: the rest of a
+    block's uploads in the backward."""
+    return 1 if checkpoint_bytes >= other_bytes else CKPT_AHEAD
 
 
 def recomputed_blocks(n_blocks: int, every: int) -> list[int]:
@@ -38,13 +53,13 @@ def offloaded_checkpoints(n_blocks: int, every: int) -> int:
     return len(offloaded_blocks(n_blocks, every))
 
 
-def device_checkpoints(n_blocks: int, every: int, offloaded: bool) -> int:
+def device_checkpoints(n_blocks: int, every: int, offloaded: bool, ahead: int = CKPT_AHEAD) -> int:
     """How many blocks' inputs (per micro-batch) the device holds at once in the backward, at most. Every block's
-    checkpoints: all, or, offloaded, block 0's, the one computing and CKPT_AHEAD coming up. Every k-th block's
+    checkpoints: all, or, offloaded, block 0's, the one computing and the ``ahead`` coming up. Every k-th block's
     ([Note: checkpoints every k blocks]), in a segment: its own input and the k - 1 it recomputes, beside block 0's
     when offloaded, else beside every earlier segment's kept input."""
     if every == 1:
-        return min(n_blocks, CKPT_ON_DEVICE) if offloaded else n_blocks
+        return min(n_blocks, 2 + ahead) if offloaded else n_blocks
     peak = 0
     for j, start in enumerate(range(0, n_blocks, every)):
         recomputed = min(every, n_blocks - start) - 1
@@ -77,6 +92,7 @@ def activation_bytes(
     offload_checkpoints: bool = False,
     every: int = 1,
     tile: int | None = None,
+    ahead: int = CKPT_AHEAD,
 ) -> dict[str, int]:
     """Predicted activation memory of a block-major step with per-block recompute.
 
@@ -95,7 +111,7 @@ def activation_bytes(
     ([Note: the loss's bytes]; the 16-bit logits themselves are dropped before the backward)."""
     tok = batch.tokens
     per_chunk = -(-tok // loss_chunks)
-    kept = device_checkpoints(n_blocks, every, offload_checkpoints)
+    kept = device_checkpoints(n_blocks, every, offload_checkpoints, ahead)
     return {
         "checkpoints": kept * batch.grad_accum * tok * shape.hidden * dtype_bytes,
         "boundary_grads": (batch.grad_accum + 1) * tok * shape.hidden * dtype_bytes,

@@ -463,7 +463,11 @@ class Planning:
         DeepSpeed-shaped loop's window, whose blocks' backward waits for the boundary with every micro-batch's
         checkpoints kept until then."""
         plan = self.current
-        return dict(offload=plan.offload_checkpoints and streaming, every=plan.checkpoint_every if streaming else 1)
+        return dict(
+            offload=plan.offload_checkpoints and streaming,
+            every=plan.checkpoint_every if streaming else 1,
+            ahead=plan.checkpoint_ahead,
+        )
 
     def loss_chunks(self, streaming: bool) -> int:
         """The token chunks the step in progress computes the head and loss over ([Note: a smaller GPU floor])."""

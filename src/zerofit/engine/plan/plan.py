@@ -139,6 +139,7 @@ class Plan:
     # over tiles of this many tokens (None: the whole sequence)
     offload_checkpoints: bool = False  # block inputs kept in pinned host memory between forward and backward
     checkpoint_every: int = 1  # [Note: checkpoints every k blocks]: only blocks 0, k, 2k, ... keep their inputs
+    checkpoint_ahead: int = 2  # offloaded checkpoints come back this many blocks ahead ([Note: one checkpoint ahead])
     device_state: bool = False  # several ranks, FULL_SHARD without offload: streamed blocks keep their optimizer
     # state on the GPUs, sharded; their weights are gathered from it for each use
     disk_frozen: tuple = ()  # block indices whose frozen 16-bit weights are on the disk, read-only
@@ -189,6 +190,7 @@ class Plan:
             )
             + (f", loss in {self.loss_chunks} token chunks" if self.loss_chunks > 1 else "")
             + (", block checkpoints in host memory" if self.offload_checkpoints else "")
+            + (" (back one block ahead)" if self.offload_checkpoints and self.checkpoint_ahead == 1 else "")
             + (f", sequence tiles of {self.sequence_tile} tokens" if self.sequence_tile else "")
             + (
                 f", checkpoints every {self.checkpoint_every} blocks (the rest recomputed in the backward)"

@@ -29,6 +29,7 @@ from zerofit.engine.plan.activations import (
     SPARSE_EVERY,
     TILE_MIN,  # noqa: F401 (re-exported)
     activation_bytes,
+    checkpoint_ahead,
     device_checkpoints,  # noqa: F401 (re-exported)
     loss_chunks_for,
     offloaded_blocks,  # noqa: F401 (re-exported)
@@ -336,8 +337,6 @@ def _make_plan(
         every = level[3] if len(level) > 3 else 1
         tile = level[4] if len(level) > 4 else None
         tile = tile if batch is not None and tile is not None and tile < batch.tokens else None
-        act = activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded, every, tile) if batch else {}
-        act_total = sum(act.values())
         streamed = shape.block_numels[r:]
         host_streamed = [] if device_state else streamed  # streamed blocks whose state is on the host
         n_cpu_units = len([n for n in host_streamed if n]) + (0 if shell_dev else 1)
@@ -370,6 +369,19 @@ def _make_plan(
         )
         if not assisted:
             chosen = frozenset()
+        # [Note: one checkpoint ahead]: a block's checkpoints against the rest of its uploads in the backward (its
+        # weights; with updates in the backward, a device-updated block's master and moments)
+        ahead = CKPT_AHEAD
+        if batch is not None and offloaded and every == 1:
+            ckpt = batch.grad_accum * batch.tokens * shape.hidden * cb
+            other = (max_weights * cb if streamed else 0) + (max_block * 12 if assisted and assist_now else 0)
+            ahead = checkpoint_ahead(ckpt, other)
+        act = (
+            activation_bytes(shape, batch, L, cb, chunks if chunked else 1, offloaded, every, tile, ahead)
+            if batch
+            else {}
+        )
+        act_total = sum(act.values())
         uploaded = list(streamed) + ([] if shell_dev else [shape.shell_numel])
         # frozen weights on the device: a copy of their own on a GPU; on the CPU the device's tensor is the host
         # copy itself (materialize.py: the same dtype and device)
@@ -483,6 +495,7 @@ def _make_plan(
             stage_numel=up_stage,
             device_state=device_state,
             checkpoint_every=every,
+            checkpoint_ahead=ahead,
             sequence_tile=tile,
             disk_frozen=fdisk,
             disk_frozen_bytes=sum(fbytes.values()),

@@ -118,15 +118,17 @@ class Schedule:
         offload: bool = False,
         every: int | None = None,
         first: int = 0,
+        ahead: int = CKPT_AHEAD,
     ) -> list[Micro]:
         """Pre pass and block-major forward; returns per-micro-batch state with block checkpoints (with
         ``offload``, most of them in pinned host memory: [Note: offloaded checkpoints]; with ``every`` > 1,
         only every ``every``-th block's: [Note: checkpoints every k blocks]). A training forward gives ``every``
         (it holds for the window's backward; an evaluation forward in the middle of a window leaves it) and
         ``first``, its first micro-batch's place in the window (the DeepSpeed-shaped loop's forwards come one at a
-        time)."""
+        time); ``ahead``: how many blocks ahead the backward brings offloaded checkpoints back ([Note: one
+        checkpoint ahead])."""
         if every is not None:
-            self.activations.keep_every(every)
+            self.activations.keep_every(every, ahead)
         every = every or 1
         self.streamer.refresh_shell()
         leaves = self.compute.leaves(self.shell, grad=shell_grad)
@@ -379,7 +381,7 @@ class Schedule:
             names = list(unit.layout.names)
             self.activations.up(micros, unit.index)  # [Note: offloaded checkpoints] (no-op otherwise)
             self.activations.wait(unit.index)
-            for ahead in range(1, min(CKPT_AHEAD, unit.index - first) + 1):  # each a no-op but the farthest
+            for ahead in range(1, min(self.activations.ahead, unit.index - first) + 1):  # a no-op but the farthest
                 self.activations.up(micros, unit.index - ahead)
             with self.dev.timed("compute", label=unit.name):
                 for micro in micros:

@@ -179,3 +179,92 @@ def test_no_backward_below_the_lowest_trained_block():
     assert rec.done == [5, 4, 3]
     assert rec.left == [[0, 2]] * 2, "only the inputs of the blocks below the lowest trained one are left"
     engine.close()
+
+
+def _long_plan(**kw):
+    """A plan of 32 blocks of 10 M parameters (hidden 512), all streamed, for one micro-batch of 32,768 tokens (a
+    block's checkpoint 32 MiB in bf16, its weights 19 MiB) or, ``tokens``, another length."""
+    from zerofit.engine.plan.search import BatchShape, ModelShape, make_plan
+
+    shape = ModelShape(
+        shell_numel=1_000_000, block_numels=(10_000_000,) * 32, hidden=512, intermediate=1376, vocab=32000
+    )
+    tokens = kw.pop("tokens", 32_768)
+    args = dict(
+        compute_dtype=torch.bfloat16,
+        on_cuda=True,
+        device_budget=None,
+        host_budget=None,
+        deferred_updates=False,
+        checkpointing=True,
+        stream_params=True,
+        resident_blocks=0,
+        prefetch_depth=None,
+        assisted_fraction=0.0,
+    )
+    return make_plan(shape, BatchShape(1, tokens, 1), **(args | kw))
+
+
+def test_offloaded_checkpoints_come_back_one_block_ahead_where_they_outweigh_a_blocks_other_uploads(monkeypatch):
+    """[Note: one checkpoint ahead]: a block's checkpoints larger than its weights come back one block ahead, and
+    the device counts one checkpoint less (three: block 0's, the one computing, the next); smaller ones two ahead
+    (four). Under a device budget that holds three but not four, the planner keeps every block's checkpoint in
+    host memory with the full pipeline, where two ahead would have needed a slower level (the lean pipeline or
+    checkpoints every k blocks)."""
+    import zerofit.engine.plan.search as search
+    from zerofit.engine.plan.search import checkpoint_ahead, device_checkpoints
+
+    assert checkpoint_ahead(2, 1) == checkpoint_ahead(1, 1) == 1 and checkpoint_ahead(1, 2) == 2
+    assert (device_checkpoints(32, 1, True, 1), device_checkpoints(32, 1, True, 2)) == (3, 4)
+    ckpt = 32_768 * 512 * 2
+    long = _long_plan(floor=(True, True, False, 1))
+    short = _long_plan(floor=(True, True, False, 1), tokens=4096)
+    assert (long.checkpoint_ahead, short.checkpoint_ahead) == (1, 2)
+    assert long.device_bytes["checkpoints"] == 3 * ckpt
+    assert short.device_bytes["checkpoints"] == 4 * 4096 * 512 * 2
+    assert "back one block ahead" in long.describe() and "ahead" not in short.describe()
+
+    budget = long.device_total  # three checkpoints fit, a fourth does not
+    chosen = _long_plan(device_budget=budget)
+    assert (chosen.offload_checkpoints, chosen.checkpoint_every, chosen.checkpoint_ahead) == (True, 1, 1)
+    assert chosen.stage_numel == 0 and chosen.sequence_tile is None  # not the lean pipeline, no tiles
+    monkeypatch.setattr(search, "checkpoint_ahead", lambda c, o: 2)
+    two = _long_plan(device_budget=budget)
+    assert two.stage_numel > 0 or two.checkpoint_every > 1 or two.sequence_tile is not None, two.describe()
+
+
+def test_the_backward_brings_checkpoints_back_as_many_blocks_ahead_as_the_plan_says(monkeypatch):
+    """Offloaded checkpoints (on the CPU the uploads are no-ops, their order is what the backward asks): with the
+    plan's two ahead, each block's backward asks for its own and the two before it; with one ahead ([Note: one
+    checkpoint ahead]), its own and the one before; the losses and weights bitwise the same."""
+    import zerofit.engine.plan.search as search
+
+    def run(ahead: int):
+        monkeypatch.setattr(search, "checkpoint_ahead", lambda ckpt, other: ahead)
+        torch.manual_seed(0)
+        engine = zerofit.initialize(
+            tm.llama(layers=6),
+            {
+                "device": "cpu",
+                "precision": "fp32",
+                "micro_batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "optimizer": {"lr": 1e-2},
+                "offload": {"resident_blocks": 0, "offload_checkpoints": True, "checkpoint_every": 1},
+            },
+        )
+        assert engine.plan.checkpoint_ahead == ahead
+        asked: list[int] = []
+        up = engine.activations.up
+        engine.activations.up = lambda micros, index: (asked.append(index), up(micros, index))[1]
+        losses = [engine.train_batch(mbs) for mbs in tm.batches(2, 2)]
+        assert engine.activations.ahead == ahead
+        weights = engine.master_state_dict()
+        engine.close()
+        return losses, weights, asked[: len(asked) // 2]  # the first step's
+
+    losses1, weights1, asked1 = run(1)
+    losses2, weights2, asked2 = run(2)
+    assert losses1 == losses2 and all(torch.equal(weights1[n], weights2[n]) for n in weights2)
+    assert asked2 == [i for b in reversed(range(6)) for i in [b] + [b - k for k in (1, 2) if b - k >= 0]]
+    assert asked1 == [i for b in reversed(range(6)) for i in [b] + ([b - 1] if b >= 1 else [])]

@@ -359,6 +359,13 @@ class InferenceEngine:
             self._apply(plan)
         return plan
 
+    def plan_for(self, batch: int, context: int, prefill: int | None = None) -> InferPlan:
+        """The placement :meth:`prepare` would apply for this request, without applying it (refused as it would
+        refuse it)."""
+        prefill = context if prefill is None else prefill
+        reserve = RESERVE if self.dev.is_cuda else 0
+        return plan_inference(self.shape, self._device_budget(), batch, context, prefill, self.slots_wanted, reserve)
+
     def _device_budget(self) -> int | None:
         """``max_gpu_memory`` (or the whole GPU) less what other processes hold on it now, as the training
         engine plans; on the CPU the cap alone (None: no limit)."""

@@ -136,7 +136,25 @@ class SlotCache(Cache):
             self.lengths[s] = start + n
 
     def free(self, slot: int) -> None:
-        self.lengths[slot] = 0
+        if slot < self.slots:  # (a slot beyond the rows: a request that left before its first step)
+            self.lengths[slot] = 0
+
+    def release(self) -> None:
+        """Its device memory given back now (its layers refer to it: a cycle the collector would free later)."""
+        for la in self.layers:
+            la.keys = la.values = torch.empty(0)
+
+    def rows_to_host(self, n: int) -> tuple:
+        """Rows ``0..n-1`` (their keys, values and lengths) in host memory, for a cache of other rows to take
+        (:meth:`rows_from_host`)."""
+        return [(la.keys[:n].cpu(), la.values[:n].cpu()) for la in self.layers], self.lengths[:n]
+
+    def rows_from_host(self, kept: tuple) -> None:
+        layers, lengths = kept
+        for la, (k, v) in zip(self.layers, layers):
+            la.keys[: k.shape[0]].copy_(k)
+            la.values[: v.shape[0]].copy_(v)
+        self.lengths[: len(lengths)] = lengths
 
     @property
     def bytes(self) -> int:

@@ -23,6 +23,21 @@ leaves; a waiting request joins at the next step. Rows are independent
 sequences of the cache ([Note: a row per sequence], cache.py), so a request's
 greedy tokens do not depend on what it is batched with.
 
+[Note: a plan that follows the batch]
+The GPU memory a KV cache row takes is memory a streamed block could stay
+resident in, and a decode step's time is the bytes it streams. So the cache
+holds rows for the requests in flight, not for ``slots`` (``--max-batch``):
+a power of two of them, from one, each row's slot the lowest free one. A step
+whose requests need more rows first grows the cache (the placement planned
+again for the rows: resident blocks go back to streaming to make room; the
+rows in flight kept through host memory, as the cache is allocated anew); a
+step that starts from an idle server (every request a joiner) shrinks it to
+what they need, and the blocks it frees stay resident again. The placement
+for ``slots`` rows is planned at start, so a server that cannot hold its full
+batch is refused then, not when the batch comes. A request's tokens do not
+depend on the rows (each row is its own sequence; a block computes the same
+whether resident or streamed).
+
 [Note: a generator per request]
 Sampling draws from the request's own ``torch.Generator`` (seeded by its
 ``seed``, else at random), on the CPU, one row at a time: the draws of one
@@ -130,7 +145,6 @@ class Scheduler:
         self.adapters = tuple(adapters)
         self.eos = _eos_ids(engine)
         self.pad = _pad_id(self.tok, self.eos)
-        self._prepare()
         self._waiting: deque[Sequence] = deque()
         self._active: list[Sequence] = []
         self._free = list(range(self.slots))
@@ -140,25 +154,51 @@ class Scheduler:
         self.forwards = 0  # model forwards run (prefills and decodes)
         self.rows = 0  # rows over all forwards: rows / forwards is the mean batch
         self.max_rows = 0
+        self.resizes = 0  # placements made for the rows in flight ([Note: a plan that follows the batch])
+        self.cache: SlotCache | None = None
+        self._prepare()
         self._thread = threading.Thread(target=self._loop, name="zerofit-serve-scheduler", daemon=True)
         self._thread.start()
 
     def _prepare(self) -> None:
-        """The placement and the KV cache: the plan counts this cache (slots x context) and the largest forward, a
-        prefill of prefill_tokens."""
-        engine = self.engine
-        self.plan = engine.prepare(self.slots, self.context, max(1, self.prefill_tokens // self.slots))
+        """The placement for the full batch checked (refused now if ``slots`` x ``context`` cannot fit: the plan
+        counts that cache and the largest forward, a prefill of prefill_tokens), then the one of a single row
+        ([Note: a plan that follows the batch])."""
+        self.full_plan = self.engine.plan_for(self.slots, self.context, self._prefill(self.slots))
+        self._resize(1)
+        self.attn = getattr(_text_config(self.engine.model), "_attn_implementation", None) or "sdpa"
+
+    def _prefill(self, rows: int) -> int:
+        """The longest prompt a forward over ``rows`` rows plans for: prefill_tokens in all."""
+        return min(self.context, max(1, self.prefill_tokens // rows))
+
+    def _resize(self, rows: int) -> None:
+        """[Note: a plan that follows the batch]: the placement and the KV cache for ``rows`` rows; the rows of the
+        requests in flight kept."""
+        engine, old = self.engine, self.cache
+        kept = None
+        if old is not None:
+            used = max((s.slot for s in self._active if s.slot is not None and s.slot < old.slots), default=-1) + 1
+            if used and any(old.lengths[:used]):  # through host memory: the cache is allocated anew
+                kept = old.rows_to_host(used)
+            old.release()  # its device memory free before the new placement takes it
+            self.cache = old = None
+            if torch.device(engine.device).type == "cuda":
+                torch.cuda.empty_cache()
+        self.plan = engine.prepare(rows, self.context, self._prefill(rows), grow_only=False)
         s = engine.shape
         self.cache = SlotCache(
             layers=s.layers,
-            slots=self.slots,
+            slots=rows,
             context=self.context,
             kv_heads=s.kv_heads,
             head_dim=s.head_dim,
             dtype=engine.dtype,
             device=engine.device,
         )
-        self.attn = getattr(_text_config(engine.model), "_attn_implementation", None) or "sdpa"
+        if kept is not None:
+            self.cache.rows_from_host(kept)
+        self.resizes += 1
 
     # ------------------------------------------------------------------ the server's side
 
@@ -202,6 +242,8 @@ class Scheduler:
     def stats(self) -> dict:
         return {
             "slots": self.slots,
+            "rows": self.cache.slots if self.cache is not None else 0,
+            "resizes": self.resizes,
             "context": self.context,
             "forwards": self.forwards,
             "mean_batch": round(self.rows / self.forwards, 2) if self.forwards else 0.0,
@@ -253,6 +295,11 @@ class Scheduler:
         self.steps += 1
         with self._cond:
             decoding = [s for s in self._active if s not in joiners and s.finish is None and not s.cancelled]
+            need = max((s.slot for s in joiners + decoding if s.slot is not None), default=-1) + 1
+        assert self.cache is not None  # (_prepare)
+        rows = min(self.slots, 1 << max(0, need - 1).bit_length())  # [Note: a plan that follows the batch]
+        if rows > self.cache.slots or (rows < self.cache.slots and joiners and not decoding):
+            self._resize(rows)
         width = max((len(s.prompt) for s in joiners), default=1)
         if (
             joiners

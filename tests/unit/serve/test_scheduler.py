@@ -70,7 +70,7 @@ def test_batched_greedy_tokens_are_generate_s_alone_and_share_each_upload(stream
     model, eng = streamed
     sched = Scheduler(eng, slots=4, context=48)
     try:
-        assert sched.plan.resident == [] and len(sched.plan.streamed) == 3
+        assert sched.full_plan.resident == [] and len(sched.full_plan.streamed) == 3
         prompts = _prompts(7)
         seqs = [_seq(p)[0] for p in prompts]
         _run(sched, seqs, stagger=3)  # six join a running request, four at a time: the rest wait for slots
@@ -79,7 +79,8 @@ def test_batched_greedy_tokens_are_generate_s_alone_and_share_each_upload(stream
         st = sched.stats()
         assert st["max_batch"] == 4 and st["mean_batch"] > 1.5
         # every forward streamed the three blocks once, whatever its rows: uploads follow forwards, not requests
-        assert eng.uploads <= 3 * (sched.forwards + 1)
+        assert st["rows"] == 4 and sched.plan.resident == []  # the cache grew to the batch ([Note: a plan that
+        assert eng.uploads <= 3 * (sched.forwards + 1)  # follows the batch]), its blocks streamed
         assert sched.forwards < sum(len(s.tokens) for s in seqs) * 0.6
         # with the blocks streaming, joiners' prompts and the others' next tokens went in one forward a step
         assert sched.forwards == sched.steps
@@ -203,5 +204,34 @@ def test_a_full_queue_is_busy_and_a_cancelled_request_frees_its_slot(engine):
         assert sched.stats()["running"] == 0 and sched.cache.lengths == [0]
         with pytest.raises(ValueError, match="context of 48"):
             sched.submit(_seq([5] * 40, Sampling(max_tokens=9))[0])
+    finally:
+        sched.close()
+
+
+def test_the_cache_holds_the_rows_in_flight_and_one_request_keeps_every_block_resident(streamed):
+    """[Note: a plan that follows the batch]: the placement for four rows streams every block; the server starts
+    with one row, where every block stays resident (no upload for a request alone); four requests grow the cache
+    (one, two, four rows: every block streamed again), the rows in flight kept; once the server is idle, the next
+    request alone shrinks it back. Every request's tokens are generate's alone."""
+    model, eng = streamed
+    sched = Scheduler(eng, slots=4, context=48)
+    try:
+        assert sched.full_plan.resident == [] and sched.plan.resident == [0, 1, 2] and sched.cache.slots == 1
+        prompts = _prompts(6, seed=11)
+        alone = _seq(prompts[0])[0]
+        _run(sched, [alone])
+        assert alone.tokens == _reference(model, prompts[0], GREEDY.max_tokens)
+        assert eng.uploads == 0 and sched.resizes == 1  # the start's placement only
+        together = [_seq(p)[0] for p in prompts[1:5]]
+        _run(sched, together, stagger=2)  # three join the first mid-answer: the rows it holds are kept
+        for p, s in zip(prompts[1:5], together):
+            assert s.tokens == _reference(model, p, GREEDY.max_tokens), p
+        assert sched.cache.slots == 4 and sched.plan.resident == [] and eng.uploads > 0
+        assert sched.resizes in (2, 3)  # to two rows then four, or to four at once
+        uploads = eng.uploads
+        last = _seq(prompts[5])[0]
+        _run(sched, [last])
+        assert last.tokens == _reference(model, prompts[5], GREEDY.max_tokens)
+        assert sched.cache.slots == 1 and sched.plan.resident == [0, 1, 2] and eng.uploads == uploads
     finally:
         sched.close()

@@ -43,20 +43,23 @@ def serve_plan(
     slots: int = 2,
     gpu: bool = True,
 ) -> InferPlan:
-    """The plan of ``zerofit serve --max-batch concurrency --context context`` (its Scheduler prepares the same);
+    """The plan of ``zerofit serve --max-batch concurrency --context context`` at its full batch (its Scheduler checks
+    the same at start, and plans this way for the rows in flight: [Note: a plan that follows the batch]);
     :class:`~zerofit.infer.plan.InferencePlanError` with what fits when nothing does."""
     shape = serve_shape(model, dtype)
-    prefill = max(1, (prefill_tokens or context) // concurrency)
+    prefill = min(context, max(1, (prefill_tokens or context) // concurrency))
     cap = parse_bytes(max_gpu_memory, "max_gpu_memory")
     return plan_inference(shape, cap, concurrency, context, prefill, slots, RESERVE if gpu else 0)
 
 
-def render(plan: InferPlan, pcie_gb_per_s: float | None = None) -> str:
-    """The plan in words; with a host-to-device bandwidth, the PCIe bound of one decode step for the batch."""
+def render(plan: InferPlan, pcie_gb_per_s: float | None = None, alone: InferPlan | None = None) -> str:
+    """The plan in words; with a host-to-device bandwidth, the PCIe bound of one decode step for the batch;
+    ``alone``: the plan of one request in flight."""
     lines = [
-        f"zerofit serve --max-batch {plan.batch} --context {plan.context}:",
+        f"zerofit serve --max-batch {plan.batch} --context {plan.context}, the full batch:",
         f"  {plan.summary()}",
-        f"  KV cache: {plan.batch} requests x {plan.context} tokens, allocated once at start",
+        f"  KV cache: rows for the requests in flight (1, 2, 4, ... up to {plan.batch}) x {plan.context} tokens; "
+        "the memory of the rows not held keeps blocks resident",
     ]
     if plan.streamed and pcie_gb_per_s:
         step = plan.streamed_bytes / (pcie_gb_per_s * 1e9)
@@ -65,6 +68,11 @@ def render(plan: InferPlan, pcie_gb_per_s: float | None = None) -> str:
             f"{pcie_gb_per_s:g} GB/s, shared by the step's requests (up to {plan.batch / step:.1f} tokens/s at a "
             "full batch, before compute binds)"
         )
+    if alone is not None and alone is not plan:
+        lines.append(f"  one request in flight: {alone.summary()}")
+        if alone.streamed and pcie_gb_per_s:
+            step = alone.streamed_bytes / (pcie_gb_per_s * 1e9)
+            lines.append(f"    {alone.streamed_bytes / 1e9:.2f} GB a token: up to {1 / step:.1f} tokens/s")
     return "\n".join(lines)
 
 
@@ -99,6 +107,10 @@ def estimate_serve(
         plan = serve_plan(
             model, max_gpu_memory=max_gpu_memory, concurrency=concurrency, context=ctx, dtype=dtype, gpu=gpu
         )
+        alone = serve_plan(
+            model, max_gpu_memory=max_gpu_memory, concurrency=1, context=ctx, dtype=dtype, gpu=gpu,
+            prefill_tokens=ctx,
+        ) if concurrency > 1 else plan  # fmt: skip
     except InferencePlanError as e:
         return {"fits": False, "concurrency": concurrency, "context": ctx, "refusal": str(e)}, f"refused: {e}"
     info = {
@@ -110,5 +122,6 @@ def estimate_serve(
         "streamed_blocks": len(plan.streamed),
         "streamed_bytes_per_step": plan.streamed_bytes,
         "device_bytes": plan.device_bytes,
+        "one_request": {"resident_blocks": len(alone.resident), "streamed_bytes_per_step": alone.streamed_bytes},
     }
-    return info, render(plan, pcie_gb_per_s if gpu else None)
+    return info, render(plan, pcie_gb_per_s if gpu else None, alone)

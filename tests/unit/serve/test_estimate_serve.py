@@ -45,6 +45,12 @@ def test_estimate_serve_on_the_command_line(tmp_path):
     r = CliRunner().invoke(app, ["estimate", "--serve", "--shape", "llama-2-13b", "--max-gpu-memory", "24GiB",
                                  "--concurrency", "16"])  # fmt: skip
     assert r.exit_code == 2 and "What fits" in r.output
+    # [Note: a plan that follows the batch]: one request in flight keeps the blocks its idle rows' memory holds
+    r = CliRunner().invoke(app, ["estimate", "--serve", "--shape", "llama-2-13b", "--max-gpu-memory", "24GiB",
+                                 "--concurrency", "32", "--context", "64"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "34/40 blocks resident" in text and "one request in flight: 36/40 blocks resident" in text, text
 
 
 def test_estimate_serve_says_an_encoder_decoder_is_served_otherwise(tmp_path):

@@ -279,6 +279,10 @@ def main() -> int:
             "ttft_max_s": round(max(ttft), 4),
             "per_request_decode_tokens_per_s": round(statistics.mean(rates), 2) if rates else None,
             "mean_batch": round((sched.rows - rows0) / max(1, sched.forwards - forwards0), 2),
+            # the KV cache's rows at the level's end and the placements made so far ([Note: a plan that follows
+            # the batch]): at one request, the placement generate's own plan has
+            "cache_rows": sched.stats().get("rows"),
+            "resizes": sched.stats().get("resizes"),
         }
         result["levels"].append(level)
         print(json.dumps(level), flush=True)

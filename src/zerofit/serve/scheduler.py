@@ -296,10 +296,11 @@ class Scheduler:
         with self._cond:
             decoding = [s for s in self._active if s not in joiners and s.finish is None and not s.cancelled]
             need = max((s.slot for s in joiners + decoding if s.slot is not None), default=-1) + 1
-        assert self.cache is not None  # (_prepare)
         rows = min(self.slots, 1 << max(0, need - 1).bit_length())  # [Note: a plan that follows the batch]
-        if rows > self.cache.slots or (rows < self.cache.slots and joiners and not decoding):
+        have = self.cache.slots if self.cache is not None else 0  # (none: a resize that failed, tried again)
+        if rows > have or (rows < have and joiners and not decoding):
             self._resize(rows)
+        assert self.cache is not None  # (_resize)
         width = max((len(s.prompt) for s in joiners), default=1)
         if (
             joiners
@@ -418,7 +419,8 @@ class Scheduler:
         if seq in self._active:
             self._active.remove(seq)
         if seq.slot is not None:
-            self.cache.free(seq.slot)
+            if self.cache is not None:
+                self.cache.free(seq.slot)
             self._free.append(seq.slot)
             self._free.sort()
             seq.slot = None

@@ -145,15 +145,16 @@ class SlotCache(Cache):
             la.keys = la.values = torch.empty(0)
 
     def rows_to_host(self, n: int) -> tuple:
-        """Rows ``0..n-1`` (their keys, values and lengths) in host memory, for a cache of other rows to take
-        (:meth:`rows_from_host`)."""
-        return [(la.keys[:n].cpu(), la.values[:n].cpu()) for la in self.layers], self.lengths[:n]
+        """Rows ``0..n-1`` (their keys and values up to the longest of them, and their lengths) in host memory, for
+        a cache of other rows to take (:meth:`rows_from_host`)."""
+        w = max(self.lengths[:n], default=0)
+        return [(la.keys[:n, :, :w].cpu(), la.values[:n, :, :w].cpu()) for la in self.layers], self.lengths[:n]
 
     def rows_from_host(self, kept: tuple) -> None:
         layers, lengths = kept
         for la, (k, v) in zip(self.layers, layers):
-            la.keys[: k.shape[0]].copy_(k)
-            la.values[: v.shape[0]].copy_(v)
+            la.keys[: k.shape[0], :, : k.shape[2]].copy_(k)
+            la.values[: v.shape[0], :, : v.shape[2]].copy_(v)
         self.lengths[: len(lengths)] = lengths
 
     @property

@@ -235,3 +235,28 @@ def test_the_cache_holds_the_rows_in_flight_and_one_request_keeps_every_block_re
         assert sched.cache.slots == 1 and sched.plan.resident == [0, 1, 2] and eng.uploads == uploads
     finally:
         sched.close()
+
+
+def test_a_grown_cache_holds_the_rows_in_flight_as_they_were():
+    """[Note: a plan that follows the batch]: the rows a growing cache keeps come back into the new one bitwise, up
+    to the longest of them, with their lengths; the new rows are empty."""
+    from zerofit.serve.cache import SlotCache
+
+    def cache(rows: int) -> SlotCache:
+        return SlotCache(layers=2, slots=rows, context=16, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+
+    old = cache(2)
+    g = torch.Generator().manual_seed(0)
+    for la in old.layers:
+        la.keys.copy_(torch.randn(la.keys.shape, generator=g))
+        la.values.copy_(torch.randn(la.values.shape, generator=g))
+    old.lengths[:] = [5, 9]
+    kept = old.rows_to_host(2)
+    new = cache(4)
+    new.rows_from_host(kept)
+    assert new.lengths == [5, 9, 0, 0]
+    for a, b in zip(old.layers, new.layers):
+        assert torch.equal(a.keys[:, :, :9], b.keys[:2, :, :9]) and torch.equal(a.values[:, :, :9], b.values[:2, :, :9])
+        assert not b.keys[2:].any() and not b.values[2:].any() and not b.keys[:, :, 9:].any()
+    old.release()
+    assert all(la.keys.numel() == 0 and la.values.numel() == 0 for la in old.layers)

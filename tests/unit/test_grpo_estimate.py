@@ -35,10 +35,19 @@ def test_an_8b_lora_run_fits_24_gib_with_its_cache_counted():
 
 
 def test_a_longer_run_streams_what_its_cache_leaves_no_room_for():
+    """[Note: generation keeps blocks]: beside what stays of the plan and the cache, the call's largest forward (the
+    prefill of its 32 prompts, and one layer's cache again) is all the room kept blocks leave; the streamed blocks
+    beyond them and the pool's slots cross every token."""
+    from zerofit.engine.plan.generation import device_item, generation_bytes, generation_work_bytes
+
     e = _grpo(prompts=4, completion_len=2048)
-    assert e.refusal is None and e.kept_blocks == 0
-    streamed = 32 - e.training.plan.resident_blocks
-    assert e.streamed_bytes_per_token > (streamed - 1) * 2 * 218_112_000  # each a Llama-3.1-8B block in bf16
+    plan, shape = e.training.plan, serve_shape(meta_model(shape="llama-3.1-8b"))
+    room = e.device_budget - generation_bytes(plan, shape, 32, 2304) - generation_work_bytes(shape, 32, 256, 2304)
+    block = 2 * 218_112_000  # a Llama-3.1-8B block in bf16
+    slot = device_item(plan, "weight_slots") // plan.weight_slots
+    assert e.refusal is None and 0 < e.kept_blocks == room // slot < 32 - plan.resident_blocks - plan.weight_slots
+    rotating = 32 - plan.resident_blocks - e.kept_blocks
+    assert e.streamed_bytes_per_token > (rotating - 1) * block
 
 
 def test_a_cache_that_cannot_fit_is_refused_by_name():
@@ -54,3 +63,18 @@ def test_a_cache_that_cannot_fit_is_refused_by_name():
 def test_a_batch_that_does_not_split_into_micro_batches_is_refused():
     with pytest.raises(ValueError, match="micro_batch_size 3 does not divide"):
         _grpo(micro_batch_size=3)
+
+
+def test_a_long_completion_keeps_the_blocks_the_prefill_leaves_room_for():
+    """8 completions of 4,096 tokens at 24 GiB: the training step's tiles need a block working set the generation
+    never uses; beside the prefill of 8 prompts, the room holds every streamed block the pool's slots do not, so no
+    weight crosses after the first token, within the budget."""
+    from zerofit.engine.plan.generation import device_item, generation_bytes
+
+    e = _grpo(prompts=1, completion_len=4096)
+    plan, shape = e.training.plan, serve_shape(meta_model(shape="llama-3.1-8b"))
+    slot = device_item(plan, "weight_slots") // plan.weight_slots
+    assert e.refusal is None and e.kept_blocks == 32 - plan.resident_blocks - plan.weight_slots > 0
+    assert e.streamed_bytes_per_token == 0 and e.generation_device_bytes <= e.device_budget
+    # counted with the training step's block working set, the room would not have held one block
+    assert generation_bytes(plan, shape, 8, 4352) + device_item(plan, "block_working_set") + slot > e.device_budget

@@ -151,7 +151,7 @@ def estimate_grpo(
     ]
     slots = plan.weight_slots
     slot_bytes = device_item(plan, "weight_slots") // max(slots, 1)
-    out.kept_blocks = blocks_kept(plan, shape, n, T, out.device_budget, slot_bytes, max(len(up) - slots, 0))
+    out.kept_blocks = blocks_kept(plan, shape, n, T, out.device_budget, slot_bytes, max(len(up) - slots, 0), prompt_len)
     out.generation_device_bytes += out.kept_blocks * slot_bytes
     out.streamed_bytes_per_token = streamed_per_token(up, out.kept_blocks, slots)
     if out.refusal is None:

@@ -6,7 +6,9 @@ weights], step/hooked.py): the shell, the resident blocks and the weight slots s
 slots and loss buffers are not in use, and the model's key/value cache of every sequence takes their place. Every
 decode step runs every block, so a streamed block that must leave its slot for the next one is uploaded again for
 every token: the PCIe bound of a token is the streamed blocks' bytes. Where the device budget has room beyond
-:func:`generation_bytes` (less a block's working set), the streamer keeps that many more streamed blocks in slots of
+:func:`generation_bytes` (less the working memory of the call's largest forward, the prefill of every sequence's
+prompt, as the inference planner counts a forward: ``InferShape.work_bytes``, and one layer's keys and values
+again, for a cache that grows by concatenation), the streamer keeps that many more streamed blocks in slots of
 their own for the call (Streamer.keep_for_generation): they cross once per call, and when the rest fit the pool's
 slots, no weight crosses after the first token. A generation whose cache cannot fit the budget beside what stays is
 refused by name before anything is allocated (:class:`GenerationTooLarge`). ``zerofit estimate --grpo`` plans the
@@ -59,15 +61,32 @@ def generation_refusal(plan: Plan, shape, sequences: int, length: int, budget: i
     )
 
 
+def generation_work_bytes(shape, sequences: int, prompt: int, length: int) -> int:
+    """The working memory of a generation's largest forward ([Note: generation keeps blocks]): the prefill of
+    ``sequences`` prompts of ``prompt`` tokens over ``length`` positions, and one layer's keys and values again."""
+    return shape.work_bytes(sequences, prompt, length) + shape.kv_bytes(sequences, length) // max(1, shape.layers)
+
+
 def blocks_kept(
-    plan: Plan, shape, sequences: int, length: int, budget: int | None, slot_bytes: int, candidates: int
+    plan: Plan,
+    shape,
+    sequences: int,
+    length: int,
+    budget: int | None,
+    slot_bytes: int,
+    candidates: int,
+    prompt: int,
 ) -> int:
     """How many streamed blocks a generation keeps in slots of their own ([Note: generation keeps blocks]): the room
-    ``budget`` leaves beside :func:`generation_bytes` and a block's working set, in slots of ``slot_bytes``, at most
-    ``candidates`` (the streamed blocks beyond the pool's slots)."""
+    ``budget`` leaves beside :func:`generation_bytes` and :func:`generation_work_bytes` (prompts of ``prompt``
+    tokens), in slots of ``slot_bytes``, at most ``candidates`` (the streamed blocks beyond the pool's slots)."""
     if not budget or slot_bytes <= 0 or candidates <= 0:
         return 0
-    room = budget - generation_bytes(plan, shape, sequences, length) - device_item(plan, "block_working_set")
+    room = (
+        budget
+        - generation_bytes(plan, shape, sequences, length)
+        - generation_work_bytes(shape, sequences, min(prompt, length), length)
+    )
     return max(0, min(candidates, room // slot_bytes))
 
 
@@ -78,9 +97,10 @@ def streamed_per_token(block_bytes: list[int], kept: int, slots: int) -> int:
     return 0 if len(rotating) <= slots else sum(rotating)
 
 
-def generation_shape(model, args: tuple, kwargs: dict) -> tuple[int, int]:
-    """(sequences, tokens each at most) of a ``generate(*args, **kwargs)`` call on ``model``: the prompts times the
-    returned sequences or beams, their length plus the new tokens (the call's, else its generation config's)."""
+def generation_shape(model, args: tuple, kwargs: dict) -> tuple[int, int, int]:
+    """(sequences, tokens each at most, prompt tokens) of a ``generate(*args, **kwargs)`` call on ``model``: the
+    prompts times the returned sequences or beams, their length plus the new tokens (the call's, else its generation
+    config's), the prompts' length."""
     ids = kwargs.get("input_ids", args[0] if args else None)
     batch, prompt = (int(ids.shape[0]), int(ids.shape[-1])) if ids is not None else (1, 1)
     cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
@@ -92,4 +112,4 @@ def generation_shape(model, args: tuple, kwargs: dict) -> tuple[int, int]:
     copies = max(int(setting("num_return_sequences", 1)), int(setting("num_beams", 1)))
     new = setting("max_new_tokens", None)
     length = prompt + int(new) if new is not None else max(int(setting("max_length", prompt + 1)), prompt + 1)
-    return batch * copies, length
+    return batch * copies, length, prompt

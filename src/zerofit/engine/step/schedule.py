@@ -194,7 +194,7 @@ class Schedule:
 
         if self._kv_shape is None:
             self._kv_shape = serve_shape(self.adapter.model, self.streamer.dtype)
-        sequences, length = generation_shape(self.adapter.model, args, kwargs)
+        sequences, length, prompt = generation_shape(self.adapter.model, args, kwargs)
         refusal = generation_refusal(plan, self._kv_shape, sequences, length, plan.device_budget)
         if refusal:
             raise GenerationTooLarge(refusal)
@@ -202,9 +202,8 @@ class Schedule:
             return 0
         slot = pool.slots[0].tensor
         beyond = len(self.streamer.beyond_pool())
-        return blocks_kept(
-            plan, self._kv_shape, sequences, length, plan.device_budget, slot.numel() * slot.element_size(), beyond
-        )
+        slot_bytes = slot.numel() * slot.element_size()
+        return blocks_kept(plan, self._kv_shape, sequences, length, plan.device_budget, slot_bytes, beyond, prompt)
 
     # ------------------------------------------------------------------ post pass
 

@@ -240,9 +240,10 @@ class Scheduler:
             return len(self._waiting) + len(self._active)
 
     def stats(self) -> dict:
+        cache = self.cache  # (the scheduler's thread may be placing a new one)
         return {
             "slots": self.slots,
-            "rows": self.cache.slots if self.cache is not None else 0,
+            "rows": cache.slots if cache is not None else 0,
             "resizes": self.resizes,
             "context": self.context,
             "forwards": self.forwards,

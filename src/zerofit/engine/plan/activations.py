@@ -9,7 +9,7 @@ import functools
 from zerofit.engine.plan.plan import BatchShape, ModelShape
 
 LOSS_CHUNK_TOKENS = 512  # tokens per chunk of the head and loss when the logits are chunked
-SPARSE_EVERY = (2, 4, 8)  # the checkpoint spacings the planner tries when every block's input does not fit
+SPARSE_EVERY = (2, 3, 4, 6, 8)  # the checkpoint spacings the planner tries when every block's input does not fit
 CKPT_AHEAD = 2  # the backward brings them up this many blocks ahead ([Note: offloaded checkpoints]), or one
 # ([Note: one checkpoint ahead])
 CKPT_ON_DEVICE = 2 + CKPT_AHEAD  # the backward's peak: block 0's, the one computing and CKPT_AHEAD coming up (the

@@ -316,7 +316,8 @@ def test_trace_shows_every_block_and_every_host_update():
         traces.append(engine.trace())
     trace, tl = engine.trace(), engine.timeline()
     labels = {(e["lane"], e["label"]) for e in trace}
-    cpu = {e["label"] for e in traces[-2] + traces[-1] if e["lane"] == "cpu"}
+    cpu = {e["label"] for t in traces for e in t if e["lane"] == "cpu"}  # (any step's: a loaded machine's worker
+    # may run a step's last update wholly between two steps)
     for u in engine.blocks:
         assert ("compute", u.name) in labels
         if not u.optimizer_on_device:

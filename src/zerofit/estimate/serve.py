@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from zerofit.config.schema import parse_bytes
-from zerofit.infer.plan import RESERVE, InferPlan, InferShape, plan_inference
+from zerofit.infer.plan import RESERVE, InferPlan, InferShape, plan_inference, row_prefill
 
 
 def serve_shape(model, dtype=None) -> InferShape:
@@ -47,7 +47,7 @@ def serve_plan(
     the same at start, and plans this way for the rows in flight: [Note: a plan that follows the batch]);
     :class:`~zerofit.infer.plan.InferencePlanError` with what fits when nothing does."""
     shape = serve_shape(model, dtype)
-    prefill = min(context, max(1, (prefill_tokens or context) // concurrency))
+    prefill = row_prefill(context, prefill_tokens, concurrency)
     cap = parse_bytes(max_gpu_memory, "max_gpu_memory")
     return plan_inference(shape, cap, concurrency, context, prefill, slots, RESERVE if gpu else 0)
 
@@ -107,10 +107,11 @@ def estimate_serve(
         plan = serve_plan(
             model, max_gpu_memory=max_gpu_memory, concurrency=concurrency, context=ctx, dtype=dtype, gpu=gpu
         )
-        alone = serve_plan(
-            model, max_gpu_memory=max_gpu_memory, concurrency=1, context=ctx, dtype=dtype, gpu=gpu,
-            prefill_tokens=ctx,
-        ) if concurrency > 1 else plan  # fmt: skip
+        alone = (
+            serve_plan(model, max_gpu_memory=max_gpu_memory, concurrency=1, context=ctx, dtype=dtype, gpu=gpu)
+            if concurrency > 1
+            else plan
+        )
     except InferencePlanError as e:
         return {"fits": False, "concurrency": concurrency, "context": ctx, "refusal": str(e)}, f"refused: {e}"
     info = {

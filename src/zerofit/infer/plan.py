@@ -122,6 +122,12 @@ def spread(n: int, m: int) -> list[int]:
     return sorted({n - 1 - (k * n) // m for k in range(m)}) if m else []
 
 
+def row_prefill(context: int, prefill_tokens: int | None, rows: int) -> int:
+    """The longest prompt a server's forward over ``rows`` rows is planned for: ``prefill_tokens`` (default: the
+    context) in all, at most the context a row."""
+    return min(context, max(1, (prefill_tokens or context) // rows))
+
+
 def plan_inference(
     shape: InferShape, cap: int | None, batch: int, context: int, prefill: int, slots: int = 2, reserve: int = RESERVE
 ) -> InferPlan:

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerofit.errors import ZerofitError
+from zerofit.infer.plan import row_prefill
 from zerofit.serve.adapters import BASE
 from zerofit.serve.cache import SlotCache
 
@@ -169,8 +170,7 @@ class Scheduler:
         self.attn = getattr(_text_config(self.engine.model), "_attn_implementation", None) or "sdpa"
 
     def _prefill(self, rows: int) -> int:
-        """The longest prompt a forward over ``rows`` rows plans for: prefill_tokens in all."""
-        return min(self.context, max(1, self.prefill_tokens // rows))
+        return row_prefill(self.context, self.prefill_tokens, rows)
 
     def _resize(self, rows: int) -> None:
         """[Note: a plan that follows the batch]: the placement and the KV cache for ``rows`` rows; the rows of the

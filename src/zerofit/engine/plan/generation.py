@@ -85,7 +85,7 @@ def blocks_kept(
     room = (
         budget
         - generation_bytes(plan, shape, sequences, length)
-        - generation_work_bytes(shape, sequences, min(prompt, length), length)
+        - generation_work_bytes(shape, sequences, prompt, length)
     )
     return max(0, min(candidates, room // slot_bytes))
 

@@ -209,16 +209,19 @@ class Step:
             self.grads.sq_norms.pop(id(unit), None)
             self.torch_clip.forget(unit)
         speculate = fresh_host and spec is not None and unit.index >= 0
-        if speculate and spec is not None and spec.cast:  # [Note: a speculated cast]: a block with its copy
+        casting = spec is not None and spec.cast  # [Note: a speculated cast]
+        if speculate and casting:  # only a block with its 16-bit copy
             speculate = unit.host16 is not None and unit.swap is None and not self.device.assisted(unit)
         done = self.grads.send_down(unit, grad, dst, self.grads.sq_norms[id(unit)] if speculate else None)
         if self.deferred:
             if not fresh_host:  # DeepSpeed-style accumulation across micro-steps
                 assert host is not None  # deferred: a unit off the disk has its host gradient buffer (Grads)
                 self.worker.submit(self.host.task_add(host, dst, done), label=f"add[{unit.name}]")
-                if spec is not None and spec.cast:  # a cast made before this add is of a part of the gradient
+                if casting:  # a cast made before this add is of a part of the gradient
+                    assert spec is not None  # (casting)
                     spec.void = True
-            elif speculate and spec is not None and spec.cast:  # FIFO first, as below; the unit stays ``updated``
+            elif speculate and casting:  # FIFO first, as below; the unit stays ``updated``
+                assert spec is not None  # (casting)
                 self.worker.submit(self.host.task_cast(unit, spec, done), SPECULATE_FIRST, label=f"cast[{unit.name}]")
             elif speculate:  # [Note: speculative updates]
                 assert spec is not None  # (speculate)
